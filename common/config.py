@@ -1,0 +1,238 @@
+"""The config schema (D01) and its validation.
+
+Validation is pure: `parse_config(mapping)` returns a `Config` or raises `ConfigError`
+carrying every fault, each prefixed with the exact path at fault
+(`models[1].providers.vllm-a: ...`). `load_config(path)` only adds YAML reading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+ProviderType = Literal["ollama", "vllm", "sglang", "lemonade", "openai_api", "cli"]
+Category = Literal["api", "cli", "local_inference"]
+
+PROVIDER_TYPES: tuple[str, ...] = get_args(ProviderType)
+CATEGORIES: tuple[str, ...] = get_args(Category)
+
+#: The category a provider gets when its config does not say.
+DEFAULT_CATEGORY: dict[str, Category] = {
+    "ollama": "local_inference",
+    "vllm": "local_inference",
+    "sglang": "local_inference",
+    "lemonade": "local_inference",
+    "openai_api": "api",
+    "cli": "cli",
+}
+
+#: An id is a non-empty string without whitespace (it becomes part of Redis keys).
+ID_PATTERN = r"^\S+$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class QueuePolicy(_Strict):
+    """How long and how many runs may wait for a model, and how long one may run."""
+
+    max_queue: int = Field(64, ge=0, description="waiting runs a model's queue holds; more get 429")
+    queue_timeout_ms: int = Field(30_000, ge=1, description="a run waiting this long fails with 504")
+    execution_timeout_ms: int = Field(600_000, ge=1, description="a run executing this long is aborted")
+    max_attempts: int = Field(3, ge=1, description="tries of a run that fails before any output")
+
+
+class QueueOverride(_Strict):
+    """Per-model override of `QueuePolicy`; unset fields keep the default."""
+
+    max_queue: int | None = Field(None, ge=0)
+    queue_timeout_ms: int | None = Field(None, ge=1)
+    execution_timeout_ms: int | None = Field(None, ge=1)
+    max_attempts: int | None = Field(None, ge=1)
+
+
+class ProviderConfig(_Strict):
+    id: str = Field(pattern=ID_PATTERN)
+    type: ProviderType
+    category: Category | None = None
+    base_url: str | None = None
+    api_key_env: str | None = Field(None, description="name of the env var holding the API key")
+    capacity: int = Field(ge=1)
+    models: list[str] = Field(min_length=1)
+    connect_timeout_ms: int = Field(5_000, ge=1)
+    read_timeout_ms: int = Field(120_000, ge=1, description="longest silence while reading a response")
+    probe_timeout_ms: int = Field(2_000, ge=1)
+
+    @property
+    def effective_category(self) -> Category:
+        return self.category or DEFAULT_CATEGORY[self.type]
+
+
+class NodeConfig(_Strict):
+    id: str = Field(pattern=ID_PATTERN)
+    providers: list[ProviderConfig] = Field(default_factory=list)
+
+
+class ModelConfig(_Strict):
+    id: str = Field(pattern=ID_PATTERN)
+    display_name: str | None = None
+    providers: dict[str, str] = Field(min_length=1, description="provider id -> served name")
+    queue: QueueOverride | None = None
+
+    @property
+    def title(self) -> str:
+        return self.display_name or self.id
+
+
+class RuntimeConfig(_Strict):
+    """Timings shared by every process. Tests shrink them."""
+
+    heartbeat_interval_ms: int = Field(2_000, ge=10)
+    heartbeat_ttl_ms: int = Field(6_000, ge=20)
+    lease_ttl_ms: int = Field(15_000, ge=50)
+    scheduler_liveness_ms: int = Field(3_000, ge=50)
+    run_ttl_s: int = Field(3_600, ge=1)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+
+
+class Config(_Strict):
+    models: list[ModelConfig] = Field(min_length=1)
+    nodes: list[NodeConfig] = Field(min_length=1)
+    queue: QueuePolicy = QueuePolicy()
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    _models: dict[str, ModelConfig] = PrivateAttr(default_factory=dict)
+    _providers: dict[str, ProviderConfig] = PrivateAttr(default_factory=dict)
+    _node_of: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def model_post_init(self, __context: Any) -> None:
+        self._models = {m.id: m for m in self.models}
+        for node in self.nodes:
+            for p in node.providers:
+                self._providers[p.id] = p
+                self._node_of[p.id] = node.id
+
+    def model(self, model_id: str) -> ModelConfig | None:
+        return self._models.get(model_id)
+
+    def provider(self, provider_id: str) -> ProviderConfig:
+        return self._providers[provider_id]
+
+    def node_of(self, provider_id: str) -> str:
+        return self._node_of[provider_id]
+
+    def node(self, node_id: str) -> NodeConfig | None:
+        return next((n for n in self.nodes if n.id == node_id), None)
+
+    def queue_for(self, model: ModelConfig) -> QueuePolicy:
+        if model.queue is None:
+            return self.queue
+        overrides = model.queue.model_dump(exclude_none=True)
+        return self.queue.model_copy(update=overrides)
+
+
+class ConfigError(Exception):
+    """Every fault of a config, each naming its path."""
+
+    def __init__(self, errors: Sequence[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = list(errors)
+
+
+def format_path(loc: Sequence[str | int]) -> str:
+    """('models', 1, 'providers', 'vllm-a') -> 'models[1].providers.vllm-a'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else part
+    return out or "(top level)"
+
+
+def _schema_errors(exc: ValidationError) -> list[str]:
+    errors = []
+    for err in exc.errors():
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif err["type"] == "literal_error":
+            msg = f"{msg}, got {err['input']!r}"
+        errors.append(f"{format_path(loc)}: {msg}")
+    return errors
+
+
+def _duplicates(items: Sequence[tuple[str, str]], kind: str) -> list[str]:
+    """items: (path, id). Reports each repeated id at its later path."""
+    seen: dict[str, str] = {}
+    errors = []
+    for path, ident in items:
+        if ident in seen:
+            errors.append(f"{path}: duplicate {kind} id {ident!r} (first at {seen[ident]})")
+        else:
+            seen[ident] = path
+    return errors
+
+
+def check_references(cfg: Config) -> list[str]:
+    """Cross-field rules the schema alone cannot express. Pure; returns every fault."""
+    errors = _duplicates([(f"models[{i}].id", m.id) for i, m in enumerate(cfg.models)], "model")
+    errors += _duplicates([(f"nodes[{i}].id", n.id) for i, n in enumerate(cfg.nodes)], "node")
+    provider_paths = [
+        (f"nodes[{i}].providers[{j}].id", p.id)
+        for i, n in enumerate(cfg.nodes)
+        for j, p in enumerate(n.providers)
+    ]
+    errors += _duplicates(provider_paths, "provider")
+    for i, node in enumerate(cfg.nodes):
+        for j, p in enumerate(node.providers):
+            path = f"nodes[{i}].providers[{j}]"
+            if p.type != "cli" and not p.base_url:
+                errors.append(f"{path}.base_url: required for type {p.type}")
+            errors += _duplicates([(f"{path}.models[{k}]", s) for k, s in enumerate(p.models)], "served model")
+    providers = {p.id: p for n in cfg.nodes for p in n.providers}
+    for i, model in enumerate(cfg.models):
+        for provider_id, served in model.providers.items():
+            path = f"models[{i}].providers.{provider_id}"
+            provider = providers.get(provider_id)
+            if provider is None:
+                errors.append(f"{path}: provider {provider_id!r} is not defined by any node")
+            elif served not in provider.models:
+                errors.append(
+                    f"{path}: served model {served!r} is not in provider {provider_id}'s models "
+                    f"{provider.models}"
+                )
+    return errors
+
+
+def parse_config(data: Any) -> Config:
+    """Validate a mapping (parsed YAML) into a Config, or raise ConfigError with every fault."""
+    if not isinstance(data, Mapping):
+        raise ConfigError([f"(top level): expected a mapping, got {type(data).__name__}"])
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_schema_errors(exc)) from None
+    errors = check_references(cfg)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    return parse_config(data)

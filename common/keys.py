@@ -1,0 +1,108 @@
+"""Every Redis key, stream, group and channel name iop uses, in one place.
+
+The README's key table is written from `KEY_TABLE` below, and a test checks that the
+two agree. Ids and states are plain strings so `redis-cli` shows them as they are;
+only request bodies and job payloads are msgpack.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+PREFIX: Final = "iop"
+
+#: Consumer group that every scheduler replica joins on every model stream.
+SCHEDULER_GROUP: Final = "schedulers"
+#: Pub/sub channel that wakes every scheduler: a slot was freed, a run was queued
+#: behind a dispatched head, or a provider's health changed. Payload: the model id or "*".
+SCHEDULER_SIGNALS: Final = f"{PREFIX}:signals"
+#: arq job function name the workers register.
+JOB_FUNCTION: Final = "run"
+
+
+def runs_stream(model_id: str) -> str:
+    """Stream of the runs waiting for `model_id`; XLEN is the exact `queued` count."""
+    return f"{PREFIX}:runs:{model_id}"
+
+
+def run_record(run_id: str) -> str:
+    """Hash describing one run: state, model, provider, target, timestamps, error."""
+    return f"{PREFIX}:run:{run_id}"
+
+
+def run_events(run_id: str) -> str:
+    """Stream of one run's events: dispatched, started, delta, completed, failed, cancelled."""
+    return f"{PREFIX}:events:{run_id}"
+
+
+def leases(provider_id: str) -> str:
+    """Sorted set of the slots reserved on a provider: member run id, score lease expiry (ms)."""
+    return f"{PREFIX}:leases:{provider_id}"
+
+
+def heartbeat(provider_id: str) -> str:
+    """Hash with a TTL published by the provider's node workers: health, capacity, models."""
+    return f"{PREFIX}:provider:{provider_id}"
+
+
+def node_queue(node_id: str) -> str:
+    """arq queue (a sorted set of job ids) of one node; job id = run id."""
+    return f"{PREFIX}:node:{node_id}"
+
+
+def node_wake(node_id: str) -> str:
+    """List the schedulers LPUSH a token to after queueing a job; workers BLPOP it."""
+    return f"{PREFIX}:wake:{node_id}"
+
+
+def node_cancel(node_id: str) -> str:
+    """Pub/sub channel carrying the ids of runs to cancel on that node's workers."""
+    return f"{PREFIX}:cancel:{node_id}"
+
+
+def scheduler_alive(consumer: str) -> str:
+    """String with a TTL that a live scheduler replica keeps refreshing."""
+    return f"{PREFIX}:scheduler:{consumer}"
+
+
+def arq_job(run_id: str) -> str:
+    """arq's own job payload key (msgpack)."""
+    return f"arq:job:{run_id}"
+
+
+def arq_retry(run_id: str) -> str:
+    """arq's own per-job try counter; cleared whenever a run is (re)dispatched."""
+    return f"arq:retry:{run_id}"
+
+
+def arq_in_progress(run_id: str) -> str:
+    """arq's own marker of a job being executed by a worker."""
+    return f"arq:in-progress:{run_id}"
+
+
+#: (pattern, type, what it holds, the redis-cli command that reads it). The README's
+#: Redis key table must list every pattern here.
+KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
+    (runs_stream("{model}"), "stream", "runs waiting for the model, oldest first; length = queued",
+     "XLEN / XRANGE iop:runs:{model} - +"),
+    (SCHEDULER_GROUP, "consumer group", "the schedulers' group on every runs stream",
+     "XINFO GROUPS iop:runs:{model}; XPENDING iop:runs:{model} schedulers"),
+    (run_record("{run}"), "hash", "state, model, node, provider, target, timestamps, error",
+     "HGETALL iop:run:{run}"),
+    (run_events("{run}"), "stream", "the run's events in order",
+     "XRANGE iop:events:{run} - +"),
+    (leases("{provider}"), "sorted set", "reserved slots: run id -> lease expiry (ms); in_flight = live members",
+     "ZRANGE iop:leases:{provider} 0 -1 WITHSCORES"),
+    (heartbeat("{provider}"), "hash + TTL", "health, reason, capacity, models, last heartbeat",
+     "HGETALL iop:provider:{provider}; PTTL iop:provider:{provider}"),
+    (node_queue("{node}"), "sorted set (arq)", "jobs queued for the node's workers",
+     "ZRANGE iop:node:{node} 0 -1 WITHSCORES"),
+    (node_wake("{node}"), "list", "wake-up tokens for the node's idle workers", "LLEN iop:wake:{node}"),
+    (node_cancel("{node}"), "pub/sub channel", "run ids to cancel on the node", "SUBSCRIBE iop:cancel:{node}"),
+    (SCHEDULER_SIGNALS, "pub/sub channel", "wakes the schedulers (slot freed, more runs waiting)",
+     "SUBSCRIBE iop:signals"),
+    (scheduler_alive("{consumer}"), "string + TTL", "a live scheduler replica", "KEYS iop:scheduler:*"),
+    (arq_job("{run}"), "string (arq)", "arq job payload, msgpack", "GET arq:job:{run}"),
+    (arq_retry("{run}"), "string (arq)", "arq's try counter for the job", "GET arq:retry:{run}"),
+    (arq_in_progress("{run}"), "string (arq)", "arq's marker of a job being run", "EXISTS arq:in-progress:{run}"),
+)

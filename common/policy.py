@@ -1,0 +1,73 @@
+"""The selection policy (D02, S04): a pure function of provider snapshots.
+
+A provider is a candidate when its heartbeat is fresh, its health is `available`, its
+capacity is known and > 0, and it has a free slot (in_flight < capacity). Among the
+candidates the lowest `in_flight / capacity` wins; ratios are compared exactly
+(1/3 beats 2/3, and free slots alone never beat a lower ratio).
+
+Ties break deterministically: first the larger capacity (a 0/4 provider is preferred
+over a 0/1 one, so the small provider is kept for when the large one fills), then the
+provider id in lexical order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from fractions import Fraction
+
+
+class Health(StrEnum):
+    AVAILABLE = "available"
+    UNAVAILABLE = "unavailable"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderSnapshot:
+    """What the scheduler knows about one provider at one instant."""
+
+    provider_id: str
+    health: Health
+    capacity: int | None
+    in_flight: int
+    #: when the heartbeat was written (ms since the epoch); None = no heartbeat
+    heartbeat_ms: int | None
+
+    def load_ratio(self) -> Fraction | None:
+        if not self.capacity:
+            return None
+        return Fraction(self.in_flight, self.capacity)
+
+
+def is_fresh(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> bool:
+    return snap.heartbeat_ms is not None and now_ms - snap.heartbeat_ms <= ttl_ms
+
+
+def is_available(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> bool:
+    """Healthy and known: could take runs if it had a free slot."""
+    return (
+        snap.health is Health.AVAILABLE
+        and is_fresh(snap, now_ms, ttl_ms)
+        and snap.capacity is not None
+        and snap.capacity > 0
+    )
+
+
+def _rank(snap: ProviderSnapshot) -> tuple[Fraction, int, str]:
+    assert snap.capacity
+    return (Fraction(snap.in_flight, snap.capacity), -snap.capacity, snap.provider_id)
+
+
+def select_provider(
+    snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int
+) -> ProviderSnapshot | None:
+    """The provider a run should go to now, or None if no provider can take it."""
+    candidates = [
+        s for s in snapshots
+        if is_available(s, now_ms, ttl_ms) and s.capacity is not None and s.in_flight < s.capacity
+    ]
+    if not candidates:
+        return None
+    return min(candidates, key=_rank)

@@ -1,0 +1,235 @@
+"""Lua scripts: every state change that must be atomic, registered once per connection.
+
+Each script takes all its keys in KEYS (names from `common.keys`), reads the server clock
+with TIME, and writes plain strings except event payloads (cmsgpack). Callers use
+`Scripts.call`, which runs EVALSHA and reloads the script if Redis lost it (a restart).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from hashlib import sha1
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
+
+_NOW = """
+local _t = redis.call('TIME')
+local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
+"""
+
+# KEYS: runs stream, run record, heartbeat keys of the model's providers...
+# ARGV: run id, max_queue, ttl_s, model, kind, stream flag, body
+ENQUEUE = _NOW + """
+local available = false
+for i = 3, #KEYS do
+  if redis.call('HGET', KEYS[i], 'health') == 'available' then available = true break end
+end
+if not available then return {'unavailable', redis.call('XLEN', KEYS[1])} end
+local queued = redis.call('XLEN', KEYS[1])
+if queued >= tonumber(ARGV[2]) then return {'full', queued} end
+local entry = redis.call('XADD', KEYS[1], '*', 'run', ARGV[1])
+redis.call('HSET', KEYS[2], 'model', ARGV[4], 'kind', ARGV[5], 'stream', ARGV[6], 'body', ARGV[7],
+  'state', 'queued', 'created_ms', now, 'entry', entry, 'attempts', 0)
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return {'ok', entry}
+"""
+
+# KEYS: runs stream, run record, events, chosen lease, arq job, arq retry, node queue, node wake,
+#       lease keys of every candidate the decision looked at...
+# ARGV: run id, entry id, group, capacity, lease_ttl_ms, provider, node, target, job payload,
+#       ttl_s, signals channel, model, the in_flight seen for each candidate (same order)...
+DISPATCH = _NOW + """
+local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+if #head == 0 then return 'gone' end
+if head[1][1] ~= ARGV[2] then
+  if #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) == 0 then return 'gone' end
+  return 'not_head'
+end
+if redis.call('HGET', KEYS[2], 'state') ~= 'queued' then
+  redis.call('XACK', KEYS[1], ARGV[3], ARGV[2])
+  redis.call('XDEL', KEYS[1], ARGV[2])
+  return 'gone'
+end
+local live = '(' .. now
+for i = 9, #KEYS do
+  if redis.call('ZCOUNT', KEYS[i], live, '+inf') ~= tonumber(ARGV[i + 4]) then return 'stale' end
+end
+if redis.call('ZCOUNT', KEYS[4], live, '+inf') >= tonumber(ARGV[4]) then return 'stale' end
+local ttl = tonumber(ARGV[10])
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])
+redis.call('XACK', KEYS[1], ARGV[3], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HINCRBY', KEYS[2], 'attempts', 1)
+redis.call('HSET', KEYS[2], 'state', 'dispatched', 'provider', ARGV[6], 'node', ARGV[7],
+  'target', ARGV[8], 'dispatched_ms', now)
+redis.call('HDEL', KEYS[2], 'entry')
+redis.call('SET', KEYS[5], ARGV[9], 'PX', ttl * 1000)
+redis.call('DEL', KEYS[6])
+redis.call('ZADD', KEYS[7], now, ARGV[1])
+redis.call('LPUSH', KEYS[8], '1')
+redis.call('LTRIM', KEYS[8], 0, 63)
+redis.call('XADD', KEYS[3], '*', 'type', 'dispatched',
+  'data', cmsgpack.pack({provider = ARGV[6], node = ARGV[7], target = ARGV[8]}))
+redis.call('EXPIRE', KEYS[3], ttl)
+if redis.call('XLEN', KEYS[1]) > 0 then redis.call('PUBLISH', ARGV[11], ARGV[12]) end
+return 'ok'
+"""
+
+# KEYS: run record, lease, events
+# ARGV: run id, lease_ttl_ms, ttl_s
+START = _NOW + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'dispatched' then return state or 'missing' end
+local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if not score or tonumber(score) <= now then return 'lease_lost' end
+redis.call('ZADD', KEYS[2], 'XX', now + tonumber(ARGV[2]), ARGV[1])
+redis.call('HSET', KEYS[1], 'state', 'running', 'started_ms', now)
+local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '1')
+redis.call('XADD', KEYS[3], '*', 'type', 'started', 'data', cmsgpack.pack({attempt = attempt}))
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return 'ok'
+"""
+
+# Renew the lease of one attempt while it still owns the run. Returns 1, or 0 if lost.
+# KEYS: lease, run record   ARGV: run id, lease_ttl_ms, attempt
+RENEW = _NOW + """
+if redis.call('HGET', KEYS[2], 'attempts') ~= ARGV[3] then return 0 end
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score or tonumber(score) <= now then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
+return 1
+"""
+
+# The end of an attempt: release the slot, then either record a terminal state or put the
+# run back at the tail of its model's queue. Does nothing if the attempt no longer owns the
+# run (its lease was reaped and the run went on without it).
+# KEYS: run record, lease, events, runs stream
+# ARGV: run id, state (completed|failed|cancelled|requeue), event type, event data, ttl_s,
+#       signals channel, model, error code, error message, attempt
+FINISH = _NOW + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[10] then return 'stale' end
+if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
+redis.call('ZREM', KEYS[2], ARGV[1])
+local ttl = tonumber(ARGV[5])
+redis.call('XADD', KEYS[3], '*', 'type', ARGV[3], 'data', ARGV[4])
+redis.call('EXPIRE', KEYS[3], ttl)
+if ARGV[2] == 'requeue' then
+  local entry = redis.call('XADD', KEYS[4], '*', 'run', ARGV[1])
+  redis.call('HSET', KEYS[1], 'state', 'queued', 'entry', entry)
+  redis.call('HDEL', KEYS[1], 'provider', 'node', 'target', 'dispatched_ms', 'started_ms')
+else
+  redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
+  if ARGV[8] ~= '' then
+    redis.call('HSET', KEYS[1], 'error_code', ARGV[8], 'error_message', ARGV[9])
+  end
+end
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('PUBLISH', ARGV[6], ARGV[7])
+return 'ok'
+"""
+
+# Take a run out of its queue (timeout or cancel) if it is still waiting there; if it is
+# already dispatched and `cancel_prefix` is set, tell its node to cancel it.
+# KEYS: runs stream, run record, events
+# ARGV: run id, group, new state, event data, ttl_s, error code, error message, cancel channel prefix
+DROP_QUEUED = _NOW + """
+local state = redis.call('HGET', KEYS[2], 'state')
+if state == 'dispatched' or state == 'running' then
+  if ARGV[8] ~= '' then
+    redis.call('PUBLISH', ARGV[8] .. redis.call('HGET', KEYS[2], 'node'), ARGV[1])
+    return 'signalled'
+  end
+  return state
+end
+if state ~= 'queued' then return state or 'missing' end
+local entry = redis.call('HGET', KEYS[2], 'entry')
+if entry then
+  redis.call('XACK', KEYS[1], ARGV[2], entry)
+  redis.call('XDEL', KEYS[1], entry)
+end
+local ttl = tonumber(ARGV[5])
+redis.call('HSET', KEYS[2], 'state', ARGV[3], 'finished_ms', now, 'error_code', ARGV[6],
+  'error_message', ARGV[7])
+redis.call('HDEL', KEYS[2], 'entry')
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[4])
+redis.call('EXPIRE', KEYS[3], ttl)
+return 'ok'
+"""
+
+# Publish output of one attempt, only while that attempt still owns the run.
+# KEYS: run record, events   ARGV: attempt, event type, event data, ttl_s
+EMIT = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return 0 end
+if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return 0 end
+redis.call('XADD', KEYS[2], '*', 'type', ARGV[2], 'data', ARGV[3])
+if ARGV[2] == 'delta' then redis.call('HSET', KEYS[1], 'output', '1') end
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+return 1
+"""
+
+# A lease that expired: its worker is gone. Put the run back in its queue if it may be tried
+# again and sent nothing yet; else fail it with worker_lost. Also drops arq's copy of the job.
+# KEYS: lease, run record, events, runs stream, node queue, arq job, arq in-progress, arq retry
+# ARGV: run id, max_attempts, ttl_s, signals channel, model, requeued data, failed data
+REAP = _NOW + """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score or tonumber(score) > now then return 'alive' end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('DEL', KEYS[6], KEYS[7], KEYS[8])
+local state = redis.call('HGET', KEYS[2], 'state')
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
+local ttl = tonumber(ARGV[3])
+local attempts = tonumber(redis.call('HGET', KEYS[2], 'attempts') or '0')
+local output = redis.call('HGET', KEYS[2], 'output') == '1'
+if not output and attempts < tonumber(ARGV[2]) then
+  redis.call('XADD', KEYS[3], '*', 'type', 'requeued', 'data', ARGV[6])
+  local entry = redis.call('XADD', KEYS[4], '*', 'run', ARGV[1])
+  redis.call('HSET', KEYS[2], 'state', 'queued', 'entry', entry)
+  redis.call('HDEL', KEYS[2], 'provider', 'node', 'target', 'dispatched_ms', 'started_ms')
+  redis.call('EXPIRE', KEYS[3], ttl)
+  return 'requeued'
+end
+redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[7])
+redis.call('HSET', KEYS[2], 'state', 'failed', 'finished_ms', now, 'error_code', 'worker_lost',
+  'error_message', 'the worker running this run was lost')
+redis.call('EXPIRE', KEYS[3], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
+return 'failed'
+"""
+
+ALL: dict[str, str] = {
+    "enqueue": ENQUEUE,
+    "dispatch": DISPATCH,
+    "start": START,
+    "renew": RENEW,
+    "finish": FINISH,
+    "drop_queued": DROP_QUEUED,
+    "emit": EMIT,
+    "reap": REAP,
+}
+
+SHAS: dict[str, str] = {name: sha1(src.encode()).hexdigest() for name, src in ALL.items()}
+
+
+class Scripts:
+    """Runs the scripts by SHA, loading them again when Redis has forgotten them."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+
+    async def load(self) -> None:
+        for src in ALL.values():
+            await self.redis.script_load(src)
+
+    async def call(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return await self.redis.evalsha(SHAS[name], len(keys), *keys, *args)
+        except NoScriptError:
+            await self.load()
+            return await self.redis.evalsha(SHAS[name], len(keys), *keys, *args)

@@ -1,0 +1,123 @@
+"""Wire models shared by gateway, scheduler and workers: run states, events, errors.
+
+Everything here is written to Redis as plain strings except request bodies, event
+payloads and job payloads, which are msgpack (see `common.codec`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class RunKind(StrEnum):
+    """Which OpenAI endpoint a run came in on; decides the provider call."""
+
+    CHAT = "chat"  # POST /v1/chat/completions
+    COMPLETION = "completion"  # POST /v1/completions
+    EMBEDDING = "embedding"  # POST /v1/embeddings
+
+
+class RunState(StrEnum):
+    QUEUED = "queued"  # waiting in its model's stream
+    DISPATCHED = "dispatched"  # slot reserved, job queued on a node
+    RUNNING = "running"  # a worker started it
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"  # waited queue_timeout_ms without a slot
+
+
+ACTIVE_STATES = frozenset({RunState.QUEUED, RunState.DISPATCHED, RunState.RUNNING})
+TERMINAL_STATES = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.TIMED_OUT})
+
+
+class EventType(StrEnum):
+    DISPATCHED = "dispatched"  # data: provider, node, target
+    STARTED = "started"  # data: attempt
+    DELTA = "delta"  # data: chunks (list of OpenAI chunk objects from one provider read)
+    COMPLETED = "completed"  # data: response (non-stream) or {} (stream)
+    FAILED = "failed"  # data: an `ErrorInfo`
+    REQUEUED = "requeued"  # data: an `ErrorInfo` for the failed attempt; the run waits again
+
+
+TERMINAL_EVENTS = frozenset({EventType.COMPLETED, EventType.FAILED})
+
+
+class ErrorCode(StrEnum):
+    """Why a run failed. The gateway maps each to an HTTP status in one place."""
+
+    INVALID_REQUEST = "invalid_request_error"
+    MODEL_NOT_FOUND = "model_not_found"
+    QUEUE_FULL = "queue_full"
+    NO_AVAILABLE_PROVIDER = "no_available_provider"
+    QUEUE_TIMEOUT = "queue_timeout"
+    EXECUTION_TIMEOUT = "execution_timeout"
+    PROVIDER_ERROR = "provider_error"
+    WORKER_LOST = "worker_lost"
+    CANCELLED = "cancelled"
+    REQUEST_TOO_LARGE = "request_too_large"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    UNAVAILABLE = "service_unavailable"
+    INTERNAL = "internal_error"
+
+
+@dataclass(slots=True)
+class ErrorInfo:
+    """The error carried by a `failed` event."""
+
+    code: ErrorCode
+    message: str
+    #: provider HTTP status when the provider answered 4xx (passed through to the caller)
+    status: int | None = None
+    #: the provider's own error object, if it sent an OpenAI-shaped one
+    detail: dict[str, Any] | None = None
+    #: whether this failure happened before any output reached the caller
+    before_output: bool = True
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "code": self.code.value,
+            "message": self.message,
+            "status": self.status,
+            "detail": self.detail,
+            "before_output": self.before_output,
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> ErrorInfo:
+        try:
+            code = ErrorCode(data.get("code", ErrorCode.INTERNAL))
+        except ValueError:
+            code = ErrorCode.INTERNAL
+        return cls(
+            code=code,
+            message=str(data.get("message", "")),
+            status=data.get("status"),
+            detail=data.get("detail"),
+            before_output=bool(data.get("before_output", True)),
+        )
+
+
+class RunField(StrEnum):
+    """Fields of the run record hash (`keys.run_record`)."""
+
+    MODEL = "model"
+    KIND = "kind"
+    STREAM = "stream"  # "1" or "0"
+    BODY = "body"  # msgpack of the caller's request body
+    STATE = "state"
+    CREATED_MS = "created_ms"
+    ENTRY = "entry"  # id of its entry in the model's runs stream while queued
+    ATTEMPTS = "attempts"
+    PROVIDER = "provider"
+    NODE = "node"
+    TARGET = "target"
+    DISPATCHED_MS = "dispatched_ms"
+    STARTED_MS = "started_ms"
+    FINISHED_MS = "finished_ms"
+    OUTPUT = "output"  # "1" once any output was published to the caller
+    ERROR_CODE = "error_code"
+    ERROR_MESSAGE = "error_message"

@@ -1,0 +1,137 @@
+"""The gateway's aiohttp application: OpenAI routes, model list, health and readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from common.config import Config
+from common.redisconn import REDIS_DOWN, connect
+from common.wire import ErrorCode, RunKind
+from gateway.errors import ApiError, error_middleware
+from gateway.requests import parse_request
+from gateway.responses import stream_response, whole_response
+from gateway.runs import RunClient
+
+log = logging.getLogger("iop.gateway")
+
+CONFIG = web.AppKey("config", Config)
+RUNS = web.AppKey("runs", RunClient)
+REDIS_URL = web.AppKey("redis_url", str)
+STARTED = web.AppKey("started", float)
+
+#: Extra time the gateway waits past a run's own queue and execution timeouts before it
+#: gives up on the run itself (a scheduler or worker that died without a trace).
+FOLLOW_GRACE_S = 30.0
+
+
+def _model_object(model_id: str, display_name: str, created: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "iop",
+            "display_name": display_name}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    created = int(request.app[STARTED])
+    data = [_model_object(m.id, m.title, created) for m in cfg.models]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    model_id = request.match_info["model_id"]
+    model = cfg.model(model_id)
+    if model is None:
+        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {model_id!r} does not exist", param="model")
+    return web.json_response(_model_object(model.id, model.title, int(request.app[STARTED])))
+
+
+async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
+    cfg = request.app[CONFIG]
+    req = parse_request(kind, await request.read())
+    model = cfg.model(req.model)
+    if model is None:
+        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {req.model!r} does not exist", param="model")
+    runs = request.app[RUNS]
+    run_id = await runs.submit(model, req)
+    policy = cfg.queue_for(model)
+    deadline_s = (policy.queue_timeout_ms + policy.execution_timeout_ms) * policy.max_attempts / 1000
+    finished = False
+    try:
+        async with asyncio.timeout(deadline_s + FOLLOW_GRACE_S):
+            events = runs.follow(run_id)
+            if req.stream:
+                resp = await stream_response(request, events, model.id, run_id)
+            else:
+                resp = await whole_response(events, model.id, run_id)
+        finished = True
+        return resp
+    except TimeoutError:
+        raise ApiError(ErrorCode.EXECUTION_TIMEOUT, "the run did not finish in time") from None
+    except ApiError:
+        finished = True
+        raise
+    finally:
+        if not finished:
+            # The caller left (or the gateway gave up): the run must not go on without it.
+            await asyncio.shield(_cancel_quietly(runs, run_id, model.id))
+
+
+async def _cancel_quietly(runs: RunClient, run_id: str, model_id: str) -> None:
+    try:
+        await runs.cancel(run_id, model_id, "the caller went away")
+    except REDIS_DOWN as exc:
+        log.warning("could not cancel run %s: %s", run_id, exc)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _run(request, RunKind.CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _run(request, RunKind.COMPLETION)
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await _run(request, RunKind.EMBEDDING)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    try:
+        async with asyncio.timeout(1.0):
+            await request.app[RUNS].redis.ping()
+    except (TimeoutError, *REDIS_DOWN) as exc:
+        raise ApiError(ErrorCode.UNAVAILABLE, f"not ready: Redis is unreachable ({exc or 'timeout'})") from None
+    return web.json_response({"status": "ready", "models": len(request.app[CONFIG].models)})
+
+
+async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
+    redis = connect(app[REDIS_URL])
+    app[RUNS] = RunClient(redis, app[CONFIG])
+    yield
+    await redis.aclose()
+
+
+def build_app(config: Config, redis_url: str) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.runtime.max_body_bytes)
+    app[CONFIG] = config
+    app[REDIS_URL] = redis_url
+    app[STARTED] = time.time()
+    app.cleanup_ctx.append(_redis_ctx)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", get_model)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app

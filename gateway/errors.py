@@ -1,0 +1,125 @@
+"""The one place that turns failures into OpenAI-shaped HTTP errors.
+
+Every error body is `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from common.redisconn import REDIS_DOWN
+from common.wire import ErrorCode, ErrorInfo
+
+log = logging.getLogger("iop.gateway")
+
+#: HTTP status of each error code (DESIGN.md, "HTTP surface").
+STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.MODEL_NOT_FOUND: 404,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.REQUEST_TOO_LARGE: 413,
+    ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.PROVIDER_ERROR: 502,
+    ErrorCode.WORKER_LOST: 502,
+    ErrorCode.NO_AVAILABLE_PROVIDER: 503,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.QUEUE_TIMEOUT: 504,
+    ErrorCode.EXECUTION_TIMEOUT: 504,
+}
+
+
+def _error_type(status: int) -> str:
+    if status < 500:
+        return "invalid_request_error"
+    return "server_error"
+
+
+class ApiError(Exception):
+    """An error to answer with; raised anywhere in a handler."""
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int | None = None,
+        headers: dict[str, str] | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.status = status or STATUS[code]
+        self.headers = headers or {}
+        self.detail = detail
+
+    @classmethod
+    def from_info(cls, info: ErrorInfo) -> ApiError:
+        """A run's failure; a provider's 4xx is passed through with its own status and body."""
+        if info.status is not None and 400 <= info.status < 500:
+            return cls(info.code, info.message, status=info.status, detail=info.detail)
+        return cls(info.code, info.message)
+
+    def body(self) -> dict[str, Any]:
+        if self.detail is not None and isinstance(self.detail.get("message"), str):
+            err = {
+                "message": self.detail["message"],
+                "type": str(self.detail.get("type") or _error_type(self.status)),
+                "param": self.detail.get("param"),
+                "code": self.detail.get("code") or self.code.value,
+            }
+            return {"error": err}
+        return {
+            "error": {
+                "message": self.message,
+                "type": _error_type(self.status),
+                "param": self.param,
+                "code": self.code.value,
+            }
+        }
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError(ErrorCode.INVALID_REQUEST, message, param=param)
+
+
+_HTTP_CODES: dict[int, ErrorCode] = {
+    404: ErrorCode.NOT_FOUND,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+    413: ErrorCode.REQUEST_TOO_LARGE,
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = _HTTP_CODES.get(exc.status, ErrorCode.INVALID_REQUEST if exc.status < 500 else ErrorCode.INTERNAL)
+        message = exc.reason if exc.status != 413 else f"request body is too large: {exc.text}"
+        return ApiError(code, message, status=exc.status).response()
+    except REDIS_DOWN as exc:
+        log.warning("redis unavailable on %s %s: %s", request.method, request.path, exc)
+        return ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) is unavailable; retry shortly",
+                        headers={"Retry-After": "1"}).response()
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return ApiError(ErrorCode.INTERNAL, "internal error").response()

@@ -1,0 +1,101 @@
+"""Validation of OpenAI request bodies. Pure: bytes in, `ParsedRequest` or `ApiError` out.
+
+Only what the gateway itself needs is checked (the model, the prompt the kind requires,
+`stream`, `stream_options`); every other field passes through to the provider untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from common.wire import RunKind
+from gateway.errors import invalid
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    kind: RunKind
+    model: str
+    stream: bool
+    body: dict[str, Any]
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _check_prompt(body: dict[str, Any]) -> None:
+    if "prompt" not in body:
+        raise invalid("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    ok = (
+        isinstance(prompt, str)
+        or (isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt)
+            or _is_token_list(prompt)
+            or all(_is_token_list(p) for p in prompt)
+        ))
+    )
+    if not ok:
+        raise invalid("'prompt' must be a string, a list of strings, or a list of token ids", "prompt")
+
+
+def _check_messages(body: dict[str, Any]) -> None:
+    if "messages" not in body:
+        raise invalid("'messages' is required", "messages")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty array", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid(f"'messages[{i}]' must be an object", f"messages[{i}]")
+        if not isinstance(message.get("role"), str):
+            raise invalid(f"'messages[{i}].role' must be a string", f"messages[{i}].role")
+
+
+def _check_input(body: dict[str, Any]) -> None:
+    if "input" not in body:
+        raise invalid("'input' is required", "input")
+    value = body["input"]
+    ok = isinstance(value, str) or (isinstance(value, list) and value and (
+        all(isinstance(v, str) for v in value) or _is_token_list(value) or all(_is_token_list(v) for v in value)
+    ))
+    if not ok:
+        raise invalid("'input' must be a string, a list of strings, or a list of token ids", "input")
+
+
+def _check_stream(body: dict[str, Any], kind: RunKind) -> bool:
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise invalid("'stream' must be a boolean", "stream")
+    if stream and kind is RunKind.EMBEDDING:
+        raise invalid("embeddings cannot be streamed", "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise invalid("'stream_options' must be an object", "stream_options")
+        if "include_usage" in options and not isinstance(options["include_usage"], bool):
+            raise invalid("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    return stream
+
+
+_CHECKS = {RunKind.CHAT: _check_messages, RunKind.COMPLETION: _check_prompt, RunKind.EMBEDDING: _check_input}
+
+
+def parse_request(kind: RunKind, raw: bytes) -> ParsedRequest:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' is required and must be a non-empty string", "model")
+    _CHECKS[kind](body)
+    stream = _check_stream(body, kind)
+    return ParsedRequest(kind=kind, model=model, stream=stream, body=body)

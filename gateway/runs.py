@@ -1,0 +1,90 @@
+"""The gateway's side of a run: put it in its model's queue, follow its events, cancel it."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from common import keys
+from common.codec import decode_event, pack
+from common.config import Config, ModelConfig
+from common.scripts import Scripts
+from common.wire import ErrorCode, ErrorInfo, EventType, RunState
+from gateway.errors import ApiError
+from gateway.requests import ParsedRequest
+
+#: How long one XREAD blocks before the follower checks its overall deadline.
+FOLLOW_BLOCK_MS = 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    id: str
+    type: str
+    data: dict[str, Any]
+
+
+def new_run_id() -> str:
+    return f"run_{uuid.uuid4().hex}"
+
+
+class RunClient:
+    def __init__(self, redis: Redis, config: Config) -> None:
+        self.redis = redis
+        self.config = config
+        self.scripts = Scripts(redis)
+
+    async def submit(self, model: ModelConfig, req: ParsedRequest) -> str:
+        """Queue the run, or raise 429 queue_full / 503 no_available_provider. Atomic."""
+        run_id = new_run_id()
+        policy = self.config.queue_for(model)
+        stream_key = keys.runs_stream(model.id)
+        heartbeats = [keys.heartbeat(p) for p in sorted(model.providers)]
+        result = await self.scripts.call(
+            "enqueue",
+            [stream_key, keys.run_record(run_id), *heartbeats],
+            [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,
+             "1" if req.stream else "0", pack(req.body)],
+        )
+        status = result[0].decode()
+        if status == "full":
+            raise ApiError(
+                ErrorCode.QUEUE_FULL,
+                f"the queue of model {model.id!r} is full ({policy.max_queue} runs waiting); retry later",
+                headers={"Retry-After": "1"},
+            )
+        if status == "unavailable":
+            raise ApiError(
+                ErrorCode.NO_AVAILABLE_PROVIDER,
+                f"no provider of model {model.id!r} is available right now",
+                headers={"Retry-After": "1"},
+            )
+        return run_id
+
+    async def follow(self, run_id: str, last_id: str = "0") -> AsyncIterator[Event]:
+        """Every event of the run from `last_id` on, until a terminal one. Never ends by itself
+        otherwise: the caller bounds it with a deadline."""
+        key = keys.run_events(run_id)
+        while True:
+            reply = await self.redis.xread({key: last_id}, count=512, block=FOLLOW_BLOCK_MS)
+            for _stream, entries in reply or ():
+                for entry_id, fields in entries:
+                    last_id, etype, data = decode_event(entry_id, fields)
+                    yield Event(last_id, etype, data)
+                    if etype in (EventType.COMPLETED, EventType.FAILED):
+                        return
+
+    async def cancel(self, run_id: str, model_id: str, reason: str) -> str:
+        """Drop the run if it waits; tell its node to abort it if it runs."""
+        info = ErrorInfo(ErrorCode.CANCELLED, reason)
+        result = await self.scripts.call(
+            "drop_queued",
+            [keys.runs_stream(model_id), keys.run_record(run_id), keys.run_events(run_id)],
+            [run_id, keys.SCHEDULER_GROUP, RunState.CANCELLED.value, pack(info.to_wire()),
+             self.config.runtime.run_ttl_s, info.code.value, reason, keys.node_cancel("")],
+        )
+        return result.decode() if isinstance(result, bytes) else str(result)

@@ -1,0 +1,3 @@
+from iop.cli import main
+
+main()

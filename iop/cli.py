@@ -1,0 +1,98 @@
+"""The `iop` command: parses arguments and starts the part asked for. No logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+DEFAULT_CONFIG = "iop.yaml"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def _service_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=os.environ.get("IOP_CONFIG", DEFAULT_CONFIG),
+                   help="config file (default: $IOP_CONFIG, else iop.yaml)")
+    p.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS),
+                   help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
+
+
+def _http_args(p: argparse.ArgumentParser, port: int = 8080) -> None:
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=port, help=f"port to listen on (default {port}; 0 = any free)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from iop import simulator
+
+    parser = argparse.ArgumentParser(prog="iop", description="An open pool router for LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
+    _service_args(p)
+    _http_args(p)
+    p = sub.add_parser("scheduler", help="a scheduler replica")
+    _service_args(p)
+    p = sub.add_parser("worker", help="a worker for one node")
+    _service_args(p)
+    p.add_argument("--node", required=True, help="the node id this worker serves")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds running runs get on shutdown")
+    p = sub.add_parser("simulator", help="an OpenAI-compatible fake LLM server")
+    simulator.add_arguments(p)
+    p = sub.add_parser("dev", help="the whole stack in one command, with an embedded Redis")
+    p.add_argument("--config", default=None, help="config to run (default: the demo, with simulators)")
+    _http_args(p)
+    p.set_defaults(host="127.0.0.1")
+
+    p = sub.add_parser("config", help="check or convert a config file")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    v = csub.add_parser("validate", help="print OK or every error")
+    v.add_argument("file")
+    return parser
+
+
+def _load(path: str) -> object:
+    from common.config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        for err in exc.errors:
+            print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    from common.lifecycle import run, setup_logging
+
+    if args.command == "config":
+        from iop.config_cmd import validate
+
+        raise SystemExit(validate(args.file))
+    if args.command == "simulator":
+        from iop import simulator
+
+        setup_logging()
+        run(simulator.serve(simulator.options_from_args(args)))
+        return
+    if args.command == "dev":
+        from iop.dev import run_dev
+
+        raise SystemExit(run_dev(args.config, args.host, args.port))
+
+    setup_logging()
+    config = _load(args.config)
+    if args.command == "gateway":
+        from gateway.service import serve as serve_gateway
+
+        run(serve_gateway(config, args.redis, args.host, args.port))  # type: ignore[arg-type]
+    elif args.command == "scheduler":
+        from scheduler.service import serve as serve_scheduler
+
+        run(serve_scheduler(config, args.redis))  # type: ignore[arg-type]
+    elif args.command == "worker":
+        from workers.service import serve as serve_worker
+
+        run(serve_worker(config, args.redis, args.node, args.grace))  # type: ignore[arg-type]

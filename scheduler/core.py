@@ -1,0 +1,341 @@
+"""The scheduler: takes runs from the model streams and dispatches each model's head run.
+
+One replica owns the runs it read through the consumer group. For the head run of each
+model it reads provider snapshots, asks the pure policy for a provider, and calls the
+`dispatch` script, which checks that the run is still the head of its stream and that the
+snapshot still holds, reserves the slot and queues the arq job in one atomic step. A run
+that finds no slot waits; the scheduler is woken at once when a slot frees (pub/sub) and
+fails runs that waited `queue_timeout_ms`.
+
+Replicas announce themselves with a liveness key; a replica whose key expired has its
+waiting runs claimed by the others. Expired leases (a worker died) are reaped here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from common import keys
+from common.codec import job_payload, pack
+from common.config import Config, ModelConfig
+from common.policy import ProviderSnapshot, select_provider
+from common.redisconn import REDIS_DOWN, now_ms
+from common.scripts import Scripts
+from common.wire import ErrorCode, ErrorInfo, RunState
+from scheduler.snapshots import read_snapshots
+
+log = logging.getLogger("iop.scheduler")
+
+#: Safety tick: even with no signal at all, each replica looks at its runs this often.
+TICK_S = 1.0
+#: Times a dispatch is retried at once when a concurrent replica changed the snapshot.
+STALE_RETRIES = 16
+
+
+def _entry_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(order=True, slots=True)
+class Waiting:
+    """A run this replica owns, waiting in its model's stream."""
+
+    sort_key: tuple[int, int]
+    run_id: str = field(compare=False)
+    entry_id: str = field(compare=False)
+    deadline_ms: int = field(compare=False)
+
+
+def new_consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Scheduler:
+    def __init__(self, redis: Redis, config: Config, consumer: str | None = None) -> None:
+        self.redis = redis
+        self.config = config
+        self.scripts = Scripts(redis)
+        self.consumer = consumer or new_consumer_name()
+        self.waiting: dict[str, list[Waiting]] = {m.id: [] for m in config.models}
+        self.kick = asyncio.Event()
+        self._providers = {m.id: sorted(m.providers) for m in config.models}
+
+    # ----------------------------------------------------------------- setup
+    async def ensure_groups(self) -> None:
+        for model in self.config.models:
+            try:
+                await self.redis.xgroup_create(keys.runs_stream(model.id), keys.SCHEDULER_GROUP, id="0",
+                                               mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def heartbeat(self) -> None:
+        await self.redis.set(keys.scheduler_alive(self.consumer), now_ms(),
+                             px=self.config.runtime.scheduler_liveness_ms)
+
+    # ----------------------------------------------------------------- intake
+    def _adopt(self, model_id: str, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        run_id = fields.get(b"run", b"").decode()
+        if not run_id:
+            return
+        model = self.config.model(model_id)
+        assert model is not None
+        timeout = self.config.queue_for(model).queue_timeout_ms
+        item = Waiting(_entry_key(entry_id), run_id, entry_id, _entry_key(entry_id)[0] + timeout)
+        queue = self.waiting[model_id]
+        if not any(w.entry_id == entry_id for w in queue):
+            bisect.insort(queue, item)
+
+    async def read_new(self, block_ms: int) -> int:
+        """Read runs no replica has seen yet (blocks up to block_ms). Returns how many."""
+        streams = {keys.runs_stream(m.id): ">" for m in self.config.models}
+        try:
+            reply = await self.redis.xreadgroup(keys.SCHEDULER_GROUP, self.consumer, streams,
+                                                count=256, block=block_ms)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.ensure_groups()
+            return 0
+        count = 0
+        prefix = len(keys.runs_stream(""))
+        for stream, entries in reply or ():
+            model_id = stream.decode()[prefix:]
+            for entry_id, fields in entries:
+                if fields:  # a deleted entry comes back with no fields
+                    self._adopt(model_id, entry_id.decode(), fields)
+                    count += 1
+                else:
+                    await self.redis.xack(stream, keys.SCHEDULER_GROUP, entry_id)
+        if count:
+            self.kick.set()
+        return count
+
+    # ----------------------------------------------------------------- dispatch
+    async def dispatch_all(self) -> None:
+        for model in self.config.models:
+            if self.waiting[model.id]:
+                await self.dispatch_model(model)
+
+    async def dispatch_model(self, model: ModelConfig) -> None:
+        queue = self.waiting[model.id]
+        stale = 0
+        while queue:
+            head = queue[0]
+            snaps = await read_snapshots(self.redis, self._providers[model.id], now_ms())
+            choice = select_provider(snaps, now_ms(), self.config.runtime.heartbeat_ttl_ms)
+            if choice is None:
+                return
+            result = await self._dispatch(model, head, choice, snaps)
+            if result in ("ok", "gone"):
+                queue.pop(0)
+                stale = 0
+                if result == "ok":
+                    log.info("dispatched run %s model=%s provider=%s", head.run_id, model.id, choice.provider_id)
+            elif result == "stale" and stale < STALE_RETRIES:
+                stale += 1
+            else:
+                return  # not_head: an older run of another replica goes first; it signals us
+
+    async def _dispatch(self, model: ModelConfig, head: Waiting, choice: ProviderSnapshot,
+                        snaps: list[ProviderSnapshot]) -> str:
+        provider_id = choice.provider_id
+        node_id = self.config.node_of(provider_id)
+        rt = self.config.runtime
+        seen = [s for s in snaps if s.capacity]
+        result = await self.scripts.call(
+            "dispatch",
+            [keys.runs_stream(model.id), keys.run_record(head.run_id), keys.run_events(head.run_id),
+             keys.leases(provider_id), keys.arq_job(head.run_id), keys.arq_retry(head.run_id),
+             keys.node_queue(node_id), keys.node_wake(node_id), *(keys.leases(s.provider_id) for s in seen)],
+            [head.run_id, head.entry_id, keys.SCHEDULER_GROUP, choice.capacity, rt.lease_ttl_ms, provider_id,
+             node_id, model.providers[provider_id], job_payload(head.run_id, now_ms()), rt.run_ttl_s,
+             keys.SCHEDULER_SIGNALS, model.id, *(s.in_flight for s in seen)],
+        )
+        return result.decode() if isinstance(result, bytes) else str(result)
+
+    # ----------------------------------------------------------------- timeouts
+    def next_deadline_ms(self) -> int | None:
+        deadlines = [w.deadline_ms for queue in self.waiting.values() for w in queue]
+        return min(deadlines) if deadlines else None
+
+    async def expire_overdue(self) -> None:
+        now = now_ms()
+        for model_id, queue in self.waiting.items():
+            overdue = [w for w in queue if w.deadline_ms <= now]
+            for w in overdue:
+                queue.remove(w)
+                await self._time_out(model_id, w)
+
+    async def _time_out(self, model_id: str, w: Waiting) -> None:
+        model = self.config.model(model_id)
+        assert model is not None
+        timeout = self.config.queue_for(model).queue_timeout_ms
+        info = ErrorInfo(ErrorCode.QUEUE_TIMEOUT,
+                         f"no provider of model {model_id!r} had a free slot within {timeout} ms")
+        result = await self.scripts.call(
+            "drop_queued",
+            [keys.runs_stream(model_id), keys.run_record(w.run_id), keys.run_events(w.run_id)],
+            [w.run_id, keys.SCHEDULER_GROUP, RunState.TIMED_OUT.value, pack(info.to_wire()),
+             self.config.runtime.run_ttl_s, info.code.value, info.message, ""],
+        )
+        if result == b"ok":
+            log.info("run %s model=%s timed out in the queue", w.run_id, model_id)
+
+    # ----------------------------------------------------------------- takeover
+    async def take_over_dead(self) -> int:
+        """Claim the pending runs of replicas whose liveness key expired. Returns how many."""
+        claimed = 0
+        for model in self.config.models:
+            stream = keys.runs_stream(model.id)
+            try:
+                consumers = await self.redis.xinfo_consumers(stream, keys.SCHEDULER_GROUP)
+            except ResponseError:
+                continue
+            for info in consumers:
+                name = info["name"].decode() if isinstance(info["name"], bytes) else str(info["name"])
+                if name == self.consumer or await self.redis.exists(keys.scheduler_alive(name)):
+                    continue
+                claimed += await self._claim_from(model.id, stream, name)
+                await self.redis.xgroup_delconsumer(stream, keys.SCHEDULER_GROUP, name)
+        if claimed:
+            self.kick.set()
+        return claimed
+
+    async def _claim_from(self, model_id: str, stream: str, dead: str) -> int:
+        pending = await self.redis.xpending_range(stream, keys.SCHEDULER_GROUP, min="-", max="+",
+                                                  count=10_000, consumername=dead)
+        ids = [p["message_id"] for p in pending]
+        if not ids:
+            return 0
+        entries = await self.redis.xclaim(stream, keys.SCHEDULER_GROUP, self.consumer, 0, ids)
+        for entry_id, fields in entries:
+            if fields:
+                self._adopt(model_id, entry_id.decode(), fields)
+        log.info("took over %d waiting runs of model %s from dead scheduler %s", len(entries), model_id, dead)
+        return len(entries)
+
+    # ----------------------------------------------------------------- leases
+    async def reap_expired_leases(self) -> int:
+        """Give back the slots of workers that died, and requeue or fail their runs."""
+        now = now_ms()
+        reaped = 0
+        max_attempts = {m.id: self.config.queue_for(m).max_attempts for m in self.config.models}
+        for node in self.config.nodes:
+            for provider in node.providers:
+                lease_key = keys.leases(provider.id)
+                expired = await self.redis.zrangebyscore(lease_key, "-inf", now)
+                for raw in expired:
+                    reaped += await self._reap(lease_key, node.id, raw.decode(), max_attempts)
+        return reaped
+
+    async def _reap(self, lease_key: str, node_id: str, run_id: str, max_attempts: dict[str, int]) -> int:
+        model_raw = await self.redis.hget(keys.run_record(run_id), "model")
+        model_id = model_raw.decode() if model_raw else ""
+        lost = ErrorInfo(ErrorCode.WORKER_LOST, "the worker running this run was lost")
+        result = await self.scripts.call(
+            "reap",
+            [lease_key, keys.run_record(run_id), keys.run_events(run_id), keys.runs_stream(model_id),
+             keys.node_queue(node_id), keys.arq_job(run_id), keys.arq_in_progress(run_id), keys.arq_retry(run_id)],
+            [run_id, max_attempts.get(model_id, 1), self.config.runtime.run_ttl_s, keys.SCHEDULER_SIGNALS,
+             model_id, pack(lost.to_wire()), pack({**lost.to_wire(), "before_output": False})],
+        )
+        outcome = result.decode() if isinstance(result, bytes) else str(result)
+        if outcome != "alive":
+            log.warning("lease of run %s model=%s expired: %s", run_id, model_id, outcome)
+            return 1
+        return 0
+
+
+async def _forever(name: str, step: Any) -> None:
+    """Run `step()` in a loop; a Redis outage only pauses it, with backoff."""
+    delay = 0.05
+    while True:
+        try:
+            await step()
+            delay = 0.05
+        except REDIS_DOWN as exc:
+            log.warning("%s: Redis unavailable (%s); retrying in %.2fs", name, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
+    """All the loops of one replica, until `stop` is set."""
+    rt = sched.config.runtime
+    maintenance_s = rt.scheduler_liveness_ms / 3000
+
+    async def intake() -> None:
+        await sched.read_new(block_ms=1000)
+
+    async def dispatcher() -> None:
+        deadline = sched.next_deadline_ms()
+        wait_s = TICK_S if deadline is None else max(0.0, min(TICK_S, (deadline - now_ms()) / 1000))
+        try:
+            await asyncio.wait_for(sched.kick.wait(), timeout=wait_s)
+        except TimeoutError:
+            pass
+        sched.kick.clear()
+        await sched.expire_overdue()
+        await sched.dispatch_all()
+
+    async def maintenance() -> None:
+        await sched.heartbeat()
+        await sched.take_over_dead()
+        if await sched.reap_expired_leases():
+            sched.kick.set()
+        await asyncio.sleep(maintenance_s)
+
+    async def signals() -> None:
+        pubsub = sched.redis.pubsub()
+        try:
+            await pubsub.subscribe(keys.SCHEDULER_SIGNALS)
+            sched.kick.set()  # anything may have changed while we were not listening
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+                if msg is not None:
+                    sched.kick.set()
+        finally:
+            await pubsub.aclose()
+
+    async def setup() -> None:
+        await sched.ensure_groups()
+        await sched.heartbeat()
+
+    await _retry_once(setup)
+    tasks = [asyncio.create_task(_forever(n, f), name=n) for n, f in
+             (("intake", intake), ("dispatch", dispatcher), ("maintenance", maintenance), ("signals", signals))]
+    try:
+        await stop.wait()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await sched.redis.delete(keys.scheduler_alive(sched.consumer))
+        except REDIS_DOWN:
+            pass
+
+
+async def _retry_once(step: Any) -> None:
+    delay = 0.05
+    while True:
+        try:
+            await step()
+            return
+        except REDIS_DOWN as exc:
+            log.warning("setup: Redis unavailable (%s); retrying in %.2fs", exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)

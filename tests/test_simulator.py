@@ -1,0 +1,451 @@
+"""Tests for the OpenAI-compatible simulator, over real HTTP on an ephemeral port."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+from openai.types import Completion, CreateEmbeddingResponse, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from iop.simulator import (
+    EMBEDDING_DIMS,
+    SimOptions,
+    add_arguments,
+    embedding_vector,
+    options_from_args,
+    serve,
+    start_server,
+)
+
+JsonObject = dict[str, Any]
+CHAT = "/v1/chat/completions"
+TEXT = "/v1/completions"
+DEADLINE_S = 10.0
+
+
+@dataclass
+class Sim:
+    url: str
+    http: aiohttp.ClientSession
+
+    async def post_json(self, path: str, body: JsonObject, **kwargs: Any) -> tuple[int, JsonObject]:
+        async with self.http.post(self.url + path, json=body, **kwargs) as resp:
+            return resp.status, await resp.json()
+
+    async def get_json(self, path: str) -> JsonObject:
+        async with self.http.get(self.url + path) as resp:
+            assert resp.status == 200
+            data: JsonObject = await resp.json()
+            return data
+
+    async def stream(self, path: str, body: JsonObject) -> list[str]:
+        """POST a streaming request and return the raw SSE ``data:`` payloads."""
+        async with self.http.post(self.url + path, json={**body, "stream": True}) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            return parse_sse(await resp.text())
+
+    async def wait_stats(self, predicate: Callable[[JsonObject], bool]) -> JsonObject:
+        """Poll /stats until ``predicate`` holds, failing after a deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEADLINE_S
+        while True:
+            stats = await self.get_json("/stats")
+            if predicate(stats):
+                return stats
+            assert loop.time() < deadline, f"/stats never reached the expected state: {stats}"
+            await asyncio.sleep(0.01)
+
+
+def parse_sse(text: str) -> list[str]:
+    events = [event for event in text.split("\n\n") if event]
+    assert all(event.startswith("data: ") for event in events), events
+    return [event.removeprefix("data: ") for event in events]
+
+
+def chat_body(model: str = "sim-model", **extra: Any) -> JsonObject:
+    return {"model": model, "messages": [{"role": "user", "content": "hello there simulator"}], **extra}
+
+
+def text_body(model: str = "sim-model", **extra: Any) -> JsonObject:
+    return {"model": model, "prompt": "one two three four", **extra}
+
+
+def expected_text(tokens: int) -> str:
+    return "".join(f"tok{i} " for i in range(tokens))
+
+
+SimFactory = Callable[..., Awaitable[Sim]]
+
+
+@pytest.fixture
+async def make_sim() -> AsyncIterator[SimFactory]:
+    async with contextlib.AsyncExitStack() as stack:
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+
+        async def factory(**options: Any) -> Sim:
+            runner, url = await start_server(SimOptions(**{"tokens": 4, **options}))
+            stack.push_async_callback(runner.cleanup)
+            return Sim(url, http)
+
+        yield factory
+
+
+@pytest.fixture
+async def sim(make_sim: SimFactory) -> Sim:
+    return await make_sim(models=("sim-model", "other-model"))
+
+
+# --------------------------------------------------------------------------- plain endpoints
+
+
+async def test_models_and_health(sim: Sim) -> None:
+    listing = await sim.get_json("/v1/models")
+    assert listing["object"] == "list"
+    assert [m["id"] for m in listing["data"]] == ["sim-model", "other-model"]
+    for entry in listing["data"]:
+        Model.model_validate(entry)
+        assert entry["object"] == "model" and entry["owned_by"] == "iop-simulator"
+    async with sim.http.get(sim.url + "/health") as resp:
+        assert resp.status == 200
+
+
+# --------------------------------------------------------------------------- non-streaming
+
+
+async def test_chat_completion(sim: Sim) -> None:
+    status, data = await sim.post_json(CHAT, chat_body())
+    assert status == 200
+    completion = ChatCompletion.model_validate(data)
+    assert completion.object == "chat.completion" and completion.model == "sim-model"
+    (choice,) = data["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected_text(4), "refusal": None}
+    assert choice["logprobs"] is None and choice["finish_reason"] == "stop"
+    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+async def test_text_completion(sim: Sim) -> None:
+    status, data = await sim.post_json(TEXT, text_body("other-model"))
+    assert status == 200
+    completion = Completion.model_validate(data)
+    assert completion.object == "text_completion" and completion.model == "other-model"
+    (choice,) = data["choices"]
+    assert choice == {"index": 0, "text": expected_text(4), "logprobs": None, "finish_reason": "stop"}
+    assert data["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+
+
+@pytest.mark.parametrize("limit_field", ["max_tokens", "max_completion_tokens"])
+async def test_max_tokens_truncates(sim: Sim, limit_field: str) -> None:
+    _, data = await sim.post_json(CHAT, {**chat_body(), limit_field: 2})
+    assert data["choices"][0]["message"]["content"] == expected_text(2)
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"]["completion_tokens"] == 2
+
+
+async def test_max_tokens_above_output_length_stops_naturally(sim: Sim) -> None:
+    _, data = await sim.post_json(TEXT, text_body(max_tokens=100))
+    assert data["choices"][0]["text"] == expected_text(4)
+    assert data["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_sim_override_tokens(sim: Sim) -> None:
+    _, data = await sim.post_json(CHAT, chat_body(sim={"tokens": 7}))
+    assert data["choices"][0]["message"]["content"] == expected_text(7)
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+async def test_chat_stream(sim: Sim) -> None:
+    events = await sim.stream(CHAT, chat_body("other-model"))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk)
+        assert chunk["object"] == "chat.completion.chunk" and chunk["model"] == "other-model"
+        assert "usage" not in chunk
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks)
+    assert content == expected_text(4)
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None] * 5 + ["stop"]
+    assert chunks[-1]["choices"][0]["delta"] == {}
+
+
+async def test_chat_stream_include_usage(sim: Sim) -> None:
+    body = chat_body(max_tokens=3, stream_options={"include_usage": True})
+    events = await sim.stream(CHAT, body)
+    assert events[-1] == "[DONE]"
+    *chunks, usage_chunk = [json.loads(event) for event in events[:-1]]
+    assert all(chunk["usage"] is None for chunk in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    ChatCompletionChunk.model_validate(usage_chunk)
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+async def test_text_stream(sim: Sim) -> None:
+    events = await sim.stream(TEXT, text_body(stream_options={"include_usage": True}))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    for chunk in chunks:
+        assert chunk["object"] == "text_completion" and chunk["model"] == "sim-model"
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    # OpenAI's Completion type has no null finish_reason, which mid-stream chunks carry (as OpenAI's do)
+    Completion.model_validate(text_chunks[-1])
+    Completion.model_validate(usage_chunk)
+    assert all(chunk["choices"][0]["finish_reason"] is None for chunk in text_chunks[:-1])
+    assert "".join(chunk["choices"][0]["text"] for chunk in text_chunks) == expected_text(4)
+    assert text_chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 4
+
+
+# --------------------------------------------------------------------------- errors
+
+
+async def test_unknown_model_is_404(sim: Sim) -> None:
+    status, data = await sim.post_json(CHAT, chat_body("no-such-model"))
+    assert status == 404
+    error = data["error"]
+    assert error["type"] == "invalid_request_error"
+    assert (error["param"], error["code"]) == ("model", "model_not_found")
+    assert "no-such-model" in error["message"]
+
+
+async def test_malformed_json_is_400(sim: Sim) -> None:
+    headers = {"Content-Type": "application/json"}
+    async with sim.http.post(sim.url + CHAT, data=b"{not json", headers=headers) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}]}, "model"),
+        (CHAT, {"model": "sim-model"}, "messages"),
+        (TEXT, {"model": "sim-model"}, "prompt"),
+        (CHAT, chat_body(max_tokens=0), "max_tokens"),
+        (CHAT, chat_body(stream="yes"), "stream"),
+        (CHAT, chat_body(sim={"tokens": "many"}), "sim.tokens"),
+        (CHAT, chat_body(sim={"bogus": 1}), "sim.bogus"),
+        (CHAT, chat_body(sim={"ttft_ms": -1}), "sim"),
+        ("/v1/embeddings", {"model": "sim-model", "input": 3}, "input"),
+    ],
+)
+async def test_invalid_request_is_400(sim: Sim, path: str, body: JsonObject, param: str) -> None:
+    status, data = await sim.post_json(path, body)
+    assert status == 400
+    assert data["error"]["type"] == "invalid_request_error" and data["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("status", "error_type"), [(503, "server_error"), (429, "requests")])
+async def test_injected_failure_via_sim_override(sim: Sim, status: int, error_type: str) -> None:
+    for path, body in ((CHAT, chat_body(stream=True)), (TEXT, text_body())):
+        got, data = await sim.post_json(path, {**body, "sim": {"fail_status": status}})
+        assert got == status
+        assert data["error"]["type"] == error_type and "Simulated failure" in data["error"]["message"]
+
+
+async def test_fail_rate_fails_every_request(make_sim: SimFactory) -> None:
+    sim = await make_sim(fail_rate=1.0, fail_status=502, seed=1)
+    status, data = await sim.post_json(CHAT, chat_body())
+    assert status == 502 and data["error"]["type"] == "server_error"
+    stats = await sim.get_json("/stats")
+    assert stats["requests"][0]["completed"] is False
+
+
+async def test_fail_after_tokens_aborts_stream(sim: Sim) -> None:
+    body = chat_body(stream=True, sim={"tokens": 10, "fail_after_tokens": 2})
+    received = b""
+    async with sim.http.post(sim.url + CHAT, json=body) as resp:
+        assert resp.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async for data in resp.content.iter_any():
+                received += data
+    events = parse_sse(received.decode())
+    assert "[DONE]" not in events
+    chunks = [json.loads(event) for event in events]
+    content = "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks)
+    assert content == expected_text(2)
+    stats = await sim.get_json("/stats")
+    (record,) = stats["requests"]
+    assert record["completed"] is False and record["disconnected"] is False
+    assert stats["disconnects"] == 0
+
+
+async def test_fail_after_tokens_drops_non_streaming_request(make_sim: SimFactory) -> None:
+    sim = await make_sim(fail_after_tokens=1)
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await sim.post_json(TEXT, text_body())
+
+
+# --------------------------------------------------------------------------- stats
+
+
+async def test_stats_count_by_model_and_record_request_ids(sim: Sim) -> None:
+    await sim.post_json(CHAT, chat_body(), headers={"X-Request-Id": "req-1"})
+    await sim.post_json(TEXT, text_body("other-model"), headers={"X-Request-Id": "req-2"})
+    await sim.stream(CHAT, chat_body("other-model"))
+    await sim.post_json(CHAT, chat_body("missing-model"))
+    stats = await sim.get_json("/stats")
+    assert stats["total"] == 4 and stats["current"] == 0 and stats["max_concurrent"] == 1
+    assert stats["by_model"] == {"sim-model": 1, "other-model": 2, "missing-model": 1}
+    assert stats["requests"] == [
+        {"model": "sim-model", "request_id": "req-1", "path": CHAT, "stream": False,
+         "disconnected": False, "completed": True},
+        {"model": "other-model", "request_id": "req-2", "path": TEXT, "stream": False,
+         "disconnected": False, "completed": True},
+        {"model": "other-model", "request_id": None, "path": CHAT, "stream": True,
+         "disconnected": False, "completed": True},
+        {"model": "missing-model", "request_id": None, "path": CHAT, "stream": False,
+         "disconnected": False, "completed": False},
+    ]
+
+
+async def test_stats_reset(sim: Sim) -> None:
+    await sim.post_json(CHAT, chat_body())
+    async with sim.http.post(sim.url + "/stats/reset") as resp:
+        assert resp.status == 200
+    stats = await sim.get_json("/stats")
+    assert stats == {
+        "total": 0, "max_concurrent": 0, "current": 0, "by_model": {}, "requests": [], "disconnects": 0,
+    }
+
+
+async def open_held_streams(sim: Sim, count: int) -> list[aiohttp.ClientResponse]:
+    """Start ``count`` streams whose first token never comes within the test."""
+    body = chat_body(stream=True, sim={"ttft_ms": 600_000})
+    responses = [await sim.http.post(sim.url + CHAT, json=body) for _ in range(count)]
+    assert all(resp.status == 200 for resp in responses)
+    return responses
+
+
+async def test_max_concurrent_and_disconnects(sim: Sim) -> None:
+    responses = await open_held_streams(sim, 3)
+    stats = await sim.wait_stats(lambda s: s["current"] == 3)
+    assert stats["max_concurrent"] == 3 and stats["disconnects"] == 0
+    for resp in responses:
+        resp.close()
+    stats = await sim.wait_stats(lambda s: s["current"] == 0 and s["disconnects"] == 3)
+    assert stats["max_concurrent"] == 3
+    assert all(r["disconnected"] and not r["completed"] for r in stats["requests"])
+
+
+async def test_client_disconnect_mid_stream_is_counted(sim: Sim) -> None:
+    body = chat_body(stream=True, sim={"ttft_ms": 600_000})
+    headers = {"X-Request-Id": "gone"}
+    async with sim.http.post(sim.url + CHAT, json=body, headers=headers) as resp:
+        first = json.loads(parse_sse((await resp.content.readuntil(b"\n\n")).decode())[0])
+        assert first["choices"][0]["delta"]["role"] == "assistant"
+        resp.close()
+    stats = await sim.wait_stats(lambda s: s["disconnects"] == 1 and s["current"] == 0)
+    (record,) = stats["requests"]
+    assert record["request_id"] == "gone" and record["disconnected"] and not record["completed"]
+
+
+# --------------------------------------------------------------------------- embeddings
+
+
+async def test_embeddings(sim: Sim) -> None:
+    status, data = await sim.post_json("/v1/embeddings", {"model": "sim-model", "input": ["a b", "c"]})
+    assert status == 200
+    response = CreateEmbeddingResponse.model_validate(data)
+    assert response.model == "sim-model" and response.usage.prompt_tokens == 3
+    vectors = [item.embedding for item in response.data]
+    assert [item.index for item in response.data] == [0, 1]
+    assert all(len(vector) == EMBEDDING_DIMS for vector in vectors)
+    assert vectors == [embedding_vector("a b"), embedding_vector("c")]
+    _, single = await sim.post_json("/v1/embeddings", {"model": "sim-model", "input": "a b"})
+    assert single["data"][0]["embedding"] == vectors[0]
+
+
+async def test_embeddings_base64(sim: Sim) -> None:
+    body = {"model": "sim-model", "input": "a b", "encoding_format": "base64"}
+    _, data = await sim.post_json("/v1/embeddings", body)
+    raw = base64.b64decode(data["data"][0]["embedding"])
+    decoded = struct.unpack(f"<{EMBEDDING_DIMS}f", raw)
+    assert decoded == pytest.approx(embedding_vector("a b"), rel=1e-6)
+
+
+# --------------------------------------------------------------------------- real OpenAI client
+
+
+async def test_openai_client_round_trip(sim: Sim) -> None:
+    async with AsyncOpenAI(base_url=sim.url + "/v1", api_key="unused", max_retries=0) as client:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["sim-model", "other-model"]
+        chat = await client.chat.completions.create(
+            model="sim-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert chat.choices[0].message.content == expected_text(2)
+        stream = await client.chat.completions.create(
+            model="other-model", messages=[{"role": "user", "content": "hi"}], stream=True,
+            stream_options={"include_usage": True},
+        )
+        parts = [chunk async for chunk in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == expected_text(4)
+        assert parts[-1].usage is not None and parts[-1].usage.completion_tokens == 4
+        embedding = await client.embeddings.create(model="sim-model", input="a b")
+        assert embedding.data[0].embedding == pytest.approx(embedding_vector("a b"), rel=1e-6)
+
+
+# --------------------------------------------------------------------------- serve() and the CLI helpers
+
+
+async def test_serve_prints_its_url_and_stops_on_cancel(capsys: pytest.CaptureFixture[str]) -> None:
+    task = asyncio.create_task(serve(SimOptions(port=0)))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE_S
+    output = ""
+    while "\n" not in output:
+        assert not task.done() and loop.time() < deadline, "serve() never announced itself"
+        await asyncio.sleep(0.01)
+        output += capsys.readouterr().out
+    line = output.strip()
+    prefix = "iop simulator listening on http://127.0.0.1:"
+    assert line.startswith(prefix) and int(line.removeprefix(prefix)) > 0
+    url = line.removeprefix("iop simulator listening on ")
+    async with aiohttp.ClientSession() as http, http.get(url + "/health") as resp:
+        assert resp.status == 200
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_options_from_args() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert options_from_args(parser.parse_args([])) == SimOptions()
+    args = parser.parse_args([
+        "--host", "0.0.0.0", "--port", "8001", "--models", "a, b", "--ttft-ms", "5", "--itl-ms", "1.5",
+        "--tokens", "32", "--fail-rate", "0.25", "--fail-status", "429", "--fail-after-tokens", "3",
+        "--seed", "7",
+    ])
+    assert options_from_args(args) == SimOptions(
+        host="0.0.0.0", port=8001, models=("a", "b"), ttft_ms=5, itl_ms=1.5, tokens=32, fail_rate=0.25,
+        fail_status=429, fail_after_tokens=3, seed=7,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--fail-rate", "2"], ["--tokens", "-1"], ["--models", ","], ["--port", "x"], ["--fail-status", "200"]],
+)
+def test_invalid_arguments_are_rejected(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)

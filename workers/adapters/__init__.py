@@ -1,0 +1,1 @@
+"""Provider adapters: each runs exactly the concrete target it is given."""

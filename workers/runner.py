@@ -1,0 +1,182 @@
+"""Executing one run on this node: start it, call the adapter, publish events, end it.
+
+However a run ends (output, provider error, timeout, cancellation, worker shutdown), the
+`finish` script releases its slot and wakes the schedulers. While it runs, its lease is
+renewed; if the lease is lost (the scheduler reaped it), the run is abandoned at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from common import keys
+from common.codec import pack, unpack
+from common.config import Config
+from common.redisconn import REDIS_DOWN
+from common.scripts import Scripts
+from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState
+from workers.adapters.base import Adapter, ProviderError
+
+log = logging.getLogger("iop.worker")
+
+
+class LeaseLost(Exception):
+    """This attempt no longer owns the run."""
+
+
+@dataclass(slots=True)
+class Attempt:
+    run_id: str
+    model_id: str
+    provider_id: str
+    attempt: str
+    max_attempts: int
+    output: bool = False
+    cancel_reason: str | None = None
+
+
+class Runner:
+    def __init__(self, redis: Redis, config: Config, node_id: str, adapters: dict[str, Adapter]) -> None:
+        self.redis = redis
+        self.config = config
+        self.node_id = node_id
+        self.adapters = adapters
+        self.scripts = Scripts(redis)
+        #: run id -> (attempt, the task executing it), for cancellation
+        self.running: dict[str, tuple[Attempt, asyncio.Task[Any]]] = {}
+
+    # ------------------------------------------------------------------ entry
+    async def execute(self, run_id: str) -> str:
+        """Run one job; returns how it ended (for logs and tests)."""
+        raw = await self.redis.hgetall(keys.run_record(run_id))
+        record = {k.decode(): v for k, v in raw.items()}
+        if not record or "provider" not in record:
+            log.warning("run %s: no dispatched record, skipping", run_id)
+            return "missing"
+        provider_id = record["provider"].decode()
+        model_id = record["model"].decode()
+        model = self.config.model(model_id)
+        adapter = self.adapters.get(provider_id)
+        if model is None or adapter is None:
+            log.error("run %s: provider %s is not on node %s", run_id, provider_id, self.node_id)
+            return "misrouted"
+        rt = self.config.runtime
+        started = await self.scripts.call(
+            "start", [keys.run_record(run_id), keys.leases(provider_id), keys.run_events(run_id)],
+            [run_id, rt.lease_ttl_ms, rt.run_ttl_s])
+        if started != b"ok":
+            log.warning("run %s model=%s: not started (%s)", run_id, model_id, started.decode())
+            return started.decode()
+        policy = self.config.queue_for(model)
+        att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts)
+        task = asyncio.current_task()
+        assert task is not None
+        self.running[run_id] = (att, task)
+        renewer = asyncio.create_task(self._renew(att, task))
+        try:
+            return await self._attempt(att, adapter, record, policy.execution_timeout_ms / 1000)
+        finally:
+            renewer.cancel()
+            self.running.pop(run_id, None)
+
+    def cancel(self, run_id: str, reason: str) -> bool:
+        entry = self.running.get(run_id)
+        if entry is None:
+            return False
+        att, task = entry
+        att.cancel_reason = reason
+        task.cancel()
+        return True
+
+    # ------------------------------------------------------------------ one attempt
+    async def _attempt(self, att: Attempt, adapter: Adapter, record: dict[str, bytes], timeout_s: float) -> str:
+        kind = RunKind(record["kind"].decode())
+        body = unpack(record["body"])
+        body["model"] = record["target"].decode()
+        try:
+            async with asyncio.timeout(timeout_s):
+                if record.get("stream") == b"1":
+                    async for chunks in adapter.stream(kind, body, att.run_id):
+                        await self._emit(att, EventType.DELTA, {"chunks": chunks})
+                        att.output = True
+                    return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {})
+                response = await adapter.complete(kind, body, att.run_id)
+                return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {"response": response})
+        except ProviderError as exc:
+            info = ErrorInfo(ErrorCode.PROVIDER_ERROR, exc.message, status=exc.status, detail=exc.detail,
+                             before_output=not att.output)
+            return await self._fail(att, info, retryable=exc.retryable)
+        except TimeoutError:
+            info = ErrorInfo(ErrorCode.EXECUTION_TIMEOUT,
+                             f"the run did not finish within {int(timeout_s * 1000)} ms", before_output=not att.output)
+            return await self._fail(att, info, retryable=False)
+        except LeaseLost:
+            log.warning("run %s model=%s: lease lost, abandoning", att.run_id, att.model_id)
+            return "lease_lost"
+        except asyncio.CancelledError:
+            if att.cancel_reason is None:  # the worker itself is shutting down
+                info = ErrorInfo(ErrorCode.WORKER_LOST, "the worker shut down during the run",
+                                 before_output=not att.output)
+                await asyncio.shield(self._fail(att, info, retryable=True))
+                raise
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()  # a cancelled run is an outcome, not the job's cancellation
+            info = ErrorInfo(ErrorCode.CANCELLED, att.cancel_reason, before_output=not att.output)
+            return await asyncio.shield(self._finish(att, RunState.CANCELLED, EventType.FAILED, info.to_wire(), info))
+
+    async def _fail(self, att: Attempt, info: ErrorInfo, retryable: bool) -> str:
+        if retryable and not att.output and int(att.attempt) < att.max_attempts:
+            log.info("run %s model=%s attempt %s failed, requeued: %s", att.run_id, att.model_id, att.attempt,
+                     info.message)
+            return await self._finish(att, None, EventType.REQUEUED, info.to_wire())
+        log.info("run %s model=%s failed: %s", att.run_id, att.model_id, info.message)
+        return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info)
+
+    # ------------------------------------------------------------------ redis
+    async def _emit(self, att: Attempt, etype: EventType, data: dict[str, Any]) -> None:
+        ok = await self.scripts.call("emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
+                                     [att.attempt, etype.value, pack(data), self.config.runtime.run_ttl_s])
+        if not ok:
+            raise LeaseLost(att.run_id)
+
+    async def _finish(self, att: Attempt, state: RunState | None, etype: EventType, data: dict[str, Any],
+                      info: ErrorInfo | None = None) -> str:
+        """state None = requeue. Retries while Redis is briefly away: a slot must come back."""
+        args = [att.run_id, state.value if state else "requeue", etype.value, pack(data),
+                self.config.runtime.run_ttl_s, keys.SCHEDULER_SIGNALS, att.model_id,
+                info.code.value if info else "", info.message if info else "", att.attempt]
+        run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
+                    keys.runs_stream(att.model_id)]
+        delay = 0.05
+        for _ in range(8):
+            try:
+                result = await self.scripts.call("finish", run_keys, args)
+                return f"{state.value if state else 'requeued'}:{result.decode()}"
+            except REDIS_DOWN as exc:
+                log.warning("run %s: cannot record its end (%s); retrying", att.run_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        return "unrecorded"  # the lease expires and the scheduler reaps the run
+
+    async def _renew(self, att: Attempt, task: asyncio.Task[Any]) -> None:
+        rt = self.config.runtime
+        period = rt.lease_ttl_ms / 3000
+        while True:
+            await asyncio.sleep(period)
+            try:
+                renewed = await self.scripts.call(
+                    "renew", [keys.leases(att.provider_id), keys.run_record(att.run_id)],
+                    [att.run_id, rt.lease_ttl_ms, att.attempt])
+            except REDIS_DOWN as exc:
+                log.warning("run %s: lease renewal failed (%s)", att.run_id, exc)
+                continue
+            if not renewed:
+                att.cancel_reason = "lease lost"
+                task.cancel()
+                return

@@ -1,0 +1,129 @@
+"""`iop worker --node ID`: the arq worker of one node, with its heartbeats and cancel listener."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+from arq.connections import RedisSettings
+from arq.worker import func
+
+from common import keys
+from common.codec import pack, unpack
+from common.config import Config, ProviderConfig
+from common.redisconn import REDIS_DOWN, connect
+from workers.adapters.base import Adapter
+from workers.adapters.openai_compat import OpenAICompatAdapter
+from workers.arq_worker import WakeWorker
+from workers.heartbeat import Heartbeats
+from workers.runner import Runner
+
+log = logging.getLogger("iop.worker")
+
+RUNNER_CTX = "iop_runner"
+
+
+def make_adapter(provider: ProviderConfig, session: aiohttp.ClientSession) -> Adapter:
+    if provider.type in ("vllm", "sglang", "lemonade", "openai_api"):
+        return OpenAICompatAdapter(provider, session)
+    raise NotImplementedError(f"provider type {provider.type} is not supported yet")
+
+
+async def run_job(ctx: dict[str, Any], run_id: str) -> str:
+    runner: Runner = ctx[RUNNER_CTX]
+    return await runner.execute(run_id)
+
+
+async def _listen_cancels(runner: Runner, node_id: str) -> None:
+    delay = 0.05
+    while True:
+        pubsub = runner.redis.pubsub()
+        try:
+            await pubsub.subscribe(keys.node_cancel(node_id))
+            delay = 0.05
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+                if msg is not None:
+                    run_id = msg["data"].decode()
+                    if runner.cancel(run_id, "cancelled by the caller"):
+                        log.info("run %s: cancel requested", run_id)
+        except REDIS_DOWN as exc:
+            log.warning("cancel listener: Redis unavailable (%s)", exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        finally:
+            await pubsub.aclose()
+
+
+def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | None = None) -> WakeWorker:
+    node = config.node(node_id)
+    if node is None:
+        raise SystemExit(f"node {node_id!r} is not in the config (nodes: {[n.id for n in config.nodes]})")
+    background: list[asyncio.Task[Any]] = []
+
+    async def startup(ctx: dict[str, Any]) -> None:
+        redis = connect(redis_url)
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
+        adapters = {p.id: make_adapter(p, session) for p in node.providers}
+        runner = Runner(redis, config, node_id, adapters)
+        ctx[RUNNER_CTX] = runner
+        ctx["iop_session"] = session
+        await runner.scripts.load()
+        background.append(asyncio.create_task(Heartbeats(redis, config, node_id, adapters).run()))
+        background.append(asyncio.create_task(_listen_cancels(runner, node_id)))
+
+    async def shutdown(ctx: dict[str, Any]) -> None:
+        for t in background:
+            t.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        runner: Runner | None = ctx.get(RUNNER_CTX)
+        if runner is not None:
+            await runner.redis.aclose()
+        session = ctx.get("iop_session")
+        if session is not None:
+            await session.close()
+
+    slots = max_jobs or sum(p.capacity for p in node.providers) or 1
+    return WakeWorker(
+        functions=[func(run_job, name=keys.JOB_FUNCTION, max_tries=1)],
+        queue_name=keys.node_queue(node_id),
+        wake_key=keys.node_wake(node_id),
+        redis_settings=RedisSettings.from_dsn(redis_url),
+        max_jobs=slots,
+        job_timeout=7 * 24 * 3600,  # runs enforce their own execution timeout
+        keep_result=0,
+        poll_delay=1.0,
+        on_startup=startup,
+        on_shutdown=shutdown,
+        job_serializer=pack,
+        job_deserializer=unpack,
+        handle_signals=False,  # `serve` owns SIGTERM/SIGINT and stops gracefully
+        max_burst_jobs=-1,
+    )
+
+
+async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 10.0) -> None:
+    """Run until SIGTERM/SIGINT; then take no new jobs, let running ones finish for up to
+    `grace_s`, and cancel the rest (each is requeued or failed, its slot released)."""
+    from common.lifecycle import stop_event
+
+    stop = stop_event()
+    worker = build_worker(config, redis_url, node_id)
+    main = asyncio.create_task(worker.async_run())
+    print(f"iop worker for node {node_id} running ({worker.max_jobs} slots)", flush=True)
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([main, stopped], return_when=asyncio.FIRST_COMPLETED)
+    worker.allow_pick_jobs = False
+    jobs = [t for t in worker.tasks.values() if not t.done()]
+    if jobs:
+        log.info("stopping: waiting up to %.1fs for %d runs", grace_s, len(jobs))
+        _, pending = await asyncio.wait(jobs, timeout=grace_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    main.cancel()
+    stopped.cancel()
+    await asyncio.gather(main, stopped, return_exceptions=True)
+    await worker.close()
