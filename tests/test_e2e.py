@@ -1,0 +1,234 @@
+"""End to end: real processes (gateway, scheduler, workers, simulators) on a real Redis,
+driven with the official `openai` client the way a caller would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import redis as sync_redis
+
+from tests.conftest import Stack, wait_until
+from tests.openapi import validate
+
+pytestmark = pytest.mark.e2e
+
+FAST_RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "lease_ttl_ms": 2000,
+                "scheduler_liveness_ms": 1000}
+
+
+def pool_config(providers: dict[str, tuple[str, str, int]], model: str = "qwen3.6:35b",
+                queue: dict[str, int] | None = None) -> dict[str, Any]:
+    """providers: id -> (node, base_url, capacity); served name = f"{id}-served"."""
+    nodes: dict[str, list[dict[str, Any]]] = {}
+    for pid, (node, url, capacity) in providers.items():
+        nodes.setdefault(node, []).append(
+            {"id": pid, "type": "vllm", "base_url": url, "capacity": capacity, "models": [f"{pid}-served"]})
+    config: dict[str, Any] = {
+        "models": [{"id": model, "display_name": "Test model",
+                    "providers": {pid: f"{pid}-served" for pid in providers}}],
+        "nodes": [{"id": n, "providers": ps} for n, ps in nodes.items()],
+        "runtime": FAST_RUNTIME,
+    }
+    if queue:
+        config["queue"] = queue
+    return config
+
+
+def wait_available(redis_url: str, provider_ids: list[str]) -> None:
+    client = sync_redis.Redis.from_url(redis_url)
+
+    def ready() -> bool:
+        return all(client.hget(f"iop:provider:{p}", "health") == b"available" for p in provider_ids)
+
+    wait_until(ready, what=f"heartbeats of {provider_ids}")
+    client.close()
+
+
+def start_pool(stack: Stack, capacities: dict[str, int], queue: dict[str, int] | None = None,
+               sim_args: tuple[str, ...] = ()) -> tuple[str, dict[str, str]]:
+    """One simulator and one node per provider, a scheduler, a worker per node, the gateway."""
+    urls = {pid: stack.simulator([f"{pid}-served"], *sim_args) for pid in capacities}
+    stack.write_config(pool_config(
+        {pid: (f"node-{pid}", urls[pid], cap) for pid, cap in capacities.items()}, queue=queue))
+    stack.scheduler()
+    for pid in capacities:
+        stack.worker(f"node-{pid}")
+    gateway = stack.gateway()
+    wait_available(stack.redis_url, list(capacities))
+    return gateway, urls
+
+
+async def sim_stats(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(url + "/stats") as resp:
+        data: dict[str, Any] = await resp.json()
+        return data
+
+
+async def until(predicate: Any, timeout: float = 20.0, what: str = "condition") -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_openai_client_stream_and_non_stream(stack: Stack) -> None:
+    gateway, urls = start_pool(stack, {"vllm-a": 2, "vllm-b": 2})
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["qwen3.6:35b"]
+    validate("ListModelsResponse", models.model_dump(exclude_unset=True))
+
+    raw = client.chat.completions.with_raw_response.create(
+        model="qwen3.6:35b", messages=[{"role": "user", "content": "hello there"}], max_tokens=4,
+        temperature=0.3)
+    assert raw.headers["x-iop-run-id"].startswith("run_")
+    chat = raw.parse()
+    assert chat.model == "qwen3.6:35b"
+    assert chat.choices[0].message.content == "tok0 tok1 tok2 tok3 "
+    validate("CreateChatCompletionResponse", json.loads(raw.text))
+
+    chunks = list(client.chat.completions.create(
+        model="qwen3.6:35b", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks and all(c.model == "qwen3.6:35b" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "tok0 tok1 tok2 "
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    for c in chunks:
+        validate("CreateChatCompletionStreamResponse", c.model_dump(exclude_unset=True))
+
+    completion = client.completions.create(model="qwen3.6:35b", prompt="say", max_tokens=2)
+    assert completion.model == "qwen3.6:35b" and completion.choices[0].text == "tok0 tok1 "
+    validate("CreateCompletionResponse", completion.model_dump(exclude_unset=True))
+    streamed = list(client.completions.create(model="qwen3.6:35b", prompt="say", max_tokens=2, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == "tok0 tok1 "
+    assert all(c.model == "qwen3.6:35b" for c in streamed)
+
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert err.value.code == "model_not_found"
+    validate("ErrorResponse", err.value.response.json())
+
+    async def served_names() -> dict[str, dict[str, int]]:
+        async with aiohttp.ClientSession() as session:
+            return {pid: (await sim_stats(session, url))["by_model"] for pid, url in urls.items()}
+
+    seen = asyncio.run(served_names())
+    # Each simulator only ever heard its own provider's served name, never the model id.
+    for pid, by_model in seen.items():
+        assert set(by_model) <= {f"{pid}-served"}
+    assert sum(sum(by_model.values()) for by_model in seen.values()) == 4
+
+
+async def _hold_streams(gateway: str, n: int, ttft_ms: int) -> list[asyncio.Task[int]]:
+    """n streamed chat runs that sit at the provider for ttft_ms."""
+    async def one(session: aiohttp.ClientSession) -> int:
+        body = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                "max_tokens": 1, "sim": {"ttft_ms": ttft_ms}}
+        async with session.post(gateway + "/v1/chat/completions", json=body) as resp:
+            await resp.read()
+            return resp.status
+
+    session = aiohttp.ClientSession()
+    tasks = [asyncio.create_task(one(session)) for _ in range(n)]
+    _SESSIONS.append(session)
+    return tasks
+
+
+_SESSIONS: list[aiohttp.ClientSession] = []
+
+
+async def _close_sessions() -> None:
+    while _SESSIONS:
+        await _SESSIONS.pop().close()
+
+
+def test_capacity_1_and_3_split_four_long_runs(stack: Stack) -> None:
+    gateway, urls = start_pool(stack, {"small": 1, "large": 3})
+
+    async def scenario() -> None:
+        tasks = await _hold_streams(gateway, 4, ttft_ms=2000)
+        async with aiohttp.ClientSession() as session:
+            async def running() -> dict[str, int] | None:
+                current = {pid: (await sim_stats(session, url))["current"] for pid, url in urls.items()}
+                return current if sum(current.values()) == 4 else None
+
+            current = await until(running, what="four runs at the providers")
+            assert current == {"small": 1, "large": 3}
+            assert [await t for t in tasks] == [200, 200, 200, 200]
+            for pid, url in urls.items():
+                stats = await sim_stats(session, url)
+                assert stats["max_concurrent"] == {"small": 1, "large": 3}[pid]
+                assert stats["by_model"] == {f"{pid}-served": {"small": 1, "large": 3}[pid]}
+        await _close_sessions()
+
+    asyncio.run(scenario())
+
+
+def test_burst_past_max_queue_gets_exactly_the_overflow_as_429(stack: Stack) -> None:
+    gateway, urls = start_pool(stack, {"only": 1}, queue={"max_queue": 3, "queue_timeout_ms": 60000})
+    r = sync_redis.Redis.from_url(stack.redis_url)
+
+    async def scenario() -> None:
+        holder = await _hold_streams(gateway, 1, ttft_ms=600_000)
+        async with aiohttp.ClientSession() as session:
+            await until(lambda: _current(session, urls["only"], 1), what="the slot to be taken")
+
+            async def one() -> tuple[int, str | None]:
+                body = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+                async with session.post(gateway + "/v1/chat/completions", json=body) as resp:
+                    if resp.status == 429:
+                        validate("ErrorResponse", await resp.json())
+                    return resp.status, resp.headers.get("Retry-After")
+
+            burst = [asyncio.create_task(one()) for _ in range(12)]
+            rejected = await until(lambda: _done_429(burst, 9), what="nine 429 answers")
+            assert len(rejected) == 9 and all(h is not None for _, h in rejected)
+            assert r.xlen("iop:runs:qwen3.6:35b") == 3
+            holder[0].cancel()  # the caller leaves: its run is cancelled and the slot frees
+            statuses = sorted(s for s, _ in await asyncio.gather(*burst))
+            assert statuses == [200] * 3 + [429] * 9
+        await _close_sessions()
+        assert r.xlen("iop:runs:qwen3.6:35b") == 0
+
+    asyncio.run(scenario())
+    r.close()
+
+
+async def _current(session: aiohttp.ClientSession, url: str, n: int) -> bool:
+    return bool((await sim_stats(session, url))["current"] == n)
+
+
+async def _done_429(tasks: list[asyncio.Task[tuple[int, str | None]]], n: int) -> list[tuple[int, str | None]]:
+    done = [t.result() for t in tasks if t.done() and t.result()[0] == 429]
+    return done if len(done) >= n else []
+
+
+def test_run_without_a_slot_in_time_gets_504(stack: Stack) -> None:
+    gateway, urls = start_pool(stack, {"only": 1}, queue={"max_queue": 8, "queue_timeout_ms": 300})
+
+    async def scenario() -> None:
+        holder = await _hold_streams(gateway, 1, ttft_ms=600_000)
+        async with aiohttp.ClientSession() as session:
+            await until(lambda: _current(session, urls["only"], 1), what="the slot to be taken")
+            body = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "x"}]}
+            async with session.post(gateway + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 504
+                error = await resp.json()
+                validate("ErrorResponse", error)
+                assert error["error"]["code"] == "queue_timeout"
+            holder[0].cancel()
+        await _close_sessions()
+
+    asyncio.run(scenario())
