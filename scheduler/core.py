@@ -98,12 +98,12 @@ class Scheduler:
         if not any(w.entry_id == entry_id for w in queue):
             bisect.insort(queue, item)
 
-    async def read_new(self, block_ms: int) -> int:
+    async def read_new(self, block_ms: int, count: int = 256) -> int:
         """Read runs no replica has seen yet (blocks up to block_ms). Returns how many."""
         streams = {keys.runs_stream(m.id): ">" for m in self.config.models}
         try:
             reply = await self.redis.xreadgroup(keys.SCHEDULER_GROUP, self.consumer, streams,
-                                                count=256, block=block_ms)
+                                                count=count, block=block_ms)
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -140,7 +140,8 @@ class Scheduler:
                 return
             result = await self._dispatch(model, head, choice, snaps)
             if result in ("ok", "gone"):
-                queue.pop(0)
+                if head in queue:  # compare by identity of entry: another task may have moved on
+                    queue.remove(head)
                 stale = 0
                 if result == "ok":
                     log.info("dispatched run %s model=%s provider=%s", head.run_id, model.id, choice.provider_id)

@@ -1,0 +1,213 @@
+"""The scheduler and the Lua scripts against a real Redis (no workers, no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from common import keys
+from common.codec import unpack
+from common.config import Config, parse_config
+from common.redisconn import now_ms
+from common.wire import RunKind
+from gateway.errors import ApiError
+from gateway.requests import ParsedRequest
+from gateway.runs import RunClient
+from scheduler.core import Scheduler
+
+MODEL = "m:1"
+
+
+def make_config(capacities: dict[str, int], queue: dict[str, int] | None = None,
+                runtime: dict[str, int] | None = None) -> Config:
+    return parse_config({
+        "models": [{"id": MODEL, "providers": {p: f"{p}-name" for p in capacities}}],
+        "nodes": [{"id": f"n-{p}", "providers": [{"id": p, "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                                  "capacity": c, "models": [f"{p}-name"]}]}
+                  for p, c in capacities.items()],
+        "queue": queue or {"max_queue": 1000, "queue_timeout_ms": 60_000},
+        "runtime": runtime or {},
+    })
+
+
+async def beat(redis: Redis, config: Config, health: str = "available") -> None:
+    for node in config.nodes:
+        for p in node.providers:
+            await redis.hset(keys.heartbeat(p.id), mapping={
+                "health": health, "capacity": p.capacity, "ts_ms": now_ms()})
+            await redis.pexpire(keys.heartbeat(p.id), 60_000)
+
+
+def request() -> ParsedRequest:
+    return ParsedRequest(RunKind.CHAT, MODEL, False, {"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+
+
+async def submit(client: RunClient, n: int) -> list[str]:
+    model = client.config.model(MODEL)
+    assert model is not None
+    return [await client.submit(model, request()) for _ in range(n)]
+
+
+async def leases(redis: Redis, config: Config) -> dict[str, int]:
+    return {p.id: await redis.zcard(keys.leases(p.id)) for n in config.nodes for p in n.providers}
+
+
+async def test_dispatch_follows_fifo_and_rewrites_the_target(redis: Redis) -> None:
+    config = make_config({"a": 1})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    run_ids = await submit(client, 3)
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await redis.zrange(keys.leases("a"), 0, -1) == [run_ids[0].encode()]
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 2
+    record = await redis.hgetall(keys.run_record(run_ids[0]))
+    assert record[b"state"] == b"dispatched"
+    assert record[b"target"] == b"a-name" and record[b"provider"] == b"a" and record[b"node"] == b"n-a"
+    job = unpack(await redis.get(keys.arq_job(run_ids[0])))
+    assert job["f"] == keys.JOB_FUNCTION and job["a"] == [run_ids[0]]
+    assert await redis.zrange(keys.node_queue("n-a"), 0, -1) == [run_ids[0].encode()]
+    events = await redis.xrange(keys.run_events(run_ids[0]))
+    assert [e[1][b"type"] for e in events] == [b"dispatched"]
+    assert unpack(events[0][1][b"data"]) == {"provider": "a", "node": "n-a", "target": "a-name"}
+
+    # Free the slot the way a worker does; the next run in order goes.
+    await redis.zrem(keys.leases("a"), run_ids[0])
+    await sched.dispatch_all()
+    assert await redis.zrange(keys.leases("a"), 0, -1) == [run_ids[1].encode()]
+
+
+async def test_two_schedulers_never_exceed_capacity(redis: Redis) -> None:
+    config = make_config({"a": 1, "b": 2, "c": 3})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    await submit(client, 120)
+    replicas = [Scheduler(redis, config, consumer=f"s{i}") for i in range(2)]
+    await replicas[0].ensure_groups()
+    # Interleave the two replicas' reads so each owns part of the queue.
+    for _ in range(6):
+        for s in replicas:
+            await s.read_new(block_ms=1, count=10)
+    assert [len(s.waiting[MODEL]) for s in replicas] == [60, 60]
+    await asyncio.gather(*(s.dispatch_all() for s in replicas for _ in range(5)))
+    assert await leases(redis, config) == {"a": 1, "b": 2, "c": 3}
+    queued = sum([await redis.zcard(keys.node_queue(f"n-{p}")) for p in "abc"])
+    assert queued == 6
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 114
+
+
+async def test_least_loaded_provider_wins(redis: Redis) -> None:
+    config = make_config({"a": 3, "b": 3})
+    await beat(redis, config)
+    now = now_ms()
+    await redis.zadd(keys.leases("a"), {"x1": now + 60_000})
+    await redis.zadd(keys.leases("b"), {"y1": now + 60_000, "y2": now + 60_000})
+    client = RunClient(redis, config)
+    run_ids = await submit(client, 1)
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_ids[0]), "provider") == b"a"
+
+
+async def test_overflow_is_exact_under_a_concurrent_burst(redis: Redis) -> None:
+    config = make_config({"a": 1}, queue={"max_queue": 7, "queue_timeout_ms": 60_000})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    model = config.model(MODEL)
+    assert model is not None
+
+    async def one() -> str:
+        try:
+            await client.submit(model, request())
+            return "ok"
+        except ApiError as exc:
+            assert exc.status == 429 and exc.headers.get("Retry-After")
+            return exc.code.value
+
+    results = await asyncio.gather(*(one() for _ in range(60)))
+    assert results.count("ok") == 7 and results.count("queue_full") == 53
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 7
+
+
+async def test_no_available_provider_is_refused_at_once(redis: Redis) -> None:
+    config = make_config({"a": 1})
+    client = RunClient(redis, config)
+    with pytest.raises(ApiError) as err:
+        await submit(client, 1)
+    assert err.value.status == 503 and err.value.code.value == "no_available_provider"
+    await beat(redis, config, health="unavailable")
+    with pytest.raises(ApiError):
+        await submit(client, 1)
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 0
+    assert await redis.keys("iop:run:*") == []
+
+
+async def test_queue_timeout_fails_the_run_and_leaves_the_queue(redis: Redis) -> None:
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 1})
+    await beat(redis, config)
+    await redis.zadd(keys.leases("a"), {"busy": now_ms() + 60_000})
+    client = RunClient(redis, config)
+    (run_id,) = await submit(client, 1)
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    deadline = sched.next_deadline_ms()
+    assert deadline is not None
+    while now_ms() < deadline:  # the deadline is 1 ms away
+        await asyncio.sleep(0.001)
+    await sched.expire_overdue()
+    assert await redis.hget(keys.run_record(run_id), "state") == b"timed_out"
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 0
+    events = [e async for e in client.follow(run_id)]
+    assert events[-1].type == "failed" and events[-1].data["code"] == "queue_timeout"
+
+
+async def test_a_dead_replicas_runs_are_taken_over_and_a_live_ones_are_not(redis: Redis) -> None:
+    config = make_config({"a": 5})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    await submit(client, 3)
+    a, b = Scheduler(redis, config, consumer="a"), Scheduler(redis, config, consumer="b")
+    await a.ensure_groups()
+    await a.heartbeat()
+    await b.heartbeat()
+    assert await a.read_new(block_ms=10) == 3
+    assert await b.take_over_dead() == 0  # a is alive: nothing is stolen
+    await redis.delete(keys.scheduler_alive("a"))  # a died: its liveness key expired
+    assert await b.take_over_dead() == 3
+    await b.dispatch_all()
+    assert await redis.zcard(keys.leases("a")) == 3
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 0
+
+
+async def test_expired_lease_requeues_then_fails_with_worker_lost(redis: Redis) -> None:
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 2})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    (run_id,) = await submit(client, 1)
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+
+    async def dispatch_and_expire() -> Any:
+        await sched.dispatch_all()
+        assert await redis.zcard(keys.leases("a")) == 1
+        await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease
+        assert await sched.reap_expired_leases() == 1
+        assert await redis.zcard(keys.leases("a")) == 0
+        assert await redis.zcard(keys.node_queue("n-a")) == 0
+        return await redis.hget(keys.run_record(run_id), "state")
+
+    assert await dispatch_and_expire() == b"queued"  # attempt 1 of 2 sent nothing: tried again
+    await sched.read_new(block_ms=10)
+    assert await dispatch_and_expire() == b"failed"
+    events = [e async for e in client.follow(run_id)]
+    assert [e.type for e in events] == ["dispatched", "requeued", "dispatched", "failed"]
+    assert events[-1].data["code"] == "worker_lost"
