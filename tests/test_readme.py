@@ -1,0 +1,25 @@
+"""The README stays true about what the code defines."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from common import keys
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_key_table_lists_every_key_the_key_module_defines() -> None:
+    table = README.split("## Redis keys", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `([^`]+)` \|", table, flags=re.M))
+    defined = {pattern for pattern, *_ in keys.KEY_TABLE}
+    assert defined == listed
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    command = re.search(r"## Test it\n\n```bash\n(.+?)\n```", README, flags=re.S)
+    assert command is not None
+    test_command = command.group(1).split("&&")[-1].strip()
+    assert test_command in (ROOT / ".ci" / "run").read_text()
