@@ -34,6 +34,9 @@ class ProviderSnapshot:
     in_flight: int
     #: when the heartbeat was written (ms since the epoch); None = no heartbeat
     heartbeat_ms: int | None
+    #: False when the provider listed the models it serves and the run's served name was not
+    #: among them: it cannot take this model's runs, whatever its health
+    has_model: bool = True
 
     def load_ratio(self) -> Fraction | None:
         if not self.capacity:
@@ -49,9 +52,20 @@ def is_available(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> bool:
     """Healthy and known: could take runs if it had a free slot."""
     return (
         snap.health is Health.AVAILABLE
+        and snap.has_model
         and is_fresh(snap, now_ms, ttl_ms)
         and snap.capacity is not None
         and snap.capacity > 0
+    )
+
+
+def all_refused(snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int) -> bool:
+    """True when every provider answered its latest probe and none can take the model's runs
+    (unavailable, or not serving the model). Providers with no fresh heartbeat are not known
+    to be down, so they keep a run waiting."""
+    snaps = list(snapshots)
+    return bool(snaps) and all(
+        is_fresh(s, now_ms, ttl_ms) and (s.health is Health.UNAVAILABLE or not s.has_model) for s in snaps
     )
 
 

@@ -183,11 +183,13 @@ class RequestRecord:
     disconnected: bool = False
     completed: bool = False
     epoch: int = 0
+    started: float = field(default_factory=time.monotonic)
+    duration_ms: float | None = None
 
     def as_json(self) -> JsonObject:
         return {
             "model": self.model, "request_id": self.request_id, "path": self.path, "stream": self.stream,
-            "disconnected": self.disconnected, "completed": self.completed,
+            "disconnected": self.disconnected, "completed": self.completed, "duration_ms": self.duration_ms,
         }
 
 
@@ -197,6 +199,7 @@ class SimStats:
     current: int = 0
     max_concurrent: int = 0
     disconnects: int = 0
+    busy_ms: float = 0.0  # sum of the durations of finished requests
     by_model: Counter[str] = field(default_factory=Counter)
     requests: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=MAX_RECORDS))
     epoch: int = 0  # bumped by reset() so in-flight requests from before don't count afterwards
@@ -208,8 +211,11 @@ class SimStats:
         self.max_concurrent = max(self.max_concurrent, self.current)
         self.requests.append(record)
 
-    def end(self) -> None:
+    def end(self, record: RequestRecord) -> None:
         self.current -= 1
+        record.duration_ms = (time.monotonic() - record.started) * 1000
+        if record.epoch == self.epoch:
+            self.busy_ms += record.duration_ms
 
     def identify(self, record: RequestRecord, model: str, stream: bool) -> None:
         record.model, record.stream = model, stream
@@ -227,6 +233,7 @@ class SimStats:
         """Zero everything; ``current`` is a gauge of in-flight requests and is kept."""
         self.epoch += 1
         self.total = self.disconnects = 0
+        self.busy_ms = 0.0
         self.max_concurrent = self.current
         self.by_model.clear()
         self.requests.clear()
@@ -235,7 +242,7 @@ class SimStats:
         return {
             "total": self.total, "max_concurrent": self.max_concurrent, "current": self.current,
             "by_model": dict(self.by_model), "requests": [r.as_json() for r in self.requests],
-            "disconnects": self.disconnects,
+            "disconnects": self.disconnects, "busy_ms": round(self.busy_ms, 3),
         }
 
 
@@ -260,7 +267,7 @@ def _tracked(handle: TrackedHandler) -> Handler:
             stats.mark_disconnected(record)
             raise
         finally:
-            stats.end()
+            stats.end(record)
 
     return handler
 

@@ -28,7 +28,7 @@ from redis.exceptions import ResponseError
 from common import keys
 from common.codec import job_payload, pack
 from common.config import Config, ModelConfig
-from common.policy import ProviderSnapshot, select_provider
+from common.policy import ProviderSnapshot, all_refused, select_provider
 from common.redisconn import REDIS_DOWN, now_ms
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, RunState
@@ -69,7 +69,7 @@ class Scheduler:
         self.consumer = consumer or new_consumer_name()
         self.waiting: dict[str, list[Waiting]] = {m.id: [] for m in config.models}
         self.kick = asyncio.Event()
-        self._providers = {m.id: sorted(m.providers) for m in config.models}
+        self._targets = {m.id: {p: m.providers[p] for p in sorted(m.providers)} for m in config.models}
 
     # ----------------------------------------------------------------- setup
     async def ensure_groups(self) -> None:
@@ -134,9 +134,12 @@ class Scheduler:
         stale = 0
         while queue:
             head = queue[0]
-            snaps = await read_snapshots(self.redis, self._providers[model.id], now_ms())
-            choice = select_provider(snaps, now_ms(), self.config.runtime.heartbeat_ttl_ms)
+            now = now_ms()
+            snaps = await read_snapshots(self.redis, self._targets[model.id], now)
+            choice = select_provider(snaps, now, self.config.runtime.heartbeat_ttl_ms)
             if choice is None:
+                if all_refused(snaps, now, self.config.runtime.heartbeat_ttl_ms):
+                    await self._refuse_all(model, snaps)
                 return
             result = await self._dispatch(model, head, choice, snaps)
             if result in ("ok", "gone"):
@@ -167,6 +170,16 @@ class Scheduler:
         )
         return result.decode() if isinstance(result, bytes) else str(result)
 
+    async def _refuse_all(self, model: ModelConfig, snaps: list[ProviderSnapshot]) -> None:
+        """Every provider of the model is down: its waiting runs fail now (503), not at their timeout."""
+        info = ErrorInfo(ErrorCode.NO_AVAILABLE_PROVIDER,
+                         f"no provider of model {model.id!r} is available: "
+                         + ", ".join(f"{s.provider_id} is {s.health.value if s.has_model else 'missing the model'}"
+                                     for s in snaps))
+        queue = self.waiting[model.id]
+        while queue:
+            await self._drop(model.id, queue.pop(0), RunState.FAILED, info)
+
     # ----------------------------------------------------------------- timeouts
     def next_deadline_ms(self) -> int | None:
         deadlines = [w.deadline_ms for queue in self.waiting.values() for w in queue]
@@ -186,14 +199,18 @@ class Scheduler:
         timeout = self.config.queue_for(model).queue_timeout_ms
         info = ErrorInfo(ErrorCode.QUEUE_TIMEOUT,
                          f"no provider of model {model_id!r} had a free slot within {timeout} ms")
+        await self._drop(model_id, w, RunState.TIMED_OUT, info)
+
+    async def _drop(self, model_id: str, w: Waiting, state: RunState, info: ErrorInfo) -> None:
+        """End a run that is still waiting in its queue."""
         result = await self.scripts.call(
             "drop_queued",
             [keys.runs_stream(model_id), keys.run_record(w.run_id), keys.run_events(w.run_id)],
-            [w.run_id, keys.SCHEDULER_GROUP, RunState.TIMED_OUT.value, pack(info.to_wire()),
+            [w.run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()),
              self.config.runtime.run_ttl_s, info.code.value, info.message, ""],
         )
         if result == b"ok":
-            log.info("run %s model=%s timed out in the queue", w.run_id, model_id)
+            log.info("run %s model=%s %s in the queue: %s", w.run_id, model_id, state.value, info.code.value)
 
     # ----------------------------------------------------------------- takeover
     async def take_over_dead(self) -> int:

@@ -1,7 +1,8 @@
 """Heartbeats: each worker probes its node's providers and publishes what it found.
 
 Every worker process of a node publishes the same hashes (last writer wins), so a node
-stays visible as long as any of its workers lives. A hash expires after
+stays visible as long as any of its workers lives. Each provider is probed by its own
+loop, so a provider that hangs cannot delay the others' heartbeats. A hash expires after
 `heartbeat_ttl_ms`; a provider without one is `unknown` and never selected.
 """
 
@@ -48,32 +49,39 @@ class Heartbeats:
         self.adapters = adapters
         self.last: dict[str, Health] = {}
 
-    async def beat_once(self) -> None:
-        node = self.config.node(self.node_id)
-        assert node is not None
-        probes = await asyncio.gather(*(self.adapters[p.id].probe() for p in node.providers))
-        ts = now_ms()
-        ttl = self.config.runtime.heartbeat_ttl_ms
+    async def beat_once(self, provider: ProviderConfig) -> ProbeResult:
+        interval_s = self.config.runtime.heartbeat_interval_ms / 1000
+        try:
+            # A probe never outlives one interval, so a hung provider turns unavailable
+            # within two intervals.
+            async with asyncio.timeout(interval_s):
+                probe = await self.adapters[provider.id].probe()
+        except TimeoutError:
+            probe = ProbeResult(Health.UNAVAILABLE, f"health probe got no answer within {interval_s:g}s")
+        key = keys.heartbeat(provider.id)
         pipe = self.redis.pipeline(transaction=False)
-        changed = False
-        for provider, probe in zip(node.providers, probes, strict=True):
-            key = keys.heartbeat(provider.id)
-            pipe.hset(key, mapping=heartbeat_fields(provider, self.node_id, probe, ts))
-            pipe.pexpire(key, ttl)
-            if self.last.get(provider.id) is not probe.health:
-                log.info("provider %s is %s %s", provider.id, probe.health.value, probe.reason)
-                changed = True
-            self.last[provider.id] = probe.health
-        if changed:
+        pipe.hset(key, mapping=heartbeat_fields(provider, self.node_id, probe, now_ms()))
+        pipe.pexpire(key, self.config.runtime.heartbeat_ttl_ms)
+        if self.last.get(provider.id) is not probe.health:
+            log.info("provider %s is %s %s", provider.id, probe.health.value, probe.reason)
             pipe.publish(keys.SCHEDULER_SIGNALS, "*")
         await pipe.execute()
+        self.last[provider.id] = probe.health
+        return probe
+
+    async def _loop(self, provider: ProviderConfig) -> None:
+        interval = self.config.runtime.heartbeat_interval_ms / 1000
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            try:
+                await self.beat_once(provider)
+            except REDIS_DOWN as exc:
+                self.last.pop(provider.id, None)  # Redis may have lost it: announce it again
+                log.warning("heartbeat of %s: Redis unavailable (%s)", provider.id, exc)
+            await asyncio.sleep(max(0.0, interval - (loop.time() - began)))
 
     async def run(self) -> None:
-        interval = self.config.runtime.heartbeat_interval_ms / 1000
-        while True:
-            try:
-                await self.beat_once()
-            except REDIS_DOWN as exc:
-                self.last.clear()  # Redis may have lost them: publish the change again
-                log.warning("heartbeat: Redis unavailable (%s)", exc)
-            await asyncio.sleep(interval)
+        node = self.config.node(self.node_id)
+        assert node is not None
+        await asyncio.gather(*(self._loop(p) for p in node.providers))

@@ -71,7 +71,7 @@ class Runner:
             [run_id, rt.lease_ttl_ms, rt.run_ttl_s])
         if started != b"ok":
             log.warning("run %s model=%s: not started (%s)", run_id, model_id, started.decode())
-            return started.decode()
+            return str(started.decode())
         policy = self.config.queue_for(model)
         att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts)
         task = asyncio.current_task()

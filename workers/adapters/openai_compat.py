@@ -24,9 +24,8 @@ def api_root(base_url: str) -> str:
 
 
 def _error_detail(payload: Any) -> dict[str, Any] | None:
-    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
-        return payload["error"]
-    return None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    return error if isinstance(error, dict) else None
 
 
 class SSEParser:
