@@ -35,7 +35,8 @@ ID_PATTERN = r"^\S+$"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `capacity: "4"`, `4.0` or `true` are errors, not silently 4 or 1
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class QueuePolicy(_Strict):
@@ -145,8 +146,13 @@ class ConfigError(Exception):
 
 
 def format_path(loc: Sequence[str | int]) -> str:
-    """('models', 1, 'providers', 'vllm-a') -> 'models[1].providers.vllm-a'."""
+    """('models', 1, 'providers', 'vllm-a') -> 'models[1].providers.vllm-a'.
+
+    pydantic marks a bad mapping key with a trailing '[key]': ('providers', 1, '[key]') is
+    the key 1 of `providers`, shown as 'providers.1 (key)'."""
     out = ""
+    if len(loc) >= 2 and loc[-1] == "[key]":
+        return f"{format_path(loc[:-2])}.{loc[-2]} (key)"
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
@@ -180,33 +186,53 @@ def _duplicates(items: Sequence[tuple[str, str]], kind: str) -> list[str]:
     return errors
 
 
-def check_references(cfg: Config) -> list[str]:
-    """Cross-field rules the schema alone cannot express. Pure; returns every fault."""
-    errors = _duplicates([(f"models[{i}].id", m.id) for i, m in enumerate(cfg.models)], "model")
-    errors += _duplicates([(f"nodes[{i}].id", n.id) for i, n in enumerate(cfg.nodes)], "node")
-    provider_paths = [
-        (f"nodes[{i}].providers[{j}].id", p.id)
-        for i, n in enumerate(cfg.nodes)
-        for j, p in enumerate(n.providers)
-    ]
-    errors += _duplicates(provider_paths, "provider")
-    for i, node in enumerate(cfg.nodes):
-        for j, p in enumerate(node.providers):
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _map(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
+    """Cross-field rules the schema alone cannot express. Pure; returns every fault.
+
+    Works on a raw mapping too, skipping parts of the wrong shape, so that reference faults
+    are reported alongside schema faults."""
+    data = cfg.model_dump() if isinstance(cfg, Config) else cfg
+    models = [_map(m) for m in _list(data.get("models"))]
+    nodes = [_map(n) for n in _list(data.get("nodes"))]
+    errors = _duplicates([(f"models[{i}].id", str(m.get("id"))) for i, m in enumerate(models) if "id" in m], "model")
+    errors += _duplicates([(f"nodes[{i}].id", str(n.get("id"))) for i, n in enumerate(nodes) if "id" in n], "node")
+    providers: dict[str, Mapping[str, Any]] = {}
+    provider_paths = []
+    for i, node in enumerate(nodes):
+        for j, p in enumerate(_map(x) for x in _list(node.get("providers"))):
             path = f"nodes[{i}].providers[{j}]"
-            if p.type != "cli" and not p.base_url:
-                errors.append(f"{path}.base_url: required for type {p.type}")
-            errors += _duplicates([(f"{path}.models[{k}]", s) for k, s in enumerate(p.models)], "served model")
-    providers = {p.id: p for n in cfg.nodes for p in n.providers}
-    for i, model in enumerate(cfg.models):
-        for provider_id, served in model.providers.items():
+            if "id" in p:
+                provider_paths.append((f"{path}.id", str(p["id"])))
+                providers.setdefault(str(p["id"]), p)  # the first definition is the one in force
+            if p.get("type") in PROVIDER_TYPES and p.get("type") != "cli" and not p.get("base_url"):
+                errors.append(f"{path}.base_url: required for type {p['type']}")
+            served = [(f"{path}.models[{k}]", str(x)) for k, x in enumerate(_list(p.get("models")))]
+            errors += _duplicates(served, "served model")
+    errors += _duplicates(provider_paths, "provider")
+    # Where the nodes themselves are malformed, which providers exist is not known: say
+    # nothing about references rather than something false.
+    nodes_known = bool(nodes) and all(isinstance(n.get("providers", []), list) for n in nodes)
+    for i, model in enumerate(models):
+        for provider_id, served_name in _map(model.get("providers")).items():
             path = f"models[{i}].providers.{provider_id}"
-            provider = providers.get(provider_id)
+            provider = providers.get(str(provider_id))
+            served_known = _list(provider.get("models")) if provider else []
             if provider is None:
-                errors.append(f"{path}: provider {provider_id!r} is not defined by any node")
-            elif served not in provider.models:
+                if nodes_known:
+                    errors.append(f"{path}: provider {provider_id!r} is not defined by any node")
+            elif (isinstance(served_name, str) and served_known and all(isinstance(x, str) for x in served_known)
+                  and served_name not in served_known):
                 errors.append(
-                    f"{path}: served model {served!r} is not in provider {provider_id}'s models "
-                    f"{provider.models}"
+                    f"{path}: served model {served_name!r} is not in provider {provider_id}'s models "
+                    f"{_list(provider.get('models'))}"
                 )
     return errors
 
@@ -215,11 +241,11 @@ def parse_config(data: Any) -> Config:
     """Validate a mapping (parsed YAML) into a Config, or raise ConfigError with every fault."""
     if not isinstance(data, Mapping):
         raise ConfigError([f"(top level): expected a mapping, got {type(data).__name__}"])
+    errors = check_references(data)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_schema_errors(exc)) from None
-    errors = check_references(cfg)
+        raise ConfigError(_schema_errors(exc) + errors) from None
     if errors:
         raise ConfigError(errors)
     return cfg

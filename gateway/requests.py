@@ -23,7 +23,12 @@ class ParsedRequest:
 
 
 def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _check_prompt(body: dict[str, Any]) -> None:
@@ -88,8 +93,8 @@ _CHECKS = {RunKind.CHAT: _check_messages, RunKind.COMPLETION: _check_prompt, Run
 
 def parse_request(kind: RunKind, raw: bytes) -> ParsedRequest:
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")

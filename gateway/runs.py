@@ -71,6 +71,11 @@ class RunClient:
         key = keys.run_events(run_id)
         while True:
             reply = await self.redis.xread({key: last_id}, count=512, block=FOLLOW_BLOCK_MS)
+            if not reply and not await self.redis.exists(keys.run_record(run_id)):
+                # Redis lost the run (a restart without persistence): say so instead of waiting.
+                info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis restarted without persistence")
+                yield Event("lost", EventType.FAILED.value, info.to_wire())
+                return
             for _stream, entries in reply or ():
                 for entry_id, fields in entries:
                     last_id, etype, data = decode_event(entry_id, fields)

@@ -1,0 +1,564 @@
+"""Pure tests of the config schema and its validation (common/config.py) and `iop config validate`."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from common.config import (
+    CATEGORIES,
+    DEFAULT_CATEGORY,
+    PROVIDER_TYPES,
+    Config,
+    ConfigError,
+    QueuePolicy,
+    check_references,
+    format_path,
+    load_config,
+    parse_config,
+)
+from iop.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "demo.yaml"
+
+Mutation = Callable[[dict[str, Any]], None]
+
+VLLM_MODELS = ["Qwen/Qwen3.6-35B-A3B", "meta-llama/Llama-3.3-70B-Instruct"]
+
+
+def good() -> dict[str, Any]:
+    """A valid config: two models, two nodes, three providers (one a cli provider without base_url)."""
+    return {
+        "models": [
+            {
+                "id": "qwen3.6:35b",
+                "display_name": "Qwen 3.6 35B",
+                "providers": {"vllm-a": "Qwen/Qwen3.6-35B-A3B", "sglang-b": "qwen3.6-35b-a3b"},
+            },
+            {
+                "id": "llama3.3:70b",
+                "providers": {"vllm-a": "meta-llama/Llama-3.3-70B-Instruct", "cli-c": "llama-cli"},
+                "queue": {"max_queue": 16},
+            },
+        ],
+        "nodes": [
+            {
+                "id": "gpu-1",
+                "providers": [
+                    {"id": "vllm-a", "type": "vllm", "base_url": "http://gpu-1:8000", "capacity": 4,
+                     "models": list(VLLM_MODELS)},
+                ],
+            },
+            {
+                "id": "gpu-2",
+                "providers": [
+                    {"id": "sglang-b", "type": "sglang", "base_url": "http://gpu-2:30000", "capacity": 2,
+                     "models": ["qwen3.6-35b-a3b"]},
+                    {"id": "cli-c", "type": "cli", "capacity": 1, "models": ["llama-cli"]},
+                ],
+            },
+        ],
+        "queue": {"max_queue": 64, "queue_timeout_ms": 30000},
+    }
+
+
+def _parent(data: dict[str, Any], path: tuple[str | int, ...]) -> Any:
+    node: Any = data
+    for part in path[:-1]:
+        node = node[part]
+    return node
+
+
+def set_at(*path: str | int, value: Any) -> Mutation:
+    def mutate(data: dict[str, Any]) -> None:
+        _parent(data, path)[path[-1]] = value
+
+    return mutate
+
+
+def delete_at(*path: str | int) -> Mutation:
+    def mutate(data: dict[str, Any]) -> None:
+        del _parent(data, path)[path[-1]]
+
+    return mutate
+
+
+def append_copy(src: tuple[str | int, ...], dest: tuple[str | int, ...]) -> Mutation:
+    """Append a deep copy of the item at `src` to the list at `dest`."""
+
+    def mutate(data: dict[str, Any]) -> None:
+        item = copy.deepcopy(_parent(data, src)[src[-1]])
+        _parent(data, dest)[dest[-1]].append(item)
+
+    return mutate
+
+
+def append_at(*path: str | int, value: Any) -> Mutation:
+    def mutate(data: dict[str, Any]) -> None:
+        _parent(data, path)[path[-1]].append(value)
+
+    return mutate
+
+
+def both(*mutations: Mutation) -> Mutation:
+    def mutate(data: dict[str, Any]) -> None:
+        for m in mutations:
+            m(data)
+
+    return mutate
+
+
+def config_errors(data: Any) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return info.value.errors
+
+
+# (id, mutation, [(exact path, fragment of the message after "path: ")])
+REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
+    # --- references -------------------------------------------------------------------------
+    ("provider-no-node-defines", set_at("models", 1, "providers", "ghost", value="x"),
+     [("models[1].providers.ghost", "provider 'ghost' is not defined by any node")]),
+    ("served-name-not-in-provider-models", set_at("models", 1, "providers", "vllm-a", value="x"),
+     [("models[1].providers.vllm-a",
+       "served model 'x' is not in provider vllm-a's models "
+       "['Qwen/Qwen3.6-35B-A3B', 'meta-llama/Llama-3.3-70B-Instruct']")]),
+    ("served-name-of-another-provider", set_at("models", 0, "providers", "sglang-b", value="llama-cli"),
+     [("models[0].providers.sglang-b",
+       "served model 'llama-cli' is not in provider sglang-b's models ['qwen3.6-35b-a3b']")]),
+    # --- duplicates ---------------------------------------------------------------------------
+    ("duplicate-model-id", set_at("models", 1, "id", value="qwen3.6:35b"),
+     [("models[1].id", "duplicate model id 'qwen3.6:35b' (first at models[0].id)")]),
+    ("duplicate-node-id", set_at("nodes", 1, "id", value="gpu-1"),
+     [("nodes[1].id", "duplicate node id 'gpu-1' (first at nodes[0].id)")]),
+    ("duplicate-provider-id-same-node",
+     append_copy(("nodes", 1, "providers", 0), ("nodes", 1, "providers")),
+     [("nodes[1].providers[2].id", "duplicate provider id 'sglang-b' (first at nodes[1].providers[0].id)")]),
+    ("duplicate-provider-id-across-nodes",
+     append_copy(("nodes", 0, "providers", 0), ("nodes", 1, "providers")),
+     [("nodes[1].providers[2].id", "duplicate provider id 'vllm-a' (first at nodes[0].providers[0].id)")]),
+    ("duplicate-served-model", append_at("nodes", 1, "providers", 0, "models", value="qwen3.6-35b-a3b"),
+     [("nodes[1].providers[0].models[1]",
+       "duplicate served model id 'qwen3.6-35b-a3b' (first at nodes[1].providers[0].models[0])")]),
+    # --- type / category ----------------------------------------------------------------------
+    ("unknown-type", set_at("nodes", 0, "providers", 0, "type", value="tgi"),
+     [("nodes[0].providers[0].type", "got 'tgi'")]),
+    ("unknown-category", set_at("nodes", 1, "providers", 1, "category", value="gpu"),
+     [("nodes[1].providers[1].category", "got 'gpu'")]),
+    # --- capacity -----------------------------------------------------------------------------
+    ("capacity-0", set_at("nodes", 0, "providers", 0, "capacity", value=0),
+     [("nodes[0].providers[0].capacity", "greater than or equal to 1")]),
+    ("capacity-negative", set_at("nodes", 1, "providers", 0, "capacity", value=-1),
+     [("nodes[1].providers[0].capacity", "greater than or equal to 1")]),
+    ("capacity-not-a-number", set_at("nodes", 0, "providers", 0, "capacity", value="four"),
+     [("nodes[0].providers[0].capacity", "valid integer")]),
+    ("capacity-null", set_at("nodes", 0, "providers", 0, "capacity", value=None),
+     [("nodes[0].providers[0].capacity", "valid integer")]),
+    ("capacity-fractional", set_at("nodes", 0, "providers", 0, "capacity", value=2.5),
+     [("nodes[0].providers[0].capacity", "valid integer")]),
+    ("capacity-a-string", set_at("nodes", 0, "providers", 0, "capacity", value="4"),
+     [("nodes[0].providers[0].capacity", "valid integer")]),
+    ("capacity-a-bool", set_at("nodes", 0, "providers", 0, "capacity", value=True),
+     [("nodes[0].providers[0].capacity", "valid integer")]),
+    ("capacity-missing", delete_at("nodes", 0, "providers", 0, "capacity"),
+     [("nodes[0].providers[0].capacity", "Field required")]),
+    # --- base_url -----------------------------------------------------------------------------
+    ("base-url-missing-vllm", delete_at("nodes", 0, "providers", 0, "base_url"),
+     [("nodes[0].providers[0].base_url", "required for type vllm")]),
+    ("base-url-empty-sglang", set_at("nodes", 1, "providers", 0, "base_url", value=""),
+     [("nodes[1].providers[0].base_url", "required for type sglang")]),
+    ("base-url-missing-openai-api", set_at("nodes", 1, "providers", 1, "type", value="openai_api"),
+     [("nodes[1].providers[1].base_url", "required for type openai_api")]),
+    # --- unknown fields (typos) at several depths ---------------------------------------------
+    ("typo-top-level", set_at("queu", value={"max_queue": 1}), [("queu", "unknown field")]),
+    ("typo-model", set_at("models", 0, "dispaly_name", value="x"),
+     [("models[0].dispaly_name", "unknown field")]),
+    ("typo-model-queue", set_at("models", 1, "queue", "max_queu", value=1),
+     [("models[1].queue.max_queu", "unknown field")]),
+    ("typo-node", set_at("nodes", 1, "provider", value=[]), [("nodes[1].provider", "unknown field")]),
+    ("typo-provider", set_at("nodes", 1, "providers", 1, "capacty", value=3),
+     [("nodes[1].providers[1].capacty", "unknown field")]),
+    ("typo-queue", set_at("queue", "queue_timeout", value=5), [("queue.queue_timeout", "unknown field")]),
+    ("typo-runtime", set_at("runtime", value={"heartbeat_ms": 5}),
+     [("runtime.heartbeat_ms", "unknown field")]),
+    # --- empty collections --------------------------------------------------------------------
+    ("empty-model-providers-map", set_at("models", 0, "providers", value={}),
+     [("models[0].providers", "at least 1 item")]),
+    ("empty-models-list", set_at("models", value=[]), [("models", "at least 1 item")]),
+    ("empty-nodes-list", set_at("nodes", value=[]), [("nodes", "at least 1 item")]),
+    ("empty-provider-models", set_at("nodes", 1, "providers", 1, "models", value=[]),
+     [("nodes[1].providers[1].models", "at least 1 item")]),
+    ("missing-nodes", delete_at("nodes"), [("nodes", "Field required")]),
+    ("missing-model-providers", delete_at("models", 1, "providers"),
+     [("models[1].providers", "Field required")]),
+    # --- wrong types --------------------------------------------------------------------------
+    ("models-not-a-list", set_at("models", value={"id": "x"}), [("models", "valid list")]),
+    ("model-providers-a-list", set_at("models", 0, "providers", value=["vllm-a"]),
+     [("models[0].providers", "valid dictionary")]),
+    ("served-name-not-a-string", set_at("models", 0, "providers", "vllm-a", value=5),
+     [("models[0].providers.vllm-a", "valid string")]),
+    ("model-id-not-a-string", set_at("models", 1, "id", value=5), [("models[1].id", "valid string")]),
+    ("model-id-with-space", set_at("models", 1, "id", value="llama 3"), [("models[1].id", "pattern")]),
+    ("model-id-empty", set_at("models", 1, "id", value=""), [("models[1].id", "pattern")]),
+    ("provider-models-a-string", set_at("nodes", 0, "providers", 0, "models", value="x"),
+     [("nodes[0].providers[0].models", "valid list")]),
+    ("provider-models-item-not-a-string", set_at("nodes", 0, "providers", 0, "models", 1, value=3),
+     [("nodes[0].providers[0].models[1]", "valid string")]),
+    ("node-providers-a-mapping", set_at("nodes", 0, "providers", value={}),
+     [("nodes[0].providers", "valid list")]),
+    ("queue-a-string", set_at("queue", value="fast"), [("queue", "valid dictionary")]),
+    ("model-queue-negative", set_at("models", 1, "queue", "max_queue", value=-1),
+     [("models[1].queue.max_queue", "greater than or equal to 0")]),
+    ("queue-timeout-zero", set_at("queue", "queue_timeout_ms", value=0),
+     [("queue.queue_timeout_ms", "greater than or equal to 1")]),
+    # --- several faults at once: every one is reported ----------------------------------------
+    ("several-schema-faults",
+     both(set_at("nodes", 0, "providers", 0, "capacity", value=0),
+          set_at("nodes", 1, "providers", 0, "type", value="tgi"),
+          set_at("colour", value="blue"),
+          set_at("models", 1, "id", value="a b")),
+     [("models[1].id", "pattern"),
+      ("nodes[0].providers[0].capacity", "greater than or equal to 1"),
+      ("nodes[1].providers[0].type", "got 'tgi'"),
+      ("colour", "unknown field")]),
+    ("several-reference-faults",
+     both(set_at("models", 0, "providers", "ghost", value="x"),
+          set_at("models", 1, "providers", "cli-c", value="nope"),
+          set_at("nodes", 1, "id", value="gpu-1"),
+          set_at("models", 1, "id", value="qwen3.6:35b"),
+          delete_at("nodes", 0, "providers", 0, "base_url")),
+     [("models[1].id", "duplicate model id 'qwen3.6:35b' (first at models[0].id)"),
+      ("nodes[1].id", "duplicate node id 'gpu-1' (first at nodes[0].id)"),
+      ("nodes[0].providers[0].base_url", "required for type vllm"),
+      ("models[0].providers.ghost", "provider 'ghost' is not defined by any node"),
+      ("models[1].providers.cli-c", "served model 'nope' is not in provider cli-c's models ['llama-cli']")]),
+]
+
+
+@pytest.mark.parametrize(("mutation", "expected"), [(m, e) for _, m, e in REJECTED],
+                         ids=[name for name, _, _ in REJECTED])
+def test_rejected_config_names_the_exact_path(mutation: Mutation, expected: list[tuple[str, str]]) -> None:
+    data = good()
+    mutation(data)
+    errors = config_errors(data)
+    assert len(errors) == len(expected), errors
+    by_path = sorted(errors, key=lambda e: e.split(": ", 1)[0])
+    for (path, fragment), error in zip(sorted(expected), by_path, strict=True):
+        assert error.startswith(f"{path}: "), (path, errors)
+        assert fragment in error[len(path) + 2:], (fragment, error)
+
+
+def test_reference_errors_are_exact_strings() -> None:
+    data = good()
+    set_at("models", 1, "providers", "vllm-a", value="x")(data)
+    assert config_errors(data) == [
+        "models[1].providers.vllm-a: served model 'x' is not in provider vllm-a's models "
+        "['Qwen/Qwen3.6-35B-A3B', 'meta-llama/Llama-3.3-70B-Instruct']"
+    ]
+
+
+def test_several_faults_are_in_the_exception_message() -> None:
+    data = good()
+    set_at("nodes", 0, "providers", 0, "capacity", value=-1)(data)
+    set_at("nodes", 1, "providers", 1, "category", value="gpu")(data)
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert str(info.value) == "\n".join(info.value.errors)
+    assert len(info.value.errors) == 2
+
+
+@pytest.mark.parametrize("data", [None, [], ["models"], "models: []", 3, 1.5, True])
+def test_top_level_must_be_a_mapping(data: Any) -> None:
+    assert config_errors(data) == [f"(top level): expected a mapping, got {type(data).__name__}"]
+
+
+def test_good_config_parses() -> None:
+    cfg = parse_config(good())
+    assert isinstance(cfg, Config)
+    assert [m.id for m in cfg.models] == ["qwen3.6:35b", "llama3.3:70b"]
+    assert [n.id for n in cfg.nodes] == ["gpu-1", "gpu-2"]
+    model = cfg.model("qwen3.6:35b")
+    assert model is not None
+    assert model.providers == {"vllm-a": "Qwen/Qwen3.6-35B-A3B", "sglang-b": "qwen3.6-35b-a3b"}
+    assert model.title == "Qwen 3.6 35B"
+    other = cfg.model("llama3.3:70b")
+    assert other is not None and other.title == "llama3.3:70b"
+    assert cfg.model("qwen3.6") is None
+    assert cfg.provider("cli-c").base_url is None
+    assert cfg.provider("vllm-a").capacity == 4
+    assert cfg.provider("vllm-a").models == VLLM_MODELS
+    assert cfg.node_of("vllm-a") == "gpu-1"
+    assert cfg.node_of("sglang-b") == "gpu-2"
+    assert cfg.node_of("cli-c") == "gpu-2"
+    node = cfg.node("gpu-2")
+    assert node is not None and [p.id for p in node.providers] == ["sglang-b", "cli-c"]
+    assert cfg.node("gpu-3") is None
+    with pytest.raises(KeyError):
+        cfg.provider("ghost")
+    assert check_references(cfg) == []
+
+
+def test_parse_does_not_mutate_its_input() -> None:
+    data = good()
+    before = copy.deepcopy(data)
+    parse_config(data)
+    assert data == before
+
+
+def test_check_references_is_pure_and_returns_every_fault() -> None:
+    data = good()
+    set_at("models", 0, "providers", "ghost", value="x")(data)
+    set_at("nodes", 1, "id", value="gpu-1")(data)
+    cfg = Config.model_validate(data)  # the schema alone accepts it
+    assert check_references(cfg) == [
+        "nodes[1].id: duplicate node id 'gpu-1' (first at nodes[0].id)",
+        "models[0].providers.ghost: provider 'ghost' is not defined by any node",
+    ]
+    assert check_references(cfg) == check_references(cfg)
+
+
+# --- queue policy -----------------------------------------------------------------------------
+
+
+def test_model_without_override_gets_the_default_queue() -> None:
+    cfg = parse_config(good())
+    model = cfg.model("qwen3.6:35b")
+    assert model is not None
+    assert cfg.queue_for(model) == QueuePolicy(max_queue=64, queue_timeout_ms=30000)
+    assert cfg.queue_for(model) == cfg.queue
+
+
+def test_queue_defaults_when_no_queue_section() -> None:
+    data = good()
+    del data["queue"]
+    cfg = parse_config(data)
+    assert cfg.queue == QueuePolicy(max_queue=64, queue_timeout_ms=30_000, execution_timeout_ms=600_000,
+                                    max_attempts=3)
+
+
+def test_queue_override_merges_only_the_fields_set() -> None:
+    data = good()
+    data["queue"] = {"max_queue": 50, "queue_timeout_ms": 12_345, "max_attempts": 5}
+    data["models"][1]["queue"] = {"max_queue": 16, "execution_timeout_ms": 1_000}
+    cfg = parse_config(data)
+    model = cfg.model("llama3.3:70b")
+    assert model is not None
+    assert cfg.queue_for(model) == QueuePolicy(
+        max_queue=16, queue_timeout_ms=12_345, execution_timeout_ms=1_000, max_attempts=5
+    )
+    # the default itself is untouched
+    assert cfg.queue == QueuePolicy(max_queue=50, queue_timeout_ms=12_345, max_attempts=5)
+
+
+def test_queue_override_with_a_falsy_value_still_applies() -> None:
+    data = good()
+    data["models"][1]["queue"] = {"max_queue": 0}
+    cfg = parse_config(data)
+    model = cfg.model("llama3.3:70b")
+    assert model is not None
+    assert cfg.queue_for(model).max_queue == 0
+    assert cfg.queue_for(model).queue_timeout_ms == 30_000
+
+
+def test_empty_queue_override_is_the_default() -> None:
+    data = good()
+    data["models"][1]["queue"] = {}
+    cfg = parse_config(data)
+    model = cfg.model("llama3.3:70b")
+    assert model is not None
+    assert cfg.queue_for(model) == cfg.queue
+
+
+# --- categories -------------------------------------------------------------------------------
+
+
+def test_every_type_has_a_valid_default_category() -> None:
+    assert set(DEFAULT_CATEGORY) == set(PROVIDER_TYPES)
+    assert set(DEFAULT_CATEGORY.values()) <= set(CATEGORIES)
+
+
+@pytest.mark.parametrize(("ptype", "category"), [
+    ("ollama", "local_inference"), ("vllm", "local_inference"), ("sglang", "local_inference"),
+    ("lemonade", "local_inference"), ("openai_api", "api"), ("cli", "cli"),
+])
+def test_default_category_per_type(ptype: str, category: str) -> None:
+    data = good()
+    provider = data["nodes"][0]["providers"][0]
+    provider["type"] = ptype
+    cfg = parse_config(data)
+    assert cfg.provider("vllm-a").category is None
+    assert cfg.provider("vllm-a").effective_category == category
+
+
+@pytest.mark.parametrize("category", ["api", "cli", "local_inference"])
+def test_explicit_category_wins(category: str) -> None:
+    data = good()
+    data["nodes"][0]["providers"][0]["category"] = category
+    cfg = parse_config(data)
+    assert cfg.provider("vllm-a").effective_category == category
+
+
+# --- format_path ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("loc", "expected"), [
+    ((), "(top level)"),
+    (("models",), "models"),
+    (("models", 1, "providers", "vllm-a"), "models[1].providers.vllm-a"),
+    (("nodes", 0, "providers", 2, "id"), "nodes[0].providers[2].id"),
+    (("nodes", 0, "providers", 2, "models", 0), "nodes[0].providers[2].models[0]"),
+    (("queue", "max_queue"), "queue.max_queue"),
+    ((3,), "[3]"),
+])
+def test_format_path(loc: tuple[str | int, ...], expected: str) -> None:
+    assert format_path(loc) == expected
+
+
+# --- load_config ------------------------------------------------------------------------------
+
+
+def test_load_demo_config() -> None:
+    cfg = load_config(DEMO)
+    assert [m.id for m in cfg.models] == ["qwen3.6:35b", "llama3.3:70b"]
+    assert sum(len(n.providers) for n in cfg.nodes) == 3
+    llama = cfg.model("llama3.3:70b")
+    assert llama is not None
+    assert cfg.queue_for(llama).max_queue == 16
+    assert cfg.queue_for(llama).queue_timeout_ms == 30_000
+
+
+def test_load_accepts_str_path(tmp_path: Path) -> None:
+    path = tmp_path / "iop.yaml"
+    path.write_text(yaml.safe_dump(good()))
+    assert load_config(str(path)) == parse_config(good())
+
+
+def test_load_missing_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert len(info.value.errors) == 1
+    assert info.value.errors[0].startswith(f"{path}: cannot read")
+    assert "No such file" in info.value.errors[0]
+
+
+def test_load_directory_names_the_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path)
+    assert len(info.value.errors) == 1
+    assert info.value.errors[0].startswith(f"{tmp_path}: cannot read")
+
+
+def test_load_invalid_yaml_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("models: [\n  - id: x\nnodes: {")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert len(info.value.errors) == 1
+    assert info.value.errors[0].startswith(f"{path}: not valid YAML")
+
+
+def test_load_empty_file_is_not_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.errors == ["(top level): expected a mapping, got NoneType"]
+
+
+def test_load_reports_schema_faults_with_paths(tmp_path: Path) -> None:
+    data = good()
+    data["nodes"][0]["providers"][0]["capacity"] = 0
+    data["nodes"][0]["providers"][0]["type"] = "tgi"
+    path = tmp_path / "iop.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert sorted(e.split(":")[0] for e in info.value.errors) == [
+        "nodes[0].providers[0].capacity", "nodes[0].providers[0].type",
+    ]
+
+
+# --- `iop config validate` --------------------------------------------------------------------
+
+
+def run_cli(argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    code = info.value.code
+    assert isinstance(code, int)
+    return code
+
+
+def test_cli_validate_demo_ok(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["config", "validate", str(DEMO)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("OK")
+    assert "2 models, 2 nodes, 3 providers" in out
+    assert err == ""
+
+
+def test_cli_validate_bad_file_prints_every_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = good()
+    data["models"][0]["providers"]["ghost"] = "x"
+    data["models"][1]["providers"]["vllm-a"] = "nope"
+    data["nodes"][1]["id"] = "gpu-1"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    expected = info.value.errors
+    assert len(expected) == 3
+
+    code = run_cli(["config", "validate", str(path)])
+    assert code != 0
+    out, err = capsys.readouterr()
+    assert "OK" not in out
+    for error in expected:
+        assert error in err
+    assert "models[0].providers.ghost: provider 'ghost' is not defined by any node" in err
+    assert str(path) in err
+
+
+def test_cli_validate_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "missing.yaml"
+    assert run_cli(["config", "validate", str(path)]) != 0
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert f"{path}: cannot read" in err
+
+
+def test_schema_and_reference_faults_are_reported_together() -> None:
+    data = good()
+    set_at("nodes", 0, "providers", 0, "capacity", value=0)(data)
+    set_at("models", 0, "providers", "ghost", value="x")(data)
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert err.value.errors == [
+        "nodes[0].providers[0].capacity: Input should be greater than or equal to 1",
+        "models[0].providers.ghost: provider 'ghost' is not defined by any node",
+    ]
+
+
+def test_a_duplicate_provider_is_reported_once_and_the_first_definition_is_used() -> None:
+    data = good()
+    clone = copy.deepcopy(data["nodes"][0]["providers"][0])
+    clone["models"] = ["something-else"]
+    data["nodes"][1]["providers"].append(clone)
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert len(err.value.errors) == 1 and "duplicate provider id" in err.value.errors[0]
+
+
+def test_a_non_string_mapping_key_is_named_as_a_key() -> None:
+    data = good()
+    data["models"][0]["providers"][1] = "x"
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert "models[0].providers.1 (key): Input should be a valid string" in err.value.errors

@@ -1,0 +1,133 @@
+"""Pure tests of the OpenAI-shaped errors (gateway/errors.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from common.wire import ErrorCode, ErrorInfo
+from gateway.errors import STATUS, ApiError, invalid
+
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def test_every_error_code_has_a_status() -> None:
+    assert set(STATUS) == set(ErrorCode)
+    for code, status in STATUS.items():
+        assert 400 <= status <= 599, code
+
+
+@pytest.mark.parametrize(("code", "status"), [
+    # DESIGN.md, "HTTP surface"
+    (ErrorCode.INVALID_REQUEST, 400),
+    (ErrorCode.MODEL_NOT_FOUND, 404),
+    (ErrorCode.QUEUE_FULL, 429),
+    (ErrorCode.NO_AVAILABLE_PROVIDER, 503),
+    (ErrorCode.QUEUE_TIMEOUT, 504),
+    (ErrorCode.PROVIDER_ERROR, 502),
+    (ErrorCode.REQUEST_TOO_LARGE, 413),
+    (ErrorCode.INTERNAL, 500),
+])
+def test_documented_statuses(code: ErrorCode, status: int) -> None:
+    assert STATUS[code] == status
+    assert ApiError(code, "x").status == status
+
+
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_body_shape_for_every_code(code: ErrorCode) -> None:
+    err = ApiError(code, f"failed: {code.value}")
+    body = err.body()
+    assert list(body) == ["error"]
+    assert set(body["error"]) == ERROR_KEYS
+    assert body["error"]["message"] == f"failed: {code.value}"
+    assert body["error"]["code"] == code.value
+    assert body["error"]["param"] is None
+    expected_type = "invalid_request_error" if STATUS[code] < 500 else "server_error"
+    assert body["error"]["type"] == expected_type
+    json.dumps(body)  # serialisable
+
+
+def test_invalid_helper() -> None:
+    err = invalid("'messages' is required", "messages")
+    assert err.code is ErrorCode.INVALID_REQUEST
+    assert err.status == 400
+    assert str(err) == "'messages' is required"
+    assert err.body() == {"error": {"message": "'messages' is required", "type": "invalid_request_error",
+                                    "param": "messages", "code": "invalid_request_error"}}
+    assert invalid("bad").param is None
+
+
+def test_explicit_status_and_headers() -> None:
+    err = ApiError(ErrorCode.QUEUE_FULL, "queue full", headers={"Retry-After": "1"})
+    assert err.status == 429
+    assert err.headers == {"Retry-After": "1"}
+    err = ApiError(ErrorCode.INVALID_REQUEST, "gone", status=410)
+    assert err.status == 410
+    assert err.body()["error"]["type"] == "invalid_request_error"
+    assert ApiError(ErrorCode.INTERNAL, "x").headers == {}
+
+
+def test_response_carries_status_headers_and_body() -> None:
+    err = ApiError(ErrorCode.QUEUE_FULL, "the queue of model m is full", headers={"Retry-After": "2"})
+    resp = err.response()
+    assert resp.status == 429
+    assert resp.headers["Retry-After"] == "2"
+    assert resp.content_type == "application/json"
+    assert resp.text is not None
+    assert json.loads(resp.text) == err.body()
+
+
+PROVIDER_DETAIL: dict[str, Any] = {
+    "message": "This model's maximum context length is 4096 tokens.",
+    "type": "BadRequestError",
+    "param": "messages",
+    "code": "context_length_exceeded",
+}
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 422, 429, 499])
+def test_from_info_passes_provider_4xx_through(status: int) -> None:
+    info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider said no", status=status,
+                     detail={**PROVIDER_DETAIL, "extra": "dropped"})
+    err = ApiError.from_info(info)
+    assert err.status == status
+    assert err.code is ErrorCode.PROVIDER_ERROR
+    assert err.body() == {"error": PROVIDER_DETAIL}
+
+
+def test_from_info_4xx_detail_missing_fields_fall_back() -> None:
+    info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider said no", status=400,
+                     detail={"message": "bad field"})
+    body = ApiError.from_info(info).body()
+    assert body == {"error": {"message": "bad field", "type": "invalid_request_error", "param": None,
+                              "code": "provider_error"}}
+
+
+@pytest.mark.parametrize("detail", [None, {}, {"message": 5}, {"error": {"message": "nested"}}])
+def test_from_info_4xx_without_usable_detail_uses_own_message(detail: dict[str, Any] | None) -> None:
+    info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider answered 404", status=404, detail=detail)
+    err = ApiError.from_info(info)
+    assert err.status == 404
+    assert err.body() == {"error": {"message": "provider answered 404", "type": "invalid_request_error",
+                                    "param": None, "code": "provider_error"}}
+
+
+@pytest.mark.parametrize("status", [500, 502, 503, 504, None, 302])
+def test_from_info_provider_non_4xx_maps_to_502(status: int | None) -> None:
+    info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider failed", status=status, detail=PROVIDER_DETAIL)
+    err = ApiError.from_info(info)
+    assert err.status == 502
+    # the provider's own body is not passed through for a server error
+    assert err.body() == {"error": {"message": "provider failed", "type": "server_error", "param": None,
+                                    "code": "provider_error"}}
+
+
+@pytest.mark.parametrize("code", [ErrorCode.QUEUE_TIMEOUT, ErrorCode.EXECUTION_TIMEOUT, ErrorCode.WORKER_LOST,
+                                  ErrorCode.NO_AVAILABLE_PROVIDER, ErrorCode.CANCELLED])
+def test_from_info_run_failures_use_their_status(code: ErrorCode) -> None:
+    err = ApiError.from_info(ErrorInfo(code, "nope"))
+    assert err.status == STATUS[code]
+    assert err.body()["error"]["code"] == code.value
+    assert err.body()["error"]["message"] == "nope"

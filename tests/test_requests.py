@@ -1,0 +1,226 @@
+"""Pure tests of request-body validation (gateway/requests.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from common.wire import ErrorCode, RunKind
+from gateway.errors import ApiError
+from gateway.requests import ParsedRequest, parse_request
+
+CHAT = RunKind.CHAT
+COMPLETION = RunKind.COMPLETION
+EMBEDDING = RunKind.EMBEDDING
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+#: a minimal valid body per kind
+MINIMAL: dict[RunKind, dict[str, Any]] = {
+    CHAT: {"model": "m", "messages": MESSAGES},
+    COMPLETION: {"model": "m", "prompt": "hi"},
+    EMBEDDING: {"model": "m", "input": "hi"},
+}
+
+
+def body(kind: RunKind, **fields: Any) -> bytes:
+    """The minimal valid body of `kind` with `fields` set (a value of ... removes the field)."""
+    data = dict(MINIMAL[kind])
+    for key, value in fields.items():
+        if value is ...:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    return json.dumps(data).encode()
+
+
+def rejected(kind: RunKind, raw: bytes) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_request(kind, raw)
+    return info.value
+
+
+# (id, kind, raw body, expected param, fragment of the message)
+INVALID: list[tuple[str, RunKind, bytes, str | None, str]] = [
+    ("invalid-json", CHAT, b'{"model": "m",', None, "not valid JSON"),
+    ("empty-body", CHAT, b"", None, "not valid JSON"),
+    ("invalid-utf8", CHAT, b'{"model": "\xff\xfe\xfa"}', None, "not valid JSON"),
+    ("invalid-utf8-completion", COMPLETION, b'{"model": "m", "prompt": "\xc3\x28"}', None, "not valid JSON"),
+    ("body-is-array", CHAT, b"[]", None, "must be a JSON object"),
+    ("body-is-string", COMPLETION, b'"hello"', None, "must be a JSON object"),
+    ("body-is-null", EMBEDDING, b"null", None, "must be a JSON object"),
+    ("body-is-number", CHAT, b"42", None, "must be a JSON object"),
+    # model
+    ("model-missing", CHAT, body(CHAT, model=...), "model", "'model' is required"),
+    ("model-empty", COMPLETION, body(COMPLETION, model=""), "model", "non-empty string"),
+    ("model-null", EMBEDDING, body(EMBEDDING, model=None), "model", "non-empty string"),
+    ("model-number", CHAT, body(CHAT, model=3), "model", "non-empty string"),
+    ("model-list", CHAT, body(CHAT, model=["m"]), "model", "non-empty string"),
+    # chat messages
+    ("messages-missing", CHAT, body(CHAT, messages=...), "messages", "'messages' is required"),
+    ("messages-empty", CHAT, body(CHAT, messages=[]), "messages", "non-empty array"),
+    ("messages-object", CHAT, body(CHAT, messages={"role": "user"}), "messages", "non-empty array"),
+    ("messages-string", CHAT, body(CHAT, messages="hi"), "messages", "non-empty array"),
+    ("messages-null", CHAT, body(CHAT, messages=None), "messages", "non-empty array"),
+    ("message-not-object", CHAT, body(CHAT, messages=[*MESSAGES, "hi"]), "messages[1]", "must be an object"),
+    ("message-is-list", CHAT, body(CHAT, messages=[["user", "hi"]]), "messages[0]", "must be an object"),
+    ("message-role-missing", CHAT, body(CHAT, messages=[{"content": "hi"}]), "messages[0].role",
+     "must be a string"),
+    ("message-role-number", CHAT, body(CHAT, messages=[*MESSAGES, {"role": 1, "content": "x"}]),
+     "messages[1].role", "must be a string"),
+    ("message-role-null", CHAT, body(CHAT, messages=[{"role": None, "content": "x"}]), "messages[0].role",
+     "must be a string"),
+    # completion prompt
+    ("prompt-missing", COMPLETION, body(COMPLETION, prompt=...), "prompt", "'prompt' is required"),
+    ("prompt-dict", COMPLETION, body(COMPLETION, prompt={"text": "hi"}), "prompt", "must be a string"),
+    ("prompt-empty-list", COMPLETION, body(COMPLETION, prompt=[]), "prompt", "must be a string"),
+    ("prompt-mixed-list", COMPLETION, body(COMPLETION, prompt=["a", 1]), "prompt", "must be a string"),
+    ("prompt-mixed-nested", COMPLETION, body(COMPLETION, prompt=[[1, 2], "a"]), "prompt", "must be a string"),
+    ("prompt-number", COMPLETION, body(COMPLETION, prompt=5), "prompt", "must be a string"),
+    ("prompt-null", COMPLETION, body(COMPLETION, prompt=None), "prompt", "must be a string"),
+    ("prompt-bools-are-not-tokens", COMPLETION, body(COMPLETION, prompt=[True, False]), "prompt",
+     "must be a string"),
+    ("prompt-floats-are-not-tokens", COMPLETION, body(COMPLETION, prompt=[1.5, 2.0]), "prompt",
+     "must be a string"),
+    ("prompt-token-list-with-string", COMPLETION, body(COMPLETION, prompt=[[1, "a"]]), "prompt",
+     "must be a string"),
+    # embeddings input
+    ("input-missing", EMBEDDING, body(EMBEDDING, input=...), "input", "'input' is required"),
+    ("input-dict", EMBEDDING, body(EMBEDDING, input={"a": 1}), "input", "must be a string"),
+    ("input-empty-list", EMBEDDING, body(EMBEDDING, input=[]), "input", "must be a string"),
+    ("input-mixed-list", EMBEDDING, body(EMBEDDING, input=["a", 1]), "input", "must be a string"),
+    ("input-null", EMBEDDING, body(EMBEDDING, input=None), "input", "must be a string"),
+    # stream
+    ("stream-string", CHAT, body(CHAT, stream="true"), "stream", "must be a boolean"),
+    ("stream-number", COMPLETION, body(COMPLETION, stream=1), "stream", "must be a boolean"),
+    ("stream-on-embeddings", EMBEDDING, body(EMBEDDING, stream=True), "stream", "cannot be streamed"),
+    ("stream-non-bool-on-embeddings", EMBEDDING, body(EMBEDDING, stream="yes"), "stream",
+     "must be a boolean"),
+    ("stream-options-list", CHAT, body(CHAT, stream=True, stream_options=["include_usage"]), "stream_options",
+     "must be an object"),
+    ("stream-options-string", COMPLETION, body(COMPLETION, stream_options="x"), "stream_options",
+     "must be an object"),
+    ("include-usage-string", CHAT, body(CHAT, stream=True, stream_options={"include_usage": "yes"}),
+     "stream_options.include_usage", "must be a boolean"),
+    ("include-usage-null", CHAT, body(CHAT, stream=True, stream_options={"include_usage": None}),
+     "stream_options.include_usage", "must be a boolean"),
+    ("include-usage-number", COMPLETION, body(COMPLETION, stream=True, stream_options={"include_usage": 1}),
+     "stream_options.include_usage", "must be a boolean"),
+]
+
+
+@pytest.mark.parametrize(("kind", "raw", "param", "fragment"), [c[1:] for c in INVALID],
+                         ids=[c[0] for c in INVALID])
+def test_invalid_request(kind: RunKind, raw: bytes, param: str | None, fragment: str) -> None:
+    err = rejected(kind, raw)
+    assert err.status == 400
+    assert err.code is ErrorCode.INVALID_REQUEST
+    assert err.param == param
+    assert fragment in err.message
+    assert err.body() == {
+        "error": {"message": err.message, "type": "invalid_request_error", "param": param,
+                  "code": "invalid_request_error"}
+    }
+
+
+def test_invalid_json_message_names_the_problem() -> None:
+    err = rejected(CHAT, b'{"model": "m",')
+    assert err.message.startswith("the request body is not valid JSON: ")
+    assert len(err.message) > len("the request body is not valid JSON: ")
+
+
+def test_model_is_checked_before_the_prompt() -> None:
+    assert rejected(CHAT, b"{}").param == "model"
+    assert rejected(COMPLETION, b'{"prompt": 5}').param == "model"
+
+
+def test_each_kind_checks_only_its_own_field() -> None:
+    # a chat body is not a valid completion, and the other way round
+    assert rejected(COMPLETION, body(CHAT)).param == "prompt"
+    assert rejected(EMBEDDING, body(COMPLETION)).param == "input"
+    assert rejected(CHAT, body(EMBEDDING)).param == "messages"
+
+
+# (id, kind, body)
+VALID: list[tuple[str, RunKind, dict[str, Any]]] = [
+    ("chat-minimal", CHAT, MINIMAL[CHAT]),
+    ("chat-with-everything", CHAT, {
+        "model": "qwen3.6:35b",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                         {"type": "image_url", "image_url": {"url": "data:,"}}]},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}],
+        "tool_choice": "auto",
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "s", "schema": {"type": "object"}}},
+        "temperature": 0.2, "top_p": 1, "max_tokens": 64, "seed": 7, "n": 1, "stop": ["\n"],
+        "logit_bias": {"50256": -100}, "user": "u-1", "metadata": {"nested": {"deep": [1, 2, {"x": None}]}},
+        "vendor_extension": {"a": [True, False]},
+        "stream": True, "stream_options": {"include_usage": True},
+    }),
+    ("chat-stream-null", CHAT, {"model": "m", "messages": MESSAGES, "stream": None}),
+    ("chat-stream-options-without-stream", CHAT, {"model": "m", "messages": MESSAGES,
+                                                  "stream_options": {"include_usage": False}}),
+    ("chat-stream-options-empty", CHAT, {"model": "m", "messages": MESSAGES, "stream": True,
+                                         "stream_options": {}}),
+    ("chat-stream-options-unknown-key", CHAT, {"model": "m", "messages": MESSAGES, "stream": True,
+                                               "stream_options": {"something": 1}}),
+    ("completion-str", COMPLETION, {"model": "m", "prompt": "once upon"}),
+    ("completion-empty-str", COMPLETION, {"model": "m", "prompt": ""}),
+    ("completion-list-of-str", COMPLETION, {"model": "m", "prompt": ["a", "b"]}),
+    ("completion-token-ids", COMPLETION, {"model": "m", "prompt": [1, 2, 3]}),
+    ("completion-list-of-token-ids", COMPLETION, {"model": "m", "prompt": [[1, 2], [3]]}),
+    ("completion-with-extras", COMPLETION, {"model": "m", "prompt": "x", "echo": True, "logprobs": 2,
+                                            "suffix": "end", "best_of": 2, "stream": False}),
+    ("embedding-str", EMBEDDING, {"model": "m", "input": "text"}),
+    ("embedding-list-of-str", EMBEDDING, {"model": "m", "input": ["a", "b"]}),
+    ("embedding-token-ids", EMBEDDING, {"model": "m", "input": [1, 2]}),
+    ("embedding-list-of-token-ids", EMBEDDING, {"model": "m", "input": [[1], [2, 3]]}),
+    ("embedding-stream-false", EMBEDDING, {"model": "m", "input": "x", "stream": False,
+                                           "encoding_format": "float", "dimensions": 256}),
+]
+
+
+@pytest.mark.parametrize(("kind", "data"), [c[1:] for c in VALID], ids=[c[0] for c in VALID])
+def test_valid_body_passes_through_untouched(kind: RunKind, data: dict[str, Any]) -> None:
+    raw = json.dumps(data).encode()
+    parsed = parse_request(kind, raw)
+    assert isinstance(parsed, ParsedRequest)
+    assert parsed.kind is kind
+    assert parsed.model == data["model"]
+    assert parsed.stream is bool(data.get("stream"))
+    assert parsed.body == data
+    assert json.dumps(parsed.body) == json.dumps(data)  # same keys in the same order
+
+
+def test_utf8_content_is_decoded() -> None:
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "안녕 🙂"}]},
+                     ensure_ascii=False).encode("utf-8")
+    parsed = parse_request(CHAT, raw)
+    assert parsed.body["messages"][0]["content"] == "안녕 🙂"
+
+
+@pytest.mark.parametrize(("kind", "stream"), [(CHAT, True), (CHAT, False), (COMPLETION, True),
+                                              (COMPLETION, False), (EMBEDDING, False)])
+def test_stream_flag(kind: RunKind, stream: bool) -> None:
+    assert parse_request(kind, body(kind, stream=stream)).stream is stream
+    assert parse_request(kind, body(kind)).stream is False
+
+
+@pytest.mark.parametrize(("kind", "raw", "param"), [
+    (COMPLETION, body(COMPLETION, prompt=[[]]), "prompt"),
+    (COMPLETION, body(COMPLETION, prompt=[[1], []]), "prompt"),
+    (EMBEDDING, body(EMBEDDING, input=[[1], []]), "input"),
+    (CHAT, b'{"model": "m", "messages": [{"role": "user"}], "temperature": NaN}', None),
+    (CHAT, b'{"model": "m", "messages": [{"role": "user"}], "top_p": Infinity}', None),
+])
+def test_empty_token_lists_and_non_json_numbers_are_rejected(kind: RunKind, raw: bytes, param: str | None) -> None:
+    err = rejected(kind, raw)
+    assert err.status == 400 and err.param == param
