@@ -8,6 +8,9 @@ candidates the lowest `in_flight / capacity` wins; ratios are compared exactly
 Ties break deterministically: first the larger capacity (a 0/4 provider is preferred
 over a 0/1 one, so the small provider is kept for when the large one fills), then the
 provider id in lexical order.
+
+A run being retried passes the providers it already failed on as `avoid`: they are only
+chosen when no other candidate has a free slot.
 """
 
 from __future__ import annotations
@@ -75,13 +78,16 @@ def _rank(snap: ProviderSnapshot) -> tuple[Fraction, int, str]:
 
 
 def select_provider(
-    snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int
+    snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int, avoid: frozenset[str] = frozenset()
 ) -> ProviderSnapshot | None:
     """The provider a run should go to now, or None if no provider can take it."""
     candidates = [
         s for s in snapshots
         if is_available(s, now_ms, ttl_ms) and s.capacity is not None and s.in_flight < s.capacity
     ]
+    fresh = [s for s in candidates if s.provider_id not in avoid]
+    if fresh:
+        return min(fresh, key=_rank)
     if not candidates:
         return None
     return min(candidates, key=_rank)

@@ -62,8 +62,9 @@ redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])
 redis.call('XACK', KEYS[1], ARGV[3], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 redis.call('HINCRBY', KEYS[2], 'attempts', 1)
+local tried = redis.call('HGET', KEYS[2], 'tried')
 redis.call('HSET', KEYS[2], 'state', 'dispatched', 'provider', ARGV[6], 'node', ARGV[7],
-  'target', ARGV[8], 'dispatched_ms', now)
+  'target', ARGV[8], 'dispatched_ms', now, 'tried', tried and (tried .. ',' .. ARGV[6]) or ARGV[6])
 redis.call('HDEL', KEYS[2], 'entry')
 redis.call('SET', KEYS[5], ARGV[9], 'PX', ttl * 1000)
 redis.call('DEL', KEYS[6])
@@ -78,14 +79,14 @@ return 'ok'
 """
 
 # KEYS: run record, lease, events
-# ARGV: run id, lease_ttl_ms, ttl_s
+# ARGV: run id, lease_ttl_ms, ttl_s, worker (host:pid)
 START = _NOW + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'dispatched' then return state or 'missing' end
 local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not score or tonumber(score) <= now then return 'lease_lost' end
 redis.call('ZADD', KEYS[2], 'XX', now + tonumber(ARGV[2]), ARGV[1])
-redis.call('HSET', KEYS[1], 'state', 'running', 'started_ms', now)
+redis.call('HSET', KEYS[1], 'state', 'running', 'started_ms', now, 'worker', ARGV[4])
 local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '1')
 redis.call('XADD', KEYS[3], '*', 'type', 'started', 'data', cmsgpack.pack({attempt = attempt}))
 redis.call('EXPIRE', KEYS[3], ARGV[3])
@@ -117,9 +118,10 @@ local ttl = tonumber(ARGV[5])
 redis.call('XADD', KEYS[3], '*', 'type', ARGV[3], 'data', ARGV[4])
 redis.call('EXPIRE', KEYS[3], ttl)
 if ARGV[2] == 'requeue' then
-  local entry = redis.call('XADD', KEYS[4], '*', 'run', ARGV[1])
+  local entry = redis.call('XADD', KEYS[4], '*', 'run', ARGV[1], 'tried',
+    redis.call('HGET', KEYS[1], 'tried') or '')
   redis.call('HSET', KEYS[1], 'state', 'queued', 'entry', entry)
-  redis.call('HDEL', KEYS[1], 'provider', 'node', 'target', 'dispatched_ms', 'started_ms')
+  redis.call('HDEL', KEYS[1], 'provider', 'node', 'target', 'dispatched_ms', 'started_ms', 'worker')
 else
   redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
   if ARGV[8] ~= '' then
@@ -189,9 +191,10 @@ local attempts = tonumber(redis.call('HGET', KEYS[2], 'attempts') or '0')
 local output = redis.call('HGET', KEYS[2], 'output') == '1'
 if not output and attempts < tonumber(ARGV[2]) then
   redis.call('XADD', KEYS[3], '*', 'type', 'requeued', 'data', ARGV[6])
-  local entry = redis.call('XADD', KEYS[4], '*', 'run', ARGV[1])
+  local entry = redis.call('XADD', KEYS[4], '*', 'run', ARGV[1], 'tried',
+    redis.call('HGET', KEYS[2], 'tried') or '')
   redis.call('HSET', KEYS[2], 'state', 'queued', 'entry', entry)
-  redis.call('HDEL', KEYS[2], 'provider', 'node', 'target', 'dispatched_ms', 'started_ms')
+  redis.call('HDEL', KEYS[2], 'provider', 'node', 'target', 'dispatched_ms', 'started_ms', 'worker')
   redis.call('EXPIRE', KEYS[3], ttl)
   return 'requeued'
 end

@@ -119,5 +119,7 @@ class RunField(StrEnum):
     STARTED_MS = "started_ms"
     FINISHED_MS = "finished_ms"
     OUTPUT = "output"  # "1" once any output was published to the caller
+    TRIED = "tried"  # comma-separated providers of every attempt so far
+    WORKER = "worker"  # host:pid of the worker running the current attempt
     ERROR_CODE = "error_code"
     ERROR_MESSAGE = "error_message"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -12,10 +14,13 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import decode_event, pack
 from common.config import Config, ModelConfig
+from common.redisconn import REDIS_DOWN
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunState
 from gateway.errors import ApiError
 from gateway.requests import ParsedRequest
+
+log = logging.getLogger("iop.gateway")
 
 #: How long one XREAD blocks before the follower checks its overall deadline.
 FOLLOW_BLOCK_MS = 1_000
@@ -69,9 +74,19 @@ class RunClient:
         """Every event of the run from `last_id` on, until a terminal one. Never ends by itself
         otherwise: the caller bounds it with a deadline."""
         key = keys.run_events(run_id)
+        delay = 0.05
         while True:
-            reply = await self.redis.xread({key: last_id}, count=512, block=FOLLOW_BLOCK_MS)
-            if not reply and not await self.redis.exists(keys.run_record(run_id)):
+            try:
+                reply = await self.redis.xread({key: last_id}, count=512, block=FOLLOW_BLOCK_MS)
+                lost = not reply and not await self.redis.exists(keys.run_record(run_id))
+                delay = 0.05
+            except REDIS_DOWN as exc:
+                # Ride out a Redis restart: with persistence the run goes on after it.
+                log.warning("run %s: Redis unavailable while following (%s); retrying", run_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            if lost:
                 # Redis lost the run (a restart without persistence): say so instead of waiting.
                 info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis restarted without persistence")
                 yield Event("lost", EventType.FAILED.value, info.to_wire())

@@ -55,6 +55,8 @@ class Waiting:
     run_id: str = field(compare=False)
     entry_id: str = field(compare=False)
     deadline_ms: int = field(compare=False)
+    #: providers earlier attempts failed on; a retry goes elsewhere when it can
+    avoid: frozenset[str] = field(compare=False, default=frozenset())
 
 
 def new_consumer_name() -> str:
@@ -93,7 +95,9 @@ class Scheduler:
         model = self.config.model(model_id)
         assert model is not None
         timeout = self.config.queue_for(model).queue_timeout_ms
-        item = Waiting(_entry_key(entry_id), run_id, entry_id, _entry_key(entry_id)[0] + timeout)
+        tried = fields.get(b"tried", b"").decode()
+        avoid = frozenset(tried.split(",")) - {""}
+        item = Waiting(_entry_key(entry_id), run_id, entry_id, _entry_key(entry_id)[0] + timeout, avoid)
         queue = self.waiting[model_id]
         if not any(w.entry_id == entry_id for w in queue):
             bisect.insort(queue, item)
@@ -136,7 +140,7 @@ class Scheduler:
             head = queue[0]
             now = now_ms()
             snaps = await read_snapshots(self.redis, self._targets[model.id], now)
-            choice = select_provider(snaps, now, self.config.runtime.heartbeat_ttl_ms)
+            choice = select_provider(snaps, now, self.config.runtime.heartbeat_ttl_ms, head.avoid)
             if choice is None:
                 if all_refused(snaps, now, self.config.runtime.heartbeat_ttl_ms):
                     await self._refuse_all(model, snaps)

@@ -219,3 +219,20 @@ def test_fill_skips_unavailable_provider() -> None:
         "stale": snap("stale", 0, 8, heartbeat_ms=NOW - TTL - 1),
     }
     assert _assign(snaps, 3) == ["ok", "ok", None]
+
+
+def test_a_retry_avoids_the_providers_it_failed_on_when_it_can() -> None:
+    a, b = snap("a", 0, 4), snap("b", 2, 4)
+    assert pick(a, b) == "a"
+    chosen = select_provider([a, b], NOW, TTL, avoid=frozenset({"a"}))
+    assert chosen is not None and chosen.provider_id == "b"
+    # Only avoided providers have a free slot: the run still goes, to the best of them.
+    chosen = select_provider([a, snap("b", 4, 4)], NOW, TTL, avoid=frozenset({"a"}))
+    assert chosen is not None and chosen.provider_id == "a"
+    # Avoiding never makes an ineligible provider eligible.
+    assert select_provider([snap("b", 4, 4)], NOW, TTL, avoid=frozenset({"a"})) is None
+
+
+def test_a_provider_that_does_not_list_the_model_is_never_chosen() -> None:
+    assert pick(replace(snap("a", 0, 4), has_model=False), snap("b", 3, 4)) == "b"
+    assert pick(replace(snap("a", 0, 4), has_model=False)) is None

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,9 @@ from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState
 from workers.adapters.base import Adapter, ProviderError
 
 log = logging.getLogger("iop.worker")
+
+#: Who runs an attempt, recorded in the run (`worker` field) for operators and fault tests.
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 
 class LeaseLost(Exception):
@@ -68,7 +73,7 @@ class Runner:
         rt = self.config.runtime
         started = await self.scripts.call(
             "start", [keys.run_record(run_id), keys.leases(provider_id), keys.run_events(run_id)],
-            [run_id, rt.lease_ttl_ms, rt.run_ttl_s])
+            [run_id, rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID])
         if started != b"ok":
             log.warning("run %s model=%s: not started (%s)", run_id, model_id, started.decode())
             return str(started.decode())
