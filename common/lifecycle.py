@@ -10,18 +10,33 @@ import signal
 import sys
 from typing import Any
 
+from common.runlog import context_of, context_text
+
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object a line; a run's context (`common.runlog`) becomes keys of it."""
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": round(record.created, 3),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
+            **context_of(record),
         }
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)
+
+
+class TextFormatter(logging.Formatter):
+    """`time level logger message run=… model=…`; the context only on lines about a run."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return super().formatMessage(record) + context_text(record)
 
 
 def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
@@ -30,7 +45,7 @@ def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
     if (fmt or os.environ.get("IOP_LOG_FORMAT", "text")) == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel((level or os.environ.get("IOP_LOG_LEVEL", "INFO")).upper())

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from common.config import Config
 from common.redisconn import REDIS_DOWN, connect
+from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind
 from gateway.errors import ApiError, error_middleware
 from gateway.requests import parse_request
@@ -64,7 +65,7 @@ async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
     finished = False
     try:
         async with asyncio.timeout(deadline_s + FOLLOW_GRACE_S):
-            events = runs.follow(run_id)
+            events = runs.follow(run_id, model_id=model.id)
             if req.stream:
                 resp = await stream_response(request, events, model.id, run_id)
             else:
@@ -86,7 +87,7 @@ async def _cancel_quietly(runs: RunClient, run_id: str, model_id: str) -> None:
     try:
         await runs.cancel(run_id, model_id, "the caller went away")
     except REDIS_DOWN as exc:
-        log.warning("could not cancel run %s: %s", run_id, exc)
+        log.warning("could not cancel: %s", exc, extra=run_fields(run_id, model_id))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -15,6 +15,7 @@ from common import keys
 from common.codec import decode_event, pack
 from common.config import Config, ModelConfig
 from common.redisconn import REDIS_DOWN
+from common.runlog import run_fields
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunState
 from gateway.errors import ApiError
@@ -70,7 +71,7 @@ class RunClient:
             )
         return run_id
 
-    async def follow(self, run_id: str, last_id: str = "0") -> AsyncIterator[Event]:
+    async def follow(self, run_id: str, last_id: str = "0", model_id: str | None = None) -> AsyncIterator[Event]:
         """Every event of the run from `last_id` on, until a terminal one. Never ends by itself
         otherwise: the caller bounds it with a deadline."""
         key = keys.run_events(run_id)
@@ -82,7 +83,8 @@ class RunClient:
                 delay = 0.05
             except REDIS_DOWN as exc:
                 # Ride out a Redis restart: with persistence the run goes on after it.
-                log.warning("run %s: Redis unavailable while following (%s); retrying", run_id, exc)
+                log.warning("Redis unavailable while following (%s); retrying", exc,
+                            extra=run_fields(run_id, model_id))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue

@@ -30,6 +30,7 @@ from common.codec import job_payload, pack
 from common.config import Config, ModelConfig
 from common.policy import ProviderSnapshot, all_refused, select_provider
 from common.redisconn import REDIS_DOWN, now_ms
+from common.runlog import run_fields
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, RunState
 from scheduler.snapshots import read_snapshots
@@ -151,7 +152,7 @@ class Scheduler:
                     queue.remove(head)
                 stale = 0
                 if result == "ok":
-                    log.info("dispatched run %s model=%s provider=%s", head.run_id, model.id, choice.provider_id)
+                    log.info("dispatched to %s", choice.provider_id, extra=run_fields(head.run_id, model.id))
             elif result == "stale" and stale < STALE_RETRIES:
                 stale += 1
             else:
@@ -214,7 +215,7 @@ class Scheduler:
              self.config.runtime.run_ttl_s, info.code.value, info.message, ""],
         )
         if result == b"ok":
-            log.info("run %s model=%s %s in the queue: %s", w.run_id, model_id, state.value, info.code.value)
+            log.info("%s in the queue: %s", state.value, info.code.value, extra=run_fields(w.run_id, model_id))
 
     # ----------------------------------------------------------------- takeover
     async def take_over_dead(self) -> int:
@@ -276,7 +277,7 @@ class Scheduler:
         )
         outcome = result.decode() if isinstance(result, bytes) else str(result)
         if outcome != "alive":
-            log.warning("lease of run %s model=%s expired: %s", run_id, model_id, outcome)
+            log.warning("lease expired: %s", outcome, extra=run_fields(run_id, model_id))
             return 1
         return 0
 

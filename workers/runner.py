@@ -20,6 +20,7 @@ from common import keys
 from common.codec import pack, unpack
 from common.config import Config
 from common.redisconn import REDIS_DOWN
+from common.runlog import run_fields
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState
 from workers.adapters.base import Adapter, ProviderError
@@ -61,21 +62,21 @@ class Runner:
         raw = await self.redis.hgetall(keys.run_record(run_id))
         record = {k.decode(): v for k, v in raw.items()}
         if not record or "provider" not in record:
-            log.warning("run %s: no dispatched record, skipping", run_id)
+            log.warning("no dispatched record, skipping", extra=run_fields(run_id, record.get("model", b"").decode()))
             return "missing"
         provider_id = record["provider"].decode()
         model_id = record["model"].decode()
         model = self.config.model(model_id)
         adapter = self.adapters.get(provider_id)
         if model is None or adapter is None:
-            log.error("run %s: provider %s is not on node %s", run_id, provider_id, self.node_id)
+            log.error("provider %s is not on node %s", provider_id, self.node_id, extra=run_fields(run_id, model_id))
             return "misrouted"
         rt = self.config.runtime
         started = await self.scripts.call(
             "start", [keys.run_record(run_id), keys.leases(provider_id), keys.run_events(run_id)],
             [run_id, rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID])
         if started != b"ok":
-            log.warning("run %s model=%s: not started (%s)", run_id, model_id, started.decode())
+            log.warning("not started (%s)", started.decode(), extra=run_fields(run_id, model_id))
             return str(started.decode())
         policy = self.config.queue_for(model)
         att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts)
@@ -121,7 +122,7 @@ class Runner:
                              f"the run did not finish within {int(timeout_s * 1000)} ms", before_output=not att.output)
             return await self._fail(att, info, retryable=False)
         except LeaseLost:
-            log.warning("run %s model=%s: lease lost, abandoning", att.run_id, att.model_id)
+            log.warning("lease lost, abandoning", extra=run_fields(att.run_id, att.model_id))
             return "lease_lost"
         except asyncio.CancelledError:
             if att.cancel_reason is None:  # the worker itself is shutting down
@@ -137,10 +138,10 @@ class Runner:
 
     async def _fail(self, att: Attempt, info: ErrorInfo, retryable: bool) -> str:
         if retryable and not att.output and int(att.attempt) < att.max_attempts:
-            log.info("run %s model=%s attempt %s failed, requeued: %s", att.run_id, att.model_id, att.attempt,
-                     info.message)
+            log.info("attempt %s failed, requeued: %s", att.attempt, info.message,
+                     extra=run_fields(att.run_id, att.model_id))
             return await self._finish(att, None, EventType.REQUEUED, info.to_wire())
-        log.info("run %s model=%s failed: %s", att.run_id, att.model_id, info.message)
+        log.info("failed: %s", info.message, extra=run_fields(att.run_id, att.model_id))
         return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info)
 
     # ------------------------------------------------------------------ redis
@@ -164,7 +165,7 @@ class Runner:
                 result = await self.scripts.call("finish", run_keys, args)
                 return f"{state.value if state else 'requeued'}:{result.decode()}"
             except REDIS_DOWN as exc:
-                log.warning("run %s: cannot record its end (%s); retrying", att.run_id, exc)
+                log.warning("cannot record its end (%s); retrying", exc, extra=run_fields(att.run_id, att.model_id))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
         return "unrecorded"  # the lease expires and the scheduler reaps the run
@@ -179,7 +180,7 @@ class Runner:
                     "renew", [keys.leases(att.provider_id), keys.run_record(att.run_id)],
                     [att.run_id, rt.lease_ttl_ms, att.attempt])
             except REDIS_DOWN as exc:
-                log.warning("run %s: lease renewal failed (%s)", att.run_id, exc)
+                log.warning("lease renewal failed (%s)", exc, extra=run_fields(att.run_id, att.model_id))
                 continue
             if not renewed:
                 att.cancel_reason = "lease lost"

@@ -14,6 +14,7 @@ from common import keys
 from common.codec import pack, unpack
 from common.config import Config, ProviderConfig
 from common.redisconn import REDIS_DOWN, connect
+from common.runlog import run_fields
 from workers.adapters.base import Adapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
 from workers.arq_worker import WakeWorker
@@ -47,8 +48,9 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
                 if msg is not None:
                     run_id = msg["data"].decode()
+                    att = runner.running.get(run_id)
                     if runner.cancel(run_id, "cancelled by the caller"):
-                        log.info("run %s: cancel requested", run_id)
+                        log.info("cancel requested", extra=run_fields(run_id, att[0].model_id if att else None))
         except REDIS_DOWN as exc:
             log.warning("cancel listener: Redis unavailable (%s)", exc)
             await asyncio.sleep(delay)
