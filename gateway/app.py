@@ -14,6 +14,7 @@ from common.config import Config
 from common.redisconn import REDIS_DOWN, connect
 from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind
+from gateway import runs_api
 from gateway.errors import ApiError, error_middleware
 from gateway.requests import parse_request
 from gateway.responses import stream_response, whole_response
@@ -135,4 +136,5 @@ def build_app(config: Config, redis_url: str) -> web.Application:
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    runs_api.setup(app, lambda: app[RUNS])
     return app

@@ -45,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     _http_args(p)
     p.set_defaults(host="127.0.0.1")
 
+    p = sub.add_parser("runs", help="inspect runs (read-only)")
+    rsub = p.add_subparsers(dest="runs_command", required=True)
+    r = rsub.add_parser("show", help="a run's record and events, from Redis")
+    r.add_argument("run_id")
+    r.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS),
+                   help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
+    r.add_argument("--json", action="store_true", help="print JSON instead of text")
+
     p = sub.add_parser("config", help="check or convert a config file")
     csub = p.add_subparsers(dest="config_command", required=True)
     v = csub.add_parser("validate", help="print OK or every error")
@@ -67,6 +75,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from common.lifecycle import run, setup_logging
 
+    if args.command == "runs":
+        from iop.runs_cmd import show
+
+        raise SystemExit(show(args.redis, args.run_id, args.json))
     if args.command == "config":
         from iop.config_cmd import validate
 

@@ -1,0 +1,123 @@
+"""The runs API: look a run up, replay and follow its events (SSE, resumable), cancel it.
+
+- `GET /v1/runs/{id}`: the run record (`common.runview`), 404 once unknown or expired.
+- `GET /v1/runs/{id}/events`: every event of the run as SSE (`id:` = the stream entry id,
+  `event:` = its type, `data:` = its JSON), then the new ones as they come, until the
+  terminal event. A `Last-Event-ID` header resumes after that entry.
+- `DELETE /v1/runs/{id}`: cancels the run (dropped if queued, aborted if running) and
+  answers its state: 200 once it has ended, 202 if it had not ended within `CANCEL_WAIT_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+
+from common import keys
+from common.codec import decode_event
+from common.runview import is_terminal, run_view
+from common.wire import ErrorCode, EventType
+from gateway.errors import ApiError, invalid
+from gateway.responses import RUN_ID_HEADER, with_model
+from gateway.runs import Event, RunClient
+
+#: How long DELETE waits for a running run to end before it answers 202.
+CANCEL_WAIT_S = 10.0
+#: Extra time an events stream follows a run past the run's own timeouts.
+FOLLOW_GRACE_S = 30.0
+
+_STREAM_ID = re.compile(r"^\d+(-\d+)?$")
+
+
+def _sse(event: Event, model_id: str) -> bytes:
+    """One SSE message; output keeps the caller's model id, as the OpenAI responses do."""
+    data: Any = event.data
+    if event.type == EventType.DELTA:
+        data = {**data, "chunks": [with_model(c, model_id) for c in data.get("chunks", [])]}
+    elif event.type == EventType.COMPLETED and isinstance(data.get("response"), dict):
+        data = {**data, "response": with_model(data["response"], model_id)}
+    head = f"id: {event.id}\n" if _STREAM_ID.match(event.id) else ""
+    return f"{head}event: {event.type}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class RunsApi:
+    def __init__(self, runs: Callable[[], RunClient]) -> None:
+        self.runs = runs
+
+    async def _view(self, run_id: str) -> dict[str, Any]:
+        raw = await self.runs().redis.hgetall(keys.run_record(run_id))
+        if not raw:
+            raise ApiError(ErrorCode.NOT_FOUND, f"the run {run_id!r} does not exist or has expired", param="id")
+        return run_view(run_id, raw)
+
+    async def get(self, request: web.Request) -> web.Response:
+        view = await self._view(request.match_info["run_id"])
+        return web.json_response(view, headers={RUN_ID_HEADER: view["id"]})
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        run_id = request.match_info["run_id"]
+        last_id = request.headers.get("Last-Event-ID", "").strip() or "0"
+        if not _STREAM_ID.match(last_id):
+            raise invalid(f"Last-Event-ID {last_id!r} is not an event id", param="Last-Event-ID")
+        view = await self._view(run_id)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no", RUN_ID_HEADER: run_id})
+        await resp.prepare(request)
+        try:
+            async with asyncio.timeout(self._deadline_s(view["model"])):
+                async for event in self._events(run_id, last_id, view):
+                    await resp.write(_sse(event, view["model"]))
+        except TimeoutError:
+            pass
+        await resp.write_eof()
+        return resp
+
+    async def _events(self, run_id: str, last_id: str, view: dict[str, Any]) -> AsyncIterator[Event]:
+        """The events after `last_id`. An ended run's are all there already: read them and stop
+        (its terminal event may be the one the client has, so following would never end)."""
+        if not is_terminal(view):
+            async for event in self.runs().follow(run_id, last_id, model_id=view["model"]):
+                yield event
+            return
+        start = "-" if last_id == "0" else f"({last_id}"
+        for entry_id, fields in await self.runs().redis.xrange(keys.run_events(run_id), start, "+"):
+            yield Event(*decode_event(entry_id, fields))
+
+    def _deadline_s(self, model_id: str | None) -> float:
+        config = self.runs().config
+        model = config.model(model_id or "")
+        policy = config.queue_for(model) if model is not None else config.queue
+        return (policy.queue_timeout_ms + policy.execution_timeout_ms) * policy.max_attempts / 1000 + FOLLOW_GRACE_S
+
+    async def delete(self, request: web.Request) -> web.Response:
+        run_id = request.match_info["run_id"]
+        view = await self._view(run_id)
+        runs = self.runs()
+        latest = await runs.redis.xrevrange(keys.run_events(run_id), "+", "-", count=1)
+        after = latest[0][0].decode() if latest else "0"
+        if await runs.cancel(run_id, view["model"], "cancelled through the runs API") == "signalled":
+            await self._until_ended(run_id, after, view["model"])
+        view = await self._view(run_id)
+        return web.json_response(view, status=200 if is_terminal(view) else 202, headers={RUN_ID_HEADER: run_id})
+
+    async def _until_ended(self, run_id: str, after: str, model_id: str | None) -> None:
+        try:
+            async with asyncio.timeout(CANCEL_WAIT_S):
+                async for event in self.runs().follow(run_id, after, model_id=model_id):
+                    if event.type in (EventType.COMPLETED, EventType.FAILED):
+                        return
+        except TimeoutError:
+            return
+
+
+def setup(app: web.Application, runs: Callable[[], RunClient]) -> None:
+    """Add the runs routes; `runs` gives the app's RunClient once the app has started."""
+    api = RunsApi(runs)
+    app.router.add_get("/v1/runs/{run_id}", api.get)
+    app.router.add_get("/v1/runs/{run_id}/events", api.events)
+    app.router.add_delete("/v1/runs/{run_id}", api.delete)

@@ -1,0 +1,212 @@
+"""The runs API on a real Redis and real HTTP (port 0); events are written by the test itself,
+so the moments of connecting, disconnecting and resuming are exact."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from redis.asyncio import Redis
+
+from common import keys
+from common.codec import event_fields
+from common.config import Config, parse_config
+from common.redisconn import now_ms
+from common.wire import RunKind
+from gateway.app import build_app
+from gateway.requests import ParsedRequest
+from gateway.runs import RunClient
+from tests.conftest import async_wait_until
+from tests.openapi import validate
+from tests.sse import Message, next_message, read_all
+
+MODEL = "m:1"
+
+
+def make_config(run_ttl_s: int = 3600) -> Config:
+    return parse_config({
+        "models": [{"id": MODEL, "providers": {"p": "p-served"}}],
+        "nodes": [{"id": "n1", "providers": [{"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                              "capacity": 1, "models": ["p-served"]}]}],
+        "runtime": {"run_ttl_s": run_ttl_s},
+    })
+
+
+class Api:
+    def __init__(self, server: TestServer, session: aiohttp.ClientSession, redis: Redis, config: Config) -> None:
+        self.server = server
+        self.session = session
+        self.redis = redis
+        self.config = config
+        self.client = RunClient(redis, config)
+
+    def url(self, path: str) -> str:
+        return str(self.server.make_url(path))
+
+    async def submit(self) -> str:
+        model = self.config.model(MODEL)
+        assert model is not None
+        req = ParsedRequest(RunKind.CHAT, MODEL, True, {"model": MODEL, "messages": [], "stream": True})
+        return await self.client.submit(model, req)
+
+    async def event(self, run_id: str, etype: str, data: dict[str, Any]) -> str:
+        entry = await self.redis.xadd(keys.run_events(run_id), event_fields(etype, data))
+        return str(entry.decode())
+
+    async def end(self, run_id: str, state: str = "completed") -> None:
+        await self.redis.hset(keys.run_record(run_id), mapping={"state": state, "finished_ms": now_ms()})
+
+
+@asynccontextmanager
+async def api_for(config: Config, redis_url: str) -> AsyncIterator[Api]:
+    server = TestServer(build_app(config, redis_url), host="127.0.0.1", port=0, handler_cancellation=True)
+    await server.start_server()
+    redis = Redis.from_url(redis_url)
+    await redis.hset(keys.heartbeat("p"), mapping={"health": "available", "capacity": 1, "ts_ms": now_ms()})
+    async with aiohttp.ClientSession() as session:
+        yield Api(server, session, redis, config)
+    await redis.aclose()
+    await server.close()
+
+
+@pytest.fixture
+async def api(redis_url: str) -> AsyncIterator[Api]:
+    async with api_for(make_config(), redis_url) as a:
+        yield a
+
+
+def chunk(text: str) -> dict[str, Any]:
+    return {"object": "chat.completion.chunk", "model": "p-served",
+            "choices": [{"index": 0, "delta": {"content": text}}]}
+
+
+async def test_an_unknown_run_is_404_on_every_route(api: Api) -> None:
+    for method, path in (("GET", "/v1/runs/run_nope"), ("GET", "/v1/runs/run_nope/events"),
+                         ("DELETE", "/v1/runs/run_nope")):
+        async with api.session.request(method, api.url(path)) as resp:
+            assert resp.status == 404, path
+            body = await resp.json()
+            validate("ErrorResponse", body)
+            assert body["error"]["code"] == "not_found" and "run_nope" in body["error"]["message"]
+
+
+async def test_get_answers_the_run_record(api: Api) -> None:
+    run_id = await api.submit()
+    async with api.session.get(api.url(f"/v1/runs/{run_id}")) as resp:
+        assert resp.status == 200 and resp.headers["X-IOP-Run-Id"] == run_id
+        view = await resp.json()
+    assert view["id"] == run_id and view["object"] == "run"
+    assert (view["state"], view["model"], view["kind"], view["stream"]) == ("queued", MODEL, "chat", True)
+    assert view["attempts"] == 0 and view["provider"] is None and view["error"] is None
+    assert isinstance(view["created_ms"], int) and view["finished_ms"] is None
+    assert "body" not in view
+
+    await api.redis.hset(keys.run_record(run_id), mapping={
+        "state": "failed", "provider": "p", "node": "n1", "target": "p-served", "attempts": 2,
+        "error_code": "provider_error", "error_message": "boom", "finished_ms": now_ms()})
+    async with api.session.get(api.url(f"/v1/runs/{run_id}")) as resp:
+        view = await resp.json()
+    assert (view["state"], view["provider"], view["node"], view["target"], view["attempts"]) == (
+        "failed", "p", "n1", "p-served", 2)
+    assert view["error"] == {"code": "provider_error", "message": "boom"}
+
+
+async def test_events_resume_after_last_event_id_with_nothing_lost_or_repeated(api: Api) -> None:
+    run_id = await api.submit()
+    written = [await api.event(run_id, "dispatched", {"provider": "p", "node": "n1", "target": "p-served"}),
+               await api.event(run_id, "started", {"attempt": 1}),
+               await api.event(run_id, "delta", {"chunks": [chunk("a")]})]
+
+    first: list[Message] = []
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events")) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        for _ in range(3):
+            msg = await next_message(resp)
+            assert msg is not None
+            first.append(msg)
+        # Following: an event written now reaches the open stream.
+        written.append(await api.event(run_id, "delta", {"chunks": [chunk("b")]}))
+        msg = await next_message(resp)
+        assert msg is not None
+        first.append(msg)
+    # Disconnected; the run goes on without a reader.
+    written += [await api.event(run_id, "delta", {"chunks": [chunk("c")]}),
+                await api.event(run_id, "delta", {"chunks": [chunk("d")]})]
+
+    headers = {"Last-Event-ID": str(first[-1].id)}
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers=headers) as resp:
+        rest = [await next_message(resp), await next_message(resp)]
+        written.append(await api.event(run_id, "completed", {}))
+        await api.end(run_id)
+        tail = await read_all(resp)  # the terminal event, then the stream ends
+    second = [m for m in rest if m is not None] + tail
+
+    assert [m.event for m in first] == ["dispatched", "started", "delta", "delta"]
+    assert [m.event for m in second] == ["delta", "delta", "completed"]
+    assert [m.id for m in first + second] == written  # every event once, in order
+    assert first[0].data == {"provider": "p", "node": "n1", "target": "p-served"}
+    texts = [m.data["chunks"][0]["choices"][0]["delta"]["content"] for m in first + second if m.event == "delta"]
+    assert texts == ["a", "b", "c", "d"]
+    # Output says the model id the caller used, never the served name.
+    assert all(c["model"] == MODEL for m in first + second if m.event == "delta" for c in m.data["chunks"])
+
+
+async def test_an_ended_run_replays_and_closes_and_a_resume_at_its_end_is_empty(api: Api) -> None:
+    run_id = await api.submit()
+    ids = [await api.event(run_id, "dispatched", {"provider": "p"}),
+           await api.event(run_id, "failed", {"code": "provider_error", "message": "boom"})]
+    await api.end(run_id, "failed")
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events")) as resp:
+        messages = await read_all(resp)
+    assert [(m.id, m.event) for m in messages] == [(ids[0], "dispatched"), (ids[1], "failed")]
+    assert messages[1].data["code"] == "provider_error"
+    for last, expected in ((ids[0], [ids[1]]), (ids[1], [])):
+        async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": last}) as resp:
+            assert [m.id for m in await read_all(resp)] == expected
+
+
+async def test_a_malformed_last_event_id_is_400(api: Api) -> None:
+    run_id = await api.submit()
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": "abc"}) as resp:
+        assert resp.status == 400
+        body = await resp.json()
+    validate("ErrorResponse", body)
+    assert body["error"]["param"] == "Last-Event-ID"
+
+
+async def test_delete_of_a_queued_run_takes_it_out_of_the_queue(api: Api) -> None:
+    first, second = await api.submit(), await api.submit()
+    assert await api.redis.xlen(keys.runs_stream(MODEL)) == 2
+    async with api.session.delete(api.url(f"/v1/runs/{first}")) as resp:
+        assert resp.status == 200
+        view = await resp.json()
+    assert view["state"] == "cancelled" and view["error"]["code"] == "cancelled"
+    assert await api.redis.xlen(keys.runs_stream(MODEL)) == 1
+    left = await api.redis.xrange(keys.runs_stream(MODEL))
+    assert [fields[b"run"].decode() for _, fields in left] == [second]
+    async with api.session.get(api.url(f"/v1/runs/{first}/events")) as resp:
+        assert [m.event for m in await read_all(resp)] == ["failed"]
+    # Deleting it again changes nothing and says so.
+    async with api.session.delete(api.url(f"/v1/runs/{first}")) as resp:
+        assert resp.status == 200 and (await resp.json())["state"] == "cancelled"
+
+
+async def test_run_records_and_events_expire_after_run_ttl_s(redis_url: str) -> None:
+    async with api_for(make_config(run_ttl_s=1), redis_url) as api:
+        run_id = await api.submit()
+        assert 0 < await api.redis.ttl(keys.run_record(run_id)) <= 1
+        async with api.session.delete(api.url(f"/v1/runs/{run_id}")) as resp:
+            assert (await resp.json())["state"] == "cancelled"
+        assert 0 < await api.redis.pttl(keys.run_events(run_id)) <= 1000
+        assert 0 < await api.redis.pttl(keys.run_record(run_id)) <= 1000
+
+        async def gone() -> bool:
+            async with api.session.get(api.url(f"/v1/runs/{run_id}")) as resp:
+                return resp.status == 404
+
+        await async_wait_until(gone, timeout=10, what="the run to expire")
+        assert not await api.redis.exists(keys.run_events(run_id))

@@ -1,0 +1,78 @@
+"""`iop runs show ID` reads a run's record and events from a real Redis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis as sync_redis
+
+from common import keys
+from common.codec import event_fields
+from iop.cli import main
+
+RUN = "run_0123abcd"
+
+
+def write_run(url: str) -> list[str]:
+    r = sync_redis.Redis.from_url(url)
+    r.hset(keys.run_record(RUN), mapping={
+        "model": "qwen3.6:35b", "kind": "chat", "stream": "1", "body": b"\x80", "state": "failed",
+        "created_ms": 1_700_000_000_000, "dispatched_ms": 1_700_000_000_012, "started_ms": 1_700_000_000_015,
+        "finished_ms": 1_700_000_000_900, "attempts": 2, "tried": "vllm-a,sglang-b", "provider": "sglang-b",
+        "node": "gpu-2", "target": "qwen3.6-35b-a3b", "error_code": "provider_error", "error_message": "boom"})
+    ids = [r.xadd(keys.run_events(RUN), event_fields(t, d)).decode() for t, d in (
+        ("dispatched", {"provider": "sglang-b", "node": "gpu-2", "target": "qwen3.6-35b-a3b"}),
+        ("started", {"attempt": 2}),
+        ("delta", {"chunks": [{"choices": []}, {"choices": []}]}),
+        ("failed", {"code": "provider_error", "message": "boom"}),
+    )]
+    r.close()
+    return ids
+
+
+def run_cli(*argv: str) -> int:
+    with pytest.raises(SystemExit) as done:
+        main(list(argv))
+    return int(done.value.code or 0)
+
+
+def test_show_prints_the_record_and_one_line_per_event(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    ids = write_run(redis_url)
+    assert run_cli("runs", "show", RUN, "--redis", redis_url) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == ["run", RUN]
+    head = lines[:lines.index("events (4):")]
+    fields = dict(line.split(None, 1) for line in head)
+    assert fields["state"] == "failed" and fields["kind"] == "chat (stream)"
+    assert fields["provider"] == "sglang-b" and fields["target"] == "qwen3.6-35b-a3b"
+    assert fields["attempts"] == "2 (tried vllm-a, sglang-b)"
+    assert fields["created"] == "2023-11-14T22:13:20.000Z"
+    assert fields["finished"] == "2023-11-14T22:13:20.900Z  (+900 ms)"
+    assert fields["error"] == "provider_error: boom"
+    assert "events (4):" in out
+    event_lines = lines[lines.index("events (4):") + 1:]
+    assert [line.split()[:2] for line in event_lines] == [
+        [ids[0], "dispatched"], [ids[1], "started"], [ids[2], "delta"], [ids[3], "failed"]]
+    assert "2 chunk(s)" in event_lines[2]
+
+
+def test_show_json_is_the_runs_api_view_with_its_events(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    ids = write_run(redis_url)
+    assert run_cli("runs", "show", RUN, "--redis", redis_url, "--json") == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["state"] == "failed" and shown["tried"] == ["vllm-a", "sglang-b"]
+    assert shown["error"] == {"code": "provider_error", "message": "boom"}
+    assert [e["id"] for e in shown["events"]] == ids
+    assert shown["events"][0]["data"]["provider"] == "sglang-b"
+
+
+def test_an_unknown_run_exits_1(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli("runs", "show", "run_missing", "--redis", redis_url) == 1
+    assert "run 'run_missing' is not in Redis" in capsys.readouterr().err
+
+
+def test_an_unreachable_redis_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli("runs", "show", RUN, "--redis", "redis://127.0.0.1:1/0") == 2
+    assert "unreachable" in capsys.readouterr().err
