@@ -35,6 +35,7 @@ from aiohttp.typedefs import Handler
 JsonObject = dict[str, Any]
 
 OWNER = "iop-simulator"
+API_ROOTS = ("/v1", "/api/v1")
 EMBEDDING_DIMS = 8
 MAX_RECORDS = 100_000  # per-request records kept by /stats (counters stay exact beyond this)
 SHUTDOWN_TIMEOUT_S = 0.5  # grace for in-flight requests on stop (aiohttp may wait twice this)
@@ -676,11 +677,14 @@ def build_app(opts: SimOptions) -> web.Application:
     app[STATS_KEY] = SimStats()
     app[RNG_KEY] = random.Random(opts.seed)
     app[STARTED_KEY] = int(time.time())
-    app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
-    app.router.add_post("/v1/chat/completions", _completion_handler(_ChatFormat))
-    app.router.add_post("/v1/completions", _completion_handler(_TextFormat))
-    app.router.add_post("/v1/embeddings", _tracked(_embeddings))
+    # The OpenAI API under /v1 (vLLM, SGLang, hosted APIs) and under /api/v1 (Lemonade).
+    for root in API_ROOTS:
+        app.router.add_get(f"{root}/models", _models)
+        app.router.add_get(f"{root}/health", _health)
+        app.router.add_post(f"{root}/chat/completions", _completion_handler(_ChatFormat))
+        app.router.add_post(f"{root}/completions", _completion_handler(_TextFormat))
+        app.router.add_post(f"{root}/embeddings", _tracked(_embeddings))
     app.router.add_get("/stats", _stats)
     app.router.add_post("/stats/reset", _stats_reset)
     return app

@@ -180,6 +180,8 @@ class Stack:
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
+        for proc in self.procs:  # shown by pytest when a test fails
+            print(f"----- {proc.name} {proc.args}\n{proc.output()}")
 
 
 @pytest.fixture

@@ -303,6 +303,9 @@ async def test_stats_count_by_model_and_record_request_ids(sim: Sim) -> None:
     stats = await sim.get_json("/stats")
     assert stats["total"] == 4 and stats["current"] == 0 and stats["max_concurrent"] == 1
     assert stats["by_model"] == {"sim-model": 1, "other-model": 2, "missing-model": 1}
+    durations = [r.pop("duration_ms") for r in stats["requests"]]
+    assert all(isinstance(d, float) and d >= 0 for d in durations)
+    assert stats["busy_ms"] >= sum(durations) - 0.01
     assert stats["requests"] == [
         {"model": "sim-model", "request_id": "req-1", "path": CHAT, "stream": False,
          "disconnected": False, "completed": True},
@@ -322,6 +325,7 @@ async def test_stats_reset(sim: Sim) -> None:
     stats = await sim.get_json("/stats")
     assert stats == {
         "total": 0, "max_concurrent": 0, "current": 0, "by_model": {}, "requests": [], "disconnects": 0,
+        "busy_ms": 0.0,
     }
 
 
@@ -449,3 +453,11 @@ def test_invalid_arguments_are_rejected(argv: list[str]) -> None:
     add_arguments(parser)
     with pytest.raises(SystemExit):
         parser.parse_args(argv)
+
+
+async def test_the_api_is_also_served_under_api_v1_like_lemonade(sim: Sim) -> None:
+    status, body = await sim.post_json("/api/v1/chat/completions", chat_body())
+    assert status == 200 and body["object"] == "chat.completion"
+    for path in ("/api/v1/models", "/api/v1/health", "/v1/health"):
+        async with sim.http.get(sim.url + path) as resp:
+            assert resp.status == 200, path

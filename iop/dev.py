@@ -1,0 +1,441 @@
+"""`iop dev`: the whole stack in one command, on a fresh machine.
+
+An embedded Redis (no persistence, in a temp dir), then, as child processes: for the
+demo config one `iop simulator` per local provider, the gateway, one scheduler and one
+worker per node. Each child is waited for by its "ready" line on stdout, its output is
+forwarded prefixed with its name, and once the gateway answers /readyz and a provider
+heartbeat is in Redis a banner tells how to use it. Ctrl-C or SIGTERM stops everything
+in reverse start order; a child dying on its own stops everything with exit status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn, TypeVar
+from urllib.parse import urlsplit
+
+from common import keys
+from common.config import Config, ConfigError, load_config
+from iop.embedded_redis import RedisServer
+
+T = TypeVar("T")
+
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost"})
+SIM_LATENCY = ("--ttft-ms", "150", "--itl-ms", "20", "--tokens", "24")
+START_TIMEOUT_S = 30.0  # per child, from spawn to its ready line
+READY_TIMEOUT_S = 30.0  # gateway /readyz and the first provider heartbeat
+STOP_TIMEOUT_S = 15.0  # per shutdown stage, then SIGKILL (workers give runs 10 s)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+LISTENING = r"listening on (http://\S+)"
+SCHEDULER_READY = r"iop scheduler \S+ running"
+
+_print_lock = threading.Lock()
+
+
+def say(text: str, *, err: bool = False) -> None:
+    """Print whole lines, never interleaved with the children's forwarded output."""
+    with _print_lock:
+        print(text, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+class DevError(Exception):
+    """The stack could not start or a child died: the message says which and why."""
+
+
+class Interrupted(Exception):
+    """A stop signal arrived."""
+
+
+def exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit status {code}"
+
+
+Spec = tuple[str, int, Sequence[str], str]  # name, shutdown stage, `iop` arguments, ready-line regex
+
+
+@dataclass
+class Child:
+    name: str
+    stage: int  # shutdown goes from the highest stage down
+    popen: subprocess.Popen[str]
+    ready: re.Pattern[str]
+    match: re.Match[str] | None = None
+    reader: threading.Thread | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+@dataclass
+class Supervisor:
+    """Starts children, waits on them without fixed sleeps, and stops them all."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    children: list[Child] = field(default_factory=list)
+    signals: int = 0
+    _wake: tuple[int, int] = field(default_factory=os.pipe)
+    _closed: bool = False
+
+    def __post_init__(self) -> None:
+        for fd in self._wake:
+            os.set_blocking(fd, False)
+
+    # -- waking up: signal handlers and reader threads write a byte to a pipe
+
+    def wake(self) -> None:
+        if self._closed:
+            return
+        try:
+            os.write(self._wake[1], b".")
+        except OSError:  # pipe full (already awake) or closed (shutting down)
+            pass
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signals += 1
+        self.wake()
+
+    def pause(self, timeout: float) -> None:
+        """Block until woken (signal, child output or exit) or `timeout` passes."""
+        ready, _, _ = select.select([self._wake[0]], [], [], max(timeout, 0.0))
+        if ready:
+            try:
+                os.read(self._wake[0], 4096)
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        self._closed = True
+        for fd in self._wake:
+            os.close(fd)
+
+    # -- starting
+
+    def spawn(self, name: str, stage: int, args: Sequence[str], ready: str) -> Child:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "iop", *args], env=self.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1,
+            process_group=0,  # Ctrl-C reaches only us; we stop the children in order
+        )
+        child = Child(name, stage, popen, re.compile(ready))
+        self.children.append(child)
+        child.reader = threading.Thread(target=self._forward, args=(child,), name=f"out {name}", daemon=True)
+        child.reader.start()
+        return child
+
+    def _forward(self, child: Child) -> None:
+        assert child.popen.stdout is not None
+        for line in child.popen.stdout:
+            say(f"[{child.name}] {line.rstrip()}")
+            if child.match is None and (m := child.ready.search(line)):
+                child.match = m
+                self.wake()
+        child.popen.wait()  # EOF comes a moment before the exit status: wake once it is known
+        self.wake()
+
+    def start(self, *specs: Spec) -> list[re.Match[str]]:
+        """Spawn the children together, then wait for each one's ready line."""
+        children = [self.spawn(*spec) for spec in specs]
+        return [self.wait_started(child) for child in children]
+
+    def wait_started(self, child: Child) -> re.Match[str]:
+        return self.wait_for(lambda: child.match, f"{child.name} to start", START_TIMEOUT_S)
+
+    # -- waiting
+
+    def check(self) -> None:
+        """Raise if a stop signal arrived or a child has exited."""
+        if self.signals:
+            raise Interrupted
+        for child in self.children:
+            code = child.popen.poll()
+            if code is not None:
+                raise DevError(f"{child.name} exited unexpectedly ({exit_status(code)})")
+
+    def wait_for(self, probe: Callable[[], T | None], what: str, timeout: float, every: float = 1.0) -> T:
+        """Call `probe` until it returns a value, waking on any event or every `every` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check()
+            value = probe()
+            if value:
+                return value
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DevError(f"timed out after {timeout:.0f}s waiting for {what}")
+            self.pause(min(left, every))
+
+    def run_until_stopped(self) -> NoReturn:
+        while True:
+            self.check()
+            self.pause(5.0)  # woken at once by signals and child exits; this is a safety net
+
+    # -- stopping
+
+    def stop_all(self) -> None:
+        """SIGTERM the children stage by stage in reverse start order; SIGKILL stragglers."""
+        for stage in sorted({c.stage for c in self.children}, reverse=True):
+            group = [c for c in reversed(self.children) if c.stage == stage]
+            for child in group:
+                if child.alive:
+                    child.popen.send_signal(signal.SIGTERM)
+            self._reap(group)
+        for child in self.children:
+            if child.reader is not None:
+                child.reader.join(timeout=2.0)
+            if child.popen.stdout is not None:
+                child.popen.stdout.close()
+
+    def _reap(self, group: list[Child]) -> None:
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        forced = self.signals
+        while any(c.alive for c in group):
+            if time.monotonic() > deadline or self.signals > forced:
+                for child in group:
+                    if child.alive:
+                        say(f"iop dev: killing {child.name}", err=True)
+                        child.popen.kill()
+                for child in group:
+                    child.popen.wait()
+                return
+            self.pause(0.05)  # children write a byte at EOF; this only bounds a missed wake-up
+
+
+# --------------------------------------------------------------------------- config
+
+
+def read_config(path: Path) -> Config | None:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        for err in exc.errors:
+            say(f"error: {err}", err=True)
+        return None
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    provider: str
+    host: str
+    port: int
+    models: tuple[str, ...]
+
+
+def simulators(config: Config) -> list[SimSpec]:
+    """One simulator per provider whose base_url points at this machine."""
+    specs = []
+    for node in config.nodes:
+        for provider in node.providers:
+            url = urlsplit(provider.base_url or "")
+            if url.hostname in LOCAL_HOSTS:
+                port = url.port or (443 if url.scheme == "https" else 80)
+                specs.append(SimSpec(provider.id, "127.0.0.1", port, tuple(provider.models)))
+    return specs
+
+
+def ensure_port_free(host: str, port: int, what: str) -> None:
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise DevError(f"cannot use {host}:{port} for {what}: {exc.strerror or exc} "
+                           "(is another `iop dev` running?)") from None
+
+
+# --------------------------------------------------------------------------- readiness
+
+
+def client_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to `host`."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+_no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with _no_proxy.open(url, timeout=1.0) as resp:
+            return int(resp.status) == 200
+    except OSError:
+        return False
+
+
+def wait_heartbeat(sup: Supervisor, redis_url: str, provider_ids: list[str]) -> None:
+    import redis
+
+    client: Any = redis.Redis.from_url(redis_url, socket_timeout=1.0)
+    names = [keys.heartbeat(p) for p in provider_ids]
+
+    def published() -> bool:
+        try:
+            return bool(client.exists(*names))
+        except redis.RedisError:
+            return False
+
+    try:
+        sup.wait_for(published, "a provider heartbeat", READY_TIMEOUT_S, every=0.05)
+    finally:
+        client.close()
+
+
+def banner(config: Config, base: str, redis_url: str) -> str:
+    model = config.models[0].id
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    curl = (f"curl {base}/chat/completions -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(body)}")
+    models = ", ".join(m.id for m in config.models)
+    providers = sum(len(n.providers) for n in config.nodes)
+    rule = "-" * 72
+    return "\n".join([
+        rule,
+        f"iop dev is ready: {len(config.models)} models ({models}), "
+        f"{providers} providers on {len(config.nodes)} nodes",
+        f"  OpenAI-compatible API: {base}   (any API key)",
+        f"  Redis:                 {redis_url}",
+        "  Try it:",
+        f"    {curl}",
+        "  Ctrl-C stops everything.",
+        rule,
+    ])
+
+
+# --------------------------------------------------------------------------- the stack
+
+
+def simulator_spec(sim: SimSpec) -> Spec:
+    args = ["simulator", "--host", sim.host, "--port", str(sim.port), "--models", ",".join(sim.models)]
+    return (f"simulator {sim.provider}", 0, [*args, *SIM_LATENCY], LISTENING)
+
+
+def start_stack(sup: Supervisor, config: Config, demo: bool, host: str, port: int) -> str:
+    """Start every child in order; return the gateway's client base URL (…/v1)."""
+    ensure_port_free(host, port, "the gateway")
+    sims = simulators(config) if demo else []
+    for sim in sims:
+        ensure_port_free(sim.host, sim.port, f"the simulator of provider {sim.provider}")
+    sup.start(*(simulator_spec(sim) for sim in sims))
+    listening, *_ = sup.start(
+        ("gateway", 1, ["gateway", "--host", host, "--port", str(port)], LISTENING),
+        ("scheduler", 2, ["scheduler"], SCHEDULER_READY),
+        *((f"worker {node.id}", 3, ["worker", "--node", node.id],
+           rf"iop worker for node {re.escape(node.id)} running") for node in config.nodes),
+    )
+    bound = urlsplit(listening.group(1)).port or port
+    return f"http://{client_host(host)}:{bound}"
+
+
+def wait_ready(sup: Supervisor, config: Config, root: str, redis_url: str) -> None:
+    sup.wait_for(lambda: http_ok(f"{root}/readyz"), "the gateway's /readyz", READY_TIMEOUT_S, every=0.05)
+    provider_ids = [p.id for n in config.nodes for p in n.providers]
+    if provider_ids:
+        wait_heartbeat(sup, redis_url, provider_ids)
+
+
+def serve(sup: Supervisor, config: Config, demo: bool, host: str, port: int, redis_url: str) -> int:
+    try:
+        root = start_stack(sup, config, demo, host, port)
+        wait_ready(sup, config, root, redis_url)
+        say(banner(config, f"{root}/v1", redis_url))
+        sup.run_until_stopped()
+    except Interrupted:
+        say("iop dev: stopping...")
+        return 0
+    except DevError as exc:
+        say(f"iop dev: {exc}; stopping everything", err=True)
+        return 1
+
+
+@contextmanager
+def signals_to(sup: Supervisor) -> Iterator[None]:
+    previous = {sig: signal.signal(sig, sup.on_signal) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def child_env(config_path: Path, redis_url: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"IOP_CONFIG": str(config_path), "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+@contextmanager
+def terminal_signals_blocked() -> Iterator[None]:
+    """Children spawned inside inherit a mask blocking SIGINT/SIGHUP, so a Ctrl-C sent by the
+    terminal to our whole process group does not reach them; we stop them ourselves, in order.
+    (RedisServer does not start its server in a process group of its own.)"""
+    blocked = {signal.SIGINT, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def start_redis() -> RedisServer | None:
+    try:
+        server = RedisServer()
+    except FileNotFoundError as exc:
+        say(f"iop dev: {exc}", err=True)
+        return None
+    try:
+        with terminal_signals_blocked():
+            return server.start()
+    except (OSError, RuntimeError) as exc:  # TimeoutError is an OSError
+        say(f"iop dev: cannot start Redis ({server.binary}): {exc}", err=True)
+        server.cleanup()
+        return None
+
+
+def run_dev(config_path: str | None, host: str, port: int) -> int:
+    path = Path(config_path).resolve() if config_path else DEMO_CONFIG
+    config = read_config(path)
+    if config is None:
+        return 2
+    say(f"iop dev: config {path}")
+    sup = Supervisor()
+    try:
+        with signals_to(sup):
+            redis = start_redis()
+            if redis is None:
+                return 1
+            sup.env = child_env(path, redis.url)
+            try:
+                return serve(sup, config, config_path is None, host, port, redis.url)
+            finally:
+                sup.stop_all()
+                redis.cleanup()
+                say("iop dev: stopped")
+    finally:
+        sup.close()

@@ -1,0 +1,147 @@
+"""`iop dev` as a person runs it: one real process starting the whole stack.
+
+The demo config gives its simulators fixed ports (18001-18003), so only one demo stack can
+run at a time; these tests run their stacks one after another.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+import yaml
+
+from iop.dev import run_dev, simulators
+from iop.embedded_redis import free_port
+from tests.conftest import Proc, wait_until
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "qwen3.6:35b"
+SIM_PORTS = (18001, 18002, 18003)
+BANNER = r"OpenAI-compatible API: (http://\S+/v1)"
+REDIS = r"Redis: +(redis://\S+)"
+START_S = 60.0
+STOP_S = 30.0
+
+
+def dev_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONUNBUFFERED": "1", "IOP_LOG_LEVEL": "INFO"})
+    for name in ("IOP_CONFIG", "REDIS_URL"):
+        env.pop(name, None)
+    return env
+
+
+def refuses(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return False
+    except OSError:
+        return True
+
+
+def port_of(url: str) -> int:
+    port = urlsplit(url).port
+    assert port is not None
+    return port
+
+
+def child_pids(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children]
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+@pytest.fixture
+def dev_proc() -> Iterator[list[Proc]]:
+    procs: list[Proc] = []
+    yield procs
+    for proc in procs:
+        proc.stop()
+
+
+def test_demo_serves_the_openai_client_and_stops_on_ctrl_c(dev_proc: list[Proc]) -> None:
+    proc = Proc("dev", ["dev", "--port", "0"], dev_env())
+    dev_proc.append(proc)
+    url = proc.wait_for_line(BANNER, timeout=START_S).group(1)
+    redis_url = proc.wait_for_line(REDIS).group(1)
+    assert port_of(url) != 0
+    proc.wait_for_line(r"Ctrl-C stops everything")
+    for name in ("simulator vllm-a", "simulator sglang-b", "simulator lemonade-c", "gateway",
+                 "scheduler", "worker gpu-1", "worker gpu-2"):
+        proc.wait_for_line(rf"^\[{name}\] ")
+
+    client = openai.OpenAI(base_url=url, api_key="x", timeout=30.0)
+    try:
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+        assert reply.model == MODEL
+        assert reply.choices[0].message.content
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True)
+        chunks = list(stream)
+    finally:
+        client.close()
+    assert chunks and all(chunk.model == MODEL for chunk in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    assert proc.stop(STOP_S, sig=signal.SIGINT) == 0, proc.output()  # Ctrl-C; SIGKILL after STOP_S
+    assert "iop dev: stopped" in proc.lines
+    for port in (*SIM_PORTS, port_of(url), port_of(redis_url)):
+        assert refuses(port), f"port {port} still answers after iop dev stopped"
+
+
+def test_a_dying_child_stops_everything(tmp_path: Path, dev_proc: list[Proc]) -> None:
+    """With --config (real providers) no simulator starts; a child killed from outside makes
+    `iop dev` stop the rest and exit 1 naming it."""
+    config = {
+        "models": [{"id": "m1", "providers": {"p1": "served-m1"}}],
+        "nodes": [{"id": "n1", "providers": [
+            {"id": "p1", "type": "vllm", "base_url": f"http://127.0.0.1:{free_port()}",
+             "capacity": 1, "models": ["served-m1"]}]}],
+    }
+    path = tmp_path / "real.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = Proc("dev", ["dev", "--config", str(path), "--port", "0"], dev_env())
+    dev_proc.append(proc)
+    url = proc.wait_for_line(BANNER, timeout=START_S).group(1)
+    assert not any(line.startswith("[simulator") for line in proc.lines)
+
+    children = child_pids(proc.popen.pid)
+    scheduler = next(pid for pid in children if "scheduler" in cmdline(pid))
+    os.kill(scheduler, signal.SIGKILL)
+    proc.popen.wait(timeout=STOP_S)
+    assert proc.stop() == 1, proc.output()
+    assert any("scheduler exited unexpectedly (killed by SIGKILL)" in line for line in proc.lines), proc.output()
+    assert refuses(port_of(url))
+    wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), timeout=5.0,
+               what="every child to be gone")
+
+
+def test_invalid_config_is_reported_with_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("models: []\nnodes: []\n")
+    assert run_dev(str(path), "127.0.0.1", 0) == 2
+    assert "error: models" in capsys.readouterr().err
+
+
+def test_simulators_cover_the_local_providers_of_the_demo() -> None:
+    from iop.dev import DEMO_CONFIG, read_config
+
+    config = read_config(DEMO_CONFIG)
+    assert config is not None
+    specs = {s.provider: (s.port, s.models) for s in simulators(config)}
+    assert specs == {
+        "vllm-a": (18001, ("Qwen/Qwen3.6-35B-A3B", "meta-llama/Llama-3.3-70B-Instruct")),
+        "sglang-b": (18002, ("qwen3.6-35b-a3b",)),
+        "lemonade-c": (18003, ("Llama-3.3-70B-Instruct-GGUF",)),
+    }

@@ -1,0 +1,322 @@
+"""The failure model, proven by really killing processes (issue: nothing lost, nothing stuck).
+
+Every test runs a real stack on its own Redis server; after each, the `fstack` fixture
+checks the invariants: no lease leaked, queues empty, every run terminal, each run
+executed at most once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from iop.embedded_redis import RedisServer
+from tests.conftest import async_wait_until
+from tests.faults import MODEL, FaultStack, chat
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def own_redis(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    server = RedisServer(appendonly=bool(getattr(request, "param", False))).start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def fstack(tmp_path: Path, own_redis: RedisServer) -> Iterator[FaultStack]:
+    stack = FaultStack(tmp_path, own_redis)
+    try:
+        yield stack
+        stack.check_invariants()
+    finally:
+        stack.stop_all()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+async def call(http: aiohttp.ClientSession, gateway: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async with http.post(gateway + "/v1/chat/completions", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def stream_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | str]:
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            payload = line[6:]
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def start(fstack: FaultStack, providers: dict[str, tuple[str, int]], *, schedulers: int = 1,
+          workers_per_node: int = 1, queue: dict[str, int] | None = None,
+          sim_args: dict[str, tuple[str, ...]] | None = None,
+          provider_extra: dict[str, dict[str, Any]] | None = None) -> str:
+    for pid in providers:
+        fstack.add_simulator(pid, *(sim_args or {}).get(pid, ()))
+    fstack.configure(providers, queue=queue, provider_extra=provider_extra)
+    for _ in range(schedulers):
+        fstack.scheduler()
+    for node in sorted({n for n, _ in providers.values()}):
+        for _ in range(workers_per_node):
+            fstack.worker(node)
+    gateway = fstack.gateway()
+    for pid in providers:
+        fstack.wait_health(pid, "available")
+    return gateway
+
+
+async def until_current(fstack: FaultStack, pid: str, n: int) -> None:
+    async def check() -> bool:
+        return bool((await fstack.stats(pid))["current"] == n)
+    await async_wait_until(check, what=f"{n} runs at {pid}")
+
+
+def queued() -> str:
+    return f"iop:runs:{MODEL}"
+
+
+# ---------------------------------------------------------------------------- 1. scheduler replicas
+async def test_a_killed_scheduler_s_waiting_runs_are_taken_over(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"only": ("n1", 1)}, schedulers=2)
+    holder = asyncio.create_task(call(http, gateway, chat(ttft_ms=1500)))
+    await until_current(fstack, "only", 1)
+    waiting = [asyncio.create_task(call(http, gateway, chat())) for _ in range(4)]
+    r = fstack.client()
+    await async_wait_until(lambda: _pending_total(r, 4), what="4 runs held by the schedulers")
+    owners = {c["name"].decode(): c["pending"] for c in r.xinfo_consumers(queued(), "schedulers") if c["pending"]}
+    victim = next(iter(owners))
+    proc = next(p for p in fstack.procs if p.name == "scheduler" and any(victim in line for line in p.lines))
+    proc.send(signal.SIGKILL)
+    results = await asyncio.gather(holder, *waiting)
+    assert [status for status, _ in results] == [200] * 5
+    consumers = [c["name"].decode() for c in r.xinfo_consumers(queued(), "schedulers")]
+    assert victim not in consumers  # the survivor claimed its runs and removed it
+    r.close()
+
+
+async def _pending_total(r: Any, n: int) -> bool:
+    try:
+        return bool(r.xpending(queued(), "schedulers")["pending"] == n)
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------------- 2. leases
+async def test_a_worker_killed_mid_stream_gives_worker_lost_and_the_slot_back(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"only": ("n1", 1)})
+    body = chat(max_tokens=200, stream=True, itl_ms=100, tokens=200)
+    async with http.post(gateway + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        run_id = resp.headers["X-IOP-Run-Id"]
+        events = stream_events(resp)
+        first = await anext(events)
+        assert isinstance(first, dict) and "choices" in first
+        worker_pid = int((fstack.run_field(run_id, "worker") or ":0").rsplit(":", 1)[1])
+        worker = next(p for p in fstack.procs if p.popen.pid == worker_pid)
+        worker.send(signal.SIGKILL)
+        rest = [e async for e in events]
+    errors = [e for e in rest if isinstance(e, dict) and "error" in e]
+    assert errors and errors[-1]["error"]["code"] == "worker_lost"
+    assert fstack.run_field(run_id, "state") == "failed"
+
+
+async def test_a_worker_killed_before_output_has_its_run_retried(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"only": ("n1", 1)}, workers_per_node=2)
+    task = asyncio.create_task(http.post(gateway + "/v1/chat/completions", json=chat(ttft_ms=1000)))
+    await until_current(fstack, "only", 1)
+    run_id = next(r["request_id"] for r in (await fstack.stats("only"))["requests"])
+    worker_pid = int((fstack.run_field(run_id, "worker") or ":0").rsplit(":", 1)[1])
+    next(p for p in fstack.procs if p.popen.pid == worker_pid).send(signal.SIGKILL)
+    resp = await task
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["X-IOP-Run-Id"] == run_id
+    assert fstack.run_field(run_id, "attempts") == "2"
+    tries = [r for r in (await fstack.stats("only"))["requests"] if r["request_id"] == run_id]
+    assert [r["completed"] for r in tries] == [False, True]
+    resp.release()
+
+
+# ---------------------------------------------------------------------------- 3. retries
+async def test_a_provider_error_before_output_is_retried_on_another_provider(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"a-bad": ("n1", 2), "b-good": ("n1", 2)},
+                    sim_args={"a-bad": ("--fail-rate", "1", "--fail-status", "503")})
+    status, body = await call(http, gateway, chat())
+    assert status == 200 and body["model"] == MODEL
+    async with http.post(gateway + "/v1/chat/completions", json=chat(stream=True)) as resp:
+        assert resp.status == 200
+        chunks = [e async for e in stream_events(resp)]
+    assert chunks[-1] == "[DONE]"
+    bad, good = (await fstack.stats("a-bad"))["requests"], (await fstack.stats("b-good"))["requests"]
+    assert len(bad) == 2 and not any(r["completed"] for r in bad)
+    assert len(good) == 2 and all(r["completed"] for r in good)
+    assert {r["request_id"] for r in bad} == {r["request_id"] for r in good}
+
+
+async def test_retries_stop_at_max_attempts(fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"bad": ("n1", 1)}, queue={"max_attempts": 2},
+                    sim_args={"bad": ("--fail-rate", "1", "--fail-status", "500")})
+    status, body = await call(http, gateway, chat())
+    assert status == 502 and body["error"]["code"] == "provider_error"
+    assert len((await fstack.stats("bad"))["requests"]) == 2
+
+
+async def test_a_run_that_already_sent_output_is_never_retried(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"a": ("n1", 1), "b": ("n1", 1)})
+    body = chat(max_tokens=10, stream=True, fail_after_tokens=2)
+    async with http.post(gateway + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        events = [e async for e in stream_events(resp)]
+    content = [e for e in events if isinstance(e, dict) and e.get("choices")]
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert content and errors and errors[0]["error"]["code"] == "provider_error"
+    total = len((await fstack.stats("a"))["requests"]) + len((await fstack.stats("b"))["requests"])
+    assert total == 1
+
+
+# ---------------------------------------------------------------------------- 4. cancellation
+async def test_a_caller_leaving_a_queued_run_takes_it_out_of_the_queue(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"only": ("n1", 1)})
+    holder = asyncio.create_task(call(http, gateway, chat(ttft_ms=600_000)))
+    await until_current(fstack, "only", 1)
+    r = fstack.client()
+    waiting = asyncio.create_task(call(http, gateway, chat()))
+    await async_wait_until(lambda: _is(r.xlen(queued()) == 1), what="the run to wait")
+    run_id = r.xrange(queued())[0][1][b"run"].decode()
+    waiting.cancel()
+    await async_wait_until(lambda: _is(r.xlen(queued()) == 0), what="the queue to drop the run")
+    assert fstack.run_field(run_id, "state") == "cancelled"
+    holder.cancel()
+    await async_wait_until(lambda: _is(r.zcard("iop:leases:only") == 0), what="the holder's slot")
+    r.close()
+
+
+async def _is(value: bool) -> bool:
+    return value
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_caller_leaving_a_running_run_closes_the_provider_request(
+        fstack: FaultStack, http: aiohttp.ClientSession, stream: bool) -> None:
+    gateway = start(fstack, {"only": ("n1", 1)})
+    body = chat(max_tokens=500, stream=stream, itl_ms=50, tokens=500)
+    if stream:
+        resp = await http.post(gateway + "/v1/chat/completions", json=body)
+        run_id = resp.headers["X-IOP-Run-Id"]
+        await anext(stream_events(resp))
+        resp.close()  # the caller goes away mid-stream
+    else:
+        task = asyncio.create_task(http.post(gateway + "/v1/chat/completions", json=body))
+        await until_current(fstack, "only", 1)
+        run_id = next(r["request_id"] for r in (await fstack.stats("only"))["requests"])
+        task.cancel()  # the caller goes away while waiting for the whole answer
+    r = fstack.client()
+    await async_wait_until(lambda: _disconnects(fstack, 1), what="the provider to see the disconnect")
+    await async_wait_until(lambda: _is(r.zcard("iop:leases:only") == 0), what="the slot to come back")
+    assert fstack.run_field(run_id, "state") == "cancelled"
+    r.close()
+
+
+async def _disconnects(fstack: FaultStack, n: int) -> bool:
+    return bool((await fstack.stats("only"))["disconnects"] == n)
+
+
+# ---------------------------------------------------------------------------- 5. timeouts
+async def test_a_stalled_provider_hits_the_execution_timeout(fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"only": ("n1", 1)}, queue={"execution_timeout_ms": 500})
+    status, body = await call(http, gateway, chat(ttft_ms=600_000))
+    assert status == 504 and body["error"]["code"] == "execution_timeout"
+    await async_wait_until(lambda: _disconnects(fstack, 1), what="the provider request to be closed")
+
+
+async def test_a_silent_provider_hits_its_read_timeout(fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"only": ("n1", 1)}, queue={"max_attempts": 1},
+                    provider_extra={"only": {"read_timeout_ms": 300}})
+    status, body = await call(http, gateway, chat(ttft_ms=600_000))
+    assert status == 502 and body["error"]["code"] == "provider_error"
+
+
+# ---------------------------------------------------------------------------- 6. Redis restarts
+async def test_services_reconnect_after_a_redis_restart(fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"only": ("n1", 2)})
+    assert (await call(http, gateway, chat()))[0] == 200
+    fstack.server.stop(kill=True)
+
+    async def readyz(expected: int) -> bool:
+        async with http.get(gateway + "/readyz") as resp:
+            return resp.status == expected
+
+    await async_wait_until(lambda: readyz(503), what="/readyz to say not ready")
+    status, body = await call(http, gateway, chat())
+    assert status == 503 and body["error"]["code"] == "service_unavailable"
+    fstack.server.start()
+    await async_wait_until(lambda: readyz(200), what="/readyz to say ready again")
+
+    async def served() -> bool:
+        return (await call(http, gateway, chat()))[0] == 200
+
+    await async_wait_until(served, what="a run to be served again")
+
+
+@pytest.mark.parametrize("own_redis", [True], indirect=True)
+async def test_runs_queued_before_a_redis_restart_are_served_after_it_with_aof(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"only": ("n1", 1)})
+    holder = asyncio.create_task(call(http, gateway, chat(ttft_ms=1500)))
+    await until_current(fstack, "only", 1)
+    waiting = [asyncio.create_task(call(http, gateway, chat())) for _ in range(2)]
+    r = fstack.client()
+    await async_wait_until(lambda: _is(r.xlen(queued()) == 2), what="two runs waiting")
+    r.close()
+    fstack.server.stop(kill=True)
+    fstack.server.start()
+    results = await asyncio.gather(holder, *waiting)
+    assert [s for s, _ in results] == [200, 200, 200]
+
+
+# ---------------------------------------------------------------------------- 7. provider health
+async def test_a_provider_that_stops_is_avoided_and_used_again_when_back(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"a": ("n1", 1), "b": ("n1", 1)})
+    port = fstack.sims["a"].rsplit(":", 1)[1]
+    fstack.sim_procs["a"].stop()
+    fstack.wait_health("a", "unavailable")
+    for _ in range(3):
+        assert (await call(http, gateway, chat()))[0] == 200
+    assert len((await fstack.stats("b"))["requests"]) == 3
+    fstack.add_simulator("a", port=int(port))
+    fstack.wait_health("a", "available")
+    assert (await call(http, gateway, chat()))[0] == 200
+    assert len((await fstack.stats("a"))["requests"]) == 1  # idle and first by id: chosen again
+
+
+async def test_stale_heartbeats_are_unknown_and_no_provider_means_503_at_once(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"a": ("n1", 1), "b": ("n2", 1)})
+    worker_a = next(p for p in fstack.procs if p.name == "worker-n1")
+    worker_a.stop()
+    fstack.wait_health("a", None)  # its heartbeat expired: unknown
+    assert (await call(http, gateway, chat()))[0] == 200
+    assert (await fstack.stats("a"))["total"] == 0
+    next(p for p in fstack.procs if p.name == "worker-n2").stop()
+    fstack.wait_health("b", None)
+    status, body = await call(http, gateway, chat())
+    assert status == 503 and body["error"]["code"] == "no_available_provider"
