@@ -211,3 +211,23 @@ async def test_expired_lease_requeues_then_fails_with_worker_lost(redis: Redis) 
     events = [e async for e in client.follow(run_id)]
     assert [e.type for e in events] == ["dispatched", "requeued", "dispatched", "failed"]
     assert events[-1].data["code"] == "worker_lost"
+
+
+async def test_waiting_runs_fail_at_once_when_every_provider_reports_itself_down(redis: Redis) -> None:
+    config = make_config({"a": 1, "b": 1})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    run_ids = await submit(client, 2)
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    await redis.delete(keys.heartbeat("a"))  # a is unknown: b alone being down is not enough
+    await redis.hset(keys.heartbeat("b"), "health", "unavailable")
+    await sched.dispatch_all()
+    assert [await redis.hget(keys.run_record(r), "state") for r in run_ids] == [b"queued", b"queued"]
+    await beat(redis, config, health="unavailable")
+    await sched.dispatch_all()
+    assert [await redis.hget(keys.run_record(r), "state") for r in run_ids] == [b"failed", b"failed"]
+    events = [e async for e in client.follow(run_ids[0])]
+    assert events[-1].data["code"] == "no_available_provider"
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 0
