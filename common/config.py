@@ -9,26 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-ProviderType = Literal["ollama", "vllm", "sglang", "lemonade", "openai_api", "cli"]
-Category = Literal["api", "cli", "local_inference"]
+from common.legacy import is_legacy
+from common.legacy import migrate as migrate_legacy
 
-PROVIDER_TYPES: tuple[str, ...] = get_args(ProviderType)
-CATEGORIES: tuple[str, ...] = get_args(Category)
-
-#: The category a provider gets when its config does not say.
-DEFAULT_CATEGORY: dict[str, Category] = {
-    "ollama": "local_inference",
-    "vllm": "local_inference",
-    "sglang": "local_inference",
-    "lemonade": "local_inference",
-    "openai_api": "api",
-    "cli": "cli",
-}
+# Per-type defaults live in `common.provider_types`; re-exported here for callers of the config.
+from common.provider_types import CATEGORIES as CATEGORIES
+from common.provider_types import DEFAULT_CATEGORY as DEFAULT_CATEGORY
+from common.provider_types import PROVIDER_TYPES as PROVIDER_TYPES
+from common.provider_types import Category as Category
+from common.provider_types import LifecycleFlag as LifecycleFlag
+from common.provider_types import ProviderType as ProviderType
+from common.provider_types import default_lifecycle
 
 #: An id is a non-empty string without whitespace (it becomes part of Redis keys).
 ID_PATTERN = r"^\S+$"
@@ -68,10 +64,20 @@ class ProviderConfig(_Strict):
     connect_timeout_ms: int = Field(5_000, ge=1)
     read_timeout_ms: int = Field(120_000, ge=1, description="longest silence while reading a response")
     probe_timeout_ms: int = Field(2_000, ge=1)
+    api_path: str | None = Field(None, pattern=r"^(/\S*)?$",
+                                 description="OpenAI family: path of the API under base_url (default by type)")
+    command: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description="cli: the argv to run (never through a shell)")
+    lifecycle_capabilities: list[LifecycleFlag] | None = Field(None, description="overrides the type's flags")
 
     @property
     def effective_category(self) -> Category:
         return self.category or DEFAULT_CATEGORY[self.type]
+
+    @property
+    def effective_lifecycle(self) -> list[LifecycleFlag]:
+        flags = default_lifecycle(self.type) if self.lifecycle_capabilities is None else self.lifecycle_capabilities
+        return list(dict.fromkeys(flags))
 
 
 class NodeConfig(_Strict):
@@ -214,6 +220,7 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
                 providers.setdefault(str(p["id"]), p)  # the first definition is the one in force
             if p.get("type") in PROVIDER_TYPES and p.get("type") != "cli" and not p.get("base_url"):
                 errors.append(f"{path}.base_url: required for type {p['type']}")
+            errors += _type_specific(p, path)
             served = [(f"{path}.models[{k}]", str(x)) for k, x in enumerate(_list(p.get("models")))]
             errors += _duplicates(served, "served model")
     errors += _duplicates(provider_paths, "provider")
@@ -237,10 +244,32 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
     return errors
 
 
+def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
+    """Fields some provider types require (`command` and `api_path` are ignored by other types)."""
+    if p.get("type") == "cli" and not p.get("command"):
+        return [f"{path}.command: required for type cli (the argv to run)"]
+    return []
+
+
 def parse_config(data: Any) -> Config:
-    """Validate a mapping (parsed YAML) into a Config, or raise ConfigError with every fault."""
+    """Validate a mapping (parsed YAML) into a Config, or raise ConfigError with every fault.
+
+    A config in the legacy shape (`openai.model_routes`, `nodes[].adapters`) is converted
+    first by `common.legacy`; its faults are reported at their legacy paths."""
     if not isinstance(data, Mapping):
         raise ConfigError([f"(top level): expected a mapping, got {type(data).__name__}"])
+    if is_legacy(data):
+        migration = migrate_legacy(data)
+        if migration.errors:
+            raise ConfigError(migration.errors)
+        try:
+            return _parse_new_shape(migration.data)
+        except ConfigError as exc:
+            raise ConfigError([migration.legacy_path(e) for e in exc.errors]) from None
+    return _parse_new_shape(data)
+
+
+def _parse_new_shape(data: Mapping[str, Any]) -> Config:
     errors = check_references(data)
     try:
         cfg = Config.model_validate(data)

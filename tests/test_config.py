@@ -60,7 +60,8 @@ def good() -> dict[str, Any]:
                 "providers": [
                     {"id": "sglang-b", "type": "sglang", "base_url": "http://gpu-2:30000", "capacity": 2,
                      "models": ["qwen3.6-35b-a3b"]},
-                    {"id": "cli-c", "type": "cli", "capacity": 1, "models": ["llama-cli"]},
+                    {"id": "cli-c", "type": "cli", "command": ["llama-cli", "--quiet"], "capacity": 1,
+                     "models": ["llama-cli"]},
                 ],
             },
         ],
@@ -391,6 +392,8 @@ def test_default_category_per_type(ptype: str, category: str) -> None:
     data = good()
     provider = data["nodes"][0]["providers"][0]
     provider["type"] = ptype
+    if ptype == "cli":
+        provider["command"] = ["llm"]
     cfg = parse_config(data)
     assert cfg.provider("vllm-a").category is None
     assert cfg.provider("vllm-a").effective_category == category

@@ -36,6 +36,7 @@ def heartbeat_fields(provider: ProviderConfig, node_id: str, probe: ProbeResult,
         "capacity": str(provider.capacity),
         "models": json.dumps(provider.models),
         "observed_models": json.dumps(probe.models) if probe.models is not None else "",
+        "lifecycle": json.dumps(provider.effective_lifecycle),  # coarse flags (D05), shown, never acted on
         "ts_ms": str(ts_ms),
         "worker": f"{socket.gethostname()}:{os.getpid()}",
     }

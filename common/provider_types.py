@@ -1,0 +1,54 @@
+"""What each provider type is by default: its category (D04, S06) and its coarse lifecycle
+flags (D05, S08). Pure data; the config may override both per provider.
+
+The flags only describe what the provider's own API can do with models. iop shows them in
+the heartbeat and the catalog and never acts on them (D06).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+ProviderType = Literal["ollama", "vllm", "sglang", "lemonade", "openai_api", "cli"]
+Category = Literal["api", "cli", "local_inference"]
+LifecycleFlag = Literal["list_models", "load_model", "unload_model", "pull_model", "delete_model"]
+
+PROVIDER_TYPES: tuple[str, ...] = get_args(ProviderType)
+CATEGORIES: tuple[str, ...] = get_args(Category)
+LIFECYCLE_FLAGS: tuple[str, ...] = get_args(LifecycleFlag)
+
+#: The types that speak the OpenAI HTTP API themselves.
+OPENAI_FAMILY: frozenset[str] = frozenset({"vllm", "sglang", "lemonade", "openai_api"})
+
+#: The category a provider gets when its config does not say.
+DEFAULT_CATEGORY: dict[str, Category] = {
+    "ollama": "local_inference",
+    "vllm": "local_inference",
+    "sglang": "local_inference",
+    "lemonade": "local_inference",
+    "openai_api": "api",
+    "cli": "cli",
+}
+
+_ALL: tuple[LifecycleFlag, ...] = ("list_models", "load_model", "unload_model", "pull_model", "delete_model")
+
+#: The lifecycle flags a provider gets when its config does not say. Ollama and Lemonade
+#: manage their own model store (pull, delete, load, unload); vLLM and SGLang serve the
+#: models they were started with and can only list them; a hosted API lists; a CLI tool
+#: says nothing about its models.
+DEFAULT_LIFECYCLE: dict[str, tuple[LifecycleFlag, ...]] = {
+    "ollama": _ALL,
+    "lemonade": _ALL,
+    "vllm": ("list_models",),
+    "sglang": ("list_models",),
+    "openai_api": ("list_models",),
+    "cli": (),
+}
+
+
+def default_category(provider_type: str) -> Category:
+    return DEFAULT_CATEGORY[provider_type]
+
+
+def default_lifecycle(provider_type: str) -> tuple[LifecycleFlag, ...]:
+    return DEFAULT_LIFECYCLE[provider_type]
