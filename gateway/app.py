@@ -14,7 +14,7 @@ from common.config import Config
 from common.redisconn import REDIS_DOWN, connect
 from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind
-from gateway import runs_api
+from gateway import metrics, runs_api
 from gateway.errors import ApiError, error_middleware
 from gateway.requests import parse_request
 from gateway.responses import stream_response, whole_response
@@ -59,6 +59,7 @@ async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
     model = cfg.model(req.model)
     if model is None:
         raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {req.model!r} does not exist", param="model")
+    request[metrics.MODEL] = model.id
     runs = request.app[RUNS]
     run_id = await runs.submit(model, req)
     policy = cfg.queue_for(model)
@@ -137,4 +138,5 @@ def build_app(config: Config, redis_url: str) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     runs_api.setup(app, lambda: app[RUNS])
+    metrics.setup(app)
     return app

@@ -23,6 +23,12 @@ def _http_args(p: argparse.ArgumentParser, port: int = 8080) -> None:
     p.add_argument("--port", type=int, default=port, help=f"port to listen on (default {port}; 0 = any free)")
 
 
+def _metrics_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /metrics, /healthz and /readyz on this port (default: off; 0 = any free)")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics port listens on (default 0.0.0.0)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from iop import simulator
 
@@ -34,10 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     _http_args(p)
     p = sub.add_parser("scheduler", help="a scheduler replica")
     _service_args(p)
+    _metrics_args(p)
     p = sub.add_parser("worker", help="a worker for one node")
     _service_args(p)
     p.add_argument("--node", required=True, help="the node id this worker serves")
     p.add_argument("--grace", type=float, default=10.0, help="seconds running runs get on shutdown")
+    _metrics_args(p)
     p = sub.add_parser("simulator", help="an OpenAI-compatible fake LLM server")
     simulator.add_arguments(p)
     p = sub.add_parser("dev", help="the whole stack in one command, with an embedded Redis")
@@ -103,8 +111,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "scheduler":
         from scheduler.service import serve as serve_scheduler
 
-        run(serve_scheduler(config, args.redis))  # type: ignore[arg-type]
+        run(serve_scheduler(config, args.redis, args.metrics_port, args.metrics_host))  # type: ignore[arg-type]
     elif args.command == "worker":
         from workers.service import serve as serve_worker
 
-        run(serve_worker(config, args.redis, args.node, args.grace))  # type: ignore[arg-type]
+        run(serve_worker(config, args.redis, args.node, args.grace, args.metrics_port,  # type: ignore[arg-type]
+                         args.metrics_host))

@@ -33,6 +33,7 @@ from common.redisconn import REDIS_DOWN, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, RunState
+from scheduler import metrics
 from scheduler.snapshots import read_snapshots
 
 log = logging.getLogger("iop.scheduler")
@@ -147,11 +148,13 @@ class Scheduler:
                     await self._refuse_all(model, snaps)
                 return
             result = await self._dispatch(model, head, choice, snaps)
+            metrics.DISPATCHES.labels(model.id, result).inc()
             if result in ("ok", "gone"):
                 if head in queue:  # compare by identity of entry: another task may have moved on
                     queue.remove(head)
                 stale = 0
                 if result == "ok":
+                    metrics.DISPATCH_LATENCY.labels(model.id).observe(max(0, now_ms() - head.sort_key[0]) / 1000)
                     log.info("dispatched to %s", choice.provider_id, extra=run_fields(head.run_id, model.id))
             elif result == "stale" and stale < STALE_RETRIES:
                 stale += 1
@@ -215,6 +218,7 @@ class Scheduler:
              self.config.runtime.run_ttl_s, info.code.value, info.message, ""],
         )
         if result == b"ok":
+            metrics.DROPPED.labels(model_id, state.value).inc()
             log.info("%s in the queue: %s", state.value, info.code.value, extra=run_fields(w.run_id, model_id))
 
     # ----------------------------------------------------------------- takeover
@@ -244,6 +248,7 @@ class Scheduler:
         if not ids:
             return 0
         entries = await self.redis.xclaim(stream, keys.SCHEDULER_GROUP, self.consumer, 0, ids)
+        metrics.TAKEOVERS.labels(model_id).inc(len(entries))
         for entry_id, fields in entries:
             if fields:
                 self._adopt(model_id, entry_id.decode(), fields)
@@ -277,6 +282,7 @@ class Scheduler:
         )
         outcome = result.decode() if isinstance(result, bytes) else str(result)
         if outcome != "alive":
+            metrics.REAPS.labels(model_id, outcome).inc()
             log.warning("lease expired: %s", outcome, extra=run_fields(run_id, model_id))
             return 1
         return 0

@@ -7,17 +7,25 @@ import logging
 from common.config import Config
 from common.lifecycle import stop_event
 from common.redisconn import connect
+from scheduler import metrics
 from scheduler.core import Scheduler, run_scheduler
 
 log = logging.getLogger("iop.scheduler")
 
 
-async def serve(config: Config, redis_url: str) -> None:
+async def serve(config: Config, redis_url: str, metrics_port: int | None = None,
+                metrics_host: str = "0.0.0.0") -> None:
     stop = stop_event()
     redis = connect(redis_url)
     sched = Scheduler(redis, config)
+    ops = None if metrics_port is None else await metrics.serve_metrics(
+        redis, config, sched.waiting, metrics_host, metrics_port)
+    if ops is not None:
+        print(f"metrics on {ops.url}", flush=True)
     print(f"iop scheduler {sched.consumer} running", flush=True)
     try:
         await run_scheduler(sched, stop)
     finally:
+        if ops is not None:
+            await ops.close()
         await redis.aclose()

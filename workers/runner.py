@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from common.redisconn import REDIS_DOWN
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState
+from workers import metrics
 from workers.adapters.base import Adapter, ProviderError
 
 log = logging.getLogger("iop.worker")
@@ -84,10 +86,12 @@ class Runner:
         assert task is not None
         self.running[run_id] = (att, task)
         renewer = asyncio.create_task(self._renew(att, task))
+        began = time.monotonic()
         try:
             return await self._attempt(att, adapter, record, policy.execution_timeout_ms / 1000)
         finally:
             renewer.cancel()
+            metrics.RUN_SECONDS.labels(model_id, provider_id).observe(time.monotonic() - began)
             self.running.pop(run_id, None)
 
     def cancel(self, run_id: str, reason: str) -> bool:
@@ -163,6 +167,7 @@ class Runner:
         for _ in range(8):
             try:
                 result = await self.scripts.call("finish", run_keys, args)
+                metrics.RUNS.labels(att.model_id, att.provider_id, state.value if state else "requeued").inc()
                 return f"{state.value if state else 'requeued'}:{result.decode()}"
             except REDIS_DOWN as exc:
                 log.warning("cannot record its end (%s); retrying", exc, extra=run_fields(att.run_id, att.model_id))

@@ -15,6 +15,7 @@ from common.codec import pack, unpack
 from common.config import Config, ProviderConfig
 from common.redisconn import REDIS_DOWN, connect
 from common.runlog import run_fields
+from workers import metrics as worker_metrics
 from workers.adapters.base import Adapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
 from workers.arq_worker import WakeWorker
@@ -106,7 +107,8 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
     )
 
 
-async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 10.0) -> None:
+async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 10.0,
+                metrics_port: int | None = None, metrics_host: str = "0.0.0.0") -> None:
     """Run until SIGTERM/SIGINT; then take no new jobs, let running ones finish for up to
     `grace_s`, and cancel the rest (each is requeued or failed, its slot released)."""
     from common.lifecycle import stop_event
@@ -114,6 +116,10 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
     stop = stop_event()
     worker = build_worker(config, redis_url, node_id)
     main = asyncio.create_task(worker.async_run())
+    ops = None if metrics_port is None else await worker_metrics.serve_metrics(
+        config, redis_url, node_id, metrics_host, metrics_port)
+    if ops is not None:
+        print(f"metrics on {ops.url}", flush=True)
     print(f"iop worker for node {node_id} running ({worker.max_jobs} slots)", flush=True)
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([main, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -129,3 +135,5 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
     stopped.cancel()
     await asyncio.gather(main, stopped, return_exceptions=True)
     await worker.close()
+    if ops is not None:
+        await ops.close()

@@ -1,0 +1,81 @@
+"""Serving Prometheus metrics: the text exposition of a registry, and a tiny HTTP server for
+processes that have no HTTP port of their own (scheduler, worker).
+
+Gauges that mirror Redis (queue depth, provider load) are read when scraped: `refresh` is
+awaited before each exposition. The server also answers `/healthz` (the process lives) and
+`/readyz` (`ready()` is true: Redis answers), for container healthchecks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from common.redisconn import REDIS_DOWN
+
+log = logging.getLogger("iop.metrics")
+
+Refresh = Callable[[], Awaitable[None]]
+Ready = Callable[[], Awaitable[bool]]
+
+#: How long a scrape waits for `refresh` (Redis) before it answers with what it has.
+REFRESH_TIMEOUT_S = 2.0
+
+
+async def exposition(registry: CollectorRegistry, refresh: Refresh | None = None) -> web.Response:
+    """The registry as Prometheus text; a Redis outage leaves the Redis-fed gauges as they were."""
+    if refresh is not None:
+        try:
+            async with asyncio.timeout(REFRESH_TIMEOUT_S):
+                await refresh()
+        except (TimeoutError, *REDIS_DOWN) as exc:
+            log.warning("metrics: could not read Redis (%s); answering with the last values", exc or "timeout")
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@dataclass
+class MetricsServer:
+    runner: web.AppRunner
+    url: str
+    #: what else the server owns (a Redis connection), closed after it
+    on_close: Callable[[], Awaitable[None]] | None = None
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+        if self.on_close is not None:
+            await self.on_close()
+
+
+async def start_metrics_server(registry: CollectorRegistry, host: str, port: int, *,
+                               refresh: Refresh | None = None, ready: Ready | None = None) -> MetricsServer:
+    """Serve /metrics, /healthz and /readyz on host:port (0 = any free port)."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        return await exposition(registry, refresh)
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        try:
+            async with asyncio.timeout(1.0):
+                ok = ready is None or await ready()
+        except (TimeoutError, *REDIS_DOWN):
+            ok = False
+        return web.json_response({"status": "ready" if ok else "not ready"}, status=200 if ok else 503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return MetricsServer(runner, f"http://{host}:{bound}/metrics")

@@ -1,0 +1,77 @@
+"""What the gateway measures, served at `GET /metrics` on its own port.
+
+- `iop_gateway_requests_total{model,endpoint,status}`: every OpenAI run request by the
+  HTTP status it got (499 = the caller left first). `model` is "-" when the request named
+  no configured model (a 400 or 404), so unknown names cannot grow the label set.
+- `iop_gateway_request_duration_seconds{model,endpoint}`: end-to-end latency of the runs
+  that succeeded (2xx), from the request to the last byte.
+- `iop_gateway_time_to_first_token_seconds{model}`: for streamed runs that succeeded, from
+  the request to the first output sent (the SSE headers go out with it).
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from common.metrics_http import exposition
+from gateway.errors import Handler
+
+REGISTRY = CollectorRegistry()
+
+REQUESTS = Counter("iop_gateway_requests", "OpenAI run requests by model, endpoint and HTTP status",
+                   ["model", "endpoint", "status"], registry=REGISTRY)
+DURATION = Histogram("iop_gateway_request_duration_seconds", "end-to-end latency of successful runs",
+                     ["model", "endpoint"], registry=REGISTRY,
+                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+TTFT = Histogram("iop_gateway_time_to_first_token_seconds", "time to the first output of streamed runs",
+                 ["model"], registry=REGISTRY,
+                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+
+#: The model id of a run request, set by the handler once it has found the model.
+MODEL = web.RequestKey("iop_model", str)
+_STARTED = web.RequestKey("iop_started", float)
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
+
+
+def _endpoint(request: web.Request) -> str | None:
+    return ENDPOINTS.get(request.path) if request.method == "POST" else None
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    endpoint = _endpoint(request)
+    if endpoint is None:
+        return await handler(request)
+    started = request[_STARTED] = time.monotonic()
+    status = 499  # cancelled: the caller went away before the answer
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    finally:
+        model = request.get(MODEL, "-")
+        REQUESTS.labels(model, endpoint, str(status)).inc()
+        if 200 <= status < 300:
+            DURATION.labels(model, endpoint).observe(time.monotonic() - started)
+
+
+async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """A streamed run's headers go out with its first output: that moment is its TTFT."""
+    if (response.status == 200 and response.content_type == "text/event-stream" and _STARTED in request
+            and _endpoint(request) is not None):
+        TTFT.labels(request.get(MODEL, "-")).observe(time.monotonic() - request[_STARTED])
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return await exposition(REGISTRY)
+
+
+def setup(app: web.Application) -> None:
+    """Measure run requests (outermost middleware, so it sees the final status) and serve /metrics."""
+    app.middlewares.insert(0, metrics_middleware)
+    app.on_response_prepare.append(_on_prepare)
+    app.router.add_get("/metrics", metrics)
