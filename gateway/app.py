@@ -14,7 +14,7 @@ from common.config import Config
 from common.redisconn import REDIS_DOWN, connect
 from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind
-from gateway import metrics, runs_api
+from gateway import catalog, metrics, runs_api
 from gateway.errors import ApiError, error_middleware
 from gateway.requests import parse_request
 from gateway.responses import stream_response, whole_response
@@ -139,4 +139,5 @@ def build_app(config: Config, redis_url: str) -> web.Application:
     app.router.add_get("/readyz", readyz)
     runs_api.setup(app, lambda: app[RUNS])
     metrics.setup(app)
+    catalog.setup(app, config, lambda: app[RUNS].redis)
     return app

@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     _http_args(p)
     p.set_defaults(host="127.0.0.1")
 
+    for name, what in (("catalog", "providers and models as the catalog shows them"),
+                       ("queues", "waiting runs and the oldest waiting age per model")):
+        p = sub.add_parser(name, help=f"print {what} (read-only)")
+        _service_args(p)
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
     p = sub.add_parser("runs", help="inspect runs (read-only)")
     rsub = p.add_subparsers(dest="runs_command", required=True)
     r = rsub.add_parser("show", help="a run's record and events, from Redis")
@@ -101,6 +107,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from iop.dev import run_dev
 
         raise SystemExit(run_dev(args.config, args.host, args.port))
+
+    if args.command in ("catalog", "queues"):
+        from iop.catalog_cmd import main as inspect
+
+        raise SystemExit(inspect(args.command, _load(args.config), args.redis, args.json))  # type: ignore[arg-type]
 
     setup_logging()
     config = _load(args.config)

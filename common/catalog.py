@@ -1,0 +1,286 @@
+"""The provider catalog (D04–D06, S06–S09): what every provider and model looks like now.
+
+Read-only. `read_raw` fetches everything in one Redis pipeline; `build_catalog` is a pure
+function of the config and that raw reading, so the gateway's `/v1/catalog`, the page and
+`iop catalog` all show the same records. Whether a provider is selectable for a model is
+decided by the selection policy's own predicates, so the catalog never disagrees with the
+scheduler.
+
+Nothing secret is ever read into a record: no `api_key_env`, no environment value, no
+`base_url` (it may carry credentials in its userinfo or query).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from common import keys
+from common.config import Config, ModelConfig, ProviderConfig
+from common.policy import Health, ProviderSnapshot, is_available, is_fresh
+from common.provider_types import LIFECYCLE_FLAGS
+from common.redisconn import as_text_map
+
+
+@dataclass(frozen=True, slots=True)
+class RawState:
+    """What Redis held at `now_ms`, undecoded beyond plain strings."""
+
+    now_ms: int
+    #: provider id -> its heartbeat hash ({} when there is none)
+    heartbeats: dict[str, dict[str, str]]
+    #: provider id -> live leases (score > now)
+    in_flight: dict[str, int]
+    #: model id -> XLEN of its runs stream
+    queued: dict[str, int]
+    #: model id -> (ms timestamp from its entry id, run id) of the oldest waiting run, None when empty
+    oldest: dict[str, tuple[int, str] | None]
+
+
+async def read_raw(redis: Redis, config: Config, now_ms: int) -> RawState:
+    """One pipeline: every provider's heartbeat and live lease count, every model's queue."""
+    providers = [p.id for n in config.nodes for p in n.providers]
+    pipe = redis.pipeline(transaction=False)
+    for pid in providers:
+        pipe.hgetall(keys.heartbeat(pid))
+        pipe.zcount(keys.leases(pid), f"({now_ms}", "+inf")
+    for m in config.models:
+        pipe.xlen(keys.runs_stream(m.id))
+        pipe.xrange(keys.runs_stream(m.id), "-", "+", count=1)
+    replies = await pipe.execute()
+    n = len(providers)
+    oldest: dict[str, tuple[int, str] | None] = {}
+    for i, m in enumerate(config.models):
+        head = replies[2 * n + 2 * i + 1]
+        oldest[m.id] = (entry_ms(head[0][0]), as_text_map(head[0][1]).get("run", "")) if head else None
+    return RawState(
+        now_ms=now_ms,
+        heartbeats={pid: as_text_map(replies[2 * i]) for i, pid in enumerate(providers)},
+        in_flight={pid: int(replies[2 * i + 1]) for i, pid in enumerate(providers)},
+        queued={m.id: int(replies[2 * n + 2 * i]) for i, m in enumerate(config.models)},
+        oldest=oldest,
+    )
+
+
+def entry_ms(entry_id: bytes | str) -> int:
+    """The ms timestamp of a stream entry id `<ms>-<seq>`."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-", 1)[0])
+
+
+# --- records -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderModels:
+    #: served names the config says the provider offers
+    configured: list[str]
+    #: served names the provider itself listed at its last probe; None = it did not list any
+    observed: list[str] | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderRecord:
+    id: str
+    node_id: str
+    type: str
+    category: str
+    #: available | unavailable | unknown (no fresh heartbeat)
+    health: str
+    health_reason: str
+    #: slots the provider's heartbeat announces; None without a heartbeat
+    capacity: int | None
+    configured_capacity: int
+    in_flight: int
+    #: in_flight / capacity; None when the capacity is unknown or 0
+    load_ratio: float | None
+    models: ProviderModels
+    #: model id -> the served name it has on this provider
+    serves: dict[str, str]
+    #: runs waiting in the queues of the models it serves
+    queued: int
+    lifecycle_capabilities: dict[str, bool]
+    #: when the last heartbeat was written (ms since the epoch); None if there is none
+    last_heartbeat_ms: int | None
+    heartbeat_age_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One provider of a model, and whether a run of the model could go there now."""
+
+    provider_id: str
+    node_id: str
+    target: str
+    selectable: bool
+    #: why not, when not: unknown | stale | unavailable | model_not_listed | no_capacity | full
+    reason: str | None
+    detail: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRecord:
+    id: str
+    display_name: str
+    providers: list[Placement]
+    queued: int
+    max_queue: int
+    #: how long the oldest waiting run has waited since it was (re)queued (ms); None when none waits
+    oldest_waiting_ms: int | None
+    oldest_run_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Catalog:
+    generated_at_ms: int
+    heartbeat_ttl_ms: int
+    providers: list[ProviderRecord]
+    models: list[ModelRecord]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- assembly (pure) -----------------------------------------------------------------
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _names(value: str | None) -> list[str] | None:
+    """A JSON list of names from a heartbeat field; None when absent, empty or malformed."""
+    if not value:
+        return None
+    try:
+        names = json.loads(value)
+    except ValueError:
+        return None
+    if not isinstance(names, list):
+        return None
+    return [str(x) for x in names]
+
+
+def _lifecycle(p: ProviderConfig, beat: dict[str, str]) -> dict[str, bool]:
+    """Every coarse lifecycle flag (D05) -> whether the provider has it: the flags its heartbeat
+    announces (a JSON list), else the ones its config gives it."""
+    announced = _names(beat.get("lifecycle"))
+    flags = set(announced if announced is not None else p.effective_lifecycle)
+    return {f: f in flags for f in LIFECYCLE_FLAGS}
+
+
+def _health(value: str | None) -> Health:
+    try:
+        return Health(value) if value else Health.UNKNOWN
+    except ValueError:
+        return Health.UNKNOWN
+
+
+def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str | None) -> ProviderSnapshot:
+    """The policy's view of a provider (for a model served there as `served`)."""
+    observed = _names(beat.get("observed_models"))
+    return ProviderSnapshot(
+        provider_id=provider_id,
+        health=_health(beat.get("health")),
+        capacity=_int(beat.get("capacity")),
+        in_flight=in_flight,
+        heartbeat_ms=_int(beat.get("ts_ms")),
+        has_model=served is None or observed is None or served in observed,
+    )
+
+
+def _provider_health(snap: ProviderSnapshot, beat: dict[str, str], now_ms: int, ttl_ms: int) -> tuple[str, str]:
+    if snap.heartbeat_ms is None:
+        return Health.UNKNOWN.value, "no heartbeat: no worker of its node is running, or Redis lost it"
+    if not is_fresh(snap, now_ms, ttl_ms):
+        age_s = (now_ms - snap.heartbeat_ms) / 1000
+        return Health.UNKNOWN.value, f"last heartbeat {age_s:.1f}s ago (older than {ttl_ms / 1000:g}s)"
+    return snap.health.value, beat.get("reason", "")
+
+
+def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: int,
+             ttl_ms: int) -> tuple[str | None, str | None]:
+    """(reason, detail) a run of the model cannot go to this provider now; (None, None) if it can."""
+    if snap.heartbeat_ms is None:
+        return "unknown", "no heartbeat"
+    if not is_fresh(snap, now_ms, ttl_ms):
+        return "stale", f"last heartbeat {(now_ms - snap.heartbeat_ms) / 1000:.1f}s ago"
+    if snap.health is not Health.AVAILABLE:
+        return snap.health.value, beat.get("reason") or f"its last probe says {snap.health.value}"
+    if not snap.has_model:
+        return "model_not_listed", f"the provider does not list {target!r}"
+    if not snap.capacity:
+        return "no_capacity", "capacity unknown or 0"
+    if snap.in_flight >= snap.capacity:
+        return "full", f"{snap.in_flight}/{snap.capacity} slots in use"
+    assert is_available(snap, now_ms, ttl_ms)
+    return None, None
+
+
+def _provider_record(config: Config, p: ProviderConfig, raw: RawState) -> ProviderRecord:
+    beat = raw.heartbeats.get(p.id, {})
+    in_flight = raw.in_flight.get(p.id, 0)
+    snap = snapshot(p.id, beat, in_flight, None)
+    ttl = config.runtime.heartbeat_ttl_ms
+    health, reason = _provider_health(snap, beat, raw.now_ms, ttl)
+    ratio = snap.load_ratio()
+    serves = {m.id: m.providers[p.id] for m in config.models if p.id in m.providers}
+    return ProviderRecord(
+        id=p.id,
+        node_id=config.node_of(p.id),
+        type=p.type,
+        category=p.effective_category,
+        health=health,
+        health_reason=reason,
+        capacity=snap.capacity,
+        configured_capacity=p.capacity,
+        in_flight=in_flight,
+        load_ratio=round(float(ratio), 4) if ratio is not None else None,
+        models=ProviderModels(configured=list(p.models), observed=_names(beat.get("observed_models"))),
+        serves=serves,
+        queued=sum(raw.queued.get(mid, 0) for mid in serves),
+        lifecycle_capabilities=_lifecycle(p, beat),
+        last_heartbeat_ms=snap.heartbeat_ms,
+        heartbeat_age_ms=raw.now_ms - snap.heartbeat_ms if snap.heartbeat_ms is not None else None,
+    )
+
+
+def _model_record(config: Config, m: ModelConfig, raw: RawState) -> ModelRecord:
+    ttl = config.runtime.heartbeat_ttl_ms
+    placements = []
+    for pid, target in m.providers.items():
+        beat = raw.heartbeats.get(pid, {})
+        snap = snapshot(pid, beat, raw.in_flight.get(pid, 0), target)
+        reason, detail = _why_not(snap, beat, target, raw.now_ms, ttl)
+        placements.append(Placement(provider_id=pid, node_id=config.node_of(pid), target=target,
+                                    selectable=reason is None, reason=reason, detail=detail))
+    oldest = raw.oldest.get(m.id)
+    return ModelRecord(
+        id=m.id,
+        display_name=m.title,
+        providers=placements,
+        queued=raw.queued.get(m.id, 0),
+        max_queue=config.queue_for(m).max_queue,
+        oldest_waiting_ms=max(0, raw.now_ms - oldest[0]) if oldest is not None else None,
+        oldest_run_id=oldest[1] if oldest is not None else None,
+    )
+
+
+def build_catalog(config: Config, raw: RawState) -> Catalog:
+    """Every configured provider (in config order, node by node) and every model. Pure."""
+    return Catalog(
+        generated_at_ms=raw.now_ms,
+        heartbeat_ttl_ms=config.runtime.heartbeat_ttl_ms,
+        providers=[_provider_record(config, p, raw) for n in config.nodes for p in n.providers],
+        models=[_model_record(config, m, raw) for m in config.models],
+    )
+
+
+async def read_catalog(redis: Redis, config: Config, now_ms: int) -> Catalog:
+    return build_catalog(config, await read_raw(redis, config, now_ms))

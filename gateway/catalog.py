@@ -1,0 +1,45 @@
+"""Read-only operations routes: `GET /v1/catalog` (JSON) and `GET /catalog` (a page for people).
+
+The page is one static HTML file (inline CSS and JS, no build step) that polls
+`/v1/catalog`. Nothing here changes routing (D06).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from importlib import resources
+
+from aiohttp import web
+from redis.asyncio import Redis
+
+from common.catalog import read_catalog
+from common.config import Config
+from common.redisconn import now_ms
+from common.wire import ErrorCode
+from gateway.errors import ApiError
+
+#: Longest a catalog read may take before the gateway answers 503.
+READ_TIMEOUT_S = 2.0
+
+_PAGE = resources.files("gateway").joinpath("catalog.html")
+
+
+def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> None:
+    """Add the catalog routes; `redis` returns the app's client once it is started."""
+
+    async def catalog_json(request: web.Request) -> web.Response:
+        try:
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                catalog = await read_catalog(redis(), config, now_ms())
+        except TimeoutError:
+            raise ApiError(ErrorCode.UNAVAILABLE, "the catalog could not be read from Redis in time",
+                           headers={"Retry-After": "1"}) from None
+        return web.json_response(catalog.to_json(), headers={"Cache-Control": "no-store"})
+
+    async def catalog_page(request: web.Request) -> web.Response:
+        return web.Response(text=_PAGE.read_text(encoding="utf-8"), content_type="text/html",
+                            headers={"Cache-Control": "no-store"})
+
+    app.router.add_get("/v1/catalog", catalog_json)
+    app.router.add_get("/catalog", catalog_page)

@@ -1,0 +1,114 @@
+"""`iop catalog` and `iop queues`: the catalog records as terminal tables (or JSON).
+
+They read Redis exactly the way `GET /v1/catalog` does (`common.catalog`), so the terminal
+and the page never disagree. Read-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from common.catalog import Catalog, ModelRecord, ProviderRecord, read_catalog
+from common.config import Config
+from common.redisconn import REDIS_DOWN, connect, now_ms
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns two spaces apart; the last column is not padded."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=False)] + [str(row[-1])]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _age(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    if ms < 1000:
+        return f"{ms}ms"
+    return f"{ms / 1000:.1f}s" if ms < 120_000 else f"{ms / 60_000:.0f}m"
+
+
+def _load(p: ProviderRecord) -> str:
+    cap = "?" if p.capacity is None else str(p.capacity)
+    ratio = "-" if p.load_ratio is None else f"{p.load_ratio:.2f}"
+    return f"{p.in_flight}/{cap} ({ratio})"
+
+
+def _flags(p: ProviderRecord) -> str:
+    on = [f.removesuffix("_model") for f, enabled in p.lifecycle_capabilities.items() if enabled]
+    return ",".join(on) or "-"
+
+
+def provider_rows(catalog: Catalog) -> list[list[str]]:
+    return [
+        [p.node_id, p.id, p.type, p.category, p.health, _load(p), str(p.queued), ",".join(p.serves),
+         _flags(p), _age(p.heartbeat_age_ms), p.health_reason]
+        for p in catalog.providers
+    ]
+
+
+def _placements(m: ModelRecord) -> str:
+    return ", ".join(f"{pl.provider_id}:{'ok' if pl.selectable else pl.reason}" for pl in m.providers)
+
+
+def render_catalog(catalog: Catalog) -> str:
+    providers = table(
+        ["NODE", "PROVIDER", "TYPE", "CATEGORY", "HEALTH", "LOAD", "QUEUED", "MODELS", "LIFECYCLE",
+         "HEARTBEAT", "REASON"],
+        provider_rows(catalog))
+    models = table(
+        ["MODEL", "QUEUED", "OLDEST", "PROVIDERS (selectable now, or why not)"],
+        [[m.id, f"{m.queued}/{m.max_queue}", _age(m.oldest_waiting_ms), _placements(m)] for m in catalog.models])
+    return f"{providers}\n\n{models}"
+
+
+def queue_records(catalog: Catalog) -> list[dict[str, Any]]:
+    return [{"model": m.id, "waiting": m.queued, "max_queue": m.max_queue,
+             "oldest_waiting_ms": m.oldest_waiting_ms, "oldest_run_id": m.oldest_run_id}
+            for m in catalog.models]
+
+
+def render_queues(catalog: Catalog) -> str:
+    return table(["MODEL", "WAITING", "MAX", "OLDEST WAITING", "OLDEST RUN"],
+                 [[q["model"], str(q["waiting"]), str(q["max_queue"]), _age(q["oldest_waiting_ms"]),
+                   q["oldest_run_id"] or "-"] for q in queue_records(catalog)])
+
+
+def redact(url: str) -> str:
+    """A Redis URL without its password, fit for an error message."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+async def _read(config: Config, redis_url: str) -> Catalog:
+    redis = connect(redis_url)
+    try:
+        return await read_catalog(redis, config, now_ms())
+    finally:
+        await redis.aclose()
+
+
+def main(command: str, config: Config, redis_url: str, as_json: bool) -> int:
+    """Print the catalog (`catalog`) or the queues (`queues`); exit status 1 if Redis is unreachable."""
+    try:
+        catalog = asyncio.run(_read(config, redis_url))
+    except REDIS_DOWN as exc:
+        print(f"error: cannot read Redis at {redact(redis_url)}: {exc}", file=sys.stderr)
+        return 1
+    if command == "queues":
+        print(json.dumps({"queues": queue_records(catalog)}, indent=2) if as_json else render_queues(catalog))
+    else:
+        print(json.dumps(catalog.to_json(), indent=2) if as_json else render_catalog(catalog))
+    return 0

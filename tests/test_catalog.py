@@ -1,0 +1,171 @@
+"""The catalog's pure assembly: health, load ratio, selectability and what never appears."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from common.catalog import RawState, build_catalog, entry_ms, snapshot
+from common.config import Config, parse_config
+from common.policy import is_available
+
+NOW = 1_000_000
+TTL = 6_000
+
+
+def config(**provider_extra: Any) -> Config:
+    return parse_config({
+        "models": [
+            {"id": "m1", "display_name": "Model One", "providers": {"a": "a-m1", "b": "b-m1"}},
+            {"id": "m2", "providers": {"a": "a-m2"}, "queue": {"max_queue": 5}},
+        ],
+        "nodes": [
+            {"id": "n1", "providers": [
+                {"id": "a", "type": "vllm", "base_url": "http://user:pw@a:8000", "capacity": 4,
+                 "models": ["a-m1", "a-m2"], **provider_extra}]},
+            {"id": "n2", "providers": [
+                {"id": "b", "type": "openai_api", "base_url": "http://b", "capacity": 2, "models": ["b-m1"]},
+                {"id": "c", "type": "lemonade", "category": "cli", "base_url": "http://c", "capacity": 1,
+                 "models": ["c-x"]}]},
+        ],
+        "runtime": {"heartbeat_ttl_ms": TTL},
+    })
+
+
+def beat(health: str = "available", capacity: int | None = 4, age_ms: int = 100, reason: str = "",
+         observed: list[str] | None = None, **extra: str) -> dict[str, str]:
+    fields = {"health": health, "reason": reason, "ts_ms": str(NOW - age_ms),
+              "observed_models": json.dumps(observed) if observed is not None else "", **extra}
+    if capacity is not None:
+        fields["capacity"] = str(capacity)
+    return fields
+
+
+def raw(heartbeats: dict[str, dict[str, str]], in_flight: dict[str, int] | None = None,
+        queued: dict[str, int] | None = None, oldest: dict[str, tuple[int, str] | None] | None = None) -> RawState:
+    return RawState(now_ms=NOW, heartbeats=heartbeats, in_flight=in_flight or {}, queued=queued or {},
+                    oldest=oldest or {})
+
+
+def test_every_configured_provider_and_model_has_a_record_in_config_order() -> None:
+    cat = build_catalog(config(), raw({}))
+    assert [(p.node_id, p.id) for p in cat.providers] == [("n1", "a"), ("n2", "b"), ("n2", "c")]
+    assert [(m.id, m.display_name) for m in cat.models] == [("m1", "Model One"), ("m2", "m2")]
+    assert [p.category for p in cat.providers] == ["local_inference", "api", "cli"]
+    assert cat.heartbeat_ttl_ms == TTL and cat.generated_at_ms == NOW
+
+
+@pytest.mark.parametrize(("heartbeat", "health", "reason_has"), [
+    (None, "unknown", "no heartbeat"),
+    (beat(age_ms=TTL + 1), "unknown", "last heartbeat 6.0s ago"),
+    (beat(age_ms=TTL), "available", ""),
+    (beat(health="unavailable", reason="connection refused"), "unavailable", "connection refused"),
+    (beat(health="bogus"), "unknown", ""),
+])
+def test_health_is_unknown_without_a_fresh_heartbeat(heartbeat: dict[str, str] | None, health: str,
+                                                      reason_has: str) -> None:
+    cat = build_catalog(config(), raw({"a": heartbeat} if heartbeat else {}))
+    a = cat.providers[0]
+    assert a.health == health
+    assert reason_has in a.health_reason
+    if heartbeat is None:
+        assert a.last_heartbeat_ms is None and a.heartbeat_age_ms is None
+    else:
+        assert a.last_heartbeat_ms == int(heartbeat["ts_ms"])
+
+
+@pytest.mark.parametrize(("capacity", "in_flight", "ratio"), [
+    (None, 0, None), (None, 2, None), (0, 0, None), (4, 0, 0.0), (4, 1, 0.25), (3, 2, 0.6667), (2, 2, 1.0),
+])
+def test_load_ratio_is_null_when_capacity_is_unknown_or_zero(capacity: int | None, in_flight: int,
+                                                             ratio: float | None) -> None:
+    cat = build_catalog(config(), raw({"a": beat(capacity=capacity)}, in_flight={"a": in_flight}))
+    a = cat.providers[0]
+    assert (a.capacity, a.in_flight, a.load_ratio) == (capacity, in_flight, ratio)
+    assert a.configured_capacity == 4
+
+
+def test_queued_counts_the_runs_waiting_for_every_model_the_provider_serves() -> None:
+    cat = build_catalog(config(), raw({}, queued={"m1": 3, "m2": 2}, oldest={"m1": (NOW - 1500, "run_x")}))
+    assert [p.queued for p in cat.providers] == [5, 3, 0]
+    m1, m2 = cat.models
+    assert (m1.queued, m1.max_queue, m1.oldest_waiting_ms, m1.oldest_run_id) == (3, 64, 1500, "run_x")
+    assert (m2.queued, m2.max_queue, m2.oldest_waiting_ms, m2.oldest_run_id) == (2, 5, None, None)
+
+
+def test_models_show_configured_and_observed_served_names() -> None:
+    cat = build_catalog(config(), raw({"a": beat(observed=["a-m1", "other"]), "b": beat(capacity=2)}))
+    a, b, _ = cat.providers
+    assert a.models.configured == ["a-m1", "a-m2"] and a.models.observed == ["a-m1", "other"]
+    assert b.models.observed is None
+    assert a.serves == {"m1": "a-m1", "m2": "a-m2"}
+
+
+@pytest.mark.parametrize(("heartbeat", "in_flight", "reason"), [
+    (None, 0, "unknown"),
+    (beat(age_ms=TTL + 500), 0, "stale"),
+    (beat(health="unavailable", reason="HTTP 500"), 0, "unavailable"),
+    (beat(health="unknown"), 0, "unknown"),
+    (beat(observed=["a-m2"]), 0, "model_not_listed"),
+    (beat(capacity=None), 0, "no_capacity"),
+    (beat(capacity=0), 0, "no_capacity"),
+    (beat(capacity=4), 4, "full"),
+    (beat(capacity=4), 3, None),
+    (beat(observed=["a-m1"]), 0, None),
+])
+def test_selectable_now_or_why_not_agrees_with_the_policy(heartbeat: dict[str, str] | None, in_flight: int,
+                                                          reason: str | None) -> None:
+    cat = build_catalog(config(), raw({"a": heartbeat} if heartbeat else {}, in_flight={"a": in_flight}))
+    placement = cat.models[0].providers[0]
+    assert (placement.provider_id, placement.target, placement.node_id) == ("a", "a-m1", "n1")
+    assert placement.reason == reason
+    assert placement.selectable is (reason is None)
+    assert (placement.detail is None) is (reason is None)
+    snap = snapshot("a", heartbeat or {}, in_flight, "a-m1")
+    policy_says = is_available(snap, NOW, TTL) and snap.capacity is not None and in_flight < snap.capacity
+    assert placement.selectable is policy_says
+
+
+def test_a_model_missing_from_one_providers_list_stays_selectable_for_the_others() -> None:
+    cat = build_catalog(config(), raw({"a": beat(observed=["a-m1"]), "b": beat(capacity=2)}))
+    m1, m2 = cat.models
+    assert [(p.provider_id, p.selectable) for p in m1.providers] == [("a", True), ("b", True)]
+    assert [(p.provider_id, p.reason) for p in m2.providers] == [("a", "model_not_listed")]
+
+
+def test_lifecycle_flags_come_from_the_heartbeat_else_from_the_config() -> None:
+    announced = json.dumps(["list_models", "load_model"])
+    cat = build_catalog(config(), raw({"a": beat(lifecycle=announced)}))
+    a, b, c = cat.providers
+    assert a.lifecycle_capabilities == {"list_models": True, "load_model": True, "unload_model": False,
+                                        "pull_model": False, "delete_model": False}
+    assert [f for f, on in b.lifecycle_capabilities.items() if on] == ["list_models"]  # openai_api's default
+    assert all(c.lifecycle_capabilities.values())  # lemonade manages its own models
+    overridden = build_catalog(config(lifecycle_capabilities=["pull_model"]), raw({}))
+    assert [f for f, on in overridden.providers[0].lifecycle_capabilities.items() if on] == ["pull_model"]
+
+
+def test_no_secret_ever_appears(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IOP_TEST_SECRET_KEY_VAR", "sk-very-secret-value")
+    cfg = config(api_key_env="IOP_TEST_SECRET_KEY_VAR")
+    cat = build_catalog(cfg, raw({"a": beat(), "b": beat(capacity=2)}, in_flight={"a": 1}))
+    text = json.dumps(cat.to_json())
+    for leak in ("sk-very-secret-value", "IOP_TEST_SECRET_KEY_VAR", "api_key", "base_url", "user:pw", "http://"):
+        assert leak not in text
+
+
+def test_the_json_has_the_documented_fields() -> None:
+    data = build_catalog(config(), raw({"a": beat()})).to_json()
+    assert set(data) == {"generated_at_ms", "heartbeat_ttl_ms", "providers", "models"}
+    assert {"id", "node_id", "type", "category", "health", "health_reason", "capacity", "in_flight", "load_ratio",
+            "models", "queued", "lifecycle_capabilities", "last_heartbeat_ms"} <= set(data["providers"][0])
+    assert {"id", "display_name", "providers", "queued"} <= set(data["models"][0])
+    assert {"provider_id", "target", "selectable", "reason"} <= set(data["models"][0]["providers"][0])
+    json.dumps(data)  # plain JSON, no dataclasses or Fractions left
+
+
+def test_entry_ms_reads_the_time_part_of_a_stream_id() -> None:
+    assert entry_ms(b"1712345678901-3") == 1712345678901
+    assert entry_ms("5-0") == 5

@@ -1,0 +1,184 @@
+"""The catalog page in a real headless Chromium, on a real stack.
+
+Debian's `chromium` is driven by Playwright (its own browser download is not used). The
+test watches the page follow the pool: rows and health, the load bars filling under long
+streamed runs, a provider turning unavailable when its server stops, and the page going
+stale (keeping its data) while Redis is down, then live again. Screenshots land in
+`test-artifacts/`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from iop.embedded_redis import RedisServer
+from tests.conftest import ROOT, Stack
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+if CHROMIUM is None:
+    pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
+async_api = pytest.importorskip("playwright.async_api", reason="playwright is not installed (pip install playwright)")
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = ROOT / "test-artifacts"
+RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "lease_ttl_ms": 2000,
+           "scheduler_liveness_ms": 1000}
+WAIT_MS = 20_000  # deadline of every wait on the page's state
+
+QWEN, LLAMA = "qwen3.6:35b", "llama3.3:70b"
+
+
+def pool(urls: dict[str, str]) -> dict[str, Any]:
+    """Three providers on two nodes, two models; capacities 4, 2 and 1."""
+    return {
+        "models": [
+            {"id": QWEN, "display_name": "Qwen 3.6 35B",
+             "providers": {"vllm-a": "Qwen/Qwen3.6-35B-A3B", "sglang-b": "qwen3.6-35b-a3b"}},
+            {"id": LLAMA, "display_name": "Llama 3.3 70B",
+             "providers": {"vllm-a": "meta-llama/Llama-3.3-70B-Instruct", "hosted-c": "llama-3.3-70b"}},
+        ],
+        "nodes": [
+            {"id": "gpu-1", "providers": [
+                {"id": "vllm-a", "type": "vllm", "base_url": urls["vllm-a"], "capacity": 4,
+                 "models": ["Qwen/Qwen3.6-35B-A3B", "meta-llama/Llama-3.3-70B-Instruct"]}]},
+            {"id": "gpu-2", "providers": [
+                {"id": "sglang-b", "type": "sglang", "base_url": urls["sglang-b"], "capacity": 2,
+                 "models": ["qwen3.6-35b-a3b"]},
+                {"id": "hosted-c", "type": "openai_api", "base_url": urls["hosted-c"], "capacity": 1,
+                 "models": ["llama-3.3-70b"], "api_key_env": "IOP_TEST_HOSTED_KEY"}]},
+        ],
+        "queue": {"max_queue": 16, "queue_timeout_ms": 600_000},
+        "runtime": RUNTIME,
+    }
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A Redis of this test's own, so it can be stopped and started again."""
+    server = RedisServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+async def page() -> AsyncIterator[Any]:
+    async with async_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield await browser.new_page(viewport={"width": 1280, "height": 760})
+        finally:
+            await browser.close()
+
+
+def start_stack(stack: Stack) -> tuple[str, dict[str, Any]]:
+    sims = {pid: stack.start(f"sim-{pid}", "simulator", "--port", "0", "--models", models)
+            for pid, models in (("vllm-a", "Qwen/Qwen3.6-35B-A3B,meta-llama/Llama-3.3-70B-Instruct"),
+                                ("sglang-b", "qwen3.6-35b-a3b"), ("hosted-c", "llama-3.3-70b"))}
+    urls = {pid: proc.wait_for_line(r"listening on (http://\S+)").group(1) for pid, proc in sims.items()}
+    stack.write_config(pool(urls))
+    stack.scheduler()
+    stack.worker("gpu-1")
+    stack.worker("gpu-2")
+    return stack.gateway(), sims
+
+
+async def hold(session: aiohttp.ClientSession, gateway: str, model: str) -> None:
+    """A streamed run that sits at its provider until cancelled."""
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 1,
+            "sim": {"ttft_ms": 600_000}}
+    async with session.post(gateway + "/v1/chat/completions", json=body) as resp:
+        await resp.read()
+
+
+async def test_catalog_page_follows_the_pool(tmp_path: Path, own_redis: RedisServer, page: Any) -> None:
+    expect = async_api.expect
+    stack = Stack(tmp_path, own_redis.url)
+    try:
+        gateway, sims = start_stack(stack)
+        await page.goto(gateway + "/catalog")
+
+        rows = page.locator("tr[data-provider]")
+        await expect(rows).to_have_count(3, timeout=WAIT_MS)
+        for pid in ("vllm-a", "sglang-b", "hosted-c"):
+            await expect(row(page, pid)).to_have_attribute("data-health", "available", timeout=WAIT_MS)
+        await expect(page.locator("#status")).to_have_attribute("data-state", "live")
+        await expect(page.locator("section[data-node='gpu-1'] tr[data-provider]")).to_have_count(1)
+        await expect(page.locator("section[data-node='gpu-2'] tr[data-provider]")).to_have_count(2)
+        await expect(row(page, "hosted-c")).to_contain_text("api")
+        await expect(row(page, "vllm-a")).to_contain_text("0 / 4")
+        await expect(page.locator("tr[data-model]")).to_have_count(2)
+        await expect(row(page, "vllm-a").locator("[data-flag]")).to_have_text(["list_models"])
+        assert "IOP_TEST_HOSTED_KEY" not in await page.content()
+
+        # Eight long runs of qwen: 4 fill vllm-a, 2 fill sglang-b, 2 wait in the queue.
+        session = aiohttp.ClientSession()
+        running = [asyncio.create_task(hold(session, gateway, QWEN)) for _ in range(6)]
+        await expect(row(page, "vllm-a")).to_have_attribute("data-in-flight", "4", timeout=WAIT_MS)
+        await expect(row(page, "sglang-b")).to_have_attribute("data-in-flight", "2", timeout=WAIT_MS)
+        waiting = [asyncio.create_task(hold(session, gateway, QWEN)) for _ in range(2)]
+        await expect(row(page, "vllm-a").locator(".bar > span")).to_have_attribute(
+            "style", re.compile(r"width:\s*100%"), timeout=WAIT_MS)
+        await expect(row(page, "vllm-a").locator(".inflight")).to_have_text("4 / 4")
+        await expect(row(page, "sglang-b").locator(".queued")).to_have_text("2", timeout=WAIT_MS)
+        await expect(placement(page, QWEN, "vllm-a")).to_have_attribute("data-selectable", "false")
+        await expect(placement(page, QWEN, "vllm-a")).to_contain_text("full")
+
+        # The hosted provider's server stops: it turns unavailable and llama runs only on vllm-a.
+        sims["hosted-c"].stop()
+        await expect(row(page, "hosted-c")).to_have_attribute("data-health", "unavailable", timeout=WAIT_MS)
+        await expect(row(page, "hosted-c").locator(".reason")).not_to_be_empty()
+        await expect(placement(page, LLAMA, "hosted-c")).to_contain_text("unavailable")
+        await expect(row(page, "vllm-a")).to_have_attribute("data-health", "available")
+        ARTIFACTS.mkdir(exist_ok=True)
+        await page.screenshot(path=str(ARTIFACTS / "catalog.png"), full_page=True)
+
+        # The callers leave, the waiting ones first: their runs are dropped, then the running
+        # ones are cancelled and the load drains.
+        await leave(waiting)
+        await expect(row(page, "sglang-b").locator(".queued")).to_have_text("0", timeout=WAIT_MS)
+        await leave(running)
+        await session.close()
+        await expect(row(page, "vllm-a")).to_have_attribute("data-in-flight", "0", timeout=WAIT_MS)
+        await expect(row(page, "sglang-b")).to_have_attribute("data-in-flight", "0", timeout=WAIT_MS)
+
+        # Redis goes away: the page keeps its rows and says since when they are stale.
+        own_redis.stop()
+        await expect(page.locator("#status")).to_have_attribute("data-state", "stale", timeout=WAIT_MS)
+        await expect(page.locator("#stale-banner")).to_be_visible()
+        await expect(page.locator("#stale-banner")).to_contain_text("503")
+        await expect(page.locator("#status")).to_contain_text("stale since")
+        await expect(rows).to_have_count(3)
+        await page.screenshot(path=str(ARTIFACTS / "catalog-stale.png"), full_page=True)
+
+        # Redis is back: the page is live again.
+        own_redis.start()
+        await expect(page.locator("#status")).to_have_attribute("data-state", "live", timeout=WAIT_MS)
+        await expect(page.locator("#stale-banner")).to_be_hidden()
+        await expect(row(page, "vllm-a")).to_have_attribute("data-health", "available", timeout=WAIT_MS)
+    finally:
+        stack.stop_all()
+
+
+async def leave(callers: list[asyncio.Task[None]]) -> None:
+    for task in callers:
+        task.cancel()
+    await asyncio.gather(*callers, return_exceptions=True)
+
+
+def row(page: Any, provider_id: str) -> Any:
+    return page.locator(f"tr[data-provider='{provider_id}']")
+
+
+def placement(page: Any, model_id: str, provider_id: str) -> Any:
+    return page.locator(f"tr[data-model='{model_id}'] [data-placement='{provider_id}']")
