@@ -10,6 +10,7 @@ stale (keeping its data) while Redis is down, then live again. Screenshots land 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 from collections.abc import AsyncIterator, Iterator
@@ -26,8 +27,11 @@ pytestmark = pytest.mark.e2e
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
+    # .ci/run installs chromium and sets IOP_REQUIRE_BROWSER=1, so CI never skips this silently.
+    if os.environ.get("IOP_REQUIRE_BROWSER") == "1":
+        pytest.fail("IOP_REQUIRE_BROWSER=1 but chromium is not installed", pytrace=False)
     pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
-async_api = pytest.importorskip("playwright.async_api", reason="playwright is not installed (pip install playwright)")
+async_api = pytest.importorskip("playwright.async_api", reason="playwright is not installed (pip install -e '.[test]')")
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
