@@ -17,6 +17,8 @@ from common.redisconn import REDIS_DOWN, connect
 from common.runlog import run_fields
 from workers import metrics as worker_metrics
 from workers.adapters.base import Adapter
+from workers.adapters.cli import CliAdapter
+from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
 from workers.arq_worker import WakeWorker
 from workers.heartbeat import Heartbeats
@@ -28,9 +30,11 @@ RUNNER_CTX = "iop_runner"
 
 
 def make_adapter(provider: ProviderConfig, session: aiohttp.ClientSession) -> Adapter:
-    if provider.type in ("vllm", "sglang", "lemonade", "openai_api"):
-        return OpenAICompatAdapter(provider, session)
-    raise NotImplementedError(f"provider type {provider.type} is not supported yet")
+    if provider.type == "ollama":
+        return OllamaAdapter(provider, session)
+    if provider.type == "cli":
+        return CliAdapter(provider)
+    return OpenAICompatAdapter(provider, session)  # vllm, sglang, lemonade, openai_api
 
 
 async def run_job(ctx: dict[str, Any], run_id: str) -> str:

@@ -1,0 +1,1 @@
+"""Fake providers for the tests."""

@@ -1,0 +1,216 @@
+"""The `cli` adapter against a small script (tests/fakes/cli_llm.py): argv without a shell,
+the prompt on stdin, stdout streamed as deltas, the served name, errors with the tail of
+stderr, the whole process group killed on cancel, timeout and silence, and the probe."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.config import ProviderConfig
+from common.policy import Health
+from common.wire import RunKind
+from tests.openapi import validate
+from workers.adapters.base import ProviderError
+from workers.adapters.cli import CliAdapter, argv_for, find_executable
+from workers.adapters.prompt_text import flatten_messages
+
+SCRIPT = str(Path(__file__).resolve().parent / "fakes" / "cli_llm.py")
+SERVED = "tiny-cli"
+
+
+def adapter(*args: str, **extra: Any) -> CliAdapter:
+    command = [sys.executable, SCRIPT, "--model", "{model}", *args]
+    return CliAdapter(ProviderConfig.model_validate(
+        {"id": "cli-c", "type": "cli", "command": command, "capacity": 1, "models": [SERVED], **extra}))
+
+
+def chat(text: str = "hello there", **extra: Any) -> dict[str, Any]:
+    return {"model": SERVED, "messages": [{"role": "user", "content": text}], **extra}
+
+
+async def collect(cli: CliAdapter, body: dict[str, Any], kind: RunKind = RunKind.CHAT) -> list[dict[str, Any]]:
+    return [c async for read in cli.stream(kind, body, "run_1") for c in read]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes still alive: {[p for p in pids if alive(p)]}")
+        time.sleep(0.02)
+
+
+def wait_file(path: Path, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} never appeared")
+        time.sleep(0.01)
+
+
+def read_pids(path: Path) -> list[int]:
+    """The tool writes them before its first output, so they are there once output arrived."""
+    return [int(x) for x in path.read_text().split()]
+
+
+def test_prompt_flattening_and_argv() -> None:
+    assert flatten_messages([{"role": "user", "content": "just this"}]) == "just this"
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert flatten_messages([{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}]
+                            ) == "system: be brief\n\nuser: a\nb"
+    assert argv_for(["llm", "-m", "{model}", "--x={model}"], "m1") == ["llm", "-m", "m1", "--x=m1"]
+
+
+async def test_stream_deltas_finish_and_usage_with_the_served_name(tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    cli = adapter("--words", "4", "--log", str(log))
+    chunks = await collect(cli, chat(stream=True, stream_options={"include_usage": True}))
+    for c in chunks:
+        validate("CreateChatCompletionStreamResponse", c)
+        assert c["model"] == SERVED
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "w0 w1 w2 w3 "
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    seen = json.loads(log.read_text())
+    assert seen == {"model": SERVED, "env_model": SERVED, "request_id": "run_1", "prompt": "hello there"}
+
+
+async def test_whole_answers_chat_and_text() -> None:
+    cli = adapter("--echo")
+    answer = await cli.complete(RunKind.CHAT, chat("say it back"), "run_2")
+    validate("CreateChatCompletionResponse", answer)
+    assert answer["choices"][0]["message"]["content"] == "say it back"
+    text = await cli.complete(RunKind.COMPLETION, {"model": SERVED, "prompt": "a prompt"}, "run_3")
+    validate("CreateCompletionResponse", text)
+    assert text["object"] == "text_completion" and text["choices"][0]["text"] == "a prompt"
+
+
+async def test_a_prompt_full_of_shell_syntax_is_just_text(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    prompt = f"$(touch {marker}); `touch {marker}` && touch {marker} | cat > {marker}; echo $HOME '\"; exit 3"
+    cli = adapter("--echo")
+    answer = await cli.complete(RunKind.CHAT, chat(prompt), "r")
+    assert answer["choices"][0]["message"]["content"] == prompt
+    cli = CliAdapter(ProviderConfig.model_validate(
+        {"id": "c", "type": "cli", "command": [sys.executable, SCRIPT, "--model", f"; touch {marker}", "--echo"],
+         "capacity": 1, "models": [SERVED]}))
+    await cli.complete(RunKind.CHAT, chat("x"), "r")
+    assert not marker.exists()
+
+
+async def test_utf8_split_across_reads_is_kept_whole() -> None:
+    chunks = await collect(adapter("--split-utf8"), chat(stream=True))
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "café!"
+
+
+async def test_a_non_zero_exit_is_a_provider_error_with_the_tail_of_stderr() -> None:
+    cli = adapter("--exit", "3", "--stderr", "x" * 5000 + "model file missing")
+    with pytest.raises(ProviderError) as err:
+        await cli.complete(RunKind.CHAT, chat(), "r")
+    assert "exited with status 3" in err.value.message and err.value.message.endswith("model file missing")
+    assert len(err.value.message) < 2300 and not err.value.retryable
+    with pytest.raises(ProviderError) as err:
+        await collect(cli, chat(stream=True))
+    assert "model file missing" in err.value.message
+
+
+async def test_embeddings_and_a_missing_executable_are_errors() -> None:
+    with pytest.raises(ProviderError) as err:
+        await adapter().complete(RunKind.EMBEDDING, {"model": SERVED, "input": "x"}, "r")
+    assert err.value.status == 400 and not err.value.retryable
+    gone = CliAdapter(ProviderConfig.model_validate(
+        {"id": "c", "type": "cli", "command": ["iop-no-such-tool-4d1f"], "capacity": 1, "models": [SERVED]}))
+    with pytest.raises(ProviderError) as err:
+        await gone.complete(RunKind.CHAT, chat(), "r")
+    assert err.value.retryable and "could not start" in err.value.message
+
+
+async def test_cancelling_kills_the_whole_process_group(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids"
+    cli = adapter("--hang", "--pid-file", str(pid_file))
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in cli.stream(RunKind.CHAT, chat(stream=True), "r"):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 10)
+    pids = read_pids(pid_file)
+    assert all(alive(p) for p in pids)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    wait_gone(pids)
+
+
+async def test_a_timeout_kills_the_whole_process_group(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids"
+    cli = adapter("--hang", "--pid-file", str(pid_file))
+    deadlines: list[asyncio.Timeout] = []
+
+    async def run() -> None:  # as the runner does: the adapter call inside asyncio.timeout
+        async with asyncio.timeout(None) as deadline:
+            deadlines.append(deadline)
+            await cli.complete(RunKind.CHAT, chat(), "r")
+
+    task = asyncio.create_task(run())
+    await asyncio.to_thread(wait_file, pid_file)  # the tool has started and left a child behind
+    deadlines[0].reschedule(asyncio.get_running_loop().time())  # the run's time is up now
+    with pytest.raises(TimeoutError):
+        await task
+    wait_gone(read_pids(pid_file))
+
+
+async def test_silence_longer_than_read_timeout_fails_and_kills(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids"
+    cli = adapter("--hang", "--pid-file", str(pid_file), read_timeout_ms=300)
+    with pytest.raises(ProviderError) as err:
+        await collect(cli, chat(stream=True))
+    assert "produced no output for 300 ms" in err.value.message
+    wait_gone(read_pids(pid_file))
+
+
+async def test_probe_follows_the_executable(tmp_path: Path) -> None:
+    assert (await adapter().probe()).health is Health.AVAILABLE
+    assert find_executable("sh")[0] is not None
+    missing = CliAdapter(ProviderConfig.model_validate(
+        {"id": "c", "type": "cli", "command": ["iop-no-such-tool-4d1f"], "capacity": 1, "models": [SERVED]}))
+    probe = await missing.probe()
+    assert probe.health is Health.UNAVAILABLE and probe.reason == "executable 'iop-no-such-tool-4d1f' not found on PATH"
+
+    tool = tmp_path / "my-llm"
+    cli = CliAdapter(ProviderConfig.model_validate(
+        {"id": "c", "type": "cli", "command": [str(tool)], "capacity": 1, "models": [SERVED]}))
+    assert "does not exist" in (await cli.probe()).reason
+    tool.write_text(f"#!{sys.executable}\nimport sys; sys.stdout.write(sys.stdin.read().upper())\n")
+    probe = await cli.probe()
+    assert probe.health is Health.UNAVAILABLE and "is not executable" in probe.reason
+    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    probe = await cli.probe()
+    assert probe.health is Health.AVAILABLE and probe.models is None
+    assert (await cli.complete(RunKind.CHAT, chat("shout"), "r"))["choices"][0]["message"]["content"] == "SHOUT"
+    tool.unlink()
+    assert (await cli.probe()).health is Health.UNAVAILABLE
+    os.symlink(sys.executable, tool)
+    assert (await cli.probe()).health is Health.AVAILABLE

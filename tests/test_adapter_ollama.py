@@ -1,0 +1,255 @@
+"""The Ollama adapter against a fake Ollama (native NDJSON API) on port 0: OpenAI-shaped
+chunks, answers, finish reasons and usage; tool calls; embeddings; errors; cancellation;
+health transitions of the `/api/tags` probe."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from common.config import ProviderConfig
+from common.policy import Health
+from common.wire import RunKind
+from tests.fakes.ollama_server import FakeOllama, FakeState
+from tests.openapi import validate
+from workers.adapters.base import ProviderError
+from workers.adapters.ollama import OllamaAdapter, observed_names, server_root
+
+SERVED = "llama3:latest"
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeOllama]:
+    server = FakeOllama(FakeState(models=[SERVED, "nomic-embed-text:latest"]))
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+def provider(url: str, **extra: Any) -> ProviderConfig:
+    return ProviderConfig.model_validate(
+        {"id": "ollama-b", "type": "ollama", "base_url": url, "capacity": 2, "models": [SERVED], **extra})
+
+
+@pytest.fixture
+def adapter(fake: FakeOllama, session: aiohttp.ClientSession) -> OllamaAdapter:
+    return OllamaAdapter(provider(fake.url), session)
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": SERVED, "messages": [{"role": "user", "content": "why is the sky blue"}], **extra}
+
+
+async def collect(adapter: OllamaAdapter, kind: RunKind, body: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    return [reads async for reads in adapter.stream(kind, body, "run_1")]
+
+
+def test_server_root_and_observed_names() -> None:
+    assert server_root("http://h:11434/") == "http://h:11434"
+    assert server_root("http://h:11434/v1") == server_root("http://h:11434/api") == "http://h:11434"
+    tags = {"models": [{"name": "llama3:latest", "model": "llama3:latest"}, {"name": "qwen3:8b-q4_K_M"}]}
+    assert observed_names(tags) == ["llama3:latest", "qwen3:8b-q4_K_M", "llama3"]
+    assert observed_names({"models": []}) == []
+    assert observed_names({"nope": 1}) is None and observed_names([1]) is None
+
+
+async def test_chat_stream_maps_deltas_finish_reason_and_usage(adapter: OllamaAdapter, fake: FakeOllama) -> None:
+    reads = await collect(adapter, RunKind.CHAT, chat(stream=True, stream_options={"include_usage": True},
+                                                      temperature=0.2, stop="\n\n", seed=7))
+    chunks = [c for read in reads for c in read]
+    for c in chunks:
+        validate("CreateChatCompletionStreamResponse", c)
+        assert c["model"] == SERVED and c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-run_1"
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "tok0 tok1 tok2 tok3 "
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+    sent = fake.state.records[-1]
+    assert sent["path"] == "/api/chat" and sent["model"] == SERVED and sent["request_id"] == "run_1"
+    assert sent["body"]["stream"] is True
+    assert sent["body"]["options"] == {"temperature": 0.2, "stop": ["\n\n"], "seed": 7}
+    assert sent["body"]["messages"] == [{"role": "user", "content": "why is the sky blue"}]
+    assert "stream_options" not in sent["body"]
+
+
+async def test_no_usage_chunk_unless_asked(adapter: OllamaAdapter) -> None:
+    chunks = [c for read in await collect(adapter, RunKind.CHAT, chat(stream=True)) for c in read]
+    assert all(c["choices"] for c in chunks) and "usage" not in chunks[-1]
+
+
+async def test_chat_whole_answer_with_length_limit(adapter: OllamaAdapter, fake: FakeOllama) -> None:
+    answer = await adapter.complete(RunKind.CHAT, chat(max_tokens=2), "run_2")
+    validate("CreateChatCompletionResponse", answer)
+    assert answer["object"] == "chat.completion" and answer["model"] == SERVED
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": "tok0 tok1 ", "refusal": None}
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    sent = fake.state.records[-1]["body"]
+    assert sent["stream"] is False and sent["options"] == {"num_predict": 2}
+
+
+async def test_text_completion_stream_and_whole(adapter: OllamaAdapter, fake: FakeOllama) -> None:
+    body = {"model": SERVED, "prompt": "Once upon", "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    chunks = [c for read in await collect(adapter, RunKind.COMPLETION, body) for c in read]
+    assert fake.state.records[-1]["path"] == "/api/generate"
+    assert fake.state.records[-1]["body"]["prompt"] == "Once upon"
+    validate("CreateCompletionResponse", chunks[-2])  # (OpenAI has no schema of its own for text chunks)
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "tok0 tok1 tok2 "
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+    answer = await adapter.complete(RunKind.COMPLETION, {"model": SERVED, "prompt": ["Once upon"]}, "run_3")
+    validate("CreateCompletionResponse", answer)
+    assert answer["choices"][0]["text"] == "tok0 tok1 tok2 tok3 " and answer["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_tool_calls_come_back_openai_shaped(adapter: OllamaAdapter, fake: FakeOllama) -> None:
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    body = {"model": SERVED, "messages": history, "tools": tools, "stream": True}
+    chunks = [c for read in await collect(adapter, RunKind.CHAT, body) for c in read]
+    sent = fake.state.records[-1]["body"]
+    assert sent["tools"] == tools
+    assert sent["messages"][1]["tool_calls"] == [{"function": {"name": "weather", "arguments": {"city": "Oslo"}}}]
+    assert sent["messages"][2] == {"role": "tool", "content": "sunny"}
+    calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert calls == [{"id": "call_run_1_0", "type": "function", "index": 0,
+                      "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    for c in chunks:
+        validate("CreateChatCompletionStreamResponse", c)
+
+    answer = await adapter.complete(RunKind.CHAT, {**body, "stream": False}, "run_4")
+    validate("CreateChatCompletionResponse", answer)
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    assert json.loads(answer["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+async def test_native_fields_and_formats(adapter: OllamaAdapter, fake: FakeOllama) -> None:
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}}}
+    image = "data:image/png;base64,iVBORw0KGgo="
+    body = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+                keep_alive="10m", options={"num_ctx": 4096, "temperature": 0.9}, temperature=0.1,
+                logprobs=True, messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": image}}]}])
+    await adapter.complete(RunKind.CHAT, body, "run_5")
+    sent = fake.state.records[-1]["body"]
+    assert sent["format"] == schema and sent["keep_alive"] == "10m"
+    assert sent["options"] == {"temperature": 0.9, "num_ctx": 4096}  # the caller's native options win
+    assert sent["messages"] == [{"role": "user", "content": "what is", "images": ["iVBORw0KGgo="]}]
+    assert "logprobs" not in sent
+    await adapter.complete(RunKind.CHAT, chat(response_format={"type": "json_object"}), "run_6")
+    assert fake.state.records[-1]["body"]["format"] == "json"
+
+
+async def test_embeddings(adapter: OllamaAdapter, fake: FakeOllama) -> None:
+    body = {"model": "nomic-embed-text:latest", "input": ["one two", "three"]}
+    answer = await adapter.complete(RunKind.EMBEDDING, body, "run_7")
+    validate("CreateEmbeddingResponse", answer)
+    assert fake.state.records[-1]["path"] == "/api/embed"
+    assert [d["embedding"] for d in answer["data"]] == [[7.0, 0.5, -0.25, 1.0], [5.0, 0.5, -0.25, 1.0]]
+    assert [d["index"] for d in answer["data"]] == [0, 1]
+    assert answer["usage"] == {"prompt_tokens": 3, "total_tokens": 3}
+    encoded = await adapter.complete(RunKind.EMBEDDING, {**body, "input": "x", "encoding_format": "base64"}, "r")
+    raw = base64.b64decode(encoded["data"][0]["embedding"])
+    assert list(struct.unpack("<4f", raw)) == [1.0, 0.5, -0.25, 1.0]
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.EMBEDDING, {**body, "input": [[1, 2, 3]]}, "r")
+    assert err.value.status == 400 and not err.value.retryable
+
+
+async def test_errors_say_whether_another_attempt_could_succeed(adapter: OllamaAdapter, fake: FakeOllama) -> None:
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(model="missing:7b"), "r")
+    assert err.value.status == 404 and not err.value.retryable
+    assert err.value.detail is not None and "missing:7b" in err.value.detail["message"]
+
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(n=2), "r")
+    assert err.value.status == 400 and not err.value.retryable and err.value.detail is not None
+    assert err.value.detail["param"] == "n"
+
+    fake.state.fail_status = 503
+    with pytest.raises(ProviderError) as err:
+        await collect(adapter, RunKind.CHAT, chat(stream=True))
+    assert err.value.status == 503 and err.value.retryable and err.value.detail is None
+    fake.state.fail_status = None
+
+    fake.state.error_after = 2
+    reads: list[list[dict[str, Any]]] = []
+    with pytest.raises(ProviderError) as err:
+        async for read in adapter.stream(RunKind.CHAT, chat(stream=True), "r"):
+            reads.append(read)
+    assert "runner crashed" in err.value.message
+    assert "".join(c["choices"][0]["delta"].get("content", "") for r in reads for c in r) == "tok0 tok1 "
+
+
+async def test_connection_refused_is_retryable(session: aiohttp.ClientSession) -> None:
+    server = FakeOllama()
+    url = await server.start()
+    await server.stop()
+    adapter = OllamaAdapter(provider(url), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "r")
+    assert err.value.retryable and err.value.status is None
+
+
+async def test_cancelling_a_stream_closes_the_request_at_the_fake(adapter: OllamaAdapter, fake: FakeOllama) -> None:
+    fake.state.hang_after = 1
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in adapter.stream(RunKind.CHAT, chat(stream=True), "run_c"):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(fake.state.disconnected.wait(), 10)
+    assert fake.state.records[-1]["disconnected"] and not fake.state.records[-1]["completed"]
+
+
+async def test_probe_transitions_available_unavailable_available(adapter: OllamaAdapter, fake: FakeOllama) -> None:
+    probe = await adapter.probe()
+    assert probe.health is Health.AVAILABLE and probe.reason == ""
+    assert probe.models is not None and {"llama3:latest", "llama3", "nomic-embed-text"} <= set(probe.models)
+
+    fake.state.tags_status = 500
+    probe = await adapter.probe()
+    assert probe.health is Health.UNAVAILABLE and probe.reason == "GET /api/tags answered 500"
+    fake.state.tags_status = 200
+    assert (await adapter.probe()).health is Health.AVAILABLE
+
+    port = fake.port
+    await fake.stop()
+    probe = await adapter.probe()
+    assert probe.health is Health.UNAVAILABLE and "GET /api/tags failed" in probe.reason
+    await fake.start(port)
+    assert (await adapter.probe()).health is Health.AVAILABLE
+
+    fake.state.models = ["other:1b"]
+    probe = await adapter.probe()
+    assert probe.health is Health.AVAILABLE and probe.models == ["other:1b"]  # the scheduler gates on this

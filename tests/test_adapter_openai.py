@@ -1,0 +1,292 @@
+"""The OpenAI-compatible family (vLLM, SGLang, Lemonade, openai_api) against the simulator and
+small fakes on port 0: where each type's API and probes live, streaming, pass-through of
+unknown fields and tool-call deltas, errors, cancellation, health transitions, and an API
+key that never shows in errors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from common.config import ProviderConfig
+from common.policy import Health
+from common.wire import RunKind
+from iop.simulator import SimOptions, start_server
+from workers.adapters.base import ProviderError
+from workers.adapters.openai_compat import OpenAICompatAdapter, api_root, server_root
+
+FAMILY = ("vllm", "sglang", "lemonade", "openai_api")
+SERVED = "Qwen/Qwen3.6-35B-A3B"
+KEY = "sk-test-7f3a9c1e5b"
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+class Sim:
+    """The simulator in process; can be stopped and started again on the same port."""
+
+    def __init__(self) -> None:
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self, port: int = 0) -> str:
+        self.runner, self.url = await start_server(SimOptions(port=port, models=(SERVED, "embed-small")))
+        return self.url
+
+    async def stop(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[Sim]:
+    s = Sim()
+    await s.start()
+    yield s
+    if s.runner is not None:
+        await s.runner.cleanup()
+
+
+async def stats(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(url + "/stats") as resp:
+        data: dict[str, Any] = await resp.json()
+        return data
+
+
+def provider(ptype: str, url: str, **extra: Any) -> ProviderConfig:
+    return ProviderConfig.model_validate(
+        {"id": f"{ptype}-a", "type": ptype, "base_url": url, "capacity": 2, "models": [SERVED], **extra})
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": SERVED, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, **extra}
+
+
+async def until(predicate: Callable[[], Awaitable[Any]], timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := await predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        await asyncio.sleep(0.02)
+    return value
+
+
+@pytest.mark.parametrize(("ptype", "base_url", "api_path", "api", "health"), [
+    ("vllm", "http://h:8000", None, "http://h:8000/v1", "http://h:8000/health"),
+    ("vllm", "http://h:8000/v1/", None, "http://h:8000/v1", "http://h:8000/health"),
+    ("sglang", "http://h:30000", None, "http://h:30000/v1", "http://h:30000/health"),
+    ("lemonade", "http://h:8000", None, "http://h:8000/api/v1", "http://h:8000/api/v1/health"),
+    ("lemonade", "http://h:8000/api/v1", None, "http://h:8000/api/v1", "http://h:8000/api/v1/health"),
+    ("lemonade", "http://h:8000/v1", None, "http://h:8000/v1", "http://h:8000/v1/health"),
+    ("openai_api", "https://api.example.com/v1", None, "https://api.example.com/v1", None),
+    ("openai_api", "https://example.com", "/openai/v1", "https://example.com/openai/v1", None),
+    ("vllm", "http://h:8000/prefix", "", "http://h:8000/prefix", "http://h:8000/prefix/health"),
+])
+def test_where_each_type_serves_its_api(ptype: str, base_url: str, api_path: str | None, api: str,
+                                        health: str | None) -> None:
+    assert api_root(base_url, ptype, api_path) == api
+    if health is not None:
+        adapter = OpenAICompatAdapter(provider(ptype, base_url, api_path=api_path), None)  # type: ignore[arg-type]
+        assert adapter.health_url == health
+    assert server_root("http://h:8000/v1") == "http://h:8000"
+
+
+@pytest.mark.parametrize("ptype", FAMILY)
+async def test_each_type_streams_completes_and_embeds_via_the_simulator(
+        ptype: str, sim: Sim, session: aiohttp.ClientSession) -> None:
+    adapter = OpenAICompatAdapter(provider(ptype, sim.url), session)
+    probe = await adapter.probe()
+    assert probe.health is Health.AVAILABLE and probe.models == [SERVED, "embed-small"]
+
+    reads = [r async for r in adapter.stream(RunKind.CHAT, chat(stream=True, stream_options={"include_usage": True}),
+                                             "run_s")]
+    chunks = [c for r in reads for c in r]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "tok0 tok1 tok2 "
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+    answer = await adapter.complete(RunKind.COMPLETION, {"model": SERVED, "prompt": "x", "max_tokens": 2}, "run_c")
+    assert answer["choices"][0]["text"] == "tok0 tok1 "
+    embedded = await adapter.complete(RunKind.EMBEDDING, {"model": "embed-small", "input": ["a", "b"]}, "run_e")
+    assert [d["index"] for d in embedded["data"]] == [0, 1]
+
+    seen = await stats(session, sim.url)
+    prefix = "/api/v1" if ptype == "lemonade" else "/v1"
+    assert [r["path"] for r in seen["requests"]] == [
+        f"{prefix}/chat/completions", f"{prefix}/completions", f"{prefix}/embeddings"]
+    assert [r["request_id"] for r in seen["requests"]] == ["run_s", "run_c", "run_e"]
+    assert seen["by_model"] == {SERVED: 2, "embed-small": 1}
+
+
+async def test_probe_transitions_available_unavailable_available(sim: Sim, session: aiohttp.ClientSession) -> None:
+    adapter = OpenAICompatAdapter(provider("vllm", sim.url), session)
+    assert (await adapter.probe()).health is Health.AVAILABLE
+    port = sim.port
+    await sim.stop()
+    probe = await adapter.probe()
+    assert probe.health is Health.UNAVAILABLE and probe.reason.startswith("GET /health failed: ")
+    await sim.start(port)
+    assert (await adapter.probe()).health is Health.AVAILABLE
+
+
+class Fake:
+    """A scripted OpenAI-compatible server: records every request, answers what a test sets."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, str], Any]] = []
+        self.status: dict[str, int] = {}
+        self.body: dict[str, Any] = {}
+        self.stream_lines: list[bytes] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        payload = await request.json() if request.method == "POST" else None
+        self.requests.append((request.path, dict(request.headers), payload))
+        status = self.status.get(request.path, 200)
+        if status != 200 or request.method == "GET" or not (payload or {}).get("stream"):
+            return web.json_response(self.body.get(request.path, {}), status=status)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for line in self.stream_lines:
+            await resp.write(line)
+        return resp
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self.url
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[Fake]:
+    f = Fake()
+    await f.start()
+    yield f
+    assert f.runner is not None
+    await f.runner.cleanup()
+
+
+async def test_unknown_fields_and_tool_call_deltas_pass_through(fake: Fake, session: aiohttp.ClientSession) -> None:
+    fake.stream_lines = [
+        b'data: {"id":"c1","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":'
+        b'{"role":"assistant","tool_calls":[{"index":0,"id":"call_1","type":"function","function":'
+        b'{"name":"weather","arguments":""}}]},"finish_reason":null}]}\n\n',
+        b'data: {"id":"c1","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":'
+        b'{"tool_calls":[{"index":0,"function":{"arguments":"{\\"city\\": \\"Oslo\\"}"}}]},'
+        b'"finish_reason":"tool_calls"}],"x_vendor":1}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    adapter = OpenAICompatAdapter(provider("openai_api", fake.url), session)
+    body = chat(stream=True, tools=[{"type": "function", "function": {"name": "weather"}}], logprobs=True,
+                response_format={"type": "json_object"}, vendor_knob={"a": [1, 2]})
+    chunks = [c for r in [r async for r in adapter.stream(RunKind.CHAT, body, "run_t")] for c in r]
+    assert fake.requests[-1][2] == body
+    assert chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "weather"
+    assert chunks[1]["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert chunks[1]["x_vendor"] == 1 and chunks[1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize(("ptype", "health_path", "models_path"), [
+    ("vllm", "/health", "/v1/models"), ("sglang", "/health", "/v1/models"),
+    ("lemonade", "/api/v1/health", "/api/v1/models"), ("openai_api", None, "/v1/models")])
+async def test_each_type_probes_its_own_endpoints(ptype: str, health_path: str | None, models_path: str,
+                                                  fake: Fake, session: aiohttp.ClientSession) -> None:
+    fake.body[models_path] = {"object": "list", "data": [{"id": SERVED}, {"id": "other"}]}
+    adapter = OpenAICompatAdapter(provider(ptype, fake.url), session)
+    probe = await adapter.probe()
+    assert probe.health is Health.AVAILABLE and probe.models == [SERVED, "other"]
+    assert [path for path, _, _ in fake.requests] == ([health_path] if health_path else []) + [models_path]
+    if health_path:
+        fake.status[health_path] = 503
+        probe = await adapter.probe()
+        assert probe.health is Health.UNAVAILABLE and probe.reason == f"GET {health_path} answered 503"
+        fake.status.pop(health_path)
+    fake.body[models_path] = {"unexpected": True}
+    probe = await adapter.probe()
+    assert probe.health is Health.UNKNOWN and "not with a model list" in probe.reason
+
+
+async def test_the_api_key_is_sent_but_never_shown(fake: Fake, session: aiohttp.ClientSession,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IOP_TEST_API_KEY", KEY)
+    adapter = OpenAICompatAdapter(provider("openai_api", fake.url, api_key_env="IOP_TEST_API_KEY"), session)
+    echo = {"error": {"message": f"Incorrect API key provided: {KEY}.", "type": "invalid_request_error",
+                      "param": None, "code": "invalid_api_key"}}
+    fake.status["/v1/chat/completions"] = 401
+    fake.body["/v1/chat/completions"] = echo
+    for call in (adapter.complete(RunKind.CHAT, chat(), "r"),
+                 _drain(adapter.stream(RunKind.CHAT, chat(stream=True), "r"))):
+        with pytest.raises(ProviderError) as err:
+            await call
+        assert err.value.status == 401 and not err.value.retryable
+        assert KEY not in err.value.message and KEY not in str(err.value.detail)
+        assert "[redacted]" in err.value.message
+    assert fake.requests[-1][1]["Authorization"] == f"Bearer {KEY}"
+
+    fake.status["/v1/models"] = 401
+    probe = await adapter.probe()
+    assert probe.health is Health.UNAVAILABLE and KEY not in probe.reason
+    assert fake.requests[-1][1]["Authorization"] == f"Bearer {KEY}"
+
+
+async def _drain(stream: AsyncIterator[Any]) -> None:
+    async for _ in stream:
+        pass
+
+
+async def test_errors_say_whether_another_attempt_could_succeed(sim: Sim, session: aiohttp.ClientSession) -> None:
+    adapter = OpenAICompatAdapter(provider("vllm", sim.url), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(sim={"fail_status": 503}), "r")
+    assert err.value.status == 503 and err.value.retryable
+    with pytest.raises(ProviderError) as err:
+        await _drain(adapter.stream(RunKind.CHAT, chat(stream=True, sim={"fail_status": 400}), "r"))
+    assert err.value.status == 400 and not err.value.retryable and err.value.detail is not None
+    with pytest.raises(ProviderError) as err:
+        await _drain(adapter.stream(RunKind.CHAT, chat(stream=True, max_tokens=8, sim={"fail_after_tokens": 2}), "r"))
+    assert err.value.retryable
+    port = sim.port
+    await sim.stop()
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "r")
+    assert err.value.retryable and err.value.status is None
+    await sim.start(port)
+
+
+async def test_cancelling_a_stream_disconnects_from_the_provider(sim: Sim, session: aiohttp.ClientSession) -> None:
+    adapter = OpenAICompatAdapter(provider("sglang", sim.url), session)
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        body = chat(stream=True, max_tokens=1000, sim={"itl_ms": 60_000})
+        async for _ in adapter.stream(RunKind.CHAT, body, "run_x"):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    async def disconnected() -> bool:
+        return any(r["disconnected"] for r in (await stats(session, sim.url))["requests"])
+
+    await until(disconnected)

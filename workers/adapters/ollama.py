@@ -1,0 +1,194 @@
+"""Ollama through its native API: `/api/chat` and `/api/generate` streaming NDJSON,
+`/api/embed`, and `/api/tags` as the health probe (what it lists is what it serves).
+
+`base_url` is the server root (`http://host:11434`); a trailing `/v1` or `/api` is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from common.config import ProviderConfig
+from common.policy import Health
+from common.wire import RunKind
+from workers.adapters import ollama_wire as wire
+from workers.adapters.base import ProbeResult, ProviderError
+from workers.adapters.openai_shapes import Shaper, wants_usage
+
+Json = dict[str, Any]
+
+
+def server_root(base_url: str) -> str:
+    root = base_url.rstrip("/")
+    for suffix in ("/v1", "/api"):
+        if root.endswith(suffix):
+            return root[: -len(suffix)]
+    return root
+
+
+def observed_names(tags: Any) -> list[str] | None:
+    """Served names from `/api/tags`; `llama3:latest` is also listed as `llama3`, the name
+    Ollama itself accepts for it. None when the answer is not a model list."""
+    models = tags.get("models") if isinstance(tags, dict) else None
+    if not isinstance(models, list):
+        return None
+    names: list[str] = []
+    for m in models:
+        for key in ("name", "model"):
+            name = m.get(key) if isinstance(m, dict) else None
+            if isinstance(name, str) and name not in names:
+                names.append(name)
+    for name in list(names):
+        bare = name.removesuffix(":latest")
+        if bare != name and bare not in names:
+            names.append(bare)
+    return names
+
+
+class NDJSONParser:
+    """Splits a byte stream into JSON objects, one a line; keeps partial lines between reads."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[Json]:
+        self._buf += data
+        *lines, self._buf = self._buf.split(b"\n")
+        out = []
+        for line in lines:
+            if line.strip():
+                obj = json.loads(line)
+                if isinstance(obj, dict):
+                    out.append(obj)
+        return out
+
+
+class OllamaAdapter:
+    def __init__(self, provider: ProviderConfig, session: aiohttp.ClientSession) -> None:
+        assert provider.base_url
+        self.provider = provider
+        self.session = session
+        self.root = server_root(provider.base_url)
+        self.timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=provider.connect_timeout_ms / 1000,
+            sock_read=provider.read_timeout_ms / 1000,
+        )
+
+    # ------------------------------------------------------------------ errors
+    def _error(self, status: int, text: str) -> ProviderError:
+        try:
+            payload = json.loads(text)
+        except ValueError:
+            payload = None
+        message = payload.get("error") if isinstance(payload, dict) else None
+        message = str(message or text[:500] or "error")
+        client_fault = 400 <= status < 500 and status != 429
+        detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None} \
+            if client_fault else None
+        return ProviderError(f"provider {self.provider.id} answered {status}: {message}", status=status,
+                             detail=detail, retryable=not client_fault)
+
+    def _unsupported(self, exc: wire.UnsupportedRequest) -> ProviderError:
+        detail = {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": None}
+        return ProviderError(f"provider {self.provider.id}: {exc}", status=400, detail=detail)
+
+    def _failed(self, exc: BaseException) -> ProviderError:
+        return ProviderError(f"provider {self.provider.id} failed: {type(exc).__name__}: {exc}", retryable=True)
+
+    def _native(self, kind: RunKind, body: Json, stream: bool) -> tuple[str, Json]:
+        try:
+            return wire.request(kind, body, stream)
+        except wire.UnsupportedRequest as exc:
+            raise self._unsupported(exc) from None
+
+    def _post(self, path: str, native: Json, request_id: str) -> Any:
+        return self.session.post(self.root + path, json=native, headers={"X-Request-Id": request_id},
+                                 timeout=self.timeout)
+
+    # ------------------------------------------------------------------ runs
+    async def complete(self, kind: RunKind, body: Json, request_id: str) -> Json:
+        path, native = self._native(kind, body, stream=False)
+        try:
+            async with self._post(path, native, request_id) as resp:
+                text = await resp.text(errors="replace")
+                if resp.status >= 400:
+                    raise self._error(resp.status, text)
+                answer = json.loads(text)
+                if not isinstance(answer, dict):
+                    raise ValueError("the answer is not a JSON object")
+                if kind is RunKind.EMBEDDING:
+                    return wire.embeddings_response(body, answer)
+        except ProviderError:
+            raise
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise self._failed(exc) from exc
+        shaper = Shaper(kind, request_id, body["model"])
+        calls = wire.tool_calls_of(answer, request_id)
+        thinking = wire.thinking_of(answer)
+        return shaper.response(wire.text_of(kind, answer), wire.finish_reason(answer, bool(calls)),
+                               wire.usage_of(answer), tool_calls=calls,
+                               extra={"reasoning_content": thinking} if thinking else None)
+
+    async def stream(self, kind: RunKind, body: Json, request_id: str) -> AsyncIterator[list[Json]]:
+        if kind is RunKind.EMBEDDING:
+            raise ProviderError("embeddings cannot be streamed", status=400)
+        path, native = self._native(kind, body, stream=True)
+        shaper = Shaper(kind, request_id, body["model"])
+        parser = NDJSONParser()
+        include_usage = wants_usage(body)
+        tool_calls = 0
+        done = False
+        try:
+            async with self._post(path, native, request_id) as resp:
+                if resp.status >= 400:
+                    raise self._error(resp.status, await resp.text(errors="replace"))
+                async for data in resp.content.iter_any():
+                    chunks: list[Json] = []
+                    for line in parser.feed(data):
+                        if "error" in line:
+                            raise ProviderError(f"provider {self.provider.id} failed mid-stream: {line['error']}",
+                                                retryable=True)
+                        calls = wire.tool_calls_of(line, request_id, first_index=tool_calls, stream=True)
+                        tool_calls += len(calls)
+                        text, thinking = wire.text_of(kind, line), wire.thinking_of(line)
+                        if text or calls or thinking:
+                            chunks.append(shaper.delta(text, tool_calls=calls,
+                                                       extra={"reasoning_content": thinking} if thinking else None))
+                        if line.get("done"):
+                            done = True
+                            chunks.append(shaper.delta(finish_reason=wire.finish_reason(line, tool_calls > 0)))
+                            if include_usage:
+                                chunks.append(shaper.usage_chunk(wire.usage_of(line)))
+                    if chunks:
+                        yield chunks
+        except ProviderError:
+            raise
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise self._failed(exc) from exc
+        if not done:
+            raise ProviderError(f"provider {self.provider.id} closed the stream before it was done", retryable=True)
+
+    # ------------------------------------------------------------------ health
+    async def probe(self) -> ProbeResult:
+        timeout = aiohttp.ClientTimeout(total=self.provider.probe_timeout_ms / 1000)
+        try:
+            async with self.session.get(self.root + "/api/tags", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return ProbeResult(Health.UNAVAILABLE, f"GET /api/tags answered {resp.status}")
+                tags = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return ProbeResult(Health.UNAVAILABLE, f"GET /api/tags failed: {type(exc).__name__}: {exc}")
+        except ValueError:
+            return ProbeResult(Health.UNKNOWN, "GET /api/tags answered 200 but not with JSON")
+        names = observed_names(tags)
+        if names is None:
+            return ProbeResult(Health.UNKNOWN, "GET /api/tags answered 200 but not with a model list")
+        return ProbeResult(Health.AVAILABLE, "", names)
+
+    async def close(self) -> None:
+        return None

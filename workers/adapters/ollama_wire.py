@@ -1,0 +1,243 @@
+"""Pure conversions between OpenAI-shaped requests/answers and Ollama's native API
+(`/api/chat`, `/api/generate`, `/api/embed`). No I/O here; `ollama.py` does the HTTP.
+
+Request fields that have an Ollama equivalent are mapped (`max_tokens` ->
+`options.num_predict`, `temperature`, `top_p`, `seed`, `stop`, penalties,
+`response_format` -> `format`, `tools`); Ollama's own `options`, `keep_alive`, `think`,
+`raw`, `suffix` and `truncate` pass through; other OpenAI fields have no native meaning
+and are dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from typing import Any
+
+from common.wire import RunKind
+from workers.adapters.openai_shapes import usage
+
+Json = dict[str, Any]
+
+#: OpenAI request field -> Ollama `options` field
+OPTION_FIELDS = {
+    "max_tokens": "num_predict",
+    "max_completion_tokens": "num_predict",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repeat_penalty",
+}
+#: fields of Ollama's own API that a caller may send and that pass through as they are
+NATIVE_FIELDS = ("keep_alive", "think", "raw", "suffix", "truncate", "dimensions")
+
+
+class UnsupportedRequest(ValueError):
+    """The request asks for something Ollama's API cannot do (a 400 for the caller)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _options(body: Json) -> Json:
+    options: Json = {}
+    for name, native in OPTION_FIELDS.items():
+        if body.get(name) is not None:
+            options[native] = body[name]
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        options["stop"] = [stop]
+    elif isinstance(stop, list):
+        options["stop"] = stop
+    if isinstance(body.get("options"), dict):
+        options.update(body["options"])  # the caller's native options win
+    return options
+
+
+def _format(body: Json) -> Any:
+    fmt = body.get("response_format")
+    if not isinstance(fmt, dict):
+        return body.get("format")
+    if fmt.get("type") == "json_object":
+        return "json"
+    if fmt.get("type") == "json_schema":
+        schema = fmt.get("json_schema")
+        return schema.get("schema") if isinstance(schema, dict) else None
+    return None
+
+
+def _common(body: Json) -> Json:
+    if isinstance(body.get("n"), int) and body["n"] > 1:
+        raise UnsupportedRequest("Ollama returns one choice per request; 'n' must be 1", "n")
+    native: Json = {"model": body["model"]}
+    options = _options(body)
+    if options:
+        native["options"] = options
+    fmt = _format(body)
+    if fmt is not None:
+        native["format"] = fmt
+    native.update({k: body[k] for k in NATIVE_FIELDS if k in body})
+    return native
+
+
+def _content(content: Any, path: str) -> tuple[str, list[str]]:
+    """OpenAI message content -> (text, base64 images)."""
+    if content is None or isinstance(content, str):
+        return content or "", []
+    texts, images = [], []
+    for i, part in enumerate(content if isinstance(content, list) else []):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            texts.append(str(part.get("text", "")))
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not (isinstance(url, str) and url.startswith("data:") and ";base64," in url):
+                raise UnsupportedRequest("Ollama takes images only as base64 data URLs", f"{path}[{i}].image_url")
+            images.append(url.split(";base64,", 1)[1])
+    return "\n".join(texts), images
+
+
+def _native_tool_calls(calls: Any) -> list[Json]:
+    out = []
+    for call in calls if isinstance(calls, list) else []:
+        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args else {}
+            except ValueError:
+                args = {}
+        out.append({"function": {"name": fn.get("name"), "arguments": args or {}}})
+    return out
+
+
+def _messages(messages: Any) -> list[Json]:
+    out = []
+    for i, msg in enumerate(messages if isinstance(messages, list) else []):
+        if not isinstance(msg, dict):
+            continue
+        text, images = _content(msg.get("content"), f"messages[{i}].content")
+        native: Json = {"role": msg.get("role", "user"), "content": text}
+        if images:
+            native["images"] = images
+        if msg.get("tool_calls"):
+            native["tool_calls"] = _native_tool_calls(msg["tool_calls"])
+        if msg.get("role") == "tool" and msg.get("name"):
+            native["tool_name"] = msg["name"]
+        out.append(native)
+    return out
+
+
+def chat_request(body: Json, stream: bool) -> Json:
+    native = _common(body)
+    native["messages"] = _messages(body.get("messages"))
+    if body.get("tools"):
+        native["tools"] = body["tools"]
+    native["stream"] = stream
+    return native
+
+
+def generate_request(body: Json, stream: bool) -> Json:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise UnsupportedRequest("Ollama takes one text prompt per request", "prompt")
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise UnsupportedRequest("Ollama takes a text prompt", "prompt")
+    native = _common(body)
+    native["prompt"] = prompt
+    native["stream"] = stream
+    return native
+
+
+def embed_request(body: Json) -> Json:
+    inputs = body.get("input")
+    if not (isinstance(inputs, str) or (isinstance(inputs, list) and all(isinstance(x, str) for x in inputs))):
+        raise UnsupportedRequest("Ollama embeds text: 'input' must be a string or a list of strings", "input")
+    native: Json = {"model": body["model"], "input": inputs}
+    if isinstance(body.get("options"), dict):
+        native["options"] = body["options"]
+    native.update({k: body[k] for k in NATIVE_FIELDS if k in body})
+    return native
+
+
+def request(kind: RunKind, body: Json, stream: bool) -> tuple[str, Json]:
+    """The native path and body for an OpenAI-shaped run."""
+    if kind is RunKind.CHAT:
+        return "/api/chat", chat_request(body, stream)
+    if kind is RunKind.COMPLETION:
+        return "/api/generate", generate_request(body, stream)
+    return "/api/embed", embed_request(body)
+
+
+# ------------------------------------------------------------------ answers
+
+
+def text_of(kind: RunKind, native: Json) -> str:
+    if kind is RunKind.CHAT:
+        message = native.get("message")
+        return str(message.get("content") or "") if isinstance(message, dict) else ""
+    return str(native.get("response") or "")
+
+
+def thinking_of(native: Json) -> str:
+    message = native.get("message")
+    return str(message.get("thinking") or "") if isinstance(message, dict) else ""
+
+
+def tool_calls_of(native: Json, request_id: str, first_index: int = 0, stream: bool = False) -> list[Json]:
+    """Ollama's tool calls (arguments as an object) -> OpenAI's (arguments as a JSON string)."""
+    message = native.get("message")
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    out = []
+    for offset, call in enumerate(calls if isinstance(calls, list) else []):
+        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        args = fn.get("arguments")
+        index = first_index + offset
+        item: Json = {"id": f"call_{request_id}_{index}", "type": "function",
+                      "function": {"name": fn.get("name"),
+                                   "arguments": args if isinstance(args, str) else json.dumps(args or {})}}
+        if stream:
+            item["index"] = index
+        out.append(item)
+    return out
+
+
+def finish_reason(native: Json, saw_tool_calls: bool) -> str:
+    if saw_tool_calls:
+        return "tool_calls"
+    return "length" if native.get("done_reason") == "length" else "stop"
+
+
+def usage_of(native: Json) -> Json:
+    def count(name: str) -> int:
+        value = native.get(name)
+        return value if isinstance(value, int) else 0
+
+    return usage(count("prompt_eval_count"), count("eval_count"))
+
+
+def _encode(vector: list[float], encoding_format: Any) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return vector
+
+
+def embeddings_response(body: Json, native: Json) -> Json:
+    vectors = native.get("embeddings")
+    if not isinstance(vectors, list):
+        raise ValueError("the answer of /api/embed has no 'embeddings' list")
+    data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.get("encoding_format"))}
+            for i, v in enumerate(vectors)]
+    prompt = native.get("prompt_eval_count")
+    prompt = prompt if isinstance(prompt, int) else 0
+    return {"object": "list", "data": data, "model": body["model"],
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
