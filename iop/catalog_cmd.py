@@ -43,7 +43,7 @@ def _load(p: ProviderRecord) -> str:
 
 
 def _flags(p: ProviderRecord) -> str:
-    on = [f.removesuffix("_model") for f, enabled in p.lifecycle_capabilities.items() if enabled]
+    on = [f.split("_")[0] for f, enabled in p.lifecycle_capabilities.items() if enabled]
     return ",".join(on) or "-"
 
 
