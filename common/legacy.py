@@ -52,6 +52,8 @@ class Migration:
 
     data: dict[str, Any]
     errors: list[str] = field(default_factory=list)
+    #: what the conversion left out on purpose (an adapter no route uses), for `iop config migrate`
+    notes: list[str] = field(default_factory=list)
     #: new path -> legacy path, for reporting later faults where the operator wrote them
     origins: dict[str, str] = field(default_factory=dict)
 
@@ -118,6 +120,7 @@ def _convert_models(data: Mapping[str, Any], routes: list[tuple[int, Mapping[str
         n = len(models)
         models.append({"id": model_id, "providers": {route["adapter"]: route["target"]}})
         mig.origins[f"models[{n}].id"] = f"{path}.model"
+        mig.origins[f"models[{n}].providers.{route['adapter']}"] = f"{path}.adapter"
         mig.origins[f"models[{n}]"] = path
     return models
 
@@ -146,19 +149,22 @@ def _provider_places(nodes: list[Any]) -> dict[str, str]:
 
 
 def _convert_adapter(adapter: Mapping[str, Any], path: str, new_path: str, served: dict[str, list[str]],
-                     mig: Migration) -> dict[str, Any]:
+                     mig: Migration) -> dict[str, Any] | None:
+    """The provider for a legacy adapter instance; None for one that no route uses (it took no
+    runs before either, and a provider must serve at least one model)."""
+    names = served.get(str(adapter.get("id")), [])
+    if not names:
+        mig.notes.append(f"{path}: adapter {adapter.get('id')!r} serves no route; left out")
+        return None
     provider: dict[str, Any] = {}
     for key, value in adapter.items():
         if key in ADAPTER_FORBIDDEN:
             mig.errors.append(f"{path}.{key}: {ADAPTER_FORBIDDEN[key]}")
         elif key == "endpoint":
             provider["base_url"] = value
-            mig.origins[f"{new_path}.base_url"] = f"{path}.endpoint"
         else:
             provider[key] = value
-    names = served.get(str(adapter.get("id")), [])
-    if not names:
-        mig.errors.append(f"{path}: adapter {adapter.get('id')!r} serves nothing: no route names it as its adapter")
+    mig.origins[f"{new_path}.base_url"] = f"{path}.endpoint"
     provider["models"] = names
     mig.origins[f"{new_path}.models"] = f"{path} (the targets routed to it)"
     mig.origins[new_path] = path
@@ -195,8 +201,9 @@ def _convert_nodes(data: Mapping[str, Any], served: dict[str, list[str]], mig: M
                 mig.errors.append(f"{path}.id: provider id {adapter.get('id')!r} is also defined at {other}; "
                                   "define a provider in one shape only")
                 continue
-            new_path = f"nodes[{i}].providers[{len(providers)}]"
-            providers.append(_convert_adapter(adapter, path, new_path, served, mig))
+            converted = _convert_adapter(adapter, path, f"nodes[{i}].providers[{len(providers)}]", served, mig)
+            if converted is not None:
+                providers.append(converted)
         new_node["providers"] = providers
         out.append(new_node)
     return out

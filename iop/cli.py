@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     csub = p.add_subparsers(dest="config_command", required=True)
     v = csub.add_parser("validate", help="print OK or every error")
     v.add_argument("file")
+    m = csub.add_parser("migrate", help="print a legacy config (openai.model_routes) in the new shape")
+    m.add_argument("file")
     return parser
 
 
@@ -94,9 +96,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         raise SystemExit(show(args.redis, args.run_id, args.json))
     if args.command == "config":
-        from iop.config_cmd import validate
+        from iop.config_cmd import migrate, validate
 
-        raise SystemExit(validate(args.file))
+        raise SystemExit(migrate(args.file) if args.config_command == "migrate" else validate(args.file))
     if args.command == "simulator":
         from iop import simulator
 

@@ -1,20 +1,60 @@
-"""`iop config validate`."""
+"""`iop config validate` and `iop config migrate`."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Any
 
-from common.config import ConfigError, load_config
+import yaml
+
+from common.config import ConfigError, load_config, parse_config
+from common.legacy import is_legacy
+from common.legacy import migrate as migrate_legacy
+
+
+def _errors(path: str, errors: list[str]) -> int:
+    for err in errors:
+        print(f"error: {err}", file=sys.stderr)
+    print(f"{path}: {len(errors)} error(s)", file=sys.stderr)
+    return 1
 
 
 def validate(path: str) -> int:
     try:
         cfg = load_config(path)
     except ConfigError as exc:
-        for err in exc.errors:
-            print(f"error: {err}", file=sys.stderr)
-        print(f"{path}: {len(exc.errors)} error(s)", file=sys.stderr)
-        return 1
+        return _errors(path, exc.errors)
     providers = sum(len(n.providers) for n in cfg.nodes)
     print(f"OK: {len(cfg.models)} models, {len(cfg.nodes)} nodes, {providers} providers")
+    return 0
+
+
+def _read(path: str) -> Any:
+    try:
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+
+
+def migrate(path: str) -> int:
+    """Print the new-shape equivalent of a legacy config on stdout (comments are not kept).
+    The result is validated first: a config that would not load is reported, not printed."""
+    try:
+        data = _read(path)
+        parse_config(data)  # every fault, at its legacy path
+    except ConfigError as exc:
+        return _errors(path, exc.errors)
+    if not is_legacy(data):
+        print(f"{path}: already in the new shape; printed as it is", file=sys.stderr)
+        new = data
+    else:
+        migration = migrate_legacy(data)
+        for note in migration.notes:
+            print(f"note: {note}", file=sys.stderr)
+        new = migration.data
+    print(f"# {Path(path).name} in the new config shape, written by `iop config migrate`")
+    print(yaml.safe_dump(new, sort_keys=False, allow_unicode=True, default_flow_style=False), end="")
     return 0

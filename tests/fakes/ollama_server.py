@@ -25,6 +25,8 @@ Json = dict[str, Any]
 class FakeState:
     models: list[str] = field(default_factory=lambda: ["llama3:latest"])
     tokens: int = 4
+    #: output words are f"{word}{i} "
+    word: str = "tok"
     #: status of /api/tags (200 = healthy)
     tags_status: int = 200
     #: answer /api/chat and /api/generate with this status before any output
@@ -94,7 +96,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             await state.released.wait()
             record["held"] = False
         if not body.get("stream", True):
-            whole = piece("".join(f"tok{i} " for i in range(n)))
+            whole = piece("".join(f"{state.word}{i} " for i in range(n)))
             if tool_calls:
                 whole["message"]["tool_calls"] = tool_calls
             final.update({k: v for k, v in whole.items() if k in ("message", "response")})
@@ -109,7 +111,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 return resp
             if state.hang_after is not None and i == state.hang_after:
                 await asyncio.Event().wait()
-            await resp.write(_line(piece(f"tok{i} ")))
+            await resp.write(_line(piece(f"{state.word}{i} ")))
             await asyncio.sleep(0)
         if tool_calls:
             call = piece("")
