@@ -104,7 +104,7 @@ class ProviderRecord:
     queued: int
     lifecycle_capabilities: dict[str, bool]
     #: when the last heartbeat was written (ms since the epoch); None if there is none
-    last_heartbeat_ms: int | None
+    last_heartbeat: int | None
     heartbeat_age_ms: int | None
 
 
@@ -246,7 +246,7 @@ def _provider_record(config: Config, p: ProviderConfig, raw: RawState) -> Provid
         serves=serves,
         queued=sum(raw.queued.get(mid, 0) for mid in serves),
         lifecycle_capabilities=_lifecycle(p, beat),
-        last_heartbeat_ms=snap.heartbeat_ms,
+        last_heartbeat=snap.heartbeat_ms,
         heartbeat_age_ms=raw.now_ms - snap.heartbeat_ms if snap.heartbeat_ms is not None else None,
     )
 

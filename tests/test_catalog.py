@@ -71,9 +71,9 @@ def test_health_is_unknown_without_a_fresh_heartbeat(heartbeat: dict[str, str] |
     assert a.health == health
     assert reason_has in a.health_reason
     if heartbeat is None:
-        assert a.last_heartbeat_ms is None and a.heartbeat_age_ms is None
+        assert a.last_heartbeat is None and a.heartbeat_age_ms is None
     else:
-        assert a.last_heartbeat_ms == int(heartbeat["ts_ms"])
+        assert a.last_heartbeat == int(heartbeat["ts_ms"])
 
 
 @pytest.mark.parametrize(("capacity", "in_flight", "ratio"), [
@@ -160,7 +160,7 @@ def test_the_json_has_the_documented_fields() -> None:
     data = build_catalog(config(), raw({"a": beat()})).to_json()
     assert set(data) == {"generated_at_ms", "heartbeat_ttl_ms", "providers", "models"}
     assert {"id", "node_id", "type", "category", "health", "health_reason", "capacity", "in_flight", "load_ratio",
-            "models", "queued", "lifecycle_capabilities", "last_heartbeat_ms"} <= set(data["providers"][0])
+            "models", "queued", "lifecycle_capabilities", "last_heartbeat"} <= set(data["providers"][0])
     assert {"id", "display_name", "providers", "queued"} <= set(data["models"][0])
     assert {"provider_id", "target", "selectable", "reason"} <= set(data["models"][0]["providers"][0])
     json.dumps(data)  # plain JSON, no dataclasses or Fractions left

@@ -10,10 +10,12 @@ import json
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from aiohttp import web
 from redis.asyncio import Redis
 
@@ -25,12 +27,12 @@ from common.wire import RunKind
 from gateway.app import build_app
 from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
-from iop import catalog_cmd
+from iop import catalog_cmd, cli
 from tests.openapi import validate
 from workers.adapters.base import ProbeResult
 from workers.heartbeat import heartbeat_fields
 
-CONFIG = parse_config({
+CONFIG_DATA: dict[str, Any] = {
     "models": [
         {"id": "qwen:35b", "display_name": "Qwen", "providers": {"vllm-a": "Qwen/A", "ollama-b": "qwen-b"}},
         {"id": "llama:70b", "providers": {"vllm-a": "Llama/A"}, "queue": {"max_queue": 8}},
@@ -41,7 +43,8 @@ CONFIG = parse_config({
         {"id": "gpu-2", "providers": [{"id": "ollama-b", "type": "ollama", "base_url": "http://127.0.0.1:9",
                                        "capacity": 1, "models": ["qwen-b"]}]},
     ],
-})
+}
+CONFIG = parse_config(CONFIG_DATA)
 
 
 @asynccontextmanager
@@ -89,7 +92,7 @@ async def test_catalog_reports_health_load_and_queues(redis: Redis, redis_url: s
     assert (a["id"], a["node_id"], a["type"], a["category"]) == ("vllm-a", "gpu-1", "vllm", "local_inference")
     assert (a["health"], a["capacity"], a["in_flight"], a["load_ratio"], a["queued"]) == ("available", 2, 1, 0.5, 2)
     assert a["models"] == {"configured": ["Qwen/A", "Llama/A"], "observed": ["Qwen/A", "Llama/A"]}
-    assert a["last_heartbeat_ms"] is not None
+    assert a["last_heartbeat"] is not None
     assert (b["health"], b["health_reason"], b["in_flight"], b["queued"]) == ("unavailable", "connection refused", 0, 2)
     qwen, llama = cat["models"]
     assert (qwen["id"], qwen["display_name"], qwen["queued"], qwen["max_queue"]) == ("qwen:35b", "Qwen", 2, 64)
@@ -103,7 +106,7 @@ async def test_a_provider_without_a_heartbeat_is_unknown(redis_url: str) -> None
     async with serve(CONFIG, redis_url) as base:
         status, cat = await get_json(base + "/v1/catalog")
     assert status == 200
-    assert [(p["health"], p["capacity"], p["load_ratio"], p["last_heartbeat_ms"]) for p in cat["providers"]] == [
+    assert [(p["health"], p["capacity"], p["load_ratio"], p["last_heartbeat"]) for p in cat["providers"]] == [
         ("unknown", None, None, None)] * 2
     assert {p["reason"] for m in cat["models"] for p in m["providers"]} == {"unknown"}
 
@@ -166,3 +169,15 @@ def test_cli_json(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert [p["id"] for p in data["providers"]] == ["vllm-a", "ollama-b"]
     assert catalog_cmd.main("queues", CONFIG, redis_url, as_json=True) == 0
     assert [q["model"] for q in json.loads(capsys.readouterr().out)["queues"]] == ["qwen:35b", "llama:70b"]
+
+
+def test_the_iop_command_parses_its_options(redis_url: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "iop.yaml"
+    path.write_text(yaml.safe_dump(CONFIG_DATA))
+    for command in ("catalog", "queues"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([command, "--config", str(path), "--redis", redis_url])
+        assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "PROVIDER" in out and "OLDEST WAITING" in out
