@@ -14,11 +14,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
 
 from common.redisconn import REDIS_DOWN
 
 log = logging.getLogger("iop.metrics")
+
+# No `*_created` series: they double the exposition and no dashboard here reads them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 Refresh = Callable[[], Awaitable[None]]
 Ready = Callable[[], Awaitable[bool]]

@@ -5,13 +5,15 @@
   no configured model (a 400 or 404), so unknown names cannot grow the label set.
 - `iop_gateway_request_duration_seconds{model,endpoint}`: end-to-end latency of the runs
   that succeeded (2xx), from the request to the last byte.
-- `iop_gateway_time_to_first_token_seconds{model}`: for streamed runs that succeeded, from
-  the request to the first output sent (the SSE headers go out with it).
+- `iop_gateway_time_to_first_token_seconds{model}`: for streamed runs, from the request to
+  the first chunk sent that carries output (text, reasoning or a tool call; the opening
+  role-only chunk does not count).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -33,6 +35,9 @@ TTFT = Histogram("iop_gateway_time_to_first_token_seconds", "time to the first o
 #: The model id of a run request, set by the handler once it has found the model.
 MODEL = web.RequestKey("iop_model", str)
 _STARTED = web.RequestKey("iop_started", float)
+_TOKEN_SEEN = web.RequestKey("iop_token_seen", bool)
+#: Fields of a chunk's `delta` that carry generated output.
+_OUTPUT_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
 
@@ -59,11 +64,24 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
             DURATION.labels(model, endpoint).observe(time.monotonic() - started)
 
 
-async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
-    """A streamed run's headers go out with its first output: that moment is its TTFT."""
-    if (response.status == 200 and response.content_type == "text/event-stream" and _STARTED in request
-            and _endpoint(request) is not None):
-        TTFT.labels(request.get(MODEL, "-")).observe(time.monotonic() - request[_STARTED])
+def _carries_output(chunk: Any) -> bool:
+    if not isinstance(chunk, dict):
+        return False
+    for choice in chunk.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if choice.get("text") or (isinstance(delta, dict) and any(delta.get(f) for f in _OUTPUT_FIELDS)):
+            return True
+    return False
+
+
+def streamed(request: web.Request, chunks: list[Any]) -> None:
+    """Called with every batch of chunks a stream sends; the first that carries output is the TTFT."""
+    if _TOKEN_SEEN in request or _STARTED not in request or not any(_carries_output(c) for c in chunks):
+        return
+    request[_TOKEN_SEEN] = True
+    TTFT.labels(request.get(MODEL, "-")).observe(time.monotonic() - request[_STARTED])
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -73,5 +91,4 @@ async def metrics(request: web.Request) -> web.Response:
 def setup(app: web.Application) -> None:
     """Measure run requests (outermost middleware, so it sees the final status) and serve /metrics."""
     app.middlewares.insert(0, metrics_middleware)
-    app.on_response_prepare.append(_on_prepare)
     app.router.add_get("/metrics", metrics)

@@ -9,6 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from common.wire import ErrorInfo, EventType
+from gateway import metrics
 from gateway.errors import ApiError
 from gateway.runs import Event
 
@@ -58,6 +59,7 @@ async def stream_response(
             resp = resp or await begin()
             chunks = event.data.get("chunks", [])
             await resp.write(b"".join(sse(with_model(c, model_id)) for c in chunks))
+            metrics.streamed(request, chunks)
         elif event.type == EventType.COMPLETED:
             resp = resp or await begin()
             await resp.write(SSE_DONE)
