@@ -79,12 +79,22 @@ return 'ok'
 """
 
 # KEYS: run record, lease, events
-# ARGV: run id, lease_ttl_ms, ttl_s, worker (host:pid)
+# ARGV: run id, lease_ttl_ms, ttl_s, worker (host:pid), cancelled event data, signals channel, model
 START = _NOW + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'dispatched' then return state or 'missing' end
 local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not score or tonumber(score) <= now then return 'lease_lost' end
+if redis.call('HGET', KEYS[1], 'cancel') == '1' then
+  -- the caller left between dispatch and start: end it here and give the slot back
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
+    'error_message', 'cancelled by the caller')
+  redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[5])
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
+  redis.call('PUBLISH', ARGV[6], ARGV[7])
+  return 'cancelled'
+end
 redis.call('ZADD', KEYS[2], 'XX', now + tonumber(ARGV[2]), ARGV[1])
 redis.call('HSET', KEYS[1], 'state', 'running', 'started_ms', now, 'worker', ARGV[4])
 local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '1')
@@ -93,10 +103,12 @@ redis.call('EXPIRE', KEYS[3], ARGV[3])
 return 'ok'
 """
 
-# Renew the lease of one attempt while it still owns the run. Returns 1, or 0 if lost.
+# Renew the lease of one attempt while it still owns the run. Returns 1, 0 if lost, or 2 if
+# its caller asked for it to be cancelled (a backstop for a lost cancel message).
 # KEYS: lease, run record   ARGV: run id, lease_ttl_ms, attempt
 RENEW = _NOW + """
 if redis.call('HGET', KEYS[2], 'attempts') ~= ARGV[3] then return 0 end
+if redis.call('HGET', KEYS[2], 'cancel') == '1' then return 2 end
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) <= now then return 0 end
 redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
@@ -141,6 +153,8 @@ DROP_QUEUED = _NOW + """
 local state = redis.call('HGET', KEYS[2], 'state')
 if state == 'dispatched' or state == 'running' then
   if ARGV[8] ~= '' then
+    -- the flag makes it durable: START ends a dispatched run, RENEW reports it to a running one
+    redis.call('HSET', KEYS[2], 'cancel', '1')
     redis.call('PUBLISH', ARGV[8] .. redis.call('HGET', KEYS[2], 'node'), ARGV[1])
     return 'signalled'
   end
@@ -176,7 +190,7 @@ return 1
 # A lease that expired: its worker is gone. Put the run back in its queue if it may be tried
 # again and sent nothing yet; else fail it with worker_lost. Also drops arq's copy of the job.
 # KEYS: lease, run record, events, runs stream, node queue, arq job, arq in-progress, arq retry
-# ARGV: run id, max_attempts, ttl_s, signals channel, model, requeued data, failed data
+# ARGV: run id, max_attempts, ttl_s, signals channel, model, requeued data, failed data, cancelled data
 REAP = _NOW + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) > now then return 'alive' end
@@ -189,6 +203,14 @@ if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' e
 local ttl = tonumber(ARGV[3])
 local attempts = tonumber(redis.call('HGET', KEYS[2], 'attempts') or '0')
 local output = redis.call('HGET', KEYS[2], 'output') == '1'
+if redis.call('HGET', KEYS[2], 'cancel') == '1' then
+  redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[8])
+  redis.call('HSET', KEYS[2], 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
+    'error_message', 'cancelled by the caller')
+  redis.call('EXPIRE', KEYS[3], ttl)
+  redis.call('EXPIRE', KEYS[2], ttl)
+  return 'cancelled'
+end
 if not output and attempts < tonumber(ARGV[2]) then
   redis.call('XADD', KEYS[3], '*', 'type', 'requeued', 'data', ARGV[6])
   local entry = redis.call('XADD', KEYS[4], '*', 'run', ARGV[1], 'tried',

@@ -123,3 +123,8 @@ class RunField(StrEnum):
     WORKER = "worker"  # host:pid of the worker running the current attempt
     ERROR_CODE = "error_code"
     ERROR_MESSAGE = "error_message"
+
+
+def cancelled_by_caller() -> ErrorInfo:
+    """The error a run ends with when its caller cancelled it (disconnect or DELETE)."""
+    return ErrorInfo(ErrorCode.CANCELLED, "cancelled by the caller")

@@ -32,7 +32,7 @@ from common.policy import ProviderSnapshot, all_refused, select_provider
 from common.redisconn import REDIS_DOWN, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
-from common.wire import ErrorCode, ErrorInfo, RunState
+from common.wire import ErrorCode, ErrorInfo, RunState, cancelled_by_caller
 from scheduler import metrics
 from scheduler.snapshots import read_snapshots
 
@@ -278,7 +278,8 @@ class Scheduler:
             [lease_key, keys.run_record(run_id), keys.run_events(run_id), keys.runs_stream(model_id),
              keys.node_queue(node_id), keys.arq_job(run_id), keys.arq_in_progress(run_id), keys.arq_retry(run_id)],
             [run_id, max_attempts.get(model_id, 1), self.config.runtime.run_ttl_s, keys.SCHEDULER_SIGNALS,
-             model_id, pack(lost.to_wire()), pack({**lost.to_wire(), "before_output": False})],
+             model_id, pack(lost.to_wire()), pack({**lost.to_wire(), "before_output": False}),
+             pack(cancelled_by_caller().to_wire())],
         )
         outcome = result.decode() if isinstance(result, bytes) else str(result)
         if outcome != "alive":

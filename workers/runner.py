@@ -23,7 +23,7 @@ from common.config import Config
 from common.redisconn import REDIS_DOWN
 from common.runlog import run_fields
 from common.scripts import Scripts
-from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState
+from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
 from workers import metrics
 from workers.adapters.base import Adapter, ProviderError
 
@@ -31,6 +31,10 @@ log = logging.getLogger("iop.worker")
 
 #: Who runs an attempt, recorded in the run (`worker` field) for operators and fault tests.
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
+
+
+#: What a caller's cancellation looks like in the run's events.
+CANCELLED = cancelled_by_caller()
 
 
 class LeaseLost(Exception):
@@ -76,7 +80,8 @@ class Runner:
         rt = self.config.runtime
         started = await self.scripts.call(
             "start", [keys.run_record(run_id), keys.leases(provider_id), keys.run_events(run_id)],
-            [run_id, rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID])
+            [run_id, rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack(CANCELLED.to_wire()),
+             keys.SCHEDULER_SIGNALS, model_id])
         if started != b"ok":
             log.warning("not started (%s)", started.decode(), extra=run_fields(run_id, model_id))
             return str(started.decode())
@@ -187,7 +192,7 @@ class Runner:
             except REDIS_DOWN as exc:
                 log.warning("lease renewal failed (%s)", exc, extra=run_fields(att.run_id, att.model_id))
                 continue
-            if not renewed:
-                att.cancel_reason = "lease lost"
+            if renewed != 1:
+                att.cancel_reason = "lease lost" if not renewed else CANCELLED.message
                 task.cancel()
                 return

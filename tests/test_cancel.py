@@ -1,0 +1,100 @@
+"""Cancellation that cannot be lost: a caller who leaves between dispatch and start, or
+whose cancel message never reaches the worker, still gets its run cancelled and its slot
+back (real Redis, in-process scheduler and runner, a fake adapter)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from redis.asyncio import Redis
+
+from common import keys
+from common.policy import Health
+from common.redisconn import now_ms
+from common.wire import RunKind
+from gateway.runs import RunClient
+from scheduler.core import Scheduler
+from tests.conftest import async_wait_until
+from tests.test_scheduler import MODEL, beat, make_config, submit
+from workers.adapters.base import ProbeResult
+from workers.runner import Runner
+
+
+class StallingAdapter:
+    """A provider that accepts the request and never answers."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.closed = asyncio.Event()
+
+    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        self.calls += 1
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.closed.set()
+        raise AssertionError("unreachable")
+
+    async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        yield [await self.complete(kind, body, request_id)]
+
+    async def probe(self) -> ProbeResult:
+        return ProbeResult(Health.AVAILABLE)
+
+    async def close(self) -> None:
+        return None
+
+
+async def dispatched_run(redis: Redis, lease_ttl_ms: int = 15_000) -> tuple[RunClient, Scheduler, str]:
+    config = make_config({"a": 1}, runtime={"lease_ttl_ms": lease_ttl_ms})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    (run_id,) = await submit(client, 1)
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_id), "state") == b"dispatched"
+    return client, sched, run_id
+
+
+async def test_a_cancel_between_dispatch_and_start_ends_the_run_at_start(redis: Redis) -> None:
+    client, sched, run_id = await dispatched_run(redis)
+    assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"  # no worker has it yet
+    adapter = StallingAdapter()
+    runner = Runner(redis, client.config, "n-a", {"a": adapter})
+    assert await runner.execute(run_id) == "cancelled"
+    assert adapter.calls == 0
+    assert await redis.hget(keys.run_record(run_id), "state") == b"cancelled"
+    assert await redis.zcard(keys.leases("a")) == 0
+    events = [e async for e in client.follow(run_id)]
+    assert events[-1].type == "failed" and events[-1].data["code"] == "cancelled"
+
+
+async def test_a_cancelled_run_whose_worker_never_came_is_reaped_as_cancelled(redis: Redis) -> None:
+    client, sched, run_id = await dispatched_run(redis)
+    await client.cancel(run_id, MODEL, "the caller went away")
+    await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease
+    assert await sched.reap_expired_leases() == 1
+    assert await redis.hget(keys.run_record(run_id), "state") == b"cancelled"
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 0  # not put back in the queue
+
+
+async def test_a_running_run_notices_a_cancel_whose_message_was_lost(redis: Redis) -> None:
+    client, sched, run_id = await dispatched_run(redis, lease_ttl_ms=150)
+    adapter = StallingAdapter()
+    runner = Runner(redis, client.config, "n-a", {"a": adapter})
+    execution = asyncio.create_task(runner.execute(run_id))
+
+    async def running() -> bool:
+        return bool(await redis.hget(keys.run_record(run_id), "state") == b"running")
+
+    await async_wait_until(running, what="the run to start")
+    # The cancel message goes out while no worker listens: only the flag in the run remains.
+    assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"
+    assert (await execution).startswith("cancelled")
+    assert adapter.closed.is_set()
+    assert await redis.hget(keys.run_record(run_id), "state") == b"cancelled"
+    assert await redis.zcard(keys.leases("a")) == 0
