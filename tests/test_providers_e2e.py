@@ -215,3 +215,46 @@ def test_the_legacy_fixture_routes_every_model_as_before(
     assert [(r["path"], r["model"]) for r in ollama.records()] == [
         ("/api/chat", routes["llama3:8b"][1]), ("/api/embed", routes["llama3:8b"][1])]
     assert [line["model"] for line in log_lines(cli_log)] == [routes["local-cli"][1]]
+
+
+def test_a_caller_leaving_stops_the_run_at_ollama_and_kills_the_cli_tool(
+        stack: Stack, tmp_path: Path, ollama_factory: Callable[[FakeState], tuple[ThreadedOllama, str]]) -> None:
+    ollama, ollama_url = ollama_factory(FakeState(models=["slow:latest"], hang_after=1))
+    pid_file = tmp_path / "pids"
+    command = [sys.executable, CLI_SCRIPT, "--model", "{model}", "--hang", "--pid-file", str(pid_file)]
+    stack.write_config({
+        "models": [{"id": "via-ollama", "providers": {"ollama-h": "slow:latest"}},
+                   {"id": "via-cli", "providers": {"cli-h": "slow-cli"}}],
+        "nodes": [{"id": "box", "providers": [
+            {"id": "ollama-h", "type": "ollama", "base_url": ollama_url, "capacity": 1, "models": ["slow:latest"]},
+            {"id": "cli-h", "type": "cli", "command": command, "capacity": 1, "models": ["slow-cli"]}]}],
+        "runtime": FAST_RUNTIME,
+    })
+    stack.scheduler()
+    stack.worker("box")
+    gateway = stack.gateway()
+    wait_available(stack.redis_url, ["ollama-h", "cli-h"])
+
+    async def leave_after_first_output(model: str) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": "x"}], "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(gateway + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            line = await resp.content.readline()
+            assert line.startswith(b"data: ") and json.loads(line[6:])["model"] == model
+        # leaving the block closes the connection: the caller is gone
+
+    asyncio.run(leave_after_first_output("via-ollama"))
+    wait_until(lambda: ollama.records() and ollama.records()[-1]["disconnected"], what="Ollama to see the disconnect")
+
+    asyncio.run(leave_after_first_output("via-cli"))
+    pids = [int(x) for x in pid_file.read_text().split()]
+
+    wait_until(lambda: not any(alive(p) for p in pids), what="the cli tool's process group to be killed")
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
