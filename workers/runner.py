@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,8 @@ class Runner:
         self.scripts = Scripts(redis)
         #: run id -> (attempt, the task executing it), for cancellation
         self.running: dict[str, tuple[Attempt, asyncio.Task[Any]]] = {}
+        #: run id -> the requeue to do once arq has finished with the job (`after_job`)
+        self.deferred: dict[str, Callable[[], Awaitable[str]]] = {}
 
     # ------------------------------------------------------------------ entry
     async def execute(self, run_id: str) -> str:
@@ -98,6 +101,11 @@ class Runner:
             renewer.cancel()
             metrics.RUN_SECONDS.labels(model_id, provider_id).observe(time.monotonic() - began)
             self.running.pop(run_id, None)
+
+    async def after_job(self, run_id: str) -> str | None:
+        """Called once arq has recorded the end of the job: do a deferred requeue."""
+        requeue = self.deferred.pop(run_id, None)
+        return await requeue() if requeue else None
 
     def cancel(self, run_id: str, reason: str) -> bool:
         entry = self.running.get(run_id)
@@ -149,7 +157,10 @@ class Runner:
         if retryable and not att.output and int(att.attempt) < att.max_attempts:
             log.info("attempt %s failed, requeued: %s", att.attempt, info.message,
                      extra=run_fields(att.run_id, att.model_id))
-            return await self._finish(att, None, EventType.REQUEUED, info.to_wire())
+            # Put it back only once arq has finished with this job: arq's own cleanup deletes
+            # the job's keys (job id = run id), which would swallow the next attempt's job.
+            self.deferred[att.run_id] = lambda: self._finish(att, None, EventType.REQUEUED, info.to_wire())
+            return "requeue_pending"
         log.info("failed: %s", info.message, extra=run_fields(att.run_id, att.model_id))
         return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info)
 

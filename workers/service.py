@@ -43,6 +43,11 @@ async def run_job(ctx: dict[str, Any], run_id: str) -> str:
     return await runner.execute(run_id)
 
 
+async def after_job(ctx: dict[str, Any]) -> None:
+    runner: Runner = ctx[RUNNER_CTX]
+    await runner.after_job(ctx["job_id"])
+
+
 async def _listen_cancels(runner: Runner, node_id: str) -> None:
     delay = 0.05
     while True:
@@ -105,6 +110,8 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         poll_delay=1.0,
         on_startup=startup,
         on_shutdown=shutdown,
+        after_job_end=after_job,
+        retry_jobs=False,  # a cancelled job is finished; the run itself is requeued by `after_job`
         job_serializer=pack,
         job_deserializer=unpack,
         handle_signals=False,  # `serve` owns SIGTERM/SIGINT and stops gracefully
