@@ -1,0 +1,881 @@
+#!/usr/bin/env python
+"""Benchmark of iop's routing overhead: the same requests straight to a zero-latency simulator
+and through the gateway (gateway -> Redis -> scheduler -> worker -> simulator and back).
+
+    python bench/bench.py [--requests N] [--concurrency 1,32] [--out FILE]
+
+Starts everything it needs as real processes (a private Redis, two simulators, a gateway, a
+scheduler and one worker per node), measures, stops everything, and prints one JSON document
+to stdout. The client runs on the same machine, so every number includes its CPU competition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import redis
+import yaml
+
+from iop.embedded_redis import RedisServer
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "bench-model"
+RUN_ID_HEADER = "X-IOP-Run-Id"
+#: (provider id, node id, served name) of the two providers, one per node.
+PROVIDERS = (("prov-a", "node-a", "sim-a"), ("prov-b", "node-b", "sim-b"))
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+REQUEST_TIMEOUT_S = 30.0
+MONITOR_END = "iop-bench-monitor-end"
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class Proc:
+    """A real `python -m iop ...` process; its output is read line by line (last lines kept)."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.lines: deque[str] = deque(maxlen=200)
+        self.count = 0
+        self._cond = threading.Condition()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "iop", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=env, cwd=str(ROOT), text=True, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self.count += 1
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for_line(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._cond:
+            while True:
+                new = list(self.lines)[-(self.count - seen):] if self.count > seen else []
+                seen = self.count
+                for line in new:
+                    m = rx.search(line)
+                    if m:
+                        return m
+                left = deadline - time.monotonic()
+                if left <= 0 or self.popen.poll() is not None and not self._reader.is_alive():
+                    raise RuntimeError(f"{self.name}: no line matching {pattern!r}; output:\n{self.output()}")
+                self._cond.wait(min(left, 0.5))
+
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def warnings(self) -> list[str]:
+        with self._cond:
+            return [ln for ln in self.lines if " WARNING " in ln or " ERROR " in ln or "Traceback" in ln]
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout=5)
+        self._reader.join(timeout=2)
+        return self.popen.returncode
+
+
+@dataclass
+class Stack:
+    log_level: str
+    tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="iop-bench-")))
+    redis: RedisServer | None = None
+    procs: list[Proc] = field(default_factory=list)
+    sims: dict[str, str] = field(default_factory=dict)  # served name -> base url
+    gateway: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    exit_codes: dict[str, int | None] = field(default_factory=dict)
+
+    @property
+    def config_path(self) -> Path:
+        return self.tmp / "iop.yaml"
+
+    def env(self) -> dict[str, str]:
+        assert self.redis is not None
+        env = dict(os.environ)
+        env.update({"IOP_CONFIG": str(self.config_path), "REDIS_URL": self.redis.url,
+                    "PYTHONUNBUFFERED": "1", "IOP_LOG_LEVEL": self.log_level})
+        return env
+
+    def spawn(self, name: str, *args: str) -> Proc:
+        proc = Proc(name, list(args), self.env())
+        self.procs.append(proc)
+        return proc
+
+    def start(self, tokens: int) -> None:
+        # Redis is started in this process group, so a Ctrl-C at the terminal would stop it under the
+        # services still using it; with SIGINT blocked it inherits a mask that ignores it, and
+        # `stop` ends it with SIGTERM after everything else.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.redis = RedisServer(appendonly=False).start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        for _, _, served in PROVIDERS:
+            sim = self.spawn(f"simulator-{served}", "simulator", "--port", "0", "--models", served,
+                             "--ttft-ms", "0", "--itl-ms", "0", "--tokens", str(tokens))
+            self.sims[served] = sim.wait_for_line(r"listening on (http://\S+)").group(1)
+        self.config = {
+            "models": [{"id": MODEL, "providers": {pid: served for pid, _, served in PROVIDERS}}],
+            "nodes": [
+                {"id": node, "providers": [{"id": pid, "type": "vllm", "base_url": self.sims[served],
+                                            "capacity": 64, "models": [served]}]}
+                for pid, node, served in PROVIDERS
+            ],
+        }
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        gw = self.spawn("gateway", "gateway", "--host", "127.0.0.1", "--port", "0")
+        self.spawn("scheduler", "scheduler").wait_for_line(r"iop scheduler \S+ running")
+        for _, node, _ in PROVIDERS:
+            self.spawn(f"worker-{node}", "worker", "--node", node).wait_for_line(
+                rf"iop worker for node {re.escape(node)} running")
+        self.gateway = gw.wait_for_line(r"iop gateway listening on (http://\S+)").group(1)
+        self.wait_for_heartbeats()
+
+    def wait_for_heartbeats(self, timeout: float = 30.0) -> None:
+        """Both providers' heartbeats exist and say `available` (the gateway refuses runs otherwise)."""
+        assert self.redis is not None
+        client = redis.Redis.from_url(self.redis.url)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                health = [client.hget(f"iop:provider:{pid}", "health") for pid, _, _ in PROVIDERS]
+                if all(h == b"available" for h in health):
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"provider heartbeats not available after {timeout}s: {health}")
+                time.sleep(0.02)  # polling Redis with a deadline
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):  # the gateway and services before the simulators
+            try:
+                self.exit_codes[proc.name] = proc.stop()
+            except Exception as exc:  # keep stopping the others
+                print(f"bench: could not stop {proc.name}: {exc}", file=sys.stderr)
+        if self.redis is not None:
+            self.redis.cleanup()
+        for path in self.tmp.iterdir():
+            path.unlink()
+        self.tmp.rmdir()
+
+
+# --------------------------------------------------------------------------- CPU accounting
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+CpuSnapshot = dict[str, float | None]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of one process (Linux /proc), in seconds."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def cpu_snapshot(stack: Stack) -> CpuSnapshot:
+    pids = {p.name: p.popen.pid for p in stack.procs}
+    if stack.redis is not None and stack.redis.proc is not None:
+        pids["redis"] = stack.redis.proc.pid
+    pids["bench-client"] = os.getpid()
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def cpu_used(before: CpuSnapshot, after: CpuSnapshot, wall_s: float) -> dict[str, Any]:
+    """CPU seconds each process used between two snapshots, as a share of one core."""
+    used = {name: round(b - a, 2) for name, a in before.items()
+            if a is not None and (b := after.get(name)) is not None}
+    return {"cpu_s": used, "cores_busy": round(sum(used.values()) / wall_s, 2) if wall_s else None}
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def quantiles(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "max": None}
+    if len(values) == 1:
+        v = values[0]
+        return {"p50": v, "p90": v, "p99": v, "mean": v, "max": v}
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": round(q[49], 3), "p90": round(q[89], 3), "p99": round(q[98], 3),
+            "mean": round(statistics.fmean(values), 3), "max": round(max(values), 3)}
+
+
+def ms(values_ns: Sequence[int]) -> list[float]:
+    return [v / 1e6 for v in values_ns]
+
+
+def diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 3)
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    body: bytes
+    model: str  # the `model` the answer must carry
+
+
+def chat_target(base_url: str, model: str, max_tokens: int, stream: bool) -> Target:
+    body = {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "stream": stream}
+    return Target(base_url + "/v1/chat/completions", json.dumps(body).encode(), model)
+
+
+@dataclass
+class Phase:
+    name: str
+    concurrency: int
+    latencies_ns: list[int] = field(default_factory=list)
+    ttfb_ns: list[int] = field(default_factory=list)
+    statuses: Counter[int] = field(default_factory=Counter)
+    exceptions: Counter[str] = field(default_factory=Counter)
+    bad_body: int = 0
+    run_ids: list[str] = field(default_factory=list)
+    wall: dict[str, tuple[float, float]] = field(default_factory=dict)  # run id -> (sent, received), epoch s
+    elapsed_s: float = 0.0
+    cpu: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def failures(self) -> int:
+        non_200 = sum(n for s, n in self.statuses.items() if s != 200)
+        return non_200 + sum(self.exceptions.values()) + self.bad_body
+
+    def summary(self) -> dict[str, Any]:
+        done = sum(self.statuses.values())
+        out: dict[str, Any] = {
+            "concurrency": self.concurrency,
+            "requests": done + sum(self.exceptions.values()),
+            "ok": self.statuses.get(200, 0) - self.bad_body,
+            "non_200": {str(s): n for s, n in sorted(self.statuses.items()) if s != 200},
+            "exceptions": dict(self.exceptions),
+            "bad_body": self.bad_body,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "requests_per_s": round(done / self.elapsed_s, 1) if self.elapsed_s else None,
+            "latency_ms": quantiles(ms(self.latencies_ns)),
+        }
+        if self.ttfb_ns:
+            out["ttfb_ms"] = quantiles(ms(self.ttfb_ns))
+        if self.cpu:
+            out["cpu"] = self.cpu
+        return out
+
+
+async def one_request(session: aiohttp.ClientSession, target: Target, stream: bool, phase: Phase,
+                      keep_ids: bool) -> None:
+    sent_wall = time.time()
+    t0 = time.perf_counter_ns()
+    ttfb = 0
+    async with session.post(target.url, data=target.body,
+                            headers={"Content-Type": "application/json"}) as resp:
+        if stream and resp.status == 200:
+            chunks = []
+            async for chunk in resp.content.iter_any():
+                if not ttfb:
+                    ttfb = time.perf_counter_ns() - t0
+                chunks.append(chunk)
+            body = b"".join(chunks)
+        else:
+            body = await resp.read()
+        elapsed = time.perf_counter_ns() - t0
+        received_wall = time.time()
+        run_id = resp.headers.get(RUN_ID_HEADER)
+    phase.statuses[resp.status] += 1
+    if resp.status != 200:
+        return
+    phase.latencies_ns.append(elapsed)
+    if stream:
+        phase.ttfb_ns.append(ttfb)
+        if not body.rstrip().endswith(b"data: [DONE]") or f'"model":"{target.model}"'.encode() not in body:
+            phase.bad_body += 1
+    else:
+        try:
+            answer = json.loads(body)
+            good = answer.get("model") == target.model and bool(answer.get("choices"))
+        except ValueError:
+            good = False
+        phase.bad_body += not good
+    if keep_ids and run_id:
+        phase.run_ids.append(run_id)
+        phase.wall[run_id] = (sent_wall, received_wall)
+
+
+async def closed_loop(session: aiohttp.ClientSession, name: str, targets: Sequence[Target], concurrency: int,
+                      *, requests: int | None = None, duration_s: float | None = None, stream: bool = False,
+                      keep_ids: bool = False) -> Phase:
+    """`concurrency` clients each sending the next request as soon as their last one ended,
+    for `requests` requests in all or for `duration_s` seconds. Targets are used round-robin."""
+    phase = Phase(name, concurrency)
+    issued = 0
+    start = time.perf_counter()
+    deadline = start + duration_s if duration_s is not None else None
+
+    async def client() -> None:
+        nonlocal issued
+        while True:
+            if requests is not None and issued >= requests:
+                return
+            if deadline is not None and time.perf_counter() >= deadline:
+                return
+            target = targets[issued % len(targets)]
+            issued += 1
+            try:
+                await one_request(session, target, stream, phase, keep_ids)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                phase.exceptions[type(exc).__name__] += 1
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    phase.elapsed_s = time.perf_counter() - start
+    return phase
+
+
+# --------------------------------------------------------------------------- run records
+
+
+def record_timings(client: redis.Redis, run_ids: Sequence[str]) -> dict[str, Any]:
+    """Stage times of runs from their records (Redis TIME, whole ms) and event stream ids."""
+    fields = ["created_ms", "dispatched_ms", "started_ms", "finished_ms", "provider", "state"]
+    pipe = client.pipeline(transaction=False)
+    for rid in run_ids:
+        pipe.hmget(f"iop:run:{rid}", fields)
+        pipe.xrange(f"iop:events:{rid}", "-", "+")
+    replies = pipe.execute()
+    stages: dict[str, list[float]] = {"schedule_ms": [], "dispatch_ms": [], "worker_pickup_ms": [],
+                                      "execute_ms": [], "enqueue_to_finish_ms": []}
+    events: dict[str, list[float]] = {"dispatched_to_started_ms": [], "started_to_completed_ms": []}
+    providers: Counter[str] = Counter()
+    states: Counter[str] = Counter()
+    missing = 0
+    for i in range(len(run_ids)):
+        rec, evs = replies[2 * i], replies[2 * i + 1]
+        if rec[0] is None or rec[1] is None or rec[2] is None:
+            missing += 1
+            continue
+        created, dispatched, started = int(rec[0]), int(rec[1]), int(rec[2])
+        finished = int(rec[3]) if rec[3] is not None else None
+        providers[rec[4].decode() if rec[4] else "?"] += 1
+        states[rec[5].decode() if rec[5] else "?"] += 1
+        stages["schedule_ms"].append(dispatched - created)
+        stages["dispatch_ms"].append(started - created)
+        stages["worker_pickup_ms"].append(started - dispatched)
+        if finished is not None:
+            stages["execute_ms"].append(finished - started)
+            stages["enqueue_to_finish_ms"].append(finished - created)
+        at = {fv[b"type"].decode(): int(eid.split(b"-")[0]) for eid, fv in evs if b"type" in fv}
+        if "dispatched" in at and "started" in at:
+            events["dispatched_to_started_ms"].append(at["started"] - at["dispatched"])
+        if "started" in at and "completed" in at:
+            events["started_to_completed_ms"].append(at["completed"] - at["started"])
+    out: dict[str, Any] = {"runs": len(run_ids), "records_missing": missing, "providers": dict(providers),
+                           "states": dict(states)}
+    for name, values in stages.items():
+        out[name] = quantiles(values)
+    for name in ("schedule_ms", "dispatch_ms"):
+        out[name]["histogram"] = {str(k): n for k, n in sorted(Counter(stages[name]).items())[:20]}
+    out["event_stream_ids"] = {name: quantiles(values) for name, values in events.items()}
+    return out
+
+
+def reset_command_stats(url: str) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        client.config_resetstat()
+    finally:
+        client.close()
+
+
+def command_stats(url: str, runs: int) -> dict[str, Any]:
+    """Redis commands per run (INFO commandstats since the last CONFIG RESETSTAT), busiest first.
+    Redis counts a script's commands twice: on their own line, and inside EVALSHA's usec."""
+    client = redis.Redis.from_url(url)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    per_run = {name.removeprefix("cmdstat_"): (v["calls"] / runs, v["usec"] / runs)
+               for name, v in stats.items() if isinstance(v, dict) and runs}
+    ranked = sorted(per_run.items(), key=lambda kv: -kv[1][0])
+    return {"runs": runs, "calls_per_run_incl_script_commands": round(sum(c for c, _ in per_run.values()), 1),
+            "by_command": {name: {"calls": round(c, 2), "usec": round(u, 1)} for name, (c, u) in ranked[:12]}}
+
+
+class SlowlogTrace:
+    """Every command's execution time inside Redis (SLOWLOG with a 0 us threshold), blocking
+    time and network I/O not included. A script's time includes the commands it runs; those are
+    logged too (client `?:0`) and counted apart. The previous settings are restored on exit."""
+
+    SETTINGS = ("slowlog-log-slower-than", "slowlog-max-len")
+
+    def __init__(self, url: str, max_len: int) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.max_len = max_len
+        self.saved: dict[str, str] = {}
+        self.entries: list[dict[str, Any]] = []
+        self.script_names = {sha: name for name, sha in _script_shas().items()}
+
+    def __enter__(self) -> SlowlogTrace:
+        for name in self.SETTINGS:
+            self.saved.update({k: str(v) for k, v in self.client.config_get(name).items()})
+        self.client.config_set("slowlog-max-len", self.max_len)
+        self.client.config_set("slowlog-log-slower-than", 0)
+        self.client.slowlog_reset()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.client.config_set("slowlog-log-slower-than", -1)  # stop logging before reading
+            self.entries = self.client.slowlog_get(self.max_len)
+            for name, value in self.saved.items():
+                self.client.config_set(name, value)
+            self.client.slowlog_reset()
+        finally:
+            self.client.close()
+
+    def _label(self, command: bytes | str) -> str:
+        text = command.decode(errors="replace") if isinstance(command, bytes) else command
+        parts = text.split(" ", 2)
+        name = parts[0].upper()
+        if name in ("EVALSHA", "EVALSHA_RO") and len(parts) > 1:
+            return f"EVALSHA {self.script_names.get(parts[1], parts[1][:8])}"
+        return name
+
+    def summary(self, runs: int) -> dict[str, Any]:
+        groups: dict[str, list[float]] = {}
+        inner = 0
+        for entry in self.entries:
+            address = entry.get("client_address") or b""
+            if (address.decode() if isinstance(address, bytes) else str(address)).startswith("?"):
+                inner += 1  # run by a script: its time is already in the script's
+                continue
+            label = self._label(entry["command"])
+            if label in ("SLOWLOG", "CONFIG"):
+                continue
+            groups.setdefault(label, []).append(float(entry["duration"]))
+        if not runs:
+            return {"runs": 0}
+        ranked = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+        total = sum(sum(v) for v in groups.values())
+        top_level = sum(len(v) for v in groups.values())
+        return {
+            "runs": runs, "log_full": len(self.entries) >= self.max_len,
+            "top_level_commands_per_run": round(top_level / runs, 1),
+            "commands_inside_scripts_per_run": round(inner / runs, 1),
+            "redis_exec_us_per_run": round(total / runs, 1),
+            "by_command": {
+                label: {"per_run": round(len(v) / runs, 2), "us_p50": quantiles(v)["p50"],
+                        "us_per_run": round(sum(v) / runs, 1)}
+                for label, v in ranked[:12]
+            },
+            "other_commands_us_per_run": round(sum(sum(v) for _, v in ranked[12:]) / runs, 1),
+        }
+
+
+def _script_shas() -> dict[str, str]:
+    """name -> sha1 of the project's Lua scripts, to name EVALSHA calls (empty if unavailable)."""
+    try:
+        from common.scripts import SHAS
+    except ImportError:
+        return {}
+    return dict(SHAS)
+
+
+# --------------------------------------------------------------------------- MONITOR
+
+
+class Monitor:
+    """Redis MONITOR in a thread: microsecond server timestamps of the commands the scripts run
+    for each run (enqueue XADD, state HSETs) and of the worker's pickup (HGETALL)."""
+
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.marks: dict[str, dict[str, float]] = {}
+        self.lines = 0
+        self.ready = threading.Event()
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="monitor", daemon=True)
+
+    def __enter__(self) -> Monitor:
+        self.thread.start()
+        if not self.ready.wait(10):
+            raise RuntimeError("MONITOR did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.echo(MONITOR_END)
+        self.thread.join(timeout=10)
+        self.client.close()
+
+    def _mark(self, run_id: str, what: str, t: float) -> None:
+        self.marks.setdefault(run_id, {}).setdefault(what, t)
+
+    def _run(self) -> None:
+        try:
+            with self.client.monitor() as mon:
+                self.ready.set()
+                while True:
+                    cmd = mon.next_command()
+                    self.lines += 1
+                    text: str = cmd["command"]
+                    if MONITOR_END in text:
+                        return
+                    t: float = cmd["time"]
+                    if text.startswith("XADD iop:runs:"):
+                        self._mark(text.rsplit(" ", 1)[1], "enqueued", t)
+                    elif text.startswith("HSET iop:run:") and cmd["client_type"] == "lua":
+                        parts = text.split(" ", 4)
+                        if len(parts) >= 4 and parts[2] == "state":
+                            self._mark(parts[1][len("iop:run:"):], parts[3], t)
+                    elif text.startswith("HGETALL iop:run:"):
+                        self._mark(text.split(" ", 1)[1][len("iop:run:"):], "picked_up", t)
+        except Exception as exc:  # reported in the JSON
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.ready.set()
+
+    def stages(self, phase: Phase) -> dict[str, Any]:
+        names = [("client_to_enqueue_us", "sent", "enqueued"), ("schedule_us", "enqueued", "dispatched"),
+                 ("worker_pickup_us", "dispatched", "picked_up"),
+                 ("pickup_to_start_us", "picked_up", "running"), ("dispatch_us", "enqueued", "running"),
+                 ("execute_us", "running", "completed"), ("finish_to_client_us", "completed", "received"),
+                 ("client_total_us", "sent", "received")]
+        values: dict[str, list[float]] = {n: [] for n, _, _ in names}
+        complete = 0
+        for rid in phase.run_ids:
+            marks = dict(self.marks.get(rid, {}))
+            marks["sent"], marks["received"] = phase.wall[rid]
+            if not all(k in marks for k in ("enqueued", "dispatched", "picked_up", "running", "completed")):
+                continue
+            complete += 1
+            for name, a, b in names:
+                values[name].append((marks[b] - marks[a]) * 1e6)
+        return {"runs": len(phase.run_ids), "runs_fully_traced": complete, "monitor_lines": self.lines,
+                "error": self.error, **{n: quantiles(v) for n, v in values.items()}}
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def machine_info(server: RedisServer) -> dict[str, Any]:
+    client = redis.Redis.from_url(server.url)
+    try:
+        info = client.info("server")
+    finally:
+        client.close()
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        uvloop_version: str | None = __import__("uvloop").__version__
+    except ImportError:
+        uvloop_version = None
+    return {
+        "nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(), "cpu_model": cpu,
+        "platform": platform.platform(), "python": sys.version.split()[0],
+        "redis_version": info.get("redis_version"), "redis_server_name": info.get("server_name", "redis"),
+        "redis_binary": server.binary, "aiohttp": aiohttp.__version__, "uvloop": uvloop_version,
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_note": "load averages count every process on the machine, not only this run's",
+    }
+
+
+async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -> None:
+    assert stack.redis is not None
+    redis_url = stack.redis.url
+    served = [s for _, _, s in PROVIDERS]
+    direct = [chat_target(stack.sims[s], s, args.max_tokens, False) for s in served]
+    gateway = [chat_target(stack.gateway, MODEL, args.max_tokens, False)]
+    gateway_stream = [chat_target(stack.gateway, MODEL, args.max_tokens, True)]
+    results: dict[str, Any] = out["results"]
+    measured: list[Phase] = []
+
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=120)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def phase(name: str, targets: Sequence[Target], c: int, **kw: Any) -> Phase:
+            before = cpu_snapshot(stack)
+            ph = await closed_loop(session, name, targets, c, **kw)
+            ph.cpu = cpu_used(before, cpu_snapshot(stack), ph.elapsed_s)
+            measured.append(ph)
+            summary = ph.summary()
+            print(f"bench: {name}: {summary['requests_per_s']} req/s, p50 {summary['latency_ms']['p50']} ms, "
+                  f"failures {ph.failures}", file=sys.stderr)
+            return ph
+
+        warmup_failures = 0
+        for c in sorted({1, *args.concurrency, args.saturation_concurrency}):
+            for targets, stream in ((direct, False), (gateway, False), (gateway_stream, True)):
+                w = await closed_loop(session, "warmup", targets, c, requests=max(args.warmup, 2 * c),
+                                      stream=stream)
+                warmup_failures += w.failures
+        results["warmup_failures"] = warmup_failures
+
+        for c in args.concurrency:
+            n = args.requests if args.requests is not None else (2000 if c == 1 else 4000)
+            d = (await phase(f"direct c={c}", direct, c, requests=n)).summary()
+            reset_command_stats(redis_url)
+            g_phase = await phase(f"gateway c={c}", gateway, c, requests=n, keep_ids=c == 1)
+            g = g_phase.summary()
+            g["redis_commands"] = command_stats(redis_url, len(g_phase.latencies_ns))
+            added = {q: diff(g["latency_ms"][q], d["latency_ms"][q]) for q in ("p50", "p90", "p99")}
+            ratio = (round(g["requests_per_s"] / d["requests_per_s"], 3)
+                     if g["requests_per_s"] and d["requests_per_s"] else None)
+            results[f"c{c}"] = {"added_latency_ms": added, "gateway_to_direct_rps_ratio": ratio,
+                                "direct": d, "gateway": g}
+            if c == 1:
+                client = redis.Redis.from_url(redis_url)
+                try:
+                    results["dispatch_from_run_records"] = record_timings(client, g_phase.run_ids)
+                finally:
+                    client.close()
+
+        s = (await phase("gateway stream c=1", gateway_stream, 1, requests=args.stream_requests,
+                         stream=True)).summary()
+        results["gateway_stream_c1"] = {"ttfb_ms": s.pop("ttfb_ms"), **s}
+
+        sc = args.saturation_concurrency
+        secs = args.saturation_s
+        sat_g = (await phase(f"saturation gateway c={sc}", gateway, sc, duration_s=secs)).summary()
+        sat_d = (await phase(f"saturation direct c={sc}", direct, sc, duration_s=secs)).summary()
+        results[f"saturation_c{sc}"] = {
+            "gateway_requests_per_s": sat_g["requests_per_s"],
+            "direct_requests_per_s": sat_d["requests_per_s"],
+            "gateway": sat_g, "direct": sat_d,
+        }
+
+        for c in args.slowlog_concurrency if args.slowlog_requests else []:
+            with SlowlogTrace(redis_url, max_len=max(10_000, 200 * args.slowlog_requests)) as trace:
+                sl_phase = await phase(f"gateway c={c} under SLOWLOG", gateway, c,
+                                       requests=args.slowlog_requests)
+            results[f"redis_exec_c{c}"] = {"commands": trace.summary(len(sl_phase.latencies_ns)),
+                                           "client": sl_phase.summary()}
+
+        if args.monitor_requests:
+            with Monitor(redis_url) as mon:
+                m_phase = await phase("gateway c=1 under MONITOR", gateway, 1, requests=args.monitor_requests,
+                                      keep_ids=True)
+            results["monitor_c1"] = {"stages": mon.stages(m_phase), "client": m_phase.summary()}
+
+    out["errors_total"] = sum(p.failures for p in measured)
+    out["ok"] = out["errors_total"] == 0 and warmup_failures == 0
+    out["headline"] = headline(results, args)
+
+
+def headline(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The numbers most readers want, copied from `results`."""
+    h: dict[str, Any] = {}
+    for c in args.concurrency:
+        r = results[f"c{c}"]
+        h[f"c{c}"] = {"direct_p50_ms": r["direct"]["latency_ms"]["p50"],
+                      "gateway_p50_ms": r["gateway"]["latency_ms"]["p50"],
+                      "added_p50_ms": r["added_latency_ms"]["p50"],
+                      "added_p99_ms": r["added_latency_ms"]["p99"],
+                      "direct_rps": r["direct"]["requests_per_s"],
+                      "gateway_rps": r["gateway"]["requests_per_s"]}
+    if "gateway_stream_c1" in results:
+        st = results["gateway_stream_c1"]
+        h["stream_c1"] = {"ttfb_p50_ms": st["ttfb_ms"]["p50"], "ttfb_p99_ms": st["ttfb_ms"]["p99"],
+                          "full_p50_ms": st["latency_ms"]["p50"]}
+    sat = results.get(f"saturation_c{args.saturation_concurrency}")
+    if sat:
+        h[f"saturation_c{args.saturation_concurrency}_rps"] = {"gateway": sat["gateway_requests_per_s"],
+                                                               "direct": sat["direct_requests_per_s"]}
+    rec = results.get("dispatch_from_run_records")
+    if rec:
+        h["dispatch_ms_1ms_resolution"] = {"p50": rec["dispatch_ms"]["p50"], "p99": rec["dispatch_ms"]["p99"],
+                                           "mean": rec["dispatch_ms"]["mean"]}
+        h["schedule_ms_1ms_resolution"] = {"p50": rec["schedule_ms"]["p50"], "p99": rec["schedule_ms"]["p99"],
+                                           "mean": rec["schedule_ms"]["mean"]}
+    mon = results.get("monitor_c1")
+    if mon:
+        h["dispatch_us_monitor"] = {"p50": mon["stages"]["dispatch_us"]["p50"],
+                                    "p99": mon["stages"]["dispatch_us"]["p99"]}
+    for c in args.slowlog_concurrency:
+        ex = results.get(f"redis_exec_c{c}")
+        if ex:
+            h[f"redis_exec_us_per_run_c{c}"] = ex["commands"].get("redis_exec_us_per_run")
+    return h
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per measured phase (default 2000 at concurrency 1, 4000 otherwise)")
+    p.add_argument("--concurrency", default="1,32", help="comma-separated concurrencies (default 1,32)")
+    p.add_argument("--out", default=None, help="also write the JSON to this file")
+    p.add_argument("--warmup", type=int, default=50, help="warm-up requests per target and concurrency")
+    p.add_argument("--stream-requests", type=int, default=1000,
+                   help="streamed requests through the gateway at concurrency 1")
+    p.add_argument("--saturation-s", type=float, default=5.0, help="seconds of each saturation phase")
+    p.add_argument("--saturation-concurrency", type=int, default=64)
+    p.add_argument("--monitor-requests", type=int, default=300,
+                   help="requests of the extra c=1 phase traced with Redis MONITOR (0 = skip)")
+    p.add_argument("--slowlog-requests", type=int, default=300,
+                   help="requests of each extra gateway phase whose Redis commands SLOWLOG times (0 = skip)")
+    p.add_argument("--slowlog-concurrency", default="1,32",
+                   help="concurrencies of the SLOWLOG phases (default 1,32)")
+    p.add_argument("--tokens", type=int, default=16, help="tokens each simulator answers")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--log-level", default="INFO", help="IOP_LOG_LEVEL of the iop processes (default INFO)")
+    args = p.parse_args(argv)
+    for name in ("concurrency", "slowlog_concurrency"):
+        try:
+            values = [int(c) for c in getattr(args, name).split(",") if c.strip()]
+        except ValueError:
+            p.error(f"--{name.replace('_', '-')} takes comma-separated integers")
+        if not values or min(values) < 1:
+            p.error(f"--{name.replace('_', '-')} values must be >= 1")
+        setattr(args, name, values)
+    return args
+
+
+NOTES = [
+    "latency is measured by the client (aiohttp, one ClientSession, keep-alive) on the same machine as "
+    "every iop process, Redis and the simulators; they all share the CPUs, so throughput numbers are "
+    "for this machine only",
+    "direct = straight to the simulators (round-robin over both, each with its served name); "
+    "gateway = model bench-model through gateway -> Redis -> scheduler -> worker -> simulator",
+    "added_latency_ms = gateway quantile - direct quantile at the same concurrency",
+    "dispatch_from_run_records: created_ms, dispatched_ms, started_ms and finished_ms are Redis TIME "
+    "truncated to whole milliseconds, so each difference has 1 ms resolution (a true 0.3 ms shows as 0 "
+    "or 1); the histograms show the raw distribution. dispatch_ms = started_ms - created_ms (enqueue -> "
+    "worker start), schedule_ms = dispatched_ms - created_ms. event_stream_ids uses the <ms>-<seq> ids "
+    "of iop:events:<run>: the same 1 ms resolution, a cross-check only",
+    "redis_exec_c<N>: extra gateway phases with SLOWLOG logging every command (threshold 0 us): the time "
+    "Redis spent executing each top-level command (network I/O and blocking waits excluded; a script's "
+    "time includes the commands it runs, which are excluded from the totals); logging adds a little",
+    "cpu: utime+stime from /proc of every process during the phase (bench-client = this script); "
+    "cores_busy = sum / wall time, out of machine.nproc",
+    "redis_commands (in the c<N> gateway results): INFO commandstats over that phase; commands run by "
+    "scripts are counted on their own lines and again inside EVALSHA usec",
+    "with capacity 64 each and equal load the policy's deterministic tie-break sends every c=1 run "
+    "to prov-a (see dispatch_from_run_records.providers)",
+    "monitor_c1: an extra c=1 gateway phase traced with Redis MONITOR, whose timestamps have 1 us "
+    "resolution (client sent/received use the same wall clock); MONITOR itself slows Redis, so those "
+    "stages are upper bounds and that phase's client latency is not comparable with c1",
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    out: dict[str, Any] = {
+        "benchmark": "iop gateway routing overhead vs direct simulator",
+        "ok": False,
+        "errors_total": None,
+        "headline": {},
+        "params": {
+            "requests": args.requests, "requests_default": {"c=1": 2000, "other": 4000},
+            "concurrency": args.concurrency, "warmup": args.warmup, "stream_requests": args.stream_requests,
+            "saturation_s": args.saturation_s, "saturation_concurrency": args.saturation_concurrency,
+            "monitor_requests": args.monitor_requests, "slowlog_requests": args.slowlog_requests,
+            "slowlog_concurrency": args.slowlog_concurrency,
+            "simulator": {"ttft_ms": 0, "itl_ms": 0, "tokens": args.tokens},
+            "max_tokens": args.max_tokens, "messages": MESSAGES, "iop_log_level": args.log_level,
+            "request_timeout_s": REQUEST_TIMEOUT_S,
+        },
+        "results": {},
+        "notes": NOTES,
+    }
+    signal.signal(signal.SIGTERM, _interrupt)
+    stack = Stack(args.log_level)
+    code = 1
+    try:
+        stack.start(args.tokens)
+        assert stack.redis is not None
+        out["machine"] = machine_info(stack.redis)
+        out["config"] = stack.config
+        run_async(measure(args, stack, out))
+        code = 0 if out["ok"] else 3
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+        code = 130
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        # a second Ctrl-C must not cut the cleanup short and leave processes behind
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        warnings = {p.name: p.warnings()[-10:] for p in stack.procs if p.warnings()}
+        stack.stop()
+        out["process_warnings"] = warnings
+        out["process_exit_codes"] = stack.exit_codes
+        out["failed_process_output"] = {p.name: p.output().splitlines()[-15:] for p in stack.procs
+                                        if stack.exit_codes.get(p.name) not in (0, None)}
+        out["duration_s"] = round(time.monotonic() - started, 1)
+        if "machine" in out:
+            out["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        text = json.dumps(out, indent=2)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+    return code
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the benchmark the way Ctrl-C does
+
+
+def run_async(coro: Coroutine[Any, Any, None]) -> None:
+    """asyncio.run, with uvloop when it is installed (as the iop processes use)."""
+    runner: Callable[[Coroutine[Any, Any, None]], None]
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    runner(coro)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
