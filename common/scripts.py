@@ -69,8 +69,8 @@ redis.call('HDEL', KEYS[2], 'entry')
 redis.call('SET', KEYS[5], ARGV[9], 'PX', ttl * 1000)
 redis.call('DEL', KEYS[6])
 redis.call('ZADD', KEYS[7], now, ARGV[1])
-redis.call('LPUSH', KEYS[8], '1')
-redis.call('LTRIM', KEYS[8], 0, 63)
+redis.call('LPUSH', KEYS[8], ARGV[1])
+redis.call('LTRIM', KEYS[8], 0, 1023)
 redis.call('XADD', KEYS[3], '*', 'type', 'dispatched',
   'data', cmsgpack.pack({provider = ARGV[6], node = ARGV[7], target = ARGV[8]}))
 redis.call('EXPIRE', KEYS[3], ttl)
@@ -78,29 +78,52 @@ if redis.call('XLEN', KEYS[1]) > 0 then redis.call('PUBLISH', ARGV[11], ARGV[12]
 return 'ok'
 """
 
-# KEYS: run record, lease, events
-# ARGV: run id, lease_ttl_ms, ttl_s, worker (host:pid), cancelled event data, signals channel, model
+# A worker starts a dispatched run: checks its lease (and a cancel request), marks it running
+# and returns its record, so starting costs one round trip. Returns {status, field, value, ...}.
+# KEYS: run record, events
+# ARGV: run id, lease_ttl_ms, ttl_s, worker (host:pid), cancelled event data, signals channel,
+#       lease key prefix (the lease key is that prefix + the run's provider)
 START = _NOW + """
 local state = redis.call('HGET', KEYS[1], 'state')
-if state ~= 'dispatched' then return state or 'missing' end
-local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
-if not score or tonumber(score) <= now then return 'lease_lost' end
+if state ~= 'dispatched' then return {state or 'missing'} end
+local lease = ARGV[7] .. redis.call('HGET', KEYS[1], 'provider')
+local score = redis.call('ZSCORE', lease, ARGV[1])
+if not score or tonumber(score) <= now then return {'lease_lost'} end
 if redis.call('HGET', KEYS[1], 'cancel') == '1' then
   -- the caller left between dispatch and start: end it here and give the slot back
-  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('ZREM', lease, ARGV[1])
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
     'error_message', 'cancelled by the caller')
-  redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[5])
-  redis.call('EXPIRE', KEYS[3], ARGV[3])
-  redis.call('PUBLISH', ARGV[6], ARGV[7])
-  return 'cancelled'
+  redis.call('XADD', KEYS[2], '*', 'type', 'failed', 'data', ARGV[5])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+  redis.call('PUBLISH', ARGV[6], redis.call('HGET', KEYS[1], 'model'))
+  return {'cancelled'}
 end
-redis.call('ZADD', KEYS[2], 'XX', now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZADD', lease, 'XX', now + tonumber(ARGV[2]), ARGV[1])
 redis.call('HSET', KEYS[1], 'state', 'running', 'started_ms', now, 'worker', ARGV[4])
 local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '1')
-redis.call('XADD', KEYS[3], '*', 'type', 'started', 'data', cmsgpack.pack({attempt = attempt}))
-redis.call('EXPIRE', KEYS[3], ARGV[3])
-return 'ok'
+redis.call('XADD', KEYS[2], '*', 'type', 'started', 'data', cmsgpack.pack({attempt = attempt}))
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+local out = redis.call('HGETALL', KEYS[1])
+table.insert(out, 1, 'ok')
+return out
+"""
+
+# arq's claim of queued jobs, in one round trip instead of arq's WATCH/MULTI dance: each job
+# that is due and not in progress gets its in-progress marker. Returns {id, score, ...}.
+# KEYS: node queue   ARGV: in-progress key prefix, in-progress ttl (ms), job ids...
+CLAIM = _NOW + """
+local out = {}
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  local score = redis.call('ZSCORE', KEYS[1], id)
+  if score and tonumber(score) <= now and redis.call('EXISTS', ARGV[1] .. id) == 0 then
+    redis.call('SET', ARGV[1] .. id, '1', 'PX', ARGV[2])
+    out[#out + 1] = id
+    out[#out + 1] = score
+  end
+end
+return out
 """
 
 # Renew the lease of one attempt while it still owns the run. Returns 1, 0 if lost, or 2 if
@@ -232,6 +255,7 @@ ALL: dict[str, str] = {
     "enqueue": ENQUEUE,
     "dispatch": DISPATCH,
     "start": START,
+    "claim": CLAIM,
     "renew": RENEW,
     "finish": FINISH,
     "drop_queued": DROP_QUEUED,

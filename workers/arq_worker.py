@@ -1,11 +1,14 @@
 """An arq worker that picks jobs up when woken instead of polling.
 
 arq polls its queue every `poll_delay` (0.5 s by default, measured here at 258 ms median
-added latency per run). This worker runs arq's own poll iteration, then blocks on the
-node's wake list (the scheduler LPUSHes a token with every job it queues), so a job is
-picked up as soon as it is queued; `poll_delay` is only a safety net. A worker whose
-slots are all busy waits for one of its jobs to end instead of taking the token, so an
-idle sibling process of the same node gets it.
+added latency per run). This worker blocks on the node's wake list instead: the dispatch
+script LPUSHes the job id with every job it queues, so a job is claimed the moment it is
+queued. The claim is one Lua script (`claim`) instead of arq's WATCH/MULTI sequence.
+arq's own poll iteration still runs when nothing woke the worker for `poll_delay` and
+after the worker was full, as a safety net for tokens that were lost or trimmed.
+
+A worker whose slots are all busy waits for one of its jobs to end instead of taking a
+token, so an idle sibling process of the same node gets it.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import logging
 from typing import Any
 
 from arq.connections import create_pool
+from arq.constants import in_progress_key_prefix
 from arq.worker import Worker
 
 from common.redisconn import REDIS_DOWN
+from common.scripts import Scripts
 
 log = logging.getLogger("iop.worker")
 
@@ -36,25 +41,60 @@ class WakeWorker(Worker):
                 default_queue_name=self.queue_name,
                 expires_extra_ms=self.expires_extra_ms,
             )
+        self._scripts = Scripts(self.pool)
         log.info("worker for queue %s started, %d slots", self.queue_name, self.max_jobs)
         self.ctx["redis"] = self.pool
         if self.on_startup:
             await self.on_startup(self.ctx)
         delay = 0.05
+        poll = True
         while True:
             try:
-                await self._poll_iteration()
-                await self._wait_for_work()
+                if poll:
+                    await self._poll_iteration()
+                poll = await self._wait_for_work()
                 delay = 0.05
             except REDIS_DOWN as exc:
                 log.warning("worker: Redis unavailable (%s); retrying in %.2fs", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+                poll = True
 
-    async def _wait_for_work(self) -> None:
+    async def _wait_for_work(self) -> bool:
+        """Start what the wake list hands us. Returns whether a full poll is due."""
+        self._forget_finished()
         if self.job_counter >= self.max_jobs:
             running = [t for t in self.tasks.values() if not t.done()]
             if running:
                 await asyncio.wait(running, timeout=self.poll_delay_s, return_when=asyncio.FIRST_COMPLETED)
+            return True
+        popped = await self.pool.blpop([self.wake_key], timeout=self.poll_delay_s)
+        if popped is None:
+            return True
+        await self.claim_and_start([popped[1].decode()])
+        return False
+
+    async def start_jobs(self, job_ids: list[bytes]) -> None:
+        """arq's poll iteration hands its due jobs here; claim them the same one-trip way."""
+        free = self.max_jobs - self.job_counter
+        await self.claim_and_start([j.decode() for j in job_ids[:max(free, 0)]])
+
+    async def claim_and_start(self, job_ids: list[str]) -> None:
+        if not job_ids:
             return
-        await self.pool.blpop([self.wake_key], timeout=self.poll_delay_s)
+        claimed = await self._scripts.call(
+            "claim", [self.queue_name],
+            [in_progress_key_prefix, int(self.in_progress_timeout_s * 1000), *job_ids])
+        for i in range(0, len(claimed), 2):
+            job_id, score = claimed[i].decode(), int(float(claimed[i + 1]))
+            await self.sem.acquire()
+            self.job_counter += 1
+            task = self.loop.create_task(self.run_job(job_id, score))
+            task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
+            self.tasks[job_id] = task
+
+    def _forget_finished(self) -> None:
+        for job_id, task in list(self.tasks.items()):
+            if task.done():
+                del self.tasks[job_id]
+                task.result()  # surface a bug in run_job, as arq's own poll does

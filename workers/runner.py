@@ -68,26 +68,25 @@ class Runner:
     # ------------------------------------------------------------------ entry
     async def execute(self, run_id: str) -> str:
         """Run one job; returns how it ended (for logs and tests)."""
-        raw = await self.redis.hgetall(keys.run_record(run_id))
-        record = {k.decode(): v for k, v in raw.items()}
-        if not record or "provider" not in record:
-            log.warning("no dispatched record, skipping", extra=run_fields(run_id, record.get("model", b"").decode()))
-            return "missing"
+        rt = self.config.runtime
+        reply = await self.scripts.call(
+            "start", [keys.run_record(run_id), keys.run_events(run_id)],
+            [run_id, rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack(CANCELLED.to_wire()),
+             keys.SCHEDULER_SIGNALS, keys.leases("")])
+        status: str = reply[0].decode()
+        if status != "ok":
+            log.warning("not started (%s)", status, extra=run_fields(run_id, None))
+            return status
+        record = {reply[i].decode(): reply[i + 1] for i in range(1, len(reply) - 1, 2)}
         provider_id = record["provider"].decode()
         model_id = record["model"].decode()
         model = self.config.model(model_id)
         adapter = self.adapters.get(provider_id)
         if model is None or adapter is None:
             log.error("provider %s is not on node %s", provider_id, self.node_id, extra=run_fields(run_id, model_id))
-            return "misrouted"
-        rt = self.config.runtime
-        started = await self.scripts.call(
-            "start", [keys.run_record(run_id), keys.leases(provider_id), keys.run_events(run_id)],
-            [run_id, rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack(CANCELLED.to_wire()),
-             keys.SCHEDULER_SIGNALS, model_id])
-        if started != b"ok":
-            log.warning("not started (%s)", started.decode(), extra=run_fields(run_id, model_id))
-            return str(started.decode())
+            att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), 1)
+            info = ErrorInfo(ErrorCode.PROVIDER_ERROR, f"provider {provider_id} is not served by node {self.node_id}")
+            return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info)
         policy = self.config.queue_for(model)
         att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts)
         task = asyncio.current_task()
