@@ -210,3 +210,10 @@ def assert_run_logs_carry_run_and_model(procs: list[Proc]) -> None:
                 assert record.get("model") not in (None, "-"), line
     assert about_runs >= 16  # at least the scheduler's dispatch line of every run
 
+
+
+def test_compose_redis_keeps_runs_across_a_restart() -> None:
+    redis = SERVICES["redis"]
+    command = redis["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert any(str(v).endswith(":/data") for v in redis["volumes"])

@@ -12,7 +12,7 @@ import openai
 import pytest
 import redis as sync_redis
 
-from tests.conftest import Stack, wait_until
+from tests.conftest import Stack, async_wait_until, wait_until
 from tests.openapi import validate
 
 pytestmark = pytest.mark.e2e
@@ -67,18 +67,6 @@ async def sim_stats(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     async with session.get(url + "/stats") as resp:
         data: dict[str, Any] = await resp.json()
         return data
-
-
-async def until(predicate: Any, timeout: float = 20.0, what: str = "condition") -> Any:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def test_openai_client_stream_and_non_stream(stack: Stack) -> None:
@@ -164,7 +152,7 @@ def test_capacity_1_and_3_split_four_long_runs(stack: Stack) -> None:
                 current = {pid: (await sim_stats(session, url))["current"] for pid, url in urls.items()}
                 return current if sum(current.values()) == 4 else None
 
-            current = await until(running, what="four runs at the providers")
+            current = await async_wait_until(running, what="four runs at the providers")
             assert current == {"small": 1, "large": 3}
             assert [await t for t in tasks] == [200, 200, 200, 200]
             for pid, url in urls.items():
@@ -183,7 +171,7 @@ def test_burst_past_max_queue_gets_exactly_the_overflow_as_429(stack: Stack) -> 
     async def scenario() -> None:
         holder = await _hold_streams(gateway, 1, ttft_ms=600_000)
         async with aiohttp.ClientSession() as session:
-            await until(lambda: _current(session, urls["only"], 1), what="the slot to be taken")
+            await async_wait_until(lambda: _current(session, urls["only"], 1), what="the slot to be taken")
 
             async def one() -> tuple[int, str | None]:
                 body = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
@@ -193,7 +181,7 @@ def test_burst_past_max_queue_gets_exactly_the_overflow_as_429(stack: Stack) -> 
                     return resp.status, resp.headers.get("Retry-After")
 
             burst = [asyncio.create_task(one()) for _ in range(12)]
-            rejected = await until(lambda: _done_429(burst, 9), what="nine 429 answers")
+            rejected = await async_wait_until(lambda: _done_429(burst, 9), what="nine 429 answers")
             assert len(rejected) == 9 and all(h is not None for _, h in rejected)
             assert r.xlen("iop:runs:qwen3.6:35b") == 3
             holder[0].cancel()  # the caller leaves: its run is cancelled and the slot frees
@@ -221,7 +209,7 @@ def test_run_without_a_slot_in_time_gets_504(stack: Stack) -> None:
     async def scenario() -> None:
         holder = await _hold_streams(gateway, 1, ttft_ms=600_000)
         async with aiohttp.ClientSession() as session:
-            await until(lambda: _current(session, urls["only"], 1), what="the slot to be taken")
+            await async_wait_until(lambda: _current(session, urls["only"], 1), what="the slot to be taken")
             body = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "x"}]}
             async with session.post(gateway + "/v1/chat/completions", json=body) as resp:
                 assert resp.status == 504
