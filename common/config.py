@@ -275,9 +275,27 @@ def _parse_new_shape(data: Mapping[str, Any]) -> Config:
         cfg = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_schema_errors(exc) + errors) from None
+    errors += check_timings(cfg)
     if errors:
         raise ConfigError(errors)
     return cfg
+
+
+def check_timings(cfg: Config) -> list[str]:
+    """Timings that only make sense together. Pure; returns every fault."""
+    rt = cfg.runtime
+    errors = []
+    if rt.heartbeat_ttl_ms <= rt.heartbeat_interval_ms:
+        errors.append(f"runtime.heartbeat_ttl_ms: must exceed runtime.heartbeat_interval_ms "
+                      f"({rt.heartbeat_ttl_ms} <= {rt.heartbeat_interval_ms}), or healthy providers turn unknown")
+    for i, model in enumerate(cfg.models):
+        policy = cfg.queue_for(model)
+        longest_ms = policy.queue_timeout_ms + policy.execution_timeout_ms
+        if rt.run_ttl_s * 1000 <= longest_ms:
+            where = f"models[{i}].queue" if model.queue else "queue"
+            errors.append(f"runtime.run_ttl_s: {rt.run_ttl_s} s does not outlast a run of model {model.id!r} "
+                          f"({where}: queue_timeout_ms + execution_timeout_ms = {longest_ms} ms)")
+    return errors
 
 
 def load_config(path: str | Path) -> Config:

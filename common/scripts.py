@@ -66,6 +66,7 @@ local tried = redis.call('HGET', KEYS[2], 'tried')
 redis.call('HSET', KEYS[2], 'state', 'dispatched', 'provider', ARGV[6], 'node', ARGV[7],
   'target', ARGV[8], 'dispatched_ms', now, 'tried', tried and (tried .. ',' .. ARGV[6]) or ARGV[6])
 redis.call('HDEL', KEYS[2], 'entry')
+redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('SET', KEYS[5], ARGV[9], 'PX', ttl * 1000)
 redis.call('DEL', KEYS[6])
 redis.call('ZADD', KEYS[7], now, ARGV[1])
@@ -101,6 +102,7 @@ if redis.call('HGET', KEYS[1], 'cancel') == '1' then
 end
 redis.call('ZADD', lease, 'XX', now + tonumber(ARGV[2]), ARGV[1])
 redis.call('HSET', KEYS[1], 'state', 'running', 'started_ms', now, 'worker', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
 local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '1')
 redis.call('XADD', KEYS[2], '*', 'type', 'started', 'data', cmsgpack.pack({attempt = attempt}))
 redis.call('EXPIRE', KEYS[2], ARGV[3])

@@ -17,7 +17,7 @@ from common.wire import ErrorCode, RunKind
 from gateway import catalog, metrics, runs_api
 from gateway.errors import ApiError, error_middleware
 from gateway.requests import parse_request
-from gateway.responses import stream_response, whole_response
+from gateway.responses import RUN_ID_HEADER, stream_response, whole_response
 from gateway.runs import RunClient
 
 log = logging.getLogger("iop.gateway")
@@ -75,9 +75,11 @@ async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
         finished = True
         return resp
     except TimeoutError:
-        raise ApiError(ErrorCode.EXECUTION_TIMEOUT, "the run did not finish in time") from None
-    except ApiError:
+        raise ApiError(ErrorCode.EXECUTION_TIMEOUT, "the run did not finish in time",
+                       headers={RUN_ID_HEADER: run_id}) from None
+    except ApiError as exc:
         finished = True
+        exc.headers.setdefault(RUN_ID_HEADER, run_id)  # a failed run can be looked up too
         raise
     finally:
         if not finished:

@@ -565,3 +565,18 @@ def test_a_non_string_mapping_key_is_named_as_a_key() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(data)
     assert "models[0].providers.1 (key): Input should be a valid string" in err.value.errors
+
+
+@pytest.mark.parametrize(("runtime", "queue", "fragment"), [
+    ({"heartbeat_interval_ms": 2000, "heartbeat_ttl_ms": 2000}, {}, "runtime.heartbeat_ttl_ms: must exceed"),
+    ({"run_ttl_s": 60}, {"queue_timeout_ms": 30_000, "execution_timeout_ms": 30_000},
+     "runtime.run_ttl_s: 60 s does not outlast a run of model"),
+])
+def test_timings_that_cannot_work_together_are_rejected(runtime: dict[str, int], queue: dict[str, int],
+                                                        fragment: str) -> None:
+    data = good()
+    data["runtime"] = runtime
+    data["queue"] = queue
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert any(e.startswith(fragment) for e in err.value.errors), err.value.errors

@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common import keys
 from tests.conftest import Proc, Stack
-from tests.test_e2e import pool_config, sim_stats, until, wait_available
+from tests.conftest import async_wait_until as until
+from tests.test_e2e import pool_config, sim_stats, wait_available
 
 pytestmark = pytest.mark.e2e
 

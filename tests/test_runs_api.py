@@ -33,6 +33,8 @@ def make_config(run_ttl_s: int = 3600) -> Config:
         "nodes": [{"id": "n1", "providers": [{"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9",
                                               "capacity": 1, "models": ["p-served"]}]}],
         "runtime": {"run_ttl_s": run_ttl_s},
+        # runs here are short: let a 1 s record TTL pass validation
+        "queue": {"queue_timeout_ms": 200, "execution_timeout_ms": 300},
     })
 
 

@@ -12,8 +12,9 @@ import redis as sync_redis
 
 from common import keys
 from tests.conftest import Stack
+from tests.conftest import async_wait_until as until
 from tests.sse import read_all
-from tests.test_e2e import sim_stats, start_pool, until
+from tests.test_e2e import sim_stats, start_pool
 
 pytestmark = pytest.mark.e2e
 
