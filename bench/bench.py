@@ -626,6 +626,50 @@ def machine_info(server: RedisServer) -> dict[str, Any]:
     }
 
 
+async def cancel_slot_back(session: aiohttp.ClientSession, gateway: str, redis_url: str,
+                           runs: int) -> dict[str, Any]:
+    """Callers that leave mid-stream: time from closing the connection to the slot coming back.
+
+    The slot is back when the worker's `finish` script has removed the lease; that script
+    publishes on `iop:signals`, so the time is taken when that message arrives (and the
+    lease set is checked to be empty)."""
+    from redis import asyncio as aioredis
+
+    from common import keys
+
+    client = aioredis.Redis.from_url(redis_url)
+    pubsub = client.pubsub()
+    await pubsub.subscribe(keys.SCHEDULER_SIGNALS)
+    await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+    lease_keys = [keys.leases(pid) for pid, _, _ in PROVIDERS]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True,
+            "max_tokens": 100_000, "sim": {"tokens": 100_000, "itl_ms": 20}}
+    waits_ns: list[int] = []
+    failures = 0
+    try:
+        for _ in range(runs):
+            resp = await session.post(gateway + "/v1/chat/completions", json=body)
+            async for line in resp.content:
+                if line.startswith(b"data: {") and b'"content":"tok' in line:
+                    break
+            while await pubsub.get_message(timeout=0.0):  # drop signals from before the close
+                pass
+            resp.close()  # the caller leaves
+            left = time.perf_counter_ns()
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg and msg["data"] == MODEL.encode() and not sum([await client.zcard(k) for k in lease_keys]):
+                    waits_ns.append(time.perf_counter_ns() - left)
+                    break
+            else:
+                failures += 1
+    finally:
+        await pubsub.aclose()
+        await client.aclose()
+    return {"runs": runs, "failures": failures, "slot_back_ms": quantiles(ms(waits_ns))}
+
+
 async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -> None:
     assert stack.redis is not None
     redis_url = stack.redis.url
@@ -681,6 +725,11 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
                          stream=True)).summary()
         results["gateway_stream_c1"] = {"ttfb_ms": s.pop("ttfb_ms"), **s}
 
+        if args.cancel_runs:
+            results["cancel_mid_stream"] = await cancel_slot_back(session, stack.gateway, redis_url,
+                                                                  args.cancel_runs)
+            print(f"bench: cancel: {results['cancel_mid_stream']}", file=sys.stderr)
+
         sc = args.saturation_concurrency
         secs = args.saturation_s
         sat_g = (await phase(f"saturation gateway c={sc}", gateway, sc, duration_s=secs)).summary()
@@ -704,7 +753,7 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
                                       keep_ids=True)
             results["monitor_c1"] = {"stages": mon.stages(m_phase), "client": m_phase.summary()}
 
-    out["errors_total"] = sum(p.failures for p in measured)
+    out["errors_total"] = sum(p.failures for p in measured) + results.get("cancel_mid_stream", {}).get("failures", 0)
     out["ok"] = out["errors_total"] == 0 and warmup_failures == 0
     out["headline"] = headline(results, args)
 
@@ -734,6 +783,10 @@ def headline(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
                                            "mean": rec["dispatch_ms"]["mean"]}
         h["schedule_ms_1ms_resolution"] = {"p50": rec["schedule_ms"]["p50"], "p99": rec["schedule_ms"]["p99"],
                                            "mean": rec["schedule_ms"]["mean"]}
+    cancel = results.get("cancel_mid_stream")
+    if cancel:
+        h["cancel_slot_back_ms"] = {"p50": cancel["slot_back_ms"]["p50"], "p99": cancel["slot_back_ms"]["p99"],
+                                    "failures": cancel["failures"]}
     mon = results.get("monitor_c1")
     if mon:
         h["dispatch_us_monitor"] = {"p50": mon["stages"]["dispatch_us"]["p50"],
@@ -756,6 +809,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="streamed requests through the gateway at concurrency 1")
     p.add_argument("--saturation-s", type=float, default=5.0, help="seconds of each saturation phase")
     p.add_argument("--saturation-concurrency", type=int, default=64)
+    p.add_argument("--cancel-runs", type=int, default=100,
+                   help="streams the client leaves mid-way, timing the slot's return (0 = skip)")
     p.add_argument("--monitor-requests", type=int, default=300,
                    help="requests of the extra c=1 phase traced with Redis MONITOR (0 = skip)")
     p.add_argument("--slowlog-requests", type=int, default=300,
