@@ -51,7 +51,7 @@ def node_queue(node_id: str) -> str:
 
 
 def node_wake(node_id: str) -> str:
-    """List the schedulers LPUSH a token to after queueing a job; workers BLPOP it."""
+    """List the dispatch script LPUSHes each queued job's id onto; idle workers BLPOP it."""
     return f"{PREFIX}:wake:{node_id}"
 
 
@@ -97,7 +97,7 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
      "HGETALL iop:provider:{provider}; PTTL iop:provider:{provider}"),
     (node_queue("{node}"), "sorted set (arq)", "jobs queued for the node's workers",
      "ZRANGE iop:node:{node} 0 -1 WITHSCORES"),
-    (node_wake("{node}"), "list", "wake-up tokens for the node's idle workers", "LLEN iop:wake:{node}"),
+    (node_wake("{node}"), "list", "ids of jobs just queued, popped by idle workers", "LRANGE iop:wake:{node} 0 -1"),
     (node_cancel("{node}"), "pub/sub channel", "run ids to cancel on the node", "SUBSCRIBE iop:cancel:{node}"),
     (SCHEDULER_SIGNALS, "pub/sub channel", "wakes the schedulers (slot freed, more runs waiting)",
      "SUBSCRIBE iop:signals"),
