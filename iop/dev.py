@@ -346,7 +346,8 @@ def start_stack(sup: Supervisor, config: Config, demo: bool, host: str, port: in
     listening, *_ = sup.start(
         ("gateway", 1, ["gateway", "--host", host, "--port", str(port)], LISTENING),
         ("scheduler", 2, ["scheduler"], SCHEDULER_READY),
-        *((f"worker {node.id}", 3, ["worker", "--node", node.id],
+        # a short grace: Ctrl-C on a dev stack should not wait out long demo streams
+        *((f"worker {node.id}", 3, ["worker", "--node", node.id, "--grace", "2"],
            rf"iop worker for node {re.escape(node.id)} running") for node in config.nodes),
     )
     bound = urlsplit(listening.group(1)).port or port
