@@ -320,3 +320,12 @@ async def test_stale_heartbeats_are_unknown_and_no_provider_means_503_at_once(
     fstack.wait_health("b", None)
     status, body = await call(http, gateway, chat())
     assert status == 503 and body["error"]["code"] == "no_available_provider"
+
+
+async def test_processes_stop_cleanly_while_redis_is_down(fstack: FaultStack) -> None:
+    start(fstack, {"only": ("n1", 1)})
+    fstack.server.stop(kill=True)
+    for name in ("worker-n1", "scheduler", "gateway"):
+        proc = next(p for p in fstack.procs if p.name == name)
+        assert proc.stop() == 0, proc.output()
+    fstack.server.start()  # for the invariant check

@@ -93,6 +93,18 @@ class WakeWorker(Worker):
             task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
             self.tasks[job_id] = task
 
+    async def close(self) -> None:
+        """arq's close, but a Redis that is already gone does not skip our shutdown hook."""
+        try:
+            await super().close()
+        except REDIS_DOWN as exc:
+            log.warning("worker: Redis unavailable while stopping (%s)", exc)
+            if self.on_shutdown:
+                await self.on_shutdown(self.ctx)
+            if self._pool is not None:
+                await self._pool.close(close_connection_pool=True)
+                self._pool = None
+
     def _forget_finished(self) -> None:
         for job_id, task in list(self.tasks.items()):
             if task.done():

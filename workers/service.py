@@ -135,7 +135,13 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
     print(f"iop worker for node {node_id} running ({worker.max_jobs} slots)", flush=True)
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([main, stopped], return_when=asyncio.FIRST_COMPLETED)
-    worker.allow_pick_jobs = False
+    crashed = main.done() and not main.cancelled() and main.exception() is not None
+    if crashed:
+        log.error("worker loop failed", exc_info=main.exception())
+    # Take no new jobs: stop the pick-up loop; the jobs run in tasks of their own.
+    main.cancel()
+    stopped.cancel()
+    await asyncio.gather(main, stopped, return_exceptions=True)
     jobs = [t for t in worker.tasks.values() if not t.done()]
     if jobs:
         log.info("stopping: waiting up to %.1fs for %d runs", grace_s, len(jobs))
@@ -143,9 +149,8 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    main.cancel()
-    stopped.cancel()
-    await asyncio.gather(main, stopped, return_exceptions=True)
     await worker.close()
     if ops is not None:
         await ops.close()
+    if crashed:
+        raise SystemExit(1)
