@@ -53,9 +53,14 @@ if redis.call('HGET', KEYS[2], 'state') ~= 'queued' then
   return 'gone'
 end
 local live = '(' .. now
+local counts = {'stale'}
+local changed = false
 for i = 9, #KEYS do
-  if redis.call('ZCOUNT', KEYS[i], live, '+inf') ~= tonumber(ARGV[i + 4]) then return 'stale' end
+  local n = redis.call('ZCOUNT', KEYS[i], live, '+inf')
+  counts[#counts + 1] = n
+  if n ~= tonumber(ARGV[i + 4]) then changed = true end
 end
+if changed then return counts end  -- the policy runs again on these live counts
 if redis.call('ZCOUNT', KEYS[4], live, '+inf') >= tonumber(ARGV[4]) then return 'stale' end
 local ttl = tonumber(ARGV[10])
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])

@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from redis.asyncio import Redis
@@ -136,33 +136,46 @@ class Scheduler:
                 await self.dispatch_model(model)
 
     async def dispatch_model(self, model: ModelConfig) -> None:
+        """Dispatch the model's waiting runs, oldest first, while providers have free slots.
+
+        Snapshots are read once and then kept up to date from what the dispatch script says:
+        after a dispatch the chosen provider holds one more run, and a `stale` answer carries
+        the live counts. The script checks them anyway, so a burst costs one read, not one
+        read per run."""
         queue = self.waiting[model.id]
+        ttl = self.config.runtime.heartbeat_ttl_ms
         stale = 0
+        snaps: list[ProviderSnapshot] | None = None
         while queue:
             head = queue[0]
             now = now_ms()
-            snaps = await read_snapshots(self.redis, self._targets[model.id], now)
-            choice = select_provider(snaps, now, self.config.runtime.heartbeat_ttl_ms, head.avoid)
+            if snaps is None:
+                snaps = await read_snapshots(self.redis, self._targets[model.id], now)
+            choice = select_provider(snaps, now, ttl, head.avoid)
             if choice is None:
-                if all_refused(snaps, now, self.config.runtime.heartbeat_ttl_ms):
+                if all_refused(snaps, now, ttl):
                     await self._refuse_all(model, snaps)
                 return
-            result = await self._dispatch(model, head, choice, snaps)
+            result, live = await self._dispatch(model, head, choice, snaps)
             metrics.DISPATCHES.labels(model.id, result).inc()
             if result in ("ok", "gone"):
                 if head in queue:  # compare by identity of entry: another task may have moved on
                     queue.remove(head)
                 stale = 0
                 if result == "ok":
+                    snaps = [replace(s, in_flight=s.in_flight + 1) if s is choice else s for s in snaps]
                     metrics.DISPATCH_LATENCY.labels(model.id).observe(max(0, now_ms() - head.sort_key[0]) / 1000)
                     log.info("dispatched to %s", choice.provider_id, extra=run_fields(head.run_id, model.id))
             elif result == "stale" and stale < STALE_RETRIES:
                 stale += 1
+                snaps = None if live is None else [replace(s, in_flight=live.get(s.provider_id, s.in_flight))
+                                                   for s in snaps]
             else:
                 return  # not_head: an older run of another replica goes first; it signals us
 
     async def _dispatch(self, model: ModelConfig, head: Waiting, choice: ProviderSnapshot,
-                        snaps: list[ProviderSnapshot]) -> str:
+                        snaps: list[ProviderSnapshot]) -> tuple[str, dict[str, int] | None]:
+        """(outcome, the live in_flight of each provider when the outcome is `stale` with counts)."""
         provider_id = choice.provider_id
         node_id = self.config.node_of(provider_id)
         rt = self.config.runtime
@@ -176,7 +189,9 @@ class Scheduler:
              node_id, model.providers[provider_id], job_payload(head.run_id, now_ms()), rt.run_ttl_s,
              keys.SCHEDULER_SIGNALS, model.id, *(s.in_flight for s in seen)],
         )
-        return result.decode() if isinstance(result, bytes) else str(result)
+        if isinstance(result, list):  # ['stale', count per provider in `seen`]
+            return "stale", {s.provider_id: int(n) for s, n in zip(seen, result[1:], strict=True)}
+        return (result.decode() if isinstance(result, bytes) else str(result)), None
 
     async def _refuse_all(self, model: ModelConfig, snaps: list[ProviderSnapshot]) -> None:
         """Every provider of the model is down: its waiting runs fail now (503), not at their timeout."""

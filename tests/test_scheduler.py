@@ -17,6 +17,7 @@ from gateway.errors import ApiError
 from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
 from scheduler.core import Scheduler
+from scheduler.snapshots import read_snapshots
 
 MODEL = "m:1"
 
@@ -231,3 +232,23 @@ async def test_waiting_runs_fail_at_once_when_every_provider_reports_itself_down
     events = [e async for e in client.follow(run_ids[0])]
     assert events[-1].data["code"] == "no_available_provider"
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0
+
+
+async def test_a_stale_snapshot_is_refused_with_the_live_counts(redis: Redis) -> None:
+    config = make_config({"a": 2, "b": 2})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    (run_id,) = await submit(client, 1)
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    model = config.model(MODEL)
+    assert model is not None
+    snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms())
+    await redis.zadd(keys.leases("a"), {"other": now_ms() + 60_000})  # another replica got there first
+    head = sched.waiting[MODEL][0]
+    outcome, live = await sched._dispatch(model, head, snaps[0], snaps)
+    assert (outcome, live) == ("stale", {"a": 1, "b": 0})
+    assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
+    await sched.dispatch_all()  # the policy runs again on the live counts: b (0/2) beats a (1/2)
+    assert await redis.hget(keys.run_record(run_id), "provider") == b"b"
