@@ -6,8 +6,7 @@ key that never shows in errors."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -18,6 +17,7 @@ from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind
 from iop.simulator import SimOptions, start_server
+from tests.conftest import async_wait_until as until
 from workers.adapters.base import ProviderError
 from workers.adapters.openai_compat import OpenAICompatAdapter, api_root, server_root
 
@@ -76,13 +76,6 @@ def chat(**extra: Any) -> dict[str, Any]:
     return {"model": SERVED, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, **extra}
 
 
-async def until(predicate: Callable[[], Awaitable[Any]], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := await predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        await asyncio.sleep(0.02)
-    return value
 
 
 @pytest.mark.parametrize(("ptype", "base_url", "api_path", "api", "health"), [

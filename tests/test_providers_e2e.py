@@ -14,8 +14,7 @@ import asyncio
 import json
 import sys
 import threading
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import redis as sync_redis
 import yaml
 
 from tests.conftest import Stack, wait_until
+from tests.conftest import async_wait_until as until
 from tests.fakes.ollama_server import FakeOllama, FakeState
 
 pytestmark = pytest.mark.e2e
@@ -85,13 +85,6 @@ def wait_available(redis_url: str, provider_ids: list[str]) -> None:
         client.close()
 
 
-async def until(predicate: Callable[[], Awaitable[Any]], timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := await predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-    return value
 
 
 async def sim_stats(url: str) -> dict[str, Any]:
