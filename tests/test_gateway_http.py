@@ -1,0 +1,151 @@
+"""The gateway over real HTTP (port 0) and a real Redis: bad input gets a clear,
+OpenAI-shaped 4xx, nothing is queued for it, and no input yields a 500."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from redis.asyncio import Redis
+
+from common.config import Config, parse_config
+from gateway.app import build_app
+from iop.embedded_redis import RedisServer
+from tests.openapi import validate
+
+MODEL = "qwen3.6:35b"
+
+
+def config(max_body_bytes: int = 4096) -> Config:
+    return parse_config({
+        "models": [{"id": MODEL, "display_name": "Qwen 3.6 35B", "providers": {"p": "p-served"}}],
+        "nodes": [{"id": "n1", "providers": [{"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                              "capacity": 1, "models": ["p-served"]}]}],
+        "runtime": {"max_body_bytes": max_body_bytes},
+    })
+
+
+@pytest.fixture
+async def gateway(redis_url: str) -> AsyncIterator[str]:
+    server = TestServer(build_app(config(), redis_url), port=0)
+    await server.start_server()
+    yield str(server.make_url("")).rstrip("/")
+    await server.close()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def nothing_queued(redis: Redis) -> bool:
+    return await redis.xlen(f"iop:runs:{MODEL}") == 0 and await redis.keys("iop:run:*") == []
+
+
+async def error_of(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    body: dict[str, Any] = await resp.json()
+    validate("ErrorResponse", body)
+    return body["error"]
+
+
+async def test_models_are_listed_with_their_display_names(gateway: str, http: aiohttp.ClientSession) -> None:
+    async with http.get(gateway + "/v1/models") as resp:
+        listing = await resp.json()
+    validate("ListModelsResponse", listing)
+    assert [(m["id"], m["display_name"]) for m in listing["data"]] == [(MODEL, "Qwen 3.6 35B")]
+    async with http.get(f"{gateway}/v1/models/{MODEL}") as resp:
+        model = await resp.json()
+    validate("Model", model)
+    assert model["id"] == MODEL
+    async with http.get(gateway + "/v1/models/nope") as resp:
+        assert resp.status == 404 and (await error_of(resp))["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(("path", "raw", "status", "code", "param"), [
+    ("/v1/chat/completions", b"{not json", 400, "invalid_request_error", None),
+    ("/v1/chat/completions", b"[1, 2]", 400, "invalid_request_error", None),
+    ("/v1/chat/completions", b'{"model": "qwen3.6:35b"}', 400, "invalid_request_error", "messages"),
+    ("/v1/chat/completions", b'{"model": "qwen3.6:35b", "messages": "hi"}', 400, "invalid_request_error",
+     "messages"),
+    ("/v1/chat/completions", b'{"model": 7, "messages": []}', 400, "invalid_request_error", "model"),
+    ("/v1/chat/completions", b'{"model": "qwen3.6:35b", "messages": [{"role": "user"}], "stream": "yes"}',
+     400, "invalid_request_error", "stream"),
+    ("/v1/completions", b'{"model": "qwen3.6:35b"}', 400, "invalid_request_error", "prompt"),
+    ("/v1/embeddings", b'{"model": "qwen3.6:35b", "input": {}}', 400, "invalid_request_error", "input"),
+    ("/v1/chat/completions", b'{"model": "no-such", "messages": [{"role": "user"}]}', 404, "model_not_found",
+     "model"),
+    ("/v1/chat/completions", b'{"model": "qwen3.6:35b", "messages": [{"role": "user"}]}', 503,
+     "no_available_provider", None),  # no heartbeat: refused at once, not queued
+    ("/v1/chat/completions", b'{"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "'
+     + b"x" * 5000 + b'"}]}', 413, "request_too_large", None),
+])
+async def test_bad_requests_get_a_clear_error_and_queue_nothing(
+        gateway: str, http: aiohttp.ClientSession, redis: Redis,
+        path: str, raw: bytes, status: int, code: str, param: str | None) -> None:
+    async with http.post(gateway + path, data=raw, headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == status
+        error = await error_of(resp)
+    assert error["code"] == code and error["param"] == param
+    assert await nothing_queued(redis)
+
+
+async def test_unknown_routes_and_methods_are_openai_shaped(gateway: str, http: aiohttp.ClientSession) -> None:
+    async with http.get(gateway + "/v1/nothing-here") as resp:
+        assert resp.status == 404 and (await error_of(resp))["code"] == "not_found"
+    async with http.get(gateway + "/v1/chat/completions") as resp:
+        assert resp.status == 405 and (await error_of(resp))["code"] == "method_not_allowed"
+
+
+def _garbage(rng: random.Random, depth: int = 0) -> Any:
+    kinds = ["str", "int", "float", "bool", "none", "list", "dict"] if depth < 3 else ["str", "int", "none"]
+    kind = rng.choice(kinds)
+    if kind == "list":
+        return [_garbage(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if kind == "dict":
+        keys = ["model", "messages", "prompt", "input", "stream", "stream_options", "role", "x"]
+        return {rng.choice(keys): _garbage(rng, depth + 1) for _ in range(rng.randint(0, 4))}
+    return {"str": lambda: rng.choice(["", MODEL, "user", "\u00e9\ud7ff"]), "int": lambda: rng.randint(-2, 2),
+            "float": lambda: rng.random(), "bool": lambda: rng.random() < 0.5, "none": lambda: None}[kind]()
+
+
+async def test_no_input_yields_a_500(gateway: str, http: aiohttp.ClientSession) -> None:
+    rng = random.Random(11)
+    for i in range(300):
+        body = _garbage(rng)
+        if i % 3 == 0 and isinstance(body, dict):
+            body["model"] = MODEL
+        raw = json.dumps(body).encode() if i % 7 else bytes(rng.randrange(256) for _ in range(20))
+        path = rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+        async with http.post(gateway + path, data=raw) as resp:
+            assert 400 <= resp.status < 500 or resp.status == 503, (path, raw, resp.status, await resp.text())
+            await error_of(resp)
+
+
+async def test_health_and_readiness(http: aiohttp.ClientSession) -> None:
+    server = RedisServer().start()
+    app_server = TestServer(build_app(config(), server.url), port=0)
+    await app_server.start_server()
+    url = str(app_server.make_url("")).rstrip("/")
+    try:
+        async with http.get(url + "/healthz") as resp:
+            assert resp.status == 200
+        async with http.get(url + "/readyz") as resp:
+            assert resp.status == 200
+        server.stop(kill=True)
+        async with http.get(url + "/readyz") as resp:
+            assert resp.status == 503 and (await error_of(resp))["code"] == "service_unavailable"
+        async with http.get(url + "/healthz") as resp:
+            assert resp.status == 200  # alive, just not ready
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        async with http.post(url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 503 and (await error_of(resp))["code"] == "service_unavailable"
+            assert resp.headers.get("Retry-After")
+    finally:
+        await app_server.close()
+        server.cleanup()
