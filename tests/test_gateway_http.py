@@ -45,13 +45,14 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def nothing_queued(redis: Redis) -> bool:
-    return await redis.xlen(f"iop:runs:{MODEL}") == 0 and await redis.keys("iop:run:*") == []
+    return bool(await redis.xlen(f"iop:runs:{MODEL}") == 0 and await redis.keys("iop:run:*") == [])
 
 
 async def error_of(resp: aiohttp.ClientResponse) -> dict[str, Any]:
     body: dict[str, Any] = await resp.json()
     validate("ErrorResponse", body)
-    return body["error"]
+    error: dict[str, Any] = body["error"]
+    return error
 
 
 async def test_models_are_listed_with_their_display_names(gateway: str, http: aiohttp.ClientSession) -> None:
@@ -110,8 +111,9 @@ def _garbage(rng: random.Random, depth: int = 0) -> Any:
     if kind == "dict":
         keys = ["model", "messages", "prompt", "input", "stream", "stream_options", "role", "x"]
         return {rng.choice(keys): _garbage(rng, depth + 1) for _ in range(rng.randint(0, 4))}
-    return {"str": lambda: rng.choice(["", MODEL, "user", "\u00e9\ud7ff"]), "int": lambda: rng.randint(-2, 2),
-            "float": lambda: rng.random(), "bool": lambda: rng.random() < 0.5, "none": lambda: None}[kind]()
+    scalars: dict[str, Any] = {"str": rng.choice(["", MODEL, "user", "\u00e9\ud7ff"]), "int": rng.randint(-2, 2),
+                               "float": rng.random(), "bool": rng.random() < 0.5, "none": None}
+    return scalars[kind]
 
 
 async def test_no_input_yields_a_500(gateway: str, http: aiohttp.ClientSession) -> None:
