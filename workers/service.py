@@ -30,11 +30,12 @@ log = logging.getLogger("iop.worker")
 RUNNER_CTX = "iop_runner"
 
 
-def make_adapter(provider: ProviderConfig, session: aiohttp.ClientSession) -> Adapter:
+def make_adapter(provider: ProviderConfig, session: aiohttp.ClientSession,
+                 secret_env: frozenset[str] = frozenset()) -> Adapter:
     if provider.type == "ollama":
         return OllamaAdapter(provider, session)
     if provider.type == "cli":
-        return CliAdapter(provider)
+        return CliAdapter(provider, secret_env - {provider.api_key_env or ""})
     return OpenAICompatAdapter(provider, session)  # vllm, sglang, lemonade, openai_api
 
 
@@ -79,7 +80,8 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
     async def startup(ctx: dict[str, Any]) -> None:
         redis = connect(redis_url)
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
-        adapters = {p.id: make_adapter(p, session) for p in node.providers}
+        secrets = frozenset(p.api_key_env for n in config.nodes for p in n.providers if p.api_key_env)
+        adapters = {p.id: make_adapter(p, session, secrets) for p in node.providers}
         runner = Runner(redis, config, node_id, adapters)
         ctx[RUNNER_CTX] = runner
         ctx["iop_session"] = session

@@ -135,10 +135,13 @@ class ToolRun:
 
 
 class CliAdapter:
-    def __init__(self, provider: ProviderConfig) -> None:
+    def __init__(self, provider: ProviderConfig, secret_env: frozenset[str] = frozenset()) -> None:
+        """`secret_env`: names of environment variables holding other providers' API keys;
+        the tool does not inherit them."""
         assert provider.command
         self.provider = provider
         self.command = list(provider.command)
+        self.secret_env = secret_env
 
     def _run(self, kind: RunKind, body: Json, request_id: str) -> tuple[ToolRun, str]:
         try:
@@ -147,7 +150,8 @@ class CliAdapter:
             detail = {"message": str(exc), "type": "invalid_request_error", "param": None, "code": None}
             raise ProviderError(f"provider {self.provider.id}: {exc}", status=400, detail=detail) from None
         model = str(body["model"])
-        env = dict(os.environ, IOP_MODEL=model, IOP_REQUEST_ID=request_id)
+        env = {k: v for k, v in os.environ.items() if k not in self.secret_env}
+        env.update(IOP_MODEL=model, IOP_REQUEST_ID=request_id)
         return ToolRun(self.provider, argv_for(self.command, model), env, prompt.encode()), prompt
 
     async def complete(self, kind: RunKind, body: Json, request_id: str) -> Json:
