@@ -36,6 +36,8 @@ TTFT = Histogram("iop_gateway_time_to_first_token_seconds", "time to the first o
 MODEL = web.RequestKey("iop_model", str)
 _STARTED = web.RequestKey("iop_started", float)
 _TOKEN_SEEN = web.RequestKey("iop_token_seen", bool)
+#: the status of an error sent inside a stream that had already begun (its HTTP status was 200)
+STREAM_ERROR = web.RequestKey("iop_stream_error", int)
 #: Fields of a chunk's `delta` that carry generated output.
 _OUTPUT_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
 
@@ -55,7 +57,7 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
     status = 499  # cancelled: the caller went away before the answer
     try:
         response = await handler(request)
-        status = response.status
+        status = request.get(STREAM_ERROR, response.status)
         return response
     finally:
         model = request.get(MODEL, "-")

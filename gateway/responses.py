@@ -69,6 +69,7 @@ async def stream_response(
             error = ApiError.from_info(ErrorInfo.from_wire(event.data))
             if resp is None:
                 raise error
+            request[metrics.STREAM_ERROR] = error.status
             await resp.write(sse(error.body()))
             await resp.write_eof()
             return resp

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -189,6 +190,10 @@ async def test_a_run_that_already_sent_output_is_never_retried(
     assert content and errors and errors[0]["error"]["code"] == "provider_error"
     total = len((await fstack.stats("a"))["requests"]) + len((await fstack.stats("b"))["requests"])
     assert total == 1
+    async with http.get(gateway + "/metrics") as resp:
+        exposition = await resp.text()
+    # the stream had begun with 200, but the run failed: the metric says so
+    assert re.search(r'^iop_gateway_requests_total\{[^}]*status="502"[^}]*\} 1\.0$', exposition, re.M)
 
 
 # ---------------------------------------------------------------------------- 4. cancellation
