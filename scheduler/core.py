@@ -129,6 +129,13 @@ class Scheduler:
             self.kick.set()
         return count
 
+    def on_signal(self, data: bytes) -> None:
+        """A message on `iop:signals`: a model id (a slot of it freed, or more of its runs wait)
+        or "*" (a provider's health changed). Only what could unblock this replica wakes it."""
+        model_id = data.decode(errors="replace")
+        if model_id == "*" or self.waiting.get(model_id):
+            self.kick.set()
+
     # ----------------------------------------------------------------- dispatch
     async def dispatch_all(self) -> None:
         for model in self.config.models:
@@ -351,7 +358,7 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
             while True:
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
                 if msg is not None:
-                    sched.kick.set()
+                    sched.on_signal(msg["data"])
         finally:
             await pubsub.aclose()
 

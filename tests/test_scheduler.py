@@ -16,7 +16,7 @@ from common.wire import RunKind
 from gateway.errors import ApiError
 from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
-from scheduler.core import Scheduler
+from scheduler.core import Scheduler, Waiting
 from scheduler.snapshots import read_snapshots
 
 MODEL = "m:1"
@@ -252,3 +252,19 @@ async def test_a_stale_snapshot_is_refused_with_the_live_counts(redis: Redis) ->
     assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
     await sched.dispatch_all()  # the policy runs again on the live counts: b (0/2) beats a (1/2)
     assert await redis.hget(keys.run_record(run_id), "provider") == b"b"
+
+
+def test_a_replica_wakes_only_for_signals_that_could_unblock_it() -> None:
+    config = make_config({"a": 1})
+    sched = Scheduler(Redis(), config)  # no command is sent
+    sched.on_signal(MODEL.encode())
+    assert not sched.kick.is_set()  # it holds no run of that model
+    sched.waiting[MODEL].append(Waiting((1, 0), "run_x", "1-0", 0))
+    sched.on_signal(b"other-model")
+    assert not sched.kick.is_set()
+    sched.on_signal(MODEL.encode())
+    assert sched.kick.is_set()
+    sched.kick.clear()
+    sched.waiting[MODEL].clear()
+    sched.on_signal(b"*")  # a provider's health changed
+    assert sched.kick.is_set()
