@@ -17,7 +17,7 @@ from common.wire import RunKind
 from gateway.runs import RunClient
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until
-from tests.test_scheduler import MODEL, beat, make_config, submit
+from tests.test_scheduler import MODEL, make_config, waiting_runs
 from workers.adapters.base import ProbeResult
 from workers.runner import Runner
 
@@ -49,12 +49,7 @@ class StallingAdapter:
 
 async def dispatched_run(redis: Redis, lease_ttl_ms: int = 15_000) -> tuple[RunClient, Scheduler, str]:
     config = make_config({"a": 1}, runtime={"lease_ttl_ms": lease_ttl_ms})
-    await beat(redis, config)
-    client = RunClient(redis, config)
-    (run_id,) = await submit(client, 1)
-    sched = Scheduler(redis, config)
-    await sched.ensure_groups()
-    await sched.read_new(block_ms=10)
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
     await sched.dispatch_all()
     assert await redis.hget(keys.run_record(run_id), "state") == b"dispatched"
     return client, sched, run_id

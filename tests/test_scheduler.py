@@ -52,18 +52,24 @@ async def submit(client: RunClient, n: int) -> list[str]:
     return [await client.submit(model, request()) for _ in range(n)]
 
 
+async def waiting_runs(redis: Redis, config: Config, n: int) -> tuple[RunClient, Scheduler, list[str]]:
+    """n runs queued, and read by a fresh scheduler replica; every provider beats as available."""
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    run_ids = await submit(client, n)
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    return client, sched, run_ids
+
+
 async def leases(redis: Redis, config: Config) -> dict[str, int]:
     return {p.id: await redis.zcard(keys.leases(p.id)) for n in config.nodes for p in n.providers}
 
 
 async def test_dispatch_follows_fifo_and_rewrites_the_target(redis: Redis) -> None:
     config = make_config({"a": 1})
-    await beat(redis, config)
-    client = RunClient(redis, config)
-    run_ids = await submit(client, 3)
-    sched = Scheduler(redis, config)
-    await sched.ensure_groups()
-    await sched.read_new(block_ms=10)
+    client, sched, run_ids = await waiting_runs(redis, config, 3)
     await sched.dispatch_all()
     assert await redis.zrange(keys.leases("a"), 0, -1) == [run_ids[0].encode()]
     assert await redis.xlen(keys.runs_stream(MODEL)) == 2
@@ -190,12 +196,7 @@ async def test_a_dead_replicas_runs_are_taken_over_and_a_live_ones_are_not(redis
 
 async def test_expired_lease_requeues_then_fails_with_worker_lost(redis: Redis) -> None:
     config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 2})
-    await beat(redis, config)
-    client = RunClient(redis, config)
-    (run_id,) = await submit(client, 1)
-    sched = Scheduler(redis, config)
-    await sched.ensure_groups()
-    await sched.read_new(block_ms=10)
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
 
     async def dispatch_and_expire() -> Any:
         await sched.dispatch_all()
@@ -216,12 +217,7 @@ async def test_expired_lease_requeues_then_fails_with_worker_lost(redis: Redis) 
 
 async def test_waiting_runs_fail_at_once_when_every_provider_reports_itself_down(redis: Redis) -> None:
     config = make_config({"a": 1, "b": 1})
-    await beat(redis, config)
-    client = RunClient(redis, config)
-    run_ids = await submit(client, 2)
-    sched = Scheduler(redis, config)
-    await sched.ensure_groups()
-    await sched.read_new(block_ms=10)
+    client, sched, run_ids = await waiting_runs(redis, config, 2)
     await redis.delete(keys.heartbeat("a"))  # a is unknown: b alone being down is not enough
     await redis.hset(keys.heartbeat("b"), "health", "unavailable")
     await sched.dispatch_all()
@@ -236,12 +232,7 @@ async def test_waiting_runs_fail_at_once_when_every_provider_reports_itself_down
 
 async def test_a_stale_snapshot_is_refused_with_the_live_counts(redis: Redis) -> None:
     config = make_config({"a": 2, "b": 2})
-    await beat(redis, config)
-    client = RunClient(redis, config)
-    (run_id,) = await submit(client, 1)
-    sched = Scheduler(redis, config)
-    await sched.ensure_groups()
-    await sched.read_new(block_ms=10)
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
     model = config.model(MODEL)
     assert model is not None
     snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms())
