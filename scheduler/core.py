@@ -115,19 +115,19 @@ class Scheduler:
                 raise
             await self.ensure_groups()
             return 0
-        count = 0
+        adopted = 0
         prefix = len(keys.runs_stream(""))
         for stream, entries in reply or ():
             model_id = stream.decode()[prefix:]
             for entry_id, fields in entries:
                 if fields:  # a deleted entry comes back with no fields
                     self._adopt(model_id, entry_id.decode(), fields)
-                    count += 1
+                    adopted += 1
                 else:
                     await self.redis.xack(stream, keys.SCHEDULER_GROUP, entry_id)
-        if count:
+        if adopted:
             self.kick.set()
-        return count
+        return adopted
 
     def on_signal(self, data: bytes) -> None:
         """A message on `iop:signals`: a model id (a slot of it freed, or more of its runs wait)
@@ -312,7 +312,9 @@ class Scheduler:
 
 
 async def _forever(name: str, step: Any) -> None:
-    """Run `step()` in a loop; a Redis outage only pauses it, with backoff."""
+    """Run `step()` in a loop; a Redis outage only pauses it, with backoff. Any other error is
+    logged and the loop goes on too: a replica whose liveness key stays fresh must never stop
+    dispatching, or its runs would wait without anyone taking them over."""
     delay = 0.05
     while True:
         try:
@@ -320,6 +322,10 @@ async def _forever(name: str, step: Any) -> None:
             delay = 0.05
         except REDIS_DOWN as exc:
             log.warning("%s: Redis unavailable (%s); retrying in %.2fs", name, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        except Exception:
+            log.exception("%s: unexpected error; retrying in %.2fs", name, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
