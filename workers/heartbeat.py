@@ -80,6 +80,9 @@ class Heartbeats:
             except REDIS_DOWN as exc:
                 self.last.pop(provider.id, None)  # Redis may have lost it: announce it again
                 log.warning("heartbeat of %s: Redis unavailable (%s)", provider.id, exc)
+            except Exception:  # a bug in a probe must not silence the heartbeat for good
+                self.last.pop(provider.id, None)
+                log.exception("heartbeat of %s failed", provider.id)
             await asyncio.sleep(max(0.0, interval - (loop.time() - began)))
 
     async def run(self) -> None:
