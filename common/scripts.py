@@ -19,6 +19,16 @@ local _t = redis.call('TIME')
 local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
 """
 
+# Put a dispatched run back at the tail of its model's queue; earlier providers go along as
+# `tried`, so the retry avoids them. Shared by FINISH (a failed attempt) and REAP (a lost one).
+_REQUEUE = """
+local function requeue(record, stream, run_id)
+  local entry = redis.call('XADD', stream, '*', 'run', run_id, 'tried', redis.call('HGET', record, 'tried') or '')
+  redis.call('HSET', record, 'state', 'queued', 'entry', entry)
+  redis.call('HDEL', record, 'provider', 'node', 'target', 'dispatched_ms', 'started_ms', 'worker')
+end
+"""
+
 # KEYS: runs stream, run record, heartbeat keys of the model's providers...
 # ARGV: run id, max_queue, ttl_s, model, kind, stream flag, body
 ENQUEUE = _NOW + """
@@ -151,7 +161,7 @@ return 1
 # KEYS: run record, lease, events, runs stream
 # ARGV: run id, state (completed|failed|cancelled|requeue), event type, event data, ttl_s,
 #       signals channel, model, error code, error message, attempt
-FINISH = _NOW + """
+FINISH = _NOW + _REQUEUE + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[10] then return 'stale' end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
@@ -160,10 +170,7 @@ local ttl = tonumber(ARGV[5])
 redis.call('XADD', KEYS[3], '*', 'type', ARGV[3], 'data', ARGV[4])
 redis.call('EXPIRE', KEYS[3], ttl)
 if ARGV[2] == 'requeue' then
-  local entry = redis.call('XADD', KEYS[4], '*', 'run', ARGV[1], 'tried',
-    redis.call('HGET', KEYS[1], 'tried') or '')
-  redis.call('HSET', KEYS[1], 'state', 'queued', 'entry', entry)
-  redis.call('HDEL', KEYS[1], 'provider', 'node', 'target', 'dispatched_ms', 'started_ms', 'worker')
+  requeue(KEYS[1], KEYS[4], ARGV[1])
 else
   redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
   if ARGV[8] ~= '' then
@@ -221,7 +228,7 @@ return 1
 # again and sent nothing yet; else fail it with worker_lost. Also drops arq's copy of the job.
 # KEYS: lease, run record, events, runs stream, node queue, arq job, arq in-progress, arq retry
 # ARGV: run id, max_attempts, ttl_s, signals channel, model, requeued data, failed data, cancelled data
-REAP = _NOW + """
+REAP = _NOW + _REQUEUE + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) > now then return 'alive' end
 redis.call('ZREM', KEYS[1], ARGV[1])
@@ -243,10 +250,7 @@ if redis.call('HGET', KEYS[2], 'cancel') == '1' then
 end
 if not output and attempts < tonumber(ARGV[2]) then
   redis.call('XADD', KEYS[3], '*', 'type', 'requeued', 'data', ARGV[6])
-  local entry = redis.call('XADD', KEYS[4], '*', 'run', ARGV[1], 'tried',
-    redis.call('HGET', KEYS[2], 'tried') or '')
-  redis.call('HSET', KEYS[2], 'state', 'queued', 'entry', entry)
-  redis.call('HDEL', KEYS[2], 'provider', 'node', 'target', 'dispatched_ms', 'started_ms', 'worker')
+  requeue(KEYS[2], KEYS[4], ARGV[1])
   redis.call('EXPIRE', KEYS[3], ttl)
   return 'requeued'
 end
