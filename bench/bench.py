@@ -19,12 +19,11 @@ import platform
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ import redis
 import yaml
 
 from iop.embedded_redis import RedisServer
+from iop.proc import IopProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "bench-model"
@@ -49,66 +49,16 @@ MONITOR_END = "iop-bench-monitor-end"
 # --------------------------------------------------------------------------- processes
 
 
-class Proc:
-    """A real `python -m iop ...` process; its output is read line by line (last lines kept)."""
+class Proc(IopProcess):
+    """A real `python -m iop ...` process of the benchmark; its last lines are kept."""
+
+    ready_timeout_s = 30.0
 
     def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        self.name = name
-        self.lines: deque[str] = deque(maxlen=200)
-        self.count = 0
-        self._cond = threading.Condition()
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "iop", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=env, cwd=str(ROOT), text=True, start_new_session=True,
-        )
-        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self.count += 1
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait_for_line(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        seen = 0
-        with self._cond:
-            while True:
-                new = list(self.lines)[-(self.count - seen):] if self.count > seen else []
-                seen = self.count
-                for line in new:
-                    m = rx.search(line)
-                    if m:
-                        return m
-                left = deadline - time.monotonic()
-                if left <= 0 or self.popen.poll() is not None and not self._reader.is_alive():
-                    raise RuntimeError(f"{self.name}: no line matching {pattern!r}; output:\n{self.output()}")
-                self._cond.wait(min(left, 0.5))
-
-    def output(self) -> str:
-        with self._cond:
-            return "\n".join(self.lines)
+        super().__init__(name, args, env, cwd=ROOT, keep_lines=200)
 
     def warnings(self) -> list[str]:
-        with self._cond:
-            return [ln for ln in self.lines if " WARNING " in ln or " ERROR " in ln or "Traceback" in ln]
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(timeout=5)
-        self._reader.join(timeout=2)
-        return self.popen.returncode
+        return [ln for ln in list(self.lines) if " WARNING " in ln or " ERROR " in ln or "Traceback" in ln]
 
 
 @dataclass

@@ -8,11 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -23,6 +18,7 @@ import yaml
 from redis.asyncio import Redis
 
 from iop.embedded_redis import RedisServer
+from iop.proc import IopProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,64 +71,11 @@ async def async_wait_until(predicate: Callable[[], Any], timeout: float = 15.0, 
         await asyncio.sleep(0.02)
 
 
-class Proc:
-    """A real `iop ...` process; its output is collected and searched for lines."""
+class Proc(IopProcess):
+    """A real `iop ...` process of a test, started from the repo root; all its output is kept."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        self.name = name
-        self.args = args
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "iop", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=env, cwd=str(ROOT), text=True, start_new_session=True,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait_for_line(self, pattern: str, timeout: float = 20.0) -> re.Match[str]:
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            seen = 0
-            while True:
-                for line in self.lines[seen:]:
-                    m = rx.search(line)
-                    if m:
-                        return m
-                seen = len(self.lines)
-                left = deadline - time.monotonic()
-                if left <= 0 or (self.popen.poll() is not None and seen == len(self.lines)):
-                    raise AssertionError(f"{self.name}: no line matching {pattern!r}; output:\n" + self.output())
-                self._cond.wait(min(left, 0.5))
-
-    def output(self) -> str:
-        return "\n".join(self.lines[-80:])
-
-    def send(self, sig: int) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, sig)
-
-    def stop(self, timeout: float = 15.0, sig: int = signal.SIGTERM) -> int:
-        self.send(sig)
-        try:
-            code = self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.send(signal.SIGKILL)
-            code = self.popen.wait(timeout=5)
-        self._reader.join(timeout=5)
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
-        return code
+        super().__init__(name, args, env, cwd=ROOT)
 
 
 class Stack:
