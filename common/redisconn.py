@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from redis.asyncio import Redis
@@ -26,6 +27,23 @@ def connect(url: str, *, max_connections: int | None = None) -> Redis:
         health_check_interval=0,
         max_connections=max_connections,
     )
+
+
+class Backoff:
+    """The pause between retries while Redis is away: doubles from `first` up to `cap`,
+    and starts over after a success (`reset`)."""
+
+    def __init__(self, first: float = 0.05, cap: float = 2.0) -> None:
+        self.first = first
+        self.cap = cap
+        self.delay = first
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, self.cap)
 
 
 def now_ms() -> int:

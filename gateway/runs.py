@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -14,7 +13,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import decode_event, pack
 from common.config import Config, ModelConfig
-from common.redisconn import REDIS_DOWN
+from common.redisconn import REDIS_DOWN, Backoff
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunState
@@ -75,18 +74,17 @@ class RunClient:
         """Every event of the run from `last_id` on, until a terminal one. Never ends by itself
         otherwise: the caller bounds it with a deadline."""
         key = keys.run_events(run_id)
-        delay = 0.05
+        backoff = Backoff(cap=1.0)
         while True:
             try:
                 reply = await self.redis.xread({key: last_id}, count=512, block=FOLLOW_BLOCK_MS)
                 lost = not reply and not await self.redis.exists(keys.run_record(run_id))
-                delay = 0.05
+                backoff.reset()
             except REDIS_DOWN as exc:
                 # Ride out a Redis restart: with persistence the run goes on after it.
                 log.warning("Redis unavailable while following (%s); retrying", exc,
                             extra=run_fields(run_id, model_id))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await backoff.pause()
                 continue
             if lost:
                 # Redis lost the run (a restart without persistence): say so instead of waiting.

@@ -29,7 +29,7 @@ from common import keys
 from common.codec import job_payload, pack
 from common.config import Config, ModelConfig
 from common.policy import ProviderSnapshot, all_refused, select_provider
-from common.redisconn import REDIS_DOWN, now_ms
+from common.redisconn import REDIS_DOWN, Backoff, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, RunState, cancelled_by_caller
@@ -315,19 +315,17 @@ async def _forever(name: str, step: Any) -> None:
     """Run `step()` in a loop; a Redis outage only pauses it, with backoff. Any other error is
     logged and the loop goes on too: a replica whose liveness key stays fresh must never stop
     dispatching, or its runs would wait without anyone taking them over."""
-    delay = 0.05
+    backoff = Backoff()
     while True:
         try:
             await step()
-            delay = 0.05
+            backoff.reset()
         except REDIS_DOWN as exc:
-            log.warning("%s: Redis unavailable (%s); retrying in %.2fs", name, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            log.warning("%s: Redis unavailable (%s); retrying in %.2fs", name, exc, backoff.delay)
+            await backoff.pause()
         except Exception:
-            log.exception("%s: unexpected error; retrying in %.2fs", name, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            log.exception("%s: unexpected error; retrying in %.2fs", name, backoff.delay)
+            await backoff.pause()
 
 
 async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
@@ -388,12 +386,11 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
 
 
 async def _retry_once(step: Any) -> None:
-    delay = 0.05
+    backoff = Backoff()
     while True:
         try:
             await step()
             return
         except REDIS_DOWN as exc:
-            log.warning("setup: Redis unavailable (%s); retrying in %.2fs", exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            log.warning("setup: Redis unavailable (%s); retrying in %.2fs", exc, backoff.delay)
+            await backoff.pause()

@@ -21,7 +21,7 @@ from arq.connections import create_pool
 from arq.constants import in_progress_key_prefix
 from arq.worker import Worker
 
-from common.redisconn import REDIS_DOWN
+from common.redisconn import REDIS_DOWN, Backoff
 from common.scripts import Scripts
 
 log = logging.getLogger("iop.worker")
@@ -46,18 +46,17 @@ class WakeWorker(Worker):
         self.ctx["redis"] = self.pool
         if self.on_startup:
             await self.on_startup(self.ctx)
-        delay = 0.05
+        backoff = Backoff()
         poll = True
         while True:
             try:
                 if poll:
                     await self._poll_iteration()
                 poll = await self._wait_for_work()
-                delay = 0.05
+                backoff.reset()
             except REDIS_DOWN as exc:
-                log.warning("worker: Redis unavailable (%s); retrying in %.2fs", exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                log.warning("worker: Redis unavailable (%s); retrying in %.2fs", exc, backoff.delay)
+                await backoff.pause()
                 poll = True
 
     async def _wait_for_work(self) -> bool:

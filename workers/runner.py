@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import pack, unpack
 from common.config import Config
-from common.redisconn import REDIS_DOWN
+from common.redisconn import REDIS_DOWN, Backoff
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
@@ -178,7 +178,7 @@ class Runner:
                 info.code.value if info else "", info.message if info else "", att.attempt]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
                     keys.runs_stream(att.model_id)]
-        delay = 0.05
+        backoff = Backoff(cap=1.0)
         for _ in range(8):
             try:
                 result = await self.scripts.call("finish", run_keys, args)
@@ -186,8 +186,7 @@ class Runner:
                 return f"{state.value if state else 'requeued'}:{result.decode()}"
             except REDIS_DOWN as exc:
                 log.warning("cannot record its end (%s); retrying", exc, extra=run_fields(att.run_id, att.model_id))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await backoff.pause()
         return "unrecorded"  # the lease expires and the scheduler reaps the run
 
     async def _renew(self, att: Attempt, task: asyncio.Task[Any]) -> None:

@@ -13,7 +13,7 @@ from arq.worker import func
 from common import keys
 from common.codec import pack, unpack
 from common.config import Config, ProviderConfig
-from common.redisconn import REDIS_DOWN, connect
+from common.redisconn import REDIS_DOWN, Backoff, connect
 from common.runlog import run_fields
 from common.wire import cancelled_by_caller
 from workers import metrics as worker_metrics
@@ -50,12 +50,12 @@ async def after_job(ctx: dict[str, Any]) -> None:
 
 
 async def _listen_cancels(runner: Runner, node_id: str) -> None:
-    delay = 0.05
+    backoff = Backoff()
     while True:
         pubsub = runner.redis.pubsub()
         try:
             await pubsub.subscribe(keys.node_cancel(node_id))
-            delay = 0.05
+            backoff.reset()
             while True:
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
                 if msg is not None:
@@ -65,8 +65,7 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
                         log.info("cancel requested", extra=run_fields(run_id, att[0].model_id if att else None))
         except REDIS_DOWN as exc:
             log.warning("cancel listener: Redis unavailable (%s)", exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            await backoff.pause()
         finally:
             await pubsub.aclose()
 
