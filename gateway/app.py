@@ -27,11 +27,6 @@ RUNS = web.AppKey("runs", RunClient)
 REDIS_URL = web.AppKey("redis_url", str)
 STARTED = web.AppKey("started", float)
 
-#: Extra time the gateway waits past a run's own queue and execution timeouts before it
-#: gives up on the run itself (a scheduler or worker that died without a trace).
-FOLLOW_GRACE_S = 30.0
-
-
 def _model_object(model_id: str, display_name: str, created: int) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "iop",
             "display_name": display_name}
@@ -62,11 +57,9 @@ async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
     request[metrics.MODEL] = model.id
     runs = request.app[RUNS]
     run_id = await runs.submit(model, req)
-    policy = cfg.queue_for(model)
-    deadline_s = (policy.queue_timeout_ms + policy.execution_timeout_ms) * policy.max_attempts / 1000
     finished = False
     try:
-        async with asyncio.timeout(deadline_s + FOLLOW_GRACE_S):
+        async with asyncio.timeout(runs.follow_deadline_s(model.id)):
             events = runs.follow(run_id, model_id=model.id)
             if req.stream:
                 resp = await stream_response(request, events, model.id, run_id)

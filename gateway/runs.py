@@ -24,6 +24,9 @@ log = logging.getLogger("iop.gateway")
 
 #: How long one XREAD blocks before the follower checks its overall deadline.
 FOLLOW_BLOCK_MS = 1_000
+#: Extra time a follower waits past a run's own queue and execution timeouts before it gives
+#: up on the run itself (a scheduler or worker that died without a trace).
+FOLLOW_GRACE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,14 @@ class RunClient:
                 headers={"Retry-After": "1"},
             )
         return run_id
+
+    def follow_deadline_s(self, model_id: str | None) -> float:
+        """How long following a run of this model may take, at most: every attempt may wait out
+        its queue and execution timeouts, plus a grace."""
+        model = self.config.model(model_id or "")
+        policy = self.config.queue_for(model) if model is not None else self.config.queue
+        attempt_ms = policy.queue_timeout_ms + policy.execution_timeout_ms
+        return attempt_ms * policy.max_attempts / 1000 + FOLLOW_GRACE_S
 
     async def follow(self, run_id: str, last_id: str = "0", model_id: str | None = None) -> AsyncIterator[Event]:
         """Every event of the run from `last_id` on, until a terminal one. Never ends by itself

@@ -28,8 +28,6 @@ from gateway.runs import Event, RunClient
 
 #: How long DELETE waits for a running run to end before it answers 202.
 CANCEL_WAIT_S = 10.0
-#: Extra time an events stream follows a run past the run's own timeouts.
-FOLLOW_GRACE_S = 30.0
 
 _STREAM_ID = re.compile(r"^\d+(-\d+)?$")
 
@@ -69,7 +67,7 @@ class RunsApi:
                                            "X-Accel-Buffering": "no", RUN_ID_HEADER: run_id})
         await resp.prepare(request)
         try:
-            async with asyncio.timeout(self._deadline_s(view["model"])):
+            async with asyncio.timeout(self.runs().follow_deadline_s(view["model"])):
                 async for event in self._events(run_id, last_id, view):
                     await resp.write(_sse(event, view["model"]))
         except TimeoutError:
@@ -87,12 +85,6 @@ class RunsApi:
         start = "-" if last_id == "0" else f"({last_id}"
         for entry_id, fields in await self.runs().redis.xrange(keys.run_events(run_id), start, "+"):
             yield Event(*decode_event(entry_id, fields))
-
-    def _deadline_s(self, model_id: str | None) -> float:
-        config = self.runs().config
-        model = config.model(model_id or "")
-        policy = config.queue_for(model) if model is not None else config.queue
-        return (policy.queue_timeout_ms + policy.execution_timeout_ms) * policy.max_attempts / 1000 + FOLLOW_GRACE_S
 
     async def delete(self, request: web.Request) -> web.Response:
         run_id = request.match_info["run_id"]
