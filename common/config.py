@@ -63,7 +63,10 @@ class ProviderConfig(_Strict):
     models: list[str] = Field(min_length=1)
     connect_timeout_ms: int = Field(5_000, ge=1)
     read_timeout_ms: int = Field(120_000, ge=1, description="longest silence while reading a response")
-    probe_timeout_ms: int = Field(2_000, ge=1)
+    probe_timeout_ms: int = Field(2_000, ge=1, description="a health probe without an answer by then failed")
+    probe_interval_ms: int | None = Field(None, ge=10, description="least time between probes (runtime default)")
+    probe_path: str | None = Field(None, pattern=r"^/\S*$",
+                                   description="OpenAI family: the health endpoint on the provider's host")
     api_path: str | None = Field(None, pattern=r"^(/\S*)?$",
                                  description="OpenAI family: path of the API under base_url (default by type)")
     command: list[Annotated[str, Field(min_length=1)]] | None = Field(
@@ -101,6 +104,7 @@ class RuntimeConfig(_Strict):
 
     heartbeat_interval_ms: int = Field(2_000, ge=10)
     heartbeat_ttl_ms: int = Field(6_000, ge=20)
+    probe_interval_ms: int = Field(5_000, ge=10)
     lease_ttl_ms: int = Field(15_000, ge=50)
     scheduler_liveness_ms: int = Field(3_000, ge=50)
     run_ttl_s: int = Field(3_600, ge=1)

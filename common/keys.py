@@ -45,6 +45,12 @@ def heartbeat(provider_id: str) -> str:
     return f"{PREFIX}:provider:{provider_id}"
 
 
+def probing(provider_id: str) -> str:
+    """String with a TTL held while a health probe that would disturb a run is out; no run is
+    dispatched to the provider meanwhile."""
+    return f"{PREFIX}:probing:{provider_id}"
+
+
 def node_queue(node_id: str) -> str:
     """arq queue (a sorted set of job ids) of one node; job id = run id."""
     return f"{PREFIX}:node:{node_id}"
@@ -93,8 +99,11 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
      "XRANGE iop:events:{run} - +"),
     (leases("{provider}"), "sorted set", "reserved slots: run id -> lease expiry (ms); in_flight = live members",
      "ZRANGE iop:leases:{provider} 0 -1 WITHSCORES"),
-    (heartbeat("{provider}"), "hash + TTL", "health, reason, capacity, models, last heartbeat",
+    (heartbeat("{provider}"), "hash + TTL",
+     "health, reason, capacity, models, last heartbeat; health evidence (ok_ms, fails, fail_reason, probe_ms)",
      "HGETALL iop:provider:{provider}; PTTL iop:provider:{provider}"),
+    (probing("{provider}"), "string + TTL", "a probe that would disturb a run is out; dispatch waits",
+     "EXISTS iop:probing:{provider}"),
     (node_queue("{node}"), "sorted set (arq)", "jobs queued for the node's workers",
      "ZRANGE iop:node:{node} 0 -1 WITHSCORES"),
     (node_wake("{node}"), "list", "ids of jobs just queued, popped by idle workers", "LRANGE iop:wake:{node} 0 -1"),

@@ -10,7 +10,8 @@ over a 0/1 one, so the small provider is kept for when the large one fills), the
 provider id in lexical order.
 
 A run being retried passes the providers it already failed on as `avoid`: they are only
-chosen when no other candidate has a free slot.
+chosen when no other candidate has a free slot. A run whose provider answered with a server
+error passes them as `exclude` instead: it goes to another provider or waits.
 """
 
 from __future__ import annotations
@@ -78,12 +79,14 @@ def _rank(snap: ProviderSnapshot) -> tuple[Fraction, int, str]:
 
 
 def select_provider(
-    snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int, avoid: frozenset[str] = frozenset()
+    snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int, avoid: frozenset[str] = frozenset(),
+    exclude: frozenset[str] = frozenset(),
 ) -> ProviderSnapshot | None:
     """The provider a run should go to now, or None if no provider can take it."""
     candidates = [
         s for s in snapshots
         if is_available(s, now_ms, ttl_ms) and s.capacity is not None and s.in_flight < s.capacity
+        and s.provider_id not in exclude
     ]
     fresh = [s for s in candidates if s.provider_id not in avoid]
     if fresh:

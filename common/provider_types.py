@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-ProviderType = Literal["ollama", "vllm", "sglang", "lemonade", "openai_api", "cli"]
+ProviderType = Literal["ollama", "vllm", "sglang", "llamacpp", "lemonade", "openai_api", "cli"]
 Category = Literal["api", "cli", "local_inference"]
 LifecycleFlag = Literal["list_models", "load_model", "unload_model", "pull_model", "delete_model"]
 
@@ -18,13 +18,20 @@ CATEGORIES: tuple[str, ...] = get_args(Category)
 LIFECYCLE_FLAGS: tuple[str, ...] = get_args(LifecycleFlag)
 
 #: The types that speak the OpenAI HTTP API themselves.
-OPENAI_FAMILY: frozenset[str] = frozenset({"vllm", "sglang", "lemonade", "openai_api"})
+OPENAI_FAMILY: frozenset[str] = frozenset({"vllm", "sglang", "llamacpp", "lemonade", "openai_api"})
+
+#: Types whose health probe disturbs a run in progress, so it is only sent while the provider
+#: runs nothing (and no run starts while it is out). llama-cpp-python's server takes its
+#: generation lock for `GET /v1/models`, and by default a request waiting for that lock cuts the
+#: running stream short (`interrupt_requests`).
+PROBE_DISTURBS: frozenset[str] = frozenset({"llamacpp"})
 
 #: The category a provider gets when its config does not say.
 DEFAULT_CATEGORY: dict[str, Category] = {
     "ollama": "local_inference",
     "vllm": "local_inference",
     "sglang": "local_inference",
+    "llamacpp": "local_inference",
     "lemonade": "local_inference",
     "openai_api": "api",
     "cli": "cli",
@@ -34,13 +41,14 @@ _ALL: tuple[LifecycleFlag, ...] = ("list_models", "load_model", "unload_model", 
 
 #: The lifecycle flags a provider gets when its config does not say. Ollama and Lemonade
 #: manage their own model store (pull, delete, load, unload); vLLM and SGLang serve the
-#: models they were started with and can only list them; a hosted API lists; a CLI tool
+#: models they were started with and can only list them (so does llama.cpp's server); a hosted API lists; a CLI tool
 #: says nothing about its models.
 DEFAULT_LIFECYCLE: dict[str, tuple[LifecycleFlag, ...]] = {
     "ollama": _ALL,
     "lemonade": _ALL,
     "vllm": ("list_models",),
     "sglang": ("list_models",),
+    "llamacpp": ("list_models",),
     "openai_api": ("list_models",),
     "cli": (),
 }

@@ -20,12 +20,33 @@ local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
 """
 
 # Put a dispatched run back at the tail of its model's queue; earlier providers go along as
-# `tried`, so the retry avoids them. Shared by FINISH (a failed attempt) and REAP (a lost one).
+# `tried`, so the retry avoids them (or, `elsewhere`, never goes to them: `exclude` = 1).
+# Shared by FINISH (a failed attempt) and REAP (a lost one).
 _REQUEUE = """
-local function requeue(record, stream, run_id)
-  local entry = redis.call('XADD', stream, '*', 'run', run_id, 'tried', redis.call('HGET', record, 'tried') or '')
+local function requeue(record, stream, run_id, elsewhere)
+  local tried = redis.call('HGET', record, 'tried') or ''
+  local entry
+  if elsewhere then
+    entry = redis.call('XADD', stream, '*', 'run', run_id, 'tried', tried, 'exclude', '1')
+  else
+    entry = redis.call('XADD', stream, '*', 'run', run_id, 'tried', tried)
+  end
   redis.call('HSET', record, 'state', 'queued', 'entry', entry)
   redis.call('HDEL', record, 'provider', 'node', 'target', 'dispatched_ms', 'started_ms', 'worker')
+end
+"""
+
+# What a run or a probe showed about a provider's health (`workers.health`), added to its
+# heartbeat hash if it has one: 'ok' (a sign of life) resets the strikes, 'fail' adds some.
+_EVIDENCE = """
+local function evidence(hb, kind, strikes, reason, health)
+  if kind == '' or redis.call('EXISTS', hb) == 0 then return end
+  if kind == 'ok' then
+    redis.call('HSET', hb, 'ok_ms', now, 'fails', 0)
+  else
+    redis.call('HINCRBY', hb, 'fails', strikes)
+    redis.call('HSET', hb, 'fail_ms', now, 'fail_reason', reason, 'fail_health', health)
+  end
 end
 """
 
@@ -47,9 +68,10 @@ return {'ok', entry}
 """
 
 # KEYS: runs stream, run record, events, chosen lease, arq job, arq retry, node queue, node wake,
-#       lease keys of every candidate the decision looked at...
+#       the chosen provider's probing lock, lease keys of every candidate the decision looked at...
 # ARGV: run id, entry id, group, capacity, lease_ttl_ms, provider, node, target, job payload,
 #       ttl_s, signals channel, model, the in_flight seen for each candidate (same order)...
+# Answers 'probing' while a probe that would disturb a run is out (the prober signals its end).
 DISPATCH = _NOW + """
 local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #head == 0 then return 'gone' end
@@ -65,13 +87,14 @@ end
 local live = '(' .. now
 local counts = {'stale'}
 local changed = false
-for i = 9, #KEYS do
+for i = 10, #KEYS do
   local n = redis.call('ZCOUNT', KEYS[i], live, '+inf')
   counts[#counts + 1] = n
-  if n ~= tonumber(ARGV[i + 4]) then changed = true end
+  if n ~= tonumber(ARGV[i + 3]) then changed = true end
 end
 if changed then return counts end  -- the policy runs again on these live counts
 if redis.call('ZCOUNT', KEYS[4], live, '+inf') >= tonumber(ARGV[4]) then return 'stale' end
+if redis.call('EXISTS', KEYS[9]) == 1 then return 'probing' end
 local ttl = tonumber(ARGV[10])
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])
 redis.call('XACK', KEYS[1], ARGV[3], ARGV[2])
@@ -158,19 +181,22 @@ return 1
 # The end of an attempt: release the slot, then either record a terminal state or put the
 # run back at the tail of its model's queue. Does nothing if the attempt no longer owns the
 # run (its lease was reaped and the run went on without it).
-# KEYS: run record, lease, events, runs stream
-# ARGV: run id, state (completed|failed|cancelled|requeue), event type, event data, ttl_s,
-#       signals channel, model, error code, error message, attempt
-FINISH = _NOW + _REQUEUE + """
+# Also adds what the attempt showed about the provider's health to its heartbeat (`_EVIDENCE`).
+# KEYS: run record, lease, events, runs stream, heartbeat
+# ARGV: run id, state (completed|failed|cancelled|requeue|requeue_elsewhere), event type, event
+#       data, ttl_s, signals channel, model, error code, error message, attempt,
+#       evidence ('ok'|'fail'|''), strikes, failure reason
+FINISH = _NOW + _REQUEUE + _EVIDENCE + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[10] then return 'stale' end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
 redis.call('ZREM', KEYS[2], ARGV[1])
+evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable')
 local ttl = tonumber(ARGV[5])
 redis.call('XADD', KEYS[3], '*', 'type', ARGV[3], 'data', ARGV[4])
 redis.call('EXPIRE', KEYS[3], ttl)
-if ARGV[2] == 'requeue' then
-  requeue(KEYS[1], KEYS[4], ARGV[1])
+if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' then
+  requeue(KEYS[1], KEYS[4], ARGV[1], ARGV[2] == 'requeue_elsewhere')
 else
   redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
   if ARGV[8] ~= '' then
@@ -250,7 +276,7 @@ if redis.call('HGET', KEYS[2], 'cancel') == '1' then
 end
 if not output and attempts < tonumber(ARGV[2]) then
   redis.call('XADD', KEYS[3], '*', 'type', 'requeued', 'data', ARGV[6])
-  requeue(KEYS[2], KEYS[4], ARGV[1])
+  requeue(KEYS[2], KEYS[4], ARGV[1], false)
   redis.call('EXPIRE', KEYS[3], ttl)
   return 'requeued'
 end
@@ -260,6 +286,37 @@ redis.call('HSET', KEYS[2], 'state', 'failed', 'finished_ms', now, 'error_code',
 redis.call('EXPIRE', KEYS[3], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
 return 'failed'
+"""
+
+# A worker claims the next health probe of a provider: nothing showed it alive for an interval
+# and no other worker probed it since. An `exclusive` probe (one that would disturb a run) is
+# only claimed while the provider runs nothing, and takes the probing lock that DISPATCH honours.
+# KEYS: heartbeat, lease, probing lock   ARGV: interval_ms, exclusive (1|0), lock ttl_ms, heartbeat ttl_ms
+PROBE = _NOW + """
+local last = math.max(tonumber(redis.call('HGET', KEYS[1], 'ok_ms') or '0'),
+                      tonumber(redis.call('HGET', KEYS[1], 'probe_ms') or '0'))
+if now - last < tonumber(ARGV[1]) then return 0 end
+if ARGV[2] == '1' then
+  if redis.call('ZCOUNT', KEYS[2], '(' .. now, '+inf') > 0 then return 0 end
+  if not redis.call('SET', KEYS[3], '1', 'NX', 'PX', ARGV[3]) then return 0 end
+end
+redis.call('HSET', KEYS[1], 'probe_ms', now)
+if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
+return 1
+"""
+
+# What a probe found (`_EVIDENCE`), and the end of an exclusive probe: its lock goes and the
+# schedulers are woken, since runs may wait for it.
+# KEYS: heartbeat, probing lock
+# ARGV: evidence ('ok'|'fail'|''), strikes, reason, failure health, observed models ('-' = keep),
+#       signals channel
+PROBED = _NOW + _EVIDENCE + """
+evidence(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+if ARGV[5] ~= '-' and redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'observed_models', ARGV[5])
+end
+if redis.call('DEL', KEYS[2]) == 1 then redis.call('PUBLISH', ARGV[6], '*') end
+return 1
 """
 
 ALL: dict[str, str] = {
@@ -272,6 +329,8 @@ ALL: dict[str, str] = {
     "drop_queued": DROP_QUEUED,
     "emit": EMIT,
     "reap": REAP,
+    "probe": PROBE,
+    "probed": PROBED,
 }
 
 SHAS: dict[str, str] = {name: sha1(src.encode()).hexdigest() for name, src in ALL.items()}

@@ -6,6 +6,7 @@ payloads and job payloads, which are msgpack (see `common.codec`).
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -128,3 +129,13 @@ class RunField(StrEnum):
 def cancelled_by_caller() -> ErrorInfo:
     """The error a run ends with when its caller cancelled it (disconnect or DELETE)."""
     return ErrorInfo(ErrorCode.CANCELLED, "cancelled by the caller")
+
+
+def upstream_request_id(run_id: str) -> str:
+    """The `X-Request-Id` a provider gets for a run: a UUID, which every server accepts (some,
+    such as llama-cpp-python's, answer 400 to any other value). A run id is `run_` + the hex of
+    a UUID, so this is that UUID; any other id maps to a stable UUID of its own."""
+    try:
+        return str(uuid.UUID(hex=run_id.removeprefix("run_")))
+    except ValueError:
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, run_id))

@@ -59,6 +59,15 @@ class Waiting:
     deadline_ms: int = field(compare=False)
     #: providers earlier attempts failed on; a retry goes elsewhere when it can
     avoid: frozenset[str] = field(compare=False, default=frozenset())
+    #: providers it must not go to (they answered it with a server error)
+    exclude: frozenset[str] = field(compare=False, default=frozenset())
+
+
+def _no_other_provider(model_id: str, w: Waiting) -> ErrorInfo:
+    """A run whose providers answered it with server errors, and no other provider can take it."""
+    return ErrorInfo(ErrorCode.PROVIDER_ERROR,
+                     f"{', '.join(sorted(w.exclude))} answered with a server error and no other provider "
+                     f"of model {model_id!r} is available")
 
 
 def new_consumer_name() -> str:
@@ -97,9 +106,10 @@ class Scheduler:
         model = self.config.model(model_id)
         assert model is not None
         timeout = self.config.queue_for(model).queue_timeout_ms
-        tried = fields.get(b"tried", b"").decode()
-        avoid = frozenset(tried.split(",")) - {""}
-        item = Waiting(_entry_key(entry_id), run_id, entry_id, _entry_key(entry_id)[0] + timeout, avoid)
+        tried = frozenset(fields.get(b"tried", b"").decode().split(",")) - {""}
+        hard = fields.get(b"exclude") == b"1"
+        item = Waiting(_entry_key(entry_id), run_id, entry_id, _entry_key(entry_id)[0] + timeout,
+                       avoid=frozenset() if hard else tried, exclude=tried if hard else frozenset())
         queue = self.waiting[model_id]
         if not any(w.entry_id == entry_id for w in queue):
             bisect.insort(queue, item)
@@ -158,11 +168,16 @@ class Scheduler:
             now = now_ms()
             if snaps is None:
                 snaps = await read_snapshots(self.redis, self._targets[model.id], now)
-            choice = select_provider(snaps, now, ttl, head.avoid)
+            choice = select_provider(snaps, now, ttl, head.avoid, head.exclude)
             if choice is None:
                 if all_refused(snaps, now, ttl):
                     await self._refuse_all(model, snaps)
-                return
+                    return
+                others = [s for s in snaps if s.provider_id not in head.exclude]
+                if not head.exclude or (others and not all_refused(others, now, ttl)):
+                    return  # it waits for a slot, and the runs behind it with it (FIFO)
+                await self._drop(model.id, queue.pop(0), RunState.FAILED, _no_other_provider(model.id, head))
+                continue
             result, live = await self._dispatch(model, head, choice, snaps)
             metrics.DISPATCHES.labels(model.id, result).inc()
             if result in ("ok", "gone"):
@@ -178,7 +193,9 @@ class Scheduler:
                 snaps = None if live is None else [replace(s, in_flight=live.get(s.provider_id, s.in_flight))
                                                    for s in snaps]
             else:
-                return  # not_head: an older run of another replica goes first; it signals us
+                # not_head: an older run of another replica goes first; it signals us.
+                # probing: a probe that would disturb a run is out; its end signals us.
+                return
 
     async def _dispatch(self, model: ModelConfig, head: Waiting, choice: ProviderSnapshot,
                         snaps: list[ProviderSnapshot]) -> tuple[str, dict[str, int] | None]:
@@ -191,7 +208,8 @@ class Scheduler:
             "dispatch",
             [keys.runs_stream(model.id), keys.run_record(head.run_id), keys.run_events(head.run_id),
              keys.leases(provider_id), keys.arq_job(head.run_id), keys.arq_retry(head.run_id),
-             keys.node_queue(node_id), keys.node_wake(node_id), *(keys.leases(s.provider_id) for s in seen)],
+             keys.node_queue(node_id), keys.node_wake(node_id), keys.probing(provider_id),
+             *(keys.leases(s.provider_id) for s in seen)],
             [head.run_id, head.entry_id, keys.SCHEDULER_GROUP, choice.capacity, rt.lease_ttl_ms, provider_id,
              node_id, model.providers[provider_id], job_payload(head.run_id, now_ms()), rt.run_ttl_s,
              keys.SCHEDULER_SIGNALS, model.id, *(s.in_flight for s in seen)],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import redis as sync_redis
 from iop.embedded_redis import RedisServer
 from tests.conftest import Stack, wait_until
 
-FAST_RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "lease_ttl_ms": 1500,
+FAST_RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "probe_interval_ms": 200, "lease_ttl_ms": 1500,
                 "scheduler_liveness_ms": 1000}
 MODEL = "qwen3.6:35b"
 TERMINAL = {b"completed", b"failed", b"cancelled", b"timed_out"}
@@ -120,6 +121,11 @@ class FaultStack(Stack):
                     completed[req["request_id"]] += 1
         twice = {run: n for run, n in completed.items() if n > 1}
         assert not twice, f"runs executed more than once: {twice}"
+
+
+def run_of(request_id: str) -> str:
+    """The run id behind the `X-Request-Id` a provider saw (`common.wire.upstream_request_id`)."""
+    return "run_" + uuid.UUID(request_id).hex
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, dict[str, Any], dict[str, str]]:

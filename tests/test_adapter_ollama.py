@@ -16,7 +16,7 @@ import pytest
 
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import RunKind
+from common.wire import RunKind, upstream_request_id
 from tests.fakes.ollama_server import FakeOllama, FakeState
 from tests.openapi import validate
 from workers.adapters.base import ProviderError
@@ -81,7 +81,8 @@ async def test_chat_stream_maps_deltas_finish_reason_and_usage(adapter: OllamaAd
     assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
 
     sent = fake.state.records[-1]
-    assert sent["path"] == "/api/chat" and sent["model"] == SERVED and sent["request_id"] == "run_1"
+    assert sent["path"] == "/api/chat" and sent["model"] == SERVED
+    assert sent["request_id"] == upstream_request_id("run_1")
     assert sent["body"]["stream"] is True
     assert sent["body"]["options"] == {"temperature": 0.2, "stop": ["\n\n"], "seed": 7}
     assert sent["body"]["messages"] == [{"role": "user", "content": "why is the sky blue"}]
@@ -246,7 +247,7 @@ async def test_probe_transitions_available_unavailable_available(adapter: Ollama
     port = fake.port
     await fake.stop()
     probe = await adapter.probe()
-    assert probe.health is Health.UNAVAILABLE and "GET /api/tags failed" in probe.reason
+    assert probe.health is Health.UNAVAILABLE and probe.reason == "GET /api/tags: connection refused"
     await fake.start(port)
     assert (await adapter.probe()).health is Health.AVAILABLE
 

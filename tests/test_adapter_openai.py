@@ -15,7 +15,7 @@ from aiohttp import web
 
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import RunKind
+from common.wire import RunKind, upstream_request_id
 from iop.simulator import SimOptions, start_server
 from tests.conftest import async_wait_until as until
 from workers.adapters.base import ProviderError
@@ -120,7 +120,7 @@ async def test_each_type_streams_completes_and_embeds_via_the_simulator(
     prefix = "/api/v1" if ptype == "lemonade" else "/v1"
     assert [r["path"] for r in seen["requests"]] == [
         f"{prefix}/chat/completions", f"{prefix}/completions", f"{prefix}/embeddings"]
-    assert [r["request_id"] for r in seen["requests"]] == ["run_s", "run_c", "run_e"]
+    assert [r["request_id"] for r in seen["requests"]] == [upstream_request_id(r) for r in ("run_s", "run_c", "run_e")]
     assert seen["by_model"] == {SERVED: 2, "embed-small": 1}
 
 
@@ -130,7 +130,7 @@ async def test_probe_transitions_available_unavailable_available(sim: Sim, sessi
     port = sim.port
     await sim.stop()
     probe = await adapter.probe()
-    assert probe.health is Health.UNAVAILABLE and probe.reason.startswith("GET /health failed: ")
+    assert probe.health is Health.UNAVAILABLE and probe.reason == "GET /health: connection refused"
     await sim.start(port)
     assert (await adapter.probe()).health is Health.AVAILABLE
 

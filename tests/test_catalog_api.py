@@ -61,8 +61,11 @@ async def serve(config: Config, redis_url: str) -> AsyncIterator[str]:
 
 
 async def publish(redis: Redis, config: Config, provider_id: str, probe: ProbeResult) -> None:
+    """A heartbeat as a worker writes it once it has judged `probe`'s result."""
     p = config.provider(provider_id)
-    await redis.hset(keys.heartbeat(p.id), mapping=heartbeat_fields(p, config.node_of(p.id), probe, now_ms()))
+    fields = heartbeat_fields(p, config.node_of(p.id), probe.health, probe.reason, now_ms())
+    fields["observed_models"] = "" if probe.models is None else json.dumps(probe.models)
+    await redis.hset(keys.heartbeat(p.id), mapping=fields)
 
 
 async def get_json(url: str) -> tuple[int, dict[str, Any]]:

@@ -36,7 +36,7 @@ async_api = pytest.importorskip("playwright.async_api", reason="playwright is no
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = ROOT / "test-artifacts"
-RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "lease_ttl_ms": 2000,
+RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "probe_interval_ms": 200, "lease_ttl_ms": 2000,
            "scheduler_liveness_ms": 1000}
 WAIT_MS = 20_000  # deadline of every wait on the page's state
 

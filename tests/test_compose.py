@@ -148,7 +148,7 @@ def test_the_compose_services_serve_traffic_as_local_processes(stack: Stack) -> 
             url = urlsplit(provider["base_url"])
             sim = compose.run(str(url.hostname)).wait_for_line(READY_LINE["simulator"]).group(1)
             provider["base_url"] = urlunsplit(urlsplit(sim)._replace(path=url.path))
-    pool["runtime"] = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000}
+    pool["runtime"] = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "probe_interval_ms": 200}
     stack.write_config(pool)
 
     procs = [compose.run("scheduler", i) for i in range(SERVICES["scheduler"]["deploy"]["replicas"])]

@@ -17,7 +17,7 @@ from tests.openapi import validate
 
 pytestmark = pytest.mark.e2e
 
-FAST_RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "lease_ttl_ms": 2000,
+FAST_RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "probe_interval_ms": 200, "lease_ttl_ms": 2000,
                 "scheduler_liveness_ms": 1000}
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from iop.embedded_redis import RedisServer
 from tests.conftest import async_wait_until
-from tests.faults import MODEL, FaultStack, chat
+from tests.faults import MODEL, FaultStack, chat, run_of
 
 pytestmark = pytest.mark.e2e
 
@@ -141,14 +141,14 @@ async def test_a_worker_killed_before_output_has_its_run_retried(
     gateway = start(fstack, {"only": ("n1", 1)}, workers_per_node=2)
     task = asyncio.create_task(http.post(gateway + "/v1/chat/completions", json=chat(ttft_ms=1000)))
     await until_current(fstack, "only", 1)
-    run_id = next(r["request_id"] for r in (await fstack.stats("only"))["requests"])
+    run_id = run_of(next(r["request_id"] for r in (await fstack.stats("only"))["requests"]))
     worker_pid = int((fstack.run_field(run_id, "worker") or ":0").rsplit(":", 1)[1])
     next(p for p in fstack.procs if p.popen.pid == worker_pid).send(signal.SIGKILL)
     resp = await task
     assert resp.status == 200, await resp.text()
     assert resp.headers["X-IOP-Run-Id"] == run_id
     assert fstack.run_field(run_id, "attempts") == "2"
-    tries = [r for r in (await fstack.stats("only"))["requests"] if r["request_id"] == run_id]
+    tries = [r for r in (await fstack.stats("only"))["requests"] if run_of(r["request_id"]) == run_id]
     assert [r["completed"] for r in tries] == [False, True]
     resp.release()
 
@@ -171,11 +171,25 @@ async def test_a_provider_error_before_output_is_retried_on_another_provider(
 
 
 async def test_retries_stop_at_max_attempts(fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    # the provider drops every connection before answering: worth trying again, even there
     gateway = start(fstack, {"bad": ("n1", 1)}, queue={"max_attempts": 2},
-                    sim_args={"bad": ("--fail-rate", "1", "--fail-status", "500")})
+                    sim_args={"bad": ("--fail-after-tokens", "0")})
     status, body = await call(http, gateway, chat())
     assert status == 502 and body["error"]["code"] == "provider_error"
+    assert body["error"]["message"] == "provider bad: the server closed the connection"
     assert len((await fstack.stats("bad"))["requests"]) == 2
+
+
+@pytest.mark.parametrize("providers", [("a",), ("a", "b")])
+async def test_a_server_error_is_tried_again_only_on_another_provider_once_each(
+        fstack: FaultStack, http: aiohttp.ClientSession, providers: tuple[str, ...]) -> None:
+    # a deterministic 500 (a parameter the server rejects that way) would only come back the same
+    gateway = start(fstack, {p: ("n1", 1) for p in providers}, queue={"max_attempts": 5},
+                    sim_args={p: ("--fail-rate", "1", "--fail-status", "500") for p in providers})
+    status, body = await call(http, gateway, chat())
+    assert status == 502 and body["error"]["code"] == "provider_error"
+    assert re.fullmatch(r"provider [ab] answered 500: .+", body["error"]["message"]), body
+    assert [len((await fstack.stats(p))["requests"]) for p in providers] == [1] * len(providers)
 
 
 async def test_a_run_that_already_sent_output_is_never_retried(
@@ -231,7 +245,7 @@ async def test_a_caller_leaving_a_running_run_closes_the_provider_request(
     else:
         task = asyncio.create_task(http.post(gateway + "/v1/chat/completions", json=body))
         await until_current(fstack, "only", 1)
-        run_id = next(r["request_id"] for r in (await fstack.stats("only"))["requests"])
+        run_id = run_of(next(r["request_id"] for r in (await fstack.stats("only"))["requests"]))
         task.cancel()  # the caller goes away while waiting for the whole answer
     r = fstack.client()
     await async_wait_until(lambda: _disconnects(fstack, 1), what="the provider to see the disconnect")

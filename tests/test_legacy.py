@@ -115,8 +115,8 @@ def test_migrate_of_a_new_shape_file_prints_it_as_it_is(capsys: pytest.CaptureFi
     (lambda d: d["nodes"][0]["adapters"][0].pop("endpoint"),
      "nodes[0].adapters[0].endpoint: required for type vllm"),
     (lambda d: d["nodes"][0]["adapters"][0].update(type="tgi"),
-     "nodes[0].adapters[0].type: Input should be 'ollama', 'vllm', 'sglang', 'lemonade', 'openai_api' or 'cli', "
-     "got 'tgi'"),
+     "nodes[0].adapters[0].type: Input should be 'ollama', 'vllm', 'sglang', 'llamacpp', 'lemonade', 'openai_api' "
+     "or 'cli', got 'tgi'"),
     (lambda d: d["openai"]["model_routes"][2].update(adapter="nope"),
      "openai.model_routes[2].adapter: provider 'nope' is not defined by any node"),
     (lambda d: d["openai"]["model_routes"][0].update(adaptor="x"),

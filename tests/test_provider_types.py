@@ -19,7 +19,6 @@ from common.provider_types import (
     default_category,
     default_lifecycle,
 )
-from workers.adapters.base import ProbeResult
 from workers.heartbeat import heartbeat_fields
 
 
@@ -98,15 +97,11 @@ def test_api_path_is_a_path() -> None:
 
 def test_the_heartbeat_carries_what_the_catalog_shows() -> None:
     cfg = parse_config(one_provider(type="ollama", lifecycle_capabilities=["list_models", "pull_model"]))
-    probe = ProbeResult(Health.UNAVAILABLE, "GET /api/tags answered 500", None)
-    fields = heartbeat_fields(cfg.provider("p"), "n", probe, 1234)
+    fields = heartbeat_fields(cfg.provider("p"), "n", Health.UNAVAILABLE, "GET /api/tags answered 500", 1234)
     assert fields["health"] == "unavailable" and fields["reason"] == "GET /api/tags answered 500"
     assert fields["category"] == "local_inference" and fields["type"] == "ollama"
     assert json.loads(fields["lifecycle"]) == ["list_models", "pull_model"]
-    assert fields["observed_models"] == ""  # could not list: the scheduler assumes the config is right
-    assert json.loads(fields["models"]) == ["served"]
-
-    probe = ProbeResult(Health.AVAILABLE, "", ["other", "served"])
-    fields = heartbeat_fields(cfg.provider("p"), "n", probe, 1234)
-    assert json.loads(fields["observed_models"]) == ["other", "served"]
+    assert json.loads(fields["models"]) == ["served"] and fields["ts_ms"] == "1234"
+    # the beat never overwrites what probes and runs found (`workers.health.Field`, observed models)
+    assert not {"observed_models", "ok_ms", "fails", "fail_ms", "fail_reason", "probe_ms"} & set(fields)
     assert "api_key" not in json.dumps(fields)

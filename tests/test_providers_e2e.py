@@ -33,7 +33,7 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent
 CLI_SCRIPT = str(ROOT / "fakes" / "cli_llm.py")
 LEGACY = ROOT / "fixtures" / "legacy.yaml"
-FAST_RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "lease_ttl_ms": 2000,
+FAST_RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "probe_interval_ms": 200, "lease_ttl_ms": 2000,
                 "scheduler_liveness_ms": 1000}
 MODEL = "qwen3.6:35b"
 SERVED = {"a-ollama": "qwen3.6:35b-q4_K_M", "b-cli": "qwen-cli", "c-sim": "Qwen/Qwen3.6-35B-A3B"}

@@ -1,8 +1,12 @@
-"""Heartbeats: each worker probes its node's providers and publishes what it found.
+"""Heartbeats: each worker publishes the health of its node's providers, judged from evidence.
 
-Every worker process of a node publishes the same hashes (last writer wins), so a node
-stays visible as long as any of its workers lives. Each provider is probed by its own
-loop, so a provider that hangs cannot delay the others' heartbeats. A hash expires after
+Every worker process of a node publishes the same hashes (last writer wins), so a node stays
+visible as long as any of its workers lives. Health is judged by `workers.health.judge` from
+the evidence in the hash (runs that succeeded or failed, probes) and the provider's live
+leases, so every worker judges it the same way. A worker probes a provider only when it
+claims the probe (`probe` script): nothing showed the provider alive for its probe interval,
+no other worker probed it since, and, for a probe that would disturb a run, the provider runs
+nothing. Probes run beside the heartbeat, so a slow one never delays it. A hash expires after
 `heartbeat_ttl_ms`; a provider without one is `unknown` and never selected.
 """
 
@@ -19,27 +23,39 @@ from redis.asyncio import Redis
 from common import keys
 from common.config import Config, ProviderConfig
 from common.policy import Health
-from common.redisconn import REDIS_DOWN, now_ms
+from common.provider_types import PROBE_DISTURBS
+from common.redisconn import REDIS_DOWN, as_text_map, now_ms
+from common.scripts import Scripts
 from workers.adapters.base import Adapter, ProbeResult
+from workers.health import Evidence, judge
 
 log = logging.getLogger("iop.worker")
 
 
-def heartbeat_fields(provider: ProviderConfig, node_id: str, probe: ProbeResult, ts_ms: int) -> dict[str, str]:
+def heartbeat_fields(provider: ProviderConfig, node_id: str, health: Health, reason: str,
+                     ts_ms: int) -> dict[str, str]:
     return {
         "id": provider.id,
         "node": node_id,
         "type": provider.type,
         "category": provider.effective_category,
-        "health": probe.health.value,
-        "reason": probe.reason,
+        "health": health.value,
+        "reason": reason,
         "capacity": str(provider.capacity),
         "models": json.dumps(provider.models),
-        "observed_models": json.dumps(probe.models) if probe.models is not None else "",
         "lifecycle": json.dumps(provider.effective_lifecycle),  # coarse flags (D05), shown, never acted on
         "ts_ms": str(ts_ms),
         "worker": f"{socket.gethostname()}:{os.getpid()}",
     }
+
+
+def probe_evidence(probe: ProbeResult, busy: bool) -> tuple[str, int]:
+    """(evidence kind, strikes) of a probe's result: a timeout on a busy provider says nothing."""
+    if probe.health is Health.AVAILABLE:
+        return "ok", 0
+    if probe.timed_out and busy:
+        return "", 0
+    return "fail", probe.strikes
 
 
 class Heartbeats:
@@ -48,33 +64,92 @@ class Heartbeats:
         self.config = config
         self.node_id = node_id
         self.adapters = adapters
+        self.scripts = Scripts(redis)
+        node = config.node(node_id)
+        assert node is not None
+        self.providers = list(node.providers)
         self.last: dict[str, Health] = {}
+        self.wake = {p.id: asyncio.Event() for p in self.providers}
+        self.probes: dict[str, asyncio.Task[None]] = {}
 
-    async def beat_once(self, provider: ProviderConfig) -> ProbeResult:
-        interval_s = self.config.runtime.heartbeat_interval_ms / 1000
-        try:
-            # A probe never outlives one interval, so a hung provider turns unavailable
-            # within two intervals.
-            async with asyncio.timeout(interval_s):
-                probe = await self.adapters[provider.id].probe()
-        except TimeoutError:
-            probe = ProbeResult(Health.UNAVAILABLE, f"health probe got no answer within {interval_s:g}s")
+    def nudge(self, provider_id: str) -> None:
+        """New evidence about a provider: judge and publish its health now, not at the next beat."""
+        event = self.wake.get(provider_id)
+        if event is not None:
+            event.set()
+
+    def showed_life(self, provider_id: str) -> None:
+        """A run succeeded there: that only changes its health if it was not available."""
+        if self.last.get(provider_id) is not Health.AVAILABLE:
+            self.nudge(provider_id)
+
+    async def beat_once(self, provider: ProviderConfig) -> Health:
         key = keys.heartbeat(provider.id)
+        now = now_ms()
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key, mapping=heartbeat_fields(provider, self.node_id, probe, now_ms()))
+        pipe.hgetall(key)
+        pipe.zcount(keys.leases(provider.id), f"({now}", "+inf")
+        raw, in_flight = await pipe.execute()
+        health, reason = judge(Evidence.from_hash(as_text_map(raw)), int(in_flight))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, mapping=heartbeat_fields(provider, self.node_id, health, reason, now))
         pipe.pexpire(key, self.config.runtime.heartbeat_ttl_ms)
-        if self.last.get(provider.id) is not probe.health:
-            log.info("provider %s is %s %s", provider.id, probe.health.value, probe.reason)
+        if self.last.get(provider.id) is not health:
+            log.info("provider %s is %s%s", provider.id, health.value, f": {reason}" if reason else "")
             pipe.publish(keys.SCHEDULER_SIGNALS, "*")
         await pipe.execute()
-        self.last[provider.id] = probe.health
-        return probe
+        self.last[provider.id] = health
+        await self._maybe_probe(provider, int(in_flight))
+        return health
 
+    # ------------------------------------------------------------------ probes
+    def _probe_limit_s(self, provider: ProviderConfig) -> float:
+        """The longest a whole probe may take (the OpenAI family makes up to two requests)."""
+        return 2 * provider.probe_timeout_ms / 1000 + 1.0
+
+    async def _maybe_probe(self, provider: ProviderConfig, in_flight: int) -> None:
+        running = self.probes.get(provider.id)
+        if running is not None and not running.done():
+            return
+        interval = provider.probe_interval_ms or self.config.runtime.probe_interval_ms
+        exclusive = provider.type in PROBE_DISTURBS
+        claimed = await self.scripts.call(
+            "probe", [keys.heartbeat(provider.id), keys.leases(provider.id), keys.probing(provider.id)],
+            [interval, 1 if exclusive else 0, int(self._probe_limit_s(provider) * 1000),
+             self.config.runtime.heartbeat_ttl_ms])
+        if claimed == 1:
+            self.probes[provider.id] = asyncio.create_task(self._probe(provider, in_flight > 0))
+
+    async def _probe(self, provider: ProviderConfig, busy: bool) -> None:
+        limit_s = self._probe_limit_s(provider)
+        try:
+            async with asyncio.timeout(limit_s):
+                probe = await self.adapters[provider.id].probe()
+        except TimeoutError:
+            probe = ProbeResult(Health.UNAVAILABLE, f"the probe got no answer within {int(limit_s * 1000)} ms",
+                                strikes=1, timed_out=True)
+        try:
+            if probe.timed_out and not busy:  # did runs start while it was out?
+                busy = await self.redis.zcount(keys.leases(provider.id), f"({now_ms()}", "+inf") > 0
+            kind, strikes = probe_evidence(probe, busy)
+            observed = "-" if kind != "ok" else "" if probe.models is None else json.dumps(probe.models)
+            await self.scripts.call(
+                "probed", [keys.heartbeat(provider.id), keys.probing(provider.id)],
+                [kind, strikes, probe.reason, probe.health.value, observed, keys.SCHEDULER_SIGNALS])
+        except REDIS_DOWN as exc:
+            log.warning("probe of %s: Redis unavailable (%s); its result is lost", provider.id, exc)
+            return
+        if kind == "fail" or self.last.get(provider.id) is not Health.AVAILABLE:
+            self.nudge(provider.id)
+
+    # ------------------------------------------------------------------ loops
     async def _loop(self, provider: ProviderConfig) -> None:
         interval = self.config.runtime.heartbeat_interval_ms / 1000
         loop = asyncio.get_running_loop()
+        wake = self.wake[provider.id]
         while True:
             began = loop.time()
+            wake.clear()
             try:
                 await self.beat_once(provider)
             except REDIS_DOWN as exc:
@@ -83,9 +158,15 @@ class Heartbeats:
             except Exception:  # a bug in a probe must not silence the heartbeat for good
                 self.last.pop(provider.id, None)
                 log.exception("heartbeat of %s failed", provider.id)
-            await asyncio.sleep(max(0.0, interval - (loop.time() - began)))
+            try:
+                await asyncio.wait_for(wake.wait(), max(0.0, interval - (loop.time() - began)))
+            except TimeoutError:
+                pass
 
     async def run(self) -> None:
-        node = self.config.node(self.node_id)
-        assert node is not None
-        await asyncio.gather(*(self._loop(p) for p in node.providers))
+        try:
+            await asyncio.gather(*(self._loop(p) for p in self.providers))
+        finally:
+            for task in self.probes.values():
+                task.cancel()
+            await asyncio.gather(*self.probes.values(), return_exceptions=True)

@@ -21,12 +21,12 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import pack, unpack
 from common.config import Config
-from common.redisconn import REDIS_DOWN, Backoff
+from common.redisconn import REDIS_DOWN, Backoff, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
 from workers import metrics
-from workers.adapters.base import Adapter, ProviderError
+from workers.adapters.base import Adapter, ProviderError, Retry
 
 log = logging.getLogger("iop.worker")
 
@@ -49,16 +49,40 @@ class Attempt:
     provider_id: str
     attempt: str
     max_attempts: int
+    #: every provider an attempt of this run went to, this one included
+    tried: frozenset[str] = frozenset()
     output: bool = False
     cancel_reason: str | None = None
 
 
+#: What an attempt showed about its provider's health, for the `finish` script:
+#: (kind: 'ok' | 'fail' | '', strikes, what failed).
+Evidence = tuple[str, int, str]
+NO_EVIDENCE: Evidence = ("", 0, "")
+ALIVE: Evidence = ("ok", 0, "")
+
+
+def evidence_of(exc: ProviderError) -> Evidence:
+    if exc.strikes is None:
+        return NO_EVIDENCE
+    return ALIVE if exc.strikes == 0 else ("fail", exc.strikes, exc.message)
+
+
+def _noop(provider_id: str) -> None:
+    return None
+
+
 class Runner:
-    def __init__(self, redis: Redis, config: Config, node_id: str, adapters: dict[str, Adapter]) -> None:
+    def __init__(self, redis: Redis, config: Config, node_id: str, adapters: dict[str, Adapter],
+                 on_strike: Callable[[str], None] = _noop, on_life: Callable[[str], None] = _noop) -> None:
+        """`on_strike` / `on_life` hear of a provider's failure / sign of life once it is recorded
+        (the heartbeats judge its health again)."""
         self.redis = redis
         self.config = config
         self.node_id = node_id
         self.adapters = adapters
+        self.on_strike = on_strike
+        self.on_life = on_life
         self.scripts = Scripts(redis)
         #: run id -> (attempt, the task executing it), for cancellation
         self.running: dict[str, tuple[Attempt, asyncio.Task[Any]]] = {}
@@ -88,7 +112,8 @@ class Runner:
             info = ErrorInfo(ErrorCode.PROVIDER_ERROR, f"provider {provider_id} is not served by node {self.node_id}")
             return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info)
         policy = self.config.queue_for(model)
-        att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts)
+        tried = frozenset(record.get("tried", b"").decode().split(",")) - {""}
+        att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts, tried)
         task = asyncio.current_task()
         assert task is not None
         self.running[run_id] = (att, task)
@@ -126,17 +151,18 @@ class Runner:
                     async for chunks in adapter.stream(kind, body, att.run_id):
                         await self._emit(att, EventType.DELTA, {"chunks": chunks})
                         att.output = True
-                    return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {})
+                    return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {}, evidence=ALIVE)
                 response = await adapter.complete(kind, body, att.run_id)
-                return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {"response": response})
+                return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {"response": response},
+                                          evidence=ALIVE)
         except ProviderError as exc:
             info = ErrorInfo(ErrorCode.PROVIDER_ERROR, exc.message, status=exc.status, detail=exc.detail,
                              before_output=not att.output)
-            return await self._fail(att, info, retryable=exc.retryable)
+            return await self._fail(att, info, exc.retry, evidence_of(exc))
         except TimeoutError:
             info = ErrorInfo(ErrorCode.EXECUTION_TIMEOUT,
                              f"the run did not finish within {int(timeout_s * 1000)} ms", before_output=not att.output)
-            return await self._fail(att, info, retryable=False)
+            return await self._fail(att, info, Retry.NO)
         except LeaseLost:
             log.warning("lease lost, abandoning", extra=run_fields(att.run_id, att.model_id))
             return "lease_lost"
@@ -144,7 +170,7 @@ class Runner:
             if att.cancel_reason is None:  # the worker itself is shutting down
                 info = ErrorInfo(ErrorCode.WORKER_LOST, "the worker shut down during the run",
                                  before_output=not att.output)
-                await asyncio.shield(self._fail(att, info, retryable=True))
+                await asyncio.shield(self._fail(att, info, Retry.ANY))
                 raise
             current = asyncio.current_task()
             if current is not None:
@@ -152,16 +178,36 @@ class Runner:
             info = ErrorInfo(ErrorCode.CANCELLED, att.cancel_reason, before_output=not att.output)
             return await asyncio.shield(self._finish(att, RunState.CANCELLED, EventType.FAILED, info.to_wire(), info))
 
-    async def _fail(self, att: Attempt, info: ErrorInfo, retryable: bool) -> str:
-        if retryable and not att.output and int(att.attempt) < att.max_attempts:
+    async def _fail(self, att: Attempt, info: ErrorInfo, retry: Retry, evidence: Evidence = NO_EVIDENCE) -> str:
+        """End a failed attempt: put the run back in its queue if another attempt may do better
+        and nothing was sent yet, else fail it. A provider that answered with a server error is
+        not tried again: the run goes back only if another provider of the model is available."""
+        again = not att.output and int(att.attempt) < att.max_attempts and (
+            retry is Retry.ANY or (retry is Retry.ELSEWHERE and await self._untried_available(att)))
+        if again:
             log.info("attempt %s failed, requeued: %s", att.attempt, info.message,
                      extra=run_fields(att.run_id, att.model_id))
+            state = "requeue" if retry is Retry.ANY else "requeue_elsewhere"
             # Put it back only once arq has finished with this job: arq's own cleanup deletes
             # the job's keys (job id = run id), which would swallow the next attempt's job.
-            self.deferred[att.run_id] = lambda: self._finish(att, None, EventType.REQUEUED, info.to_wire())
+            self.deferred[att.run_id] = lambda: self._finish(att, None, EventType.REQUEUED, info.to_wire(),
+                                                             evidence=evidence, requeue=state)
             return "requeue_pending"
         log.info("failed: %s", info.message, extra=run_fields(att.run_id, att.model_id))
-        return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info)
+        return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info, evidence=evidence)
+
+    async def _untried_available(self, att: Attempt) -> bool:
+        """Whether a provider of the run's model that no attempt went to is available now."""
+        model = self.config.model(att.model_id)
+        others = [p for p in (model.providers if model else {}) if p not in att.tried and p != att.provider_id]
+        if not others:
+            return False
+        pipe = self.redis.pipeline(transaction=False)
+        for pid in others:
+            pipe.hmget(keys.heartbeat(pid), "health", "ts_ms")
+        now, ttl = now_ms(), self.config.runtime.heartbeat_ttl_ms
+        return any(health == b"available" and ts is not None and now - int(ts) <= ttl
+                   for health, ts in await pipe.execute())
 
     # ------------------------------------------------------------------ redis
     async def _emit(self, att: Attempt, etype: EventType, data: dict[str, Any]) -> None:
@@ -171,22 +217,30 @@ class Runner:
             raise LeaseLost(att.run_id)
 
     async def _finish(self, att: Attempt, state: RunState | None, etype: EventType, data: dict[str, Any],
-                      info: ErrorInfo | None = None) -> str:
-        """state None = requeue. Retries while Redis is briefly away: a slot must come back."""
-        args = [att.run_id, state.value if state else "requeue", etype.value, pack(data),
+                      info: ErrorInfo | None = None, *, evidence: Evidence = NO_EVIDENCE,
+                      requeue: str = "requeue") -> str:
+        """state None = requeue (`requeue` says how). Records `evidence` of the provider's health.
+        Retries while Redis is briefly away: a slot must come back."""
+        kind, strikes, reason = evidence
+        args = [att.run_id, state.value if state else requeue, etype.value, pack(data),
                 self.config.runtime.run_ttl_s, keys.SCHEDULER_SIGNALS, att.model_id,
-                info.code.value if info else "", info.message if info else "", att.attempt]
+                info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes, reason]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
-                    keys.runs_stream(att.model_id)]
+                    keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id)]
         backoff = Backoff(cap=1.0)
         for _ in range(8):
             try:
                 result = await self.scripts.call("finish", run_keys, args)
-                metrics.RUNS.labels(att.model_id, att.provider_id, state.value if state else "requeued").inc()
-                return f"{state.value if state else 'requeued'}:{result.decode()}"
             except REDIS_DOWN as exc:
                 log.warning("cannot record its end (%s); retrying", exc, extra=run_fields(att.run_id, att.model_id))
                 await backoff.pause()
+                continue
+            metrics.RUNS.labels(att.model_id, att.provider_id, state.value if state else "requeued").inc()
+            if kind == "fail":
+                self.on_strike(att.provider_id)
+            elif kind == "ok":
+                self.on_life(att.provider_id)
+            return f"{state.value if state else 'requeued'}:{result.decode()}"
         return "unrecorded"  # the lease expires and the scheduler reaps the run
 
     async def _renew(self, att: Attempt, task: asyncio.Task[Any]) -> None:

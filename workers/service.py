@@ -36,7 +36,7 @@ def make_adapter(provider: ProviderConfig, session: aiohttp.ClientSession,
         return OllamaAdapter(provider, session)
     if provider.type == "cli":
         return CliAdapter(provider, secret_env - {provider.api_key_env or ""})
-    return OpenAICompatAdapter(provider, session)  # vllm, sglang, lemonade, openai_api
+    return OpenAICompatAdapter(provider, session)  # vllm, sglang, llamacpp, lemonade, openai_api
 
 
 async def run_job(ctx: dict[str, Any], run_id: str) -> str:
@@ -81,11 +81,12 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
         secrets = frozenset(p.api_key_env for n in config.nodes for p in n.providers if p.api_key_env)
         adapters = {p.id: make_adapter(p, session, secrets) for p in node.providers}
-        runner = Runner(redis, config, node_id, adapters)
+        heartbeats = Heartbeats(redis, config, node_id, adapters)
+        runner = Runner(redis, config, node_id, adapters, on_strike=heartbeats.nudge, on_life=heartbeats.showed_life)
         ctx[RUNNER_CTX] = runner
         ctx["iop_session"] = session
         await runner.scripts.load()
-        background.append(asyncio.create_task(Heartbeats(redis, config, node_id, adapters).run()))
+        background.append(asyncio.create_task(heartbeats.run()))
         background.append(asyncio.create_task(_listen_cancels(runner, node_id)))
 
     async def shutdown(ctx: dict[str, Any]) -> None:

@@ -1,29 +1,48 @@
-"""The small interface every provider adapter implements."""
+"""The small interface every provider adapter implements, and how a failure is described."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
 from common.policy import Health
 from common.wire import RunKind
 
+#: Strikes that take a provider down at once (see `workers.health`): a refused connection, a
+#: host that does not resolve, a health endpoint that says it is not ready.
+DOWN = 3
+
+
+class Retry(StrEnum):
+    """Where another attempt of a run that failed before any output may go."""
+
+    NO = "no"  # the caller's fault (a 4xx), or nothing would change
+    ELSEWHERE = "elsewhere"  # the provider answered 5xx/429: only another provider, each at most once
+    ANY = "any"  # the provider could not be reached or broke off: any provider (others first)
+
 
 class ProviderError(Exception):
     """The provider could not serve the run.
 
-    `retryable` says whether another attempt (maybe on another provider) could succeed,
-    e.g. connection refused or a 5xx; a provider's 4xx is the caller's fault and is not.
-    """
+    `message` is one line naming the provider and what failed, with no addresses or reprs.
+    `retry` says where another attempt could go; `strikes` what the failure says about the
+    provider's health: None nothing (it was never reached), 0 it answered (alive, whatever it
+    said), n > 0 that many strikes against it (`DOWN` takes it down at once)."""
 
     def __init__(self, message: str, *, status: int | None = None, detail: dict[str, Any] | None = None,
-                 retryable: bool = False) -> None:
+                 retry: Retry = Retry.NO, strikes: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.detail = detail
-        self.retryable = retryable
+        self.retry = retry
+        self.strikes = strikes
+
+    @property
+    def retryable(self) -> bool:
+        return self.retry is not Retry.NO
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +51,11 @@ class ProbeResult:
     reason: str = ""
     #: served names the provider says it has; None when it cannot list them
     models: list[str] | None = field(default=None)
+    #: how much a failed probe counts against the provider (see `ProviderError.strikes`);
+    #: a probe that passed is a sign of life, whatever this says
+    strikes: int = DOWN
+    #: the probe got no answer in time (on a busy provider that says nothing about its health)
+    timed_out: bool = False
 
 
 class Adapter(Protocol):

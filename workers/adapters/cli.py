@@ -26,7 +26,8 @@ from typing import Any
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind
-from workers.adapters.base import ProbeResult, ProviderError
+from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
+from workers.adapters.failures import one_line
 from workers.adapters.openai_shapes import Shaper, usage, wants_usage
 from workers.adapters.prompt_text import prompt_text
 
@@ -71,8 +72,8 @@ class ToolRun:
                 *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, env=self.env, start_new_session=True)
         except OSError as exc:
-            raise ProviderError(f"provider {self.provider.id} could not start {self.argv[0]!r}: {exc.strerror or exc}",
-                                retryable=True) from exc
+            raise ProviderError(f"provider {self.provider.id} could not start {self.argv[0]}: "
+                                f"{(exc.strerror or 'unknown error').lower()}", retry=Retry.ANY, strikes=DOWN) from None
         self._tasks = [asyncio.create_task(self._feed()), asyncio.create_task(self._collect_stderr())]
         return self
 
@@ -114,8 +115,9 @@ class ToolRun:
         if code == 0:
             return
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        tail = self._stderr.decode(errors="replace").strip()
-        raise ProviderError(f"provider {self.provider.id}: {self.argv[0]} {how}" + (f": {tail}" if tail else ""))
+        tail = one_line(self._stderr.decode(errors="replace"), tail=True)
+        raise ProviderError(f"provider {self.provider.id}: {self.argv[0]} {how}" + (f": {tail}" if tail else ""),
+                            strikes=0)
 
     def kill_group(self) -> None:
         if self.proc is not None:

@@ -14,12 +14,16 @@ import aiohttp
 
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import RunKind
+from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
-from workers.adapters.base import ProbeResult, ProviderError
+from workers.adapters.base import ProbeResult, ProviderError, Retry
+from workers.adapters.failures import describe, one_line, transport_error
 from workers.adapters.openai_shapes import Shaper, wants_usage
 
 Json = dict[str, Any]
+
+#: the most of an error answer read to describe it
+MAX_ERROR_BODY = 64 * 1024
 
 
 def server_root(base_url: str) -> str:
@@ -67,6 +71,10 @@ class NDJSONParser:
         return out
 
 
+async def _error_text(resp: aiohttp.ClientResponse) -> str:
+    return (await resp.content.read(MAX_ERROR_BODY)).decode(errors="replace")
+
+
 class OllamaAdapter:
     def __init__(self, provider: ProviderConfig, session: aiohttp.ClientSession) -> None:
         assert provider.base_url
@@ -86,19 +94,21 @@ class OllamaAdapter:
         except ValueError:
             payload = None
         message = payload.get("error") if isinstance(payload, dict) else None
-        message = str(message or text[:500] or "error")
+        message = one_line(str(message or text or "no error text"))
         client_fault = 400 <= status < 500 and status != 429
         detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None} \
             if client_fault else None
         return ProviderError(f"provider {self.provider.id} answered {status}: {message}", status=status,
-                             detail=detail, retryable=not client_fault)
+                             detail=detail, retry=Retry.NO if client_fault else Retry.ELSEWHERE,
+                             strikes=0 if status < 500 else None)
 
     def _unsupported(self, exc: wire.UnsupportedRequest) -> ProviderError:
         detail = {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": None}
         return ProviderError(f"provider {self.provider.id}: {exc}", status=400, detail=detail)
 
     def _failed(self, exc: BaseException) -> ProviderError:
-        return ProviderError(f"provider {self.provider.id} failed: {type(exc).__name__}: {exc}", retryable=True)
+        return transport_error(self.provider.id, exc, connect_ms=self.provider.connect_timeout_ms,
+                               read_ms=self.provider.read_timeout_ms)
 
     def _native(self, kind: RunKind, body: Json, stream: bool) -> tuple[str, Json]:
         try:
@@ -107,17 +117,17 @@ class OllamaAdapter:
             raise self._unsupported(exc) from None
 
     def _post(self, path: str, native: Json, request_id: str) -> Any:
-        return self.session.post(self.root + path, json=native, headers={"X-Request-Id": request_id},
-                                 timeout=self.timeout)
+        return self.session.post(self.root + path, json=native,
+                                 headers={"X-Request-Id": upstream_request_id(request_id)}, timeout=self.timeout)
 
     # ------------------------------------------------------------------ runs
     async def complete(self, kind: RunKind, body: Json, request_id: str) -> Json:
         path, native = self._native(kind, body, stream=False)
         try:
             async with self._post(path, native, request_id) as resp:
-                text = await resp.text(errors="replace")
                 if resp.status >= 400:
-                    raise self._error(resp.status, text)
+                    raise self._error(resp.status, await _error_text(resp))
+                text = await resp.text(errors="replace")
                 answer = json.loads(text)
                 if not isinstance(answer, dict):
                     raise ValueError("the answer is not a JSON object")
@@ -126,7 +136,7 @@ class OllamaAdapter:
         except ProviderError:
             raise
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise self._failed(exc) from exc
+            raise self._failed(exc) from None
         shaper = Shaper(kind, request_id, body["model"])
         calls = wire.tool_calls_of(answer, request_id)
         thinking = wire.thinking_of(answer)
@@ -146,13 +156,14 @@ class OllamaAdapter:
         try:
             async with self._post(path, native, request_id) as resp:
                 if resp.status >= 400:
-                    raise self._error(resp.status, await resp.text(errors="replace"))
+                    raise self._error(resp.status, await _error_text(resp))
                 async for data in resp.content.iter_any():
                     chunks: list[Json] = []
                     for line in parser.feed(data):
                         if "error" in line:
-                            raise ProviderError(f"provider {self.provider.id} failed mid-stream: {line['error']}",
-                                                retryable=True)
+                            raise ProviderError(f"provider {self.provider.id} sent an error: "
+                                                f"{one_line(str(line['error']) or 'no message')}",
+                                                retry=Retry.ELSEWHERE, strikes=None)
                         calls = wire.tool_calls_of(line, request_id, first_index=tool_calls, stream=True)
                         tool_calls += len(calls)
                         text, thinking = wire.text_of(kind, line), wire.thinking_of(line)
@@ -169,9 +180,10 @@ class OllamaAdapter:
         except ProviderError:
             raise
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise self._failed(exc) from exc
+            raise self._failed(exc) from None
         if not done:
-            raise ProviderError(f"provider {self.provider.id} closed the stream before it was done", retryable=True)
+            raise ProviderError(f"provider {self.provider.id}: the stream ended before it was done", retry=Retry.ANY,
+                                strikes=1)
 
     # ------------------------------------------------------------------ health
     async def probe(self) -> ProbeResult:
@@ -181,14 +193,16 @@ class OllamaAdapter:
                 if resp.status != 200:
                     return ProbeResult(Health.UNAVAILABLE, f"GET /api/tags answered {resp.status}")
                 tags = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return ProbeResult(Health.UNAVAILABLE, f"GET /api/tags failed: {type(exc).__name__}: {exc}")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            what, strikes = describe(exc, total_ms=self.provider.probe_timeout_ms)
+            return ProbeResult(Health.UNAVAILABLE, f"GET /api/tags: {what}", strikes=strikes,
+                               timed_out=isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)))
         except ValueError:
             return ProbeResult(Health.UNKNOWN, "GET /api/tags answered 200 but not with JSON")
         names = observed_names(tags)
         if names is None:
             return ProbeResult(Health.UNKNOWN, "GET /api/tags answered 200 but not with a model list")
-        return ProbeResult(Health.AVAILABLE, "", names)
+        return ProbeResult(Health.AVAILABLE, "", names, strikes=0)
 
     async def close(self) -> None:
         return None

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible family: vLLM, SGLang, Lemonade and hosted `openai_api` providers.
+"""The OpenAI-compatible family: vLLM, SGLang, llama.cpp, Lemonade and hosted `openai_api` providers.
 
 Bodies go to the provider as they came (only `model` was rewritten, by the scheduler), so
 unknown fields (`tools`, `response_format`, `logprobs`, ...) pass through, and streamed
@@ -8,8 +8,11 @@ Where the API lives: `base_url` ending in `/v1` (`http://h:8000/v1`, `http://h:8
 is the API root as it is; otherwise the type's path is appended (`/v1`; Lemonade `/api/v1`).
 `api_path` overrides that (`api_path: /openai/v1`).
 
-Probes per type: vLLM and SGLang `GET /health` (server root) and `GET <api>/models`;
-Lemonade `GET <api>/health` and `GET <api>/models`; `openai_api` `GET <api>/models`.
+Probes per type: vLLM, SGLang and llama.cpp `GET /health` (server root), Lemonade
+`GET <api>/health`, then `GET <api>/models` for the models it serves; `openai_api` only the
+model list. `probe_path` replaces the health endpoint. A health endpoint that does not exist
+(404, 405, 501; llama-cpp-python has none) is remembered, and the model list alone decides.
+Probes send no `X-Request-Id`; runs send the run's UUID (`common.wire.upstream_request_id`).
 
 An API key is read from the environment variable named by `api_key_env` at each request.
 It never appears in errors or probe reasons: any echo of it by the provider is redacted.
@@ -27,8 +30,9 @@ import aiohttp
 
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import RunKind
-from workers.adapters.base import ProbeResult, ProviderError
+from common.wire import RunKind, upstream_request_id
+from workers.adapters.base import ProbeResult, ProviderError, Retry
+from workers.adapters.failures import describe, one_line, transport_error
 
 PATHS = {RunKind.CHAT: "/chat/completions", RunKind.COMPLETION: "/completions", RunKind.EMBEDDING: "/embeddings"}
 
@@ -36,7 +40,13 @@ PATHS = {RunKind.CHAT: "/chat/completions", RunKind.COMPLETION: "/completions", 
 #: the path of the OpenAI API on a server of each type, when base_url does not say
 DEFAULT_API_PATH = {"lemonade": "/api/v1"}
 #: types whose health endpoint lives at the server root rather than under the API root
-ROOT_HEALTH = frozenset({"vllm", "sglang"})
+ROOT_HEALTH = frozenset({"vllm", "sglang", "llamacpp"})
+#: types with a health endpoint at all (a hosted API has only its model list)
+HAS_HEALTH = ROOT_HEALTH | {"lemonade"}
+#: a health endpoint answering one of these does not exist: the model list decides alone
+NO_SUCH_ENDPOINT = frozenset({404, 405, 501})
+#: the most of an error answer read to describe it
+MAX_ERROR_BODY = 64 * 1024
 REDACTED = "[redacted]"
 
 
@@ -54,6 +64,19 @@ def server_root(base_url: str, api_path: str | None = None) -> str:
     return root.removesuffix("/v1") if api_path is None else root
 
 
+def health_url(provider: ProviderConfig) -> str | None:
+    """Where the provider's health endpoint is: `probe_path` on its host, else the type's own."""
+    assert provider.base_url
+    if provider.probe_path is not None:
+        parts = urlsplit(provider.base_url)
+        return f"{parts.scheme}://{parts.netloc}{provider.probe_path}"
+    if provider.type in ROOT_HEALTH:
+        return server_root(provider.base_url, provider.api_path) + "/health"
+    if provider.type in HAS_HEALTH:
+        return api_root(provider.base_url, provider.type, provider.api_path) + "/health"
+    return None
+
+
 def _error_detail(payload: Any) -> dict[str, Any] | None:
     error = payload.get("error") if isinstance(payload, dict) else None
     return error if isinstance(error, dict) else None
@@ -62,7 +85,8 @@ def _error_detail(payload: Any) -> dict[str, Any] | None:
 class SSEParser:
     """Splits an SSE byte stream into `data:` payloads; keeps partial lines between reads."""
 
-    def __init__(self) -> None:
+    def __init__(self, provider_id: str) -> None:
+        self.provider_id = provider_id
         self._buf = b""
         self.done = False
 
@@ -80,7 +104,9 @@ class SSEParser:
                 continue
             obj = json.loads(payload)
             if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
-                raise ProviderError(str(obj["error"].get("message", "provider error")), detail=obj["error"])
+                message = one_line(str(obj["error"].get("message") or "no message"))
+                raise ProviderError(f"provider {self.provider_id} sent an error: {message}", detail=obj["error"],
+                                    strikes=0)
             chunks.append(obj)
         return chunks
 
@@ -91,8 +117,8 @@ class OpenAICompatAdapter:
         self.provider = provider
         self.session = session
         self.root = api_root(provider.base_url, provider.type, provider.api_path)
-        self.health_url = (server_root(provider.base_url, provider.api_path) if provider.type in ROOT_HEALTH
-                           else self.root) + "/health"
+        #: None once the server showed it has no health endpoint (the model list decides)
+        self.health_url = health_url(provider)
         self.timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=provider.connect_timeout_ms / 1000,
@@ -104,8 +130,8 @@ class OpenAICompatAdapter:
             return None
         return os.environ.get(self.provider.api_key_env) or None
 
-    def _headers(self, request_id: str) -> dict[str, str]:
-        headers = {"X-Request-Id": request_id}
+    def _headers(self, run_id: str | None) -> dict[str, str]:
+        headers = {"X-Request-Id": upstream_request_id(run_id)} if run_id else {}
         key = self._key()
         if key:
             headers["Authorization"] = f"Bearer {key}"
@@ -122,30 +148,35 @@ class OpenAICompatAdapter:
             return exc
         detail = json.loads(json.dumps(exc.detail).replace(key, REDACTED)) if exc.detail else exc.detail
         return ProviderError(exc.message.replace(key, REDACTED), status=exc.status, detail=detail,
-                             retryable=exc.retryable)
+                             retry=exc.retry, strikes=exc.strikes)
 
     async def _raise_for(self, resp: aiohttp.ClientResponse) -> None:
+        """An error answer: a 4xx is the caller's (passed through, alive evidence); a 5xx or a
+        429 may go better on another provider."""
         if resp.status < 400:
             return
-        text = await resp.text(errors="replace")
+        text = (await resp.content.read(MAX_ERROR_BODY)).decode(errors="replace")
         try:
             detail = _error_detail(json.loads(text))
         except ValueError:
             detail = None
-        message = (detail or {}).get("message") or text[:500] or resp.reason or "error"
+        message = one_line(str((detail or {}).get("message") or text or resp.reason or "no error text"))
+        client_fault = 400 <= resp.status < 500 and resp.status != 429
         raise ProviderError(
             f"provider {self.provider.id} answered {resp.status}: {message}",
             status=resp.status,
-            detail=detail if 400 <= resp.status < 500 else None,
-            retryable=resp.status >= 500 or resp.status == 429,
+            detail=detail if client_fault else None,
+            retry=Retry.NO if client_fault else Retry.ELSEWHERE,
+            strikes=0 if resp.status < 500 else None,
         )
 
-    def _post(self, kind: RunKind, body: dict[str, Any], request_id: str) -> Any:
-        return self.session.post(self.root + PATHS[kind], json=body, headers=self._headers(request_id),
+    def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
+        return self.session.post(self.root + PATHS[kind], json=body, headers=self._headers(run_id),
                                  timeout=self.timeout)
 
     def _failed(self, exc: BaseException) -> ProviderError:
-        return ProviderError(self._redact(f"provider {self.provider.id} failed: {exc!r}"), retryable=True)
+        return self._clean(transport_error(self.provider.id, exc, connect_ms=self.provider.connect_timeout_ms,
+                                           read_ms=self.provider.read_timeout_ms))
 
     async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         try:
@@ -155,13 +186,14 @@ class OpenAICompatAdapter:
         except ProviderError as exc:
             raise self._clean(exc) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise self._failed(exc) from exc
+            raise self._failed(exc) from None
         if not isinstance(data, dict):
-            raise ProviderError(f"provider {self.provider.id} sent a response that is not a JSON object")
+            raise ProviderError(f"provider {self.provider.id} answered with JSON that is not an object",
+                                retry=Retry.ELSEWHERE, strikes=0)
         return data
 
     async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
-        parser = SSEParser()
+        parser = SSEParser(self.provider.id)
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp)
@@ -172,39 +204,49 @@ class OpenAICompatAdapter:
         except ProviderError as exc:
             raise self._clean(exc) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise self._failed(exc) from exc
+            raise self._failed(exc) from None
         if not parser.done:
-            raise ProviderError(f"provider {self.provider.id} closed the stream before [DONE]", retryable=True)
+            raise ProviderError(f"provider {self.provider.id}: the stream ended before [DONE]", retry=Retry.ANY,
+                                strikes=1)
 
-    async def _get(self, url: str, what: str) -> tuple[Any, ProbeResult | None]:
-        """GET a probe URL: its JSON (or None), or the result that ends the probe."""
+    async def _get(self, url: str) -> tuple[int, Any, ProbeResult | None]:
+        """GET a probe URL: (status, its JSON or None, None), or the result that ends the probe."""
         timeout = aiohttp.ClientTimeout(total=self.provider.probe_timeout_ms / 1000)
+        path = urlsplit(url).path
         try:
-            async with self.session.get(url, headers=self._headers("probe"), timeout=timeout) as resp:
+            async with self.session.get(url, headers=self._headers(None), timeout=timeout) as resp:
                 if resp.status != 200:
-                    return None, ProbeResult(Health.UNAVAILABLE, f"GET {what} answered {resp.status}")
+                    return resp.status, None, None
                 text = await resp.text(errors="replace")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            reason = self._redact(f"GET {what} failed: {type(exc).__name__}: {exc}")
-            return None, ProbeResult(Health.UNAVAILABLE, reason)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            what, strikes = describe(exc, total_ms=self.provider.probe_timeout_ms)
+            return 0, None, ProbeResult(Health.UNAVAILABLE, self._redact(f"GET {path}: {what}"), strikes=strikes,
+                                        timed_out=isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)))
         try:
-            return json.loads(text), None
+            return 200, json.loads(text), None
         except ValueError:
-            return None, None
+            return 200, None, None
 
     async def probe(self) -> ProbeResult:
-        if self.provider.type in ROOT_HEALTH or self.provider.type == "lemonade":
-            _, failed = await self._get(self.health_url, urlsplit(self.health_url).path)
+        if self.health_url is not None:
+            status, _, failed = await self._get(self.health_url)
             if failed is not None:
                 return failed
+            if status in NO_SUCH_ENDPOINT and self.provider.probe_path is None:
+                self.health_url = None  # this server has none: the model list decides from now on
+            elif status != 200:
+                return ProbeResult(Health.UNAVAILABLE, f"GET {urlsplit(self.health_url).path} answered {status}")
         models_path = urlsplit(self.root).path + "/models"
-        data, failed = await self._get(self.root + "/models", models_path)
+        status, data, failed = await self._get(self.root + "/models")
         if failed is not None:
             return failed
+        if status != 200:
+            return ProbeResult(Health.UNAVAILABLE, f"GET {models_path} answered {status}")
         listed = data.get("data") if isinstance(data, dict) else None
         if not isinstance(listed, list):
             return ProbeResult(Health.UNKNOWN, f"GET {models_path} answered 200 but not with a model list")
-        return ProbeResult(Health.AVAILABLE, "", [m["id"] for m in listed if isinstance(m, dict) and "id" in m])
+        return ProbeResult(Health.AVAILABLE, "", [m["id"] for m in listed if isinstance(m, dict) and "id" in m],
+                           strikes=0)
 
     async def close(self) -> None:
         return None

@@ -1,0 +1,86 @@
+"""What went wrong talking to a provider, as one line a person can read.
+
+Error texts reach callers, the catalog and the logs, so they follow one rule: one line, what
+failed and where (the provider id, or the probed path), never a Python repr, never an
+address, never empty after a colon. Each failure also says what it means for the provider's
+health (`strikes`, see `workers.health`) and whether another attempt could help (`Retry`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import ssl
+
+import aiohttp
+
+from workers.adapters.base import DOWN, ProviderError, Retry
+
+#: The longest provider-supplied text (an error message, a stderr tail) passed on, in characters.
+MAX_ERROR_TEXT = 500
+
+_SPACE = re.compile(r"\s+")
+_UNPRINTABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffd]+")
+
+
+def one_line(text: str, limit: int = MAX_ERROR_TEXT, *, tail: bool = False) -> str:
+    """`text` on one line: whitespace runs (newlines too) become one space, control characters
+    and undecodable bytes one `?`; cut to `limit` characters with an ellipsis (keeping the end
+    with `tail`, as for the last lines a tool wrote)."""
+    flat = _SPACE.sub(" ", _UNPRINTABLE.sub("?", text)).strip()
+    if len(flat) <= limit:
+        return flat
+    return "…" + flat[1 - limit:].lstrip() if tail else flat[: limit - 1].rstrip() + "…"
+
+
+def _os_text(code: int | None) -> str:
+    return os.strerror(code).lower() if code else "a network error"
+
+
+def describe(exc: BaseException, *, connect_ms: int | None = None, read_ms: int | None = None,
+             total_ms: int | None = None) -> tuple[str, int]:
+    """(what happened, strikes against the provider's health) for a failed HTTP exchange.
+
+    The timeouts in effect are passed so that a timeout says how long was waited; `total_ms`
+    (a probe's whole deadline) names every timeout when given."""
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return "its host name did not resolve", DOWN
+    if isinstance(exc, (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError, ssl.SSLError)):
+        return "the TLS handshake failed (certificate or protocol)", DOWN
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        if exc.os_error.errno == errno.ECONNREFUSED:
+            return "connection refused", DOWN
+        return f"could not connect ({_os_text(exc.os_error.errno)})", DOWN
+    if total_ms is not None and isinstance(exc, (aiohttp.ServerTimeoutError, TimeoutError)):
+        return f"no answer within {total_ms} ms", 1
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return f"no connection within {connect_ms} ms" if connect_ms else "no connection in time", 1
+    if isinstance(exc, aiohttp.SocketTimeoutError):
+        return f"sent nothing for {read_ms} ms" if read_ms else "went silent", 1
+    if isinstance(exc, (aiohttp.ServerTimeoutError, TimeoutError)):
+        return "no answer in time", 1
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection", 1
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the response broke off before it was complete", 1
+    if isinstance(exc, (aiohttp.ClientConnectionResetError, ConnectionResetError)):
+        return "the connection was reset", 1
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return "the answer was not valid HTTP", 1
+    if isinstance(exc, aiohttp.InvalidURL):
+        return "its URL is not valid", DOWN
+    if isinstance(exc, OSError):
+        return f"connection error ({_os_text(exc.errno)})", 1
+    if isinstance(exc, ValueError):
+        return "the answer was not valid JSON", 0
+    return "the HTTP exchange failed", 1
+
+
+def transport_error(provider_id: str, exc: BaseException, *, connect_ms: int, read_ms: int) -> ProviderError:
+    """The ProviderError of a run whose HTTP exchange failed. A provider that could not be
+    reached or broke off may serve another attempt once it is back (`Retry.ANY`); one that
+    answered garbage would answer the same again (`Retry.ELSEWHERE`)."""
+    what, strikes = describe(exc, connect_ms=connect_ms, read_ms=read_ms)
+    return ProviderError(f"provider {provider_id}: {what}", retry=Retry.ANY if strikes else Retry.ELSEWHERE,
+                         strikes=strikes)
