@@ -30,12 +30,14 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """`time level logger message run=… model=…`; the context only on lines about a run."""
+    """`time level logger message run=… model=…`; the context only on lines about a run. A message
+    stays on its line (its line breaks are shown as `\\n`); only a traceback follows on more."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.replace("\r", "\\r").replace("\n", "\\n")
         return super().formatMessage(record) + context_text(record)
 
 

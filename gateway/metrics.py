@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from common.chunks import carries_output
 from common.metrics_http import exposition
 from gateway.errors import Handler
 
@@ -38,8 +39,6 @@ _STARTED = web.RequestKey("iop_started", float)
 _TOKEN_SEEN = web.RequestKey("iop_token_seen", bool)
 #: the status of an error sent inside a stream that had already begun (its HTTP status was 200)
 STREAM_ERROR = web.RequestKey("iop_stream_error", int)
-#: Fields of a chunk's `delta` that carry generated output.
-_OUTPUT_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
 
@@ -66,21 +65,9 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
             DURATION.labels(model, endpoint).observe(time.monotonic() - started)
 
 
-def _carries_output(chunk: Any) -> bool:
-    if not isinstance(chunk, dict):
-        return False
-    for choice in chunk.get("choices") or ():
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        if choice.get("text") or (isinstance(delta, dict) and any(delta.get(f) for f in _OUTPUT_FIELDS)):
-            return True
-    return False
-
-
 def streamed(request: web.Request, chunks: list[Any]) -> None:
     """Called with every batch of chunks a stream sends; the first that carries output is the TTFT."""
-    if _TOKEN_SEEN in request or _STARTED not in request or not any(_carries_output(c) for c in chunks):
+    if _TOKEN_SEEN in request or _STARTED not in request or not any(carries_output(c) for c in chunks):
         return
     request[_TOKEN_SEEN] = True
     TTFT.labels(request.get(MODEL, "-")).observe(time.monotonic() - request[_STARTED])

@@ -66,6 +66,8 @@ class SimOptions:
     fail_status: int = 500
     fail_after_tokens: int | None = None
     seed: int | None = None
+    #: how long /health and /models take to answer while a request is in flight (a busy server)
+    busy_probe_ms: float = 0
 
     def __post_init__(self) -> None:
         _require(bool(self.models) and all(self.models), "models", "must be a non-empty list of names")
@@ -78,6 +80,7 @@ class SimOptions:
         _require(
             self.fail_after_tokens is None or self.fail_after_tokens >= 0, "fail_after_tokens", "must be >= 0"
         )
+        _require(math.isfinite(self.busy_probe_ms) and self.busy_probe_ms >= 0, "busy_probe_ms", "must be >= 0")
 
 
 # --------------------------------------------------------------------------- command line
@@ -122,13 +125,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fail-after-tokens", type=_cli_type(int, "fail_after_tokens"), default=None,
                         help="drop the connection after this many output tokens (simulated crash)")
     parser.add_argument("--seed", type=int, default=None, help="random seed for --fail-rate")
+    parser.add_argument("--busy-probe-ms", type=_cli_type(float, "busy_probe_ms"), default=d.busy_probe_ms,
+                        help="how long /health and /models take while a request is in flight (a busy server)")
 
 
 def options_from_args(ns: argparse.Namespace) -> SimOptions:
     return SimOptions(
         host=ns.host, port=ns.port, models=tuple(ns.models), ttft_ms=ns.ttft_ms, itl_ms=ns.itl_ms,
         tokens=ns.tokens, fail_rate=ns.fail_rate, fail_status=ns.fail_status,
-        fail_after_tokens=ns.fail_after_tokens, seed=ns.seed,
+        fail_after_tokens=ns.fail_after_tokens, seed=ns.seed, busy_probe_ms=ns.busy_probe_ms,
     )
 
 
@@ -645,7 +650,14 @@ async def _embeddings(request: web.Request, record: RequestRecord) -> web.Stream
 # --------------------------------------------------------------------------- plain endpoints
 
 
+async def _busy_pause(request: web.Request) -> None:
+    """A busy server answers its probes late (`busy_probe_ms` while a request is in flight)."""
+    if request.app[STATS_KEY].current:
+        await _pause(request.app[OPTIONS_KEY].busy_probe_ms / 1000)
+
+
 async def _models(request: web.Request) -> web.Response:
+    await _busy_pause(request)
     created = request.app[STARTED_KEY]
     data = [
         {"id": model, "object": "model", "created": created, "owned_by": OWNER}
@@ -655,6 +667,7 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
+    await _busy_pause(request)
     return web.Response()
 
 

@@ -18,7 +18,7 @@ from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from iop.simulator import SimOptions, start_server
 from tests.conftest import async_wait_until as until
-from workers.adapters.base import ProviderError
+from workers.adapters.base import ProviderError, Retry
 from workers.adapters.openai_compat import OpenAICompatAdapter, api_root, server_root
 
 FAMILY = ("vllm", "sglang", "lemonade", "openai_api")
@@ -283,3 +283,66 @@ async def test_cancelling_a_stream_disconnects_from_the_provider(sim: Sim, sessi
         return any(r["disconnected"] for r in (await stats(session, sim.url))["requests"])
 
     await until(disconnected)
+
+
+ROLE_LINE = (b'data: {"id":"c1","object":"chat.completion.chunk","model":"m","choices":[{"index":0,'
+             b'"delta":{"role":"assistant"},"finish_reason":null}]}\n\n')
+
+
+async def test_runs_carry_a_uuid_request_id_and_probes_none(fake: Fake, session: aiohttp.ClientSession) -> None:
+    fake.body["/v1/models"] = {"object": "list", "data": [{"id": SERVED}]}
+    fake.body["/v1/chat/completions"] = {"object": "chat.completion", "choices": []}
+    adapter = OpenAICompatAdapter(provider("llamacpp", fake.url), session)
+    await adapter.probe()
+    await adapter.complete(RunKind.CHAT, chat(), "run_0123456789abcdef0123456789abcdef")
+    probes = [headers for path, headers, _ in fake.requests if path in ("/health", "/v1/models")]
+    assert probes and all("x-request-id" not in {k.lower() for k in h} for h in probes)
+    run = next(headers for path, headers, _ in fake.requests if path == "/v1/chat/completions")
+    assert {k.lower(): v for k, v in run.items()}["x-request-id"] == "01234567-89ab-cdef-0123-456789abcdef"
+
+
+async def test_a_server_without_a_health_endpoint_is_judged_by_its_model_list(
+        fake: Fake, session: aiohttp.ClientSession) -> None:
+    fake.status["/health"] = 404  # llama-cpp-python's server has none
+    fake.body["/v1/models"] = {"object": "list", "data": [{"id": SERVED}]}
+    for ptype in ("vllm", "llamacpp"):
+        fake.requests.clear()
+        adapter = OpenAICompatAdapter(provider(ptype, fake.url), session)
+        assert (await adapter.probe()).health is Health.AVAILABLE
+        assert (await adapter.probe()).health is Health.AVAILABLE
+        # the missing endpoint is asked for once, then the model list alone decides
+        assert [path for path, _, _ in fake.requests] == ["/health", "/v1/models", "/v1/models"]
+
+
+async def test_probe_path_names_the_health_endpoint(fake: Fake, session: aiohttp.ClientSession) -> None:
+    fake.body["/v1/models"] = {"object": "list", "data": [{"id": SERVED}]}
+    adapter = OpenAICompatAdapter(provider("openai_api", fake.url + "/v1", probe_path="/ready"), session)
+    assert (await adapter.probe()).health is Health.AVAILABLE
+    fake.status["/ready"] = 404  # a health endpoint the operator named is not a thing to fall back from
+    probe = await adapter.probe()
+    assert probe.health is Health.UNAVAILABLE and probe.reason == "GET /ready answered 404"
+    assert [path for path, _, _ in fake.requests] == ["/ready", "/v1/models", "/ready"]
+
+
+async def test_a_stream_cut_short_is_an_error_not_an_empty_answer(fake: Fake, session: aiohttp.ClientSession) -> None:
+    # what llama-cpp-python sends to a stream another request interrupted
+    fake.stream_lines = [ROLE_LINE, b"data: [DONE]\n\n"]
+    adapter = OpenAICompatAdapter(provider("llamacpp", fake.url), session)
+    with pytest.raises(ProviderError) as err:
+        await _drain(adapter.stream(RunKind.CHAT, chat(stream=True), "run_c"))
+    assert err.value.message == "provider llamacpp-a: the stream was cut short ([DONE] without a finish_reason)"
+    assert err.value.retry is Retry.ANY
+
+
+async def test_a_multi_line_server_error_is_one_line_and_goes_elsewhere(
+        fake: Fake, session: aiohttp.ClientSession) -> None:
+    fake.status["/v1/chat/completions"] = 500
+    fake.body["/v1/chat/completions"] = {"error": {
+        "message": "1 validation error:\n  {'type': 'float_parsing'}\n\n  File \"app.py\", line 376\n",
+        "type": "internal_server_error", "param": None, "code": None}}
+    adapter = OpenAICompatAdapter(provider("llamacpp", fake.url), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "run_e")
+    assert err.value.message == ("provider llamacpp-a answered 500: 1 validation error: {'type': 'float_parsing'} "
+                                 "File \"app.py\", line 376")
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes is None and err.value.detail is None

@@ -65,3 +65,8 @@ def test_setup_logging_picks_the_format(restore_root: None, monkeypatch: pytest.
     monkeypatch.setenv("IOP_LOG_FORMAT", "text")
     setup_logging()
     assert isinstance(logging.getLogger().handlers[0].formatter, TextFormatter)
+
+
+def test_a_multi_line_message_stays_on_one_text_line() -> None:
+    line = emit(TextFormatter(), "failed: %s", "provider said:\nTraceback\r\n  x", **run_fields("run_1", "m"))
+    assert "\n" not in line and line.endswith("failed: provider said:\\nTraceback\\r\\n  x run=run_1 model=m")

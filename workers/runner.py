@@ -19,6 +19,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys
+from common.chunks import is_preamble
 from common.codec import pack, unpack
 from common.config import Config
 from common.redisconn import REDIS_DOWN, Backoff, now_ms
@@ -148,9 +149,16 @@ class Runner:
         try:
             async with asyncio.timeout(timeout_s):
                 if record.get("stream") == b"1":
+                    # Opening chunks (a bare `role` delta) wait for the first real output: a stream
+                    # cut short before it has shown the caller nothing and may be tried again.
+                    held: list[dict[str, Any]] = []
                     async for chunks in adapter.stream(kind, body, att.run_id):
-                        await self._emit(att, EventType.DELTA, {"chunks": chunks})
-                        att.output = True
+                        held += chunks
+                        if att.output or not all(is_preamble(c) for c in held):
+                            await self._emit(att, EventType.DELTA, {"chunks": held})
+                            att.output, held = True, []
+                    if held:
+                        await self._emit(att, EventType.DELTA, {"chunks": held})
                     return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {}, evidence=ALIVE)
                 response = await adapter.complete(kind, body, att.run_id)
                 return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {"response": response},

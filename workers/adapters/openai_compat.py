@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from common.chunks import finishes
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
@@ -194,12 +195,14 @@ class OpenAICompatAdapter:
 
     async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
         parser = SSEParser(self.provider.id)
+        finished = False
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp)
                 async for data in resp.content.iter_any():
                     chunks = parser.feed(data)
                     if chunks:
+                        finished = finished or any(finishes(c) for c in chunks)
                         yield chunks
         except ProviderError as exc:
             raise self._clean(exc) from None
@@ -208,6 +211,10 @@ class OpenAICompatAdapter:
         if not parser.done:
             raise ProviderError(f"provider {self.provider.id}: the stream ended before [DONE]", retry=Retry.ANY,
                                 strikes=1)
+        if not finished:
+            # llama-cpp-python ends a stream this way when another request interrupts it
+            raise ProviderError(f"provider {self.provider.id}: the stream was cut short ([DONE] without a "
+                                "finish_reason)", retry=Retry.ANY)
 
     async def _get(self, url: str) -> tuple[int, Any, ProbeResult | None]:
         """GET a probe URL: (status, its JSON or None, None), or the result that ends the probe."""

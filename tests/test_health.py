@@ -1,0 +1,50 @@
+"""The health rule (`workers.health.judge`) as a table: busy is not down; strikes take a provider
+down; any sign of life brings it back."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.policy import Health
+from workers.adapters.base import DOWN, ProbeResult
+from workers.health import Evidence, judge
+from workers.heartbeat import probe_evidence
+
+REFUSED = "provider p: connection refused"
+
+
+@pytest.mark.parametrize(("evidence", "in_flight", "expected"), [
+    (Evidence(), 0, (Health.UNKNOWN, "not probed yet")),
+    (Evidence(), 2, (Health.AVAILABLE, "")),  # leases only exist on a provider that was available
+    (Evidence(ok_ms=10), 0, (Health.AVAILABLE, "")),
+    # a long silence since the last sign of life is not a failure: busy or idle, still available
+    (Evidence(ok_ms=10), 4, (Health.AVAILABLE, "")),
+    (Evidence(ok_ms=10, fails=1, fail_ms=20, fail_reason="t"), 0, (Health.AVAILABLE, "")),
+    (Evidence(ok_ms=10, fails=2, fail_ms=20, fail_reason="t"), 4, (Health.AVAILABLE, "")),
+    (Evidence(ok_ms=10, fails=DOWN, fail_ms=20, fail_reason=REFUSED), 0, (Health.UNAVAILABLE, REFUSED)),
+    (Evidence(ok_ms=10, fails=DOWN, fail_ms=20, fail_reason=REFUSED), 3, (Health.UNAVAILABLE, REFUSED)),
+    (Evidence(fails=5, fail_ms=20, fail_reason="x"), 0, (Health.UNAVAILABLE, "x")),
+    (Evidence(fails=DOWN, fail_ms=20, fail_reason="GET /v1/models answered 200 but not with a model list",
+              fail_health=Health.UNKNOWN), 0,
+     (Health.UNKNOWN, "GET /v1/models answered 200 but not with a model list")),
+    (Evidence(fails=1, fail_ms=20, fail_reason="GET /health: no answer within 2000 ms"), 0,
+     (Health.UNKNOWN, "GET /health: no answer within 2000 ms (1 of 3 strikes)")),
+])
+def test_judge(evidence: Evidence, in_flight: int, expected: tuple[Health, str]) -> None:
+    assert judge(evidence, in_flight) == expected
+
+
+def test_evidence_reads_the_heartbeat_hash_and_ignores_garbage() -> None:
+    ev = Evidence.from_hash({"ok_ms": "5", "fails": "2", "fail_ms": "7", "fail_reason": "r",
+                             "fail_health": "unknown", "health": "available"})
+    assert ev == Evidence(ok_ms=5, fails=2, fail_ms=7, fail_reason="r", fail_health=Health.UNKNOWN)
+    assert Evidence.from_hash({"ok_ms": "x", "fails": "", "fail_health": "bogus"}) == Evidence()
+
+
+def test_a_probe_timeout_on_a_busy_provider_says_nothing() -> None:
+    timeout = ProbeResult(Health.UNAVAILABLE, "GET /health: no answer within 2000 ms", strikes=1, timed_out=True)
+    assert probe_evidence(timeout, busy=True) == ("", 0)
+    assert probe_evidence(timeout, busy=False) == ("fail", 1)
+    refused = ProbeResult(Health.UNAVAILABLE, "GET /health: connection refused")
+    assert probe_evidence(refused, busy=True) == ("fail", DOWN)  # refused is refused, busy or not
+    assert probe_evidence(ProbeResult(Health.AVAILABLE, "", ["m"]), busy=True) == ("ok", 0)

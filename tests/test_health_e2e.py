@@ -1,0 +1,91 @@
+"""Busy is not down, with real processes: a provider whose probes time out while it generates
+keeps its callers (they wait their turn, none gets a 503), and a provider that dies while it
+runs is marked unavailable by the runs' own failures, at once, without waiting for a probe."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import openai
+import pytest
+import redis as sync_redis
+
+from tests.conftest import Stack, wait_until
+from tests.test_e2e import FAST_RUNTIME, pool_config, wait_available
+
+pytestmark = pytest.mark.e2e
+
+
+async def streamed_text(client: openai.AsyncOpenAI, **extra: Any) -> str:
+    stream = await client.chat.completions.create(
+        model="qwen3.6:35b", messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=3, **extra)
+    text, finish = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length"
+    return text
+
+
+def test_a_provider_too_busy_to_answer_its_probes_keeps_its_callers(stack: Stack) -> None:
+    # every probe of this server takes 3 s while it generates, far beyond probe_timeout_ms
+    url = stack.simulator(["busy-served"], "--ttft-ms", "700", "--busy-probe-ms", "3000")
+    config = pool_config({"busy": ("n1", url, 2)})
+    config["nodes"][0]["providers"][0]["probe_timeout_ms"] = 100
+    stack.write_config(config)
+    stack.scheduler()
+    worker = stack.worker("n1")
+    gateway = stack.gateway()
+    wait_available(stack.redis_url, ["busy"])
+
+    async def six() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0) as client:
+            return await asyncio.gather(*(streamed_text(client) for _ in range(6)))
+
+    assert asyncio.run(six()) == ["tok0 tok1 tok2 "] * 6  # three rounds of two, all served
+    assert "provider busy is available" in worker.output()
+    assert "is unavailable" not in worker.output()
+
+
+def test_a_provider_that_dies_while_it_runs_is_down_at_once(stack: Stack) -> None:
+    fast = {**FAST_RUNTIME, "probe_interval_ms": 60_000}  # no probe will notice: the runs must
+    url = stack.simulator(["sim-served"], "--ttft-ms", "60000")
+    sim = stack.procs[-1]
+    config = pool_config({"sim": ("n1", url, 2)})
+    config["runtime"] = fast
+    stack.write_config(config)
+    stack.scheduler()
+    worker = stack.worker("n1")
+    gateway = stack.gateway()
+    wait_available(stack.redis_url, ["sim"])
+
+    async def call() -> Exception | None:
+        async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0) as client:
+            try:
+                await client.chat.completions.create(model="qwen3.6:35b",
+                                                     messages=[{"role": "user", "content": "x"}])
+            except openai.APIStatusError as exc:
+                return exc
+        return None
+
+    async def scenario() -> Exception | None:
+        task = asyncio.create_task(call())
+        r = sync_redis.Redis.from_url(stack.redis_url)
+        await asyncio.to_thread(wait_until, lambda: r.zcard("iop:leases:sim") == 1, what="the run to start")
+        sim.stop()  # the server dies mid-run: the connection breaks, then reconnects are refused
+        try:
+            return await task
+        finally:
+            r.close()
+
+    error = asyncio.run(scenario())
+    assert isinstance(error, openai.APIStatusError) and error.status_code in (502, 503)
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    wait_until(lambda: r.hget("iop:provider:sim", "health") == b"unavailable", timeout=10,
+               what="the provider to be unavailable")
+    reason = (r.hget("iop:provider:sim", "reason") or b"").decode()
+    assert reason in ("provider sim: connection refused", "provider sim: the server closed the connection"), reason
+    r.close()
+    assert "provider sim is unavailable" in worker.output()

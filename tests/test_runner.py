@@ -1,0 +1,186 @@
+"""One attempt on a worker, against a real Redis with a scripted adapter: where a failed run may go
+next, opening chunks held back until real output, what the attempt tells the provider's health,
+and the probe lock that keeps runs off a provider while a disturbing probe is out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from redis.asyncio import Redis
+
+from common import keys
+from common.codec import unpack
+from common.policy import Health
+from common.scripts import Scripts
+from common.wire import RunKind
+from scheduler.core import Scheduler
+from tests.test_scheduler import MODEL, beat, make_config, waiting_runs
+from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
+from workers.runner import Runner
+
+ROLE = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant"},
+                                                        "finish_reason": None}]}
+TEXT = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"},
+                                                        "finish_reason": None}]}
+
+
+class Scripted:
+    """A provider that streams the given reads, then raises `error` (if any)."""
+
+    def __init__(self, reads: list[list[dict[str, Any]]], error: ProviderError | None = None) -> None:
+        self.reads = reads
+        self.error = error
+        self.calls = 0
+
+    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        self.calls += 1
+        if self.error:
+            raise self.error
+        return {"object": "chat.completion", "choices": []}
+
+    async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        self.calls += 1
+        for read in self.reads:
+            yield read
+        if self.error:
+            raise self.error
+
+    async def probe(self) -> ProbeResult:
+        return ProbeResult(Health.AVAILABLE, strikes=0)
+
+    async def close(self) -> None:
+        return None
+
+
+async def start_one(redis: Redis, capacities: dict[str, int], stream: bool = True,
+                    max_attempts: int = 3) -> tuple[Scheduler, str]:
+    config = make_config(capacities, queue={"max_queue": 10, "queue_timeout_ms": 60_000,
+                                            "max_attempts": max_attempts})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    if stream:
+        await redis.hset(keys.run_record(run_id), "stream", "1")
+    await sched.dispatch_all()
+    return sched, run_id
+
+
+async def chosen_and_other(redis: Redis, run_id: str) -> tuple[str, str]:
+    """(the provider the run was dispatched to, the other of a and b)."""
+    provider = (await fields(redis, keys.run_record(run_id), "provider"))[0]
+    assert provider in ("a", "b")
+    return provider, "b" if provider == "a" else "a"
+
+
+async def events(redis: Redis, run_id: str) -> list[tuple[str, dict[str, Any]]]:
+    return [(f[b"type"].decode(), unpack(f[b"data"])) for _, f in await redis.xrange(keys.run_events(run_id))]
+
+
+async def fields(redis: Redis, key: str, *names: str) -> list[str | None]:
+    return [v.decode() if v else None for v in await redis.hmget(key, *names)]
+
+
+async def test_opening_chunks_wait_for_output_so_a_stream_cut_before_it_is_tried_again(redis: Redis) -> None:
+    sched, run_id = await start_one(redis, {"a": 1})
+    cut = ProviderError("provider a: the stream was cut short ([DONE] without a finish_reason)", retry=Retry.ANY)
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[ROLE]], cut)})
+    assert await runner.execute(run_id) == "requeue_pending"
+    assert await runner.after_job(run_id) == "requeued:ok"
+    kinds = [k for k, _ in await events(redis, run_id)]
+    assert "delta" not in kinds and kinds[-1] == "requeued"  # the caller saw nothing: it may be tried again
+    assert await fields(redis, keys.run_record(run_id), "state", "output") == ["queued", None]
+
+
+async def test_an_opening_chunk_goes_out_with_the_first_output(redis: Redis) -> None:
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[ROLE], [TEXT]])})
+    assert (await runner.execute(run_id)).startswith("completed")
+    deltas = [d["chunks"] for k, d in await events(redis, run_id) if k == "delta"]
+    assert deltas == [[ROLE, TEXT]]
+
+
+async def test_a_server_error_goes_back_only_when_another_provider_is_available(redis: Redis) -> None:
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1})
+    provider, other = await chosen_and_other(redis, run_id)
+    err = ProviderError(f"provider {provider} answered 500: boom", status=500, retry=Retry.ELSEWHERE)
+    runner = Runner(redis, sched.config, f"n-{provider}", {provider: Scripted([], err)})
+    assert await runner.execute(run_id) == "requeue_pending"
+    await runner.after_job(run_id)
+    entry = (await redis.xrange(keys.runs_stream(MODEL)))[0][1]
+    assert entry[b"exclude"] == b"1" and entry[b"tried"] == provider.encode()
+    # the scheduler sends it to the other provider only, even with the first one free
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await fields(redis, keys.run_record(run_id), "provider", "state") == [other, "dispatched"]
+
+    # the other one fails the same way: nowhere left to go, the run fails with that error
+    err = ProviderError(f"provider {other} answered 500: boom", status=500, retry=Retry.ELSEWHERE)
+    runner = Runner(redis, sched.config, f"n-{other}", {other: Scripted([], err)})
+    assert (await runner.execute(run_id)).startswith("failed")
+    assert await fields(redis, keys.run_record(run_id), "state", "error_message") == [
+        "failed", f"provider {other} answered 500: boom"]
+
+
+async def test_a_server_error_with_no_available_provider_left_fails_at_once(redis: Redis) -> None:
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1})
+    provider, other = await chosen_and_other(redis, run_id)
+    await redis.hset(keys.heartbeat(other), "health", "unavailable")
+    err = ProviderError(f"provider {provider} answered 503: overloaded", status=503, retry=Retry.ELSEWHERE)
+    runner = Runner(redis, sched.config, f"n-{provider}", {provider: Scripted([], err)})
+    assert (await runner.execute(run_id)).startswith("failed")
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 0
+
+
+async def test_a_requeued_run_whose_other_providers_went_down_fails_instead_of_waiting(redis: Redis) -> None:
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1})
+    provider, other = await chosen_and_other(redis, run_id)
+    err = ProviderError(f"provider {provider} answered 500: boom", status=500, retry=Retry.ELSEWHERE)
+    runner = Runner(redis, sched.config, f"n-{provider}", {provider: Scripted([], err)})
+    assert await runner.execute(run_id) == "requeue_pending"
+    await runner.after_job(run_id)
+    await redis.hset(keys.heartbeat(other), "health", "unavailable")  # between requeue and dispatch
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    state, message = await fields(redis, keys.run_record(run_id), "state", "error_message")
+    assert state == "failed" and message == (f"{provider} answered with a server error and no other provider "
+                                             f"of model '{MODEL}' is available")
+
+
+async def test_attempts_leave_their_evidence_in_the_heartbeat(redis: Redis) -> None:
+    struck: list[str] = []
+    lived: list[str] = []
+    sched, run_id = await start_one(redis, {"a": 1}, max_attempts=1)
+    refused = ProviderError("provider a: connection refused", retry=Retry.ANY, strikes=DOWN)
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([], refused)}, on_strike=struck.append,
+                    on_life=lived.append)
+    assert (await runner.execute(run_id)).startswith("failed")
+    assert await fields(redis, keys.heartbeat("a"), "fails", "fail_reason") == [
+        str(DOWN), "provider a: connection refused"]
+    assert struck == ["a"] and lived == []
+
+    await beat(redis, sched.config)
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])}, on_strike=struck.append,
+                    on_life=lived.append)
+    assert (await runner.execute(run_id)).startswith("completed")
+    fails, ok_ms = await fields(redis, keys.heartbeat("a"), "fails", "ok_ms")
+    assert fails == "0" and ok_ms is not None and lived == ["a"]
+
+
+async def test_no_run_is_dispatched_while_a_disturbing_probe_is_out(redis: Redis) -> None:
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000})
+    await beat(redis, config)
+    scripts = Scripts(redis)
+    probe_keys = [keys.heartbeat("a"), keys.leases("a"), keys.probing("a")]
+    assert await scripts.call("probe", probe_keys, [1000, 1, 5000, 60_000]) == 1
+    assert await scripts.call("probe", probe_keys, [1000, 1, 5000, 60_000]) == 0  # claimed already
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()
+    assert await fields(redis, keys.run_record(run_id), "state") == ["queued"]
+    await scripts.call("probed", [keys.heartbeat("a"), keys.probing("a")],
+                       ["ok", 0, "", "available", '["a-name"]', keys.SCHEDULER_SIGNALS])
+    await sched.dispatch_all()
+    assert await fields(redis, keys.run_record(run_id), "state") == ["dispatched"]
+    # and with the run in flight, no exclusive probe is claimed, however old the evidence
+    await redis.hset(keys.heartbeat("a"), mapping={"ok_ms": 0, "probe_ms": 0})
+    assert await scripts.call("probe", probe_keys, [1000, 1, 5000, 60_000]) == 0
+    assert await scripts.call("probe", probe_keys, [1000, 0, 5000, 60_000]) == 1  # a harmless probe may go
