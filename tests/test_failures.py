@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from workers.adapters.base import DOWN, Retry
-from workers.adapters.failures import describe, one_line, transport_error
+from workers.adapters.failures import NO_STRIKE, describe, one_line, probe_failure, transport_error
 
 
 def test_one_line_flattens_cleans_and_cuts() -> None:
@@ -76,7 +76,10 @@ async def test_real_transport_failures_read_as_one_plain_line(misbehaving: str) 
     assert describe(hung, read_ms=50) == ("sent nothing for 50 ms", 1)
     assert describe(hung, total_ms=2000) == ("no answer within 2000 ms", 1)
     cut = await failure_of(misbehaving + "/cut", aiohttp.ClientTimeout(total=5))
-    assert describe(cut) == ("the response broke off before it was complete", 1)
+    # it was answering when it broke off: alive, so no strike (and no sign of life either)
+    assert describe(cut) == ("the response broke off before it was complete", NO_STRIKE)
+    assert transport_error("p", cut, connect_ms=1, read_ms=1).strikes is None
+    assert probe_failure("GET /health", cut, 2000).strikes == 1  # a probe that breaks off is odd: one strike
     for exc in (refused, hung, cut):
         error = transport_error("vllm-a", exc, connect_ms=5000, read_ms=50)
         assert error.message.startswith("provider vllm-a: ") and error.retry is Retry.ANY

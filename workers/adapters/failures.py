@@ -15,7 +15,8 @@ import ssl
 
 import aiohttp
 
-from workers.adapters.base import DOWN, ProviderError, Retry
+from common.policy import Health
+from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
 
 #: The longest provider-supplied text (an error message, a stderr tail) passed on, in characters.
 MAX_ERROR_TEXT = 500
@@ -38,9 +39,14 @@ def _os_text(code: int | None) -> str:
     return os.strerror(code).lower() if code else "a network error"
 
 
+#: `describe`'s strikes for a failure that says nothing about the provider's health
+NO_STRIKE = -1
+
+
 def describe(exc: BaseException, *, connect_ms: int | None = None, read_ms: int | None = None,
              total_ms: int | None = None) -> tuple[str, int]:
-    """(what happened, strikes against the provider's health) for a failed HTTP exchange.
+    """(what happened, strikes against the provider's health: 0 it answered, `NO_STRIKE` no
+    evidence either way) for a failed HTTP exchange.
 
     The timeouts in effect are passed so that a timeout says how long was waited; `total_ms`
     (a probe's whole deadline) names every timeout when given."""
@@ -63,7 +69,9 @@ def describe(exc: BaseException, *, connect_ms: int | None = None, read_ms: int 
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return "the server closed the connection", 1
     if isinstance(exc, aiohttp.ClientPayloadError):
-        return "the response broke off before it was complete", 1
+        # it was answering: alive, whatever cut the response (llama-cpp-python cuts a stream
+        # this way when another request arrives), so no strike and no sign of life either
+        return "the response broke off before it was complete", NO_STRIKE
     if isinstance(exc, (aiohttp.ClientConnectionResetError, ConnectionResetError)):
         return "the connection was reset", 1
     if isinstance(exc, aiohttp.ClientResponseError):
@@ -82,5 +90,12 @@ def transport_error(provider_id: str, exc: BaseException, *, connect_ms: int, re
     reached or broke off may serve another attempt once it is back (`Retry.ANY`); one that
     answered garbage would answer the same again (`Retry.ELSEWHERE`)."""
     what, strikes = describe(exc, connect_ms=connect_ms, read_ms=read_ms)
-    return ProviderError(f"provider {provider_id}: {what}", retry=Retry.ANY if strikes else Retry.ELSEWHERE,
-                         strikes=strikes)
+    return ProviderError(f"provider {provider_id}: {what}", retry=Retry.ELSEWHERE if strikes == 0 else Retry.ANY,
+                         strikes=None if strikes == NO_STRIKE else strikes)
+
+
+def probe_failure(what_failed: str, exc: BaseException, total_ms: int) -> ProbeResult:
+    """The result of a probe whose request failed (`what_failed`: `GET /health`, say)."""
+    what, strikes = describe(exc, total_ms=total_ms)
+    return ProbeResult(Health.UNAVAILABLE, f"{what_failed}: {what}", strikes=max(strikes, 1),
+                       timed_out=isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)))

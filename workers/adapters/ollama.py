@@ -17,7 +17,7 @@ from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
 from workers.adapters.base import ProbeResult, ProviderError, Retry
-from workers.adapters.failures import describe, one_line, transport_error
+from workers.adapters.failures import one_line, probe_failure, transport_error
 from workers.adapters.openai_shapes import Shaper, wants_usage
 
 Json = dict[str, Any]
@@ -194,9 +194,7 @@ class OllamaAdapter:
                     return ProbeResult(Health.UNAVAILABLE, f"GET /api/tags answered {resp.status}")
                 tags = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            what, strikes = describe(exc, total_ms=self.provider.probe_timeout_ms)
-            return ProbeResult(Health.UNAVAILABLE, f"GET /api/tags: {what}", strikes=strikes,
-                               timed_out=isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)))
+            return probe_failure("GET /api/tags", exc, self.provider.probe_timeout_ms)
         except ValueError:
             return ProbeResult(Health.UNKNOWN, "GET /api/tags answered 200 but not with JSON")
         names = observed_names(tags)

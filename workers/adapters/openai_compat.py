@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,7 +34,7 @@ from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters.base import ProbeResult, ProviderError, Retry
-from workers.adapters.failures import describe, one_line, transport_error
+from workers.adapters.failures import one_line, probe_failure, transport_error
 
 PATHS = {RunKind.CHAT: "/chat/completions", RunKind.COMPLETION: "/completions", RunKind.EMBEDDING: "/embeddings"}
 
@@ -206,6 +207,9 @@ class OpenAICompatAdapter:
                         yield chunks
         except ProviderError as exc:
             raise self._clean(exc) from None
+        except aiohttp.ClientPayloadError as exc:
+            if not (parser.done and finished):  # broken only after the whole answer came: it came
+                raise self._failed(exc) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
         if not parser.done:
@@ -226,9 +230,8 @@ class OpenAICompatAdapter:
                     return resp.status, None, None
                 text = await resp.text(errors="replace")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            what, strikes = describe(exc, total_ms=self.provider.probe_timeout_ms)
-            return 0, None, ProbeResult(Health.UNAVAILABLE, self._redact(f"GET {path}: {what}"), strikes=strikes,
-                                        timed_out=isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)))
+            failed = probe_failure(f"GET {path}", exc, self.provider.probe_timeout_ms)
+            return 0, None, replace(failed, reason=self._redact(failed.reason))
         try:
             return 200, json.loads(text), None
         except ValueError:
