@@ -1,0 +1,128 @@
+"""The heartbeat loop of one worker against a real Redis, with scripted probes: it probes only
+when nothing showed the provider alive, never a disturbing probe while the provider runs
+iop's runs, ignores a probe timeout while it is busy, and takes an idle provider down after
+three timeouts and back up after a probe that passes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from common import keys
+from common.config import Config, parse_config
+from common.policy import Health
+from common.redisconn import now_ms
+from common.wire import RunKind
+from tests.conftest import async_wait_until
+from workers.adapters.base import ProbeResult
+from workers.heartbeat import Heartbeats
+
+
+class Probed:
+    """An adapter whose probe answers what the test says, or never (`hang`)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.hang = False
+        self.result = ProbeResult(Health.AVAILABLE, "", ["served"], strikes=0)
+
+    async def probe(self) -> ProbeResult:
+        self.calls += 1
+        if self.hang:
+            await asyncio.Event().wait()
+        return self.result
+
+    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        raise AssertionError("not used")
+
+    def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        raise AssertionError("not used")
+
+    async def close(self) -> None:
+        return None
+
+
+def config(ptype: str) -> Config:
+    return parse_config({
+        "models": [{"id": "m", "providers": {"p": "served"}}],
+        "nodes": [{"id": "n", "providers": [{"id": "p", "type": ptype, "base_url": "http://127.0.0.1:9",
+                                              "capacity": 2, "models": ["served"], "probe_timeout_ms": 50}]}],
+        "runtime": {"heartbeat_interval_ms": 30, "heartbeat_ttl_ms": 1000, "probe_interval_ms": 40},
+    })
+
+
+@pytest.fixture
+async def beating(redis: Redis, request: pytest.FixtureRequest) -> AsyncIterator[tuple[Heartbeats, Probed]]:
+    adapter = Probed()
+    beats = Heartbeats(redis, config(request.param), "n", {"p": adapter})
+    task = asyncio.create_task(beats.run())
+    yield beats, adapter
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def health(redis: Redis) -> str:
+    return ((await redis.hget(keys.heartbeat("p"), "health")) or b"").decode()
+
+
+async def until_health(redis: Redis, expected: str) -> None:
+    async def check() -> bool:
+        return await health(redis) == expected
+    await async_wait_until(check, timeout=10, what=f"health {expected}")
+
+
+async def hold_slot(redis: Redis) -> None:
+    await redis.zadd(keys.leases("p"), {"run_x": now_ms() + 600_000})
+
+
+@pytest.mark.parametrize("beating", ["vllm"], indirect=True)
+async def test_an_idle_provider_is_down_after_three_timeouts_and_up_after_a_pass(
+        redis: Redis, beating: tuple[Heartbeats, Probed]) -> None:
+    beats, adapter = beating
+    await until_health(redis, "available")
+    adapter.hang = True
+    await until_health(redis, "unavailable")
+    reason = (await redis.hget(keys.heartbeat("p"), "reason") or b"").decode()
+    assert reason == "the probe got no answer within 1100 ms"
+    assert int(await redis.hget(keys.heartbeat("p"), "fails") or 0) >= 3
+    adapter.hang = False
+    await until_health(redis, "available")
+
+
+@pytest.mark.parametrize("beating", ["vllm"], indirect=True)
+async def test_a_busy_provider_whose_probe_times_out_stays_available(
+        redis: Redis, beating: tuple[Heartbeats, Probed]) -> None:
+    beats, adapter = beating
+    await until_health(redis, "available")
+    await hold_slot(redis)
+    adapter.hang = True
+    calls = adapter.calls
+    await async_wait_until(lambda: asyncio.sleep(0, adapter.calls >= calls + 3), timeout=20,
+                           what="three probes timing out")
+    assert await health(redis) == "available"
+    assert int(await redis.hget(keys.heartbeat("p"), "fails") or 0) == 0
+
+
+@pytest.mark.parametrize("beating", ["llamacpp"], indirect=True)
+async def test_a_disturbing_probe_waits_until_the_provider_runs_nothing(
+        redis: Redis, beating: tuple[Heartbeats, Probed]) -> None:
+    beats, adapter = beating
+    await until_health(redis, "available")
+    await hold_slot(redis)
+    calls = adapter.calls
+    await redis.hset(keys.heartbeat("p"), mapping={"ok_ms": 0, "probe_ms": 0})  # long since a sign of life
+    beats_seen: set[bytes] = set()
+
+    async def ten_beats() -> bool:
+        beats_seen.add(await redis.hget(keys.heartbeat("p"), "ts_ms") or b"")
+        return len(beats_seen) > 10
+
+    await async_wait_until(ten_beats, what="ten heartbeats")
+    assert adapter.calls == calls and await health(redis) == "available"  # not one probe while it runs
+    await redis.delete(keys.leases("p"))
+    await async_wait_until(lambda: asyncio.sleep(0, adapter.calls > calls), what="a probe once idle")
+    assert not await redis.exists(keys.probing("p"))  # its lock is gone again
