@@ -105,6 +105,9 @@ class RuntimeConfig(_Strict):
     scheduler_liveness_ms: int = Field(3_000, ge=50)
     run_ttl_s: int = Field(3_600, ge=1)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    # Deeper than 256 would come close to the recursion limits of Python's json (~1000) and of
+    # msgpack (512), which are what the limit keeps requests away from.
+    max_json_depth: int = Field(64, ge=2, le=256, description="request bodies nested deeper get 400")
 
 
 class Config(_Strict):

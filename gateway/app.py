@@ -50,7 +50,7 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
     cfg = request.app[CONFIG]
-    req = parse_request(kind, await request.read())
+    req = parse_request(kind, await request.read(), max_depth=cfg.runtime.max_json_depth)
     model = cfg.model(req.model)
     if model is None:
         raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {req.model!r} does not exist", param="model")
