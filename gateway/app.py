@@ -11,11 +11,13 @@ from typing import Any
 from aiohttp import web
 
 from common.config import Config
-from common.redisconn import REDIS_DOWN, connect
+from common.redisconn import REDIS_DOWN
 from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind
 from gateway import catalog, metrics, runs_api
+from gateway.connections import limits_middleware
 from gateway.errors import ApiError, error_middleware
+from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import parse_request
 from gateway.responses import RUN_ID_HEADER, stream_response, whole_response
 from gateway.runs import RunClient
@@ -113,14 +115,20 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
-    redis = connect(app[REDIS_URL])
+    rt = app[CONFIG].runtime
+    redis, pool = gateway_redis(app[REDIS_URL], rt.redis_max_connections)
     app[RUNS] = RunClient(redis, app[CONFIG])
+    trimmer = asyncio.create_task(trim_forever(pool, rt.idle_timeout_ms / 1000))
     yield
+    trimmer.cancel()
+    await asyncio.gather(trimmer, return_exceptions=True)
     await redis.aclose()
 
 
 def build_app(config: Config, redis_url: str) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.runtime.max_body_bytes)
+    rt = config.runtime
+    app = web.Application(middlewares=[error_middleware, limits_middleware(rt.body_timeout_ms / 1000)],
+                          client_max_size=rt.max_body_bytes)
     app[CONFIG] = config
     app[REDIS_URL] = redis_url
     app[STARTED] = time.time()

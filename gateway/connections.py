@@ -1,0 +1,321 @@
+"""Connection hygiene of the gateway's listening socket: how slowly a client may send, how long a
+connection may idle, and how many connections are open. Defaults live in `common.config`
+(`RuntimeConfig`); the README explains each.
+
+Every connection is served by a `GuardedHandler`, aiohttp's own request handler plus:
+
+- `header_timeout_ms`: a request head must be complete this long after its first byte (after the
+  connect, for a connection's first request). Else, if anything had been sent, 408
+  `request_timeout`; the connection closes either way.
+- `body_timeout_ms`: a body must be complete this long after its head (`limits_middleware`), else
+  408 and the connection closes (at once: aiohttp would otherwise go on reading the slow body).
+- `idle_timeout_ms`: a kept-alive connection without a request is closed after this (aiohttp's
+  keep-alive timeout).
+- `max_connections`: connections served at once. Beyond it, up to `TRIAGE_SLOTS` more are read
+  only as far as their request line: `GET /healthz` is answered (and the connection closed),
+  anything else gets 503 `service_unavailable` with `Retry-After`. Beyond those too, a connection
+  gets the same 503 at once. Refusals are logged, at most once per `LOG_EVERY_S`, with a count.
+
+Parse errors aiohttp answers itself (a malformed request line, an unknown `Content-Encoding`)
+get the same OpenAI-shaped body as every other error (`handle_error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from common.config import RuntimeConfig
+from common.wire import ErrorCode
+from gateway.errors import ApiError, Handler, from_status
+
+log = logging.getLogger("iop.gateway")
+
+#: Connections beyond `max_connections` that are read far enough to answer /healthz.
+TRIAGE_SLOTS = 64
+#: The longest request line a connection over the limit may send before it gets its 503.
+MAX_TRIAGE_LINE = 8190
+#: Refused connections are logged at most this often.
+LOG_EVERY_S = 10.0
+#: The one path answered on connections beyond the limit.
+HEALTH_PATH = b"/healthz"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    header_timeout_s: float
+    body_timeout_s: float
+    idle_timeout_s: float
+    max_connections: int
+
+    @classmethod
+    def from_runtime(cls, rt: RuntimeConfig) -> ConnectionLimits:
+        return cls(rt.header_timeout_ms / 1000, rt.body_timeout_ms / 1000, rt.idle_timeout_ms / 1000,
+                   rt.max_connections)
+
+
+class Slot(enum.Enum):
+    SERVED = "served"  # within max_connections
+    TRIAGE = "triage"  # beyond it, within TRIAGE_SLOTS
+    NONE = "none"  # refused at once
+
+
+class ConnectionGuard:
+    """Counts the open connections of a site and decides where each new one goes."""
+
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self.limits = limits
+        self.served = 0
+        self.triaged = 0
+        self._refused = 0
+        self._logged_at = -LOG_EVERY_S
+        self.busy_answer = ApiError(
+            ErrorCode.UNAVAILABLE,
+            f"the gateway has {limits.max_connections} connections open, its limit (runtime.max_connections); "
+            "retry shortly", headers={"Retry-After": "1"}).raw_response()
+        self.late_head_answer = ApiError(
+            ErrorCode.REQUEST_TIMEOUT,
+            f"the request head did not arrive within {limits.header_timeout_s:g} s (runtime.header_timeout_ms)",
+        ).raw_response()
+
+    def admit(self) -> Slot:
+        if self.served < self.limits.max_connections:
+            self.served += 1
+            return Slot.SERVED
+        if self.triaged < TRIAGE_SLOTS:
+            self.triaged += 1
+            return Slot.TRIAGE
+        return Slot.NONE
+
+    def release(self, slot: Slot) -> None:
+        if slot is Slot.SERVED:
+            self.served -= 1
+        elif slot is Slot.TRIAGE:
+            self.triaged -= 1
+
+    def refused(self) -> None:
+        """Count a 503; log the count now and then."""
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_EVERY_S:
+            log.warning("connection limit reached: %d connections answered 503 since the last report "
+                        "(runtime.max_connections = %d; %d open, %d more being answered)",
+                        self._refused, self.limits.max_connections, self.served, self.triaged)
+            self._refused = 0
+            self._logged_at = now
+
+
+class Phase(enum.Enum):
+    SERVING = "serving"  # aiohttp reads and answers its requests
+    TRIAGE = "triage"  # over the limit: reading the request line
+    ANSWERED = "answered"  # over the limit: answered 503, waiting for the client to close
+
+
+class GuardedHandler(web.RequestHandler):
+    """aiohttp's request handler with a head deadline, a connection limit and OpenAI-shaped parse errors."""
+
+    __slots__ = ("_guard", "_slot", "_phase", "_raw", "_line", "_head_timer", "_head_begun", "_in_request",
+                 "_close_after_response")
+
+    def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
+        super().__init__(manager, keepalive_timeout=guard.limits.idle_timeout_s, **options)
+        self._guard = guard
+        self._slot = Slot.NONE
+        self._phase = Phase.SERVING
+        self._raw: asyncio.Transport | None = None  # the transport while aiohttp does not have it
+        self._line = bytearray()
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_begun = False
+        self._in_request = False
+        self._close_after_response = False
+
+    # -- the connection's life -------------------------------------------------------------
+
+    def connection_made(self, base: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, base)  # uvloop's transports are not asyncio.Transport subclasses
+        self._slot = self._guard.admit()
+        if self._slot is Slot.NONE:
+            self._guard.refused()
+            transport.write(self._guard.busy_answer)
+            transport.close()
+            self._phase = Phase.ANSWERED
+            return
+        self._arm_head_timer()
+        if self._slot is Slot.TRIAGE:
+            self._raw, self._phase = transport, Phase.TRIAGE
+            return
+        super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase is Phase.SERVING:
+            if not self._in_request:
+                self._head_begun = True
+                if self._head_timer is None:
+                    self._arm_head_timer()
+            super().data_received(data)
+        elif self._phase is Phase.TRIAGE:
+            self._triage(data)
+        # ANSWERED: the rest of what the client sends is dropped
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_head_timer()
+        self._guard.release(self._slot)
+        self._slot = Slot.NONE
+        if self._phase is Phase.SERVING and self._raw is None:
+            super().connection_lost(exc)
+        self._raw = None
+
+    # -- the head deadline -----------------------------------------------------------------
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self._loop.call_later(self._guard.limits.header_timeout_s, self._head_late)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self._in_request:
+            return
+        if self._phase is Phase.SERVING:
+            if self.transport is not None and self._head_begun:
+                self.transport.write(self._guard.late_head_answer)
+            self.force_close()
+        elif self._raw is not None:
+            if self._phase is Phase.TRIAGE and self._line:
+                self._raw.write(self._guard.late_head_answer)
+            self._raw.close()
+
+    def request_started(self) -> None:
+        """A request head arrived (called by `limits_middleware`)."""
+        self._cancel_head_timer()
+        self._in_request = True
+        self._head_begun = False
+
+    def request_ended(self) -> None:
+        self._in_request = False
+
+    def close_after_response(self) -> None:
+        self._close_after_response = True
+
+    async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        result = await super().finish_response(request, resp, start_time)
+        if self._close_after_response:
+            self.force_close()  # the response is written; do not read on
+        return result
+
+    # -- over the limit ----------------------------------------------------------------------
+
+    def _triage(self, data: bytes) -> None:
+        self._line += data
+        end = self._line.find(b"\r\n")
+        if end < 0:
+            if len(self._line) > MAX_TRIAGE_LINE:
+                self._answer_busy()
+            return
+        method, _, rest = bytes(self._line[:end]).partition(b" ")
+        target = rest.partition(b" ")[0].partition(b"?")[0]
+        if method == b"GET" and target == HEALTH_PATH:
+            # Health is answered even now; the connection closes after it, freeing its triage slot.
+            transport, head = self._raw, bytes(self._line)
+            assert transport is not None
+            self._raw, self._line, self._phase = None, bytearray(), Phase.SERVING
+            self._close_after_response = True
+            self._head_begun = True
+            super().connection_made(transport)
+            super().data_received(head)
+        else:
+            self._answer_busy()
+
+    def _answer_busy(self) -> None:
+        self._guard.refused()
+        self._phase, self._line = Phase.ANSWERED, bytearray()
+        assert self._raw is not None
+        self._raw.write(self._guard.busy_answer)
+        if self._raw.can_write_eof():
+            self._raw.write_eof()  # the client reads the 503, then closes; the head deadline closes it otherwise
+        else:
+            self._raw.close()
+
+    # -- parse errors ----------------------------------------------------------------------
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's answer to a request it could not parse, OpenAI-shaped; the connection closes."""
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response had begun; no error can be sent")
+        if status >= 500:
+            log.error("error handling a request from %s", request.remote, exc_info=exc)
+            text = "internal error"
+        else:
+            text = f"the request could not be parsed: {message or exc or status}"
+            log.info("unparsable request from %s: %s", request.remote, text)
+        resp = from_status(status, text).response()
+        resp.force_close()
+        return resp
+
+
+def limits_middleware(body_timeout_s: float) -> Middleware:
+    """Marks the requests of a `GuardedHandler` (no head deadline while one runs) and reads each
+    body within `body_timeout_s`."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        guarded = request.protocol if isinstance(request.protocol, GuardedHandler) else None
+        if guarded is not None:
+            guarded.request_started()
+        try:
+            if request.body_exists:
+                try:
+                    async with asyncio.timeout(body_timeout_s):
+                        await request.read()  # kept by aiohttp; the handler's own read() returns it
+                except TimeoutError:
+                    if guarded is not None:
+                        guarded.close_after_response()
+                    raise ApiError(ErrorCode.REQUEST_TIMEOUT, f"the request body did not arrive within "
+                                   f"{body_timeout_s:g} s (runtime.body_timeout_ms)") from None
+            return await handler(request)
+        finally:
+            if guarded is not None:
+                guarded.request_ended()
+
+    return middleware
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP site whose connections are served by `GuardedHandler`s sharing one `ConnectionGuard`."""
+
+    __slots__ = ("_host", "_port", "_guard", "_options")
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard, *,
+                 backlog: int = 1024, **handler_options: Any) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._host = host
+        self._port = port
+        self._guard = guard
+        self._options = handler_options
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+
+        def handler() -> GuardedHandler:
+            return GuardedHandler(server, self._guard, loop=loop, **self._options)
+
+        self._server = await loop.create_server(handler, self._host, self._port, backlog=self._backlog)
