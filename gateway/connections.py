@@ -196,23 +196,26 @@ class GuardedHandler(web.RequestHandler):
             self._raw.close()
 
     def request_started(self) -> None:
-        """A request head arrived (called by `limits_middleware`)."""
+        """A request head arrived (called by `limits_middleware`). No head deadline runs until its
+        response is written: a pipelined next head waits behind it, and its bytes must not be
+        taken for a slow head. (A next head that is still incomplete then is bounded by the idle
+        timeout.)"""
         self._cancel_head_timer()
         self._in_request = True
         self._head_begun = False
-
-    def request_ended(self) -> None:
-        self._in_request = False
 
     def close_after_response(self) -> None:
         self._close_after_response = True
 
     async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
-        result = await super().finish_response(request, resp, start_time)
-        if self._close_after_response:
-            self.force_close()  # the response is written; do not read on
-        return result
+        """aiohttp's last step of every answered request: the response is written."""
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._in_request = False
+            if self._close_after_response:
+                self.force_close()  # do not read on (a slow body, a health check over the limit)
 
     # -- over the limit ----------------------------------------------------------------------
 
@@ -266,28 +269,24 @@ class GuardedHandler(web.RequestHandler):
 
 
 def limits_middleware(body_timeout_s: float) -> Middleware:
-    """Marks the requests of a `GuardedHandler` (no head deadline while one runs) and reads each
-    body within `body_timeout_s`."""
+    """Tells a `GuardedHandler` that a request began (no head deadline while it runs) and reads
+    each body within `body_timeout_s`."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         guarded = request.protocol if isinstance(request.protocol, GuardedHandler) else None
         if guarded is not None:
             guarded.request_started()
-        try:
-            if request.body_exists:
-                try:
-                    async with asyncio.timeout(body_timeout_s):
-                        await request.read()  # kept by aiohttp; the handler's own read() returns it
-                except TimeoutError:
-                    if guarded is not None:
-                        guarded.close_after_response()
-                    raise ApiError(ErrorCode.REQUEST_TIMEOUT, f"the request body did not arrive within "
-                                   f"{body_timeout_s:g} s (runtime.body_timeout_ms)") from None
-            return await handler(request)
-        finally:
-            if guarded is not None:
-                guarded.request_ended()
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(body_timeout_s):
+                    await request.read()  # kept by aiohttp; the handler's own read() returns it
+            except TimeoutError:
+                if guarded is not None:
+                    guarded.close_after_response()
+                raise ApiError(ErrorCode.REQUEST_TIMEOUT, f"the request body did not arrive within "
+                               f"{body_timeout_s:g} s (runtime.body_timeout_ms)") from None
+        return await handler(request)
 
     return middleware
 
