@@ -11,10 +11,9 @@ Every connection is served by a `GuardedHandler`, aiohttp's own request handler 
   408 and the connection closes (at once: aiohttp would otherwise go on reading the slow body).
 - `idle_timeout_ms`: a kept-alive connection without a request is closed after this (aiohttp's
   keep-alive timeout).
-- `max_connections`: connections served at once. Beyond it, up to `TRIAGE_SLOTS` more are read
-  only as far as their request line: `GET /healthz` is answered (and the connection closed),
-  anything else gets 503 `service_unavailable` with `Retry-After`. Beyond those too, a connection
-  gets the same 503 at once. Refusals are logged, at most once per `LOG_EVERY_S`, with a count.
+- `max_connections`: which connections are kept at the limit is `gateway.admission`'s decision;
+  a connection in a triage slot is read here only as far as its request line: `GET /healthz` is
+  answered (and the connection closed), anything else gets 503 `service_unavailable`.
 
 Parse errors aiohttp answers itself (a malformed request line, an unknown `Content-Encoding`)
 get the same OpenAI-shaped body as every other error (`handle_error`).
@@ -25,91 +24,19 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
-from dataclasses import dataclass
 from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from common.config import RuntimeConfig
 from common.wire import ErrorCode
+from gateway.admission import ConnectionGuard, Slot
 from gateway.errors import ApiError, Handler, from_status
 
 log = logging.getLogger("iop.gateway")
 
-#: Connections beyond `max_connections` that are read far enough to answer /healthz.
-TRIAGE_SLOTS = 64
-#: The longest request line a connection over the limit may send before it gets its 503.
-MAX_TRIAGE_LINE = 8190
-#: Refused connections are logged at most this often.
-LOG_EVERY_S = 10.0
-#: The one path answered on connections beyond the limit.
-HEALTH_PATH = b"/healthz"
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectionLimits:
-    header_timeout_s: float
-    body_timeout_s: float
-    idle_timeout_s: float
-    max_connections: int
-
-    @classmethod
-    def from_runtime(cls, rt: RuntimeConfig) -> ConnectionLimits:
-        return cls(rt.header_timeout_ms / 1000, rt.body_timeout_ms / 1000, rt.idle_timeout_ms / 1000,
-                   rt.max_connections)
-
-
-class Slot(enum.Enum):
-    SERVED = "served"  # within max_connections
-    TRIAGE = "triage"  # beyond it, within TRIAGE_SLOTS
-    NONE = "none"  # refused at once
-
-
-class ConnectionGuard:
-    """Counts the open connections of a site and decides where each new one goes."""
-
-    def __init__(self, limits: ConnectionLimits) -> None:
-        self.limits = limits
-        self.served = 0
-        self.triaged = 0
-        self._refused = 0
-        self._logged_at = -LOG_EVERY_S
-        self.busy_answer = ApiError(
-            ErrorCode.UNAVAILABLE,
-            f"the gateway has {limits.max_connections} connections open, its limit (runtime.max_connections); "
-            "retry shortly", headers={"Retry-After": "1"}).raw_response()
-        self.late_head_answer = ApiError(
-            ErrorCode.REQUEST_TIMEOUT,
-            f"the request head did not arrive within {limits.header_timeout_s:g} s (runtime.header_timeout_ms)",
-        ).raw_response()
-
-    def admit(self) -> Slot:
-        if self.served < self.limits.max_connections:
-            self.served += 1
-            return Slot.SERVED
-        if self.triaged < TRIAGE_SLOTS:
-            self.triaged += 1
-            return Slot.TRIAGE
-        return Slot.NONE
-
-    def release(self, slot: Slot) -> None:
-        if slot is Slot.SERVED:
-            self.served -= 1
-        elif slot is Slot.TRIAGE:
-            self.triaged -= 1
-
-    def refused(self) -> None:
-        """Count a 503; log the count now and then."""
-        self._refused += 1
-        now = time.monotonic()
-        if now - self._logged_at >= LOG_EVERY_S:
-            log.warning("connection limit reached: %d connections answered 503 since the last report "
-                        "(runtime.max_connections = %d; %d open, %d more being answered)",
-                        self._refused, self.limits.max_connections, self.served, self.triaged)
-            self._refused = 0
-            self._logged_at = now
+#: The one request answered on connections in triage: how its request line begins (then " " or "?").
+HEALTH_REQUEST = b"GET /healthz"
 
 
 class Phase(enum.Enum):
@@ -142,12 +69,12 @@ class GuardedHandler(web.RequestHandler):
         transport = cast(asyncio.Transport, base)  # uvloop's transports are not asyncio.Transport subclasses
         self._slot = self._guard.admit()
         if self._slot is Slot.NONE:
-            self._guard.refused()
             transport.write(self._guard.busy_answer)
             transport.close()
             self._phase = Phase.ANSWERED
             return
         self._arm_head_timer()
+        self._guard.idle(self, self._slot)  # nothing sent yet
         if self._slot is Slot.TRIAGE:
             self._raw, self._phase = transport, Phase.TRIAGE
             return
@@ -155,22 +82,33 @@ class GuardedHandler(web.RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         if self._phase is Phase.SERVING:
-            if not self._in_request:
+            if not self._in_request and not self._head_begun:
                 self._head_begun = True
+                self._guard.busy(self)
                 if self._head_timer is None:
                     self._arm_head_timer()
             super().data_received(data)
         elif self._phase is Phase.TRIAGE:
+            self._guard.busy(self)
             self._triage(data)
         # ANSWERED: the rest of what the client sends is dropped
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()
-        self._guard.release(self._slot)
+        self._guard.release(self, self._slot)
         self._slot = Slot.NONE
         if self._phase is Phase.SERVING and self._raw is None:
             super().connection_lost(exc)
         self._raw = None
+
+    def evict(self) -> None:
+        """Give the slot up to a newer connection (`ConnectionGuard.admit`) and close at once."""
+        self._slot = Slot.NONE
+        self._cancel_head_timer()
+        if self._raw is not None:
+            self._raw.close()
+        else:
+            self.force_close()
 
     # -- the head deadline -----------------------------------------------------------------
 
@@ -216,19 +154,19 @@ class GuardedHandler(web.RequestHandler):
             self._in_request = False
             if self._close_after_response:
                 self.force_close()  # do not read on (a slow body, a health check over the limit)
+            else:
+                self._guard.idle(self, self._slot)
 
     # -- over the limit ----------------------------------------------------------------------
 
     def _triage(self, data: bytes) -> None:
+        """Answer 503 as soon as the first bytes show that this is not a health check; hand a
+        health check over to aiohttp."""
         self._line += data
-        end = self._line.find(b"\r\n")
-        if end < 0:
-            if len(self._line) > MAX_TRIAGE_LINE:
-                self._answer_busy()
-            return
-        method, _, rest = bytes(self._line[:end]).partition(b" ")
-        target = rest.partition(b" ")[0].partition(b"?")[0]
-        if method == b"GET" and target == HEALTH_PATH:
+        start = bytes(self._line[:len(HEALTH_REQUEST) + 1])
+        if not (HEALTH_REQUEST + b" ").startswith(start) and not (HEALTH_REQUEST + b"?").startswith(start):
+            self._answer_busy()
+        elif len(start) > len(HEALTH_REQUEST):
             # Health is answered even now; the connection closes after it, freeing its triage slot.
             transport, head = self._raw, bytes(self._line)
             assert transport is not None
@@ -237,8 +175,6 @@ class GuardedHandler(web.RequestHandler):
             self._head_begun = True
             super().connection_made(transport)
             super().data_received(head)
-        else:
-            self._answer_busy()
 
     def _answer_busy(self) -> None:
         self._guard.refused()
@@ -246,7 +182,9 @@ class GuardedHandler(web.RequestHandler):
         assert self._raw is not None
         self._raw.write(self._guard.busy_answer)
         if self._raw.can_write_eof():
-            self._raw.write_eof()  # the client reads the 503, then closes; the head deadline closes it otherwise
+            # The client reads the 503 and closes; the head deadline or a newer connection closes it otherwise.
+            self._raw.write_eof()
+            self._guard.idle(self, self._slot)
         else:
             self._raw.close()
 

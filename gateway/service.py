@@ -9,8 +9,9 @@ from aiohttp import web
 
 from common.config import Config
 from common.lifecycle import stop_event
+from gateway.admission import TRIAGE_SLOTS, ConnectionGuard, ConnectionLimits
 from gateway.app import build_app
-from gateway.connections import TRIAGE_SLOTS, ConnectionGuard, ConnectionLimits, GuardedSite
+from gateway.connections import GuardedSite
 
 log = logging.getLogger("iop.gateway")
 

@@ -195,13 +195,42 @@ def test_a_request_body_sent_slowly_gets_408_and_nothing_is_queued(
     client.close()
 
 
-def test_beyond_max_connections_a_request_gets_503_while_healthz_answers(
+def test_at_the_limit_a_new_connection_takes_the_place_of_the_longest_idle_one(
         stack: Stack, gateways: list[Gateway]) -> None:
     gw = start(stack, gateways, max_connections=3)
     held = [gw.connect() for _ in range(3)]
-    for sock in held:  # each one answered: the gateway holds all three
+    for sock in held:  # each answered, then idle (kept alive): held[0] has been idle longest
         sock.sendall(request("GET", "/healthz"))
         assert read_response(sock).status == 200
+
+    new = gw.connect()
+    new.sendall(request("GET", "/v1/models"))
+    assert read_response(new).status == 200
+    assert closed_by_peer(held[0])
+    for sock in held[1:]:  # the others are still served
+        sock.sendall(request("GET", "/healthz"))
+        assert read_response(sock).status == 200
+    gw.proc.wait_for_line(r"WARNING .*connection limit reached .*1 idle connections closed to make room")
+
+
+def wait_for_run(sock: socket.socket, redis_url: str, runs: int) -> None:
+    """Send a chat request whose run will wait (no scheduler runs): the connection stays busy."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    sock.sendall(request("POST", "/v1/chat/completions", body, Content_Type="application/json"))
+    client = sync_redis.Redis.from_url(redis_url)
+    wait_until(lambda: client.xlen(f"iop:runs:{MODEL}") == runs, timeout=DEADLINE_S, what=f"{runs} queued runs")
+    client.close()
+
+
+def test_when_every_connection_is_busy_a_request_gets_503_while_healthz_answers(
+        stack: Stack, gateways: list[Gateway], redis_url: str) -> None:
+    gw = start(stack, gateways, max_connections=3)
+    client = sync_redis.Redis.from_url(redis_url)
+    client.hset("iop:provider:p", mapping={"health": "available", "capacity": 1})
+    client.close()
+    callers = [gw.connect() for _ in range(3)]
+    for i, sock in enumerate(callers):
+        wait_for_run(sock, redis_url, i + 1)
 
     over = gw.connect()
     over.sendall(request("POST", "/v1/chat/completions", b"{}", Content_Type="application/json"))
@@ -210,16 +239,24 @@ def test_beyond_max_connections_a_request_gets_503_while_healthz_answers(
     err = resp.error()
     assert err["code"] == "service_unavailable" and "runtime.max_connections" in err["message"]
     assert closed_by_peer(over)
-    gw.proc.wait_for_line(r"WARNING .*connection limit reached: 1 connections answered 503")
+    gw.proc.wait_for_line(r"WARNING .*connection limit reached .*1 connections answered 503")
 
-    for _ in range(3):  # health answers while the limit holds, each time on a new connection
+    def healthz_answers() -> None:
         probe = gw.connect()
         probe.sendall(request("GET", "/healthz"))
         health = read_response(probe)
         assert health.status == 200 and json.loads(health.body) == {"status": "ok"}
         assert closed_by_peer(probe)
 
-    held.pop().close()  # a connection left: the next one is served again
+    for _ in range(3):  # health answers while the limit holds, each time on a new connection
+        healthz_answers()
+    # Connections that connect and send nothing fill every triage slot: health still answers,
+    # taking the place of the one silent longest.
+    silent = [gw.connect() for _ in range(70)]
+    healthz_answers()
+    assert closed_by_peer(silent[0])
+
+    callers.pop().close()  # a caller left: the next connection is served again
 
     def served() -> bool:
         sock = gw.connect()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.connections import TRIAGE_SLOTS
+from gateway.admission import TRIAGE_SLOTS
 from gateway.service import RESERVED_FDS, fit_to_file_limit
 
 
