@@ -68,6 +68,8 @@ class ConnectionGuard:
         self.triaged = 0
         self._idle: dict[Slot, OrderedDict[Evictable, None]] = {Slot.SERVED: OrderedDict(),
                                                                   Slot.TRIAGE: OrderedDict()}
+        #: connections closed by a limit since the start, by reason (`iop_gateway_connections_closed_total`)
+        self.closed = {"refused": 0, "evicted": 0, "head_timeout": 0}
         self._refused = 0
         self._evicted = 0
         self._logged_at = -LOG_EVERY_S
@@ -103,6 +105,7 @@ class ConnectionGuard:
         victim, _ = self._idle[slot].popitem(last=False)
         victim.evict()
         self._evicted += 1
+        self.closed["evicted"] += 1
         self._report()
         return True
 
@@ -126,7 +129,11 @@ class ConnectionGuard:
     def refused(self) -> None:
         """Count a 503."""
         self._refused += 1
+        self.closed["refused"] += 1
         self._report()
+
+    def head_timed_out(self) -> None:
+        self.closed["head_timeout"] += 1
 
     def _report(self) -> None:
         """Log what the limit did: at once the first time, then at most every `LOG_EVERY_S`."""

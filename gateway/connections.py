@@ -124,6 +124,7 @@ class GuardedHandler(web.RequestHandler):
         self._head_timer = None
         if self._in_request:
             return
+        self._guard.head_timed_out()
         if self._phase is Phase.SERVING:
             if self.transport is not None and self._head_begun:
                 self.transport.write(self._guard.late_head_answer)

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from common.config import Config
 from common.lifecycle import stop_event
+from gateway import metrics
 from gateway.admission import TRIAGE_SLOTS, ConnectionGuard, ConnectionLimits
 from gateway.app import build_app
 from gateway.connections import GuardedSite
@@ -60,6 +61,7 @@ async def serve(config: Config, redis_url: str, host: str, port: int) -> None:
     runner = web.AppRunner(build_app(config, redis_url), handler_cancellation=True)
     await runner.setup()
     guard = ConnectionGuard(ConnectionLimits.from_runtime(config.runtime))
+    metrics.watch_connections(guard)
     site = GuardedSite(runner, host, port, guard, backlog=1024, access_log=None)
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port

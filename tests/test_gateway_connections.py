@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis as sync_redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Proc, Stack, wait_until
 
@@ -144,6 +145,18 @@ def drip_until_answered(sock: socket.socket, drops: list[bytes]) -> bytes:
     return received
 
 
+def metric(gw: Gateway, name: str, **labels: str) -> float:
+    """One sample of the gateway's /metrics."""
+    sock = gw.connect()
+    sock.sendall(request("GET", "/metrics"))
+    text = read_response(sock).body.decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    raise AssertionError(f"no sample {name}{labels}")
+
+
 def parse(raw: bytes) -> Response:
     head, _, body = raw.partition(b"\r\n\r\n")
     status_line, *header_lines = head.decode("latin-1").split("\r\n")
@@ -176,6 +189,7 @@ def test_a_request_head_sent_slowly_gets_408_and_the_connection_closes(
     assert resp.status == 408
     err = resp.error()
     assert err["code"] == "request_timeout" and "runtime.header_timeout_ms" in err["message"]
+    assert metric(gw, "iop_gateway_connections_closed_total", reason="head_timeout") == 1
 
 
 def test_a_request_body_sent_slowly_gets_408_and_nothing_is_queued(
@@ -264,6 +278,9 @@ def test_when_every_connection_is_busy_a_request_gets_503_while_healthz_answers(
         return read_response(sock).status == 200
 
     wait_until(served, timeout=DEADLINE_S, what="a connection to be served once one closed")
+    assert metric(gw, "iop_gateway_connections_closed_total", reason="refused") == 1
+    assert metric(gw, "iop_gateway_connections_closed_total", reason="evicted") >= 1  # silent ones in triage
+    assert metric(gw, "iop_gateway_connections", slot="served") == 3
 
 
 def test_the_redis_pool_is_bounded_and_shrinks_when_followers_leave(
