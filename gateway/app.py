@@ -15,7 +15,7 @@ from common.redisconn import REDIS_DOWN
 from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind
 from gateway import catalog, metrics, runs_api
-from gateway.connections import limits_middleware
+from gateway.connections import BODY, limits_middleware
 from gateway.errors import ApiError, error_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import parse_request
@@ -52,7 +52,7 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
     cfg = request.app[CONFIG]
-    req = parse_request(kind, await request.read(), max_depth=cfg.runtime.max_json_depth)
+    req = parse_request(kind, request[BODY], max_depth=cfg.runtime.max_json_depth)
     model = cfg.model(req.model)
     if model is None:
         raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {req.model!r} does not exist", param="model")
@@ -127,7 +127,8 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def build_app(config: Config, redis_url: str) -> web.Application:
     rt = config.runtime
-    app = web.Application(middlewares=[error_middleware, limits_middleware(rt.body_timeout_ms / 1000)],
+    app = web.Application(middlewares=[error_middleware, limits_middleware(rt.body_timeout_ms / 1000,
+                                                                           rt.max_body_bytes)],
                           client_max_size=rt.max_body_bytes)
     app[CONFIG] = config
     app[REDIS_URL] = redis_url

@@ -9,6 +9,8 @@ Every connection is served by a `GuardedHandler`, aiohttp's own request handler 
   `request_timeout`; the connection closes either way.
 - `body_timeout_ms`: a body must be complete this long after its head (`limits_middleware`), else
   408 and the connection closes (at once: aiohttp would otherwise go on reading the slow body).
+  The body is decoded (`Content-Encoding`) by `gateway.bodies`, not by aiohttp, and handed to
+  the handlers as `request[BODY]`.
 - `idle_timeout_ms`: a kept-alive connection without a request is closed after this (aiohttp's
   keep-alive timeout).
 - `max_connections`: which connections are kept at the limit is `gateway.admission`'s decision;
@@ -31,12 +33,15 @@ from aiohttp.typedefs import Middleware
 
 from common.wire import ErrorCode
 from gateway.admission import ConnectionGuard, Slot
+from gateway.bodies import decode
 from gateway.errors import ApiError, Handler, from_status
 
 log = logging.getLogger("iop.gateway")
 
 #: The one request answered on connections in triage: how its request line begins (then " " or "?").
 HEALTH_REQUEST = b"GET /healthz"
+#: The request's body, read within the limits and decoded (empty when it had none).
+BODY = web.RequestKey("iop_body", bytes)
 
 
 class Phase(enum.Enum):
@@ -52,7 +57,8 @@ class GuardedHandler(web.RequestHandler):
                  "_close_after_response")
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
-        super().__init__(manager, keepalive_timeout=guard.limits.idle_timeout_s, **options)
+        # Bodies are decoded by limits_middleware (gateway.bodies), not by aiohttp.
+        super().__init__(manager, keepalive_timeout=guard.limits.idle_timeout_s, auto_decompress=False, **options)
         self._guard = guard
         self._slot = Slot.NONE
         self._phase = Phase.SERVING
@@ -207,24 +213,29 @@ class GuardedHandler(web.RequestHandler):
         return resp
 
 
-def limits_middleware(body_timeout_s: float) -> Middleware:
-    """Tells a `GuardedHandler` that a request began (no head deadline while it runs) and reads
-    each body within `body_timeout_s`."""
+def limits_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware:
+    """Tells a `GuardedHandler` that a request began (no head deadline while it runs), and reads
+    each body within `body_timeout_s` into `request[BODY]`, decoded (aiohttp decodes it itself
+    on connections that are not a `GuardedHandler`'s, as in tests that serve the app alone)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         guarded = request.protocol if isinstance(request.protocol, GuardedHandler) else None
         if guarded is not None:
             guarded.request_started()
+        body = b""
         if request.body_exists:
             try:
                 async with asyncio.timeout(body_timeout_s):
-                    await request.read()  # kept by aiohttp; the handler's own read() returns it
+                    body = await request.read()  # at most max_body_bytes (aiohttp's client_max_size)
             except TimeoutError:
                 if guarded is not None:
                     guarded.close_after_response()
                 raise ApiError(ErrorCode.REQUEST_TIMEOUT, f"the request body did not arrive within "
                                f"{body_timeout_s:g} s (runtime.body_timeout_ms)") from None
+            if guarded is not None:
+                body = decode(body, request.headers.get("Content-Encoding", ""), max_body_bytes)
+        request[BODY] = body
         return await handler(request)
 
     return middleware

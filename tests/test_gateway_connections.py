@@ -319,8 +319,7 @@ def test_the_redis_pool_is_bounded_and_shrinks_when_followers_leave(
 @pytest.mark.parametrize("raw", [
     b"GARBAGE\r\n\r\n",
     b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
-    request("POST", "/v1/chat/completions", b"{}", Content_Encoding="br"),  # no brotli decoder here
-], ids=["not-http", "header-too-long", "unknown-content-encoding"])
+], ids=["not-http", "header-too-long"])
 def test_a_request_aiohttp_cannot_parse_gets_an_openai_shaped_400(
         stack: Stack, gateways: list[Gateway], raw: bytes) -> None:
     gw = start(stack, gateways)
@@ -331,3 +330,27 @@ def test_a_request_aiohttp_cannot_parse_gets_an_openai_shaped_400(
     err = resp.error()
     assert err["code"] == "invalid_request_error" and err["message"].startswith("the request could not be parsed")
     assert closed_by_peer(sock)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["head-and-body-together", "body-after-head"])
+@pytest.mark.parametrize(("encoding", "body", "fragment"), [
+    ("deflate", b"{}", "not valid deflate data"),
+    ("gzip", b"\x1f\x8b\x08\x00garbage", "not valid gzip data"),
+    ("br", b"{}", "Content-Encoding 'br' is not supported"),
+])
+def test_a_body_that_does_not_decode_gets_a_400_at_once(
+        stack: Stack, gateways: list[Gateway], split: bool, encoding: str, body: bytes, fragment: str) -> None:
+    gw = start(stack, gateways)  # the body timeout is far off: a body left open would show as a timeout here
+    sock = gw.connect()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    raw = request("POST", "/v1/chat/completions", body, Content_Type="application/json", Content_Encoding=encoding)
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    if split:
+        sock.sendall(head + b"\r\n\r\n")
+        sock.sendall(rest)
+    else:
+        sock.sendall(raw)
+    resp = read_response(sock)
+    assert resp.status == 400
+    err = resp.error()
+    assert err["code"] == "invalid_request_error" and fragment in err["message"]
