@@ -90,7 +90,8 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, max_tokens: 
 
 def q(values: Sequence[float]) -> dict[str, float]:
     cuts = statistics.quantiles(values, n=10) if len(values) > 1 else [values[0]] * 9
-    return {"p50": round(statistics.median(values), 2), "p90": round(cuts[8], 2), "mean": round(statistics.fmean(values), 2)}
+    return {"p50": round(statistics.median(values), 2), "p90": round(cuts[8], 2),
+            "mean": round(statistics.fmean(values), 2)}
 
 
 async def measure(direct_url: str, gateway: str, served: str, args: argparse.Namespace) -> dict[str, Any]:

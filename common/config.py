@@ -100,7 +100,7 @@ class ModelConfig(_Strict):
 
 
 class RuntimeConfig(_Strict):
-    """Timings shared by every process. Tests shrink them."""
+    """Timings and limits shared by every process (the gateway's own limits too). Tests shrink them."""
 
     heartbeat_interval_ms: int = Field(2_000, ge=10)
     heartbeat_ttl_ms: int = Field(6_000, ge=20)
@@ -109,6 +109,15 @@ class RuntimeConfig(_Strict):
     scheduler_liveness_ms: int = Field(3_000, ge=50)
     run_ttl_s: int = Field(3_600, ge=1)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    # Deeper than 256 would come close to the recursion limits of Python's json (~1000) and of
+    # msgpack (512), which are what the limit keeps requests away from.
+    max_json_depth: int = Field(64, ge=2, le=256, description="request bodies nested deeper get 400")
+    # The gateway's connections (gateway.connections); each is documented in the README.
+    header_timeout_ms: int = Field(10_000, ge=10, description="a request head must arrive within this")
+    body_timeout_ms: int = Field(60_000, ge=10, description="a request body must arrive within this after its head")
+    idle_timeout_ms: int = Field(75_000, ge=10, description="a kept-alive connection without a request is closed")
+    max_connections: int = Field(4_096, ge=1, description="connections the gateway serves at once")
+    redis_max_connections: int = Field(4_096, ge=2, description="the gateway's Redis connection pool")
 
 
 class Config(_Strict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -15,18 +16,23 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
+def client_options() -> dict[str, Any]:
+    """What every service's Redis connections add to their URL: retry a dropped command a few
+    times with exponential backoff, a connect timeout, TCP keepalive. Everything else, TLS
+    included (`rediss://…?ssl_ca_certs=…`), comes from the URL, the same for every service."""
+    return {
+        "decode_responses": False,
+        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=3),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+        "socket_connect_timeout": 2.0,
+        "socket_keepalive": True,
+        "health_check_interval": 0,
+    }
+
+
 def connect(url: str, *, max_connections: int | None = None) -> Redis:
-    """A client that retries a dropped command a few times with exponential backoff."""
-    return Redis.from_url(
-        url,
-        decode_responses=False,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=3),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        socket_connect_timeout=2.0,
-        socket_keepalive=True,
-        health_check_interval=0,
-        max_connections=max_connections,
-    )
+    """A client with `client_options`."""
+    return Redis.from_url(url, max_connections=max_connections, **client_options())
 
 
 class Backoff:

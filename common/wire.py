@@ -59,6 +59,7 @@ class ErrorCode(StrEnum):
     WORKER_LOST = "worker_lost"
     CANCELLED = "cancelled"
     REQUEST_TOO_LARGE = "request_too_large"
+    REQUEST_TIMEOUT = "request_timeout"  # the caller sent its request too slowly (gateway only)
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     UNAVAILABLE = "service_unavailable"

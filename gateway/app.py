@@ -11,11 +11,13 @@ from typing import Any
 from aiohttp import web
 
 from common.config import Config
-from common.redisconn import REDIS_DOWN, connect
+from common.redisconn import REDIS_DOWN
 from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind
 from gateway import catalog, metrics, runs_api
+from gateway.connections import BODY, limits_middleware
 from gateway.errors import ApiError, error_middleware
+from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import parse_request
 from gateway.responses import RUN_ID_HEADER, stream_response, whole_response
 from gateway.runs import RunClient
@@ -50,7 +52,7 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
     cfg = request.app[CONFIG]
-    req = parse_request(kind, await request.read())
+    req = parse_request(kind, request[BODY], max_depth=cfg.runtime.max_json_depth)
     model = cfg.model(req.model)
     if model is None:
         raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {req.model!r} does not exist", param="model")
@@ -113,14 +115,21 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
-    redis = connect(app[REDIS_URL])
+    rt = app[CONFIG].runtime
+    redis, pool = gateway_redis(app[REDIS_URL], rt.redis_max_connections)
     app[RUNS] = RunClient(redis, app[CONFIG])
+    trimmer = asyncio.create_task(trim_forever(pool, rt.idle_timeout_ms / 1000))
     yield
+    trimmer.cancel()
+    await asyncio.gather(trimmer, return_exceptions=True)
     await redis.aclose()
 
 
 def build_app(config: Config, redis_url: str) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.runtime.max_body_bytes)
+    rt = config.runtime
+    app = web.Application(middlewares=[error_middleware, limits_middleware(rt.body_timeout_ms / 1000,
+                                                                           rt.max_body_bytes)],
+                          client_max_size=rt.max_body_bytes)
     app[CONFIG] = config
     app[REDIS_URL] = redis_url
     app[STARTED] = time.time()

@@ -5,8 +5,10 @@ Every error body is `{"error": {"message", "type", "param", "code"}}`.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -22,6 +24,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.REQUEST_TOO_LARGE: 413,
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.CANCELLED: 499,
@@ -90,6 +93,15 @@ class ApiError(Exception):
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status, headers=self.headers)
 
+    def raw_response(self) -> bytes:
+        """The whole HTTP/1.1 response, for a connection answered outside any handler (a request
+        that came too slowly, a connection over the limit); the connection closes after it."""
+        body = json.dumps(self.body()).encode()
+        head = [f"HTTP/1.1 {self.status} {HTTPStatus(self.status).phrase}", "Content-Type: application/json",
+                f"Content-Length: {len(body)}", "Connection: close",
+                *(f"{name}: {value}" for name, value in self.headers.items())]
+        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
 
 def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError(ErrorCode.INVALID_REQUEST, message, param=param)
@@ -100,6 +112,12 @@ _HTTP_CODES: dict[int, ErrorCode] = {
     405: ErrorCode.METHOD_NOT_ALLOWED,
     413: ErrorCode.REQUEST_TOO_LARGE,
 }
+
+
+def from_status(status: int, message: str) -> ApiError:
+    """An error aiohttp gives only a status for: an unknown route or method, a request it could not parse."""
+    code = _HTTP_CODES.get(status, ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL)
+    return ApiError(code, message, status=status)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -113,9 +131,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = _HTTP_CODES.get(exc.status, ErrorCode.INVALID_REQUEST if exc.status < 500 else ErrorCode.INTERNAL)
         message = exc.reason if exc.status != 413 else f"request body is too large: {exc.text}"
-        return ApiError(code, message, status=exc.status).response()
+        return from_status(exc.status, message).response()
+    except web.RequestPayloadError as exc:  # a body that cannot be decoded (Content-Encoding) or was cut short
+        return invalid(f"the request body could not be read: {exc.__cause__ or exc}").response()
     except REDIS_DOWN as exc:
         log.warning("redis unavailable on %s %s: %s", request.method, request.path, exc)
         return ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) is unavailable; retry shortly",

@@ -8,18 +8,26 @@
 - `iop_gateway_time_to_first_token_seconds{model}`: for streamed runs, from the request to
   the first chunk sent that carries output (text, reasoning or a tool call; the opening
   role-only chunk does not count).
+- `iop_gateway_connections{slot}`: open client connections, `served` or in `triage` (beyond
+  `runtime.max_connections`, see `gateway.admission`); read from the guard at scrape.
+- `iop_gateway_connections_closed_total{reason}`: connections a limit closed: `refused` (503),
+  `evicted` (idle, to make room), `head_timeout` (no whole request head in time).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from common.chunks import carries_output
 from common.metrics_http import exposition
+from gateway.admission import ConnectionGuard
 from gateway.errors import Handler
 
 REGISTRY = CollectorRegistry()
@@ -75,6 +83,27 @@ def streamed(request: web.Request, chunks: list[Any]) -> None:
 
 async def metrics(request: web.Request) -> web.Response:
     return await exposition(REGISTRY)
+
+
+class _Connections(Collector):
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self.guard = guard
+
+    def collect(self) -> Iterator[Metric]:
+        open_ = GaugeMetricFamily("iop_gateway_connections", "open client connections", labels=["slot"])
+        open_.add_metric(["served"], self.guard.served)
+        open_.add_metric(["triage"], self.guard.triaged)
+        yield open_
+        closed = CounterMetricFamily("iop_gateway_connections_closed", "connections a limit closed",
+                                     labels=["reason"])
+        for reason, count in self.guard.closed.items():
+            closed.add_metric([reason], count)
+        yield closed
+
+
+def watch_connections(guard: ConnectionGuard) -> None:
+    """Expose the counts of the site's connection guard (once per process)."""
+    REGISTRY.register(_Connections(guard))
 
 
 def setup(app: web.Application) -> None:

@@ -1,7 +1,9 @@
 """Validation of OpenAI request bodies. Pure: bytes in, `ParsedRequest` or `ApiError` out.
 
 Only what the gateway itself needs is checked (the model, the prompt the kind requires,
-`stream`, `stream_options`); every other field passes through to the provider untouched.
+`stream`, `stream_options`) and what any body must be to be queued (`gateway.body_limits`:
+depth, finite numbers, text and integers msgpack can hold); every other field passes through
+to the provider untouched.
 """
 
 from __future__ import annotations
@@ -10,8 +12,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from common.codec import pack
+from common.config import RuntimeConfig
 from common.wire import RunKind
+from gateway.body_limits import depth_problem, wire_problem
 from gateway.errors import invalid
+
+DEFAULT_MAX_DEPTH: int = RuntimeConfig().max_json_depth
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +27,8 @@ class ParsedRequest:
     model: str
     stream: bool
     body: dict[str, Any]
+    #: the body as msgpack, as it is queued (None: not packed yet)
+    packed: bytes | None = None
 
 
 def _is_token_list(value: Any) -> bool:
@@ -91,16 +100,34 @@ def _check_stream(body: dict[str, Any], kind: RunKind) -> bool:
 _CHECKS = {RunKind.CHAT: _check_messages, RunKind.COMPLETION: _check_prompt, RunKind.EMBEDDING: _check_input}
 
 
-def parse_request(kind: RunKind, raw: bytes) -> ParsedRequest:
+def _pack(body: dict[str, Any]) -> bytes:
+    """The body as it is queued; what msgpack cannot hold (a lone surrogate, an integer outside
+    [-2**63, 2**64)) is the caller's fault, named by `wire_problem`."""
+    try:
+        return pack(body)
+    except (UnicodeEncodeError, OverflowError, ValueError, TypeError) as exc:
+        problem = wire_problem(body)
+        if problem is None:
+            raise invalid(f"the request body cannot be stored: {exc}") from None
+        raise invalid(problem.message, problem.param) from None
+
+
+def parse_request(kind: RunKind, raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH) -> ParsedRequest:
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid(f"the request body is nested deeper than {max_depth} levels (runtime.max_json_depth)") \
+            from None
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    problem = depth_problem(body, max_depth)
+    if problem is not None:
+        raise invalid(problem.message, problem.param)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string", "model")
     _CHECKS[kind](body)
     stream = _check_stream(body, kind)
-    return ParsedRequest(kind=kind, model=model, stream=stream, body=body)
+    return ParsedRequest(kind=kind, model=model, stream=stream, body=body, packed=_pack(body))

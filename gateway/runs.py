@@ -56,7 +56,7 @@ class RunClient:
             "enqueue",
             [stream_key, keys.run_record(run_id), *heartbeats],
             [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,
-             "1" if req.stream else "0", pack(req.body)],
+             "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body)],
         )
         status = result[0].decode()
         if status == "full":

@@ -29,7 +29,23 @@ from gateway.runs import Event, RunClient
 #: How long DELETE waits for a running run to end before it answers 202.
 CANCEL_WAIT_S = 10.0
 
-_STREAM_ID = re.compile(r"^\d+(-\d+)?$")
+_STREAM_ID = re.compile(r"[0-9]+(-[0-9]+)?")
+#: Both parts of a Redis stream id are unsigned 64-bit integers.
+_ID_PART_MAX = 2**64 - 1
+
+
+#: The largest stream id: nothing can come after it (and Redis refuses it as an exclusive start).
+_LAST_ID = f"{_ID_PART_MAX}-{_ID_PART_MAX}"
+
+
+def _stream_id(text: str) -> str | None:
+    """`text` as a Redis stream id (leading zeros dropped), or None when it is not one."""
+    if _STREAM_ID.fullmatch(text) is None:
+        return None
+    parts = [int(p) for p in text.split("-")]
+    if any(p > _ID_PART_MAX for p in parts):
+        return None
+    return "-".join(map(str, parts))
 
 
 def _sse(event: Event, model_id: str) -> bytes:
@@ -39,7 +55,7 @@ def _sse(event: Event, model_id: str) -> bytes:
         data = {**data, "chunks": [with_model(c, model_id) for c in data.get("chunks", [])]}
     elif event.type == EventType.COMPLETED and isinstance(data.get("response"), dict):
         data = {**data, "response": with_model(data["response"], model_id)}
-    head = f"id: {event.id}\n" if _STREAM_ID.match(event.id) else ""
+    head = f"id: {event.id}\n" if _STREAM_ID.fullmatch(event.id) else ""
     return f"{head}event: {event.type}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
@@ -59,9 +75,11 @@ class RunsApi:
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         run_id = request.match_info["run_id"]
-        last_id = request.headers.get("Last-Event-ID", "").strip() or "0"
-        if not _STREAM_ID.match(last_id):
-            raise invalid(f"Last-Event-ID {last_id!r} is not an event id", param="Last-Event-ID")
+        header = request.headers.get("Last-Event-ID", "").strip() or "0"
+        last_id = _stream_id(header)
+        if last_id is None:
+            raise invalid(f"Last-Event-ID {header!r} is not an event id: an event id is one or two unsigned "
+                          f"64-bit integers joined by '-' (at most {_ID_PART_MAX})", param="Last-Event-ID")
         view = await self._view(run_id)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no", RUN_ID_HEADER: run_id})
@@ -81,6 +99,8 @@ class RunsApi:
         if not is_terminal(view):
             async for event in self.runs().follow(run_id, last_id, model_id=view["model"]):
                 yield event
+            return
+        if last_id == _LAST_ID:
             return
         start = "-" if last_id == "0" else f"({last_id}"
         for entry_id, fields in await self.runs().redis.xrange(keys.run_events(run_id), start, "+"):

@@ -2,31 +2,67 @@
 
 from __future__ import annotations
 
+import logging
 import resource
 
 from aiohttp import web
 
 from common.config import Config
 from common.lifecycle import stop_event
+from gateway import metrics
+from gateway.admission import TRIAGE_SLOTS, ConnectionGuard, ConnectionLimits
 from gateway.app import build_app
+from gateway.connections import GuardedSite
+
+log = logging.getLogger("iop.gateway")
+
+#: File descriptors kept for everything but client and Redis connections (the listening socket,
+#: standard streams, DNS, the event loop's own).
+RESERVED_FDS = 64
 
 
-def raise_file_limit() -> None:
-    """Each waiting caller holds a socket and a Redis connection: allow as many as the system does."""
+def raise_file_limit() -> int:
+    """Each waiting caller holds a socket and a Redis connection: allow as many as the system does.
+    Returns the limit in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError):  # an unlimited hard limit above the kernel's nr_open
             pass
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def fit_to_file_limit(max_connections: int, redis_connections: int, file_limit: int) -> tuple[int, int]:
+    """(client connections, Redis connections) that fit in `file_limit` descriptors along with the
+    triage slots and `RESERVED_FDS`: the configured ones, or both lowered in proportion."""
+    room = max(file_limit - RESERVED_FDS - TRIAGE_SLOTS, 3)
+    if max_connections + redis_connections <= room:
+        return max_connections, redis_connections
+    clients = max(1, room * max_connections // (max_connections + redis_connections))
+    return clients, max(2, room - clients)
+
+
+def _fitted(config: Config, file_limit: int) -> Config:
+    rt = config.runtime
+    clients, pooled = fit_to_file_limit(rt.max_connections, rt.redis_max_connections, file_limit)
+    if (clients, pooled) == (rt.max_connections, rt.redis_max_connections):
+        return config
+    log.warning("runtime.max_connections (%d) and runtime.redis_max_connections (%d) need more file descriptors "
+                "than the %d this process may open (ulimit -n): using %d and %d", rt.max_connections,
+                rt.redis_max_connections, file_limit, clients, pooled)
+    runtime = rt.model_copy(update={"max_connections": clients, "redis_max_connections": pooled})
+    return config.model_copy(update={"runtime": runtime})
 
 
 async def serve(config: Config, redis_url: str, host: str, port: int) -> None:
-    raise_file_limit()
+    config = _fitted(config, raise_file_limit())
     stop = stop_event()
-    runner = web.AppRunner(build_app(config, redis_url), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(config, redis_url), handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
+    guard = ConnectionGuard(ConnectionLimits.from_runtime(config.runtime))
+    metrics.watch_connections(guard)
+    site = GuardedSite(runner, host, port, guard, backlog=1024, access_log=None)
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port
     print(f"iop gateway listening on http://{host}:{bound}", flush=True)

@@ -15,12 +15,18 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import settings
 from redis.asyncio import Redis
 
 from iop.embedded_redis import RedisServer
 from iop.proc import IopProcess
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Property tests: no per-example deadline (the machine is shared; speed is never asserted) and no
+# example database written into the checkout; a failure prints the example that reproduces it.
+settings.register_profile("iop", deadline=None, database=None, print_blob=True)
+settings.load_profile("iop")
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from common.wire import ErrorCode, ErrorInfo
-from gateway.errors import STATUS, ApiError, invalid
+from gateway.errors import STATUS, ApiError, from_status, invalid
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -28,6 +28,8 @@ def test_every_error_code_has_a_status() -> None:
     (ErrorCode.QUEUE_TIMEOUT, 504),
     (ErrorCode.PROVIDER_ERROR, 502),
     (ErrorCode.REQUEST_TOO_LARGE, 413),
+    (ErrorCode.REQUEST_TIMEOUT, 408),
+    (ErrorCode.UNAVAILABLE, 503),
     (ErrorCode.INTERNAL, 500),
 ])
 def test_documented_statuses(code: ErrorCode, status: int) -> None:
@@ -131,3 +133,21 @@ def test_from_info_run_failures_use_their_status(code: ErrorCode) -> None:
     assert err.status == STATUS[code]
     assert err.body()["error"]["code"] == code.value
     assert err.body()["error"]["message"] == "nope"
+
+
+def test_a_raw_response_is_a_whole_http_response_with_the_same_body() -> None:
+    err = ApiError(ErrorCode.UNAVAILABLE, "full", headers={"Retry-After": "1"})
+    head, _, body = err.raw_response().partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "HTTP/1.1 503 Service Unavailable"
+    assert {"Content-Type: application/json", f"Content-Length: {len(body)}", "Connection: close",
+            "Retry-After: 1"} == set(lines[1:])
+    assert json.loads(body) == err.body()
+
+
+@pytest.mark.parametrize(("status", "code"), [(400, "invalid_request_error"), (404, "not_found"),
+                                              (405, "method_not_allowed"), (413, "request_too_large"),
+                                              (431, "invalid_request_error"), (500, "internal_error")])
+def test_statuses_aiohttp_gives_alone_get_a_code(status: int, code: str) -> None:
+    err = from_status(status, "x")
+    assert err.status == status and err.body()["error"]["code"] == code

@@ -23,3 +23,17 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert command is not None
     test_command = command.group(1).split("&&")[-1].strip()
     assert test_command in (ROOT / ".ci" / "run").read_text()
+
+
+def test_config_table_lists_every_runtime_limit_with_its_default() -> None:
+    from common.config import RuntimeConfig
+
+    table = README.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `runtime\.(\w+)` \| ([^|]+) \|", table, flags=re.M))
+    assert set(rows) == set(RuntimeConfig.model_fields)
+    for name, field in RuntimeConfig.model_fields.items():
+        shown = rows[name].strip()
+        if shown.endswith("MiB"):
+            assert field.default == int(shown.split()[0]) * 1024 * 1024, name
+        else:
+            assert field.default == int(shown), name

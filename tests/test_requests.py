@@ -224,3 +224,84 @@ def test_stream_flag(kind: RunKind, stream: bool) -> None:
 def test_empty_token_lists_and_non_json_numbers_are_rejected(kind: RunKind, raw: bytes, param: str | None) -> None:
     err = rejected(kind, raw)
     assert err.status == 400 and err.param == param
+
+
+def nested(depth: int) -> str:
+    """JSON arrays nested `depth` levels deep."""
+    return "[" * depth + "]" * depth
+
+
+# (id, raw body, expected param, fragment of the message): JSON that Python parses but a run cannot carry
+UNREPRESENTABLE: list[tuple[str, bytes, str | None, str]] = [
+    ("nested-1000", b'{"model": "m", "messages": [{"role": "user"}], "x": ' + nested(1000).encode() + b"}",
+     None, "nested deeper than 64 levels"),
+    ("nested-100000", b'{"model": "m", "x": ' + nested(100_000).encode() + b"}", None,
+     "nested deeper than 64 levels"),
+    ("nested-65", b'{"model": "m", "messages": [{"role": "user"}], "x": ' + nested(64).encode() + b"}",
+     "x" + "[0]" * 63, "nested deeper than 64 levels"),
+    ("lone-surrogate", b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages[0].content", "lone UTF-16 surrogate"),
+    ("lone-low-surrogate-in-a-list", b'{"model": "m", "messages": [{"role": "user"}], "stop": ["a", "\\udfff"]}',
+     "stop[1]", "lone UTF-16 surrogate"),
+    ("lone-surrogate-in-a-key", b'{"model": "m", "messages": [{"role": "user"}], "meta": {"\\ud800": 1}}',
+     "meta.\\ud800", "object key holds a lone UTF-16 surrogate"),
+    ("lone-surrogate-model", b'{"model": "\\ud83d", "messages": [{"role": "user"}]}', "model",
+     "lone UTF-16 surrogate"),
+    ("int-2**64", b'{"model": "m", "messages": [{"role": "user"}], "seed": 18446744073709551616}', "seed",
+     "integer is out of range"),
+    ("int-below-int64", b'{"model": "m", "messages": [{"role": "user"}], "seed": -9223372036854775809}', "seed",
+     "integer is out of range"),
+    ("huge-int-in-tokens", b'{"model": "m", "messages": [{"role": "user"}], "logit_bias": {"1": '
+     + str(10**40).encode() + b"}}", "logit_bias.1", "integer is out of range"),
+    ("float-overflow", b'{"model": "m", "messages": [{"role": "user"}], "temperature": 1e400}', "temperature",
+     "too large to be represented as a 64-bit float"),
+    ("negative-float-overflow-in-a-list", b'{"model": "m", "messages": [{"role": "user"}], "x": [1.5, -1e999]}',
+     "x[1]", "too large to be represented as a 64-bit float"),
+]
+
+
+@pytest.mark.parametrize(("raw", "param", "fragment"), [c[1:] for c in UNREPRESENTABLE],
+                         ids=[c[0] for c in UNREPRESENTABLE])
+def test_json_a_run_cannot_carry_is_a_400_naming_the_problem(raw: bytes, param: str | None, fragment: str) -> None:
+    err = rejected(CHAT, raw)
+    assert err.status == 400 and err.code is ErrorCode.INVALID_REQUEST
+    assert err.param == param
+    assert fragment in err.message
+    json.dumps(err.body())  # the answer itself can be sent
+
+
+@pytest.mark.parametrize(("value", "ok"), [
+    (2**64 - 1, True), (2**64, False), (-(2**63), True), (-(2**63) - 1, False),
+])
+def test_integer_range_is_exactly_what_msgpack_holds(value: int, ok: bool) -> None:
+    raw = body(CHAT, seed=value)
+    if ok:
+        assert parse_request(CHAT, raw).body["seed"] == value
+    else:
+        assert rejected(CHAT, raw).param == "seed"
+
+
+@pytest.mark.parametrize("limit", [2, 8, 64, 256])
+def test_depth_limit_is_exact(limit: int) -> None:
+    # the body is level 1, "x" level 2: arrays nested limit - 1 deep fill it exactly
+    fits = '{"model": "m", "messages": [{"role": "user"}], "x": ' + nested(limit - 1) + "}"
+    too_deep = '{"model": "m", "messages": [{"role": "user"}], "x": ' + nested(limit) + "}"
+    if limit >= 3:  # `messages[0]` itself is level 3
+        assert parse_request(CHAT, fits.encode(), max_depth=limit).body["x"]
+    err = rejected_with(CHAT, too_deep.encode(), max_depth=limit)
+    assert err.status == 400 and f"deeper than {limit} levels" in err.message
+
+
+def rejected_with(kind: RunKind, raw: bytes, **options: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_request(kind, raw, **options)
+    return info.value
+
+
+def test_the_queued_body_is_the_parsed_body() -> None:
+    from common.codec import unpack
+
+    data = {"model": "m", "messages": [{"role": "user", "content": "안녕 🙂"}], "seed": 2**64 - 1,
+            "temperature": 1e308, "x": [None, True, -(2**63)]}
+    parsed = parse_request(CHAT, json.dumps(data, ensure_ascii=False).encode())
+    assert parsed.packed is not None and unpack(parsed.packed) == data

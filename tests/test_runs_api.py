@@ -171,13 +171,29 @@ async def test_an_ended_run_replays_and_closes_and_a_resume_at_its_end_is_empty(
             assert [m.id for m in await read_all(resp)] == expected
 
 
-async def test_a_malformed_last_event_id_is_400(api: Api) -> None:
+@pytest.mark.parametrize("last", [
+    "abc", "1-2-3", "-1", "1-", "\u0661\u0662",  # Arabic-Indic digits are digits to Python, not to Redis
+    "99999999999999999999-0", "0-99999999999999999999", str(2**64), f"{2**64}-0",
+])
+async def test_a_malformed_or_out_of_range_last_event_id_is_400(api: Api, last: str) -> None:
     run_id = await api.submit()
-    async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": "abc"}) as resp:
+    headers = {"Last-Event-ID": last}
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers=headers) as resp:
         assert resp.status == 400
         body = await resp.json()
     validate("ErrorResponse", body)
     assert body["error"]["param"] == "Last-Event-ID"
+    assert body["error"]["code"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("last", [f"{2**64 - 1}-{2**64 - 1}", str(2**64 - 1)])
+async def test_the_largest_last_event_id_is_accepted(api: Api, last: str) -> None:
+    run_id = await api.submit()
+    await api.event(run_id, "failed", {"code": "provider_error", "message": "boom"})
+    await api.end(run_id, "failed")
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": last}) as resp:
+        assert resp.status == 200
+        assert await read_all(resp) == []  # nothing comes after the largest id
 
 
 async def test_delete_of_a_queued_run_takes_it_out_of_the_queue(api: Api) -> None:

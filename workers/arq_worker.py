@@ -15,16 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import time
+from typing import Any, cast
 
-from arq.connections import create_pool
+from arq.connections import ArqRedis, create_pool
 from arq.constants import in_progress_key_prefix
 from arq.worker import Worker
 
-from common.redisconn import REDIS_DOWN, Backoff
+from common.redisconn import REDIS_DOWN, Backoff, client_options
 from common.scripts import Scripts
 
 log = logging.getLogger("iop.worker")
+
+
+def arq_redis(url: str) -> ArqRedis:
+    """arq's client with the same connection settings as every other service: every parameter of
+    the URL (TLS: `rediss://…?ssl_ca_certs=…`) and `client_options`. arq's own
+    `RedisSettings.from_dsn` keeps only host, port, database, credentials and the scheme."""
+    return cast(ArqRedis, ArqRedis.from_url(url, **client_options()))
 
 
 class WakeWorker(Worker):
@@ -41,6 +49,7 @@ class WakeWorker(Worker):
                 default_queue_name=self.queue_name,
                 expires_extra_ms=self.expires_extra_ms,
             )
+        await self._first_connection()
         self._scripts = Scripts(self.pool)
         log.info("worker for queue %s started, %d slots", self.queue_name, self.max_jobs)
         self.ctx["redis"] = self.pool
@@ -58,6 +67,20 @@ class WakeWorker(Worker):
                 log.warning("worker: Redis unavailable (%s); retrying in %.2fs", exc, backoff.delay)
                 await backoff.pause()
                 poll = True
+
+    async def _first_connection(self) -> None:
+        """Wait for Redis however long it takes to answer, as the scheduler does (arq's own
+        start gives up after about six seconds)."""
+        backoff = Backoff()
+        began = time.monotonic()
+        while True:
+            try:
+                await self.pool.ping()
+                return
+            except REDIS_DOWN as exc:
+                log.warning("worker: waiting for Redis for %.1f s (%s); retrying in %.2fs",
+                            time.monotonic() - began, exc, backoff.delay)
+                await backoff.pause()
 
     async def _wait_for_work(self) -> bool:
         """Start what the wake list hands us. Returns whether a full poll is due."""

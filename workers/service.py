@@ -7,7 +7,6 @@ import logging
 from typing import Any
 
 import aiohttp
-from arq.connections import RedisSettings
 from arq.worker import func
 
 from common import keys
@@ -21,7 +20,7 @@ from workers.adapters.base import Adapter
 from workers.adapters.cli import CliAdapter
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
-from workers.arq_worker import WakeWorker
+from workers.arq_worker import WakeWorker, arq_redis
 from workers.heartbeat import Heartbeats
 from workers.runner import Runner
 
@@ -105,7 +104,7 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         functions=[func(run_job, name=keys.JOB_FUNCTION, max_tries=1)],
         queue_name=keys.node_queue(node_id),
         wake_key=keys.node_wake(node_id),
-        redis_settings=RedisSettings.from_dsn(redis_url),
+        redis_pool=arq_redis(redis_url),  # the URL's parameters (TLS) too, unlike RedisSettings.from_dsn
         max_jobs=slots,
         job_timeout=7 * 24 * 3600,  # runs enforce their own execution timeout
         keep_result=0,

@@ -1,0 +1,53 @@
+"""Reading a request body within its limits: time (`runtime.body_timeout_ms`, enforced by the
+caller), size (`runtime.max_body_bytes`, counted after decoding) and `Content-Encoding`. Pure.
+
+The gateway's own connections (`gateway.connections`) are served with aiohttp's decoding off and
+decode here instead: aiohttp 3.14 leaves the body of a `deflate` request open forever when its
+stream breaks off after the head was already handled, so the request would wait for its body
+until the body timeout. Decoding here also makes every encoding error an OpenAI-shaped 400.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from common.wire import ErrorCode
+from gateway.errors import ApiError, invalid
+
+#: zlib window bits per encoding: gzip's header, zlib's header (the RFC's "deflate").
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(ErrorCode.REQUEST_TOO_LARGE,
+                    f"request body is too large: more than {limit} bytes once decoded (runtime.max_body_bytes)")
+
+
+def _inflate(data: bytes, encoding: str, limit: int) -> bytes:
+    wbits = _WBITS[encoding]
+    if encoding == "deflate" and data[:1] and data[0] & 0x0F != 8:
+        wbits = -zlib.MAX_WBITS  # raw deflate without zlib's header, as some clients send it
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(data, limit + 1)
+    except zlib.error as exc:
+        raise invalid(f"the request body is not valid {encoding} data: {exc}") from None
+    if len(out) > limit:
+        raise _too_large(limit)
+    if not inflater.eof or inflater.unused_data:
+        raise invalid(f"the request body is not valid {encoding} data: it does not end where the body ends")
+    return out
+
+
+def decode(data: bytes, content_encoding: str, limit: int) -> bytes:
+    """`data` with the encodings of `content_encoding` undone (last applied, first undone); each
+    result at most `limit` bytes (else 413), any fault 400."""
+    encodings = [e.strip().lower() for e in content_encoding.split(",") if e.strip()]
+    for encoding in reversed(encodings):
+        if encoding == "identity":
+            continue
+        if encoding not in _WBITS:
+            raise invalid(f"Content-Encoding {encoding!r} is not supported (gzip, deflate or identity)",
+                          param="Content-Encoding")
+        data = _inflate(data, encoding, limit)
+    return data

@@ -1,0 +1,121 @@
+"""What a parsed request body must be, beyond valid JSON, before it may be queued. Pure.
+
+Python's `json` module accepts more than a run can carry: nesting up to its recursion limit,
+integers of any size, lone UTF-16 surrogates (`"\\ud800"`) and numbers too large for a float
+(`1e400` becomes `inf`). A queued body travels as msgpack (integers in [-2**63, 2**64), UTF-8
+text only) and is sent on as JSON by a worker, so each of these is refused here, naming where:
+
+- `depth_problem`: nesting deeper than `runtime.max_json_depth`, or a non-finite number. It runs
+  on every body, so it looks at each container once and checks its scalars in bulk (C-speed
+  builtins), never item by item in Python unless something is wrong.
+- `wire_problem`: why msgpack refused a body (surrogate, integer range), found by a full walk.
+  Only called after packing failed, so its cost is never paid by a valid body.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+#: msgpack's integer range.
+INT_MIN = -(2**63)
+INT_MAX = 2**64 - 1
+
+#: A place in the body: None for the body itself, else (parent place, key or index).
+Place = tuple[Any, str | int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Why a body cannot be queued; `param` is the place at fault (`messages[0].content`)."""
+
+    param: str | None
+    message: str
+
+
+def place_text(place: Place) -> str | None:
+    parts: list[str | int] = []
+    while place is not None:
+        place, part = place
+        parts.append(part)
+    out = ""
+    for part in reversed(parts):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            shown = part.encode("utf-8", "backslashreplace").decode("utf-8")
+            out += f".{shown}" if out else shown
+    return out or None
+
+
+def _children(value: dict[str, Any] | list[Any]) -> tuple[list[str] | None, list[Any]]:
+    """(keys, values) of an object; (None, items) of an array, whose places are the indexes."""
+    if isinstance(value, dict):
+        return list(value), list(value.values())
+    return None, value
+
+
+def _name(names: list[str] | None, i: int) -> str | int:
+    return i if names is None else names[i]
+
+
+def depth_problem(body: Any, max_depth: int) -> Problem | None:
+    """Nesting deeper than `max_depth` (the body itself is level 1), or a number that is not finite."""
+    stack: list[tuple[Any, int, Place]] = [(body, 1, None)]
+    while stack:
+        value, depth, place = stack.pop()
+        if type(value) is not dict and type(value) is not list:
+            continue
+        if depth > max_depth:
+            return Problem(place_text(place), f"the request body is nested deeper than {max_depth} levels "
+                                              "(runtime.max_json_depth)")
+        names, items = _children(value)
+        kinds = set(map(type, items))
+        if float in kinds:
+            floats = items if kinds == {float} else [v for v in items if type(v) is float]
+            if not all(map(math.isfinite, floats)):
+                at = next(i for i, v in enumerate(items) if type(v) is float and not math.isfinite(v))
+                return Problem(place_text((place, _name(names, at))), "a number is too large to be represented "
+                                                               "as a 64-bit float")
+        if dict in kinds or list in kinds:
+            stack.extend((v, depth + 1, (place, _name(names, i))) for i, v in enumerate(items)
+                         if type(v) is dict or type(v) is list)
+    return None
+
+
+def _text_ok(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _scalar_problem(value: Any, place: Place) -> Problem | None:
+    if type(value) is str and not _text_ok(value):
+        return Problem(place_text(place), "a string holds a lone UTF-16 surrogate (such as \\ud800), "
+                                          "which is not valid Unicode text")
+    if type(value) is int and not INT_MIN <= value <= INT_MAX:
+        return Problem(place_text(place), f"an integer is out of range: it must lie between {INT_MIN} "
+                                          f"and {INT_MAX}")
+    return None
+
+
+def wire_problem(body: Any) -> Problem | None:
+    """The first string that is not valid Unicode or integer that msgpack cannot hold."""
+    stack: list[tuple[Any, Place]] = [(body, None)]
+    while stack:
+        value, place = stack.pop()
+        if type(value) is dict or type(value) is list:
+            names, items = _children(value)
+            for name in names or ():
+                if not _text_ok(name):
+                    return Problem(place_text((place, name)), "an object key holds a lone UTF-16 surrogate "
+                                                      "(such as \\ud800), which is not valid Unicode text")
+            stack.extend((v, (place, _name(names, i))) for i, v in enumerate(items))
+        else:
+            problem = _scalar_problem(value, place)
+            if problem is not None:
+                return problem
+    return None

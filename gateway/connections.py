@@ -1,0 +1,270 @@
+"""Connection hygiene of the gateway's listening socket: how slowly a client may send, how long a
+connection may idle, and how many connections are open. Defaults live in `common.config`
+(`RuntimeConfig`); the README explains each.
+
+Every connection is served by a `GuardedHandler`, aiohttp's own request handler plus:
+
+- `header_timeout_ms`: a request head must be complete this long after its first byte (after the
+  connect, for a connection's first request). Else, if anything had been sent, 408
+  `request_timeout`; the connection closes either way.
+- `body_timeout_ms`: a body must be complete this long after its head (`limits_middleware`), else
+  408 and the connection closes (at once: aiohttp would otherwise go on reading the slow body).
+  The body is decoded (`Content-Encoding`) by `gateway.bodies`, not by aiohttp, and handed to
+  the handlers as `request[BODY]`.
+- `idle_timeout_ms`: a kept-alive connection without a request is closed after this (aiohttp's
+  keep-alive timeout).
+- `max_connections`: which connections are kept at the limit is `gateway.admission`'s decision;
+  a connection in a triage slot is read here only as far as its request line: `GET /healthz` is
+  answered (and the connection closed), anything else gets 503 `service_unavailable`.
+
+Parse errors aiohttp answers itself (a malformed request line, an unknown `Content-Encoding`)
+get the same OpenAI-shaped body as every other error (`handle_error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from typing import Any, cast
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from common.wire import ErrorCode
+from gateway.admission import ConnectionGuard, Slot
+from gateway.bodies import decode
+from gateway.errors import ApiError, Handler, from_status
+
+log = logging.getLogger("iop.gateway")
+
+#: The one request answered on connections in triage: how its request line begins (then " " or "?").
+HEALTH_REQUEST = b"GET /healthz"
+#: The request's body, read within the limits and decoded (empty when it had none).
+BODY = web.RequestKey("iop_body", bytes)
+
+
+class Phase(enum.Enum):
+    SERVING = "serving"  # aiohttp reads and answers its requests
+    TRIAGE = "triage"  # over the limit: reading the request line
+    ANSWERED = "answered"  # over the limit: answered 503, waiting for the client to close
+
+
+class GuardedHandler(web.RequestHandler):
+    """aiohttp's request handler with a head deadline, a connection limit and OpenAI-shaped parse errors."""
+
+    __slots__ = ("_guard", "_slot", "_phase", "_raw", "_line", "_head_timer", "_head_begun", "_in_request",
+                 "_close_after_response")
+
+    def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
+        # Bodies are decoded by limits_middleware (gateway.bodies), not by aiohttp.
+        super().__init__(manager, keepalive_timeout=guard.limits.idle_timeout_s, auto_decompress=False, **options)
+        self._guard = guard
+        self._slot = Slot.NONE
+        self._phase = Phase.SERVING
+        self._raw: asyncio.Transport | None = None  # the transport while aiohttp does not have it
+        self._line = bytearray()
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_begun = False
+        self._in_request = False
+        self._close_after_response = False
+
+    # -- the connection's life -------------------------------------------------------------
+
+    def connection_made(self, base: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, base)  # uvloop's transports are not asyncio.Transport subclasses
+        self._slot = self._guard.admit()
+        if self._slot is Slot.NONE:
+            transport.write(self._guard.busy_answer)
+            transport.close()
+            self._phase = Phase.ANSWERED
+            return
+        self._arm_head_timer()
+        self._guard.idle(self, self._slot)  # nothing sent yet
+        if self._slot is Slot.TRIAGE:
+            self._raw, self._phase = transport, Phase.TRIAGE
+            return
+        super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase is Phase.SERVING:
+            if not self._in_request and not self._head_begun:
+                self._head_begun = True
+                self._guard.busy(self)
+                if self._head_timer is None:
+                    self._arm_head_timer()
+            super().data_received(data)
+        elif self._phase is Phase.TRIAGE:
+            self._guard.busy(self)
+            self._triage(data)
+        # ANSWERED: the rest of what the client sends is dropped
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_head_timer()
+        self._guard.release(self, self._slot)
+        self._slot = Slot.NONE
+        if self._phase is Phase.SERVING and self._raw is None:
+            super().connection_lost(exc)
+        self._raw = None
+
+    def evict(self) -> None:
+        """Give the slot up to a newer connection (`ConnectionGuard.admit`) and close at once."""
+        self._slot = Slot.NONE
+        self._cancel_head_timer()
+        if self._raw is not None:
+            self._raw.close()
+        else:
+            self.force_close()
+
+    # -- the head deadline -----------------------------------------------------------------
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self._loop.call_later(self._guard.limits.header_timeout_s, self._head_late)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self._in_request:
+            return
+        self._guard.head_timed_out()
+        if self._phase is Phase.SERVING:
+            if self.transport is not None and self._head_begun:
+                self.transport.write(self._guard.late_head_answer)
+            self.force_close()
+        elif self._raw is not None:
+            if self._phase is Phase.TRIAGE and self._line:
+                self._raw.write(self._guard.late_head_answer)
+            self._raw.close()
+
+    def request_started(self) -> None:
+        """A request head arrived (called by `limits_middleware`). No head deadline runs until its
+        response is written: a pipelined next head waits behind it, and its bytes must not be
+        taken for a slow head. (A next head that is still incomplete then is bounded by the idle
+        timeout.)"""
+        self._cancel_head_timer()
+        self._in_request = True
+        self._head_begun = False
+
+    def close_after_response(self) -> None:
+        self._close_after_response = True
+
+    async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        """aiohttp's last step of every answered request: the response is written."""
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._in_request = False
+            if self._close_after_response:
+                self.force_close()  # do not read on (a slow body, a health check over the limit)
+            else:
+                self._guard.idle(self, self._slot)
+
+    # -- over the limit ----------------------------------------------------------------------
+
+    def _triage(self, data: bytes) -> None:
+        """Answer 503 as soon as the first bytes show that this is not a health check; hand a
+        health check over to aiohttp."""
+        self._line += data
+        start = bytes(self._line[:len(HEALTH_REQUEST) + 1])
+        if not (HEALTH_REQUEST + b" ").startswith(start) and not (HEALTH_REQUEST + b"?").startswith(start):
+            self._answer_busy()
+        elif len(start) > len(HEALTH_REQUEST):
+            # Health is answered even now; the connection closes after it, freeing its triage slot.
+            transport, head = self._raw, bytes(self._line)
+            assert transport is not None
+            self._raw, self._line, self._phase = None, bytearray(), Phase.SERVING
+            self._close_after_response = True
+            self._head_begun = True
+            super().connection_made(transport)
+            super().data_received(head)
+
+    def _answer_busy(self) -> None:
+        self._guard.refused()
+        self._phase, self._line = Phase.ANSWERED, bytearray()
+        assert self._raw is not None
+        self._raw.write(self._guard.busy_answer)
+        if self._raw.can_write_eof():
+            # The client reads the 503 and closes; the head deadline or a newer connection closes it otherwise.
+            self._raw.write_eof()
+            self._guard.idle(self, self._slot)
+        else:
+            self._raw.close()
+
+    # -- parse errors ----------------------------------------------------------------------
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's answer to a request it could not parse, OpenAI-shaped; the connection closes."""
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response had begun; no error can be sent")
+        if status >= 500:
+            log.error("error handling a request from %s", request.remote, exc_info=exc)
+            text = "internal error"
+        else:
+            text = f"the request could not be parsed: {message or exc or status}"
+            log.info("unparsable request from %s: %s", request.remote, text)
+        resp = from_status(status, text).response()
+        resp.force_close()
+        return resp
+
+
+def limits_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware:
+    """Tells a `GuardedHandler` that a request began (no head deadline while it runs), and reads
+    each body within `body_timeout_s` into `request[BODY]`, decoded (aiohttp decodes it itself
+    on connections that are not a `GuardedHandler`'s, as in tests that serve the app alone)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        guarded = request.protocol if isinstance(request.protocol, GuardedHandler) else None
+        if guarded is not None:
+            guarded.request_started()
+        body = b""
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(body_timeout_s):
+                    body = await request.read()  # at most max_body_bytes (aiohttp's client_max_size)
+            except TimeoutError:
+                if guarded is not None:
+                    guarded.close_after_response()
+                raise ApiError(ErrorCode.REQUEST_TIMEOUT, f"the request body did not arrive within "
+                               f"{body_timeout_s:g} s (runtime.body_timeout_ms)") from None
+            if guarded is not None:
+                body = decode(body, request.headers.get("Content-Encoding", ""), max_body_bytes)
+        request[BODY] = body
+        return await handler(request)
+
+    return middleware
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP site whose connections are served by `GuardedHandler`s sharing one `ConnectionGuard`."""
+
+    __slots__ = ("_host", "_port", "_guard", "_options")
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard, *,
+                 backlog: int = 1024, **handler_options: Any) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._host = host
+        self._port = port
+        self._guard = guard
+        self._options = handler_options
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+
+        def handler() -> GuardedHandler:
+            return GuardedHandler(server, self._guard, loop=loop, **self._options)
+
+        self._server = await loop.create_server(handler, self._host, self._port, backlog=self._backlog)

@@ -1,0 +1,62 @@
+"""gateway.bodies: request bodies decoded within the size limit, every fault a 400 (or 413)."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+
+import pytest
+
+from common.wire import ErrorCode
+from gateway.bodies import decode
+from gateway.errors import ApiError
+
+BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+def raw_deflate(data: bytes) -> bytes:
+    c = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return c.compress(data) + c.flush()
+
+
+@pytest.mark.parametrize(("encoding", "data"), [
+    ("", BODY),
+    ("identity", BODY),
+    ("gzip", gzip.compress(BODY)),
+    ("x-gzip", gzip.compress(BODY)),
+    ("GZip", gzip.compress(BODY)),
+    ("deflate", zlib.compress(BODY)),
+    ("deflate", raw_deflate(BODY)),  # without zlib's header, as some clients send it
+    ("deflate, gzip", gzip.compress(zlib.compress(BODY))),  # applied in that order
+    ("gzip, identity", gzip.compress(BODY)),
+])
+def test_supported_encodings_are_undone(encoding: str, data: bytes) -> None:
+    assert decode(data, encoding, 4096) == BODY
+
+
+def rejected(data: bytes, encoding: str, limit: int = 4096) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        decode(data, encoding, limit)
+    return info.value
+
+
+@pytest.mark.parametrize(("encoding", "data", "fragment"), [
+    ("br", BODY, "Content-Encoding 'br' is not supported"),
+    ("zstd, gzip", gzip.compress(BODY), "Content-Encoding 'zstd' is not supported"),
+    ("gzip", BODY, "not valid gzip data"),
+    ("deflate", b"{}", "not valid deflate data"),
+    ("gzip", gzip.compress(BODY)[:-6], "does not end where the body ends"),  # cut short
+    ("deflate", zlib.compress(BODY) + b"tail", "does not end where the body ends"),
+])
+def test_faults_are_a_400_naming_them(encoding: str, data: bytes, fragment: str) -> None:
+    err = rejected(data, encoding)
+    assert err.status == 400 and err.code is ErrorCode.INVALID_REQUEST
+    assert fragment in err.message
+
+
+def test_a_body_larger_than_the_limit_once_decoded_is_a_413() -> None:
+    bomb = gzip.compress(b"\0" * 1_000_000)  # about 1 KB that inflates to 1 MB
+    assert len(bomb) < 4096
+    err = rejected(bomb, "gzip", limit=4096)
+    assert err.status == 413 and err.code is ErrorCode.REQUEST_TOO_LARGE
+    assert decode(gzip.compress(b"\0" * 4096), "gzip", 4096) == b"\0" * 4096  # exactly the limit fits

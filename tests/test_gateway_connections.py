@@ -1,0 +1,356 @@
+"""Connection hygiene of the real `iop gateway` process (port 0), driven with raw sockets:
+idle connections, slow request heads and bodies, the connection limit (and /healthz while it
+holds), and the bounded Redis pool that shrinks back. Limits are small; nothing waits a fixed
+time for something: every wait is for an answer or a close, with a deadline."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import redis as sync_redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import Proc, Stack, wait_until
+
+MODEL = "m"
+#: Longest any single wait in these tests may take; far above the limits under test.
+DEADLINE_S = 20.0
+#: A limit long enough never to fire during a test.
+NEVER_MS = 120_000
+
+
+def config(**runtime: int) -> dict[str, Any]:
+    return {
+        "models": [{"id": MODEL, "providers": {"p": "p-served"}}],
+        "nodes": [{"id": "n1", "providers": [{"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                              "capacity": 1, "models": ["p-served"]}]}],
+        "runtime": {"header_timeout_ms": NEVER_MS, "body_timeout_ms": NEVER_MS, "idle_timeout_ms": NEVER_MS,
+                    **runtime},
+    }
+
+
+class Gateway:
+    def __init__(self, stack: Stack, **runtime: int) -> None:
+        stack.write_config(config(**runtime))
+        url = urlsplit(stack.gateway())
+        assert url.hostname is not None and url.port is not None
+        self.address = (url.hostname, url.port)
+        self.proc: Proc = stack.procs[-1]
+        self.sockets: list[socket.socket] = []
+
+    def connect(self) -> socket.socket:
+        sock = socket.create_connection(self.address, timeout=DEADLINE_S)
+        self.sockets.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+@pytest.fixture
+def gateways(stack: Stack) -> Iterator[list[Gateway]]:
+    started: list[Gateway] = []
+    yield started
+    for gw in started:
+        gw.close()
+
+
+def start(stack: Stack, gateways: list[Gateway], **runtime: int) -> Gateway:
+    gw = Gateway(stack, **runtime)
+    gateways.append(gw)
+    return gw
+
+
+def request(method: str, path: str, body: bytes = b"", **headers: str) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: gateway", *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items())]
+    if body:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+class Response:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def error(self) -> dict[str, Any]:
+        assert self.headers.get("content-type", "").startswith("application/json"), self.headers
+        err: dict[str, Any] = json.loads(self.body)["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        return err
+
+
+def read_response(sock: socket.socket) -> Response:
+    """One whole HTTP/1.1 response with a Content-Length."""
+    sock.settimeout(DEADLINE_S)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before a whole response head: {data!r}"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
+    length = int(headers["content-length"])
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed inside a response body"
+        rest += chunk
+    return Response(int(status_line.split()[1]), headers, rest[:length])
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Wait (up to the deadline) for the gateway to close the connection, dropping what it sends."""
+    sock.settimeout(DEADLINE_S)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def drip_until_answered(sock: socket.socket, drops: list[bytes]) -> bytes:
+    """Send `drops` one by one, each as soon as the last is out, until the gateway answers or
+    closes; returns what it sent. The gateway's own deadline ends this, not ours."""
+    deadline = time.monotonic() + DEADLINE_S
+    for drop in drops:
+        readable, _, _ = select.select([sock], [], [], 0.05)
+        if readable:
+            break
+        try:
+            sock.sendall(drop)
+        except (BrokenPipeError, ConnectionResetError):
+            break
+    else:
+        raise AssertionError("ran out of bytes to drip before the gateway answered")
+    sock.settimeout(max(deadline - time.monotonic(), 0.1))
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return received
+
+
+def metric(gw: Gateway, name: str, **labels: str) -> float:
+    """One sample of the gateway's /metrics."""
+    sock = gw.connect()
+    sock.sendall(request("GET", "/metrics"))
+    text = read_response(sock).body.decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    raise AssertionError(f"no sample {name}{labels}")
+
+
+def parse(raw: bytes) -> Response:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
+    return Response(int(status_line.split()[1]), headers, body)
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_idle_timeout(stack: Stack, gateways: list[Gateway]) -> None:
+    gw = start(stack, gateways, idle_timeout_ms=300)
+    sock = gw.connect()
+    sock.sendall(request("GET", "/healthz"))
+    assert read_response(sock).status == 200  # kept alive: HTTP/1.1 without Connection: close
+    assert closed_by_peer(sock)  # the head and body timeouts are far off: this is the idle timeout
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_header_timeout(
+        stack: Stack, gateways: list[Gateway]) -> None:
+    gw = start(stack, gateways, header_timeout_ms=300)
+    sock = gw.connect()
+    sock.settimeout(DEADLINE_S)
+    assert sock.recv(65536) == b""  # closed without an answer: no request had begun
+
+
+def test_a_request_head_sent_slowly_gets_408_and_the_connection_closes(
+        stack: Stack, gateways: list[Gateway]) -> None:
+    gw = start(stack, gateways, header_timeout_ms=300)
+    sock = gw.connect()
+    drops = [b"POST /v1/chat/completions HTTP/1.1\r\n"] + [f"X-Drip-{i}: {i}\r\n".encode() for i in range(100_000)]
+    resp = parse(drip_until_answered(sock, drops))
+    assert resp.status == 408
+    err = resp.error()
+    assert err["code"] == "request_timeout" and "runtime.header_timeout_ms" in err["message"]
+    assert metric(gw, "iop_gateway_connections_closed_total", reason="head_timeout") == 1
+
+
+def test_a_request_body_sent_slowly_gets_408_and_nothing_is_queued(
+        stack: Stack, gateways: list[Gateway], redis_url: str) -> None:
+    gw = start(stack, gateways, body_timeout_ms=300)
+    client = sync_redis.Redis.from_url(redis_url)
+    client.hset("iop:provider:p", mapping={"health": "available", "capacity": 1})  # it would be queued
+    sock = gw.connect()
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 100_000}]}).encode()
+    head = request("POST", "/v1/chat/completions", Content_Type="application/json").removesuffix(b"\r\n")
+    head += f"Content-Length: {len(body)}\r\n\r\n".encode()
+    resp = parse(drip_until_answered(sock, [head] + [body[i:i + 1] for i in range(len(body))]))
+    assert resp.status == 408
+    err = resp.error()
+    assert err["code"] == "request_timeout" and "runtime.body_timeout_ms" in err["message"]
+    assert client.keys("iop:run:*") == [] and client.xlen(f"iop:runs:{MODEL}") == 0
+    client.close()
+
+
+def test_at_the_limit_a_new_connection_takes_the_place_of_the_longest_idle_one(
+        stack: Stack, gateways: list[Gateway]) -> None:
+    gw = start(stack, gateways, max_connections=3)
+    held = [gw.connect() for _ in range(3)]
+    for sock in held:  # each answered, then idle (kept alive): held[0] has been idle longest
+        sock.sendall(request("GET", "/healthz"))
+        assert read_response(sock).status == 200
+
+    new = gw.connect()
+    new.sendall(request("GET", "/v1/models"))
+    assert read_response(new).status == 200
+    assert closed_by_peer(held[0])
+    for sock in held[1:]:  # the others are still served
+        sock.sendall(request("GET", "/healthz"))
+        assert read_response(sock).status == 200
+    gw.proc.wait_for_line(r"WARNING .*connection limit reached .*1 idle connections closed to make room")
+
+
+def wait_for_run(sock: socket.socket, redis_url: str, runs: int) -> None:
+    """Send a chat request whose run will wait (no scheduler runs): the connection stays busy."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    sock.sendall(request("POST", "/v1/chat/completions", body, Content_Type="application/json"))
+    client = sync_redis.Redis.from_url(redis_url)
+    wait_until(lambda: client.xlen(f"iop:runs:{MODEL}") == runs, timeout=DEADLINE_S, what=f"{runs} queued runs")
+    client.close()
+
+
+def test_when_every_connection_is_busy_a_request_gets_503_while_healthz_answers(
+        stack: Stack, gateways: list[Gateway], redis_url: str) -> None:
+    gw = start(stack, gateways, max_connections=3)
+    client = sync_redis.Redis.from_url(redis_url)
+    client.hset("iop:provider:p", mapping={"health": "available", "capacity": 1})
+    client.close()
+    callers = [gw.connect() for _ in range(3)]
+    for i, sock in enumerate(callers):
+        wait_for_run(sock, redis_url, i + 1)
+
+    over = gw.connect()
+    over.sendall(request("POST", "/v1/chat/completions", b"{}", Content_Type="application/json"))
+    resp = read_response(over)
+    assert resp.status == 503 and resp.headers.get("retry-after") == "1"
+    err = resp.error()
+    assert err["code"] == "service_unavailable" and "runtime.max_connections" in err["message"]
+    assert closed_by_peer(over)
+    gw.proc.wait_for_line(r"WARNING .*connection limit reached .*1 connections answered 503")
+
+    def healthz_answers() -> None:
+        probe = gw.connect()
+        probe.sendall(request("GET", "/healthz"))
+        health = read_response(probe)
+        assert health.status == 200 and json.loads(health.body) == {"status": "ok"}
+        assert closed_by_peer(probe)
+
+    for _ in range(3):  # health answers while the limit holds, each time on a new connection
+        healthz_answers()
+    # Connections that connect and send nothing fill every triage slot: health still answers,
+    # taking the place of the one silent longest.
+    silent = [gw.connect() for _ in range(70)]
+    healthz_answers()
+    assert closed_by_peer(silent[0])
+
+    callers.pop().close()  # a caller left: the next connection is served again
+
+    def served() -> bool:
+        sock = gw.connect()
+        sock.sendall(request("GET", "/v1/models"))
+        return read_response(sock).status == 200
+
+    wait_until(served, timeout=DEADLINE_S, what="a connection to be served once one closed")
+    assert metric(gw, "iop_gateway_connections_closed_total", reason="refused") == 1
+    assert metric(gw, "iop_gateway_connections_closed_total", reason="evicted") >= 1  # silent ones in triage
+    assert metric(gw, "iop_gateway_connections", slot="served") == 3
+
+
+def test_the_redis_pool_is_bounded_and_shrinks_when_followers_leave(
+        stack: Stack, gateways: list[Gateway], redis_url: str) -> None:
+    gw = start(stack, gateways, redis_max_connections=3, idle_timeout_ms=500)
+    client = sync_redis.Redis.from_url(redis_url)
+    client.hset("iop:provider:p", mapping={"health": "available", "capacity": 1})
+    own = client.client_id()
+
+    def gateway_connections() -> int:
+        return sum(1 for c in client.client_list() if int(c["id"]) != own)
+
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    callers = [gw.connect() for _ in range(10)]
+    for sock in callers:  # no scheduler runs: each one's run waits in the queue, its caller follows it
+        sock.sendall(request("POST", "/v1/chat/completions", body, Content_Type="application/json"))
+    wait_until(lambda: client.xlen(f"iop:runs:{MODEL}") == 10, timeout=DEADLINE_S, what="ten queued runs")
+    # Watch the invariant over a few of the followers' one-second blocking reads (a window to
+    # observe, not an event to wait for).
+    most = 0
+    window_end = time.monotonic() + 3.0
+    while time.monotonic() < window_end:
+        most = max(most, gateway_connections())
+        time.sleep(0.01)
+    assert 1 <= most <= 3
+
+    for sock in callers:  # the callers leave: their runs are cancelled, the followers end
+        sock.close()
+    wait_until(lambda: client.xlen(f"iop:runs:{MODEL}") == 0, timeout=DEADLINE_S, what="the runs to be dropped")
+    wait_until(lambda: gateway_connections() == 0, timeout=DEADLINE_S,
+               what="the gateway's idle Redis connections to be closed")
+    gw.proc.wait_for_line(r"closed \d+ idle Redis connections")
+    client.close()
+
+
+@pytest.mark.parametrize("raw", [
+    b"GARBAGE\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
+], ids=["not-http", "header-too-long"])
+def test_a_request_aiohttp_cannot_parse_gets_an_openai_shaped_400(
+        stack: Stack, gateways: list[Gateway], raw: bytes) -> None:
+    gw = start(stack, gateways)
+    sock = gw.connect()
+    sock.sendall(raw)
+    resp = read_response(sock)
+    assert resp.status == 400
+    err = resp.error()
+    assert err["code"] == "invalid_request_error" and err["message"].startswith("the request could not be parsed")
+    assert closed_by_peer(sock)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["head-and-body-together", "body-after-head"])
+@pytest.mark.parametrize(("encoding", "body", "fragment"), [
+    ("deflate", b"{}", "not valid deflate data"),
+    ("gzip", b"\x1f\x8b\x08\x00garbage", "not valid gzip data"),
+    ("br", b"{}", "Content-Encoding 'br' is not supported"),
+])
+def test_a_body_that_does_not_decode_gets_a_400_at_once(
+        stack: Stack, gateways: list[Gateway], split: bool, encoding: str, body: bytes, fragment: str) -> None:
+    gw = start(stack, gateways)  # the body timeout is far off: a body left open would show as a timeout here
+    sock = gw.connect()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    raw = request("POST", "/v1/chat/completions", body, Content_Type="application/json", Content_Encoding=encoding)
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    if split:
+        sock.sendall(head + b"\r\n\r\n")
+        sock.sendall(rest)
+    else:
+        sock.sendall(raw)
+    resp = read_response(sock)
+    assert resp.status == 400
+    err = resp.error()
+    assert err["code"] == "invalid_request_error" and fragment in err["message"]
