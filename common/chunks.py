@@ -32,3 +32,44 @@ def is_preamble(chunk: Any) -> bool:
     """Nothing but an opening: no output, no finish, no usage. A stream cut short after such
     chunks has shown the caller nothing, so it may still be tried again."""
     return not (carries_output(chunk) or finishes(chunk) or (isinstance(chunk, dict) and chunk.get("usage")))
+
+
+def wants_usage(body: dict[str, Any]) -> bool:
+    """`stream_options.include_usage`: the stream ends with a chunk carrying only usage."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def usage_in(chunks: list[Any]) -> dict[str, Any] | None:
+    """The last `usage` object the chunks carry, if any."""
+    found = None
+    for chunk in chunks:
+        usage = chunk.get("usage") if isinstance(chunk, dict) else None
+        if isinstance(usage, dict):
+            found = usage
+    return found
+
+
+def without_usage(chunks: list[Any]) -> list[Any]:
+    """The chunks as a caller that did not ask for usage gets them: no `usage` field, and no
+    chunk that carried only usage (`choices: []`)."""
+    out = []
+    for chunk in chunks:
+        if isinstance(chunk, dict) and "usage" in chunk:
+            if chunk.get("choices") == []:
+                continue
+            chunk = {k: v for k, v in chunk.items() if k != "usage"}
+        out.append(chunk)
+    return out
+
+
+def token_counts(usage: Any) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) of a `usage` object; 0 for what it lacks."""
+    if not isinstance(usage, dict):
+        return 0, 0
+
+    def count(name: str) -> int:
+        value = usage.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    return count("prompt_tokens"), count("completion_tokens")

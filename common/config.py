@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import Field, PrivateAttr, ValidationError
 
+from common.auth import AuthConfig, check_auth
 from common.legacy import is_legacy
 from common.legacy import migrate as migrate_legacy
 
@@ -25,17 +26,13 @@ from common.provider_types import Category as Category
 from common.provider_types import LifecycleFlag as LifecycleFlag
 from common.provider_types import ProviderType as ProviderType
 from common.provider_types import default_lifecycle
+from common.strict import Strict
 
 #: An id is a non-empty string without whitespace (it becomes part of Redis keys).
 ID_PATTERN = r"^\S+$"
 
 
-class _Strict(BaseModel):
-    # strict: `capacity: "4"`, `4.0` or `true` are errors, not silently 4 or 1
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class QueuePolicy(_Strict):
+class QueuePolicy(Strict):
     """How long and how many runs may wait for a model, and how long one may run."""
 
     max_queue: int = Field(64, ge=0, description="waiting runs a model's queue holds; more get 429")
@@ -44,7 +41,7 @@ class QueuePolicy(_Strict):
     max_attempts: int = Field(3, ge=1, description="tries of a run that fails before any output")
 
 
-class QueueOverride(_Strict):
+class QueueOverride(Strict):
     """Per-model override of `QueuePolicy`; unset fields keep the default."""
 
     max_queue: int | None = Field(None, ge=0)
@@ -53,7 +50,7 @@ class QueueOverride(_Strict):
     max_attempts: int | None = Field(None, ge=1)
 
 
-class ProviderConfig(_Strict):
+class ProviderConfig(Strict):
     id: str = Field(pattern=ID_PATTERN)
     type: ProviderType
     category: Category | None = None
@@ -83,12 +80,12 @@ class ProviderConfig(_Strict):
         return list(dict.fromkeys(flags))
 
 
-class NodeConfig(_Strict):
+class NodeConfig(Strict):
     id: str = Field(pattern=ID_PATTERN)
     providers: list[ProviderConfig] = Field(default_factory=list)
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     id: str = Field(pattern=ID_PATTERN)
     display_name: str | None = None
     providers: dict[str, str] = Field(min_length=1, description="provider id -> served name")
@@ -99,7 +96,7 @@ class ModelConfig(_Strict):
         return self.display_name or self.id
 
 
-class RuntimeConfig(_Strict):
+class RuntimeConfig(Strict):
     """Timings and limits shared by every process (the gateway's own limits too). Tests shrink them."""
 
     heartbeat_interval_ms: int = Field(2_000, ge=10)
@@ -120,11 +117,12 @@ class RuntimeConfig(_Strict):
     redis_max_connections: int = Field(4_096, ge=2, description="the gateway's Redis connection pool")
 
 
-class Config(_Strict):
+class Config(Strict):
     models: list[ModelConfig] = Field(min_length=1)
     nodes: list[NodeConfig] = Field(min_length=1)
     queue: QueuePolicy = QueuePolicy()
     runtime: RuntimeConfig = RuntimeConfig()
+    auth: AuthConfig | None = None
 
     _models: dict[str, ModelConfig] = PrivateAttr(default_factory=dict)
     _providers: dict[str, ProviderConfig] = PrivateAttr(default_factory=dict)
@@ -254,7 +252,8 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
                     f"{path}: served model {served_name!r} is not in provider {provider_id}'s models "
                     f"{_list(provider.get('models'))}"
                 )
-    return errors
+    model_ids = {str(m["id"]) for m in models if "id" in m}
+    return errors + check_auth(data.get("auth"), model_ids)
 
 
 def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:

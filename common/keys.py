@@ -71,6 +71,36 @@ def scheduler_alive(consumer: str) -> str:
     return f"{PREFIX}:scheduler:{consumer}"
 
 
+def key_in_flight(key_name: str) -> str:
+    """Sorted set of an API key's runs that are queued or running: member run id, score the time
+    (ms) by which the run has surely ended (a bound, should an end ever go unrecorded)."""
+    return f"{PREFIX}:inflight:{key_name}"
+
+
+def key_requests(key_name: str) -> str:
+    """Sorted set of the runs an API key started in the last minute: member run id, score when (ms)."""
+    return f"{PREFIX}:requests:{key_name}"
+
+
+#: A key's usage of one day is `{USAGE_PREFIX}{key}:{YYYY-MM-DD}`.
+USAGE_PREFIX: Final = f"{PREFIX}:usage:"
+#: How long a day's usage is kept (the all-time totals are kept for good).
+USAGE_RETENTION_S: Final = 400 * 86_400
+#: The fields of a usage hash, each followed by `:` and the model id (`runs:qwen3.6:35b`).
+USAGE_FIELDS: Final = ("runs", "prompt_tokens", "completion_tokens", "failures")
+
+
+def usage_day(key_name: str, day: str) -> str:
+    """Hash of an API key's usage on one UTC day (`YYYY-MM-DD`): `runs:{model}`, `prompt_tokens:{model}`,
+    `completion_tokens:{model}`, `failures:{model}`."""
+    return f"{USAGE_PREFIX}{key_name}:{day}"
+
+
+def usage_total(key_name: str) -> str:
+    """Hash of an API key's usage since it first ran anything (same fields as a day's)."""
+    return f"{PREFIX}:usage-total:{key_name}"
+
+
 def arq_job(run_id: str) -> str:
     """arq's own job payload key (msgpack)."""
     return f"arq:job:{run_id}"
@@ -111,6 +141,13 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (SCHEDULER_SIGNALS, "pub/sub channel", "wakes the schedulers (slot freed, more runs waiting)",
      "SUBSCRIBE iop:signals"),
     (scheduler_alive("{consumer}"), "string + TTL", "a live scheduler replica", "KEYS iop:scheduler:*"),
+    (key_in_flight("{key}"), "sorted set", "an API key's runs queued or running: run id -> end bound (ms)",
+     "ZCARD iop:inflight:{key}"),
+    (key_requests("{key}"), "sorted set", "runs an API key started in the last 60 s: run id -> when (ms)",
+     "ZCARD iop:requests:{key}"),
+    (usage_day("{key}", "{day}"), "hash", "an API key's usage on a UTC day (YYYY-MM-DD): runs/prompt_tokens/"
+     "completion_tokens/failures:{model}", "HGETALL iop:usage:{key}:2026-11-30"),
+    (usage_total("{key}"), "hash", "an API key's usage for good (same fields)", "HGETALL iop:usage-total:{key}"),
     (arq_job("{run}"), "string (arq)", "arq job payload, msgpack", "GET arq:job:{run}"),
     (arq_retry("{run}"), "string (arq)", "arq's try counter for the job", "GET arq:retry:{run}"),
     (arq_in_progress("{run}"), "string (arq)", "arq's marker of a job being run", "EXISTS arq:in-progress:{run}"),

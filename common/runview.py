@@ -29,8 +29,9 @@ def _int(raw: Mapping[bytes, bytes], field: RunField) -> int | None:
         return None
 
 
-def run_view(run_id: str, raw: Mapping[bytes, bytes]) -> dict[str, Any]:
-    """The record's fields, typed: unset ones are None, `error` is None unless the run failed."""
+def run_view(run_id: str, raw: Mapping[bytes, bytes], *, operator: bool = True) -> dict[str, Any]:
+    """The record's fields, typed: unset ones are None, `error` is None unless the run failed.
+    Where the run ran inside iop (`worker`, host:pid) is for operators only."""
     code = _text(raw, RunField.ERROR_CODE)
     tried = _text(raw, RunField.TRIED)
     view: dict[str, Any] = {
@@ -40,6 +41,7 @@ def run_view(run_id: str, raw: Mapping[bytes, bytes]) -> dict[str, Any]:
         "model": _text(raw, RunField.MODEL),
         "kind": _text(raw, RunField.KIND),
         "stream": _text(raw, RunField.STREAM) == "1",
+        "key": _text(raw, RunField.KEY),
         "node": _text(raw, RunField.NODE),
         "provider": _text(raw, RunField.PROVIDER),
         "target": _text(raw, RunField.TARGET),
@@ -50,6 +52,8 @@ def run_view(run_id: str, raw: Mapping[bytes, bytes]) -> dict[str, Any]:
     }
     view.update({field.value: _int(raw, field) for field in TIMESTAMPS})
     view["error"] = {"code": code, "message": _text(raw, RunField.ERROR_MESSAGE) or ""} if code else None
+    if not operator:
+        del view["worker"]
     return view
 
 

@@ -14,6 +14,8 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from common import keys
+
 _NOW = """
 local _t = redis.call('TIME')
 local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
@@ -36,6 +38,42 @@ local function requeue(record, stream, run_id, elsewhere)
 end
 """
 
+# The UTC day (YYYY-MM-DD) of a time in ms (days-from-civil, inverted; Redis Lua has no os.date).
+_UTC_DAY = """
+local function utc_day(ms)
+  local z = math.floor(ms / 86400000) + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local d = doy - math.floor((153 * mp + 2) / 5) + 1
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400 + (m <= 2 and 1 or 0)
+  return string.format('%04d-%02d-%02d', y, m, d)
+end
+"""
+
+# The end of a run, for the API key that started it (the record's `key`): it leaves the key's
+# in-flight set, and its usage is added to the key's day and all-time totals. Every script that
+# ends a run calls it, exactly once per run (they only end a run that is not ended yet).
+_ACCOUNT = _UTC_DAY + f"""
+local function account(record, run_id, state, prompt, completion)
+  local key = redis.call('HGET', record, 'key')
+  if not key then return end
+  redis.call('ZREM', '{keys.key_in_flight("")}' .. key, run_id)
+  local model = redis.call('HGET', record, 'model') or '-'
+  local day = '{keys.USAGE_PREFIX}' .. key .. ':' .. utc_day(now)
+  for _, h in ipairs({{day, '{keys.usage_total("")}' .. key}}) do
+    redis.call('HINCRBY', h, 'runs:' .. model, 1)
+    if state == 'failed' or state == 'timed_out' then redis.call('HINCRBY', h, 'failures:' .. model, 1) end
+    if tonumber(prompt) > 0 then redis.call('HINCRBY', h, 'prompt_tokens:' .. model, prompt) end
+    if tonumber(completion) > 0 then redis.call('HINCRBY', h, 'completion_tokens:' .. model, completion) end
+  end
+  redis.call('EXPIRE', day, {keys.USAGE_RETENTION_S})
+end
+"""
+
 # What a run or a probe showed about a provider's health (`workers.health`), added to its
 # heartbeat hash if it has one: 'ok' (a sign of life) resets the strikes, 'fail' adds some.
 _EVIDENCE = """
@@ -50,11 +88,35 @@ local function evidence(hb, kind, strikes, reason, health)
 end
 """
 
-# KEYS: runs stream, run record, heartbeat keys of the model's providers...
-# ARGV: run id, max_queue, ttl_s, model, kind, stream flag, body
+# Queue a run, unless its API key is at a limit, no provider of the model is available, or the
+# model's queue is full. The key's limits are exact across gateways: its in-flight runs are a set
+# of run ids (left by `account` when a run ends; the score bounds a member's life, should an end
+# ever go unrecorded), its requests of the last minute a sliding window of run ids.
+# KEYS: runs stream, run record, key in-flight set, key requests window, heartbeat keys of the
+#       model's providers...
+# ARGV: run id, max_queue, ttl_s, model, kind, stream flag, body, key name, max_in_flight (0: none),
+#       requests_per_minute (0: none), how long a run can last at most (ms)
+# Returns {'ok', entry, requests left in the window (-1: no window)}, {'key_in_flight', n},
+# {'key_rate', n, ms until a request leaves the window}, {'unavailable', queued} or {'full', queued}.
 ENQUEUE = _NOW + """
+local max_in_flight, rpm = tonumber(ARGV[9]), tonumber(ARGV[10])
+if max_in_flight > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  local n = redis.call('ZCARD', KEYS[3])
+  if n >= max_in_flight then return {'key_in_flight', n} end
+end
+local left = -1
+if rpm > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - 60000)
+  local n = redis.call('ZCARD', KEYS[4])
+  if n >= rpm then
+    local oldest = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
+    return {'key_rate', n, tonumber(oldest[2]) + 60000 - now}
+  end
+  left = rpm - n - 1
+end
 local available = false
-for i = 3, #KEYS do
+for i = 5, #KEYS do
   if redis.call('HGET', KEYS[i], 'health') == 'available' then available = true break end
 end
 if not available then return {'unavailable', redis.call('XLEN', KEYS[1])} end
@@ -62,9 +124,17 @@ local queued = redis.call('XLEN', KEYS[1])
 if queued >= tonumber(ARGV[2]) then return {'full', queued} end
 local entry = redis.call('XADD', KEYS[1], '*', 'run', ARGV[1])
 redis.call('HSET', KEYS[2], 'model', ARGV[4], 'kind', ARGV[5], 'stream', ARGV[6], 'body', ARGV[7],
-  'state', 'queued', 'created_ms', now, 'entry', entry, 'attempts', 0)
+  'state', 'queued', 'created_ms', now, 'entry', entry, 'attempts', 0, 'key', ARGV[8])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
-return {'ok', entry}
+if max_in_flight > 0 then
+  redis.call('ZADD', KEYS[3], now + tonumber(ARGV[11]), ARGV[1])
+  redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[11]))
+end
+if rpm > 0 then
+  redis.call('ZADD', KEYS[4], now, ARGV[1])
+  redis.call('PEXPIRE', KEYS[4], 60000)
+end
+return {'ok', entry, left}
 """
 
 # KEYS: runs stream, run record, events, chosen lease, arq job, arq retry, node queue, node wake,
@@ -122,7 +192,7 @@ return 'ok'
 # KEYS: run record, events
 # ARGV: run id, lease_ttl_ms, ttl_s, worker (host:pid), cancelled event data, signals channel,
 #       lease key prefix (the lease key is that prefix + the run's provider)
-START = _NOW + """
+START = _NOW + _ACCOUNT + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'dispatched' then return {state or 'missing'} end
 local lease = ARGV[7] .. redis.call('HGET', KEYS[1], 'provider')
@@ -133,6 +203,7 @@ if redis.call('HGET', KEYS[1], 'cancel') == '1' then
   redis.call('ZREM', lease, ARGV[1])
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
     'error_message', 'cancelled by the caller')
+  account(KEYS[1], ARGV[1], 'cancelled', 0, 0)
   redis.call('XADD', KEYS[2], '*', 'type', 'failed', 'data', ARGV[5])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
   redis.call('PUBLISH', ARGV[6], redis.call('HGET', KEYS[1], 'model'))
@@ -185,8 +256,9 @@ return 1
 # KEYS: run record, lease, events, runs stream, heartbeat
 # ARGV: run id, state (completed|failed|cancelled|requeue|requeue_elsewhere), event type, event
 #       data, ttl_s, signals channel, model, error code, error message, attempt,
-#       evidence ('ok'|'fail'|''), strikes, failure reason
-FINISH = _NOW + _REQUEUE + _EVIDENCE + """
+#       evidence ('ok'|'fail'|''), strikes, failure reason, prompt tokens, completion tokens
+# (the usage the caller got, added to its key's by `_ACCOUNT` when the run ends here)
+FINISH = _NOW + _REQUEUE + _EVIDENCE + _ACCOUNT + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[10] then return 'stale' end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
@@ -202,6 +274,7 @@ else
   if ARGV[8] ~= '' then
     redis.call('HSET', KEYS[1], 'error_code', ARGV[8], 'error_message', ARGV[9])
   end
+  account(KEYS[1], ARGV[1], ARGV[2], ARGV[14], ARGV[15])
 end
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('PUBLISH', ARGV[6], ARGV[7])
@@ -212,7 +285,7 @@ return 'ok'
 # already dispatched and `cancel_prefix` is set, tell its node to cancel it.
 # KEYS: runs stream, run record, events
 # ARGV: run id, group, new state, event data, ttl_s, error code, error message, cancel channel prefix
-DROP_QUEUED = _NOW + """
+DROP_QUEUED = _NOW + _ACCOUNT + """
 local state = redis.call('HGET', KEYS[2], 'state')
 if state == 'dispatched' or state == 'running' then
   if ARGV[8] ~= '' then
@@ -233,6 +306,7 @@ local ttl = tonumber(ARGV[5])
 redis.call('HSET', KEYS[2], 'state', ARGV[3], 'finished_ms', now, 'error_code', ARGV[6],
   'error_message', ARGV[7])
 redis.call('HDEL', KEYS[2], 'entry')
+account(KEYS[2], ARGV[1], ARGV[3], 0, 0)
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[4])
 redis.call('EXPIRE', KEYS[3], ttl)
@@ -254,7 +328,7 @@ return 1
 # again and sent nothing yet; else fail it with worker_lost. Also drops arq's copy of the job.
 # KEYS: lease, run record, events, runs stream, node queue, arq job, arq in-progress, arq retry
 # ARGV: run id, max_attempts, ttl_s, signals channel, model, requeued data, failed data, cancelled data
-REAP = _NOW + _REQUEUE + """
+REAP = _NOW + _REQUEUE + _ACCOUNT + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) > now then return 'alive' end
 redis.call('ZREM', KEYS[1], ARGV[1])
@@ -270,6 +344,7 @@ if redis.call('HGET', KEYS[2], 'cancel') == '1' then
   redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[8])
   redis.call('HSET', KEYS[2], 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
     'error_message', 'cancelled by the caller')
+  account(KEYS[2], ARGV[1], 'cancelled', 0, 0)
   redis.call('EXPIRE', KEYS[3], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
   return 'cancelled'
@@ -283,6 +358,7 @@ end
 redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[7])
 redis.call('HSET', KEYS[2], 'state', 'failed', 'finished_ms', now, 'error_code', 'worker_lost',
   'error_message', 'the worker running this run was lost')
+account(KEYS[2], ARGV[1], 'failed', 0, 0)
 redis.call('EXPIRE', KEYS[3], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
 return 'failed'

@@ -50,6 +50,9 @@ class ErrorCode(StrEnum):
     """Why a run failed. The gateway maps each to an HTTP status in one place."""
 
     INVALID_REQUEST = "invalid_request_error"
+    INVALID_API_KEY = "invalid_api_key"  # no key, or one the gateway does not know (gateway only)
+    PERMISSION_DENIED = "permission_denied"  # a caller key on an operator route (gateway only)
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # the key is at one of its limits (gateway only)
     MODEL_NOT_FOUND = "model_not_found"
     QUEUE_FULL = "queue_full"
     NO_AVAILABLE_PROVIDER = "no_available_provider"
@@ -122,7 +125,8 @@ class RunField(StrEnum):
     FINISHED_MS = "finished_ms"
     OUTPUT = "output"  # "1" once any output was published to the caller
     TRIED = "tried"  # comma-separated providers of every attempt so far
-    WORKER = "worker"  # host:pid of the worker running the current attempt
+    WORKER = "worker"  # host:pid of the worker running the current attempt (shown to operators only)
+    KEY = "key"  # the name of the API key that started it ("anonymous" without keys)
     ERROR_CODE = "error_code"
     ERROR_MESSAGE = "error_message"
 

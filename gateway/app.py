@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
-from common.config import Config
+from common.auth import KeyRing
+from common.config import Config, ModelConfig
 from common.redisconn import REDIS_DOWN
 from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind
-from gateway import catalog, metrics, runs_api
+from gateway import catalog, metrics, runs_api, usage_api
+from gateway.auth import KEYRING, auth_middleware, principal
 from gateway.connections import BODY, limits_middleware
 from gateway.errors import ApiError, error_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
@@ -37,36 +40,40 @@ def _model_object(model_id: str, display_name: str, created: int) -> dict[str, A
 async def list_models(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
     created = int(request.app[STARTED])
-    data = [_model_object(m.id, m.title, created) for m in cfg.models]
+    who = principal(request)
+    data = [_model_object(m.id, m.title, created) for m in cfg.models if who.may_use(m.id)]
     return web.json_response({"object": "list", "data": data})
 
 
-async def get_model(request: web.Request) -> web.Response:
-    cfg = request.app[CONFIG]
-    model_id = request.match_info["model_id"]
-    model = cfg.model(model_id)
-    if model is None:
+def _model_for(request: web.Request, model_id: str) -> ModelConfig:
+    """The model, if it exists and the caller's key may use it; else the same 404 either way."""
+    model = request.app[CONFIG].model(model_id)
+    if model is None or not principal(request).may_use(model.id):
         raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {model_id!r} does not exist", param="model")
+    return model
+
+
+async def get_model(request: web.Request) -> web.Response:
+    model = _model_for(request, request.match_info["model_id"])
     return web.json_response(_model_object(model.id, model.title, int(request.app[STARTED])))
 
 
 async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
     cfg = request.app[CONFIG]
     req = parse_request(kind, request[BODY], max_depth=cfg.runtime.max_json_depth)
-    model = cfg.model(req.model)
-    if model is None:
-        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {req.model!r} does not exist", param="model")
+    model = _model_for(request, req.model)
     request[metrics.MODEL] = model.id
     runs = request.app[RUNS]
-    run_id = await runs.submit(model, req)
+    run_id, limit_headers = await runs.submit(model, req, principal(request))
     finished = False
     try:
         async with asyncio.timeout(runs.follow_deadline_s(model.id)):
             events = runs.follow(run_id, model_id=model.id)
+            headers = {RUN_ID_HEADER: run_id, **limit_headers}
             if req.stream:
-                resp = await stream_response(request, events, model.id, run_id)
+                resp = await stream_response(request, events, model.id, headers)
             else:
-                resp = await whole_response(events, model.id, run_id)
+                resp = await whole_response(events, model.id, headers)
         finished = True
         return resp
     except TimeoutError:
@@ -125,11 +132,15 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     await redis.aclose()
 
 
-def build_app(config: Config, redis_url: str) -> web.Application:
+def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) -> web.Application:
+    """The gateway. With `auth` in the config, `keyring` holds its resolved keys (read from the
+    environment when not given)."""
     rt = config.runtime
-    app = web.Application(middlewares=[error_middleware, limits_middleware(rt.body_timeout_ms / 1000,
-                                                                           rt.max_body_bytes)],
+    app = web.Application(middlewares=[error_middleware, auth_middleware,
+                                       limits_middleware(rt.body_timeout_ms / 1000, rt.max_body_bytes)],
                           client_max_size=rt.max_body_bytes)
+    if config.auth is not None:
+        app[KEYRING] = keyring or KeyRing.from_config(config.auth, os.environ)
     app[CONFIG] = config
     app[REDIS_URL] = redis_url
     app[STARTED] = time.time()
@@ -142,6 +153,7 @@ def build_app(config: Config, redis_url: str) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     runs_api.setup(app, lambda: app[RUNS])
-    metrics.setup(app)
+    metrics.setup(app, lambda: app[RUNS].redis, usage_api.key_names(config))
     catalog.setup(app, config, lambda: app[RUNS].redis)
+    usage_api.setup(app, config, lambda: app[RUNS].redis)
     return app

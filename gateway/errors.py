@@ -21,12 +21,15 @@ log = logging.getLogger("iop.gateway")
 #: HTTP status of each error code (DESIGN.md, "HTTP surface").
 STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.INVALID_API_KEY: 401,
+    ErrorCode.PERMISSION_DENIED: 403,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.REQUEST_TOO_LARGE: 413,
     ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.RATE_LIMIT_EXCEEDED: 429,
     ErrorCode.CANCELLED: 499,
     ErrorCode.INTERNAL: 500,
     ErrorCode.PROVIDER_ERROR: 502,

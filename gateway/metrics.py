@@ -12,21 +12,26 @@
   `runtime.max_connections`, see `gateway.admission`); read from the guard at scrape.
 - `iop_gateway_connections_closed_total{reason}`: connections a limit closed: `refused` (503),
   `evicted` (idle, to make room), `head_timeout` (no whole request head in time).
+- `iop_usage_{runs,prompt_tokens,completion_tokens,failures}_total{key,model}`: every API key's
+  usage for good, read from Redis at scrape (`common.usage`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from redis.asyncio import Redis
 
 from common.chunks import carries_output
+from common.keys import USAGE_FIELDS
 from common.metrics_http import exposition
+from common.usage import Usage, read_totals
 from gateway.admission import ConnectionGuard
 from gateway.errors import Handler
 
@@ -81,8 +86,31 @@ def streamed(request: web.Request, chunks: list[Any]) -> None:
     TTFT.labels(request.get(MODEL, "-")).observe(time.monotonic() - request[_STARTED])
 
 
+class _Usage(Collector):
+    """Every key's all-time usage per model, as counters read from Redis at each scrape (the same
+    on every gateway: aggregate with max)."""
+
+    def __init__(self) -> None:
+        self.rows: list[Usage] = []
+
+    def collect(self) -> Iterator[Metric]:
+        families = {metric: CounterMetricFamily(f"iop_usage_{metric}", f"usage of API keys: {metric.replace('_', ' ')}",
+                                                labels=["key", "model"]) for metric in USAGE_FIELDS}
+        for row in self.rows:
+            for metric, family in families.items():
+                family.add_metric([row.key, row.model], getattr(row, metric))
+        yield from families.values()
+
+
+USAGE = _Usage()
+REGISTRY.register(USAGE)
+
+
 async def metrics(request: web.Request) -> web.Response:
-    return await exposition(REGISTRY)
+    async def refresh() -> None:
+        USAGE.rows = await read_totals(request.app[USAGE_SOURCE][0](), request.app[USAGE_SOURCE][1])
+
+    return await exposition(REGISTRY, refresh if USAGE_SOURCE in request.app else None)
 
 
 class _Connections(Collector):
@@ -106,7 +134,14 @@ def watch_connections(guard: ConnectionGuard) -> None:
     REGISTRY.register(_Connections(guard))
 
 
-def setup(app: web.Application) -> None:
-    """Measure run requests (outermost middleware, so it sees the final status) and serve /metrics."""
+#: Where the usage counters come from: the app's Redis client, and the key names usage is kept under.
+USAGE_SOURCE = web.AppKey("usage_source", tuple)
+
+
+def setup(app: web.Application, redis: Callable[[], Redis] | None = None, key_names: list[str] | None = None) -> None:
+    """Measure run requests (outermost middleware, so it sees the final status) and serve /metrics;
+    with `redis`, also the usage of `key_names`."""
     app.middlewares.insert(0, metrics_middleware)
     app.router.add_get("/metrics", metrics)
+    if redis is not None:
+        app[USAGE_SOURCE] = (redis, key_names or [])

@@ -28,20 +28,22 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def whole_response(events: AsyncIterator[Event], model_id: str, run_id: str) -> web.Response:
+async def whole_response(events: AsyncIterator[Event], model_id: str, headers: dict[str, str]) -> web.Response:
+    """`headers`: the run id's and the key's rate-limit headers."""
     async for event in events:
         if event.type == EventType.COMPLETED:
             body = with_model(event.data.get("response", {}), model_id)
-            return web.json_response(body, headers={RUN_ID_HEADER: run_id})
+            return web.json_response(body, headers=headers)
         if event.type == EventType.FAILED:
             raise ApiError.from_info(ErrorInfo.from_wire(event.data))
     raise RuntimeError("event stream ended without a terminal event")
 
 
 async def stream_response(
-    request: web.Request, events: AsyncIterator[Event], model_id: str, run_id: str
+    request: web.Request, events: AsyncIterator[Event], model_id: str, headers: dict[str, str]
 ) -> web.StreamResponse:
-    """Headers go out with the first output, so a failure before it keeps its HTTP status."""
+    """Headers go out with the first output, so a failure before it keeps its HTTP status.
+    `headers`: the run id's and the key's rate-limit headers."""
     resp: web.StreamResponse | None = None
 
     async def begin() -> web.StreamResponse:
@@ -49,7 +51,7 @@ async def stream_response(
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",
-            RUN_ID_HEADER: run_id,
+            **headers,
         })
         await r.prepare(request)
         return r

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys
+from common.auth import ANYONE, Principal
 from common.codec import decode_event, pack
 from common.config import Config, ModelConfig
 from common.redisconn import REDIS_DOWN, Backoff
@@ -21,6 +23,12 @@ from gateway.errors import ApiError
 from gateway.requests import ParsedRequest
 
 log = logging.getLogger("iop.gateway")
+
+#: OpenAI's rate-limit headers, sent with every run of a key that has a limit.
+LIMIT_HEADER = "x-ratelimit-limit-requests"
+REMAINING_HEADER = "x-ratelimit-remaining-requests"
+#: Which of its limits a key hit (`max_in_flight` or `requests_per_minute`), on a 429.
+WHICH_LIMIT_HEADER = "x-iop-limit"
 
 #: How long one XREAD blocks before the follower checks its overall deadline.
 FOLLOW_BLOCK_MS = 1_000
@@ -46,32 +54,50 @@ class RunClient:
         self.config = config
         self.scripts = Scripts(redis)
 
-    async def submit(self, model: ModelConfig, req: ParsedRequest) -> str:
-        """Queue the run, or raise 429 queue_full / 503 no_available_provider. Atomic."""
+    async def submit(self, model: ModelConfig, req: ParsedRequest,
+                     who: Principal = ANYONE) -> tuple[str, dict[str, str]]:
+        """Queue the run for `who`: (its id, the rate-limit headers of its key), or raise 429
+        rate_limit_exceeded / queue_full, or 503 no_available_provider. Atomic."""
         run_id = new_run_id()
         policy = self.config.queue_for(model)
-        stream_key = keys.runs_stream(model.id)
         heartbeats = [keys.heartbeat(p) for p in sorted(model.providers)]
         result = await self.scripts.call(
             "enqueue",
-            [stream_key, keys.run_record(run_id), *heartbeats],
+            [keys.runs_stream(model.id), keys.run_record(run_id), keys.key_in_flight(who.name),
+             keys.key_requests(who.name), *heartbeats],
             [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,
-             "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body)],
+             "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
+             who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000)],
         )
         status = result[0].decode()
+        if status == "ok":
+            left = int(result[2])
+            return run_id, ({} if left < 0 else {LIMIT_HEADER: str(who.requests_per_minute),
+                                                 REMAINING_HEADER: str(left)})
+        if status == "key_in_flight":
+            raise ApiError(ErrorCode.RATE_LIMIT_EXCEEDED,
+                           f"key {who.name!r} has {who.max_in_flight} runs queued or running, its max_in_flight; "
+                           "retry when one has ended", param=None,
+                           headers={"Retry-After": "1", LIMIT_HEADER: str(who.max_in_flight),
+                                    REMAINING_HEADER: "0", WHICH_LIMIT_HEADER: "max_in_flight"})
+        if status == "key_rate":
+            wait_s = max(1, math.ceil(int(result[2]) / 1000))
+            raise ApiError(ErrorCode.RATE_LIMIT_EXCEEDED,
+                           f"key {who.name!r} made {who.requests_per_minute} requests in the last minute, its "
+                           f"requests_per_minute; retry in {wait_s} s",
+                           headers={"Retry-After": str(wait_s), LIMIT_HEADER: str(who.requests_per_minute),
+                                    REMAINING_HEADER: "0", WHICH_LIMIT_HEADER: "requests_per_minute"})
         if status == "full":
             raise ApiError(
                 ErrorCode.QUEUE_FULL,
                 f"the queue of model {model.id!r} is full ({policy.max_queue} runs waiting); retry later",
                 headers={"Retry-After": "1"},
             )
-        if status == "unavailable":
-            raise ApiError(
-                ErrorCode.NO_AVAILABLE_PROVIDER,
-                f"no provider of model {model.id!r} is available right now",
-                headers={"Retry-After": "1"},
-            )
-        return run_id
+        raise ApiError(
+            ErrorCode.NO_AVAILABLE_PROVIDER,
+            f"no provider of model {model.id!r} is available right now",
+            headers={"Retry-After": "1"},
+        )
 
     def follow_deadline_s(self, model_id: str | None) -> float:
         """How long following a run of this model may take, at most: every attempt may wait out

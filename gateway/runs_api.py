@@ -21,7 +21,8 @@ from aiohttp import web
 from common import keys
 from common.codec import decode_event
 from common.runview import is_terminal, run_view
-from common.wire import ErrorCode, EventType
+from common.wire import ErrorCode, EventType, RunField
+from gateway.auth import principal
 from gateway.errors import ApiError, invalid
 from gateway.responses import RUN_ID_HEADER, with_model
 from gateway.runs import Event, RunClient
@@ -59,18 +60,26 @@ def _sse(event: Event, model_id: str) -> bytes:
     return f"{head}event: {event.type}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+def _owner(raw: dict[bytes, bytes]) -> str | None:
+    owner = raw.get(RunField.KEY.value.encode())
+    return owner.decode() if owner is not None else None
+
+
 class RunsApi:
     def __init__(self, runs: Callable[[], RunClient]) -> None:
         self.runs = runs
 
-    async def _view(self, run_id: str) -> dict[str, Any]:
+    async def _view(self, request: web.Request, run_id: str) -> dict[str, Any]:
+        """The run, if it exists and the request's key may see it (its own, or any for an
+        operator); else the same 404 either way."""
         raw = await self.runs().redis.hgetall(keys.run_record(run_id))
-        if not raw:
+        who = principal(request)
+        if not raw or not who.may_see_run(_owner(raw)):
             raise ApiError(ErrorCode.NOT_FOUND, f"the run {run_id!r} does not exist or has expired", param="id")
-        return run_view(run_id, raw)
+        return run_view(run_id, raw, operator=who.operator)
 
     async def get(self, request: web.Request) -> web.Response:
-        view = await self._view(request.match_info["run_id"])
+        view = await self._view(request, request.match_info["run_id"])
         return web.json_response(view, headers={RUN_ID_HEADER: view["id"]})
 
     async def events(self, request: web.Request) -> web.StreamResponse:
@@ -80,7 +89,7 @@ class RunsApi:
         if last_id is None:
             raise invalid(f"Last-Event-ID {header!r} is not an event id: an event id is one or two unsigned "
                           f"64-bit integers joined by '-' (at most {_ID_PART_MAX})", param="Last-Event-ID")
-        view = await self._view(run_id)
+        view = await self._view(request, run_id)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no", RUN_ID_HEADER: run_id})
         await resp.prepare(request)
@@ -108,13 +117,13 @@ class RunsApi:
 
     async def delete(self, request: web.Request) -> web.Response:
         run_id = request.match_info["run_id"]
-        view = await self._view(run_id)
+        view = await self._view(request, run_id)
         runs = self.runs()
         latest = await runs.redis.xrevrange(keys.run_events(run_id), "+", "-", count=1)
         after = latest[0][0].decode() if latest else "0"
         if await runs.cancel(run_id, view["model"], "cancelled through the runs API") == "signalled":
             await self._until_ended(run_id, after, view["model"])
-        view = await self._view(run_id)
+        view = await self._view(request, run_id)
         return web.json_response(view, status=200 if is_terminal(view) else 202, headers={RUN_ID_HEADER: run_id})
 
     async def _until_ended(self, run_id: str, after: str, model_id: str | None) -> None:

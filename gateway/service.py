@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 import resource
+from collections.abc import Mapping
 
 from aiohttp import web
 
+from common.auth import KeyRing, UnresolvedKeys
 from common.config import Config
 from common.lifecycle import stop_event
 from gateway import metrics
 from gateway.admission import TRIAGE_SLOTS, ConnectionGuard, ConnectionLimits
 from gateway.app import build_app
+from gateway.auth import is_loopback
 from gateway.connections import GuardedSite
 
 log = logging.getLogger("iop.gateway")
@@ -55,10 +58,24 @@ def _fitted(config: Config, file_limit: int) -> Config:
     return config.model_copy(update={"runtime": runtime})
 
 
-async def serve(config: Config, redis_url: str, host: str, port: int) -> None:
+def keyring_for(config: Config, host: str, allow_anonymous: bool, environ: Mapping[str, str]) -> KeyRing | None:
+    """The resolved API keys, or None to serve anyone: allowed on loopback, or when asked for.
+    Exits with one clear line (or one per unset key variable) otherwise."""
+    if config.auth is None:
+        if not (is_loopback(host) or allow_anonymous):
+            raise SystemExit(f"iop gateway: refusing to serve anyone who can reach {host} without API keys: add "
+                             "auth.keys to the config, or pass --allow-anonymous")
+        return None
+    try:
+        return KeyRing.from_config(config.auth, environ)
+    except UnresolvedKeys as exc:
+        raise SystemExit("\n".join(f"error: {e}" for e in exc.errors)) from None
+
+
+async def serve(config: Config, redis_url: str, host: str, port: int, keyring: KeyRing | None = None) -> None:
     config = _fitted(config, raise_file_limit())
     stop = stop_event()
-    runner = web.AppRunner(build_app(config, redis_url), handler_cancellation=True)
+    runner = web.AppRunner(build_app(config, redis_url, keyring), handler_cancellation=True)
     await runner.setup()
     guard = ConnectionGuard(ConnectionLimits.from_runtime(config.runtime))
     metrics.watch_connections(guard)

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     _service_args(p)
     _http_args(p)
+    p.add_argument("--allow-anonymous", action="store_true",
+                   help="serve anyone who can reach a non-loopback address when the config has no auth.keys")
     p = sub.add_parser("scheduler", help="a scheduler replica")
     _service_args(p)
     _metrics_args(p)
@@ -66,6 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS),
                    help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
     r.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    p = sub.add_parser("keys", help="API keys")
+    ksub = p.add_subparsers(dest="keys_command", required=True)
+    k = ksub.add_parser("new", help="print a fresh key once, and the config entry holding only its hash")
+    k.add_argument("--name", required=True, help="the key's name (shown in logs, metrics and usage)")
+    k.add_argument("--role", choices=("caller", "operator"), default="caller")
+
+    p = sub.add_parser("usage", help="runs and tokens per API key, model and UTC day (read-only)")
+    _service_args(p)
+    p.add_argument("--key", default=None, help="only this key")
+    p.add_argument("--model", default=None, help="only this model")
+    p.add_argument("--since", default=None, help="first UTC day, YYYY-MM-DD (default: 30 days ago)")
+    p.add_argument("--until", default=None, help="last UTC day, YYYY-MM-DD (default: today)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = sub.add_parser("config", help="check or convert a config file")
     csub = p.add_subparsers(dest="config_command", required=True)
@@ -99,6 +115,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from iop.config_cmd import migrate, validate
 
         raise SystemExit(migrate(args.file) if args.config_command == "migrate" else validate(args.file))
+    if args.command == "keys":
+        from iop.keys_cmd import new
+
+        raise SystemExit(new(args.name, args.role))
     if args.command == "simulator":
         from iop import simulator
 
@@ -110,6 +130,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         raise SystemExit(run_dev(args.config, args.host, args.port))
 
+    if args.command == "usage":
+        from iop.usage_cmd import main as usage
+
+        raise SystemExit(usage(_load(args.config), args.redis, args.key, args.model,  # type: ignore[arg-type]
+                               args.since, args.until, args.json))
     if args.command in ("catalog", "queues"):
         from iop.catalog_cmd import main as inspect
 
@@ -118,9 +143,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging()
     config = _load(args.config)
     if args.command == "gateway":
+        from gateway.service import keyring_for
         from gateway.service import serve as serve_gateway
 
-        run(serve_gateway(config, args.redis, args.host, args.port))  # type: ignore[arg-type]
+        keyring = keyring_for(config, args.host, args.allow_anonymous, os.environ)  # type: ignore[arg-type]
+        run(serve_gateway(config, args.redis, args.host, args.port, keyring))  # type: ignore[arg-type]
     elif args.command == "scheduler":
         from scheduler.service import serve as serve_scheduler
 

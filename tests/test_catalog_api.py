@@ -83,7 +83,7 @@ async def test_catalog_reports_health_load_and_queues(redis: Redis, redis_url: s
     assert model is not None
     client = RunClient(redis, CONFIG)
     body = {"model": model.id, "messages": [{"role": "user", "content": "x"}]}
-    first = await client.submit(model, ParsedRequest(RunKind.CHAT, model.id, False, body))
+    first, _ = await client.submit(model, ParsedRequest(RunKind.CHAT, model.id, False, body))
     await client.submit(model, ParsedRequest(RunKind.CHAT, model.id, False, body))
 
     async with serve(CONFIG, redis_url) as base:

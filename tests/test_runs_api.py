@@ -53,7 +53,7 @@ class Api:
         model = self.config.model(MODEL)
         assert model is not None
         req = ParsedRequest(RunKind.CHAT, MODEL, True, {"model": MODEL, "messages": [], "stream": True})
-        return await self.client.submit(model, req)
+        return (await self.client.submit(model, req))[0]
 
     async def event(self, run_id: str, etype: str, data: dict[str, Any]) -> str:
         entry = await self.redis.xadd(keys.run_events(run_id), event_fields(etype, data))

@@ -49,7 +49,7 @@ def request() -> ParsedRequest:
 async def submit(client: RunClient, n: int) -> list[str]:
     model = client.config.model(MODEL)
     assert model is not None
-    return [await client.submit(model, request()) for _ in range(n)]
+    return [(await client.submit(model, request()))[0] for _ in range(n)]
 
 
 async def waiting_runs(redis: Redis, config: Config, n: int) -> tuple[RunClient, Scheduler, list[str]]:

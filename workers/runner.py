@@ -19,7 +19,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys
-from common.chunks import is_preamble
+from common.chunks import is_preamble, token_counts, usage_in, wants_usage, without_usage
 from common.codec import pack, unpack
 from common.config import Config
 from common.redisconn import REDIS_DOWN, Backoff, now_ms
@@ -149,20 +149,10 @@ class Runner:
         try:
             async with asyncio.timeout(timeout_s):
                 if record.get("stream") == b"1":
-                    # Opening chunks (a bare `role` delta) wait for the first real output: a stream
-                    # cut short before it has shown the caller nothing and may be tried again.
-                    held: list[dict[str, Any]] = []
-                    async for chunks in adapter.stream(kind, body, att.run_id):
-                        held += chunks
-                        if att.output or not all(is_preamble(c) for c in held):
-                            await self._emit(att, EventType.DELTA, {"chunks": held})
-                            att.output, held = True, []
-                    if held:
-                        await self._emit(att, EventType.DELTA, {"chunks": held})
-                    return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {}, evidence=ALIVE)
+                    return await self._stream(att, adapter, kind, body)
                 response = await adapter.complete(kind, body, att.run_id)
                 return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {"response": response},
-                                          evidence=ALIVE)
+                                          evidence=ALIVE, usage=token_counts(response.get("usage")))
         except ProviderError as exc:
             info = ErrorInfo(ErrorCode.PROVIDER_ERROR, exc.message, status=exc.status, detail=exc.detail,
                              before_output=not att.output)
@@ -185,6 +175,27 @@ class Runner:
                 current.uncancel()  # a cancelled run is an outcome, not the job's cancellation
             info = ErrorInfo(ErrorCode.CANCELLED, att.cancel_reason, before_output=not att.output)
             return await asyncio.shield(self._finish(att, RunState.CANCELLED, EventType.FAILED, info.to_wire(), info))
+
+    async def _stream(self, att: Attempt, adapter: Adapter, kind: RunKind, body: dict[str, Any]) -> str:
+        """Stream the run's output as `delta` events. The provider is asked for usage whether the
+        caller asked or not (it is counted for the caller's key); a caller that did not ask gets
+        the chunks without it."""
+        wanted = wants_usage(body)
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        usage = None
+        # Opening chunks (a bare `role` delta) wait for the first real output: a stream cut short
+        # before it has shown the caller nothing and may be tried again.
+        held: list[dict[str, Any]] = []
+        async for chunks in adapter.stream(kind, body, att.run_id):
+            usage = usage_in(chunks) or usage
+            held += chunks if wanted else without_usage(chunks)
+            if held and (att.output or not all(is_preamble(c) for c in held)):
+                await self._emit(att, EventType.DELTA, {"chunks": held})
+                att.output, held = True, []
+        if held:
+            await self._emit(att, EventType.DELTA, {"chunks": held})
+        return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {}, evidence=ALIVE,
+                                  usage=token_counts(usage))
 
     async def _fail(self, att: Attempt, info: ErrorInfo, retry: Retry, evidence: Evidence = NO_EVIDENCE) -> str:
         """End a failed attempt: put the run back in its queue if another attempt may do better
@@ -226,13 +237,15 @@ class Runner:
 
     async def _finish(self, att: Attempt, state: RunState | None, etype: EventType, data: dict[str, Any],
                       info: ErrorInfo | None = None, *, evidence: Evidence = NO_EVIDENCE,
-                      requeue: str = "requeue") -> str:
-        """state None = requeue (`requeue` says how). Records `evidence` of the provider's health.
-        Retries while Redis is briefly away: a slot must come back."""
+                      requeue: str = "requeue", usage: tuple[int, int] = (0, 0)) -> str:
+        """state None = requeue (`requeue` says how). Records `evidence` of the provider's health,
+        and `usage` (prompt, completion tokens the caller got) for its key. Retries while Redis
+        is briefly away: a slot must come back."""
         kind, strikes, reason = evidence
         args = [att.run_id, state.value if state else requeue, etype.value, pack(data),
                 self.config.runtime.run_ttl_s, keys.SCHEDULER_SIGNALS, att.model_id,
-                info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes, reason]
+                info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes, reason,
+                *usage]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
                     keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id)]
         backoff = Backoff(cap=1.0)

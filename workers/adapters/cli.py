@@ -23,12 +23,13 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
 
+from common.chunks import wants_usage
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
 from workers.adapters.failures import one_line
-from workers.adapters.openai_shapes import Shaper, usage, wants_usage
+from workers.adapters.openai_shapes import Shaper, usage
 from workers.adapters.prompt_text import prompt_text
 
 Json = dict[str, Any]

@@ -12,13 +12,14 @@ from typing import Any
 
 import aiohttp
 
+from common.chunks import wants_usage
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
 from workers.adapters.base import ProbeResult, ProviderError, Retry
 from workers.adapters.failures import one_line, probe_failure, transport_error
-from workers.adapters.openai_shapes import Shaper, wants_usage
+from workers.adapters.openai_shapes import Shaper
 
 Json = dict[str, Any]
 

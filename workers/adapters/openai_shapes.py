@@ -16,12 +16,6 @@ from common.wire import RunKind
 Json = dict[str, Any]
 
 
-def wants_usage(body: Json) -> bool:
-    """`stream_options.include_usage`: the stream ends with a chunk carrying only usage."""
-    options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> Json:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

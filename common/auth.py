@@ -1,0 +1,167 @@
+"""Who may call: API keys, their roles, the models they may use and their limits.
+
+The config holds a key's SHA-256 (or the name of an environment variable holding the key
+itself), never the key. `KeyRing` answers who a presented key belongs to, comparing digests
+in constant time over every configured key. Validation (`check_auth`) and resolution
+(`KeyRing.from_config`, given an environment mapping) are pure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from pydantic import Field
+
+from common.strict import Strict
+
+#: A key's name is shown in logs, metrics and usage, and is part of Redis key names.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+#: The name runs are counted under when the gateway serves without keys.
+ANONYMOUS = "anonymous"
+
+
+class Role(StrEnum):
+    CALLER = "caller"  # runs its models, sees its runs and its usage
+    OPERATOR = "operator"  # everything, and the operator routes (catalog, metrics, admin)
+
+
+class KeyLimits(Strict):
+    max_in_flight: int | None = Field(None, ge=1, description="the key's runs queued or running at once")
+    requests_per_minute: int | None = Field(None, ge=1, description="runs accepted in any 60 s window")
+
+
+class ApiKeyConfig(Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="hex SHA-256 of the key")
+    env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                            description="an environment variable holding the key itself")
+    role: Role = Role.CALLER
+    models: list[str] | None = Field(None, description="the model ids it may use; absent = every model")
+    limits: KeyLimits = KeyLimits()
+
+
+class AuthConfig(Strict):
+    keys: list[ApiKeyConfig] = Field(min_length=1)
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def check_auth(auth: Any, model_ids: Collection[str]) -> list[str]:
+    """Rules of `auth` the schema cannot express, on the raw mapping. Pure; every fault, with its path."""
+    if not isinstance(auth, Mapping):
+        return []
+    errors: list[str] = []
+    seen: dict[str, str] = {}
+    hashes: dict[str, str] = {}
+    for i, key in enumerate(_list(auth.get("keys"))):
+        if not isinstance(key, Mapping):
+            continue
+        path = f"auth.keys[{i}]"
+        if ("sha256" in key) == ("env" in key):
+            errors.append(f"{path}: give the key's sha256 or the env variable holding it (one of the two)")
+        name = key.get("name")
+        if isinstance(name, str):
+            if name in seen:
+                errors.append(f"{path}.name: duplicate key name {name!r} (first at {seen[name]})")
+            seen.setdefault(name, path)
+        digest = key.get("sha256")
+        if isinstance(digest, str):
+            if digest.lower() in hashes:
+                errors.append(f"{path}.sha256: the same key as {hashes[digest.lower()]}")
+            hashes.setdefault(digest.lower(), path)
+        for j, model in enumerate(_list(key.get("models"))):
+            if isinstance(model, str) and model_ids and model not in model_ids:
+                errors.append(f"{path}.models[{j}]: model {model!r} is not defined in models[]")
+    return errors
+
+
+def hash_key(key: str) -> str:
+    """The hex SHA-256 the config holds for `key`."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    """A fresh random key: `iop-` and 43 characters of a 256-bit secret."""
+    return "iop-" + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request comes from."""
+
+    name: str
+    role: Role
+    #: the model ids it may use; None = every model
+    models: frozenset[str] | None = None
+    max_in_flight: int | None = None
+    requests_per_minute: int | None = None
+
+    @property
+    def operator(self) -> bool:
+        return self.role is Role.OPERATOR
+
+    def may_use(self, model_id: str) -> bool:
+        return self.models is None or model_id in self.models
+
+    def may_see_run(self, owner: str | None) -> bool:
+        return self.operator or owner == self.name
+
+
+#: The principal of every request when the gateway serves without keys.
+ANYONE = Principal(ANONYMOUS, Role.OPERATOR)
+
+
+class UnresolvedKeys(Exception):
+    """A key the config names cannot be resolved; `errors` name their paths."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+class KeyRing:
+    """The configured keys, by digest."""
+
+    def __init__(self, entries: list[tuple[bytes, Principal]]) -> None:
+        self.entries = entries
+        self.principals = {p.name: p for _, p in entries}
+
+    @classmethod
+    def from_config(cls, auth: AuthConfig, environ: Mapping[str, str]) -> KeyRing:
+        """Resolve every key (an `env` key is read from `environ`); raise UnresolvedKeys naming each
+        variable that is not set."""
+        entries: list[tuple[bytes, Principal]] = []
+        errors: list[str] = []
+        for i, key in enumerate(auth.keys):
+            if key.env is not None:
+                secret = environ.get(key.env, "")
+                if not secret:
+                    errors.append(f"auth.keys[{i}].env: the environment variable {key.env} is not set")
+                    continue
+                digest = hashlib.sha256(secret.encode()).digest()
+            else:
+                assert key.sha256 is not None
+                digest = bytes.fromhex(key.sha256)
+            entries.append((digest, Principal(
+                key.name, key.role, None if key.models is None else frozenset(key.models),
+                key.limits.max_in_flight, key.limits.requests_per_minute)))
+        if errors:
+            raise UnresolvedKeys(errors)
+        return cls(entries)
+
+    def lookup(self, presented: str) -> Principal | None:
+        """The principal of a presented key, or None. Compares against every key, in constant time."""
+        digest = hashlib.sha256(presented.encode()).digest()
+        found: Principal | None = None
+        for known, principal in self.entries:
+            if hmac.compare_digest(known, digest):
+                found = principal
+        return found

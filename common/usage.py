@@ -1,0 +1,95 @@
+"""Usage per API key, model and UTC day, read back from the hashes `common.scripts` fills when
+a run ends (`keys.usage_day`, `keys.usage_total`): runs, prompt and completion tokens (those of
+the `usage` the caller got), failures. Shared by `GET /v1/usage`, `iop usage` and the gateway's
+usage counters."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from common import keys
+
+#: The most days one question may cover.
+MAX_DAYS = 366
+#: Days asked for when no range is given: the last 30, today included.
+DEFAULT_DAYS = 30
+
+
+@dataclass(slots=True)
+class Usage:
+    key: str
+    model: str
+    date: str | None  # None: all time
+    runs: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    failures: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"object": "usage", "key": self.key, "model": self.model}
+        if self.date is not None:
+            out["date"] = self.date
+        out.update(runs=self.runs, prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                   total_tokens=self.prompt_tokens + self.completion_tokens, failures=self.failures)
+        return out
+
+
+def parse_day(text: str, what: str) -> dt.date:
+    """A `YYYY-MM-DD` day, or ValueError naming `what`."""
+    try:
+        day = dt.date.fromisoformat(text)
+    except ValueError:
+        day = None
+    if day is None or len(text) != 10:  # (fromisoformat also takes YYYYMMDD)
+        raise ValueError(f"{what} must be a day written YYYY-MM-DD, got {text!r}")
+    return day
+
+
+def day_range(since: str | None, until: str | None, today: dt.date) -> list[str]:
+    """The days from `since` to `until` (inclusive; defaults: the last `DEFAULT_DAYS` days), or
+    ValueError saying what is wrong with them."""
+    last = parse_day(until, "the end date") if until else today
+    first = parse_day(since, "the start date") if since else last - dt.timedelta(days=DEFAULT_DAYS - 1)
+    if first > last:
+        raise ValueError(f"the start date {first} is after the end date {last}")
+    span = (last - first).days + 1
+    if span > MAX_DAYS:
+        raise ValueError(f"at most {MAX_DAYS} days at once ({first} to {last} is {span})")
+    return [(first + dt.timedelta(days=i)).isoformat() for i in range(span)]
+
+
+def _rows(key: str, date: str | None, raw: dict[bytes, bytes], model: str | None) -> list[Usage]:
+    rows: dict[str, Usage] = {}
+    for name, value in raw.items():
+        metric, _, model_id = name.decode(errors="replace").partition(":")
+        if metric not in keys.USAGE_FIELDS or not model_id or (model is not None and model_id != model):
+            continue
+        row = rows.setdefault(model_id, Usage(key, model_id, date))
+        setattr(row, metric, int(value))
+    return [rows[m] for m in sorted(rows)]
+
+
+async def read_usage(redis: Redis, key_names: Iterable[str], days: Sequence[str],
+                     model: str | None = None) -> list[Usage]:
+    """One row per key, day and model that has usage, in that order (one pipeline)."""
+    names = list(key_names)
+    pipe = redis.pipeline(transaction=False)
+    for name in names:
+        for day in days:
+            pipe.hgetall(keys.usage_day(name, day))
+    replies = iter(await pipe.execute())
+    return [row for name in names for day in days for row in _rows(name, day, next(replies), model)]
+
+
+async def read_totals(redis: Redis, key_names: Iterable[str]) -> list[Usage]:
+    """All-time usage, one row per key and model."""
+    names = list(key_names)
+    pipe = redis.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(keys.usage_total(name))
+    return [row for name, raw in zip(names, await pipe.execute(), strict=True) for row in _rows(name, None, raw, None)]

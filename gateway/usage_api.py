@@ -1,0 +1,46 @@
+"""`GET /v1/usage`: runs and tokens per API key, model and UTC day.
+
+A caller key sees its own usage; an operator key every key's. Filters: `key`, `model`,
+`start_date` and `end_date` (`YYYY-MM-DD`, inclusive; default the last 30 days, at most 366).
+A key the request may not see, or that does not exist, is a 404 like any other.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+
+from aiohttp import web
+from redis.asyncio import Redis
+
+from common.auth import ANONYMOUS
+from common.config import Config
+from common.usage import day_range, read_usage
+from common.wire import ErrorCode
+from gateway.auth import principal
+from gateway.errors import ApiError, invalid
+
+
+def key_names(config: Config) -> list[str]:
+    """The names usage is kept under: every configured key, or `anonymous` without keys."""
+    return [k.name for k in config.auth.keys] if config.auth is not None else [ANONYMOUS]
+
+
+def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> None:
+    async def usage(request: web.Request) -> web.Response:
+        who = principal(request)
+        query = request.query
+        known = key_names(config)
+        asked = query.get("key")
+        visible = known if who.operator else [who.name]
+        if asked is not None and asked not in visible:
+            raise ApiError(ErrorCode.NOT_FOUND, f"no usage of a key named {asked!r}", param="key")
+        try:
+            days = day_range(query.get("start_date"), query.get("end_date"), dt.datetime.now(dt.UTC).date())
+        except ValueError as exc:
+            raise invalid(str(exc), "start_date" if "start" in str(exc) else "end_date") from None
+        rows = await read_usage(redis(), [asked] if asked else visible, days, query.get("model"))
+        return web.json_response({"object": "list", "start_date": days[0], "end_date": days[-1],
+                                  "data": [r.to_json() for r in rows]})
+
+    app.router.add_get("/v1/usage", usage)

@@ -1,0 +1,24 @@
+"""`iop keys new --name N [--role operator]`: a fresh key, shown once, and the config entry that
+holds only its hash."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import yaml
+
+from common.auth import NAME_PATTERN, hash_key, new_key
+
+
+def new(name: str, role: str) -> int:
+    if not re.match(NAME_PATTERN, name):
+        print(f"error: --name {name!r} must be letters, digits, '.', '_' or '-' (at most 64)", file=sys.stderr)
+        return 2
+    key = new_key()
+    entry = yaml.safe_dump([{"name": name, "sha256": hash_key(key), "role": role}], sort_keys=False)
+    print(f"# the key of {name}: shown this once, never stored by iop; hand it over and keep no copy")
+    print(key)
+    print("# its entry for the config, under auth.keys (it holds only the key's hash):")
+    print(entry, end="")
+    return 0

@@ -1,0 +1,53 @@
+"""`iop usage`: runs and tokens per API key, model and UTC day, straight from Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import sys
+
+from common.auth import ANONYMOUS
+from common.config import Config
+from common.redisconn import REDIS_DOWN, connect
+from common.usage import Usage, day_range, read_usage
+
+COLUMNS = ("DATE", "KEY", "MODEL", "RUNS", "PROMPT", "COMPLETION", "TOTAL", "FAILURES")
+
+
+def table(rows: list[Usage]) -> str:
+    cells = [COLUMNS] + [(r.date or "", r.key, r.model, str(r.runs), str(r.prompt_tokens), str(r.completion_tokens),
+                          str(r.prompt_tokens + r.completion_tokens), str(r.failures)) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
+
+
+def main(config: Config, redis_url: str, key: str | None, model: str | None, since: str | None,
+         until: str | None, as_json: bool) -> int:
+    try:
+        days = day_range(since, until, dt.datetime.now(dt.UTC).date())
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    names = [k.name for k in config.auth.keys] if config.auth is not None else [ANONYMOUS]
+    if key is not None and key not in names:
+        print(f"error: no key named {key!r} in the config (keys: {', '.join(names)})", file=sys.stderr)
+        return 2
+
+    async def read() -> list[Usage]:
+        redis = connect(redis_url)
+        try:
+            return await read_usage(redis, [key] if key else names, days, model)
+        finally:
+            await redis.aclose()
+
+    try:
+        rows = asyncio.run(read())
+    except REDIS_DOWN as exc:
+        print(f"error: cannot read Redis: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps({"start_date": days[0], "end_date": days[-1], "data": [r.to_json() for r in rows]}, indent=2))
+    else:
+        print(table(rows))
+    return 0
