@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -41,7 +41,7 @@ class ApiKeyConfig(Strict):
     sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="hex SHA-256 of the key")
     env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                             description="an environment variable holding the key itself")
-    role: Role = Role.CALLER
+    role: Literal["caller", "operator"] = "caller"
     models: list[str] | None = Field(None, description="the model ids it may use; absent = every model")
     limits: KeyLimits = KeyLimits()
 
@@ -151,7 +151,7 @@ class KeyRing:
                 assert key.sha256 is not None
                 digest = bytes.fromhex(key.sha256)
             entries.append((digest, Principal(
-                key.name, key.role, None if key.models is None else frozenset(key.models),
+                key.name, Role(key.role), None if key.models is None else frozenset(key.models),
                 key.limits.max_in_flight, key.limits.requests_per_minute)))
         if errors:
             raise UnresolvedKeys(errors)

@@ -23,6 +23,9 @@ from iop.proc import IopProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The fault suite's fixtures (own_redis, fstack), for every module that needs a killable stack.
+pytest_plugins = ("tests.faults",)
+
 # Property tests: no per-example deadline (the machine is shared; speed is never asserted) and no
 # example database written into the checkout; a failure prints the example that reproduces it.
 settings.register_profile("iop", deadline=None, database=None, print_blob=True)

@@ -8,14 +8,16 @@ import asyncio
 import json
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import redis as sync_redis
 
 from iop.embedded_redis import RedisServer
-from tests.conftest import Stack, wait_until
+from tests.conftest import Stack, async_wait_until, wait_until
 
 FAST_RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "probe_interval_ms": 200, "lease_ttl_ms": 1500,
                 "scheduler_liveness_ms": 1000}
@@ -44,7 +46,8 @@ class FaultStack(Stack):
         return url
 
     def configure(self, providers: dict[str, tuple[str, int]], queue: dict[str, int] | None = None,
-                  provider_extra: dict[str, dict[str, Any]] | None = None) -> None:
+                  provider_extra: dict[str, dict[str, Any]] | None = None,
+                  auth: dict[str, Any] | None = None) -> None:
         """providers: id -> (node, capacity); each must have a simulator already."""
         self.providers = providers
         nodes: dict[str, list[dict[str, Any]]] = {}
@@ -58,6 +61,8 @@ class FaultStack(Stack):
             "runtime": FAST_RUNTIME,
             "queue": {"max_queue": 64, "queue_timeout_ms": 30_000, **(queue or {})},
         }
+        if auth is not None:
+            config["auth"] = auth
         self.write_config(config)
 
     def health(self, pid: str) -> str | None:
@@ -144,3 +149,54 @@ def chat(max_tokens: int = 2, stream: bool = False, **sim: Any) -> dict[str, Any
     if sim:
         body["sim"] = sim
     return body
+
+
+# ------------------------------------------------------------------ fixtures (a pytest plugin: see conftest)
+@pytest.fixture
+def own_redis(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    server = RedisServer(appendonly=bool(getattr(request, "param", False))).start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def fstack(tmp_path: Path, own_redis: RedisServer) -> Iterator[FaultStack]:
+    stack = FaultStack(tmp_path, own_redis)
+    try:
+        yield stack
+        stack.check_invariants()
+    finally:
+        stack.stop_all()
+
+
+
+async def stream_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | str]:
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            payload = line[6:]
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def start(fstack: FaultStack, providers: dict[str, tuple[str, int]], *, schedulers: int = 1,
+          workers_per_node: int = 1, queue: dict[str, int] | None = None,
+          sim_args: dict[str, tuple[str, ...]] | None = None,
+          provider_extra: dict[str, dict[str, Any]] | None = None, auth: dict[str, Any] | None = None) -> str:
+    for pid in providers:
+        fstack.add_simulator(pid, *(sim_args or {}).get(pid, ()))
+    fstack.configure(providers, queue=queue, provider_extra=provider_extra, auth=auth)
+    for _ in range(schedulers):
+        fstack.scheduler()
+    for node in sorted({n for n, _ in providers.values()}):
+        for _ in range(workers_per_node):
+            fstack.worker(node)
+    gateway = fstack.gateway()
+    for pid in providers:
+        fstack.wait_health(pid, "available")
+    return gateway
+
+
+async def until_current(fstack: FaultStack, pid: str, n: int) -> None:
+    async def check() -> bool:
+        return bool((await fstack.stats(pid))["current"] == n)
+    await async_wait_until(check, what=f"{n} runs at {pid}")

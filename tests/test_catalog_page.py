@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from common.auth import hash_key, new_key
 from iop.embedded_redis import RedisServer
 from tests.conftest import ROOT, Stack
 
@@ -186,3 +187,50 @@ def row(page: Any, provider_id: str) -> Any:
 
 def placement(page: Any, model_id: str, provider_id: str) -> Any:
     return page.locator(f"tr[data-model='{model_id}'] [data-placement='{provider_id}']")
+
+
+async def test_with_keys_the_page_asks_for_an_operator_key_and_keeps_it_for_the_tab(
+        tmp_path: Path, own_redis: RedisServer, page: Any) -> None:
+    expect = async_api.expect
+    operator, caller = new_key(), new_key()
+    stack = Stack(tmp_path, own_redis.url)
+    try:
+        sims = {pid: stack.simulator([models]) for pid, models in (
+            ("vllm-a", "Qwen/Qwen3.6-35B-A3B,meta-llama/Llama-3.3-70B-Instruct"), ("sglang-b", "qwen3.6-35b-a3b"),
+            ("hosted-c", "llama-3.3-70b"))}
+        config = pool(sims)
+        config["auth"] = {"keys": [{"name": "ops", "sha256": hash_key(operator), "role": "operator"},
+                                   {"name": "team-a", "sha256": hash_key(caller)}]}
+        stack.write_config(config)
+        stack.scheduler()
+        stack.worker("gpu-1")
+        gateway = stack.gateway()
+
+        await page.goto(gateway + "/catalog")
+        form = page.locator("#key-form")
+        await expect(form).to_be_visible(timeout=WAIT_MS)
+        await expect(page.locator("tr[data-provider]")).to_have_count(0)
+
+        await page.fill("#key-input", caller)
+        await page.click("#key-form button")
+        await expect(page.locator("#key-reason")).to_have_text("That key is not an operator key.", timeout=WAIT_MS)
+        await page.fill("#key-input", "sk-not-a-key")
+        await page.click("#key-form button")
+        await expect(page.locator("#key-reason")).to_have_text("That key is not valid.", timeout=WAIT_MS)
+
+        await page.fill("#key-input", operator)
+        await page.click("#key-form button")
+        await expect(form).to_be_hidden(timeout=WAIT_MS)
+        await expect(page.locator("tr[data-provider]")).to_have_count(3, timeout=WAIT_MS)
+        await expect(page.locator("#status")).to_have_attribute("data-state", "live")
+
+        await page.reload()  # the same tab keeps its key
+        await expect(page.locator("tr[data-provider]")).to_have_count(3, timeout=WAIT_MS)
+        await expect(form).to_be_hidden()
+
+        other_tab = await page.context.browser.new_page()  # another tab asks again
+        await other_tab.goto(gateway + "/catalog")
+        await expect(other_tab.locator("#key-form")).to_be_visible(timeout=WAIT_MS)
+        assert operator not in await other_tab.content()
+    finally:
+        stack.stop_all()

@@ -8,38 +8,18 @@ executed at most once.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import signal
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 
-from iop.embedded_redis import RedisServer
 from tests.conftest import async_wait_until
-from tests.faults import MODEL, FaultStack, chat, run_of
+from tests.faults import MODEL, FaultStack, chat, run_of, start, stream_events, until_current
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def own_redis(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
-    server = RedisServer(appendonly=bool(getattr(request, "param", False))).start()
-    yield server
-    server.cleanup()
-
-
-@pytest.fixture
-def fstack(tmp_path: Path, own_redis: RedisServer) -> Iterator[FaultStack]:
-    stack = FaultStack(tmp_path, own_redis)
-    try:
-        yield stack
-        stack.check_invariants()
-    finally:
-        stack.stop_all()
 
 
 @pytest.fixture
@@ -51,38 +31,6 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 async def call(http: aiohttp.ClientSession, gateway: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     async with http.post(gateway + "/v1/chat/completions", json=body) as resp:
         return resp.status, await resp.json()
-
-
-async def stream_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | str]:
-    async for raw in resp.content:
-        line = raw.decode().strip()
-        if line.startswith("data: "):
-            payload = line[6:]
-            yield payload if payload == "[DONE]" else json.loads(payload)
-
-
-def start(fstack: FaultStack, providers: dict[str, tuple[str, int]], *, schedulers: int = 1,
-          workers_per_node: int = 1, queue: dict[str, int] | None = None,
-          sim_args: dict[str, tuple[str, ...]] | None = None,
-          provider_extra: dict[str, dict[str, Any]] | None = None) -> str:
-    for pid in providers:
-        fstack.add_simulator(pid, *(sim_args or {}).get(pid, ()))
-    fstack.configure(providers, queue=queue, provider_extra=provider_extra)
-    for _ in range(schedulers):
-        fstack.scheduler()
-    for node in sorted({n for n, _ in providers.values()}):
-        for _ in range(workers_per_node):
-            fstack.worker(node)
-    gateway = fstack.gateway()
-    for pid in providers:
-        fstack.wait_health(pid, "available")
-    return gateway
-
-
-async def until_current(fstack: FaultStack, pid: str, n: int) -> None:
-    async def check() -> bool:
-        return bool((await fstack.stats(pid))["current"] == n)
-    await async_wait_until(check, what=f"{n} runs at {pid}")
 
 
 def queued() -> str:

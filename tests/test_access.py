@@ -1,0 +1,308 @@
+"""API keys at the gateway (real HTTP on port 0, a real Redis, no workers): who may call, which
+models, whose runs, the operator routes, and limits that are exact in one atomic step."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from redis.asyncio import Redis
+
+from common import keys
+from common.auth import KeyRing, UnresolvedKeys, hash_key
+from common.config import ConfigError, parse_config
+from common.scripts import _UTC_DAY
+from gateway.app import build_app
+from tests.conftest import async_wait_until
+from tests.openapi import validate
+from tests.test_scheduler import beat
+
+MODELS = ("qwen3.6:35b", "llama3.3:70b")
+CALLER, OTHER, OPERATOR = "sk-caller-7f3a9c1e5b", "sk-other-0d2b", "sk-operator-44e1"
+
+
+def pool(auth: dict[str, Any] | None = None) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "models": [{"id": m, "providers": {"p": "p-served"}} for m in MODELS],
+        "nodes": [{"id": "n1", "providers": [{"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                              "capacity": 1, "models": ["p-served"]}]}],
+        "queue": {"max_queue": 100},
+    }
+    if auth is not None:
+        config["auth"] = auth
+    return config
+
+
+AUTH = {"keys": [
+    {"name": "team-a", "sha256": hash_key(CALLER), "models": ["qwen3.6:35b"],
+     "limits": {"max_in_flight": 2, "requests_per_minute": 3}},
+    {"name": "team-b", "env": "IOP_TEST_OTHER_KEY"},
+    {"name": "ops", "sha256": hash_key(OPERATOR), "role": "operator"},
+]}
+
+
+# ---------------------------------------------------------------------------- config, pure
+@pytest.mark.parametrize(("mutate", "expected"), [
+    (lambda k: k.update(env="X"), "auth.keys[0]: give the key's sha256 or the env variable holding it"),
+    (lambda k: k.pop("sha256"), "auth.keys[0]: give the key's sha256 or the env variable holding it"),
+    (lambda k: k.update(sha256="abc"), "auth.keys[0].sha256: String should match pattern '^[0-9a-fA-F]{64}$'"),
+    (lambda k: k.update(models=["qwen3.6:35b", "nope"]),
+     "auth.keys[0].models[1]: model 'nope' is not defined in models[]"),
+    (lambda k: k.update(role="admin"), "auth.keys[0].role: Input should be 'caller' or 'operator', got 'admin'"),
+    (lambda k: k.update(limits={"max_in_flight": 0}),
+     "auth.keys[0].limits.max_in_flight: Input should be greater than or equal to 1"),
+    (lambda k: k.update(limits={"rpm": 5}), "auth.keys[0].limits.rpm: unknown field"),
+    (lambda k: k.update(name="has space"), "auth.keys[0].name: String should match pattern"),
+])
+def test_auth_faults_name_their_path(mutate: Any, expected: str) -> None:
+    auth: dict[str, Any] = {"keys": [{"name": "team-a", "sha256": hash_key(CALLER)},
+                                     {"name": "ops", "sha256": hash_key(OPERATOR), "role": "operator"}]}
+    mutate(auth["keys"][0])
+    with pytest.raises(ConfigError) as err:
+        parse_config(pool(auth))
+    assert any(e.startswith(expected) for e in err.value.errors), err.value.errors
+
+
+def test_duplicate_names_and_keys_are_faults() -> None:
+    auth = {"keys": [{"name": "a", "sha256": hash_key(CALLER)}, {"name": "a", "sha256": hash_key(CALLER)}]}
+    with pytest.raises(ConfigError) as err:
+        parse_config(pool(auth))
+    assert err.value.errors == ["auth.keys[1].name: duplicate key name 'a' (first at auth.keys[0])",
+                                "auth.keys[1].sha256: the same key as auth.keys[0]"]
+
+
+def test_keys_resolve_from_hashes_and_the_environment() -> None:
+    cfg = parse_config(pool(AUTH))
+    assert cfg.auth is not None
+    with pytest.raises(UnresolvedKeys) as err:
+        KeyRing.from_config(cfg.auth, {})
+    assert err.value.errors == ["auth.keys[1].env: the environment variable IOP_TEST_OTHER_KEY is not set"]
+    ring = KeyRing.from_config(cfg.auth, {"IOP_TEST_OTHER_KEY": OTHER})
+    caller, other, ops = ring.lookup(CALLER), ring.lookup(OTHER), ring.lookup(OPERATOR)
+    assert caller is not None and caller.name == "team-a" and caller.models == frozenset({"qwen3.6:35b"})
+    assert caller.max_in_flight == 2 and caller.requests_per_minute == 3 and not caller.operator
+    assert other is not None and other.name == "team-b" and other.models is None
+    assert ops is not None and ops.operator
+    assert ring.lookup(CALLER + "x") is None and ring.lookup("") is None
+
+
+async def test_the_scripts_utc_day_is_pythons(redis: Redis) -> None:
+    script = ("local now = 0\n" + _UTC_DAY
+              + "local out = {} for i = 1, #ARGV do out[i] = utc_day(tonumber(ARGV[i])) end return out")
+    moments = [0, 86_399_999, 86_400_000, 951_782_400_000, 1_709_164_800_000, 1_796_046_000_000, 4_107_542_399_999]
+    moments += [int(dt.datetime(y, m, d, tzinfo=dt.UTC).timestamp() * 1000) + 1 for y in (1999, 2000, 2024, 2100)
+                for m in (1, 2, 3, 12) for d in (1, 28)]
+    days = await redis.eval(script, 0, *moments)
+    assert [d.decode() for d in days] == [dt.datetime.fromtimestamp(ms / 1000, dt.UTC).date().isoformat()
+                                          for ms in moments]
+
+
+# ---------------------------------------------------------------------------- the HTTP surface
+@pytest.fixture
+async def gateway(redis: Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+    monkeypatch.setenv("IOP_TEST_OTHER_KEY", OTHER)
+    cfg = parse_config(pool(AUTH))
+    await beat(redis, cfg)
+    server = TestServer(build_app(cfg, redis_url), port=0)
+    await server.start_server()
+    yield str(server.make_url("")).rstrip("/")
+    await server.close()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def call(http: aiohttp.ClientSession, method: str, url: str, key: str | None = None,
+               **kwargs: Any) -> tuple[int, Any, dict[str, str]]:
+    async with http.request(method, url, headers=bearer(key) if key else {}, **kwargs) as resp:
+        body = await resp.json(content_type=None) if resp.content_type == "application/json" else await resp.text()
+        return resp.status, body, dict(resp.headers)
+
+
+def chat(model: str = "qwen3.6:35b") -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def submit(http: aiohttp.ClientSession, gateway: str, key: str, model: str = "qwen3.6:35b"
+                 ) -> tuple[int, Any, dict[str, str]]:
+    """A run request that is refused at once (its status, body, headers)."""
+    return await call(http, "POST", gateway + "/v1/chat/completions", key, json=chat(model))
+
+
+class Callers:
+    """Run requests kept open while their runs wait (no workers): leaving would cancel them."""
+
+    def __init__(self, http: aiohttp.ClientSession, gateway: str, redis: Redis) -> None:
+        self.http, self.gateway, self.redis = http, gateway, redis
+        self.tasks: list[asyncio.Task[tuple[int, Any, dict[str, str]]]] = []
+
+    async def runs(self) -> list[str]:
+        queued = [k for k in await self.redis.keys("iop:run:*") if await self.redis.hget(k, "state") == b"queued"]
+        return sorted(k.decode().removeprefix("iop:run:") for k in queued)
+
+    async def open(self, n: int, key: str) -> list[tuple[int, Any, dict[str, str]]]:
+        """n requests at once; returns the answers of those refused once every one is refused or queued."""
+        before = len(await self.runs())
+        new = [asyncio.create_task(submit(self.http, self.gateway, key)) for _ in range(n)]
+        self.tasks += new
+
+        async def settled() -> bool:
+            return sum(t.done() for t in new) + len(await self.runs()) - before == n
+
+        await async_wait_until(settled, what=f"{n} requests refused or queued")
+        return [t.result() for t in new if t.done()]
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+@pytest.fixture
+async def callers(http: aiohttp.ClientSession, gateway: str, redis: Redis) -> AsyncIterator[Callers]:
+    c = Callers(http, gateway, redis)
+    yield c
+    await c.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/catalog", "/metrics", "/v1/usage", "/v1/runs/run_x"])
+async def test_no_key_or_an_unknown_one_is_401_with_a_challenge(gateway: str, http: aiohttp.ClientSession,
+                                                               path: str) -> None:
+    for key in (None, "sk-wrong", CALLER[:-1]):
+        status, body, headers = await call(http, "GET", gateway + path, key)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", (key, body)
+        assert headers["WWW-Authenticate"].startswith("Bearer")
+        validate("ErrorResponse", body)
+        assert (key or "none") not in body["error"]["message"]  # a key is never echoed
+    async with http.get(gateway + path, headers={"Authorization": f"Basic {CALLER}"}) as resp:
+        assert resp.status == 401
+
+
+async def test_health_and_readiness_stay_open(gateway: str, http: aiohttp.ClientSession) -> None:
+    for path in ("/healthz", "/readyz"):
+        status, _, _ = await call(http, "GET", gateway + path)
+        assert status == 200
+
+
+async def test_a_caller_sees_only_its_models(gateway: str, http: aiohttp.ClientSession, redis: Redis) -> None:
+    status, listing, _ = await call(http, "GET", gateway + "/v1/models", CALLER)
+    assert status == 200 and [m["id"] for m in listing["data"]] == ["qwen3.6:35b"]
+    _, listing, _ = await call(http, "GET", gateway + "/v1/models", OTHER)
+    assert [m["id"] for m in listing["data"]] == list(MODELS)
+    hidden = await call(http, "GET", gateway + "/v1/models/llama3.3:70b", CALLER)
+    missing = await call(http, "GET", gateway + "/v1/models/nope", CALLER)
+    assert hidden[0] == missing[0] == 404
+    assert hidden[1]["error"]["code"] == missing[1]["error"]["code"] == "model_not_found"
+    status, body, _ = await submit(http, gateway, CALLER, "llama3.3:70b")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert body["error"]["message"] == missing[1]["error"]["message"].replace("nope", "llama3.3:70b")
+    assert await redis.xlen(keys.runs_stream("llama3.3:70b")) == 0 and not await redis.keys("iop:run:*")
+
+
+@pytest.mark.parametrize("path", ["/v1/catalog", "/metrics", "/v1/admin/providers/p/drain"])
+async def test_operator_routes_refuse_a_caller_key(gateway: str, http: aiohttp.ClientSession, path: str) -> None:
+    status, body, _ = await call(http, "GET", gateway + path, CALLER)
+    assert status == 403 and body["error"]["code"] == "permission_denied"
+    validate("ErrorResponse", body)
+
+
+async def test_operators_reach_the_catalog_and_metrics(gateway: str, http: aiohttp.ClientSession) -> None:
+    status, catalog, _ = await call(http, "GET", gateway + "/v1/catalog", OPERATOR)
+    assert status == 200 and catalog["providers"][0]["id"] == "p"
+    status, text, _ = await call(http, "GET", gateway + "/metrics", OPERATOR)
+    assert status == 200 and "iop_gateway_requests_total" in text
+
+
+async def test_the_catalog_page_asks_for_the_key_itself(gateway: str, http: aiohttp.ClientSession) -> None:
+    status, page, _ = await call(http, "GET", gateway + "/catalog")  # a browser: no header
+    assert status == 200 and "<html" in page
+    assert (await call(http, "GET", gateway + "/catalog", CALLER))[0] == 403
+    assert (await call(http, "GET", gateway + "/catalog", "sk-wrong"))[0] == 401
+
+
+async def test_a_caller_sees_only_its_own_runs(gateway: str, http: aiohttp.ClientSession, redis: Redis,
+                                               callers: Callers) -> None:
+    assert await callers.open(1, CALLER) == []
+    (run_id,) = await callers.runs()
+    assert await redis.hget(keys.run_record(run_id), "key") == b"team-a"
+    status, view, _ = await call(http, "GET", f"{gateway}/v1/runs/{run_id}", CALLER)
+    assert status == 200 and view["key"] == "team-a" and "worker" not in view
+    status, view, _ = await call(http, "GET", f"{gateway}/v1/runs/{run_id}", OPERATOR)
+    assert status == 200 and "worker" in view
+    for method, path in (("GET", ""), ("GET", "/events"), ("DELETE", "")):
+        status, body, _ = await call(http, method, f"{gateway}/v1/runs/{run_id}{path}", OTHER)
+        assert status == 404 and body["error"]["code"] == "not_found", (method, path)
+    assert await redis.hget(keys.run_record(run_id), "state") == b"queued"  # the other key's DELETE did nothing
+    status, view, _ = await call(http, "DELETE", f"{gateway}/v1/runs/{run_id}", CALLER)
+    assert status == 200 and view["state"] == "cancelled"
+
+
+async def test_max_in_flight_is_exact_and_comes_back_when_runs_end(gateway: str, http: aiohttp.ClientSession,
+                                                                   redis: Redis, callers: Callers) -> None:
+    # team-a: max_in_flight 2; 5 requests at once, none of them served (no workers)
+    refused = await callers.open(5, CALLER)
+    assert len(refused) == 3 and len(await callers.runs()) == 2
+    assert await redis.zcard(keys.key_in_flight("team-a")) == 2
+    status, body, headers = refused[0]
+    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
+    assert "max_in_flight" in body["error"]["message"]
+    assert headers["Retry-After"] == "1" and headers["x-ratelimit-limit-requests"] == "2"
+    assert headers["x-ratelimit-remaining-requests"] == "0" and headers["x-iop-limit"] == "max_in_flight"
+    validate("ErrorResponse", body)
+    # the two queued runs end (cancelled): the key may run again
+    for run_id in await callers.runs():
+        assert (await call(http, "DELETE", f"{gateway}/v1/runs/{run_id}", CALLER))[0] == 200
+    assert await redis.zcard(keys.key_in_flight("team-a")) == 0
+    assert await callers.open(1, CALLER) == []  # queued again
+
+
+async def test_requests_per_minute_is_a_sliding_window(gateway: str, http: aiohttp.ClientSession,
+                                                       redis: Redis, callers: Callers) -> None:
+    accepted = []
+    for _ in range(3):  # team-a: 3 a minute; each run is cancelled at once, so max_in_flight never bites
+        assert await callers.open(1, CALLER) == []
+        (run_id,) = await callers.runs()
+        accepted.append(run_id)
+        await call(http, "DELETE", f"{gateway}/v1/runs/{run_id}", CALLER)
+    status, body, headers = await submit(http, gateway, CALLER)
+    assert status == 429 and headers["x-iop-limit"] == "requests_per_minute"
+    assert headers["x-ratelimit-limit-requests"] == "3" and headers["x-ratelimit-remaining-requests"] == "0"
+    assert 1 <= int(headers["Retry-After"]) <= 60
+    # move the clock: the oldest request leaves the window, and one more is allowed
+    window = keys.key_requests("team-a")
+    await redis.zadd(window, {accepted[0]: 1})
+    assert await callers.open(1, CALLER) == []
+    assert await redis.zcard(window) == 3
+
+
+async def test_usage_is_a_callers_own_and_every_keys_for_an_operator(gateway: str, http: aiohttp.ClientSession,
+                                                                     redis: Redis) -> None:
+    today = dt.datetime.now(dt.UTC).date().isoformat()
+    await redis.hset(keys.usage_day("team-a", today), mapping={"runs:qwen3.6:35b": 2, "prompt_tokens:qwen3.6:35b": 7,
+                                                               "completion_tokens:qwen3.6:35b": 5})
+    await redis.hset(keys.usage_day("team-b", today), mapping={"runs:llama3.3:70b": 1, "failures:llama3.3:70b": 1})
+    status, own, _ = await call(http, "GET", gateway + "/v1/usage", CALLER)
+    assert status == 200 and own["data"] == [
+        {"object": "usage", "key": "team-a", "model": "qwen3.6:35b", "date": today, "runs": 2, "prompt_tokens": 7,
+         "completion_tokens": 5, "total_tokens": 12, "failures": 0}]
+    assert (await call(http, "GET", gateway + "/v1/usage?key=team-b", CALLER))[0] == 404
+    _, every, _ = await call(http, "GET", gateway + "/v1/usage", OPERATOR)
+    assert [(r["key"], r["model"]) for r in every["data"]] == [("team-a", "qwen3.6:35b"), ("team-b", "llama3.3:70b")]
+    _, one, _ = await call(http, "GET", gateway + "/v1/usage?key=team-b&model=llama3.3:70b", OPERATOR)
+    assert [r["failures"] for r in one["data"]] == [1]
+    status, bad, _ = await call(http, "GET", gateway + "/v1/usage?start_date=2026-13-01", OPERATOR)
+    assert status == 400 and "YYYY-MM-DD" in bad["error"]["message"]
+    status, bad, _ = await call(http, "GET", gateway + "/v1/usage?start_date=2020-01-01&end_date=2026-01-01", OPERATOR)
+    assert status == 400 and "at most 366 days" in bad["error"]["message"]
