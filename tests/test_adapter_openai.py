@@ -346,3 +346,18 @@ async def test_a_multi_line_server_error_is_one_line_and_goes_elsewhere(
     assert err.value.message == ("provider llamacpp-a answered 500: 1 validation error: {'type': 'float_parsing'} "
                                  "File \"app.py\", line 376")
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes is None and err.value.detail is None
+
+
+async def test_credentials_in_the_url_are_never_shown(fake: Fake, session: aiohttp.ClientSession) -> None:
+    url = fake.url.replace("http://", "http://svc-user:pw-9d1c7e@")
+    fake.status["/v1/chat/completions"] = 401
+    fake.body["/v1/chat/completions"] = {"error": {"message": "bad login svc-user:pw-9d1c7e", "type": "x"}}
+    adapter = OpenAICompatAdapter(provider("openai_api", url), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "r")
+    shown = err.value.message + str(err.value.detail)
+    assert "pw-9d1c7e" not in shown and "svc-user" not in shown and "[redacted]:[redacted]" in shown
+    assert fake.requests[-1][1]["Authorization"].startswith("Basic ")  # they are still used
+    fake.status["/v1/models"] = 500
+    probe = await adapter.probe()
+    assert "pw-9d1c7e" not in probe.reason and "127.0.0.1" not in probe.reason

@@ -9,9 +9,11 @@ health (`strikes`, see `workers.health`) and whether another attempt could help 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import ssl
+from urllib.parse import unquote, urlsplit
 
 import aiohttp
 
@@ -33,6 +35,32 @@ def one_line(text: str, limit: int = MAX_ERROR_TEXT, *, tail: bool = False) -> s
     if len(flat) <= limit:
         return flat
     return "…" + flat[1 - limit:].lstrip() if tail else flat[: limit - 1].rstrip() + "…"
+
+
+REDACTED = "[redacted]"
+
+
+def url_secrets(url: str | None) -> list[str]:
+    """The credentials a provider URL carries in its userinfo (`https://user:pass@host`)."""
+    parts = urlsplit(url or "")
+    return [unquote(p) for p in (parts.password, parts.username) if p]
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    """`text` with every secret in it replaced by `[redacted]`."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def redacted(exc: ProviderError, secrets: list[str]) -> ProviderError:
+    """The same error with every echo of a secret removed (its message and the provider's detail)."""
+    if not any(secret and secret in exc.message + json.dumps(exc.detail) for secret in secrets):
+        return exc
+    detail = json.loads(redact(json.dumps(exc.detail), secrets)) if exc.detail else exc.detail
+    return ProviderError(redact(exc.message, secrets), status=exc.status, detail=detail, retry=exc.retry,
+                         strikes=exc.strikes)
 
 
 def _os_text(code: int | None) -> str:

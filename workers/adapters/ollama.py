@@ -18,7 +18,7 @@ from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
 from workers.adapters.base import ProbeResult, ProviderError, Retry
-from workers.adapters.failures import one_line, probe_failure, transport_error
+from workers.adapters.failures import one_line, probe_failure, redacted, transport_error, url_secrets
 from workers.adapters.openai_shapes import Shaper
 
 Json = dict[str, Any]
@@ -134,8 +134,8 @@ class OllamaAdapter:
                     raise ValueError("the answer is not a JSON object")
                 if kind is RunKind.EMBEDDING:
                     return wire.embeddings_response(body, answer)
-        except ProviderError:
-            raise
+        except ProviderError as exc:
+            raise redacted(exc, url_secrets(self.provider.base_url)) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
         shaper = Shaper(kind, request_id, body["model"])
@@ -178,8 +178,8 @@ class OllamaAdapter:
                                 chunks.append(shaper.usage_chunk(wire.usage_of(line)))
                     if chunks:
                         yield chunks
-        except ProviderError:
-            raise
+        except ProviderError as exc:
+            raise redacted(exc, url_secrets(self.provider.base_url)) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
         if not done:

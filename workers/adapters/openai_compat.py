@@ -34,7 +34,7 @@ from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters.base import ProbeResult, ProviderError, Retry
-from workers.adapters.failures import one_line, probe_failure, transport_error
+from workers.adapters.failures import one_line, probe_failure, redact, redacted, transport_error, url_secrets
 
 PATHS = {RunKind.CHAT: "/chat/completions", RunKind.COMPLETION: "/completions", RunKind.EMBEDDING: "/embeddings"}
 
@@ -49,7 +49,6 @@ HAS_HEALTH = ROOT_HEALTH | {"lemonade"}
 NO_SUCH_ENDPOINT = frozenset({404, 405, 501})
 #: the most of an error answer read to describe it
 MAX_ERROR_BODY = 64 * 1024
-REDACTED = "[redacted]"
 
 
 def api_root(base_url: str, provider_type: str = "vllm", api_path: str | None = None) -> str:
@@ -139,18 +138,15 @@ class OpenAICompatAdapter:
             headers["Authorization"] = f"Bearer {key}"
         return headers
 
+    def _secrets(self) -> list[str]:
+        """What no error text may show: the API key, and credentials in `base_url`."""
+        return [k for k in (self._key(),) if k] + url_secrets(self.provider.base_url)
+
     def _redact(self, text: str) -> str:
-        key = self._key()
-        return text.replace(key, REDACTED) if key else text
+        return redact(text, self._secrets())
 
     def _clean(self, exc: ProviderError) -> ProviderError:
-        """The same error with any echo of the API key removed."""
-        key = self._key()
-        if not key:
-            return exc
-        detail = json.loads(json.dumps(exc.detail).replace(key, REDACTED)) if exc.detail else exc.detail
-        return ProviderError(exc.message.replace(key, REDACTED), status=exc.status, detail=detail,
-                             retry=exc.retry, strikes=exc.strikes)
+        return redacted(exc, self._secrets())
 
     async def _raise_for(self, resp: aiohttp.ClientResponse) -> None:
         """An error answer: a 4xx is the caller's (passed through, alive evidence); a 5xx or a
