@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 
 #: Context fields a log record may carry, in the order the text format prints them.
-FIELDS: tuple[str, ...] = ("run", "model", "provider", "node")
+FIELDS: tuple[str, ...] = ("run", "model", "key", "provider", "node")
 
 
 def run_fields(run_id: str, model_id: str | None, **more: str) -> dict[str, str]:
-    """`extra` for a log call about one run; `more` may add provider or node."""
+    """`extra` for a log call about one run; `more` may add its API key's name, provider or node."""
     fields = {"run": run_id, "model": model_id or "-"}
     fields.update({k: v for k, v in more.items() if k in FIELDS})
     return fields

@@ -74,6 +74,9 @@ class RunClient:
             left = int(result[2])
             return run_id, ({} if left < 0 else {LIMIT_HEADER: str(who.requests_per_minute),
                                                  REMAINING_HEADER: str(left)})
+        if status in ("key_in_flight", "key_rate"):
+            log.info("key %s is at its %s: refused", who.name,
+                     "max_in_flight" if status == "key_in_flight" else "requests_per_minute", extra={"key": who.name})
         if status == "key_in_flight":
             raise ApiError(ErrorCode.RATE_LIMIT_EXCEEDED,
                            f"key {who.name!r} has {who.max_in_flight} runs queued or running, its max_in_flight; "

@@ -52,8 +52,14 @@ class Attempt:
     max_attempts: int
     #: every provider an attempt of this run went to, this one included
     tried: frozenset[str] = frozenset()
+    #: the name of the API key that started the run
+    key: str = "-"
     output: bool = False
     cancel_reason: str | None = None
+
+    def log(self) -> dict[str, str]:
+        """`extra` of a log line about this attempt."""
+        return run_fields(self.run_id, self.model_id, key=self.key)
 
 
 #: What an attempt showed about its provider's health, for the `finish` script:
@@ -114,7 +120,8 @@ class Runner:
             return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info)
         policy = self.config.queue_for(model)
         tried = frozenset(record.get("tried", b"").decode().split(",")) - {""}
-        att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts, tried)
+        att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts, tried,
+                      record.get("key", b"-").decode())
         task = asyncio.current_task()
         assert task is not None
         self.running[run_id] = (att, task)
@@ -162,7 +169,7 @@ class Runner:
                              f"the run did not finish within {int(timeout_s * 1000)} ms", before_output=not att.output)
             return await self._fail(att, info, Retry.NO)
         except LeaseLost:
-            log.warning("lease lost, abandoning", extra=run_fields(att.run_id, att.model_id))
+            log.warning("lease lost, abandoning", extra=att.log())
             return "lease_lost"
         except asyncio.CancelledError:
             if att.cancel_reason is None:  # the worker itself is shutting down
@@ -205,14 +212,14 @@ class Runner:
             retry is Retry.ANY or (retry is Retry.ELSEWHERE and await self._untried_available(att)))
         if again:
             log.info("attempt %s failed, requeued: %s", att.attempt, info.message,
-                     extra=run_fields(att.run_id, att.model_id))
+                     extra=att.log())
             state = "requeue" if retry is Retry.ANY else "requeue_elsewhere"
             # Put it back only once arq has finished with this job: arq's own cleanup deletes
             # the job's keys (job id = run id), which would swallow the next attempt's job.
             self.deferred[att.run_id] = lambda: self._finish(att, None, EventType.REQUEUED, info.to_wire(),
                                                              evidence=evidence, requeue=state)
             return "requeue_pending"
-        log.info("failed: %s", info.message, extra=run_fields(att.run_id, att.model_id))
+        log.info("failed: %s", info.message, extra=att.log())
         return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info, evidence=evidence)
 
     async def _untried_available(self, att: Attempt) -> bool:
@@ -253,7 +260,7 @@ class Runner:
             try:
                 result = await self.scripts.call("finish", run_keys, args)
             except REDIS_DOWN as exc:
-                log.warning("cannot record its end (%s); retrying", exc, extra=run_fields(att.run_id, att.model_id))
+                log.warning("cannot record its end (%s); retrying", exc, extra=att.log())
                 await backoff.pause()
                 continue
             metrics.RUNS.labels(att.model_id, att.provider_id, state.value if state else "requeued").inc()
@@ -274,7 +281,7 @@ class Runner:
                     "renew", [keys.leases(att.provider_id), keys.run_record(att.run_id)],
                     [att.run_id, rt.lease_ttl_ms, att.attempt])
             except REDIS_DOWN as exc:
-                log.warning("lease renewal failed (%s)", exc, extra=run_fields(att.run_id, att.model_id))
+                log.warning("lease renewal failed (%s)", exc, extra=att.log())
                 continue
             if renewed != 1:
                 att.cancel_reason = "lease lost" if not renewed else CANCELLED.message
