@@ -33,6 +33,7 @@ import aiohttp
 import redis
 import yaml
 
+from common.auth import hash_key, new_key
 from iop.embedded_redis import RedisServer
 from iop.proc import IopProcess
 
@@ -44,6 +45,8 @@ PROVIDERS = (("prov-a", "node-a", "sim-a"), ("prov-b", "node-b", "sim-b"))
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 REQUEST_TIMEOUT_S = 30.0
 MONITOR_END = "iop-bench-monitor-end"
+#: rounds of the access-cost phase (without a key, then with one), so drift hits both sides alike
+ACCESS_ROUNDS = 3
 
 
 # --------------------------------------------------------------------------- processes
@@ -69,6 +72,9 @@ class Stack:
     procs: list[Proc] = field(default_factory=list)
     sims: dict[str, str] = field(default_factory=dict)  # served name -> base url
     gateway: str = ""
+    #: a second gateway on the same pool, with an API key that has both limits (what access costs)
+    auth_gateway: str = ""
+    auth_key: str = field(default_factory=new_key)
     config: dict[str, Any] = field(default_factory=dict)
     exit_codes: dict[str, int | None] = field(default_factory=dict)
 
@@ -110,12 +116,18 @@ class Stack:
             ],
         }
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        auth = {"keys": [{"name": "bench", "sha256": hash_key(self.auth_key),
+                          "limits": {"max_in_flight": 100_000, "requests_per_minute": 10_000_000}}]}
+        (self.tmp / "iop-auth.yaml").write_text(yaml.safe_dump({**self.config, "auth": auth}, sort_keys=False))
         gw = self.spawn("gateway", "gateway", "--host", "127.0.0.1", "--port", "0")
+        gw_auth = self.spawn("gateway-auth", "gateway", "--host", "127.0.0.1", "--port", "0",
+                             "--config", str(self.tmp / "iop-auth.yaml"))
         self.spawn("scheduler", "scheduler").wait_for_line(r"iop scheduler \S+ running")
         for _, node, _ in PROVIDERS:
             self.spawn(f"worker-{node}", "worker", "--node", node).wait_for_line(
                 rf"iop worker for node {re.escape(node)} running")
         self.gateway = gw.wait_for_line(r"iop gateway listening on (http://\S+)").group(1)
+        self.auth_gateway = gw_auth.wait_for_line(r"iop gateway listening on (http://\S+)").group(1)
         self.wait_for_heartbeats()
 
     def wait_for_heartbeats(self, timeout: float = 30.0) -> None:
@@ -209,11 +221,13 @@ class Target:
     url: str
     body: bytes
     model: str  # the `model` the answer must carry
+    headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),)
 
 
-def chat_target(base_url: str, model: str, max_tokens: int, stream: bool) -> Target:
+def chat_target(base_url: str, model: str, max_tokens: int, stream: bool, key: str | None = None) -> Target:
     body = {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "stream": stream}
-    return Target(base_url + "/v1/chat/completions", json.dumps(body).encode(), model)
+    headers = (("Content-Type", "application/json"),) + ((("Authorization", f"Bearer {key}"),) if key else ())
+    return Target(base_url + "/v1/chat/completions", json.dumps(body).encode(), model, headers)
 
 
 @dataclass
@@ -260,8 +274,7 @@ async def one_request(session: aiohttp.ClientSession, target: Target, stream: bo
     sent_wall = time.time()
     t0 = time.perf_counter_ns()
     ttfb = 0
-    async with session.post(target.url, data=target.body,
-                            headers={"Content-Type": "application/json"}) as resp:
+    async with session.post(target.url, data=target.body, headers=dict(target.headers)) as resp:
         if stream and resp.status == 200:
             chunks = []
             async for chunk in resp.content.iter_any():
@@ -671,6 +684,9 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
                 finally:
                     client.close()
 
+        if args.access_requests:
+            results["access_c1"] = await access_cost(phase, stack, args)
+
         s = (await phase("gateway stream c=1", gateway_stream, 1, requests=args.stream_requests,
                          stream=True)).summary()
         results["gateway_stream_c1"] = {"ttfb_ms": s.pop("ttfb_ms"), **s}
@@ -708,6 +724,33 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
     out["headline"] = headline(results, args)
 
 
+async def access_cost(phase: Callable[..., Any], stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    """What an API key with both limits adds to a run at concurrency 1: the same requests through
+    the gateway without `auth` and through the one with it, alternated in rounds."""
+    plain = [chat_target(stack.gateway, MODEL, args.max_tokens, False)]
+    keyed = [chat_target(stack.auth_gateway, MODEL, args.max_tokens, False, stack.auth_key)]
+    rows: dict[str, list[Phase]] = {"without": [], "with": []}
+    for _ in range(ACCESS_ROUNDS):
+        rows["without"].append(await phase("gateway c=1 without auth", plain, 1, requests=args.access_requests))
+        rows["with"].append(await phase("gateway c=1 with a key and limits", keyed, 1, requests=args.access_requests))
+    out: dict[str, Any] = {}
+    for side, phases in rows.items():
+        latencies = [ns for ph in phases for ns in ph.latencies_ns]
+        runs = sum(len(ph.latencies_ns) for ph in phases)
+        cpu: Counter[str] = Counter()
+        for ph in phases:
+            cpu.update(ph.cpu["cpu_s"])
+        iop_cpu = sum(v for name, v in cpu.items() if name != "bench-client" and not name.startswith("simulator"))
+        out[side] = {"p50_ms": quantiles(ms(latencies))["p50"],
+                     "cpu_ms_per_run_iop_and_redis": round(iop_cpu * 1000 / runs, 3) if runs else None,
+                     "cpu_ms_per_run_gateway": round(cpu.get("gateway-auth" if side == "with" else "gateway", 0)
+                                                     * 1000 / runs, 3) if runs else None}
+    out["added"] = {"p50_ms": diff(out["with"]["p50_ms"], out["without"]["p50_ms"]),
+                    "cpu_ms_per_run": diff(out["with"]["cpu_ms_per_run_iop_and_redis"],
+                                           out["without"]["cpu_ms_per_run_iop_and_redis"])}
+    return out
+
+
 def headline(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The numbers most readers want, copied from `results`."""
     h: dict[str, Any] = {}
@@ -719,6 +762,8 @@ def headline(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
                       "added_p99_ms": r["added_latency_ms"]["p99"],
                       "direct_rps": r["direct"]["requests_per_s"],
                       "gateway_rps": r["gateway"]["requests_per_s"]}
+    if "access_c1" in results:
+        h["access_added_c1"] = results["access_c1"]["added"]
     if "gateway_stream_c1" in results:
         st = results["gateway_stream_c1"]
         h["stream_c1"] = {"ttfb_p50_ms": st["ttfb_ms"]["p50"], "ttfb_p99_ms": st["ttfb_ms"]["p99"],
@@ -758,6 +803,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--stream-requests", type=int, default=1000,
                    help="streamed requests through the gateway at concurrency 1")
     p.add_argument("--saturation-s", type=float, default=5.0, help="seconds of each saturation phase")
+    p.add_argument("--access-requests", type=int, default=1000,
+                   help=f"requests per side and round ({ACCESS_ROUNDS} rounds) of the access-cost phase (0: skip)")
     p.add_argument("--saturation-concurrency", type=int, default=64)
     p.add_argument("--cancel-runs", type=int, default=100,
                    help="streams the client leaves mid-way, timing the slot's return (0 = skip)")
