@@ -115,6 +115,14 @@ class RuntimeConfig(Strict):
     idle_timeout_ms: int = Field(75_000, ge=10, description="a kept-alive connection without a request is closed")
     max_connections: int = Field(4_096, ge=1, description="connections the gateway serves at once")
     redis_max_connections: int = Field(4_096, ge=2, description="the gateway's Redis connection pool")
+    # What one run may make a worker read and keep (workers.runner, the adapters); see the README.
+    max_output_bytes: int = Field(16 * 1024 * 1024, ge=1024,
+                                  description="a run's streamed output (stored events) beyond this ends it")
+    max_events_per_run: int = Field(100_000, ge=10, description="events a run's stream may hold")
+    max_response_bytes: int = Field(16 * 1024 * 1024, ge=1024,
+                                    description="the largest whole (non-stream) answer read from a provider")
+    max_line_bytes: int = Field(1024 * 1024, ge=1024, description="the longest SSE or NDJSON line a provider may send")
+    max_error_chars: int = Field(500, ge=50, le=10_000, description="a provider's error text is cut to this")
 
 
 class Config(Strict):

@@ -54,11 +54,13 @@ local function utc_day(ms)
 end
 """
 
-# The end of a run, for the API key that started it (the record's `key`): it leaves the key's
-# in-flight set, and its usage is added to the key's day and all-time totals. Every script that
-# ends a run calls it, exactly once per run (they only end a run that is not ended yet).
-_ACCOUNT = _UTC_DAY + f"""
-local function account(record, run_id, state, prompt, completion)
+# The end of a run: its request body leaves Redis (nothing needs it any more), and for the API
+# key that started it (the record's `key`) it leaves the key's in-flight set and its usage is
+# added to the key's day and all-time totals. Every script that ends a run calls it, exactly
+# once per run (they only end a run that is not ended yet).
+_ENDED = _UTC_DAY + f"""
+local function ended(record, run_id, state, prompt, completion)
+  redis.call('HDEL', record, 'body')
   local key = redis.call('HGET', record, 'key')
   if not key then return end
   redis.call('ZREM', '{keys.key_in_flight("")}' .. key, run_id)
@@ -95,7 +97,7 @@ end
 # KEYS: runs stream, run record, key in-flight set, key requests window, heartbeat keys of the
 #       model's providers...
 # ARGV: run id, max_queue, ttl_s, model, kind, stream flag, body, key name, max_in_flight (0: none),
-#       requests_per_minute (0: none), how long a run can last at most (ms)
+#       requests_per_minute (0: none), how long a run can last at most (ms), max_attempts
 # Returns {'ok', entry, requests left in the window (-1: no window)}, {'key_in_flight', n},
 # {'key_rate', n, ms until a request leaves the window}, {'unavailable', queued} or {'full', queued}.
 ENQUEUE = _NOW + """
@@ -124,7 +126,8 @@ local queued = redis.call('XLEN', KEYS[1])
 if queued >= tonumber(ARGV[2]) then return {'full', queued} end
 local entry = redis.call('XADD', KEYS[1], '*', 'run', ARGV[1])
 redis.call('HSET', KEYS[2], 'model', ARGV[4], 'kind', ARGV[5], 'stream', ARGV[6], 'body', ARGV[7],
-  'state', 'queued', 'created_ms', now, 'entry', entry, 'attempts', 0, 'key', ARGV[8])
+  'state', 'queued', 'created_ms', now, 'entry', entry, 'attempts', 0, 'key', ARGV[8],
+  'max_attempts', ARGV[12])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 if max_in_flight > 0 then
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[11]), ARGV[1])
@@ -189,10 +192,11 @@ return 'ok'
 
 # A worker starts a dispatched run: checks its lease (and a cancel request), marks it running
 # and returns its record, so starting costs one round trip. Returns {status, field, value, ...}.
+# On the run's last possible attempt the request body leaves Redis once read.
 # KEYS: run record, events
 # ARGV: run id, lease_ttl_ms, ttl_s, worker (host:pid), cancelled event data, signals channel,
 #       lease key prefix (the lease key is that prefix + the run's provider)
-START = _NOW + _ACCOUNT + """
+START = _NOW + _ENDED + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'dispatched' then return {state or 'missing'} end
 local lease = ARGV[7] .. redis.call('HGET', KEYS[1], 'provider')
@@ -203,7 +207,7 @@ if redis.call('HGET', KEYS[1], 'cancel') == '1' then
   redis.call('ZREM', lease, ARGV[1])
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
     'error_message', 'cancelled by the caller')
-  account(KEYS[1], ARGV[1], 'cancelled', 0, 0)
+  ended(KEYS[1], ARGV[1], 'cancelled', 0, 0)
   redis.call('XADD', KEYS[2], '*', 'type', 'failed', 'data', ARGV[5])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
   redis.call('PUBLISH', ARGV[6], redis.call('HGET', KEYS[1], 'model'))
@@ -217,6 +221,10 @@ redis.call('XADD', KEYS[2], '*', 'type', 'started', 'data', cmsgpack.pack({attem
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 local out = redis.call('HGETALL', KEYS[1])
 table.insert(out, 1, 'ok')
+-- the last attempt has the body now: no other attempt will need it
+if attempt >= tonumber(redis.call('HGET', KEYS[1], 'max_attempts') or '1') then
+  redis.call('HDEL', KEYS[1], 'body')
+end
 return out
 """
 
@@ -257,8 +265,8 @@ return 1
 # ARGV: run id, state (completed|failed|cancelled|requeue|requeue_elsewhere), event type, event
 #       data, ttl_s, signals channel, model, error code, error message, attempt,
 #       evidence ('ok'|'fail'|''), strikes, failure reason, prompt tokens, completion tokens
-# (the usage the caller got, added to its key's by `_ACCOUNT` when the run ends here)
-FINISH = _NOW + _REQUEUE + _EVIDENCE + _ACCOUNT + """
+# (the usage the caller got, added to its key's by `_ENDED` when the run ends here)
+FINISH = _NOW + _REQUEUE + _EVIDENCE + _ENDED + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[10] then return 'stale' end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
@@ -274,7 +282,7 @@ else
   if ARGV[8] ~= '' then
     redis.call('HSET', KEYS[1], 'error_code', ARGV[8], 'error_message', ARGV[9])
   end
-  account(KEYS[1], ARGV[1], ARGV[2], ARGV[14], ARGV[15])
+  ended(KEYS[1], ARGV[1], ARGV[2], ARGV[14], ARGV[15])
 end
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('PUBLISH', ARGV[6], ARGV[7])
@@ -285,7 +293,7 @@ return 'ok'
 # already dispatched and `cancel_prefix` is set, tell its node to cancel it.
 # KEYS: runs stream, run record, events
 # ARGV: run id, group, new state, event data, ttl_s, error code, error message, cancel channel prefix
-DROP_QUEUED = _NOW + _ACCOUNT + """
+DROP_QUEUED = _NOW + _ENDED + """
 local state = redis.call('HGET', KEYS[2], 'state')
 if state == 'dispatched' or state == 'running' then
   if ARGV[8] ~= '' then
@@ -306,18 +314,20 @@ local ttl = tonumber(ARGV[5])
 redis.call('HSET', KEYS[2], 'state', ARGV[3], 'finished_ms', now, 'error_code', ARGV[6],
   'error_message', ARGV[7])
 redis.call('HDEL', KEYS[2], 'entry')
-account(KEYS[2], ARGV[1], ARGV[3], 0, 0)
+ended(KEYS[2], ARGV[1], ARGV[3], 0, 0)
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[4])
 redis.call('EXPIRE', KEYS[3], ttl)
 return 'ok'
 """
 
-# Publish output of one attempt, only while that attempt still owns the run.
-# KEYS: run record, events   ARGV: attempt, event type, event data, ttl_s
+# Publish output of one attempt, only while that attempt still owns the run, and while the run's
+# event stream holds fewer than its limit. Returns 1, 0 if the attempt lost the run, 2 if full.
+# KEYS: run record, events   ARGV: attempt, event type, event data, ttl_s, max events
 EMIT = """
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return 0 end
 if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return 0 end
+if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[5]) then return 2 end
 redis.call('XADD', KEYS[2], '*', 'type', ARGV[2], 'data', ARGV[3])
 if ARGV[2] == 'delta' then redis.call('HSET', KEYS[1], 'output', '1') end
 redis.call('EXPIRE', KEYS[2], ARGV[4])
@@ -328,7 +338,7 @@ return 1
 # again and sent nothing yet; else fail it with worker_lost. Also drops arq's copy of the job.
 # KEYS: lease, run record, events, runs stream, node queue, arq job, arq in-progress, arq retry
 # ARGV: run id, max_attempts, ttl_s, signals channel, model, requeued data, failed data, cancelled data
-REAP = _NOW + _REQUEUE + _ACCOUNT + """
+REAP = _NOW + _REQUEUE + _ENDED + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) > now then return 'alive' end
 redis.call('ZREM', KEYS[1], ARGV[1])
@@ -344,7 +354,7 @@ if redis.call('HGET', KEYS[2], 'cancel') == '1' then
   redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[8])
   redis.call('HSET', KEYS[2], 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
     'error_message', 'cancelled by the caller')
-  account(KEYS[2], ARGV[1], 'cancelled', 0, 0)
+  ended(KEYS[2], ARGV[1], 'cancelled', 0, 0)
   redis.call('EXPIRE', KEYS[3], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
   return 'cancelled'
@@ -358,7 +368,7 @@ end
 redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[7])
 redis.call('HSET', KEYS[2], 'state', 'failed', 'finished_ms', now, 'error_code', 'worker_lost',
   'error_message', 'the worker running this run was lost')
-account(KEYS[2], ARGV[1], 'failed', 0, 0)
+ended(KEYS[2], ARGV[1], 'failed', 0, 0)
 redis.call('EXPIRE', KEYS[3], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
 return 'failed'

@@ -59,6 +59,7 @@ class ErrorCode(StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"
     EXECUTION_TIMEOUT = "execution_timeout"
     PROVIDER_ERROR = "provider_error"
+    OUTPUT_TOO_LARGE = "output_too_large"  # the run's output or the provider's answer passed a limit
     WORKER_LOST = "worker_lost"
     CANCELLED = "cancelled"
     REQUEST_TOO_LARGE = "request_too_large"

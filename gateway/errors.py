@@ -12,6 +12,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
+from redis.exceptions import OutOfMemoryError
 
 from common.redisconn import REDIS_DOWN
 from common.wire import ErrorCode, ErrorInfo
@@ -33,6 +34,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.CANCELLED: 499,
     ErrorCode.INTERNAL: 500,
     ErrorCode.PROVIDER_ERROR: 502,
+    ErrorCode.OUTPUT_TOO_LARGE: 502,
     ErrorCode.WORKER_LOST: 502,
     ErrorCode.NO_AVAILABLE_PROVIDER: 503,
     ErrorCode.UNAVAILABLE: 503,
@@ -142,6 +144,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         log.warning("redis unavailable on %s %s: %s", request.method, request.path, exc)
         return ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) is unavailable; retry shortly",
                         headers={"Retry-After": "1"}).response()
+    except OutOfMemoryError:  # Redis at `maxmemory` (noeviction, as iop runs it) refuses writes
+        log.warning("redis is full (maxmemory) on %s %s", request.method, request.path)
+        return ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) is full; nothing was queued; retry later",
+                        headers={"Retry-After": "5"}).response()
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return ApiError(ErrorCode.INTERNAL, "internal error").response()

@@ -259,6 +259,32 @@ async def test_runs_queued_before_a_redis_restart_are_served_after_it_with_aof(
     assert [s for s, _ in results] == [200, 200, 200]
 
 
+@pytest.mark.parametrize("own_redis", [True], indirect=True)
+async def test_streams_mid_output_through_a_redis_restart_with_aof_all_complete(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"only": ("n1", 2)})
+    body = chat(max_tokens=40, stream=True, itl_ms=100, tokens=40)
+    responses = [await http.post(gateway + "/v1/chat/completions", json=body) for _ in range(2)]
+    streams = [stream_events(resp) for resp in responses]
+    firsts = [await anext(s) for s in streams]  # both have begun
+    worker = next(p for p in fstack.procs if p.name == "worker-n1")
+    seen = worker.output(last=10_000).count("Redis unavailable")
+    fstack.server.stop(kill=True)
+    # the outage lasts until the worker has seen it three times (its heartbeats beat every 200 ms)
+    await async_wait_until(lambda: asyncio.sleep(0, worker.output(last=10_000).count("Redis unavailable") >= seen + 3),
+                           what="the worker to notice the outage")
+    fstack.server.start()
+    rests = [[e async for e in s] for s in streams]
+    for resp in responses:
+        resp.close()
+    for first, rest in zip(firsts, rests, strict=True):
+        events = [first, *rest]
+        assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                       if isinstance(e, dict) and e.get("choices"))
+        assert text == "".join(f"tok{i} " for i in range(40))
+
+
 # ---------------------------------------------------------------------------- 7. provider health
 async def test_a_provider_that_stops_is_avoided_and_used_again_when_back(
         fstack: FaultStack, http: aiohttp.ClientSession) -> None:

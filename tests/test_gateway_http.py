@@ -3,6 +3,7 @@ OpenAI-shaped 4xx, nothing is queued for it, and no input yields a 500."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import AsyncIterator
@@ -16,7 +17,9 @@ from redis.asyncio import Redis
 from common.config import Config, parse_config
 from gateway.app import build_app
 from iop.embedded_redis import RedisServer
+from tests.conftest import async_wait_until
 from tests.openapi import validate
+from tests.test_scheduler import beat
 
 MODEL = "qwen3.6:35b"
 
@@ -150,4 +153,40 @@ async def test_health_and_readiness(http: aiohttp.ClientSession) -> None:
             assert resp.headers.get("Retry-After")
     finally:
         await app_server.close()
+        server.cleanup()
+
+
+async def test_a_full_redis_is_a_503_and_keeps_what_it_holds(http: aiohttp.ClientSession) -> None:
+    server = RedisServer().start()
+    redis = Redis.from_url(server.url)
+    app_server = TestServer(build_app(config(), server.url), port=0)
+    await app_server.start_server()
+    gateway = str(app_server.make_url("")).rstrip("/")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        await beat(redis, config())
+
+        async def wait() -> None:
+            async with http.post(gateway + "/v1/chat/completions", json=body) as resp:
+                await resp.read()
+
+        waiting = asyncio.create_task(wait())
+
+        async def one_queued() -> bool:
+            return bool(await redis.xlen(f"iop:runs:{MODEL}") == 1)
+
+        await async_wait_until(one_queued, what="a run waiting")
+        await redis.config_set("maxmemory", 1)  # full: Redis refuses every write that could grow it
+        await redis.config_set("maxmemory-policy", "noeviction")
+        async with http.post(gateway + "/v1/chat/completions", json=body) as resp:
+            error = await error_of(resp)
+            assert resp.status == 503 and error["code"] == "service_unavailable" and "full" in error["message"]
+            assert resp.headers["Retry-After"] == "5"
+        assert await redis.xlen(f"iop:runs:{MODEL}") == 1 and len(await redis.keys("iop:run:*")) == 1  # kept
+        await redis.config_set("maxmemory", 0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+    finally:
+        await app_server.close()
+        await redis.aclose()
         server.cleanup()

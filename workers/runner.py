@@ -43,6 +43,10 @@ class LeaseLost(Exception):
     """This attempt no longer owns the run."""
 
 
+class OutputTooLarge(Exception):
+    """The run's output passed one of its limits (`runtime.max_output_bytes`, `max_events_per_run`)."""
+
+
 @dataclass(slots=True)
 class Attempt:
     run_id: str
@@ -55,6 +59,8 @@ class Attempt:
     #: the name of the API key that started the run
     key: str = "-"
     output: bool = False
+    #: bytes of output stored in the run's events so far
+    output_bytes: int = 0
     cancel_reason: str | None = None
 
     def log(self) -> dict[str, str]:
@@ -161,9 +167,12 @@ class Runner:
                 return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {"response": response},
                                           evidence=ALIVE, usage=token_counts(response.get("usage")))
         except ProviderError as exc:
-            info = ErrorInfo(ErrorCode.PROVIDER_ERROR, exc.message, status=exc.status, detail=exc.detail,
+            info = ErrorInfo(exc.code, exc.message, status=exc.status, detail=exc.detail,
                              before_output=not att.output)
             return await self._fail(att, info, exc.retry, evidence_of(exc))
+        except OutputTooLarge as exc:
+            info = ErrorInfo(ErrorCode.OUTPUT_TOO_LARGE, str(exc), before_output=not att.output)
+            return await self._fail(att, info, Retry.NO)
         except TimeoutError:
             info = ErrorInfo(ErrorCode.EXECUTION_TIMEOUT,
                              f"the run did not finish within {int(timeout_s * 1000)} ms", before_output=not att.output)
@@ -237,10 +246,29 @@ class Runner:
 
     # ------------------------------------------------------------------ redis
     async def _emit(self, att: Attempt, etype: EventType, data: dict[str, Any]) -> None:
-        ok = await self.scripts.call("emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
-                                     [att.attempt, etype.value, pack(data), self.config.runtime.run_ttl_s])
+        """Add an event to the run, within its limits. Rides out a Redis restart: the run goes on
+        if Redis is back before the lease could expire (else the lease is reaped anyway)."""
+        rt = self.config.runtime
+        packed = pack(data)
+        if att.output_bytes + len(packed) > rt.max_output_bytes:
+            raise OutputTooLarge(f"the run's output passed runtime.max_output_bytes ({rt.max_output_bytes} bytes)")
+        args = [att.attempt, etype.value, packed, rt.run_ttl_s, rt.max_events_per_run]
+        backoff = Backoff(cap=1.0)
+        give_up = time.monotonic() + rt.lease_ttl_ms / 1000
+        while True:
+            try:
+                ok = await self.scripts.call("emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)], args)
+                break
+            except REDIS_DOWN as exc:
+                if time.monotonic() > give_up:
+                    raise LeaseLost(att.run_id) from exc
+                log.warning("Redis unavailable while emitting (%s); retrying", exc, extra=att.log())
+                await backoff.pause()
+        if ok == 2:
+            raise OutputTooLarge(f"the run's output passed runtime.max_events_per_run ({rt.max_events_per_run} events)")
         if not ok:
             raise LeaseLost(att.run_id)
+        att.output_bytes += len(packed)
 
     async def _finish(self, att: Attempt, state: RunState | None, etype: EventType, data: dict[str, Any],
                       info: ErrorInfo | None = None, *, evidence: Evidence = NO_EVIDENCE,

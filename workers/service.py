@@ -11,12 +11,12 @@ from arq.worker import func
 
 from common import keys
 from common.codec import pack, unpack
-from common.config import Config, ProviderConfig
+from common.config import Config, ProviderConfig, RuntimeConfig
 from common.redisconn import REDIS_DOWN, Backoff, connect
 from common.runlog import run_fields
 from common.wire import cancelled_by_caller
 from workers import metrics as worker_metrics
-from workers.adapters.base import Adapter
+from workers.adapters.base import DEFAULT_LIMITS, Adapter, ReadLimits
 from workers.adapters.cli import CliAdapter
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
@@ -29,13 +29,17 @@ log = logging.getLogger("iop.worker")
 RUNNER_CTX = "iop_runner"
 
 
+def read_limits(runtime: RuntimeConfig) -> ReadLimits:
+    return ReadLimits(runtime.max_response_bytes, runtime.max_line_bytes, runtime.max_error_chars)
+
+
 def make_adapter(provider: ProviderConfig, session: aiohttp.ClientSession,
-                 secret_env: frozenset[str] = frozenset()) -> Adapter:
+                 secret_env: frozenset[str] = frozenset(), limits: ReadLimits = DEFAULT_LIMITS) -> Adapter:
     if provider.type == "ollama":
-        return OllamaAdapter(provider, session)
+        return OllamaAdapter(provider, session, limits)
     if provider.type == "cli":
-        return CliAdapter(provider, secret_env - {provider.api_key_env or ""})
-    return OpenAICompatAdapter(provider, session)  # vllm, sglang, llamacpp, lemonade, openai_api
+        return CliAdapter(provider, secret_env - {provider.api_key_env or ""}, limits)
+    return OpenAICompatAdapter(provider, session, limits)  # vllm, sglang, llamacpp, lemonade, openai_api
 
 
 async def run_job(ctx: dict[str, Any], run_id: str) -> str:
@@ -79,7 +83,7 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         redis = connect(redis_url)
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
         secrets = frozenset(p.api_key_env for n in config.nodes for p in n.providers if p.api_key_env)
-        adapters = {p.id: make_adapter(p, session, secrets) for p in node.providers}
+        adapters = {p.id: make_adapter(p, session, secrets, read_limits(config.runtime)) for p in node.providers}
         heartbeats = Heartbeats(redis, config, node_id, adapters)
         runner = Runner(redis, config, node_id, adapters, on_strike=heartbeats.nudge, on_life=heartbeats.showed_life)
         ctx[RUNNER_CTX] = runner

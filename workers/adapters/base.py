@@ -8,7 +8,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from common.policy import Health
-from common.wire import RunKind
+from common.wire import ErrorCode, RunKind
 
 #: Strikes that take a provider down at once (see `workers.health`): a refused connection, a
 #: host that does not resolve, a health endpoint that says it is not ready.
@@ -32,17 +32,36 @@ class ProviderError(Exception):
     said), n > 0 that many strikes against it (`DOWN` takes it down at once)."""
 
     def __init__(self, message: str, *, status: int | None = None, detail: dict[str, Any] | None = None,
-                 retry: Retry = Retry.NO, strikes: int | None = None) -> None:
+                 retry: Retry = Retry.NO, strikes: int | None = None,
+                 code: ErrorCode = ErrorCode.PROVIDER_ERROR) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.detail = detail
         self.retry = retry
         self.strikes = strikes
+        self.code = code
 
     @property
     def retryable(self) -> bool:
         return self.retry is not Retry.NO
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLimits:
+    """What an adapter reads from a provider at most (`runtime.max_*`)."""
+
+    response_bytes: int = 16 * 1024 * 1024  # a whole (non-stream) answer
+    line_bytes: int = 1024 * 1024  # one SSE or NDJSON line
+    error_chars: int = 500  # a provider's error text passed on
+
+    def too_large(self, provider_id: str, what: str, limit: int) -> ProviderError:
+        return ProviderError(f"provider {provider_id} sent {what} over {limit} bytes", retry=Retry.NO, strikes=0,
+                             code=ErrorCode.OUTPUT_TOO_LARGE)
+
+
+#: The defaults of `runtime.max_*`, for adapters made without a config (tests).
+DEFAULT_LIMITS = ReadLimits()
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from common.chunks import wants_usage
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind
-from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
+from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import one_line
 from workers.adapters.openai_shapes import Shaper, usage
 from workers.adapters.prompt_text import prompt_text
@@ -108,15 +108,16 @@ class ToolRun:
             if not data:
                 return
 
-    async def exit_status(self) -> None:
-        """Wait for the tool to end; raise ProviderError unless it exited with status 0."""
+    async def exit_status(self, error_chars: int) -> None:
+        """Wait for the tool to end; raise ProviderError (with the tail of its stderr, cut to
+        `error_chars`) unless it exited with status 0."""
         assert self.proc is not None
         code = await self.proc.wait()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if code == 0:
             return
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        tail = one_line(self._stderr.decode(errors="replace"), tail=True)
+        tail = one_line(self._stderr.decode(errors="replace"), error_chars, tail=True)
         raise ProviderError(f"provider {self.provider.id}: {self.argv[0]} {how}" + (f": {tail}" if tail else ""),
                             strikes=0)
 
@@ -138,11 +139,13 @@ class ToolRun:
 
 
 class CliAdapter:
-    def __init__(self, provider: ProviderConfig, secret_env: frozenset[str] = frozenset()) -> None:
+    def __init__(self, provider: ProviderConfig, secret_env: frozenset[str] = frozenset(),
+                 limits: ReadLimits = DEFAULT_LIMITS) -> None:
         """`secret_env`: names of environment variables holding other providers' API keys;
         the tool does not inherit them."""
         assert provider.command
         self.provider = provider
+        self.limits = limits
         self.command = list(provider.command)
         self.secret_env = secret_env
 
@@ -159,9 +162,16 @@ class CliAdapter:
 
     async def complete(self, kind: RunKind, body: Json, request_id: str) -> Json:
         tool, prompt = self._run(kind, body, request_id)
+        pieces: list[str] = []
+        size = 0
         async with tool:
-            text = "".join([piece async for piece in tool.reads()])
-            await tool.exit_status()
+            async for piece in tool.reads():
+                size += len(piece.encode())
+                if size > self.limits.response_bytes:
+                    raise self.limits.too_large(self.provider.id, "an answer", self.limits.response_bytes)
+                pieces.append(piece)
+            await tool.exit_status(self.limits.error_chars)
+        text = "".join(pieces)
         shaper = Shaper(kind, request_id, str(body["model"]))
         return shaper.response(text, "stop", usage(len(prompt.split()), len(text.split())))
 
@@ -173,7 +183,7 @@ class CliAdapter:
             async for piece in tool.reads():
                 output.append(piece)
                 yield [shaper.delta(piece)]
-            await tool.exit_status()
+            await tool.exit_status(self.limits.error_chars)
         final = [shaper.delta(finish_reason="stop")]
         if wants_usage(body):
             final.append(shaper.usage_chunk(usage(len(prompt.split()), len("".join(output).split()))))

@@ -17,9 +17,10 @@ from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
-from workers.adapters.base import ProbeResult, ProviderError, Retry
+from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import one_line, probe_failure, redacted, transport_error, url_secrets
 from workers.adapters.openai_shapes import Shaper
+from workers.adapters.reading import LineSplitter, read_whole
 
 Json = dict[str, Any]
 
@@ -57,14 +58,12 @@ def observed_names(tags: Any) -> list[str] | None:
 class NDJSONParser:
     """Splits a byte stream into JSON objects, one a line; keeps partial lines between reads."""
 
-    def __init__(self) -> None:
-        self._buf = b""
+    def __init__(self, provider_id: str, limits: ReadLimits) -> None:
+        self.lines = LineSplitter(provider_id, limits)
 
     def feed(self, data: bytes) -> list[Json]:
-        self._buf += data
-        *lines, self._buf = self._buf.split(b"\n")
         out = []
-        for line in lines:
+        for line in self.lines.feed(data):
             if line.strip():
                 obj = json.loads(line)
                 if isinstance(obj, dict):
@@ -77,10 +76,12 @@ async def _error_text(resp: aiohttp.ClientResponse) -> str:
 
 
 class OllamaAdapter:
-    def __init__(self, provider: ProviderConfig, session: aiohttp.ClientSession) -> None:
+    def __init__(self, provider: ProviderConfig, session: aiohttp.ClientSession,
+                 limits: ReadLimits = DEFAULT_LIMITS) -> None:
         assert provider.base_url
         self.provider = provider
         self.session = session
+        self.limits = limits
         self.root = server_root(provider.base_url)
         self.timeout = aiohttp.ClientTimeout(
             total=None,
@@ -95,7 +96,7 @@ class OllamaAdapter:
         except ValueError:
             payload = None
         message = payload.get("error") if isinstance(payload, dict) else None
-        message = one_line(str(message or text or "no error text"))
+        message = one_line(str(message or text or "no error text"), self.limits.error_chars)
         client_fault = 400 <= status < 500 and status != 429
         detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None} \
             if client_fault else None
@@ -128,7 +129,7 @@ class OllamaAdapter:
             async with self._post(path, native, request_id) as resp:
                 if resp.status >= 400:
                     raise self._error(resp.status, await _error_text(resp))
-                text = await resp.text(errors="replace")
+                text = (await read_whole(resp, self.provider.id, self.limits)).decode(errors="replace")
                 answer = json.loads(text)
                 if not isinstance(answer, dict):
                     raise ValueError("the answer is not a JSON object")
@@ -150,7 +151,7 @@ class OllamaAdapter:
             raise ProviderError("embeddings cannot be streamed", status=400)
         path, native = self._native(kind, body, stream=True)
         shaper = Shaper(kind, request_id, body["model"])
-        parser = NDJSONParser()
+        parser = NDJSONParser(self.provider.id, self.limits)
         include_usage = wants_usage(body)
         tool_calls = 0
         done = False
@@ -162,8 +163,8 @@ class OllamaAdapter:
                     chunks: list[Json] = []
                     for line in parser.feed(data):
                         if "error" in line:
-                            raise ProviderError(f"provider {self.provider.id} sent an error: "
-                                                f"{one_line(str(line['error']) or 'no message')}",
+                            said = one_line(str(line["error"]) or "no message", self.limits.error_chars)
+                            raise ProviderError(f"provider {self.provider.id} sent an error: {said}",
                                                 retry=Retry.ELSEWHERE, strikes=None)
                         calls = wire.tool_calls_of(line, request_id, first_index=tool_calls, stream=True)
                         tool_calls += len(calls)

@@ -33,8 +33,9 @@ from common.chunks import finishes
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
-from workers.adapters.base import ProbeResult, ProviderError, Retry
+from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import one_line, probe_failure, redact, redacted, transport_error, url_secrets
+from workers.adapters.reading import LineSplitter, read_whole
 
 PATHS = {RunKind.CHAT: "/chat/completions", RunKind.COMPLETION: "/completions", RunKind.EMBEDDING: "/embeddings"}
 
@@ -86,16 +87,15 @@ def _error_detail(payload: Any) -> dict[str, Any] | None:
 class SSEParser:
     """Splits an SSE byte stream into `data:` payloads; keeps partial lines between reads."""
 
-    def __init__(self, provider_id: str) -> None:
+    def __init__(self, provider_id: str, limits: ReadLimits) -> None:
         self.provider_id = provider_id
-        self._buf = b""
+        self.limits = limits
+        self.lines = LineSplitter(provider_id, limits)
         self.done = False
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
-        self._buf += data
-        *lines, self._buf = self._buf.split(b"\n")
         chunks = []
-        for line in lines:
+        for line in self.lines.feed(data):
             line = line.strip()
             if not line.startswith(b"data:"):
                 continue
@@ -105,7 +105,7 @@ class SSEParser:
                 continue
             obj = json.loads(payload)
             if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
-                message = one_line(str(obj["error"].get("message") or "no message"))
+                message = one_line(str(obj["error"].get("message") or "no message"), self.limits.error_chars)
                 raise ProviderError(f"provider {self.provider_id} sent an error: {message}", detail=obj["error"],
                                     strikes=0)
             chunks.append(obj)
@@ -113,10 +113,12 @@ class SSEParser:
 
 
 class OpenAICompatAdapter:
-    def __init__(self, provider: ProviderConfig, session: aiohttp.ClientSession) -> None:
+    def __init__(self, provider: ProviderConfig, session: aiohttp.ClientSession,
+                 limits: ReadLimits = DEFAULT_LIMITS) -> None:
         assert provider.base_url
         self.provider = provider
         self.session = session
+        self.limits = limits
         self.root = api_root(provider.base_url, provider.type, provider.api_path)
         #: None once the server showed it has no health endpoint (the model list decides)
         self.health_url = health_url(provider)
@@ -158,7 +160,8 @@ class OpenAICompatAdapter:
             detail = _error_detail(json.loads(text))
         except ValueError:
             detail = None
-        message = one_line(str((detail or {}).get("message") or text or resp.reason or "no error text"))
+        message = one_line(str((detail or {}).get("message") or text or resp.reason or "no error text"),
+                           self.limits.error_chars)
         client_fault = 400 <= resp.status < 500 and resp.status != 429
         raise ProviderError(
             f"provider {self.provider.id} answered {resp.status}: {message}",
@@ -180,7 +183,7 @@ class OpenAICompatAdapter:
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp)
-                data = await resp.json(content_type=None)
+                data = json.loads(await read_whole(resp, self.provider.id, self.limits))
         except ProviderError as exc:
             raise self._clean(exc) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
@@ -191,7 +194,7 @@ class OpenAICompatAdapter:
         return data
 
     async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
-        parser = SSEParser(self.provider.id)
+        parser = SSEParser(self.provider.id, self.limits)
         finished = False
         try:
             async with self._post(kind, body, request_id) as resp:

@@ -1,0 +1,99 @@
+"""A provider that misbehaves meets every limit of a run (real processes, a real Redis): each
+case ends with a clear OpenAI-shaped error, the slot back, the request body gone from Redis, and
+the run's Redis memory under the documented bound."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+import redis as sync_redis
+
+from tests.conftest import Stack, wait_until
+from tests.fakes.misbehaving import NAMES, Misbehaving
+from tests.test_e2e import FAST_RUNTIME, wait_available
+
+pytestmark = pytest.mark.e2e
+
+LIMITS = {"max_output_bytes": 64 * 1024, "max_response_bytes": 256 * 1024, "max_line_bytes": 16 * 1024,
+          "max_error_chars": 200, "max_events_per_run": 1000}
+#: what a run may hold in Redis at most: its output, and what events, record and keys cost besides
+RUN_BOUND_BYTES = LIMITS["max_output_bytes"] + 64 * 1024
+
+
+@pytest.fixture
+def misbehaving() -> Iterator[str]:
+    with Misbehaving() as server:
+        yield server.url
+
+
+@pytest.fixture
+def gateway(stack: Stack, misbehaving: str) -> str:
+    stack.write_config({
+        "models": [{"id": name, "providers": {f"p-{name}": name}} for name in NAMES],
+        "nodes": [{"id": "n1", "providers": [
+            {"id": f"p-{name}", "type": "vllm", "base_url": misbehaving, "capacity": 2, "models": [name]}
+            for name in NAMES]}],
+        "runtime": {**FAST_RUNTIME, **LIMITS},
+        "queue": {"max_attempts": 1},
+    })
+    stack.scheduler()
+    stack.worker("n1")
+    url = stack.gateway()
+    wait_available(stack.redis_url, [f"p-{name}" for name in NAMES])
+    return url
+
+
+async def ask(gateway: str, model: str, stream: bool) -> tuple[int, Any, str]:
+    body = {"model": model, "messages": [{"role": "user", "content": "x" * 1000}], "stream": stream}
+    async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json=body) as resp:
+        text = await resp.text()
+        return resp.status, resp.headers.get("X-IOP-Run-Id"), text
+
+
+def settled(stack: Stack, run_id: str, provider: str) -> dict[str, Any]:
+    """The run once its slot is back: its state, whether its body is still in Redis, its memory."""
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        wait_until(lambda: r.zcard(f"iop:leases:{provider}") == 0, what="the slot to come back")
+        return {"state": r.hget(f"iop:run:{run_id}", "state"), "body": r.hexists(f"iop:run:{run_id}", "body"),
+                "bytes": sum(r.memory_usage(k) or 0 for k in (f"iop:run:{run_id}", f"iop:events:{run_id}"))}
+    finally:
+        r.close()
+
+
+def test_an_endless_stream_ends_at_the_output_limit(stack: Stack, gateway: str) -> None:
+    status, run_id, text = asyncio.run(ask(gateway, "endless", True))
+    assert status == 200 and "word0 " in text  # what was sent stays sent ...
+    assert '"code":"output_too_large"' in text and "max_output_bytes" in text  # ... then the error
+    run = settled(stack, run_id, "p-endless")
+    assert run["state"] == b"failed" and not run["body"] and run["bytes"] < RUN_BOUND_BYTES, run
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ("huge", "provider p-huge sent an answer over 262144 bytes"),
+    ("no-newline", "provider p-no-newline sent a line over 16384 bytes"),
+])
+def test_a_provider_answer_or_line_past_its_limit_is_output_too_large(stack: Stack, gateway: str, model: str,
+                                                                      message: str) -> None:
+    status, run_id, text = asyncio.run(ask(gateway, model, model == "no-newline"))
+    assert status == 502, text
+    assert f'"message":"{message}"' in text.replace(": ", ":") and "output_too_large" in text
+    run = settled(stack, run_id, f"p-{model}")
+    assert run["state"] == b"failed" and not run["body"] and run["bytes"] < RUN_BOUND_BYTES, run
+
+
+def test_garbage_is_a_short_plain_error(stack: Stack, gateway: str) -> None:
+    status, _, text = asyncio.run(ask(gateway, "garbage", False))
+    assert status == 502 and "provider p-garbage: the answer was not valid JSON" in text
+    status, run_id, text = asyncio.run(ask(gateway, "garbage-error", False))
+    error = json.loads(text)["error"]
+    prefix = "provider p-garbage-error answered 500: "
+    assert status == 502 and error["code"] == "provider_error" and error["message"].startswith(prefix)
+    assert len(error["message"]) <= len(prefix) + LIMITS["max_error_chars"] and "\n" not in error["message"]
+    run = settled(stack, run_id, "p-garbage-error")
+    assert run["state"] == b"failed" and not run["body"], run
