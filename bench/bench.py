@@ -686,6 +686,7 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
 
         if args.access_requests:
             results["access_c1"] = await access_cost(phase, stack, args)
+        results["redis_bytes_per_run"] = await redis_bytes_per_run(session, stack)
 
         s = (await phase("gateway stream c=1", gateway_stream, 1, requests=args.stream_requests,
                          stream=True)).summary()
@@ -722,6 +723,29 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
     out["errors_total"] = sum(p.failures for p in measured) + results.get("cancel_mid_stream", {}).get("failures", 0)
     out["ok"] = out["errors_total"] == 0 and warmup_failures == 0
     out["headline"] = headline(results, args)
+
+
+async def redis_bytes_per_run(session: aiohttp.ClientSession, stack: Stack) -> dict[str, Any]:
+    """Redis memory (`MEMORY USAGE`) an ended run holds for `run_ttl_s`: its record and its events,
+    for a non-stream run and for a 1,000-token stream."""
+    assert stack.redis is not None
+    client = redis.Redis.from_url(stack.redis.url)
+    out: dict[str, Any] = {}
+    try:
+        for name, stream in (("non_stream_16_tokens", False), ("stream_1000_tokens", True)):
+            tokens = 1000 if stream else 16
+            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": tokens, "stream": stream,
+                    "sim": {"tokens": tokens}}
+            async with session.post(stack.gateway + "/v1/chat/completions", json=body) as resp:
+                await resp.read()
+                run_id = resp.headers[RUN_ID_HEADER]
+            record = client.memory_usage(f"iop:run:{run_id}", samples=0) or 0
+            events = client.memory_usage(f"iop:events:{run_id}", samples=0) or 0
+            out[name] = {"record_bytes": record, "events_bytes": events, "total_bytes": record + events,
+                         "events": client.xlen(f"iop:events:{run_id}")}
+    finally:
+        client.close()
+    return out
 
 
 async def access_cost(phase: Callable[..., Any], stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
@@ -764,6 +788,8 @@ def headline(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
                       "gateway_rps": r["gateway"]["requests_per_s"]}
     if "access_c1" in results:
         h["access_added_c1"] = results["access_c1"]["added"]
+    if "redis_bytes_per_run" in results:
+        h["redis_bytes_per_run"] = {k: v["total_bytes"] for k, v in results["redis_bytes_per_run"].items()}
     if "gateway_stream_c1" in results:
         st = results["gateway_stream_c1"]
         h["stream_c1"] = {"ttfb_p50_ms": st["ttfb_ms"]["p50"], "ttfb_p99_ms": st["ttfb_ms"]["p99"],

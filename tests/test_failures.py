@@ -81,6 +81,8 @@ async def test_real_transport_failures_read_as_one_plain_line(misbehaving: str) 
     assert transport_error("p", cut, connect_ms=1, read_ms=1).strikes is None
     assert probe_failure("GET /health", cut, 2000).strikes == 1  # a probe that breaks off is odd: one strike
     for exc in (refused, hung, cut):
+        reason = probe_failure("GET /health", exc, 2000).reason
+        assert reason.startswith("GET /health: ") and "127.0.0.1" not in reason and str(port) not in reason
         error = transport_error("vllm-a", exc, connect_ms=5000, read_ms=50)
         assert error.message.startswith("provider vllm-a: ") and error.retry is Retry.ANY
         assert "127.0.0.1" not in error.message and str(port) not in error.message
