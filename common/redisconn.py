@@ -259,7 +259,8 @@ class _FollowsFailover:
             if not _not_primary(exc):
                 raise
             await self.disconnect()  # type: ignore[attr-defined]
-            raise NotPrimaryError(f"the server is not the primary ({exc})") from exc
+            said = f"READONLY {exc}" if isinstance(exc, ReadOnlyError) else str(exc)  # redis-py drops the code
+            raise NotPrimaryError(f"the server is not the primary ({said})") from exc
 
 
 class FollowingConnection(_FollowsFailover, Connection):  # type: ignore[misc]
