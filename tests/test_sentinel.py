@@ -217,6 +217,13 @@ async def test_the_stack_follows_a_failover_of_the_primary(sstack: SentinelStack
         f"no new run served within {NEW_RUNS_WITHIN_S} s of the promotion: {outcomes}"
     assert not errors - during, f"errors before the primary was killed: {errors - during}"
 
+    # The scheduler's wake-ups and each worker's cancel listener subscribed again, on the new primary.
+    def subscribers() -> dict[str, int]:
+        with cluster.primary() as r:
+            return {k.decode(): int(n) for k, n in r.pubsub_numsub("iop:signals", "iop:cancel:n1", "iop:cancel:n2")}
+    await async_wait_until(lambda: asyncio.to_thread(lambda: set(subscribers().values()) == {1}), timeout=30,
+                           what="the pub/sub listeners to subscribe on the new primary")
+
     # The inspection commands follow the promotion too.
     after = await _iop("queues", "--json", "--config", str(sstack.config_path), redis_url=cluster.url)
     assert after.returncode == 0, after.stderr
