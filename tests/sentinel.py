@@ -151,3 +151,54 @@ class SentinelCluster:
         port = self.master_port(self.sentinel_names[0])
         assert port is not None
         return sync_redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=2)
+
+
+@dataclass
+class LoneSentinel:
+    """A primary and one sentinel (quorum 1), with passwords on both, over TLS if `tls_dir` holds
+    `tests.tls.make_certificates`' files: enough to show a client finds and reaches the primary."""
+
+    password: str
+    sentinel_password: str
+    tls_dir: Path | None = None
+    binary: str = field(default_factory=find_server_binary)
+    dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="iop-sentinel-")))
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    port: int = 0
+    sentinel_port: int = 0
+
+    def _tls(self) -> list[str]:
+        if self.tls_dir is None:
+            return []
+        return ["tls-cert-file", str(self.tls_dir / "server.crt"), "tls-key-file", str(self.tls_dir / "server.key"),
+                "tls-ca-cert-file", str(self.tls_dir / "ca.crt"), "tls-auth-clients", "no"]
+
+    def _listen(self, port: int) -> list[str]:
+        return ["port", "0", "tls-port", str(port), "tls-replication", "yes"] if self.tls_dir else ["port", str(port)]
+
+    def url(self, scheme: str = "redis+sentinel", query: str = "") -> str:
+        return f"{scheme}://:{self.password}@127.0.0.1:{self.sentinel_port}/{MASTER}/0{query}"
+
+    def start(self) -> LoneSentinel:
+        self.port, self.sentinel_port = free_port(), free_port()
+        primary = [*self._listen(self.port), "bind", "127.0.0.1", "save", "", "appendonly", "no",
+                   "requirepass", self.password, *self._tls()]
+        self.procs.append(subprocess.Popen([self.binary, *(f"--{a}" if i % 2 == 0 else a
+                                                           for i, a in enumerate(primary))],
+                                           cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        settings = [*self._listen(self.sentinel_port), "bind", "127.0.0.1", "dir", str(self.dir),
+                    "requirepass", self.sentinel_password, *self._tls()]
+        conf = self.dir / "sentinel.conf"
+        conf.write_text("".join(f"{k} {v}\n" for k, v in zip(settings[::2], settings[1::2], strict=True))
+                        + f"sentinel monitor {MASTER} 127.0.0.1 {self.port} 1\n"
+                        + f"sentinel auth-pass {MASTER} {self.password}\n")
+        self.procs.append(subprocess.Popen([self.binary, str(conf), "--sentinel"], cwd=self.dir,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        return self
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
