@@ -198,6 +198,7 @@ async def test_the_stack_follows_a_failover_of_the_primary(sstack: SentinelStack
 
     with cluster.primary() as r:
         failed = [{"outcome": c.outcome, "stream": c.stream, "run": c.run_id,
+                   "ended_s_after_promotion": round(c.ended - promoted, 2),
                    **{k.decode(): v.decode() for k, v in r.hgetall(f"iop:run:{c.run_id}").items()
                       if k in (b"state", b"attempts", b"error_message")}}
                   for c in calls if c.outcome != "completed"]
