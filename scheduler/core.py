@@ -82,6 +82,8 @@ class Scheduler:
         self.consumer = consumer or new_consumer_name()
         self.waiting: dict[str, list[Waiting]] = {m.id: [] for m in config.models}
         self.kick = asyncio.Event()
+        #: models whose pending runs outnumbered this replica's at the last `adopt_forgotten`
+        self._short: set[str] = set()
         self._targets = {m.id: {p: m.providers[p] for p in sorted(m.providers)} for m in config.models}
 
     # ----------------------------------------------------------------- setup
@@ -286,21 +288,23 @@ class Scheduler:
         disagree after a Redis failover lost the newest writes: a dispatch the old primary
         acknowledged never reached the new one, so the run is back in its stream, pending for a
         live replica that thinks it dispatched it, and would hold up every run of its model
-        behind it (FIFO). One XPENDING summary per model; the entries are read only on a
-        mismatch. Returns how many runs were adopted."""
+        behind it (FIFO). One XPENDING summary per model; the entries are read only when Redis
+        holds more for this replica than it holds twice in a row (runs just read by `read_new`
+        make it so for a moment). Returns how many runs were adopted."""
         pipe = self.redis.pipeline(transaction=False)
         for model in self.config.models:
             pipe.xpending(keys.runs_stream(model.id), keys.SCHEDULER_GROUP)
         me = self.consumer.encode()
-        short: list[str] = []
+        short: set[str] = set()
         for model, summary in zip(self.config.models, await pipe.execute(raise_on_error=False), strict=True):
             if isinstance(summary, Exception):  # no group yet: `read_new` makes it
                 continue
             mine = sum(int(c["pending"]) for c in summary.get("consumers") or () if c["name"] == me)
             if mine > len(self.waiting[model.id]):
-                short.append(model.id)
+                short.add(model.id)
+        again, self._short = short & self._short, short
         adopted = 0
-        for model_id in short:
+        for model_id in sorted(again):
             reply = await self.redis.xreadgroup(keys.SCHEDULER_GROUP, self.consumer,
                                                 {keys.runs_stream(model_id): "0"}, count=100_000)
             for stream, entries in reply or ():

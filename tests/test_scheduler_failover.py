@@ -19,6 +19,7 @@ async def test_a_run_whose_dispatch_was_lost_is_adopted_again_instead_of_holding
     await sched.dispatch_all()
     assert await leases(redis, config) == {"a": 0}  # the second run may not pass the first (FIFO)
 
+    assert await sched.adopt_forgotten() == 0  # it may be a run just read: only a mismatch seen twice counts
     assert await sched.adopt_forgotten() == 1
     await sched.dispatch_all()
     assert await redis.zrange(keys.leases("a"), 0, -1) == [run_ids[0].encode()]
