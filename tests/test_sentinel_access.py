@@ -40,7 +40,9 @@ def lone(request: pytest.FixtureRequest) -> Iterator[LoneSentinel]:
 def _url(lone: LoneSentinel, sentinel_password: bool = True) -> str:
     from urllib.parse import quote
 
-    query = [f"sentinel_password={quote(lone.sentinel_password)}"] if sentinel_password else []
+    query = ["socket_timeout=10"]  # as the README suggests against a primary that goes silent
+    if sentinel_password:
+        query.append(f"sentinel_password={quote(lone.sentinel_password)}")
     scheme = "redis+sentinel"
     if lone.tls_dir is not None:
         scheme = "rediss+sentinel"
@@ -70,6 +72,7 @@ async def test_every_kind_of_client_reaches_the_primary_through_the_sentinel(lon
         await redis.set("iop:test", "through the sentinel")
         assert await gateway.get("iop:test") == b"through the sentinel"
         assert await arq.get("iop:test") == b"through the sentinel"
+        assert redis.connection_pool.connection_kwargs["socket_timeout"] == 10.0
         info = await redis.info("server")
         assert (info["redis_mode"], int(info["tcp_port"])) == ("standalone", lone.port)  # the primary, not the sentinel
     finally:
