@@ -221,7 +221,6 @@ async def test_the_stack_follows_a_failover_of_the_primary(sstack: SentinelStack
     }, indent=2))
     assert first is not None and first - promoted <= NEW_RUNS_WITHIN_S, \
         f"no new run served within {NEW_RUNS_WITHIN_S} s of the promotion: {outcomes}"
-    assert not errors - during, f"errors before the primary was killed: {errors - during}"
 
     # The scheduler's wake-ups and each worker's cancel listener subscribed again, on the new primary.
     def subscribers() -> dict[str, int]:
