@@ -305,8 +305,11 @@ class Scheduler:
         again, self._short = short & self._short, short
         adopted = 0
         for model_id in sorted(again):
-            reply = await self.redis.xreadgroup(keys.SCHEDULER_GROUP, self.consumer,
-                                                {keys.runs_stream(model_id): "0"}, count=100_000)
+            try:
+                reply = await self.redis.xreadgroup(keys.SCHEDULER_GROUP, self.consumer,
+                                                    {keys.runs_stream(model_id): "0"}, count=100_000)
+            except ResponseError:  # the group went meanwhile: nothing is pending then
+                continue
             for stream, entries in reply or ():
                 for entry_id, fields in entries:
                     if not fields:  # deleted while pending: nothing to run
