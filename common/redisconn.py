@@ -1,19 +1,70 @@
-"""Redis connections for the services: reconnect by themselves, with backoff."""
+"""Redis connections for the services: one URL parser, reconnects with backoff, Sentinel failover.
+
+Every Redis client iop makes (gateway, scheduler, worker and arq's pool, heartbeats, the cancel
+listener, the `iop` inspection commands) is built here from the one `--redis` / `REDIS_URL`:
+
+    redis://[[user]:password@]host[:port][/db][?option=value…]      one server
+    rediss://…?ssl_ca_certs=/path/ca.crt                             one server over TLS
+    unix:///path/redis.sock[?db=N]                                    one server on a Unix socket
+    redis+sentinel://[[user]:password@]host[:port][,host[:port]…]/master[/db][?option=value…]
+    rediss+sentinel://…                                              the same, TLS to sentinels and servers
+
+With Sentinel, the credentials are the Redis servers' (the primary's and its replicas');
+`sentinel_username` / `sentinel_password` options authenticate to the sentinels themselves
+(default: none). A sentinel's port defaults to 26379.
+
+A connection that hears from a server that is no longer the primary (READONLY, or UNBLOCKED
+for a command that was blocked when it was demoted) is closed and reported as a lost
+connection: every caller already treats that as an outage (retry with `Backoff`), and a
+Sentinel connection asks the sentinels for the primary again when it reconnects.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.connection import (
+    URL_QUERY_ARGUMENT_PARSERS,
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import (
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-#: What a lost or restarting Redis raises; services back off and go on.
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+#: What a lost or restarting Redis raises; services back off and go on. A server that stopped
+#: being the primary answers READONLY; connections made here turn that into a ConnectionError,
+#: and ReadOnlyError is listed too for any reply that reaches a caller another way.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, ConnectionError, OSError)
+
+SCHEMES = ("redis", "rediss", "unix")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+SENTINEL_PORT = 26379
+#: Options of a Sentinel URL that are for the sentinels, not the Redis servers.
+SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
+#: How long a sentinel may take to answer where the primary is.
+SENTINEL_TIMEOUT_S = 2.0
+
+
+class RedisUrlError(ValueError):
+    """A Redis URL that cannot be used. The message is one line, names what is wrong, and never
+    shows a password."""
 
 
 def client_options() -> dict[str, Any]:
@@ -30,9 +81,244 @@ def client_options() -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------------- URLs
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    """What a Redis URL names: one server (no `sentinels`), or the primary that the sentinels
+    know as `master`. `options` are the connection options of the Redis servers (address,
+    database, credentials, TLS, whatever else the URL set); `sentinel_options` those of the
+    connections to the sentinels."""
+
+    url: str
+    options: dict[str, Any]
+    sentinels: tuple[tuple[str, int], ...] = ()
+    master: str = ""
+    sentinel_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tls(self) -> bool:
+        return issubclass(self.options["connection_class"], SSLConnection)
+
+
+def redact(url: str) -> str:
+    """The URL without its passwords (the user part's, and a `password` or `sentinel_password`
+    option), fit for logs and error messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    end = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    netloc, tail = rest[:end], rest[end:]
+    if "@" in netloc:
+        userinfo, _, hosts = netloc.rpartition("@")
+        if ":" in userinfo:
+            userinfo = userinfo.split(":", 1)[0] + ":***"
+        netloc = f"{userinfo}@{hosts}"
+    path, qsep, query = tail.partition("?")
+    if qsep:
+        query = "&".join(f"{name}=***" if name in ("password", "sentinel_password") else f"{name}{eq}{value}"
+                         for name, eq, value in (item.partition("=") for item in query.split("&")))
+    return f"{scheme}://{netloc}{path}{qsep}{query}"
+
+
+def _accepted_options(connection_class: type) -> set[str]:
+    """The keyword arguments a connection class takes (its own and those of its bases)."""
+    names: set[str] = set()
+    for klass in connection_class.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        names |= {p.name for p in inspect.signature(init).parameters.values()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
+    return names | {"max_connections"}
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """Parse `--redis` / `REDIS_URL`, or raise `RedisUrlError` saying what is wrong."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme in SENTINEL_SCHEMES:
+        return _parse_sentinel(url, scheme)
+    if scheme not in SCHEMES:
+        known = ", ".join(f"{s}://" for s in (*SCHEMES, *SENTINEL_SCHEMES))
+        shown = f"scheme {scheme + '://'!r}" if scheme else "no scheme"
+        raise RedisUrlError(f"Redis URL {redact(url)!r} has {shown}; use one of {known}")
+    try:
+        options: dict[str, Any] = dict(parse_url(url))
+    except ValueError as exc:
+        raise RedisUrlError(f"Redis URL {redact(url)!r}: {exc}") from None
+    options["connection_class"] = _FOLLOWING[options.get("connection_class", Connection)]
+    _check_options(url, options, _accepted_options(options["connection_class"]))
+    return RedisTarget(url, options)
+
+
+def _check_options(url: str, options: dict[str, Any], accepted: set[str], kind: str = "Redis") -> None:
+    for name in options:
+        if name in SENTINEL_OPTIONS:
+            raise RedisUrlError(f"{kind} URL {redact(url)!r}: option {name!r} is only for "
+                                f"redis+sentinel:// and rediss+sentinel:// URLs")
+        if name not in accepted and name != "connection_class":
+            hint = " (TLS options need rediss:// or rediss+sentinel://)" if name.startswith("ssl_") else ""
+            raise RedisUrlError(f"{kind} URL {redact(url)!r}: unknown option {name!r}{hint}")
+
+
+def _parse_sentinel(url: str, scheme: str) -> RedisTarget:
+    def bad(what: str) -> RedisUrlError:
+        return RedisUrlError(f"Sentinel URL {redact(url)!r}: {what}")
+
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    options: dict[str, Any] = {}
+    if at:
+        user, colon, password = userinfo.partition(":")
+        if user:
+            options["username"] = unquote(user)
+        if colon and password:
+            options["password"] = unquote(password)
+    if not hosts:
+        raise bad(f"names no sentinel; write {scheme}://host1:26379,host2:26379/<master name>[/<db>]")
+    sentinels = tuple(_sentinel_address(item, i, bad) for i, item in enumerate(hosts.split(","), 1))
+    path = [unquote(p) for p in parts.path.split("/")[1:]]
+    if path and path[-1] == "" and len(path) > 1:
+        path.pop()  # a trailing slash
+    if not path or not path[0]:
+        raise bad("names no master; add /<master name>[/<db>] after the sentinels, as in "
+                  f"{scheme}://host1:26379,host2:26379/mymaster/0")
+    if len(path) > 2:
+        raise bad(f"the path must be /<master name>[/<db>], not {parts.path!r}")
+    master = path[0]
+    if len(path) == 2:
+        if not path[1].isdigit():
+            raise bad(f"database {path[1]!r} is not a number")
+        options["db"] = int(path[1])
+    connection_class = SentinelManagedSSLConnection if scheme == "rediss+sentinel" else SentinelManagedConnection
+    options["connection_class"] = _FOLLOWING[connection_class]
+    sentinel_options: dict[str, Any] = {"socket_timeout": SENTINEL_TIMEOUT_S,
+                                        "socket_connect_timeout": SENTINEL_TIMEOUT_S, "socket_keepalive": True}
+    try:
+        query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError as exc:
+        raise bad(f"cannot read its options ({exc})") from None
+    for name, values in query.items():
+        value = values[-1]
+        if name in SENTINEL_OPTIONS:
+            sentinel_options[name.removeprefix("sentinel_")] = value
+            continue
+        parser = URL_QUERY_ARGUMENT_PARSERS.get(name)
+        try:
+            options[name] = parser(value) if parser else value
+        except (TypeError, ValueError):
+            raise bad(f"option {name}={value!r} is not valid") from None
+    accepted = _accepted_options(connection_class) - {"host", "port", "connection_pool"}
+    _check_options(url, options, accepted, "Sentinel")
+    if scheme == "rediss+sentinel":  # the sentinels speak TLS too, checked the same way
+        sentinel_options["ssl"] = True
+        sentinel_options.update({k: v for k, v in options.items() if k.startswith("ssl_")})
+    return RedisTarget(url, options, sentinels, master, sentinel_options)
+
+
+def _sentinel_address(item: str, n: int, bad: Any) -> tuple[str, int]:
+    if item.startswith("["):  # [IPv6]:port
+        host, closed, rest = item[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            raise bad(f"sentinel {n} ({item!r}) is not host:port")
+        port = rest[1:]
+    else:
+        host, _, port = item.partition(":")
+        if ":" in port:
+            raise bad(f"sentinel {n} ({item!r}) is not host:port (write an IPv6 address in brackets)")
+    if not host:
+        raise bad(f"sentinel {n} ({item!r}) has no host")
+    if not port:
+        return unquote(host), SENTINEL_PORT
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise bad(f"sentinel {n} ({item!r}) has port {port!r}, which is not a port number")
+    return unquote(host), int(port)
+
+
+# ---------------------------------------------------------------------------- connections
+def _not_primary(exc: ResponseError) -> bool:
+    """A reply that says the server is no longer (or not) the primary."""
+    return isinstance(exc, ReadOnlyError) or str(exc).startswith("UNBLOCKED")
+
+
+class NotPrimaryError(RedisConnectionError):  # type: ignore[misc]  # redis-py is not type-checked here
+    """The server answered as a replica: a failover is under way, or the URL names a replica."""
+
+
+class _FollowsFailover:
+    """READONLY or UNBLOCKED from the server: close the connection and raise a ConnectionError.
+    redis-py's retry then reconnects (a Sentinel connection asks the sentinels for the primary
+    again) and, if that fails too, the caller treats it as a Redis outage."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except ResponseError as exc:
+            if not _not_primary(exc):
+                raise
+            await self.disconnect()  # type: ignore[attr-defined]
+            said = f"READONLY {exc}" if isinstance(exc, ReadOnlyError) else str(exc)  # redis-py drops the code
+            raise NotPrimaryError(f"the server is not the primary ({said})") from exc
+
+
+class FollowingConnection(_FollowsFailover, Connection):  # type: ignore[misc]
+    pass
+
+
+class FollowingSSLConnection(_FollowsFailover, SSLConnection):  # type: ignore[misc]
+    pass
+
+
+class FollowingUnixConnection(_FollowsFailover, UnixDomainSocketConnection):  # type: ignore[misc]
+    pass
+
+
+class FollowingSentinelConnection(_FollowsFailover, SentinelManagedConnection):  # type: ignore[misc]
+    pass
+
+
+class FollowingSentinelSSLConnection(_FollowsFailover, SentinelManagedSSLConnection):  # type: ignore[misc]
+    pass
+
+
+_FOLLOWING: dict[type, type] = {
+    Connection: FollowingConnection,
+    SSLConnection: FollowingSSLConnection,
+    UnixDomainSocketConnection: FollowingUnixConnection,
+    SentinelManagedConnection: FollowingSentinelConnection,
+    SentinelManagedSSLConnection: FollowingSentinelSSLConnection,
+}
+
+
+class SentinelPool(SentinelConnectionPool):  # type: ignore[misc]
+    """redis-py's pool of connections to the primary the sentinels name, which also closes its
+    connections to the sentinels when it is closed."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        await super().disconnect(inuse_connections)
+        if inuse_connections:  # the whole pool is closing, not just a switch to a new primary
+            await asyncio.gather(*(s.aclose() for s in self.sentinel_manager.sentinels), return_exceptions=True)
+
+
+def connection_pool(url: str, *, max_connections: int | None = None, pool_class: type = ConnectionPool,
+                    sentinel_pool_class: type = SentinelPool) -> Any:
+    """A pool of connections to the server the URL names, or to the primary its sentinels name,
+    with `client_options`. `pool_class` / `sentinel_pool_class` (a `SentinelPool`) make it."""
+    target = parse_redis_url(url)
+    options = {**client_options(), **target.options}
+    if max_connections is not None:
+        options["max_connections"] = max_connections
+    if not target.sentinels:
+        return pool_class(**options)
+    manager = Sentinel(list(target.sentinels), sentinel_kwargs=target.sentinel_options)
+    return sentinel_pool_class(target.master, manager, **options)
+
+
 def connect(url: str, *, max_connections: int | None = None) -> Redis:
-    """A client with `client_options`."""
-    return Redis.from_url(url, max_connections=max_connections, **client_options())
+    """A client over `connection_pool(url)`; closing it closes the pool."""
+    return Redis.from_pool(connection_pool(url, max_connections=max_connections))
 
 
 class Backoff:

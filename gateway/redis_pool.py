@@ -6,6 +6,10 @@ never makes a caller wait for one. A smaller pool spares Redis's `maxclients`; r
 then take turns, first come first served, and one that waits longer than `POOL_WAIT_S` gets 503
 `service_unavailable`. After a burst, every connection left unused for a whole
 `runtime.idle_timeout_ms` is closed, so the pool shrinks back to what the load needs.
+
+With a Sentinel URL the same pool is built over redis-py's Sentinel-managed pool
+(`SentinelTrimmedPool`): each new connection goes to the primary the sentinels name, and after a
+failover the idle connections to the old primary are dropped as soon as one reconnects.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from common.redisconn import client_options
+from common.redisconn import SentinelPool, connection_pool
 
 log = logging.getLogger("iop.gateway")
 
@@ -85,9 +89,14 @@ class TrimmedPool(ConnectionPool):  # type: ignore[misc]  # redis-py is not type
         return len(idle)
 
 
+class SentinelTrimmedPool(TrimmedPool, SentinelPool):
+    """A `TrimmedPool` of connections to the primary that the sentinels name."""
+
+
 def gateway_redis(url: str, max_connections: int) -> tuple[Redis, TrimmedPool]:
     """The gateway's client over a pool of at most `max_connections` connections."""
-    pool = TrimmedPool.from_url(url, max_connections=max_connections, **client_options())
+    pool: TrimmedPool = connection_pool(url, max_connections=max_connections, pool_class=TrimmedPool,
+                                        sentinel_pool_class=SentinelTrimmedPool)
     return Redis.from_pool(pool), pool
 
 

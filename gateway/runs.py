@@ -128,8 +128,9 @@ class RunClient:
                 await backoff.pause()
                 continue
             if lost:
-                # Redis lost the run (a restart without persistence): say so instead of waiting.
-                info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis restarted without persistence")
+                # Redis lost the run (a restart without persistence, a failover): say so instead of waiting.
+                info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis lost its record "
+                                                        "(a restart without persistence, or a failover)")
                 yield Event("lost", EventType.FAILED.value, info.to_wire())
                 return
             for _stream, entries in reply or ():

@@ -11,11 +11,10 @@ import json
 import sys
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from common.catalog import Catalog, ModelRecord, ProviderRecord, read_catalog
 from common.config import Config
-from common.redisconn import REDIS_DOWN, connect, now_ms
+from common.redisconn import REDIS_DOWN, connect, now_ms, redact
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -80,16 +79,6 @@ def render_queues(catalog: Catalog) -> str:
     return table(["MODEL", "WAITING", "MAX", "OLDEST WAITING", "OLDEST RUN"],
                  [[q["model"], str(q["waiting"]), str(q["max_queue"]), _age(q["oldest_waiting_ms"]),
                    q["oldest_run_id"] or "-"] for q in queue_records(catalog)])
-
-
-def redact(url: str) -> str:
-    """A Redis URL without its password, fit for an error message."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 async def _read(config: Config, redis_url: str) -> Catalog:

@@ -9,13 +9,15 @@ from collections.abc import Sequence
 
 DEFAULT_CONFIG = "iop.yaml"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+REDIS_HELP = ("Redis URL: redis://host:6379/0, rediss://… (TLS), or Sentinel: "
+              "redis+sentinel://host1:26379,host2:26379/mymaster/0 (default: $REDIS_URL, else "
+              f"{DEFAULT_REDIS})")
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=os.environ.get("IOP_CONFIG", DEFAULT_CONFIG),
                    help="config file (default: $IOP_CONFIG, else iop.yaml)")
-    p.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS),
-                   help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
+    p.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS), help=REDIS_HELP)
 
 
 def _http_args(p: argparse.ArgumentParser, port: int = 8080) -> None:
@@ -65,8 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     rsub = p.add_subparsers(dest="runs_command", required=True)
     r = rsub.add_parser("show", help="a run's record and events, from Redis")
     r.add_argument("run_id")
-    r.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS),
-                   help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
+    r.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS), help=REDIS_HELP)
     r.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     p = sub.add_parser("keys", help="API keys")
@@ -103,9 +104,22 @@ def _load(path: str) -> object:
         raise SystemExit(2) from None
 
 
+def _check_redis(url: str) -> None:
+    from common.redisconn import RedisUrlError, parse_redis_url
+
+    try:
+        parse_redis_url(url)
+    except RedisUrlError as exc:
+        print(f"error: --redis: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from common.lifecycle import run, setup_logging
+
+    if getattr(args, "redis", None) is not None:
+        _check_redis(args.redis)
 
     if args.command == "runs":
         from iop.runs_cmd import show

@@ -14,7 +14,7 @@ from typing import Any
 
 from common import keys
 from common.codec import decode_event
-from common.redisconn import REDIS_DOWN, connect
+from common.redisconn import REDIS_DOWN, connect, redact
 from common.runview import TIMESTAMPS, run_view
 
 
@@ -79,7 +79,7 @@ def show(redis_url: str, run_id: str, as_json: bool = False) -> int:
     try:
         found = asyncio.run(read_run(redis_url, run_id))
     except REDIS_DOWN as exc:
-        print(f"error: Redis at {redis_url} is unreachable: {exc}", file=sys.stderr)
+        print(f"error: Redis at {redact(redis_url)} is unreachable: {exc}", file=sys.stderr)
         return 2
     if found is None:
         print(f"error: run {run_id!r} is not in Redis (unknown, or expired after runtime.run_ttl_s)",

@@ -82,6 +82,8 @@ class Scheduler:
         self.consumer = consumer or new_consumer_name()
         self.waiting: dict[str, list[Waiting]] = {m.id: [] for m in config.models}
         self.kick = asyncio.Event()
+        #: models whose pending runs outnumbered this replica's at the last `adopt_forgotten`
+        self._short: set[str] = set()
         self._targets = {m.id: {p: m.providers[p] for p in sorted(m.providers)} for m in config.models}
 
     # ----------------------------------------------------------------- setup
@@ -281,6 +283,46 @@ class Scheduler:
             self.kick.set()
         return claimed
 
+    async def adopt_forgotten(self) -> int:
+        """Adopt the runs Redis says this replica holds (pending for it) but it does not. They
+        disagree after a Redis failover lost the newest writes: a dispatch the old primary
+        acknowledged never reached the new one, so the run is back in its stream, pending for a
+        live replica that thinks it dispatched it, and would hold up every run of its model
+        behind it (FIFO). One XPENDING summary per model; the entries are read only when Redis
+        holds more for this replica than it holds twice in a row (runs just read by `read_new`
+        make it so for a moment). Returns how many runs were adopted."""
+        pipe = self.redis.pipeline(transaction=False)
+        for model in self.config.models:
+            pipe.xpending(keys.runs_stream(model.id), keys.SCHEDULER_GROUP)
+        me = self.consumer.encode()
+        short: set[str] = set()
+        for model, summary in zip(self.config.models, await pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(summary, Exception):  # no group yet: `read_new` makes it
+                continue
+            mine = sum(int(c["pending"]) for c in summary.get("consumers") or () if c["name"] == me)
+            if mine > len(self.waiting[model.id]):
+                short.add(model.id)
+        again, self._short = short & self._short, short
+        adopted = 0
+        for model_id in sorted(again):
+            try:
+                reply = await self.redis.xreadgroup(keys.SCHEDULER_GROUP, self.consumer,
+                                                    {keys.runs_stream(model_id): "0"}, count=100_000)
+            except ResponseError:  # the group went meanwhile: nothing is pending then
+                continue
+            for stream, entries in reply or ():
+                for entry_id, fields in entries:
+                    if not fields:  # deleted while pending: nothing to run
+                        await self.redis.xack(stream, keys.SCHEDULER_GROUP, entry_id)
+                    elif not any(w.entry_id == entry_id.decode() for w in self.waiting[model_id]):
+                        self._adopt(model_id, entry_id.decode(), fields)
+                        adopted += 1
+        if adopted:
+            log.warning("adopted %d waiting runs that Redis holds for this replica but it had lost track of",
+                        adopted)
+            self.kick.set()
+        return adopted
+
     async def _claim_from(self, model_id: str, stream: str, dead: str) -> int:
         pending = await self.redis.xpending_range(stream, keys.SCHEDULER_GROUP, min="-", max="+",
                                                   count=10_000, consumername=dead)
@@ -368,6 +410,7 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
     async def maintenance() -> None:
         await sched.heartbeat()
         await sched.take_over_dead()
+        await sched.adopt_forgotten()
         if await sched.reap_expired_leases():
             sched.kick.set()
         await asyncio.sleep(maintenance_s)

@@ -9,30 +9,42 @@ after the worker was full, as a safety net for tokens that were lost or trimmed.
 
 A worker whose slots are all busy waits for one of its jobs to end instead of taking a
 token, so an idle sibling process of the same node gets it.
+
+arq's own bookkeeping at the end of a job (drop it from the node queue, delete its keys) is
+retried through a Redis outage or failover, as long as the job in the queue is still the one
+this task ran: otherwise the job would stay queued and marked in progress for days.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
-from typing import Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from arq.connections import ArqRedis, create_pool
 from arq.constants import in_progress_key_prefix
 from arq.worker import Worker
 
-from common.redisconn import REDIS_DOWN, Backoff, client_options
+from common.redisconn import REDIS_DOWN, Backoff, connection_pool
 from common.scripts import Scripts
 
 log = logging.getLogger("iop.worker")
 
+#: The queue score of the job the current task runs (a new dispatch of the same run gets another).
+_JOB_SCORE: contextvars.ContextVar[int] = contextvars.ContextVar("iop_job_score")
+#: How long arq's end-of-job bookkeeping is retried while Redis is away.
+FINISH_RETRY_S = 60.0
+
 
 def arq_redis(url: str) -> ArqRedis:
-    """arq's client with the same connection settings as every other service: every parameter of
-    the URL (TLS: `rediss://…?ssl_ca_certs=…`) and `client_options`. arq's own
-    `RedisSettings.from_dsn` keeps only host, port, database, credentials and the scheme."""
-    return cast(ArqRedis, ArqRedis.from_url(url, **client_options()))
+    """arq's client over the same connection pool as every other service's: every parameter of
+    the URL (TLS: `rediss://…?ssl_ca_certs=…`), Sentinel URLs included, and `client_options`.
+    arq's own `RedisSettings.from_dsn` keeps only host, port, database, credentials and the
+    scheme, and its Sentinel settings take neither a sentinel password nor TLS options."""
+    return ArqRedis(connection_pool(url))
 
 
 class WakeWorker(Worker):
@@ -111,9 +123,48 @@ class WakeWorker(Worker):
             job_id, score = claimed[i].decode(), int(float(claimed[i + 1]))
             await self.sem.acquire()
             self.job_counter += 1
-            task = self.loop.create_task(self.run_job(job_id, score))
+            task = self.loop.create_task(self._run_scored(job_id, score))
             task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
             self.tasks[job_id] = task
+
+    async def _run_scored(self, job_id: str, score: int) -> None:
+        _JOB_SCORE.set(score)  # this task's own copy of the context
+        await self.run_job(job_id, score)
+
+    async def finish_job(self, job_id: str, *args: Any) -> None:
+        await self._through_outage(job_id, lambda: super(WakeWorker, self).finish_job(job_id, *args))
+
+    async def finish_failed_job(self, job_id: str, result_data: bytes | None) -> None:
+        await self._through_outage(job_id, lambda: super(WakeWorker, self).finish_failed_job(job_id, result_data))
+
+    async def _through_outage(self, job_id: str, finish: Callable[[], Awaitable[None]]) -> None:
+        """arq's end-of-job step, tried again while Redis is away, but only while the node queue
+        still holds this task's job: once the lease was reaped and the run dispatched again, the
+        job there (same id, another score) is the next attempt's and must stay."""
+        backoff = Backoff(cap=1.0)
+        give_up = time.monotonic() + FINISH_RETRY_S
+        score = _JOB_SCORE.get(None)
+        while True:
+            try:
+                await finish()
+                return
+            except REDIS_DOWN as exc:
+                if score is None or time.monotonic() > give_up:
+                    raise
+                log.warning("worker: cannot record the end of job %s (%s); retrying in %.2fs", job_id, exc,
+                            backoff.delay)
+                await backoff.pause()
+            while True:
+                try:
+                    queued = await self.pool.zscore(self.queue_name, job_id)
+                    break
+                except REDIS_DOWN as exc:
+                    if time.monotonic() > give_up:
+                        raise
+                    log.warning("worker: Redis unavailable (%s); retrying in %.2fs", exc, backoff.delay)
+                    await backoff.pause()
+            if queued is None or int(queued) != score:
+                return  # gone already (reaped, or recorded before the outage), or the next attempt's
 
     async def close(self) -> None:
         """arq's close, but a Redis that is already gone does not skip our shutdown hook."""

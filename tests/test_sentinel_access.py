@@ -1,0 +1,95 @@
+"""Sentinel URLs with passwords (the servers' and the sentinels' own) and over TLS: every kind of
+client iop makes (the services' own, the gateway's bounded pool, arq's) finds the primary through
+the sentinel and works there."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.redisconn import REDIS_DOWN, connect
+from gateway.redis_pool import gateway_redis
+from tests.sentinel import LoneSentinel
+from tests.tls import make_certificates
+from workers.arq_worker import arq_redis
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "tls"])
+def lone(request: pytest.FixtureRequest) -> Iterator[LoneSentinel]:
+    tls_dir = None
+    if request.param:
+        tls_dir = Path(tempfile.mkdtemp(prefix="iop-sentinel-tls-"))
+        make_certificates(tls_dir)  # skips (or fails with IOP_REQUIRE_TLS=1) without openssl
+    server = LoneSentinel(password="pw:of/the@servers", sentinel_password="pw-of-the-sentinels", tls_dir=tls_dir)
+    try:
+        yield server.start()
+    finally:
+        server.cleanup()
+        if tls_dir is not None:
+            shutil.rmtree(tls_dir, ignore_errors=True)
+
+
+def _url(lone: LoneSentinel, sentinel_password: bool = True) -> str:
+    from urllib.parse import quote
+
+    query = ["socket_timeout=10"]  # as the README suggests against a primary that goes silent
+    if sentinel_password:
+        query.append(f"sentinel_password={quote(lone.sentinel_password)}")
+    scheme = "redis+sentinel"
+    if lone.tls_dir is not None:
+        scheme = "rediss+sentinel"
+        query.append(f"ssl_ca_certs={lone.tls_dir / 'ca.crt'}")
+    return f"{scheme}://:{quote(lone.password, safe='')}@127.0.0.1:{lone.sentinel_port}/mymaster/0?{'&'.join(query)}"
+
+
+async def _until_answers(client: Any) -> None:
+    deadline = asyncio.get_running_loop().time() + 20
+    while True:
+        try:
+            await client.ping()
+            return
+        except REDIS_DOWN:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.05)  # the servers are starting
+
+
+async def test_every_kind_of_client_reaches_the_primary_through_the_sentinel(lone: LoneSentinel) -> None:
+    url = _url(lone)
+    redis = connect(url)
+    gateway, _ = gateway_redis(url, max_connections=4)
+    arq = arq_redis(url)
+    try:
+        await _until_answers(redis)
+        await redis.set("iop:test", "through the sentinel")
+        assert await gateway.get("iop:test") == b"through the sentinel"
+        assert await arq.get("iop:test") == b"through the sentinel"
+        assert redis.connection_pool.connection_kwargs["socket_timeout"] == 10.0
+        info = await redis.info("server")
+        assert (info["redis_mode"], int(info["tcp_port"])) == ("standalone", lone.port)  # the primary, not the sentinel
+    finally:
+        await redis.aclose()
+        await gateway.aclose()
+        await arq.aclose(close_connection_pool=True)
+
+
+async def test_without_the_sentinels_password_no_primary_is_found(lone: LoneSentinel) -> None:
+    good = connect(_url(lone))
+    try:
+        await _until_answers(good)
+    finally:
+        await good.aclose()
+    redis = connect(_url(lone, sentinel_password=False))
+    try:
+        with pytest.raises(REDIS_DOWN, match="No master found for 'mymaster'"):
+            await redis.ping()
+    finally:
+        await redis.aclose()
