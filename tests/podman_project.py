@@ -78,6 +78,14 @@ class PodmanProject:
         out = subprocess.run([PODMAN, "logs", name], capture_output=True, text=True, timeout=60)
         return out.stdout + out.stderr
 
+    def save_logs(self, folder: Path) -> None:
+        """Every container's log, one file each (the last test removes the containers)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob("*.log"):
+            old.unlink()
+        for container in self.containers():
+            (folder / f"{container.name}.log").write_text(self.logs(container.name))
+
     def exec(self, name: str, *command: str) -> str:
         return self.podman("exec", name, *command)
 
