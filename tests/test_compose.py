@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -86,20 +87,22 @@ def test_the_mounted_config_exists_validates_and_is_the_demo_pool_with_compose_h
 
 def test_healthchecks_probe_healthz_and_readyz_on_the_port_the_service_listens_on() -> None:
     for name, svc in IOP_SERVICES.items():
-        command, probe = svc["command"], " ".join(svc["healthcheck"]["test"])
+        command, probe = svc["command"], svc["healthcheck"]["test"]
+        assert probe[:2] == ["CMD", "http-ok"], name  # docker/http-ok: bash, no Python start-up
+        port, paths = probe[2], probe[3:]
         if command[1] == "simulator":
-            assert f"127.0.0.1:{option(command, '--port')}/health" in probe, name
+            assert (port, paths) == (option(command, "--port"), ["/health"]), name
             continue
-        port = option(command, "--port") if command[1] == "gateway" else option(command, "--metrics-port")
-        assert port is not None and f"127.0.0.1:{port}" in probe, name
-        assert "/healthz" in probe and "/readyz" in probe, name
+        assert port == option(command, "--port" if command[1] == "gateway" else "--metrics-port"), name
+        assert paths == ["/healthz", "/readyz"], name
 
 
-def test_the_dockerfile_installs_every_package_the_services_import() -> None:
+def test_the_dockerfile_installs_every_package_the_services_import_and_the_healthcheck() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     for package in ("common", "gateway", "scheduler", "workers", "iop"):
         assert re.search(rf"^COPY {package} \./{package}$", dockerfile, flags=re.M), package
-    assert "pip install ." in dockerfile
+    assert re.search(r"^RUN pip install --no-deps \.", dockerfile, flags=re.M)
+    assert re.search(r"^COPY docker/http-ok /usr/local/bin/http-ok$", dockerfile, flags=re.M)
 
 
 # ------------------------------------------------------------------ the services as processes
@@ -194,6 +197,17 @@ def test_the_compose_services_serve_traffic_as_local_processes(stack: Stack) -> 
 
     asyncio.run(scenario())
     assert_run_logs_carry_run_and_model(procs)
+    # The containers' healthcheck command, against the same processes.
+    ports = [urlsplit(gateway).port] + [urlsplit(u).port for us in compose.metrics.values() for u in us]
+    for port in ports:
+        assert http_ok(port, "/healthz", "/readyz") == 0, port
+    assert http_ok(ports[0], "/healthz", "/no-such-path") == 1
+
+
+def http_ok(port: int | None, *paths: str) -> int:
+    """Exit status of docker/http-ok, the healthcheck compose.yaml runs in the containers."""
+    return subprocess.run([str(ROOT / "docker" / "http-ok"), str(port), *paths],
+                          capture_output=True, timeout=10).returncode
 
 
 def assert_run_logs_carry_run_and_model(procs: list[Proc]) -> None:

@@ -1,0 +1,362 @@
+"""compose.yaml and the Dockerfile, unchanged, in a real container engine: podman with
+podman-compose, as a user would run them.
+
+One stack serves the tests of this module, in order: it is built and brought up, every
+container's healthcheck passes with `iop` as a non-root PID 1, the official `openai` client
+is answered on the published port (stream and not), the catalog shows every provider
+available, a worker service scaled to three containers shares the runs, a worker container
+killed mid-run still has its caller answered, every worker given SIGTERM finishes its runs,
+Redis restarted on its AOF volume still serves the runs queued before, every container stops
+cleanly on SIGTERM, and `down -v` leaves nothing behind.
+
+.ci/podman-setup prepares the machine (engine, stand-in base images); without it this module
+skips, unless IOP_REQUIRE_PODMAN=1 (CI sets it): then it fails. Timings and the image size
+land in test-artifacts/compose-podman.json, each container's log in
+test-artifacts/compose-podman-logs/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import yaml
+
+from common import keys
+from common.config import load_config
+from tests.conftest import ROOT, wait_until
+from tests.podman_project import PODMAN, PODMAN_COMPOSE, PodmanProject, pip_build_args
+
+# The first test also builds the image and brings the stack up (a few minutes when nothing is cached).
+pytestmark = [pytest.mark.e2e, pytest.mark.podman, pytest.mark.timeout(900)]
+
+COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+POOL = load_config(ROOT / "examples" / "compose-pool.yaml")
+MODELS = [m.id for m in POOL.models]
+IOP_SERVICES = {name for name, svc in SERVICES.items() if svc["command"][0] == "iop"}
+#: Every image compose.yaml and the Dockerfile start from.
+BASE_IMAGES = sorted({svc["image"] for svc in SERVICES.values() if "build" not in svc}
+                     | set(re.findall(r"^FROM (\S+)", (ROOT / "Dockerfile").read_text(), flags=re.M)))
+ARTIFACTS = ROOT / "test-artifacts"
+TOKENS = "tok0 tok1 tok2"  # the simulators' answer to max_tokens=3
+
+
+def _unavailable() -> str | None:
+    if PODMAN is None:
+        return "podman is not installed (.ci/podman-setup installs and configures it, as root)"
+    if PODMAN_COMPOSE is None:
+        return "podman-compose is not installed (pip install -e '.[test]')"
+    for image in BASE_IMAGES:
+        if subprocess.run([PODMAN, "image", "exists", image], capture_output=True).returncode != 0:
+            return f"the base image {image} is missing (.ci/podman-setup makes a stand-in)"
+    return None
+
+
+if (_reason := _unavailable()) is not None:
+    # .ci/run runs .ci/podman-setup and sets IOP_REQUIRE_PODMAN=1, so CI never skips this silently.
+    if os.environ.get("IOP_REQUIRE_PODMAN") == "1":
+        pytest.fail(f"IOP_REQUIRE_PODMAN=1 but {_reason}", pytrace=False)
+    pytest.skip(_reason, allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def seconds(value: str) -> float:
+    """A compose duration such as `15s` or `1m30s`."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([\d.]+)(ms|h|m|s)", value))
+
+
+class Stack:
+    """The running project, and what the tests measured about it."""
+
+    def __init__(self, project: PodmanProject, port: int) -> None:
+        self.project = project
+        self.url = f"http://127.0.0.1:{port}"
+        self.figures: dict[str, Any] = {}
+
+    def names(self, service: str | None = None) -> list[str]:
+        return [c.name for c in self.project.containers(service)]
+
+    def redis_cli(self, *args: str) -> str:
+        return self.project.exec(self.names("redis")[0], "redis-cli", "--raw", *args).strip()
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def record(self, **figures: Any) -> None:
+        self.figures.update(figures)
+        ARTIFACTS.mkdir(exist_ok=True)
+        (ARTIFACTS / "compose-podman.json").write_text(json.dumps(self.figures, indent=2) + "\n")
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    port = free_port()
+    env = dict(os.environ, IOP_GATEWAY_PORT=str(port))
+    project = PodmanProject(f"ioptest{os.getpid()}", env)
+    s = Stack(project, port)
+    try:
+        began = time.monotonic()
+        # One build: every iop service runs the image iop:local, but podman-compose would
+        # build it once per service that names it (eight builds at once).
+        project.compose("--podman-build-args", pip_build_args(), "build", "gateway", timeout=900)
+        built = time.monotonic()
+        project.compose("up", "-d")
+        project.wait_healthy(s.names(), timeout=180)
+        healthy = time.monotonic()
+        size = int(project.podman("image", "inspect", "--format", "{{.Size}}", "iop:local").strip())
+        s.record(build_s=round(built - began, 1), up_to_all_healthy_s=round(healthy - built, 1),
+                 image_bytes=size, containers=len(s.names()))
+        yield s
+    finally:
+        try:
+            project.compose("down", "-v", "--remove-orphans", timeout=300)
+        finally:
+            project.remove_everything()
+
+
+@pytest.fixture(autouse=True)
+def keep_logs(stack: Stack) -> Iterator[None]:
+    """After each test, every container's log so far (the last test removes the containers)."""
+    yield
+    if stack.names():
+        stack.project.save_logs(ARTIFACTS / "compose-podman-logs")
+
+
+async def ask(client: openai.AsyncOpenAI, model: str, stream: bool, **extra: Any) -> tuple[str, str]:
+    """(the run id, the text) of one chat completion."""
+    messages: Any = [{"role": "user", "content": "hello"}]
+    if stream:
+        async with client.chat.completions.with_streaming_response.create(
+                model=model, messages=messages, max_tokens=3, stream=True, extra_body=extra) as resp:
+            chunks = [c async for c in await resp.parse()]
+            assert all(c.model == model for c in chunks)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return resp.headers["X-IOP-Run-Id"], " ".join(text.split())
+    raw = await client.chat.completions.with_raw_response.create(
+        model=model, messages=messages, max_tokens=3, extra_body=extra)
+    reply = raw.parse()
+    assert reply.model == model
+    return raw.headers["X-IOP-Run-Id"], " ".join((reply.choices[0].message.content or "").split())
+
+
+async def get_json(url: str) -> Any:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        assert resp.status == 200, (url, resp.status, await resp.text())
+        return await resp.json()
+
+
+async def in_flight_and_queued(stack: Stack) -> tuple[int, int]:
+    catalog = await get_json(stack.url + "/v1/catalog")
+    queued = sum(int(stack.redis_cli("XLEN", keys.runs_stream(m))) for m in MODELS)
+    return sum(p["in_flight"] for p in catalog["providers"]), queued
+
+
+async def until(predicate: Any, timeout: float, what: str) -> Any:
+    """Poll an async predicate with a deadline (the stack runs on a busy machine)."""
+    deadline = time.monotonic() + timeout
+    while not (value := await predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+    return value
+
+
+def test_every_service_is_up_healthy_and_runs_iop_as_a_non_root_pid_1(stack: Stack) -> None:
+    for service, svc in SERVICES.items():
+        names = stack.names(service)
+        assert len(names) == svc.get("deploy", {}).get("replicas", 1), service
+        for name in names:
+            assert stack.project.healthy(name), name
+            if service not in IOP_SERVICES:
+                continue
+            argv = stack.project.exec(name, "cat", "/proc/1/cmdline").split("\0")[:-1]
+            assert argv[1].endswith("/iop") and argv[2:] == svc["command"][1:], (name, argv)
+            status = stack.project.exec(name, "cat", "/proc/1/status")
+            uid = re.search(r"^Uid:\s+(\d+)", status, flags=re.M)
+            assert uid is not None and uid.group(1) != "0", name
+    assert stack.project.inspect(stack.names("gateway")[0], "{{.Config.User}}") == "iop"
+
+
+def test_the_openai_client_is_answered_on_the_published_port(stack: Stack) -> None:
+    async def scenario() -> None:
+        client = stack.client()
+        results = await asyncio.gather(*(ask(client, MODELS[i % 2], stream=bool(i // 2 % 2)) for i in range(16)))
+        await client.close()
+        assert [text for _, text in results] == [TOKENS] * 16
+
+    asyncio.run(scenario())
+
+
+def test_the_catalog_shows_every_provider_available(stack: Stack) -> None:
+    async def available() -> bool:
+        catalog = await get_json(stack.url + "/v1/catalog")
+        health = {p["id"]: p["health"] for p in catalog["providers"]}
+        assert set(health) == {p.id for n in POOL.nodes for p in n.providers}
+        return set(health.values()) == {"available"}
+
+    asyncio.run(until(available, 30, "every provider available"))
+
+
+def test_a_worker_service_scaled_to_three_shares_the_runs(stack: Stack) -> None:
+    # --no-deps: the new containers do not `--requires` Redis, else `down` (which knows them
+    # only as orphans) fails to remove the Redis container and its volume before them.
+    stack.project.compose("up", "-d", "--no-deps", "--scale", "worker-gpu-1=3", "worker-gpu-1")
+    names = stack.names("worker-gpu-1")
+    assert len(names) == 3
+    stack.project.wait_healthy(names, timeout=120)
+    hosts = {stack.project.inspect(n, "{{.Config.Hostname}}"): n for n in names}
+
+    async def scenario() -> set[str]:
+        client = stack.client()
+        served: set[str] = set()
+        for _ in range(8):  # batches of concurrent runs, until each of the three ran some
+            ids = [run_id for run_id, _ in await asyncio.gather(
+                *(ask(client, MODELS[i % 2], stream=False) for i in range(12)))]
+            for run_id in ids:
+                run = await get_json(f"{stack.url}/v1/runs/{run_id}")
+                if run["node"] == "gpu-1":
+                    served.add(hosts[run["worker"].split(":")[0]])
+            if served == set(names):
+                break
+        await client.close()
+        return served
+
+    assert asyncio.run(scenario()) == set(names)
+
+
+def test_a_worker_container_killed_mid_run_still_answers_the_caller(stack: Stack) -> None:
+    """SIGKILL from outside, as a crash or the OOM killer would: the run's lease expires,
+    the run (no output sent yet) is tried again elsewhere, and the container comes back
+    (`restart: unless-stopped`)."""
+    hosts = {stack.project.inspect(n, "{{.Config.Hostname}}"): n
+             for n in stack.names("worker-gpu-1") + stack.names("worker-gpu-2")}
+
+    async def scenario() -> str:
+        client = stack.client()
+        call = asyncio.create_task(ask(client, MODELS[0], stream=False, sim={"ttft_ms": 4000}))
+
+        async def running() -> list[str]:
+            return [r for p in POOL.nodes for prov in p.providers
+                    for r in stack.redis_cli("ZRANGE", keys.leases(prov.id), "0", "-1").split()]
+
+        run_id = (await until(running, 30, "the run to hold a slot"))[0]
+        started = await until(lambda: _started(stack, run_id), 30, "the run to start on a worker")
+        victim = hosts[started["worker"].split(":")[0]]
+        os.kill(int(stack.project.inspect(victim, "{{.State.Pid}}")), signal.SIGKILL)
+        answered_id, text = await call
+        await client.close()
+        assert (answered_id, text) == (run_id, TOKENS)
+        run = await get_json(f"{stack.url}/v1/runs/{run_id}")
+        assert run["state"] == "completed" and run["attempts"] == 2, run
+        return victim
+
+    victim = asyncio.run(scenario())
+    wait_until(lambda: int(stack.project.inspect(victim, "{{.RestartCount}}")) >= 1, 60, f"{victim} restarted")
+    stack.project.wait_healthy([victim], timeout=120)
+
+
+async def _started(stack: Stack, run_id: str) -> dict[str, Any] | None:
+    run: dict[str, Any] = await get_json(f"{stack.url}/v1/runs/{run_id}")
+    return run if run["state"] == "running" and run["worker"] else None
+
+
+def test_workers_given_sigterm_finish_their_runs_within_the_grace(stack: Stack) -> None:
+    workers = stack.names("worker-gpu-1") + stack.names("worker-gpu-2")
+    grace = {seconds(SERVICES[s]["stop_grace_period"]) for s in ("worker-gpu-1", "worker-gpu-2")}
+    assert len(grace) == 1
+
+    async def scenario() -> None:
+        client = stack.client()
+        begun = [asyncio.Event() for _ in range(4)]
+
+        async def one(i: int) -> str:
+            async with client.chat.completions.with_streaming_response.create(
+                    model=MODELS[i % 2], messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+                    stream=True, extra_body={"sim": {"itl_ms": 300}}) as resp:
+                text = ""
+                async for chunk in await resp.parse():
+                    text += "".join(c.delta.content or "" for c in chunk.choices)
+                    begun[i].set()
+                return " ".join(text.split())
+
+        calls = [asyncio.create_task(one(i)) for i in range(4)]
+        await asyncio.wait_for(asyncio.gather(*(b.wait() for b in begun)), 30)
+        # Every run has sent output (so it cannot be tried again): the workers must finish them.
+        stop = await asyncio.create_subprocess_exec(
+            str(PODMAN), "stop", "-t", str(int(grace.pop())), *workers,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        texts = await asyncio.gather(*calls)
+        await stop.wait()
+        await client.close()
+        assert texts == [" ".join(f"tok{i}" for i in range(12))] * 4
+
+    asyncio.run(scenario())
+    for name in workers:
+        assert stack.project.inspect(name, "{{.State.ExitCode}}") == "0", name  # 137: killed after the grace
+    assert any("stopping: waiting up to" in stack.project.logs(n) for n in workers)
+    stack.project.podman("start", *workers)
+    stack.project.wait_healthy(workers, timeout=120)
+
+
+def test_redis_restarted_on_its_aof_volume_still_serves_the_queued_runs(stack: Stack) -> None:
+    redis = stack.names("redis")[0]
+    total = 10
+    loaded = "DB loaded from append only file"
+    loads_before = stack.project.logs(redis).count(loaded)
+
+    async def scenario() -> int:
+        client = stack.client()
+        # The running runs last long enough to end after the restart: a run that ends while
+        # Redis is away for more than a few seconds cannot record its end, and its slot only
+        # comes back when its lease expires (15 s), past the queued runs' 30 s queue timeout.
+        calls = [asyncio.create_task(ask(client, MODELS[i % 2], stream=False, sim={"ttft_ms": 12_000}))
+                 for i in range(total)]
+
+        async def settled() -> int:  # every slot busy, the rest queued
+            running, queued = await in_flight_and_queued(stack)
+            return queued if queued and running + queued == total else 0
+
+        queued = await until(settled, 30, "runs holding every slot and runs queued behind them")
+        began = time.monotonic()
+        stack.project.compose("restart", "redis")
+        stack.record(redis_restart_s=round(time.monotonic() - began, 1))
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        await client.close()
+        texts = [a if isinstance(a, BaseException) else a[1] for a in answers]
+        assert texts == [TOKENS] * total, stack.figures
+        return int(queued)
+
+    queued = asyncio.run(scenario())
+    assert queued >= 1
+    assert stack.project.logs(redis).count(loaded) == loads_before + 1  # the restart read the AOF
+    assert int(stack.project.inspect(redis, "{{.RestartCount}}")) == 0  # restarted by us, not by a crash
+    stack.record(queued_across_redis_restart=queued)
+
+
+def test_every_container_stops_cleanly_and_down_leaves_nothing_behind(stack: Stack) -> None:
+    names = stack.names()
+    stack.project.podman("stop", "-t", "15", *names, timeout=120)
+    codes = {c.name: c.exit_code for c in stack.project.containers()}
+    assert codes == dict.fromkeys(names, 0)  # 137 would be SIGKILL after the timeout
+    # The replicas made by --scale are known to podman-compose only through --remove-orphans.
+    stack.project.compose("down", "-v", "--remove-orphans", timeout=300)
+    assert stack.project.leftovers() == {"containers": [], "pods": [], "volumes": [], "networks": []}
