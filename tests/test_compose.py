@@ -18,6 +18,7 @@ import openai
 import pytest
 import yaml
 
+from common.auth import new_key
 from common.config import load_config
 from iop.cli import build_parser
 from tests.conftest import ROOT, Proc, Stack
@@ -76,6 +77,13 @@ def test_the_mounted_config_exists_validates_and_is_the_demo_pool_with_compose_h
         if "environment" in svc:
             assert f"./{source.relative_to(ROOT)}:{target}:ro" in svc["volumes"]
     compose_pool = yaml.safe_load(source.read_text())
+    # its one difference: keys, read from the gateway's environment, which compose fills from .env
+    assert compose_pool.pop("auth") == {"keys": [{"name": "operator", "env": "IOP_OPERATOR_KEY", "role": "operator"},
+                                                 {"name": "caller", "env": "IOP_CALLER_KEY"}]}
+    gateway_env = SERVICES["gateway"]["environment"]
+    for var in ("IOP_OPERATOR_KEY", "IOP_CALLER_KEY"):
+        assert gateway_env[var] == f"${{{var}:?set {var} in .env (see .env.example)}}"
+        assert re.search(rf"^{var}=$", (ROOT / ".env.example").read_text(), flags=re.M)
     demo = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
     for pool in (compose_pool, demo):
         for node in pool["nodes"]:
@@ -122,6 +130,23 @@ def local_command(command: list[str]) -> list[str]:
     return out
 
 
+#: What a user's .env gives compose (.env.example).
+DOTENV = {"IOP_OPERATOR_KEY": new_key(), "IOP_CALLER_KEY": new_key()}
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's `${VAR}`, `${VAR:-default}` and `${VAR:?error}` in one value."""
+    def one(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
+        if env.get(name):
+            return env[name]
+        if op == ":?":
+            raise AssertionError(f"compose would refuse to start: {arg}")
+        return arg
+
+    return re.sub(r"\$\{(\w+)(?:(:[-?])([^}]*))?\}", one, value)
+
+
 class ComposeStack:
     """Runs compose services as local processes, with compose's environment rewritten."""
 
@@ -132,7 +157,7 @@ class ComposeStack:
     def run(self, service: str, replica: int = 0) -> Proc:
         svc = SERVICES[service]
         env = self.stack.env()
-        env.update({k: str(v) for k, v in svc.get("environment", {}).items()})
+        env.update({k: interpolate(str(v), DOTENV) for k, v in svc.get("environment", {}).items()})
         env.update({"IOP_CONFIG": str(self.stack.config_path), "REDIS_URL": self.stack.redis_url})
         proc = Proc(f"{service}.{replica}", local_command(svc["command"]), env)
         self.stack.procs.append(proc)
@@ -161,7 +186,7 @@ def test_the_compose_services_serve_traffic_as_local_processes(stack: Stack) -> 
     wait_available(stack.redis_url, [p["id"] for n in pool["nodes"] for p in n["providers"]])
 
     models = [m["id"] for m in pool["models"]]
-    client = openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=gateway + "/v1", api_key=DOTENV["IOP_CALLER_KEY"], max_retries=0)
 
     async def one(i: int) -> tuple[str, str]:
         model = models[i % len(models)]
@@ -231,3 +256,10 @@ def test_compose_redis_keeps_runs_across_a_restart() -> None:
     command = redis["command"]
     assert command[command.index("--appendonly") + 1] == "yes"
     assert any(str(v).endswith(":/data") for v in redis["volumes"])
+
+
+def test_redis_caps_its_memory_and_never_evicts_run_state() -> None:
+    command = SERVICES["redis"]["command"]
+    assert option(command, "--maxmemory-policy") == "noeviction"
+    assert interpolate(option(command, "--maxmemory") or "", {}) == "1gb"
+    assert option(command, "--appendonly") == "yes"

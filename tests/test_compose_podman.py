@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from common import keys
+from common.auth import new_key
 from common.config import load_config
 from tests.conftest import ROOT, wait_until
 from tests.podman_project import PODMAN, PODMAN_COMPOSE, PodmanProject, pip_build_args
@@ -43,6 +44,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.podman, pytest.mark.timeout(900)]
 
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+OPERATOR_KEY, CALLER_KEY = new_key(), new_key()
 POOL = load_config(ROOT / "examples" / "compose-pool.yaml")
 MODELS = [m.id for m in POOL.models]
 IOP_SERVICES = {name for name, svc in SERVICES.items() if svc["command"][0] == "iop"}
@@ -99,7 +101,7 @@ class Stack:
         return self.project.exec(self.names("redis")[0], "redis-cli", "--raw", *args).strip()
 
     def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=CALLER_KEY, max_retries=0)
 
     def record(self, **figures: Any) -> None:
         self.figures.update(figures)
@@ -110,7 +112,8 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     port = free_port()
-    env = dict(os.environ, IOP_GATEWAY_PORT=str(port))
+    # the keys compose.yaml asks for, as a user's .env would give them
+    env = dict(os.environ, IOP_GATEWAY_PORT=str(port), IOP_OPERATOR_KEY=OPERATOR_KEY, IOP_CALLER_KEY=CALLER_KEY)
     project = PodmanProject(f"ioptest{os.getpid()}", env)
     s = Stack(project, port)
     try:
@@ -159,7 +162,9 @@ async def ask(client: openai.AsyncOpenAI, model: str, stream: bool, **extra: Any
 
 
 async def get_json(url: str) -> Any:
-    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+    """An operator's read (the catalog, any run)."""
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {OPERATOR_KEY}"}) as session, \
+            session.get(url) as resp:
         assert resp.status == 200, (url, resp.status, await resp.text())
         return await resp.json()
 

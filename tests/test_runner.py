@@ -4,6 +4,7 @@ and the probe lock that keeps runs off a provider while a disturbing probe is ou
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from common.policy import Health
 from common.scripts import Scripts
 from common.wire import RunKind
 from scheduler.core import Scheduler
+from tests.conftest import async_wait_until
 from tests.test_scheduler import MODEL, beat, make_config, waiting_runs
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
 from workers.runner import Runner
@@ -184,3 +186,20 @@ async def test_no_run_is_dispatched_while_a_disturbing_probe_is_out(redis: Redis
     await redis.hset(keys.heartbeat("a"), mapping={"ok_ms": 0, "probe_ms": 0})
     assert await scripts.call("probe", probe_keys, [1000, 1, 5000, 60_000]) == 0
     assert await scripts.call("probe", probe_keys, [1000, 0, 5000, 60_000]) == 1  # a harmless probe may go
+
+
+async def test_a_run_whose_lease_is_gone_is_left_to_the_reaper_not_cancelled(redis: Redis) -> None:
+    from tests.test_cancel import StallingAdapter, dispatched_run
+
+    client, sched, run_id = await dispatched_run(redis, lease_ttl_ms=150)
+    adapter = StallingAdapter()
+    runner = Runner(redis, client.config, "n-a", {"a": adapter})
+    execution = asyncio.create_task(runner.execute(run_id))
+
+    async def running() -> bool:
+        return bool(await redis.hget(keys.run_record(run_id), "state") == b"running")
+
+    await async_wait_until(running, what="the run to start")
+    await redis.zrem(keys.leases("a"), run_id)  # as if its lease had expired and been taken
+    assert await execution == "lease_lost" and adapter.closed.is_set()
+    assert await redis.hget(keys.run_record(run_id), "state") == b"running"  # untouched: the reaper's now

@@ -62,6 +62,8 @@ class Attempt:
     #: bytes of output stored in the run's events so far
     output_bytes: int = 0
     cancel_reason: str | None = None
+    #: the lease was lost (its renewal found it gone): the run is the scheduler's to requeue or fail
+    lease_lost: bool = False
 
     def log(self) -> dict[str, str]:
         """`extra` of a log line about this attempt."""
@@ -181,16 +183,24 @@ class Runner:
             log.warning("lease lost, abandoning", extra=att.log())
             return "lease_lost"
         except asyncio.CancelledError:
+            if att.lease_lost:  # the reaper requeues the run or fails it with worker_lost
+                self._uncancel()
+                log.warning("lease lost, abandoning", extra=att.log())
+                return "lease_lost"
             if att.cancel_reason is None:  # the worker itself is shutting down
                 info = ErrorInfo(ErrorCode.WORKER_LOST, "the worker shut down during the run",
                                  before_output=not att.output)
                 await asyncio.shield(self._fail(att, info, Retry.ANY))
                 raise
-            current = asyncio.current_task()
-            if current is not None:
-                current.uncancel()  # a cancelled run is an outcome, not the job's cancellation
+            self._uncancel()  # a cancelled run is an outcome, not the job's cancellation
             info = ErrorInfo(ErrorCode.CANCELLED, att.cancel_reason, before_output=not att.output)
             return await asyncio.shield(self._finish(att, RunState.CANCELLED, EventType.FAILED, info.to_wire(), info))
+
+    @staticmethod
+    def _uncancel() -> None:
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()
 
     async def _stream(self, att: Attempt, adapter: Adapter, kind: RunKind, body: dict[str, Any]) -> str:
         """Stream the run's output as `delta` events. The provider is asked for usage whether the
@@ -312,6 +322,9 @@ class Runner:
                 log.warning("lease renewal failed (%s)", exc, extra=att.log())
                 continue
             if renewed != 1:
-                att.cancel_reason = "lease lost" if not renewed else CANCELLED.message
+                if renewed:  # its caller asked for it to be cancelled (a cancel message was lost)
+                    att.cancel_reason = CANCELLED.message
+                else:
+                    att.lease_lost = True
                 task.cancel()
                 return
