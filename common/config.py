@@ -123,6 +123,8 @@ class RuntimeConfig(Strict):
                                     description="the largest whole (non-stream) answer read from a provider")
     max_line_bytes: int = Field(1024 * 1024, ge=1024, description="the longest SSE or NDJSON line a provider may send")
     max_error_chars: int = Field(500, ge=50, le=10_000, description="a provider's error text is cut to this")
+    stream_keepalive_ms: int = Field(10_000, ge=100,
+                                     description="a stream silent this long gets an SSE keep-alive comment")
 
 
 class Config(Strict):
@@ -154,6 +156,10 @@ class Config(Strict):
 
     def node(self, node_id: str) -> NodeConfig | None:
         return next((n for n in self.nodes if n.id == node_id), None)
+
+    def models_of(self, provider_id: str) -> list[str]:
+        """The ids of the models a provider serves (a slot freed there may serve any of them)."""
+        return [m.id for m in self.models if provider_id in m.providers]
 
     def queue_for(self, model: ModelConfig) -> QueuePolicy:
         if model.queue is None:

@@ -13,8 +13,8 @@ PREFIX: Final = "iop"
 
 #: Consumer group that every scheduler replica joins on every model stream.
 SCHEDULER_GROUP: Final = "schedulers"
-#: Pub/sub channel that wakes every scheduler: a slot was freed, a run was queued
-#: behind a dispatched head, or a provider's health changed. Payload: the model id or "*".
+#: Pub/sub channel that wakes every scheduler replica: a provider's health changed ("*"), or a
+#: run was cancelled at its start (the model id).
 SCHEDULER_SIGNALS: Final = f"{PREFIX}:signals"
 #: arq job function name the workers register.
 JOB_FUNCTION: Final = "run"
@@ -64,6 +64,23 @@ def node_wake(node_id: str) -> str:
 def node_cancel(node_id: str) -> str:
     """Pub/sub channel carrying the ids of runs to cancel on that node's workers."""
     return f"{PREFIX}:cancel:{node_id}"
+
+
+def scheduler_channel(consumer: str) -> str:
+    """Pub/sub channel of one scheduler replica: a model whose oldest waiting run it holds may go
+    on (a slot freed, or the run ahead of it left). Payload: the model id."""
+    return f"{PREFIX}:signals:{consumer}"
+
+
+def gateway_inbox(gateway_id: str) -> str:
+    """Stream of one gateway process: the ids of runs it follows that have new events (written
+    with every event of a run whose record names the gateway among its `watchers`)."""
+    return f"{PREFIX}:inbox:{gateway_id}"
+
+
+#: An inbox keeps this many entries at most (MAXLEN ~), and lives this long after its last one.
+INBOX_MAXLEN: Final = 100_000
+INBOX_TTL_MS: Final = 3_600_000
 
 
 def scheduler_alive(consumer: str) -> str:
@@ -138,9 +155,13 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
      "ZRANGE iop:node:{node} 0 -1 WITHSCORES"),
     (node_wake("{node}"), "list", "ids of jobs just queued, popped by idle workers", "LRANGE iop:wake:{node} 0 -1"),
     (node_cancel("{node}"), "pub/sub channel", "run ids to cancel on the node", "SUBSCRIBE iop:cancel:{node}"),
-    (SCHEDULER_SIGNALS, "pub/sub channel", "wakes the schedulers (slot freed, more runs waiting)",
+    (SCHEDULER_SIGNALS, "pub/sub channel", "wakes every scheduler replica (a provider's health changed)",
      "SUBSCRIBE iop:signals"),
+    (scheduler_channel("{consumer}"), "pub/sub channel", "wakes the one replica holding a model's oldest waiting run",
+     "PSUBSCRIBE iop:signals:*"),
     (scheduler_alive("{consumer}"), "string + TTL", "a live scheduler replica", "KEYS iop:scheduler:*"),
+    (gateway_inbox("{gateway}"), "stream + TTL", "run ids with new events, for the gateway that follows them",
+     "XREVRANGE iop:inbox:{gateway} + - COUNT 10"),
     (key_in_flight("{key}"), "sorted set", "an API key's runs queued or running: run id -> end bound (ms)",
      "ZCARD iop:inflight:{key}"),
     (key_requests("{key}"), "sorted set", "runs an API key started in the last 60 s: run id -> when (ms)",

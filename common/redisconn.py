@@ -303,22 +303,25 @@ class SentinelPool(SentinelConnectionPool):  # type: ignore[misc]
 
 
 def connection_pool(url: str, *, max_connections: int | None = None, pool_class: type = ConnectionPool,
-                    sentinel_pool_class: type = SentinelPool) -> Any:
+                    sentinel_pool_class: type = SentinelPool, client_name: str | None = None) -> Any:
     """A pool of connections to the server the URL names, or to the primary its sentinels name,
-    with `client_options`. `pool_class` / `sentinel_pool_class` (a `SentinelPool`) make it."""
+    with `client_options`. `pool_class` / `sentinel_pool_class` (a `SentinelPool`) make it.
+    `client_name` names its connections in Redis's `CLIENT LIST` (`iop-gateway`, …)."""
     target = parse_redis_url(url)
     options = {**client_options(), **target.options}
     if max_connections is not None:
         options["max_connections"] = max_connections
+    if client_name is not None:
+        options.setdefault("client_name", client_name)
     if not target.sentinels:
         return pool_class(**options)
     manager = Sentinel(list(target.sentinels), sentinel_kwargs=target.sentinel_options)
     return sentinel_pool_class(target.master, manager, **options)
 
 
-def connect(url: str, *, max_connections: int | None = None) -> Redis:
+def connect(url: str, *, max_connections: int | None = None, client_name: str | None = None) -> Redis:
     """A client over `connection_pool(url)`; closing it closes the pool."""
-    return Redis.from_pool(connection_pool(url, max_connections=max_connections))
+    return Redis.from_pool(connection_pool(url, max_connections=max_connections, client_name=client_name))
 
 
 class Backoff:

@@ -76,6 +76,37 @@ local function ended(record, run_id, state, prompt, completion)
 end
 """
 
+# Wake the one scheduler replica that holds the oldest run waiting in a model's stream (it alone
+# may dispatch next: FIFO), on that replica's own channel (prefix + consumer name), with the
+# model id. Nobody holds a run not read yet: the replica that reads it wakes by itself.
+_WAKE = f"""
+local function wake_head(stream, channel_prefix)
+  local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
+  if #head == 0 then return end
+  local pending = redis.pcall('XPENDING', stream, '{keys.SCHEDULER_GROUP}', head[1][1], head[1][1], 1)
+  if type(pending) == 'table' and pending.err == nil and #pending > 0 then
+    redis.call('PUBLISH', channel_prefix .. pending[1][2], string.sub(stream, {len(keys.runs_stream("")) + 1}))
+  end
+end
+"""
+
+# Add an event to a run, and tell every gateway that follows the run (the record's `watchers`:
+# gateway ids, comma-separated) through its inbox, which that gateway's one reader waits on.
+_EVENTS = f"""
+local function add_event(record, events, run_id, etype, data)
+  local id = redis.call('XADD', events, '*', 'type', etype, 'data', data)
+  local watchers = redis.call('HGET', record, 'watchers')
+  if watchers then
+    for gateway in string.gmatch(watchers, '[^,]+') do
+      local inbox = '{keys.gateway_inbox("")}' .. gateway
+      redis.call('XADD', inbox, 'MAXLEN', '~', {keys.INBOX_MAXLEN}, '*', 'run', run_id)
+      redis.call('PEXPIRE', inbox, {keys.INBOX_TTL_MS})
+    end
+  end
+  return id
+end
+"""
+
 # What a run or a probe showed about a provider's health (`workers.health`), added to its
 # heartbeat hash if it has one: 'ok' (a sign of life) resets the strikes, 'fail' adds some.
 _EVIDENCE = """
@@ -97,7 +128,8 @@ end
 # KEYS: runs stream, run record, key in-flight set, key requests window, heartbeat keys of the
 #       model's providers...
 # ARGV: run id, max_queue, ttl_s, model, kind, stream flag, body, key name, max_in_flight (0: none),
-#       requests_per_minute (0: none), how long a run can last at most (ms), max_attempts
+#       requests_per_minute (0: none), how long a run can last at most (ms), max_attempts, the id of
+#       the gateway that follows it (its first watcher)
 # Returns {'ok', entry, requests left in the window (-1: no window)}, {'key_in_flight', n},
 # {'key_rate', n, ms until a request leaves the window}, {'unavailable', queued} or {'full', queued}.
 ENQUEUE = _NOW + """
@@ -127,7 +159,7 @@ if queued >= tonumber(ARGV[2]) then return {'full', queued} end
 local entry = redis.call('XADD', KEYS[1], '*', 'run', ARGV[1])
 redis.call('HSET', KEYS[2], 'model', ARGV[4], 'kind', ARGV[5], 'stream', ARGV[6], 'body', ARGV[7],
   'state', 'queued', 'created_ms', now, 'entry', entry, 'attempts', 0, 'key', ARGV[8],
-  'max_attempts', ARGV[12])
+  'max_attempts', ARGV[12], 'watchers', ARGV[13])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 if max_in_flight > 0 then
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[11]), ARGV[1])
@@ -143,9 +175,10 @@ return {'ok', entry, left}
 # KEYS: runs stream, run record, events, chosen lease, arq job, arq retry, node queue, node wake,
 #       the chosen provider's probing lock, lease keys of every candidate the decision looked at...
 # ARGV: run id, entry id, group, capacity, lease_ttl_ms, provider, node, target, job payload,
-#       ttl_s, signals channel, model, the in_flight seen for each candidate (same order)...
+#       ttl_s, replica channel prefix, model, the in_flight seen for each candidate (same order)...
+# Once dispatched, the replica holding the next waiting run of the model is woken (`_WAKE`).
 # Answers 'probing' while a probe that would disturb a run is out (the prober signals its end).
-DISPATCH = _NOW + """
+DISPATCH = _NOW + _EVENTS + _WAKE + """
 local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #head == 0 then return 'gone' end
 if head[1][1] ~= ARGV[2] then
@@ -183,10 +216,10 @@ redis.call('DEL', KEYS[6])
 redis.call('ZADD', KEYS[7], now, ARGV[1])
 redis.call('LPUSH', KEYS[8], ARGV[1])
 redis.call('LTRIM', KEYS[8], 0, 1023)
-redis.call('XADD', KEYS[3], '*', 'type', 'dispatched',
-  'data', cmsgpack.pack({provider = ARGV[6], node = ARGV[7], target = ARGV[8]}))
+add_event(KEYS[2], KEYS[3], ARGV[1], 'dispatched',
+  cmsgpack.pack({provider = ARGV[6], node = ARGV[7], target = ARGV[8]}))
 redis.call('EXPIRE', KEYS[3], ttl)
-if redis.call('XLEN', KEYS[1]) > 0 then redis.call('PUBLISH', ARGV[11], ARGV[12]) end
+wake_head(KEYS[1], ARGV[11])
 return 'ok'
 """
 
@@ -196,7 +229,7 @@ return 'ok'
 # KEYS: run record, events
 # ARGV: run id, lease_ttl_ms, ttl_s, worker (host:pid), cancelled event data, signals channel,
 #       lease key prefix (the lease key is that prefix + the run's provider)
-START = _NOW + _ENDED + """
+START = _NOW + _ENDED + _EVENTS + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'dispatched' then return {state or 'missing'} end
 local lease = ARGV[7] .. redis.call('HGET', KEYS[1], 'provider')
@@ -208,7 +241,7 @@ if redis.call('HGET', KEYS[1], 'cancel') == '1' then
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
     'error_message', 'cancelled by the caller')
   ended(KEYS[1], ARGV[1], 'cancelled', 0, 0)
-  redis.call('XADD', KEYS[2], '*', 'type', 'failed', 'data', ARGV[5])
+  add_event(KEYS[1], KEYS[2], ARGV[1], 'failed', ARGV[5])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
   redis.call('PUBLISH', ARGV[6], redis.call('HGET', KEYS[1], 'model'))
   return {'cancelled'}
@@ -217,7 +250,7 @@ redis.call('ZADD', lease, 'XX', now + tonumber(ARGV[2]), ARGV[1])
 redis.call('HSET', KEYS[1], 'state', 'running', 'started_ms', now, 'worker', ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '1')
-redis.call('XADD', KEYS[2], '*', 'type', 'started', 'data', cmsgpack.pack({attempt = attempt}))
+add_event(KEYS[1], KEYS[2], ARGV[1], 'started', cmsgpack.pack({attempt = attempt}))
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 local out = redis.call('HGETALL', KEYS[1])
 table.insert(out, 1, 'ok')
@@ -261,19 +294,21 @@ return 1
 # run back at the tail of its model's queue. Does nothing if the attempt no longer owns the
 # run (its lease was reaped and the run went on without it).
 # Also adds what the attempt showed about the provider's health to its heartbeat (`_EVIDENCE`).
-# KEYS: run record, lease, events, runs stream, heartbeat
+# The freed slot may serve any model of the provider: the replica holding the oldest waiting run
+# of each is woken (`_WAKE`).
+# KEYS: run record, lease, events, runs stream, heartbeat, runs streams of the provider's models...
 # ARGV: run id, state (completed|failed|cancelled|requeue|requeue_elsewhere), event type, event
-#       data, ttl_s, signals channel, model, error code, error message, attempt,
+#       data, ttl_s, replica channel prefix, model, error code, error message, attempt,
 #       evidence ('ok'|'fail'|''), strikes, failure reason, prompt tokens, completion tokens
 # (the usage the caller got, added to its key's by `_ENDED` when the run ends here)
-FINISH = _NOW + _REQUEUE + _EVIDENCE + _ENDED + """
+FINISH = _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[10] then return 'stale' end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
 redis.call('ZREM', KEYS[2], ARGV[1])
 evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable')
 local ttl = tonumber(ARGV[5])
-redis.call('XADD', KEYS[3], '*', 'type', ARGV[3], 'data', ARGV[4])
+add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4])
 redis.call('EXPIRE', KEYS[3], ttl)
 if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' then
   requeue(KEYS[1], KEYS[4], ARGV[1], ARGV[2] == 'requeue_elsewhere')
@@ -285,15 +320,16 @@ else
   ended(KEYS[1], ARGV[1], ARGV[2], ARGV[14], ARGV[15])
 end
 redis.call('EXPIRE', KEYS[1], ttl)
-redis.call('PUBLISH', ARGV[6], ARGV[7])
+for i = 6, #KEYS do wake_head(KEYS[i], ARGV[6]) end
 return 'ok'
 """
 
 # Take a run out of its queue (timeout or cancel) if it is still waiting there; if it is
 # already dispatched and `cancel_prefix` is set, tell its node to cancel it.
 # KEYS: runs stream, run record, events
-# ARGV: run id, group, new state, event data, ttl_s, error code, error message, cancel channel prefix
-DROP_QUEUED = _NOW + _ENDED + """
+# ARGV: run id, group, new state, event data, ttl_s, error code, error message, cancel channel prefix,
+#       replica channel prefix (the replica holding the next waiting run is woken; '' = none)
+DROP_QUEUED = _NOW + _ENDED + _EVENTS + _WAKE + """
 local state = redis.call('HGET', KEYS[2], 'state')
 if state == 'dispatched' or state == 'running' then
   if ARGV[8] ~= '' then
@@ -309,6 +345,7 @@ local entry = redis.call('HGET', KEYS[2], 'entry')
 if entry then
   redis.call('XACK', KEYS[1], ARGV[2], entry)
   redis.call('XDEL', KEYS[1], entry)
+  if ARGV[9] ~= '' then wake_head(KEYS[1], ARGV[9]) end  -- it may have been the oldest
 end
 local ttl = tonumber(ARGV[5])
 redis.call('HSET', KEYS[2], 'state', ARGV[3], 'finished_ms', now, 'error_code', ARGV[6],
@@ -316,19 +353,19 @@ redis.call('HSET', KEYS[2], 'state', ARGV[3], 'finished_ms', now, 'error_code', 
 redis.call('HDEL', KEYS[2], 'entry')
 ended(KEYS[2], ARGV[1], ARGV[3], 0, 0)
 redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[4])
+add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', ARGV[4])
 redis.call('EXPIRE', KEYS[3], ttl)
 return 'ok'
 """
 
 # Publish output of one attempt, only while that attempt still owns the run, and while the run's
 # event stream holds fewer than its limit. Returns 1, 0 if the attempt lost the run, 2 if full.
-# KEYS: run record, events   ARGV: attempt, event type, event data, ttl_s, max events
-EMIT = """
+# KEYS: run record, events   ARGV: attempt, event type, event data, ttl_s, max events, run id
+EMIT = _EVENTS + """
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return 0 end
 if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return 0 end
 if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[5]) then return 2 end
-redis.call('XADD', KEYS[2], '*', 'type', ARGV[2], 'data', ARGV[3])
+add_event(KEYS[1], KEYS[2], ARGV[6], ARGV[2], ARGV[3])
 if ARGV[2] == 'delta' then redis.call('HSET', KEYS[1], 'output', '1') end
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 return 1
@@ -336,22 +373,25 @@ return 1
 
 # A lease that expired: its worker is gone. Put the run back in its queue if it may be tried
 # again and sent nothing yet; else fail it with worker_lost. Also drops arq's copy of the job.
-# KEYS: lease, run record, events, runs stream, node queue, arq job, arq in-progress, arq retry
-# ARGV: run id, max_attempts, ttl_s, signals channel, model, requeued data, failed data, cancelled data
-REAP = _NOW + _REQUEUE + _ENDED + """
+# The freed slot may serve any model of the provider: their head runs' replicas are woken.
+# KEYS: lease, run record, events, runs stream, node queue, arq job, arq in-progress, arq retry,
+#       runs streams of the provider's models...
+# ARGV: run id, max_attempts, ttl_s, replica channel prefix, model, requeued data, failed data,
+#       cancelled data
+REAP = _NOW + _REQUEUE + _ENDED + _EVENTS + _WAKE + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) > now then return 'alive' end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
 redis.call('DEL', KEYS[6], KEYS[7], KEYS[8])
 local state = redis.call('HGET', KEYS[2], 'state')
-redis.call('PUBLISH', ARGV[4], ARGV[5])
+for i = 9, #KEYS do wake_head(KEYS[i], ARGV[4]) end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
 local ttl = tonumber(ARGV[3])
 local attempts = tonumber(redis.call('HGET', KEYS[2], 'attempts') or '0')
 local output = redis.call('HGET', KEYS[2], 'output') == '1'
 if redis.call('HGET', KEYS[2], 'cancel') == '1' then
-  redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[8])
+  add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', ARGV[8])
   redis.call('HSET', KEYS[2], 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
     'error_message', 'cancelled by the caller')
   ended(KEYS[2], ARGV[1], 'cancelled', 0, 0)
@@ -360,12 +400,12 @@ if redis.call('HGET', KEYS[2], 'cancel') == '1' then
   return 'cancelled'
 end
 if not output and attempts < tonumber(ARGV[2]) then
-  redis.call('XADD', KEYS[3], '*', 'type', 'requeued', 'data', ARGV[6])
+  add_event(KEYS[2], KEYS[3], ARGV[1], 'requeued', ARGV[6])
   requeue(KEYS[2], KEYS[4], ARGV[1], false)
   redis.call('EXPIRE', KEYS[3], ttl)
   return 'requeued'
 end
-redis.call('XADD', KEYS[3], '*', 'type', 'failed', 'data', ARGV[7])
+add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', ARGV[7])
 redis.call('HSET', KEYS[2], 'state', 'failed', 'finished_ms', now, 'error_code', 'worker_lost',
   'error_message', 'the worker running this run was lost')
 ended(KEYS[2], ARGV[1], 'failed', 0, 0)
@@ -405,6 +445,22 @@ if redis.call('DEL', KEYS[2]) == 1 then redis.call('PUBLISH', ARGV[6], '*') end
 return 1
 """
 
+# A gateway follows a run another gateway started (the runs API): it joins the run's watchers.
+# KEYS: run record   ARGV: gateway id
+WATCH = """
+local watchers = redis.call('HGET', KEYS[1], 'watchers')
+if not watchers then
+  if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+  redis.call('HSET', KEYS[1], 'watchers', ARGV[1])
+  return 1
+end
+for gateway in string.gmatch(watchers, '[^,]+') do
+  if gateway == ARGV[1] then return 1 end
+end
+redis.call('HSET', KEYS[1], 'watchers', watchers .. ',' .. ARGV[1])
+return 1
+"""
+
 ALL: dict[str, str] = {
     "enqueue": ENQUEUE,
     "dispatch": DISPATCH,
@@ -417,6 +473,7 @@ ALL: dict[str, str] = {
     "reap": REAP,
     "probe": PROBE,
     "probed": PROBED,
+    "watch": WATCH,
 }
 
 SHAS: dict[str, str] = {name: sha1(src.encode()).hexdigest() for name, src in ALL.items()}

@@ -67,13 +67,13 @@ async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
     run_id, limit_headers = await runs.submit(model, req, principal(request))
     finished = False
     try:
-        async with asyncio.timeout(runs.follow_deadline_s(model.id)):
-            events = runs.follow(run_id, model_id=model.id)
-            headers = {RUN_ID_HEADER: run_id, **limit_headers}
+        headers = {RUN_ID_HEADER: run_id, **limit_headers}
+        async with asyncio.timeout(runs.follow_deadline_s(model.id)), runs.follow(run_id) as follower:
             if req.stream:
-                resp = await stream_response(request, events, model.id, headers)
+                resp = await stream_response(request, follower, model.id, headers,
+                                             cfg.runtime.stream_keepalive_ms / 1000)
             else:
-                resp = await whole_response(events, model.id, headers)
+                resp = await whole_response(follower, model.id, headers)
         finished = True
         return resp
     except TimeoutError:
@@ -124,11 +124,12 @@ async def readyz(request: web.Request) -> web.Response:
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     rt = app[CONFIG].runtime
     redis, pool = gateway_redis(app[REDIS_URL], rt.redis_max_connections)
-    app[RUNS] = RunClient(redis, app[CONFIG])
+    app[RUNS] = RunClient(redis, app[CONFIG])  # with the gateway's one event reader
     trimmer = asyncio.create_task(trim_forever(pool, rt.idle_timeout_ms / 1000))
     yield
     trimmer.cancel()
     await asyncio.gather(trimmer, return_exceptions=True)
+    await app[RUNS].close()
     await redis.aclose()
 
 

@@ -96,7 +96,7 @@ class SentinelTrimmedPool(TrimmedPool, SentinelPool):
 def gateway_redis(url: str, max_connections: int) -> tuple[Redis, TrimmedPool]:
     """The gateway's client over a pool of at most `max_connections` connections."""
     pool: TrimmedPool = connection_pool(url, max_connections=max_connections, pool_class=TrimmedPool,
-                                        sentinel_pool_class=SentinelTrimmedPool)
+                                        sentinel_pool_class=SentinelTrimmedPool, client_name="iop-gateway")
     return Redis.from_pool(pool), pool
 
 

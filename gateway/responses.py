@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -11,10 +10,11 @@ from aiohttp import web
 from common.wire import ErrorInfo, EventType
 from gateway import metrics
 from gateway.errors import ApiError
-from gateway.runs import Event
+from gateway.events import Follower
 
 RUN_ID_HEADER = "X-IOP-Run-Id"
 SSE_DONE = b"data: [DONE]\n\n"
+KEEP_ALIVE = b": keep-alive\n\n"
 
 
 def with_model(obj: Any, model_id: str) -> Any:
@@ -28,51 +28,65 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def whole_response(events: AsyncIterator[Event], model_id: str, headers: dict[str, str]) -> web.Response:
+async def whole_response(follower: Follower, model_id: str, headers: dict[str, str]) -> web.Response:
     """`headers`: the run id's and the key's rate-limit headers."""
-    async for event in events:
+    while True:
+        event = await follower.next()
+        if event is None:
+            continue
         if event.type == EventType.COMPLETED:
             body = with_model(event.data.get("response", {}), model_id)
             return web.json_response(body, headers=headers)
         if event.type == EventType.FAILED:
             raise ApiError.from_info(ErrorInfo.from_wire(event.data))
-    raise RuntimeError("event stream ended without a terminal event")
 
 
-async def stream_response(
-    request: web.Request, events: AsyncIterator[Event], model_id: str, headers: dict[str, str]
-) -> web.StreamResponse:
-    """Headers go out with the first output, so a failure before it keeps its HTTP status.
+class SSEStream:
+    """An SSE answer whose headers go out only when needed: with the first output, or with the
+    first keep-alive comment. Until then a failure keeps its own HTTP status."""
+
+    def __init__(self, request: web.Request, headers: dict[str, str]) -> None:
+        self.request = request
+        self.headers = headers
+        self.resp: web.StreamResponse | None = None
+
+    async def write(self, data: bytes) -> web.StreamResponse:
+        if self.resp is None:
+            self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                    "X-Accel-Buffering": "no", **self.headers})
+            await self.resp.prepare(self.request)
+        await self.resp.write(data)
+        return self.resp
+
+    async def keep_alive(self) -> None:
+        """An SSE comment: proxies and clients with read timeouts see the stream is alive."""
+        await self.write(KEEP_ALIVE)
+
+
+async def stream_response(request: web.Request, follower: Follower, model_id: str, headers: dict[str, str],
+                          keep_alive_s: float) -> web.StreamResponse:
+    """The run as OpenAI chunks. While nothing comes for `keep_alive_s` (the run waits in its
+    queue, say), a keep-alive comment goes out every `keep_alive_s`. An error before anything
+    went out keeps its HTTP status; after, it comes in the stream, OpenAI-shaped, then [DONE].
     `headers`: the run id's and the key's rate-limit headers."""
-    resp: web.StreamResponse | None = None
-
-    async def begin() -> web.StreamResponse:
-        r = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-            **headers,
-        })
-        await r.prepare(request)
-        return r
-
-    async for event in events:
-        if event.type == EventType.DELTA:
-            resp = resp or await begin()
+    out = SSEStream(request, headers)
+    while True:
+        event = await follower.next(keep_alive_s)
+        if event is None:
+            await out.keep_alive()
+        elif event.type == EventType.DELTA:
             chunks = event.data.get("chunks", [])
-            await resp.write(b"".join(sse(with_model(c, model_id)) for c in chunks))
+            await out.write(b"".join(sse(with_model(c, model_id)) for c in chunks))
             metrics.streamed(request, chunks)
         elif event.type == EventType.COMPLETED:
-            resp = resp or await begin()
-            await resp.write(SSE_DONE)
+            resp = await out.write(SSE_DONE)
             await resp.write_eof()
             return resp
         elif event.type == EventType.FAILED:
             error = ApiError.from_info(ErrorInfo.from_wire(event.data))
-            if resp is None:
+            if out.resp is None:
                 raise error
             request[metrics.STREAM_ERROR] = error.status
-            await resp.write(sse(error.body()))
+            resp = await out.write(sse(error.body()) + SSE_DONE)
             await resp.write_eof()
             return resp
-    raise RuntimeError("event stream ended without a terminal event")

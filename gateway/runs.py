@@ -6,20 +6,18 @@ import logging
 import math
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from contextlib import AbstractAsyncContextManager
 
 from redis.asyncio import Redis
 
 from common import keys
 from common.auth import ANYONE, Principal
-from common.codec import decode_event, pack
+from common.codec import pack
 from common.config import Config, ModelConfig
-from common.redisconn import REDIS_DOWN, Backoff
-from common.runlog import run_fields
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunState
 from gateway.errors import ApiError
+from gateway.events import Event, EventHub, Follower
 from gateway.requests import ParsedRequest
 
 log = logging.getLogger("iop.gateway")
@@ -37,22 +35,20 @@ FOLLOW_BLOCK_MS = 1_000
 FOLLOW_GRACE_S = 30.0
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    id: str
-    type: str
-    data: dict[str, Any]
-
-
 def new_run_id() -> str:
     return f"run_{uuid.uuid4().hex}"
 
 
 class RunClient:
-    def __init__(self, redis: Redis, config: Config) -> None:
+    def __init__(self, redis: Redis, config: Config, hub: EventHub | None = None) -> None:
+        """`hub`: the gateway's one event reader (a private one when not given)."""
         self.redis = redis
         self.config = config
         self.scripts = Scripts(redis)
+        self.hub = hub or EventHub(redis)
+
+    async def close(self) -> None:
+        await self.hub.close()
 
     async def submit(self, model: ModelConfig, req: ParsedRequest,
                      who: Principal = ANYONE) -> tuple[str, dict[str, str]]:
@@ -68,7 +64,7 @@ class RunClient:
             [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,
              "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
              who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000),
-             policy.max_attempts],
+             policy.max_attempts, self.hub.gateway_id],
         )
         status = result[0].decode()
         if status == "ok":
@@ -111,34 +107,21 @@ class RunClient:
         attempt_ms = policy.queue_timeout_ms + policy.execution_timeout_ms
         return attempt_ms * policy.max_attempts / 1000 + FOLLOW_GRACE_S
 
-    async def follow(self, run_id: str, last_id: str = "0", model_id: str | None = None) -> AsyncIterator[Event]:
-        """Every event of the run from `last_id` on, until a terminal one. Never ends by itself
-        otherwise: the caller bounds it with a deadline."""
-        key = keys.run_events(run_id)
-        backoff = Backoff(cap=1.0)
-        while True:
-            try:
-                reply = await self.redis.xread({key: last_id}, count=512, block=FOLLOW_BLOCK_MS)
-                lost = not reply and not await self.redis.exists(keys.run_record(run_id))
-                backoff.reset()
-            except REDIS_DOWN as exc:
-                # Ride out a Redis restart: with persistence the run goes on after it.
-                log.warning("Redis unavailable while following (%s); retrying", exc,
-                            extra=run_fields(run_id, model_id))
-                await backoff.pause()
-                continue
-            if lost:
-                # Redis lost the run (a restart without persistence, a failover): say so instead of waiting.
-                info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis lost its record "
-                                                        "(a restart without persistence, or a failover)")
-                yield Event("lost", EventType.FAILED.value, info.to_wire())
-                return
-            for _stream, entries in reply or ():
-                for entry_id, fields in entries:
-                    last_id, etype, data = decode_event(entry_id, fields)
-                    yield Event(last_id, etype, data)
-                    if etype in (EventType.COMPLETED, EventType.FAILED):
-                        return
+    def follow(self, run_id: str, last_id: str = "0", *, watch: bool = False) -> AbstractAsyncContextManager[Follower]:
+        """Follow the run's events after `last_id` (through the gateway's one reader); `watch` for a
+        run another gateway may have started. The follower's `next()` never ends the wait by
+        itself: the caller bounds it with a deadline."""
+        return self.hub.follow(run_id, last_id, watch=watch)
+
+    async def events(self, run_id: str, last_id: str = "0", *, watch: bool = False) -> AsyncIterator[Event]:
+        """Every event of the run after `last_id`, up to and including its terminal one."""
+        async with self.follow(run_id, last_id, watch=watch) as follower:
+            while True:
+                event = await follower.next()
+                assert event is not None
+                yield event
+                if event.type in (EventType.COMPLETED, EventType.FAILED):
+                    return
 
     async def cancel(self, run_id: str, model_id: str, reason: str) -> str:
         """Drop the run if it waits; tell its node to abort it if it runs."""
@@ -147,6 +130,6 @@ class RunClient:
             "drop_queued",
             [keys.runs_stream(model_id), keys.run_record(run_id), keys.run_events(run_id)],
             [run_id, keys.SCHEDULER_GROUP, RunState.CANCELLED.value, pack(info.to_wire()),
-             self.config.runtime.run_ttl_s, info.code.value, reason, keys.node_cancel("")],
+             self.config.runtime.run_ttl_s, info.code.value, reason, keys.node_cancel(""), keys.scheduler_channel("")],
         )
         return result.decode() if isinstance(result, bytes) else str(result)

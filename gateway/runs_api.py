@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -24,8 +24,9 @@ from common.runview import is_terminal, run_view
 from common.wire import ErrorCode, EventType, RunField
 from gateway.auth import principal
 from gateway.errors import ApiError, invalid
-from gateway.responses import RUN_ID_HEADER, with_model
-from gateway.runs import Event, RunClient
+from gateway.events import Event
+from gateway.responses import KEEP_ALIVE, RUN_ID_HEADER, with_model
+from gateway.runs import RunClient
 
 #: How long DELETE waits for a running run to end before it answers 202.
 CANCEL_WAIT_S = 10.0
@@ -93,27 +94,42 @@ class RunsApi:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no", RUN_ID_HEADER: run_id})
         await resp.prepare(request)
+        runs = self.runs()
         try:
-            async with asyncio.timeout(self.runs().follow_deadline_s(view["model"])):
-                async for event in self._events(run_id, last_id, view):
-                    await resp.write(_sse(event, view["model"]))
+            async with asyncio.timeout(runs.follow_deadline_s(view["model"])):
+                if is_terminal(view):
+                    for event in await self._ended_events(run_id, last_id):
+                        await resp.write(_sse(event, view["model"]))
+                else:
+                    await self._follow(resp, run_id, last_id, view["model"])
         except TimeoutError:
             pass
         await resp.write_eof()
         return resp
 
-    async def _events(self, run_id: str, last_id: str, view: dict[str, Any]) -> AsyncIterator[Event]:
-        """The events after `last_id`. An ended run's are all there already: read them and stop
-        (its terminal event may be the one the client has, so following would never end)."""
-        if not is_terminal(view):
-            async for event in self.runs().follow(run_id, last_id, model_id=view["model"]):
-                yield event
-            return
+    async def _follow(self, resp: web.StreamResponse, run_id: str, last_id: str, model_id: str) -> None:
+        """Every event after `last_id` until the terminal one, with a keep-alive comment whenever
+        nothing came for `runtime.stream_keepalive_ms`."""
+        runs = self.runs()
+        keep_alive_s = runs.config.runtime.stream_keepalive_ms / 1000
+        async with runs.follow(run_id, last_id, watch=True) as follower:
+            while True:
+                event = await follower.next(keep_alive_s)
+                if event is None:
+                    await resp.write(KEEP_ALIVE)
+                    continue
+                await resp.write(_sse(event, model_id))
+                if event.type in (EventType.COMPLETED, EventType.FAILED):
+                    return
+
+    async def _ended_events(self, run_id: str, last_id: str) -> list[Event]:
+        """An ended run's events after `last_id`: all there already (its terminal event may be the
+        one the client has, so following would never end)."""
         if last_id == _LAST_ID:
-            return
+            return []
         start = "-" if last_id == "0" else f"({last_id}"
-        for entry_id, fields in await self.runs().redis.xrange(keys.run_events(run_id), start, "+"):
-            yield Event(*decode_event(entry_id, fields))
+        return [Event(*decode_event(entry_id, fields))
+                for entry_id, fields in await self.runs().redis.xrange(keys.run_events(run_id), start, "+")]
 
     async def delete(self, request: web.Request) -> web.Response:
         run_id = request.match_info["run_id"]
@@ -122,16 +138,15 @@ class RunsApi:
         latest = await runs.redis.xrevrange(keys.run_events(run_id), "+", "-", count=1)
         after = latest[0][0].decode() if latest else "0"
         if await runs.cancel(run_id, view["model"], "cancelled through the runs API") == "signalled":
-            await self._until_ended(run_id, after, view["model"])
+            await self._until_ended(run_id, after)
         view = await self._view(request, run_id)
         return web.json_response(view, status=200 if is_terminal(view) else 202, headers={RUN_ID_HEADER: run_id})
 
-    async def _until_ended(self, run_id: str, after: str, model_id: str | None) -> None:
+    async def _until_ended(self, run_id: str, after: str) -> None:
         try:
             async with asyncio.timeout(CANCEL_WAIT_S):
-                async for event in self.runs().follow(run_id, after, model_id=model_id):
-                    if event.type in (EventType.COMPLETED, EventType.FAILED):
-                        return
+                async for _ in self.runs().events(run_id, after, watch=True):
+                    pass
         except TimeoutError:
             return
 

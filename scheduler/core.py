@@ -142,8 +142,10 @@ class Scheduler:
         return adopted
 
     def on_signal(self, data: bytes) -> None:
-        """A message on `iop:signals`: a model id (a slot of it freed, or more of its runs wait)
-        or "*" (a provider's health changed). Only what could unblock this replica wakes it."""
+        """A message on `iop:signals` ("*": a provider's health changed; a model id: a run of it was
+        cancelled at its start) or on this replica's own channel (a model id: this replica holds
+        its oldest waiting run, and a slot freed or the run ahead left). Only what could unblock
+        this replica wakes it."""
         model_id = data.decode(errors="replace")
         if model_id == "*" or self.waiting.get(model_id):
             self.kick.set()
@@ -214,7 +216,7 @@ class Scheduler:
              *(keys.leases(s.provider_id) for s in seen)],
             [head.run_id, head.entry_id, keys.SCHEDULER_GROUP, choice.capacity, rt.lease_ttl_ms, provider_id,
              node_id, model.providers[provider_id], job_payload(head.run_id, now_ms()), rt.run_ttl_s,
-             keys.SCHEDULER_SIGNALS, model.id, *(s.in_flight for s in seen)],
+             keys.scheduler_channel(""), model.id, *(s.in_flight for s in seen)],
         )
         if isinstance(result, list):  # ['stale', count per provider in `seen`]
             return "stale", {s.provider_id: int(n) for s, n in zip(seen, result[1:], strict=True)}
@@ -257,7 +259,7 @@ class Scheduler:
             "drop_queued",
             [keys.runs_stream(model_id), keys.run_record(w.run_id), keys.run_events(w.run_id)],
             [w.run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()),
-             self.config.runtime.run_ttl_s, info.code.value, info.message, ""],
+             self.config.runtime.run_ttl_s, info.code.value, info.message, "", keys.scheduler_channel("")],
         )
         if result == b"ok":
             metrics.DROPPED.labels(model_id, state.value).inc()
@@ -348,18 +350,20 @@ class Scheduler:
                 lease_key = keys.leases(provider.id)
                 expired = await self.redis.zrangebyscore(lease_key, "-inf", now)
                 for raw in expired:
-                    reaped += await self._reap(lease_key, node.id, raw.decode(), max_attempts)
+                    reaped += await self._reap(lease_key, node.id, provider.id, raw.decode(), max_attempts)
         return reaped
 
-    async def _reap(self, lease_key: str, node_id: str, run_id: str, max_attempts: dict[str, int]) -> int:
+    async def _reap(self, lease_key: str, node_id: str, provider_id: str, run_id: str,
+                    max_attempts: dict[str, int]) -> int:
         model_raw = await self.redis.hget(keys.run_record(run_id), "model")
         model_id = model_raw.decode() if model_raw else ""
         lost = ErrorInfo(ErrorCode.WORKER_LOST, "the worker running this run was lost")
         result = await self.scripts.call(
             "reap",
             [lease_key, keys.run_record(run_id), keys.run_events(run_id), keys.runs_stream(model_id),
-             keys.node_queue(node_id), keys.arq_job(run_id), keys.arq_in_progress(run_id), keys.arq_retry(run_id)],
-            [run_id, max_attempts.get(model_id, 1), self.config.runtime.run_ttl_s, keys.SCHEDULER_SIGNALS,
+             keys.node_queue(node_id), keys.arq_job(run_id), keys.arq_in_progress(run_id), keys.arq_retry(run_id),
+             *(keys.runs_stream(m) for m in self.config.models_of(provider_id))],
+            [run_id, max_attempts.get(model_id, 1), self.config.runtime.run_ttl_s, keys.scheduler_channel(""),
              model_id, pack(lost.to_wire()), pack({**lost.to_wire(), "before_output": False}),
              pack(cancelled_by_caller().to_wire())],
         )
@@ -418,7 +422,7 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
     async def signals() -> None:
         pubsub = sched.redis.pubsub()
         try:
-            await pubsub.subscribe(keys.SCHEDULER_SIGNALS)
+            await pubsub.subscribe(keys.SCHEDULER_SIGNALS, keys.scheduler_channel(sched.consumer))
             sched.kick.set()  # anything may have changed while we were not listening
             while True:
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)

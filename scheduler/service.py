@@ -16,7 +16,7 @@ log = logging.getLogger("iop.scheduler")
 async def serve(config: Config, redis_url: str, metrics_port: int | None = None,
                 metrics_host: str = "0.0.0.0") -> None:
     stop = stop_event()
-    redis = connect(redis_url)
+    redis = connect(redis_url, client_name="iop-scheduler")
     sched = Scheduler(redis, config)
     ops = None if metrics_port is None else await metrics.serve_metrics(
         redis, config, sched.waiting, metrics_host, metrics_port)

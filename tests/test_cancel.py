@@ -64,7 +64,8 @@ async def test_a_cancel_between_dispatch_and_start_ends_the_run_at_start(redis: 
     assert adapter.calls == 0
     assert await redis.hget(keys.run_record(run_id), "state") == b"cancelled"
     assert await redis.zcard(keys.leases("a")) == 0
-    events = [e async for e in client.follow(run_id)]
+    events = [e async for e in client.events(run_id)]
+    await client.close()
     assert events[-1].type == "failed" and events[-1].data["code"] == "cancelled"
 
 

@@ -172,7 +172,8 @@ async def test_queue_timeout_fails_the_run_and_leaves_the_queue(redis: Redis) ->
     await sched.expire_overdue()
     assert await redis.hget(keys.run_record(run_id), "state") == b"timed_out"
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0
-    events = [e async for e in client.follow(run_id)]
+    events = [e async for e in client.events(run_id)]
+    await client.close()
     assert events[-1].type == "failed" and events[-1].data["code"] == "queue_timeout"
 
 
@@ -210,7 +211,8 @@ async def test_expired_lease_requeues_then_fails_with_worker_lost(redis: Redis) 
     assert await dispatch_and_expire() == b"queued"  # attempt 1 of 2 sent nothing: tried again
     await sched.read_new(block_ms=10)
     assert await dispatch_and_expire() == b"failed"
-    events = [e async for e in client.follow(run_id)]
+    events = [e async for e in client.events(run_id)]
+    await client.close()
     assert [e.type for e in events] == ["dispatched", "requeued", "dispatched", "failed"]
     assert events[-1].data["code"] == "worker_lost"
 
@@ -225,7 +227,8 @@ async def test_waiting_runs_fail_at_once_when_every_provider_reports_itself_down
     await beat(redis, config, health="unavailable")
     await sched.dispatch_all()
     assert [await redis.hget(keys.run_record(r), "state") for r in run_ids] == [b"failed", b"failed"]
-    events = [e async for e in client.follow(run_ids[0])]
+    events = [e async for e in client.events(run_ids[0])]
+    await client.close()
     assert events[-1].data["code"] == "no_available_provider"
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0
 

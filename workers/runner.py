@@ -262,7 +262,7 @@ class Runner:
         packed = pack(data)
         if att.output_bytes + len(packed) > rt.max_output_bytes:
             raise OutputTooLarge(f"the run's output passed runtime.max_output_bytes ({rt.max_output_bytes} bytes)")
-        args = [att.attempt, etype.value, packed, rt.run_ttl_s, rt.max_events_per_run]
+        args = [att.attempt, etype.value, packed, rt.run_ttl_s, rt.max_events_per_run, att.run_id]
         backoff = Backoff(cap=1.0)
         give_up = time.monotonic() + rt.lease_ttl_ms / 1000
         while True:
@@ -288,11 +288,12 @@ class Runner:
         is briefly away: a slot must come back."""
         kind, strikes, reason = evidence
         args = [att.run_id, state.value if state else requeue, etype.value, pack(data),
-                self.config.runtime.run_ttl_s, keys.SCHEDULER_SIGNALS, att.model_id,
+                self.config.runtime.run_ttl_s, keys.scheduler_channel(""), att.model_id,
                 info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes, reason,
                 *usage]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
-                    keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id)]
+                    keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id),
+                    *(keys.runs_stream(m) for m in self.config.models_of(att.provider_id))]
         backoff = Backoff(cap=1.0)
         for _ in range(8):
             try:

@@ -80,7 +80,7 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
     background: list[asyncio.Task[Any]] = []
 
     async def startup(ctx: dict[str, Any]) -> None:
-        redis = connect(redis_url)
+        redis = connect(redis_url, client_name="iop-worker")
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
         secrets = frozenset(p.api_key_env for n in config.nodes for p in n.providers if p.api_key_env)
         adapters = {p.id: make_adapter(p, session, secrets, read_limits(config.runtime)) for p in node.providers}
