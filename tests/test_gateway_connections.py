@@ -310,7 +310,8 @@ def test_the_redis_pool_is_bounded_and_shrinks_when_followers_leave(
     for sock in callers:  # the callers leave: their runs are cancelled, the followers end
         sock.close()
     wait_until(lambda: client.xlen(f"iop:runs:{MODEL}") == 0, timeout=DEADLINE_S, what="the runs to be dropped")
-    wait_until(lambda: gateway_connections() == 0, timeout=DEADLINE_S,
+    # what stays is the gateway's one event listener (blocked on its inbox), however many waited
+    wait_until(lambda: gateway_connections() <= 1, timeout=DEADLINE_S,
                what="the gateway's idle Redis connections to be closed")
     gw.proc.wait_for_line(r"closed \d+ idle Redis connections")
     client.close()
