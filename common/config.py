@@ -114,7 +114,7 @@ class RuntimeConfig(Strict):
     body_timeout_ms: int = Field(60_000, ge=10, description="a request body must arrive within this after its head")
     idle_timeout_ms: int = Field(75_000, ge=10, description="a kept-alive connection without a request is closed")
     max_connections: int = Field(4_096, ge=1, description="connections the gateway serves at once")
-    redis_max_connections: int = Field(4_096, ge=2, description="the gateway's Redis connection pool")
+    redis_max_connections: int = Field(64, ge=2, description="the gateway's Redis connection pool")
     # What one run may make a worker read and keep (workers.runner, the adapters); see the README.
     max_output_bytes: int = Field(16 * 1024 * 1024, ge=1024,
                                   description="a run's streamed output (stored events) beyond this ends it")

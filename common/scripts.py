@@ -82,11 +82,13 @@ end
 _WAKE = f"""
 local function wake_head(stream, channel_prefix)
   local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
-  if #head == 0 then return end
+  if #head == 0 then return '' end
   local pending = redis.pcall('XPENDING', stream, '{keys.SCHEDULER_GROUP}', head[1][1], head[1][1], 1)
   if type(pending) == 'table' and pending.err == nil and #pending > 0 then
     redis.call('PUBLISH', channel_prefix .. pending[1][2], string.sub(stream, {len(keys.runs_stream("")) + 1}))
+    return pending[1][2]
   end
+  return ''
 end
 """
 
@@ -176,7 +178,8 @@ return {'ok', entry, left}
 #       the chosen provider's probing lock, lease keys of every candidate the decision looked at...
 # ARGV: run id, entry id, group, capacity, lease_ttl_ms, provider, node, target, job payload,
 #       ttl_s, replica channel prefix, model, the in_flight seen for each candidate (same order)...
-# Once dispatched, the replica holding the next waiting run of the model is woken (`_WAKE`).
+# Once dispatched, the replica holding the next waiting run of the model is woken (`_WAKE`), and
+# the answer says which it is: {'ok', consumer} ('' if none holds it yet).
 # Answers 'probing' while a probe that would disturb a run is out (the prober signals its end).
 DISPATCH = _NOW + _EVENTS + _WAKE + """
 local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
@@ -219,8 +222,7 @@ redis.call('LTRIM', KEYS[8], 0, 1023)
 add_event(KEYS[2], KEYS[3], ARGV[1], 'dispatched',
   cmsgpack.pack({provider = ARGV[6], node = ARGV[7], target = ARGV[8]}))
 redis.call('EXPIRE', KEYS[3], ttl)
-wake_head(KEYS[1], ARGV[11])
-return 'ok'
+return {'ok', wake_head(KEYS[1], ARGV[11])}
 """
 
 # A worker starts a dispatched run: checks its lease (and a cancel request), marks it running

@@ -82,6 +82,10 @@ class Scheduler:
         self.consumer = consumer or new_consumer_name()
         self.waiting: dict[str, list[Waiting]] = {m.id: [] for m in config.models}
         self.kick = asyncio.Event()
+        #: model id -> the entry of this replica's oldest run of it when another replica's was older
+        self.behind: dict[str, str] = {}
+        #: who holds the model's next waiting run, as the last `dispatch` said
+        self.next_holder = ""
         #: models whose pending runs outnumbered this replica's at the last `adopt_forgotten`
         self._short: set[str] = set()
         self._targets = {m.id: {p: m.providers[p] for p in sorted(m.providers)} for m in config.models}
@@ -147,13 +151,21 @@ class Scheduler:
         its oldest waiting run, and a slot freed or the run ahead left). Only what could unblock
         this replica wakes it."""
         model_id = data.decode(errors="replace")
-        if model_id == "*" or self.waiting.get(model_id):
+        if model_id == "*":
+            self.behind.clear()
+            self.kick.set()
+        elif self.waiting.get(model_id):
+            self.behind.pop(model_id, None)
             self.kick.set()
 
     # ----------------------------------------------------------------- dispatch
     async def dispatch_all(self) -> None:
+        """Dispatch every model's waiting runs, but for a model whose oldest waiting run is held
+        by another replica (`not_head`): that one goes first, and it is woken, not this one,
+        until this replica is signalled for the model (or the safety tick comes round)."""
         for model in self.config.models:
-            if self.waiting[model.id]:
+            queue = self.waiting[model.id]
+            if queue and self.behind.get(model.id) != queue[0].entry_id:
                 await self.dispatch_model(model)
 
     async def dispatch_model(self, model: ModelConfig) -> None:
@@ -192,13 +204,18 @@ class Scheduler:
                     snaps = [replace(s, in_flight=s.in_flight + 1) if s is choice else s for s in snaps]
                     metrics.DISPATCH_LATENCY.labels(model.id).observe(max(0, now_ms() - head.sort_key[0]) / 1000)
                     log.info("dispatched to %s", choice.provider_id, extra=run_fields(head.run_id, model.id))
+                    if queue and self.next_holder not in ("", self.consumer):
+                        self.behind[model.id] = queue[0].entry_id  # another replica goes next; it was woken
+                        return
             elif result == "stale" and stale < STALE_RETRIES:
                 stale += 1
                 snaps = None if live is None else [replace(s, in_flight=live.get(s.provider_id, s.in_flight))
                                                    for s in snaps]
             else:
-                # not_head: an older run of another replica goes first; it signals us.
+                # not_head: an older run of another replica goes first; we are woken once it left.
                 # probing: a probe that would disturb a run is out; its end signals us.
+                if result == "not_head":
+                    self.behind[model.id] = head.entry_id
                 return
 
     async def _dispatch(self, model: ModelConfig, head: Waiting, choice: ProviderSnapshot,
@@ -218,6 +235,9 @@ class Scheduler:
              node_id, model.providers[provider_id], job_payload(head.run_id, now_ms()), rt.run_ttl_s,
              keys.scheduler_channel(""), model.id, *(s.in_flight for s in seen)],
         )
+        if isinstance(result, list) and result[0] == b"ok":  # ['ok', the replica holding the next run]
+            self.next_holder = result[1].decode()
+            return "ok", None
         if isinstance(result, list):  # ['stale', count per provider in `seen`]
             return "stale", {s.provider_id: int(n) for s, n in zip(seen, result[1:], strict=True)}
         return (result.decode() if isinstance(result, bytes) else str(result)), None
@@ -407,6 +427,8 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
             await asyncio.wait_for(sched.kick.wait(), timeout=wait_s)
         except TimeoutError:
             pass
+        if not sched.kick.is_set():
+            sched.behind.clear()  # the safety tick: look at every model again
         sched.kick.clear()
         await sched.expire_overdue()
         await sched.dispatch_all()
