@@ -226,55 +226,72 @@ return {'ok', wake_head(KEYS[1], ARGV[11])}
 """
 
 # A worker starts a dispatched run: checks its lease (and a cancel request), marks it running
-# and returns its record, so starting costs one round trip. Returns {status, field, value, ...}.
-# On the run's last possible attempt the request body leaves Redis once read.
+# and returns its record. Returns {'ok', field, value, ...} or {status}. On the run's last
+# possible attempt the request body leaves Redis once read.
+_START = """
+local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, cancelled, signals, lease_prefix)
+  local state = redis.call('HGET', record, 'state')
+  if state ~= 'dispatched' then return {state or 'missing'} end
+  local lease = lease_prefix .. redis.call('HGET', record, 'provider')
+  local score = redis.call('ZSCORE', lease, run_id)
+  if not score or tonumber(score) <= now then return {'lease_lost'} end
+  if redis.call('HGET', record, 'cancel') == '1' then
+    -- the caller left between dispatch and start: end it here and give the slot back
+    redis.call('ZREM', lease, run_id)
+    redis.call('HSET', record, 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
+      'error_message', 'cancelled by the caller')
+    ended(record, run_id, 'cancelled', 0, 0)
+    add_event(record, events, run_id, 'failed', cancelled)
+    redis.call('EXPIRE', events, ttl)
+    redis.call('PUBLISH', signals, redis.call('HGET', record, 'model'))
+    return {'cancelled'}
+  end
+  redis.call('ZADD', lease, 'XX', now + tonumber(lease_ttl_ms), run_id)
+  redis.call('HSET', record, 'state', 'running', 'started_ms', now, 'worker', worker)
+  redis.call('EXPIRE', record, ttl)
+  local attempt = tonumber(redis.call('HGET', record, 'attempts') or '1')
+  add_event(record, events, run_id, 'started', cmsgpack.pack({attempt = attempt}))
+  redis.call('EXPIRE', events, ttl)
+  local out = redis.call('HGETALL', record)
+  table.insert(out, 1, 'ok')
+  -- the last attempt has the body now: no other attempt will need it
+  if attempt >= tonumber(redis.call('HGET', record, 'max_attempts') or '1') then
+    redis.call('HDEL', record, 'body')
+  end
+  return out
+end
+"""
+
+# Start one dispatched run (`_START`), for a caller that has its run id (tests, arq's fallback).
 # KEYS: run record, events
 # ARGV: run id, lease_ttl_ms, ttl_s, worker (host:pid), cancelled event data, signals channel,
 #       lease key prefix (the lease key is that prefix + the run's provider)
-START = _NOW + _ENDED + _EVENTS + """
-local state = redis.call('HGET', KEYS[1], 'state')
-if state ~= 'dispatched' then return {state or 'missing'} end
-local lease = ARGV[7] .. redis.call('HGET', KEYS[1], 'provider')
-local score = redis.call('ZSCORE', lease, ARGV[1])
-if not score or tonumber(score) <= now then return {'lease_lost'} end
-if redis.call('HGET', KEYS[1], 'cancel') == '1' then
-  -- the caller left between dispatch and start: end it here and give the slot back
-  redis.call('ZREM', lease, ARGV[1])
-  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
-    'error_message', 'cancelled by the caller')
-  ended(KEYS[1], ARGV[1], 'cancelled', 0, 0)
-  add_event(KEYS[1], KEYS[2], ARGV[1], 'failed', ARGV[5])
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
-  redis.call('PUBLISH', ARGV[6], redis.call('HGET', KEYS[1], 'model'))
-  return {'cancelled'}
-end
-redis.call('ZADD', lease, 'XX', now + tonumber(ARGV[2]), ARGV[1])
-redis.call('HSET', KEYS[1], 'state', 'running', 'started_ms', now, 'worker', ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-local attempt = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '1')
-add_event(KEYS[1], KEYS[2], ARGV[1], 'started', cmsgpack.pack({attempt = attempt}))
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-local out = redis.call('HGETALL', KEYS[1])
-table.insert(out, 1, 'ok')
--- the last attempt has the body now: no other attempt will need it
-if attempt >= tonumber(redis.call('HGET', KEYS[1], 'max_attempts') or '1') then
-  redis.call('HDEL', KEYS[1], 'body')
-end
-return out
+START = _NOW + _ENDED + _EVENTS + _START + """
+return start_run(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
 """
 
-# arq's claim of queued jobs, in one round trip instead of arq's WATCH/MULTI dance: each job
-# that is due and not in progress gets its in-progress marker. Returns {id, score, ...}.
-# KEYS: node queue   ARGV: in-progress key prefix, in-progress ttl (ms), job ids...
-CLAIM = _NOW + """
+# A worker takes jobs off its node's queue and starts their runs, in one round trip: each job
+# (job id = run id) that is due and not in progress gets its in-progress marker and its run is
+# started (`_START`). A job whose run cannot start (it ended, its lease went, it was cancelled)
+# leaves the queue at once. Returns {{job id, status, field, value, ...}, ...}.
+# KEYS: node queue
+# ARGV: in-progress key prefix, in-progress ttl (ms), run record prefix, events prefix, lease
+#       prefix, lease_ttl_ms, ttl_s, worker, cancelled event data, signals channel, job ids...
+TAKE = _NOW + _ENDED + _EVENTS + _START + """
 local out = {}
-for i = 3, #ARGV do
+for i = 11, #ARGV do
   local id = ARGV[i]
   local score = redis.call('ZSCORE', KEYS[1], id)
   if score and tonumber(score) <= now and redis.call('EXISTS', ARGV[1] .. id) == 0 then
-    redis.call('SET', ARGV[1] .. id, '1', 'PX', ARGV[2])
-    out[#out + 1] = id
-    out[#out + 1] = score
+    local started = start_run(ARGV[3] .. id, ARGV[4] .. id, id, ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10],
+      ARGV[5])
+    if started[1] == 'ok' then
+      redis.call('SET', ARGV[1] .. id, '1', 'PX', ARGV[2])
+    else
+      redis.call('ZREM', KEYS[1], id)
+    end
+    table.insert(started, 1, id)
+    out[#out + 1] = started
   end
 end
 return out
@@ -296,9 +313,11 @@ return 1
 # run back at the tail of its model's queue. Does nothing if the attempt no longer owns the
 # run (its lease was reaped and the run went on without it).
 # Also adds what the attempt showed about the provider's health to its heartbeat (`_EVIDENCE`).
-# The freed slot may serve any model of the provider: the replica holding the oldest waiting run
-# of each is woken (`_WAKE`).
-# KEYS: run record, lease, events, runs stream, heartbeat, runs streams of the provider's models...
+# The attempt's job leaves its node's queue (with its in-progress marker), before any requeue:
+# the next dispatch queues a job of the same id. The freed slot may serve any model of the
+# provider: the replica holding the oldest waiting run of each is woken (`_WAKE`).
+# KEYS: run record, lease, events, runs stream, heartbeat, node queue, the job's in-progress
+#       marker, runs streams of the provider's models...
 # ARGV: run id, state (completed|failed|cancelled|requeue|requeue_elsewhere), event type, event
 #       data, ttl_s, replica channel prefix, model, error code, error message, attempt,
 #       evidence ('ok'|'fail'|''), strikes, failure reason, prompt tokens, completion tokens
@@ -308,6 +327,8 @@ local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[10] then return 'stale' end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[6], ARGV[1])
+redis.call('DEL', KEYS[7])
 evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable')
 local ttl = tonumber(ARGV[5])
 add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4])
@@ -322,7 +343,7 @@ else
   ended(KEYS[1], ARGV[1], ARGV[2], ARGV[14], ARGV[15])
 end
 redis.call('EXPIRE', KEYS[1], ttl)
-for i = 6, #KEYS do wake_head(KEYS[i], ARGV[6]) end
+for i = 8, #KEYS do wake_head(KEYS[i], ARGV[6]) end
 return 'ok'
 """
 
@@ -467,7 +488,7 @@ ALL: dict[str, str] = {
     "enqueue": ENQUEUE,
     "dispatch": DISPATCH,
     "start": START,
-    "claim": CLAIM,
+    "take": TAKE,
     "renew": RENEW,
     "finish": FINISH,
     "drop_queued": DROP_QUEUED,

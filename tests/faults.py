@@ -19,7 +19,7 @@ import redis as sync_redis
 from iop.embedded_redis import RedisServer
 from tests.conftest import Stack, async_wait_until, wait_until
 
-FAST_RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "probe_interval_ms": 200, "lease_ttl_ms": 1500,
+FAST_RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "probe_interval_ms": 200, "lease_ttl_ms": 3000,
                 "scheduler_liveness_ms": 1000}
 MODEL = "qwen3.6:35b"
 TERMINAL = {b"completed", b"failed", b"cancelled", b"timed_out"}

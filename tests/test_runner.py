@@ -85,8 +85,7 @@ async def test_opening_chunks_wait_for_output_so_a_stream_cut_before_it_is_tried
     sched, run_id = await start_one(redis, {"a": 1})
     cut = ProviderError("provider a: the stream was cut short ([DONE] without a finish_reason)", retry=Retry.ANY)
     runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[ROLE]], cut)})
-    assert await runner.execute(run_id) == "requeue_pending"
-    assert await runner.after_job(run_id) == "requeued:ok"
+    assert await runner.execute(run_id) == "requeued:ok"
     kinds = [k for k, _ in await events(redis, run_id)]
     assert "delta" not in kinds and kinds[-1] == "requeued"  # the caller saw nothing: it may be tried again
     assert await fields(redis, keys.run_record(run_id), "state", "output") == ["queued", None]
@@ -105,8 +104,7 @@ async def test_a_server_error_goes_back_only_when_another_provider_is_available(
     provider, other = await chosen_and_other(redis, run_id)
     err = ProviderError(f"provider {provider} answered 500: boom", status=500, retry=Retry.ELSEWHERE)
     runner = Runner(redis, sched.config, f"n-{provider}", {provider: Scripted([], err)})
-    assert await runner.execute(run_id) == "requeue_pending"
-    await runner.after_job(run_id)
+    assert await runner.execute(run_id) == "requeued:ok"
     entry = (await redis.xrange(keys.runs_stream(MODEL)))[0][1]
     assert entry[b"exclude"] == b"1" and entry[b"tried"] == provider.encode()
     # the scheduler sends it to the other provider only, even with the first one free
@@ -137,8 +135,7 @@ async def test_a_requeued_run_whose_other_providers_went_down_fails_instead_of_w
     provider, other = await chosen_and_other(redis, run_id)
     err = ProviderError(f"provider {provider} answered 500: boom", status=500, retry=Retry.ELSEWHERE)
     runner = Runner(redis, sched.config, f"n-{provider}", {provider: Scripted([], err)})
-    assert await runner.execute(run_id) == "requeue_pending"
-    await runner.after_job(run_id)
+    assert await runner.execute(run_id) == "requeued:ok"
     await redis.hset(keys.heartbeat(other), "health", "unavailable")  # between requeue and dispatch
     await sched.read_new(block_ms=10)
     await sched.dispatch_all()
@@ -203,3 +200,36 @@ async def test_a_run_whose_lease_is_gone_is_left_to_the_reaper_not_cancelled(red
     await redis.zrem(keys.leases("a"), run_id)  # as if its lease had expired and been taken
     assert await execution == "lease_lost" and adapter.closed.is_set()
     assert await redis.hget(keys.run_record(run_id), "state") == b"running"  # untouched: the reaper's now
+
+
+async def test_a_worker_takes_a_job_and_its_run_ends_with_the_job_off_the_queue(redis: Redis,
+                                                                               redis_url: str) -> None:
+    """The `take` script claims the job and starts the run in one trip; `finish` takes the job
+    off the node's queue (before a requeue: the next dispatch queues a job of the same id)."""
+    from arq.constants import in_progress_key_prefix
+    from arq.worker import func
+
+    from workers.arq_worker import WakeWorker, arq_redis
+    from workers.service import run_job
+
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    assert await redis.zscore(keys.node_queue("n-a"), run_id) is not None
+    err = ProviderError("provider a: connection refused", retry=Retry.ANY, strikes=1)
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([], err)})
+    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
+                        wake_key=keys.node_wake("n-a"), runner=lambda: runner, redis_pool=arq_redis(redis_url),
+                        handle_signals=False)
+    try:
+        worker._scripts = Scripts(worker.pool)
+        await worker.claim_and_start([run_id, "run_unknown"])
+        assert list(worker.tasks) == [run_id]
+        assert await worker.tasks[run_id] == "requeued:ok"
+        assert await redis.zscore(keys.node_queue("n-a"), run_id) is None  # off the queue ...
+        assert not await redis.exists(in_progress_key_prefix + run_id)
+        assert await fields(redis, keys.run_record(run_id), "state", "attempts") == ["queued", "1"]
+        await sched.read_new(block_ms=10)
+        await sched.dispatch_all()  # ... so the next attempt's job is queued and stays
+        assert await redis.zscore(keys.node_queue("n-a"), run_id) is not None
+        assert await fields(redis, keys.run_record(run_id), "state", "attempts") == ["dispatched", "2"]
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)

@@ -3,40 +3,35 @@
 arq polls its queue every `poll_delay` (0.5 s by default, measured here at 258 ms median
 added latency per run). This worker blocks on the node's wake list instead: the dispatch
 script LPUSHes the job id with every job it queues, so a job is claimed the moment it is
-queued. The claim is one Lua script (`claim`) instead of arq's WATCH/MULTI sequence.
+queued. Taking the job and starting its run is one Lua script (`take`) instead of arq's
+WATCH/MULTI sequence, its job read and its try counter; the run's `finish` script takes the job
+off the queue at the end, so arq writes no result and deletes nothing per job.
 arq's own poll iteration still runs when nothing woke the worker for `poll_delay` and
 after the worker was full, as a safety net for tokens that were lost or trimmed.
 
 A worker whose slots are all busy waits for one of its jobs to end instead of taking a
 token, so an idle sibling process of the same node gets it.
-
-arq's own bookkeeping at the end of a job (drop it from the node queue, delete its keys) is
-retried through a Redis outage or failover, as long as the job in the queue is still the one
-this task ran: otherwise the job would stay queued and marked in progress for days.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from arq.connections import ArqRedis, create_pool
 from arq.constants import in_progress_key_prefix
 from arq.worker import Worker
 
+from common import keys
 from common.redisconn import REDIS_DOWN, Backoff, connection_pool
 from common.scripts import Scripts
+from workers.runner import Runner
 
 log = logging.getLogger("iop.worker")
 
-#: The queue score of the job the current task runs (a new dispatch of the same run gets another).
-_JOB_SCORE: contextvars.ContextVar[int] = contextvars.ContextVar("iop_job_score")
-#: How long arq's end-of-job bookkeeping is retried while Redis is away.
-FINISH_RETRY_S = 60.0
 
 
 def arq_redis(url: str) -> ArqRedis:
@@ -48,9 +43,11 @@ def arq_redis(url: str) -> ArqRedis:
 
 
 class WakeWorker(Worker):
-    def __init__(self, *args: Any, wake_key: str, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, wake_key: str, runner: Callable[[], Runner], **kwargs: Any) -> None:
+        """`runner`: the node's runner, once the startup hook has made it."""
         super().__init__(*args, **kwargs)
         self.wake_key = wake_key
+        self.runner = runner
 
     async def main(self) -> None:
         if self._pool is None:
@@ -114,57 +111,26 @@ class WakeWorker(Worker):
         await self.claim_and_start([j.decode() for j in job_ids[:max(free, 0)]])
 
     async def claim_and_start(self, job_ids: list[str]) -> None:
+        """Take the jobs and start their runs in one round trip (the `take` script), then run each
+        in a task of its own. arq's own per-job steps (reading the job, counting tries, writing a
+        result) are not paid: the run record carries all of it, and the run's `finish` script
+        takes the job off the queue."""
         if not job_ids:
             return
-        claimed = await self._scripts.call(
-            "claim", [self.queue_name],
-            [in_progress_key_prefix, int(self.in_progress_timeout_s * 1000), *job_ids])
-        for i in range(0, len(claimed), 2):
-            job_id, score = claimed[i].decode(), int(float(claimed[i + 1]))
+        taken = await self._scripts.call(
+            "take", [self.queue_name],
+            [in_progress_key_prefix, int(self.in_progress_timeout_s * 1000), keys.run_record(""),
+             keys.run_events(""), keys.leases(""), *self.runner().start_args(), *job_ids])
+        for started in taken:
+            job_id = started[0].decode()
+            if started[1] != b"ok":
+                await self.runner().run(job_id, started[1:])  # says why, in the log
+                continue
             await self.sem.acquire()
             self.job_counter += 1
-            task = self.loop.create_task(self._run_scored(job_id, score))
+            task = self.loop.create_task(self.runner().run(job_id, started[1:]))
             task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
             self.tasks[job_id] = task
-
-    async def _run_scored(self, job_id: str, score: int) -> None:
-        _JOB_SCORE.set(score)  # this task's own copy of the context
-        await self.run_job(job_id, score)
-
-    async def finish_job(self, job_id: str, *args: Any) -> None:
-        await self._through_outage(job_id, lambda: super(WakeWorker, self).finish_job(job_id, *args))
-
-    async def finish_failed_job(self, job_id: str, result_data: bytes | None) -> None:
-        await self._through_outage(job_id, lambda: super(WakeWorker, self).finish_failed_job(job_id, result_data))
-
-    async def _through_outage(self, job_id: str, finish: Callable[[], Awaitable[None]]) -> None:
-        """arq's end-of-job step, tried again while Redis is away, but only while the node queue
-        still holds this task's job: once the lease was reaped and the run dispatched again, the
-        job there (same id, another score) is the next attempt's and must stay."""
-        backoff = Backoff(cap=1.0)
-        give_up = time.monotonic() + FINISH_RETRY_S
-        score = _JOB_SCORE.get(None)
-        while True:
-            try:
-                await finish()
-                return
-            except REDIS_DOWN as exc:
-                if score is None or time.monotonic() > give_up:
-                    raise
-                log.warning("worker: cannot record the end of job %s (%s); retrying in %.2fs", job_id, exc,
-                            backoff.delay)
-                await backoff.pause()
-            while True:
-                try:
-                    queued = await self.pool.zscore(self.queue_name, job_id)
-                    break
-                except REDIS_DOWN as exc:
-                    if time.monotonic() > give_up:
-                        raise
-                    log.warning("worker: Redis unavailable (%s); retrying in %.2fs", exc, backoff.delay)
-                    await backoff.pause()
-            if queued is None or int(queued) != score:
-                return  # gone already (reaped, or recorded before the outage), or the next attempt's
 
     async def close(self) -> None:
         """arq's close, but a Redis that is already gone does not skip our shutdown hook."""

@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,22 +101,27 @@ class Runner:
         self.scripts = Scripts(redis)
         #: run id -> (attempt, the task executing it), for cancellation
         self.running: dict[str, tuple[Attempt, asyncio.Task[Any]]] = {}
-        #: run id -> the requeue to do once arq has finished with the job (`after_job`)
-        self.deferred: dict[str, Callable[[], Awaitable[str]]] = {}
 
     # ------------------------------------------------------------------ entry
-    async def execute(self, run_id: str) -> str:
-        """Run one job; returns how it ended (for logs and tests)."""
+    def start_args(self) -> list[Any]:
+        """The `start` / `take` scripts' arguments after the run's own (see common.scripts)."""
         rt = self.config.runtime
-        reply = await self.scripts.call(
-            "start", [keys.run_record(run_id), keys.run_events(run_id)],
-            [run_id, rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack(CANCELLED.to_wire()),
-             keys.SCHEDULER_SIGNALS, keys.leases("")])
-        status: str = reply[0].decode()
+        return [rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack(CANCELLED.to_wire()), keys.SCHEDULER_SIGNALS]
+
+    async def execute(self, run_id: str) -> str:
+        """Start one dispatched run and run it; returns how it ended (for logs and tests)."""
+        reply = await self.scripts.call("start", [keys.run_record(run_id), keys.run_events(run_id)],
+                                        [run_id, *self.start_args(), keys.leases("")])
+        return await self.run(run_id, reply)
+
+    async def run(self, run_id: str, started: list[bytes]) -> str:
+        """Run a run the `start` or `take` script answered for (`started`: its status, then its
+        record's fields and values)."""
+        status: str = started[0].decode()
         if status != "ok":
             log.warning("not started (%s)", status, extra=run_fields(run_id, None))
             return status
-        record = {reply[i].decode(): reply[i + 1] for i in range(1, len(reply) - 1, 2)}
+        record = {started[i].decode(): started[i + 1] for i in range(1, len(started) - 1, 2)}
         provider_id = record["provider"].decode()
         model_id = record["model"].decode()
         model = self.config.model(model_id)
@@ -141,11 +146,6 @@ class Runner:
             renewer.cancel()
             metrics.RUN_SECONDS.labels(model_id, provider_id).observe(time.monotonic() - began)
             self.running.pop(run_id, None)
-
-    async def after_job(self, run_id: str) -> str | None:
-        """Called once arq has recorded the end of the job: do a deferred requeue."""
-        requeue = self.deferred.pop(run_id, None)
-        return await requeue() if requeue else None
 
     def cancel(self, run_id: str, reason: str) -> bool:
         entry = self.running.get(run_id)
@@ -230,14 +230,11 @@ class Runner:
         again = not att.output and int(att.attempt) < att.max_attempts and (
             retry is Retry.ANY or (retry is Retry.ELSEWHERE and await self._untried_available(att)))
         if again:
-            log.info("attempt %s failed, requeued: %s", att.attempt, info.message,
-                     extra=att.log())
-            state = "requeue" if retry is Retry.ANY else "requeue_elsewhere"
-            # Put it back only once arq has finished with this job: arq's own cleanup deletes
-            # the job's keys (job id = run id), which would swallow the next attempt's job.
-            self.deferred[att.run_id] = lambda: self._finish(att, None, EventType.REQUEUED, info.to_wire(),
-                                                             evidence=evidence, requeue=state)
-            return "requeue_pending"
+            log.info("attempt %s failed, requeued: %s", att.attempt, info.message, extra=att.log())
+            # (the finish script takes the job off its node's queue first: the next dispatch
+            # queues a job of the same id)
+            return await self._finish(att, None, EventType.REQUEUED, info.to_wire(), evidence=evidence,
+                                      requeue="requeue" if retry is Retry.ANY else "requeue_elsewhere")
         log.info("failed: %s", info.message, extra=att.log())
         return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info, evidence=evidence)
 
@@ -292,7 +289,8 @@ class Runner:
                 info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes, reason,
                 *usage]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
-                    keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id),
+                    keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id), keys.node_queue(self.node_id),
+                    keys.arq_in_progress(att.run_id),
                     *(keys.runs_stream(m) for m in self.config.models_of(att.provider_id))]
         backoff = Backoff(cap=1.0)
         for _ in range(8):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from arq.worker import func
@@ -45,11 +45,6 @@ def make_adapter(provider: ProviderConfig, session: aiohttp.ClientSession,
 async def run_job(ctx: dict[str, Any], run_id: str) -> str:
     runner: Runner = ctx[RUNNER_CTX]
     return await runner.execute(run_id)
-
-
-async def after_job(ctx: dict[str, Any]) -> None:
-    runner: Runner = ctx[RUNNER_CTX]
-    await runner.after_job(ctx["job_id"])
 
 
 async def _listen_cancels(runner: Runner, node_id: str) -> None:
@@ -104,10 +99,11 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
             await session.close()
 
     slots = max_jobs or sum(p.capacity for p in node.providers) or 1
-    return WakeWorker(
-        functions=[func(run_job, name=keys.JOB_FUNCTION, max_tries=1)],
+    worker = WakeWorker(
+        functions=[func(run_job, name=keys.JOB_FUNCTION, max_tries=1)],  # (arq's own loop never runs it)
         queue_name=keys.node_queue(node_id),
         wake_key=keys.node_wake(node_id),
+        runner=lambda: cast(Runner, worker.ctx[RUNNER_CTX]),
         redis_pool=arq_redis(redis_url),  # the URL's parameters (TLS) too, unlike RedisSettings.from_dsn
         max_jobs=slots,
         job_timeout=7 * 24 * 3600,  # runs enforce their own execution timeout
@@ -115,13 +111,13 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         poll_delay=1.0,
         on_startup=startup,
         on_shutdown=shutdown,
-        after_job_end=after_job,
-        retry_jobs=False,  # a cancelled job is finished; the run itself is requeued by `after_job`
+        retry_jobs=False,  # the run itself is requeued by its finish script
         job_serializer=pack,
         job_deserializer=unpack,
         handle_signals=False,  # `serve` owns SIGTERM/SIGINT and stops gracefully
         max_burst_jobs=-1,
     )
+    return worker
 
 
 async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 10.0,
