@@ -593,17 +593,19 @@ async def cancel_slot_back(session: aiohttp.ClientSession, gateway: str, redis_u
                            runs: int) -> dict[str, Any]:
     """Callers that leave mid-stream: time from closing the connection to the slot coming back.
 
-    The slot is back when the worker's `finish` script has removed the lease; that script
-    publishes on `iop:signals`, so the time is taken when that message arrives (and the
-    lease set is checked to be empty)."""
+    The slot is back when the worker's `finish` script has removed the lease: the time is taken
+    when Redis's keyspace notification of that removal arrives (and the lease set is checked to
+    be empty). The benchmark's private Redis is told to send those notifications."""
     from redis import asyncio as aioredis
 
     from common import keys
 
     client = aioredis.Redis.from_url(redis_url)
+    await client.config_set("notify-keyspace-events", "Kz")
     pubsub = client.pubsub()
-    await pubsub.subscribe(keys.SCHEDULER_SIGNALS)
-    await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+    await pubsub.subscribe(*(f"__keyspace@0__:{keys.leases(pid)}" for pid, _, _ in PROVIDERS))
+    for _ in PROVIDERS:
+        await pubsub.get_message(timeout=1.0)  # the subscribe confirmations
     lease_keys = [keys.leases(pid) for pid, _, _ in PROVIDERS]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True,
             "max_tokens": 100_000, "sim": {"tokens": 100_000, "itl_ms": 20}}
@@ -622,7 +624,7 @@ async def cancel_slot_back(session: aiohttp.ClientSession, gateway: str, redis_u
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if msg and msg["data"] == MODEL.encode() and not sum([await client.zcard(k) for k in lease_keys]):
+                if msg and msg["data"] == b"zrem" and not sum([await client.zcard(k) for k in lease_keys]):
                     waits_ns.append(time.perf_counter_ns() - left)
                     break
             else:

@@ -73,13 +73,13 @@ def scheduler_channel(consumer: str) -> str:
 
 
 def gateway_inbox(gateway_id: str) -> str:
-    """Stream of one gateway process: the ids of runs it follows that have new events (written
-    with every event of a run whose record names the gateway among its `watchers`)."""
+    """Stream of one gateway process: a copy of every event of the runs it follows (written with
+    the event itself, for every run whose record names the gateway among its `watchers`)."""
     return f"{PREFIX}:inbox:{gateway_id}"
 
 
 #: An inbox keeps this many entries at most (MAXLEN ~), and lives this long after its last one.
-INBOX_MAXLEN: Final = 100_000
+INBOX_MAXLEN: Final = 10_000
 INBOX_TTL_MS: Final = 3_600_000
 
 
@@ -160,7 +160,7 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (scheduler_channel("{consumer}"), "pub/sub channel", "wakes the one replica holding a model's oldest waiting run",
      "PSUBSCRIBE iop:signals:*"),
     (scheduler_alive("{consumer}"), "string + TTL", "a live scheduler replica", "KEYS iop:scheduler:*"),
-    (gateway_inbox("{gateway}"), "stream + TTL", "run ids with new events, for the gateway that follows them",
+    (gateway_inbox("{gateway}"), "stream + TTL", "copies of the events of the runs a gateway follows",
      "XREVRANGE iop:inbox:{gateway} + - COUNT 10"),
     (key_in_flight("{key}"), "sorted set", "an API key's runs queued or running: run id -> end bound (ms)",
      "ZCARD iop:inflight:{key}"),

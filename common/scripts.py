@@ -92,8 +92,9 @@ local function wake_head(stream, channel_prefix)
 end
 """
 
-# Add an event to a run, and tell every gateway that follows the run (the record's `watchers`:
-# gateway ids, comma-separated) through its inbox, which that gateway's one reader waits on.
+# Add an event to a run, and hand a copy to every gateway that follows the run (the record's
+# `watchers`: gateway ids, comma-separated) through its inbox, which that gateway's one reader
+# waits on. The copy says which run and which event (`run`, `id`) it is.
 _EVENTS = f"""
 local function add_event(record, events, run_id, etype, data)
   local id = redis.call('XADD', events, '*', 'type', etype, 'data', data)
@@ -101,7 +102,8 @@ local function add_event(record, events, run_id, etype, data)
   if watchers then
     for gateway in string.gmatch(watchers, '[^,]+') do
       local inbox = '{keys.gateway_inbox("")}' .. gateway
-      redis.call('XADD', inbox, 'MAXLEN', '~', {keys.INBOX_MAXLEN}, '*', 'run', run_id)
+      redis.call('XADD', inbox, 'MAXLEN', '~', {keys.INBOX_MAXLEN}, '*', 'run', run_id, 'id', id, 'type', etype,
+        'data', data)
       redis.call('PEXPIRE', inbox, {keys.INBOX_TTL_MS})
     end
   end

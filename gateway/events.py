@@ -1,19 +1,19 @@
 """One event reader per gateway process: every caller waiting for a run is served by it.
 
 A run's events live in its own stream (`iop:events:{run}`). Each script that adds one also
-writes the run's id to the inbox of every gateway that follows the run (`iop:inbox:{gateway}`,
-the record's `watchers`). A gateway runs two tasks over a fixed two Redis connections, however
-many callers wait:
+writes a copy to the inbox of every gateway that follows the run (`iop:inbox:{gateway}`, the
+record's `watchers`), in the same atomic step, so a gateway's inbox holds the events of its runs
+in the order they happened. Each gateway runs one **listener** blocked on its inbox, over one
+Redis connection however many callers wait; it hands each event to the callers of its run.
 
-- the **listener** blocks on the gateway's inbox and marks the runs it names as due;
-- the **reader** reads the due runs' new events, all in one pipeline (`XRANGE` after the last
-  event each caller got), and hands each event to the callers of that run, in order.
-
-Nothing is lost or delivered twice: the run's own stream is the source of every event, and each
-caller (a `Follower`) gets only the events after the last one it got. An inbox entry that goes
-missing (Redis restarted, or the inbox was trimmed) only delays a caller: every `SWEEP_S` all
-followed runs are read again, and after a Redis outage at once. A run whose record is gone
-(Redis lost it) gets a `failed` event saying so.
+Nothing is lost or delivered twice. Each caller (a `Follower`) gets only events newer than the
+last one it got. A caller that starts following first reads what its run already has from the
+run's own stream (`XRANGE` after its last event id), while the events the listener brings
+meanwhile wait in its buffer. If the inbox could have lost entries (a Redis restart or
+reconnect, or the listener falling so far behind that the inbox was trimmed past it), every
+followed run is read again from its own stream. A run whose record is gone (Redis lost it) gets
+a `failed` event saying so; that is checked after a reconnect and, for runs that heard nothing
+for a while, every `QUIET_CHECK_S`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys
-from common.codec import decode_event
+from common.codec import decode_event, unpack
 from common.redisconn import REDIS_DOWN, Backoff
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType
@@ -41,9 +41,12 @@ log = logging.getLogger("iop.gateway")
 
 #: How long the listener blocks on the inbox before it looks around.
 LISTEN_BLOCK_MS = 1_000
-#: Every this often, all followed runs are read whether their gateway heard of them or not.
-SWEEP_S = 2.0
-#: Events read from one run's stream per round (more come in the next round at once).
+#: Inbox entries read at once.
+LISTEN_COUNT = 1_024
+#: Runs that heard nothing for this long are read again from their own stream, and their record
+#: checked (did Redis lose it?).
+QUIET_CHECK_S = 10.0
+#: Events read from one run's stream per read (more come in the next read at once).
 READ_COUNT = 512
 TERMINAL = (EventType.COMPLETED, EventType.FAILED)
 
@@ -59,14 +62,25 @@ def new_gateway_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+def _key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return 0, 0
+
+
 class Follower:
     """One caller waiting for the events of one run, after `last_id`."""
 
     def __init__(self, run_id: str, last_id: str) -> None:
         self.run_id = run_id
-        self.last_id = last_id
+        self.last = _key(last_id)
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.ended = False
+        #: while its first read of the run's stream is out, what the listener brought meanwhile
+        self.pending: list[Event] | None = []
+        self.heard_at = time.monotonic()
 
     async def next(self, timeout: float | None = None) -> Event | None:
         """The next event, or None if none came within `timeout` seconds."""
@@ -78,16 +92,35 @@ class Follower:
         except TimeoutError:
             return None
 
+    def offer(self, event: Event) -> None:
+        """An event from the inbox: held while the first read is out, else handed over if new."""
+        if self.pending is not None:
+            self.pending.append(event)
+        else:
+            self.give(event)
+
     def give(self, event: Event) -> None:
         if self.ended:
             return
+        if event.id != "lost":
+            key = _key(event.id)
+            if key <= self.last:
+                return  # had it already
+            self.last = key
+        self.heard_at = time.monotonic()
         self.queue.put_nowait(event)
         if event.type in TERMINAL:
             self.ended = True
 
+    def synced(self) -> None:
+        """The first read is in: hand over what came meanwhile (each only if new)."""
+        held, self.pending = self.pending or [], None
+        for event in held:
+            self.give(event)
 
-def _after(entry_id: str) -> str:
-    return "-" if entry_id in ("0", "0-0", "") else f"({entry_id}"
+
+def _after(key: tuple[int, int]) -> str:
+    return "-" if key == (0, 0) else f"({key[0]}-{key[1]}"
 
 
 class EventHub:
@@ -97,9 +130,8 @@ class EventHub:
         self.inbox = keys.gateway_inbox(self.gateway_id)
         self.scripts = Scripts(redis)
         self.followers: dict[str, set[Follower]] = {}
-        self.due: set[str] = set()
-        self.wake = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
+        self.checked_at = 0.0
 
     # ------------------------------------------------------------------ callers
     @asynccontextmanager
@@ -107,12 +139,12 @@ class EventHub:
         """Follow a run's events after `last_id`. `watch`: the run may have been started by
         another gateway, so this one joins its watchers first."""
         self._start()
-        if watch:
-            await self.scripts.call("watch", [keys.run_record(run_id)], [self.gateway_id])
         follower = Follower(run_id, last_id)
         self.followers.setdefault(run_id, set()).add(follower)
-        self._mark(run_id)  # what is there already
         try:
+            if watch:
+                await self.scripts.call("watch", [keys.run_record(run_id)], [self.gateway_id])
+            await self._catch_up(follower)
             yield follower
         finally:
             group = self.followers.get(run_id)
@@ -121,15 +153,22 @@ class EventHub:
                 if not group:
                     del self.followers[run_id]
 
-    def _mark(self, run_id: str) -> None:
-        self.due.add(run_id)
-        self.wake.set()
+    async def _catch_up(self, follower: Follower) -> None:
+        """What the run has already: read from its own stream; then what the listener held."""
+        backoff = Backoff(cap=1.0)
+        while True:
+            try:
+                await self._read_runs([follower.run_id], check_lost=False, only=follower)
+                break
+            except REDIS_DOWN as exc:
+                log.warning("gateway events: Redis unavailable (%s); retrying", exc)
+                await backoff.pause()
+        follower.synced()
 
-    # ------------------------------------------------------------------ the two tasks
+    # ------------------------------------------------------------------ the listener
     def _start(self) -> None:
         if not self.tasks:
-            self.tasks = [asyncio.create_task(self._listen(), name="iop-inbox"),
-                          asyncio.create_task(self._read(), name="iop-events")]
+            self.tasks = [asyncio.create_task(self._listen(), name="iop-inbox")]
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -140,87 +179,83 @@ class EventHub:
     async def _listen(self) -> None:
         last = "$"
         backoff = Backoff(cap=1.0)
+        resync = False
         while True:
             try:
-                reply = await self.redis.xread({self.inbox: last}, count=4096, block=LISTEN_BLOCK_MS)
+                if resync:
+                    await self._read_runs(list(self.followers), check_lost=True)
+                    resync = False
+                reply = await self.redis.xread({self.inbox: last}, count=LISTEN_COUNT, block=LISTEN_BLOCK_MS)
+                entries = reply[0][1] if reply else []
+                if len(entries) == LISTEN_COUNT and await self._trimmed_past(last):
+                    resync = True  # so far behind that entries went: read every run again
+                for entry_id, fields in entries:
+                    last = entry_id.decode()
+                    self._deliver(fields)
+                await self._check_quiet()
                 backoff.reset()
             except REDIS_DOWN as exc:
                 log.warning("gateway inbox: Redis unavailable (%s); retrying", exc)
+                resync = True  # whatever came meanwhile is read from each run's stream
                 await backoff.pause()
-                self.due.update(self.followers)  # whatever was missed meanwhile is read again
-                self.wake.set()
-                continue
-            for _stream, entries in reply or ():
+
+    def _deliver(self, fields: dict[bytes, bytes]) -> None:
+        run_id = fields.get(b"run", b"").decode()
+        followers = self.followers.get(run_id)
+        if not followers:
+            return
+        raw = fields.get(b"data")
+        data = unpack(raw) if raw else {}
+        event = Event(fields.get(b"id", b"").decode(), fields.get(b"type", b"").decode(),
+                      data if isinstance(data, dict) else {})
+        for follower in list(followers):
+            follower.offer(event)
+
+    async def _trimmed_past(self, last: str) -> bool:
+        info = await self.redis.xinfo_stream(self.inbox)
+        first = info.get("first-entry")
+        return last != "$" and first is not None and _key(first[0].decode()) > _key(last)
+
+    async def _check_quiet(self) -> None:
+        now = time.monotonic()
+        if now - self.checked_at < 1.0:
+            return
+        self.checked_at = now
+        quiet = [r for r, fs in self.followers.items() if all(now - f.heard_at > QUIET_CHECK_S for f in fs)]
+        if quiet:
+            await self._read_runs(quiet, check_lost=True)
+            for run_id in quiet:
+                for f in self.followers.get(run_id, ()):
+                    f.heard_at = now
+
+    # ------------------------------------------------------------------ reading runs' streams
+    async def _read_runs(self, run_ids: list[str], check_lost: bool, only: Follower | None = None) -> None:
+        """Read the runs' new events from their own streams (one pipeline) and hand them out (to
+        `only`, or to every follower of each run)."""
+        run_ids = [r for r in run_ids if r in self.followers]
+        while run_ids:
+            starts = {r: min(f.last for f in ([only] if only else self.followers[r])) for r in run_ids}
+            pipe = self.redis.pipeline(transaction=False)
+            for run_id in run_ids:
+                pipe.xrange(keys.run_events(run_id), _after(starts[run_id]), "+", count=READ_COUNT)
+                if check_lost:
+                    pipe.exists(keys.run_record(run_id))
+            replies = iter(await pipe.execute())
+            more = []
+            for run_id in run_ids:
+                entries = next(replies)
+                exists = next(replies) if check_lost else 1
+                followers = [only] if only else list(self.followers.get(run_id, ()))
                 for entry_id, fields in entries:
-                    last = entry_id.decode()
-                    run_id = fields.get(b"run", b"").decode()
-                    if run_id in self.followers:
-                        self.due.add(run_id)
-            if self.due:
-                self.wake.set()
-
-    async def _read(self) -> None:
-        backoff = Backoff(cap=1.0)
-        next_sweep = time.monotonic() + SWEEP_S
-        while True:
-            try:
-                async with asyncio.timeout(max(0.0, next_sweep - time.monotonic())):
-                    await self.wake.wait()
-            except TimeoutError:
-                pass
-            self.wake.clear()
-            sweep = time.monotonic() >= next_sweep
-            if sweep:
-                self.due.update(self.followers)
-                next_sweep = time.monotonic() + SWEEP_S
-            due, self.due = [r for r in self.due if r in self.followers], set()
-            if not due:
-                continue
-            try:
-                await self._read_runs(due, check_lost=sweep)
-                backoff.reset()
-            except REDIS_DOWN as exc:
-                log.warning("gateway events: Redis unavailable (%s); retrying", exc)
-                self.due.update(due)
-                self.wake.set()
-                await backoff.pause()
-
-    async def _read_runs(self, run_ids: list[str], check_lost: bool) -> None:
-        """Read the new events of `run_ids` (one pipeline) and hand them out."""
-        starts = {r: min(f.last_id for f in self.followers[r]) for r in run_ids}
-        pipe = self.redis.pipeline(transaction=False)
-        for run_id in run_ids:
-            pipe.xrange(keys.run_events(run_id), _after(starts[run_id]), "+", count=READ_COUNT)
-            if check_lost:
-                pipe.exists(keys.run_record(run_id))
-        replies = iter(await pipe.execute())
-        for run_id in run_ids:
-            entries = next(replies)
-            exists = next(replies) if check_lost else 1
-            followers = self.followers.get(run_id, set())
-            for entry_id, fields in entries:
-                event = Event(*decode_event(entry_id, fields))
-                for f in followers:
-                    if _newer(event.id, f.last_id):
-                        f.last_id = event.id
+                    event = Event(*decode_event(entry_id, fields))
+                    for f in followers:
                         f.give(event)
-            if len(entries) == READ_COUNT:
-                self._mark(run_id)  # more to read
-            elif not entries and not exists:
-                # Redis lost the run (a restart without persistence, or a failover): say so.
-                info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis lost its record "
-                                                        "(a restart without persistence, or a failover)")
-                for f in followers:
-                    f.give(Event("lost", EventType.FAILED.value, info.to_wire()))
-
-
-def _newer(entry_id: str, than: str) -> bool:
-    return _key(entry_id) > _key(than)
-
-
-def _key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    try:
-        return int(ms), int(seq or 0)
-    except ValueError:
-        return 0, 0
+                if len(entries) == READ_COUNT:
+                    more.append(run_id)
+                elif not entries and not exists:
+                    # Redis lost the run (a restart without persistence, or a failover): say so.
+                    info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis lost its record "
+                                                            "(a restart without persistence, or a failover)")
+                    for f in followers:
+                        f.give(Event("lost", EventType.FAILED.value, info.to_wire()))
+            run_ids = more

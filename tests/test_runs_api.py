@@ -56,8 +56,14 @@ class Api:
         return (await self.client.submit(model, req))[0]
 
     async def event(self, run_id: str, etype: str, data: dict[str, Any]) -> str:
-        entry = await self.redis.xadd(keys.run_events(run_id), event_fields(etype, data))
-        return str(entry.decode())
+        """An event added as the scripts add one: to the run's stream, and a copy to the inbox of
+        each gateway that follows the run."""
+        fields = event_fields(etype, data)
+        entry = (await self.redis.xadd(keys.run_events(run_id), fields)).decode()
+        for gateway in ((await self.redis.hget(keys.run_record(run_id), "watchers")) or b"").decode().split(","):
+            if gateway:
+                await self.redis.xadd(keys.gateway_inbox(gateway), {"run": run_id, "id": entry, **fields})
+        return str(entry)
 
     async def end(self, run_id: str, state: str = "completed") -> None:
         await self.redis.hset(keys.run_record(run_id), mapping={"state": state, "finished_ms": now_ms()})
