@@ -132,6 +132,8 @@ class EventHub:
         self.followers: dict[str, set[Follower]] = {}
         self.tasks: list[asyncio.Task[None]] = []
         self.checked_at = 0.0
+        #: set once the listener knows where in the inbox it starts
+        self.listening = asyncio.Event()
 
     # ------------------------------------------------------------------ callers
     @asynccontextmanager
@@ -139,6 +141,7 @@ class EventHub:
         """Follow a run's events after `last_id`. `watch`: the run may have been started by
         another gateway, so this one joins its watchers first."""
         self._start()
+        await self.listening.wait()  # the inbox's position is known: what comes after, it will hear
         follower = Follower(run_id, last_id)
         self.followers.setdefault(run_id, set()).add(follower)
         try:
@@ -175,9 +178,22 @@ class EventHub:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.tasks = []
+        self.listening.clear()
+
+    async def _tail(self) -> str:
+        """The inbox's last entry now (a follower's first read covers what came before it)."""
+        backoff = Backoff(cap=1.0)
+        while True:
+            try:
+                newest = await self.redis.xrevrange(self.inbox, "+", "-", count=1)
+                return newest[0][0].decode() if newest else "0-0"
+            except REDIS_DOWN as exc:
+                log.warning("gateway inbox: Redis unavailable (%s); retrying", exc)
+                await backoff.pause()
 
     async def _listen(self) -> None:
-        last = "$"
+        last = await self._tail()
+        self.listening.set()
         backoff = Backoff(cap=1.0)
         resync = False
         while True:
@@ -214,7 +230,7 @@ class EventHub:
     async def _trimmed_past(self, last: str) -> bool:
         info = await self.redis.xinfo_stream(self.inbox)
         first = info.get("first-entry")
-        return last != "$" and first is not None and _key(first[0].decode()) > _key(last)
+        return first is not None and _key(first[0].decode()) > _key(last)
 
     async def _check_quiet(self) -> None:
         now = time.monotonic()

@@ -1,0 +1,76 @@
+"""The gateway's one event reader against a real Redis: callers get every event of their run once,
+in order, whether it was written before they followed or after, and after the inbox lost
+entries, from the run's own stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+from redis.asyncio import Redis
+
+from common import keys
+from common.codec import event_fields
+from gateway.events import EventHub
+
+
+async def add(redis: Redis, run_id: str, gateway: str | None, etype: str, n: int) -> str:
+    """An event as the scripts add one: to the run's stream and, for a follower, its inbox."""
+    fields = event_fields(etype, {"n": n})
+    entry: str = (await redis.xadd(keys.run_events(run_id), fields)).decode()
+    if gateway is not None:
+        await redis.xadd(keys.gateway_inbox(gateway), {"run": run_id, "id": entry, **fields})
+    return entry
+
+
+async def collect(follower_next: object, count: int) -> list[int]:
+    out = []
+    for _ in range(count):
+        event = await asyncio.wait_for(follower_next(), 10)  # type: ignore[operator]
+        out.append(event.data["n"])
+    return out
+
+
+async def test_events_before_during_and_after_the_first_read_arrive_once_in_order(redis: Redis) -> None:
+    hub = EventHub(redis)
+    run_id = "run_a"
+    await redis.hset(keys.run_record(run_id), mapping={"state": "running", "watchers": hub.gateway_id})
+    try:
+        await add(redis, run_id, None, "delta", 0)  # before anyone followed: only in its stream
+        async with hub.follow(run_id) as follower:
+            for n in range(1, 30):
+                await add(redis, run_id, hub.gateway_id, "delta", n)
+            await add(redis, run_id, hub.gateway_id, "completed", 30)
+            got = await collect(follower.next, 31)
+        assert got == list(range(31))
+    finally:
+        await hub.close()
+
+
+async def test_a_fresh_reader_hears_what_comes_after_it_starts(redis: Redis) -> None:
+    for i in range(5):
+        hub = EventHub(redis)
+        run_id = f"run_b{i}"
+        await redis.hset(keys.run_record(run_id), mapping={"state": "running", "watchers": hub.gateway_id})
+        try:
+            async with hub.follow(run_id) as follower:
+                await add(redis, run_id, hub.gateway_id, "delta", 1)
+                assert await collect(follower.next, 1) == [1]
+        finally:
+            await hub.close()
+
+
+async def test_after_the_inbox_lost_entries_the_runs_own_stream_fills_the_gap(redis: Redis) -> None:
+    hub = EventHub(redis)
+    run_id = "run_c"
+    await redis.hset(keys.run_record(run_id), mapping={"state": "running", "watchers": hub.gateway_id})
+    try:
+        async with hub.follow(run_id) as follower:
+            await add(redis, run_id, hub.gateway_id, "delta", 1)
+            assert await collect(follower.next, 1) == [1]
+            await add(redis, run_id, None, "delta", 2)  # its inbox copy lost (as in a restart)
+            await redis.connection_pool.disconnect()  # the reader reconnects: it reads every run again
+            assert await collect(follower.next, 1) == [2]
+            await add(redis, run_id, hub.gateway_id, "delta", 3)
+            assert await collect(follower.next, 1) == [3]
+    finally:
+        await hub.close()
