@@ -169,7 +169,7 @@ class Scheduler:
             head = queue[0]
             now = now_ms()
             if snaps is None:
-                snaps = await read_snapshots(self.redis, self._targets[model.id], now)
+                snaps = await read_snapshots(self.redis, self._targets[model.id], now, self.config.node_of)
             choice = select_provider(snaps, now, ttl, head.avoid, head.exclude)
             if choice is None:
                 if all_refused(snaps, now, ttl):
@@ -190,7 +190,7 @@ class Scheduler:
                     snaps = [replace(s, in_flight=s.in_flight + 1) if s is choice else s for s in snaps]
                     metrics.DISPATCH_LATENCY.labels(model.id).observe(max(0, now_ms() - head.sort_key[0]) / 1000)
                     log.info("dispatched to %s", choice.provider_id, extra=run_fields(head.run_id, model.id))
-            elif result == "stale" and stale < STALE_RETRIES:
+            elif result in ("stale", "drained") and stale < STALE_RETRIES:  # drained: an operator just did
                 stale += 1
                 snaps = None if live is None else [replace(s, in_flight=live.get(s.provider_id, s.in_flight))
                                                    for s in snaps]
@@ -205,14 +205,15 @@ class Scheduler:
         provider_id = choice.provider_id
         node_id = self.config.node_of(provider_id)
         rt = self.config.runtime
-        seen = [s for s in snaps if s.capacity]
+        seen = [s for s in snaps if s.effective_capacity]
         result = await self.scripts.call(
             "dispatch",
             [keys.runs_stream(model.id), keys.run_record(head.run_id), keys.run_events(head.run_id),
              keys.leases(provider_id), keys.arq_job(head.run_id), keys.arq_retry(head.run_id),
              keys.node_queue(node_id), keys.node_wake(node_id), keys.probing(provider_id),
+             keys.drained(provider_id), keys.cordoned(node_id), keys.capacity_override(provider_id),
              *(keys.leases(s.provider_id) for s in seen)],
-            [head.run_id, head.entry_id, keys.SCHEDULER_GROUP, choice.capacity, rt.lease_ttl_ms, provider_id,
+            [head.run_id, head.entry_id, keys.SCHEDULER_GROUP, choice.capacity or 0, rt.lease_ttl_ms, provider_id,
              node_id, model.providers[provider_id], job_payload(head.run_id, now_ms()), rt.run_ttl_s,
              keys.SCHEDULER_SIGNALS, model.id, *(s.in_flight for s in seen)],
         )
