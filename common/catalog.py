@@ -19,8 +19,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from common import keys
-from common import control
+from common import control, keys
 from common.config import Config, ModelConfig, ProviderConfig
 from common.control import ProviderControl
 from common.policy import Health, ProviderSnapshot, has_free_slot, is_available, is_fresh
@@ -223,7 +222,7 @@ def _health(value: str | None) -> Health:
 
 
 def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str | None,
-             ctl: ProviderControl = ProviderControl()) -> ProviderSnapshot:
+             ctl: ProviderControl = control.NONE) -> ProviderSnapshot:
     """The policy's view of a provider (for a model served there as `served`)."""
     observed = _names(beat.get("observed_models"))
     return ProviderSnapshot(
@@ -248,7 +247,7 @@ def _provider_health(snap: ProviderSnapshot, beat: dict[str, str], now_ms: int, 
 
 
 def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: int,
-             ttl_ms: int, ctl: ProviderControl = ProviderControl()) -> tuple[str | None, str | None]:
+             ttl_ms: int, ctl: ProviderControl = control.NONE) -> tuple[str | None, str | None]:
     """(reason, detail) a run of the model cannot go to this provider now; (None, None) if it can.
     An operator's drain or cordon comes first: it is why, whatever else holds."""
     if ctl.drained_since_ms is not None:
@@ -276,7 +275,7 @@ def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: 
 def _provider_record(config: Config, p: ProviderConfig, raw: RawState) -> ProviderRecord:
     beat = raw.heartbeats.get(p.id, {})
     in_flight = raw.in_flight.get(p.id, 0)
-    ctl = raw.control.get(p.id, ProviderControl())
+    ctl = raw.control.get(p.id, control.NONE)
     snap = snapshot(p.id, beat, in_flight, None, ctl)
     ttl = config.runtime.heartbeat_ttl_ms
     health, reason = _provider_health(snap, beat, raw.now_ms, ttl)
@@ -311,7 +310,7 @@ def _model_record(config: Config, m: ModelConfig, raw: RawState) -> ModelRecord:
     placements = []
     for pid, target in m.providers.items():
         beat = raw.heartbeats.get(pid, {})
-        ctl = raw.control.get(pid, ProviderControl())
+        ctl = raw.control.get(pid, control.NONE)
         snap = snapshot(pid, beat, raw.in_flight.get(pid, 0), target, ctl)
         reason, detail = _why_not(snap, beat, target, raw.now_ms, ttl, ctl)
         placements.append(Placement(provider_id=pid, node_id=config.node_of(pid), target=target,

@@ -187,8 +187,10 @@ class AuditEntry:
 
 
 def _opt_int(value: str | bytes | None) -> int | None:
+    if value is None or value in ("", b""):
+        return None
     try:
-        return int(value) if value not in (None, "", b"") else None  # type: ignore[arg-type]
+        return int(value)
     except ValueError:
         return None
 
@@ -241,6 +243,9 @@ class ProviderControl:
             return "active"
         return "draining" if in_flight > 0 else "drained"
 
+
+#: Nothing set.
+NONE = ProviderControl()
 
 #: Replies `queue_reads` adds to a pipeline per provider and per node.
 PER_PROVIDER = 3
