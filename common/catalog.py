@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 
 from common import control, keys
 from common.config import Config, ModelConfig, ProviderConfig
-from common.control import ProviderControl
+from common.control import AuditEntry, ProviderControl
 from common.policy import Health, ProviderSnapshot, has_free_slot, is_available, is_fresh
 from common.provider_types import LIFECYCLE_FLAGS
 from common.redisconn import as_text_map
@@ -341,3 +341,17 @@ def build_catalog(config: Config, raw: RawState) -> Catalog:
 
 async def read_catalog(redis: Redis, config: Config, now_ms: int) -> Catalog:
     return build_catalog(config, await read_raw(redis, config, now_ms))
+
+
+def change_report(catalog: Catalog, entry: AuditEntry) -> dict[str, Any]:
+    """What an operator's change answers (HTTP and `iop … --json` alike): the change as recorded, and
+    the catalog records of the providers it touched (a node's: all of its providers), as they are now."""
+    report: dict[str, Any] = {"object": "control.change", "change": entry.to_json()}
+    if entry.target_kind == "node":
+        node = next(n for n in catalog.nodes if n.id == entry.target)
+        report["node"] = asdict(node)
+        touched = set(node.providers)
+    else:
+        touched = {entry.target}
+    report["providers"] = [asdict(p) for p in catalog.providers if p.id in touched]
+    return report
