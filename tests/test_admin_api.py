@@ -201,8 +201,8 @@ async def test_only_operator_keys_may_act_and_the_audit_names_the_key(redis: Red
             status, error, _ = await call(method, base + path, CALLER, body)
             assert status == 403 and error["error"]["code"] == "permission_denied", path
         assert await redis.keys("iop:*") == []  # nothing was changed, nothing recorded
-        status, body, _ = await call("POST", base + "/v1/admin/providers/vllm-a/drain", OPERATOR)
-        assert status == 200 and body["change"]["who"] == "ops"
+        status, answer, _ = await call("POST", base + "/v1/admin/providers/vllm-a/drain", OPERATOR)
+        assert status == 200 and answer["change"]["who"] == "ops"
         status, trail, _ = await call("GET", base + "/v1/admin/audit", OPERATOR)
     assert status == 200 and [(e["who"], e["action"]) for e in trail["data"]] == [("ops", "drain")]
 
