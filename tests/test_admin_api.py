@@ -316,6 +316,11 @@ def test_the_commands_act_on_redis_and_record_the_os_user(
     assert 0 < redis.pttl(keys.capacity_override("vllm-a")) <= 5_400_000
     code, out, _ = iop(capsys, "node", "cordon", "gpu-2", *where, "--json")
     assert code == 0 and json.loads(out)["node"]["id"] == "gpu-2"
+    code, out, _ = iop(capsys, "catalog", *where)
+    rows = {line.split()[1]: [cell.strip() for cell in line.split("  ") if cell.strip()]
+            for line in out.splitlines()[1:3]}
+    assert rows["vllm-a"][5:8] == ["0/2 (0.00)", "drained cap 2 (of 4, 90m left)", "0"]
+    assert rows["ollama-b"][5:8] == ["0/2 (0.00)", "drained (node)", "0"]
     code, out, _ = iop(capsys, "provider", "capacity", "vllm-a", "clear", *where)
     assert code == 0 and out.startswith("capacity_clear provider vllm-a: none (was 2 until ")
     code, out, _ = iop(capsys, "provider", "undrain", "vllm-a", *where)
