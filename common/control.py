@@ -43,8 +43,6 @@ NODE_ACTIONS = frozenset({Action.CORDON, Action.UNCORDON})
 #: The shortest and longest time a capacity override may be given (`--for`, `"for"`).
 MIN_FOR_MS = 1_000
 MAX_FOR_MS = 7 * 86_400_000
-#: The largest capacity an override may set.
-MAX_CAPACITY = 100_000
 #: Audit entries one read returns at most (`iop audit --limit`, `GET /v1/admin/audit?limit=`).
 MAX_AUDIT_READ = 1_000
 
@@ -90,14 +88,14 @@ def format_duration(ms: int) -> str:
 
 
 def check_capacity(value: Any, param: str = "capacity") -> int:
-    """A capacity override: an integer in [1, MAX_CAPACITY] (a drain is how to take none)."""
+    """A capacity override: a whole number >= 1 (a drain is how to take none). Its upper bound, the
+    provider's configured capacity, is `check_change`'s."""
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ControlError(f"{param}: {value!r} is not a whole number", param)
-    if not 1 <= value <= MAX_CAPACITY:
-        raise ControlError(f"{param}: {value} is not between 1 and {MAX_CAPACITY} (to take no runs, drain it)",
-                           param)
+    if value < 1:
+        raise ControlError(f"{param}: {value} is less than 1 (to take no runs, drain it)", param)
     return value
 
 
@@ -142,13 +140,18 @@ def check_change(config: Config, change: Change) -> None:
             raise UnknownTarget(f"no node {change.target!r} in the config")
     else:
         try:
-            config.provider(change.target)
+            configured = config.provider(change.target).capacity
         except KeyError:
             raise UnknownTarget(f"no provider {change.target!r} in the config") from None
     if change.action is Action.CAPACITY:
         if change.capacity is None:
             raise ControlError("capacity: required", "capacity")
         check_capacity(change.capacity)
+        # Lower only: a node's workers run as many runs at once as its configured capacities add up
+        # to, so slots above them would be leases that wait for a worker.
+        if change.capacity > configured:
+            raise ControlError(f"capacity: {change.capacity} is above {change.target}'s configured capacity "
+                               f"{configured} (an override can only lower it; raise it in the config)", "capacity")
         if change.for_ms is not None and not MIN_FOR_MS <= change.for_ms <= MAX_FOR_MS:
             raise ControlError(f"for: {change.for_ms} ms is not between 1s and 7d", "for")
 
@@ -180,7 +183,8 @@ class AuditEntry:
     def from_entry(cls, entry_id: bytes | str, fields: dict[bytes, bytes]) -> AuditEntry:
         f = as_text_map(fields)
         ident = text(entry_id) or ""
-        return cls(id=ident, at_ms=int(ident.split("-", 1)[0]), who=f.get("who", ""), action=f.get("action", ""),
+        at_ms = _opt_int(f.get("at_ms")) or int(ident.split("-", 1)[0])
+        return cls(id=ident, at_ms=at_ms, who=f.get("who", ""), action=f.get("action", ""),
                    target_kind=f.get("target_kind", ""), target=f.get("target", ""), value=f.get("value", ""),
                    until_ms=_opt_int(f.get("until_ms")), previous=f.get("previous", ""),
                    previous_until_ms=_opt_int(f.get("previous_until_ms")))

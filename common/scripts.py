@@ -455,7 +455,7 @@ elseif ARGV[1] == 'capacity_clear' then
 else
   return redis.error_reply('unknown control action ' .. ARGV[1])
 end
-local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'who', ARGV[4], 'action', ARGV[1],
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'at_ms', now, 'who', ARGV[4], 'action', ARGV[1],
   'target_kind', ARGV[2], 'target', ARGV[3], 'value', value, 'until_ms', until_ms,
   'previous', previous, 'previous_until_ms', prev_until)
 redis.call('PUBLISH', ARGV[8], '*')

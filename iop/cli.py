@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = psub.add_parser("capacity", help="use N slots instead of the configured capacity, or `clear`")
     c.add_argument("provider_id")
     c.add_argument("value", metavar="N|clear",
-                   help="the capacity to use (1-100000), or `clear` to use the configured one")
+                   help="the capacity to use (1 to the configured one), or `clear` to use the configured one")
     c.add_argument("--for", dest="for_", default=None, metavar="DURATION",
                    help="how long: 90s, 30m, 2h, 7d, 1h30m (at most 7d; default: until cleared)")
     _service_args(c)

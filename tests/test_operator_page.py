@@ -101,13 +101,15 @@ async def test_an_operator_drains_overrides_and_cordons_from_the_page_and_sees_t
         await expect(page.locator(f"tr[data-model='{QWEN}'] svg[data-chart='oldest_wait']")).to_have_attribute(
             "data-max-oldest_wait", re.compile(r"^[1-9]\d*$"), timeout=WAIT_MS)  # waits of some ms, then more
 
-        # A capacity override: a bad value shows the API's 400 in the dialog; a good one is shown in the row.
+        # A capacity override: a bad value (above the configured 2) shows the API's 400 in the dialog; a good
+        # one is shown in the row.
         await row(page, "sglang-b").locator("button[data-action='capacity']").click()
         await expect(page.locator("#cap-dialog")).to_be_visible()
         await expect(page.locator("#cap-input")).to_have_value("2")
-        await page.fill("#cap-input", "0")
+        await page.fill("#cap-input", "3")
         await page.click("#cap-set")
-        await expect(page.locator("#cap-error")).to_contain_text("not between 1 and 100000", timeout=WAIT_MS)
+        await expect(page.locator("#cap-error")).to_contain_text("is above sglang-b's configured capacity 2",
+                                                                 timeout=WAIT_MS)
         await page.fill("#cap-input", "1")
         await page.select_option("#cap-for", "1h")
         await page.click("#cap-set")
