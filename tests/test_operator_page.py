@@ -84,7 +84,6 @@ async def test_an_operator_drains_overrides_and_cordons_from_the_page_and_sees_t
         await expect(chart(page, "vllm-a")).to_have_attribute("data-last-capacity", "4")
         await expect(chart(page, "vllm-a")).to_have_attribute("data-last-in_flight", "0")
         await expect(chart(page, "vllm-a")).to_have_attribute("data-max-in_flight", "0")
-        idle_path = await chart(page, "vllm-a").locator("path[data-series='in_flight']").get_attribute("d")
         await expect(page.locator("th", has_text="last 1 min")).to_have_count(3)  # two nodes and the models
 
         # Load: 4 runs fill vllm-a, 2 fill sglang-b, 2 wait. The chart moves up with it.
@@ -95,7 +94,6 @@ async def test_an_operator_drains_overrides_and_cordons_from_the_page_and_sees_t
         waiting = [asyncio.create_task(hold(http, gateway, QWEN)) for _ in range(2)]
         await expect(chart(page, "vllm-a")).to_have_attribute("data-last-in_flight", "4", timeout=WAIT_MS)
         await expect(chart(page, "vllm-a")).to_have_attribute("data-max-in_flight", "4")
-        assert await chart(page, "vllm-a").locator("path[data-series='in_flight']").get_attribute("d") != idle_path
         await expect(page.locator(f"tr[data-model='{QWEN}'] svg[data-chart='queued']")).to_have_attribute(
             "data-last-queued", "2", timeout=WAIT_MS)
         await expect(page.locator(f"tr[data-model='{QWEN}'] svg[data-chart='oldest_wait']")).to_have_attribute(
