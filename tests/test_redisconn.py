@@ -176,8 +176,9 @@ async def test_a_script_run_on_a_replica_is_an_outage_not_a_crash(
     try:
         with pytest.raises(NotPrimaryError, match="not the primary.*READONLY") as err:
             # the replica has no scripts: NOSCRIPT loads them, then the write inside is refused
-            await Scripts(redis).call("enqueue", ["iop:runs:m", "iop:run:r", "iop:provider:p"],
-                                      ["r", 1, 60, "m", "chat", "0", b""])
+            await Scripts(redis).call("enqueue", ["iop:runs:m", "iop:run:r", "iop:inflight:k", "iop:requests:k",
+                                                  "iop:provider:p"],
+                                      ["r", 1, 60, "m", "chat", "0", b"", "k", 0, 0, 60_000, 1])
         assert isinstance(err.value, REDIS_DOWN)
     finally:
         await redis.aclose()
