@@ -4,7 +4,8 @@ Read-only. `read_raw` fetches everything in one Redis pipeline; `build_catalog` 
 function of the config and that raw reading, so the gateway's `/v1/catalog`, the page and
 `iop catalog` all show the same records. Whether a provider is selectable for a model is
 decided by the selection policy's own predicates, so the catalog never disagrees with the
-scheduler.
+scheduler. What operators set (`common.control`: drains, cordons, capacity overrides) is shown
+here and changed elsewhere (`/v1/admin/…`, `iop provider …`, `iop node …`).
 
 Nothing secret is ever read into a record: no `api_key_env`, no environment value, no
 `base_url` (it may carry credentials in its userinfo or query).
@@ -13,14 +14,15 @@ Nothing secret is ever read into a record: no `api_key_env`, no environment valu
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
 
-from common import keys
+from common import control, keys
 from common.config import Config, ModelConfig, ProviderConfig
-from common.policy import Health, ProviderSnapshot, is_available, is_fresh
+from common.control import AuditEntry, ProviderControl
+from common.policy import Health, ProviderSnapshot, has_free_slot, is_available, is_fresh
 from common.provider_types import LIFECYCLE_FLAGS
 from common.redisconn import as_text_map
 
@@ -38,6 +40,10 @@ class RawState:
     queued: dict[str, int]
     #: model id -> (ms timestamp from its entry id, run id) of the oldest waiting run, None when empty
     oldest: dict[str, tuple[int, str] | None]
+    #: provider id -> what operators set for it (absent: nothing)
+    control: dict[str, ProviderControl] = field(default_factory=dict)
+    #: node id -> since when it is cordoned (ms), None when it is not
+    cordons: dict[str, int | None] = field(default_factory=dict)
 
 
 async def read_raw(redis: Redis, config: Config, now_ms: int) -> RawState:
@@ -50,18 +56,22 @@ async def read_raw(redis: Redis, config: Config, now_ms: int) -> RawState:
     for m in config.models:
         pipe.xlen(keys.runs_stream(m.id))
         pipe.xrange(keys.runs_stream(m.id), "-", "+", count=1)
+    control.queue_reads(pipe, config)
     replies = await pipe.execute()
     n = len(providers)
     oldest: dict[str, tuple[int, str] | None] = {}
     for i, m in enumerate(config.models):
         head = replies[2 * n + 2 * i + 1]
         oldest[m.id] = (entry_ms(head[0][0]), as_text_map(head[0][1]).get("run", "")) if head else None
+    controls, cordons = control.from_replies(config, replies[2 * n + 2 * len(config.models):], now_ms)
     return RawState(
         now_ms=now_ms,
         heartbeats={pid: as_text_map(replies[2 * i]) for i, pid in enumerate(providers)},
         in_flight={pid: int(replies[2 * i + 1]) for i, pid in enumerate(providers)},
         queued={m.id: int(replies[2 * n + 2 * i]) for i, m in enumerate(config.models)},
         oldest=oldest,
+        control=controls,
+        cordons=cordons,
     )
 
 
@@ -83,6 +93,22 @@ class ProviderModels:
 
 
 @dataclass(frozen=True, slots=True)
+class ControlRecord:
+    """What operators set for a provider, and where that leaves it."""
+
+    #: active | draining (drained or cordoned, runs still in flight) | drained (and none in flight)
+    state: str
+    #: since when the provider is drained (ms); None = not drained
+    drained_since_ms: int | None
+    #: since when its node is cordoned (ms); None = not cordoned
+    cordoned_since_ms: int | None
+    #: the capacity an operator set; None = the announced one is used
+    capacity_override: int | None
+    #: when that override expires (ms); None = until cleared
+    capacity_override_until_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class ProviderRecord:
     id: str
     node_id: str
@@ -94,8 +120,10 @@ class ProviderRecord:
     #: slots the provider's heartbeat announces; None without a heartbeat
     capacity: int | None
     configured_capacity: int
+    #: the capacity the policy counts with: an operator's override, else the announced one
+    effective_capacity: int | None
     in_flight: int
-    #: in_flight / capacity; None when the capacity is unknown or 0
+    #: in_flight / effective_capacity; None when it is unknown or 0
     load_ratio: float | None
     models: ProviderModels
     #: model id -> the served name it has on this provider
@@ -106,6 +134,7 @@ class ProviderRecord:
     #: when the last heartbeat was written (ms since the epoch); None if there is none
     last_heartbeat: int | None
     heartbeat_age_ms: int | None
+    control: ControlRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +145,8 @@ class Placement:
     node_id: str
     target: str
     selectable: bool
-    #: why not, when not: unknown | stale | unavailable | model_not_listed | no_capacity | full
+    #: why not, when not: drained | cordoned | unknown | stale | unavailable | model_not_listed |
+    #: no_capacity | full
     reason: str | None
     detail: str | None
 
@@ -134,11 +164,20 @@ class ModelRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeRecord:
+    id: str
+    #: since when an operator cordoned it (ms); None = not cordoned
+    cordoned_since_ms: int | None
+    providers: list[str]
+
+
+@dataclass(frozen=True, slots=True)
 class Catalog:
     generated_at_ms: int
     heartbeat_ttl_ms: int
     providers: list[ProviderRecord]
     models: list[ModelRecord]
+    nodes: list[NodeRecord]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -182,7 +221,8 @@ def _health(value: str | None) -> Health:
         return Health.UNKNOWN
 
 
-def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str | None) -> ProviderSnapshot:
+def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str | None,
+             ctl: ProviderControl = control.NONE) -> ProviderSnapshot:
     """The policy's view of a provider (for a model served there as `served`)."""
     observed = _names(beat.get("observed_models"))
     return ProviderSnapshot(
@@ -192,6 +232,8 @@ def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str
         in_flight=in_flight,
         heartbeat_ms=_int(beat.get("ts_ms")),
         has_model=served is None or observed is None or served in observed,
+        drained=ctl.blocked,
+        capacity_override=ctl.capacity_override,
     )
 
 
@@ -205,8 +247,13 @@ def _provider_health(snap: ProviderSnapshot, beat: dict[str, str], now_ms: int, 
 
 
 def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: int,
-             ttl_ms: int) -> tuple[str | None, str | None]:
-    """(reason, detail) a run of the model cannot go to this provider now; (None, None) if it can."""
+             ttl_ms: int, ctl: ProviderControl = control.NONE) -> tuple[str | None, str | None]:
+    """(reason, detail) a run of the model cannot go to this provider now; (None, None) if it can.
+    An operator's drain or cordon comes first: it is why, whatever else holds."""
+    if ctl.drained_since_ms is not None:
+        return "drained", "an operator drained it"
+    if ctl.cordoned_since_ms is not None:
+        return "cordoned", "an operator cordoned its node"
     if snap.heartbeat_ms is None:
         return "unknown", "no heartbeat"
     if not is_fresh(snap, now_ms, ttl_ms):
@@ -215,10 +262,12 @@ def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: 
         return snap.health.value, beat.get("reason") or f"its last probe says {snap.health.value}"
     if not snap.has_model:
         return "model_not_listed", f"the provider does not list {target!r}"
-    if not snap.capacity:
+    capacity = snap.effective_capacity
+    if not capacity:
         return "no_capacity", "capacity unknown or 0"
-    if snap.in_flight >= snap.capacity:
-        return "full", f"{snap.in_flight}/{snap.capacity} slots in use"
+    if not has_free_slot(snap):
+        override = "" if snap.capacity_override is None else f" (an operator set the capacity to {capacity})"
+        return "full", f"{snap.in_flight}/{capacity} slots in use{override}"
     assert is_available(snap, now_ms, ttl_ms)
     return None, None
 
@@ -226,7 +275,8 @@ def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: 
 def _provider_record(config: Config, p: ProviderConfig, raw: RawState) -> ProviderRecord:
     beat = raw.heartbeats.get(p.id, {})
     in_flight = raw.in_flight.get(p.id, 0)
-    snap = snapshot(p.id, beat, in_flight, None)
+    ctl = raw.control.get(p.id, control.NONE)
+    snap = snapshot(p.id, beat, in_flight, None, ctl)
     ttl = config.runtime.heartbeat_ttl_ms
     health, reason = _provider_health(snap, beat, raw.now_ms, ttl)
     ratio = snap.load_ratio()
@@ -240,6 +290,7 @@ def _provider_record(config: Config, p: ProviderConfig, raw: RawState) -> Provid
         health_reason=reason,
         capacity=snap.capacity,
         configured_capacity=p.capacity,
+        effective_capacity=snap.effective_capacity,
         in_flight=in_flight,
         load_ratio=round(float(ratio), 4) if ratio is not None else None,
         models=ProviderModels(configured=list(p.models), observed=_names(beat.get("observed_models"))),
@@ -248,6 +299,9 @@ def _provider_record(config: Config, p: ProviderConfig, raw: RawState) -> Provid
         lifecycle_capabilities=_lifecycle(p, beat),
         last_heartbeat=snap.heartbeat_ms,
         heartbeat_age_ms=raw.now_ms - snap.heartbeat_ms if snap.heartbeat_ms is not None else None,
+        control=ControlRecord(state=ctl.state(in_flight), drained_since_ms=ctl.drained_since_ms,
+                              cordoned_since_ms=ctl.cordoned_since_ms, capacity_override=ctl.capacity_override,
+                              capacity_override_until_ms=ctl.capacity_override_until_ms),
     )
 
 
@@ -256,8 +310,9 @@ def _model_record(config: Config, m: ModelConfig, raw: RawState) -> ModelRecord:
     placements = []
     for pid, target in m.providers.items():
         beat = raw.heartbeats.get(pid, {})
-        snap = snapshot(pid, beat, raw.in_flight.get(pid, 0), target)
-        reason, detail = _why_not(snap, beat, target, raw.now_ms, ttl)
+        ctl = raw.control.get(pid, control.NONE)
+        snap = snapshot(pid, beat, raw.in_flight.get(pid, 0), target, ctl)
+        reason, detail = _why_not(snap, beat, target, raw.now_ms, ttl, ctl)
         placements.append(Placement(provider_id=pid, node_id=config.node_of(pid), target=target,
                                     selectable=reason is None, reason=reason, detail=detail))
     oldest = raw.oldest.get(m.id)
@@ -279,8 +334,24 @@ def build_catalog(config: Config, raw: RawState) -> Catalog:
         heartbeat_ttl_ms=config.runtime.heartbeat_ttl_ms,
         providers=[_provider_record(config, p, raw) for n in config.nodes for p in n.providers],
         models=[_model_record(config, m, raw) for m in config.models],
+        nodes=[NodeRecord(id=n.id, cordoned_since_ms=raw.cordons.get(n.id), providers=[p.id for p in n.providers])
+               for n in config.nodes],
     )
 
 
 async def read_catalog(redis: Redis, config: Config, now_ms: int) -> Catalog:
     return build_catalog(config, await read_raw(redis, config, now_ms))
+
+
+def change_report(catalog: Catalog, entry: AuditEntry) -> dict[str, Any]:
+    """What an operator's change answers (HTTP and `iop … --json` alike): the change as recorded, and
+    the catalog records of the providers it touched (a node's: all of its providers), as they are now."""
+    report: dict[str, Any] = {"object": "control.change", "change": entry.to_json()}
+    if entry.target_kind == "node":
+        node = next(n for n in catalog.nodes if n.id == entry.target)
+        report["node"] = asdict(node)
+        touched = set(node.providers)
+    else:
+        touched = {entry.target}
+    report["providers"] = [asdict(p) for p in catalog.providers if p.id in touched]
+    return report

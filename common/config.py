@@ -30,6 +30,8 @@ from common.strict import Strict
 
 #: An id is a non-empty string without whitespace (it becomes part of Redis keys).
 ID_PATTERN = r"^\S+$"
+#: The most load samples the history may hold (`runtime.history_retention_s` / `history_interval_ms`).
+MAX_HISTORY_SAMPLES = 20_000
 
 
 class QueuePolicy(Strict):
@@ -125,6 +127,9 @@ class RuntimeConfig(Strict):
     max_error_chars: int = Field(500, ge=50, le=10_000, description="a provider's error text is cut to this")
     stream_keepalive_ms: int = Field(10_000, ge=100,
                                      description="a stream silent this long gets an SSE keep-alive comment")
+    # The catalog's charts (common.history): how often the schedulers sample the load, and for how long.
+    history_interval_ms: int = Field(5_000, ge=100, le=600_000, description="one load sample per this")
+    history_retention_s: int = Field(3_600, ge=60, le=86_400, description="load samples are kept this long")
 
 
 class Config(Strict):
@@ -321,6 +326,10 @@ def check_timings(cfg: Config) -> list[str]:
             where = f"models[{i}].queue" if model.queue else "queue"
             errors.append(f"runtime.run_ttl_s: {rt.run_ttl_s} s does not outlast a run of model {model.id!r} "
                           f"({where}: queue_timeout_ms + execution_timeout_ms = {longest_ms} ms)")
+    samples = rt.history_retention_s * 1000 // rt.history_interval_ms
+    if samples > MAX_HISTORY_SAMPLES:
+        errors.append(f"runtime.history_retention_s: {rt.history_retention_s} s of samples every "
+                      f"{rt.history_interval_ms} ms is {samples} samples, more than {MAX_HISTORY_SAMPLES}")
     return errors
 
 

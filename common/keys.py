@@ -51,6 +51,33 @@ def probing(provider_id: str) -> str:
     return f"{PREFIX}:probing:{provider_id}"
 
 
+def drained(provider_id: str) -> str:
+    """String held while an operator drains the provider: the time (ms) the drain began. No run is
+    dispatched to it meanwhile (the `dispatch` script checks it); its running runs go on."""
+    return f"{PREFIX}:drain:{provider_id}"
+
+
+def cordoned(node_id: str) -> str:
+    """String held while an operator cordons the node: the time (ms) the cordon began. No run is
+    dispatched to any of its providers meanwhile."""
+    return f"{PREFIX}:cordon:{node_id}"
+
+
+def capacity_override(provider_id: str) -> str:
+    """String (with a TTL when it was given one) holding the capacity an operator set for the provider;
+    the policy and the `dispatch` script use it instead of the configured capacity."""
+    return f"{PREFIX}:capacity:{provider_id}"
+
+
+#: Stream of every operator change (drain, cordon, capacity override): who, what, previous value.
+AUDIT_STREAM: Final = f"{PREFIX}:audit"
+#: Entries the audit stream keeps at least (XADD MAXLEN ~: Redis trims in whole blocks, so a little more).
+AUDIT_MAX_ENTRIES: Final = 10_000
+#: Stream of load samples (per provider in_flight and capacity, per model queued and oldest wait),
+#: written by one scheduler replica at a time every `runtime.history_interval_ms`.
+HISTORY_STREAM: Final = f"{PREFIX}:history"
+
+
 def node_queue(node_id: str) -> str:
     """arq queue (a sorted set of job ids) of one node; job id = run id."""
     return f"{PREFIX}:node:{node_id}"
@@ -151,6 +178,16 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
      "HGETALL iop:provider:{provider}; PTTL iop:provider:{provider}"),
     (probing("{provider}"), "string + TTL", "a probe that would disturb a run is out; dispatch waits",
      "EXISTS iop:probing:{provider}"),
+    (drained("{provider}"), "string", "the provider is drained: takes no new runs; value = since (ms)",
+     "GET iop:drain:{provider}"),
+    (cordoned("{node}"), "string", "the node is cordoned: none of its providers takes new runs; value = since (ms)",
+     "GET iop:cordon:{node}"),
+    (capacity_override("{provider}"), "string (+ TTL)", "an operator's capacity for the provider, until cleared "
+     "or expired", "GET iop:capacity:{provider}; PTTL iop:capacity:{provider}"),
+    (AUDIT_STREAM, "stream", "operator changes: who, action, target, value, previous (capped)",
+     "XREVRANGE iop:audit + - COUNT 10"),
+    (HISTORY_STREAM, "stream", "load samples for the catalog's charts (capped by time and count)",
+     "XREVRANGE iop:history + - COUNT 1"),
     (node_queue("{node}"), "sorted set (arq)", "jobs queued for the node's workers",
      "ZRANGE iop:node:{node} 0 -1 WITHSCORES"),
     (node_wake("{node}"), "list", "ids of jobs just queued, popped by idle workers", "LRANGE iop:wake:{node} 0 -1"),

@@ -12,6 +12,11 @@ provider id in lexical order.
 A run being retried passes the providers it already failed on as `avoid`: they are only
 chosen when no other candidate has a free slot. A run whose provider answered with a server
 error passes them as `exclude` instead: it goes to another provider or waits.
+
+Operator control is an input like the rest: a provider that is drained (or whose node is
+cordoned) is never a candidate, and a capacity override replaces the announced capacity
+everywhere the capacity counts (free slots, the ratio, the tie-break). Neither says anything
+about health: a drained provider is not down, so it never makes a model's runs fail.
 """
 
 from __future__ import annotations
@@ -41,11 +46,21 @@ class ProviderSnapshot:
     #: False when the provider listed the models it serves and the run's served name was not
     #: among them: it cannot take this model's runs, whatever its health
     has_model: bool = True
+    #: an operator drained the provider or cordoned its node: it takes no new runs
+    drained: bool = False
+    #: the capacity an operator set for it (until cleared or expired); None = the announced one
+    capacity_override: int | None = None
+
+    @property
+    def effective_capacity(self) -> int | None:
+        """The capacity the policy counts with: the operator's override, else the announced one."""
+        return self.capacity if self.capacity_override is None else self.capacity_override
 
     def load_ratio(self) -> Fraction | None:
-        if not self.capacity:
+        capacity = self.effective_capacity
+        if not capacity:
             return None
-        return Fraction(self.in_flight, self.capacity)
+        return Fraction(self.in_flight, capacity)
 
 
 def is_fresh(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> bool:
@@ -58,8 +73,8 @@ def is_available(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> bool:
         snap.health is Health.AVAILABLE
         and snap.has_model
         and is_fresh(snap, now_ms, ttl_ms)
-        and snap.capacity is not None
-        and snap.capacity > 0
+        and snap.effective_capacity is not None
+        and snap.effective_capacity > 0
     )
 
 
@@ -73,9 +88,15 @@ def all_refused(snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int)
     )
 
 
+def has_free_slot(snap: ProviderSnapshot) -> bool:
+    capacity = snap.effective_capacity
+    return capacity is not None and snap.in_flight < capacity
+
+
 def _rank(snap: ProviderSnapshot) -> tuple[Fraction, int, str]:
-    assert snap.capacity
-    return (Fraction(snap.in_flight, snap.capacity), -snap.capacity, snap.provider_id)
+    capacity = snap.effective_capacity
+    assert capacity
+    return (Fraction(snap.in_flight, capacity), -capacity, snap.provider_id)
 
 
 def select_provider(
@@ -85,7 +106,7 @@ def select_provider(
     """The provider a run should go to now, or None if no provider can take it."""
     candidates = [
         s for s in snapshots
-        if is_available(s, now_ms, ttl_ms) and s.capacity is not None and s.in_flight < s.capacity
+        if is_available(s, now_ms, ttl_ms) and not s.drained and has_free_slot(s)
         and s.provider_id not in exclude
     ]
     fresh = [s for s in candidates if s.provider_id not in avoid]

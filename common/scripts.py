@@ -177,12 +177,16 @@ return {'ok', entry, left}
 """
 
 # KEYS: runs stream, run record, events, chosen lease, arq job, arq retry, node queue, node wake,
-#       the chosen provider's probing lock, lease keys of every candidate the decision looked at...
-# ARGV: run id, entry id, group, capacity, lease_ttl_ms, provider, node, target, job payload,
-#       ttl_s, replica channel prefix, model, the in_flight seen for each candidate (same order)...
+#       the chosen provider's probing lock, its drain flag, its node's cordon flag, its capacity
+#       override, lease keys of every candidate the decision looked at...
+# ARGV: run id, entry id, group, announced capacity, lease_ttl_ms, provider, node, target, job payload,
+#       ttl_s, replica channel prefix, model, the in_flight seen for each candidate (same order as its key)...
+# Answers 'probing' while a probe that would disturb a run is out (the prober signals its end), and
+# 'drained' when an operator drained the provider or cordoned its node: checked here, in the step that
+# reserves the slot, so no replica dispatches there once the flag is written, whatever it last read.
+# The capacity is the operator's override when one is set, else the announced one.
 # Once dispatched, the replica holding the next waiting run of the model is woken (`_WAKE`), and
 # the answer says which it is: {'ok', consumer} ('' if none holds it yet).
-# Answers 'probing' while a probe that would disturb a run is out (the prober signals its end).
 DISPATCH = _NOW + _EVENTS + _WAKE + """
 local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #head == 0 then return 'gone' end
@@ -198,13 +202,15 @@ end
 local live = '(' .. now
 local counts = {'stale'}
 local changed = false
-for i = 10, #KEYS do
+for i = 13, #KEYS do
   local n = redis.call('ZCOUNT', KEYS[i], live, '+inf')
   counts[#counts + 1] = n
-  if n ~= tonumber(ARGV[i + 3]) then changed = true end
+  if n ~= tonumber(ARGV[i]) then changed = true end
 end
 if changed then return counts end  -- the policy runs again on these live counts
-if redis.call('ZCOUNT', KEYS[4], live, '+inf') >= tonumber(ARGV[4]) then return 'stale' end
+if redis.call('EXISTS', KEYS[10], KEYS[11]) > 0 then return 'drained' end
+local capacity = tonumber(redis.call('GET', KEYS[12]) or ARGV[4])
+if redis.call('ZCOUNT', KEYS[4], live, '+inf') >= capacity then return 'stale' end
 if redis.call('EXISTS', KEYS[9]) == 1 then return 'probing' end
 local ttl = tonumber(ARGV[10])
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])
@@ -486,6 +492,73 @@ redis.call('HSET', KEYS[1], 'watchers', watchers .. ',' .. ARGV[1])
 return 1
 """
 
+# An operator's change of a provider or a node, and its audit entry, in one step: a drain or a cordon
+# flag (its value is the time it began, kept when it is set again), or a capacity override (with a
+# TTL when it is given one). Every change wakes the schedulers: runs may wait for what it frees.
+# KEYS: the control key (drain flag, cordon flag or capacity override), audit stream
+# ARGV: action (drain|undrain|cordon|uncordon|capacity|capacity_clear), target kind (provider|node),
+#       target id, who, capacity (for `capacity`), ttl_ms (0 = none), audit max entries, signals channel
+# Returns {audit entry id, previous value, previous until (ms; '' = none)}.
+CONTROL = _NOW + """
+local flags = {drain = {'drained', true}, undrain = {'drained', false},
+               cordon = {'cordoned', true}, uncordon = {'cordoned', false}}
+local prev = redis.call('GET', KEYS[1])
+local prev_until = ''
+if prev then
+  local left = redis.call('PTTL', KEYS[1])
+  if left > 0 then prev_until = tostring(now + left) end
+end
+local value, previous, until_ms = '', '', ''
+local flag = flags[ARGV[1]]
+if flag then
+  previous = prev and flag[1] or 'active'
+  if flag[2] then
+    value = flag[1]
+    if not prev then redis.call('SET', KEYS[1], now) end
+  else
+    value = 'active'
+    redis.call('DEL', KEYS[1])
+  end
+elseif ARGV[1] == 'capacity' then
+  previous = prev or 'none'
+  value = ARGV[5]
+  local ttl = tonumber(ARGV[6])
+  if ttl > 0 then
+    redis.call('SET', KEYS[1], value, 'PX', ttl)
+    until_ms = tostring(now + ttl)
+  else
+    redis.call('SET', KEYS[1], value)
+  end
+elseif ARGV[1] == 'capacity_clear' then
+  previous = prev or 'none'
+  value = 'none'
+  redis.call('DEL', KEYS[1])
+else
+  return redis.error_reply('unknown control action ' .. ARGV[1])
+end
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'at_ms', now, 'who', ARGV[4], 'action', ARGV[1],
+  'target_kind', ARGV[2], 'target', ARGV[3], 'value', value, 'until_ms', until_ms,
+  'previous', previous, 'previous_until_ms', prev_until)
+redis.call('PUBLISH', ARGV[8], '*')
+return {id, previous, prev_until}
+"""
+
+# Append a load sample to the history, unless another replica appended one less than `min_gap_ms`
+# ago: every replica offers a sample every interval, one of them writes it. The stream keeps
+# `retention_ms` of samples and at most `max_entries` (both trimmed with ~, in whole blocks).
+# KEYS: history stream   ARGV: sample (JSON), min_gap_ms, retention_ms, max_entries
+# Returns the new entry id, or '' when a recent sample made this one unneeded.
+HISTORY = _NOW + """
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #last > 0 then
+  local ms = tonumber(string.match(last[1][1], '^(%d+)'))
+  if now - ms < tonumber(ARGV[2]) then return '' end
+end
+local id = redis.call('XADD', KEYS[1], 'MINID', '~', now - tonumber(ARGV[3]), '*', 'sample', ARGV[1])
+redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[4])
+return id
+"""
+
 ALL: dict[str, str] = {
     "enqueue": ENQUEUE,
     "dispatch": DISPATCH,
@@ -499,6 +572,8 @@ ALL: dict[str, str] = {
     "probe": PROBE,
     "probed": PROBED,
     "watch": WATCH,
+    "control": CONTROL,
+    "history": HISTORY,
 }
 
 SHAS: dict[str, str] = {name: sha1(src.encode()).hexdigest() for name, src in ALL.items()}

@@ -16,7 +16,7 @@ from common.config import Config, ModelConfig
 from common.redisconn import REDIS_DOWN
 from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind
-from gateway import catalog, metrics, runs_api, usage_api
+from gateway import admin, catalog, metrics, runs_api, usage_api
 from gateway.auth import KEYRING, auth_middleware, principal
 from gateway.connections import BODY, limits_middleware
 from gateway.errors import ApiError, error_middleware
@@ -156,5 +156,6 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     runs_api.setup(app, lambda: app[RUNS])
     metrics.setup(app, lambda: app[RUNS].redis, usage_api.key_names(config))
     catalog.setup(app, config, lambda: app[RUNS].redis)
+    admin.setup(app, config, lambda: app[RUNS].redis)
     usage_api.setup(app, config, lambda: app[RUNS].redis)
     return app

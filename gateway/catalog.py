@@ -1,7 +1,9 @@
-"""Read-only operations routes: `GET /v1/catalog` (JSON) and `GET /catalog` (a page for people).
+"""Read-only operations routes: `GET /v1/catalog` (JSON), `GET /v1/catalog/history` (the load of
+the last hour, as the schedulers sampled it) and `GET /catalog` (a page for people).
 
-The page is one static HTML file (inline CSS and JS, no build step) that polls
-`/v1/catalog`. Nothing here changes routing (D06).
+The page is one static HTML file (inline CSS and JS, no build step) that polls `/v1/catalog` and
+the history; its operator controls call `/v1/admin/…` (`gateway.admin`). Nothing here changes
+routing.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from redis.asyncio import Redis
 
 from common.catalog import read_catalog
 from common.config import Config
+from common.history import read_history
 from common.redisconn import now_ms
 from common.wire import ErrorCode
-from gateway.errors import ApiError
+from gateway.errors import ApiError, invalid
 
 #: Longest a catalog read may take before the gateway answers 503.
 READ_TIMEOUT_S = 2.0
@@ -37,9 +40,22 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
                            headers={"Retry-After": "1"}) from None
         return web.json_response(catalog.to_json(), headers={"Cache-Control": "no-store"})
 
+    async def history_json(request: web.Request) -> web.Response:
+        since = request.query.get("since")
+        if since is not None and (not since.isdigit() or int(since) >= 2**63):
+            raise invalid(f"since: {since!r} is not a time in ms since the epoch", "since")
+        try:
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                history = await read_history(redis(), config, now_ms(), int(since) if since is not None else None)
+        except TimeoutError:
+            raise ApiError(ErrorCode.UNAVAILABLE, "the history could not be read from Redis in time",
+                           headers={"Retry-After": "1"}) from None
+        return web.json_response(history, headers={"Cache-Control": "no-store"})
+
     async def catalog_page(request: web.Request) -> web.Response:
         return web.Response(text=_PAGE.read_text(encoding="utf-8"), content_type="text/html",
                             headers={"Cache-Control": "no-store"})
 
     app.router.add_get("/v1/catalog", catalog_json)
+    app.router.add_get("/v1/catalog/history", history_json)
     app.router.add_get("/catalog", catalog_page)

@@ -36,9 +36,22 @@ def _age(ms: int | None) -> str:
 
 
 def _load(p: ProviderRecord) -> str:
-    cap = "?" if p.capacity is None else str(p.capacity)
+    cap = "?" if p.effective_capacity is None else str(p.effective_capacity)
     ratio = "-" if p.load_ratio is None else f"{p.load_ratio:.2f}"
     return f"{p.in_flight}/{cap} ({ratio})"
+
+
+def _control(p: ProviderRecord, now_ms: int) -> str:
+    """`active`, `draining` or `drained` (`(node)` when its node is cordoned), and an operator's capacity."""
+    ctl = p.control
+    text = ctl.state
+    if ctl.state != "active" and ctl.drained_since_ms is None:
+        text += " (node)"
+    if ctl.capacity_override is not None:
+        until = ctl.capacity_override_until_ms
+        left = "" if until is None else f", {_age(max(0, until - now_ms))} left"
+        text += f" cap {ctl.capacity_override} (of {p.configured_capacity}{left})"
+    return text
 
 
 def _flags(p: ProviderRecord) -> str:
@@ -48,8 +61,8 @@ def _flags(p: ProviderRecord) -> str:
 
 def provider_rows(catalog: Catalog) -> list[list[str]]:
     return [
-        [p.node_id, p.id, p.type, p.category, p.health, _load(p), str(p.queued), ",".join(p.serves),
-         _flags(p), _age(p.heartbeat_age_ms), p.health_reason]
+        [p.node_id, p.id, p.type, p.category, p.health, _load(p), _control(p, catalog.generated_at_ms),
+         str(p.queued), ",".join(p.serves), _flags(p), _age(p.heartbeat_age_ms), p.health_reason]
         for p in catalog.providers
     ]
 
@@ -60,7 +73,7 @@ def _placements(m: ModelRecord) -> str:
 
 def render_catalog(catalog: Catalog) -> str:
     providers = table(
-        ["NODE", "PROVIDER", "TYPE", "CATEGORY", "HEALTH", "LOAD", "QUEUED", "MODELS", "LIFECYCLE",
+        ["NODE", "PROVIDER", "TYPE", "CATEGORY", "HEALTH", "LOAD", "CONTROL", "QUEUED", "MODELS", "LIFECYCLE",
          "HEARTBEAT", "REASON"],
         provider_rows(catalog))
     models = table(

@@ -63,6 +63,36 @@ def build_parser() -> argparse.ArgumentParser:
         _service_args(p)
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    p = sub.add_parser("provider", help="operator control of a provider: drain, undrain, capacity (on Redis)")
+    psub = p.add_subparsers(dest="provider_command", required=True)
+    for name, what in (("drain", "take no new runs; running runs finish"), ("undrain", "take new runs again")):
+        c = psub.add_parser(name, help=what)
+        c.add_argument("provider_id")
+        _service_args(c)
+        c.add_argument("--json", action="store_true", help="print JSON instead of text")
+    c = psub.add_parser("capacity", help="use N slots instead of the configured capacity, or `clear`")
+    c.add_argument("provider_id")
+    c.add_argument("value", metavar="N|clear",
+                   help="the capacity to use (1 to the configured one), or `clear` to use the configured one")
+    c.add_argument("--for", dest="for_", default=None, metavar="DURATION",
+                   help="how long: 90s, 30m, 2h, 7d, 1h30m (at most 7d; default: until cleared)")
+    _service_args(c)
+    c.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    p = sub.add_parser("node", help="operator control of a node: cordon, uncordon (on Redis)")
+    nsub = p.add_subparsers(dest="node_command", required=True)
+    for name, what in (("cordon", "none of its providers takes new runs; running runs finish"),
+                       ("uncordon", "its providers take new runs again")):
+        c = nsub.add_parser(name, help=what)
+        c.add_argument("node_id")
+        _service_args(c)
+        c.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    p = sub.add_parser("audit", help="operator changes, newest first (read-only)")
+    p.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS), help=REDIS_HELP)
+    p.add_argument("--limit", type=int, default=50, help="how many (default 50, at most 1000)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
     p = sub.add_parser("runs", help="inspect runs (read-only)")
     rsub = p.add_subparsers(dest="runs_command", required=True)
     r = rsub.add_parser("show", help="a run's record and events, from Redis")
@@ -149,6 +179,15 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         raise SystemExit(usage(_load(args.config), args.redis, args.key, args.model,  # type: ignore[arg-type]
                                args.since, args.until, args.json))
+    if args.command == "audit":
+        from iop.control_cmd import audit
+
+        raise SystemExit(audit(args.redis, args.limit, args.json))
+    if args.command in ("provider", "node"):
+        from common.control import cli_user
+        from iop.control_cmd import act
+
+        raise SystemExit(act(_load(args.config), args.redis, args, cli_user(), args.json))  # type: ignore[arg-type]
     if args.command in ("catalog", "queues"):
         from iop.catalog_cmd import main as inspect
 

@@ -183,7 +183,7 @@ class Scheduler:
             head = queue[0]
             now = now_ms()
             if snaps is None:
-                snaps = await read_snapshots(self.redis, self._targets[model.id], now)
+                snaps = await read_snapshots(self.redis, self._targets[model.id], now, self.config.node_of)
             choice = select_provider(snaps, now, ttl, head.avoid, head.exclude)
             if choice is None:
                 if all_refused(snaps, now, ttl):
@@ -207,7 +207,7 @@ class Scheduler:
                     if queue and self.next_holder not in ("", self.consumer):
                         self.behind[model.id] = queue[0].entry_id  # another replica goes next; it was woken
                         return
-            elif result == "stale" and stale < STALE_RETRIES:
+            elif result in ("stale", "drained") and stale < STALE_RETRIES:  # drained: an operator just did
                 stale += 1
                 snaps = None if live is None else [replace(s, in_flight=live.get(s.provider_id, s.in_flight))
                                                    for s in snaps]
@@ -224,14 +224,15 @@ class Scheduler:
         provider_id = choice.provider_id
         node_id = self.config.node_of(provider_id)
         rt = self.config.runtime
-        seen = [s for s in snaps if s.capacity]
+        seen = [s for s in snaps if s.effective_capacity]
         result = await self.scripts.call(
             "dispatch",
             [keys.runs_stream(model.id), keys.run_record(head.run_id), keys.run_events(head.run_id),
              keys.leases(provider_id), keys.arq_job(head.run_id), keys.arq_retry(head.run_id),
              keys.node_queue(node_id), keys.node_wake(node_id), keys.probing(provider_id),
+             keys.drained(provider_id), keys.cordoned(node_id), keys.capacity_override(provider_id),
              *(keys.leases(s.provider_id) for s in seen)],
-            [head.run_id, head.entry_id, keys.SCHEDULER_GROUP, choice.capacity, rt.lease_ttl_ms, provider_id,
+            [head.run_id, head.entry_id, keys.SCHEDULER_GROUP, choice.capacity or 0, rt.lease_ttl_ms, provider_id,
              node_id, model.providers[provider_id], job_payload(head.run_id, now_ms()), rt.run_ttl_s,
              keys.scheduler_channel(""), model.id, *(s.in_flight for s in seen)],
         )

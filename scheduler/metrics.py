@@ -16,16 +16,23 @@ reports the same, exact values (aggregate them with `max by (model)`).
 - `iop_queue_depth{model}`, `iop_queue_oldest_age_seconds{model}`: waiting runs and how long
   the oldest has waited (0 when none).
 - `iop_scheduler_waiting_runs{model}`: waiting runs this replica holds.
+- `iop_provider_effective_capacity{provider,node}`: the capacity the policy counts with (an
+  operator's override, else the announced one; absent while neither is known).
+- `iop_provider_control{provider,node,state}`: 1 for where operators left the provider: `active`,
+  `draining` (drained or its node cordoned, runs still in flight) or `drained`; 0 for the others.
+- `iop_node_cordoned{node}`: 1 while an operator cordons the node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sized
+from contextlib import suppress
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.asyncio import Redis
 
 from common import keys
+from common.catalog import read_catalog
 from common.config import Config
 from common.metrics_http import MetricsServer, start_metrics_server
 from common.redisconn import now_ms
@@ -47,6 +54,12 @@ QUEUE_DEPTH = Gauge("iop_queue_depth", "runs waiting for the model", ["model"], 
 QUEUE_OLDEST = Gauge("iop_queue_oldest_age_seconds", "how long the oldest waiting run has waited", ["model"],
                      registry=REGISTRY)
 WAITING = Gauge("iop_scheduler_waiting_runs", "waiting runs this replica holds", ["model"], registry=REGISTRY)
+EFFECTIVE_CAPACITY = Gauge("iop_provider_effective_capacity", "the capacity the policy counts with",
+                           ["provider", "node"], registry=REGISTRY)
+CONTROL = Gauge("iop_provider_control", "1 for the provider's control state: active, draining or drained",
+                ["provider", "node", "state"], registry=REGISTRY)
+CORDONED = Gauge("iop_node_cordoned", "1 while an operator cordons the node", ["node"], registry=REGISTRY)
+CONTROL_STATES = ("active", "draining", "drained")
 
 
 def _entry_ms(entry_id: bytes) -> int:
@@ -66,6 +79,17 @@ async def refresh(redis: Redis, config: Config, waiting: Mapping[str, Sized]) ->
         QUEUE_DEPTH.labels(model.id).set(depth)
         QUEUE_OLDEST.labels(model.id).set(max(0, now - _entry_ms(head[0][0])) / 1000 if head else 0)
         WAITING.labels(model.id).set(len(waiting.get(model.id, ())))
+    catalog = await read_catalog(redis, config, now)
+    for p in catalog.providers:
+        if p.effective_capacity is not None:
+            EFFECTIVE_CAPACITY.labels(p.id, p.node_id).set(p.effective_capacity)
+        else:
+            with suppress(KeyError):
+                EFFECTIVE_CAPACITY.remove(p.id, p.node_id)
+        for state in CONTROL_STATES:
+            CONTROL.labels(p.id, p.node_id, state).set(1 if p.control.state == state else 0)
+    for node in catalog.nodes:
+        CORDONED.labels(node.id).set(0 if node.cordoned_since_ms is None else 1)
 
 
 async def serve_metrics(redis: Redis, config: Config, waiting: Mapping[str, Sized], host: str,

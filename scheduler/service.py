@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from common.config import Config
@@ -9,6 +10,7 @@ from common.lifecycle import stop_event
 from common.redisconn import connect
 from scheduler import metrics
 from scheduler.core import Scheduler, run_scheduler
+from scheduler.history import sample_forever
 
 log = logging.getLogger("iop.scheduler")
 
@@ -23,9 +25,12 @@ async def serve(config: Config, redis_url: str, metrics_port: int | None = None,
     if ops is not None:
         print(f"metrics on {ops.url}", flush=True)
     print(f"iop scheduler {sched.consumer} running", flush=True)
+    sampler = asyncio.create_task(sample_forever(redis, config), name="history")
     try:
         await run_scheduler(sched, stop)
     finally:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
         if ops is not None:
             await ops.close()
         await redis.aclose()

@@ -1,9 +1,9 @@
-"""Reading provider snapshots (heartbeat + live leases) from Redis in one round trip."""
+"""Reading provider snapshots (heartbeat, live leases, operator control) from Redis in one round trip."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from redis.asyncio import Redis
 
@@ -36,24 +36,30 @@ def _lists(observed: bytes | None, served: str) -> bool:
     return not isinstance(names, list) or served in names
 
 
-async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int) -> list[ProviderSnapshot]:
-    """One pipeline: each provider's heartbeat fields and its count of live leases.
+async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
+                         node_of: Callable[[str], str]) -> list[ProviderSnapshot]:
+    """One pipeline: each provider's heartbeat fields, its count of live leases, and what an operator
+    set for it (a drain, its node's cordon, a capacity override).
 
-    targets: provider id -> the served name the model has there."""
+    targets: provider id -> the served name the model has there; node_of: provider id -> its node."""
     pipe = redis.pipeline(transaction=False)
     for pid in targets:
         pipe.hmget(keys.heartbeat(pid), "health", "capacity", "ts_ms", "observed_models")
         pipe.zcount(keys.leases(pid), f"({now_ms}", "+inf")
+        pipe.exists(keys.drained(pid), keys.cordoned(node_of(pid)))
+        pipe.get(keys.capacity_override(pid))
     replies = await pipe.execute()
     snaps = []
     for i, (pid, served) in enumerate(targets.items()):
-        health, capacity, ts, observed = replies[2 * i]
+        (health, capacity, ts, observed), in_flight, blocked, override = replies[4 * i:4 * i + 4]
         snaps.append(ProviderSnapshot(
             provider_id=pid,
             health=_health(health),
             capacity=_int(capacity),
-            in_flight=int(replies[2 * i + 1]),
+            in_flight=int(in_flight),
             heartbeat_ms=_int(ts),
             has_model=_lists(observed, served),
+            drained=int(blocked) > 0,
+            capacity_override=_int(override),
         ))
     return snaps

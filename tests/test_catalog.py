@@ -9,6 +9,7 @@ import pytest
 
 from common.catalog import RawState, build_catalog, entry_ms, snapshot
 from common.config import Config, parse_config
+from common.control import ProviderControl
 from common.policy import is_available
 
 NOW = 1_000_000
@@ -158,9 +159,14 @@ def test_no_secret_ever_appears(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_json_has_the_documented_fields() -> None:
     data = build_catalog(config(), raw({"a": beat()})).to_json()
-    assert set(data) == {"generated_at_ms", "heartbeat_ttl_ms", "providers", "models"}
-    assert {"id", "node_id", "type", "category", "health", "health_reason", "capacity", "in_flight", "load_ratio",
-            "models", "queued", "lifecycle_capabilities", "last_heartbeat"} <= set(data["providers"][0])
+    assert set(data) == {"generated_at_ms", "heartbeat_ttl_ms", "providers", "models", "nodes"}
+    assert {"id", "node_id", "type", "category", "health", "health_reason", "capacity", "configured_capacity",
+            "effective_capacity", "in_flight", "load_ratio", "models", "queued", "lifecycle_capabilities",
+            "last_heartbeat", "control"} <= set(data["providers"][0])
+    assert set(data["providers"][0]["control"]) == {"state", "drained_since_ms", "cordoned_since_ms",
+                                                    "capacity_override", "capacity_override_until_ms"}
+    assert data["nodes"] == [{"id": "n1", "cordoned_since_ms": None, "providers": ["a"]},
+                             {"id": "n2", "cordoned_since_ms": None, "providers": ["b", "c"]}]
     assert {"id", "display_name", "providers", "queued"} <= set(data["models"][0])
     assert {"provider_id", "target", "selectable", "reason"} <= set(data["models"][0]["providers"][0])
     json.dumps(data)  # plain JSON, no dataclasses or Fractions left
@@ -169,3 +175,56 @@ def test_the_json_has_the_documented_fields() -> None:
 def test_entry_ms_reads_the_time_part_of_a_stream_id() -> None:
     assert entry_ms(b"1712345678901-3") == 1712345678901
     assert entry_ms("5-0") == 5
+
+
+# --- operator control -------------------------------------------------------------------------
+
+def controlled(ctl: dict[str, ProviderControl], cordons: dict[str, int | None] | None = None,
+               in_flight: dict[str, int] | None = None) -> RawState:
+    return RawState(now_ms=NOW, heartbeats={"a": beat(), "b": beat(capacity=2)}, in_flight=in_flight or {},
+                    queued={}, oldest={}, control=ctl, cordons=cordons or {})
+
+
+@pytest.mark.parametrize(("ctl", "in_flight", "state", "reason"), [
+    (ProviderControl(), 0, "active", None),
+    (ProviderControl(), 3, "active", None),
+    (ProviderControl(drained_since_ms=NOW - 5), 3, "draining", "drained"),
+    (ProviderControl(drained_since_ms=NOW - 5), 0, "drained", "drained"),
+    (ProviderControl(cordoned_since_ms=NOW - 5), 1, "draining", "cordoned"),
+    (ProviderControl(cordoned_since_ms=NOW - 5), 0, "drained", "cordoned"),
+    (ProviderControl(drained_since_ms=NOW - 9, cordoned_since_ms=NOW - 5), 0, "drained", "drained"),
+])
+def test_a_drained_or_cordoned_provider_is_draining_until_its_in_flight_is_0(
+        ctl: ProviderControl, in_flight: int, state: str, reason: str | None) -> None:
+    cat = build_catalog(config(), controlled({"a": ctl}, in_flight={"a": in_flight}))
+    a = cat.providers[0]
+    assert a.control.state == state
+    assert a.health == "available"  # a drain is not a health
+    placement = cat.models[0].providers[0]
+    assert placement.provider_id == "a"
+    assert placement.reason == (reason or (None if in_flight < 4 else "full"))
+    assert placement.selectable is (reason is None)
+
+
+def test_a_capacity_override_is_the_effective_capacity_and_the_load_ratio_follows_it() -> None:
+    ctl = ProviderControl(capacity_override=1, capacity_override_until_ms=NOW + 60_000)
+    cat = build_catalog(config(), controlled({"a": ctl}, in_flight={"a": 3}))
+    a = cat.providers[0]
+    assert (a.configured_capacity, a.capacity, a.effective_capacity) == (4, 4, 1)
+    assert a.load_ratio == 3.0
+    assert a.control.capacity_override == 1 and a.control.capacity_override_until_ms == NOW + 60_000
+    assert a.control.state == "active"
+    placement = cat.models[0].providers[0]
+    assert (placement.selectable, placement.reason) == (False, "full")
+    assert placement.detail == "3/1 slots in use (an operator set the capacity to 1)"
+    # above the announced capacity (only a heartbeat that lowered its own could show this), it frees slots
+    cat = build_catalog(config(), controlled({"a": ProviderControl(capacity_override=6)}, in_flight={"a": 4}))
+    assert cat.models[0].providers[0].selectable and cat.providers[0].load_ratio == round(4 / 6, 4)
+
+
+def test_a_cordoned_node_shows_in_the_node_records() -> None:
+    cat = build_catalog(config(), controlled({"b": ProviderControl(cordoned_since_ms=NOW - 1),
+                                              "c": ProviderControl(cordoned_since_ms=NOW - 1)},
+                                             cordons={"n1": None, "n2": NOW - 1}))
+    assert [(n.id, n.cordoned_since_ms) for n in cat.nodes] == [("n1", None), ("n2", NOW - 1)]
+    assert [p.control.state for p in cat.providers] == ["active", "drained", "drained"]

@@ -9,7 +9,7 @@ from fractions import Fraction
 
 import pytest
 
-from common.policy import Health, ProviderSnapshot, is_available, is_fresh, select_provider
+from common.policy import Health, ProviderSnapshot, all_refused, is_available, is_fresh, select_provider
 
 NOW = 1_000_000_000
 TTL = 6_000
@@ -22,9 +22,11 @@ def snap(
     *,
     health: Health = Health.AVAILABLE,
     heartbeat_ms: int | None = NOW - 100,
+    drained: bool = False,
+    override: int | None = None,
 ) -> ProviderSnapshot:
     return ProviderSnapshot(provider_id=provider_id, health=health, capacity=capacity, in_flight=in_flight,
-                            heartbeat_ms=heartbeat_ms)
+                            heartbeat_ms=heartbeat_ms, drained=drained, capacity_override=override)
 
 
 def pick(*snaps: ProviderSnapshot) -> str | None:
@@ -41,6 +43,9 @@ EXCLUDED = [
     snap("capacity-none", 0, None),
     snap("full", 3, 3),
     snap("over-full", 4, 3),
+    snap("drained", 0, 4, drained=True),
+    snap("overridden-full", 1, 4, override=1),
+    snap("overridden-below-in-flight", 4, 4, override=2),
 ]
 
 # (id, snapshots, expected provider id or None)
@@ -68,6 +73,15 @@ CASES: list[tuple[str, list[ProviderSnapshot], str | None]] = [
     ("full-provider-with-lower-ratio-elsewhere", [snap("full", 1, 1), snap("busy", 8, 10)], "busy"),
     ("unavailable-idle-loses-to-busy-available",
      [snap("idle", 0, 8, health=Health.UNAVAILABLE), snap("busy", 3, 4)], "busy"),
+    # operator control (a drain or a cordon; a capacity override)
+    ("drained-idle-loses-to-busy", [snap("idle", 0, 8, drained=True), snap("busy", 3, 4)], "busy"),
+    ("drained-everywhere-none", [snap("a", 0, 8, drained=True), snap("b", 0, 2, drained=True)], None),
+    ("override-raises-the-ratio-1/2-loses-to-1/3", [snap("a", 1, 4, override=2), snap("b", 1, 3)], "b"),
+    ("override-lowers-the-ratio-1/8-beats-1/4", [snap("a", 1, 4, override=8), snap("b", 1, 4)], "a"),
+    ("override-frees-slots-above-the-announced-capacity", [snap("a", 4, 4, override=6)], "a"),
+    ("override-decides-the-capacity-tie-break", [snap("a", 0, 1, override=8), snap("b", 0, 4)], "a"),
+    ("override-0/1-vs-0/4-larger-effective-wins", [snap("a", 0, 4, override=1), snap("b", 0, 2)], "b"),
+    ("override-without-heartbeat-is-still-unknown", [snap("a", 0, None, heartbeat_ms=None, override=4)], None),
 ]
 
 
@@ -98,6 +112,9 @@ def test_select_accepts_any_iterable() -> None:
     (snap("capacity-0", 0, 0), False),
     (snap("capacity-none", 0, None), False),
     (snap("capacity-negative", 0, -1), False),
+    (snap("drained", 0, 1, drained=True), True),  # drained is not a health: it never fails runs
+    (snap("override-0", 0, 4, override=0), False),
+    (snap("override-on-no-capacity", 0, None, override=2), True),
 ])
 def test_is_available(s: ProviderSnapshot, available: bool) -> None:
     assert is_available(s, NOW, TTL) is available
@@ -118,6 +135,25 @@ def test_load_ratio(capacity: int | None, in_flight: int, ratio: Fraction | None
     assert snap("a", in_flight, capacity).load_ratio() == ratio
 
 
+@pytest.mark.parametrize(("capacity", "override", "in_flight", "effective", "ratio"), [
+    (4, None, 2, 4, Fraction(1, 2)), (4, 1, 2, 1, Fraction(2)), (4, 8, 2, 8, Fraction(1, 4)),
+    (None, 2, 1, 2, Fraction(1, 2)), (None, None, 1, None, None),
+])
+def test_a_capacity_override_is_the_capacity_the_policy_counts_with(
+        capacity: int | None, override: int | None, in_flight: int, effective: int | None,
+        ratio: Fraction | None) -> None:
+    s = snap("a", in_flight, capacity, override=override)
+    assert s.effective_capacity == effective
+    assert s.load_ratio() == ratio
+
+
+def test_a_drained_provider_never_makes_runs_fail() -> None:
+    """Only a refusal by health fails a model's runs; a drain keeps them waiting."""
+    assert not all_refused([snap("a", 0, 4, drained=True)], NOW, TTL)
+    assert not all_refused([snap("a", 0, 4, drained=True), snap("b", 0, 4, health=Health.UNAVAILABLE)], NOW, TTL)
+    assert all_refused([snap("b", 0, 4, health=Health.UNAVAILABLE)], NOW, TTL)
+
+
 def test_health_values_are_the_wire_strings() -> None:
     assert [h.value for h in Health] == ["available", "unavailable", "unknown"]
     assert Health("available") is Health.AVAILABLE
@@ -132,10 +168,17 @@ def _eligible(s: ProviderSnapshot) -> bool:
         s.health == Health.AVAILABLE
         and s.heartbeat_ms is not None
         and NOW - s.heartbeat_ms <= TTL
-        and s.capacity is not None
-        and s.capacity > 0
-        and s.in_flight < s.capacity
+        and not s.drained
+        and 0 < _capacity(s)
+        and s.in_flight < _capacity(s)
     )
+
+
+def _capacity(s: ProviderSnapshot) -> int:
+    """The operator's override when there is one, else the announced capacity (0 when unknown)."""
+    if s.capacity_override is not None:
+        return s.capacity_override
+    return s.capacity or 0
 
 
 def _random_snapshots(rng: random.Random) -> list[ProviderSnapshot]:
@@ -147,7 +190,9 @@ def _random_snapshots(rng: random.Random) -> list[ProviderSnapshot]:
         top = (capacity or 2) + 1
         heartbeat = rng.choice([None, NOW - rng.randint(0, TTL), NOW - rng.randint(0, 3 * TTL), NOW + 10])
         health = rng.choices(list(Health), weights=[6, 1, 1])[0]
-        out.append(snap(pid, rng.randint(0, top), capacity, health=health, heartbeat_ms=heartbeat))
+        override = rng.choice([None, None, None, 1, 2, 5])
+        out.append(snap(pid, rng.randint(0, top), capacity, health=health, heartbeat_ms=heartbeat,
+                        drained=rng.random() < 0.15, override=override))
     return out
 
 
@@ -167,11 +212,11 @@ def test_select_property(seed: int) -> None:
         assert any(chosen is s for s in eligible)
         ratio = chosen.load_ratio()
         assert ratio is not None
-        best = min(Fraction(s.in_flight, s.capacity or 1) for s in eligible)
+        best = min(Fraction(s.in_flight, _capacity(s)) for s in eligible)
         assert ratio == best, snaps
         tied = [s for s in eligible if s.load_ratio() == best]
-        assert chosen.capacity == max(s.capacity or 0 for s in tied)
-        assert chosen.provider_id == min(s.provider_id for s in tied if s.capacity == chosen.capacity)
+        assert _capacity(chosen) == max(_capacity(s) for s in tied)
+        assert chosen.provider_id == min(s.provider_id for s in tied if _capacity(s) == _capacity(chosen))
         # deterministic whatever the input order
         for _ in range(3):
             shuffled = list(snaps)
@@ -236,3 +281,15 @@ def test_a_retry_avoids_the_providers_it_failed_on_when_it_can() -> None:
 def test_a_provider_that_does_not_list_the_model_is_never_chosen() -> None:
     assert pick(replace(snap("a", 0, 4), has_model=False), snap("b", 3, 4)) == "b"
     assert pick(replace(snap("a", 0, 4), has_model=False)) is None
+
+
+def test_a_drained_provider_takes_nothing_while_the_others_fill() -> None:
+    snaps = {"a": snap("a", 0, 4, drained=True), "b": snap("b", 0, 2)}
+    assert _assign(snaps, 3) == ["b", "b", None]
+
+
+def test_an_override_below_in_flight_holds_new_runs_back_until_in_flight_is_below_it() -> None:
+    """Capacity 4 lowered to 1 with 4 in flight: nothing goes there until in_flight is 0."""
+    for in_flight, expected in [(4, None), (3, None), (2, None), (1, None), (0, "a")]:
+        assert pick(snap("a", in_flight, 4, override=1)) == expected
+    assert _assign({"a": snap("a", 0, 4, override=1)}, 2) == ["a", None]

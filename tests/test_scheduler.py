@@ -238,7 +238,7 @@ async def test_a_stale_snapshot_is_refused_with_the_live_counts(redis: Redis) ->
     client, sched, (run_id,) = await waiting_runs(redis, config, 1)
     model = config.model(MODEL)
     assert model is not None
-    snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms())
+    snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)
     await redis.zadd(keys.leases("a"), {"other": now_ms() + 60_000})  # another replica got there first
     head = sched.waiting[MODEL][0]
     outcome, live = await sched._dispatch(model, head, snaps[0], snaps)

@@ -1,0 +1,291 @@
+"""Operator control: drain a provider, cordon a node, override a provider's capacity.
+
+The state lives in Redis only (`keys.drained`, `keys.cordoned`, `keys.capacity_override`), so it
+survives a restart of every iop service and every replica reads the same. Two places honour it:
+the selection policy, whose snapshots carry it (`common.policy`), and the `dispatch` script,
+which checks it in the very step that reserves a slot, so once a change is written no scheduler
+replica dispatches against it, whatever it read before.
+
+Each change and its audit entry are written by one script (`control`): who made it (an API key's
+name, or `cli:<user>` for the `iop` command), what, and the value it replaced. Parsing and bounds
+are pure; `apply`, `read_control` and `read_audit` talk to Redis.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from common import keys
+from common.config import Config
+from common.redisconn import as_text_map, text
+from common.scripts import Scripts
+
+
+class Action(StrEnum):
+    DRAIN = "drain"  # a provider takes no new runs; its running runs go on
+    UNDRAIN = "undrain"
+    CORDON = "cordon"  # every provider of a node takes no new runs
+    UNCORDON = "uncordon"
+    CAPACITY = "capacity"  # the policy counts with this capacity instead of the announced one
+    CAPACITY_CLEAR = "capacity_clear"
+
+
+NODE_ACTIONS = frozenset({Action.CORDON, Action.UNCORDON})
+
+#: The shortest and longest time a capacity override may be given (`--for`, `"for"`).
+MIN_FOR_MS = 1_000
+MAX_FOR_MS = 7 * 86_400_000
+#: Audit entries one read returns at most (`iop audit --limit`, `GET /v1/admin/audit?limit=`).
+MAX_AUDIT_READ = 1_000
+
+_DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+_UNIT_MS = (86_400_000, 3_600_000, 60_000, 1_000)
+
+
+class ControlError(ValueError):
+    """A value an operator gave that cannot be used; `param` names it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownTarget(LookupError):
+    """A provider or node the config does not define."""
+
+
+def parse_duration(value: str, param: str = "for") -> int:
+    """`90s`, `30m`, `2h`, `7d` or a combination in that order (`1h30m`) -> milliseconds, within
+    [MIN_FOR_MS, MAX_FOR_MS]."""
+    match = _DURATION.match(value.strip()) if isinstance(value, str) else None
+    if not value or match is None or not any(match.groups()):
+        raise ControlError(f"{param}: {value!r} is not a duration such as 90s, 30m, 2h, 7d or 1h30m", param)
+    ms = sum(int(part) * unit for part, unit in zip(match.groups(), _UNIT_MS, strict=True) if part)
+    if ms < MIN_FOR_MS:
+        raise ControlError(f"{param}: {value!r} is shorter than 1s", param)
+    if ms > MAX_FOR_MS:
+        raise ControlError(f"{param}: {value!r} is longer than 7d, the longest an override may last", param)
+    return ms
+
+
+def format_duration(ms: int) -> str:
+    """The inverse of `parse_duration`, to whole seconds: 5_400_000 -> `1h30m`."""
+    left = max(0, ms) // 1000 * 1000
+    parts = []
+    for unit, name in zip(_UNIT_MS, "dhms", strict=True):
+        if left >= unit:
+            parts.append(f"{left // unit}{name}")
+            left %= unit
+    return "".join(parts) or "0s"
+
+
+def check_capacity(value: Any, param: str = "capacity") -> int:
+    """A capacity override: a whole number >= 1 (a drain is how to take none). Its upper bound, the
+    provider's configured capacity, is `check_change`'s."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ControlError(f"{param}: {value!r} is not a whole number", param)
+    if value < 1:
+        raise ControlError(f"{param}: {value} is less than 1 (to take no runs, drain it)", param)
+    return value
+
+
+def cli_user() -> str:
+    """Who the `iop` command acts as in the audit trail: `cli:` and the OS user."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no USER/LOGNAME and no passwd entry (a bare container)
+        user = f"uid{os.getuid()}"
+    return f"cli:{user}"
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One operator action on a provider (or, for cordon/uncordon, a node)."""
+
+    action: Action
+    target: str
+    #: the API key's name, or `cli:<user>`
+    who: str
+    #: `capacity` only: the capacity to use
+    capacity: int | None = None
+    #: `capacity` only: how long the override lasts (ms); None = until cleared
+    for_ms: int | None = None
+
+    @property
+    def target_kind(self) -> str:
+        return "node" if self.action in NODE_ACTIONS else "provider"
+
+    def key(self) -> str:
+        if self.action in (Action.DRAIN, Action.UNDRAIN):
+            return keys.drained(self.target)
+        if self.action in NODE_ACTIONS:
+            return keys.cordoned(self.target)
+        return keys.capacity_override(self.target)
+
+
+def check_change(config: Config, change: Change) -> None:
+    """Raise UnknownTarget for a provider or node the config does not define, ControlError for a bad value."""
+    if change.target_kind == "node":
+        if config.node(change.target) is None:
+            raise UnknownTarget(f"no node {change.target!r} in the config")
+    else:
+        try:
+            configured = config.provider(change.target).capacity
+        except KeyError:
+            raise UnknownTarget(f"no provider {change.target!r} in the config") from None
+    if change.action is Action.CAPACITY:
+        if change.capacity is None:
+            raise ControlError("capacity: required", "capacity")
+        check_capacity(change.capacity)
+        # Lower only: a node's workers run as many runs at once as its configured capacities add up
+        # to, so slots above them would be leases that wait for a worker.
+        if change.capacity > configured:
+            raise ControlError(f"capacity: {change.capacity} is above {change.target}'s configured capacity "
+                               f"{configured} (an override can only lower it; raise it in the config)", "capacity")
+        if change.for_ms is not None and not MIN_FOR_MS <= change.for_ms <= MAX_FOR_MS:
+            raise ControlError(f"for: {change.for_ms} ms is not between 1s and 7d", "for")
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    """One recorded change."""
+
+    id: str
+    #: when it was made (ms since the epoch, Redis's clock)
+    at_ms: int
+    who: str
+    action: str
+    #: provider | node
+    target_kind: str
+    target: str
+    #: what it is now: `drained`, `cordoned`, `active`, a capacity, or `none` (override cleared)
+    value: str
+    #: when the new capacity override expires (ms); None = until cleared
+    until_ms: int | None
+    #: what it was before (the same words)
+    previous: str
+    previous_until_ms: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_entry(cls, entry_id: bytes | str, fields: dict[bytes, bytes]) -> AuditEntry:
+        f = as_text_map(fields)
+        ident = text(entry_id) or ""
+        at_ms = _opt_int(f.get("at_ms")) or int(ident.split("-", 1)[0])
+        return cls(id=ident, at_ms=at_ms, who=f.get("who", ""), action=f.get("action", ""),
+                   target_kind=f.get("target_kind", ""), target=f.get("target", ""), value=f.get("value", ""),
+                   until_ms=_opt_int(f.get("until_ms")), previous=f.get("previous", ""),
+                   previous_until_ms=_opt_int(f.get("previous_until_ms")))
+
+
+def _opt_int(value: str | bytes | None) -> int | None:
+    if value is None or value in ("", b""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+async def apply(redis: Redis, config: Config, change: Change) -> AuditEntry:
+    """Make the change and record it, in one atomic step; the schedulers are woken. Raises
+    UnknownTarget or ControlError (nothing is written then)."""
+    check_change(config, change)
+    entry_id, _previous, _until = await Scripts(redis).call(
+        "control", [change.key(), keys.AUDIT_STREAM],
+        [change.action.value, change.target_kind, change.target, change.who,
+         change.capacity if change.capacity is not None else "", change.for_ms or 0, keys.AUDIT_MAX_ENTRIES,
+         keys.SCHEDULER_SIGNALS])
+    (entry,) = await redis.xrange(keys.AUDIT_STREAM, entry_id, entry_id)
+    return AuditEntry.from_entry(*entry)
+
+
+async def read_audit(redis: Redis, limit: int = 50, before: str | None = None) -> list[AuditEntry]:
+    """The newest `limit` changes (at most MAX_AUDIT_READ), newest first; `before` an entry id to page back."""
+    limit = max(1, min(limit, MAX_AUDIT_READ))
+    top = f"({before}" if before else "+"
+    raw = await redis.xrevrange(keys.AUDIT_STREAM, top, "-", count=limit)
+    return [AuditEntry.from_entry(entry_id, fields) for entry_id, fields in raw]
+
+
+# --- reading the state ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderControl:
+    """What operators set for one provider (and its node), at one instant."""
+
+    #: since when it is drained (ms); None = not drained
+    drained_since_ms: int | None = None
+    #: since when its node is cordoned (ms); None = not cordoned
+    cordoned_since_ms: int | None = None
+    #: the capacity an operator set; None = the announced one
+    capacity_override: int | None = None
+    #: when that override expires (ms); None = until cleared
+    capacity_override_until_ms: int | None = None
+
+    @property
+    def blocked(self) -> bool:
+        """It takes no new runs (drained, or its node cordoned)."""
+        return self.drained_since_ms is not None or self.cordoned_since_ms is not None
+
+    def state(self, in_flight: int) -> str:
+        """`active`; `draining` while blocked with runs still in flight; then `drained`."""
+        if not self.blocked:
+            return "active"
+        return "draining" if in_flight > 0 else "drained"
+
+
+#: Nothing set.
+NONE = ProviderControl()
+
+#: Replies `queue_reads` adds to a pipeline per provider and per node.
+PER_PROVIDER = 3
+PER_NODE = 1
+
+
+def queue_reads(pipe: Pipeline, config: Config) -> None:
+    """Add the reads of every provider's and node's control state to `pipe` (see `from_replies`)."""
+    for node in config.nodes:
+        for p in node.providers:
+            pipe.get(keys.drained(p.id))
+            pipe.get(keys.capacity_override(p.id))
+            pipe.pttl(keys.capacity_override(p.id))
+    for node in config.nodes:
+        pipe.get(keys.cordoned(node.id))
+
+
+def from_replies(config: Config, replies: list[Any], now_ms: int) -> tuple[dict[str, ProviderControl],
+                                                                             dict[str, int | None]]:
+    """(provider id -> its control state, node id -> since when it is cordoned), from the replies of
+    `queue_reads`, in order. Pure."""
+    providers = [(node.id, p.id) for node in config.nodes for p in node.providers]
+    n = len(providers) * PER_PROVIDER
+    cordons = {node.id: _opt_int(replies[n + i]) for i, node in enumerate(config.nodes)}
+    out = {}
+    for i, (node_id, pid) in enumerate(providers):
+        drained, override, ttl = replies[PER_PROVIDER * i:PER_PROVIDER * (i + 1)]
+        value = _opt_int(override)
+        out[pid] = ProviderControl(
+            drained_since_ms=_opt_int(drained), cordoned_since_ms=cordons[node_id], capacity_override=value,
+            capacity_override_until_ms=now_ms + int(ttl) if value is not None and int(ttl) > 0 else None)
+    return out, cordons
+
+
+async def read_control(redis: Redis, config: Config, now_ms: int) -> tuple[dict[str, ProviderControl],
+                                                                          dict[str, int | None]]:
+    pipe = redis.pipeline(transaction=False)
+    queue_reads(pipe, config)
+    return from_replies(config, await pipe.execute(), now_ms)

@@ -1,0 +1,119 @@
+"""Operator routes (`/v1/admin/…`, operator keys only; `gateway.auth` answers 401/403):
+
+- `POST /v1/admin/providers/{id}/drain`, `…/undrain`: the provider takes no new runs / takes them again.
+- `POST /v1/admin/providers/{id}/capacity` with `{"capacity": N, "for": "30m"}` (`for` optional):
+  the policy counts with N until cleared or expired; `DELETE …/capacity` clears it.
+- `POST /v1/admin/nodes/{id}/cordon`, `…/uncordon`: every provider of the node, as drain/undrain.
+- `GET /v1/admin/audit?limit=50&before=<id>`: the changes, newest first.
+
+A change answers `{"object": "control.change", "change": <its audit entry>, "providers": [<the
+catalog records of the providers it touched, after it>]}` (and `"node"` for a node). An unknown
+provider or node is 404 `not_found`; a bad value 400 naming it (`param`). The audit entry names
+the key that made the change (`anonymous` when the gateway serves without keys).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from redis.asyncio import Redis
+
+from common import control
+from common.catalog import change_report, read_catalog
+from common.config import Config
+from common.control import Action, Change, ControlError, UnknownTarget
+from common.redisconn import now_ms
+from common.wire import ErrorCode
+from gateway.auth import principal
+from gateway.connections import BODY
+from gateway.errors import ApiError, invalid
+
+#: Fields `POST …/capacity` takes.
+CAPACITY_FIELDS = frozenset({"capacity", "for"})
+
+
+def _body(request: web.Request) -> dict[str, Any]:
+    raw = request[BODY]
+    if not raw.strip():
+        return {}
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise invalid("the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise invalid("the request body must be a JSON object")
+    return data
+
+
+def _capacity_change(request: web.Request, provider_id: str) -> Change:
+    body = _body(request)
+    unknown = sorted(set(body) - CAPACITY_FIELDS)
+    if unknown:
+        raise invalid(f"unknown field {unknown[0]!r}: this route takes capacity and for", unknown[0])
+    if "capacity" not in body:
+        raise invalid("capacity: required (a whole number; DELETE this route to clear an override)", "capacity")
+    try:
+        capacity = control.check_capacity(body["capacity"])
+        duration = body.get("for")
+        if duration is not None and not isinstance(duration, str):
+            raise ControlError(f"for: {duration!r} is not a duration such as 90s, 30m, 2h or 7d", "for")
+        for_ms = control.parse_duration(duration) if duration is not None else None
+    except ControlError as exc:
+        raise invalid(str(exc), exc.param) from None
+    return Change(Action.CAPACITY, provider_id, principal(request).name, capacity=capacity, for_ms=for_ms)
+
+
+def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> None:
+    """Add the operator routes; `redis` returns the app's client once it is started."""
+
+    async def answer(change: Change) -> web.Response:
+        try:
+            entry = await control.apply(redis(), config, change)
+        except UnknownTarget as exc:
+            raise ApiError(ErrorCode.NOT_FOUND, str(exc)) from None
+        except ControlError as exc:
+            raise invalid(str(exc), exc.param) from None
+        catalog = await read_catalog(redis(), config, now_ms())
+        return web.json_response(change_report(catalog, entry), headers={"Cache-Control": "no-store"})
+
+    def flag(action: Action, target: str) -> Callable[[web.Request], Any]:
+        async def handler(request: web.Request) -> web.Response:
+            _body(request)  # a body is not needed, but a malformed one is still an error
+            return await answer(Change(action, request.match_info[target], principal(request).name))
+        return handler
+
+    async def set_capacity(request: web.Request) -> web.Response:
+        return await answer(_capacity_change(request, request.match_info["provider_id"]))
+
+    async def clear_capacity(request: web.Request) -> web.Response:
+        return await answer(Change(Action.CAPACITY_CLEAR, request.match_info["provider_id"],
+                                   principal(request).name))
+
+    async def audit(request: web.Request) -> web.Response:
+        text = request.query.get("limit", "50")
+        if not text.isdigit() or not 1 <= int(text) <= control.MAX_AUDIT_READ:
+            raise invalid(f"limit: {text!r} is not a whole number between 1 and {control.MAX_AUDIT_READ}", "limit")
+        before = request.query.get("before")
+        if before is not None and not _is_entry_id(before):
+            raise invalid(f"before: {before!r} is not an audit entry id (ms-seq)", "before")
+        entries = await control.read_audit(redis(), int(text), before)
+        return web.json_response({"object": "list", "data": [e.to_json() for e in entries]},
+                                 headers={"Cache-Control": "no-store"})
+
+    provider = "/v1/admin/providers/{provider_id:.+}"
+    node = "/v1/admin/nodes/{node_id:.+}"
+    app.router.add_post(f"{provider}/drain", flag(Action.DRAIN, "provider_id"))
+    app.router.add_post(f"{provider}/undrain", flag(Action.UNDRAIN, "provider_id"))
+    app.router.add_post(f"{provider}/capacity", set_capacity)
+    app.router.add_delete(f"{provider}/capacity", clear_capacity)
+    app.router.add_post(f"{node}/cordon", flag(Action.CORDON, "node_id"))
+    app.router.add_post(f"{node}/uncordon", flag(Action.UNCORDON, "node_id"))
+    app.router.add_get("/v1/admin/audit", audit)
+
+
+def _is_entry_id(text: str) -> bool:
+    ms, _, seq = text.partition("-")
+    return ms.isdigit() and (seq == "" or seq.isdigit()) and int(ms) < 2**64 and (not seq or int(seq) < 2**64)

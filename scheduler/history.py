@@ -1,0 +1,28 @@
+"""The load sampler of a scheduler replica: offers a sample of the pool every
+`runtime.history_interval_ms`; the `history` script keeps one writer at a time (`common.history`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis.asyncio import Redis
+
+from common.config import Config
+from common.history import offer_sample
+from common.redisconn import REDIS_DOWN, now_ms
+
+log = logging.getLogger("iop.scheduler")
+
+
+async def sample_forever(redis: Redis, config: Config) -> None:
+    """Until cancelled. A Redis outage or a bug only costs the samples it spans."""
+    interval_s = config.runtime.history_interval_ms / 1000
+    while True:
+        try:
+            await offer_sample(redis, config, now_ms())
+        except REDIS_DOWN as exc:
+            log.debug("history: Redis unavailable (%s); no sample this time", exc)
+        except Exception:
+            log.exception("history: could not take a sample")
+        await asyncio.sleep(interval_s)

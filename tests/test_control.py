@@ -1,0 +1,231 @@
+"""Operator control against a real Redis: the `control` script, its audit entries, and the
+`dispatch` script honouring drains, cordons and capacity overrides even when the scheduler's
+snapshot predates them (no workers, no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+
+from common import keys
+from common.control import (
+    Action,
+    Change,
+    ControlError,
+    UnknownTarget,
+    apply,
+    check_capacity,
+    cli_user,
+    format_duration,
+    parse_duration,
+    read_audit,
+    read_control,
+)
+from common.redisconn import now_ms
+from gateway.runs import RunClient
+from scheduler.core import Scheduler
+from scheduler.snapshots import read_snapshots
+from tests.conftest import async_wait_until
+from tests.test_scheduler import MODEL, beat, leases, make_config, submit, waiting_runs
+
+# --- pure parts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "ms"), [
+    ("1s", 1_000), ("90s", 90_000), ("30m", 1_800_000), ("2h", 7_200_000), ("1h30m", 5_400_000),
+    ("7d", 604_800_000), ("1d2h3m4s", 93_784_000), (" 15m ", 900_000),
+])
+def test_durations(text: str, ms: int) -> None:
+    assert parse_duration(text) == ms
+    assert parse_duration(format_duration(ms)) == ms
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("", "is not a duration"), ("30", "is not a duration"), ("m", "is not a duration"), ("1m1h", "is not a duration"),
+    ("-5m", "is not a duration"), ("1.5h", "is not a duration"), ("0s", "shorter than 1s"),
+    ("8d", "longer than 7d"), ("7d1s", "longer than 7d"), ("169h", "longer than 7d"),
+])
+def test_bad_durations_are_refused_with_a_reason(text: str, says: str) -> None:
+    with pytest.raises(ControlError, match=says) as err:
+        parse_duration(text)
+    assert err.value.param == "for"
+
+
+@pytest.mark.parametrize(("value", "ok"), [
+    (1, True), (4, True), (10**6, True), ("3", True), (0, False), (-1, False),
+    (2.5, False), ("two", False), (True, False), (None, False),
+])
+def test_capacity_bounds(value: object, ok: bool) -> None:
+    if ok:
+        assert check_capacity(value) == int(value)  # type: ignore[call-overload]
+    else:
+        with pytest.raises(ControlError):
+            check_capacity(value)
+
+
+def test_the_cli_acts_as_its_os_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOGNAME", "alice")
+    assert cli_user() == "cli:alice"
+
+
+# --- the control script and the audit trail -----------------------------------------------------
+
+
+async def test_each_change_is_recorded_with_who_what_and_the_previous_value(redis: Redis) -> None:
+    config = make_config({"a": 4, "b": 2})
+    first = await apply(redis, config, Change(Action.DRAIN, "a", "ops"))
+    assert (first.action, first.target_kind, first.target, first.who) == ("drain", "provider", "a", "ops")
+    assert (first.value, first.previous) == ("drained", "active")
+    since = int(await redis.get(keys.drained("a")))
+    again = await apply(redis, config, Change(Action.DRAIN, "a", "cli:bob"))
+    assert (again.value, again.previous) == ("drained", "drained")
+    assert int(await redis.get(keys.drained("a"))) == since  # a second drain keeps when it began
+    await apply(redis, config, Change(Action.UNDRAIN, "a", "ops"))
+    assert not await redis.exists(keys.drained("a"))
+
+    cap = await apply(redis, config, Change(Action.CAPACITY, "b", "ops", capacity=1, for_ms=60_000))
+    assert (cap.value, cap.previous, cap.previous_until_ms) == ("1", "none", None)
+    assert cap.until_ms is not None and cap.until_ms - cap.at_ms == 60_000
+    assert 0 < await redis.pttl(keys.capacity_override("b")) <= 60_000
+    forever = await apply(redis, config, Change(Action.CAPACITY, "b", "ops", capacity=2))
+    assert (forever.value, forever.until_ms, forever.previous, forever.previous_until_ms) == (
+        "2", None, "1", cap.until_ms)
+    assert await redis.pttl(keys.capacity_override("b")) == -1  # no expiry any more
+    cleared = await apply(redis, config, Change(Action.CAPACITY_CLEAR, "b", "ops"))
+    assert (cleared.value, cleared.previous) == ("none", "2")
+    cordon = await apply(redis, config, Change(Action.CORDON, "n-b", "ops"))
+    assert (cordon.target_kind, cordon.value, cordon.previous) == ("node", "cordoned", "active")
+
+    trail = await read_audit(redis, 100)
+    assert [(e.action, e.target, e.who) for e in trail] == [
+        ("cordon", "n-b", "ops"), ("capacity_clear", "b", "ops"), ("capacity", "b", "ops"), ("capacity", "b", "ops"),
+        ("undrain", "a", "ops"), ("drain", "a", "cli:bob"), ("drain", "a", "ops")]
+    assert [e.id for e in await read_audit(redis, 2, before=trail[1].id)] == [trail[2].id, trail[3].id]
+    assert all(a.at_ms >= b.at_ms for a, b in zip(trail, trail[1:], strict=False))
+
+
+async def test_unknown_targets_and_bad_values_write_nothing(redis: Redis) -> None:
+    config = make_config({"a": 4})
+    for change in (Change(Action.DRAIN, "nope", "ops"), Change(Action.CORDON, "a", "ops"),  # a is no node
+                   Change(Action.CAPACITY, "nope", "ops", capacity=1)):
+        with pytest.raises(UnknownTarget):
+            await apply(redis, config, change)
+    for change in (Change(Action.CAPACITY, "a", "ops"), Change(Action.CAPACITY, "a", "ops", capacity=0),
+                   Change(Action.CAPACITY, "a", "ops", capacity=2, for_ms=8 * 86_400_000),
+                   Change(Action.CAPACITY, "a", "ops", capacity=5)):  # above the configured 4
+        with pytest.raises(ControlError):
+            await apply(redis, config, change)
+    assert await redis.keys("iop:*") == []
+
+
+async def test_the_audit_stream_is_capped(redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(keys, "AUDIT_MAX_ENTRIES", 150)
+    config = make_config({"a": 4})
+    for i in range(400):
+        await apply(redis, config, Change(Action.DRAIN if i % 2 else Action.UNDRAIN, "a", "ops"))
+    # XADD MAXLEN ~ trims in whole blocks of entries (100 by default): a little over the cap, never far
+    assert 150 <= await redis.xlen(keys.AUDIT_STREAM) < 150 + 100
+
+
+async def test_a_change_wakes_the_schedulers(redis: Redis) -> None:
+    config = make_config({"a": 4})
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(keys.SCHEDULER_SIGNALS)
+    await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+    await apply(redis, config, Change(Action.UNDRAIN, "a", "ops"))
+    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+    await pubsub.aclose()
+    assert message is not None and message["data"] == b"*"
+
+
+async def test_an_override_given_a_time_expires_by_itself(redis: Redis) -> None:
+    config = make_config({"a": 4})
+    await beat(redis, config)
+    await apply(redis, config, Change(Action.CAPACITY, "a", "ops", capacity=1, for_ms=1_000))
+    assert (await read_snapshots(redis, {"a": "a-name"}, now_ms(), config.node_of))[0].effective_capacity == 1
+    controls, _ = await read_control(redis, config, now_ms())
+    assert controls["a"].capacity_override == 1 and controls["a"].capacity_override_until_ms is not None
+
+    async def expired() -> bool:
+        controls, _ = await read_control(redis, config, now_ms())
+        return controls["a"].capacity_override is None
+    await async_wait_until(expired, timeout=10, what="the override to expire")
+    assert (await read_snapshots(redis, {"a": "a-name"}, now_ms(), config.node_of))[0].effective_capacity == 4
+
+
+# --- the dispatch script honours it, whatever the scheduler read -----------------------------------
+
+
+async def test_a_drain_written_after_the_snapshot_is_refused_by_the_dispatch_script(redis: Redis) -> None:
+    config = make_config({"a": 4, "b": 4})
+    _client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    model = config.model(MODEL)
+    assert model is not None
+    snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)
+    assert not any(s.drained for s in snaps)
+    await apply(redis, config, Change(Action.DRAIN, "a", "ops"))  # after the snapshot, before the dispatch
+    head = sched.waiting[MODEL][0]
+    a = next(s for s in snaps if s.provider_id == "a")
+    assert await sched._dispatch(model, head, a, snaps) == ("drained", None)
+    assert await leases(redis, config) == {"a": 0, "b": 0}
+    assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
+    await sched.dispatch_all()  # it reads again: b takes the run
+    assert await redis.hget(keys.run_record(run_id), "provider") == b"b"
+
+
+async def test_a_cordon_written_after_the_snapshot_is_refused_by_the_dispatch_script(redis: Redis) -> None:
+    config = make_config({"a": 4})
+    _client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    model = config.model(MODEL)
+    assert model is not None
+    snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)
+    await apply(redis, config, Change(Action.CORDON, "n-a", "ops"))
+    assert await sched._dispatch(model, sched.waiting[MODEL][0], snaps[0], snaps) == ("drained", None)
+    await sched.dispatch_all()  # a is the only provider: the run waits, it does not fail
+    assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
+    assert await leases(redis, config) == {"a": 0}
+    await apply(redis, config, Change(Action.UNCORDON, "n-a", "ops"))
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_id), "provider") == b"a"
+
+
+async def test_an_override_below_the_live_leases_is_refused_even_with_a_snapshot_that_predates_it(
+        redis: Redis) -> None:
+    config = make_config({"a": 4})
+    _client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    model = config.model(MODEL)
+    assert model is not None
+    await redis.zadd(keys.leases("a"), {"r1": now_ms() + 60_000, "r2": now_ms() + 60_000})
+    snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)
+    assert snaps[0].effective_capacity == 4 and snaps[0].in_flight == 2
+    await apply(redis, config, Change(Action.CAPACITY, "a", "ops", capacity=2))
+    assert await sched._dispatch(model, sched.waiting[MODEL][0], snaps[0], snaps) == ("stale", None)
+    await sched.dispatch_all()
+    assert await leases(redis, config) == {"a": 2}  # held back, never over-filled
+    assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
+    await redis.zrem(keys.leases("a"), "r1")  # one run ends: in_flight 1 < 2
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_id), "provider") == b"a"
+
+
+async def test_three_replicas_never_exceed_an_override_nor_touch_a_drained_provider(redis: Redis) -> None:
+    config = make_config({"a": 2, "b": 6, "c": 3})
+    await beat(redis, config)
+    await submit(RunClient(redis, config), 90)
+    replicas = [Scheduler(redis, config, consumer=f"s{i}") for i in range(3)]
+    await replicas[0].ensure_groups()
+    for _ in range(9):
+        for s in replicas:
+            await s.read_new(block_ms=1, count=10)
+    assert [len(s.waiting[MODEL]) for s in replicas] == [30, 30, 30]
+    await apply(redis, config, Change(Action.CAPACITY, "b", "ops", capacity=1))
+    await apply(redis, config, Change(Action.DRAIN, "c", "ops"))
+    for _ in range(3):  # the replicas race each other for the slots, three times over
+        await asyncio.gather(*(s.dispatch_all() for s in replicas for _ in range(4)))
+        assert await leases(redis, config) == {"a": 2, "b": 1, "c": 0}
+        for pid in ("a", "b"):  # one run ends on each
+            (run,) = await redis.zrange(keys.leases(pid), 0, 0)
+            await redis.zrem(keys.leases(pid), run)
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 90 - 3 - 2 - 2  # 3 at first, then 2 per round
