@@ -25,13 +25,6 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-def job_payload(run_id: str, enqueue_ms: int) -> bytes:
-    """The arq job that runs `run_id` (arq's own job layout, msgpack-encoded)."""
-    from common.keys import JOB_FUNCTION
-
-    return pack({"t": 1, "f": JOB_FUNCTION, "a": [run_id], "k": {}, "et": enqueue_ms})
-
-
 def event_fields(event_type: str, data: dict[str, Any]) -> dict[str, bytes | str]:
     """The fields of one event stream entry."""
     return {"type": event_type, "data": pack(data)}

@@ -145,16 +145,6 @@ def usage_total(key_name: str) -> str:
     return f"{PREFIX}:usage-total:{key_name}"
 
 
-def arq_job(run_id: str) -> str:
-    """arq's own job payload key (msgpack)."""
-    return f"arq:job:{run_id}"
-
-
-def arq_retry(run_id: str) -> str:
-    """arq's own per-job try counter; cleared whenever a run is (re)dispatched."""
-    return f"arq:retry:{run_id}"
-
-
 def arq_in_progress(run_id: str) -> str:
     """arq's own marker of a job being executed by a worker."""
     return f"arq:in-progress:{run_id}"
@@ -206,7 +196,5 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (usage_day("{key}", "{day}"), "hash", "an API key's usage on a UTC day (YYYY-MM-DD): runs/prompt_tokens/"
      "completion_tokens/failures:{model}", "HGETALL iop:usage:{key}:2026-11-30"),
     (usage_total("{key}"), "hash", "an API key's usage for good (same fields)", "HGETALL iop:usage-total:{key}"),
-    (arq_job("{run}"), "string (arq)", "arq job payload, msgpack", "GET arq:job:{run}"),
-    (arq_retry("{run}"), "string (arq)", "arq's try counter for the job", "GET arq:retry:{run}"),
     (arq_in_progress("{run}"), "string (arq)", "arq's marker of a job being run", "EXISTS arq:in-progress:{run}"),
 )

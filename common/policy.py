@@ -93,6 +93,17 @@ def has_free_slot(snap: ProviderSnapshot) -> bool:
     return capacity is not None and snap.in_flight < capacity
 
 
+def candidate_class(snap: ProviderSnapshot, now_ms: int, ttl_ms: int, avoid: frozenset[str] = frozenset(),
+                    exclude: frozenset[str] = frozenset()) -> int | None:
+    """Whether a provider may take a run whatever its load: 0 (yes), 1 (only when no class-0
+    provider has a free slot: the run failed there before) or None (no: not available, drained,
+    or excluded). With `_rank`, the whole policy: the dispatch script checks its choice again on
+    the live counts with these two."""
+    if not is_available(snap, now_ms, ttl_ms) or snap.drained or snap.provider_id in exclude:
+        return None
+    return 1 if snap.provider_id in avoid else 0
+
+
 def _rank(snap: ProviderSnapshot) -> tuple[Fraction, int, str]:
     capacity = snap.effective_capacity
     assert capacity
@@ -103,15 +114,8 @@ def select_provider(
     snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int, avoid: frozenset[str] = frozenset(),
     exclude: frozenset[str] = frozenset(),
 ) -> ProviderSnapshot | None:
-    """The provider a run should go to now, or None if no provider can take it."""
-    candidates = [
-        s for s in snapshots
-        if is_available(s, now_ms, ttl_ms) and not s.drained and has_free_slot(s)
-        and s.provider_id not in exclude
-    ]
-    fresh = [s for s in candidates if s.provider_id not in avoid]
-    if fresh:
-        return min(fresh, key=_rank)
-    if not candidates:
-        return None
-    return min(candidates, key=_rank)
+    """The provider a run should go to now, or None if no provider can take it: among those with a
+    class and a free slot, the lowest class, then the lowest rank."""
+    ranked = [(cls, _rank(s), s) for s in snapshots
+              if (cls := candidate_class(s, now_ms, ttl_ms, avoid, exclude)) is not None and has_free_slot(s)]
+    return min(ranked, key=lambda r: (r[0], r[1]))[2] if ranked else None

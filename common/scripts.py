@@ -176,17 +176,26 @@ end
 return {'ok', entry, left}
 """
 
-# KEYS: runs stream, run record, events, chosen lease, arq job, arq retry, node queue, node wake,
-#       the chosen provider's probing lock, its drain flag, its node's cordon flag, its capacity
-#       override, lease keys of every candidate the decision looked at...
-# ARGV: run id, entry id, group, announced capacity, lease_ttl_ms, provider, node, target, job payload,
-#       ttl_s, replica channel prefix, model, the in_flight seen for each candidate (same order as its key)...
-# Answers 'probing' while a probe that would disturb a run is out (the prober signals its end), and
-# 'drained' when an operator drained the provider or cordoned its node: checked here, in the step that
-# reserves the slot, so no replica dispatches there once the flag is written, whatever it last read.
-# The capacity is the operator's override when one is set, else the announced one.
+# KEYS: runs stream, run record, events, then for every candidate of the run (`policy.candidate_class`
+#       not None), 7 keys: its leases, its capacity override, its drain flag, its node's cordon flag,
+#       its probing lock, its node's queue, its node's wake list...
+# ARGV: run id, entry id, group, lease_ttl_ms, ttl_s, replica channel prefix, then for every candidate
+#       (same order) 5 values: its announced capacity, its class, its provider id, its node, the served
+#       name the model has there...
+# The scheduler's policy (`policy.select_provider`) chose to dispatch on counts read a moment ago;
+# here, in the step that reserves the slot, the same policy picks the provider on the live state:
+# among candidates not drained or cordoned, with a free slot under their capacity (an operator's
+# override when one is set, else the announced one), the lowest class, then the lowest
+# in_flight/capacity, then the larger capacity, then the lower id (the candidates come in the order
+# of their ids, so the first of equals wins; no string comparison here, as Lua's follows the
+# server's locale). So runs that ended or started elsewhere since the snapshot, or an operator's
+# drain, never cost a second round trip: only 'stale' (no candidate has a free slot now; the
+# scheduler reads again) or 'probing' (the provider chosen has a probe out that would disturb a run;
+# the prober signals its end) send the scheduler back.
+# The job on the node's queue is the run id alone (the run record carries the rest): the worker's
+# `take` script reads the record, not an arq job payload.
 # Once dispatched, the replica holding the next waiting run of the model is woken (`_WAKE`), and
-# the answer says which it is: {'ok', consumer} ('' if none holds it yet).
+# the answer says which it is: {'ok', consumer ('' if none holds it yet), provider id}.
 DISPATCH = _NOW + _EVENTS + _WAKE + """
 local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #head == 0 then return 'gone' end
@@ -200,37 +209,40 @@ if redis.call('HGET', KEYS[2], 'state') ~= 'queued' then
   return 'gone'
 end
 local live = '(' .. now
-local counts = {'stale'}
-local changed = false
-for i = 13, #KEYS do
-  local n = redis.call('ZCOUNT', KEYS[i], live, '+inf')
-  counts[#counts + 1] = n
-  if n ~= tonumber(ARGV[i]) then changed = true end
+local best, best_n, best_cap, best_class
+for j = 0, (#KEYS - 3) / 7 - 1 do
+  local k, a = 4 + 7 * j, 7 + 5 * j
+  if redis.call('EXISTS', KEYS[k + 2], KEYS[k + 3]) == 0 then
+    local cap = tonumber(redis.call('GET', KEYS[k + 1]) or ARGV[a])
+    local n = redis.call('ZCOUNT', KEYS[k], live, '+inf')
+    local class = tonumber(ARGV[a + 1])
+    if cap > 0 and n < cap and (best == nil or class < best_class or (class == best_class and (
+        n * best_cap < best_n * cap or (n * best_cap == best_n * cap and cap > best_cap))))
+    then
+      best, best_n, best_cap, best_class = j, n, cap, class
+    end
+  end
 end
-if changed then return counts end  -- the policy runs again on these live counts
-if redis.call('EXISTS', KEYS[10], KEYS[11]) > 0 then return 'drained' end
-local capacity = tonumber(redis.call('GET', KEYS[12]) or ARGV[4])
-if redis.call('ZCOUNT', KEYS[4], live, '+inf') >= capacity then return 'stale' end
-if redis.call('EXISTS', KEYS[9]) == 1 then return 'probing' end
-local ttl = tonumber(ARGV[10])
-redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[1])
+if best == nil then return 'stale' end
+local k, a = 4 + 7 * best, 7 + 5 * best
+if redis.call('EXISTS', KEYS[k + 4]) == 1 then return 'probing' end
+local provider, node, target = ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+local ttl = tonumber(ARGV[5])
+redis.call('ZADD', KEYS[k], now + tonumber(ARGV[4]), ARGV[1])
 redis.call('XACK', KEYS[1], ARGV[3], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 redis.call('HINCRBY', KEYS[2], 'attempts', 1)
 local tried = redis.call('HGET', KEYS[2], 'tried')
-redis.call('HSET', KEYS[2], 'state', 'dispatched', 'provider', ARGV[6], 'node', ARGV[7],
-  'target', ARGV[8], 'dispatched_ms', now, 'tried', tried and (tried .. ',' .. ARGV[6]) or ARGV[6])
+redis.call('HSET', KEYS[2], 'state', 'dispatched', 'provider', provider, 'node', node,
+  'target', target, 'dispatched_ms', now, 'tried', tried and (tried .. ',' .. provider) or provider)
 redis.call('HDEL', KEYS[2], 'entry')
 redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('SET', KEYS[5], ARGV[9], 'PX', ttl * 1000)
-redis.call('DEL', KEYS[6])
-redis.call('ZADD', KEYS[7], now, ARGV[1])
-redis.call('LPUSH', KEYS[8], ARGV[1])
-redis.call('LTRIM', KEYS[8], 0, 1023)
-add_event(KEYS[2], KEYS[3], ARGV[1], 'dispatched',
-  cmsgpack.pack({provider = ARGV[6], node = ARGV[7], target = ARGV[8]}))
+redis.call('ZADD', KEYS[k + 5], now, ARGV[1])
+redis.call('LPUSH', KEYS[k + 6], ARGV[1])
+redis.call('LTRIM', KEYS[k + 6], 0, 1023)
+add_event(KEYS[2], KEYS[3], ARGV[1], 'dispatched', cmsgpack.pack({provider = provider, node = node, target = target}))
 redis.call('EXPIRE', KEYS[3], ttl)
-return {'ok', wake_head(KEYS[1], ARGV[11])}
+return {'ok', wake_head(KEYS[1], ARGV[6]), provider}
 """
 
 # A worker starts a dispatched run: checks its lease (and a cancel request), marks it running
@@ -403,10 +415,10 @@ return 1
 """
 
 # A lease that expired: its worker is gone. Put the run back in its queue if it may be tried
-# again and sent nothing yet; else fail it with worker_lost. Also drops arq's copy of the job.
+# again and sent nothing yet; else fail it with worker_lost. Also drops the job's in-progress marker.
 # The freed slot may serve any model of the provider: their head runs' replicas are woken.
-# KEYS: lease, run record, events, runs stream, node queue, arq job, arq in-progress, arq retry,
-#       runs streams of the provider's models...
+# KEYS: lease, run record, events, runs stream, node queue, arq in-progress marker, runs streams of
+#       the provider's models...
 # ARGV: run id, max_attempts, ttl_s, replica channel prefix, model, requeued data, failed data,
 #       cancelled data
 REAP = _NOW + _REQUEUE + _ENDED + _EVENTS + _WAKE + """
@@ -414,9 +426,9 @@ local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) > now then return 'alive' end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
-redis.call('DEL', KEYS[6], KEYS[7], KEYS[8])
+redis.call('DEL', KEYS[6])
 local state = redis.call('HGET', KEYS[2], 'state')
-for i = 9, #KEYS do wake_head(KEYS[i], ARGV[4]) end
+for i = 7, #KEYS do wake_head(KEYS[i], ARGV[4]) end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
 local ttl = tonumber(ARGV[3])
 local attempts = tonumber(redis.call('HGET', KEYS[2], 'attempts') or '0')

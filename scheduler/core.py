@@ -2,8 +2,9 @@
 
 One replica owns the runs it read through the consumer group. For the head run of each
 model it reads provider snapshots, asks the pure policy for a provider, and calls the
-`dispatch` script, which checks that the run is still the head of its stream and that the
-snapshot still holds, reserves the slot and queues the arq job in one atomic step. A run
+`dispatch` script, which checks that the run is still the head of its stream, applies the
+same policy to the live state, reserves the slot on the provider it picks and queues the job
+in one atomic step. A run
 that finds no slot waits; the scheduler is woken at once when a slot frees (pub/sub) and
 fails runs that waited `queue_timeout_ms`.
 
@@ -26,9 +27,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from common import keys
-from common.codec import job_payload, pack
+from common.codec import pack
 from common.config import Config, ModelConfig
-from common.policy import ProviderSnapshot, all_refused, select_provider
+from common.policy import ProviderSnapshot, all_refused, candidate_class, select_provider
 from common.redisconn import REDIS_DOWN, Backoff, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
@@ -171,10 +172,11 @@ class Scheduler:
     async def dispatch_model(self, model: ModelConfig) -> None:
         """Dispatch the model's waiting runs, oldest first, while providers have free slots.
 
-        Snapshots are read once and then kept up to date from what the dispatch script says:
-        after a dispatch the chosen provider holds one more run, and a `stale` answer carries
-        the live counts. The script checks them anyway, so a burst costs one read, not one
-        read per run."""
+        Snapshots are read once and then kept up to date with what this replica did: after a
+        dispatch the chosen provider holds one more run. They only decide whether to try; the
+        `dispatch` script applies the policy again on the live state and picks the provider
+        itself, so runs that ended meanwhile cost nothing, and only `stale` (no free slot after
+        all) makes the snapshots be read again. A burst costs one read, not one read per run."""
         queue = self.waiting[model.id]
         ttl = self.config.runtime.heartbeat_ttl_ms
         stale = 0
@@ -184,8 +186,7 @@ class Scheduler:
             now = now_ms()
             if snaps is None:
                 snaps = await read_snapshots(self.redis, self._targets[model.id], now, self.config.node_of)
-            choice = select_provider(snaps, now, ttl, head.avoid, head.exclude)
-            if choice is None:
+            if select_provider(snaps, now, ttl, head.avoid, head.exclude) is None:
                 if all_refused(snaps, now, ttl):
                     await self._refuse_all(model, snaps)
                     return
@@ -194,23 +195,22 @@ class Scheduler:
                     return  # it waits for a slot, and the runs behind it with it (FIFO)
                 await self._drop(model.id, queue.pop(0), RunState.FAILED, _no_other_provider(model.id, head))
                 continue
-            result, live = await self._dispatch(model, head, choice, snaps)
+            result, chosen = await self._dispatch(model, head, snaps)
             metrics.DISPATCHES.labels(model.id, result).inc()
             if result in ("ok", "gone"):
                 if head in queue:  # compare by identity of entry: another task may have moved on
                     queue.remove(head)
                 stale = 0
                 if result == "ok":
-                    snaps = [replace(s, in_flight=s.in_flight + 1) if s is choice else s for s in snaps]
+                    snaps = [replace(s, in_flight=s.in_flight + 1) if s.provider_id == chosen else s for s in snaps]
                     metrics.DISPATCH_LATENCY.labels(model.id).observe(max(0, now_ms() - head.sort_key[0]) / 1000)
-                    log.info("dispatched to %s", choice.provider_id, extra=run_fields(head.run_id, model.id))
+                    log.info("dispatched to %s", chosen, extra=run_fields(head.run_id, model.id))
                     if queue and self.next_holder not in ("", self.consumer):
                         self.behind[model.id] = queue[0].entry_id  # another replica goes next; it was woken
                         return
-            elif result in ("stale", "drained") and stale < STALE_RETRIES:  # drained: an operator just did
+            elif result == "stale" and stale < STALE_RETRIES:
                 stale += 1
-                snaps = None if live is None else [replace(s, in_flight=live.get(s.provider_id, s.in_flight))
-                                                   for s in snaps]
+                snaps = None  # no candidate had a free slot after all: read again
             else:
                 # not_head: an older run of another replica goes first; we are woken once it left.
                 # probing: a probe that would disturb a run is out; its end signals us.
@@ -218,29 +218,33 @@ class Scheduler:
                     self.behind[model.id] = head.entry_id
                 return
 
-    async def _dispatch(self, model: ModelConfig, head: Waiting, choice: ProviderSnapshot,
-                        snaps: list[ProviderSnapshot]) -> tuple[str, dict[str, int] | None]:
-        """(outcome, the live in_flight of each provider when the outcome is `stale` with counts)."""
-        provider_id = choice.provider_id
-        node_id = self.config.node_of(provider_id)
+    async def _dispatch(self, model: ModelConfig, head: Waiting,
+                        snaps: list[ProviderSnapshot]) -> tuple[str, str | None]:
+        """Reserve a slot for `head` on the provider the policy chooses on the live state (the
+        `dispatch` script applies it to the same candidates). Returns the outcome, and the
+        provider when it is `ok`."""
         rt = self.config.runtime
-        seen = [s for s in snaps if s.effective_capacity]
+        now = now_ms()
+        candidates = sorted(
+            ((s, c) for s in snaps
+             if (c := candidate_class(s, now, rt.heartbeat_ttl_ms, head.avoid, head.exclude)) is not None),
+            key=lambda sc: sc[0].provider_id)
+        nodes = {s.provider_id: self.config.node_of(s.provider_id) for s, _ in candidates}
         result = await self.scripts.call(
             "dispatch",
             [keys.runs_stream(model.id), keys.run_record(head.run_id), keys.run_events(head.run_id),
-             keys.leases(provider_id), keys.arq_job(head.run_id), keys.arq_retry(head.run_id),
-             keys.node_queue(node_id), keys.node_wake(node_id), keys.probing(provider_id),
-             keys.drained(provider_id), keys.cordoned(node_id), keys.capacity_override(provider_id),
-             *(keys.leases(s.provider_id) for s in seen)],
-            [head.run_id, head.entry_id, keys.SCHEDULER_GROUP, choice.capacity or 0, rt.lease_ttl_ms, provider_id,
-             node_id, model.providers[provider_id], job_payload(head.run_id, now_ms()), rt.run_ttl_s,
-             keys.scheduler_channel(""), model.id, *(s.in_flight for s in seen)],
+             *(k for s, _ in candidates for k in (
+                 keys.leases(s.provider_id), keys.capacity_override(s.provider_id), keys.drained(s.provider_id),
+                 keys.cordoned(nodes[s.provider_id]), keys.probing(s.provider_id),
+                 keys.node_queue(nodes[s.provider_id]), keys.node_wake(nodes[s.provider_id])))],
+            [head.run_id, head.entry_id, keys.SCHEDULER_GROUP, rt.lease_ttl_ms, rt.run_ttl_s,
+             keys.scheduler_channel(""),
+             *(a for s, c in candidates for a in (
+                 s.capacity or 0, c, s.provider_id, nodes[s.provider_id], model.providers[s.provider_id]))],
         )
-        if isinstance(result, list) and result[0] == b"ok":  # ['ok', the replica holding the next run]
+        if isinstance(result, list):  # ['ok', the replica holding the next run, the provider]
             self.next_holder = result[1].decode()
-            return "ok", None
-        if isinstance(result, list):  # ['stale', count per provider in `seen`]
-            return "stale", {s.provider_id: int(n) for s, n in zip(seen, result[1:], strict=True)}
+            return "ok", result[2].decode()
         return (result.decode() if isinstance(result, bytes) else str(result)), None
 
     async def _refuse_all(self, model: ModelConfig, snaps: list[ProviderSnapshot]) -> None:
@@ -382,7 +386,7 @@ class Scheduler:
         result = await self.scripts.call(
             "reap",
             [lease_key, keys.run_record(run_id), keys.run_events(run_id), keys.runs_stream(model_id),
-             keys.node_queue(node_id), keys.arq_job(run_id), keys.arq_in_progress(run_id), keys.arq_retry(run_id),
+             keys.node_queue(node_id), keys.arq_in_progress(run_id),
              *(keys.runs_stream(m) for m in self.config.models_of(provider_id))],
             [run_id, max_attempts.get(model_id, 1), self.config.runtime.run_ttl_s, keys.scheduler_channel(""),
              model_id, pack(lost.to_wire()), pack({**lost.to_wire(), "before_output": False}),

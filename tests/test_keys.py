@@ -44,7 +44,7 @@ def _as_regex(pattern: str) -> re.Pattern[str]:
 def test_introspection_finds_the_key_functions() -> None:
     names = {name for name, _ in KEY_FUNCTIONS}
     assert {"runs_stream", "run_record", "run_events", "leases", "heartbeat", "node_queue", "node_wake",
-            "node_cancel", "scheduler_alive", "arq_job", "arq_retry", "arq_in_progress"} <= names
+            "node_cancel", "scheduler_alive", "arq_in_progress"} <= names
     assert {"key_in_flight", "key_requests", "usage_day", "usage_total"} <= names
     for name, fn in KEY_FUNCTIONS:
         assert 1 <= arity(fn) <= 2, name

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import random
+from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -11,6 +14,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import unpack
 from common.config import Config, parse_config
+from common.policy import candidate_class, select_provider
 from common.redisconn import now_ms
 from common.wire import RunKind
 from gateway.errors import ApiError
@@ -76,8 +80,8 @@ async def test_dispatch_follows_fifo_and_rewrites_the_target(redis: Redis) -> No
     record = await redis.hgetall(keys.run_record(run_ids[0]))
     assert record[b"state"] == b"dispatched"
     assert record[b"target"] == b"a-name" and record[b"provider"] == b"a" and record[b"node"] == b"n-a"
-    job = unpack(await redis.get(keys.arq_job(run_ids[0])))
-    assert job["f"] == keys.JOB_FUNCTION and job["a"] == [run_ids[0]]
+    assert await redis.zrange(keys.node_queue("n-a"), 0, -1) == [run_ids[0].encode()]  # the job is the run id
+    assert not await redis.exists(f"arq:job:{run_ids[0]}")  # no arq payload: the worker reads the run record
     assert await redis.zrange(keys.node_queue("n-a"), 0, -1) == [run_ids[0].encode()]
     events = await redis.xrange(keys.run_events(run_ids[0]))
     assert [e[1][b"type"] for e in events] == [b"dispatched"]
@@ -233,19 +237,90 @@ async def test_waiting_runs_fail_at_once_when_every_provider_reports_itself_down
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0
 
 
-async def test_a_stale_snapshot_is_refused_with_the_live_counts(redis: Redis) -> None:
-    config = make_config({"a": 2, "b": 2})
-    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+async def test_the_dispatch_script_picks_the_provider_on_the_live_counts_not_the_snapshot(redis: Redis) -> None:
+    config = make_config({"a": 1, "b": 1})
+    client, sched, run_ids = await waiting_runs(redis, config, 2)
     model = config.model(MODEL)
     assert model is not None
-    snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)
+    await redis.zadd(keys.leases("b"), {"elsewhere": now_ms() + 60_000})
+    snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)  # a 0/1, b 1/1
     await redis.zadd(keys.leases("a"), {"other": now_ms() + 60_000})  # another replica got there first
-    head = sched.waiting[MODEL][0]
-    outcome, live = await sched._dispatch(model, head, snaps[0], snaps)
-    assert (outcome, live) == ("stale", {"a": 1, "b": 0})
-    assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
-    await sched.dispatch_all()  # the policy runs again on the live counts: b (0/2) beats a (1/2)
-    assert await redis.hget(keys.run_record(run_id), "provider") == b"b"
+    await redis.zrem(keys.leases("b"), "elsewhere")  # and a run on b ended
+    assert await sched._dispatch(model, sched.waiting[MODEL][0], snaps) == ("ok", "b")  # one trip, no re-read
+    record = await redis.hgetall(keys.run_record(run_ids[0]))
+    assert (record[b"provider"], record[b"node"], record[b"target"]) == (b"b", b"n-b", b"b-name")
+    assert await redis.zrange(keys.node_queue("n-b"), 0, -1) == [run_ids[0].encode()]
+    sched.waiting[MODEL].pop(0)
+    assert await sched._dispatch(model, sched.waiting[MODEL][0], snaps) == ("stale", None)  # both full now
+    assert await redis.hget(keys.run_record(run_ids[1]), "state") == b"queued"
+    await client.close()
+
+
+async def test_the_dispatch_script_chooses_exactly_what_the_policy_chooses_on_the_live_state(
+        redis: Redis) -> None:
+    """Property: whatever changed between the snapshot and the script (runs started or ended on
+    any provider, an override set or cleared, a provider drained or its node cordoned), the
+    script reserves a slot on the provider `select_provider` chooses on the live state among the
+    snapshot's candidates, or on none ('stale') when it chooses none, for runs with and without
+    providers to avoid."""
+    providers = ["a", "b", "c", "d"]
+    config = make_config({p: 4 for p in providers})
+    model = config.model(MODEL)
+    assert model is not None
+    client = RunClient(redis, config)
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    rng = random.Random(7)
+    ttl = config.runtime.heartbeat_ttl_ms
+    outcomes: Counter[str] = Counter()
+    changed = 0
+
+    async def scramble() -> None:
+        for p in providers:
+            if rng.random() < 0.5:
+                await redis.delete(keys.leases(p))
+                n = rng.randint(0, 5)
+                if n:
+                    await redis.zadd(keys.leases(p), {f"x-{p}-{i}": now_ms() + 60_000 for i in range(n)})
+            if rng.random() < 0.1:
+                flag = keys.drained(p) if rng.random() < 0.5 else keys.cordoned(f"n-{p}")
+                await (redis.set(flag, "ops") if rng.random() < 0.5 else redis.delete(flag))
+            if rng.random() < 0.3:
+                override = rng.choice([None, 1, 2, 3])
+                if override is None:
+                    await redis.delete(keys.capacity_override(p))
+                else:
+                    await redis.set(keys.capacity_override(p), override)
+
+    for p in providers:
+        await redis.hset(keys.heartbeat(p), mapping={"health": "available", "capacity": rng.randint(1, 6),
+                                                     "ts_ms": now_ms()})
+    for _ in range(800):
+        if not sched.waiting[MODEL]:
+            await submit(client, 1)
+            await sched.read_new(block_ms=10)
+        await scramble()
+        now = now_ms()
+        snaps = await read_snapshots(redis, sched._targets[MODEL], now, config.node_of)
+        head = replace(sched.waiting[MODEL][0], avoid=frozenset(rng.sample(providers, rng.randint(0, 2))))
+        choice = select_provider(snaps, now, ttl, head.avoid)
+        if choice is None:
+            continue
+        await scramble()
+        # the candidates are those of the snapshot (one drained then and not now waits for a re-read)
+        was = {s.provider_id for s in snaps if candidate_class(s, now, ttl, head.avoid) is not None}
+        live = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)
+        expected = select_provider([s for s in live if s.provider_id in was], now_ms(), ttl, head.avoid)
+        outcome = await sched._dispatch(model, head, snaps)
+        assert outcome == (("ok", expected.provider_id) if expected else ("stale", None)), (snaps, live, head.avoid)
+        outcomes[outcome[0]] += 1
+        if outcome[0] == "ok":
+            sched.waiting[MODEL].pop(0)
+            await redis.zrem(keys.leases(outcome[1] or ""), head.run_id)
+            changed += expected is not None and expected.provider_id != choice.provider_id
+    await client.close()
+    # both answers were exercised, and the script often picked another provider than the snapshot would
+    assert outcomes["ok"] > 100 and outcomes["stale"] > 30 and changed > 10, (outcomes, changed)
 
 
 def test_a_replica_wakes_only_for_signals_that_could_unblock_it() -> None:
