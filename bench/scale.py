@@ -10,9 +10,11 @@
    caller, and the time from a `delta` event being written (its stream id is Redis's clock) to a
    caller of the runs API receiving it (`GET /v1/runs/{id}/events` of a sample of the runs, on
    the same gateway and the same one reader).
-2. **Herd.** Concurrency 64 of zero-latency runs with 1 and with 3 scheduler replicas: dispatch
-   scripts per dispatched run (every replica's `iop_scheduler_dispatch_total`, all outcomes,
-   over its `ok`).
+2. **Herd.** Concurrency 64 of zero-latency runs (8 tokens, 1 ms apart) on 2 providers: with 1
+   and with 3 scheduler replicas when the providers have 128 slots (no run waits), and with 3
+   replicas when they have 32 (half the callers wait in the queue, so every freed slot must wake
+   a replica). Reports dispatch scripts per dispatched run (every replica's
+   `iop_scheduler_dispatch_total`, all outcomes, over its `ok`).
 
 Prints one JSON document. The client shares the machine with everything it measures.
 """
@@ -28,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -167,6 +170,7 @@ async def herd(stack: Stack, requests: int, concurrency: int) -> dict[str, Any]:
     body = {**BODY, "stream": False}
     before = await scheduler_counts(stack.scheduler_metrics)
     issued = 0
+    statuses: Counter[int] = Counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
         async def client() -> None:
@@ -175,12 +179,14 @@ async def herd(stack: Stack, requests: int, concurrency: int) -> dict[str, Any]:
                 issued += 1
                 async with session.post(stack.gateway + "/v1/chat/completions", json=body) as resp:
                     await resp.read()
+                    statuses[resp.status] += 1
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
     after = await scheduler_counts(stack.scheduler_metrics)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     ok = delta.get("ok", 0.0)
-    return {"replicas": len(stack.scheduler_metrics), "concurrency": concurrency, "dispatched": int(ok),
+    return {"replicas": len(stack.scheduler_metrics), "concurrency": concurrency, "http_statuses": dict(statuses),
+            "dispatched": int(ok),
             "scripts_by_outcome": {k: int(v) for k, v in delta.items()},
             "dispatch_scripts_per_run": round(sum(delta.values()) / ok, 3) if ok else None}
 
@@ -203,11 +209,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench: waiting callers: {out['waiting_callers']}", file=sys.stderr)
     if args.herd_requests:
         out["herd"] = []
-        for replicas in (1, 3):
+        # 2 providers of 64 slots: every run finds a slot at once; of 16: half the callers wait in
+        # the queue, and every freed slot must wake a replica
+        for replicas, capacity in ((1, 64), (3, 64), (3, 16)):
             with tempfile.TemporaryDirectory() as tmp:
-                stack = Stack(Path(tmp), ttft_ms=0, providers=2, capacity=64, schedulers=replicas)
+                stack = Stack(Path(tmp), ttft_ms=0, providers=2, capacity=capacity, schedulers=replicas)
                 try:
-                    out["herd"].append(asyncio.run(herd(stack, args.herd_requests, 64)))
+                    result = asyncio.run(herd(stack, args.herd_requests, 64))
+                    out["herd"].append({"slots": 2 * capacity, **result})
                 finally:
                     stack.stop()
             print(f"bench: herd: {out['herd'][-1]}", file=sys.stderr)
