@@ -19,6 +19,7 @@ import platform
 import re
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -224,8 +225,12 @@ class Target:
     headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),)
 
 
-def chat_target(base_url: str, model: str, max_tokens: int, stream: bool, key: str | None = None) -> Target:
-    body = {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "stream": stream}
+def chat_target(base_url: str, model: str, max_tokens: int, stream: bool, key: str | None = None,
+                sim_tokens: int | None = None) -> Target:
+    """A chat request; `sim_tokens` makes the simulator answer that many tokens (its `sim` field)."""
+    body: dict[str, Any] = {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "stream": stream}
+    if sim_tokens is not None:
+        body["sim"] = {"tokens": sim_tokens}
     headers = (("Content-Type", "application/json"),) + ((("Authorization", f"Bearer {key}"),) if key else ())
     return Target(base_url + "/v1/chat/completions", json.dumps(body).encode(), model, headers)
 
@@ -693,6 +698,21 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
         s = (await phase("gateway stream c=1", gateway_stream, 1, requests=args.stream_requests,
                          stream=True)).summary()
         results["gateway_stream_c1"] = {"ttfb_ms": s.pop("ttfb_ms"), **s}
+        direct_stream = [chat_target(stack.sims[sv], sv, args.max_tokens, True) for sv in served]
+        s = (await phase("direct stream c=1", direct_stream, 1, requests=args.stream_requests,
+                         stream=True)).summary()
+        results["direct_stream_c1"] = {"ttfb_ms": s.pop("ttfb_ms"), **s}
+
+        if args.stream64_requests:
+            n64, c64 = args.stream64_requests, args.stream64_concurrency
+            long_g = [chat_target(stack.gateway, MODEL, 64, True, sim_tokens=64)]
+            long_d = [chat_target(stack.sims[sv], sv, 64, True, sim_tokens=64) for sv in served]
+            results[f"stream64_c{c64}"] = {
+                "gateway": (await phase(f"gateway stream 64 tokens c={c64}", long_g, c64, requests=n64,
+                                        stream=True)).summary(),
+                "direct": (await phase(f"direct stream 64 tokens c={c64}", long_d, c64, requests=n64,
+                                       stream=True)).summary(),
+            }
 
         if args.cancel_runs:
             results["cancel_mid_stream"] = await cancel_slot_back(session, stack.gateway, redis_url,
@@ -701,7 +721,8 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
 
         sc = args.saturation_concurrency
         secs = args.saturation_s
-        sat_g = (await phase(f"saturation gateway c={sc}", gateway, sc, duration_s=secs)).summary()
+        with Profiler(stack, args.profile, secs):
+            sat_g = (await phase(f"saturation gateway c={sc}", gateway, sc, duration_s=secs)).summary()
         sat_d = (await phase(f"saturation direct c={sc}", direct, sc, duration_s=secs)).summary()
         results[f"saturation_c{sc}"] = {
             "gateway_requests_per_s": sat_g["requests_per_s"],
@@ -796,6 +817,7 @@ def headline(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         st = results["gateway_stream_c1"]
         h["stream_c1"] = {"ttfb_p50_ms": st["ttfb_ms"]["p50"], "ttfb_p99_ms": st["ttfb_ms"]["p99"],
                           "full_p50_ms": st["latency_ms"]["p50"]}
+    h["targets"] = targets(results, args)
     sat = results.get(f"saturation_c{args.saturation_concurrency}")
     if sat:
         h[f"saturation_c{args.saturation_concurrency}_rps"] = {"gateway": sat["gateway_requests_per_s"],
@@ -821,6 +843,106 @@ def headline(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     return h
 
 
+IOP_PROCESSES = ("gateway", "scheduler", "worker", "redis")
+
+
+def process_kind(name: str) -> str | None:
+    """gateway, scheduler, worker or redis for the processes on the measured path; None for the
+    client, the simulators and the second gateway (the one with keys, idle but for its phases)."""
+    kind = name.split("-")[0]
+    return kind if kind in IOP_PROCESSES and name != "gateway-auth" else None
+
+
+def cpu_ms_per_run(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """CPU ms per run of a phase: every iop process and Redis together (the client and the
+    simulators left out), and split by kind of process (gateway, scheduler, worker, redis)."""
+    runs = summary.get("ok") or 0
+    cpu = summary.get("cpu", {}).get("cpu_s")
+    if not runs or not cpu:
+        return None
+    split = {kind: round(sum(v for name, v in cpu.items() if process_kind(name) == kind) * 1000 / runs, 3)
+             for kind in IOP_PROCESSES}
+    return {"total": round(sum(split.values()), 3), **split}
+
+
+def targets(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The figures of the performance issue's table, each with its target."""
+    sc = args.saturation_concurrency
+    sat = results.get(f"saturation_c{sc}", {}).get("gateway", {})
+    c1 = results.get("c1", {})
+    g_ttfb = results.get("gateway_stream_c1", {}).get("ttfb_ms", {}).get("p50")
+    d_ttfb = results.get("direct_stream_c1", {}).get("ttfb_ms", {}).get("p50")
+    s64 = results.get(f"stream64_c{args.stream64_concurrency}", {}).get("gateway", {})
+    slow = results.get("redis_exec_c1", {}).get("commands", {})
+    rows = {
+        "cpu_ms_per_non_stream_run": (cpu_ms_per_run(sat), 1.2, f"saturation c={sc}, all iop processes + Redis"),
+        "cpu_ms_per_stream_run_64_tokens": (cpu_ms_per_run(s64), 2.0,
+                                            f"64-token streams at c={args.stream64_concurrency}"),
+        "added_latency_p50_ms_c1": (c1.get("added_latency_ms", {}).get("p50"), 1.5, "non-stream, gateway - direct"),
+        "added_ttft_p50_ms_c1": (diff(g_ttfb, d_ttfb), 1.5, "stream, first body chunk, gateway - direct"),
+        "saturation_runs_per_s": (sat.get("requests_per_s"), 1500, f"non-stream, c={sc}, whole stack"),
+        "redis_commands_per_non_stream_run": (slow.get("top_level_commands_per_run"), 8,
+                                              "top-level commands at c=1 (SLOWLOG); pipelined ones "
+                                              "count one each, so round trips are at most this"),
+    }
+    out: dict[str, Any] = {}
+    for name, (value, target, how) in rows.items():
+        figure = value["total"] if isinstance(value, dict) else value
+        met = None if figure is None else (figure >= target if name == "saturation_runs_per_s" else figure <= target)
+        out[name] = {"value": value, "target": target, "met": met, "how": how}
+    return out
+
+
+def compare(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """Each target figure of this run next to the same figure of an earlier run's JSON."""
+    def figure(doc: dict[str, Any], name: str) -> float | None:
+        value = doc.get("headline", {}).get("targets", {}).get(name, {}).get("value")
+        return value.get("total") if isinstance(value, dict) else value
+
+    out: dict[str, Any] = {}
+    for name in now.get("headline", {}).get("targets", {}):
+        a, b = figure(before, name), figure(now, name)
+        out[name] = {"before": a, "now": b, "change": diff(b, a),
+                     "change_pct": round(100 * (b - a) / a, 1) if a and b is not None else None}
+    return out
+
+
+#: py-spy from the same environment as this script when it is there, else from PATH
+PY_SPY = str(next((p for p in (Path(sys.executable).parent / "py-spy",) if p.exists()), "py-spy"))
+
+
+class Profiler:
+    """`py-spy record` of every iop process over one phase: a flame graph (SVG) per process in
+    `directory`, next to the JSON. Does nothing when `directory` is None."""
+
+    def __init__(self, stack: Stack, directory: str | None, seconds: float) -> None:
+        self.stack, self.directory, self.seconds = stack, directory, seconds
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Profiler:
+        if self.directory is None:
+            return self
+        Path(self.directory).mkdir(parents=True, exist_ok=True)
+        for proc in self.stack.procs:
+            if process_kind(proc.name):
+                svg = Path(self.directory) / f"{proc.name}.svg"
+                self.procs.append(subprocess.Popen(
+                    [PY_SPY, "record", "--pid", str(proc.popen.pid), "--duration", str(max(1, round(self.seconds))),
+                     "--rate", "250", "--nonblocking", "--output", str(svg)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            try:
+                _, err = p.communicate(timeout=self.seconds + 30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, err = p.communicate()
+            if p.returncode:
+                print(f"bench: py-spy failed: {err.decode(errors='replace').strip()[-300:]}", file=sys.stderr)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=None,
@@ -834,6 +956,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--access-requests", type=int, default=1000,
                    help=f"requests per side and round ({ACCESS_ROUNDS} rounds) of the access-cost phase (0: skip)")
     p.add_argument("--saturation-concurrency", type=int, default=64)
+    p.add_argument("--stream64-requests", type=int, default=1000,
+                   help="64-token streams, direct and through the gateway, for the CPU of a streamed run (0: skip)")
+    p.add_argument("--stream64-concurrency", type=int, default=8)
+    p.add_argument("--compare", default=None, metavar="FILE",
+                   help="an earlier run's JSON: print each target figure next to its value there")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="flame graphs (py-spy, SVG) of every iop process during the saturation phase, in DIR")
     p.add_argument("--cancel-runs", type=int, default=100,
                    help="streams the client leaves mid-way, timing the slot's return (0 = skip)")
     p.add_argument("--monitor-requests", type=int, default=300,
@@ -878,6 +1007,12 @@ NOTES = [
     "scripts are counted on their own lines and again inside EVALSHA usec",
     "with capacity 64 each and equal load the policy's deterministic tie-break sends every c=1 run "
     "to prov-a (see dispatch_from_run_records.providers)",
+    "headline.targets: the figures of the performance table with their targets. cpu_ms_per_*: CPU of "
+    "gateway, scheduler, workers and Redis over the phase's runs (client and simulators left out), split by "
+    "process kind; added_ttft = p50 time to the first body chunk through the gateway - the same straight "
+    "to the simulators, both streamed at c=1; redis_commands_per_non_stream_run: SLOWLOG's top-level "
+    "commands (a pipelined command counts one, so round trips are at most this)",
+    "stream64_c<N>: 64-token streams (the simulator's `sim.tokens`), direct and through the gateway",
     "monitor_c1: an extra c=1 gateway phase traced with Redis MONITOR, whose timestamps have 1 us "
     "resolution (client sent/received use the same wall clock); MONITOR itself slows Redis, so those "
     "stages are upper bounds and that phase's client latency is not comparable with c1",
@@ -914,6 +1049,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         out["machine"] = machine_info(stack.redis)
         out["config"] = stack.config
         run_async(measure(args, stack, out))
+        if args.compare:
+            out["compare"] = compare(out, json.loads(Path(args.compare).read_text()))
+        for name, row in out["headline"].get("targets", {}).items():
+            before = out.get("compare", {}).get(name, {}).get("before")
+            print(f"bench: {name}: {row['value']} (target {row['target']}, met: {row['met']})"
+                  + (f", before: {before}" if args.compare else ""), file=sys.stderr)
         code = 0 if out["ok"] else 3
     except KeyboardInterrupt:
         out["interrupted"] = True
