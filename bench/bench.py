@@ -721,7 +721,7 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
 
         sc = args.saturation_concurrency
         secs = args.saturation_s
-        with Profiler(stack, args.profile, secs):
+        with Profiler(stack, args.profile, secs, args.profile_format):
             sat_g = (await phase(f"saturation gateway c={sc}", gateway, sc, duration_s=secs)).summary()
         sat_d = (await phase(f"saturation direct c={sc}", direct, sc, duration_s=secs)).summary()
         results[f"saturation_c{sc}"] = {
@@ -911,12 +911,15 @@ def compare(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
 PY_SPY = str(next((p for p in (Path(sys.executable).parent / "py-spy",) if p.exists()), "py-spy"))
 
 
+PROFILE_SUFFIX = {"flamegraph": "svg", "raw": "txt", "speedscope": "json"}
+
+
 class Profiler:
     """`py-spy record` of every iop process over one phase: a flame graph (SVG) per process in
     `directory`, next to the JSON. Does nothing when `directory` is None."""
 
-    def __init__(self, stack: Stack, directory: str | None, seconds: float) -> None:
-        self.stack, self.directory, self.seconds = stack, directory, seconds
+    def __init__(self, stack: Stack, directory: str | None, seconds: float, fmt: str = "flamegraph") -> None:
+        self.stack, self.directory, self.seconds, self.fmt = stack, directory, seconds, fmt
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> Profiler:
@@ -925,10 +928,10 @@ class Profiler:
         Path(self.directory).mkdir(parents=True, exist_ok=True)
         for proc in self.stack.procs:
             if process_kind(proc.name):
-                svg = Path(self.directory) / f"{proc.name}.svg"
+                svg = Path(self.directory) / f"{proc.name}.{PROFILE_SUFFIX[self.fmt]}"
                 self.procs.append(subprocess.Popen(
                     [PY_SPY, "record", "--pid", str(proc.popen.pid), "--duration", str(max(1, round(self.seconds))),
-                     "--rate", "250", "--nonblocking", "--output", str(svg)],
+                     "--rate", "250", "--nonblocking", "--format", self.fmt, "--output", str(svg)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         return self
 
@@ -963,6 +966,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="an earlier run's JSON: print each target figure next to its value there")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="flame graphs (py-spy, SVG) of every iop process during the saturation phase, in DIR")
+    p.add_argument("--profile-format", default="flamegraph", choices=sorted(PROFILE_SUFFIX),
+                   help="py-spy's output format: flamegraph (SVG), raw (collapsed stacks, text) or speedscope")
     p.add_argument("--cancel-runs", type=int, default=100,
                    help="streams the client leaves mid-way, timing the slot's return (0 = skip)")
     p.add_argument("--monitor-requests", type=int, default=300,

@@ -142,6 +142,9 @@ class Config(Strict):
     _models: dict[str, ModelConfig] = PrivateAttr(default_factory=dict)
     _providers: dict[str, ProviderConfig] = PrivateAttr(default_factory=dict)
     _node_of: dict[str, str] = PrivateAttr(default_factory=dict)
+    #: derived once (a config is never changed after it is made): they are asked for on every run
+    _queues: dict[str, QueuePolicy] = PrivateAttr(default_factory=dict)
+    _models_of: dict[str, list[str]] = PrivateAttr(default_factory=dict)
 
     def model_post_init(self, __context: Any) -> None:
         self._models = {m.id: m for m in self.models}
@@ -149,6 +152,11 @@ class Config(Strict):
             for p in node.providers:
                 self._providers[p.id] = p
                 self._node_of[p.id] = node.id
+        for m in self.models:
+            self._queues[m.id] = (self.queue if m.queue is None
+                                  else self.queue.model_copy(update=m.queue.model_dump(exclude_none=True)))
+            for provider_id in m.providers:
+                self._models_of.setdefault(provider_id, []).append(m.id)
 
     def model(self, model_id: str) -> ModelConfig | None:
         return self._models.get(model_id)
@@ -164,13 +172,15 @@ class Config(Strict):
 
     def models_of(self, provider_id: str) -> list[str]:
         """The ids of the models a provider serves (a slot freed there may serve any of them)."""
-        return [m.id for m in self.models if provider_id in m.providers]
+        return list(self._models_of.get(provider_id, ()))
 
     def queue_for(self, model: ModelConfig) -> QueuePolicy:
-        if model.queue is None:
-            return self.queue
-        overrides = model.queue.model_dump(exclude_none=True)
-        return self.queue.model_copy(update=overrides)
+        """The model's queue policy: the config's, with the model's own overrides."""
+        queue = self._queues.get(model.id)
+        if queue is None:  # a model that is not one of this config's
+            return self.queue if model.queue is None else self.queue.model_copy(
+                update=model.queue.model_dump(exclude_none=True))
+        return queue
 
 
 class ConfigError(Exception):
