@@ -177,21 +177,22 @@ return {'ok', entry, left}
 """
 
 # KEYS: runs stream, run record, events, then for every candidate of the run (`policy.candidate_class`
-#       not None), 7 keys: its leases, its capacity override, its drain flag, its node's cordon flag,
-#       its probing lock, its node's queue, its node's wake list...
-# ARGV: run id, entry id, group, lease_ttl_ms, ttl_s, replica channel prefix, then for every candidate
-#       (same order) 5 values: its announced capacity, its class, its provider id, its node, the served
-#       name the model has there...
-# The scheduler's policy (`policy.select_provider`) chose to dispatch on counts read a moment ago;
-# here, in the step that reserves the slot, the same policy picks the provider on the live state:
-# among candidates not drained or cordoned, with a free slot under their capacity (an operator's
-# override when one is set, else the announced one), the lowest class, then the lowest
-# in_flight/capacity, then the larger capacity, then the lower id (the candidates come in the order
-# of their ids, so the first of equals wins; no string comparison here, as Lua's follows the
-# server's locale). So runs that ended or started elsewhere since the snapshot, or an operator's
-# drain, never cost a second round trip: only 'stale' (no candidate has a free slot now; the
-# scheduler reads again) or 'probing' (the provider chosen has a probe out that would disturb a run;
-# the prober signals its end) send the scheduler back.
+#       not None on the scheduler's snapshot), 8 keys: its heartbeat, its leases, its capacity override,
+#       its drain flag, its node's cordon flag, its probing lock, its node's queue, its node's wake list...
+# ARGV: run id, entry id, group, lease_ttl_ms, ttl_s, replica channel prefix, heartbeat_ttl_ms, then for
+#       every candidate (same order) 4 values: its class, its provider id, its node, the served name the
+#       model has there...
+# The scheduler's snapshot (`policy.select_provider`) only says that a run may find a slot now and
+# which providers it may go to; here, in the step that reserves the slot, the policy is applied to the
+# live state: among candidates whose heartbeat is fresh and says `available` with a capacity, that are
+# not drained or cordoned, with a free slot under their capacity (an operator's override when one is
+# set, else the announced one), the lowest class, then the lowest in_flight/capacity, then the larger
+# capacity, then the lower id (the candidates come in the order of their ids, so the first of equals
+# wins; no string comparison here, as Lua's follows the server's locale). So runs that ended or
+# started elsewhere since the snapshot, a drain or a heartbeat that went stale never cost a second
+# round trip: only 'stale' (no candidate can take it now; the scheduler reads again) or 'probing' (the
+# provider picked has a probe out that would disturb a run; the prober signals its end) send the
+# scheduler back.
 # The job on the node's queue is the run id alone (the run record carries the rest): the worker's
 # `take` script reads the record, not an arq job payload.
 # Once dispatched, the replica holding the next waiting run of the model is woken (`_WAKE`), and
@@ -208,27 +209,31 @@ if redis.call('HGET', KEYS[2], 'state') ~= 'queued' then
   redis.call('XDEL', KEYS[1], ARGV[2])
   return 'gone'
 end
-local live = '(' .. now
+local live, oldest_beat = '(' .. now, now - tonumber(ARGV[7])
 local best, best_n, best_cap, best_class
-for j = 0, (#KEYS - 3) / 7 - 1 do
-  local k, a = 4 + 7 * j, 7 + 5 * j
-  if redis.call('EXISTS', KEYS[k + 2], KEYS[k + 3]) == 0 then
-    local cap = tonumber(redis.call('GET', KEYS[k + 1]) or ARGV[a])
-    local n = redis.call('ZCOUNT', KEYS[k], live, '+inf')
-    local class = tonumber(ARGV[a + 1])
-    if cap > 0 and n < cap and (best == nil or class < best_class or (class == best_class and (
-        n * best_cap < best_n * cap or (n * best_cap == best_n * cap and cap > best_cap))))
-    then
-      best, best_n, best_cap, best_class = j, n, cap, class
+for j = 0, (#KEYS - 3) / 8 - 1 do
+  local k, a = 4 + 8 * j, 8 + 4 * j
+  local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity')
+  if hb[1] == 'available' and tonumber(hb[2]) and tonumber(hb[2]) >= oldest_beat
+      and redis.call('EXISTS', KEYS[k + 3], KEYS[k + 4]) == 0 then
+    local cap = tonumber(redis.call('GET', KEYS[k + 2]) or hb[3])
+    local class = tonumber(ARGV[a])
+    if cap and cap > 0 then
+      local n = redis.call('ZCOUNT', KEYS[k + 1], live, '+inf')
+      if n < cap and (best == nil or class < best_class or (class == best_class and (
+          n * best_cap < best_n * cap or (n * best_cap == best_n * cap and cap > best_cap))))
+      then
+        best, best_n, best_cap, best_class = j, n, cap, class
+      end
     end
   end
 end
 if best == nil then return 'stale' end
-local k, a = 4 + 7 * best, 7 + 5 * best
-if redis.call('EXISTS', KEYS[k + 4]) == 1 then return 'probing' end
-local provider, node, target = ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+local k, a = 4 + 8 * best, 8 + 4 * best
+if redis.call('EXISTS', KEYS[k + 5]) == 1 then return 'probing' end
+local provider, node, target = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
 local ttl = tonumber(ARGV[5])
-redis.call('ZADD', KEYS[k], now + tonumber(ARGV[4]), ARGV[1])
+redis.call('ZADD', KEYS[k + 1], now + tonumber(ARGV[4]), ARGV[1])
 redis.call('XACK', KEYS[1], ARGV[3], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 redis.call('HINCRBY', KEYS[2], 'attempts', 1)
@@ -237,9 +242,9 @@ redis.call('HSET', KEYS[2], 'state', 'dispatched', 'provider', provider, 'node',
   'target', target, 'dispatched_ms', now, 'tried', tried and (tried .. ',' .. provider) or provider)
 redis.call('HDEL', KEYS[2], 'entry')
 redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('ZADD', KEYS[k + 5], now, ARGV[1])
-redis.call('LPUSH', KEYS[k + 6], ARGV[1])
-redis.call('LTRIM', KEYS[k + 6], 0, 1023)
+redis.call('ZADD', KEYS[k + 6], now, ARGV[1])
+redis.call('LPUSH', KEYS[k + 7], ARGV[1])
+redis.call('LTRIM', KEYS[k + 7], 0, 1023)
 add_event(KEYS[2], KEYS[3], ARGV[1], 'dispatched', cmsgpack.pack({provider = provider, node = node, target = target}))
 redis.call('EXPIRE', KEYS[3], ttl)
 return {'ok', wake_head(KEYS[1], ARGV[6]), provider}

@@ -90,6 +90,8 @@ class Scheduler:
         #: models whose pending runs outnumbered this replica's at the last `adopt_forgotten`
         self._short: set[str] = set()
         self._targets = {m.id: {p: m.providers[p] for p in sorted(m.providers)} for m in config.models}
+        #: model id -> (its providers' snapshots, when they were read (ms)), kept across dispatch rounds
+        self._snaps: dict[str, tuple[list[ProviderSnapshot], int]] = {}
 
     # ----------------------------------------------------------------- setup
     async def ensure_groups(self) -> None:
@@ -154,6 +156,7 @@ class Scheduler:
         model_id = data.decode(errors="replace")
         if model_id == "*":
             self.behind.clear()
+            self._snaps.clear()  # a health or an operator's setting changed: read them again
             self.kick.set()
         elif self.waiting.get(model_id):
             self.behind.pop(model_id, None)
@@ -172,51 +175,64 @@ class Scheduler:
     async def dispatch_model(self, model: ModelConfig) -> None:
         """Dispatch the model's waiting runs, oldest first, while providers have free slots.
 
-        Snapshots are read once and then kept up to date with what this replica did: after a
-        dispatch the chosen provider holds one more run. They only decide whether to try; the
-        `dispatch` script applies the policy again on the live state and picks the provider
-        itself, so runs that ended meanwhile cost nothing, and only `stale` (no free slot after
-        all) makes the snapshots be read again. A burst costs one read, not one read per run."""
+        The snapshots only decide whether a run may find a slot, and which providers it may go
+        to: the `dispatch` script applies the policy to the live state and picks the provider
+        itself. So they are kept between rounds (up to `heartbeat_interval_ms`, and until a
+        health or an operator's setting changes) and kept up to date with what this replica did
+        (after a dispatch the chosen provider holds one more run). Kept snapshots are trusted to
+        try, never to wait: when they say no provider has room, they are read again first. Only
+        `stale` (no candidate could take it after all) reads them again after a try."""
         queue = self.waiting[model.id]
         ttl = self.config.runtime.heartbeat_ttl_ms
         stale = 0
-        snaps: list[ProviderSnapshot] | None = None
-        while queue:
-            head = queue[0]
-            now = now_ms()
-            if snaps is None:
-                snaps = await read_snapshots(self.redis, self._targets[model.id], now, self.config.node_of)
-            if select_provider(snaps, now, ttl, head.avoid, head.exclude) is None:
-                if all_refused(snaps, now, ttl):
-                    await self._refuse_all(model, snaps)
-                    return
-                others = [s for s in snaps if s.provider_id not in head.exclude]
-                if not head.exclude or (others and not all_refused(others, now, ttl)):
-                    return  # it waits for a slot, and the runs behind it with it (FIFO)
-                await self._drop(model.id, queue.pop(0), RunState.FAILED, _no_other_provider(model.id, head))
-                continue
-            result, chosen = await self._dispatch(model, head, snaps)
-            metrics.DISPATCHES.labels(model.id, result).inc()
-            if result in ("ok", "gone"):
-                if head in queue:  # compare by identity of entry: another task may have moved on
-                    queue.remove(head)
-                stale = 0
-                if result == "ok":
-                    snaps = [replace(s, in_flight=s.in_flight + 1) if s.provider_id == chosen else s for s in snaps]
-                    metrics.DISPATCH_LATENCY.labels(model.id).observe(max(0, now_ms() - head.sort_key[0]) / 1000)
-                    log.info("dispatched to %s", chosen, extra=run_fields(head.run_id, model.id))
-                    if queue and self.next_holder not in ("", self.consumer):
-                        self.behind[model.id] = queue[0].entry_id  # another replica goes next; it was woken
+        snaps, read_ms = self._snaps.pop(model.id, (None, 0))
+        try:
+            while queue:
+                head = queue[0]
+                now = now_ms()
+                if snaps is not None and now - read_ms > self.config.runtime.heartbeat_interval_ms:
+                    snaps = None
+                fresh = snaps is None
+                if snaps is None:
+                    snaps, read_ms = await read_snapshots(
+                        self.redis, self._targets[model.id], now, self.config.node_of), now
+                if select_provider(snaps, now, ttl, head.avoid, head.exclude) is None:
+                    if not fresh:
+                        snaps = None  # kept counts may be too high (runs ended): look again before waiting
+                        continue
+                    if all_refused(snaps, now, ttl):
+                        await self._refuse_all(model, snaps)
                         return
-            elif result == "stale" and stale < STALE_RETRIES:
-                stale += 1
-                snaps = None  # no candidate had a free slot after all: read again
-            else:
-                # not_head: an older run of another replica goes first; we are woken once it left.
-                # probing: a probe that would disturb a run is out; its end signals us.
-                if result == "not_head":
-                    self.behind[model.id] = head.entry_id
-                return
+                    others = [s for s in snaps if s.provider_id not in head.exclude]
+                    if not head.exclude or (others and not all_refused(others, now, ttl)):
+                        return  # it waits for a slot, and the runs behind it with it (FIFO)
+                    await self._drop(model.id, queue.pop(0), RunState.FAILED, _no_other_provider(model.id, head))
+                    continue
+                result, chosen = await self._dispatch(model, head, snaps)
+                metrics.DISPATCHES.labels(model.id, result).inc()
+                if result in ("ok", "gone"):
+                    if head in queue:  # compare by identity of entry: another task may have moved on
+                        queue.remove(head)
+                    stale = 0
+                    if result == "ok":
+                        snaps = [replace(s, in_flight=s.in_flight + 1) if s.provider_id == chosen else s for s in snaps]
+                        metrics.DISPATCH_LATENCY.labels(model.id).observe(max(0, now_ms() - head.sort_key[0]) / 1000)
+                        log.info("dispatched to %s", chosen, extra=run_fields(head.run_id, model.id))
+                        if queue and self.next_holder not in ("", self.consumer):
+                            self.behind[model.id] = queue[0].entry_id  # another replica goes next; it was woken
+                            return
+                elif result == "stale" and stale < STALE_RETRIES:
+                    stale += 1
+                    snaps = None  # no candidate had a free slot after all: read again
+                else:
+                    # not_head: an older run of another replica goes first; we are woken once it left.
+                    # probing: a probe that would disturb a run is out; its end signals us.
+                    if result == "not_head":
+                        self.behind[model.id] = head.entry_id
+                    return
+        finally:
+            if snaps is not None:
+                self._snaps[model.id] = (snaps, read_ms)
 
     async def _dispatch(self, model: ModelConfig, head: Waiting,
                         snaps: list[ProviderSnapshot]) -> tuple[str, str | None]:
@@ -234,13 +250,13 @@ class Scheduler:
             "dispatch",
             [keys.runs_stream(model.id), keys.run_record(head.run_id), keys.run_events(head.run_id),
              *(k for s, _ in candidates for k in (
-                 keys.leases(s.provider_id), keys.capacity_override(s.provider_id), keys.drained(s.provider_id),
-                 keys.cordoned(nodes[s.provider_id]), keys.probing(s.provider_id),
+                 keys.heartbeat(s.provider_id), keys.leases(s.provider_id), keys.capacity_override(s.provider_id),
+                 keys.drained(s.provider_id), keys.cordoned(nodes[s.provider_id]), keys.probing(s.provider_id),
                  keys.node_queue(nodes[s.provider_id]), keys.node_wake(nodes[s.provider_id])))],
             [head.run_id, head.entry_id, keys.SCHEDULER_GROUP, rt.lease_ttl_ms, rt.run_ttl_s,
-             keys.scheduler_channel(""),
+             keys.scheduler_channel(""), rt.heartbeat_ttl_ms,
              *(a for s, c in candidates for a in (
-                 s.capacity or 0, c, s.provider_id, nodes[s.provider_id], model.providers[s.provider_id]))],
+                 c, s.provider_id, nodes[s.provider_id], model.providers[s.provider_id]))],
         )
         if isinstance(result, list):  # ['ok', the replica holding the next run, the provider]
             self.next_holder = result[1].decode()

@@ -259,7 +259,8 @@ async def test_the_dispatch_script_picks_the_provider_on_the_live_counts_not_the
 async def test_the_dispatch_script_chooses_exactly_what_the_policy_chooses_on_the_live_state(
         redis: Redis) -> None:
     """Property: whatever changed between the snapshot and the script (runs started or ended on
-    any provider, an override set or cleared, a provider drained or its node cordoned), the
+    any provider, an override set or cleared, a provider drained or its node cordoned, its
+    heartbeat gone stale or down or back, its capacity announced anew), the
     script reserves a slot on the provider `select_provider` chooses on the live state among the
     snapshot's candidates, or on none ('stale') when it chooses none, for runs with and without
     providers to avoid."""
@@ -275,38 +276,63 @@ async def test_the_dispatch_script_chooses_exactly_what_the_policy_chooses_on_th
     outcomes: Counter[str] = Counter()
     changed = 0
 
-    async def scramble() -> None:
-        for p in providers:
-            if rng.random() < 0.5:
-                await redis.delete(keys.leases(p))
-                n = rng.randint(0, 5)
-                if n:
-                    await redis.zadd(keys.leases(p), {f"x-{p}-{i}": now_ms() + 60_000 for i in range(n)})
-            if rng.random() < 0.1:
-                flag = keys.drained(p) if rng.random() < 0.5 else keys.cordoned(f"n-{p}")
-                await (redis.set(flag, "ops") if rng.random() < 0.5 else redis.delete(flag))
-            if rng.random() < 0.3:
-                override = rng.choice([None, 1, 2, 3])
-                if override is None:
-                    await redis.delete(keys.capacity_override(p))
-                else:
-                    await redis.set(keys.capacity_override(p), override)
+    async def set_leases(p: str, n: int) -> None:
+        await redis.delete(keys.leases(p))
+        if n:
+            await redis.zadd(keys.leases(p), {f"x-{p}-{i}": now_ms() + 60_000 for i in range(n)})
 
-    for p in providers:
-        await redis.hset(keys.heartbeat(p), mapping={"health": "available", "capacity": rng.randint(1, 6),
-                                                     "ts_ms": now_ms()})
-    for _ in range(800):
+    async def set_flag(key: str, on: bool) -> None:
+        await (redis.set(key, "ops") if on else redis.delete(key))
+
+    async def set_override(p: str, value: int | None) -> None:
+        await (redis.delete(keys.capacity_override(p)) if value is None
+               else redis.set(keys.capacity_override(p), value))
+
+    async def draw(p: str) -> None:
+        """A provider's whole state, drawn afresh (mostly able to take a run)."""
+        capacity = rng.randint(1, 6)
+        await redis.hset(keys.heartbeat(p), mapping={
+            "health": "available" if rng.random() < 0.85 else "unavailable", "capacity": capacity,
+            "ts_ms": now_ms() if rng.random() < 0.9 else now_ms() - ttl - 1000})
+        await set_leases(p, rng.randint(0, capacity))
+        await set_flag(keys.drained(p), rng.random() < 0.1)
+        await set_flag(keys.cordoned(f"n-{p}"), rng.random() < 0.05)
+        await set_override(p, rng.choice([None, None, None, 1, 2, 5]))
+
+    async def change(p: str) -> None:
+        """One thing about a provider changes after the snapshot."""
+        what = rng.randrange(9)
+        if what < 3:  # runs ended or started there
+            await set_leases(p, max(0, await redis.zcard(keys.leases(p)) + rng.choice([-2, -1, 1, 2])))
+        elif what == 3:
+            await redis.hset(keys.heartbeat(p), "health", rng.choice(["available", "unavailable"]))
+        elif what == 4:  # its heartbeat went stale, or a new one came
+            await redis.hset(keys.heartbeat(p), "ts_ms", rng.choice([now_ms() - ttl - 1000, now_ms()]))
+        elif what == 5:
+            await redis.hset(keys.heartbeat(p), "capacity", rng.randint(1, 6))
+        elif what == 6:
+            await set_flag(keys.drained(p), rng.random() < 0.5)
+        elif what == 7:
+            await set_flag(keys.cordoned(f"n-{p}"), rng.random() < 0.5)
+        else:
+            await set_override(p, rng.choice([None, 1, 2, 3]))
+
+    for _ in range(600):
         if not sched.waiting[MODEL]:
+            await beat(redis, config)  # the gateway takes a run only while some provider is available
             await submit(client, 1)
             await sched.read_new(block_ms=10)
-        await scramble()
+        for p in providers:
+            await draw(p)
         now = now_ms()
         snaps = await read_snapshots(redis, sched._targets[MODEL], now, config.node_of)
         head = replace(sched.waiting[MODEL][0], avoid=frozenset(rng.sample(providers, rng.randint(0, 2))))
         choice = select_provider(snaps, now, ttl, head.avoid)
         if choice is None:
             continue
-        await scramble()
+        for p in providers:
+            if rng.random() < 0.4:
+                await change(p)
         # the candidates are those of the snapshot (one drained then and not now waits for a re-read)
         was = {s.provider_id for s in snaps if candidate_class(s, now, ttl, head.avoid) is not None}
         live = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)
@@ -320,7 +346,39 @@ async def test_the_dispatch_script_chooses_exactly_what_the_policy_chooses_on_th
             changed += expected is not None and expected.provider_id != choice.provider_id
     await client.close()
     # both answers were exercised, and the script often picked another provider than the snapshot would
-    assert outcomes["ok"] > 100 and outcomes["stale"] > 30 and changed > 10, (outcomes, changed)
+    assert outcomes["ok"] > 200 and outcomes["stale"] > 20 and changed > 50, (outcomes, changed)
+
+
+async def test_snapshots_are_kept_to_try_but_read_again_before_a_run_waits(redis: Redis) -> None:
+    config = make_config({"a": 2})
+    client, sched, (first,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(first), "provider") == b"a"
+
+    async def next_run() -> str:
+        (run_id,) = await submit(client, 1)
+        await sched.read_new(block_ms=10)
+        await redis.config_resetstat()
+        await sched.dispatch_all()
+        return run_id
+
+    def snapshot_reads(stats: dict[str, Any]) -> int:
+        """A snapshot read is one HMGET of a's heartbeat; the dispatch script (the only script sent
+        here) runs one HMGET of it too, and Redis counts the commands scripts run."""
+        def calls(name: str) -> int:
+            return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+        return calls("hmget") - calls("evalsha")
+
+    second = await next_run()  # the kept snapshot (a 1/2) says try: no read, one script
+    assert await redis.hget(keys.run_record(second), "state") == b"dispatched"
+    assert snapshot_reads(await redis.info("commandstats")) == 0
+    await redis.zrem(keys.leases("a"), first)  # a run ended: the kept snapshot (a 2/2) is too high
+    third = await next_run()
+    assert await redis.hget(keys.run_record(third), "state") == b"dispatched"  # it looked again, not waited
+    assert snapshot_reads(await redis.info("commandstats")) == 1
+    sched.on_signal(b"*")  # a health or an operator's setting changed: nothing kept
+    assert not sched._snaps
+    await client.close()
 
 
 def test_a_replica_wakes_only_for_signals_that_could_unblock_it() -> None:
