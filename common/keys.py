@@ -108,6 +108,9 @@ def gateway_inbox(gateway_id: str) -> str:
 #: An inbox keeps this many entries at most (MAXLEN ~), and lives this long after its last one.
 INBOX_MAXLEN: Final = 10_000
 INBOX_TTL_MS: Final = 3_600_000
+#: A run's watcher written as `{gateway id}~` gets only the events that carry output or end the run
+#: (a completion caller's gateway); without it, every event (the runs API).
+OUTPUT_ONLY: Final = "~"
 
 
 def scheduler_alive(consumer: str) -> str:

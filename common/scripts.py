@@ -94,17 +94,23 @@ end
 
 # Add an event to a run, and hand a copy to every gateway that follows the run (the record's
 # `watchers`: gateway ids, comma-separated) through its inbox, which that gateway's one reader
-# waits on. The copy says which run and which event (`run`, `id`) it is.
+# waits on. The copy says which run and which event (`run`, `id`) it is. A watcher written with
+# the `{keys.OUTPUT_ONLY}` suffix (the gateway of a completion caller, who wants the output and the
+# end, nothing else) gets only `delta`, `completed` and `failed` copies.
 _EVENTS = f"""
 local function add_event(record, events, run_id, etype, data)
   local id = redis.call('XADD', events, '*', 'type', etype, 'data', data)
   local watchers = redis.call('HGET', record, 'watchers')
   if watchers then
-    for gateway in string.gmatch(watchers, '[^,]+') do
-      local inbox = '{keys.gateway_inbox("")}' .. gateway
-      redis.call('XADD', inbox, 'MAXLEN', '~', {keys.INBOX_MAXLEN}, '*', 'run', run_id, 'id', id, 'type', etype,
-        'data', data)
-      redis.call('PEXPIRE', inbox, {keys.INBOX_TTL_MS})
+    local output = etype == 'delta' or etype == 'completed' or etype == 'failed'
+    for watcher in string.gmatch(watchers, '[^,]+') do
+      local gateway, n = string.gsub(watcher, '{keys.OUTPUT_ONLY}$', '')
+      if output or n == 0 then
+        local inbox = '{keys.gateway_inbox("")}' .. gateway
+        redis.call('XADD', inbox, 'MAXLEN', '~', {keys.INBOX_MAXLEN}, '*', 'run', run_id, 'id', id, 'type', etype,
+          'data', data)
+        redis.call('PEXPIRE', inbox, {keys.INBOX_TTL_MS})
+      end
     end
   end
   return id
@@ -493,19 +499,24 @@ if redis.call('DEL', KEYS[2]) == 1 then redis.call('PUBLISH', ARGV[6], '*') end
 return 1
 """
 
-# A gateway follows a run another gateway started (the runs API): it joins the run's watchers.
+# A gateway follows a run's every event (the runs API, maybe for a run another gateway started): it
+# joins the run's watchers, or stops being an output-only one.
 # KEYS: run record   ARGV: gateway id
-WATCH = """
+# Returns 0 if the run is gone, else 1.
+WATCH = f"""
 local watchers = redis.call('HGET', KEYS[1], 'watchers')
 if not watchers then
   if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
   redis.call('HSET', KEYS[1], 'watchers', ARGV[1])
   return 1
 end
-for gateway in string.gmatch(watchers, '[^,]+') do
-  if gateway == ARGV[1] then return 1 end
+local kept = {{}}
+for watcher in string.gmatch(watchers, '[^,]+') do
+  if watcher == ARGV[1] then return 1 end
+  if watcher ~= ARGV[1] .. '{keys.OUTPUT_ONLY}' then kept[#kept + 1] = watcher end
 end
-redis.call('HSET', KEYS[1], 'watchers', watchers .. ',' .. ARGV[1])
+kept[#kept + 1] = ARGV[1]
+redis.call('HSET', KEYS[1], 'watchers', table.concat(kept, ','))
 return 1
 """
 

@@ -4,7 +4,10 @@ A run's events live in its own stream (`iop:events:{run}`). Each script that add
 writes a copy to the inbox of every gateway that follows the run (`iop:inbox:{gateway}`, the
 record's `watchers`), in the same atomic step, so a gateway's inbox holds the events of its runs
 in the order they happened. Each gateway runs one **listener** blocked on its inbox, over one
-Redis connection however many callers wait; it hands each event to the callers of its run.
+Redis connection however many callers wait; it hands each event to the callers of its run. The
+gateway that queued a completion watches as output-only (`{gateway}~`, `keys.OUTPUT_ONLY`): its
+inbox gets `delta`, `completed` and `failed` only. Following through the runs API (`watch=True`)
+makes it a watcher of every event.
 
 Nothing is lost or delivered twice. Each caller (a `Follower`) gets only events newer than the
 last one it got. A caller that starts following first reads what its run already has from the

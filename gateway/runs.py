@@ -64,7 +64,7 @@ class RunClient:
             [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,
              "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
              who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000),
-             policy.max_attempts, self.hub.gateway_id],
+             policy.max_attempts, self.hub.gateway_id + keys.OUTPUT_ONLY],  # its caller wants output and end
         )
         status = result[0].decode()
         if status == "ok":

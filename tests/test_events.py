@@ -9,7 +9,8 @@ import asyncio
 from redis.asyncio import Redis
 
 from common import keys
-from common.codec import event_fields
+from common.codec import event_fields, pack
+from common.scripts import Scripts
 from gateway.events import EventHub
 
 
@@ -74,3 +75,34 @@ async def test_after_the_inbox_lost_entries_the_runs_own_stream_fills_the_gap(re
             assert await collect(follower.next, 1) == [3]
     finally:
         await hub.close()
+
+
+async def test_a_completion_callers_gateway_gets_output_and_end_only_until_it_follows_every_event(
+        redis: Redis) -> None:
+    """The scripts' `add_event` (here through `emit`) copies to an output-only watcher (`gw~`, the
+    gateway a completion caller waits on) only `delta`, `completed` and `failed`; a gateway that
+    follows the run through the runs API (`watch`) gets every event, once."""
+    scripts = Scripts(redis)
+    record, events = keys.run_record("run_w"), keys.run_events("run_w")
+    await redis.hset(record, mapping={"state": "running", "attempts": "1",
+                                      "watchers": f"gw-a{keys.OUTPUT_ONLY},gw-b"})
+
+    async def emit(etype: str) -> None:
+        assert await scripts.call("emit", [record, events], ["1", etype, pack({}), 60, 1000, "run_w"]) == 1
+
+    async def inbox(gateway: str) -> list[str]:
+        return [fields[b"type"].decode() for _, fields in await redis.xrange(keys.gateway_inbox(gateway))]
+
+    for etype in ("started", "delta", "requeued", "delta"):
+        await emit(etype)
+    assert await inbox("gw-a") == ["delta", "delta"]
+    assert await inbox("gw-b") == ["started", "delta", "requeued", "delta"]
+    assert await scripts.call("watch", [record], ["gw-a"]) == 1  # a runs-API caller on gw-a
+    assert await redis.hget(record, "watchers") == b"gw-b,gw-a"
+    assert await scripts.call("watch", [record], ["gw-a"]) == 1  # twice changes nothing
+    assert await redis.hget(record, "watchers") == b"gw-b,gw-a"
+    await emit("started")
+    await emit("completed")
+    assert await inbox("gw-a") == ["delta", "delta", "started", "completed"]
+    assert await inbox("gw-b") == ["started", "delta", "requeued", "delta", "started", "completed"]
+    assert await scripts.call("watch", [keys.run_record("run_gone")], ["gw-a"]) == 0
