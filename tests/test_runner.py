@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 
@@ -231,5 +231,28 @@ async def test_a_worker_takes_a_job_and_its_run_ends_with_the_job_off_the_queue(
         await sched.dispatch_all()  # ... so the next attempt's job is queued and stays
         assert await redis.zscore(keys.node_queue("n-a"), run_id) is not None
         assert await fields(redis, keys.run_record(run_id), "state", "attempts") == ["dispatched", "2"]
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_full_worker_whose_job_just_ended_gets_its_slot_back(redis_url: str) -> None:
+    """The race that stuck a one-slot worker for good (seen in the keep-alive end-to-end test about
+    one run in eight): a job's task ends while the worker waits on it with a timeout, so the
+    worker sees no running task but still counts the slot taken until the task's done callback
+    runs. Its wait step must give the event loop a turn for that callback."""
+    from arq.worker import func
+
+    from workers.arq_worker import WakeWorker, arq_redis
+    from workers.service import run_job
+
+    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
+                        wake_key=keys.node_wake("n-a"), runner=lambda: cast(Runner, None),
+                        redis_pool=arq_redis(redis_url), handle_signals=False, max_jobs=1)  # no job reaches a runner
+    try:
+        await worker.sem.acquire()
+        worker.job_counter = 1  # as `claim_and_start` counts a job; its task is done, its callback pending
+        asyncio.get_running_loop().call_soon(worker._release_sem_dec_counter_on_complete)
+        assert await worker._wait_for_work() is True
+        assert worker.job_counter == 0  # the slot is back: the next wait takes a job
     finally:
         await worker.pool.aclose(close_connection_pool=True)

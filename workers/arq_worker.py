@@ -98,6 +98,12 @@ class WakeWorker(Worker):
             running = [t for t in self.tasks.values() if not t.done()]
             if running:
                 await asyncio.wait(running, timeout=self.poll_delay_s, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                # A job just ended but its done callback, which frees its slot, has not run yet: let
+                # it. Nothing else on this path is sure to give the event loop a turn (arq's poll
+                # sends nothing while the worker is full), so without this the worker would spin
+                # here for good, full of nothing.
+                await asyncio.sleep(0)
             return True
         popped = await self.pool.blpop([self.wake_key], timeout=self.poll_delay_s)
         if popped is None:
