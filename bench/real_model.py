@@ -55,11 +55,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_llama(log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_llama(log: Path, extra: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf(), "--host", "127.0.0.1",
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                 "--port", str(port), *extra],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
     while b"Uvicorn running" not in log.read_bytes():  # polling its log with a deadline
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -128,10 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--out", default=None, help="also write the JSON to this file")
+    p.add_argument("--llama-args", default="", help="more arguments for the server, e.g. '--n_threads 1 "
+                   "--n_threads_batch 1' to leave the other core to iop (by default the server takes every core)")
     args = p.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="iop-bench-real-"))
-    llama, direct_url = start_llama(tmp / "llama.log")
+    llama, direct_url = start_llama(tmp / "llama.log", args.llama_args.split())
     redis_server = RedisServer(appendonly=False).start()
     procs: list[IopProcess] = []
     try:
@@ -165,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = asyncio.run(measure(direct_url, gateway, served, args))
         import llama_cpp
 
-        result["setup"] = {"server": f"llama-cpp-python {llama_cpp.__version__} (default settings)",
+        result["setup"] = {"server": f"llama-cpp-python {llama_cpp.__version__} "
+                                     f"({args.llama_args or 'default settings'})",
                            "model": "SmolLM2-135M-Instruct Q4_1", "concurrency": 1, "requests": args.requests,
                            "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
                            "loadavg_at_end": os.getloadavg()}
