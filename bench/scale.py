@@ -48,7 +48,8 @@ BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream
 
 
 class Stack:
-    def __init__(self, tmp: Path, ttft_ms: int, providers: int, capacity: int, schedulers: int) -> None:
+    def __init__(self, tmp: Path, ttft_ms: int, providers: int, capacity: int, schedulers: int,
+                 max_connections: int = 10_000) -> None:
         self.redis = RedisServer(appendonly=False).start()
         self.procs: list[IopProcess] = []
         sims = {}
@@ -62,6 +63,8 @@ class Stack:
                 {"id": pid, "type": "vllm", "base_url": url, "capacity": capacity, "models": [served]}
                 for pid, (served, url) in sims.items()]}],
             "queue": {"max_queue": 100_000, "queue_timeout_ms": 600_000},
+            # room for every caller at once (the default limit would turn the rest away with 503s)
+            "runtime": {"max_connections": max_connections},
         }
         (tmp / "iop.yaml").write_text(yaml.safe_dump(config))
         self.env = {**os.environ, "IOP_CONFIG": str(tmp / "iop.yaml"), "REDIS_URL": self.redis.url,
@@ -110,11 +113,24 @@ async def waiting_callers(stack: Stack, callers: int, observers: int) -> dict[st
     lags_ms: list[float] = []
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as session:
 
+        outcomes: Counter[str] = Counter()
+        samples: dict[str, str] = {}  # the start of one answer of each kind that was not a whole stream
+
         async def stream(i: int) -> str | None:
-            async with session.post(stack.gateway + "/v1/chat/completions", json=BODY) as resp:
-                run_id = resp.headers.get("X-IOP-Run-Id")
-                body = await resp.read()
-            return run_id if resp.status == 200 and body.rstrip().endswith(b"data: [DONE]") else None
+            try:
+                async with session.post(stack.gateway + "/v1/chat/completions", json=BODY) as resp:
+                    run_id = resp.headers.get("X-IOP-Run-Id")
+                    body = await resp.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                outcomes[type(exc).__name__] += 1
+                return None
+            whole = body.rstrip().endswith(b"data: [DONE]")
+            error = re.search(rb'"code": ?"(\w+)"', body) if resp.status != 200 or b'"error"' in body else None
+            outcome = f"{resp.status} {error.group(1).decode() if error else 'ok' if whole else 'cut short'}"
+            outcomes[outcome] += 1
+            if outcome not in samples and outcome != "200 ok":
+                samples[outcome] = body[:300].decode(errors="replace")
+            return run_id if resp.status == 200 and whole and not error else None
 
         async def observe(run_id: str) -> None:
             """Follow a run through the runs API: how late each delta reaches a caller."""
@@ -145,7 +161,8 @@ async def waiting_callers(stack: Stack, callers: int, observers: int) -> dict[st
     ok = sum(1 for r in results if r)
     lags = sorted(lags_ms)
     return {
-        "callers": callers, "completed": ok, "elapsed_s": round(elapsed, 1),
+        "callers": callers, "completed": ok, "outcomes": dict(outcomes), "samples": samples,
+        "elapsed_s": round(elapsed, 1),
         "gateway_redis_connections_peak": peak_conns,
         "gateway_rss_idle_mb": round(idle_rss / 1024, 1), "gateway_rss_peak_mb": round(peak_rss / 1024, 1),
         "gateway_rss_per_waiting_caller_kb": round((peak_rss - idle_rss) / callers, 1),
@@ -201,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}}
     if args.callers:
         with tempfile.TemporaryDirectory() as tmp:
-            stack = Stack(Path(tmp), ttft_ms=3000, providers=5, capacity=100, schedulers=1)
+            stack = Stack(Path(tmp), ttft_ms=3000, providers=5, capacity=100, schedulers=1,
+                          max_connections=args.callers + 2 * args.observers + 64)
             try:
                 out["waiting_callers"] = asyncio.run(waiting_callers(stack, args.callers, args.observers))
             finally:
