@@ -97,8 +97,8 @@ def candidate_class(snap: ProviderSnapshot, now_ms: int, ttl_ms: int, avoid: fro
                     exclude: frozenset[str] = frozenset()) -> int | None:
     """Whether a provider may take a run whatever its load: 0 (yes), 1 (only when no class-0
     provider has a free slot: the run failed there before) or None (no: not available, drained,
-    or excluded). With `_rank`, the whole policy: the dispatch script checks its choice again on
-    the live counts with these two."""
+    or excluded). With `_rank`, the whole policy: the dispatch script applies the same two to the
+    live state when it reserves the slot (`common.scripts.DISPATCH`)."""
     if not is_available(snap, now_ms, ttl_ms) or snap.drained or snap.provider_id in exclude:
         return None
     return 1 if snap.provider_id in avoid else 0

@@ -4,9 +4,8 @@ One replica owns the runs it read through the consumer group. For the head run o
 model it reads provider snapshots, asks the pure policy for a provider, and calls the
 `dispatch` script, which checks that the run is still the head of its stream, applies the
 same policy to the live state, reserves the slot on the provider it picks and queues the job
-in one atomic step. A run
-that finds no slot waits; the scheduler is woken at once when a slot frees (pub/sub) and
-fails runs that waited `queue_timeout_ms`.
+in one atomic step. A run that finds no slot waits; the scheduler is woken at once when a
+slot frees (pub/sub) and fails runs that waited `queue_timeout_ms`.
 
 Replicas announce themselves with a liveness key; a replica whose key expired has its
 waiting runs claimed by the others. Expired leases (a worker died) are reaped here too.
