@@ -107,7 +107,8 @@ def gateway_connections(url: str) -> int:
         return sum(1 for c in r.client_list() if c.get("name") == "iop-gateway")
 
 
-async def waiting_callers(stack: Stack, callers: int, observers: int) -> dict[str, Any]:
+async def waiting_callers(stack: Stack, callers: int, observers: int, ramp_s: float = 0.0) -> dict[str, Any]:
+    """`ramp_s`: the callers arrive evenly over that many seconds (0: all at once)."""
     idle_rss = rss_kb(stack.gateway_pid)
     connector = aiohttp.TCPConnector(limit=0)
     lags_ms: list[float] = []
@@ -117,6 +118,8 @@ async def waiting_callers(stack: Stack, callers: int, observers: int) -> dict[st
         samples: dict[str, str] = {}  # the start of one answer of each kind that was not a whole stream
 
         async def stream(i: int) -> str | None:
+            if ramp_s:
+                await asyncio.sleep(ramp_s * i / callers)
             try:
                 async with session.post(stack.gateway + "/v1/chat/completions", json=BODY) as resp:
                     run_id = resp.headers.get("X-IOP-Run-Id")
@@ -212,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--callers", type=int, default=5000, help="streamed callers at once (0: skip)")
     p.add_argument("--observers", type=int, default=100, help="runs followed through the runs API")
+    p.add_argument("--ramp-s", type=float, default=0.0,
+                   help="the callers arrive evenly over this many seconds (default 0: all at once)")
     p.add_argument("--herd-requests", type=int, default=3000, help="runs per replica count (0: skip)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -221,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack = Stack(Path(tmp), ttft_ms=3000, providers=5, capacity=100, schedulers=1,
                           max_connections=args.callers + 2 * args.observers + 64)
             try:
-                out["waiting_callers"] = asyncio.run(waiting_callers(stack, args.callers, args.observers))
+                out["waiting_callers"] = asyncio.run(waiting_callers(stack, args.callers, args.observers, args.ramp_s))
             finally:
                 stack.stop()
         print(f"bench: waiting callers: {out['waiting_callers']}", file=sys.stderr)
