@@ -533,8 +533,8 @@ local flags = {drain = {'drained', true}, undrain = {'drained', false},
 local prev = redis.call('GET', KEYS[1])
 local prev_until = ''
 if prev then
-  local left = redis.call('PTTL', KEYS[1])
-  if left > 0 then prev_until = tostring(now + left) end
+  local at = redis.call('PEXPIRETIME', KEYS[1])  -- exactly the `until_ms` it was set with
+  if at > 0 then prev_until = tostring(at) end
 end
 local value, previous, until_ms = '', '', ''
 local flag = flags[ARGV[1]]
@@ -552,7 +552,9 @@ elseif ARGV[1] == 'capacity' then
   value = ARGV[5]
   local ttl = tonumber(ARGV[6])
   if ttl > 0 then
-    redis.call('SET', KEYS[1], value, 'PX', ttl)
+    -- an expiry at exactly `until_ms`, which a later change reads back as `previous_until_ms`
+    redis.call('SET', KEYS[1], value)
+    redis.call('PEXPIREAT', KEYS[1], now + ttl)
     until_ms = tostring(now + ttl)
   else
     redis.call('SET', KEYS[1], value)
