@@ -5,8 +5,6 @@ port 0 (no scheduler or worker processes)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +12,6 @@ import aiohttp
 import pytest
 import redis as sync_redis
 import yaml
-from aiohttp import web
 from prometheus_client import generate_latest
 from redis.asyncio import Redis
 
@@ -24,12 +21,11 @@ from common.config import Config, parse_config
 from common.control import Action, Change, apply
 from common.history import offer_sample, read_history
 from common.redisconn import now_ms
-from gateway.app import build_app
 from iop import cli, control_cmd
 from scheduler import metrics as scheduler_metrics
 from tests.conftest import async_wait_until
 from tests.openapi import validate
-from tests.test_catalog_api import free_port
+from tests.test_catalog_api import free_port, serve
 
 OPERATOR, CALLER = new_key(), new_key()
 POOL: dict[str, Any] = {
@@ -46,18 +42,6 @@ KEYS = {"keys": [{"name": "ops", "sha256": hash_key(OPERATOR), "role": "operator
                  {"name": "team-a", "sha256": hash_key(CALLER)}]}
 OPEN = parse_config(POOL)
 LOCKED = parse_config({**POOL, "auth": KEYS})
-
-
-@asynccontextmanager
-async def serve(config: Config, redis_url: str) -> AsyncIterator[str]:
-    runner = web.AppRunner(build_app(config, redis_url))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
 
 
 async def call(method: str, url: str, key: str | None = None, body: Any = None,

@@ -86,10 +86,19 @@ async def page() -> AsyncIterator[Any]:
             await browser.close()
 
 
+#: the pool's providers: id -> the models its simulator serves
+SIMULATED = {"vllm-a": "Qwen/Qwen3.6-35B-A3B,meta-llama/Llama-3.3-70B-Instruct", "sglang-b": "qwen3.6-35b-a3b",
+             "hosted-c": "llama-3.3-70b"}
+
+
+def simulators(stack: Stack) -> dict[str, str]:
+    """A simulator for each provider of `pool`: provider id -> its URL."""
+    return {pid: stack.simulator([models]) for pid, models in SIMULATED.items()}
+
+
 def start_stack(stack: Stack) -> tuple[str, dict[str, Any]]:
     sims = {pid: stack.start(f"sim-{pid}", "simulator", "--port", "0", "--models", models)
-            for pid, models in (("vllm-a", "Qwen/Qwen3.6-35B-A3B,meta-llama/Llama-3.3-70B-Instruct"),
-                                ("sglang-b", "qwen3.6-35b-a3b"), ("hosted-c", "llama-3.3-70b"))}
+            for pid, models in SIMULATED.items()}
     urls = {pid: proc.wait_for_line(r"listening on (http://\S+)").group(1) for pid, proc in sims.items()}
     stack.write_config(pool(urls))
     stack.scheduler()
@@ -195,10 +204,7 @@ async def test_with_keys_the_page_asks_for_an_operator_key_and_keeps_it_for_the_
     operator, caller = new_key(), new_key()
     stack = Stack(tmp_path, own_redis.url)
     try:
-        sims = {pid: stack.simulator([models]) for pid, models in (
-            ("vllm-a", "Qwen/Qwen3.6-35B-A3B,meta-llama/Llama-3.3-70B-Instruct"), ("sglang-b", "qwen3.6-35b-a3b"),
-            ("hosted-c", "llama-3.3-70b"))}
-        config = pool(sims)
+        config = pool(simulators(stack))
         config["auth"] = {"keys": [{"name": "ops", "sha256": hash_key(operator), "role": "operator"},
                                    {"name": "team-a", "sha256": hash_key(caller)}]}
         stack.write_config(config)

@@ -240,25 +240,25 @@ async def test_a_drain_and_an_override_outlive_a_restart_of_every_service(fstack
     for pid in ("p1", "p2"):
         async with aiohttp.ClientSession() as s, s.post(fstack.sims[pid] + "/stats/reset") as resp:
             assert resp.status == 200
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-        async def run() -> int:
-            async with http.post(gateway + "/v1/chat/completions", json=chat(ttft_ms=150)) as resp:
-                await resp.read()
-                return resp.status
-        assert await asyncio.gather(*(run() for _ in range(5))) == [200] * 5
+    assert await _chats(gateway, 5, ttft_ms=150) == [200] * 5
     assert (await fstack.stats("p1"))["total"] == 0
     p2_stats = await fstack.stats("p2")
     assert p2_stats["total"] == 5 and p2_stats["max_concurrent"] == 1
 
     iop(fstack, "provider", "undrain", "p1")
     iop(fstack, "node", "uncordon", "n1")
+    assert await _chats(gateway, 4, ttft_ms=300) == [200] * 4
+    assert (await fstack.stats("p1"))["total"] >= 1  # taken back: p1 (0/2) beats p2 (1/1 while busy)
+
+
+async def _chats(gateway: str, n: int, ttft_ms: int) -> list[int]:
+    """`n` chat completions at once through the gateway; their HTTP statuses."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-        async def more() -> int:
-            async with http.post(gateway + "/v1/chat/completions", json=chat(ttft_ms=300)) as resp:
+        async def one() -> int:
+            async with http.post(gateway + "/v1/chat/completions", json=chat(ttft_ms=ttft_ms)) as resp:
                 await resp.read()
                 return resp.status
-        assert await asyncio.gather(*(more() for _ in range(4))) == [200] * 4
-    assert (await fstack.stats("p1"))["total"] >= 1  # taken back: p1 (0/2) beats p2 (1/1 while busy)
+        return list(await asyncio.gather(*(one() for _ in range(n))))
 
 
 async def _audit(gateway: str) -> list[dict[str, Any]]:

@@ -35,6 +35,7 @@ from tests.test_catalog_page import (
     placement,
     pool,
     row,
+    simulators,
 )
 
 pytestmark = pytest.mark.e2e
@@ -54,10 +55,7 @@ async def test_an_operator_drains_overrides_and_cordons_from_the_page_and_sees_t
     expect = async_api.expect
     stack = Stack(tmp_path, own_redis.url)
     try:
-        sims = {pid: stack.simulator([models]) for pid, models in (
-            ("vllm-a", "Qwen/Qwen3.6-35B-A3B,meta-llama/Llama-3.3-70B-Instruct"), ("sglang-b", "qwen3.6-35b-a3b"),
-            ("hosted-c", "llama-3.3-70b"))}
-        config = pool(sims)
+        config = pool(simulators(stack))
         config["runtime"] = {**RUNTIME, **HISTORY}
         config["auth"] = {"keys": [{"name": "ops", "sha256": hash_key(OPERATOR), "role": "operator"},
                                    {"name": "team-a", "sha256": hash_key(CALLER)}]}
