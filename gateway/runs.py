@@ -28,8 +28,6 @@ REMAINING_HEADER = "x-ratelimit-remaining-requests"
 #: Which of its limits a key hit (`max_in_flight` or `requests_per_minute`), on a 429.
 WHICH_LIMIT_HEADER = "x-iop-limit"
 
-#: How long one XREAD blocks before the follower checks its overall deadline.
-FOLLOW_BLOCK_MS = 1_000
 #: Extra time a follower waits past a run's own queue and execution timeouts before it gives
 #: up on the run itself (a scheduler or worker that died without a trace).
 FOLLOW_GRACE_S = 30.0
