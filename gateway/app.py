@@ -23,7 +23,7 @@ from gateway.errors import ApiError, error_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import parse_request
 from gateway.responses import RUN_ID_HEADER, stream_response, whole_response
-from gateway.runs import RunClient
+from gateway.runs import RunClient, new_run_id
 
 log = logging.getLogger("iop.gateway")
 
@@ -64,16 +64,20 @@ async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
     model = _model_for(request, req.model)
     request[metrics.MODEL] = model.id
     runs = request.app[RUNS]
-    run_id, limit_headers = await runs.submit(model, req, principal(request))
-    finished = False
+    run_id = new_run_id()
+    submitted = finished = False
     try:
-        headers = {RUN_ID_HEADER: run_id, **limit_headers}
-        async with asyncio.timeout(runs.follow_deadline_s(model.id)), runs.follow(run_id) as follower:
-            if req.stream:
-                resp = await stream_response(request, follower, model.id, headers,
-                                             cfg.runtime.stream_keepalive_ms / 1000)
-            else:
-                resp = await whole_response(follower, model.id, headers)
+        # Following before the run is queued: its every event comes through the gateway's inbox.
+        async with runs.follow(run_id, fresh=True) as follower:
+            _, limit_headers = await runs.submit(model, req, principal(request), run_id)
+            submitted = True
+            headers = {RUN_ID_HEADER: run_id, **limit_headers}
+            async with asyncio.timeout(runs.follow_deadline_s(model.id)):
+                if req.stream:
+                    resp = await stream_response(request, follower, model.id, headers,
+                                                 cfg.runtime.stream_keepalive_ms / 1000)
+                else:
+                    resp = await whole_response(follower, model.id, headers)
         finished = True
         return resp
     except TimeoutError:
@@ -81,10 +85,11 @@ async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
                        headers={RUN_ID_HEADER: run_id}) from None
     except ApiError as exc:
         finished = True
-        exc.headers.setdefault(RUN_ID_HEADER, run_id)  # a failed run can be looked up too
+        if submitted:
+            exc.headers.setdefault(RUN_ID_HEADER, run_id)  # a failed run can be looked up too
         raise
     finally:
-        if not finished:
+        if submitted and not finished:
             # The caller left (or the gateway gave up): the run must not go on without it.
             await asyncio.shield(_cancel_quietly(runs, run_id, model.id))
 

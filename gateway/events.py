@@ -12,11 +12,12 @@ makes it a watcher of every event.
 Nothing is lost or delivered twice. Each caller (a `Follower`) gets only events newer than the
 last one it got. A caller that starts following first reads what its run already has from the
 run's own stream (`XRANGE` after its last event id), while the events the listener brings
-meanwhile wait in its buffer. If the inbox could have lost entries (a Redis restart or
-reconnect, or the listener falling so far behind that the inbox was trimmed past it), every
-followed run is read again from its own stream. A run whose record is gone (Redis lost it) gets
-a `failed` event saying so; that is checked after a reconnect and, for runs that heard nothing
-for a while, every `QUIET_CHECK_S`.
+meanwhile wait in its buffer. A completion's own caller skips that read: it follows before its
+run is queued, so the run's every event comes through the inbox. If the inbox could have lost
+entries (a Redis restart or reconnect, or the listener falling so far behind that the inbox was
+trimmed past it), every followed run is read again from its own stream. A run whose record is
+gone (Redis lost it) gets a `failed` event saying so; that is checked after a reconnect and, for
+runs that heard nothing for a while, every `QUIET_CHECK_S`.
 """
 
 from __future__ import annotations
@@ -76,13 +77,14 @@ def _key(entry_id: str) -> tuple[int, int]:
 class Follower:
     """One caller waiting for the events of one run, after `last_id`."""
 
-    def __init__(self, run_id: str, last_id: str) -> None:
+    def __init__(self, run_id: str, last_id: str, *, fresh: bool = False) -> None:
+        """`fresh`: the run does not exist yet, so there is nothing to read first."""
         self.run_id = run_id
         self.last = _key(last_id)
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.ended = False
         #: while its first read of the run's stream is out, what the listener brought meanwhile
-        self.pending: list[Event] | None = []
+        self.pending: list[Event] | None = None if fresh else []
         self.heard_at = time.monotonic()
 
     async def next(self, timeout: float | None = None) -> Event | None:
@@ -130,6 +132,8 @@ class EventHub:
     def __init__(self, redis: Redis, gateway_id: str | None = None) -> None:
         self.redis = redis
         self.gateway_id = gateway_id or new_gateway_id()
+        #: the inbox of a new gateway id is new too: the listener starts at its beginning
+        self.new_inbox = gateway_id is None
         self.inbox = keys.gateway_inbox(self.gateway_id)
         self.scripts = Scripts(redis)
         self.followers: dict[str, set[Follower]] = {}
@@ -140,17 +144,21 @@ class EventHub:
 
     # ------------------------------------------------------------------ callers
     @asynccontextmanager
-    async def follow(self, run_id: str, last_id: str = "0", *, watch: bool = False) -> AsyncIterator[Follower]:
+    async def follow(self, run_id: str, last_id: str = "0", *, watch: bool = False,
+                     fresh: bool = False) -> AsyncIterator[Follower]:
         """Follow a run's events after `last_id`. `watch`: the run may have been started by
-        another gateway, so this one joins its watchers first."""
+        another gateway, so this one joins its watchers first. `fresh`: the run is about to be
+        queued by this gateway (which the `enqueue` script makes a watcher), so every event it
+        will have comes through the inbox and there is nothing to read first."""
         self._start()
         await self.listening.wait()  # the inbox's position is known: what comes after, it will hear
-        follower = Follower(run_id, last_id)
+        follower = Follower(run_id, last_id, fresh=fresh)
         self.followers.setdefault(run_id, set()).add(follower)
         try:
             if watch:
                 await self.scripts.call("watch", [keys.run_record(run_id)], [self.gateway_id])
-            await self._catch_up(follower)
+            if not fresh:
+                await self._catch_up(follower)
             yield follower
         finally:
             group = self.followers.get(run_id)
@@ -174,7 +182,11 @@ class EventHub:
     # ------------------------------------------------------------------ the listener
     def _start(self) -> None:
         if not self.tasks:
-            self.tasks = [asyncio.create_task(self._listen(), name="iop-inbox")]
+            start = "0-0" if self.new_inbox else None
+            self.new_inbox = False
+            if start is not None:
+                self.listening.set()  # known without asking Redis (which may be away)
+            self.tasks = [asyncio.create_task(self._listen(start), name="iop-inbox")]
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -194,8 +206,8 @@ class EventHub:
                 log.warning("gateway inbox: Redis unavailable (%s); retrying", exc)
                 await backoff.pause()
 
-    async def _listen(self) -> None:
-        last = await self._tail()
+    async def _listen(self, start: str | None) -> None:
+        last = start or await self._tail()
         self.listening.set()
         backoff = Backoff(cap=1.0)
         resync = False

@@ -48,11 +48,12 @@ class RunClient:
     async def close(self) -> None:
         await self.hub.close()
 
-    async def submit(self, model: ModelConfig, req: ParsedRequest,
-                     who: Principal = ANYONE) -> tuple[str, dict[str, str]]:
-        """Queue the run for `who`: (its id, the rate-limit headers of its key), or raise 429
-        rate_limit_exceeded / queue_full, or 503 no_available_provider. Atomic."""
-        run_id = new_run_id()
+    async def submit(self, model: ModelConfig, req: ParsedRequest, who: Principal = ANYONE,
+                     run_id: str | None = None) -> tuple[str, dict[str, str]]:
+        """Queue the run for `who` (under `run_id`, or a new id): (its id, the rate-limit headers
+        of its key), or raise 429 rate_limit_exceeded / queue_full, or 503
+        no_available_provider. Atomic."""
+        run_id = run_id or new_run_id()
         policy = self.config.queue_for(model)
         heartbeats = [keys.heartbeat(p) for p in sorted(model.providers)]
         result = await self.scripts.call(
@@ -105,11 +106,13 @@ class RunClient:
         attempt_ms = policy.queue_timeout_ms + policy.execution_timeout_ms
         return attempt_ms * policy.max_attempts / 1000 + FOLLOW_GRACE_S
 
-    def follow(self, run_id: str, last_id: str = "0", *, watch: bool = False) -> AbstractAsyncContextManager[Follower]:
+    def follow(self, run_id: str, last_id: str = "0", *, watch: bool = False,
+               fresh: bool = False) -> AbstractAsyncContextManager[Follower]:
         """Follow the run's events after `last_id` (through the gateway's one reader); `watch` for a
-        run another gateway may have started. The follower's `next()` never ends the wait by
-        itself: the caller bounds it with a deadline."""
-        return self.hub.follow(run_id, last_id, watch=watch)
+        run another gateway may have started; `fresh` for a run this gateway is about to
+        `submit`. The follower's `next()` never ends the wait by itself: the caller bounds it
+        with a deadline."""
+        return self.hub.follow(run_id, last_id, watch=watch, fresh=fresh)
 
     async def events(self, run_id: str, last_id: str = "0", *, watch: bool = False) -> AsyncIterator[Event]:
         """Every event of the run after `last_id`, up to and including its terminal one."""

@@ -106,3 +106,23 @@ async def test_a_completion_callers_gateway_gets_output_and_end_only_until_it_fo
     assert await inbox("gw-a") == ["delta", "delta", "started", "completed"]
     assert await inbox("gw-b") == ["started", "delta", "requeued", "delta", "started", "completed"]
     assert await scripts.call("watch", [keys.run_record("run_gone")], ["gw-a"]) == 0
+
+
+async def test_a_completions_own_caller_follows_before_its_run_exists_and_reads_nothing_first(
+        redis: Redis) -> None:
+    """`fresh`: the gateway follows a run it is about to queue, so every event comes through its
+    inbox and the run's own stream is not read (no XRANGE: one Redis round trip less a run)."""
+    hub = EventHub(redis)
+    run_id = "run_f"
+    try:
+        await redis.config_resetstat()
+        async with hub.follow(run_id, fresh=True) as follower:
+            await redis.hset(keys.run_record(run_id), mapping={"state": "queued", "watchers": hub.gateway_id})
+            for n in range(1, 11):
+                await add(redis, run_id, hub.gateway_id, "delta", n)
+            await add(redis, run_id, hub.gateway_id, "completed", 11)
+            assert await collect(follower.next, 11) == list(range(1, 12))
+        stats = await redis.info("commandstats")
+        assert "cmdstat_xadd" in stats and "cmdstat_xrange" not in stats
+    finally:
+        await hub.close()
