@@ -256,3 +256,31 @@ async def test_a_full_worker_whose_job_just_ended_gets_its_slot_back(redis_url: 
         assert worker.job_counter == 0  # the slot is back: the next wait takes a job
     finally:
         await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_woken_worker_pops_as_many_jobs_as_it_has_free_slots_at_once(redis: Redis, redis_url: str) -> None:
+    """Under load jobs queue up on a node's wake list faster than one pop each: a worker takes as
+    many as it has free slots in one BLMPOP (and claims them with one `take` script)."""
+    from arq.worker import func
+
+    from workers.arq_worker import WakeWorker, arq_redis
+    from workers.service import run_job
+
+    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
+                        wake_key=keys.node_wake("n-a"), runner=lambda: cast(Runner, None),
+                        redis_pool=arq_redis(redis_url), handle_signals=False, max_jobs=3)
+    claimed: list[list[str]] = []
+
+    async def claim(job_ids: list[str]) -> None:
+        claimed.append(job_ids)
+
+    worker.claim_and_start = claim  # type: ignore[method-assign]
+    try:
+        await worker.sem.acquire()
+        worker.job_counter = 1  # one slot busy: two free
+        await redis.rpush(keys.node_wake("n-a"), "run_1", "run_2", "run_3")
+        assert await worker._wait_for_work() is False
+        assert claimed == [["run_1", "run_2"]]
+        assert await redis.lrange(keys.node_wake("n-a"), 0, -1) == [b"run_3"]  # for a sibling with room
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
