@@ -78,14 +78,17 @@ end
 
 # Wake the one scheduler replica that holds the oldest run waiting in a model's stream (it alone
 # may dispatch next: FIFO), on that replica's own channel (prefix + consumer name), with the
-# model id. Nobody holds a run not read yet: the replica that reads it wakes by itself.
+# model id. Nobody holds a run not read yet: the replica that reads it wakes by itself. `me` (the
+# dispatching replica, optional) is not woken: it goes on with its next run anyway.
 _WAKE = f"""
-local function wake_head(stream, channel_prefix)
+local function wake_head(stream, channel_prefix, me)
   local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
   if #head == 0 then return '' end
   local pending = redis.pcall('XPENDING', stream, '{keys.SCHEDULER_GROUP}', head[1][1], head[1][1], 1)
   if type(pending) == 'table' and pending.err == nil and #pending > 0 then
-    redis.call('PUBLISH', channel_prefix .. pending[1][2], string.sub(stream, {len(keys.runs_stream("")) + 1}))
+    if pending[1][2] ~= me then
+      redis.call('PUBLISH', channel_prefix .. pending[1][2], string.sub(stream, {len(keys.runs_stream("")) + 1}))
+    end
     return pending[1][2]
   end
   return ''
@@ -185,9 +188,9 @@ return {'ok', entry, left}
 # KEYS: runs stream, run record, events, then for every candidate of the run (`policy.candidate_class`
 #       not None on the scheduler's snapshot), 8 keys: its heartbeat, its leases, its capacity override,
 #       its drain flag, its node's cordon flag, its probing lock, its node's queue, its node's wake list...
-# ARGV: run id, entry id, group, lease_ttl_ms, ttl_s, replica channel prefix, heartbeat_ttl_ms, then for
-#       every candidate (same order) 4 values: its class, its provider id, its node, the served name the
-#       model has there...
+# ARGV: run id, entry id, group, lease_ttl_ms, ttl_s, replica channel prefix, heartbeat_ttl_ms, the
+#       dispatching replica's consumer name, then for every candidate (same order) 4 values: its class,
+#       its provider id, its node, the served name the model has there...
 # The scheduler's snapshot (`policy.select_provider`) only says that a run may find a slot now and
 # which providers it may go to; here, in the step that reserves the slot, the policy is applied to the
 # live state: among candidates whose heartbeat is fresh and says `available` with a capacity, that are
@@ -201,8 +204,10 @@ return {'ok', entry, left}
 # scheduler back.
 # The job on the node's queue is the run id alone (the run record carries the rest): the worker's
 # `take` script reads the record, not an arq job payload.
-# Once dispatched, the replica holding the next waiting run of the model is woken (`_WAKE`), and
-# the answer says which it is: {'ok', consumer ('' if none holds it yet), provider id}.
+# Once dispatched, the replica holding the next waiting run of the model is woken (`_WAKE`; not the
+# dispatching one), and the answer says which it is: {'ok', consumer ('' if none holds it yet),
+# provider id}. A replica may send several of these in one pipeline, oldest run first: each checks
+# that its run is the head, so one that cannot go holds back the ones behind it ('not_head').
 DISPATCH = _NOW + _EVENTS + _WAKE + """
 local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #head == 0 then return 'gone' end
@@ -218,7 +223,7 @@ end
 local live, oldest_beat = '(' .. now, now - tonumber(ARGV[7])
 local best, best_n, best_cap, best_class
 for j = 0, (#KEYS - 3) / 8 - 1 do
-  local k, a = 4 + 8 * j, 8 + 4 * j
+  local k, a = 4 + 8 * j, 9 + 4 * j
   local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity')
   if hb[1] == 'available' and tonumber(hb[2]) and tonumber(hb[2]) >= oldest_beat
       and redis.call('EXISTS', KEYS[k + 3], KEYS[k + 4]) == 0 then
@@ -235,7 +240,7 @@ for j = 0, (#KEYS - 3) / 8 - 1 do
   end
 end
 if best == nil then return 'stale' end
-local k, a = 4 + 8 * best, 8 + 4 * best
+local k, a = 4 + 8 * best, 9 + 4 * best
 if redis.call('EXISTS', KEYS[k + 5]) == 1 then return 'probing' end
 local provider, node, target = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
 local ttl = tonumber(ARGV[5])
@@ -253,7 +258,7 @@ redis.call('LPUSH', KEYS[k + 7], ARGV[1])
 redis.call('LTRIM', KEYS[k + 7], 0, 1023)
 add_event(KEYS[2], KEYS[3], ARGV[1], 'dispatched', cmsgpack.pack({provider = provider, node = node, target = target}))
 redis.call('EXPIRE', KEYS[3], ttl)
-return {'ok', wake_head(KEYS[1], ARGV[6]), provider}
+return {'ok', wake_head(KEYS[1], ARGV[6], ARGV[8]), provider}
 """
 
 # A worker starts a dispatched run: checks its lease (and a cancel request), marks it running
@@ -618,6 +623,15 @@ class Scripts:
     async def load(self) -> None:
         for src in ALL.values():
             await self.redis.script_load(src)
+
+    async def call_many(self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
+        """Several calls of one script in one round trip (a pipeline), made in order: each one's
+        answer, or the error it raised (`NoScriptError` when Redis had forgotten the script: then
+        `load` and call again what should be)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for run_keys, args in calls:
+            pipe.evalsha(SHAS[name], len(run_keys), *run_keys, *args)
+        return list(await pipe.execute(raise_on_error=False))
 
     async def call(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from common import keys
 from common.codec import pack
@@ -42,6 +42,8 @@ log = logging.getLogger("iop.scheduler")
 TICK_S = 1.0
 #: Times a dispatch is retried at once when a concurrent replica changed the snapshot.
 STALE_RETRIES = 16
+#: The most runs of one model sent to the `dispatch` script in one round trip (a pipeline).
+DISPATCH_BATCH = 16
 
 
 def _entry_key(entry_id: str) -> tuple[int, int]:
@@ -84,8 +86,6 @@ class Scheduler:
         self.kick = asyncio.Event()
         #: model id -> the entry of this replica's oldest run of it when another replica's was older
         self.behind: dict[str, str] = {}
-        #: who holds the model's next waiting run, as the last `dispatch` said
-        self.next_holder = ""
         #: models whose pending runs outnumbered this replica's at the last `adopt_forgotten`
         self._short: set[str] = set()
         self._targets = {m.id: {p: m.providers[p] for p in sorted(m.providers)} for m in config.models}
@@ -207,60 +207,78 @@ class Scheduler:
                         return  # it waits for a slot, and the runs behind it with it (FIFO)
                     await self._drop(model.id, queue.pop(0), RunState.FAILED, _no_other_provider(model.id, head))
                     continue
-                result, chosen = await self._dispatch(model, head, snaps)
-                metrics.DISPATCHES.labels(model.id, result).inc()
-                if result in ("ok", "gone"):
-                    if head in queue:  # compare by identity of entry: another task may have moved on
-                        queue.remove(head)
-                    stale = 0
-                    if result == "ok":
-                        snaps = [replace(s, in_flight=s.in_flight + 1) if s.provider_id == chosen else s for s in snaps]
-                        metrics.DISPATCH_LATENCY.labels(model.id).observe(max(0, now_ms() - head.sort_key[0]) / 1000)
-                        log.info("dispatched to %s", chosen, extra=run_fields(head.run_id, model.id))
-                        if queue and self.next_holder not in ("", self.consumer):
-                            self.behind[model.id] = queue[0].entry_id  # another replica goes next; it was woken
-                            return
-                elif result == "stale" and stale < STALE_RETRIES:
-                    stale += 1
-                    snaps = None  # no candidate had a free slot after all: read again
-                else:
+                # The head and the runs behind it that the snapshots say will find a slot too go in
+                # one round trip; the script makes sure each goes only once the ones before it went.
+                batch = _plan(queue, snaps, now, ttl)
+                for w, (result, chosen, next_holder) in zip(batch, await self._dispatch(model, batch, snaps),
+                                                            strict=True):
+                    if result == "noscript":  # Redis forgot the scripts (a restart): load them, plan again
+                        await self.scripts.load()
+                        break
+                    metrics.DISPATCHES.labels(model.id, result).inc()
+                    if result in ("ok", "gone"):
+                        if w in queue:  # compare by identity of entry: another task may have moved on
+                            queue.remove(w)
+                        stale = 0
+                        if result == "ok":
+                            snaps = [replace(s, in_flight=s.in_flight + 1) if s.provider_id == chosen else s
+                                     for s in snaps]
+                            metrics.DISPATCH_LATENCY.labels(model.id).observe(max(0, now_ms() - w.sort_key[0]) / 1000)
+                            log.info("dispatched to %s", chosen, extra=run_fields(w.run_id, model.id))
+                            if queue and next_holder not in ("", self.consumer):
+                                self.behind[model.id] = queue[0].entry_id  # another replica goes next; it was woken
+                                return
+                        continue
+                    if result == "stale" and stale < STALE_RETRIES:
+                        stale += 1
+                        snaps = None  # no candidate had a free slot after all: read again
+                        break  # (the runs after it in the batch stayed where they were: not_head)
                     # not_head: an older run of another replica goes first; we are woken once it left.
                     # probing: a probe that would disturb a run is out; its end signals us.
                     if result == "not_head":
-                        self.behind[model.id] = head.entry_id
+                        self.behind[model.id] = w.entry_id
                     return
         finally:
             if snaps is not None:
                 self._snaps[model.id] = (snaps, read_ms)
 
-    async def _dispatch(self, model: ModelConfig, head: Waiting,
-                        snaps: list[ProviderSnapshot]) -> tuple[str, str | None]:
-        """Reserve a slot for `head` on the provider the policy chooses on the live state (the
-        `dispatch` script applies it to the same candidates). Returns the outcome, and the
-        provider when it is `ok`."""
+    async def _dispatch(self, model: ModelConfig, batch: list[Waiting],
+                        snaps: list[ProviderSnapshot]) -> list[tuple[str, str | None, str]]:
+        """Reserve a slot for each run of `batch`, oldest first, in one round trip, each on the
+        provider the policy chooses on the live state (the `dispatch` script applies it to the
+        same candidates). Returns each one's outcome ('noscript': Redis had forgotten the
+        script), and when it is `ok` the provider and the replica holding the next run."""
         rt = self.config.runtime
         now = now_ms()
-        candidates = sorted(
-            ((s, c) for s in snaps
-             if (c := candidate_class(s, now, rt.heartbeat_ttl_ms, head.avoid, head.exclude)) is not None),
-            key=lambda sc: sc[0].provider_id)
-        nodes = {s.provider_id: self.config.node_of(s.provider_id) for s, _ in candidates}
-        result = await self.scripts.call(
-            "dispatch",
-            [keys.runs_stream(model.id), keys.run_record(head.run_id), keys.run_events(head.run_id),
-             *(k for s, _ in candidates for k in (
-                 keys.heartbeat(s.provider_id), keys.leases(s.provider_id), keys.capacity_override(s.provider_id),
-                 keys.drained(s.provider_id), keys.cordoned(nodes[s.provider_id]), keys.probing(s.provider_id),
-                 keys.node_queue(nodes[s.provider_id]), keys.node_wake(nodes[s.provider_id])))],
-            [head.run_id, head.entry_id, keys.SCHEDULER_GROUP, rt.lease_ttl_ms, rt.run_ttl_s,
-             keys.scheduler_channel(""), rt.heartbeat_ttl_ms,
-             *(a for s, c in candidates for a in (
-                 c, s.provider_id, nodes[s.provider_id], model.providers[s.provider_id]))],
-        )
-        if isinstance(result, list):  # ['ok', the replica holding the next run, the provider]
-            self.next_holder = result[1].decode()
-            return "ok", result[2].decode()
-        return (result.decode() if isinstance(result, bytes) else str(result)), None
+        calls = []
+        for w in batch:
+            candidates = sorted(
+                ((s, c) for s in snaps
+                 if (c := candidate_class(s, now, rt.heartbeat_ttl_ms, w.avoid, w.exclude)) is not None),
+                key=lambda sc: sc[0].provider_id)
+            nodes = {s.provider_id: self.config.node_of(s.provider_id) for s, _ in candidates}
+            calls.append((
+                [keys.runs_stream(model.id), keys.run_record(w.run_id), keys.run_events(w.run_id),
+                 *(k for s, _ in candidates for k in (
+                     keys.heartbeat(s.provider_id), keys.leases(s.provider_id), keys.capacity_override(s.provider_id),
+                     keys.drained(s.provider_id), keys.cordoned(nodes[s.provider_id]), keys.probing(s.provider_id),
+                     keys.node_queue(nodes[s.provider_id]), keys.node_wake(nodes[s.provider_id])))],
+                [w.run_id, w.entry_id, keys.SCHEDULER_GROUP, rt.lease_ttl_ms, rt.run_ttl_s,
+                 keys.scheduler_channel(""), rt.heartbeat_ttl_ms, self.consumer,
+                 *(a for s, c in candidates for a in (
+                     c, s.provider_id, nodes[s.provider_id], model.providers[s.provider_id]))],
+            ))
+        outcomes: list[tuple[str, str | None, str]] = []
+        for result in await self.scripts.call_many("dispatch", calls):
+            if isinstance(result, NoScriptError):
+                outcomes.append(("noscript", None, ""))
+            elif isinstance(result, Exception):
+                raise result
+            elif isinstance(result, list):  # ['ok', the replica holding the next run, the provider]
+                outcomes.append(("ok", result[2].decode(), result[1].decode()))
+            else:
+                outcomes.append((result.decode() if isinstance(result, bytes) else str(result), None, ""))
+        return outcomes
 
     async def _refuse_all(self, model: ModelConfig, snaps: list[ProviderSnapshot]) -> None:
         """Every provider of the model is down: its waiting runs fail now (503), not at their timeout."""
@@ -413,6 +431,20 @@ class Scheduler:
             log.warning("lease expired: %s", outcome, extra=run_fields(run_id, model_id))
             return 1
         return 0
+
+
+def _plan(queue: list[Waiting], snaps: list[ProviderSnapshot], now: int, ttl: int) -> list[Waiting]:
+    """The head of `queue` (the snapshots say it finds a slot) and the runs behind it that would
+    find one too, each counted on the provider the policy picks for it: at most
+    `DISPATCH_BATCH`."""
+    batch: list[Waiting] = []
+    for w in queue[:DISPATCH_BATCH]:
+        chosen = select_provider(snaps, now, ttl, w.avoid, w.exclude)
+        if chosen is None:
+            break
+        batch.append(w)
+        snaps = [replace(s, in_flight=s.in_flight + 1) if s is chosen else s for s in snaps]
+    return batch
 
 
 async def _forever(name: str, step: Any) -> None:

@@ -170,7 +170,7 @@ async def test_a_drain_written_after_the_snapshot_is_refused_by_the_dispatch_scr
     head = sched.waiting[MODEL][0]
     seen = select_provider(snaps, now_ms(), config.runtime.heartbeat_ttl_ms)
     assert seen is not None and seen.provider_id == "a"  # as the scheduler read it
-    assert await sched._dispatch(model, head, snaps) == ("ok", "b")  # the script saw the drain: b takes it
+    assert (await sched._dispatch(model, [head], snaps))[0][:2] == ("ok", "b")  # the script saw the drain: b takes it
     assert await leases(redis, config) == {"a": 0, "b": 1}
     assert await redis.hget(keys.run_record(run_id), "provider") == b"b"
 
@@ -182,7 +182,7 @@ async def test_a_cordon_written_after_the_snapshot_is_refused_by_the_dispatch_sc
     assert model is not None
     snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)
     await apply(redis, config, Change(Action.CORDON, "n-a", "ops"))
-    assert await sched._dispatch(model, sched.waiting[MODEL][0], snaps) == ("stale", None)
+    assert (await sched._dispatch(model, [sched.waiting[MODEL][0]], snaps))[0][:2] == ("stale", None)
     await sched.dispatch_all()  # a is the only provider: the run waits, it does not fail
     assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
     assert await leases(redis, config) == {"a": 0}
@@ -201,7 +201,7 @@ async def test_an_override_below_the_live_leases_is_refused_even_with_a_snapshot
     snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)
     assert snaps[0].effective_capacity == 4 and snaps[0].in_flight == 2
     await apply(redis, config, Change(Action.CAPACITY, "a", "ops", capacity=2))
-    assert await sched._dispatch(model, sched.waiting[MODEL][0], snaps) == ("stale", None)
+    assert (await sched._dispatch(model, [sched.waiting[MODEL][0]], snaps))[0][:2] == ("stale", None)
     await sched.dispatch_all()
     assert await leases(redis, config) == {"a": 2}  # held back, never over-filled
     assert await redis.hget(keys.run_record(run_id), "state") == b"queued"

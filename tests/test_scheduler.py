@@ -246,13 +246,55 @@ async def test_the_dispatch_script_picks_the_provider_on_the_live_counts_not_the
     snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)  # a 0/1, b 1/1
     await redis.zadd(keys.leases("a"), {"other": now_ms() + 60_000})  # another replica got there first
     await redis.zrem(keys.leases("b"), "elsewhere")  # and a run on b ended
-    assert await sched._dispatch(model, sched.waiting[MODEL][0], snaps) == ("ok", "b")  # one trip, no re-read
+    # one trip, no re-read
+    assert (await sched._dispatch(model, [sched.waiting[MODEL][0]], snaps))[0][:2] == ("ok", "b")
     record = await redis.hgetall(keys.run_record(run_ids[0]))
     assert (record[b"provider"], record[b"node"], record[b"target"]) == (b"b", b"n-b", b"b-name")
     assert await redis.zrange(keys.node_queue("n-b"), 0, -1) == [run_ids[0].encode()]
     sched.waiting[MODEL].pop(0)
-    assert await sched._dispatch(model, sched.waiting[MODEL][0], snaps) == ("stale", None)  # both full now
+    assert (await sched._dispatch(model, [sched.waiting[MODEL][0]], snaps))[0][:2] == ("stale", None)  # both full now
     assert await redis.hget(keys.run_record(run_ids[1]), "state") == b"queued"
+    await client.close()
+
+
+async def test_the_runs_that_fit_go_in_one_round_trip_oldest_first(redis: Redis,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    config = make_config({"a": 2, "b": 2})
+    client, sched, run_ids = await waiting_runs(redis, config, 6)
+    trips: list[int] = []
+    call_many = sched.scripts.call_many
+
+    async def counted(name: str, calls: Any) -> list[Any]:
+        trips.append(len(calls))
+        return await call_many(name, calls)
+
+    monkeypatch.setattr(sched.scripts, "call_many", counted)
+    await sched.dispatch_all()
+    assert trips == [4]  # the snapshots said four fit: one pipeline of four `dispatch` scripts
+    states = [await redis.hget(keys.run_record(r), "state") for r in run_ids]
+    assert states == [b"dispatched"] * 4 + [b"queued"] * 2
+    assert await leases(redis, config) == {"a": 2, "b": 2}
+    assert [w.run_id for w in sched.waiting[MODEL]] == run_ids[4:]
+    await client.close()
+
+
+async def test_in_a_batch_a_run_that_cannot_go_holds_back_the_runs_behind_it(redis: Redis) -> None:
+    """FIFO within one pipeline: each script checks that its run is the oldest waiting one."""
+    config = make_config({"a": 1, "b": 1})
+    client, sched, run_ids = await waiting_runs(redis, config, 2)
+    model = config.model(MODEL)
+    assert model is not None
+    snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)  # room for both
+    await redis.zadd(keys.leases("a"), {"other": now_ms() + 60_000})  # then both filled up elsewhere
+    await redis.zadd(keys.leases("b"), {"another": now_ms() + 60_000})
+    outcomes = await sched._dispatch(model, sched.waiting[MODEL][:2], snaps)
+    assert [o[0] for o in outcomes] == ["stale", "not_head"]
+    await redis.zrem(keys.leases("b"), "another")  # a slot for one: the second may not jump the first
+    outcomes = await sched._dispatch(model, sched.waiting[MODEL][1:], snaps)
+    assert [o[0] for o in outcomes] == ["not_head"]
+    assert [await redis.hget(keys.run_record(r), "state") for r in run_ids] == [b"queued", b"queued"]
+    await sched.dispatch_all()
+    assert [await redis.hget(keys.run_record(r), "state") for r in run_ids] == [b"dispatched", b"queued"]
     await client.close()
 
 
@@ -337,7 +379,7 @@ async def test_the_dispatch_script_chooses_exactly_what_the_policy_chooses_on_th
         was = {s.provider_id for s in snaps if candidate_class(s, now, ttl, head.avoid) is not None}
         live = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)
         expected = select_provider([s for s in live if s.provider_id in was], now_ms(), ttl, head.avoid)
-        outcome = await sched._dispatch(model, head, snaps)
+        outcome = (await sched._dispatch(model, [head], snaps))[0][:2]
         assert outcome == (("ok", expected.provider_id) if expected else ("stale", None)), (snaps, live, head.avoid)
         outcomes[outcome[0]] += 1
         if outcome[0] == "ok":
