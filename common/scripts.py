@@ -12,7 +12,7 @@ from hashlib import sha1
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from common import keys
 
@@ -628,6 +628,12 @@ class Scripts:
         """Several calls of one script in one round trip (a pipeline), made in order: each one's
         answer, or the error it raised (`NoScriptError` when Redis had forgotten the script: then
         `load` and call again what should be)."""
+        if len(calls) == 1:  # a pipeline costs more than a plain call
+            run_keys, args = calls[0]
+            try:
+                return [await self.redis.evalsha(SHAS[name], len(run_keys), *run_keys, *args)]
+            except ResponseError as exc:  # as a pipeline answers it (NoScriptError is one)
+                return [exc]
         pipe = self.redis.pipeline(transaction=False)
         for run_keys, args in calls:
             pipe.evalsha(SHAS[name], len(run_keys), *run_keys, *args)

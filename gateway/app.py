@@ -70,10 +70,11 @@ async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
         # Following before the run is queued: its every event comes through the gateway's inbox.
         async with runs.follow(run_id, fresh=True) as follower:
             _, limit_headers = await runs.submit(model, req, principal(request), run_id)
-            submitted = True
+            submitted, stream = True, req.stream
+            del req  # the body is in the run record now: a waiting caller keeps no parsed copy of it
             headers = {RUN_ID_HEADER: run_id, **limit_headers}
             async with asyncio.timeout(runs.follow_deadline_s(model.id)):
-                if req.stream:
+                if stream:
                     resp = await stream_response(request, follower, model.id, headers,
                                                  cfg.runtime.stream_keepalive_ms / 1000)
                 else:

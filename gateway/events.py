@@ -81,7 +81,10 @@ class Follower:
         """`fresh`: the run does not exist yet, so there is nothing to read first."""
         self.run_id = run_id
         self.last = _key(last_id)
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        #: events handed over and not yet taken, and the caller's wait for the next one (not an
+        #: asyncio.Queue: its four deques cost ~3 KB a waiting caller)
+        self.items: list[Event] = []
+        self.waiter: asyncio.Future[None] | None = None
         self.ended = False
         #: while its first read of the run's stream is out, what the listener brought meanwhile
         self.pending: list[Event] | None = None if fresh else []
@@ -89,13 +92,16 @@ class Follower:
 
     async def next(self, timeout: float | None = None) -> Event | None:
         """The next event, or None if none came within `timeout` seconds."""
-        if timeout is None:
-            return await self.queue.get()
-        try:
-            async with asyncio.timeout(timeout):
-                return await self.queue.get()
-        except TimeoutError:
-            return None
+        if not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self.waiter
+            except TimeoutError:
+                return None
+            finally:
+                self.waiter = None
+        return self.items.pop(0)
 
     def offer(self, event: Event) -> None:
         """An event from the inbox: held while the first read is out, else handed over if new."""
@@ -113,7 +119,9 @@ class Follower:
                 return  # had it already
             self.last = key
         self.heard_at = time.monotonic()
-        self.queue.put_nowait(event)
+        self.items.append(event)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
         if event.type in TERMINAL:
             self.ended = True
 

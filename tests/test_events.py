@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import event_fields, pack
 from common.scripts import Scripts
-from gateway.events import EventHub
+from gateway.events import Event, EventHub, Follower
 
 
 async def add(redis: Redis, run_id: str, gateway: str | None, etype: str, n: int) -> str:
@@ -126,3 +126,16 @@ async def test_a_completions_own_caller_follows_before_its_run_exists_and_reads_
         assert "cmdstat_xadd" in stats and "cmdstat_xrange" not in stats
     finally:
         await hub.close()
+
+
+async def test_a_follower_hands_events_over_in_order_and_its_wait_may_end_empty() -> None:
+    follower = Follower("run_x", "0", fresh=True)
+    assert await follower.next(timeout=0.01) is None  # nothing came: the caller sends a keep-alive
+    waiting = asyncio.create_task(follower.next())
+    await asyncio.sleep(0)  # it waits now
+    follower.give(Event("1-0", "delta", {"n": 1}))
+    follower.give(Event("1-0", "delta", {"n": 1}))  # had it already
+    follower.give(Event("2-0", "delta", {"n": 2}))
+    assert (await waiting) == Event("1-0", "delta", {"n": 1})
+    assert (await follower.next(timeout=0)) == Event("2-0", "delta", {"n": 2})
+    assert await follower.next(timeout=0) is None
