@@ -215,7 +215,6 @@ class Scheduler:
                     if result == "noscript":  # Redis forgot the scripts (a restart): load them, plan again
                         await self.scripts.load()
                         break
-                    metrics.DISPATCHES.labels(model.id, result).inc()
                     if result in ("ok", "gone"):
                         if w in queue:  # compare by identity of entry: another task may have moved on
                             queue.remove(w)
@@ -269,7 +268,7 @@ class Scheduler:
                      c, s.provider_id, nodes[s.provider_id], model.providers[s.provider_id]))],
             ))
         outcomes: list[tuple[str, str | None, str]] = []
-        for result in await self.scripts.call_many("dispatch", calls):
+        for result in await self.scripts.call_many("dispatch", calls):  # each counted, used or not
             if isinstance(result, NoScriptError):
                 outcomes.append(("noscript", None, ""))
             elif isinstance(result, Exception):
@@ -278,6 +277,7 @@ class Scheduler:
                 outcomes.append(("ok", result[2].decode(), result[1].decode()))
             else:
                 outcomes.append((result.decode() if isinstance(result, bytes) else str(result), None, ""))
+            metrics.DISPATCHES.labels(model.id, outcomes[-1][0]).inc()
         return outcomes
 
     async def _refuse_all(self, model: ModelConfig, snaps: list[ProviderSnapshot]) -> None:
