@@ -78,20 +78,47 @@ end
 
 # Wake the one scheduler replica that holds the oldest run waiting in a model's stream (it alone
 # may dispatch next: FIFO), on that replica's own channel (prefix + consumer name), with the
-# model id. Nobody holds a run not read yet: the replica that reads it wakes by itself. `me` (the
-# dispatching replica, optional) is not woken: it goes on with its next run anyway.
+# model id. Nobody holds a run not read yet: the replica that reads it wakes by itself.
 _WAKE = f"""
-local function wake_head(stream, channel_prefix, me)
+local function wake_head(stream, channel_prefix)
   local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
   if #head == 0 then return '' end
   local pending = redis.pcall('XPENDING', stream, '{keys.SCHEDULER_GROUP}', head[1][1], head[1][1], 1)
   if type(pending) == 'table' and pending.err == nil and #pending > 0 then
-    if pending[1][2] ~= me then
-      redis.call('PUBLISH', channel_prefix .. pending[1][2], string.sub(stream, {len(keys.runs_stream("")) + 1}))
-    end
+    redis.call('PUBLISH', channel_prefix .. pending[1][2], string.sub(stream, {len(keys.runs_stream("")) + 1}))
     return pending[1][2]
   end
   return ''
+end
+"""
+
+#: The most runs of one model a replica sends to the `dispatch` script in one round trip.
+DISPATCH_BATCH = 16
+
+# After a dispatch: wake the replica holding the model's oldest waiting run, unless it is the one
+# that dispatched (`me`: it goes on with its next run anyway), and tell that one how many runs
+# from the head on, in a row, are its own (at most DISPATCH_BATCH): those it may send in one
+# pipeline without one finding another replica's older run ahead of it.
+_NEXT = f"""
+local function next_holder(stream, channel_prefix, me)
+  local entries = redis.call('XRANGE', stream, '-', '+', 'COUNT', {DISPATCH_BATCH})
+  if #entries == 0 then return '', 0 end
+  local pending = redis.pcall('XPENDING', stream, '{keys.SCHEDULER_GROUP}', entries[1][1], entries[#entries][1],
+    {DISPATCH_BATCH})
+  if type(pending) ~= 'table' or pending.err ~= nil or #pending == 0 or pending[1][1] ~= entries[1][1] then
+    return '', 0
+  end
+  local holder = pending[1][2]
+  if holder ~= me then
+    redis.call('PUBLISH', channel_prefix .. holder, string.sub(stream, {len(keys.runs_stream("")) + 1}))
+    return holder, 0
+  end
+  local mine = 0
+  for i = 1, #entries do
+    if pending[i] == nil or pending[i][1] ~= entries[i][1] or pending[i][2] ~= me then break end
+    mine = mine + 1
+  end
+  return holder, mine
 end
 """
 
@@ -204,11 +231,12 @@ return {'ok', entry, left}
 # scheduler back.
 # The job on the node's queue is the run id alone (the run record carries the rest): the worker's
 # `take` script reads the record, not an arq job payload.
-# Once dispatched, the replica holding the next waiting run of the model is woken (`_WAKE`; not the
+# Once dispatched, the replica holding the next waiting run of the model is woken (`_NEXT`; not the
 # dispatching one), and the answer says which it is: {'ok', consumer ('' if none holds it yet),
-# provider id}. A replica may send several of these in one pipeline, oldest run first: each checks
-# that its run is the head, so one that cannot go holds back the ones behind it ('not_head').
-DISPATCH = _NOW + _EVENTS + _WAKE + """
+# provider id, how many runs from the head on are the dispatching replica's own}. A replica may send
+# that many in one pipeline, oldest first: each still checks that its run is the head, so one that
+# cannot go holds back the ones behind it ('not_head').
+DISPATCH = _NOW + _EVENTS + _NEXT + """
 local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #head == 0 then return 'gone' end
 if head[1][1] ~= ARGV[2] then
@@ -258,7 +286,8 @@ redis.call('LPUSH', KEYS[k + 7], ARGV[1])
 redis.call('LTRIM', KEYS[k + 7], 0, 1023)
 add_event(KEYS[2], KEYS[3], ARGV[1], 'dispatched', cmsgpack.pack({provider = provider, node = node, target = target}))
 redis.call('EXPIRE', KEYS[3], ttl)
-return {'ok', wake_head(KEYS[1], ARGV[6], ARGV[8]), provider}
+local holder, mine = next_holder(KEYS[1], ARGV[6], ARGV[8])
+return {'ok', holder, provider, mine}
 """
 
 # A worker starts a dispatched run: checks its lease (and a cancel request), marks it running

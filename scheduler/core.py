@@ -20,7 +20,7 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
@@ -31,7 +31,7 @@ from common.config import Config, ModelConfig
 from common.policy import ProviderSnapshot, all_refused, candidate_class, select_provider
 from common.redisconn import REDIS_DOWN, Backoff, now_ms
 from common.runlog import run_fields
-from common.scripts import Scripts
+from common.scripts import DISPATCH_BATCH, Scripts
 from common.wire import ErrorCode, ErrorInfo, RunState, cancelled_by_caller
 from scheduler import metrics
 from scheduler.snapshots import read_snapshots
@@ -42,13 +42,20 @@ log = logging.getLogger("iop.scheduler")
 TICK_S = 1.0
 #: Times a dispatch is retried at once when a concurrent replica changed the snapshot.
 STALE_RETRIES = 16
-#: The most runs of one model sent to the `dispatch` script in one round trip (a pipeline).
-DISPATCH_BATCH = 16
 
 
 def _entry_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+class Outcome(NamedTuple):
+    """What the `dispatch` script said of one run."""
+
+    result: str  # ok, stale, not_head, gone, probing (or noscript: Redis had lost the script)
+    provider: str | None = None  # when ok: the provider it went to ...
+    holder: str = ""  # ... the replica holding the model's next waiting run ('' if none) ...
+    mine: int = 0  # ... and how many runs from the head on are this replica's, in a row
 
 
 @dataclass(order=True, slots=True)
@@ -184,6 +191,8 @@ class Scheduler:
         queue = self.waiting[model.id]
         ttl = self.config.runtime.heartbeat_ttl_ms
         stale = 0
+        #: how many runs from the head on are this replica's, in a row (1 until a dispatch says)
+        ahead = 1
         snaps, read_ms = self._snaps.pop(model.id, (None, 0))
         try:
             while queue:
@@ -209,9 +218,10 @@ class Scheduler:
                     continue
                 # The head and the runs behind it that the snapshots say will find a slot too go in
                 # one round trip; the script makes sure each goes only once the ones before it went.
-                batch = _plan(queue, snaps, now, ttl)
-                for w, (result, chosen, next_holder) in zip(batch, await self._dispatch(model, batch, snaps),
-                                                            strict=True):
+                batch = _plan(queue, snaps, now, ttl, ahead)
+                ahead = 1  # unless the last `ok` below says more runs in a row are this replica's
+                for w, (result, chosen, next_holder, mine) in zip(batch, await self._dispatch(model, batch, snaps),
+                                                                  strict=True):
                     if result == "noscript":  # Redis forgot the scripts (a restart): load them, plan again
                         await self.scripts.load()
                         break
@@ -224,6 +234,7 @@ class Scheduler:
                                      for s in snaps]
                             metrics.DISPATCH_LATENCY.labels(model.id).observe(max(0, now_ms() - w.sort_key[0]) / 1000)
                             log.info("dispatched to %s", chosen, extra=run_fields(w.run_id, model.id))
+                            ahead = max(1, mine)
                             if queue and next_holder not in ("", self.consumer):
                                 self.behind[model.id] = queue[0].entry_id  # another replica goes next; it was woken
                                 return
@@ -242,7 +253,7 @@ class Scheduler:
                 self._snaps[model.id] = (snaps, read_ms)
 
     async def _dispatch(self, model: ModelConfig, batch: list[Waiting],
-                        snaps: list[ProviderSnapshot]) -> list[tuple[str, str | None, str]]:
+                        snaps: list[ProviderSnapshot]) -> list[Outcome]:
         """Reserve a slot for each run of `batch`, oldest first, in one round trip, each on the
         provider the policy chooses on the live state (the `dispatch` script applies it to the
         same candidates). Returns each one's outcome ('noscript': Redis had forgotten the
@@ -267,16 +278,16 @@ class Scheduler:
                  *(a for s, c in candidates for a in (
                      c, s.provider_id, nodes[s.provider_id], model.providers[s.provider_id]))],
             ))
-        outcomes: list[tuple[str, str | None, str]] = []
+        outcomes: list[Outcome] = []
         for result in await self.scripts.call_many("dispatch", calls):  # each counted, used or not
             if isinstance(result, NoScriptError):
-                outcomes.append(("noscript", None, ""))
+                outcomes.append(Outcome("noscript"))
             elif isinstance(result, Exception):
                 raise result
-            elif isinstance(result, list):  # ['ok', the replica holding the next run, the provider]
-                outcomes.append(("ok", result[2].decode(), result[1].decode()))
+            elif isinstance(result, list):  # ['ok', the next run's holder, the provider, runs ahead mine]
+                outcomes.append(Outcome("ok", result[2].decode(), result[1].decode(), int(result[3])))
             else:
-                outcomes.append((result.decode() if isinstance(result, bytes) else str(result), None, ""))
+                outcomes.append(Outcome(result.decode() if isinstance(result, bytes) else str(result)))
             metrics.DISPATCHES.labels(model.id, outcomes[-1][0]).inc()
         return outcomes
 
@@ -433,12 +444,12 @@ class Scheduler:
         return 0
 
 
-def _plan(queue: list[Waiting], snaps: list[ProviderSnapshot], now: int, ttl: int) -> list[Waiting]:
+def _plan(queue: list[Waiting], snaps: list[ProviderSnapshot], now: int, ttl: int, ahead: int) -> list[Waiting]:
     """The head of `queue` (the snapshots say it finds a slot) and the runs behind it that would
-    find one too, each counted on the provider the policy picks for it: at most
-    `DISPATCH_BATCH`."""
+    find one too, each counted on the provider the policy picks for it: at most `ahead` (the
+    runs known to be next in the stream) and `DISPATCH_BATCH`."""
     batch: list[Waiting] = []
-    for w in queue[:DISPATCH_BATCH]:
+    for w in queue[:min(ahead, DISPATCH_BATCH)]:
         chosen = select_provider(snaps, now, ttl, w.avoid, w.exclude)
         if chosen is None:
             break

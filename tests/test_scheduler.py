@@ -257,10 +257,8 @@ async def test_the_dispatch_script_picks_the_provider_on_the_live_counts_not_the
     await client.close()
 
 
-async def test_the_runs_that_fit_go_in_one_round_trip_oldest_first(redis: Redis,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    config = make_config({"a": 2, "b": 2})
-    client, sched, run_ids = await waiting_runs(redis, config, 6)
+def count_trips(sched: Scheduler, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The `dispatch` scripts of each round trip the replica makes, as they happen."""
     trips: list[int] = []
     call_many = sched.scripts.call_many
 
@@ -269,8 +267,46 @@ async def test_the_runs_that_fit_go_in_one_round_trip_oldest_first(redis: Redis,
         return await call_many(name, calls)
 
     monkeypatch.setattr(sched.scripts, "call_many", counted)
+    return trips
+
+
+async def test_a_replica_batches_only_runs_next_in_a_row_that_it_holds(redis: Redis,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several replicas their runs interleave in the stream: a replica's batch holds only the
+    runs the script said are next and its own, so none of them finds another's older run ahead."""
+    config = make_config({"a": 8})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    run_ids = await submit(client, 6)
+    a, b = Scheduler(redis, config), Scheduler(redis, config)
+    await a.ensure_groups()
+    for replica in (a, a, b, a, a, a):  # a reads runs 0 and 1, b run 2, a runs 3, 4 and 5
+        assert await replica.read_new(block_ms=10, count=1) == 1
+    trips_a, trips_b = count_trips(a, monkeypatch), count_trips(b, monkeypatch)
+
+    async def states() -> list[str]:
+        return [(await redis.hget(keys.run_record(r), "state") or b"").decode() for r in run_ids]
+
+    await a.dispatch_all()  # run 0 alone; the script said run 1 is next and a's; then b's run 2 is the head
+    assert trips_a == [1, 1] and await states() == ["dispatched"] * 2 + ["queued"] * 4
+    await b.dispatch_all()
+    assert trips_b == [1] and await states() == ["dispatched"] * 3 + ["queued"] * 3
+    a.on_signal(MODEL.encode())  # b's dispatch woke a: its run 3 is the head now
+    await a.dispatch_all()  # run 3 alone, then runs 4 and 5 together
+    assert trips_a == [1, 1, 1, 2] and await states() == ["dispatched"] * 6
+    assert sum(trips_a + trips_b) == 6  # not one script wasted
+    await client.close()
+
+
+async def test_the_runs_that_fit_go_in_one_round_trip_oldest_first(redis: Redis,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    config = make_config({"a": 2, "b": 2})
+    client, sched, run_ids = await waiting_runs(redis, config, 6)
+    trips = count_trips(sched, monkeypatch)
     await sched.dispatch_all()
-    assert trips == [4]  # the snapshots said four fit: one pipeline of four `dispatch` scripts
+    # The first goes alone; its script says the next five in the stream are this replica's, and the
+    # snapshots say three of them fit: one pipeline of three `dispatch` scripts.
+    assert trips == [1, 3]
     states = [await redis.hget(keys.run_record(r), "state") for r in run_ids]
     assert states == [b"dispatched"] * 4 + [b"queued"] * 2
     assert await leases(redis, config) == {"a": 2, "b": 2}
