@@ -24,8 +24,12 @@ def with_model(obj: Any, model_id: str) -> Any:
     return obj
 
 
+#: One encoder for every chunk (`json.dumps` with options makes a new one per call).
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
 def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _COMPACT.encode(obj).encode() + b"\n\n"
 
 
 async def whole_response(follower: Follower, model_id: str, headers: dict[str, str]) -> web.Response:
