@@ -14,6 +14,7 @@ from common import keys
 from common.auth import ANYONE, Principal
 from common.codec import pack
 from common.config import Config, ModelConfig
+from common.script_batch import ScriptBatch
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunState
 from gateway.errors import ApiError
@@ -43,6 +44,9 @@ class RunClient:
         self.redis = redis
         self.config = config
         self.scripts = Scripts(redis)
+        #: the runs queued in one turn of the event loop go to Redis together (a burst of callers
+        #: takes a few connections and round trips, not one each)
+        self.enqueue = ScriptBatch(self.scripts, "enqueue")
         self.hub = hub or EventHub(redis)
 
     async def close(self) -> None:
@@ -56,8 +60,7 @@ class RunClient:
         run_id = run_id or new_run_id()
         policy = self.config.queue_for(model)
         heartbeats = [keys.heartbeat(p) for p in sorted(model.providers)]
-        result = await self.scripts.call(
-            "enqueue",
+        result = await self.enqueue.call(
             [keys.runs_stream(model.id), keys.run_record(run_id), keys.key_in_flight(who.name),
              keys.key_requests(who.name), *heartbeats],
             [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,

@@ -1,0 +1,75 @@
+"""Calls of one script from many tasks, sent together.
+
+Every call made in the same turn of the event loop goes to Redis in one pipeline (up to
+`max_batch` a pipeline), so a burst of callers takes a few Redis connections and round trips,
+not one each. A single call goes as a plain EVALSHA. Each caller gets its own answer, or the
+error of its own call, or, when the round trip itself failed (Redis away), that error: no caller
+is left waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from common.scripts import Scripts
+
+Call = tuple[Sequence[str], Sequence[Any], "asyncio.Future[Any]"]
+
+
+class ScriptBatch:
+    def __init__(self, scripts: Scripts, name: str, max_batch: int = 256) -> None:
+        self.scripts = scripts
+        self.name = name
+        self.max_batch = max_batch
+        self._pending: list[Call] = []
+        self._sending: set[asyncio.Task[None]] = set()
+
+    async def call(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._pending.append((keys, args, future))
+        if len(self._pending) == 1:
+            loop.call_soon(self._flush)  # after the other calls of this turn joined
+        return await future
+
+    def _flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch: list[Call]) -> None:
+        try:
+            answers = await self._answers(batch)
+        except BaseException as exc:  # the round trip failed: every caller of the batch hears it
+            for _, _, future in batch:
+                if not future.done():
+                    if isinstance(exc, asyncio.CancelledError):
+                        future.cancel()
+                    else:
+                        future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (_, _, future), answer in zip(batch, answers, strict=True):
+            if future.done():  # its caller left
+                continue
+            if isinstance(answer, Exception):
+                future.set_exception(answer)
+            else:
+                future.set_result(answer)
+
+    async def _answers(self, batch: list[Call]) -> list[Any]:
+        answers = await self.scripts.call_many(self.name, [(keys, args) for keys, args, _ in batch])
+        missing = [i for i, answer in enumerate(answers) if isinstance(answer, NoScriptError)]
+        if missing:  # Redis forgot the scripts (a restart): those calls did nothing; load and call them
+            await self.scripts.load()
+            again = await self.scripts.call_many(self.name, [(batch[i][0], batch[i][1]) for i in missing])
+            for i, answer in zip(missing, again, strict=True):
+                answers[i] = answer
+        return answers

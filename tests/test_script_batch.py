@@ -1,0 +1,95 @@
+"""Calls of one script from many tasks go to a real Redis together, and every caller gets its own
+answer or error, never a wait without end."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from common import keys
+from common.script_batch import ScriptBatch
+from common.scripts import Scripts
+
+
+def counting(scripts: Scripts) -> list[int]:
+    """The calls of each round trip `scripts` makes, as they happen."""
+    trips: list[int] = []
+    call_many = scripts.call_many
+
+    async def counted(name: str, calls: Any) -> list[Any]:
+        trips.append(len(calls))
+        return await call_many(name, calls)
+
+    scripts.call_many = counted  # type: ignore[method-assign]
+    return trips
+
+
+async def watch(batch: ScriptBatch, run_id: str) -> Any:
+    """The `watch` script: 1 if the run's record exists (and now has watcher gw), else 0."""
+    return await batch.call([keys.run_record(run_id)], ["gw"])
+
+
+async def test_the_calls_of_one_turn_go_in_one_round_trip_each_with_its_own_answer(redis: Redis) -> None:
+    scripts = Scripts(redis)
+    await scripts.load()
+    trips = counting(scripts)
+    batch = ScriptBatch(scripts, "watch", max_batch=50)
+    for i in range(0, 120, 2):
+        await redis.hset(keys.run_record(f"run_{i}"), "state", "queued")
+    answers = await asyncio.gather(*(watch(batch, f"run_{i}") for i in range(120)))
+    assert answers == [1 - i % 2 for i in range(120)]  # each its own: the even runs exist
+    assert trips == [50, 50, 20]
+    assert await redis.hget(keys.run_record("run_4"), "watchers") == b"gw"
+    assert await watch(batch, "run_0") == 1  # alone later: a round trip of one
+    assert trips[-1] == 1
+
+
+async def test_scripts_redis_forgot_are_loaded_and_called(redis: Redis) -> None:
+    scripts = Scripts(redis)
+    batch = ScriptBatch(scripts, "watch")
+    await redis.hset(keys.run_record("run_a"), "state", "queued")
+    await redis.script_flush()
+    trips = counting(scripts)
+    assert list(await asyncio.gather(watch(batch, "run_a"), watch(batch, "run_b"))) == [1, 0]
+    assert trips == [2, 2]  # both found it missing, then both were called again
+    await redis.script_flush()
+    assert await watch(batch, "run_a") == 1
+
+
+async def test_a_call_that_fails_fails_alone(redis: Redis) -> None:
+    batch = ScriptBatch(Scripts(redis), "watch")
+    await redis.set(keys.run_record("run_s"), "a string, not a hash")
+    await redis.hset(keys.run_record("run_h"), "state", "queued")
+    answers: list[Any] = list(await asyncio.gather(watch(batch, "run_s"), watch(batch, "run_h"),
+                                                   return_exceptions=True))
+    wrong, right = answers
+    assert isinstance(wrong, ResponseError) and "WRONGTYPE" in str(wrong)
+    assert right == 1
+
+
+async def test_when_redis_is_away_every_caller_hears_it() -> None:
+    redis = Redis.from_url("redis://127.0.0.1:1")  # nothing listens there
+    batch = ScriptBatch(Scripts(redis), "watch")
+    try:
+        answers = await asyncio.wait_for(
+            asyncio.gather(*(watch(batch, f"run_{i}") for i in range(5)), return_exceptions=True), 10)
+        assert all(isinstance(a, RedisConnectionError) for a in answers), answers
+    finally:
+        await redis.aclose()
+
+
+async def test_a_caller_that_leaves_does_not_hold_up_the_others(redis: Redis) -> None:
+    batch = ScriptBatch(Scripts(redis), "watch")
+    await redis.hset(keys.run_record("run_k"), "state", "queued")
+    leaving = asyncio.create_task(watch(batch, "run_k"))
+    staying = asyncio.create_task(watch(batch, "run_k"))
+    await asyncio.sleep(0)  # both have joined the batch
+    leaving.cancel()
+    assert await asyncio.wait_for(staying, 10) == 1
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
