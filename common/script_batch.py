@@ -1,10 +1,10 @@
 """Calls of one script from many tasks, sent together.
 
 Every call made in the same turn of the event loop goes to Redis in one pipeline (up to
-`max_batch` a pipeline), so a burst of callers takes a few Redis connections and round trips,
-not one each. A single call goes as a plain EVALSHA. Each caller gets its own answer, or the
-error of its own call, or, when the round trip itself failed (Redis away), that error: no caller
-is left waiting.
+`max_batch` a pipeline, `Scripts.call_many`), so a burst of callers takes a few Redis
+connections and round trips, not one each. Each caller gets its own answer, or the error of its
+own call, or, when the round trip itself failed (Redis away), that error: no caller is left
+waiting.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from typing import Any
-
-from redis.exceptions import NoScriptError
 
 from common.scripts import Scripts
 
@@ -45,7 +43,7 @@ class ScriptBatch:
 
     async def _send(self, batch: list[Call]) -> None:
         try:
-            answers = await self._answers(batch)
+            answers = await self.scripts.call_many(self.name, [(keys, args) for keys, args, _ in batch])
         except BaseException as exc:  # the round trip failed: every caller of the batch hears it
             for _, _, future in batch:
                 if not future.done():
@@ -63,13 +61,3 @@ class ScriptBatch:
                 future.set_exception(answer)
             else:
                 future.set_result(answer)
-
-    async def _answers(self, batch: list[Call]) -> list[Any]:
-        answers = await self.scripts.call_many(self.name, [(keys, args) for keys, args, _ in batch])
-        missing = [i for i, answer in enumerate(answers) if isinstance(answer, NoScriptError)]
-        if missing:  # Redis forgot the scripts (a restart): those calls did nothing; load and call them
-            await self.scripts.load()
-            again = await self.scripts.call_many(self.name, [(batch[i][0], batch[i][1]) for i in missing])
-            for i, answer in zip(missing, again, strict=True):
-                answers[i] = answer
-        return answers

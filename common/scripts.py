@@ -76,35 +76,22 @@ local function ended(record, run_id, state, prompt, completion)
 end
 """
 
-# Wake the one scheduler replica that holds the oldest run waiting in a model's stream (it alone
-# may dispatch next: FIFO), on that replica's own channel (prefix + consumer name), with the
-# model id. Nobody holds a run not read yet: the replica that reads it wakes by itself.
-_WAKE = f"""
-local function wake_head(stream, channel_prefix)
-  local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
-  if #head == 0 then return '' end
-  local pending = redis.pcall('XPENDING', stream, '{keys.SCHEDULER_GROUP}', head[1][1], head[1][1], 1)
-  if type(pending) == 'table' and pending.err == nil and #pending > 0 then
-    redis.call('PUBLISH', channel_prefix .. pending[1][2], string.sub(stream, {len(keys.runs_stream("")) + 1}))
-    return pending[1][2]
-  end
-  return ''
-end
-"""
-
 #: The most runs of one model a replica sends to the `dispatch` script in one round trip.
 DISPATCH_BATCH = 16
 
-# After a dispatch: wake the replica holding the model's oldest waiting run, unless it is the one
-# that dispatched (`me`: it goes on with its next run anyway), and tell that one how many runs
-# from the head on, in a row, are its own (at most DISPATCH_BATCH): those it may send in one
-# pipeline without one finding another replica's older run ahead of it.
-_NEXT = f"""
-local function next_holder(stream, channel_prefix, me)
-  local entries = redis.call('XRANGE', stream, '-', '+', 'COUNT', {DISPATCH_BATCH})
+# Wake the one scheduler replica that holds the oldest run waiting in a model's stream (it alone
+# may dispatch next: FIFO), on that replica's own channel (prefix + consumer name), with the
+# model id. Nobody holds a run not read yet: the replica that reads it wakes by itself. Returns
+# that replica ('' if none). `me` and `n` (the `dispatch` script's): the replica that just
+# dispatched is not woken (it goes on with its next run anyway); it is told how many runs from the
+# head on, in a row and at most `n`, are its own: those it may send in one pipeline without one
+# finding another replica's older run ahead of it.
+_WAKE = f"""
+local function wake_head(stream, channel_prefix, me, n)
+  n = n or 1
+  local entries = redis.call('XRANGE', stream, '-', '+', 'COUNT', n)
   if #entries == 0 then return '', 0 end
-  local pending = redis.pcall('XPENDING', stream, '{keys.SCHEDULER_GROUP}', entries[1][1], entries[#entries][1],
-    {DISPATCH_BATCH})
+  local pending = redis.pcall('XPENDING', stream, '{keys.SCHEDULER_GROUP}', entries[1][1], entries[#entries][1], n)
   if type(pending) ~= 'table' or pending.err ~= nil or #pending == 0 or pending[1][1] ~= entries[1][1] then
     return '', 0
   end
@@ -231,12 +218,12 @@ return {'ok', entry, left}
 # scheduler back.
 # The job on the node's queue is the run id alone (the run record carries the rest): the worker's
 # `take` script reads the record, not an arq job payload.
-# Once dispatched, the replica holding the next waiting run of the model is woken (`_NEXT`; not the
+# Once dispatched, the replica holding the next waiting run of the model is woken (`_WAKE`; not the
 # dispatching one), and the answer says which it is: {'ok', consumer ('' if none holds it yet),
 # provider id, how many runs from the head on are the dispatching replica's own}. A replica may send
 # that many in one pipeline, oldest first: each still checks that its run is the head, so one that
 # cannot go holds back the ones behind it ('not_head').
-DISPATCH = _NOW + _EVENTS + _NEXT + """
+DISPATCH = _NOW + _EVENTS + _WAKE + """
 local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #head == 0 then return 'gone' end
 if head[1][1] ~= ARGV[2] then
@@ -286,8 +273,9 @@ redis.call('LPUSH', KEYS[k + 7], ARGV[1])
 redis.call('LTRIM', KEYS[k + 7], 0, 1023)
 add_event(KEYS[2], KEYS[3], ARGV[1], 'dispatched', cmsgpack.pack({provider = provider, node = node, target = target}))
 redis.call('EXPIRE', KEYS[3], ttl)
-local holder, mine = next_holder(KEYS[1], ARGV[6], ARGV[8])
-return {'ok', holder, provider, mine}
+""" + f"""
+local holder, mine = wake_head(KEYS[1], ARGV[6], ARGV[8], {DISPATCH_BATCH})
+return {{'ok', holder, provider, mine}}
 """
 
 # A worker starts a dispatched run: checks its lease (and a cancel request), marks it running
@@ -655,8 +643,18 @@ class Scripts:
 
     async def call_many(self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
         """Several calls of one script in one round trip (a pipeline), made in order: each one's
-        answer, or the error it raised (`NoScriptError` when Redis had forgotten the script: then
-        `load` and call again what should be)."""
+        answer, or the error it raised. The calls that found the script missing (Redis forgot it:
+        a restart) did nothing: it is loaded and they are made again, in order."""
+        answers = await self._send_many(name, calls)
+        missing = [i for i, answer in enumerate(answers) if isinstance(answer, NoScriptError)]
+        if missing:
+            await self.load()
+            again = await self._send_many(name, [calls[i] for i in missing])
+            for i, answer in zip(missing, again, strict=True):
+                answers[i] = answer
+        return answers
+
+    async def _send_many(self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
         if len(calls) == 1:  # a pipeline costs more than a plain call
             run_keys, args = calls[0]
             try:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from common import keys
 from common.codec import pack
@@ -52,7 +52,7 @@ def _entry_key(entry_id: str) -> tuple[int, int]:
 class Outcome(NamedTuple):
     """What the `dispatch` script said of one run."""
 
-    result: str  # ok, stale, not_head, gone, probing (or noscript: Redis had lost the script)
+    result: str  # ok, stale, not_head, gone, probing
     provider: str | None = None  # when ok: the provider it went to ...
     holder: str = ""  # ... the replica holding the model's next waiting run ('' if none) ...
     mine: int = 0  # ... and how many runs from the head on are this replica's, in a row
@@ -222,16 +222,12 @@ class Scheduler:
                 ahead = 1  # unless the last `ok` below says more runs in a row are this replica's
                 for w, (result, chosen, next_holder, mine) in zip(batch, await self._dispatch(model, batch, snaps),
                                                                   strict=True):
-                    if result == "noscript":  # Redis forgot the scripts (a restart): load them, plan again
-                        await self.scripts.load()
-                        break
                     if result in ("ok", "gone"):
                         if w in queue:  # compare by identity of entry: another task may have moved on
                             queue.remove(w)
                         stale = 0
                         if result == "ok":
-                            snaps = [replace(s, in_flight=s.in_flight + 1) if s.provider_id == chosen else s
-                                     for s in snaps]
+                            snaps = _one_more(snaps, chosen)
                             metrics.DISPATCH_LATENCY.labels(model.id).observe(max(0, now_ms() - w.sort_key[0]) / 1000)
                             log.info("dispatched to %s", chosen, extra=run_fields(w.run_id, model.id))
                             ahead = max(1, mine)
@@ -256,8 +252,8 @@ class Scheduler:
                         snaps: list[ProviderSnapshot]) -> list[Outcome]:
         """Reserve a slot for each run of `batch`, oldest first, in one round trip, each on the
         provider the policy chooses on the live state (the `dispatch` script applies it to the
-        same candidates). Returns each one's outcome ('noscript': Redis had forgotten the
-        script), and when it is `ok` the provider and the replica holding the next run."""
+        same candidates). Returns each one's outcome, and when it is `ok` the provider and the
+        replica holding the next run."""
         rt = self.config.runtime
         now = now_ms()
         calls = []
@@ -280,15 +276,13 @@ class Scheduler:
             ))
         outcomes: list[Outcome] = []
         for result in await self.scripts.call_many("dispatch", calls):  # each counted, used or not
-            if isinstance(result, NoScriptError):
-                outcomes.append(Outcome("noscript"))
-            elif isinstance(result, Exception):
+            if isinstance(result, Exception):
                 raise result
             elif isinstance(result, list):  # ['ok', the next run's holder, the provider, runs ahead mine]
                 outcomes.append(Outcome("ok", result[2].decode(), result[1].decode(), int(result[3])))
             else:
                 outcomes.append(Outcome(result.decode() if isinstance(result, bytes) else str(result)))
-            metrics.DISPATCHES.labels(model.id, outcomes[-1][0]).inc()
+            metrics.DISPATCHES.labels(model.id, outcomes[-1].result).inc()
         return outcomes
 
     async def _refuse_all(self, model: ModelConfig, snaps: list[ProviderSnapshot]) -> None:
@@ -454,8 +448,13 @@ def _plan(queue: list[Waiting], snaps: list[ProviderSnapshot], now: int, ttl: in
         if chosen is None:
             break
         batch.append(w)
-        snaps = [replace(s, in_flight=s.in_flight + 1) if s is chosen else s for s in snaps]
+        snaps = _one_more(snaps, chosen.provider_id)
     return batch
+
+
+def _one_more(snaps: list[ProviderSnapshot], provider_id: str | None) -> list[ProviderSnapshot]:
+    """The snapshots after a run went to `provider_id`: it holds one more."""
+    return [replace(s, in_flight=s.in_flight + 1) if s.provider_id == provider_id else s for s in snaps]
 
 
 async def _forever(name: str, step: Any) -> None:

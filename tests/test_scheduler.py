@@ -22,6 +22,7 @@ from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
 from scheduler.core import Scheduler, Waiting
 from scheduler.snapshots import read_snapshots
+from tests.test_script_batch import counting
 
 MODEL = "m:1"
 
@@ -257,21 +258,7 @@ async def test_the_dispatch_script_picks_the_provider_on_the_live_counts_not_the
     await client.close()
 
 
-def count_trips(sched: Scheduler, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The `dispatch` scripts of each round trip the replica makes, as they happen."""
-    trips: list[int] = []
-    call_many = sched.scripts.call_many
-
-    async def counted(name: str, calls: Any) -> list[Any]:
-        trips.append(len(calls))
-        return await call_many(name, calls)
-
-    monkeypatch.setattr(sched.scripts, "call_many", counted)
-    return trips
-
-
-async def test_a_replica_batches_only_runs_next_in_a_row_that_it_holds(redis: Redis,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_replica_batches_only_runs_next_in_a_row_that_it_holds(redis: Redis) -> None:
     """With several replicas their runs interleave in the stream: a replica's batch holds only the
     runs the script said are next and its own, so none of them finds another's older run ahead."""
     config = make_config({"a": 8})
@@ -282,7 +269,7 @@ async def test_a_replica_batches_only_runs_next_in_a_row_that_it_holds(redis: Re
     await a.ensure_groups()
     for replica in (a, a, b, a, a, a):  # a reads runs 0 and 1, b run 2, a runs 3, 4 and 5
         assert await replica.read_new(block_ms=10, count=1) == 1
-    trips_a, trips_b = count_trips(a, monkeypatch), count_trips(b, monkeypatch)
+    trips_a, trips_b = counting(a.scripts), counting(b.scripts)
 
     async def states() -> list[str]:
         return [(await redis.hget(keys.run_record(r), "state") or b"").decode() for r in run_ids]
@@ -298,11 +285,10 @@ async def test_a_replica_batches_only_runs_next_in_a_row_that_it_holds(redis: Re
     await client.close()
 
 
-async def test_the_runs_that_fit_go_in_one_round_trip_oldest_first(redis: Redis,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_runs_that_fit_go_in_one_round_trip_oldest_first(redis: Redis) -> None:
     config = make_config({"a": 2, "b": 2})
     client, sched, run_ids = await waiting_runs(redis, config, 6)
-    trips = count_trips(sched, monkeypatch)
+    trips = counting(sched.scripts)
     await sched.dispatch_all()
     # The first goes alone; its script says the next five in the stream are this replica's, and the
     # snapshots say three of them fit: one pipeline of three `dispatch` scripts.
