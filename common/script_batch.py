@@ -10,7 +10,7 @@ waiting.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from common.scripts import Scripts
@@ -26,13 +26,22 @@ class ScriptBatch:
         self._pending: list[Call] = []
         self._sending: set[asyncio.Task[None]] = set()
 
-    async def call(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def call(self, keys: Sequence[str], args: Sequence[Any],
+                   if_left: Callable[[Any], None] | None = None) -> Any:
+        """The call's answer. A caller that leaves (is cancelled) while it waits does not take
+        the call back: it is made, or was, and its answer goes to `if_left` (when it is not an
+        error), which may undo what the call did."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((keys, args, future))
         if len(self._pending) == 1:
             loop.call_soon(self._flush)  # after the other calls of this turn joined
-        return await future
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if if_left is not None:
+                future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else if_left(f.result()))
+            raise
 
     def _flush(self) -> None:
         while self._pending:
@@ -55,8 +64,6 @@ class ScriptBatch:
                 raise
             return
         for (_, _, future), answer in zip(batch, answers, strict=True):
-            if future.done():  # its caller left
-                continue
             if isinstance(answer, Exception):
                 future.set_exception(answer)
             else:

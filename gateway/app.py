@@ -14,7 +14,6 @@ from aiohttp import web
 from common.auth import KeyRing
 from common.config import Config, ModelConfig
 from common.redisconn import REDIS_DOWN
-from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind
 from gateway import admin, catalog, metrics, runs_api, usage_api
 from gateway.auth import KEYRING, auth_middleware, principal
@@ -91,15 +90,9 @@ async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
         raise
     finally:
         if submitted and not finished:
-            # The caller left (or the gateway gave up): the run must not go on without it.
-            await asyncio.shield(_cancel_quietly(runs, run_id, model.id))
-
-
-async def _cancel_quietly(runs: RunClient, run_id: str, model_id: str) -> None:
-    try:
-        await runs.cancel(run_id, model_id, "the caller went away")
-    except REDIS_DOWN as exc:
-        log.warning("could not cancel: %s", exc, extra=run_fields(run_id, model_id))
+            # The caller left (or the gateway gave up): the run must not go on without it. (One that
+            # left while its run was being queued: `submit` takes the run back once it is queued.)
+            await asyncio.shield(runs.leave(run_id, model.id))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import uuid
@@ -14,6 +15,8 @@ from common import keys
 from common.auth import ANYONE, Principal
 from common.codec import pack
 from common.config import Config, ModelConfig
+from common.redisconn import REDIS_DOWN
+from common.runlog import run_fields
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunState
@@ -48,6 +51,8 @@ class RunClient:
         #: takes a few connections and round trips, not one each)
         self.enqueue = ScriptBatch(self.scripts, "enqueue")
         self.hub = hub or EventHub(redis)
+        #: cancellations of runs queued after their callers left (kept until done)
+        self._leaving: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
         await self.hub.close()
@@ -60,6 +65,12 @@ class RunClient:
         run_id = run_id or new_run_id()
         policy = self.config.queue_for(model)
         heartbeats = [keys.heartbeat(p) for p in sorted(model.providers)]
+        def if_left(answer: list[bytes]) -> None:  # the caller left while its run was being queued
+            if answer[0] == b"ok":
+                task = asyncio.get_running_loop().create_task(self.leave(run_id, model.id))
+                self._leaving.add(task)
+                task.add_done_callback(self._leaving.discard)
+
         result = await self.enqueue.call(
             [keys.runs_stream(model.id), keys.run_record(run_id), keys.key_in_flight(who.name),
              keys.key_requests(who.name), *heartbeats],
@@ -67,6 +78,7 @@ class RunClient:
              "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
              who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000),
              policy.max_attempts, self.hub.gateway_id + keys.OUTPUT_ONLY],  # its caller wants output and end
+            if_left,
         )
         status = result[0].decode()
         if status == "ok":
@@ -126,6 +138,13 @@ class RunClient:
                 yield event
                 if event.type in (EventType.COMPLETED, EventType.FAILED):
                     return
+
+    async def leave(self, run_id: str, model_id: str) -> None:
+        """The run's caller went away: the run must not go on without it."""
+        try:
+            await self.cancel(run_id, model_id, "the caller went away")
+        except REDIS_DOWN as exc:
+            log.warning("could not cancel: %s", exc, extra=run_fields(run_id, model_id))
 
     async def cancel(self, run_id: str, model_id: str, reason: str) -> str:
         """Drop the run if it waits; tell its node to abort it if it runs."""

@@ -22,6 +22,7 @@ from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
 from scheduler.core import Scheduler, Waiting
 from scheduler.snapshots import read_snapshots
+from tests.conftest import async_wait_until
 from tests.test_script_batch import counting
 
 MODEL = "m:1"
@@ -459,3 +460,25 @@ def test_a_replica_wakes_only_for_signals_that_could_unblock_it() -> None:
     sched.waiting[MODEL].clear()
     sched.on_signal(b"*")  # a provider's health changed
     assert sched.kick.is_set()
+
+
+async def test_a_caller_that_leaves_while_its_run_is_queued_takes_the_run_back(redis: Redis) -> None:
+    """Its `enqueue` may already be on its way (or done) when it leaves: once the run is queued,
+    it is cancelled and out of the queue, never left to run for no one."""
+    config = make_config({"a": 1})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    model = config.model(MODEL)
+    assert model is not None
+    submitting = asyncio.create_task(client.submit(model, request(), run_id="run_gone"))
+    await asyncio.sleep(0)  # its enqueue joined this turn's batch
+    submitting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await submitting
+
+    async def taken_back() -> bool:
+        return bool(await redis.hget(keys.run_record("run_gone"), "state") == b"cancelled")
+
+    await async_wait_until(taken_back, what="the run to be cancelled")
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 0
+    await client.close()

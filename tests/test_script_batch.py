@@ -14,6 +14,7 @@ from redis.exceptions import ResponseError
 from common import keys
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
+from tests.conftest import async_wait_until
 
 
 def counting(scripts: Scripts) -> list[int]:
@@ -94,3 +95,21 @@ async def test_a_caller_that_leaves_does_not_hold_up_the_others(redis: Redis) ->
     assert await asyncio.wait_for(staying, 10) == 1
     with pytest.raises(asyncio.CancelledError):
         await leaving
+
+
+async def test_a_caller_that_leaves_still_gets_its_answer_to_undo_it(redis: Redis) -> None:
+    batch = ScriptBatch(Scripts(redis), "watch")
+    await redis.hset(keys.run_record("run_u"), "state", "queued")
+    left: list[Any] = []
+    leaving = asyncio.create_task(batch.call([keys.run_record("run_u")], ["gw"], left.append))
+    await asyncio.sleep(0)  # it has joined the batch
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+
+
+    async def answered() -> bool:
+        return bool(left)
+
+    await async_wait_until(answered, what="the call to be made all the same")
+    assert left == [1] and await redis.hget(keys.run_record("run_u"), "watchers") == b"gw"
