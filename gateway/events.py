@@ -231,6 +231,10 @@ class EventHub:
                 for entry_id, fields in entries:
                     last = entry_id.decode()
                     self._deliver(fields)
+                if entries:
+                    # The callers woken by these events answer before the listener blocks on the
+                    # inbox again: the next read is not on their way.
+                    await asyncio.sleep(0)
                 await self._check_quiet()
                 backoff.reset()
             except REDIS_DOWN as exc:

@@ -480,13 +480,17 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
     maintenance_s = rt.scheduler_liveness_ms / 3000
 
     async def intake() -> None:
-        await sched.read_new(block_ms=1000)
+        if await sched.read_new(block_ms=1000):
+            # The dispatcher, woken by the runs just read, sends their dispatch before this task
+            # blocks on the stream again: the next read is not on the new runs' way.
+            await asyncio.sleep(0)
 
     async def dispatcher() -> None:
         deadline = sched.next_deadline_ms()
         wait_s = TICK_S if deadline is None else max(0.0, min(TICK_S, (deadline - now_ms()) / 1000))
         try:
-            await asyncio.wait_for(sched.kick.wait(), timeout=wait_s)
+            async with asyncio.timeout(wait_s):  # (not wait_for: no task of its own, woken in one turn)
+                await sched.kick.wait()
         except TimeoutError:
             pass
         if not sched.kick.is_set():

@@ -12,6 +12,7 @@ from common import keys
 from common.codec import event_fields, pack
 from common.scripts import Scripts
 from gateway.events import Event, EventHub, Follower
+from tests.conftest import async_wait_until
 
 
 async def add(redis: Redis, run_id: str, gateway: str | None, etype: str, n: int) -> str:
@@ -139,3 +140,34 @@ async def test_a_follower_hands_events_over_in_order_and_its_wait_may_end_empty(
     assert (await waiting) == Event("1-0", "delta", {"n": 1})
     assert (await follower.next(timeout=0)) == Event("2-0", "delta", {"n": 2})
     assert await follower.next(timeout=0) is None
+
+
+async def test_a_caller_woken_by_an_event_runs_before_the_listener_reads_the_inbox_again(redis: Redis) -> None:
+    """The caller's answer is not kept waiting while the listener sends its next blocking read."""
+    hub = EventHub(redis)
+    reads: list[str] = []
+    xread = redis.xread
+
+    async def counting_xread(*args: object, **kwargs: object) -> object:
+        reads.append("xread")
+        return await xread(*args, **kwargs)
+
+    redis.xread = counting_xread
+    try:
+        async with hub.follow("run_o", fresh=True) as follower:
+            await redis.hset(keys.run_record("run_o"), mapping={"state": "queued", "watchers": hub.gateway_id})
+
+            async def woken() -> int:
+                await follower.next()
+                return len(reads)  # the listener's reads sent by the time the caller ran
+
+            seen = asyncio.create_task(woken())
+            await async_wait_until(lambda: asyncio.sleep(0, bool(reads)), what="the listener to block on the inbox")
+            await add(redis, "run_o", hub.gateway_id, "completed", 1)
+            assert await asyncio.wait_for(seen, 10) == 1
+            # and then it reads again
+            await async_wait_until(lambda: asyncio.sleep(0, len(reads) == 2), what="the next read")
+            assert len(reads) == 2
+    finally:
+        del redis.xread
+        await hub.close()

@@ -284,3 +284,33 @@ async def test_a_woken_worker_pops_as_many_jobs_as_it_has_free_slots_at_once(red
         assert await redis.lrange(keys.node_wake("n-a"), 0, -1) == [b"run_3"]  # for a sibling with room
     finally:
         await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_started_run_calls_its_provider_before_the_worker_pops_its_wake_list_again(
+        redis: Redis, redis_url: str) -> None:
+    """The worker's next blocking pop is not on a new run's way: the run goes first."""
+    from arq.worker import func
+
+    from workers.arq_worker import WakeWorker, arq_redis
+    from workers.service import run_job
+
+    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
+                        wake_key=keys.node_wake("n-a"), runner=lambda: cast(Runner, None),
+                        redis_pool=arq_redis(redis_url), handle_signals=False, max_jobs=3)
+    ran: list[str] = []
+
+    async def run(job_id: str) -> None:
+        ran.append(job_id)  # (a run's first step: the provider call goes out here)
+
+    async def claim(job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            worker.tasks[job_id] = asyncio.get_running_loop().create_task(run(job_id))
+
+    worker.claim_and_start = claim  # type: ignore[method-assign]
+    try:
+        await redis.rpush(keys.node_wake("n-a"), "run_1")
+        assert await worker._wait_for_work() is False
+        assert ran == ["run_1"]  # before the worker came back to pop again
+    finally:
+        await asyncio.gather(*worker.tasks.values())
+        await worker.pool.aclose(close_connection_pool=True)

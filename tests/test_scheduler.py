@@ -20,7 +20,7 @@ from common.wire import RunKind
 from gateway.errors import ApiError
 from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
-from scheduler.core import Scheduler, Waiting
+from scheduler.core import Scheduler, Waiting, run_scheduler
 from scheduler.snapshots import read_snapshots
 from tests.conftest import async_wait_until
 from tests.test_script_batch import counting
@@ -482,3 +482,42 @@ async def test_a_caller_that_leaves_while_its_run_is_queued_takes_the_run_back(r
     await async_wait_until(taken_back, what="the run to be cancelled")
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0
     await client.close()
+
+
+async def test_a_new_run_is_dispatched_before_the_replica_reads_its_stream_again(redis: Redis) -> None:
+    """The next blocking read is not on a new run's way: the dispatch goes out first (once the
+    replica holds the providers' snapshots, as it does between runs)."""
+    config = make_config({"a": 2})
+    await beat(redis, config)
+    sched = Scheduler(redis, config)
+    sent: list[object] = []
+    xreadgroup, call_many = redis.xreadgroup, sched.scripts.call_many
+
+    async def reading(*args: Any, **kwargs: Any) -> Any:
+        sent.append("read")
+        reply = await xreadgroup(*args, **kwargs)
+        sent.append(("got", sum(len(entries) for _, entries in reply or ())))
+        return reply
+
+    async def dispatching(name: str, calls: Any) -> list[Any]:
+        sent.append(name)
+        return await call_many(name, calls)
+
+    redis.xreadgroup = reading
+    sched.scripts.call_many = dispatching  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    running = asyncio.create_task(run_scheduler(sched, stop))
+    client = RunClient(redis, config)
+    try:
+        await async_wait_until(lambda: asyncio.sleep(0, "read" in sent), what="the replica to read its stream")
+        for n in (1, 2):
+            await submit(client, 1)
+            await async_wait_until(lambda n=n: asyncio.sleep(0, sent.count("dispatch") == n),  # type: ignore[misc]
+                                   what="the dispatch")
+        second = len(sent) - 1 - sent[::-1].index("dispatch")
+        assert sent[second - 1] == ("got", 1)
+    finally:
+        stop.set()
+        await running
+        del redis.xreadgroup
+        await client.close()

@@ -113,6 +113,9 @@ class WakeWorker(Worker):
         if popped is None:
             return True
         await self.claim_and_start([job_id.decode() for job_id in popped[1]])
+        # The runs just started call their providers before this worker blocks on the wake list
+        # again: the next pop is not on their way.
+        await asyncio.sleep(0)
         return False
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
