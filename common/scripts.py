@@ -57,14 +57,16 @@ end
 # The end of a run: its request body leaves Redis (nothing needs it any more), and for the API
 # key that started it (the record's `key`) it leaves the key's in-flight set and its usage is
 # added to the key's day and all-time totals. Every script that ends a run calls it, exactly
-# once per run (they only end a run that is not ended yet).
+# once per run (they only end a run that is not ended yet). `key` and `model`: the record's, when
+# the caller read them already (false: the record has none); nil, and they are read here.
 _ENDED = _UTC_DAY + f"""
-local function ended(record, run_id, state, prompt, completion)
+local function ended(record, run_id, state, prompt, completion, key, model)
   redis.call('HDEL', record, 'body')
-  local key = redis.call('HGET', record, 'key')
+  if key == nil then key = redis.call('HGET', record, 'key') end
   if not key then return end
   redis.call('ZREM', '{keys.key_in_flight("")}' .. key, run_id)
-  local model = redis.call('HGET', record, 'model') or '-'
+  if model == nil then model = redis.call('HGET', record, 'model') end
+  model = model or '-'
   local day = '{keys.USAGE_PREFIX}' .. key .. ':' .. utc_day(now)
   for _, h in ipairs({{day, '{keys.usage_total("")}' .. key}}) do
     redis.call('HINCRBY', h, 'runs:' .. model, 1)
@@ -113,11 +115,12 @@ end
 # `watchers`: gateway ids, comma-separated) through its inbox, which that gateway's one reader
 # waits on. The copy says which run and which event (`run`, `id`) it is. A watcher written with
 # the `{keys.OUTPUT_ONLY}` suffix (the gateway of a completion caller, who wants the output and the
-# end, nothing else) gets only `delta`, `completed` and `failed` copies.
+# end, nothing else) gets only `delta`, `completed` and `failed` copies. `watchers`: the record's,
+# when the caller read them already (false: none); nil, and they are read here.
 _EVENTS = f"""
-local function add_event(record, events, run_id, etype, data)
+local function add_event(record, events, run_id, etype, data, watchers)
   local id = redis.call('XADD', events, '*', 'type', etype, 'data', data)
-  local watchers = redis.call('HGET', record, 'watchers')
+  if watchers == nil then watchers = redis.call('HGET', record, 'watchers') end
   if watchers then
     local output = etype == 'delta' or etype == 'completed' or etype == 'failed'
     for watcher in string.gmatch(watchers, '[^,]+') do
@@ -230,7 +233,8 @@ if head[1][1] ~= ARGV[2] then
   if #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) == 0 then return 'gone' end
   return 'not_head'
 end
-if redis.call('HGET', KEYS[2], 'state') ~= 'queued' then
+local rec = redis.call('HMGET', KEYS[2], 'state', 'tried', 'attempts', 'watchers')
+if rec[1] ~= 'queued' then
   redis.call('XACK', KEYS[1], ARGV[3], ARGV[2])
   redis.call('XDEL', KEYS[1], ARGV[2])
   return 'gone'
@@ -262,16 +266,16 @@ local ttl = tonumber(ARGV[5])
 redis.call('ZADD', KEYS[k + 1], now + tonumber(ARGV[4]), ARGV[1])
 redis.call('XACK', KEYS[1], ARGV[3], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
-redis.call('HINCRBY', KEYS[2], 'attempts', 1)
-local tried = redis.call('HGET', KEYS[2], 'tried')
-redis.call('HSET', KEYS[2], 'state', 'dispatched', 'provider', provider, 'node', node,
-  'target', target, 'dispatched_ms', now, 'tried', tried and (tried .. ',' .. provider) or provider)
+local tried = rec[2]
+redis.call('HSET', KEYS[2], 'state', 'dispatched', 'provider', provider, 'node', node, 'target', target,
+  'dispatched_ms', now, 'tried', tried and (tried .. ',' .. provider) or provider,
+  'attempts', (tonumber(rec[3]) or 0) + 1)
 redis.call('HDEL', KEYS[2], 'entry')
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('ZADD', KEYS[k + 6], now, ARGV[1])
-redis.call('LPUSH', KEYS[k + 7], ARGV[1])
-redis.call('LTRIM', KEYS[k + 7], 0, 1023)
-add_event(KEYS[2], KEYS[3], ARGV[1], 'dispatched', cmsgpack.pack({provider = provider, node = node, target = target}))
+if redis.call('LPUSH', KEYS[k + 7], ARGV[1]) > 1024 then redis.call('LTRIM', KEYS[k + 7], 0, 1023) end
+add_event(KEYS[2], KEYS[3], ARGV[1], 'dispatched', cmsgpack.pack({provider = provider, node = node, target = target}),
+  rec[4])
 redis.call('EXPIRE', KEYS[3], ttl)
 """ + f"""
 local holder, mine = wake_head(KEYS[1], ARGV[6], ARGV[8], {DISPATCH_BATCH})
@@ -283,35 +287,41 @@ return {{'ok', holder, provider, mine}}
 # possible attempt the request body leaves Redis once read.
 _START = """
 local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, cancelled, signals, lease_prefix)
-  local state = redis.call('HGET', record, 'state')
+  local flat = redis.call('HGETALL', record)
+  local r = {}
+  for i = 1, #flat, 2 do r[flat[i]] = flat[i + 1] end
+  local state = r['state']
   if state ~= 'dispatched' then return {state or 'missing'} end
-  local lease = lease_prefix .. redis.call('HGET', record, 'provider')
+  local lease = lease_prefix .. r['provider']
   local score = redis.call('ZSCORE', lease, run_id)
   if not score or tonumber(score) <= now then return {'lease_lost'} end
-  if redis.call('HGET', record, 'cancel') == '1' then
+  if r['cancel'] == '1' then
     -- the caller left between dispatch and start: end it here and give the slot back
     redis.call('ZREM', lease, run_id)
     redis.call('HSET', record, 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
       'error_message', 'cancelled by the caller')
-    ended(record, run_id, 'cancelled', 0, 0)
-    add_event(record, events, run_id, 'failed', cancelled)
+    ended(record, run_id, 'cancelled', 0, 0, r['key'] or false, r['model'] or false)
+    add_event(record, events, run_id, 'failed', cancelled, r['watchers'] or false)
     redis.call('EXPIRE', events, ttl)
-    redis.call('PUBLISH', signals, redis.call('HGET', record, 'model'))
+    redis.call('PUBLISH', signals, r['model'] or '')
     return {'cancelled'}
   end
   redis.call('ZADD', lease, 'XX', now + tonumber(lease_ttl_ms), run_id)
   redis.call('HSET', record, 'state', 'running', 'started_ms', now, 'worker', worker)
   redis.call('EXPIRE', record, ttl)
-  local attempt = tonumber(redis.call('HGET', record, 'attempts') or '1')
-  add_event(record, events, run_id, 'started', cmsgpack.pack({attempt = attempt}))
+  local attempt = tonumber(r['attempts'] or '1')
+  add_event(record, events, run_id, 'started', cmsgpack.pack({attempt = attempt}), r['watchers'] or false)
   redis.call('EXPIRE', events, ttl)
-  local out = redis.call('HGETALL', record)
-  table.insert(out, 1, 'ok')
+  -- the record as it was read, now running (`started_ms` and `worker` are not in it)
+  for i = 1, #flat, 2 do
+    if flat[i] == 'state' then flat[i + 1] = 'running' end
+  end
+  table.insert(flat, 1, 'ok')
   -- the last attempt has the body now: no other attempt will need it
-  if attempt >= tonumber(redis.call('HGET', record, 'max_attempts') or '1') then
+  if attempt >= tonumber(r['max_attempts'] or '1') then
     redis.call('HDEL', record, 'body')
   end
-  return out
+  return flat
 end
 """
 
@@ -376,24 +386,26 @@ return 1
 #       evidence ('ok'|'fail'|''), strikes, failure reason, prompt tokens, completion tokens
 # (the usage the caller got, added to its key's by `_ENDED` when the run ends here)
 FINISH = _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + """
-local state = redis.call('HGET', KEYS[1], 'state')
-if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[10] then return 'stale' end
+local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model')
+local state = rec[1]
+if rec[2] ~= ARGV[10] then return 'stale' end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('DEL', KEYS[7])
 evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable')
 local ttl = tonumber(ARGV[5])
-add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4])
+add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4], rec[3])
 redis.call('EXPIRE', KEYS[3], ttl)
 if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' then
   requeue(KEYS[1], KEYS[4], ARGV[1], ARGV[2] == 'requeue_elsewhere')
 else
-  redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
   if ARGV[8] ~= '' then
-    redis.call('HSET', KEYS[1], 'error_code', ARGV[8], 'error_message', ARGV[9])
+    redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now, 'error_code', ARGV[8], 'error_message', ARGV[9])
+  else
+    redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
   end
-  ended(KEYS[1], ARGV[1], ARGV[2], ARGV[14], ARGV[15])
+  ended(KEYS[1], ARGV[1], ARGV[2], ARGV[14], ARGV[15], rec[4], rec[5])
 end
 redis.call('EXPIRE', KEYS[1], ttl)
 for i = 8, #KEYS do wake_head(KEYS[i], ARGV[6]) end
@@ -438,11 +450,11 @@ return 'ok'
 # event stream holds fewer than its limit. Returns 1, 0 if the attempt lost the run, 2 if full.
 # KEYS: run record, events   ARGV: attempt, event type, event data, ttl_s, max events, run id
 EMIT = _EVENTS + """
-if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return 0 end
-if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return 0 end
+local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'output')
+if rec[1] ~= 'running' or rec[2] ~= ARGV[1] then return 0 end
 if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[5]) then return 2 end
-add_event(KEYS[1], KEYS[2], ARGV[6], ARGV[2], ARGV[3])
-if ARGV[2] == 'delta' then redis.call('HSET', KEYS[1], 'output', '1') end
+add_event(KEYS[1], KEYS[2], ARGV[6], ARGV[2], ARGV[3], rec[3])
+if ARGV[2] == 'delta' and rec[4] ~= '1' then redis.call('HSET', KEYS[1], 'output', '1') end
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 return 1
 """
