@@ -72,7 +72,7 @@ async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
             submitted, stream = True, req.stream
             del req  # the body is in the run record now: a waiting caller keeps no parsed copy of it
             headers = {RUN_ID_HEADER: run_id, **limit_headers}
-            async with asyncio.timeout(runs.follow_deadline_s(model.id)):
+            with runs.deadlines.within(runs.follow_deadline_s(model.id)):
                 if stream:
                     resp = await stream_response(request, follower, model.id, headers,
                                                  cfg.runtime.stream_keepalive_ms / 1000)

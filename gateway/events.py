@@ -28,8 +28,6 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +86,8 @@ class Follower:
         self.ended = False
         #: while its first read of the run's stream is out, what the listener brought meanwhile
         self.pending: list[Event] | None = None if fresh else []
+        #: fresh: there is nothing to read from the run's stream first
+        self.synced_at_start = fresh
         self.heard_at = time.monotonic()
 
     async def next(self, timeout: float | None = None) -> Event | None:
@@ -132,6 +132,25 @@ class Follower:
             self.give(event)
 
 
+class Following:
+    """`EventHub.follow`'s block: the follower is known to the hub inside it, and only there. (A
+    class, not a generator: a waiting caller holds less.)"""
+
+    __slots__ = ("hub", "follower", "watch")
+
+    def __init__(self, hub: EventHub, follower: Follower, watch: bool) -> None:
+        self.hub = hub
+        self.follower = follower
+        self.watch = watch
+
+    async def __aenter__(self) -> Follower:
+        await self.hub._enter(self.follower, self.watch)
+        return self.follower
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.hub._leave(self.follower)
+
+
 def _after(key: tuple[int, int]) -> str:
     return "-" if key == (0, 0) else f"({key[0]}-{key[1]}"
 
@@ -144,36 +163,41 @@ class EventHub:
         self.new_inbox = gateway_id is None
         self.inbox = keys.gateway_inbox(self.gateway_id)
         self.scripts = Scripts(redis)
-        self.followers: dict[str, set[Follower]] = {}
+        #: run id -> its followers (a list: a set costs a waiting caller ~200 bytes more)
+        self.followers: dict[str, list[Follower]] = {}
         self.tasks: list[asyncio.Task[None]] = []
         self.checked_at = 0.0
         #: set once the listener knows where in the inbox it starts
         self.listening = asyncio.Event()
 
     # ------------------------------------------------------------------ callers
-    @asynccontextmanager
-    async def follow(self, run_id: str, last_id: str = "0", *, watch: bool = False,
-                     fresh: bool = False) -> AsyncIterator[Follower]:
-        """Follow a run's events after `last_id`. `watch`: the run may have been started by
-        another gateway, so this one joins its watchers first. `fresh`: the run is about to be
-        queued by this gateway (which the `enqueue` script makes a watcher), so every event it
-        will have comes through the inbox and there is nothing to read first."""
+    def follow(self, run_id: str, last_id: str = "0", *, watch: bool = False, fresh: bool = False) -> Following:
+        """Follow a run's events after `last_id` (`async with hub.follow(...) as follower`).
+        `watch`: the run may have been started by another gateway, so this one joins its
+        watchers first. `fresh`: the run is about to be queued by this gateway (which the
+        `enqueue` script makes a watcher), so every event it will have comes through the inbox
+        and there is nothing to read first."""
+        return Following(self, Follower(run_id, last_id, fresh=fresh), watch)
+
+    async def _enter(self, follower: Follower, watch: bool) -> None:
         self._start()
         await self.listening.wait()  # the inbox's position is known: what comes after, it will hear
-        follower = Follower(run_id, last_id, fresh=fresh)
-        self.followers.setdefault(run_id, set()).add(follower)
+        self.followers.setdefault(follower.run_id, []).append(follower)
         try:
             if watch:
-                await self.scripts.call("watch", [keys.run_record(run_id)], [self.gateway_id])
-            if not fresh:
+                await self.scripts.call("watch", [keys.run_record(follower.run_id)], [self.gateway_id])
+            if not follower.synced_at_start:
                 await self._catch_up(follower)
-            yield follower
-        finally:
-            group = self.followers.get(run_id)
-            if group is not None:
-                group.discard(follower)
-                if not group:
-                    del self.followers[run_id]
+        except BaseException:
+            self._leave(follower)
+            raise
+
+    def _leave(self, follower: Follower) -> None:
+        group = self.followers.get(follower.run_id)
+        if group is not None and follower in group:
+            group.remove(follower)
+            if not group:
+                del self.followers[follower.run_id]
 
     async def _catch_up(self, follower: Follower) -> None:
         """What the run has already: read from its own stream; then what the listener held."""
@@ -251,7 +275,7 @@ class EventHub:
         data = unpack(raw) if raw else {}
         event = Event(fields.get(b"id", b"").decode(), fields.get(b"type", b"").decode(),
                       data if isinstance(data, dict) else {})
-        for follower in list(followers):
+        for follower in followers[:]:
             follower.offer(event)
 
     async def _trimmed_past(self, last: str) -> bool:

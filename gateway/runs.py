@@ -7,7 +7,6 @@ import logging
 import math
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager
 
 from redis.asyncio import Redis
 
@@ -20,8 +19,9 @@ from common.runlog import run_fields
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunState
+from gateway.deadlines import Deadlines
 from gateway.errors import ApiError
-from gateway.events import Event, EventHub, Follower
+from gateway.events import Event, EventHub, Following
 from gateway.requests import ParsedRequest
 
 log = logging.getLogger("iop.gateway")
@@ -51,10 +51,13 @@ class RunClient:
         #: takes a few connections and round trips, not one each)
         self.enqueue = ScriptBatch(self.scripts, "enqueue")
         self.hub = hub or EventHub(redis)
+        #: the bounds of the callers waiting for their runs (one sweeper, not a timer each)
+        self.deadlines = Deadlines()
         #: cancellations of runs queued after their callers left (kept until done)
         self._leaving: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
+        await self.deadlines.close()
         await self.hub.close()
 
     async def submit(self, model: ModelConfig, req: ParsedRequest, who: Principal = ANYONE,
@@ -122,7 +125,7 @@ class RunClient:
         return attempt_ms * policy.max_attempts / 1000 + FOLLOW_GRACE_S
 
     def follow(self, run_id: str, last_id: str = "0", *, watch: bool = False,
-               fresh: bool = False) -> AbstractAsyncContextManager[Follower]:
+               fresh: bool = False) -> Following:
         """Follow the run's events after `last_id` (through the gateway's one reader); `watch` for a
         run another gateway may have started; `fresh` for a run this gateway is about to
         `submit`. The follower's `next()` never ends the wait by itself: the caller bounds it

@@ -96,7 +96,7 @@ class RunsApi:
         await resp.prepare(request)
         runs = self.runs()
         try:
-            async with asyncio.timeout(runs.follow_deadline_s(view["model"])):
+            with runs.deadlines.within(runs.follow_deadline_s(view["model"])):
                 if is_terminal(view):
                     for event in await self._ended_events(run_id, last_id):
                         await resp.write(_sse(event, view["model"]))
