@@ -16,9 +16,10 @@ from common.config import Config, ModelConfig
 from common.redisconn import REDIS_DOWN
 from common.wire import ErrorCode, RunKind
 from gateway import admin, catalog, metrics, runs_api, usage_api
-from gateway.auth import KEYRING, auth_middleware, principal
-from gateway.connections import BODY, limits_middleware
-from gateway.errors import ApiError, error_middleware
+from gateway.auth import KEYRING, principal
+from gateway.connections import BODY
+from gateway.errors import ApiError
+from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import parse_request
 from gateway.responses import RUN_ID_HEADER, stream_response, whole_response
@@ -57,9 +58,18 @@ async def get_model(request: web.Request) -> web.Response:
     return web.json_response(_model_object(model.id, model.title, int(request.app[STARTED])))
 
 
-async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
+#: The run routes and the kind of run each asks for.
+RUN_ROUTES = {"/v1/chat/completions": RunKind.CHAT, "/v1/completions": RunKind.COMPLETION,
+              "/v1/embeddings": RunKind.EMBEDDING}
+
+
+async def run_request(request: web.Request) -> web.StreamResponse:
+    """A chat completion, legacy completion or embeddings request (the route says which; one
+    handler for the three: a waiting caller holds no frame more)."""
     cfg = request.app[CONFIG]
-    req = parse_request(kind, request[BODY], max_depth=cfg.runtime.max_json_depth)
+    resource = request.match_info.route.resource
+    assert resource is not None
+    req = parse_request(RUN_ROUTES[resource.canonical], request[BODY], max_depth=cfg.runtime.max_json_depth)
     model = _model_for(request, req.model)
     request[metrics.MODEL] = model.id
     runs = request.app[RUNS]
@@ -95,18 +105,6 @@ async def _run(request: web.Request, kind: RunKind) -> web.StreamResponse:
             await asyncio.shield(runs.leave(run_id, model.id))
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _run(request, RunKind.CHAT)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _run(request, RunKind.COMPLETION)
-
-
-async def embeddings(request: web.Request) -> web.StreamResponse:
-    return await _run(request, RunKind.EMBEDDING)
-
-
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -136,8 +134,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     """The gateway. With `auth` in the config, `keyring` holds its resolved keys (read from the
     environment when not given)."""
     rt = config.runtime
-    app = web.Application(middlewares=[error_middleware, auth_middleware,
-                                       limits_middleware(rt.body_timeout_ms / 1000, rt.max_body_bytes)],
+    app = web.Application(middlewares=[gateway_middleware(rt.body_timeout_ms / 1000, rt.max_body_bytes)],
                           client_max_size=rt.max_body_bytes)
     if config.auth is not None:
         app[KEYRING] = keyring or KeyRing.from_config(config.auth, os.environ)
@@ -145,9 +142,8 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     app[REDIS_URL] = redis_url
     app[STARTED] = time.time()
     app.cleanup_ctx.append(_redis_ctx)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/embeddings", embeddings)
+    for path in RUN_ROUTES:
+        app.router.add_post(path, run_request)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_get("/healthz", healthz)

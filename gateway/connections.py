@@ -26,15 +26,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
 from common.wire import ErrorCode
 from gateway.admission import ConnectionGuard, Slot
 from gateway.bodies import decode
-from gateway.errors import ApiError, Handler, from_status
+from gateway.errors import ApiError, from_status
 
 log = logging.getLogger("iop.gateway")
 
@@ -213,13 +213,12 @@ class GuardedHandler(web.RequestHandler):
         return resp
 
 
-def limits_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware:
+def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Request], Awaitable[None]]:
     """Tells a `GuardedHandler` that a request began (no head deadline while it runs), and reads
     each body within `body_timeout_s` into `request[BODY]`, decoded (aiohttp decodes it itself
     on connections that are not a `GuardedHandler`'s, as in tests that serve the app alone)."""
 
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def read_body(request: web.Request) -> None:
         guarded = request.protocol if isinstance(request.protocol, GuardedHandler) else None
         if guarded is not None:
             guarded.request_started()
@@ -236,9 +235,8 @@ def limits_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware:
             if guarded is not None:
                 body = decode(body, request.headers.get("Content-Encoding", ""), max_body_bytes)
         request[BODY] = body
-        return await handler(request)
 
-    return middleware
+    return read_body
 
 
 class GuardedSite(web.BaseSite):

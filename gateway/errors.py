@@ -127,10 +127,12 @@ def from_status(status: int, message: str) -> ApiError:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+def error_response(request: web.Request, error: Exception) -> web.StreamResponse:
+    """The OpenAI-shaped answer to what a request's handling raised (the one place errors get
+    their shape; `gateway.middleware` calls it). A redirect (an HTTPException under 400) is
+    raised again."""
     try:
-        return await handler(request)
+        raise error
     except ApiError as exc:
         return exc.response()
     except web.HTTPException as exc:

@@ -33,7 +33,6 @@ from common.keys import USAGE_FIELDS
 from common.metrics_http import exposition
 from common.usage import Usage, read_totals
 from gateway.admission import ConnectionGuard
-from gateway.errors import Handler
 
 REGISTRY = CollectorRegistry()
 
@@ -60,22 +59,21 @@ def _endpoint(request: web.Request) -> str | None:
     return ENDPOINTS.get(request.path) if request.method == "POST" else None
 
 
-@web.middleware
-async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+def begin(request: web.Request) -> str | None:
+    """A request begins: the run endpoint it is for (None: not measured)."""
     endpoint = _endpoint(request)
-    if endpoint is None:
-        return await handler(request)
-    started = request[_STARTED] = time.monotonic()
-    status = 499  # cancelled: the caller went away before the answer
-    try:
-        response = await handler(request)
-        status = request.get(STREAM_ERROR, response.status)
-        return response
-    finally:
-        model = request.get(MODEL, "-")
-        REQUESTS.labels(model, endpoint, str(status)).inc()
-        if 200 <= status < 300:
-            DURATION.labels(model, endpoint).observe(time.monotonic() - started)
+    if endpoint is not None:
+        request[_STARTED] = time.monotonic()
+    return endpoint
+
+
+def end(request: web.Request, endpoint: str, response: web.StreamResponse | None) -> None:
+    """A measured request ended with `response` (None: the caller went away first, 499)."""
+    status = 499 if response is None else request.get(STREAM_ERROR, response.status)
+    model = request.get(MODEL, "-")
+    REQUESTS.labels(model, endpoint, str(status)).inc()
+    if 200 <= status < 300:
+        DURATION.labels(model, endpoint).observe(time.monotonic() - request[_STARTED])
 
 
 def streamed(request: web.Request, chunks: list[Any]) -> None:
@@ -139,9 +137,8 @@ USAGE_SOURCE = web.AppKey("usage_source", tuple)
 
 
 def setup(app: web.Application, redis: Callable[[], Redis] | None = None, key_names: list[str] | None = None) -> None:
-    """Measure run requests (outermost middleware, so it sees the final status) and serve /metrics;
-    with `redis`, also the usage of `key_names`."""
-    app.middlewares.insert(0, metrics_middleware)
+    """Serve /metrics (`gateway.middleware` measures the run requests); with `redis`, also the
+    usage of `key_names`."""
     app.router.add_get("/metrics", metrics)
     if redis is not None:
         app[USAGE_SOURCE] = (redis, key_names or [])
