@@ -17,7 +17,7 @@ from common.redisconn import REDIS_DOWN
 from common.wire import ErrorCode, RunKind
 from gateway import admin, catalog, metrics, runs_api, usage_api
 from gateway.auth import KEYRING, principal
-from gateway.connections import BODY
+from gateway.connections import BODY, forget_body
 from gateway.errors import ApiError
 from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
@@ -70,6 +70,7 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     resource = request.match_info.route.resource
     assert resource is not None
     req = parse_request(RUN_ROUTES[resource.canonical], request[BODY], max_depth=cfg.runtime.max_json_depth)
+    forget_body(request)
     model = _model_for(request, req.model)
     request[metrics.MODEL] = model.id
     runs = request.app[RUNS]

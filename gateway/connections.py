@@ -239,6 +239,15 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
     return read_body
 
 
+def forget_body(request: web.Request) -> None:
+    """The request's body was parsed and is no longer needed: drop every copy, so a caller waiting
+    for its run holds none of it (a prompt can be megabytes). aiohttp keeps what `read()`
+    returned in a private attribute of its own."""
+    request.pop(BODY, None)
+    if getattr(request, "_read_bytes", None) is not None:
+        request._read_bytes = None
+
+
 class GuardedSite(web.BaseSite):
     """A TCP site whose connections are served by `GuardedHandler`s sharing one `ConnectionGuard`."""
 

@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 
 from common.config import Config, parse_config
 from gateway.app import build_app
+from gateway.runs import RunClient
 from iop.embedded_redis import RedisServer
 from tests.conftest import async_wait_until
 from tests.openapi import validate
@@ -190,3 +191,50 @@ async def test_a_full_redis_is_a_503_and_keeps_what_it_holds(http: aiohttp.Clien
         await app_server.close()
         await redis.aclose()
         server.cleanup()
+
+
+async def test_a_waiting_caller_holds_no_copy_of_its_request_body(redis_url: str, redis: Redis) -> None:
+    """A prompt of megabytes is in Redis while its run waits, not in the gateway's memory too
+    (thousands may wait at once)."""
+    import gc
+    import tracemalloc
+
+    cfg = config(max_body_bytes=8 * 1024 * 1024)
+    await beat(redis, cfg)  # available, but no scheduler: the run waits in its queue
+    server = TestServer(build_app(cfg, redis_url), port=0)
+    await server.start_server()
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 1_000_000}],
+                       "stream": True}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    runs = RunClient(redis, cfg)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(head)
+        writer.write(body)  # (the caller's own copy was made before `before`)
+        await writer.drain()
+        await async_wait_until(lambda: redis.xlen(f"iop:runs:{MODEL}"), what="the run to be queued")
+
+        async def holds() -> int:
+            gc.collect()
+            return tracemalloc.get_traced_memory()[0] - before
+
+        async def settled() -> bool:  # the handler drops its copies once its run is queued
+            return await holds() < 250_000
+
+        try:
+            await async_wait_until(settled, timeout=5, what="the gateway to drop the body")
+        except AssertionError:
+            pass
+        held = await holds()
+    finally:
+        tracemalloc.stop()
+        for record in await redis.keys("iop:run:*"):  # the caller hears its run end
+            await runs.cancel(record.decode().removeprefix("iop:run:"), MODEL, "the test is over")
+        await runs.close()
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)  # its answer (the cancel)
+        writer.close()
+        await server.close()
+    assert held < 250_000, f"the gateway holds {held} bytes more while the caller waits"
