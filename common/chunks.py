@@ -52,13 +52,14 @@ def usage_in(chunks: list[Any]) -> dict[str, Any] | None:
 
 def without_usage(chunks: list[Any]) -> list[Any]:
     """The chunks as a caller that did not ask for usage gets them: no `usage` field, and no
-    chunk that carried only usage (`choices: []`)."""
+    chunk that carried only usage (`choices: []`). The chunks are changed in place (a provider
+    asked for usage puts `"usage": null` in every chunk: no copy of each)."""
     out = []
     for chunk in chunks:
         if isinstance(chunk, dict) and "usage" in chunk:
             if chunk.get("choices") == []:
                 continue
-            chunk = {k: v for k, v in chunk.items() if k != "usage"}
+            del chunk["usage"]
         out.append(chunk)
     return out
 

@@ -32,6 +32,12 @@ def sse(obj: Any) -> bytes:
     return b"data: " + _COMPACT.encode(obj).encode() + b"\n\n"
 
 
+def sse_chunks(chunks: list[Any], model_id: str) -> bytes:
+    """A delta's chunks as SSE lines, each saying `model_id`: one text, encoded once."""
+    encode = _COMPACT.encode
+    return "".join([f"data: {encode(with_model(c, model_id))}\n\n" for c in chunks]).encode()
+
+
 async def whole_response(follower: Follower, model_id: str, headers: dict[str, str]) -> web.Response:
     """`headers`: the run id's and the key's rate-limit headers."""
     while True:
@@ -80,7 +86,7 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
             await out.keep_alive()
         elif event.type == EventType.DELTA:
             chunks = event.data.get("chunks", [])
-            await out.write(b"".join(sse(with_model(c, model_id)) for c in chunks))
+            await out.write(sse_chunks(chunks, model_id))
             metrics.streamed(request, chunks)
         elif event.type == EventType.COMPLETED:
             resp = await out.write(SSE_DONE)
