@@ -82,13 +82,12 @@ async def run_request(request: web.Request) -> web.StreamResponse:
             _, limit_headers = await runs.submit(model, req, principal(request), run_id)
             submitted, stream = True, req.stream
             del req  # the body is in the run record now: a waiting caller keeps no parsed copy of it
-            headers = {RUN_ID_HEADER: run_id, **limit_headers}
             with runs.deadlines.within(runs.follow_deadline_s(model.id)):
                 if stream:
-                    resp = await stream_response(request, follower, model.id, headers,
+                    resp = await stream_response(request, follower, model.id, run_id, limit_headers,
                                                  cfg.runtime.stream_keepalive_ms / 1000)
                 else:
-                    resp = await whole_response(follower, model.id, headers)
+                    resp = await whole_response(follower, model.id, run_id, limit_headers)
         finished = True
         return resp
     except TimeoutError:

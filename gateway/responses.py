@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -38,15 +39,22 @@ def sse_chunks(chunks: list[Any], model_id: str) -> bytes:
     return "".join([f"data: {encode(with_model(c, model_id))}\n\n" for c in chunks]).encode()
 
 
-async def whole_response(follower: Follower, model_id: str, headers: dict[str, str]) -> web.Response:
-    """`headers`: the run id's and the key's rate-limit headers."""
+def answer_headers(run_id: str, limit_headers: Mapping[str, str]) -> dict[str, str]:
+    """The headers of a run's answer: its id and its key's rate-limit headers. (Made when the
+    answer starts, not held by a caller while its run waits.)"""
+    return {RUN_ID_HEADER: run_id, **limit_headers}
+
+
+async def whole_response(follower: Follower, model_id: str, run_id: str,
+                         limit_headers: Mapping[str, str]) -> web.Response:
+    """The run's answer as one JSON body once it completed; a failure raises its error."""
     while True:
         event = await follower.next()
         if event is None:
             continue
         if event.type == EventType.COMPLETED:
             body = with_model(event.data.get("response", {}), model_id)
-            return web.json_response(body, headers=headers)
+            return web.json_response(body, headers=answer_headers(run_id, limit_headers))
         if event.type == EventType.FAILED:
             raise ApiError.from_info(ErrorInfo.from_wire(event.data))
 
@@ -55,15 +63,19 @@ class SSEStream:
     """An SSE answer whose headers go out only when needed: with the first output, or with the
     first keep-alive comment. Until then a failure keeps its own HTTP status."""
 
-    def __init__(self, request: web.Request, headers: dict[str, str]) -> None:
+    __slots__ = ("request", "run_id", "limit_headers", "resp")
+
+    def __init__(self, request: web.Request, run_id: str, limit_headers: Mapping[str, str]) -> None:
         self.request = request
-        self.headers = headers
+        self.run_id = run_id
+        self.limit_headers = limit_headers
         self.resp: web.StreamResponse | None = None
 
     async def write(self, data: bytes) -> web.StreamResponse:
         if self.resp is None:
             self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                    "X-Accel-Buffering": "no", **self.headers})
+                                                    "X-Accel-Buffering": "no",
+                                                    **answer_headers(self.run_id, self.limit_headers)})
             await self.resp.prepare(self.request)
         await self.resp.write(data)
         return self.resp
@@ -73,13 +85,13 @@ class SSEStream:
         await self.write(KEEP_ALIVE)
 
 
-async def stream_response(request: web.Request, follower: Follower, model_id: str, headers: dict[str, str],
-                          keep_alive_s: float) -> web.StreamResponse:
+async def stream_response(request: web.Request, follower: Follower, model_id: str, run_id: str,
+                          limit_headers: Mapping[str, str], keep_alive_s: float) -> web.StreamResponse:
     """The run as OpenAI chunks. While nothing comes for `keep_alive_s` (the run waits in its
     queue, say), a keep-alive comment goes out every `keep_alive_s`. An error before anything
     went out keeps its HTTP status; after, it comes in the stream, OpenAI-shaped, then [DONE].
-    `headers`: the run id's and the key's rate-limit headers."""
-    out = SSEStream(request, headers)
+    The answer's headers: the run's id and its key's rate-limit headers."""
+    out = SSEStream(request, run_id, limit_headers)
     while True:
         event = await follower.next(keep_alive_s)
         if event is None:

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from types import MappingProxyType
 
 from redis.asyncio import Redis
 
@@ -31,6 +32,8 @@ LIMIT_HEADER = "x-ratelimit-limit-requests"
 REMAINING_HEADER = "x-ratelimit-remaining-requests"
 #: Which of its limits a key hit (`max_in_flight` or `requests_per_minute`), on a 429.
 WHICH_LIMIT_HEADER = "x-iop-limit"
+#: The rate-limit headers of a run whose key has no requests_per_minute (one, shared).
+NO_LIMIT_HEADERS: Mapping[str, str] = MappingProxyType({})
 
 #: Extra time a follower waits past a run's own queue and execution timeouts before it gives
 #: up on the run itself (a scheduler or worker that died without a trace).
@@ -61,7 +64,7 @@ class RunClient:
         await self.hub.close()
 
     async def submit(self, model: ModelConfig, req: ParsedRequest, who: Principal = ANYONE,
-                     run_id: str | None = None) -> tuple[str, dict[str, str]]:
+                     run_id: str | None = None) -> tuple[str, Mapping[str, str]]:
         """Queue the run for `who` (under `run_id`, or a new id): (its id, the rate-limit headers
         of its key), or raise 429 rate_limit_exceeded / queue_full, or 503
         no_available_provider. Atomic."""
@@ -86,7 +89,7 @@ class RunClient:
         status = result[0].decode()
         if status == "ok":
             left = int(result[2])
-            return run_id, ({} if left < 0 else {LIMIT_HEADER: str(who.requests_per_minute),
+            return run_id, (NO_LIMIT_HEADERS if left < 0 else {LIMIT_HEADER: str(who.requests_per_minute),
                                                  REMAINING_HEADER: str(left)})
         if status in ("key_in_flight", "key_rate"):
             log.info("key %s is at its %s: refused", who.name,
