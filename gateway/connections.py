@@ -7,7 +7,7 @@ Every connection is served by a `GuardedHandler`, aiohttp's own request handler 
 - `header_timeout_ms`: a request head must be complete this long after its first byte (after the
   connect, for a connection's first request). Else, if anything had been sent, 408
   `request_timeout`; the connection closes either way.
-- `body_timeout_ms`: a body must be complete this long after its head (`limits_middleware`), else
+- `body_timeout_ms`: a body must be complete this long after its head (`body_reader`, run by `gateway.middleware`), else
   408 and the connection closes (at once: aiohttp would otherwise go on reading the slow body).
   The body is decoded (`Content-Encoding`) by `gateway.bodies`, not by aiohttp, and handed to
   the handlers as `request[BODY]`.
@@ -57,7 +57,7 @@ class GuardedHandler(web.RequestHandler):
                  "_close_after_response")
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
-        # Bodies are decoded by limits_middleware (gateway.bodies), not by aiohttp.
+        # Bodies are decoded by `body_reader` (gateway.bodies), not by aiohttp.
         super().__init__(manager, keepalive_timeout=guard.limits.idle_timeout_s, auto_decompress=False, **options)
         self._guard = guard
         self._slot = Slot.NONE
@@ -141,7 +141,7 @@ class GuardedHandler(web.RequestHandler):
             self._raw.close()
 
     def request_started(self) -> None:
-        """A request head arrived (called by `limits_middleware`). No head deadline runs until its
+        """A request head arrived (called by `body_reader`). No head deadline runs until its
         response is written: a pipelined next head waits behind it, and its bytes must not be
         taken for a slow head. (A next head that is still incomplete then is bounded by the idle
         timeout.)"""
