@@ -496,7 +496,8 @@ def _script_shas() -> dict[str, str]:
 
 class Monitor:
     """Redis MONITOR in a thread: microsecond server timestamps of the commands the scripts run
-    for each run (enqueue XADD, state HSETs) and of the worker's pickup (HGETALL)."""
+    for each run (enqueue XADD, state HSETs, its first `delta` event) and of the worker's pickup
+    (HGETALL). `bench/real_model.py --trace` uses it too."""
 
     def __init__(self, url: str) -> None:
         self.client = redis.Redis.from_url(url)
@@ -539,6 +540,8 @@ class Monitor:
                             self._mark(parts[1][len("iop:run:"):], parts[3], t)
                     elif text.startswith("HGETALL iop:run:"):
                         self._mark(text.split(" ", 1)[1][len("iop:run:"):], "picked_up", t)
+                    elif text.startswith("XADD iop:events:") and " delta " in text:
+                        self._mark(text.split(" ", 2)[1][len("iop:events:"):], "first_delta", t)
         except Exception as exc:  # reported in the JSON
             self.error = f"{type(exc).__name__}: {exc}"
             self.ready.set()

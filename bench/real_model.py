@@ -10,6 +10,12 @@ request straight to the server and through iop, and reports time to first token 
 chunk carrying text) and total time for both, and what iop adds (p50 of each side, and p50 of
 the paired differences). Prints one JSON document.
 
+With `--trace N`, N more streamed requests go through iop under Redis MONITOR (after the
+measured ones: MONITOR slows Redis) and the JSON gets the median of each hop of the way to the
+first token: the caller's send to the `enqueue` script, to the dispatch, to the worker's start,
+to the first `delta` event (the provider's own time to first token is in this one), and from it
+to the caller receiving the first text (MONITOR's clock and the caller's are the same machine's).
+
 The provider is configured with a long probe interval: the server's `GET /v1/models` cuts a
 running stream short, and iop cannot know of the benchmark's direct requests.
 """
@@ -70,11 +76,12 @@ def start_llama(log: Path, extra: Sequence[str] = ()) -> tuple[subprocess.Popen[
 
 
 async def one(session: aiohttp.ClientSession, url: str, model: str, max_tokens: int,
-              stream: bool) -> tuple[float | None, float]:
-    """(ms to the first chunk carrying text, ms to the end) of one chat request."""
+              stream: bool, wall: dict[str, tuple[float, float]] | None = None) -> tuple[float | None, float]:
+    """(ms to the first chunk carrying text, ms to the end) of one chat request. `wall`: gets
+    the run id's (wall clock at the send, at the first text)."""
     body = {"model": model, "messages": [{"role": "user", "content": "Tell me about the sea."}],
             "max_tokens": max_tokens, "temperature": 0, "stream": stream}
-    began = time.perf_counter()
+    began, sent = time.perf_counter(), time.time()
     first = None
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
@@ -84,9 +91,35 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, max_tokens: 
                 if first is None and line.startswith(b"data: {") and b'"content":' in line \
                         and b'"content": ""' not in line and b'"content":""' not in line:
                     first = (time.perf_counter() - began) * 1000
+                    if wall is not None:
+                        wall[resp.headers.get("X-IOP-Run-Id", "")] = (sent, time.time())
         else:
             await resp.read()
     return first, (time.perf_counter() - began) * 1000
+
+
+HOPS = (("send_to_enqueue_us", "sent", "enqueued"), ("enqueue_to_dispatch_us", "enqueued", "dispatched"),
+        ("dispatch_to_start_us", "dispatched", "running"), ("start_to_first_delta_us", "running", "first_delta"),
+        ("first_delta_to_caller_us", "first_delta", "first_text"))
+
+
+async def trace(gateway: str, redis_url: str, max_tokens: int, requests: int) -> dict[str, Any]:
+    """Medians of the hops to the first token of `requests` streamed runs, under Redis MONITOR."""
+    from bench import Monitor  # bench/bench.py (this script's directory is on sys.path)
+
+    wall: dict[str, tuple[float, float]] = {}
+    with Monitor(redis_url) as monitor:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(requests):
+                await one(session, gateway, MODEL, max_tokens, True, wall)
+    hops: dict[str, list[float]] = {name: [] for name, _, _ in HOPS}
+    for run_id, (sent, first_text) in wall.items():
+        marks = {**monitor.marks.get(run_id, {}), "sent": sent, "first_text": first_text}
+        if all(a in marks and b in marks for _, a, b in HOPS):
+            for name, a, b in HOPS:
+                hops[name].append((marks[b] - marks[a]) * 1e6)
+    return {"runs": requests, "runs_fully_traced": len(hops["send_to_enqueue_us"]), "monitor_error": monitor.error,
+            **{name: round(statistics.median(v)) if v else None for name, v in hops.items()}}
 
 
 def q(values: Sequence[float]) -> dict[str, float]:
@@ -129,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--out", default=None, help="also write the JSON to this file")
+    p.add_argument("--trace", type=int, default=0, metavar="N",
+                   help="N more streamed requests through iop under Redis MONITOR: the median of each hop")
     p.add_argument("--llama-args", default="", help="more arguments for the server, e.g. '--n_threads 1 "
                    "--n_threads_batch 1' to leave the other core to iop (by default the server takes every core)")
     args = p.parse_args(argv)
@@ -166,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(0.05)
         client.close()
         result = asyncio.run(measure(direct_url, gateway, served, args))
+        if args.trace:
+            result["hops_to_first_token"] = asyncio.run(trace(gateway, redis_server.url, args.max_tokens, args.trace))
         import llama_cpp
 
         result["setup"] = {"server": f"llama-cpp-python {llama_cpp.__version__} "
