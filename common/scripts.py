@@ -400,10 +400,9 @@ redis.call('EXPIRE', KEYS[3], ttl)
 if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' then
   requeue(KEYS[1], KEYS[4], ARGV[1], ARGV[2] == 'requeue_elsewhere')
 else
+  redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
   if ARGV[8] ~= '' then
-    redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now, 'error_code', ARGV[8], 'error_message', ARGV[9])
-  else
-    redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
+    redis.call('HSET', KEYS[1], 'error_code', ARGV[8], 'error_message', ARGV[9])
   end
   ended(KEYS[1], ARGV[1], ARGV[2], ARGV[14], ARGV[15], rec[4], rec[5])
 end
