@@ -14,14 +14,14 @@ from aiohttp import web
 from common.auth import KeyRing
 from common.config import Config, ModelConfig
 from common.redisconn import REDIS_DOWN
-from common.wire import ErrorCode, RunKind
+from common.wire import ErrorCode
 from gateway import admin, catalog, metrics, runs_api, usage_api
 from gateway.auth import KEYRING, principal
 from gateway.connections import BODY, forget_body
 from gateway.errors import ApiError
 from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
-from gateway.requests import parse_request
+from gateway.requests import RUN_ROUTES, parse_request
 from gateway.responses import RUN_ID_HEADER, stream_response, whole_response
 from gateway.runs import RunClient, new_run_id
 
@@ -56,11 +56,6 @@ def _model_for(request: web.Request, model_id: str) -> ModelConfig:
 async def get_model(request: web.Request) -> web.Response:
     model = _model_for(request, request.match_info["model_id"])
     return web.json_response(_model_object(model.id, model.title, int(request.app[STARTED])))
-
-
-#: The run routes and the kind of run each asks for.
-RUN_ROUTES = {"/v1/chat/completions": RunKind.CHAT, "/v1/completions": RunKind.COMPLETION,
-              "/v1/embeddings": RunKind.EMBEDDING}
 
 
 async def run_request(request: web.Request) -> web.StreamResponse:

@@ -33,6 +33,7 @@ from common.keys import USAGE_FIELDS
 from common.metrics_http import exposition
 from common.usage import Usage, read_totals
 from gateway.admission import ConnectionGuard
+from gateway.requests import RUN_ROUTES
 
 REGISTRY = CollectorRegistry()
 
@@ -52,11 +53,10 @@ _TOKEN_SEEN = web.RequestKey("iop_token_seen", bool)
 #: the status of an error sent inside a stream that had already begun (its HTTP status was 200)
 STREAM_ERROR = web.RequestKey("iop_stream_error", int)
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
-
-
 def _endpoint(request: web.Request) -> str | None:
-    return ENDPOINTS.get(request.path) if request.method == "POST" else None
+    """The run route's kind (the `endpoint` label), for a run request."""
+    kind = RUN_ROUTES.get(request.path) if request.method == "POST" else None
+    return None if kind is None else kind.value
 
 
 def begin(request: web.Request) -> str | None:

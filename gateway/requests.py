@@ -18,6 +18,10 @@ from common.wire import RunKind
 from gateway.body_limits import depth_problem, wire_problem
 from gateway.errors import invalid
 
+#: The run routes (POST) and the kind of run each asks for.
+RUN_ROUTES = {"/v1/chat/completions": RunKind.CHAT, "/v1/completions": RunKind.COMPLETION,
+              "/v1/embeddings": RunKind.EMBEDDING}
+
 DEFAULT_MAX_DEPTH: int = RuntimeConfig().max_json_depth
 
 
