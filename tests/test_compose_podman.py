@@ -331,8 +331,9 @@ def test_redis_restarted_on_its_aof_volume_still_serves_the_queued_runs(stack: S
     async def scenario() -> int:
         client = stack.client()
         # The running runs last long enough to end after the restart: a run that ends while
-        # Redis is away for more than a few seconds cannot record its end, and its slot only
-        # comes back when its lease expires (15 s), past the queued runs' 30 s queue timeout.
+        # Redis is away keeps trying to record its end for as long as its lease (15 s) lives,
+        # which with the restart's own seconds could take the queued runs past their 30 s
+        # queue timeout.
         calls = [asyncio.create_task(ask(client, MODELS[i % 2], stream=False, sim={"ttft_ms": 12_000}))
                  for i in range(total)]
 

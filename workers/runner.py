@@ -282,7 +282,8 @@ class Runner:
                       requeue: str = "requeue", usage: tuple[int, int] = (0, 0)) -> str:
         """state None = requeue (`requeue` says how). Records `evidence` of the provider's health,
         and `usage` (prompt, completion tokens the caller got) for its key. Retries while Redis
-        is briefly away: a slot must come back."""
+        is away for as long as the lease would live: a slot must come back, and past that the
+        scheduler reaps the run anyway."""
         kind, strikes, reason = evidence
         args = [att.run_id, state.value if state else requeue, etype.value, pack(data),
                 self.config.runtime.run_ttl_s, keys.scheduler_channel(""), att.model_id,
@@ -293,10 +294,13 @@ class Runner:
                     keys.arq_in_progress(att.run_id),
                     *(keys.runs_stream(m) for m in self.config.models_of(att.provider_id))]
         backoff = Backoff(cap=1.0)
-        for _ in range(8):
+        give_up = time.monotonic() + self.config.runtime.lease_ttl_ms / 1000
+        while True:
             try:
                 result = await self.scripts.call("finish", run_keys, args)
             except REDIS_DOWN as exc:
+                if time.monotonic() > give_up:
+                    break
                 log.warning("cannot record its end (%s); retrying", exc, extra=att.log())
                 await backoff.pause()
                 continue
