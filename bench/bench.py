@@ -408,7 +408,24 @@ def command_stats(url: str, runs: int) -> dict[str, Any]:
                for name, v in stats.items() if isinstance(v, dict) and runs}
     ranked = sorted(per_run.items(), key=lambda kv: -kv[1][0])
     return {"runs": runs, "calls_per_run_incl_script_commands": round(sum(c for c, _ in per_run.values()), 1),
-            "by_command": {name: {"calls": round(c, 2), "usec": round(u, 1)} for name, (c, u) in ranked[:12]}}
+            "by_command": {name: {"calls": round(c, 2), "usec": round(u, 1)} for name, (c, u) in ranked[:12]},
+            "usec_per_call": {name: round(u / c, 2) for name, (c, u) in per_run.items() if c}}
+
+
+def unlogged_exec_us(slowlog: dict[str, Any], stats: dict[str, Any]) -> float | None:
+    """Redis time per run without SLOWLOG's own cost: at a 0 us threshold Redis logs every
+    command run inside a script too (copying its arguments), and that time is counted in the
+    script's. SLOWLOG says which commands run at top level and how often a run; INFO
+    commandstats of a plain phase at the same concurrency says what each costs a call (a
+    script's usec includes its commands). Each top-level command a run: calls x usec a call."""
+    per_call = stats.get("usec_per_call") or {}
+    total = 0.0
+    for label, entry in (slowlog.get("by_command") or {}).items():
+        cost = per_call.get(label.split(" ")[0].lower())
+        if cost is None:
+            return None
+        total += entry["per_run"] * cost
+    return round(total + float(slowlog.get("other_commands_us_per_run") or 0), 1)
 
 
 class SlowlogTrace:
@@ -737,8 +754,11 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
             with SlowlogTrace(redis_url, max_len=max(10_000, 200 * args.slowlog_requests)) as trace:
                 sl_phase = await phase(f"gateway c={c} under SLOWLOG", gateway, c,
                                        requests=args.slowlog_requests)
-            results[f"redis_exec_c{c}"] = {"commands": trace.summary(len(sl_phase.latencies_ns)),
-                                           "client": sl_phase.summary()}
+            ex = results[f"redis_exec_c{c}"] = {"commands": trace.summary(len(sl_phase.latencies_ns)),
+                                                "client": sl_phase.summary()}
+            plain = results.get(f"c{c}", {}).get("gateway", {}).get("redis_commands")
+            if plain:
+                ex["unlogged_exec_us_per_run"] = unlogged_exec_us(ex["commands"], plain)
 
         if args.monitor_requests:
             with Monitor(redis_url) as mon:
@@ -843,6 +863,8 @@ def headline(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         ex = results.get(f"redis_exec_c{c}")
         if ex:
             h[f"redis_exec_us_per_run_c{c}"] = ex["commands"].get("redis_exec_us_per_run")
+            if "unlogged_exec_us_per_run" in ex:
+                h[f"redis_exec_us_per_run_c{c}_unlogged"] = ex["unlogged_exec_us_per_run"]
     return h
 
 
@@ -887,6 +909,10 @@ def targets(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         "redis_commands_per_non_stream_run": (slow.get("top_level_commands_per_run"), 8,
                                               "top-level commands at c=1 (SLOWLOG); pipelined ones "
                                               "count one each, so round trips are at most this"),
+        "redis_exec_us_per_non_stream_run_c1": (slow.get("redis_exec_us_per_run"), 150,
+                                                "SLOWLOG at c=1, which itself adds to every script's time"),
+        "redis_exec_us_per_non_stream_run_c1_unlogged": (results.get("redis_exec_c1", {}).get(
+            "unlogged_exec_us_per_run"), 150, "the same commands at INFO commandstats' cost a call, no logging"),
     }
     out: dict[str, Any] = {}
     for name, (value, target, how) in rows.items():
@@ -1008,7 +1034,9 @@ NOTES = [
     "of iop:events:<run>: the same 1 ms resolution, a cross-check only",
     "redis_exec_c<N>: extra gateway phases with SLOWLOG logging every command (threshold 0 us): the time "
     "Redis spent executing each top-level command (network I/O and blocking waits excluded; a script's "
-    "time includes the commands it runs, which are excluded from the totals); logging adds a little",
+    "time includes the commands it runs, which are excluded from the totals). Logging costs: each command "
+    "a script runs is logged too, inside the script's time. unlogged_exec_us_per_run: the same top-level "
+    "commands a run, each at its usec a call from INFO commandstats of the plain c<N> phase (no logging)",
     "cpu: utime+stime from /proc of every process during the phase (bench-client = this script); "
     "cores_busy = sum / wall time, out of machine.nproc",
     "redis_commands (in the c<N> gateway results): INFO commandstats over that phase; commands run by "
