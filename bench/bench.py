@@ -727,9 +727,10 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
             n64, c64 = args.stream64_requests, args.stream64_concurrency
             long_g = [chat_target(stack.gateway, MODEL, 64, True, sim_tokens=64)]
             long_d = [chat_target(stack.sims[sv], sv, 64, True, sim_tokens=64) for sv in served]
+            with Profiler(stack, args.profile and str(Path(args.profile) / "stream64"), None, args.profile_format):
+                long_g_phase = await phase(f"gateway stream 64 tokens c={c64}", long_g, c64, requests=n64, stream=True)
             results[f"stream64_c{c64}"] = {
-                "gateway": (await phase(f"gateway stream 64 tokens c={c64}", long_g, c64, requests=n64,
-                                        stream=True)).summary(),
+                "gateway": long_g_phase.summary(),
                 "direct": (await phase(f"direct stream 64 tokens c={c64}", long_d, c64, requests=n64,
                                        stream=True)).summary(),
             }
@@ -947,7 +948,8 @@ class Profiler:
     """`py-spy record` of every iop process over one phase: a flame graph (SVG) per process in
     `directory`, next to the JSON. Does nothing when `directory` is None."""
 
-    def __init__(self, stack: Stack, directory: str | None, seconds: float, fmt: str = "flamegraph") -> None:
+    def __init__(self, stack: Stack, directory: str | None, seconds: float | None, fmt: str = "flamegraph") -> None:
+        """`seconds` None: until the phase ends (py-spy is stopped with SIGINT and writes then)."""
         self.stack, self.directory, self.seconds, self.fmt = stack, directory, seconds, fmt
         self.procs: list[subprocess.Popen[bytes]] = []
 
@@ -958,16 +960,19 @@ class Profiler:
         for proc in self.stack.procs:
             if process_kind(proc.name):
                 svg = Path(self.directory) / f"{proc.name}.{PROFILE_SUFFIX[self.fmt]}"
+                duration = [] if self.seconds is None else ["--duration", str(max(1, round(self.seconds)))]
                 self.procs.append(subprocess.Popen(
-                    [PY_SPY, "record", "--pid", str(proc.popen.pid), "--duration", str(max(1, round(self.seconds))),
+                    [PY_SPY, "record", "--pid", str(proc.popen.pid), *duration,
                      "--rate", "250", "--nonblocking", "--format", self.fmt, "--output", str(svg)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         return self
 
     def __exit__(self, *exc: object) -> None:
         for p in self.procs:
+            if self.seconds is None:
+                p.send_signal(signal.SIGINT)
             try:
-                _, err = p.communicate(timeout=self.seconds + 30)
+                _, err = p.communicate(timeout=(self.seconds or 0) + 30)
             except subprocess.TimeoutExpired:
                 p.kill()
                 _, err = p.communicate()
@@ -994,7 +999,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--compare", default=None, metavar="FILE",
                    help="an earlier run's JSON: print each target figure next to its value there")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="flame graphs (py-spy, SVG) of every iop process during the saturation phase, in DIR")
+                   help="flame graphs (py-spy, SVG) of every iop process during the saturation phase, in DIR, "
+                        "and during the 64-token streams, in DIR/stream64")
     p.add_argument("--profile-format", default="flamegraph", choices=sorted(PROFILE_SUFFIX),
                    help="py-spy's output format: flamegraph (SVG), raw (collapsed stacks, text) or speedscope")
     p.add_argument("--cancel-runs", type=int, default=100,

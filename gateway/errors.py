@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import OutOfMemoryError
 
+from common.jsonio import json_response
 from common.redisconn import REDIS_DOWN
 from common.wire import ErrorCode, ErrorInfo
 
@@ -96,7 +97,7 @@ class ApiError(Exception):
         }
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        return json_response(self.body(), status=self.status, headers=self.headers)
 
     def raw_response(self) -> bytes:
         """The whole HTTP/1.1 response, for a connection answered outside any handler (a request

@@ -8,10 +8,10 @@ to the provider untouched.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from common import jsonio
 from common.codec import pack
 from common.config import RuntimeConfig
 from common.wire import RunKind
@@ -118,7 +118,7 @@ def _pack(body: dict[str, Any]) -> bytes:
 
 def parse_request(kind: RunKind, raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH) -> ParsedRequest:
     try:
-        body = json.loads(raw, parse_constant=_no_constant)
+        body = jsonio.loads(raw, parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 
+from common.jsonio import dumps, json_response
 from common.wire import ErrorInfo, EventType
 from gateway import metrics
 from gateway.errors import ApiError
@@ -25,18 +25,13 @@ def with_model(obj: Any, model_id: str) -> Any:
     return obj
 
 
-#: One encoder for every chunk (`json.dumps` with options makes a new one per call).
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
-
-
 def sse(obj: Any) -> bytes:
-    return b"data: " + _COMPACT.encode(obj).encode() + b"\n\n"
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 def sse_chunks(chunks: list[Any], model_id: str) -> bytes:
-    """A delta's chunks as SSE lines, each saying `model_id`: one text, encoded once."""
-    encode = _COMPACT.encode
-    return "".join([f"data: {encode(with_model(c, model_id))}\n\n" for c in chunks]).encode()
+    """A delta's chunks as SSE lines, each saying `model_id`: one text."""
+    return b"".join([b"data: " + dumps(with_model(c, model_id)) + b"\n\n" for c in chunks])
 
 
 def answer_headers(run_id: str, limit_headers: Mapping[str, str]) -> dict[str, str]:
@@ -54,7 +49,7 @@ async def whole_response(follower: Follower, model_id: str, run_id: str,
             continue
         if event.type == EventType.COMPLETED:
             body = with_model(event.data.get("response", {}), model_id)
-            return web.json_response(body, headers=answer_headers(run_id, limit_headers))
+            return json_response(body, headers=answer_headers(run_id, limit_headers))
         if event.type == EventType.FAILED:
             raise ApiError.from_info(ErrorInfo.from_wire(event.data))
 

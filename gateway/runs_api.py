@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ from aiohttp import web
 
 from common import keys
 from common.codec import decode_event
+from common.jsonio import dumps, json_response
 from common.runview import is_terminal, run_view
 from common.wire import ErrorCode, EventType, RunField
 from gateway.auth import principal
@@ -58,7 +58,7 @@ def _sse(event: Event, model_id: str) -> bytes:
     elif event.type == EventType.COMPLETED and isinstance(data.get("response"), dict):
         data = {**data, "response": with_model(data["response"], model_id)}
     head = f"id: {event.id}\n" if _STREAM_ID.fullmatch(event.id) else ""
-    return f"{head}event: {event.type}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+    return f"{head}event: {event.type}\ndata: ".encode() + dumps(data) + b"\n\n"
 
 
 def _owner(raw: dict[bytes, bytes]) -> str | None:
@@ -81,7 +81,7 @@ class RunsApi:
 
     async def get(self, request: web.Request) -> web.Response:
         view = await self._view(request, request.match_info["run_id"])
-        return web.json_response(view, headers={RUN_ID_HEADER: view["id"]})
+        return json_response(view, headers={RUN_ID_HEADER: view["id"]})
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         run_id = request.match_info["run_id"]
@@ -140,7 +140,7 @@ class RunsApi:
         if await runs.cancel(run_id, view["model"], "cancelled through the runs API") == "signalled":
             await self._until_ended(run_id, after)
         view = await self._view(request, run_id)
-        return web.json_response(view, status=200 if is_terminal(view) else 202, headers={RUN_ID_HEADER: run_id})
+        return json_response(view, status=200 if is_terminal(view) else 202, headers={RUN_ID_HEADER: run_id})
 
     async def _until_ended(self, run_id: str, after: str) -> None:
         try:

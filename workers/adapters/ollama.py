@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 
+from common import jsonio
 from common.chunks import wants_usage
 from common.config import ProviderConfig
 from common.policy import Health
@@ -65,7 +66,7 @@ class NDJSONParser:
         out = []
         for line in self.lines.feed(data):
             if line.strip():
-                obj = json.loads(line)
+                obj = jsonio.loads(line)
                 if isinstance(obj, dict):
                     out.append(obj)
         return out
@@ -119,8 +120,9 @@ class OllamaAdapter:
             raise self._unsupported(exc) from None
 
     def _post(self, path: str, native: Json, request_id: str) -> Any:
-        return self.session.post(self.root + path, json=native,
-                                 headers={"X-Request-Id": upstream_request_id(request_id)}, timeout=self.timeout)
+        return self.session.post(self.root + path, data=jsonio.dumps(native),
+                                 headers={"X-Request-Id": upstream_request_id(request_id),
+                                          "Content-Type": "application/json"}, timeout=self.timeout)
 
     # ------------------------------------------------------------------ runs
     async def complete(self, kind: RunKind, body: Json, request_id: str) -> Json:

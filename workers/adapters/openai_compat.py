@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from common import jsonio
 from common.chunks import finishes
 from common.config import ProviderConfig
 from common.policy import Health
@@ -103,7 +104,7 @@ class SSEParser:
             if payload == b"[DONE]":
                 self.done = True
                 continue
-            obj = json.loads(payload)
+            obj = jsonio.loads(payload)
             if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
                 message = one_line(str(obj["error"].get("message") or "no message"), self.limits.error_chars)
                 raise ProviderError(f"provider {self.provider_id} sent an error: {message}", detail=obj["error"],
@@ -172,7 +173,8 @@ class OpenAICompatAdapter:
         )
 
     def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
-        return self.session.post(self.root + PATHS[kind], json=body, headers=self._headers(run_id),
+        return self.session.post(self.root + PATHS[kind], data=jsonio.dumps(body),
+                                 headers={**self._headers(run_id), "Content-Type": "application/json"},
                                  timeout=self.timeout)
 
     def _failed(self, exc: BaseException) -> ProviderError:
@@ -183,7 +185,7 @@ class OpenAICompatAdapter:
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp)
-                data = json.loads(await read_whole(resp, self.provider.id, self.limits))
+                data = jsonio.loads(await read_whole(resp, self.provider.id, self.limits))
         except ProviderError as exc:
             raise self._clean(exc) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
