@@ -421,9 +421,12 @@ def unlogged_exec_us(slowlog: dict[str, Any], stats: dict[str, Any]) -> float | 
     per_call = stats.get("usec_per_call") or {}
     total = 0.0
     for label, entry in (slowlog.get("by_command") or {}).items():
-        cost = per_call.get(label.split(" ")[0].lower())
-        if cost is None:
+        name = label.split(" ")[0].lower()
+        # a command with subcommands is counted per subcommand there (`xinfo|consumers`)
+        costs = [v for k, v in per_call.items() if k == name or k.startswith(name + "|")]
+        if not costs:
             return None
+        cost = max(costs)
         total += entry["per_run"] * cost
     return round(total + float(slowlog.get("other_commands_us_per_run") or 0), 1)
 
