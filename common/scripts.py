@@ -240,27 +240,28 @@ if rec[1] ~= 'queued' then
   return 'gone'
 end
 local live, oldest_beat = '(' .. now, now - tonumber(ARGV[7])
-local best, best_n, best_cap, best_class
+local best, best_n, best_cap, best_class, best_probing
 for j = 0, (#KEYS - 3) / 8 - 1 do
   local k, a = 4 + 8 * j, 9 + 4 * j
   local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity')
-  if hb[1] == 'available' and tonumber(hb[2]) and tonumber(hb[2]) >= oldest_beat
-      and redis.call('EXISTS', KEYS[k + 3], KEYS[k + 4]) == 0 then
-    local cap = tonumber(redis.call('GET', KEYS[k + 2]) or hb[3])
+  if hb[1] == 'available' and tonumber(hb[2]) and tonumber(hb[2]) >= oldest_beat then
+    -- the operator's capacity override, drain and cordon, and the probing lock: all strings
+    local ops = redis.call('MGET', KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5])
+    local cap = tonumber(ops[1] or hb[3])
     local class = tonumber(ARGV[a])
-    if cap and cap > 0 then
+    if not ops[2] and not ops[3] and cap and cap > 0 then
       local n = redis.call('ZCOUNT', KEYS[k + 1], live, '+inf')
       if n < cap and (best == nil or class < best_class or (class == best_class and (
           n * best_cap < best_n * cap or (n * best_cap == best_n * cap and cap > best_cap))))
       then
-        best, best_n, best_cap, best_class = j, n, cap, class
+        best, best_n, best_cap, best_class, best_probing = j, n, cap, class, ops[4]
       end
     end
   end
 end
 if best == nil then return 'stale' end
 local k, a = 4 + 8 * best, 9 + 4 * best
-if redis.call('EXISTS', KEYS[k + 5]) == 1 then return 'probing' end
+if best_probing then return 'probing' end
 local provider, node, target = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
 local ttl = tonumber(ARGV[5])
 redis.call('ZADD', KEYS[k + 1], now + tonumber(ARGV[4]), ARGV[1])
@@ -308,10 +309,11 @@ local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, canc
   end
   redis.call('ZADD', lease, 'XX', now + tonumber(lease_ttl_ms), run_id)
   redis.call('HSET', record, 'state', 'running', 'started_ms', now, 'worker', worker)
-  redis.call('EXPIRE', record, ttl)
+  -- no EXPIRE of the record or the events here, nor in EMIT: DISPATCH set both to ttl_s, which
+  -- outlasts the attempt (config: run_ttl_s > queue_timeout_ms + execution_timeout_ms), and the
+  -- script that ends the attempt sets them again
   local attempt = tonumber(r['attempts'] or '1')
   add_event(record, events, run_id, 'started', cmsgpack.pack({attempt = attempt}), r['watchers'] or false)
-  redis.call('EXPIRE', events, ttl)
   -- the record as it was read, now running (`started_ms` and `worker` are not in it)
   for i = 1, #flat, 2 do
     if flat[i] == 'state' then flat[i + 1] = 'running' end
@@ -447,14 +449,14 @@ return 'ok'
 
 # Publish output of one attempt, only while that attempt still owns the run, and while the run's
 # event stream holds fewer than its limit. Returns 1, 0 if the attempt lost the run, 2 if full.
-# KEYS: run record, events   ARGV: attempt, event type, event data, ttl_s, max events, run id
+# The events' TTL stays as DISPATCH set it (see `_START`).
+# KEYS: run record, events   ARGV: attempt, event type, event data, max events, run id
 EMIT = _EVENTS + """
 local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'output')
 if rec[1] ~= 'running' or rec[2] ~= ARGV[1] then return 0 end
-if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[5]) then return 2 end
-add_event(KEYS[1], KEYS[2], ARGV[6], ARGV[2], ARGV[3], rec[3])
+if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[4]) then return 2 end
+add_event(KEYS[1], KEYS[2], ARGV[5], ARGV[2], ARGV[3], rec[3])
 if ARGV[2] == 'delta' and rec[4] ~= '1' then redis.call('HSET', KEYS[1], 'output', '1') end
-redis.call('EXPIRE', KEYS[2], ARGV[4])
 return 1
 """
 

@@ -202,6 +202,33 @@ async def test_a_run_whose_lease_is_gone_is_left_to_the_reaper_not_cancelled(red
     assert await redis.hget(keys.run_record(run_id), "state") == b"running"  # untouched: the reaper's now
 
 
+async def test_a_run_s_record_and_events_expire_at_every_step(redis: Redis) -> None:
+    # Only enqueue, dispatch and the end of an attempt set the TTLs; start and each event leave
+    # them: the one dispatch set outlasts the attempt (run_ttl_s > queue + execution timeouts).
+    from tests.test_cancel import StallingAdapter, dispatched_run
+
+    client, sched, run_id = await dispatched_run(redis, lease_ttl_ms=600)  # renewal sees the cancel
+    ttl_s = client.config.runtime.run_ttl_s
+    record, run_events = keys.run_record(run_id), keys.run_events(run_id)
+
+    async def ttls() -> list[int]:
+        return [await redis.ttl(record), await redis.ttl(run_events)]
+
+    assert all(0 < t <= ttl_s for t in await ttls())  # dispatched
+    execution = asyncio.create_task(Runner(redis, client.config, "n-a", {"a": StallingAdapter()}).execute(run_id))
+
+    async def running() -> bool:
+        return bool(await redis.hget(record, "state") == b"running")
+
+    await async_wait_until(running, what="the run to start")
+    assert all(0 < t <= ttl_s for t in await ttls())  # running
+    await redis.expire(record, 100)
+    await redis.expire(run_events, 100)
+    assert await client.cancel(run_id, MODEL, "enough") == "signalled"
+    assert await execution == "cancelled:ok"
+    assert all(ttl_s - 5 < t <= ttl_s for t in await ttls())  # its end set them again
+
+
 async def test_a_worker_takes_a_job_and_its_run_ends_with_the_job_off_the_queue(redis: Redis,
                                                                                redis_url: str) -> None:
     """The `take` script claims the job and starts the run in one trip; `finish` takes the job

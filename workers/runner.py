@@ -259,7 +259,7 @@ class Runner:
         packed = pack(data)
         if att.output_bytes + len(packed) > rt.max_output_bytes:
             raise OutputTooLarge(f"the run's output passed runtime.max_output_bytes ({rt.max_output_bytes} bytes)")
-        args = [att.attempt, etype.value, packed, rt.run_ttl_s, rt.max_events_per_run, att.run_id]
+        args = [att.attempt, etype.value, packed, rt.max_events_per_run, att.run_id]
         backoff = Backoff(cap=1.0)
         give_up = time.monotonic() + rt.lease_ttl_ms / 1000
         while True:
