@@ -11,7 +11,8 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -20,7 +21,7 @@ from common.policy import Health
 from common.wire import RunKind
 from tests.openapi import validate
 from workers.adapters.base import ProviderError
-from workers.adapters.cli import CliAdapter, argv_for, find_executable
+from workers.adapters.cli import CliAdapter, ToolRun, argv_for, find_executable
 from workers.adapters.prompt_text import flatten_messages
 
 SCRIPT = str(Path(__file__).resolve().parent / "fakes" / "cli_llm.py")
@@ -180,6 +181,27 @@ async def test_a_timeout_kills_the_whole_process_group(tmp_path: Path) -> None:
     with pytest.raises(TimeoutError):
         await task
     wait_gone(read_pids(pid_file))
+
+
+async def test_a_cancel_as_output_arrives_is_not_lost() -> None:
+    # The run's deadline cancels the read in the very step its output came. (asyncio.wait_for on
+    # Python 3.11 returned the output instead and the run went on, here waiting for more forever.)
+    tool = ToolRun(adapter().provider, [], {}, b"")
+    stdout = asyncio.StreamReader()
+    tool.proc = cast(Any, SimpleNamespace(stdout=stdout))
+    got: list[str] = []
+
+    async def consume() -> None:
+        async for text in tool.reads():
+            got.append(text)
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0)  # it waits for output
+    stdout.feed_data(b"word ")
+    await asyncio.sleep(0)  # the read has its data; the reader has not resumed yet
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=10)
+    assert task in done and task.cancelled()
 
 
 async def test_silence_longer_than_read_timeout_fails_and_kills(tmp_path: Path) -> None:

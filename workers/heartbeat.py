@@ -158,8 +158,9 @@ class Heartbeats:
             except Exception:  # a bug in a probe must not silence the heartbeat for good
                 self.last.pop(provider.id, None)
                 log.exception("heartbeat of %s failed", provider.id)
-            try:
-                await asyncio.wait_for(wake.wait(), max(0.0, interval - (loop.time() - began)))
+            try:  # asyncio.timeout, not wait_for, which on Python 3.11 may drop a cancel
+                async with asyncio.timeout(max(0.0, interval - (loop.time() - began))):
+                    await wake.wait()
             except TimeoutError:
                 pass
 

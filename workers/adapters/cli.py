@@ -98,7 +98,10 @@ class ToolRun:
         silence = self.provider.read_timeout_ms / 1000
         while True:
             try:
-                data = await asyncio.wait_for(self.proc.stdout.read(READ_SIZE), silence)
+                # not asyncio.wait_for: on Python 3.11 it drops a cancel (the run's own deadline)
+                # that arrives as the read completes, and the run would go on past its timeout
+                async with asyncio.timeout(silence):
+                    data = await self.proc.stdout.read(READ_SIZE)
             except TimeoutError:
                 raise ProviderError(f"provider {self.provider.id} produced no output for "
                                     f"{self.provider.read_timeout_ms} ms") from None
