@@ -253,24 +253,15 @@ class Runner:
 
     # ------------------------------------------------------------------ redis
     async def _emit(self, att: Attempt, etype: EventType, data: dict[str, Any]) -> None:
-        """Add an event to the run, within its limits. Rides out a Redis restart: the run goes on
-        if Redis is back before the lease could expire (else the lease is reaped anyway)."""
+        """Add an event to the run, within its limits. Rides out a Redis restart
+        (`_call_while_leased`)."""
         rt = self.config.runtime
         packed = pack(data)
         if att.output_bytes + len(packed) > rt.max_output_bytes:
             raise OutputTooLarge(f"the run's output passed runtime.max_output_bytes ({rt.max_output_bytes} bytes)")
         args = [att.attempt, etype.value, packed, rt.max_events_per_run, att.run_id]
-        backoff = Backoff(cap=1.0)
-        give_up = time.monotonic() + rt.lease_ttl_ms / 1000
-        while True:
-            try:
-                ok = await self.scripts.call("emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)], args)
-                break
-            except REDIS_DOWN as exc:
-                if time.monotonic() > give_up:
-                    raise LeaseLost(att.run_id) from exc
-                log.warning("Redis unavailable while emitting (%s); retrying", exc, extra=att.log())
-                await backoff.pause()
+        ok = await self._call_while_leased(att, "emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
+                                           args, "emitting")
         if ok == 2:
             raise OutputTooLarge(f"the run's output passed runtime.max_events_per_run ({rt.max_events_per_run} events)")
         if not ok:
@@ -281,9 +272,8 @@ class Runner:
                       info: ErrorInfo | None = None, *, evidence: Evidence = NO_EVIDENCE,
                       requeue: str = "requeue", usage: tuple[int, int] = (0, 0)) -> str:
         """state None = requeue (`requeue` says how). Records `evidence` of the provider's health,
-        and `usage` (prompt, completion tokens the caller got) for its key. Retries while Redis
-        is away for as long as the lease would live: a slot must come back, and past that the
-        scheduler reaps the run anyway."""
+        and `usage` (prompt, completion tokens the caller got) for its key. Rides out a Redis
+        restart (`_call_while_leased`): a slot must come back."""
         kind, strikes, reason = evidence
         args = [att.run_id, state.value if state else requeue, etype.value, pack(data),
                 self.config.runtime.run_ttl_s, keys.scheduler_channel(""), att.model_id,
@@ -293,24 +283,31 @@ class Runner:
                     keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id), keys.node_queue(self.node_id),
                     keys.arq_in_progress(att.run_id),
                     *(keys.runs_stream(m) for m in self.config.models_of(att.provider_id))]
+        try:
+            result = await self._call_while_leased(att, "finish", run_keys, args, "recording its end")
+        except LeaseLost:
+            return "unrecorded"  # the lease expires and the scheduler reaps the run
+        metrics.RUNS.labels(att.model_id, att.provider_id, state.value if state else "requeued").inc()
+        if kind == "fail":
+            self.on_strike(att.provider_id)
+        elif kind == "ok":
+            self.on_life(att.provider_id)
+        return f"{state.value if state else 'requeued'}:{result.decode()}"
+
+    async def _call_while_leased(self, att: Attempt, script: str, run_keys: list[str], args: list[Any],
+                                 doing: str) -> Any:
+        """Run one of the attempt's scripts, riding out a Redis restart for as long as the lease
+        could live; past that it is reaped anyway, and LeaseLost is raised."""
         backoff = Backoff(cap=1.0)
         give_up = time.monotonic() + self.config.runtime.lease_ttl_ms / 1000
         while True:
             try:
-                result = await self.scripts.call("finish", run_keys, args)
+                return await self.scripts.call(script, run_keys, args)
             except REDIS_DOWN as exc:
                 if time.monotonic() > give_up:
-                    break
-                log.warning("cannot record its end (%s); retrying", exc, extra=att.log())
+                    raise LeaseLost(att.run_id) from exc
+                log.warning("Redis unavailable while %s (%s); retrying", doing, exc, extra=att.log())
                 await backoff.pause()
-                continue
-            metrics.RUNS.labels(att.model_id, att.provider_id, state.value if state else "requeued").inc()
-            if kind == "fail":
-                self.on_strike(att.provider_id)
-            elif kind == "ok":
-                self.on_life(att.provider_id)
-            return f"{state.value if state else 'requeued'}:{result.decode()}"
-        return "unrecorded"  # the lease expires and the scheduler reaps the run
 
     async def _renew(self, att: Attempt, task: asyncio.Task[Any]) -> None:
         rt = self.config.runtime
