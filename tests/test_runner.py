@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common import keys
 from common.codec import unpack
 from common.policy import Health
+from common.redisconn import Backoff
 from common.scripts import Scripts
 from common.wire import RunKind
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until
 from tests.test_scheduler import MODEL, beat, make_config, waiting_runs
+from workers import runner as runner_module
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
 from workers.runner import Runner
 
@@ -341,3 +346,46 @@ async def test_a_started_run_calls_its_provider_before_the_worker_pops_its_wake_
     finally:
         await asyncio.gather(*worker.tasks.values())
         await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_run_s_end_is_recorded_however_many_tries_redis_takes_while_the_lease_lives(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Redis away for 12 tries (more than the 8 the end once had), then back: the slot comes back.
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
+    real_call, failures = runner.scripts.call, [0]
+
+    async def flaky(name: str, run_keys: Any, args: Any) -> Any:
+        if name == "finish" and failures[0] < 12:
+            failures[0] += 1
+            raise RedisConnectionError("Redis is restarting")
+        return await real_call(name, run_keys, args)
+
+    async def no_pause(self: Backoff) -> None:  # the clock need not move: the lease is far off
+        return None
+
+    monkeypatch.setattr(runner.scripts, "call", flaky)
+    monkeypatch.setattr(Backoff, "pause", no_pause)
+    assert await runner.execute(run_id) == "completed:ok" and failures == [12]
+    assert await redis.zcard(keys.leases("a")) == 0
+
+
+async def test_a_run_s_end_is_given_up_once_its_lease_could_have_expired(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
+    real_call, clock = runner.scripts.call, [0.0]
+
+    async def down(name: str, run_keys: Any, args: Any) -> Any:
+        if name == "finish":
+            raise RedisConnectionError("Redis is away")
+        return await real_call(name, run_keys, args)
+
+    async def pause(self: Backoff) -> None:  # each pause moves the clock by a second
+        clock[0] += 1.0
+
+    monkeypatch.setattr(runner.scripts, "call", down)
+    monkeypatch.setattr(Backoff, "pause", pause)
+    monkeypatch.setattr(runner_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))  # the runner's clock only
+    assert await runner.execute(run_id) == "unrecorded"
+    assert clock[0] > sched.config.runtime.lease_ttl_ms / 1000  # it tried for as long as the lease lived
