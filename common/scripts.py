@@ -139,9 +139,20 @@ end
 
 # What a run or a probe showed about a provider's health (`workers.health`), added to its
 # heartbeat hash if it has one: 'ok' (a sign of life) resets the strikes, 'fail' adds some.
+# `fresh_ms` (runs' ends give it): an 'ok' is not written when the hash holds one younger than
+# that and no strikes, so a busy provider costs one read a run, not a write. (Its probe may then
+# come up to `fresh_ms` early: the worker keeps it well under the probe interval.)
 _EVIDENCE = """
-local function evidence(hb, kind, strikes, reason, health)
-  if kind == '' or redis.call('EXISTS', hb) == 0 then return end
+local function evidence(hb, kind, strikes, reason, health, fresh_ms)
+  if kind == '' then return end
+  local known = false  -- whether the hash is known to exist
+  if kind == 'ok' and fresh_ms then
+    local seen = redis.call('HMGET', hb, 'ok_ms', 'fails')
+    local ok_ms = tonumber(seen[1])
+    if ok_ms and now - ok_ms < tonumber(fresh_ms) and (seen[2] == '0' or not seen[2]) then return end
+    known = ok_ms ~= nil
+  end
+  if not known and redis.call('EXISTS', hb) == 0 then return end
   if kind == 'ok' then
     redis.call('HSET', hb, 'ok_ms', now, 'fails', 0)
   else
@@ -152,9 +163,10 @@ end
 """
 
 # Queue a run, unless its API key is at a limit, no provider of the model is available, or the
-# model's queue is full. The key's limits are exact across gateways: its in-flight runs are a set
-# of run ids (left by `account` when a run ends; the score bounds a member's life, should an end
-# ever go unrecorded), its requests of the last minute a sliding window of run ids.
+# model's queue is full; once only for a run id. The key's limits are exact across gateways: its
+# in-flight runs are a set of run ids (left by `account` when a run ends; the score bounds a
+# member's life, should an end ever go unrecorded), its requests of the last minute a sliding
+# window of run ids.
 # KEYS: runs stream, run record, key in-flight set, key requests window, heartbeat keys of the
 #       model's providers...
 # ARGV: run id, max_queue, ttl_s, model, kind, stream flag, body, key name, max_in_flight (0: none),
@@ -163,6 +175,9 @@ end
 # Returns {'ok', entry, requests left in the window (-1: no window)}, {'key_in_flight', n},
 # {'key_rate', n, ms until a request leaves the window}, {'unavailable', queued} or {'full', queued}.
 ENQUEUE = _NOW + """
+-- the same call made again (a dropped connection lost its reply, and the client sent it again):
+-- the run is queued already, and must not be queued twice (nor refused by its own limits)
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'ok', redis.call('HGET', KEYS[2], 'entry') or '', -1} end
 local max_in_flight, rpm = tonumber(ARGV[9]), tonumber(ARGV[10])
 if max_in_flight > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
@@ -386,7 +401,8 @@ return 1
 # ARGV: run id, state (completed|failed|cancelled|requeue|requeue_elsewhere), event type, event
 #       data, ttl_s, replica channel prefix, model, error code, error message, attempt,
 #       evidence ('ok'|'fail'|''), strikes, failure reason, prompt tokens, completion tokens
-# (the usage the caller got, added to its key's by `_ENDED` when the run ends here)
+#       (the usage the caller got, added to its key's by `_ENDED` when the run ends here), how
+#       fresh an 'ok' must be to be written again (ms, `_EVIDENCE`)
 FINISH = _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + """
 local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model')
 local state = rec[1]
@@ -395,7 +411,7 @@ if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' e
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('DEL', KEYS[7])
-evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable')
+evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable', ARGV[16])
 local ttl = tonumber(ARGV[5])
 add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4], rec[3])
 redis.call('EXPIRE', KEYS[3], ttl)
@@ -450,13 +466,22 @@ return 'ok'
 # Publish output of one attempt, only while that attempt still owns the run, and while the run's
 # event stream holds fewer than its limit. Returns 1, 0 if the attempt lost the run, 2 if full.
 # The events' TTL stays as DISPATCH set it (see `_START`).
-# KEYS: run record, events   ARGV: attempt, event type, event data, max events, run id
+# Each emit of an attempt carries its number (1, 2, ...), kept in the record as `emitted`
+# ("attempt:n"): the same emit made again (a dropped connection lost the reply, and the client
+# sent it again) adds nothing, so the caller never gets the same output twice.
+# KEYS: run record, events   ARGV: attempt, event type, event data, max events, run id, emit number
 EMIT = _EVENTS + """
-local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'output')
+local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'output', 'emitted')
 if rec[1] ~= 'running' or rec[2] ~= ARGV[1] then return 0 end
+local emitted = ARGV[1] .. ':' .. ARGV[6]
+if rec[5] == emitted then return 1 end
 if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[4]) then return 2 end
 add_event(KEYS[1], KEYS[2], ARGV[5], ARGV[2], ARGV[3], rec[3])
-if ARGV[2] == 'delta' and rec[4] ~= '1' then redis.call('HSET', KEYS[1], 'output', '1') end
+if ARGV[2] == 'delta' and rec[4] ~= '1' then
+  redis.call('HSET', KEYS[1], 'emitted', emitted, 'output', '1')
+else
+  redis.call('HSET', KEYS[1], 'emitted', emitted)
+end
 return 1
 """
 

@@ -88,8 +88,12 @@ async def test_a_completion_callers_gateway_gets_output_and_end_only_until_it_fo
     await redis.hset(record, mapping={"state": "running", "attempts": "1",
                                       "watchers": f"gw-a{keys.OUTPUT_ONLY},gw-b"})
 
+    emitted = 0
+
     async def emit(etype: str) -> None:
-        assert await scripts.call("emit", [record, events], ["1", etype, pack({}), 1000, "run_w"]) == 1
+        nonlocal emitted
+        emitted += 1
+        assert await scripts.call("emit", [record, events], ["1", etype, pack({}), 1000, "run_w", emitted]) == 1
 
     async def inbox(gateway: str) -> list[str]:
         return [fields[b"type"].decode() for _, fields in await redis.xrange(keys.gateway_inbox(gateway))]

@@ -170,6 +170,30 @@ async def test_attempts_leave_their_evidence_in_the_heartbeat(redis: Redis) -> N
     assert fails == "0" and ok_ms is not None and lived == ["a"]
 
 
+async def test_a_run_s_end_writes_a_sign_of_life_only_when_the_last_is_older_than_a_quarter_probe_interval(
+        redis: Redis) -> None:
+    """A busy provider costs a read per run, not a write; a strike is always reset; the probe
+    interval (5 s by default) decides how fresh is fresh (1 s at most)."""
+    async def end_one(ok_ms: int | None, fails: int = 0) -> str | None:
+        sched, run_id = await start_one(redis, {"a": 1}, max_attempts=1)
+        hb = keys.heartbeat("a")
+        if ok_ms is not None:
+            await redis.hset(hb, mapping={"ok_ms": ok_ms, "fails": fails})
+        runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
+        assert (await runner.execute(run_id)).startswith("completed")
+        ok, left = await fields(redis, hb, "ok_ms", "fails")
+        assert left == "0"
+        await redis.flushdb()
+        return ok
+
+    now = await redis.time()
+    now_ms = now[0] * 1000 + now[1] // 1000
+    assert await end_one(now_ms - 300) == str(now_ms - 300)  # fresh: left as it was
+    assert int(await end_one(now_ms - 5000) or 0) >= now_ms  # older than 1 s: written
+    assert int(await end_one(now_ms - 300, fails=2) or 0) >= now_ms  # strikes: written, and reset
+    assert int(await end_one(None) or 0) >= now_ms  # none yet: written
+
+
 async def test_no_run_is_dispatched_while_a_disturbing_probe_is_out(redis: Redis) -> None:
     config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000})
     await beat(redis, config)

@@ -61,6 +61,8 @@ class Attempt:
     output: bool = False
     #: bytes of output stored in the run's events so far
     output_bytes: int = 0
+    #: events this attempt emitted so far (each emit is numbered: the `emit` script adds it once)
+    emitted: int = 0
     cancel_reason: str | None = None
     #: the lease was lost (its renewal found it gone): the run is the scheduler's to requeue or fail
     lease_lost: bool = False
@@ -259,13 +261,14 @@ class Runner:
         packed = pack(data)
         if att.output_bytes + len(packed) > rt.max_output_bytes:
             raise OutputTooLarge(f"the run's output passed runtime.max_output_bytes ({rt.max_output_bytes} bytes)")
-        args = [att.attempt, etype.value, packed, rt.max_events_per_run, att.run_id]
+        args = [att.attempt, etype.value, packed, rt.max_events_per_run, att.run_id, att.emitted + 1]
         ok = await self._call_while_leased(att, "emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
                                            args, "emitting")
         if ok == 2:
             raise OutputTooLarge(f"the run's output passed runtime.max_events_per_run ({rt.max_events_per_run} events)")
         if not ok:
             raise LeaseLost(att.run_id)
+        att.emitted += 1
         att.output_bytes += len(packed)
 
     async def _finish(self, att: Attempt, state: RunState | None, etype: EventType, data: dict[str, Any],
@@ -278,7 +281,7 @@ class Runner:
         args = [att.run_id, state.value if state else requeue, etype.value, pack(data),
                 self.config.runtime.run_ttl_s, keys.scheduler_channel(""), att.model_id,
                 info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes, reason,
-                *usage]
+                *usage, self._fresh_ms(att.provider_id)]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
                     keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id), keys.node_queue(self.node_id),
                     keys.arq_in_progress(att.run_id),
@@ -293,6 +296,12 @@ class Runner:
         elif kind == "ok":
             self.on_life(att.provider_id)
         return f"{state.value if state else 'requeued'}:{result.decode()}"
+
+    def _fresh_ms(self, provider_id: str) -> int:
+        """How old a provider's last sign of life may be before a run's end writes a new one: a
+        quarter of its probe interval (so a provider serving runs is never probed), at most 1 s."""
+        interval = self.config.provider(provider_id).probe_interval_ms or self.config.runtime.probe_interval_ms
+        return min(1000, interval // 4)
 
     async def _call_while_leased(self, att: Attempt, script: str, run_keys: list[str], args: list[Any],
                                  doing: str) -> Any:
