@@ -286,7 +286,7 @@ local tried = rec[2]
 redis.call('HSET', KEYS[2], 'state', 'dispatched', 'provider', provider, 'node', node, 'target', target,
   'dispatched_ms', now, 'tried', tried and (tried .. ',' .. provider) or provider,
   'attempts', (tonumber(rec[3]) or 0) + 1)
-redis.call('HDEL', KEYS[2], 'entry')
+-- (its `entry` stays: it is read only while the run is queued, and a requeue writes the new one)
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('ZADD', KEYS[k + 6], now, ARGV[1])
 if redis.call('LPUSH', KEYS[k + 7], ARGV[1]) > 1024 then redis.call('LTRIM', KEYS[k + 7], 0, 1023) end

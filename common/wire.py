@@ -116,7 +116,7 @@ class RunField(StrEnum):
     BODY = "body"  # msgpack of the caller's request body
     STATE = "state"
     CREATED_MS = "created_ms"
-    ENTRY = "entry"  # id of its entry in the model's runs stream while queued
+    ENTRY = "entry"  # id of its entry in the model's runs stream (read only while it is queued)
     ATTEMPTS = "attempts"
     PROVIDER = "provider"
     NODE = "node"
@@ -125,6 +125,7 @@ class RunField(StrEnum):
     STARTED_MS = "started_ms"
     FINISHED_MS = "finished_ms"
     OUTPUT = "output"  # "1" once any output was published to the caller
+    EMITTED = "emitted"  # "{attempt}:{n}": the last event the attempt emitted (the same emit again adds nothing)
     TRIED = "tried"  # comma-separated providers of every attempt so far
     WORKER = "worker"  # host:pid of the worker running the current attempt (shown to operators only)
     KEY = "key"  # the name of the API key that started it ("anonymous" without keys)

@@ -353,10 +353,21 @@ def test_redis_restarted_on_its_aof_volume_still_serves_the_queued_runs(stack: S
         began = time.monotonic()
         stack.project.compose("restart", "redis")
         stack.record(redis_restart_began_s=round(began - sent, 1), redis_restart_s=round(time.monotonic() - began, 1))
+        states: list[dict[str, str]] = []
+
+        async def watch() -> None:  # what Redis holds while the runs wait, for a failure's diagnosis
+            while True:
+                await asyncio.sleep(5)
+                states.append({"at_s": f"{time.monotonic() - sent:.1f}", **await asyncio.to_thread(redis_state, stack)})
+
+        watcher = asyncio.create_task(watch())
         answers = await asyncio.gather(*calls, return_exceptions=True)
+        watcher.cancel()
         await client.close()
         stack.record(redis_restart_answered_s=sorted(answered_s))
         texts = [a if isinstance(a, BaseException) else a[1] for a in answers]
+        if texts != [TOKENS] * total:  # with the saved logs
+            stack.record(redis_states_while_waiting=states)
         # the figures as text: pytest would cut a dict short
         assert texts == [TOKENS] * total, json.dumps(stack.figures)
         return int(queued)
@@ -366,6 +377,20 @@ def test_redis_restarted_on_its_aof_volume_still_serves_the_queued_runs(stack: S
     assert stack.project.logs(redis).count(loaded) == loads_before + 1  # the restart read the AOF
     assert int(stack.project.inspect(redis, "{{.RestartCount}}")) == 0  # restarted by us, not by a crash
     stack.record(queued_across_redis_restart=queued)
+
+
+def redis_state(stack: Stack) -> dict[str, str]:
+    """The pool as Redis holds it: each provider's heartbeat and leases, each model's queue and
+    what the scheduler replicas hold of it, the live replicas."""
+    state = {"time": stack.redis_cli("TIME"), "schedulers": stack.redis_cli("KEYS", keys.scheduler_alive("*"))}
+    for provider in (p.id for n in POOL.nodes for p in n.providers):
+        state[f"heartbeat {provider}"] = stack.redis_cli("HGETALL", keys.heartbeat(provider))
+        state[f"leases {provider}"] = stack.redis_cli("ZRANGE", keys.leases(provider), "0", "-1", "WITHSCORES")
+    for model in MODELS:
+        stream = keys.runs_stream(model)
+        state[f"queue {model}"] = stack.redis_cli("XRANGE", stream, "-", "+")
+        state[f"pending {model}"] = stack.redis_cli("XPENDING", stream, keys.SCHEDULER_GROUP, "-", "+", "100")
+    return state
 
 
 def test_every_container_stops_cleanly_and_down_leaves_nothing_behind(stack: Stack) -> None:
