@@ -6,7 +6,8 @@ container's healthcheck passes with `iop` as a non-root PID 1, the official `ope
 is answered on the published port (stream and not), the catalog shows every provider
 available, a worker service scaled to three containers shares the runs, a worker container
 killed mid-run still has its caller answered, every worker given SIGTERM finishes its runs,
-Redis restarted on its AOF volume still serves the runs queued before, every container stops
+Redis restarted on its AOF volume still serves the runs queued before (once iop's processes
+reach it again: podman's DNS may take tens of seconds), every container stops
 cleanly on SIGTERM, and `down -v` leaves nothing behind.
 
 .ci/podman-setup prepares the machine (engine, stand-in base images); without it this module
@@ -323,17 +324,34 @@ def test_workers_given_sigterm_finish_their_runs_within_the_grace(stack: Stack) 
 
 
 def test_redis_restarted_on_its_aof_volume_still_serves_the_queued_runs(stack: Stack) -> None:
+    """`compose restart redis` with runs running and runs queued: every caller gets an answer,
+    and the queued runs are served once iop's processes reach Redis again.
+
+    podman gives the restarted container a new address, and its DNS (aardvark-dns 1.4, Debian's)
+    may leave the name unanswered for tens of seconds after a restart (one lookup took 20 s here,
+    the next 10 s), so the processes may reach Redis only that late; Docker's DNS does not do
+    this. So the test measures when they are back (both scheduler replicas alive again, every
+    provider's heartbeat written after the restart). Back well within the queue timeout, every
+    run must be served; back later, a run may also fail with 504 `queue_timeout`, as iop says it
+    does for a run that waited its queue timeout, and nothing else."""
     redis = stack.names("redis")[0]
     total = 10
     loaded = "DB loaded from append only file"
     loads_before = stack.project.logs(redis).count(loaded)
+    queue_timeout_s = POOL.queue.queue_timeout_ms / 1000
+    replicas = SERVICES["scheduler"]["deploy"]["replicas"]
 
-    async def scenario() -> int:
+    def iop_back(since_ms: int) -> bool:
+        """Both scheduler replicas alive, every provider's heartbeat written since `since_ms`."""
+        beats = [keys.heartbeat(p.id) for n in POOL.nodes for p in n.providers]
+        alive, oldest = stack.redis_cli("EVAL", BACK_SCRIPT, str(len(beats)), *beats,
+                                        keys.scheduler_alive("*")).split()
+        return int(alive) == replicas and int(oldest) >= since_ms
+
+    async def scenario() -> tuple[int, list[Any]]:
         client = stack.client()
         # The running runs last long enough to end after the restart: a run that ends while
-        # Redis is away keeps trying to record its end for as long as its lease (15 s) lives,
-        # which with the restart's own seconds could take the queued runs past their 30 s
-        # queue timeout.
+        # Redis is away keeps trying to record its end for as long as its lease (15 s) lives.
         sent = time.monotonic()
         answered_s: list[float] = []
 
@@ -352,45 +370,41 @@ def test_redis_restarted_on_its_aof_volume_still_serves_the_queued_runs(stack: S
         queued = await until(settled, 30, "runs holding every slot and runs queued behind them")
         began = time.monotonic()
         stack.project.compose("restart", "redis")
+        restarted_ms = int(time.time() * 1000)
         stack.record(redis_restart_began_s=round(began - sent, 1), redis_restart_s=round(time.monotonic() - began, 1))
-        states: list[dict[str, str]] = []
-
-        async def watch() -> None:  # what Redis holds while the runs wait, for a failure's diagnosis
-            while True:
-                await asyncio.sleep(5)
-                states.append({"at_s": f"{time.monotonic() - sent:.1f}", **await asyncio.to_thread(redis_state, stack)})
-
-        watcher = asyncio.create_task(watch())
+        await until(lambda: asyncio.to_thread(iop_back, restarted_ms), 120, "iop's processes to reach Redis again")
+        stack.record(iop_back_s=round(time.monotonic() - sent, 1))
         answers = await asyncio.gather(*calls, return_exceptions=True)
-        watcher.cancel()
         await client.close()
         stack.record(redis_restart_answered_s=sorted(answered_s))
-        texts = [a if isinstance(a, BaseException) else a[1] for a in answers]
-        if texts != [TOKENS] * total:  # with the saved logs
-            stack.record(redis_states_while_waiting=states)
-        # the figures as text: pytest would cut a dict short
-        assert texts == [TOKENS] * total, json.dumps(stack.figures)
-        return int(queued)
+        return int(queued), answers
 
-    queued = asyncio.run(scenario())
+    queued, answers = asyncio.run(scenario())
+    texts = [a if isinstance(a, BaseException) else a[1] for a in answers]
+    timed_out = [a for a in answers if isinstance(a, openai.APIStatusError) and a.status_code == 504
+                 and "had a free slot within" in a.message]
+    stack.record(redis_restart_timed_out=len(timed_out))
+    # the figures as text: pytest would cut a dict short
+    if stack.figures["iop_back_s"] <= queue_timeout_s - 10:
+        assert texts == [TOKENS] * total, json.dumps(stack.figures)
+    else:  # back too late for some queued runs: those waited their queue timeout
+        assert len(timed_out) + texts.count(TOKENS) == total, (json.dumps(stack.figures), texts)
     assert queued >= 1
     assert stack.project.logs(redis).count(loaded) == loads_before + 1  # the restart read the AOF
     assert int(stack.project.inspect(redis, "{{.RestartCount}}")) == 0  # restarted by us, not by a crash
     stack.record(queued_across_redis_restart=queued)
 
 
-def redis_state(stack: Stack) -> dict[str, str]:
-    """The pool as Redis holds it: each provider's heartbeat and leases, each model's queue and
-    what the scheduler replicas hold of it, the live replicas."""
-    state = {"time": stack.redis_cli("TIME"), "schedulers": stack.redis_cli("KEYS", keys.scheduler_alive("*"))}
-    for provider in (p.id for n in POOL.nodes for p in n.providers):
-        state[f"heartbeat {provider}"] = stack.redis_cli("HGETALL", keys.heartbeat(provider))
-        state[f"leases {provider}"] = stack.redis_cli("ZRANGE", keys.leases(provider), "0", "-1", "WITHSCORES")
-    for model in MODELS:
-        stream = keys.runs_stream(model)
-        state[f"queue {model}"] = stack.redis_cli("XRANGE", stream, "-", "+")
-        state[f"pending {model}"] = stack.redis_cli("XPENDING", stream, keys.SCHEDULER_GROUP, "-", "+", "100")
-    return state
+#: (the number of live scheduler replicas, the oldest of the heartbeats' `ts_ms`) in one call.
+#: KEYS: the providers' heartbeats   ARGV: the pattern of the replicas' liveness keys
+BACK_SCRIPT = """
+local oldest
+for _, key in ipairs(KEYS) do
+  local ts = tonumber(redis.call('HGET', key, 'ts_ms') or '-1')
+  if oldest == nil or ts < oldest then oldest = ts end
+end
+return {#redis.call('KEYS', ARGV[1]), oldest}
+"""
 
 
 def test_every_container_stops_cleanly_and_down_leaves_nothing_behind(stack: Stack) -> None:
