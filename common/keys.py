@@ -149,7 +149,7 @@ def usage_total(key_name: str) -> str:
 
 
 def arq_in_progress(run_id: str) -> str:
-    """arq's own marker of a job being executed by a worker."""
+    """arq's own marker of a job being executed by a worker; iop's `take` writes the worker's id in it."""
     return f"arq:in-progress:{run_id}"
 
 
@@ -199,5 +199,6 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (usage_day("{key}", "{day}"), "hash", "an API key's usage on a UTC day (YYYY-MM-DD): runs/prompt_tokens/"
      "completion_tokens/failures:{model}", "HGETALL iop:usage:{key}:2026-11-30"),
     (usage_total("{key}"), "hash", "an API key's usage for good (same fields)", "HGETALL iop:usage-total:{key}"),
-    (arq_in_progress("{run}"), "string (arq)", "arq's marker of a job being run", "EXISTS arq:in-progress:{run}"),
+    (arq_in_progress("{run}"), "string (arq)", "arq's marker of a job being run; value: the worker that took it",
+     "GET arq:in-progress:{run}"),
 )

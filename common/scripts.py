@@ -351,27 +351,48 @@ return start_run(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], 
 """
 
 # A worker takes jobs off its node's queue and starts their runs, in one round trip: each job
-# (job id = run id) that is due and not in progress gets its in-progress marker and its run is
-# started (`_START`). A job whose run cannot start (it ended, its lease went, it was cancelled)
-# leaves the queue at once. Returns {{job id, status, field, value, ...}, ...}.
+# (job id = run id) that is due and not in progress gets its in-progress marker (the worker's id)
+# and its run is started (`_START`). A job whose run cannot start (it ended, its lease went, it
+# was cancelled) leaves the queue at once. A job in progress for this same worker, which never
+# asks for a job it runs, is one whose `take` answer it did not get (a dropped connection, the
+# call made again): its run is handed over again, as started, while it is still that start (its
+# lease lives, nothing was sent, its body is there), so it does not wait for its lease to expire.
+# Returns {{job id, status, field, value, ...}, ...}.
 # KEYS: node queue
 # ARGV: in-progress key prefix, in-progress ttl (ms), run record prefix, events prefix, lease
 #       prefix, lease_ttl_ms, ttl_s, worker, cancelled event data, signals channel, job ids...
 TAKE = _NOW + _ENDED + _EVENTS + _START + """
+local function started_again(record, run_id, worker, lease_prefix)
+  local flat = redis.call('HGETALL', record)
+  local r = {}
+  for i = 1, #flat, 2 do r[flat[i]] = flat[i + 1] end
+  if r['state'] ~= 'running' or r['worker'] ~= worker or r['output'] == '1' or not r['body'] then return nil end
+  local score = redis.call('ZSCORE', lease_prefix .. r['provider'], run_id)
+  if not score or tonumber(score) <= now then return nil end
+  table.insert(flat, 1, 'ok')
+  return flat
+end
 local out = {}
 for i = 11, #ARGV do
   local id = ARGV[i]
   local score = redis.call('ZSCORE', KEYS[1], id)
-  if score and tonumber(score) <= now and redis.call('EXISTS', ARGV[1] .. id) == 0 then
-    local started = start_run(ARGV[3] .. id, ARGV[4] .. id, id, ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10],
-      ARGV[5])
-    if started[1] == 'ok' then
-      redis.call('SET', ARGV[1] .. id, '1', 'PX', ARGV[2])
-    else
-      redis.call('ZREM', KEYS[1], id)
+  if score and tonumber(score) <= now then
+    local marker = redis.call('GET', ARGV[1] .. id)
+    local started
+    if not marker then
+      started = start_run(ARGV[3] .. id, ARGV[4] .. id, id, ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[5])
+      if started[1] == 'ok' then
+        redis.call('SET', ARGV[1] .. id, ARGV[8], 'PX', ARGV[2])
+      else
+        redis.call('ZREM', KEYS[1], id)
+      end
+    elseif marker == ARGV[8] then
+      started = started_again(ARGV[3] .. id, id, ARGV[8], ARGV[5])
     end
-    table.insert(started, 1, id)
-    out[#out + 1] = started
+    if started then
+      table.insert(started, 1, id)
+      out[#out + 1] = started
+    end
   end
 end
 return out

@@ -5,6 +5,7 @@ the same call once: a run is queued once, an output event is added once."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -97,3 +98,72 @@ async def test_an_output_event_whose_emit_reply_was_lost_is_added_once(client: R
     await client.hset(record, "attempts", "3")
     assert await emit(1, "c", attempt="3") == 1
     assert await client.xlen(events) == 4
+
+
+async def test_a_job_whose_take_reply_was_lost_is_handed_to_its_worker_again_not_left_to_its_lease(
+        redis: Redis, redis_url: str) -> None:
+    """The `take` made again finds the job in progress for this same worker (the first call
+    started the run): the run is handed over as started, and runs now; before, it waited for its
+    lease to expire (15 s) and was tried again. Not on the run's last possible attempt, whose
+    start took its body out of Redis: that one is still left to its lease (and fails then)."""
+    from arq.worker import func
+
+    from tests.test_runner import TEXT, Scripted, fields, start_one
+    from workers.arq_worker import WakeWorker, arq_redis
+    from workers.runner import Runner
+    from workers.service import run_job
+
+    async def lose_the_take_reply(max_attempts: int) -> tuple[str, WakeWorker]:
+        await redis.flushdb()
+        sched, run_id = await start_one(redis, {"a": 1}, max_attempts=max_attempts)
+        runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
+        worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
+                            wake_key=keys.node_wake("n-a"), runner=lambda: runner, redis_pool=arq_redis(redis_url),
+                            handle_signals=False)
+        worker._scripts = Scripts(worker.pool)
+        with next_reply_lost() as lost:
+            await worker.claim_and_start([run_id])
+        assert lost and lost[0][0][:2] == [run_id.encode(), b"ok"]  # the first call started it
+        return run_id, worker
+
+    run_id, worker = await lose_the_take_reply(max_attempts=3)
+    try:
+        assert list(worker.tasks) == [run_id]
+        assert await worker.tasks[run_id] == "completed:ok"
+        assert await fields(redis, keys.run_record(run_id), "state", "attempts") == ["completed", "1"]
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
+    run_id, worker = await lose_the_take_reply(max_attempts=1)
+    try:
+        assert not worker.tasks
+        assert await fields(redis, keys.run_record(run_id), "state") == ["running"]
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_worker_never_asks_for_a_job_it_runs(redis: Redis, redis_url: str) -> None:
+    """`take` hands a job in progress for the asking worker over again, so the worker must not
+    ask for the jobs it runs (arq's poll lists every due job, those in progress included)."""
+    from arq.worker import func
+
+    from tests.test_cancel import StallingAdapter
+    from tests.test_runner import start_one
+    from workers.arq_worker import WakeWorker, arq_redis
+    from workers.runner import Runner
+    from workers.service import run_job
+
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": StallingAdapter()})
+    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
+                        wake_key=keys.node_wake("n-a"), runner=lambda: runner, redis_pool=arq_redis(redis_url),
+                        handle_signals=False)
+    try:
+        worker._scripts = Scripts(worker.pool)
+        await worker.claim_and_start([run_id])
+        first = worker.tasks[run_id]
+        await worker.claim_and_start([run_id])  # as its poll would, while the run goes on
+        assert worker.tasks[run_id] is first and worker.job_counter == 1
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)

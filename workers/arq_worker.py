@@ -127,7 +127,9 @@ class WakeWorker(Worker):
         """Take the jobs and start their runs in one round trip (the `take` script), then run each
         in a task of its own. arq's own per-job steps (reading the job, counting tries, writing a
         result) are not paid: the run record carries all of it, and the run's `finish` script
-        takes the job off the queue."""
+        takes the job off the queue. Never asks for a job it runs (`take` hands such a job over
+        again, taking it for one whose answer was lost)."""
+        job_ids = [j for j in job_ids if j not in self.tasks]
         if not job_ids:
             return
         taken = await self._scripts.call(
