@@ -121,7 +121,8 @@ class WakeWorker(Worker):
     async def start_jobs(self, job_ids: list[bytes]) -> None:
         """arq's poll iteration hands its due jobs here; claim them the same one-trip way."""
         free = self.max_jobs - self.job_counter
-        await self.claim_and_start([j.decode() for j in job_ids[:max(free, 0)]])
+        ids = [i for i in (j.decode() for j in job_ids) if i not in self.tasks]  # (its own: see below)
+        await self.claim_and_start(ids[:max(free, 0)])
 
     async def claim_and_start(self, job_ids: list[str]) -> None:
         """Take the jobs and start their runs in one round trip (the `take` script), then run each
