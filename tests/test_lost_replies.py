@@ -167,3 +167,34 @@ async def test_a_worker_never_asks_for_a_job_it_runs(redis: Redis, redis_url: st
         await asyncio.gather(first, return_exceptions=True)
     finally:
         await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_arq_s_poll_leaves_out_the_jobs_a_worker_runs_before_counting_its_free_slots(
+        redis: Redis, redis_url: str) -> None:
+    """arq's poll lists every due job of the node, those this worker runs included: they must not
+    take the places of new ones (a worker with one free slot takes the new job)."""
+    from arq.worker import func
+
+    from tests.test_cancel import StallingAdapter
+    from tests.test_scheduler import make_config, waiting_runs
+    from workers.arq_worker import WakeWorker, arq_redis
+    from workers.runner import Runner
+    from workers.service import run_job
+
+    config = make_config({"a": 2}, queue={"max_queue": 10, "queue_timeout_ms": 60_000})
+    _, sched, (first, second) = await waiting_runs(redis, config, 2)
+    await sched.dispatch_all()
+    runner = Runner(redis, config, "n-a", {"a": StallingAdapter()})
+    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
+                        wake_key=keys.node_wake("n-a"), runner=lambda: runner, redis_pool=arq_redis(redis_url),
+                        handle_signals=False, max_jobs=2)
+    try:
+        worker._scripts = Scripts(worker.pool)
+        await worker.claim_and_start([first])
+        await worker.start_jobs([first.encode(), second.encode()])  # one slot free, its own job listed first
+        assert sorted(worker.tasks) == sorted([first, second]) and worker.job_counter == 2
+    finally:
+        for task in worker.tasks.values():
+            task.cancel()
+        await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
+        await worker.pool.aclose(close_connection_pool=True)
