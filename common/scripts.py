@@ -351,16 +351,19 @@ return start_run(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], 
 """
 
 # A worker takes jobs off its node's queue and starts their runs, in one round trip: each job
-# (job id = run id) that is due and not in progress gets its in-progress marker (the worker's id)
-# and its run is started (`_START`). A job whose run cannot start (it ended, its lease went, it
-# was cancelled) leaves the queue at once. A job in progress for this same worker, which never
-# asks for a job it runs, is one whose `take` answer it did not get (a dropped connection, the
-# call made again): its run is handed over again, as started, while it is still that start (its
-# lease lives, nothing was sent, its body is there), so it does not wait for its lease to expire.
+# (job id = run id) that is due and not in progress gets its in-progress marker (the worker
+# process's instance id, unique to this start of it) and its run is started (`_START`). A job whose
+# run cannot start (it ended, its lease went, it was cancelled) leaves the queue at once. A job in
+# progress for this same instance, which never asks for a job it runs, is one whose `take` answer
+# it did not get (a dropped connection, the call made again): its run is handed over again, as
+# started, while it is still that start (its lease lives, nothing was sent, its body is there), so
+# it does not wait for its lease to expire. (A worker restarted in place, same host and pid, is
+# another instance: its predecessor's runs go through their leases and count an attempt.)
 # Returns {{job id, status, field, value, ...}, ...}.
 # KEYS: node queue
 # ARGV: in-progress key prefix, in-progress ttl (ms), run record prefix, events prefix, lease
-#       prefix, lease_ttl_ms, ttl_s, worker, cancelled event data, signals channel, job ids...
+#       prefix, lease_ttl_ms, ttl_s, worker, cancelled event data, signals channel, instance id,
+#       job ids...
 TAKE = _NOW + _ENDED + _EVENTS + _START + """
 local function started_again(record, run_id, worker, lease_prefix)
   local flat = redis.call('HGETALL', record)
@@ -373,7 +376,7 @@ local function started_again(record, run_id, worker, lease_prefix)
   return flat
 end
 local out = {}
-for i = 11, #ARGV do
+for i = 12, #ARGV do
   local id = ARGV[i]
   local score = redis.call('ZSCORE', KEYS[1], id)
   if score and tonumber(score) <= now then
@@ -382,11 +385,11 @@ for i = 11, #ARGV do
     if not marker then
       started = start_run(ARGV[3] .. id, ARGV[4] .. id, id, ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[5])
       if started[1] == 'ok' then
-        redis.call('SET', ARGV[1] .. id, ARGV[8], 'PX', ARGV[2])
+        redis.call('SET', ARGV[1] .. id, ARGV[11], 'PX', ARGV[2])
       else
         redis.call('ZREM', KEYS[1], id)
       end
-    elseif marker == ARGV[8] then
+    elseif marker == ARGV[11] then
       started = started_again(ARGV[3] .. id, id, ARGV[8], ARGV[5])
     end
     if started then

@@ -198,3 +198,28 @@ async def test_arq_s_poll_leaves_out_the_jobs_a_worker_runs_before_counting_its_
             task.cancel()
         await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
         await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_worker_restarted_in_place_is_not_handed_its_predecessor_s_job(redis: Redis) -> None:
+    """A container's worker restarted by its restart policy has the same host and pid (1) as the
+    one that died, but is another instance: the dead one's run goes through its lease and the
+    reaper, and counts an attempt (else a run that crashes its worker would never reach
+    max_attempts)."""
+    from tests.test_runner import start_one
+    from workers.runner import WORKER_ID
+
+    sched, run_id = await start_one(redis, {"a": 1})
+    scripts = Scripts(redis)
+    runner_args = [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
+                   sched.config.runtime.lease_ttl_ms, sched.config.runtime.run_ttl_s, WORKER_ID, pack({}),
+                   keys.SCHEDULER_SIGNALS]
+    first = await scripts.call("take", [keys.node_queue("n-a")], [*runner_args, f"{WORKER_ID}:before", run_id])
+    assert [t[:2] for t in first] == [[run_id.encode(), b"ok"]]
+    assert await scripts.call("take", [keys.node_queue("n-a")], [*runner_args, f"{WORKER_ID}:after", run_id]) == []
+    again = await scripts.call("take", [keys.node_queue("n-a")], [*runner_args, f"{WORKER_ID}:before", run_id])
+    assert [t[:2] for t in again] == [[run_id.encode(), b"ok"]]  # the same instance, its answer lost
+
+
+def in_progress_prefix() -> str:
+    from arq.constants import in_progress_key_prefix
+    return in_progress_key_prefix

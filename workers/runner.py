@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,9 @@ log = logging.getLogger("iop.worker")
 
 #: Who runs an attempt, recorded in the run (`worker` field) for operators and fault tests.
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
+#: This start of this worker process: a worker restarted in place (a container's PID 1) has the
+#: same WORKER_ID but another instance (the `take` script hands a job over again only to its own).
+WORKER_INSTANCE = f"{WORKER_ID}:{uuid.uuid4().hex[:12]}"
 
 
 #: What a caller's cancellation looks like in the run's events.
