@@ -199,6 +199,6 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (usage_day("{key}", "{day}"), "hash", "an API key's usage on a UTC day (YYYY-MM-DD): runs/prompt_tokens/"
      "completion_tokens/failures:{model}", "HGETALL iop:usage:{key}:2026-11-30"),
     (usage_total("{key}"), "hash", "an API key's usage for good (same fields)", "HGETALL iop:usage-total:{key}"),
-    (arq_in_progress("{run}"), "string (arq)", "arq's marker of a job being run; value: the worker process that took it",
-     "GET arq:in-progress:{run}"),
+    (arq_in_progress("{run}"), "string (arq)",
+     "arq's marker of a job being run; value: the worker process that took it", "GET arq:in-progress:{run}"),
 )
