@@ -19,6 +19,7 @@ from common import keys
 from common.codec import pack
 from common.redisconn import connect
 from common.scripts import Scripts
+from tests.test_runner import node_worker
 
 
 @pytest.fixture
@@ -106,21 +107,16 @@ async def test_a_job_whose_take_reply_was_lost_is_handed_to_its_worker_again_not
     started the run): the run is handed over as started, and runs now; before, it waited for its
     lease to expire (15 s) and was tried again. Not on the run's last possible attempt, whose
     start took its body out of Redis: that one is still left to its lease (and fails then)."""
-    from arq.worker import func
 
     from tests.test_runner import TEXT, Scripted, fields, start_one
-    from workers.arq_worker import WakeWorker, arq_redis
+    from workers.arq_worker import WakeWorker
     from workers.runner import Runner
-    from workers.service import run_job
 
     async def lose_the_take_reply(max_attempts: int) -> tuple[str, WakeWorker]:
         await redis.flushdb()
         sched, run_id = await start_one(redis, {"a": 1}, max_attempts=max_attempts)
         runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
-        worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
-                            wake_key=keys.node_wake("n-a"), runner=lambda: runner, redis_pool=arq_redis(redis_url),
-                            handle_signals=False)
-        worker._scripts = Scripts(worker.pool)
+        worker = node_worker(redis_url, runner)
         with next_reply_lost() as lost:
             await worker.claim_and_start([run_id])
         assert lost and lost[0][0][:2] == [run_id.encode(), b"ok"]  # the first call started it
@@ -144,21 +140,15 @@ async def test_a_job_whose_take_reply_was_lost_is_handed_to_its_worker_again_not
 async def test_a_worker_never_asks_for_a_job_it_runs(redis: Redis, redis_url: str) -> None:
     """`take` hands a job in progress for the asking worker over again, so the worker must not
     ask for the jobs it runs (arq's poll lists every due job, those in progress included)."""
-    from arq.worker import func
 
     from tests.test_cancel import StallingAdapter
     from tests.test_runner import start_one
-    from workers.arq_worker import WakeWorker, arq_redis
     from workers.runner import Runner
-    from workers.service import run_job
 
     sched, run_id = await start_one(redis, {"a": 1})
     runner = Runner(redis, sched.config, "n-a", {"a": StallingAdapter()})
-    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
-                        wake_key=keys.node_wake("n-a"), runner=lambda: runner, redis_pool=arq_redis(redis_url),
-                        handle_signals=False)
+    worker = node_worker(redis_url, runner)
     try:
-        worker._scripts = Scripts(worker.pool)
         await worker.claim_and_start([run_id])
         first = worker.tasks[run_id]
         await worker.claim_and_start([run_id])  # as its poll would, while the run goes on
@@ -173,23 +163,17 @@ async def test_arq_s_poll_leaves_out_the_jobs_a_worker_runs_before_counting_its_
         redis: Redis, redis_url: str) -> None:
     """arq's poll lists every due job of the node, those this worker runs included: they must not
     take the places of new ones (a worker with one free slot takes the new job)."""
-    from arq.worker import func
 
     from tests.test_cancel import StallingAdapter
     from tests.test_scheduler import make_config, waiting_runs
-    from workers.arq_worker import WakeWorker, arq_redis
     from workers.runner import Runner
-    from workers.service import run_job
 
     config = make_config({"a": 2}, queue={"max_queue": 10, "queue_timeout_ms": 60_000})
     _, sched, (first, second) = await waiting_runs(redis, config, 2)
     await sched.dispatch_all()
     runner = Runner(redis, config, "n-a", {"a": StallingAdapter()})
-    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
-                        wake_key=keys.node_wake("n-a"), runner=lambda: runner, redis_pool=arq_redis(redis_url),
-                        handle_signals=False, max_jobs=2)
+    worker = node_worker(redis_url, runner, max_jobs=2)
     try:
-        worker._scripts = Scripts(worker.pool)
         await worker.claim_and_start([first])
         await worker.start_jobs([first.encode(), second.encode()])  # one slot free, its own job listed first
         assert sorted(worker.tasks) == sorted([first, second]) and worker.job_counter == 2

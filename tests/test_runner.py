@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 from redis.asyncio import Redis
@@ -25,6 +25,9 @@ from tests.test_scheduler import MODEL, beat, make_config, waiting_runs
 from workers import runner as runner_module
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
 from workers.runner import Runner
+
+if TYPE_CHECKING:
+    from workers.arq_worker import WakeWorker
 
 ROLE = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant"},
                                                         "finish_reason": None}]}
@@ -69,6 +72,21 @@ async def start_one(redis: Redis, capacities: dict[str, int], stream: bool = Tru
         await redis.hset(keys.run_record(run_id), "stream", "1")
     await sched.dispatch_all()
     return sched, run_id
+
+
+def node_worker(redis_url: str, runner: Runner | None, **options: Any) -> WakeWorker:
+    """A `WakeWorker` of node n-a over the services' own connection pool, with its scripts ready as
+    its `main` makes them (`runner` None: no job may reach a runner)."""
+    from arq.worker import func
+
+    from workers.arq_worker import WakeWorker, arq_redis
+    from workers.service import run_job
+
+    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
+                        wake_key=keys.node_wake("n-a"), runner=lambda: cast(Runner, runner),
+                        redis_pool=arq_redis(redis_url), handle_signals=False, **options)
+    worker._scripts = Scripts(worker.pool)
+    return worker
 
 
 async def chosen_and_other(redis: Redis, run_id: str) -> tuple[str, str]:
@@ -263,20 +281,14 @@ async def test_a_worker_takes_a_job_and_its_run_ends_with_the_job_off_the_queue(
     """The `take` script claims the job and starts the run in one trip; `finish` takes the job
     off the node's queue (before a requeue: the next dispatch queues a job of the same id)."""
     from arq.constants import in_progress_key_prefix
-    from arq.worker import func
 
-    from workers.arq_worker import WakeWorker, arq_redis
-    from workers.service import run_job
 
     sched, run_id = await start_one(redis, {"a": 1}, stream=False)
     assert await redis.zscore(keys.node_queue("n-a"), run_id) is not None
     err = ProviderError("provider a: connection refused", retry=Retry.ANY, strikes=1)
     runner = Runner(redis, sched.config, "n-a", {"a": Scripted([], err)})
-    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
-                        wake_key=keys.node_wake("n-a"), runner=lambda: runner, redis_pool=arq_redis(redis_url),
-                        handle_signals=False)
+    worker = node_worker(redis_url, runner)
     try:
-        worker._scripts = Scripts(worker.pool)
         await worker.claim_and_start([run_id, "run_unknown"])
         assert list(worker.tasks) == [run_id]
         assert await worker.tasks[run_id] == "requeued:ok"
@@ -296,14 +308,9 @@ async def test_a_full_worker_whose_job_just_ended_gets_its_slot_back(redis_url: 
     one run in eight): a job's task ends while the worker waits on it with a timeout, so the
     worker sees no running task but still counts the slot taken until the task's done callback
     runs. Its wait step must give the event loop a turn for that callback."""
-    from arq.worker import func
 
-    from workers.arq_worker import WakeWorker, arq_redis
-    from workers.service import run_job
 
-    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
-                        wake_key=keys.node_wake("n-a"), runner=lambda: cast(Runner, None),
-                        redis_pool=arq_redis(redis_url), handle_signals=False, max_jobs=1)  # no job reaches a runner
+    worker = node_worker(redis_url, None, max_jobs=1)  # no job reaches a runner
     try:
         await worker.sem.acquire()
         worker.job_counter = 1  # as `claim_and_start` counts a job; its task is done, its callback pending
@@ -317,14 +324,9 @@ async def test_a_full_worker_whose_job_just_ended_gets_its_slot_back(redis_url: 
 async def test_a_woken_worker_pops_as_many_jobs_as_it_has_free_slots_at_once(redis: Redis, redis_url: str) -> None:
     """Under load jobs queue up on a node's wake list faster than one pop each: a worker takes as
     many as it has free slots in one BLMPOP (and claims them with one `take` script)."""
-    from arq.worker import func
 
-    from workers.arq_worker import WakeWorker, arq_redis
-    from workers.service import run_job
 
-    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
-                        wake_key=keys.node_wake("n-a"), runner=lambda: cast(Runner, None),
-                        redis_pool=arq_redis(redis_url), handle_signals=False, max_jobs=3)
+    worker = node_worker(redis_url, None, max_jobs=3)
     claimed: list[list[str]] = []
 
     async def claim(job_ids: list[str]) -> None:
@@ -345,14 +347,9 @@ async def test_a_woken_worker_pops_as_many_jobs_as_it_has_free_slots_at_once(red
 async def test_a_started_run_calls_its_provider_before_the_worker_pops_its_wake_list_again(
         redis: Redis, redis_url: str) -> None:
     """The worker's next blocking pop is not on a new run's way: the run goes first."""
-    from arq.worker import func
 
-    from workers.arq_worker import WakeWorker, arq_redis
-    from workers.service import run_job
 
-    worker = WakeWorker(functions=[func(run_job, name=keys.JOB_FUNCTION)], queue_name=keys.node_queue("n-a"),
-                        wake_key=keys.node_wake("n-a"), runner=lambda: cast(Runner, None),
-                        redis_pool=arq_redis(redis_url), handle_signals=False, max_jobs=3)
+    worker = node_worker(redis_url, None, max_jobs=3)
     ran: list[str] = []
 
     async def run(job_id: str) -> None:
