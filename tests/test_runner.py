@@ -369,23 +369,31 @@ async def test_a_started_run_calls_its_provider_before_the_worker_pops_its_wake_
         await worker.pool.aclose(close_connection_pool=True)
 
 
+def finish_fails(runner: Runner, monkeypatch: pytest.MonkeyPatch, times: int | None) -> list[int]:
+    """The runner's `finish` script calls fail as if Redis were away, `times` times (None: every
+    time); the others go through. Returns the count of failures so far (a one-item list)."""
+    real_call, failures = runner.scripts.call, [0]
+
+    async def call(name: str, run_keys: Any, args: Any) -> Any:
+        if name == "finish" and (times is None or failures[0] < times):
+            failures[0] += 1
+            raise RedisConnectionError("Redis is away")
+        return await real_call(name, run_keys, args)
+
+    monkeypatch.setattr(runner.scripts, "call", call)
+    return failures
+
+
 async def test_a_run_s_end_is_recorded_however_many_tries_redis_takes_while_the_lease_lives(
         redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     # Redis away for 12 tries (more than the 8 the end once had), then back: the slot comes back.
     sched, run_id = await start_one(redis, {"a": 1})
     runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
-    real_call, failures = runner.scripts.call, [0]
-
-    async def flaky(name: str, run_keys: Any, args: Any) -> Any:
-        if name == "finish" and failures[0] < 12:
-            failures[0] += 1
-            raise RedisConnectionError("Redis is restarting")
-        return await real_call(name, run_keys, args)
+    failures = finish_fails(runner, monkeypatch, times=12)
 
     async def no_pause(self: Backoff) -> None:  # the clock need not move: the lease is far off
         return None
 
-    monkeypatch.setattr(runner.scripts, "call", flaky)
     monkeypatch.setattr(Backoff, "pause", no_pause)
     assert await runner.execute(run_id) == "completed:ok" and failures == [12]
     assert await redis.zcard(keys.leases("a")) == 0
@@ -395,17 +403,12 @@ async def test_a_run_s_end_is_given_up_once_its_lease_could_have_expired(
         redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     sched, run_id = await start_one(redis, {"a": 1})
     runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
-    real_call, clock = runner.scripts.call, [0.0]
-
-    async def down(name: str, run_keys: Any, args: Any) -> Any:
-        if name == "finish":
-            raise RedisConnectionError("Redis is away")
-        return await real_call(name, run_keys, args)
+    finish_fails(runner, monkeypatch, times=None)
+    clock = [0.0]
 
     async def pause(self: Backoff) -> None:  # each pause moves the clock by a second
         clock[0] += 1.0
 
-    monkeypatch.setattr(runner.scripts, "call", down)
     monkeypatch.setattr(Backoff, "pause", pause)
     monkeypatch.setattr(runner_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))  # the runner's clock only
     assert await runner.execute(run_id) == "unrecorded"
