@@ -388,6 +388,19 @@ def record_timings(client: redis.Redis, run_ids: Sequence[str]) -> dict[str, Any
     return out
 
 
+def events_per_run(url: str, run_ids: Sequence[str]) -> dict[str, float | None]:
+    """How many events each run's stream holds (its `started`, `delta`s and end): what the
+    worker wrote and the gateway read for it."""
+    client = redis.Redis.from_url(url)
+    try:
+        pipe = client.pipeline(transaction=False)
+        for rid in run_ids:
+            pipe.xlen(f"iop:events:{rid}")
+        return quantiles([float(n) for n in pipe.execute()])
+    finally:
+        client.close()
+
+
 def reset_command_stats(url: str) -> None:
     client = redis.Redis.from_url(url)
     try:
@@ -731,9 +744,11 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
             long_g = [chat_target(stack.gateway, MODEL, 64, True, sim_tokens=64)]
             long_d = [chat_target(stack.sims[sv], sv, 64, True, sim_tokens=64) for sv in served]
             with Profiler(stack, args.profile and str(Path(args.profile) / "stream64"), None, args.profile_format):
-                long_g_phase = await phase(f"gateway stream 64 tokens c={c64}", long_g, c64, requests=n64, stream=True)
+                long_g_phase = await phase(f"gateway stream 64 tokens c={c64}", long_g, c64, requests=n64, stream=True,
+                                           keep_ids=True)
             results[f"stream64_c{c64}"] = {
                 "gateway": long_g_phase.summary(),
+                "events_per_run": events_per_run(redis_url, long_g_phase.run_ids),
                 "direct": (await phase(f"direct stream 64 tokens c={c64}", long_d, c64, requests=n64,
                                        stream=True)).summary(),
             }

@@ -13,21 +13,23 @@ JSON does not have, is written as null.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-#: A run of digits that may not fit in 64 bits (-2**63 - 1 has 19 digits).
-_LONG_DIGITS = re.compile(rb"\d{19}")
+#: A run of digits that may not fit in 64 bits (-2**63 - 1 has 19 digits), looked for in the
+#: text with every digit made a "0" (`bytes.translate` and a substring search cost a few tenths
+#: of a microsecond on an SSE chunk; the regex `\d{19}` cost 3-4 us, more than the parse).
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_DIGITS = b"0" * 19
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 def loads(data: bytes, **stdlib: Any) -> Any:
     """`json.loads(data, **stdlib)`, the same value and the same errors, faster."""
-    if _LONG_DIGITS.search(data) is None:
+    if _LONG_DIGITS not in data.translate(_DIGITS_AS_ZERO):
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
