@@ -159,6 +159,29 @@ async def test_a_worker_never_asks_for_a_job_it_runs(redis: Redis, redis_url: st
         await worker.pool.aclose(close_connection_pool=True)
 
 
+async def test_a_job_one_worker_runs_is_not_handed_to_another_worker_of_the_same_process(
+        redis: Redis, redis_url: str) -> None:
+    """Each worker is an instance of its own: two workers of one process (one `iop worker` runs
+    one; an embedding or a test may run more) never get each other's jobs handed over."""
+
+    from tests.test_cancel import StallingAdapter
+    from tests.test_runner import start_one
+    from workers.runner import Runner
+
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": StallingAdapter()})
+    first, second = node_worker(redis_url, runner), node_worker(redis_url, runner)
+    try:
+        await first.claim_and_start([run_id])
+        await second.claim_and_start([run_id])  # its poll lists the job the first one runs
+        assert list(first.tasks) == [run_id] and not second.tasks and second.job_counter == 0
+        first.tasks[run_id].cancel()
+        await asyncio.gather(*first.tasks.values(), return_exceptions=True)
+    finally:
+        for worker in (first, second):
+            await worker.pool.aclose(close_connection_pool=True)
+
+
 async def test_arq_s_poll_leaves_out_the_jobs_a_worker_runs_before_counting_its_free_slots(
         redis: Redis, redis_url: str) -> None:
     """arq's poll lists every due job of the node, those this worker runs included: they must not

@@ -29,7 +29,7 @@ from arq.worker import Worker
 from common import keys
 from common.redisconn import REDIS_DOWN, Backoff, connection_pool
 from common.scripts import Scripts
-from workers.runner import WORKER_INSTANCE, Runner
+from workers.runner import Runner, new_worker_instance
 
 log = logging.getLogger("iop.worker")
 
@@ -49,6 +49,8 @@ class WakeWorker(Worker):
         super().__init__(*args, **kwargs)
         self.wake_key = wake_key
         self.runner = runner
+        #: the in-progress marker of the jobs this worker takes (see `new_worker_instance`)
+        self.instance = new_worker_instance()
 
     async def main(self) -> None:
         if self._pool is None:
@@ -136,7 +138,7 @@ class WakeWorker(Worker):
         taken = await self._scripts.call(
             "take", [self.queue_name],
             [in_progress_key_prefix, int(self.in_progress_timeout_s * 1000), keys.run_record(""),
-             keys.run_events(""), keys.leases(""), *self.runner().start_args(), WORKER_INSTANCE, *job_ids])
+             keys.run_events(""), keys.leases(""), *self.runner().start_args(), self.instance, *job_ids])
         for started in taken:
             job_id = started[0].decode()
             if started[1] != b"ok":

@@ -34,9 +34,13 @@ log = logging.getLogger("iop.worker")
 
 #: Who runs an attempt, recorded in the run (`worker` field) for operators and fault tests.
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
-#: This start of this worker process: a worker restarted in place (a container's PID 1) has the
-#: same WORKER_ID but another instance (the `take` script hands a job over again only to its own).
-WORKER_INSTANCE = f"{WORKER_ID}:{uuid.uuid4().hex[:12]}"
+
+
+def new_worker_instance() -> str:
+    """One worker's own id for the `take` script, which hands a job over again only to the
+    instance it is in progress for: a worker restarted in place (a container's PID 1) has the same
+    WORKER_ID but another instance, and so has each worker of a process that runs several."""
+    return f"{WORKER_ID}:{uuid.uuid4().hex[:12]}"
 
 
 #: What a caller's cancellation looks like in the run's events.
