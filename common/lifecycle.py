@@ -10,7 +10,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Coroutine
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 from common.runlog import context_of, context_text
 
@@ -43,9 +43,55 @@ class TextFormatter(logging.Formatter):
         return super().formatMessage(record) + context_text(record)
 
 
+class TurnHandler(logging.StreamHandler[TextIO]):
+    """A stream handler that writes the lines logged during one turn of the event loop with one
+    write, at the end of that turn (a scheduler dispatching a batch of runs logs a line a run: one
+    system call, not one a line). Outside the loop's thread (no running loop: startup, a CLI
+    command, a resolver thread) a line is written at once; `flush` (logging's shutdown, before a
+    service exits) writes what is held. At most `MAX_HELD` lines wait."""
+
+    MAX_HELD = 256
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self.held: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + self.terminator
+        except Exception:  # logging's own rule: a line that cannot be made is reported, not raised
+            self.handleError(record)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._write(line)
+            return
+        self.held.append(line)
+        if len(self.held) == 1:
+            loop.call_soon(self.flush)
+        elif len(self.held) >= self.MAX_HELD:
+            self.flush()
+
+    def flush(self) -> None:
+        lock = self.lock  # logging's own (`emit` runs under it)
+        assert lock is not None
+        with lock:
+            held, self.held = self.held, []
+            if held:
+                self._write("".join(held))
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):  # stderr is gone (closed, or its reader left): nowhere to say so
+            pass
+
+
 def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
     """Level from IOP_LOG_LEVEL (default INFO); IOP_LOG_FORMAT=json for one JSON object a line."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = TurnHandler(sys.stderr)
     if (fmt or os.environ.get("IOP_LOG_FORMAT", "text")) == "json":
         handler.setFormatter(JsonFormatter())
     else:

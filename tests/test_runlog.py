@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.lifecycle import JsonFormatter, TextFormatter, setup_logging
+from common.lifecycle import JsonFormatter, TextFormatter, TurnHandler, setup_logging
 from common.runlog import run_fields
 
 
@@ -70,3 +71,56 @@ def test_setup_logging_picks_the_format(restore_root: None, monkeypatch: pytest.
 def test_a_multi_line_message_stays_on_one_text_line() -> None:
     line = emit(TextFormatter(), "failed: %s", "provider said:\nTraceback\r\n  x", **run_fields("run_1", "m"))
     assert "\n" not in line and line.endswith("failed: provider said:\\nTraceback\\r\\n  x run=run_1 model=m")
+
+
+class Writes(io.StringIO):
+    """A stream that keeps each write apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+
+def turn_logger() -> tuple[logging.Logger, TurnHandler, Writes]:
+    out = Writes()
+    handler = TurnHandler(out)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("iop.test.turns")
+    logger.propagate = False
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    return logger, handler, out
+
+
+async def test_the_lines_of_one_loop_turn_go_out_in_one_write_at_its_end() -> None:
+    logger, _, out = turn_logger()
+    for n in range(3):
+        logger.info("dispatched %d", n)
+    assert out.writes == []  # held until the turn ends
+    await asyncio.sleep(0)
+    assert out.writes == ["dispatched 0\ndispatched 1\ndispatched 2\n"]
+    logger.info("next turn")
+    await asyncio.sleep(0)
+    assert out.writes[1:] == ["next turn\n"]
+
+
+async def test_held_lines_are_written_by_flush_and_never_more_than_max_held() -> None:
+    logger, handler, out = turn_logger()
+    logger.info("before an exit")
+    logging.shutdown([lambda: handler])  # what a service's exit does, before the loop turns again
+    assert out.writes == ["before an exit\n"]
+    for n in range(TurnHandler.MAX_HELD):
+        logger.info("%d", n)
+    assert len(out.writes) == 2 and out.writes[1].count("\n") == TurnHandler.MAX_HELD
+    await asyncio.sleep(0)
+    assert len(out.writes) == 2  # nothing was left held, nothing written twice
+
+
+def test_outside_a_running_loop_a_line_is_written_at_once() -> None:
+    logger, _, out = turn_logger()
+    logger.info("starting")
+    assert out.writes == ["starting\n"]
