@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import traceback
 from collections.abc import Coroutine
@@ -103,6 +104,22 @@ def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
+def quiet_abandoned_lookups(loop: asyncio.AbstractEventLoop) -> None:
+    """A name lookup that fails after its caller gave up on it (redis-py's connect timeout ran out
+    while uvloop's `create_connection` waited for `getaddrinfo`, which it does not cancel) is
+    logged at DEBUG, not as an ERROR "Future exception was never retrieved" with a traceback: its
+    caller already reported the failed connection. Every other unhandled error is logged as before."""
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if isinstance(context.get("exception"), socket.gaierror) and \
+                str(context.get("message", "")).startswith("Future exception was never retrieved"):
+            logging.getLogger("iop").debug("a name lookup failed after its caller gave up on it: %s",
+                                           context["exception"])
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 def stop_event() -> asyncio.Event:
     """An event set by the first SIGTERM or SIGINT (must be called inside the loop)."""
     stop = asyncio.Event()
@@ -122,6 +139,7 @@ def run(main: Coroutine[Any, Any, None]) -> NoReturn:
     container's stop timeout and be killed.
     """
     async def main_then_exit() -> None:
+        quiet_abandoned_lookups(asyncio.get_running_loop())
         code = 1
         try:
             await main

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import logging
+import socket
 from collections.abc import Iterator
 
 import pytest
 
-from common.lifecycle import JsonFormatter, TextFormatter, TurnHandler, setup_logging
+from common.lifecycle import JsonFormatter, TextFormatter, TurnHandler, quiet_abandoned_lookups, setup_logging
 from common.runlog import run_fields
 
 
@@ -124,3 +126,25 @@ def test_outside_a_running_loop_a_line_is_written_at_once() -> None:
     logger, _, out = turn_logger()
     logger.info("starting")
     assert out.writes == ["starting\n"]
+
+
+async def test_a_lookup_abandoned_by_its_caller_is_no_error_but_other_lost_errors_are(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """What uvloop leaves when a connect timeout gives up on its `getaddrinfo`: a future that fails
+    with gaierror later, which nobody awaits any more."""
+    caplog.set_level(logging.DEBUG, logger="iop")
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    quiet_abandoned_lookups(loop)
+    try:
+        for exc in (socket.gaierror(-3, "Temporary failure in name resolution"), RuntimeError("a bug")):
+            future = loop.create_future()
+            future.set_exception(exc)
+            del future
+            gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [str(r.exc_info[1]) for r in errors if r.exc_info] == ["a bug"]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG] == [
+        "a name lookup failed after its caller gave up on it: [Errno -3] Temporary failure in name resolution"]
