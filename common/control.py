@@ -14,6 +14,8 @@ are pure; `apply`, `read_control` and `read_audit` talk to Redis.
 from __future__ import annotations
 
 import getpass
+import json
+import math
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -46,8 +48,18 @@ MAX_FOR_MS = 7 * 86_400_000
 #: Audit entries one read returns at most (`iop audit --limit`, `GET /v1/admin/audit?limit=`).
 MAX_AUDIT_READ = 1_000
 
-_DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+#: A duration, matched whole (`fullmatch`): ASCII digits only (`\d` takes any Unicode digit), no spaces.
+_DURATION = re.compile(r"(?:([0-9]+)d)?(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
 _UNIT_MS = (86_400_000, 3_600_000, 60_000, 1_000)
+#: A whole number as text: ASCII digits only (`str.isdigit` takes a superscript 2, which `int` refuses).
+_WHOLE = re.compile(r"[0-9]+")
+#: A Redis stream entry id as an audit page's `before`: `<ms>` or `<ms>-<seq>`, each below 2**64.
+_ENTRY_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")
+#: Digits a number may have, leading zeros aside, before it is certainly out of range (`int` refuses
+#: text of more than 4,300 digits with a ValueError).
+_MAX_DIGITS = 20
+#: Longest a value is shown in a message.
+_SHOWN_CHARS = 80
 
 
 class ControlError(ValueError):
@@ -64,15 +76,18 @@ class UnknownTarget(LookupError):
 
 def parse_duration(value: str, param: str = "for") -> int:
     """`90s`, `30m`, `2h`, `7d` or a combination in that order (`1h30m`) -> milliseconds, within
-    [MIN_FOR_MS, MAX_FOR_MS]."""
-    match = _DURATION.match(value.strip()) if isinstance(value, str) else None
+    [MIN_FOR_MS, MAX_FOR_MS]. ASCII digits only, nothing around it (no spaces)."""
+    match = _DURATION.fullmatch(value) if isinstance(value, str) else None
     if not value or match is None or not any(match.groups()):
-        raise ControlError(f"{param}: {value!r} is not a duration such as 90s, 30m, 2h, 7d or 1h30m", param)
-    ms = sum(int(part) * unit for part, unit in zip(match.groups(), _UNIT_MS, strict=True) if part)
+        raise ControlError(f"{param}: {shown(value)} is not a duration such as 90s, 30m, 2h, 7d or 1h30m", param)
+    parts = [(part or "").lstrip("0") for part in match.groups()]  # leading zeros do not count
+    if any(len(part) > _MAX_DIGITS for part in parts):
+        raise ControlError(f"{param}: {shown(value)} is longer than 7d, the longest an override may last", param)
+    ms = sum(int(part) * unit for part, unit in zip(parts, _UNIT_MS, strict=True) if part)
     if ms < MIN_FOR_MS:
-        raise ControlError(f"{param}: {value!r} is shorter than 1s", param)
+        raise ControlError(f"{param}: {shown(value)} is shorter than 1s", param)
     if ms > MAX_FOR_MS:
-        raise ControlError(f"{param}: {value!r} is longer than 7d, the longest an override may last", param)
+        raise ControlError(f"{param}: {shown(value)} is longer than 7d, the longest an override may last", param)
     return ms
 
 
@@ -88,15 +103,45 @@ def format_duration(ms: int) -> str:
 
 
 def check_capacity(value: Any, param: str = "capacity") -> int:
-    """A capacity override: a whole number >= 1 (a drain is how to take none). Its upper bound, the
-    provider's configured capacity, is `check_change`'s."""
-    if isinstance(value, str) and value.strip().isdigit():
+    """A capacity override: a whole number >= 1 (a drain is how to take none), or its ASCII digits
+    as text (the command line's N). Its upper bound, the provider's configured capacity, is
+    `check_change`'s."""
+    if isinstance(value, str) and _WHOLE.fullmatch(value):
+        if len(value.lstrip("0")) > _MAX_DIGITS:
+            raise ControlError(f"{param}: {shown(value)} is too large for a capacity", param)
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ControlError(f"{param}: {value!r} is not a whole number", param)
+        raise ControlError(f"{param}: {shown(value)} is not a whole number", param)
     if value < 1:
         raise ControlError(f"{param}: {value} is less than 1 (to take no runs, drain it)", param)
     return value
+
+
+def shown(value: Any) -> str:
+    """A value an operator gave, for a message: text quoted (`'2h'`), anything else as JSON (`true`,
+    `null`, `1.5`, `[2]`), never as Python writes it (`True`, `None`); cut short when long."""
+    if isinstance(value, str):
+        text = repr(value)
+    elif isinstance(value, float) and not math.isfinite(value):
+        text = "a number too large for a 64-bit float" if not math.isnan(value) else "NaN"
+    else:
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError):  # not a JSON value (it came from Python, not from a caller)
+            text = type(value).__name__
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS - 1] + "…"
+
+
+def entry_id(text: str) -> tuple[int, int | None] | None:
+    """(ms, seq) of a stream entry id `<ms>` or `<ms>-<seq>` (ASCII digits, each below 2**64), as
+    Redis takes it for the end of a range; None if it is not one."""
+    match = _ENTRY_ID.fullmatch(text)
+    if match is None:
+        return None
+    ms, seq = int(match[1]), int(match[2]) if match[2] is not None else None
+    if ms >= 2**64 or (seq is not None and seq >= 2**64):
+        return None
+    return ms, seq
 
 
 def cli_user() -> str:
@@ -213,11 +258,19 @@ async def apply(redis: Redis, config: Config, change: Change) -> AuditEntry:
 
 
 async def read_audit(redis: Redis, limit: int = 50, before: str | None = None) -> list[AuditEntry]:
-    """The newest `limit` changes (at most MAX_AUDIT_READ), newest first; `before` an entry id to page back."""
+    """The newest `limit` changes (at most MAX_AUDIT_READ), newest first; `before` an entry id to page
+    back (ControlError, param `before`, if it is not one; `0-0`, before every entry: none)."""
     limit = max(1, min(limit, MAX_AUDIT_READ))
-    top = f"({before}" if before else "+"
+    if before is not None:
+        parsed = entry_id(before)
+        if parsed is None:
+            raise ControlError(f"before: {shown(before)} is not an audit entry id (<ms>-<seq>, such as "
+                               "1796052617385-0)", "before")
+        if parsed == (0, 0):  # Redis refuses an exclusive end below the first id there can be
+            return []
+    top = f"({before}" if before is not None else "+"
     raw = await redis.xrevrange(keys.AUDIT_STREAM, top, "-", count=limit)
-    return [AuditEntry.from_entry(entry_id, fields) for entry_id, fields in raw]
+    return [AuditEntry.from_entry(ident, fields) for ident, fields in raw]
 
 
 # --- reading the state ----------------------------------------------------------------

@@ -8,26 +8,31 @@
 
 A change answers `{"object": "control.change", "change": <its audit entry>, "providers": [<the
 catalog records of the providers it touched, after it>]}` (and `"node"` for a node). An unknown
-provider or node is 404 `not_found`; a bad value 400 naming it (`param`). The audit entry names
-the key that made the change (`anonymous` when the gateway serves without keys).
+provider or node is 404 `not_found`; a bad value 400 naming it (`param`), and so is a field a route
+does not take (drain, undrain, cordon, uncordon and DELETE take none; an empty body or `{}` is
+fine). A body is parsed as the run routes parse theirs: nested deeper than
+`runtime.max_json_depth`, or holding NaN, Infinity or a number beyond a double, it is a 400. The
+audit entry names the key that made the change (`anonymous` when the gateway serves without keys).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 from redis.asyncio import Redis
 
-from common import control
+from common import control, jsonio
 from common.catalog import change_report, read_catalog
 from common.config import Config
 from common.control import Action, Change, ControlError, UnknownTarget
 from common.redisconn import now_ms
 from common.wire import ErrorCode
 from gateway.auth import principal
+from gateway.body_limits import depth_problem
 from gateway.connections import BODY
 from gateway.errors import ApiError, invalid
 
@@ -35,31 +40,53 @@ from gateway.errors import ApiError, invalid
 CAPACITY_FIELDS = frozenset({"capacity", "for"})
 
 
-def _body(request: web.Request) -> dict[str, Any]:
+#: `?limit=`: ASCII digits (`str.isdigit` takes a superscript 2, which `int` refuses), a few of them.
+_LIMIT = re.compile(r"[0-9]{1,9}")
+
+
+class _NotJson(ValueError):
+    """NaN, Infinity or -Infinity: Python's `json` takes them, JSON has no such values."""
+
+
+def _no_constant(name: str) -> Any:
+    raise _NotJson(f"{name} is not valid JSON")
+
+
+def _body(request: web.Request, max_depth: int, fields: frozenset[str] = frozenset(),
+          takes: str = "no fields") -> dict[str, Any]:
+    """The body as a JSON object ({} when there is none), with no field outside `fields`."""
     raw = request[BODY]
     if not raw.strip():
         return {}
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        data = jsonio.loads(raw, parse_constant=_no_constant)
+    except (json.JSONDecodeError, _NotJson) as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # not UTF-8, or an integer of more digits than Python converts
         raise invalid("the request body is not valid JSON") from None
+    except RecursionError:
+        raise invalid(f"the request body is nested deeper than {max_depth} levels (runtime.max_json_depth)") \
+            from None
     if not isinstance(data, dict):
         raise invalid("the request body must be a JSON object")
+    problem = depth_problem(data, max_depth)
+    if problem is not None:
+        raise invalid(problem.message, problem.param)
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise invalid(f"unknown field {control.shown(unknown[0])}: this route takes {takes}", unknown[0])
     return data
 
 
-def _capacity_change(request: web.Request, provider_id: str) -> Change:
-    body = _body(request)
-    unknown = sorted(set(body) - CAPACITY_FIELDS)
-    if unknown:
-        raise invalid(f"unknown field {unknown[0]!r}: this route takes capacity and for", unknown[0])
+def _capacity_change(request: web.Request, provider_id: str, max_depth: int) -> Change:
+    body = _body(request, max_depth, CAPACITY_FIELDS, "capacity and for")
     if "capacity" not in body:
         raise invalid("capacity: required (a whole number; DELETE this route to clear an override)", "capacity")
     try:
         capacity = control.check_capacity(body["capacity"])
         duration = body.get("for")
         if duration is not None and not isinstance(duration, str):
-            raise ControlError(f"for: {duration!r} is not a duration such as 90s, 30m, 2h or 7d", "for")
+            raise ControlError(f"for: {control.shown(duration)} is not a duration such as 90s, 30m, 2h or 7d", "for")
         for_ms = control.parse_duration(duration) if duration is not None else None
     except ControlError as exc:
         raise invalid(str(exc), exc.param) from None
@@ -68,6 +95,7 @@ def _capacity_change(request: web.Request, provider_id: str) -> Change:
 
 def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> None:
     """Add the operator routes; `redis` returns the app's client once it is started."""
+    max_depth = config.runtime.max_json_depth
 
     async def answer(change: Change) -> web.Response:
         try:
@@ -81,25 +109,27 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
 
     def flag(action: Action, target: str) -> Callable[[web.Request], Any]:
         async def handler(request: web.Request) -> web.Response:
-            _body(request)  # a body is not needed, but a malformed one is still an error
+            _body(request, max_depth)  # a body is not needed, but a malformed one is still an error
             return await answer(Change(action, request.match_info[target], principal(request).name))
         return handler
 
     async def set_capacity(request: web.Request) -> web.Response:
-        return await answer(_capacity_change(request, request.match_info["provider_id"]))
+        return await answer(_capacity_change(request, request.match_info["provider_id"], max_depth))
 
     async def clear_capacity(request: web.Request) -> web.Response:
+        _body(request, max_depth)
         return await answer(Change(Action.CAPACITY_CLEAR, request.match_info["provider_id"],
                                    principal(request).name))
 
     async def audit(request: web.Request) -> web.Response:
         text = request.query.get("limit", "50")
-        if not text.isdigit() or not 1 <= int(text) <= control.MAX_AUDIT_READ:
-            raise invalid(f"limit: {text!r} is not a whole number between 1 and {control.MAX_AUDIT_READ}", "limit")
-        before = request.query.get("before")
-        if before is not None and not _is_entry_id(before):
-            raise invalid(f"before: {before!r} is not an audit entry id (ms-seq)", "before")
-        entries = await control.read_audit(redis(), int(text), before)
+        if not _LIMIT.fullmatch(text) or not 1 <= int(text) <= control.MAX_AUDIT_READ:
+            raise invalid(f"limit: {control.shown(text)} is not a whole number between 1 and "
+                          f"{control.MAX_AUDIT_READ}", "limit")
+        try:
+            entries = await control.read_audit(redis(), int(text), request.query.get("before"))
+        except ControlError as exc:
+            raise invalid(str(exc), exc.param) from None
         return web.json_response({"object": "list", "data": [e.to_json() for e in entries]},
                                  headers={"Cache-Control": "no-store"})
 
@@ -112,8 +142,3 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
     app.router.add_post(f"{node}/cordon", flag(Action.CORDON, "node_id"))
     app.router.add_post(f"{node}/uncordon", flag(Action.UNCORDON, "node_id"))
     app.router.add_get("/v1/admin/audit", audit)
-
-
-def _is_entry_id(text: str) -> bool:
-    ms, _, seq = text.partition("-")
-    return ms.isdigit() and (seq == "" or seq.isdigit()) and int(ms) < 2**64 and (not seq or int(seq) < 2**64)

@@ -9,6 +9,7 @@ routing.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from importlib import resources
 
@@ -17,6 +18,7 @@ from redis.asyncio import Redis
 
 from common.catalog import read_catalog
 from common.config import Config
+from common.control import shown
 from common.history import read_history
 from common.redisconn import now_ms
 from common.wire import ErrorCode
@@ -26,6 +28,9 @@ from gateway.errors import ApiError, invalid
 READ_TIMEOUT_S = 2.0
 
 _PAGE = resources.files("gateway").joinpath("catalog.html")
+
+#: `?since=`: ASCII digits only (`str.isdigit` takes a superscript 2, which `int` refuses), below 2**63.
+_SINCE = re.compile(r"[0-9]{1,19}")
 
 
 def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> None:
@@ -42,8 +47,8 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
 
     async def history_json(request: web.Request) -> web.Response:
         since = request.query.get("since")
-        if since is not None and (not since.isdigit() or int(since) >= 2**63):
-            raise invalid(f"since: {since!r} is not a time in ms since the epoch", "since")
+        if since is not None and (not _SINCE.fullmatch(since) or int(since) >= 2**63):
+            raise invalid(f"since: {shown(since)} is not a time in ms since the epoch", "since")
         try:
             async with asyncio.timeout(READ_TIMEOUT_S):
                 history = await read_history(redis(), config, now_ms(), int(since) if since is not None else None)

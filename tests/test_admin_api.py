@@ -344,6 +344,23 @@ def test_the_commands_refuse_bad_input_with_exit_2_and_change_nothing(
         assert redis.keys("iop:*") == []
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["provider", "capacity", "vllm-a", "\u00b2"], "N: '\u00b2' is not a whole number"),  # isdigit(), not int()
+    (["provider", "capacity", "vllm-a", "\u0661"], "N: '\u0661' is not a whole number"),  # int() reads it as 1
+    (["provider", "capacity", "vllm-a", "2", "--for", "\u0661h"], "--for: '\u0661h' is not a duration"),
+    (["provider", "capacity", "vllm-a", "2", "--for", " 1h"], "--for: ' 1h' is not a duration"),
+    (["provider", "capacity", "vllm-a", "2", "--for", "1h\n"], "--for: '1h\\n' is not a duration"),
+])
+def test_the_commands_take_ascii_digits_only_and_say_so_in_one_line(
+        redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
+    path = tmp_path / "iop.yaml"
+    path.write_text(yaml.safe_dump(POOL))
+    code, out, err = iop(capsys, *args, "--config", str(path), "--redis", redis_url)
+    assert code == 2 and out == "" and err.startswith(f"error: {says}") and err.count("\n") == 1, err
+    with sync_redis.Redis.from_url(redis_url) as redis:
+        assert redis.keys("iop:*") == []
+
+
 def test_the_commands_exit_1_when_redis_is_down(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "iop.yaml"
     path.write_text(yaml.safe_dump(POOL))

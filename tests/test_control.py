@@ -36,7 +36,7 @@ from tests.test_scheduler import MODEL, beat, leases, make_config, submit, waiti
 
 @pytest.mark.parametrize(("text", "ms"), [
     ("1s", 1_000), ("90s", 90_000), ("30m", 1_800_000), ("2h", 7_200_000), ("1h30m", 5_400_000),
-    ("7d", 604_800_000), ("1d2h3m4s", 93_784_000), (" 15m ", 900_000),
+    ("7d", 604_800_000), ("1d2h3m4s", 93_784_000), ("015m", 900_000),
 ])
 def test_durations(text: str, ms: int) -> None:
     assert parse_duration(text) == ms
@@ -47,6 +47,10 @@ def test_durations(text: str, ms: int) -> None:
     ("", "is not a duration"), ("30", "is not a duration"), ("m", "is not a duration"), ("1m1h", "is not a duration"),
     ("-5m", "is not a duration"), ("1.5h", "is not a duration"), ("0s", "shorter than 1s"),
     ("8d", "longer than 7d"), ("7d1s", "longer than 7d"), ("169h", "longer than 7d"),
+    # ASCII digits only, nothing around the duration
+    ("\u0661h", "is not a duration"), ("1\u0660m", "is not a duration"), (" 15m ", "is not a duration"),
+    (" 1h", "is not a duration"), ("1h\n", "is not a duration"), ("1h ", "is not a duration"),
+    ("9" * 5000 + "s", "longer than 7d"),  # more digits than int() converts
 ])
 def test_bad_durations_are_refused_with_a_reason(text: str, says: str) -> None:
     with pytest.raises(ControlError, match=says) as err:
@@ -64,6 +68,33 @@ def test_capacity_bounds(value: object, ok: bool) -> None:
     else:
         with pytest.raises(ControlError):
             check_capacity(value)
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("\u00b2", "N: '\u00b2' is not a whole number"),  # str.isdigit() says yes, int() refuses it
+    ("\u0661", "N: '\u0661' is not a whole number"),  # int() reads this Arabic-Indic digit as 1
+    (" 3", "N: ' 3' is not a whole number"),
+    ("9" * 5000, "is too large for a capacity"),  # more digits than int() converts
+    (True, "N: true is not a whole number"), (None, "N: null is not a whole number"),
+    ({"n": False}, 'N: {"n": false} is not a whole number'),
+    (float("inf"), "N: a number too large for a 64-bit float is not a whole number"),
+])
+def test_capacities_are_ascii_digits_and_messages_show_json_values(value: object, says: str) -> None:
+    with pytest.raises(ControlError) as err:
+        check_capacity(value, "N")
+    assert says in str(err.value) and err.value.param == "N"
+
+
+async def test_an_audit_page_before_takes_only_ids_redis_takes(redis: Redis) -> None:
+    config = make_config({"a": 4})
+    await apply(redis, config, Change(Action.DRAIN, "a", "ops"))
+    assert await read_audit(redis, 10, before="0-0") == []  # before the first id there can be
+    assert await read_audit(redis, 10, before="0") == []
+    assert len(await read_audit(redis, 10, before="18446744073709551615-18446744073709551615")) == 1
+    for bad in ("1-", "\u00b2", "\u0661-0", "1-\u0661", "+1", " 1", "", "18446744073709551616", "9" * 5000):
+        with pytest.raises(ControlError, match="is not an audit entry id") as err:
+            await read_audit(redis, 10, before=bad)
+        assert err.value.param == "before"
 
 
 def test_the_cli_acts_as_its_os_user(monkeypatch: pytest.MonkeyPatch) -> None:
