@@ -20,6 +20,7 @@ from aiohttp import web
 from common import keys
 from common.codec import decode_event
 from common.jsonio import dumps, json_response
+from common.redisconn import REDIS_DOWN
 from common.runview import is_terminal, run_view
 from common.wire import ErrorCode, EventType, RunField
 from gateway.auth import principal
@@ -36,8 +37,12 @@ _STREAM_ID = re.compile(r"[0-9]+(-[0-9]+)?")
 _ID_PART_MAX = 2**64 - 1
 
 
-#: The largest stream id: nothing can come after it (and Redis refuses it as an exclusive start).
-_LAST_ID = f"{_ID_PART_MAX}-{_ID_PART_MAX}"
+
+
+def _nothing_after(stream_id: str) -> bool:
+    """An id at the last millisecond a stream id can have: no event can come after it (Redis
+    refuses the largest id as an exclusive start, and a run's events are stamped with the clock)."""
+    return int(stream_id.partition("-")[0]) == _ID_PART_MAX
 
 
 def _stream_id(text: str) -> str | None:
@@ -97,13 +102,18 @@ class RunsApi:
         runs = self.runs()
         try:
             with runs.deadlines.within(runs.follow_deadline_s(view["model"])):
-                if is_terminal(view):
+                if _nothing_after(last_id):
+                    pass  # whether the run has ended or not
+                elif is_terminal(view):
                     for event in await self._ended_events(run_id, last_id):
                         await resp.write(_sse(event, view["model"]))
                 else:
                     await self._follow(resp, run_id, last_id, view["model"])
         except TimeoutError:
             pass
+        except REDIS_DOWN as exc:  # the headers went out: the error comes in the stream, OpenAI-shaped
+            error = ApiError(ErrorCode.UNAVAILABLE, f"Redis is unavailable: {exc}")
+            await resp.write(b"event: error\ndata: " + dumps(error.body()) + b"\n\n")
         await resp.write_eof()
         return resp
 
@@ -125,8 +135,6 @@ class RunsApi:
     async def _ended_events(self, run_id: str, last_id: str) -> list[Event]:
         """An ended run's events after `last_id`: all there already (its terminal event may be the
         one the client has, so following would never end)."""
-        if last_id == _LAST_ID:
-            return []
         start = "-" if last_id == "0" else f"({last_id}"
         return [Event(*decode_event(entry_id, fields))
                 for entry_id, fields in await self.runs().redis.xrange(keys.run_events(run_id), start, "+")]
