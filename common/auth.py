@@ -137,19 +137,26 @@ class KeyRing:
     @classmethod
     def from_config(cls, auth: AuthConfig, environ: Mapping[str, str]) -> KeyRing:
         """Resolve every key (an `env` key is read from `environ`); raise UnresolvedKeys naming each
-        variable that is not set."""
+        variable that is not set, and each key that resolves to the same key as an earlier one."""
         entries: list[tuple[bytes, Principal]] = []
         errors: list[str] = []
+        first: dict[bytes, str] = {}  # digest -> the path of the first key that has it
         for i, key in enumerate(auth.keys):
+            path = f"auth.keys[{i}]"
             if key.env is not None:
                 secret = environ.get(key.env, "")
                 if not secret:
-                    errors.append(f"auth.keys[{i}].env: the environment variable {key.env} is not set")
+                    errors.append(f"{path}.env: the environment variable {key.env} is not set")
                     continue
                 digest = hashlib.sha256(secret.encode()).digest()
             else:
                 assert key.sha256 is not None
                 digest = bytes.fromhex(key.sha256)
+            if digest in first:  # one key, two names (and maybe two roles): which would it be?
+                field = "env" if key.env is not None else "sha256"
+                errors.append(f"{path}.{field}: the same key as {first[digest]} (each key must be different)")
+                continue
+            first[digest] = path
             entries.append((digest, Principal(
                 key.name, Role(key.role), None if key.models is None else frozenset(key.models),
                 key.limits.max_in_flight, key.limits.requests_per_minute)))

@@ -91,6 +91,21 @@ def test_keys_resolve_from_hashes_and_the_environment() -> None:
     assert ring.lookup(CALLER + "x") is None and ring.lookup("") is None
 
 
+def test_two_keys_that_resolve_to_the_same_key_stop_the_gateway() -> None:
+    """The same key in two variables (or in a variable and as a hash) would be whichever key came
+    last, maybe an operator: refused, naming both."""
+    auth = {"keys": [{"name": "b", "env": "IOP_TEST_B"}, {"name": "c", "env": "IOP_TEST_C", "role": "operator"},
+                     {"name": "d", "sha256": hash_key("shared")}]}
+    cfg = parse_config(pool(auth))
+    assert cfg.auth is not None
+    with pytest.raises(UnresolvedKeys) as err:
+        KeyRing.from_config(cfg.auth, {"IOP_TEST_B": "shared", "IOP_TEST_C": "shared"})
+    assert err.value.errors == [
+        "auth.keys[1].env: the same key as auth.keys[0] (each key must be different)",
+        "auth.keys[2].sha256: the same key as auth.keys[0] (each key must be different)"]
+    assert KeyRing.from_config(cfg.auth, {"IOP_TEST_B": "one", "IOP_TEST_C": "two"}).lookup("two") is not None
+
+
 async def test_the_scripts_utc_day_is_pythons(redis: Redis) -> None:
     script = ("local now = 0\n" + _UTC_DAY
               + "local out = {} for i = 1, #ARGV do out[i] = utc_day(tonumber(ARGV[i])) end return out")
