@@ -167,8 +167,12 @@ end
 # in-flight runs are a set of run ids (left by `account` when a run ends; the score bounds a
 # member's life, should an end ever go unrecorded), its requests of the last minute a sliding
 # window of run ids.
-# KEYS: runs stream, run record, key in-flight set, key requests window, heartbeat keys of the
-#       model's providers...
+# A model's queue is full when it holds `max_queue` runs more than the model has free slots: runs
+# not dispatched yet that a free slot will take at once are not waiting (a burst of callers fills
+# the free slots, then the queue; `max_queue: 0` runs what finds a free slot and queues nothing).
+# KEYS: runs stream, run record, key in-flight set, key requests window, then for each of the model's
+#       providers 5 keys: its heartbeat, its leases, its capacity override, its drain flag, its node's
+#       cordon flag...
 # ARGV: run id, max_queue, ttl_s, model, kind, stream flag, body, key name, max_in_flight (0: none),
 #       requests_per_minute (0: none), how long a run can last at most (ms), max_attempts, the id of
 #       the gateway that follows it (its first watcher)
@@ -195,12 +199,25 @@ if rpm > 0 then
   left = rpm - n - 1
 end
 local available = false
-for i = 5, #KEYS do
+for i = 5, #KEYS, 5 do
   if redis.call('HGET', KEYS[i], 'health') == 'available' then available = true break end
 end
 if not available then return {'unavailable', redis.call('XLEN', KEYS[1])} end
 local queued = redis.call('XLEN', KEYS[1])
-if queued >= tonumber(ARGV[2]) then return {'full', queued} end
+if queued >= tonumber(ARGV[2]) then
+  local free = 0
+  for i = 5, #KEYS, 5 do
+    local hb = redis.call('HMGET', KEYS[i], 'health', 'capacity')
+    if hb[1] == 'available' then
+      local ops = redis.call('MGET', KEYS[i + 2], KEYS[i + 3], KEYS[i + 4])
+      local cap = tonumber(ops[1] or hb[2])
+      if cap and not ops[2] and not ops[3] then
+        free = free + math.max(0, cap - redis.call('ZCOUNT', KEYS[i + 1], '(' .. now, '+inf'))
+      end
+    end
+  end
+  if queued >= tonumber(ARGV[2]) + free then return {'full', queued} end
+end
 local entry = redis.call('XADD', KEYS[1], '*', 'run', ARGV[1])
 redis.call('HSET', KEYS[2], 'model', ARGV[4], 'kind', ARGV[5], 'stream', ARGV[6], 'body', ARGV[7],
   'state', 'queued', 'created_ms', now, 'entry', entry, 'attempts', 0, 'key', ARGV[8],

@@ -56,6 +56,9 @@ class RunClient:
         self.hub = hub or EventHub(redis)
         #: the bounds of the callers waiting for their runs (one sweeper, not a timer each)
         self.deadlines = Deadlines()
+        #: model id -> the keys `enqueue` reads of its providers (heartbeat, leases, capacity
+        #: override, drain and cordon flags: is one available, and how many slots are free)
+        self._provider_keys: dict[str, list[str]] = {}
         #: cancellations of runs queued after their callers left (kept until done)
         self._leaving: set[asyncio.Task[None]] = set()
 
@@ -70,7 +73,11 @@ class RunClient:
         no_available_provider. Atomic."""
         run_id = run_id or new_run_id()
         policy = self.config.queue_for(model)
-        heartbeats = [keys.heartbeat(p) for p in sorted(model.providers)]
+        provider_keys = self._provider_keys.get(model.id)
+        if provider_keys is None:
+            provider_keys = self._provider_keys[model.id] = [k for p in sorted(model.providers) for k in (
+                keys.heartbeat(p), keys.leases(p), keys.capacity_override(p), keys.drained(p),
+                keys.cordoned(self.config.node_of(p)))]
         def if_left(answer: list[bytes]) -> None:  # the caller left while its run was being queued
             if answer[0] == b"ok":
                 task = asyncio.get_running_loop().create_task(self.leave(run_id, model.id))
@@ -79,7 +86,7 @@ class RunClient:
 
         result = await self.enqueue.call(
             [keys.runs_stream(model.id), keys.run_record(run_id), keys.key_in_flight(who.name),
-             keys.key_requests(who.name), *heartbeats],
+             keys.key_requests(who.name), *provider_keys],
             [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,
              "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
              who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000),

@@ -57,7 +57,7 @@ async def enqueue(scripts: Scripts, run_id: str) -> list[bytes]:
     result: list[bytes] = await scripts.call(
         "enqueue",
         [keys.runs_stream("m"), keys.run_record(run_id), keys.key_in_flight("k"), keys.key_requests("k"),
-         keys.heartbeat("p")],
+         keys.heartbeat("p"), keys.leases("p"), keys.capacity_override("p"), keys.drained("p"), keys.cordoned("n")],
         [run_id, 64, 600, "m", "chat", "0", pack({"model": "m"}), "k", 1, 0, 60_000, 3, "gw"])
     return result
 

@@ -145,8 +145,43 @@ async def test_overflow_is_exact_under_a_concurrent_burst(redis: Redis) -> None:
             return exc.code.value
 
     results = await asyncio.gather(*(one() for _ in range(60)))
-    assert results.count("ok") == 7 and results.count("queue_full") == 53
-    assert await redis.xlen(keys.runs_stream(MODEL)) == 7
+    # 7 waiting, and 1 more that the free slot takes at once
+    assert results.count("ok") == 8 and results.count("queue_full") == 52
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 8
+
+
+async def accepted(client: RunClient, n: int) -> int:
+    """How many of n runs submitted at once are queued (the others must be 429 queue_full)."""
+    model = client.config.model(MODEL)
+    assert model is not None
+
+    async def one() -> bool:
+        try:
+            await client.submit(model, request())
+            return True
+        except ApiError as exc:
+            assert exc.code.value == "queue_full"
+            return False
+
+    return sum(await asyncio.gather(*(one() for _ in range(n))))
+
+
+@pytest.mark.parametrize("max_queue", [0, 2])
+async def test_a_burst_fills_the_free_slots_then_the_queue(redis: Redis, max_queue: int) -> None:
+    """Runs that free slots take at once are not waiting: a burst is refused only past the free
+    slots plus `max_queue` (it was refused past `max_queue` with slots idle; with `max_queue: 0`
+    every run was refused). Busy slots, a drained provider and a cordoned node's give no room;
+    an operator's capacity override counts instead of the announced capacity."""
+    config = make_config({"a": 4, "b": 1, "c": 3, "d": 2}, queue={"max_queue": max_queue, "queue_timeout_ms": 60_000})
+    await beat(redis, config)
+    await redis.zadd(keys.leases("a"), {"x1": now_ms() + 60_000, "x0": now_ms() - 1})  # one busy, one expired
+    await redis.set(keys.drained("c"), now_ms())
+    await redis.set(keys.cordoned("n-d"), now_ms())
+    await redis.set(keys.capacity_override("b"), 2)
+    client = RunClient(redis, config)
+    free = (4 - 1) + 2  # a: 4 less its busy slot; b: its override; c drained, d cordoned
+    assert await accepted(client, free + max_queue + 5) == free + max_queue
+    assert await redis.xlen(keys.runs_stream(MODEL)) == free + max_queue
 
 
 async def test_no_available_provider_is_refused_at_once(redis: Redis) -> None:
