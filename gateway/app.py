@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from common.auth import KeyRing
 from common.config import Config, ModelConfig
@@ -17,7 +18,7 @@ from common.redisconn import REDIS_DOWN
 from common.wire import ErrorCode
 from gateway import admin, catalog, metrics, runs_api, usage_api
 from gateway.auth import KEYRING, principal
-from gateway.connections import BODY, forget_body
+from gateway.connections import BODY, expect_handler, forget_body
 from gateway.errors import ApiError
 from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
@@ -31,6 +32,9 @@ CONFIG = web.AppKey("config", Config)
 RUNS = web.AppKey("runs", RunClient)
 REDIS_URL = web.AppKey("redis_url", str)
 STARTED = web.AppKey("started", float)
+
+#: The most of a model id an error message repeats back.
+SHOWN_MODEL_CHARS = 256
 
 def _model_object(model_id: str, display_name: str, created: int) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "iop",
@@ -49,7 +53,8 @@ def _model_for(request: web.Request, model_id: str) -> ModelConfig:
     """The model, if it exists and the caller's key may use it; else the same 404 either way."""
     model = request.app[CONFIG].model(model_id)
     if model is None or not principal(request).may_use(model.id):
-        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {model_id!r} does not exist", param="model")
+        shown = model_id if len(model_id) <= SHOWN_MODEL_CHARS else model_id[:SHOWN_MODEL_CHARS] + "…"
+        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {shown!r} does not exist", param="model")
     return model
 
 
@@ -105,11 +110,17 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """200 when Redis answers, else 503; why not is logged (it names Redis's address), not told."""
     try:
         async with asyncio.timeout(1.0):
             await request.app[RUNS].redis.ping()
     except (TimeoutError, *REDIS_DOWN) as exc:
-        raise ApiError(ErrorCode.UNAVAILABLE, f"not ready: Redis is unreachable ({exc or 'timeout'})") from None
+        log.warning("not ready: Redis is unreachable: %s", exc or "no answer within 1 s")
+        raise ApiError(ErrorCode.UNAVAILABLE, "not ready: Redis is unreachable") from None
+    except RedisError as exc:  # such as a user without the right to PING
+        log.warning("not ready: Redis answered with an error: %s", exc)
+        raise ApiError(ErrorCode.UNAVAILABLE, "not ready: Redis answered with an error (the gateway's log "
+                       "has it)") from None
     return web.json_response({"status": "ready", "models": len(request.app[CONFIG].models)})
 
 
@@ -148,4 +159,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     catalog.setup(app, config, lambda: app[RUNS].redis)
     admin.setup(app, config, lambda: app[RUNS].redis)
     usage_api.setup(app, config, lambda: app[RUNS].redis)
+    expect = expect_handler(rt.max_body_bytes)
+    for route in app.router.routes():  # aiohttp has no other way to set it for every route
+        route._expect_handler = expect
     return app

@@ -18,7 +18,12 @@ from gateway.errors import ApiError, invalid
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-def _too_large(limit: int) -> ApiError:
+def too_large(limit: int, *, declared: int | None = None) -> ApiError:
+    """413: the body is over `limit` bytes, as its head declares it (`declared`: refused before
+    it is read) or once decoded."""
+    if declared is not None:
+        return ApiError(ErrorCode.REQUEST_TOO_LARGE, f"request body is too large: its Content-Length ({declared}) "
+                        f"is more than {limit} bytes (runtime.max_body_bytes)")
     return ApiError(ErrorCode.REQUEST_TOO_LARGE,
                     f"request body is too large: more than {limit} bytes once decoded (runtime.max_body_bytes)")
 
@@ -33,7 +38,7 @@ def _inflate(data: bytes, encoding: str, limit: int) -> bytes:
     except zlib.error as exc:
         raise invalid(f"the request body is not valid {encoding} data: {exc}") from None
     if len(out) > limit:
-        raise _too_large(limit)
+        raise too_large(limit)
     if not inflater.eof or inflater.unused_data:
         raise invalid(f"the request body is not valid {encoding} data: it does not end where the body ends")
     return out

@@ -17,8 +17,12 @@ Every connection is served by a `GuardedHandler`, aiohttp's own request handler 
   a connection in a triage slot is read here only as far as its request line: `GET /healthz` is
   answered (and the connection closed), anything else gets 503 `service_unavailable`.
 
-Parse errors aiohttp answers itself (a malformed request line, an unknown `Content-Encoding`)
-get the same OpenAI-shaped body as every other error (`handle_error`).
+Parse errors aiohttp answers itself (a malformed request line or header, a header over 8 KiB)
+get the same OpenAI-shaped body as every other error (`handle_error`), saying only what kind of
+fault it was: aiohttp's own text quotes the raw request (an `Authorization` header among it), so
+it reaches neither the caller nor the log. So does a request's `Expect` header (`expect_handler`):
+`100-continue` is answered `100 Continue` unless the body it announces is over the limit (413 at
+once), any other expectation 417.
 """
 
 from __future__ import annotations
@@ -26,14 +30,14 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, cast
 
-from aiohttp import web
+from aiohttp import HttpVersion11, http_exceptions, web
 
 from common.wire import ErrorCode
 from gateway.admission import ConnectionGuard, Slot
-from gateway.bodies import decode
+from gateway.bodies import decode, too_large
 from gateway.errors import ApiError, from_status
 
 log = logging.getLogger("iop.gateway")
@@ -154,7 +158,12 @@ class GuardedHandler(web.RequestHandler):
 
     async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
-        """aiohttp's last step of every answered request: the response is written."""
+        """aiohttp's last step of every answered request: the response is written. An HTTP error
+        aiohttp raised before the middleware could shape it (its own `Expect` handling, on a
+        path no route matches) is OpenAI-shaped here."""
+        if isinstance(resp, web.HTTPException) and resp.status >= 400:
+            resp = (expectation_failed() if resp.status == 417 else from_status(resp.status, resp.reason)).response()
+            resp.force_close()
         try:
             return await super().finish_response(request, resp, start_time)
         finally:
@@ -199,18 +208,91 @@ class GuardedHandler(web.RequestHandler):
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        """aiohttp's answer to a request it could not parse, OpenAI-shaped; the connection closes."""
+        """aiohttp's answer to a request it could not parse, OpenAI-shaped; the connection closes.
+        aiohttp's `message` quotes the raw request: only the kind of fault is told (and logged)."""
         if request.writer.output_size > 0:
             raise ConnectionError("the response had begun; no error can be sent")
         if status >= 500:
             log.error("error handling a request from %s", request.remote, exc_info=exc)
             text = "internal error"
         else:
-            text = f"the request could not be parsed: {message or exc or status}"
-            log.info("unparsable request from %s: %s", request.remote, text)
+            problem = parse_problem(exc, message)
+            text = f"the request could not be parsed as HTTP/1.1: {problem}"
+            log.info("unparsable request from %s: %s", request.remote, problem)
         resp = from_status(status, text).response()
         resp.force_close()
         return resp
+
+
+#: What a parser fault is about, by a word of aiohttp's (or llhttp's) description of it.
+_FAULTS = (
+    ("host", "the Host header is missing"),
+    ("duplicate", "a header that may appear only once appears more than once"),
+    ("too many headers", "it has too many headers"),
+    ("content-length", "the Content-Length header is malformed"),
+    ("transfer-encoding", "the Transfer-Encoding header is malformed"),
+    ("chunk", "the chunked body is malformed"),
+    ("header", "a header line is malformed"),
+    ("method", "the request line is malformed"),
+    ("url", "the request line is malformed"),
+    ("version", "the request line is malformed"),
+    ("status line", "the request line is malformed"),
+)
+
+
+def parse_problem(exc: BaseException | None, message: str | None) -> str:
+    """What was wrong with a request aiohttp could not parse, in a few fixed words. aiohttp's
+    `message` and `exc` quote the raw request (header values, API keys among them): only the
+    start of their description is looked at, and nothing of them is returned."""
+    if isinstance(exc, http_exceptions.LineTooLong):
+        limit = exc.args[1] if len(exc.args) > 1 and isinstance(exc.args[1], int) else None
+        size = f"{limit} bytes" if limit is not None else "the limit"
+        return f"a header or the request line is over {size}"
+    if isinstance(exc, http_exceptions.BadHttpMethod) and (message or "").startswith("Received HTTPS"):
+        return "it looks like HTTPS (TLS), but this port speaks plain HTTP"
+    if isinstance(exc, http_exceptions.BadStatusLine | http_exceptions.InvalidURLError):
+        return "the request line is malformed"
+    if isinstance(exc, http_exceptions.InvalidHeader):
+        return "a header line is malformed"
+    if isinstance(exc, http_exceptions.ContentLengthError):
+        return "the body is shorter than its Content-Length"
+    about = (message or "").partition(":")[0].lower()
+    for word, problem in _FAULTS:
+        if word in about:
+            return problem
+    return "it is malformed"
+
+
+def expectation_failed() -> ApiError:
+    return ApiError(ErrorCode.INVALID_REQUEST, "the Expect header is not supported: the only expectation "
+                    "answered is 100-continue", param="Expect", status=417)
+
+
+def expect_handler(max_body_bytes: int) -> Callable[[web.Request], Coroutine[Any, Any, web.StreamResponse | None]]:
+    """aiohttp's answer to a request's `Expect` header, before any middleware runs (set on every
+    route by `gateway.app`): `100-continue` is answered `100 Continue`, unless the body announced
+    is over `max_body_bytes` (then 413 at once: the client need not send it); any other
+    expectation gets 417. Either refusal closes the connection (no body is read)."""
+
+    def refuse(request: web.Request, error: ApiError) -> web.StreamResponse:
+        if isinstance(request.protocol, GuardedHandler):
+            request.protocol.close_after_response()
+        resp = error.response()
+        resp.force_close()
+        return resp
+
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        if request.version != HttpVersion11:
+            return None
+        if request.headers.get("Expect", "").strip().lower() != "100-continue":
+            return refuse(request, expectation_failed())
+        if request.content_length is not None and request.content_length > max_body_bytes:
+            return refuse(request, too_large(max_body_bytes, declared=request.content_length))
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the response proper has not begun
+        return None
+
+    return expect
 
 
 def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Request], Awaitable[None]]:
@@ -224,6 +306,10 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
             guarded.request_started()
         body = b""
         if request.body_exists:
+            if request.content_length is not None and request.content_length > max_body_bytes:
+                if guarded is not None:
+                    guarded.close_after_response()  # the body is not read
+                raise too_large(max_body_bytes, declared=request.content_length)
             try:
                 async with asyncio.timeout(body_timeout_s):
                     body = await request.read()  # at most max_body_bytes (aiohttp's client_max_size)

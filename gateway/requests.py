@@ -8,6 +8,7 @@ to the provider untouched.
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,13 @@ def _check_stream(body: dict[str, Any], kind: RunKind) -> bool:
 _CHECKS = {RunKind.CHAT: _check_messages, RunKind.COMPLETION: _check_prompt, RunKind.EMBEDDING: _check_input}
 
 
+def _not_text(raw: bytes, exc: UnicodeDecodeError) -> str:
+    """Why a body is not text, in plain words (Python's codec message quotes the byte and names
+    the codec): its encoding and the offset of the first byte at fault."""
+    at = exc.start + (len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0)
+    return f"it is not valid {exc.encoding.upper()} text (at byte {at})"
+
+
 def _pack(body: dict[str, Any]) -> bytes:
     """The body as it is queued; what msgpack cannot hold (a lone surrogate, an integer outside
     [-2**63, 2**64)) is the caller's fault, named by `wire_problem`."""
@@ -119,7 +127,9 @@ def _pack(body: dict[str, Any]) -> bytes:
 def parse_request(kind: RunKind, raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH) -> ParsedRequest:
     try:
         body = jsonio.loads(raw, parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except UnicodeDecodeError as exc:
+        raise invalid(f"the request body is not valid JSON: {_not_text(raw, exc)}") from None
+    except ValueError as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise invalid(f"the request body is nested deeper than {max_depth} levels (runtime.max_json_depth)") \

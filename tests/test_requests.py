@@ -130,6 +130,17 @@ def test_invalid_json_message_names_the_problem() -> None:
     assert len(err.message) > len("the request body is not valid JSON: ")
 
 
+@pytest.mark.parametrize(("raw", "at"), [
+    (b'{"model": "\xff\xfe\xfa"}', 11),
+    (b'{"model": "m", "prompt": "\xc3\x28"}', 26),
+    (b'\xef\xbb\xbf{"model": "\xff"}', 14),  # after a byte-order mark: still the offset in the body
+], ids=["invalid-start-byte", "invalid-continuation-byte", "after-a-bom"])
+def test_a_body_that_is_not_utf8_is_told_in_plain_words_with_the_offset(raw: bytes, at: int) -> None:
+    err = rejected(COMPLETION, raw)
+    assert raw[at] >= 0x80
+    assert err.message == f"the request body is not valid JSON: it is not valid UTF-8 text (at byte {at})"
+
+
 def test_model_is_checked_before_the_prompt() -> None:
     assert rejected(CHAT, b"{}").param == "model"
     assert rejected(COMPLETION, b'{"prompt": 5}').param == "model"

@@ -1,0 +1,286 @@
+"""The gateway against a hostile caller, in process on port 0 with the connections `iop gateway`
+serves (`GuardedSite`) and a real Redis, driven with raw sockets: what the HTTP parser refuses
+is answered and logged without a byte of the request (an API key in a broken header stays
+secret), every answer is OpenAI-shaped JSON on one line, a body announced over the limit is
+refused before it is read, and nothing a caller sends is echoed back at length."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+from aiohttp import web
+from redis.asyncio import Redis
+
+from common.config import Config, parse_config
+from gateway.admission import ConnectionGuard, ConnectionLimits
+from gateway.app import build_app
+from gateway.connections import GuardedSite
+
+MODEL = "m"
+SECRET = "iop-SECRET-0123456789"
+#: Longest any single wait in these tests may take; far below the body timeout they run with.
+DEADLINE_S = 20.0
+#: A limit never reached in a test: an answer that waits for it shows as a test timeout.
+NEVER_MS = 120_000
+
+
+def config(**runtime: int) -> Config:
+    return parse_config({
+        "models": [{"id": MODEL, "providers": {"p": "p-served"}}],
+        "nodes": [{"id": "n1", "providers": [{"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                              "capacity": 1, "models": ["p-served"]}]}],
+        "runtime": {"header_timeout_ms": NEVER_MS, "body_timeout_ms": NEVER_MS, "idle_timeout_ms": NEVER_MS,
+                    **runtime},
+    })
+
+
+@dataclass
+class Gateway:
+    host: str
+    port: int
+
+
+async def serve(cfg: Config, redis_url: str) -> tuple[web.AppRunner, Gateway]:
+    runner = web.AppRunner(build_app(cfg, redis_url), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    guard = ConnectionGuard(ConnectionLimits.from_runtime(cfg.runtime))
+    site = GuardedSite(runner, "127.0.0.1", 0, guard, access_log=None)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return runner, Gateway(host, port)
+
+
+@pytest.fixture
+async def gateway(redis_url: str) -> AsyncIterator[Gateway]:
+    runner, gw = await serve(config(), redis_url)
+    yield gw
+    await runner.cleanup()
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def error(self) -> dict[str, Any]:
+        assert self.headers.get("content-type", "").startswith("application/json"), self.headers
+        err: dict[str, Any] = json.loads(self.body)["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        message = err["message"]
+        assert isinstance(message, str) and "\n" not in message and "b'" not in message
+        assert "bytearray" not in message and "^" not in message
+        return err
+
+
+async def read_response(reader: asyncio.StreamReader) -> Response:
+    """One whole response with a Content-Length (a 100 Continue before it is returned as one too)."""
+    async with asyncio.timeout(DEADLINE_S):
+        head = await reader.readuntil(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin-1").rstrip("\r\n").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+        body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return Response(int(status_line.split()[1]), headers, body)
+
+
+async def closed(reader: asyncio.StreamReader) -> bool:
+    """The gateway closes the connection (what it sends until then is dropped)."""
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            while await reader.read(65536):
+                pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+async def exchange(gw: Gateway, raw: bytes) -> tuple[Response, bytes]:
+    """Send `raw`, read the answer and all the gateway sends until it closes; (answer, every byte)."""
+    reader, writer = await asyncio.open_connection(gw.host, gw.port)
+    try:
+        writer.write(raw)
+        await writer.drain()
+        async with asyncio.timeout(DEADLINE_S):
+            data = await reader.read()
+    finally:
+        writer.close()
+    assert data, "the connection closed without an answer"
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return Response(int(status_line.split()[1]), headers, body), data
+
+
+def logged(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(f"{r.getMessage()} {r.exc_text or ''}" for r in caplog.records)
+
+
+BROKEN_HEADERS = {
+    "space-before-colon": f"Authorization : Bearer {SECRET}".encode(),
+    "over-8-KiB": f"Authorization: Bearer {SECRET}".encode() + b"x" * 9000,
+    "control-character": f"Authorization: Bearer {SECRET}\x01".encode(),
+}
+
+
+@pytest.mark.parametrize("header", list(BROKEN_HEADERS.values()), ids=list(BROKEN_HEADERS))
+async def test_a_header_the_parser_refuses_is_neither_echoed_nor_logged(
+        gateway: Gateway, caplog: pytest.LogCaptureFixture, header: bytes) -> None:
+    caplog.set_level(logging.DEBUG)
+    raw = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n\r\n"
+    resp, everything = await exchange(gateway, raw)
+    assert resp.status == 400
+    err = resp.error()
+    assert err["code"] == "invalid_request_error"
+    assert err["message"].startswith("the request could not be parsed as HTTP/1.1: ")
+    assert "header" in err["message"]
+    assert SECRET.encode() not in everything and b"Bearer" not in everything
+    assert "unparsable request from 127.0.0.1" in logged(caplog)
+    assert SECRET not in logged(caplog) and "Bearer" not in logged(caplog)
+
+
+@pytest.mark.parametrize(("raw", "problem"), [
+    (f"GARBAGE-{SECRET}\r\n\r\n".encode(), "the request line is malformed"),
+    (f"GET /v1/mo\x01{SECRET} HTTP/1.1\r\nHost: x\r\n\r\n".encode(), "the request line is malformed"),
+    (f"GET / HTTP/9.{SECRET}\r\nHost: x\r\n\r\n".encode(), "the request line is malformed"),
+    (f"GET /{SECRET}".encode() + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", "over 8190 bytes"),
+    (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1{SECRET}\r\n\r\n".encode(),
+     "the Content-Length header is malformed"),
+    (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz{SECRET}\r\n".encode(),
+     "the chunked body is malformed"),
+    (b"GET /v1/models HTTP/1.1\r\n\r\n", "the Host header is missing"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
+     "appears more than once"),
+    (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + SECRET.encode(), "HTTPS"),
+], ids=["not-http", "control-character-in-path", "bad-version", "request-line-over-8-KiB", "bad-content-length",
+        "bad-chunk-size", "no-host", "duplicate-content-length", "tls"])
+async def test_every_parser_fault_is_told_in_words_of_its_own_without_the_request(
+        gateway: Gateway, caplog: pytest.LogCaptureFixture, raw: bytes, problem: str) -> None:
+    caplog.set_level(logging.DEBUG)
+    resp, everything = await exchange(gateway, raw)
+    assert resp.status == 400
+    err = resp.error()
+    assert err["code"] == "invalid_request_error" and problem in err["message"], err["message"]
+    assert SECRET.encode() not in everything
+    assert SECRET not in logged(caplog) and "b'" not in logged(caplog)
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/chat/completions", "/no/such/path"])
+async def test_an_expectation_other_than_100_continue_gets_an_openai_shaped_417(gateway: Gateway, path: str) -> None:
+    resp, _ = await exchange(gateway, f"GET {path} HTTP/1.1\r\nHost: x\r\nExpect: foo\r\n\r\n".encode())
+    assert resp.status == 417
+    err = resp.error()
+    assert err["code"] == "invalid_request_error" and err["param"] == "Expect" and "100-continue" in err["message"]
+
+
+async def test_expect_100_continue_is_answered_and_the_body_then_read(gateway: Gateway) -> None:
+    body = json.dumps({"model": "no-such", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
+    try:
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode())
+        assert (await read_response(reader)).status == 100  # sent before the body is
+        writer.write(body)
+        resp = await read_response(reader)
+        assert resp.status == 404 and resp.error()["code"] == "model_not_found"
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("expect", [False, True], ids=["plain", "expect-100-continue"])
+async def test_a_body_announced_over_the_limit_gets_413_before_it_is_read(gateway: Gateway, expect: bool) -> None:
+    """The body timeout is far off: an answer that waited for the body would time the test out."""
+    reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + (b"Expect: 100-continue\r\n" if expect else b"")
+                     + b"Content-Length: 9000000\r\n\r\n" + (b"" if expect else b"{}"))
+        await writer.drain()
+        resp = await read_response(reader)  # no 100 Continue first: the body is not wanted
+        assert resp.status == 413
+        err = resp.error()
+        assert err["code"] == "request_too_large" and "runtime.max_body_bytes" in err["message"]
+        assert await closed(reader)
+    finally:
+        writer.close()
+
+
+async def test_a_body_that_is_not_utf8_is_told_where_in_plain_words(gateway: Gateway) -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "\xff"}]}'
+    reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
+    try:
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        resp = await read_response(reader)
+    finally:
+        writer.close()
+    assert resp.status == 400
+    at = body.index(b"\xff")
+    assert resp.error()["message"] == f"the request body is not valid JSON: it is not valid UTF-8 text (at byte {at})"
+
+
+async def test_an_unknown_model_id_is_echoed_cut_short(gateway: Gateway) -> None:
+    model = "M" * 1_000_000
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
+    try:
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        resp = await read_response(reader)
+    finally:
+        writer.close()
+    assert resp.status == 404
+    err = resp.error()
+    assert err["code"] == "model_not_found" and err["message"] == f"the model '{'M' * 256}…' does not exist"
+
+
+async def readyz(cfg: Config, redis_url: str) -> Response:
+    runner, gw = await serve(cfg, redis_url)
+    try:
+        reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        writer.write(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        resp = await read_response(reader)
+        writer.close()
+    finally:
+        await runner.cleanup()
+    return resp
+
+
+async def test_readyz_with_redis_down_says_so_without_its_address(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    probe = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)  # a port nobody serves on then
+    port = probe.sockets[0].getsockname()[1]
+    probe.close()
+    await probe.wait_closed()
+    resp = await readyz(config(), f"redis://127.0.0.1:{port}/0")
+    assert resp.status == 503
+    err = resp.error()
+    assert err["code"] == "service_unavailable" and err["message"] == "not ready: Redis is unreachable"
+    assert any(r.levelno == logging.WARNING and "not ready" in r.getMessage() and str(port) in r.getMessage()
+               for r in caplog.records), "the detail is logged"
+
+
+async def test_readyz_when_redis_answers_with_an_error_is_503_not_500(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A user that may not PING: Redis answers NOPERM, which is no outage."""
+    caplog.set_level(logging.DEBUG)
+    user = f"iop-no-ping-{uuid.uuid4().hex[:8]}"
+    admin = Redis.from_url(redis_url)
+    await admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "+@all", "-ping")
+    parts = urlsplit(redis_url)
+    try:
+        resp = await readyz(config(), urlunsplit((parts.scheme, f"{user}:pw@{parts.netloc}", parts.path, "", "")))
+    finally:
+        await admin.execute_command("ACL", "DELUSER", user)
+        await admin.aclose()
+    assert resp.status == 503
+    err = resp.error()
+    assert err["code"] == "service_unavailable" and err["message"].startswith("not ready: Redis answered with an error")
+    assert any(r.levelno == logging.WARNING and "not ready" in r.getMessage() for r in caplog.records)
