@@ -73,8 +73,10 @@ class ApiError(Exception):
 
     @classmethod
     def from_info(cls, info: ErrorInfo) -> ApiError:
-        """A run's failure; a provider's 4xx is passed through with its own status and body."""
-        if info.status is not None and 400 <= info.status < 500:
+        """A run's failure; a provider's 4xx is passed through with its own status and body, but
+        not its 429: the provider's rate limit is the pool's, not the caller's fault (the run was
+        tried on another provider first), so it is a 502 like a 5xx."""
+        if info.status is not None and 400 <= info.status < 500 and info.status != 429:
             return cls(info.code, info.message, status=info.status, detail=info.detail)
         return cls(info.code, info.message)
 

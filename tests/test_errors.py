@@ -89,7 +89,7 @@ PROVIDER_DETAIL: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("status", [400, 401, 404, 422, 429, 499])
+@pytest.mark.parametrize("status", [400, 401, 404, 422, 499])
 def test_from_info_passes_provider_4xx_through(status: int) -> None:
     info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider said no", status=status,
                      detail={**PROVIDER_DETAIL, "extra": "dropped"})
@@ -116,7 +116,7 @@ def test_from_info_4xx_without_usable_detail_uses_own_message(detail: dict[str, 
                                     "param": None, "code": "provider_error"}}
 
 
-@pytest.mark.parametrize("status", [500, 502, 503, 504, None, 302])
+@pytest.mark.parametrize("status", [500, 502, 503, 504, None, 302, 429])
 def test_from_info_provider_non_4xx_maps_to_502(status: int | None) -> None:
     info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider failed", status=status, detail=PROVIDER_DETAIL)
     err = ApiError.from_info(info)
