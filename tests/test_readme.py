@@ -37,3 +37,16 @@ def test_config_table_lists_every_runtime_limit_with_its_default() -> None:
             assert field.default == int(shown.split()[0]) * 1024 * 1024, name
         else:
             assert field.default == int(shown), name
+
+
+def test_the_configuration_example_is_a_valid_config() -> None:
+    import yaml
+
+    from common.config import parse_config
+
+    section = README.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    example = re.search(r"```yaml\n(.+?)\n```", section, flags=re.S)
+    assert example is not None
+    config = parse_config(yaml.safe_load(example.group(1)))
+    model = config.model("qwen3.6:35b")
+    assert model is not None and set(model.providers) == {"vllm-a", "sglang-b"}
