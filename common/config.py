@@ -7,9 +7,11 @@ carrying every fault, each prefixed with the exact path at fault
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError
@@ -33,23 +35,51 @@ ID_PATTERN = r"^\S+$"
 #: The most load samples the history may hold (`runtime.history_retention_s` / `history_interval_ms`).
 MAX_HISTORY_SAMPLES = 20_000
 
+# Upper bounds of the config's numbers. Each is far beyond any sane setting, and keeps what is
+# derived from it (slot counts, deadlines in ms since the epoch, TTLs) a signed 64-bit integer,
+# which is what Redis takes: a worker given `capacity: 99999999999999999999999` ran nothing.
+#: The most concurrent runs one provider may take (`nodes[].providers[].capacity`).
+MAX_CAPACITY = 1_000_000
+#: The longest duration in ms anywhere in the config: 7 days, arq's job timeout, which bounds a run.
+MAX_DURATION_MS = 7 * 24 * 3600 * 1000
+#: The longest `runtime.run_ttl_s`: 30 days (it must outlast queue_timeout_ms + execution_timeout_ms).
+MAX_RUN_TTL_S = 30 * 24 * 3600
+#: The most bytes of any size limit: 512 MiB, the largest value Redis holds (proto-max-bulk-len).
+MAX_BYTES = 512 * 1024 * 1024
+#: The most runs a model's queue may hold (`queue.max_queue`).
+MAX_QUEUE = 1_000_000
+#: The most tries of one run (`queue.max_attempts`).
+MAX_ATTEMPTS = 100
+#: The most events one run's stream may hold (`runtime.max_events_per_run`).
+MAX_EVENTS_PER_RUN = 10_000_000
+#: The most client connections a gateway may hold (`runtime.max_connections`).
+MAX_CONNECTIONS = 1_000_000
+#: The largest Redis connection pool of a gateway (`runtime.redis_max_connections`).
+MAX_REDIS_CONNECTIONS = 100_000
+#: The schemes a provider's `base_url` may have.
+URL_SCHEMES = ("http", "https")
+#: Longest a value is shown in a message.
+_SHOWN_CHARS = 80
+
 
 class QueuePolicy(Strict):
     """How long and how many runs may wait for a model, and how long one may run."""
 
-    max_queue: int = Field(64, ge=0, description="waiting runs a model's queue holds; more get 429")
-    queue_timeout_ms: int = Field(30_000, ge=1, description="a run waiting this long fails with 504")
-    execution_timeout_ms: int = Field(600_000, ge=1, description="a run executing this long is aborted")
-    max_attempts: int = Field(3, ge=1, description="tries of a run that fails before any output")
+    max_queue: int = Field(64, ge=0, le=MAX_QUEUE, description="waiting runs a model's queue holds; more get 429")
+    queue_timeout_ms: int = Field(30_000, ge=1, le=MAX_DURATION_MS,
+                                  description="a run waiting this long fails with 504")
+    execution_timeout_ms: int = Field(600_000, ge=1, le=MAX_DURATION_MS,
+                                      description="a run executing this long is aborted")
+    max_attempts: int = Field(3, ge=1, le=MAX_ATTEMPTS, description="tries of a run that fails before any output")
 
 
 class QueueOverride(Strict):
     """Per-model override of `QueuePolicy`; unset fields keep the default."""
 
-    max_queue: int | None = Field(None, ge=0)
-    queue_timeout_ms: int | None = Field(None, ge=1)
-    execution_timeout_ms: int | None = Field(None, ge=1)
-    max_attempts: int | None = Field(None, ge=1)
+    max_queue: int | None = Field(None, ge=0, le=MAX_QUEUE)
+    queue_timeout_ms: int | None = Field(None, ge=1, le=MAX_DURATION_MS)
+    execution_timeout_ms: int | None = Field(None, ge=1, le=MAX_DURATION_MS)
+    max_attempts: int | None = Field(None, ge=1, le=MAX_ATTEMPTS)
 
 
 class ProviderConfig(Strict):
@@ -58,12 +88,15 @@ class ProviderConfig(Strict):
     category: Category | None = None
     base_url: str | None = None
     api_key_env: str | None = Field(None, description="name of the env var holding the API key")
-    capacity: int = Field(ge=1)
+    capacity: int = Field(ge=1, le=MAX_CAPACITY)
     models: list[str] = Field(min_length=1)
-    connect_timeout_ms: int = Field(5_000, ge=1)
-    read_timeout_ms: int = Field(120_000, ge=1, description="longest silence while reading a response")
-    probe_timeout_ms: int = Field(2_000, ge=1, description="a health probe without an answer by then failed")
-    probe_interval_ms: int | None = Field(None, ge=10, description="least time between probes (runtime default)")
+    connect_timeout_ms: int = Field(5_000, ge=1, le=MAX_DURATION_MS)
+    read_timeout_ms: int = Field(120_000, ge=1, le=MAX_DURATION_MS,
+                                 description="longest silence while reading a response")
+    probe_timeout_ms: int = Field(2_000, ge=1, le=MAX_DURATION_MS,
+                                  description="a health probe without an answer by then failed")
+    probe_interval_ms: int | None = Field(None, ge=10, le=MAX_DURATION_MS,
+                                          description="least time between probes (runtime default)")
     probe_path: str | None = Field(None, pattern=r"^/\S*$",
                                    description="OpenAI family: the health endpoint on the provider's host")
     api_path: str | None = Field(None, pattern=r"^(/\S*)?$",
@@ -101,31 +134,36 @@ class ModelConfig(Strict):
 class RuntimeConfig(Strict):
     """Timings and limits shared by every process (the gateway's own limits too). Tests shrink them."""
 
-    heartbeat_interval_ms: int = Field(2_000, ge=10)
-    heartbeat_ttl_ms: int = Field(6_000, ge=20)
-    probe_interval_ms: int = Field(5_000, ge=10)
-    lease_ttl_ms: int = Field(15_000, ge=50)
-    scheduler_liveness_ms: int = Field(3_000, ge=50)
-    run_ttl_s: int = Field(3_600, ge=1)
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    heartbeat_interval_ms: int = Field(2_000, ge=10, le=MAX_DURATION_MS)
+    heartbeat_ttl_ms: int = Field(6_000, ge=20, le=MAX_DURATION_MS)
+    probe_interval_ms: int = Field(5_000, ge=10, le=MAX_DURATION_MS)
+    lease_ttl_ms: int = Field(15_000, ge=50, le=MAX_DURATION_MS)
+    scheduler_liveness_ms: int = Field(3_000, ge=50, le=MAX_DURATION_MS)
+    run_ttl_s: int = Field(3_600, ge=1, le=MAX_RUN_TTL_S)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=MAX_BYTES)
     # Deeper than 256 would come close to the recursion limits of Python's json (~1000) and of
     # msgpack (512), which are what the limit keeps requests away from.
     max_json_depth: int = Field(64, ge=2, le=256, description="request bodies nested deeper get 400")
     # The gateway's connections (gateway.connections); each is documented in the README.
-    header_timeout_ms: int = Field(10_000, ge=10, description="a request head must arrive within this")
-    body_timeout_ms: int = Field(60_000, ge=10, description="a request body must arrive within this after its head")
-    idle_timeout_ms: int = Field(75_000, ge=10, description="a kept-alive connection without a request is closed")
-    max_connections: int = Field(4_096, ge=1, description="connections the gateway serves at once")
-    redis_max_connections: int = Field(64, ge=2, description="the gateway's Redis connection pool")
+    header_timeout_ms: int = Field(10_000, ge=10, le=MAX_DURATION_MS,
+                                   description="a request head must arrive within this")
+    body_timeout_ms: int = Field(60_000, ge=10, le=MAX_DURATION_MS,
+                                 description="a request body must arrive within this after its head")
+    idle_timeout_ms: int = Field(75_000, ge=10, le=MAX_DURATION_MS,
+                                 description="a kept-alive connection without a request is closed")
+    max_connections: int = Field(4_096, ge=1, le=MAX_CONNECTIONS, description="connections the gateway serves at once")
+    redis_max_connections: int = Field(64, ge=2, le=MAX_REDIS_CONNECTIONS,
+                                       description="the gateway's Redis connection pool")
     # What one run may make a worker read and keep (workers.runner, the adapters); see the README.
-    max_output_bytes: int = Field(16 * 1024 * 1024, ge=1024,
+    max_output_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=MAX_BYTES,
                                   description="a run's streamed output (stored events) beyond this ends it")
-    max_events_per_run: int = Field(100_000, ge=10, description="events a run's stream may hold")
-    max_response_bytes: int = Field(16 * 1024 * 1024, ge=1024,
+    max_events_per_run: int = Field(100_000, ge=10, le=MAX_EVENTS_PER_RUN, description="events a run's stream may hold")
+    max_response_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=MAX_BYTES,
                                     description="the largest whole (non-stream) answer read from a provider")
-    max_line_bytes: int = Field(1024 * 1024, ge=1024, description="the longest SSE or NDJSON line a provider may send")
+    max_line_bytes: int = Field(1024 * 1024, ge=1024, le=MAX_BYTES,
+                                description="the longest SSE or NDJSON line a provider may send")
     max_error_chars: int = Field(500, ge=50, le=10_000, description="a provider's error text is cut to this")
-    stream_keepalive_ms: int = Field(10_000, ge=100,
+    stream_keepalive_ms: int = Field(10_000, ge=100, le=MAX_DURATION_MS,
                                      description="a stream silent this long gets an SSE keep-alive comment")
     # The catalog's charts (common.history): how often the schedulers sample the load, and for how long.
     history_interval_ms: int = Field(5_000, ge=100, le=600_000, description="one load sample per this")
@@ -191,14 +229,14 @@ class ConfigError(Exception):
         self.errors = list(errors)
 
 
-def format_path(loc: Sequence[str | int]) -> str:
+def format_path(loc: Sequence[Any]) -> str:
     """('models', 1, 'providers', 'vllm-a') -> 'models[1].providers.vllm-a'.
 
     pydantic marks a bad mapping key with a trailing '[key]': ('providers', 1, '[key]') is
     the key 1 of `providers`, shown as 'providers.1 (key)'."""
     out = ""
     if len(loc) >= 2 and loc[-1] == "[key]":
-        return f"{format_path(loc[:-2])}.{loc[-2]} (key)"
+        return f"{format_path(loc[:-2])}.{_key(loc[-2])} (key)"
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
@@ -207,28 +245,65 @@ def format_path(loc: Sequence[str | int]) -> str:
     return out or "(top level)"
 
 
+def shown(value: Any) -> str:
+    """A value of a config, for a message, as YAML writes it: `true`, `null`, `.inf`, `1.5`,
+    `[1, 'a']`; text quoted (`'x'`). Never as Python writes it (`True`, `None`, `inf`). Cut short
+    when long."""
+    if isinstance(value, str):
+        text = repr(value)
+    elif isinstance(value, bool):
+        text = "true" if value else "false"
+    elif value is None:
+        text = "null"
+    elif isinstance(value, float) and not math.isfinite(value):
+        text = ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
+    elif isinstance(value, int | float):
+        text = repr(value)
+    elif isinstance(value, list | tuple):
+        text = "[" + ", ".join(shown(v) for v in value) + "]"
+    elif isinstance(value, Mapping):
+        text = "{" + ", ".join(f"{shown(k)}: {shown(v)}" for k, v in value.items()) + "}"
+    else:  # what else YAML makes: a date, bytes (!!binary)
+        text = str(value)
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS - 1] + "…"
+
+
+def _key(value: Any) -> str:
+    """A mapping key as part of a path: text as it is, anything else as YAML writes it."""
+    return value if isinstance(value, str) else shown(value)
+
+
+#: pydantic errors whose message does not say what the value was: it is added (`, got true`).
+_SAY_INPUT = frozenset({"literal_error", "int_type", "int_parsing", "bool_type", "bool_parsing", "list_type",
+                        "dict_type", "float_type"})
+
+
 def _schema_errors(exc: ValidationError) -> list[str]:
     errors = []
     for err in exc.errors():
-        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        loc: list[Any] = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        if len(loc) >= 2 and loc[-1] == "[key]":
+            loc[-2] = err["input"]  # the key itself: pydantic writes None as 'None' and true as 1
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
-        elif err["type"] == "literal_error":
-            msg = f"{msg}, got {err['input']!r}"
+        elif err["type"] in _SAY_INPUT:
+            msg = f"{msg}, got {shown(err['input'])}"
         errors.append(f"{format_path(loc)}: {msg}")
     return errors
 
 
-def _duplicates(items: Sequence[tuple[str, str]], kind: str) -> list[str]:
-    """items: (path, id). Reports each repeated id at its later path."""
+def _duplicates(items: Sequence[tuple[str, Any]], kind: str) -> list[str]:
+    """items: (path, id). Reports each repeated id at its later path (ids of another type than
+    text are the schema's to report; they are compared as YAML shows them)."""
     seen: dict[str, str] = {}
     errors = []
     for path, ident in items:
-        if ident in seen:
-            errors.append(f"{path}: duplicate {kind} id {ident!r} (first at {seen[ident]})")
+        key = _key(ident)
+        if key in seen:
+            errors.append(f"{path}: duplicate {kind} id {shown(ident)} (first at {seen[key]})")
         else:
-            seen[ident] = path
+            seen[key] = path
     return errors
 
 
@@ -248,20 +323,22 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
     data = cfg.model_dump() if isinstance(cfg, Config) else cfg
     models = [_map(m) for m in _list(data.get("models"))]
     nodes = [_map(n) for n in _list(data.get("nodes"))]
-    errors = _duplicates([(f"models[{i}].id", str(m.get("id"))) for i, m in enumerate(models) if "id" in m], "model")
-    errors += _duplicates([(f"nodes[{i}].id", str(n.get("id"))) for i, n in enumerate(nodes) if "id" in n], "node")
+    errors = _duplicates([(f"models[{i}].id", m.get("id")) for i, m in enumerate(models) if "id" in m], "model")
+    errors += _duplicates([(f"nodes[{i}].id", n.get("id")) for i, n in enumerate(nodes) if "id" in n], "node")
     providers: dict[str, Mapping[str, Any]] = {}
     provider_paths = []
     for i, node in enumerate(nodes):
         for j, p in enumerate(_map(x) for x in _list(node.get("providers"))):
             path = f"nodes[{i}].providers[{j}]"
             if "id" in p:
-                provider_paths.append((f"{path}.id", str(p["id"])))
-                providers.setdefault(str(p["id"]), p)  # the first definition is the one in force
+                provider_paths.append((f"{path}.id", p["id"]))
+                providers.setdefault(_key(p["id"]), p)  # the first definition is the one in force
             if p.get("type") in PROVIDER_TYPES and p.get("type") != "cli" and not p.get("base_url"):
                 errors.append(f"{path}.base_url: required for type {p['type']}")
+            elif (fault := base_url_fault(p.get("base_url"))) is not None:
+                errors.append(f"{path}.base_url: {fault}")
             errors += _type_specific(p, path)
-            served = [(f"{path}.models[{k}]", str(x)) for k, x in enumerate(_list(p.get("models")))]
+            served = [(f"{path}.models[{k}]", x) for k, x in enumerate(_list(p.get("models")))]
             errors += _duplicates(served, "served model")
     errors += _duplicates(provider_paths, "provider")
     # Where the nodes themselves are malformed, which providers exist is not known: say
@@ -269,20 +346,41 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
     nodes_known = bool(nodes) and all(isinstance(n.get("providers", []), list) for n in nodes)
     for i, model in enumerate(models):
         for provider_id, served_name in _map(model.get("providers")).items():
-            path = f"models[{i}].providers.{provider_id}"
-            provider = providers.get(str(provider_id))
+            path = f"models[{i}].providers.{_key(provider_id)}"
+            provider = providers.get(_key(provider_id))
             served_known = _list(provider.get("models")) if provider else []
             if provider is None:
                 if nodes_known:
-                    errors.append(f"{path}: provider {provider_id!r} is not defined by any node")
+                    errors.append(f"{path}: provider {shown(provider_id)} is not defined by any node")
             elif (isinstance(served_name, str) and served_known and all(isinstance(x, str) for x in served_known)
                   and served_name not in served_known):
                 errors.append(
-                    f"{path}: served model {served_name!r} is not in provider {provider_id}'s models "
-                    f"{_list(provider.get('models'))}"
+                    f"{path}: served model {served_name!r} is not in provider {_key(provider_id)}'s models "
+                    f"{shown(_list(provider.get('models')))}"
                 )
     model_ids = {str(m["id"]) for m in models if "id" in m}
     return errors + check_auth(data.get("auth"), model_ids)
+
+
+def base_url_fault(value: Any) -> str | None:
+    """What is wrong with a provider's `base_url` (None: nothing, or it is not text, which the schema
+    reports): it must be an http:// or https:// URL naming a host, with a port number if any."""
+    if not isinstance(value, str) or not value:
+        return None
+    example = "such as http://gpu-1:8000 or https://api.example.com/v1"
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 -- raises ValueError for a port that is not a number in 0..65535
+    except ValueError as exc:
+        return f"{shown(value)} is not a usable URL ({exc})"
+    if parts.scheme.lower() not in URL_SCHEMES or not value.partition(":")[2].startswith("//"):
+        said = f"scheme {parts.scheme + '://'!r}" if parts.scheme and parts.netloc else "no http:// or https://"
+        return f"{shown(value)} has {said}; write an http:// or https:// URL, {example}"
+    if not parts.hostname:
+        return f"{shown(value)} names no host; write a URL {example}"
+    if any(c.isspace() for c in value):
+        return f"{shown(value)} is not a URL (it has white space); write one {example}"
+    return None
 
 
 def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
@@ -298,7 +396,7 @@ def parse_config(data: Any) -> Config:
     A config in the legacy shape (`openai.model_routes`, `nodes[].adapters`) is converted
     first by `common.legacy`; its faults are reported at their legacy paths."""
     if not isinstance(data, Mapping):
-        raise ConfigError([f"(top level): expected a mapping, got {type(data).__name__}"])
+        raise ConfigError([f"(top level): expected a mapping, got {_kind(data)}"])
     if is_legacy(data):
         migration = migrate_legacy(data)
         if migration.errors:
@@ -308,6 +406,17 @@ def parse_config(data: Any) -> Config:
         except ConfigError as exc:
             raise ConfigError([migration.legacy_path(e) for e in exc.errors]) from None
     return _parse_new_shape(data)
+
+
+def _kind(value: Any) -> str:
+    """What a YAML document that is not a mapping holds, in YAML's words."""
+    if value is None:
+        return "null (an empty document)"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return f"the text {shown(value)}"
+    return shown(value)
 
 
 def _parse_new_shape(data: Mapping[str, Any]) -> Config:
@@ -343,14 +452,32 @@ def check_timings(cfg: Config) -> list[str]:
     return errors
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate a YAML config file."""
+def read_yaml(path: str | Path) -> Any:
+    """The YAML document of a config file, not yet validated. Raises ConfigError, one line naming
+    the file, for a file that cannot be read, is not UTF-8 text, or is not YAML."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start} is 0x{raw[exc.start]:02x})"]) from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
-    return parse_config(data)
+        raise ConfigError([f"{path}: not valid YAML: {yaml_fault(exc)}"]) from None
+
+
+def yaml_fault(exc: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: what is wrong and where (its own text quotes the lines, on several)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        said = f"{exc.context}: {exc.problem}" if exc.context else exc.problem
+        mark = exc.problem_mark
+        return f"{said} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else said
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file."""
+    return parse_config(read_yaml(path))

@@ -145,9 +145,24 @@ def parse_redis_url(url: str) -> RedisTarget:
         options: dict[str, Any] = dict(parse_url(url))
     except ValueError as exc:
         raise RedisUrlError(f"Redis URL {redact(url)!r}: {exc}") from None
+    if scheme != "unix":  # unix:// has the socket's path there, and its database as ?db=N
+        _check_database_path(url)
     options["connection_class"] = _FOLLOWING[options.get("connection_class", Connection)]
     _check_options(url, options, _accepted_options(options["connection_class"]))
     return RedisTarget(url, options)
+
+
+def _check_database_path(url: str) -> None:
+    """The path of a redis:// or rediss:// URL is the database: nothing, `/`, or `/<digits>`.
+    (redis-py takes a path that is not a number as database 0, and `/1/2` as 12.)"""
+    try:
+        path = unquote(urlsplit(url).path)
+    except ValueError as exc:
+        raise RedisUrlError(f"Redis URL {redact(url)!r}: {exc}") from None
+    database = path[1:]
+    if database and not (database.isascii() and database.isdigit()):
+        raise RedisUrlError(f"Redis URL {redact(url)!r}: the path {path!r} is not a database number "
+                            "(write /0, /1, … after the host, or nothing for database 0)")
 
 
 def _check_options(url: str, options: dict[str, Any], accepted: set[str], kind: str = "Redis") -> None:
@@ -189,7 +204,7 @@ def _parse_sentinel(url: str, scheme: str) -> RedisTarget:
         raise bad(f"the path must be /<master name>[/<db>], not {parts.path!r}")
     master = path[0]
     if len(path) == 2:
-        if not path[1].isdigit():
+        if not (path[1].isascii() and path[1].isdigit()):
             raise bad(f"database {path[1]!r} is not a number")
         options["db"] = int(path[1])
     connection_class = SentinelManagedSSLConnection if scheme == "rediss+sentinel" else SentinelManagedConnection
@@ -247,10 +262,52 @@ class NotPrimaryError(RedisConnectionError):  # type: ignore[misc]  # redis-py i
     """The server answered as a replica: a failover is under way, or the URL names a replica."""
 
 
+class DatabaseRefused(SystemExit):
+    """The server refused the database the URL names (`SELECT 99`: "DB index is out of range").
+
+    Not an outage to wait out, and no answer to any command will ever differ: the process stops.
+    It is a SystemExit on purpose, so that no retry loop of a service (which go on after any
+    `Exception`, logging it) turns it into a traceback a second, forever: the process ends with
+    this one line (its `code`) and status 1, wherever the connection was made. `str()` is the
+    line too; `address`, `db` and `reason` are its parts."""
+
+    def __init__(self, address: str, db: int, reason: str) -> None:
+        super().__init__(f"error: Redis at {address} refused database {db}: {reason}")
+        self.address = address
+        self.db = db
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return str(self.code)
+
+
 class _FollowsFailover:
     """READONLY or UNBLOCKED from the server: close the connection and raise a ConnectionError.
     redis-py's retry then reconnects (a Sentinel connection asks the sentinels for the primary
-    again) and, if that fails too, the caller treats it as a Redis outage."""
+    again) and, if that fails too, the caller treats it as a Redis outage.
+
+    It also selects the database itself, after redis-py's own handshake, so that a refused
+    SELECT is told apart from every other reply (`DatabaseRefused`)."""
+
+    db: int
+
+    async def on_connect(self) -> None:
+        db = self.db
+        self.db = 0  # redis-py's handshake without its SELECT, whose error reads like any other
+        try:
+            await super().on_connect()  # type: ignore[misc]
+        finally:
+            self.db = db
+        if not db:
+            return
+        await self.send_command("SELECT", db)  # type: ignore[attr-defined]
+        try:
+            reply = await self.read_response()
+        except ResponseError as exc:  # (READONLY and UNBLOCKED are a NotPrimaryError by now)
+            await self.disconnect()  # type: ignore[attr-defined]
+            raise DatabaseRefused(self._host_error(), db, str(exc)) from None  # type: ignore[attr-defined]
+        if reply not in (b"OK", "OK"):
+            raise RedisConnectionError(f"SELECT {db} answered {reply!r}")
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:

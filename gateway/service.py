@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import resource
+import socket
 from collections.abc import Mapping
 
 from aiohttp import web
@@ -72,6 +74,19 @@ def keyring_for(config: Config, host: str, allow_anonymous: bool, environ: Mappi
         raise SystemExit("\n".join(f"error: {e}" for e in exc.errors)) from None
 
 
+def listen_address(host: str, port: int) -> str:
+    """`host:port` as a person writes it (`[::1]:8080` for IPv6)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_reason(exc: OSError) -> str:
+    """Why a listening socket could not be made, short: `Address already in use`, `Name or service
+    not known` (asyncio and uvloop word the same errno differently, with the address in it)."""
+    if isinstance(exc, socket.gaierror) or not exc.errno or exc.errno < 0:
+        return str(exc.strerror or exc)
+    return os.strerror(exc.errno)
+
+
 async def serve(config: Config, redis_url: str, host: str, port: int, keyring: KeyRing | None = None) -> None:
     config = _fitted(config, raise_file_limit())
     stop = stop_event()
@@ -80,7 +95,11 @@ async def serve(config: Config, redis_url: str, host: str, port: int, keyring: K
     guard = ConnectionGuard(ConnectionLimits.from_runtime(config.runtime))
     metrics.watch_connections(guard)
     site = GuardedSite(runner, host, port, guard, backlog=1024, access_log=None)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # a name that does not resolve (socket.gaierror), a port in use, no permission
+        await runner.cleanup()
+        raise SystemExit(f"error: cannot listen on {listen_address(host, port)}: {bind_reason(exc)}") from None
     bound = runner.addresses[0][1] if runner.addresses else port
     print(f"iop gateway listening on http://{host}:{bound}", flush=True)
     try:

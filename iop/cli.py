@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any, NoReturn
 
 DEFAULT_CONFIG = "iop.yaml"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -20,13 +21,26 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS), help=REDIS_HELP)
 
 
-def _http_args(p: argparse.ArgumentParser, port: int = 8080) -> None:
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=port, help=f"port to listen on (default {port}; 0 = any free)")
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535. Anything else is argparse's one-line
+    usage error, never a port taken modulo 65536 or an OverflowError."""
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0 to 65535)")
+    return value
+
+
+def _http_args(p: argparse.ArgumentParser, port: int = 8080, host: str = "0.0.0.0") -> None:
+    p.add_argument("--host", default=host, help=f"address to listen on (default {host})")
+    p.add_argument("--port", type=port_number, default=port,
+                   help=f"port to listen on (default {port}; 0 = any free)")
 
 
 def _metrics_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=port_number, default=None,
                    help="serve /metrics, /healthz and /readyz on this port (default: off; 0 = any free)")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics port listens on (default 0.0.0.0)")
 
@@ -54,8 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulator.add_arguments(p)
     p = sub.add_parser("dev", help="the whole stack in one command, with an embedded Redis")
     p.add_argument("--config", default=None, help="config to run (default: the demo, with simulators)")
-    _http_args(p)
-    p.set_defaults(host="127.0.0.1")
+    _http_args(p, host="127.0.0.1")
 
     for name, what in (("catalog", "providers and models as the catalog shows them"),
                        ("queues", "waiting runs and the oldest waiting age per model")):
@@ -144,9 +157,28 @@ def _check_redis(url: str) -> None:
         raise SystemExit(2) from None
 
 
+def _serve(service: Coroutine[Any, Any, None]) -> NoReturn:
+    """Run a long-running service until it ends the process (`common.lifecycle.run`).
+
+    A database the Redis server refuses (`DatabaseRefused`, a SystemExit that no retry loop
+    swallows) ends it from whichever of its tasks met it first, escaping the event loop: say its
+    one line and exit at once, before tasks that still hold it are reported as never retrieved."""
+    import logging
+
+    from common.lifecycle import run
+    from common.redisconn import DatabaseRefused
+
+    try:
+        run(service)
+    except DatabaseRefused as exc:
+        logging.shutdown()
+        print(exc, file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from common.lifecycle import run, setup_logging
+    from common.lifecycle import setup_logging
 
     if getattr(args, "redis", None) is not None:
         _check_redis(args.redis)
@@ -167,8 +199,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from iop import simulator
 
         setup_logging()
-        run(simulator.serve(simulator.options_from_args(args)))
-        return
+        _serve(simulator.serve(simulator.options_from_args(args)))
     if args.command == "dev":
         from iop.dev import run_dev
 
@@ -200,13 +231,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         from gateway.service import serve as serve_gateway
 
         keyring = keyring_for(config, args.host, args.allow_anonymous, os.environ)  # type: ignore[arg-type]
-        run(serve_gateway(config, args.redis, args.host, args.port, keyring))  # type: ignore[arg-type]
+        _serve(serve_gateway(config, args.redis, args.host, args.port, keyring))  # type: ignore[arg-type]
     elif args.command == "scheduler":
         from scheduler.service import serve as serve_scheduler
 
-        run(serve_scheduler(config, args.redis, args.metrics_port, args.metrics_host))  # type: ignore[arg-type]
+        _serve(serve_scheduler(config, args.redis, args.metrics_port, args.metrics_host))  # type: ignore[arg-type]
     elif args.command == "worker":
         from workers.service import serve as serve_worker
 
-        run(serve_worker(config, args.redis, args.node, args.grace, args.metrics_port,  # type: ignore[arg-type]
+        _serve(serve_worker(config, args.redis, args.node, args.grace, args.metrics_port,  # type: ignore[arg-type]
                          args.metrics_host))

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
 
-from common.config import ConfigError, load_config, parse_config
+from common.config import ConfigError, load_config, parse_config, read_yaml
 from common.legacy import is_legacy
 from common.legacy import migrate as migrate_legacy
 
@@ -30,20 +29,11 @@ def validate(path: str) -> int:
     return 0
 
 
-def _read(path: str) -> Any:
-    try:
-        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
-
-
 def migrate(path: str) -> int:
     """Print the new-shape equivalent of a legacy config on stdout (comments are not kept).
     The result is validated first: a config that would not load is reported, not printed."""
     try:
-        data = _read(path)
+        data = read_yaml(path)
         parse_config(data)  # every fault, at its legacy path
     except ConfigError as exc:
         return _errors(path, exc.errors)

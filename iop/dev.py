@@ -31,6 +31,7 @@ from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
 from common import keys
+from common.auth import ApiKeyConfig, KeyRing, UnresolvedKeys
 from common.config import Config, ConfigError, load_config
 from iop.embedded_redis import RedisServer
 
@@ -228,9 +229,14 @@ class Supervisor:
 
 
 def read_config(path: Path) -> Config | None:
+    """The config, or None once every fault is said: its own, and keys held in environment
+    variables that are not set (the gateway would refuse to start without them)."""
     try:
-        return load_config(path)
-    except ConfigError as exc:
+        config = load_config(path)
+        if config.auth is not None:
+            KeyRing.from_config(config.auth, os.environ)
+        return config
+    except (ConfigError, UnresolvedKeys) as exc:
         for err in exc.errors:
             say(f"error: {err}", err=True)
         return None
@@ -263,8 +269,9 @@ def ensure_port_free(host: str, port: int, what: str) -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError as exc:
-            raise DevError(f"cannot use {host}:{port} for {what}: {exc.strerror or exc} "
+        except (OSError, OverflowError) as exc:  # OverflowError: a port beyond 0..65535
+            reason = (exc.strerror if isinstance(exc, OSError) else None) or exc
+            raise DevError(f"cannot use {host}:{port} for {what}: {reason} "
                            "(is another `iop dev` running?)") from None
 
 
@@ -307,10 +314,41 @@ def wait_heartbeat(sup: Supervisor, redis_url: str, provider_ids: list[str]) -> 
         client.close()
 
 
+def try_key(config: Config) -> tuple[int, ApiKeyConfig, str] | None:
+    """For the banner's example: the key to show (its index in auth.keys, the key, a model it may
+    use), or None when the config has no keys (the gateway then takes any). A key held in an
+    environment variable first: its curl line works as printed where that variable is set."""
+    if config.auth is None:
+        return None
+    found: list[tuple[int, ApiKeyConfig, str]] = []
+    for i, key in enumerate(config.auth.keys):
+        model = next((m.id for m in config.models if key.models is None or m.id in key.models), None)
+        if model is not None:
+            found.append((i, key, model))
+    found.sort(key=lambda item: item[1].env is None)  # stable: config order otherwise
+    return found[0] if found else None
+
+
 def banner(config: Config, base: str, redis_url: str) -> str:
     model = config.models[0].id
+    keyed = try_key(config)
+    access = "(any API key)"
+    key_lines: list[str] = []
+    auth_header = ""
+    if config.auth is not None:
+        access = "(an API key of the config's auth.keys; no other is accepted)"
+        auth_header = ' -H "Authorization: Bearer $KEY"'
+        if keyed is None:
+            key_lines = ["    # no key of auth.keys may use any model of the config"]
+        else:
+            i, key, model = keyed
+            where = f"key {key.name!r} (auth.keys[{i}])"
+            if key.env is not None:
+                key_lines = [f'    KEY="${key.env}"   # {where}, from the environment variable {key.env}']
+            else:
+                key_lines = [f"    KEY=...   # the key of {where}: the config holds only its hash"]
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
-    curl = (f"curl {base}/chat/completions -H 'Content-Type: application/json' "
+    curl = (f"curl {base}/chat/completions -H 'Content-Type: application/json'{auth_header} "
             f"-d {shlex.quote(body)}")
     models = ", ".join(m.id for m in config.models)
     providers = sum(len(n.providers) for n in config.nodes)
@@ -319,9 +357,10 @@ def banner(config: Config, base: str, redis_url: str) -> str:
         rule,
         f"iop dev is ready: {len(config.models)} models ({models}), "
         f"{providers} providers on {len(config.nodes)} nodes",
-        f"  OpenAI-compatible API: {base}   (any API key)",
+        f"  OpenAI-compatible API: {base}   {access}",
         f"  Redis:                 {redis_url}",
         "  Try it:",
+        *key_lines,
         f"    {curl}",
         "  Ctrl-C stops everything.",
         rule,

@@ -169,11 +169,39 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
      [("nodes[0].providers[0].capacity", "valid integer")]),
     ("capacity-missing", delete_at("nodes", 0, "providers", 0, "capacity"),
      [("nodes[0].providers[0].capacity", "Field required")]),
+    # a worker given more than a Redis integer takes ran nothing (`value is not an integer or out of range`)
+    ("capacity-beyond-64-bits", set_at("nodes", 1, "providers", 1, "capacity", value=99999999999999999999999),
+     [("nodes[1].providers[1].capacity", "less than or equal to 1000000")]),
+    ("capacity-beyond-the-maximum", set_at("nodes", 0, "providers", 0, "capacity", value=1_000_001),
+     [("nodes[0].providers[0].capacity", "less than or equal to 1000000")]),
+    ("execution-timeout-beyond-7-days", set_at("queue", "execution_timeout_ms", value=2**63),
+     [("queue.execution_timeout_ms", "less than or equal to 604800000")]),
+    ("model-queue-timeout-beyond-7-days", set_at("models", 1, "queue", "queue_timeout_ms", value=604_800_001),
+     [("models[1].queue.queue_timeout_ms", "less than or equal to 604800000")]),
+    ("read-timeout-beyond-7-days", set_at("nodes", 0, "providers", 0, "read_timeout_ms", value=10**30),
+     [("nodes[0].providers[0].read_timeout_ms", "less than or equal to 604800000")]),
+    ("lease-ttl-and-run-ttl-beyond-their-maximum", set_at("runtime", value={"lease_ttl_ms": 2**64, "run_ttl_s": 2**63}),
+     [("runtime.lease_ttl_ms", "less than or equal to 604800000"),
+      ("runtime.run_ttl_s", "less than or equal to 2592000")]),
+    ("body-bytes-beyond-redis-s-largest-value", set_at("runtime", value={"max_body_bytes": 2**40}),
+     [("runtime.max_body_bytes", "less than or equal to 536870912")]),
     # --- base_url -----------------------------------------------------------------------------
     ("base-url-missing-vllm", delete_at("nodes", 0, "providers", 0, "base_url"),
      [("nodes[0].providers[0].base_url", "required for type vllm")]),
     ("base-url-empty-sglang", set_at("nodes", 1, "providers", 0, "base_url", value=""),
      [("nodes[1].providers[0].base_url", "required for type sglang")]),
+    ("base-url-not-a-url", set_at("nodes", 1, "providers", 0, "base_url", value="not a url"),
+     [("nodes[1].providers[0].base_url", "'not a url' has no http:// or https://")]),
+    ("base-url-ftp", set_at("nodes", 0, "providers", 0, "base_url", value="ftp://x"),
+     [("nodes[0].providers[0].base_url", "'ftp://x' has scheme 'ftp://'; write an http:// or https:// URL")]),
+    ("base-url-no-scheme", set_at("nodes", 0, "providers", 0, "base_url", value="gpu-1:8000"),
+     [("nodes[0].providers[0].base_url", "has no http:// or https://")]),
+    ("base-url-no-host", set_at("nodes", 0, "providers", 0, "base_url", value="http:///v1"),
+     [("nodes[0].providers[0].base_url", "'http:///v1' names no host")]),
+    ("base-url-bad-port", set_at("nodes", 0, "providers", 0, "base_url", value="http://gpu-1:99999"),
+     [("nodes[0].providers[0].base_url", "'http://gpu-1:99999' is not a usable URL (Port out of range")]),
+    ("base-url-of-a-cli-provider", set_at("nodes", 1, "providers", 1, "base_url", value="x"),
+     [("nodes[1].providers[1].base_url", "'x' has no http:// or https://")]),
     ("base-url-missing-openai-api", set_at("nodes", 1, "providers", 1, "type", value="openai_api"),
      [("nodes[1].providers[1].base_url", "required for type openai_api")]),
     # --- unknown fields (typos) at several depths ---------------------------------------------
@@ -289,9 +317,12 @@ def test_several_faults_are_in_the_exception_message() -> None:
     assert len(info.value.errors) == 2
 
 
-@pytest.mark.parametrize("data", [None, [], ["models"], "models: []", 3, 1.5, True])
-def test_top_level_must_be_a_mapping(data: Any) -> None:
-    assert config_errors(data) == [f"(top level): expected a mapping, got {type(data).__name__}"]
+@pytest.mark.parametrize(("data", "shown"), [
+    (None, "null (an empty document)"), ([], "a list"), (["models"], "a list"), ("models: []", "the text 'models: []'"),
+    (3, "3"), (1.5, "1.5"), (True, "true"), (float("inf"), ".inf"),
+])
+def test_top_level_must_be_a_mapping(data: Any, shown: str) -> None:
+    assert config_errors(data) == [f"(top level): expected a mapping, got {shown}"]
 
 
 def test_good_config_parses() -> None:
@@ -487,7 +518,7 @@ def test_load_empty_file_is_not_a_mapping(tmp_path: Path) -> None:
     path.write_text("")
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert info.value.errors == ["(top level): expected a mapping, got NoneType"]
+    assert info.value.errors == ["(top level): expected a mapping, got null (an empty document)"]
 
 
 def test_load_reports_schema_faults_with_paths(tmp_path: Path) -> None:
@@ -595,3 +626,73 @@ def test_timings_that_cannot_work_together_are_rejected(runtime: dict[str, int],
     with pytest.raises(ConfigError) as err:
         parse_config(data)
     assert any(e.startswith(fragment) for e in err.value.errors), err.value.errors
+
+
+@pytest.mark.parametrize(("mutation", "expected"), [
+    (set_at("nodes", 0, "providers", 0, "capacity", value=True),
+     "nodes[0].providers[0].capacity: Input should be a valid integer, got true"),
+    (set_at("nodes", 0, "providers", 0, "capacity", value=float("inf")),
+     "nodes[0].providers[0].capacity: Input should be a valid integer, got .inf"),
+    (set_at("nodes", 0, "providers", 0, "type", value=None),
+     "nodes[0].providers[0].type: Input should be 'ollama', 'vllm', 'sglang', 'llamacpp', 'lemonade', 'openai_api' "
+     "or 'cli', got null"),
+    (set_at("nodes", 1, "providers", 1, "category", value=False),
+     "nodes[1].providers[1].category: Input should be 'api', 'cli' or 'local_inference', got false"),
+    (lambda data: data["models"][0]["providers"].update({None: "x"}),
+     "models[0].providers.null: provider null is not defined by any node"),
+])
+def test_messages_show_values_as_yaml_writes_them_not_as_python_does(mutation: Mutation, expected: str) -> None:
+    data = good()
+    mutation(data)
+    errors = config_errors(data)
+    assert expected in errors, errors
+    assert not any(word in e for e in errors for word in ("True", "False", "None", " inf")), errors
+
+
+def _int_fields() -> list[tuple[str, Any]]:
+    from common.config import ProviderConfig, QueueOverride, RuntimeConfig
+
+    return [(f"{model.__name__}.{name}", field) for model in (QueuePolicy, QueueOverride, ProviderConfig, RuntimeConfig)
+            for name, field in model.model_fields.items() if "int" in str(field.annotation)]
+
+
+@pytest.mark.parametrize(("name", "field"), _int_fields(), ids=[name for name, _ in _int_fields()])
+def test_every_whole_number_of_the_config_has_an_upper_bound_redis_can_hold(name: str, field: Any) -> None:
+    bounds = [m.le for m in field.metadata if getattr(m, "le", None) is not None]
+    assert bounds and bounds[0] < 2**63, f"{name} has no upper bound below 2**63"
+
+
+def test_validate_rejects_a_config_that_cannot_run_naming_each_path(tmp_path: Path) -> None:
+    """`iop config validate` said OK to these, and a worker then ran nothing."""
+    import subprocess
+    import sys
+
+    text = DEMO.read_text()
+    text = text.replace("capacity: 4", "capacity: 99999999999999999999999", 1)
+    text = text.replace("base_url: http://127.0.0.1:18002", 'base_url: "not a url"', 1)
+    text = text.replace("base_url: http://127.0.0.1:18003", "base_url: ftp://x", 1)
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    done = subprocess.run([sys.executable, "-m", "iop", "config", "validate", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "OK" not in done.stdout, done.stdout
+    errors = [line.split(": ", 2)[1] for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["nodes[0].providers[0].capacity", "nodes[1].providers[0].base_url",
+                      "nodes[1].providers[1].base_url"], done.stderr
+
+
+def test_a_file_that_is_not_utf8_is_one_error_naming_the_file_and_the_byte(tmp_path: Path) -> None:
+    path = tmp_path / "b.yaml"
+    path.write_bytes(b"models: []\n\xc3(")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.errors == [f"{path}: not UTF-8 text (byte 11 is 0xc3)"]
+
+
+def test_invalid_yaml_is_one_line_saying_where(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("models: [\n  - id: x\nnodes: {")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    [error] = info.value.errors
+    assert "\n" not in error and error.startswith(f"{path}: not valid YAML: ") and "(line 2, column 3)" in error

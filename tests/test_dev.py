@@ -145,3 +145,70 @@ def test_simulators_cover_the_local_providers_of_the_demo() -> None:
         "sglang-b": (18002, ("qwen3.6-35b-a3b",)),
         "lemonade-c": (18003, ("Llama-3.3-70B-Instruct-GGUF",)),
     }
+
+
+def test_help_tells_the_host_dev_really_listens_on() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    done = subprocess.run([sys.executable, "-m", "iop", "dev", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0
+    assert "(default 127.0.0.1)" in done.stdout and "0.0.0.0" not in done.stdout, done.stdout
+
+
+def auth_config(sim_url: str, key_env: str) -> dict[str, object]:
+    return {
+        "models": [{"id": "m1", "providers": {"p1": "served-m1"}}],
+        "nodes": [{"id": "n1", "providers": [
+            {"id": "p1", "type": "vllm", "base_url": sim_url, "capacity": 1, "models": ["served-m1"]}]}],
+        "auth": {"keys": [{"name": "ops", "sha256": "0" * 64, "role": "operator"},
+                          {"name": "caller", "env": key_env}]},
+    }
+
+
+def test_with_api_keys_the_banner_says_which_key_and_its_curl_line_works(tmp_path: Path,
+                                                                        dev_proc: list[Proc]) -> None:
+    """The banner said "(any API key)" and printed a curl line without a key, which got 401."""
+    import subprocess
+
+    sim = Proc("simulator", ["simulator", "--port", "0", "--models", "served-m1", "--tokens", "3"], dev_env())
+    dev_proc.append(sim)
+    sim_url = sim.wait_for_line(r"listening on (http://\S+)").group(1)
+    path = tmp_path / "auth.yaml"
+    path.write_text(yaml.safe_dump(auth_config(sim_url, "IOP_DEV_TEST_KEY")))
+    env = {**dev_env(), "IOP_DEV_TEST_KEY": "iop-dev-test-secret"}
+    proc = Proc("dev", ["dev", "--config", str(path), "--port", "0"], env)
+    dev_proc.append(proc)
+    proc.wait_for_line(r"Ctrl-C stops everything", timeout=START_S)
+    banner = list(proc.lines)
+    api = next(line for line in banner if "OpenAI-compatible API:" in line)
+    assert "any API key" not in api and "auth.keys" in api, api
+    key_line = next(line.strip() for line in banner if line.strip().startswith("KEY="))
+    assert key_line.startswith('KEY="$IOP_DEV_TEST_KEY"') and "'caller'" in key_line, key_line
+    curl = next(line.strip() for line in banner if line.strip().startswith("curl "))
+    assert '-H "Authorization: Bearer $KEY"' in curl, curl
+    assert "iop-dev-test-secret" not in "\n".join(banner)
+    # what a person does: paste the two lines into a shell that has the variable
+    done = subprocess.run(["bash", "-c", f"{key_line}\n{curl} -sS -f"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert '"choices"' in done.stdout, done.stdout
+    assert proc.stop(STOP_S, sig=signal.SIGINT) == 0, proc.output()
+
+
+def test_a_key_variable_that_is_not_set_stops_dev_at_once_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "auth.yaml"
+    path.write_text(yaml.safe_dump(auth_config("http://127.0.0.1:9", "IOP_DEV_UNSET_KEY")))
+    env = dev_env()
+    env.pop("IOP_DEV_UNSET_KEY", None)
+    proc = Proc("dev", ["dev", "--config", str(path), "--port", "0"], env)
+    try:
+        assert proc.popen.wait(timeout=START_S) == 2, proc.output()
+    finally:
+        proc.stop()
+    assert "error: auth.keys[1].env: the environment variable IOP_DEV_UNSET_KEY is not set" in proc.lines, \
+        proc.output()
+    assert not any("Traceback" in line or line.startswith("[gateway]") for line in proc.lines), proc.output()

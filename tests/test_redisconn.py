@@ -17,6 +17,7 @@ from common.config import parse_config
 from common.redisconn import (
     REDIS_DOWN,
     Backoff,
+    DatabaseRefused,
     FollowingConnection,
     FollowingSentinelConnection,
     FollowingSentinelSSLConnection,
@@ -97,6 +98,10 @@ def test_plain_urls_keep_redis_py_s_meaning(url: str, connection_class: type, ex
     ("redis://:secret@h/0?sentinel_password=x", "option 'sentinel_password' is only for redis+sentinel://"),
     ("redis://:secret@h/0?ssl_ca_certs=/ca.crt", "unknown option 'ssl_ca_certs' (TLS options need rediss://"),
     ("redis://:secret@h/0?colour=blue", "unknown option 'colour'"),
+    ("redis://:secret@h:6379/abc", "the path '/abc' is not a database number"),  # was database 0
+    ("redis://:secret@h:6379/1/2", "the path '/1/2' is not a database number"),  # was database 12
+    ("rediss://:secret@h/-1?ssl_ca_certs=/ca.crt", "the path '/-1' is not a database number"),
+    ("redis://:secret@h/%C2%B2", "the path '/²' is not a database number"),  # a digit to isdigit, not to int
     ("redis+sentinel://:secret@/mymaster/0", "names no sentinel"),
     ("redis+sentinel://:secret@h1:26379,h2:26379", "names no master; add /<master name>[/<db>]"),
     ("redis+sentinel://:secret@h1:26379,h2:26379/", "names no master"),
@@ -105,6 +110,7 @@ def test_plain_urls_keep_redis_py_s_meaning(url: str, connection_class: type, ex
     ("redis+sentinel://:secret@h1,,h3/mymaster", "sentinel 2 ('') has no host"),
     ("redis+sentinel://:secret@::1:26379/mymaster", "write an IPv6 address in brackets"),
     ("redis+sentinel://:secret@h1/mymaster/zero", "database 'zero' is not a number"),
+    ("redis+sentinel://:secret@h1/mymaster/%C2%B2", "database '²' is not a number"),
     ("redis+sentinel://:secret@h1/mymaster/0/extra", "the path must be /<master name>[/<db>]"),
     ("redis+sentinel://:secret@h1/mymaster/0?socket_timeout=soon", "option socket_timeout='soon' is not valid"),
     ("redis+sentinel://:secret@h1/mymaster/0?ssl_ca_certs=/ca.crt", "unknown option 'ssl_ca_certs' (TLS options"),
@@ -247,3 +253,34 @@ def test_a_redis_url_cannot_be_used_without_a_clear_error_from_the_cli() -> None
         "error: --redis: Sentinel URL 'redis+sentinel://:***@h1:26379,h2:26379': names no master; add "
         "/<master name>[/<db>] after the sentinels, as in redis+sentinel://host1:26379,host2:26379/mymaster/0"]
 
+
+
+@pytest.mark.parametrize("db", ["99", "16"])
+async def test_a_database_the_server_refuses_is_not_an_outage_and_no_exception_swallows_it(
+        redis_url: str, db: str) -> None:
+    """`SELECT 99` refused: a `DatabaseRefused`, which no service's retry loop (`except REDIS_DOWN`, or
+    `except Exception`) takes for a Redis to wait for, naming the server and the database."""
+    client = connect(redis_url.rpartition("/")[0] + f"/{db}")
+    try:
+        with pytest.raises(DatabaseRefused) as refused:
+            try:
+                await client.ping()
+            except (Exception, *REDIS_DOWN) as exc:  # what the services retry forever
+                pytest.fail(f"a refused database was retried as {exc!r}")
+    finally:
+        await client.aclose()
+    address = redis_url.split("//", 1)[1].split("/", 1)[0]
+    assert str(refused.value) == f"error: Redis at {address} refused database {db}: DB index is out of range"
+    assert isinstance(refused.value, SystemExit) and refused.value.code == str(refused.value)
+
+
+async def test_a_database_the_server_has_is_selected(redis_url: str) -> None:
+    client = connect(redis_url.rpartition("/")[0] + "/3")
+    other = connect(redis_url)
+    try:
+        await client.set("where", "db3")
+        assert await other.get("where") is None
+        assert (await client.client_info())["db"] == 3
+    finally:
+        await client.aclose()
+        await other.aclose()

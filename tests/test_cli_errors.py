@@ -1,0 +1,135 @@
+"""A command that cannot run stops with one line on stderr and a non-zero exit, never a traceback:
+the real `iop` command, as a person runs it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+DEMO = "examples/demo.yaml"
+#: Long enough for a slow start; a command that should have stopped at once and did not fails here.
+TIMEOUT_S = 60.0
+
+
+def iop(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `iop ARGS` to its end (a service that never stops fails the test with TimeoutExpired)."""
+    environ = dict(os.environ if env is None else env)
+    environ.update({"PYTHONUNBUFFERED": "1"})
+    environ.pop("IOP_LOG_FORMAT", None)
+    return subprocess.run([sys.executable, "-m", "iop", *args], cwd=ROOT, env=environ, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def one_line(done: subprocess.CompletedProcess[str]) -> str:
+    """The one line a failed command said on stderr."""
+    assert done.returncode != 0, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------- ports
+@pytest.mark.parametrize("args", [
+    ["gateway", "--config", DEMO, "--host", "127.0.0.1", "--port", "70000"],
+    ["gateway", "--config", DEMO, "--host", "127.0.0.1", "--port", "-1"],
+    ["scheduler", "--config", DEMO, "--metrics-port", "70000"],
+    ["worker", "--config", DEMO, "--node", "gpu-1", "--metrics-port", "65536"],
+    ["dev", "--port", "70000"],
+    ["dev", "--port", "-1"],
+], ids=lambda args: " ".join(args[:1] + args[-2:]))
+def test_a_port_outside_0_to_65535_is_refused_before_anything_starts(args: list[str], redis_url: str) -> None:
+    # (a port taken modulo 65536 listened on 4464; `iop dev` died of an OverflowError)
+    done = iop(*args, "--redis", redis_url) if args[0] in ("scheduler", "worker", "gateway") else iop(*args)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and "listening on" not in done.stdout, (done.stdout, done.stderr)
+    option = args[-2]
+    said = done.stderr.strip().splitlines()[-1]  # argparse's usage line, then its error
+    assert said.startswith(f"iop {args[0]}: error: argument {option}: "), done.stderr
+    assert "port" in said
+
+
+# ---------------------------------------------------------------------------- the gateway's address
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_gateway_whose_host_does_not_resolve_says_so_in_one_line(redis_url: str) -> None:
+    done = iop("gateway", "--config", DEMO, "--redis", redis_url, "--host", "256.1.1.1", "--port", "8080",
+               "--allow-anonymous")
+    assert one_line(done).startswith("error: cannot listen on 256.1.1.1:8080: "), done.stderr
+
+
+def test_a_gateway_on_a_port_in_use_says_so_in_one_line(redis_url: str, taken_port: int) -> None:
+    done = iop("gateway", "--config", DEMO, "--redis", redis_url, "--host", "127.0.0.1", "--port", str(taken_port))
+    assert one_line(done) == f"error: cannot listen on 127.0.0.1:{taken_port}: Address already in use"
+    assert "listening on" not in done.stdout
+
+
+# ---------------------------------------------------------------------------- the Redis database
+def _database(redis_url: str, db: str) -> str:
+    base, _, _ = redis_url.rpartition("/")
+    return f"{base}/{db}"
+
+
+REDIS_COMMANDS = [
+    ["catalog", "--config", DEMO],
+    ["queues", "--config", DEMO, "--json"],
+    ["runs", "show", "run-1"],
+    ["usage", "--config", DEMO],
+    ["audit"],
+    ["provider", "drain", "vllm-a", "--config", DEMO],
+    ["node", "cordon", "gpu-1", "--config", DEMO],
+    ["scheduler", "--config", DEMO],
+    ["scheduler", "--config", DEMO, "--metrics-port", "0", "--metrics-host", "127.0.0.1"],
+    ["worker", "--config", DEMO, "--node", "gpu-1"],
+]
+
+
+@pytest.mark.parametrize("args", REDIS_COMMANDS, ids=lambda args: " ".join(a for a in args if a != DEMO))
+def test_a_database_the_server_refuses_stops_the_command_with_one_line(args: list[str], redis_url: str) -> None:
+    """A refused SELECT is not an outage to wait out: the command stops (the services too, however
+    they retry a lost Redis), saying which server refused which database and why."""
+    url = _database(redis_url, "99")
+    done = iop(*args, "--redis", url)
+    address = url.split("//", 1)[1].split("/", 1)[0]
+    assert one_line(done) == f"error: Redis at {address} refused database 99: DB index is out of range"
+
+
+@pytest.mark.parametrize("db", ["abc", "1/2", "-1", "%31x"])
+def test_a_database_that_is_not_a_number_is_a_url_error_naming_the_path_and_never_the_password(
+        db: str, redis_url: str) -> None:
+    # (`/abc` was database 0, `/1/2` database 12)
+    url = _database(redis_url, db).replace("redis://", "redis://:s3cret@")
+    done = iop("queues", "--config", DEMO, "--redis", url)
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line.startswith("error: --redis: Redis URL 'redis://:***@"), line
+    assert "is not a database number" in line and "s3cret" not in line, line
+
+
+# ---------------------------------------------------------------------------- config files
+@pytest.mark.parametrize("command", [
+    ["config", "validate"], ["config", "migrate"], ["catalog", "--config"], ["dev", "--config"],
+])
+def test_a_config_that_is_not_utf8_is_one_error_naming_the_file(command: list[str], tmp_path: Path,
+                                                                 redis_url: str) -> None:
+    path = tmp_path / "b.yaml"
+    path.write_bytes(b"\xff\xfe")
+    extra = ["--redis", redis_url] if command[0] == "catalog" else []
+    done = iop(*command, str(path), *extra)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {path}: not UTF-8 text (byte 0 is 0xff)"], done.stderr
