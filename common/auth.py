@@ -31,9 +31,15 @@ class Role(StrEnum):
     OPERATOR = "operator"  # everything, and the operator routes (catalog, metrics, admin)
 
 
+#: The largest either limit of a key may be (its runs are counted in Redis sets).
+MAX_KEY_LIMIT = 1_000_000
+
+
 class KeyLimits(Strict):
-    max_in_flight: int | None = Field(None, ge=1, description="the key's runs queued or running at once")
-    requests_per_minute: int | None = Field(None, ge=1, description="runs accepted in any 60 s window")
+    max_in_flight: int | None = Field(None, ge=1, le=MAX_KEY_LIMIT,
+                                      description="the key's runs queued or running at once")
+    requests_per_minute: int | None = Field(None, ge=1, le=MAX_KEY_LIMIT,
+                                            description="runs accepted in any 60 s window")
 
 
 class ApiKeyConfig(Strict):

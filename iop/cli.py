@@ -21,13 +21,17 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS), help=REDIS_HELP)
 
 
+def whole_number(text: str, what: str = "a whole number") -> int:
+    """An argparse type: ASCII digits only (`int` also reads other scripts' digits, `١`), at most 9."""
+    if not (text.isascii() and text.isdigit() and len(text.lstrip("0")) <= 9):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return int(text)
+
+
 def port_number(text: str) -> int:
     """An argparse type: a TCP port, 0 (any free one) to 65535. Anything else is argparse's one-line
     usage error, never a port taken modulo 65536 or an OverflowError."""
-    try:
-        value = int(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)") from None
+    value = whole_number(text, "a port number (0 to 65535)")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port number (0 to 65535)")
     return value
@@ -103,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("audit", help="operator changes, newest first (read-only)")
     p.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS), help=REDIS_HELP)
-    p.add_argument("--limit", type=int, default=50, help="how many (default 50, at most 1000)")
+    p.add_argument("--limit", type=whole_number, default=50, help="how many (default 50, at most 1000)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = sub.add_parser("runs", help="inspect runs (read-only)")

@@ -45,6 +45,7 @@ def one_line(done: subprocess.CompletedProcess[str]) -> str:
     ["worker", "--config", DEMO, "--node", "gpu-1", "--metrics-port", "65536"],
     ["dev", "--port", "70000"],
     ["dev", "--port", "-1"],
+    ["dev", "--port", "\u0668\u0660\u0668\u0660"],  # Arabic-Indic 8080: int() reads it, a port is ASCII
 ], ids=lambda args: " ".join(args[:1] + args[-2:]))
 def test_a_port_outside_0_to_65535_is_refused_before_anything_starts(args: list[str], redis_url: str) -> None:
     # (a port taken modulo 65536 listened on 4464; `iop dev` died of an OverflowError)
@@ -133,3 +134,9 @@ def test_a_config_that_is_not_utf8_is_one_error_naming_the_file(command: list[st
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {path}: not UTF-8 text (byte 0 is 0xff)"], done.stderr
+
+
+def test_a_limit_takes_ascii_digits_only(redis_url: str) -> None:
+    done = iop("audit", "--redis", redis_url, "--limit", "\u0661")  # int() reads it as 1
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("iop audit: error: argument --limit: ")
