@@ -212,15 +212,20 @@ async def test_a_body_announced_over_the_limit_gets_413_before_it_is_read(gatewa
         writer.close()
 
 
-async def test_a_body_that_is_not_utf8_is_told_where_in_plain_words(gateway: Gateway) -> None:
-    body = b'{"model": "m", "messages": [{"role": "user", "content": "\xff"}]}'
+async def post_chat(gateway: Gateway, body: bytes) -> Response:
+    """A chat completion request with exactly this body, on a socket of its own."""
     reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
     try:
         writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        resp = await read_response(reader)
+        return await read_response(reader)
     finally:
         writer.close()
+
+
+async def test_a_body_that_is_not_utf8_is_told_where_in_plain_words(gateway: Gateway) -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "\xff"}]}'
+    resp = await post_chat(gateway, body)
     assert resp.status == 400
     at = body.index(b"\xff")
     assert resp.error()["message"] == f"the request body is not valid JSON: it is not valid UTF-8 text (at byte {at})"
@@ -228,14 +233,8 @@ async def test_a_body_that_is_not_utf8_is_told_where_in_plain_words(gateway: Gat
 
 async def test_an_unknown_model_id_is_echoed_cut_short(gateway: Gateway) -> None:
     model = "M" * 1_000_000
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
-    try:
-        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        resp = await read_response(reader)
-    finally:
-        writer.close()
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    resp = await post_chat(gateway, json.dumps(body).encode())
     assert resp.status == 404
     err = resp.error()
     assert err["code"] == "model_not_found" and err["message"] == f"the model '{'M' * 256}…' does not exist"
