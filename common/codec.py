@@ -6,6 +6,15 @@ from typing import Any
 
 import msgpack
 
+#: How deep msgpack nests at most (its packer's own limit).
+MAX_DEPTH = 1024
+
+
+class Unpackable(ValueError):
+    """A value msgpack cannot hold: an integer outside [-2**63, 2**64), a string that is not
+    valid Unicode (a lone UTF-16 surrogate), data nested deeper than `MAX_DEPTH`. Its message is
+    one plain phrase naming what, with no repr of the value ("an integer beyond 64 bits")."""
+
 
 def _default(obj: Any) -> Any:
     # arq serialises exceptions into job results; msgpack cannot, so send their text.
@@ -13,11 +22,27 @@ def _default(obj: Any) -> Any:
         return f"{type(obj).__name__}: {obj}"
     if isinstance(obj, (set, frozenset, tuple)):
         return list(obj)
+    if isinstance(obj, int):  # (msgpack hands over the integers it cannot hold)
+        raise Unpackable("an integer beyond 64 bits")
     raise TypeError(f"cannot serialise {type(obj).__name__}")
 
 
 def pack(obj: Any) -> bytes:
-    data: bytes = msgpack.packb(obj, use_bin_type=True, default=_default)
+    """`obj` as msgpack; `Unpackable` if it holds a value msgpack cannot (TypeError for a type it
+    does not know: a bug, not data)."""
+    try:
+        data: bytes = msgpack.packb(obj, use_bin_type=True, default=_default)
+    except Unpackable:
+        raise
+    except UnicodeEncodeError as exc:
+        raise Unpackable("a string holding a lone UTF-16 surrogate (such as \\ud800), which is not valid "
+                         "Unicode text") from exc
+    except OverflowError as exc:
+        raise Unpackable("an integer beyond 64 bits") from exc
+    except ValueError as exc:
+        if "recursion" in str(exc):
+            raise Unpackable(f"data nested deeper than {MAX_DEPTH} levels") from exc
+        raise Unpackable(str(exc).rstrip(".")) from exc
     return data
 
 

@@ -1,8 +1,10 @@
 """Executing one run on this node: start it, call the adapter, publish events, end it.
 
-However a run ends (output, provider error, timeout, cancellation, worker shutdown), the
-`finish` script releases its slot and wakes the schedulers. While it runs, its lease is
-renewed; if the lease is lost (the scheduler reaped it), the run is abandoned at once.
+However a run ends (output, provider error, timeout, cancellation, worker shutdown, an answer
+the worker cannot handle), the `finish` script releases its slot and wakes the schedulers. No
+exception but the task's own cancellation leaves a run's task, so no provider's answer can take
+the worker down. While it runs, its lease is renewed; if the lease is lost (the scheduler reaped
+it), the run is abandoned at once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.chunks import is_preamble, token_counts, usage_in, wants_usage, without_usage
-from common.codec import pack, unpack
+from common.codec import Unpackable, pack, unpack
 from common.config import Config
 from common.redisconn import REDIS_DOWN, Backoff, now_ms
 from common.runlog import run_fields
@@ -93,6 +95,39 @@ def evidence_of(exc: ProviderError) -> Evidence:
     return ALIVE if exc.strikes == 0 else ("fail", exc.strikes, exc.message)
 
 
+#: The most tokens of either kind one run counts for its key: a provider's usage numbers are its
+#: own, and Redis's counters are 64-bit (a count beyond them would break the run's end).
+MAX_COUNTED_TOKENS = 10**9
+
+
+def cannot_carry(provider_id: str, exc: Unpackable) -> ProviderError:
+    """A provider's answer holding what msgpack cannot (an integer beyond 64 bits, a lone
+    surrogate): it would fail the same way anywhere, so it is not tried again."""
+    return ProviderError(f"provider {provider_id} sent an answer iop cannot carry: {exc}", retry=Retry.NO, strikes=0)
+
+
+def plain_text(text: str) -> str:
+    """`text` as valid Unicode (a lone surrogate written as its escape, `\\ud800`): Redis takes
+    it."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+    return text
+
+
+def carried(info: ErrorInfo) -> ErrorInfo:
+    """`info` without what msgpack cannot hold: the provider's error object is left out and its
+    text made valid Unicode."""
+    detail = info.detail
+    try:
+        pack(detail)
+    except Unpackable:
+        detail = None
+    return ErrorInfo(info.code, plain_text(info.message), status=info.status, detail=detail,
+                     before_output=info.before_output)
+
+
 def _noop(provider_id: str) -> None:
     return None
 
@@ -152,6 +187,17 @@ class Runner:
         began = time.monotonic()
         try:
             return await self._attempt(att, adapter, record, policy.execution_timeout_ms / 1000)
+        except Exception as exc:  # ending the attempt failed itself: a last try, else the lease's reaper
+            log.exception("the run's end failed", extra=att.log())
+            info = ErrorInfo(ErrorCode.PROVIDER_ERROR,
+                             f"provider {provider_id}: the worker failed ending the run ({type(exc).__name__})",
+                             before_output=not att.output)
+            try:
+                return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info)
+            except Exception as again:
+                log.error("the run's end could not be recorded (%s); its lease will expire", type(again).__name__,
+                          extra=att.log())
+                return "unrecorded"
         finally:
             renewer.cancel()
             metrics.RUN_SECONDS.labels(model_id, provider_id).observe(time.monotonic() - began)
@@ -205,6 +251,16 @@ class Runner:
             self._uncancel()  # a cancelled run is an outcome, not the job's cancellation
             info = ErrorInfo(ErrorCode.CANCELLED, att.cancel_reason, before_output=not att.output)
             return await asyncio.shield(self._finish(att, RunState.CANCELLED, EventType.FAILED, info.to_wire(), info))
+        except Exception as exc:
+            # Anything else (a bug, or an answer nothing above foresaw, such as JSON nested too
+            # deep to parse) fails the run, not the worker: an exception leaving the job's task
+            # would end the worker's loop, and the requeued run would take the next worker down.
+            # Not tried again: the provider's answer would fail the same way anywhere.
+            log.exception("the run failed on an unexpected error", extra=att.log())
+            info = ErrorInfo(ErrorCode.PROVIDER_ERROR,
+                             f"provider {att.provider_id}: the worker could not handle its answer "
+                             f"({type(exc).__name__})", before_output=not att.output)
+            return await self._fail(att, info, Retry.NO)
 
     @staticmethod
     def _uncancel() -> None:
@@ -266,7 +322,10 @@ class Runner:
         """Add an event to the run, within its limits. Rides out a Redis restart
         (`_call_while_leased`)."""
         rt = self.config.runtime
-        packed = pack(data)
+        try:
+            packed = pack(data)
+        except Unpackable as exc:
+            raise cannot_carry(att.provider_id, exc) from None
         if att.output_bytes + len(packed) > rt.max_output_bytes:
             raise OutputTooLarge(f"the run's output passed runtime.max_output_bytes ({rt.max_output_bytes} bytes)")
         args = [att.attempt, etype.value, packed, rt.max_events_per_run, att.run_id, att.emitted + 1]
@@ -284,12 +343,24 @@ class Runner:
                       requeue: str = "requeue", usage: tuple[int, int] = (0, 0)) -> str:
         """state None = requeue (`requeue` says how). Records `evidence` of the provider's health,
         and `usage` (prompt, completion tokens the caller got) for its key. Rides out a Redis
-        restart (`_call_while_leased`): a slot must come back."""
+        restart (`_call_while_leased`): a slot must come back. A provider's answer (`data`) that
+        msgpack cannot hold fails the run instead, with why."""
         kind, strikes, reason = evidence
-        args = [att.run_id, state.value if state else requeue, etype.value, pack(data),
+        try:
+            packed = pack(data)
+        except Unpackable as exc:
+            if info is None:  # a completion's response: the caller gets why it has none
+                info = ErrorInfo(ErrorCode.PROVIDER_ERROR, cannot_carry(att.provider_id, exc).message,
+                                 before_output=not att.output)
+                state, etype, usage = RunState.FAILED, EventType.FAILED, (0, 0)
+                log.info("failed: %s", info.message, extra=att.log())
+            else:  # an error holding the provider's own object or text
+                info = carried(info)
+            packed = pack(info.to_wire())
+        args = [att.run_id, state.value if state else requeue, etype.value, packed,
                 self.config.runtime.run_ttl_s, keys.scheduler_channel(""), att.model_id,
-                info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes, reason,
-                *usage, self._fresh_ms(att.provider_id)]
+                info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes,
+                plain_text(reason), *(min(n, MAX_COUNTED_TOKENS) for n in usage), self._fresh_ms(att.provider_id)]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
                     keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id), keys.node_queue(self.node_id),
                     keys.arq_in_progress(att.run_id),
