@@ -19,8 +19,9 @@ KEEP_ALIVE = b": keep-alive\n\n"
 
 
 def with_model(obj: Any, model_id: str) -> Any:
-    """The caller always sees the model id it sent, never a provider's served name."""
-    if isinstance(obj, dict) and "model" in obj:
+    """The caller always sees the model id it sent, never a provider's served name: every
+    response and chunk (a dict) says `model`, whether the provider's had one or not."""
+    if isinstance(obj, dict):
         obj["model"] = model_id
     return obj
 

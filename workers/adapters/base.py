@@ -54,6 +54,14 @@ class ReadLimits:
     response_bytes: int = 16 * 1024 * 1024  # a whole (non-stream) answer
     line_bytes: int = 1024 * 1024  # one SSE or NDJSON line
     error_chars: int = 500  # a provider's error text passed on
+    #: a probe's answer (`/health`, a model list). A big server's model list is ~100 KB; a hosted
+    #: aggregator's, with descriptions and prices for hundreds of models, can pass 1 MB. A probe
+    #: reads at most this (and never more than `response_bytes`): more is a probe that failed.
+    probe_bytes: int = 4 * 1024 * 1024
+
+    @property
+    def probe_limit(self) -> int:
+        return min(self.probe_bytes, self.response_bytes)
 
     def too_large(self, provider_id: str, what: str, limit: int) -> ProviderError:
         return ProviderError(f"provider {provider_id} sent {what} over {limit} bytes", retry=Retry.NO, strikes=0,

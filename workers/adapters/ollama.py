@@ -18,10 +18,21 @@ from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
-from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
-from workers.adapters.failures import one_line, probe_failure, redacted, transport_error, url_secrets
+from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderError, ReadLimits, Retry
+from workers.adapters.failures import one_line, probe_failure, redact, redacted, transport_error, url_secrets
 from workers.adapters.openai_shapes import Shaper
-from workers.adapters.reading import LineSplitter, read_whole
+from workers.adapters.reading import (
+    LineSplitter,
+    NonObjects,
+    error_text,
+    is_redirect,
+    parse_json,
+    read_at_most,
+    read_whole,
+    redirect_error,
+    redirect_text,
+    too_deep,
+)
 
 Json = dict[str, Any]
 
@@ -57,18 +68,32 @@ def observed_names(tags: Any) -> list[str] | None:
 
 
 class NDJSONParser:
-    """Splits a byte stream into JSON objects, one a line; keeps partial lines between reads."""
+    """Splits a byte stream into JSON objects, one a line; keeps partial lines between reads.
 
-    def __init__(self, provider_id: str, limits: ReadLimits) -> None:
+    The object with `"done": true` ends the stream: nothing after it is read. A line that is not
+    a JSON object is dropped."""
+
+    def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None) -> None:
+        self.provider_id = provider_id
         self.lines = LineSplitter(provider_id, limits)
+        self.non_objects = NonObjects(provider_id, request_id, model)
+        self.done = False
 
     def feed(self, data: bytes) -> list[Json]:
-        out = []
+        out: list[Json] = []
+        if self.done:
+            return out
         for line in self.lines.feed(data):
-            if line.strip():
-                obj = jsonio.loads(line)
-                if isinstance(obj, dict):
-                    out.append(obj)
+            if not line.strip():
+                continue
+            obj = parse_json(line, self.provider_id)
+            if not isinstance(obj, dict):
+                self.non_objects.drop(obj)
+                continue
+            out.append(obj)
+            if obj.get("done") and not obj.get("error"):
+                self.done = True
+                break
         return out
 
 
@@ -94,10 +119,11 @@ class OllamaAdapter:
     def _error(self, status: int, text: str) -> ProviderError:
         try:
             payload = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             payload = None
-        message = payload.get("error") if isinstance(payload, dict) else None
-        message = one_line(str(message or text or "no error text"), self.limits.error_chars)
+        error = payload.get("error") if isinstance(payload, dict) else None
+        message = error_text(error, self.limits.error_chars) if error else \
+            one_line(text or "no error text", self.limits.error_chars)
         client_fault = 400 <= status < 500 and status != 429
         detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None} \
             if client_fault else None
@@ -113,6 +139,10 @@ class OllamaAdapter:
         return transport_error(self.provider.id, exc, connect_ms=self.provider.connect_timeout_ms,
                                read_ms=self.provider.read_timeout_ms)
 
+    def _raise_for_redirect(self, resp: aiohttp.ClientResponse) -> None:
+        if is_redirect(resp.status):
+            raise redirect_error(self.provider.id, resp)
+
     def _native(self, kind: RunKind, body: Json, stream: bool) -> tuple[str, Json]:
         try:
             return wire.request(kind, body, stream)
@@ -122,17 +152,22 @@ class OllamaAdapter:
     def _post(self, path: str, native: Json, request_id: str) -> Any:
         return self.session.post(self.root + path, data=jsonio.dumps(native),
                                  headers={"X-Request-Id": upstream_request_id(request_id),
-                                          "Content-Type": "application/json"}, timeout=self.timeout)
+                                          "Content-Type": "application/json"}, timeout=self.timeout,
+                                 allow_redirects=False)
 
     # ------------------------------------------------------------------ runs
     async def complete(self, kind: RunKind, body: Json, request_id: str) -> Json:
         path, native = self._native(kind, body, stream=False)
         try:
             async with self._post(path, native, request_id) as resp:
+                self._raise_for_redirect(resp)
                 if resp.status >= 400:
                     raise self._error(resp.status, await _error_text(resp))
                 text = (await read_whole(resp, self.provider.id, self.limits)).decode(errors="replace")
-                answer = json.loads(text)
+                try:
+                    answer = json.loads(text)
+                except RecursionError:
+                    raise too_deep(self.provider.id) from None
                 if not isinstance(answer, dict):
                     raise ValueError("the answer is not a JSON object")
                 if kind is RunKind.EMBEDDING:
@@ -153,19 +188,20 @@ class OllamaAdapter:
             raise ProviderError("embeddings cannot be streamed", status=400)
         path, native = self._native(kind, body, stream=True)
         shaper = Shaper(kind, request_id, body["model"])
-        parser = NDJSONParser(self.provider.id, self.limits)
+        parser = NDJSONParser(self.provider.id, self.limits, request_id, body["model"])
         include_usage = wants_usage(body)
         tool_calls = 0
         done = False
         try:
             async with self._post(path, native, request_id) as resp:
+                self._raise_for_redirect(resp)
                 if resp.status >= 400:
                     raise self._error(resp.status, await _error_text(resp))
                 async for data in resp.content.iter_any():
                     chunks: list[Json] = []
                     for line in parser.feed(data):
-                        if "error" in line:
-                            said = one_line(str(line["error"]) or "no message", self.limits.error_chars)
+                        if line.get("error"):
+                            said = error_text(line["error"], self.limits.error_chars)
                             raise ProviderError(f"provider {self.provider.id} sent an error: {said}",
                                                 retry=Retry.ELSEWHERE, strikes=None)
                         calls = wire.tool_calls_of(line, request_id, first_index=tool_calls, stream=True)
@@ -181,6 +217,12 @@ class OllamaAdapter:
                                 chunks.append(shaper.usage_chunk(wire.usage_of(line)))
                     if chunks:
                         yield chunks
+                    if parser.done:
+                        # the answer is whole: nothing after `done` is read, and a connection
+                        # the server keeps open is not waited on
+                        if not resp.content.at_eof():
+                            resp.close()
+                        break
         except ProviderError as exc:
             raise redacted(exc, url_secrets(self.provider.base_url)) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
@@ -192,15 +234,26 @@ class OllamaAdapter:
     # ------------------------------------------------------------------ health
     async def probe(self) -> ProbeResult:
         timeout = aiohttp.ClientTimeout(total=self.provider.probe_timeout_ms / 1000)
+        limit = self.limits.probe_limit
         try:
-            async with self.session.get(self.root + "/api/tags", timeout=timeout) as resp:
+            async with self.session.get(self.root + "/api/tags", timeout=timeout, allow_redirects=False) as resp:
+                if is_redirect(resp.status):
+                    return ProbeResult(Health.UNAVAILABLE, redact(
+                        f"GET /api/tags answered {resp.status} ({redirect_text(resp)}; iop does not follow "
+                        "redirects: fix base_url)", url_secrets(self.provider.base_url)), strikes=DOWN)
                 if resp.status != 200:
                     return ProbeResult(Health.UNAVAILABLE, f"GET /api/tags answered {resp.status}")
-                tags = await resp.json(content_type=None)
+                data = await read_at_most(resp, limit)
+                if data is None:
+                    resp.close()
+                    return ProbeResult(Health.UNKNOWN, f"GET /api/tags answered more than {limit} bytes")
+            tags = parse_json(data, self.provider.id)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return probe_failure("GET /api/tags", exc, self.provider.probe_timeout_ms)
         except ValueError:
             return ProbeResult(Health.UNKNOWN, "GET /api/tags answered 200 but not with JSON")
+        except ProviderError:
+            return ProbeResult(Health.UNKNOWN, "GET /api/tags answered 200 with JSON nested too deep")
         names = observed_names(tags)
         if names is None:
             return ProbeResult(Health.UNKNOWN, "GET /api/tags answered 200 but not with a model list")

@@ -34,9 +34,19 @@ from common.chunks import finishes
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
-from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
+from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import one_line, probe_failure, redact, redacted, transport_error, url_secrets
-from workers.adapters.reading import LineSplitter, read_whole
+from workers.adapters.reading import (
+    LineSplitter,
+    NonObjects,
+    error_text,
+    is_redirect,
+    parse_json,
+    read_at_most,
+    read_whole,
+    redirect_error,
+    redirect_text,
+)
 
 PATHS = {RunKind.CHAT: "/chat/completions", RunKind.COMPLETION: "/completions", RunKind.EMBEDDING: "/embeddings"}
 
@@ -86,16 +96,22 @@ def _error_detail(payload: Any) -> dict[str, Any] | None:
 
 
 class SSEParser:
-    """Splits an SSE byte stream into `data:` payloads; keeps partial lines between reads."""
+    """Splits an SSE byte stream into `data:` payloads; keeps partial lines between reads.
 
-    def __init__(self, provider_id: str, limits: ReadLimits) -> None:
+    `[DONE]` ends the stream: nothing after it is read. A chunk whose `error` is set (an object
+    or a string) is the provider's error; a chunk that is not a JSON object is dropped."""
+
+    def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None) -> None:
         self.provider_id = provider_id
         self.limits = limits
         self.lines = LineSplitter(provider_id, limits)
+        self.non_objects = NonObjects(provider_id, request_id, model)
         self.done = False
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
-        chunks = []
+        chunks: list[dict[str, Any]] = []
+        if self.done:
+            return chunks
         for line in self.lines.feed(data):
             line = line.strip()
             if not line.startswith(b"data:"):
@@ -103,12 +119,16 @@ class SSEParser:
             payload = line[5:].strip()
             if payload == b"[DONE]":
                 self.done = True
+                break
+            obj = parse_json(payload, self.provider_id)
+            if not isinstance(obj, dict):
+                self.non_objects.drop(obj)
                 continue
-            obj = jsonio.loads(payload)
-            if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
-                message = one_line(str(obj["error"].get("message") or "no message"), self.limits.error_chars)
-                raise ProviderError(f"provider {self.provider_id} sent an error: {message}", detail=obj["error"],
-                                    strikes=0)
+            error = obj.get("error")
+            if error:
+                message = error_text(error, self.limits.error_chars)
+                raise ProviderError(f"provider {self.provider_id} sent an error: {message}",
+                                    detail=error if isinstance(error, dict) else None, strikes=0)
             chunks.append(obj)
         return chunks
 
@@ -154,12 +174,14 @@ class OpenAICompatAdapter:
     async def _raise_for(self, resp: aiohttp.ClientResponse) -> None:
         """An error answer: a 4xx is the caller's (passed through, alive evidence); a 5xx or a
         429 may go better on another provider."""
+        if is_redirect(resp.status):
+            raise redirect_error(self.provider.id, resp)
         if resp.status < 400:
             return
         text = (await resp.content.read(MAX_ERROR_BODY)).decode(errors="replace")
         try:
             detail = _error_detail(json.loads(text))
-        except ValueError:
+        except (ValueError, RecursionError):
             detail = None
         message = one_line(str((detail or {}).get("message") or text or resp.reason or "no error text"),
                            self.limits.error_chars)
@@ -175,7 +197,7 @@ class OpenAICompatAdapter:
     def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
         return self.session.post(self.root + PATHS[kind], data=jsonio.dumps(body),
                                  headers={**self._headers(run_id), "Content-Type": "application/json"},
-                                 timeout=self.timeout)
+                                 timeout=self.timeout, allow_redirects=False)
 
     def _failed(self, exc: BaseException) -> ProviderError:
         return self._clean(transport_error(self.provider.id, exc, connect_ms=self.provider.connect_timeout_ms,
@@ -185,7 +207,7 @@ class OpenAICompatAdapter:
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp)
-                data = jsonio.loads(await read_whole(resp, self.provider.id, self.limits))
+                data = parse_json(await read_whole(resp, self.provider.id, self.limits), self.provider.id)
         except ProviderError as exc:
             raise self._clean(exc) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
@@ -196,7 +218,8 @@ class OpenAICompatAdapter:
         return data
 
     async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
-        parser = SSEParser(self.provider.id, self.limits)
+        model = body.get("model")
+        parser = SSEParser(self.provider.id, self.limits, request_id, model if isinstance(model, str) else None)
         finished = False
         try:
             async with self._post(kind, body, request_id) as resp:
@@ -206,6 +229,12 @@ class OpenAICompatAdapter:
                     if chunks:
                         finished = finished or any(finishes(c) for c in chunks)
                         yield chunks
+                    if parser.done:
+                        # the answer is whole: whatever the provider sends after [DONE] is not
+                        # read, and a connection it keeps open is not waited on
+                        if not resp.content.at_eof():
+                            resp.close()
+                        break
         except ProviderError as exc:
             raise self._clean(exc) from None
         except aiohttp.ClientPayloadError as exc:
@@ -222,21 +251,33 @@ class OpenAICompatAdapter:
                                 "finish_reason)", retry=Retry.ANY)
 
     async def _get(self, url: str) -> tuple[int, Any, ProbeResult | None]:
-        """GET a probe URL: (status, its JSON or None, None), or the result that ends the probe."""
+        """GET a probe URL: (status, its JSON or None, None), or the result that ends the probe.
+        At most `limits.probe_limit` bytes are read; a redirect is not followed."""
         timeout = aiohttp.ClientTimeout(total=self.provider.probe_timeout_ms / 1000)
         path = urlsplit(url).path
+        limit = self.limits.probe_limit
         try:
-            async with self.session.get(url, headers=self._headers(None), timeout=timeout) as resp:
+            async with self.session.get(url, headers=self._headers(None), timeout=timeout,
+                                        allow_redirects=False) as resp:
+                if is_redirect(resp.status):
+                    reason = (f"GET {path} answered {resp.status} ({redirect_text(resp)}; iop does not follow "
+                              "redirects: fix base_url)")
+                    return resp.status, None, ProbeResult(Health.UNAVAILABLE, self._redact(reason), strikes=DOWN)
                 if resp.status != 200:
                     return resp.status, None, None
-                text = await resp.text(errors="replace")
+                data = await read_at_most(resp, limit)
+                if data is None:
+                    resp.close()
+                    return 200, None, ProbeResult(Health.UNKNOWN, f"GET {path} answered more than {limit} bytes")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             failed = probe_failure(f"GET {path}", exc, self.provider.probe_timeout_ms)
             return 0, None, replace(failed, reason=self._redact(failed.reason))
         try:
-            return 200, json.loads(text), None
+            return 200, parse_json(data, self.provider.id), None
         except ValueError:
             return 200, None, None
+        except ProviderError:
+            return 200, None, ProbeResult(Health.UNKNOWN, f"GET {path} answered 200 with JSON nested too deep")
 
     async def probe(self) -> ProbeResult:
         if self.health_url is not None:

@@ -1,40 +1,160 @@
-"""Reading from a provider within limits: a whole answer up to a size, lines up to a length.
+"""Reading from a provider within limits: a whole answer up to a size, lines up to a length,
+and JSON up to a depth.
 
-A provider can send anything: an endless stream, a 100 MB answer, a line with no end. Every
-read here stops at its `ReadLimits` with an `output_too_large` error instead of growing."""
+A provider can send anything: an endless stream, a 100 MB answer, a line with no end, JSON
+nested thousands deep, a redirect elsewhere. Every read here stops at its `ReadLimits` with an
+`output_too_large` error instead of growing; JSON too deep for the parser is a provider error,
+not a `RecursionError` that escapes the adapter."""
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
 import aiohttp
 
-from workers.adapters.base import ReadLimits
+from common import jsonio
+from common.runlog import run_fields
+from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
+from workers.adapters.failures import one_line
+
+log = logging.getLogger("iop.worker")
+
+#: the most of a redirect's target shown in an error
+MAX_LOCATION_CHARS = 200
 
 
-async def read_whole(resp: aiohttp.ClientResponse, provider_id: str, limits: ReadLimits) -> bytes:
-    """The whole body of an answer, or ProviderError once it passes `limits.response_bytes`."""
-    if resp.content_length is not None and resp.content_length > limits.response_bytes:
-        raise limits.too_large(provider_id, "an answer", limits.response_bytes)
+async def read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The whole body of an answer, or None once it passes `limit` bytes (nothing more is read)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
     parts: list[bytes] = []
     size = 0
     async for data in resp.content.iter_any():
         size += len(data)
-        if size > limits.response_bytes:
-            raise limits.too_large(provider_id, "an answer", limits.response_bytes)
+        if size > limit:
+            return None
         parts.append(data)
     return b"".join(parts)
 
 
+async def read_whole(resp: aiohttp.ClientResponse, provider_id: str, limits: ReadLimits) -> bytes:
+    """The whole body of an answer, or ProviderError once it passes `limits.response_bytes`."""
+    data = await read_at_most(resp, limits.response_bytes)
+    if data is None:
+        raise limits.too_large(provider_id, "an answer", limits.response_bytes)
+    return data
+
+
+def too_deep(provider_id: str) -> ProviderError:
+    """JSON nested deeper than the parser's recursion limit: the provider answered (no strike).
+    Not retried (`Retry.NO`), as README's "a provider's answer cannot be carried or handled"
+    says of every answer the worker cannot handle, JSON nested too deep among them."""
+    return ProviderError(f"provider {provider_id} sent JSON nested too deep", retry=Retry.NO, strikes=0)
+
+
+def parse_json(data: bytes, provider_id: str) -> Any:
+    """A provider's JSON; ValueError when it is not JSON, ProviderError when it is nested too deep."""
+    try:
+        return jsonio.loads(data)
+    except RecursionError:
+        raise too_deep(provider_id) from None
+
+
+def error_text(error: Any, limit: int) -> str:
+    """What a provider's `error` field says, on one line: an object's `message`, a string as it
+    is, anything else as JSON (never a Python repr)."""
+    if isinstance(error, dict):
+        error = error.get("message") or "no message"
+    if not isinstance(error, str):
+        try:
+            error = json.dumps(error, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError):
+            error = "an error it did not describe"
+    return one_line(error, limit) or "no message"
+
+
+def redirect_text(resp: aiohttp.ClientResponse) -> str:
+    """`a redirect to http://host:port/path` for a 3xx answer: where it points, without the
+    credentials, query or fragment the Location may carry."""
+    location = resp.headers.get("Location", "").strip()
+    if not location:
+        return "a redirect without a Location"
+    try:
+        parts = urlsplit(location)
+        host = parts.netloc.rpartition("@")[2]
+    except ValueError:
+        return "a redirect to a URL that is not valid"
+    where = f"{parts.scheme}://{host}{parts.path}" if parts.scheme and host else parts.path
+    return f"a redirect to {one_line(where, MAX_LOCATION_CHARS) or '/'}"
+
+
+def redirect_error(provider_id: str, resp: aiohttp.ClientResponse) -> ProviderError:
+    """A run answered with a 3xx. iop never follows a provider's redirect (a 307 would send the
+    whole prompt to another host, a 302 would turn the run into a GET): the provider as
+    configured cannot serve runs, which is for its operator to fix, so it is down at once
+    (`DOWN` strikes) and the run may go to another provider."""
+    return ProviderError(f"provider {provider_id} answered {resp.status} ({redirect_text(resp)}; iop does not "
+                         "follow redirects: fix base_url)", status=resp.status, retry=Retry.ELSEWHERE, strikes=DOWN)
+
+
+def is_redirect(status: int) -> bool:
+    return 300 <= status < 400
+
+
 class LineSplitter:
-    """Splits a byte stream into lines; keeps a partial line between reads, up to a length."""
+    """Splits a byte stream into lines; keeps a partial line between reads, up to a length.
+
+    `feed` returns the complete lines as an iterator that checks each line's length as it comes
+    to it: a reader that stops at an end marker is not failed by a line after it."""
 
     def __init__(self, provider_id: str, limits: ReadLimits) -> None:
         self.provider_id = provider_id
         self.limits = limits
         self._buf = b""
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes) -> Iterator[bytes]:
         self._buf += data
         *lines, self._buf = self._buf.split(b"\n")
-        if len(self._buf) > self.limits.line_bytes or any(len(line) > self.limits.line_bytes for line in lines):
+        return self._checked(lines, len(self._buf) > self.limits.line_bytes)
+
+    def _checked(self, lines: list[bytes], partial_too_long: bool) -> Iterator[bytes]:
+        for line in lines:
+            if len(line) > self.limits.line_bytes:
+                raise self.limits.too_large(self.provider_id, "a line", self.limits.line_bytes)
+            yield line
+        if partial_too_long:
             raise self.limits.too_large(self.provider_id, "a line", self.limits.line_bytes)
-        return lines
+
+
+class NonObjects:
+    """Stream chunks that are not JSON objects (`[1, 2]`, `"text"`, `42`, `null`) carry nothing a
+    caller could use and would break its client: they are dropped, with one WARNING per run."""
+
+    def __init__(self, provider_id: str, request_id: str, model: str | None) -> None:
+        self.provider_id = provider_id
+        self.extra = run_fields(request_id, model, provider=provider_id)
+        self.dropped = 0
+
+    def drop(self, obj: Any) -> None:
+        self.dropped += 1
+        if self.dropped == 1:
+            log.warning("provider %s sent a stream chunk that is not a JSON object (%s); dropped it, and any "
+                        "more in this run", self.provider_id, _json_type(obj), extra=self.extra)
+
+
+def _json_type(obj: Any) -> str:
+    if obj is None:
+        return "null"
+    if isinstance(obj, bool):
+        return "a boolean"
+    if isinstance(obj, (int, float)):
+        return "a number"
+    if isinstance(obj, str):
+        return "a string"
+    if isinstance(obj, list):
+        return "an array"
+    return "not an object"

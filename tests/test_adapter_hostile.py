@@ -1,0 +1,466 @@
+"""The adapters against hostile providers: raw-socket HTTP servers on port 0 that answer what no
+well-behaved server would. An endless model list, a stream kept open (or going on) after its end
+marker, chunks that are not objects or carry an error as a string, redirects to another host, and
+JSON nested thousands deep. Each must end as a bounded read, a whole answer, or one clear
+ProviderError; never a hang, a leak to another host, or an exception the runner does not know."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+
+from common.config import ProviderConfig
+from common.policy import Health
+from common.wire import RunKind
+from gateway.responses import sse_chunks, with_model
+from tests.conftest import async_wait_until as until
+from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
+from workers.adapters.ollama import OllamaAdapter
+from workers.adapters.openai_compat import OpenAICompatAdapter
+
+SERVED = "m-served"
+DEEP = b"[" * 3000 + b"]" * 3000
+CHUNKED = "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+Answer = Callable[[Request, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass
+class Raw:
+    """An HTTP/1.1 server on raw sockets: reads each connection's one request, lets `answers[path]`
+    write whatever it likes (404 when none), then waits for the client to close the connection
+    (`hold`) or closes it. Counts the connections the client closed."""
+
+    answers: dict[str, Answer] = field(default_factory=dict)
+    hold: bool = False
+    requests: list[Request] = field(default_factory=list)
+    disconnects: int = 0
+    server: asyncio.Server | None = None
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    url: str = ""
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            first, *lines = head.decode("latin-1").split("\r\n")
+            method, path, _ = first.split(" ", 2)
+            headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines if ln)}
+            body = await reader.readexactly(int(headers.get("content-length", "0")))
+            request = Request(method, path, headers, body)
+            self.requests.append(request)
+            answer = self.answers.get(path)
+            if answer is None:
+                writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            else:
+                await answer(request, writer)
+            await writer.drain()
+            if self.hold:
+                while await reader.read(65536):
+                    pass
+                self.disconnects += 1
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.disconnects += 1
+        finally:
+            writer.close()
+            self.tasks.discard(task)
+
+
+@pytest.fixture
+async def raw() -> AsyncIterator[Raw]:
+    server = Raw()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def other() -> AsyncIterator[Raw]:
+    """Another host a redirect points to: it must never be asked anything."""
+    server = Raw()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+def openai(url: str, **extra: Any) -> ProviderConfig:
+    return ProviderConfig.model_validate({"id": "vllm-h", "type": "vllm", "base_url": url, "capacity": 1,
+                                          "models": [SERVED], **extra})
+
+
+def ollama(url: str, **extra: Any) -> ProviderConfig:
+    return ProviderConfig.model_validate({"id": "ollama-h", "type": "ollama", "base_url": url, "capacity": 1,
+                                          "models": [SERVED], **extra})
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def whole(status: str, body: bytes, content_type: str = "application/json", extra: str = "") -> Answer:
+    async def answer(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+                     f"{extra}Connection: close\r\n\r\n".encode() + body)
+    return answer
+
+
+def redirect(status: str, location: str) -> Answer:
+    return whole(status, b"", "text/plain", f"Location: {location}\r\n")
+
+
+def chunked(parts: list[bytes], *, end: bool = True, content_type: str = "text/event-stream") -> Answer:
+    """A chunked answer of `parts`; without `end` the last chunk never comes (the connection stays
+    open for as long as the client keeps it)."""
+    async def answer(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\n{CHUNKED}".encode())
+        for part in parts:
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+        if end:
+            writer.write(b"0\r\n\r\n")
+    return answer
+
+
+def endless(first: bytes, item: bytes, most: int = 256 * 1024 * 1024) -> Answer:
+    """A chunked answer that starts with `first` and repeats `item` until the client leaves (or
+    `most` bytes, so a test of code that never stops cannot fill the machine)."""
+    async def answer(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n{CHUNKED}".encode())
+        block = first + item * (65536 // len(item))
+        sent = 0
+        while sent < most:
+            writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+            await writer.drain()
+            sent += len(block)
+            block = item * (65536 // len(item))
+    return answer
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+
+
+def delta(text: str, finish: str | None = None) -> dict[str, Any]:
+    return {"id": "c1", "object": "chat.completion.chunk", "model": SERVED,
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+
+
+def nd(obj: Any) -> bytes:
+    return (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n"
+
+
+def said(text: str, done: bool = False) -> dict[str, Any]:
+    line: dict[str, Any] = {"model": SERVED, "message": {"role": "assistant", "content": text}, "done": done}
+    if done:
+        line.update(done_reason="stop", prompt_eval_count=3, eval_count=2)
+    return line
+
+
+async def collect(stream: AsyncIterator[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [c for read in [r async for r in stream] for c in read]
+
+
+def text_of(chunks: list[dict[str, Any]]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+
+
+# ---------------------------------------------------------------------------------- probes
+
+
+async def test_an_endless_model_list_is_a_failed_probe_not_a_memory_spike(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/health"] = whole("200 OK", b"{}")
+    raw.answers["/v1/models"] = endless(b'{"object": "list", "data": [', b'{"id": "m", "object": "model"}, ')
+    raw.hold = True
+    limits = ReadLimits(probe_bytes=256 * 1024)
+    adapter = OpenAICompatAdapter(openai(raw.url, probe_timeout_ms=3000), session, limits)
+    probe = await adapter.probe()
+    assert probe.health is Health.UNKNOWN
+    assert probe.reason == "GET /v1/models answered more than 262144 bytes"
+
+    async def left() -> bool:
+        return raw.disconnects >= 1
+
+    await until(left, 5, "the probe to close its connection")
+
+
+async def test_a_model_list_over_the_bound_by_its_length_is_not_read(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/api/tags"] = whole("200 OK", b'{"models": [' + b'{"name": "m:latest"},' * 20000 + b'{}]}')
+    adapter = OllamaAdapter(ollama(raw.url), session, ReadLimits(probe_bytes=64 * 1024))
+    probe = await adapter.probe()
+    assert probe.health is Health.UNKNOWN and probe.reason == "GET /api/tags answered more than 65536 bytes"
+
+
+async def test_an_endless_ollama_tag_list_is_a_failed_probe(raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/api/tags"] = endless(b'{"models": [', b'{"name": "m:latest"}, ')
+    raw.hold = True
+    adapter = OllamaAdapter(ollama(raw.url, probe_timeout_ms=3000), session, ReadLimits(probe_bytes=128 * 1024))
+    probe = await adapter.probe()
+    assert probe.health is Health.UNKNOWN and probe.reason == "GET /api/tags answered more than 131072 bytes"
+
+
+async def test_the_probe_bound_is_never_above_the_answer_bound() -> None:
+    assert ReadLimits().probe_limit == 4 * 1024 * 1024
+    assert ReadLimits(response_bytes=1000).probe_limit == 1000
+
+
+# ---------------------------------------------------------------------------------- end markers
+
+
+async def test_a_stream_ends_at_done_though_the_provider_keeps_it_open(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/v1/chat/completions"] = chunked([sse(delta("a ")), sse(delta("b", "stop")), sse(b"[DONE]")],
+                                                  end=False)
+    raw.hold = True
+    adapter = OpenAICompatAdapter(openai(raw.url, read_timeout_ms=3000), session)
+    chunks = await asyncio.wait_for(collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1")), 10)
+    assert text_of(chunks) == "a b"
+
+    async def left() -> bool:
+        return raw.disconnects >= 1
+
+    await until(left, 5, "the adapter to close the connection")
+
+
+async def test_an_ollama_stream_ends_at_done_though_the_server_keeps_it_open(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/api/chat"] = chunked([nd(said("a ")), nd(said("b")), nd(said("", done=True))], end=False,
+                                       content_type="application/x-ndjson")
+    raw.hold = True
+    adapter = OllamaAdapter(ollama(raw.url, read_timeout_ms=3000), session)
+    chunks = await asyncio.wait_for(collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1")), 10)
+    assert text_of(chunks) == "a b"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["stop"]
+
+    async def left() -> bool:
+        return raw.disconnects >= 1
+
+    await until(left, 5, "the adapter to close the connection")
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["one-read", "later-reads"])
+async def test_nothing_after_done_reaches_the_caller(together: bool, raw: Raw,
+                                                     session: aiohttp.ClientSession) -> None:
+    after = [sse(delta("INJECTED-AFTER-DONE")), sse(delta("more", "stop")), b"data: " + b"x" * 70000 + b"\n\n"]
+    parts = [sse(delta("ok", "stop")), sse(b"[DONE]"), *after]
+    raw.answers["/v1/chat/completions"] = chunked([b"".join(parts)] if together else parts)
+    limits = ReadLimits(line_bytes=65536)  # a line after [DONE] over the bound fails nothing
+    adapter = OpenAICompatAdapter(openai(raw.url), session, limits)
+    chunks = await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert text_of(chunks) == "ok" and "INJECTED" not in json.dumps(chunks)
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["one-read", "later-reads"])
+async def test_nothing_after_ollama_done_reaches_the_caller(together: bool, raw: Raw,
+                                                            session: aiohttp.ClientSession) -> None:
+    parts = [nd(said("ok")), nd(said("", done=True)), nd(said("INJECTED-AFTER-DONE")), nd(said("", done=True))]
+    raw.answers["/api/chat"] = chunked([b"".join(parts)] if together else parts,
+                                       content_type="application/x-ndjson")
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    chunks = await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert text_of(chunks) == "ok" and "INJECTED" not in json.dumps(chunks)
+    assert sum(1 for c in chunks if c["choices"][0]["finish_reason"]) == 1
+
+
+# ---------------------------------------------------------------------------------- odd chunks
+
+
+async def test_chunks_that_are_not_objects_are_dropped_with_one_warning(
+        raw: Raw, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture) -> None:
+    raw.answers["/v1/chat/completions"] = chunked([
+        sse(delta("a ")), sse([1, 2, 3]), sse("a string"), sse(42), sse(None), sse(delta("b", "stop")),
+        sse(b"[DONE]")])
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with caplog.at_level(logging.WARNING, "iop.worker"):
+        chunks = await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert all(isinstance(c, dict) for c in chunks) and text_of(chunks) == "a b"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["provider vllm-h sent a stream chunk that is not a JSON object (an array); dropped it, "
+                        "and any more in this run"]
+
+
+async def test_ollama_lines_that_are_not_objects_are_dropped_with_one_warning(
+        raw: Raw, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture) -> None:
+    raw.answers["/api/chat"] = chunked([nd(said("a ")), nd("a string"), nd([1]), nd(said("", done=True))],
+                                       content_type="application/x-ndjson")
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    with caplog.at_level(logging.WARNING, "iop.worker"):
+        chunks = await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert text_of(chunks) == "a "
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "provider ollama-h sent a stream chunk that is not a JSON object (a string); dropped it, and any more "
+        "in this run"]
+
+
+@pytest.mark.parametrize(("error", "said_text"), [
+    ("a string error", "a string error"),
+    (["a", "list"], '["a", "list"]'),
+])
+async def test_an_error_chunk_is_the_providers_error_whatever_its_shape(
+        error: Any, said_text: str, raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/v1/chat/completions"] = chunked([sse(delta("a ")), sse({"error": error}),
+                                                   sse(delta("b", "stop")), sse(b"[DONE]")])
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert err.value.message == f"provider vllm-h sent an error: {said_text}"
+
+
+async def test_an_ollama_error_line_says_its_message_and_a_null_error_is_none(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/api/chat"] = chunked([nd(said("a ")), nd({"error": {"message": "out of memory"}})],
+                                       content_type="application/x-ndjson")
+    raw.answers["/api/generate"] = chunked([nd({"model": SERVED, "response": "a", "done": False, "error": None}),
+                                            nd({"model": SERVED, "response": "", "done": True})],
+                                           content_type="application/x-ndjson")
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert err.value.message == "provider ollama-h sent an error: out of memory"
+    chunks = await collect(adapter.stream(RunKind.COMPLETION, {"model": SERVED, "prompt": "x", "stream": True},
+                                          "run_2"))
+    assert chunks[0]["choices"][0]["text"] == "a"
+
+
+def test_every_chunk_and_response_says_the_callers_model() -> None:
+    chunk: dict[str, Any] = {"id": "c1", "choices": [{"index": 0, "delta": {"content": "x"}}]}
+    assert with_model(chunk, "public-id")["model"] == "public-id"
+    assert with_model({"model": "served/name", "choices": []}, "public-id")["model"] == "public-id"
+    assert with_model([1, 2], "public-id") == [1, 2]
+    assert json.loads(sse_chunks([{"choices": []}], "public-id")[len(b"data: "):])["model"] == "public-id"
+
+
+# ---------------------------------------------------------------------------------- redirects
+
+
+@pytest.mark.parametrize("status", ["307 Temporary Redirect", "302 Found"])
+async def test_a_run_is_never_sent_where_a_redirect_points(
+        status: str, raw: Raw, other: Raw, session: aiohttp.ClientSession) -> None:
+    location = other.url.replace("http://", "http://usr:pw-5e1f@") + "/v1/chat/completions?token=t0k"
+    raw.answers["/v1/chat/completions"] = redirect(status, location)
+    other.answers["/v1/chat/completions"] = whole("200 OK", json.dumps(
+        {"object": "chat.completion", "model": SERVED, "choices": []}).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    code = int(status.split()[0])
+    for call in (adapter.complete(RunKind.CHAT, chat(), "run_1"),
+                 collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_2"))):
+        with pytest.raises(ProviderError) as err:
+            await call
+        assert err.value.message == (
+            f"provider vllm-h answered {code} (a redirect to {other.url}/v1/chat/completions; iop does not "
+            "follow redirects: fix base_url)")
+        assert err.value.status == code and err.value.retry is Retry.ELSEWHERE and err.value.strikes == DOWN
+    assert other.requests == []
+
+
+async def test_an_ollama_run_and_probe_never_follow_a_redirect(
+        raw: Raw, other: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/api/chat"] = redirect("307 Temporary Redirect", other.url + "/api/chat")
+    raw.answers["/api/tags"] = redirect("301 Moved Permanently", "/elsewhere/api/tags")
+    other.answers["/api/chat"] = whole("200 OK", json.dumps(said("stolen", done=True)).encode())
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    for call in (adapter.complete(RunKind.CHAT, chat(), "run_1"),
+                 collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_2"))):
+        with pytest.raises(ProviderError) as err:
+            await call
+        assert err.value.message == (f"provider ollama-h answered 307 (a redirect to {other.url}/api/chat; iop does "
+                                     "not follow redirects: fix base_url)")
+        assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == DOWN
+    probe = await adapter.probe()
+    assert probe.health is Health.UNAVAILABLE and probe.strikes == DOWN
+    assert probe.reason == ("GET /api/tags answered 301 (a redirect to /elsewhere/api/tags; iop does not follow "
+                            "redirects: fix base_url)")
+    assert other.requests == [] and [r.path for r in raw.requests] == ["/api/chat", "/api/chat", "/api/tags"]
+
+
+async def test_a_probe_never_follows_a_redirect(raw: Raw, other: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/health"] = redirect("302 Found", other.url + "/health")
+    other.answers["/health"] = whole("200 OK", b"{}")
+    other.answers["/v1/models"] = whole("200 OK", json.dumps({"data": [{"id": SERVED}]}).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    probe = await adapter.probe()
+    assert probe.health is Health.UNAVAILABLE and probe.strikes == DOWN
+    assert probe.reason == (f"GET /health answered 302 (a redirect to {other.url}/health; iop does not follow "
+                            "redirects: fix base_url)")
+    assert other.requests == []
+
+
+# ---------------------------------------------------------------------------------- deep JSON
+
+
+async def test_json_nested_too_deep_is_a_provider_error(raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/v1/chat/completions"] = whole("200 OK", b'{"choices": ' + DEEP + b"}")
+    raw.answers["/v1/completions"] = chunked([sse(delta("a ")), sse(b'{"choices": ' + DEEP + b"}")])
+    raw.answers["/v1/embeddings"] = whole("500 Internal Server Error", b'{"error": ' + DEEP + b"}")
+    raw.answers["/v1/models"] = whole("200 OK", b'{"data": ' + DEEP + b"}")
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    for call in (adapter.complete(RunKind.CHAT, chat(), "run_1"),
+                 collect(adapter.stream(RunKind.COMPLETION, {"model": SERVED, "prompt": "x", "stream": True},
+                                        "run_2"))):
+        with pytest.raises(ProviderError) as err:
+            await call
+        assert err.value.message == "provider vllm-h sent JSON nested too deep"
+        assert err.value.retry is Retry.NO and err.value.strikes == 0
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": "x"}, "run_3")
+    assert err.value.status == 500 and err.value.message.startswith("provider vllm-h answered 500: ")
+    adapter.health_url = None
+    probe = await adapter.probe()
+    assert probe.health is Health.UNKNOWN and probe.reason == "GET /v1/models answered 200 with JSON nested too deep"
+
+
+async def test_ollama_json_nested_too_deep_is_a_provider_error(raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/api/chat"] = whole("200 OK", b'{"message": ' + DEEP + b"}")
+    raw.answers["/api/generate"] = chunked([nd(b'{"response": ' + DEEP + b"}")], content_type="application/x-ndjson")
+    raw.answers["/api/embed"] = whole("500 Internal Server Error", b'{"error": ' + DEEP + b"}")
+    raw.answers["/api/tags"] = whole("200 OK", b'{"models": ' + DEEP + b"}")
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    for call in (adapter.complete(RunKind.CHAT, chat(), "run_1"),
+                 collect(adapter.stream(RunKind.COMPLETION, {"model": SERVED, "prompt": "x", "stream": True},
+                                        "run_2"))):
+        with pytest.raises(ProviderError) as err:
+            await call
+        assert err.value.message == "provider ollama-h sent JSON nested too deep"
+        assert err.value.retry is Retry.NO and err.value.strikes == 0
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": "x"}, "run_3")
+    assert err.value.status == 500
+    probe = await adapter.probe()
+    assert probe.health is Health.UNKNOWN and probe.reason == "GET /api/tags answered 200 with JSON nested too deep"
