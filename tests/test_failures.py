@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
+import yarl
 from aiohttp import web
 
-from workers.adapters.base import DOWN, Retry
-from workers.adapters.failures import NO_STRIKE, describe, one_line, probe_failure, transport_error
+from common.config import ProviderConfig
+from common.wire import ErrorCode, RunKind
+from workers.adapters.base import DOWN, ProviderError, Retry
+from workers.adapters.failures import (
+    NO_STRIKE,
+    describe,
+    one_line,
+    probe_failure,
+    redact,
+    redacted,
+    transport_error,
+    url_secrets,
+)
+from workers.adapters.openai_compat import OpenAICompatAdapter
 
 
 def test_one_line_flattens_cleans_and_cuts() -> None:
@@ -93,3 +108,107 @@ def test_garbage_from_a_provider_that_answered_goes_elsewhere() -> None:
     error = transport_error("p", ValueError("Expecting value: line 1 column 1 (char 0)"), connect_ms=1, read_ms=1)
     assert error.message == "provider p: the answer was not valid JSON"
     assert error.retry is Retry.ELSEWHERE and error.strikes == 0
+
+
+def basic(url: str) -> str:
+    """The `Authorization` value aiohttp itself sends for the credentials in `url`."""
+    auth = aiohttp.BasicAuth.from_url(yarl.URL(url))
+    assert auth is not None
+    return auth.encode().removeprefix("Basic ")
+
+
+@pytest.mark.parametrize(("url", "password"), [
+    ("http://alice:hunter2secret@127.0.0.1:8000/v1", "hunter2secret"),
+    ("https://svc%2Duser:p%40ss%2Fw%C3%A9rd%2B@api.example.com", "p@ss/wérd+"),
+    ("http://:only-a-password-7f3@host:1", "only-a-password-7f3"),
+])
+def test_every_form_of_url_credentials_is_redacted(url: str, password: str) -> None:
+    secrets = url_secrets(url)
+    token = basic(url)
+    written = url.split("//", 1)[1].rsplit("@", 1)[0]  # the userinfo as written
+    user = yarl.URL(url).user or ""
+    echoes = [
+        f"invalid credentials in Authorization: Basic {token}",  # the header aiohttp built
+        f"token {token.rstrip('=')} refused",  # echoed without its padding
+        f"bad password {password}",  # decoded
+        f"login {written} failed",  # the whole userinfo as written (percent-encoded)
+        f"login {user}:{password} failed",  # ... and decoded
+        f"quoted {yarl.URL.build(scheme='http', host='h', user=user, password=password)}",  # re-encoded
+    ]
+    for echo in echoes:
+        shown = redact(echo, secrets)
+        assert token.rstrip("=") not in shown and password not in shown and written not in shown, shown
+        assert "[redacted]" in shown
+    assert redact("nothing secret here", secrets) == "nothing secret here"
+    assert url_secrets("http://127.0.0.1:8000/v1") == [] and url_secrets(None) == []
+
+
+def test_a_secret_cut_by_the_length_limit_leaves_no_part_of_it() -> None:
+    url = "http://alice:hunter2secret@127.0.0.1:8000"
+    token = basic(url)
+    for keep in (6, 12, len(token) - 1):
+        cut = one_line("x" * (499 - keep) + f"{token} and more", 500)
+        assert cut.endswith(token[:keep] + "…")
+        assert redact(cut, url_secrets(url)).endswith("x[redacted]…")
+    tail = one_line(f"{token}" + "y" * 490, 500, tail=True)  # the tail a tool's stderr is cut to
+    assert tail.startswith("…" + token[-9:])
+    assert redact(tail, url_secrets(url)).startswith("…[redacted]y")
+
+
+def test_the_detail_is_redacted_even_where_json_escapes_the_secret() -> None:
+    url = 'http://bob:p%22w%5C%C3%A9-91@h'  # the password is p"w\é-91
+    exc = ProviderError("provider p answered 401: nope", status=401, retry=Retry.NO, strikes=0,
+                        detail={"message": 'no p"w\\é-91 here', "p\"w\\é-91": ["p\"w\\é-91"]},
+                        code=ErrorCode.INVALID_REQUEST)
+    clean = redacted(exc, url_secrets(url))
+    assert clean.detail == {"message": "no [redacted] here", "[redacted]": ["[redacted]"]}
+    assert (clean.status, clean.retry, clean.strikes, clean.code) == (401, Retry.NO, 0, ErrorCode.INVALID_REQUEST)
+    assert redacted(clean, url_secrets(url)) is clean  # nothing left to redact: the same error
+
+
+@pytest.fixture
+async def echoing() -> AsyncIterator[str]:
+    """An API that answers 401 with the Authorization header it got, as JSON on chat and as
+    plain text on completions."""
+
+    async def chat(request: web.Request) -> web.Response:
+        got = request.headers.get("Authorization", "")
+        return web.json_response({"error": {"message": f"invalid Authorization header {got!r}",
+                                            "type": "invalid_request_error", "param": got, "code": None}},
+                                 status=401)
+
+    async def text(request: web.Request) -> web.Response:
+        return web.Response(text=f"401 Unauthorized: you sent {request.headers.get('Authorization')}", status=401)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", text)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+async def test_a_provider_echoing_the_basic_header_of_its_url_shows_no_credential(echoing: str) -> None:
+    url = f"http://alice:hunter2secret@{echoing}/v1"
+    token = basic(url)
+    provider = ProviderConfig.model_validate(
+        {"id": "hosted-x", "type": "openai_api", "base_url": url, "capacity": 1, "models": ["m"]})
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as session:
+        adapter = OpenAICompatAdapter(provider, session)
+        failures: list[ProviderError] = []
+        for kind, request in ((RunKind.CHAT, body), (RunKind.COMPLETION, {"model": "m", "prompt": "hi"})):
+            with pytest.raises(ProviderError) as err:
+                await adapter.complete(kind, request, "run_1")
+            failures.append(err.value)
+            with pytest.raises(ProviderError) as err:
+                async for _ in adapter.stream(kind, {**request, "stream": True}, "run_2"):
+                    pass
+            failures.append(err.value)
+    for failure in failures:
+        shown = failure.message + json.dumps(failure.detail)
+        assert failure.message.startswith("provider hosted-x answered 401: ") and "Basic [redacted]" in shown
+        assert token not in shown and "hunter2secret" not in shown and "alice" not in shown, shown

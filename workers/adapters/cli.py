@@ -4,9 +4,14 @@ on stdin and streams its stdout back as deltas.
 - The served name reaches the tool as `{model}` in any argv element and as `$IOP_MODEL`;
   the run id as `$IOP_REQUEST_ID`.
 - Each read from stdout becomes one delta (UTF-8, split characters are kept for the next).
+- The run ends when the tool process itself exits, not when its stdout closes: a child it left
+  behind holding stdout or stderr open does not keep the run going (see `ToolRun.reads`).
 - A non-zero exit is a `provider_error` carrying the tail of stderr.
-- The tool runs in a process group of its own; on a timeout, a cancel, a failure or a
-  silence longer than `read_timeout_ms`, the whole group is killed (SIGKILL).
+- The tool runs in a process group of its own; on a timeout, a cancel, a failure, a silence
+  longer than `read_timeout_ms`, or when something still holds its output open after it
+  exited, the whole group is killed (SIGKILL) and the run's pipes are closed. A process the
+  tool moved to a session of its own (`setsid`) is out of the group's reach: it is the tool's
+  own doing, and it only loses its stdout/stderr (the run does not wait for it).
 - Usage counts are whitespace-separated words: a CLI tool reports no tokens.
 - Probe: the executable exists and may be executed. A CLI tool lists no models.
 """
@@ -36,6 +41,17 @@ Json = dict[str, Any]
 
 READ_SIZE = 65536
 STDERR_TAIL_BYTES = 2048
+#: asyncio's own buffer limit for a subprocess stream (`asyncio.streams._DEFAULT_LIMIT`)
+STREAM_LIMIT = 2**16
+#: How long, once the tool has exited, the run still waits for output that is not there yet,
+#: in seconds. Not a pause: the run ends at once at EOF, which is the usual case. It bounds only
+#: the wait when something else (a child the tool left behind) still holds stdout or stderr
+#: open. What the tool wrote before exiting is already in the pipe, readable at once; the
+#: bound only has to outlast the event loop's latency between the exit being reported and
+#: the pipe being read, which is a few milliseconds on a loaded loop. 200 ms is generous for
+#: that and still too short for a caller to notice. It counts only time spent waiting for
+#: data, never the time the consumer takes, so a slow consumer loses nothing.
+DRAIN_S = 0.2
 
 
 def argv_for(command: list[str], model: str) -> list[str]:
@@ -54,9 +70,32 @@ def find_executable(program: str) -> tuple[str | None, str]:
     return (found, "") if found else (None, f"executable {program!r} not found on PATH")
 
 
+class _ToolProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's protocol for a subprocess with streams, which also tells when the process
+    exited (`Process.wait` waits for its pipes to close as well on Python 3.11, and a child
+    that inherited them may hold them open for ever) and which of its pipes have closed."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, exited: asyncio.Event) -> None:
+        super().__init__(limit=STREAM_LIMIT, loop=loop)
+        self.exited = exited
+        #: the loop's time when the process exited
+        self.exited_at = 0.0
+        self.closed_fds: set[int] = set()
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        self.closed_fds.add(fd)
+        super().pipe_connection_lost(fd, exc)
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        self.exited_at = asyncio.get_running_loop().time()
+        self.exited.set()
+
+
 class ToolRun:
     """One process of the tool: spawn, feed stdin, read stdout, keep a stderr tail, and kill
-    the whole process group unless the tool ended by itself."""
+    the whole process group unless the tool ended by itself and left nothing holding its
+    output open."""
 
     def __init__(self, provider: ProviderConfig, argv: list[str], env: dict[str, str], stdin: bytes) -> None:
         self.provider = provider
@@ -64,17 +103,24 @@ class ToolRun:
         self.env = env
         self.stdin = stdin
         self.proc: asyncio.subprocess.Process | None = None
+        self._transport: asyncio.SubprocessTransport | None = None
+        self._protocol: _ToolProtocol | None = None
+        #: set once the tool process itself has exited (whatever its children do)
+        self._exited = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stderr = bytearray()
 
     async def __aenter__(self) -> ToolRun:
+        loop = asyncio.get_running_loop()
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=self.env, start_new_session=True)
+            self._transport, self._protocol = await loop.subprocess_exec(
+                lambda: _ToolProtocol(loop, self._exited), *self.argv, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self.env,
+                start_new_session=True)
         except OSError as exc:
             raise ProviderError(f"provider {self.provider.id} could not start {self.argv[0]}: "
                                 f"{(exc.strerror or 'unknown error').lower()}", retry=Retry.ANY, strikes=DOWN) from None
+        self.proc = asyncio.subprocess.Process(self._transport, self._protocol, loop)
         self._tasks = [asyncio.create_task(self._feed()), asyncio.create_task(self._collect_stderr())]
         return self
 
@@ -91,20 +137,61 @@ class ToolRun:
             self._stderr += data
             del self._stderr[:-STDERR_TAIL_BYTES]
 
-    async def reads(self) -> AsyncIterator[str]:
-        """stdout as text, one piece per read, until EOF."""
+    async def _read(self, wait_s: float, *, until_exit: bool) -> bytes | None:
+        """The next read from stdout (b"" at EOF), or None if `until_exit` and the tool exited
+        first; TimeoutError after `wait_s` seconds of neither."""
         assert self.proc is not None and self.proc.stdout is not None
+        read = asyncio.ensure_future(self.proc.stdout.read(READ_SIZE))
+        waits: set[asyncio.Future[Any]] = {read}
+        if until_exit:
+            waits.add(asyncio.ensure_future(self._exited.wait()))
+        try:
+            # not asyncio.wait_for: on Python 3.11 it drops a cancel (the run's own deadline)
+            # that arrives as the read completes, and the run would go on past its timeout
+            await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+            # a cancelled read has given up its place (and taken no data) only once it ran
+            await asyncio.wait(waits)
+        if read.done() and not read.cancelled():
+            return read.result()  # it may have completed while the exit was being noticed
+        if until_exit and self._exited.is_set():
+            return None
+        raise TimeoutError
+
+    async def reads(self) -> AsyncIterator[str]:
+        """stdout as text, one piece per read, until EOF or until the tool has exited and its
+        output has been drained.
+
+        Once the tool process has exited, what it wrote is in the pipe; a child it left behind
+        may still hold stdout open and EOF may never come. So after the exit, reading stops at
+        EOF, at the first `DRAIN_S` seconds (in all) spent waiting for more, or `read_timeout_ms`
+        after the exit (a leftover child that never stops writing), whichever comes first."""
+        assert self.proc is not None and self.proc.stdout is not None
+        loop = asyncio.get_running_loop()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         silence = self.provider.read_timeout_ms / 1000
+        drain_left = DRAIN_S
+        drain_end: float | None = None  # the loop's time at which draining stops in any case
         while True:
+            exited = self._exited.is_set()
+            if exited and drain_end is None:
+                drain_end = loop.time() + silence
+            wait_s = silence if drain_end is None else max(0.0, min(drain_left, drain_end - loop.time()))
+            started = loop.time()
             try:
-                # not asyncio.wait_for: on Python 3.11 it drops a cancel (the run's own deadline)
-                # that arrives as the read completes, and the run would go on past its timeout
-                async with asyncio.timeout(silence):
-                    data = await self.proc.stdout.read(READ_SIZE)
+                data = await self._read(wait_s, until_exit=not exited)
             except TimeoutError:
-                raise ProviderError(f"provider {self.provider.id} produced no output for "
-                                    f"{self.provider.read_timeout_ms} ms") from None
+                if exited:
+                    data = b""  # drained: what is left is not the tool's
+                else:
+                    raise ProviderError(f"provider {self.provider.id} produced no output for "
+                                        f"{self.provider.read_timeout_ms} ms") from None
+            if exited:
+                drain_left -= loop.time() - started
+            if data is None:
+                continue  # the tool exited while we waited: drain what it left
             text = decoder.decode(data, final=not data)
             if text:
                 yield text
@@ -113,10 +200,23 @@ class ToolRun:
 
     async def exit_status(self, error_chars: int) -> None:
         """Wait for the tool to end; raise ProviderError (with the tail of its stderr, cut to
-        `error_chars`) unless it exited with status 0."""
+        `error_chars`) unless it exited with status 0.
+
+        Called once stdout ended. A tool that closed stdout but goes on running gets
+        `read_timeout_ms` to exit: it can say nothing more, so this is the same silence."""
         assert self.proc is not None
-        code = await self.proc.wait()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            async with asyncio.timeout(self.provider.read_timeout_ms / 1000):
+                await self._exited.wait()
+        except TimeoutError:
+            raise ProviderError(f"provider {self.provider.id}: {self.argv[0]} closed its output but did not "
+                                f"exit within {self.provider.read_timeout_ms} ms", strikes=0) from None
+        # the rest of stderr, within `DRAIN_S` of the exit: a child left behind may hold it open
+        assert self._protocol is not None
+        drain_s = self._protocol.exited_at + DRAIN_S - asyncio.get_running_loop().time()
+        await asyncio.wait(self._tasks, timeout=max(drain_s, 0.001))
+        code = self.proc.returncode
+        assert code is not None
         if code == 0:
             return
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
@@ -129,12 +229,27 @@ class ToolRun:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
+    def _output_open(self) -> bool:
+        """Whether stdout or stderr is still open: something of the run still holds it."""
+        return self._protocol is not None and not {1, 2} <= self._protocol.closed_fds
+
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         if self.proc is None:
             return
-        if exc_type is not None or self.proc.returncode is None:
+        if exc_type is not None or self.proc.returncode is None or self._output_open():
+            # a failure, or the tool is still running, or it left something holding its output
             self.kill_group()
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)  # in case it left its group
+            # before closing the transport: closing it with the process still there would reap
+            # it behind the back of asyncio's child watcher
+            await self._exited.wait()
+        if self._transport is not None:
+            # closes our ends of the pipes, so the run is over even if a process out of the
+            # group's reach (a `setsid` child) still holds theirs: it only loses its output
+            self._transport.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -8,12 +8,14 @@ health (`strikes`, see `workers.health`) and whether another attempt could help 
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import errno
-import json
 import os
 import re
 import ssl
-from urllib.parse import unquote, urlsplit
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit
 
 import aiohttp
 
@@ -41,26 +43,73 @@ REDACTED = "[redacted]"
 
 
 def url_secrets(url: str | None) -> list[str]:
-    """The credentials a provider URL carries in its userinfo (`https://user:pass@host`)."""
+    """Every form in which the credentials of a provider URL's userinfo (`https://user:pass@host`)
+    may come back in a provider's answer, longest first: the user and the password each as
+    written (percent-encoded), decoded and encoded again (so the whole userinfo, in any of these
+    forms, reads `[redacted]:[redacted]`), and the value of the `Authorization: Basic …` header
+    aiohttp sends for them (the base64 of `user:password`, percent-decoded, in latin-1 as aiohttp
+    encodes it, or in UTF-8; with and without its padding)."""
     parts = urlsplit(url or "")
-    return [unquote(p) for p in (parts.password, parts.username) if p]
+    if parts.username is None and parts.password is None:
+        return []
+    written = [parts.username or "", parts.password or ""]
+    found = {form for text in written for form in (text, unquote(text), quote(unquote(text), safe=""))}
+    credentials = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+    for encoding in ("latin-1", "utf-8"):
+        with contextlib.suppress(UnicodeEncodeError):
+            token = base64.b64encode(credentials.encode(encoding)).decode("ascii")
+            found.update((token, token.rstrip("=")))  # also as echoed without its padding
+    return sorted((form for form in found if form), key=len, reverse=True)
+
+
+#: The shortest start (or end) of a secret taken for it where a text was cut (`one_line`).
+MIN_CUT_SECRET = 4
+
+
+def _redact_cut(text: str, secret: str) -> str:
+    """`text` with the part of `secret` that a cut (an ellipsis at either end) left redacted."""
+    if text.endswith("…"):
+        for size in range(len(secret) - 1, MIN_CUT_SECRET - 1, -1):
+            if text[:-1].endswith(secret[:size]):
+                return text[: -1 - size] + REDACTED + "…"
+    if text.startswith("…"):
+        for size in range(len(secret) - 1, MIN_CUT_SECRET - 1, -1):
+            if text[1:].startswith(secret[-size:]):
+                return "…" + REDACTED + text[1 + size:]
+    return text
 
 
 def redact(text: str, secrets: list[str]) -> str:
-    """`text` with every secret in it replaced by `[redacted]`."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, REDACTED)
+    """`text` with every secret in it replaced by `[redacted]`, the longest first (one secret
+    may hold another), as well as what is left of one where the text was cut."""
+    ordered = sorted((secret for secret in secrets if secret), key=len, reverse=True)
+    for secret in ordered:  # the cut ones first: a longer secret may end where a shorter one is cut
+        text = _redact_cut(text, secret)
+    for secret in ordered:
+        text = text.replace(secret, REDACTED)
     return text
+
+
+def _redact_json(value: Any, secrets: list[str]) -> Any:
+    """A JSON value with every string in it (keys too) redacted. Not through its JSON text:
+    a secret with a quote, a backslash or a non-ASCII character is escaped there."""
+    if isinstance(value, str):
+        return redact(value, secrets)
+    if isinstance(value, list):
+        return [_redact_json(item, secrets) for item in value]
+    if isinstance(value, dict):
+        return {redact(str(key), secrets): _redact_json(item, secrets) for key, item in value.items()}
+    return value
 
 
 def redacted(exc: ProviderError, secrets: list[str]) -> ProviderError:
     """The same error with every echo of a secret removed (its message and the provider's detail)."""
-    if not any(secret and secret in exc.message + json.dumps(exc.detail) for secret in secrets):
+    message = redact(exc.message, secrets)
+    detail = _redact_json(exc.detail, secrets) if exc.detail else exc.detail
+    if message == exc.message and detail == exc.detail:
         return exc
-    detail = json.loads(redact(json.dumps(exc.detail), secrets)) if exc.detail else exc.detail
-    return ProviderError(redact(exc.message, secrets), status=exc.status, detail=detail, retry=exc.retry,
-                         strikes=exc.strikes)
+    return ProviderError(message, status=exc.status, detail=detail, retry=exc.retry, strikes=exc.strikes,
+                         code=exc.code)
 
 
 def _os_text(code: int | None) -> str:

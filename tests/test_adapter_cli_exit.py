@@ -1,0 +1,152 @@
+"""The `cli` adapter's run ends when the tool process itself exits, whatever it left behind: a
+child still holding stdout or stderr open (in the tool's process group, or in a session of its
+own), or the tool closing stdout and going on running. Real processes: small shell scripts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.config import ProviderConfig
+from common.wire import RunKind
+from tests.test_adapter_cli import SERVED, alive, chat, collect, read_pids, wait_gone
+from workers.adapters.base import ProviderError
+from workers.adapters.cli import CliAdapter
+
+#: read_timeout_ms of these tools: the old adapter waited that long for EOF, then failed
+READ_TIMEOUT_MS = 60_000
+#: how long a test lets a run take: well before the read timeout would have fired
+WELL_BEFORE_S = 20
+
+
+def tool(tmp_path: Path, body: str, **extra: Any) -> CliAdapter:
+    path = tmp_path / "tool.sh"
+    path.write_text("#!/bin/sh\ncat >/dev/null\n" + body + "\n")
+    path.chmod(0o755)
+    return CliAdapter(ProviderConfig.model_validate(
+        {"id": "cli-x", "type": "cli", "command": [str(path)], "capacity": 1, "models": [SERVED],
+         "read_timeout_ms": READ_TIMEOUT_MS, **extra}))
+
+
+def text_of(chunks: list[dict[str, Any]]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+
+
+def finish_of(chunks: list[dict[str, Any]]) -> Any:
+    return [c["choices"][0].get("finish_reason") for c in chunks if c["choices"]][-1]
+
+
+@pytest.fixture
+def leftovers(tmp_path: Path) -> Iterator[Path]:
+    """A file for the pids of processes a test's tool leaves out of the adapter's reach (in a
+    session of their own); those still there are killed when the test ends, pass or fail."""
+    pids = tmp_path / "leftovers"
+    yield pids
+    for pid in read_pids(pids) if pids.exists() else []:
+        if alive(pid) and session_of(pid) == pid:
+            os.kill(pid, signal.SIGKILL)
+
+
+def session_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+
+
+def pipes_of(pid: int) -> set[str]:
+    """The pipes `pid` has as stdout and stderr (`pipe:[inode]`)."""
+    links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in (1, 2)}
+    return {link for link in links if link.startswith("pipe:")}
+
+
+def our_pipes() -> set[str]:
+    links = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue  # the listing's own descriptor, gone already
+    return links
+
+
+@pytest.mark.parametrize("holder", [
+    "sleep 3600 &",  # holds stdout and stderr
+    "sleep 3600 2>/dev/null &",  # holds stdout
+    "sleep 3600 >/dev/null &",  # holds stderr
+])
+async def test_exit_0_ends_the_run_though_a_child_holds_its_output(tmp_path: Path, holder: str) -> None:
+    pids = tmp_path / "pids"
+    cli = tool(tmp_path, f"{holder}\necho $! > {pids}\nprintf 'the answer'")
+    async with asyncio.timeout(WELL_BEFORE_S):
+        chunks = await collect(cli, chat(stream=True))
+    assert text_of(chunks) == "the answer" and finish_of(chunks) == "stop"
+    wait_gone(read_pids(pids))  # the child in the tool's group was killed with it
+    async with asyncio.timeout(WELL_BEFORE_S):
+        answer = await cli.complete(RunKind.CHAT, chat(), "r")
+    assert answer["choices"][0]["message"]["content"] == "the answer"
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    wait_gone(read_pids(pids))
+
+
+async def test_a_child_well_out_of_the_group_does_not_keep_the_run_or_its_pipes(
+        tmp_path: Path, leftovers: Path) -> None:
+    if shutil.which("setsid") is None:
+        pytest.skip("no setsid here")
+    cli = tool(tmp_path, f"setsid sleep 3600 &\necho $! > {leftovers}\nprintf 'the answer'")
+    async with asyncio.timeout(WELL_BEFORE_S):
+        chunks = await collect(cli, chat(stream=True))
+    [child] = read_pids(leftovers)
+    assert text_of(chunks) == "the answer" and finish_of(chunks) == "stop"
+    # out of the process group's reach, the child lives on (the tool's doing), but holds
+    # pipes nobody reads any more: the run closed its ends
+    assert alive(child) and session_of(child) == child
+    held = pipes_of(child)
+    assert held and not held & our_pipes()
+
+
+async def test_a_tool_that_closes_stdout_and_goes_on_running_fails_and_is_killed(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    cli = tool(tmp_path, f"echo $$ > {pids}\nprintf 'partial'\nexec >&-\nsleep 3600 &\necho $! >> {pids}\nwait",
+               read_timeout_ms=500)
+    got: list[dict[str, Any]] = []
+    with pytest.raises(ProviderError) as err:
+        async with asyncio.timeout(WELL_BEFORE_S):
+            async for read in cli.stream(RunKind.CHAT, chat(stream=True), "r"):
+                got.extend(read)
+    assert text_of(got) == "partial"
+    assert err.value.message == (f"provider cli-x: {tmp_path / 'tool.sh'} closed its output but did not exit "
+                                 "within 500 ms")
+    wait_gone(read_pids(pids))
+
+
+async def test_a_failure_with_a_child_holding_stderr_carries_the_stderr_tail(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    cli = tool(tmp_path, f"echo 'model file missing' >&2\nsleep 3600 &\necho $! > {pids}\nexit 3")
+    with pytest.raises(ProviderError) as err:
+        async with asyncio.timeout(WELL_BEFORE_S):
+            await cli.complete(RunKind.CHAT, chat(), "r")
+    assert err.value.message == f"provider cli-x: {tmp_path / 'tool.sh'} exited with status 3: model file missing"
+    wait_gone(read_pids(pids))
+
+
+async def test_a_consumer_slower_than_the_tool_still_gets_the_whole_answer(tmp_path: Path) -> None:
+    # The tool exits with its answer unread, in asyncio's buffer and in the pipe, behind a child
+    # that keeps the pipe open. Not more than asyncio buffers (128 KiB before it stops reading
+    # the pipe) and the smallest pipe (4 KiB) hold, or the tool could not finish writing.
+    size = 135_000
+    pids = tmp_path / "pids"
+    cli = tool(tmp_path, f"sleep 3600 &\necho $$ $! > {pids}\nhead -c {size} /dev/zero | tr '\\0' a")
+    text: list[str] = []
+    async with asyncio.timeout(WELL_BEFORE_S):
+        async for read in cli.stream(RunKind.CHAT, chat(stream=True), "r"):
+            text.append(text_of(read))
+            if len(text) == 1:
+                tool_pid = read_pids(pids)[0]
+                await asyncio.to_thread(wait_gone, [tool_pid])  # the tool is done before we go on
+    assert "".join(text) == "a" * size
+    wait_gone(read_pids(pids))
