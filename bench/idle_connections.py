@@ -40,7 +40,7 @@ def rss_bytes(pid: int) -> int:
 
 def open_idle(address: tuple[str, int], count: int) -> list[socket.socket]:
     """`count` connections, each answered once, so the gateway holds each as an idle keep-alive."""
-    socks = []
+    socks: list[socket.socket] = []
     for _ in range(count):
         sock = socket.create_connection(address, timeout=30)
         sock.sendall(HEALTH)

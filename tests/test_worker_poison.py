@@ -17,11 +17,10 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.codec import Unpackable, pack
-from common.policy import Health
 from common.wire import RunKind
-from tests.test_runner import ROLE, TEXT, events, fields, node_worker, start_one
+from tests.test_runner import ROLE, TEXT, Scripted, events, fields, node_worker, start_one
 from tests.test_scheduler import MODEL
-from workers.adapters.base import ProbeResult, ProviderError, Retry
+from workers.adapters.base import ProviderError, Retry
 from workers.runner import MAX_COUNTED_TOKENS, Runner
 
 BIG = 2**70
@@ -39,42 +38,47 @@ def deep(levels: int) -> Any:
     return value
 
 
-class Poisoned:
+class Poisoned(Scripted):
     """A provider whose first call answers with `reads` (a stream) or `response` (non-stream),
     then raises `error` if any; every later call answers as a sound provider does."""
 
     def __init__(self, reads: list[list[dict[str, Any]]] | None = None, response: dict[str, Any] | None = None,
                  error: BaseException | None = None) -> None:
-        self.reads = reads or []
+        super().__init__(reads or [])
+        self.poison = error
         self.response = response
-        self.error = error
-        self.calls = 0
 
     async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         self.calls += 1
         if self.calls > 1:
             return COMPLETION
-        if self.error:
-            raise self.error
+        if self.poison:
+            raise self.poison
         assert self.response is not None
         return self.response
 
     async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
-        self.calls += 1
-        if self.calls > 1:
+        if self.calls:
+            self.calls += 1
             yield [ROLE]
             yield [TEXT]
             return
-        for read in self.reads:
+        async for read in super().stream(kind, body, request_id):
             yield read
-        if self.error:
-            raise self.error
+        if self.poison:
+            raise self.poison
 
-    async def probe(self) -> ProbeResult:
-        return ProbeResult(Health.AVAILABLE, strikes=0)
 
-    async def close(self) -> None:
-        return None
+async def fails_on_a_worker(redis_url: str, runner: Runner, run_id: str) -> None:
+    """Run the run on a worker of node n-a: it fails, and its task (which the worker's loop
+    collects) raises nothing."""
+    worker = node_worker(redis_url, runner)
+    try:
+        await worker.claim_and_start([run_id])
+        assert (await worker.tasks[run_id]).startswith("failed")
+        worker._forget_finished()
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
 
 
 async def through_worker(redis: Redis, redis_url: str, adapter: Poisoned, stream: bool,
@@ -196,13 +200,7 @@ async def test_a_provider_error_holding_values_msgpack_cannot_hold_still_ends_th
                         detail={"message": "bad", "code": BIG})
     sched, run_id = await start_one(redis, {"a": 1})
     runner = Runner(redis, sched.config, "n-a", {"a": Poisoned(error=err)})
-    worker = node_worker(redis_url, runner)
-    try:
-        await worker.claim_and_start([run_id])
-        assert (await worker.tasks[run_id]).startswith("failed")
-        worker._forget_finished()
-    finally:
-        await worker.pool.aclose(close_connection_pool=True)
+    await fails_on_a_worker(redis_url, runner, run_id)
     assert await fields(redis, keys.run_record(run_id), "state", "error_code", "error_message") == [
         "failed", "provider_error", "provider a answered 400: bad \\ud800"]
     failed = (await events(redis, run_id))[-1][1]
@@ -243,13 +241,7 @@ async def test_a_run_whose_failure_cannot_be_handled_still_ends_and_the_task_ret
         raise KeyError("boom")
 
     monkeypatch.setattr(runner, "_untried_available", broken)
-    worker = node_worker(redis_url, runner)
-    try:
-        await worker.claim_and_start([run_id])
-        assert (await worker.tasks[run_id]).startswith("failed")
-        worker._forget_finished()
-    finally:
-        await worker.pool.aclose(close_connection_pool=True)
+    await fails_on_a_worker(redis_url, runner, run_id)
     state, code, message = await fields(redis, keys.run_record(run_id), "state", "error_code", "error_message")
     assert (state, code) == ("failed", "provider_error")
     assert message == "provider a: the worker failed ending the run (KeyError)"
