@@ -104,6 +104,8 @@ def _redact_json(value: Any, secrets: list[str]) -> Any:
 
 def redacted(exc: ProviderError, secrets: list[str]) -> ProviderError:
     """The same error with every echo of a secret removed (its message and the provider's detail)."""
+    if not any(secrets):
+        return exc
     message = redact(exc.message, secrets)
     detail = _redact_json(exc.detail, secrets) if exc.detail else exc.detail
     if message == exc.message and detail == exc.detail:
