@@ -361,3 +361,22 @@ async def test_credentials_in_the_url_are_never_shown(fake: Fake, session: aioht
     fake.status["/v1/models"] = 500
     probe = await adapter.probe()
     assert "pw-9d1c7e" not in probe.reason and "127.0.0.1" not in probe.reason
+
+
+FINISH_LINE = (b'data: {"id":"c1","object":"chat.completion.chunk","model":"m","choices":[{"index":0,'
+               b'"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n')
+
+
+async def test_a_stream_that_ends_after_its_finish_reason_without_done_is_whole(
+        fake: Fake, session: aiohttp.ClientSession) -> None:
+    """The answer came whole (a finish_reason), only the `[DONE]` line did not: the caller keeps
+    it (it was an error, and a strike against the provider). Without a finish_reason it is still
+    an error."""
+    adapter = OpenAICompatAdapter(provider("vllm", fake.url), session)
+    fake.stream_lines = [ROLE_LINE, FINISH_LINE]
+    reads = [chunks async for chunks in adapter.stream(RunKind.CHAT, chat(stream=True), "run_d")]
+    assert [c["choices"][0]["finish_reason"] for read in reads for c in read][-1] == "stop"
+    fake.stream_lines = [ROLE_LINE]
+    with pytest.raises(ProviderError) as err:
+        await _drain(adapter.stream(RunKind.CHAT, chat(stream=True), "run_e"))
+    assert err.value.message == "provider vllm-a: the stream ended before [DONE]" and err.value.strikes == 1

@@ -238,11 +238,12 @@ class OpenAICompatAdapter:
         except ProviderError as exc:
             raise self._clean(exc) from None
         except aiohttp.ClientPayloadError as exc:
-            if not (parser.done and finished):  # broken only after the whole answer came: it came
+            if not finished:  # broken only after a finish_reason: the whole answer came
                 raise self._failed(exc) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
-        if not parser.done:
+        if not parser.done and not finished:
+            # (a stream that ended after its finish_reason without [DONE] is whole: it is kept)
             raise ProviderError(f"provider {self.provider.id}: the stream ended before [DONE]", retry=Retry.ANY,
                                 strikes=1)
         if not finished:
