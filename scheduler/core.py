@@ -93,6 +93,10 @@ class Scheduler:
         self.kick = asyncio.Event()
         #: model id -> the entry of this replica's oldest run of it when another replica's was older
         self.behind: dict[str, str] = {}
+        #: wakes heard: for each model, and for all ("*"). A wake that comes while a dispatch is out
+        #: is not lost: the dispatch does not then mark the model `behind` (see `_heard`)
+        self._wakes: dict[str, int] = {}
+        self._wakes_all = 0
         #: models whose pending runs outnumbered this replica's at the last `adopt_forgotten`
         self._short: set[str] = set()
         self._targets = {m.id: {p: m.providers[p] for p in sorted(m.providers)} for m in config.models}
@@ -161,12 +165,18 @@ class Scheduler:
         this replica wakes it."""
         model_id = data.decode(errors="replace")
         if model_id == "*":
+            self._wakes_all += 1
             self.behind.clear()
             self._snaps.clear()  # a health or an operator's setting changed: read them again
             self.kick.set()
         elif self.waiting.get(model_id):
+            self._wakes[model_id] = self._wakes.get(model_id, 0) + 1
             self.behind.pop(model_id, None)
             self.kick.set()
+
+    def _heard(self, model_id: str) -> int:
+        """How many wakes that concern the model this replica has heard so far."""
+        return self._wakes.get(model_id, 0) + self._wakes_all
 
     # ----------------------------------------------------------------- dispatch
     async def dispatch_all(self) -> None:
@@ -220,8 +230,12 @@ class Scheduler:
                 # one round trip; the script makes sure each goes only once the ones before it went.
                 batch = _plan(queue, snaps, now, ttl, ahead)
                 ahead = 1  # unless the last `ok` below says more runs in a row are this replica's
-                for w, (result, chosen, next_holder, mine) in zip(batch, await self._dispatch(model, batch, snaps),
-                                                                  strict=True):
+                heard = self._heard(model.id)
+                outcomes = await self._dispatch(model, batch, snaps)
+                # Woken while the dispatch was out (the replica ahead went, an operator freed a
+                # slot): the model is not left `behind`, or the wake would wait for the safety tick.
+                woken = self._heard(model.id) != heard
+                for w, (result, chosen, next_holder, mine) in zip(batch, outcomes, strict=True):
                     if result in ("ok", "gone"):
                         if w in queue:  # compare by identity of entry: another task may have moved on
                             queue.remove(w)
@@ -232,7 +246,8 @@ class Scheduler:
                             log.info("dispatched to %s", chosen, extra=run_fields(w.run_id, model.id))
                             ahead = max(1, mine)
                             if queue and next_holder not in ("", self.consumer):
-                                self.behind[model.id] = queue[0].entry_id  # another replica goes next; it was woken
+                                if not woken:  # another replica goes next; it was woken
+                                    self.behind[model.id] = queue[0].entry_id
                                 return
                         continue
                     if result == "stale" and stale < STALE_RETRIES:
@@ -241,7 +256,7 @@ class Scheduler:
                         break  # (the runs after it in the batch stayed where they were: not_head)
                     # not_head: an older run of another replica goes first; we are woken once it left.
                     # probing: a probe that would disturb a run is out; its end signals us.
-                    if result == "not_head":
+                    if result == "not_head" and not woken:
                         self.behind[model.id] = w.entry_id
                     return
         finally:

@@ -20,7 +20,7 @@ from common.wire import RunKind
 from gateway.errors import ApiError
 from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
-from scheduler.core import Scheduler, Waiting, run_scheduler
+from scheduler.core import Outcome, Scheduler, Waiting, run_scheduler
 from scheduler.snapshots import read_snapshots
 from tests.conftest import async_wait_until
 from tests.test_script_batch import counting
@@ -557,3 +557,30 @@ async def test_a_new_run_is_dispatched_before_the_replica_reads_its_stream_again
         await running
         del redis.xreadgroup
         await client.close()
+
+
+@pytest.mark.parametrize("wake", [MODEL.encode(), b"*"], ids=["model", "all"])
+async def test_a_wake_that_comes_while_a_dispatch_is_out_is_not_lost(
+        redis: Redis, wake: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replica ahead dispatched its run (or an operator freed a slot) and woke this one while
+    this one's own `dispatch` was out, which then said `not_head`: the model must not be left
+    `behind` (it waited for the 1 s safety tick: runs went ~0.9 s late after an undrain with two
+    replicas). Without a wake meanwhile, `not_head` leaves it behind, as before."""
+    config = make_config({"a": 1})
+    _, sched, _ = await waiting_runs(redis, config, 1)
+    model = config.model(MODEL)
+    assert model is not None
+
+    async def not_head(woken: bool) -> None:
+        async def answer(_: Any, batch: list[Waiting], __: Any) -> list[Outcome]:
+            if woken:
+                sched.on_signal(wake)
+            return [Outcome("not_head") for _ in batch]
+
+        monkeypatch.setattr(sched, "_dispatch", answer)
+        await sched.dispatch_model(model)
+
+    await not_head(woken=True)
+    assert MODEL not in sched.behind and sched.kick.is_set()
+    await not_head(woken=False)
+    assert sched.behind[MODEL] == sched.waiting[MODEL][0].entry_id
