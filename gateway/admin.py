@@ -17,7 +17,6 @@ audit entry names the key that made the change (`anonymous` when the gateway ser
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -25,16 +24,16 @@ from typing import Any
 from aiohttp import web
 from redis.asyncio import Redis
 
-from common import control, jsonio
+from common import control
 from common.catalog import change_report, read_catalog
 from common.config import Config
 from common.control import Action, Change, ControlError, UnknownTarget
 from common.redisconn import now_ms
 from common.wire import ErrorCode
 from gateway.auth import principal
-from gateway.body_limits import depth_problem
 from gateway.connections import BODY
 from gateway.errors import ApiError, invalid
+from gateway.requests import json_object
 
 #: Fields `POST …/capacity` takes.
 CAPACITY_FIELDS = frozenset({"capacity", "for"})
@@ -44,34 +43,14 @@ CAPACITY_FIELDS = frozenset({"capacity", "for"})
 _LIMIT = re.compile(r"[0-9]{1,9}")
 
 
-class _NotJson(ValueError):
-    """NaN, Infinity or -Infinity: Python's `json` takes them, JSON has no such values."""
-
-
-def _no_constant(name: str) -> Any:
-    raise _NotJson(f"{name} is not valid JSON")
-
-
 def _body(request: web.Request, max_depth: int, fields: frozenset[str] = frozenset(),
           takes: str = "no fields") -> dict[str, Any]:
-    """The body as a JSON object ({} when there is none), with no field outside `fields`."""
+    """The body as a JSON object ({} when there is none, else read as the run routes read theirs),
+    with no field outside `fields`."""
     raw = request[BODY]
     if not raw.strip():
         return {}
-    try:
-        data = jsonio.loads(raw, parse_constant=_no_constant)
-    except (json.JSONDecodeError, _NotJson) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
-    except ValueError:  # not UTF-8, or an integer of more digits than Python converts
-        raise invalid("the request body is not valid JSON") from None
-    except RecursionError:
-        raise invalid(f"the request body is nested deeper than {max_depth} levels (runtime.max_json_depth)") \
-            from None
-    if not isinstance(data, dict):
-        raise invalid("the request body must be a JSON object")
-    problem = depth_problem(data, max_depth)
-    if problem is not None:
-        raise invalid(problem.message, problem.param)
+    data = json_object(raw, max_depth)
     unknown = sorted(set(data) - fields)
     if unknown:
         raise invalid(f"unknown field {control.shown(unknown[0])}: this route takes {takes}", unknown[0])

@@ -9,6 +9,7 @@ to the provider untouched.
 from __future__ import annotations
 
 import codecs
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +42,12 @@ def _is_token_list(value: Any) -> bool:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
+class _NotJson(ValueError):
+    """NaN, Infinity or -Infinity: Python's `json` takes them, JSON has no such values."""
+
+
 def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+    raise _NotJson(f"{name} is not valid JSON")
 
 
 def _check_prompt(body: dict[str, Any]) -> None:
@@ -124,13 +129,19 @@ def _pack(body: dict[str, Any]) -> bytes:
         raise invalid(problem.message, problem.param) from None
 
 
-def parse_request(kind: RunKind, raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH) -> ParsedRequest:
+def json_object(raw: bytes, max_depth: int) -> dict[str, Any]:
+    """A request body as a JSON object, as every route that takes one reads it; else a 400 that
+    says why: not UTF-8 (where), not JSON (the parser's words), NaN or Infinity, nested deeper than
+    `max_depth` (where), or not an object. Python's own advice (an integer of more digits than it
+    converts) is not passed on."""
     try:
         body = jsonio.loads(raw, parse_constant=_no_constant)
     except UnicodeDecodeError as exc:
         raise invalid(f"the request body is not valid JSON: {_not_text(raw, exc)}") from None
-    except ValueError as exc:
+    except (json.JSONDecodeError, _NotJson) as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise invalid("the request body is not valid JSON") from None
     except RecursionError:
         raise invalid(f"the request body is nested deeper than {max_depth} levels (runtime.max_json_depth)") \
             from None
@@ -139,6 +150,11 @@ def parse_request(kind: RunKind, raw: bytes, *, max_depth: int = DEFAULT_MAX_DEP
     problem = depth_problem(body, max_depth)
     if problem is not None:
         raise invalid(problem.message, problem.param)
+    return body
+
+
+def parse_request(kind: RunKind, raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH) -> ParsedRequest:
+    body = json_object(raw, max_depth)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string", "model")
