@@ -113,12 +113,6 @@ async def other() -> AsyncIterator[Raw]:
     await server.stop()
 
 
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
 def openai(url: str, **extra: Any) -> ProviderConfig:
     return ProviderConfig.model_validate({"id": "vllm-h", "type": "vllm", "base_url": url, "capacity": 1,
                                           "models": [SERVED], **extra})

@@ -33,12 +33,6 @@ async def fake() -> AsyncIterator[FakeOllama]:
     await server.stop()
 
 
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
 def provider(url: str, **extra: Any) -> ProviderConfig:
     return ProviderConfig.model_validate(
         {"id": "ollama-b", "type": "ollama", "base_url": url, "capacity": 2, "models": [SERVED], **extra})

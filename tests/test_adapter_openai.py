@@ -26,12 +26,6 @@ SERVED = "Qwen/Qwen3.6-35B-A3B"
 KEY = "sk-test-7f3a9c1e5b"
 
 
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
 class Sim:
     """The simulator in process; can be stopped and started again on the same port."""
 
