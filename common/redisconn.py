@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.connection import (
     URL_QUERY_ARGUMENT_PARSERS,
     Connection,
@@ -47,6 +47,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from common.redisline import Lined, LinedPool
 
 #: What a lost or restarting Redis raises; services back off and go on. A server that stopped
 #: being the primary answers READONLY; connections made here turn that into a ConnectionError,
@@ -349,9 +351,9 @@ _FOLLOWING: dict[type, type] = {
 }
 
 
-class SentinelPool(SentinelConnectionPool):  # type: ignore[misc]
-    """redis-py's pool of connections to the primary the sentinels name, which also closes its
-    connections to the sentinels when it is closed."""
+class SentinelPool(Lined, SentinelConnectionPool):  # type: ignore[misc]
+    """redis-py's pool of connections to the primary the sentinels name, with a `Line`
+    (`common.redisline`), which also closes its connections to the sentinels when it is closed."""
 
     async def disconnect(self, inuse_connections: bool = True) -> None:
         await super().disconnect(inuse_connections)
@@ -359,10 +361,11 @@ class SentinelPool(SentinelConnectionPool):  # type: ignore[misc]
             await asyncio.gather(*(s.aclose() for s in self.sentinel_manager.sentinels), return_exceptions=True)
 
 
-def connection_pool(url: str, *, max_connections: int | None = None, pool_class: type = ConnectionPool,
+def connection_pool(url: str, *, max_connections: int | None = None, pool_class: type = LinedPool,
                     sentinel_pool_class: type = SentinelPool, client_name: str | None = None) -> Any:
     """A pool of connections to the server the URL names, or to the primary its sentinels name,
-    with `client_options`. `pool_class` / `sentinel_pool_class` (a `SentinelPool`) make it.
+    with `client_options`. `pool_class` / `sentinel_pool_class` (a `SentinelPool`) make it; both
+    have a `Line` (`common.redisline`) that `Scripts` sends its calls over.
     `client_name` names its connections in Redis's `CLIENT LIST` (`iop-gateway`, …)."""
     target = parse_redis_url(url)
     options = {**client_options(), **target.options}

@@ -7,7 +7,7 @@ with TIME, and writes plain strings except event payloads (cmsgpack). Callers us
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from hashlib import sha1
 from typing import Any
 
@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from common import keys
+from common.redisline import line_of
 
 _NOW = """
 local _t = redis.call('TIME')
@@ -711,10 +712,13 @@ SHAS: dict[str, str] = {name: sha1(src.encode()).hexdigest() for name, src in AL
 
 
 class Scripts:
-    """Runs the scripts by SHA, loading them again when Redis has forgotten them."""
+    """Runs the scripts by SHA, loading them again when Redis has forgotten them. A client made
+    by `common.redisconn` sends them over its pool's `Line` (`common.redisline`): one shared
+    connection, many calls in flight; any other client (fakeredis) over redis-py's own path."""
 
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
+        self.line = line_of(redis)
 
     async def load(self) -> None:
         for src in ALL.values():
@@ -734,6 +738,9 @@ class Scripts:
         return answers
 
     async def _send_many(self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
+        if self.line is not None:
+            return await self.line.execute_many(
+                [("EVALSHA", SHAS[name], len(run_keys), *run_keys, *args) for run_keys, args in calls])
         if len(calls) == 1:  # a pipeline costs more than a plain call
             run_keys, args = calls[0]
             try:
@@ -747,7 +754,12 @@ class Scripts:
 
     async def call(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
-            return await self.redis.evalsha(SHAS[name], len(keys), *keys, *args)
+            return await self._evalsha(name, keys, args)
         except NoScriptError:
             await self.load()
-            return await self.redis.evalsha(SHAS[name], len(keys), *keys, *args)
+            return await self._evalsha(name, keys, args)
+
+    def _evalsha(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Awaitable[Any]:
+        if self.line is not None:
+            return self.line.execute("EVALSHA", SHAS[name], len(keys), *keys, *args)
+        return self.redis.evalsha(SHAS[name], len(keys), *keys, *args)  # type: ignore[no-any-return]

@@ -20,11 +20,12 @@ import time
 import weakref
 from typing import Any
 
-from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.redisconn import SentinelPool, connection_pool
+from common.redisline import LinedPool
 
 log = logging.getLogger("iop.gateway")
 
@@ -32,7 +33,7 @@ log = logging.getLogger("iop.gateway")
 POOL_WAIT_S = 5.0
 
 
-class TrimmedPool(ConnectionPool):  # type: ignore[misc]  # redis-py is not type-checked here
+class TrimmedPool(LinedPool):
     """At most `max_connections` connections, handed out in the order they were asked for (a
     fair semaphore: redis-py's blocking pool lets a task that releases and asks again at once
     starve the others), and closed once unused for a while (`trim`)."""

@@ -31,6 +31,7 @@ from common.redisconn import (
     parse_redis_url,
     redact,
 )
+from common.redisline import Line, LinedPool, line_of
 from common.scripts import Scripts
 from gateway.app import build_app
 from gateway.redis_pool import SentinelTrimmedPool, TrimmedPool, gateway_redis
@@ -138,14 +139,16 @@ def test_redact_hides_every_password(url: str, shown: str) -> None:
 async def test_every_client_is_built_on_a_sentinel_pool_from_a_sentinel_url() -> None:
     url = "redis+sentinel://h1:26379,h2:26379/mymaster/0?sentinel_password=spw"
     plain = connection_pool("redis://127.0.0.1:6379/0")
-    assert type(plain).__name__ == "ConnectionPool" and plain.connection_class is FollowingConnection
+    assert type(plain) is LinedPool and plain.connection_class is FollowingConnection
     pool = connection_pool(url)
     assert isinstance(pool, SentinelPool) and pool.service_name == "mymaster"
+    assert all(isinstance(p.line, Line) for p in (plain, pool))
     assert [s.connection_pool.connection_kwargs["port"] for s in pool.sentinel_manager.sentinels] == [26379, 26379]
     assert pool.sentinel_manager.sentinels[0].connection_pool.connection_kwargs["password"] == "spw"
     redis, trimmed = gateway_redis(url, max_connections=7)
     assert isinstance(trimmed, SentinelTrimmedPool)
     assert isinstance(trimmed, TrimmedPool) and isinstance(trimmed, SentinelConnectionPool)
+    assert line_of(redis) is trimmed.line
     assert trimmed.max_connections == 7 and redis.connection_pool is trimmed
     arq = arq_redis(url)
     assert isinstance(arq, ArqRedis) and isinstance(arq.connection_pool, SentinelPool)
