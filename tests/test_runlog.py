@@ -14,6 +14,7 @@ import pytest
 
 from common.lifecycle import JsonFormatter, TextFormatter, TurnHandler, quiet_abandoned_lookups, setup_logging
 from common.runlog import run_fields
+from tests.conftest import async_wait_until
 
 
 @pytest.fixture
@@ -105,9 +106,39 @@ async def test_the_lines_of_one_loop_turn_go_out_in_one_write_at_its_end() -> No
     assert out.writes == []  # held until the turn ends
     await asyncio.sleep(0)
     assert out.writes == ["dispatched 0\ndispatched 1\ndispatched 2\n"]
-    logger.info("next turn")
+
+
+async def test_lines_that_keep_coming_are_written_at_most_once_every_hold() -> None:
+    """After a write, the lines of the next turns wait for the rest of `HOLD_S` and go out
+    together; a WARNING goes out at once, after the lines held before it."""
+    logger, handler, out = turn_logger()
+    logger.info("first")
     await asyncio.sleep(0)
-    assert out.writes[1:] == ["next turn\n"]
+    assert out.writes == ["first\n"]
+    loop = asyncio.get_running_loop()
+    handler.written_at = loop.time() + 3600  # (as if just written, for as long as the test takes)
+    for n in range(3):
+        logger.info("turn %d", n)
+        await asyncio.sleep(0)
+    assert out.writes == ["first\n"]  # held: written less than HOLD_S ago
+    logger.warning("trouble")
+    assert out.writes[1:] == ["turn 0\nturn 1\nturn 2\ntrouble\n"]
+    handler.written_at = loop.time() - 2 * TurnHandler.HOLD_S  # (as if HOLD_S ago: the timer has passed)
+    logger.info("later")
+    await asyncio.sleep(0)
+    assert out.writes[2:] == ["later\n"]
+
+
+async def test_held_lines_go_out_when_the_hold_has_passed() -> None:
+    logger, handler, out = turn_logger()
+    handler.written_at = asyncio.get_running_loop().time()  # just written
+    logger.info("held")
+    await asyncio.sleep(0)
+    assert out.writes == []
+    async def written() -> bool:
+        return out.writes == ["held\n"]
+
+    await async_wait_until(written, what="the held line written")
 
 
 async def test_held_lines_are_written_by_flush_and_never_more_than_max_held() -> None:
