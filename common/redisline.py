@@ -8,8 +8,12 @@ event-loop turn in one write, and one reader hands each reply to its caller in t
 were sent (Redis answers a connection's commands in order). ~15-30 us a command, and fewer
 system calls when many tasks call at once.
 
-Only commands that answer at once go here (the scripts): a blocking read (`XREAD BLOCK`,
-`BLMPOP`) would hold up every command behind it, and keeps its connection from the pool.
+The pool's shared line (`pool.line`) is for commands that answer at once (the scripts): a
+blocking read (`XREAD BLOCK`, `BLMPOP`) would hold up every command behind it. Each loop that
+blocks (the gateway's inbox listener, the scheduler's intake, a worker's wake list) has a line of
+its own instead (`pool.new_line()`), used by that loop alone, so it too skips the pool's path.
+Replies are as Redis sends them (RESP2), without redis-py's parsing: `stream_reply` turns an
+`XREAD` / `XREADGROUP` reply into redis-py's shape.
 
 Failures are what redis-py's path gives: an error reply is raised to its own caller only; a
 lost connection (Redis away, a failover: `NotPrimaryError`) fails every command in flight on it,
@@ -194,21 +198,29 @@ class Line:
 
 
 class Lined:
-    """A pool class with a `Line` for the commands that answer at once (mixed into redis-py's
-    pools in `common.redisconn`). Closing the pool closes the line's connection too; a switch to
-    a new Sentinel primary (`inuse_connections=False`) leaves it: it fails on the old primary and
-    connects again."""
+    """A pool class with a `Line` for the commands that answer at once, and lines of their own for
+    the loops that block (mixed into redis-py's pools in `common.redisconn`). Closing the pool
+    closes the lines' connections too; a switch to a new Sentinel primary
+    (`inuse_connections=False`) leaves them: they fail on the old primary and connect again."""
 
     line: Line
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.line = Line(self)  # type: ignore[arg-type]
+        self._lines = [self.line]
+
+    def new_line(self) -> Line:
+        """A line for one loop's blocking reads, closed with the pool."""
+        line = Line(self)  # type: ignore[arg-type]
+        self._lines.append(line)
+        return line
 
     async def disconnect(self, inuse_connections: bool = True) -> None:
         await super().disconnect(inuse_connections)  # type: ignore[misc]
         if inuse_connections:
-            await self.line.close()
+            for line in self._lines:
+                await line.close()
 
 
 class LinedPool(Lined, ConnectionPool):  # type: ignore[misc]  # redis-py is not type-checked here
@@ -216,7 +228,25 @@ class LinedPool(Lined, ConnectionPool):  # type: ignore[misc]  # redis-py is not
 
 
 def line_of(redis: Any) -> Line | None:
-    """The line of a client made by `common.redisconn.connect`, else None (fakeredis, a client
-    made another way: redis-py's own path)."""
+    """The shared line of a client made by `common.redisconn.connect`, else None (fakeredis, a
+    client made another way: redis-py's own path)."""
     line = getattr(getattr(redis, "connection_pool", None), "line", None)
     return line if isinstance(line, Line) else None
+
+
+def new_line_of(redis: Any) -> Line | None:
+    """A line of its own for one loop's blocking reads, for a client made by
+    `common.redisconn.connect`; else None."""
+    pool = getattr(redis, "connection_pool", None)
+    return pool.new_line() if isinstance(pool, Lined) else None
+
+
+StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+def stream_reply(reply: Any) -> list[tuple[bytes, StreamEntries]]:
+    """A raw `XREAD` / `XREADGROUP` reply as redis-py gives it: [(stream, [(id, fields)])]; an
+    entry deleted while pending has no fields ({})."""
+    return [(stream, [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True)) if flat else {})
+                      for entry_id, flat in entries])
+            for stream, entries in reply or ()]

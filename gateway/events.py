@@ -36,6 +36,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import decode_event, unpack
 from common.redisconn import REDIS_DOWN, Backoff
+from common.redisline import StreamEntries, new_line_of, stream_reply
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType
 
@@ -163,6 +164,8 @@ class EventHub:
         self.new_inbox = gateway_id is None
         self.inbox = keys.gateway_inbox(self.gateway_id)
         self.scripts = Scripts(redis)
+        #: the listener's own connection (`common.redisline`), when the client has lines
+        self.listen_line = new_line_of(redis)
         #: run id -> its followers (a list: a set costs a waiting caller ~200 bytes more)
         self.followers: dict[str, list[Follower]] = {}
         self.tasks: list[asyncio.Task[None]] = []
@@ -226,6 +229,8 @@ class EventHub:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.tasks = []
         self.listening.clear()
+        if self.listen_line is not None:
+            await self.listen_line.close()
 
     async def _tail(self) -> str:
         """The inbox's last entry now (a follower's first read covers what came before it)."""
@@ -248,8 +253,7 @@ class EventHub:
                 if resync:
                     await self._read_runs(list(self.followers), check_lost=True)
                     resync = False
-                reply = await self.redis.xread({self.inbox: last}, count=LISTEN_COUNT, block=LISTEN_BLOCK_MS)
-                entries = reply[0][1] if reply else []
+                entries = await self._read_inbox(last)
                 if len(entries) == LISTEN_COUNT and await self._trimmed_past(last):
                     resync = True  # so far behind that entries went: read every run again
                 for entry_id, fields in entries:
@@ -265,6 +269,15 @@ class EventHub:
                 log.warning("gateway inbox: Redis unavailable (%s); retrying", exc)
                 resync = True  # whatever came meanwhile is read from each run's stream
                 await backoff.pause()
+
+    async def _read_inbox(self, last: str) -> StreamEntries:
+        """The inbox's entries after `last`, waiting up to LISTEN_BLOCK_MS for one."""
+        if self.listen_line is None:
+            reply = await self.redis.xread({self.inbox: last}, count=LISTEN_COUNT, block=LISTEN_BLOCK_MS)
+        else:
+            reply = stream_reply(await self.listen_line.execute(
+                "XREAD", "COUNT", LISTEN_COUNT, "BLOCK", LISTEN_BLOCK_MS, "STREAMS", self.inbox, last))
+        return reply[0][1] if reply else []
 
     def _deliver(self, fields: dict[bytes, bytes]) -> None:
         run_id = fields.get(b"run", b"").decode()

@@ -30,6 +30,7 @@ from common.codec import pack
 from common.config import Config, ModelConfig
 from common.policy import ProviderSnapshot, all_refused, candidate_class, select_provider
 from common.redisconn import REDIS_DOWN, Backoff, now_ms
+from common.redisline import new_line_of, stream_reply
 from common.runlog import run_fields
 from common.scripts import DISPATCH_BATCH, Scripts
 from common.wire import ErrorCode, ErrorInfo, RunState, cancelled_by_caller
@@ -88,6 +89,8 @@ class Scheduler:
         self.redis = redis
         self.config = config
         self.scripts = Scripts(redis)
+        #: the intake's own connection for its blocking read (`common.redisline`), when the client has lines
+        self.intake_line = new_line_of(redis)
         self.consumer = consumer or new_consumer_name()
         self.waiting: dict[str, list[Waiting]] = {m.id: [] for m in config.models}
         self.kick = asyncio.Event()
@@ -137,8 +140,13 @@ class Scheduler:
         """Read runs no replica has seen yet (blocks up to block_ms). Returns how many."""
         streams = {keys.runs_stream(m.id): ">" for m in self.config.models}
         try:
-            reply = await self.redis.xreadgroup(keys.SCHEDULER_GROUP, self.consumer, streams,
-                                                count=count, block=block_ms)
+            if self.intake_line is None:
+                reply = await self.redis.xreadgroup(keys.SCHEDULER_GROUP, self.consumer, streams,
+                                                    count=count, block=block_ms)
+            else:
+                reply = stream_reply(await self.intake_line.execute(
+                    "XREADGROUP", "GROUP", keys.SCHEDULER_GROUP, self.consumer, "COUNT", count, "BLOCK", block_ms,
+                    "STREAMS", *streams, *streams.values()))
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise

@@ -28,6 +28,7 @@ from arq.worker import Worker
 
 from common import keys
 from common.redisconn import REDIS_DOWN, Backoff, connection_pool
+from common.redisline import Line, new_line_of
 from common.scripts import Scripts
 from workers.runner import Runner, new_worker_instance
 
@@ -51,6 +52,7 @@ class WakeWorker(Worker):
         self.runner = runner
         #: the in-progress marker of the jobs this worker takes (see `new_worker_instance`)
         self.instance = new_worker_instance()
+        self._wake_line: Line | None = None
 
     async def main(self) -> None:
         if self._pool is None:
@@ -63,6 +65,8 @@ class WakeWorker(Worker):
             )
         await self._first_connection()
         self._scripts = Scripts(self.pool)
+        #: the wake list's own connection for its blocking pop (`common.redisline`), when the pool has lines
+        self._wake_line = new_line_of(self.pool)
         log.info("worker for queue %s started, %d slots", self.queue_name, self.max_jobs)
         self.ctx["redis"] = self.pool
         if self.on_startup:
@@ -110,8 +114,12 @@ class WakeWorker(Worker):
             return True
         # As many job ids as it has free slots, in one round trip (BLMPOP, Redis 7): under load a
         # worker takes the jobs queued meanwhile together, with one `take` script for all of them.
-        popped = await self.pool.blmpop(self.poll_delay_s, 1, self.wake_key, direction="LEFT",
-                                        count=self.max_jobs - self.job_counter)
+        free = self.max_jobs - self.job_counter
+        if self._wake_line is None:
+            popped = await self.pool.blmpop(self.poll_delay_s, 1, self.wake_key, direction="LEFT", count=free)
+        else:
+            popped = await self._wake_line.execute("BLMPOP", self.poll_delay_s, 1, self.wake_key, "LEFT",
+                                                   "COUNT", free)
         if popped is None:
             return True
         await self.claim_and_start([job_id.decode() for job_id in popped[1]])
