@@ -33,7 +33,50 @@ from typing import Any
 
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import DataError, ResponseError
+
+#: an argument longer than this goes out as a part of its own (not copied into the command's bytes)
+BIG_ARGUMENT = 6000
+
+
+def _encoded_other(arg: Any) -> bytes | memoryview:
+    if isinstance(arg, bool):  # (an int; redis-py refuses it too)
+        raise DataError("Invalid input of type: 'bool'. Convert to a bytes, string, int or float first.")
+    if isinstance(arg, (bytes, bytearray, memoryview)):
+        return arg if not isinstance(arg, bytearray) else bytes(arg)
+    if isinstance(arg, str):
+        return str(arg).encode()
+    if isinstance(arg, (int, float)):
+        return repr(arg).encode()
+    raise DataError(f"Invalid input of type: '{type(arg).__name__}'. Convert to a bytes, string, int or float first.")
+
+
+def pack_command(args: Sequence[Any]) -> list[bytes | memoryview]:
+    """One command in Redis's protocol, as redis-py's `pack_command` makes it (each argument one
+    argument: a command name is not split at spaces), in a fraction of its time: the parts of a
+    command are joined once, and an argument longer than `BIG_ARGUMENT` is not copied."""
+    out: list[bytes | memoryview] = []
+    parts: list[bytes | memoryview] = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        kind = type(arg)
+        data: bytes | memoryview
+        if kind is bytes:
+            data = arg
+        elif kind is str:
+            data = arg.encode()
+        elif kind is int:
+            data = b"%d" % arg
+        else:
+            data = _encoded_other(arg)
+        if len(data) > BIG_ARGUMENT:
+            parts.append(b"$%d\r\n" % len(data))
+            out.append(b"".join(parts))
+            out.append(data)
+            parts = [b"\r\n"]
+        else:
+            parts += (b"$%d\r\n" % len(data), data, b"\r\n")
+    out.append(b"".join(parts))
+    return out
 
 
 class _Link:
@@ -47,13 +90,14 @@ class _Link:
         #: the futures of the commands sent and not yet answered, oldest first
         self.waiting: deque[asyncio.Future[Any]] = deque()
         #: packed commands of this turn, written together at its end
-        self.out: list[bytes] = []
+        self.out: list[bytes | memoryview] = []
         #: set when the reader sleeps (nothing in flight) and a command is sent
         self.wake: asyncio.Future[None] | None = None
         self.reader: asyncio.Task[None] | None = None
         self.broken: BaseException | None = None
 
-    def send(self, packed: list[bytes]) -> asyncio.Future[Any]:
+    def send(self, args: Sequence[Any]) -> asyncio.Future[Any]:
+        packed = pack_command(args)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self.waiting.append(future)
@@ -143,11 +187,11 @@ class Line:
 
     async def _once(self, args: Sequence[Any]) -> Any:
         link = await self._ready()
-        return await link.send(link.conn.pack_command(*args))
+        return await link.send(args)
 
     async def _many(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         link = await self._ready()
-        futures = [link.send(link.conn.pack_command(*args)) for args in commands]
+        futures = [link.send(args) for args in commands]
         replies: list[Any] = []
         for future in futures:
             try:
@@ -207,12 +251,12 @@ class Lined:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.line = Line(self)  # type: ignore[arg-type]
+        self.line = Line(self)
         self._lines = [self.line]
 
     def new_line(self) -> Line:
         """A line for one loop's blocking reads, closed with the pool."""
-        line = Line(self)  # type: ignore[arg-type]
+        line = Line(self)
         self._lines.append(line)
         return line
 

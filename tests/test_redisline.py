@@ -6,12 +6,15 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import DataError, ResponseError
 
 from common.redisconn import connect
-from common.redisline import Line, line_of
+from common.redisline import BIG_ARGUMENT, Line, line_of, pack_command
 from iop.embedded_redis import RedisServer
 
 
@@ -30,6 +33,22 @@ def line(client: Redis) -> Line:
 
 async def named_connections(client: Redis) -> int:
     return sum(1 for c in await client.client_list() if c.get("name") == "iop-line-test")
+
+
+ARGUMENTS = st.one_of(st.binary(max_size=2 * BIG_ARGUMENT), st.text(max_size=200), st.integers(),
+                      st.floats(allow_nan=False))
+
+
+@given(st.lists(ARGUMENTS, max_size=12))
+def test_a_command_is_packed_as_redis_py_packs_it(args: list[object]) -> None:
+    command = ("EVALSHA", *args)
+    assert b"".join(pack_command(command)) == b"".join(Connection().pack_command(*command))
+
+
+def test_an_argument_of_no_redis_type_is_refused_as_redis_py_refuses_it() -> None:
+    for bad in (True, None, [1], {"a": 1}):
+        with pytest.raises(DataError):
+            pack_command(("SET", "k", bad))
 
 
 async def test_each_caller_gets_its_own_reply_and_an_error_reply_only_its_own(client: Redis) -> None:
