@@ -50,6 +50,8 @@ MAX_BYTES = 512 * 1024 * 1024
 MAX_QUEUE = 1_000_000
 #: The most tries of one run (`queue.max_attempts`).
 MAX_ATTEMPTS = 100
+#: The longest a streamed run's output may be held to go out with what comes after it.
+MAX_STREAM_BATCH_MS = 10_000
 #: The most events one run's stream may hold (`runtime.max_events_per_run`).
 MAX_EVENTS_PER_RUN = 10_000_000
 #: The most client connections a gateway may hold (`runtime.max_connections`).
@@ -165,6 +167,8 @@ class RuntimeConfig(Strict):
     max_error_chars: int = Field(500, ge=50, le=10_000, description="a provider's error text is cut to this")
     stream_keepalive_ms: int = Field(10_000, ge=100, le=MAX_DURATION_MS,
                                      description="a stream silent this long gets an SSE keep-alive comment")
+    stream_batch_ms: int = Field(0, ge=0, le=MAX_STREAM_BATCH_MS,
+                                 description="after a stream's first output, what comes goes out at most this often")
     # The catalog's charts (common.history): how often the schedulers sample the load, and for how long.
     history_interval_ms: int = Field(5_000, ge=100, le=600_000, description="one load sample per this")
     history_retention_s: int = Field(3_600, ge=60, le=86_400, description="load samples are kept this long")

@@ -104,6 +104,11 @@ class Follower:
                 self.waiter = None
         return self.items.pop(0)
 
+    def take_ready(self) -> list[Event]:
+        """The events handed over and not yet taken, all of them (none is waited for)."""
+        items, self.items = self.items, []
+        return items
+
     def offer(self, event: Event) -> None:
         """An event from the inbox: held while the first read is out, else handed over if new."""
         if self.pending is not None:

@@ -67,18 +67,29 @@ class SSEStream:
         self.limit_headers = limit_headers
         self.resp: web.StreamResponse | None = None
 
-    async def write(self, data: bytes) -> web.StreamResponse:
+    async def _started(self) -> web.StreamResponse:
         if self.resp is None:
             self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                     "X-Accel-Buffering": "no",
                                                     **answer_headers(self.run_id, self.limit_headers)})
             await self.resp.prepare(self.request)
-        await self.resp.write(data)
         return self.resp
+
+    async def write(self, data: bytes) -> web.StreamResponse:
+        resp = await self._started()
+        await resp.write(data)
+        return resp
 
     async def keep_alive(self) -> None:
         """An SSE comment: proxies and clients with read timeouts see the stream is alive."""
         await self.write(KEEP_ALIVE)
+
+    async def end(self, data: bytes) -> web.StreamResponse:
+        """The last bytes and the end of the answer, in one write (with the headers, if they have
+        not gone out yet)."""
+        resp = await self._started()
+        await resp.write_eof(data)
+        return resp
 
 
 async def stream_response(request: web.Request, follower: Follower, model_id: str, run_id: str,
@@ -86,25 +97,27 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
     """The run as OpenAI chunks. While nothing comes for `keep_alive_s` (the run waits in its
     queue, say), a keep-alive comment goes out every `keep_alive_s`. An error before anything
     went out keeps its HTTP status; after, it comes in the stream, OpenAI-shaped, then [DONE].
-    The answer's headers: the run's id and its key's rate-limit headers."""
+    The answer's headers: the run's id and its key's rate-limit headers. The events that arrived
+    together go out in one write (the last output, `[DONE]` and the end of the answer, say)."""
     out = SSEStream(request, run_id, limit_headers)
     while True:
         event = await follower.next(keep_alive_s)
         if event is None:
             await out.keep_alive()
-        elif event.type == EventType.DELTA:
-            chunks = event.data.get("chunks", [])
-            await out.write(sse_chunks(chunks, model_id))
-            metrics.streamed(request, chunks)
-        elif event.type == EventType.COMPLETED:
-            resp = await out.write(SSE_DONE)
-            await resp.write_eof()
-            return resp
-        elif event.type == EventType.FAILED:
-            error = ApiError.from_info(ErrorInfo.from_wire(event.data))
-            if out.resp is None:
-                raise error
-            request[metrics.STREAM_ERROR] = error.status
-            resp = await out.write(sse(error.body()) + SSE_DONE)
-            await resp.write_eof()
-            return resp
+            continue
+        parts: list[bytes] = []
+        for event in (event, *follower.take_ready()):
+            if event.type == EventType.DELTA:
+                chunks = event.data.get("chunks", [])
+                parts.append(sse_chunks(chunks, model_id))
+                metrics.streamed(request, chunks)
+            elif event.type == EventType.COMPLETED:
+                return await out.end(b"".join(parts) + SSE_DONE)
+            elif event.type == EventType.FAILED:
+                error = ApiError.from_info(ErrorInfo.from_wire(event.data))
+                if out.resp is None and not parts:
+                    raise error
+                request[metrics.STREAM_ERROR] = error.status
+                return await out.end(b"".join(parts) + sse(error.body()) + SSE_DONE)
+        if parts:
+            await out.write(b"".join(parts))

@@ -122,6 +122,113 @@ async def test_an_opening_chunk_goes_out_with_the_first_output(redis: Redis) -> 
     assert deltas == [[ROLE, TEXT]]
 
 
+class Paced:
+    """A provider whose reads come when the test lets them: read k once `gates[k]` is set."""
+
+    def __init__(self, reads: list[list[dict[str, Any]]]) -> None:
+        self.reads = reads
+        self.gates = [asyncio.Event() for _ in reads]
+        self.asked = 0  # reads asked for so far (the runner is done with those before)
+        self.closed = False
+
+    async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        try:
+            for n, read in enumerate(self.reads):
+                self.asked = n + 1
+                await self.gates[n].wait()
+                yield read
+        finally:
+            self.closed = True
+
+    async def probe(self) -> ProbeResult:
+        return ProbeResult(Health.AVAILABLE, strikes=0)
+
+    async def close(self) -> None:
+        return None
+
+
+def text(t: str) -> dict[str, Any]:
+    return {**TEXT, "choices": [{"index": 0, "delta": {"content": t}, "finish_reason": None}]}
+
+
+async def start_batched(redis: Redis, batch_ms: int) -> tuple[Scheduler, str]:
+    config = make_config({"a": 1}, runtime={"stream_batch_ms": batch_ms})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await redis.hset(keys.run_record(run_id), "stream", "1")
+    await sched.dispatch_all()
+    return sched, run_id
+
+
+async def deltas(redis: Redis, run_id: str) -> list[list[dict[str, Any]]]:
+    return [d["chunks"] for k, d in await events(redis, run_id) if k == "delta"]
+
+
+async def test_with_stream_batch_ms_the_first_output_goes_at_once_and_later_output_together(redis: Redis) -> None:
+    sched, run_id = await start_batched(redis, 10_000)
+    paced = Paced([[ROLE, text("a")], [text("b")], [text("c")], [{**text("d"), "usage": None}]])
+    runner = Runner(redis, sched.config, "n-a", {"a": paced})
+    run = asyncio.create_task(runner.execute(run_id))
+    paced.gates[0].set()
+
+    async def first_out() -> bool:
+        return await deltas(redis, run_id) == [[ROLE, text("a")]]
+
+    await async_wait_until(first_out, what="the first output, at once")
+    for n in (1, 2):
+        paced.gates[n].set()
+        await async_wait_until(lambda n=n: _asked(paced, n + 2), what=f"read {n} taken")
+    assert await deltas(redis, run_id) == [[ROLE, text("a")]]  # held: less than stream_batch_ms since
+    paced.gates[3].set()  # the last read: the stream ends, and what is held goes out at once
+    assert (await run).startswith("completed")
+    assert await deltas(redis, run_id) == [[ROLE, text("a")], [text("b"), text("c"), text("d")]]
+
+
+async def _asked(paced: Paced, n: int) -> bool:
+    return paced.asked >= n
+
+
+async def test_held_output_goes_out_after_stream_batch_ms_even_if_the_provider_says_nothing_more(
+        redis: Redis) -> None:
+    sched, run_id = await start_batched(redis, 50)
+    paced = Paced([[text("a")], [text("b")], [text("c")]])
+    runner = Runner(redis, sched.config, "n-a", {"a": paced})
+    run = asyncio.create_task(runner.execute(run_id))
+    paced.gates[0].set()
+    paced.gates[1].set()  # (comes within the window, or after it: either way it goes out without read 2)
+
+    async def both_out() -> bool:
+        return [c for d in await deltas(redis, run_id) for c in d] == [text("a"), text("b")]
+
+    await async_wait_until(both_out, what="the held output, at stream_batch_ms")
+    assert paced.asked == 3 and not paced.gates[2].is_set()  # while the provider's next read is still out
+    paced.gates[2].set()
+    assert (await run).startswith("completed")
+    assert [c for d in await deltas(redis, run_id) for c in d] == [text("a"), text("b"), text("c")]
+
+
+async def test_a_run_cancelled_while_output_is_held_ends_and_closes_the_provider_stream(redis: Redis) -> None:
+    sched, run_id = await start_batched(redis, 10_000)
+    paced = Paced([[text("a")], [text("b")], [text("c")]])
+    runner = Runner(redis, sched.config, "n-a", {"a": paced})
+    run = asyncio.create_task(runner.execute(run_id))
+    paced.gates[0].set()
+    paced.gates[1].set()
+    await async_wait_until(lambda: _asked(paced, 3), what="read 1 taken and held")
+    assert runner.cancel(run_id, "cancelled by the caller")
+    assert (await run).startswith("cancelled")
+    assert paced.closed  # the request to the provider was closed
+    assert await deltas(redis, run_id) == [[text("a")]]  # (what was held never reached the caller)
+
+
+async def test_output_held_when_the_provider_fails_reaches_the_caller_before_the_error(redis: Redis) -> None:
+    sched, run_id = await start_batched(redis, 10_000)
+    broke = ProviderError("provider a: the stream ended before [DONE]", retry=Retry.ANY, strikes=1)
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[text("a")], [text("b")]], broke)})
+    assert (await runner.execute(run_id)).startswith("failed")
+    assert await deltas(redis, run_id) == [[text("a")], [text("b")]]
+    assert (await events(redis, run_id))[-1][0] == "failed"
+
+
 async def test_a_server_error_goes_back_only_when_another_provider_is_available(redis: Redis) -> None:
     sched, run_id = await start_one(redis, {"a": 1, "b": 1})
     provider, other = await chosen_and_other(redis, run_id)
