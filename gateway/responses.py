@@ -101,12 +101,12 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
     together go out in one write (the last output, `[DONE]` and the end of the answer, say)."""
     out = SSEStream(request, run_id, limit_headers)
     while True:
-        event = await follower.next(keep_alive_s)
-        if event is None:
+        first = await follower.next(keep_alive_s)
+        if first is None:
             await out.keep_alive()
             continue
         parts: list[bytes] = []
-        for event in (event, *follower.take_ready()):
+        for event in (first, *follower.take_ready()):
             if event.type == EventType.DELTA:
                 chunks = event.data.get("chunks", [])
                 parts.append(sse_chunks(chunks, model_id))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -125,9 +126,11 @@ async def test_an_opening_chunk_goes_out_with_the_first_output(redis: Redis) -> 
 class Paced:
     """A provider whose reads come when the test lets them: read k once `gates[k]` is set."""
 
-    def __init__(self, reads: list[list[dict[str, Any]]]) -> None:
+    def __init__(self, reads: list[list[dict[str, Any]]], error: ProviderError | None = None) -> None:
+        """`error`: raised after the last read, once the gate after the last read's is set."""
         self.reads = reads
-        self.gates = [asyncio.Event() for _ in reads]
+        self.error = error
+        self.gates = [asyncio.Event() for _ in range(len(reads) + (error is not None))]
         self.asked = 0  # reads asked for so far (the runner is done with those before)
         self.closed = False
 
@@ -137,8 +140,15 @@ class Paced:
                 self.asked = n + 1
                 await self.gates[n].wait()
                 yield read
+            if self.error is not None:
+                self.asked += 1
+                await self.gates[-1].wait()
+                raise self.error
         finally:
             self.closed = True
+
+    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        raise AssertionError("the runs here are streamed")
 
     async def probe(self) -> ProbeResult:
         return ProbeResult(Health.AVAILABLE, strikes=0)
@@ -176,7 +186,7 @@ async def test_with_stream_batch_ms_the_first_output_goes_at_once_and_later_outp
     await async_wait_until(first_out, what="the first output, at once")
     for n in (1, 2):
         paced.gates[n].set()
-        await async_wait_until(lambda n=n: _asked(paced, n + 2), what=f"read {n} taken")
+        await async_wait_until(partial(_asked, paced, n + 2), what=f"read {n} taken")
     assert await deltas(redis, run_id) == [[ROLE, text("a")]]  # held: less than stream_batch_ms since
     paced.gates[3].set()  # the last read: the stream ends, and what is held goes out at once
     assert (await run).startswith("completed")
@@ -185,6 +195,10 @@ async def test_with_stream_batch_ms_the_first_output_goes_at_once_and_later_outp
 
 async def _asked(paced: Paced, n: int) -> bool:
     return paced.asked >= n
+
+
+async def _delta_count(redis: Redis, run_id: str, n: int) -> bool:
+    return len(await deltas(redis, run_id)) >= n
 
 
 async def test_held_output_goes_out_after_stream_batch_ms_even_if_the_provider_says_nothing_more(
@@ -212,6 +226,7 @@ async def test_a_run_cancelled_while_output_is_held_ends_and_closes_the_provider
     runner = Runner(redis, sched.config, "n-a", {"a": paced})
     run = asyncio.create_task(runner.execute(run_id))
     paced.gates[0].set()
+    await async_wait_until(lambda: _delta_count(redis, run_id, 1), what="the first output")
     paced.gates[1].set()
     await async_wait_until(lambda: _asked(paced, 3), what="read 1 taken and held")
     assert runner.cancel(run_id, "cancelled by the caller")
@@ -223,8 +238,14 @@ async def test_a_run_cancelled_while_output_is_held_ends_and_closes_the_provider
 async def test_output_held_when_the_provider_fails_reaches_the_caller_before_the_error(redis: Redis) -> None:
     sched, run_id = await start_batched(redis, 10_000)
     broke = ProviderError("provider a: the stream ended before [DONE]", retry=Retry.ANY, strikes=1)
-    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[text("a")], [text("b")]], broke)})
-    assert (await runner.execute(run_id)).startswith("failed")
+    paced = Paced([[text("a")], [text("b")]], broke)
+    runner = Runner(redis, sched.config, "n-a", {"a": paced})
+    run = asyncio.create_task(runner.execute(run_id))
+    paced.gates[0].set()
+    await async_wait_until(lambda: _delta_count(redis, run_id, 1), what="the first output")
+    paced.gates[1].set()
+    paced.gates[2].set()
+    assert (await run).startswith("failed")  # (output went out: it is not tried again)
     assert await deltas(redis, run_id) == [[text("a")], [text("b")]]
     assert (await events(redis, run_id))[-1][0] == "failed"
 

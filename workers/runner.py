@@ -31,6 +31,7 @@ from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
 from workers import metrics
 from workers.adapters.base import Adapter, ProviderError, Retry
+from workers.stream_pump import Pump
 
 log = logging.getLogger("iop.worker")
 
@@ -47,40 +48,6 @@ def new_worker_instance() -> str:
 
 #: What a caller's cancellation looks like in the run's events.
 CANCELLED = cancelled_by_caller()
-
-
-class Reads:
-    """An adapter's stream of reads, taken one at a time, each with a deadline if need be: the read
-    that is not in by then stays under way, and the next call gets it."""
-
-    def __init__(self, reads: AsyncIterator[list[dict[str, Any]]]) -> None:
-        self.reads = reads
-        self.under_way: asyncio.Future[list[dict[str, Any]]] | None = None
-
-    async def next(self, until: float | None) -> list[dict[str, Any]] | None:
-        """The next read; None if `until` (loop time) came first. StopAsyncIteration at the end."""
-        if until is None and self.under_way is None:
-            return await anext(self.reads)  # (no task: the plain way when nothing waits)
-        if self.under_way is None:
-            self.under_way = asyncio.ensure_future(anext(self.reads))
-        if until is not None:
-            wait = until - asyncio.get_running_loop().time()
-            done, _ = await asyncio.wait((self.under_way,), timeout=max(0.0, wait))
-            if not done:
-                return None
-        read, self.under_way = self.under_way, None
-        return await read
-
-    async def aclose(self) -> None:
-        """Stop reading: a read under way is cancelled, the adapter's stream closed (its request
-        to the provider with it)."""
-        if self.under_way is not None:
-            self.under_way.cancel()
-            await asyncio.gather(self.under_way, return_exceptions=True)
-            self.under_way = None
-        aclose = getattr(self.reads, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 class LeaseLost(Exception):
@@ -305,46 +272,64 @@ class Runner:
     async def _stream(self, att: Attempt, adapter: Adapter, kind: RunKind, body: dict[str, Any]) -> str:
         """Stream the run's output as `delta` events. The provider is asked for usage whether the
         caller asked or not (it is counted for the caller's key); a caller that did not ask gets
-        the chunks without it. The first output goes out at once; with `runtime.stream_batch_ms`,
-        later output goes out at most that often, what came meanwhile in one event (an event
-        costs every process on its way), and the end of the stream at once."""
+        the chunks without it."""
         wanted = wants_usage(body)
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        reads = adapter.stream(kind, body, att.run_id)
+        if self.config.runtime.stream_batch_ms:
+            usage = await self._stream_batched(att, Pump(reads, wanted), self.config.runtime.stream_batch_ms / 1000)
+        else:
+            usage = await self._stream_each(att, reads, wanted)
+        return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {}, evidence=ALIVE,
+                                  usage=token_counts(usage))
+
+    async def _stream_each(self, att: Attempt, reads: AsyncIterator[list[dict[str, Any]]],
+                           wanted: bool) -> dict[str, Any] | None:
+        """Each read goes out as it comes. Returns the last usage object read."""
         usage = None
-        batch_s = self.config.runtime.stream_batch_ms / 1000
-        loop = asyncio.get_running_loop()
         # Opening chunks (a bare `role` delta) wait for the first real output: a stream cut short
         # before it has shown the caller nothing and may be tried again.
         held: list[dict[str, Any]] = []
-        #: output held after an emit goes out at this loop time at the latest (stream_batch_ms)
-        due = 0.0
-        reads = Reads(adapter.stream(kind, body, att.run_id))
-        try:
-            while True:
-                try:
-                    chunks = await reads.next(due if held and att.output and batch_s else None)
-                except StopAsyncIteration:
-                    break
-                if chunks is not None:
-                    usage = usage_in(chunks) or usage
-                    held += chunks if wanted else without_usage(chunks)
-                    if not held or (not att.output and all(is_preamble(c) for c in held)):
-                        continue
-                    if att.output and batch_s and loop.time() < due:
-                        continue  # it goes out with what comes until `due`
+        async for chunks in reads:
+            usage = usage_in(chunks) or usage
+            held += chunks if wanted else without_usage(chunks)
+            if held and (att.output or not all(is_preamble(c) for c in held)):
                 await self._emit(att, EventType.DELTA, {"chunks": held})
                 att.output, held = True, []
-                due = loop.time() + batch_s
-        except ProviderError:
-            if held and att.output:  # what the provider sent before it failed reaches the caller first
-                await self._emit(att, EventType.DELTA, {"chunks": held})
-            raise
-        finally:
-            await reads.aclose()
         if held:
             await self._emit(att, EventType.DELTA, {"chunks": held})
-        return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {}, evidence=ALIVE,
-                                  usage=token_counts(usage))
+        return usage
+
+    async def _stream_batched(self, att: Attempt, pump: Pump, batch_s: float) -> dict[str, Any] | None:
+        """`runtime.stream_batch_ms`: the first output goes out at once; later output at most every
+        `batch_s`, what came meanwhile in one event (an event costs every process on its way);
+        the end of the stream at once, and what was held when the provider failed before its
+        error. Returns the last usage object read."""
+        loop = asyncio.get_running_loop()
+        #: when held output goes out (loop time); None: the next output goes out as it comes
+        due: float | None = None
+        try:
+            while True:
+                await pump.ready(due)
+                if pump.ended:
+                    break
+                held = pump.take()
+                if held:
+                    await self._emit(att, EventType.DELTA, {"chunks": held})
+                    att.output = True
+                    due = loop.time() + batch_s
+                else:  # the window passed with nothing new: the next output goes out as it comes
+                    due = None
+        finally:
+            await pump.close()
+        held = pump.take_all()
+        if pump.error is not None:
+            if held and att.output:  # what the provider sent before it failed reaches the caller first
+                await self._emit(att, EventType.DELTA, {"chunks": held})
+            raise pump.error
+        if held:
+            await self._emit(att, EventType.DELTA, {"chunks": held})
+        return pump.usage
 
     async def _fail(self, att: Attempt, info: ErrorInfo, retry: Retry, evidence: Evidence = NO_EVIDENCE) -> str:
         """End a failed attempt: put the run back in its queue if another attempt may do better
