@@ -21,7 +21,7 @@ Chunk = dict[str, Any]
 
 
 class Pump:
-    def __init__(self, reads: AsyncIterator[list[Chunk]], wanted_usage: bool, max_held: int = 256) -> None:
+    def __init__(self, reads: AsyncIterator[list[Chunk]], wanted_usage: bool, max_held: int = 64) -> None:
         """`wanted_usage`: the caller asked for usage (else it is taken out of the chunks)."""
         self.held: list[Chunk] = []
         #: the last `usage` object read

@@ -1,0 +1,73 @@
+"""`workers.stream_pump`: what `runtime.stream_batch_ms` holds, and the bound on it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from workers.stream_pump import Pump
+
+ROLE = {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+
+
+def text(t: str) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": {"content": t}, "finish_reason": None}], "usage": None}
+
+
+async def test_the_pump_stops_reading_once_max_held_chunks_wait_until_they_are_taken() -> None:
+    read = 0
+
+    async def reads() -> AsyncIterator[list[dict[str, Any]]]:
+        nonlocal read
+        for n in range(100):
+            read += 1
+            yield [text(str(n))]
+
+    pump = Pump(reads(), wanted_usage=True, max_held=8)
+    loop = asyncio.get_running_loop()
+    try:
+        await pump.ready(None)  # the first output (this provider sends faster than it is taken)
+        assert read == 8  # it stopped reading at 8 chunks held
+        assert [c["choices"][0]["delta"]["content"] for c in pump.take()] == [str(n) for n in range(8)]
+        await pump.ready(loop.time() + 3600)  # not the deadline: 8 chunks wait
+        assert len(pump.held) == 8 and read == 16
+        assert len(pump.take()) == 8
+    finally:
+        await pump.close()
+
+
+async def test_opening_chunks_wait_for_output_and_usage_is_kept_aside() -> None:
+    gate = asyncio.Event()
+
+    async def reads() -> AsyncIterator[list[dict[str, Any]]]:
+        yield [ROLE]
+        await gate.wait()
+        yield [text("a")]
+        yield [{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}]
+
+    pump = Pump(reads(), wanted_usage=False)
+    loop = asyncio.get_running_loop()
+    try:
+        await pump.ready(loop.time() + 0.01)  # the deadline passes: only the opening chunk is there
+        assert pump.take() == [] and pump.held == [ROLE]
+        gate.set()
+        await pump.ready(None)
+        assert pump.take() == [ROLE, {"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]}]
+        await pump.ready(None)
+        assert pump.ended and pump.error is None and pump.take_all() == []  # (the usage-only chunk is not the caller's)
+        assert pump.usage == {"prompt_tokens": 3, "completion_tokens": 1}
+    finally:
+        await pump.close()
+
+
+async def test_an_error_of_the_stream_ends_it_and_is_kept_for_the_runner() -> None:
+    async def reads() -> AsyncIterator[list[dict[str, Any]]]:
+        yield [text("a")]
+        raise ValueError("broken")
+
+    pump = Pump(reads(), wanted_usage=True)
+    await pump.ready(asyncio.get_running_loop().time() + 3600)  # the end comes before the deadline
+    assert pump.ended and isinstance(pump.error, ValueError)
+    assert pump.take_all() == [text("a")]
+    await pump.close()
