@@ -165,8 +165,11 @@ class _Link:
 class Line:
     """Commands over one connection of `pool`'s, made when first needed (see the module)."""
 
-    def __init__(self, pool: ConnectionPool) -> None:
+    def __init__(self, pool: ConnectionPool, role: str = "scripts") -> None:
+        """`role` is added to the pool's client name (`iop-gateway:scripts`), so that `CLIENT
+        LIST` tells the line's connection apart."""
         self.pool = pool
+        self.role = role
         self.retry = pool.connection_kwargs.get("retry")
         self._link: _Link | None = None
         self._connecting: asyncio.Lock | None = None
@@ -216,6 +219,8 @@ class Line:
                 return link
             await self._drop()
             conn = self.pool.make_connection()
+            if getattr(conn, "client_name", None):
+                conn.client_name = f"{conn.client_name}:{self.role}"
             try:
                 await conn.connect()
             except BaseException:
@@ -254,9 +259,9 @@ class Lined:
         self.line = Line(self)
         self._lines = [self.line]
 
-    def new_line(self) -> Line:
+    def new_line(self, role: str) -> Line:
         """A line for one loop's blocking reads, closed with the pool."""
-        line = Line(self)
+        line = Line(self, role)
         self._lines.append(line)
         return line
 
@@ -278,11 +283,11 @@ def line_of(redis: Any) -> Line | None:
     return line if isinstance(line, Line) else None
 
 
-def new_line_of(redis: Any) -> Line | None:
-    """A line of its own for one loop's blocking reads, for a client made by
-    `common.redisconn.connect`; else None."""
+def new_line_of(redis: Any, role: str) -> Line | None:
+    """A line of its own for one loop's blocking reads (`role` names it in `CLIENT LIST`), for a
+    client made by `common.redisconn.connect`; else None."""
     pool = getattr(redis, "connection_pool", None)
-    return pool.new_line() if isinstance(pool, Lined) else None
+    return pool.new_line(role) if isinstance(pool, Lined) else None
 
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]

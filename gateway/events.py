@@ -170,7 +170,7 @@ class EventHub:
         self.inbox = keys.gateway_inbox(self.gateway_id)
         self.scripts = Scripts(redis)
         #: the listener's own connection (`common.redisline`), when the client has lines
-        self.listen_line = new_line_of(redis)
+        self.listen_line = new_line_of(redis, "inbox")
         #: run id -> its followers (a list: a set costs a waiting caller ~200 bytes more)
         self.followers: dict[str, list[Follower]] = {}
         self.tasks: list[asyncio.Task[None]] = []

@@ -90,7 +90,7 @@ class Scheduler:
         self.config = config
         self.scripts = Scripts(redis)
         #: the intake's own connection for its blocking read (`common.redisline`), when the client has lines
-        self.intake_line = new_line_of(redis)
+        self.intake_line = new_line_of(redis, "intake")
         self.consumer = consumer or new_consumer_name()
         self.waiting: dict[str, list[Waiting]] = {m.id: [] for m in config.models}
         self.kick = asyncio.Event()

@@ -9,6 +9,7 @@ import json
 import select
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -283,36 +284,49 @@ def test_when_every_connection_is_busy_a_request_gets_503_while_healthz_answers(
     assert metric(gw, "iop_gateway_connections", slot="served") == 3
 
 
-def test_the_redis_pool_is_bounded_and_shrinks_when_followers_leave(
+def test_waiting_callers_hold_no_redis_connection_and_the_pool_is_bounded_and_shrinks(
         stack: Stack, gateways: list[Gateway], redis_url: str) -> None:
     gw = start(stack, gateways, redis_max_connections=3, idle_timeout_ms=500)
     client = sync_redis.Redis.from_url(redis_url)
     client.hset("iop:provider:p", mapping={"health": "available", "capacity": 1})
-    own = client.client_id()
 
-    def gateway_connections() -> int:
-        return sum(1 for c in client.client_list() if int(c["id"]) != own)
+    def gateway_connections() -> Counter[str]:
+        """The gateway's connections by name: its pool's (`iop-gateway`), its inbox listener's and
+        its scripts' (`common.redisline`)."""
+        return Counter(c["name"] for c in client.client_list() if c["name"].startswith("iop-gateway"))
+
+    def most_seen(seconds: float) -> Counter[str]:
+        """The most of each kind seen over a window (a window to observe, not an event to wait for)."""
+        most: Counter[str] = Counter()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            most |= gateway_connections()
+            time.sleep(0.01)
+        return most
 
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
     callers = [gw.connect() for _ in range(10)]
     for sock in callers:  # no scheduler runs: each one's run waits in the queue, its caller follows it
         sock.sendall(request("POST", "/v1/chat/completions", body, Content_Type="application/json"))
     wait_until(lambda: client.xlen(f"iop:runs:{MODEL}") == 10, timeout=DEADLINE_S, what="ten queued runs")
-    # Watch the invariant over a few of the followers' one-second blocking reads (a window to
-    # observe, not an event to wait for).
-    most = 0
-    window_end = time.monotonic() + 3.0
-    while time.monotonic() < window_end:
-        most = max(most, gateway_connections())
-        time.sleep(0.01)
-    assert 1 <= most <= 3
+    # ten callers wait: the listener and the scripts' line, whatever the pool did to queue them
+    most = most_seen(3.0)
+    assert most["iop-gateway:inbox"] == 1 and most["iop-gateway:scripts"] == 1
+    assert most["iop-gateway"] <= 3
 
-    for sock in callers:  # the callers leave: their runs are cancelled, the followers end
+    # requests that need the pool (the catalog's reads): at most its 3 connections at once
+    readers = [gw.connect() for _ in range(20)]
+    for sock in readers:
+        sock.sendall(request("GET", "/v1/catalog"))
+    busy = most_seen(1.0)
+    assert all(read_response(sock).status == 200 for sock in readers)
+    assert 1 <= busy["iop-gateway"] <= 3
+    for sock in readers + callers:  # the callers leave: their runs are cancelled, the followers end
         sock.close()
     wait_until(lambda: client.xlen(f"iop:runs:{MODEL}") == 0, timeout=DEADLINE_S, what="the runs to be dropped")
-    # what stays is the gateway's one event listener (blocked on its inbox), however many waited
-    wait_until(lambda: gateway_connections() <= 1, timeout=DEADLINE_S,
-               what="the gateway's idle Redis connections to be closed")
+    # the pool's connections are closed once idle; what stays is the listener and the scripts' line
+    wait_until(lambda: gateway_connections() == Counter({"iop-gateway:inbox": 1, "iop-gateway:scripts": 1}),
+               timeout=DEADLINE_S, what="the gateway's idle Redis connections to be closed")
     gw.proc.wait_for_line(r"closed \d+ idle Redis connections")
     client.close()
 

@@ -66,7 +66,7 @@ class WakeWorker(Worker):
         await self._first_connection()
         self._scripts = Scripts(self.pool)
         #: the wake list's own connection for its blocking pop (`common.redisline`), when the pool has lines
-        self._wake_line = new_line_of(self.pool)
+        self._wake_line = new_line_of(self.pool, "wake")
         log.info("worker for queue %s started, %d slots", self.queue_name, self.max_jobs)
         self.ctx["redis"] = self.pool
         if self.on_startup:
