@@ -78,6 +78,8 @@ class Stack:
     auth_key: str = field(default_factory=new_key)
     config: dict[str, Any] = field(default_factory=dict)
     exit_codes: dict[str, int | None] = field(default_factory=dict)
+    #: the config's `runtime` section (none: the defaults)
+    runtime: dict[str, Any] = field(default_factory=dict)
 
     @property
     def config_path(self) -> Path:
@@ -115,6 +117,7 @@ class Stack:
                                             "capacity": 64, "models": [served]}]}
                 for pid, node, served in PROVIDERS
             ],
+            **({"runtime": self.runtime} if self.runtime else {}),
         }
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         auth = {"keys": [{"name": "bench", "sha256": hash_key(self.auth_key),
