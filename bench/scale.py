@@ -6,7 +6,7 @@
 1. **Waiting callers.** One gateway, one scheduler, one worker and simulators with a 3 s time to
    first token and room for 500 runs at once; `--callers` streamed completions at once. Reports:
    how many completed, the Redis connections the gateway held at most (`CLIENT LIST`, its
-   connections are named `iop-gateway`), the gateway's RSS idle and at the peak and per waiting
+   connections are named `iop-gateway` and `iop-gateway:…`), the gateway's RSS idle and at the peak and per waiting
    caller, and the time from a `delta` event being written (its stream id is Redis's clock) to a
    caller of the runs API receiving it (`GET /v1/runs/{id}/events` of a sample of the runs, on
    the same gateway and the same one reader).
@@ -103,8 +103,10 @@ def rss_kb(pid: int) -> int:
 
 
 def gateway_connections(url: str) -> int:
+    """The gateway's connections: its pool's (`iop-gateway`) and its lines' (`iop-gateway:inbox`,
+    `iop-gateway:scripts`, `common.redisline`)."""
     with redis.Redis.from_url(url) as r:
-        return sum(1 for c in r.client_list() if c.get("name") == "iop-gateway")
+        return sum(1 for c in r.client_list() if c.get("name", "").startswith("iop-gateway"))
 
 
 async def waiting_callers(stack: Stack, callers: int, observers: int, ramp_s: float = 0.0) -> dict[str, Any]:
