@@ -276,18 +276,28 @@ class LinedPool(Lined, ConnectionPool):  # type: ignore[misc]  # redis-py is not
     """redis-py's pool of connections to one server, with a `Line`."""
 
 
+def _lined(redis: Any) -> Lined | None:
+    """The client's pool, if it has lines that speak what the callers read: a pool made by
+    `common.redisconn`, over RESP2 (a URL's `protocol=3` makes redis-py parse replies of another
+    shape, which redis-py's own path then does)."""
+    pool = getattr(redis, "connection_pool", None)
+    if not isinstance(pool, Lined) or str(pool.connection_kwargs.get("protocol", 2)) == "3":  # type: ignore[attr-defined]
+        return None
+    return pool
+
+
 def line_of(redis: Any) -> Line | None:
     """The shared line of a client made by `common.redisconn.connect`, else None (fakeredis, a
-    client made another way: redis-py's own path)."""
-    line = getattr(getattr(redis, "connection_pool", None), "line", None)
-    return line if isinstance(line, Line) else None
+    client made another way, RESP3: redis-py's own path)."""
+    pool = _lined(redis)
+    return None if pool is None else pool.line
 
 
 def new_line_of(redis: Any, role: str) -> Line | None:
     """A line of its own for one loop's blocking reads (`role` names it in `CLIENT LIST`), for a
     client made by `common.redisconn.connect`; else None."""
-    pool = getattr(redis, "connection_pool", None)
-    return pool.new_line(role) if isinstance(pool, Lined) else None
+    pool = _lined(redis)
+    return None if pool is None else pool.new_line(role)
 
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
