@@ -96,8 +96,8 @@ class _Link:
         self.reader: asyncio.Task[None] | None = None
         self.broken: BaseException | None = None
 
-    def send(self, args: Sequence[Any]) -> asyncio.Future[Any]:
-        packed = pack_command(args)
+    def send(self, packed: list[bytes | memoryview]) -> asyncio.Future[Any]:
+        """Queue one packed command (`pack_command`) for this turn's write; its reply's future."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self.waiting.append(future)
@@ -165,11 +165,13 @@ class _Link:
 class Line:
     """Commands over one connection of `pool`'s, made when first needed (see the module)."""
 
-    def __init__(self, pool: ConnectionPool, role: str = "scripts") -> None:
+    def __init__(self, pool: ConnectionPool, role: str = "scripts", blocking: bool = False) -> None:
         """`role` is added to the pool's client name (`iop-gateway:scripts`), so that `CLIENT
-        LIST` tells the line's connection apart."""
+        LIST` tells the line's connection apart. `blocking`: a line for one loop's blocking reads,
+        whose connection is closed when a read's caller leaves before its reply."""
         self.pool = pool
         self.role = role
+        self.blocking = blocking
         self.retry = pool.connection_kwargs.get("retry")
         self._link: _Link | None = None
         self._connecting: asyncio.Lock | None = None
@@ -189,12 +191,22 @@ class Line:
         return list(await self.retry.call_with_retry(lambda: self._many(commands), self._failed))
 
     async def _once(self, args: Sequence[Any]) -> Any:
+        packed = pack_command(args)
         link = await self._ready()
-        return await link.send(args)
+        future = link.send(packed)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self.blocking and future.cancelled():  # (cancelled with its caller: no reply yet)
+                # A blocking read left running would take what comes next (a BLMPOP pops a job
+                # for nobody): the connection is closed, and the server drops the read with it.
+                self._abandon(link)
+            raise
 
     async def _many(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        packed = [pack_command(args) for args in commands]  # (all or none: a DataError sends nothing)
         link = await self._ready()
-        futures = [link.send(args) for args in commands]
+        futures = [link.send(p) for p in packed]
         replies: list[Any] = []
         for future in futures:
             try:
@@ -241,6 +253,17 @@ class Line:
             await asyncio.gather(link.reader, return_exceptions=True)
         await link.conn.disconnect(nowait=True)
 
+    def _abandon(self, link: _Link) -> None:
+        """Close `link`'s connection at once (no await: its caller is being cancelled)."""
+        if self._link is link:
+            self._link = None
+        link.fail(RedisConnectionError("the connection to Redis was closed"))
+        if link.reader is not None:
+            link.reader.cancel()
+        writer = link.conn._writer  # (redis-py's stream writer)
+        if writer is not None:
+            writer.transport.abort()
+
     async def close(self) -> None:
         """Close the connection (a later command opens a new one, as redis-py's pool does)."""
         await self._drop()
@@ -261,7 +284,7 @@ class Lined:
 
     def new_line(self, role: str) -> Line:
         """A line for one loop's blocking reads, closed with the pool."""
-        line = Line(self, role)
+        line = Line(self, role, blocking=True)
         self._lines.append(line)
         return line
 

@@ -17,6 +17,7 @@ from common.redisconn import connect
 from common.redisline import BIG_ARGUMENT, Line, line_of, new_line_of, pack_command
 from common.scripts import Scripts
 from iop.embedded_redis import RedisServer
+from tests.conftest import async_wait_until
 
 
 @pytest.fixture
@@ -164,3 +165,36 @@ async def test_a_connection_lost_with_commands_in_flight_fails_them_all_and_the_
         assert await lined.execute("CLIENT", "ID") != before  # the kill hit the line's connection
     finally:
         await killer.aclose()
+
+
+async def test_a_batch_with_a_command_that_cannot_be_packed_sends_none_of_it(client: Redis) -> None:
+    """As a redis-py pipeline: every command is packed before one is sent. (Found in review: the
+    commands before the bad one ran.)"""
+    with pytest.raises(DataError):
+        await line(client).execute_many([("SET", "a", "1"), ("SET", "b", None)])
+    assert await line(client).execute("ECHO", "after") == b"after"  # (a later command's turn has come)
+    assert await client.get("a") is None
+
+
+async def test_a_blocking_read_whose_caller_left_takes_nothing_that_comes_later(client: Redis) -> None:
+    """A BLMPOP left running on a blocking line would pop the next job for nobody: its connection
+    is closed instead, and the server drops the read. (Found in review.)"""
+    wake = new_line_of(client, "wake")
+    assert wake is not None
+    before = await wake.execute("CLIENT", "ID")
+    waiter = asyncio.create_task(wake.execute("BLMPOP", 5, 1, "wake", "LEFT", "COUNT", 5))
+
+    async def blocked() -> bool:
+        return int((await client.info("clients"))["blocked_clients"]) == 1
+
+    await async_wait_until(blocked, what="the BLMPOP to block")
+    waiter.cancel()
+    assert (await asyncio.gather(waiter, return_exceptions=True))[0].__class__ is asyncio.CancelledError
+
+    async def unblocked() -> bool:
+        return int((await client.info("clients"))["blocked_clients"]) == 0
+
+    await async_wait_until(unblocked, what="the server to drop the abandoned BLMPOP")
+    await client.rpush("wake", "job-1")
+    assert await wake.execute("BLMPOP", 1, 1, "wake", "LEFT", "COUNT", 5) == [b"wake", [b"job-1"]]
+    assert await wake.execute("CLIENT", "ID") != before  # on a new connection

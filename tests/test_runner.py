@@ -250,6 +250,16 @@ async def test_output_held_when_the_provider_fails_reaches_the_caller_before_the
     assert (await events(redis, run_id))[-1][0] == "failed"
 
 
+async def test_so_many_opening_chunks_go_out_without_waiting_for_output(redis: Redis) -> None:
+    sched, run_id = await start_one(redis, {"a": 1})
+    reads = [[ROLE]] * (runner_module.MAX_OPENING + 6) + [[TEXT]]
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted(reads)})
+    assert (await runner.execute(run_id)).startswith("completed")
+    sent = await deltas(redis, run_id)
+    assert sent[0] == [ROLE] * runner_module.MAX_OPENING  # held no further
+    assert [c for d in sent for c in d] == [ROLE] * (runner_module.MAX_OPENING + 6) + [TEXT]
+
+
 async def test_a_server_error_goes_back_only_when_another_provider_is_available(redis: Redis) -> None:
     sched, run_id = await start_one(redis, {"a": 1, "b": 1})
     provider, other = await chosen_and_other(redis, run_id)

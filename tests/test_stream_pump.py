@@ -71,3 +71,41 @@ async def test_an_error_of_the_stream_ends_it_and_is_kept_for_the_runner() -> No
     assert pump.ended and isinstance(pump.error, ValueError)
     assert pump.take_all() == [text("a")]
     await pump.close()
+
+
+async def test_so_many_opening_chunks_that_the_pump_is_full_go_out_as_output() -> None:
+    """(Found in review: with max_held opening chunks held, the pump waited for room and the runner
+    for output, for good.)"""
+    empty = {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": None}]}
+
+    async def reads() -> AsyncIterator[list[dict[str, Any]]]:
+        for _ in range(10):
+            yield [empty]
+        yield [text("a")]
+
+    pump = Pump(reads(), wanted_usage=True, max_held=8)
+    try:
+        await asyncio.wait_for(pump.ready(None), 10)
+        assert pump.take() == [empty] * 8
+    finally:
+        await pump.close()
+
+
+async def test_closing_a_full_pump_closes_the_provider_stream() -> None:
+    """(Found in review: a pump cancelled while it waited for room left the provider's stream, and
+    its request, open until the stream was garbage.)"""
+    closed = asyncio.Event()
+
+    async def reads() -> AsyncIterator[list[dict[str, Any]]]:
+        try:
+            for n in range(100):
+                yield [text(str(n))]
+        finally:
+            closed.set()
+
+    stream = reads()  # (held, as the runner holds it)
+    pump = Pump(stream, wanted_usage=True, max_held=4)
+    await pump.ready(None)
+    assert len(pump.held) == 4  # full: the pump waits for room
+    await pump.close()
+    assert closed.is_set()

@@ -31,7 +31,7 @@ from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
 from workers import metrics
 from workers.adapters.base import Adapter, ProviderError, Retry
-from workers.stream_pump import Pump
+from workers.stream_pump import Pump, close_reads
 
 log = logging.getLogger("iop.worker")
 
@@ -45,6 +45,9 @@ def new_worker_instance() -> str:
     WORKER_ID but another instance, and so has each worker of a process that runs several."""
     return f"{WORKER_ID}:{uuid.uuid4().hex[:12]}"
 
+
+#: The most opening chunks (a bare `role` delta) a stream's first output waits for: more go out.
+MAX_OPENING = 64
 
 #: What a caller's cancellation looks like in the run's events.
 CANCELLED = cancelled_by_caller()
@@ -277,7 +280,8 @@ class Runner:
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         reads = adapter.stream(kind, body, att.run_id)
         if self.config.runtime.stream_batch_ms:
-            usage = await self._stream_batched(att, Pump(reads, wanted), self.config.runtime.stream_batch_ms / 1000)
+            usage = await self._stream_batched(att, Pump(reads, wanted, MAX_OPENING),
+                                               self.config.runtime.stream_batch_ms / 1000)
         else:
             usage = await self._stream_each(att, reads, wanted)
         return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {}, evidence=ALIVE,
@@ -289,13 +293,17 @@ class Runner:
         usage = None
         # Opening chunks (a bare `role` delta) wait for the first real output: a stream cut short
         # before it has shown the caller nothing and may be tried again.
+        # (no more than MAX_OPENING of them: so many are output, they must not pile up)
         held: list[dict[str, Any]] = []
-        async for chunks in reads:
-            usage = usage_in(chunks) or usage
-            held += chunks if wanted else without_usage(chunks)
-            if held and (att.output or not all(is_preamble(c) for c in held)):
-                await self._emit(att, EventType.DELTA, {"chunks": held})
-                att.output, held = True, []
+        try:
+            async for chunks in reads:
+                usage = usage_in(chunks) or usage
+                held += chunks if wanted else without_usage(chunks)
+                if held and (att.output or len(held) >= MAX_OPENING or not all(is_preamble(c) for c in held)):
+                    await self._emit(att, EventType.DELTA, {"chunks": held})
+                    att.output, held = True, []
+        finally:
+            await close_reads(reads)
         if held:
             await self._emit(att, EventType.DELTA, {"chunks": held})
         return usage

@@ -4,9 +4,9 @@ A `Pump` reads an adapter's stream in a task of its own and holds what it read; 
 what is held when it is time to send (`ready`): at the first output, then at each deadline the
 runner sets, and at the end. A read costs only its own parsing: the runner is not woken for each
 one, and no timer is set per read. Opening chunks alone (a bare `role` delta) are not output:
-they wait for the first real output, as the runner's unbatched path does. At most `max_held`
-chunks wait: then the pump stops reading (the provider's connection pushes back) until they
-are taken.
+they wait for the first real output, as the runner's unbatched path does, but no more than
+`max_held` of them: those go out as output. At most `max_held` chunks wait: then the pump stops
+reading (the provider's connection pushes back) until they are taken.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Pump:
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
+        self._reads = reads
         self._task = asyncio.get_running_loop().create_task(self._pump(reads), name="iop-stream-pump")
 
     async def _pump(self, reads: AsyncIterator[list[Chunk]]) -> None:
@@ -45,8 +46,9 @@ class Pump:
             async for chunks in reads:
                 self.usage = usage_in(chunks) or self.usage
                 self.held += chunks if self._wanted else without_usage(chunks)
-                if not self.output and self.held and not all(is_preamble(c) for c in self.held):
-                    self.output = True
+                if not self.output and self.held and (len(self.held) >= self.max_held
+                                                      or not all(is_preamble(c) for c in self.held)):
+                    self.output = True  # (so many opening chunks are output: they must not pile up)
                 if self._sendable():
                     self._wake.set()
                 if len(self.held) >= self.max_held:
@@ -95,3 +97,12 @@ class Pump:
         if not self._task.done():
             self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+        await close_reads(self._reads)
+
+
+async def close_reads(reads: AsyncIterator[Any]) -> None:
+    """Close an adapter's stream (an async generator: its request to the provider with it), which
+    a loop over it that stopped early leaves open until it is garbage."""
+    aclose = getattr(reads, "aclose", None)
+    if aclose is not None:
+        await aclose()
