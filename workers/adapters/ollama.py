@@ -18,8 +18,8 @@ from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
-from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderError, ReadLimits, Retry
-from workers.adapters.failures import one_line, probe_failure, redact, redacted, transport_error, url_secrets
+from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
+from workers.adapters.failures import one_line, probe_failure, redacted, transport_error, url_secrets
 from workers.adapters.openai_shapes import Shaper
 from workers.adapters.reading import (
     LineSplitter,
@@ -30,7 +30,7 @@ from workers.adapters.reading import (
     read_at_most,
     read_whole,
     redirect_error,
-    redirect_text,
+    redirect_probe,
     too_deep,
 )
 
@@ -238,9 +238,7 @@ class OllamaAdapter:
         try:
             async with self.session.get(self.root + "/api/tags", timeout=timeout, allow_redirects=False) as resp:
                 if is_redirect(resp.status):
-                    return ProbeResult(Health.UNAVAILABLE, redact(
-                        f"GET /api/tags answered {resp.status} ({redirect_text(resp)}; iop does not follow "
-                        "redirects: fix base_url)", url_secrets(self.provider.base_url)), strikes=DOWN)
+                    return redirect_probe("/api/tags", resp, url_secrets(self.provider.base_url))
                 if resp.status != 200:
                     return ProbeResult(Health.UNAVAILABLE, f"GET /api/tags answered {resp.status}")
                 data = await read_at_most(resp, limit)

@@ -34,7 +34,7 @@ from common.chunks import finishes
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
-from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderError, ReadLimits, Retry
+from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import one_line, probe_failure, redact, redacted, transport_error, url_secrets
 from workers.adapters.reading import (
     LineSplitter,
@@ -45,7 +45,7 @@ from workers.adapters.reading import (
     read_at_most,
     read_whole,
     redirect_error,
-    redirect_text,
+    redirect_probe,
 )
 
 PATHS = {RunKind.CHAT: "/chat/completions", RunKind.COMPLETION: "/completions", RunKind.EMBEDDING: "/embeddings"}
@@ -261,9 +261,7 @@ class OpenAICompatAdapter:
             async with self.session.get(url, headers=self._headers(None), timeout=timeout,
                                         allow_redirects=False) as resp:
                 if is_redirect(resp.status):
-                    reason = (f"GET {path} answered {resp.status} ({redirect_text(resp)}; iop does not follow "
-                              "redirects: fix base_url)")
-                    return resp.status, None, ProbeResult(Health.UNAVAILABLE, self._redact(reason), strikes=DOWN)
+                    return resp.status, None, redirect_probe(path, resp, self._secrets())
                 if resp.status != 200:
                     return resp.status, None, None
                 data = await read_at_most(resp, limit)

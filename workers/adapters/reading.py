@@ -17,9 +17,10 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from common import jsonio
+from common.policy import Health
 from common.runlog import run_fields
-from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
-from workers.adapters.failures import one_line
+from workers.adapters.base import DOWN, ProbeResult, ProviderError, ReadLimits, Retry
+from workers.adapters.failures import one_line, redact
 
 log = logging.getLogger("iop.worker")
 
@@ -92,13 +93,23 @@ def redirect_text(resp: aiohttp.ClientResponse) -> str:
     return f"a redirect to {one_line(where, MAX_LOCATION_CHARS) or '/'}"
 
 
+def _not_followed(resp: aiohttp.ClientResponse) -> str:
+    return f"answered {resp.status} ({redirect_text(resp)}; iop does not follow redirects: fix base_url)"
+
+
 def redirect_error(provider_id: str, resp: aiohttp.ClientResponse) -> ProviderError:
     """A run answered with a 3xx. iop never follows a provider's redirect (a 307 would send the
     whole prompt to another host, a 302 would turn the run into a GET): the provider as
     configured cannot serve runs, which is for its operator to fix, so it is down at once
     (`DOWN` strikes) and the run may go to another provider."""
-    return ProviderError(f"provider {provider_id} answered {resp.status} ({redirect_text(resp)}; iop does not "
-                         "follow redirects: fix base_url)", status=resp.status, retry=Retry.ELSEWHERE, strikes=DOWN)
+    return ProviderError(f"provider {provider_id} {_not_followed(resp)}", status=resp.status, retry=Retry.ELSEWHERE,
+                         strikes=DOWN)
+
+
+def redirect_probe(path: str, resp: aiohttp.ClientResponse, secrets: list[str]) -> ProbeResult:
+    """A probe (`GET path`) answered with a 3xx: not followed either, and down at once, as a run's
+    (`redirect_error`); `secrets` are redacted from where it points."""
+    return ProbeResult(Health.UNAVAILABLE, redact(f"GET {path} {_not_followed(resp)}", secrets), strikes=DOWN)
 
 
 def is_redirect(status: int) -> bool:
