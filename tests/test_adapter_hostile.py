@@ -419,22 +419,29 @@ async def test_a_probe_never_follows_a_redirect(raw: Raw, other: Raw, session: a
 # ---------------------------------------------------------------------------------- deep JSON
 
 
+async def too_deep_everywhere(adapter: OpenAICompatAdapter | OllamaAdapter, provider_id: str) -> ProviderError:
+    """A chat answer and a streamed chunk nested too deep are the provider's error, not retried and
+    no strike; returns the error of the embeddings call, whose 500 answer is nested too deep."""
+    for call in (adapter.complete(RunKind.CHAT, chat(), "run_1"),
+                 collect(adapter.stream(RunKind.COMPLETION, {"model": SERVED, "prompt": "x", "stream": True},
+                                        "run_2"))):
+        with pytest.raises(ProviderError) as err:
+            await call
+        assert err.value.message == f"provider {provider_id} sent JSON nested too deep"
+        assert err.value.retry is Retry.NO and err.value.strikes == 0
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": "x"}, "run_3")
+    return err.value
+
+
 async def test_json_nested_too_deep_is_a_provider_error(raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/v1/chat/completions"] = whole("200 OK", b'{"choices": ' + DEEP + b"}")
     raw.answers["/v1/completions"] = chunked([sse(delta("a ")), sse(b'{"choices": ' + DEEP + b"}")])
     raw.answers["/v1/embeddings"] = whole("500 Internal Server Error", b'{"error": ' + DEEP + b"}")
     raw.answers["/v1/models"] = whole("200 OK", b'{"data": ' + DEEP + b"}")
     adapter = OpenAICompatAdapter(openai(raw.url), session)
-    for call in (adapter.complete(RunKind.CHAT, chat(), "run_1"),
-                 collect(adapter.stream(RunKind.COMPLETION, {"model": SERVED, "prompt": "x", "stream": True},
-                                        "run_2"))):
-        with pytest.raises(ProviderError) as err:
-            await call
-        assert err.value.message == "provider vllm-h sent JSON nested too deep"
-        assert err.value.retry is Retry.NO and err.value.strikes == 0
-    with pytest.raises(ProviderError) as err:
-        await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": "x"}, "run_3")
-    assert err.value.status == 500 and err.value.message.startswith("provider vllm-h answered 500: ")
+    error = await too_deep_everywhere(adapter, "vllm-h")
+    assert error.status == 500 and error.message.startswith("provider vllm-h answered 500: ")
     adapter.health_url = None
     probe = await adapter.probe()
     assert probe.health is Health.UNKNOWN and probe.reason == "GET /v1/models answered 200 with JSON nested too deep"
@@ -446,15 +453,6 @@ async def test_ollama_json_nested_too_deep_is_a_provider_error(raw: Raw, session
     raw.answers["/api/embed"] = whole("500 Internal Server Error", b'{"error": ' + DEEP + b"}")
     raw.answers["/api/tags"] = whole("200 OK", b'{"models": ' + DEEP + b"}")
     adapter = OllamaAdapter(ollama(raw.url), session)
-    for call in (adapter.complete(RunKind.CHAT, chat(), "run_1"),
-                 collect(adapter.stream(RunKind.COMPLETION, {"model": SERVED, "prompt": "x", "stream": True},
-                                        "run_2"))):
-        with pytest.raises(ProviderError) as err:
-            await call
-        assert err.value.message == "provider ollama-h sent JSON nested too deep"
-        assert err.value.retry is Retry.NO and err.value.strikes == 0
-    with pytest.raises(ProviderError) as err:
-        await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": "x"}, "run_3")
-    assert err.value.status == 500
+    assert (await too_deep_everywhere(adapter, "ollama-h")).status == 500
     probe = await adapter.probe()
     assert probe.health is Health.UNKNOWN and probe.reason == "GET /api/tags answered 200 with JSON nested too deep"

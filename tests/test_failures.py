@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -53,6 +54,18 @@ async def failure_of(url: str, timeout: aiohttp.ClientTimeout) -> BaseException:
     raise AssertionError("the request did not fail")
 
 
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """`app` served on a free port of 127.0.0.1 while inside: its `host:port`."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield f"127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def misbehaving() -> AsyncIterator[str]:
     """A server whose /hang never answers and whose /cut breaks off a chunked body."""
@@ -74,13 +87,9 @@ async def misbehaving() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get("/hang", hang)
     app.router.add_get("/cut", cut)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    released.set()
-    await runner.cleanup()
+    async with serving(app) as address:
+        yield f"http://{address}"
+        released.set()
 
 
 async def test_real_transport_failures_read_as_one_plain_line(misbehaving: str) -> None:
@@ -183,12 +192,8 @@ async def echoing() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", text)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"127.0.0.1:{runner.addresses[0][1]}"
-    await runner.cleanup()
+    async with serving(app) as address:
+        yield address
 
 
 async def test_a_provider_echoing_the_basic_header_of_its_url_shows_no_credential(echoing: str) -> None:
