@@ -185,6 +185,10 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
       ("runtime.run_ttl_s", "less than or equal to 2592000")]),
     ("body-bytes-beyond-redis-s-largest-value", set_at("runtime", value={"max_body_bytes": 2**40}),
      [("runtime.max_body_bytes", "less than or equal to 536870912")]),
+    ("stream-batch-beyond-10-s", set_at("runtime", value={"stream_batch_ms": 10_001}),
+     [("runtime.stream_batch_ms", "less than or equal to 10000")]),
+    ("stream-batch-negative", set_at("runtime", value={"stream_batch_ms": -1}),
+     [("runtime.stream_batch_ms", "greater than or equal to 0")]),
     # --- base_url -----------------------------------------------------------------------------
     ("base-url-missing-vllm", delete_at("nodes", 0, "providers", 0, "base_url"),
      [("nodes[0].providers[0].base_url", "required for type vllm")]),
