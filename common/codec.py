@@ -9,10 +9,6 @@ import msgpack
 #: How deep msgpack nests at most (its packer's own limit).
 MAX_DEPTH = 1024
 
-#: What `Unpackable` says of a value outside what msgpack and orjson hold (the same range for both).
-BIG_INT = "an integer beyond 64 bits"
-SURROGATE = "a string holding a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode text"
-
 
 class Unpackable(ValueError):
     """A value msgpack cannot hold: an integer outside [-2**63, 2**64), a string that is not
@@ -27,7 +23,7 @@ def _default(obj: Any) -> Any:
     if isinstance(obj, (set, frozenset, tuple)):
         return list(obj)
     if isinstance(obj, int):  # (msgpack hands over the integers it cannot hold)
-        raise Unpackable(BIG_INT)
+        raise Unpackable("an integer beyond 64 bits")
     raise TypeError(f"cannot serialise {type(obj).__name__}")
 
 
@@ -39,9 +35,10 @@ def pack(obj: Any) -> bytes:
     except Unpackable:
         raise
     except UnicodeEncodeError as exc:
-        raise Unpackable(SURROGATE) from exc
+        raise Unpackable("a string holding a lone UTF-16 surrogate (such as \\ud800), which is not valid "
+                         "Unicode text") from exc
     except OverflowError as exc:
-        raise Unpackable(BIG_INT) from exc
+        raise Unpackable("an integer beyond 64 bits") from exc
     except ValueError as exc:
         if "recursion" in str(exc):
             raise Unpackable(f"data nested deeper than {MAX_DEPTH} levels") from exc

@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 
-from common.chunks import delta_has_text
+from common.chunks import carries_output
 from common.keys import USAGE_FIELDS
 from common.metrics_http import exposition
 from common.usage import Usage, read_totals
@@ -76,9 +76,9 @@ def end(request: web.Request, endpoint: str, response: web.StreamResponse | None
         DURATION.labels(model, endpoint).observe(time.monotonic() - request[_STARTED])
 
 
-def streamed(request: web.Request, delta: dict[str, Any]) -> None:
-    """Called with every `delta` event a stream sends; the first holding output is the TTFT."""
-    if _TOKEN_SEEN in request or _STARTED not in request or not delta_has_text(delta):
+def streamed(request: web.Request, chunks: list[Any]) -> None:
+    """Called with every batch of chunks a stream sends; the first that carries output is the TTFT."""
+    if _TOKEN_SEEN in request or _STARTED not in request or not any(carries_output(c) for c in chunks):
         return
     request[_TOKEN_SEEN] = True
     TTFT.labels(request.get(MODEL, "-")).observe(time.monotonic() - request[_STARTED])

@@ -7,7 +7,6 @@ from typing import Any
 
 from aiohttp import web
 
-from common.chunks import delta_sse, with_model
 from common.jsonio import dumps, json_response
 from common.wire import ErrorInfo, EventType
 from gateway import metrics
@@ -19,8 +18,21 @@ SSE_DONE = b"data: [DONE]\n\n"
 KEEP_ALIVE = b": keep-alive\n\n"
 
 
+def with_model(obj: Any, model_id: str) -> Any:
+    """The caller always sees the model id it sent, never a provider's served name: every
+    response and chunk (a dict) says `model`, whether the provider's had one or not."""
+    if isinstance(obj, dict):
+        obj["model"] = model_id
+    return obj
+
+
 def sse(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
+
+
+def sse_chunks(chunks: list[Any], model_id: str) -> bytes:
+    """A delta's chunks as SSE lines, each saying `model_id`: one text."""
+    return b"".join([b"data: " + dumps(with_model(c, model_id)) + b"\n\n" for c in chunks])
 
 
 def answer_headers(run_id: str, limit_headers: Mapping[str, str]) -> dict[str, str]:
@@ -95,9 +107,10 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
             continue
         parts: list[bytes] = []
         for event in (first, *follower.take_ready()):
-            if event.type == EventType.DELTA:  # (its chunks as SSE lines already: `common.chunks`)
-                parts.append(delta_sse(event.data, model_id))
-                metrics.streamed(request, event.data)
+            if event.type == EventType.DELTA:
+                chunks = event.data.get("chunks", [])
+                parts.append(sse_chunks(chunks, model_id))
+                metrics.streamed(request, chunks)
             elif event.type == EventType.COMPLETED:
                 return await out.end(b"".join(parts) + SSE_DONE)
             elif event.type == EventType.FAILED:

@@ -18,7 +18,6 @@ from typing import Any
 from aiohttp import web
 
 from common import keys
-from common.chunks import delta_chunks, with_model
 from common.codec import decode_event
 from common.jsonio import dumps, json_response
 from common.redisconn import REDIS_DOWN
@@ -27,7 +26,7 @@ from common.wire import ErrorCode, EventType, RunField
 from gateway.auth import principal
 from gateway.errors import ApiError, invalid
 from gateway.events import Event
-from gateway.responses import KEEP_ALIVE, RUN_ID_HEADER
+from gateway.responses import KEEP_ALIVE, RUN_ID_HEADER, with_model
 from gateway.runs import RunClient
 
 #: How long DELETE waits for a running run to end before it answers 202.
@@ -60,7 +59,7 @@ def _sse(event: Event, model_id: str) -> bytes:
     """One SSE message; output keeps the caller's model id, as the OpenAI responses do."""
     data: Any = event.data
     if event.type == EventType.DELTA:
-        data = {"chunks": delta_chunks(data, model_id)}
+        data = {**data, "chunks": [with_model(c, model_id) for c in data.get("chunks", [])]}
     elif event.type == EventType.COMPLETED and isinstance(data.get("response"), dict):
         data = {**data, "response": with_model(data["response"], model_id)}
     head = f"id: {event.id}\n" if _STREAM_ID.fullmatch(event.id) else ""

@@ -13,7 +13,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from common import keys
-from common.chunks import delta_chunks
 from common.codec import decode_event
 from common.redisconn import REDIS_DOWN, connect, redact
 from common.runview import TIMESTAMPS, run_view
@@ -29,13 +28,8 @@ async def read_run(redis_url: str, run_id: str) -> tuple[dict[str, Any], list[di
         entries = await redis.xrange(keys.run_events(run_id), "-", "+")
     finally:
         await redis.aclose()
-    view = run_view(run_id, raw)
-    events = []
-    for eid, etype, data in (decode_event(eid, fields) for eid, fields in entries):
-        if etype == "delta":  # (its chunks are stored as SSE text: shown as objects)
-            data = {"chunks": delta_chunks(data, str(view["model"]))}
-        events.append({"id": eid, "type": etype, "data": data})
-    return view, events
+    events = [dict(zip(("id", "type", "data"), decode_event(eid, fields), strict=True)) for eid, fields in entries]
+    return run_view(run_id, raw), events
 
 
 def _when(ms: int, since: int | None) -> str:

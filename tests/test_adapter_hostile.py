@@ -16,10 +16,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from common.chunks import as_sse, with_model
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind
+from gateway.responses import sse_chunks, with_model
 from tests.conftest import async_wait_until as until
 from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
 from workers.adapters.ollama import OllamaAdapter
@@ -358,7 +358,7 @@ def test_every_chunk_and_response_says_the_callers_model() -> None:
     assert with_model(chunk, "public-id")["model"] == "public-id"
     assert with_model({"model": "served/name", "choices": []}, "public-id")["model"] == "public-id"
     assert with_model([1, 2], "public-id") == [1, 2]
-    assert json.loads(as_sse([{"choices": []}], "public-id")[len(b"data: "):])["model"] == "public-id"
+    assert json.loads(sse_chunks([{"choices": []}], "public-id")[len(b"data: "):])["model"] == "public-id"
 
 
 # ---------------------------------------------------------------------------------- redirects

@@ -13,7 +13,6 @@ from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
 from common import keys
-from common.chunks import delta_data
 from common.codec import event_fields
 from common.config import Config, parse_config
 from common.redisconn import now_ms
@@ -128,7 +127,7 @@ async def test_events_resume_after_last_event_id_with_nothing_lost_or_repeated(a
     run_id = await api.submit()
     written = [await api.event(run_id, "dispatched", {"provider": "p", "node": "n1", "target": "p-served"}),
                await api.event(run_id, "started", {"attempt": 1}),
-               await api.event(run_id, "delta", delta_data([chunk("a")], MODEL, False))]
+               await api.event(run_id, "delta", {"chunks": [chunk("a")]})]
 
     first: list[Message] = []
     async with api.session.get(api.url(f"/v1/runs/{run_id}/events")) as resp:
@@ -138,12 +137,11 @@ async def test_events_resume_after_last_event_id_with_nothing_lost_or_repeated(a
             assert msg is not None
             first.append(msg)
         # Following: an event written now reaches the open stream.
-        written.append(await api.event(run_id, "delta", delta_data([chunk("b")], MODEL, True)))
+        written.append(await api.event(run_id, "delta", {"chunks": [chunk("b")]}))
         msg = await next_message(resp)
         assert msg is not None
         first.append(msg)
-    # Disconnected; the run goes on without a reader. (These two as a worker of an earlier version
-    # wrote them, during an upgrade: the chunks as objects, saying the served name.)
+    # Disconnected; the run goes on without a reader.
     written += [await api.event(run_id, "delta", {"chunks": [chunk("c")]}),
                 await api.event(run_id, "delta", {"chunks": [chunk("d")]})]
 

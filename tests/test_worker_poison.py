@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import Unpackable, pack
 from common.wire import RunKind
-from tests.test_runner import ROLE, TEXT, Scripted, deltas, events, fields, node_worker, start_one
+from tests.test_runner import ROLE, TEXT, Scripted, events, fields, node_worker, start_one
 from tests.test_scheduler import MODEL
 from workers.adapters.base import ProviderError, Retry
 from workers.runner import MAX_COUNTED_TOKENS, Runner
@@ -144,7 +144,7 @@ async def test_a_chunk_msgpack_cannot_hold_after_output_ends_the_stream_with_an_
     run_id, outcome = await through_worker(redis, redis_url, Poisoned([[TEXT], [SEEDED]]), stream=True)
     assert outcome.startswith("failed")
     await assert_failed(redis, run_id, "an integer beyond 64 bits", before_output=False)
-    assert await deltas(redis, run_id) == [[TEXT]]
+    assert [d["chunks"] for k, d in await events(redis, run_id) if k == "delta"] == [[TEXT]]
 
 
 @pytest.mark.parametrize("response, phrase", [

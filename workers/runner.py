@@ -22,7 +22,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys
-from common.chunks import delta_data, is_preamble, token_counts, usage_in, wants_usage, without_usage
+from common.chunks import is_preamble, token_counts, usage_in, wants_usage, without_usage
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
 from common.redisconn import REDIS_DOWN, Backoff, now_ms
@@ -73,8 +73,6 @@ class Attempt:
     #: the name of the API key that started the run
     key: str = "-"
     output: bool = False
-    #: generated text (or a tool call) went out: the `delta` that first held some is marked `text`
-    text: bool = False
     #: bytes of output stored in the run's events so far
     output_bytes: int = 0
     #: events this attempt emitted so far (each emit is numbered: the `emit` script adds it once)
@@ -302,12 +300,12 @@ class Runner:
                 usage = usage_in(chunks) or usage
                 held += chunks if wanted else without_usage(chunks)
                 if held and (att.output or len(held) >= MAX_OPENING or not all(is_preamble(c) for c in held)):
-                    await self._emit_delta(att, held)
+                    await self._emit(att, EventType.DELTA, {"chunks": held})
                     att.output, held = True, []
         finally:
             await close_reads(reads)
         if held:
-            await self._emit_delta(att, held)
+            await self._emit(att, EventType.DELTA, {"chunks": held})
         return usage
 
     async def _stream_batched(self, att: Attempt, pump: Pump, batch_s: float) -> dict[str, Any] | None:
@@ -325,7 +323,7 @@ class Runner:
                     break
                 held = pump.take()
                 if held:
-                    await self._emit_delta(att, held)
+                    await self._emit(att, EventType.DELTA, {"chunks": held})
                     att.output = True
                     due = loop.time() + batch_s
                 else:  # the window passed with nothing new: the next output goes out as it comes
@@ -335,10 +333,10 @@ class Runner:
         held = pump.take_all()
         if pump.error is not None:
             if held and att.output:  # what the provider sent before it failed reaches the caller first
-                await self._emit_delta(att, held)
+                await self._emit(att, EventType.DELTA, {"chunks": held})
             raise pump.error
         if held:
-            await self._emit_delta(att, held)
+            await self._emit(att, EventType.DELTA, {"chunks": held})
         return pump.usage
 
     async def _fail(self, att: Attempt, info: ErrorInfo, retry: Retry, evidence: Evidence = NO_EVIDENCE) -> str:
@@ -389,16 +387,6 @@ class Runner:
             raise LeaseLost(att.run_id)
         att.emitted += 1
         att.output_bytes += len(packed)
-
-    async def _emit_delta(self, att: Attempt, chunks: list[Any]) -> None:
-        """Chunks of output as a `delta` event: the caller's SSE lines, written here once
-        (`common.chunks`)."""
-        try:
-            data = delta_data(chunks, att.model_id, att.text)
-        except Unpackable as exc:
-            raise cannot_carry(att.provider_id, exc) from None
-        await self._emit(att, EventType.DELTA, data)
-        att.text = att.text or "text" in data
 
     async def _finish(self, att: Attempt, state: RunState | None, etype: EventType, data: dict[str, Any],
                       info: ErrorInfo | None = None, *, evidence: Evidence = NO_EVIDENCE,
