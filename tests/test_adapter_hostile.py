@@ -24,6 +24,7 @@ from tests.conftest import async_wait_until as until
 from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
+from workers.service import provider_session
 
 SERVED = "m-served"
 DEEP = b"[" * 3000 + b"]" * 3000
@@ -456,3 +457,32 @@ async def test_ollama_json_nested_too_deep_is_a_provider_error(raw: Raw, session
     assert (await too_deep_everywhere(adapter, "ollama-h")).status == 500
     probe = await adapter.probe()
     assert probe.health is Health.UNKNOWN and probe.reason == "GET /api/tags answered 200 with JSON nested too deep"
+
+
+# ---------------------------------------------------------------------------------- cookies
+
+
+async def test_a_cookie_a_provider_sets_for_one_run_never_rides_along_on_the_next(raw: Raw) -> None:
+    """The worker's one HTTP client serves every caller's runs: a provider's `Set-Cookie` (here
+    addressed by host name, which a cookie jar would keep) is not sent back on a later run."""
+    answer = {"id": "x", "object": "chat.completion", "model": SERVED,
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+    raw.answers["/v1/chat/completions"] = whole(
+        "200 OK", json.dumps(answer).encode(), extra="Set-Cookie: session=caller-a; Path=/\r\n")
+    session = provider_session()
+    try:
+        adapter = OpenAICompatAdapter(openai(raw.url.replace("127.0.0.1", "localhost")), session)
+        for run in ("run_1", "run_2"):
+            assert (await adapter.complete(RunKind.CHAT, chat(), run))["choices"][0]["message"]["content"] == "hi"
+    finally:
+        await session.close()
+    assert len(raw.requests) == 2 and all("cookie" not in r.headers for r in raw.requests)
+    # (the same client with a cookie jar would have sent it: the check can fail)
+    jarred = aiohttp.ClientSession()
+    try:
+        adapter = OpenAICompatAdapter(openai(raw.url.replace("127.0.0.1", "localhost")), jarred)
+        for run in ("run_3", "run_4"):
+            await adapter.complete(RunKind.CHAT, chat(), run)
+    finally:
+        await jarred.close()
+    assert raw.requests[3].headers.get("cookie") == "session=caller-a"

@@ -68,6 +68,14 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
             await pubsub.aclose()
 
 
+def provider_session() -> aiohttp.ClientSession:
+    """The HTTP client of a worker's adapters, shared by every run of the node. It keeps no
+    cookies: a provider's `Set-Cookie` (a hosted API's load balancer, say) answers one caller's run
+    and must not ride along on the next caller's."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                                 cookie_jar=aiohttp.DummyCookieJar())
+
+
 def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | None = None) -> WakeWorker:
     node = config.node(node_id)
     if node is None:
@@ -76,7 +84,7 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
 
     async def startup(ctx: dict[str, Any]) -> None:
         redis = connect(redis_url, client_name="iop-worker")
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
+        session = provider_session()
         secrets = frozenset(p.api_key_env for n in config.nodes for p in n.providers if p.api_key_env)
         adapters = {p.id: make_adapter(p, session, secrets, read_limits(config.runtime)) for p in node.providers}
         heartbeats = Heartbeats(redis, config, node_id, adapters)
