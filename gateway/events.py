@@ -96,8 +96,11 @@ class Follower:
         if not self.items:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
-                async with asyncio.timeout(timeout):
+                if timeout is None:  # (no timer to arm: the caller's deadline is the gateway's sweeper's)
                     await self.waiter
+                else:
+                    async with asyncio.timeout(timeout):
+                        await self.waiter
             except TimeoutError:
                 return None
             finally:
