@@ -58,24 +58,31 @@ end
 # The end of a run: its request body leaves Redis (nothing needs it any more), and for the API
 # key that started it (the record's `key`) it leaves the key's in-flight set and its usage is
 # added to the key's day and all-time totals. Every script that ends a run calls it, exactly
-# once per run (they only end a run that is not ended yet). `key` and `model`: the record's, when
-# the caller read them already (false: the record has none); nil, and they are read here.
+# once per run (they only end a run that is not ended yet). `key`, `model` and `limited`: the
+# record's, when the caller read them already (false: the record has none); nil, and they are read
+# here. The record's `limited` is '0' when `enqueue` did not put the run in its key's in-flight set
+# (the key has no max_in_flight): nothing to take out then. (A record without it, written by an
+# earlier version, is taken out as before.) The day's totals get their TTL when the day's hash is
+# made (its first count of a model: a day's hash is only ever written here).
 _ENDED = _UTC_DAY + f"""
-local function ended(record, run_id, state, prompt, completion, key, model)
+local function ended(record, run_id, state, prompt, completion, key, model, limited)
   redis.call('HDEL', record, 'body')
-  if key == nil then key = redis.call('HGET', record, 'key') end
+  if key == nil then
+    local f = redis.call('HMGET', record, 'key', 'model', 'limited')
+    key, model, limited = f[1], f[2], f[3]
+  end
   if not key then return end
-  redis.call('ZREM', '{keys.key_in_flight("")}' .. key, run_id)
-  if model == nil then model = redis.call('HGET', record, 'model') end
+  if limited ~= '0' then redis.call('ZREM', '{keys.key_in_flight("")}' .. key, run_id) end
   model = model or '-'
   local day = '{keys.USAGE_PREFIX}' .. key .. ':' .. utc_day(now)
   for _, h in ipairs({{day, '{keys.usage_total("")}' .. key}}) do
-    redis.call('HINCRBY', h, 'runs:' .. model, 1)
+    if redis.call('HINCRBY', h, 'runs:' .. model, 1) == 1 and h == day then
+      redis.call('EXPIRE', day, {keys.USAGE_RETENTION_S})
+    end
     if state == 'failed' or state == 'timed_out' then redis.call('HINCRBY', h, 'failures:' .. model, 1) end
     if tonumber(prompt) > 0 then redis.call('HINCRBY', h, 'prompt_tokens:' .. model, prompt) end
     if tonumber(completion) > 0 then redis.call('HINCRBY', h, 'completion_tokens:' .. model, completion) end
   end
-  redis.call('EXPIRE', day, {keys.USAGE_RETENTION_S})
 end
 """
 
@@ -222,6 +229,7 @@ end
 local entry = redis.call('XADD', KEYS[1], '*', 'run', ARGV[1])
 redis.call('HSET', KEYS[2], 'model', ARGV[4], 'kind', ARGV[5], 'stream', ARGV[6], 'body', ARGV[7],
   'state', 'queued', 'created_ms', now, 'entry', entry, 'attempts', 0, 'key', ARGV[8],
+  'limited', max_in_flight > 0 and '1' or '0',
   'max_attempts', ARGV[12], 'watchers', ARGV[13])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 if max_in_flight > 0 then
@@ -334,7 +342,7 @@ local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, canc
     redis.call('ZREM', lease, run_id)
     redis.call('HSET', record, 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
       'error_message', 'cancelled by the caller')
-    ended(record, run_id, 'cancelled', 0, 0, r['key'] or false, r['model'] or false)
+    ended(record, run_id, 'cancelled', 0, 0, r['key'] or false, r['model'] or false, r['limited'] or false)
     add_event(record, events, run_id, 'failed', cancelled, r['watchers'] or false)
     redis.call('EXPIRE', events, ttl)
     redis.call('PUBLISH', signals, r['model'] or '')
@@ -398,13 +406,13 @@ for i = 12, #ARGV do
   local id = ARGV[i]
   local score = redis.call('ZSCORE', KEYS[1], id)
   if score and tonumber(score) <= now then
-    local marker = redis.call('GET', ARGV[1] .. id)
+    -- the marker, set here unless the job has one (then that one, unchanged)
+    local marker = redis.call('SET', ARGV[1] .. id, ARGV[11], 'NX', 'GET', 'PX', ARGV[2])
     local started
     if not marker then
       started = start_run(ARGV[3] .. id, ARGV[4] .. id, id, ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[5])
-      if started[1] == 'ok' then
-        redis.call('SET', ARGV[1] .. id, ARGV[11], 'PX', ARGV[2])
-      else
+      if started[1] ~= 'ok' then
+        redis.call('DEL', ARGV[1] .. id)
         redis.call('ZREM', KEYS[1], id)
       end
     elseif marker == ARGV[11] then
@@ -446,7 +454,7 @@ return 1
 #       (the usage the caller got, added to its key's by `_ENDED` when the run ends here), how
 #       fresh an 'ok' must be to be written again (ms, `_EVIDENCE`)
 FINISH = _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + """
-local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model')
+local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited')
 local state = rec[1]
 if rec[2] ~= ARGV[10] then return 'stale' end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
@@ -464,7 +472,7 @@ else
   if ARGV[8] ~= '' then
     redis.call('HSET', KEYS[1], 'error_code', ARGV[8], 'error_message', ARGV[9])
   end
-  ended(KEYS[1], ARGV[1], ARGV[2], ARGV[14], ARGV[15], rec[4], rec[5])
+  ended(KEYS[1], ARGV[1], ARGV[2], ARGV[14], ARGV[15], rec[4], rec[5], rec[6])
 end
 redis.call('EXPIRE', KEYS[1], ttl)
 for i = 8, #KEYS do wake_head(KEYS[i], ARGV[6]) end

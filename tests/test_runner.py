@@ -551,3 +551,57 @@ async def test_a_run_s_end_is_given_up_once_its_lease_could_have_expired(
     monkeypatch.setattr(runner_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))  # the runner's clock only
     assert await runner.execute(run_id) == "unrecorded"
     assert clock[0] > sched.config.runtime.lease_ttl_ms / 1000  # it tried for as long as the lease lived
+
+
+async def test_a_runs_end_leaves_its_keys_in_flight_set_and_counts_its_day_with_a_ttl(redis: Redis) -> None:
+    """`enqueue` marks whether it put the run in its key's in-flight set (`limited`); the run's end
+    takes it out when it did (and when the record predates the mark), and counts the run in the
+    key's day, whose hash has its TTL from its first count on."""
+    from common.auth import Principal, Role
+    from gateway.runs import RunClient
+    from tests.test_scheduler import request
+
+    config = make_config({"a": 3}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    model = config.model(MODEL)
+    assert model is not None
+    limited, unlimited, older = (Principal(name, Role.CALLER, max_in_flight=limit)
+                                 for name, limit in (("team-a", 5), ("team-b", None), ("team-c", 5)))
+    runs = {who.name: (await client.submit(model, request(), who))[0] for who in (limited, unlimited, older)}
+    assert await fields(redis, keys.run_record(runs["team-a"]), "limited") == ["1"]
+    assert await fields(redis, keys.run_record(runs["team-b"]), "limited") == ["0"]
+    assert not await redis.exists(keys.key_in_flight("team-b"))
+    await redis.hdel(keys.run_record(runs["team-c"]), "limited")  # as an earlier version wrote it
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    runner = Runner(redis, config, "n-a", {"a": Scripted([])})
+    for run_id in runs.values():
+        assert (await runner.execute(run_id)).startswith("completed")
+    for name in ("team-a", "team-c"):
+        assert await redis.zcard(keys.key_in_flight(name)) == 0  # out of the set at its end
+    day = [k for k in await redis.keys(keys.usage_day("team-a", "*"))]
+    assert len(day) == 1 and await redis.hget(day[0], f"runs:{MODEL}") == b"1"
+    assert keys.USAGE_RETENTION_S - 60 < await redis.ttl(day[0]) <= keys.USAGE_RETENTION_S
+    await client.close()
+
+
+async def test_a_job_whose_run_cannot_start_leaves_no_in_progress_marker(redis: Redis, redis_url: str) -> None:
+    """`take` marks a job in progress as it starts the run; a run it cannot start (its caller left
+    between dispatch and start) leaves the queue with no marker left behind."""
+    from arq.constants import in_progress_key_prefix
+
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    await redis.hset(keys.run_record(run_id), "cancel", "1")
+    worker = node_worker(redis_url, Runner(redis, sched.config, "n-a", {"a": Scripted([])}))
+    try:
+        await worker.claim_and_start([run_id])
+        assert worker.tasks == {}
+        assert await fields(redis, keys.run_record(run_id), "state") == ["cancelled"]
+        assert await redis.zscore(keys.node_queue("n-a"), run_id) is None
+        assert not await redis.exists(in_progress_key_prefix + run_id)
+        assert await redis.zcard(keys.leases("a")) == 0
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
