@@ -368,7 +368,9 @@ def connection_pool(url: str, *, max_connections: int | None = None, pool_class:
     have a `Line` (`common.redisline`) that `Scripts` sends its calls over.
     `client_name` names its connections in Redis's `CLIENT LIST` (`iop-gateway`, …)."""
     target = parse_redis_url(url)
-    options = {**client_options(), **target.options}
+    # (what the connection class does not take is left out: a Unix socket has no TCP keepalive)
+    accepted = _accepted_options(target.options["connection_class"])
+    options = {**{k: v for k, v in client_options().items() if k in accepted}, **target.options}
     if max_connections is not None:
         options["max_connections"] = max_connections
     if client_name is not None:

@@ -52,10 +52,17 @@ class RedisServer:
     binary: str = field(default_factory=find_server_binary)
     dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="iop-redis-"))
     proc: subprocess.Popen[bytes] | None = None
+    #: also listen on this Unix socket (its `unix_url`)
+    unix_socket: str | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        assert self.unix_socket is not None
+        return f"unix://{self.unix_socket}?db=0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         if not self.port:
@@ -63,6 +70,8 @@ class RedisServer:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                 "--save", "", "--appendonly", "yes" if self.appendonly else "no",
                 "--appendfsync", "always" if self.appendonly else "everysec", "--protected-mode", "no"]
+        if self.unix_socket is not None:
+            args += ["--unixsocket", self.unix_socket, "--unixsocketperm", "700"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

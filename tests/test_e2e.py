@@ -220,3 +220,34 @@ def test_run_without_a_slot_in_time_gets_504(stack: Stack) -> None:
         await _close_sessions()
 
     asyncio.run(scenario())
+
+
+def test_every_service_runs_over_a_unix_socket(tmp_path: Any) -> None:
+    """`REDIS_URL=unix:///path.sock?db=N` (a Redis beside the services): the gateway, the
+    scheduler and the workers connect over the socket (Redis's CLIENT LIST shows each on it),
+    and runs complete, streamed and not. (Every service crashed on such a URL: redis-py's Unix
+    socket connection takes no TCP keepalive option.)"""
+    from pathlib import Path
+
+    from iop.embedded_redis import RedisServer
+    from tests.conftest import Stack as ServiceStack
+
+    sock = Path(tmp_path) / "redis.sock"
+    server = RedisServer(unix_socket=str(sock)).start()
+    stack = ServiceStack(Path(tmp_path), server.unix_url)
+    try:
+        gateway, _ = start_pool(stack, {"vllm-a": 2})
+        client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+        answer = client.chat.completions.create(model="qwen3.6:35b", messages=[{"role": "user", "content": "hi"}])
+        assert answer.model == "qwen3.6:35b" and answer.choices[0].message.content
+        chunks = list(client.chat.completions.create(model="qwen3.6:35b", stream=True,
+                                                     messages=[{"role": "user", "content": "hi"}]))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        over_tcp = sync_redis.Redis(port=server.port)
+        names = {c["name"].split(":")[0]: c["addr"] for c in over_tcp.client_list() if c["name"].startswith("iop-")}
+        over_tcp.close()
+        assert {"iop-gateway", "iop-scheduler", "iop-worker"} <= set(names)
+        assert all(addr.startswith(str(sock)) for addr in names.values()), names
+    finally:
+        stack.stop_all()
+        server.cleanup()
