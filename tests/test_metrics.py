@@ -98,8 +98,11 @@ def test_each_process_exposes_what_it_owns_and_counters_move(stack: Stack) -> No
                        for _ in range(2)]
 
             async def queued() -> Samples | None:
+                # (the queue's depth is its stream's length; the waiting runs, those the replica
+                # has read from it: a run just queued is in the first a moment before the second)
                 s = await scrape(session, sched)
-                return s if value(s, "iop_queue_depth", model=MODEL) == 2 else None
+                both = value(s, "iop_queue_depth", model=MODEL) == value(s, "iop_scheduler_waiting_runs", model=MODEL)
+                return s if both and value(s, "iop_queue_depth", model=MODEL) == 2 else None
 
             s = await until(queued, what="two queued runs in the scheduler's metrics")
             assert value(s, "iop_queue_oldest_age_seconds", model=MODEL) >= 0
