@@ -129,6 +129,7 @@ class RunField(StrEnum):
     TRIED = "tried"  # comma-separated providers of every attempt so far
     WORKER = "worker"  # host:pid of the worker running the current attempt (shown to operators only)
     KEY = "key"  # the name of the API key that started it ("anonymous" without keys)
+    LIMITED = "limited"  # "1" when it is in its key's in-flight set (the key has a max_in_flight), else "0"
     ERROR_CODE = "error_code"
     ERROR_MESSAGE = "error_message"
 
