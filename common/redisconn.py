@@ -168,6 +168,11 @@ def _check_database_path(url: str) -> None:
 
 
 def _check_options(url: str, options: dict[str, Any], accepted: set[str], kind: str = "Redis") -> None:
+    if options.get("protocol") not in (None, 2, "2"):
+        # (redis-py then answers with RESP3's maps and pushes, which iop's readers do not take: the
+        # scheduler failed on every read and callers waited for answers that never came)
+        raise RedisUrlError(f"{kind} URL {redact(url)!r}: option protocol={options['protocol']} is not "
+                            "supported; iop speaks RESP2 (protocol=2, the default)")
     for name in options:
         if name in SENTINEL_OPTIONS:
             raise RedisUrlError(f"{kind} URL {redact(url)!r}: option {name!r} is only for "

@@ -302,13 +302,10 @@ class LinedPool(Lined, ConnectionPool):  # type: ignore[misc]  # redis-py is not
 
 
 def _lined(redis: Any) -> Lined | None:
-    """The client's pool, if it has lines that speak what the callers read: a pool made by
-    `common.redisconn`, over RESP2 (a URL's `protocol=3` makes redis-py parse replies of another
-    shape, which redis-py's own path then does)."""
+    """The client's pool, if it has lines: a pool made by `common.redisconn` (over RESP2: a URL's
+    `protocol=3` is refused there)."""
     pool = getattr(redis, "connection_pool", None)
-    if not isinstance(pool, Lined) or str(pool.connection_kwargs.get("protocol", 2)) == "3":  # type: ignore[attr-defined]
-        return None
-    return pool
+    return pool if isinstance(pool, Lined) else None
 
 
 def line_of(redis: Any) -> Line | None:

@@ -99,6 +99,9 @@ def test_plain_urls_keep_redis_py_s_meaning(url: str, connection_class: type, ex
     ("redis://:secret@h/0?sentinel_password=x", "option 'sentinel_password' is only for redis+sentinel://"),
     ("redis://:secret@h/0?ssl_ca_certs=/ca.crt", "unknown option 'ssl_ca_certs' (TLS options need rediss://"),
     ("redis://:secret@h/0?colour=blue", "unknown option 'colour'"),
+    ("redis://:secret@h/0?protocol=3", "option protocol=3 is not supported; iop speaks RESP2"),
+    ("unix:///run/redis.sock?db=1&protocol=3", "option protocol=3 is not supported"),
+    ("redis+sentinel://:secret@h1/mymaster/0?protocol=3", "option protocol=3 is not supported"),
     ("redis://:secret@h:6379/abc", "the path '/abc' is not a database number"),  # was database 0
     ("redis://:secret@h:6379/1/2", "the path '/1/2' is not a database number"),  # was database 12
     ("rediss://:secret@h/-1?ssl_ca_certs=/ca.crt", "the path '/-1' is not a database number"),
