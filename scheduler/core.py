@@ -546,7 +546,17 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
         await sched.ensure_groups()
         await sched.heartbeat()
 
-    await _retry_once(setup)
+    # (Redis may be away for long at the start: a stop meanwhile ends the wait, not only a success)
+    waiting = asyncio.create_task(_retry_once(setup), name="setup")
+    stopped = asyncio.create_task(stop.wait(), name="stop")
+    await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not waiting.done():
+        waiting.cancel()
+        await asyncio.gather(waiting, stopped, return_exceptions=True)
+        return
+    await asyncio.gather(waiting, stopped, return_exceptions=True)
+    waiting.result()
     tasks = [asyncio.create_task(_forever(n, f), name=n) for n, f in
              (("intake", intake), ("dispatch", dispatcher), ("maintenance", maintenance), ("signals", signals))]
     try:

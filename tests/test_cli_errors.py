@@ -140,3 +140,27 @@ def test_a_limit_takes_ascii_digits_only(redis_url: str) -> None:
     done = iop("audit", "--redis", redis_url, "--limit", "\u0661")  # int() reads it as 1
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("iop audit: error: argument --limit: ")
+
+
+@pytest.mark.parametrize("args", [["scheduler"], ["worker", "--node", "gpu-1"]], ids=["scheduler", "worker"])
+def test_a_service_waiting_for_redis_at_its_start_stops_on_sigterm(args: list[str]) -> None:
+    """Redis is not there (yet): the service waits for it, retrying, and a SIGTERM meanwhile
+    stops it with status 0 (the scheduler went on waiting, and needed a SIGKILL)."""
+    import signal
+
+    from iop.proc import IopProcess
+
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "IOP_CONFIG": str(ROOT / DEMO),
+           "REDIS_URL": f"redis://127.0.0.1:{port}/0"}
+    env.pop("IOP_LOG_FORMAT", None)
+    proc = IopProcess(args[0], args, env, cwd=ROOT)
+    try:
+        proc.wait_for_line(r"Redis unavailable|waiting for Redis", timeout=TIMEOUT_S)
+        code = proc.stop(timeout=15, sig=signal.SIGTERM)  # (then SIGKILL: -9)
+    finally:
+        if proc.popen.poll() is None:
+            proc.stop(timeout=5, sig=signal.SIGKILL)
+    assert code == 0, proc.output()
