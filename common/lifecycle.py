@@ -105,16 +105,29 @@ class TurnHandler(logging.StreamHandler[TextIO]):
             pass
 
 
+#: What `IOP_LOG_LEVEL` may say (in any case).
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
     """Level from IOP_LOG_LEVEL (default INFO); IOP_LOG_FORMAT=json for one JSON object a line."""
     handler = TurnHandler(sys.stderr)
-    if (fmt or os.environ.get("IOP_LOG_FORMAT", "text")) == "json":
+    form = (fmt or os.environ.get("IOP_LOG_FORMAT", "text")).strip().lower()
+    if form not in ("text", "json"):
+        print(f"error: IOP_LOG_FORMAT={form!r} is not a log format; use text or json", file=sys.stderr)
+        raise SystemExit(2)
+    if form == "json":
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(TextFormatter())
     root = logging.getLogger()
+    name = (level or os.environ.get("IOP_LOG_LEVEL", "INFO")).strip().upper()
+    if name not in LEVELS:
+        print(f"error: IOP_LOG_LEVEL={name.lower()!r} is not a log level; use one of {', '.join(LEVELS)}",
+              file=sys.stderr)
+        raise SystemExit(2)
     root.handlers[:] = [handler]
-    root.setLevel((level or os.environ.get("IOP_LOG_LEVEL", "INFO")).upper())
+    root.setLevel(name)
     logging.getLogger("arq").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 

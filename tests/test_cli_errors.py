@@ -164,3 +164,20 @@ def test_a_service_waiting_for_redis_at_its_start_stops_on_sigterm(args: list[st
         if proc.popen.poll() is None:
             proc.stop(timeout=5, sig=signal.SIGKILL)
     assert code == 0, proc.output()
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("IOP_LOG_LEVEL", "bogus", "error: IOP_LOG_LEVEL='bogus' is not a log level; use one of DEBUG, INFO, WARNING, "
+                               "ERROR, CRITICAL"),
+    ("IOP_LOG_FORMAT", "xml", "error: IOP_LOG_FORMAT='xml' is not a log format; use text or json"),
+])
+@pytest.mark.parametrize("args", [["gateway", "--host", "127.0.0.1", "--port", "0"], ["scheduler"]],
+                         ids=["gateway", "scheduler"])
+def test_a_log_setting_that_is_not_one_stops_the_service_with_one_line(args: list[str], name: str, value: str,
+                                                                      says: str, redis_url: str) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "IOP_CONFIG": str(ROOT / DEMO), "REDIS_URL": redis_url}
+    env.pop("IOP_LOG_FORMAT", None)
+    env[name] = value  # (`iop` would drop an IOP_LOG_FORMAT)
+    done = subprocess.run([sys.executable, "-m", "iop", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 2 and one_line(done) == says
