@@ -39,12 +39,12 @@ def migrate(path: str) -> int:
         return _errors(path, exc.errors)
     if not is_legacy(data):
         print(f"{path}: already in the new shape; printed as it is", file=sys.stderr)
-        new = data
-    else:
-        migration = migrate_legacy(data)
-        for note in migration.notes:
-            print(f"note: {note}", file=sys.stderr)
-        new = migration.data
+        sys.stdout.write(Path(path).read_text(encoding="utf-8"))  # (its comments and layout too)
+        return 0
+    migration = migrate_legacy(data)
+    for note in migration.notes:
+        print(f"note: {note}", file=sys.stderr)
+    new = migration.data
     print(f"# {Path(path).name} in the new config shape, written by `iop config migrate`")
     print(yaml.safe_dump(new, sort_keys=False, allow_unicode=True, default_flow_style=False), end="")
     return 0
