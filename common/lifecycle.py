@@ -136,13 +136,17 @@ def quiet_abandoned_lookups(loop: asyncio.AbstractEventLoop) -> None:
     """A name lookup that fails after its caller gave up on it (redis-py's connect timeout ran out
     while uvloop's `create_connection` waited for `getaddrinfo`, which it does not cancel) is
     logged at DEBUG, not as an ERROR "Future exception was never retrieved" with a traceback: its
-    caller already reported the failed connection. Every other unhandled error is logged as before."""
+    caller already reported the failed connection. A task that ended the process (a SystemExit
+    such as `common.redisconn.DatabaseRefused`, whose one line the process prints as it exits) is not
+    logged either. Every other unhandled error is logged as before."""
     def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         if isinstance(context.get("exception"), socket.gaierror) and \
                 str(context.get("message", "")).startswith("Future exception was never retrieved"):
             logging.getLogger("iop").debug("a name lookup failed after its caller gave up on it: %s",
                                            context["exception"])
             return
+        if isinstance(context.get("exception"), SystemExit):
+            return  # the process ends with its own one line (`DatabaseRefused`): no traceback before it
         loop.default_exception_handler(context)
 
     loop.set_exception_handler(handler)

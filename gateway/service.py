@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import resource
@@ -9,13 +10,15 @@ import socket
 from collections.abc import Mapping
 
 from aiohttp import web
+from redis.asyncio import Redis
 
 from common.auth import KeyRing, UnresolvedKeys
 from common.config import Config
 from common.lifecycle import stop_event
+from common.redisconn import REDIS_DOWN
 from gateway import metrics
 from gateway.admission import TRIAGE_SLOTS, ConnectionGuard, ConnectionLimits
-from gateway.app import build_app
+from gateway.app import RUNS, build_app
 from gateway.auth import is_loopback
 from gateway.connections import GuardedSite
 
@@ -24,6 +27,8 @@ log = logging.getLogger("iop.gateway")
 #: File descriptors kept for everything but client and Redis connections (the listening socket,
 #: standard streams, DNS, the event loop's own).
 RESERVED_FDS = 64
+#: How long the gateway's start waits for Redis to say whether it takes the URL's database.
+STARTUP_CHECK_S = 2.0
 
 
 def raise_file_limit() -> int:
@@ -87,11 +92,28 @@ def bind_reason(exc: OSError) -> str:
     return os.strerror(exc.errno)
 
 
+async def _refused_database(redis: Redis) -> None:
+    """A Redis that answers and refuses the URL's database stops the gateway before it listens
+    (`DatabaseRefused`, its one line), as it stops the other services. A Redis that does not answer
+    yet is waited for as ever: the gateway answers 503 until it does."""
+    try:
+        async with asyncio.timeout(STARTUP_CHECK_S):
+            await redis.ping()
+    except (TimeoutError, *REDIS_DOWN):
+        pass
+
+
 async def serve(config: Config, redis_url: str, host: str, port: int, keyring: KeyRing | None = None) -> None:
     config = _fitted(config, raise_file_limit())
     stop = stop_event()
-    runner = web.AppRunner(build_app(config, redis_url, keyring), handler_cancellation=True)
+    app = build_app(config, redis_url, keyring)
+    runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
+    try:
+        await _refused_database(app[RUNS].redis)
+    except SystemExit:
+        await runner.cleanup()
+        raise
     guard = ConnectionGuard(ConnectionLimits.from_runtime(config.runtime))
     metrics.watch_connections(guard)
     site = GuardedSite(runner, host, port, guard, backlog=1024, access_log=None)

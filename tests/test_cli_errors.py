@@ -96,6 +96,7 @@ REDIS_COMMANDS = [
     ["scheduler", "--config", DEMO],
     ["scheduler", "--config", DEMO, "--metrics-port", "0", "--metrics-host", "127.0.0.1"],
     ["worker", "--config", DEMO, "--node", "gpu-1"],
+    ["gateway", "--config", DEMO, "--host", "127.0.0.1", "--port", "0"],  # (before it listens)
 ]
 
 
