@@ -8,6 +8,7 @@ carrying every fault, each prefixed with the exact path at fault
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -409,12 +410,16 @@ def parse_config(data: Any) -> Config:
         raise ConfigError([f"(top level): expected a mapping, got {_kind(data)}"])
     if is_legacy(data):
         migration = migrate_legacy(data)
+        try:  # (what the conversion found wrong, and then the rest: every fault at once)
+            cfg = _parse_new_shape(migration.data)
+        except ConfigError as exc:
+            found = [migration.legacy_path(e) for e in exc.errors]
+            if migration.errors:  # a fault at a place the file does not have follows from one reported
+                found = [e for e in found if re.split(r"[.\[:]", e, maxsplit=1)[0] in data]
+            raise ConfigError(migration.errors + found) from None
         if migration.errors:
             raise ConfigError(migration.errors)
-        try:
-            return _parse_new_shape(migration.data)
-        except ConfigError as exc:
-            raise ConfigError([migration.legacy_path(e) for e in exc.errors]) from None
+        return cfg
     return _parse_new_shape(data)
 
 

@@ -191,6 +191,17 @@ def test_a_provider_defined_in_both_shapes_names_both_places() -> None:
         "provider in one shape only"]
 
 
+def test_a_definition_in_both_shapes_is_reported_with_every_other_fault() -> None:
+    """Every fault at once, as for any config: the duplicate does not hide the rest."""
+    data = legacy()
+    data["models"] = [{"id": "other", "providers": {"vllm-a": "Qwen/Qwen3.6-35B-A3B"}},
+                      {"id": "llama3:8b", "providers": {"ollama-b": "llama3:8b-instruct-q4_K_M"}}]
+    data["nodes"][0]["adapters"][0]["capacity"] = 0
+    errors = errors_of(data)
+    assert errors[0].startswith("openai.model_routes[2].model: model 'llama3:8b' is also defined at models[1]")
+    assert "nodes[0].adapters[0].capacity: Input should be greater than or equal to 1" in errors[1:]
+
+
 def test_new_shape_faults_in_a_mixed_file_keep_their_paths() -> None:
     data = legacy()
     data["models"] = [{"id": "x", "providers": {"vllm-a": "Qwen/Qwen3.6-35B-A3B"}, "queue": {"max_queue": -1}}]
