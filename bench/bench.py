@@ -915,14 +915,19 @@ def process_kind(name: str) -> str | None:
 
 def cpu_ms_per_run(summary: dict[str, Any]) -> dict[str, Any] | None:
     """CPU ms per run of a phase: every iop process and Redis together (the client and the
-    simulators left out), and split by kind of process (gateway, scheduler, worker, redis)."""
+    simulators left out), and split by kind of process (gateway, scheduler, worker, redis).
+    `over_simulators`: the total over the simulators' CPU in the same phase, a fixed amount of
+    work a run: it moves less with the machine's speed than the total does (on one machine the
+    same code's total moved 25% between runs, this ratio ~1-3%), so compare it across runs."""
     runs = summary.get("ok") or 0
     cpu = summary.get("cpu", {}).get("cpu_s")
     if not runs or not cpu:
         return None
     split = {kind: round(sum(v for name, v in cpu.items() if process_kind(name) == kind) * 1000 / runs, 3)
              for kind in IOP_PROCESSES}
-    return {"total": round(sum(split.values()), 3), **split}
+    total = sum(split.values())
+    sims = sum(v for name, v in cpu.items() if name.startswith("simulator") and v) * 1000 / runs
+    return {"total": round(total, 3), **split, "over_simulators": round(total / sims, 2) if sims else None}
 
 
 def targets(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -959,15 +964,20 @@ def targets(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
 
 def compare(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """Each target figure of this run next to the same figure of an earlier run's JSON."""
-    def figure(doc: dict[str, Any], name: str) -> float | None:
+    def figure(doc: dict[str, Any], name: str, part: str = "total") -> float | None:
         value = doc.get("headline", {}).get("targets", {}).get(name, {}).get("value")
-        return value.get("total") if isinstance(value, dict) else value
+        return value.get(part) if isinstance(value, dict) else value
+
+    def row(a: float | None, b: float | None) -> dict[str, Any]:
+        return {"before": a, "now": b, "change": diff(b, a),
+                "change_pct": round(100 * (b - a) / a, 1) if a and b is not None else None}
 
     out: dict[str, Any] = {}
     for name in now.get("headline", {}).get("targets", {}):
-        a, b = figure(before, name), figure(now, name)
-        out[name] = {"before": a, "now": b, "change": diff(b, a),
-                     "change_pct": round(100 * (b - a) / a, 1) if a and b is not None else None}
+        out[name] = row(figure(before, name), figure(now, name))
+        if name.startswith("cpu_ms_per_"):  # (see cpu_ms_per_run)
+            out[f"{name}_over_simulators"] = row(figure(before, name, "over_simulators"),
+                                                 figure(now, name, "over_simulators"))
     return out
 
 
