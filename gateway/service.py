@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from common.auth import KeyRing, UnresolvedKeys
 from common.config import Config
@@ -99,7 +100,7 @@ async def _refused_database(redis: Redis) -> None:
     try:
         async with asyncio.timeout(STARTUP_CHECK_S):
             await redis.ping()
-    except (TimeoutError, *REDIS_DOWN):
+    except (TimeoutError, RedisError, *REDIS_DOWN):  # (an ACL user without PING: /readyz says so)
         pass
 
 
