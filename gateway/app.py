@@ -23,7 +23,7 @@ from gateway.errors import ApiError
 from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import RUN_ROUTES, parse_request
-from gateway.responses import RUN_ID_HEADER, stream_response, whole_response
+from gateway.responses import RUN_ID_HEADER, SSEStream, stream_response, whole_response
 from gateway.runs import RunClient, new_run_id
 
 log = logging.getLogger("iop.gateway")
@@ -32,6 +32,9 @@ CONFIG = web.AppKey("config", Config)
 RUNS = web.AppKey("runs", RunClient)
 REDIS_URL = web.AppKey("redis_url", str)
 STARTED = web.AppKey("started", float)
+
+#: How long a caller whose stream the gateway gave up on has to take its error and `[DONE]`.
+END_WITHIN_S = 1.0
 
 #: The most of a model id an error message repeats back.
 SHOWN_MODEL_CHARS = 256
@@ -76,6 +79,7 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     runs = request.app[RUNS]
     run_id = new_run_id()
     submitted = finished = False
+    out: SSEStream | None = None
     try:
         # Following before the run is queued: its every event comes through the gateway's inbox.
         async with runs.follow(run_id, fresh=True) as follower:
@@ -84,15 +88,21 @@ async def run_request(request: web.Request) -> web.StreamResponse:
             del req  # the body is in the run record now: a waiting caller keeps no parsed copy of it
             with runs.deadlines.within(runs.follow_deadline_s(model.id)):
                 if stream:
-                    resp = await stream_response(request, follower, model.id, run_id, limit_headers,
+                    out = SSEStream(request, run_id, limit_headers)
+                    resp = await stream_response(request, follower, model.id, out,
                                                  cfg.runtime.stream_keepalive_ms / 1000)
                 else:
                     resp = await whole_response(follower, model.id, run_id, limit_headers)
         finished = True
         return resp
     except TimeoutError:
-        raise ApiError(ErrorCode.EXECUTION_TIMEOUT, "the run did not finish in time",
-                       headers={RUN_ID_HEADER: run_id}) from None
+        error = ApiError(ErrorCode.EXECUTION_TIMEOUT, "the run did not finish in time",
+                         headers={RUN_ID_HEADER: run_id})
+        # (a stream whose headers went out ends with the error in it: a second answer must not follow)
+        ended = None if out is None else await out.fail(error, END_WITHIN_S)
+        if ended is None:
+            raise error from None
+        return ended
     except ApiError as exc:
         finished = True
         if submitted:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -84,6 +85,21 @@ class SSEStream:
         """An SSE comment: proxies and clients with read timeouts see the stream is alive."""
         await self.write(KEEP_ALIVE)
 
+    async def fail(self, error: ApiError, within_s: float) -> web.StreamResponse | None:
+        """End an answer whose headers went out with `error` in the stream, then `[DONE]`; a caller
+        that does not read them within `within_s` (it stopped reading) has its connection closed.
+        None when the headers have not gone out: the error keeps its own HTTP status."""
+        if self.resp is None:
+            return None
+        self.request[metrics.STREAM_ERROR] = error.status
+        try:
+            async with asyncio.timeout(within_s):
+                return await self.end(sse(error.body()) + SSE_DONE)
+        except (TimeoutError, ConnectionError):
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            return self.resp
+
     async def end(self, data: bytes) -> web.StreamResponse:
         """The last bytes and the end of the answer, in one write (with the headers, if they have
         not gone out yet)."""
@@ -92,14 +108,14 @@ class SSEStream:
         return resp
 
 
-async def stream_response(request: web.Request, follower: Follower, model_id: str, run_id: str,
-                          limit_headers: Mapping[str, str], keep_alive_s: float) -> web.StreamResponse:
+async def stream_response(request: web.Request, follower: Follower, model_id: str, out: SSEStream,
+                          keep_alive_s: float) -> web.StreamResponse:
     """The run as OpenAI chunks. While nothing comes for `keep_alive_s` (the run waits in its
     queue, say), a keep-alive comment goes out every `keep_alive_s`. An error before anything
     went out keeps its HTTP status; after, it comes in the stream, OpenAI-shaped, then [DONE].
     The answer's headers: the run's id and its key's rate-limit headers. The events that arrived
-    together go out in one write (the last output, `[DONE]` and the end of the answer, say)."""
-    out = SSEStream(request, run_id, limit_headers)
+    together go out in one write (the last output, `[DONE]` and the end of the answer, say).
+    `out`: the caller's answer (made by the caller of this, which ends it if this is cut short)."""
     while True:
         first = await follower.next(keep_alive_s)
         if first is None:

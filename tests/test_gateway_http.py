@@ -238,3 +238,30 @@ async def test_a_waiting_caller_holds_no_copy_of_its_request_body(redis_url: str
         writer.close()
         await server.close()
     assert held < 250_000, f"the gateway holds {held} bytes more while the caller waits"
+
+
+async def test_a_stream_the_gateway_gives_up_on_after_its_headers_ends_with_the_error_in_it(
+        redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller's deadline passes after the stream's headers went out (keep-alive comments while
+    its run waited): the stream ends with the error and [DONE], one HTTP answer, not a second one
+    written after the first."""
+    cfg = parse_config({**config().model_dump(mode="json", exclude_none=True),
+                        "runtime": {"stream_keepalive_ms": 100}})
+    await beat(redis, cfg)  # available, but no scheduler: the run waits in its queue
+    monkeypatch.setattr(RunClient, "follow_deadline_s", lambda self, model_id: 1.0)
+    server = TestServer(build_app(cfg, redis_url), port=0)
+    await server.start_server()
+    try:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 30)  # to the end of the connection
+        writer.close()
+    finally:
+        await server.close()
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.count(b"HTTP/1.1 ") == 1, answer[:300]
+    text = answer.decode()
+    assert ": keep-alive" in text and '"code":"execution_timeout"' in text
+    assert text.index('"code":"execution_timeout"') < text.index("data: [DONE]")
