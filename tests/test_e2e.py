@@ -251,3 +251,32 @@ def test_every_service_runs_over_a_unix_socket(tmp_path: Any) -> None:
     finally:
         stack.stop_all()
         server.cleanup()
+
+
+def test_a_worker_stopped_while_a_run_outlasts_its_grace_exits_0_and_the_run_ends(stack: Stack) -> None:
+    """SIGTERM, and a run still going when `--grace` ran out: the run is cut (its caller hears
+    worker_lost), and the worker stops cleanly, status 0, no traceback (it exited 1 with one, its
+    HTTP session left open)."""
+    url = stack.simulator(["vllm-a-served"])
+    stack.write_config(pool_config({"vllm-a": ("node-a", url, 1)}))
+    stack.scheduler()
+    worker = stack.start("worker-node-a", "worker", "--node", "node-a", "--grace", "0.5")
+    worker.wait_for_line(r"worker for queue \S+ started")
+    gateway = stack.gateway()
+    wait_available(stack.redis_url, ["vllm-a"])
+
+    async def scenario() -> str:
+        body = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "max_tokens": 1000, "sim": {"tokens": 1000, "itl_ms": 50}}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gateway + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                first = await resp.content.readline()  # output is flowing: the run is on the worker
+                assert first.startswith(b"data: ")
+                code = await asyncio.to_thread(worker.stop, 30)
+                assert code == 0, worker.output()
+                return (await resp.read()).decode()
+
+    rest = asyncio.run(scenario())
+    assert '"code":"worker_lost"' in rest and rest.rstrip().endswith("data: [DONE]")
+    assert "Traceback" not in worker.output() and "Unclosed" not in worker.output()

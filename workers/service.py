@@ -158,6 +158,9 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+    # Every job is done now. (arq's close gathers them again and would raise a cancelled one's
+    # CancelledError, skipping the shutdown hook: the traceback, an unclosed HTTP session, status 1.)
+    worker.tasks.clear()
     await worker.close()
     if ops is not None:
         await ops.close()
