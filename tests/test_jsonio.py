@@ -22,7 +22,6 @@ EDGES = [
     b'{"s": "\\ud800"}',
     b'\xef\xbb\xbf{"a": 1}',
     b'{"a": NaN, "b": -Infinity}',
-    '{"a": "\u00e9"}'.encode("utf-16"),
 ]
 
 
@@ -31,6 +30,16 @@ def test_reads_what_json_reads(raw: bytes) -> None:
     got, want = jsonio.loads(raw), json.loads(raw)
     assert repr(got) == repr(want)  # repr: NaN != NaN, and 1 == 1.0 would hide a float
     assert type(next(iter(got.values()))) is type(next(iter(want.values())))
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"])
+def test_json_in_another_encoding_than_utf8_is_not_read(encoding: str) -> None:
+    """`json.loads` would read these (it guesses UTF-16 and UTF-32 from the NUL bytes); JSON between
+    systems is UTF-8 (RFC 8259), and so is every body a gateway or a provider sends."""
+    raw = '{"model": "m", "a": "\u00e9"}'.encode(encoding)
+    assert json.loads(raw)["a"] == "\u00e9"
+    with pytest.raises(ValueError):  # (UnicodeDecodeError, or the parser's error at a NUL)
+        jsonio.loads(raw)
 
 
 def test_a_big_integer_stays_exact() -> None:

@@ -141,6 +141,14 @@ def test_a_body_that_is_not_utf8_is_told_in_plain_words_with_the_offset(raw: byt
     assert err.message == f"the request body is not valid JSON: it is not valid UTF-8 text (at byte {at})"
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
+def test_a_body_in_utf16_or_utf32_is_not_json_here(encoding: str) -> None:
+    """The README's error table: a body that is not UTF-8 is a 400 (Python's json would read
+    these)."""
+    err = rejected(CHAT, '{"model": "m", "messages": [{"role": "user", "content": "x"}]}'.encode(encoding))
+    assert err.message.startswith("the request body is not valid JSON: ")
+
+
 def test_model_is_checked_before_the_prompt() -> None:
     assert rejected(CHAT, b"{}").param == "model"
     assert rejected(COMPLETION, b'{"prompt": 5}').param == "model"
