@@ -45,6 +45,11 @@ def _nothing_after(stream_id: str) -> bool:
     return int(stream_id.partition("-")[0]) == _ID_PART_MAX
 
 
+def _id_key(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def _stream_id(text: str) -> str | None:
     """`text` as a Redis stream id (leading zeros dropped), or None when it is not one."""
     if _STREAM_ID.fullmatch(text) is None:
@@ -102,7 +107,7 @@ class RunsApi:
         runs = self.runs()
         try:
             with runs.deadlines.within(runs.follow_deadline_s(view["model"])):
-                if _nothing_after(last_id):
+                if _nothing_after(last_id) or await self._beyond(run_id, last_id):
                     pass  # whether the run has ended or not
                 elif is_terminal(view):
                     for event in await self._ended_events(run_id, last_id):
@@ -116,6 +121,15 @@ class RunsApi:
             await resp.write(b"event: error\ndata: " + dumps(error.body()) + b"\n\n")
         await resp.write_eof()
         return resp
+
+    async def _beyond(self, run_id: str, last_id: str) -> bool:
+        """Whether `last_id` is past the run's last event: the client says it had one the run never
+        wrote (a run's events stay until they all expire), so nothing it has not had can come, and
+        the run's end, which it would take for one it had, would go unseen."""
+        if last_id == "0":
+            return False
+        latest = await self.runs().redis.xrevrange(keys.run_events(run_id), "+", "-", count=1)
+        return not latest or _id_key(latest[0][0].decode()) < _id_key(last_id)
 
     async def _follow(self, resp: web.StreamResponse, run_id: str, last_id: str, model_id: str) -> None:
         """Every event after `last_id` until the terminal one, with a keep-alive comment whenever

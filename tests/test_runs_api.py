@@ -3,6 +3,7 @@ so the moments of connecting, disconnecting and resuming are exact."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -239,3 +240,22 @@ async def test_run_records_and_events_expire_after_run_ttl_s(redis_url: str) -> 
 
         await async_wait_until(gone, timeout=10, what="the run to expire")
         assert not await api.redis.exists(keys.run_events(run_id))
+
+
+@pytest.mark.parametrize("events", [0, 1])
+async def test_a_last_event_id_past_a_running_runs_last_event_ends_the_stream_empty(api: Api, events: int) -> None:
+    """A client that says it had an event the run never wrote (an id in the future): nothing it
+    has not had can come, and the run's end would go unseen (it waited until the gateway gave up on
+    it, 30 s and more): the stream ends at once, empty, as for the largest id. An id the run has
+    is followed as ever."""
+    run_id = await api.submit()
+    ids = [await api.event(run_id, "dispatched", {"provider": "p"}) for _ in range(events)]
+    future = f"{now_ms() + 3_600_000}-0"
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": future}) as resp:
+        assert resp.status == 200
+        assert await asyncio.wait_for(resp.read(), 10) == b""
+    if ids:
+        async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": ids[0]}) as resp:
+            later = await api.event(run_id, "completed", {})
+            await api.end(run_id)
+            assert [m.id for m in await read_all(resp)] == [later]
