@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from typing import Any
 
 import aiohttp
@@ -280,3 +281,47 @@ def test_a_worker_stopped_while_a_run_outlasts_its_grace_exits_0_and_the_run_end
     rest = asyncio.run(scenario())
     assert '"code":"worker_lost"' in rest and rest.rstrip().endswith("data: [DONE]")
     assert "Traceback" not in worker.output() and "Unclosed" not in worker.output()
+
+
+def test_runs_are_not_sent_to_a_node_whose_last_worker_is_stopping(stack: Stack) -> None:
+    """The node's only worker got SIGTERM and finishes its run within its grace: it stops saying
+    its provider can take runs, so once its heartbeat lapses a new run is refused at once (503, as
+    for a provider that is down) instead of being dispatched to a node no worker will serve, to
+    wait out a lease there (an attempt spent, 504s later). The next worker of the node serves runs."""
+    url = stack.simulator(["vllm-a-served"])
+    stack.write_config(pool_config({"vllm-a": ("node-a", url, 2)}))
+    stack.scheduler()
+    stopping = stack.start("worker-node-a", "worker", "--node", "node-a", "--grace", "30")
+    stopping.wait_for_line(r"worker for queue \S+ started")
+    gateway = stack.gateway()
+    wait_available(stack.redis_url, ["vllm-a"])
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    long = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 1000, "sim": {"tokens": 1000, "itl_ms": 5}}
+    short = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gateway + "/v1/chat/completions", json=long) as running:
+                assert (await running.content.readline()).startswith(b"data: ")  # on the worker
+                stopping.send(signal.SIGTERM)
+
+                async def lapsed() -> bool:
+                    return not r.exists("iop:provider:vllm-a")
+
+                await async_wait_until(lapsed, what="the stopping worker's heartbeat to lapse")
+                async with session.post(gateway + "/v1/chat/completions", json=short) as refused:
+                    assert refused.status == 503
+                    assert (await refused.json())["error"]["code"] == "no_available_provider"
+                assert r.llen("iop:wake:node-a") == 0 and r.zcard("iop:leases:vllm-a") == 1  # only the running one
+                assert (await running.read()).rstrip().endswith(b"data: [DONE]")  # the grace let it end
+            assert await asyncio.to_thread(stopping.popen.wait, 30) == 0
+            await asyncio.to_thread(stack.worker, "node-a")
+            await asyncio.to_thread(wait_available, stack.redis_url, ["vllm-a"])
+            async with session.post(gateway + "/v1/chat/completions", json=short) as served:
+                assert served.status == 200
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        r.close()

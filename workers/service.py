@@ -27,6 +27,8 @@ from workers.runner import Runner
 log = logging.getLogger("iop.worker")
 
 RUNNER_CTX = "iop_runner"
+#: The worker's heartbeats task (in its ctx), stopped first when it stops
+HEARTBEATS_CTX = "iop_heartbeats"
 
 
 def read_limits(runtime: RuntimeConfig) -> ReadLimits:
@@ -92,7 +94,8 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         ctx[RUNNER_CTX] = runner
         ctx["iop_session"] = session
         await runner.scripts.load()
-        background.append(asyncio.create_task(heartbeats.run()))
+        ctx[HEARTBEATS_CTX] = asyncio.create_task(heartbeats.run())
+        background.append(ctx[HEARTBEATS_CTX])
         background.append(asyncio.create_task(_listen_cancels(runner, node_id)))
 
     async def shutdown(ctx: dict[str, Any]) -> None:
@@ -147,8 +150,14 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
     crashed = main.done() and not main.cancelled() and main.exception() is not None
     if crashed:
         log.error("worker loop failed", exc_info=main.exception())
-    # Take no new jobs: stop the pick-up loop; the jobs run in tasks of their own.
+    # Take no new jobs: stop the pick-up loop; the jobs run in tasks of their own. And stop saying
+    # the node's providers can take runs: while another worker of the node lives, its heartbeats
+    # still do; when this was the last, the providers' hashes expire after heartbeat_ttl_ms and no
+    # more runs are sent here to wait for a lease that no worker will take.
     main.cancel()
+    beating = worker.ctx.get(HEARTBEATS_CTX)
+    if beating is not None:
+        beating.cancel()
     stopped.cancel()
     await asyncio.gather(main, stopped, return_exceptions=True)
     jobs = [t for t in worker.tasks.values() if not t.done()]
