@@ -234,7 +234,11 @@ redis.call('HSET', KEYS[2], 'model', ARGV[4], 'kind', ARGV[5], 'stream', ARGV[6]
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 if max_in_flight > 0 then
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[11]), ARGV[1])
-  redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[11]))
+  -- the set lives as long as its longest-lived member (GT), not the newest one's: a quick model's
+  -- run must not end the life of a long one's; NX for a set just made (GT counts it as endless)
+  if redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[11]), 'GT') == 0 then
+    redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[11]), 'NX')
+  end
 end
 if rpm > 0 then
   redis.call('ZADD', KEYS[4], now, ARGV[1])

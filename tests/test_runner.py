@@ -605,3 +605,33 @@ async def test_a_job_whose_run_cannot_start_leaves_no_in_progress_marker(redis: 
         assert await redis.zcard(keys.leases("a")) == 0
     finally:
         await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_keys_in_flight_set_lives_as_long_as_its_longest_lived_run(redis: Redis) -> None:
+    """The set's TTL only grows: a run of a quick model queued after a run of a slow one must not
+    cut the set's life short (it expired under the slow run, and the key went past its
+    max_in_flight)."""
+    from common.auth import Principal, Role
+    from common.config import parse_config
+    from gateway.runs import RunClient
+    from tests.test_scheduler import request
+
+    config = parse_config({
+        "models": [{"id": model, "providers": {"a": "a-name"},
+                    "queue": {"queue_timeout_ms": timeout_ms, "execution_timeout_ms": timeout_ms, "max_attempts": 1}}
+                   for model, timeout_ms in (("slow", 600_000), ("quick", 1_000))],
+        "nodes": [{"id": "n-a", "providers": [{"id": "a", "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                               "capacity": 1, "models": ["a-name"]}]}],
+    })
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    who = Principal("team-a", Role.CALLER, max_in_flight=5)
+    slow, quick = config.model("slow"), config.model("quick")
+    assert slow is not None and quick is not None
+    await client.submit(slow, request(), who)
+    lives = await redis.pttl(keys.key_in_flight("team-a"))
+    assert lives > 1_200_000  # (2 x 600 s + the gateway's grace)
+    await client.submit(quick, request(), who)
+    assert await redis.pttl(keys.key_in_flight("team-a")) > lives - 60_000  # not cut to the quick one's ~32 s
+    assert await redis.zcard(keys.key_in_flight("team-a")) == 2
+    await client.close()
