@@ -254,17 +254,24 @@ def test_every_service_runs_over_a_unix_socket(tmp_path: Any) -> None:
         server.cleanup()
 
 
+def one_worker_pool(stack: Stack, capacity: int, grace_s: str) -> tuple[str, Any]:
+    """Provider vllm-a on node-a with one worker (`--grace grace_s`), a scheduler and the gateway:
+    (the gateway's URL, the worker's process)."""
+    url = stack.simulator(["vllm-a-served"])
+    stack.write_config(pool_config({"vllm-a": ("node-a", url, capacity)}))
+    stack.scheduler()
+    worker = stack.start("worker-node-a", "worker", "--node", "node-a", "--grace", grace_s)
+    worker.wait_for_line(r"worker for queue \S+ started")
+    gateway = stack.gateway()
+    wait_available(stack.redis_url, ["vllm-a"])
+    return gateway, worker
+
+
 def test_a_worker_stopped_while_a_run_outlasts_its_grace_exits_0_and_the_run_ends(stack: Stack) -> None:
     """SIGTERM, and a run still going when `--grace` ran out: the run is cut (its caller hears
     worker_lost), and the worker stops cleanly, status 0, no traceback (it exited 1 with one, its
     HTTP session left open)."""
-    url = stack.simulator(["vllm-a-served"])
-    stack.write_config(pool_config({"vllm-a": ("node-a", url, 1)}))
-    stack.scheduler()
-    worker = stack.start("worker-node-a", "worker", "--node", "node-a", "--grace", "0.5")
-    worker.wait_for_line(r"worker for queue \S+ started")
-    gateway = stack.gateway()
-    wait_available(stack.redis_url, ["vllm-a"])
+    gateway, worker = one_worker_pool(stack, capacity=1, grace_s="0.5")
 
     async def scenario() -> str:
         body = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "hi"}], "stream": True,
@@ -288,13 +295,7 @@ def test_runs_are_not_sent_to_a_node_whose_last_worker_is_stopping(stack: Stack)
     its provider can take runs, so once its heartbeat lapses a new run is refused at once (503, as
     for a provider that is down) instead of being dispatched to a node no worker will serve, to
     wait out a lease there (an attempt spent, 504s later). The next worker of the node serves runs."""
-    url = stack.simulator(["vllm-a-served"])
-    stack.write_config(pool_config({"vllm-a": ("node-a", url, 2)}))
-    stack.scheduler()
-    stopping = stack.start("worker-node-a", "worker", "--node", "node-a", "--grace", "30")
-    stopping.wait_for_line(r"worker for queue \S+ started")
-    gateway = stack.gateway()
-    wait_available(stack.redis_url, ["vllm-a"])
+    gateway, stopping = one_worker_pool(stack, capacity=2, grace_s="30")
     r = sync_redis.Redis.from_url(stack.redis_url)
     long = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "hi"}], "stream": True,
             "max_tokens": 1000, "sim": {"tokens": 1000, "itl_ms": 5}}
