@@ -55,6 +55,16 @@ def event_fields(event_type: str, data: dict[str, Any]) -> dict[str, bytes | str
     return {"type": event_type, "data": pack(data)}
 
 
+def entry_key(entry_id: str) -> tuple[int, int]:
+    """A Redis stream entry id (`ms-seq`, or `ms`) as a pair that sorts as the stream does;
+    (0, 0) for text that is not one."""
+    ms, _, seq = entry_id.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return 0, 0
+
+
 def decode_event(entry_id: bytes | str, fields: dict[bytes, bytes]) -> tuple[str, str, dict[str, Any]]:
     """(entry id, event type, data) of one event stream entry."""
     eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id

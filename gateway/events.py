@@ -34,7 +34,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys
-from common.codec import decode_event, unpack
+from common.codec import decode_event, entry_key, unpack
 from common.redisconn import REDIS_DOWN, Backoff
 from common.redisline import StreamEntries, new_line_of, stream_reply
 from common.scripts import Scripts
@@ -65,21 +65,13 @@ def new_gateway_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def _key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    try:
-        return int(ms), int(seq or 0)
-    except ValueError:
-        return 0, 0
-
-
 class Follower:
     """One caller waiting for the events of one run, after `last_id`."""
 
     def __init__(self, run_id: str, last_id: str, *, fresh: bool = False) -> None:
         """`fresh`: the run does not exist yet, so there is nothing to read first."""
         self.run_id = run_id
-        self.last = _key(last_id)
+        self.last = entry_key(last_id)
         #: events handed over and not yet taken, and the caller's wait for the next one (not an
         #: asyncio.Queue: its four deques cost ~3 KB a waiting caller)
         self.items: list[Event] = []
@@ -123,7 +115,7 @@ class Follower:
         if self.ended:
             return
         if event.id != "lost":
-            key = _key(event.id)
+            key = entry_key(event.id)
             if key <= self.last:
                 return  # had it already
             self.last = key
@@ -302,7 +294,7 @@ class EventHub:
     async def _trimmed_past(self, last: str) -> bool:
         info = await self.redis.xinfo_stream(self.inbox)
         first = info.get("first-entry")
-        return first is not None and _key(first[0].decode()) > _key(last)
+        return first is not None and entry_key(first[0].decode()) > entry_key(last)
 
     async def _check_quiet(self) -> None:
         now = time.monotonic()

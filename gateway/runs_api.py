@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from common import keys
-from common.codec import decode_event
+from common.codec import decode_event, entry_key
 from common.jsonio import dumps, json_response
 from common.redisconn import REDIS_DOWN
 from common.runview import is_terminal, run_view
@@ -43,11 +43,6 @@ def _nothing_after(stream_id: str) -> bool:
     """An id at the last millisecond a stream id can have: no event can come after it (Redis
     refuses the largest id as an exclusive start, and a run's events are stamped with the clock)."""
     return int(stream_id.partition("-")[0]) == _ID_PART_MAX
-
-
-def _id_key(stream_id: str) -> tuple[int, int]:
-    ms, _, seq = stream_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def _stream_id(text: str) -> str | None:
@@ -129,7 +124,7 @@ class RunsApi:
         if last_id == "0":
             return False
         latest = await self.runs().redis.xrevrange(keys.run_events(run_id), "+", "-", count=1)
-        return not latest or _id_key(latest[0][0].decode()) < _id_key(last_id)
+        return not latest or entry_key(latest[0][0].decode()) < entry_key(last_id)
 
     async def _follow(self, resp: web.StreamResponse, run_id: str, last_id: str, model_id: str) -> None:
         """Every event after `last_id` until the terminal one, with a keep-alive comment whenever

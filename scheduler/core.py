@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from common import keys
-from common.codec import pack
+from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
 from common.policy import ProviderSnapshot, all_refused, candidate_class, select_provider
 from common.redisconn import REDIS_DOWN, Backoff, now_ms
@@ -43,11 +43,6 @@ log = logging.getLogger("iop.scheduler")
 TICK_S = 1.0
 #: Times a dispatch is retried at once when a concurrent replica changed the snapshot.
 STALE_RETRIES = 16
-
-
-def _entry_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 class Outcome(NamedTuple):
@@ -130,7 +125,7 @@ class Scheduler:
         timeout = self.config.queue_for(model).queue_timeout_ms
         tried = frozenset(fields.get(b"tried", b"").decode().split(",")) - {""}
         hard = fields.get(b"exclude") == b"1"
-        item = Waiting(_entry_key(entry_id), run_id, entry_id, _entry_key(entry_id)[0] + timeout,
+        item = Waiting(entry_key(entry_id), run_id, entry_id, entry_key(entry_id)[0] + timeout,
                        avoid=frozenset() if hard else tried, exclude=tried if hard else frozenset())
         queue = self.waiting[model_id]
         if not any(w.entry_id == entry_id for w in queue):
