@@ -91,14 +91,19 @@ class SSEStream:
         None when the headers have not gone out: the error keeps its own HTTP status."""
         if self.resp is None:
             return None
-        self.request[metrics.STREAM_ERROR] = error.status
         try:
             async with asyncio.timeout(within_s):
-                return await self.end(sse(error.body()) + SSE_DONE)
+                return await self.end_with(error)
         except (TimeoutError, ConnectionError):
             if self.request.transport is not None:
                 self.request.transport.abort()
             return self.resp
+
+    async def end_with(self, error: ApiError, before: bytes = b"") -> web.StreamResponse:
+        """End the answer with `before`, then `error` OpenAI-shaped in the stream, then `[DONE]`
+        (counted under the error's status)."""
+        self.request[metrics.STREAM_ERROR] = error.status
+        return await self.end(before + sse(error.body()) + SSE_DONE)
 
     async def end(self, data: bytes) -> web.StreamResponse:
         """The last bytes and the end of the answer, in one write (with the headers, if they have
@@ -133,7 +138,6 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
                 error = ApiError.from_info(ErrorInfo.from_wire(event.data))
                 if out.resp is None and not parts:
                     raise error
-                request[metrics.STREAM_ERROR] = error.status
-                return await out.end(b"".join(parts) + sse(error.body()) + SSE_DONE)
+                return await out.end_with(error, b"".join(parts))
         if parts:
             await out.write(b"".join(parts))

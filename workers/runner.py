@@ -22,7 +22,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys
-from common.chunks import is_preamble, token_counts, usage_in, wants_usage, without_usage
+from common.chunks import token_counts, usage_in, wants_usage, without_usage
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
 from common.redisconn import REDIS_DOWN, Backoff, now_ms
@@ -31,7 +31,7 @@ from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
 from workers import metrics
 from workers.adapters.base import Adapter, ProviderError, Retry
-from workers.stream_pump import Pump, close_reads
+from workers.stream_pump import Pump, close_reads, shows_output
 
 log = logging.getLogger("iop.worker")
 
@@ -299,7 +299,7 @@ class Runner:
             async for chunks in reads:
                 usage = usage_in(chunks) or usage
                 held += chunks if wanted else without_usage(chunks)
-                if held and (att.output or len(held) >= MAX_OPENING or not all(is_preamble(c) for c in held)):
+                if held and (att.output or shows_output(held, MAX_OPENING)):
                     await self._emit(att, EventType.DELTA, {"chunks": held})
                     att.output, held = True, []
         finally:

@@ -46,9 +46,8 @@ class Pump:
             async for chunks in reads:
                 self.usage = usage_in(chunks) or self.usage
                 self.held += chunks if self._wanted else without_usage(chunks)
-                if not self.output and self.held and (len(self.held) >= self.max_held
-                                                      or not all(is_preamble(c) for c in self.held)):
-                    self.output = True  # (so many opening chunks are output: they must not pile up)
+                if not self.output and shows_output(self.held, self.max_held):
+                    self.output = True
                 if self._sendable():
                     self._wake.set()
                 if len(self.held) >= self.max_held:
@@ -98,6 +97,12 @@ class Pump:
             self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         await close_reads(self._reads)
+
+
+def shows_output(held: list[Chunk], max_held: int) -> bool:
+    """Whether held chunks may go out: one of them is output, not a bare opening (a `role`
+    delta), or `max_held` openings wait (so many are output: they must not pile up)."""
+    return bool(held) and (len(held) >= max_held or not all(is_preamble(c) for c in held))
 
 
 async def close_reads(reads: AsyncIterator[Any]) -> None:
