@@ -310,7 +310,7 @@ def _lined(redis: Any) -> Lined | None:
 
 def line_of(redis: Any) -> Line | None:
     """The shared line of a client made by `common.redisconn.connect`, else None (fakeredis, a
-    client made another way, RESP3: redis-py's own path)."""
+    client made another way: redis-py's own path)."""
     pool = _lined(redis)
     return None if pool is None else pool.line
 

@@ -545,13 +545,12 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
     waiting = asyncio.create_task(_retry_once(setup), name="setup")
     stopped = asyncio.create_task(stop.wait(), name="stop")
     await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    if not waiting.done():
-        waiting.cancel()
-        await asyncio.gather(waiting, stopped, return_exceptions=True)
-        return
+    for task in (waiting, stopped):
+        task.cancel()  # (the one that is done stays as it ended)
     await asyncio.gather(waiting, stopped, return_exceptions=True)
-    waiting.result()
+    if waiting.cancelled():
+        return
+    waiting.result()  # (an error of the setup's own is raised)
     tasks = [asyncio.create_task(_forever(n, f), name=n) for n, f in
              (("intake", intake), ("dispatch", dispatcher), ("maintenance", maintenance), ("signals", signals))]
     try:
