@@ -1097,7 +1097,7 @@ NOTES = [
     "gateway, scheduler, workers and Redis over the phase's runs (client and simulators left out), split by "
     "process kind; added_ttft = p50 time to the first token (the first read completing a chunk with a "
     "non-empty `content`, as real_model.py measures it) through the gateway - the same straight to the "
-    "simulators, both streamed at c=1 (added_ttfb_p50_ms_c1: the same to the first body bytes, which "
+    "simulators, both streamed at c=1 (headline.stream_c1.added_ttfb_p50_ms: the same to the first body bytes, which "
     "straight from a server may be a bare `role` chunk, held by iop until the first text); "
     "redis_commands_per_non_stream_run: SLOWLOG's top-level "
     "commands (a pipelined command counts one, so round trips are at most this)",

@@ -81,6 +81,8 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, max_tokens: 
     the run id's (wall clock at the send, at the first text)."""
     body = {"model": model, "messages": [{"role": "user", "content": "Tell me about the sea."}],
             "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    from bench import FIRST_TEXT  # bench/bench.py (this script's directory is on sys.path)
+
     began, sent = time.perf_counter(), time.time()
     first = None
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
@@ -88,8 +90,7 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, max_tokens: 
             raise RuntimeError(f"{url} answered {resp.status}: {await resp.text()}")
         if stream:
             async for line in resp.content:
-                if first is None and line.startswith(b"data: {") and b'"content":' in line \
-                        and b'"content": ""' not in line and b'"content":""' not in line:
+                if first is None and line.startswith(b"data: {") and FIRST_TEXT.search(line):
                     first = (time.perf_counter() - began) * 1000
                     if wall is not None:
                         wall[resp.headers.get("X-IOP-Run-Id", "")] = (sent, time.time())
