@@ -265,3 +265,72 @@ async def test_a_stream_the_gateway_gives_up_on_after_its_headers_ends_with_the_
     text = answer.decode()
     assert ": keep-alive" in text and '"code":"execution_timeout"' in text
     assert text.index('"code":"execution_timeout"') < text.index("data: [DONE]")
+
+
+async def test_a_stream_the_gateway_gives_up_on_whose_caller_does_not_read_is_closed(
+        redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same, for a caller that stopped reading (its socket full of output): the error cannot
+    go out, so within `END_WITHIN_S` of the deadline the connection is closed; the caller is not
+    held, and no second answer ever follows the stream."""
+    import socket
+    import time
+
+    from common import keys
+    from common.codec import event_fields
+    from gateway import app as gateway_app
+    from gateway import metrics as gateway_metrics
+
+    def ended() -> float:  # requests of the model that ended, however (it is counted as the caller's leaving: 499)
+        return sum(sample.value for metric in gateway_metrics.REGISTRY.collect() for sample in metric.samples
+                   if sample.name == "iop_gateway_requests_total" and sample.labels.get("model") == MODEL)
+
+    before = ended()
+    await beat(redis, config())
+    monkeypatch.setattr(RunClient, "follow_deadline_s", lambda self, model_id: 1.0)
+    server = TestServer(build_app(config(), redis_url), port=0)
+    await server.start_server()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (server.host, server.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        await writer.drain()
+
+        async def queued() -> list[Any]:
+            return list(await redis.xrange(f"iop:runs:{MODEL}"))
+
+        run_id = (await async_wait_until(queued, what="the run to be queued"))[0][1][b"run"].decode()
+        inbox = keys.gateway_inbox((await redis.hget(keys.run_record(run_id), "watchers") or b"").decode()
+                                   .removesuffix(keys.OUTPUT_ONLY))
+        chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "x" * 65536}}]}
+        for _ in range(200):  # ~13 MB of output the caller will not read (as a worker would write it)
+            fields = event_fields("delta", {"chunks": [chunk]})
+            entry = await redis.xadd(keys.run_events(run_id), fields)
+            await redis.xadd(inbox, {"run": run_id, "id": entry, **fields})
+        began = time.monotonic()
+
+        async def read_all() -> bytes:
+            got = b""
+            try:
+                while data := await reader.read(65536):
+                    got += data
+            except ConnectionError:  # (closed at once: a reset)
+                pass
+            return got
+
+        async def given_up() -> bool:  # the gateway is done with the request, the caller read nothing
+            return ended() > before
+
+        await async_wait_until(given_up, timeout=1.0 + gateway_app.END_WITHIN_S + 10,
+                               what="the gateway to give up on the caller")
+        answer = await asyncio.wait_for(read_all(), 30)
+        writer.close()
+    finally:
+        await server.close()
+    assert time.monotonic() - began < 30
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.count(b"HTTP/1.1 ") == 1
+    assert len(answer) < 13_000_000  # cut short: the connection was closed under the caller
