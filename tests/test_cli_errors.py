@@ -182,3 +182,27 @@ def test_a_log_setting_that_is_not_one_stops_the_service_with_one_line(args: lis
     done = subprocess.run([sys.executable, "-m", "iop", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 2 and one_line(done) == says
+
+
+def test_a_gateway_whose_redis_does_not_answer_still_starts_after_its_database_check(taken_port: int) -> None:
+    """The start's database check waits at most STARTUP_CHECK_S for a Redis that takes the
+    connection and says nothing (here a socket nobody reads); then the gateway listens, and says
+    it is not ready."""
+    import signal
+    import time
+
+    from gateway.service import STARTUP_CHECK_S
+    from iop.proc import IopProcess
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "IOP_CONFIG": str(ROOT / DEMO),
+           "REDIS_URL": f"redis://127.0.0.1:{taken_port}/0"}
+    env.pop("IOP_LOG_FORMAT", None)
+    proc = IopProcess("gateway", ["gateway", "--host", "127.0.0.1", "--port", "0"], env, cwd=ROOT)
+    began = time.monotonic()
+    try:
+        proc.wait_for_line(r"listening on http://", timeout=TIMEOUT_S)
+        waited = time.monotonic() - began
+    finally:
+        proc.stop(timeout=15, sig=signal.SIGTERM)
+    assert waited >= STARTUP_CHECK_S  # (it did wait: the check is there) ...
+    assert "Traceback" not in proc.output()  # ... and let the silence pass
