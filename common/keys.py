@@ -88,6 +88,13 @@ def node_wake(node_id: str) -> str:
     return f"{PREFIX}:wake:{node_id}"
 
 
+def worker_woken(instance: str) -> str:
+    """List of one worker process (its instance id): the job id its blocking `BLMOVE` took off its
+    node's wake list, then the ids of its last `take_woken` answer (until its next call says it
+    received them)."""
+    return f"{PREFIX}:woken:{instance}"
+
+
 def node_cancel(node_id: str) -> str:
     """Pub/sub channel carrying the ids of runs to cancel on that node's workers."""
     return f"{PREFIX}:cancel:{node_id}"
@@ -184,6 +191,8 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (node_queue("{node}"), "sorted set (arq)", "jobs queued for the node's workers",
      "ZRANGE iop:node:{node} 0 -1 WITHSCORES"),
     (node_wake("{node}"), "list", "ids of jobs just queued, popped by idle workers", "LRANGE iop:wake:{node} 0 -1"),
+    (worker_woken("{instance}"), "list + TTL", "a worker's job ids just woken (BLMOVE) or last taken, until its "
+     "next take", "LRANGE iop:woken:{instance} 0 -1"),
     (node_cancel("{node}"), "pub/sub channel", "run ids to cancel on the node", "SUBSCRIBE iop:cancel:{node}"),
     (SCHEDULER_SIGNALS, "pub/sub channel", "wakes every scheduler replica (a provider's health changed)",
      "SUBSCRIBE iop:signals"),

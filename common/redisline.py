@@ -210,11 +210,16 @@ class Line:
         link = await self._ready()
         futures = [link.send(p) for p in packed]
         replies: list[Any] = []
-        for future in futures:
-            try:
-                replies.append(await future)
-            except ResponseError as exc:
-                replies.append(exc)
+        try:
+            for future in futures:
+                try:
+                    replies.append(await future)
+                except ResponseError as exc:
+                    replies.append(exc)
+        except asyncio.CancelledError:
+            if self.blocking and futures[0].cancelled():  # (as in `_once`: the blocking read is first)
+                self._abandon(link)
+            raise
         return replies
 
     async def _failed(self, error: Exception) -> None:

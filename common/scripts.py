@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from common import keys
-from common.redisline import line_of
+from common.redisline import Line, line_of
 
 _NOW = """
 local _t = redis.call('TIME')
@@ -389,12 +389,8 @@ return start_run(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], 
 # started, while it is still that start (its lease lives, nothing was sent, its body is there), so
 # it does not wait for its lease to expire. (A worker restarted in place, same host and pid, is
 # another instance: its predecessor's runs go through their leases and count an attempt.)
-# Returns {{job id, status, field, value, ...}, ...}.
-# KEYS: node queue
-# ARGV: in-progress key prefix, in-progress ttl (ms), run record prefix, events prefix, lease
-#       prefix, lease_ttl_ms, ttl_s, worker, cancelled event data, signals channel, instance id,
-#       job ids...
-TAKE = _NOW + _ENDED + _EVENTS + _START + """
+# `take_jobs(...)` returns {{job id, status, field, value, ...}, ...}.
+_TAKE = _ENDED + _EVENTS + _START + """
 local function started_again(record, run_id, worker, lease_prefix)
   local flat = redis.call('HGETALL', record)
   local r = {}
@@ -405,28 +401,73 @@ local function started_again(record, run_id, worker, lease_prefix)
   table.insert(flat, 1, 'ok')
   return flat
 end
-local out = {}
-for i = 12, #ARGV do
-  local id = ARGV[i]
-  local score = redis.call('ZSCORE', KEYS[1], id)
-  if score and tonumber(score) <= now then
-    -- the marker, set here unless the job has one (then that one, unchanged)
-    local marker = redis.call('SET', ARGV[1] .. id, ARGV[11], 'NX', 'GET', 'PX', ARGV[2])
-    local started
-    if not marker then
-      started = start_run(ARGV[3] .. id, ARGV[4] .. id, id, ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[5])
-      if started[1] ~= 'ok' then
-        redis.call('DEL', ARGV[1] .. id)
-        redis.call('ZREM', KEYS[1], id)
+local function take_jobs(queue, ids)
+  local out = {}
+  for _, id in ipairs(ids) do
+    local score = redis.call('ZSCORE', queue, id)
+    if score and tonumber(score) <= now then
+      -- the marker, set here unless the job has one (then that one, unchanged)
+      local marker = redis.call('SET', ARGV[1] .. id, ARGV[11], 'NX', 'GET', 'PX', ARGV[2])
+      local started
+      if not marker then
+        started = start_run(ARGV[3] .. id, ARGV[4] .. id, id, ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[5])
+        if started[1] ~= 'ok' then
+          redis.call('DEL', ARGV[1] .. id)
+          redis.call('ZREM', queue, id)
+        end
+      elseif marker == ARGV[11] then
+        started = started_again(ARGV[3] .. id, id, ARGV[8], ARGV[5])
       end
-    elseif marker == ARGV[11] then
-      started = started_again(ARGV[3] .. id, id, ARGV[8], ARGV[5])
-    end
-    if started then
-      table.insert(started, 1, id)
-      out[#out + 1] = started
+      if started then
+        table.insert(started, 1, id)
+        out[#out + 1] = started
+      end
     end
   end
+  return out
+end
+"""
+
+# `take_jobs` for the job ids given (arq's poll lists them).
+# KEYS: node queue
+# ARGV: in-progress key prefix, in-progress ttl (ms), run record prefix, events prefix, lease
+#       prefix, lease_ttl_ms, ttl_s, worker, cancelled event data, signals channel, instance id,
+#       job ids...
+TAKE = _NOW + _TAKE + """
+local ids = {}
+for i = 12, #ARGV do ids[#ids + 1] = ARGV[i] end
+return take_jobs(KEYS[1], ids)
+"""
+
+# `take_jobs` for the jobs of the node's wake list, sent in the same write as the worker's blocking
+# `BLMOVE` of one id from the wake list to the worker's own list (`keys.worker_woken`): Redis runs it
+# as soon as the id is moved, with no round trip between the wake-up and the start. It takes the ids
+# of its own list and as many more from the wake list as make `free` (oldest first: `dispatch`
+# LPUSHes), and keeps the ids of its
+# answer in its own list, for the worker's next call to name as received (`acked`): an id the list
+# still holds that was not received (the answer was lost with a dropped connection) goes through
+# `take_jobs` again, which hands its run over again as started.
+# KEYS: node queue, the worker's own list, the node's wake list
+# ARGV: as TAKE's first 11, then the most jobs to take (`free`), then the job ids of the worker's
+#       last answer (acked)...
+TAKE_WOKEN = _NOW + _TAKE + """
+local free = tonumber(ARGV[12])
+local acked = {}
+for i = 13, #ARGV do acked[ARGV[i]] = true end
+local ids = {}
+local held = redis.call('LPOP', KEYS[2], 1000000)
+for _, id in ipairs(held or {}) do
+  if not acked[id] then ids[#ids + 1] = id end
+end
+if #ids < free then
+  for _, id in ipairs(redis.call('RPOP', KEYS[3], free - #ids) or {}) do ids[#ids + 1] = id end
+end
+local out = take_jobs(KEYS[1], ids)
+if #out > 0 then
+  local answered = {}
+  for i = 1, #out do answered[i] = out[i][1] end
+  redis.call('RPUSH', KEYS[2], unpack(answered))
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
 end
 return out
 """
@@ -708,6 +749,7 @@ ALL: dict[str, str] = {
     "dispatch": DISPATCH,
     "start": START,
     "take": TAKE,
+    "take_woken": TAKE_WOKEN,
     "renew": RENEW,
     "finish": FINISH,
     "drop_queued": DROP_QUEUED,
@@ -763,6 +805,22 @@ class Scripts:
         for run_keys, args in calls:
             pipe.evalsha(SHAS[name], len(run_keys), *run_keys, *args)
         return list(await pipe.execute(raise_on_error=False))
+
+    async def call_after(self, line: Line, command: Sequence[Any], name: str, keys: Sequence[str],
+                         args: Sequence[Any]) -> tuple[Any, Any]:
+        """`command` (a blocking read, on `line`, its loop's own) and the script sent in one write:
+        Redis runs the script as soon as it has answered the command, with no round trip between
+        them. Returns both replies; an error reply is raised. A script Redis has forgotten (a
+        restart) did nothing: it is loaded and called again."""
+        first, answer = await line.execute_many([command, ("EVALSHA", SHAS[name], len(keys), *keys, *args)])
+        if isinstance(first, ResponseError):
+            raise first
+        if isinstance(answer, NoScriptError):
+            await self.load()
+            answer = await self.call(name, keys, args)
+        elif isinstance(answer, ResponseError):
+            raise answer
+        return first, answer
 
     async def call(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:

@@ -32,14 +32,19 @@ async def client(redis_url: str) -> AsyncIterator[Redis]:
 
 
 @contextmanager
-def next_reply_lost() -> Iterator[list[Any]]:
-    """The next reply read on any connection is read, then lost: the connection drops as it
-    arrives. Yields the replies lost so (one, once it happened)."""
+def next_reply_lost(after: int = 0) -> Iterator[list[Any]]:
+    """The next reply read on any connection (after `after` others) is read, then lost: the
+    connection drops as it arrives. Yields the replies lost so (one, once it happened)."""
     lost: list[Any] = []
     original = AbstractConnection.read_response
+    passed = 0
 
     async def read_response(self: AbstractConnection, *args: Any, **kwargs: Any) -> Any:
+        nonlocal passed
         reply = await original(self, *args, **kwargs)
+        if passed < after:
+            passed += 1
+            return reply
         if not lost:
             lost.append(reply)
             await self.disconnect()
@@ -133,6 +138,54 @@ async def test_a_job_whose_take_reply_was_lost_is_handed_to_its_worker_again_not
     try:
         assert not worker.tasks
         assert await fields(redis, keys.run_record(run_id), "state") == ["running"]
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_woken_job_whose_take_reply_was_lost_is_handed_to_its_worker_again(
+        redis: Redis, redis_url: str) -> None:
+    """The same for the wake-up's `take_woken`, sent with the `BLMOVE`: its answer lost (the
+    `BLMOVE`'s came), both go out again, and the script hands over again the run its lost answer
+    started, which its worker's list kept (the worker had not said it received it)."""
+
+    from tests.test_runner import TEXT, Scripted, fields, start_one
+    from workers.runner import Runner
+
+    sched, run_id = await start_one(redis, {"a": 1}, max_attempts=3)
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
+    worker = node_worker(redis_url, runner, poll_delay=0.2)
+    try:
+        with next_reply_lost(after=1) as lost:
+            assert await worker._wait_for_work() is True  # (the BLMOVE made again waited, for nothing)
+        assert lost and lost[0][0][:2] == [run_id.encode(), b"ok"]  # the lost answer started it
+        assert list(worker.tasks) == [run_id]
+        assert await worker.tasks[run_id] == "completed:ok"
+        assert await fields(redis, keys.run_record(run_id), "state", "attempts") == ["completed", "1"]
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_woken_job_whose_take_reply_came_is_not_handed_over_again(redis: Redis, redis_url: str) -> None:
+    """The worker's next `take_woken` says which ids it received: its list drops them, and their
+    runs (running, nothing sent yet) are not handed over a second time."""
+
+    from tests.test_cancel import StallingAdapter
+    from tests.test_runner import start_one
+    from workers.runner import Runner
+
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": StallingAdapter()})
+    worker = node_worker(redis_url, runner, poll_delay=0.2)
+    woken = keys.worker_woken(worker.instance)
+    try:
+        assert await worker._wait_for_work() is False
+        assert list(worker.tasks) == [run_id]
+        assert await redis.lrange(woken, 0, -1) == [run_id.encode()]  # until the next call says received
+        assert 0 < await redis.pttl(woken) <= worker.in_progress_timeout_s * 1000
+        taken, came = await worker._take_woken(1)
+        assert (taken, came) == ([], False) and not await redis.exists(woken)
+        worker.tasks[run_id].cancel()
+        await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
     finally:
         await worker.pool.aclose(close_connection_pool=True)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 
 import pytest
 from hypothesis import given
@@ -197,3 +198,22 @@ async def test_a_blocking_read_whose_caller_left_takes_nothing_that_comes_later(
     await client.rpush("wake", "job-1")
     assert await wake.execute("BLMPOP", 1, 1, "wake", "LEFT", "COUNT", 5) == [b"wake", [b"job-1"]]
     assert await wake.execute("CLIENT", "ID") != before  # on a new connection
+
+
+async def test_a_blocking_read_sent_with_a_command_after_it_whose_caller_left_runs_neither(client: Redis) -> None:
+    """The same for a blocking read sent together with a command that follows it (a worker's
+    `BLMOVE` and its `take_woken`): the server drops both with the connection."""
+    wake = new_line_of(client, "wake")
+    assert wake is not None
+    waiter = asyncio.create_task(wake.execute_many([("BLMOVE", "wake", "mine", "RIGHT", "LEFT", 5),
+                                                    ("RPUSH", "after", "ran")]))
+
+    async def blocked(n: int) -> bool:
+        return int((await client.info("clients"))["blocked_clients"]) == n
+
+    await async_wait_until(partial(blocked, 1), what="the BLMOVE to block")
+    waiter.cancel()
+    assert (await asyncio.gather(waiter, return_exceptions=True))[0].__class__ is asyncio.CancelledError
+    await async_wait_until(partial(blocked, 0), what="the server to drop the abandoned BLMOVE")
+    await client.rpush("wake", "job-1")
+    assert await client.lrange("wake", 0, -1) == [b"job-1"] and not await client.exists("mine", "after")

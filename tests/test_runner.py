@@ -18,6 +18,7 @@ from common import keys
 from common.codec import unpack
 from common.policy import Health
 from common.redisconn import Backoff
+from common.redisline import new_line_of
 from common.scripts import Scripts
 from common.wire import RunKind
 from scheduler.core import Scheduler
@@ -76,8 +77,8 @@ async def start_one(redis: Redis, capacities: dict[str, int], stream: bool = Tru
 
 
 def node_worker(redis_url: str, runner: Runner | None, **options: Any) -> WakeWorker:
-    """A `WakeWorker` of node n-a over the services' own connection pool, with its scripts ready as
-    its `main` makes them (`runner` None: no job may reach a runner)."""
+    """A `WakeWorker` of node n-a over the services' own connection pool, with its scripts and its
+    wake list's line ready as its `main` makes them (`runner` None: no job may reach a runner)."""
     from arq.worker import func
 
     from workers.arq_worker import WakeWorker, arq_redis
@@ -87,6 +88,7 @@ def node_worker(redis_url: str, runner: Runner | None, **options: Any) -> WakeWo
                         wake_key=keys.node_wake("n-a"), runner=lambda: cast(Runner, runner),
                         redis_pool=arq_redis(redis_url), handle_signals=False, **options)
     worker._scripts = Scripts(worker.pool)
+    worker._wake_line = new_line_of(worker.pool, "wake")
     return worker
 
 
@@ -459,52 +461,94 @@ async def test_a_full_worker_whose_job_just_ended_gets_its_slot_back(redis_url: 
         await worker.pool.aclose(close_connection_pool=True)
 
 
-async def test_a_woken_worker_pops_as_many_jobs_as_it_has_free_slots_at_once(redis: Redis, redis_url: str) -> None:
-    """Under load jobs queue up on a node's wake list faster than one pop each: a worker takes as
-    many as it has free slots in one BLMPOP (and claims them with one `take` script)."""
+async def dispatched_runs(redis: Redis, n: int) -> tuple[Runner, list[str]]:
+    """n runs dispatched to node n-a (provider a, n slots), oldest first, and a runner of the node
+    whose provider stalls."""
+    from tests.test_cancel import StallingAdapter
+
+    config = make_config({"a": n}, queue={"max_queue": 10, "queue_timeout_ms": 60_000})
+    _, sched, run_ids = await waiting_runs(redis, config, n)
+    await sched.dispatch_all()
+    return Runner(redis, config, "n-a", {"a": StallingAdapter()}), run_ids
 
 
-    worker = node_worker(redis_url, None, max_jobs=3)
-    claimed: list[list[str]] = []
+async def stop_runs(worker: WakeWorker) -> None:
+    for task in worker.tasks.values():
+        task.cancel()
+    await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
+    await worker.pool.aclose(close_connection_pool=True)
 
-    async def claim(job_ids: list[str]) -> None:
-        claimed.append(job_ids)
 
-    worker.claim_and_start = claim  # type: ignore[method-assign]
+async def test_a_woken_worker_takes_as_many_jobs_as_it_has_free_slots_at_once_oldest_first(
+        redis: Redis, redis_url: str) -> None:
+    """Under load jobs queue up on a node's wake list faster than one pop each: a worker woken by
+    one takes as many as it has free slots with it, in the same `take_woken` call, oldest first."""
+    runner, (first, second, third) = await dispatched_runs(redis, 3)
+    worker = node_worker(redis_url, runner, max_jobs=3)
     try:
         await worker.sem.acquire()
         worker.job_counter = 1  # one slot busy: two free
-        await redis.rpush(keys.node_wake("n-a"), "run_1", "run_2", "run_3")
         assert await worker._wait_for_work() is False
-        assert claimed == [["run_1", "run_2"]]
-        assert await redis.lrange(keys.node_wake("n-a"), 0, -1) == [b"run_3"]  # for a sibling with room
+        assert sorted(worker.tasks) == sorted([first, second]) and worker.job_counter == 3
+        assert await fields(redis, keys.run_record(first), "state") == ["running"]
+        assert await redis.lrange(keys.node_wake("n-a"), 0, -1) == [third.encode()]  # for a sibling with room
     finally:
-        await worker.pool.aclose(close_connection_pool=True)
+        await stop_runs(worker)
+
+
+async def test_a_woken_worker_takes_its_job_in_the_round_trip_of_its_wake_up(redis: Redis, redis_url: str) -> None:
+    """The `take_woken` script goes out with the blocking `BLMOVE` and Redis runs it once the id is
+    moved: the worker is woken with its run started, one round trip (its line's connection sent
+    two commands, and nothing else was sent between)."""
+    runner, (run_id,) = await dispatched_runs(redis, 1)
+    worker = node_worker(redis_url, runner, max_jobs=2, poll_delay=5)
+    await redis.delete(keys.node_wake("n-a"))
+    sent: list[tuple[Any, ...]] = []
+    try:
+        line = worker._wake_line
+        assert line is not None
+        original = line.execute_many
+
+        async def execute_many(commands: Any) -> list[Any]:
+            sent.append(tuple(c[0] for c in commands))
+            return await original(commands)
+
+        line.execute_many = execute_many  # type: ignore[method-assign]
+        waiting = asyncio.create_task(worker._wait_for_work())
+
+        async def blocked() -> bool:
+            return int((await redis.info("clients"))["blocked_clients"]) == 1
+
+        await async_wait_until(blocked, what="the worker to block on its wake list")
+        assert await fields(redis, keys.run_record(run_id), "state") == ["dispatched"]
+        await redis.lpush(keys.node_wake("n-a"), run_id)  # as `dispatch` does
+        assert await waiting is False
+        assert list(worker.tasks) == [run_id] and sent == [("BLMOVE", "EVALSHA")]
+        assert await fields(redis, keys.run_record(run_id), "state") == ["running"]
+    finally:
+        await stop_runs(worker)
 
 
 async def test_a_started_run_calls_its_provider_before_the_worker_pops_its_wake_list_again(
         redis: Redis, redis_url: str) -> None:
     """The worker's next blocking pop is not on a new run's way: the run goes first."""
-
-
-    worker = node_worker(redis_url, None, max_jobs=3)
+    runner, (run_id,) = await dispatched_runs(redis, 1)
+    worker = node_worker(redis_url, runner, max_jobs=3)
     ran: list[str] = []
 
     async def run(job_id: str) -> None:
         ran.append(job_id)  # (a run's first step: the provider call goes out here)
 
-    async def claim(job_ids: list[str]) -> None:
-        for job_id in job_ids:
-            worker.tasks[job_id] = asyncio.get_running_loop().create_task(run(job_id))
+    async def start(taken: list[Any]) -> None:
+        for started in taken:
+            worker.tasks[started[0].decode()] = asyncio.get_running_loop().create_task(run(started[0].decode()))
 
-    worker.claim_and_start = claim  # type: ignore[method-assign]
+    worker._start = start  # type: ignore[method-assign]
     try:
-        await redis.rpush(keys.node_wake("n-a"), "run_1")
         assert await worker._wait_for_work() is False
-        assert ran == ["run_1"]  # before the worker came back to pop again
+        assert ran == [run_id]  # before the worker came back to pop again
     finally:
-        await asyncio.gather(*worker.tasks.values())
-        await worker.pool.aclose(close_connection_pool=True)
+        await stop_runs(worker)
 
 
 def finish_fails(runner: Runner, monkeypatch: pytest.MonkeyPatch, times: int | None) -> list[int]:

@@ -53,6 +53,8 @@ class WakeWorker(Worker):
         #: the in-progress marker of the jobs this worker takes (see `new_worker_instance`)
         self.instance = new_worker_instance()
         self._wake_line: Line | None = None
+        #: the job ids of the last `take_woken` answer this worker received (see `_take_woken`)
+        self._received: list[bytes] = []
 
     async def main(self) -> None:
         if self._pool is None:
@@ -112,21 +114,36 @@ class WakeWorker(Worker):
                 # here for good, full of nothing.
                 await asyncio.sleep(0)
             return True
-        # As many job ids as it has free slots, in one round trip (BLMPOP, Redis 7): under load a
-        # worker takes the jobs queued meanwhile together, with one `take` script for all of them.
-        free = self.max_jobs - self.job_counter
-        if self._wake_line is None:
-            popped = await self.pool.blmpop(self.poll_delay_s, 1, self.wake_key, direction="LEFT", count=free)
-        else:
-            popped = await self._wake_line.execute("BLMPOP", self.poll_delay_s, 1, self.wake_key, "LEFT",
-                                                   "COUNT", free)
-        if popped is None:
-            return True
-        await self.claim_and_start([job_id.decode() for job_id in popped[1]])
+        taken, woken = await self._take_woken(self.max_jobs - self.job_counter)
+        await self._start(taken)
+        if not woken:
+            return True  # nothing came for `poll_delay`: arq's poll is due (a safety net)
         # The runs just started call their providers before this worker blocks on the wake list
         # again: the next pop is not on their way.
         await asyncio.sleep(0)
         return False
+
+    async def _take_woken(self, free: int) -> tuple[list[Any], bool]:
+        """Block on the wake list until a job id comes (`BLMOVE` to this worker's own list), and
+        take it with as many more as make `free` (the `take_woken` script), in one round trip:
+        the script is sent with the blocking read and Redis runs it once the id is moved. Returns
+        the script's answer and whether an id came before the wait's end (`poll_delay`)."""
+        script_keys = [self.queue_name, keys.worker_woken(self.instance), self.wake_key]
+        args = [*self._take_args(), free, *self._received]
+        # (oldest first: `dispatch` LPUSHes)
+        move = ("BLMOVE", self.wake_key, script_keys[1], "RIGHT", "LEFT", self.poll_delay_s)
+        if self._wake_line is None:  # (a client not made by `common.redisconn`: fakeredis)
+            woken = await self.pool.blmove(*move[1:3], self.poll_delay_s, "RIGHT", "LEFT")
+            taken = await self._scripts.call("take_woken", script_keys, args)
+        else:
+            woken, taken = await self._scripts.call_after(self._wake_line, move, "take_woken", script_keys, args)
+        self._received = [started[0] for started in taken]
+        return taken, woken is not None
+
+    def _take_args(self) -> list[Any]:
+        """The first arguments of the `take` scripts (their ARGV[1..11])."""
+        return [in_progress_key_prefix, int(self.in_progress_timeout_s * 1000), keys.run_record(""),
+                keys.run_events(""), keys.leases(""), *self.runner().start_args(), self.instance]
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
         """arq's poll iteration hands its due jobs here; claim them the same one-trip way."""
@@ -141,14 +158,15 @@ class WakeWorker(Worker):
         takes the job off the queue. Never asks for a job it runs (`take` hands such a job over
         again, taking it for one whose answer was lost)."""
         job_ids = [j for j in job_ids if j not in self.tasks]
-        if not job_ids:
-            return
-        taken = await self._scripts.call(
-            "take", [self.queue_name],
-            [in_progress_key_prefix, int(self.in_progress_timeout_s * 1000), keys.run_record(""),
-             keys.run_events(""), keys.leases(""), *self.runner().start_args(), self.instance, *job_ids])
+        if job_ids:
+            await self._start(await self._scripts.call("take", [self.queue_name], [*self._take_args(), *job_ids]))
+
+    async def _start(self, taken: list[Any]) -> None:
+        """Run each run a `take` script started in a task of its own (or log why it did not start)."""
         for started in taken:
             job_id = started[0].decode()
+            if job_id in self.tasks:  # (handed over again by `take_woken`, whose list kept it: it runs here)
+                continue
             if started[1] != b"ok":
                 await self.runner().run(job_id, started[1:])  # says why, in the log
                 continue
