@@ -88,6 +88,12 @@ def node_wake(node_id: str) -> str:
     return f"{PREFIX}:wake:{node_id}"
 
 
+def node_workers(node_id: str) -> str:
+    """Sorted set of the node's live worker processes: member the instance id, score until when (ms)
+    its last heartbeat vouches for it. The last one to stop hands the node's work back at once."""
+    return f"{PREFIX}:workers:{node_id}"
+
+
 def worker_woken(instance: str) -> str:
     """List of one worker process (its instance id): the job id its blocking `BLMOVE` took off its
     node's wake list, then the ids of its last `take_woken` answer (until its next call says it
@@ -191,6 +197,8 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (node_queue("{node}"), "sorted set (arq)", "jobs queued for the node's workers",
      "ZRANGE iop:node:{node} 0 -1 WITHSCORES"),
     (node_wake("{node}"), "list", "ids of jobs just queued, popped by idle workers", "LRANGE iop:wake:{node} 0 -1"),
+    (node_workers("{node}"), "sorted set + TTL", "the node's live worker processes: instance -> until (ms)",
+     "ZRANGE iop:workers:{node} 0 -1 WITHSCORES"),
     (worker_woken("{instance}"), "list + TTL", "a worker's job ids just woken (BLMOVE) or last taken, until its "
      "next take", "LRANGE iop:woken:{instance} 0 -1"),
     (node_cancel("{node}"), "pub/sub channel", "run ids to cancel on the node", "SUBSCRIBE iop:cancel:{node}"),

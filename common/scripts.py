@@ -623,6 +623,40 @@ redis.call('EXPIRE', KEYS[2], ttl)
 return 'failed'
 """
 
+# A worker process stops (its heartbeats stopped first). If it was the node's last live worker, the
+# node's work goes back at once instead of waiting out heartbeat_ttl_ms and the leases: each
+# provider's heartbeat says `unavailable` (its hash lapses as before; a new run is refused or goes
+# elsewhere now), and each run dispatched to the node that no worker took yet is queued again,
+# without counting the attempt it never had (its provider stays in `tried`, so it goes elsewhere
+# first). A run its caller cancelled meanwhile is left to its lease, as before.
+# KEYS: the node's workers set, the node's queue, the node's wake list, its providers' heartbeats...
+# ARGV: instance id, in-progress key prefix, reason, requeued event data, signals channel
+# Returns {1 if it was the last, runs queued again}.
+WORKER_LEFT = _NOW + _REQUEUE + _EVENTS + f"""
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) > 0 then return {{0, 0}} end
+for i = 4, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('HSET', KEYS[i], 'health', 'unavailable', 'reason', ARGV[3]) end
+end
+local requeued = 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  local record = '{keys.run_record("")}' .. id
+  local r = redis.call('HMGET', record, 'state', 'provider', 'model', 'cancel', 'attempts')
+  if r[1] == 'dispatched' and r[4] ~= '1' and redis.call('EXISTS', ARGV[2] .. id) == 0 then
+    redis.call('ZREM', '{keys.leases("")}' .. r[2], id)
+    redis.call('ZREM', KEYS[2], id)
+    redis.call('HSET', record, 'attempts', math.max(0, (tonumber(r[5]) or 1) - 1))
+    add_event(record, '{keys.run_events("")}' .. id, id, 'requeued', ARGV[4])
+    requeue(record, '{keys.runs_stream("")}' .. r[3], id, false)
+    requeued = requeued + 1
+  end
+end
+redis.call('DEL', KEYS[3])
+redis.call('PUBLISH', ARGV[5], '*')
+return {{1, requeued}}
+"""
+
 # A worker claims the next health probe of a provider: nothing showed it alive for an interval
 # and no other worker probed it since. An `exclusive` probe (one that would disturb a run) is
 # only claimed while the provider runs nothing, and takes the probing lock that DISPATCH honours.
@@ -755,6 +789,7 @@ ALL: dict[str, str] = {
     "drop_queued": DROP_QUEUED,
     "emit": EMIT,
     "reap": REAP,
+    "worker_left": WORKER_LEFT,
     "probe": PROBE,
     "probed": PROBED,
     "watch": WATCH,

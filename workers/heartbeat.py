@@ -59,8 +59,12 @@ def probe_evidence(probe: ProbeResult, busy: bool) -> tuple[str, int]:
 
 
 class Heartbeats:
-    def __init__(self, redis: Redis, config: Config, node_id: str, adapters: dict[str, Adapter]) -> None:
+    def __init__(self, redis: Redis, config: Config, node_id: str, adapters: dict[str, Adapter],
+                 instance: str = "") -> None:
+        """`instance`: the worker process's id (`new_worker_instance`), kept among the node's live
+        workers (`keys.node_workers`) while it beats; '' for none."""
         self.redis = redis
+        self.instance = instance
         self.config = config
         self.node_id = node_id
         self.adapters = adapters
@@ -94,6 +98,10 @@ class Heartbeats:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, mapping=heartbeat_fields(provider, self.node_id, health, reason, now))
         pipe.pexpire(key, self.config.runtime.heartbeat_ttl_ms)
+        if self.instance:  # this worker lives as long as its heartbeat does
+            workers = keys.node_workers(self.node_id)
+            pipe.zadd(workers, {self.instance: now + self.config.runtime.heartbeat_ttl_ms})
+            pipe.pexpire(workers, self.config.runtime.heartbeat_ttl_ms)
         if self.last.get(provider.id) is not health:
             log.info("provider %s is %s%s", provider.id, health.value, f": {reason}" if reason else "")
             pipe.publish(keys.SCHEDULER_SIGNALS, "*")

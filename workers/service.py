@@ -7,6 +7,7 @@ import logging
 from typing import Any, cast
 
 import aiohttp
+from arq.constants import in_progress_key_prefix
 from arq.worker import func
 
 from common import keys
@@ -14,7 +15,7 @@ from common.codec import pack, unpack
 from common.config import Config, ProviderConfig, RuntimeConfig
 from common.redisconn import REDIS_DOWN, Backoff, connect
 from common.runlog import run_fields
-from common.wire import cancelled_by_caller
+from common.wire import ErrorCode, ErrorInfo, cancelled_by_caller
 from workers import metrics as worker_metrics
 from workers.adapters.base import DEFAULT_LIMITS, Adapter, ReadLimits
 from workers.adapters.cli import CliAdapter
@@ -89,7 +90,7 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         session = provider_session()
         secrets = frozenset(p.api_key_env for n in config.nodes for p in n.providers if p.api_key_env)
         adapters = {p.id: make_adapter(p, session, secrets, read_limits(config.runtime)) for p in node.providers}
-        heartbeats = Heartbeats(redis, config, node_id, adapters)
+        heartbeats = Heartbeats(redis, config, node_id, adapters, worker.instance)
         runner = Runner(redis, config, node_id, adapters, on_strike=heartbeats.nudge, on_life=heartbeats.showed_life)
         ctx[RUNNER_CTX] = runner
         ctx["iop_session"] = session
@@ -131,6 +132,31 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
     return worker
 
 
+async def leave_node(worker: WakeWorker, config: Config, node_id: str) -> None:
+    """This worker stops (its pick-up loop and heartbeats have): if it was the node's last live one,
+    the `worker_left` script makes its providers unavailable and queues again the runs dispatched
+    to the node that no worker took, now rather than after heartbeat_ttl_ms and their leases."""
+    runner: Runner | None = worker.ctx.get(RUNNER_CTX)
+    node = config.node(node_id)
+    if runner is None or node is None:
+        return
+    lost = ErrorInfo(ErrorCode.WORKER_LOST, f"the last worker of node {node_id} stopped before taking the run")
+    try:
+        last, requeued = await runner.scripts.call(
+            "worker_left",
+            [keys.node_workers(node_id), keys.node_queue(node_id), keys.node_wake(node_id),
+             *(keys.heartbeat(p.id) for p in node.providers)],
+            [worker.instance, in_progress_key_prefix, f"no worker of node {node_id} is running",
+             pack(lost.to_wire()), keys.SCHEDULER_SIGNALS])
+    except REDIS_DOWN as exc:
+        log.warning("worker: Redis unavailable while stopping (%s): the node's providers lapse with their "
+                    "heartbeats", exc)
+        return
+    if last:
+        log.info("the node's last worker stops: its providers are unavailable until a worker starts; "
+                 "%d runs no worker took were queued again", requeued)
+
+
 async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 10.0,
                 metrics_port: int | None = None, metrics_host: str = "0.0.0.0") -> None:
     """Run until SIGTERM/SIGINT; then take no new jobs, let running ones finish for up to
@@ -152,14 +178,15 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
         log.error("worker loop failed", exc_info=main.exception())
     # Take no new jobs: stop the pick-up loop; the jobs run in tasks of their own. And stop saying
     # the node's providers can take runs: while another worker of the node lives, its heartbeats
-    # still do; when this was the last, the providers' hashes expire after heartbeat_ttl_ms and no
-    # more runs are sent here to wait for a lease that no worker will take.
+    # still do; when this was the last, its providers are unavailable at once and the runs sent
+    # here that no worker took go back to their queues (`leave_node`).
     main.cancel()
     beating = worker.ctx.get(HEARTBEATS_CTX)
     if beating is not None:
         beating.cancel()
     stopped.cancel()
-    await asyncio.gather(main, stopped, return_exceptions=True)
+    await asyncio.gather(main, stopped, *([beating] if beating is not None else []), return_exceptions=True)
+    await leave_node(worker, config, node_id)
     jobs = [t for t in worker.tasks.values() if not t.done()]
     if jobs:
         log.info("stopping: waiting up to %.1fs for %d runs", grace_s, len(jobs))

@@ -1,0 +1,68 @@
+"""The last worker of a node to stop hands the node's work back at once (`workers.service.leave_node`,
+the `worker_left` script), against a real Redis: its providers say `unavailable`, and the runs
+dispatched to the node that no worker took go back to their queue without an attempt counted."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from common import keys
+from common.codec import unpack
+from tests.test_runner import dispatched_runs, fields, node_worker
+from workers.runner import new_worker_instance
+from workers.service import RUNNER_CTX, leave_node
+
+
+async def test_the_last_worker_to_stop_queues_again_the_runs_no_worker_took(redis: Redis, redis_url: str) -> None:
+    runner, run_ids = await dispatched_runs(redis, 2)
+    worker = node_worker(redis_url, runner)
+    worker.ctx[RUNNER_CTX] = runner
+    await redis.zadd(keys.node_workers("n-a"), {worker.instance: 2**50})  # as its heartbeat registers it
+    try:
+        await leave_node(worker, runner.config, "n-a")
+        for run_id in run_ids:
+            assert await fields(redis, keys.run_record(run_id), "state", "attempts", "provider", "tried") == [
+                "queued", "0", None, "a"]
+            last = (await redis.xrevrange(keys.run_events(run_id), count=1))[0][1]
+            assert last[b"type"] == b"requeued" and unpack(last[b"data"])["code"] == "worker_lost"
+        assert await redis.xlen(keys.runs_stream(runner.config.models[0].id)) == 2
+        assert not await redis.zcard(keys.leases("a")) and not await redis.zcard(keys.node_queue("n-a"))
+        assert not await redis.exists(keys.node_wake("n-a"), keys.node_workers("n-a"))
+        assert await fields(redis, keys.heartbeat("a"), "health", "reason") == [
+            "unavailable", "no worker of node n-a is running"]
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_worker_that_stops_while_another_of_its_node_lives_leaves_the_node_s_work_alone(
+        redis: Redis, redis_url: str) -> None:
+    runner, (run_id,) = await dispatched_runs(redis, 1)
+    worker = node_worker(redis_url, runner)
+    worker.ctx[RUNNER_CTX] = runner
+    await redis.zadd(keys.node_workers("n-a"), {worker.instance: 2**50, new_worker_instance(): 2**50})
+    try:
+        await leave_node(worker, runner.config, "n-a")
+        assert await fields(redis, keys.run_record(run_id), "state", "provider") == ["dispatched", "a"]
+        assert await redis.zcard(keys.node_queue("n-a")) == 1 and await redis.llen(keys.node_wake("n-a")) == 1
+        assert await fields(redis, keys.heartbeat("a"), "health") == ["available"]
+        assert await redis.zrange(keys.node_workers("n-a"), 0, -1) != []  # the other one, not this one
+        assert worker.instance.encode() not in await redis.zrange(keys.node_workers("n-a"), 0, -1)
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_run_a_worker_took_or_its_caller_cancelled_is_left_to_its_lease(redis: Redis, redis_url: str) -> None:
+    """A run in progress (its marker set) goes on where it is; one cancelled before its start ends
+    through its lease, as before (the reaper ends it `cancelled`)."""
+    runner, (taken, cancelled) = await dispatched_runs(redis, 2)
+    worker = node_worker(redis_url, runner)
+    worker.ctx[RUNNER_CTX] = runner
+    await redis.set(f"arq:in-progress:{taken}", "someone")
+    await redis.hset(keys.run_record(cancelled), "cancel", "1")
+    try:
+        await leave_node(worker, runner.config, "n-a")  # (no live worker registered: it was the last)
+        assert await fields(redis, keys.run_record(taken), "state") == ["dispatched"]
+        assert await fields(redis, keys.run_record(cancelled), "state") == ["dispatched"]
+        assert await redis.zcard(keys.leases("a")) == 2
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
