@@ -443,10 +443,9 @@ return take_jobs(KEYS[1], ids)
 # `BLMOVE` of one id from the wake list to the worker's own list (`keys.worker_woken`): Redis runs it
 # as soon as the id is moved, with no round trip between the wake-up and the start. It takes the ids
 # of its own list and as many more from the wake list as make `free` (oldest first: `dispatch`
-# LPUSHes), and keeps the ids of its
-# answer in its own list, for the worker's next call to name as received (`acked`): an id the list
-# still holds that was not received (the answer was lost with a dropped connection) goes through
-# `take_jobs` again, which hands its run over again as started.
+# LPUSHes), and keeps the ids of its answer in its own list, for the worker's next call to name as
+# received (`acked`): an id the list still holds that was not received (the answer was lost with a
+# dropped connection) goes through `take_jobs` again, which hands its run over again as started.
 # KEYS: node queue, the worker's own list, the node's wake list
 # ARGV: as TAKE's first 11, then the most jobs to take (`free`), then the job ids of the worker's
 #       last answer (acked)...

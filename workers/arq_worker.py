@@ -3,10 +3,12 @@
 arq polls its queue every `poll_delay` (0.5 s by default, measured here at 258 ms median
 added latency per run). This worker blocks on the node's wake list instead: the dispatch
 script LPUSHes the job id with every job it queues, so a job is claimed the moment it is
-queued; a worker pops as many ids as it has free slots at once (`BLMPOP`). Taking the jobs and
-starting their runs is one Lua script (`take`) instead of arq's WATCH/MULTI sequence, its job
-read and its try counter; the run's `finish` script takes the job off the queue at the end, so
-arq writes no result and deletes nothing per job.
+queued. The blocking `BLMOVE` (one id, to the worker's own list) goes out together with the Lua
+script that takes the jobs and starts their runs (`take_woken`: that id and as many more as the
+worker has free slots), and Redis runs the script as soon as the id comes: the wake-up and the
+start are one round trip. The script replaces arq's WATCH/MULTI sequence, its job read and its
+try counter; the run's `finish` script takes the job off the queue at the end, so arq writes no
+result and deletes nothing per job.
 arq's own poll iteration still runs when nothing woke the worker for `poll_delay` and
 after the worker was full, as a safety net for tokens that were lost or trimmed.
 
