@@ -63,7 +63,7 @@ async def read_raw(redis: Redis, config: Config, now_ms: int) -> RawState:
     for i, m in enumerate(config.models):
         head = replies[2 * n + 2 * i + 1]
         oldest[m.id] = (entry_ms(head[0][0]), as_text_map(head[0][1]).get("run", "")) if head else None
-    controls, cordons = control.from_replies(config, replies[2 * n + 2 * len(config.models):], now_ms)
+    controls, cordons = control.from_replies(config, replies[2 * n + 2 * len(config.models):])
     return RawState(
         now_ms=now_ms,
         heartbeats={pid: as_text_map(replies[2 * i]) for i, pid in enumerate(providers)},

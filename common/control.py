@@ -266,9 +266,10 @@ async def read_audit(redis: Redis, limit: int = 50, before: str | None = None) -
         if parsed is None:
             raise ControlError(f"before: {shown(before)} is not an audit entry id (<ms>-<seq>, such as "
                                "1796052617385-0)", "before")
-        if parsed == (0, 0):  # Redis refuses an exclusive end below the first id there can be
+        if parsed in ((0, 0), (0, None)):  # Redis refuses an exclusive end below the first id there can be
             return []
-    top = f"({before}" if before is not None else "+"
+    # (an exclusive `(<ms>` would still take the entries of that ms: Redis ends it at `<ms>-<max seq>`)
+    top = "+" if before is None else f"({before}" if "-" in before else f"({before}-0"
     raw = await redis.xrevrange(keys.AUDIT_STREAM, top, "-", count=limit)
     return [AuditEntry.from_entry(ident, fields) for ident, fields in raw]
 
@@ -315,13 +316,12 @@ def queue_reads(pipe: Pipeline, config: Config) -> None:
         for p in node.providers:
             pipe.get(keys.drained(p.id))
             pipe.get(keys.capacity_override(p.id))
-            pipe.pttl(keys.capacity_override(p.id))
+            pipe.execute_command("PEXPIRETIME", keys.capacity_override(p.id))
     for node in config.nodes:
         pipe.get(keys.cordoned(node.id))
 
 
-def from_replies(config: Config, replies: list[Any], now_ms: int) -> tuple[dict[str, ProviderControl],
-                                                                             dict[str, int | None]]:
+def from_replies(config: Config, replies: list[Any]) -> tuple[dict[str, ProviderControl], dict[str, int | None]]:
     """(provider id -> its control state, node id -> since when it is cordoned), from the replies of
     `queue_reads`, in order. Pure."""
     providers = [(node.id, p.id) for node in config.nodes for p in node.providers]
@@ -329,16 +329,16 @@ def from_replies(config: Config, replies: list[Any], now_ms: int) -> tuple[dict[
     cordons = {node.id: _opt_int(replies[n + i]) for i, node in enumerate(config.nodes)}
     out = {}
     for i, (node_id, pid) in enumerate(providers):
-        drained, override, ttl = replies[PER_PROVIDER * i:PER_PROVIDER * (i + 1)]
+        drained, override, expires_at = replies[PER_PROVIDER * i:PER_PROVIDER * (i + 1)]
         value = _opt_int(override)
+        # (Redis's own expiry time, the `until_ms` the audit recorded: no clock of this process in it)
         out[pid] = ProviderControl(
             drained_since_ms=_opt_int(drained), cordoned_since_ms=cordons[node_id], capacity_override=value,
-            capacity_override_until_ms=now_ms + int(ttl) if value is not None and int(ttl) > 0 else None)
+            capacity_override_until_ms=int(expires_at) if value is not None and int(expires_at) > 0 else None)
     return out, cordons
 
 
-async def read_control(redis: Redis, config: Config, now_ms: int) -> tuple[dict[str, ProviderControl],
-                                                                          dict[str, int | None]]:
+async def read_control(redis: Redis, config: Config) -> tuple[dict[str, ProviderControl], dict[str, int | None]]:
     pipe = redis.pipeline(transaction=False)
     queue_reads(pipe, config)
-    return from_replies(config, await pipe.execute(), now_ms)
+    return from_replies(config, await pipe.execute())

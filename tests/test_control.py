@@ -91,6 +91,16 @@ async def test_an_audit_page_before_takes_only_ids_redis_takes(redis: Redis) -> 
     assert await read_audit(redis, 10, before="0-0") == []  # before the first id there can be
     assert await read_audit(redis, 10, before="0") == []
     assert len(await read_audit(redis, 10, before="18446744073709551615-18446744073709551615")) == 1
+    # `<ms>` alone: the entries before that ms, none of its own (found by an operator's audit:
+    # Redis ends an exclusive `(<ms>` at that ms's last entry, so a page repeated the entries of its ms)
+    ms = (await read_audit(redis, 1))[0].id.split("-")[0]
+    await apply(redis, config, Change(Action.UNDRAIN, "a", "ops"))
+    await redis.xadd(keys.AUDIT_STREAM, {"at_ms": ms}, id=f"{int(ms) + 10**9}-0")  # (a later one)
+    await redis.xadd(keys.AUDIT_STREAM, {"at_ms": ms}, id=f"{int(ms) + 10**9}-1")
+    later = str(int(ms) + 10**9)
+    assert [e.id for e in await read_audit(redis, 10, before=later)][-1] == f"{ms}-0"
+    assert f"{later}-0" not in [e.id for e in await read_audit(redis, 10, before=later)]
+    assert [e.id for e in await read_audit(redis, 10, before=f"{later}-1")][0] == f"{later}-0"
     for bad in ("1-", "\u00b2", "\u0661-0", "1-\u0661", "+1", " 1", "", "18446744073709551616", "9" * 5000):
         with pytest.raises(ControlError, match="is not an audit entry id") as err:
             await read_audit(redis, 10, before=bad)
@@ -177,11 +187,11 @@ async def test_an_override_given_a_time_expires_by_itself(redis: Redis) -> None:
     await beat(redis, config)
     await apply(redis, config, Change(Action.CAPACITY, "a", "ops", capacity=1, for_ms=1_000))
     assert (await read_snapshots(redis, {"a": "a-name"}, now_ms(), config.node_of))[0].effective_capacity == 1
-    controls, _ = await read_control(redis, config, now_ms())
+    controls, _ = await read_control(redis, config)
     assert controls["a"].capacity_override == 1 and controls["a"].capacity_override_until_ms is not None
 
     async def expired() -> bool:
-        controls, _ = await read_control(redis, config, now_ms())
+        controls, _ = await read_control(redis, config)
         return controls["a"].capacity_override is None
     await async_wait_until(expired, timeout=10, what="the override to expire")
     assert (await read_snapshots(redis, {"a": "a-name"}, now_ms(), config.node_of))[0].effective_capacity == 4
