@@ -62,10 +62,14 @@ def _capacity_change(request: web.Request, provider_id: str, max_depth: int) -> 
     if "capacity" not in body:
         raise invalid("capacity: required (a whole number; DELETE this route to clear an override)", "capacity")
     try:
+        if isinstance(body["capacity"], str):  # (the command line's N is text; JSON has numbers)
+            raise ControlError(f"capacity: {control.shown(body['capacity'])} is text, not a whole number "
+                               "(send a JSON number, such as 2)", "capacity")
         capacity = control.check_capacity(body["capacity"])
         duration = body.get("for")
         if duration is not None and not isinstance(duration, str):
-            raise ControlError(f"for: {control.shown(duration)} is not a duration such as 90s, 30m, 2h or 7d", "for")
+            raise ControlError(f"for: {control.shown(duration)} is not a duration such as 90s, 30m, 2h, 7d or 1h30m "
+                               "(text)", "for")
         for_ms = control.parse_duration(duration) if duration is not None else None
     except ControlError as exc:
         raise invalid(str(exc), exc.param) from None

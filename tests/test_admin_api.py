@@ -127,11 +127,13 @@ async def test_capacity_override_over_http(redis: Redis, redis_url: str) -> None
     ({"capacity": 0}, "capacity", "less than 1"),
     ({"capacity": 5}, "capacity", "is above vllm-a's configured capacity 4 (an override can only lower it"),
     ({"capacity": "two"}, "capacity", "not a whole number"),
+    ({"capacity": "1"}, "capacity", "'1' is text, not a whole number (send a JSON number"),  # (found in an audit)
+    ({"capacity": "01"}, "capacity", "is text, not a whole number"),
     ({"capacity": 1.5}, "capacity", "not a whole number"),
     ({"capacity": None}, "capacity", "not a whole number"),
     ({"capacity": 2, "for": "8d"}, "for", "longer than 7d"),
     ({"capacity": 2, "for": "soon"}, "for", "not a duration"),
-    ({"capacity": 2, "for": 60}, "for", "not a duration"),
+    ({"capacity": 2, "for": 60}, "for", "not a duration such as 90s, 30m, 2h, 7d or 1h30m"),
     ({"capacity": 2, "ttl": "5m"}, "ttl", "unknown field"),
     ([2], None, "must be a JSON object"),
 ])
