@@ -196,6 +196,9 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
      "XREVRANGE iop:history + - COUNT 1"),
     (node_queue("{node}"), "sorted set (arq)", "jobs queued for the node's workers",
      "ZRANGE iop:node:{node} 0 -1 WITHSCORES"),
+    # (arq's own, named after the node's queue: `{queue}:health-check`, rewritten every health_check_interval)
+    (node_queue("{node}") + ":health-check", "string + TTL (arq)",
+     "arq's health check of the node's workers (not read by iop)", "GET iop:node:{node}:health-check"),
     (node_wake("{node}"), "list", "ids of jobs just queued, popped by idle workers", "LRANGE iop:wake:{node} 0 -1"),
     (node_workers("{node}"), "sorted set + TTL", "the node's live worker processes: instance -> until (ms)",
      "ZRANGE iop:workers:{node} 0 -1 WITHSCORES"),

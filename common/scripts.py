@@ -512,7 +512,11 @@ redis.call('EXPIRE', KEYS[3], ttl)
 if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' then
   requeue(KEYS[1], KEYS[4], ARGV[1], ARGV[2] == 'requeue_elsewhere')
 else
-  redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
+  if ARGV[2] == 'completed' then  -- its answer went to the caller (a non-stream run's is this event)
+    redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now, 'output', '1')
+  else
+    redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
+  end
   if ARGV[8] ~= '' then
     redis.call('HSET', KEYS[1], 'error_code', ARGV[8], 'error_message', ARGV[9])
   end

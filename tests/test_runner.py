@@ -461,6 +461,15 @@ async def test_a_full_worker_whose_job_just_ended_gets_its_slot_back(redis_url: 
         await worker.pool.aclose(close_connection_pool=True)
 
 
+async def test_a_non_stream_run_s_answer_is_its_output(redis: Redis) -> None:
+    """A completed non-stream run sent its caller the answer (its `completed` event): its record says
+    `output` as a stream's does (the runs API showed `output: false` for it; found in an audit)."""
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([])})
+    assert (await runner.execute(run_id)).startswith("completed")
+    assert await fields(redis, keys.run_record(run_id), "state", "output") == ["completed", "1"]
+
+
 async def dispatched_runs(redis: Redis, n: int) -> tuple[Runner, list[str]]:
     """n runs dispatched to node n-a (provider a, n slots), oldest first, and a runner of the node
     whose provider stalls."""
