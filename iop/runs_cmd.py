@@ -80,7 +80,7 @@ def show(redis_url: str, run_id: str, as_json: bool = False) -> int:
         found = asyncio.run(read_run(redis_url, run_id))
     except REDIS_DOWN as exc:
         print(f"error: Redis at {redact(redis_url)} is unreachable: {exc}", file=sys.stderr)
-        return 2
+        return 1  # (as every command that reads Redis: 2 is for what was given)
     if found is None:
         print(f"error: run {run_id!r} is not in Redis (unknown, or expired after runtime.run_ttl_s)",
               file=sys.stderr)

@@ -73,6 +73,6 @@ def test_an_unknown_run_exits_1(redis_url: str, capsys: pytest.CaptureFixture[st
     assert "run 'run_missing' is not in Redis" in capsys.readouterr().err
 
 
-def test_an_unreachable_redis_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_cli("runs", "show", RUN, "--redis", "redis://127.0.0.1:1/0") == 2
+def test_an_unreachable_redis_exits_1_as_for_every_command_that_reads_redis(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli("runs", "show", RUN, "--redis", "redis://127.0.0.1:1/0") == 1
     assert "unreachable" in capsys.readouterr().err
