@@ -96,9 +96,14 @@ def node_workers(node_id: str) -> str:
 
 def worker_woken(instance: str) -> str:
     """List of one worker process (its instance id): the job id its blocking `BLMOVE` took off its
-    node's wake list, then the ids of its last `take_woken` answer (until its next call says it
-    received them)."""
+    node's wake list, for the `take_woken` script sent with it."""
     return f"{PREFIX}:woken:{instance}"
+
+
+def worker_answered(instance: str) -> str:
+    """String (with a TTL) of one worker process: the job ids of its last `take_woken` answer,
+    comma-separated, until its next call says it received them."""
+    return f"{PREFIX}:answered:{instance}"
 
 
 def node_cancel(node_id: str) -> str:
@@ -202,8 +207,10 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (node_wake("{node}"), "list", "ids of jobs just queued, popped by idle workers", "LRANGE iop:wake:{node} 0 -1"),
     (node_workers("{node}"), "sorted set + TTL", "the node's live worker processes: instance -> until (ms)",
      "ZRANGE iop:workers:{node} 0 -1 WITHSCORES"),
-    (worker_woken("{instance}"), "list + TTL", "a worker's job ids just woken (BLMOVE) or last taken, until its "
-     "next take", "LRANGE iop:woken:{instance} 0 -1"),
+    (worker_woken("{instance}"), "list", "the job id a worker's BLMOVE just moved off its node's wake list",
+     "LRANGE iop:woken:{instance} 0 -1"),
+    (worker_answered("{instance}"), "string + TTL", "the job ids of a worker's last take_woken answer, until its "
+     "next call says it received them", "GET iop:answered:{instance}"),
     (node_cancel("{node}"), "pub/sub channel", "run ids to cancel on the node", "SUBSCRIBE iop:cancel:{node}"),
     (SCHEDULER_SIGNALS, "pub/sub channel", "wakes every scheduler replica (a provider's health changed)",
      "SUBSCRIBE iop:signals"),

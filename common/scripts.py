@@ -443,10 +443,11 @@ return take_jobs(KEYS[1], ids)
 # `BLMOVE` of one id from the wake list to the worker's own list (`keys.worker_woken`): Redis runs it
 # as soon as the id is moved, with no round trip between the wake-up and the start. It takes the ids
 # of its own list and as many more from the wake list as make `free` (oldest first: `dispatch`
-# LPUSHes), and keeps the ids of its answer in its own list, for the worker's next call to name as
-# received (`acked`): an id the list still holds that was not received (the answer was lost with a
-# dropped connection) goes through `take_jobs` again, which hands its run over again as started.
-# KEYS: node queue, the worker's own list, the node's wake list
+# LPUSHes). The ids of its answer are kept (`keys.worker_answered`) until the worker's next call
+# names them as received (`acked`): one that was not (the answer was lost with a dropped connection)
+# goes through `take_jobs` again, which hands its run over again as started. (A job id is its run's
+# id, the same for every attempt: a new attempt of a run just answered comes through the own list.)
+# KEYS: node queue, the worker's own list, its last answer's ids, the node's wake list
 # ARGV: as TAKE's first 11, then the most jobs to take (`free`), then the job ids of the worker's
 #       last answer (acked)...
 TAKE_WOKEN = _NOW + _TAKE + """
@@ -454,19 +455,23 @@ local free = tonumber(ARGV[12])
 local acked = {}
 for i = 13, #ARGV do acked[ARGV[i]] = true end
 local ids = {}
-local held = redis.call('LPOP', KEYS[2], 1000000)
-for _, id in ipairs(held or {}) do
-  if not acked[id] then ids[#ids + 1] = id end
+local answered = redis.call('GET', KEYS[3])
+if answered then
+  for id in string.gmatch(answered, '[^,]+') do
+    if not acked[id] then ids[#ids + 1] = id end
+  end
 end
+for _, id in ipairs(redis.call('LPOP', KEYS[2], 1000000) or {}) do ids[#ids + 1] = id end
 if #ids < free then
-  for _, id in ipairs(redis.call('RPOP', KEYS[3], free - #ids) or {}) do ids[#ids + 1] = id end
+  for _, id in ipairs(redis.call('RPOP', KEYS[4], free - #ids) or {}) do ids[#ids + 1] = id end
 end
 local out = take_jobs(KEYS[1], ids)
 if #out > 0 then
-  local answered = {}
-  for i = 1, #out do answered[i] = out[i][1] end
-  redis.call('RPUSH', KEYS[2], unpack(answered))
-  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  local now_answered = {}
+  for i = 1, #out do now_answered[i] = out[i][1] end
+  redis.call('SET', KEYS[3], table.concat(now_answered, ','), 'PX', ARGV[2])
+elseif answered then
+  redis.call('DEL', KEYS[3])
 end
 return out
 """

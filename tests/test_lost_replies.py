@@ -176,14 +176,15 @@ async def test_a_woken_job_whose_take_reply_came_is_not_handed_over_again(redis:
     sched, run_id = await start_one(redis, {"a": 1})
     runner = Runner(redis, sched.config, "n-a", {"a": StallingAdapter()})
     worker = node_worker(redis_url, runner, poll_delay=0.2)
-    woken = keys.worker_woken(worker.instance)
+    answered = keys.worker_answered(worker.instance)
     try:
         assert await worker._wait_for_work() is False
         assert list(worker.tasks) == [run_id]
-        assert await redis.lrange(woken, 0, -1) == [run_id.encode()]  # until the next call says received
-        assert 0 < await redis.pttl(woken) <= worker.in_progress_timeout_s * 1000
+        assert await redis.get(answered) == run_id.encode()  # until the next call says received
+        assert 0 < await redis.pttl(answered) <= worker.in_progress_timeout_s * 1000
+        assert not await redis.exists(keys.worker_woken(worker.instance))  # (the moved id was taken)
         taken, came = await worker._take_woken(1)
-        assert (taken, came) == ([], False) and not await redis.exists(woken)
+        assert (taken, came) == ([], False) and not await redis.exists(answered)
         worker.tasks[run_id].cancel()
         await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
     finally:

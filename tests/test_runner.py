@@ -538,6 +538,33 @@ async def test_a_woken_worker_takes_its_job_in_the_round_trip_of_its_wake_up(red
         await stop_runs(worker)
 
 
+async def test_a_run_s_next_attempt_on_the_same_worker_runs_though_its_last_attempt_s_task_is_kept(
+        redis: Redis, redis_url: str) -> None:
+    """Job id = run id for every attempt: a run tried again on the worker that ran its last attempt
+    comes while that attempt's ended task is still in `tasks` (it is forgotten at the next wait,
+    and the worker was already blocked on its wake list). The new attempt must run, not be taken
+    for the one that ran (found by a hostile-provider audit: the run was started and never run, and
+    ended `worker_lost` at its lease)."""
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    cut = ProviderError("provider a: the connection was reset", retry=Retry.ANY, strikes=1)
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([], cut)})
+    worker = node_worker(redis_url, runner, poll_delay=5)
+    try:
+        assert await worker._wait_for_work() is False
+        first = worker.tasks[run_id]
+        assert await first == "requeued:ok"
+        await sched.read_new(block_ms=10)
+        await sched.dispatch_all()  # the same provider, the same node, the same job id
+        taken, woken = await worker._take_woken(1)  # (what the worker's wait does, after its forget)
+        assert woken and [t[:2] for t in taken] == [[run_id.encode(), b"ok"]]
+        await worker._start(taken)
+        assert worker.tasks[run_id] is not first
+        assert (await worker.tasks[run_id]).startswith("requeued")  # the second attempt ran
+        assert await fields(redis, keys.run_record(run_id), "attempts") == ["2"]
+    finally:
+        await stop_runs(worker)
+
+
 async def test_a_started_run_calls_its_provider_before_the_worker_pops_its_wake_list_again(
         redis: Redis, redis_url: str) -> None:
     """The worker's next blocking pop is not on a new run's way: the run goes first."""

@@ -130,7 +130,8 @@ class WakeWorker(Worker):
         take it with as many more as make `free` (the `take_woken` script), in one round trip:
         the script is sent with the blocking read and Redis runs it once the id is moved. Returns
         the script's answer and whether an id came before the wait's end (`poll_delay`)."""
-        script_keys = [self.queue_name, keys.worker_woken(self.instance), self.wake_key]
+        script_keys = [self.queue_name, keys.worker_woken(self.instance), keys.worker_answered(self.instance),
+                       self.wake_key]
         args = [*self._take_args(), free, *self._received]
         # (oldest first: `dispatch` LPUSHes)
         move = ("BLMOVE", self.wake_key, script_keys[1], "RIGHT", "LEFT", self.poll_delay_s)
@@ -149,6 +150,7 @@ class WakeWorker(Worker):
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
         """arq's poll iteration hands its due jobs here; claim them the same one-trip way."""
+        self._forget_finished()  # (a job id whose attempt here ended may be due again: a new attempt)
         free = self.max_jobs - self.job_counter
         ids = [i for i in (j.decode() for j in job_ids) if i not in self.tasks]  # (its own: see below)
         await self.claim_and_start(ids[:max(free, 0)])
@@ -159,12 +161,16 @@ class WakeWorker(Worker):
         result) are not paid: the run record carries all of it, and the run's `finish` script
         takes the job off the queue. Never asks for a job it runs (`take` hands such a job over
         again, taking it for one whose answer was lost)."""
+        self._forget_finished()  # (as in `start_jobs`)
         job_ids = [j for j in job_ids if j not in self.tasks]
         if job_ids:
             await self._start(await self._scripts.call("take", [self.queue_name], [*self._take_args(), *job_ids]))
 
     async def _start(self, taken: list[Any]) -> None:
         """Run each run a `take` script started in a task of its own (or log why it did not start)."""
+        # A run's earlier attempt here may have ended while the worker waited (job id = run id): its
+        # task goes, and the new attempt runs.
+        self._forget_finished()
         for started in taken:
             job_id = started[0].decode()
             if job_id in self.tasks:  # (handed over again by `take_woken`, whose list kept it: it runs here)
