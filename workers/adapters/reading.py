@@ -79,18 +79,20 @@ def error_text(error: Any, limit: int) -> str:
 
 
 def redirect_text(resp: aiohttp.ClientResponse) -> str:
-    """`a redirect to http://host:port/path` for a 3xx answer: where it points, without the
-    credentials, query or fragment the Location may carry."""
+    """`a redirect to /path` for a 3xx answer (`… on another server` when it points elsewhere): the
+    path it points to, never an address (this text may reach callers), nor the credentials, query
+    or fragment the Location may carry."""
     location = resp.headers.get("Location", "").strip()
     if not location:
         return "a redirect without a Location"
     try:
         parts = urlsplit(location)
         host = parts.netloc.rpartition("@")[2]
+        elsewhere = bool(host) and host.lower() != (resp.url.raw_authority or "").rpartition("@")[2].lower()
     except ValueError:
         return "a redirect to a URL that is not valid"
-    where = f"{parts.scheme}://{host}{parts.path}" if parts.scheme and host else parts.path
-    return f"a redirect to {one_line(where, MAX_LOCATION_CHARS) or '/'}"
+    where = one_line(parts.path, MAX_LOCATION_CHARS) or "/"
+    return f"a redirect to {where} on another server" if elsewhere else f"a redirect to {where}"
 
 
 def _not_followed(resp: aiohttp.ClientResponse) -> str:
