@@ -46,6 +46,19 @@ class EventType(StrEnum):
 TERMINAL_EVENTS = frozenset({EventType.COMPLETED, EventType.FAILED})
 
 
+#: A provider's 4xx answers that are the pool's fault, not the caller's request's: its rate limit
+#: (429) and its refusal of iop's own credentials (401, 403, 407: the provider's `api_key_env`). The
+#: run goes to another provider; the caller gets a 502, not the provider's status.
+POOL_FAULT_4XX = frozenset({401, 403, 407, 429})
+#: Those of them that refuse iop's credentials.
+CREDENTIALS_REFUSED = frozenset({401, 403, 407})
+
+
+def callers_fault(status: int) -> bool:
+    """A provider's answer `status` is about the caller's request (passed through, not retried)."""
+    return 400 <= status < 500 and status not in POOL_FAULT_4XX
+
+
 class ErrorCode(StrEnum):
     """Why a run failed. The gateway maps each to an HTTP status in one place."""
 

@@ -16,7 +16,7 @@ from redis.exceptions import OutOfMemoryError
 
 from common.jsonio import json_response
 from common.redisconn import REDIS_DOWN
-from common.wire import ErrorCode, ErrorInfo
+from common.wire import ErrorCode, ErrorInfo, callers_fault
 
 log = logging.getLogger("iop.gateway")
 
@@ -74,9 +74,10 @@ class ApiError(Exception):
     @classmethod
     def from_info(cls, info: ErrorInfo) -> ApiError:
         """A run's failure; a provider's 4xx is passed through with its own status and body, but
-        not its 429: the provider's rate limit is the pool's, not the caller's fault (the run was
-        tried on another provider first), so it is a 502 like a 5xx."""
-        if info.status is not None and 400 <= info.status < 500 and info.status != 429:
+        not its 429 nor its refusal of iop's credentials (`POOL_FAULT_4XX`): those are the pool's
+        fault, not the caller's (the run was tried on another provider first), so they are a 502
+        like a 5xx."""
+        if info.status is not None and callers_fault(info.status):
             return cls(info.code, info.message, status=info.status, detail=info.detail)
         return cls(info.code, info.message)
 

@@ -223,15 +223,36 @@ async def test_the_api_key_is_sent_but_never_shown(fake: Fake, session: aiohttp.
                  _drain(adapter.stream(RunKind.CHAT, chat(stream=True), "r"))):
         with pytest.raises(ProviderError) as err:
             await call
-        assert err.value.status == 401 and not err.value.retryable
-        assert KEY not in err.value.message and KEY not in str(err.value.detail)
-        assert "[redacted]" in err.value.message
+        # (iop's credentials refused: the pool's fault, tried elsewhere, a strike; not the caller's 401)
+        assert err.value.status == 401 and err.value.retry is Retry.ELSEWHERE and err.value.strikes == 1
+        assert err.value.detail is None
+        assert KEY not in err.value.message
+        assert err.value.message == ("provider openai_api-a answered 401: Incorrect API key provided: [redacted]. "
+                                     "(it refused iop's credentials: check the provider's api_key_env)")
     assert fake.requests[-1][1]["Authorization"] == f"Bearer {KEY}"
 
     fake.status["/v1/models"] = 401
     probe = await adapter.probe()
     assert probe.health is Health.UNAVAILABLE and KEY not in probe.reason
     assert fake.requests[-1][1]["Authorization"] == f"Bearer {KEY}"
+
+
+async def test_a_passed_through_4xx_keeps_the_provider_s_fields_on_one_line(
+        fake: Fake, session: aiohttp.ClientSession) -> None:
+    """The caller gets the provider's error object (its type, param, code), its message one line
+    and cut at `error_chars`, as every provider text iop passes on (it kept the newlines; found by a
+    hostile-provider audit)."""
+    adapter = OpenAICompatAdapter(provider("vllm", fake.url), session)
+    fake.status["/v1/chat/completions"] = 400
+    fake.body["/v1/chat/completions"] = {"error": {"message": "bad\nrequest:\r\n  " + "x" * 600, "type": "BadRequest",
+                                                   "param": "messages", "code": "too_long"}}
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "r")
+    detail = err.value.detail
+    assert detail is not None and (detail["type"], detail["param"], detail["code"]) == ("BadRequest", "messages",
+                                                                                        "too_long")
+    assert detail["message"].startswith("bad request: xxx") and "\n" not in detail["message"]
+    assert len(detail["message"]) <= 500 and err.value.retry is Retry.NO and err.value.status == 400
 
 
 async def _drain(stream: AsyncIterator[Any]) -> None:

@@ -89,7 +89,18 @@ PROVIDER_DETAIL: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("status", [400, 401, 404, 422, 499])
+@pytest.mark.parametrize("status", [401, 403, 407, 429])
+def test_a_provider_s_4xx_that_is_the_pool_s_fault_is_a_502(status: int) -> None:
+    """Its rate limit, or its refusal of iop's own credentials: the caller's key and request were
+    fine, so the caller does not get the provider's 401 (its client would take its own key for
+    refused; found by a hostile-provider audit)."""
+    info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider a answered 401: bad key", status=status,
+                     detail=PROVIDER_DETAIL)
+    err = ApiError.from_info(info)
+    assert err.status == 502 and err.body()["error"]["message"] == "provider a answered 401: bad key"
+
+
+@pytest.mark.parametrize("status", [400, 404, 409, 413, 422, 499])
 def test_from_info_passes_provider_4xx_through(status: int) -> None:
     info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider said no", status=status,
                      detail={**PROVIDER_DETAIL, "extra": "dropped"})

@@ -19,7 +19,14 @@ from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
-from workers.adapters.failures import one_line, probe_failure, redacted, transport_error, url_secrets
+from workers.adapters.failures import (
+    answered_error,
+    one_line,
+    probe_failure,
+    redacted,
+    transport_error,
+    url_secrets,
+)
 from workers.adapters.openai_shapes import Shaper
 from workers.adapters.reading import (
     LineSplitter,
@@ -124,12 +131,8 @@ class OllamaAdapter:
         error = payload.get("error") if isinstance(payload, dict) else None
         message = error_text(error, self.limits.error_chars) if error else \
             one_line(text or "no error text", self.limits.error_chars)
-        client_fault = 400 <= status < 500 and status != 429
-        detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None} \
-            if client_fault else None
-        return ProviderError(f"provider {self.provider.id} answered {status}: {message}", status=status,
-                             detail=detail, retry=Retry.NO if client_fault else Retry.ELSEWHERE,
-                             strikes=0 if status < 500 else None)
+        return answered_error(self.provider.id, status, message,
+                              {"message": message, "type": "invalid_request_error", "param": None, "code": None})
 
     def _unsupported(self, exc: wire.UnsupportedRequest) -> ProviderError:
         detail = {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": None}

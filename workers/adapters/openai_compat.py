@@ -35,7 +35,15 @@ from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
-from workers.adapters.failures import one_line, probe_failure, redact, redacted, transport_error, url_secrets
+from workers.adapters.failures import (
+    answered_error,
+    one_line,
+    probe_failure,
+    redact,
+    redacted,
+    transport_error,
+    url_secrets,
+)
 from workers.adapters.reading import (
     LineSplitter,
     NonObjects,
@@ -185,14 +193,7 @@ class OpenAICompatAdapter:
             detail = None
         message = one_line(str((detail or {}).get("message") or text or resp.reason or "no error text"),
                            self.limits.error_chars)
-        client_fault = 400 <= resp.status < 500 and resp.status != 429
-        raise ProviderError(
-            f"provider {self.provider.id} answered {resp.status}: {message}",
-            status=resp.status,
-            detail=detail if client_fault else None,
-            retry=Retry.NO if client_fault else Retry.ELSEWHERE,
-            strikes=0 if resp.status < 500 else None,
-        )
+        raise answered_error(self.provider.id, resp.status, message, detail)
 
     def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
         return self.session.post(self.root + PATHS[kind], data=jsonio.dumps(body),
