@@ -22,6 +22,13 @@ def carries_output(chunk: Any) -> bool:
     return False
 
 
+def choices_usable(obj: dict[str, Any]) -> bool:
+    """An answer or a chunk whose `choices`, if it has them, are a list of objects: what a caller's
+    client indexes (`choices[0].delta`). A provider's `"choices": {…}` or `[5, null]` is not."""
+    choices = obj.get("choices")
+    return choices is None or (isinstance(choices, list) and all(isinstance(c, dict) for c in choices))
+
+
 def finishes(chunk: Any) -> bool:
     """A choice of the chunk ends with a `finish_reason`."""
     return isinstance(chunk, dict) and any(

@@ -311,6 +311,35 @@ async def test_chunks_that_are_not_objects_are_dropped_with_one_warning(
                         "and any more in this run"]
 
 
+@pytest.mark.parametrize("choices", [{"index": 0}, "text", [5, None, "x"]], ids=["object", "string", "mixed"])
+async def test_chunks_whose_choices_are_not_a_list_of_objects_are_dropped_too(
+        choices: Any, raw: Raw, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture) -> None:
+    """A caller's client indexes `choices[0].delta`: such a chunk would break it (they were passed
+    on; found by a hostile-provider audit)."""
+    raw.answers["/v1/chat/completions"] = chunked([
+        sse(delta("a ")), sse({"object": "chat.completion.chunk", "choices": choices}), sse(delta("b", "stop")),
+        sse(b"[DONE]")])
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with caplog.at_level(logging.WARNING, "iop.worker"):
+        chunks = await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert text_of(chunks) == "a b" and all(isinstance(c["choices"], list) for c in chunks)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "provider vllm-h sent a stream chunk whose choices are not a list of objects; dropped it, and any more "
+        "in this run"]
+
+
+@pytest.mark.parametrize("choices", [{"index": 0}, "text", [5, None, "x"]], ids=["object", "string", "mixed"])
+async def test_an_answer_whose_choices_are_not_a_list_of_objects_is_a_provider_error(
+        choices: Any, raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/v1/chat/completions"] = whole("200 OK", json.dumps(
+        {"object": "chat.completion", "model": SERVED, "choices": choices}).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "run_1")
+    assert err.value.message == "provider vllm-h answered with choices that are not a list of objects"
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
+
+
 async def test_ollama_lines_that_are_not_objects_are_dropped_with_one_warning(
         raw: Raw, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture) -> None:
     raw.answers["/api/chat"] = chunked([nd(said("a ")), nd("a string"), nd([1]), nd(said("", done=True))],

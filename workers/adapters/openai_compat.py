@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from common import jsonio
-from common.chunks import finishes
+from common.chunks import choices_usable, finishes
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
@@ -129,7 +129,7 @@ class SSEParser:
                 self.done = True
                 break
             obj = parse_json(payload, self.provider_id)
-            if not isinstance(obj, dict):
+            if not isinstance(obj, dict) or not choices_usable(obj):
                 self.non_objects.drop(obj)
                 continue
             error = obj.get("error")
@@ -215,6 +215,9 @@ class OpenAICompatAdapter:
             raise self._failed(exc) from None
         if not isinstance(data, dict):
             raise ProviderError(f"provider {self.provider.id} answered with JSON that is not an object",
+                                retry=Retry.ELSEWHERE, strikes=0)
+        if not choices_usable(data):
+            raise ProviderError(f"provider {self.provider.id} answered with choices that are not a list of objects",
                                 retry=Retry.ELSEWHERE, strikes=0)
         return data
 

@@ -155,8 +155,10 @@ class NonObjects:
     def drop(self, obj: Any) -> None:
         self.dropped += 1
         if self.dropped == 1:
-            log.warning("provider %s sent a stream chunk that is not a JSON object (%s); dropped it, and any "
-                        "more in this run", self.provider_id, _json_type(obj), extra=self.extra)
+            what = "whose choices are not a list of objects" if isinstance(obj, dict) else \
+                f"that is not a JSON object ({_json_type(obj)})"
+            log.warning("provider %s sent a stream chunk %s; dropped it, and any more in this run",
+                        self.provider_id, what, extra=self.extra)
 
 
 def _json_type(obj: Any) -> str:
