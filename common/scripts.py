@@ -633,20 +633,22 @@ return 'failed'
 
 # A worker process stops (its heartbeats stopped first). If it was the node's last live worker, the
 # node's work goes back at once instead of waiting out heartbeat_ttl_ms and the leases: each
-# provider's heartbeat says `unavailable` (its hash lapses as before; a new run is refused or goes
-# elsewhere now), and each run dispatched to the node that no worker took yet is queued again,
-# without counting the attempt it never had (its provider stays in `tried`, so it goes elsewhere
-# first). A run its caller cancelled meanwhile is left to its lease, as before.
+# provider's heartbeat goes, as if it had lapsed (a new run is refused or goes elsewhere now; runs
+# that wait keep waiting, for a worker that comes back or another provider, as for a lapsed
+# heartbeat: a provider with no heartbeat is not known to be down), and each run dispatched to the
+# node that no worker took yet is queued again, without counting the attempt it never had (its
+# provider stays in `tried`, so it goes elsewhere first). A run its caller cancelled meanwhile is
+# left to its lease, as before. (A worker that does not keep itself in the set, an older version,
+# or one whose heartbeats lag past heartbeat_ttl_ms, is not counted: its next heartbeat puts the
+# hashes back.)
 # KEYS: the node's workers set, the node's queue, the node's wake list, its providers' heartbeats...
-# ARGV: instance id, in-progress key prefix, reason, requeued event data, signals channel
+# ARGV: instance id, in-progress key prefix, requeued event data, signals channel
 # Returns {1 if it was the last, runs queued again}.
 WORKER_LEFT = _NOW + _REQUEUE + _EVENTS + f"""
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZCARD', KEYS[1]) > 0 then return {{0, 0}} end
-for i = 4, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('HSET', KEYS[i], 'health', 'unavailable', 'reason', ARGV[3]) end
-end
+if #KEYS >= 4 then redis.call('DEL', unpack(KEYS, 4)) end
 local requeued = 0
 for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   local record = '{keys.run_record("")}' .. id
@@ -655,13 +657,13 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
     redis.call('ZREM', '{keys.leases("")}' .. r[2], id)
     redis.call('ZREM', KEYS[2], id)
     redis.call('HSET', record, 'attempts', math.max(0, (tonumber(r[5]) or 1) - 1))
-    add_event(record, '{keys.run_events("")}' .. id, id, 'requeued', ARGV[4])
+    add_event(record, '{keys.run_events("")}' .. id, id, 'requeued', ARGV[3])
     requeue(record, '{keys.runs_stream("")}' .. r[3], id, false)
     requeued = requeued + 1
   end
 end
 redis.call('DEL', KEYS[3])
-redis.call('PUBLISH', ARGV[5], '*')
+redis.call('PUBLISH', ARGV[4], '*')
 return {{1, requeued}}
 """
 

@@ -1,6 +1,7 @@
 """The last worker of a node to stop hands the node's work back at once (`workers.service.leave_node`,
-the `worker_left` script), against a real Redis: its providers say `unavailable`, and the runs
-dispatched to the node that no worker took go back to their queue without an attempt counted."""
+the `worker_left` script), against a real Redis: its providers' heartbeats go (as if they had
+lapsed), and the runs dispatched to the node that no worker took go back to their queue without
+an attempt counted."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.codec import unpack
+from gateway.runs import RunClient
+from scheduler.core import Scheduler
 from tests.test_runner import dispatched_runs, fields, node_worker
 from workers.runner import new_worker_instance
 from workers.service import RUNNER_CTX, leave_node
@@ -28,8 +31,31 @@ async def test_the_last_worker_to_stop_queues_again_the_runs_no_worker_took(redi
         assert await redis.xlen(keys.runs_stream(runner.config.models[0].id)) == 2
         assert not await redis.zcard(keys.leases("a")) and not await redis.zcard(keys.node_queue("n-a"))
         assert not await redis.exists(keys.node_wake("n-a"), keys.node_workers("n-a"))
-        assert await fields(redis, keys.heartbeat("a"), "health", "reason") == [
-            "unavailable", "no worker of node n-a is running"]
+        assert not await redis.exists(keys.heartbeat("a"))  # as if it had lapsed: waiting runs wait
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_runs_of_a_model_whose_only_node_lost_its_last_worker_wait_for_a_worker_they_do_not_fail(
+        redis: Redis, redis_url: str) -> None:
+    """A restart of a one-worker node (SIGTERM, then the new worker): the runs it gave back and those
+    that waited wait on; a provider with no heartbeat is not known to be down. (Marking the providers
+    `unavailable` made the scheduler fail every waiting run of the model with 503; found in review.)"""
+    from tests.test_scheduler import submit
+    runner, (given_back,) = await dispatched_runs(redis, 1)
+    worker = node_worker(redis_url, runner)
+    worker.ctx[RUNNER_CTX] = runner
+    sched = Scheduler(redis, runner.config)
+    await sched.ensure_groups()
+    (waiting,) = await submit(RunClient(redis, runner.config), 1)
+    try:
+        await leave_node(worker, runner.config, "n-a")
+        await sched.read_new(block_ms=10)
+        sched.on_signal(b"*")  # (what the script published)
+        await sched.dispatch_all()
+        for run_id in (given_back, waiting):
+            assert await fields(redis, keys.run_record(run_id), "state") == ["queued"]
+        assert len(sched.waiting[runner.config.models[0].id]) == 2
     finally:
         await worker.pool.aclose(close_connection_pool=True)
 

@@ -134,8 +134,9 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
 
 async def leave_node(worker: WakeWorker, config: Config, node_id: str) -> None:
     """This worker stops (its pick-up loop and heartbeats have): if it was the node's last live one,
-    the `worker_left` script makes its providers unavailable and queues again the runs dispatched
-    to the node that no worker took, now rather than after heartbeat_ttl_ms and their leases."""
+    the `worker_left` script takes its providers' heartbeats away and queues again the runs
+    dispatched to the node that no worker took, now rather than after heartbeat_ttl_ms and their
+    leases."""
     runner: Runner | None = worker.ctx.get(RUNNER_CTX)
     node = config.node(node_id)
     if runner is None or node is None:
@@ -146,15 +147,14 @@ async def leave_node(worker: WakeWorker, config: Config, node_id: str) -> None:
             "worker_left",
             [keys.node_workers(node_id), keys.node_queue(node_id), keys.node_wake(node_id),
              *(keys.heartbeat(p.id) for p in node.providers)],
-            [worker.instance, in_progress_key_prefix, f"no worker of node {node_id} is running",
-             pack(lost.to_wire()), keys.SCHEDULER_SIGNALS])
+            [worker.instance, in_progress_key_prefix, pack(lost.to_wire()), keys.SCHEDULER_SIGNALS])
     except REDIS_DOWN as exc:
         log.warning("worker: Redis unavailable while stopping (%s): the node's providers lapse with their "
                     "heartbeats", exc)
         return
     if last:
-        log.info("the node's last worker stops: its providers are unavailable until a worker starts; "
-                 "%d runs no worker took were queued again", requeued)
+        log.info("the node's last worker stops: its providers take no runs until a worker starts (no "
+                 "heartbeat); %d runs no worker took were queued again", requeued)
 
 
 async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 10.0,
