@@ -101,8 +101,8 @@ def worker_woken(instance: str) -> str:
 
 
 def worker_answered(instance: str) -> str:
-    """String (with a TTL) of one worker process: the job ids of its last `take_woken` answer,
-    comma-separated, until its next call says it received them."""
+    """String (with a TTL) of one worker process: the runs its last `take_woken` answer started
+    (`id:attempt`, comma-separated), until its next call says it received them."""
     return f"{PREFIX}:answered:{instance}"
 
 
@@ -209,8 +209,8 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
      "ZRANGE iop:workers:{node} 0 -1 WITHSCORES"),
     (worker_woken("{instance}"), "list", "the job id a worker's BLMOVE just moved off its node's wake list",
      "LRANGE iop:woken:{instance} 0 -1"),
-    (worker_answered("{instance}"), "string + TTL", "the job ids of a worker's last take_woken answer, until its "
-     "next call says it received them", "GET iop:answered:{instance}"),
+    (worker_answered("{instance}"), "string + TTL", "the runs (id:attempt) a worker's last take_woken answer "
+     "started, until its next call says it received them", "GET iop:answered:{instance}"),
     (node_cancel("{node}"), "pub/sub channel", "run ids to cancel on the node", "SUBSCRIBE iop:cancel:{node}"),
     (SCHEDULER_SIGNALS, "pub/sub channel", "wakes every scheduler replica (a provider's health changed)",
      "SUBSCRIBE iop:signals"),

@@ -443,13 +443,14 @@ return take_jobs(KEYS[1], ids)
 # `BLMOVE` of one id from the wake list to the worker's own list (`keys.worker_woken`): Redis runs it
 # as soon as the id is moved, with no round trip between the wake-up and the start. It takes the ids
 # of its own list and as many more from the wake list as make `free` (oldest first: `dispatch`
-# LPUSHes). The ids of its answer are kept (`keys.worker_answered`) until the worker's next call
-# names them as received (`acked`): one that was not (the answer was lost with a dropped connection)
-# goes through `take_jobs` again, which hands its run over again as started. (A job id is its run's
-# id, the same for every attempt: a new attempt of a run just answered comes through the own list.)
+# LPUSHes). The runs its answer started are kept (`keys.worker_answered`, `id:attempt`) until the
+# worker's next call names them as received (`acked`): one that was not (the answer was lost with a
+# dropped connection) goes through `take_jobs` again, which hands its run over again as started
+# (not on the run's last attempt: its start took the body). A job id is its run's id, the same for
+# every attempt: hence the attempt, and a new attempt comes through the own list, never acked away.
 # KEYS: node queue, the worker's own list, its last answer's ids, the node's wake list
-# ARGV: as TAKE's first 11, then the most jobs to take (`free`), then the job ids of the worker's
-#       last answer (acked)...
+# ARGV: as TAKE's first 11, then the most jobs to take (`free`), then `id:attempt` of each run the
+#       worker's last answer started (acked)...
 TAKE_WOKEN = _NOW + _TAKE + """
 local free = tonumber(ARGV[12])
 local acked = {}
@@ -457,8 +458,8 @@ for i = 13, #ARGV do acked[ARGV[i]] = true end
 local ids = {}
 local answered = redis.call('GET', KEYS[3])
 if answered then
-  for id in string.gmatch(answered, '[^,]+') do
-    if not acked[id] then ids[#ids + 1] = id end
+  for started in string.gmatch(answered, '[^,]+') do
+    if not acked[started] then ids[#ids + 1] = string.match(started, '^(.*):[^:]*$') end
   end
 end
 for _, id in ipairs(redis.call('LPOP', KEYS[2], 1000000) or {}) do ids[#ids + 1] = id end
@@ -466,10 +467,18 @@ if #ids < free then
   for _, id in ipairs(redis.call('RPOP', KEYS[4], free - #ids) or {}) do ids[#ids + 1] = id end
 end
 local out = take_jobs(KEYS[1], ids)
-if #out > 0 then
-  local now_answered = {}
-  for i = 1, #out do now_answered[i] = out[i][1] end
-  redis.call('SET', KEYS[3], table.concat(now_answered, ','), 'PX', ARGV[2])
+local started = {}
+for _, entry in ipairs(out) do
+  if entry[2] == 'ok' then
+    local attempt = ''
+    for i = 3, #entry - 1, 2 do
+      if entry[i] == 'attempts' then attempt = entry[i + 1] break end
+    end
+    started[#started + 1] = entry[1] .. ':' .. attempt
+  end
+end
+if #started > 0 then
+  redis.call('SET', KEYS[3], table.concat(started, ','), 'PX', ARGV[2])
 elseif answered then
   redis.call('DEL', KEYS[3])
 end

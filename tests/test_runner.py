@@ -565,6 +565,30 @@ async def test_a_run_s_next_attempt_on_the_same_worker_runs_though_its_last_atte
         await stop_runs(worker)
 
 
+async def test_a_new_attempt_whose_last_attempt_s_task_is_still_ending_here_runs_after_it(
+        redis: Redis, redis_url: str) -> None:
+    """The last attempt's `finish` landed (the run was queued again and dispatched back here) but its
+    task has not returned yet (the reply was lost; it retries): the new attempt must run once that
+    task ends, not be taken for it (it was started in Redis and never run; found in review)."""
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([])})
+    worker = node_worker(redis_url, runner, poll_delay=5)
+    ending = asyncio.Event()
+    previous = asyncio.get_running_loop().create_task(ending.wait())  # (stands for the last attempt's task)
+    worker.tasks[run_id], worker._attempts[run_id] = previous, b"0"
+    try:
+        taken, woken = await worker._take_woken(1)
+        assert woken and [t[:2] for t in taken] == [[run_id.encode(), b"ok"]]
+        await worker._start(taken)
+        new = worker.tasks[run_id]
+        assert new is not previous and not new.done()
+        ending.set()
+        assert (await new).startswith("completed")
+        assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
+    finally:
+        await stop_runs(worker)
+
+
 async def test_a_started_run_calls_its_provider_before_the_worker_pops_its_wake_list_again(
         redis: Redis, redis_url: str) -> None:
     """The worker's next blocking pop is not on a new run's way: the run goes first."""

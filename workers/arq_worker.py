@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from arq.connections import ArqRedis, create_pool
@@ -55,8 +56,10 @@ class WakeWorker(Worker):
         #: the in-progress marker of the jobs this worker takes (see `new_worker_instance`)
         self.instance = new_worker_instance()
         self._wake_line: Line | None = None
-        #: the job ids of the last `take_woken` answer this worker received (see `_take_woken`)
+        #: `id:attempt` of each run the last `take_woken` answer this worker received started
         self._received: list[bytes] = []
+        #: the attempt each task of `tasks` runs (job id -> `attempts`)
+        self._attempts: dict[str, bytes | None] = {}
 
     async def main(self) -> None:
         if self._pool is None:
@@ -140,7 +143,8 @@ class WakeWorker(Worker):
             taken = await self._scripts.call("take_woken", script_keys, args)
         else:
             woken, taken = await self._scripts.call_after(self._wake_line, move, "take_woken", script_keys, args)
-        self._received = [started[0] for started in taken]
+        self._received = [b"%s:%s" % (started[0], started_attempt(started) or b"")
+                          for started in taken if started[1] == b"ok"]
         return taken, woken is not None
 
     def _take_args(self) -> list[Any]:
@@ -167,22 +171,28 @@ class WakeWorker(Worker):
             await self._start(await self._scripts.call("take", [self.queue_name], [*self._take_args(), *job_ids]))
 
     async def _start(self, taken: list[Any]) -> None:
-        """Run each run a `take` script started in a task of its own (or log why it did not start)."""
-        # A run's earlier attempt here may have ended while the worker waited (job id = run id): its
-        # task goes, and the new attempt runs.
+        """Run each run a `take` script started in a task of its own (or log why it did not start).
+        A job id is its run's id, the same for every attempt: an attempt this worker runs already
+        (handed over again: its answer was lost) is not run twice, and a new attempt of a run whose
+        last attempt's task is still ending here (its `finish` landed, its reply not yet) runs
+        after that task."""
         self._forget_finished()
         for started in taken:
             job_id = started[0].decode()
-            if job_id in self.tasks:  # (handed over again by `take_woken`, whose list kept it: it runs here)
-                continue
             if started[1] != b"ok":
                 await self.runner().run(job_id, started[1:])  # says why, in the log
                 continue
+            attempt = started_attempt(started)
+            previous = self.tasks.get(job_id)
+            if previous is not None and self._attempts.get(job_id) == attempt:
+                continue
             await self.sem.acquire()
             self.job_counter += 1
-            task = self.loop.create_task(self.runner().run(job_id, started[1:]))
+            run = partial(self.runner().run, job_id, started[1:])
+            task = self.loop.create_task(run() if previous is None else _after(previous, run))
             task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
             self.tasks[job_id] = task
+            self._attempts[job_id] = attempt
 
     async def close(self) -> None:
         """arq's close, but a Redis that is already gone does not skip our shutdown hook."""
@@ -200,4 +210,20 @@ class WakeWorker(Worker):
         for job_id, task in list(self.tasks.items()):
             if task.done():
                 del self.tasks[job_id]
+                self._attempts.pop(job_id, None)
                 task.result()  # surface a bug in run_job, as arq's own poll does
+
+
+def started_attempt(started: list[Any]) -> bytes | None:
+    """The attempt number (`attempts`) of a run a `take` script started: its answer is the job id,
+    'ok', then the record's fields and values."""
+    for i in range(2, len(started) - 1, 2):
+        if started[i] == b"attempts":
+            return bytes(started[i + 1])
+    return None
+
+
+async def _after(previous: asyncio.Task[Any], run: Callable[[], Awaitable[Any]]) -> Any:
+    """`run()` once `previous` (the same run's last attempt here) has ended, however it ended."""
+    await asyncio.wait([previous])
+    return await run()
