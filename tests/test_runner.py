@@ -5,6 +5,7 @@ and the probe lock that keeps runs off a provider while a disturbing probe is ou
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from functools import partial
 from types import SimpleNamespace
@@ -468,6 +469,26 @@ async def test_a_non_stream_run_s_answer_is_its_output(redis: Redis) -> None:
     runner = Runner(redis, sched.config, "n-a", {"a": Scripted([])})
     assert (await runner.execute(run_id)).startswith("completed")
     assert await fields(redis, keys.run_record(run_id), "state", "output") == ["completed", "1"]
+
+
+async def test_an_attempt_that_fails_after_its_run_went_on_without_it_does_not_say_requeued(
+        redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker paused past its lease (SIGSTOP) ends its attempt after the run was reaped and tried
+    again: its finish records nothing (`stale`), and its log says so instead of "requeued" (found
+    by a hostile-provider audit)."""
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+
+    class Overtaken(Scripted):
+        async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+            await redis.hset(keys.run_record(run_id), "attempts", "2")  # (the reaper's requeue and a new start)
+            raise ProviderError("provider a: sent nothing for 3000 ms", retry=Retry.ANY, strikes=1)
+
+    runner = Runner(redis, sched.config, "n-a", {"a": Overtaken([])})
+    with caplog.at_level(logging.INFO, "iop.worker"):
+        assert await runner.execute(run_id) == "requeued:stale"
+    said = [r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage()]
+    assert said == ["attempt 1 failed, but its run had gone on without it (stale): provider a: sent nothing "
+                    "for 3000 ms"]
 
 
 async def dispatched_runs(redis: Redis, n: int) -> tuple[Runner, list[str]]:

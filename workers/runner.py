@@ -346,13 +346,21 @@ class Runner:
         again = not att.output and int(att.attempt) < att.max_attempts and (
             retry is Retry.ANY or (retry is Retry.ELSEWHERE and await self._untried_available(att)))
         if again:
-            log.info("attempt %s failed, requeued: %s", att.attempt, info.message, extra=att.log())
             # (the finish script takes the job off its node's queue first: the next dispatch
             # queues a job of the same id)
-            return await self._finish(att, None, EventType.REQUEUED, info.to_wire(), evidence=evidence,
-                                      requeue="requeue" if retry is Retry.ANY else "requeue_elsewhere")
-        log.info("failed: %s", info.message, extra=att.log())
-        return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info, evidence=evidence)
+            outcome = await self._finish(att, None, EventType.REQUEUED, info.to_wire(), evidence=evidence,
+                                         requeue="requeue" if retry is Retry.ANY else "requeue_elsewhere")
+        else:
+            outcome = await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info,
+                                         evidence=evidence)
+        if not outcome.endswith(":ok"):  # (its lease went: the run went on without it; nothing was recorded)
+            log.info("attempt %s failed, but its run had gone on without it (%s): %s", att.attempt,
+                     outcome.partition(":")[2] or outcome, info.message, extra=att.log())
+        elif again:
+            log.info("attempt %s failed, requeued: %s", att.attempt, info.message, extra=att.log())
+        else:
+            log.info("failed: %s", info.message, extra=att.log())
+        return outcome
 
     async def _untried_available(self, att: Attempt) -> bool:
         """Whether a provider of the run's model that no attempt went to is available now."""
