@@ -478,7 +478,8 @@ for _, entry in ipairs(out) do
   end
 end
 if #started > 0 then
-  redis.call('SET', KEYS[3], table.concat(started, ','), 'PX', ARGV[2])
+  -- (kept as long as their leases live unrenewed: a run handed over later would be reaped anyway)
+  redis.call('SET', KEYS[3], table.concat(started, ','), 'PX', ARGV[6])
 elseif answered then
   redis.call('DEL', KEYS[3])
 end

@@ -181,7 +181,7 @@ async def test_a_woken_job_whose_take_reply_came_is_not_handed_over_again(redis:
         assert await worker._wait_for_work() is False
         assert list(worker.tasks) == [run_id]
         assert await redis.get(answered) == f"{run_id}:1".encode()  # until the next call says received
-        assert 0 < await redis.pttl(answered) <= worker.in_progress_timeout_s * 1000
+        assert 0 < await redis.pttl(answered) <= sched.config.runtime.lease_ttl_ms  # (as long as an unrenewed lease)
         assert not await redis.exists(keys.worker_woken(worker.instance))  # (the moved id was taken)
         taken, came = await worker._take_woken(1)
         assert (taken, came) == ([], False) and not await redis.exists(answered)

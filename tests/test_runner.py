@@ -610,6 +610,44 @@ async def test_a_new_attempt_whose_last_attempt_s_task_is_still_ending_here_runs
         await stop_runs(worker)
 
 
+async def test_a_run_a_late_take_answer_started_runs_only_if_it_still_holds_its_lease(
+        redis: Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """`take_woken` runs in Redis when the id comes, whatever the worker does: a worker paused
+    (SIGSTOP) while it waited got, on resuming, the answer of a start made long before, whose lease
+    had gone and whose run went on elsewhere. It called the provider for it again (found by a
+    worker fault audit). An answer that comes later than the wait can last has its leases checked
+    first."""
+    from workers import arq_worker
+
+    runner, (run_id,) = await dispatched_runs(redis, 1)
+    worker = node_worker(redis_url, runner, poll_delay=0.2)
+    clock = [1000.0]
+    monkeypatch.setattr(arq_worker, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    call_after = worker._scripts.call_after
+
+    async def paused(*args: Any) -> tuple[Any, Any]:
+        answer = await call_after(*args)
+        await redis.zadd(keys.leases("a"), {run_id: 1})  # its lease went meanwhile (and the reaper requeues it)
+        clock[0] += 60  # the worker was stopped for a minute
+        return answer
+
+    monkeypatch.setattr(worker._scripts, "call_after", paused)
+    try:
+        with caplog.at_level(logging.WARNING, "iop.worker"):
+            assert await worker._wait_for_work() is False
+        assert worker.tasks == {} and worker.job_counter == 0  # not run here
+        assert "its lease went while this worker was paused" in caplog.text
+        clock[0] += 0.1  # (an answer in time: not checked)
+        await redis.zadd(keys.leases("a"), {run_id: 2**50})
+        await redis.hset(keys.run_record(run_id), "state", "dispatched")
+        await redis.delete(f"arq:in-progress:{run_id}")
+        await redis.lpush(keys.node_wake("n-a"), run_id)
+        monkeypatch.setattr(worker._scripts, "call_after", call_after)
+        assert await worker._wait_for_work() is False and list(worker.tasks) == [run_id]
+    finally:
+        await stop_runs(worker)
+
+
 async def test_a_started_run_calls_its_provider_before_the_worker_pops_its_wake_list_again(
         redis: Redis, redis_url: str) -> None:
     """The worker's next blocking pop is not on a new run's way: the run goes first."""

@@ -32,10 +32,15 @@ from arq.worker import Worker
 from common import keys
 from common.redisconn import REDIS_DOWN, Backoff, connection_pool
 from common.redisline import Line, new_line_of
+from common.runlog import run_fields
 from common.scripts import Scripts
 from workers.runner import Runner, new_worker_instance
 
 log = logging.getLogger("iop.worker")
+
+#: How much later than its wait can last (`poll_delay`) a `take_woken` answer may come before the
+#: worker checks the leases of the runs it started (see `_take_woken`).
+LATE_ANSWER_S = 0.25
 
 
 
@@ -138,6 +143,7 @@ class WakeWorker(Worker):
         args = [*self._take_args(), free, *self._received]
         # (oldest first: `dispatch` LPUSHes)
         move = ("BLMOVE", self.wake_key, script_keys[1], "RIGHT", "LEFT", self.poll_delay_s)
+        sent = time.monotonic()
         if self._wake_line is None:  # (a client not made by `common.redisconn`: fakeredis)
             woken = await self.pool.blmove(*move[1:3], self.poll_delay_s, "RIGHT", "LEFT")
             taken = await self._scripts.call("take_woken", script_keys, args)
@@ -145,7 +151,25 @@ class WakeWorker(Worker):
             woken, taken = await self._scripts.call_after(self._wake_line, move, "take_woken", script_keys, args)
         self._received = [b"%s:%s" % (started[0], started_attempt(started) or b"")
                           for started in taken if started[1] == b"ok"]
+        if time.monotonic() - sent > self.poll_delay_s + LATE_ANSWER_S:
+            # The script ran when an id came, and this process got its answer much later than the
+            # wait can last: it was paused (SIGSTOP, a frozen VM) or starved. Its runs' leases may
+            # have gone meanwhile, and the runs on with another worker: only those still leased run.
+            taken = [started for started in taken if started[1] != b"ok" or await self._still_leased(started)]
         return taken, woken is not None
+
+    async def _still_leased(self, started: list[Any]) -> bool:
+        """Whether a run `take_woken` started still holds its lease (renewed now, as a run does)."""
+        record = dict(zip(started[2::2], started[3::2], strict=False))
+        job_id = started[0].decode()
+        provider = (record.get(b"provider") or b"").decode()
+        held = await self._scripts.call(
+            "renew", [keys.leases(provider), keys.run_record(job_id)],
+            [job_id, self.runner().config.runtime.lease_ttl_ms, record.get(b"attempts") or b""])
+        if held == 0:
+            log.warning("its lease went while this worker was paused (its start's answer came late); not run here",
+                        extra=run_fields(job_id, (record.get(b"model") or b"").decode() or None, provider=provider))
+        return bool(held != 0)
 
     def _take_args(self) -> list[Any]:
         """The first arguments of the `take` scripts (their ARGV[1..11])."""
