@@ -158,13 +158,22 @@ def _check_database_path(url: str) -> None:
     """The path of a redis:// or rediss:// URL is the database: nothing, `/`, or `/<digits>`.
     (redis-py takes a path that is not a number as database 0, and `/1/2` as 12.)"""
     try:
-        path = unquote(urlsplit(url).path)
+        parts = urlsplit(url)
+        path = unquote(parts.path)
+        query = parse_qs(parts.query, keep_blank_values=True)
     except ValueError as exc:
         raise RedisUrlError(f"Redis URL {redact(url)!r}: {exc}") from None
     database = path[1:]
     if database and not (database.isascii() and database.isdigit()):
         raise RedisUrlError(f"Redis URL {redact(url)!r}: the path {path!r} is not a database number "
                             "(write /0, /1, … after the host, or nothing for database 0)")
+    if database and "db" in query:  # (redis-py takes ?db= over the path, silently)
+        raise RedisUrlError(_two_databases(url, database))
+
+
+def _two_databases(url: str, database: str) -> str:
+    return (f"{'Sentinel' if '+sentinel://' in url.lower() else 'Redis'} URL {redact(url)!r} names its "
+            f"database twice (the path's {database} and ?db=): keep one")
 
 
 def _check_options(url: str, options: dict[str, Any], accepted: set[str], kind: str = "Redis") -> None:
@@ -222,6 +231,8 @@ def _parse_sentinel(url: str, scheme: str) -> RedisTarget:
         query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError as exc:
         raise bad(f"cannot read its options ({exc})") from None
+    if "db" in query and "db" in options:
+        raise RedisUrlError(_two_databases(url, path[1]))
     for name, values in query.items():
         value = values[-1]
         if name in SENTINEL_OPTIONS:

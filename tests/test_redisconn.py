@@ -119,6 +119,10 @@ def test_plain_urls_keep_redis_py_s_meaning(url: str, connection_class: type, ex
     ("redis+sentinel://:secret@h1/mymaster/0?socket_timeout=soon", "option socket_timeout='soon' is not valid"),
     ("redis+sentinel://:secret@h1/mymaster/0?ssl_ca_certs=/ca.crt", "unknown option 'ssl_ca_certs' (TLS options"),
     ("redis+sentinel://:secret@h1/mymaster/0?colour=blue", "unknown option 'colour'"),
+    # (redis-py took ?db= over the path, silently; found by a Sentinel/TLS audit)
+    ("redis://:secret@h:6379/8?db=10", "names its database twice (the path's 8 and ?db=): keep one"),
+    ("redis+sentinel://:secret@h1/mymaster/5?db=7", "Sentinel URL 'redis+sentinel://:***@h1/mymaster/5?db=7' names "
+     "its database twice"),
 ])
 def test_a_malformed_url_gets_one_line_naming_what_is_wrong_and_never_the_password(url: str, says: str) -> None:
     with pytest.raises(RedisUrlError) as err:
