@@ -261,6 +261,7 @@ async def read_audit(redis: Redis, limit: int = 50, before: str | None = None) -
     """The newest `limit` changes (at most MAX_AUDIT_READ), newest first; `before` an entry id to page
     back (ControlError, param `before`, if it is not one; `0-0`, before every entry: none)."""
     limit = max(1, min(limit, MAX_AUDIT_READ))
+    parsed = None
     if before is not None:
         parsed = entry_id(before)
         if parsed is None:
@@ -268,8 +269,9 @@ async def read_audit(redis: Redis, limit: int = 50, before: str | None = None) -
                                "1796052617385-0)", "before")
         if parsed in ((0, 0), (0, None)):  # Redis refuses an exclusive end below the first id there can be
             return []
-    # (an exclusive `(<ms>` would still take the entries of that ms: Redis ends it at `<ms>-<max seq>`)
-    top = "+" if before is None else f"({before}" if "-" in before else f"({before}-0"
+    # (`<ms>` alone is `<ms>-0`: an exclusive `(<ms>` would still take the entries of that ms, as
+    # Redis ends it at `<ms>-<max seq>`)
+    top = "+" if parsed is None else f"({parsed[0]}-{parsed[1] or 0}"
     raw = await redis.xrevrange(keys.AUDIT_STREAM, top, "-", count=limit)
     return [AuditEntry.from_entry(ident, fields) for ident, fields in raw]
 

@@ -168,12 +168,11 @@ def _check_database_path(url: str) -> None:
         raise RedisUrlError(f"Redis URL {redact(url)!r}: the path {path!r} is not a database number "
                             "(write /0, /1, … after the host, or nothing for database 0)")
     if database and "db" in query:  # (redis-py takes ?db= over the path, silently)
-        raise RedisUrlError(_two_databases(url, database))
+        raise RedisUrlError(_two_databases(url, database, "Redis"))
 
 
-def _two_databases(url: str, database: str) -> str:
-    return (f"{'Sentinel' if '+sentinel://' in url.lower() else 'Redis'} URL {redact(url)!r} names its "
-            f"database twice (the path's {database} and ?db=): keep one")
+def _two_databases(url: str, database: str, kind: str) -> str:
+    return f"{kind} URL {redact(url)!r} names its database twice (the path's {database} and ?db=): keep one"
 
 
 def _check_options(url: str, options: dict[str, Any], accepted: set[str], kind: str = "Redis") -> None:
@@ -232,7 +231,7 @@ def _parse_sentinel(url: str, scheme: str) -> RedisTarget:
     except ValueError as exc:
         raise bad(f"cannot read its options ({exc})") from None
     if "db" in query and "db" in options:
-        raise RedisUrlError(_two_databases(url, path[1]))
+        raise RedisUrlError(_two_databases(url, path[1], "Sentinel"))
     for name, values in query.items():
         value = values[-1]
         if name in SENTINEL_OPTIONS:

@@ -125,7 +125,8 @@ class Scheduler:
         timeout = self.config.queue_for(model).queue_timeout_ms
         tried = frozenset(fields.get(b"tried", b"").decode().split(",")) - {""}
         hard = fields.get(b"exclude") == b"1"
-        item = Waiting(entry_key(entry_id), run_id, entry_id, entry_key(entry_id)[0] + timeout,
+        key = entry_key(entry_id)
+        item = Waiting(key, run_id, entry_id, key[0] + timeout,
                        avoid=frozenset() if hard else tried, exclude=tried if hard else frozenset())
         queue = self.waiting[model_id]
         if not any(w.entry_id == entry_id for w in queue):

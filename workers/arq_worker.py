@@ -145,7 +145,7 @@ class WakeWorker(Worker):
         move = ("BLMOVE", self.wake_key, script_keys[1], "RIGHT", "LEFT", self.poll_delay_s)
         sent = time.monotonic()
         if self._wake_line is None:  # (a client not made by `common.redisconn`: fakeredis)
-            woken = await self.pool.blmove(*move[1:3], self.poll_delay_s, "RIGHT", "LEFT")
+            woken = await self.pool.execute_command(*move)
             taken = await self._scripts.call("take_woken", script_keys, args)
         else:
             woken, taken = await self._scripts.call_after(self._wake_line, move, "take_woken", script_keys, args)
@@ -165,7 +165,7 @@ class WakeWorker(Worker):
         provider = (record.get(b"provider") or b"").decode()
         held = await self._scripts.call(
             "renew", [keys.leases(provider), keys.run_record(job_id)],
-            [job_id, self.runner().config.runtime.lease_ttl_ms, record.get(b"attempts") or b""])
+            [job_id, self.runner().config.runtime.lease_ttl_ms, started_attempt(started) or b""])
         if held == 0:
             log.warning("its lease went while this worker was paused (its start's answer came late); not run here",
                         extra=run_fields(job_id, (record.get(b"model") or b"").decode() or None, provider=provider))
