@@ -126,3 +126,20 @@ async def test_a_disturbing_probe_waits_until_the_provider_runs_nothing(
     await redis.delete(keys.leases("p"))
     await async_wait_until(lambda: asyncio.sleep(0, adapter.calls > calls), what="a probe once idle")
     assert not await redis.exists(keys.probing("p"))  # its lock is gone again
+
+
+async def test_a_worker_s_heartbeat_keeps_it_among_its_node_s_workers_for_as_long_as_a_heartbeat_lives(
+        redis: Redis) -> None:
+    """`iop:workers:{node}`, which the last worker to stop reads (`worker_left`): each beat puts
+    the worker's instance there until `heartbeat_ttl_ms` from now, and the set itself expires
+    then, so a node whose workers all died leaves nothing behind."""
+    cfg = config("vllm")
+    beats = Heartbeats(redis, cfg, "n", {"p": Probed()}, "host:1:abc")
+    before = now_ms()
+    await beats.beat_once(cfg.nodes[0].providers[0])
+    until = await redis.zscore(keys.node_workers("n"), "host:1:abc")
+    ttl = cfg.runtime.heartbeat_ttl_ms
+    assert until is not None and before + ttl <= until <= now_ms() + ttl
+    assert 0 < await redis.pttl(keys.node_workers("n")) <= cfg.runtime.heartbeat_ttl_ms
+    await Heartbeats(redis, cfg, "n", {"p": Probed()}).beat_once(cfg.nodes[0].providers[0])  # (no instance: none)
+    assert await redis.zcard(keys.node_workers("n")) == 1
