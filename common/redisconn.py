@@ -48,6 +48,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from common.failover import FailoverWatch
 from common.redisline import Lined, LinedPool
 
 #: What a lost or restarting Redis raises; services back off and go on. A server that stopped
@@ -368,11 +369,37 @@ _FOLLOWING: dict[type, type] = {
 
 class SentinelPool(Lined, SentinelConnectionPool):  # type: ignore[misc]
     """redis-py's pool of connections to the primary the sentinels name, with a `Line`
-    (`common.redisline`), which also closes its connections to the sentinels when it is closed."""
+    (`common.redisline`), which also closes its connections to the sentinels when it is closed.
+
+    From its first connection on, it follows the sentinels' announcements of a new primary
+    (`common.failover`): when one comes, every connection to the old primary is closed at once,
+    the lines' and those in use included, and each reconnects to the new one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.watch = FailoverWatch(self.service_name, self.sentinel_manager.sentinels,
+                                   lambda: self.master_address, self.switch_primary)
+
+    async def get_master_address(self) -> Any:
+        address = await super().get_master_address()
+        self.watch.start()
+        return address
+
+    async def switch_primary(self, address: tuple[str, int], sentinel: Any) -> None:
+        """The primary is at `address` now, as `sentinel` says: close every connection (each
+        reconnects when next used, asking that sentinel first) and keep the sentinels."""
+        sentinels = self.sentinel_manager.sentinels
+        if sentinel in sentinels:
+            sentinels.remove(sentinel)
+            sentinels.insert(0, sentinel)
+        self.master_address = address
+        await SentinelConnectionPool.disconnect(self, inuse_connections=True)
+        await self.close_lines()
 
     async def disconnect(self, inuse_connections: bool = True) -> None:
         await super().disconnect(inuse_connections)
         if inuse_connections:  # the whole pool is closing, not just a switch to a new primary
+            await self.watch.close()
             await asyncio.gather(*(s.aclose() for s in self.sentinel_manager.sentinels), return_exceptions=True)
 
 

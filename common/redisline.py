@@ -279,8 +279,9 @@ class Line:
 class Lined:
     """A pool class with a `Line` for the commands that answer at once, and lines of their own for
     the loops that block (mixed into redis-py's pools in `common.redisconn`). Closing the pool
-    closes the lines' connections too; a switch to a new Sentinel primary
-    (`inuse_connections=False`) leaves them: they fail on the old primary and connect again."""
+    closes the lines' connections too; redis-py's own move to a new Sentinel primary, when a new
+    connection finds it (`inuse_connections=False`), leaves them (they fail on the old primary and
+    connect again), and `SentinelPool.switch_primary` closes them (`close_lines`)."""
 
     line: Line
 
@@ -298,8 +299,12 @@ class Lined:
     async def disconnect(self, inuse_connections: bool = True) -> None:
         await super().disconnect(inuse_connections)  # type: ignore[misc]
         if inuse_connections:
-            for line in self._lines:
-                await line.close()
+            await self.close_lines()
+
+    async def close_lines(self) -> None:
+        """Close every line's connection (each opens a new one when next used)."""
+        for line in self._lines:
+            await line.close()
 
 
 class LinedPool(Lined, ConnectionPool):  # type: ignore[misc]  # redis-py is not type-checked here

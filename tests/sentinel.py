@@ -24,6 +24,8 @@ MASTER = "mymaster"
 #: A primary silent this long is down for a sentinel; a failover gives up after this long.
 DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 3000
+#: The name of the tests' own connections to the servers (`CLIENT LIST` tells them from iop's).
+TESTS_CLIENT = "iop-tests"
 
 
 def poll(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
@@ -124,7 +126,8 @@ class SentinelCluster:
 
     # ------------------------------------------------------------------ state
     def client(self, name: str) -> sync_redis.Redis:
-        return sync_redis.Redis(host="127.0.0.1", port=self.ports[name], socket_timeout=2, socket_connect_timeout=2)
+        return sync_redis.Redis(host="127.0.0.1", port=self.ports[name], socket_timeout=2, socket_connect_timeout=2,
+                                client_name=TESTS_CLIENT)
 
     def ask(self, name: str, question: Callable[[sync_redis.Redis], Any]) -> Any:
         """`question(client)` on a fresh client of that server or sentinel, closed after."""
@@ -146,11 +149,18 @@ class SentinelCluster:
             return False
         return bool(self.ask("replica", lambda r: r.info("replication")["role"] == "master"))
 
+    def clients_on(self, name: str) -> list[dict[str, Any]]:
+        """The connections to that server other than the sentinels' and the tests' own: iop's."""
+        listed = self.ask(name, lambda r: r.client_list())
+        return [c for c in listed if c.get("name") != TESTS_CLIENT and not c.get("name", "").startswith("sentinel-")
+                and "S" not in c.get("flags", "") and "M" not in c.get("flags", "")]
+
     def primary(self) -> sync_redis.Redis:
         """A client of the server that is the primary now (as the sentinels say)."""
         port = self.master_port(self.sentinel_names[0])
         assert port is not None
-        return sync_redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=2)
+        return sync_redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=2,
+                                client_name=TESTS_CLIENT)
 
 
 @dataclass

@@ -29,7 +29,7 @@ import yaml
 from common.scripts import SHAS
 from tests.conftest import ROOT, Stack, async_wait_until
 from tests.faults import FAST_RUNTIME, MODEL, FaultStack, chat, run_of
-from tests.sentinel import SentinelCluster
+from tests.sentinel import MASTER, SentinelCluster
 
 pytestmark = pytest.mark.e2e
 
@@ -135,10 +135,22 @@ async def _iop(*args: str, redis_url: str) -> subprocess.CompletedProcess[str]:
                                    cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("lease_ttl_ms", [5000, 1500], ids=["leases-outlast-the-failover", "leases-expire-in-it"])
-async def test_the_stack_follows_a_failover_of_the_primary(sstack: SentinelStack, cluster: SentinelCluster,
-                                                           lease_ttl_ms: int) -> None:
+def _callers(gateway: str, calls: list[Call], stop: asyncio.Event) -> list[asyncio.Task[None]]:
+    """`CALLERS` callers, each sending one request after the other (stream or not, by turns) until
+    `stop`, every call's outcome into `calls`."""
+    async def caller(n: int) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ANSWER_WITHIN_S)) as http:
+            i = 0
+            while not stop.is_set():
+                calls.append(await _one_call(http, gateway, stream=(n + i) % 2 == 0))
+                i += 1
+
+    return [asyncio.create_task(caller(n)) for n in range(CALLERS)]
+
+
+def _start_pool(sstack: SentinelStack, lease_ttl_ms: int) -> str:
+    """Two simulators on two nodes, the scheduler, a worker per node and the gateway, on the
+    Sentinel URL; the gateway's address once both providers are available."""
     for pid in ("a", "b"):
         sstack.add_simulator(pid, "--ttft-ms", "150", "--itl-ms", "25")
     sstack.configure({"a": ("n1", 4), "b": ("n2", 4)}, queue=QUEUE)
@@ -150,18 +162,18 @@ async def test_the_stack_follows_a_failover_of_the_primary(sstack: SentinelStack
     gateway = sstack.gateway()
     for pid in ("a", "b"):
         sstack.wait_health(pid, "available")
+    return gateway
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("lease_ttl_ms", [5000, 1500], ids=["leases-outlast-the-failover", "leases-expire-in-it"])
+async def test_the_stack_follows_a_failover_of_the_primary(sstack: SentinelStack, cluster: SentinelCluster,
+                                                           lease_ttl_ms: int) -> None:
+    gateway = _start_pool(sstack, lease_ttl_ms)
 
     calls: list[Call] = []
     stop = asyncio.Event()
-
-    async def caller(n: int) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ANSWER_WITHIN_S)) as http:
-            i = 0
-            while not stop.is_set():
-                calls.append(await _one_call(http, gateway, stream=(n + i) % 2 == 0))
-                i += 1
-
-    callers = [asyncio.create_task(caller(n)) for n in range(CALLERS)]
+    callers = _callers(gateway, calls, stop)
     try:
         await async_wait_until(lambda: _count(calls, 20), timeout=60, what="20 runs served before the failover")
         before = await _iop("queues", "--json", "--config", str(sstack.config_path), redis_url=cluster.url)
@@ -244,3 +256,47 @@ async def test_the_stack_follows_a_failover_of_the_primary(sstack: SentinelStack
 
 async def _count(calls: list[Call], n: int) -> bool:
     return sum(c.outcome == "completed" for c in calls) >= n
+
+
+@pytest.mark.timeout(300)
+async def test_a_failover_asked_for_moves_every_process_off_the_old_primary_which_stays_up(
+        sstack: SentinelStack, cluster: SentinelCluster) -> None:
+    """`SENTINEL FAILOVER` leaves the old primary running, and a primary until Sentinel turns it
+    into a replica. Here it never does (its REPLICAOF is refused), so the window in which iop could
+    write to the old primary, and lose it, has no end unless iop follows the sentinels' announcement
+    of the new primary itself: every process must leave the old primary, and every run begun after
+    that must be on the new one."""
+    gateway = _start_pool(sstack, 5000)
+    cluster.ask("primary", lambda r: r.execute_command("ACL", "SETUSER", "default", "-replicaof", "-slaveof"))
+    assert cluster.clients_on("primary"), "iop's processes are connected to the primary"
+
+    calls: list[Call] = []
+    stop = asyncio.Event()
+    callers = _callers(gateway, calls, stop)
+    try:
+        await async_wait_until(lambda: _count(calls, 20), timeout=60, what="20 runs served before the failover")
+        cluster.ask("sentinel-1", lambda s: s.execute_command("SENTINEL", "FAILOVER", MASTER))
+        await async_wait_until(lambda: asyncio.to_thread(cluster.promoted), timeout=60,
+                               what="the sentinels to promote the replica")
+        await async_wait_until(lambda: asyncio.to_thread(lambda: not cluster.clients_on("primary")), timeout=30,
+                               what="every iop connection to leave the old primary")
+        left = time.monotonic()
+        # Sentinel could not demote it: still a primary, and so it would have taken every write.
+        assert cluster.ask("primary", lambda r: r.info("replication")["role"]) == "master"
+        assert cluster.clients_on("replica"), "iop's processes are connected to the new primary"
+
+        async def enough() -> bool:
+            return sum(c.started >= left and c.outcome == "completed" for c in calls) >= 20
+        await async_wait_until(enough, timeout=60, what="20 runs served after the switch")
+    finally:
+        stop.set()
+        await asyncio.gather(*callers)
+
+    unanswered = [c.outcome for c in calls if not c.answered]
+    assert not unanswered, f"callers without an answer: {unanswered}"
+    after = [c for c in calls if c.started >= left and c.outcome == "completed"]
+    with cluster.client("replica") as new, cluster.client("primary") as old:
+        assert [new.hget(f"iop:run:{c.run_id}", "state") for c in after] == [b"completed"] * len(after)
+        assert [old.exists(f"iop:run:{c.run_id}") for c in after] == [0] * len(after)
+    assert not cluster.clients_on("primary"), "no iop process went back to the old primary"
+    await asyncio.to_thread(sstack.check_invariants, 30.0, False)

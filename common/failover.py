@@ -1,0 +1,140 @@
+"""Following a Sentinel failover as soon as the sentinels announce it.
+
+redis-py's Sentinel pool asks the sentinels where the primary is only when it makes a connection.
+After a crash that is enough: the connections to the dead primary broke, and each one that
+reconnects finds the new primary. A failover that leaves the old primary running (one asked for
+with `SENTINEL FAILOVER`, or one after a partition) breaks nothing: the old primary stays a
+primary until Sentinel turns it into a replica (about 10 s later on these machines), and every
+write made there meanwhile is gone when it resyncs from the new one.
+
+So each Sentinel pool keeps a `FailoverWatch`: one subscription to the sentinels' `+switch-master`
+announcements (on one sentinel at a time, the next one if it goes away), and a question to that
+sentinel every `CHECK_EVERY_S`, in case an announcement was missed while no sentinel was followed.
+When the followed sentinel names another primary, the pool is told (`switch`): it closes every
+connection to the old one, in use or not, and each reconnects to the new primary, asking this
+sentinel first. A sentinel whose configuration is older than one already seen (its config epoch
+is lower: it has not heard of the failover yet) is never followed back to the old primary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+log = logging.getLogger("iop.redis")
+
+#: The sentinels' announcement of a new primary: "<master> <old ip> <old port> <new ip> <new port>".
+SWITCH_CHANNEL = "+switch-master"
+#: How often the followed sentinel is asked where the primary is when it announced nothing.
+CHECK_EVERY_S = 5.0
+#: How long a sentinel may take to answer that question.
+ANSWER_WITHIN_S = 2.0
+#: The pause before following the sentinels again when none could be followed, doubling up to the cap.
+RETRY_FIRST_S = 0.1
+RETRY_CAP_S = 2.0
+#: Cancelling the watch: how many times, and how long to wait each time for it to end.
+CLOSE_TRIES = 40
+CLOSE_TRY_S = 0.05
+
+Address = tuple[str, int]
+
+
+class FailoverWatch:
+    """Follows the sentinels' announcements for `master` and calls `switch(address)` when the
+    primary moved away from `current()` (the address the pool's connections go to)."""
+
+    def __init__(self, master: str, sentinels: list[Any], current: Callable[[], Address | None],
+                 switch: Callable[[Address, Any], Awaitable[None]]) -> None:
+        """`sentinels` is the list of the Sentinel manager's clients (redis-py's `Sentinel.sentinels`,
+        shared with it); `switch(address, sentinel)` gets the new address and the sentinel that
+        named it."""
+        self.master = master
+        self.sentinels = sentinels
+        self.current = current
+        self.switch = switch
+        #: the highest config epoch a followed sentinel answered with
+        self.epoch: int | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start following (once; again after `close`)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="iop-sentinel-watch")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        # (Python 3.11's `asyncio.wait_for`, which redis-py writes with, can lose a cancellation
+        # that meets its own end: cancel again until the task has ended.)
+        for _ in range(CLOSE_TRIES):
+            if task is None or task.done():
+                return
+            task.cancel()
+            await asyncio.wait([task], timeout=CLOSE_TRY_S)
+        log.warning("the watch of the sentinels for %s did not stop", self.master)
+
+    async def _run(self) -> None:
+        delay = RETRY_FIRST_S
+        while True:
+            for sentinel in list(self.sentinels):
+                try:
+                    await self._follow(sentinel)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # that sentinel went away or answered nonsense: the next one
+                    log.debug("cannot follow the sentinel %s for %s: %s", _where(sentinel), self.master, exc)
+                else:
+                    delay = RETRY_FIRST_S
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_CAP_S)
+
+    async def _follow(self, sentinel: Any) -> None:
+        pubsub = sentinel.pubsub()
+        try:
+            await pubsub.subscribe(SWITCH_CHANNEL)
+            await self._check(sentinel)  # (what was announced before the subscription)
+            while True:
+                try:
+                    # (redis-py's own wait, `get_message(timeout=…)`, can swallow a cancellation)
+                    async with asyncio.timeout(CHECK_EVERY_S):
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+                except TimeoutError:
+                    message = None
+                if message is None or _names(message, self.master):
+                    await self._check(sentinel)
+        finally:
+            await pubsub.aclose()
+
+    async def _check(self, sentinel: Any) -> None:
+        """Ask `sentinel` where the primary is; switch if it moved and the sentinel is not behind."""
+        async with asyncio.timeout(ANSWER_WITHIN_S):
+            state = await sentinel.sentinel_master(self.master)
+        epoch, address = int(state["config-epoch"]), (str(state["ip"]), int(state["port"]))
+        if self.epoch is not None and epoch < self.epoch:
+            return  # a sentinel that has not heard of the last failover yet
+        self.epoch = epoch
+        current = self.current()
+        if current is None or _same(current, address) or not state.get("is_master", True) \
+                or state.get("is_odown") or state.get("is_sdown"):
+            return
+        log.warning("Redis Sentinel: the primary of %s moved from %s:%s to %s:%s (config epoch %d); "
+                    "reconnecting there", self.master, current[0], current[1], address[0], address[1], epoch)
+        await self.switch(address, sentinel)
+
+
+def _names(message: dict[str, Any], master: str) -> bool:
+    """A `+switch-master` message about `master`."""
+    data = message.get("data")
+    if isinstance(data, bytes):
+        data = data.decode(errors="replace")
+    return isinstance(data, str) and data.split(" ", 1)[0] == master
+
+
+def _same(a: Address, b: Address) -> bool:
+    return str(a[0]) == str(b[0]) and int(a[1]) == int(b[1])
+
+
+def _where(sentinel: Any) -> str:
+    kwargs = getattr(getattr(sentinel, "connection_pool", None), "connection_kwargs", {})
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
