@@ -23,6 +23,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from redis.asyncio import ConnectionPool, Redis
+
 log = logging.getLogger("iop.redis")
 
 #: The sentinels' announcement of a new primary: "<master> <old ip> <old port> <new ip> <new port>".
@@ -43,20 +45,24 @@ Address = tuple[str, int]
 
 class FailoverWatch:
     """Follows the sentinels' announcements for `master` and calls `switch(address)` when the
-    primary moved away from `current()` (the address the pool's connections go to)."""
+    primary moved away from where the pool's connections went (`address`: at first the pool's
+    own, `current()`; then wherever a switch sent them)."""
 
     def __init__(self, master: str, sentinels: list[Any], current: Callable[[], Address | None],
-                 switch: Callable[[Address, Any], Awaitable[None]]) -> None:
+                 switch: Callable[[Address], Awaitable[None]]) -> None:
         """`sentinels` is the list of the Sentinel manager's clients (redis-py's `Sentinel.sentinels`,
-        shared with it); `switch(address, sentinel)` gets the new address and the sentinel that
-        named it."""
+        shared with it: read, never reordered here); `switch(address)` moves the pool's connections."""
         self.master = master
         self.sentinels = sentinels
         self.current = current
         self.switch = switch
         #: the highest config epoch a followed sentinel answered with
         self.epoch: int | None = None
+        #: where the pool's connections were sent (None until the first answer)
+        self.address: Address | None = None
         self._task: asyncio.Task[None] | None = None
+        #: the sentinel `_follow` is on was subscribed to and answered
+        self._followed = False
 
     def start(self) -> None:
         """Start following (once; again after `close`)."""
@@ -74,9 +80,16 @@ class FailoverWatch:
             await asyncio.wait([task], timeout=CLOSE_TRY_S)
         log.warning("the watch of the sentinels for %s did not stop", self.master)
 
+    def primary(self, found: Address) -> Address:
+        """Where a new connection of the pool goes, when the sentinels it asked said `found`: the
+        watch's address if it has one (a sentinel asked first may not have heard of the last
+        failover yet; the watch only ever moves to a newer configuration), else `found`."""
+        return found if self.address is None else self.address
+
     async def _run(self) -> None:
         delay = RETRY_FIRST_S
         while True:
+            followed = False
             for sentinel in list(self.sentinels):
                 try:
                     await self._follow(sentinel)
@@ -84,16 +97,23 @@ class FailoverWatch:
                     raise
                 except Exception as exc:  # that sentinel went away or answered nonsense: the next one
                     log.debug("cannot follow the sentinel %s for %s: %s", _where(sentinel), self.master, exc)
-                else:
-                    delay = RETRY_FIRST_S
+                followed = followed or self._followed
+            delay = RETRY_FIRST_S if followed else min(delay * 2, RETRY_CAP_S)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, RETRY_CAP_S)
 
     async def _follow(self, sentinel: Any) -> None:
-        pubsub = sentinel.pubsub()
+        """Follow one sentinel until it fails. The subscription has a connection of its own,
+        without the read timeout of the sentinel's client (its questions keep theirs)."""
+        self._followed = False
+        pool = sentinel.connection_pool
+        listener = Redis(connection_pool=ConnectionPool(
+            connection_class=pool.connection_class, max_connections=1,
+            **{**pool.connection_kwargs, "socket_timeout": None}))
+        pubsub = listener.pubsub()
         try:
             await pubsub.subscribe(SWITCH_CHANNEL)
             await self._check(sentinel)  # (what was announced before the subscription)
+            self._followed = True
             while True:
                 try:
                     # (redis-py's own wait, `get_message(timeout=…)`, can swallow a cancellation)
@@ -105,6 +125,7 @@ class FailoverWatch:
                     await self._check(sentinel)
         finally:
             await pubsub.aclose()
+            await listener.aclose()
 
     async def _check(self, sentinel: Any) -> None:
         """Ask `sentinel` where the primary is; switch if it moved and the sentinel is not behind."""
@@ -114,13 +135,18 @@ class FailoverWatch:
         if self.epoch is not None and epoch < self.epoch:
             return  # a sentinel that has not heard of the last failover yet
         self.epoch = epoch
-        current = self.current()
-        if current is None or _same(current, address) or not state.get("is_master", True) \
+        if self.address is None:
+            self.address = self.current()
+        was = self.address
+        if was is None or _same(was, address) or not state.get("is_master", True) \
                 or state.get("is_odown") or state.get("is_sdown"):
             return
         log.warning("Redis Sentinel: the primary of %s moved from %s:%s to %s:%s (config epoch %d); "
-                    "reconnecting there", self.master, current[0], current[1], address[0], address[1], epoch)
-        await self.switch(address, sentinel)
+                    "reconnecting there", self.master, was[0], was[1], address[0], address[1], epoch)
+        # (decided by where the connections went, not by the pool's `master_address`, which a new
+        # connection that asked the sentinels moves without closing the connections in use)
+        self.address = address
+        await self.switch(address)
 
 
 def _names(message: dict[str, Any], master: str) -> bool:

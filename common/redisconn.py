@@ -381,20 +381,20 @@ class SentinelPool(Lined, SentinelConnectionPool):  # type: ignore[misc]
                                    lambda: self.master_address, self.switch_primary)
 
     async def get_master_address(self) -> Any:
-        address = await super().get_master_address()
+        found = await super().get_master_address()
         self.watch.start()
+        self.master_address = address = self.watch.primary(found)
         return address
 
-    async def switch_primary(self, address: tuple[str, int], sentinel: Any) -> None:
-        """The primary is at `address` now, as `sentinel` says: close every connection (each
-        reconnects when next used, asking that sentinel first) and keep the sentinels."""
-        sentinels = self.sentinel_manager.sentinels
-        if sentinel in sentinels:
-            sentinels.remove(sentinel)
-            sentinels.insert(0, sentinel)
+    async def switch_primary(self, address: tuple[str, int]) -> None:
+        """The primary is at `address` now, as `sentinel` says: close every connection, in use or
+        not, the lines' too (each reconnects when next used, to `address`: `watch.primary`)."""
         self.master_address = address
-        await SentinelConnectionPool.disconnect(self, inuse_connections=True)
-        await self.close_lines()
+        connections = [*self._available_connections, *self._in_use_connections]
+        try:
+            await asyncio.gather(*(c.disconnect() for c in connections), return_exceptions=True)
+        finally:
+            await self.close_lines()
 
     async def disconnect(self, inuse_connections: bool = True) -> None:
         await super().disconnect(inuse_connections)
