@@ -271,61 +271,130 @@ return {'ok', entry, left}
 # provider id, how many runs from the head on are the dispatching replica's own}. A replica may send
 # that many in one pipeline, oldest first: each still checks that its run is the head, so one that
 # cannot go holds back the ones behind it ('not_head').
-DISPATCH = _NOW + _EVENTS + _WAKE + """
-local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
-if #head == 0 then return 'gone' end
-if head[1][1] ~= ARGV[2] then
-  if #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) == 0 then return 'gone' end
-  return 'not_head'
-end
-local rec = redis.call('HMGET', KEYS[2], 'state', 'tried', 'attempts', 'watchers')
-if rec[1] ~= 'queued' then
-  redis.call('XACK', KEYS[1], ARGV[3], ARGV[2])
-  redis.call('XDEL', KEYS[1], ARGV[2])
-  return 'gone'
-end
-local live, oldest_beat = '(' .. now, now - tonumber(ARGV[7])
-local best, best_n, best_cap, best_class, best_probing
-for j = 0, (#KEYS - 3) / 8 - 1 do
-  local k, a = 4 + 8 * j, 9 + 4 * j
-  local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity')
-  if hb[1] == 'available' and tonumber(hb[2]) and tonumber(hb[2]) >= oldest_beat then
-    -- the operator's capacity override, drain and cordon, and the probing lock: all strings
-    local ops = redis.call('MGET', KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5])
-    local cap = tonumber(ops[1] or hb[3])
-    local class = tonumber(ARGV[a])
-    if not ops[2] and not ops[3] and cap and cap > 0 then
-      local n = redis.call('ZCOUNT', KEYS[k + 1], live, '+inf')
-      if n < cap and (best == nil or class < best_class or (class == best_class and (
-          n * best_cap < best_n * cap or (n * best_cap == best_n * cap and cap > best_cap))))
-      then
-        best, best_n, best_cap, best_class, best_probing = j, n, cap, class, ops[4]
+# `dispatch_one`: the whole of a dispatch, for one run; `cands` are its candidates, in the order
+# of their ids: {k = the index in KEYS of its first key (heartbeat, leases, capacity override,
+# drained, cordoned, probing, node queue, node wake list), class = 0 | 1, provider, node, target}.
+_DISPATCH_ONE = _EVENTS + _WAKE + f"""
+local function dispatch_one(stream, record, events, run_id, entry, group, lease_ms, ttl_s, prefix, hb_ttl, me, cands)
+  local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
+  if #head == 0 then return 'gone' end
+  if head[1][1] ~= entry then
+    if #redis.call('XRANGE', stream, entry, entry) == 0 then return 'gone' end
+    return 'not_head'
+  end
+  local rec = redis.call('HMGET', record, 'state', 'tried', 'attempts', 'watchers')
+  if rec[1] ~= 'queued' then
+    redis.call('XACK', stream, group, entry)
+    redis.call('XDEL', stream, entry)
+    return 'gone'
+  end
+  local live, oldest_beat = '(' .. now, now - tonumber(hb_ttl)
+  local best, best_n, best_cap, best_class, best_probing
+  for _, c in ipairs(cands) do
+    local k = c.k
+    local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity')
+    if hb[1] == 'available' and tonumber(hb[2]) and tonumber(hb[2]) >= oldest_beat then
+      -- the operator's capacity override, drain and cordon, and the probing lock: all strings
+      local ops = redis.call('MGET', KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5])
+      local cap = tonumber(ops[1] or hb[3])
+      local class = c.class
+      if not ops[2] and not ops[3] and cap and cap > 0 then
+        local n = redis.call('ZCOUNT', KEYS[k + 1], live, '+inf')
+        if n < cap and (best == nil or class < best_class or (class == best_class and (
+            n * best_cap < best_n * cap or (n * best_cap == best_n * cap and cap > best_cap))))
+        then
+          best, best_n, best_cap, best_class, best_probing = c, n, cap, class, ops[4]
+        end
       end
     end
   end
+  if best == nil then return 'stale' end
+  if best_probing then return 'probing' end
+  local k = best.k
+  local provider, node, target = best.provider, best.node, best.target
+  local ttl = tonumber(ttl_s)
+  redis.call('ZADD', KEYS[k + 1], now + tonumber(lease_ms), run_id)
+  redis.call('XACK', stream, group, entry)
+  redis.call('XDEL', stream, entry)
+  local tried = rec[2]
+  redis.call('HSET', record, 'state', 'dispatched', 'provider', provider, 'node', node, 'target', target,
+    'dispatched_ms', now, 'tried', tried and (tried .. ',' .. provider) or provider,
+    'attempts', (tonumber(rec[3]) or 0) + 1)
+  -- (its `entry` stays: it is read only while the run is queued, and a requeue writes the new one)
+  redis.call('EXPIRE', record, ttl)
+  redis.call('ZADD', KEYS[k + 6], now, run_id)
+  if redis.call('LPUSH', KEYS[k + 7], run_id) > 1024 then redis.call('LTRIM', KEYS[k + 7], 0, 1023) end
+  add_event(record, events, run_id, 'dispatched', cmsgpack.pack({{provider = provider, node = node, target = target}}),
+    rec[4])
+  redis.call('EXPIRE', events, ttl)
+  local holder, mine = wake_head(stream, prefix, me, {DISPATCH_BATCH})
+  return {{'ok', holder, provider, mine}}
 end
-if best == nil then return 'stale' end
-local k, a = 4 + 8 * best, 9 + 4 * best
-if best_probing then return 'probing' end
-local provider, node, target = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-local ttl = tonumber(ARGV[5])
-redis.call('ZADD', KEYS[k + 1], now + tonumber(ARGV[4]), ARGV[1])
-redis.call('XACK', KEYS[1], ARGV[3], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
-local tried = rec[2]
-redis.call('HSET', KEYS[2], 'state', 'dispatched', 'provider', provider, 'node', node, 'target', target,
-  'dispatched_ms', now, 'tried', tried and (tried .. ',' .. provider) or provider,
-  'attempts', (tonumber(rec[3]) or 0) + 1)
--- (its `entry` stays: it is read only while the run is queued, and a requeue writes the new one)
-redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('ZADD', KEYS[k + 6], now, ARGV[1])
-if redis.call('LPUSH', KEYS[k + 7], ARGV[1]) > 1024 then redis.call('LTRIM', KEYS[k + 7], 0, 1023) end
-add_event(KEYS[2], KEYS[3], ARGV[1], 'dispatched', cmsgpack.pack({provider = provider, node = node, target = target}),
-  rec[4])
-redis.call('EXPIRE', KEYS[3], ttl)
-""" + f"""
-local holder, mine = wake_head(KEYS[1], ARGV[6], ARGV[8], {DISPATCH_BATCH})
-return {{'ok', holder, provider, mine}}
+"""
+
+DISPATCH = _NOW + _DISPATCH_ONE + """
+local cands = {}
+for j = 0, (#KEYS - 3) / 8 - 1 do
+  local a = 9 + 4 * j
+  cands[j + 1] = {k = 4 + 8 * j, class = tonumber(ARGV[a]), provider = ARGV[a + 1], node = ARGV[a + 2],
+    target = ARGV[a + 3]}
+end
+return dispatch_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
+  ARGV[8], cands)
+"""
+
+# The scheduler sends this in the same write as its blocking read of the model streams
+# (`XREADGROUP`), so Redis runs it as soon as the read is answered: the runs the read handed this
+# replica are dispatched then, without the round trip through the scheduler (which is told after,
+# and dispatches what is left itself). For each model block, it takes the replica's own pending
+# entries of the stream, oldest first, and dispatches each as `dispatch` does, the classes made
+# from the entry's `tried` and `exclude` as the scheduler makes them (`Waiting`), until one cannot
+# go (not the head, no slot, a probe out: the scheduler's way takes over from there).
+# KEYS: for each model: its runs stream, then `dispatch`'s 8 keys of each of its providers (in
+#       the order of their ids)
+# ARGV: group, lease ttl ms, run ttl s, replica channel prefix, heartbeat ttl ms, this replica,
+#       run record key prefix, events key prefix, the most entries a model, then for each model:
+#       its providers' count, and for each provider: id, node, served name
+# Returns {stream, entry, run id, result, holder, provider, mine} for each run dispatched ('ok')
+# or found gone ('gone').
+DISPATCH_PENDING = _NOW + _DISPATCH_ONE + """
+local out = {}
+local i, a = 1, 10
+while i <= #KEYS do
+  local stream, p = KEYS[i], tonumber(ARGV[a])
+  local pending = redis.call('XPENDING', stream, ARGV[1], '-', '+', ARGV[9], ARGV[6])
+  for _, pe in ipairs(pending) do
+    local entry = pe[1]
+    local found = redis.call('XRANGE', stream, entry, entry)
+    if #found == 0 then break end
+    local f, fields = found[1][2], {}
+    for x = 1, #f, 2 do fields[f[x]] = f[x + 1] end
+    local run_id = fields['run']
+    if not run_id then break end
+    local tried = {}
+    for t in string.gmatch(fields['tried'] or '', '[^,]+') do tried[t] = true end
+    local cands = {}
+    for j = 0, p - 1 do
+      local pa = a + 1 + 3 * j
+      local provider = ARGV[pa]
+      if not (tried[provider] and fields['exclude'] == '1') then
+        cands[#cands + 1] = {k = i + 1 + 8 * j, class = tried[provider] and 1 or 0, provider = provider,
+          node = ARGV[pa + 1], target = ARGV[pa + 2]}
+      end
+    end
+    local r = dispatch_one(stream, ARGV[7] .. run_id, ARGV[8] .. run_id, run_id, entry, ARGV[1], ARGV[2], ARGV[3],
+      ARGV[4], ARGV[5], ARGV[6], cands)
+    if r == 'gone' then
+      out[#out + 1] = {stream, entry, run_id, 'gone', '', '', 0}
+    elseif type(r) == 'table' then
+      out[#out + 1] = {stream, entry, run_id, 'ok', r[2], r[3], r[4]}
+    else
+      break
+    end
+  end
+  i, a = i + 1 + 8 * p, a + 1 + 3 * p
+end
+return out
 """
 
 # A worker starts a dispatched run: checks its lease (and a cancel request), marks it running
@@ -801,6 +870,7 @@ return id
 ALL: dict[str, str] = {
     "enqueue": ENQUEUE,
     "dispatch": DISPATCH,
+    "dispatch_pending": DISPATCH_PENDING,
     "start": START,
     "take": TAKE,
     "take_woken": TAKE_WOKEN,
@@ -867,14 +937,24 @@ class Scripts:
         Redis runs the script as soon as it has answered the command, with no round trip between
         them. Returns both replies; an error reply is raised. A script Redis has forgotten (a
         restart) did nothing: it is loaded and called again."""
-        first, answer = await line.execute_many([command, ("EVALSHA", SHAS[name], len(keys), *keys, *args)])
+        first, answer = await self.send_after(line, command, name, keys, args)
         if isinstance(first, ResponseError):
             raise first
+        if isinstance(answer, ResponseError):
+            raise answer
+        return first, answer
+
+    async def send_after(self, line: Line, command: Sequence[Any], name: str, keys: Sequence[str],
+                         args: Sequence[Any]) -> tuple[Any, Any]:
+        """As `call_after`, but an error reply of either is returned as it came (the exception),
+        not raised: a script's error does not lose the command's reply."""
+        first, answer = await line.execute_many([command, ("EVALSHA", SHAS[name], len(keys), *keys, *args)])
         if isinstance(answer, NoScriptError):
             await self.load()
-            answer = await self.call(name, keys, args)
-        elif isinstance(answer, ResponseError):
-            raise answer
+            try:
+                answer = await self.call(name, keys, args)
+            except ResponseError as exc:
+                answer = exc
         return first, answer
 
     async def call(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:

@@ -43,6 +43,10 @@ log = logging.getLogger("iop.scheduler")
 TICK_S = 1.0
 #: Times a dispatch is retried at once when a concurrent replica changed the snapshot.
 STALE_RETRIES = 16
+#: The `dispatch_pending` calls kept ready, one for each set of models without waiting runs met.
+PENDING_CALLS_KEPT = 64
+#: The most models `dispatch_pending` looks at in one call (each costs Redis an `XPENDING`).
+PENDING_MODELS = 16
 
 
 class Outcome(NamedTuple):
@@ -100,6 +104,10 @@ class Scheduler:
         self._targets = {m.id: {p: m.providers[p] for p in sorted(m.providers)} for m in config.models}
         #: model id -> (its providers' snapshots, when they were read (ms)), kept across dispatch rounds
         self._snaps: dict[str, tuple[list[ProviderSnapshot], int]] = {}
+        #: the model ids, those of the runs read most recently last
+        self._active: dict[str, None] = dict.fromkeys(m.id for m in config.models)
+        #: the `dispatch_pending` calls made so far, by the models they cover
+        self._pending_calls: dict[tuple[str, ...], tuple[list[str], list[Any]]] = {}
 
     # ----------------------------------------------------------------- setup
     async def ensure_groups(self) -> None:
@@ -133,26 +141,45 @@ class Scheduler:
             bisect.insort(queue, item)
 
     async def read_new(self, block_ms: int, count: int = 256) -> int:
-        """Read runs no replica has seen yet (blocks up to block_ms). Returns how many."""
+        """Read runs no replica has seen yet (blocks up to block_ms) and adopt them. Returns how
+        many of them wait for the dispatcher.
+
+        Over a line, the `dispatch_pending` script goes in the same write as the read, for the
+        models of which no run waits here: Redis runs it as soon as it has answered the read, so
+        a run that finds a slot is dispatched without the round trip through this process, and
+        only what it left (no slot, not the head, …) is adopted (`_settle`)."""
         streams = {keys.runs_stream(m.id): ">" for m in self.config.models}
+        answer: Any = None
         try:
             if self.intake_line is None:
                 reply = await self.redis.xreadgroup(keys.SCHEDULER_GROUP, self.consumer, streams,
                                                     count=count, block=block_ms)
             else:
-                reply = stream_reply(await self.intake_line.execute(
-                    "XREADGROUP", "GROUP", keys.SCHEDULER_GROUP, self.consumer, "COUNT", count, "BLOCK", block_ms,
-                    "STREAMS", *streams, *streams.values()))
+                read = ("XREADGROUP", "GROUP", keys.SCHEDULER_GROUP, self.consumer, "COUNT", count, "BLOCK", block_ms,
+                        "STREAMS", *streams, *streams.values())
+                call = self._pending_call()
+                if call is None:
+                    first = await self.intake_line.execute(*read)
+                else:
+                    first, answer = await self.scripts.send_after(self.intake_line, read, "dispatch_pending", *call)
+                    if isinstance(first, ResponseError):
+                        raise first
+                reply = stream_reply(first)
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             await self.ensure_groups()
             return 0
+        settled = self._settle(answer)
         adopted = 0
         prefix = len(keys.runs_stream(""))
         for stream, entries in reply or ():
             model_id = stream.decode()[prefix:]
+            self._active.pop(model_id, None)
+            self._active[model_id] = None
             for entry_id, fields in entries:
+                if (model_id, entry_id) in settled:
+                    continue
                 if fields:  # a deleted entry comes back with no fields
                     self._adopt(model_id, entry_id.decode(), fields)
                     adopted += 1
@@ -161,6 +188,64 @@ class Scheduler:
         if adopted:
             self.kick.set()
         return adopted
+
+    def _pending_call(self) -> tuple[list[str], list[Any]] | None:
+        """The keys and arguments of `dispatch_pending` for the models of which no run waits here
+        (whatever the read brings them is next in line), at most `PENDING_MODELS` of them, those
+        with runs read most recently; None if runs of every model wait."""
+        recent = [m for m in reversed(self._active) if not self.waiting[m]][:PENDING_MODELS]
+        if not recent:
+            return None
+        idle = tuple(sorted(recent))
+        call = self._pending_calls.get(idle)
+        if call is None:
+            rt = self.config.runtime
+            call_keys: list[str] = []
+            per_model: list[Any] = []
+            for model_id in idle:
+                targets = self._targets[model_id]
+                call_keys.append(keys.runs_stream(model_id))
+                per_model.append(len(targets))
+                for pid, served in targets.items():
+                    node = self.config.node_of(pid)
+                    call_keys += _candidate_keys(pid, node)
+                    per_model += (pid, node, served)
+            call = (call_keys, [keys.SCHEDULER_GROUP, rt.lease_ttl_ms, rt.run_ttl_s, keys.scheduler_channel(""),
+                                rt.heartbeat_ttl_ms, self.consumer, keys.run_record(""), keys.run_events(""),
+                                DISPATCH_BATCH, *per_model])
+            if len(self._pending_calls) >= PENDING_CALLS_KEPT:
+                self._pending_calls.clear()
+            self._pending_calls[idle] = call
+        return call
+
+    def _settle(self, answer: Any) -> set[tuple[str, bytes]]:
+        """What `dispatch_pending` did: each run it dispatched (or found gone) leaves the waiting
+        ones (a run it took from this replica's earlier ones too) and is counted as a dispatch.
+        Returns their (model id, entry id). An error of the script is logged: the dispatcher
+        dispatches those runs instead."""
+        if answer is None:
+            return set()
+        if isinstance(answer, Exception):
+            log.warning("dispatching the runs just read failed, the dispatcher takes them: %s", answer)
+            return set()
+        settled: set[tuple[str, bytes]] = set()
+        prefix = len(keys.runs_stream(""))
+        for stream, entry_id, run_id, result, _holder, provider, _mine in answer:
+            model_id, outcome = stream.decode()[prefix:], result.decode()
+            settled.add((model_id, entry_id))
+            queue = self.waiting.get(model_id)
+            if queue:
+                queue[:] = [w for w in queue if w.entry_id != entry_id.decode()]
+            metrics.DISPATCHES.labels(model_id, outcome).inc()
+            if outcome == "ok":
+                chosen = provider.decode()
+                kept = self._snaps.get(model_id)
+                if kept is not None:
+                    self._snaps[model_id] = (_one_more(kept[0], chosen), kept[1])
+                metrics.DISPATCH_LATENCY.labels(model_id).observe(
+                    max(0, now_ms() - entry_key(entry_id.decode())[0]) / 1000)
+                log.info("dispatched to %s", chosen, extra=run_fields(run_id.decode(), model_id))
+        return settled
 
     def on_signal(self, data: bytes) -> None:
         """A message on `iop:signals` ("*": a provider's health changed; a model id: a run of it was
@@ -284,10 +369,7 @@ class Scheduler:
             nodes = {s.provider_id: self.config.node_of(s.provider_id) for s, _ in candidates}
             calls.append((
                 [keys.runs_stream(model.id), keys.run_record(w.run_id), keys.run_events(w.run_id),
-                 *(k for s, _ in candidates for k in (
-                     keys.heartbeat(s.provider_id), keys.leases(s.provider_id), keys.capacity_override(s.provider_id),
-                     keys.drained(s.provider_id), keys.cordoned(nodes[s.provider_id]), keys.probing(s.provider_id),
-                     keys.node_queue(nodes[s.provider_id]), keys.node_wake(nodes[s.provider_id])))],
+                 *(k for s, _ in candidates for k in _candidate_keys(s.provider_id, nodes[s.provider_id]))],
                 [w.run_id, w.entry_id, keys.SCHEDULER_GROUP, rt.lease_ttl_ms, rt.run_ttl_s,
                  keys.scheduler_channel(""), rt.heartbeat_ttl_ms, self.consumer,
                  *(a for s, c in candidates for a in (
@@ -469,6 +551,13 @@ def _plan(queue: list[Waiting], snaps: list[ProviderSnapshot], now: int, ttl: in
         batch.append(w)
         snaps = _one_more(snaps, chosen.provider_id)
     return batch
+
+
+def _candidate_keys(provider_id: str, node_id: str) -> tuple[str, ...]:
+    """The 8 keys the dispatch scripts read and write of one candidate provider."""
+    return (keys.heartbeat(provider_id), keys.leases(provider_id), keys.capacity_override(provider_id),
+            keys.drained(provider_id), keys.cordoned(node_id), keys.probing(provider_id),
+            keys.node_queue(node_id), keys.node_wake(node_id))
 
 
 def _one_more(snaps: list[ProviderSnapshot], provider_id: str | None) -> list[ProviderSnapshot]:

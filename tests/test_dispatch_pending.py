@@ -1,0 +1,193 @@
+"""The scheduler's read of the model streams with `dispatch_pending` in the same write: Redis
+dispatches the runs the read hands a replica as soon as it answers the read. Against a real Redis,
+with clients made as the services make them (`common.redisconn.connect`: the pipelined path needs
+a line; a plain redis-py client takes the scheduler's usual way, which `test_scheduler.py` covers)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from fakeredis import FakeAsyncRedis
+from redis.asyncio import Redis
+
+from common import keys
+from common.config import parse_config
+from common.redisconn import connect
+from gateway.runs import RunClient
+from scheduler.core import PENDING_MODELS, Scheduler, Waiting
+from tests.test_scheduler import MODEL, beat, leases, make_config, submit
+
+
+@pytest.fixture
+async def lined(redis_url: str) -> AsyncIterator[Redis]:
+    client = connect(redis_url)
+    yield client
+    await client.aclose()
+
+
+async def reader(redis: Redis, config: Any) -> Scheduler:
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)  # (the group's first read: nothing yet)
+    return sched
+
+
+def dispatches_sent(sched: Scheduler) -> list[str]:
+    """Records each `dispatch` call the scheduler itself sends (its usual way)."""
+    sent: list[str] = []
+    call_many = sched.scripts.call_many
+
+    async def counting(name: str, calls: Any) -> list[Any]:
+        sent.extend([name] * len(calls) if name == "dispatch" else [])
+        return await call_many(name, calls)
+
+    sched.scripts.call_many = counting  # type: ignore[method-assign]
+    return sent
+
+
+async def test_runs_read_are_dispatched_by_redis_oldest_first_up_to_the_free_slots(lined: Redis) -> None:
+    config = make_config({"a": 1, "b": 1})
+    await beat(lined, config)
+    sched = await reader(lined, config)
+    sent = dispatches_sent(sched)
+    client = RunClient(lined, config)
+    run_ids = await submit(client, 3)
+
+    left = await sched.read_new(block_ms=10)
+
+    assert left == 1 and [w.run_id for w in sched.waiting[MODEL]] == [run_ids[2]]
+    assert await leases(lined, config) == {"a": 1, "b": 1}
+    states = [await lined.hmget(keys.run_record(r), "state", "provider") for r in run_ids]
+    assert states[:2] == [[b"dispatched", b"a"], [b"dispatched", b"b"]]  # least loaded, then by id
+    assert states[2] == [b"queued", None]
+    assert sent == []  # none went the scheduler's own way
+    assert await lined.xlen(keys.runs_stream(MODEL)) == 1
+    await client.close()
+
+
+async def test_a_run_that_failed_somewhere_goes_elsewhere_and_one_excluded_everywhere_is_left_to_the_scheduler(
+        lined: Redis) -> None:
+    config = make_config({"a": 1, "b": 1})
+    await beat(lined, config)
+    sched = await reader(lined, config)
+    stream = keys.runs_stream(MODEL)
+    # as `finish` requeues them: tried on a (go elsewhere if you can), and answered 500 by a and b
+    await lined.hset(keys.run_record("run_x"), mapping={"state": "queued", "tried": "a"})
+    await lined.xadd(stream, {"run": "run_x", "tried": "a"})
+    assert await sched.read_new(block_ms=10) == 0
+    assert await lined.hget(keys.run_record("run_x"), "provider") == b"b"
+
+    await lined.delete(keys.leases("b"))
+    await lined.hset(keys.run_record("run_y"), mapping={"state": "queued", "tried": "a,b"})
+    await lined.xadd(stream, {"run": "run_y", "tried": "a,b", "exclude": "1"})
+    assert await sched.read_new(block_ms=10) == 1  # no provider it may go to: the scheduler fails it
+    assert [w.run_id for w in sched.waiting[MODEL]] == ["run_y"]
+    assert await lined.hget(keys.run_record("run_y"), "state") == b"queued"
+
+
+async def test_a_run_of_another_replica_ahead_holds_back_the_runs_read_after_it(lined: Redis) -> None:
+    config = make_config({"a": 1})
+    await beat(lined, config)
+    first = await reader(lined, config)
+    second = await reader(lined, config)
+    client = RunClient(lined, config)
+    await lined.zadd(keys.leases("a"), {"run_elsewhere": 2**50})  # the one slot is taken
+    (older,) = await submit(client, 1)
+    assert await first.read_new(block_ms=10) == 1  # no slot: it waits with `first`
+    await lined.delete(keys.leases("a"))
+    (newer,) = await submit(client, 1)
+    assert await second.read_new(block_ms=10) == 1  # not the head: FIFO across replicas
+    assert await lined.zcard(keys.leases("a")) == 0
+    await first.dispatch_all()
+    assert await lined.zrange(keys.leases("a"), 0, -1) == [older.encode()]
+    assert [w.run_id for w in second.waiting[MODEL]] == [newer]
+    await client.close()
+
+
+async def test_a_model_with_runs_waiting_here_is_left_to_the_dispatcher(lined: Redis) -> None:
+    config = make_config({"a": 1})
+    await beat(lined, config)
+    sched = await reader(lined, config)
+    client = RunClient(lined, config)
+    run_ids = await submit(client, 2)
+    assert await sched.read_new(block_ms=10) == 1
+    assert sched._pending_call() is None  # a run waits: whatever comes is behind it
+    await lined.delete(keys.leases("a"))  # a slot freed
+    (third,) = await submit(client, 1)
+    assert await sched.read_new(block_ms=10) == 1
+    assert await lined.zcard(keys.leases("a")) == 0
+    await sched.dispatch_all()
+    assert await lined.zrange(keys.leases("a"), 0, -1) == [run_ids[1].encode()]
+    assert [w.run_id for w in sched.waiting[MODEL]] == [third]
+    await client.close()
+
+
+async def test_a_script_redis_forgot_is_loaded_and_a_script_error_loses_no_run(
+        lined: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    config = make_config({"a": 1})
+    await beat(lined, config)
+    sched = await reader(lined, config)
+    client = RunClient(lined, config)
+    await lined.script_flush()
+    (run_id,) = await submit(client, 1)
+    assert await sched.read_new(block_ms=10) == 0
+    assert await lined.hget(keys.run_record(run_id), "state") == b"dispatched"
+
+    await lined.set(keys.leases("a"), "not a sorted set")  # the script fails on it (WRONGTYPE)
+    (second,) = await submit(client, 1)
+    with caplog.at_level(logging.WARNING, "iop.scheduler"):
+        assert await sched.read_new(block_ms=10) == 1
+    assert [w.run_id for w in sched.waiting[MODEL]] == [second]
+    assert "dispatching the runs just read failed, the dispatcher takes them" in caplog.text
+    await client.close()
+
+
+async def test_the_dispatch_goes_in_the_same_write_as_the_read_and_runs_when_the_read_is_answered(
+        lined: Redis) -> None:
+    """The replica blocks on its read; a run queued meanwhile is dispatched before the replica
+    has its answer (Redis runs the script right after it answers the read)."""
+    config = make_config({"a": 1})
+    await beat(lined, config)
+    sched = await reader(lined, config)
+    client = RunClient(lined, config)
+    assert sched.intake_line is not None
+    replies: list[Any] = []
+    execute_many = sched.intake_line.execute_many
+
+    async def recording(commands: Any) -> list[Any]:
+        replies.append([c[0] for c in commands])
+        return await execute_many(commands)
+
+    sched.intake_line.execute_many = recording  # type: ignore[method-assign]
+    reading = asyncio.create_task(sched.read_new(block_ms=5000))
+    await asyncio.sleep(0)
+    (run_id,) = await submit(client, 1)
+    assert await reading == 0
+    assert replies == [["XREADGROUP", "EVALSHA"]]
+    assert await lined.hget(keys.run_record(run_id), "state") == b"dispatched"
+    assert await lined.lrange(keys.node_wake("n-a"), 0, -1) == [run_id.encode()]
+    await client.close()
+
+
+def test_it_looks_at_the_models_with_runs_read_most_recently_and_none_with_runs_waiting_here() -> None:
+    models = [f"m{i:02d}" for i in range(PENDING_MODELS + 4)]
+    config = parse_config({
+        "models": [{"id": m, "providers": {"a": "served"}} for m in models],
+        "nodes": [{"id": "n", "providers": [{"id": "a", "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                             "capacity": 1, "models": ["served"]}]}]})
+    sched = Scheduler(FakeAsyncRedis(), config)
+
+    def covered() -> list[str]:
+        call = sched._pending_call()
+        assert call is not None
+        return [k[len(keys.runs_stream("")):] for k in call[0] if k.startswith(keys.runs_stream(""))]
+
+    assert covered() == sorted(models[-PENDING_MODELS:])
+    sched._active.pop("m00")
+    sched._active["m00"] = None  # a run of m00 was just read
+    sched.waiting["m19"].append(Waiting((1, 0), "run_w", "1-0", 2**50))
+    assert covered() == sorted(["m00", *models[4:19]])  # (m19 has a run waiting here)
