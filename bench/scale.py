@@ -13,8 +13,9 @@
 2. **Herd.** Concurrency 64 of zero-latency runs (8 tokens, 1 ms apart) on 2 providers: with 1
    and with 3 scheduler replicas when the providers have 128 slots (no run waits), and with 3
    replicas when they have 32 (half the callers wait in the queue, so every freed slot must wake
-   a replica). Reports dispatch scripts per dispatched run (every replica's
-   `iop_scheduler_dispatch_total`, all outcomes, over its `ok`).
+   a replica). Reports dispatch scripts per dispatched run (every replica's calls of `dispatch`,
+   `iop_scheduler_dispatch_total` of all outcomes less the runs `dispatch_pending` handled, plus its
+   calls of `dispatch_pending`, over the `ok`s).
 
 Prints one JSON document. The client shares the machine with everything it measures.
 """
@@ -185,6 +186,8 @@ async def scheduler_counts(urls: Sequence[str]) -> dict[str, float]:
             for outcome, value in re.findall(r'^iop_scheduler_dispatch_total\{[^}]*outcome="(\w+)"[^}]*\} (\S+)$',
                                              text, re.M):
                 totals[outcome] = totals.get(outcome, 0.0) + float(value)
+            for name, value in re.findall(r'^iop_scheduler_dispatch_pending_(calls|runs)_total (\S+)$', text, re.M):
+                totals[f"pending_{name}"] = totals.get(f"pending_{name}", 0.0) + float(value)
     return totals
 
 
@@ -206,11 +209,16 @@ async def herd(stack: Stack, requests: int, concurrency: int) -> dict[str, Any]:
         await asyncio.gather(*(client() for _ in range(concurrency)))
     after = await scheduler_counts(stack.scheduler_metrics)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    pending_calls, pending_runs = delta.pop("pending_calls", 0.0), delta.pop("pending_runs", 0.0)
     ok = delta.get("ok", 0.0)
+    # every `dispatch` call counts one outcome; a `dispatch_pending` call counts one for each run
+    # it dispatched or found gone: the scripts sent are those calls, not its runs
+    scripts = sum(delta.values()) - pending_runs + pending_calls
     return {"replicas": len(stack.scheduler_metrics), "concurrency": concurrency, "http_statuses": dict(statuses),
             "dispatched": int(ok),
             "scripts_by_outcome": {k: int(v) for k, v in delta.items()},
-            "dispatch_scripts_per_run": round(sum(delta.values()) / ok, 3) if ok else None}
+            "dispatch_pending": {"calls": int(pending_calls), "runs": int(pending_runs)},
+            "dispatch_scripts_per_run": round(scripts / ok, 3) if ok else None}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

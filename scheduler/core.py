@@ -161,6 +161,7 @@ class Scheduler:
                 if call is None:
                     first = await self.intake_line.execute(*read)
                 else:
+                    metrics.PENDING_CALLS.inc()
                     first, answer = await self.scripts.send_after(self.intake_line, read, "dispatch_pending", *call)
                     if isinstance(first, ResponseError):
                         raise first
@@ -237,6 +238,7 @@ class Scheduler:
             if queue:
                 queue[:] = [w for w in queue if w.entry_id != entry_id.decode()]
             metrics.DISPATCHES.labels(model_id, outcome).inc()
+            metrics.PENDING_RUNS.inc()
             if outcome == "ok":
                 chosen = provider.decode()
                 kept = self._snaps.get(model_id)

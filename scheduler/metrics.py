@@ -7,6 +7,11 @@ reports the same, exact values (aggregate them with `max by (model)`).
 - `iop_scheduler_dispatch_total{model,outcome}`: calls of the `dispatch` script by result:
   `ok`, `stale` (a concurrent replica changed the load; retried), `not_head` (an older run
   goes first), `gone` (the run had left its queue).
+  Those `dispatch_pending` dispatched (`ok`) or found gone (`gone`) count too, one each.
+- `iop_scheduler_dispatch_pending_calls_total`, `iop_scheduler_dispatch_pending_runs_total`: calls
+  of `dispatch_pending` (one with each read of the streams that has a model to look at), and the
+  runs they dispatched or found gone. Dispatch scripts sent = `dispatch_total` − `pending_runs` +
+  `pending_calls`.
 - `iop_scheduler_dispatch_latency_seconds{model}`: from a run's entry in its queue to its dispatch.
 - `iop_scheduler_dropped_total{model,state}`: runs ended while waiting: `timed_out` (waited
   `queue_timeout_ms`) or `failed` (every provider of the model was down).
@@ -41,6 +46,10 @@ REGISTRY = CollectorRegistry()
 
 DISPATCHES = Counter("iop_scheduler_dispatch", "dispatch attempts by outcome", ["model", "outcome"],
                      registry=REGISTRY)
+PENDING_CALLS = Counter("iop_scheduler_dispatch_pending_calls", "dispatch_pending calls, sent with the intake's reads",
+                        registry=REGISTRY)
+PENDING_RUNS = Counter("iop_scheduler_dispatch_pending_runs", "runs dispatch_pending dispatched or found gone",
+                       registry=REGISTRY)
 DISPATCH_LATENCY = Histogram("iop_scheduler_dispatch_latency_seconds", "time from enqueue to dispatch", ["model"],
                              registry=REGISTRY,
                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))

@@ -73,6 +73,9 @@ def test_each_process_exposes_what_it_owns_and_counters_move(stack: Stack) -> No
             s = await scrape(session, sched)
             assert value(s, "iop_scheduler_dispatch_total", model=MODEL, outcome="ok") == 3
             assert value(s, "iop_scheduler_dispatch_latency_seconds_count", model=MODEL) == 3
+            # one at a time, each run was dispatched by the script sent with the read that found it
+            assert value(s, "iop_scheduler_dispatch_pending_runs_total") == 3
+            assert value(s, "iop_scheduler_dispatch_pending_calls_total") >= 3
             assert value(s, "iop_queue_depth", model=MODEL) == 0
             assert value(s, "iop_queue_oldest_age_seconds", model=MODEL) == 0
             assert {"iop_queue_depth", "iop_scheduler_waiting_runs"} <= names(s)
