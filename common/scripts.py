@@ -273,8 +273,21 @@ return {'ok', entry, left}
 # cannot go holds back the ones behind it ('not_head').
 # `dispatch_one`: the whole of a dispatch, for one run; `cands` are its candidates, in the order
 # of their ids: {k = the index in KEYS of its first key (heartbeat, leases, capacity override,
-# drained, cordoned, probing, node queue, node wake list), class = 0 | 1, provider, node, target}.
+# drained, cordoned, probing, node queue, node wake list), class = 0 | 1, provider, node, target,
+# listed = true when the candidate must also list `target` among the models its server answered
+# with (its heartbeat's `observed_models`; `scheduler.snapshots._lists` for the scheduler's own
+# candidates, which come checked)}.
 _DISPATCH_ONE = _EVENTS + _WAKE + f"""
+local function lists(observed, served)
+  if not observed or observed == '' then return true end
+  local ok, names = pcall(cjson.decode, observed)
+  if not ok or type(names) ~= 'table' or (next(names) ~= nil and #names == 0) then return true end
+  for _, name in ipairs(names) do
+    if name == served then return true end
+  end
+  return false
+end
+
 local function dispatch_one(stream, record, events, run_id, entry, group, lease_ms, ttl_s, prefix, hb_ttl, me, cands)
   local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
   if #head == 0 then return 'gone' end
@@ -292,8 +305,9 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
   local best, best_n, best_cap, best_class, best_probing
   for _, c in ipairs(cands) do
     local k = c.k
-    local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity')
-    if hb[1] == 'available' and tonumber(hb[2]) and tonumber(hb[2]) >= oldest_beat then
+    local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity', 'observed_models')
+    if hb[1] == 'available' and tonumber(hb[2]) and tonumber(hb[2]) >= oldest_beat
+        and (not c.listed or lists(hb[4], c.target)) then
       -- the operator's capacity override, drain and cordon, and the probing lock: all strings
       local ops = redis.call('MGET', KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5])
       local cap = tonumber(ops[1] or hb[3])
@@ -347,52 +361,66 @@ return dispatch_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4
 # (`XREADGROUP`), so Redis runs it as soon as the read is answered: the runs the read handed this
 # replica are dispatched then, without the round trip through the scheduler (which is told after,
 # and dispatches what is left itself). For each model block, it takes the replica's own pending
-# entries of the stream, oldest first, and dispatches each as `dispatch` does, the classes made
-# from the entry's `tried` and `exclude` as the scheduler makes them (`Waiting`), until one cannot
-# go (not the head, no slot, a probe out: the scheduler's way takes over from there).
+# entries of the stream (those the read just handed it, and any it took over), oldest first, and
+# dispatches each as `dispatch` does, with the candidates the scheduler would give it: the model's
+# providers that list its served name (`listed`), classes from the entry's `tried` and `exclude`
+# (as `Waiting` makes them). It stops at a run that cannot go (not the head, no slot, a probe out),
+# and at one that has waited its model's `queue_timeout_ms` (the scheduler times it out): the
+# scheduler's way takes over from there. An error stops it too, and is returned after what was
+# done before it (the runs dispatched stay dispatched: a script's writes are not undone).
 # KEYS: for each model: its runs stream, then `dispatch`'s 8 keys of each of its providers (in
 #       the order of their ids)
 # ARGV: group, lease ttl ms, run ttl s, replica channel prefix, heartbeat ttl ms, this replica,
 #       run record key prefix, events key prefix, the most entries a model, then for each model:
-#       its providers' count, and for each provider: id, node, served name
+#       its queue_timeout_ms, its providers' count, and for each provider: id, node, served name
 # Returns {stream, entry, run id, result, holder, provider, mine} for each run dispatched ('ok')
-# or found gone ('gone').
+# or found gone ('gone'), then {stream, entry, run id, 'error', message, '', 0} after an error.
 DISPATCH_PENDING = _NOW + _DISPATCH_ONE + """
 local out = {}
-local i, a = 1, 10
-while i <= #KEYS do
-  local stream, p = KEYS[i], tonumber(ARGV[a])
+local function model_block(i, a)
+  local stream, timeout, p = KEYS[i], tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   local pending = redis.call('XPENDING', stream, ARGV[1], '-', '+', ARGV[9], ARGV[6])
   for _, pe in ipairs(pending) do
     local entry = pe[1]
+    if tonumber(string.match(entry, '^(%d+)')) + timeout <= now then return end
     local found = redis.call('XRANGE', stream, entry, entry)
-    if #found == 0 then break end
+    if #found == 0 then return end
     local f, fields = found[1][2], {}
     for x = 1, #f, 2 do fields[f[x]] = f[x + 1] end
     local run_id = fields['run']
-    if not run_id then break end
+    if not run_id then return end
     local tried = {}
     for t in string.gmatch(fields['tried'] or '', '[^,]+') do tried[t] = true end
     local cands = {}
     for j = 0, p - 1 do
-      local pa = a + 1 + 3 * j
+      local pa = a + 2 + 3 * j
       local provider = ARGV[pa]
       if not (tried[provider] and fields['exclude'] == '1') then
         cands[#cands + 1] = {k = i + 1 + 8 * j, class = tried[provider] and 1 or 0, provider = provider,
-          node = ARGV[pa + 1], target = ARGV[pa + 2]}
+          node = ARGV[pa + 1], target = ARGV[pa + 2], listed = true}
       end
     end
-    local r = dispatch_one(stream, ARGV[7] .. run_id, ARGV[8] .. run_id, run_id, entry, ARGV[1], ARGV[2], ARGV[3],
-      ARGV[4], ARGV[5], ARGV[6], cands)
-    if r == 'gone' then
+    local ok, r = pcall(dispatch_one, stream, ARGV[7] .. run_id, ARGV[8] .. run_id, run_id, entry, ARGV[1],
+      ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], cands)
+    if not ok then
+      out[#out + 1] = {stream, entry, run_id, 'error', tostring(r), '', 0}
+      return 'error'
+    elseif r == 'gone' then
       out[#out + 1] = {stream, entry, run_id, 'gone', '', '', 0}
     elseif type(r) == 'table' then
       out[#out + 1] = {stream, entry, run_id, 'ok', r[2], r[3], r[4]}
     else
-      break
+      return
     end
   end
-  i, a = i + 1 + 8 * p, a + 1 + 3 * p
+end
+local i, a = 1, 10
+while i <= #KEYS do
+  local ok, r = pcall(model_block, i, a)
+  if not ok then out[#out + 1] = {KEYS[i], '', '', 'error', tostring(r), '', 0} end
+  if not ok or r == 'error' then return out end
+  local p = tonumber(ARGV[a + 1])
+  i, a = i + 1 + 8 * p, a + 2 + 3 * p
 end
 return out
 """

@@ -45,8 +45,10 @@ TICK_S = 1.0
 STALE_RETRIES = 16
 #: The `dispatch_pending` calls kept ready, one for each set of models without waiting runs met.
 PENDING_CALLS_KEPT = 64
-#: The most models `dispatch_pending` looks at in one call (each costs Redis an `XPENDING`).
+#: The most models `dispatch_pending` looks at in one call (each costs Redis an `XPENDING`), and
+#: the most providers of theirs in all (the call carries 8 keys and 3 arguments of each).
 PENDING_MODELS = 16
+PENDING_CANDIDATES = 64
 
 
 class Outcome(NamedTuple):
@@ -192,9 +194,19 @@ class Scheduler:
 
     def _pending_call(self) -> tuple[list[str], list[Any]] | None:
         """The keys and arguments of `dispatch_pending` for the models of which no run waits here
-        (whatever the read brings them is next in line), at most `PENDING_MODELS` of them, those
-        with runs read most recently; None if runs of every model wait."""
-        recent = [m for m in reversed(self._active) if not self.waiting[m]][:PENDING_MODELS]
+        (whatever the read brings them is next in line), those with runs read most recently, at
+        most `PENDING_MODELS` of them with `PENDING_CANDIDATES` providers in all (each provider's
+        8 keys are in the call); None if runs of every model wait."""
+        recent: list[str] = []
+        candidates = 0
+        for model_id in reversed(self._active):
+            n = len(self._targets[model_id])
+            if self.waiting[model_id] or candidates + n > PENDING_CANDIDATES:
+                continue
+            recent.append(model_id)
+            candidates += n
+            if len(recent) == PENDING_MODELS:
+                break
         if not recent:
             return None
         idle = tuple(sorted(recent))
@@ -206,7 +218,9 @@ class Scheduler:
             for model_id in idle:
                 targets = self._targets[model_id]
                 call_keys.append(keys.runs_stream(model_id))
-                per_model.append(len(targets))
+                model = self.config.model(model_id)
+                assert model is not None
+                per_model += (self.config.queue_for(model).queue_timeout_ms, len(targets))
                 for pid, served in targets.items():
                     node = self.config.node_of(pid)
                     call_keys += _candidate_keys(pid, node)
@@ -231,8 +245,12 @@ class Scheduler:
             return set()
         settled: set[tuple[str, bytes]] = set()
         prefix = len(keys.runs_stream(""))
-        for stream, entry_id, run_id, result, _holder, provider, _mine in answer:
+        for stream, entry_id, run_id, result, holder, provider, _mine in answer:
             model_id, outcome = stream.decode()[prefix:], result.decode()
+            if outcome == "error":  # (after the runs before it: those stay dispatched)
+                log.warning("dispatching the runs just read failed, the dispatcher takes them: %s",
+                            holder.decode(errors="replace"))
+                break
             settled.add((model_id, entry_id))
             queue = self.waiting.get(model_id)
             if queue:
@@ -408,6 +426,8 @@ class Scheduler:
         for model_id, queue in self.waiting.items():
             overdue = [w for w in queue if w.deadline_ms <= now]
             for w in overdue:
+                if w not in queue:  # (dispatched meanwhile, by `dispatch_pending`: `_settle`)
+                    continue
                 queue.remove(w)
                 await self._time_out(model_id, w)
 

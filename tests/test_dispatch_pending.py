@@ -16,9 +16,9 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.config import parse_config
-from common.redisconn import connect
+from common.redisconn import connect, now_ms
 from gateway.runs import RunClient
-from scheduler.core import PENDING_MODELS, Scheduler, Waiting
+from scheduler.core import PENDING_CANDIDATES, PENDING_MODELS, Scheduler, Waiting
 from tests.test_scheduler import MODEL, beat, leases, make_config, submit
 
 
@@ -191,3 +191,75 @@ def test_it_looks_at_the_models_with_runs_read_most_recently_and_none_with_runs_
     sched._active["m00"] = None  # a run of m00 was just read
     sched.waiting["m19"].append(Waiting((1, 0), "run_w", "1-0", 2**50))
     assert covered() == sorted(["m00", *models[4:19]])  # (m19 has a run waiting here)
+
+
+async def test_a_provider_whose_server_does_not_list_the_model_is_not_a_candidate(lined: Redis) -> None:
+    """As the scheduler's own snapshots say (`has_model`): a run never goes where the server
+    answered that it has no such model; with no provider listing it, the scheduler fails it."""
+    config = make_config({"a": 1, "b": 1})
+    await beat(lined, config)
+    await lined.hset(keys.heartbeat("a"), "observed_models", '["other"]')
+    await lined.hset(keys.heartbeat("b"), "observed_models", '["b-name", "other"]')
+    sched = await reader(lined, config)
+    client = RunClient(lined, config)
+    (first,) = await submit(client, 1)
+    assert await sched.read_new(block_ms=10) == 0
+    assert await lined.hget(keys.run_record(first), "provider") == b"b"
+
+    await lined.hset(keys.heartbeat("b"), "observed_models", "[]")
+    (second,) = await submit(client, 1)
+    assert await sched.read_new(block_ms=10) == 1
+    await sched.dispatch_all()
+    assert await lined.hmget(keys.run_record(second), "state", "error_code") == [b"failed", b"no_available_provider"]
+    await client.close()
+
+
+async def test_a_run_that_waited_its_queue_timeout_is_left_to_the_scheduler_to_time_out(lined: Redis) -> None:
+    """Runs queued while no scheduler ran, read after their `queue_timeout_ms`: timed out, as the
+    scheduler's own way does, not dispatched because a slot happens to be free."""
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 1000})
+    await beat(lined, config)
+    sched = await reader(lined, config)
+    stream = keys.runs_stream(MODEL)
+    await lined.hset(keys.run_record("run_old"), mapping={"state": "queued", "model": MODEL})
+    old_entry = await lined.xadd(stream, {"run": "run_old"}, id=f"{now_ms() - 5000}-0")
+    await lined.hset(keys.run_record("run_old"), "entry", old_entry)
+    assert await sched.read_new(block_ms=10) == 1
+    assert await lined.zcard(keys.leases("a")) == 0
+    await sched.expire_overdue()
+    assert await lined.hget(keys.run_record("run_old"), "state") == b"timed_out"
+
+
+async def test_runs_dispatched_before_an_error_stay_dispatched_and_the_rest_wait(
+        lined: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    config = make_config({"a": 1, "b": 1})
+    await beat(lined, config)
+    sched = await reader(lined, config)
+    client = RunClient(lined, config)
+    run_ids = await submit(client, 2)
+    record = keys.run_record(run_ids[1])
+    saved = await lined.hgetall(record)
+    await lined.delete(record)
+    await lined.set(record, "not a hash")  # the second run's dispatch fails on it (WRONGTYPE)
+    with caplog.at_level(logging.WARNING, "iop.scheduler"):
+        assert await sched.read_new(block_ms=10) == 1
+    assert "WRONGTYPE" in caplog.text
+    assert await lined.hget(keys.run_record(run_ids[0]), "state") == b"dispatched"
+    assert [w.run_id for w in sched.waiting[MODEL]] == [run_ids[1]]
+    await lined.delete(record)
+    await lined.hset(record, mapping=saved)
+    await sched.dispatch_all()
+    assert await lined.hget(record, "state") == b"dispatched"
+    await client.close()
+
+
+def test_a_model_with_more_providers_than_a_call_takes_is_left_to_the_dispatcher() -> None:
+    many = [f"p{i:02d}" for i in range(PENDING_CANDIDATES + 1)]
+    config = parse_config({
+        "models": [{"id": "big", "providers": {p: "served" for p in many}},
+                   {"id": "small", "providers": {"p00": "served"}}],
+        "nodes": [{"id": "n", "providers": [{"id": p, "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                             "capacity": 1, "models": ["served"]} for p in many]}]})
+    call = Scheduler(FakeAsyncRedis(), config)._pending_call()
+    assert call is not None
+    assert [k for k in call[0] if k.startswith(keys.runs_stream(""))] == [keys.runs_stream("small")]
