@@ -45,6 +45,8 @@ TICK_S = 1.0
 STALE_RETRIES = 16
 #: The `dispatch_pending` calls kept ready, one for each set of models without waiting runs met.
 PENDING_CALLS_KEPT = 64
+#: How long the intake waits, after adopting runs, for the dispatcher's answer before it reads again.
+ROUND_WAIT_S = 0.1
 #: The most models `dispatch_pending` looks at in one call (each costs Redis an `XPENDING`), and
 #: the most providers of theirs in all (the call carries 8 keys and 3 arguments of each).
 PENDING_MODELS = 16
@@ -106,6 +108,10 @@ class Scheduler:
         self._targets = {m.id: {p: m.providers[p] for p in sorted(m.providers)} for m in config.models}
         #: model id -> (its providers' snapshots, when they were read (ms)), kept across dispatch rounds
         self._snaps: dict[str, tuple[list[ProviderSnapshot], int]] = {}
+        #: dispatch rounds begun and ended (`dispatch_round`), and the end of each
+        self.rounds_started = 0
+        self.rounds_done = 0
+        self._round_end = asyncio.Event()
         #: the model ids, those of the runs read most recently last
         self._active: dict[str, None] = dict.fromkeys(m.id for m in config.models)
         #: the `dispatch_pending` calls made so far, by the models they cover
@@ -288,6 +294,27 @@ class Scheduler:
         return self._wakes.get(model_id, 0) + self._wakes_all
 
     # ----------------------------------------------------------------- dispatch
+    async def dispatch_round(self) -> None:
+        """One round of the dispatcher: time out the overdue runs, dispatch what can go."""
+        self.rounds_started += 1
+        try:
+            await self.expire_overdue()
+            await self.dispatch_all()
+        finally:
+            self.rounds_done += 1
+            self._round_end.set()
+
+    async def dispatched_since(self, started: int, within_s: float) -> None:
+        """Wait, at most `within_s`, for the end of a dispatch round begun after the first
+        `started` rounds (one that saw what was adopted before)."""
+        try:
+            async with asyncio.timeout(within_s):
+                while self.rounds_done <= started:
+                    self._round_end.clear()
+                    await self._round_end.wait()
+        except TimeoutError:
+            pass
+
     async def dispatch_all(self) -> None:
         """Dispatch every model's waiting runs, but for a model whose oldest waiting run is held
         by another replica (`not_head`): that one goes first, and it is woken, not this one,
@@ -612,8 +639,10 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
     async def intake() -> None:
         if await sched.read_new(block_ms=1000):
             # The dispatcher, woken by the runs just read, sends their dispatch before this task
-            # blocks on the stream again: the next read is not on the new runs' way.
-            await asyncio.sleep(0)
+            # reads again: the next read is not on the new runs' way. It waits for the dispatch's
+            # answer too (briefly): a model it leaves with no run waiting is then in the next
+            # read's `dispatch_pending` again, not left out until a read finds nothing for 1 s.
+            await sched.dispatched_since(sched.rounds_started, ROUND_WAIT_S)
 
     async def dispatcher() -> None:
         deadline = sched.next_deadline_ms()
@@ -626,8 +655,7 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
         if not sched.kick.is_set():
             sched.behind.clear()  # the safety tick: look at every model again
         sched.kick.clear()
-        await sched.expire_overdue()
-        await sched.dispatch_all()
+        await sched.dispatch_round()
 
     async def maintenance() -> None:
         await sched.heartbeat()

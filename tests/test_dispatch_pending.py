@@ -18,7 +18,8 @@ from common import keys
 from common.config import parse_config
 from common.redisconn import connect, now_ms
 from gateway.runs import RunClient
-from scheduler.core import PENDING_CANDIDATES, PENDING_MODELS, Scheduler, Waiting
+from scheduler.core import PENDING_CANDIDATES, PENDING_MODELS, Scheduler, Waiting, run_scheduler
+from tests.conftest import async_wait_until
 from tests.test_scheduler import MODEL, beat, leases, make_config, submit
 
 
@@ -263,3 +264,53 @@ def test_a_model_with_more_providers_than_a_call_takes_is_left_to_the_dispatcher
     call = Scheduler(FakeAsyncRedis(), config)._pending_call()
     assert call is not None
     assert [k for k in call[0] if k.startswith(keys.runs_stream(""))] == [keys.runs_stream("small")]
+
+
+async def test_after_a_run_waited_the_runs_that_follow_go_with_the_read_again(lined: Redis) -> None:
+    """A run that waits for a slot keeps its model out of `dispatch_pending` while it waits. Once
+    it went, the replica must not stay on its own way for the runs that keep coming: at most the
+    one run read while the waiting one was being dispatched goes that way."""
+    config = make_config({"a": 1})
+    await beat(lined, config)
+    sched = Scheduler(lined, config)
+    by_replica: list[str] = []
+    call_many = sched.scripts.call_many
+
+    async def recording(name: str, calls: Any) -> list[Any]:
+        if name == "dispatch":
+            by_replica.extend(args[0] for _, args in calls)
+        return await call_many(name, calls)
+
+    sched.scripts.call_many = recording  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    running = asyncio.create_task(run_scheduler(sched, stop))
+    client = RunClient(lined, config)
+
+    async def dispatched(run_id: str) -> None:
+        async def there() -> bool:
+            return bool(await lined.hget(keys.run_record(run_id), "state") == b"dispatched")
+        await async_wait_until(there, what=f"{run_id} dispatched")
+
+    async def free_the_slot() -> None:
+        await lined.delete(keys.leases("a"))
+        await lined.publish(keys.SCHEDULER_SIGNALS, b"*")  # (as a run's end wakes the replica)
+
+    try:
+        (first,) = await submit(client, 1)
+        await dispatched(first)
+        (waits,) = await submit(client, 1)  # no free slot: it waits at the replica
+        await async_wait_until(lambda: asyncio.sleep(0, bool(sched.waiting[MODEL])), what="a run waiting")
+        await free_the_slot()
+        await dispatched(waits)
+        later = []
+        for _ in range(4):
+            await free_the_slot()
+            (run_id,) = await submit(client, 1)
+            await dispatched(run_id)
+            later.append(run_id)
+        assert waits in by_replica
+        assert [r for r in later[1:] if r in by_replica] == []
+    finally:
+        stop.set()
+        await running
+        await client.close()
