@@ -11,9 +11,10 @@ So each Sentinel pool keeps a `FailoverWatch`: one subscription to the sentinels
 announcements (on one sentinel at a time, the next one if it goes away), and a question to that
 sentinel every `CHECK_EVERY_S`, in case an announcement was missed while no sentinel was followed.
 When the followed sentinel names another primary, the pool is told (`switch`): it closes every
-connection to the old one, in use or not, and each reconnects to the new primary, asking this
-sentinel first. A sentinel whose configuration is older than one already seen (its config epoch
-is lower: it has not heard of the failover yet) is never followed back to the old primary.
+connection to the old one, in use or not, and each reconnects to the new primary (a connection
+made from then on goes where the watch went, `primary`, whatever the sentinel it asked says). A
+sentinel whose configuration is older than one already seen (its config epoch is lower: it has
+not heard of the failover yet) is never followed back to the old primary.
 """
 
 from __future__ import annotations

@@ -387,8 +387,9 @@ class SentinelPool(Lined, SentinelConnectionPool):  # type: ignore[misc]
         return address
 
     async def switch_primary(self, address: tuple[str, int]) -> None:
-        """The primary is at `address` now, as `sentinel` says: close every connection, in use or
-        not, the lines' too (each reconnects when next used, to `address`: `watch.primary`)."""
+        """The primary is at `address` now, as the watch's sentinel says: close every connection,
+        in use or not, the lines' too (each reconnects when next used, to `address`:
+        `watch.primary`)."""
         self.master_address = address
         connections = [*self._available_connections, *self._in_use_connections]
         try:
