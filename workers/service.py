@@ -178,8 +178,9 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
         log.error("worker loop failed", exc_info=main.exception())
     # Take no new jobs: stop the pick-up loop; the jobs run in tasks of their own. And stop saying
     # the node's providers can take runs: while another worker of the node lives, its heartbeats
-    # still do; when this was the last, its providers are unavailable at once and the runs sent
-    # here that no worker took go back to their queues (`leave_node`).
+    # still do; when this was the last, its providers' heartbeats go at once (as if they had
+    # lapsed: new runs go elsewhere or get 503, waiting runs wait) and the runs sent here that no
+    # worker took go back to their queues (`leave_node`).
     main.cancel()
     beating = worker.ctx.get(HEARTBEATS_CTX)
     if beating is not None:
