@@ -314,3 +314,17 @@ async def test_after_a_run_waited_the_runs_that_follow_go_with_the_read_again(li
         stop.set()
         await running
         await client.close()
+
+
+async def test_the_intake_waits_for_a_dispatch_round_only_up_to_its_bound() -> None:
+    """No dispatcher running (it is stuck on a Redis that does not answer, say): the wait for its
+    round ends at the bound, and a round that ends does end it."""
+    sched = Scheduler(FakeAsyncRedis(), make_config({"a": 1}))
+    await asyncio.wait_for(sched.dispatched_since(sched.rounds_started, 0.05), timeout=10)
+    assert sched.rounds_done == 0
+    waiting = asyncio.create_task(sched.dispatched_since(sched.rounds_started, 60))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    await sched.dispatch_round()
+    await asyncio.wait_for(waiting, timeout=10)
+    assert sched.rounds_done == 1
