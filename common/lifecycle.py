@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -161,6 +162,27 @@ def stop_event() -> asyncio.Event:
     return stop
 
 
+#: allocations of container objects (net of those freed) between two collections of the youngest
+#: generation, against Python's 700
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def tune_gc() -> None:
+    """Garbage collection for a long-running service, done before it serves.
+
+    What exists by now (the modules, the configuration) lives as long
+    as the process: it is collected once and then left out of every later collection
+    (`gc.freeze`), which would otherwise walk it all again each time the oldest generation is
+    collected. The youngest generation is collected after `GC_YOUNG_THRESHOLD` allocations: most
+    of what a request allocates is freed by reference counting before then and is never walked
+    at all, where after 700 much of it was still alive, walked, and moved to an older generation
+    to be walked again. Garbage in reference cycles waits a little longer to be freed (a few MB
+    at most)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
 def run(main: Coroutine[Any, Any, None]) -> NoReturn:
     """Run a service's main coroutine (with uvloop when it is installed), then end the process.
 
@@ -188,6 +210,7 @@ def run(main: Coroutine[Any, Any, None]) -> NoReturn:
         sys.stderr.flush()
         os._exit(code)
 
+    tune_gc()
     try:
         import uvloop
     except ImportError:  # pragma: no cover

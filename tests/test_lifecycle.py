@@ -47,3 +47,29 @@ def test_an_unexpected_error_is_printed_and_the_status_is_1() -> None:
     done = run_service("raise RuntimeError('boom')")
     assert done.returncode == 1
     assert "Traceback" in done.stderr and "RuntimeError: boom" in done.stderr
+
+
+#: A service that reports how garbage collection is set while it runs, and whether a reference
+#: cycle it made and dropped is still freed.
+GC_REPORT = """
+import gc, weakref
+from common.lifecycle import GC_YOUNG_THRESHOLD, run
+
+class Node:
+    pass
+
+async def main():
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    gone = weakref.ref(a)
+    del a, b
+    gc.collect()
+    print(gc.get_threshold()[0] == GC_YOUNG_THRESHOLD, gc.get_freeze_count() > 1000, gone() is None)
+
+run(main())
+"""
+
+
+def test_a_service_runs_with_its_startup_objects_frozen_and_a_larger_young_generation() -> None:
+    done = subprocess.run([sys.executable, "-c", GC_REPORT], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "True True True\n", "")
