@@ -311,8 +311,11 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
                     guarded.close_after_response()  # the body is not read
                 raise too_large(max_body_bytes, declared=request.content_length)
             try:
-                async with asyncio.timeout(body_timeout_s):
-                    body = await request.read()  # at most max_body_bytes (aiohttp's client_max_size)
+                if request.content.is_eof():  # all of it came with the head: no wait, no timer
+                    body = await request.read()
+                else:
+                    async with asyncio.timeout(body_timeout_s):
+                        body = await request.read()  # at most max_body_bytes (aiohttp's client_max_size)
             except TimeoutError:
                 if guarded is not None:
                     guarded.close_after_response()
