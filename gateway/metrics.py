@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 
 from common.chunks import carries_output
 from common.keys import USAGE_FIELDS
-from common.metrics_http import exposition
+from common.metrics_http import exposition, labelled
 from common.usage import Usage, read_totals
 from gateway.admission import ConnectionGuard
 from gateway.requests import RUN_ROUTES
@@ -45,6 +45,8 @@ DURATION = Histogram("iop_gateway_request_duration_seconds", "end-to-end latency
 TTFT = Histogram("iop_gateway_time_to_first_token_seconds", "time to the first output of streamed runs",
                  ["model"], registry=REGISTRY,
                  buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+
+_requests, _duration, _ttft = labelled(REQUESTS), labelled(DURATION), labelled(TTFT)
 
 #: The model id of a run request, set by the handler once it has found the model.
 MODEL = web.RequestKey("iop_model", str)
@@ -71,9 +73,9 @@ def end(request: web.Request, endpoint: str, response: web.StreamResponse | None
     """A measured request ended with `response` (None: the caller went away first, 499)."""
     status = 499 if response is None else request.get(STREAM_ERROR, response.status)
     model = request.get(MODEL, "-")
-    REQUESTS.labels(model, endpoint, str(status)).inc()
+    _requests(model, endpoint, str(status)).inc()
     if 200 <= status < 300:
-        DURATION.labels(model, endpoint).observe(time.monotonic() - request[_STARTED])
+        _duration(model, endpoint).observe(time.monotonic() - request[_STARTED])
 
 
 def streamed(request: web.Request, chunks: list[Any]) -> None:
@@ -81,7 +83,7 @@ def streamed(request: web.Request, chunks: list[Any]) -> None:
     if _TOKEN_SEEN in request or _STARTED not in request or not any(carries_output(c) for c in chunks):
         return
     request[_TOKEN_SEEN] = True
-    TTFT.labels(request.get(MODEL, "-")).observe(time.monotonic() - request[_STARTED])
+    _ttft(request.get(MODEL, "-")).observe(time.monotonic() - request[_STARTED])
 
 
 class _Usage(Collector):

@@ -261,14 +261,14 @@ class Scheduler:
             queue = self.waiting.get(model_id)
             if queue:
                 queue[:] = [w for w in queue if w.entry_id != entry_id.decode()]
-            metrics.DISPATCHES.labels(model_id, outcome).inc()
+            metrics.dispatches(model_id, outcome).inc()
             metrics.PENDING_RUNS.inc()
             if outcome == "ok":
                 chosen = provider.decode()
                 kept = self._snaps.get(model_id)
                 if kept is not None:
                     self._snaps[model_id] = (_one_more(kept[0], chosen), kept[1])
-                metrics.DISPATCH_LATENCY.labels(model_id).observe(
+                metrics.dispatch_latency(model_id).observe(
                     max(0, now_ms() - entry_key(entry_id.decode())[0]) / 1000)
                 log.info("dispatched to %s", chosen, extra=run_fields(run_id.decode(), model_id))
         return settled
@@ -378,7 +378,7 @@ class Scheduler:
                         stale = 0
                         if result == "ok":
                             snaps = _one_more(snaps, chosen)
-                            metrics.DISPATCH_LATENCY.labels(model.id).observe(max(0, now_ms() - w.sort_key[0]) / 1000)
+                            metrics.dispatch_latency(model.id).observe(max(0, now_ms() - w.sort_key[0]) / 1000)
                             log.info("dispatched to %s", chosen, extra=run_fields(w.run_id, model.id))
                             ahead = max(1, mine)
                             if queue and next_holder not in ("", self.consumer):
@@ -430,7 +430,7 @@ class Scheduler:
                 outcomes.append(Outcome("ok", result[2].decode(), result[1].decode(), int(result[3])))
             else:
                 outcomes.append(Outcome(result.decode() if isinstance(result, bytes) else str(result)))
-            metrics.DISPATCHES.labels(model.id, outcomes[-1].result).inc()
+            metrics.dispatches(model.id, outcomes[-1].result).inc()
         return outcomes
 
     async def _refuse_all(self, model: ModelConfig, snaps: list[ProviderSnapshot]) -> None:

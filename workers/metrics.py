@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.config import Config
-from common.metrics_http import MetricsServer, start_metrics_server
+from common.metrics_http import MetricsServer, labelled, start_metrics_server
 from common.policy import Health
 from common.redisconn import connect, now_ms
 
@@ -33,6 +33,8 @@ RUNS = Counter("iop_worker_runs", "attempts ended by this worker, by outcome", [
 RUN_SECONDS = Histogram("iop_worker_run_duration_seconds", "how long an attempt ran on its provider",
                         ["model", "provider"], registry=REGISTRY,
                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+#: `RUNS.labels` and `RUN_SECONDS.labels`, remembered (every attempt counts in them)
+runs, run_seconds = labelled(RUNS), labelled(RUN_SECONDS)
 IN_FLIGHT = Gauge("iop_provider_in_flight", "runs holding a live lease on the provider", ["provider", "node"],
                   registry=REGISTRY)
 CAPACITY = Gauge("iop_provider_capacity", "concurrent slots the provider announces", ["provider", "node"],

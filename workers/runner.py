@@ -204,7 +204,7 @@ class Runner:
                 return "unrecorded"
         finally:
             renewer.cancel()
-            metrics.RUN_SECONDS.labels(model_id, provider_id).observe(time.monotonic() - began)
+            metrics.run_seconds(model_id, provider_id).observe(time.monotonic() - began)
             self.running.pop(run_id, None)
 
     def cancel(self, run_id: str, reason: str) -> bool:
@@ -427,7 +427,7 @@ class Runner:
             result = await self._call_while_leased(att, "finish", run_keys, args, "recording its end")
         except LeaseLost:
             return "unrecorded"  # the lease expires and the scheduler reaps the run
-        metrics.RUNS.labels(att.model_id, att.provider_id, state.value if state else "requeued").inc()
+        metrics.runs(att.model_id, att.provider_id, state.value if state else "requeued").inc()
         if kind == "fail":
             self.on_strike(att.provider_id)
         elif kind == "ok":
