@@ -136,7 +136,7 @@ class _Link:
                 try:
                     reply: Any = await self.conn.read_response()
                 except ResponseError as exc:  # an error reply: its caller's alone (the stream is in step)
-                    reply = exc
+                    reply = exc.with_traceback(None)  # (this frame's: nothing to show its caller)
                 future = self.waiting.popleft()
                 if future.done():  # its caller left
                     continue
@@ -214,8 +214,8 @@ class Line:
             for future in futures:
                 try:
                     replies.append(await future)
-                except ResponseError as exc:
-                    replies.append(exc)
+                except ResponseError as exc:  # (without its traceback, which holds this frame: no cycle)
+                    replies.append(exc.with_traceback(None))
         except asyncio.CancelledError:
             if self.blocking and futures[0].cancelled():  # (as in `_once`: the blocking read is first)
                 self._abandon(link)

@@ -982,7 +982,7 @@ class Scripts:
             try:
                 answer = await self.call(name, keys, args)
             except ResponseError as exc:
-                answer = exc
+                answer = exc.with_traceback(None)  # (its traceback holds this frame, which holds it)
         return first, answer
 
     async def call(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:

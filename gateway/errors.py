@@ -134,26 +134,27 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def error_response(request: web.Request, error: Exception) -> web.StreamResponse:
     """The OpenAI-shaped answer to what a request's handling raised (the one place errors get
     their shape; `gateway.middleware` calls it). A redirect (an HTTPException under 400) is
-    raised again."""
-    try:
-        raise error
-    except ApiError as exc:
-        return exc.response()
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        message = exc.reason if exc.status != 413 else f"request body is too large: {exc.text}"
-        return from_status(exc.status, message).response()
-    except web.RequestPayloadError as exc:  # a body that cannot be decoded (Content-Encoding) or was cut short
-        return invalid(f"the request body could not be read: {exc.__cause__ or exc}").response()
-    except REDIS_DOWN as exc:
-        log.warning("redis unavailable on %s %s: %s", request.method, request.path, exc)
+    raised again.
+
+    The error is told apart by its type, not raised again and caught: raising it here would add
+    this frame to its traceback, and this frame holds the error, a reference cycle that keeps the
+    whole traceback (the request, its body) alive until the garbage collector comes by."""
+    if isinstance(error, ApiError):
+        return error.response()
+    if isinstance(error, web.HTTPException):
+        if error.status < 400:
+            raise error
+        message = error.reason if error.status != 413 else f"request body is too large: {error.text}"
+        return from_status(error.status, message).response()
+    if isinstance(error, web.RequestPayloadError):  # a body that cannot be decoded (Content-Encoding) or was cut short
+        return invalid(f"the request body could not be read: {error.__cause__ or error}").response()
+    if isinstance(error, REDIS_DOWN):
+        log.warning("redis unavailable on %s %s: %s", request.method, request.path, error)
         return ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) is unavailable; retry shortly",
                         headers={"Retry-After": "1"}).response()
-    except OutOfMemoryError:  # Redis at `maxmemory` (noeviction, as iop runs it) refuses writes
+    if isinstance(error, OutOfMemoryError):  # Redis at `maxmemory` (noeviction, as iop runs it) refuses writes
         log.warning("redis is full (maxmemory) on %s %s", request.method, request.path)
         return ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) is full; nothing was queued; retry later",
                         headers={"Retry-After": "5"}).response()
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return ApiError(ErrorCode.INTERNAL, "internal error").response()
+    log.error("unhandled error on %s %s", request.method, request.path, exc_info=error)
+    return ApiError(ErrorCode.INTERNAL, "internal error").response()

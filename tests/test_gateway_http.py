@@ -4,6 +4,7 @@ OpenAI-shaped 4xx, nothing is queued for it, and no input yields a 500."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 from collections.abc import AsyncIterator
@@ -334,3 +335,37 @@ async def test_a_stream_the_gateway_gives_up_on_whose_caller_does_not_read_is_cl
     assert time.monotonic() - began < 30
     assert answer.startswith(b"HTTP/1.1 200 ") and answer.count(b"HTTP/1.1 ") == 1
     assert len(answer) < 13_000_000  # cut short: the connection was closed under the caller
+
+
+async def test_an_error_answer_leaves_no_reference_cycle_holding_the_request_s_body(
+        redis_url: str, http: aiohttp.ClientSession) -> None:
+    """Services collect garbage less often (`common.lifecycle.tune_gc`): a request answered with an
+    error must leave nothing that only the collector frees, or each would hold its body (here
+    512 KiB) until then. Raising the error again to sort it made such a cycle on every one."""
+    server = TestServer(build_app(config(max_body_bytes=4 << 20), redis_url), port=0)
+    await server.start_server()
+    url = str(server.make_url("/v1/chat/completions"))
+    big = "x" * (1 << 19)  # (a bigger body makes aiohttp warn)
+    bodies = {
+        400: [b'{"model": "x", "messages": [' + big.encode(),  # not JSON
+              json.dumps({"model": MODEL, "messages": big}).encode()],  # messages not a list
+        404: [json.dumps({"model": "nope", "messages": [{"role": "user", "content": big}]}).encode()],
+        503: [json.dumps({"model": MODEL, "messages": [{"role": "user", "content": big}]}).encode()],  # no provider up
+    }
+    gc.collect()
+    gc.disable()
+    try:
+        for status, sent in bodies.items():
+            for body in sent:
+                async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                    assert resp.status == status, await resp.text()
+        await server.close()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        holding = [type(o).__name__ for o in gc.garbage
+                   if any(isinstance(r, (bytes, str)) and len(r) >= len(big) for r in gc.get_referents(o))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert holding == []

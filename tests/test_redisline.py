@@ -95,6 +95,9 @@ async def test_execute_many_answers_in_order_with_error_replies_in_place(client:
     replies = await line(client).execute_many([("SET", "a", "1"), ("INCR", "s"), ("GET", "a")])
     assert replies[0] is True or replies[0] == b"OK"
     assert isinstance(replies[1], ResponseError)
+    # with no traceback: it would hold the frame that holds the replies, a cycle only the garbage
+    # collector frees, and the commands sent with it (a request's body) until then
+    assert replies[1].__traceback__ is None
     assert replies[2] == b"1"
 
 

@@ -331,10 +331,12 @@ class Runner:
         finally:
             await pump.close()
         held = pump.take_all()
-        if pump.error is not None:
+        # (taken from the pump: its traceback holds the pump's frame, which holds the pump)
+        error, pump.error = pump.error, None
+        if error is not None:
             if held and att.output:  # what the provider sent before it failed reaches the caller first
                 await self._emit(att, EventType.DELTA, {"chunks": held})
-            raise pump.error
+            raise error
         if held:
             await self._emit(att, EventType.DELTA, {"chunks": held})
         return pump.usage
