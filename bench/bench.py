@@ -744,13 +744,14 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
             results["access_c1"] = await access_cost(phase, stack, args)
         results["redis_bytes_per_run"] = await redis_bytes_per_run(session, stack)
 
-        s = (await phase("gateway stream c=1", gateway_stream, 1, requests=args.stream_requests,
-                         stream=True)).summary()
-        results["gateway_stream_c1"] = {"ttft_ms": s.pop("ttft_ms"), "ttfb_ms": s.pop("ttfb_ms"), **s}
-        direct_stream = [chat_target(stack.sims[sv], sv, args.max_tokens, True) for sv in served]
-        s = (await phase("direct stream c=1", direct_stream, 1, requests=args.stream_requests,
-                         stream=True)).summary()
-        results["direct_stream_c1"] = {"ttft_ms": s.pop("ttft_ms"), "ttfb_ms": s.pop("ttfb_ms"), **s}
+        if args.stream_requests:
+            s = (await phase("gateway stream c=1", gateway_stream, 1, requests=args.stream_requests,
+                             stream=True)).summary()
+            results["gateway_stream_c1"] = {"ttft_ms": s.pop("ttft_ms"), "ttfb_ms": s.pop("ttfb_ms"), **s}
+            direct_stream = [chat_target(stack.sims[sv], sv, args.max_tokens, True) for sv in served]
+            s = (await phase("direct stream c=1", direct_stream, 1, requests=args.stream_requests,
+                             stream=True)).summary()
+            results["direct_stream_c1"] = {"ttft_ms": s.pop("ttft_ms"), "ttfb_ms": s.pop("ttfb_ms"), **s}
 
         if args.stream64_requests:
             n64, c64 = args.stream64_requests, args.stream64_concurrency
@@ -1032,7 +1033,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     p.add_argument("--warmup", type=int, default=50, help="warm-up requests per target and concurrency")
     p.add_argument("--stream-requests", type=int, default=1000,
-                   help="streamed requests through the gateway at concurrency 1")
+                   help="streamed requests through the gateway at concurrency 1 (0: skip)")
     p.add_argument("--saturation-s", type=float, default=5.0, help="seconds of each saturation phase")
     p.add_argument("--access-requests", type=int, default=1000,
                    help=f"requests per side and round ({ACCESS_ROUNDS} rounds) of the access-cost phase (0: skip)")
