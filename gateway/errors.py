@@ -83,11 +83,13 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         if self.detail is not None and isinstance(self.detail.get("message"), str):
+            param, code = self.detail.get("param"), self.detail.get("code")
             err = {
                 "message": self.detail["message"],
                 "type": str(self.detail.get("type") or _error_type(self.status)),
-                "param": self.detail.get("param"),
-                "code": self.detail.get("code") or self.code.value,
+                "param": param if isinstance(param, str) else None,
+                # (a string, as OpenAI's schema has it: vLLM's is the status, a number)
+                "code": _code_text(code) or self.code.value,
             }
             return {"error": err}
         return {
@@ -110,6 +112,15 @@ class ApiError(Exception):
                 f"Content-Length: {len(body)}", "Connection: close",
                 *(f"{name}: {value}" for name, value in self.headers.items())]
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+def _code_text(code: Any) -> str | None:
+    """A provider's error `code` as text: a string as it is, a number in digits, else None."""
+    if isinstance(code, str):
+        return code or None
+    if isinstance(code, int) and not isinstance(code, bool):
+        return str(code)
+    return None
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:

@@ -9,6 +9,7 @@ import pytest
 
 from common.wire import ErrorCode, ErrorInfo
 from gateway.errors import STATUS, ApiError, from_status, invalid
+from tests.openapi import validate
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -162,3 +163,18 @@ def test_a_raw_response_is_a_whole_http_response_with_the_same_body() -> None:
 def test_statuses_aiohttp_gives_alone_get_a_code(status: int, code: str) -> None:
     err = from_status(status, "x")
     assert err.status == status and err.body()["error"]["code"] == code
+
+
+@pytest.mark.parametrize(("given", "shown"), [
+    ({"code": 400, "param": None}, {"code": "400", "param": None}),  # vLLM's code is the status
+    ({"code": True, "param": ["a"]}, {"code": "provider_error", "param": None}),
+    ({"code": "", "param": "temperature"}, {"code": "provider_error", "param": "temperature"}),
+])
+def test_a_provider_4xx_s_code_and_param_are_passed_as_openai_s_schema_has_them(
+        given: dict[str, Any], shown: dict[str, Any]) -> None:
+    """A string or null each: what is neither is made one (a number in digits) or left out."""
+    info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider said no", status=400,
+                     detail={"message": "no", "type": "BadRequestError", **given})
+    body = ApiError.from_info(info).body()
+    assert body == {"error": {"message": "no", "type": "BadRequestError", **shown}}
+    validate("ErrorResponse", body)
