@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Coroutine, Sequence
@@ -37,6 +38,21 @@ def port_number(text: str) -> int:
     return value
 
 
+#: the longest `--grace` (a day): a worker told to stop must stop
+MAX_GRACE_S = 86_400.0
+
+
+def grace_seconds(text: str) -> float:
+    """An argparse type: seconds from 0 to a day (not negative, not NaN or infinite)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and 0 <= value <= MAX_GRACE_S):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds from 0 to {MAX_GRACE_S:.0f}")
+    return value
+
+
 def _http_args(p: argparse.ArgumentParser, port: int = 8080, host: str = "0.0.0.0") -> None:
     p.add_argument("--host", default=host, help=f"address to listen on (default {host})")
     p.add_argument("--port", type=port_number, default=port,
@@ -66,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="a worker for one node")
     _service_args(p)
     p.add_argument("--node", required=True, help="the node id this worker serves")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds running runs get on shutdown")
+    p.add_argument("--grace", type=grace_seconds, default=10.0,
+                   help="seconds running runs get on shutdown (0 to 86400; default 10)")
     _metrics_args(p)
     p = sub.add_parser("simulator", help="an OpenAI-compatible fake LLM server")
     simulator.add_arguments(p)
@@ -181,6 +198,17 @@ def _serve(service: Coroutine[Any, Any, None]) -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """The `iop` command. Output piped to a reader that stops early (`| head`) ends the command
+    quietly, not with a traceback."""
+    try:
+        _main(argv)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # (Python flushes stdout again at exit)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise SystemExit(1) from None
+
+
+def _main(argv: Sequence[str] | None) -> None:
     args = build_parser().parse_args(argv)
     from common.lifecycle import setup_logging
 

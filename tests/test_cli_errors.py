@@ -143,6 +143,28 @@ def test_a_limit_takes_ascii_digits_only(redis_url: str) -> None:
     assert done.stderr.strip().splitlines()[-1].startswith("iop audit: error: argument --limit: ")
 
 
+@pytest.mark.parametrize("grace", ["-1", "nan", "inf", "1e9", "soon"])
+def test_a_worker_s_grace_is_seconds_from_0_to_a_day(grace: str, redis_url: str) -> None:
+    # (a negative or NaN grace was taken as it came)
+    done = iop("worker", "--config", DEMO, "--node", "gpu-1", "--redis", redis_url, "--grace", grace)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("iop worker: error: argument --grace: ")
+
+
+def test_output_piped_to_a_reader_that_stopped_ends_without_a_traceback(redis_url: str) -> None:
+    # `iop catalog --json | head -c 300`: the reader is gone before the output is all written (here
+    # before any of it: the pipe's reading end is closed)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "iop", "catalog", "--json", "--config", DEMO,
+                               "--redis", redis_url], cwd=ROOT, stdout=write_end, stdin=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1 and done.stderr == "", done.stderr
+
+
 @pytest.mark.parametrize("args", [["scheduler"], ["worker", "--node", "gpu-1"]], ids=["scheduler", "worker"])
 def test_a_service_waiting_for_redis_at_its_start_stops_on_sigterm(args: list[str]) -> None:
     """Redis is not there (yet): the service waits for it, retrying, and a SIGTERM meanwhile
