@@ -77,6 +77,7 @@ def test_delete_of_a_running_run_aborts_it_and_frees_the_slot(stack: Stack) -> N
                 assert resp.status == 200
                 view = await resp.json()
             assert view["state"] == "cancelled" and view["error"]["code"] == "cancelled"
+            assert view["error"]["message"] == "cancelled through the runs API"  # (not "by the caller")
             assert r.zcard(keys.leases("only")) == 0
             resp = await caller
             # The caller hears it: a 499, or an error event if its stream had begun.

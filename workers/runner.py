@@ -207,6 +207,15 @@ class Runner:
             metrics.run_seconds(model_id, provider_id).observe(time.monotonic() - began)
             self.running.pop(run_id, None)
 
+    async def cancel_reason(self, run_id: str) -> str:
+        """Why the run was cancelled, as its record says (the caller went away, or a DELETE of
+        the runs API); a record without one (written by an earlier version): by the caller."""
+        try:
+            reason = await self.redis.hget(keys.run_record(run_id), "cancel_reason")
+        except REDIS_DOWN:
+            reason = None
+        return reason.decode(errors="replace") if reason else CANCELLED.message
+
     def cancel(self, run_id: str, reason: str) -> bool:
         entry = self.running.get(run_id)
         if entry is None:
@@ -470,8 +479,8 @@ class Runner:
                 log.warning("lease renewal failed (%s)", exc, extra=att.log())
                 continue
             if renewed != 1:
-                if renewed:  # its caller asked for it to be cancelled (a cancel message was lost)
-                    att.cancel_reason = CANCELLED.message
+                if renewed:  # it was cancelled (a cancel message was lost)
+                    att.cancel_reason = await self.cancel_reason(att.run_id)
                 else:
                     att.lease_lost = True
                 task.cancel()

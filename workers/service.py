@@ -15,7 +15,7 @@ from common.codec import pack, unpack
 from common.config import Config, ProviderConfig, RuntimeConfig
 from common.redisconn import REDIS_DOWN, Backoff, connect
 from common.runlog import run_fields
-from common.wire import ErrorCode, ErrorInfo, cancelled_by_caller
+from common.wire import ErrorCode, ErrorInfo
 from workers import metrics as worker_metrics
 from workers.adapters.base import DEFAULT_LIMITS, Adapter, ReadLimits
 from workers.adapters.cli import CliAdapter
@@ -62,7 +62,7 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
                 if msg is not None:
                     run_id = msg["data"].decode()
                     att = runner.running.get(run_id)
-                    if runner.cancel(run_id, cancelled_by_caller().message):
+                    if att is not None and runner.cancel(run_id, await runner.cancel_reason(run_id)):
                         log.info("cancel requested", extra=run_fields(run_id, att[0].model_id if att else None))
         except REDIS_DOWN as exc:
             log.warning("cancel listener: Redis unavailable (%s)", exc)
