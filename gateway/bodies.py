@@ -18,14 +18,14 @@ from gateway.errors import ApiError, invalid
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-def too_large(limit: int, *, declared: int | None = None) -> ApiError:
+def too_large(limit: int, *, declared: int | None = None, sent: bool = False) -> ApiError:
     """413: the body is over `limit` bytes, as its head declares it (`declared`: refused before
-    it is read) or once decoded."""
+    it is read), as sent (`sent`: a body of no declared length, chunked), or once decoded."""
     if declared is not None:
         return ApiError(ErrorCode.REQUEST_TOO_LARGE, f"request body is too large: its Content-Length ({declared}) "
                         f"is more than {limit} bytes (runtime.max_body_bytes)")
-    return ApiError(ErrorCode.REQUEST_TOO_LARGE,
-                    f"request body is too large: more than {limit} bytes once decoded (runtime.max_body_bytes)")
+    return ApiError(ErrorCode.REQUEST_TOO_LARGE, f"request body is too large: more than {limit} bytes"
+                    f"{'' if sent else ' once decoded'} (runtime.max_body_bytes)")
 
 
 def _inflate(data: bytes, encoding: str, limit: int) -> bytes:

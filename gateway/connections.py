@@ -316,6 +316,10 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
                 else:
                     async with asyncio.timeout(body_timeout_s):
                         body = await request.read()  # at most max_body_bytes (aiohttp's client_max_size)
+            except web.HTTPRequestEntityTooLarge:  # (a body of no declared length: aiohttp counts it)
+                if guarded is not None:
+                    guarded.close_after_response()  # the rest of it is not read
+                raise too_large(max_body_bytes, sent=True) from None
             except TimeoutError:
                 if guarded is not None:
                     guarded.close_after_response()

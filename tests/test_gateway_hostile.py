@@ -30,6 +30,8 @@ SECRET = "iop-SECRET-0123456789"
 DEADLINE_S = 20.0
 #: A limit never reached in a test: an answer that waits for it shows as a test timeout.
 NEVER_MS = 120_000
+#: runtime.max_body_bytes by default
+DEFAULT_MAX_BODY = 8 * 1024 * 1024
 
 
 def config(**runtime: int) -> Config:
@@ -207,6 +209,27 @@ async def test_a_body_announced_over_the_limit_gets_413_before_it_is_read(gatewa
         assert resp.status == 413
         err = resp.error()
         assert err["code"] == "request_too_large" and "runtime.max_body_bytes" in err["message"]
+        assert await closed(reader)
+    finally:
+        writer.close()
+
+
+async def test_a_chunked_body_over_the_limit_gets_iop_s_413_and_the_connection_closes(gateway: Gateway) -> None:
+    """No length declared: the body is counted as it comes (it was aiohttp's own wording)."""
+    reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * 65536
+        for _ in range(DEFAULT_MAX_BODY // len(chunk)):  # the limit exactly
+            writer.write(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+        writer.write(b"1\r\nx\r\n")  # one byte past it, and no end (nothing unread is left to reset the close)
+        await writer.drain()
+        resp = await read_response(reader)
+        assert resp.status == 413
+        assert resp.error() == {"message": f"request body is too large: more than {DEFAULT_MAX_BODY} bytes "
+                                           "(runtime.max_body_bytes)", "type": "invalid_request_error",
+                                "param": None, "code": "request_too_large"}
         assert await closed(reader)
     finally:
         writer.close()
