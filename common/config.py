@@ -439,20 +439,40 @@ def _parse_new_shape(data: Mapping[str, Any]) -> Config:
     try:
         cfg = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_schema_errors(exc) + errors) from None
+        raise ConfigError(_schema_errors(exc) + errors + _runtime_timings_of(data)) from None
     errors += check_timings(cfg)
     if errors:
         raise ConfigError(errors)
     return cfg
 
 
-def check_timings(cfg: Config) -> list[str]:
-    """Timings that only make sense together. Pure; returns every fault."""
-    rt = cfg.runtime
+def _runtime_timings_of(data: Mapping[str, Any]) -> list[str]:
+    """The faults of `check_runtime_timings` in a config whose other parts have faults of their
+    own, when its `runtime` section is valid by itself (so that every fault shows at once)."""
+    try:
+        rt = RuntimeConfig.model_validate(data.get("runtime") or {})
+    except ValidationError:
+        return []  # (its faults are among the schema's)
+    return check_runtime_timings(rt)
+
+
+def check_runtime_timings(rt: RuntimeConfig) -> list[str]:
+    """Runtime settings that only make sense together. Pure; returns every fault."""
     errors = []
     if rt.heartbeat_ttl_ms <= rt.heartbeat_interval_ms:
         errors.append(f"runtime.heartbeat_ttl_ms: must exceed runtime.heartbeat_interval_ms "
                       f"({rt.heartbeat_ttl_ms} <= {rt.heartbeat_interval_ms}), or healthy providers turn unknown")
+    samples = rt.history_retention_s * 1000 // rt.history_interval_ms
+    if samples > MAX_HISTORY_SAMPLES:
+        errors.append(f"runtime.history_retention_s: {rt.history_retention_s} s of samples every "
+                      f"{rt.history_interval_ms} ms is {samples} samples, more than {MAX_HISTORY_SAMPLES}")
+    return errors
+
+
+def check_timings(cfg: Config) -> list[str]:
+    """Timings that only make sense together. Pure; returns every fault."""
+    rt = cfg.runtime
+    errors = check_runtime_timings(rt)
     for i, model in enumerate(cfg.models):
         policy = cfg.queue_for(model)
         longest_ms = policy.queue_timeout_ms + policy.execution_timeout_ms
@@ -460,10 +480,6 @@ def check_timings(cfg: Config) -> list[str]:
             where = f"models[{i}].queue" if model.queue else "queue"
             errors.append(f"runtime.run_ttl_s: {rt.run_ttl_s} s does not outlast a run of model {model.id!r} "
                           f"({where}: queue_timeout_ms + execution_timeout_ms = {longest_ms} ms)")
-    samples = rt.history_retention_s * 1000 // rt.history_interval_ms
-    if samples > MAX_HISTORY_SAMPLES:
-        errors.append(f"runtime.history_retention_s: {rt.history_retention_s} s of samples every "
-                      f"{rt.history_interval_ms} ms is {samples} samples, more than {MAX_HISTORY_SAMPLES}")
     return errors
 
 

@@ -632,6 +632,17 @@ def test_timings_that_cannot_work_together_are_rejected(runtime: dict[str, int],
     assert any(e.startswith(fragment) for e in err.value.errors), err.value.errors
 
 
+def test_a_runtime_timing_fault_is_reported_with_the_faults_of_other_sections() -> None:
+    # (it showed only once every other fault was mended)
+    data = good()
+    data["runtime"] = {"heartbeat_interval_ms": 5000, "heartbeat_ttl_ms": 100}
+    data["nodes"][0]["providers"][0]["capacity"] = "many"
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert any(e.startswith("nodes[0].providers[0].capacity: ") for e in err.value.errors), err.value.errors
+    assert any(e.startswith("runtime.heartbeat_ttl_ms: must exceed") for e in err.value.errors), err.value.errors
+
+
 @pytest.mark.parametrize(("mutation", "expected"), [
     (set_at("nodes", 0, "providers", 0, "capacity", value=True),
      "nodes[0].providers[0].capacity: Input should be a valid integer, got true"),
