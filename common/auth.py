@@ -173,7 +173,8 @@ class KeyRing:
 
     def lookup(self, presented: str) -> Principal | None:
         """The principal of a presented key, or None. Compares against every key, in constant time."""
-        digest = hashlib.sha256(presented.encode()).digest()
+        # (a header's bytes that are not UTF-8 come as surrogates: hashed as they came, they match no key)
+        digest = hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest()
         found: Principal | None = None
         for known, principal in self.entries:
             if hmac.compare_digest(known, digest):

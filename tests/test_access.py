@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
+from yarl import URL
 
 from common import keys
 from common.auth import KeyRing, UnresolvedKeys, hash_key
@@ -206,6 +208,22 @@ async def test_no_key_or_an_unknown_one_is_401_with_a_challenge(gateway: str, ht
         assert (key or "none") not in body["error"]["message"]  # a key is never echoed
     async with http.get(gateway + path, headers={"Authorization": f"Basic {CALLER}"}) as resp:
         assert resp.status == 401
+
+
+@pytest.mark.parametrize("raw_key", [b"\xff", b"\x80abc", b"\xff\xfe" + CALLER.encode()])
+async def test_a_key_that_is_not_utf8_is_401_not_an_internal_error(gateway: str, raw_key: bytes) -> None:
+    # (hashing it raised UnicodeEncodeError: a 500 for anyone, with no key at all)
+    url = URL(gateway)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    try:
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + raw_key
+                     + b"\r\nConnection: close\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401 "), answer
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
 
 
 async def test_health_and_readiness_stay_open(gateway: str, http: aiohttp.ClientSession) -> None:
