@@ -19,7 +19,7 @@ from common.wire import ErrorCode
 from gateway import admin, catalog, metrics, runs_api, usage_api
 from gateway.auth import KEYRING, principal
 from gateway.connections import BODY, expect_handler, forget_body
-from gateway.errors import ApiError
+from gateway.errors import ApiError, quoted
 from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import RUN_ROUTES, parse_request
@@ -37,7 +37,6 @@ STARTED = web.AppKey("started", float)
 END_WITHIN_S = 1.0
 
 #: The most of a model id an error message repeats back.
-SHOWN_MODEL_CHARS = 256
 
 def _model_object(model_id: str, display_name: str, created: int) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "iop",
@@ -56,8 +55,7 @@ def _model_for(request: web.Request, model_id: str) -> ModelConfig:
     """The model, if it exists and the caller's key may use it; else the same 404 either way."""
     model = request.app[CONFIG].model(model_id)
     if model is None or not principal(request).may_use(model.id):
-        shown = model_id if len(model_id) <= SHOWN_MODEL_CHARS else model_id[:SHOWN_MODEL_CHARS] + "…"
-        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {shown!r} does not exist", param="model")
+        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {quoted(model_id)} does not exist", param="model")
     return model
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import zlib
 
 from common.wire import ErrorCode
-from gateway.errors import ApiError, invalid
+from gateway.errors import ApiError, invalid, quoted
 
 #: zlib window bits per encoding: gzip's header, zlib's header (the RFC's "deflate").
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -35,8 +35,9 @@ def _inflate(data: bytes, encoding: str, limit: int) -> bytes:
     inflater = zlib.decompressobj(wbits)
     try:
         out = inflater.decompress(data, limit + 1)
-    except zlib.error as exc:
-        raise invalid(f"the request body is not valid {encoding} data: {exc}") from None
+    except zlib.error as exc:  # ("Error -3 while decompressing data: incorrect header check": the words after the colon)
+        why = str(exc).rpartition(": ")[2] or "it does not decode"
+        raise invalid(f"the request body is not valid {encoding} data: {why}") from None
     if len(out) > limit:
         raise too_large(limit)
     if not inflater.eof or inflater.unused_data:
@@ -52,7 +53,7 @@ def decode(data: bytes, content_encoding: str, limit: int) -> bytes:
         if encoding == "identity":
             continue
         if encoding not in _WBITS:
-            raise invalid(f"Content-Encoding {encoding!r} is not supported (gzip, deflate or identity)",
+            raise invalid(f"Content-Encoding {quoted(encoding)} is not supported (gzip, deflate or identity)",
                           param="Content-Encoding")
         data = _inflate(data, encoding, limit)
     return data

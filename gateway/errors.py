@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -112,6 +113,19 @@ class ApiError(Exception):
                 f"Content-Length: {len(body)}", "Connection: close",
                 *(f"{name}: {value}" for name, value in self.headers.items())]
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+#: the most of a caller's text an error message shows
+SHOWN_CHARS = 256
+_UNSHOWABLE = re.compile("[\ud800-\udfff]")
+
+
+def quoted(text: str, limit: int = SHOWN_CHARS) -> str:
+    """What a caller sent (a model name, a header), as an error message shows it: in double
+    quotes, cut after `limit` characters (…), and what cannot be shown as it is (control
+    characters, quotes, backslashes, halves of surrogate pairs) escaped as JSON escapes it."""
+    cut = text if len(text) <= limit else text[:limit] + "…"
+    return _UNSHOWABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(cut, ensure_ascii=False))
 
 
 def _code_text(code: Any) -> str | None:

@@ -24,7 +24,7 @@ from common.redisconn import REDIS_DOWN
 from common.runview import is_terminal, run_view
 from common.wire import ErrorCode, EventType, RunField
 from gateway.auth import principal
-from gateway.errors import ApiError, invalid
+from gateway.errors import ApiError, invalid, quoted
 from gateway.events import Event
 from gateway.responses import KEEP_ALIVE, RUN_ID_HEADER, with_model
 from gateway.runs import RunClient
@@ -81,7 +81,7 @@ class RunsApi:
         raw = await self.runs().redis.hgetall(keys.run_record(run_id))
         who = principal(request)
         if not raw or not who.may_see_run(_owner(raw)):
-            raise ApiError(ErrorCode.NOT_FOUND, f"the run {run_id!r} does not exist or has expired", param="id")
+            raise ApiError(ErrorCode.NOT_FOUND, f"the run {quoted(run_id)} does not exist or has expired", param="id")
         return run_view(run_id, raw, operator=who.operator)
 
     async def get(self, request: web.Request) -> web.Response:
@@ -93,7 +93,7 @@ class RunsApi:
         header = request.headers.get("Last-Event-ID", "").strip() or "0"
         last_id = _stream_id(header)
         if last_id is None:
-            raise invalid(f"Last-Event-ID {header!r} is not an event id: an event id is one or two unsigned "
+            raise invalid(f"Last-Event-ID {quoted(header)} is not an event id: an event id is one or two unsigned "
                           f"64-bit integers joined by '-' (at most {_ID_PART_MAX})", param="Last-Event-ID")
         view = await self._view(request, run_id)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

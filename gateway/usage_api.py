@@ -18,7 +18,7 @@ from common.config import Config
 from common.usage import day_range, read_usage
 from common.wire import ErrorCode
 from gateway.auth import principal
-from gateway.errors import ApiError, invalid
+from gateway.errors import ApiError, invalid, quoted
 
 
 def key_names(config: Config) -> list[str]:
@@ -34,7 +34,7 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
         asked = query.get("key")
         visible = known if who.operator else [who.name]
         if asked is not None and asked not in visible:
-            raise ApiError(ErrorCode.NOT_FOUND, f"no usage of a key named {asked!r}", param="key")
+            raise ApiError(ErrorCode.NOT_FOUND, f"no usage of a key named {quoted(asked)}", param="key")
         try:
             days = day_range(query.get("start_date"), query.get("end_date"), dt.datetime.now(dt.UTC).date())
         except ValueError as exc:

@@ -41,9 +41,9 @@ def rejected(data: bytes, encoding: str, limit: int = 4096) -> ApiError:
 
 
 @pytest.mark.parametrize(("encoding", "data", "fragment"), [
-    ("br", BODY, "Content-Encoding 'br' is not supported"),
-    ("zstd, gzip", gzip.compress(BODY), "Content-Encoding 'zstd' is not supported"),
-    ("gzip", BODY, "not valid gzip data"),
+    ("br", BODY, 'Content-Encoding "br" is not supported'),
+    ("zstd, gzip", gzip.compress(BODY), 'Content-Encoding "zstd" is not supported'),
+    ("gzip", BODY, "the request body is not valid gzip data: incorrect header check"),  # (not zlib's "Error -3 ...")
     ("deflate", b"{}", "not valid deflate data"),
     ("gzip", gzip.compress(BODY)[:-6], "does not end where the body ends"),  # cut short
     ("deflate", zlib.compress(BODY) + b"tail", "does not end where the body ends"),

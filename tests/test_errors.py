@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from common.wire import ErrorCode, ErrorInfo
-from gateway.errors import STATUS, ApiError, from_status, invalid
+from gateway.errors import STATUS, ApiError, from_status, invalid, quoted
 from tests.openapi import validate
 
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -178,3 +178,18 @@ def test_a_provider_4xx_s_code_and_param_are_passed_as_openai_s_schema_has_them(
     body = ApiError.from_info(info).body()
     assert body == {"error": {"message": "no", "type": "BadRequestError", **shown}}
     validate("ErrorResponse", body)
+
+
+@pytest.mark.parametrize(("sent", "shown"), [
+    ("qwen3.6:35b", '"qwen3.6:35b"'),
+    ("it's", '"it\'s"'),  # (one kind of quotes, whatever the text holds: a repr changed them)
+    ('say "hi"', '"say \\"hi\\""'),
+    ("a\nb\x1b[31m", '"a\\nb\\u001b[31m"'),  # no line break, no terminal escape reaches a log
+    ("smollm2\x00", '"smollm2\\u0000"'),
+    ("\udcff", '"\\udcff"'),  # a byte that was not UTF-8: escaped, so the answer can be encoded
+    ("模型", '"模型"'),
+    ("M" * 300, '"' + "M" * 256 + '…"'),
+])
+def test_a_caller_s_text_in_a_message_is_quoted_escaped_and_cut(sent: str, shown: str) -> None:
+    assert quoted(sent) == shown
+    assert "\n" not in quoted(sent) and quoted(sent).encode()  # one line, and valid UTF-8

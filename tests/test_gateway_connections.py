@@ -351,7 +351,7 @@ def test_a_request_aiohttp_cannot_parse_gets_an_openai_shaped_400(
 @pytest.mark.parametrize(("encoding", "body", "fragment"), [
     ("deflate", b"{}", "not valid deflate data"),
     ("gzip", b"\x1f\x8b\x08\x00garbage", "not valid gzip data"),
-    ("br", b"{}", "Content-Encoding 'br' is not supported"),
+    ("br", b"{}", 'Content-Encoding "br" is not supported'),
 ])
 def test_a_body_that_does_not_decode_gets_a_400_at_once(
         stack: Stack, gateways: list[Gateway], split: bool, encoding: str, body: bytes, fragment: str) -> None:

@@ -260,7 +260,7 @@ async def test_an_unknown_model_id_is_echoed_cut_short(gateway: Gateway) -> None
     resp = await post_chat(gateway, json.dumps(body).encode())
     assert resp.status == 404
     err = resp.error()
-    assert err["code"] == "model_not_found" and err["message"] == f"the model '{'M' * 256}…' does not exist"
+    assert err["code"] == "model_not_found" and err["message"] == f'the model "{"M" * 256}…" does not exist'
 
 
 async def readyz(cfg: Config, redis_url: str) -> Response:
