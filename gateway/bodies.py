@@ -35,7 +35,7 @@ def _inflate(data: bytes, encoding: str, limit: int) -> bytes:
     inflater = zlib.decompressobj(wbits)
     try:
         out = inflater.decompress(data, limit + 1)
-    except zlib.error as exc:  # ("Error -3 while decompressing data: incorrect header check": the words after the colon)
+    except zlib.error as exc:  # ("Error -3 while decompressing data: incorrect header check": after the colon)
         why = str(exc).rpartition(": ")[2] or "it does not decode"
         raise invalid(f"the request body is not valid {encoding} data: {why}") from None
     if len(out) > limit:
