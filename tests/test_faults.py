@@ -215,10 +215,17 @@ async def test_a_stalled_provider_hits_the_execution_timeout(fstack: FaultStack,
 
 
 async def test_a_silent_provider_hits_its_read_timeout(fstack: FaultStack, http: aiohttp.ClientSession) -> None:
-    gateway = start(fstack, {"only": ("n1", 1)}, queue={"max_attempts": 1},
+    gateway = start(fstack, {"only": ("n1", 1)}, queue={"max_attempts": 3},
                     provider_extra={"only": {"read_timeout_ms": 300}})
     status, body = await call(http, gateway, chat(ttft_ms=600_000))
     assert status == 502 and body["error"]["code"] == "provider_error"
+    assert body["error"]["message"] == "provider only: sent nothing for 300 ms"
+    # It took the request and is most likely still at it (a server that answers only when done
+    # goes on for nobody): not tried on it again, and one strike is not three (it stays available).
+    assert (await fstack.stats("only"))["total"] == 1
+    r = fstack.client()
+    assert r.hget("iop:provider:only", "health") == b"available"
+    r.close()
 
 
 # ---------------------------------------------------------------------------- 6. Redis restarts

@@ -168,9 +168,16 @@ def describe(exc: BaseException, *, connect_ms: int | None = None, read_ms: int 
 def transport_error(provider_id: str, exc: BaseException, *, connect_ms: int, read_ms: int) -> ProviderError:
     """The ProviderError of a run whose HTTP exchange failed. A provider that could not be
     reached or broke off may serve another attempt once it is back (`Retry.ANY`); one that
-    answered garbage would answer the same again (`Retry.ELSEWHERE`)."""
+    answered garbage would answer the same again, and one that took the request but sent
+    nothing for `read_ms` is most likely still working on it (a server that answers a
+    non-stream request only when it is done goes on generating for nobody): another attempt goes
+    only to another provider (`Retry.ELSEWHERE`), so one long request costs one strike, not one
+    an attempt until the provider is taken down."""
     what, strikes = describe(exc, connect_ms=connect_ms, read_ms=read_ms)
-    return ProviderError(f"provider {provider_id}: {what}", retry=Retry.ELSEWHERE if strikes == 0 else Retry.ANY,
+    busy = isinstance(exc, (aiohttp.ServerTimeoutError, TimeoutError)) and not isinstance(
+        exc, aiohttp.ConnectionTimeoutError)
+    return ProviderError(f"provider {provider_id}: {what}",
+                         retry=Retry.ELSEWHERE if strikes == 0 or busy else Retry.ANY,
                          strikes=None if strikes == NO_STRIKE else strikes)
 
 
