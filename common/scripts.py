@@ -22,6 +22,16 @@ local _t = redis.call('TIME')
 local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
 """
 
+# Why a run cancelled once dispatched ends, from its record's `cancel_reason` (`drop_queued` keeps
+# it there): the message, and the data of its `failed` event (`default_data`, the packed
+# ErrorInfo of "cancelled by the caller", when the record has none: written by an earlier version).
+_CANCEL_REASON = """
+local function cancel_reason(reason, default_data)
+  if not reason then return 'cancelled by the caller', default_data end
+  return reason, cmsgpack.pack({code = 'cancelled', message = reason, before_output = true})
+end
+"""
+
 # Put a dispatched run back at the tail of its model's queue; earlier providers go along as
 # `tried`, so the retry avoids them (or, `elsewhere`, never goes to them: `exclude` = 1).
 # Shared by FINISH (a failed attempt) and REAP (a lost one).
@@ -439,12 +449,13 @@ local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, canc
   local score = redis.call('ZSCORE', lease, run_id)
   if not score or tonumber(score) <= now then return {'lease_lost'} end
   if r['cancel'] == '1' then
-    -- the caller left between dispatch and start: end it here and give the slot back
+    -- it was cancelled between dispatch and start: end it here and give the slot back
+    local reason, data = cancel_reason(r['cancel_reason'], cancelled)
     redis.call('ZREM', lease, run_id)
     redis.call('HSET', record, 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
-      'error_message', 'cancelled by the caller')
+      'error_message', reason)
     ended(record, run_id, 'cancelled', 0, 0, r['key'] or false, r['model'] or false, r['limited'] or false)
-    add_event(record, events, run_id, 'failed', cancelled, r['watchers'] or false)
+    add_event(record, events, run_id, 'failed', data, r['watchers'] or false)
     redis.call('EXPIRE', events, ttl)
     redis.call('PUBLISH', signals, r['model'] or '')
     return {'cancelled'}
@@ -473,7 +484,7 @@ end
 # KEYS: run record, events
 # ARGV: run id, lease_ttl_ms, ttl_s, worker (host:pid), cancelled event data, signals channel,
 #       lease key prefix (the lease key is that prefix + the run's provider)
-START = _NOW + _ENDED + _EVENTS + _START + """
+START = _NOW + _ENDED + _EVENTS + _CANCEL_REASON + _START + """
 return start_run(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
 """
 
@@ -487,7 +498,7 @@ return start_run(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], 
 # it does not wait for its lease to expire. (A worker restarted in place, same host and pid, is
 # another instance: its predecessor's runs go through their leases and count an attempt.)
 # `take_jobs(...)` returns {{job id, status, field, value, ...}, ...}.
-_TAKE = _ENDED + _EVENTS + _START + """
+_TAKE = _ENDED + _EVENTS + _CANCEL_REASON + _START + """
 local function started_again(record, run_id, worker, lease_prefix)
   local flat = redis.call('HGETALL', record)
   local r = {}
@@ -703,7 +714,7 @@ return 1
 #       the provider's models...
 # ARGV: run id, max_attempts, ttl_s, replica channel prefix, model, requeued data, failed data,
 #       cancelled data
-REAP = _NOW + _REQUEUE + _ENDED + _EVENTS + _WAKE + """
+REAP = _NOW + _REQUEUE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) > now then return 'alive' end
 redis.call('ZREM', KEYS[1], ARGV[1])
@@ -716,9 +727,10 @@ local ttl = tonumber(ARGV[3])
 local attempts = tonumber(redis.call('HGET', KEYS[2], 'attempts') or '0')
 local output = redis.call('HGET', KEYS[2], 'output') == '1'
 if redis.call('HGET', KEYS[2], 'cancel') == '1' then
-  add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', ARGV[8])
+  local reason, data = cancel_reason(redis.call('HGET', KEYS[2], 'cancel_reason'), ARGV[8])
+  add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', data)
   redis.call('HSET', KEYS[2], 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
-    'error_message', 'cancelled by the caller')
+    'error_message', reason)
   ended(KEYS[2], ARGV[1], 'cancelled', 0, 0)
   redis.call('EXPIRE', KEYS[3], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.policy import Health
 from common.redisconn import now_ms
-from common.wire import RunKind
+from common.wire import ErrorInfo, RunKind
 from gateway.runs import RunClient
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until
@@ -57,16 +57,28 @@ async def dispatched_run(redis: Redis, lease_ttl_ms: int = 15_000) -> tuple[RunC
 
 async def test_a_cancel_between_dispatch_and_start_ends_the_run_at_start(redis: Redis) -> None:
     client, sched, run_id = await dispatched_run(redis)
-    assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"  # no worker has it yet
+    assert await client.cancel(run_id, MODEL, "cancelled through the runs API") == "signalled"  # no worker yet
     adapter = StallingAdapter()
     runner = Runner(redis, client.config, "n-a", {"a": adapter})
     assert await runner.execute(run_id) == "cancelled"
     assert adapter.calls == 0
-    assert await redis.hget(keys.run_record(run_id), "state") == b"cancelled"
+    assert await redis.hmget(keys.run_record(run_id), "state", "error_message") == [
+        b"cancelled", b"cancelled through the runs API"]
     assert await redis.zcard(keys.leases("a")) == 0
     events = [e async for e in client.events(run_id)]
     await client.close()
     assert events[-1].type == "failed" and events[-1].data["code"] == "cancelled"
+    assert ErrorInfo.from_wire(events[-1].data).message == "cancelled through the runs API"
+
+
+async def test_a_cancel_recorded_by_an_earlier_version_ends_the_run_as_by_the_caller(redis: Redis) -> None:
+    client, sched, run_id = await dispatched_run(redis)
+    await redis.hset(keys.run_record(run_id), "cancel", "1")  # (no cancel_reason: written before there was one)
+    runner = Runner(redis, client.config, "n-a", {"a": StallingAdapter()})
+    assert await runner.execute(run_id) == "cancelled"
+    events = [e async for e in client.events(run_id)]
+    await client.close()
+    assert ErrorInfo.from_wire(events[-1].data).message == "cancelled by the caller"
 
 
 async def test_a_cancelled_run_whose_worker_never_came_is_reaped_as_cancelled(redis: Redis) -> None:
@@ -74,7 +86,11 @@ async def test_a_cancelled_run_whose_worker_never_came_is_reaped_as_cancelled(re
     await client.cancel(run_id, MODEL, "the caller went away")
     await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease
     assert await sched.reap_expired_leases() == 1
-    assert await redis.hget(keys.run_record(run_id), "state") == b"cancelled"
+    assert await redis.hmget(keys.run_record(run_id), "state", "error_message") == [
+        b"cancelled", b"the caller went away"]
+    events = [e async for e in client.events(run_id)]
+    assert ErrorInfo.from_wire(events[-1].data).message == "the caller went away"
+    await client.close()
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0  # not put back in the queue
 
 
