@@ -90,9 +90,15 @@ def check_auth(auth: Any, model_ids: Collection[str]) -> list[str]:
     return errors
 
 
+def _digest(key: str) -> bytes:
+    """A key's SHA-256, of its bytes as they came (a header's or the environment's bytes that are
+    not UTF-8 come as surrogates: hashed as they came, such a key is still one key)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
 def hash_key(key: str) -> str:
     """The hex SHA-256 the config holds for `key`."""
-    return hashlib.sha256(key.encode()).hexdigest()
+    return _digest(key).hex()
 
 
 def new_key() -> str:
@@ -155,7 +161,7 @@ class KeyRing:
                 if not secret:
                     errors.append(f"{path}.env: the environment variable {key.env} is not set")
                     continue
-                digest = hashlib.sha256(secret.encode()).digest()
+                digest = _digest(secret)
             else:
                 assert key.sha256 is not None
                 digest = bytes.fromhex(key.sha256)
@@ -173,8 +179,7 @@ class KeyRing:
 
     def lookup(self, presented: str) -> Principal | None:
         """The principal of a presented key, or None. Compares against every key, in constant time."""
-        # (a header's bytes that are not UTF-8 come as surrogates: hashed as they came, they match no key)
-        digest = hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest()
+        digest = _digest(presented)
         found: Principal | None = None
         for known, principal in self.entries:
             if hmac.compare_digest(known, digest):

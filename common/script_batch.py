@@ -42,6 +42,9 @@ class ScriptBatch:
             if if_left is not None:
                 future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else if_left(f.result()))
             raise
+        except BaseException:
+            del future  # (it holds the error, whose traceback holds this frame: no cycle)
+            raise
 
     def _flush(self) -> None:
         while self._pending:
@@ -60,6 +63,8 @@ class ScriptBatch:
                         future.cancel()
                     else:
                         future.set_exception(exc)
+            del future  # (it and the batch hold the error, whose traceback holds this frame: no cycle)
+            batch = []
             if not isinstance(exc, Exception):
                 raise
             return

@@ -660,8 +660,10 @@ local state = redis.call('HGET', KEYS[2], 'state')
 if state == 'dispatched' or state == 'running' then
   if ARGV[8] ~= '' then
     -- the flag makes it durable: START ends a dispatched run, RENEW reports it to a running one;
-    -- the reason is what the run ends with on its worker
-    redis.call('HSET', KEYS[2], 'cancel', '1', 'cancel_reason', ARGV[7])
+    -- the reason is what the run ends with on its worker (the first one's: a DELETE, then its caller
+    -- leaving, stays a DELETE)
+    redis.call('HSET', KEYS[2], 'cancel', '1')
+    redis.call('HSETNX', KEYS[2], 'cancel_reason', ARGV[7])
     redis.call('PUBLISH', ARGV[8] .. redis.call('HGET', KEYS[2], 'node'), ARGV[1])
     return 'signalled'
   end

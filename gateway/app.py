@@ -36,7 +36,10 @@ STARTED = web.AppKey("started", float)
 #: How long a caller whose stream the gateway gave up on has to take its error and `[DONE]`.
 END_WITHIN_S = 1.0
 
-#: The most of a model id an error message repeats back.
+def _timed_out(run_id: str) -> ApiError:
+    """The gateway gave up on the run (its longest possible life passed)."""
+    return ApiError(ErrorCode.EXECUTION_TIMEOUT, "the run did not finish in time", headers={RUN_ID_HEADER: run_id})
+
 
 def _model_object(model_id: str, display_name: str, created: int) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "iop",
@@ -94,12 +97,10 @@ async def run_request(request: web.Request) -> web.StreamResponse:
         finished = True
         return resp
     except TimeoutError:
-        error = ApiError(ErrorCode.EXECUTION_TIMEOUT, "the run did not finish in time",
-                         headers={RUN_ID_HEADER: run_id})
         # (a stream whose headers went out ends with the error in it: a second answer must not follow)
-        ended = None if out is None else await out.fail(error, END_WITHIN_S)
+        ended = None if out is None else await out.fail(_timed_out(run_id), END_WITHIN_S)
         if ended is None:
-            raise error from None
+            raise _timed_out(run_id) from None  # (unbound: see `stream_response`)
         return ended
     except ApiError as exc:
         finished = True

@@ -117,7 +117,9 @@ class ApiError(Exception):
 
 #: the most of a caller's text an error message shows
 SHOWN_CHARS = 256
-_UNSHOWABLE = re.compile("[\ud800-\udfff]")
+#: what `json.dumps` leaves as it is but a message must not show as it is: DEL and the C1 controls,
+#: line and paragraph separators, bidirectional overrides, halves of surrogate pairs
+_UNSHOWABLE = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def quoted(text: str, limit: int = SHOWN_CHARS) -> str:

@@ -135,9 +135,9 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
             elif event.type == EventType.COMPLETED:
                 return await out.end(b"".join(parts) + SSE_DONE)
             elif event.type == EventType.FAILED:
-                error = ApiError.from_info(ErrorInfo.from_wire(event.data))
-                if out.resp is None and not parts:
-                    raise error
-                return await out.end_with(error, b"".join(parts))
+                info = ErrorInfo.from_wire(event.data)
+                if out.resp is None and not parts:  # (raised unbound: a local of this frame, which its
+                    raise ApiError.from_info(info)  # traceback holds, would make a cycle)
+                return await out.end_with(ApiError.from_info(info), b"".join(parts))
         if parts:
             await out.write(b"".join(parts))

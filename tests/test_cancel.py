@@ -71,6 +71,16 @@ async def test_a_cancel_between_dispatch_and_start_ends_the_run_at_start(redis: 
     assert ErrorInfo.from_wire(events[-1].data).message == "cancelled through the runs API"
 
 
+async def test_the_first_reason_a_run_was_cancelled_for_is_the_one_it_ends_with(redis: Redis) -> None:
+    client, sched, run_id = await dispatched_run(redis)
+    assert await client.cancel(run_id, MODEL, "cancelled through the runs API") == "signalled"
+    assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"  # (its caller then left)
+    runner = Runner(redis, client.config, "n-a", {"a": StallingAdapter()})
+    assert await runner.execute(run_id) == "cancelled"
+    await client.close()
+    assert await redis.hget(keys.run_record(run_id), "error_message") == b"cancelled through the runs API"
+
+
 async def test_a_cancel_recorded_by_an_earlier_version_ends_the_run_as_by_the_caller(redis: Redis) -> None:
     client, sched, run_id = await dispatched_run(redis)
     await redis.hset(keys.run_record(run_id), "cancel", "1")  # (no cancel_reason: written before there was one)

@@ -188,6 +188,8 @@ def test_a_provider_4xx_s_code_and_param_are_passed_as_openai_s_schema_has_them(
     ("smollm2\x00", '"smollm2\\u0000"'),
     ("\udcff", '"\\udcff"'),  # a byte that was not UTF-8: escaped, so the answer can be encoded
     ("模型", '"模型"'),
+    ("\x9b31m\x7f", '"\\u009b31m\\u007f"'),  # C1 controls and DEL, which json.dumps leaves as they are
+    ("a\u2028b\u202ec", '"a\\u2028b\\u202ec"'),  # a line separator, a bidirectional override
     ("M" * 300, '"' + "M" * 256 + '…"'),
 ])
 def test_a_caller_s_text_in_a_message_is_quoted_escaped_and_cut(sent: str, shown: str) -> None:

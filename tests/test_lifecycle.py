@@ -64,7 +64,8 @@ async def main():
     gone = weakref.ref(a)
     del a, b
     gc.collect()
-    print(gc.get_threshold()[0] == GC_YOUNG_THRESHOLD, gc.get_freeze_count() > 1000, gone() is None)
+    print(gc.get_threshold()[0] == GC_YOUNG_THRESHOLD, gc.get_freeze_count() > 1000,
+          gone() is None and gc.isenabled())  # (collected, by the collector left on)
 
 run(main())
 """

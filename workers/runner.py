@@ -340,12 +340,16 @@ class Runner:
         finally:
             await pump.close()
         held = pump.take_all()
-        # (taken from the pump: its traceback holds the pump's frame, which holds the pump)
+        # (taken from the pump, and from this frame as it is raised: its traceback holds the frames
+        # that would hold it, a cycle that keeps the request and what was read until collected)
         error, pump.error = pump.error, None
         if error is not None:
-            if held and att.output:  # what the provider sent before it failed reaches the caller first
-                await self._emit(att, EventType.DELTA, {"chunks": held})
-            raise error
+            try:
+                if held and att.output:  # what the provider sent before it failed reaches the caller first
+                    await self._emit(att, EventType.DELTA, {"chunks": held})
+                raise error
+            finally:
+                error = None
         if held:
             await self._emit(att, EventType.DELTA, {"chunks": held})
         return pump.usage

@@ -62,8 +62,10 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
                 if msg is not None:
                     run_id = msg["data"].decode()
                     att = runner.running.get(run_id)
-                    if att is not None and runner.cancel(run_id, await runner.cancel_reason(run_id)):
-                        log.info("cancel requested", extra=run_fields(run_id, att[0].model_id if att else None))
+                    if att is None or att[0].cancel_reason is not None:  # (not here, or being cancelled)
+                        continue
+                    if runner.cancel(run_id, await runner.cancel_reason(run_id)):
+                        log.info("cancel requested", extra=run_fields(run_id, att[0].model_id))
         except REDIS_DOWN as exc:
             log.warning("cancel listener: Redis unavailable (%s)", exc)
             await backoff.pause()
