@@ -268,9 +268,7 @@ class Scheduler:
                 kept = self._snaps.get(model_id)
                 if kept is not None:
                     self._snaps[model_id] = (_one_more(kept[0], chosen), kept[1])
-                metrics.dispatch_latency(model_id).observe(
-                    max(0, now_ms() - entry_key(entry_id.decode())[0]) / 1000)
-                log.info("dispatched to %s", chosen, extra=run_fields(run_id.decode(), model_id))
+                _dispatched(model_id, run_id.decode(), chosen, entry_key(entry_id.decode())[0])
         return settled
 
     def on_signal(self, data: bytes) -> None:
@@ -378,8 +376,7 @@ class Scheduler:
                         stale = 0
                         if result == "ok":
                             snaps = _one_more(snaps, chosen)
-                            metrics.dispatch_latency(model.id).observe(max(0, now_ms() - w.sort_key[0]) / 1000)
-                            log.info("dispatched to %s", chosen, extra=run_fields(w.run_id, model.id))
+                            _dispatched(model.id, w.run_id, chosen, w.sort_key[0])
                             ahead = max(1, mine)
                             if queue and next_holder not in ("", self.consumer):
                                 if not woken:  # another replica goes next; it was woken
@@ -600,6 +597,13 @@ def _plan(queue: list[Waiting], snaps: list[ProviderSnapshot], now: int, ttl: in
         batch.append(w)
         snaps = _one_more(snaps, chosen.provider_id)
     return batch
+
+
+def _dispatched(model_id: str, run_id: str, provider_id: str | None, queued_ms: int) -> None:
+    """A run went to `provider_id`, whichever way (the dispatcher's or `dispatch_pending`): its
+    time in the queue (from its entry's id, `queued_ms`) measured, and the log's line."""
+    metrics.dispatch_latency(model_id).observe(max(0, now_ms() - queued_ms) / 1000)
+    log.info("dispatched to %s", provider_id, extra=run_fields(run_id, model_id))
 
 
 def _candidate_keys(provider_id: str, node_id: str) -> tuple[str, ...]:
