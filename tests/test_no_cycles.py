@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import pack
 from common.config import Config, parse_config
-from tests.test_gateway_hostile import Gateway, serve
+from tests.test_gateway_hostile import post_chat, serve
 from tests.test_scheduler import MODEL, beat, waiting_runs
 from workers.adapters.openai_compat import OpenAICompatAdapter
 from workers.runner import Runner
@@ -119,15 +119,9 @@ async def test_a_run_its_provider_fails_leaves_nothing_for_the_collector(
         await session.close()
 
 
-async def raw_request(gateway: Gateway, body: dict[str, Any]) -> bytes:
-    data = json.dumps(body).encode()
-    reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
-    try:
-        return await asyncio.wait_for(reader.read(), 30)
-    finally:
-        writer.close()
+def big_chat(stream: bool) -> bytes:
+    """A chat completion request carrying `BIG`."""
+    return json.dumps({"model": MODEL, "stream": stream, "messages": [{"role": "user", "content": BIG}]}).encode()
 
 
 async def test_a_streamed_run_that_fails_before_output_leaves_nothing_for_the_collector(
@@ -153,9 +147,8 @@ async def test_a_streamed_run_that_fails_before_output_leaves_nothing_for_the_co
     worker = asyncio.create_task(work())
 
     async def fail_once() -> None:
-        answer = await raw_request(gateway, {"model": MODEL, "stream": True,
-                                             "messages": [{"role": "user", "content": BIG}]})
-        assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]
+        answer = await post_chat(gateway, big_chat(stream=True))
+        assert answer.status == 400, answer.body[:300]
 
     try:
         await fail_once()
@@ -177,8 +170,8 @@ async def test_a_request_refused_while_redis_is_full_leaves_nothing_for_the_coll
     await redis.config_set("maxmemory-policy", "noeviction")
 
     async def refused_once() -> None:
-        answer = await raw_request(gateway, {"model": MODEL, "messages": [{"role": "user", "content": BIG}]})
-        assert answer.startswith(b"HTTP/1.1 503 ") and b"maxmemory" not in answer, answer[:300]
+        answer = await post_chat(gateway, big_chat(stream=False))
+        assert answer.status == 503 and b"maxmemory" not in answer.body, answer.body[:300]
 
     try:
         await refused_once()
