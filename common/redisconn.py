@@ -81,6 +81,11 @@ def client_options() -> dict[str, Any]:
         "socket_connect_timeout": 2.0,
         "socket_keepalive": True,
         "health_check_interval": 0,
+        # no `CLIENT SETINFO` on each new connection: a round trip, and an error Redis 7.0 answers
+        # (redis-py drops it, leaving a reference cycle for the collector); `client_name` says
+        # which iop process a connection is in `CLIENT LIST`
+        "lib_name": None,
+        "lib_version": None,
     }
 
 

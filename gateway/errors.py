@@ -158,6 +158,11 @@ def from_status(status: int, message: str) -> ApiError:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def caller_left(request: web.Request) -> bool:
+    """The caller's connection is closed or closing: a write to it fails, and no answer reaches it."""
+    return request.transport is None or request.transport.is_closing()
+
+
 def error_response(request: web.Request, error: Exception) -> web.StreamResponse:
     """The OpenAI-shaped answer to what a request's handling raised (the one place errors get
     their shape; `gateway.middleware` calls it). A redirect (an HTTPException under 400) is
@@ -175,6 +180,9 @@ def error_response(request: web.Request, error: Exception) -> web.StreamResponse
         return from_status(error.status, message).response()
     if isinstance(error, web.RequestPayloadError):  # a body that cannot be decoded (Content-Encoding) or was cut short
         return invalid(f"the request body could not be read: {error.__cause__ or error}").response()
+    if isinstance(error, ConnectionError) and caller_left(request):  # (not Redis: the caller's own connection)
+        log.debug("the caller left during %s %s: %s", request.method, request.path, error)
+        return ApiError(ErrorCode.CANCELLED, "the caller left").response()
     if isinstance(error, REDIS_DOWN):
         log.warning("redis unavailable on %s %s: %s", request.method, request.path, error)
         return ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) is unavailable; retry shortly",

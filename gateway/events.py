@@ -18,6 +18,10 @@ entries (a Redis restart or reconnect, or the listener falling so far behind tha
 trimmed past it), every followed run is read again from its own stream. A run whose record is
 gone (Redis lost it) gets a `failed` event saying so; that is checked after a reconnect and, for
 runs that heard nothing for a while, every `QUIET_CHECK_S`.
+
+A caller that reads slower than its run writes (or not at all) holds at most `HELD_BYTES` of
+events in the gateway: past that, the listener's events for it are dropped, and once it has taken
+what it holds it reads on from the run's own stream (`Follower.behind`), a page at a time.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from common import keys
 from common.codec import decode_event, entry_key, unpack
@@ -49,8 +54,17 @@ LISTEN_COUNT = 1_024
 #: Runs that heard nothing for this long are read again from their own stream, and their record
 #: checked (did Redis lose it?).
 QUIET_CHECK_S = 10.0
-#: Events read from one run's stream per read (more come in the next read at once).
-READ_COUNT = 512
+#: How often the listener trims from its inbox what it has handed out (each entry is a copy of an
+#: event its run's stream keeps: the inbox holds about this long of a gateway's events, not the
+#: `INBOX_MAXLEN` last ones, which may be whole answers).
+TRIM_EVERY_S = 1.0
+#: Events read from one run's stream per read (more come in the next read at once, unless the
+#: caller is `behind`).
+READ_COUNT = 64
+#: A caller's events held in the gateway for it, as stored (packed) bytes: past this the rest wait
+#: in the run's own stream until it has taken these. (The first held event is always taken, so a
+#: single larger one still gets through.)
+HELD_BYTES = 1 << 18
 TERMINAL = (EventType.COMPLETED, EventType.FAILED)
 
 
@@ -59,6 +73,13 @@ class Event:
     id: str
     type: str
     data: dict[str, Any]
+    #: its data's size as stored (packed): what holding it costs, `HELD_BYTES`
+    size: int = 0
+
+
+def stored_event(entry_id: bytes | str, fields: dict[bytes, bytes]) -> Event:
+    """An event as read from a run's stream."""
+    return Event(*decode_event(entry_id, fields), len(fields.get(b"data") or b""))
 
 
 def new_gateway_id() -> str:
@@ -68,8 +89,12 @@ def new_gateway_id() -> str:
 class Follower:
     """One caller waiting for the events of one run, after `last_id`."""
 
-    def __init__(self, run_id: str, last_id: str, *, fresh: bool = False) -> None:
-        """`fresh`: the run does not exist yet, so there is nothing to read first."""
+    __slots__ = ("run_id", "last", "items", "waiter", "ended", "pending", "synced_at_start", "heard_at", "held",
+                 "behind", "hub")
+
+    def __init__(self, run_id: str, last_id: str, *, fresh: bool = False, hub: EventHub | None = None) -> None:
+        """`fresh`: the run does not exist yet, so there is nothing to read first. `hub`: where it
+        reads on from the run's stream once it fell behind (none: it never falls behind)."""
         self.run_id = run_id
         self.last = entry_key(last_id)
         #: events handed over and not yet taken, and the caller's wait for the next one (not an
@@ -82,9 +107,17 @@ class Follower:
         #: fresh: there is nothing to read from the run's stream first
         self.synced_at_start = fresh
         self.heard_at = time.monotonic()
+        #: the size of `items` (`Event.size`)
+        self.held = 0
+        #: `items` reached `HELD_BYTES`: what comes after them is read from the run's stream, not
+        #: taken from the listener, once they are taken
+        self.behind = False
+        self.hub = hub
 
     async def next(self, timeout: float | None = None) -> Event | None:
         """The next event, or None if none came within `timeout` seconds."""
+        if not self.items and self.behind and self.hub is not None:
+            await self.hub._catch_up(self)
         if not self.items:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
@@ -97,11 +130,14 @@ class Follower:
                 return None
             finally:
                 self.waiter = None
-        return self.items.pop(0)
+        event = self.items.pop(0)
+        self.held -= event.size
+        return event
 
     def take_ready(self) -> list[Event]:
         """The events handed over and not yet taken, all of them (none is waited for)."""
         items, self.items = self.items, []
+        self.held = 0
         return items
 
     def offer(self, event: Event) -> None:
@@ -118,8 +154,12 @@ class Follower:
             key = entry_key(event.id)
             if key <= self.last:
                 return  # had it already
+            if self.behind or (self.items and self.held + event.size > HELD_BYTES and self.hub is not None):
+                self.behind = True  # read from the run's stream once what is held is taken
+                return
             self.last = key
         self.heard_at = time.monotonic()
+        self.held += event.size
         self.items.append(event)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
@@ -172,6 +212,9 @@ class EventHub:
         self.checked_at = 0.0
         #: set once the listener knows where in the inbox it starts
         self.listening = asyncio.Event()
+        #: the last inbox entry the listener handed out, and trimmed the inbox up to (`_trim`)
+        self.heard_to = self.trimmed_to = "0-0"
+        self.trimmed_at = 0.0
 
     # ------------------------------------------------------------------ callers
     def follow(self, run_id: str, last_id: str = "0", *, watch: bool = False, fresh: bool = False) -> Following:
@@ -180,7 +223,7 @@ class EventHub:
         watchers first. `fresh`: the run is about to be queued by this gateway (which the
         `enqueue` script makes a watcher), so every event it will have comes through the inbox
         and there is nothing to read first."""
-        return Following(self, Follower(run_id, last_id, fresh=fresh), watch)
+        return Following(self, Follower(run_id, last_id, fresh=fresh, hub=self), watch)
 
     async def _enter(self, follower: Follower, watch: bool) -> None:
         self._start()
@@ -203,7 +246,12 @@ class EventHub:
                 del self.followers[follower.run_id]
 
     async def _catch_up(self, follower: Follower) -> None:
-        """What the run has already: read from its own stream; then what the listener held."""
+        """What the run has already, or what came after what the follower held when it fell
+        behind: read from its own stream (up to `HELD_BYTES`); then what the listener brought
+        meanwhile."""
+        follower.behind = False
+        if follower.pending is None:
+            follower.pending = []
         backoff = Backoff(cap=1.0)
         while True:
             try:
@@ -259,10 +307,12 @@ class EventHub:
                 for entry_id, fields in entries:
                     last = entry_id.decode()
                     self._deliver(fields)
+                self.heard_to = last
                 if entries:
                     # The callers woken by these events answer before the listener blocks on the
                     # inbox again: the next read is not on their way.
                     await asyncio.sleep(0)
+                await self._trim()
                 await self._check_quiet()
                 backoff.reset()
             except REDIS_DOWN as exc:
@@ -287,7 +337,7 @@ class EventHub:
         raw = fields.get(b"data")
         data = unpack(raw) if raw else {}
         event = Event(fields.get(b"id", b"").decode(), fields.get(b"type", b"").decode(),
-                      data if isinstance(data, dict) else {})
+                      data if isinstance(data, dict) else {}, len(raw or b""))
         for follower in followers[:]:
             follower.offer(event)
 
@@ -295,6 +345,21 @@ class EventHub:
         info = await self.redis.xinfo_stream(self.inbox)
         first = info.get("first-entry")
         return first is not None and entry_key(first[0].decode()) > entry_key(last)
+
+    async def _trim(self) -> None:
+        """Take out of the inbox what the listener has handed out, every `TRIM_EVERY_S` (`MINID ~`:
+        whole nodes of entries older than the last one read; nothing newer)."""
+        now = time.monotonic()
+        if self.heard_to == self.trimmed_to or now - self.trimmed_at < TRIM_EVERY_S:
+            return
+        self.trimmed_at, self.trimmed_to = now, self.heard_to
+        try:
+            if self.listen_line is None:
+                await self.redis.xtrim(self.inbox, minid=self.heard_to, approximate=True)
+            else:  # (the listener's own connection: free between its reads)
+                await self.listen_line.execute("XTRIM", self.inbox, "MINID", "~", self.heard_to)
+        except ResponseError as exc:  # (housekeeping: the listener goes on; the inbox's MAXLEN still bounds it)
+            log.warning("gateway inbox: could not trim %s: %s", self.inbox, exc)
 
     async def _check_quiet(self) -> None:
         now = time.monotonic()
@@ -311,7 +376,8 @@ class EventHub:
     # ------------------------------------------------------------------ reading runs' streams
     async def _read_runs(self, run_ids: list[str], check_lost: bool, only: Follower | None = None) -> None:
         """Read the runs' new events from their own streams (one pipeline) and hand them out (to
-        `only`, or to every follower of each run)."""
+        `only`, or to every follower of each run), a page after another until the end of each
+        run's stream or until every follower it is read for is `behind`."""
         run_ids = [r for r in run_ids if r in self.followers]
         while run_ids:
             starts = {r: min(f.last for f in ([only] if only else self.followers[r])) for r in run_ids}
@@ -327,10 +393,10 @@ class EventHub:
                 exists = next(replies) if check_lost else 1
                 followers = [only] if only else list(self.followers.get(run_id, ()))
                 for entry_id, fields in entries:
-                    event = Event(*decode_event(entry_id, fields))
+                    event = stored_event(entry_id, fields)
                     for f in followers:
                         f.give(event)
-                if len(entries) == READ_COUNT:
+                if len(entries) == READ_COUNT and not all(f.behind for f in followers):
                     more.append(run_id)
                 elif not entries and not exists:
                     # Redis lost the run (a restart without persistence, or a failover): say so.

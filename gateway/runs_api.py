@@ -18,14 +18,14 @@ from typing import Any
 from aiohttp import web
 
 from common import keys
-from common.codec import decode_event, entry_key
+from common.codec import entry_key
 from common.jsonio import dumps, json_response
 from common.redisconn import REDIS_DOWN
 from common.runview import is_terminal, run_view
 from common.wire import ErrorCode, EventType, RunField
 from gateway.auth import principal
-from gateway.errors import ApiError, invalid, quoted
-from gateway.events import Event
+from gateway.errors import ApiError, caller_left, invalid, quoted
+from gateway.events import READ_COUNT, Event, stored_event
 from gateway.responses import KEEP_ALIVE, RUN_ID_HEADER, with_model
 from gateway.runs import RunClient
 
@@ -35,6 +35,7 @@ CANCEL_WAIT_S = 10.0
 _STREAM_ID = re.compile(r"[0-9]+(-[0-9]+)?")
 #: Both parts of a Redis stream id are unsigned 64-bit integers.
 _ID_PART_MAX = 2**64 - 1
+_ID_PART_DIGITS = len(str(_ID_PART_MAX))
 
 
 
@@ -49,7 +50,10 @@ def _stream_id(text: str) -> str | None:
     """`text` as a Redis stream id (leading zeros dropped), or None when it is not one."""
     if _STREAM_ID.fullmatch(text) is None:
         return None
-    parts = [int(p) for p in text.split("-")]
+    digits = [p.lstrip("0") or "0" for p in text.split("-")]
+    if any(len(d) > _ID_PART_DIGITS for d in digits):  # (before int(): Python refuses > 4,300 digits)
+        return None
+    parts = [int(d) for d in digits]
     if any(p > _ID_PART_MAX for p in parts):
         return None
     return "-".join(map(str, parts))
@@ -105,13 +109,14 @@ class RunsApi:
                 if _nothing_after(last_id) or await self._beyond(run_id, last_id):
                     pass  # whether the run has ended or not
                 elif is_terminal(view):
-                    for event in await self._ended_events(run_id, last_id):
-                        await resp.write(_sse(event, view["model"]))
+                    await self._replay(resp, run_id, last_id, view["model"])
                 else:
                     await self._follow(resp, run_id, last_id, view["model"])
         except TimeoutError:
             pass
         except REDIS_DOWN as exc:  # the headers went out: the error comes in the stream, OpenAI-shaped
+            if caller_left(request):  # (a write to the caller failed: it went away, Redis did not)
+                return resp
             error = ApiError(ErrorCode.UNAVAILABLE, f"Redis is unavailable: {exc}")
             await resp.write(b"event: error\ndata: " + dumps(error.body()) + b"\n\n")
         await resp.write_eof()
@@ -141,12 +146,18 @@ class RunsApi:
                 if event.type in (EventType.COMPLETED, EventType.FAILED):
                     return
 
-    async def _ended_events(self, run_id: str, last_id: str) -> list[Event]:
+    async def _replay(self, resp: web.StreamResponse, run_id: str, last_id: str, model_id: str) -> None:
         """An ended run's events after `last_id`: all there already (its terminal event may be the
-        one the client has, so following would never end)."""
+        one the client has, so following would never end). Read `READ_COUNT` at a time, each page
+        sent before the next is read: a client that reads slowly (or not at all) holds one page."""
         start = "-" if last_id == "0" else f"({last_id}"
-        return [Event(*decode_event(entry_id, fields))
-                for entry_id, fields in await self.runs().redis.xrange(keys.run_events(run_id), start, "+")]
+        while True:
+            entries = await self.runs().redis.xrange(keys.run_events(run_id), start, "+", count=READ_COUNT)
+            for entry_id, fields in entries:
+                await resp.write(_sse(stored_event(entry_id, fields), model_id))
+            if len(entries) < READ_COUNT:
+                return
+            start = f"({entries[-1][0].decode()}"
 
     async def delete(self, request: web.Request) -> web.Response:
         run_id = request.match_info["run_id"]

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from redis.asyncio import Redis
 
 from common import keys
 from common.codec import event_fields, pack
 from common.scripts import Scripts
-from gateway.events import Event, EventHub, Follower
+from gateway.events import HELD_BYTES, Event, EventHub, Follower
 from tests.conftest import async_wait_until
 
 
@@ -174,4 +175,63 @@ async def test_a_caller_woken_by_an_event_runs_before_the_listener_reads_the_inb
             assert len(reads) == 2
     finally:
         del redis.xread
+        await hub.close()
+
+
+async def add_big(redis: Redis, run_id: str, gateway: str, n: int, size: int) -> None:
+    fields = event_fields("delta", {"n": n, "text": "x" * size})
+    entry = (await redis.xadd(keys.run_events(run_id), fields)).decode()
+    await redis.xadd(keys.gateway_inbox(gateway), {"run": run_id, "id": entry, **fields})
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+async def test_a_caller_that_does_not_take_its_events_holds_a_bounded_amount_and_then_gets_them_all(
+        redis: Redis, fresh: bool) -> None:
+    """Past `HELD_BYTES` the listener's events for a caller are dropped; once it has taken what it
+    held it reads the rest from the run's own stream: every event once, in order."""
+    hub = EventHub(redis)
+    run_id = f"run_slow_{fresh}"
+    size, count = HELD_BYTES // 8, 40  # five times what a caller may hold
+    try:
+        await redis.hset(keys.run_record(run_id), mapping={"state": "running", "watchers": hub.gateway_id})
+        if not fresh:  # half of it there before the caller follows (its first read)
+            for n in range(count // 2):
+                await add_big(redis, run_id, hub.gateway_id, n, size)
+        async with hub.follow(run_id, fresh=fresh) as follower:
+            for n in range(0 if fresh else count // 2, count):
+                await add_big(redis, run_id, hub.gateway_id, n, size)
+            await add(redis, run_id, hub.gateway_id, "completed", count)
+            # the listener has read the whole inbox: the caller is behind, holding no more than allowed
+            last = (await redis.xrevrange(keys.gateway_inbox(hub.gateway_id), "+", "-", count=1))[0][0].decode()
+            await async_wait_until(lambda: asyncio.sleep(0, hub.heard_to == last), what="the inbox read")
+            assert follower.behind
+            assert follower.held <= HELD_BYTES and len(follower.items) < count // 4
+            got = await collect(follower.next, count + 1)
+        assert got == list(range(count + 1))
+        assert not follower.behind and follower.held == 0
+    finally:
+        await hub.close()
+
+
+async def test_the_listener_trims_from_its_inbox_what_it_handed_out(redis: Redis,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inbox's copies go once read: it holds about `TRIM_EVERY_S` of events, not the last
+    `INBOX_MAXLEN` (which may be whole answers); the runs' own streams keep theirs."""
+    monkeypatch.setattr("gateway.events.TRIM_EVERY_S", 0.0)
+    hub = EventHub(redis)
+    run_id = "run_trim"
+    try:
+        async with hub.follow(run_id, fresh=True) as follower:
+            await redis.hset(keys.run_record(run_id), mapping={"state": "running", "watchers": hub.gateway_id})
+            for n in range(500):
+                await add(redis, run_id, hub.gateway_id, "delta", n)
+            assert await collect(follower.next, 500) == list(range(500))
+            inbox = keys.gateway_inbox(hub.gateway_id)
+
+            async def trimmed() -> bool:
+                return int(await redis.xlen(inbox)) < 200
+
+            await async_wait_until(trimmed, what="the inbox trimmed")
+            assert await redis.xlen(keys.run_events(run_id)) == 500
+    finally:
         await hub.close()

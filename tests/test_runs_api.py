@@ -19,6 +19,7 @@ from common.config import Config, parse_config
 from common.redisconn import now_ms
 from common.wire import RunKind
 from gateway.app import build_app
+from gateway.events import READ_COUNT
 from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
 from tests.conftest import async_wait_until
@@ -181,6 +182,7 @@ async def test_an_ended_run_replays_and_closes_and_a_resume_at_its_end_is_empty(
 @pytest.mark.parametrize("last", [
     "abc", "1-2-3", "-1", "1-", "\u0661\u0662",  # Arabic-Indic digits are digits to Python, not to Redis
     "99999999999999999999-0", "0-99999999999999999999", str(2**64), f"{2**64}-0",
+    "9" * 4301, "1-" + "9" * 5000,  # (longer than Python's int() takes: was a 500)
 ])
 async def test_a_malformed_or_out_of_range_last_event_id_is_400(api: Api, last: str) -> None:
     run_id = await api.submit()
@@ -206,6 +208,41 @@ async def test_the_largest_last_event_id_is_accepted(api: Api, last: str, ended:
     async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": last}) as resp:
         assert resp.status == 200
         assert await resp.read() == b""
+
+
+async def test_an_id_with_thousands_of_leading_zeros_is_the_id_it_names(api: Api) -> None:
+    run_id = await api.submit()
+    first = await api.event(run_id, "dispatched", {"provider": "p"})
+    second = await api.event(run_id, "failed", {"code": "provider_error", "message": "boom"})
+    await api.end(run_id, "failed")
+    ms, seq = first.split("-")
+    headers = {"Last-Event-ID": "0" * 4400 + ms + "-" + "0" * 3000 + seq}  # (a header line is at most 8 KiB)
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers=headers) as resp:
+        assert [m.id for m in await read_all(resp)] == [second]
+
+
+@pytest.mark.parametrize("ended", [True, False])
+async def test_a_run_of_many_pages_of_events_is_replayed_whole_and_in_order(api: Api, ended: bool) -> None:
+    """An ended run's replay and a running run's catch-up read its stream a page at a time
+    (`READ_COUNT`): every event comes once, in order."""
+    run_id = await api.submit()
+    count = 3 * READ_COUNT + 5
+    ids = [await api.event(run_id, "delta", {"chunks": [chunk(str(n))]}) for n in range(count)]
+    if ended:
+        ids.append(await api.event(run_id, "completed", {}))
+        await api.end(run_id)
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events")) as resp:
+        messages: list[Message] = []
+        if not ended:
+            while len(messages) < count:
+                message = await next_message(resp)
+                assert message is not None
+                messages.append(message)
+            ids.append(await api.event(run_id, "completed", {}))
+        messages += await read_all(resp)
+    assert [m.id for m in messages] == ids
+    assert [m.data["chunks"][0]["choices"][0]["delta"]["content"] for m in messages[:count]] == [
+        str(n) for n in range(count)]
 
 
 async def test_delete_of_a_queued_run_takes_it_out_of_the_queue(api: Api) -> None:
