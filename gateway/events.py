@@ -32,6 +32,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,9 +197,18 @@ def _after(key: tuple[int, int]) -> str:
     return "-" if key == (0, 0) else f"({key[0]}-{key[1]}"
 
 
+#: What the hub tells of the runs it found still queued in a quiet check: (run id, model id, its
+#: entry id in the model's queue) of each.
+Queued = list[tuple[str, str, str]]
+
+
 class EventHub:
-    def __init__(self, redis: Redis, gateway_id: str | None = None) -> None:
+    def __init__(self, redis: Redis, gateway_id: str | None = None,
+                 queued: Callable[[Queued], Awaitable[None]] | None = None) -> None:
+        """`queued`: told of the followed runs found still waiting in their queue when they had
+        heard nothing for `QUIET_CHECK_S` (`RunClient.stuck`)."""
         self.redis = redis
+        self.queued = queued
         self.gateway_id = gateway_id or new_gateway_id()
         #: the inbox of a new gateway id is new too: the listener starts at its beginning
         self.new_inbox = gateway_id is None
@@ -385,12 +395,16 @@ class EventHub:
             for run_id in run_ids:
                 pipe.xrange(keys.run_events(run_id), _after(starts[run_id]), "+", count=READ_COUNT)
                 if check_lost:
-                    pipe.exists(keys.run_record(run_id))
+                    pipe.hmget(keys.run_record(run_id), "state", "model", "entry")
             replies = iter(await pipe.execute())
             more = []
+            queued: Queued = []
             for run_id in run_ids:
                 entries = next(replies)
-                exists = next(replies) if check_lost else 1
+                state, model, entry = next(replies) if check_lost else (b"", None, None)
+                exists = state is not None
+                if state == b"queued" and model and entry:
+                    queued.append((run_id, model.decode(), entry.decode()))
                 followers = [only] if only else list(self.followers.get(run_id, ()))
                 for entry_id, fields in entries:
                     event = stored_event(entry_id, fields)
@@ -404,4 +418,6 @@ class EventHub:
                                                             "(a restart without persistence, or a failover)")
                     for f in followers:
                         f.give(Event("lost", EventType.FAILED.value, info.to_wire()))
+            if queued and self.queued is not None:
+                await self.queued(queued)
             run_ids = more

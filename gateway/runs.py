@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from types import MappingProxyType
@@ -13,16 +14,16 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.auth import ANYONE, Principal
-from common.codec import pack
+from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
-from common.redisconn import REDIS_DOWN
+from common.redisconn import REDIS_DOWN, now_ms
 from common.runlog import run_fields
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunState
 from gateway.deadlines import Deadlines
 from gateway.errors import ApiError
-from gateway.events import Event, EventHub, Following
+from gateway.events import Event, EventHub, Following, Queued
 from gateway.requests import ParsedRequest
 
 log = logging.getLogger("iop.gateway")
@@ -38,6 +39,12 @@ NO_LIMIT_HEADERS: Mapping[str, str] = MappingProxyType({})
 #: Extra time a follower waits past a run's own queue and execution timeouts before it gives
 #: up on the run itself (a scheduler or worker that died without a trace).
 FOLLOW_GRACE_S = 30.0
+#: A run still queued this long past its queue timeout (plus twice `runtime.scheduler_liveness_ms`,
+#: the time a dead scheduler replica's runs take to reach another) has no scheduler: the gateway
+#: ends it with `queue_timeout` itself (`RunClient.stuck`).
+STUCK_GRACE_MS = 5_000
+#: The gateway logs that it ended such runs at most this often per model.
+STUCK_LOG_EVERY_S = 10.0
 
 
 def new_run_id() -> str:
@@ -54,6 +61,9 @@ class RunClient:
         #: takes a few connections and round trips, not one each)
         self.enqueue = ScriptBatch(self.scripts, "enqueue")
         self.hub = hub or EventHub(redis)
+        self.hub.queued = self.stuck
+        #: model id -> when the gateway last logged that it ended runs no scheduler took
+        self._stuck_logged: dict[str, float] = {}
         #: the bounds of the callers waiting for their runs (one sweeper, not a timer each)
         self.deadlines = Deadlines()
         #: model id -> the keys `enqueue` reads of its providers (heartbeat, leases, capacity
@@ -161,11 +171,43 @@ class RunClient:
 
     async def cancel(self, run_id: str, model_id: str, reason: str) -> str:
         """Drop the run if it waits; tell its node to abort it if it runs."""
-        info = ErrorInfo(ErrorCode.CANCELLED, reason)
+        return await self._drop(run_id, model_id, RunState.CANCELLED, ErrorInfo(ErrorCode.CANCELLED, reason),
+                                abort_running=True)
+
+    async def _drop(self, run_id: str, model_id: str, state: RunState, info: ErrorInfo, abort_running: bool) -> str:
+        """End the run with `state` and `info` if it waits in its queue (`drop_queued`, atomic);
+        `abort_running`: else tell its node to abort it if it runs."""
         result = await self.scripts.call(
             "drop_queued",
             [keys.runs_stream(model_id), keys.run_record(run_id), keys.run_events(run_id)],
-            [run_id, keys.SCHEDULER_GROUP, RunState.CANCELLED.value, pack(info.to_wire()),
-             self.config.runtime.run_ttl_s, info.code.value, reason, keys.node_cancel(""), keys.scheduler_channel("")],
+            [run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()), self.config.runtime.run_ttl_s,
+             info.code.value, info.message, keys.node_cancel("") if abort_running else "", keys.scheduler_channel("")],
         )
         return result.decode() if isinstance(result, bytes) else str(result)
+
+    async def stuck(self, queued: Queued) -> None:
+        """Followed runs found still waiting in their queue (`EventHub`'s quiet check). A
+        scheduler ends a run that waited its `queue_timeout_ms`; one still queued well past that
+        (`STUCK_GRACE_MS`) has none: no scheduler runs, or none has its model in its config. The
+        gateway ends it with `queue_timeout` itself, saying so, rather than keep its caller
+        waiting out the whole follow deadline (minutes)."""
+        now = now_ms()
+        grace_ms = STUCK_GRACE_MS + 2 * self.config.runtime.scheduler_liveness_ms
+        late: dict[tuple[str, int], list[str]] = {}  # (model id, its queue timeout) -> run ids
+        for run_id, model_id, entry in queued:
+            model = self.config.model(model_id)
+            timeout_ms = self.config.queue_for(model).queue_timeout_ms if model is not None else 0
+            if model is not None and now - entry_key(entry)[0] > timeout_ms + grace_ms:
+                late.setdefault((model.id, timeout_ms), []).append(run_id)
+        for (model_id, timeout_ms), run_ids in late.items():
+            info = ErrorInfo(ErrorCode.QUEUE_TIMEOUT,
+                             f"no scheduler took the run within its queue_timeout_ms ({timeout_ms} ms): is a "
+                             f"scheduler running, with model {model_id!r} in its config?")
+            outcomes = await asyncio.gather(*(self._drop(r, model_id, RunState.TIMED_OUT, info, abort_running=False)
+                                              for r in run_ids), return_exceptions=True)
+            ended = sum(outcome == "ok" for outcome in outcomes)
+            if ended and time.monotonic() - self._stuck_logged.get(model_id, -STUCK_LOG_EVERY_S) >= STUCK_LOG_EVERY_S:
+                self._stuck_logged[model_id] = time.monotonic()
+                log.warning("%d runs of model %s were still queued %d ms past their queue_timeout_ms: no scheduler "
+                            "took them (is one running, with this model in its config?); ended them with "
+                            "queue_timeout", ended, model_id, grace_ms, extra={"model": model_id})

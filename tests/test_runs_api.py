@@ -296,3 +296,27 @@ async def test_a_last_event_id_past_a_running_runs_last_event_ends_the_stream_em
             later = await api.event(run_id, "completed", {})
             await api.end(run_id)
             assert [m.id for m in await read_all(resp)] == [later]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_run_no_scheduler_takes_ends_with_queue_timeout_from_the_gateway(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
+    """No scheduler runs (or none has the model in its config): the run would wait out its
+    caller's follow deadline (minutes). Well past its queue timeout the gateway ends it itself,
+    saying why, and takes it out of the queue."""
+    monkeypatch.setattr("gateway.events.QUIET_CHECK_S", 0.05)
+    monkeypatch.setattr("gateway.runs.STUCK_GRACE_MS", 0)
+    config = parse_config({**make_config().model_dump(mode="json", exclude_unset=True),
+                           "runtime": {"scheduler_liveness_ms": 50}})
+    async with api_for(config, redis_url) as api:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        async with api.session.post(api.url("/v1/chat/completions"), json=body) as resp:
+            assert resp.status == 504
+            error = await resp.json()
+            run_id = resp.headers["X-IOP-Run-Id"]
+        validate("ErrorResponse", error)
+        assert error["error"]["code"] == "queue_timeout"
+        assert "no scheduler took the run" in error["error"]["message"] and repr(MODEL) in error["error"]["message"]
+        record = await api.redis.hgetall(keys.run_record(run_id))
+        assert record[b"state"] == b"timed_out" and b"entry" not in record
+        assert await api.redis.xlen(keys.runs_stream(MODEL)) == 0
