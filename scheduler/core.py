@@ -51,6 +51,10 @@ ROUND_WAIT_S = 0.1
 #: the most providers of theirs in all (the call carries 8 keys and 3 arguments of each).
 PENDING_MODELS = 16
 PENDING_CANDIDATES = 64
+#: A run timed out this long past its deadline (plus `scheduler_liveness_ms`, the time a dead
+#: replica's runs take to reach another) was read only then: no scheduler was up to dispatch it,
+#: which its error says, rather than blame its providers' slots.
+LATE_MS = 2_000
 
 
 class Outcome(NamedTuple):
@@ -459,9 +463,13 @@ class Scheduler:
         model = self.config.model(model_id)
         assert model is not None
         timeout = self.config.queue_for(model).queue_timeout_ms
-        info = ErrorInfo(ErrorCode.QUEUE_TIMEOUT,
-                         f"no provider of model {model_id!r} had a free slot within {timeout} ms")
-        await self._drop(model_id, w, RunState.TIMED_OUT, info)
+        late_ms = now_ms() - w.deadline_ms
+        if late_ms > LATE_MS + self.config.runtime.scheduler_liveness_ms:  # (read long after: no scheduler was up)
+            message = (f"the run waited {timeout + late_ms} ms in the queue of model {model_id!r}, past its "
+                       f"queue_timeout_ms ({timeout} ms): no scheduler was running to dispatch it")
+        else:
+            message = f"no provider of model {model_id!r} had a free slot within {timeout} ms"
+        await self._drop(model_id, w, RunState.TIMED_OUT, ErrorInfo(ErrorCode.QUEUE_TIMEOUT, message))
 
     async def _drop(self, model_id: str, w: Waiting, state: RunState, info: ErrorInfo) -> None:
         """End a run that is still waiting in its queue."""

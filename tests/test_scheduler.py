@@ -216,6 +216,29 @@ async def test_queue_timeout_fails_the_run_and_leaves_the_queue(redis: Redis) ->
     events = [e async for e in client.events(run_id)]
     await client.close()
     assert events[-1].type == "failed" and events[-1].data["code"] == "queue_timeout"
+    assert events[-1].data["message"] == f"no provider of model {MODEL!r} had a free slot within 60000 ms"
+
+
+async def test_a_run_read_long_after_its_queue_timeout_says_no_scheduler_was_there(redis: Redis) -> None:
+    """A run a scheduler reads long after its deadline (every scheduler was down meanwhile) did not
+    wait for a slot: its error says what kept it."""
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000})
+    await beat(redis, config)
+    await redis.zadd(keys.leases("a"), {"busy": now_ms() + 60_000})
+    client = RunClient(redis, config)
+    (run_id,) = await submit(client, 1)
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    late = 2_000 + config.runtime.scheduler_liveness_ms + 500
+    sched.waiting[MODEL][0].deadline_ms = now_ms() - late  # the clock moved on while no scheduler ran
+    await sched.expire_overdue()
+    events = [e async for e in client.events(run_id)]
+    await client.close()
+    assert events[-1].data["code"] == "queue_timeout"
+    message = events[-1].data["message"]
+    assert message.startswith("the run waited ") and "past its queue_timeout_ms (60000 ms)" in message
+    assert "no scheduler was running" in message and int(message.split()[3]) >= 60_000 + late
 
 
 async def test_a_dead_replicas_runs_are_taken_over_and_a_live_ones_are_not(redis: Redis) -> None:
