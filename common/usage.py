@@ -13,6 +13,9 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys
+from common.auth import ANONYMOUS
+from common.config import Config
+from common.shown import quoted
 
 #: The most days one question may cover.
 MAX_DAYS = 366
@@ -39,6 +42,16 @@ class Usage:
         return out
 
 
+def key_names(config: Config) -> list[str]:
+    """The names usage is kept under: every configured key, or `anonymous` without keys."""
+    return [k.name for k in config.auth.keys] if config.auth is not None else [ANONYMOUS]
+
+
+async def has_usage(redis: Redis, key_name: str) -> bool:
+    """Whether usage is kept under this name (a key removed from the config keeps its usage)."""
+    return bool(await redis.exists(keys.usage_total(key_name)))
+
+
 def parse_day(text: str, what: str) -> dt.date:
     """A `YYYY-MM-DD` day, or ValueError naming `what`."""
     try:
@@ -46,7 +59,7 @@ def parse_day(text: str, what: str) -> dt.date:
     except ValueError:
         day = None
     if day is None or len(text) != 10:  # (fromisoformat also takes YYYYMMDD)
-        raise ValueError(f"{what} must be a day written YYYY-MM-DD, got {text!r}")
+        raise ValueError(f"{what} must be a day written YYYY-MM-DD, got {quoted(text, 40)}")
     return day
 
 

@@ -15,11 +15,13 @@ from redis.exceptions import RedisError
 from common.auth import KeyRing
 from common.config import Config, ModelConfig
 from common.redisconn import REDIS_DOWN
+from common.shown import quoted
+from common.usage import key_names
 from common.wire import ErrorCode
 from gateway import admin, catalog, metrics, runs_api, usage_api
 from gateway.auth import KEYRING, principal
 from gateway.connections import BODY, expect_handler, forget_body
-from gateway.errors import ApiError, quoted
+from gateway.errors import ApiError
 from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import RUN_ROUTES, parse_request
@@ -164,7 +166,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     runs_api.setup(app, lambda: app[RUNS])
-    metrics.setup(app, lambda: app[RUNS].redis, usage_api.key_names(config))
+    metrics.setup(app, lambda: app[RUNS].redis, key_names(config))
     catalog.setup(app, config, lambda: app[RUNS].redis)
     admin.setup(app, config, lambda: app[RUNS].redis)
     usage_api.setup(app, config, lambda: app[RUNS].redis)

@@ -18,6 +18,7 @@ import ipaddress
 from aiohttp import web
 
 from common.auth import ANYONE, KeyRing, Principal
+from common.shown import quoted
 from common.wire import ErrorCode
 from gateway.errors import ApiError
 
@@ -67,7 +68,7 @@ def admit(request: web.Request) -> None:
         raise ApiError(ErrorCode.INVALID_API_KEY, "the API key is not valid", headers=dict(CHALLENGE))
     if is_operator_route(request.path) and not who.operator:
         raise ApiError(ErrorCode.PERMISSION_DENIED,
-                       f"key {who.name!r} may not use {request.path}: it needs an operator key")
+                       f"key {who.name!r} may not use {quoted(request.path)}: it needs an operator key")
     request[PRINCIPAL] = who
 
 

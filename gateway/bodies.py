@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import zlib
 
+from common.shown import quoted
 from common.wire import ErrorCode
-from gateway.errors import ApiError, invalid, quoted
+from gateway.errors import ApiError, invalid
 
 #: zlib window bits per encoding: gzip's header, zlib's header (the RFC's "deflate").
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -113,21 +112,6 @@ class ApiError(Exception):
                 f"Content-Length: {len(body)}", "Connection: close",
                 *(f"{name}: {value}" for name, value in self.headers.items())]
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
-
-
-#: the most of a caller's text an error message shows
-SHOWN_CHARS = 256
-#: what `json.dumps` leaves as it is but a message must not show as it is: DEL and the C1 controls,
-#: line and paragraph separators, bidirectional overrides, halves of surrogate pairs
-_UNSHOWABLE = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-
-
-def quoted(text: str, limit: int = SHOWN_CHARS) -> str:
-    """What a caller sent (a model name, a header), as an error message shows it: in double
-    quotes, cut after `limit` characters (…), and what cannot be shown as it is (control
-    characters, quotes, backslashes, halves of surrogate pairs) escaped as JSON escapes it."""
-    cut = text if len(text) <= limit else text[:limit] + "…"
-    return _UNSHOWABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(cut, ensure_ascii=False))
 
 
 def _code_text(code: Any) -> str | None:

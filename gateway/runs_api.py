@@ -22,9 +22,10 @@ from common.codec import entry_key
 from common.jsonio import dumps, json_response
 from common.redisconn import REDIS_DOWN
 from common.runview import is_terminal, run_view
+from common.shown import quoted
 from common.wire import ErrorCode, EventType, RunField
 from gateway.auth import principal
-from gateway.errors import ApiError, caller_left, invalid, quoted
+from gateway.errors import ApiError, caller_left, invalid
 from gateway.events import READ_COUNT, Event, stored_event
 from gateway.responses import KEEP_ALIVE, RUN_ID_HEADER, with_model
 from gateway.runs import RunClient

@@ -2,7 +2,8 @@
 
 A caller key sees its own usage; an operator key every key's. Filters: `key`, `model`,
 `start_date` and `end_date` (`YYYY-MM-DD`, inclusive; default the last 30 days, at most 366).
-A key the request may not see, or that does not exist, is a 404 like any other.
+A key the request may not see, or that does not exist, is a 404 like any other. An operator may
+ask for a key no longer in the config by name (`key=`): its usage stays in Redis.
 """
 
 from __future__ import annotations
@@ -13,17 +14,12 @@ from collections.abc import Callable
 from aiohttp import web
 from redis.asyncio import Redis
 
-from common.auth import ANONYMOUS
 from common.config import Config
-from common.usage import day_range, read_usage
+from common.shown import quoted
+from common.usage import day_range, has_usage, key_names, read_usage
 from common.wire import ErrorCode
 from gateway.auth import principal
-from gateway.errors import ApiError, invalid, quoted
-
-
-def key_names(config: Config) -> list[str]:
-    """The names usage is kept under: every configured key, or `anonymous` without keys."""
-    return [k.name for k in config.auth.keys] if config.auth is not None else [ANONYMOUS]
+from gateway.errors import ApiError, invalid
 
 
 def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> None:
@@ -33,7 +29,7 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
         known = key_names(config)
         asked = query.get("key")
         visible = known if who.operator else [who.name]
-        if asked is not None and asked not in visible:
+        if asked is not None and asked not in visible and not (who.operator and await has_usage(redis(), asked)):
             raise ApiError(ErrorCode.NOT_FOUND, f"no usage of a key named {quoted(asked)}", param="key")
         try:
             days = day_range(query.get("start_date"), query.get("end_date"), dt.datetime.now(dt.UTC).date())

@@ -7,10 +7,9 @@ import datetime as dt
 import json
 import sys
 
-from common.auth import ANONYMOUS
 from common.config import Config
 from common.redisconn import REDIS_DOWN, connect
-from common.usage import Usage, day_range, read_usage
+from common.usage import Usage, day_range, has_usage, key_names, read_usage
 
 COLUMNS = ("DATE", "KEY", "MODEL", "RUNS", "PROMPT", "COMPLETION", "TOTAL", "FAILURES")
 
@@ -29,14 +28,13 @@ def main(config: Config, redis_url: str, key: str | None, model: str | None, sin
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    names = [k.name for k in config.auth.keys] if config.auth is not None else [ANONYMOUS]
-    if key is not None and key not in names:
-        print(f"error: no key named {key!r} in the config (keys: {', '.join(names)})", file=sys.stderr)
-        return 2
+    names = key_names(config)
 
-    async def read() -> list[Usage]:
+    async def read() -> list[Usage] | None:
         redis = connect(redis_url)
         try:
+            if key is not None and key not in names and not await has_usage(redis, key):
+                return None
             return await read_usage(redis, [key] if key else names, days, model)
         finally:
             await redis.aclose()
@@ -46,6 +44,10 @@ def main(config: Config, redis_url: str, key: str | None, model: str | None, sin
     except REDIS_DOWN as exc:
         print(f"error: cannot read Redis: {exc}", file=sys.stderr)
         return 1
+    if rows is None:
+        print(f"error: no key named {key!r} in the config (keys: {', '.join(names)}), and no usage kept under "
+              "that name", file=sys.stderr)
+        return 2
     if as_json:
         print(json.dumps({"start_date": days[0], "end_date": days[-1], "data": [r.to_json() for r in rows]}, indent=2))
     else:

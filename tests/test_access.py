@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -249,6 +250,13 @@ async def test_operator_routes_refuse_a_caller_key(gateway: str, http: aiohttp.C
     status, body, _ = await call(http, "GET", gateway + path, CALLER)
     assert status == 403 and body["error"]["code"] == "permission_denied"
     validate("ErrorResponse", body)
+    assert f'may not use "{path}"' in body["error"]["message"]
+
+
+async def test_a_refused_path_is_shown_quoted_and_cut(gateway: str, http: aiohttp.ClientSession) -> None:
+    status, body, _ = await call(http, "GET", gateway + "/v1/admin/" + "%00" + "x" * 3000, CALLER)
+    assert status == 403 and '"/v1/admin/\\u0000xxx' in body["error"]["message"]
+    assert len(body["error"]["message"]) < 400
 
 
 async def test_operators_reach_the_catalog_and_metrics(gateway: str, http: aiohttp.ClientSession) -> None:
@@ -339,3 +347,34 @@ async def test_usage_is_a_callers_own_and_every_keys_for_an_operator(gateway: st
     assert status == 400 and "YYYY-MM-DD" in bad["error"]["message"]
     status, bad, _ = await call(http, "GET", gateway + "/v1/usage?start_date=2020-01-01&end_date=2026-01-01", OPERATOR)
     assert status == 400 and "at most 366 days" in bad["error"]["message"]
+    status, bad, _ = await call(http, "GET", gateway + "/v1/usage?start_date=%00" + "x" * 7000, OPERATOR)
+    assert status == 400 and '"\\u0000xxx' in bad["error"]["message"] and len(bad["error"]["message"]) < 200
+
+
+async def test_an_operator_sees_the_usage_of_a_key_no_longer_in_the_config(gateway: str, http: aiohttp.ClientSession,
+                                                                            redis: Redis) -> None:
+    today = dt.datetime.now(dt.UTC).date().isoformat()
+    await redis.hset(keys.usage_day("gone", today), mapping={"runs:qwen3.6:35b": 4})
+    await redis.hset(keys.usage_total("gone"), mapping={"runs:qwen3.6:35b": 4})
+    status, body, _ = await call(http, "GET", gateway + "/v1/usage?key=gone", OPERATOR)
+    assert status == 200 and [(r["key"], r["runs"]) for r in body["data"]] == [("gone", 4)]
+    assert (await call(http, "GET", gateway + "/v1/usage?key=gone", CALLER))[0] == 404
+    assert (await call(http, "GET", gateway + "/v1/usage?key=never", OPERATOR))[0] == 404
+
+
+def test_iop_usage_shows_a_key_no_longer_in_the_config_by_name(redis_url: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import redis as sync_redis
+
+    from iop import usage_cmd
+
+    client = sync_redis.Redis.from_url(redis_url)
+    today = dt.datetime.now(dt.UTC).date().isoformat()
+    client.hset(keys.usage_day("anonymous", today), mapping={"runs:qwen3.6:35b": 35})
+    client.hset(keys.usage_total("anonymous"), mapping={"runs:qwen3.6:35b": 35})
+    client.close()
+    config = parse_config(pool(AUTH))  # (it has keys now: `anonymous` is what ran before them)
+    assert usage_cmd.main(config, redis_url, "anonymous", None, None, None, as_json=True) == 0
+    assert [(r["key"], r["runs"]) for r in json.loads(capsys.readouterr().out)["data"]] == [("anonymous", 35)]
+    assert usage_cmd.main(config, redis_url, "never", None, None, None, as_json=True) == 2
+    assert "no key named 'never' in the config" in capsys.readouterr().err

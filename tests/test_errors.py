@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
+from common.shown import quoted
 from common.wire import ErrorCode, ErrorInfo
-from gateway.errors import STATUS, ApiError, from_status, invalid, quoted
+from gateway.errors import STATUS, ApiError, from_status, invalid
 from tests.openapi import validate
 
 ERROR_KEYS = {"message", "type", "param", "code"}
