@@ -71,7 +71,8 @@ def keyring_for(config: Config, host: str, allow_anonymous: bool, environ: Mappi
     Exits with one clear line (or one per unset key variable) otherwise."""
     if config.auth is None:
         if not (is_loopback(host) or allow_anonymous):
-            raise SystemExit(f"iop gateway: refusing to serve anyone who can reach {host} without API keys: add "
+            where = host or "every address"
+            raise SystemExit(f"iop gateway: refusing to serve anyone who can reach {where} without API keys: add "
                              "auth.keys to the config, or pass --allow-anonymous")
         return None
     try:
@@ -124,7 +125,7 @@ async def serve(config: Config, redis_url: str, host: str, port: int, keyring: K
         await runner.cleanup()
         raise SystemExit(f"error: cannot listen on {listen_address(host, port)}: {bind_reason(exc)}") from None
     bound = runner.addresses[0][1] if runner.addresses else port
-    print(f"iop gateway listening on http://{host}:{bound}", flush=True)
+    print(f"iop gateway listening on http://{listen_address(host, bound)}", flush=True)
     try:
         await stop.wait()
     finally:

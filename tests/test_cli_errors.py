@@ -228,3 +228,32 @@ def test_a_gateway_whose_redis_does_not_answer_still_starts_after_its_database_c
         proc.stop(timeout=15, sig=signal.SIGTERM)
     assert waited >= STARTUP_CHECK_S  # (it did wait: the check is there) ...
     assert "Traceback" not in proc.output()  # ... and let the silence pass
+
+
+def test_a_worker_for_a_node_not_in_the_config_says_so_in_one_line(redis_url: str) -> None:
+    done = iop("worker", "--config", DEMO, "--redis", redis_url, "--node", "nope")
+    assert one_line(done).startswith("error: node 'nope' is not in the config (nodes: "), done.stderr
+
+
+def test_a_gateway_without_keys_on_every_address_names_it(redis_url: str) -> None:
+    done = iop("gateway", "--config", DEMO, "--redis", redis_url, "--host", "", "--port", "0")
+    assert "refusing to serve anyone who can reach every address without API keys" in one_line(done)
+
+
+def test_a_gateway_on_an_ipv6_address_says_where_as_a_url(redis_url: str) -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen([sys.executable, "-m", "iop", "gateway", "--config", DEMO, "--redis", redis_url,
+                           "--host", "::1", "--port", "0"], cwd=ROOT, env=environ, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # (blocks until the gateway listens, or exits)
+            assert line.startswith("iop gateway listening on http://[::1]:"), line
+        finally:
+            proc.terminate()
+            proc.wait(TIMEOUT_S)

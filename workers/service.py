@@ -84,7 +84,7 @@ def provider_session() -> aiohttp.ClientSession:
 def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | None = None) -> WakeWorker:
     node = config.node(node_id)
     if node is None:
-        raise SystemExit(f"node {node_id!r} is not in the config (nodes: {[n.id for n in config.nodes]})")
+        raise SystemExit(f"error: node {node_id!r} is not in the config (nodes: {[n.id for n in config.nodes]})")
     background: list[asyncio.Task[Any]] = []
 
     async def startup(ctx: dict[str, Any]) -> None:
