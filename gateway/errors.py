@@ -83,10 +83,10 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         if self.detail is not None and isinstance(self.detail.get("message"), str):
-            param, code = self.detail.get("param"), self.detail.get("code")
+            param, code, kind = self.detail.get("param"), self.detail.get("code"), self.detail.get("type")
             err = {
                 "message": self.detail["message"],
-                "type": str(self.detail.get("type") or _error_type(self.status)),
+                "type": kind if isinstance(kind, str) and kind else _error_type(self.status),
                 "param": param if isinstance(param, str) else None,
                 # (a string, as OpenAI's schema has it: vLLM's is the status, a number)
                 "code": _code_text(code) or self.code.value,

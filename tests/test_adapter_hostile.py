@@ -24,10 +24,10 @@ from tests.conftest import async_wait_until as until
 from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
+from workers.adapters.reading import MAX_DEPTH, parse_json
 from workers.service import provider_session
 
 SERVED = "m-served"
-DEEP = b"[" * 3000 + b"]" * 3000
 CHUNKED = "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
 
 
@@ -464,11 +464,27 @@ async def too_deep_everywhere(adapter: OpenAICompatAdapter | OllamaAdapter, prov
     return err.value
 
 
-async def test_json_nested_too_deep_is_a_provider_error(raw: Raw, session: aiohttp.ClientSession) -> None:
-    raw.answers["/v1/chat/completions"] = whole("200 OK", b'{"choices": ' + DEEP + b"}")
-    raw.answers["/v1/completions"] = chunked([sse(delta("a ")), sse(b'{"choices": ' + DEEP + b"}")])
-    raw.answers["/v1/embeddings"] = whole("500 Internal Server Error", b'{"error": ' + DEEP + b"}")
-    raw.answers["/v1/models"] = whole("200 OK", b'{"data": ' + DEEP + b"}")
+#: nested deeper than the worker takes (`MAX_DEPTH`), than the gateway's encoder writes (255; 1,000
+#: was a 500 from the gateway), and than Python's parser reads
+DEPTHS = [MAX_DEPTH + 1, 1_000, 3_000]
+
+
+def deep(levels: int) -> bytes:
+    return b"[" * (levels - 1) + b"]" * (levels - 1)  # (inside the object around it: `levels` in all)
+
+
+def test_json_just_as_deep_as_allowed_is_taken() -> None:
+    assert parse_json(b'{"choices": ' + deep(MAX_DEPTH) + b"}", "p") == {"choices": json.loads(deep(MAX_DEPTH))}
+
+
+@pytest.mark.parametrize("levels", DEPTHS)
+async def test_json_nested_too_deep_is_a_provider_error(raw: Raw, session: aiohttp.ClientSession,
+                                                        levels: int) -> None:
+    nested = deep(levels)
+    raw.answers["/v1/chat/completions"] = whole("200 OK", b'{"choices": ' + nested + b"}")
+    raw.answers["/v1/completions"] = chunked([sse(delta("a ")), sse(b'{"choices": ' + nested + b"}")])
+    raw.answers["/v1/embeddings"] = whole("500 Internal Server Error", b'{"error": ' + nested + b"}")
+    raw.answers["/v1/models"] = whole("200 OK", b'{"data": ' + nested + b"}")
     adapter = OpenAICompatAdapter(openai(raw.url), session)
     error = await too_deep_everywhere(adapter, "vllm-h")
     assert error.status == 500 and error.message.startswith("provider vllm-h answered 500: ")
@@ -477,11 +493,14 @@ async def test_json_nested_too_deep_is_a_provider_error(raw: Raw, session: aioht
     assert probe.health is Health.UNKNOWN and probe.reason == "GET /v1/models answered 200 with JSON nested too deep"
 
 
-async def test_ollama_json_nested_too_deep_is_a_provider_error(raw: Raw, session: aiohttp.ClientSession) -> None:
-    raw.answers["/api/chat"] = whole("200 OK", b'{"message": ' + DEEP + b"}")
-    raw.answers["/api/generate"] = chunked([nd(b'{"response": ' + DEEP + b"}")], content_type="application/x-ndjson")
-    raw.answers["/api/embed"] = whole("500 Internal Server Error", b'{"error": ' + DEEP + b"}")
-    raw.answers["/api/tags"] = whole("200 OK", b'{"models": ' + DEEP + b"}")
+@pytest.mark.parametrize("levels", DEPTHS)
+async def test_ollama_json_nested_too_deep_is_a_provider_error(raw: Raw, session: aiohttp.ClientSession,
+                                                               levels: int) -> None:
+    nested = deep(levels)
+    raw.answers["/api/chat"] = whole("200 OK", b'{"message": ' + nested + b"}")
+    raw.answers["/api/generate"] = chunked([nd(b'{"response": ' + nested + b"}")], content_type="application/x-ndjson")
+    raw.answers["/api/embed"] = whole("500 Internal Server Error", b'{"error": ' + nested + b"}")
+    raw.answers["/api/tags"] = whole("200 OK", b'{"models": ' + nested + b"}")
     adapter = OllamaAdapter(ollama(raw.url), session)
     assert (await too_deep_everywhere(adapter, "ollama-h")).status == 500
     probe = await adapter.probe()

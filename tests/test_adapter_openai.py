@@ -196,10 +196,10 @@ async def test_unknown_fields_and_tool_call_deltas_pass_through(fake: Fake, sess
     ("lemonade", "/api/v1/health", "/api/v1/models"), ("openai_api", None, "/v1/models")])
 async def test_each_type_probes_its_own_endpoints(ptype: str, health_path: str | None, models_path: str,
                                                   fake: Fake, session: aiohttp.ClientSession) -> None:
-    fake.body[models_path] = {"object": "list", "data": [{"id": SERVED}, {"id": "other"}]}
+    fake.body[models_path] = {"object": "list", "data": [{"id": SERVED}, {"id": "other"}, {"id": [[1]]}, {"id": 5}]}
     adapter = OpenAICompatAdapter(provider(ptype, fake.url), session)
     probe = await adapter.probe()
-    assert probe.health is Health.AVAILABLE and probe.models == [SERVED, "other"]
+    assert probe.health is Health.AVAILABLE and probe.models == [SERVED, "other"]  # (ids that are not text: left out)
     assert [path for path, _, _ in fake.requests] == ([health_path] if health_path else []) + [models_path]
     if health_path:
         fake.status[health_path] = 503
@@ -253,6 +253,17 @@ async def test_a_passed_through_4xx_keeps_the_provider_s_fields_on_one_line(
                                                                                         "too_long")
     assert detail["message"].startswith("bad request: xxx") and "\n" not in detail["message"]
     assert len(detail["message"]) <= 500 and err.value.retry is Retry.NO and err.value.status == 400
+
+
+async def test_a_4xx_message_that_is_not_text_is_shown_as_json_never_a_repr(
+        fake: Fake, session: aiohttp.ClientSession) -> None:
+    adapter = OpenAICompatAdapter(provider("vllm", fake.url), session)
+    fake.status["/v1/chat/completions"] = 400
+    fake.body["/v1/chat/completions"] = {"error": {"message": {"nested": [1, 2]}, "type": 123}}
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "r")
+    assert err.value.message == 'provider vllm-a answered 400: {"nested": [1, 2]}'
+    assert err.value.detail is not None and err.value.detail["message"] == '{"nested": [1, 2]}'
 
 
 async def _drain(stream: AsyncIterator[Any]) -> None:

@@ -170,6 +170,8 @@ def test_statuses_aiohttp_gives_alone_get_a_code(status: int, code: str) -> None
     ({"code": 400, "param": None}, {"code": "400", "param": None}),  # vLLM's code is the status
     ({"code": True, "param": ["a"]}, {"code": "provider_error", "param": None}),
     ({"code": "", "param": "temperature"}, {"code": "provider_error", "param": "temperature"}),
+    ({"type": 123}, {"type": "invalid_request_error", "code": "provider_error", "param": None}),  # (was "123")
+    ({"type": [[1]]}, {"type": "invalid_request_error", "code": "provider_error", "param": None}),
 ])
 def test_a_provider_4xx_s_code_and_param_are_passed_as_openai_s_schema_has_them(
         given: dict[str, Any], shown: dict[str, Any]) -> None:

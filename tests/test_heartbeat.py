@@ -28,12 +28,15 @@ class Probed:
     def __init__(self) -> None:
         self.calls = 0
         self.hang = False
+        self.broken = False
         self.result = ProbeResult(Health.AVAILABLE, "", ["served"], strikes=0)
 
     async def probe(self) -> ProbeResult:
         self.calls += 1
         if self.hang:
             await asyncio.Event().wait()
+        if self.broken:
+            raise RecursionError("maximum recursion depth exceeded")
         return self.result
 
     async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
@@ -90,6 +93,20 @@ async def test_an_idle_provider_is_down_after_three_timeouts_and_up_after_a_pass
     assert reason == "the probe got no answer within 1100 ms"
     assert int(await redis.hget(keys.heartbeat("p"), "fails") or 0) >= 3
     adapter.hang = False
+    await until_health(redis, "available")
+
+
+@pytest.mark.parametrize("beating", ["vllm"], indirect=True)
+async def test_a_probe_that_fails_in_the_worker_is_recorded_and_the_next_one_runs(
+        redis: Redis, beating: tuple[Heartbeats, Probed]) -> None:
+    """A probe that raises (a bug, an answer nothing foresaw) ends as `unknown` with why, instead of
+    a task whose error nobody reads and a health frozen at what it was."""
+    beats, adapter = beating
+    await until_health(redis, "available")
+    adapter.broken = True
+    await until_health(redis, "unknown")
+    assert await redis.hget(keys.heartbeat("p"), "reason") == b"the probe failed in the worker (RecursionError)"
+    adapter.broken = False
     await until_health(redis, "available")
 
 

@@ -136,6 +136,9 @@ class Heartbeats:
         except TimeoutError:
             probe = ProbeResult(Health.UNAVAILABLE, f"the probe got no answer within {int(limit_s * 1000)} ms",
                                 strikes=1, timed_out=True)
+        except Exception as exc:  # a bug, or an answer nothing foresaw: the probe's result is still recorded
+            log.exception("probe of %s failed", provider.id)
+            probe = ProbeResult(Health.UNKNOWN, f"the probe failed in the worker ({type(exc).__name__})")
         try:
             if probe.timed_out and not busy:  # did runs start while it was out?
                 busy = await self.redis.zcount(keys.leases(provider.id), f"({now_ms()}", "+inf") > 0

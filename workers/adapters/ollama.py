@@ -38,7 +38,6 @@ from workers.adapters.reading import (
     read_whole,
     redirect_error,
     redirect_probe,
-    too_deep,
 )
 
 Json = dict[str, Any]
@@ -167,10 +166,7 @@ class OllamaAdapter:
                 if resp.status >= 400:
                     raise self._error(resp.status, await _error_text(resp))
                 text = (await read_whole(resp, self.provider.id, self.limits)).decode(errors="replace")
-                try:
-                    answer = json.loads(text)
-                except RecursionError:
-                    raise too_deep(self.provider.id) from None
+                answer = parse_json(text.encode(), self.provider.id)
                 if not isinstance(answer, dict):
                     raise ValueError("the answer is not a JSON object")
                 if kind is RunKind.EMBEDDING:

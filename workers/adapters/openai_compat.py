@@ -20,7 +20,6 @@ It never appears in errors or probe reasons: any echo of it by the provider is r
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -187,12 +186,14 @@ class OpenAICompatAdapter:
         if resp.status < 400:
             return
         text = (await resp.content.read(MAX_ERROR_BODY)).decode(errors="replace")
-        try:
-            detail = _error_detail(json.loads(text))
-        except (ValueError, RecursionError):
+        try:  # (its object is passed on to the caller: no deeper than any answer)
+            detail = _error_detail(parse_json(text.encode(), self.provider.id))
+        except (ValueError, ProviderError):
             detail = None
-        message = one_line(str((detail or {}).get("message") or text or resp.reason or "no error text"),
-                           self.limits.error_chars)
+        if detail is not None and detail.get("message"):  # (a message that is not text is shown as JSON)
+            message = error_text(detail, self.limits.error_chars)
+        else:
+            message = one_line(text or resp.reason or "no error text", self.limits.error_chars)
         raise answered_error(self.provider.id, resp.status, message, detail)
 
     def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
@@ -300,8 +301,8 @@ class OpenAICompatAdapter:
         listed = data.get("data") if isinstance(data, dict) else None
         if not isinstance(listed, list):
             return ProbeResult(Health.UNKNOWN, f"GET {models_path} answered 200 but not with a model list")
-        return ProbeResult(Health.AVAILABLE, "", [m["id"] for m in listed if isinstance(m, dict) and "id" in m],
-                           strikes=0)
+        return ProbeResult(Health.AVAILABLE, "", [m["id"] for m in listed if isinstance(m, dict)
+                                                  and isinstance(m.get("id"), str)], strikes=0)
 
     async def close(self) -> None:
         return None

@@ -26,6 +26,10 @@ log = logging.getLogger("iop.worker")
 
 #: the most of a redirect's target shown in an error
 MAX_LOCATION_CHARS = 200
+#: A provider's JSON nested deeper than this is its error (`too_deep`): every answer and chunk is
+#: written again on its way to the caller, by an encoder that stops at 255 levels; a real answer
+#: has fewer than ten.
+MAX_DEPTH = 128
 
 
 async def read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
@@ -58,11 +62,29 @@ def too_deep(provider_id: str) -> ProviderError:
 
 
 def parse_json(data: bytes, provider_id: str) -> Any:
-    """A provider's JSON; ValueError when it is not JSON, ProviderError when it is nested too deep."""
+    """A provider's JSON; ValueError when it is not JSON, ProviderError when it is nested deeper
+    than `MAX_DEPTH`."""
     try:
-        return jsonio.loads(data)
+        value = jsonio.loads(data)
     except RecursionError:
         raise too_deep(provider_id) from None
+    # (counting brackets costs a C scan of the text; only text with that many walks the value)
+    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and deeper_than(value, MAX_DEPTH):
+        raise too_deep(provider_id)
+    return value
+
+
+def deeper_than(value: Any, limit: int) -> bool:
+    """Whether objects and arrays nest deeper than `limit` levels in `value` (itself level 1)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if type(item) is not dict and type(item) is not list:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in (item.values() if type(item) is dict else item))
+    return False
 
 
 def error_text(error: Any, limit: int) -> str:
