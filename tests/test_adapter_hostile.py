@@ -534,3 +534,44 @@ async def test_a_cookie_a_provider_sets_for_one_run_never_rides_along_on_the_nex
     finally:
         await jarred.close()
     assert raw.requests[3].headers.get("cookie") == "session=caller-a"
+
+
+@pytest.mark.parametrize("usage", [False, True])
+async def test_a_stream_whose_choices_all_finished_is_whole_though_no_done_comes_and_it_stays_open(
+        raw: Raw, session: aiohttp.ClientSession, usage: bool) -> None:
+    """After the finish_reason (and the usage chunk) a provider that neither says [DONE] nor
+    closes has answered whole: not failed after `read_timeout_ms` (found by a hostile-provider
+    audit: the caller waited out the read timeout, then got an error after its whole answer)."""
+    tail = [sse({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}})] if usage else []
+    raw.answers["/v1/chat/completions"] = chunked([sse(delta("a ")), sse(delta("b", "stop")), *tail], end=False)
+    raw.hold = True
+    adapter = OpenAICompatAdapter(openai(raw.url, read_timeout_ms=60_000), session)
+    chunks = await asyncio.wait_for(collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1")), 30)
+    assert text_of(chunks) == "a b" and (chunks[-1].get("usage") is not None) == usage
+
+    async def left() -> bool:
+        return raw.disconnects >= 1
+
+    await until(left, 5, "the adapter to close the connection")
+
+
+async def test_a_stream_of_two_choices_waits_for_both_to_finish(raw: Raw, session: aiohttp.ClientSession,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("workers.adapters.openai_compat.FINISHED_GRACE_S", 0.05)
+
+    def choice(index: int, text: str, finish: str | None = None) -> bytes:
+        return sse({"choices": [{"index": index, "delta": {"content": text}, "finish_reason": finish}]})
+
+    first = chunked([choice(0, "a", "stop")], end=False)
+
+    async def slow_second_choice(request: Request, writer: asyncio.StreamWriter) -> None:
+        await first(request, writer)
+        await asyncio.sleep(0.5)  # (the model's time for the other choice: ten times the grace)
+        for part in (choice(1, "b"), choice(1, "c", "stop")):
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+
+    raw.answers["/v1/chat/completions"] = slow_second_choice
+    raw.hold = True
+    adapter = OpenAICompatAdapter(openai(raw.url, read_timeout_ms=60_000), session)
+    chunks = await asyncio.wait_for(collect(adapter.stream(RunKind.CHAT, chat(stream=True, n=2), "run_1")), 30)
+    assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["a", "b", "c"]

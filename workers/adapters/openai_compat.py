@@ -20,6 +20,7 @@ It never appears in errors or probe reasons: any echo of it by the provider is r
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -29,7 +30,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from common import jsonio
-from common.chunks import choices_usable, finishes
+from common.chunks import choices_usable, finished_choices
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
@@ -68,6 +69,10 @@ HAS_HEALTH = ROOT_HEALTH | {"lemonade"}
 NO_SUCH_ENDPOINT = frozenset({404, 405, 501})
 #: the most of an error answer read to describe it
 MAX_ERROR_BODY = 64 * 1024
+#: How long a stream whose every choice has its finish_reason waits for what may still come (the
+#: usage chunk, [DONE]): a provider that sends neither and keeps its connection open has answered
+#: whole, and its caller is not kept waiting for `read_timeout_ms`, then failed.
+FINISHED_GRACE_S = 2.0
 
 
 def api_root(base_url: str, provider_type: str = "vllm", api_path: str | None = None) -> str:
@@ -226,13 +231,31 @@ class OpenAICompatAdapter:
         model = body.get("model")
         parser = SSEParser(self.provider.id, self.limits, request_id, model if isinstance(model, str) else None)
         finished = False
+        #: the choices that came with a finish_reason: once all have (`n` of them), what may still
+        #: come is a usage chunk and [DONE], each within `FINISHED_GRACE_S`
+        n = body.get("n")
+        choices = n if type(n) is int and n > 0 else 1
+        ended: set[int] = set()
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp)
-                async for data in resp.content.iter_any():
+                while True:
+                    if len(ended) < choices:
+                        data = await resp.content.readany()
+                    else:
+                        try:
+                            async with asyncio.timeout(FINISHED_GRACE_S):
+                                data = await resp.content.readany()
+                        except TimeoutError:  # whole, though the provider neither said [DONE] nor closed
+                            resp.close()
+                            break
+                    if not data:
+                        break
                     chunks = parser.feed(data)
                     if chunks:
-                        finished = finished or any(finishes(c) for c in chunks)
+                        for chunk in chunks:
+                            ended.update(finished_choices(chunk))
+                        finished = finished or bool(ended)
                         yield chunks
                     if parser.done:
                         # the answer is whole: whatever the provider sends after [DONE] is not
