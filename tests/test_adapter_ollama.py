@@ -248,3 +248,23 @@ async def test_probe_transitions_available_unavailable_available(adapter: Ollama
     fake.state.models = ["other:1b"]
     probe = await adapter.probe()
     assert probe.health is Health.AVAILABLE and probe.models == ["other:1b"]  # the scheduler gates on this
+
+
+def test_fields_of_the_wrong_type_in_an_answer_never_reach_the_caller_as_python_reprs() -> None:
+    """(found by a hostile-provider audit: `{"py": "repr"}` came out as the text "{'py': 'repr'}")"""
+    from workers.adapters import ollama_wire as wire
+
+    odd = {"message": {"content": {"py": "repr"}, "thinking": ["a"],
+                       "tool_calls": [{"function": {"name": 5, "arguments": {"x": float("nan")}}},
+                                      {"function": "not an object"}]},
+           "prompt_eval_count": True, "eval_count": -3}
+    assert wire.text_of(RunKind.CHAT, odd) == "" and wire.thinking_of(odd) == ""
+    assert wire.text_of(RunKind.COMPLETION, {"response": 42}) == ""
+    calls = wire.tool_calls_of(odd, "run_1")
+    assert [c["function"] for c in calls] == [{"name": "", "arguments": '{"x":null}'}, {"name": "", "arguments": "{}"}]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": None}
+    assert wire.usage_of(odd) == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for vectors in ([["a", "b"]], [5], [{"x": 1}]):
+        for encoding in ("float", "base64"):
+            with pytest.raises(ValueError, match="not a list of numbers"):
+                wire.embeddings_response({"model": "m", "encoding_format": encoding}, {"embeddings": vectors})

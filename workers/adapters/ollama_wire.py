@@ -15,6 +15,7 @@ import json
 import struct
 from typing import Any
 
+from common import jsonio
 from common.wire import RunKind
 from workers.adapters.openai_shapes import usage
 
@@ -104,10 +105,25 @@ def _content(content: Any, path: str) -> tuple[str, list[str]]:
     return "\n".join(texts), images
 
 
+def _arguments(args: Any) -> str:
+    """A tool call's arguments as the JSON text OpenAI's clients parse (NaN and Infinity, which
+    JSON has not, as null)."""
+    try:
+        return json.dumps(args, allow_nan=False)
+    except ValueError:
+        return jsonio.dumps(args).decode()
+
+
+def _function(call: Any) -> Json:
+    """A tool call's `function` object ({} when the call or it is not an object)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    return fn if isinstance(fn, dict) else {}
+
+
 def _native_tool_calls(calls: Any) -> list[Json]:
     out = []
     for call in calls if isinstance(calls, list) else []:
-        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        fn = _function(call)
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
@@ -181,16 +197,21 @@ def request(kind: RunKind, body: Json, stream: bool) -> tuple[str, Json]:
 # ------------------------------------------------------------------ answers
 
 
+def _text(value: Any) -> str:
+    """Generated text: a string as it is; nothing for anything else (never a Python repr)."""
+    return value if isinstance(value, str) else ""
+
+
 def text_of(kind: RunKind, native: Json) -> str:
     if kind is RunKind.CHAT:
         message = native.get("message")
-        return str(message.get("content") or "") if isinstance(message, dict) else ""
-    return str(native.get("response") or "")
+        return _text(message.get("content")) if isinstance(message, dict) else ""
+    return _text(native.get("response"))
 
 
 def thinking_of(native: Json) -> str:
     message = native.get("message")
-    return str(message.get("thinking") or "") if isinstance(message, dict) else ""
+    return _text(message.get("thinking")) if isinstance(message, dict) else ""
 
 
 def tool_calls_of(native: Json, request_id: str, first_index: int = 0, stream: bool = False) -> list[Json]:
@@ -199,12 +220,12 @@ def tool_calls_of(native: Json, request_id: str, first_index: int = 0, stream: b
     calls = message.get("tool_calls") if isinstance(message, dict) else None
     out = []
     for offset, call in enumerate(calls if isinstance(calls, list) else []):
-        fn = call.get("function", {}) if isinstance(call, dict) else {}
-        args = fn.get("arguments")
+        fn = _function(call)
+        args, name = fn.get("arguments"), fn.get("name")
         index = first_index + offset
         item: Json = {"id": f"call_{request_id}_{index}", "type": "function",
-                      "function": {"name": fn.get("name"),
-                                   "arguments": args if isinstance(args, str) else json.dumps(args or {})}}
+                      "function": {"name": name if isinstance(name, str) else "",
+                                   "arguments": args if isinstance(args, str) else _arguments(args or {})}}
         if stream:
             item["index"] = index
         out.append(item)
@@ -220,12 +241,14 @@ def finish_reason(native: Json, saw_tool_calls: bool) -> str:
 def usage_of(native: Json) -> Json:
     def count(name: str) -> int:
         value = native.get(name)
-        return value if isinstance(value, int) else 0
+        return value if type(value) is int and value >= 0 else 0
 
     return usage(count("prompt_eval_count"), count("eval_count"))
 
 
-def _encode(vector: list[float], encoding_format: Any) -> list[float] | str:
+def _encode(vector: Any, encoding_format: Any) -> list[float] | str:
+    if not isinstance(vector, list) or not all(type(x) is float or type(x) is int for x in vector):
+        raise ValueError("the answer of /api/embed has an embedding that is not a list of numbers")
     if encoding_format == "base64":
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
     return vector
@@ -238,6 +261,6 @@ def embeddings_response(body: Json, native: Json) -> Json:
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.get("encoding_format"))}
             for i, v in enumerate(vectors)]
     prompt = native.get("prompt_eval_count")
-    prompt = prompt if isinstance(prompt, int) else 0
+    prompt = prompt if type(prompt) is int and prompt >= 0 else 0
     return {"object": "list", "data": data, "model": body["model"],
             "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
