@@ -37,6 +37,7 @@ from aiohttp import HttpVersion11, http_exceptions, web
 
 from common.wire import ErrorCode
 from gateway.admission import ConnectionGuard, Slot
+from gateway.auth import admit
 from gateway.bodies import decode, too_large
 from gateway.errors import ApiError, from_status
 
@@ -271,8 +272,9 @@ def expectation_failed() -> ApiError:
 def expect_handler(max_body_bytes: int) -> Callable[[web.Request], Coroutine[Any, Any, web.StreamResponse | None]]:
     """aiohttp's answer to a request's `Expect` header, before any middleware runs (set on every
     route by `gateway.app`): `100-continue` is answered `100 Continue`, unless the body announced
-    is over `max_body_bytes` (then 413 at once: the client need not send it); any other
-    expectation gets 417. Either refusal closes the connection (no body is read)."""
+    is over `max_body_bytes` (then 413 at once: the client need not send it) or its key is
+    refused (401 or 403, as `gateway.auth.admit` says); any other expectation gets 417. Each
+    refusal closes the connection (no body is read)."""
 
     def refuse(request: web.Request, error: ApiError) -> web.StreamResponse:
         if isinstance(request.protocol, GuardedHandler):
@@ -288,6 +290,10 @@ def expect_handler(max_body_bytes: int) -> Callable[[web.Request], Coroutine[Any
             return refuse(request, expectation_failed())
         if request.content_length is not None and request.content_length > max_body_bytes:
             return refuse(request, too_large(max_body_bytes, declared=request.content_length))
+        try:
+            admit(request)  # (a client whose key is refused is told so before it sends its body)
+        except ApiError as exc:
+            return refuse(request, exc)
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the response proper has not begun
         return None

@@ -224,6 +224,27 @@ async def test_a_key_that_is_not_utf8_is_401_not_an_internal_error(gateway: str,
     assert answer.status == 401 and answer.error()["code"] == "invalid_api_key", answer
 
 
+@pytest.mark.parametrize(("key", "path", "status"), [
+    (None, "/v1/chat/completions", 401), ("sk-not-a-key", "/v1/chat/completions", 401),
+    (CALLER, "/v1/admin/providers/p/drain", 403), (CALLER, "/v1/chat/completions", 100)])
+async def test_expect_100_continue_is_refused_before_the_body_when_the_key_is(
+        gateway: str, key: str | None, path: str, status: int) -> None:
+    """A client that asks before sending its body is told at once that its key will not do (it got
+    100 Continue, sent the body, then the 401)."""
+    url = URL(gateway)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    try:
+        auth = f"Authorization: Bearer {key}\r\n" if key else ""
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}"
+                     "Content-Length: 2\r\nExpect: 100-continue\r\n\r\n".encode())
+        answer = await read_response(reader)
+    finally:
+        writer.close()
+    assert answer.status == status, answer
+    if status != 100:
+        validate("ErrorResponse", {"error": answer.error()})
+
+
 async def test_health_and_readiness_stay_open(gateway: str, http: aiohttp.ClientSession) -> None:
     for path in ("/healthz", "/readyz"):
         status, _, _ = await call(http, "GET", gateway + path)
