@@ -168,11 +168,27 @@ class GuardedHandler(web.RequestHandler):
         try:
             return await super().finish_response(request, resp, start_time)
         finally:
-            self._in_request = False
             if self._close_after_response:
-                self.force_close()  # do not read on (a slow body, a health check over the limit)
+                self._end_after_answer()
             else:
+                self._in_request = False
                 self._guard.idle(self, self._slot)
+
+    def _end_after_answer(self) -> None:
+        """End a connection whose request was answered before its body was read (a 413, a 408, a
+        refused `Expect`): the answer is followed by the end of what the gateway sends (the client
+        reads it, then the end), and what the client still sends is read and dropped for at most
+        aiohttp's lingering time (10 s), then the connection closes. Closing at once, with the body
+        unread in the socket, sends a reset, which can reach the client before the answer: it would
+        see a broken connection (and retry) instead of the 413. (`_in_request` stays set: no head
+        deadline runs on the dropped bytes.)"""
+        self.close()  # no next request on it; aiohttp lingers on the unread body, then closes
+        transport = self.transport
+        if transport is not None and not transport.is_closing() and transport.can_write_eof():
+            try:
+                transport.write_eof()
+            except (OSError, RuntimeError):
+                self.force_close()
 
     # -- over the limit ----------------------------------------------------------------------
 

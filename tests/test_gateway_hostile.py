@@ -214,6 +214,25 @@ async def test_a_body_announced_over_the_limit_gets_413_before_it_is_read(gatewa
         writer.close()
 
 
+async def test_a_client_that_sends_its_whole_body_over_the_limit_reads_the_413_not_a_reset(gateway: Gateway) -> None:
+    """The gateway answers before reading the body; closing with it unread would send a reset,
+    which can reach the client before the answer (the official client then sees a broken
+    connection and retries). The answer is followed by the end of the gateway's side, and the
+    body is read and dropped meanwhile (found by a hostile-caller audit)."""
+    for _ in range(3):
+        reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
+        try:
+            body = b"x" * (DEFAULT_MAX_BODY + 1)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            await writer.drain()
+            resp = await read_response(reader)
+            assert resp.status == 413 and resp.error()["code"] == "request_too_large"
+            assert await reader.read() == b""  # then the end, not a reset
+        finally:
+            writer.close()
+
+
 async def test_a_chunked_body_over_the_limit_gets_iop_s_413_and_the_connection_closes(gateway: Gateway) -> None:
     """No length declared: the body is counted as it comes (it was aiohttp's own wording)."""
     reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
