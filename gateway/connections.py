@@ -8,7 +8,8 @@ Every connection is served by a `GuardedHandler`, aiohttp's own request handler 
   connect, for a connection's first request). Else, if anything had been sent, 408
   `request_timeout`; the connection closes either way.
 - `body_timeout_ms`: a body must be complete this long after its head (`body_reader`, run by `gateway.middleware`), else
-  408 and the connection closes (at once: aiohttp would otherwise go on reading the slow body).
+  408 and the connection ends (`GuardedHandler._end_after_answer`: the rest of the body is dropped
+  for at most aiohttp's lingering time, then it closes).
   The body is decoded (`Content-Encoding`) by `gateway.bodies`, not by aiohttp, and handed to
   the handlers as `request[BODY]`.
 - `idle_timeout_ms`: a kept-alive connection without a request is closed after this (aiohttp's
