@@ -275,10 +275,10 @@ def parse_problem(exc: BaseException | None, message: str | None) -> str:
     if isinstance(exc, http_exceptions.ContentLengthError):
         return "the body is shorter than its Content-Length"
     about = (message or "").partition(":")[0].lower()
-    for word, problem in _FAULTS:
-        if word in about:
-            return problem
-    return "it is malformed"
+    if "content-length" in about and "transfer-encoding" in about:
+        return "it has both a Content-Length and a Transfer-Encoding header"
+    found = [(about.find(word), problem) for word, problem in _FAULTS if word in about]
+    return min(found)[1] if found else "it is malformed"  # (the word said first: what it is about)
 
 
 def expectation_failed() -> ApiError:

@@ -161,8 +161,12 @@ async def test_a_header_the_parser_refuses_is_neither_echoed_nor_logged(
     (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
      "appears more than once"),
     (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + SECRET.encode(), "HTTPS"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+     "the Transfer-Encoding header is malformed"),  # (it was "the Content-Length header is malformed")
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n",
+     "both a Content-Length and a Transfer-Encoding header"),
 ], ids=["not-http", "control-character-in-path", "bad-version", "request-line-over-8-KiB", "bad-content-length",
-        "bad-chunk-size", "no-host", "duplicate-content-length", "tls"])
+        "bad-chunk-size", "no-host", "duplicate-content-length", "tls", "transfer-encoding-gzip", "cl-and-te"])
 async def test_every_parser_fault_is_told_in_words_of_its_own_without_the_request(
         gateway: Gateway, caplog: pytest.LogCaptureFixture, raw: bytes, problem: str) -> None:
     caplog.set_level(logging.DEBUG)
