@@ -289,6 +289,17 @@ _SAY_INPUT = frozenset({"literal_error", "int_type", "int_parsing", "bool_type",
                         "dict_type", "float_type"})
 
 
+def _looks_like_a_number(value: Any) -> bool:
+    """Text that YAML 1.1 left as text though a person meant a number (`1e12`, `1.5e3`)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return "e" in value.lower()
+
+
 def _schema_errors(exc: ValidationError) -> list[str]:
     errors = []
     for err in exc.errors():
@@ -300,6 +311,8 @@ def _schema_errors(exc: ValidationError) -> list[str]:
             msg = "unknown field"
         elif err["type"] in _SAY_INPUT:
             msg = f"{msg}, got {shown(err['input'])}"
+            if err["type"] in ("int_parsing", "int_type") and _looks_like_a_number(err["input"]):
+                msg += " (YAML reads that as text, not a number: write the number out in digits)"
         errors.append(f"{format_path(loc)}: {msg}")
     return errors
 

@@ -655,6 +655,9 @@ def test_a_runtime_timing_fault_is_reported_with_the_faults_of_other_sections() 
      "nodes[1].providers[1].category: Input should be 'api', 'cli' or 'local_inference', got false"),
     (lambda data: data["models"][0]["providers"].update({None: "x"}),
      "models[0].providers.null: provider null is not defined by any node"),
+    (set_at("nodes", 0, "providers", 0, "capacity", value="1e3"),  # (YAML 1.1 reads 1e3 as text)
+     "nodes[0].providers[0].capacity: Input should be a valid integer, got '1e3' (YAML reads that as text, not a "
+     "number: write the number out in digits)"),
 ])
 def test_messages_show_values_as_yaml_writes_them_not_as_python_does(mutation: Mutation, expected: str) -> None:
     data = good()
