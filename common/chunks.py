@@ -35,6 +35,14 @@ def finishes(chunk: Any) -> bool:
         isinstance(c, dict) and c.get("finish_reason") for c in chunk.get("choices") or ())
 
 
+def choice_indices(chunk: Any) -> list[int]:
+    """The `index` of each choice of the chunk (its place in the list when it has no integer one)."""
+    if not isinstance(chunk, dict):
+        return []
+    return [c["index"] if type(c.get("index")) is int else i for i, c in enumerate(chunk.get("choices") or ())
+            if isinstance(c, dict)]
+
+
 def finished_choices(chunk: Any) -> list[int]:
     """The `index` of each choice of the chunk that ends with a `finish_reason` (its place in the
     list when it has no integer one)."""

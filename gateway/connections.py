@@ -182,7 +182,9 @@ class GuardedHandler(web.RequestHandler):
         aiohttp's lingering time (10 s), then the connection closes. Closing at once, with the body
         unread in the socket, sends a reset, which can reach the client before the answer: it would
         see a broken connection (and retry) instead of the 413. (`_in_request` stays set: no head
-        deadline runs on the dropped bytes.)"""
+        deadline runs on the dropped bytes: a refused `Expect` is answered before `request_started`.)"""
+        self._cancel_head_timer()
+        self._in_request = True
         self.close()  # no next request on it; aiohttp lingers on the unread body, then closes
         transport = self.transport
         if transport is not None and not transport.is_closing() and transport.can_write_eof():

@@ -225,6 +225,7 @@ class EventHub:
         #: the last inbox entry the listener handed out, and trimmed the inbox up to (`_trim`)
         self.heard_to = self.trimmed_to = "0-0"
         self.trimmed_at = 0.0
+        self.trim_refused = False
 
     # ------------------------------------------------------------------ callers
     def follow(self, run_id: str, last_id: str = "0", *, watch: bool = False, fresh: bool = False) -> Following:
@@ -329,6 +330,10 @@ class EventHub:
                 log.warning("gateway inbox: Redis unavailable (%s); retrying", exc)
                 resync = True  # whatever came meanwhile is read from each run's stream
                 await backoff.pause()
+            except Exception:  # a bug must not end the one reader every caller waits on
+                log.exception("gateway inbox: the listener failed; it reads every followed run again")
+                resync = True
+                await backoff.pause()
 
     async def _read_inbox(self, last: str) -> StreamEntries:
         """The inbox's entries after `last`, waiting up to LISTEN_BLOCK_MS for one."""
@@ -369,7 +374,9 @@ class EventHub:
             else:  # (the listener's own connection: free between its reads)
                 await self.listen_line.execute("XTRIM", self.inbox, "MINID", "~", self.heard_to)
         except ResponseError as exc:  # (housekeeping: the listener goes on; the inbox's MAXLEN still bounds it)
-            log.warning("gateway inbox: could not trim %s: %s", self.inbox, exc)
+            if not self.trim_refused:
+                log.warning("gateway inbox: could not trim %s (%s); it is bounded by its length only", self.inbox, exc)
+            self.trim_refused = True
 
     async def _check_quiet(self) -> None:
         now = time.monotonic()
@@ -388,8 +395,8 @@ class EventHub:
         """Read the runs' new events from their own streams (one pipeline) and hand them out (to
         `only`, or to every follower of each run), a page after another until the end of each
         run's stream or until every follower it is read for is `behind`."""
-        run_ids = [r for r in run_ids if r in self.followers]
-        while run_ids:
+        queued: Queued = []
+        while run_ids := [r for r in run_ids if r in self.followers]:  # (those that still have followers)
             starts = {r: min(f.last for f in ([only] if only else self.followers[r])) for r in run_ids}
             pipe = self.redis.pipeline(transaction=False)
             for run_id in run_ids:
@@ -398,7 +405,6 @@ class EventHub:
                     pipe.hmget(keys.run_record(run_id), "state", "model", "entry")
             replies = iter(await pipe.execute())
             more = []
-            queued: Queued = []
             for run_id in run_ids:
                 entries = next(replies)
                 state, model, entry = next(replies) if check_lost else (b"", None, None)
@@ -418,6 +424,6 @@ class EventHub:
                                                             "(a restart without persistence, or a failover)")
                     for f in followers:
                         f.give(Event("lost", EventType.FAILED.value, info.to_wire()))
-            if queued and self.queued is not None:
-                await self.queued(queued)
             run_ids = more
+        if queued and self.queued is not None:
+            await self.queued(queued)

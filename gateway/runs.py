@@ -188,18 +188,22 @@ class RunClient:
     async def stuck(self, queued: Queued) -> None:
         """Followed runs found still waiting in their queue (`EventHub`'s quiet check). A
         scheduler ends a run that waited its `queue_timeout_ms`; one still queued well past that
-        (`STUCK_GRACE_MS`) has none: no scheduler runs, or none has its model in its config. The
-        gateway ends it with `queue_timeout` itself, saying so, rather than keep its caller
-        waiting out the whole follow deadline (minutes)."""
+        (`STUCK_GRACE_MS`), and that no live scheduler replica holds, has none: no scheduler runs,
+        or none has its model in its config. The gateway ends it with `queue_timeout` itself,
+        saying so, rather than keep its caller waiting out the whole follow deadline (minutes).
+        (A run a live replica holds is that replica's to end, by its own config's timeout.)"""
         now = now_ms()
         grace_ms = STUCK_GRACE_MS + 2 * self.config.runtime.scheduler_liveness_ms
-        late: dict[tuple[str, int], list[str]] = {}  # (model id, its queue timeout) -> run ids
+        late: dict[tuple[str, int], list[tuple[str, str]]] = {}  # (model id, queue timeout) -> (run id, entry)
         for run_id, model_id, entry in queued:
             model = self.config.model(model_id)
             timeout_ms = self.config.queue_for(model).queue_timeout_ms if model is not None else 0
             if model is not None and now - entry_key(entry)[0] > timeout_ms + grace_ms:
-                late.setdefault((model.id, timeout_ms), []).append(run_id)
-        for (model_id, timeout_ms), run_ids in late.items():
+                late.setdefault((model.id, timeout_ms), []).append((run_id, entry))
+        for (model_id, timeout_ms), waiting in late.items():
+            run_ids = await self._unheld(model_id, waiting)
+            if not run_ids:
+                continue
             info = ErrorInfo(ErrorCode.QUEUE_TIMEOUT,
                              f"no scheduler took the run within its queue_timeout_ms ({timeout_ms} ms): is a "
                              f"scheduler running, with model {model_id!r} in its config?")
@@ -211,3 +215,18 @@ class RunClient:
                 log.warning("%d runs of model %s were still queued %d ms past their queue_timeout_ms: no scheduler "
                             "took them (is one running, with this model in its config?); ended them with "
                             "queue_timeout", ended, model_id, grace_ms, extra={"model": model_id})
+
+    async def _unheld(self, model_id: str, waiting: list[tuple[str, str]]) -> list[str]:
+        """The runs (of (run id, its queue entry)) that no live scheduler replica holds: no replica
+        read their entry, or the one that did is gone (its liveness key expired)."""
+        stream = keys.runs_stream(model_id)
+        pipe = self.redis.pipeline(transaction=False)
+        for _, entry in waiting:
+            pipe.xpending_range(stream, keys.SCHEDULER_GROUP, min=entry, max=entry, count=1)
+        pending = await pipe.execute(raise_on_error=False)  # (no group yet: no scheduler ever read it)
+        holders = [p[0]["consumer"] if isinstance(p, list) and p else None for p in pending]
+        alive: dict[bytes, bool] = {}
+        for holder in {h for h in holders if h is not None}:
+            alive[holder] = bool(await self.redis.exists(keys.scheduler_alive(holder.decode())))
+        return [run_id for (run_id, _), holder in zip(waiting, holders, strict=True)
+                if holder is None or not alive[holder]]

@@ -51,8 +51,8 @@ ROUND_WAIT_S = 0.1
 #: the most providers of theirs in all (the call carries 8 keys and 3 arguments of each).
 PENDING_MODELS = 16
 PENDING_CANDIDATES = 64
-#: A run timed out this long past its deadline (plus `scheduler_liveness_ms`, the time a dead
-#: replica's runs take to reach another) was read only then: no scheduler was up to dispatch it,
+#: A run timed out this long past its deadline (plus twice `scheduler_liveness_ms`: a dead
+#: replica's runs reach another within 4/3 of it) was read only then: no scheduler was up to dispatch it,
 #: which its error says, rather than blame its providers' slots.
 LATE_MS = 2_000
 
@@ -464,7 +464,7 @@ class Scheduler:
         assert model is not None
         timeout = self.config.queue_for(model).queue_timeout_ms
         late_ms = now_ms() - w.deadline_ms
-        if late_ms > LATE_MS + self.config.runtime.scheduler_liveness_ms:  # (read long after: no scheduler was up)
+        if late_ms > LATE_MS + 2 * self.config.runtime.scheduler_liveness_ms:  # (read long after: none was up)
             message = (f"the run waited {timeout + late_ms} ms in the queue of model {model_id!r}, past its "
                        f"queue_timeout_ms ({timeout} ms): no scheduler was running to dispatch it")
         else:

@@ -555,23 +555,30 @@ async def test_a_stream_whose_choices_all_finished_is_whole_though_no_done_comes
     await until(left, 5, "the adapter to close the connection")
 
 
+@pytest.mark.parametrize(("n", "seen_first"), [(2, False), (2.0, False), ("2", False), (None, True)])
 async def test_a_stream_of_two_choices_waits_for_both_to_finish(raw: Raw, session: aiohttp.ClientSession,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                monkeypatch: pytest.MonkeyPatch, n: Any,
+                                                                seen_first: bool) -> None:
+    """The grace after the finish_reason starts once every choice asked for (`n`, as a server reads
+    it: 2, 2.0 or "2") and every choice seen has finished; not when the first one has."""
     monkeypatch.setattr("workers.adapters.openai_compat.FINISHED_GRACE_S", 0.05)
 
     def choice(index: int, text: str, finish: str | None = None) -> bytes:
         return sse({"choices": [{"index": index, "delta": {"content": text}, "finish_reason": finish}]})
 
-    first = chunked([choice(0, "a", "stop")], end=False)
+    first = [choice(1, "b"), choice(0, "a", "stop")] if seen_first else [choice(0, "a", "stop"), choice(1, "b")]
+    opening = chunked(first, end=False)
 
     async def slow_second_choice(request: Request, writer: asyncio.StreamWriter) -> None:
-        await first(request, writer)
+        await opening(request, writer)
         await asyncio.sleep(0.5)  # (the model's time for the other choice: ten times the grace)
-        for part in (choice(1, "b"), choice(1, "c", "stop")):
-            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+        part = choice(1, "c", "stop")
+        writer.write(b"%x\r\n%s\r\n" % (len(part), part))
 
     raw.answers["/v1/chat/completions"] = slow_second_choice
     raw.hold = True
     adapter = OpenAICompatAdapter(openai(raw.url, read_timeout_ms=60_000), session)
-    chunks = await asyncio.wait_for(collect(adapter.stream(RunKind.CHAT, chat(stream=True, n=2), "run_1")), 30)
-    assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["a", "b", "c"]
+    body = chat(stream=True, **({} if n is None else {"n": n}))
+    chunks = await asyncio.wait_for(collect(adapter.stream(RunKind.CHAT, body, "run_1")), 30)
+    texts = sorted(c["choices"][0]["delta"]["content"] for c in chunks)
+    assert texts == ["a", "b", "c"]

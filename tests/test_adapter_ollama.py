@@ -268,3 +268,6 @@ def test_fields_of_the_wrong_type_in_an_answer_never_reach_the_caller_as_python_
         for encoding in ("float", "base64"):
             with pytest.raises(ValueError, match="not a list of numbers"):
                 wire.embeddings_response({"model": "m", "encoding_format": encoding}, {"embeddings": vectors})
+    for vector in ([1e39], [10**40]):  # (OverflowError and struct.error escaped the adapter)
+        with pytest.raises(ValueError, match="beyond 32-bit floats"):
+            wire.embeddings_response({"model": "m", "encoding_format": "base64"}, {"embeddings": [vector]})

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import event_fields, pack
 from common.scripts import Scripts
-from gateway.events import HELD_BYTES, Event, EventHub, Follower
+from gateway.events import HELD_BYTES, READ_COUNT, Event, EventHub, Follower
 from tests.conftest import async_wait_until
 
 
@@ -235,3 +235,25 @@ async def test_the_listener_trims_from_its_inbox_what_it_handed_out(redis: Redis
             assert await redis.xlen(keys.run_events(run_id)) == 500
     finally:
         await hub.close()
+
+
+async def test_followers_leaving_while_queued_runs_are_handed_over_do_not_end_the_read(redis: Redis) -> None:
+    """`_read_runs` awaits the hub's `queued` callback (the gateway's stuck-run check): a run whose
+    followers all left meanwhile is not read on (it raised KeyError, which would have ended the
+    listener every caller waits on; found by a review)."""
+    told: list[list[tuple[str, str, str]]] = []
+
+    async def queued(runs: list[tuple[str, str, str]]) -> None:
+        await asyncio.sleep(0)
+        hub._leave(paged)
+        told.append(runs)
+
+    hub = EventHub(redis, queued=queued)
+    await redis.hset(keys.run_record("run_q"), mapping={"state": "queued", "model": "m", "entry": "1-0"})
+    await redis.hset(keys.run_record("run_p"), mapping={"state": "running"})
+    for n in range(3 * READ_COUNT):
+        await redis.xadd(keys.run_events("run_p"), event_fields("delta", {"n": n}))
+    waiting, paged = Follower("run_q", "0", hub=hub), Follower("run_p", "0", hub=hub)
+    hub.followers = {"run_q": [waiting], "run_p": [paged]}
+    await hub._read_runs(["run_q", "run_p"], check_lost=True)
+    assert told == [[("run_q", "m", "1-0")]]

@@ -193,6 +193,26 @@ def test_a_request_head_sent_slowly_gets_408_and_the_connection_closes(
     assert metric(gw, "iop_gateway_connections_closed_total", reason="head_timeout") == 1
 
 
+def test_a_refused_expect_then_an_open_connection_is_no_late_head(stack: Stack, gateways: list[Gateway]) -> None:
+    """An `Expect` refused (413) is answered before the request counts as begun; while the gateway
+    then drops what the client still sends, no head deadline may fire on it (it wrote a 408 after
+    the end it had sent, logged a RuntimeError traceback and counted a head timeout; found by a
+    review)."""
+    gw = start(stack, gateways, header_timeout_ms=300)
+    sock = gw.connect()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 999999999999\r\nExpect: 100-continue\r\n\r\n")
+    assert read_response(sock).status == 413
+    assert closed_by_peer(sock)  # its end at once; what the client sends is dropped until the lingering ends
+    deadline = time.monotonic() + DEADLINE_S
+    with pytest.raises(OSError):  # (BrokenPipe or reset: the gateway closed, 10 s on, its head timer long past)
+        while time.monotonic() < deadline:
+            sock.sendall(b"x" * 1024)
+            select.select([], [], [], 0.05)  # (a pace for the bytes, not a wait for the close)
+    assert metric(gw, "iop_gateway_connections_closed_total", reason="head_timeout") == 0
+    assert "Traceback" not in gw.proc.output(200) and "RuntimeError" not in gw.proc.output(200)
+
+
 def test_a_request_body_sent_slowly_gets_408_and_nothing_is_queued(
         stack: Stack, gateways: list[Gateway], redis_url: str) -> None:
     gw = start(stack, gateways, body_timeout_ms=300)

@@ -320,3 +320,36 @@ async def test_a_run_no_scheduler_takes_ends_with_queue_timeout_from_the_gateway
         record = await api.redis.hgetall(keys.run_record(run_id))
         assert record[b"state"] == b"timed_out" and b"entry" not in record
         assert await api.redis.xlen(keys.runs_stream(MODEL)) == 0
+
+
+async def test_a_run_a_live_scheduler_holds_is_left_to_it(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its queue timeout by the gateway's config, a run that a live scheduler replica holds
+    (its config may give it longer) is that replica's to end; once the replica is gone, the
+    gateway ends it (found by a review: a gateway with a shorter timeout ended a live scheduler's runs)."""
+    monkeypatch.setattr("gateway.events.QUIET_CHECK_S", 0.05)
+    monkeypatch.setattr("gateway.runs.STUCK_GRACE_MS", 0)
+    checks: list[list[str]] = []
+    unheld = RunClient._unheld
+
+    async def counted(self: RunClient, model_id: str, waiting: list[tuple[str, str]]) -> list[str]:
+        found = await unheld(self, model_id, waiting)
+        checks.append(found)
+        return found
+
+    monkeypatch.setattr(RunClient, "_unheld", counted)
+    config = parse_config({**make_config().model_dump(mode="json", exclude_unset=True),
+                           "runtime": {"scheduler_liveness_ms": 50}})
+    async with api_for(config, redis_url) as api:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        call = asyncio.create_task(api.session.post(api.url("/v1/chat/completions"), json=body))
+        stream = keys.runs_stream(MODEL)
+        await async_wait_until(lambda: api.redis.xlen(stream), what="the run queued")
+        await api.redis.xgroup_create(stream, keys.SCHEDULER_GROUP, id="0", mkstream=True)
+        await api.redis.xreadgroup(keys.SCHEDULER_GROUP, "replica-1", {stream: ">"})  # a replica holds it
+        await api.redis.set(keys.scheduler_alive("replica-1"), 1)
+        await async_wait_until(lambda: asyncio.sleep(0, len(checks) >= 3), what="three stuck checks")
+        assert checks[:3] == [[], [], []] and not call.done()
+        assert await api.redis.xlen(stream) == 1
+        await api.redis.delete(keys.scheduler_alive("replica-1"))  # the replica died
+        async with await asyncio.wait_for(call, 15) as resp:
+            assert resp.status == 504 and (await resp.json())["error"]["code"] == "queue_timeout"

@@ -230,7 +230,7 @@ async def test_a_run_read_long_after_its_queue_timeout_says_no_scheduler_was_the
     sched = Scheduler(redis, config)
     await sched.ensure_groups()
     await sched.read_new(block_ms=10)
-    late = 2_000 + config.runtime.scheduler_liveness_ms + 500
+    late = 2_000 + 2 * config.runtime.scheduler_liveness_ms + 500
     sched.waiting[MODEL][0].deadline_ms = now_ms() - late  # the clock moved on while no scheduler ran
     await sched.expire_overdue()
     events = [e async for e in client.events(run_id)]

@@ -250,7 +250,10 @@ def _encode(vector: Any, encoding_format: Any) -> list[float] | str:
     if not isinstance(vector, list) or not all(type(x) is float or type(x) is int for x in vector):
         raise ValueError("the answer of /api/embed has an embedding that is not a list of numbers")
     if encoding_format == "base64":
-        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        try:
+            return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        except (OverflowError, struct.error):  # beyond what a 32-bit float holds
+            raise ValueError("the answer of /api/embed has an embedding beyond 32-bit floats") from None
     return vector
 
 

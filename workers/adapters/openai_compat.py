@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from common import jsonio
-from common.chunks import choices_usable, finished_choices
+from common.chunks import choice_indices, choices_usable, finished_choices
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
@@ -100,6 +100,19 @@ def health_url(provider: ProviderConfig) -> str | None:
     if provider.type in HAS_HEALTH:
         return api_root(provider.base_url, provider.type, provider.api_path) + "/health"
     return None
+
+
+def choices_asked(n: Any) -> int:
+    """How many choices a request's `n` asks for, as a server reads it (`2`, `2.0` or `"2"`: 2);
+    1 when it says nothing a server would take."""
+    if isinstance(n, bool) or not isinstance(n, (int, float, str)):
+        return 1
+    try:
+        number = float(n)
+        asked = int(number)
+    except (ValueError, OverflowError):
+        return 1
+    return asked if asked == number and asked > 0 else 1
 
 
 def _error_detail(payload: Any) -> dict[str, Any] | None:
@@ -231,16 +244,16 @@ class OpenAICompatAdapter:
         model = body.get("model")
         parser = SSEParser(self.provider.id, self.limits, request_id, model if isinstance(model, str) else None)
         finished = False
-        #: the choices that came with a finish_reason: once all have (`n` of them), what may still
-        #: come is a usage chunk and [DONE], each within `FINISHED_GRACE_S`
-        n = body.get("n")
-        choices = n if type(n) is int and n > 0 else 1
+        #: the choices seen, and those that came with a finish_reason: once every one seen has, and
+        #: at least `n`, what may still come is a usage chunk and [DONE], each within `FINISHED_GRACE_S`
+        choices = choices_asked(body.get("n"))
+        seen: set[int] = set()
         ended: set[int] = set()
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp)
                 while True:
-                    if len(ended) < choices:
+                    if len(ended) < max(choices, len(seen)):
                         data = await resp.content.readany()
                     else:
                         try:
@@ -254,6 +267,7 @@ class OpenAICompatAdapter:
                     chunks = parser.feed(data)
                     if chunks:
                         for chunk in chunks:
+                            seen.update(choice_indices(chunk))
                             ended.update(finished_choices(chunk))
                         finished = finished or bool(ended)
                         yield chunks

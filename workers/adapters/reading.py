@@ -76,14 +76,15 @@ def parse_json(data: bytes, provider_id: str) -> Any:
 
 def deeper_than(value: Any, limit: int) -> bool:
     """Whether objects and arrays nest deeper than `limit` levels in `value` (itself level 1)."""
+    if type(value) is not dict and type(value) is not list:
+        return False
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if type(item) is not dict and type(item) is not list:
-            continue
         if depth > limit:
             return True
-        stack.extend((child, depth + 1) for child in (item.values() if type(item) is dict else item))
+        stack.extend((child, depth + 1) for child in (item.values() if type(item) is dict else item)
+                     if type(child) is dict or type(child) is list)  # (only what may nest: a leaf costs nothing)
     return False
 
 
