@@ -35,21 +35,13 @@ def finishes(chunk: Any) -> bool:
         isinstance(c, dict) and c.get("finish_reason") for c in chunk.get("choices") or ())
 
 
-def choice_indices(chunk: Any) -> list[int]:
-    """The `index` of each choice of the chunk (its place in the list when it has no integer one)."""
+def choice_indices(chunk: Any, finished: bool = False) -> list[int]:
+    """The `index` of each choice of the chunk (its place in the list when it has no integer one);
+    `finished`: of each that ends with a `finish_reason`."""
     if not isinstance(chunk, dict):
         return []
     return [c["index"] if type(c.get("index")) is int else i for i, c in enumerate(chunk.get("choices") or ())
-            if isinstance(c, dict)]
-
-
-def finished_choices(chunk: Any) -> list[int]:
-    """The `index` of each choice of the chunk that ends with a `finish_reason` (its place in the
-    list when it has no integer one)."""
-    if not isinstance(chunk, dict):
-        return []
-    return [c["index"] if type(c.get("index")) is int else i for i, c in enumerate(chunk.get("choices") or ())
-            if isinstance(c, dict) and c.get("finish_reason")]
+            if isinstance(c, dict) and (not finished or c.get("finish_reason"))]
 
 
 def is_preamble(chunk: Any) -> bool:

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from common import jsonio
-from common.chunks import choice_indices, choices_usable, finished_choices
+from common.chunks import choice_indices, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
@@ -268,7 +268,7 @@ class OpenAICompatAdapter:
                     if chunks:
                         for chunk in chunks:
                             seen.update(choice_indices(chunk))
-                            ended.update(finished_choices(chunk))
+                            ended.update(choice_indices(chunk, finished=True))
                         finished = finished or bool(ended)
                         yield chunks
                     if parser.done:
