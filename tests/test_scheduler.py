@@ -197,7 +197,8 @@ async def test_no_available_provider_is_refused_at_once(redis: Redis) -> None:
     assert await redis.keys("iop:run:*") == []
 
 
-async def test_queue_timeout_fails_the_run_and_leaves_the_queue(redis: Redis) -> None:
+async def waiting_without_a_slot(redis: Redis) -> tuple[Config, RunClient, Scheduler, str]:
+    """A run that a scheduler holds, waiting: its one provider's slot is taken (60 s queue timeout)."""
     config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000})
     await beat(redis, config)
     await redis.zadd(keys.leases("a"), {"busy": now_ms() + 60_000})
@@ -206,6 +207,11 @@ async def test_queue_timeout_fails_the_run_and_leaves_the_queue(redis: Redis) ->
     sched = Scheduler(redis, config)
     await sched.ensure_groups()
     await sched.read_new(block_ms=10)
+    return config, client, sched, run_id
+
+
+async def test_queue_timeout_fails_the_run_and_leaves_the_queue(redis: Redis) -> None:
+    _, client, sched, run_id = await waiting_without_a_slot(redis)
     assert sched.next_deadline_ms() is not None
     await sched.expire_overdue()  # not overdue yet: nothing happens
     assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
@@ -222,14 +228,7 @@ async def test_queue_timeout_fails_the_run_and_leaves_the_queue(redis: Redis) ->
 async def test_a_run_read_long_after_its_queue_timeout_says_no_scheduler_was_there(redis: Redis) -> None:
     """A run a scheduler reads long after its deadline (every scheduler was down meanwhile) did not
     wait for a slot: its error says what kept it."""
-    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000})
-    await beat(redis, config)
-    await redis.zadd(keys.leases("a"), {"busy": now_ms() + 60_000})
-    client = RunClient(redis, config)
-    (run_id,) = await submit(client, 1)
-    sched = Scheduler(redis, config)
-    await sched.ensure_groups()
-    await sched.read_new(block_ms=10)
+    config, client, sched, run_id = await waiting_without_a_slot(redis)
     late = 2_000 + 2 * config.runtime.scheduler_liveness_ms + 500
     sched.waiting[MODEL][0].deadline_ms = now_ms() - late  # the clock moved on while no scheduler ran
     await sched.expire_overdue()
