@@ -50,8 +50,9 @@ log = logging.getLogger("iop.gateway")
 
 #: How long the listener blocks on the inbox before it looks around.
 LISTEN_BLOCK_MS = 1_000
-#: Inbox entries read at once.
-LISTEN_COUNT = 1_024
+#: Inbox entries read at once (each may be a batch of a run's output: a reply of this many is held,
+#: and unpacked, at once).
+LISTEN_COUNT = 256
 #: Runs that heard nothing for this long are read again from their own stream, and their record
 #: checked (did Redis lose it?).
 QUIET_CHECK_S = 10.0
@@ -60,12 +61,15 @@ QUIET_CHECK_S = 10.0
 #: `INBOX_MAXLEN` last ones, which may be whole answers).
 TRIM_EVERY_S = 1.0
 #: Events read from one run's stream per read (more come in the next read at once, unless the
-#: caller is `behind`).
+#: caller is `behind`). One caller's read starts at `FIRST_COUNT` and doubles page by page: a
+#: slow reader that can take only a few large events does not have many read and unpacked.
 READ_COUNT = 64
-#: A caller's events held in the gateway for it, as stored (packed) bytes: past this the rest wait
-#: in the run's own stream until it has taken these. (The first held event is always taken, so a
-#: single larger one still gets through.)
-HELD_BYTES = 1 << 18
+FIRST_COUNT = 8
+#: A caller's events held in the gateway for it, as stored (packed) bytes, with those it is still
+#: writing: past this the rest wait in the run's own stream until it has taken these. (The first
+#: held event is always taken, so a single larger one still gets through.) Unpacked, they take
+#: about six times as much memory, and the SSE text written once more.
+HELD_BYTES = 1 << 16
 TERMINAL = (EventType.COMPLETED, EventType.FAILED)
 
 
@@ -91,7 +95,7 @@ class Follower:
     """One caller waiting for the events of one run, after `last_id`."""
 
     __slots__ = ("run_id", "last", "items", "waiter", "ended", "pending", "synced_at_start", "heard_at", "held",
-                 "behind", "hub")
+                 "writing", "behind", "hub")
 
     def __init__(self, run_id: str, last_id: str, *, fresh: bool = False, hub: EventHub | None = None) -> None:
         """`fresh`: the run does not exist yet, so there is nothing to read first. `hub`: where it
@@ -108,8 +112,10 @@ class Follower:
         #: fresh: there is nothing to read from the run's stream first
         self.synced_at_start = fresh
         self.heard_at = time.monotonic()
-        #: the size of `items` (`Event.size`)
+        #: the size of `items` (`Event.size`), and of what the caller took and is still writing
+        #: (`stream_response` sets it while its write waits for a slow reader)
         self.held = 0
+        self.writing = 0
         #: `items` reached `HELD_BYTES`: what comes after them is read from the run's stream, not
         #: taken from the listener, once they are taken
         self.behind = False
@@ -155,7 +161,8 @@ class Follower:
             key = entry_key(event.id)
             if key <= self.last:
                 return  # had it already
-            if self.behind or (self.items and self.held + event.size > HELD_BYTES and self.hub is not None):
+            if self.behind or ((self.items or self.writing) and self.held + self.writing + event.size > HELD_BYTES
+                               and self.hub is not None):
                 self.behind = True  # read from the run's stream once what is held is taken
                 return
             self.last = key
@@ -347,7 +354,7 @@ class EventHub:
     def _deliver(self, fields: dict[bytes, bytes]) -> None:
         run_id = fields.get(b"run", b"").decode()
         followers = self.followers.get(run_id)
-        if not followers:
+        if not followers or all(f.behind for f in followers):  # (those read it from the run's stream)
             return
         raw = fields.get(b"data")
         data = unpack(raw) if raw else {}
@@ -396,11 +403,12 @@ class EventHub:
         `only`, or to every follower of each run), a page after another until the end of each
         run's stream or until every follower it is read for is `behind`."""
         queued: Queued = []
+        count = FIRST_COUNT if only else READ_COUNT
         while run_ids := [r for r in run_ids if r in self.followers]:  # (those that still have followers)
             starts = {r: min(f.last for f in ([only] if only else self.followers[r])) for r in run_ids}
             pipe = self.redis.pipeline(transaction=False)
             for run_id in run_ids:
-                pipe.xrange(keys.run_events(run_id), _after(starts[run_id]), "+", count=READ_COUNT)
+                pipe.xrange(keys.run_events(run_id), _after(starts[run_id]), "+", count=count)
                 if check_lost:
                     pipe.hmget(keys.run_record(run_id), "state", "model", "entry")
             replies = iter(await pipe.execute())
@@ -416,7 +424,7 @@ class EventHub:
                     event = stored_event(entry_id, fields)
                     for f in followers:
                         f.give(event)
-                if len(entries) == READ_COUNT and not all(f.behind for f in followers):
+                if len(entries) == count and not all(f.behind for f in followers):
                     more.append(run_id)
                 elif not entries and not exists:
                     # Redis lost the run (a restart without persistence, or a failover): say so.
@@ -424,6 +432,6 @@ class EventHub:
                                                             "(a restart without persistence, or a failover)")
                     for f in followers:
                         f.give(Event("lost", EventType.FAILED.value, info.to_wire()))
-            run_ids = more
+            run_ids, count = more, min(2 * count, READ_COUNT)
         if queued and self.queued is not None:
             await self.queued(queued)

@@ -127,7 +127,9 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
             await out.keep_alive()
             continue
         parts: list[bytes] = []
-        for event in (first, *follower.take_ready()):
+        events = (first, *follower.take_ready())
+        follower.writing = sum(e.size for e in events)  # (held until written: a slow reader's write waits)
+        for event in events:
             if event.type == EventType.DELTA:
                 chunks = event.data.get("chunks", [])
                 parts.append(sse_chunks(chunks, model_id))
@@ -141,3 +143,5 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
                 return await out.end_with(ApiError.from_info(info), b"".join(parts))
         if parts:
             await out.write(b"".join(parts))
+        follower.writing = 0
+        del first, events, parts  # (not held while the next events are awaited)

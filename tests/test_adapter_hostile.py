@@ -582,3 +582,25 @@ async def test_a_stream_of_two_choices_waits_for_both_to_finish(raw: Raw, sessio
     chunks = await asyncio.wait_for(collect(adapter.stream(RunKind.CHAT, body, "run_1")), 30)
     texts = sorted(c["choices"][0]["delta"]["content"] for c in chunks)
     assert texts == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("ping", [b": ping\n\n", b'data: {"choices": []}\n\n'])
+async def test_the_grace_after_the_finish_is_not_kept_open_by_what_the_provider_sends_meanwhile(
+        raw: Raw, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, ping: bytes) -> None:
+    """(a ping every so often re-armed the grace: the run lasted as long as the provider kept
+    pinging; found by an audit)"""
+    monkeypatch.setattr("workers.adapters.openai_compat.FINISHED_GRACE_S", 0.3)
+    answer = chunked([sse(delta("a ")), sse(delta("b", "stop"))], end=False)
+
+    async def pinging(request: Request, writer: asyncio.StreamWriter) -> None:
+        await answer(request, writer)
+        for _ in range(600):  # (a minute of pings, unless the client leaves)
+            await asyncio.sleep(0.1)
+            writer.write(b"%x\r\n%s\r\n" % (len(ping), ping))
+            await writer.drain()
+
+    raw.answers["/v1/chat/completions"] = pinging
+    raw.hold = True
+    adapter = OpenAICompatAdapter(openai(raw.url, read_timeout_ms=60_000), session)
+    chunks = await asyncio.wait_for(collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1")), 30)
+    assert text_of(chunks) == "a b"

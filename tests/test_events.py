@@ -257,3 +257,15 @@ async def test_followers_leaving_while_queued_runs_are_handed_over_do_not_end_th
     hub.followers = {"run_q": [waiting], "run_p": [paged]}
     await hub._read_runs(["run_q", "run_p"], check_lost=True)
     assert told == [[("run_q", "m", "1-0")]]
+
+
+def test_what_a_caller_is_still_writing_counts_against_what_it_may_hold() -> None:
+    """A stream's caller took its events and waits for a slow reader to take their text: those
+    still count (they were 0 once taken, so a stalled caller held twice the bound; found by an audit)."""
+    follower = Follower("run_w", "0", fresh=True, hub=EventHub.__new__(EventHub))
+    follower.give(Event("1-0", "delta", {}, HELD_BYTES // 2))
+    taken = follower.take_ready()
+    follower.writing = sum(e.size for e in taken)
+    follower.give(Event("2-0", "delta", {}, HELD_BYTES // 4))
+    follower.give(Event("3-0", "delta", {}, HELD_BYTES // 2))  # past the bound with what is being written
+    assert [e.id for e in follower.items] == ["2-0"] and follower.behind

@@ -252,12 +252,19 @@ class OpenAICompatAdapter:
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp)
+                #: when the grace ends (loop time), from the moment every choice had finished: bytes the
+                #: provider sends meanwhile (a ping, an empty chunk) do not move it
+                grace_ends: float | None = None
                 while True:
-                    if len(ended) < max(choices, len(seen)):
+                    if len(ended) < max(choices, len(seen)):  # (a choice still runs: no grace yet, or again)
+                        grace_ends = None
+                    elif grace_ends is None:
+                        grace_ends = asyncio.get_running_loop().time() + FINISHED_GRACE_S
+                    if grace_ends is None:
                         data = await resp.content.readany()
                     else:
                         try:
-                            async with asyncio.timeout(FINISHED_GRACE_S):
+                            async with asyncio.timeout_at(grace_ends):
                                 data = await resp.content.readany()
                         except TimeoutError:  # whole, though the provider neither said [DONE] nor closed
                             resp.close()
