@@ -139,13 +139,18 @@ def redirect(status: str, location: str) -> Answer:
     return whole(status, b"", "text/plain", f"Location: {location}\r\n")
 
 
+def frame(part: bytes) -> bytes:
+    """One chunk of a chunked body."""
+    return b"%x\r\n%s\r\n" % (len(part), part)
+
+
 def chunked(parts: list[bytes], *, end: bool = True, content_type: str = "text/event-stream") -> Answer:
     """A chunked answer of `parts`; without `end` the last chunk never comes (the connection stays
     open for as long as the client keeps it)."""
     async def answer(request: Request, writer: asyncio.StreamWriter) -> None:
         writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\n{CHUNKED}".encode())
         for part in parts:
-            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            writer.write(frame(part))
             await writer.drain()
         if end:
             writer.write(b"0\r\n\r\n")
@@ -160,7 +165,7 @@ def endless(first: bytes, item: bytes, most: int = 256 * 1024 * 1024) -> Answer:
         block = first + item * (65536 // len(item))
         sent = 0
         while sent < most:
-            writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+            writer.write(frame(block))
             await writer.drain()
             sent += len(block)
             block = item * (65536 // len(item))
@@ -573,7 +578,7 @@ async def test_a_stream_of_two_choices_waits_for_both_to_finish(raw: Raw, sessio
         await opening(request, writer)
         await asyncio.sleep(0.5)  # (the model's time for the other choice: ten times the grace)
         part = choice(1, "c", "stop")
-        writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+        writer.write(frame(part))
 
     raw.answers["/v1/chat/completions"] = slow_second_choice
     raw.hold = True
@@ -596,7 +601,7 @@ async def test_the_grace_after_the_finish_is_not_kept_open_by_what_the_provider_
         await answer(request, writer)
         for _ in range(600):  # (a minute of pings, unless the client leaves)
             await asyncio.sleep(0.1)
-            writer.write(b"%x\r\n%s\r\n" % (len(ping), ping))
+            writer.write(frame(ping))
             await writer.drain()
 
     raw.answers["/v1/chat/completions"] = pinging

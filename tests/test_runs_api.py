@@ -298,16 +298,22 @@ async def test_a_last_event_id_past_a_running_runs_last_event_ends_the_stream_em
             assert [m.id for m in await read_all(resp)] == [later]
 
 
+def stuck_soon(monkeypatch: pytest.MonkeyPatch) -> Config:
+    """The config (and the gateway's constants) of a test of the stuck-run check: quiet runs looked
+    at every 50 ms, ended as soon as they are past their queue timeout (200 ms)."""
+    monkeypatch.setattr("gateway.events.QUIET_CHECK_S", 0.05)
+    monkeypatch.setattr("gateway.runs.STUCK_GRACE_MS", 0)
+    return parse_config({**make_config().model_dump(mode="json", exclude_unset=True),
+                         "runtime": {"scheduler_liveness_ms": 50}})
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_run_no_scheduler_takes_ends_with_queue_timeout_from_the_gateway(
         redis_url: str, monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
     """No scheduler runs (or none has the model in its config): the run would wait out its
     caller's follow deadline (minutes). Well past its queue timeout the gateway ends it itself,
     saying why, and takes it out of the queue."""
-    monkeypatch.setattr("gateway.events.QUIET_CHECK_S", 0.05)
-    monkeypatch.setattr("gateway.runs.STUCK_GRACE_MS", 0)
-    config = parse_config({**make_config().model_dump(mode="json", exclude_unset=True),
-                           "runtime": {"scheduler_liveness_ms": 50}})
+    config = stuck_soon(monkeypatch)
     async with api_for(config, redis_url) as api:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
         async with api.session.post(api.url("/v1/chat/completions"), json=body) as resp:
@@ -326,8 +332,7 @@ async def test_a_run_a_live_scheduler_holds_is_left_to_it(redis_url: str, monkey
     """Past its queue timeout by the gateway's config, a run that a live scheduler replica holds
     (its config may give it longer) is that replica's to end; once the replica is gone, the
     gateway ends it (found by a review: a gateway with a shorter timeout ended a live scheduler's runs)."""
-    monkeypatch.setattr("gateway.events.QUIET_CHECK_S", 0.05)
-    monkeypatch.setattr("gateway.runs.STUCK_GRACE_MS", 0)
+    config = stuck_soon(monkeypatch)
     checks: list[list[str]] = []
     unheld = RunClient._unheld
 
@@ -337,8 +342,6 @@ async def test_a_run_a_live_scheduler_holds_is_left_to_it(redis_url: str, monkey
         return found
 
     monkeypatch.setattr(RunClient, "_unheld", counted)
-    config = parse_config({**make_config().model_dump(mode="json", exclude_unset=True),
-                           "runtime": {"scheduler_liveness_ms": 50}})
     async with api_for(config, redis_url) as api:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         call = asyncio.create_task(api.session.post(api.url("/v1/chat/completions"), json=body))
