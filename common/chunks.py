@@ -31,8 +31,7 @@ def choices_usable(obj: dict[str, Any]) -> bool:
 
 def finishes(chunk: Any) -> bool:
     """A choice of the chunk ends with a `finish_reason`."""
-    return isinstance(chunk, dict) and any(
-        isinstance(c, dict) and c.get("finish_reason") for c in chunk.get("choices") or ())
+    return bool(choice_indices(chunk, finished=True))
 
 
 def choice_indices(chunk: Any, finished: bool = False) -> list[int]:
