@@ -225,8 +225,10 @@ class RunClient:
             pipe.xpending_range(stream, keys.SCHEDULER_GROUP, min=entry, max=entry, count=1)
         pending = await pipe.execute(raise_on_error=False)  # (no group yet: no scheduler ever read it)
         holders = [p[0]["consumer"] if isinstance(p, list) and p else None for p in pending]
-        alive: dict[bytes, bool] = {}
-        for holder in {h for h in holders if h is not None}:
-            alive[holder] = bool(await self.redis.exists(keys.scheduler_alive(holder.decode())))
+        named = sorted({h for h in holders if h is not None})
+        pipe = self.redis.pipeline(transaction=False)
+        for holder in named:
+            pipe.exists(keys.scheduler_alive(holder.decode()))
+        alive = dict(zip(named, await pipe.execute(), strict=True)) if named else {}
         return [run_id for (run_id, _), holder in zip(waiting, holders, strict=True)
                 if holder is None or not alive[holder]]
