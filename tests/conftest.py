@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 import yaml
 from hypothesis import settings
@@ -102,6 +103,7 @@ class Stack:
         self.tmp = tmp
         self.redis_url = redis_url
         self.procs: list[Proc] = []
+        self.clients: list[openai.OpenAI] = []
         self.config_path = tmp / "iop.yaml"
 
     def env(self) -> dict[str, str]:
@@ -137,7 +139,15 @@ class Stack:
         proc.wait_for_line(r"worker for queue \S+ started")
         return proc
 
+    def openai(self, gateway: str) -> openai.OpenAI:
+        """The official client for `gateway`, without retries; closed by `stop_all`."""
+        client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+        self.clients.append(client)
+        return client
+
     def stop_all(self) -> None:
+        for client in self.clients:
+            client.close()
         for proc in reversed(self.procs):
             proc.stop()
         for proc in self.procs:  # shown by pytest when a test fails

@@ -72,7 +72,7 @@ async def sim_stats(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 
 def test_openai_client_stream_and_non_stream(stack: Stack) -> None:
     gateway, urls = start_pool(stack, {"vllm-a": 2, "vllm-b": 2})
-    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    client = stack.openai(gateway)
 
     models = client.models.list()
     assert [m.id for m in models.data] == ["qwen3.6:35b"]
@@ -238,7 +238,7 @@ def test_every_service_runs_over_a_unix_socket(tmp_path: Any) -> None:
     stack = ServiceStack(Path(tmp_path), server.unix_url)
     try:
         gateway, _ = start_pool(stack, {"vllm-a": 2})
-        client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+        client = stack.openai(gateway)
         answer = client.chat.completions.create(model="qwen3.6:35b", messages=[{"role": "user", "content": "hi"}])
         assert answer.model == "qwen3.6:35b" and answer.choices[0].message.content
         chunks = list(client.chat.completions.create(model="qwen3.6:35b", stream=True,

@@ -52,7 +52,7 @@ def test_each_process_exposes_what_it_owns_and_counters_move(stack: Stack) -> No
     worker_proc.wait_for_line(r"worker for queue \S+ started")
     gateway = stack.gateway()
     wait_available(stack.redis_url, ["only"])
-    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    client = stack.openai(gateway)
 
     async def scenario() -> None:
         async with aiohttp.ClientSession() as session:

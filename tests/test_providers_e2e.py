@@ -191,7 +191,7 @@ def test_the_legacy_fixture_routes_every_model_as_before(
     gateway = stack.gateway()
     wait_available(stack.redis_url, list(targets))
 
-    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    client = stack.openai(gateway)
     assert sorted(m.id for m in client.models.list().data) == sorted(routes)
     for model_id in routes:
         reply = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
@@ -200,7 +200,6 @@ def test_the_legacy_fixture_routes_every_model_as_before(
     embedded = client.embeddings.create(model="llama3:8b", input=["one two", "three"])
     assert embedded.model == "llama3:8b" and [d.index for d in embedded.data] == [0, 1]
     assert embedded.data[0].embedding == [7.0, 0.5, -0.25, 1.0]
-    client.close()
 
     seen = {adapter: asyncio.run(sim_stats(urls[adapter]))["by_model"] for adapter in ("vllm-a", "hosted-c")}
     assert seen["vllm-a"] == {routes["qwen3.6:35b"][1]: 1, routes["llama3.3:70b"][1]: 1}

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 
 def test_a_finished_run_shows_where_it_ran_and_replays_its_events(stack: Stack) -> None:
     gateway, _ = start_pool(stack, {"vllm-a": 2})
-    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    client = stack.openai(gateway)
     raw = client.chat.completions.with_raw_response.create(
         model="qwen3.6:35b", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)

@@ -27,9 +27,9 @@ def tls_redis() -> Iterator[TlsRedis]:
 
 
 def ask(gateway: str) -> str:
-    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
-    chat = client.chat.completions.create(model="qwen3.6:35b", messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=2)
+    with openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0) as client:
+        chat = client.chat.completions.create(model="qwen3.6:35b", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2)
     return chat.choices[0].message.content or ""
 
 
