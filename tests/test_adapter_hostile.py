@@ -24,7 +24,7 @@ from tests.conftest import async_wait_until as until
 from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
-from workers.adapters.reading import MAX_DEPTH, parse_json
+from workers.adapters.reading import MAX_DEPTH, LineSplitter, parse_json
 from workers.service import provider_session
 
 SERVED = "m-served"
@@ -297,6 +297,29 @@ async def test_nothing_after_ollama_done_reaches_the_caller(together: bool, raw:
     chunks = await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
     assert text_of(chunks) == "ok" and "INJECTED" not in json.dumps(chunks)
     assert sum(1 for c in chunks if c["choices"][0]["finish_reason"]) == 1
+
+
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+async def test_a_stream_s_lines_may_end_in_lf_crlf_or_a_cr_alone(end: bytes, raw: Raw,
+                                                               session: aiohttp.ClientSession) -> None:
+    body = b"".join([sse(delta("a ")), b": ping\n\n", sse(delta("b", "stop")), sse(b"[DONE]")])
+    raw.answers["/v1/chat/completions"] = chunked([body.replace(b"\n", end)])
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    chunks = await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert text_of(chunks) == "a b"
+
+
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_lines_are_the_same_however_the_reads_cut_them(end: bytes) -> None:
+    """A CRLF cut between two reads is one line end, not two (an empty line would end an event)."""
+    text = end.join([b"data: 1", b"", b"data: 22", b"", b": c", b"data: 333", b"", b"partial"])
+    want = [b"data: 1", b"", b"data: 22", b"", b": c", b"data: 333", b""]
+    for size in (1, 2, 3, len(text)):
+        splitter = LineSplitter("p", ReadLimits())
+        got = [line for i in range(0, len(text), size) for line in splitter.feed(text[i:i + size])]
+        assert got == want, size
+    splitter = LineSplitter("p", ReadLimits())  # a CR that ends a read waits for the next one
+    assert list(splitter.feed(b"data: 1" + end)) == ([] if end == b"\r" else [b"data: 1"])
 
 
 # ---------------------------------------------------------------------------------- odd chunks

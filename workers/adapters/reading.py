@@ -144,8 +144,9 @@ def is_redirect(status: int) -> bool:
 class LineSplitter:
     """Splits a byte stream into lines; keeps a partial line between reads, up to a length.
 
-    `feed` returns the complete lines as an iterator that checks each line's length as it comes
-    to it: a reader that stops at an end marker is not failed by a line after it."""
+    A line ends with LF, CRLF or a CR alone, as in server-sent events. `feed` returns the complete
+    lines as an iterator that checks each line's length as it comes to it: a reader that stops at
+    an end marker is not failed by a line after it."""
 
     def __init__(self, provider_id: str, limits: ReadLimits) -> None:
         self.provider_id = provider_id
@@ -153,8 +154,10 @@ class LineSplitter:
         self._buf = b""
 
     def feed(self, data: bytes) -> Iterator[bytes]:
-        self._buf += data
-        *lines, self._buf = self._buf.split(b"\n")
+        buf = self._buf + data
+        if b"\r" in buf:
+            buf = lf_endings(buf)
+        *lines, self._buf = buf.split(b"\n")
         return self._checked(lines, len(self._buf) > self.limits.line_bytes)
 
     def _checked(self, lines: list[bytes], partial_too_long: bool) -> Iterator[bytes]:
@@ -164,6 +167,14 @@ class LineSplitter:
             yield line
         if partial_too_long:
             raise self.limits.too_large(self.provider_id, "a line", self.limits.line_bytes)
+
+
+def lf_endings(data: bytes) -> bytes:
+    """`data` with its CRLF and CR line ends made LF; a CR that ends it is kept, as the first
+    half of a CRLF whose LF the next read may bring."""
+    held = data.endswith(b"\r")
+    data = (data[:-1] if held else data).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    return data + b"\r" if held else data
 
 
 class NonObjects:
