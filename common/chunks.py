@@ -56,13 +56,48 @@ def wants_usage(body: dict[str, Any]) -> bool:
 
 
 def usage_in(chunks: list[Any]) -> dict[str, Any] | None:
-    """The last `usage` object the chunks carry, if any."""
+    """The last `usage` object the chunks carry, if any; each chunk's usage made what OpenAI's
+    schema allows (`fixed_usage`)."""
     found = None
     for chunk in chunks:
-        usage = chunk.get("usage") if isinstance(chunk, dict) else None
-        if isinstance(usage, dict):
-            found = usage
+        if isinstance(chunk, dict) and chunk.get("usage") is not None:
+            found = fixed_usage(chunk) or found
     return found
+
+
+def fixed_usage(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The `usage` of an answer or chunk as OpenAI's schema has it, changed in place, for the
+    caller's client: a count that is not a whole number of at least 0 becomes 0 (`total_tokens`:
+    the sum of the other two), in its `*_details` objects too; a `*_details` that is not an
+    object goes; a usage that is not an object goes (None)."""
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        obj.pop("usage", None)
+        return None
+    for name, value in list(usage.items()):
+        if name.endswith("_details"):
+            if isinstance(value, dict):
+                for inner, n in value.items():
+                    if not _is_count(n):
+                        value[inner] = _count(n)
+            elif value is not None:
+                del usage[name]
+        elif name in USAGE_COUNTS and not _is_count(value):
+            usage[name] = sum(token_counts(usage)) if name == "total_tokens" else _count(value)
+    return usage
+
+
+#: the counts of a usage object
+USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _count(value: Any) -> int:
+    """A count given as a whole float (`3.0`) as the integer; anything else 0."""
+    return int(value) if type(value) is float and value.is_integer() and 0 <= value < 2 ** 63 else 0
 
 
 def without_usage(chunks: list[Any]) -> list[Any]:

@@ -471,6 +471,20 @@ async def test_a_non_stream_run_s_answer_is_its_output(redis: Redis) -> None:
     assert await fields(redis, keys.run_record(run_id), "state", "output") == ["completed", "1"]
 
 
+class WrongUsage(Scripted):
+    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        return {"object": "chat.completion", "choices": [],
+                "usage": {"prompt_tokens": "3", "completion_tokens": 2, "total_tokens": -5}}
+
+
+async def test_a_non_stream_answer_s_usage_of_the_wrong_type_reaches_the_caller_as_numbers(redis: Redis) -> None:
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    runner = Runner(redis, sched.config, "n-a", {"a": WrongUsage([])})
+    assert (await runner.execute(run_id)).startswith("completed")
+    ((_, data),) = [e for e in await events(redis, run_id) if e[0] == "completed"]
+    assert data["response"]["usage"] == {"prompt_tokens": 0, "completion_tokens": 2, "total_tokens": 2}
+
+
 async def test_an_attempt_that_fails_after_its_run_went_on_without_it_does_not_say_requeued(
         redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
     """A worker paused past its lease (SIGSTOP) ends its attempt after the run was reaped and tried

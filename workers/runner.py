@@ -22,7 +22,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys
-from common.chunks import token_counts, usage_in, wants_usage, without_usage
+from common.chunks import fixed_usage, token_counts, usage_in, wants_usage, without_usage
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
 from common.redisconn import REDIS_DOWN, Backoff, now_ms
@@ -236,7 +236,7 @@ class Runner:
                     return await self._stream(att, adapter, kind, body)
                 response = await adapter.complete(kind, body, att.run_id)
                 return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {"response": response},
-                                          evidence=ALIVE, usage=token_counts(response.get("usage")))
+                                          evidence=ALIVE, usage=token_counts(fixed_usage(response)))
         except ProviderError as exc:
             info = ErrorInfo(exc.code, exc.message, status=exc.status, detail=exc.detail,
                              before_output=not att.output)

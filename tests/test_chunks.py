@@ -1,0 +1,48 @@
+"""What a provider's chunks and answers carry, made what a caller's client can take: the usage
+counts of a provider that sends them of the wrong type."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from common.chunks import fixed_usage, token_counts, usage_in
+
+
+def counts(prompt: Any, completion: Any, total: Any) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
+
+
+@pytest.mark.parametrize(("usage", "fixed"), [
+    (counts(3, 2, 5), counts(3, 2, 5)),
+    (counts("3", -1, None), counts(0, 0, 0)),
+    (counts(3.0, True, "x"), counts(3, 0, 3)),
+    ({"prompt_tokens": 4, "total_tokens": 4}, {"prompt_tokens": 4, "total_tokens": 4}),  # embeddings: no completion
+    (counts(1e300, float("nan"), [1]), counts(0, 0, 0)),
+    ({**counts(2, 1, 3), "prompt_tokens_details": {"cached_tokens": "many", "audio_tokens": 0},
+      "completion_tokens_details": "lots", "other_details": None, "extra": "kept"},
+     {**counts(2, 1, 3), "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0}, "other_details": None,
+      "extra": "kept"}),
+], ids=["well-formed", "wrong-types", "whole-float-and-bool", "no-completion", "huge-nan-list", "details"])
+def test_usage_counts_are_whole_numbers_of_at_least_zero(usage: dict[str, Any], fixed: dict[str, Any]) -> None:
+    answer = {"object": "chat.completion", "usage": usage}
+    assert fixed_usage(answer) == fixed and answer["usage"] == fixed
+
+
+@pytest.mark.parametrize("usage", ["12 tokens", 5, [1, 2]])
+def test_a_usage_that_is_not_an_object_goes(usage: Any) -> None:
+    answer = {"object": "chat.completion", "usage": usage}
+    assert fixed_usage(answer) is None and "usage" not in answer
+    assert fixed_usage({"object": "chat.completion"}) is None
+
+
+def test_usage_in_a_stream_is_fixed_in_every_chunk_and_the_last_one_counts() -> None:
+    chunks: list[Any] = [{"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": "1", "total_tokens": 2}},
+                         {"choices": [], "usage": None}, "not a chunk",
+                         {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7.0}},
+                         {"choices": [], "usage": "later"}]
+    usage = usage_in(chunks)
+    assert usage == {"prompt_tokens": 5, "completion_tokens": 7} and token_counts(usage) == (5, 7)
+    assert chunks[0]["usage"] == {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 2}
+    assert chunks[1] == {"choices": [], "usage": None} and chunks[4] == {"choices": []}
