@@ -22,6 +22,7 @@ from common.wire import RunKind
 from gateway.responses import sse_chunks, with_model
 from tests.conftest import async_wait_until as until
 from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
+from workers.adapters.failures import body_text
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
 from workers.adapters.reading import MAX_DEPTH, LineSplitter, parse_json
@@ -366,6 +367,25 @@ async def test_an_answer_whose_choices_are_not_a_list_of_objects_is_a_provider_e
         await adapter.complete(RunKind.CHAT, chat(), "run_1")
     assert err.value.message == "provider vllm-h answered with choices that are not a list of objects"
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
+
+
+BINARY = bytes(range(256)) * 4  # not UTF-8 (0x80 alone)
+CONTROLS = b"\x01\x02\x00\x03gz" * 50  # UTF-8, but control characters
+
+
+@pytest.mark.parametrize("body", [BINARY, CONTROLS], ids=["not-utf8", "controls"])
+async def test_a_binary_error_body_is_named_not_shown(body: bytes, raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/v1/chat/completions"] = whole("500 Internal Server Error", body, "application/octet-stream")
+    raw.answers["/api/chat"] = whole("500 Internal Server Error", body, "application/octet-stream")
+    for adapter in (OpenAICompatAdapter(openai(raw.url), session), OllamaAdapter(ollama(raw.url), session)):
+        with pytest.raises(ProviderError) as err:
+            await adapter.complete(RunKind.CHAT, chat(), "run_1")
+        assert err.value.message.endswith("answered 500: a body that is not text"), err.value.message
+
+
+def test_an_error_body_cut_inside_a_character_is_still_text() -> None:
+    assert body_text("model “x”".encode()[:-1]) == "model “x"  # (the read stopped inside ”)
+    assert body_text("fehlgeschlagen: Modell nicht gefunden\n".encode()) == "fehlgeschlagen: Modell nicht gefunden\n"
 
 
 async def test_ollama_lines_that_are_not_objects_are_dropped_with_one_warning(

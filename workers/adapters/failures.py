@@ -9,6 +9,7 @@ health (`strikes`, see `workers.health`) and whether another attempt could help 
 from __future__ import annotations
 
 import base64
+import codecs
 import contextlib
 import errno
 import os
@@ -38,6 +39,23 @@ def one_line(text: str, limit: int = MAX_ERROR_TEXT, *, tail: bool = False) -> s
     if len(flat) <= limit:
         return flat
     return "…" + flat[1 - limit:].lstrip() if tail else flat[: limit - 1].rstrip() + "…"
+
+
+#: What an error answer whose body is binary data says, in place of its mojibake.
+NOT_TEXT = "a body that is not text"
+
+
+def body_text(data: bytes) -> str:
+    """An error answer's body as text; `NOT_TEXT` for one that is not UTF-8, or is more than a
+    tenth control characters (binary data). A character cut off at the end of what was read is
+    left out, not taken for binary."""
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(data)
+    except UnicodeDecodeError:
+        return NOT_TEXT
+    if sum(map(len, _UNPRINTABLE.findall(text))) * 10 > len(text):
+        return NOT_TEXT
+    return text
 
 
 REDACTED = "[redacted]"

@@ -21,6 +21,7 @@ from workers.adapters import ollama_wire as wire
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import (
     answered_error,
+    body_text,
     one_line,
     probe_failure,
     redacted,
@@ -104,7 +105,7 @@ class NDJSONParser:
 
 
 async def _error_text(resp: aiohttp.ClientResponse) -> str:
-    return (await resp.content.read(MAX_ERROR_BODY)).decode(errors="replace")
+    return body_text(await resp.content.read(MAX_ERROR_BODY))
 
 
 class OllamaAdapter:

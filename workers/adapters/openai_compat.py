@@ -37,6 +37,7 @@ from common.wire import RunKind, upstream_request_id
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import (
     answered_error,
+    body_text,
     one_line,
     probe_failure,
     redact,
@@ -203,7 +204,7 @@ class OpenAICompatAdapter:
             raise redirect_error(self.provider.id, resp)
         if resp.status < 400:
             return
-        text = (await resp.content.read(MAX_ERROR_BODY)).decode(errors="replace")
+        text = body_text(await resp.content.read(MAX_ERROR_BODY))
         try:  # (its object is passed on to the caller: no deeper than any answer)
             detail = _error_detail(parse_json(text.encode(), self.provider.id))
         except (ValueError, ProviderError):
