@@ -110,6 +110,11 @@ class ToolRun:
         self._tasks: list[asyncio.Task[None]] = []
         self._stderr = bytearray()
 
+    @property
+    def name(self) -> str:
+        """The tool as error texts name it: its file name, not where it lives on the node."""
+        return os.path.basename(self.argv[0])
+
     async def __aenter__(self) -> ToolRun:
         loop = asyncio.get_running_loop()
         try:
@@ -118,7 +123,7 @@ class ToolRun:
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self.env,
                 start_new_session=True)
         except OSError as exc:
-            raise ProviderError(f"provider {self.provider.id} could not start {self.argv[0]}: "
+            raise ProviderError(f"provider {self.provider.id} could not start {self.name}: "
                                 f"{(exc.strerror or 'unknown error').lower()}", retry=Retry.ANY, strikes=DOWN) from None
         self.proc = asyncio.subprocess.Process(self._transport, self._protocol, loop)
         self._tasks = [asyncio.create_task(self._feed()), asyncio.create_task(self._collect_stderr())]
@@ -209,7 +214,7 @@ class ToolRun:
             async with asyncio.timeout(self.provider.read_timeout_ms / 1000):
                 await self._exited.wait()
         except TimeoutError:
-            raise ProviderError(f"provider {self.provider.id}: {self.argv[0]} closed its output but did not "
+            raise ProviderError(f"provider {self.provider.id}: {self.name} closed its output but did not "
                                 f"exit within {self.provider.read_timeout_ms} ms", strikes=0) from None
         # the rest of stderr, within `DRAIN_S` of the exit: a child left behind may hold it open
         assert self._protocol is not None
@@ -221,7 +226,7 @@ class ToolRun:
             return
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         tail = one_line(self._stderr.decode(errors="replace"), error_chars, tail=True)
-        raise ProviderError(f"provider {self.provider.id}: {self.argv[0]} {how}" + (f": {tail}" if tail else ""),
+        raise ProviderError(f"provider {self.provider.id}: {self.name} {how}" + (f": {tail}" if tail else ""),
                             strikes=0)
 
     def kill_group(self) -> None:
