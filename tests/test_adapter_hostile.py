@@ -385,7 +385,7 @@ async def test_a_binary_error_body_is_named_not_shown(body: bytes, raw: Raw, ses
 
 def test_an_error_body_cut_inside_a_character_is_still_text() -> None:
     assert body_text("model “x”".encode()[:-1]) == "model “x"  # (the read stopped inside ”)
-    assert body_text("fehlgeschlagen: Modell nicht gefunden\n".encode()) == "fehlgeschlagen: Modell nicht gefunden\n"
+    assert body_text("échec : modèle introuvable\n".encode()) == "échec : modèle introuvable\n"
 
 
 async def test_ollama_lines_that_are_not_objects_are_dropped_with_one_warning(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-import openai
 import pytest
 import redis as sync_redis
 
