@@ -46,7 +46,10 @@ def is_operator_route(path: str) -> bool:
 
 
 def _presented(request: web.Request) -> str | None:
-    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    sent = request.headers.getall("Authorization", [])
+    if len(sent) > 1:  # (which one counts would be a guess: a proxy may have added one)
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"send one Authorization header, not {len(sent)}")
+    scheme, _, key = (sent[0] if sent else "").partition(" ")
     key = key.strip()
     return key if scheme.lower() == "bearer" and key else None
 

@@ -224,6 +224,22 @@ async def test_a_key_that_is_not_utf8_is_401_not_an_internal_error(gateway: str,
     assert answer.status == 401 and answer.error()["code"] == "invalid_api_key", answer
 
 
+@pytest.mark.parametrize("second", [CALLER, "sk-wrong"])
+async def test_two_authorization_headers_are_a_400_whichever_comes_first(gateway: str, second: str) -> None:
+    url = URL(gateway)
+    for first, then in ((CALLER, second), (second, CALLER)):
+        reader, writer = await asyncio.open_connection(url.host, url.port)
+        try:
+            writer.write(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {first}\r\n"
+                         f"Authorization: Bearer {then}\r\n\r\n".encode())
+            answer = await read_response(reader)
+        finally:
+            writer.close()
+        assert answer.status == 400 and answer.error()["code"] == "invalid_request_error", answer
+        assert answer.error()["message"] == "send one Authorization header, not 2"
+        validate("ErrorResponse", {"error": answer.error()})
+
+
 @pytest.mark.parametrize(("key", "path", "status"), [
     (None, "/v1/chat/completions", 401), ("sk-not-a-key", "/v1/chat/completions", 401),
     (CALLER, "/v1/admin/providers/p/drain", 403), (CALLER, "/v1/chat/completions", 100)])
