@@ -231,6 +231,7 @@ async def test_a_run_of_many_pages_of_events_is_replayed_whole_and_in_order(api:
     if ended:
         ids.append(await api.event(run_id, "completed", {}))
         await api.end(run_id)
+        await api.redis.config_resetstat()
     async with api.session.get(api.url(f"/v1/runs/{run_id}/events")) as resp:
         messages: list[Message] = []
         if not ended:
@@ -243,6 +244,8 @@ async def test_a_run_of_many_pages_of_events_is_replayed_whole_and_in_order(api:
     assert [m.id for m in messages] == ids
     assert [m.data["chunks"][0]["choices"][0]["delta"]["content"] for m in messages[:count]] == [
         str(n) for n in range(count)]
+    if ended:  # a page at a time: 64, 64, 64 and the last 6
+        assert (await api.redis.info("commandstats"))["cmdstat_xrange"]["calls"] >= 4
 
 
 async def test_delete_of_a_queued_run_takes_it_out_of_the_queue(api: Api) -> None:
