@@ -614,14 +614,15 @@ async def test_a_stream_of_two_choices_waits_for_both_to_finish(raw: Raw, sessio
     def choice(index: int, text: str, finish: str | None = None) -> bytes:
         return sse({"choices": [{"index": index, "delta": {"content": text}, "finish_reason": finish}]})
 
-    first = [choice(1, "b"), choice(0, "a", "stop")] if seen_first else [choice(0, "a", "stop"), choice(1, "b")]
+    # (unseen first: only `n` says that a second choice is to come)
+    first = [choice(1, "b"), choice(0, "a", "stop")] if seen_first else [choice(0, "a", "stop")]
+    later = [choice(1, "c", "stop")] if seen_first else [choice(1, "b"), choice(1, "c", "stop")]
     opening = chunked(first, end=False)
 
     async def slow_second_choice(request: Request, writer: asyncio.StreamWriter) -> None:
         await opening(request, writer)
         await asyncio.sleep(0.5)  # (the model's time for the other choice: ten times the grace)
-        part = choice(1, "c", "stop")
-        writer.write(frame(part))
+        writer.write(frame(b"".join(later)))
 
     raw.answers["/v1/chat/completions"] = slow_second_choice
     raw.hold = True
