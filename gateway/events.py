@@ -123,8 +123,8 @@ class Follower:
 
     async def next(self, timeout: float | None = None) -> Event | None:
         """The next event, or None if none came within `timeout` seconds."""
-        if not self.items and self.behind and self.hub is not None:
-            await self.hub._catch_up(self)
+        if not self.items and self.behind and self.hub is not None and not await self.hub._catch_up(self, timeout):
+            return None  # (Redis is away: the caller's keep-alive goes out, and the read is tried again)
         if not self.items:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
@@ -251,7 +251,7 @@ class EventHub:
             if watch:
                 await self.scripts.call("watch", [keys.run_record(follower.run_id)], [self.gateway_id])
             if not follower.synced_at_start:
-                await self._catch_up(follower)
+                await self._catch_up(follower, None)
         except BaseException:
             self._leave(follower)
             raise
@@ -263,22 +263,29 @@ class EventHub:
             if not group:
                 del self.followers[follower.run_id]
 
-    async def _catch_up(self, follower: Follower) -> None:
-        """What the run has already, or what came after what the follower held when it fell
-        behind: read from its own stream (up to `HELD_BYTES`); then what the listener brought
-        meanwhile."""
+    async def _catch_up(self, follower: Follower, timeout: float | None) -> bool:
+        """What came after what the follower held when it fell behind: read from its run's own
+        stream (up to `HELD_BYTES`); then what the listener brought meanwhile. False when that
+        took longer than `timeout` (Redis is away): the follower is still behind."""
         follower.behind = False
         if follower.pending is None:
             follower.pending = []
         backoff = Backoff(cap=1.0)
-        while True:
-            try:
-                await self._read_runs([follower.run_id], check_lost=False, only=follower)
-                break
-            except REDIS_DOWN as exc:
-                log.warning("gateway events: Redis unavailable (%s); retrying", exc)
-                await backoff.pause()
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    try:
+                        await self._read_runs([follower.run_id], check_lost=False, only=follower)
+                        break
+                    except REDIS_DOWN as exc:
+                        log.warning("gateway events: Redis unavailable (%s); retrying", exc)
+                        await backoff.pause()
+        except TimeoutError:  # (what the listener brought meanwhile is read again with the rest)
+            follower.pending = None
+            follower.behind = True
+            return False
         follower.synced()
+        return True
 
     # ------------------------------------------------------------------ the listener
     def _start(self) -> None:

@@ -5,9 +5,11 @@ entries, from the run's own stream."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common import keys
 from common.codec import event_fields, pack
@@ -209,6 +211,39 @@ async def test_a_caller_that_does_not_take_its_events_holds_a_bounded_amount_and
             got = await collect(follower.next, count + 1)
         assert got == list(range(count + 1))
         assert not follower.behind and follower.held == 0
+    finally:
+        await hub.close()
+
+
+async def test_a_caller_behind_while_redis_is_away_gets_its_keep_alive_turn_and_then_every_event(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that fell behind reads on from its run's stream: while Redis is away, `next`
+    returns None at the caller's keep-alive timeout (it waited for Redis, and sent the stream
+    nothing); once Redis is back it gets every event, once, in order."""
+    hub = EventHub(redis)
+    run_id = "run_behind_down"
+    away = True
+    read_runs = hub._read_runs
+
+    async def flaky(*args: Any, **kwargs: Any) -> None:
+        if away:
+            raise RedisConnectionError("Connection refused")
+        await read_runs(*args, **kwargs)
+
+    try:
+        await redis.hset(keys.run_record(run_id), mapping={"state": "running", "watchers": hub.gateway_id})
+        async with hub.follow(run_id, fresh=True) as follower:
+            follower.behind = True  # (as past `HELD_BYTES`: what the listener brings is dropped)
+            for n in range(3):
+                await add(redis, run_id, hub.gateway_id, "delta", n)
+            monkeypatch.setattr(hub, "_read_runs", flaky)
+            monkeypatch.setattr("gateway.events.log.warning", lambda *a, **k: None)
+            for _ in range(2):
+                assert await asyncio.wait_for(follower.next(0.05), 10) is None
+                assert follower.behind and follower.pending is None
+            await add(redis, run_id, hub.gateway_id, "completed", 3)
+            away = False
+            assert await collect(follower.next, 4) == [0, 1, 2, 3]
     finally:
         await hub.close()
 
