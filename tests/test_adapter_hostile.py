@@ -415,6 +415,23 @@ async def test_an_error_chunk_is_the_providers_error_whatever_its_shape(
     assert err.value.message == f"provider vllm-h sent an error: {said_text}"
 
 
+@pytest.mark.parametrize("together", [True, False], ids=["one-read", "later-reads"])
+async def test_what_came_before_an_error_chunk_reaches_the_caller_first(together: bool, raw: Raw,
+                                                                          session: aiohttp.ClientSession) -> None:
+    """The output read with the error in the same read is not lost with it (found by an audit)."""
+    openai_parts = [sse(delta("partial ")), sse({"error": {"message": "upstream broke"}}), sse(delta("after"))]
+    ollama_parts = [nd(said("partial ")), nd({"error": "upstream broke"}), nd(said("after"))]
+    raw.answers["/v1/chat/completions"] = chunked([b"".join(openai_parts)] if together else openai_parts)
+    raw.answers["/api/chat"] = chunked([b"".join(ollama_parts)] if together else ollama_parts,
+                                       content_type="application/x-ndjson")
+    for adapter in (OpenAICompatAdapter(openai(raw.url), session), OllamaAdapter(ollama(raw.url), session)):
+        got: list[dict[str, Any]] = []
+        with pytest.raises(ProviderError) as err:
+            async for read in adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"):
+                got += read
+        assert text_of(got) == "partial " and err.value.message.endswith("sent an error: upstream broke")
+
+
 async def test_an_ollama_error_line_says_its_message_and_a_null_error_is_none(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/api/chat"] = chunked([nd(said("a ")), nd({"error": {"message": "out of memory"}})],

@@ -201,6 +201,8 @@ class OllamaAdapter:
                     chunks: list[Json] = []
                     for line in parser.feed(data):
                         if line.get("error"):
+                            if chunks:  # (what came before it, in the same read, reaches the caller first)
+                                yield chunks
                             said = error_text(line["error"], self.limits.error_chars)
                             raise ProviderError(f"provider {self.provider.id} sent an error: {said}",
                                                 retry=Retry.ELSEWHERE, strikes=None)

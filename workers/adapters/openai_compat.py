@@ -125,7 +125,8 @@ class SSEParser:
     """Splits an SSE byte stream into `data:` payloads; keeps partial lines between reads.
 
     `[DONE]` ends the stream: nothing after it is read. A chunk whose `error` is set (an object
-    or a string) is the provider's error; a chunk that is not a JSON object is dropped."""
+    or a string) is the provider's error (`failed`: the chunks read before it, in the same read,
+    are returned first); a chunk that is not a JSON object is dropped."""
 
     def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None) -> None:
         self.provider_id = provider_id
@@ -133,10 +134,12 @@ class SSEParser:
         self.lines = LineSplitter(provider_id, limits)
         self.non_objects = NonObjects(provider_id, request_id, model)
         self.done = False
+        #: the provider's error chunk, once one came: nothing after it is read
+        self.failed: ProviderError | None = None
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
-        if self.done:
+        if self.done or self.failed:
             return chunks
         for line in self.lines.feed(data):
             line = line.strip()
@@ -153,8 +156,9 @@ class SSEParser:
             error = obj.get("error")
             if error:
                 message = error_text(error, self.limits.error_chars)
-                raise ProviderError(f"provider {self.provider_id} sent an error: {message}",
-                                    detail=error if isinstance(error, dict) else None, strikes=0)
+                self.failed = ProviderError(f"provider {self.provider_id} sent an error: {message}",
+                                            detail=error if isinstance(error, dict) else None, strikes=0)
+                break
             chunks.append(obj)
         return chunks
 
@@ -279,6 +283,8 @@ class OpenAICompatAdapter:
                             ended.update(choice_indices(chunk, finished=True))
                         finished = finished or bool(ended)
                         yield chunks
+                    if parser.failed:
+                        raise parser.failed
                     if parser.done:
                         # the answer is whole: whatever the provider sends after [DONE] is not
                         # read, and a connection it keeps open is not waited on
