@@ -24,7 +24,7 @@ from tests.conftest import async_wait_until as until
 from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import body_text
 from workers.adapters.ollama import OllamaAdapter
-from workers.adapters.openai_compat import OpenAICompatAdapter
+from workers.adapters.openai_compat import OpenAICompatAdapter, choices_asked
 from workers.adapters.reading import MAX_DEPTH, LineSplitter, parse_json
 from workers.service import provider_session
 
@@ -648,6 +648,39 @@ async def test_a_stream_of_two_choices_waits_for_both_to_finish(raw: Raw, sessio
     chunks = await asyncio.wait_for(collect(adapter.stream(RunKind.CHAT, body, "run_1")), 30)
     texts = sorted(c["choices"][0]["delta"]["content"] for c in chunks)
     assert texts == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize(("prompt", "n", "asked"), [
+    ("one", None, 1), (["one", "two"], None, 2), (["one", "two"], 2, 4), ([[1, 2], [3]], "2", 4), ([1, 2, 3], 3, 3),
+    ([], None, 1)])
+def test_the_choices_asked_for_are_n_for_each_prompt(prompt: Any, n: Any, asked: int) -> None:
+    body = {"model": SERVED, "prompt": prompt, **({} if n is None else {"n": n})}
+    assert choices_asked(RunKind.COMPLETION, body) == asked
+    assert choices_asked(RunKind.CHAT, {**body, "messages": []}) == (1 if n is None else int(n))
+
+
+async def test_a_legacy_stream_of_two_prompts_waits_for_the_second_one_s_choice(
+        raw: Raw, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list of prompts has a choice for each: the first one's finish is not the end (found by an
+    audit: the second prompt's choice was cut off, and the run said completed)."""
+    monkeypatch.setattr("workers.adapters.openai_compat.FINISHED_GRACE_S", 0.05)
+
+    def choice(index: int, text: str, finish: str | None = None) -> bytes:
+        return sse({"object": "text_completion", "choices": [{"index": index, "text": text, "finish_reason": finish}]})
+
+    opening = chunked([choice(0, "a", "length")], end=False)
+
+    async def slow_second_prompt(request: Request, writer: asyncio.StreamWriter) -> None:
+        await opening(request, writer)
+        await asyncio.sleep(0.5)  # ten times the grace
+        writer.write(frame(choice(1, "b", "length") + sse(b"[DONE]")))
+        writer.write(b"0\r\n\r\n")
+
+    raw.answers["/v1/completions"] = slow_second_prompt
+    adapter = OpenAICompatAdapter(openai(raw.url, read_timeout_ms=60_000), session)
+    body = {"model": SERVED, "prompt": ["short", "long"], "stream": True}
+    chunks = await asyncio.wait_for(collect(adapter.stream(RunKind.COMPLETION, body, "run_1")), 30)
+    assert sorted(c["choices"][0]["text"] for c in chunks) == ["a", "b"]
 
 
 @pytest.mark.parametrize("ping", [b": ping\n\n", b'data: {"choices": []}\n\n'])

@@ -103,7 +103,21 @@ def health_url(provider: ProviderConfig) -> str | None:
     return None
 
 
-def choices_asked(n: Any) -> int:
+def choices_asked(kind: RunKind, body: dict[str, Any]) -> int:
+    """How many choices a request asks for: `n` for each prompt (a legacy completion's `prompt`
+    may be a list of them)."""
+    return per_prompt(body.get("n")) * (prompts(body.get("prompt")) if kind is RunKind.COMPLETION else 1)
+
+
+def prompts(prompt: Any) -> int:
+    """How many prompts a legacy completion's `prompt` holds: a list of texts or of token lists
+    is that many; a text, or one list of tokens, is one."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
+def per_prompt(n: Any) -> int:
     """How many choices a request's `n` asks for, as a server reads it (`2`, `2.0` or `"2"`: 2);
     1 when it says nothing a server would take."""
     if isinstance(n, bool) or not isinstance(n, (int, float, str)):
@@ -251,7 +265,7 @@ class OpenAICompatAdapter:
         finished = False
         #: the choices seen, and those that came with a finish_reason: once every one seen has, and
         #: at least `n`, what may still come is a usage chunk and [DONE], each within `FINISHED_GRACE_S`
-        choices = choices_asked(body.get("n"))
+        choices = choices_asked(kind, body)
         seen: set[int] = set()
         ended: set[int] = set()
         try:
