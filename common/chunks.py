@@ -102,12 +102,13 @@ def _count(value: Any) -> int:
 
 def without_usage(chunks: list[Any]) -> list[Any]:
     """The chunks as a caller that did not ask for usage gets them: no `usage` field, and no
-    chunk that carried only usage (`choices: []`). The chunks are changed in place (a provider
-    asked for usage puts `"usage": null` in every chunk: no copy of each)."""
+    usage chunk (`choices: []` with a usage). The chunks are changed in place (a provider asked
+    for usage puts `"usage": null` in every chunk: no copy of each); one with no choices and a
+    null usage is kept (Azure's first chunk carries its `prompt_filter_results` so)."""
     out = []
     for chunk in chunks:
         if isinstance(chunk, dict) and "usage" in chunk:
-            if chunk.get("choices") == []:
+            if chunk.get("choices") == [] and chunk["usage"] is not None:
                 continue
             del chunk["usage"]
         out.append(chunk)

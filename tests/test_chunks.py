@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from common.chunks import fixed_usage, token_counts, usage_in
+from common.chunks import fixed_usage, token_counts, usage_in, without_usage
 
 
 def counts(prompt: Any, completion: Any, total: Any) -> dict[str, Any]:
@@ -46,3 +46,12 @@ def test_usage_in_a_stream_is_fixed_in_every_chunk_and_the_last_one_counts() -> 
     assert usage == {"prompt_tokens": 5, "completion_tokens": 7} and token_counts(usage) == (5, 7)
     assert chunks[0]["usage"] == {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 2}
     assert chunks[1] == {"choices": [], "usage": None} and chunks[4] == {"choices": []}
+
+
+def test_a_caller_that_did_not_ask_for_usage_gets_no_usage_but_every_other_chunk() -> None:
+    filters = {"choices": [], "prompt_filter_results": [{"prompt_index": 0}], "usage": None}  # as Azure's first
+    text = {"choices": [{"index": 0, "delta": {"content": "a"}}], "usage": None}
+    usage = {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    assert without_usage([filters, text, usage]) == [
+        {"choices": [], "prompt_filter_results": [{"prompt_index": 0}]},
+        {"choices": [{"index": 0, "delta": {"content": "a"}}]}]
