@@ -25,7 +25,7 @@ from gateway.errors import ApiError
 from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import RUN_ROUTES, parse_request
-from gateway.responses import RUN_ID_HEADER, SSEStream, stream_response, whole_response
+from gateway.responses import SSEStream, run_headers, stream_response, whole_response
 from gateway.runs import RunClient, new_run_id
 
 log = logging.getLogger("iop.gateway")
@@ -40,7 +40,7 @@ END_WITHIN_S = 1.0
 
 def _timed_out(run_id: str) -> ApiError:
     """The gateway gave up on the run (its longest possible life passed)."""
-    return ApiError(ErrorCode.EXECUTION_TIMEOUT, "the run did not finish in time", headers={RUN_ID_HEADER: run_id})
+    return ApiError(ErrorCode.EXECUTION_TIMEOUT, "the run did not finish in time", headers=run_headers(run_id))
 
 
 def _model_object(model_id: str, display_name: str, created: int) -> dict[str, Any]:
@@ -107,7 +107,8 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     except ApiError as exc:
         finished = True
         if submitted:
-            exc.headers.setdefault(RUN_ID_HEADER, run_id)  # a failed run can be looked up too
+            for name, value in run_headers(run_id).items():  # a failed run can be looked up too
+                exc.headers.setdefault(name, value)
         raise
     finally:
         if submitted and not finished:

@@ -88,8 +88,8 @@ class ApiError(Exception):
                 "message": self.detail["message"],
                 "type": kind if isinstance(kind, str) and kind else _error_type(self.status),
                 "param": param if isinstance(param, str) else None,
-                # (a string, as OpenAI's schema has it: vLLM's is the status, a number)
-                "code": _code_text(code) or self.code.value,
+                # (a string, as OpenAI's schema has it: vLLM's is the status, a number; a null as it came)
+                "code": None if "code" in self.detail and code is None else _code_text(code) or self.code.value,
             }
             return {"error": err}
         return {
@@ -161,7 +161,10 @@ def error_response(request: web.Request, error: Exception) -> web.StreamResponse
         if error.status < 400:
             raise error
         message = error.reason if error.status != 413 else f"request body is too large: {error.text}"
-        return from_status(error.status, message).response()
+        answer = from_status(error.status, message)
+        if "Allow" in error.headers:  # (a 405 says which methods the path takes)
+            answer.headers["Allow"] = error.headers["Allow"]
+        return answer.response()
     if isinstance(error, web.RequestPayloadError):  # a body that cannot be decoded (Content-Encoding) or was cut short
         return invalid(f"the request body could not be read: {error.__cause__ or error}").response()
     if isinstance(error, ConnectionError) and caller_left(request):  # (not Redis: the caller's own connection)

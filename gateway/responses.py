@@ -15,6 +15,8 @@ from gateway.errors import ApiError
 from gateway.events import Follower
 
 RUN_ID_HEADER = "X-IOP-Run-Id"
+#: OpenAI's header for a request's id (the `openai` client's `_request_id`): the run's id here too
+REQUEST_ID_HEADER = "X-Request-Id"
 SSE_DONE = b"data: [DONE]\n\n"
 KEEP_ALIVE = b": keep-alive\n\n"
 
@@ -39,7 +41,12 @@ def sse_chunks(chunks: list[Any], model_id: str) -> bytes:
 def answer_headers(run_id: str, limit_headers: Mapping[str, str]) -> dict[str, str]:
     """The headers of a run's answer: its id and its key's rate-limit headers. (Made when the
     answer starts, not held by a caller while its run waits.)"""
-    return {RUN_ID_HEADER: run_id, **limit_headers}
+    return {**run_headers(run_id), **limit_headers}
+
+
+def run_headers(run_id: str) -> dict[str, str]:
+    """The run's id, as iop and as OpenAI name it, on every answer to a run, an error's too."""
+    return {RUN_ID_HEADER: run_id, REQUEST_ID_HEADER: run_id}
 
 
 async def whole_response(follower: Follower, model_id: str, run_id: str,

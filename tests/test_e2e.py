@@ -82,6 +82,7 @@ def test_openai_client_stream_and_non_stream(stack: Stack) -> None:
         model="qwen3.6:35b", messages=[{"role": "user", "content": "hello there"}], max_tokens=4,
         temperature=0.3)
     assert raw.headers["x-iop-run-id"].startswith("run_")
+    assert raw.request_id == raw.headers["x-iop-run-id"]  # OpenAI's x-request-id: the client's `_request_id`
     chat = raw.parse()
     assert chat.model == "qwen3.6:35b"
     assert chat.choices[0].message.content == "tok0 tok1 tok2 tok3 "

@@ -168,6 +168,7 @@ def test_statuses_aiohttp_gives_alone_get_a_code(status: int, code: str) -> None
 
 @pytest.mark.parametrize(("given", "shown"), [
     ({"code": 400, "param": None}, {"code": "400", "param": None}),  # vLLM's code is the status
+    ({"code": None, "param": None}, {"code": None, "param": None}),  # as OpenAI's own often is
     ({"code": True, "param": ["a"]}, {"code": "provider_error", "param": None}),
     ({"code": "", "param": "temperature"}, {"code": "provider_error", "param": "temperature"}),
     ({"type": 123}, {"type": "invalid_request_error", "code": "provider_error", "param": None}),  # (was "123")

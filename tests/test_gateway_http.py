@@ -106,6 +106,7 @@ async def test_unknown_routes_and_methods_are_openai_shaped(gateway: str, http: 
         assert resp.status == 404 and (await error_of(resp))["code"] == "not_found"
     async with http.get(gateway + "/v1/chat/completions") as resp:
         assert resp.status == 405 and (await error_of(resp))["code"] == "method_not_allowed"
+        assert resp.headers["Allow"] == "POST"
 
 
 def _garbage(rng: random.Random, depth: int = 0) -> Any:
