@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common import keys
-from common.codec import unpack
+from common.codec import pack, unpack
 from common.policy import Health
 from common.redisconn import Backoff
 from common.redisline import new_line_of
@@ -469,6 +469,48 @@ async def test_a_non_stream_run_s_answer_is_its_output(redis: Redis) -> None:
     runner = Runner(redis, sched.config, "n-a", {"a": Scripted([])})
     assert (await runner.execute(run_id)).startswith("completed")
     assert await fields(redis, keys.run_record(run_id), "state", "output") == ["completed", "1"]
+
+
+class NoStreamOptions(Scripted):
+    """A provider that refuses `stream_options` as an older Azure OpenAI does."""
+
+    def __init__(self) -> None:
+        super().__init__([[ROLE, text("a")], [text("b")]])
+        self.bodies: list[dict[str, Any]] = []
+
+    async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        self.bodies.append(dict(body))
+        if "stream_options" in body:
+            raise ProviderError("provider a answered 400: Unrecognized request argument supplied: stream_options",
+                                status=400, detail={"message": "Unrecognized request argument supplied: "
+                                                    "stream_options", "param": None}, retry=Retry.NO, strikes=0)
+        async for read in super().stream(kind, body, request_id):
+            yield read
+
+
+@pytest.mark.parametrize("batch_ms", [0, 10])
+async def test_a_provider_that_refuses_the_stream_options_iop_adds_streams_without_them(
+        redis: Redis, batch_ms: int) -> None:
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3},
+                         runtime={"stream_batch_ms": batch_ms})
+    client, sched, run_ids = await waiting_runs(redis, config, 3)
+    await redis.hset(keys.run_record(run_ids[2]), "body", pack(
+        {"model": MODEL, "messages": [], "stream_options": {"include_usage": True}}))
+    provider = NoStreamOptions()
+    runner = Runner(redis, config, "n-a", {"a": provider})
+    for run_id in run_ids:
+        await redis.hset(keys.run_record(run_id), "stream", "1")
+    for n, run_id in enumerate(run_ids):
+        await sched.dispatch_all()
+        outcome = await runner.execute(run_id)
+        if n < 2:  # asked again without them, and from then on
+            assert outcome.startswith("completed"), outcome
+            assert [c for chunks in await deltas(redis, run_id) for c in chunks] == [ROLE, text("a"), text("b")]
+        else:  # the caller's own stream_options: its provider's 400 is its answer
+            assert outcome.startswith("failed"), outcome
+    assert ["stream_options" in body for body in provider.bodies] == [True, False, False, True]
+    assert runner.no_stream_options == {"a"}
+    await client.close()
 
 
 class WrongUsage(Scripted):

@@ -136,6 +136,12 @@ def _noop(provider_id: str) -> None:
     return None
 
 
+def refuses_stream_options(exc: ProviderError) -> bool:
+    """The provider refused the request for its `stream_options` (a 400 or 422 naming them)."""
+    param = exc.detail.get("param") if exc.detail else None
+    return exc.status in (400, 422) and (param == "stream_options" or "stream_options" in exc.message)
+
+
 class Runner:
     def __init__(self, redis: Redis, config: Config, node_id: str, adapters: dict[str, Adapter],
                  on_strike: Callable[[str], None] = _noop, on_life: Callable[[str], None] = _noop) -> None:
@@ -150,6 +156,8 @@ class Runner:
         self.scripts = Scripts(redis)
         #: run id -> (attempt, the task executing it), for cancellation
         self.running: dict[str, tuple[Attempt, asyncio.Task[Any]]] = {}
+        #: providers that refused the `stream_options` iop adds: their streams go without it
+        self.no_stream_options: set[str] = set()
 
     # ------------------------------------------------------------------ entry
     def start_args(self) -> list[Any]:
@@ -284,17 +292,31 @@ class Runner:
     async def _stream(self, att: Attempt, adapter: Adapter, kind: RunKind, body: dict[str, Any]) -> str:
         """Stream the run's output as `delta` events. The provider is asked for usage whether the
         caller asked or not (it is counted for the caller's key); a caller that did not ask gets
-        the chunks without it."""
+        the chunks without it. A provider that refuses the `stream_options` the caller did not
+        send (an older Azure OpenAI) is asked again without them, and from then on."""
         wanted = wants_usage(body)
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        reads = adapter.stream(kind, body, att.run_id)
-        if self.config.runtime.stream_batch_ms:
-            usage = await self._stream_batched(att, Pump(reads, wanted, MAX_OPENING),
-                                               self.config.runtime.stream_batch_ms / 1000)
-        else:
-            usage = await self._stream_each(att, reads, wanted)
+        added = "stream_options" not in body
+        if not (added and att.provider_id in self.no_stream_options):
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        try:
+            usage = await self._stream_reads(att, adapter.stream(kind, body, att.run_id), wanted)
+        except ProviderError as exc:
+            if not (added and "stream_options" in body and refuses_stream_options(exc)) or att.output:
+                raise
+            log.warning("provider %s refused the stream_options iop adds to ask for usage; its streams go "
+                        "without them (their runs count no tokens)", att.provider_id, extra=att.log())
+            self.no_stream_options.add(att.provider_id)
+            del body["stream_options"]
+            usage = await self._stream_reads(att, adapter.stream(kind, body, att.run_id), wanted)
         return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {}, evidence=ALIVE,
                                   usage=token_counts(usage))
+
+    async def _stream_reads(self, att: Attempt, reads: AsyncIterator[list[dict[str, Any]]],
+                            wanted: bool) -> dict[str, Any] | None:
+        if self.config.runtime.stream_batch_ms:
+            return await self._stream_batched(att, Pump(reads, wanted, MAX_OPENING),
+                                              self.config.runtime.stream_batch_ms / 1000)
+        return await self._stream_each(att, reads, wanted)
 
     async def _stream_each(self, att: Attempt, reads: AsyncIterator[list[dict[str, Any]]],
                            wanted: bool) -> dict[str, Any] | None:
