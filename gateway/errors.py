@@ -44,7 +44,9 @@ STATUS: dict[ErrorCode, int] = {
 }
 
 
-def _error_type(status: int) -> str:
+def _error_type(status: int, code: ErrorCode | None = None) -> str:
+    if code is ErrorCode.RATE_LIMIT_EXCEEDED:
+        return "requests"  # (OpenAI's type for a limit on requests)
     if status < 500:
         return "invalid_request_error"
     return "server_error"
@@ -95,7 +97,7 @@ class ApiError(Exception):
         return {
             "error": {
                 "message": self.message,
-                "type": _error_type(self.status),
+                "type": _error_type(self.status, self.code),
                 "param": self.param,
                 "code": self.code.value,
             }

@@ -334,7 +334,7 @@ async def test_max_in_flight_is_exact_and_comes_back_when_runs_end(gateway: str,
     assert len(refused) == 3 and len(await callers.runs()) == 2
     assert await redis.zcard(keys.key_in_flight("team-a")) == 2
     status, body, headers = refused[0]
-    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
+    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded" and body["error"]["type"] == "requests"
     assert "max_in_flight" in body["error"]["message"]
     assert headers["Retry-After"] == "1" and headers["x-ratelimit-limit-requests"] == "2"
     assert headers["x-ratelimit-remaining-requests"] == "0" and headers["x-iop-limit"] == "max_in_flight"

@@ -49,6 +49,8 @@ def test_body_shape_for_every_code(code: ErrorCode) -> None:
     assert body["error"]["code"] == code.value
     assert body["error"]["param"] is None
     expected_type = "invalid_request_error" if STATUS[code] < 500 else "server_error"
+    if code is ErrorCode.RATE_LIMIT_EXCEEDED:
+        expected_type = "requests"  # as OpenAI's own 429 for a limit on requests
     assert body["error"]["type"] == expected_type
     json.dumps(body)  # serialisable
 
