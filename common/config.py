@@ -33,6 +33,8 @@ from common.strict import Strict
 
 #: An id is a non-empty string without whitespace (it becomes part of Redis keys).
 ID_PATTERN = r"^\S+$"
+#: A site as a browser names it in `Origin` (scheme, host and port; no path), or `*` for any.
+CORS_ORIGIN_PATTERN = r"^(\*|https?://[^/\s?#]+)$"
 #: The most load samples the history may hold (`runtime.history_retention_s` / `history_interval_ms`).
 MAX_HISTORY_SAMPLES = 20_000
 
@@ -173,6 +175,9 @@ class RuntimeConfig(Strict):
     # The catalog's charts (common.history): how often the schedulers sample the load, and for how long.
     history_interval_ms: int = Field(5_000, ge=100, le=600_000, description="one load sample per this")
     history_retention_s: int = Field(3_600, ge=60, le=86_400, description="load samples are kept this long")
+    # The gateway's answers to browsers of other sites (gateway.cors): none unless listed.
+    cors_origins: list[Annotated[str, Field(pattern=CORS_ORIGIN_PATTERN)]] = Field(
+        default_factory=list, max_length=100, description="sites whose pages may call the gateway; * for any")
 
 
 class Config(Strict):

@@ -18,7 +18,7 @@ from common.redisconn import REDIS_DOWN
 from common.shown import quoted
 from common.usage import key_names
 from common.wire import ErrorCode
-from gateway import admin, catalog, metrics, runs_api, usage_api
+from gateway import admin, catalog, cors, metrics, runs_api, usage_api
 from gateway.auth import KEYRING, principal
 from gateway.connections import BODY, expect_handler, forget_body
 from gateway.errors import ApiError
@@ -158,6 +158,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
         app[KEYRING] = keyring or KeyRing.from_config(config.auth, os.environ)
     app[CONFIG] = config
     app[REDIS_URL] = redis_url
+    cors.setup(app, rt.cors_origins)
     app[STARTED] = time.time()
     app.cleanup_ctx.append(_redis_ctx)
     for path in RUN_ROUTES:

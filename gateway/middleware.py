@@ -2,11 +2,12 @@
 
 1. measured (`gateway.metrics`: run requests, by the status they finally got),
 2. any error turned into its OpenAI shape (`gateway.errors`, the one place that does it),
-3. let in by its API key (`gateway.auth`),
-4. its body read within its limits (`gateway.connections`),
-5. handled.
+3. a listed site's CORS preflight answered (`gateway.cors`),
+4. let in by its API key (`gateway.auth`),
+5. its body read within its limits (`gateway.connections`),
+6. handled.
 
-One middleware rather than four: a caller waiting for its run holds each middleware's frame for
+One middleware rather than five: a caller waiting for its run holds each middleware's frame for
 as long as it waits (about 300 bytes each, with thousands waiting).
 """
 
@@ -18,6 +19,7 @@ from aiohttp.typedefs import Middleware
 from gateway import metrics
 from gateway.auth import admit
 from gateway.connections import body_reader
+from gateway.cors import preflight
 from gateway.errors import Handler, error_response
 
 
@@ -30,9 +32,11 @@ def gateway_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware
         response: web.StreamResponse | None = None
         try:
             try:
-                admit(request)
-                await read_body(request)
-                response = await handler(request)
+                response = preflight(request)
+                if response is None:
+                    admit(request)
+                    await read_body(request)
+                    response = await handler(request)
             except Exception as exc:
                 response = error_response(request, exc)
             return response

@@ -1,0 +1,105 @@
+"""Pages of other sites calling the gateway (CORS), over real HTTP on port 0 with a real Redis: off
+unless `runtime.cors_origins` lists the site; a listed site's preflight is answered without a key,
+and every answer to it, errors and streams included, names the site."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from redis.asyncio import Redis
+
+from common.auth import hash_key
+from common.config import ConfigError, parse_config
+from gateway.app import build_app
+from tests.test_access import CALLER, bearer, pool
+from tests.test_scheduler import beat
+
+SITE = "https://app.example.com"
+PREFLIGHT = {"Origin": SITE, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os"}
+CHAT = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def started(redis: Redis, redis_url: str, origins: list[str] | None) -> TestServer:
+    config = pool({"keys": [{"name": "team-a", "sha256": hash_key(CALLER)}]})
+    config["runtime"] = {"stream_keepalive_ms": 100, **({} if origins is None else {"cors_origins": origins})}
+    cfg = parse_config(config)
+    await beat(redis, cfg)
+    server = TestServer(build_app(cfg, redis_url), port=0)
+    await server.start_server()
+    return server
+
+
+@pytest.fixture
+async def gateway(redis: Redis, redis_url: str) -> AsyncIterator[str]:
+    server = await started(redis, redis_url, [SITE, "http://localhost:5173"])
+    yield str(server.make_url("")).rstrip("/")
+    await server.close()
+
+
+async def test_a_listed_site_s_preflight_is_answered_without_a_key(gateway: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.options(gateway + "/v1/chat/completions", headers=PREFLIGHT) as resp:
+            assert resp.status == 204
+            assert resp.headers["Access-Control-Allow-Origin"] == SITE
+            assert "POST" in resp.headers["Access-Control-Allow-Methods"]
+            assert resp.headers["Access-Control-Allow-Headers"] == PREFLIGHT["Access-Control-Request-Headers"]
+            assert int(resp.headers["Access-Control-Max-Age"]) > 0
+        other = {**PREFLIGHT, "Origin": "https://evil.example"}
+        async with http.options(gateway + "/v1/chat/completions", headers=other) as resp:
+            assert resp.status == 401 and "Access-Control-Allow-Origin" not in resp.headers
+
+
+async def test_every_answer_to_a_listed_site_names_it_errors_and_streams_too(gateway: str, redis: Redis) -> None:
+    origin = {"Origin": SITE}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gateway + "/v1/models", headers={**origin, **bearer(CALLER)}) as resp:
+            assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == SITE
+            assert "X-Request-Id" in resp.headers["Access-Control-Expose-Headers"]
+        async with http.get(gateway + "/v1/models", headers=origin) as resp:  # no key: the page may read the 401
+            assert resp.status == 401 and resp.headers["Access-Control-Allow-Origin"] == SITE
+        # a stream (nothing serves the run: its keep-alive sends the headers)
+        async with http.post(gateway + "/v1/chat/completions", json={**CHAT, "stream": True},
+                             headers={**origin, **bearer(CALLER)}) as resp:
+            assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == SITE
+            assert resp.headers["Vary"] == "Origin"
+            assert (await resp.content.readline()).startswith(b": keep-alive")
+        async with http.get(gateway + "/v1/models", headers={"Origin": "https://evil.example", **bearer(CALLER)}) as resp:
+            assert resp.status == 200 and "Access-Control-Allow-Origin" not in resp.headers
+
+
+async def test_without_cors_origins_no_answer_names_a_site(redis: Redis, redis_url: str) -> None:
+    server = await started(redis, redis_url, None)
+    url = str(server.make_url("")).rstrip("/")
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.options(url + "/v1/chat/completions", headers=PREFLIGHT) as resp:
+                assert resp.status == 401 and "Access-Control-Allow-Origin" not in resp.headers
+            async with http.get(url + "/v1/models", headers={"Origin": SITE, **bearer(CALLER)}) as resp:
+                assert resp.status == 200 and "Access-Control-Allow-Origin" not in resp.headers
+    finally:
+        await server.close()
+
+
+async def test_any_site_with_a_star(redis: Redis, redis_url: str) -> None:
+    server = await started(redis, redis_url, ["*"])
+    url = str(server.make_url("")).rstrip("/")
+    try:
+        async with aiohttp.ClientSession() as http, http.options(url + "/v1/models", headers={
+                **PREFLIGHT, "Origin": "http://anything.test:8000", "Access-Control-Request-Method": "GET"}) as resp:
+            assert resp.status == 204 and resp.headers["Access-Control-Allow-Origin"] == "http://anything.test:8000"
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("origin", ["app.example.com", "https://app.example.com/", "ftp://x", "https://a b", ""])
+def test_a_site_that_is_not_an_origin_is_a_config_fault(origin: str) -> None:
+    config: dict[str, Any] = {**pool(), "runtime": {"cors_origins": [SITE, origin]}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(config)
+    assert any(e.startswith("runtime.cors_origins[1]: String should match pattern") for e in err.value.errors), \
+        err.value.errors
