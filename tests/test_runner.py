@@ -513,6 +513,32 @@ async def test_a_provider_that_refuses_the_stream_options_iop_adds_streams_witho
     await client.close()
 
 
+class CallersFault(Scripted):
+    """A provider whose 400 names `stream_options` only because of what the caller sent."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__([])
+        self.message = message
+
+    async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        self.calls += 1
+        raise ProviderError(f"provider a answered 400: {self.message}", status=400,
+                            detail={"message": self.message}, retry=Retry.NO, strikes=0)
+        yield []
+
+
+@pytest.mark.parametrize("message", [
+    "[{'type': 'int_parsing', 'loc': ('body', 'max_tokens'), 'input': 'stream_options'}]",  # vLLM echoes the input
+    "Unrecognized request argument supplied: x stream_options"])  # a field the caller named so
+async def test_a_400_that_names_stream_options_for_the_caller_s_sake_leaves_them_on(
+        redis: Redis, message: str) -> None:
+    sched, run_id = await start_one(redis, {"a": 1})
+    provider = CallersFault(message)
+    runner = Runner(redis, sched.config, "n-a", {"a": provider})
+    assert (await runner.execute(run_id)).startswith("failed")
+    assert runner.no_stream_options == set() and provider.calls in (1, 2)  # (asked again at most once)
+
+
 class WrongUsage(Scripted):
     async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         return {"object": "chat.completion", "choices": [],

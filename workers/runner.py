@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -136,10 +137,18 @@ def _noop(provider_id: str) -> None:
     return None
 
 
+#: How a server says it does not know a request's `stream_options` (Azure OpenAI before
+#: 2024-06: "Unrecognized request argument supplied: stream_options"; pydantic's "Extra inputs").
+_REFUSED_FIELD = re.compile(r"(unrecognized|unknown|unexpected|extra|not permitted|not allowed|unsupported)"
+                            r"[^.]{0,60}\bstream_options\b", re.IGNORECASE)
+
+
 def refuses_stream_options(exc: ProviderError) -> bool:
-    """The provider refused the request for its `stream_options` (a 400 or 422 naming them)."""
+    """The provider may have refused the request for its `stream_options`: a 400 or 422 whose
+    `param` is it, or whose message says it does not know it. (A caller may put that text in an
+    error too: the fallback is kept for the provider only once a request without them succeeded.)"""
     param = exc.detail.get("param") if exc.detail else None
-    return exc.status in (400, 422) and (param == "stream_options" or "stream_options" in exc.message)
+    return exc.status in (400, 422) and (param == "stream_options" or bool(_REFUSED_FIELD.search(exc.message)))
 
 
 class Runner:
@@ -303,11 +312,12 @@ class Runner:
         except ProviderError as exc:
             if not (added and "stream_options" in body and refuses_stream_options(exc)) or att.output:
                 raise
-            log.warning("provider %s refused the stream_options iop adds to ask for usage; its streams go "
-                        "without them (their runs count no tokens)", att.provider_id, extra=att.log())
-            self.no_stream_options.add(att.provider_id)
             del body["stream_options"]
             usage = await self._stream_reads(att, adapter.stream(kind, body, att.run_id), wanted)
+            if att.provider_id not in self.no_stream_options:  # (it took the request without them)
+                log.warning("provider %s refused the stream_options iop adds to ask for usage; its streams go "
+                            "without them (their runs count no tokens)", att.provider_id, extra=att.log())
+                self.no_stream_options.add(att.provider_id)
         return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {}, evidence=ALIVE,
                                   usage=token_counts(usage))
 
