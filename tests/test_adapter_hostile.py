@@ -432,6 +432,65 @@ async def test_what_came_before_an_error_chunk_reaches_the_caller_first(together
         assert text_of(got) == "partial " and err.value.message.endswith("sent an error: upstream broke")
 
 
+@pytest.mark.parametrize("ending", ["done", "broken"])
+async def test_a_stream_whose_second_choice_never_finished_is_not_whole(
+        ending: str, raw: Raw, session: aiohttp.ClientSession) -> None:
+    """With n=2, one finish_reason is not the end: [DONE] or a broken connection before the other
+    choice's is an error, not a whole answer (found by an audit)."""
+    def choice(index: int, text: str, finish: str | None = None) -> bytes:
+        return sse({"choices": [{"index": index, "delta": {"content": text}, "finish_reason": finish}]})
+
+    parts = [choice(0, "a", "stop"), choice(1, " more")]
+    if ending == "done":
+        raw.answers["/v1/chat/completions"] = chunked([*parts, sse(b"[DONE]")])
+    else:
+        async def broken(request: Request, writer: asyncio.StreamWriter) -> None:
+            writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n{CHUNKED}".encode())
+            writer.write(frame(b"".join(parts)) + b"5\r\nab")  # a chunk cut off: the connection breaks
+            await writer.drain()
+            writer.transport.abort()
+        raw.answers["/v1/chat/completions"] = broken
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True, n=2), "run_1"))
+    if ending == "done":
+        assert err.value.message == ("provider vllm-h: the stream was cut short ([DONE] without a finish_reason "
+                                     "for every choice)")
+
+
+@pytest.mark.parametrize("events", [
+    [sse({"error": {"message": "CUDA out of memory", "code": 500}})],
+    [b'data: {"object": "error", "message": "CUDA out of memory", "type": "InternalServerError", "code": 500}\n\n'],
+    [b'event: error\ndata: {"message": "CUDA out of memory"}\n\n'],
+], ids=["error-field", "flat-vllm", "event-error"])
+async def test_an_error_in_the_stream_says_its_message_and_may_go_to_another_provider(
+        events: list[bytes], raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/v1/chat/completions"] = chunked([sse(delta("")), *events, sse(delta("b", "stop"))])
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert err.value.message == "provider vllm-h sent an error: CUDA out of memory"
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0  # (before output: elsewhere)
+
+
+async def test_a_byte_order_mark_and_empty_data_lines_lose_nothing(raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/v1/chat/completions"] = chunked([
+        b"\xef\xbb\xbf" + sse(delta("A")), b"data:\n\n", b"data: \n\n", sse(delta("B", "stop")), sse(b"[DONE]")])
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    assert text_of(await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))) == "AB"
+
+
+async def test_a_4xx_in_the_flat_shape_of_older_vllm_says_its_message(raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/v1/chat/completions"] = whole("404 Not Found", json.dumps(
+        {"object": "error", "message": "The model `m` does not exist.", "type": "NotFoundError", "param": None,
+         "code": 404}).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "run_1")
+    assert err.value.message == "provider vllm-h answered 404: The model `m` does not exist."
+    assert err.value.detail is not None and err.value.detail["type"] == "NotFoundError"
+
+
 async def test_an_ollama_error_line_says_its_message_and_a_null_error_is_none(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/api/chat"] = chunked([nd(said("a ")), nd({"error": {"message": "out of memory"}})],

@@ -21,6 +21,7 @@ It never appears in errors or probe reasons: any echo of it by the provider is r
 from __future__ import annotations
 
 import asyncio
+import codecs
 import os
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -131,16 +132,28 @@ def per_prompt(n: Any) -> int:
 
 
 def _error_detail(payload: Any) -> dict[str, Any] | None:
-    error = payload.get("error") if isinstance(payload, dict) else None
+    error = error_in(payload)
     return error if isinstance(error, dict) else None
+
+
+def error_in(payload: Any) -> Any:
+    """The error an answer or a chunk carries, if any: its `error` (an object or a string), or the
+    answer itself when it is one in the flat shape of vLLM before 0.10 and SGLang
+    (`{"object": "error", "message": …, "type": …, "code": 404}`)."""
+    if not isinstance(payload, dict):
+        return None
+    if payload.get("error"):
+        return payload["error"]
+    return payload if payload.get("object") == "error" else None
 
 
 class SSEParser:
     """Splits an SSE byte stream into `data:` payloads; keeps partial lines between reads.
 
-    `[DONE]` ends the stream: nothing after it is read. A chunk whose `error` is set (an object
-    or a string) is the provider's error (`failed`: the chunks read before it, in the same read,
-    are returned first); a chunk that is not a JSON object is dropped."""
+    `[DONE]` ends the stream: nothing after it is read. A chunk that carries an error (`error_in`),
+    or the data of an `event: error`, is the provider's error (`failed`: the chunks read before
+    it, in the same read, are returned first); a chunk that is not a JSON object is dropped, and
+    so is an empty `data:` line. A byte-order mark that opens the stream is not part of it."""
 
     def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None) -> None:
         self.provider_id = provider_id
@@ -150,31 +163,48 @@ class SSEParser:
         self.done = False
         #: the provider's error chunk, once one came: nothing after it is read
         self.failed: ProviderError | None = None
+        #: the `event:` of the event being read (until the blank line that ends it)
+        self._event = b""
+        self._opening = True
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
         if self.done or self.failed:
             return chunks
+        if self._opening and data:
+            self._opening = False
+            data = data.removeprefix(codecs.BOM_UTF8)
         for line in self.lines.feed(data):
             line = line.strip()
             if not line.startswith(b"data:"):
+                if not line:
+                    self._event = b""
+                elif line.startswith(b"event:"):
+                    self._event = line[6:].strip()
                 continue
             payload = line[5:].strip()
             if payload == b"[DONE]":
                 self.done = True
                 break
+            if not payload:
+                continue
             obj = parse_json(payload, self.provider_id)
+            error = error_in(obj) or (obj or "an error it did not describe" if self._event == b"error" else None)
+            if error:
+                self.failed = self._error(error)
+                break
             if not isinstance(obj, dict) or not choices_usable(obj):
                 self.non_objects.drop(obj)
                 continue
-            error = obj.get("error")
-            if error:
-                message = error_text(error, self.limits.error_chars)
-                self.failed = ProviderError(f"provider {self.provider_id} sent an error: {message}",
-                                            detail=error if isinstance(error, dict) else None, strikes=0)
-                break
             chunks.append(obj)
         return chunks
+
+    def _error(self, error: Any) -> ProviderError:
+        """The provider's error in its stream: not a strike (it answered), and the run may go to
+        another provider if nothing reached its caller yet."""
+        message = error_text(error, self.limits.error_chars)
+        return ProviderError(f"provider {self.provider_id} sent an error: {message}",
+                             detail=error if isinstance(error, dict) else None, retry=Retry.ELSEWHERE, strikes=0)
 
 
 class OpenAICompatAdapter:
@@ -262,6 +292,7 @@ class OpenAICompatAdapter:
     async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
         model = body.get("model")
         parser = SSEParser(self.provider.id, self.limits, request_id, model if isinstance(model, str) else None)
+        #: every choice finished: the answer is whole
         finished = False
         #: the choices seen, and those that came with a finish_reason: once every one seen has, and
         #: at least `n`, what may still come is a usage chunk and [DONE], each within `FINISHED_GRACE_S`
@@ -295,7 +326,7 @@ class OpenAICompatAdapter:
                         for chunk in chunks:
                             seen.update(choice_indices(chunk))
                             ended.update(choice_indices(chunk, finished=True))
-                        finished = finished or bool(ended)
+                        finished = bool(ended) and len(ended) >= max(choices, len(seen))
                         yield chunks
                     if parser.failed:
                         raise parser.failed
@@ -318,8 +349,9 @@ class OpenAICompatAdapter:
                                 strikes=1)
         if not finished:
             # llama-cpp-python ends a stream this way when another request interrupts it
-            raise ProviderError(f"provider {self.provider.id}: the stream was cut short ([DONE] without a "
-                                "finish_reason)", retry=Retry.ANY)
+            which = "a finish_reason for every choice" if ended else "a finish_reason"
+            raise ProviderError(f"provider {self.provider.id}: the stream was cut short ([DONE] without {which})",
+                                retry=Retry.ANY)
 
     async def _get(self, url: str) -> tuple[int, Any, ProbeResult | None]:
         """GET a probe URL: (status, its JSON or None, None), or the result that ends the probe.
