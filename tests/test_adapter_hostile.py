@@ -491,6 +491,44 @@ async def test_a_4xx_in_the_flat_shape_of_older_vllm_says_its_message(raw: Raw, 
     assert err.value.detail is not None and err.value.detail["type"] == "NotFoundError"
 
 
+async def test_a_200_answer_that_is_an_error_is_the_provider_s_error_not_a_completion(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    """A whole answer that carries only an error (found by an audit: the caller got it as a 200
+    without choices, the run counted completed), from either family; and Ollama's answer that is
+    not done."""
+    raw.answers["/v1/chat/completions"] = whole("200 OK", b'{"error": {"message": "model crashed"}}')
+    raw.answers["/api/chat"] = whole("200 OK", b'{"error": "model runner has unexpectedly stopped"}')
+    raw.answers["/api/generate"] = whole("200 OK", json.dumps(
+        {"model": SERVED, "response": "par", "done": False}).encode())
+    said = {}
+    for adapter, kind, body in ((OpenAICompatAdapter(openai(raw.url), session), RunKind.CHAT, chat()),
+                                (OllamaAdapter(ollama(raw.url), session), RunKind.CHAT, chat()),
+                                (OllamaAdapter(ollama(raw.url), session), RunKind.COMPLETION,
+                                 {"model": SERVED, "prompt": "x"})):
+        with pytest.raises(ProviderError) as err:
+            await adapter.complete(kind, body, "run_1")
+        assert err.value.retry is Retry.ELSEWHERE
+        said[(type(adapter).__name__, kind.value)] = err.value.message
+    assert said == {("OpenAICompatAdapter", "chat"): "provider vllm-h sent an error: model crashed",
+                    ("OllamaAdapter", "chat"): "provider ollama-h sent an error: model runner has unexpectedly stopped",
+                    ("OllamaAdapter", "completion"): "provider ollama-h answered before it was done"}
+
+
+@pytest.mark.parametrize(("answer", "message"), [
+    (b'{"error": {"message": "model crashed"}}', "provider vllm-h sent an error: model crashed"),
+    (json.dumps({"object": "chat.completion", "choices": [{"index": 0, "message": {"content": "hi"}}]}).encode(),
+     "provider vllm-h answered a stream request with one JSON answer, not server-sent events")],
+    ids=["error", "whole-answer"])
+async def test_a_stream_answered_with_one_json_answer_is_no_strike(
+        answer: bytes, message: str, raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/v1/chat/completions"] = whole("200 OK", answer)
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert err.value.message == message
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0  # (it was struck, three times a run)
+
+
 async def test_an_ollama_error_line_says_its_message_and_a_null_error_is_none(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/api/chat"] = chunked([nd(said("a ")), nd({"error": {"message": "out of memory"}})],

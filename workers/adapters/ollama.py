@@ -158,6 +158,11 @@ class OllamaAdapter:
                                           "Content-Type": "application/json"}, timeout=self.timeout,
                                  allow_redirects=False)
 
+    def _sent_error(self, error: Any) -> ProviderError:
+        """An `error` Ollama sent in a 200 answer or a stream line."""
+        said = error_text(error, self.limits.error_chars)
+        return ProviderError(f"provider {self.provider.id} sent an error: {said}", retry=Retry.ELSEWHERE, strikes=None)
+
     # ------------------------------------------------------------------ runs
     async def complete(self, kind: RunKind, body: Json, request_id: str) -> Json:
         path, native = self._native(kind, body, stream=False)
@@ -170,8 +175,13 @@ class OllamaAdapter:
                 answer = parse_json(text.encode(), self.provider.id)
                 if not isinstance(answer, dict):
                     raise ValueError("the answer is not a JSON object")
+                if answer.get("error"):  # (Ollama may answer 200 with only an error)
+                    raise self._sent_error(answer["error"])
                 if kind is RunKind.EMBEDDING:
                     return wire.embeddings_response(body, answer)
+                if answer.get("done") is not True:
+                    raise ProviderError(f"provider {self.provider.id} answered before it was done", strikes=0,
+                                        retry=Retry.ELSEWHERE)
         except ProviderError as exc:
             raise redacted(exc, url_secrets(self.provider.base_url)) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
@@ -203,9 +213,7 @@ class OllamaAdapter:
                         if line.get("error"):
                             if chunks:  # (what came before it, in the same read, reaches the caller first)
                                 yield chunks
-                            said = error_text(line["error"], self.limits.error_chars)
-                            raise ProviderError(f"provider {self.provider.id} sent an error: {said}",
-                                                retry=Retry.ELSEWHERE, strikes=None)
+                            raise self._sent_error(line["error"])
                         calls = wire.tool_calls_of(line, request_id, first_index=tool_calls, stream=True)
                         tool_calls += len(calls)
                         text, thinking = wire.text_of(kind, line), wire.thinking_of(line)

@@ -147,6 +147,13 @@ def error_in(payload: Any) -> Any:
     return payload if payload.get("object") == "error" else None
 
 
+def sent_error(provider_id: str, error: Any, error_chars: int) -> ProviderError:
+    """The error a provider sent in its stream or in a 200 answer: not a strike (it answered), and
+    the run may go to another provider if nothing reached its caller yet."""
+    return ProviderError(f"provider {provider_id} sent an error: {error_text(error, error_chars)}",
+                         detail=error if isinstance(error, dict) else None, retry=Retry.ELSEWHERE, strikes=0)
+
+
 class SSEParser:
     """Splits an SSE byte stream into `data:` payloads; keeps partial lines between reads.
 
@@ -191,7 +198,7 @@ class SSEParser:
             obj = parse_json(payload, self.provider_id)
             error = error_in(obj) or (obj or "an error it did not describe" if self._event == b"error" else None)
             if error:
-                self.failed = self._error(error)
+                self.failed = sent_error(self.provider_id, error, self.limits.error_chars)
                 break
             if not isinstance(obj, dict) or not choices_usable(obj):
                 self.non_objects.drop(obj)
@@ -199,12 +206,6 @@ class SSEParser:
             chunks.append(obj)
         return chunks
 
-    def _error(self, error: Any) -> ProviderError:
-        """The provider's error in its stream: not a strike (it answered), and the run may go to
-        another provider if nothing reached its caller yet."""
-        message = error_text(error, self.limits.error_chars)
-        return ProviderError(f"provider {self.provider_id} sent an error: {message}",
-                             detail=error if isinstance(error, dict) else None, retry=Retry.ELSEWHERE, strikes=0)
 
 
 class OpenAICompatAdapter:
@@ -284,6 +285,9 @@ class OpenAICompatAdapter:
         if not isinstance(data, dict):
             raise ProviderError(f"provider {self.provider.id} answered with JSON that is not an object",
                                 retry=Retry.ELSEWHERE, strikes=0)
+        error = error_in(data)
+        if error:  # (a 200 that carries only an error: never a completion for the caller)
+            raise self._clean(sent_error(self.provider.id, error, self.limits.error_chars))
         if not choices_usable(data):
             raise ProviderError(f"provider {self.provider.id} answered with choices that are not a list of objects",
                                 retry=Retry.ELSEWHERE, strikes=0)
@@ -302,6 +306,8 @@ class OpenAICompatAdapter:
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp)
+                if resp.content_type == "application/json":
+                    raise await self._not_a_stream(resp)
                 #: when the grace ends (loop time), from the moment every choice had finished: bytes the
                 #: provider sends meanwhile (a ping, an empty chunk) do not move it
                 grace_ends: float | None = None
@@ -352,6 +358,15 @@ class OpenAICompatAdapter:
             which = "a finish_reason for every choice" if ended else "a finish_reason"
             raise ProviderError(f"provider {self.provider.id}: the stream was cut short ([DONE] without {which})",
                                 retry=Retry.ANY)
+
+    async def _not_a_stream(self, resp: aiohttp.ClientResponse) -> ProviderError:
+        """A stream asked for and one JSON answer given: its error if it carries one (some servers
+        answer an error so), else an answer iop cannot pass on as a stream. Neither is a strike."""
+        error = error_in(parse_json(await read_whole(resp, self.provider.id, self.limits), self.provider.id))
+        if error:
+            return sent_error(self.provider.id, error, self.limits.error_chars)
+        return ProviderError(f"provider {self.provider.id} answered a stream request with one JSON answer, not "
+                             "server-sent events", retry=Retry.ELSEWHERE, strikes=0)
 
     async def _get(self, url: str) -> tuple[int, Any, ProbeResult | None]:
         """GET a probe URL: (status, its JSON or None, None), or the result that ends the probe.
