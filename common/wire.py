@@ -47,9 +47,13 @@ TERMINAL_EVENTS = frozenset({EventType.COMPLETED, EventType.FAILED})
 
 
 #: A provider's 4xx answers that are the pool's fault, not the caller's request's: its rate limit
-#: (429) and its refusal of iop's own credentials (401, 403, 407: the provider's `api_key_env`). The
-#: run goes to another provider; the caller gets a 502, not the provider's status.
-POOL_FAULT_4XX = frozenset({401, 403, 407, 429})
+#: (429), its refusal of iop's own credentials (401, 403, 407: the provider's `api_key_env`), and a
+#: 404 (the provider does not have the served name, or the path: the caller asked for a model iop
+#: routes there). The run goes to another provider; the caller gets a 502, not the provider's status.
+POOL_FAULT_4XX = frozenset({401, 403, 404, 407, 429})
+#: Of them, the one that says the provider may have lost the model (no sign of life: its model
+#: list is probed again once nothing else shows it alive).
+NOT_THERE = 404
 #: Those of them that refuse iop's credentials.
 CREDENTIALS_REFUSED = frozenset({401, 403, 407})
 

@@ -481,14 +481,29 @@ async def test_a_byte_order_mark_and_empty_data_lines_lose_nothing(raw: Raw, ses
 
 
 async def test_a_4xx_in_the_flat_shape_of_older_vllm_says_its_message(raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/v1/chat/completions"] = whole("400 Bad Request", json.dumps(
+        {"object": "error", "message": "max_tokens must be at least 1", "type": "BadRequestError",
+         "param": "max_tokens", "code": 400}).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "run_1")
+    assert err.value.message == "provider vllm-h answered 400: max_tokens must be at least 1"
+    assert err.value.detail is not None and err.value.detail["type"] == "BadRequestError"
+    assert err.value.detail["param"] == "max_tokens"
+
+
+async def test_a_404_is_the_pool_s_fault_tried_elsewhere_and_no_sign_of_life(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    """A provider that does not have the served name (it unloaded it): the caller asked for a model
+    iop routes there, so it is not the caller's 404; nor does it show the provider alive, so its
+    model list is probed again (found by an audit: every run went there and got 404)."""
     raw.answers["/v1/chat/completions"] = whole("404 Not Found", json.dumps(
-        {"object": "error", "message": "The model `m` does not exist.", "type": "NotFoundError", "param": None,
-         "code": 404}).encode())
+        {"object": "error", "message": "The model `m` does not exist.", "type": "NotFoundError", "code": 404}).encode())
     adapter = OpenAICompatAdapter(openai(raw.url), session)
     with pytest.raises(ProviderError) as err:
         await adapter.complete(RunKind.CHAT, chat(), "run_1")
     assert err.value.message == "provider vllm-h answered 404: The model `m` does not exist."
-    assert err.value.detail is not None and err.value.detail["type"] == "NotFoundError"
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes is None and err.value.detail is None
 
 
 async def test_a_200_answer_that_is_an_error_is_the_provider_s_error_not_a_completion(

@@ -104,7 +104,7 @@ def test_a_provider_s_4xx_that_is_the_pool_s_fault_is_a_502(status: int) -> None
     assert err.status == 502 and err.body()["error"]["message"] == "provider a answered 401: bad key"
 
 
-@pytest.mark.parametrize("status", [400, 404, 409, 413, 422, 499])
+@pytest.mark.parametrize("status", [400, 409, 413, 422, 499])
 def test_from_info_passes_provider_4xx_through(status: int) -> None:
     info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider said no", status=status,
                      detail={**PROVIDER_DETAIL, "extra": "dropped"})
@@ -124,14 +124,14 @@ def test_from_info_4xx_detail_missing_fields_fall_back() -> None:
 
 @pytest.mark.parametrize("detail", [None, {}, {"message": 5}, {"error": {"message": "nested"}}])
 def test_from_info_4xx_without_usable_detail_uses_own_message(detail: dict[str, Any] | None) -> None:
-    info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider answered 404", status=404, detail=detail)
+    info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider answered 409", status=409, detail=detail)
     err = ApiError.from_info(info)
-    assert err.status == 404
-    assert err.body() == {"error": {"message": "provider answered 404", "type": "invalid_request_error",
+    assert err.status == 409
+    assert err.body() == {"error": {"message": "provider answered 409", "type": "invalid_request_error",
                                     "param": None, "code": "provider_error"}}
 
 
-@pytest.mark.parametrize("status", [500, 502, 503, 504, None, 302, 429])
+@pytest.mark.parametrize("status", [500, 502, 503, 504, None, 302, 429, 404])
 def test_from_info_provider_non_4xx_maps_to_502(status: int | None) -> None:
     info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider failed", status=status, detail=PROVIDER_DETAIL)
     err = ApiError.from_info(info)

@@ -21,7 +21,7 @@ from urllib.parse import quote, unquote, urlsplit
 import aiohttp
 
 from common.policy import Health
-from common.wire import CREDENTIALS_REFUSED, callers_fault
+from common.wire import CREDENTIALS_REFUSED, NOT_THERE, callers_fault
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
 
 #: The longest provider-supplied text (an error message, a stderr tail) passed on, in characters.
@@ -209,8 +209,9 @@ def probe_failure(what_failed: str, exc: BaseException, total_ms: int) -> ProbeR
 def answered_error(provider_id: str, status: int, message: str, detail: dict[str, Any] | None) -> ProviderError:
     """A provider's error answer (4xx or 5xx) with its one-line `message`. The caller's fault
     (`callers_fault`) is passed through (`detail`, its message the one-line one), never retried, and
-    shows the provider alive; a 5xx, a 429 or a refusal of iop's credentials goes to another
-    provider (a refusal of credentials is a strike: every run there would get it)."""
+    shows the provider alive; a 5xx, a 404, a 429 or a refusal of iop's credentials goes to another
+    provider (a refusal of credentials is a strike: every run there would get it; a 429 shows it
+    alive; a 5xx or a 404 shows nothing)."""
     if callers_fault(status):
         if detail is not None:
             detail = {**detail, "message": message}
@@ -219,4 +220,5 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
     refused = status in CREDENTIALS_REFUSED
     hint = " (it refused iop's credentials: check the provider's api_key_env)" if refused else ""
     return ProviderError(f"provider {provider_id} answered {status}: {message}{hint}", status=status,
-                         retry=Retry.ELSEWHERE, strikes=1 if refused else 0 if status < 500 else None)
+                         retry=Retry.ELSEWHERE,
+                         strikes=1 if refused else None if status >= 500 or status == NOT_THERE else 0)
