@@ -492,6 +492,26 @@ async def test_a_4xx_in_the_flat_shape_of_older_vllm_says_its_message(raw: Raw, 
     assert err.value.detail["param"] == "max_tokens"
 
 
+async def test_an_error_body_written_in_pieces_is_read_whole(raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Found by an audit: one read took only what had arrived, and the caller got `{"error": {"message"`."""
+    body = json.dumps({"error": {"message": "temperature must be a number", "type": "BadRequestError",
+                                 "param": "temperature", "code": None}}).encode()
+
+    async def in_two_pieces(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+                     "\r\nConnection: close\r\n\r\n".encode() + body[:20])
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(body[20:])
+
+    raw.answers["/v1/chat/completions"] = in_two_pieces
+    raw.answers["/api/chat"] = in_two_pieces
+    for adapter in (OpenAICompatAdapter(openai(raw.url), session), OllamaAdapter(ollama(raw.url), session)):
+        with pytest.raises(ProviderError) as err:
+            await adapter.complete(RunKind.CHAT, chat(), "run_1")
+        assert "temperature must be a number" in err.value.message, err.value.message
+
+
 async def test_a_404_is_the_pool_s_fault_tried_elsewhere_and_no_sign_of_life(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     """A provider that does not have the served name (it unloaded it): the caller asked for a model

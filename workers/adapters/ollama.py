@@ -21,7 +21,6 @@ from workers.adapters import ollama_wire as wire
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import (
     answered_error,
-    body_text,
     one_line,
     probe_failure,
     redacted,
@@ -32,6 +31,7 @@ from workers.adapters.openai_shapes import Shaper
 from workers.adapters.reading import (
     LineSplitter,
     NonObjects,
+    error_body,
     error_text,
     is_redirect,
     parse_json,
@@ -42,9 +42,6 @@ from workers.adapters.reading import (
 )
 
 Json = dict[str, Any]
-
-#: the most of an error answer read to describe it
-MAX_ERROR_BODY = 64 * 1024
 
 
 def server_root(base_url: str) -> str:
@@ -102,10 +99,6 @@ class NDJSONParser:
                 self.done = True
                 break
         return out
-
-
-async def _error_text(resp: aiohttp.ClientResponse) -> str:
-    return body_text(await resp.content.read(MAX_ERROR_BODY))
 
 
 class OllamaAdapter:
@@ -170,7 +163,7 @@ class OllamaAdapter:
             async with self._post(path, native, request_id) as resp:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
-                    raise self._error(resp.status, await _error_text(resp))
+                    raise self._error(resp.status, await error_body(resp))
                 text = (await read_whole(resp, self.provider.id, self.limits)).decode(errors="replace")
                 answer = parse_json(text.encode(), self.provider.id)
                 if not isinstance(answer, dict):
@@ -206,7 +199,7 @@ class OllamaAdapter:
             async with self._post(path, native, request_id) as resp:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
-                    raise self._error(resp.status, await _error_text(resp))
+                    raise self._error(resp.status, await error_body(resp))
                 async for data in resp.content.iter_any():
                     chunks: list[Json] = []
                     for line in parser.feed(data):

@@ -38,7 +38,6 @@ from common.wire import RunKind, upstream_request_id
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import (
     answered_error,
-    body_text,
     one_line,
     probe_failure,
     redact,
@@ -49,6 +48,7 @@ from workers.adapters.failures import (
 from workers.adapters.reading import (
     LineSplitter,
     NonObjects,
+    error_body,
     error_text,
     is_redirect,
     parse_json,
@@ -69,8 +69,6 @@ ROOT_HEALTH = frozenset({"vllm", "sglang", "llamacpp"})
 HAS_HEALTH = ROOT_HEALTH | {"lemonade"}
 #: a health endpoint answering one of these does not exist: the model list decides alone
 NO_SUCH_ENDPOINT = frozenset({404, 405, 501})
-#: the most of an error answer read to describe it
-MAX_ERROR_BODY = 64 * 1024
 #: How long a stream whose every choice has its finish_reason waits for what may still come (the
 #: usage chunk, [DONE]): a provider that sends neither and keeps its connection open has answered
 #: whole, and its caller is not kept waiting for `read_timeout_ms`, then failed.
@@ -253,7 +251,7 @@ class OpenAICompatAdapter:
             raise redirect_error(self.provider.id, resp)
         if resp.status < 400:
             return
-        text = body_text(await resp.content.read(MAX_ERROR_BODY))
+        text = await error_body(resp)
         try:  # (its object is passed on to the caller: no deeper than any answer)
             detail = _error_detail(parse_json(text.encode(), self.provider.id))
         except (ValueError, ProviderError):

@@ -8,6 +8,7 @@ not a `RecursionError` that escapes the adapter."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from common import jsonio
 from common.policy import Health
 from common.runlog import run_fields
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, ReadLimits, Retry
-from workers.adapters.failures import one_line, redact
+from workers.adapters.failures import body_text, one_line, redact
 
 log = logging.getLogger("iop.worker")
 
@@ -44,6 +45,30 @@ async def read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes | None
             return None
         parts.append(data)
     return b"".join(parts)
+
+
+#: the most of an error answer read to describe it, and how long it may take to come
+MAX_ERROR_BODY = 64 * 1024
+ERROR_BODY_S = 5.0
+
+
+async def error_body(resp: aiohttp.ClientResponse) -> str:
+    """An error answer's body as text (`body_text`): read until it ends, `MAX_ERROR_BODY` bytes
+    came, or `ERROR_BODY_S` passed, whichever is first (one read takes only what has arrived: a
+    body written in two pieces was cut after the first)."""
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(ERROR_BODY_S):
+            while size < MAX_ERROR_BODY:
+                data = await resp.content.read(MAX_ERROR_BODY - size)
+                if not data:
+                    break
+                parts.append(data)
+                size += len(data)
+    except (TimeoutError, aiohttp.ClientError):  # (what came is what there is to show)
+        pass
+    return body_text(b"".join(parts))
 
 
 async def read_whole(resp: aiohttp.ClientResponse, provider_id: str, limits: ReadLimits) -> bytes:
