@@ -512,6 +512,21 @@ async def test_an_error_body_written_in_pieces_is_read_whole(raw: Raw, session: 
         assert "temperature must be a number" in err.value.message, err.value.message
 
 
+async def test_a_passed_4xx_s_type_param_and_code_are_one_short_line_each(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Found by an audit: only its message was flattened and cut; 55 KB of the rest, newlines and
+    escape bytes, reached the caller."""
+    raw.answers["/v1/chat/completions"] = whole("400 Bad Request", json.dumps({"error": {
+        "message": "bad", "type": "line1\nline2\r\x1b[31m" + "t" * 20_000, "param": "p\n" * 5_000,
+        "code": "c" * 20_000}}).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "run_1")
+    detail = err.value.detail
+    assert detail is not None and detail["type"].startswith("line1 line2 ?[31mttt")
+    assert all(len(detail[name]) <= 200 and "\n" not in detail[name] for name in ("type", "param", "code"))
+
+
 async def test_a_404_is_the_pool_s_fault_tried_elsewhere_and_no_sign_of_life(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     """A provider that does not have the served name (it unloaded it): the caller asked for a model

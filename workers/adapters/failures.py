@@ -26,6 +26,8 @@ from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
 
 #: The longest provider-supplied text (an error message, a stderr tail) passed on, in characters.
 MAX_ERROR_TEXT = 500
+#: The longest `type`, `param` or `code` of a provider's error object passed on, in characters.
+MAX_FIELD_CHARS = 200
 
 _SPACE = re.compile(r"\s+")
 _UNPRINTABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffd]+")
@@ -213,8 +215,9 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
     provider (a refusal of credentials is a strike: every run there would get it; a 429 shows it
     alive; a 5xx or a 404 shows nothing)."""
     if callers_fault(status):
-        if detail is not None:
-            detail = {**detail, "message": message}
+        if detail is not None:  # (its other text fields on one line too, and short)
+            detail = {**detail, **{name: one_line(value, MAX_FIELD_CHARS) for name in ("type", "param", "code")
+                                   if isinstance(value := detail.get(name), str)}, "message": message}
         return ProviderError(f"provider {provider_id} answered {status}: {message}", status=status, detail=detail,
                              retry=Retry.NO, strikes=0)
     refused = status in CREDENTIALS_REFUSED
