@@ -24,9 +24,11 @@ def carries_output(chunk: Any) -> bool:
 
 def choices_usable(obj: dict[str, Any]) -> bool:
     """An answer or a chunk whose `choices`, if it has them, are a list of objects: what a caller's
-    client indexes (`choices[0].delta`). A provider's `"choices": {…}` or `[5, null]` is not."""
-    choices = obj.get("choices")
-    return choices is None or (isinstance(choices, list) and all(isinstance(c, dict) for c in choices))
+    client indexes (`choices[0].delta`). A provider's `"choices": {…}`, `[5, null]` or `null` is not."""
+    if "choices" not in obj:
+        return True
+    choices = obj["choices"]
+    return isinstance(choices, list) and all(isinstance(c, dict) for c in choices)
 
 
 def finishes(chunk: Any) -> bool:
@@ -40,7 +42,12 @@ def choice_indices(chunk: Any, finished: bool = False) -> list[int]:
     if not isinstance(chunk, dict):
         return []
     return [c["index"] if type(c.get("index")) is int else i for i, c in enumerate(chunk.get("choices") or ())
-            if isinstance(c, dict) and (not finished or c.get("finish_reason"))]
+            if isinstance(c, dict) and (not finished or _is_reason(c.get("finish_reason")))]
+
+
+def _is_reason(value: Any) -> bool:
+    """A finish_reason that ends a choice: text (`{"type": "stop"}` from a broken server does not)."""
+    return isinstance(value, str) and bool(value)
 
 
 def is_preamble(chunk: Any) -> bool:

@@ -579,6 +579,19 @@ async def test_a_stream_answered_with_one_json_answer_is_no_strike(
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0  # (it was struck, three times a run)
 
 
+async def test_ollama_s_done_is_true_only_when_it_is_and_a_last_line_without_its_newline_counts(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Found by an audit: `"done": "false"` ended the stream (the rest was lost), and a final line
+    without its newline left the stream "not done" after its output went out."""
+    last = json.dumps(said("", done=True)).encode()  # (no newline after it)
+    raw.answers["/api/chat"] = chunked([nd(said("A")), nd({**said("B"), "done": "false"}), nd(said("C")), last],
+                                       content_type="application/x-ndjson")
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    chunks = await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert text_of(chunks) == "ABC"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["stop"]
+
+
 async def test_an_ollama_error_line_says_its_message_and_a_null_error_is_none(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/api/chat"] = chunked([nd(said("a ")), nd({"error": {"message": "out of memory"}})],

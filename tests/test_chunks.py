@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from common.chunks import fixed_usage, token_counts, usage_in, without_usage
+from common.chunks import choice_indices, choices_usable, fixed_usage, token_counts, usage_in, without_usage
 
 
 def counts(prompt: Any, completion: Any, total: Any) -> dict[str, Any]:
@@ -55,3 +55,11 @@ def test_a_caller_that_did_not_ask_for_usage_gets_no_usage_but_every_other_chunk
     assert without_usage([filters, text, usage]) == [
         {"choices": [], "prompt_filter_results": [{"prompt_index": 0}]},
         {"choices": [{"index": 0, "delta": {"content": "a"}}]}]
+
+
+def test_choices_that_are_null_are_not_usable_and_a_finish_reason_is_text() -> None:
+    assert choices_usable({"choices": []}) and choices_usable({"usage": {}})  # (Azure's, a usage chunk)
+    assert not choices_usable({"choices": None}) and not choices_usable({"choices": [None]})
+    chunk = {"choices": [{"index": 0, "finish_reason": {"type": "stop"}}, {"index": 1, "finish_reason": "stop"},
+                         {"index": 2, "finish_reason": ""}]}
+    assert choice_indices(chunk) == [0, 1, 2] and choice_indices(chunk, finished=True) == [1]

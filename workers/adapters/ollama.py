@@ -39,6 +39,7 @@ from workers.adapters.reading import (
     read_whole,
     redirect_error,
     redirect_probe,
+    with_line_end,
 )
 
 Json = dict[str, Any]
@@ -74,8 +75,8 @@ def observed_names(tags: Any) -> list[str] | None:
 class NDJSONParser:
     """Splits a byte stream into JSON objects, one a line; keeps partial lines between reads.
 
-    The object with `"done": true` ends the stream: nothing after it is read. A line that is not
-    a JSON object is dropped."""
+    The object with `"done": true` ends the stream: nothing after it is read (`"done": "false"`, a
+    string, is not true). A line that is not a JSON object is dropped."""
 
     def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None) -> None:
         self.provider_id = provider_id
@@ -95,7 +96,7 @@ class NDJSONParser:
                 self.non_objects.drop(obj)
                 continue
             out.append(obj)
-            if obj.get("done") and not obj.get("error"):
+            if obj.get("done") is True and not obj.get("error"):
                 self.done = True
                 break
         return out
@@ -200,7 +201,7 @@ class OllamaAdapter:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
                     raise self._error(resp.status, await error_body(resp))
-                async for data in resp.content.iter_any():
+                async for data in with_line_end(resp.content.iter_any()):
                     chunks: list[Json] = []
                     for line in parser.feed(data):
                         if line.get("error"):
@@ -213,7 +214,7 @@ class OllamaAdapter:
                         if text or calls or thinking:
                             chunks.append(shaper.delta(text, tool_calls=calls,
                                                        extra={"reasoning_content": thinking} if thinking else None))
-                        if line.get("done"):
+                        if line.get("done") is True:
                             done = True
                             chunks.append(shaper.delta(finish_reason=wire.finish_reason(line, tool_calls > 0)))
                             if include_usage:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -192,6 +192,14 @@ class LineSplitter:
             yield line
         if partial_too_long:
             raise self.limits.too_large(self.provider_id, "a line", self.limits.line_bytes)
+
+
+async def with_line_end(reads: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A body's reads, then a line end: a last line the server did not end is read too (Ollama's
+    final `done` line without its newline)."""
+    async for data in reads:
+        yield data
+    yield b"\n"
 
 
 def lf_endings(data: bytes) -> bytes:
