@@ -20,6 +20,7 @@ from iop.simulator import SimOptions, start_server
 from tests.conftest import async_wait_until as until
 from workers.adapters.base import ProviderError, Retry
 from workers.adapters.openai_compat import OpenAICompatAdapter, api_root, server_root
+from workers.heartbeat import probe_evidence
 
 FAMILY = ("vllm", "sglang", "lemonade", "openai_api")
 SERVED = "Qwen/Qwen3.6-35B-A3B"
@@ -209,6 +210,16 @@ async def test_each_type_probes_its_own_endpoints(ptype: str, health_path: str |
     fake.body[models_path] = {"unexpected": True}
     probe = await adapter.probe()
     assert probe.health is Health.UNKNOWN and "not with a model list" in probe.reason
+
+
+async def test_a_probe_answered_429_says_nothing_either_way(fake: Fake, session: aiohttp.ClientSession) -> None:
+    """A hosted API's rate limit covers its model list too: busy is not down (found by an audit:
+    one 429 took every provider of the key down at once)."""
+    fake.status["/v1/models"] = 429
+    probe = await OpenAICompatAdapter(provider("openai_api", fake.url), session).probe()
+    assert probe.health is Health.UNKNOWN and probe.busy
+    assert probe.reason == "GET /v1/models answered 429 (rate limited)"
+    assert probe_evidence(probe, busy=False) == ("", 0)
 
 
 async def test_the_api_key_is_sent_but_never_shown(fake: Fake, session: aiohttp.ClientSession,

@@ -50,10 +50,11 @@ def heartbeat_fields(provider: ProviderConfig, node_id: str, health: Health, rea
 
 
 def probe_evidence(probe: ProbeResult, busy: bool) -> tuple[str, int]:
-    """(evidence kind, strikes) of a probe's result: a timeout on a busy provider says nothing."""
+    """(evidence kind, strikes) of a probe's result: a timeout on a busy provider says nothing, nor
+    does a provider's answer that it is busy (429)."""
     if probe.health is Health.AVAILABLE:
         return "ok", 0
-    if probe.timed_out and busy:
+    if probe.busy or (probe.timed_out and busy):
         return "", 0
     return "fail", probe.strikes
 

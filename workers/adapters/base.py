@@ -83,6 +83,8 @@ class ProbeResult:
     strikes: int = DOWN
     #: the probe got no answer in time (on a busy provider that says nothing about its health)
     timed_out: bool = False
+    #: the provider answered that it is busy (429, rate limited): that says nothing either way
+    busy: bool = False
 
 
 class Adapter(Protocol):

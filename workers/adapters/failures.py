@@ -208,6 +208,14 @@ def probe_failure(what_failed: str, exc: BaseException, total_ms: int) -> ProbeR
                        timed_out=isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)))
 
 
+def probe_answered(what: str, status: int) -> ProbeResult:
+    """A probe (`GET /path`) answered with an error status: down, unless it said it is busy (a 429:
+    a hosted API's rate limit covers its model list too), which says nothing either way."""
+    if status == 429:
+        return ProbeResult(Health.UNKNOWN, f"{what} answered 429 (rate limited)", strikes=0, busy=True)
+    return ProbeResult(Health.UNAVAILABLE, f"{what} answered {status}")
+
+
 def answered_error(provider_id: str, status: int, message: str, detail: dict[str, Any] | None) -> ProviderError:
     """A provider's error answer (4xx or 5xx) with its one-line `message`. The caller's fault
     (`callers_fault`) is passed through (`detail`, its message the one-line one), never retried, and

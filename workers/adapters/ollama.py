@@ -22,6 +22,7 @@ from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, Re
 from workers.adapters.failures import (
     answered_error,
     one_line,
+    probe_answered,
     probe_failure,
     redacted,
     transport_error,
@@ -244,7 +245,7 @@ class OllamaAdapter:
                 if is_redirect(resp.status):
                     return redirect_probe("/api/tags", resp, url_secrets(self.provider.base_url))
                 if resp.status != 200:
-                    return ProbeResult(Health.UNAVAILABLE, f"GET /api/tags answered {resp.status}")
+                    return probe_answered("GET /api/tags", resp.status)
                 data = await read_at_most(resp, limit)
                 if data is None:
                     resp.close()

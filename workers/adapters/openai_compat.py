@@ -39,6 +39,7 @@ from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, Re
 from workers.adapters.failures import (
     answered_error,
     one_line,
+    probe_answered,
     probe_failure,
     redact,
     redacted,
@@ -401,13 +402,13 @@ class OpenAICompatAdapter:
             if status in NO_SUCH_ENDPOINT and self.provider.probe_path is None:
                 self.health_url = None  # this server has none: the model list decides from now on
             elif status != 200:
-                return ProbeResult(Health.UNAVAILABLE, f"GET {urlsplit(self.health_url).path} answered {status}")
+                return probe_answered(f"GET {urlsplit(self.health_url).path}", status)
         models_path = urlsplit(self.root).path + "/models"
         status, data, failed = await self._get(self.root + "/models")
         if failed is not None:
             return failed
         if status != 200:
-            return ProbeResult(Health.UNAVAILABLE, f"GET {models_path} answered {status}")
+            return probe_answered(f"GET {models_path}", status)
         listed = data.get("data") if isinstance(data, dict) else None
         if not isinstance(listed, list):
             return ProbeResult(Health.UNKNOWN, f"GET {models_path} answered 200 but not with a model list")
