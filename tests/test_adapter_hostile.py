@@ -592,6 +592,38 @@ async def test_ollama_s_done_is_true_only_when_it_is_and_a_last_line_without_its
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["stop"]
 
 
+@pytest.mark.parametrize(("data", "problem"), [
+    ([{"object": "embedding", "index": 0, "embedding": [0.5, 1]}], "with 1 embeddings for 2 inputs"),
+    ({"0": {"embedding": [0.5]}}, "whose data is not a list of objects"),
+    ([{"index": 0, "embedding": None}, {"index": 1, "embedding": [1.0]}], "with an embedding that is neither numbers"),
+    ([{"index": 0, "embedding": "not base64!"}, {"index": 1, "embedding": "AAAA"}],
+     "with an embedding that is neither numbers"),
+    ([{"index": 0, "embedding": [1.0, "x"]}, {"index": 1, "embedding": [1.0]}],
+     "with an embedding that is neither numbers"),
+], ids=["too-few", "not-a-list", "null", "not-base64", "not-numbers"])
+async def test_an_embeddings_answer_the_caller_s_client_would_fail_on_is_the_provider_s_error(
+        data: Any, problem: str, raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Found by an audit: one vector for two inputs came back as a 200."""
+    answer = {"object": "list", "data": data, "model": SERVED}
+    raw.answers["/v1/embeddings"] = whole("200 OK", json.dumps(answer).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": ["a", "b"]}, "run_1")
+    assert err.value.message.startswith(f"provider vllm-h answered embeddings {problem}"), err.value.message
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
+
+
+async def test_ollama_embeddings_short_of_the_inputs_are_the_provider_s_error(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/api/embed"] = whole("200 OK", json.dumps({"model": SERVED, "embeddings": [[0.5, 1.0]]}).encode())
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": ["a", "b"]}, "run_1")
+    assert err.value.message == "provider ollama-h answered embeddings with 1 embeddings for 2 inputs"
+    answer = await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": "a"}, "run_2")
+    assert [d["embedding"] for d in answer["data"]] == [[0.5, 1.0]]
+
+
 async def test_an_ollama_error_line_says_its_message_and_a_null_error_is_none(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/api/chat"] = chunked([nd(said("a ")), nd({"error": {"message": "out of memory"}})],

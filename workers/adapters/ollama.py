@@ -19,6 +19,7 @@ from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
+from workers.adapters.embeddings import embeddings_problem, inputs
 from workers.adapters.failures import (
     answered_error,
     one_line,
@@ -173,7 +174,12 @@ class OllamaAdapter:
                 if answer.get("error"):  # (Ollama may answer 200 with only an error)
                     raise self._sent_error(answer["error"])
                 if kind is RunKind.EMBEDDING:
-                    return wire.embeddings_response(body, answer)
+                    embedded = wire.embeddings_response(body, answer)
+                    problem = embeddings_problem(embedded, inputs(body.get("input")))
+                    if problem:
+                        raise ProviderError(f"provider {self.provider.id} answered embeddings {problem}",
+                                            retry=Retry.ELSEWHERE, strikes=0)
+                    return embedded
                 if answer.get("done") is not True:
                     raise ProviderError(f"provider {self.provider.id} answered before it was done", strikes=0,
                                         retry=Retry.ELSEWHERE)

@@ -36,6 +36,7 @@ from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
+from workers.adapters.embeddings import embeddings_problem, inputs
 from workers.adapters.failures import (
     answered_error,
     one_line,
@@ -106,15 +107,7 @@ def health_url(provider: ProviderConfig) -> str | None:
 def choices_asked(kind: RunKind, body: dict[str, Any]) -> int:
     """How many choices a request asks for: `n` for each prompt (a legacy completion's `prompt`
     may be a list of them)."""
-    return per_prompt(body.get("n")) * (prompts(body.get("prompt")) if kind is RunKind.COMPLETION else 1)
-
-
-def prompts(prompt: Any) -> int:
-    """How many prompts a legacy completion's `prompt` holds: a list of texts or of token lists
-    is that many; a text, or one list of tokens, is one."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return len(prompt)
-    return 1
+    return per_prompt(body.get("n")) * (inputs(body.get("prompt")) if kind is RunKind.COMPLETION else 1)
 
 
 def per_prompt(n: Any) -> int:
@@ -290,6 +283,10 @@ class OpenAICompatAdapter:
         if not choices_usable(data):
             raise ProviderError(f"provider {self.provider.id} answered with choices that are not a list of objects",
                                 retry=Retry.ELSEWHERE, strikes=0)
+        problem = embeddings_problem(data, inputs(body.get("input"))) if kind is RunKind.EMBEDDING else None
+        if problem:
+            raise ProviderError(f"provider {self.provider.id} answered embeddings {problem}", retry=Retry.ELSEWHERE,
+                                strikes=0)
         return data
 
     async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:

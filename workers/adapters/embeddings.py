@@ -1,0 +1,40 @@
+"""What an embeddings answer must hold for the caller's client to take it, and how many inputs
+(or prompts) a request holds.
+
+A provider's answer with fewer vectors than inputs, `data` that is not a list of objects, or an
+`embedding` that is neither a list of numbers nor base64 text would reach the caller as a 200 its
+client then fails on (`'str' object has no attribute 'embedding'`, "Incorrect padding"): it is
+the provider's error instead.
+"""
+
+from __future__ import annotations
+
+import binascii
+from typing import Any
+
+
+def inputs(value: Any) -> int:
+    """How many inputs a request's `input` (or legacy `prompt`) holds: a list of texts or of token
+    lists is that many; a text, or one list of tokens, is one."""
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        return len(value)
+    return 1
+
+
+def embeddings_problem(answer: dict[str, Any], asked: int) -> str | None:
+    """What is wrong with an embeddings answer for `asked` inputs (None: nothing)."""
+    data = answer.get("data")
+    if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
+        return "whose data is not a list of objects"
+    if len(data) != asked:
+        return f"with {len(data)} embeddings for {asked} inputs"
+    for item in data:
+        vector = item.get("embedding")
+        if isinstance(vector, str):
+            try:
+                binascii.a2b_base64(vector, strict_mode=True)
+            except ValueError:
+                return "with an embedding that is neither numbers nor base64"
+        elif not isinstance(vector, list) or not all(type(x) is float or type(x) is int for x in vector):
+            return "with an embedding that is neither numbers nor base64"
+    return None
