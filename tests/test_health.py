@@ -8,7 +8,7 @@ import pytest
 from common.policy import Health
 from workers.adapters.base import DOWN, ProbeResult
 from workers.health import Evidence, judge
-from workers.heartbeat import probe_evidence
+from workers.heartbeat import MAX_OBSERVED, probe_evidence, recorded
 
 REFUSED = "provider p: connection refused"
 
@@ -48,3 +48,10 @@ def test_a_probe_timeout_on_a_busy_provider_says_nothing() -> None:
     refused = ProbeResult(Health.UNAVAILABLE, "GET /health: connection refused")
     assert probe_evidence(refused, busy=True) == ("fail", DOWN)  # refused is refused, busy or not
     assert probe_evidence(ProbeResult(Health.AVAILABLE, "", ["m"]), busy=True) == ("ok", 0)
+
+
+def test_a_model_list_of_100_000_keeps_the_configured_names_and_a_thousand_others() -> None:
+    listed = [f"m{i}" for i in range(100_000)]
+    kept = recorded(listed, ["m99999", "m5", "not-listed"])
+    assert kept[:2] == ["m5", "m99999"] and len(kept) == MAX_OBSERVED and "m0" in kept
+    assert recorded(["a", "b"], ["b"]) == ["b", "a"]

@@ -49,6 +49,19 @@ def heartbeat_fields(provider: ProviderConfig, node_id: str, health: Health, rea
     }
 
 
+#: The most served names a probe's model list keeps in the heartbeat (`observed_models`): every
+#: scheduler reads it with every snapshot, and a server may list 100,000 (about 1 MB).
+MAX_OBSERVED = 1_000
+
+
+def recorded(listed: list[str], configured: list[str]) -> list[str]:
+    """The served names a probe saw, as the heartbeat keeps them: those the config gives the
+    provider first (what routing asks about), then others up to `MAX_OBSERVED`."""
+    wanted = set(configured)
+    mine = [name for name in listed if name in wanted]
+    return mine + [name for name in listed if name not in wanted][:max(0, MAX_OBSERVED - len(mine))]
+
+
 def probe_evidence(probe: ProbeResult, busy: bool) -> tuple[str, int]:
     """(evidence kind, strikes) of a probe's result: a timeout on a busy provider says nothing, nor
     does a provider's answer that it is busy (429)."""
@@ -144,7 +157,8 @@ class Heartbeats:
             if probe.timed_out and not busy:  # did runs start while it was out?
                 busy = await self.redis.zcount(keys.leases(provider.id), f"({now_ms()}", "+inf") > 0
             kind, strikes = probe_evidence(probe, busy)
-            observed = "-" if kind != "ok" else "" if probe.models is None else json.dumps(probe.models)
+            observed = "-" if kind != "ok" else "" if probe.models is None else json.dumps(
+                recorded(probe.models, provider.models))
             await self.scripts.call(
                 "probed", [keys.heartbeat(provider.id), keys.probing(provider.id)],
                 [kind, strikes, probe.reason, probe.health.value, observed, keys.SCHEDULER_SIGNALS])
