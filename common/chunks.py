@@ -75,7 +75,8 @@ def usage_in(chunks: list[Any]) -> dict[str, Any] | None:
 def fixed_usage(obj: dict[str, Any]) -> dict[str, Any] | None:
     """The `usage` of an answer or chunk as OpenAI's schema has it, changed in place, for the
     caller's client: a count that is not a whole number of at least 0 becomes 0 (`total_tokens`:
-    the sum of the other two), in its `*_details` objects too; a `*_details` that is not an
+    the sum of the other two), and so does a `*_tokens` one of its `*_details` objects that is
+    not null (their other fields, a cost say, stay as they came); a `*_details` that is not an
     object goes; a usage that is not an object goes (None)."""
     usage = obj.get("usage")
     if not isinstance(usage, dict):
@@ -83,19 +84,21 @@ def fixed_usage(obj: dict[str, Any]) -> dict[str, Any] | None:
         return None
     for name, value in list(usage.items()):
         if name.endswith("_details"):
-            if isinstance(value, dict):
+            if isinstance(value, dict):  # (its `*_tokens` counts; a cost, or a null, as it came)
                 for inner, n in value.items():
-                    if not _is_count(n):
+                    if inner.endswith("_tokens") and n is not None and not _is_count(n):
                         value[inner] = _count(n)
             elif value is not None:
                 del usage[name]
-        elif name in USAGE_COUNTS and not _is_count(value):
-            usage[name] = sum(token_counts(usage)) if name == "total_tokens" else _count(value)
+        elif name in USAGE_PARTS and not _is_count(value):
+            usage[name] = _count(value)
+    if "total_tokens" in usage and not _is_count(usage["total_tokens"]):  # (once the other two are numbers)
+        usage["total_tokens"] = sum(token_counts(usage))
     return usage
 
 
-#: the counts of a usage object
-USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+#: the counts of a usage object that its `total_tokens` sums
+USAGE_PARTS = ("prompt_tokens", "completion_tokens")
 
 
 def _is_count(value: Any) -> bool:

@@ -564,6 +564,22 @@ async def test_a_200_answer_that_is_an_error_is_the_provider_s_error_not_a_compl
                     ("OllamaAdapter", "completion"): "provider ollama-h answered before it was done"}
 
 
+async def test_a_server_that_ignores_n_answers_whole_with_one_choice(raw: Raw, session: aiohttp.ClientSession) -> None:
+    """llama-cpp-python's server drops `n`: its one choice and [DONE] are the whole answer (found by a
+    review: the stream failed after its whole answer)."""
+    raw.answers["/v1/chat/completions"] = chunked([sse(delta("a ")), sse(delta("b", "stop")), sse(b"[DONE]")])
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    assert text_of(await collect(adapter.stream(RunKind.CHAT, chat(stream=True, n=2), "run_1"))) == "a b"
+
+
+async def test_events_labelled_json_are_read_as_events(raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Microsoft's Foundry Local sends its events as `application/json`: the first byte decides."""
+    raw.answers["/v1/chat/completions"] = chunked([b"\n" + sse(delta("a ")), sse(delta("b", "stop")),
+                                                   sse(b"[DONE]")], content_type="application/json")
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    assert text_of(await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))) == "a b"
+
+
 @pytest.mark.parametrize(("answer", "message"), [
     (b'{"error": {"message": "model crashed"}}', "provider vllm-h sent an error: model crashed"),
     (json.dumps({"object": "chat.completion", "choices": [{"index": 0, "message": {"content": "hi"}}]}).encode(),

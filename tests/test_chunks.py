@@ -24,7 +24,11 @@ def counts(prompt: Any, completion: Any, total: Any) -> dict[str, Any]:
       "completion_tokens_details": "lots", "other_details": None, "extra": "kept"},
      {**counts(2, 1, 3), "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0}, "other_details": None,
       "extra": "kept"}),
-], ids=["well-formed", "wrong-types", "whole-float-and-bool", "no-completion", "huge-nan-list", "details"])
+    ({"total_tokens": None, "prompt_tokens": 3.0, "completion_tokens": 2}, counts(3, 2, 5)),  # (in any order)
+    ({**counts(1, 1, 2), "cost_details": {"upstream_inference_cost": 0.00012, "cached_tokens": None}},
+     {**counts(1, 1, 2), "cost_details": {"upstream_inference_cost": 0.00012, "cached_tokens": None}}),
+], ids=["well-formed", "wrong-types", "whole-float-and-bool", "no-completion", "huge-nan-list", "details",
+        "total-first", "a-cost"])
 def test_usage_counts_are_whole_numbers_of_at_least_zero(usage: dict[str, Any], fixed: dict[str, Any]) -> None:
     answer = {"object": "chat.completion", "usage": usage}
     assert fixed_usage(answer) == fixed and answer["usage"] == fixed

@@ -302,8 +302,8 @@ class OpenAICompatAdapter:
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp)
-                if resp.content_type == "application/json":
-                    raise await self._not_a_stream(resp)
+                #: nothing but blanks read yet: the first byte tells a JSON answer from events
+                opening = True
                 #: when the grace ends (loop time), from the moment every choice had finished: bytes the
                 #: provider sends meanwhile (a ping, an empty chunk) do not move it
                 grace_ends: float | None = None
@@ -323,12 +323,18 @@ class OpenAICompatAdapter:
                             break
                     if not data:
                         break
+                    if opening and (start := data.lstrip(b" \t\r\n").removeprefix(codecs.BOM_UTF8)):
+                        opening = False
+                        if start.startswith(b"{"):  # (whatever its Content-Type: Foundry Local labels events JSON)
+                            raise await self._not_a_stream(resp, data)
                     chunks = parser.feed(data)
                     if chunks:
                         for chunk in chunks:
                             seen.update(choice_indices(chunk))
                             ended.update(choice_indices(chunk, finished=True))
-                        finished = bool(ended) and len(ended) >= max(choices, len(seen))
+                        # (every choice seen: a server that ignores `n`, as llama-cpp-python's does,
+                        # sends one, and its [DONE] ends a whole answer)
+                        finished = bool(ended) and len(ended) >= len(seen)
                         yield chunks
                     if parser.failed:
                         raise parser.failed
@@ -355,10 +361,14 @@ class OpenAICompatAdapter:
             raise ProviderError(f"provider {self.provider.id}: the stream was cut short ([DONE] without {which})",
                                 retry=Retry.ANY)
 
-    async def _not_a_stream(self, resp: aiohttp.ClientResponse) -> ProviderError:
-        """A stream asked for and one JSON answer given: its error if it carries one (some servers
-        answer an error so), else an answer iop cannot pass on as a stream. Neither is a strike."""
-        error = error_in(parse_json(await read_whole(resp, self.provider.id, self.limits), self.provider.id))
+    async def _not_a_stream(self, resp: aiohttp.ClientResponse, first: bytes) -> ProviderError:
+        """A stream asked for and one JSON answer given (it begins with `first`, where events begin
+        with a field name): its error if it carries one (some servers answer an error so), else an
+        answer iop cannot pass on as a stream. Neither is a strike."""
+        rest = await read_at_most(resp, self.limits.response_bytes - len(first))
+        if rest is None:
+            raise self.limits.too_large(self.provider.id, "an answer", self.limits.response_bytes)
+        error = error_in(parse_json(first + rest, self.provider.id))
         if error:
             return sent_error(self.provider.id, error, self.limits.error_chars)
         return ProviderError(f"provider {self.provider.id} answered a stream request with one JSON answer, not "
