@@ -527,18 +527,27 @@ async def test_a_passed_4xx_s_type_param_and_code_are_one_short_line_each(
     assert all(len(detail[name]) <= 200 and "\n" not in detail[name] for name in ("type", "param", "code"))
 
 
-async def test_a_404_is_the_pool_s_fault_tried_elsewhere_and_no_sign_of_life(
+async def test_a_404_that_names_the_served_model_is_the_pool_s_fault_and_no_sign_of_life(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     """A provider that does not have the served name (it unloaded it): the caller asked for a model
     iop routes there, so it is not the caller's 404; nor does it show the provider alive, so its
-    model list is probed again (found by an audit: every run went there and got 404)."""
+    model list is probed again (found by an audit: every run went there and got 404). A 404 that
+    does not name it (OpenAI's for a chat model on /v1/completions) is the caller's, as it was."""
     raw.answers["/v1/chat/completions"] = whole("404 Not Found", json.dumps(
-        {"object": "error", "message": "The model `m` does not exist.", "type": "NotFoundError", "code": 404}).encode())
+        {"object": "error", "message": f"The model `{SERVED}` does not exist.", "type": "NotFoundError",
+         "code": 404}).encode())
+    raw.answers["/v1/completions"] = whole("404 Not Found", json.dumps({"error": {
+        "message": "This is a chat model and not supported in the v1/completions endpoint.",
+        "type": "invalid_request_error", "param": "model", "code": None}}).encode())
     adapter = OpenAICompatAdapter(openai(raw.url), session)
     with pytest.raises(ProviderError) as err:
         await adapter.complete(RunKind.CHAT, chat(), "run_1")
-    assert err.value.message == "provider vllm-h answered 404: The model `m` does not exist."
-    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes is None and err.value.detail is None
+    assert err.value.message == f"provider vllm-h answered 404: The model `{SERVED}` does not exist."
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes is None and err.value.status is None
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.COMPLETION, {"model": SERVED, "prompt": "x"}, "run_2")
+    assert err.value.status == 404 and err.value.retry is Retry.NO and err.value.strikes == 0
+    assert err.value.detail is not None and err.value.detail["param"] == "model"
 
 
 async def test_a_200_answer_that_is_an_error_is_the_provider_s_error_not_a_completion(

@@ -104,7 +104,7 @@ def test_a_provider_s_4xx_that_is_the_pool_s_fault_is_a_502(status: int) -> None
     assert err.status == 502 and err.body()["error"]["message"] == "provider a answered 401: bad key"
 
 
-@pytest.mark.parametrize("status", [400, 409, 413, 422, 499])
+@pytest.mark.parametrize("status", [400, 404, 409, 413, 422, 499])
 def test_from_info_passes_provider_4xx_through(status: int) -> None:
     info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider said no", status=status,
                      detail={**PROVIDER_DETAIL, "extra": "dropped"})
@@ -131,7 +131,7 @@ def test_from_info_4xx_without_usable_detail_uses_own_message(detail: dict[str, 
                                     "param": None, "code": "provider_error"}}
 
 
-@pytest.mark.parametrize("status", [500, 502, 503, 504, None, 302, 429, 404])
+@pytest.mark.parametrize("status", [500, 502, 503, 504, None, 302, 429])
 def test_from_info_provider_non_4xx_maps_to_502(status: int | None) -> None:
     info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider failed", status=status, detail=PROVIDER_DETAIL)
     err = ApiError.from_info(info)

@@ -2,8 +2,8 @@
 
 Runs are the first evidence. A run the provider answered (completed, or refused with a 4xx)
 says it is alive; a run that could not reach it (refused, reset, timed out) strikes against
-it; a 5xx says neither (the server is up, but one request went wrong), nor does a 404 (it may
-have lost the model: with no sign of life its model list is probed again). Active probes fill
+it; a 5xx says neither (the server is up, but one request went wrong), nor does a 404 that
+names the served model (it lost the model: with no sign of life its model list is probed again). Active probes fill
 the gaps: a provider is probed only when nothing showed it alive for its probe interval, a
 probe that could disturb a running generation is never sent while it runs one, and a probe
 that times out while the provider is busy counts for nothing.

@@ -216,12 +216,18 @@ def probe_answered(what: str, status: int) -> ProbeResult:
     return ProbeResult(Health.UNAVAILABLE, f"{what} answered {status}")
 
 
-def answered_error(provider_id: str, status: int, message: str, detail: dict[str, Any] | None) -> ProviderError:
+def answered_error(provider_id: str, status: int, message: str, detail: dict[str, Any] | None,
+                   served: str | None = None) -> ProviderError:
     """A provider's error answer (4xx or 5xx) with its one-line `message`. The caller's fault
     (`callers_fault`) is passed through (`detail`, its message the one-line one), never retried, and
-    shows the provider alive; a 5xx, a 404, a 429 or a refusal of iop's credentials goes to another
-    provider (a refusal of credentials is a strike: every run there would get it; a 429 shows it
-    alive; a 5xx or a 404 shows nothing)."""
+    shows the provider alive; a 5xx, a 429, a refusal of iop's credentials, or a 404 whose message
+    names the `served` model (the provider lost it: the caller asked for a model iop routes there)
+    goes to another provider (a refusal of credentials is a strike: every run there would get it;
+    a 429 shows it alive; a 5xx or a lost model shows nothing: its model list is probed again once
+    nothing else shows it alive)."""
+    if status == NOT_THERE and served and served in message:
+        return ProviderError(f"provider {provider_id} answered {status}: {message}", retry=Retry.ELSEWHERE,
+                             strikes=None)
     if callers_fault(status):
         if detail is not None:  # (its other text fields on one line too, and short)
             detail = {**detail, **{name: one_line(value, MAX_FIELD_CHARS) for name in ("type", "param", "code")
@@ -231,5 +237,4 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
     refused = status in CREDENTIALS_REFUSED
     hint = " (it refused iop's credentials: check the provider's api_key_env)" if refused else ""
     return ProviderError(f"provider {provider_id} answered {status}: {message}{hint}", status=status,
-                         retry=Retry.ELSEWHERE,
-                         strikes=1 if refused else None if status >= 500 or status == NOT_THERE else 0)
+                         retry=Retry.ELSEWHERE, strikes=1 if refused else 0 if status < 500 else None)

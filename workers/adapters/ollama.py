@@ -119,7 +119,7 @@ class OllamaAdapter:
         )
 
     # ------------------------------------------------------------------ errors
-    def _error(self, status: int, text: str) -> ProviderError:
+    def _error(self, status: int, text: str, served: str) -> ProviderError:
         try:
             payload = json.loads(text)
         except (ValueError, RecursionError):
@@ -128,7 +128,8 @@ class OllamaAdapter:
         message = error_text(error, self.limits.error_chars) if error else \
             one_line(text or "no error text", self.limits.error_chars)
         return answered_error(self.provider.id, status, message,
-                              {"message": message, "type": "invalid_request_error", "param": None, "code": None})
+                              {"message": message, "type": "invalid_request_error", "param": None, "code": None},
+                              served)
 
     def _unsupported(self, exc: wire.UnsupportedRequest) -> ProviderError:
         detail = {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": None}
@@ -166,7 +167,7 @@ class OllamaAdapter:
             async with self._post(path, native, request_id) as resp:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
-                    raise self._error(resp.status, await error_body(resp))
+                    raise self._error(resp.status, await error_body(resp), body["model"])
                 text = (await read_whole(resp, self.provider.id, self.limits)).decode(errors="replace")
                 answer = parse_json(text.encode(), self.provider.id)
                 if not isinstance(answer, dict):
@@ -207,7 +208,7 @@ class OllamaAdapter:
             async with self._post(path, native, request_id) as resp:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
-                    raise self._error(resp.status, await error_body(resp))
+                    raise self._error(resp.status, await error_body(resp), body["model"])
                 async for data in with_line_end(resp.content.iter_any()):
                     chunks: list[Json] = []
                     for line in parser.feed(data):

@@ -238,9 +238,9 @@ class OpenAICompatAdapter:
     def _clean(self, exc: ProviderError) -> ProviderError:
         return redacted(exc, self._secrets())
 
-    async def _raise_for(self, resp: aiohttp.ClientResponse) -> None:
-        """An error answer: a 4xx is the caller's (passed through, alive evidence); a 5xx or a
-        429 may go better on another provider."""
+    async def _raise_for(self, resp: aiohttp.ClientResponse, served: Any) -> None:
+        """An error answer: a 4xx is the caller's (passed through, alive evidence); a 5xx, a 429 or
+        a 404 naming the `served` model may go better on another provider."""
         if is_redirect(resp.status):
             raise redirect_error(self.provider.id, resp)
         if resp.status < 400:
@@ -254,7 +254,8 @@ class OpenAICompatAdapter:
             message = error_text(detail, self.limits.error_chars)
         else:
             message = one_line(text or resp.reason or "no error text", self.limits.error_chars)
-        raise answered_error(self.provider.id, resp.status, message, detail)
+        raise answered_error(self.provider.id, resp.status, message, detail,
+                             served if isinstance(served, str) else None)
 
     def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
         return self.session.post(self.root + PATHS[kind], data=jsonio.dumps(body),
@@ -268,7 +269,7 @@ class OpenAICompatAdapter:
     async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         try:
             async with self._post(kind, body, request_id) as resp:
-                await self._raise_for(resp)
+                await self._raise_for(resp, body.get("model"))
                 data = parse_json(await read_whole(resp, self.provider.id, self.limits), self.provider.id)
         except ProviderError as exc:
             raise self._clean(exc) from None
@@ -301,7 +302,7 @@ class OpenAICompatAdapter:
         ended: set[int] = set()
         try:
             async with self._post(kind, body, request_id) as resp:
-                await self._raise_for(resp)
+                await self._raise_for(resp, body.get("model"))
                 #: nothing but blanks read yet: the first byte tells a JSON answer from events
                 opening = True
                 #: when the grace ends (loop time), from the moment every choice had finished: bytes the
