@@ -649,6 +649,16 @@ async def test_ollama_embeddings_short_of_the_inputs_are_the_provider_s_error(
     assert [d["embedding"] for d in answer["data"]] == [[0.5, 1.0]]
 
 
+async def test_embeddings_of_each_token_are_taken(raw: Raw, session: aiohttp.ClientSession) -> None:
+    """llama-cpp-python's server, for a model without pooling, gives a vector for each token."""
+    data = [{"object": "embedding", "index": 0, "embedding": [[0.5, 1.0], [0.25, -1]]},
+            {"object": "embedding", "index": 1, "embedding": [[1.0, 2.0]]}]
+    raw.answers["/v1/embeddings"] = whole("200 OK", json.dumps({"object": "list", "data": data}).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    answer = await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": ["red", "blue sky"]}, "run_1")
+    assert answer["data"] == data
+
+
 async def test_an_ollama_error_line_says_its_message_and_a_null_error_is_none(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/api/chat"] = chunked([nd(said("a ")), nd({"error": {"message": "out of memory"}})],

@@ -2,8 +2,8 @@
 (or prompts) a request holds.
 
 A provider's answer with fewer vectors than inputs, `data` that is not a list of objects, or an
-`embedding` that is neither a list of numbers nor base64 text would reach the caller as a 200 its
-client then fails on (`'str' object has no attribute 'embedding'`, "Incorrect padding"): it is
+`embedding` that is neither a list of numbers (or of lists of numbers) nor base64 text would reach
+the caller as a 200 its client then fails on (`'str' object has no attribute 'embedding'`, "Incorrect padding"): it is
 the provider's error instead.
 """
 
@@ -35,6 +35,16 @@ def embeddings_problem(answer: dict[str, Any], asked: int) -> str | None:
                 binascii.a2b_base64(vector, strict_mode=True)
             except ValueError:
                 return "with an embedding that is neither numbers nor base64"
-        elif not isinstance(vector, list) or not all(type(x) is float or type(x) is int for x in vector):
+        elif not isinstance(vector, list) or not all(_is_number(x) or _are_numbers(x) for x in vector):
             return "with an embedding that is neither numbers nor base64"
     return None
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) is float or type(value) is int
+
+
+def _are_numbers(value: Any) -> bool:
+    """A vector of numbers: llama-cpp-python's server gives one for each token of an input when its
+    model does no pooling, a list of them where OpenAI's has numbers."""
+    return isinstance(value, list) and all(_is_number(x) for x in value)
