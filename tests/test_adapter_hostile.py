@@ -24,7 +24,7 @@ from tests.conftest import async_wait_until as until
 from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import body_text
 from workers.adapters.ollama import OllamaAdapter
-from workers.adapters.openai_compat import OpenAICompatAdapter, choices_asked
+from workers.adapters.openai_compat import OpenAICompatAdapter, SSEParser, choices_asked
 from workers.adapters.reading import MAX_DEPTH, LineSplitter, parse_json
 from workers.service import provider_session
 
@@ -471,6 +471,34 @@ async def test_an_error_in_the_stream_says_its_message_and_may_go_to_another_pro
         await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
     assert err.value.message == "provider vllm-h sent an error: CUDA out of memory"
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0  # (before output: elsewhere)
+
+
+def parsed(*reads: bytes) -> tuple[list[dict[str, Any]], ProviderError | None]:
+    parser = SSEParser("p", ReadLimits())
+    return [c for data in reads for c in parser.feed(data)], parser.failed
+
+
+def test_an_error_event_is_an_error_whatever_its_data() -> None:
+    """Found by a review: an `event: error` with empty data, or with `[DONE]`, went unseen."""
+    for data in (b"", b"[DONE]", b"overloaded", b'{"message": "overloaded"}'):
+        _, failed = parsed(b"event: error\n \ndata: " + data + b"\n\n")  # (a line of spaces is no blank line)
+        assert failed is not None and failed.message.startswith("provider p sent an error: "), data
+    chunks, failed = parsed(b"event: error\n\n" + sse(delta("a")))  # (the blank line ended that event)
+    assert failed is None and text_of(chunks) == "a"
+
+
+def test_a_byte_order_mark_cut_between_two_reads_loses_nothing() -> None:
+    chunks, failed = parsed(b"\xef", b"\xbb\xbf" + sse(delta("A")))
+    assert failed is None and text_of(chunks) == "A"
+
+
+def test_an_error_in_the_stream_whose_code_is_the_caller_s_4xx_is_passed_on_as_that() -> None:
+    """vLLM's and SGLang's in-stream errors carry the status as their code: a 400 is the caller's,
+    not for another provider to get too (found by a review)."""
+    _, failed = parsed(sse({"error": {"message": "max_tokens too large", "type": "BadRequestError",
+                                      "param": "max_tokens", "code": 400}}))
+    assert failed is not None and failed.status == 400 and failed.retry is Retry.NO
+    assert failed.detail is not None and failed.detail["param"] == "max_tokens"
 
 
 async def test_a_byte_order_mark_and_empty_data_lines_lose_nothing(raw: Raw, session: aiohttp.ClientSession) -> None:

@@ -34,7 +34,7 @@ from common import jsonio
 from common.chunks import choice_indices, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import RunKind, upstream_request_id
+from common.wire import RunKind, callers_fault, upstream_request_id
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.embeddings import embeddings_problem, inputs
 from workers.adapters.failures import (
@@ -141,9 +141,22 @@ def error_in(payload: Any) -> Any:
 
 def sent_error(provider_id: str, error: Any, error_chars: int) -> ProviderError:
     """The error a provider sent in its stream or in a 200 answer: not a strike (it answered), and
-    the run may go to another provider if nothing reached its caller yet."""
+    the run may go to another provider if nothing reached its caller yet; unless its `code` is a
+    4xx that is the caller's (vLLM's and SGLang's are the status): then it is passed on as that
+    status would be."""
+    status = _status_in(error)
+    if status is not None and callers_fault(status):
+        return answered_error(provider_id, status, error_text(error, error_chars), error)
     return ProviderError(f"provider {provider_id} sent an error: {error_text(error, error_chars)}",
                          detail=error if isinstance(error, dict) else None, retry=Retry.ELSEWHERE, strikes=0)
+
+
+def _status_in(error: Any) -> int | None:
+    """The HTTP status an error object's `code` gives, if it is one (400, or "400")."""
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, str) and code.isdigit() and len(code) == 3:
+        code = int(code)
+    return code if type(code) is int and 400 <= code < 600 else None
 
 
 class SSEParser:
@@ -170,25 +183,29 @@ class SSEParser:
         chunks: list[dict[str, Any]] = []
         if self.done or self.failed:
             return chunks
-        if self._opening and data:
-            self._opening = False
-            data = data.removeprefix(codecs.BOM_UTF8)
         for line in self.lines.feed(data):
+            if self._opening:  # (the stream's first line, whatever reads it came in)
+                self._opening = False
+                line = line.removeprefix(codecs.BOM_UTF8)
+            if not line:  # a blank line ends an event
+                self._event = b""
+                continue
             line = line.strip()
             if not line.startswith(b"data:"):
-                if not line:
-                    self._event = b""
-                elif line.startswith(b"event:"):
+                if line.startswith(b"event:"):
                     self._event = line[6:].strip()
                 continue
             payload = line[5:].strip()
+            if self._event == b"error":
+                self.failed = sent_error(self.provider_id, _said(payload, self.provider_id), self.limits.error_chars)
+                break
             if payload == b"[DONE]":
                 self.done = True
                 break
             if not payload:
                 continue
             obj = parse_json(payload, self.provider_id)
-            error = error_in(obj) or (obj or "an error it did not describe" if self._event == b"error" else None)
+            error = error_in(obj)
             if error:
                 self.failed = sent_error(self.provider_id, error, self.limits.error_chars)
                 break
@@ -197,6 +214,15 @@ class SSEParser:
                 continue
             chunks.append(obj)
         return chunks
+
+
+def _said(payload: bytes, provider_id: str) -> Any:
+    """What the data of an `event: error` says: its JSON's error, or the JSON, or the text."""
+    try:
+        said = parse_json(payload, provider_id) if payload else None
+    except ValueError:
+        return payload.decode(errors="replace")
+    return error_in(said) or said or "an error it did not describe"
 
 
 
