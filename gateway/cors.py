@@ -25,12 +25,13 @@ MAX_AGE_S = 600
 
 
 def allowed_origin(request: web.Request) -> str | None:
-    """The request's `Origin`, if the config lets that site's pages read the answers."""
+    """The request's `Origin`, if the config lets that site's pages read the answers (compared
+    without case: a browser sends the host in lower case, an operator may not write it so)."""
     origins = request.app.get(ORIGINS)
     origin = request.headers.get("Origin")
     if not origins or not origin:
         return None
-    return origin if "*" in origins or origin in origins else None
+    return origin if "*" in origins or origin.lower() in origins else None
 
 
 def preflight(request: web.Request) -> web.Response | None:
@@ -47,15 +48,18 @@ def preflight(request: web.Request) -> web.Response | None:
 
 
 async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
-    """Every answer to a listed site's request names it (`on_response_prepare`)."""
+    """Every answer to a listed site's request names it (`on_response_prepare`); every answer says
+    it depends on `Origin`, so a cache never gives one site's answer to another."""
+    if "Access-Control-Allow-Origin" in response.headers:  # (a preflight's own)
+        return
+    response.headers.add("Vary", "Origin")
     origin = allowed_origin(request)
-    if origin is not None and "Access-Control-Allow-Origin" not in response.headers:
+    if origin is not None:
         response.headers["Access-Control-Allow-Origin"] = origin
         response.headers["Access-Control-Expose-Headers"] = EXPOSED
-        response.headers.add("Vary", "Origin")
 
 
 def setup(app: web.Application, origins: list[str]) -> None:
     if origins:
-        app[ORIGINS] = frozenset(origins)
+        app[ORIGINS] = frozenset(origin.lower() for origin in origins)
         app.on_response_prepare.append(on_prepare)

@@ -123,8 +123,12 @@ class Follower:
 
     async def next(self, timeout: float | None = None) -> Event | None:
         """The next event, or None if none came within `timeout` seconds."""
-        if not self.items and self.behind and self.hub is not None and not await self.hub._catch_up(self, timeout):
-            return None  # (Redis is away: the caller's keep-alive goes out, and the read is tried again)
+        if not self.items and self.behind and self.hub is not None:
+            began = time.monotonic()
+            if not await self.hub._catch_up(self, timeout):
+                return None  # (Redis is away: the caller's keep-alive goes out, and the read is tried again)
+            if timeout is not None:  # (what the read took counts: keep-alives stay `timeout` apart)
+                timeout = max(0.0, timeout - (time.monotonic() - began))
         if not self.items:
             self.waiter = asyncio.get_running_loop().create_future()
             try:

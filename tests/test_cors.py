@@ -36,7 +36,7 @@ async def started(redis: Redis, redis_url: str, origins: list[str] | None) -> Te
 
 @pytest.fixture
 async def gateway(redis: Redis, redis_url: str) -> AsyncIterator[str]:
-    server = await started(redis, redis_url, [SITE, "http://localhost:5173"])
+    server = await started(redis, redis_url, [SITE, "http://LocalHost:5173"])
     yield str(server.make_url("")).rstrip("/")
     await server.close()
 
@@ -71,6 +71,10 @@ async def test_every_answer_to_a_listed_site_names_it_errors_and_streams_too(gat
         evil = {"Origin": "https://evil.example", **bearer(CALLER)}
         async with http.get(gateway + "/v1/models", headers=evil) as resp:
             assert resp.status == 200 and "Access-Control-Allow-Origin" not in resp.headers
+            assert resp.headers["Vary"] == "Origin"  # (a cache must not give it to a listed site)
+        local = {"Origin": "http://localhost:5173", **bearer(CALLER)}
+        async with http.get(gateway + "/v1/models", headers=local) as resp:
+            assert resp.headers["Access-Control-Allow-Origin"] == "http://localhost:5173"  # (listed as LocalHost)
 
 
 async def test_without_cors_origins_no_answer_names_a_site(redis: Redis, redis_url: str) -> None:
