@@ -6,7 +6,8 @@ Every connection is served by a `GuardedHandler`, aiohttp's own request handler 
 
 - `header_timeout_ms`: a request head must be complete this long after its first byte (after the
   connect, for a connection's first request). Else, if anything had been sent, 408
-  `request_timeout`; the connection closes either way.
+  `request_timeout`, and what the client still sends is dropped until it closes (at most
+  `LINGER_S`); the connection closes either way.
 - `body_timeout_ms`: a body must be complete this long after its head (`body_reader`, run by `gateway.middleware`), else
   408 and the connection ends (`GuardedHandler._end_after_answer`: the rest of the body is dropped
   for at most aiohttp's lingering time, then it closes).
@@ -48,6 +49,9 @@ log = logging.getLogger("iop.gateway")
 HEALTH_REQUEST = b"GET /healthz"
 #: The request's body, read within the limits and decoded (empty when it had none).
 BODY = web.RequestKey("iop_body", bytes)
+#: How long a connection answered 408 for a late head drops what its client still sends before it
+#: closes (a client that reads its answer closes at once).
+LINGER_S = 2.0
 
 
 class Phase(enum.Enum):
@@ -60,7 +64,7 @@ class GuardedHandler(web.RequestHandler):
     """aiohttp's request handler with a head deadline, a connection limit and OpenAI-shaped parse errors."""
 
     __slots__ = ("_guard", "_slot", "_phase", "_raw", "_line", "_head_timer", "_head_begun", "_in_request",
-                 "_close_after_response")
+                 "_close_after_response", "_dropping")
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
         # Bodies are decoded by `body_reader` (gateway.bodies), not by aiohttp.
@@ -74,6 +78,8 @@ class GuardedHandler(web.RequestHandler):
         self._head_begun = False
         self._in_request = False
         self._close_after_response = False
+        #: answered 408 to a late head: what the client still sends is dropped until it closes
+        self._dropping = False
 
     # -- the connection's life -------------------------------------------------------------
 
@@ -93,6 +99,8 @@ class GuardedHandler(web.RequestHandler):
         super().connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        if self._dropping:
+            return
         if self._phase is Phase.SERVING:
             if not self._in_request and not self._head_begun:
                 self._head_begun = True
@@ -140,11 +148,30 @@ class GuardedHandler(web.RequestHandler):
         if self._phase is Phase.SERVING:
             if self.transport is not None and self._head_begun:
                 self.transport.write(self._guard.late_head_answer)
-            self.force_close()
+                self._drop_then_close()
+            else:
+                self.force_close()
         elif self._raw is not None:
             if self._phase is Phase.TRIAGE and self._line:
                 self._raw.write(self._guard.late_head_answer)
             self._raw.close()
+
+    def _drop_then_close(self) -> None:
+        """After the 408 to a late head: the client may still be sending it, and closing with its
+        bytes unread sends a reset, which can reach the client before the 408 (it saw a broken
+        connection). The gateway ends what it sends, drops what comes, and closes once the client
+        has, or after `LINGER_S`."""
+        self._dropping = True
+        transport = self.transport
+        if transport is None or transport.is_closing() or not transport.can_write_eof():
+            self.force_close()
+            return
+        try:
+            transport.write_eof()
+        except (OSError, RuntimeError):
+            self.force_close()
+            return
+        self._head_timer = self._loop.call_later(LINGER_S, self.force_close)  # (cancelled as the connection ends)
 
     def request_started(self) -> None:
         """A request head arrived (called by `body_reader`). No head deadline runs until its

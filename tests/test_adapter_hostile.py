@@ -609,6 +609,27 @@ async def test_a_server_that_ignores_n_answers_whole_with_one_choice(raw: Raw, s
     assert text_of(await collect(adapter.stream(RunKind.CHAT, chat(stream=True, n=2), "run_1"))) == "a b"
 
 
+async def test_a_stream_that_ends_before_any_event_is_no_strike(raw: Raw, session: aiohttp.ClientSession) -> None:
+    """llama-cpp-python answers a streamed prompt beyond its context with a 200 and no events: the
+    same again on every attempt, so not three attempts and three strikes that took the provider down
+    for everyone (found against the real server)."""
+    raw.answers["/v1/chat/completions"] = chunked([])
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert err.value.message == "provider vllm-h: the stream ended before any event"
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
+
+
+async def test_an_error_object_without_a_message_is_named_by_its_type(raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/v1/completions"] = whole("500 Internal Server Error", json.dumps(
+        {"error": {"message": "", "type": "internal_server_error", "param": None, "code": None}}).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.COMPLETION, {"model": SERVED, "prompt": ["a", "b"]}, "run_1")
+    assert err.value.message == "provider vllm-h answered 500: internal_server_error without a message"
+
+
 async def test_events_labelled_json_are_read_as_events(raw: Raw, session: aiohttp.ClientSession) -> None:
     """Microsoft's Foundry Local sends its events as `application/json`: the first byte decides."""
     raw.answers["/v1/chat/completions"] = chunked([b"\n" + sse(delta("a ")), sse(delta("b", "stop")),

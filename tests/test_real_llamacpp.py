@@ -327,6 +327,15 @@ def test_requests_the_server_rejects_come_back_as_it_answered(real: Real) -> Non
     assert real.chat.log_lines(r'"POST /v1/chat/completions HTTP/1.1" 500') == before + 1  # tried once
     assert real.health("llama-a") == "available"
 
+    # Streamed, the same prompt gets a 200 and no events from this server: asked once, no strike
+    # (three attempts took the provider down for every caller; found against this server).
+    before = real.chat.log_lines(r'"POST /v1/chat/completions HTTP/1.1" 200')
+    with pytest.raises(openai.APIStatusError) as failed:
+        asyncio.run(ask(real.gateway, "smollm2", "chat", messages=too_long, max_tokens=3, stream=True))
+    assert failed.value.status_code == 502 and "the stream ended before any event" in failed.value.message
+    assert real.chat.log_lines(r'"POST /v1/chat/completions HTTP/1.1" 200') == before + 1
+    assert real.health("llama-a") == "available"
+
 
 def test_a_killed_server_fails_its_callers_cleanly_and_serves_again_once_back(real: Real) -> None:
     real.chat.stop(signal.SIGKILL)

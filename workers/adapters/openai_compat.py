@@ -278,6 +278,10 @@ class OpenAICompatAdapter:
             detail = None
         if detail is not None and detail.get("message"):  # (a message that is not text is shown as JSON)
             message = error_text(detail, self.limits.error_chars)
+        elif detail is not None:  # (an error object without a message: its type, not the whole body)
+            kind = detail.get("type")
+            message = one_line(f"{kind if isinstance(kind, str) and kind else 'an error'} without a message",
+                               self.limits.error_chars)
         else:
             message = one_line(text or resp.reason or "no error text", self.limits.error_chars)
         raise answered_error(self.provider.id, resp.status, message, detail,
@@ -378,6 +382,11 @@ class OpenAICompatAdapter:
                 raise self._failed(exc) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
+        if not parser.done and not finished and opening:
+            # llama-cpp-python ends so a stream whose prompt is beyond its context: an answer of its
+            # own (it would give it again), not a server in trouble (it took three strikes a run)
+            raise ProviderError(f"provider {self.provider.id}: the stream ended before any event", strikes=None,
+                                retry=Retry.ELSEWHERE)
         if not parser.done and not finished:
             # (a stream that ended after its finish_reason without [DONE] is whole: it is kept)
             raise ProviderError(f"provider {self.provider.id}: the stream ended before [DONE]", retry=Retry.ANY,
