@@ -7,6 +7,7 @@ wheel), so the test command works on a machine with no Redis installed.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -32,6 +33,16 @@ pytest_plugins = ("tests.faults",)
 # example database written into the checkout; a failure prints the example that reproduces it.
 settings.register_profile("iop", deadline=None, database=None, print_blob=True)
 settings.load_profile("iop")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _garbage_of_the_module() -> Iterator[None]:
+    """What a module's tests left to the garbage collector is collected before the next module
+    starts: a ResourceWarning it raises (an unclosed socket: pytest makes warnings errors) fails
+    the module that leaked it, not whichever test of another module the collector happened to run
+    in (how an unclosed socket failed a simulator test in CI)."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
