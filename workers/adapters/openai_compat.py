@@ -225,7 +225,6 @@ def _said(payload: bytes, provider_id: str) -> Any:
     return error_in(said) or said or "an error it did not describe"
 
 
-
 class OpenAICompatAdapter:
     def __init__(self, provider: ProviderConfig, session: aiohttp.ClientSession,
                  limits: ReadLimits = DEFAULT_LIMITS) -> None:
@@ -330,11 +329,11 @@ class OpenAICompatAdapter:
         choices = choices_asked(kind, body)
         seen: set[int] = set()
         ended: set[int] = set()
+        #: nothing but blanks read yet: the first byte tells a JSON answer from events
+        opening = True
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp, body.get("model"))
-                #: nothing but blanks read yet: the first byte tells a JSON answer from events
-                opening = True
                 #: when the grace ends (loop time), from the moment every choice had finished: bytes the
                 #: provider sends meanwhile (a ping, an empty chunk) do not move it
                 grace_ends: float | None = None
