@@ -34,7 +34,7 @@ from common import jsonio
 from common.chunks import choice_indices, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import RunKind, callers_fault, upstream_request_id
+from common.wire import RunKind, upstream_request_id
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.embeddings import embeddings_problem, inputs
 from workers.adapters.failures import (
@@ -141,22 +141,11 @@ def error_in(payload: Any) -> Any:
 
 def sent_error(provider_id: str, error: Any, error_chars: int) -> ProviderError:
     """The error a provider sent in its stream or in a 200 answer: not a strike (it answered), and
-    the run may go to another provider if nothing reached its caller yet; unless its `code` is a
-    4xx that is the caller's (vLLM's and SGLang's are the status): then it is passed on as that
-    status would be."""
-    status = _status_in(error)
-    if status is not None and callers_fault(status):
-        return answered_error(provider_id, status, error_text(error, error_chars), error)
+    the run may go to another provider if nothing reached its caller yet. (Its `code` is not taken
+    for a status: vLLM gives 400 to every fault of its stream, its engine's among them; a request
+    of the caller's that a server refuses is refused before its stream.)"""
     return ProviderError(f"provider {provider_id} sent an error: {error_text(error, error_chars)}",
                          detail=error if isinstance(error, dict) else None, retry=Retry.ELSEWHERE, strikes=0)
-
-
-def _status_in(error: Any) -> int | None:
-    """The HTTP status an error object's `code` gives, if it is one (400, or "400")."""
-    code = error.get("code") if isinstance(error, dict) else None
-    if isinstance(code, str) and code.isdigit() and len(code) == 3:
-        code = int(code)
-    return code if type(code) is int and 400 <= code < 600 else None
 
 
 class SSEParser:
@@ -329,8 +318,9 @@ class OpenAICompatAdapter:
         choices = choices_asked(kind, body)
         seen: set[int] = set()
         ended: set[int] = set()
-        #: nothing but blanks read yet: the first byte tells a JSON answer from events
+        #: nothing but blanks read yet (`head`): the first byte tells a JSON answer from events
         opening = True
+        head = b""
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp, body.get("model"))
@@ -353,18 +343,19 @@ class OpenAICompatAdapter:
                             break
                     if not data:
                         break
-                    if opening and (start := data.lstrip(b" \t\r\n").removeprefix(codecs.BOM_UTF8)):
-                        opening = False
-                        if start.startswith(b"{"):  # (whatever its Content-Type: Foundry Local labels events JSON)
-                            raise await self._not_a_stream(resp, data)
+                    if opening and not codecs.BOM_UTF8.startswith(head := head + data):  # (a BOM begun: wait)
+                        start = head.removeprefix(codecs.BOM_UTF8).lstrip(b" \t\r\n")
+                        head = b""  # (only blanks, or it is decided: nothing to keep)
+                        if start:
+                            opening = False
+                            if start[:1] in (b"{", b"["):  # (whatever its Content-Type: Foundry Local's say JSON)
+                                raise await self._not_a_stream(resp, start)
                     chunks = parser.feed(data)
                     if chunks:
                         for chunk in chunks:
                             seen.update(choice_indices(chunk))
                             ended.update(choice_indices(chunk, finished=True))
-                        # (every choice seen: a server that ignores `n`, as llama-cpp-python's does,
-                        # sends one, and its [DONE] ends a whole answer)
-                        finished = bool(ended) and len(ended) >= len(seen)
+                        finished = bool(ended) and len(ended) >= max(choices, len(seen))
                         yield chunks
                     if parser.failed:
                         raise parser.failed
@@ -390,8 +381,10 @@ class OpenAICompatAdapter:
             # (a stream that ended after its finish_reason without [DONE] is whole: it is kept)
             raise ProviderError(f"provider {self.provider.id}: the stream ended before [DONE]", retry=Retry.ANY,
                                 strikes=1)
-        if not finished:
-            # llama-cpp-python ends a stream this way when another request interrupts it
+        if not (ended and len(ended) >= len(seen)):
+            # llama-cpp-python ends a stream this way when another request interrupts it. (After
+            # [DONE], every choice sent is enough: a server that ignores `n`, as llama-cpp-python's
+            # does, sends one; a stream that broke off needs every choice asked for.)
             which = "a finish_reason for every choice" if ended else "a finish_reason"
             raise ProviderError(f"provider {self.provider.id}: the stream was cut short ([DONE] without {which})",
                                 retry=Retry.ANY)
@@ -400,8 +393,8 @@ class OpenAICompatAdapter:
         """A stream asked for and one JSON answer given (it begins with `first`, where events begin
         with a field name): its error if it carries one (some servers answer an error so), else an
         answer iop cannot pass on as a stream. Neither is a strike."""
-        rest = await read_at_most(resp, self.limits.response_bytes - len(first))
-        if rest is None:
+        rest = await read_at_most(resp, self.limits.response_bytes)  # (its Content-Length counts `first` too)
+        if rest is None or len(first) + len(rest) > self.limits.response_bytes:
             raise self.limits.too_large(self.provider.id, "an answer", self.limits.response_bytes)
         error = error_in(parse_json(first + rest, self.provider.id))
         if error:
