@@ -519,6 +519,23 @@ async def test_a_4xx_in_the_flat_shape_of_older_vllm_says_its_message(raw: Raw, 
     assert err.value.detail["param"] == "max_tokens"
 
 
+@pytest.mark.parametrize(("body", "content_type", "pool_s"), [
+    (b"404 page not found", "text/plain", True),  # (no error object: a path the server lacks, base_url wrong)
+    (b'{"error": {"message": "Invalid URL (POST /v1/m-served-x/completions)"}}', "application/json", False),
+    (b'{"error": {"message": "model \\"m-served\\" not found, try pulling it first"}}', "application/json", True),
+], ids=["plain-text", "a-name-inside-another", "quoted"])
+def test_which_404s_are_the_pool_s(body: bytes, content_type: str, pool_s: bool) -> None:
+    """A 404 is the pool's fault when it names the served model as a word of its own, or is no error
+    object at all (a second review: a wrong base_url's 404 went to the caller as a sign of life)."""
+    from workers.adapters.failures import answered_error, names
+
+    payload = json.loads(body) if content_type == "application/json" else None
+    message = payload["error"]["message"] if payload else body.decode()
+    err = answered_error("p", 404, message, payload["error"] if payload else None, SERVED)
+    assert (err.retry is Retry.ELSEWHERE and err.status is None) == pool_s, (err.retry, err.status)
+    assert names("The model `m-served` does not exist.", SERVED) and not names("m-served-2", SERVED)
+
+
 async def test_an_error_body_written_in_pieces_is_read_whole(raw: Raw, session: aiohttp.ClientSession) -> None:
     """Found by an audit: one read took only what had arrived, and the caller got `{"error": {"message"`."""
     body = json.dumps({"error": {"message": "temperature must be a number", "type": "BadRequestError",

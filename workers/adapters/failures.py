@@ -208,6 +208,12 @@ def probe_failure(what_failed: str, exc: BaseException, total_ms: int) -> ProbeR
                        timed_out=isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)))
 
 
+def names(message: str, served: str | None) -> bool:
+    """Whether `message` names the served model as a word of its own ('The model "m" does not
+    exist', `model "m" not found`), not inside another (`chat` in `/v1/chat/completions`)."""
+    return bool(served) and re.search(rf"(?<![\w.:/-]){re.escape(served or '')}(?![\w.:/-])", message) is not None
+
+
 def probe_answered(what: str, status: int) -> ProbeResult:
     """A probe (`GET /path`) answered with an error status: down, unless it said it is busy (a 429:
     a hosted API's rate limit covers its model list too), which says nothing either way."""
@@ -220,12 +226,13 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
                    served: str | None = None) -> ProviderError:
     """A provider's error answer (4xx or 5xx) with its one-line `message`. The caller's fault
     (`callers_fault`) is passed through (`detail`, its message the one-line one), never retried, and
-    shows the provider alive; a 5xx, a 429, a refusal of iop's credentials, or a 404 whose message
-    names the `served` model (the provider lost it: the caller asked for a model iop routes there)
-    goes to another provider (a refusal of credentials is a strike: every run there would get it;
-    a 429 shows it alive; a 5xx or a lost model shows nothing: its model list is probed again once
-    nothing else shows it alive)."""
-    if status == NOT_THERE and served and served in message:
+    shows the provider alive; a 5xx, a 429, a refusal of iop's credentials, or a 404 that names the
+    `served` model (the provider lost it: the caller asked for a model iop routes there) or is no
+    error object (a path the server does not have: `base_url` or a proxy is wrong) goes to another
+    provider (a refusal of credentials is a strike: every run there would get it; a 429 shows it
+    alive; a 5xx or a 404 shows nothing: its model list is probed again once nothing else shows
+    it alive)."""
+    if status == NOT_THERE and (detail is None or names(message, served)):
         return ProviderError(f"provider {provider_id} answered {status}: {message}", retry=Retry.ELSEWHERE,
                              strikes=None)
     if callers_fault(status):

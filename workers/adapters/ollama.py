@@ -127,9 +127,8 @@ class OllamaAdapter:
         error = payload.get("error") if isinstance(payload, dict) else None
         message = error_text(error, self.limits.error_chars) if error else \
             one_line(text or "no error text", self.limits.error_chars)
-        return answered_error(self.provider.id, status, message,
-                              {"message": message, "type": "invalid_request_error", "param": None, "code": None},
-                              served)
+        detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+        return answered_error(self.provider.id, status, message, detail if error or status != 404 else None, served)
 
     def _unsupported(self, exc: wire.UnsupportedRequest) -> ProviderError:
         detail = {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": None}
