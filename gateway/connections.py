@@ -160,8 +160,9 @@ class GuardedHandler(web.RequestHandler):
         """After the 408 to a late head: the client may still be sending it, and closing with its
         bytes unread sends a reset, which can reach the client before the 408 (it saw a broken
         connection). The gateway ends what it sends, drops what comes, and closes once the client
-        has, or after `LINGER_S`."""
+        has, or after `LINGER_S`; meanwhile the connection is idle (a newer one may evict it)."""
         self._dropping = True
+        self._guard.idle(self, self._slot)
         transport = self.transport
         if transport is None or transport.is_closing() or not transport.can_write_eof():
             self.force_close()
