@@ -163,16 +163,23 @@ class GuardedHandler(web.RequestHandler):
         has, or after `LINGER_S`; meanwhile the connection is idle (a newer one may evict it)."""
         self._dropping = True
         self._guard.idle(self, self._slot)
-        transport = self.transport
-        if transport is None or transport.is_closing() or not transport.can_write_eof():
+        if not self._end_sending():
             self.force_close()
             return
+        self._head_timer = self._loop.call_later(LINGER_S, self.force_close)  # (cancelled as the connection ends)
+
+    def _end_sending(self) -> bool:
+        """Send the end of what the gateway sends (the client reads its answer, then the end);
+        False when the transport cannot (closed, or no half-close), or failed (then it is closed)."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or not transport.can_write_eof():
+            return False
         try:
             transport.write_eof()
         except (OSError, RuntimeError):
             self.force_close()
-            return
-        self._head_timer = self._loop.call_later(LINGER_S, self.force_close)  # (cancelled as the connection ends)
+            return False
+        return True
 
     def request_started(self) -> None:
         """A request head arrived (called by `body_reader`). No head deadline runs until its
@@ -214,12 +221,7 @@ class GuardedHandler(web.RequestHandler):
         self._cancel_head_timer()
         self._in_request = True
         self.close()  # no next request on it; aiohttp lingers on the unread body, then closes
-        transport = self.transport
-        if transport is not None and not transport.is_closing() and transport.can_write_eof():
-            try:
-                transport.write_eof()
-            except (OSError, RuntimeError):
-                self.force_close()
+        self._end_sending()
 
     # -- over the limit ----------------------------------------------------------------------
 
