@@ -268,9 +268,10 @@ class EventHub:
                 del self.followers[follower.run_id]
 
     async def _catch_up(self, follower: Follower, timeout: float | None) -> bool:
-        """What came after what the follower held when it fell behind: read from its run's own
-        stream (up to `HELD_BYTES`); then what the listener brought meanwhile. False when that
-        took longer than `timeout` (Redis is away): the follower is still behind."""
+        """What the run has already (a follower's first read), or what came after what the follower
+        held when it fell behind: read from its run's own stream (up to `HELD_BYTES`); then what the
+        listener brought meanwhile. False when that took longer than `timeout` (Redis is away): the
+        follower is still behind."""
         follower.behind = False
         if follower.pending is None:
             follower.pending = []
