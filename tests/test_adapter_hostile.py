@@ -158,11 +158,11 @@ def chunked(parts: list[bytes], *, end: bool = True, content_type: str = "text/e
     return answer
 
 
-def endless(first: bytes, item: bytes, most: int = 256 * 1024 * 1024) -> Answer:
+def endless(first: bytes, item: bytes, most: int = 256 * 1024 * 1024, status: str = "200 OK") -> Answer:
     """A chunked answer that starts with `first` and repeats `item` until the client leaves (or
     `most` bytes, so a test of code that never stops cannot fill the machine)."""
     async def answer(request: Request, writer: asyncio.StreamWriter) -> None:
-        writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n{CHUNKED}".encode())
+        writer.write(f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n{CHUNKED}".encode())
         block = first + item * (65536 // len(item))
         sent = 0
         while sent < most:
@@ -569,6 +569,34 @@ async def test_a_passed_4xx_s_type_param_and_code_are_one_short_line_each(
     detail = err.value.detail
     assert detail is not None and detail["type"].startswith("line1 line2 ?[31mttt")
     assert all(len(detail[name]) <= 200 and "\n" not in detail[name] for name in ("type", "param", "code"))
+
+
+async def test_an_endless_error_body_is_read_to_its_bound(raw: Raw, session: aiohttp.ClientSession) -> None:
+    """At most `MAX_ERROR_BODY` of an error answer is read; the message is cut to 500 characters."""
+    raw.answers["/v1/chat/completions"] = endless(b'{"error": {"message": "', b"x",
+                                                  status="500 Internal Server Error")
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await asyncio.wait_for(adapter.complete(RunKind.CHAT, chat(), "run_1"), 30)
+    assert err.value.message.startswith('provider vllm-h answered 500: {"error": {"message": "xxx')
+    assert len(err.value.message) < 600
+
+
+async def test_an_error_body_that_trickles_is_read_for_a_bounded_time(
+        raw: Raw, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error body that never ends: what came by `ERROR_BODY_S` is what is shown."""
+    monkeypatch.setattr("workers.adapters.reading.ERROR_BODY_S", 0.2)
+
+    async def trickle(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\nContent-Length: 1000"
+                     b"\r\n\r\nengine stalled")  # (and nothing more, the connection held open)
+
+    raw.answers["/v1/chat/completions"] = trickle
+    raw.hold = True
+    adapter = OpenAICompatAdapter(openai(raw.url, read_timeout_ms=60_000), session)
+    with pytest.raises(ProviderError) as err:
+        await asyncio.wait_for(adapter.complete(RunKind.CHAT, chat(), "run_1"), 30)
+    assert err.value.message == "provider vllm-h answered 500: engine stalled"
 
 
 async def test_a_404_that_names_the_served_model_is_the_pool_s_fault_and_no_sign_of_life(

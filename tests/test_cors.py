@@ -108,3 +108,11 @@ def test_a_site_that_is_not_an_origin_is_a_config_fault(origin: str) -> None:
         parse_config(config)
     assert any(e.startswith("runtime.cors_origins[1]: String should match pattern") for e in err.value.errors), \
         err.value.errors
+
+
+def test_more_than_a_hundred_sites_is_a_config_fault() -> None:
+    config: dict[str, Any] = {**pool(), "runtime": {"cors_origins": [f"https://s{i}.example" for i in range(101)]}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(config)
+    assert any(e.startswith("runtime.cors_origins: List should have at most 100 items") for e in err.value.errors), \
+        err.value.errors

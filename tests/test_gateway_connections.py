@@ -213,6 +213,25 @@ def test_a_late_head_s_408_reaches_a_client_that_goes_on_sending(stack: Stack, g
     assert parse(received).status == 408
 
 
+def test_a_client_that_goes_on_sending_after_a_late_head_s_408_is_closed_after_the_linger(
+        stack: Stack, gateways: list[Gateway]) -> None:
+    """What a client still sends after the 408 is dropped for at most `LINGER_S` (2 s), then the
+    connection closes: a slow client cannot hold it for longer."""
+    gw = start(stack, gateways, header_timeout_ms=300)
+    sock = gw.connect()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nX-Partial: ")
+    readable, _, _ = select.select([sock], [], [], DEADLINE_S)
+    assert readable
+    deadline = time.monotonic() + DEADLINE_S
+    closed = False
+    while time.monotonic() < deadline and not closed:
+        try:
+            sock.sendall(b"x" * 1024)  # (blocks while the socket's buffers are full: the gateway's pace)
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+    assert closed, "the gateway kept taking bytes after its 408 for longer than the test's deadline"
+
+
 def test_a_refused_expect_then_an_open_connection_is_no_late_head(stack: Stack, gateways: list[Gateway]) -> None:
     """An `Expect` refused (413) is answered before the request counts as begun; while the gateway
     then drops what the client still sends, no head deadline may fire on it (it wrote a 408 after
