@@ -35,8 +35,13 @@ import openai
 import pytest
 import redis as sync_redis
 
+from common.config import ProviderConfig
+from common.wire import RunKind
 from iop.embedded_redis import RedisServer
 from tests.conftest import Stack, wait_until
+from workers.adapters.base import ProviderError
+from workers.adapters.openai_compat import OpenAICompatAdapter
+from workers.service import provider_session
 
 pytestmark = pytest.mark.e2e
 
@@ -335,6 +340,44 @@ def test_requests_the_server_rejects_come_back_as_it_answered(real: Real) -> Non
     assert failed.value.status_code == 502 and "the stream ended before any event" in failed.value.message
     assert real.chat.log_lines(r'"POST /v1/chat/completions HTTP/1.1" 200') == before + 1
     assert real.health("llama-a") == "available"
+
+
+
+def test_a_stream_the_server_ends_before_any_event_leaves_no_broken_connection_for_the_next_run(
+        real: Real) -> None:
+    """This server ends a streamed prompt beyond its context with a 200 and no event, says
+    keep-alive, and closes the connection just after: a run sent at once on that pooled
+    connection got a reset, or a head and a cut body (found with this server, with aiohttp's pool:
+    3 runs of 3). The worker's adapter drops that connection, and a run that finds a pooled one
+    broken before any answer goes again on a new one: each run right after such a stream is
+    answered. (The server started with `--interrupt_requests false`: iop's own probes of it
+    cut no stream of this test.)"""
+    provider = ProviderConfig.model_validate({"id": "llama-direct", "type": "llamacpp", "base_url": real.queueing.url,
+                                              "capacity": 1, "models": [gguf()]})
+    too_long = {"model": gguf(), "messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 3,
+                "stream": True}
+    short = {"model": gguf(), "messages": CHAT, "max_tokens": 3, "stream": True}
+
+    async def runs() -> list[str]:
+        session = provider_session()
+        adapter = OpenAICompatAdapter(provider, session)
+        outcomes = []
+        try:
+            for i in range(6):
+                with pytest.raises(ProviderError, match="the stream ended before any event"):
+                    async for _ in adapter.stream(RunKind.CHAT, dict(too_long), f"run_long{i}"):
+                        pass
+                try:
+                    reasons = [c.get("finish_reason") async for chunks in adapter.stream(
+                        RunKind.CHAT, dict(short), f"run_short{i}") for chunk in chunks for c in chunk["choices"]]
+                    outcomes.append("answered" if "length" in reasons else f"no finish: {reasons}")
+                except ProviderError as exc:
+                    outcomes.append(exc.message)
+        finally:
+            await session.close()
+        return outcomes
+
+    assert asyncio.run(runs()) == ["answered"] * 6
 
 
 def test_a_killed_server_fails_its_callers_cleanly_and_serves_again_once_back(real: Real) -> None:

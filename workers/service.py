@@ -21,6 +21,7 @@ from workers.adapters.base import DEFAULT_LIMITS, Adapter, ReadLimits
 from workers.adapters.cli import CliAdapter
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
+from workers.adapters.sending import PoolConnector
 from workers.arq_worker import WakeWorker, arq_redis
 from workers.heartbeat import Heartbeats
 from workers.runner import Runner
@@ -76,8 +77,9 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
 def provider_session() -> aiohttp.ClientSession:
     """The HTTP client of a worker's adapters, shared by every run of the node. It keeps no
     cookies: a provider's `Set-Cookie` (a hosted API's load balancer, say) answers one caller's run
-    and must not ride along on the next caller's."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+    and must not ride along on the next caller's. Its connector says which requests go out on a
+    pooled connection (`workers.adapters.sending`)."""
+    return aiohttp.ClientSession(connector=PoolConnector(limit=0, ttl_dns_cache=300),
                                  cookie_jar=aiohttp.DummyCookieJar())
 
 

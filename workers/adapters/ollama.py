@@ -18,6 +18,7 @@ from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
+from workers.adapters import sending
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.embeddings import embeddings_problem, inputs
 from workers.adapters.failures import (
@@ -149,10 +150,10 @@ class OllamaAdapter:
             raise self._unsupported(exc) from None
 
     def _post(self, path: str, native: Json, request_id: str) -> Any:
-        return self.session.post(self.root + path, data=jsonio.dumps(native),
-                                 headers={"X-Request-Id": upstream_request_id(request_id),
-                                          "Content-Type": "application/json"}, timeout=self.timeout,
-                                 allow_redirects=False)
+        return sending.post(self.session, self.root + path, data=jsonio.dumps(native),
+                            headers={"X-Request-Id": upstream_request_id(request_id),
+                                     "Content-Type": "application/json"}, timeout=self.timeout,
+                            allow_redirects=False)
 
     def _sent_error(self, error: Any) -> ProviderError:
         """An `error` Ollama sent in a 200 answer or a stream line."""

@@ -35,6 +35,7 @@ from common.chunks import choice_indices, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
+from workers.adapters import sending
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.embeddings import embeddings_problem, inputs
 from workers.adapters.failures import (
@@ -276,9 +277,9 @@ class OpenAICompatAdapter:
                              served if isinstance(served, str) else None)
 
     def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
-        return self.session.post(self.root + PATHS[kind], data=jsonio.dumps(body),
-                                 headers={**self._headers(run_id), "Content-Type": "application/json"},
-                                 timeout=self.timeout, allow_redirects=False)
+        return sending.post(self.session, self.root + PATHS[kind], data=jsonio.dumps(body),
+                            headers={**self._headers(run_id), "Content-Type": "application/json"},
+                            timeout=self.timeout, allow_redirects=False)
 
     def _failed(self, exc: BaseException) -> ProviderError:
         return self._clean(transport_error(self.provider.id, exc, connect_ms=self.provider.connect_timeout_ms,
@@ -324,6 +325,7 @@ class OpenAICompatAdapter:
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp, body.get("model"))
+                connection = sending.connection_of(resp)
                 #: when the grace ends (loop time), from the moment every choice had finished: bytes the
                 #: provider sends meanwhile (a ping, an empty chunk) do not move it
                 grace_ends: float | None = None
@@ -342,6 +344,8 @@ class OpenAICompatAdapter:
                             resp.close()
                             break
                     if not data:
+                        if not (parser.done or finished):  # (cut short: its connection serves no other run)
+                            sending.drop(connection)
                         break
                     if opening and not codecs.BOM_UTF8.startswith(head := head + data):  # (a BOM begun: wait)
                         start = head.removeprefix(codecs.BOM_UTF8).lstrip(b" \t\r\n")

@@ -1,0 +1,184 @@
+"""A run sent on a pooled connection that the provider broke goes again on a new one.
+
+A server on raw sockets keeps each connection open after its answer (HTTP/1.1 keep-alive) and
+breaks it when the next request comes on it: it closes it, or resets it, without a byte of an
+answer. That is what a server's idle timeout racing a request looks like, and what
+llama-cpp-python's server does to the connection of a stream it ended before any event. The
+worker's one HTTP client pools its connections, so the second run of a provider takes the broken
+one: it must be sent again on a new connection and succeed, while a request that breaks so on a
+new connection stays the provider's failure (sent once)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+
+from common.config import ProviderConfig
+from common.wire import RunKind
+from workers.adapters.base import ProviderError, Retry
+from workers.adapters.ollama import OllamaAdapter
+from workers.adapters.openai_compat import OpenAICompatAdapter
+from workers.adapters.sending import MAX_SENDS
+from workers.service import provider_session
+
+SERVED = "m-served"
+ANSWER = {"id": "x", "object": "chat.completion", "created": 1, "model": SERVED,
+          "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+CHUNK = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": SERVED,
+         "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+OLLAMA = {"model": SERVED, "message": {"role": "assistant", "content": "hi"}, "done": True, "done_reason": "stop",
+          "prompt_eval_count": 1, "eval_count": 1}
+
+
+@dataclass
+class KeepAlive:
+    """Answers `answered` requests on each connection, keeping it open, then breaks it when the
+    next request on it comes (`how`: "close" or "reset"); `answered` 0 breaks every request."""
+
+    answered: int = 1
+    how: str = "close"
+    #: requests read, and how many of them were on a connection of their own so far
+    requests: list[str] = field(default_factory=list)
+    connections: int = 0
+    broken: int = 0
+    server: asyncio.Server | None = None
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        self.connections += 1
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ", 2)[1].decode()
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                body = json.loads(await reader.readexactly(length))
+                self.requests.append(path)
+                if served >= self.answered:
+                    self.broken += 1
+                    if self.how == "reset":  # (SO_LINGER 0: the close sends a reset)
+                        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                                   struct.pack("ii", 1, 0))
+                    return
+                served += 1
+                writer.write(_answer(path, body.get("stream") is True))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            self.tasks.discard(task)
+
+
+def _answer(path: str, stream: bool) -> bytes:
+    if path == "/api/chat":
+        body, kind = json.dumps(OLLAMA).encode() + b"\n", "application/json"
+    elif stream:
+        body, kind = b"data: " + json.dumps(CHUNK).encode() + b"\n\ndata: [DONE]\n\n", "text/event-stream"
+    else:
+        body, kind = json.dumps(ANSWER).encode(), "application/json"
+    return f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    client = provider_session()
+    yield client
+    await client.close()
+
+
+def provider(url: str, kind: str = "vllm") -> ProviderConfig:
+    return ProviderConfig.model_validate({"id": "p-ka", "type": kind, "base_url": url, "capacity": 1,
+                                          "models": [SERVED]})
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+async def _text(adapter: OpenAICompatAdapter | OllamaAdapter, stream: bool, run: str) -> str:
+    if not stream:
+        answer = await adapter.complete(RunKind.CHAT, chat(), run)
+        return str(answer["choices"][0]["message"]["content"])
+    text = ""
+    async for chunks in adapter.stream(RunKind.CHAT, chat(stream=True), run):
+        text += "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    return text
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_run_on_a_pooled_connection_the_server_broke_goes_again_on_a_new_one(
+        session: aiohttp.ClientSession, how: str, stream: bool) -> None:
+    server = KeepAlive(answered=1, how=how)
+    adapter = OpenAICompatAdapter(provider(await server.start()), session)
+    try:
+        assert [await _text(adapter, stream, f"run_{i}") for i in range(3)] == ["hi", "hi", "hi"]
+    finally:
+        await server.stop()
+    # each run after the first took the pooled connection, found it broken, and went on a new one
+    assert server.broken == 2 and server.connections == 3 and len(server.requests) == 5
+
+
+async def test_an_ollama_run_on_a_broken_pooled_connection_goes_again_too(session: aiohttp.ClientSession) -> None:
+    server = KeepAlive(answered=1, how="reset")
+    adapter = OllamaAdapter(provider(await server.start(), "ollama"), session)
+    try:
+        assert [await _text(adapter, False, f"run_{i}") for i in range(2)] == ["hi", "hi"]
+    finally:
+        await server.stop()
+    assert server.broken == 1 and server.requests == ["/api/chat"] * 3
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+async def test_a_run_that_breaks_on_a_new_connection_is_the_provider_s_failure_sent_once(
+        session: aiohttp.ClientSession, how: str) -> None:
+    server = KeepAlive(answered=0, how=how)
+    adapter = OpenAICompatAdapter(provider(await server.start()), session)
+    try:
+        with pytest.raises(ProviderError) as failed:
+            await adapter.complete(RunKind.CHAT, chat(), "run_1")
+    finally:
+        await server.stop()
+    assert server.requests == ["/v1/chat/completions"]
+    assert failed.value.retry is Retry.ANY and failed.value.strikes == 1
+    assert failed.value.message in ("provider p-ka: the server closed the connection",
+                                     "provider p-ka: connection error (connection reset by peer)")
+
+
+async def test_a_pool_of_broken_connections_is_sent_at_most_max_sends_times(session: aiohttp.ClientSession) -> None:
+    """Every connection answers once, then breaks: with more broken ones in the pool than
+    `MAX_SENDS`, a run gives up after that many tries (each closing the one it took)."""
+    server = KeepAlive(answered=1, how="reset")
+    adapter = OpenAICompatAdapter(provider(await server.start()), session)
+    try:
+        await asyncio.gather(*(adapter.complete(RunKind.CHAT, chat(), f"run_{i}") for i in range(MAX_SENDS + 1)))
+        assert server.connections == MAX_SENDS + 1  # (the pool now holds that many, each broken by the server)
+        with pytest.raises(ProviderError):
+            await adapter.complete(RunKind.CHAT, chat(), "run_last")
+    finally:
+        await server.stop()
+    assert server.broken == MAX_SENDS and len(server.requests) == MAX_SENDS + 1 + MAX_SENDS
