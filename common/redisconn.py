@@ -45,7 +45,7 @@ from redis.asyncio.sentinel import (
 )
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.failover import FailoverWatch
@@ -55,6 +55,12 @@ from common.redisline import Lined, LinedPool
 #: being the primary answers READONLY; connections made here turn that into a ConnectionError,
 #: and ReadOnlyError is listed too for any reply that reaches a caller another way.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, ConnectionError, OSError)
+#: What a full Redis raises: at `maxmemory` (noeviction, as iop runs it) it refuses each script and
+#: command that could grow it, for as long as it is full (a script that frees first, as a run's end
+#: does, still goes through).
+REDIS_FULL = (OutOfMemoryError,)
+#: Redis cannot do it now, down or full: a process's loops wait and try again, as for REDIS_DOWN.
+REDIS_UNUSABLE = (*REDIS_DOWN, *REDIS_FULL)
 
 SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")

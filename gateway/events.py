@@ -41,7 +41,7 @@ from redis.exceptions import ResponseError
 
 from common import keys
 from common.codec import decode_event, entry_key, unpack
-from common.redisconn import REDIS_DOWN, Backoff
+from common.redisconn import REDIS_UNUSABLE, Backoff
 from common.redisline import StreamEntries, new_line_of, stream_reply
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType
@@ -282,7 +282,7 @@ class EventHub:
                     try:
                         await self._read_runs([follower.run_id], check_lost=False, only=follower)
                         break
-                    except REDIS_DOWN as exc:
+                    except REDIS_UNUSABLE as exc:
                         log.warning("gateway events: Redis unavailable (%s); retrying", exc)
                         await backoff.pause()
         except TimeoutError:  # (what the listener brought meanwhile is read again with the rest)
@@ -317,7 +317,7 @@ class EventHub:
             try:
                 newest = await self.redis.xrevrange(self.inbox, "+", "-", count=1)
                 return newest[0][0].decode() if newest else "0-0"
-            except REDIS_DOWN as exc:
+            except REDIS_UNUSABLE as exc:
                 log.warning("gateway inbox: Redis unavailable (%s); retrying", exc)
                 await backoff.pause()
 
@@ -345,7 +345,7 @@ class EventHub:
                 await self._trim()
                 await self._check_quiet()
                 backoff.reset()
-            except REDIS_DOWN as exc:
+            except REDIS_UNUSABLE as exc:
                 log.warning("gateway inbox: Redis unavailable (%s); retrying", exc)
                 resync = True  # whatever came meanwhile is read from each run's stream
                 await backoff.pause()

@@ -16,7 +16,7 @@ from common import keys
 from common.auth import ANYONE, Principal
 from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
-from common.redisconn import REDIS_DOWN, now_ms
+from common.redisconn import REDIS_UNUSABLE, now_ms
 from common.runlog import run_fields
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
@@ -166,7 +166,7 @@ class RunClient:
         """The run's caller went away: the run must not go on without it."""
         try:
             await self.cancel(run_id, model_id, "the caller went away")
-        except REDIS_DOWN as exc:
+        except REDIS_UNUSABLE as exc:
             log.warning("could not cancel: %s", exc, extra=run_fields(run_id, model_id))
 
     async def cancel(self, run_id: str, model_id: str, reason: str) -> str:

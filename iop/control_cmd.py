@@ -16,7 +16,7 @@ from common import control
 from common.catalog import change_report, read_catalog
 from common.config import Config
 from common.control import Action, AuditEntry, Change, ControlError, UnknownTarget
-from common.redisconn import REDIS_DOWN, connect, now_ms, redact
+from common.redisconn import REDIS_DOWN, REDIS_FULL, connect, now_ms, redact
 from iop.catalog_cmd import table
 
 
@@ -82,6 +82,10 @@ def act(config: Config, redis_url: str, args: Any, who: str, as_json: bool) -> i
         return 2
     except REDIS_DOWN as exc:
         print(f"error: cannot reach Redis at {redact(redis_url)}: {exc}", file=sys.stderr)
+        return 1
+    except REDIS_FULL:
+        print(f"error: Redis at {redact(redis_url)} is full (maxmemory) and refuses writes: nothing changed",
+              file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2) if as_json else describe(report))
     return 0

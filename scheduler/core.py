@@ -29,7 +29,7 @@ from common import keys
 from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
 from common.policy import ProviderSnapshot, all_refused, candidate_class, select_provider
-from common.redisconn import REDIS_DOWN, Backoff, now_ms
+from common.redisconn import REDIS_UNUSABLE, Backoff, now_ms
 from common.redisline import new_line_of, stream_reply
 from common.runlog import run_fields
 from common.scripts import DISPATCH_BATCH, Scripts
@@ -635,7 +635,7 @@ async def _forever(name: str, step: Any) -> None:
         try:
             await step()
             backoff.reset()
-        except REDIS_DOWN as exc:
+        except REDIS_UNUSABLE as exc:
             log.warning("%s: Redis unavailable (%s); retrying in %.2fs", name, exc, backoff.delay)
             await backoff.pause()
         except Exception:
@@ -713,7 +713,7 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         try:
             await sched.redis.delete(keys.scheduler_alive(sched.consumer))
-        except REDIS_DOWN:
+        except REDIS_UNUSABLE:
             pass
 
 
@@ -723,6 +723,6 @@ async def _retry_once(step: Any) -> None:
         try:
             await step()
             return
-        except REDIS_DOWN as exc:
+        except REDIS_UNUSABLE as exc:
             log.warning("setup: Redis unavailable (%s); retrying in %.2fs", exc, backoff.delay)
             await backoff.pause()

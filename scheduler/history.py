@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 
 from common.config import Config
 from common.history import offer_sample
-from common.redisconn import REDIS_DOWN, now_ms
+from common.redisconn import REDIS_UNUSABLE, now_ms
 
 log = logging.getLogger("iop.scheduler")
 
@@ -21,7 +21,7 @@ async def sample_forever(redis: Redis, config: Config) -> None:
     while True:
         try:
             await offer_sample(redis, config, now_ms())
-        except REDIS_DOWN as exc:
+        except REDIS_UNUSABLE as exc:
             log.debug("history: Redis unavailable (%s); no sample this time", exc)
         except Exception:
             log.exception("history: could not take a sample")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -290,6 +292,50 @@ async def test_streams_mid_output_through_a_redis_restart_with_aof_all_complete(
         text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
                        if isinstance(e, dict) and e.get("choices"))
         assert text == "".join(f"tok{i} " for i in range(40))
+
+
+@pytest.mark.parametrize("own_redis", [True], indirect=True)
+async def test_a_full_redis_stops_no_process_and_its_runs_go_on_once_it_has_room(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    """Redis at `maxmemory` (noeviction) refuses every write that could grow it: new runs get 503,
+    an operator's change a clear error, and every process waits, as for a Redis that is down (the
+    workers exited: their wake-up read starts runs, a write). Once it has room again, the stream
+    that was running ends whole or with an error in the stream (never a hang), and new runs are
+    served by the same processes."""
+    gateway = start(fstack, {"only": ("n1", 2)})
+    procs = list(fstack.procs)
+    resp = await http.post(gateway + "/v1/chat/completions",
+                           json=chat(max_tokens=30, stream=True, itl_ms=100, tokens=30))
+    stream = stream_events(resp)
+    first = await anext(stream)
+    worker = next(p for p in procs if p.name == "worker-n1")
+    r = fstack.client()
+    try:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", 1)
+        # full until the worker was refused three times (its emits, heartbeats and wake-up reads)
+        await async_wait_until(lambda: asyncio.sleep(0, worker.output(last=10_000).count("maxmemory") >= 3),
+                               what="the worker to be refused by a full Redis")
+        status, body = await call(http, gateway, chat())
+        assert status == 503 and body["error"]["code"] == "service_unavailable" and "full" in body["error"]["message"]
+        done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "iop", "provider", "drain", "only"],
+                                       env=fstack.env(), capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 1 and "is full (maxmemory)" in done.stderr and "Traceback" not in done.stderr
+        await async_wait_until(lambda: asyncio.sleep(0, worker.output(last=10_000).count("maxmemory") >= 8),
+                               what="the worker to go on being refused")
+        assert [p.name for p in procs if p.popen.poll() is not None] == []
+    finally:
+        r.config_set("maxmemory", 0)
+        r.close()
+    events = [first, *[e async for e in stream]]
+    resp.close()
+    assert events[-1] == "[DONE]"
+    assert [p.name for p in procs if p.popen.poll() is not None] == []
+
+    async def served() -> bool:
+        return (await call(http, gateway, chat()))[0] == 200
+
+    await async_wait_until(served, what="a run to be served again")
 
 
 # ---------------------------------------------------------------------------- 7. provider health

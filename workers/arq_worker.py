@@ -30,7 +30,7 @@ from arq.constants import in_progress_key_prefix
 from arq.worker import Worker
 
 from common import keys
-from common.redisconn import REDIS_DOWN, Backoff, connection_pool
+from common.redisconn import REDIS_UNUSABLE, Backoff, connection_pool
 from common.redisline import Line, new_line_of
 from common.runlog import run_fields
 from common.scripts import Scripts
@@ -91,7 +91,7 @@ class WakeWorker(Worker):
                     await self._poll_iteration()
                 poll = await self._wait_for_work()
                 backoff.reset()
-            except REDIS_DOWN as exc:
+            except REDIS_UNUSABLE as exc:
                 log.warning("worker: Redis unavailable (%s); retrying in %.2fs", exc, backoff.delay)
                 await backoff.pause()
                 poll = True
@@ -105,7 +105,7 @@ class WakeWorker(Worker):
             try:
                 await self.pool.ping()
                 return
-            except REDIS_DOWN as exc:
+            except REDIS_UNUSABLE as exc:
                 log.warning("worker: waiting for Redis for %.1f s (%s); retrying in %.2fs",
                             time.monotonic() - began, exc, backoff.delay)
                 await backoff.pause()
@@ -222,7 +222,7 @@ class WakeWorker(Worker):
         """arq's close, but a Redis that is already gone does not skip our shutdown hook."""
         try:
             await super().close()
-        except REDIS_DOWN as exc:
+        except REDIS_UNUSABLE as exc:
             log.warning("worker: Redis unavailable while stopping (%s)", exc)
             if self.on_shutdown:
                 await self.on_shutdown(self.ctx)

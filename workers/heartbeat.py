@@ -24,7 +24,7 @@ from common import keys
 from common.config import Config, ProviderConfig
 from common.policy import Health
 from common.provider_types import PROBE_DISTURBS
-from common.redisconn import REDIS_DOWN, as_text_map, now_ms
+from common.redisconn import REDIS_UNUSABLE, as_text_map, now_ms
 from common.scripts import Scripts
 from workers.adapters.base import Adapter, ProbeResult
 from workers.health import Evidence, judge
@@ -162,7 +162,7 @@ class Heartbeats:
             await self.scripts.call(
                 "probed", [keys.heartbeat(provider.id), keys.probing(provider.id)],
                 [kind, strikes, probe.reason, probe.health.value, observed, keys.SCHEDULER_SIGNALS])
-        except REDIS_DOWN as exc:
+        except REDIS_UNUSABLE as exc:
             log.warning("probe of %s: Redis unavailable (%s); its result is lost", provider.id, exc)
             return
         if kind == "fail" or self.last.get(provider.id) is not Health.AVAILABLE:
@@ -178,7 +178,7 @@ class Heartbeats:
             wake.clear()
             try:
                 await self.beat_once(provider)
-            except REDIS_DOWN as exc:
+            except REDIS_UNUSABLE as exc:
                 self.last.pop(provider.id, None)  # Redis may have lost it: announce it again
                 log.warning("heartbeat of %s: Redis unavailable (%s)", provider.id, exc)
             except Exception:  # a bug in a probe must not silence the heartbeat for good

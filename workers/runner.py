@@ -26,7 +26,7 @@ from common import keys
 from common.chunks import fixed_usage, token_counts, usage_in, wants_usage, without_usage
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
-from common.redisconn import REDIS_DOWN, Backoff, now_ms
+from common.redisconn import REDIS_UNUSABLE, Backoff, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
@@ -229,7 +229,7 @@ class Runner:
         the runs API); a record without one (written by an earlier version): by the caller."""
         try:
             reason = await self.redis.hget(keys.run_record(run_id), "cancel_reason")
-        except REDIS_DOWN:
+        except REDIS_UNUSABLE:
             reason = None
         return reason.decode(errors="replace") if reason else CANCELLED.message
 
@@ -496,7 +496,7 @@ class Runner:
         while True:
             try:
                 return await self.scripts.call(script, run_keys, args)
-            except REDIS_DOWN as exc:
+            except REDIS_UNUSABLE as exc:
                 if time.monotonic() > give_up:
                     raise LeaseLost(att.run_id) from exc
                 log.warning("Redis unavailable while %s (%s); retrying", doing, exc, extra=att.log())
@@ -511,7 +511,7 @@ class Runner:
                 renewed = await self.scripts.call(
                     "renew", [keys.leases(att.provider_id), keys.run_record(att.run_id)],
                     [att.run_id, rt.lease_ttl_ms, att.attempt])
-            except REDIS_DOWN as exc:
+            except REDIS_UNUSABLE as exc:
                 log.warning("lease renewal failed (%s)", exc, extra=att.log())
                 continue
             if renewed != 1:

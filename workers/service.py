@@ -13,7 +13,7 @@ from arq.worker import func
 from common import keys
 from common.codec import pack, unpack
 from common.config import Config, ProviderConfig, RuntimeConfig
-from common.redisconn import REDIS_DOWN, Backoff, connect
+from common.redisconn import REDIS_UNUSABLE, Backoff, connect
 from common.runlog import run_fields
 from common.wire import ErrorCode, ErrorInfo
 from workers import metrics as worker_metrics
@@ -67,7 +67,7 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
                         continue
                     if runner.cancel(run_id, await runner.cancel_reason(run_id)):
                         log.info("cancel requested", extra=run_fields(run_id, att[0].model_id))
-        except REDIS_DOWN as exc:
+        except REDIS_UNUSABLE as exc:
             log.warning("cancel listener: Redis unavailable (%s)", exc)
             await backoff.pause()
         finally:
@@ -152,7 +152,7 @@ async def leave_node(worker: WakeWorker, config: Config, node_id: str) -> None:
             [keys.node_workers(node_id), keys.node_queue(node_id), keys.node_wake(node_id),
              *(keys.heartbeat(p.id) for p in node.providers)],
             [worker.instance, in_progress_key_prefix, pack(lost.to_wire()), keys.SCHEDULER_SIGNALS])
-    except REDIS_DOWN as exc:
+    except REDIS_UNUSABLE as exc:
         log.warning("worker: Redis unavailable while stopping (%s): the node's providers lapse with their "
                     "heartbeats", exc)
         return
