@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Coroutine
 from typing import Any, NoReturn, TextIO
@@ -106,6 +107,19 @@ class TurnHandler(logging.StreamHandler[TextIO]):
             pass
 
 
+#: ready lines are JSON objects (`IOP_LOG_FORMAT=json`)
+_json_ready = False
+
+
+def ready(text: str) -> None:
+    """A process's ready line on stdout (where it listens, that it runs): the text, or with
+    `IOP_LOG_FORMAT=json` a JSON object as its log lines are (`msg` the text), so that a log
+    pipeline reading both streams (`docker compose logs` does) gets JSON only."""
+    if _json_ready:
+        text = json.dumps({"ts": round(time.time(), 3), "level": "info", "logger": "iop", "msg": text})
+    print(text, flush=True)
+
+
 #: What `IOP_LOG_LEVEL` may say (in any case).
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -117,6 +131,8 @@ def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
     if form not in ("text", "json"):
         print(f"error: IOP_LOG_FORMAT={form!r} is not a log format; use text or json", file=sys.stderr)
         raise SystemExit(2)
+    global _json_ready
+    _json_ready = form == "json"
     if form == "json":
         handler.setFormatter(JsonFormatter())
     else:

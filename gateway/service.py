@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 
 from common.auth import KeyRing, UnresolvedKeys
 from common.config import Config
-from common.lifecycle import stop_event
+from common.lifecycle import ready, stop_event
 from common.redisconn import REDIS_DOWN
 from gateway import metrics
 from gateway.admission import TRIAGE_SLOTS, ConnectionGuard, ConnectionLimits
@@ -125,7 +125,7 @@ async def serve(config: Config, redis_url: str, host: str, port: int, keyring: K
         await runner.cleanup()
         raise SystemExit(f"error: cannot listen on {listen_address(host, port)}: {bind_reason(exc)}") from None
     bound = runner.addresses[0][1] if runner.addresses else port
-    print(f"iop gateway listening on http://{listen_address(host, bound)}", flush=True)
+    ready(f"iop gateway listening on http://{listen_address(host, bound)}")
     try:
         await stop.wait()
     finally:

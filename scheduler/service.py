@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from common.config import Config
-from common.lifecycle import stop_event
+from common.lifecycle import ready, stop_event
 from common.redisconn import connect
 from scheduler import metrics
 from scheduler.core import Scheduler, run_scheduler
@@ -23,8 +23,8 @@ async def serve(config: Config, redis_url: str, metrics_port: int | None = None,
     ops = None if metrics_port is None else await metrics.serve_metrics(
         redis, config, sched.waiting, metrics_host, metrics_port)
     if ops is not None:
-        print(f"metrics on {ops.url}", flush=True)
-    print(f"iop scheduler {sched.consumer} running", flush=True)
+        ready(f"metrics on {ops.url}")
+    ready(f"iop scheduler {sched.consumer} running")
     sampler = asyncio.create_task(sample_forever(redis, config), name="history")
     try:
         await run_scheduler(sched, stop)

@@ -27,7 +27,8 @@ from tests.test_e2e import wait_available
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 IOP_SERVICES = {name: svc for name, svc in SERVICES.items() if svc.get("command", [""])[0] == "iop"}
-READY_LINE = {"gateway": r"listening on (http://\S+)", "simulator": r"listening on (http://\S+)",
+# (compose's IOP_LOG_FORMAT=json makes the iop services' ready lines JSON: a URL ends at a quote)
+READY_LINE = {"gateway": r"listening on (http://[^\s\"]+)", "simulator": r"listening on (http://\S+)",
               "scheduler": r"iop scheduler \S+ running", "worker": r"worker for queue \S+ started"}
 
 
@@ -163,7 +164,7 @@ class ComposeStack:
         self.stack.procs.append(proc)
         proc.wait_for_line(READY_LINE[svc["command"][1]])
         if "--metrics-port" in svc["command"]:
-            self.metrics.setdefault(service, []).append(proc.wait_for_line(r"metrics on (http://\S+)").group(1))
+            self.metrics.setdefault(service, []).append(proc.wait_for_line(r"metrics on (http://[^\s\"]+)").group(1))
         return proc
 
 
@@ -237,13 +238,11 @@ def http_ok(port: int | None, *paths: str) -> int:
 
 
 def run_log_lines(procs: list[Proc]) -> int:
-    """compose sets IOP_LOG_FORMAT=json: every log line is JSON, and each about a run has its fields.
-    Returns how many lines are about a run."""
+    """compose sets IOP_LOG_FORMAT=json: every line of an iop service, its ready lines on stdout
+    included, is JSON, and each about a run has its fields. Returns how many lines are about a run."""
     about_runs = 0
     for proc in procs:
         for line in proc.lines:
-            if not line.startswith("{"):
-                continue  # the processes' own ready lines on stdout
             record = json.loads(line)
             if re.search(r"run_[0-9a-f]{32}", line):
                 about_runs += 1

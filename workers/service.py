@@ -165,7 +165,7 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
                 metrics_port: int | None = None, metrics_host: str = "0.0.0.0") -> None:
     """Run until SIGTERM/SIGINT; then take no new jobs, let running ones finish for up to
     `grace_s`, and cancel the rest (each is requeued or failed, its slot released)."""
-    from common.lifecycle import stop_event
+    from common.lifecycle import ready, stop_event
 
     stop = stop_event()
     worker = build_worker(config, redis_url, node_id)
@@ -173,8 +173,8 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
     ops = None if metrics_port is None else await worker_metrics.serve_metrics(
         config, redis_url, node_id, metrics_host, metrics_port)
     if ops is not None:
-        print(f"metrics on {ops.url}", flush=True)
-    print(f"iop worker for node {node_id} running ({worker.max_jobs} slots)", flush=True)
+        ready(f"metrics on {ops.url}")
+    ready(f"iop worker for node {node_id} running ({worker.max_jobs} slots)")
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([main, stopped], return_when=asyncio.FIRST_COMPLETED)
     crashed = main.done() and not main.cancelled() and main.exception() is not None
