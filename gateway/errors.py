@@ -20,6 +20,15 @@ from common.wire import ErrorCode, ErrorInfo, callers_fault
 
 log = logging.getLogger("iop.gateway")
 
+#: the status of a run whose caller cancelled it or left (nginx's, as OpenAI-compatible servers use it)
+CLIENT_CLOSED = 499
+
+
+def phrase(status: int) -> str:
+    """The reason phrase of a status (499 is not in the HTTP registry: aiohttp would send none)."""
+    return "Client Closed Request" if status == CLIENT_CLOSED else HTTPStatus(status).phrase
+
+
 #: HTTP status of each error code (DESIGN.md, "HTTP surface").
 STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
@@ -32,7 +41,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.REQUEST_TOO_LARGE: 413,
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.RATE_LIMIT_EXCEEDED: 429,
-    ErrorCode.CANCELLED: 499,
+    ErrorCode.CANCELLED: CLIENT_CLOSED,
     ErrorCode.INTERNAL: 500,
     ErrorCode.PROVIDER_ERROR: 502,
     ErrorCode.OUTPUT_TOO_LARGE: 502,
@@ -104,13 +113,15 @@ class ApiError(Exception):
         }
 
     def response(self) -> web.Response:
-        return json_response(self.body(), status=self.status, headers=self.headers)
+        response = json_response(self.body(), status=self.status, headers=self.headers)
+        response.set_status(self.status, phrase(self.status))
+        return response
 
     def raw_response(self) -> bytes:
         """The whole HTTP/1.1 response, for a connection answered outside any handler (a request
         that came too slowly, a connection over the limit); the connection closes after it."""
         body = json.dumps(self.body()).encode()
-        head = [f"HTTP/1.1 {self.status} {HTTPStatus(self.status).phrase}", "Content-Type: application/json",
+        head = [f"HTTP/1.1 {self.status} {phrase(self.status)}", "Content-Type: application/json",
                 f"Content-Length: {len(body)}", "Connection: close",
                 *(f"{name}: {value}" for name, value in self.headers.items())]
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body

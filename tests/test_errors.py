@@ -201,3 +201,11 @@ def test_a_provider_4xx_s_code_and_param_are_passed_as_openai_s_schema_has_them(
 def test_a_caller_s_text_in_a_message_is_quoted_escaped_and_cut(sent: str, shown: str) -> None:
     assert quoted(sent) == shown
     assert "\n" not in quoted(sent) and quoted(sent).encode()  # one line, and valid UTF-8
+
+
+def test_a_cancelled_run_s_499_has_a_reason_phrase() -> None:
+    """499 is nginx's, in no registry: aiohttp sends `HTTP/1.1 499 ` with an empty phrase unless told."""
+    response = ApiError(ErrorCode.CANCELLED, "cancelled by the caller").response()
+    assert (response.status, response.reason) == (499, "Client Closed Request")
+    assert ApiError(ErrorCode.CANCELLED, "x").raw_response().startswith(b"HTTP/1.1 499 Client Closed Request\r\n")
+    assert ApiError(ErrorCode.UNAVAILABLE, "x").response().reason == "Service Unavailable"
