@@ -104,6 +104,24 @@ def candidate_class(snap: ProviderSnapshot, now_ms: int, ttl_ms: int, avoid: fro
     return 1 if snap.provider_id in avoid else 0
 
 
+def why_not(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> str:
+    """Why a provider takes no run now, in a few words (for a run that timed out in its queue):
+    `no heartbeat`, `unavailable`, `missing the model`, `drained or cordoned`, `capacity 0`, or
+    `full (n of c)` (it may be free by the time this is read)."""
+    if not is_fresh(snap, now_ms, ttl_ms):
+        return "no heartbeat"
+    if snap.health is not Health.AVAILABLE:
+        return snap.health.value
+    if not snap.has_model:
+        return "missing the model"
+    if snap.drained:
+        return "drained or cordoned"
+    capacity = snap.effective_capacity
+    if not capacity:
+        return "capacity 0"
+    return f"full ({snap.in_flight} of {capacity})" if snap.in_flight >= capacity else "has a free slot now"
+
+
 def _rank(snap: ProviderSnapshot) -> tuple[Fraction, int, str]:
     capacity = snap.effective_capacity
     assert capacity

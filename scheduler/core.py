@@ -28,7 +28,7 @@ from redis.exceptions import ResponseError
 from common import keys
 from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
-from common.policy import ProviderSnapshot, all_refused, candidate_class, select_provider
+from common.policy import ProviderSnapshot, all_refused, candidate_class, select_provider, why_not
 from common.redisconn import REDIS_UNUSABLE, Backoff, now_ms
 from common.redisline import new_line_of, stream_reply
 from common.runlog import run_fields
@@ -468,8 +468,20 @@ class Scheduler:
             message = (f"the run waited {timeout + late_ms} ms in the queue of model {model_id!r}, past its "
                        f"queue_timeout_ms ({timeout} ms): no scheduler was running to dispatch it")
         else:
-            message = f"no provider of model {model_id!r} had a free slot within {timeout} ms"
+            why = await self._why(model_id)
+            message = f"no provider of model {model_id!r} had a free slot within {timeout} ms{why}"
         await self._drop(model_id, w, RunState.TIMED_OUT, ErrorInfo(ErrorCode.QUEUE_TIMEOUT, message))
+
+    async def _why(self, model_id: str) -> str:
+        """` (vllm-a: drained or cordoned, vllm-b: full (4 of 4))`: what each provider of the model
+        says now (so an operator sees a drain or a cordon behind a timeout); '' if Redis cannot say."""
+        now = now_ms()
+        try:
+            snaps = await read_snapshots(self.redis, self._targets[model_id], now, self.config.node_of)
+        except REDIS_UNUSABLE:
+            return ""
+        ttl = self.config.runtime.heartbeat_ttl_ms
+        return " (" + ", ".join(f"{s.provider_id}: {why_not(s, now, ttl)}" for s in snaps) + ")" if snaps else ""
 
     async def _drop(self, model_id: str, w: Waiting, state: RunState, info: ErrorInfo) -> None:
         """End a run that is still waiting in its queue."""

@@ -9,7 +9,7 @@ from fractions import Fraction
 
 import pytest
 
-from common.policy import Health, ProviderSnapshot, all_refused, is_available, is_fresh, select_provider
+from common.policy import Health, ProviderSnapshot, all_refused, is_available, is_fresh, select_provider, why_not
 
 NOW = 1_000_000_000
 TTL = 6_000
@@ -293,3 +293,19 @@ def test_an_override_below_in_flight_holds_new_runs_back_until_in_flight_is_belo
     for in_flight, expected in [(4, None), (3, None), (2, None), (1, None), (0, "a")]:
         assert pick(snap("a", in_flight, 4, override=1)) == expected
     assert _assign({"a": snap("a", 0, 4, override=1)}, 2) == ["a", None]
+
+
+@pytest.mark.parametrize(("snapshot", "why"), [
+    (snap("a", 0, 4, heartbeat_ms=None), "no heartbeat"),
+    (snap("a", 0, 4, heartbeat_ms=NOW - TTL - 1), "no heartbeat"),
+    (snap("a", 0, 4, health=Health.UNAVAILABLE), "unavailable"),
+    (snap("a", 0, 4, health=Health.UNKNOWN), "unknown"),
+    (replace(snap("a", 0, 4), has_model=False), "missing the model"),
+    (snap("a", 0, 4, drained=True), "drained or cordoned"),
+    (snap("a", 0, 4, override=0), "capacity 0"),
+    (snap("a", 4, 4), "full (4 of 4)"),
+    (snap("a", 2, 4, override=2), "full (2 of 2)"),
+    (snap("a", 1, 4), "has a free slot now"),
+])
+def test_why_a_provider_takes_no_run_is_said_in_a_few_words(snapshot: ProviderSnapshot, why: str) -> None:
+    assert why_not(snapshot, NOW, TTL) == why
