@@ -49,7 +49,8 @@ def main(config: Config, redis_url: str, key: str | None, model: str | None, sin
               "that name", file=sys.stderr)
         return 2
     if as_json:
-        print(json.dumps({"start_date": days[0], "end_date": days[-1], "data": [r.to_json() for r in rows]}, indent=2))
+        print(json.dumps({"object": "list", "start_date": days[0], "end_date": days[-1],
+                          "data": [r.to_json() for r in rows]}, indent=2))
     else:
         print(table(rows))
     return 0

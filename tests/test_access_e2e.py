@@ -138,14 +138,15 @@ async def test_usage_equals_what_callers_received(fstack: FaultStack, http: aioh
         chunks = [e async for e in stream_events(r)]
     assert not any(isinstance(c, dict) and "usage" in c for c in chunks) and chunks[-1] == "[DONE]"
     async with http.get(gateway + "/v1/usage") as resp:
-        row = (await resp.json())["data"][0]
+        listed = await resp.json()
+        row = listed["data"][0]
     assert row["runs"] == 6 and row["completion_tokens"] == received["completion_tokens"] + 4
 
     # the same from the command line, and as the gateway's counters (an operator's scrape)
     done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "iop", "usage", "--json"],
                                    env=fstack.env(), cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
     out = done.stdout
-    assert json.loads(out)["data"] == [row]
+    assert json.loads(out) == listed  # (the same document as the API's)
     async with http.get(gateway + "/metrics", headers={"Authorization": f"Bearer {OPS}"}) as resp:
         text = await resp.text()
     counter = re.search(r'^iop_usage_completion_tokens_total\{key="team-a",model="qwen3.6:35b"\} (\S+)$', text, re.M)
