@@ -122,3 +122,40 @@ async def test_a_running_run_notices_a_cancel_whose_message_was_lost(redis: Redi
     assert await redis.hmget(keys.run_record(run_id), "state", "error_message") == [
         b"cancelled", b"cancelled through the runs API"]
     assert await redis.zcard(keys.leases("a")) == 0
+
+
+async def test_a_cancel_that_the_lease_renewal_also_finds_ends_the_run_once(redis: Redis) -> None:
+    """The cancel message and the lease's renewal (which sees the run's cancel flag) both cancel
+    the run: the second, coming while the run records its end, cancelled that too, the job's
+    task ended cancelled, and the worker's loop stopped with it (its process exited 0 with no
+    error; found against a real llama.cpp server, 3 of 7 callers who gave up)."""
+    client, sched, run_id = await dispatched_run(redis, lease_ttl_ms=150)
+    adapter = StallingAdapter()
+    runner = Runner(redis, client.config, "n-a", {"a": adapter})
+    renewal_saw_it = asyncio.Event()
+    call, reason_of = runner.scripts.call, runner.cancel_reason
+
+    async def slow_end(name: str, script_keys: Any, args: Any) -> Any:
+        if name == "finish":  # the run records its end only once the renewal saw the cancel too
+            await asyncio.wait_for(renewal_saw_it.wait(), 10)
+        return await call(name, script_keys, args)
+
+    async def reason(run_id: str) -> str:  # (what the renewal reads when it finds the cancel flag)
+        try:
+            return await reason_of(run_id)
+        finally:
+            renewal_saw_it.set()
+
+    runner.scripts.call = slow_end  # type: ignore[method-assign]
+    runner.cancel_reason = reason  # type: ignore[method-assign]
+    execution = asyncio.create_task(runner.execute(run_id))
+
+    async def running() -> bool:
+        return bool(await redis.hget(keys.run_record(run_id), "state") == b"running")
+
+    await async_wait_until(running, what="the run to start")
+    assert await client.cancel(run_id, MODEL, "cancelled through the runs API") == "signalled"
+    assert runner.cancel(run_id, "cancelled through the runs API")  # (the cancel message, as the listener hears it)
+    assert (await execution).startswith("cancelled")
+    assert not execution.cancelled()
+    assert await redis.hget(keys.run_record(run_id), "state") == b"cancelled"

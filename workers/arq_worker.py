@@ -235,6 +235,9 @@ class WakeWorker(Worker):
             if task.done():
                 del self.tasks[job_id]
                 self._attempts.pop(job_id, None)
+                if task.cancelled():  # (a bug: a run's task ends as an outcome; this loop must go on)
+                    log.error("a run's task ended cancelled", extra=run_fields(job_id, None))
+                    continue
                 task.result()  # surface a bug in run_job, as arq's own poll does
 
 

@@ -54,6 +54,11 @@ MAX_OPENING = 64
 CANCELLED = cancelled_by_caller()
 
 
+def _stop(att: Attempt, task: asyncio.Task[Any]) -> None:
+    att.stopping = True
+    task.cancel()
+
+
 class LeaseLost(Exception):
     """This attempt no longer owns the run."""
 
@@ -81,6 +86,9 @@ class Attempt:
     cancel_reason: str | None = None
     #: the lease was lost (its renewal found it gone): the run is the scheduler's to requeue or fail
     lease_lost: bool = False
+    #: the attempt's task was told to stop (cancelled once: a second cancel would interrupt how
+    #: it handles the first, and the job's task would end cancelled)
+    stopping: bool = False
 
     def log(self) -> dict[str, str]:
         """`extra` of a log line about this attempt."""
@@ -234,12 +242,15 @@ class Runner:
         return reason.decode(errors="replace") if reason else CANCELLED.message
 
     def cancel(self, run_id: str, reason: str) -> bool:
+        """Cancel a run this worker runs, once (a cancel message and the lease's renewal may both
+        say so). Returns whether it runs here."""
         entry = self.running.get(run_id)
         if entry is None:
             return False
         att, task = entry
-        att.cancel_reason = reason
-        task.cancel()
+        if att.cancel_reason is None and not att.stopping:
+            att.cancel_reason = reason
+            _stop(att, task)
         return True
 
     # ------------------------------------------------------------------ one attempt
@@ -515,9 +526,9 @@ class Runner:
                 log.warning("lease renewal failed (%s)", exc, extra=att.log())
                 continue
             if renewed != 1:
-                if renewed:  # it was cancelled (a cancel message was lost)
-                    att.cancel_reason = await self.cancel_reason(att.run_id)
-                else:
+                if renewed:  # it was cancelled (a cancel message was lost, or is being handled now)
+                    self.cancel(att.run_id, await self.cancel_reason(att.run_id))
+                elif not att.stopping:
                     att.lease_lost = True
-                task.cancel()
+                    _stop(att, task)
                 return

@@ -177,9 +177,10 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
     ready(f"iop worker for node {node_id} running ({worker.max_jobs} slots)")
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([main, stopped], return_when=asyncio.FIRST_COMPLETED)
-    crashed = main.done() and not main.cancelled() and main.exception() is not None
+    # (the loop ends only when stopped: one that ended by itself, cancelled included, failed)
+    crashed = main.done()
     if crashed:
-        log.error("worker loop failed", exc_info=main.exception())
+        log.error("worker loop failed", exc_info=None if main.cancelled() else main.exception())
     # Take no new jobs: stop the pick-up loop; the jobs run in tasks of their own. And stop saying
     # the node's providers can take runs: while another worker of the node lives, its heartbeats
     # still do; when this was the last, its providers' heartbeats go at once (as if they had
