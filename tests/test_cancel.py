@@ -146,7 +146,7 @@ async def test_a_cancel_that_the_lease_renewal_also_finds_ends_the_run_once(redi
         finally:
             renewal_saw_it.set()
 
-    runner.scripts.call = slow_end  # type: ignore[method-assign]
+    runner.scripts.call = slow_end  # type: ignore[method-assign,assignment]
     runner.cancel_reason = reason  # type: ignore[method-assign]
     execution = asyncio.create_task(runner.execute(run_id))
 
