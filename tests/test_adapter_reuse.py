@@ -23,6 +23,7 @@ import pytest
 
 from common.config import ProviderConfig
 from common.wire import RunKind
+from workers.adapters import sending
 from workers.adapters.base import ProviderError, Retry
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
@@ -44,7 +45,11 @@ class KeepAlive:
     next request on it comes (`how`: "close" or "reset"); `answered` 0 breaks every request."""
 
     answered: int = 1
+    #: "close", "reset", or "partial" (the start of a head, then close)
     how: str = "close"
+    #: the streams it answers end before any event (a head and an empty body, in one write), as
+    #: llama-cpp-python's server answers a streamed prompt beyond its context
+    empty_streams: bool = False
     #: requests read, and how many of them were on a connection of their own so far
     requests: list[str] = field(default_factory=list)
     connections: int = 0
@@ -82,8 +87,15 @@ class KeepAlive:
                     if self.how == "reset":  # (SO_LINGER 0: the close sends a reset)
                         writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
                                                                    struct.pack("ii", 1, 0))
+                    elif self.how == "partial":
+                        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+                        await writer.drain()
                     return
                 served += 1
+                if self.empty_streams and body.get("stream") is True:
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                 b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+                    continue
                 writer.write(_answer(path, body.get("stream") is True))
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -182,3 +194,49 @@ async def test_a_pool_of_broken_connections_is_sent_at_most_max_sends_times(sess
     finally:
         await server.stop()
     assert server.broken == MAX_SENDS and len(server.requests) == MAX_SENDS + 1 + MAX_SENDS
+
+
+async def test_a_run_whose_pooled_connection_broke_after_part_of_an_answer_is_not_sent_again(
+        session: aiohttp.ClientSession) -> None:
+    """The server had taken the run (it began to answer): sending it again could run it twice."""
+    server = KeepAlive(answered=1, how="partial")
+    adapter = OpenAICompatAdapter(provider(await server.start()), session)
+    try:
+        assert await _text(adapter, False, "run_1") == "hi"
+        with pytest.raises(ProviderError):
+            await adapter.complete(RunKind.CHAT, chat(), "run_2")
+    finally:
+        await server.stop()
+    assert server.broken == 1 and len(server.requests) == 2
+
+
+async def test_a_run_whose_pooled_connection_broke_late_is_not_sent_again(
+        session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A break later than `RESEND_WITHIN_S` after the run went out is not the race with an idle
+    close: the server may have worked on the run (here the window is made 0: every break is late)."""
+    monkeypatch.setattr(sending, "RESEND_WITHIN_S", 0.0)
+    server = KeepAlive(answered=1, how="close")
+    adapter = OpenAICompatAdapter(provider(await server.start()), session)
+    try:
+        assert await _text(adapter, False, "run_1") == "hi"
+        with pytest.raises(ProviderError):
+            await adapter.complete(RunKind.CHAT, chat(), "run_2")
+    finally:
+        await server.stop()
+    assert server.broken == 1 and len(server.requests) == 2
+
+
+async def test_the_connection_of_a_stream_that_ended_before_any_event_serves_no_other_run(
+        session: aiohttp.ClientSession) -> None:
+    """Its head and empty body came in one write: aiohttp gave the connection back to the pool
+    before the adapter saw the end. The next run goes on a new connection, not on that one (which
+    this server would break, as llama-cpp-python's does)."""
+    server = KeepAlive(answered=1, how="reset", empty_streams=True)
+    adapter = OpenAICompatAdapter(provider(await server.start()), session)
+    try:
+        with pytest.raises(ProviderError, match="the stream ended before any event"):
+            await _text(adapter, True, "run_1")
+        assert await _text(adapter, False, "run_2") == "hi"
+    finally:
+        await server.stop()
+    assert server.broken == 0 and server.connections == 2 and len(server.requests) == 2

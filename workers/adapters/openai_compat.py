@@ -324,8 +324,8 @@ class OpenAICompatAdapter:
         head = b""
         try:
             async with self._post(kind, body, request_id) as resp:
+                connection = sending.sent_on()
                 await self._raise_for(resp, body.get("model"))
-                connection = sending.connection_of(resp)
                 #: when the grace ends (loop time), from the moment every choice had finished: bytes the
                 #: provider sends meanwhile (a ping, an empty chunk) do not move it
                 grace_ends: float | None = None
@@ -345,7 +345,7 @@ class OpenAICompatAdapter:
                             break
                     if not data:
                         if not (parser.done or finished):  # (cut short: its connection serves no other run)
-                            sending.drop(connection)
+                            sending.drop(self.session, connection)
                         break
                     if opening and not codecs.BOM_UTF8.startswith(head := head + data):  # (a BOM begun: wait)
                         start = head.removeprefix(codecs.BOM_UTF8).lstrip(b" \t\r\n")

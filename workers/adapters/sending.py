@@ -3,17 +3,22 @@
 A worker keeps its connections to a provider open between runs. A server may close one while it
 sits in the pool, or just after it gave the connection back (an idle timeout racing the next
 request; llama-cpp-python's server says keep-alive and closes the connection of a stream it ended
-before any event), and a run sent on it fails before any byte of an answer: a reset, or the server
-closing it. The server never took that run, and a run changes nothing on a server (RFC 9112,
-9.3.1.1: a request that is idempotent in effect may be sent again), so it goes again at once, on
-another connection, with no strike against a provider that did nothing wrong. A request that fails
-so on a new connection is the provider's failure, as before. (aiohttp itself sends again only
-idempotent methods; its tracing, which would say where a request went, cost ~18 µs a request
-here, the connector says it for nothing.)
+before any event), and a run sent on it fails at once, before any byte of an answer: a reset, or
+the server closing it. The server never worked on that run, so it goes again at once on another
+connection, with no strike against a provider that did nothing wrong. Only then: a run that breaks
+so on a new connection, after some of an answer came, or later than `RESEND_WITHIN_S` after it
+went out (the server may have worked on it: a crash, a proxy's timeout) is the provider's failure,
+as before, never sent twice by this module. (aiohttp itself sends again only idempotent methods;
+its tracing, which would say where a request went, cost ~18 µs a request here: the connector
+says it for nothing.)
+
+A connection whose stream ended short of its end is not used for another run (`drop`): the
+connector closes it when it would hand it out.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,46 +34,64 @@ from aiohttp.tracing import Trace
 #: how many times one run is sent before its failure counts: each failed try closes the pooled
 #: connection it took, so a pool with that many broken ones still ends on a new connection
 MAX_SENDS = 3
+#: how soon after it went out a run's break may be the race with an idle close: the server's
+#: close or reset of a connection it no longer reads arrives within a round trip (a server that
+#: took the run and broke later may have worked on it: never sent again)
+RESEND_WITHIN_S = 0.25
 
-
-#: whether the request being sent in this task went out on a connection taken from the pool
-_pooled: ContextVar[bool] = ContextVar("iop_pooled", default=False)
+#: the connection the request being sent in this task went out on, and whether it came from the
+#: pool (`PoolConnector.connect` sets them; `post` clears them before each send)
+_sent_on: ContextVar[tuple[ResponseHandler | None, bool]] = ContextVar("iop_sent_on", default=(None, False))
 
 
 class PoolConnector(aiohttp.TCPConnector):
-    """aiohttp's connector, which tells `post` whether a request went out on a connection it had
-    used before (one from the pool) or on a new one."""
+    """aiohttp's connector, which says whether a request went out on a connection it had used
+    before (one from the pool) or on a new one, and never hands out one that was `drop`ped."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._used: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
+        self._dropped: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
 
     async def connect(self, req: ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout) -> Connection:
-        conn = await super().connect(req, traces, timeout)
-        protocol = conn.protocol
+        while True:
+            conn = await super().connect(req, traces, timeout)
+            protocol = conn.protocol
+            if protocol is None or protocol not in self._dropped:
+                break
+            conn.close()  # (closes it: the pool never hands it out again)
+        _sent_on.set((protocol, protocol is not None and protocol in self._used))
         if protocol is not None:
-            _pooled.set(protocol in self._used)
             self._used.add(protocol)
         return conn
 
+    def drop(self, protocol: ResponseHandler) -> None:
+        """Never hand `protocol` out again; it is closed when next taken from the pool (a run that
+        took it meanwhile goes on undisturbed)."""
+        self._dropped.add(protocol)
 
-def broke_before_answer(exc: BaseException) -> bool:
-    """The request just sent went out on a pooled connection, closed or reset before any answer."""
-    return _pooled.get() and isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and \
-        not isinstance(exc, aiohttp.ClientConnectorError)
+
+def _resendable(exc: BaseException, pooled: bool, took_s: float) -> bool:
+    """A run that went out on a pooled connection and broke at once, before any of an answer."""
+    if not pooled or took_s > RESEND_WITHIN_S or isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return isinstance(exc.message, str)  # (else it holds the part of an answer that came)
+    return isinstance(exc, aiohttp.ClientOSError)
 
 
 @asynccontextmanager
 async def post(session: aiohttp.ClientSession, url: str, **kwargs: Any) -> AsyncIterator[aiohttp.ClientResponse]:
     """`session.post(url, **kwargs)`, sent again (at most `MAX_SENDS` times in all) while it breaks
-    before any answer on a connection taken from the pool (the session's connector must be a
-    `PoolConnector`). The response is released at the end."""
+    at once, before any answer, on a connection taken from the pool (the session's connector must
+    be a `PoolConnector`). The response is released at the end."""
     for tries_left in range(MAX_SENDS - 1, -1, -1):
-        _pooled.set(False)
+        _sent_on.set((None, False))
+        began = time.monotonic()
         try:
             resp = await session.post(url, **kwargs)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            if tries_left and broke_before_answer(exc):
+            if tries_left and _resendable(exc, _sent_on.get()[1], time.monotonic() - began):
                 continue
             raise
         break
@@ -76,16 +99,17 @@ async def post(session: aiohttp.ClientSession, url: str, **kwargs: Any) -> Async
         yield resp
 
 
-def connection_of(resp: aiohttp.ClientResponse) -> ResponseHandler | None:
-    """The connection a response came on (kept before the body ends: at its end aiohttp gives the
-    connection back to the pool)."""
-    return resp.connection.protocol if resp.connection is not None else None
+def sent_on() -> ResponseHandler | None:
+    """The connection the request `post` just sent in this task went out on (`drop` it later: by
+    the end of the body aiohttp has given it back to the pool)."""
+    return _sent_on.get()[0]
 
 
-def drop(connection: ResponseHandler | None) -> None:
-    """Close a connection, back in the pool or not, so that no other run is sent on it: a server
-    that ended a stream short of its end may have left it broken. llama-cpp-python's, ending a
-    stream before any event, says keep-alive and closes the connection just after, and a request
-    that came in between gets a head and a body cut off (seen 1 to 3 times in 12 tries)."""
-    if connection is not None and connection.is_connected():
-        connection.close()
+def drop(session: aiohttp.ClientSession, connection: ResponseHandler | None) -> None:
+    """No other run is sent on `connection`: a server that ended a stream short of its end may
+    have left it broken. llama-cpp-python's, ending a stream before any event, says keep-alive
+    and closes the connection just after, and a run sent on it meanwhile got a reset, or a head
+    and a body cut off (1 to 3 times in 12 tries)."""
+    connector = session.connector
+    if connection is not None and isinstance(connector, PoolConnector):
+        connector.drop(connection)
