@@ -17,6 +17,18 @@ from redis.exceptions import NoScriptError, ResponseError
 from common import keys
 from common.redisline import Line, line_of
 
+# Scripts at Redis's `maxmemory` (noeviction, as iop runs it). A script without a shebang is
+# refused there at its first write that could grow memory, unless it wrote anything before (a
+# ZREM counts): it may then run whole. So each script says what it does there:
+# - `MAY_GROW` (refused up front, before any write): `enqueue`, which would otherwise take a run
+#   for a key with limits (its window's trim writes first) into a Redis that cannot dispatch it;
+# - `FREES` (run whatever the memory): what ends, cancels or keeps a run (`finish`, `reap`,
+#   `drop_queued`, `renew`): each frees more than it adds (a lease, a queued entry, the request
+#   body), or adds nothing, and refusing it would keep a full Redis full, lose a running run's
+#   lease, or leave a cancelled run running for nobody.
+MAY_GROW = "#!lua\n"
+FREES = "#!lua flags=allow-oom\n"
+
 _NOW = """
 local _t = redis.call('TIME')
 local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
@@ -196,7 +208,7 @@ end
 #       the gateway that follows it (its first watcher)
 # Returns {'ok', entry, requests left in the window (-1: no window)}, {'key_in_flight', n},
 # {'key_rate', n, ms until a request leaves the window}, {'unavailable', queued} or {'full', queued}.
-ENQUEUE = _NOW + """
+ENQUEUE = MAY_GROW + _NOW + """
 -- the same call made again (a dropped connection lost its reply, and the client sent it again):
 -- the run is queued already, and must not be queued twice (nor refused by its own limits)
 if redis.call('EXISTS', KEYS[2]) == 1 then return {'ok', redis.call('HGET', KEYS[2], 'entry') or '', -1} end
@@ -597,7 +609,7 @@ return out
 # Renew the lease of one attempt while it still owns the run. Returns 1, 0 if lost, or 2 if
 # its caller asked for it to be cancelled (a backstop for a lost cancel message).
 # KEYS: lease, run record   ARGV: run id, lease_ttl_ms, attempt
-RENEW = _NOW + """
+RENEW = FREES + _NOW + """
 if redis.call('HGET', KEYS[2], 'attempts') ~= ARGV[3] then return 0 end
 if redis.call('HGET', KEYS[2], 'cancel') == '1' then return 2 end
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
@@ -620,7 +632,7 @@ return 1
 #       evidence ('ok'|'fail'|''), strikes, failure reason, prompt tokens, completion tokens
 #       (the usage the caller got, added to its key's by `_ENDED` when the run ends here), how
 #       fresh an 'ok' must be to be written again (ms, `_EVIDENCE`)
-FINISH = _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + """
+FINISH = FREES + _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + """
 local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited')
 local state = rec[1]
 if rec[2] ~= ARGV[10] then return 'stale' end
@@ -655,7 +667,7 @@ return 'ok'
 # KEYS: runs stream, run record, events
 # ARGV: run id, group, new state, event data, ttl_s, error code, error message, cancel channel prefix,
 #       replica channel prefix (the replica holding the next waiting run is woken; '' = none)
-DROP_QUEUED = _NOW + _ENDED + _EVENTS + _WAKE + """
+DROP_QUEUED = FREES + _NOW + _ENDED + _EVENTS + _WAKE + """
 local state = redis.call('HGET', KEYS[2], 'state')
 if state == 'dispatched' or state == 'running' then
   if ARGV[8] ~= '' then
@@ -716,7 +728,7 @@ return 1
 #       the provider's models...
 # ARGV: run id, max_attempts, ttl_s, replica channel prefix, model, requeued data, failed data,
 #       cancelled data
-REAP = _NOW + _REQUEUE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + """
+REAP = FREES + _NOW + _REQUEUE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) > now then return 'alive' end
 redis.call('ZREM', KEYS[1], ARGV[1])

@@ -132,8 +132,11 @@ class Scheduler:
                     raise
 
     async def heartbeat(self) -> None:
-        await self.redis.set(keys.scheduler_alive(self.consumer), now_ms(),
-                             px=self.config.runtime.scheduler_liveness_ms)
+        """Say this replica lives: its key's TTL renewed (a write Redis takes even when full, so
+        a full spell does not make the replicas take over each other's runs), or the key set anew."""
+        alive, ttl_ms = keys.scheduler_alive(self.consumer), self.config.runtime.scheduler_liveness_ms
+        if not await self.redis.pexpire(alive, ttl_ms):
+            await self.redis.set(alive, now_ms(), px=ttl_ms)
 
     # ----------------------------------------------------------------- intake
     def _adopt(self, model_id: str, entry_id: str, fields: dict[bytes, bytes]) -> None:

@@ -8,7 +8,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from redis.asyncio import Redis
+from redis.exceptions import OutOfMemoryError
 
 from common import keys
 from common.policy import Health
@@ -159,3 +161,36 @@ async def test_a_cancel_that_the_lease_renewal_also_finds_ends_the_run_once(redi
     assert (await execution).startswith("cancelled")
     assert not execution.cancelled()
     assert await redis.hget(keys.run_record(run_id), "state") == b"cancelled"
+
+
+async def test_a_full_redis_still_takes_cancels_and_ends(redis: Redis) -> None:
+    """At `maxmemory` a cancel of a queued run, the cancel flag of a running one, a lease's
+    renewal and a run's end go through (each frees more than it adds, or adds nothing): a caller
+    who leaves does not keep a run going for nobody, nor a full Redis full."""
+    config = make_config({"a": 1}, runtime={"lease_ttl_ms": 15_000})
+    client, sched, (running_id, queued_id) = await waiting_runs(redis, config, 2)
+    await sched.dispatch_all()
+    adapter = StallingAdapter()
+    runner = Runner(redis, config, "n-a", {"a": adapter})
+    execution = asyncio.create_task(runner.execute(running_id))
+
+    async def running() -> bool:
+        return bool(await redis.hget(keys.run_record(running_id), "state") == b"running")
+
+    await async_wait_until(running, what="the run to start")
+    await redis.config_set("maxmemory-policy", "noeviction")
+    try:
+        await redis.config_set("maxmemory", 1)
+        with pytest.raises(OutOfMemoryError):  # (the engine is full: a new run is refused)
+            await redis.set("iop:test:grow", "x")
+        assert await client.cancel(queued_id, MODEL, "the caller went away") == "ok"
+        assert await client.cancel(running_id, MODEL, "the caller went away") == "signalled"
+        lease = [running_id, 15_000, b"1"]
+        assert await runner.scripts.call("renew", [keys.leases("a"), keys.run_record(running_id)], lease) == 2
+        assert runner.cancel(running_id, "the caller went away")
+        assert (await execution).startswith("cancelled")  # its end (`finish`) went through
+    finally:
+        await redis.config_set("maxmemory", 0)
+    assert await redis.hget(keys.run_record(queued_id), "state") == b"cancelled"
+    assert await redis.hget(keys.run_record(running_id), "state") == b"cancelled"
+    assert await redis.zcard(keys.leases("a")) == 0

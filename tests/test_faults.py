@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -304,9 +305,9 @@ async def test_a_full_redis_stops_no_process_and_its_runs_go_on_once_it_has_room
         fstack: FaultStack, http: aiohttp.ClientSession) -> None:
     """Redis at `maxmemory` (noeviction) refuses every write that could grow it: new runs get 503,
     an operator's change a clear error, and every process waits, as for a Redis that is down (the
-    workers exited: their wake-up read starts runs, a write). Once it has room again, the stream
-    that was running ends whole or with an error in the stream (never a hang), and new runs are
-    served by the same processes."""
+    workers exited: their wake-up read starts runs, a write). A running stream's output waits,
+    its lease renewed meanwhile, for longer than the lease lasts unrenewed; once Redis has room
+    again the stream goes on where it was, whole, and new runs are served by the same processes."""
     gateway = start(fstack, {"only": ("n1", 2)})
     procs = list(fstack.procs)
     resp = await http.post(gateway + "/v1/chat/completions",
@@ -326,15 +327,26 @@ async def test_a_full_redis_stops_no_process_and_its_runs_go_on_once_it_has_room
         done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "iop", "provider", "drain", "only"],
                                        env=fstack.env(), capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 1 and "is full (maxmemory)" in done.stderr and "Traceback" not in done.stderr
-        await async_wait_until(lambda: asyncio.sleep(0, worker.output(last=10_000).count("maxmemory") >= 8),
-                               what="the worker to go on being refused")
+        # full for longer than the run's lease lasts unrenewed (`lease_ttl_ms`: 3 s): its renewals
+        # go through, and the run keeps its lease
+        (run_id, lease_ends), = r.zrange("iop:leases:only", 0, -1, withscores=True)
+
+        def renewed_past_its_first_end() -> bool:
+            score = r.zscore("iop:leases:only", run_id)
+            return score is not None and score > lease_ends and time.time() * 1000 > lease_ends
+
+        await async_wait_until(lambda: asyncio.sleep(0, renewed_past_its_first_end()), timeout=20,
+                               what="the lease to be renewed past its first end while Redis is full")
         assert [p.name for p in procs if p.popen.poll() is not None] == []
     finally:
         r.config_set("maxmemory", 0)
         r.close()
     events = [first, *[e async for e in stream]]
     resp.close()
-    assert events[-1] == "[DONE]"
+    # the stream went on where it was: whole, no error
+    assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                   if isinstance(e, dict) and e.get("choices")) == "".join(f"tok{i} " for i in range(30))
     assert [p.name for p in procs if p.popen.poll() is not None] == []
 
     async def served() -> bool:

@@ -15,6 +15,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
+from common.auth import hash_key
 from common.config import Config, parse_config
 from gateway.app import build_app
 from gateway.runs import RunClient
@@ -159,18 +160,28 @@ async def test_health_and_readiness(http: aiohttp.ClientSession) -> None:
         server.cleanup()
 
 
-async def test_a_full_redis_is_a_503_and_keeps_what_it_holds(http: aiohttp.ClientSession) -> None:
+@pytest.mark.parametrize("limited", [False, True])
+async def test_a_full_redis_is_a_503_and_keeps_what_it_holds(http: aiohttp.ClientSession, limited: bool) -> None:
+    """Whether the caller's key has limits or not (`enqueue` trims the key's window first: a write
+    that let the rest of the script through a full Redis, and queued the run)."""
+    cfg = config()
+    headers = {}
+    if limited:
+        cfg = parse_config({**cfg.model_dump(exclude_none=True), "auth": {"keys": [
+            {"name": "team-a", "sha256": hash_key("sk-full-redis-test"),
+             "limits": {"max_in_flight": 5, "requests_per_minute": 100}}]}})
+        headers = {"Authorization": "Bearer sk-full-redis-test"}
     server = RedisServer().start()
     redis = Redis.from_url(server.url)
-    app_server = TestServer(build_app(config(), server.url), port=0)
+    app_server = TestServer(build_app(cfg, server.url), port=0)
     await app_server.start_server()
     gateway = str(app_server.make_url("")).rstrip("/")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     try:
-        await beat(redis, config())
+        await beat(redis, cfg)
 
         async def wait() -> None:
-            async with http.post(gateway + "/v1/chat/completions", json=body) as resp:
+            async with http.post(gateway + "/v1/chat/completions", json=body, headers=headers) as resp:
                 await resp.read()
 
         waiting = asyncio.create_task(wait())
@@ -181,7 +192,7 @@ async def test_a_full_redis_is_a_503_and_keeps_what_it_holds(http: aiohttp.Clien
         await async_wait_until(one_queued, what="a run waiting")
         await redis.config_set("maxmemory", 1)  # full: Redis refuses every write that could grow it
         await redis.config_set("maxmemory-policy", "noeviction")
-        async with http.post(gateway + "/v1/chat/completions", json=body) as resp:
+        async with http.post(gateway + "/v1/chat/completions", json=body, headers=headers) as resp:
             error = await error_of(resp)
             assert resp.status == 503 and error["code"] == "service_unavailable" and "full" in error["message"]
             assert resp.headers["Retry-After"] == "5"

@@ -284,3 +284,33 @@ async def test_a_worker_restarted_in_place_is_not_handed_its_predecessor_s_job(r
 def in_progress_prefix() -> str:
     from arq.constants import in_progress_key_prefix
     return in_progress_key_prefix
+
+
+async def test_a_wake_up_a_full_redis_refuses_still_runs_what_its_script_started(
+        redis: Redis, redis_url: str) -> None:
+    """At `maxmemory` Redis refuses the worker's `BLMOVE`, while `take_woken`, sent with it, runs
+    (its first write frees, so Redis lets the rest through) and starts the run: the worker runs it,
+    then backs off (the refusal is raised after). Its answer was thrown away before: the run stayed
+    `running` on no worker until its lease went."""
+
+    from redis.exceptions import OutOfMemoryError
+
+    from tests.test_runner import TEXT, Scripted, fields, start_one
+    from workers.runner import Runner
+
+    sched, run_id = await start_one(redis, {"a": 1}, max_attempts=1)
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
+    worker = node_worker(redis_url, runner, poll_delay=0.2)
+    await redis.config_set("maxmemory-policy", "noeviction")
+    try:
+        await redis.config_set("maxmemory", 1)
+        with pytest.raises(OutOfMemoryError):
+            await worker._wait_for_work()
+        assert list(worker.tasks) == [run_id]  # started here, before the refusal was raised
+    finally:
+        await redis.config_set("maxmemory", 0)
+    try:
+        assert await worker.tasks[run_id] == "completed:ok"
+        assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)

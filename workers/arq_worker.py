@@ -28,6 +28,7 @@ from typing import Any
 from arq.connections import ArqRedis, create_pool
 from arq.constants import in_progress_key_prefix
 from arq.worker import Worker
+from redis.exceptions import ResponseError
 
 from common import keys
 from common.redisconn import REDIS_UNUSABLE, Backoff, connection_pool
@@ -65,6 +66,8 @@ class WakeWorker(Worker):
         self._received: list[bytes] = []
         #: the attempt each task of `tasks` runs (job id -> `attempts`)
         self._attempts: dict[str, bytes | None] = {}
+        #: what Redis answered the last wake-up read, when it refused it (a full Redis)
+        self._refused: ResponseError | None = None
 
     async def main(self) -> None:
         if self._pool is None:
@@ -126,6 +129,9 @@ class WakeWorker(Worker):
             return True
         taken, woken = await self._take_woken(self.max_jobs - self.job_counter)
         await self._start(taken)
+        if self._refused is not None:  # (its runs started: now the loop backs off)
+            refused, self._refused = self._refused, None
+            raise refused
         if not woken:
             return True  # nothing came for `poll_delay`: arq's poll is due (a safety net)
         # The runs just started call their providers before this worker blocks on the wake list
@@ -144,11 +150,19 @@ class WakeWorker(Worker):
         # (oldest first: `dispatch` LPUSHes)
         move = ("BLMOVE", self.wake_key, script_keys[1], "RIGHT", "LEFT", self.poll_delay_s)
         sent = time.monotonic()
+        refused: ResponseError | None = None
         if self._wake_line is None:  # (a client not made by `common.redisconn`: fakeredis)
             woken = await self.pool.execute_command(*move)
             taken = await self._scripts.call("take_woken", script_keys, args)
         else:
-            woken, taken = await self._scripts.call_after(self._wake_line, move, "take_woken", script_keys, args)
+            woken, taken = await self._scripts.send_after(self._wake_line, move, "take_woken", script_keys, args)
+            if isinstance(taken, ResponseError):
+                raise taken
+            if isinstance(woken, ResponseError):
+                # A full Redis refuses the pop, while the script, sent with it, runs (its first
+                # write frees): the runs it started are this worker's to run before it backs off.
+                refused, woken = woken, None
+        self._refused = refused
         self._received = [b"%s:%s" % (started[0], started_attempt(started) or b"")
                           for started in taken if started[1] == b"ok"]
         if time.monotonic() - sent > self.poll_delay_s + LATE_ANSWER_S:

@@ -26,7 +26,7 @@ from common import keys
 from common.chunks import fixed_usage, token_counts, usage_in, wants_usage, without_usage
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
-from common.redisconn import REDIS_UNUSABLE, Backoff, now_ms
+from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
@@ -501,12 +501,18 @@ class Runner:
     async def _call_while_leased(self, att: Attempt, script: str, run_keys: list[str], args: list[Any],
                                  doing: str) -> Any:
         """Run one of the attempt's scripts, riding out a Redis restart for as long as the lease
-        could live; past that it is reaped anyway, and LeaseLost is raised."""
+        could live; past that it is reaped anyway, and LeaseLost is raised. A full Redis is waited
+        out for as long as it lasts: the lease's renewals go through meanwhile (the run's own
+        timeouts and a cancel still end it)."""
         backoff = Backoff(cap=1.0)
         give_up = time.monotonic() + self.config.runtime.lease_ttl_ms / 1000
         while True:
             try:
                 return await self.scripts.call(script, run_keys, args)
+            except REDIS_FULL as exc:
+                log.warning("Redis is full while %s (%s); retrying", doing, exc, extra=att.log())
+                await backoff.pause()
+                give_up = time.monotonic() + self.config.runtime.lease_ttl_ms / 1000  # (renewed meanwhile)
             except REDIS_UNUSABLE as exc:
                 if time.monotonic() > give_up:
                     raise LeaseLost(att.run_id) from exc
