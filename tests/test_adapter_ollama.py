@@ -235,7 +235,7 @@ async def test_probe_transitions_available_unavailable_available(adapter: Ollama
 
     fake.state.tags_status = 500
     probe = await adapter.probe()
-    assert probe.health is Health.UNAVAILABLE and probe.reason == "GET /api/tags answered 500"
+    assert probe.health is Health.UNAVAILABLE and probe.reason == "GET /api/tags answered 500 (not now)"
     fake.state.tags_status = 200
     assert (await adapter.probe()).health is Health.AVAILABLE
 

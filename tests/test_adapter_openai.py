@@ -212,6 +212,22 @@ async def test_each_type_probes_its_own_endpoints(ptype: str, health_path: str |
     assert probe.health is Health.UNKNOWN and "not with a model list" in probe.reason
 
 
+@pytest.mark.parametrize(("body", "reason"), [
+    # llama.cpp's llama-server while it loads its model
+    ({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
+     "GET /health answered 503 (Loading model)"),
+    ({"message": "warming up\n  (2 of 3 shards)"}, "GET /health answered 503 (warming up (2 of 3 shards))"),
+    ({"error": "x" * 300}, "GET /health answered 503 (" + "x" * 99 + "…)"),
+    ({}, "GET /health answered 503"),  # (an empty object says nothing)
+])
+async def test_a_failed_probe_says_what_the_server_said(fake: Fake, session: aiohttp.ClientSession,
+                                                         body: dict[str, Any], reason: str) -> None:
+    """The catalog's reason of a provider that is down carries a few words of its answer."""
+    fake.status["/health"], fake.body["/health"] = 503, body
+    probe = await OpenAICompatAdapter(provider("llamacpp", fake.url), session).probe()
+    assert probe.health is Health.UNAVAILABLE and probe.reason == reason
+
+
 async def test_a_probe_answered_429_says_nothing_either_way(fake: Fake, session: aiohttp.ClientSession) -> None:
     """A hosted API's rate limit covers its model list too: busy is not down (found by an audit:
     one 429 took every provider of the key down at once)."""

@@ -214,12 +214,13 @@ def names(message: str, served: str | None) -> bool:
     return bool(served) and re.search(rf"(?<![\w.:/-]){re.escape(served or '')}(?![\w.:/-])", message) is not None
 
 
-def probe_answered(what: str, status: int) -> ProbeResult:
-    """A probe (`GET /path`) answered with an error status: down, unless it said it is busy (a 429:
-    a hosted API's rate limit covers its model list too), which says nothing either way."""
+def probe_answered(what: str, status: int, said: str = "") -> ProbeResult:
+    """A probe (`GET /path`) answered with an error status (`said`: what its body says, in a few
+    words): down, unless it said it is busy (a 429: a hosted API's rate limit covers its model
+    list too), which says nothing either way."""
     if status == 429:
         return ProbeResult(Health.UNKNOWN, f"{what} answered 429 (rate limited)", strikes=0, busy=True)
-    return ProbeResult(Health.UNAVAILABLE, f"{what} answered {status}")
+    return ProbeResult(Health.UNAVAILABLE, f"{what} answered {status}" + (f" ({said})" if said else ""))
 
 
 def answered_error(provider_id: str, status: int, message: str, detail: dict[str, Any] | None,

@@ -26,6 +26,7 @@ from workers.adapters.failures import (
     one_line,
     probe_answered,
     probe_failure,
+    redact,
     redacted,
     transport_error,
     url_secrets,
@@ -38,6 +39,7 @@ from workers.adapters.reading import (
     error_text,
     is_redirect,
     parse_json,
+    probe_said,
     read_at_most,
     read_whole,
     redirect_error,
@@ -252,7 +254,8 @@ class OllamaAdapter:
                 if is_redirect(resp.status):
                     return redirect_probe("/api/tags", resp, url_secrets(self.provider.base_url))
                 if resp.status != 200:
-                    return probe_answered("GET /api/tags", resp.status)
+                    return probe_answered("GET /api/tags", resp.status,
+                                          redact(await probe_said(resp), url_secrets(self.provider.base_url)))
                 data = await read_at_most(resp, limit)
                 if data is None:
                     resp.close()

@@ -55,6 +55,7 @@ from workers.adapters.reading import (
     error_text,
     is_redirect,
     parse_json,
+    probe_said,
     read_at_most,
     read_whole,
     redirect_error,
@@ -407,7 +408,8 @@ class OpenAICompatAdapter:
                              "server-sent events", retry=Retry.ELSEWHERE, strikes=0)
 
     async def _get(self, url: str) -> tuple[int, Any, ProbeResult | None]:
-        """GET a probe URL: (status, its JSON or None, None), or the result that ends the probe.
+        """GET a probe URL: (status, its JSON or None, None), (an error status, what its body says,
+        None), or the result that ends the probe.
         At most `limits.probe_limit` bytes are read; a redirect is not followed."""
         timeout = aiohttp.ClientTimeout(total=self.provider.probe_timeout_ms / 1000)
         path = urlsplit(url).path
@@ -418,7 +420,7 @@ class OpenAICompatAdapter:
                 if is_redirect(resp.status):
                     return resp.status, None, redirect_probe(path, resp, self._secrets())
                 if resp.status != 200:
-                    return resp.status, None, None
+                    return resp.status, self._redact(await probe_said(resp)), None
                 data = await read_at_most(resp, limit)
                 if data is None:
                     resp.close()
@@ -435,19 +437,19 @@ class OpenAICompatAdapter:
 
     async def probe(self) -> ProbeResult:
         if self.health_url is not None:
-            status, _, failed = await self._get(self.health_url)
+            status, said, failed = await self._get(self.health_url)
             if failed is not None:
                 return failed
             if status in NO_SUCH_ENDPOINT and self.provider.probe_path is None:
                 self.health_url = None  # this server has none: the model list decides from now on
             elif status != 200:
-                return probe_answered(f"GET {urlsplit(self.health_url).path}", status)
+                return probe_answered(f"GET {urlsplit(self.health_url).path}", status, said)
         models_path = urlsplit(self.root).path + "/models"
         status, data, failed = await self._get(self.root + "/models")
         if failed is not None:
             return failed
         if status != 200:
-            return probe_answered(f"GET {models_path}", status)
+            return probe_answered(f"GET {models_path}", status, data)
         listed = data.get("data") if isinstance(data, dict) else None
         if not isinstance(listed, list):
             return ProbeResult(Health.UNKNOWN, f"GET {models_path} answered 200 but not with a model list")

@@ -71,6 +71,25 @@ async def error_body(resp: aiohttp.ClientResponse) -> str:
     return body_text(b"".join(parts))
 
 
+#: the most of what an error answer to a probe says that its reason shows
+MAX_PROBE_SAID = 100
+
+
+async def probe_said(resp: aiohttp.ClientResponse) -> str:
+    """What an error answer to a probe says, in a few words for its reason (llama-server's `/health`
+    answers 503 `Loading model` while it loads): its JSON error's message, or its text ('' if none)."""
+    text = await error_body(resp)
+    said = text
+    if text.lstrip()[:1] == "{":
+        try:
+            obj = jsonio.loads(text.encode())
+        except (ValueError, RecursionError):
+            obj = None
+        if isinstance(obj, dict):
+            said = error_text(obj.get("error") or obj, MAX_PROBE_SAID)
+    return "" if said == "no message" else one_line(said, MAX_PROBE_SAID)
+
+
 async def read_whole(resp: aiohttp.ClientResponse, provider_id: str, limits: ReadLimits) -> bytes:
     """The whole body of an answer, or ProviderError once it passes `limits.response_bytes`."""
     data = await read_at_most(resp, limits.response_bytes)
