@@ -19,14 +19,13 @@ from common.redisline import Line, line_of
 
 # Scripts at Redis's `maxmemory` (noeviction, as iop runs it). A script without a shebang is
 # refused there at its first write that could grow memory, unless it wrote anything before (a
-# ZREM counts): it may then run whole. So each script says what it does there:
-# - `MAY_GROW` (refused up front, before any write): `enqueue`, which would otherwise take a run
-#   for a key with limits (its window's trim writes first) into a Redis that cannot dispatch it;
-# - `FREES` (run whatever the memory): what ends, cancels or keeps a run (`finish`, `reap`,
-#   `drop_queued`, `renew`): each frees more than it adds (a lease, a queued entry, the request
-#   body), or adds nothing, and refusing it would keep a full Redis full, lose a running run's
-#   lease, or leave a cancelled run running for nobody.
-MAY_GROW = "#!lua\n"
+# ZREM counts): it may then run whole. So a script that may grow memory writes nothing before it
+# decides (`enqueue`: a full Redis refuses its XADD, and a repeated call, which only reads, is
+# answered); and what ends, cancels or keeps a run runs whatever the memory (`FREES`: `finish`,
+# `reap`, `drop_queued`, `renew`), since refusing it would keep a run going for nobody, lose a
+# running run's lease, or never free its slot and request body. Those add little but an ended
+# run's last event (a non-stream run's answer, up to `runtime.max_response_bytes`, in its events
+# and each follower's inbox): Redis may pass `maxmemory` by that much a run ending meanwhile.
 FREES = "#!lua flags=allow-oom\n"
 
 _NOW = """
@@ -208,22 +207,22 @@ end
 #       the gateway that follows it (its first watcher)
 # Returns {'ok', entry, requests left in the window (-1: no window)}, {'key_in_flight', n},
 # {'key_rate', n, ms until a request leaves the window}, {'unavailable', queued} or {'full', queued}.
-ENQUEUE = MAY_GROW + _NOW + """
+ENQUEUE = _NOW + """
 -- the same call made again (a dropped connection lost its reply, and the client sent it again):
 -- the run is queued already, and must not be queued twice (nor refused by its own limits)
 if redis.call('EXISTS', KEYS[2]) == 1 then return {'ok', redis.call('HGET', KEYS[2], 'entry') or '', -1} end
+-- (nothing is written before the run is taken: a full Redis refuses the first write, the XADD,
+-- and the script then did nothing; its expired members are trimmed when a run is taken)
 local max_in_flight, rpm = tonumber(ARGV[9]), tonumber(ARGV[10])
 if max_in_flight > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  local n = redis.call('ZCARD', KEYS[3])
+  local n = redis.call('ZCOUNT', KEYS[3], '(' .. now, '+inf')
   if n >= max_in_flight then return {'key_in_flight', n} end
 end
 local left = -1
 if rpm > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - 60000)
-  local n = redis.call('ZCARD', KEYS[4])
+  local n = redis.call('ZCOUNT', KEYS[4], '(' .. (now - 60000), '+inf')
   if n >= rpm then
-    local oldest = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
+    local oldest = redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. (now - 60000), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
     return {'key_rate', n, tonumber(oldest[2]) + 60000 - now}
   end
   left = rpm - n - 1
@@ -255,6 +254,7 @@ redis.call('HSET', KEYS[2], 'model', ARGV[4], 'kind', ARGV[5], 'stream', ARGV[6]
   'max_attempts', ARGV[12], 'watchers', ARGV[13])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 if max_in_flight > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[11]), ARGV[1])
   -- the set lives as long as its longest-lived member (GT), not the newest one's: a quick model's
   -- run must not end the life of a long one's; NX for a set just made (GT counts it as endless)
@@ -263,6 +263,7 @@ if max_in_flight > 0 then
   end
 end
 if rpm > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - 60000)
   redis.call('ZADD', KEYS[4], now, ARGV[1])
   redis.call('PEXPIRE', KEYS[4], 60000)
 end
@@ -986,23 +987,14 @@ class Scripts:
             pipe.evalsha(SHAS[name], len(run_keys), *run_keys, *args)
         return list(await pipe.execute(raise_on_error=False))
 
-    async def call_after(self, line: Line, command: Sequence[Any], name: str, keys: Sequence[str],
+    async def send_after(self, line: Line, command: Sequence[Any], name: str, keys: Sequence[str],
                          args: Sequence[Any]) -> tuple[Any, Any]:
         """`command` (a blocking read, on `line`, its loop's own) and the script sent in one write:
         Redis runs the script as soon as it has answered the command, with no round trip between
-        them. Returns both replies; an error reply is raised. A script Redis has forgotten (a
-        restart) did nothing: it is loaded and called again."""
-        first, answer = await self.send_after(line, command, name, keys, args)
-        if isinstance(first, ResponseError):
-            raise first
-        if isinstance(answer, ResponseError):
-            raise answer
-        return first, answer
-
-    async def send_after(self, line: Line, command: Sequence[Any], name: str, keys: Sequence[str],
-                         args: Sequence[Any]) -> tuple[Any, Any]:
-        """As `call_after`, but an error reply of either is returned as it came (the exception),
-        not raised: a script's error does not lose the command's reply."""
+        them. Returns both replies; an error reply of either is returned as it came (the
+        exception), not raised: a script's error does not lose the command's reply, nor the
+        command's the script's (a full Redis refuses a blocking pop while the script sent with it
+        runs). A script Redis has forgotten (a restart) did nothing: it is loaded and called again."""
         first, answer = await line.execute_many([command, ("EVALSHA", SHAS[name], len(keys), *keys, *args)])
         if isinstance(answer, NoScriptError):
             await self.load()

@@ -20,7 +20,7 @@ from gateway.runs import RunClient
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until
 from tests.test_scheduler import MODEL, make_config, waiting_runs
-from workers.adapters.base import ProbeResult
+from workers.adapters.base import ProbeResult, ProviderError, Retry
 from workers.runner import Runner
 
 
@@ -165,8 +165,9 @@ async def test_a_cancel_that_the_lease_renewal_also_finds_ends_the_run_once(redi
 
 async def test_a_full_redis_still_takes_cancels_and_ends(redis: Redis) -> None:
     """At `maxmemory` a cancel of a queued run, the cancel flag of a running one, a lease's
-    renewal and a run's end go through (each frees more than it adds, or adds nothing): a caller
-    who leaves does not keep a run going for nobody, nor a full Redis full."""
+    renewal and a run's end go through: a caller who leaves does not keep a run going for nobody,
+    nor a full Redis full. (The flag and the renewal were refused before; a queued run's cancel
+    and a run's end went through already, their first write frees.)"""
     config = make_config({"a": 1}, runtime={"lease_ttl_ms": 15_000})
     client, sched, (running_id, queued_id) = await waiting_runs(redis, config, 2)
     await sched.dispatch_all()
@@ -193,4 +194,37 @@ async def test_a_full_redis_still_takes_cancels_and_ends(redis: Redis) -> None:
         await redis.config_set("maxmemory", 0)
     assert await redis.hget(keys.run_record(queued_id), "state") == b"cancelled"
     assert await redis.hget(keys.run_record(running_id), "state") == b"cancelled"
+    assert await redis.zcard(keys.leases("a")) == 0
+
+
+class FailingAdapter(StallingAdapter):
+    """A provider that answers a server error."""
+
+    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        raise ProviderError("provider a answered 500: boom", status=500, retry=Retry.NO, strikes=None)
+
+
+async def test_a_cancel_while_a_failed_run_records_its_end_does_not_cancel_that(redis: Redis) -> None:
+    """The cancel came while the run recorded its failure: raised into that, it ended the job's
+    task cancelled and left the run `running` on its lease (found by a review)."""
+    client, sched, run_id = await dispatched_run(redis)
+    runner = Runner(redis, client.config, "n-a", {"a": FailingAdapter()})
+    ending, cancelled = asyncio.Event(), asyncio.Event()
+    call = runner.scripts.call
+
+    async def slow_end(name: str, script_keys: Any, args: Any) -> Any:
+        if name == "finish":  # the caller leaves while the failure is being recorded
+            ending.set()
+            await asyncio.wait_for(cancelled.wait(), 10)
+        return await call(name, script_keys, args)
+
+    runner.scripts.call = slow_end  # type: ignore[method-assign,assignment]
+    execution = asyncio.create_task(runner.execute(run_id))
+    await asyncio.wait_for(ending.wait(), 10)
+    assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"
+    assert runner.cancel(run_id, "the caller went away")  # (the cancel message, as the listener hears it)
+    cancelled.set()
+    assert (await execution).startswith("failed")
+    assert not execution.cancelled()
+    assert await redis.hget(keys.run_record(run_id), "state") == b"failed"
     assert await redis.zcard(keys.leases("a")) == 0

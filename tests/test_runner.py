@@ -705,15 +705,15 @@ async def test_a_run_a_late_take_answer_started_runs_only_if_it_still_holds_its_
     worker = node_worker(redis_url, runner, poll_delay=0.2)
     clock = [1000.0]
     monkeypatch.setattr(arq_worker, "time", SimpleNamespace(monotonic=lambda: clock[0]))
-    call_after = worker._scripts.call_after
+    send_after = worker._scripts.send_after
 
     async def paused(*args: Any) -> tuple[Any, Any]:
-        answer = await call_after(*args)
+        answer = await send_after(*args)
         await redis.zadd(keys.leases("a"), {run_id: 1})  # its lease went meanwhile (and the reaper requeues it)
         clock[0] += 60  # the worker was stopped for a minute
         return answer
 
-    monkeypatch.setattr(worker._scripts, "call_after", paused)
+    monkeypatch.setattr(worker._scripts, "send_after", paused)
     try:
         with caplog.at_level(logging.WARNING, "iop.worker"):
             assert await worker._wait_for_work() is False
@@ -724,7 +724,7 @@ async def test_a_run_a_late_take_answer_started_runs_only_if_it_still_holds_its_
         await redis.hset(keys.run_record(run_id), "state", "dispatched")
         await redis.delete(f"arq:in-progress:{run_id}")
         await redis.lpush(keys.node_wake("n-a"), run_id)
-        monkeypatch.setattr(worker._scripts, "call_after", call_after)
+        monkeypatch.setattr(worker._scripts, "send_after", send_after)
         assert await worker._wait_for_work() is False and list(worker.tasks) == [run_id]
     finally:
         await stop_runs(worker)

@@ -620,3 +620,35 @@ async def test_a_wake_that_comes_while_a_dispatch_is_out_is_not_lost(
     assert MODEL not in sched.behind and sched.kick.is_set()
     await not_head(woken=False)
     assert sched.behind[MODEL] == sched.waiting[MODEL][0].entry_id
+
+
+@pytest.mark.parametrize("limited", [False, True])
+async def test_enqueue_writes_nothing_before_it_takes_a_run_so_a_full_redis_refuses_it_whole(
+        redis: Redis, limited: bool) -> None:
+    """A full Redis refuses `enqueue`'s first write, the run's: the script did nothing then, for a
+    key with limits too (its window was trimmed first, which let Redis run the rest and queue the
+    run). The same call made again for a run it took (a lost reply) only reads: it is answered."""
+    from redis.exceptions import OutOfMemoryError
+
+    from common.auth import Principal, Role
+
+    config = make_config({"a": 1})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    model = config.model(MODEL)
+    assert model is not None
+    who = Principal("team-a", Role.CALLER, max_in_flight=5 if limited else None,
+                    requests_per_minute=100 if limited else None)
+    taken, _ = await client.submit(model, request(), who)
+    await redis.config_set("maxmemory-policy", "noeviction")
+    try:
+        await redis.config_set("maxmemory", 1)
+        with pytest.raises(OutOfMemoryError):
+            await client.submit(model, request(), who)
+        assert (await client.submit(model, request(), who, run_id=taken))[0] == taken  # (the repeat)
+    finally:
+        await redis.config_set("maxmemory", 0)
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 1 and await redis.keys("iop:run:*") == [
+        keys.run_record(taken).encode()]
+    if limited:
+        assert await redis.zcard(keys.key_in_flight("team-a")) == 1

@@ -243,7 +243,9 @@ class Runner:
 
     def cancel(self, run_id: str, reason: str) -> bool:
         """Cancel a run this worker runs, once (a cancel message and the lease's renewal may both
-        say so). Returns whether it runs here."""
+        say so), and not while it records its end (a cancel raised into that would end the job's
+        task cancelled, the run left to its lease; a run requeued then ends at its next start, its
+        record's cancel flag says so). Returns whether it runs here."""
         entry = self.running.get(run_id)
         if entry is None:
             return False
@@ -401,6 +403,7 @@ class Runner:
         """End a failed attempt: put the run back in its queue if another attempt may do better
         and nothing was sent yet, else fail it. A provider that answered with a server error is
         not tried again: the run goes back only if another provider of the model is available."""
+        att.stopping = True  # (ending: a cancel now is not raised into it, see `cancel`)
         again = not att.output and int(att.attempt) < att.max_attempts and (
             retry is Retry.ANY or (retry is Retry.ELSEWHERE and await self._untried_available(att)))
         if again:
@@ -461,6 +464,7 @@ class Runner:
         and `usage` (prompt, completion tokens the caller got) for its key. Rides out a Redis
         restart (`_call_while_leased`): a slot must come back. A provider's answer (`data`) that
         msgpack cannot hold fails the run instead, with why."""
+        att.stopping = True  # (ending: a cancel now is not raised into it, see `cancel`)
         kind, strikes, reason = evidence
         try:
             packed = pack(data)

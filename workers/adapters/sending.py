@@ -6,11 +6,12 @@ request; llama-cpp-python's server says keep-alive and closes the connection of 
 before any event), and a run sent on it fails at once, before any byte of an answer: a reset, or
 the server closing it. The server never worked on that run, so it goes again at once on another
 connection, with no strike against a provider that did nothing wrong. Only then: a run that breaks
-so on a new connection, after some of an answer came, or later than `RESEND_WITHIN_S` after it
-went out (the server may have worked on it: a crash, a proxy's timeout) is the provider's failure,
-as before, never sent twice by this module. (aiohttp itself sends again only idempotent methods;
-its tracing, which would say where a request went, cost ~18 µs a request here: the connector
-says it for nothing.)
+so on a new connection, after the server closed it with part of a head sent, or later than
+`RESEND_WITHIN_S` after it went out (the server may have worked on it: a crash, a proxy's
+timeout) is the provider's failure, as before, not sent again here. (A reset says nothing of what
+came before it: one within `RESEND_WITHIN_S` is taken for the race.) aiohttp itself sends again
+only idempotent methods; its tracing, which would say where a request went, cost ~18 µs a request
+here: the connector says it for nothing.
 
 A connection whose stream ended short of its end is not used for another run (`drop`): the
 connector closes it when it would hand it out.
