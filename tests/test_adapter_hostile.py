@@ -21,6 +21,7 @@ from common.policy import Health
 from common.wire import RunKind
 from gateway.responses import sse_chunks, with_model
 from tests.conftest import async_wait_until as until
+from tests.fakes.raw_http import RawHttp
 from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import body_text
 from workers.adapters.ollama import OllamaAdapter
@@ -44,35 +45,17 @@ Answer = Callable[[Request, asyncio.StreamWriter], Awaitable[None]]
 
 
 @dataclass
-class Raw:
-    """An HTTP/1.1 server on raw sockets: reads each connection's one request, lets `answers[path]`
-    write whatever it likes (404 when none), then waits for the client to close the connection
-    (`hold`) or closes it. Counts the connections the client closed."""
+class Raw(RawHttp):
+    """Reads each connection's one request, lets `answers[path]` write whatever it likes (404 when
+    none), then waits for the client to close the connection (`hold`) or closes it. Counts the
+    connections the client closed."""
 
     answers: dict[str, Answer] = field(default_factory=dict)
     hold: bool = False
     requests: list[Request] = field(default_factory=list)
     disconnects: int = 0
-    server: asyncio.Server | None = None
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    url: str = ""
 
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self.url
-
-    async def stop(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        for task in list(self.tasks):
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.tasks.add(task)
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             first, *lines = head.decode("latin-1").split("\r\n")
@@ -93,9 +76,6 @@ class Raw:
                 self.disconnects += 1
         except (ConnectionError, asyncio.IncompleteReadError):
             self.disconnects += 1
-        finally:
-            writer.close()
-            self.tasks.discard(task)
 
 
 @pytest.fixture

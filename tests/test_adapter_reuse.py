@@ -23,6 +23,7 @@ import pytest
 
 from common.config import ProviderConfig
 from common.wire import RunKind
+from tests.fakes.raw_http import RawHttp
 from workers.adapters import sending
 from workers.adapters.base import ProviderError, Retry
 from workers.adapters.ollama import OllamaAdapter
@@ -40,7 +41,7 @@ OLLAMA = {"model": SERVED, "message": {"role": "assistant", "content": "hi"}, "d
 
 
 @dataclass
-class KeepAlive:
+class KeepAlive(RawHttp):
     """Answers `answered` requests on each connection, keeping it open, then breaks it when the
     next request on it comes (`how`: "close" or "reset"); `answered` 0 breaks every request."""
 
@@ -50,28 +51,12 @@ class KeepAlive:
     #: the streams it answers end before any event (a head and an empty body, in one write), as
     #: llama-cpp-python's server answers a streamed prompt beyond its context
     empty_streams: bool = False
-    #: requests read, and how many of them were on a connection of their own so far
+    #: the paths of the requests read, the connections made, and how many it broke
     requests: list[str] = field(default_factory=list)
     connections: int = 0
     broken: int = 0
-    server: asyncio.Server | None = None
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def stop(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        for task in list(self.tasks):
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.tasks.add(task)
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         served = 0
         try:
@@ -100,9 +85,6 @@ class KeepAlive:
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
-        finally:
-            writer.close()
-            self.tasks.discard(task)
 
 
 def _answer(path: str, stream: bool) -> bytes:
@@ -196,26 +178,15 @@ async def test_a_pool_of_broken_connections_is_sent_at_most_max_sends_times(sess
     assert server.broken == MAX_SENDS and len(server.requests) == MAX_SENDS + 1 + MAX_SENDS
 
 
-async def test_a_run_whose_pooled_connection_broke_after_part_of_an_answer_is_not_sent_again(
-        session: aiohttp.ClientSession) -> None:
-    """The server had taken the run (it began to answer): sending it again could run it twice."""
-    server = KeepAlive(answered=1, how="partial")
-    adapter = OpenAICompatAdapter(provider(await server.start()), session)
-    try:
-        assert await _text(adapter, False, "run_1") == "hi"
-        with pytest.raises(ProviderError):
-            await adapter.complete(RunKind.CHAT, chat(), "run_2")
-    finally:
-        await server.stop()
-    assert server.broken == 1 and len(server.requests) == 2
-
-
-async def test_a_run_whose_pooled_connection_broke_late_is_not_sent_again(
-        session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A break later than `RESEND_WITHIN_S` after the run went out is not the race with an idle
-    close: the server may have worked on the run (here the window is made 0: every break is late)."""
-    monkeypatch.setattr(sending, "RESEND_WITHIN_S", 0.0)
-    server = KeepAlive(answered=1, how="close")
+@pytest.mark.parametrize("how", ["partial", "late"])
+async def test_a_run_whose_pooled_connection_broke_after_the_server_may_have_taken_it_is_not_sent_again(
+        session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Sending it again could run it twice: the server began to answer (`partial`: part of a head,
+    then it closed), or the break came later than `RESEND_WITHIN_S` after the run went out, not
+    the race with an idle close (`late`: here the window is made 0, so every break is late)."""
+    if how == "late":
+        monkeypatch.setattr(sending, "RESEND_WITHIN_S", 0.0)
+    server = KeepAlive(answered=1, how="partial" if how == "partial" else "close")
     adapter = OpenAICompatAdapter(provider(await server.start()), session)
     try:
         assert await _text(adapter, False, "run_1") == "hi"
