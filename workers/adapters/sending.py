@@ -3,8 +3,8 @@
 A worker keeps its connections to a provider open between runs. A server may close one while it
 sits in the pool, or just after it gave the connection back (an idle timeout racing the next
 request; llama-cpp-python's server says keep-alive and closes the connection of a stream it ended
-before any event), and a run sent on it fails at once, before any byte of an answer: a reset, or
-the server closing it. The server never worked on that run, so it goes again at once on another
+before any event), and a run sent on it fails at once, before its answer's head: a reset, or the
+server closing it. The server never worked on that run, so it goes again at once on another
 connection, with no strike against a provider that did nothing wrong. Only then: a run that breaks
 so on a new connection, after the server closed it with part of a head sent, or later than
 `RESEND_WITHIN_S` after it went out (the server may have worked on it: a crash, a proxy's
@@ -37,7 +37,7 @@ from aiohttp.tracing import Trace
 MAX_SENDS = 3
 #: how soon after it went out a run's break may be the race with an idle close: the server's
 #: close or reset of a connection it no longer reads arrives within a round trip (a server that
-#: took the run and broke later may have worked on it: never sent again)
+#: took the run and broke later may have worked on it: not sent again here)
 RESEND_WITHIN_S = 0.25
 
 #: the connection the request being sent in this task went out on, and whether it came from the
