@@ -314,3 +314,27 @@ async def test_a_wake_up_a_full_redis_refuses_still_runs_what_its_script_started
         assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
     finally:
         await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_job_task_that_ends_cancelled_does_not_stop_the_worker_loop(
+        redis: Redis, redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A run's task ends with its outcome; should one ever end cancelled (a bug: a run cancelled
+    twice did), the loop that forgets finished tasks goes on, with an ERROR line. It raised the
+    CancelledError before, which ended the loop, and the process exited 0 as if stopped."""
+    import logging
+
+    from tests.test_runner import start_one
+    from workers.runner import Runner
+
+    sched, _ = await start_one(redis, {"a": 1})
+    worker = node_worker(redis_url, Runner(redis, sched.config, "n-a", {}))
+    try:
+        task = asyncio.get_running_loop().create_task(asyncio.Event().wait())
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        worker.tasks["run_gone"] = task
+        with caplog.at_level(logging.ERROR, "iop.worker"):
+            worker._forget_finished()
+        assert worker.tasks == {} and "a run's task ended cancelled" in caplog.text
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
