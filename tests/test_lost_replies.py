@@ -183,8 +183,8 @@ async def test_a_woken_job_whose_take_reply_came_is_not_handed_over_again(redis:
         assert await redis.get(answered) == f"{run_id}:1".encode()  # until the next call says received
         assert 0 < await redis.pttl(answered) <= sched.config.runtime.lease_ttl_ms  # (as long as an unrenewed lease)
         assert not await redis.exists(keys.worker_woken(worker.instance))  # (the moved id was taken)
-        taken, came = await worker._take_woken(1)
-        assert (taken, came) == ([], False) and not await redis.exists(answered)
+        taken, came, refused = await worker._take_woken(1)
+        assert (taken, came, refused) == ([], False, None) and not await redis.exists(answered)
         worker.tasks[run_id].cancel()
         await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
     finally:

@@ -658,7 +658,7 @@ async def test_a_run_s_next_attempt_on_the_same_worker_runs_though_its_last_atte
         assert await first == "requeued:ok"
         await sched.read_new(block_ms=10)
         await sched.dispatch_all()  # the same provider, the same node, the same job id
-        taken, woken = await worker._take_woken(1)  # (what the worker's wait does, after its forget)
+        taken, woken, _ = await worker._take_woken(1)  # (what the worker's wait does, after its forget)
         assert woken and [t[:2] for t in taken] == [[run_id.encode(), b"ok"]]
         await worker._start(taken)
         assert worker.tasks[run_id] is not first
@@ -680,7 +680,7 @@ async def test_a_new_attempt_whose_last_attempt_s_task_is_still_ending_here_runs
     previous = asyncio.get_running_loop().create_task(ending.wait())  # (stands for the last attempt's task)
     worker.tasks[run_id], worker._attempts[run_id] = previous, b"0"
     try:
-        taken, woken = await worker._take_woken(1)
+        taken, woken, _ = await worker._take_woken(1)
         assert woken and [t[:2] for t in taken] == [[run_id.encode(), b"ok"]]
         await worker._start(taken)
         new = worker.tasks[run_id]

@@ -66,8 +66,6 @@ class WakeWorker(Worker):
         self._received: list[bytes] = []
         #: the attempt each task of `tasks` runs (job id -> `attempts`)
         self._attempts: dict[str, bytes | None] = {}
-        #: what Redis answered the last wake-up read, when it refused it (a full Redis)
-        self._refused: ResponseError | None = None
 
     async def main(self) -> None:
         if self._pool is None:
@@ -127,10 +125,9 @@ class WakeWorker(Worker):
                 # here for good, full of nothing.
                 await asyncio.sleep(0)
             return True
-        taken, woken = await self._take_woken(self.max_jobs - self.job_counter)
+        taken, woken, refused = await self._take_woken(self.max_jobs - self.job_counter)
         await self._start(taken)
-        if self._refused is not None:  # (its runs started: now the loop backs off)
-            refused, self._refused = self._refused, None
+        if refused is not None:  # (its runs started: now the loop backs off)
             raise refused
         if not woken:
             return True  # nothing came for `poll_delay`: arq's poll is due (a safety net)
@@ -139,11 +136,13 @@ class WakeWorker(Worker):
         await asyncio.sleep(0)
         return False
 
-    async def _take_woken(self, free: int) -> tuple[list[Any], bool]:
+    async def _take_woken(self, free: int) -> tuple[list[Any], bool, ResponseError | None]:
         """Block on the wake list until a job id comes (`BLMOVE` to this worker's own list), and
         take it with as many more as make `free` (the `take_woken` script), in one round trip:
         the script is sent with the blocking read and Redis runs it once the id is moved. Returns
-        the script's answer and whether an id came before the wait's end (`poll_delay`)."""
+        the script's answer, whether an id came before the wait's end (`poll_delay`), and the
+        read's refusal, if Redis refused it (full) while it ran the script: the caller starts what
+        the script took, then raises it."""
         script_keys = [self.queue_name, keys.worker_woken(self.instance), keys.worker_answered(self.instance),
                        self.wake_key]
         args = [*self._take_args(), free, *self._received]
@@ -162,7 +161,6 @@ class WakeWorker(Worker):
                 # A full Redis refuses the pop, while the script, sent with it, runs (its first
                 # write frees): the runs it started are this worker's to run before it backs off.
                 refused, woken = woken, None
-        self._refused = refused
         self._received = [b"%s:%s" % (started[0], started_attempt(started) or b"")
                           for started in taken if started[1] == b"ok"]
         if time.monotonic() - sent > self.poll_delay_s + LATE_ANSWER_S:
@@ -170,7 +168,7 @@ class WakeWorker(Worker):
             # wait can last: it was paused (SIGSTOP, a frozen VM) or starved. Its runs' leases may
             # have gone meanwhile, and the runs on with another worker: only those still leased run.
             taken = [started for started in taken if started[1] != b"ok" or await self._still_leased(started)]
-        return taken, woken is not None
+        return taken, woken is not None, refused
 
     async def _still_leased(self, started: list[Any]) -> bool:
         """Whether a run `take_woken` started still holds its lease (renewed now, as a run does)."""
