@@ -11,6 +11,7 @@ import gc
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,18 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, what: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+@asynccontextmanager
+async def redis_full(redis: Redis) -> AsyncIterator[None]:
+    """Redis at its `maxmemory` for the block (1 byte, noeviction as iop runs it): it refuses every
+    write that could grow it."""
+    await redis.config_set("maxmemory-policy", "noeviction")
+    await redis.config_set("maxmemory", 1)
+    try:
+        yield
+    finally:
+        await redis.config_set("maxmemory", 0)
 
 
 async def async_wait_until(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:

@@ -18,7 +18,7 @@ from common.redisconn import now_ms
 from common.wire import ErrorInfo, RunKind
 from gateway.runs import RunClient
 from scheduler.core import Scheduler
-from tests.conftest import async_wait_until
+from tests.conftest import async_wait_until, redis_full
 from tests.test_scheduler import MODEL, make_config, waiting_runs
 from workers.adapters.base import ProbeResult, ProviderError, Retry
 from workers.runner import Runner
@@ -179,9 +179,7 @@ async def test_a_full_redis_still_takes_cancels_and_ends(redis: Redis) -> None:
         return bool(await redis.hget(keys.run_record(running_id), "state") == b"running")
 
     await async_wait_until(running, what="the run to start")
-    await redis.config_set("maxmemory-policy", "noeviction")
-    try:
-        await redis.config_set("maxmemory", 1)
+    async with redis_full(redis):
         with pytest.raises(OutOfMemoryError):  # (the engine is full: a new run is refused)
             await redis.set("iop:test:grow", "x")
         assert await client.cancel(queued_id, MODEL, "the caller went away") == "ok"
@@ -190,8 +188,6 @@ async def test_a_full_redis_still_takes_cancels_and_ends(redis: Redis) -> None:
         assert await runner.scripts.call("renew", [keys.leases("a"), keys.run_record(running_id)], lease) == 2
         assert runner.cancel(running_id, "the caller went away")
         assert (await execution).startswith("cancelled")  # its end (`finish`) went through
-    finally:
-        await redis.config_set("maxmemory", 0)
     assert await redis.hget(keys.run_record(queued_id), "state") == b"cancelled"
     assert await redis.hget(keys.run_record(running_id), "state") == b"cancelled"
     assert await redis.zcard(keys.leases("a")) == 0

@@ -20,7 +20,7 @@ from common.config import Config, parse_config
 from gateway.app import build_app
 from gateway.runs import RunClient
 from iop.embedded_redis import RedisServer
-from tests.conftest import async_wait_until
+from tests.conftest import async_wait_until, redis_full
 from tests.openapi import validate
 from tests.test_scheduler import beat
 
@@ -162,7 +162,7 @@ async def test_health_and_readiness(http: aiohttp.ClientSession) -> None:
 
 @pytest.mark.parametrize("limited", [False, True])
 async def test_a_full_redis_is_a_503_and_keeps_what_it_holds(http: aiohttp.ClientSession, limited: bool) -> None:
-    """Whether the caller's key has limits or not (`enqueue` trims the key's window first: a write
+    """Whether the caller's key has limits or not (`enqueue` trimmed the key's window first: a write
     that let the rest of the script through a full Redis, and queued the run)."""
     cfg = config()
     headers = {}
@@ -190,14 +190,12 @@ async def test_a_full_redis_is_a_503_and_keeps_what_it_holds(http: aiohttp.Clien
             return bool(await redis.xlen(f"iop:runs:{MODEL}") == 1)
 
         await async_wait_until(one_queued, what="a run waiting")
-        await redis.config_set("maxmemory", 1)  # full: Redis refuses every write that could grow it
-        await redis.config_set("maxmemory-policy", "noeviction")
-        async with http.post(gateway + "/v1/chat/completions", json=body, headers=headers) as resp:
-            error = await error_of(resp)
-            assert resp.status == 503 and error["code"] == "service_unavailable" and "full" in error["message"]
-            assert resp.headers["Retry-After"] == "5"
-        assert await redis.xlen(f"iop:runs:{MODEL}") == 1 and len(await redis.keys("iop:run:*")) == 1  # kept
-        await redis.config_set("maxmemory", 0)
+        async with redis_full(redis):
+            async with http.post(gateway + "/v1/chat/completions", json=body, headers=headers) as resp:
+                error = await error_of(resp)
+                assert resp.status == 503 and error["code"] == "service_unavailable" and "full" in error["message"]
+                assert resp.headers["Retry-After"] == "5"
+            assert await redis.xlen(f"iop:runs:{MODEL}") == 1 and len(await redis.keys("iop:run:*")) == 1  # kept
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
     finally:

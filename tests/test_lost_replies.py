@@ -19,6 +19,7 @@ from common import keys
 from common.codec import pack
 from common.redisconn import connect
 from common.scripts import Scripts
+from tests.conftest import redis_full
 from tests.test_runner import node_worker
 
 
@@ -301,14 +302,10 @@ async def test_a_wake_up_a_full_redis_refuses_still_runs_what_its_script_started
     sched, run_id = await start_one(redis, {"a": 1}, max_attempts=1)
     runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
     worker = node_worker(redis_url, runner, poll_delay=0.2)
-    await redis.config_set("maxmemory-policy", "noeviction")
-    try:
-        await redis.config_set("maxmemory", 1)
+    async with redis_full(redis):
         with pytest.raises(OutOfMemoryError):
             await worker._wait_for_work()
         assert list(worker.tasks) == [run_id]  # started here, before the refusal was raised
-    finally:
-        await redis.config_set("maxmemory", 0)
     try:
         assert await worker.tasks[run_id] == "completed:ok"
         assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]

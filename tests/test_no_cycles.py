@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import pack
 from common.config import Config, parse_config
+from tests.conftest import redis_full
 from tests.test_gateway_hostile import post_chat, serve
 from tests.test_scheduler import MODEL, beat, waiting_runs
 from workers.adapters.openai_compat import OpenAICompatAdapter
@@ -166,16 +167,14 @@ async def test_a_request_refused_while_redis_is_full_leaves_nothing_for_the_coll
     cfg = config("http://127.0.0.1:9")
     await beat(redis, cfg)
     site, gateway = await serve(cfg, redis_url)
-    await redis.config_set("maxmemory", "1")
-    await redis.config_set("maxmemory-policy", "noeviction")
 
     async def refused_once() -> None:
         answer = await post_chat(gateway, big_chat(stream=False))
         assert answer.status == 503 and b"maxmemory" not in answer.body, answer.body[:300]
 
     try:
-        await refused_once()
-        assert await once_without_collector(refused_once) == []
+        async with redis_full(redis):
+            await refused_once()
+            assert await once_without_collector(refused_once) == []
     finally:
-        await redis.config_set("maxmemory", "0")
         await site.cleanup()

@@ -22,7 +22,7 @@ from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
 from scheduler.core import Outcome, Scheduler, Waiting, run_scheduler
 from scheduler.snapshots import read_snapshots
-from tests.conftest import async_wait_until
+from tests.conftest import async_wait_until, redis_full
 from tests.test_script_batch import counting
 
 MODEL = "m:1"
@@ -640,14 +640,10 @@ async def test_enqueue_writes_nothing_before_it_takes_a_run_so_a_full_redis_refu
     who = Principal("team-a", Role.CALLER, max_in_flight=5 if limited else None,
                     requests_per_minute=100 if limited else None)
     taken, _ = await client.submit(model, request(), who)
-    await redis.config_set("maxmemory-policy", "noeviction")
-    try:
-        await redis.config_set("maxmemory", 1)
+    async with redis_full(redis):
         with pytest.raises(OutOfMemoryError):
             await client.submit(model, request(), who)
         assert (await client.submit(model, request(), who, run_id=taken))[0] == taken  # (the repeat)
-    finally:
-        await redis.config_set("maxmemory", 0)
     assert await redis.xlen(keys.runs_stream(MODEL)) == 1 and await redis.keys("iop:run:*") == [
         keys.run_record(taken).encode()]
     if limited:
