@@ -224,3 +224,40 @@ async def test_a_cancel_while_a_failed_run_records_its_end_does_not_cancel_that(
     assert not execution.cancelled()
     assert await redis.hget(keys.run_record(run_id), "state") == b"failed"
     assert await redis.zcard(keys.leases("a")) == 0
+
+
+class GatedAdapter(StallingAdapter):
+    """A provider whose first output comes once `go` is set, then nothing more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = asyncio.Event()
+
+    async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        await self.go.wait()
+        yield [{"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"},
+                                                                "finish_reason": None}]}]
+        await asyncio.Event().wait()
+
+
+async def test_output_that_waits_out_a_full_redis_still_ends_at_the_execution_timeout(redis: Redis) -> None:
+    """A running run's output waits for as long as Redis is full (its lease renewed meanwhile),
+    but no longer than its `execution_timeout_ms`: then it ends, failed, while Redis is still full."""
+    config = make_config({"a": 1}, queue={"execution_timeout_ms": 1000, "max_attempts": 1},
+                         runtime={"lease_ttl_ms": 300})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await redis.hset(keys.run_record(run_id), "stream", "1")
+    await sched.dispatch_all()
+    adapter = GatedAdapter()
+    runner = Runner(redis, config, "n-a", {"a": adapter})
+    execution = asyncio.create_task(runner.execute(run_id))
+
+    async def running() -> bool:
+        return bool(await redis.hget(keys.run_record(run_id), "state") == b"running")
+
+    await async_wait_until(running, what="the run to start")
+    async with redis_full(redis):
+        adapter.go.set()  # (its first output is refused, and waits)
+        assert (await execution).startswith("failed")
+        assert await redis.hmget(keys.run_record(run_id), "state", "error_code") == [b"failed", b"execution_timeout"]
+    assert await redis.zcard(keys.leases("a")) == 0
