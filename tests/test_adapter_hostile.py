@@ -480,6 +480,45 @@ def test_an_error_in_the_stream_may_go_elsewhere_whatever_its_code() -> None:
     assert failed is not None and failed.status is None and failed.retry is Retry.ELSEWHERE
 
 
+def test_an_event_split_over_data_lines_is_joined_as_the_sse_standard_says() -> None:
+    """Three `data:` lines of one event are one JSON text, joined with LF (the `openai` client reads
+    them so); the lines may come in different reads."""
+    text = json.dumps(delta("a\nb"), indent=1).encode()  # (a JSON text over several lines)
+    event = b"".join(b"data: " + line + b"\n" for line in text.split(b"\n")) + b"\n"
+    chunks, failed = parsed(event[:40], event[40:] + sse(delta("c")))
+    assert failed is None and text_of(chunks) == "a\nbc"
+
+
+def test_events_ended_by_one_line_end_are_read_each() -> None:
+    chunks, failed = parsed(b"".join(b"data: " + json.dumps(delta(t)).encode() + b"\n" for t in "abc"))
+    assert failed is None and text_of(chunks) == "abc"
+
+
+def test_an_error_event_split_over_data_lines_says_its_message() -> None:
+    _, failed = parsed(b'event: error\ndata: {"error": {"message":\ndata: "overloaded"}}\n\n')
+    assert failed is not None and failed.message == "provider p sent an error: overloaded"
+
+
+def test_a_split_event_is_bounded_and_one_that_never_parses_fails() -> None:
+    parser = SSEParser("p", ReadLimits(line_bytes=100))
+    with pytest.raises(ProviderError, match="an event"):
+        parser.feed(b"data: {" + b"\n".join(b"data: " + b"x" * 30 for _ in range(4)) + b"\n")
+    with pytest.raises(ValueError):
+        parsed(b'data: {"choices":\ndata: [\n\n')
+    parser = SSEParser("p", ReadLimits())
+    assert parser.feed(b'data: {"choices":\n') == []
+    with pytest.raises(ValueError):  # (the stream ended inside the event)
+        parser.end()
+
+
+async def test_a_stream_that_ends_inside_a_split_event_fails_the_run(raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/v1/chat/completions"] = chunked([sse(delta("A")), b'data: {"choices": [\n'])
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert err.value.message == "provider vllm-h: the answer was not valid JSON"
+
+
 async def test_a_byte_order_mark_and_empty_data_lines_lose_nothing(raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/v1/chat/completions"] = chunked([
         b"\xef\xbb\xbf" + sse(delta("A")), b"data:\n\n", b"data: \n\n", sse(delta("B", "stop")), sse(b"[DONE]")])

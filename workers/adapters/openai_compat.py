@@ -156,7 +156,13 @@ class SSEParser:
     `[DONE]` ends the stream: nothing after it is read. A chunk that carries an error (`error_in`),
     or the data of an `event: error`, is the provider's error (`failed`: the chunks read before
     it, in the same read, are returned first); a chunk that is not a JSON object is dropped, and
-    so is an empty `data:` line. A byte-order mark that opens the stream is not part of it."""
+    so is an empty `data:` line. A byte-order mark that opens the stream is not part of it.
+
+    Every server seen sends an event's JSON on one `data:` line, so a line that holds a whole JSON
+    text is a chunk at once (a server that ends its events with one line end is read too). A line
+    that opens an object but does not parse begins an event split over several `data:` lines:
+    they are joined with LF, as the SSE standard says, up to the blank line that ends the event,
+    within `limits.line_bytes` together."""
 
     def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None) -> None:
         self.provider_id = provider_id
@@ -169,6 +175,8 @@ class SSEParser:
         #: the `event:` of the event being read (until the blank line that ends it)
         self._event = b""
         self._opening = True
+        #: the `data:` lines of an event whose first line was not a whole JSON text
+        self._split: list[bytes] = []
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
@@ -179,6 +187,10 @@ class SSEParser:
                 self._opening = False
                 line = line.removeprefix(codecs.BOM_UTF8)
             if not line:  # a blank line ends an event
+                if self._split:
+                    payload, self._split = b"\n".join(self._split), []
+                    if self._take(payload, chunks, joined=True):
+                        break
                 self._event = b""
                 continue
             line = line.strip()
@@ -187,24 +199,62 @@ class SSEParser:
                     self._event = line[6:].strip()
                 continue
             payload = line[5:].strip()
-            if self._event == b"error":
-                self.failed = sent_error(self.provider_id, _said(payload, self.provider_id), self.limits.error_chars)
+            if self._split:
+                self._hold(payload)
+            elif self._take(payload, chunks, joined=False):
                 break
-            if payload == b"[DONE]":
-                self.done = True
-                break
-            if not payload:
-                continue
-            obj = parse_json(payload, self.provider_id)
-            error = error_in(obj)
-            if error:
-                self.failed = sent_error(self.provider_id, error, self.limits.error_chars)
-                break
-            if not isinstance(obj, dict) or not choices_usable(obj):
-                self.non_objects.drop(obj)
-                continue
-            chunks.append(obj)
         return chunks
+
+    def _take(self, payload: bytes, chunks: list[dict[str, Any]], joined: bool) -> bool:
+        """Read one event's data into `chunks`; True when it ends the stream ([DONE], an error).
+        Data that opens a JSON object but does not parse (`joined` False) is held for the event's
+        next `data:` lines."""
+        if self._event == b"error":
+            if not joined and payload[:1] == b"{" and not _parses(payload):
+                self._hold(payload)
+                return False
+            self.failed = sent_error(self.provider_id, _said(payload, self.provider_id), self.limits.error_chars)
+            return True
+        if payload == b"[DONE]":
+            self.done = True
+            return True
+        if not payload:
+            return False
+        try:
+            obj = parse_json(payload, self.provider_id)
+        except ValueError:
+            if joined or payload[:1] != b"{":
+                raise
+            self._hold(payload)
+            return False
+        error = error_in(obj)
+        if error:
+            self.failed = sent_error(self.provider_id, error, self.limits.error_chars)
+            return True
+        if not isinstance(obj, dict) or not choices_usable(obj):
+            self.non_objects.drop(obj)
+            return False
+        chunks.append(obj)
+        return False
+
+    def _hold(self, payload: bytes) -> None:
+        self._split.append(payload)
+        if sum(map(len, self._split)) + len(self._split) > self.limits.line_bytes:
+            raise self.limits.too_large(self.provider_id, "an event", self.limits.line_bytes)
+
+    def end(self) -> None:
+        """The stream ended: an event begun on a `data:` line that was not whole JSON, and never
+        ended by a blank line, is JSON cut short (ValueError, as any JSON that does not parse)."""
+        if self._split:
+            jsonio.loads(b"\n".join(self._split))
+
+
+def _parses(payload: bytes) -> bool:
+    try:
+        jsonio.loads(payload)
+    except ValueError:
+        return False
+    return True
 
 
 def _said(payload: bytes, provider_id: str) -> Any:
@@ -345,6 +395,7 @@ class OpenAICompatAdapter:
                             resp.close()
                             break
                     if not data:
+                        parser.end()
                         if not (parser.done or finished):  # (cut short: its connection serves no other run)
                             sending.drop(self.session, connection)
                         break
