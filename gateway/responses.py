@@ -63,6 +63,14 @@ async def whole_response(follower: Follower, model_id: str, run_id: str,
             raise ApiError.from_info(ErrorInfo.from_wire(event.data))
 
 
+class _Stream(web.StreamResponse):
+    """An answer whose headers go out with its first bytes, in one write (aiohttp's own
+    `web.Response` does so; its `StreamResponse` writes the headers alone at `prepare`): one TCP
+    segment fewer for the caller to wake for, at the start of each stream."""
+
+    _send_headers_immediately = False
+
+
 class SSEStream:
     """An SSE answer whose headers go out only when needed: with the first output, or with the
     first keep-alive comment. Until then a failure keeps its own HTTP status."""
@@ -77,7 +85,7 @@ class SSEStream:
 
     async def _started(self) -> web.StreamResponse:
         if self.resp is None:
-            self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            self.resp = _Stream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                     "X-Accel-Buffering": "no",
                                                     **answer_headers(self.run_id, self.limit_headers)})
             await self.resp.prepare(self.request)
