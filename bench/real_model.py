@@ -165,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     p.add_argument("--trace", type=int, default=0, metavar="N",
                    help="N more streamed requests through iop under Redis MONITOR: the median of each hop")
+    p.add_argument("--stream-batch-ms", type=int, default=0,
+                   help="iop's runtime.stream_batch_ms (default 0: each read of the server's stream goes out as it comes)")
     p.add_argument("--llama-args", default="", help="more arguments for the server, e.g. '--n_threads 1 "
                    "--n_threads_batch 1' to leave the other core to iop (by default the server takes every core)")
     args = p.parse_args(argv)
@@ -178,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = {"models": [{"id": MODEL, "providers": {"llama": served}}],
                   "nodes": [{"id": "box", "providers": [{"id": "llama", "type": "llamacpp", "base_url": direct_url,
                                                          "capacity": 1, "models": [served],
-                                                         "probe_interval_ms": 3_600_000}]}]}
+                                                         "probe_interval_ms": 3_600_000}]}],
+                  "runtime": {"stream_batch_ms": args.stream_batch_ms}}
         (tmp / "iop.yaml").write_text(yaml.safe_dump(config))
         env = {**os.environ, "IOP_CONFIG": str(tmp / "iop.yaml"), "REDIS_URL": redis_server.url,
                "PYTHONUNBUFFERED": "1", "IOP_LOG_LEVEL": "WARNING"}
@@ -209,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["setup"] = {"server": f"llama-cpp-python {llama_cpp.__version__} "
                                      f"({args.llama_args or 'default settings'})",
                            "model": "SmolLM2-135M-Instruct Q4_1", "concurrency": 1, "requests": args.requests,
-                           "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
+                           "max_tokens": args.max_tokens, "stream_batch_ms": args.stream_batch_ms,
+                           "cpus": os.cpu_count(),
                            "loadavg_at_end": os.getloadavg()}
     finally:
         for proc in reversed(procs):
