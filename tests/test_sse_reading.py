@@ -15,7 +15,7 @@ from openai._streaming import SSEDecoder
 from workers.adapters.base import ReadLimits
 from workers.adapters.openai_compat import SSEParser
 
-TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+TEXT = st.text(st.characters(codec="utf-8"), max_size=12)  # (no lone surrogates)
 CHUNKS = st.builds(
     lambda i, text, finish: {"id": "c1", "object": "chat.completion.chunk", "model": "m",
                              "choices": [{"index": i, "delta": {"content": text}, "finish_reason": finish}]},
