@@ -511,6 +511,15 @@ def test_a_split_event_is_bounded_and_one_that_never_parses_fails() -> None:
         parser.end()
 
 
+def test_an_event_of_600_000_tiny_data_lines_is_refused_at_the_limit() -> None:
+    """Its lines are counted as they come (a sum over the held lines at each line made this
+    quadratic: hours of a worker's CPU for one provider's answer), and held in one buffer."""
+    parser = SSEParser("p", ReadLimits())  # (1 MiB)
+    with pytest.raises(ProviderError, match="an event"):
+        for _ in range(600):  # (600,000 lines, 1.2 MB held, joined)
+            parser.feed(b"data: {\n" if parser._split is None else b"data: 1\n" * 1000)
+
+
 async def test_a_stream_that_ends_inside_a_split_event_fails_the_run(raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/v1/chat/completions"] = chunked([sse(delta("A")), b'data: {"choices": [\n'])
     adapter = OpenAICompatAdapter(openai(raw.url), session)

@@ -175,8 +175,9 @@ class SSEParser:
         #: the `event:` of the event being read (until the blank line that ends it)
         self._event = b""
         self._opening = True
-        #: the `data:` lines of an event whose first line was not a whole JSON text
-        self._split: list[bytes] = []
+        #: the `data:` lines, joined, of an event whose first line was not a whole JSON text (one
+        #: buffer, not a list: a hostile provider's million tiny lines take what their bytes take)
+        self._split: bytearray | None = None
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
@@ -187,8 +188,8 @@ class SSEParser:
                 self._opening = False
                 line = line.removeprefix(codecs.BOM_UTF8)
             if not line:  # a blank line ends an event
-                if self._split:
-                    payload, self._split = b"\n".join(self._split), []
+                if self._split is not None:
+                    payload, self._split = bytes(self._split), None
                     if self._take(payload, chunks, joined=True):
                         break
                 self._event = b""
@@ -199,7 +200,7 @@ class SSEParser:
                     self._event = line[6:].strip()
                 continue
             payload = line[5:].strip()
-            if self._split:
+            if self._split is not None:
                 self._hold(payload)
             elif self._take(payload, chunks, joined=False):
                 break
@@ -238,15 +239,18 @@ class SSEParser:
         return False
 
     def _hold(self, payload: bytes) -> None:
-        self._split.append(payload)
-        if sum(map(len, self._split)) + len(self._split) > self.limits.line_bytes:
+        if self._split is None:
+            self._split = bytearray(payload)
+        else:
+            self._split += b"\n" + payload
+        if len(self._split) > self.limits.line_bytes:
             raise self.limits.too_large(self.provider_id, "an event", self.limits.line_bytes)
 
     def end(self) -> None:
         """The stream ended: an event begun on a `data:` line that was not whole JSON, and never
         ended by a blank line, is JSON cut short (ValueError, as any JSON that does not parse)."""
-        if self._split:
-            jsonio.loads(b"\n".join(self._split))
+        if self._split is not None:
+            jsonio.loads(bytes(self._split))
 
 
 def _parses(payload: bytes) -> bool:
