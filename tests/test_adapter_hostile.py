@@ -299,8 +299,17 @@ def test_lines_are_the_same_however_the_reads_cut_them(end: bytes) -> None:
         splitter = LineSplitter("p", ReadLimits())
         got = [line for i in range(0, len(text), size) for line in splitter.feed(text[i:i + size])]
         assert got == want, size
-    splitter = LineSplitter("p", ReadLimits())  # a CR that ends a read waits for the next one
-    assert list(splitter.feed(b"data: 1" + end)) == ([] if end == b"\r" else [b"data: 1"])
+    splitter = LineSplitter("p", ReadLimits())  # a CR that ends a read ends its line at once
+    assert list(splitter.feed(b"data: 1" + end)) == [b"data: 1"]
+    assert list(splitter.feed(b"\ndata: 2\n")) == ([b"data: 2"] if end == b"\r" else [b"", b"data: 2"])  # (CR LF)
+
+
+def test_a_cr_that_ends_a_read_ends_its_event_in_that_read() -> None:
+    """Found by a review: a CR-only server's events came one read late (the CR was held as the
+    first half of a CRLF), and its last split event was lost."""
+    text = json.dumps(delta("A"), indent=1).encode().replace(b"\n", b"\rdata: ")
+    parser = SSEParser("p", ReadLimits())
+    assert text_of(parser.feed(b"data: " + text + b"\r\r")) == "A"
 
 
 # ---------------------------------------------------------------------------------- odd chunks
@@ -489,26 +498,42 @@ def test_an_event_split_over_data_lines_is_joined_as_the_sse_standard_says() -> 
     assert failed is None and text_of(chunks) == "a\nbc"
 
 
+def test_a_line_wrong_before_its_end_is_not_held_for_more() -> None:
+    """Only JSON that runs out may go on in the next `data:` line: a garbled line fails at once, as
+    before lines were joined (a review found a server that ends its events with one line end
+    holding the run until `read_timeout_ms`, or failing it as over `max_line_bytes`)."""
+    for garbled in (b"{overloaded}", b'{"a": "unclosed', b"{\xff}", b'{"a": 1}}'):
+        parser = SSEParser("p", ReadLimits())
+        with pytest.raises(ValueError):
+            parser.feed(sse(delta("A")).replace(b"\n\n", b"\n") + b"data: " + garbled + b"\n")
+
+
 def test_events_ended_by_one_line_end_are_read_each() -> None:
     chunks, failed = parsed(b"".join(b"data: " + json.dumps(delta(t)).encode() + b"\n" for t in "abc"))
     assert failed is None and text_of(chunks) == "abc"
 
 
-def test_an_error_event_split_over_data_lines_says_its_message() -> None:
-    _, failed = parsed(b'event: error\ndata: {"error": {"message":\ndata: "overloaded"}}\n\n')
-    assert failed is not None and failed.message == "provider p sent an error: overloaded"
+def test_an_error_event_is_the_error_at_its_first_data_line() -> None:
+    """Even one split over lines (its first line is all it says): nothing after it is waited for,
+    so a server that keeps its connection open after it does not hold the run (a review found the
+    run waiting out `read_timeout_ms`, and its error lost when the stream ended there)."""
+    _, failed = parsed(b'event: error\ndata: {"error": {"message":\n')
+    assert failed is not None and failed.message == 'provider p sent an error: {"error": {"message":'
+    assert failed.retry is Retry.ELSEWHERE and failed.strikes == 0
 
 
 def test_a_split_event_is_bounded_and_one_that_never_parses_fails() -> None:
     parser = SSEParser("p", ReadLimits(line_bytes=100))
     with pytest.raises(ProviderError, match="an event"):
-        parser.feed(b"data: {" + b"\n".join(b"data: " + b"x" * 30 for _ in range(4)) + b"\n")
+        parser.feed(b"data: {\n" + b"\n".join(b"data: " + b"x" * 30 for _ in range(4)) + b"\n")
     with pytest.raises(ValueError):
         parsed(b'data: {"choices":\ndata: [\n\n')
     parser = SSEParser("p", ReadLimits())
     assert parser.feed(b'data: {"choices":\n') == []
-    with pytest.raises(ValueError):  # (the stream ended inside the event)
-        parser.end()
+    assert parser.end() == [] and not parser.done  # (the stream ended inside the event: cut short)
+    parser = SSEParser("p", ReadLimits())  # (an event whole but for its blank line: read)
+    assert parser.feed(b'data: {"choices":\ndata: [], "usage": {"total_tokens": 3}}\n') == []
+    assert parser.end() == [{"choices": [], "usage": {"total_tokens": 3}}]
 
 
 def test_an_event_of_600_000_tiny_data_lines_is_refused_at_the_limit() -> None:
@@ -525,7 +550,7 @@ async def test_a_stream_that_ends_inside_a_split_event_fails_the_run(raw: Raw, s
     adapter = OpenAICompatAdapter(openai(raw.url), session)
     with pytest.raises(ProviderError) as err:
         await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
-    assert err.value.message == "provider vllm-h: the answer was not valid JSON"
+    assert err.value.message == "provider vllm-h: the stream ended before [DONE]"  # (as one cut mid-line)
 
 
 async def test_a_byte_order_mark_and_empty_data_lines_lose_nothing(raw: Raw, session: aiohttp.ClientSession) -> None:

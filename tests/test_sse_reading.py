@@ -1,6 +1,6 @@
 """The worker's SSE reader (`SSEParser`) reads a provider's stream as the official `openai` client
 does (`openai._streaming.SSEDecoder`): the same JSON chunks, however the stream's events are laid
-out (one `data:` line or several, comments, `id:` fields, LF or CRLF line ends) and however its
+out (one `data:` line or several, comments, `id:` fields, LF, CRLF or CR line ends) and however its
 bytes are cut into reads."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ CHUNKS = st.builds(
 def streams(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[bytes]]:
     """Chunks, and an SSE stream of them ending with [DONE], cut into reads."""
     chunks = draw(st.lists(CHUNKS, min_size=1, max_size=6))
-    end = draw(st.sampled_from(["\n", "\r\n"]))
+    end = draw(st.sampled_from(["\n", "\r\n", "\r"]))
     events = []
     for n, chunk in enumerate(chunks):
         lines = []

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -160,9 +161,10 @@ class SSEParser:
 
     Every server seen sends an event's JSON on one `data:` line, so a line that holds a whole JSON
     text is a chunk at once (a server that ends its events with one line end is read too). A line
-    that opens an object but does not parse begins an event split over several `data:` lines:
-    they are joined with LF, as the SSE standard says, up to the blank line that ends the event,
-    within `limits.line_bytes` together."""
+    that opens an object or array and only runs out before its end (`_runs_out`) begins an event
+    split over several `data:` lines: they are joined with LF, as the SSE standard says, up to the
+    blank line that ends the event, within `limits.line_bytes` together (`end`: the stream ended
+    first). The data of an `event: error` is taken as it comes: its first line ends the stream."""
 
     def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None) -> None:
         self.provider_id = provider_id
@@ -181,9 +183,26 @@ class SSEParser:
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
-        if self.done or self.failed:
-            return chunks
-        for line in self.lines.feed(data):
+        if not (self.done or self.failed):
+            self._read(self.lines.feed(data), chunks)
+        return chunks
+
+    def end(self) -> list[dict[str, Any]]:
+        """The stream ended. An event whose blank line never came is read if its data is whole
+        JSON (a last usage chunk, say); one cut short is dropped, as the SSE standard drops an
+        event it did not see end, and so is a last line without its line end: the stream was cut
+        short (the adapter says so, unless its answer was whole)."""
+        chunks: list[dict[str, Any]] = []
+        held, self._split = self._split, None
+        if held is not None and not (self.done or self.failed):
+            try:
+                self._take(bytes(held), chunks, joined=True)
+            except ValueError:
+                pass
+        return chunks
+
+    def _read(self, lines: Iterator[bytes], chunks: list[dict[str, Any]]) -> None:
+        for line in lines:
             if self._opening:  # (the stream's first line, whatever reads it came in)
                 self._opening = False
                 line = line.removeprefix(codecs.BOM_UTF8)
@@ -191,7 +210,7 @@ class SSEParser:
                 if self._split is not None:
                     payload, self._split = bytes(self._split), None
                     if self._take(payload, chunks, joined=True):
-                        break
+                        return
                 self._event = b""
                 continue
             line = line.strip()
@@ -203,17 +222,14 @@ class SSEParser:
             if self._split is not None:
                 self._hold(payload)
             elif self._take(payload, chunks, joined=False):
-                break
-        return chunks
+                return
 
     def _take(self, payload: bytes, chunks: list[dict[str, Any]], joined: bool) -> bool:
         """Read one event's data into `chunks`; True when it ends the stream ([DONE], an error).
-        Data that opens a JSON object but does not parse (`joined` False) is held for the event's
-        next `data:` lines."""
+        Data that opens a JSON object or array but does not parse (`joined` False) is held for the
+        event's next `data:` lines. The data of an `event: error` is the error at once, whatever
+        it holds (the stream ends there: no line after it is waited for)."""
         if self._event == b"error":
-            if not joined and payload[:1] == b"{" and not _parses(payload):
-                self._hold(payload)
-                return False
             self.failed = sent_error(self.provider_id, _said(payload, self.provider_id), self.limits.error_chars)
             return True
         if payload == b"[DONE]":
@@ -223,8 +239,8 @@ class SSEParser:
             return False
         try:
             obj = parse_json(payload, self.provider_id)
-        except ValueError:
-            if joined or payload[:1] != b"{":
+        except ValueError as exc:
+            if joined or payload[:1] not in (b"{", b"[") or not _runs_out(exc):
                 raise
             self._hold(payload)
             return False
@@ -246,19 +262,13 @@ class SSEParser:
         if len(self._split) > self.limits.line_bytes:
             raise self.limits.too_large(self.provider_id, "an event", self.limits.line_bytes)
 
-    def end(self) -> None:
-        """The stream ended: an event begun on a `data:` line that was not whole JSON, and never
-        ended by a blank line, is JSON cut short (ValueError, as any JSON that does not parse)."""
-        if self._split is not None:
-            jsonio.loads(bytes(self._split))
 
-
-def _parses(payload: bytes) -> bool:
-    try:
-        jsonio.loads(payload)
-    except ValueError:
-        return False
-    return True
+def _runs_out(exc: ValueError) -> bool:
+    """Whether JSON that did not parse only ran out: its error is at its end, so more lines may
+    complete it (a JSON text split at its line ends is cut between tokens, never inside one). A
+    line that is wrong before its end (`{overloaded}`, an unclosed string, bytes that are not
+    UTF-8) fails at once, as any line that is not JSON."""
+    return isinstance(exc, json.JSONDecodeError) and exc.pos >= len(exc.doc.rstrip())
 
 
 def _said(payload: bytes, provider_id: str) -> Any:
@@ -399,18 +409,18 @@ class OpenAICompatAdapter:
                             resp.close()
                             break
                     if not data:
-                        parser.end()
                         if not (parser.done or finished):  # (cut short: its connection serves no other run)
                             sending.drop(self.session, connection)
-                        break
-                    if opening and not codecs.BOM_UTF8.startswith(head := head + data):  # (a BOM begun: wait)
-                        start = head.removeprefix(codecs.BOM_UTF8).lstrip(b" \t\r\n")
-                        head = b""  # (only blanks, or it is decided: nothing to keep)
-                        if start:
-                            opening = False
-                            if start[:1] in (b"{", b"["):  # (whatever its Content-Type: Foundry Local's say JSON)
-                                raise await self._not_a_stream(resp, start)
-                    chunks = parser.feed(data)
+                        chunks = parser.end()  # (an event the server did not end)
+                    else:
+                        if opening and not codecs.BOM_UTF8.startswith(head := head + data):  # (a BOM begun: wait)
+                            start = head.removeprefix(codecs.BOM_UTF8).lstrip(b" \t\r\n")
+                            head = b""  # (only blanks, or it is decided: nothing to keep)
+                            if start:
+                                opening = False
+                                if start[:1] in (b"{", b"["):  # (whatever its Content-Type: Foundry Local's say JSON)
+                                    raise await self._not_a_stream(resp, start)
+                        chunks = parser.feed(data)
                     if chunks:
                         for chunk in chunks:
                             seen.update(choice_indices(chunk))
@@ -419,6 +429,8 @@ class OpenAICompatAdapter:
                         yield chunks
                     if parser.failed:
                         raise parser.failed
+                    if not data:
+                        break
                     if parser.done:
                         # the answer is whole: whatever the provider sends after [DONE] is not
                         # read, and a connection it keeps open is not waited on

@@ -188,19 +188,28 @@ def is_redirect(status: int) -> bool:
 class LineSplitter:
     """Splits a byte stream into lines; keeps a partial line between reads, up to a length.
 
-    A line ends with LF, CRLF or a CR alone, as in server-sent events. `feed` returns the complete
-    lines as an iterator that checks each line's length as it comes to it: a reader that stops at
-    an end marker is not failed by a line after it."""
+    A line ends with LF, CRLF or a CR alone, as in server-sent events: a CR that ends a read ends
+    its line at once, and an LF that opens the next read is its CRLF's second half (the `openai`
+    client splits so). `feed` returns the complete lines as an iterator that checks each line's
+    length as it comes to it: a reader that stops at an end marker is not failed by a line after
+    it."""
 
     def __init__(self, provider_id: str, limits: ReadLimits) -> None:
         self.provider_id = provider_id
         self.limits = limits
         self._buf = b""
+        #: the last read ended with a CR: an LF that opens the next one is its CRLF's
+        self._skip_lf = False
 
     def feed(self, data: bytes) -> Iterator[bytes]:
+        if self._skip_lf and data:
+            self._skip_lf = False
+            if data[:1] == b"\n":
+                data = data[1:]
         buf = self._buf + data
         if b"\r" in buf:
-            buf = lf_endings(buf)
+            self._skip_lf = buf.endswith(b"\r")
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         *lines, self._buf = buf.split(b"\n")
         return self._checked(lines, len(self._buf) > self.limits.line_bytes)
 
@@ -219,14 +228,6 @@ async def with_line_end(reads: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     async for data in reads:
         yield data
     yield b"\n"
-
-
-def lf_endings(data: bytes) -> bytes:
-    """`data` with its CRLF and CR line ends made LF; a CR that ends it is kept, as the first
-    half of a CRLF whose LF the next read may bring."""
-    held = data.endswith(b"\r")
-    data = (data[:-1] if held else data).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-    return data + b"\r" if held else data
 
 
 class NonObjects:
