@@ -226,7 +226,7 @@ class SSEParser:
 
     def _take(self, payload: bytes, chunks: list[dict[str, Any]], joined: bool) -> bool:
         """Read one event's data into `chunks`; True when it ends the stream ([DONE], an error).
-        Data that opens a JSON object or array but does not parse (`joined` False) is held for the
+        Data that opens a JSON object or array and only runs out (`joined` False) is held for the
         event's next `data:` lines. The data of an `event: error` is the error at once, whatever
         it holds (the stream ends there: no line after it is waited for)."""
         if self._event == b"error":
