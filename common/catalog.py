@@ -266,7 +266,7 @@ def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: 
     if not capacity:
         return "no_capacity", "capacity unknown or 0"
     if not has_free_slot(snap):
-        override = "" if snap.capacity_override is None else f" (an operator set the capacity to {capacity})"
+        override = f" (an operator set the capacity to {capacity})" if snap.capacity_override == capacity else ""
         return "full", f"{snap.in_flight}/{capacity} slots in use{override}"
     assert is_available(snap, now_ms, ttl_ms)
     return None, None

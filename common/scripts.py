@@ -207,7 +207,17 @@ end
 #       the gateway that follows it (its first watcher)
 # Returns {'ok', entry, requests left in the window (-1: no window)}, {'key_in_flight', n},
 # {'key_rate', n, ms until a request leaves the window}, {'unavailable', queued} or {'full', queued}.
-ENQUEUE = _NOW + """
+# A provider's capacity: the operator's override, never above the announced one (an override set
+# before the config lowered the capacity), as `ProviderSnapshot.effective_capacity`.
+_CAPPED = """
+local function capped(announced, override)
+  local a, o = tonumber(announced), tonumber(override)
+  if a and o and o < a then return o end
+  return a or o
+end
+"""
+
+ENQUEUE = _NOW + _CAPPED + """
 -- the same call made again (a dropped connection lost its reply, and the client sent it again):
 -- the run is queued already, and must not be queued twice (nor refused by its own limits)
 if redis.call('EXISTS', KEYS[2]) == 1 then return {'ok', redis.call('HGET', KEYS[2], 'entry') or '', -1} end
@@ -239,7 +249,7 @@ if queued >= tonumber(ARGV[2]) then
     local hb = redis.call('HMGET', KEYS[i], 'health', 'capacity')
     if hb[1] == 'available' then
       local ops = redis.call('MGET', KEYS[i + 2], KEYS[i + 3], KEYS[i + 4])
-      local cap = tonumber(ops[1] or hb[2])
+      local cap = capped(hb[2], ops[1])
       if cap and not ops[2] and not ops[3] then
         free = free + math.max(0, cap - redis.call('ZCOUNT', KEYS[i + 1], '(' .. now, '+inf'))
       end
@@ -300,7 +310,7 @@ return {'ok', entry, left}
 # listed = true when the candidate must also list `target` among the models its server answered
 # with (its heartbeat's `observed_models`; `scheduler.snapshots._lists` for the scheduler's own
 # candidates, which come checked)}.
-_DISPATCH_ONE = _EVENTS + _WAKE + f"""
+_DISPATCH_ONE = _EVENTS + _WAKE + _CAPPED + f"""
 local function lists(observed, served)
   if not observed or observed == '' then return true end
   local ok, names = pcall(cjson.decode, observed)
@@ -333,7 +343,7 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
         and (not c.listed or lists(hb[4], c.target)) then
       -- the operator's capacity override, drain and cordon, and the probing lock: all strings
       local ops = redis.call('MGET', KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5])
-      local cap = tonumber(ops[1] or hb[3])
+      local cap = capped(hb[3], ops[1])
       local class = c.class
       if not ops[2] and not ops[3] and cap and cap > 0 then
         local n = redis.call('ZCOUNT', KEYS[k + 1], live, '+inf')

@@ -217,9 +217,12 @@ def test_a_capacity_override_is_the_effective_capacity_and_the_load_ratio_follow
     placement = cat.models[0].providers[0]
     assert (placement.selectable, placement.reason) == (False, "full")
     assert placement.detail == "3/1 slots in use (an operator set the capacity to 1)"
-    # above the announced capacity (only a heartbeat that lowered its own could show this), it frees slots
+    # above the announced capacity (set before the config lowered it): the announced one counts (an
+    # operator audit found its runs dispatched to leases that waited for a worker)
     cat = build_catalog(config(), controlled({"a": ProviderControl(capacity_override=6)}, in_flight={"a": 4}))
-    assert cat.models[0].providers[0].selectable and cat.providers[0].load_ratio == round(4 / 6, 4)
+    assert cat.providers[0].effective_capacity == 4 and cat.providers[0].load_ratio == 1.0
+    placement = cat.models[0].providers[0]
+    assert (placement.selectable, placement.detail) == (False, "4/4 slots in use")
 
 
 def test_a_cordoned_node_shows_in_the_node_records() -> None:

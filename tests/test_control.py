@@ -5,11 +5,13 @@ snapshot predates them (no workers, no HTTP)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from redis.asyncio import Redis
 
 from common import keys
+from common.config import parse_config
 from common.control import (
     Action,
     Change,
@@ -25,6 +27,7 @@ from common.control import (
 )
 from common.policy import select_provider
 from common.redisconn import now_ms
+from gateway.errors import ApiError
 from gateway.runs import RunClient
 from scheduler.core import Scheduler
 from scheduler.snapshots import read_snapshots
@@ -249,6 +252,29 @@ async def test_an_override_below_the_live_leases_is_refused_even_with_a_snapshot
     await redis.zrem(keys.leases("a"), "r1")  # one run ends: in_flight 1 < 2
     await sched.dispatch_all()
     assert await redis.hget(keys.run_record(run_id), "provider") == b"a"
+
+
+async def test_an_override_above_the_announced_capacity_counts_the_announced_one(redis: Redis) -> None:
+    """Set while the config said 4, then the config (and the heartbeat) said 2: the scheduler, the
+    dispatch script and `enqueue`'s free slots count 2 (an operator audit found runs dispatched
+    to 4 leases while the node's workers ran 2, the others waiting for a worker)."""
+    config = make_config({"a": 2, "b": 2})
+    await redis.set(keys.capacity_override("a"), 4)  # (what `apply` would refuse now)
+    _client, sched, run_ids = await waiting_runs(redis, config, 5)
+    model = config.model(MODEL)
+    assert model is not None
+    snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)
+    assert [s.effective_capacity for s in snaps] == [2, 2]
+    await sched.dispatch_all()
+    assert await leases(redis, config) == {"a": 2, "b": 2}
+    stale = [s if s.provider_id != "a" else replace(s, in_flight=0) for s in snaps]  # (a snapshot from before)
+    assert (await sched._dispatch(model, [sched.waiting[MODEL][0]], stale))[0][:2] == ("stale", None)
+    assert await leases(redis, config) == {"a": 2, "b": 2}  # the script counted 2 too
+    client = RunClient(redis, parse_config({**config.model_dump(mode="json", exclude_none=True),
+                                            "queue": {"max_queue": 1}}))
+    with pytest.raises(ApiError) as err:  # 1 waits already, no slot is free: `enqueue` takes no second
+        await submit(client, 1)
+    assert err.value.code.value == "queue_full"
 
 
 async def test_three_replicas_never_exceed_an_override_nor_touch_a_drained_provider(redis: Redis) -> None:

@@ -77,9 +77,12 @@ CASES: list[tuple[str, list[ProviderSnapshot], str | None]] = [
     ("drained-idle-loses-to-busy", [snap("idle", 0, 8, drained=True), snap("busy", 3, 4)], "busy"),
     ("drained-everywhere-none", [snap("a", 0, 8, drained=True), snap("b", 0, 2, drained=True)], None),
     ("override-raises-the-ratio-1/2-loses-to-1/3", [snap("a", 1, 4, override=2), snap("b", 1, 3)], "b"),
-    ("override-lowers-the-ratio-1/8-beats-1/4", [snap("a", 1, 4, override=8), snap("b", 1, 4)], "a"),
-    ("override-frees-slots-above-the-announced-capacity", [snap("a", 4, 4, override=6)], "a"),
-    ("override-decides-the-capacity-tie-break", [snap("a", 0, 1, override=8), snap("b", 0, 4)], "a"),
+    ("override-raises-b's-ratio-1/4-loses-to-1/8", [snap("a", 1, 8), snap("b", 1, 8, override=4)], "a"),
+    # (an override set before the config lowered the capacity: the announced one counts, found by an
+    # operator audit: slots above it were leases waiting for a worker)
+    ("override-above-the-announced-capacity-frees-no-slot", [snap("a", 4, 4, override=6)], None),
+    ("override-above-the-announced-capacity-counts-the-announced", [snap("a", 0, 1, override=8), snap("b", 0, 4)],
+     "b"),
     ("override-0/1-vs-0/4-larger-effective-wins", [snap("a", 0, 4, override=1), snap("b", 0, 2)], "b"),
     ("override-without-heartbeat-is-still-unknown", [snap("a", 0, None, heartbeat_ms=None, override=4)], None),
 ]
@@ -136,7 +139,7 @@ def test_load_ratio(capacity: int | None, in_flight: int, ratio: Fraction | None
 
 
 @pytest.mark.parametrize(("capacity", "override", "in_flight", "effective", "ratio"), [
-    (4, None, 2, 4, Fraction(1, 2)), (4, 1, 2, 1, Fraction(2)), (4, 8, 2, 8, Fraction(1, 4)),
+    (4, None, 2, 4, Fraction(1, 2)), (4, 1, 2, 1, Fraction(2)), (4, 8, 2, 4, Fraction(1, 2)),
     (None, 2, 1, 2, Fraction(1, 2)), (None, None, 1, None, None),
 ])
 def test_a_capacity_override_is_the_capacity_the_policy_counts_with(
@@ -175,9 +178,10 @@ def _eligible(s: ProviderSnapshot) -> bool:
 
 
 def _capacity(s: ProviderSnapshot) -> int:
-    """The operator's override when there is one, else the announced capacity (0 when unknown)."""
+    """The operator's override when there is one, else the announced capacity (0 when unknown);
+    never above the announced capacity."""
     if s.capacity_override is not None:
-        return s.capacity_override
+        return s.capacity_override if s.capacity is None else min(s.capacity_override, s.capacity)
     return s.capacity or 0
 
 

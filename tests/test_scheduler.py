@@ -172,7 +172,7 @@ async def test_a_burst_fills_the_free_slots_then_the_queue(redis: Redis, max_que
     slots plus `max_queue` (it was refused past `max_queue` with slots idle; with `max_queue: 0`
     every run was refused). Busy slots, a drained provider and a cordoned node's give no room;
     an operator's capacity override counts instead of the announced capacity."""
-    config = make_config({"a": 4, "b": 1, "c": 3, "d": 2}, queue={"max_queue": max_queue, "queue_timeout_ms": 60_000})
+    config = make_config({"a": 4, "b": 3, "c": 3, "d": 2}, queue={"max_queue": max_queue, "queue_timeout_ms": 60_000})
     await beat(redis, config)
     await redis.zadd(keys.leases("a"), {"x1": now_ms() + 60_000, "x0": now_ms() - 1})  # one busy, one expired
     await redis.set(keys.drained("c"), now_ms())
