@@ -166,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trace", type=int, default=0, metavar="N",
                    help="N more streamed requests through iop under Redis MONITOR: the median of each hop")
     p.add_argument("--stream-batch-ms", type=int, default=0,
-                   help="iop's runtime.stream_batch_ms (default 0: each read of the server's stream goes out as it comes)")
+                   help="iop's runtime.stream_batch_ms (default 0: each read of the server's stream goes out "
+                        "as it comes)")
     p.add_argument("--llama-args", default="", help="more arguments for the server, e.g. '--n_threads 1 "
                    "--n_threads_batch 1' to leave the other core to iop (by default the server takes every core)")
     args = p.parse_args(argv)

@@ -110,6 +110,9 @@ def check_capacity(value: Any, param: str = "capacity") -> int:
         if len(value.lstrip("0")) > _MAX_DIGITS:
             raise ControlError(f"{param}: {shown(value)} is too large for a capacity", param)
         value = int(value)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:  # (`2.0`, `1e2`: JSON's decimals)
+        raise ControlError(f"{param}: {shown(value)} is a decimal number; give it as a whole number "
+                           f"({int(value)})", param)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ControlError(f"{param}: {shown(value)} is not a whole number", param)
     if value < 1:
@@ -182,12 +185,12 @@ def check_change(config: Config, change: Change) -> None:
     """Raise UnknownTarget for a provider or node the config does not define, ControlError for a bad value."""
     if change.target_kind == "node":
         if config.node(change.target) is None:
-            raise UnknownTarget(f"no node {change.target!r} in the config")
+            raise UnknownTarget(f"no node {shown(change.target)} in the config")
     else:
         try:
             configured = config.provider(change.target).capacity
         except KeyError:
-            raise UnknownTarget(f"no provider {change.target!r} in the config") from None
+            raise UnknownTarget(f"no provider {shown(change.target)} in the config") from None
     if change.action is Action.CAPACITY:
         if change.capacity is None:
             raise ControlError("capacity: required", "capacity")

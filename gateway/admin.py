@@ -29,6 +29,7 @@ from common.catalog import change_report, read_catalog
 from common.config import Config
 from common.control import Action, Change, ControlError, UnknownTarget
 from common.redisconn import now_ms
+from common.shown import SHOWN_CHARS
 from common.wire import ErrorCode
 from gateway.auth import principal
 from gateway.connections import BODY
@@ -53,7 +54,7 @@ def _body(request: web.Request, max_depth: int, fields: frozenset[str] = frozens
     data = json_object(raw, max_depth)
     unknown = sorted(set(data) - fields)
     if unknown:
-        raise invalid(f"unknown field {control.shown(unknown[0])}: this route takes {takes}", unknown[0])
+        raise invalid(f"unknown field {control.shown(unknown[0])}: this route takes {takes}", unknown[0][:SHOWN_CHARS])
     return data
 
 

@@ -42,11 +42,12 @@ def _load(p: ProviderRecord) -> str:
 
 
 def _control(p: ProviderRecord, now_ms: int) -> str:
-    """`active`, `draining` or `drained` (`(node)` when its node is cordoned), and an operator's capacity."""
+    """`active`, `draining` or `drained` (`(node)` when only its node is cordoned, `(and node)` when it is
+    drained and its node cordoned), and an operator's capacity."""
     ctl = p.control
     text = ctl.state
-    if ctl.state != "active" and ctl.drained_since_ms is None:
-        text += " (node)"
+    if ctl.state != "active" and ctl.cordoned_since_ms is not None:
+        text += " (node)" if ctl.drained_since_ms is None else " (and node)"
     if ctl.capacity_override is not None:
         until = ctl.capacity_override_until_ms
         left = "" if until is None else f", {_age(max(0, until - now_ms))} left"

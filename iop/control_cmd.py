@@ -50,7 +50,8 @@ def describe(report: dict[str, Any]) -> str:
     lines = []
     for p in report["providers"]:
         ctl = p["control"]
-        now = [ctl["state"]]
+        # (an undrain of a provider whose node is cordoned leaves it drained: this says why)
+        now = [ctl["state"] + (" (its node is cordoned)" if ctl["cordoned_since_ms"] is not None else "")]
         if ctl["capacity_override"] is not None:
             until = ctl["capacity_override_until_ms"]
             now.append(f"capacity {ctl['capacity_override']} (configured {p['configured_capacity']})"

@@ -130,6 +130,9 @@ async def test_capacity_override_over_http(redis: Redis, redis_url: str) -> None
     ({"capacity": "1"}, "capacity", "'1' is text, not a whole number (send a JSON number"),  # (found in an audit)
     ({"capacity": "01"}, "capacity", "is text, not a whole number"),
     ({"capacity": 1.5}, "capacity", "not a whole number"),
+    ({"capacity": 2.0}, "capacity", "2.0 is a decimal number; give it as a whole number (2)"),  # (an audit:
+    ({"capacity": 1e2}, "capacity", "100.0 is a decimal number; give it as a whole number (100)"),  # "is not whole")
+    ({"capacity": 2, "x" * 3000: 1}, "x" * 256, "unknown field 'xxx"),  # (param: cut, as the message)
     ({"capacity": None}, "capacity", "not a whole number"),
     ({"capacity": 2, "for": "8d"}, "for", "longer than 7d"),
     ({"capacity": 2, "for": "soon"}, "for", "not a duration"),
@@ -161,6 +164,7 @@ async def test_a_body_that_is_not_json_is_a_400(redis: Redis, redis_url: str) ->
     ("POST", "providers/nope/capacity", {"capacity": 1}), ("DELETE", "providers/nope/capacity", None),
     ("POST", "nodes/nope/cordon", None), ("POST", "nodes/vllm-a/uncordon", None),  # a provider is no node
     ("POST", "providers/gpu-1/drain", None),  # nor a node a provider
+    ("POST", "providers/" + "a" * 7000 + "/drain", None),  # (its message cut, found in an audit: 7 KB)
 ])
 async def test_an_unknown_provider_or_node_is_a_404(redis: Redis, redis_url: str, method: str, path: str,
                                                     body: Any) -> None:
@@ -169,6 +173,7 @@ async def test_an_unknown_provider_or_node_is_a_404(redis: Redis, redis_url: str
     assert status == 404
     validate("ErrorResponse", error)
     assert error["error"]["code"] == "not_found" and "in the config" in error["error"]["message"]
+    assert len(error["error"]["message"]) < 200
     assert await redis.keys("iop:*") == []
 
 
@@ -323,6 +328,25 @@ def test_the_commands_act_on_redis_and_record_the_os_user(
     code, out, _ = iop(capsys, "audit", "--redis", redis_url, "--json", "--limit", "1")
     assert [e["action"] for e in json.loads(out)["data"]] == ["uncordon"]
     assert redis.keys("iop:drain:*") == [] and redis.keys("iop:cordon:*") == []
+    redis.close()
+
+
+def test_a_provider_drained_on_a_cordoned_node_says_both(
+        redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by an operator audit: the catalog showed `drained` alone, and an undrain printed
+    `active (was drained)` for a provider its node's cordon still held."""
+    path = tmp_path / "iop.yaml"
+    path.write_text(yaml.safe_dump(POOL))
+    where = ["--config", str(path), "--redis", redis_url]
+    redis = sync_redis.Redis.from_url(redis_url)
+    redis.hset(keys.heartbeat("vllm-a"), mapping={"health": "available", "capacity": 4, "ts_ms": now_ms()})
+    assert iop(capsys, "provider", "drain", "vllm-a", *where)[0] == 0
+    assert iop(capsys, "node", "cordon", "gpu-1", *where)[0] == 0
+    code, out, _ = iop(capsys, "catalog", *where)
+    row = next(line for line in out.splitlines() if line.split()[1:2] == ["vllm-a"])
+    assert code == 0 and "  drained (and node)  " in row, row
+    code, out, _ = iop(capsys, "provider", "undrain", "vllm-a", *where)
+    assert code == 0 and "provider vllm-a (node gpu-1): drained (its node is cordoned), capacity 4" in out, out
     redis.close()
 
 
