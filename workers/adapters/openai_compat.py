@@ -219,10 +219,13 @@ class SSEParser:
                     self._event = line[6:].strip()
                 continue
             payload = line[5:].strip()
-            if self._split is not None:
+            if self._split is None:
+                if self._take(payload, chunks, joined=False):
+                    return
+            elif payload == b"[DONE]":  # (no JSON goes on so: the held line was cut, by a server
+                raise ValueError("an event's JSON was cut short by [DONE]")  # that ends events with one line end)
+            else:
                 self._hold(payload)
-            elif self._take(payload, chunks, joined=False):
-                return
 
     def _take(self, payload: bytes, chunks: list[dict[str, Any]], joined: bool) -> bool:
         """Read one event's data into `chunks`; True when it ends the stream ([DONE], an error).
@@ -442,6 +445,9 @@ class OpenAICompatAdapter:
         except aiohttp.ClientPayloadError as exc:
             if not finished:  # broken only after a finish_reason: the whole answer came
                 raise self._failed(exc) from None
+            tail = parser.end()  # (a last event the server did not end: its usage chunk, say)
+            if tail:
+                yield tail
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
         if not parser.done and not finished and opening:

@@ -197,7 +197,9 @@ class LineSplitter:
     def __init__(self, provider_id: str, limits: ReadLimits) -> None:
         self.provider_id = provider_id
         self.limits = limits
-        self._buf = b""
+        #: the partial line: it grows in place while reads bring no line end (a line dribbled in
+        #: small reads was copied whole at each: 0.3 s of CPU for a 1 MiB line in 512-byte reads)
+        self._buf = bytearray()
         #: the last read ended with a CR: an LF that opens the next one is its CRLF's
         self._skip_lf = False
 
@@ -206,12 +208,16 @@ class LineSplitter:
             self._skip_lf = False
             if data[:1] == b"\n":
                 data = data[1:]
-        buf = self._buf + data
+        if b"\n" not in data and b"\r" not in data:
+            self._buf += data
+            return self._checked([], len(self._buf) > self.limits.line_bytes)
+        buf = bytes(self._buf) + data if self._buf else data
         if b"\r" in buf:
             self._skip_lf = buf.endswith(b"\r")
             buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        *lines, self._buf = buf.split(b"\n")
-        return self._checked(lines, len(self._buf) > self.limits.line_bytes)
+        *lines, rest = buf.split(b"\n")
+        self._buf = bytearray(rest)
+        return self._checked(lines, len(rest) > self.limits.line_bytes)
 
     def _checked(self, lines: list[bytes], partial_too_long: bool) -> Iterator[bytes]:
         for line in lines:
