@@ -37,14 +37,12 @@ async def read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes | None
     """The whole body of an answer, or None once it passes `limit` bytes (nothing more is read)."""
     if resp.content_length is not None and resp.content_length > limit:
         return None
-    parts: list[bytes] = []
-    size = 0
-    async for data in resp.content.iter_any():
-        size += len(data)
-        if size > limit:
+    body = bytearray()  # (one buffer: a body dribbled in tiny reads takes what its bytes take, not a
+    async for data in resp.content.iter_any():  # list of as many bytes objects, 34 bytes each more)
+        if len(body) + len(data) > limit:
             return None
-        parts.append(data)
-    return b"".join(parts)
+        body += data
+    return bytes(body)
 
 
 #: the most of an error answer read to describe it, and how long it may take to come
