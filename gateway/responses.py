@@ -86,8 +86,7 @@ class SSEStream:
     async def _started(self) -> web.StreamResponse:
         if self.resp is None:
             self.resp = _Stream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                    "X-Accel-Buffering": "no",
-                                                    **answer_headers(self.run_id, self.limit_headers)})
+                                         "X-Accel-Buffering": "no", **answer_headers(self.run_id, self.limit_headers)})
             await self.resp.prepare(self.request)
         return self.resp
 
