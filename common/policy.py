@@ -56,8 +56,10 @@ class ProviderSnapshot:
         """The capacity the policy counts with: the operator's override, else the announced one;
         never more than the announced one (an override set before the config lowered the
         capacity only lowers it too: slots above it would be leases waiting for a worker)."""
-        if self.capacity_override is None or self.capacity is None:
-            return self.capacity if self.capacity_override is None else self.capacity_override
+        if self.capacity_override is None:
+            return self.capacity
+        if self.capacity is None:
+            return self.capacity_override
         return min(self.capacity, self.capacity_override)
 
     def load_ratio(self) -> Fraction | None:

@@ -290,7 +290,7 @@ return {'ok', entry, left}
 # which providers it may go to; here, in the step that reserves the slot, the policy is applied to the
 # live state: among candidates whose heartbeat is fresh and says `available` with a capacity, that are
 # not drained or cordoned, with a free slot under their capacity (an operator's override when one is
-# set, else the announced one), the lowest class, then the lowest in_flight/capacity, then the larger
+# set, never above the announced one: `capped`), the lowest class, then the lowest in_flight/capacity, then the larger
 # capacity, then the lower id (the candidates come in the order of their ids, so the first of equals
 # wins; no string comparison here, as Lua's follows the server's locale). So runs that ended or
 # started elsewhere since the snapshot, a drain or a heartbeat that went stale never cost a second
