@@ -170,12 +170,15 @@ class Stack:
         return client
 
     def stop_all(self) -> None:
+        """Every client closed and every process stopped; a second call finds nothing left."""
         for client in self.clients:
             client.close()
         for proc in reversed(self.procs):
             proc.stop()
         for proc in self.procs:  # shown by pytest when a test fails
             print(f"----- {proc.name} {proc.args}\n{proc.output()}")
+        self.clients.clear()
+        self.procs.clear()
 
 
 @pytest.fixture

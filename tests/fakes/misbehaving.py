@@ -64,6 +64,23 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         raise
 
 
+def _abort_connections(server: web.Server) -> None:
+    """Every connection's socket closed now, kept-alive ones included. `abort`, not `close`: a
+    transport whose write buffer is full (a client that stopped reading an endless answer) would
+    wait for it to drain before closing its socket."""
+    for conn in server.connections:
+        transport = conn.transport
+        conn.force_close()
+        if transport is not None:
+            transport.abort()
+
+
+async def _turns() -> None:
+    """A few turns of the event loop: callbacks scheduled now, and those they schedule, run."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
 class Misbehaving:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -78,7 +95,7 @@ class Misbehaving:
         app.router.add_get("/health", _health)
         app.router.add_get("/v1/models", _models)
         app.router.add_post("/v1/chat/completions", _chat)
-        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
@@ -90,16 +107,15 @@ class Misbehaving:
 
     async def _stop(self) -> None:
         assert self.runner is not None and self.runner.server is not None
-        for conn in list(self.runner.server.connections):  # kept-alive ones included: close every socket
-            conn.force_close()
-            if conn.transport is not None:
-                conn.transport.close()
+        server = self.runner.server
+        for site in self.runner.sites:  # no new connections ...
+            await site.stop()
+        await _turns()  # ... and the ones accepted already registered (the runner's cleanup
+        _abort_connections(server)  # would forget those that register while it runs)
         await self.runner.cleanup()
-        # A closed transport closes its socket in a callback of the next loop turn: let those run
-        # before the loop stops, or the sockets are left to the garbage collector (a
-        # ResourceWarning in whatever test runs then).
-        for _ in range(3):
-            await asyncio.sleep(0)
+        await _turns()
+        _abort_connections(server)  # any that registered while the runner cleaned up
+        await _turns()  # aborted transports close their sockets in callbacks: let those run
 
     def __exit__(self, *exc: object) -> None:
         asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
