@@ -62,7 +62,7 @@ class ThreadedOllama:
 
 
 @pytest.fixture
-def ollama_factory() -> Iterator[Callable[[FakeState], tuple[ThreadedOllama, str]]]:
+def ollama_factory(stack: Stack) -> Iterator[Callable[[FakeState], tuple[ThreadedOllama, str]]]:
     started: list[ThreadedOllama] = []
 
     def start(state: FakeState) -> tuple[ThreadedOllama, str]:
@@ -72,6 +72,7 @@ def ollama_factory() -> Iterator[Callable[[FakeState], tuple[ThreadedOllama, str
         return fake, url
 
     yield start
+    stack.stop_all()  # the worker goes before the servers it talks to (none connects while they stop)
     for fake in started:
         fake.__exit__()
 

@@ -17,6 +17,8 @@ import threading
 
 from aiohttp import web
 
+from tests.fakes.serving import stop_runner
+
 NAMES = ("endless", "huge", "garbage", "garbage-error", "no-newline")
 DISCONNECTS = web.AppKey("disconnects", list)
 
@@ -64,23 +66,6 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         raise
 
 
-def _abort_connections(server: web.Server) -> None:
-    """Every connection's socket closed now, kept-alive ones included. `abort`, not `close`: a
-    transport whose write buffer is full (a client that stopped reading an endless answer) would
-    wait for it to drain before closing its socket."""
-    for conn in server.connections:
-        transport = conn.transport
-        conn.force_close()
-        if transport is not None:
-            transport.abort()
-
-
-async def _turns() -> None:
-    """A few turns of the event loop: callbacks scheduled now, and those they schedule, run."""
-    for _ in range(3):
-        await asyncio.sleep(0)
-
-
 class Misbehaving:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -106,16 +91,8 @@ class Misbehaving:
         return self
 
     async def _stop(self) -> None:
-        assert self.runner is not None and self.runner.server is not None
-        server = self.runner.server
-        for site in self.runner.sites:  # no new connections ...
-            await site.stop()
-        await _turns()  # ... and the ones accepted already registered (the runner's cleanup
-        _abort_connections(server)  # would forget those that register while it runs)
-        await self.runner.cleanup()
-        await _turns()
-        _abort_connections(server)  # any that registered while the runner cleaned up
-        await _turns()  # aborted transports close their sockets in callbacks: let those run
+        assert self.runner is not None
+        await stop_runner(self.runner)
 
     def __exit__(self, *exc: object) -> None:
         asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)

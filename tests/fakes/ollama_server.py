@@ -18,6 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.fakes.serving import stop_runner
+
 Json = dict[str, Any]
 
 
@@ -194,7 +196,7 @@ class FakeOllama:
 
     async def stop(self) -> None:
         if self.runner is not None:
-            await self.runner.cleanup()
+            await stop_runner(self.runner)
             self.runner = None
 
 
