@@ -309,7 +309,8 @@ return {'ok', entry, left}
 # drained, cordoned, probing, node queue, node wake list), class = 0 | 1, provider, node, target,
 # listed = true when the candidate must also list `target` among the models its server answered
 # with (its heartbeat's `observed_models`; `scheduler.snapshots._lists` for the scheduler's own
-# candidates, which come checked)}.
+# candidates, which come checked)}; `head`: the stream's first entry (`XRANGE - + COUNT 1`) when
+# the caller read it already, nil to read it here.
 _DISPATCH_ONE = _EVENTS + _WAKE + _CAPPED + f"""
 local function lists(observed, served)
   if not observed or observed == '' then return true end
@@ -321,8 +322,9 @@ local function lists(observed, served)
   return false
 end
 
-local function dispatch_one(stream, record, events, run_id, entry, group, lease_ms, ttl_s, prefix, hb_ttl, me, cands)
-  local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
+local function dispatch_one(stream, record, events, run_id, entry, group, lease_ms, ttl_s, prefix, hb_ttl, me, cands,
+                            head)
+  head = head or redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
   if #head == 0 then return 'gone' end
   if head[1][1] ~= entry then
     if #redis.call('XRANGE', stream, entry, entry) == 0 then return 'gone' end
@@ -416,9 +418,10 @@ local function model_block(i, a)
   for _, pe in ipairs(pending) do
     local entry = pe[1]
     if tonumber(string.match(entry, '^(%d+)')) + timeout <= now then return end
-    local found = redis.call('XRANGE', stream, entry, entry)
-    if #found == 0 then return end
-    local f, fields = found[1][2], {}
+    -- (an entry that is not the head, or not in the stream any more, stops the block either way)
+    local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
+    if #head == 0 or head[1][1] ~= entry then return end
+    local f, fields = head[1][2], {}
     for x = 1, #f, 2 do fields[f[x]] = f[x + 1] end
     local run_id = fields['run']
     if not run_id then return end
@@ -434,7 +437,7 @@ local function model_block(i, a)
       end
     end
     local ok, r = pcall(dispatch_one, stream, ARGV[7] .. run_id, ARGV[8] .. run_id, run_id, entry, ARGV[1],
-      ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], cands)
+      ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], cands, head)
     if not ok then
       out[#out + 1] = {stream, entry, run_id, 'error', tostring(r), '', 0}
       return 'error'
