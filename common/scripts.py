@@ -96,13 +96,22 @@ local function ended(record, run_id, state, prompt, completion, key, model, limi
   if limited ~= '0' then redis.call('ZREM', '{keys.key_in_flight("")}' .. key, run_id) end
   model = model or '-'
   local day = '{keys.USAGE_PREFIX}' .. key .. ':' .. utc_day(now)
+  local failed = (state == 'failed' or state == 'timed_out') and 1 or 0
+  local adds = {{['runs:' .. model] = 1, ['failures:' .. model] = failed,
+    ['prompt_tokens:' .. model] = tonumber(prompt), ['completion_tokens:' .. model] = tonumber(completion)}}
+  local fields = {{'runs:' .. model, 'failures:' .. model, 'prompt_tokens:' .. model, 'completion_tokens:' .. model}}
   for _, h in ipairs({{day, '{keys.usage_total("")}' .. key}}) do
-    if redis.call('HINCRBY', h, 'runs:' .. model, 1) == 1 and h == day then
-      redis.call('EXPIRE', day, {keys.USAGE_RETENTION_S})
+    -- one read and one write a hash (the counts it changes), not an HINCRBY a count; '%d', as a
+    -- Lua number past 10^14 prints in exponent form (exact up to 2^53: 10^9 tokens a run at most)
+    local was, set = redis.call('HMGET', h, unpack(fields)), {{}}
+    for i, field in ipairs(fields) do
+      if adds[field] > 0 then
+        set[#set + 1] = field
+        set[#set + 1] = string.format('%d', (tonumber(was[i]) or 0) + adds[field])
+      end
     end
-    if state == 'failed' or state == 'timed_out' then redis.call('HINCRBY', h, 'failures:' .. model, 1) end
-    if tonumber(prompt) > 0 then redis.call('HINCRBY', h, 'prompt_tokens:' .. model, prompt) end
-    if tonumber(completion) > 0 then redis.call('HINCRBY', h, 'completion_tokens:' .. model, completion) end
+    redis.call('HSET', h, unpack(set))
+    if not was[1] and h == day then redis.call('EXPIRE', day, {keys.USAGE_RETENTION_S}) end
   end
 end
 """

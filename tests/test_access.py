@@ -18,7 +18,7 @@ from yarl import URL
 from common import keys
 from common.auth import KeyRing, UnresolvedKeys, hash_key
 from common.config import ConfigError, parse_config
-from common.scripts import _UTC_DAY
+from common.scripts import _ENDED, _NOW, _UTC_DAY
 from gateway.app import build_app
 from tests.conftest import async_wait_until
 from tests.openapi import validate
@@ -121,6 +121,30 @@ async def test_the_scripts_utc_day_is_pythons(redis: Redis) -> None:
     days = await redis.eval(script, 0, *moments)
     assert [d.decode() for d in days] == [dt.datetime.fromtimestamp(ms / 1000, dt.UTC).date().isoformat()
                                           for ms in moments]
+
+
+async def test_a_runs_end_adds_to_its_keys_day_and_total_exactly(redis: Redis) -> None:
+    """`ended` adds a run to its key's day and all-time counts of its model: one run each, a
+    failure only for a failed or timed-out run, the tokens when there are some (a count of zero is
+    not written), exact integers also past what a Lua number prints plainly, and the day's TTL set
+    when the day's first run of the model makes its count (not pushed back by the next)."""
+    script = _NOW + _ENDED + "ended(KEYS[1], 'run_x', ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'm', '0') return 1"
+    total = keys.usage_total("team-a")
+    await redis.hset(total, mapping={"prompt_tokens:m": 10**15, "runs:other": 7})
+    await redis.eval(script, 1, "iop:run:run_x", "completed", 3, 0, "team-a")
+    [day] = await redis.keys(keys.usage_day("team-a", "*"))  # (Redis's day, not this process's)
+    assert await redis.hgetall(day) == {b"runs:m": b"1", b"prompt_tokens:m": b"3"}
+    assert keys.USAGE_RETENTION_S - 60 < await redis.ttl(day) <= keys.USAGE_RETENTION_S
+    await redis.expire(day, 1000)
+    await redis.eval(script, 1, "iop:run:run_x", "failed", 0, 4, "team-a")
+    await redis.eval(script, 1, "iop:run:run_x", "timed_out", 2, 10**9, "team-a")
+    await redis.eval(script, 1, "iop:run:run_x", "cancelled", 0, 0, "team-a")
+    assert await redis.hgetall(day) == {b"runs:m": b"4", b"failures:m": b"2", b"prompt_tokens:m": b"5",
+                                        b"completion_tokens:m": b"1000000004"}
+    assert 990 <= await redis.ttl(day) <= 1000  # the day's first run set it; the others left it
+    assert await redis.hgetall(total) == {b"runs:m": b"4", b"failures:m": b"2", b"prompt_tokens:m": b"1000000000000005",
+                                          b"completion_tokens:m": b"1000000004", b"runs:other": b"7"}
+    assert await redis.ttl(total) == -1  # all-time counts never expire
 
 
 # ---------------------------------------------------------------------------- the HTTP surface
