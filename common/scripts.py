@@ -346,23 +346,31 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
     return 'gone'
   end
   local live, oldest_beat = '(' .. now, now - tonumber(hb_ttl)
-  local best, best_n, best_cap, best_class, best_probing
+  local alive, beats, op_keys = {{}}, {{}}, {{}}
   for _, c in ipairs(cands) do
     local k = c.k
     local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity', 'observed_models')
     if hb[1] == 'available' and tonumber(hb[2]) and tonumber(hb[2]) >= oldest_beat
         and (not c.listed or lists(hb[4], c.target)) then
-      -- the operator's capacity override, drain and cordon, and the probing lock: all strings
-      local ops = redis.call('MGET', KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5])
-      local cap = capped(hb[3], ops[1])
-      local class = c.class
-      if not ops[2] and not ops[3] and cap and cap > 0 then
-        local n = redis.call('ZCOUNT', KEYS[k + 1], live, '+inf')
-        if n < cap and (best == nil or class < best_class or (class == best_class and (
-            n * best_cap < best_n * cap or (n * best_cap == best_n * cap and cap > best_cap))))
-        then
-          best, best_n, best_cap, best_class, best_probing = c, n, cap, class, ops[4]
-        end
+      alive[#alive + 1], beats[#beats + 1] = c, hb
+      for x = 2, 5 do op_keys[#op_keys + 1] = KEYS[k + x] end
+    end
+  end
+  if #alive == 0 then return 'stale' end
+  -- the operator's capacity override, drain and cordon, and the probing lock of every candidate
+  -- alive, in one read: all strings, four a candidate
+  local ops = redis.call('MGET', unpack(op_keys))
+  local best, best_n, best_cap, best_class, best_probing
+  for i, c in ipairs(alive) do
+    local o = 4 * (i - 1)
+    local cap = capped(beats[i][3], ops[o + 1])
+    local class = c.class
+    if not ops[o + 2] and not ops[o + 3] and cap and cap > 0 then
+      local n = redis.call('ZCOUNT', KEYS[c.k + 1], live, '+inf')
+      if n < cap and (best == nil or class < best_class or (class == best_class and (
+          n * best_cap < best_n * cap or (n * best_cap == best_n * cap and cap > best_cap))))
+      then
+        best, best_n, best_cap, best_class, best_probing = c, n, cap, class, ops[o + 4]
       end
     end
   end

@@ -219,6 +219,31 @@ async def test_a_drain_written_after_the_snapshot_is_refused_by_the_dispatch_scr
     assert await redis.hget(keys.run_record(run_id), "provider") == b"b"
 
 
+@pytest.mark.parametrize("flagged", ["b", "c"])
+@pytest.mark.parametrize(("flag", "expected"), [("drained", ("ok", "a")), ("cordoned", ("ok", "a")),
+                                                ("override", ("ok", "a")), ("probing", ("probing", None))])
+async def test_the_dispatch_script_reads_each_candidates_own_flags(redis: Redis, flagged: str, flag: str,
+                                                                   expected: tuple[str, str | None]) -> None:
+    """The script reads the operator's flags of every candidate in one `MGET`: a flag on the
+    second or the third candidate (the least loaded, which would take the run) is that one's, not
+    a neighbour's."""
+    config = make_config({"a": 4, "b": 4, "c": 4})
+    _client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    model = config.model(MODEL)
+    assert model is not None
+    for busy in {"a", "b", "c"} - {flagged}:
+        await redis.zadd(keys.leases(busy), {f"r-{busy}": now_ms() + 60_000})
+    snaps = await read_snapshots(redis, sched._targets[MODEL], now_ms(), config.node_of)
+    await redis.set({"drained": keys.drained(flagged), "cordoned": keys.cordoned(f"n-{flagged}"),
+                     "override": keys.capacity_override(flagged), "probing": keys.probing(flagged)}[flag],
+                    "0" if flag == "override" else "1")
+    assert (await sched._dispatch(model, [sched.waiting[MODEL][0]], snaps))[0][:2] == expected
+    held = {p: 0 if p == flagged else 1 for p in ("a", "b", "c")}
+    if expected[1] is not None:
+        held[expected[1]] += 1
+    assert await leases(redis, config) == held
+
+
 async def test_a_cordon_written_after_the_snapshot_is_refused_by_the_dispatch_script(redis: Redis) -> None:
     config = make_config({"a": 4})
     _client, sched, (run_id,) = await waiting_runs(redis, config, 1)
