@@ -280,6 +280,51 @@ async def test_nothing_after_ollama_done_reaches_the_caller(together: bool, raw:
     assert sum(1 for c in chunks if c["choices"][0]["finish_reason"]) == 1
 
 
+def gated(first: bytes, rest: bytes, gate: asyncio.Event, content_type: str) -> Answer:
+    """A chunked answer: `first`, then `rest` once the caller has had what `first` gave (`gate`),
+    so the two come in two reads."""
+    async def answer(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\n{CHUNKED}".encode() + frame(first))
+        await writer.drain()
+        await gate.wait()
+        writer.write(frame(rest) + b"0\r\n\r\n")
+    return answer
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["openai", "ollama"])
+async def test_chunks_before_a_garbled_line_in_its_read_reach_the_caller_then_the_error(
+        native: bool, raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Once output went out, what came before a bad line in the same read goes out too, then the
+    error: the caller's output is the provider's up to that line, with no gap (the chunks before it
+    in its read were dropped)."""
+    gate = asyncio.Event()
+    line, garbled = (nd, b"{overloaded}\n") if native else (sse, b"data: {overloaded}\n\n")
+    first, rest = line(said("a ") if native else delta("a ")), line(said("b ") if native else delta("b ")) + garbled
+    path, content_type = ("/api/chat", "application/x-ndjson") if native else ("/v1/chat/completions",
+                                                                             "text/event-stream")
+    raw.answers[path] = gated(first, rest, gate, content_type)
+    adapter = (OllamaAdapter(ollama(raw.url), session) if native
+               else OpenAICompatAdapter(openai(raw.url), session))
+    got: list[dict[str, Any]] = []
+    with pytest.raises(ProviderError, match="not valid JSON"):
+        async for chunks in adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"):
+            got += chunks
+            gate.set()
+    assert text_of(got) == "a b "
+
+
+def test_a_bad_line_in_a_streams_first_read_fails_it_at_once_with_nothing_given() -> None:
+    """Before any output, the error is raised at once: nothing went out, the run may go elsewhere."""
+    parser = SSEParser("p", ReadLimits())
+    with pytest.raises(ValueError):
+        parser.feed(sse(delta("a")) + b"data: {overloaded}\n\n")
+    parser = SSEParser("p", ReadLimits(line_bytes=65536))
+    assert text_of(parser.feed(sse(delta("a")))) == "a"
+    assert text_of(parser.feed(sse(delta("b")) + b"data: " + b"x" * 70000 + b"\n\n" + sse(delta("c")))) == "b"
+    assert isinstance(parser.breaks.broken, ProviderError) and "over" in parser.breaks.broken.message
+    assert parser.feed(sse(delta("d"))) == []  # nothing after the error is read
+
+
 @pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
 async def test_a_stream_s_lines_may_end_in_lf_crlf_or_a_cr_alone(end: bytes, raw: Raw,
                                                                session: aiohttp.ClientSession) -> None:

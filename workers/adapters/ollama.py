@@ -33,6 +33,7 @@ from workers.adapters.failures import (
 )
 from workers.adapters.openai_shapes import Shaper
 from workers.adapters.reading import (
+    Breaks,
     LineSplitter,
     NonObjects,
     error_body,
@@ -81,18 +82,24 @@ class NDJSONParser:
     """Splits a byte stream into JSON objects, one a line; keeps partial lines between reads.
 
     The object with `"done": true` ends the stream: nothing after it is read (`"done": "false"`, a
-    string, is not true). A line that is not a JSON object is dropped."""
+    string, is not true). A line that is not a JSON object is dropped; one that is not JSON, or
+    past its limit, is an error (`breaks`: after output, the objects before it in its read are
+    returned first)."""
 
     def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None) -> None:
         self.provider_id = provider_id
         self.lines = LineSplitter(provider_id, limits)
         self.non_objects = NonObjects(provider_id, request_id, model)
+        self.breaks = Breaks()
         self.done = False
 
     def feed(self, data: bytes) -> list[Json]:
-        out: list[Json] = []
-        if self.done:
-            return out
+        """The objects of a read; an error after some of them is held in `breaks` (`Breaks`)."""
+        if self.done or self.breaks.broken:
+            return []
+        return self.breaks.read(lambda out: self._read(data, out))
+
+    def _read(self, data: bytes, out: list[Json]) -> None:
         for line in self.lines.feed(data):
             if not line.strip():
                 continue
@@ -104,7 +111,6 @@ class NDJSONParser:
             if obj.get("done") is True and not obj.get("error"):
                 self.done = True
                 break
-        return out
 
 
 class OllamaAdapter:
@@ -231,6 +237,8 @@ class OllamaAdapter:
                                 chunks.append(shaper.usage_chunk(wire.usage_of(line)))
                     if chunks:
                         yield chunks
+                    if parser.breaks.broken:
+                        raise parser.breaks.broken
                     if parser.done:
                         # the answer is whole: nothing after `done` is read, and a connection
                         # the server keeps open is not waited on

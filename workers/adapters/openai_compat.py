@@ -50,6 +50,7 @@ from workers.adapters.failures import (
     url_secrets,
 )
 from workers.adapters.reading import (
+    Breaks,
     LineSplitter,
     NonObjects,
     error_body,
@@ -157,7 +158,9 @@ class SSEParser:
     `[DONE]` ends the stream: nothing after it is read. A chunk that carries an error (`error_in`),
     or the data of an `event: error`, is the provider's error (`failed`: the chunks read before
     it, in the same read, are returned first); a chunk that is not a JSON object is dropped, and
-    so is an empty `data:` line. A byte-order mark that opens the stream is not part of it.
+    so is an empty `data:` line. A line that is not JSON, or one past its limit, is an error
+    (`breaks`: after output, the chunks before it in its read are returned first). A byte-order
+    mark that opens the stream is not part of it.
 
     Every server seen sends an event's JSON on one `data:` line, so a line that holds a whole JSON
     text is a chunk at once (a server that ends its events with one line end is read too). A line
@@ -174,6 +177,7 @@ class SSEParser:
         self.done = False
         #: the provider's error chunk, once one came: nothing after it is read
         self.failed: ProviderError | None = None
+        self.breaks = Breaks()
         #: the `event:` of the event being read (until the blank line that ends it)
         self._event = b""
         self._opening = True
@@ -182,10 +186,10 @@ class SSEParser:
         self._split: bytearray | None = None
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
-        chunks: list[dict[str, Any]] = []
-        if not (self.done or self.failed):
-            self._read(self.lines.feed(data), chunks)
-        return chunks
+        """The chunks of a read; an error after some of them is held in `breaks` (`Breaks`)."""
+        if self.done or self.failed or self.breaks.broken:
+            return []
+        return self.breaks.read(lambda chunks: self._read(self.lines.feed(data), chunks))
 
     def end(self) -> list[dict[str, Any]]:
         """The stream ended. An event whose blank line never came is read if its data is whole
@@ -432,6 +436,8 @@ class OpenAICompatAdapter:
                         yield chunks
                     if parser.failed:
                         raise parser.failed
+                    if parser.breaks.broken:
+                        raise parser.breaks.broken
                     if not data:
                         break
                     if parser.done:

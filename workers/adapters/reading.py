@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -232,6 +232,32 @@ async def with_line_end(reads: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     async for data in reads:
         yield data
     yield b"\n"
+
+
+class Breaks:
+    """Where a stream parser's error goes when it comes after objects of the same read: a stream
+    that has given objects before gives those too, and holds the error (`broken`) for its caller
+    to raise once they went out, so what a caller got stays the provider's output up to the bad
+    line, with no gap (a garbled line dropped the chunks before it in its read). In a stream's
+    first objects the error is raised at once: nothing went out, and the run may still be tried
+    elsewhere."""
+
+    def __init__(self) -> None:
+        #: the error a read ended with, after objects given with it
+        self.broken: Exception | None = None
+        self._gave = False
+
+    def read(self, read: Callable[[list[Any]], None]) -> list[Any]:
+        """The objects `read` puts in its list; its error as above."""
+        out: list[Any] = []
+        try:
+            read(out)
+        except (ValueError, ProviderError) as exc:
+            if not (out and self._gave):
+                raise
+            self.broken = exc
+        self._gave = self._gave or bool(out)
+        return out
 
 
 class NonObjects:
