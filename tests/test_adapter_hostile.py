@@ -313,16 +313,55 @@ async def test_chunks_before_a_garbled_line_in_its_read_reach_the_caller_then_th
     assert text_of(got) == "a b "
 
 
-def test_a_bad_line_in_a_streams_first_read_fails_it_at_once_with_nothing_given() -> None:
-    """Before any output, the error is raised at once: nothing went out, the run may go elsewhere."""
+def role_chunk() -> dict[str, Any]:
+    return {"id": "c1", "object": "chat.completion.chunk", "model": SERVED,
+            "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+
+
+def test_a_bad_line_before_any_output_fails_the_read_at_once() -> None:
+    """Before the caller saw output (an opening alone is none), the error is raised at once:
+    nothing went out, the run may go elsewhere. After, the chunks before it come first and it is
+    held (`breaks`), without the frames it came through, until the adapter takes it."""
     parser = SSEParser("p", ReadLimits())
     with pytest.raises(ValueError):
         parser.feed(sse(delta("a")) + b"data: {overloaded}\n\n")
     parser = SSEParser("p", ReadLimits(line_bytes=65536))
-    assert text_of(parser.feed(sse(delta("a")))) == "a"
+    assert parser.breaks.passing(parser.feed(sse(role_chunk()))) and not parser.breaks.shown
+    with pytest.raises(ValueError):
+        parser.feed(sse(delta("a")) + b"data: {overloaded}\n\n")
+    parser = SSEParser("p", ReadLimits(line_bytes=65536))
+    assert text_of(parser.breaks.passing(parser.feed(sse(delta("a"))))) == "a" and parser.breaks.shown
     assert text_of(parser.feed(sse(delta("b")) + b"data: " + b"x" * 70000 + b"\n\n" + sse(delta("c")))) == "b"
-    assert isinstance(parser.breaks.broken, ProviderError) and "over" in parser.breaks.broken.message
-    assert parser.feed(sse(delta("d"))) == []  # nothing after the error is read
+    held = parser.breaks.take()
+    assert isinstance(held, ProviderError) and "over" in held.message and held.__traceback__ is None
+    assert parser.breaks.broken is None and parser.feed(sse(delta("d"))) == []  # nothing after it is read
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["openai", "ollama"])
+async def test_a_garbled_line_after_an_opening_alone_fails_before_any_output(
+        native: bool, raw: Raw, session: aiohttp.ClientSession) -> None:
+    """An opening (a bare `role` chunk; Ollama's line without content) is no output: a garbled
+    line in a later read still fails the stream with nothing but the opening given, so the run may
+    be tried elsewhere (a review found the content before the garbled line going out, and the run
+    failed for good)."""
+    gate = asyncio.Event()
+    if native:
+        first, rest = nd(said("")), nd(said("b ")) + b"{overloaded}\n"
+        path, content_type = "/api/chat", "application/x-ndjson"
+    else:
+        first, rest = sse(role_chunk()), sse(delta("b ")) + b"data: {overloaded}\n\n"
+        path, content_type = "/v1/chat/completions", "text/event-stream"
+    raw.answers[path] = gated(first, rest, gate, content_type)
+    adapter = (OllamaAdapter(ollama(raw.url), session) if native
+               else OpenAICompatAdapter(openai(raw.url), session))
+    got: list[dict[str, Any]] = []
+    if native:  # (a line without content gives the caller no chunk to wait for: one read or two)
+        gate.set()
+    with pytest.raises(ProviderError, match="not valid JSON"):
+        async for chunks in adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"):
+            got += chunks
+            gate.set()
+    assert text_of(got) == ""
 
 
 @pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])

@@ -26,13 +26,17 @@ RUN_BOUND_BYTES = LIMITS["max_output_bytes"] + 64 * 1024
 
 
 @pytest.fixture
-def misbehaving() -> Iterator[str]:
+def misbehaving(stack: Stack) -> Iterator[str]:
     with Misbehaving() as server:
         yield server.url
+        # The worker goes before the server it talks to, also when a test's setup failed: a probe
+        # connecting while the server stops would leave a socket no one closes (a ResourceWarning
+        # that failed this module in CI).
+        stack.stop_all()
 
 
 @pytest.fixture
-def gateway(stack: Stack, misbehaving: str) -> Iterator[str]:
+def gateway(stack: Stack, misbehaving: str) -> str:
     stack.write_config({
         "models": [{"id": name, "providers": {f"p-{name}": name}} for name in NAMES],
         "nodes": [{"id": "n1", "providers": [
@@ -45,10 +49,7 @@ def gateway(stack: Stack, misbehaving: str) -> Iterator[str]:
     stack.worker("n1")
     url = stack.gateway()
     wait_available(stack.redis_url, [f"p-{name}" for name in NAMES])
-    yield url
-    # The worker goes before the server it talks to: a probe connecting while the server stops
-    # would leave a socket no one closes (a ResourceWarning that failed this module in CI).
-    stack.stop_all()
+    return url
 
 
 async def ask(gateway: str, model: str, stream: bool) -> tuple[int, Any, str]:

@@ -120,6 +120,65 @@ async def test_a_run_its_provider_fails_leaves_nothing_for_the_collector(
         await session.close()
 
 
+def delta_event(text: str) -> bytes:
+    return b"data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "model": "a-name", "choices": [
+        {"index": 0, "delta": {"content": text}, "finish_reason": None}]}).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("batch_ms", [0, 20], ids=["stream", "stream-batched"])
+async def test_a_stream_garbled_after_output_leaves_nothing_for_the_collector(redis: Redis, batch_ms: int) -> None:
+    """The chunks before a garbled line reach the caller, then its error: the parser holds the
+    error meanwhile, which must not leave it and the frames it came through holding each other
+    (a review found the held error's traceback holding its parser)."""
+    emitted = asyncio.Event()
+
+    async def garbled(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(delta_event("a "))
+        await emitted.wait()  # (the caller has output: the next read's error is held behind its chunks)
+        await resp.write(delta_event("b " + BIG) + b"data: {overloaded}\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", garbled)
+    site = web.AppRunner(app)
+    await site.setup()
+    await web.TCPSite(site, "127.0.0.1", 0).start()
+    cfg = config(f"http://127.0.0.1:{site.addresses[0][1]}", batch_ms)
+    session = provider_session()
+    runner = Runner(redis, cfg, "n-a", {"a": OpenAICompatAdapter(cfg.provider("a"), session)})
+    emit = runner._emit
+
+    async def emitting(*args: Any) -> None:
+        await emit(*args)
+        emitted.set()
+
+    runner._emit = emitting  # type: ignore[method-assign,assignment]
+
+    async def fail_once() -> None:
+        emitted.clear()
+        client, sched, (run_id,) = await waiting_runs(redis, cfg, 1)
+        body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        await redis.hset(keys.run_record(run_id), mapping={"stream": "1", "body": pack(body)})
+        await sched.dispatch_all()
+        assert (await runner.execute(run_id)).startswith("failed")
+        events = [f[b"type"] for _, f in await redis.xrange(keys.run_events(run_id))]
+        assert events.count(b"delta") >= 1 and events[-1] == b"failed", events
+        deltas = [f[b"data"] for _, f in await redis.xrange(keys.run_events(run_id)) if f[b"type"] == b"delta"]
+        assert b"b " in b"".join(deltas)  # the chunk before the garbled line went out
+        await client.close()
+        await redis.flushall()
+
+    try:
+        await fail_once()
+        assert await once_without_collector(fail_once) == []
+    finally:
+        await session.close()
+        await site.cleanup()
+
+
 def big_chat(stream: bool) -> bytes:
     """A chat completion request carrying `BIG`."""
     return json.dumps({"model": MODEL, "stream": stream, "messages": [{"role": "user", "content": BIG}]}).encode()

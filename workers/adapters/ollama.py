@@ -95,7 +95,7 @@ class NDJSONParser:
 
     def feed(self, data: bytes) -> list[Json]:
         """The objects of a read; an error after some of them is held in `breaks` (`Breaks`)."""
-        if self.done or self.breaks.broken:
+        if self.done or self.breaks.stopped:
             return []
         return self.breaks.read(lambda out: self._read(data, out))
 
@@ -236,9 +236,9 @@ class OllamaAdapter:
                             if include_usage:
                                 chunks.append(shaper.usage_chunk(wire.usage_of(line)))
                     if chunks:
-                        yield chunks
+                        yield parser.breaks.passing(chunks)
                     if parser.breaks.broken:
-                        raise parser.breaks.broken
+                        raise parser.breaks.take()
                     if parser.done:
                         # the answer is whole: nothing after `done` is read, and a connection
                         # the server keeps open is not waited on

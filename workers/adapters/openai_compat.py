@@ -187,7 +187,7 @@ class SSEParser:
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         """The chunks of a read; an error after some of them is held in `breaks` (`Breaks`)."""
-        if self.done or self.failed or self.breaks.broken:
+        if self.done or self.failed or self.breaks.stopped:
             return []
         return self.breaks.read(lambda chunks: self._read(self.lines.feed(data), chunks))
 
@@ -433,11 +433,11 @@ class OpenAICompatAdapter:
                             seen.update(choice_indices(chunk))
                             ended.update(choice_indices(chunk, finished=True))
                         finished = bool(ended) and len(ended) >= max(choices, len(seen))
-                        yield chunks
+                        yield parser.breaks.passing(chunks)
                     if parser.failed:
                         raise parser.failed
                     if parser.breaks.broken:
-                        raise parser.breaks.broken
+                        raise parser.breaks.take()
                     if not data:
                         break
                     if parser.done:

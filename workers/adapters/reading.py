@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from common import jsonio
+from common.chunks import is_preamble
 from common.policy import Health
 from common.runlog import run_fields
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, ReadLimits, Retry
@@ -235,17 +236,20 @@ async def with_line_end(reads: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 class Breaks:
-    """Where a stream parser's error goes when it comes after objects of the same read: a stream
-    that has given objects before gives those too, and holds the error (`broken`) for its caller
-    to raise once they went out, so what a caller got stays the provider's output up to the bad
-    line, with no gap (a garbled line dropped the chunks before it in its read). In a stream's
-    first objects the error is raised at once: nothing went out, and the run may still be tried
-    elsewhere."""
+    """Where a stream parser's error goes when it comes after objects of the same read. Once the
+    caller has been shown output (`shown`, which the adapter sets), the objects before the error
+    are given and the error held (`broken`) for the adapter to raise once they went out: what a
+    caller got stays the provider's output up to the bad line, with no gap (a garbled line
+    dropped the chunks before it in its read). Before that the error is raised at once: nothing
+    reached the caller, and the run may still be tried elsewhere."""
 
     def __init__(self) -> None:
-        #: the error a read ended with, after objects given with it
+        #: the error a read ended with, after the objects given with it (until `take`n)
         self.broken: Exception | None = None
-        self._gave = False
+        #: an error ended the stream: nothing more is read
+        self.stopped = False
+        #: the caller was shown output (not only an opening, `common.chunks.is_preamble`)
+        self.shown = False
 
     def read(self, read: Callable[[list[Any]], None]) -> list[Any]:
         """The objects `read` puts in its list; its error as above."""
@@ -253,11 +257,24 @@ class Breaks:
         try:
             read(out)
         except (ValueError, ProviderError) as exc:
-            if not (out and self._gave):
+            if not (out and self.shown):
                 raise
-            self.broken = exc
-        self._gave = self._gave or bool(out)
+            # (without the frames it came through: they hold the parser, which holds it)
+            self.broken, self.stopped = exc.with_traceback(None), True
         return out
+
+    def passing(self, chunks: list[Any]) -> list[Any]:
+        """`chunks`, on their way to the caller: `shown` once one of them is output."""
+        if not self.shown and not all(is_preamble(c) for c in chunks):
+            self.shown = True
+        return chunks
+
+    def take(self) -> Exception:
+        """The held error, to raise: no longer held (held, it and the frame raising it would hold
+        each other, which only the garbage collector frees)."""
+        broken, self.broken = self.broken, None
+        assert broken is not None
+        return broken
 
 
 class NonObjects:
