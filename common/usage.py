@@ -6,6 +6,7 @@ usage counters."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,27 +53,44 @@ async def has_usage(redis: Redis, key_name: str) -> bool:
     return bool(await redis.exists(keys.usage_total(key_name)))
 
 
-def parse_day(text: str, what: str) -> dt.date:
-    """A `YYYY-MM-DD` day, or ValueError naming `what`."""
+#: a day as the API and the CLI take it: ASCII digits, dashes, nothing else (`fromisoformat` also
+#: takes `YYYYMMDD` and ISO week dates such as `2026-W48-1`)
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+
+
+class DayError(ValueError):
+    """What is wrong with a range of days; `end` says which end is at fault: `start` or `end`."""
+
+    def __init__(self, message: str, end: str) -> None:
+        super().__init__(message)
+        self.end = end
+
+
+def parse_day(text: str, what: str, end: str) -> dt.date:
+    """A `YYYY-MM-DD` day, or DayError naming `what`."""
     try:
-        day = dt.date.fromisoformat(text)
+        day = dt.date.fromisoformat(text) if _DAY.fullmatch(text) else None
     except ValueError:
         day = None
-    if day is None or len(text) != 10:  # (fromisoformat also takes YYYYMMDD)
-        raise ValueError(f"{what} must be a day written YYYY-MM-DD, got {quoted(text, 40)}")
+    if day is None:
+        raise DayError(f"{what} must be a day written YYYY-MM-DD, got {quoted(text, 40)}", end)
     return day
 
 
 def day_range(since: str | None, until: str | None, today: dt.date) -> list[str]:
-    """The days from `since` to `until` (inclusive; defaults: the last `DEFAULT_DAYS` days), or
-    ValueError saying what is wrong with them."""
-    last = parse_day(until, "the end date") if until else today
-    first = parse_day(since, "the start date") if since else last - dt.timedelta(days=DEFAULT_DAYS - 1)
+    """The days from `since` to `until` (inclusive; defaults: the last `DEFAULT_DAYS` days, from
+    the first day there is when `until` is earlier), or DayError saying what is wrong with them."""
+    last = parse_day(until, "the end date", "end") if until else today
+    if since:
+        first = parse_day(since, "the start date", "start")
+    else:
+        first = dt.date.fromordinal(max(1, last.toordinal() - (DEFAULT_DAYS - 1)))
     if first > last:
-        raise ValueError(f"the start date {first} is after the end date {last}")
+        raise DayError(f"the start date {first} is after the end date {last}", "start")
     span = (last - first).days + 1
-    if span > MAX_DAYS:
-        raise ValueError(f"at most {MAX_DAYS} days at once ({first} to {last} is {span})")
+    if span > MAX_DAYS:  # (the end the caller gave: the start alone, or the end)
+        raise DayError(f"at most {MAX_DAYS} days at once ({first} to {last} is {span})",
+                       "start" if since and not until else "end")
     return [(first + dt.timedelta(days=i)).isoformat() for i in range(span)]
 
 

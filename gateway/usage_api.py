@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from common.config import Config
 from common.shown import quoted
-from common.usage import day_range, has_usage, key_names, read_usage
+from common.usage import DayError, day_range, has_usage, key_names, read_usage
 from common.wire import ErrorCode
 from gateway.auth import principal
 from gateway.errors import ApiError, invalid
@@ -33,8 +33,8 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
             raise ApiError(ErrorCode.NOT_FOUND, f"no usage of a key named {quoted(asked)}", param="key")
         try:
             days = day_range(query.get("start_date"), query.get("end_date"), dt.datetime.now(dt.UTC).date())
-        except ValueError as exc:
-            raise invalid(str(exc), "start_date" if "start" in str(exc) else "end_date") from None
+        except DayError as exc:
+            raise invalid(str(exc), f"{exc.end}_date") from None
         rows = await read_usage(redis(), [asked] if asked else visible, days, query.get("model"))
         return web.json_response({"object": "list", "start_date": days[0], "end_date": days[-1],
                                   "data": [r.to_json() for r in rows]})

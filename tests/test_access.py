@@ -410,6 +410,16 @@ async def test_usage_is_a_callers_own_and_every_keys_for_an_operator(gateway: st
     assert status == 400 and "at most 366 days" in bad["error"]["message"]
     status, bad, _ = await call(http, "GET", gateway + "/v1/usage?start_date=%00" + "x" * 7000, OPERATOR)
     assert status == 400 and '"\\u0000xxx' in bad["error"]["message"] and len(bad["error"]["message"]) < 200
+    for query, param in [("end_date=0001-01-01", None), ("start_date=2026-W48-1", "start_date"),
+                         ("end_date=20261130", "end_date"), ("start_date=2025-01-01", "start_date"),
+                         ("start_date=2026-11-30&end_date=2026-11-01", "start_date")]:
+        # (the first day there is, and no 500: the default start was computed before it; ISO week
+        # dates and days without dashes are no YYYY-MM-DD; the end at fault is the one given)
+        status, answer, _ = await call(http, "GET", gateway + "/v1/usage?" + query, OPERATOR)
+        if param is None:
+            assert status == 200 and answer["start_date"] == "0001-01-01" == answer["end_date"], answer
+        else:
+            assert status == 400 and answer["error"]["param"] == param, (query, answer)
 
 
 async def test_an_operator_sees_the_usage_of_a_key_no_longer_in_the_config(gateway: str, http: aiohttp.ClientSession,
