@@ -10,7 +10,8 @@ A change answers `{"object": "control.change", "change": <its audit entry>, "pro
 catalog records of the providers it touched, after it>]}` (and `"node"` for a node). An unknown
 provider or node is 404 `not_found`; a bad value 400 naming it (`param`), and so is a field a route
 does not take (drain, undrain, cordon, uncordon and DELETE take none; an empty body or `{}` is
-fine). A body is parsed as the run routes parse theirs: nested deeper than
+fine). A body is parsed as the run routes parse theirs: with more arrays and objects than
+`runtime.max_json_containers`, nested deeper than
 `runtime.max_json_depth`, or holding NaN, Infinity or a number beyond a double, it is a 400. The
 audit entry names the key that made the change (`anonymous` when the gateway serves without keys).
 """
@@ -26,7 +27,7 @@ from redis.asyncio import Redis
 
 from common import control
 from common.catalog import change_report, read_catalog
-from common.config import Config
+from common.config import Config, RuntimeConfig
 from common.control import Action, Change, ControlError, UnknownTarget
 from common.redisconn import now_ms
 from common.shown import SHOWN_CHARS
@@ -44,22 +45,22 @@ CAPACITY_FIELDS = frozenset({"capacity", "for"})
 _LIMIT = re.compile(r"[0-9]{1,9}")
 
 
-def _body(request: web.Request, max_depth: int, fields: frozenset[str] = frozenset(),
+def _body(request: web.Request, runtime: RuntimeConfig, fields: frozenset[str] = frozenset(),
           takes: str = "no fields") -> dict[str, Any]:
     """The body as a JSON object ({} when there is none, else read as the run routes read theirs),
     with no field outside `fields`."""
     raw = request[BODY]
     if not raw.strip():
         return {}
-    data = json_object(raw, max_depth)
+    data = json_object(raw, runtime.max_json_depth, runtime.max_json_containers)
     unknown = sorted(set(data) - fields)
     if unknown:
         raise invalid(f"unknown field {control.shown(unknown[0])}: this route takes {takes}", unknown[0][:SHOWN_CHARS])
     return data
 
 
-def _capacity_change(request: web.Request, provider_id: str, max_depth: int) -> Change:
-    body = _body(request, max_depth, CAPACITY_FIELDS, "capacity and for")
+def _capacity_change(request: web.Request, provider_id: str, runtime: RuntimeConfig) -> Change:
+    body = _body(request, runtime, CAPACITY_FIELDS, "capacity and for")
     if "capacity" not in body:
         raise invalid("capacity: required (a whole number; DELETE this route to clear an override)", "capacity")
     try:
@@ -79,7 +80,7 @@ def _capacity_change(request: web.Request, provider_id: str, max_depth: int) -> 
 
 def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> None:
     """Add the operator routes; `redis` returns the app's client once it is started."""
-    max_depth = config.runtime.max_json_depth
+    runtime = config.runtime
 
     async def answer(change: Change) -> web.Response:
         try:
@@ -93,15 +94,15 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
 
     def flag(action: Action, target: str) -> Callable[[web.Request], Any]:
         async def handler(request: web.Request) -> web.Response:
-            _body(request, max_depth)  # a body is not needed, but a malformed one is still an error
+            _body(request, runtime)  # a body is not needed, but a malformed one is still an error
             return await answer(Change(action, request.match_info[target], principal(request).name))
         return handler
 
     async def set_capacity(request: web.Request) -> web.Response:
-        return await answer(_capacity_change(request, request.match_info["provider_id"], max_depth))
+        return await answer(_capacity_change(request, request.match_info["provider_id"], runtime))
 
     async def clear_capacity(request: web.Request) -> web.Response:
-        _body(request, max_depth)
+        _body(request, runtime)
         return await answer(Change(Action.CAPACITY_CLEAR, request.match_info["provider_id"],
                                    principal(request).name))
 

@@ -75,7 +75,8 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     cfg = request.app[CONFIG]
     resource = request.match_info.route.resource
     assert resource is not None
-    req = parse_request(RUN_ROUTES[resource.canonical], request[BODY], max_depth=cfg.runtime.max_json_depth)
+    req = parse_request(RUN_ROUTES[resource.canonical], request[BODY], max_depth=cfg.runtime.max_json_depth,
+                        max_containers=cfg.runtime.max_json_containers)
     forget_body(request)
     model = _model_for(request, req.model)
     request[metrics.MODEL] = model.id

@@ -8,6 +8,10 @@ text only) and is sent on as JSON by a worker, so each of these is refused here,
 - `depth_problem`: nesting deeper than `runtime.max_json_depth`, or a non-finite number. It runs
   on every body, so it looks at each container once and checks its scalars in bulk (C-speed
   builtins), never item by item in Python unless something is wrong.
+- `too_many_containers`: more JSON arrays and objects than `runtime.max_json_containers`, counted
+  on the raw text (C-speed counts) before it is parsed: parsing and walking cost about a
+  microsecond a container each, so a body of millions of empty arrays held the gateway's one
+  thread for seconds.
 - `wire_problem`: why msgpack refused a body (surrogate, integer range), found by a full walk.
   Only called after packing failed, so its cost is never paid by a valid body.
 """
@@ -15,6 +19,7 @@ text only) and is sent on as JSON by a worker, so each of these is refused here,
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +87,19 @@ def depth_problem(body: Any, max_depth: int) -> Problem | None:
             stack.extend((v, depth + 1, (place, _name(names, i))) for i, v in enumerate(items)
                          if type(v) is dict or type(v) is list)
     return None
+
+
+#: a JSON string, escapes included (the unrolled form: no backtracking per character)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+def too_many_containers(raw: bytes, most: int) -> bool:
+    """Whether a JSON text holds more than `most` arrays and objects: its `[` and `{` outside
+    strings (those inside are only looked for when all of them together are too many)."""
+    if raw.count(b"[") + raw.count(b"{") <= most:
+        return False
+    bare = _STRING.sub(b"", raw)
+    return bare.count(b"[") + bare.count(b"{") > most
 
 
 def _text_ok(text: str) -> bool:

@@ -17,7 +17,7 @@ from common import jsonio
 from common.codec import pack
 from common.config import RuntimeConfig
 from common.wire import RunKind
-from gateway.body_limits import depth_problem, wire_problem
+from gateway.body_limits import depth_problem, too_many_containers, wire_problem
 from gateway.errors import invalid
 
 #: The run routes (POST) and the kind of run each asks for.
@@ -25,6 +25,7 @@ RUN_ROUTES = {"/v1/chat/completions": RunKind.CHAT, "/v1/completions": RunKind.C
               "/v1/embeddings": RunKind.EMBEDDING}
 
 DEFAULT_MAX_DEPTH: int = RuntimeConfig().max_json_depth
+DEFAULT_MAX_CONTAINERS: int = RuntimeConfig().max_json_containers
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +130,15 @@ def _pack(body: dict[str, Any]) -> bytes:
         raise invalid(problem.message, problem.param) from None
 
 
-def json_object(raw: bytes, max_depth: int) -> dict[str, Any]:
+def json_object(raw: bytes, max_depth: int, max_containers: int = DEFAULT_MAX_CONTAINERS) -> dict[str, Any]:
     """A request body as a JSON object, as every route that takes one reads it; else a 400 that
-    says why: not UTF-8 (where), not JSON (the parser's words), NaN or Infinity, nested deeper than
-    `max_depth` (where), or not an object. Python's own advice (an integer of more digits than it
-    converts) is not passed on."""
+    says why: more than `max_containers` arrays and objects (before it is parsed), not UTF-8
+    (where), not JSON (the parser's words), NaN or Infinity, nested deeper than `max_depth`
+    (where), or not an object. Python's own advice (an integer of more digits than it converts) is
+    not passed on."""
+    if too_many_containers(raw, max_containers):
+        raise invalid(f"the request body holds more than {max_containers} JSON arrays and objects "
+                      "(runtime.max_json_containers)")
     try:
         body = jsonio.loads(raw, parse_constant=_no_constant)
     except UnicodeDecodeError as exc:
@@ -153,8 +158,9 @@ def json_object(raw: bytes, max_depth: int) -> dict[str, Any]:
     return body
 
 
-def parse_request(kind: RunKind, raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH) -> ParsedRequest:
-    body = json_object(raw, max_depth)
+def parse_request(kind: RunKind, raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH,
+                  max_containers: int = DEFAULT_MAX_CONTAINERS) -> ParsedRequest:
+    body = json_object(raw, max_depth, max_containers)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string", "model")

@@ -406,6 +406,28 @@ def test_a_request_aiohttp_cannot_parse_gets_an_openai_shaped_400(
     assert closed_by_peer(sock)
 
 
+def test_a_gzipped_body_of_millions_of_arrays_gets_a_400_before_it_is_parsed(
+        stack: Stack, gateways: list[Gateway]) -> None:
+    """8 KiB gzipped, 7.7 MiB of `[]` once inflated: refused at the count of its arrays, before
+    parsing (which, and the walk after it, held the gateway's one thread for seconds: a hostile
+    caller's audit), with the gateway's other callers served meanwhile."""
+    import gzip
+
+    gw = start(stack, gateways)
+    inner = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "x": [' + b",".join(
+        [b"[]"] * 2_700_000) + b"]}"
+    raw = request("POST", "/v1/chat/completions", gzip.compress(inner, 9), Content_Type="application/json",
+                  Content_Encoding="gzip")
+    sock = gw.connect()
+    sock.sendall(raw)
+    resp = read_response(sock)
+    assert resp.status == 400
+    err = resp.error()
+    assert err["code"] == "invalid_request_error" and err["message"] == (
+        "the request body holds more than 50000 JSON arrays and objects (runtime.max_json_containers)")
+    sock.close()
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["head-and-body-together", "body-after-head"])
 @pytest.mark.parametrize(("encoding", "body", "fragment"), [
     ("deflate", b"{}", "not valid deflate data"),
