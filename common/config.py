@@ -149,9 +149,9 @@ class RuntimeConfig(Strict):
     # Deeper than 256 would come close to the recursion limits of Python's json (~1000) and of
     # msgpack (512), which are what the limit keeps requests away from.
     max_json_depth: int = Field(64, ge=2, le=256, description="request bodies nested deeper get 400")
-    # Parsing and checking a body costs the gateway's one thread about a microsecond an array or
-    # object: a few MiB of `[]` (or a few KiB gzipped) held it for seconds.
-    max_json_containers: int = Field(50_000, ge=16, le=1_000_000,
+    # Parsing and checking a body costs the gateway's one thread ~3.5 µs an array or object on a
+    # slow machine: a few MiB of `[]` (a few KiB gzipped) held it for seconds.
+    max_json_containers: int = Field(20_000, ge=16, le=1_000_000,
                                      description="request bodies holding more JSON arrays and objects get 400")
     # The gateway's connections (gateway.connections); each is documented in the README.
     header_timeout_ms: int = Field(10_000, ge=10, le=MAX_DURATION_MS,

@@ -9,9 +9,9 @@ text only) and is sent on as JSON by a worker, so each of these is refused here,
   on every body, so it looks at each container once and checks its scalars in bulk (C-speed
   builtins), never item by item in Python unless something is wrong.
 - `too_many_containers`: more JSON arrays and objects than `runtime.max_json_containers`, counted
-  on the raw text (C-speed counts) before it is parsed: parsing and walking cost about a
-  microsecond a container each, so a body of millions of empty arrays held the gateway's one
-  thread for seconds.
+  on the raw text (C-speed counts) before it is parsed: parsing and walking cost a few
+  microseconds a container, so a body of millions of empty arrays held the gateway's one thread
+  for seconds.
 - `wire_problem`: why msgpack refused a body (surrogate, integer range), found by a full walk.
   Only called after packing failed, so its cost is never paid by a valid body.
 """

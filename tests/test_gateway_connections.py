@@ -424,7 +424,7 @@ def test_a_gzipped_body_of_millions_of_arrays_gets_a_400_before_it_is_parsed(
     assert resp.status == 400
     err = resp.error()
     assert err["code"] == "invalid_request_error" and err["message"] == (
-        "the request body holds more than 50000 JSON arrays and objects (runtime.max_json_containers)")
+        "the request body holds more than 20000 JSON arrays and objects (runtime.max_json_containers)")
     sock.close()
 
 

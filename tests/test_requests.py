@@ -323,7 +323,7 @@ def rejected_with(kind: RunKind, raw: bytes, **options: Any) -> ApiError:
 
 @pytest.mark.parametrize("container", [b"[]", b"{}", b"[0]"])
 def test_more_arrays_and_objects_than_the_limit_are_refused_before_parsing(container: bytes) -> None:
-    """Parsing and walking a body cost about a microsecond an array or object: a hostile caller's
+    """Parsing and walking a body cost a few microseconds an array or object: a hostile caller's
     7.7 MiB of `[]` (8 KiB gzipped) held the gateway's one thread for 5 s. Those outside strings
     are counted on the raw text first; brackets inside strings (escaped quotes too) count nothing."""
     def with_x(n: int, item: bytes) -> bytes:
