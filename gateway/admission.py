@@ -35,6 +35,12 @@ TRIAGE_SLOTS = 64
 LOG_EVERY_S = 10.0
 
 
+#: The most bytes of one request head (its line and headers). aiohttp's own bounds (a line of 8,190
+#: bytes, 128 headers) let an unauthenticated client hold ~1 MB of head, ~1.9 MB of the gateway's
+#: memory, on each of its connections; a real client's head is under 8 KiB.
+MAX_HEAD_BYTES = 64 * 1024
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
     header_timeout_s: float
@@ -82,6 +88,8 @@ class ConnectionGuard:
             ErrorCode.REQUEST_TIMEOUT,
             f"the request head did not arrive within {limits.header_timeout_s:g} s (runtime.header_timeout_ms)",
         ).raw_response()
+        self.large_head_answer = ApiError(
+            ErrorCode.INVALID_REQUEST, f"the request head is over {MAX_HEAD_BYTES // 1024} KiB").raw_response()
 
     def admit(self) -> Slot:
         """The slot of a new connection. At a limit, the longest-idle holder of a slot is evicted

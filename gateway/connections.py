@@ -38,7 +38,7 @@ from typing import Any, cast
 from aiohttp import HttpVersion11, http_exceptions, web
 
 from common.wire import ErrorCode
-from gateway.admission import ConnectionGuard, Slot
+from gateway.admission import MAX_HEAD_BYTES, ConnectionGuard, Slot
 from gateway.auth import admit
 from gateway.bodies import decode, too_large
 from gateway.errors import ApiError, from_status
@@ -64,7 +64,7 @@ class GuardedHandler(web.RequestHandler):
     """aiohttp's request handler with a head deadline, a connection limit and OpenAI-shaped parse errors."""
 
     __slots__ = ("_guard", "_slot", "_phase", "_raw", "_line", "_head_timer", "_head_begun", "_in_request",
-                 "_close_after_response", "_dropping")
+                 "_close_after_response", "_dropping", "_head_bytes", "_head_tail")
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
         # Bodies are decoded by `body_reader` (gateway.bodies), not by aiohttp.
@@ -80,6 +80,9 @@ class GuardedHandler(web.RequestHandler):
         self._close_after_response = False
         #: answered 408 to a late head: what the client still sends is dropped until it closes
         self._dropping = False
+        #: bytes of the head arriving (None once its blank line came), and its last three bytes
+        self._head_bytes: int | None = None
+        self._head_tail = b""
 
     # -- the connection's life -------------------------------------------------------------
 
@@ -104,14 +107,39 @@ class GuardedHandler(web.RequestHandler):
         if self._phase is Phase.SERVING:
             if not self._in_request and not self._head_begun:
                 self._head_begun = True
+                self._head_bytes, self._head_tail = 0, b""
                 self._guard.busy(self)
                 if self._head_timer is None:
                     self._arm_head_timer()
+            if self._head_bytes is not None and not self._head_within(data):
+                return
             super().data_received(data)
         elif self._phase is Phase.TRIAGE:
             self._guard.busy(self)
             self._triage(data)
         # ANSWERED: the rest of what the client sends is dropped
+
+    def _head_within(self, data: bytes) -> bool:
+        """Count the head's bytes up to its blank line (what follows is its body, or a pipelined
+        request); False once they pass `MAX_HEAD_BYTES`: answered 400, and the connection ends."""
+        assert self._head_bytes is not None
+        seen = self._head_tail + data
+        end = seen.find(b"\r\n\r\n")
+        if end < 0:
+            self._head_bytes += len(data)
+            self._head_tail = seen[-3:]
+        else:  # (the head's bytes in this read: up to its blank line)
+            self._head_bytes += end + 4 - len(self._head_tail)
+        if self._head_bytes <= MAX_HEAD_BYTES:
+            if end >= 0:
+                self._head_bytes = None
+            return True
+        self._head_bytes = None
+        self._cancel_head_timer()
+        if self.transport is not None:
+            self.transport.write(self._guard.large_head_answer)
+        self._drop_then_close()
+        return False
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()

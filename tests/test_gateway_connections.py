@@ -406,6 +406,26 @@ def test_a_request_aiohttp_cannot_parse_gets_an_openai_shaped_400(
     assert closed_by_peer(sock)
 
 
+def test_a_request_head_over_64_kib_gets_a_400_before_it_ends(stack: Stack, gateways: list[Gateway]) -> None:
+    """Each of its lines within aiohttp's 8 KiB, under its 128 headers, and no key: a hostile
+    caller's 300 such heads, never ended, held 1.9 MB of the gateway a connection. The head is
+    answered once it passes 64 KiB, without waiting for its end; a head of 60 KiB is served."""
+    gw = start(stack, gateways)
+    sock = gw.connect()
+    sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+    for i in range(100):  # (100 KB in all; never a blank line)
+        sock.sendall(b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000))
+    resp = read_response(sock)
+    assert resp.status == 400
+    err = resp.error()
+    assert err["code"] == "invalid_request_error" and err["message"] == "the request head is over 64 KiB"
+    assert closed_by_peer(sock)
+    sock = gw.connect()
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(
+        b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000) for i in range(60)) + b"\r\n")
+    assert read_response(sock).status == 200
+
+
 def test_a_gzipped_body_of_millions_of_arrays_gets_a_400_before_it_is_parsed(
         stack: Stack, gateways: list[Gateway]) -> None:
     """8 KiB gzipped, 7.7 MiB of `[]` once inflated: refused at the count of its arrays, before
