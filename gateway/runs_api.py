@@ -129,8 +129,14 @@ class RunsApi:
         the run's end, which it would take for one it had, would go unseen."""
         if last_id == "0":
             return False
-        latest = await self.runs().redis.xrevrange(keys.run_events(run_id), "+", "-", count=1)
-        return not latest or entry_key(latest[0][0].decode()) < entry_key(last_id)
+        redis = self.runs().redis
+        latest = await redis.xrevrange(keys.run_events(run_id), "+", "-", count=1)
+        if latest:
+            return entry_key(latest[0][0].decode()) < entry_key(last_id)
+        # No event yet (a run still queued): ids Redis has passed come before all the run will
+        # write (`0-0` is past nothing); only one from its future cannot be followed.
+        seconds, micros = await redis.time()
+        return entry_key(last_id)[0] > seconds * 1000 + micros // 1000
 
     async def _follow(self, resp: web.StreamResponse, run_id: str, last_id: str, model_id: str) -> None:
         """Every event after `last_id` until the terminal one, with a keep-alive comment whenever

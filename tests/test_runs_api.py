@@ -301,6 +301,21 @@ async def test_a_last_event_id_past_a_running_runs_last_event_ends_the_stream_em
             assert [m.id for m in await read_all(resp)] == [later]
 
 
+@pytest.mark.parametrize("last", ["0-0", "0-1", "1", "past"])
+async def test_a_last_event_id_redis_has_passed_follows_a_run_with_no_event_yet(api: Api, last: str) -> None:
+    """Before a run's first event, an id from Redis's past comes before all it will write: the
+    stream follows it (a hostile caller's audit: `0-0` ended it at once, empty, and a client
+    resuming from it never saw the run's end)."""
+    run_id = await api.submit()
+    if last == "past":
+        seconds, _ = await api.redis.time()
+        last = f"{(seconds - 1) * 1000}-0"
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": last}) as resp:
+        ids = [await api.event(run_id, "dispatched", {"provider": "p"}), await api.event(run_id, "completed", {})]
+        await api.end(run_id)
+        assert [m.id for m in await read_all(resp)] == ids
+
+
 def stuck_soon(monkeypatch: pytest.MonkeyPatch) -> Config:
     """The config (and the gateway's constants) of a test of the stuck-run check: quiet runs looked
     at every 50 ms, ended as soon as they are past their queue timeout (200 ms)."""
