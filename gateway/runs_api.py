@@ -136,7 +136,7 @@ class RunsApi:
         # No event yet (a run still queued): ids Redis has passed come before all the run will
         # write (`0-0` is past nothing); only one from its future cannot be followed.
         seconds, micros = await redis.time()
-        return entry_key(last_id)[0] > seconds * 1000 + micros // 1000
+        return entry_key(last_id)[0] > int(seconds) * 1000 + int(micros) // 1000
 
     async def _follow(self, resp: web.StreamResponse, run_id: str, last_id: str, model_id: str) -> None:
         """Every event after `last_id` until the terminal one, with a keep-alive comment whenever
