@@ -272,3 +272,20 @@ def test_fields_of_the_wrong_type_in_an_answer_never_reach_the_caller_as_python_
     for vector in ([1e39], [10**40]):  # (OverflowError and struct.error escaped the adapter)
         with pytest.raises(ValueError, match="beyond 32-bit floats"):
             wire.embeddings_response({"model": "m", "encoding_format": "base64"}, {"embeddings": [vector]})
+
+
+@pytest.mark.parametrize("depth", [200, 5000])
+def test_tool_call_arguments_nested_too_deep_are_the_callers_400_naming_them(depth: int) -> None:
+    """(a hostile caller's audit: 5,000 levels in an earlier turn's arguments were a RecursionError
+    in the worker, a 502 blamed on the provider, and a traceback in its log)"""
+    from workers.adapters import ollama_wire as wire
+
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+             {"id": "d", "type": "function", "function": {"name": "f", "arguments": "[" * depth + "]" * depth}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": calls}]}
+    with pytest.raises(wire.UnsupportedRequest, match="nest deeper than 128 levels") as err:
+        wire.request(RunKind.CHAT, body, stream=False)
+    assert err.value.param == "messages[1].tool_calls[1].function.arguments"
+    body["messages"][1]["tool_calls"][1]["function"]["arguments"] = '{"a": [1, {"b": 2}]}'
+    _, native = wire.request(RunKind.CHAT, body, stream=False)
+    assert native["messages"][1]["tool_calls"][1]["function"]["arguments"] == {"a": [1, {"b": 2}]}

@@ -18,6 +18,7 @@ from typing import Any
 from common import jsonio
 from common.wire import RunKind
 from workers.adapters.openai_shapes import usage
+from workers.adapters.reading import MAX_DEPTH, deeper_than
 
 Json = dict[str, Any]
 
@@ -120,9 +121,12 @@ def _function(call: Any) -> Json:
     return fn if isinstance(fn, dict) else {}
 
 
-def _native_tool_calls(calls: Any) -> list[Json]:
+def _native_tool_calls(calls: Any, path: str) -> list[Json]:
+    """OpenAI's tool calls of an earlier turn (arguments as JSON text) -> Ollama's (as an object).
+    Arguments that are not JSON go as {}; JSON nested deeper than `MAX_DEPTH` is the caller's
+    error (it was a RecursionError in the worker, and a 502 blamed on the provider)."""
     out = []
-    for call in calls if isinstance(calls, list) else []:
+    for j, call in enumerate(calls if isinstance(calls, list) else []):
         fn = _function(call)
         args = fn.get("arguments")
         if isinstance(args, str):
@@ -130,6 +134,11 @@ def _native_tool_calls(calls: Any) -> list[Json]:
                 args = json.loads(args) if args else {}
             except ValueError:
                 args = {}
+            except RecursionError:
+                args = None
+            if args is None or deeper_than(args, MAX_DEPTH):
+                raise UnsupportedRequest(f"a tool call's arguments nest deeper than {MAX_DEPTH} levels",
+                                         f"{path}[{j}].function.arguments")
         out.append({"function": {"name": fn.get("name"), "arguments": args or {}}})
     return out
 
@@ -144,7 +153,7 @@ def _messages(messages: Any) -> list[Json]:
         if images:
             native["images"] = images
         if msg.get("tool_calls"):
-            native["tool_calls"] = _native_tool_calls(msg["tool_calls"])
+            native["tool_calls"] = _native_tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
         if msg.get("role") == "tool" and msg.get("name"):
             native["tool_name"] = msg["name"]
         out.append(native)
