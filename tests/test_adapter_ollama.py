@@ -280,12 +280,13 @@ def test_tool_call_arguments_nested_too_deep_are_the_callers_400_naming_them(dep
     in the worker, a 502 blamed on the provider, and a traceback in its log)"""
     from workers.adapters import ollama_wire as wire
 
-    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}},
-             {"id": "d", "type": "function", "function": {"name": "f", "arguments": "[" * depth + "]" * depth}}]
+    calls: list[dict[str, Any]] = [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+        {"id": "d", "type": "function", "function": {"name": "f", "arguments": "[" * depth + "]" * depth}}]
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": calls}]}
     with pytest.raises(wire.UnsupportedRequest, match="nest deeper than 128 levels") as err:
         wire.request(RunKind.CHAT, body, stream=False)
     assert err.value.param == "messages[1].tool_calls[1].function.arguments"
-    body["messages"][1]["tool_calls"][1]["function"]["arguments"] = '{"a": [1, {"b": 2}]}'
+    calls[1]["function"]["arguments"] = '{"a": [1, {"b": 2}]}'
     _, native = wire.request(RunKind.CHAT, body, stream=False)
     assert native["messages"][1]["tool_calls"][1]["function"]["arguments"] == {"a": [1, {"b": 2}]}
