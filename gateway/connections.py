@@ -409,7 +409,8 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
                 raise ApiError(ErrorCode.REQUEST_TIMEOUT, f"the request body did not arrive within "
                                f"{body_timeout_s:g} s (runtime.body_timeout_ms)") from None
             if guarded is not None:
-                body = decode(body, request.headers.get("Content-Encoding", ""), max_body_bytes)
+                # (header lines of one name make one list, as HTTP says: the first alone hid the rest)
+                body = decode(body, ", ".join(request.headers.getall("Content-Encoding", ())), max_body_bytes)
         request[BODY] = body
 
     return read_body

@@ -426,6 +426,27 @@ def test_a_request_head_over_64_kib_gets_a_400_before_it_ends(stack: Stack, gate
     assert read_response(sock).status == 200
 
 
+@pytest.mark.parametrize(("second", "fragment"), [
+    ("br", 'Content-Encoding "br" is not supported'),
+    ("gzip", "'model' is required"),  # (decoded: the body is {})
+])
+def test_content_encoding_on_two_header_lines_is_one_list(
+        stack: Stack, gateways: list[Gateway], second: str, fragment: str) -> None:
+    """(a hostile caller's audit: only the first line counted: `br` on a second one went unrefused,
+    and a gzipped body on a second one was read as undecoded bytes)"""
+    import gzip
+
+    gw = start(stack, gateways)
+    body = gzip.compress(b"{}")
+    raw = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Encoding: identity\r\nContent-Encoding: %s\r\nContent-Length: %d\r\n\r\n"
+           % (second.encode(), len(body)) + body)
+    sock = gw.connect()
+    sock.sendall(raw)
+    resp = read_response(sock)
+    assert resp.status == 400 and fragment in resp.error()["message"], resp.error()
+
+
 def test_a_gzipped_body_of_millions_of_arrays_gets_a_400_before_it_is_parsed(
         stack: Stack, gateways: list[Gateway]) -> None:
     """8 KiB gzipped, 7.7 MiB of `[]` once inflated: refused at the count of its arrays, before
