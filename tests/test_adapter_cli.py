@@ -136,9 +136,16 @@ async def test_a_non_zero_exit_is_a_provider_error_with_the_tail_of_stderr() -> 
 
 
 async def test_embeddings_and_a_missing_executable_are_errors() -> None:
-    with pytest.raises(ProviderError) as err:
-        await adapter().complete(RunKind.EMBEDDING, {"model": SERVED, "input": "x"}, "r")
-    assert err.value.status == 400 and not err.value.retryable
+    # (the caller's error names the field at fault: a hostile caller's audit found it null)
+    cases: list[tuple[RunKind, dict[str, Any], str]] = [
+        (RunKind.EMBEDDING, {"model": SERVED, "input": "x"}, "model"),
+        (RunKind.COMPLETION, {"model": SERVED, "prompt": ["a", "b"]}, "prompt")]
+    for kind, body, param in cases:
+        with pytest.raises(ProviderError) as err:
+            await adapter().complete(kind, body, "r")
+        assert err.value.status == 400 and not err.value.retryable
+        assert err.value.detail is not None and err.value.detail["param"] == param
+        assert err.value.detail["code"] == "invalid_request_error"
     gone = CliAdapter(ProviderConfig.model_validate(
         {"id": "c", "type": "cli", "command": ["iop-no-such-tool-4d1f"], "capacity": 1, "models": [SERVED]}))
     with pytest.raises(ProviderError) as err:

@@ -35,7 +35,7 @@ from common.wire import RunKind
 from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import one_line
 from workers.adapters.openai_shapes import Shaper, usage
-from workers.adapters.prompt_text import prompt_text
+from workers.adapters.prompt_text import NotForCli, prompt_text
 
 Json = dict[str, Any]
 
@@ -275,8 +275,9 @@ class CliAdapter:
     def _run(self, kind: RunKind, body: Json, request_id: str) -> tuple[ToolRun, str]:
         try:
             prompt = prompt_text(kind, body)
-        except ValueError as exc:
-            detail = {"message": str(exc), "type": "invalid_request_error", "param": None, "code": None}
+        except NotForCli as exc:
+            detail = {"message": str(exc), "type": "invalid_request_error", "param": exc.param,
+                      "code": "invalid_request_error"}
             raise ProviderError(f"provider {self.provider.id}: {exc}", status=400, detail=detail) from None
         model = str(body["model"])
         env = {k: v for k, v in os.environ.items() if k not in self.secret_env}

@@ -27,8 +27,16 @@ def flatten_messages(messages: Any) -> str:
     return "\n\n".join(f"{m.get('role', 'user')}: {message_text(m.get('content'))}" for m in msgs)
 
 
+class NotForCli(ValueError):
+    """What a CLI tool cannot be given; `param`: the request's field at fault."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def prompt_text(kind: RunKind, body: dict[str, Any]) -> str:
-    """The text for stdin. Raises ValueError for what a CLI tool cannot be given."""
+    """The text for stdin. Raises NotForCli for what a CLI tool cannot be given."""
     if kind is RunKind.CHAT:
         return flatten_messages(body.get("messages"))
     if kind is RunKind.COMPLETION:
@@ -36,6 +44,6 @@ def prompt_text(kind: RunKind, body: dict[str, Any]) -> str:
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
-            raise ValueError("a cli provider takes one text prompt")
+            raise NotForCli("a cli provider takes one text prompt", "prompt")
         return prompt
-    raise ValueError("a cli provider does not serve embeddings")
+    raise NotForCli("a cli provider does not serve embeddings", "model")
