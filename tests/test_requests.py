@@ -338,6 +338,20 @@ def test_more_arrays_and_objects_than_the_limit_are_refused_before_parsing(conta
     assert parse_request(CHAT, many_in_text, max_containers=4).body["messages"][0]["content"] == text
 
 
+@pytest.mark.parametrize(("raw", "over"), [
+    (b'{"a": "[[[", "b": [[]]}', False),  # (brackets in a string count nothing)
+    (b'{"a": "\\\\", "b": [[[[]]]]}', True),  # (an escaped backslash ends no string)
+    (b'{"a": "\\"[[[[[[", "b": 1}', False),  # (an escaped quote ends no string)
+    (b"[" * 5 + b'\\"' * 200_000, True),  # (quotes that open strings never ended: read once,
+    (b"[" * 5 + b'\\"' * 200_000 + b"\\", True),  # not again from each quote inside: 31 s a
+    (b'["' + b"[" * 200_000, False),  # 80 KB before; what follows a string never ended is in it)
+])
+def test_containers_are_counted_outside_strings_in_one_read_of_the_text(raw: bytes, over: bool) -> None:
+    from gateway.body_limits import too_many_containers
+
+    assert too_many_containers(raw, 4) is over
+
+
 def test_the_queued_body_is_the_parsed_body() -> None:
     from common.codec import unpack
 
