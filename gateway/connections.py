@@ -5,9 +5,11 @@ connection may idle, and how many connections are open. Defaults live in `common
 Every connection is served by a `GuardedHandler`, aiohttp's own request handler plus:
 
 - `header_timeout_ms`: a request head must be complete this long after its first byte (after the
-  connect, for a connection's first request). Else, if anything had been sent, 408
-  `request_timeout`, and what the client still sends is dropped until it closes (at most
-  `LINGER_S`); the connection closes either way.
+  connect, for a connection's first request; after the answer before it, for one sent behind
+  another). Else, if anything had been sent, 408 `request_timeout`, and what the client still
+  sends is dropped until it closes (at most `LINGER_S`); the connection closes either way.
+- `MAX_HEAD_BYTES`: a head is counted as its bytes arrive (`gateway.heads` finds where each
+  begins) and answered 400 once it passes the limit, without waiting for its end.
 - `body_timeout_ms`: a body must be complete this long after its head (`body_reader`, run by `gateway.middleware`), else
   408 and the connection ends (`GuardedHandler._end_after_answer`: the rest of the body is dropped
   for at most aiohttp's lingering time, then it closes).
@@ -42,6 +44,7 @@ from gateway.admission import MAX_HEAD_BYTES, ConnectionGuard, Slot
 from gateway.auth import admit
 from gateway.bodies import decode, too_large
 from gateway.errors import ApiError, from_status
+from gateway.heads import HeadScanner
 
 log = logging.getLogger("iop.gateway")
 
@@ -64,7 +67,7 @@ class GuardedHandler(web.RequestHandler):
     """aiohttp's request handler with a head deadline, a connection limit and OpenAI-shaped parse errors."""
 
     __slots__ = ("_guard", "_slot", "_phase", "_raw", "_line", "_head_timer", "_head_begun", "_in_request",
-                 "_close_after_response", "_dropping", "_head_bytes", "_head_tail")
+                 "_close_after_response", "_dropping", "_heads", "_answered", "_refusing")
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
         # Bodies are decoded by `body_reader` (gateway.bodies), not by aiohttp.
@@ -80,9 +83,11 @@ class GuardedHandler(web.RequestHandler):
         self._close_after_response = False
         #: answered 408 to a late head: what the client still sends is dropped until it closes
         self._dropping = False
-        #: bytes of the head arriving (None once its blank line came), and its last three bytes
-        self._head_bytes: int | None = None
-        self._head_tail = b""
+        #: where each head lies in what the client sends, and how many requests were answered
+        self._heads = HeadScanner(MAX_HEAD_BYTES)
+        self._answered = 0
+        #: a head passed the limit behind requests not yet answered: its 400 follows their answers
+        self._refusing = False
 
     # -- the connection's life -------------------------------------------------------------
 
@@ -107,11 +112,12 @@ class GuardedHandler(web.RequestHandler):
         if self._phase is Phase.SERVING:
             if not self._in_request and not self._head_begun:
                 self._head_begun = True
-                self._head_bytes, self._head_tail = 0, b""
                 self._guard.busy(self)
                 if self._head_timer is None:
                     self._arm_head_timer()
-            if self._head_bytes is not None and not self._head_within(data):
+            within = self._heads.feed(data)
+            if within < len(data):
+                self._refuse_large_head(data[:within])
                 return
             super().data_received(data)
         elif self._phase is Phase.TRIAGE:
@@ -119,27 +125,24 @@ class GuardedHandler(web.RequestHandler):
             self._triage(data)
         # ANSWERED: the rest of what the client sends is dropped
 
-    def _head_within(self, data: bytes) -> bool:
-        """Count the head's bytes up to its blank line (what follows is its body, or a pipelined
-        request); False once they pass `MAX_HEAD_BYTES`: answered 400, and the connection ends."""
-        assert self._head_bytes is not None
-        seen = self._head_tail + data
-        end = seen.find(b"\r\n\r\n")
-        if end < 0:
-            self._head_bytes += len(data)
-            self._head_tail = seen[-3:]
-        else:  # (the head's bytes in this read: up to its blank line)
-            self._head_bytes += end + 4 - len(self._head_tail)
-        if self._head_bytes <= MAX_HEAD_BYTES:
-            if end >= 0:
-                self._head_bytes = None
-            return True
-        self._head_bytes = None
+    def _refuse_large_head(self, before: bytes) -> None:
+        """A head passed `MAX_HEAD_BYTES` (none of its bytes beyond what was parsed already are):
+        answered 400 and the connection ends, after the answers to the requests sent before it
+        (`before`: the bytes of this read that came before the head)."""
         self._cancel_head_timer()
+        if before:
+            super().data_received(before)
+        self._dropping = True
+        if self._answered < self._heads.heads:
+            self._refusing = True  # (answered by `finish_response` after the last of them)
+        else:
+            self._answer_large_head()
+
+    def _answer_large_head(self) -> None:
+        self._refusing = False
         if self.transport is not None:
             self.transport.write(self._guard.large_head_answer)
         self._drop_then_close()
-        return False
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()
@@ -210,10 +213,9 @@ class GuardedHandler(web.RequestHandler):
         return True
 
     def request_started(self) -> None:
-        """A request head arrived (called by `body_reader`). No head deadline runs until its
-        response is written: a pipelined next head waits behind it, and its bytes must not be
-        taken for a slow head. (A next head that is still incomplete then is bounded by the idle
-        timeout.)"""
+        """A request is being handled (called by `gateway.middleware` first thing). No head
+        deadline runs until its response is written: a pipelined next head waits behind it; one
+        still incomplete then gets its deadline from then (`finish_response`)."""
         self._cancel_head_timer()
         self._in_request = True
         self._head_begun = False
@@ -232,11 +234,23 @@ class GuardedHandler(web.RequestHandler):
         try:
             return await super().finish_response(request, resp, start_time)
         finally:
+            self._answered += 1
             if self._close_after_response:
                 self._end_after_answer()
+            elif self._refusing:
+                if self._answered >= self._heads.heads:
+                    self._answer_large_head()
             else:
                 self._in_request = False
                 self._guard.idle(self, self._slot)
+                # The next head's deadline: from its first byte, or from now for one begun already
+                # (sent behind this request); none if none began (a request answered before its
+                # body was read, as a refused key, had left the connection's deadline running).
+                self._cancel_head_timer()
+                self._head_begun = self._heads.in_head
+                if self._head_begun:
+                    self._guard.busy(self)
+                    self._arm_head_timer()
 
     def _end_after_answer(self) -> None:
         """End a connection whose request was answered before its body was read (a 413, a 408, a
@@ -268,7 +282,7 @@ class GuardedHandler(web.RequestHandler):
             self._close_after_response = True
             self._head_begun = True
             super().connection_made(transport)
-            super().data_received(head)
+            self.data_received(head)
 
     def _answer_busy(self) -> None:
         self._guard.refused()
@@ -379,14 +393,11 @@ def expect_handler(max_body_bytes: int) -> Callable[[web.Request], Coroutine[Any
 
 
 def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Request], Awaitable[None]]:
-    """Tells a `GuardedHandler` that a request began (no head deadline while it runs), and reads
-    each body within `body_timeout_s` into `request[BODY]`, decoded (aiohttp decodes it itself
+    """Reads each body within `body_timeout_s` into `request[BODY]`, decoded (aiohttp decodes it itself
     on connections that are not a `GuardedHandler`'s, as in tests that serve the app alone)."""
 
     async def read_body(request: web.Request) -> None:
         guarded = request.protocol if isinstance(request.protocol, GuardedHandler) else None
-        if guarded is not None:
-            guarded.request_started()
         body = b""
         if request.body_exists:
             if request.content_length is not None and request.content_length > max_body_bytes:
@@ -414,6 +425,12 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
         request[BODY] = body
 
     return read_body
+
+
+def request_started(request: web.Request) -> None:
+    """The request is being handled: its connection's head deadline stops (`GuardedHandler`)."""
+    if isinstance(request.protocol, GuardedHandler):
+        request.protocol.request_started()
 
 
 def forget_body(request: web.Request) -> None:

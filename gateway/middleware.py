@@ -1,5 +1,6 @@
 """The gateway's one middleware: what every request goes through, in this order.
 
+0. its connection's head deadline stopped (`gateway.connections`),
 1. measured (`gateway.metrics`: run requests, by the status they finally got),
 2. any error turned into its OpenAI shape (`gateway.errors`, the one place that does it),
 3. a listed site's CORS preflight answered (`gateway.cors`),
@@ -18,7 +19,7 @@ from aiohttp.typedefs import Middleware
 
 from gateway import metrics
 from gateway.auth import admit
-from gateway.connections import body_reader
+from gateway.connections import body_reader, request_started
 from gateway.cors import preflight
 from gateway.errors import Handler, error_response
 
@@ -28,6 +29,7 @@ def gateway_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        request_started(request)
         endpoint = metrics.begin(request)
         response: web.StreamResponse | None = None
         try:
