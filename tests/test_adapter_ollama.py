@@ -287,6 +287,7 @@ def test_tool_call_arguments_nested_too_deep_are_the_callers_400_naming_them(dep
     with pytest.raises(wire.UnsupportedRequest, match="nest deeper than 128 levels") as err:
         wire.request(RunKind.CHAT, body, stream=False)
     assert err.value.param == "messages[1].tool_calls[1].function.arguments"
-    calls[1]["function"]["arguments"] = '{"a": [1, {"b": 2}]}'
-    _, native = wire.request(RunKind.CHAT, body, stream=False)
-    assert native["messages"][1]["tool_calls"][1]["function"]["arguments"] == {"a": [1, {"b": 2}]}
+    for text, native_args in [('{"a": [1, {"b": 2}]}', {"a": [1, {"b": 2}]}), ("null", {}), ("", {}), ("{", {})]:
+        calls[1]["function"]["arguments"] = text  # ("null" was refused as too deep: a review)
+        _, native = wire.request(RunKind.CHAT, body, stream=False)
+        assert native["messages"][1]["tool_calls"][1]["function"]["arguments"] == native_args

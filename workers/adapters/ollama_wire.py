@@ -130,13 +130,14 @@ def _native_tool_calls(calls: Any, path: str) -> list[Json]:
         fn = _function(call)
         args = fn.get("arguments")
         if isinstance(args, str):
+            too_deep = False
             try:
                 args = json.loads(args) if args else {}
             except ValueError:
                 args = {}
             except RecursionError:
-                args = None
-            if args is None or deeper_than(args, MAX_DEPTH):
+                too_deep = True
+            if too_deep or deeper_than(args, MAX_DEPTH):
                 raise UnsupportedRequest(f"a tool call's arguments nest deeper than {MAX_DEPTH} levels",
                                          f"{path}[{j}].function.arguments")
         out.append({"function": {"name": fn.get("name"), "arguments": args or {}}})
