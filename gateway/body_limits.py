@@ -19,7 +19,6 @@ text only) and is sent on as JSON by a worker, so each of these is refused here,
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,19 +88,22 @@ def depth_problem(body: Any, max_depth: int) -> Problem | None:
     return None
 
 
-#: a JSON string, escapes included, or one that never ends (then the rest of the text): every
-#: match succeeds where it starts and nothing is given back (possessive), so the text is read once
-#: (a string that had to end was tried again from each quote inside it: 31 s for 80 KB of `\"`)
-_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)', re.DOTALL)
+#: every byte but a quote, `[` and `{` (deleted by `bytes.translate`)
+_NOT_STRUCTURE = bytes(range(256)).translate(None, b'"[{')
 
 
 def too_many_containers(raw: bytes, most: int) -> bool:
     """Whether a JSON text holds more than `most` arrays and objects: its `[` and `{` outside
-    strings (those inside are only looked for when all of them together are too many)."""
+    strings (those inside are only looked for when all of them together are too many). Each
+    step is a C-speed pass over the bytes, whatever they hold (an earlier regex paid ~200 ns a
+    string: 0.8 s for 8 MiB of empty strings): escapes are dropped (`\\` first, so that what
+    is left of `\"` is an escaped quote), then all but quotes and brackets, then each pair of
+    adjacent quotes (an empty string, or one's end and the next's start: neither changes which
+    brackets are inside a string); what lies between the quotes left is inside a string."""
     if raw.count(b"[") + raw.count(b"{") <= most:
         return False
-    bare = _STRING.sub(b"", raw)
-    return bare.count(b"[") + bare.count(b"{") > most
+    bare = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE).replace(b'""', b"")
+    return sum(map(len, bare.split(b'"')[::2])) > most
 
 
 def _text_ok(text: str) -> bool:

@@ -345,6 +345,9 @@ def test_more_arrays_and_objects_than_the_limit_are_refused_before_parsing(conta
     (b"[" * 5 + b'\\"' * 200_000, True),  # (quotes that open strings never ended: read once,
     (b"[" * 5 + b'\\"' * 200_000 + b"\\", True),  # not again from each quote inside: 31 s a
     (b'["' + b"[" * 200_000, False),  # 80 KB before; what follows a string never ended is in it)
+    (b"[" * 5 + b'""' * 1000, True),  # (empty strings hide nothing)
+    (b'["a""[[[[[", "[", {"[": "{"}]', False),  # (one string's end next to the next's start)
+    (b'["\\\\\\"[[[[[", [[[[', True),  # (an escaped backslash, then an escaped quote)
 ])
 def test_containers_are_counted_outside_strings_in_one_read_of_the_text(raw: bytes, over: bool) -> None:
     from gateway.body_limits import too_many_containers
