@@ -76,6 +76,14 @@ def _owner(raw: dict[bytes, bytes]) -> str | None:
     return owner.decode() if owner is not None else None
 
 
+
+def not_yet_passed(last_id: str, now_ms: int) -> bool:
+    """For a run with no event yet (still queued): whether `last_id` is one Redis has not passed
+    at `now_ms`. Ids it has passed come before all the run will write (`0-0` is past nothing);
+    any of this millisecond may not (its first event may be `<now_ms>-0`), nor one from later:
+    those cannot be followed."""
+    return entry_key(last_id) >= (now_ms, 0)
+
 class RunsApi:
     def __init__(self, runs: Callable[[], RunClient]) -> None:
         self.runs = runs
@@ -133,10 +141,8 @@ class RunsApi:
         latest = await redis.xrevrange(keys.run_events(run_id), "+", "-", count=1)
         if latest:
             return entry_key(latest[0][0].decode()) < entry_key(last_id)
-        # No event yet (a run still queued): ids Redis has passed come before all the run will
-        # write (`0-0` is past nothing); only one from its future cannot be followed.
         seconds, micros = await redis.time()
-        return entry_key(last_id)[0] > int(seconds) * 1000 + int(micros) // 1000
+        return not_yet_passed(last_id, int(seconds) * 1000 + int(micros) // 1000)
 
     async def _follow(self, resp: web.StreamResponse, run_id: str, last_id: str, model_id: str) -> None:
         """Every event after `last_id` until the terminal one, with a keep-alive comment whenever

@@ -316,6 +316,16 @@ async def test_a_last_event_id_redis_has_passed_follows_a_run_with_no_event_yet(
         assert [m.id for m in await read_all(resp)] == ids
 
 
+def test_an_id_of_redis_s_current_millisecond_is_not_yet_passed() -> None:
+    """(a review: only the millisecond was compared, so `<now>-999999` was followed, and the run's
+    first event, written in that millisecond as `<now>-0`, would come before it: never sent)"""
+    from gateway.runs_api import not_yet_passed
+
+    now = 1_700_000_000_123
+    assert [not_yet_passed(i, now) for i in (f"{now}-0", f"{now}-999999", f"{now + 1}-0", str(now))] == [True] * 4
+    assert [not_yet_passed(i, now) for i in ("0-0", "0", f"{now - 1}-999999", "garbage")] == [False] * 4
+
+
 def stuck_soon(monkeypatch: pytest.MonkeyPatch) -> Config:
     """The config (and the gateway's constants) of a test of the stuck-run check: quiet runs looked
     at every 50 ms, ended as soon as they are past their queue timeout (200 ms)."""
