@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import struct
 from collections.abc import AsyncIterator
 from typing import Any
@@ -291,3 +292,27 @@ def test_tool_call_arguments_nested_too_deep_are_the_callers_400_naming_them(dep
         calls[1]["function"]["arguments"] = text  # ("null" was refused as too deep: a review)
         _, native = wire.request(RunKind.CHAT, body, stream=False)
         assert native["messages"][1]["tool_calls"][1]["function"]["arguments"] == native_args
+
+
+@pytest.mark.parametrize(("content", "message", "param"), [
+    ([{"type": "text", "text": "a"}, {"type": "text", "text": {"x": 1}}], "a text part's text must be a string",
+     "messages[0].content[1].text"),
+    ({"type": "text", "text": "a"}, "a message's content must be a string or a list of content parts",
+     "messages[0].content"),
+    ([{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}],
+     "Ollama takes images only as base64 data URLs", "messages[0].content[0].image_url"),
+])
+def test_content_ollama_cannot_be_given_is_the_callers_400_naming_it(content: Any, message: str, param: str) -> None:
+    """(a hostile caller's audit: a text part's object went to the model as a Python repr, and
+    content of another type as nothing)"""
+    from workers.adapters import ollama_wire as wire
+
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    with pytest.raises(wire.UnsupportedRequest, match=re.escape(message)) as err:
+        wire.request(RunKind.CHAT, body, stream=False)
+    assert err.value.param == param
+    body["messages"][0]["content"] = [{"type": "text", "text": "a"},
+                                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD"}},
+                                      {"type": "text", "text": "b"}]
+    _, native = wire.request(RunKind.CHAT, body, stream=False)
+    assert native["messages"][0]["content"] == "a\nb" and native["messages"][0]["images"] == ["QUJD"]

@@ -92,11 +92,16 @@ def _content(content: Any, path: str) -> tuple[str, list[str]]:
     """OpenAI message content -> (text, base64 images)."""
     if content is None or isinstance(content, str):
         return content or "", []
+    if not isinstance(content, list):
+        raise UnsupportedRequest("a message's content must be a string or a list of content parts", path)
     texts, images = [], []
-    for i, part in enumerate(content if isinstance(content, list) else []):
+    for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
-            texts.append(str(part.get("text", "")))
+            text = part.get("text", "")
+            if not isinstance(text, str):  # (it went to the model as a Python repr)
+                raise UnsupportedRequest("a text part's text must be a string", f"{path}[{i}].text")
+            texts.append(text)
         elif kind == "image_url":
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
