@@ -29,21 +29,34 @@ def too_large(limit: int, *, declared: int | None = None, sent: bool = False) ->
                     f"{'' if sent else ' once decoded'} (runtime.max_body_bytes)")
 
 
+#: gzip members one body may hold (each costs a new inflater: millions of empty ones would hold
+#: the gateway's thread for seconds)
+MAX_GZIP_MEMBERS = 64
+
+
 def _inflate(data: bytes, encoding: str, limit: int) -> bytes:
+    """`data` inflated: a gzip body may hold several members one after the other (RFC 1952, as
+    `cat a.gz b.gz` makes; at most `MAX_GZIP_MEMBERS`), each inflated in turn; at most `limit`
+    bytes in all."""
     wbits = _WBITS[encoding]
     if encoding == "deflate" and data[:1] and data[0] & 0x0F != 8:
         wbits = -zlib.MAX_WBITS  # raw deflate without zlib's header, as some clients send it
-    inflater = zlib.decompressobj(wbits)
-    try:
-        out = inflater.decompress(data, limit + 1)
-    except zlib.error as exc:  # ("Error -3 while decompressing data: incorrect header check": after the colon)
-        why = str(exc).rpartition(": ")[2] or "it does not decode"
-        raise invalid(f"the request body is not valid {encoding} data: {why}") from None
-    if len(out) > limit:
-        raise too_large(limit)
-    if not inflater.eof or inflater.unused_data:
-        raise invalid(f"the request body is not valid {encoding} data: it does not end where the body ends")
-    return out
+    out = bytearray()
+    for _ in range(MAX_GZIP_MEMBERS):
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out += inflater.decompress(data, limit + 1 - len(out))
+        except zlib.error as exc:  # ("Error -3 while decompressing data: incorrect header check": after the colon)
+            why = str(exc).rpartition(": ")[2] or "it does not decode"
+            raise invalid(f"the request body is not valid {encoding} data: {why}") from None
+        if len(out) > limit:
+            raise too_large(limit)
+        if not inflater.eof or (inflater.unused_data and wbits != _WBITS["gzip"]):
+            raise invalid(f"the request body is not valid {encoding} data: it does not end where the body ends")
+        data = inflater.unused_data
+        if not data:
+            return bytes(out)
+    raise invalid(f"the request body holds more than {MAX_GZIP_MEMBERS} gzip members")
 
 
 def decode(data: bytes, content_encoding: str, limit: int) -> bytes:

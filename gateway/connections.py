@@ -39,11 +39,12 @@ from typing import Any, cast
 
 from aiohttp import HttpVersion11, http_exceptions, web
 
+from common.shown import quoted
 from common.wire import ErrorCode
 from gateway.admission import MAX_HEAD_BYTES, ConnectionGuard, Slot
 from gateway.auth import admit
 from gateway.bodies import decode, too_large
-from gateway.errors import ApiError, from_status
+from gateway.errors import ApiError, from_status, invalid
 from gateway.heads import HeadScanner
 
 log = logging.getLogger("iop.gateway")
@@ -400,6 +401,12 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
         guarded = request.protocol if isinstance(request.protocol, GuardedHandler) else None
         body = b""
         if request.body_exists:
+            coding = transfer_coding(request.headers.get("Transfer-Encoding", ""))
+            if coding is not None:
+                if guarded is not None:
+                    guarded.close_after_response()  # the body is not read
+                raise invalid(f"Transfer-Encoding {quoted(coding)} is not supported: send the body chunked or "
+                              "with a Content-Length, its compression in Content-Encoding", param="Transfer-Encoding")
             if request.content_length is not None and request.content_length > max_body_bytes:
                 if guarded is not None:
                     guarded.close_after_response()  # the body is not read
@@ -425,6 +432,13 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
         request[BODY] = body
 
     return read_body
+
+
+def transfer_coding(header: str) -> str | None:
+    """The first coding of a `Transfer-Encoding` header other than `chunked` and the obsolete
+    `identity`, or None: aiohttp ignores the others (a gzipped body would be read as it came)."""
+    codings = (c.strip().lower() for c in header.split(","))
+    return next((c for c in codings if c not in ("", "chunked", "identity")), None)
 
 
 def request_started(request: web.Request) -> None:

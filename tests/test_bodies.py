@@ -29,6 +29,8 @@ def raw_deflate(data: bytes) -> bytes:
     ("deflate", raw_deflate(BODY)),  # without zlib's header, as some clients send it
     ("deflate, gzip", gzip.compress(zlib.compress(BODY))),  # applied in that order
     ("gzip, identity", gzip.compress(BODY)),
+    ("gzip", gzip.compress(BODY[:5]) + gzip.compress(BODY[5:])),  # (two members, as `cat a.gz b.gz`: it was refused)
+    ("gzip", gzip.compress(b"") * 63 + gzip.compress(BODY)),
 ])
 def test_supported_encodings_are_undone(encoding: str, data: bytes) -> None:
     assert decode(data, encoding, 4096) == BODY
@@ -47,6 +49,9 @@ def rejected(data: bytes, encoding: str, limit: int = 4096) -> ApiError:
     ("deflate", b"{}", "not valid deflate data"),
     ("gzip", gzip.compress(BODY)[:-6], "does not end where the body ends"),  # cut short
     ("deflate", zlib.compress(BODY) + b"tail", "does not end where the body ends"),
+    ("gzip", gzip.compress(BODY) + b"tail", "incorrect header check"),
+    ("gzip", gzip.compress(BODY) + gzip.compress(BODY)[:-6], "does not end where the body ends"),
+    ("gzip", gzip.compress(b"") * 64 + gzip.compress(BODY), "holds more than 64 gzip members"),
 ])
 def test_faults_are_a_400_naming_them(encoding: str, data: bytes, fragment: str) -> None:
     err = rejected(data, encoding)
@@ -60,3 +65,5 @@ def test_a_body_larger_than_the_limit_once_decoded_is_a_413() -> None:
     err = rejected(bomb, "gzip", limit=4096)
     assert err.status == 413 and err.code is ErrorCode.REQUEST_TOO_LARGE
     assert decode(gzip.compress(b"\0" * 4096), "gzip", 4096) == b"\0" * 4096  # exactly the limit fits
+    assert rejected(gzip.compress(b"\0" * 4000) * 2, "gzip", limit=4096).status == 413  # (members together)
+    assert decode(gzip.compress(b"\0" * 2048) * 2, "gzip", 4096) == b"\0" * 4096

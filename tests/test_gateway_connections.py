@@ -502,6 +502,29 @@ def test_after_an_answer_given_before_the_body_was_read_an_idle_connection_gets_
     assert sock.recv(65536) == b""
 
 
+def test_a_transfer_coding_but_chunked_is_a_400_naming_it(stack: Stack, gateways: list[Gateway]) -> None:
+    """(a hostile caller's audit: aiohttp ignores a `gzip` transfer coding, so the gzipped body was
+    read as it came and refused as JSON that is not valid)"""
+    import gzip
+
+    gw = start(stack, gateways)
+    body = gzip.compress(b'{"model": "m"}')
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    sock = gw.connect()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Transfer-Encoding: gzip, chunked\r\n\r\n" + chunked)
+    resp = read_response(sock)
+    err = resp.error()
+    assert resp.status == 400 and err["param"] == "Transfer-Encoding"
+    assert err["message"].startswith('Transfer-Encoding "gzip" is not supported')
+    assert closed_by_peer(sock)
+    sock = gw.connect()  # (chunked alone, and the obsolete identity, are read as ever)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Encoding: gzip\r\nTransfer-Encoding: identity, chunked\r\n\r\n" + chunked)
+    resp = read_response(sock)
+    assert resp.status == 400 and "'messages' is required" in resp.error()["message"]
+
+
 @pytest.mark.parametrize(("second", "fragment"), [
     ("br", 'Content-Encoding "br" is not supported'),
     ("gzip", "'model' is required"),  # (decoded: the body is {})
