@@ -116,10 +116,13 @@ class GuardedHandler(web.RequestHandler):
                 self._guard.busy(self)
                 if self._head_timer is None:
                     self._arm_head_timer()
+            heads = self._heads.heads
             within = self._heads.feed(data)
             if within < len(data):
                 self._refuse_large_head(data[:within])
                 return
+            if self._heads.heads != heads and not self._heads.in_head:
+                self._cancel_head_timer()  # the head came whole (its request starts on the next turn)
             super().data_received(data)
         elif self._phase is Phase.TRIAGE:
             self._guard.busy(self)

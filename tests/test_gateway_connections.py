@@ -9,6 +9,7 @@ import json
 import select
 import socket
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -91,10 +92,15 @@ class Response:
         return err
 
 
+#: What a socket received beyond the response `read_response` returned (the next one's start).
+_AHEAD: weakref.WeakKeyDictionary[socket.socket, bytes] = weakref.WeakKeyDictionary()
+
+
 def read_response(sock: socket.socket) -> Response:
-    """One whole HTTP/1.1 response with a Content-Length (or none, for no body)."""
+    """One whole HTTP/1.1 response with a Content-Length (or none, for no body); what came after
+    it is kept for the next call (two answers may arrive in one read)."""
     sock.settimeout(DEADLINE_S)
-    data = b""
+    data = _AHEAD.pop(sock, b"")
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
         assert chunk, f"connection closed before a whole response head: {data!r}"
@@ -107,6 +113,8 @@ def read_response(sock: socket.socket) -> Response:
         chunk = sock.recv(65536)
         assert chunk, "connection closed inside a response body"
         rest += chunk
+    if rest[length:]:
+        _AHEAD[sock] = rest[length:]
     return Response(int(status_line.split()[1]), headers, rest[:length])
 
 
