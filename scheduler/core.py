@@ -76,15 +76,16 @@ class Waiting:
     deadline_ms: int = field(compare=False)
     #: providers earlier attempts failed on; a retry goes elsewhere when it can
     avoid: frozenset[str] = field(compare=False, default=frozenset())
-    #: providers it must not go to (they answered it with a server error)
+    #: providers it must not go to (a server error, or a request a cli provider does not take)
     exclude: frozenset[str] = field(compare=False, default=frozenset())
 
 
 def _no_other_provider(model_id: str, w: Waiting) -> ErrorInfo:
-    """A run whose providers answered it with server errors, and no other provider can take it."""
+    """A run its providers could not serve (a server error, or a request a cli provider does not
+    take), and no other provider can take it."""
     return ErrorInfo(ErrorCode.PROVIDER_ERROR,
-                     f"{', '.join(sorted(w.exclude))} answered with a server error and no other provider "
-                     f"of model {model_id!r} is available")
+                     f"{', '.join(sorted(w.exclude))} could not serve the run (a server error, or a request it "
+                     f"does not take) and no other provider of model {model_id!r} is available")
 
 
 def new_consumer_name() -> str:

@@ -20,7 +20,7 @@ from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind
 from tests.openapi import validate
-from workers.adapters.base import ProviderError
+from workers.adapters.base import ProviderError, Retry
 from workers.adapters.cli import CliAdapter, ToolRun, argv_for, find_executable
 from workers.adapters.prompt_text import flatten_messages
 
@@ -135,17 +135,39 @@ async def test_a_non_zero_exit_is_a_provider_error_with_the_tail_of_stderr() -> 
     assert "model file missing" in err.value.message
 
 
-async def test_embeddings_and_a_missing_executable_are_errors() -> None:
+async def test_what_a_tool_cannot_be_given_is_refused_for_another_provider_and_a_missing_executable_fails(
+        tmp_path: Path) -> None:
     # (the caller's error names the field at fault: a hostile caller's audit found it null)
+    tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     cases: list[tuple[RunKind, dict[str, Any], str]] = [
         (RunKind.EMBEDDING, {"model": SERVED, "input": "x"}, "model"),
-        (RunKind.COMPLETION, {"model": SERVED, "prompt": ["a", "b"]}, "prompt")]
+        (RunKind.COMPLETION, {"model": SERVED, "prompt": ["a", "b"]}, "prompt"),
+        (RunKind.CHAT, chat(tools=tool), "tools"),
+        (RunKind.CHAT, chat(functions=[{"name": "f"}]), "functions"),
+        (RunKind.CHAT, chat(n=2), "n"),
+        (RunKind.COMPLETION, {"model": SERVED, "prompt": "a", "n": 3}, "n"),
+        (RunKind.CHAT, {"model": SERVED, "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]}, "messages[1].content[1]"),
+        (RunKind.CHAT, {"model": SERVED, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]}, "messages[0].content[0].text")]
+    started = tmp_path / "started"
     for kind, body, param in cases:
-        with pytest.raises(ProviderError) as err:
-            await adapter().complete(kind, body, "r")
-        assert err.value.status == 400 and not err.value.retryable
-        assert err.value.detail is not None and err.value.detail["param"] == param
-        assert err.value.detail["code"] == "invalid_request_error"
+        for stream in (False, True):
+            with pytest.raises(ProviderError) as err:
+                if stream:
+                    await collect(adapter("--pid-file", str(started)), {**body, "stream": True}, kind)
+                else:
+                    await adapter("--pid-file", str(started)).complete(kind, body, "r")
+            # (a request for another provider of the model: nothing against this one's health)
+            assert err.value.status == 400 and err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
+            assert err.value.detail is not None and err.value.detail["param"] == param, body
+            assert err.value.detail["code"] == "invalid_request_error"
+    assert not started.exists()  # the tool never ran
+    # what it can carry still goes: no tools, one choice, text parts, an empty tools list
+    answer = await adapter().complete(RunKind.CHAT, chat(tools=[], n=1), "r")
+    assert answer["choices"][0]["message"]["content"]
     gone = CliAdapter(ProviderConfig.model_validate(
         {"id": "c", "type": "cli", "command": ["iop-no-such-tool-4d1f"], "capacity": 1, "models": [SERVED]}))
     with pytest.raises(ProviderError) as err:

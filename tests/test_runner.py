@@ -17,6 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common import keys
 from common.codec import pack, unpack
+from common.config import ProviderConfig
 from common.policy import Health
 from common.redisconn import Backoff
 from common.redisline import new_line_of
@@ -27,6 +28,7 @@ from tests.conftest import async_wait_until
 from tests.test_scheduler import MODEL, beat, make_config, waiting_runs
 from workers import runner as runner_module
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
+from workers.adapters.cli import CliAdapter
 from workers.runner import Runner
 
 if TYPE_CHECKING:
@@ -304,8 +306,42 @@ async def test_a_requeued_run_whose_other_providers_went_down_fails_instead_of_w
     await sched.read_new(block_ms=10)
     await sched.dispatch_all()
     state, message = await fields(redis, keys.run_record(run_id), "state", "error_message")
-    assert state == "failed" and message == (f"{provider} answered with a server error and no other provider "
-                                             f"of model '{MODEL}' is available")
+    assert state == "failed" and message == (f"{provider} could not serve the run (a server error, or a request it "
+                                             f"does not take) and no other provider of model '{MODEL}' is available")
+
+
+async def test_a_request_a_cli_provider_does_not_take_goes_to_another_provider_with_no_strike(
+        redis: Redis) -> None:
+    """A chat with tools that landed on a cli provider (it would have dropped them) goes to the
+    model's other provider, and tells nothing of the cli provider's health; where no other is left,
+    the caller gets the refusal as its 400, naming the field."""
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1}, stream=False)
+    record = keys.run_record(run_id)
+    body = unpack(await redis.hget(record, "body"))
+    body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    await redis.hset(record, "body", pack(body))
+    provider, other = await chosen_and_other(redis, run_id)
+
+    def cli(pid: str) -> CliAdapter:
+        return CliAdapter(ProviderConfig.model_validate(
+            {"id": pid, "type": "cli", "command": ["iop-never-run"], "capacity": 1, "models": [f"{pid}-name"]}))
+
+    struck: list[str] = []
+    runner = Runner(redis, sched.config, f"n-{provider}", {provider: cli(provider)}, on_strike=struck.append)
+    assert await runner.execute(run_id) == "requeued:ok"
+    entry = (await redis.xrange(keys.runs_stream(MODEL)))[0][1]
+    assert entry[b"exclude"] == b"1" and entry[b"tried"] == provider.encode()
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await fields(redis, record, "provider", "state") == [other, "dispatched"]
+
+    runner = Runner(redis, sched.config, f"n-{other}", {other: cli(other)}, on_strike=struck.append)
+    assert (await runner.execute(run_id)).startswith("failed")
+    assert await fields(redis, record, "state", "error_message") == [
+        "failed", f"provider {other}: a cli provider does not call tools"]
+    failed = [data for etype, data in await events(redis, run_id) if etype == "failed"]
+    assert failed[-1]["status"] == 400 and failed[-1]["detail"]["param"] == "tools"
+    assert struck == [] and await fields(redis, keys.heartbeat(provider), "fails") == [None]
 
 
 async def test_attempts_leave_their_evidence_in_the_heartbeat(redis: Redis) -> None:

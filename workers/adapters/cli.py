@@ -278,7 +278,9 @@ class CliAdapter:
         except NotForCli as exc:
             detail = {"message": str(exc), "type": "invalid_request_error", "param": exc.param,
                       "code": "invalid_request_error"}
-            raise ProviderError(f"provider {self.provider.id}: {exc}", status=400, detail=detail) from None
+            # (not the provider's failure: another provider of the model may take it)
+            raise ProviderError(f"provider {self.provider.id}: {exc}", status=400, detail=detail,
+                                retry=Retry.ELSEWHERE) from None
         model = str(body["model"])
         env = {k: v for k, v in os.environ.items() if k not in self.secret_env}
         env.update(IOP_MODEL=model, IOP_REQUEST_ID=request_id)

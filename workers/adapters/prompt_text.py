@@ -1,7 +1,10 @@
 """Turning an OpenAI-shaped request into the plain text a CLI tool reads on stdin. Pure.
 
 A chat with a single user message is that message's text. Any other chat is one block per
-message, `role: text`, separated by blank lines. A text completion is its prompt.
+message, `role: text`, separated by blank lines. A text completion is its prompt. What the text
+cannot carry (tools to call, an image or audio part, several choices, several prompts,
+embeddings) is refused, not dropped: the run goes to another provider of the model if one is
+available (`NotForCli`).
 """
 
 from __future__ import annotations
@@ -9,22 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from common.wire import RunKind
-
-
-def message_text(content: Any) -> str:
-    """A message's content as text: a string as it is, the text parts of a list joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return ""
-
-
-def flatten_messages(messages: Any) -> str:
-    msgs = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
-    if len(msgs) == 1 and msgs[0].get("role", "user") == "user":
-        return message_text(msgs[0].get("content"))
-    return "\n\n".join(f"{m.get('role', 'user')}: {message_text(m.get('content'))}" for m in msgs)
 
 
 class NotForCli(ValueError):
@@ -35,8 +22,48 @@ class NotForCli(ValueError):
         self.param = param
 
 
+def message_text(content: Any, place: str = "content") -> str:
+    """A message's content as text: a string as it is, the text parts of a list joined. A part
+    that is not text (an image, audio, a file) raises NotForCli naming it (`place[j]`)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type", "text") != "text":
+            raise NotForCli(f"a cli provider takes text only, not a {str(part.get('type'))[:40]!r} part",
+                            f"{place}[{j}]")
+        if isinstance(part, dict):
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise NotForCli("a text part's text must be a string", f"{place}[{j}].text")
+            texts.append(text)
+    return "\n".join(texts)
+
+
+def flatten_messages(messages: Any) -> str:
+    msgs = [(i, m) for i, m in enumerate(messages) if isinstance(m, dict)] if isinstance(messages, list) else []
+    texts = [message_text(m.get("content"), f"messages[{i}].content") for i, m in msgs]
+    if len(msgs) == 1 and msgs[0][1].get("role", "user") == "user":
+        return texts[0]
+    return "\n\n".join(f"{m.get('role', 'user')}: {text}" for (_, m), text in zip(msgs, texts, strict=True))
+
+
+def _one_answer(body: dict[str, Any]) -> None:
+    """Refuse what asks for more than one plain-text answer: tools to call, or `n` > 1."""
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise NotForCli("a cli provider does not call tools", name)
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        raise NotForCli("a cli provider gives one answer a request", "n")
+
+
 def prompt_text(kind: RunKind, body: dict[str, Any]) -> str:
     """The text for stdin. Raises NotForCli for what a CLI tool cannot be given."""
+    if kind is not RunKind.EMBEDDING:
+        _one_answer(body)
     if kind is RunKind.CHAT:
         return flatten_messages(body.get("messages"))
     if kind is RunKind.COMPLETION:
