@@ -172,7 +172,8 @@ async def test_embeddings(adapter: OllamaAdapter, fake: FakeOllama) -> None:
     assert list(struct.unpack("<4f", raw)) == [1.0, 0.5, -0.25, 1.0]
     with pytest.raises(ProviderError) as err:
         await adapter.complete(RunKind.EMBEDDING, {**body, "input": [[1, 2, 3]]}, "r")
-    assert err.value.status == 400 and not err.value.retryable
+    # (what Ollama cannot take: another provider of the model may, and it says nothing of its health)
+    assert err.value.status == 400 and err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
 
 
 async def test_errors_say_whether_another_attempt_could_succeed(adapter: OllamaAdapter, fake: FakeOllama) -> None:
@@ -184,8 +185,8 @@ async def test_errors_say_whether_another_attempt_could_succeed(adapter: OllamaA
 
     with pytest.raises(ProviderError) as err:
         await adapter.complete(RunKind.CHAT, chat(n=2), "r")
-    assert err.value.status == 400 and not err.value.retryable and err.value.detail is not None
-    assert err.value.detail["param"] == "n"
+    assert err.value.status == 400 and err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
+    assert err.value.detail is not None and err.value.detail["param"] == "n"
 
     fake.state.fail_status = 503
     with pytest.raises(ProviderError) as err:

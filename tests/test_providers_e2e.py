@@ -168,6 +168,25 @@ def test_one_model_on_ollama_the_simulator_and_a_cli_tool_at_once(
     stats = asyncio.run(sim_stats(sim_url))
     assert stats["by_model"] == {SERVED["c-sim"]: 2}
 
+    # What neither Ollama nor the CLI tool can carry (n > 1) goes on to the provider that can,
+    # whichever the run was dispatched to first, and counts nothing against the two that could not.
+    client = stack.openai(gateway)
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2, stream=True))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            text = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2).choices[0].message.content
+        assert text and text.startswith("tok0")
+    assert asyncio.run(sim_stats(sim_url))["by_model"] == {SERVED["c-sim"]: 4}
+    assert len(ollama.records()) == 2 and len(log_lines(cli_log)) == 2  # neither was sent it
+    with sync_redis.Redis.from_url(stack.redis_url) as r:
+        for pid in ("a-ollama", "b-cli"):
+            assert r.hget(f"iop:provider:{pid}", "fails") in (None, b"0")
+            assert r.hget(f"iop:provider:{pid}", "health") == b"available"
+
 
 def test_the_legacy_fixture_routes_every_model_as_before(
         stack: Stack, tmp_path: Path, ollama_factory: Callable[[FakeState], tuple[ThreadedOllama, str]]) -> None:

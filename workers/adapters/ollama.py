@@ -141,7 +141,8 @@ class OllamaAdapter:
 
     def _unsupported(self, exc: wire.UnsupportedRequest) -> ProviderError:
         detail = {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": None}
-        return ProviderError(f"provider {self.provider.id}: {exc}", status=400, detail=detail)
+        # (what Ollama cannot take another provider of the model may: no strike, tried there first)
+        return ProviderError(f"provider {self.provider.id}: {exc}", status=400, detail=detail, retry=Retry.ELSEWHERE)
 
     def _failed(self, exc: BaseException) -> ProviderError:
         return transport_error(self.provider.id, exc, connect_ms=self.provider.connect_timeout_ms,
