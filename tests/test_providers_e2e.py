@@ -177,8 +177,9 @@ def test_one_model_on_ollama_the_simulator_and_a_cli_tool_at_once(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2, stream=True))
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         else:
-            text = client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2).choices[0].message.content
+            reply = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2)
+            text = reply.choices[0].message.content or ""
         assert text and text.startswith("tok0")
     assert asyncio.run(sim_stats(sim_url))["by_model"] == {SERVED["c-sim"]: 4}
     assert len(ollama.records()) == 2 and len(log_lines(cli_log)) == 2  # neither was sent it
