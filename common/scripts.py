@@ -317,7 +317,7 @@ return {'ok', entry, left}
 # of their ids: {k = the index in KEYS of its first key (heartbeat, leases, capacity override,
 # drained, cordoned, probing, node queue, node wake list), class = 0 | 1, provider, node, target,
 # listed = true when the candidate must also list `target` among the models its server answered
-# with (its heartbeat's `observed_models`; `scheduler.snapshots._lists` for the scheduler's own
+# with (its heartbeat's `observed_models`; `common.snapshots._lists` for the scheduler's own
 # candidates, which come checked)}; `head`: the stream's first entry (`XRANGE - + COUNT 1`) when
 # the caller read it already, nil to read it here.
 _DISPATCH_ONE = _EVENTS + _WAKE + _CAPPED + f"""

@@ -33,9 +33,9 @@ from common.redisconn import REDIS_UNUSABLE, Backoff, now_ms
 from common.redisline import new_line_of, stream_reply
 from common.runlog import run_fields
 from common.scripts import DISPATCH_BATCH, Scripts
+from common.snapshots import read_snapshots
 from common.wire import ErrorCode, ErrorInfo, RunState, cancelled_by_caller
 from scheduler import metrics
-from scheduler.snapshots import read_snapshots
 
 log = logging.getLogger("iop.scheduler")
 

@@ -27,10 +27,10 @@ from common.control import (
 )
 from common.policy import select_provider
 from common.redisconn import now_ms
+from common.snapshots import read_snapshots
 from gateway.errors import ApiError
 from gateway.runs import RunClient
 from scheduler.core import Scheduler
-from scheduler.snapshots import read_snapshots
 from tests.conftest import async_wait_until
 from tests.test_scheduler import MODEL, beat, leases, make_config, submit, waiting_runs
 

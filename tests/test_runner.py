@@ -286,10 +286,20 @@ async def test_a_server_error_goes_back_only_when_another_provider_is_available(
         "failed", f"provider {other} answered 500: boom"]
 
 
-async def test_a_server_error_with_no_available_provider_left_fails_at_once(redis: Redis) -> None:
+@pytest.mark.parametrize("gone", ["unavailable", "drained", "cordoned", "capacity 0"])
+async def test_a_server_error_with_no_available_provider_left_fails_at_once(redis: Redis, gone: str) -> None:
+    """(A drained provider, a cordoned node, a capacity of 0: the run sent back for it would wait
+    in its queue until its timeout, not get the error.)"""
     sched, run_id = await start_one(redis, {"a": 1, "b": 1})
     provider, other = await chosen_and_other(redis, run_id)
-    await redis.hset(keys.heartbeat(other), "health", "unavailable")
+    if gone == "unavailable":
+        await redis.hset(keys.heartbeat(other), "health", "unavailable")
+    elif gone == "drained":
+        await redis.set(keys.drained(other), "1")
+    elif gone == "cordoned":
+        await redis.set(keys.cordoned(f"n-{other}"), "1")
+    else:
+        await redis.set(keys.capacity_override(other), "0")
     err = ProviderError(f"provider {provider} answered 503: overloaded", status=503, retry=Retry.ELSEWHERE)
     runner = Runner(redis, sched.config, f"n-{provider}", {provider: Scripted([], err)})
     assert (await runner.execute(run_id)).startswith("failed")

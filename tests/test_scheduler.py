@@ -16,12 +16,12 @@ from common.codec import unpack
 from common.config import Config, parse_config
 from common.policy import candidate_class, select_provider
 from common.redisconn import now_ms
+from common.snapshots import read_snapshots
 from common.wire import RunKind
 from gateway.errors import ApiError
 from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
 from scheduler.core import Outcome, Scheduler, Waiting, run_scheduler
-from scheduler.snapshots import read_snapshots
 from tests.conftest import async_wait_until, redis_full
 from tests.test_script_batch import counting
 

@@ -26,9 +26,11 @@ from common import keys
 from common.chunks import fixed_usage, token_counts, usage_in, wants_usage, without_usage
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
+from common.policy import candidate_class
 from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
+from common.snapshots import read_snapshots
 from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
 from workers import metrics
 from workers.adapters.base import Adapter, ProviderError, Retry
@@ -424,17 +426,18 @@ class Runner:
         return outcome
 
     async def _untried_available(self, att: Attempt) -> bool:
-        """Whether a provider of the run's model that no attempt went to is available now."""
+        """Whether a provider of the run's model that no attempt went to could take it now, but for
+        its load: available with the model, not drained or cordoned, capacity above 0 (the
+        scheduler's own test, `common.policy.candidate_class`). A run sent back for one that is
+        drained would wait there until its queue timeout."""
         model = self.config.model(att.model_id)
-        others = [p for p in (model.providers if model else {}) if p not in att.tried and p != att.provider_id]
+        others = {p: served for p, served in (model.providers.items() if model else ())
+                  if p not in att.tried and p != att.provider_id}
         if not others:
             return False
-        pipe = self.redis.pipeline(transaction=False)
-        for pid in others:
-            pipe.hmget(keys.heartbeat(pid), "health", "ts_ms")
-        now, ttl = now_ms(), self.config.runtime.heartbeat_ttl_ms
-        return any(health == b"available" and ts is not None and now - int(ts) <= ttl
-                   for health, ts in await pipe.execute())
+        now = now_ms()
+        snaps = await read_snapshots(self.redis, others, now, self.config.node_of)
+        return any(candidate_class(s, now, self.config.runtime.heartbeat_ttl_ms) is not None for s in snaps)
 
     # ------------------------------------------------------------------ redis
     async def _emit(self, att: Attempt, etype: EventType, data: dict[str, Any]) -> None:
