@@ -76,12 +76,13 @@ class Waiting:
     deadline_ms: int = field(compare=False)
     #: providers earlier attempts failed on; a retry goes elsewhere when it can
     avoid: frozenset[str] = field(compare=False, default=frozenset())
-    #: providers it must not go to (a server error, or a request a cli provider does not take)
+    #: providers it must not go to (a server error, or a request its adapter does not take: a cli
+    #: tool's, Ollama's)
     exclude: frozenset[str] = field(compare=False, default=frozenset())
 
 
 def _no_other_provider(model_id: str, w: Waiting) -> ErrorInfo:
-    """A run its providers could not serve (a server error, or a request a cli provider does not
+    """A run its providers could not serve (a server error, or a request their adapters do not
     take), and no other provider can take it."""
     return ErrorInfo(ErrorCode.PROVIDER_ERROR,
                      f"{', '.join(sorted(w.exclude))} could not serve the run (a server error, or a request it "

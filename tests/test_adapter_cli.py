@@ -147,6 +147,7 @@ async def test_what_a_tool_cannot_be_given_is_refused_for_another_provider_and_a
         (RunKind.CHAT, chat(functions=[{"name": "f"}]), "functions"),
         (RunKind.CHAT, chat(n=2), "n"),
         (RunKind.COMPLETION, {"model": SERVED, "prompt": "a", "n": 3}, "n"),
+        (RunKind.CHAT, chat(n=2.0), "n"),  # (a server reads it as 2)
         (RunKind.CHAT, {"model": SERVED, "messages": [
             {"role": "system", "content": "s"},
             {"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]}, "messages[1].content[1]"),

@@ -183,10 +183,11 @@ async def test_errors_say_whether_another_attempt_could_succeed(adapter: OllamaA
     assert err.value.status is None and err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
     assert "missing:7b" in err.value.message
 
-    with pytest.raises(ProviderError) as err:
-        await adapter.complete(RunKind.CHAT, chat(n=2), "r")
-    assert err.value.status == 400 and err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
-    assert err.value.detail is not None and err.value.detail["param"] == "n"
+    for n in (2, 2.0):  # (a server that takes `n` reads both as 2)
+        with pytest.raises(ProviderError) as err:
+            await adapter.complete(RunKind.CHAT, chat(n=n), "r")
+        assert err.value.status == 400 and err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
+        assert err.value.detail is not None and err.value.detail["param"] == "n"
 
     fake.state.fail_status = 503
     with pytest.raises(ProviderError) as err:

@@ -17,7 +17,7 @@ from typing import Any
 
 from common import jsonio
 from common.wire import RunKind
-from workers.adapters.openai_shapes import usage
+from workers.adapters.openai_shapes import asks_several_choices, usage
 from workers.adapters.reading import MAX_DEPTH, deeper_than
 
 Json = dict[str, Any]
@@ -75,7 +75,7 @@ def _format(body: Json) -> Any:
 
 
 def _common(body: Json) -> Json:
-    if isinstance(body.get("n"), int) and body["n"] > 1:
+    if asks_several_choices(body):
         raise UnsupportedRequest("Ollama returns one choice per request; 'n' must be 1", "n")
     native: Json = {"model": body["model"]}
     options = _options(body)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.wire import RunKind
+from workers.adapters.openai_shapes import asks_several_choices
 
 
 class NotForCli(ValueError):
@@ -55,8 +56,7 @@ def _one_answer(body: dict[str, Any]) -> None:
     for name in ("tools", "functions"):
         if body.get(name):
             raise NotForCli("a cli provider does not call tools", name)
-    n = body.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+    if asks_several_choices(body):
         raise NotForCli("a cli provider gives one answer a request", "n")
 
 
