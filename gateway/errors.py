@@ -152,6 +152,22 @@ def from_status(status: int, message: str) -> ApiError:
     code = _HTTP_CODES.get(status, ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL)
     return ApiError(code, message, status=status)
 
+#: What a caller who reached an unknown path is told the gateway serves (OpenAI's own API has more)
+SERVED_PATHS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models "
+                "and the runs API (GET /v1/runs/{id})")
+#: How much of an unknown path an error repeats
+MAX_SHOWN_PATH = 200
+
+
+def unknown_path(request: web.Request) -> str:
+    """The message of a 404 for a path the gateway does not serve, in OpenAI's words ("Invalid
+    URL (POST /v1/x)"), with what it does serve: an `openai` client's call of an endpoint iop
+    does not have (`client.responses.create`) says so. The path is cut at `MAX_SHOWN_PATH`."""
+    path = request.path
+    shown = path if len(path) <= MAX_SHOWN_PATH else path[:MAX_SHOWN_PATH] + "…"
+    return f"Invalid URL ({request.method} {shown}): iop serves {SERVED_PATHS}"
+
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -173,7 +189,12 @@ def error_response(request: web.Request, error: Exception) -> web.StreamResponse
     if isinstance(error, web.HTTPException):
         if error.status < 400:
             raise error
-        message = error.reason if error.status != 413 else f"request body is too large: {error.text}"
+        if error.status == 404:
+            message = unknown_path(request)
+        elif error.status == 413:
+            message = f"request body is too large: {error.text}"
+        else:
+            message = error.reason
         answer = from_status(error.status, message)
         if "Allow" in error.headers:  # (a 405 says which methods the path takes)
             answer.headers["Allow"] = error.headers["Allow"]

@@ -105,6 +105,14 @@ async def test_bad_requests_get_a_clear_error_and_queue_nothing(
 async def test_unknown_routes_and_methods_are_openai_shaped(gateway: str, http: aiohttp.ClientSession) -> None:
     async with http.get(gateway + "/v1/nothing-here") as resp:
         assert resp.status == 404 and (await error_of(resp))["code"] == "not_found"
+    # (an endpoint of OpenAI's API that iop does not serve: the caller learns which it does)
+    async with http.post(gateway + "/v1/responses", json={"model": "m", "input": "hi"}) as resp:
+        error = await error_of(resp)
+        assert resp.status == 404 and error["code"] == "not_found"
+        assert error["message"].startswith("Invalid URL (POST /v1/responses): iop serves POST /v1/chat/completions")
+    async with http.get(gateway + "/v1/" + "x" * 5000) as resp:  # (a long path is not repeated whole)
+        error = await error_of(resp)
+        assert resp.status == 404 and len(error["message"]) < 500 and error["message"].count("x") < 250
     async with http.get(gateway + "/v1/chat/completions") as resp:
         assert resp.status == 405 and (await error_of(resp))["code"] == "method_not_allowed"
         assert resp.headers["Allow"] == "POST"
