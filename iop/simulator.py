@@ -609,11 +609,22 @@ def embedding_vector(text: str) -> list[float]:
 
 
 def _embedding_inputs(body: JsonObject) -> list[str]:
+    """The texts to embed: a string, strings, token ids (one input) or lists of them, as OpenAI
+    takes them; an input of token ids is embedded as its ids written out (`"1 2 3"`)."""
     value = body.get("input")
+    if _is_tokens(value):
+        value = [value]
     inputs = [value] if isinstance(value, str) else value
+    if isinstance(inputs, list) and inputs and all(_is_tokens(item) for item in inputs):
+        inputs = [" ".join(map(str, item)) for item in inputs]
     if not isinstance(inputs, list) or not inputs or not all(isinstance(item, str) for item in inputs):
-        raise _bad_request("'input' must be a string or a non-empty array of strings.", "input")
+        raise _bad_request("'input' must be a string, an array of strings, an array of token ids, or an array "
+                           "of arrays of token ids.", "input")
     return inputs
+
+
+def _is_tokens(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(v) for v in value)
 
 
 def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:

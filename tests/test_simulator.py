@@ -374,6 +374,16 @@ async def test_embeddings(sim: Sim) -> None:
     assert vectors == [embedding_vector("a b"), embedding_vector("c")]
     _, single = await sim.post_json("/v1/embeddings", {"model": "sim-model", "input": "a b"})
     assert single["data"][0]["embedding"] == vectors[0]
+    # token ids, one input or several, as OpenAI takes them (a token each)
+    _, tokens = await sim.post_json("/v1/embeddings", {"model": "sim-model", "input": [1, 2, 3]})
+    assert [item["embedding"] for item in tokens["data"]] == [embedding_vector("1 2 3")]
+    assert tokens["usage"]["prompt_tokens"] == 3
+    _, lists = await sim.post_json("/v1/embeddings", {"model": "sim-model", "input": [[1, 2], [3]]})
+    assert [item["embedding"] for item in lists["data"]] == [embedding_vector("1 2"), embedding_vector("3")]
+    bad_inputs: list[list[Any]] = [[], [[]], [1, "a"], [[1], "a"], [1.5]]
+    for bad in bad_inputs:
+        status, error = await sim.post_json("/v1/embeddings", {"model": "sim-model", "input": bad})
+        assert status == 400 and error["error"]["param"] == "input", bad
 
 
 async def test_embeddings_base64(sim: Sim) -> None:
