@@ -53,6 +53,13 @@ STATUS: dict[ErrorCode, int] = {
 }
 
 
+#: Run failures that another try of the same request would only repeat, at the provider's cost: a run
+#: that outlasted its `execution_timeout_ms`, an answer over the output limits. Their answers say
+#: `x-should-retry: false`, which the official `openai` clients obey (they retry every 5xx twice by
+#: default, so a runaway generation took three times its GPU time).
+NOT_WORTH_RETRYING = frozenset({ErrorCode.EXECUTION_TIMEOUT, ErrorCode.OUTPUT_TOO_LARGE})
+
+
 def _error_type(status: int, code: ErrorCode | None = None) -> str:
     if code is ErrorCode.RATE_LIMIT_EXCEEDED:
         return "requests"  # (OpenAI's type for a limit on requests)
@@ -87,10 +94,11 @@ class ApiError(Exception):
         """A run's failure; a provider's 4xx is passed through with its own status and body, but
         not its 429 nor its refusal of iop's credentials (`POOL_FAULT_4XX`): those are the pool's
         fault, not the caller's (the run was tried on another provider first), so they are a 502
-        like a 5xx."""
+        like a 5xx. A failure that another try would only repeat says so (`NOT_WORTH_RETRYING`)."""
         if info.status is not None and callers_fault(info.status):
             return cls(info.code, info.message, status=info.status, detail=info.detail)
-        return cls(info.code, info.message)
+        return cls(info.code, info.message,
+                   headers={"x-should-retry": "false"} if info.code in NOT_WORTH_RETRYING else None)
 
     def body(self) -> dict[str, Any]:
         if self.detail is not None and isinstance(self.detail.get("message"), str):

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from tests.conftest import async_wait_until
@@ -217,9 +218,18 @@ async def _disconnects(fstack: FaultStack, n: int) -> bool:
 # ---------------------------------------------------------------------------- 5. timeouts
 async def test_a_stalled_provider_hits_the_execution_timeout(fstack: FaultStack, http: aiohttp.ClientSession) -> None:
     gateway = start(fstack, {"only": ("n1", 1)}, queue={"execution_timeout_ms": 500})
-    status, body = await call(http, gateway, chat(ttft_ms=600_000))
-    assert status == 504 and body["error"]["code"] == "execution_timeout"
+    # The official client, with its default retries (it tries every 5xx twice more): the answer
+    # says another try would only repeat the run (`x-should-retry: false`), so the provider
+    # serves the runaway request once, not three times.
+    async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused") as client:
+        with pytest.raises(openai.InternalServerError) as err:
+            body = chat(ttft_ms=600_000)
+            await client.chat.completions.create(model=body["model"], messages=body["messages"],
+                                                 extra_body={"sim": body["sim"]})
+    assert err.value.status_code == 504 and err.value.code == "execution_timeout"
+    assert err.value.response.headers["x-should-retry"] == "false"
     await async_wait_until(lambda: _disconnects(fstack, 1), what="the provider request to be closed")
+    assert (await fstack.stats("only"))["total"] == 1
 
 
 async def test_a_silent_provider_hits_its_read_timeout(fstack: FaultStack, http: aiohttp.ClientSession) -> None:
