@@ -27,6 +27,7 @@ from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import RUN_ROUTES, parse_request
 from gateway.responses import SSEStream, run_headers, stream_response, whole_response
 from gateway.runs import RunClient, new_run_id
+from gateway.stopping import Stopping
 
 log = logging.getLogger("iop.gateway")
 
@@ -34,6 +35,7 @@ CONFIG = web.AppKey("config", Config)
 RUNS = web.AppKey("runs", RunClient)
 REDIS_URL = web.AppKey("redis_url", str)
 STARTED = web.AppKey("started", float)
+STOPPING = web.AppKey("stopping", Stopping)
 
 #: How long a caller whose stream the gateway gave up on has to take its error and `[DONE]`.
 END_WITHIN_S = 1.0
@@ -84,6 +86,8 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     run_id = new_run_id()
     submitted = finished = False
     out: SSEStream | None = None
+    stopping = request.app[STOPPING]
+    task = stopping.add()
     try:
         # Following before the run is queued: its every event comes through the gateway's inbox.
         async with runs.follow(run_id, fresh=True) as follower:
@@ -111,7 +115,21 @@ async def run_request(request: web.Request) -> web.StreamResponse:
             for name, value in run_headers(run_id).items():  # a failed run can be looked up too
                 exc.headers.setdefault(name, value)
         raise
+    except asyncio.CancelledError:
+        if stopping.cut_after_s is None:  # (the caller left)
+            raise
+        # The gateway is stopping and its grace ran out: the caller hears so (and sends the request
+        # again, to another gateway); the run is cancelled below, as for a caller that left.
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()
+        headers = run_headers(run_id) if submitted else {}
+        ended = None if out is None else await out.fail(stopping.error(headers), END_WITHIN_S)
+        if ended is None:
+            raise stopping.error(headers) from None  # (unbound: see `stream_response`)
+        return ended
     finally:
+        stopping.discard(task)
         if submitted and not finished:
             # The caller left (or the gateway gave up): the run must not go on without it. (One that
             # left while its run was being queued: `submit` takes the run back once it is queued.)
@@ -161,6 +179,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     app[REDIS_URL] = redis_url
     cors.setup(app, rt.cors_origins)
     app[STARTED] = time.time()
+    app[STOPPING] = Stopping()
     app.cleanup_ctx.append(_redis_ctx)
     for path in RUN_ROUTES:
         app.router.add_post(path, run_request)

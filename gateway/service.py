@@ -19,15 +19,20 @@ from common.lifecycle import ready, stop_event
 from common.redisconn import REDIS_DOWN
 from gateway import metrics
 from gateway.admission import TRIAGE_SLOTS, ConnectionGuard, ConnectionLimits
-from gateway.app import RUNS, build_app
+from gateway.app import RUNS, STOPPING, build_app
 from gateway.auth import is_loopback
 from gateway.connections import GuardedSite
+from gateway.stopping import stop_serving
 
 log = logging.getLogger("iop.gateway")
 
 #: File descriptors kept for everything but client and Redis connections (the listening socket,
 #: standard streams, DNS, the event loop's own).
 RESERVED_FDS = 64
+#: How long run requests in flight get to end when the gateway stops (`iop gateway --grace`)
+DEFAULT_GRACE_S = 10.0
+#: How long what is left after them (runs-API followers, which resume with Last-Event-ID) gets
+CLEANUP_TIMEOUT_S = 1.0
 #: How long the gateway's start waits for Redis to say whether it takes the URL's database.
 STARTUP_CHECK_S = 2.0
 
@@ -105,11 +110,14 @@ async def _refused_database(redis: Redis) -> None:
         pass
 
 
-async def serve(config: Config, redis_url: str, host: str, port: int, keyring: KeyRing | None = None) -> None:
+async def serve(config: Config, redis_url: str, host: str, port: int, keyring: KeyRing | None = None,
+                grace_s: float = DEFAULT_GRACE_S) -> None:
+    """Serve until SIGTERM/SIGINT; then stop listening and give the run requests in flight
+    `grace_s` seconds to end (`gateway.stopping`)."""
     config = _fitted(config, raise_file_limit())
     stop = stop_event()
     app = build_app(config, redis_url, keyring)
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=CLEANUP_TIMEOUT_S)
     await runner.setup()
     try:
         await _refused_database(app[RUNS].redis)
@@ -129,4 +137,5 @@ async def serve(config: Config, redis_url: str, host: str, port: int, keyring: K
     try:
         await stop.wait()
     finally:
+        await stop_serving(runner, app[STOPPING], grace_s)
         await runner.cleanup()

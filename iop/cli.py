@@ -38,7 +38,7 @@ def port_number(text: str) -> int:
     return value
 
 
-#: the longest `--grace` (a day): a worker told to stop must stop
+#: the longest `--grace` (a day): a worker or gateway told to stop must stop
 MAX_GRACE_S = 86_400.0
 
 
@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     _http_args(p)
     p.add_argument("--allow-anonymous", action="store_true",
                    help="serve anyone who can reach a non-loopback address when the config has no auth.keys")
+    p.add_argument("--grace", type=grace_seconds, default=10.0,
+                   help="seconds the run requests in flight get to end on shutdown (0 to 86400; default 10)")
     p = sub.add_parser("scheduler", help="a scheduler replica")
     _service_args(p)
     _metrics_args(p)
@@ -263,7 +265,8 @@ def _main(argv: Sequence[str] | None) -> None:
         from gateway.service import serve as serve_gateway
 
         keyring = keyring_for(config, args.host, args.allow_anonymous, os.environ)  # type: ignore[arg-type]
-        _serve(serve_gateway(config, args.redis, args.host, args.port, keyring))  # type: ignore[arg-type]
+        _serve(serve_gateway(config, args.redis, args.host, args.port, keyring,  # type: ignore[arg-type]
+                             args.grace))
     elif args.command == "scheduler":
         from scheduler.service import serve as serve_scheduler
 

@@ -1,0 +1,80 @@
+"""The gateway's stop (SIGTERM): its run requests in flight get `--grace` seconds to end.
+
+The gateway stops listening (a load balancer's next connection goes to another gateway), closes
+its idle connections, and waits for the run requests it is answering. Those still going when the
+grace runs out are ended with an error the caller can act on: 503 `service_unavailable` with
+`Retry-After` (the `openai` client sends it again, to another gateway), or, in a stream whose
+headers went out, that error in the stream and `[DONE]`; their runs are cancelled, their slots
+given back, as when a caller leaves. Without this, the runner's own shutdown waited up to twice
+its timeout and then cut each answer short without a word.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from common.wire import ErrorCode
+from gateway.errors import ApiError
+
+log = logging.getLogger("iop.gateway")
+
+#: How long run requests that outlasted the grace get to send their error and give their runs back.
+END_S = 5.0
+
+
+class Stopping:
+    """The run requests in flight, and whether the stop's grace ran out on them."""
+
+    __slots__ = ("tasks", "cut_after_s")
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[object]] = set()
+        #: the grace that ran out (seconds), once it did: the requests cancelled then end with `error`
+        self.cut_after_s: float | None = None
+
+    def add(self) -> asyncio.Task[object] | None:
+        """Count the current task (a run request) as in flight until `discard`."""
+        task = asyncio.current_task()
+        if task is not None:
+            self.tasks.add(task)
+        return task
+
+    def discard(self, task: asyncio.Task[object] | None) -> None:
+        if task is not None:
+            self.tasks.discard(task)
+
+    def error(self, headers: dict[str, str]) -> ApiError:
+        """What a run request that outlasted the grace answers (with `headers`: its run's)."""
+        return ApiError(ErrorCode.UNAVAILABLE,
+                        f"the gateway is stopping and the run did not end within its grace ({self.cut_after_s:g} s); "
+                        "the run was cancelled: send the request again", headers={**headers, "Retry-After": "1"})
+
+    async def drain(self, grace_s: float) -> int:
+        """Wait up to `grace_s` for the run requests in flight, then end the rest (see the module's
+        text). Returns how many outlasted the grace."""
+        if not self.tasks:
+            return 0
+        log.info("stopping: waiting up to %gs for %d run requests", grace_s, len(self.tasks))
+        _, pending = await asyncio.wait(set(self.tasks), timeout=grace_s)
+        if not pending:
+            return 0
+        log.warning("stopping: %d run requests outlasted the grace (%gs): ending them with 503 "
+                    "service_unavailable, their runs cancelled", len(pending), grace_s)
+        self.cut_after_s = grace_s
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=END_S)
+        return len(pending)
+
+
+async def stop_serving(runner: web.AppRunner, stopping: Stopping, grace_s: float) -> None:
+    """Stop listening, close idle connections, and drain the run requests (`Stopping.drain`);
+    `runner.cleanup()` ends what is left."""
+    for site in list(runner.sites):
+        await site.stop()
+    if runner.server is not None:
+        runner.server.pre_shutdown()  # (idle keep-alive connections close; busy ones after their answer)
+    await stopping.drain(grace_s)

@@ -1,0 +1,109 @@
+"""The gateway's stop (SIGTERM) with real processes and a real Redis: it stops listening, the run
+requests in flight get `--grace` seconds to end, and those that outlast it are answered with an
+error the caller can act on while their runs are cancelled (they were cut short without a word)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+import redis as sync_redis
+
+from tests.conftest import Proc, Stack, wait_until
+from tests.test_e2e import pool_config, wait_available
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "qwen3.6:35b"
+
+
+def pool(stack: Stack, grace_s: str) -> tuple[str, Proc]:
+    """One provider (capacity 4), a scheduler, a worker and a gateway with `--grace grace_s`."""
+    url = stack.simulator(["vllm-a-served"])
+    stack.write_config(pool_config({"vllm-a": ("node-a", url, 4)}))
+    stack.scheduler()
+    stack.worker("node-a")
+    gateway = stack.start("gateway", "gateway", "--host", "127.0.0.1", "--port", "0", "--grace", grace_s)
+    address = gateway.wait_for_line(r"listening on (http://\S+)").group(1)
+    wait_available(stack.redis_url, ["vllm-a"])
+    return address, gateway
+
+
+def chat(stream: bool, tokens: int, itl_ms: int) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+            "max_tokens": tokens, "sim": {"tokens": tokens, "itl_ms": itl_ms, "ttft_ms": 0}}
+
+
+def run_state(stack: Stack, run_id: str) -> bytes | None:
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        state: bytes | None = r.hget(f"iop:run:{run_id}", "state")
+        return state
+    finally:
+        r.close()
+
+
+def leases(stack: Stack) -> int:
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        return int(r.zcard("iop:leases:vllm-a"))
+    finally:
+        r.close()
+
+
+def test_a_stream_that_ends_within_the_grace_comes_whole_and_no_new_connection_is_taken(stack: Stack) -> None:
+    gateway, proc = pool(stack, "30")
+
+    async def scenario() -> tuple[str, int]:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gateway + "/v1/chat/completions", json=chat(True, 20, 50)) as resp:
+                assert resp.status == 200
+                assert (await resp.content.readline()).startswith(b"data: ")  # the run is under way
+                stopped = asyncio.create_task(asyncio.to_thread(proc.stop, 60))
+                # (the gateway stops listening at once: a new caller goes to another gateway)
+                await asyncio.to_thread(proc.wait_for_line, r"stopping: waiting up to 30s for 1 run requests")
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    async with aiohttp.ClientSession() as other:
+                        await other.get(gateway + "/healthz")
+                rest = (await resp.read()).decode()
+            return rest, await stopped
+
+    rest, code = asyncio.run(scenario())
+    assert code == 0, proc.output()
+    assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in rest and "error" not in rest
+    assert "Traceback" not in proc.output()
+
+
+def test_runs_that_outlast_the_grace_get_a_503_and_are_cancelled(stack: Stack) -> None:
+    gateway, proc = pool(stack, "0.5")
+
+    async def scenario() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session:
+            streamed = await session.post(gateway + "/v1/chat/completions", json=chat(True, 2000, 50))
+            assert streamed.status == 200
+            assert (await streamed.content.readline()).startswith(b"data: ")  # output is flowing
+            whole = asyncio.create_task(session.post(gateway + "/v1/chat/completions", json=chat(False, 2000, 50)))
+            await asyncio.to_thread(wait_until, lambda: leases(stack) == 2, what="both runs on the provider")
+            code = await asyncio.to_thread(proc.stop, 30)
+            answer = await whole
+            return {"code": code, "stream": (await streamed.read()).decode(),
+                    "stream_run": streamed.headers["X-IOP-Run-Id"], "status": answer.status,
+                    "retry_after": answer.headers.get("Retry-After"), "error": (await answer.json())["error"],
+                    "run": answer.headers.get("X-IOP-Run-Id")}
+
+    got = asyncio.run(scenario())
+    assert got["code"] == 0 and "Traceback" not in proc.output(), proc.output()
+    # A stream whose headers went out: the error in it, then [DONE].
+    lines = [line for line in got["stream"].split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "service_unavailable" and "grace (0.5 s)" in error["message"]
+    # A whole answer: 503 with Retry-After (the openai client sends it again).
+    assert got["status"] == 503 and got["retry_after"] == "1" and got["error"]["code"] == "service_unavailable"
+    # Both runs are cancelled and their slots are back: nothing goes on for nobody.
+    runs = (got["stream_run"], got["run"])
+    wait_until(lambda: all(run_state(stack, run_id) == b"cancelled" for run_id in runs), what="both runs cancelled")
+    wait_until(lambda: leases(stack) == 0, what="the slots to come back")
