@@ -833,13 +833,23 @@ return {{1, requeued}}
 """
 
 # A worker claims the next health probe of a provider: nothing showed it alive for an interval
-# and no other worker probed it since. An `exclusive` probe (one that would disturb a run) is
-# only claimed while the provider runs nothing, and takes the probing lock that DISPATCH honours.
-# KEYS: heartbeat, lease, probing lock   ARGV: interval_ms, exclusive (1|0), lock ttl_ms, heartbeat ttl_ms
+# and no other worker probed it since. A provider that runs' failures took down (`down` strikes
+# since its last sign of life) is probed again after `down_interval_ms` since the last probe,
+# however recent that sign of life: the probe says whether it is down or whether the failures
+# were the requests' own (one caller's request that breaks the server's answer, sent again by
+# its client, took a model's providers down for a probe interval). An `exclusive` probe (one that
+# would disturb a run) is only claimed while the provider runs nothing, and takes the probing
+# lock that DISPATCH honours.
+# KEYS: heartbeat, lease, probing lock
+# ARGV: interval_ms, exclusive (1|0), lock ttl_ms, heartbeat ttl_ms, down strikes, down_interval_ms
 PROBE = _NOW + """
-local last = math.max(tonumber(redis.call('HGET', KEYS[1], 'ok_ms') or '0'),
-                      tonumber(redis.call('HGET', KEYS[1], 'probe_ms') or '0'))
-if now - last < tonumber(ARGV[1]) then return 0 end
+local h = redis.call('HMGET', KEYS[1], 'ok_ms', 'probe_ms', 'fails', 'fail_ms')
+local ok_ms, probe_ms = tonumber(h[1] or '0'), tonumber(h[2] or '0')
+if tonumber(h[3] or '0') >= tonumber(ARGV[5]) and tonumber(h[4] or '0') >= ok_ms then
+  if now - probe_ms < tonumber(ARGV[6]) then return 0 end
+elseif now - math.max(ok_ms, probe_ms) < tonumber(ARGV[1]) then
+  return 0
+end
 if ARGV[2] == '1' then
   if redis.call('ZCOUNT', KEYS[2], '(' .. now, '+inf') > 0 then return 0 end
   if not redis.call('SET', KEYS[3], '1', 'NX', 'PX', ARGV[3]) then return 0 end

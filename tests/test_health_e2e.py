@@ -16,6 +16,8 @@ from tests.test_e2e import FAST_RUNTIME, pool_config, wait_available
 
 pytestmark = pytest.mark.e2e
 
+ASK: list[Any] = [{"role": "user", "content": "x"}]
+
 
 async def streamed_text(client: openai.AsyncOpenAI, **extra: Any) -> str:
     stream = await client.chat.completions.create(
@@ -89,3 +91,46 @@ def test_a_provider_that_dies_while_it_runs_is_down_at_once(stack: Stack) -> Non
     assert reason in ("provider sim: connection refused", "provider sim: the server closed the connection"), reason
     r.close()
     worker.wait_for_line(r"provider sim is unavailable", timeout=10)  # (a log line may come 20 ms late)
+
+
+def test_one_callers_request_that_breaks_every_answer_does_not_take_the_model_down(stack: Stack) -> None:
+    """A request the servers drop the connection of (sent again by its client: three runs of
+    three attempts) strikes its providers down; strikes say "check now", and a probe that passes
+    brings them back at once, not at their next probe interval (60 s here: the model's other
+    callers got 503 `no_available_provider` until then)."""
+    urls = {pid: stack.simulator([f"{pid}-served"]) for pid in ("a", "b")}
+    config = pool_config({pid: ("n1", url, 2) for pid, url in urls.items()})
+    config["runtime"] = {**FAST_RUNTIME, "probe_interval_ms": 60_000}
+    stack.write_config(config)
+    stack.scheduler()
+    worker = stack.worker("n1")
+    gateway = stack.gateway()
+    wait_available(stack.redis_url, ["a", "b"])
+
+    async def poison() -> list[int]:
+        statuses = []
+        async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0) as client:
+            for _ in range(3):  # (the openai client's own two retries)
+                try:
+                    await client.chat.completions.create(model="qwen3.6:35b", messages=ASK,
+                                                         extra_body={"sim": {"fail_after_tokens": 0}})
+                except openai.APIStatusError as exc:
+                    statuses.append(exc.status_code)
+        return statuses
+
+    # (502 provider_error; a call that came while both were down, 503 no_available_provider)
+    assert set(asyncio.run(poison())) <= {502, 503}
+    worker.wait_for_line(r"provider [ab] is unavailable", timeout=10)  # the strikes took one down ...
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:  # ... and its probe brought it back, long before its probe interval
+        wait_until(lambda: all(r.hget(f"iop:provider:{pid}", "health") == b"available" for pid in urls),
+                   timeout=10, what="both providers available again")
+    finally:
+        r.close()
+
+    async def served() -> str | None:
+        async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0) as client:
+            reply = await client.chat.completions.create(model="qwen3.6:35b", messages=ASK, max_tokens=2)
+            return reply.choices[0].message.content
+
+    assert asyncio.run(served()) == "tok0 tok1 "

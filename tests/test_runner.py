@@ -404,8 +404,8 @@ async def test_no_run_is_dispatched_while_a_disturbing_probe_is_out(redis: Redis
     await beat(redis, config)
     scripts = Scripts(redis)
     probe_keys = [keys.heartbeat("a"), keys.leases("a"), keys.probing("a")]
-    assert await scripts.call("probe", probe_keys, [1000, 1, 5000, 60_000]) == 1
-    assert await scripts.call("probe", probe_keys, [1000, 1, 5000, 60_000]) == 0  # claimed already
+    assert await scripts.call("probe", probe_keys, [1000, 1, 5000, 60_000, 3, 1000]) == 1
+    assert await scripts.call("probe", probe_keys, [1000, 1, 5000, 60_000, 3, 1000]) == 0  # claimed already
     client, sched, (run_id,) = await waiting_runs(redis, config, 1)
     await sched.dispatch_all()
     assert await fields(redis, keys.run_record(run_id), "state") == ["queued"]
@@ -415,8 +415,36 @@ async def test_no_run_is_dispatched_while_a_disturbing_probe_is_out(redis: Redis
     assert await fields(redis, keys.run_record(run_id), "state") == ["dispatched"]
     # and with the run in flight, no exclusive probe is claimed, however old the evidence
     await redis.hset(keys.heartbeat("a"), mapping={"ok_ms": 0, "probe_ms": 0})
-    assert await scripts.call("probe", probe_keys, [1000, 1, 5000, 60_000]) == 0
-    assert await scripts.call("probe", probe_keys, [1000, 0, 5000, 60_000]) == 1  # a harmless probe may go
+    assert await scripts.call("probe", probe_keys, [1000, 1, 5000, 60_000, 3, 1000]) == 0
+    assert await scripts.call("probe", probe_keys, [1000, 0, 5000, 60_000, 3, 1000]) == 1  # a harmless probe may go
+
+
+async def test_a_provider_runs_took_down_is_probed_at_once_however_recent_its_last_sign_of_life(
+        redis: Redis) -> None:
+    """Strikes from runs say "check now": one caller's request that breaks every server's answer
+    (sent again by its client) took a model's providers down until their next probe interval."""
+    config = make_config({"a": 1})
+    await beat(redis, config)
+    scripts = Scripts(redis)
+    probe_keys = [keys.heartbeat("a"), keys.leases("a"), keys.probing("a")]
+    now = await redis.time()
+    now_ms = now[0] * 1000 + now[1] // 1000
+    args = [60_000, 0, 5000, 60_000, 3, 1000]  # probe interval 60 s, 1 s once down
+    # alive a moment ago, two strikes since: not down, so no probe before the interval
+    await redis.hset(keys.heartbeat("a"), mapping={"ok_ms": now_ms - 10, "probe_ms": 0, "fails": 2,
+                                                   "fail_ms": now_ms})
+    assert await scripts.call("probe", probe_keys, args) == 0
+    # the third strike takes it down: probed at once, then again after the down interval
+    await redis.hset(keys.heartbeat("a"), mapping={"fails": 3})
+    assert await scripts.call("probe", probe_keys, args) == 1
+    assert await scripts.call("probe", probe_keys, args) == 0
+    await redis.hset(keys.heartbeat("a"), mapping={"probe_ms": now_ms - 1500})
+    assert await scripts.call("probe", probe_keys, args) == 1
+    # the probe passed (a sign of life resets the strikes): back to the interval
+    await scripts.call("probed", [keys.heartbeat("a"), keys.probing("a")],
+                       ["ok", 0, "", "available", "-", keys.SCHEDULER_SIGNALS])
+    await redis.hset(keys.heartbeat("a"), mapping={"probe_ms": now_ms - 1500})
+    assert await scripts.call("probe", probe_keys, args) == 0
 
 
 async def test_a_run_whose_lease_is_gone_is_left_to_the_reaper_not_cancelled(redis: Redis) -> None:

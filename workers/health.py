@@ -6,7 +6,9 @@ it; a 5xx says neither (the server is up, but one request went wrong), nor does 
 names the served model (it lost the model: with no sign of life its model list is probed again). Active probes fill
 the gaps: a provider is probed only when nothing showed it alive for its probe interval, a
 probe that could disturb a running generation is never sent while it runs one, and a probe
-that times out while the provider is busy counts for nothing.
+that times out while the provider is busy counts for nothing. A provider that strikes took down
+is probed at once, and again every heartbeat while it stays down (the `probe` script): a
+request that breaks every server's answer strikes them without their being down.
 
 The evidence lives in the provider's heartbeat hash, so every worker of the node (and every
 attempt, through the `finish` script) adds to the same record and every worker judges it the

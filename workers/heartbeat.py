@@ -26,7 +26,7 @@ from common.policy import Health
 from common.provider_types import PROBE_DISTURBS
 from common.redisconn import REDIS_UNUSABLE, as_text_map, now_ms
 from common.scripts import Scripts
-from workers.adapters.base import Adapter, ProbeResult
+from workers.adapters.base import DOWN, Adapter, ProbeResult
 from workers.health import Evidence, judge
 
 log = logging.getLogger("iop.worker")
@@ -138,7 +138,7 @@ class Heartbeats:
         claimed = await self.scripts.call(
             "probe", [keys.heartbeat(provider.id), keys.leases(provider.id), keys.probing(provider.id)],
             [interval, 1 if exclusive else 0, int(self._probe_limit_s(provider) * 1000),
-             self.config.runtime.heartbeat_ttl_ms])
+             self.config.runtime.heartbeat_ttl_ms, DOWN, min(interval, self.config.runtime.heartbeat_interval_ms)])
         if claimed == 1:
             self.probes[provider.id] = asyncio.create_task(self._probe(provider, in_flight > 0))
 
