@@ -128,7 +128,8 @@ async def test_tool_calls_come_back_openai_shaped(adapter: OllamaAdapter, fake: 
     sent = fake.state.records[-1]["body"]
     assert sent["tools"] == tools
     assert sent["messages"][1]["tool_calls"] == [{"function": {"name": "weather", "arguments": {"city": "Oslo"}}}]
-    assert sent["messages"][2] == {"role": "tool", "content": "sunny"}
+    # (a tool result names its tool, from the call it answers: OpenAI's has only the call's id)
+    assert sent["messages"][2] == {"role": "tool", "content": "sunny", "tool_name": "weather"}
     calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
     assert calls == [{"id": "call_run_1_0", "type": "function", "index": 0,
                       "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]
@@ -138,6 +139,9 @@ async def test_tool_calls_come_back_openai_shaped(adapter: OllamaAdapter, fake: 
 
     answer = await adapter.complete(RunKind.CHAT, {**body, "stream": False}, "run_4")
     validate("CreateChatCompletionResponse", answer)
+    # tool_choice "none": the model must call no tool, so it is not given any
+    await adapter.complete(RunKind.CHAT, {**body, "stream": False, "tool_choice": "none"}, "run_4b")
+    assert "tools" not in fake.state.records[-1]["body"]
     assert answer["choices"][0]["finish_reason"] == "tool_calls"
     assert json.loads(answer["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
 
@@ -188,6 +192,7 @@ async def test_errors_say_whether_another_attempt_could_succeed(adapter: OllamaA
             await adapter.complete(RunKind.CHAT, chat(n=n), "r")
         assert err.value.status == 400 and err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
         assert err.value.detail is not None and err.value.detail["param"] == "n"
+        assert err.value.detail["code"] == "invalid_request_error"  # (as a cli provider's, and the gateway's own)
 
     fake.state.fail_status = 503
     with pytest.raises(ProviderError) as err:
@@ -303,6 +308,11 @@ def test_tool_call_arguments_nested_too_deep_are_the_callers_400_naming_them(dep
      "messages[0].content"),
     ([{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}],
      "Ollama takes images only as base64 data URLs", "messages[0].content[0].image_url"),
+    # (audio and files went nowhere: the model answered without them)
+    ([{"type": "text", "text": "a"}, {"type": "input_audio", "input_audio": {"data": "QUJD", "format": "wav"}}],
+     "Ollama takes text and images, not a 'input_audio' part", "messages[0].content[1]"),
+    ([{"type": "file", "file": {"file_data": "QUJD", "filename": "a.pdf"}}],
+     "Ollama takes text and images, not a 'file' part", "messages[0].content[0]"),
 ])
 def test_content_ollama_cannot_be_given_is_the_callers_400_naming_it(content: Any, message: str, param: str) -> None:
     """(a hostile caller's audit: a text part's object went to the model as a Python repr, and
@@ -318,3 +328,13 @@ def test_content_ollama_cannot_be_given_is_the_callers_400_naming_it(content: An
                                       {"type": "text", "text": "b"}]
     _, native = wire.request(RunKind.CHAT, body, stream=False)
     assert native["messages"][0]["content"] == "a\nb" and native["messages"][0]["images"] == ["QUJD"]
+
+
+def test_a_developer_message_goes_as_system() -> None:
+    """(OpenAI's newer name for the system role, which the `openai` SDKs and agents send: Ollama's
+    chat templates know system, user, assistant and tool)"""
+    from workers.adapters import ollama_wire as wire
+
+    body = {"model": "m", "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    _, native = wire.request(RunKind.CHAT, body, stream=False)
+    assert [m["role"] for m in native["messages"]] == ["system", "user"]

@@ -101,3 +101,11 @@ class Adapter(Protocol):
 
     async def close(self) -> None:
         ...
+
+
+def not_taken(provider_id: str, message: str, param: str | None) -> ProviderError:
+    """A request this provider's adapter cannot give it (a CLI tool's tools, Ollama's n > 1): the
+    caller's 400 naming the field, as the gateway's own 400s are worded, unless another provider
+    of the model takes it (`Retry.ELSEWHERE`; no strike: it says nothing of the provider's health)."""
+    detail = {"message": message, "type": "invalid_request_error", "param": param, "code": "invalid_request_error"}
+    return ProviderError(f"provider {provider_id}: {message}", status=400, detail=detail, retry=Retry.ELSEWHERE)

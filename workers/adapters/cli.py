@@ -32,7 +32,7 @@ from common.chunks import wants_usage
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind
-from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderError, ReadLimits, Retry
+from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderError, ReadLimits, Retry, not_taken
 from workers.adapters.failures import one_line
 from workers.adapters.openai_shapes import Shaper, usage
 from workers.adapters.prompt_text import NotForCli, prompt_text
@@ -276,11 +276,7 @@ class CliAdapter:
         try:
             prompt = prompt_text(kind, body)
         except NotForCli as exc:
-            detail = {"message": str(exc), "type": "invalid_request_error", "param": exc.param,
-                      "code": "invalid_request_error"}
-            # (not the provider's failure: another provider of the model may take it)
-            raise ProviderError(f"provider {self.provider.id}: {exc}", status=400, detail=detail,
-                                retry=Retry.ELSEWHERE) from None
+            raise not_taken(self.provider.id, str(exc), exc.param) from None
         model = str(body["model"])
         env = {k: v for k, v in os.environ.items() if k not in self.secret_env}
         env.update(IOP_MODEL=model, IOP_REQUEST_ID=request_id)

@@ -19,7 +19,7 @@ from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
 from workers.adapters import sending
-from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
+from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry, not_taken
 from workers.adapters.embeddings import embeddings_problem, inputs
 from workers.adapters.failures import (
     answered_error,
@@ -140,9 +140,7 @@ class OllamaAdapter:
         return answered_error(self.provider.id, status, message, detail if error or status != 404 else None, served)
 
     def _unsupported(self, exc: wire.UnsupportedRequest) -> ProviderError:
-        detail = {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": None}
-        # (what Ollama cannot take another provider of the model may: no strike, tried there first)
-        return ProviderError(f"provider {self.provider.id}: {exc}", status=400, detail=detail, retry=Retry.ELSEWHERE)
+        return not_taken(self.provider.id, str(exc), exc.param)
 
     def _failed(self, exc: BaseException) -> ProviderError:
         return transport_error(self.provider.id, exc, connect_ms=self.provider.connect_timeout_ms,

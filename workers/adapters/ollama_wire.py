@@ -3,7 +3,8 @@
 
 Request fields that have an Ollama equivalent are mapped (`max_tokens` ->
 `options.num_predict`, `temperature`, `top_p`, `seed`, `stop`, penalties,
-`response_format` -> `format`, `tools`); Ollama's own `options`, `keep_alive`, `think`,
+`response_format` -> `format`, `tools`, left out with `tool_choice: "none"`; a `developer`
+message goes as `system`); Ollama's own `options`, `keep_alive`, `think`,
 `raw`, `suffix` and `truncate` pass through; other OpenAI fields have no native meaning
 and are dropped.
 """
@@ -108,6 +109,9 @@ def _content(content: Any, path: str) -> tuple[str, list[str]]:
             if not (isinstance(url, str) and url.startswith("data:") and ";base64," in url):
                 raise UnsupportedRequest("Ollama takes images only as base64 data URLs", f"{path}[{i}].image_url")
             images.append(url.split(";base64,", 1)[1])
+        else:  # (audio, a file, a part of a kind to come: the model would not see it)
+            shown = str(kind)[:40] if kind is not None else "untyped"
+            raise UnsupportedRequest(f"Ollama takes text and images, not a {shown!r} part", f"{path}[{i}]")
     return "\n".join(texts), images
 
 
@@ -149,19 +153,35 @@ def _native_tool_calls(calls: Any, path: str) -> list[Json]:
     return out
 
 
+#: OpenAI message roles Ollama's chat templates do not know -> the role they mean
+ROLES = {"developer": "system"}
+
+
 def _messages(messages: Any) -> list[Json]:
+    """OpenAI's messages -> Ollama's. A `developer` message (OpenAI's newer name for `system`)
+    goes as `system`; a tool result names its tool (`tool_name`): from its `name`, else from the
+    earlier assistant call its `tool_call_id` answers."""
     out = []
+    called: dict[str, str] = {}  # tool call id -> the function's name
     for i, msg in enumerate(messages if isinstance(messages, list) else []):
         if not isinstance(msg, dict):
             continue
         text, images = _content(msg.get("content"), f"messages[{i}].content")
-        native: Json = {"role": msg.get("role", "user"), "content": text}
+        role = msg.get("role", "user")
+        native: Json = {"role": ROLES.get(role, role) if isinstance(role, str) else role, "content": text}
         if images:
             native["images"] = images
         if msg.get("tool_calls"):
             native["tool_calls"] = _native_tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
-        if msg.get("role") == "tool" and msg.get("name"):
-            native["tool_name"] = msg["name"]
+            for call in msg["tool_calls"] if isinstance(msg["tool_calls"], list) else []:
+                name = _function(call).get("name")
+                if isinstance(call, dict) and isinstance(call.get("id"), str) and isinstance(name, str):
+                    called[call["id"]] = name
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            name = msg.get("name") or (called.get(call_id) if isinstance(call_id, str) else None)
+            if name:
+                native["tool_name"] = name
         out.append(native)
     return out
 
@@ -169,7 +189,7 @@ def _messages(messages: Any) -> list[Json]:
 def chat_request(body: Json, stream: bool) -> Json:
     native = _common(body)
     native["messages"] = _messages(body.get("messages"))
-    if body.get("tools"):
+    if body.get("tools") and body.get("tool_choice") != "none":  # ("none": the model calls no tool)
         native["tools"] = body["tools"]
     native["stream"] = stream
     return native
