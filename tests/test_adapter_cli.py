@@ -278,3 +278,29 @@ async def test_the_tool_does_not_inherit_other_providers_api_keys(monkeypatch: p
         secret_env=frozenset({"OTHER_PROVIDER_KEY"}))
     answer = await cli.complete(RunKind.CHAT, chat("x"), "r")
     assert answer["choices"][0]["message"]["content"].split() == ["absent", "kept", SERVED]
+
+
+async def test_max_tokens_and_stop_cut_the_output_and_stop_the_tool(tmp_path: Path) -> None:
+    """The tool is not told of them: iop applies them to its output (tokens counted in words, as
+    the usage is), with the finish_reason a server gives, and stops the tool there (they were
+    dropped: a caller's max_tokens was not a bound)."""
+    answer = await adapter("--words", "10").complete(RunKind.CHAT, chat(max_tokens=3), "r")
+    validate("CreateChatCompletionResponse", answer)
+    assert answer["choices"][0]["message"]["content"] == "w0 w1 w2"
+    assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 3
+    answer = await adapter("--words", "10").complete(RunKind.COMPLETION, {"model": SERVED, "prompt": "a",
+                                                                          "stop": [" w4", "w7"]}, "r")
+    assert answer["choices"][0]["text"] == "w0 w1 w2 w3" and answer["choices"][0]["finish_reason"] == "stop"
+    answer = await adapter("--words", "2").complete(RunKind.CHAT, chat(max_tokens=5), "r")  # (under the limit)
+    assert answer["choices"][0]["message"]["content"] == "w0 w1 " and answer["choices"][0]["finish_reason"] == "stop"
+
+    # A tool that would go on for ten minutes: its first word is all it may say, and it is stopped.
+    pid_file = tmp_path / "pids"
+    chunks = await collect(adapter("--hang", "--pid-file", str(pid_file)),
+                           chat(max_completion_tokens=1, stream=True, stream_options={"include_usage": True}))
+    for c in chunks:
+        validate("CreateChatCompletionStreamResponse", c)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "w0"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 1
+    wait_gone(read_pids(pid_file))

@@ -24,7 +24,7 @@ import contextlib
 import os
 import shutil
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from types import TracebackType
 from typing import Any
 
@@ -36,6 +36,7 @@ from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderErr
 from workers.adapters.failures import one_line
 from workers.adapters.openai_shapes import Shaper, usage
 from workers.adapters.prompt_text import NotForCli, prompt_text
+from workers.adapters.text_limits import TextLimits
 
 Json = dict[str, Any]
 
@@ -165,7 +166,7 @@ class ToolRun:
             return None
         raise TimeoutError
 
-    async def reads(self) -> AsyncIterator[str]:
+    async def reads(self) -> AsyncGenerator[str, None]:
         """stdout as text, one piece per read, until EOF or until the tool has exited and its
         output has been drained.
 
@@ -282,31 +283,45 @@ class CliAdapter:
         env.update(IOP_MODEL=model, IOP_REQUEST_ID=request_id)
         return ToolRun(self.provider, argv_for(self.command, model), env, prompt.encode()), prompt
 
+    async def _output(self, tool: ToolRun, limits: TextLimits) -> AsyncIterator[str]:
+        """The tool's output as it may go to the caller, cut at the request's `max_tokens` and
+        `stop` (`limits.finish` says which; the tool is stopped there), else up to the tool's
+        exit, which must be a success."""
+        async with tool, contextlib.aclosing(tool.reads()) as reads:
+            async for piece in reads:
+                text = limits.feed(piece)
+                if text:
+                    yield text
+                if limits.finish is not None:
+                    return  # (the tool, still running, is killed on leaving)
+            await tool.exit_status(self.limits.error_chars)
+        rest = limits.feed("", final=True)
+        if rest:
+            yield rest
+
     async def complete(self, kind: RunKind, body: Json, request_id: str) -> Json:
         tool, prompt = self._run(kind, body, request_id)
+        limits = TextLimits.of(body)
         pieces: list[str] = []
         size = 0
-        async with tool:
-            async for piece in tool.reads():
-                size += len(piece.encode())
-                if size > self.limits.response_bytes:
-                    raise self.limits.too_large(self.provider.id, "an answer", self.limits.response_bytes)
-                pieces.append(piece)
-            await tool.exit_status(self.limits.error_chars)
+        async for piece in self._output(tool, limits):
+            size += len(piece.encode())
+            if size > self.limits.response_bytes:
+                raise self.limits.too_large(self.provider.id, "an answer", self.limits.response_bytes)
+            pieces.append(piece)
         text = "".join(pieces)
         shaper = Shaper(kind, request_id, str(body["model"]))
-        return shaper.response(text, "stop", usage(len(prompt.split()), len(text.split())))
+        return shaper.response(text, limits.finish or "stop", usage(len(prompt.split()), len(text.split())))
 
     async def stream(self, kind: RunKind, body: Json, request_id: str) -> AsyncIterator[list[Json]]:
         tool, prompt = self._run(kind, body, request_id)
+        limits = TextLimits.of(body)
         shaper = Shaper(kind, request_id, str(body["model"]))
         output: list[str] = []
-        async with tool:
-            async for piece in tool.reads():
-                output.append(piece)
-                yield [shaper.delta(piece)]
-            await tool.exit_status(self.limits.error_chars)
-        final = [shaper.delta(finish_reason="stop")]
+        async for piece in self._output(tool, limits):
+            output.append(piece)
+            yield [shaper.delta(piece)]
+        final = [shaper.delta(finish_reason=limits.finish or "stop")]
         if wants_usage(body):
             final.append(shaper.usage_chunk(usage(len(prompt.split()), len("".join(output).split()))))
         yield final

@@ -1,0 +1,82 @@
+"""A request's `max_tokens` and `stop` applied to a CLI tool's output, which the tool is not told
+of. Pure.
+
+Tokens are counted as the run's usage counts them, in whitespace-separated words: the output
+ends after the `max_tokens`-th word (`finish_reason: length`). It ends before the first `stop`
+string (`finish_reason: stop`), which is not sent. Text that could still turn out to be past
+either limit is held back until the next piece or the end: the end of a word not yet followed by
+whitespace, and the last characters that could begin a stop string.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+#: OpenAI allows up to 4 stop strings; more are ignored here
+MAX_STOPS = 4
+_WORD = re.compile(r"\S+")
+
+
+class TextLimits:
+    __slots__ = ("max_words", "stops", "held", "words", "finish")
+
+    def __init__(self, max_words: int | None = None, stops: tuple[str, ...] = ()) -> None:
+        self.max_words = max_words
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+        #: words released so far
+        self.words = 0
+        #: "length" or "stop" once a limit cut the output: nothing more is to be read
+        self.finish: str | None = None
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> TextLimits:
+        """The limits a request asks for (`max_completion_tokens`, else `max_tokens`; `stop`, a
+        string or a list of them). A field of another type is left to be the provider's
+        business, as every field iop does not read."""
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_words = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0 else None
+        stop = body.get("stop")
+        stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop[:MAX_STOPS] if isinstance(s, str)) \
+            if isinstance(stop, list) else ()
+        return cls(max_words, stops)
+
+    @property
+    def active(self) -> bool:
+        return self.max_words is not None or bool(self.stops)
+
+    def feed(self, text: str, final: bool = False) -> str:
+        """What of the output so far may go to the caller now, given the next piece `text`
+        (`final`: the output ended). Once `finish` is set, nothing more."""
+        if self.finish is not None:
+            return ""
+        buf = self.held + text
+        cut = len(buf)
+        if self.max_words == 0:
+            cut, self.finish = 0, "length"
+        elif self.max_words is not None:
+            for count, word in enumerate(_WORD.finditer(buf), self.words + 1):
+                if count == self.max_words and (word.end() < len(buf) or final):
+                    cut, self.finish = word.end(), "length"
+                    break
+        for stop in self.stops:
+            at = buf.find(stop)
+            if 0 <= at < cut:
+                cut, self.finish = at, "stop"
+        if self.finish is None and not final:
+            cut = self._safe(buf)
+        out, self.held = buf[:cut], buf[cut:]
+        self.words += len(_WORD.findall(out))
+        return out
+
+    def _safe(self, buf: str) -> int:
+        """How much of `buf` no later text can put past a limit: not the last characters that
+        could begin a stop string, nor a word that may go on."""
+        safe = len(buf)
+        if self.stops:
+            safe -= max(len(s) for s in self.stops) - 1
+        if self.max_words is not None:
+            while 0 < safe and not buf[safe - 1].isspace() and (safe == len(buf) or not buf[safe].isspace()):
+                safe -= 1  # (inside a word, or at the end of one that may go on)
+        return max(safe, 0)
