@@ -304,3 +304,14 @@ async def test_max_tokens_and_stop_cut_the_output_and_stop_the_tool(tmp_path: Pa
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 1
     wait_gone(read_pids(pid_file))
+
+
+async def test_a_stream_closed_by_its_reader_stops_the_tool_before_the_close_returns(tmp_path: Path) -> None:
+    """(the worker closes an adapter's stream when it stops reading it: the tool must not go on)"""
+    pid_file = tmp_path / "pids"
+    stream = adapter("--hang", "--pid-file", str(pid_file)).stream(RunKind.CHAT, chat(stream=True), "r")
+    assert "w0" in json.dumps(await stream.__anext__())
+    tool_pid = read_pids(pid_file)[0]
+    await cast(Any, stream).aclose()
+    assert not alive(tool_pid)
+    wait_gone(read_pids(pid_file))

@@ -283,7 +283,7 @@ class CliAdapter:
         env.update(IOP_MODEL=model, IOP_REQUEST_ID=request_id)
         return ToolRun(self.provider, argv_for(self.command, model), env, prompt.encode()), prompt
 
-    async def _output(self, tool: ToolRun, limits: TextLimits) -> AsyncIterator[str]:
+    async def _output(self, tool: ToolRun, limits: TextLimits) -> AsyncGenerator[str, None]:
         """The tool's output as it may go to the caller, cut at the request's `max_tokens` and
         `stop` (`limits.finish` says which; the tool is stopped there), else up to the tool's
         exit, which must be a success."""
@@ -304,11 +304,12 @@ class CliAdapter:
         limits = TextLimits.of(body)
         pieces: list[str] = []
         size = 0
-        async for piece in self._output(tool, limits):
-            size += len(piece.encode())
-            if size > self.limits.response_bytes:
-                raise self.limits.too_large(self.provider.id, "an answer", self.limits.response_bytes)
-            pieces.append(piece)
+        async with contextlib.aclosing(self._output(tool, limits)) as output:  # (the tool stops with it)
+            async for piece in output:
+                size += len(piece.encode())
+                if size > self.limits.response_bytes:
+                    raise self.limits.too_large(self.provider.id, "an answer", self.limits.response_bytes)
+                pieces.append(piece)
         text = "".join(pieces)
         shaper = Shaper(kind, request_id, str(body["model"]))
         return shaper.response(text, limits.finish or "stop", usage(len(prompt.split()), len(text.split())))
@@ -318,9 +319,11 @@ class CliAdapter:
         limits = TextLimits.of(body)
         shaper = Shaper(kind, request_id, str(body["model"]))
         output: list[str] = []
-        async for piece in self._output(tool, limits):
-            output.append(piece)
-            yield [shaper.delta(piece)]
+        # (closed with this stream: a caller that stops reading it stops the tool at once)
+        async with contextlib.aclosing(self._output(tool, limits)) as pieces:
+            async for piece in pieces:
+                output.append(piece)
+                yield [shaper.delta(piece)]
         final = [shaper.delta(finish_reason=limits.finish or "stop")]
         if wants_usage(body):
             final.append(shaper.usage_chunk(usage(len(prompt.split()), len("".join(output).split()))))
