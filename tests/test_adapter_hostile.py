@@ -7,8 +7,10 @@ ProviderError; never a hang, a leak to another host, or an exception the runner 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -1245,3 +1247,21 @@ async def test_the_grace_after_the_finish_is_not_kept_open_by_what_the_provider_
     adapter = OpenAICompatAdapter(openai(raw.url, read_timeout_ms=60_000), session)
     chunks = await asyncio.wait_for(collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1")), 30)
     assert text_of(chunks) == "a b"
+
+
+async def test_embeddings_asked_in_base64_come_in_base64_from_a_server_that_ignores_the_field(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    """(llama-cpp-python's server answers numbers whatever `encoding_format` says: a caller that
+    asked for base64 got a list, found by an openai-client audit.) Vectors per token and numbers
+    beyond 32-bit floats stay as they came; a caller that did not ask gets numbers."""
+    vectors = [[0.5, -1.25, 3.0], [[0.5, 1.0], [2.0, 4.0]], [1e300, 0.0]]
+    raw.answers["/v1/embeddings"] = whole("200 OK", json.dumps({"object": "list", "model": SERVED, "data": [
+        {"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]}).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    body = {"model": SERVED, "input": ["a", "b", "c"], "encoding_format": "base64"}
+    answer = await adapter.complete(RunKind.EMBEDDING, body, "run_1")
+    first = answer["data"][0]["embedding"]
+    assert isinstance(first, str) and struct.unpack("<3f", base64.b64decode(first)) == (0.5, -1.25, 3.0)
+    assert [d["embedding"] for d in answer["data"][1:]] == vectors[1:]
+    answer = await adapter.complete(RunKind.EMBEDDING, {**body, "encoding_format": "float"}, "run_2")
+    assert [d["embedding"] for d in answer["data"]] == vectors

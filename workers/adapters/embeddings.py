@@ -5,11 +5,16 @@ A provider's answer with fewer vectors than inputs, `data` that is not a list of
 `embedding` that is neither a list of numbers (or of lists of numbers) nor base64 text would reach
 the caller as a 200 its client then fails on (`'str' object has no attribute 'embedding'`, "Incorrect padding"): it is
 the provider's error instead.
+
+A caller that asked for `encoding_format: base64` gets base64 whatever the provider sent:
+llama-cpp-python's server ignores the field and answers numbers (`in_base64`).
 """
 
 from __future__ import annotations
 
+import base64
 import binascii
+import struct
 from typing import Any
 
 
@@ -48,3 +53,24 @@ def _are_numbers(value: Any) -> bool:
     """A vector of numbers: llama-cpp-python's server gives one for each token of an input when its
     model does no pooling, a list of them where OpenAI's has numbers."""
     return isinstance(value, list) and all(_is_number(x) for x in value)
+
+
+def base64_vector(vector: list[float]) -> str:
+    """A vector as OpenAI's base64 embedding: little-endian 32-bit floats. ValueError when a
+    number is beyond what a 32-bit float holds."""
+    try:
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    except (OverflowError, struct.error):
+        raise ValueError("an embedding beyond 32-bit floats") from None
+
+
+def in_base64(answer: dict[str, Any]) -> None:
+    """Write the embeddings of a checked answer (`embeddings_problem`) that came as numbers in
+    base64, in place. A vector per token (lists of lists) or beyond 32-bit floats stays as it came."""
+    for item in answer["data"]:
+        vector = item["embedding"]
+        if isinstance(vector, list) and all(_is_number(x) for x in vector):
+            try:
+                item["embedding"] = base64_vector(vector)
+            except ValueError:
+                pass

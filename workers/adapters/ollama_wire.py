@@ -11,13 +11,12 @@ and are dropped.
 
 from __future__ import annotations
 
-import base64
 import json
-import struct
 from typing import Any
 
 from common import jsonio
 from common.wire import RunKind
+from workers.adapters.embeddings import base64_vector
 from workers.adapters.openai_shapes import asks_several_choices, usage
 from workers.adapters.reading import MAX_DEPTH, deeper_than
 
@@ -286,8 +285,8 @@ def _encode(vector: Any, encoding_format: Any) -> list[float] | str:
         raise ValueError("the answer of /api/embed has an embedding that is not a list of numbers")
     if encoding_format == "base64":
         try:
-            return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-        except (OverflowError, struct.error):  # beyond what a 32-bit float holds
+            return base64_vector(vector)
+        except ValueError:
             raise ValueError("the answer of /api/embed has an embedding beyond 32-bit floats") from None
     return vector
 

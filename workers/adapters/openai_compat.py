@@ -38,7 +38,7 @@ from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import sending
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
-from workers.adapters.embeddings import embeddings_problem, inputs
+from workers.adapters.embeddings import embeddings_problem, in_base64, inputs
 from workers.adapters.failures import (
     answered_error,
     one_line,
@@ -379,6 +379,8 @@ class OpenAICompatAdapter:
         if problem:
             raise ProviderError(f"provider {self.provider.id} answered embeddings {problem}", retry=Retry.ELSEWHERE,
                                 strikes=0)
+        if kind is RunKind.EMBEDDING and body.get("encoding_format") == "base64":
+            in_base64(data)  # (a server that ignores the field answers numbers)
         return data
 
     async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
