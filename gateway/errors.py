@@ -160,6 +160,7 @@ def from_status(status: int, message: str) -> ApiError:
     code = _HTTP_CODES.get(status, ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL)
     return ApiError(code, message, status=status)
 
+
 #: What a caller who reached an unknown path is told the gateway serves (OpenAI's own API has more)
 SERVED_PATHS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models "
                 "and the runs API (GET /v1/runs/{id})")

@@ -338,3 +338,7 @@ def test_a_developer_message_goes_as_system() -> None:
     body = {"model": "m", "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]}
     _, native = wire.request(RunKind.CHAT, body, stream=False)
     assert [m["role"] for m in native["messages"]] == ["system", "user"]
+    # (an assistant's refusal part, replayed in the history, is its text)
+    body["messages"].append({"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't"}]})
+    _, native = wire.request(RunKind.CHAT, body, stream=False)
+    assert native["messages"][-1] == {"role": "assistant", "content": "I can't"}

@@ -108,6 +108,8 @@ def _content(content: Any, path: str) -> tuple[str, list[str]]:
             if not (isinstance(url, str) and url.startswith("data:") and ";base64," in url):
                 raise UnsupportedRequest("Ollama takes images only as base64 data URLs", f"{path}[{i}].image_url")
             images.append(url.split(";base64,", 1)[1])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):  # (an assistant's, replayed)
+            texts.append(part["refusal"])
         else:  # (audio, a file, a part of a kind to come: the model would not see it)
             shown = str(kind)[:40] if kind is not None else "untyped"
             raise UnsupportedRequest(f"Ollama takes text and images, not a {shown!r} part", f"{path}[{i}]")
