@@ -335,7 +335,8 @@ def test_a_developer_message_goes_as_system() -> None:
     chat templates know system, user, assistant and tool)"""
     from workers.adapters import ollama_wire as wire
 
-    body = {"model": "m", "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "developer", "content": "be brief"},
+                                                    {"role": "user", "content": "hi"}]}
     _, native = wire.request(RunKind.CHAT, body, stream=False)
     assert [m["role"] for m in native["messages"]] == ["system", "user"]
     # (an assistant's refusal part, replayed in the history, is its text)
