@@ -18,9 +18,9 @@ import pytest
 
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import RunKind
+from common.wire import ErrorCode, RunKind
 from tests.openapi import validate
-from workers.adapters.base import ProviderError, Retry
+from workers.adapters.base import ProviderError, ReadLimits, Retry
 from workers.adapters.cli import CliAdapter, ToolRun, argv_for, find_executable
 from workers.adapters.prompt_text import flatten_messages
 
@@ -315,3 +315,22 @@ async def test_a_stream_closed_by_its_reader_stops_the_tool_before_the_close_ret
     await cast(Any, stream).aclose()
     assert not alive(tool_pid)
     wait_gone(read_pids(pid_file))
+
+
+async def test_a_word_held_for_max_tokens_is_bounded_by_the_line_limit() -> None:
+    """A word is held until whitespace ends it (it may be the max_tokens-th): a tool that writes one
+    that never ends fails at `runtime.max_line_bytes` (it was held whole, however large)."""
+    limits = ReadLimits(line_bytes=1000)
+    command = [sys.executable, SCRIPT, "--model", "{model}", "--echo"]
+    cli = CliAdapter(ProviderConfig.model_validate(
+        {"id": "cli-c", "type": "cli", "command": command, "capacity": 1, "models": [SERVED]}), limits=limits)
+    for stream in (False, True):
+        with pytest.raises(ProviderError) as err:
+            if stream:
+                await collect(cli, chat("x" * 5000, max_tokens=3, stream=True))
+            else:
+                await cli.complete(RunKind.CHAT, chat("x" * 5000, max_tokens=3), "r")
+        assert err.value.code is ErrorCode.OUTPUT_TOO_LARGE
+        assert err.value.message == "provider cli-c sent a word over 1000 bytes"
+    answer = await cli.complete(RunKind.CHAT, chat("x" * 5000), "r")  # (nothing held without max_tokens)
+    assert answer["choices"][0]["message"]["content"] == "x" * 5000

@@ -5,7 +5,8 @@ Tokens are counted as the run's usage counts them, in whitespace-separated words
 ends after the `max_tokens`-th word (`finish_reason: length`). It ends before the first `stop`
 string (`finish_reason: stop`), which is not sent. Text that could still turn out to be past
 either limit is held back until the next piece or the end: the end of a word not yet followed by
-whitespace, and the last characters that could begin a stop string.
+whitespace, and the last characters that could begin a stop string. What is held is bounded by
+the caller (`CliAdapter` fails a run whose held word passes `runtime.max_line_bytes`).
 """
 
 from __future__ import annotations
@@ -38,13 +39,10 @@ class TextLimits:
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         max_words = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0 else None
         stop = body.get("stop")
-        stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop[:MAX_STOPS] if isinstance(s, str)) \
-            if isinstance(stop, list) else ()
-        return cls(max_words, stops)
-
-    @property
-    def active(self) -> bool:
-        return self.max_words is not None or bool(self.stops)
+        if isinstance(stop, str):
+            return cls(max_words, (stop,))
+        stops = stop[:MAX_STOPS] if isinstance(stop, list) else []
+        return cls(max_words, tuple(s for s in stops if isinstance(s, str)))
 
     def feed(self, text: str, final: bool = False) -> str:
         """What of the output so far may go to the caller now, given the next piece `text`
@@ -67,7 +65,8 @@ class TextLimits:
         if self.finish is None and not final:
             cut = self._safe(buf)
         out, self.held = buf[:cut], buf[cut:]
-        self.words += len(_WORD.findall(out))
+        if self.max_words is not None:
+            self.words += len(_WORD.findall(out))
         return out
 
     def _safe(self, buf: str) -> int:
