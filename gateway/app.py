@@ -24,8 +24,9 @@ from gateway.connections import BODY, expect_handler, forget_body
 from gateway.errors import ApiError
 from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
-from gateway.requests import RUN_ROUTES, parse_request
+from gateway.requests import RESPONSES_PATH, RUN_ROUTES, parse_request, parse_responses
 from gateway.responses import SSEStream, run_headers, stream_response, whole_response
+from gateway.responses_output import ResponseShape
 from gateway.runs import RunClient, new_run_id
 from gateway.stopping import Stopping
 
@@ -72,18 +73,20 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def run_request(request: web.Request) -> web.StreamResponse:
-    """A chat completion, legacy completion or embeddings request (the route says which; one
-    handler for the three: a waiting caller holds no frame more)."""
+    """A chat completion, legacy completion, embeddings or Responses API request (the route says
+    which; one handler for the four: a waiting caller holds no frame more)."""
     cfg = request.app[CONFIG]
     resource = request.match_info.route.resource
     assert resource is not None
-    req = parse_request(RUN_ROUTES[resource.canonical], request[BODY], max_depth=cfg.runtime.max_json_depth,
-                        max_containers=cfg.runtime.max_json_containers)
+    limits = {"max_depth": cfg.runtime.max_json_depth, "max_containers": cfg.runtime.max_json_containers}
+    req = (parse_responses(request[BODY], **limits) if resource.canonical == RESPONSES_PATH
+           else parse_request(RUN_ROUTES[resource.canonical], request[BODY], **limits))
     forget_body(request)
     model = _model_for(request, req.model)
     request[metrics.MODEL] = model.id
     runs = request.app[RUNS]
     run_id = new_run_id()
+    shape = None if req.echo is None else ResponseShape(run_id, model.id, req.echo)
     submitted = finished = False
     out: SSEStream | None = None
     stopping = request.app[STOPPING]
@@ -96,11 +99,11 @@ async def run_request(request: web.Request) -> web.StreamResponse:
             del req  # the body is in the run record now: a waiting caller keeps no parsed copy of it
             with runs.deadlines.within(runs.follow_deadline_s(model.id)):
                 if stream:
-                    out = SSEStream(request, run_id, limit_headers)
+                    out = SSEStream(request, run_id, limit_headers, shape)
                     resp = await stream_response(request, follower, model.id, out,
                                                  cfg.runtime.stream_keepalive_ms / 1000)
                 else:
-                    resp = await whole_response(follower, model.id, run_id, limit_headers)
+                    resp = await whole_response(follower, model.id, run_id, limit_headers, shape)
         finished = True
         return resp
     except TimeoutError:
@@ -181,7 +184,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     app[STARTED] = time.time()
     app[STOPPING] = Stopping()
     app.cleanup_ctx.append(_redis_ctx)
-    for path in RUN_ROUTES:
+    for path in (*RUN_ROUTES, RESPONSES_PATH):
         app.router.add_post(path, run_request)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)

@@ -162,8 +162,8 @@ def from_status(status: int, message: str) -> ApiError:
 
 
 #: What a caller who reached an unknown path is told the gateway serves (OpenAI's own API has more)
-SERVED_PATHS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models "
-                "and the runs API (GET /v1/runs/{id})")
+SERVED_PATHS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/responses, "
+                "GET /v1/models and the runs API (GET /v1/runs/{id})")
 #: How much of an unknown path an error repeats
 MAX_SHOWN_PATH = 200
 
@@ -171,7 +171,7 @@ MAX_SHOWN_PATH = 200
 def unknown_path(request: web.Request) -> str:
     """The message of a 404 for a path the gateway does not serve, in OpenAI's words ("Invalid
     URL (POST /v1/x)"), with what it does serve: an `openai` client's call of an endpoint iop
-    does not have (`client.responses.create`) says so. The path is cut at `MAX_SHOWN_PATH`."""
+    does not have (`client.audio.speech.create`) says so. The path is cut at `MAX_SHOWN_PATH`."""
     path = request.path
     shown = path if len(path) <= MAX_SHOWN_PATH else path[:MAX_SHOWN_PATH] + "…"
     return f"Invalid URL ({request.method} {shown}): iop serves {SERVED_PATHS}"

@@ -33,7 +33,7 @@ from common.keys import USAGE_FIELDS
 from common.metrics_http import exposition, labelled
 from common.usage import Usage, read_totals
 from gateway.admission import ConnectionGuard
-from gateway.requests import RUN_ROUTES
+from gateway.requests import ENDPOINTS
 
 REGISTRY = CollectorRegistry()
 
@@ -56,9 +56,8 @@ _TOKEN_SEEN = web.RequestKey("iop_token_seen", bool)
 STREAM_ERROR = web.RequestKey("iop_stream_error", int)
 
 def _endpoint(request: web.Request) -> str | None:
-    """The run route's kind (the `endpoint` label), for a run request."""
-    kind = RUN_ROUTES.get(request.path) if request.method == "POST" else None
-    return None if kind is None else kind.value
+    """The run route's `endpoint` label, for a run request."""
+    return ENDPOINTS.get(request.path) if request.method == "POST" else None
 
 
 def begin(request: web.Request) -> str | None:

@@ -19,10 +19,16 @@ from common.config import RuntimeConfig
 from common.wire import RunKind
 from gateway.body_limits import depth_problem, too_many_containers, wire_problem
 from gateway.errors import invalid
+from gateway.responses_request import to_chat
 
 #: The run routes (POST) and the kind of run each asks for.
 RUN_ROUTES = {"/v1/chat/completions": RunKind.CHAT, "/v1/completions": RunKind.COMPLETION,
               "/v1/embeddings": RunKind.EMBEDDING}
+#: OpenAI's Responses API: a chat completion run, its request and answer translated
+#: (`gateway.responses_request`, `gateway.responses_output`)
+RESPONSES_PATH = "/v1/responses"
+#: each run route's `endpoint` label in the metrics
+ENDPOINTS = {**{path: kind.value for path, kind in RUN_ROUTES.items()}, RESPONSES_PATH: "responses"}
 
 DEFAULT_MAX_DEPTH: int = RuntimeConfig().max_json_depth
 DEFAULT_MAX_CONTAINERS: int = RuntimeConfig().max_json_containers
@@ -36,6 +42,8 @@ class ParsedRequest:
     body: dict[str, Any]
     #: the body as msgpack, as it is queued (None: not packed yet)
     packed: bytes | None = None
+    #: a Responses API request's fields that its answer repeats (None: not such a request)
+    echo: dict[str, Any] | None = None
 
 
 def _is_token_list(value: Any) -> bool:
@@ -158,12 +166,28 @@ def json_object(raw: bytes, max_depth: int, max_containers: int = DEFAULT_MAX_CO
     return body
 
 
-def parse_request(kind: RunKind, raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH,
-                  max_containers: int = DEFAULT_MAX_CONTAINERS) -> ParsedRequest:
-    body = json_object(raw, max_depth, max_containers)
+def _model(body: dict[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string", "model")
+    return model
+
+
+def parse_request(kind: RunKind, raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH,
+                  max_containers: int = DEFAULT_MAX_CONTAINERS) -> ParsedRequest:
+    body = json_object(raw, max_depth, max_containers)
+    model = _model(body)
     _CHECKS[kind](body)
     stream = _check_stream(body, kind)
     return ParsedRequest(kind=kind, model=model, stream=stream, body=body, packed=_pack(body))
+
+
+def parse_responses(raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH,
+                    max_containers: int = DEFAULT_MAX_CONTAINERS) -> ParsedRequest:
+    """A Responses API request as the chat completion run it becomes."""
+    body = json_object(raw, max_depth, max_containers)
+    model = _model(body)
+    stream = _check_stream(body, RunKind.CHAT)
+    translated = to_chat(body, stream)
+    return ParsedRequest(kind=RunKind.CHAT, model=model, stream=stream, body=translated.chat,
+                         packed=_pack(translated.chat), echo=translated.echo)

@@ -13,6 +13,7 @@ from common.wire import ErrorInfo, EventType
 from gateway import metrics
 from gateway.errors import ApiError
 from gateway.events import Follower
+from gateway.responses_output import ResponseShape
 
 RUN_ID_HEADER = "X-IOP-Run-Id"
 #: OpenAI's header for a request's id (the `openai` client's `_request_id`): the run's id here too
@@ -50,14 +51,16 @@ def run_headers(run_id: str) -> dict[str, str]:
 
 
 async def whole_response(follower: Follower, model_id: str, run_id: str,
-                         limit_headers: Mapping[str, str]) -> web.Response:
-    """The run's answer as one JSON body once it completed; a failure raises its error."""
+                         limit_headers: Mapping[str, str], shape: ResponseShape | None = None) -> web.Response:
+    """The run's answer as one JSON body once it completed (`shape`: a Responses API request's,
+    as a Response); a failure raises its error."""
     while True:
         event = await follower.next()
         if event is None:
             continue
         if event.type == EventType.COMPLETED:
-            body = with_model(event.data.get("response", {}), model_id)
+            answer = event.data.get("response", {})
+            body = with_model(answer, model_id) if shape is None else shape.whole(answer)
             return json_response(body, headers=answer_headers(run_id, limit_headers))
         if event.type == EventType.FAILED:
             raise ApiError.from_info(ErrorInfo.from_wire(event.data))
@@ -73,15 +76,26 @@ class _Stream(web.StreamResponse):
 
 class SSEStream:
     """An SSE answer whose headers go out only when needed: with the first output, or with the
-    first keep-alive comment. Until then a failure keeps its own HTTP status."""
+    first keep-alive comment. Until then a failure keeps its own HTTP status. Chat chunks, or
+    with `shape` a Responses API request's events."""
 
-    __slots__ = ("request", "run_id", "limit_headers", "resp")
+    __slots__ = ("request", "run_id", "limit_headers", "resp", "shape")
 
-    def __init__(self, request: web.Request, run_id: str, limit_headers: Mapping[str, str]) -> None:
+    def __init__(self, request: web.Request, run_id: str, limit_headers: Mapping[str, str],
+                 shape: ResponseShape | None = None) -> None:
         self.request = request
         self.run_id = run_id
         self.limit_headers = limit_headers
         self.resp: web.StreamResponse | None = None
+        self.shape = shape
+
+    def chunks(self, chunks: list[Any], model_id: str) -> bytes:
+        """A delta's chunks as this answer's SSE lines."""
+        return sse_chunks(chunks, model_id) if self.shape is None else self.shape.events(chunks)
+
+    def done(self) -> bytes:
+        """The last SSE lines of an answer whose run completed."""
+        return SSE_DONE if self.shape is None else self.shape.completed()
 
     async def _started(self) -> web.StreamResponse:
         if self.resp is None:
@@ -117,7 +131,8 @@ class SSEStream:
         """End the answer with `before`, then `error` OpenAI-shaped in the stream, then `[DONE]`
         (counted under the error's status)."""
         self.request[metrics.STREAM_ERROR] = error.status
-        return await self.end(before + sse(error.body()) + SSE_DONE)
+        told = sse(error.body()) + SSE_DONE if self.shape is None else self.shape.failed(error)
+        return await self.end(before + told)
 
     async def end(self, data: bytes) -> web.StreamResponse:
         """The last bytes and the end of the answer, in one write (with the headers, if they have
@@ -146,10 +161,10 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
         for event in events:
             if event.type == EventType.DELTA:
                 chunks = event.data.get("chunks", [])
-                parts.append(sse_chunks(chunks, model_id))
+                parts.append(out.chunks(chunks, model_id))
                 metrics.streamed(request, chunks)
             elif event.type == EventType.COMPLETED:
-                return await out.end(b"".join(parts) + SSE_DONE)
+                return await out.end(b"".join(parts) + out.done())
             elif event.type == EventType.FAILED:
                 info = ErrorInfo.from_wire(event.data)
                 if out.resp is None and not parts:  # (raised unbound: a local of this frame, which its

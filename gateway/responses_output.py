@@ -1,0 +1,307 @@
+"""A chat completion run's answer as OpenAI's Responses API has it: one Response object, or the
+stream of Response events (`response.created` … `response.completed`). Pure: no I/O.
+
+What the chat answer's first choice holds becomes output items, in this order: its reasoning
+(`reasoning_content` or `reasoning`) a `reasoning` item, its text and refusal one `message`
+item, each tool call a `function_call` item. A `finish_reason` of `length` or `content_filter`
+makes the Response `incomplete`. Usage is renamed (`input_tokens`, `output_tokens`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from common.chunks import token_counts
+from common.jsonio import dumps
+from common.wire import ErrorCode
+from gateway.errors import ApiError
+
+#: a chat `finish_reason` that leaves the Response incomplete, and the reason it says
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+#: the part of a message each kind of text goes in, and its field there
+_PART_FIELD = {"output_text": "text", "refusal": "refusal"}
+
+
+def response_id(run_id: str) -> str:
+    """The Response's id: the run's own, as OpenAI spells a Response's (`resp_…`)."""
+    return "resp_" + run_id.removeprefix("run_")
+
+
+def _usage(usage: Any) -> dict[str, Any] | None:
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = token_counts(usage)
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": _detail(usage, "prompt_tokens_details", "cached_tokens"),
+                                     "cache_write_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": _detail(usage, "completion_tokens_details",
+                                                                  "reasoning_tokens")},
+            "total_tokens": prompt + completion}
+
+
+def _detail(usage: dict[str, Any], details: str, name: str) -> int:
+    value = _obj(usage.get(details)).get(name)
+    return value if type(value) is int and value >= 0 else 0
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    """An object of a provider's answer, or an empty one for anything else."""
+    return value if isinstance(value, dict) else {}
+
+
+def _text_of(value: Any) -> str:
+    """A chat message's text: a string, or the text of its parts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(p["text"] for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _error_code(error: ApiError) -> str:
+    """A failed Response's `error.code` (OpenAI's schema has a fixed list; iop's own code is in the
+    `error` event before it)."""
+    return "rate_limit_exceeded" if error.code is ErrorCode.RATE_LIMIT_EXCEEDED else "server_error"
+
+
+class ResponseShape:
+    """One run's answer in the Responses API's shape. For a stream, it keeps the output items
+    its events opened, and numbers the events."""
+
+    def __init__(self, run_id: str, model_id: str, echo: dict[str, Any], created_at: float | None = None) -> None:
+        self.id = response_id(run_id)
+        self._hex = run_id.removeprefix("run_")
+        self.model_id = model_id
+        self.echo = echo
+        self.created_at = int(created_at if created_at is not None else time.time())
+        # (a stream's state)
+        self._seq = 0
+        self._started = False
+        self._items: list[dict[str, Any]] = []
+        #: the reasoning or message item being written, and its open part (kind, index, text)
+        self._open: dict[str, Any] | None = None
+        self._part: list[Any] | None = None
+        #: the chat tool call index -> its function_call item (open until the end)
+        self._calls: dict[int, dict[str, Any]] = {}
+        self._finish: str | None = None
+        self._usage: Any = None
+
+    # -- the Response object
+
+    def _response(self, status: str, output: list[dict[str, Any]], usage: Any = None,
+                  error: dict[str, Any] | None = None, finish: str | None = None) -> dict[str, Any]:
+        incomplete = _INCOMPLETE.get(finish or "")
+        if status == "completed" and incomplete is not None:
+            status = "incomplete"
+        body = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "completed_at": int(time.time()) if status == "completed" else None, "error": error,
+                "incomplete_details": {"reason": incomplete} if status == "incomplete" else None,
+                "model": self.model_id, "output": output, "previous_response_id": None, "store": False,
+                "background": False, "service_tier": "default", **self.echo}
+        shaped = _usage(usage)
+        if shaped is not None:
+            body["usage"] = shaped
+        return body
+
+    def whole(self, completion: Any) -> dict[str, Any]:
+        """The Response of a whole chat completion."""
+        choices = completion.get("choices") if isinstance(completion, dict) else None
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        message = _obj(choice.get("message"))
+        finish = choice.get("finish_reason") if isinstance(choice.get("finish_reason"), str) else None
+        status = "incomplete" if finish in _INCOMPLETE else "completed"
+        output: list[dict[str, Any]] = []
+        reasoning = _text_of(message.get("reasoning_content") or message.get("reasoning"))
+        if reasoning:
+            output.append(self._reasoning_item(reasoning, status, len(output)))
+        text, refusal = _text_of(message.get("content")), message.get("refusal")
+        calls = [c for c in message.get("tool_calls") or () if isinstance(c, dict)]
+        if isinstance(message.get("function_call"), dict):
+            calls.append({"function": message["function_call"]})
+        parts = []
+        if text or not (calls or refusal):
+            parts.append(self._part_body("output_text", text))
+        if isinstance(refusal, str) and refusal:
+            parts.append(self._part_body("refusal", refusal))
+        if parts:
+            output.append({**self._message_item(status, len(output)), "content": parts})
+        for call in calls:
+            function = _obj(call.get("function"))
+            output.append(self._call_item(len(output), call.get("id"), _text_of(function.get("name")),
+                                          _text_of(function.get("arguments")), "completed"))
+        usage = completion.get("usage") if isinstance(completion, dict) else None
+        return self._response("completed", output, usage, finish=finish)
+
+    # (an item's id: the run's, and the item's place in the output)
+    def _reasoning_item(self, text: str, status: str, n: int) -> dict[str, Any]:
+        return {"type": "reasoning", "id": f"rs_{self._hex}_{n}", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}] if text else [], "status": status}
+
+    def _message_item(self, status: str, n: int) -> dict[str, Any]:
+        return {"type": "message", "id": f"msg_{self._hex}_{n}", "role": "assistant", "status": status,
+                "content": []}
+
+    def _call_item(self, n: int, call_id: Any, name: str, arguments: str, status: str) -> dict[str, Any]:
+        return {"type": "function_call", "id": f"fc_{self._hex}_{n}",
+                "call_id": call_id if isinstance(call_id, str) and call_id else f"call_{self._hex}_{n}",
+                "name": name, "arguments": arguments, "status": status}
+
+    @staticmethod
+    def _part_body(kind: str, text: str) -> dict[str, Any]:
+        if kind == "refusal":
+            return {"type": "refusal", "refusal": text}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    # -- the stream of events
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        fields["type"] = kind
+        fields["sequence_number"] = self._seq
+        self._seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + dumps(fields) + b"\n\n"
+
+    def _start(self, out: list[bytes]) -> None:
+        if not self._started:
+            self._started = True
+            opening = self._response("in_progress", [])
+            out.append(self._event("response.created", response=opening))
+            out.append(self._event("response.in_progress", response=opening))
+
+    def events(self, chunks: list[Any]) -> bytes:
+        """The events of a delta's chat chunks (the opening events first, with the first output)."""
+        out: list[bytes] = []
+        self._start(out)
+        for chunk in chunks:
+            if not isinstance(chunk, dict):
+                continue
+            if isinstance(chunk.get("usage"), dict):
+                self._usage = chunk["usage"]
+            for choice in chunk.get("choices") or ():
+                if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                    self._choice(choice, out)
+        return b"".join(out)
+
+    def _choice(self, choice: dict[str, Any], out: list[bytes]) -> None:
+        delta = _obj(choice.get("delta"))
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            self._write("reasoning", "reasoning_text", reasoning, out)
+        content = delta.get("content")
+        if isinstance(content, str) and content:
+            self._write("message", "output_text", content, out)
+        refusal = delta.get("refusal")
+        if isinstance(refusal, str) and refusal:
+            self._write("message", "refusal", refusal, out)
+        for position, call in enumerate(delta.get("tool_calls") or ()):
+            if isinstance(call, dict):
+                self._call(call, position, out)
+        if isinstance(choice.get("finish_reason"), str):
+            self._finish = choice["finish_reason"]
+
+    def _write(self, item_kind: str, part_kind: str, text: str, out: list[bytes]) -> None:
+        """Text of a reasoning or message item: opens the item and its part when they are not open."""
+        if self._open is None or self._open["type"] != item_kind:
+            self._close(out, "completed")
+            n = len(self._items)
+            item = (self._reasoning_item("", "in_progress", n) if item_kind == "reasoning"
+                    else self._message_item("in_progress", n))
+            self._open = item
+            out.append(self._event("response.output_item.added", output_index=len(self._items), item=dict(item)))
+            self._items.append(item)
+        index = len(self._items) - 1
+        item = self._open
+        if self._part is None or self._part[0] != part_kind:
+            self._close_part(out)
+            self._part = [part_kind, len(item["content"]), ""]
+            if item_kind == "message":
+                out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                       content_index=self._part[1], part=self._part_body(part_kind, "")))
+        self._part[2] += text
+        delta_type = {"output_text": "response.output_text.delta", "refusal": "response.refusal.delta",
+                      "reasoning_text": "response.reasoning_text.delta"}[part_kind]
+        extra: dict[str, Any] = {"logprobs": []} if part_kind == "output_text" else {}
+        out.append(self._event(delta_type, item_id=item["id"], output_index=index, content_index=self._part[1],
+                               delta=text, **extra))
+
+    def _close_part(self, out: list[bytes]) -> None:
+        if self._part is None or self._open is None:
+            return
+        kind, n, text = self._part
+        self._part = None
+        item, index = self._open, self._items.index(self._open)
+        where = {"item_id": item["id"], "output_index": index, "content_index": n}
+        if kind == "reasoning_text":
+            item["content"].append({"type": "reasoning_text", "text": text})
+            out.append(self._event("response.reasoning_text.done", **where, text=text))
+            return
+        part = self._part_body(kind, text)
+        item["content"].append(part)
+        if kind == "refusal":
+            out.append(self._event("response.refusal.done", **where, refusal=text))
+        else:
+            out.append(self._event("response.output_text.done", **where, text=text, logprobs=[]))
+        out.append(self._event("response.content_part.done", **where, part=part))
+
+    def _close(self, out: list[bytes], status: str) -> None:
+        """End the reasoning or message item being written."""
+        if self._open is None:
+            return
+        self._close_part(out)
+        item, self._open = self._open, None
+        item["status"] = status
+        out.append(self._event("response.output_item.done", output_index=self._items.index(item), item=item))
+
+    def _call(self, call: dict[str, Any], position: int, out: list[bytes]) -> None:
+        n = call["index"] if type(call.get("index")) is int else position
+        function = _obj(call.get("function"))
+        item = self._calls.get(n)
+        if item is None:
+            self._close(out, "completed")
+            item = self._call_item(len(self._items), call.get("id"), _text_of(function.get("name")), "",
+                                   "in_progress")
+            self._calls[n] = item
+            out.append(self._event("response.output_item.added", output_index=len(self._items), item=dict(item)))
+            self._items.append(item)
+        elif isinstance(function.get("name"), str) and not item["name"]:
+            item["name"] = function["name"]
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and arguments:
+            item["arguments"] += arguments
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=self._items.index(item), delta=arguments))
+
+    def _close_all(self, out: list[bytes], status: str) -> None:
+        self._close(out, status)
+        for item in self._calls.values():
+            index = self._items.index(item)
+            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], name=item["name"],
+                                   output_index=index, arguments=item["arguments"]))
+            item["status"] = status
+            out.append(self._event("response.output_item.done", output_index=index, item=item))
+        self._calls.clear()
+
+    def completed(self) -> bytes:
+        """The end of a stream whose run completed: every item done, then `response.completed`
+        (`response.incomplete` when the output was cut at its limit)."""
+        out: list[bytes] = []
+        self._start(out)
+        incomplete = self._finish in _INCOMPLETE
+        self._close_all(out, "incomplete" if incomplete else "completed")
+        response = self._response("completed", self._items, self._usage, finish=self._finish)
+        out.append(self._event("response.incomplete" if incomplete else "response.completed", response=response))
+        return b"".join(out)
+
+    def failed(self, error: ApiError) -> bytes:
+        """The end of a stream whose run failed: its items end incomplete, then an `error` event
+        (iop's code and message) and `response.failed`."""
+        out: list[bytes] = []
+        self._start(out)
+        self._close_all(out, "incomplete")
+        told = error.body()["error"]  # (a provider's own 4xx as it came)
+        out.append(self._event("error", code=told["code"], message=told["message"], param=told["param"]))
+        failure = {"code": _error_code(error), "message": told["message"]}
+        out.append(self._event("response.failed", response=self._response("failed", self._items, self._usage,
+                                                                           error=failure)))
+        return b"".join(out)

@@ -1,0 +1,268 @@
+"""OpenAI's Responses API (`POST /v1/responses`) as a chat completion run. Pure: a request body
+in, the chat completion body every provider type takes and the fields the answer repeats out,
+or the caller's 400 naming the field at fault.
+
+iop keeps no conversation state, so what needs it is refused (`previous_response_id`,
+`conversation`, `item_reference` items, stored `prompt` templates, `background`); the caller sends
+the whole conversation in `input`, as it does to a chat completion. Only function tools are taken
+(the built-in ones, web search and the like, run inside OpenAI). Reasoning items a caller sends
+back are left out (a chat completion has no place for them). Any field this module does not know
+goes to the provider as it came, as on every other route (`extra_body={"top_k": 20}`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import invalid
+
+#: Fields of a Responses request turned into chat completion fields (or refused, or only repeated
+#: in the answer); every other field goes to the provider as it came.
+_TRANSLATED = frozenset({
+    "input", "instructions", "tools", "tool_choice", "max_output_tokens", "text", "reasoning", "stream",
+    "stream_options", "previous_response_id", "conversation", "prompt", "background", "store", "include",
+    "metadata", "truncation", "top_logprobs", "service_tier", "max_tool_calls", "prompt_cache_key",
+    "safety_identifier", "context_management", "prompt_cache_retention",
+})
+#: Fields that need state iop does not keep, and what to do instead.
+_STATEFUL = {
+    "previous_response_id": "iop keeps no responses: send the whole conversation in 'input'",
+    "conversation": "iop keeps no conversations: send the whole conversation in 'input'",
+    "prompt": "iop keeps no prompt templates: send the prompt in 'instructions' and 'input'",
+}
+#: fields a Response always has, null or not (OpenAI's schema); the others only when given
+_ALWAYS_SAID = frozenset({"instructions", "temperature", "top_p"})
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TOOL_CHOICES = ("none", "auto", "required")
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesRequest:
+    """A Responses request as iop runs it."""
+
+    #: the chat completion body the run carries (the model, `stream` and every field passed through)
+    chat: dict[str, Any]
+    #: the request's fields that the Response repeats (`instructions`, `tools`, `metadata`…)
+    echo: dict[str, Any]
+
+
+def _text(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise invalid(f"'{path}' must be a string", path)
+    return value
+
+
+def _object(value: Any, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise invalid(f"'{path}' must be an object", path)
+    return value
+
+
+def _part(part: Any, path: str) -> dict[str, Any]:
+    """A content part of a message as a chat completion's content part."""
+    part = _object(part, path)
+    kind = part.get("type")
+    if kind in ("input_text", "output_text"):
+        return {"type": "text", "text": _text(part.get("text"), f"{path}.text")}
+    if kind == "refusal":
+        return {"type": "text", "text": _text(part.get("refusal"), f"{path}.refusal")}
+    if kind == "input_image":
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url:
+            raise invalid(f"'{path}.image_url' must be the image's URL or data URL (iop keeps no files, so "
+                          "'file_id' cannot name one)", f"{path}.image_url")
+        image: dict[str, Any] = {"url": url}
+        if isinstance(part.get("detail"), str):
+            image["detail"] = part["detail"]
+        return {"type": "image_url", "image_url": image}
+    if kind == "input_file":
+        data = part.get("file_data")
+        if not isinstance(data, str) or not data:
+            raise invalid(f"'{path}.file_data' must hold the file (iop keeps no files and fetches none, so "
+                          "'file_id' and 'file_url' cannot name one)", f"{path}.file_data")
+        file = {"file_data": data}
+        if isinstance(part.get("filename"), str):
+            file["filename"] = part["filename"]
+        return {"type": "file", "file": file}
+    if kind == "input_audio":
+        return {"type": "input_audio", "input_audio": _object(part.get("input_audio"), f"{path}.input_audio")}
+    raise invalid(f"'{path}.type' must be one of input_text, output_text, refusal, input_image, input_file or "
+                  f"input_audio", f"{path}.type")
+
+
+def _content(content: Any, path: str) -> str | list[dict[str, Any]]:
+    """A message's content as a chat message's: text as text (what every server takes), else parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"'{path}' must be a string or an array of content parts", path)
+    parts = [_part(p, f"{path}[{i}]") for i, p in enumerate(content)]
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _output_text(output: Any, path: str) -> str:
+    """A function call's output (text, or text parts) as a tool message's text."""
+    if isinstance(output, str):
+        return output
+    content = _content(output, path)
+    if not isinstance(content, str):
+        raise invalid(f"'{path}' must be text (a tool's result reaches the model as text)", path)
+    return content
+
+
+def _tool_call(item: dict[str, Any], path: str) -> dict[str, Any]:
+    return {"id": _text(item.get("call_id"), f"{path}.call_id"), "type": "function",
+            "function": {"name": _text(item.get("name"), f"{path}.name"),
+                         "arguments": _text(item.get("arguments"), f"{path}.arguments")}}
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    """`input` as chat messages: a string is one user message; items become messages, a function
+    call joins the assistant message before it (or starts one), its output a tool message."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise invalid("'input' must be a string or a non-empty array of items", "input")
+    messages: list[dict[str, Any]] = []
+    for i, raw in enumerate(value):
+        path = f"input[{i}]"
+        item = _object(raw, path)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise invalid(f"'{path}.role' must be one of user, assistant, system or developer", f"{path}.role")
+            messages.append({"role": _ROLES[role], "content": _content(item.get("content"), f"{path}.content")})
+        elif kind == "function_call":
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(_tool_call(item, path))
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _text(item.get("call_id"), f"{path}.call_id"),
+                             "content": _output_text(item.get("output"), f"{path}.output")})
+        elif kind == "reasoning":
+            continue  # (a chat completion has no place for it; the model reasons anew)
+        elif kind == "item_reference":
+            raise invalid(f"'{path}': iop keeps no items, so none can be referred to: send the item itself", path)
+        else:
+            raise invalid(f"'{path}.type' {kind!r} is not taken: iop takes message, function_call, "
+                          "function_call_output and reasoning items", f"{path}.type")
+    if not any(m["role"] != "system" for m in messages):
+        raise invalid("'input' holds no message for the model to answer", "input")
+    return messages
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise invalid("'tools' must be an array", "tools")
+    tools = []
+    for i, raw in enumerate(value):
+        tool = _object(raw, f"tools[{i}]")
+        if tool.get("type") != "function":
+            raise invalid(f"'tools[{i}].type' must be 'function': iop runs no built-in tools", f"tools[{i}].type")
+        function = {"name": _text(tool.get("name"), f"tools[{i}].name")}
+        for name in ("description", "parameters", "strict"):
+            if tool.get(name) is not None:
+                function[name] = tool[name]
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_choice(value: Any) -> str | dict[str, Any]:
+    if value in _TOOL_CHOICES:
+        return str(value)
+    if isinstance(value, dict) and value.get("type") == "function":
+        return {"type": "function", "function": {"name": _text(value.get("name"), "tool_choice.name")}}
+    raise invalid("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"name\": …}",
+                  "tool_choice")
+
+
+def _response_format(text: Any) -> dict[str, Any] | None:
+    """`text.format` as a chat completion's `response_format` (None: plain text)."""
+    fmt = _object(text, "text").get("format")
+    if fmt is None:
+        return None
+    fmt = _object(fmt, "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema = {"name": _text(fmt.get("name"), "text.format.name"),
+                  "schema": _object(fmt.get("schema"), "text.format.schema")}
+        for name in ("description", "strict"):
+            if fmt.get(name) is not None:
+                schema[name] = fmt[name]
+        return {"type": "json_schema", "json_schema": schema}
+    raise invalid("'text.format.type' must be text, json_object or json_schema", "text.format.type")
+
+
+def _refuse_stateful(body: dict[str, Any]) -> None:
+    for name, why in _STATEFUL.items():
+        if body.get(name) is not None:
+            raise invalid(f"'{name}' is not supported: {why}", name)
+    if body.get("background") is True:
+        raise invalid("'background' is not supported: iop answers while the caller waits (its runs API "
+                      "follows a run that outlives a connection)", "background")
+    top = body.get("top_logprobs")
+    if top is not None and top != 0:
+        raise invalid("'top_logprobs' is not supported on /v1/responses (it is on /v1/chat/completions)",
+                      "top_logprobs")
+
+
+def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
+    """The chat completion run of a Responses request (its `model` already checked, `stream` read)."""
+    _refuse_stateful(body)
+    messages = _messages(body.get("input"))
+    instructions = body.get("instructions")
+    if instructions is not None:
+        messages.insert(0, {"role": "system", "content": _text(instructions, "instructions")})
+    chat = {k: v for k, v in body.items() if k not in _TRANSLATED}
+    chat["messages"] = messages
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if type(limit) is not int or limit < 1:
+            raise invalid("'max_output_tokens' must be a whole number of at least 1", "max_output_tokens")
+        chat["max_tokens"] = limit
+    if body.get("text") is not None:
+        response_format = _response_format(body["text"])
+        if response_format is not None:
+            chat["response_format"] = response_format
+    reasoning = body.get("reasoning")
+    if reasoning is not None and _object(reasoning, "reasoning").get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
+    metadata = body.get("metadata")
+    if metadata is not None:
+        _object(metadata, "metadata")
+    truncation = body.get("truncation") or "disabled"
+    if truncation not in ("auto", "disabled"):
+        raise invalid("'truncation' must be auto or disabled", "truncation")
+    if stream:
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}  # (the Response ends with its usage)
+    echo = {
+        "instructions": instructions,
+        "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice", "auto"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "max_output_tokens": limit,
+        "metadata": metadata or {},
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "reasoning": reasoning,
+        "truncation": truncation,
+        "user": body.get("user"),
+    }
+    return ResponsesRequest(chat=chat, echo={k: v for k, v in echo.items() if v is not None or k in _ALWAYS_SAID})
+

@@ -1,0 +1,82 @@
+"""OpenAI's Responses API (`POST /v1/responses`) end to end: real processes (gateway, scheduler,
+workers, simulators) on a real Redis, driven with the official `openai` client, every answer and
+event checked against OpenAI's own schemas."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.conftest import Stack
+from tests.openapi import validate
+from tests.test_e2e import start_pool
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "qwen3.6:35b"
+
+
+def test_responses_whole_and_streamed_with_the_openai_client(stack: Stack) -> None:
+    gateway, _ = start_pool(stack, {"vllm-a": 2})
+    client = stack.openai(gateway)
+
+    raw = client.responses.with_raw_response.create(model=MODEL, input="hello there", max_output_tokens=4,
+                                                    instructions="be brief", metadata={"ticket": "7"})
+    response = raw.parse()
+    validate("Response", json.loads(raw.text))
+    assert response.id == "resp_" + raw.headers["x-iop-run-id"].removeprefix("run_")
+    # (cut at max_output_tokens: incomplete, as OpenAI says it)
+    assert response.model == MODEL and response.status == "incomplete"
+    assert response.incomplete_details is not None and response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text == "tok0 tok1 tok2 tok3 "
+    assert response.instructions == "be brief" and response.metadata == {"ticket": "7"}
+    assert response.usage is not None and response.usage.output_tokens == 4
+    assert response.usage.total_tokens == response.usage.input_tokens + 4
+
+    # (the simulator's `tokens`: it stops on its own after three)
+    events = list(client.responses.create(model=MODEL, input=[{"role": "user", "content": "hi"}],
+                                          max_output_tokens=10, stream=True, extra_body={"sim": {"tokens": 3}}))
+    for event in events:
+        validate("ResponseStreamEvent", event.model_dump(exclude_unset=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "tok0 tok1 tok2 "
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == "tok0 tok1 tok2 " and final.usage is not None and final.usage.output_tokens == 3
+
+    # the client's own stream helper, which checks the order of the events as it builds the Response
+    with client.responses.stream(model=MODEL, input="say", extra_body={"sim": {"tokens": 2}}) as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        built = stream.get_final_response()
+    assert "".join(texts) == "tok0 tok1 " and built.output_text == "tok0 tok1 "
+
+
+def test_responses_errors_keep_their_status_or_end_the_stream(stack: Stack) -> None:
+    gateway, _ = start_pool(stack, {"vllm-a": 2})
+    client = stack.openai(gateway)
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model="no-such-model", input="x")
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as stateful:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_1")
+    assert stateful.value.param == "previous_response_id" and "send the whole conversation" in stateful.value.message
+    validate("ErrorResponse", stateful.value.response.json())
+    with pytest.raises(openai.BadRequestError) as builtin:
+        client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
+    assert builtin.value.param == "tools[0].type"
+
+    # the provider fails after two tokens: the stream ends with `error` and `response.failed`
+    events = list(client.responses.create(model=MODEL, input="x", max_output_tokens=10, stream=True,
+                                          extra_body={"sim": {"fail_after_tokens": 2}}))
+    for event in events:
+        validate("ResponseStreamEvent", event.model_dump(exclude_unset=True))
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2].code == "provider_error"  # type: ignore[union-attr]
+    failed = events[-1].response  # type: ignore[union-attr]
+    assert failed.status == "failed" and failed.error is not None and failed.error.code == "server_error"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "tok0 tok1 "
+    assert [item.status for item in failed.output] == ["incomplete"]
