@@ -118,8 +118,8 @@ class ResponseShape:
             output.append(self._reasoning_item(reasoning, status, len(output)))
         text, refusal = _text_of(message.get("content")), message.get("refusal")
         calls = [c for c in message.get("tool_calls") or () if isinstance(c, dict)]
-        if isinstance(message.get("function_call"), dict):
-            calls.append({"function": message["function_call"]})
+        if not calls and isinstance(message.get("function_call"), dict):  # (the legacy form, alone: a
+            calls.append({"function": message["function_call"]})         # server may send both)
         parts = []
         if text or not (calls or refusal):
             parts.append(self._part_body("output_text", text))
@@ -194,7 +194,10 @@ class ResponseShape:
         refusal = delta.get("refusal")
         if isinstance(refusal, str) and refusal:
             self._write("message", "refusal", refusal, out)
-        for position, call in enumerate(delta.get("tool_calls") or ()):
+        calls = delta.get("tool_calls")
+        if not calls and isinstance(delta.get("function_call"), dict):  # (the legacy form, alone)
+            calls = [{"index": 0, "function": delta["function_call"]}]
+        for position, call in enumerate(calls or ()):
             if isinstance(call, dict):
                 self._call(call, position, out)
         if isinstance(choice.get("finish_reason"), str):

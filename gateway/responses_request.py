@@ -158,6 +158,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:
+    """The function tools, as the Response repeats them (`parameters` and `strict` always said)."""
     if not isinstance(value, list):
         raise invalid("'tools' must be an array", "tools")
     tools = []
@@ -165,12 +166,16 @@ def _tools(value: Any) -> list[dict[str, Any]]:
         tool = _object(raw, f"tools[{i}]")
         if tool.get("type") != "function":
             raise invalid(f"'tools[{i}].type' must be 'function': iop runs no built-in tools", f"tools[{i}].type")
-        function = {"name": _text(tool.get("name"), f"tools[{i}].name")}
-        for name in ("description", "parameters", "strict"):
-            if tool.get(name) is not None:
-                function[name] = tool[name]
-        tools.append({"type": "function", "function": function})
+        function = {"type": "function", "name": _text(tool.get("name"), f"tools[{i}].name"),
+                    "parameters": tool.get("parameters"), "strict": tool.get("strict")}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        tools.append(function)
     return tools
+
+
+def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type" and v is not None}}
 
 
 def _tool_choice(value: Any) -> str | dict[str, Any]:
@@ -225,8 +230,9 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
         messages.insert(0, {"role": "system", "content": _text(instructions, "instructions")})
     chat = {k: v for k, v in body.items() if k not in _TRANSLATED}
     chat["messages"] = messages
-    if body.get("tools") is not None:
-        chat["tools"] = _tools(body["tools"])
+    tools = [] if body.get("tools") is None else _tools(body["tools"])
+    if tools:
+        chat["tools"] = [_chat_tool(t) for t in tools]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     limit = body.get("max_output_tokens")
@@ -252,7 +258,7 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
         chat["stream_options"] = {"include_usage": True}  # (the Response ends with its usage)
     echo = {
         "instructions": instructions,
-        "tools": body.get("tools") or [],
+        "tools": tools,
         "tool_choice": body.get("tool_choice", "auto"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "temperature": body.get("temperature"),

@@ -39,6 +39,7 @@ from common.config import ProviderConfig
 from common.wire import RunKind
 from iop.embedded_redis import RedisServer
 from tests.conftest import Stack, wait_until
+from tests.openapi import validate
 from workers.adapters.base import ProviderError
 from workers.adapters.openai_compat import OpenAICompatAdapter
 from workers.service import provider_session
@@ -246,6 +247,64 @@ def test_answers_through_iop_equal_the_servers_own(real: Real, name: str) -> Non
     if name == "chat-tool":
         call_made = through["choices"][0]["message"]["tool_calls"][0]["function"]
         assert call_made["name"] == "get_weather" and "Oslo" in call_made["arguments"]
+
+
+async def respond(base_url: str, model: str, **kwargs: Any) -> Any:
+    """A Responses API call with the openai client: the Response as JSON, or the list of a stream's
+    events, each checked against OpenAI's schema."""
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0) as client:
+        if kwargs.get("stream"):
+            events = [e.model_dump(exclude_unset=True) async for e in await client.responses.create(model=model,
+                                                                                                     **kwargs)]
+            for event in events:
+                validate("ResponseStreamEvent", event)
+            return events
+        raw = await client.responses.with_raw_response.create(model=model, **kwargs)
+        validate("Response", raw.http_response.json())
+        return raw.http_response.json()
+
+
+def _output_text(response: dict[str, Any]) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")
+
+
+def test_responses_api_answers_equal_the_servers_own_chat_answers(real: Real) -> None:
+    """`POST /v1/responses` runs as a chat completion: at temperature 0 its text and usage are the
+    server's own chat answer's, whole and streamed; a forced tool call is a function_call item."""
+    real.prime()
+    whole = asyncio.run(respond(real.gateway, "smollm2", input=CHAT, max_output_tokens=24, temperature=0))
+    direct = real.direct["chat"]
+    assert _output_text(whole) == direct["choices"][0]["message"]["content"]
+    assert whole["status"] == ("incomplete" if direct["choices"][0]["finish_reason"] == "length" else "completed")
+    assert (whole["usage"]["input_tokens"], whole["usage"]["output_tokens"]) == (
+        direct["usage"]["prompt_tokens"], direct["usage"]["completion_tokens"])
+
+    real.prime()
+    events = asyncio.run(respond(real.gateway, "smollm2", input=CHAT, max_output_tokens=24, temperature=0,
+                                 stream=True))
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in real.direct["chat-stream"]
+                       if c.get("choices"))
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == streamed
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert _output_text(events[-1]["response"]) == streamed
+
+    real.prime()
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    called = asyncio.run(respond(real.gateway, "smollm2", input="What is the weather in Oslo?", max_output_tokens=40,
+                                 temperature=0, tools=[tool], tool_choice={"type": "function", "name": "get_weather"}))
+    direct_call = real.direct["chat-tool"]["choices"][0]["message"]["tool_calls"][0]["function"]
+    calls = [item for item in called["output"] if item["type"] == "function_call"]
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", direct_call["arguments"])]
+
+    real.prime()
+    events = asyncio.run(respond(real.gateway, "smollm2", input="What is the weather in Oslo?", max_output_tokens=40,
+                                 temperature=0, tools=[tool], tool_choice={"type": "function", "name": "get_weather"},
+                                 stream=True))
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["name"]) for i in done] == [("function_call", "get_weather")], [e["type"] for e in events]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta") == \
+        done[0]["arguments"] and "Oslo" in done[0]["arguments"]
 
 
 def test_embeddings_through_iop_equal_the_servers_own(real: Real) -> None:
