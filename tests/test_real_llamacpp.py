@@ -56,7 +56,7 @@ if _MISSING:
 RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "probe_interval_ms": 500, "lease_ttl_ms": 3000,
            "scheduler_liveness_ms": 1000}
 CHAT = [{"role": "user", "content": "Name three colours."}]
-WEATHER_TOOL = {"type": "function", "function": {
+WEATHER_TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                           "required": ["city"]}}}
 
