@@ -111,8 +111,8 @@ def test_openai_client_stream_and_non_stream(stack: Stack) -> None:
     validate("ErrorResponse", err.value.response.json())
     # (an endpoint of the client that iop does not serve: a 404 that says what it does serve)
     with pytest.raises(openai.NotFoundError) as err:
-        client.responses.create(model="qwen3.6:35b", input="x")
-    assert "Invalid URL (POST /v1/responses)" in err.value.message and "/v1/chat/completions" in err.value.message
+        client.audio.speech.create(model="qwen3.6:35b", input="x", voice="alloy")
+    assert "Invalid URL (POST /v1/audio/speech)" in err.value.message and "/v1/responses" in err.value.message
     validate("ErrorResponse", err.value.response.json())
 
     async def served_names() -> dict[str, dict[str, int]]:

@@ -106,10 +106,11 @@ async def test_unknown_routes_and_methods_are_openai_shaped(gateway: str, http: 
     async with http.get(gateway + "/v1/nothing-here") as resp:
         assert resp.status == 404 and (await error_of(resp))["code"] == "not_found"
     # (an endpoint of OpenAI's API that iop does not serve: the caller learns which it does)
-    async with http.post(gateway + "/v1/responses", json={"model": "m", "input": "hi"}) as resp:
+    async with http.post(gateway + "/v1/audio/speech", json={"model": "m", "input": "hi"}) as resp:
         error = await error_of(resp)
         assert resp.status == 404 and error["code"] == "not_found"
-        assert error["message"].startswith("Invalid URL (POST /v1/responses): iop serves POST /v1/chat/completions")
+        assert error["message"].startswith("Invalid URL (POST /v1/audio/speech): iop serves POST /v1/chat/completions")
+        assert "POST /v1/responses" in error["message"]
     async with http.get(gateway + "/v1/" + "x" * 5000) as resp:  # (a long path is not repeated whole)
         error = await error_of(resp)
         assert resp.status == 404 and len(error["message"]) < 500 and error["message"].count("x") < 250

@@ -1,0 +1,319 @@
+"""OpenAI's Responses API as iop runs it (pure parts): the request as a chat completion
+(`gateway.responses_request`), the chat answer as a Response and its events
+(`gateway.responses_output`). Every Response and event is checked against OpenAI's schemas, and
+streams are fed to the official client's own event accumulator."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai import omit
+from openai.lib.streaming.responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from common.codec import unpack
+from common.wire import ErrorCode, RunKind
+from gateway.errors import ApiError
+from gateway.requests import parse_responses
+from gateway.responses_output import ResponseShape
+from gateway.responses_request import to_chat
+from tests.openapi import validate
+
+RUN = "run_0123456789abcdef0123456789abcdef"
+EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+
+
+def chat_of(body: dict[str, Any], stream: bool = False) -> dict[str, Any]:
+    return to_chat({"model": "m", **body}, stream).chat
+
+
+def refused(body: dict[str, Any]) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        to_chat({"model": "m", **body}, False)
+    assert err.value.status == 400 and err.value.code is ErrorCode.INVALID_REQUEST
+    return err.value
+
+
+# ---------------------------------------------------------------------------- the request
+def test_a_string_input_with_instructions_is_a_system_and_a_user_message() -> None:
+    chat = chat_of({"input": "hi", "instructions": "be brief", "max_output_tokens": 5, "temperature": 0.2})
+    assert chat == {"model": "m", "messages": [{"role": "system", "content": "be brief"},
+                                               {"role": "user", "content": "hi"}],
+                    "max_tokens": 5, "temperature": 0.2}
+
+
+def test_items_become_the_chat_conversation() -> None:
+    chat = chat_of({"input": [
+        {"role": "developer", "content": "rules"},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "what is "}, {"type": "input_text", "text": "this?"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "and"},
+                                     {"type": "input_image", "image_url": "data:image/png;base64,AA", "detail": "low"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "let me look"}]},
+        {"type": "function_call", "call_id": "c1", "name": "look", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "look", "arguments": "{\"x\":1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "a cat"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "a dog"}]},
+        {"type": "function_call", "call_id": "c3", "name": "more", "arguments": "{}"},
+    ]})
+    assert chat["messages"] == [
+        {"role": "system", "content": "rules"},
+        {"role": "user", "content": "what is this?"},
+        {"role": "user", "content": [{"type": "text", "text": "and"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA",
+                                                                         "detail": "low"}}]},
+        {"role": "assistant", "content": "let me look", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "look", "arguments": "{\"x\":1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a cat"},
+        {"role": "tool", "tool_call_id": "c2", "content": "a dog"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c3", "type": "function", "function": {"name": "more", "arguments": "{}"}}]},
+    ]
+
+
+def test_tools_formats_and_fields_are_translated_and_the_rest_passed_through() -> None:
+    translated = to_chat({
+        "model": "m", "input": "x", "top_k": 20, "store": True, "include": ["reasoning.encrypted_content"],
+        "metadata": {"a": "b"}, "parallel_tool_calls": False, "reasoning": {"effort": "low"},
+        "tools": [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "f"},
+        "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}, "strict": True}},
+    }, True)
+    chat = translated.chat
+    assert chat["top_k"] == 20 and chat["parallel_tool_calls"] is False  # (what it does not know: as it came)
+    assert not {"store", "include", "metadata", "text", "reasoning", "input"} & chat.keys()
+    assert chat["tools"] == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                                "parameters": {"type": "object"}}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "object"}, "strict": True}}
+    assert chat["reasoning_effort"] == "low"
+    assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
+    echo = translated.echo
+    assert echo["metadata"] == {"a": "b"} and echo["parallel_tool_calls"] is False
+    assert echo["tools"] == [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"},
+                              "strict": None}]
+    assert chat_of({"input": "x", "text": {"format": {"type": "json_object"}}})["response_format"] == {
+        "type": "json_object"}
+    assert "response_format" not in chat_of({"input": "x", "text": {"format": {"type": "text"}}})
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "send the whole conversation"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation", "iop keeps no conversations"),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "no prompt templates"),
+    ({"input": "x", "background": True}, "background", "runs API"),
+    ({"input": "x", "top_logprobs": 2}, "top_logprobs", "/v1/chat/completions"),
+    ({}, "input", "a string or a non-empty array"),
+    ({"input": []}, "input", "a string or a non-empty array"),
+    ({"input": [{"role": "system", "content": "only rules"}]}, "input", "no message for the model"),
+    ({"input": [{"role": "user", "content": "a"}, {"type": "item_reference", "id": "msg_1"}]}, "input[1]",
+     "iop keeps no items"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type", "'web_search_call' is not taken"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "user, assistant, system or developer"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                             {"type": "input_image", "file_id": "file_1"}]}]},
+     "input[0].content[1].image_url", "iop keeps no files"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_url": "https://x/y.pdf"}]}]},
+     "input[0].content[0].file_data", "fetches none"),
+    ({"input": [{"role": "user", "content": [{"type": "input_video"}]}]}, "input[0].content[0].type", "one of"),
+    ({"input": [{"role": "user", "content": 5}]}, "input[0].content", "a string or an array"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments", "a string"),
+    ({"input": [{"type": "function_call_output", "call_id": "c",
+                 "output": [{"type": "input_image", "image_url": "data:,"}]}]}, "input[0].output", "must be text"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "no built-in tools"),
+    ({"input": "x", "tools": {"type": "function"}}, "tools", "an array"),
+    ({"input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice", "none, auto, required"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+    ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type", "json_schema"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "text.format.schema", "an object"),
+    ({"input": "x", "truncation": "sometimes"}, "truncation", "auto or disabled"),
+    ({"input": "x", "metadata": ["a"]}, "metadata", "an object"),
+])
+def test_what_cannot_be_run_is_the_callers_400_naming_the_field(body: dict[str, Any], param: str,
+                                                                 words: str) -> None:
+    err = refused(body)
+    assert err.param == param and words in err.message, err.message
+
+
+def test_a_parsed_responses_request_is_a_chat_run_queued_as_translated() -> None:
+    req = parse_responses(json.dumps({"model": "m", "input": "hi", "stream": True, "metadata": {"k": "v"}}).encode())
+    assert req.kind is RunKind.CHAT and req.model == "m" and req.stream
+    assert req.packed is not None and unpack(req.packed) == req.body
+    assert req.body["messages"] == [{"role": "user", "content": "hi"}]
+    assert req.echo is not None and req.echo["metadata"] == {"k": "v"}
+    with pytest.raises(ApiError) as err:
+        parse_responses(b'{"model": "m", "input": "hi", "stream": "yes"}')
+    assert err.value.param == "stream"
+
+
+# ---------------------------------------------------------------------------- the whole answer
+def shape(**echo: Any) -> ResponseShape:
+    base = to_chat({"model": "m", "input": "x", **echo}, False).echo
+    return ResponseShape(RUN, "my-model", base, created_at=1_700_000_000)
+
+
+def completion(message: dict[str, Any], finish: str = "stop") -> dict[str, Any]:
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "served",
+            "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+                      "prompt_tokens_details": {"cached_tokens": 3}}}
+
+
+def test_a_chat_completion_is_a_response() -> None:
+    response = shape(metadata={"t": "1"}).whole(completion({"content": "hello"}))
+    validate("Response", response)
+    assert response["id"] == "resp_0123456789abcdef0123456789abcdef" and response["model"] == "my-model"
+    assert response["status"] == "completed" and response["incomplete_details"] is None
+    assert response["output"] == [{"type": "message", "id": f"msg_{RUN[4:]}_0", "role": "assistant",
+                                   "status": "completed", "content": [
+                                       {"type": "output_text", "text": "hello", "annotations": [], "logprobs": []}]}]
+    assert response["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 3,
+                                                                             "cache_write_tokens": 0},
+                                 "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0},
+                                 "total_tokens": 12}
+    assert response["metadata"] == {"t": "1"} and response["store"] is False
+
+
+def test_reasoning_text_and_tool_calls_are_items_in_order_and_a_cut_answer_is_incomplete() -> None:
+    response = shape().whole(completion({
+        "content": "calling", "reasoning_content": "think",
+        "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                       {"type": "function", "function": {"name": "g", "arguments": "{\"a\":1}"}}],
+        "function_call": {"name": "f", "arguments": "{}"}}, finish="length"))
+    validate("Response", response)
+    assert [i["type"] for i in response["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    assert response["output"][0]["content"] == [{"type": "reasoning_text", "text": "think"}]
+    assert [(c["call_id"], c["name"], c["arguments"]) for c in response["output"][2:]] == [
+        ("call_a", "f", "{}"), (f"call_{RUN[4:]}_3", "g", "{\"a\":1}")]
+    assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert response["output"][1]["status"] == "incomplete"
+
+
+def test_odd_chat_answers_still_make_a_valid_response() -> None:
+    for odd in ({}, {"choices": []}, {"choices": [None]}, completion({"content": None, "refusal": "no"}),
+                completion({"content": [{"type": "text", "text": "parts"}]}), {"choices": "x", "usage": 5}):
+        response = shape().whole(odd)
+        validate("Response", response)
+        assert response["status"] == "completed"
+    refusal = shape().whole(completion({"content": None, "refusal": "no"}))
+    assert refusal["output"][0]["content"] == [{"type": "refusal", "refusal": "no"}]
+
+
+# ---------------------------------------------------------------------------- the stream
+def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, usage: dict[str, Any] | None = None,
+          ) -> dict[str, Any]:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "served", "choices": choices,
+            **({"usage": usage} if usage else {})}
+
+
+TOOL_STREAM = [
+    chunk({"role": "assistant", "content": ""}),
+    chunk({"reasoning_content": "hm"}), chunk({"reasoning_content": "m"}),
+    chunk({"content": "Let "}), chunk({"content": "me."}),
+    chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}]}),
+    chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\":"}}]}),
+    chunk({"tool_calls": [{"index": 1, "id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}),
+    chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
+    chunk({}, finish="tool_calls"),
+    chunk(usage={"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13}),
+]
+
+
+def parse_sse(data: bytes) -> list[dict[str, Any]]:
+    """The events of an SSE text, each checked: its `event:` line names its `type`."""
+    events = []
+    for block in data.decode().split("\n\n"):
+        if not block:
+            continue
+        kind, payload = block.split("\n")
+        event = json.loads(payload.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        events.append(event)
+    return events
+
+
+def play(batches: list[list[Any]], end: ApiError | None = None) -> list[dict[str, Any]]:
+    """The events of a stream whose deltas came in `batches`, ended by completion or `end`."""
+    out = shape()
+    data = b"".join(out.events(batch) for batch in batches) + (out.completed() if end is None else out.failed(end))
+    return parse_sse(data)
+
+
+def accumulated(events: list[dict[str, Any]]) -> Any:
+    """The official client's own accumulator fed with the events (it raises on an order it does not
+    accept); the Response it built from `response.completed`, if any."""
+    state: ResponseStreamState[Any] = ResponseStreamState(input_tools=omit, text_format=omit)
+    for event in events:
+        validate("ResponseStreamEvent", event)
+        state.handle_event(EVENTS.validate_python(event))
+    return state._completed_response
+
+
+def test_a_stream_with_reasoning_text_and_two_tool_calls() -> None:
+    events = play([TOOL_STREAM])
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    final = accumulated(events)
+    assert final is not None and final.status == "completed"
+    assert [i.type for i in final.output] == ["reasoning", "message", "function_call", "function_call"]
+    response = events[-1]["response"]
+    assert response["output"][0]["content"] == [{"type": "reasoning_text", "text": "hmm"}]
+    assert final.output_text == "Let me."
+    assert [(c["call_id"], c["name"], c["arguments"]) for c in response["output"][2:]] == [
+        ("call_1", "f", "{\"a\":1}"), ("call_2", "g", "{}")]
+    assert response["usage"]["output_tokens"] == 9 and response["usage"]["total_tokens"] == 13
+    added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"]["id"] for e in events if e["type"] == "response.output_item.done"]
+    assert sorted(added) == sorted(done) and len(set(added)) == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=len(TOOL_STREAM)), max_size=6))
+def test_how_the_deltas_are_batched_changes_no_event(cuts: list[int]) -> None:
+    bounds = [0, *sorted(cuts), len(TOOL_STREAM)]
+    batches = [TOOL_STREAM[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    def steady(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for e in events:
+            e.get("response", {}).pop("completed_at", None)
+        return events
+
+    assert steady(play(batches)) == steady(play([TOOL_STREAM]))
+
+
+def test_a_stream_cut_at_its_limit_ends_incomplete() -> None:
+    events = play([[chunk({"content": "a"}), chunk({"content": "b"}, finish="length")]])
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    for event in events:
+        validate("ResponseStreamEvent", event)
+
+
+def test_a_failed_run_ends_the_stream_with_error_and_response_failed() -> None:
+    broke = ApiError(ErrorCode.PROVIDER_ERROR, "provider a answered 500: boom")
+    events = play([[chunk({"content": "par"})], [chunk({"content": "tial"})]], end=broke)
+    assert [e["type"] for e in events[-4:]] == ["response.content_part.done", "response.output_item.done", "error",
+                                                "response.failed"]
+    assert events[-2] == {"type": "error", "code": "provider_error", "message": "provider a answered 500: boom",
+                          "param": None, "sequence_number": events[-2]["sequence_number"]}
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"] == {"code": "server_error",
+                                                                "message": "provider a answered 500: boom"}
+    assert failed["output"][0]["status"] == "incomplete" and failed["output"][0]["content"][0]["text"] == "partial"
+    assert accumulated(events) is None  # (no response.completed: the client's helper says so)
+
+    # before any output (the gateway gave up on a queued run whose stream had sent keep-alives)
+    early = play([], end=ApiError(ErrorCode.RATE_LIMIT_EXCEEDED, "slow down"))
+    assert [e["type"] for e in early] == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert early[-1]["response"]["error"]["code"] == "rate_limit_exceeded"
+    accumulated(early)
