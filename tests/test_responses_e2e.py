@@ -5,6 +5,8 @@ event checked against OpenAI's own schemas."""
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 
 import openai
 import pytest
@@ -52,6 +54,13 @@ def test_responses_whole_and_streamed_with_the_openai_client(stack: Stack) -> No
         texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
         built = stream.get_final_response()
     assert "".join(texts) == "tok0 tok1 " and built.output_text == "tok0 tok1 "
+
+    # (measured under their own endpoint label; a streamed one's time to first token too)
+    with urllib.request.urlopen(gateway + "/metrics") as resp:
+        exposition = resp.read().decode()
+    assert re.search(r'^iop_gateway_requests_total\{endpoint="responses",model="qwen3.6:35b",status="200"\} 3\.0$',
+                     exposition, re.M), exposition
+    assert re.search(r'^iop_gateway_time_to_first_token_seconds_count\{model="qwen3.6:35b"\} 2\.0$', exposition, re.M)
 
 
 def test_responses_errors_keep_their_status_or_end_the_stream(stack: Stack) -> None:
