@@ -198,8 +198,9 @@ def test_reasoning_text_and_tool_calls_are_items_in_order_and_a_cut_answer_is_in
 
 
 def test_odd_chat_answers_still_make_a_valid_response() -> None:
-    for odd in ({}, {"choices": []}, {"choices": [None]}, completion({"content": None, "refusal": "no"}),
-                completion({"content": [{"type": "text", "text": "parts"}]}), {"choices": "x", "usage": 5}):
+    odds: list[Any] = [{}, {"choices": []}, {"choices": [None]}, completion({"content": None, "refusal": "no"}),
+                       completion({"content": [{"type": "text", "text": "parts"}]}), {"choices": "x", "usage": 5}]
+    for odd in odds:
         response = shape().whole(odd)
         validate("Response", response)
         assert response["status"] == "completed"
