@@ -10,6 +10,7 @@ makes the Response `incomplete`. Usage is renamed (`input_tokens`, `output_token
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.chunks import token_counts
@@ -66,6 +67,24 @@ def _error_code(error: ApiError) -> str:
     return "rate_limit_exceeded" if error.code is ErrorCode.RATE_LIMIT_EXCEEDED else "server_error"
 
 
+#: the delta event of each kind of text
+_DELTA_EVENT = {"output_text": "response.output_text.delta", "refusal": "response.refusal.delta",
+                "reasoning_text": "response.reasoning_text.delta"}
+
+
+@dataclass(slots=True)
+class _Writing:
+    """An output item of a stream that is still being written."""
+
+    item: dict[str, Any]
+    #: its place in the output
+    index: int
+    #: the kind of its part being written (`output_text`, `refusal`, `reasoning_text`; None: none)
+    part: str | None = None
+    #: that part's text (a function call's: its arguments) as it came, joined once when it ends
+    pieces: list[str] = field(default_factory=list)
+
+
 class ResponseShape:
     """One run's answer in the Responses API's shape. For a stream, it keeps the output items
     its events opened, and numbers the events."""
@@ -80,11 +99,10 @@ class ResponseShape:
         self._seq = 0
         self._started = False
         self._items: list[dict[str, Any]] = []
-        #: the reasoning or message item being written, and its open part (kind, index, text)
-        self._open: dict[str, Any] | None = None
-        self._part: list[Any] | None = None
+        #: the reasoning or message item being written
+        self._open: _Writing | None = None
         #: the chat tool call index -> its function_call item (open until the end)
-        self._calls: dict[int, dict[str, Any]] = {}
+        self._calls: dict[int, _Writing] = {}
         self._finish: str | None = None
         self._usage: Any = None
 
@@ -205,36 +223,40 @@ class ResponseShape:
 
     def _write(self, item_kind: str, part_kind: str, text: str, out: list[bytes]) -> None:
         """Text of a reasoning or message item: opens the item and its part when they are not open."""
-        if self._open is None or self._open["type"] != item_kind:
+        if self._open is None or self._open.item["type"] != item_kind:
             self._close(out, "completed")
             n = len(self._items)
             item = (self._reasoning_item("", "in_progress", n) if item_kind == "reasoning"
                     else self._message_item("in_progress", n))
-            self._open = item
-            out.append(self._event("response.output_item.added", output_index=len(self._items), item=dict(item)))
-            self._items.append(item)
-        index = len(self._items) - 1
-        item = self._open
-        if self._part is None or self._part[0] != part_kind:
-            self._close_part(out)
-            self._part = [part_kind, len(item["content"]), ""]
+            self._open = self._add(item, out)
+        open_ = self._open
+        item = open_.item
+        if open_.part != part_kind:
+            self._close_part(open_, out)
+            open_.part, open_.pieces = part_kind, []
             if item_kind == "message":
-                out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                       content_index=self._part[1], part=self._part_body(part_kind, "")))
-        self._part[2] += text
-        delta_type = {"output_text": "response.output_text.delta", "refusal": "response.refusal.delta",
-                      "reasoning_text": "response.reasoning_text.delta"}[part_kind]
+                out.append(self._event("response.content_part.added", item_id=item["id"], output_index=open_.index,
+                                       content_index=len(item["content"]), part=self._part_body(part_kind, "")))
+        open_.pieces.append(text)
         extra: dict[str, Any] = {"logprobs": []} if part_kind == "output_text" else {}
-        out.append(self._event(delta_type, item_id=item["id"], output_index=index, content_index=self._part[1],
-                               delta=text, **extra))
+        out.append(self._event(_DELTA_EVENT[part_kind], item_id=item["id"], output_index=open_.index,
+                               content_index=len(item["content"]), delta=text, **extra))
 
-    def _close_part(self, out: list[bytes]) -> None:
-        if self._part is None or self._open is None:
+    def _add(self, item: dict[str, Any], out: list[bytes]) -> _Writing:
+        """A new output item, announced."""
+        writing = _Writing(item, len(self._items))
+        out.append(self._event("response.output_item.added", output_index=writing.index, item=dict(item)))
+        self._items.append(item)
+        return writing
+
+    def _close_part(self, open_: _Writing, out: list[bytes]) -> None:
+        """End the open item's part being written (its text joined once, here)."""
+        kind, open_.part = open_.part, None
+        if kind is None:
             return
-        kind, n, text = self._part
-        self._part = None
-        item, index = self._open, self._items.index(self._open)
-        where = {"item_id": item["id"], "output_index": index, "content_index": n}
+        text, open_.pieces = "".join(open_.pieces), []
+        item = open_.item
+        where = {"item_id": item["id"], "output_index": open_.index, "content_index": len(item["content"])}
         if kind == "reasoning_text":
             item["content"].append({"type": "reasoning_text", "text": text})
             out.append(self._event("response.reasoning_text.done", **where, text=text))
@@ -251,38 +273,36 @@ class ResponseShape:
         """End the reasoning or message item being written."""
         if self._open is None:
             return
-        self._close_part(out)
-        item, self._open = self._open, None
-        item["status"] = status
-        out.append(self._event("response.output_item.done", output_index=self._items.index(item), item=item))
+        open_, self._open = self._open, None
+        self._close_part(open_, out)
+        open_.item["status"] = status
+        out.append(self._event("response.output_item.done", output_index=open_.index, item=open_.item))
 
     def _call(self, call: dict[str, Any], position: int, out: list[bytes]) -> None:
         n = call["index"] if type(call.get("index")) is int else position
         function = _obj(call.get("function"))
-        item = self._calls.get(n)
-        if item is None:
+        writing = self._calls.get(n)
+        if writing is None:
             self._close(out, "completed")
             item = self._call_item(len(self._items), call.get("id"), _text_of(function.get("name")), "",
                                    "in_progress")
-            self._calls[n] = item
-            out.append(self._event("response.output_item.added", output_index=len(self._items), item=dict(item)))
-            self._items.append(item)
-        elif isinstance(function.get("name"), str) and not item["name"]:
-            item["name"] = function["name"]
+            writing = self._calls[n] = self._add(item, out)
+        elif isinstance(function.get("name"), str) and not writing.item["name"]:
+            writing.item["name"] = function["name"]
         arguments = function.get("arguments")
         if isinstance(arguments, str) and arguments:
-            item["arguments"] += arguments
-            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                   output_index=self._items.index(item), delta=arguments))
+            writing.pieces.append(arguments)
+            out.append(self._event("response.function_call_arguments.delta", item_id=writing.item["id"],
+                                   output_index=writing.index, delta=arguments))
 
     def _close_all(self, out: list[bytes], status: str) -> None:
         self._close(out, status)
-        for item in self._calls.values():
-            index = self._items.index(item)
+        for writing in self._calls.values():
+            item = writing.item
+            item["arguments"], item["status"] = "".join(writing.pieces), status
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], name=item["name"],
-                                   output_index=index, arguments=item["arguments"]))
-            item["status"] = status
-            out.append(self._event("response.output_item.done", output_index=index, item=item))
+                                   output_index=writing.index, arguments=item["arguments"]))
+            out.append(self._event("response.output_item.done", output_index=writing.index, item=item))
         self._calls.clear()
 
     def completed(self) -> bytes:
