@@ -35,6 +35,9 @@ _STATEFUL = {
 _ALWAYS_SAID = frozenset({"instructions", "temperature", "top_p"})
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TOOL_CHOICES = ("none", "auto", "required")
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_SUMMARIES = ("auto", "concise", "detailed")
+_VERBOSITY = ("low", "medium", "high")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +136,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
-            if role not in _ROLES:
+            if not isinstance(role, str) or role not in _ROLES:
                 raise invalid(f"'{path}.role' must be one of user, assistant, system or developer", f"{path}.role")
             messages.append({"role": _ROLES[role], "content": _content(item.get("content"), f"{path}.content")})
         elif kind == "function_call":
@@ -179,33 +182,71 @@ def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tool_choice(value: Any) -> str | dict[str, Any]:
+    """The tool choice as the Response repeats it."""
     if value in _TOOL_CHOICES:
         return str(value)
     if isinstance(value, dict) and value.get("type") == "function":
-        return {"type": "function", "function": {"name": _text(value.get("name"), "tool_choice.name")}}
+        return {"type": "function", "name": _text(value.get("name"), "tool_choice.name")}
     raise invalid("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"name\": …}",
                   "tool_choice")
 
 
-def _response_format(text: Any) -> dict[str, Any] | None:
-    """`text.format` as a chat completion's `response_format` (None: plain text)."""
-    fmt = _object(text, "text").get("format")
-    if fmt is None:
-        return None
-    fmt = _object(fmt, "text.format")
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
+def _one_of(value: Any, choices: tuple[str, ...], path: str) -> Any:
+    """`value` if it is null or one of `choices`; else the caller's 400."""
+    if value is not None and value not in choices:
+        raise invalid(f"'{path}' must be one of {', '.join(choices)}", path)
+    return value
+
+
+def _text_options(text: Any, chat: dict[str, Any]) -> dict[str, Any]:
+    """`text`: its `format` as the chat completion's `response_format` (none for plain text), and
+    the `text` the Response repeats."""
+    text = _object(text, "text")
+    fmt = text.get("format") or {"type": "text"}
+    kind = _object(fmt, "text.format").get("type")
     if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
+        chat["response_format"] = {"type": "json_object"}
+    elif kind == "json_schema":
         schema = {"name": _text(fmt.get("name"), "text.format.name"),
                   "schema": _object(fmt.get("schema"), "text.format.schema")}
         for name in ("description", "strict"):
             if fmt.get(name) is not None:
                 schema[name] = fmt[name]
-        return {"type": "json_schema", "json_schema": schema}
-    raise invalid("'text.format.type' must be text, json_object or json_schema", "text.format.type")
+        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+        fmt = {"type": "json_schema", **schema}
+    elif kind != "text":
+        raise invalid("'text.format.type' must be text, json_object or json_schema", "text.format.type")
+    said = {"format": fmt if kind == "json_schema" else {"type": kind}}
+    verbosity = _one_of(text.get("verbosity"), _VERBOSITY, "text.verbosity")  # (a hint: not sent)
+    if verbosity is not None:
+        said["verbosity"] = verbosity
+    return said
+
+
+def _reasoning(reasoning: Any, chat: dict[str, Any]) -> dict[str, Any]:
+    """`reasoning.effort` as the chat completion's `reasoning_effort`; the `reasoning` repeated."""
+    reasoning = _object(reasoning, "reasoning")
+    effort = _one_of(reasoning.get("effort"), _EFFORTS, "reasoning.effort")
+    if effort is not None:
+        chat["reasoning_effort"] = effort
+    return {"effort": effort, "summary": _one_of(reasoning.get("summary"), _SUMMARIES, "reasoning.summary")}
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    """OpenAI's limits: at most 16 pairs of text, keys of at most 64 characters, values 512."""
+    metadata = _object(value, "metadata")
+    if len(metadata) > 16 or not all(isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                                     for k, v in metadata.items()):
+        raise invalid("'metadata' must hold at most 16 pairs of text, keys of at most 64 characters and values "
+                      "of at most 512", "metadata")
+    return metadata
+
+
+def _number(body: dict[str, Any], name: str) -> Any:
+    value = body.get(name)
+    if value is not None and (type(value) not in (int, float)):
+        raise invalid(f"'{name}' must be a number", name)
+    return value
 
 
 def _refuse_stateful(body: dict[str, Any]) -> None:
@@ -233,42 +274,36 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
     tools = [] if body.get("tools") is None else _tools(body["tools"])
     if tools:
         chat["tools"] = [_chat_tool(t) for t in tools]
+    tool_choice = "auto" if body.get("tool_choice") is None else _tool_choice(body["tool_choice"])
     if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        chat["tool_choice"] = tool_choice if isinstance(tool_choice, str) else {
+            "type": "function", "function": {"name": tool_choice["name"]}}
     limit = body.get("max_output_tokens")
     if limit is not None:
         if type(limit) is not int or limit < 1:
             raise invalid("'max_output_tokens' must be a whole number of at least 1", "max_output_tokens")
         chat["max_tokens"] = limit
-    if body.get("text") is not None:
-        response_format = _response_format(body["text"])
-        if response_format is not None:
-            chat["response_format"] = response_format
-    reasoning = body.get("reasoning")
-    if reasoning is not None and _object(reasoning, "reasoning").get("effort") is not None:
-        chat["reasoning_effort"] = reasoning["effort"]
-    metadata = body.get("metadata")
-    if metadata is not None:
-        _object(metadata, "metadata")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     truncation = body.get("truncation") or "disabled"
-    if truncation not in ("auto", "disabled"):
-        raise invalid("'truncation' must be auto or disabled", "truncation")
+    _one_of(truncation, ("auto", "disabled"), "truncation")
     if stream:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}  # (the Response ends with its usage)
     echo = {
         "instructions": instructions,
         "tools": tools,
-        "tool_choice": body.get("tool_choice", "auto"),
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "temperature": body.get("temperature"),
-        "top_p": body.get("top_p"),
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": True if parallel is None else parallel,
+        "temperature": _number(body, "temperature"),
+        "top_p": _number(body, "top_p"),
         "max_output_tokens": limit,
-        "metadata": metadata or {},
-        "text": body.get("text") or {"format": {"type": "text"}},
-        "reasoning": reasoning,
+        "metadata": {} if body.get("metadata") is None else _metadata(body["metadata"]),
+        "text": _text_options(body.get("text") or {}, chat),
+        "reasoning": None if body.get("reasoning") is None else _reasoning(body["reasoning"], chat),
         "truncation": truncation,
-        "user": body.get("user"),
+        "user": body.get("user") if isinstance(body.get("user"), str) else None,
     }
     return ResponsesRequest(chat=chat, echo={k: v for k, v in echo.items() if v is not None or k in _ALWAYS_SAID})
 

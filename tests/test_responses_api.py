@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import event as hypothesis_event
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai import omit
@@ -23,6 +24,7 @@ from gateway.requests import parse_responses
 from gateway.responses_output import ResponseShape
 from gateway.responses_request import to_chat
 from tests.openapi import validate
+from tests.test_request_fuzz import ANY_JSON, ODD_VALUES, SAFE_INTS, SAFE_JSON, SAFE_TEXT, _splice
 
 RUN = "run_0123456789abcdef0123456789abcdef"
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
@@ -134,8 +136,16 @@ def test_tools_formats_and_fields_are_translated_and_the_rest_passed_through() -
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
     ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type", "json_schema"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "text.format.schema", "an object"),
-    ({"input": "x", "truncation": "sometimes"}, "truncation", "auto or disabled"),
+    ({"input": "x", "truncation": "sometimes"}, "truncation", "one of auto, disabled"),
     ({"input": "x", "metadata": ["a"]}, "metadata", "an object"),
+    ({"input": "x", "metadata": {"n": 1}}, "metadata", "pairs of text"),
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16"),
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input[0].role", "user, assistant"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort", "one of none, minimal"),
+    ({"input": "x", "reasoning": {"summary": 1}}, "reasoning.summary", "one of auto"),
+    ({"input": "x", "text": {"verbosity": "loud"}}, "text.verbosity", "one of low"),
+    ({"input": "x", "parallel_tool_calls": "yes"}, "parallel_tool_calls", "a boolean"),
+    ({"input": "x", "temperature": "hot"}, "temperature", "a number"),
 ])
 def test_what_cannot_be_run_is_the_callers_400_naming_the_field(body: dict[str, Any], param: str,
                                                                  words: str) -> None:
@@ -320,3 +330,44 @@ def test_a_failed_run_ends_the_stream_with_error_and_response_failed() -> None:
     assert [e["type"] for e in early] == ["response.created", "response.in_progress", "error", "response.failed"]
     assert early[-1]["response"]["error"]["code"] == "rate_limit_exceeded"
     accumulated(early)
+
+
+# ---------------------------------------------------------------------------- any body
+PART = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "refusal", "input_image",
+                                                       "input_file", "input_audio", "other"])},
+                             optional={"text": SAFE_TEXT | ANY_JSON, "refusal": SAFE_TEXT, "image_url": SAFE_TEXT,
+                                       "file_data": SAFE_TEXT, "file_id": SAFE_TEXT, "input_audio": SAFE_JSON})
+ITEM = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "item_reference",
+                             "web_search_call"]) | ANY_JSON,
+    "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]) | ANY_JSON,
+    "content": SAFE_TEXT | st.lists(PART, max_size=3) | ANY_JSON, "call_id": SAFE_TEXT | ANY_JSON,
+    "name": SAFE_TEXT, "arguments": SAFE_TEXT, "output": SAFE_TEXT | st.lists(PART, max_size=2)})
+TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]) | ANY_JSON},
+                             optional={"name": SAFE_TEXT | ANY_JSON, "parameters": SAFE_JSON, "strict": ANY_JSON})
+RESPONSES_BODY = st.fixed_dictionaries(
+    {"model": st.just("m"), "input": SAFE_TEXT | st.lists(ITEM, max_size=4) | ANY_JSON},
+    optional={"instructions": SAFE_TEXT | ANY_JSON, "tools": st.lists(TOOL, max_size=2) | ANY_JSON,
+              "tool_choice": st.sampled_from(["auto", "none", "required"]) | ANY_JSON,
+              "max_output_tokens": SAFE_INTS | ANY_JSON, "text": SAFE_JSON, "reasoning": SAFE_JSON,
+              "stream": st.booleans() | ANY_JSON, "metadata": SAFE_JSON, "truncation": ANY_JSON,
+              "previous_response_id": ANY_JSON, "background": ANY_JSON, "top_logprobs": ANY_JSON,
+              "temperature": st.floats(0, 2)})
+
+
+@given(RESPONSES_BODY | st.builds(_splice, RESPONSES_BODY, ODD_VALUES).map(lambda raw: raw.decode("utf-8", "replace")))
+@settings(max_examples=400)
+def test_any_responses_body_is_a_chat_run_or_a_400(drawn: dict[str, Any] | str) -> None:
+    raw = drawn.encode("utf-8", "surrogatepass") if isinstance(drawn, str) else json.dumps(drawn).encode()
+    try:
+        parsed = parse_responses(raw)
+    except ApiError as err:
+        hypothesis_event("rejected")
+        assert err.status == 400 and err.code is ErrorCode.INVALID_REQUEST, err.body()
+        json.dumps(err.body())
+        return
+    hypothesis_event("accepted")
+    assert parsed.kind is RunKind.CHAT and parsed.packed is not None and unpack(parsed.packed) == parsed.body
+    assert parsed.body["messages"] and all(isinstance(m, dict) for m in parsed.body["messages"])
+    assert parsed.echo is not None
+    validate("Response", ResponseShape(RUN, "m", parsed.echo).whole({}))
