@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.conftest import Stack
+from tests.conftest import Stack, wait_until
 from tests.openapi import validate
 from tests.test_e2e import start_pool
 
@@ -55,12 +55,16 @@ def test_responses_whole_and_streamed_with_the_openai_client(stack: Stack) -> No
         built = stream.get_final_response()
     assert "".join(texts) == "tok0 tok1 " and built.output_text == "tok0 tok1 "
 
-    # (measured under their own endpoint label; a streamed one's time to first token too)
-    with urllib.request.urlopen(gateway + "/metrics") as resp:
-        exposition = resp.read().decode()
-    assert re.search(r'^iop_gateway_requests_total\{endpoint="responses",model="qwen3.6:35b",status="200"\} 3\.0$',
-                     exposition, re.M), exposition
-    assert re.search(r'^iop_gateway_time_to_first_token_seconds_count\{model="qwen3.6:35b"\} 2\.0$', exposition, re.M)
+    # (measured under their own endpoint label, once the gateway has ended the request (a caller can
+    # have read the whole stream first); a streamed one's time to first token too)
+    def exposition() -> str:
+        with urllib.request.urlopen(gateway + "/metrics") as resp:
+            return str(resp.read().decode())
+
+    wait_until(lambda: re.search(r'^iop_gateway_requests_total\{endpoint="responses",model="qwen3.6:35b",'
+                                 r'status="200"\} 3\.0$', exposition(), re.M), what="three responses requests counted")
+    assert re.search(r'^iop_gateway_time_to_first_token_seconds_count\{model="qwen3.6:35b"\} 2\.0$', exposition(),
+                     re.M)
 
 
 def test_responses_errors_keep_their_status_or_end_the_stream(stack: Stack) -> None:
