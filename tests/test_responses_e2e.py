@@ -91,5 +91,8 @@ def test_responses_errors_keep_their_status_or_end_the_stream(stack: Stack) -> N
     assert events[-2].code == "provider_error"  # type: ignore[union-attr]
     failed = events[-1].response  # type: ignore[union-attr]
     assert failed.status == "failed" and failed.error is not None and failed.error.code == "server_error"
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "tok0 tok1 "
+    # (the simulator breaks its connection off after the tokens: the last may be lost with it)
+    sent = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert sent in ("tok0 ", "tok0 tok1 ")
     assert [getattr(item, "status", None) for item in failed.output] == ["incomplete"]
+    assert failed.output[0].model_dump()["content"][0]["text"] == sent
