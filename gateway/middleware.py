@@ -6,13 +6,17 @@
 3. a listed site's CORS preflight answered (`gateway.cors`),
 4. let in by its API key (`gateway.auth`),
 5. its body read within its limits (`gateway.connections`),
-6. handled.
+6. handled,
+7. given an `X-Request-Id` when it has none (a run's answer has its run's id), as OpenAI gives
+   every answer one (the `openai` client's `request_id`, of an error too).
 
 One middleware rather than five: a caller waiting for its run holds each middleware's frame for
 as long as it waits (about 300 bytes each, with thousands waiting).
 """
 
 from __future__ import annotations
+
+import uuid
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -22,6 +26,7 @@ from gateway.auth import admit
 from gateway.connections import body_reader, request_started
 from gateway.cors import preflight
 from gateway.errors import Handler, error_response
+from gateway.responses import REQUEST_ID_HEADER
 
 
 def gateway_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware:
@@ -41,6 +46,8 @@ def gateway_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware
                     response = await handler(request)
             except Exception as exc:
                 response = error_response(request, exc)
+            if not response.prepared and REQUEST_ID_HEADER not in response.headers:
+                response.headers[REQUEST_ID_HEADER] = f"req_{uuid.uuid4().hex}"
             return response
         finally:
             if endpoint is not None:

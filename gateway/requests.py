@@ -188,6 +188,9 @@ def parse_responses(raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH,
     body = json_object(raw, max_depth, max_containers)
     model = _model(body)
     stream = _check_stream(body, RunKind.CHAT)
+    problem = wire_problem(body)  # (before it is translated: `param` names the caller's own field)
+    if problem is not None:
+        raise invalid(problem.message, problem.param)
     translated = to_chat(body, stream)
     return ParsedRequest(kind=RunKind.CHAT, model=model, stream=stream, body=translated.chat,
                          packed=_pack(translated.chat), echo=translated.echo)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from common.shown import quoted
 from gateway.errors import invalid
 
 #: Fields of a Responses request turned into chat completion fields (or refused, or only repeated
@@ -142,7 +143,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         elif kind == "function_call":
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
-                last = {"role": "assistant", "content": None}
+                last = {"role": "assistant", "content": ""}  # (text: llama-cpp-python refuses a null)
                 messages.append(last)
             last.setdefault("tool_calls", []).append(_tool_call(item, path))
         elif kind == "function_call_output":
@@ -153,7 +154,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         elif kind == "item_reference":
             raise invalid(f"'{path}': iop keeps no items, so none can be referred to: send the item itself", path)
         else:
-            raise invalid(f"'{path}.type' {kind!r} is not taken: iop takes message, function_call, "
+            shown = quoted(kind) if isinstance(kind, str) else "missing" if kind is None else "not text"
+            raise invalid(f"'{path}.type' ({shown}) is not taken: iop takes message, function_call, "
                           "function_call_output and reasoning items", f"{path}.type")
     if not any(m["role"] != "system" for m in messages):
         raise invalid("'input' holds no message for the model to answer", "input")
@@ -169,8 +171,11 @@ def _tools(value: Any) -> list[dict[str, Any]]:
         tool = _object(raw, f"tools[{i}]")
         if tool.get("type") != "function":
             raise invalid(f"'tools[{i}].type' must be 'function': iop runs no built-in tools", f"tools[{i}].type")
+        parameters = tool.get("parameters")
+        if parameters is not None:
+            _object(parameters, f"tools[{i}].parameters")
         function = {"type": "function", "name": _text(tool.get("name"), f"tools[{i}].name"),
-                    "parameters": tool.get("parameters"), "strict": tool.get("strict")}
+                    "parameters": parameters, "strict": tool.get("strict")}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
         tools.append(function)
@@ -256,6 +261,15 @@ def _refuse_stateful(body: dict[str, Any]) -> None:
     if body.get("background") is True:
         raise invalid("'background' is not supported: iop answers while the caller waits (its runs API "
                       "follows a run that outlives a connection)", "background")
+    for name in ("background", "store"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise invalid(f"'{name}' must be a boolean", name)
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
+        raise invalid("'include' must be an array of strings", "include")
+    if body.get("n") not in (None, 1):
+        raise invalid("'n' is not a field of the Responses API: a Response has one output (several choices "
+                      "are served on /v1/chat/completions)", "n")
     top = body.get("top_logprobs")
     if top is not None and top != 0:
         raise invalid("'top_logprobs' is not supported on /v1/responses (it is on /v1/chat/completions)",
@@ -275,6 +289,11 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
     if tools:
         chat["tools"] = [_chat_tool(t) for t in tools]
     tool_choice = "auto" if body.get("tool_choice") is None else _tool_choice(body["tool_choice"])
+    if tool_choice == "required" and not tools:
+        raise invalid("'tool_choice' is required, but 'tools' names no tool", "tool_choice")
+    if isinstance(tool_choice, dict) and tool_choice["name"] not in {t["name"] for t in tools}:
+        raise invalid(f"'tool_choice' names the function {quoted(tool_choice['name'])}, which 'tools' does not "
+                      "hold", "tool_choice.name")
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = tool_choice if isinstance(tool_choice, str) else {
             "type": "function", "function": {"name": tool_choice["name"]}}

@@ -307,6 +307,22 @@ def test_responses_api_answers_equal_the_servers_own_chat_answers(real: Real) ->
         done[0]["arguments"] and "Oslo" in done[0]["arguments"]
 
 
+def test_responses_api_function_calling_loop(real: Real) -> None:
+    """The caller sends the model's function call back with its result: the model answers in text
+    (the assistant message that carries the call has text content: this server refuses a null)."""
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    question = {"role": "user", "content": "What is the weather in Oslo?"}
+    first = asyncio.run(respond(real.gateway, "smollm2", input=[question], max_output_tokens=40, temperature=0,
+                                tools=[tool], tool_choice={"type": "function", "name": "get_weather"}))
+    call = next(item for item in first["output"] if item["type"] == "function_call")
+    turn = [question, call, {"type": "function_call_output", "call_id": call["call_id"], "output": "12 C, sunny"}]
+    for stream in (False, True):
+        answer = asyncio.run(respond(real.gateway, "smollm2", input=turn, max_output_tokens=24, temperature=0,
+                                     tools=[tool], stream=stream))
+        final = answer[-1]["response"] if stream else answer
+        assert final["status"] in ("completed", "incomplete") and _output_text(final).strip(), final
+
+
 def test_embeddings_through_iop_equal_the_servers_own(real: Real) -> None:
     through = asyncio.run(ask(real.gateway, "smollm2-embed", "embedding", input=["red", "blue sky"]))
     assert normal(through) == normal(real.direct["embedding"])

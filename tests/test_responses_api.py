@@ -75,7 +75,7 @@ def test_items_become_the_chat_conversation() -> None:
             {"id": "c2", "type": "function", "function": {"name": "look", "arguments": "{\"x\":1}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "a cat"},
         {"role": "tool", "tool_call_id": "c2", "content": "a dog"},
-        {"role": "assistant", "content": None, "tool_calls": [
+        {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c3", "type": "function", "function": {"name": "more", "arguments": "{}"}}]},
     ]
 
@@ -118,7 +118,7 @@ def test_tools_formats_and_fields_are_translated_and_the_rest_passed_through() -
     ({"input": [{"role": "system", "content": "only rules"}]}, "input", "no message for the model"),
     ({"input": [{"role": "user", "content": "a"}, {"type": "item_reference", "id": "msg_1"}]}, "input[1]",
      "iop keeps no items"),
-    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type", "'web_search_call' is not taken"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type", '("web_search_call") is not taken'),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "user, assistant, system or developer"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
                                              {"type": "input_image", "file_id": "file_1"}]}]},
@@ -146,11 +146,32 @@ def test_tools_formats_and_fields_are_translated_and_the_rest_passed_through() -
     ({"input": "x", "text": {"verbosity": "loud"}}, "text.verbosity", "one of low"),
     ({"input": "x", "parallel_tool_calls": "yes"}, "parallel_tool_calls", "a boolean"),
     ({"input": "x", "temperature": "hot"}, "temperature", "a number"),
+    ({"input": "x", "background": "yes"}, "background", "a boolean"),
+    ({"input": "x", "store": "no"}, "store", "a boolean"),
+    ({"input": "x", "include": "x"}, "include", "an array of strings"),
+    ({"input": "x", "n": 3}, "n", "one output"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools[0].parameters",
+     "an object"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice", "names no tool"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice.name", '"g", which'),
+    ({"input": [{"content": "hi"}]}, "input[0].type", "(missing) is not taken"),
+    ({"input": [{"type": "x" * 3000}]}, "input[0].type", "…"),
 ])
 def test_what_cannot_be_run_is_the_callers_400_naming_the_field(body: dict[str, Any], param: str,
                                                                  words: str) -> None:
     err = refused(body)
     assert err.param == param and words in err.message, err.message
+
+
+def test_text_that_is_not_unicode_is_named_where_the_caller_wrote_it() -> None:
+    for body, param in ((b'{"model": "m", "input": "x", "instructions": "\\ud800"}', "instructions"),
+                        (b'{"model": "m", "input": "x", "metadata": {"a": "\\udfff"}}', "metadata.a"),
+                        (b'{"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f", '
+                         b'"arguments": "\\ud800"}]}', "input[0].arguments")):
+        with pytest.raises(ApiError) as err:
+            parse_responses(body)
+        assert err.value.param == param and "surrogate" in err.value.message
 
 
 def test_a_parsed_responses_request_is_a_chat_run_queued_as_translated() -> None:
