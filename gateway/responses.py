@@ -110,8 +110,9 @@ class SSEStream:
         return resp
 
     async def keep_alive(self) -> None:
-        """An SSE comment: proxies and clients with read timeouts see the stream is alive."""
-        await self.write(KEEP_ALIVE)
+        """An SSE comment: proxies and clients with read timeouts see the stream is alive. (A
+        Response's stream opens with its first events instead, once its headers go out.)"""
+        await self.write(KEEP_ALIVE if self.shape is None else self.shape.opening() or KEEP_ALIVE)
 
     async def fail(self, error: ApiError, within_s: float) -> web.StreamResponse | None:
         """End an answer whose headers went out with `error` in the stream, then `[DONE]`; a caller

@@ -187,6 +187,13 @@ class ResponseShape:
             out.append(self._event("response.created", response=opening))
             out.append(self._event("response.in_progress", response=opening))
 
+    def opening(self) -> bytes:
+        """`response.created` and `response.in_progress`, if they have not gone out (the stream's
+        first bytes: with its first output, or its first keep-alive)."""
+        out: list[bytes] = []
+        self._start(out)
+        return b"".join(out)
+
     def events(self, chunks: list[Any]) -> bytes:
         """The events of a delta's chat chunks (the opening events first, with the first output)."""
         out: list[bytes] = []

@@ -19,7 +19,7 @@ from common.wire import RunKind, upstream_request_id
 from iop.simulator import SimOptions, start_server
 from tests.conftest import async_wait_until as until
 from workers.adapters.base import ProviderError, Retry
-from workers.adapters.openai_compat import OpenAICompatAdapter, api_root, server_root
+from workers.adapters.openai_compat import OpenAICompatAdapter, api_root, schema_as_json_object, server_root
 from workers.heartbeat import probe_evidence
 
 FAMILY = ("vllm", "sglang", "lemonade", "openai_api")
@@ -433,3 +433,15 @@ async def test_a_stream_that_ends_after_its_finish_reason_without_done_is_whole(
     with pytest.raises(ProviderError) as err:
         await _drain(adapter.stream(RunKind.CHAT, chat(stream=True), "run_e"))
     assert err.value.message == "provider vllm-a: the stream ended before [DONE]" and err.value.strikes == 1
+
+
+def test_a_json_schema_format_goes_to_llamacpp_as_json_object_with_its_schema() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    body: dict[str, Any] = {"model": "m", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": schema, "strict": True}}}
+    assert schema_as_json_object(body) == {"model": "m", "response_format": {"type": "json_object", "schema": schema}}
+    assert body["response_format"]["type"] == "json_schema"  # (the run's own body is not changed)
+    for other in ({"model": "m"}, {"response_format": {"type": "json_object"}},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
+                  {"response_format": "json_schema"}):
+        assert schema_as_json_object(other) is other

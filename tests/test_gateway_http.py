@@ -287,6 +287,36 @@ async def test_a_stream_the_gateway_gives_up_on_after_its_headers_ends_with_the_
     assert text.index('"code":"execution_timeout"') < text.index("data: [DONE]")
 
 
+async def test_a_queued_responses_stream_opens_with_its_first_keep_alive_and_ends_failed(
+        redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Responses stream whose run waits in its queue: when its headers go out (its first
+    keep-alive), `response.created` and `response.in_progress` go with them (a caller learns the
+    Response's id), then keep-alive comments; the gateway's giving up ends it with `error` and
+    `response.failed`, every event in OpenAI's schema, no `[DONE]`."""
+    cfg = parse_config({**config().model_dump(mode="json", exclude_none=True),
+                        "runtime": {"stream_keepalive_ms": 100}})
+    await beat(redis, cfg)  # available, but no scheduler: the run waits in its queue
+    monkeypatch.setattr(RunClient, "follow_deadline_s", lambda self, model_id: 1.0)
+    server = TestServer(build_app(cfg, redis_url), port=0)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as http, http.post(
+                f"http://{server.host}:{server.port}/v1/responses",
+                json={"model": MODEL, "input": "x", "stream": True}) as resp:
+            assert resp.status == 200
+            text = (await resp.read()).decode()
+    finally:
+        await server.close()
+    blocks = [b for b in text.split("\n\n") if b]
+    assert blocks[0].startswith("event: response.created\n") and blocks[1].startswith("event: response.in_progress\n")
+    assert blocks[2] == ": keep-alive" and "data: [DONE]" not in text
+    events = [json.loads(b.split("data: ", 1)[1]) for b in blocks if b.startswith("event: ")]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert events[2]["code"] == "execution_timeout" and events[0]["response"]["id"] == events[3]["response"]["id"]
+    for event in events:
+        validate("ResponseStreamEvent", event)
+
+
 async def test_a_stream_the_gateway_gives_up_on_whose_caller_does_not_read_is_closed(
         redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same, for a caller that stopped reading (its socket full of output): the error cannot

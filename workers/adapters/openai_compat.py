@@ -108,6 +108,17 @@ def health_url(provider: ProviderConfig) -> str | None:
     return None
 
 
+def schema_as_json_object(body: dict[str, Any]) -> dict[str, Any]:
+    """A `response_format` of type `json_schema` as llama.cpp's servers all take it: `json_object`
+    with the `schema` (llama-cpp-python knows only `text` and `json_object`, and answered a
+    `json_schema` with a 500; llama.cpp's own server takes both). Any other body as it is."""
+    fmt = body.get("response_format")
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict)
+            and isinstance(fmt["json_schema"].get("schema"), dict)):
+        return body
+    return {**body, "response_format": {"type": "json_object", "schema": fmt["json_schema"]["schema"]}}
+
+
 def choices_asked(kind: RunKind, body: dict[str, Any]) -> int:
     """How many choices a request asks for: `n` for each prompt (a legacy completion's `prompt`
     may be a list of them)."""
@@ -349,6 +360,8 @@ class OpenAICompatAdapter:
                              served if isinstance(served, str) else None)
 
     def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
+        if self.provider.type == "llamacpp":
+            body = schema_as_json_object(body)
         return sending.post(self.session, self.root + PATHS[kind], data=jsonio.dumps(body),
                             headers={**self._headers(run_id), "Content-Type": "application/json"},
                             timeout=self.timeout, allow_redirects=False)
