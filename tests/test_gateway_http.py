@@ -7,6 +7,7 @@ import asyncio
 import gc
 import json
 import random
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -72,6 +73,19 @@ async def test_models_are_listed_with_their_display_names(gateway: str, http: ai
     assert model["id"] == MODEL
     async with http.get(gateway + "/v1/models/nope") as resp:
         assert resp.status == 404 and (await error_of(resp))["code"] == "model_not_found"
+
+
+async def test_every_answer_has_a_request_id(gateway: str, http: aiohttp.ClientSession) -> None:
+    """As OpenAI's: an error before any run, the model list, a preflight-free 404 (a run's own
+    answer has its run's id: the e2e tests)."""
+    seen = set()
+    for method, path, body in (("GET", "/v1/models", None), ("POST", "/v1/chat/completions", b"{not json"),
+                               ("GET", "/v1/nothing-here", None), ("GET", "/healthz", None)):
+        async with http.request(method, gateway + path, data=body) as resp:
+            request_id = resp.headers.get("X-Request-Id", "")
+            assert re.fullmatch(r"req_[0-9a-f]{32}", request_id), (path, dict(resp.headers))
+            seen.add(request_id)
+    assert len(seen) == 4
 
 
 @pytest.mark.parametrize(("path", "raw", "status", "code", "param"), [
