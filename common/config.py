@@ -144,6 +144,7 @@ class RuntimeConfig(Strict):
     probe_interval_ms: int = Field(5_000, ge=10, le=MAX_DURATION_MS)
     lease_ttl_ms: int = Field(15_000, ge=50, le=MAX_DURATION_MS)
     scheduler_liveness_ms: int = Field(3_000, ge=50, le=MAX_DURATION_MS)
+    gateway_liveness_ms: int = Field(10_000, ge=100, le=MAX_DURATION_MS)
     run_ttl_s: int = Field(3_600, ge=1, le=MAX_RUN_TTL_S)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=MAX_BYTES)
     # Deeper than 256 would come close to the recursion limits of Python's json (~1000) and of

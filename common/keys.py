@@ -131,6 +131,19 @@ INBOX_TTL_MS: Final = 3_600_000
 OUTPUT_ONLY: Final = "~"
 
 
+#: Hash of the gateway processes that keep a liveness key: gateway id -> when it started (ms). A
+#: gateway it names whose `gateway_alive` key is gone has died; one it does not name (an older
+#: version's, or one that started while Redis was full) is presumed alive.
+GATEWAYS: Final = f"{PREFIX}:gateways"
+#: A dead gateway's field is removed this long after it started.
+GATEWAY_FORGET_MS: Final = 86_400_000
+
+
+def gateway_alive(gateway_id: str) -> str:
+    """String with a TTL (`runtime.gateway_liveness_ms`) that a live gateway keeps refreshing."""
+    return f"{PREFIX}:gateway:{gateway_id}"
+
+
 def scheduler_alive(consumer: str) -> str:
     """String with a TTL that a live scheduler replica keeps refreshing."""
     return f"{PREFIX}:scheduler:{consumer}"
@@ -219,6 +232,10 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (scheduler_alive("{consumer}"), "string + TTL", "a live scheduler replica", "KEYS iop:scheduler:*"),
     (gateway_inbox("{gateway}"), "stream + TTL", "copies of the events of the runs a gateway follows",
      "XREVRANGE iop:inbox:{gateway} + - COUNT 10"),
+    (GATEWAYS, "hash", "the gateway processes that keep a liveness key: id -> when each started (ms)",
+     "HGETALL iop:gateways"),
+    (gateway_alive("{gateway}"), "string + TTL", "a live gateway (one named in iop:gateways without it died: its "
+     "callers' runs are cancelled)", "KEYS iop:gateway:*"),
     (key_in_flight("{key}"), "sorted set", "an API key's runs queued or running: run id -> end bound (ms)",
      "ZCARD iop:inflight:{key}"),
     (key_requests("{key}"), "sorted set", "runs an API key started in the last 60 s: run id -> when (ms)",

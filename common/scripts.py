@@ -963,6 +963,37 @@ redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[4])
 return id
 """
 
+# Of the given runs, those whose caller's gateway is gone: the run's record names at least one
+# output-only watcher (`{gateway id}~`: a completion caller's gateway, which waits on its
+# connection), still running or queued, and every such gateway is named in the gateways hash but
+# its liveness key is gone. A gateway the hash does not name (an older version's, or one that
+# started while Redis was full) counts as alive, and so does a run without such a watcher (one
+# only the runs API follows). Returns {run id, model, ...}.
+# KEYS: gateways hash   ARGV: run record key prefix, gateway liveness key prefix, run ids...
+ORPHANS = f"""
+local out = {{}}
+for i = 3, #ARGV do
+  local rec = redis.call('HMGET', ARGV[1] .. ARGV[i], 'watchers', 'model', 'state')
+  local waiting, alive = false, false
+  if rec[1] and (rec[3] == 'queued' or rec[3] == 'dispatched' or rec[3] == 'running') then
+    for watcher in string.gmatch(rec[1], '[^,]+') do
+      local gateway, n = string.gsub(watcher, '{keys.OUTPUT_ONLY}$', '')
+      if n > 0 then
+        waiting = true
+        if redis.call('HEXISTS', KEYS[1], gateway) == 0 or redis.call('EXISTS', ARGV[2] .. gateway) == 1 then
+          alive = true
+        end
+      end
+    end
+  end
+  if waiting and not alive then
+    out[#out + 1] = ARGV[i]
+    out[#out + 1] = rec[2] or ''
+  end
+end
+return out
+"""
+
 ALL: dict[str, str] = {
     "enqueue": ENQUEUE,
     "dispatch": DISPATCH,
@@ -981,6 +1012,7 @@ ALL: dict[str, str] = {
     "watch": WATCH,
     "control": CONTROL,
     "history": HISTORY,
+    "orphans": ORPHANS,
 }
 
 SHAS: dict[str, str] = {name: sha1(src.encode()).hexdigest() for name, src in ALL.items()}

@@ -18,7 +18,7 @@ from common.redisconn import REDIS_DOWN
 from common.shown import quoted
 from common.usage import key_names
 from common.wire import ErrorCode
-from gateway import admin, catalog, cors, metrics, runs_api, usage_api
+from gateway import admin, catalog, cors, liveness, metrics, runs_api, usage_api
 from gateway.auth import KEYRING, principal
 from gateway.connections import BODY, expect_handler, forget_body
 from gateway.errors import ApiError
@@ -162,10 +162,14 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     rt = app[CONFIG].runtime
     redis, pool = gateway_redis(app[REDIS_URL], rt.redis_max_connections)
     app[RUNS] = RunClient(redis, app[CONFIG])  # with the gateway's one event reader
+    gateway_id = app[RUNS].hub.gateway_id
     trimmer = asyncio.create_task(trim_forever(pool, rt.idle_timeout_ms / 1000))
+    beating = asyncio.create_task(liveness.beat_forever(redis, gateway_id, rt.gateway_liveness_ms))
     yield
     trimmer.cancel()
-    await asyncio.gather(trimmer, return_exceptions=True)
+    beating.cancel()
+    await asyncio.gather(trimmer, beating, return_exceptions=True)
+    await liveness.forget(redis, gateway_id)
     await app[RUNS].close()
     await redis.aclose()
 

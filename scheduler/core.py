@@ -122,6 +122,12 @@ class Scheduler:
         self._active: dict[str, None] = dict.fromkeys(m.id for m in config.models)
         #: the `dispatch_pending` calls made so far, by the models they cover
         self._pending_calls: dict[tuple[str, ...], tuple[list[str], list[Any]]] = {}
+        #: when this replica's heartbeat last went through, and since when it has without a gap (a
+        #: replica that could not reach Redis judges no gateway dead until they had time to beat)
+        self._beat_ms = 0
+        self._steady_since_ms = 0
+        #: when orphans were last looked for
+        self._orphans_ms = 0
 
     # ----------------------------------------------------------------- setup
     async def ensure_groups(self) -> None:
@@ -139,6 +145,10 @@ class Scheduler:
         alive, ttl_ms = keys.scheduler_alive(self.consumer), self.config.runtime.scheduler_liveness_ms
         if not await self.redis.pexpire(alive, ttl_ms):
             await self.redis.set(alive, now_ms(), px=ttl_ms)
+        now = now_ms()
+        if now - self._beat_ms > 2 * ttl_ms:  # (a gap: Redis was out of reach, or this replica stalled)
+            self._steady_since_ms = now
+        self._beat_ms = now
 
     # ----------------------------------------------------------------- intake
     def _adopt(self, model_id: str, entry_id: str, fields: dict[bytes, bytes]) -> None:
@@ -490,15 +500,60 @@ class Scheduler:
 
     async def _drop(self, model_id: str, w: Waiting, state: RunState, info: ErrorInfo) -> None:
         """End a run that is still waiting in its queue."""
-        result = await self.scripts.call(
+        await self._end(model_id, w.run_id, state, info)
+
+    async def _end(self, model_id: str, run_id: str, state: RunState, info: ErrorInfo,
+                   abort_running: bool = False) -> bytes:
+        """End a run that is still waiting in its queue; `abort_running`: else tell its node to
+        abort it if it runs (as a caller's leaving does)."""
+        result: bytes = await self.scripts.call(
             "drop_queued",
-            [keys.runs_stream(model_id), keys.run_record(w.run_id), keys.run_events(w.run_id)],
-            [w.run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()),
-             self.config.runtime.run_ttl_s, info.code.value, info.message, "", keys.scheduler_channel("")],
+            [keys.runs_stream(model_id), keys.run_record(run_id), keys.run_events(run_id)],
+            [run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()), self.config.runtime.run_ttl_s,
+             info.code.value, info.message, keys.node_cancel("") if abort_running else "",
+             keys.scheduler_channel("")],
         )
         if result == b"ok":
             metrics.DROPPED.labels(model_id, state.value).inc()
-            log.info("%s in the queue: %s", state.value, info.code.value, extra=run_fields(w.run_id, model_id))
+            log.info("%s in the queue: %s", state.value, info.code.value, extra=run_fields(run_id, model_id))
+        return result
+
+    # ----------------------------------------------------------------- orphans
+    async def cancel_orphans(self) -> int:
+        """Cancel the runs whose caller's gateway died (`orphans`), as its leaving would have: the
+        runs this replica holds waiting, and those running on every provider. Not until this replica
+        has reached Redis for `gateway_liveness_ms` without a gap (after an outage the gateways
+        need that long to beat again), and at most every half of it."""
+        now, liveness_ms = now_ms(), self.config.runtime.gateway_liveness_ms
+        if now - self._steady_since_ms < liveness_ms or now - self._orphans_ms < liveness_ms // 2:
+            return 0
+        self._orphans_ms = now
+        run_ids = [w.run_id for queue in self.waiting.values() for w in queue]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for node in self.config.nodes:
+                for provider in node.providers:
+                    pipe.zrange(keys.leases(provider.id), 0, -1)
+            leased = await pipe.execute()
+        run_ids += [raw.decode() for ids in leased for raw in ids]
+        found: list[tuple[str, str]] = []
+        for i in range(0, len(run_ids), ORPHANS_BATCH):
+            answer = await self.scripts.call("orphans", [keys.GATEWAYS], [keys.run_record(""), keys.gateway_alive(""),
+                                                                           *run_ids[i:i + ORPHANS_BATCH]])
+            found += [(answer[j].decode(), answer[j + 1].decode()) for j in range(0, len(answer), 2)]
+        info = ErrorInfo(ErrorCode.CANCELLED, GATEWAY_GONE)
+        for run_id, model_id in found:
+            outcome = await self._end(model_id, run_id, RunState.CANCELLED, info, abort_running=True)
+            log.warning("cancelled: %s (%s)", GATEWAY_GONE, outcome.decode(), extra=run_fields(run_id, model_id))
+        await self._forget_gateways()
+        return len(found)
+
+    async def _forget_gateways(self) -> None:
+        """Stop naming the dead gateways that started `GATEWAY_FORGET_MS` ago (a live one stays)."""
+        named = await self.redis.hgetall(keys.GATEWAYS)
+        for gateway, started in named.items():
+            if (now_ms() - int(started or 0) > keys.GATEWAY_FORGET_MS
+                    and not await self.redis.exists(keys.gateway_alive(gateway.decode()))):
+                await self.redis.hdel(keys.GATEWAYS, gateway)
 
     # ----------------------------------------------------------------- takeover
     async def take_over_dead(self) -> int:
@@ -610,6 +665,12 @@ class Scheduler:
         return 0
 
 
+#: how many runs one `orphans` call looks at (a call holds Redis for ~3 µs a run)
+ORPHANS_BATCH = 256
+#: why a run whose caller's gateway died is cancelled
+GATEWAY_GONE = "the caller's gateway stopped (its liveness key expired)"
+
+
 def _plan(queue: list[Waiting], snaps: list[ProviderSnapshot], now: int, ttl: int, ahead: int) -> list[Waiting]:
     """The head of `queue` (the snapshots say it finds a slot) and the runs behind it that would
     find one too, each counted on the provider the policy picks for it: at most `ahead` (the
@@ -692,6 +753,7 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
         await sched.adopt_forgotten()
         if await sched.reap_expired_leases():
             sched.kick.set()
+        await sched.cancel_orphans()
         await asyncio.sleep(maintenance_s)
 
     async def signals() -> None:

@@ -1,0 +1,132 @@
+"""Runs whose caller's gateway died are cancelled: the `orphans` script on a real Redis, and
+real processes (a gateway killed with SIGKILL while its callers' runs stream and wait)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import urllib.request
+from typing import Any
+
+import redis as sync_redis
+from redis.asyncio import Redis
+
+from common import keys
+from common.scripts import Scripts
+from tests.conftest import Stack, wait_until
+from tests.test_e2e import FAST_RUNTIME, pool_config, wait_available
+
+LIVENESS_MS = 600
+
+
+async def orphans(redis: Redis, *run_ids: str) -> list[tuple[str, str]]:
+    answer = await Scripts(redis).call("orphans", [keys.GATEWAYS],
+                                       [keys.run_record(""), keys.gateway_alive(""), *run_ids])
+    return [(answer[i].decode(), answer[i + 1].decode()) for i in range(0, len(answer), 2)]
+
+
+async def test_a_run_is_orphaned_when_every_gateway_waiting_for_it_died(redis: Redis) -> None:
+    await redis.hset(keys.GATEWAYS, mapping={"dead": 1, "live": 1, "dead2": 1})
+    await redis.set(keys.gateway_alive("live"), 1)
+    runs = {
+        "r-dead": ("dead~", "running"),
+        "r-queued": ("dead~,dead2~", "queued"),
+        "r-live": ("dead~,live~", "dispatched"),  # (one of its waiting gateways lives)
+        "r-follower": ("dead", "running"),  # (only the runs API follows it)
+        "r-followed": ("dead~,live", "running"),  # (its caller's gateway died; a follower lives)
+        "r-unknown": ("old~", "running"),  # (a gateway the hash does not name: an older version's)
+        "r-ended": ("dead~", "completed"),
+        "r-none": ("", "running"),
+    }
+    for run_id, (watchers, state) in runs.items():
+        await redis.hset(keys.run_record(run_id), mapping={"watchers": watchers, "state": state, "model": "m"})
+    found = await orphans(redis, *runs, "r-missing")
+    assert found == [("r-dead", "m"), ("r-queued", "m"), ("r-followed", "m")]
+    await redis.set(keys.gateway_alive("dead"), 1)  # (it beat again)
+    assert await orphans(redis, *runs) == []
+
+
+def stream_in_thread(url: str, body: dict[str, Any], out: dict[str, Any]) -> threading.Thread:
+    """A caller streaming on its own thread: what it read before its gateway died."""
+    def read() -> None:
+        request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                out["first"] = resp.readline()
+                out["rest"] = resp.read()
+        except Exception as exc:  # (the gateway dies under it)
+            out["error"] = exc
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_killed_gateways_running_and_queued_runs_are_cancelled(stack: Stack) -> None:
+    """Gateway A dies (SIGKILL) with one run of its caller streaming and one waiting behind it:
+    within the liveness time both are cancelled (the provider's request is closed, its slot
+    freed, the waiting run never sent to it), while gateway B's caller, whose run then takes
+    the slot and outlives several liveness periods, gets its whole answer."""
+    sim = stack.simulator(["p-served"])
+    config = pool_config({"p": ("n1", sim, 1)})
+    config["runtime"] = {**FAST_RUNTIME, "gateway_liveness_ms": LIVENESS_MS}
+    stack.write_config(config)
+    stack.scheduler()
+    stack.worker("n1")
+    doomed = stack.start("gateway-a", "gateway", "--host", "127.0.0.1", "--port", "0")
+    url_a = doomed.wait_for_line(r"listening on (http://\S+)").group(1)
+    url_b = stack.gateway()
+    wait_available(stack.redis_url, ["p"])
+    r = sync_redis.Redis.from_url(stack.redis_url)
+
+    def stats() -> dict[str, Any]:
+        with urllib.request.urlopen(sim + "/stats") as resp:
+            data: dict[str, Any] = json.loads(resp.read())
+            return data
+
+    slow = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "x"}], "stream": True,
+            "sim": {"tokens": 1000, "itl_ms": 50}}
+    running: dict[str, Any] = {}
+    stream_in_thread(url_a + "/v1/chat/completions", slow, running)
+    wait_until(lambda: stats()["current"] == 1, what="A's run streaming")
+    queued: dict[str, Any] = {}
+    stream_in_thread(url_a + "/v1/chat/completions", slow, queued)
+    wait_until(lambda: r.xlen("iop:runs:qwen3.6:35b") == 1, what="A's second run waiting")
+    # B's caller waits behind them: the slot comes to it once A's runs are cancelled
+    survivor: dict[str, Any] = {}
+    b_body = {**slow, "sim": {"tokens": 40, "itl_ms": 50}}  # (2 s: several liveness periods)
+    b_thread = stream_in_thread(url_b + "/v1/chat/completions", b_body, survivor)
+    wait_until(lambda: r.xlen("iop:runs:qwen3.6:35b") == 2, what="B's run waiting")
+
+    doomed.send(signal.SIGKILL)
+
+    def cancelled() -> list[dict[bytes, bytes]]:
+        return [rec for rec in (r.hgetall(k) for k in r.scan_iter("iop:run:*")) if rec.get(b"state") == b"cancelled"]
+
+    wait_until(lambda: len(cancelled()) == 2, timeout=20, what="A's two runs cancelled")
+    assert all(b"gateway stopped" in rec.get(b"error_message", b"") for rec in cancelled()), cancelled()
+    b_thread.join(60)
+    assert "error" not in survivor, survivor
+    assert survivor["rest"].rstrip().endswith(b"data: [DONE]") and b'"error"' not in survivor["rest"]
+    served = stats()
+    assert served["total"] == 2 and served["current"] == 0  # (A's waiting run never reached the provider)
+    assert r.zcard("iop:leases:p") == 0
+    r.close()
+
+
+def test_a_live_gateways_long_run_is_never_cancelled(stack: Stack) -> None:
+    """A run that streams for many liveness periods through a gateway that lives ends whole."""
+    sim = stack.simulator(["p-served"])
+    config = pool_config({"p": ("n1", sim, 1)})
+    config["runtime"] = {**FAST_RUNTIME, "gateway_liveness_ms": LIVENESS_MS}
+    stack.write_config(config)
+    stack.scheduler()
+    stack.worker("n1")
+    gateway = stack.gateway()
+    wait_available(stack.redis_url, ["p"])
+    out: dict[str, Any] = {}
+    body = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "x"}], "stream": True,
+            "sim": {"tokens": 60, "itl_ms": 50}}  # (3 s: five liveness periods)
+    stream_in_thread(gateway + "/v1/chat/completions", body, out).join(60)
+    assert "error" not in out and out["rest"].rstrip().endswith(b"data: [DONE]") and b'"error"' not in out["rest"]
