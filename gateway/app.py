@@ -139,6 +139,17 @@ async def run_request(request: web.Request) -> web.StreamResponse:
             await asyncio.shield(runs.leave(run_id, model.id))
 
 
+async def stored_response(request: web.Request) -> web.Response:
+    """A stored Response asked for (`client.responses.retrieve`, `delete`, `cancel`,
+    `input_items.list`): iop keeps none; the run that made one is kept, under the same hex."""
+    response_id = request.match_info["rest"].split("/", 1)[0]
+    hexpart = response_id.removeprefix("resp_")
+    where = (f"; the run that made it is kept for runtime.run_ttl_s: GET /v1/runs/run_{hexpart}"
+             if len(hexpart) == 32 and all(c in "0123456789abcdef" for c in hexpart) else "")
+    raise ApiError(ErrorCode.NOT_FOUND, f"iop keeps no responses (each it gives is store: false): "
+                   f"{quoted(response_id)} is not kept{where}")
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -190,6 +201,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     app.cleanup_ctx.append(_redis_ctx)
     for path in (*RUN_ROUTES, RESPONSES_PATH):
         app.router.add_post(path, run_request)
+    app.router.add_route("*", RESPONSES_PATH + "/{rest:.+}", stored_response)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_get("/healthz", healthz)

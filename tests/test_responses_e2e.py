@@ -82,6 +82,18 @@ def test_responses_errors_keep_their_status_or_end_the_stream(stack: Stack) -> N
         client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
     assert builtin.value.param == "tools[0].type"
 
+    # (a stored Response asked for: none is kept, but the run that made it is, under the same hex)
+    made = client.responses.create(model=MODEL, input="x", extra_body={"sim": {"tokens": 1}})
+    run_id = "run_" + made.id.removeprefix("resp_")
+    for call in (lambda: client.responses.retrieve(made.id), lambda: client.responses.delete(made.id),
+                 lambda: client.responses.cancel(made.id), lambda: client.responses.input_items.list(made.id)):
+        with pytest.raises(openai.NotFoundError) as gone:
+            call()
+        assert gone.value.code == "not_found" and f"GET /v1/runs/{run_id}" in gone.value.message, gone.value.message
+        validate("ErrorResponse", gone.value.response.json())
+    with urllib.request.urlopen(f"{gateway}/v1/runs/{run_id}") as resp:
+        assert json.loads(resp.read())["state"] == "completed"
+
     # the provider fails after two tokens: the stream ends with `error` and `response.failed`
     events = list(client.responses.create(model=MODEL, input="x", max_output_tokens=10, stream=True,
                                           extra_body={"sim": {"fail_after_tokens": 2}}))
