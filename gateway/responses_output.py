@@ -20,8 +20,6 @@ from gateway.errors import ApiError
 
 #: a chat `finish_reason` that leaves the Response incomplete, and the reason it says
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
-#: the part of a message each kind of text goes in, and its field there
-_PART_FIELD = {"output_text": "text", "refusal": "refusal"}
 
 
 def response_id(run_id: str) -> str:

@@ -254,7 +254,9 @@ def _number(body: dict[str, Any], name: str) -> Any:
     return value
 
 
-def _refuse_stateful(body: dict[str, Any]) -> None:
+def _refuse_unservable(body: dict[str, Any]) -> None:
+    """The caller's 400 for what needs state iop does not keep, what a Response cannot hold, and
+    the flags that are not what OpenAI takes."""
     for name, why in _STATEFUL.items():
         if body.get(name) is not None:
             raise invalid(f"'{name}' is not supported: {why}", name)
@@ -278,7 +280,7 @@ def _refuse_stateful(body: dict[str, Any]) -> None:
 
 def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
     """The chat completion run of a Responses request (its `model` already checked, `stream` read)."""
-    _refuse_stateful(body)
+    _refuse_unservable(body)
     messages = _messages(body.get("input"))
     instructions = body.get("instructions")
     if instructions is not None:
