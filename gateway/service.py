@@ -113,7 +113,7 @@ async def _refused_database(redis: Redis) -> None:
 async def serve(config: Config, redis_url: str, host: str, port: int, keyring: KeyRing | None = None,
                 grace_s: float = DEFAULT_GRACE_S) -> None:
     """Serve until SIGTERM/SIGINT; then stop listening and give the run requests in flight
-    `grace_s` seconds to end (`gateway.stopping`)."""
+    `grace_s` seconds to end, or until a second SIGTERM/SIGINT (`gateway.stopping`)."""
     config = _fitted(config, raise_file_limit())
     stop = stop_event()
     app = build_app(config, redis_url, keyring)
@@ -137,5 +137,6 @@ async def serve(config: Config, redis_url: str, host: str, port: int, keyring: K
     try:
         await stop.wait()
     finally:
-        await stop_serving(runner, app[STOPPING], grace_s)
+        stop.clear()  # (a second SIGTERM or SIGINT sets it again: the grace is cut short)
+        await stop_serving(runner, app[STOPPING], grace_s, cut=stop)
         await runner.cleanup()

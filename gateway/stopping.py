@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from aiohttp import web
 
@@ -52,29 +53,41 @@ class Stopping:
                         f"the gateway is stopping and the run did not end within its grace ({self.cut_after_s:g} s); "
                         "the run was cancelled: send the request again", headers={**headers, "Retry-After": "1"})
 
-    async def drain(self, grace_s: float) -> int:
-        """Wait up to `grace_s` for the run requests in flight, then end the rest (see the module's
-        text). Returns how many outlasted the grace."""
+    async def drain(self, grace_s: float, cut: asyncio.Event | None = None) -> int:
+        """Wait up to `grace_s` for the run requests in flight, or until `cut` is set (a second
+        SIGTERM or SIGINT), then end the rest (see the module's text). Returns how many outlasted
+        the grace."""
         if not self.tasks:
             return 0
-        log.info("stopping: waiting up to %gs for %d run requests", grace_s, len(self.tasks))
-        _, pending = await asyncio.wait(set(self.tasks), timeout=grace_s)
+        log.info("stopping: waiting up to %gs for %d run requests (a second SIGTERM or SIGINT ends them now)",
+                 grace_s, len(self.tasks))
+        requests, started = set(self.tasks), asyncio.get_running_loop().time()
+        waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(asyncio.wait(requests))}
+        if cut is not None:
+            waiters.add(asyncio.ensure_future(cut.wait()))
+        await asyncio.wait(waiters, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in waiters:  # (the requests themselves go on: `asyncio.wait` does not cancel them)
+            waiter.cancel()
+        pending = {task for task in requests if not task.done()}
         if not pending:
             return 0
-        log.warning("stopping: %d run requests outlasted the grace (%gs): ending them with 503 "
-                    "service_unavailable, their runs cancelled", len(pending), grace_s)
-        self.cut_after_s = grace_s
+        waited = round(asyncio.get_running_loop().time() - started, 1)
+        log.warning("stopping: %d run requests outlasted the grace (%gs%s): ending them with 503 "
+                    "service_unavailable, their runs cancelled", len(pending), grace_s,
+                    f", cut short after {waited:g}s by a second signal" if waited < grace_s else "")
+        self.cut_after_s = min(waited, grace_s)
         for task in pending:
             task.cancel()
         await asyncio.wait(pending, timeout=END_S)
         return len(pending)
 
 
-async def stop_serving(runner: web.AppRunner, stopping: Stopping, grace_s: float) -> None:
-    """Stop listening, close idle connections, and drain the run requests (`Stopping.drain`);
-    `runner.cleanup()` ends what is left."""
+async def stop_serving(runner: web.AppRunner, stopping: Stopping, grace_s: float,
+                       cut: asyncio.Event | None = None) -> None:
+    """Stop listening, close idle connections, and drain the run requests (`Stopping.drain`;
+    `cut` ends the grace early); `runner.cleanup()` ends what is left."""
     for site in list(runner.sites):
         await site.stop()
     if runner.server is not None:
         runner.server.pre_shutdown()  # (idle keep-alive connections close; busy ones after their answer)
-    await stopping.drain(grace_s)
+    await stopping.drain(grace_s, cut)

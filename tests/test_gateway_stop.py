@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from typing import Any
 
 import aiohttp
@@ -107,3 +108,26 @@ def test_runs_that_outlast_the_grace_get_a_503_and_are_cancelled(stack: Stack) -
     runs = (got["stream_run"], got["run"])
     wait_until(lambda: all(run_state(stack, run_id) == b"cancelled" for run_id in runs), what="both runs cancelled")
     wait_until(lambda: leases(stack) == 0, what="the slots to come back")
+
+
+def test_a_second_signal_cuts_the_grace_short(stack: Stack) -> None:
+    """Ctrl-C twice: the second SIGINT ends the wait of a 60 s grace at once; the stream gets its
+    error and [DONE], its run is cancelled, and the gateway exits 0."""
+    gateway, proc = pool(stack, "60")
+
+    async def scenario() -> tuple[str, str]:
+        async with aiohttp.ClientSession() as session:
+            streamed = await session.post(gateway + "/v1/chat/completions", json=chat(True, 2000, 50))
+            assert (await streamed.content.readline()).startswith(b"data: ")  # output is flowing
+            proc.send(signal.SIGINT)
+            await asyncio.to_thread(proc.wait_for_line, r"waiting up to 60s for 1 run requests")
+            proc.send(signal.SIGINT)
+            return (await streamed.read()).decode(), streamed.headers["X-IOP-Run-Id"]
+
+    text, run_id = asyncio.run(scenario())
+    assert proc.stop(30) == 0 and "Traceback" not in proc.output(), proc.output()
+    assert "cut short after" in proc.output()  # (not after 60 s: the test would have timed out)
+    lines = [line for line in text.split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "service_unavailable"
+    wait_until(lambda: run_state(stack, run_id) == b"cancelled", what="the run cancelled")
