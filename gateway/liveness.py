@@ -1,6 +1,7 @@
 """The gateway says it lives, so that a scheduler can cancel the runs of a dead gateway's callers
 (the `orphans` script): its `keys.gateway_alive` key kept fresh, and its id in `keys.GATEWAYS`
-once that key exists (a gateway the hash does not name is presumed alive, whatever its key)."""
+whenever that key is set anew (a gateway the hash does not name is presumed alive, whatever its
+key)."""
 
 from __future__ import annotations
 
@@ -16,23 +17,21 @@ from common.redisconn import now_ms
 log = logging.getLogger("iop.gateway")
 
 
-async def beat(redis: Redis, gateway_id: str, ttl_ms: int, register: bool) -> None:
-    """Refresh the liveness key (`PEXPIRE`, which Redis takes even when full; set anew once it has
-    expired), then, with `register`, name the gateway in the hash."""
+async def beat(redis: Redis, gateway_id: str, ttl_ms: int) -> None:
+    """Refresh the liveness key (`PEXPIRE`, which Redis takes even when full); when it is not
+    there (the first beat, a Redis that restarted empty, a gateway that stalled past its TTL), set
+    it anew and name the gateway in the hash again."""
     alive = keys.gateway_alive(gateway_id)
     if not await redis.pexpire(alive, ttl_ms):
         await redis.set(alive, now_ms(), px=ttl_ms)
-    if register:
         await redis.hset(keys.GATEWAYS, gateway_id, now_ms())
 
 
 async def beat_forever(redis: Redis, gateway_id: str, ttl_ms: int) -> None:
     """Beat every third of `ttl_ms` until cancelled; Redis out of reach is logged, not fatal."""
-    registered = False
     while True:
         try:
-            await beat(redis, gateway_id, ttl_ms, register=not registered)
-            registered = True
+            await beat(redis, gateway_id, ttl_ms)
         except (RedisError, OSError) as exc:
             log.warning("could not say the gateway lives (its callers' runs are cancelled if this lasts "
                         "runtime.gateway_liveness_ms, %d ms): %s", ttl_ms, exc)

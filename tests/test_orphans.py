@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.scripts import Scripts
+from gateway import liveness
 from tests.conftest import Stack, wait_until
 from tests.test_e2e import FAST_RUNTIME, pool_config, wait_available
 
@@ -45,6 +46,21 @@ async def test_a_run_is_orphaned_when_every_gateway_waiting_for_it_died(redis: R
     assert found == [("r-dead", "m"), ("r-queued", "m"), ("r-followed", "m")]
     await redis.set(keys.gateway_alive("dead"), 1)  # (it beat again)
     assert await orphans(redis, *runs) == []
+
+
+async def test_a_gateway_is_named_again_whenever_its_key_is_set_anew(redis: Redis) -> None:
+    """Its first beat, and after a Redis that restarted empty (a gateway left unnamed would be
+    presumed alive for good: its callers' runs never cancelled once it died)."""
+    await liveness.beat(redis, "g1", 5_000)
+    assert await redis.exists(keys.gateway_alive("g1")) and await redis.hexists(keys.GATEWAYS, "g1")
+    await redis.hset(keys.GATEWAYS, "g1", "marked")
+    await liveness.beat(redis, "g1", 5_000)  # (the key is there: only its TTL is renewed)
+    assert await redis.hget(keys.GATEWAYS, "g1") == b"marked" and 0 < await redis.pttl(keys.gateway_alive("g1"))
+    await redis.flushall()  # (Redis restarted without persistence)
+    await liveness.beat(redis, "g1", 5_000)
+    assert await redis.exists(keys.gateway_alive("g1")) and await redis.hexists(keys.GATEWAYS, "g1")
+    await liveness.forget(redis, "g1")
+    assert not await redis.exists(keys.gateway_alive("g1"), keys.GATEWAYS)
 
 
 def stream_in_thread(url: str, body: dict[str, Any], out: dict[str, Any]) -> threading.Thread:
