@@ -485,6 +485,10 @@ def check_runtime_timings(rt: RuntimeConfig) -> list[str]:
     if rt.heartbeat_ttl_ms <= rt.heartbeat_interval_ms:
         errors.append(f"runtime.heartbeat_ttl_ms: must exceed runtime.heartbeat_interval_ms "
                       f"({rt.heartbeat_ttl_ms} <= {rt.heartbeat_interval_ms}), or healthy providers turn unknown")
+    if rt.gateway_liveness_ms < rt.scheduler_liveness_ms:
+        errors.append(f"runtime.gateway_liveness_ms: must be at least runtime.scheduler_liveness_ms "
+                      f"({rt.gateway_liveness_ms} < {rt.scheduler_liveness_ms}), or a Redis that stalls briefly "
+                      "could make a scheduler take live gateways for dead ones and cancel their callers' runs")
     samples = rt.history_retention_s * 1000 // rt.history_interval_ms
     if samples > MAX_HISTORY_SAMPLES:
         errors.append(f"runtime.history_retention_s: {rt.history_retention_s} s of samples every "

@@ -146,7 +146,11 @@ class Scheduler:
         if not await self.redis.pexpire(alive, ttl_ms):
             await self.redis.set(alive, now_ms(), px=ttl_ms)
         now = now_ms()
-        if now - self._beat_ms > 2 * ttl_ms:  # (a gap: Redis was out of reach, or this replica stalled)
+        # A gap of two maintenance rounds: Redis was out of reach or stalled (or this replica was).
+        # Gateways renew their keys every third of `gateway_liveness_ms` (at least this replica's
+        # liveness, `check_runtime_timings`), so a stall long enough to let a live gateway's key
+        # lapse is one this replica sees too.
+        if now - self._beat_ms > 2 * ttl_ms // 3:
             self._steady_since_ms = now
         self._beat_ms = now
 

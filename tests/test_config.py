@@ -619,6 +619,7 @@ def test_a_non_string_mapping_key_is_named_as_a_key() -> None:
 
 @pytest.mark.parametrize(("runtime", "queue", "fragment"), [
     ({"heartbeat_interval_ms": 2000, "heartbeat_ttl_ms": 2000}, {}, "runtime.heartbeat_ttl_ms: must exceed"),
+    ({"scheduler_liveness_ms": 3000, "gateway_liveness_ms": 2000}, {}, "runtime.gateway_liveness_ms: must be at least"),
     ({"run_ttl_s": 60}, {"queue_timeout_ms": 30_000, "execution_timeout_ms": 30_000},
      "runtime.run_ttl_s: 60 s does not outlast a run of model"),
 ])

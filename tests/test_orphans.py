@@ -18,7 +18,7 @@ from gateway import liveness
 from tests.conftest import Stack, wait_until
 from tests.test_e2e import FAST_RUNTIME, pool_config, wait_available
 
-LIVENESS_MS = 600
+LIVENESS_MS = 1000  # (FAST_RUNTIME's scheduler_liveness_ms: the least it may be)
 
 
 async def orphans(redis: Redis, *run_ids: str) -> list[tuple[str, str]]:
