@@ -874,7 +874,8 @@ return 1
 """
 
 # A gateway follows a run's every event (the runs API, maybe for a run another gateway started): it
-# joins the run's watchers, or stops being an output-only one.
+# joins the run's watchers, or stops being an output-only one, in its place (the first watcher is
+# the gateway of the run's caller: `orphans` reads it).
 # KEYS: run record   ARGV: gateway id
 # Returns 0 if the run is gone, else 1.
 WATCH = f"""
@@ -884,12 +885,13 @@ if not watchers then
   redis.call('HSET', KEYS[1], 'watchers', ARGV[1])
   return 1
 end
-local kept = {{}}
+local kept, placed = {{}}, false
 for watcher in string.gmatch(watchers, '[^,]+') do
   if watcher == ARGV[1] then return 1 end
-  if watcher ~= ARGV[1] .. '{keys.OUTPUT_ONLY}' then kept[#kept + 1] = watcher end
+  if watcher == ARGV[1] .. '{keys.OUTPUT_ONLY}' then watcher, placed = ARGV[1], true end
+  kept[#kept + 1] = watcher
 end
-kept[#kept + 1] = ARGV[1]
+if not placed then kept[#kept + 1] = ARGV[1] end
 redis.call('HSET', KEYS[1], 'watchers', table.concat(kept, ','))
 return 1
 """
@@ -963,32 +965,23 @@ redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[4])
 return id
 """
 
-# Of the given runs, those whose caller's gateway is gone: the run's record names at least one
-# output-only watcher (`{gateway id}~`: a completion caller's gateway, which waits on its
-# connection), still running or queued, and every such gateway is named in the gateways hash but
-# its liveness key is gone. A gateway the hash does not name (an older version's, or one that
-# started while Redis was full) counts as alive, and so does a run without such a watcher (one
-# only the runs API follows). Returns {run id, model, ...}.
+# Of the given runs, those whose caller's gateway is gone: the run is queued or running, and the
+# first of its record's watchers (the gateway its caller is connected to: `enqueue` writes it,
+# `watch` keeps it first) is named in the gateways hash but its liveness key is gone. A gateway the
+# hash does not name (an older version's, or one whose naming failed) counts as alive.
+# Returns {run id, model, ...}.
 # KEYS: gateways hash   ARGV: run record key prefix, gateway liveness key prefix, run ids...
 ORPHANS = f"""
 local out = {{}}
 for i = 3, #ARGV do
   local rec = redis.call('HMGET', ARGV[1] .. ARGV[i], 'watchers', 'model', 'state')
-  local waiting, alive = false, false
   if rec[1] and (rec[3] == 'queued' or rec[3] == 'dispatched' or rec[3] == 'running') then
-    for watcher in string.gmatch(rec[1], '[^,]+') do
-      local gateway, n = string.gsub(watcher, '{keys.OUTPUT_ONLY}$', '')
-      if n > 0 then
-        waiting = true
-        if redis.call('HEXISTS', KEYS[1], gateway) == 0 or redis.call('EXISTS', ARGV[2] .. gateway) == 1 then
-          alive = true
-        end
-      end
+    local gateway = string.gsub(string.match(rec[1], '^[^,]*'), '{keys.OUTPUT_ONLY}$', '')
+    if gateway ~= '' and redis.call('HEXISTS', KEYS[1], gateway) == 1
+        and redis.call('EXISTS', ARGV[2] .. gateway) == 0 then
+      out[#out + 1] = ARGV[i]
+      out[#out + 1] = rec[2] or ''
     end
-  end
-  if waiting and not alive then
-    out[#out + 1] = ARGV[i]
-    out[#out + 1] = rec[2] or ''
   end
 end
 return out

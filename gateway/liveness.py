@@ -1,7 +1,6 @@
 """The gateway says it lives, so that a scheduler can cancel the runs of a dead gateway's callers
 (the `orphans` script): its `keys.gateway_alive` key kept fresh, and its id in `keys.GATEWAYS`
-whenever that key is set anew (a gateway the hash does not name is presumed alive, whatever its
-key)."""
+(a gateway the hash does not name is presumed alive, whatever its key)."""
 
 from __future__ import annotations
 
@@ -20,11 +19,13 @@ log = logging.getLogger("iop.gateway")
 async def beat(redis: Redis, gateway_id: str, ttl_ms: int) -> None:
     """Refresh the liveness key (`PEXPIRE`, which Redis takes even when full); when it is not
     there (the first beat, a Redis that restarted empty, a gateway that stalled past its TTL), set
-    it anew and name the gateway in the hash again."""
+    it anew; and name the gateway in the hash whenever it is not."""
     alive = keys.gateway_alive(gateway_id)
     if not await redis.pexpire(alive, ttl_ms):
         await redis.set(alive, now_ms(), px=ttl_ms)
         await redis.hset(keys.GATEWAYS, gateway_id, now_ms())
+    elif not await redis.hexists(keys.GATEWAYS, gateway_id):  # (its naming failed, or a scheduler
+        await redis.hset(keys.GATEWAYS, gateway_id, now_ms())  # forgot it as it set its key anew)
 
 
 async def beat_forever(redis: Redis, gateway_id: str, ttl_ms: int) -> None:

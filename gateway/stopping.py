@@ -50,7 +50,7 @@ class Stopping:
     def error(self, headers: dict[str, str]) -> ApiError:
         """What a run request that outlasted the grace answers (with `headers`: its run's)."""
         return ApiError(ErrorCode.UNAVAILABLE,
-                        f"the gateway is stopping and the run did not end within its grace ({self.cut_after_s:g} s); "
+                        f"the gateway is stopping and the run did not end within {self.cut_after_s:g} s of it; "
                         "the run was cancelled: send the request again", headers={**headers, "Retry-After": "1"})
 
     async def drain(self, grace_s: float, cut: asyncio.Event | None = None) -> int:

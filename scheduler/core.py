@@ -504,23 +504,15 @@ class Scheduler:
 
     async def _drop(self, model_id: str, w: Waiting, state: RunState, info: ErrorInfo) -> None:
         """End a run that is still waiting in its queue."""
-        await self._end(model_id, w.run_id, state, info)
-
-    async def _end(self, model_id: str, run_id: str, state: RunState, info: ErrorInfo,
-                   abort_running: bool = False) -> bytes:
-        """End a run that is still waiting in its queue; `abort_running`: else tell its node to
-        abort it if it runs (as a caller's leaving does)."""
-        result: bytes = await self.scripts.call(
+        result = await self.scripts.call(
             "drop_queued",
-            [keys.runs_stream(model_id), keys.run_record(run_id), keys.run_events(run_id)],
-            [run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()), self.config.runtime.run_ttl_s,
-             info.code.value, info.message, keys.node_cancel("") if abort_running else "",
-             keys.scheduler_channel("")],
+            [keys.runs_stream(model_id), keys.run_record(w.run_id), keys.run_events(w.run_id)],
+            [w.run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()),
+             self.config.runtime.run_ttl_s, info.code.value, info.message, "", keys.scheduler_channel("")],
         )
         if result == b"ok":
             metrics.DROPPED.labels(model_id, state.value).inc()
-            log.info("%s in the queue: %s", state.value, info.code.value, extra=run_fields(run_id, model_id))
-        return result
+            log.info("%s in the queue: %s", state.value, info.code.value, extra=run_fields(w.run_id, model_id))
 
     # ----------------------------------------------------------------- orphans
     async def cancel_orphans(self) -> int:
@@ -545,11 +537,25 @@ class Scheduler:
                                                                            *run_ids[i:i + ORPHANS_BATCH]])
             found += [(answer[j].decode(), answer[j + 1].decode()) for j in range(0, len(answer), 2)]
         info = ErrorInfo(ErrorCode.CANCELLED, GATEWAY_GONE)
-        for run_id, model_id in found:
-            outcome = await self._end(model_id, run_id, RunState.CANCELLED, info, abort_running=True)
-            log.warning("cancelled: %s (%s)", GATEWAY_GONE, outcome.decode(), extra=run_fields(run_id, model_id))
+        outcomes: dict[str, int] = {}
+        for i in range(0, len(found), ORPHANS_BATCH):  # (a batch a round trip: a dead gateway may leave thousands)
+            batch = found[i:i + ORPHANS_BATCH]
+            answers = await self.scripts.call_many("drop_queued", [
+                ([keys.runs_stream(model_id), keys.run_record(run_id), keys.run_events(run_id)],
+                 [run_id, keys.SCHEDULER_GROUP, RunState.CANCELLED.value, pack(info.to_wire()),
+                  self.config.runtime.run_ttl_s, info.code.value, info.message, keys.node_cancel(""),
+                  keys.scheduler_channel("")]) for run_id, model_id in batch])
+            for (_, model_id), answer in zip(batch, answers, strict=True):
+                outcome = answer.decode() if isinstance(answer, bytes) else type(answer).__name__
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                if outcome == "ok":
+                    metrics.DROPPED.labels(model_id, RunState.CANCELLED.value).inc()
+        ended = outcomes.get("ok", 0) + outcomes.get("signalled", 0)
+        if ended:  # (one line a sweep; the runs another replica cancelled first are not counted)
+            log.warning("cancelled %d runs: %s (%d waiting, %d running)", ended, GATEWAY_GONE,
+                        outcomes.get("ok", 0), outcomes.get("signalled", 0))
         await self._forget_gateways()
-        return len(found)
+        return ended
 
     async def _forget_gateways(self) -> None:
         """Stop naming the dead gateways that started `GATEWAY_FORGET_MS` ago (a live one stays)."""

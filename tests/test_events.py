@@ -105,10 +105,10 @@ async def test_a_completion_callers_gateway_gets_output_and_end_only_until_it_fo
         await emit(etype)
     assert await inbox("gw-a") == ["delta", "delta"]
     assert await inbox("gw-b") == ["started", "delta", "requeued", "delta"]
-    assert await scripts.call("watch", [record], ["gw-a"]) == 1  # a runs-API caller on gw-a
-    assert await redis.hget(record, "watchers") == b"gw-b,gw-a"
+    assert await scripts.call("watch", [record], ["gw-a"]) == 1  # a runs-API caller on gw-a (kept first)
+    assert await redis.hget(record, "watchers") == b"gw-a,gw-b"
     assert await scripts.call("watch", [record], ["gw-a"]) == 1  # twice changes nothing
-    assert await redis.hget(record, "watchers") == b"gw-b,gw-a"
+    assert await redis.hget(record, "watchers") == b"gw-a,gw-b"
     await emit("started")
     await emit("completed")
     assert await inbox("gw-a") == ["delta", "delta", "started", "completed"]

@@ -30,12 +30,11 @@ async def orphans(redis: Redis, *run_ids: str) -> list[tuple[str, str]]:
 async def test_a_run_is_orphaned_when_every_gateway_waiting_for_it_died(redis: Redis) -> None:
     await redis.hset(keys.GATEWAYS, mapping={"dead": 1, "live": 1, "dead2": 1})
     await redis.set(keys.gateway_alive("live"), 1)
-    runs = {
+    runs = {  # (the first watcher: the caller's gateway)
         "r-dead": ("dead~", "running"),
-        "r-queued": ("dead~,dead2~", "queued"),
-        "r-live": ("dead~,live~", "dispatched"),  # (one of its waiting gateways lives)
-        "r-follower": ("dead", "running"),  # (only the runs API follows it)
-        "r-followed": ("dead~,live", "running"),  # (its caller's gateway died; a follower lives)
+        "r-queued": ("dead2~,live", "queued"),  # (its caller's gateway died; a runs-API follower lives)
+        "r-live": ("live~,dead", "dispatched"),
+        "r-following": ("dead", "running"),  # (its caller's own gateway also followed it: still the caller's)
         "r-unknown": ("old~", "running"),  # (a gateway the hash does not name: an older version's)
         "r-ended": ("dead~", "completed"),
         "r-none": ("", "running"),
@@ -43,9 +42,20 @@ async def test_a_run_is_orphaned_when_every_gateway_waiting_for_it_died(redis: R
     for run_id, (watchers, state) in runs.items():
         await redis.hset(keys.run_record(run_id), mapping={"watchers": watchers, "state": state, "model": "m"})
     found = await orphans(redis, *runs, "r-missing")
-    assert found == [("r-dead", "m"), ("r-queued", "m"), ("r-followed", "m")]
+    assert found == [("r-dead", "m"), ("r-queued", "m"), ("r-following", "m")]
     await redis.set(keys.gateway_alive("dead"), 1)  # (it beat again)
-    assert await orphans(redis, *runs) == []
+    assert await orphans(redis, *runs) == [("r-queued", "m")]
+
+
+async def test_following_a_run_from_its_callers_gateway_keeps_that_gateway_first(redis: Redis) -> None:
+    """The runs API's `watch` turns the caller's output-only watcher into a full one in its place
+    (it was moved last, and `orphans` took the run for one no caller waits for)."""
+    scripts = Scripts(redis)
+    await redis.hset(keys.run_record("r"), mapping={"watchers": "g~,h", "state": "running"})
+    assert await scripts.call("watch", [keys.run_record("r")], ["g"]) == 1
+    assert await redis.hget(keys.run_record("r"), "watchers") == b"g,h"
+    assert await scripts.call("watch", [keys.run_record("r")], ["k"]) == 1
+    assert await redis.hget(keys.run_record("r"), "watchers") == b"g,h,k"
 
 
 async def test_a_gateway_is_named_again_whenever_its_key_is_set_anew(redis: Redis) -> None:
