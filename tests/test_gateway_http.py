@@ -274,17 +274,24 @@ async def test_a_waiting_caller_holds_no_copy_of_its_request_body(redis_url: str
     assert held < 250_000, f"the gateway holds {held} bytes more while the caller waits"
 
 
+async def queued_gateway(redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch) -> TestServer:
+    """A gateway (keep-alive every 100 ms) whose runs wait in their queue (the provider is available,
+    but no scheduler runs) and whose callers give up on them after 1 s."""
+    cfg = parse_config({**config().model_dump(mode="json", exclude_none=True),
+                        "runtime": {"stream_keepalive_ms": 100}})
+    await beat(redis, cfg)
+    monkeypatch.setattr(RunClient, "follow_deadline_s", lambda self, model_id: 1.0)
+    server = TestServer(build_app(cfg, redis_url), port=0)
+    await server.start_server()
+    return server
+
+
 async def test_a_stream_the_gateway_gives_up_on_after_its_headers_ends_with_the_error_in_it(
         redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """The caller's deadline passes after the stream's headers went out (keep-alive comments while
     its run waited): the stream ends with the error and [DONE], one HTTP answer, not a second one
     written after the first."""
-    cfg = parse_config({**config().model_dump(mode="json", exclude_none=True),
-                        "runtime": {"stream_keepalive_ms": 100}})
-    await beat(redis, cfg)  # available, but no scheduler: the run waits in its queue
-    monkeypatch.setattr(RunClient, "follow_deadline_s", lambda self, model_id: 1.0)
-    server = TestServer(build_app(cfg, redis_url), port=0)
-    await server.start_server()
+    server = await queued_gateway(redis_url, redis, monkeypatch)
     try:
         body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
         reader, writer = await asyncio.open_connection(server.host, server.port)
@@ -307,12 +314,7 @@ async def test_a_queued_responses_stream_opens_with_its_first_keep_alive_and_end
     keep-alive), `response.created` and `response.in_progress` go with them (a caller learns the
     Response's id), then keep-alive comments; the gateway's giving up ends it with `error` and
     `response.failed`, every event in OpenAI's schema, no `[DONE]`."""
-    cfg = parse_config({**config().model_dump(mode="json", exclude_none=True),
-                        "runtime": {"stream_keepalive_ms": 100}})
-    await beat(redis, cfg)  # available, but no scheduler: the run waits in its queue
-    monkeypatch.setattr(RunClient, "follow_deadline_s", lambda self, model_id: 1.0)
-    server = TestServer(build_app(cfg, redis_url), port=0)
-    await server.start_server()
+    server = await queued_gateway(redis_url, redis, monkeypatch)
     try:
         async with aiohttp.ClientSession() as http, http.post(
                 f"http://{server.host}:{server.port}/v1/responses",

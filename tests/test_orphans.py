@@ -89,17 +89,24 @@ def stream_in_thread(url: str, body: dict[str, Any], out: dict[str, Any]) -> thr
     return thread
 
 
-def test_a_killed_gateways_running_and_queued_runs_are_cancelled(stack: Stack) -> None:
-    """Gateway A dies (SIGKILL) with one run of its caller streaming and one waiting behind it:
-    within the liveness time both are cancelled (the provider's request is closed, its slot
-    freed, the waiting run never sent to it), while gateway B's caller, whose run then takes
-    the slot and outlives several liveness periods, gets its whole answer."""
+def one_provider(stack: Stack) -> str:
+    """A simulator as the one provider (capacity 1) of the model, a scheduler and a worker, with the
+    test's gateway liveness; the simulator's URL."""
     sim = stack.simulator(["p-served"])
     config = pool_config({"p": ("n1", sim, 1)})
     config["runtime"] = {**FAST_RUNTIME, "gateway_liveness_ms": LIVENESS_MS}
     stack.write_config(config)
     stack.scheduler()
     stack.worker("n1")
+    return sim
+
+
+def test_a_killed_gateways_running_and_queued_runs_are_cancelled(stack: Stack) -> None:
+    """Gateway A dies (SIGKILL) with one run of its caller streaming and one waiting behind it:
+    within the liveness time both are cancelled (the provider's request is closed, its slot
+    freed, the waiting run never sent to it), while gateway B's caller, whose run then takes
+    the slot and outlives several liveness periods, gets its whole answer."""
+    sim = one_provider(stack)
     doomed = stack.start("gateway-a", "gateway", "--host", "127.0.0.1", "--port", "0")
     url_a = doomed.wait_for_line(r"listening on (http://\S+)").group(1)
     url_b = stack.gateway()
@@ -143,12 +150,7 @@ def test_a_killed_gateways_running_and_queued_runs_are_cancelled(stack: Stack) -
 
 def test_a_live_gateways_long_run_is_never_cancelled(stack: Stack) -> None:
     """A run that streams for many liveness periods through a gateway that lives ends whole."""
-    sim = stack.simulator(["p-served"])
-    config = pool_config({"p": ("n1", sim, 1)})
-    config["runtime"] = {**FAST_RUNTIME, "gateway_liveness_ms": LIVENESS_MS}
-    stack.write_config(config)
-    stack.scheduler()
-    stack.worker("n1")
+    one_provider(stack)
     gateway = stack.gateway()
     wait_available(stack.redis_url, ["p"])
     out: dict[str, Any] = {}
