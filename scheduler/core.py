@@ -502,14 +502,18 @@ class Scheduler:
         ttl = self.config.runtime.heartbeat_ttl_ms
         return " (" + ", ".join(f"{s.provider_id}: {why_not(s, now, ttl)}" for s in snaps) + ")" if snaps else ""
 
+    def _drop_call(self, model_id: str, run_id: str, state: RunState, info: ErrorInfo,
+                   abort_running: bool = False) -> tuple[list[str], list[Any]]:
+        """The `drop_queued` call that ends a run still waiting in its queue with `state` and `info`;
+        `abort_running`: else tells its node to abort it if it runs (as a caller's leaving does)."""
+        return ([keys.runs_stream(model_id), keys.run_record(run_id), keys.run_events(run_id)],
+                [run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()), self.config.runtime.run_ttl_s,
+                 info.code.value, info.message, keys.node_cancel("") if abort_running else "",
+                 keys.scheduler_channel("")])
+
     async def _drop(self, model_id: str, w: Waiting, state: RunState, info: ErrorInfo) -> None:
         """End a run that is still waiting in its queue."""
-        result = await self.scripts.call(
-            "drop_queued",
-            [keys.runs_stream(model_id), keys.run_record(w.run_id), keys.run_events(w.run_id)],
-            [w.run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()),
-             self.config.runtime.run_ttl_s, info.code.value, info.message, "", keys.scheduler_channel("")],
-        )
+        result = await self.scripts.call("drop_queued", *self._drop_call(model_id, w.run_id, state, info))
         if result == b"ok":
             metrics.DROPPED.labels(model_id, state.value).inc()
             log.info("%s in the queue: %s", state.value, info.code.value, extra=run_fields(w.run_id, model_id))
@@ -541,10 +545,8 @@ class Scheduler:
         for i in range(0, len(found), ORPHANS_BATCH):  # (a batch a round trip: a dead gateway may leave thousands)
             batch = found[i:i + ORPHANS_BATCH]
             answers = await self.scripts.call_many("drop_queued", [
-                ([keys.runs_stream(model_id), keys.run_record(run_id), keys.run_events(run_id)],
-                 [run_id, keys.SCHEDULER_GROUP, RunState.CANCELLED.value, pack(info.to_wire()),
-                  self.config.runtime.run_ttl_s, info.code.value, info.message, keys.node_cancel(""),
-                  keys.scheduler_channel("")]) for run_id, model_id in batch])
+                self._drop_call(model_id, run_id, RunState.CANCELLED, info, abort_running=True)
+                for run_id, model_id in batch])
             for (_, model_id), answer in zip(batch, answers, strict=True):
                 outcome = answer.decode() if isinstance(answer, bytes) else type(answer).__name__
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
