@@ -80,6 +80,29 @@ def test_an_endless_stream_ends_at_the_output_limit(stack: Stack, gateway: str) 
     assert run["state"] == b"failed" and not run["body"] and run["bytes"] < RUN_BOUND_BYTES, run
 
 
+def test_an_endless_responses_stream_ends_at_the_output_limit(stack: Stack, gateway: str) -> None:
+    """What a Responses stream holds in the gateway (its output, for its last events) is bounded
+    by the same limit: the stream ends with `error` and `response.failed`, the text sent so far in
+    its incomplete item (or, when the worker's first read already passed the limit, nothing was
+    sent and the answer is a 502)."""
+    async def responses() -> tuple[int, str]:
+        body = {"model": "endless", "input": "x", "stream": True}
+        async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/responses", json=body) as resp:
+            return resp.status, await resp.text()
+
+    status, text = asyncio.run(responses())
+    if status == 502:  # (the worker's first read already passed the limit: nothing had been sent)
+        assert json.loads(text)["error"]["code"] == "output_too_large"
+        return
+    events = [json.loads(block.split("data: ", 1)[1]) for block in text.split("\n\n") if "data: " in block]
+    assert status == 200 and [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["code"] == "output_too_large" and "max_output_bytes" in events[-2]["message"]
+    sent = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    item = events[-1]["response"]["output"][0]
+    assert sent.startswith("word0 ") and item["status"] == "incomplete" and item["content"][0]["text"] == sent
+    assert len(sent.encode()) <= LIMITS["max_output_bytes"]
+
+
 @pytest.mark.parametrize(("model", "message"), [
     ("huge", "provider p-huge sent an answer over 262144 bytes"),
     ("no-newline", "provider p-no-newline sent a line over 16384 bytes"),
