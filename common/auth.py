@@ -61,7 +61,7 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def check_auth(auth: Any, model_ids: Collection[str]) -> list[str]:
+def check_auth(auth: Any, model_ids: Collection[str], aliases: Mapping[str, str] | None = None) -> list[str]:
     """Rules of `auth` the schema cannot express, on the raw mapping. Pure; every fault, with its path."""
     if not isinstance(auth, Mapping):
         return []
@@ -85,7 +85,10 @@ def check_auth(auth: Any, model_ids: Collection[str]) -> list[str]:
                 errors.append(f"{path}.sha256: the same key as {hashes[digest.lower()]}")
             hashes.setdefault(digest.lower(), path)
         for j, model in enumerate(_list(key.get("models"))):
-            if isinstance(model, str) and model_ids and model not in model_ids:
+            if isinstance(model, str) and (of := (aliases or {}).get(model)) is not None:
+                errors.append(f"{path}.models[{j}]: {model!r} is an alias of model {of!r}; a key's models "
+                              f"name model ids: write {of!r}")
+            elif isinstance(model, str) and model_ids and model not in model_ids:
                 errors.append(f"{path}.models[{j}]: model {model!r} is not defined in models[]")
     return errors
 

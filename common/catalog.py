@@ -155,6 +155,8 @@ class Placement:
 class ModelRecord:
     id: str
     display_name: str
+    #: the other names callers may ask for it by
+    aliases: list[str]
     providers: list[Placement]
     queued: int
     max_queue: int
@@ -319,6 +321,7 @@ def _model_record(config: Config, m: ModelConfig, raw: RawState) -> ModelRecord:
     return ModelRecord(
         id=m.id,
         display_name=m.title,
+        aliases=list(m.aliases),
         providers=placements,
         queued=raw.queued.get(m.id, 0),
         max_queue=config.queue_for(m).max_queue,

@@ -33,6 +33,8 @@ from common.strict import Strict
 
 #: An id is a non-empty string without whitespace (it becomes part of Redis keys).
 ID_PATTERN = r"^\S+$"
+#: the most `aliases` a model may have
+MAX_ALIASES = 64
 #: A site as a browser names it in `Origin` (scheme, host and port; no path), or `*` for any.
 CORS_ORIGIN_PATTERN = r"^(\*|https?://[^/\s?#]+)$"
 #: The most load samples the history may hold (`runtime.history_retention_s` / `history_interval_ms`).
@@ -128,6 +130,8 @@ class NodeConfig(Strict):
 class ModelConfig(Strict):
     id: str = Field(pattern=ID_PATTERN)
     display_name: str | None = None
+    #: other names callers may ask for the model by (`chat-default`, an old id kept for a rename)
+    aliases: list[Annotated[str, Field(pattern=ID_PATTERN)]] = Field(default_factory=list, max_length=MAX_ALIASES)
     providers: dict[str, str] = Field(min_length=1, description="provider id -> served name")
     queue: QueueOverride | None = None
 
@@ -193,6 +197,7 @@ class Config(Strict):
     auth: AuthConfig | None = None
 
     _models: dict[str, ModelConfig] = PrivateAttr(default_factory=dict)
+    _names: dict[str, ModelConfig] = PrivateAttr(default_factory=dict)
     _providers: dict[str, ProviderConfig] = PrivateAttr(default_factory=dict)
     _node_of: dict[str, str] = PrivateAttr(default_factory=dict)
     #: derived once (a config is never changed after it is made): they are asked for on every run
@@ -201,6 +206,7 @@ class Config(Strict):
 
     def model_post_init(self, __context: Any) -> None:
         self._models = {m.id: m for m in self.models}
+        self._names = {**{a: m for m in self.models for a in m.aliases}, **self._models}
         for node in self.nodes:
             for p in node.providers:
                 self._providers[p.id] = p
@@ -219,6 +225,10 @@ class Config(Strict):
 
     def model(self, model_id: str) -> ModelConfig | None:
         return self._private("_models").get(model_id)  # type: ignore[no-any-return]
+
+    def model_named(self, name: str) -> ModelConfig | None:
+        """The model a caller asks for by its id or one of its `aliases`."""
+        return self._private("_names").get(name)  # type: ignore[no-any-return]
 
     def provider(self, provider_id: str) -> ProviderConfig:
         return self._private("_providers")[provider_id]  # type: ignore[no-any-return]
@@ -358,6 +368,7 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
     models = [_map(m) for m in _list(data.get("models"))]
     nodes = [_map(n) for n in _list(data.get("nodes"))]
     errors = _duplicates([(f"models[{i}].id", m.get("id")) for i, m in enumerate(models) if "id" in m], "model")
+    errors += _alias_faults(models)
     errors += _duplicates([(f"nodes[{i}].id", n.get("id")) for i, n in enumerate(nodes) if "id" in n], "node")
     providers: dict[str, Mapping[str, Any]] = {}
     provider_paths = []
@@ -393,7 +404,24 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
                     f"{shown(_list(provider.get('models')))}"
                 )
     model_ids = {str(m["id"]) for m in models if "id" in m}
-    return errors + check_auth(data.get("auth"), model_ids)
+    aliases = {a: str(m["id"]) for m in models if "id" in m for a in _list(m.get("aliases")) if isinstance(a, str)}
+    return errors + check_auth(data.get("auth"), model_ids, aliases)
+
+
+def _alias_faults(models: Sequence[Mapping[str, Any]]) -> list[str]:
+    """An alias names one model: not a model's id, not another alias (nor the same twice)."""
+    names = {_key(m["id"]): f"models[{i}].id" for i, m in enumerate(models) if "id" in m}
+    errors = []
+    for i, model in enumerate(models):
+        for j, alias in enumerate(_list(model.get("aliases"))):
+            if not isinstance(alias, str):
+                continue  # (the schema's to report)
+            path = f"models[{i}].aliases[{j}]"
+            if alias in names:
+                errors.append(f"{path}: {alias!r} already names a model (at {names[alias]}); an alias names one model")
+            else:
+                names[alias] = path
+    return errors
 
 
 def base_url_fault(value: Any) -> str | None:

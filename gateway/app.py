@@ -46,30 +46,36 @@ def _timed_out(run_id: str) -> ApiError:
     return ApiError(ErrorCode.EXECUTION_TIMEOUT, "the run did not finish in time", headers=run_headers(run_id))
 
 
-def _model_object(model_id: str, display_name: str, created: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "iop",
-            "display_name": display_name}
+def _model_object(name: str, model: ModelConfig, created: int) -> dict[str, Any]:
+    """A model as OpenAI lists one, under `name` (its id or an alias; an alias says whose)."""
+    obj = {"id": name, "object": "model", "created": created, "owned_by": "iop", "display_name": model.title}
+    if name != model.id:
+        obj["alias_of"] = model.id
+    return obj
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """Every model the caller may use, each followed by its aliases (as OpenAI lists `gpt-4o` next
+    to the snapshot it names)."""
     cfg = request.app[CONFIG]
     created = int(request.app[STARTED])
     who = principal(request)
-    data = [_model_object(m.id, m.title, created) for m in cfg.models if who.may_use(m.id)]
+    data = [_model_object(name, m, created) for m in cfg.models if who.may_use(m.id) for name in (m.id, *m.aliases)]
     return web.json_response({"object": "list", "data": data})
 
 
-def _model_for(request: web.Request, model_id: str) -> ModelConfig:
-    """The model, if it exists and the caller's key may use it; else the same 404 either way."""
-    model = request.app[CONFIG].model(model_id)
+def _model_for(request: web.Request, name: str) -> ModelConfig:
+    """The model named (its id or an alias), if it exists and the caller's key may use it; else the
+    same 404 either way."""
+    model = request.app[CONFIG].model_named(name)
     if model is None or not principal(request).may_use(model.id):
-        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {quoted(model_id)} does not exist", param="model")
+        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {quoted(name)} does not exist", param="model")
     return model
 
 
 async def get_model(request: web.Request) -> web.Response:
-    model = _model_for(request, request.match_info["model_id"])
-    return web.json_response(_model_object(model.id, model.title, int(request.app[STARTED])))
+    name = request.match_info["model_id"]
+    return web.json_response(_model_object(name, _model_for(request, name), int(request.app[STARTED])))
 
 
 async def run_request(request: web.Request) -> web.StreamResponse:
