@@ -19,7 +19,13 @@ from common.wire import RunKind, upstream_request_id
 from iop.simulator import SimOptions, start_server
 from tests.conftest import async_wait_until as until
 from workers.adapters.base import ProviderError, Retry
-from workers.adapters.openai_compat import OpenAICompatAdapter, api_root, schema_as_json_object, server_root
+from workers.adapters.openai_compat import (
+    OpenAICompatAdapter,
+    api_root,
+    for_llamacpp,
+    schema_as_json_object,
+    server_root,
+)
 from workers.heartbeat import probe_evidence
 
 FAMILY = ("vllm", "sglang", "lemonade", "openai_api")
@@ -445,3 +451,16 @@ def test_a_json_schema_format_goes_to_llamacpp_as_json_object_with_its_schema() 
                   {"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
                   {"response_format": "json_schema"}):
         assert schema_as_json_object(other) is other
+
+
+def test_max_completion_tokens_goes_to_llamacpp_as_max_tokens_too() -> None:
+    """llama-cpp-python ignores `max_completion_tokens` (the official clients' name for the limit)."""
+    body: dict[str, Any] = {"model": "m", "max_completion_tokens": 3}
+    assert for_llamacpp(body) == {"model": "m", "max_completion_tokens": 3, "max_tokens": 3}
+    assert body == {"model": "m", "max_completion_tokens": 3}  # (the run's own body is not changed)
+    both = {"model": "m", "max_completion_tokens": 3, "max_tokens": 5}  # (the server's to judge, as sent)
+    assert for_llamacpp(both) is both
+    schema = {"type": "object"}
+    assert for_llamacpp({"max_completion_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}) == {
+        "max_completion_tokens": 2, "max_tokens": 2, "response_format": {"type": "json_object", "schema": schema}}

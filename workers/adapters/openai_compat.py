@@ -108,6 +108,22 @@ def health_url(provider: ProviderConfig) -> str | None:
     return None
 
 
+def for_llamacpp(body: dict[str, Any]) -> dict[str, Any]:
+    """A request as llama.cpp's servers all take it (`schema_as_json_object`, `max_tokens_named`);
+    the run's own body is not changed."""
+    return max_tokens_named(schema_as_json_object(body))
+
+
+def max_tokens_named(body: dict[str, Any]) -> dict[str, Any]:
+    """`max_completion_tokens` (OpenAI's name since `max_tokens` was deprecated, which the official
+    clients send) as `max_tokens` too, unless the caller gave `max_tokens`: llama-cpp-python knows
+    only `max_tokens`, and a limit under the other name was ignored (3 asked, 538 generated; its
+    server generates to the end of its context). llama.cpp's own server takes both."""
+    if "max_completion_tokens" not in body or "max_tokens" in body:
+        return body
+    return {**body, "max_tokens": body["max_completion_tokens"]}
+
+
 def schema_as_json_object(body: dict[str, Any]) -> dict[str, Any]:
     """A `response_format` of type `json_schema` as llama.cpp's servers all take it: `json_object`
     with the `schema` (llama-cpp-python knows only `text` and `json_object`, and answered a
@@ -361,7 +377,7 @@ class OpenAICompatAdapter:
 
     def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
         if self.provider.type == "llamacpp":
-            body = schema_as_json_object(body)
+            body = for_llamacpp(body)
         return sending.post(self.session, self.root + PATHS[kind], data=jsonio.dumps(body),
                             headers={**self._headers(run_id), "Content-Type": "application/json"},
                             timeout=self.timeout, allow_redirects=False)
