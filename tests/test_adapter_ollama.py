@@ -143,6 +143,16 @@ async def test_tool_calls_come_back_openai_shaped(adapter: OllamaAdapter, fake: 
     await adapter.complete(RunKind.CHAT, {**body, "stream": False, "tool_choice": "none"}, "run_4b")
     assert "tools" not in fake.state.records[-1]["body"]
     assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    # a named function, or `allowed_tools`: only those are offered (Ollama cannot be made to call one)
+    clock = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
+    for choice, offered in (({"type": "function", "function": {"name": "clock"}}, [clock]),
+                            ({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+                                {"type": "function", "function": {"name": "weather"}}]}}, tools),
+                            ({"type": "function", "function": {"name": "absent"}}, [*tools, clock]),
+                            ("required", [*tools, clock])):
+        await adapter.complete(RunKind.CHAT, {**body, "stream": False, "tools": [*tools, clock],
+                                              "tool_choice": choice}, "run_4c")
+        assert fake.state.records[-1]["body"]["tools"] == offered, choice
     assert json.loads(answer["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
 
 

@@ -3,7 +3,8 @@
 
 Request fields that have an Ollama equivalent are mapped (`max_tokens` ->
 `options.num_predict`, `temperature`, `top_p`, `seed`, `stop`, penalties,
-`response_format` -> `format`, `tools`, left out with `tool_choice: "none"`; a `developer`
+`response_format` -> `format`, `tools` (left out with `tool_choice: "none"`, only the named
+ones with a named function or `allowed_tools`); a `developer`
 message goes as `system`); Ollama's own `options`, `keep_alive`, `think`,
 `raw`, `suffix` and `truncate` pass through; other OpenAI fields have no native meaning
 and are dropped.
@@ -191,9 +192,32 @@ def chat_request(body: Json, stream: bool) -> Json:
     native = _common(body)
     native["messages"] = _messages(body.get("messages"))
     if body.get("tools") and body.get("tool_choice") != "none":  # ("none": the model calls no tool)
-        native["tools"] = body["tools"]
+        native["tools"] = offered_tools(body["tools"], body.get("tool_choice"))
     native["stream"] = stream
     return native
+
+
+def offered_tools(tools: Any, choice: Any) -> Any:
+    """The tools the model may call: those a `tool_choice` names (one function, or OpenAI's
+    `allowed_tools`), which is as close as Ollama comes to a choice it cannot be told (it cannot
+    be made to call one); all of them when it names none of them, or none at all."""
+    if not isinstance(tools, list) or not isinstance(choice, dict):
+        return tools
+    if choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        named = [choice["function"].get("name")]
+    elif choice.get("type") == "allowed_tools" and isinstance(choice.get("allowed_tools"), dict):
+        allowed = choice["allowed_tools"].get("tools")
+        named = [t["function"].get("name") for t in allowed if _function_of(t) is not None] \
+            if isinstance(allowed, list) else []
+    else:
+        return tools
+    kept = [t for t in tools if (f := _function_of(t)) is not None and f.get("name") in named]
+    return kept or tools
+
+
+def _function_of(tool: Any) -> Json | None:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    return function if isinstance(function, dict) else None
 
 
 def generate_request(body: Json, stream: bool) -> Json:
