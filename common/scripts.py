@@ -33,13 +33,15 @@ local _t = redis.call('TIME')
 local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
 """
 
-# Why a run cancelled once dispatched ends, from its record's `cancel_reason` (`drop_queued` keeps
-# it there): the message, and the data of its `failed` event (`default_data`, the packed
-# ErrorInfo of "cancelled by the caller", when the record has none: written by an earlier version).
+# Why a run cancelled once dispatched ends, from its record's `cancel_reason` and `cancel_code`
+# (`drop_queued` keeps them there; no code: `cancelled`): the message, the error code, and the data
+# of its `failed` event (`default_data`, the packed ErrorInfo of "cancelled by the caller", when the
+# record has no reason: written by an earlier version).
 _CANCEL_REASON = """
-local function cancel_reason(reason, default_data)
-  if not reason then return 'cancelled by the caller', default_data end
-  return reason, cmsgpack.pack({code = 'cancelled', message = reason, before_output = true})
+local function cancel_reason(reason, code, default_data)
+  if not reason then return 'cancelled by the caller', 'cancelled', default_data end
+  code = code or 'cancelled'
+  return reason, code, cmsgpack.pack({code = code, message = reason, before_output = true})
 end
 """
 
@@ -493,9 +495,9 @@ local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, canc
   if not score or tonumber(score) <= now then return {'lease_lost'} end
   if r['cancel'] == '1' then
     -- it was cancelled between dispatch and start: end it here and give the slot back
-    local reason, data = cancel_reason(r['cancel_reason'], cancelled)
+    local reason, code, data = cancel_reason(r['cancel_reason'], r['cancel_code'], cancelled)
     redis.call('ZREM', lease, run_id)
-    redis.call('HSET', record, 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
+    redis.call('HSET', record, 'state', 'cancelled', 'finished_ms', now, 'error_code', code,
       'error_message', reason)
     ended(record, run_id, 'cancelled', 0, 0, r['key'] or false, r['model'] or false, r['limited'] or false)
     add_event(record, events, run_id, 'failed', data, r['watchers'] or false)
@@ -703,10 +705,12 @@ local state = redis.call('HGET', KEYS[2], 'state')
 if state == 'dispatched' or state == 'running' then
   if ARGV[8] ~= '' then
     -- the flag makes it durable: START ends a dispatched run, RENEW reports it to a running one;
-    -- the reason is what the run ends with on its worker (the first one's: a DELETE, then its caller
-    -- leaving, stays a DELETE)
+    -- the reason and code are what the run ends with on its worker (the first one's: a DELETE, then
+    -- its caller leaving, stays a DELETE)
     redis.call('HSET', KEYS[2], 'cancel', '1')
-    redis.call('HSETNX', KEYS[2], 'cancel_reason', ARGV[7])
+    if redis.call('HSETNX', KEYS[2], 'cancel_reason', ARGV[7]) == 1 and ARGV[6] ~= 'cancelled' then
+      redis.call('HSET', KEYS[2], 'cancel_code', ARGV[6])
+    end
     redis.call('PUBLISH', ARGV[8] .. redis.call('HGET', KEYS[2], 'node'), ARGV[1])
     return 'signalled'
   end
@@ -772,9 +776,10 @@ local ttl = tonumber(ARGV[3])
 local attempts = tonumber(redis.call('HGET', KEYS[2], 'attempts') or '0')
 local output = redis.call('HGET', KEYS[2], 'output') == '1'
 if redis.call('HGET', KEYS[2], 'cancel') == '1' then
-  local reason, data = cancel_reason(redis.call('HGET', KEYS[2], 'cancel_reason'), ARGV[8])
+  local why = redis.call('HMGET', KEYS[2], 'cancel_reason', 'cancel_code')
+  local reason, code, data = cancel_reason(why[1], why[2], ARGV[8])
   add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', data)
-  redis.call('HSET', KEYS[2], 'state', 'cancelled', 'finished_ms', now, 'error_code', 'cancelled',
+  redis.call('HSET', KEYS[2], 'state', 'cancelled', 'finished_ms', now, 'error_code', code,
     'error_message', reason)
   ended(KEYS[2], ARGV[1], 'cancelled', 0, 0)
   redis.call('EXPIRE', KEYS[3], ttl)

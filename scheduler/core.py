@@ -540,7 +540,7 @@ class Scheduler:
             answer = await self.scripts.call("orphans", [keys.GATEWAYS], [keys.run_record(""), keys.gateway_alive(""),
                                                                            *run_ids[i:i + ORPHANS_BATCH]])
             found += [(answer[j].decode(), answer[j + 1].decode()) for j in range(0, len(answer), 2)]
-        info = ErrorInfo(ErrorCode.CANCELLED, GATEWAY_GONE)
+        info = ErrorInfo(ErrorCode.UNAVAILABLE, GATEWAY_GONE)
         outcomes: dict[str, int] = {}
         for i in range(0, len(found), ORPHANS_BATCH):  # (a batch a round trip: a dead gateway may leave thousands)
             batch = found[i:i + ORPHANS_BATCH]
@@ -679,8 +679,11 @@ class Scheduler:
 
 #: how many runs one `orphans` call looks at (a call holds Redis for ~3 µs a run)
 ORPHANS_BATCH = 256
-#: why a run whose caller's gateway died is cancelled
-GATEWAY_GONE = "the caller's gateway stopped (its liveness key expired)"
+#: why a run whose caller's gateway died is cancelled. The caller hears it only if that gateway was
+#: not dead but paused or cut off from Redis (its key expired all the same): as a 503, which the
+#: official clients send again.
+GATEWAY_GONE = ("cancelled: the caller's gateway stopped renewing its liveness key for runtime.gateway_liveness_ms "
+                "(paused, or cut off from Redis); send the request again")
 
 
 def _plan(queue: list[Waiting], snaps: list[ProviderSnapshot], now: int, ttl: int, ahead: int) -> list[Waiting]:

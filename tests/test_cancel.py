@@ -15,7 +15,7 @@ from redis.exceptions import OutOfMemoryError
 from common import keys
 from common.policy import Health
 from common.redisconn import now_ms
-from common.wire import ErrorInfo, RunKind
+from common.wire import ErrorCode, ErrorInfo, RunKind
 from gateway.runs import RunClient
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until, redis_full
@@ -135,21 +135,21 @@ async def test_a_cancel_that_the_lease_renewal_also_finds_ends_the_run_once(redi
     adapter = StallingAdapter()
     runner = Runner(redis, client.config, "n-a", {"a": adapter})
     renewal_saw_it = asyncio.Event()
-    call, reason_of = runner.scripts.call, runner.cancel_reason
+    call, reason_of = runner.scripts.call, runner.why_cancelled
 
     async def slow_end(name: str, script_keys: Any, args: Any) -> Any:
         if name == "finish":  # the run records its end only once the renewal saw the cancel too
             await asyncio.wait_for(renewal_saw_it.wait(), 10)
         return await call(name, script_keys, args)
 
-    async def reason(run_id: str) -> str:  # (what the renewal reads when it finds the cancel flag)
+    async def reason(run_id: str) -> ErrorInfo:  # (what the renewal reads when it finds the cancel flag)
         try:
             return await reason_of(run_id)
         finally:
             renewal_saw_it.set()
 
     runner.scripts.call = slow_end  # type: ignore[method-assign,assignment]
-    runner.cancel_reason = reason  # type: ignore[method-assign]
+    runner.why_cancelled = reason  # type: ignore[method-assign]
     execution = asyncio.create_task(runner.execute(run_id))
 
     async def running() -> bool:
@@ -157,7 +157,8 @@ async def test_a_cancel_that_the_lease_renewal_also_finds_ends_the_run_once(redi
 
     await async_wait_until(running, what="the run to start")
     assert await client.cancel(run_id, MODEL, "cancelled through the runs API") == "signalled"
-    assert runner.cancel(run_id, "cancelled through the runs API")  # (the cancel message, as the listener hears it)
+    # (the cancel message, as the listener hears it)
+    assert runner.cancel(run_id, ErrorInfo(ErrorCode.CANCELLED, "cancelled through the runs API"))
     assert (await execution).startswith("cancelled")
     assert not execution.cancelled()
     assert await redis.hget(keys.run_record(run_id), "state") == b"cancelled"
@@ -186,7 +187,7 @@ async def test_a_full_redis_still_takes_cancels_and_ends(redis: Redis) -> None:
         assert await client.cancel(running_id, MODEL, "the caller went away") == "signalled"
         lease = [running_id, 15_000, b"1"]
         assert await runner.scripts.call("renew", [keys.leases("a"), keys.run_record(running_id)], lease) == 2
-        assert runner.cancel(running_id, "the caller went away")
+        assert runner.cancel(running_id, ErrorInfo(ErrorCode.CANCELLED, "the caller went away"))
         assert (await execution).startswith("cancelled")  # its end (`finish`) went through
     assert await redis.hget(keys.run_record(queued_id), "state") == b"cancelled"
     assert await redis.hget(keys.run_record(running_id), "state") == b"cancelled"
@@ -218,7 +219,8 @@ async def test_a_cancel_while_a_failed_run_records_its_end_does_not_cancel_that(
     execution = asyncio.create_task(runner.execute(run_id))
     await asyncio.wait_for(ending.wait(), 10)
     assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"
-    assert runner.cancel(run_id, "the caller went away")  # (the cancel message, as the listener hears it)
+    # (the cancel message, as the listener hears it)
+    assert runner.cancel(run_id, ErrorInfo(ErrorCode.CANCELLED, "the caller went away"))
     cancelled.set()
     assert (await execution).startswith("failed")
     assert not execution.cancelled()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -158,3 +159,61 @@ def test_a_live_gateways_long_run_is_never_cancelled(stack: Stack) -> None:
             "sim": {"tokens": 60, "itl_ms": 50}}  # (3 s: five liveness periods)
     stream_in_thread(gateway + "/v1/chat/completions", body, out).join(60)
     assert "error" not in out and out["rest"].rstrip().endswith(b"data: [DONE]") and b'"error"' not in out["rest"]
+
+
+def call_in_thread(url: str, body: dict[str, Any], out: dict[str, Any]) -> threading.Thread:
+    """A caller waiting for a whole answer on its own thread: its status and body."""
+    def call() -> None:
+        request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                out["status"], out["body"] = resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            out["status"], out["body"] = exc.code, json.loads(exc.read())
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_paused_gateways_callers_hear_a_503_once_it_resumes(stack: Stack) -> None:
+    """A gateway that stops renewing its liveness without dying (SIGSTOP here; a paused VM, a
+    gateway cut off from Redis) has its callers' runs cancelled as a dead one's. Once it resumes,
+    a caller whose run waited hears a 503 `service_unavailable` saying to send the request again
+    (the official clients do), not a 499 for a cancel it never asked for; a stream that had
+    output hears the same in the stream, then `[DONE]`."""
+    sim = one_provider(stack)
+    paused = stack.start("gateway-a", "gateway", "--host", "127.0.0.1", "--port", "0")
+    url = paused.wait_for_line(r"listening on (http://\S+)").group(1) + "/v1/chat/completions"
+    wait_available(stack.redis_url, ["p"])
+    r = sync_redis.Redis.from_url(stack.redis_url)
+
+    def current() -> int:
+        with urllib.request.urlopen(sim + "/stats") as resp:
+            return int(json.loads(resp.read())["current"])
+
+    slow = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "x"}],
+            "sim": {"tokens": 1000, "itl_ms": 50}}
+    streaming: dict[str, Any] = {}
+    threads = [stream_in_thread(url, {**slow, "stream": True}, streaming)]
+    wait_until(lambda: current() == 1 and "first" in streaming, what="the stream under way")
+    waiting: dict[str, Any] = {}
+    threads.append(call_in_thread(url, slow, waiting))
+    wait_until(lambda: r.xlen("iop:runs:qwen3.6:35b") == 1, what="the second run waiting")
+
+    paused.send(signal.SIGSTOP)
+    try:
+        wait_until(lambda: sorted(r.hget(k, "state") or b"" for k in r.scan_iter("iop:run:*")) == [b"cancelled"] * 2,
+                   timeout=20, what="both runs cancelled")
+    finally:
+        paused.send(signal.SIGCONT)
+    for thread in threads:
+        thread.join(30)
+    assert waiting["status"] == 503, waiting
+    error = waiting["body"]["error"]
+    assert error["code"] == "service_unavailable" and "send the request again" in error["message"], error
+    rest = streaming["rest"].decode()
+    assert '"code": "service_unavailable"' in rest.replace('":"', '": "') and rest.rstrip().endswith("data: [DONE]")
+    wait_until(lambda: current() == 0, what="the provider's request closed")
+    assert r.zcard("iop:leases:p") == 0
+    r.close()

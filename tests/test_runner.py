@@ -22,7 +22,7 @@ from common.policy import Health
 from common.redisconn import Backoff
 from common.redisline import new_line_of
 from common.scripts import Scripts
-from common.wire import RunKind
+from common.wire import ErrorCode, ErrorInfo, RunKind
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until
 from tests.test_scheduler import MODEL, beat, make_config, waiting_runs
@@ -234,7 +234,7 @@ async def test_a_run_cancelled_while_output_is_held_ends_and_closes_the_provider
     await async_wait_until(lambda: _delta_count(redis, run_id, 1), what="the first output")
     paced.gates[1].set()
     await async_wait_until(lambda: _asked(paced, 3), what="read 1 taken and held")
-    assert runner.cancel(run_id, "cancelled by the caller")
+    assert runner.cancel(run_id, ErrorInfo(ErrorCode.CANCELLED, "cancelled by the caller"))
     assert (await run).startswith("cancelled")
     assert paced.closed  # the request to the provider was closed
     assert await deltas(redis, run_id) == [[text("a")]]  # (what was held never reached the caller)

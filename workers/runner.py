@@ -85,7 +85,8 @@ class Attempt:
     output_bytes: int = 0
     #: events this attempt emitted so far (each emit is numbered: the `emit` script adds it once)
     emitted: int = 0
-    cancel_reason: str | None = None
+    #: why the run was cancelled (by its caller, or as its record's `cancel_code` says)
+    cancelled: ErrorInfo | None = None
     #: the lease was lost (its renewal found it gone): the run is the scheduler's to requeue or fail
     lease_lost: bool = False
     #: the attempt's task was told to stop (cancelled once: a second cancel would interrupt how
@@ -234,16 +235,20 @@ class Runner:
             metrics.run_seconds(model_id, provider_id).observe(time.monotonic() - began)
             self.running.pop(run_id, None)
 
-    async def cancel_reason(self, run_id: str) -> str:
-        """Why the run was cancelled, as its record says (the caller went away, or a DELETE of
-        the runs API); a record without one (written by an earlier version): by the caller."""
+    async def why_cancelled(self, run_id: str) -> ErrorInfo:
+        """Why the run was cancelled, as its record says (the caller went away, a DELETE of the
+        runs API: `cancelled`; its caller's gateway gone: `service_unavailable`); a record without
+        a reason (written by an earlier version): by the caller."""
         try:
-            reason = await self.redis.hget(keys.run_record(run_id), "cancel_reason")
+            reason, code = await self.redis.hmget(keys.run_record(run_id), ["cancel_reason", "cancel_code"])
         except REDIS_UNUSABLE:
-            reason = None
-        return reason.decode(errors="replace") if reason else CANCELLED.message
+            reason = code = None
+        if not reason:
+            return CANCELLED
+        return ErrorInfo.from_wire({"code": (code or b"cancelled").decode(errors="replace"),
+                                    "message": reason.decode(errors="replace")})
 
-    def cancel(self, run_id: str, reason: str) -> bool:
+    def cancel(self, run_id: str, why: ErrorInfo) -> bool:
         """Cancel a run this worker runs, once (a cancel message and the lease's renewal may both
         say so), and not while it records its end (a cancel raised into that would end the job's
         task cancelled, the run left to its lease; a run requeued then ends at its next start, its
@@ -252,8 +257,8 @@ class Runner:
         if entry is None:
             return False
         att, task = entry
-        if att.cancel_reason is None and not att.stopping:
-            att.cancel_reason = reason
+        if att.cancelled is None and not att.stopping:
+            att.cancelled = why
             _stop(att, task)
         return True
 
@@ -288,13 +293,13 @@ class Runner:
                 self._uncancel()
                 log.warning("lease lost, abandoning", extra=att.log())
                 return "lease_lost"
-            if att.cancel_reason is None:  # the worker itself is shutting down
+            if att.cancelled is None:  # the worker itself is shutting down
                 info = ErrorInfo(ErrorCode.WORKER_LOST, "the worker shut down during the run",
                                  before_output=not att.output)
                 await asyncio.shield(self._fail(att, info, Retry.ANY))
                 raise
             self._uncancel()  # a cancelled run is an outcome, not the job's cancellation
-            info = ErrorInfo(ErrorCode.CANCELLED, att.cancel_reason, before_output=not att.output)
+            info = ErrorInfo(att.cancelled.code, att.cancelled.message, before_output=not att.output)
             return await asyncio.shield(self._finish(att, RunState.CANCELLED, EventType.FAILED, info.to_wire(), info))
         except Exception as exc:
             # Anything else (a bug, or an answer nothing above foresaw, such as JSON nested too
@@ -540,7 +545,7 @@ class Runner:
                 continue
             if renewed != 1:
                 if renewed:  # it was cancelled (a cancel message was lost, or is being handled now)
-                    self.cancel(att.run_id, await self.cancel_reason(att.run_id))
+                    self.cancel(att.run_id, await self.why_cancelled(att.run_id))
                 elif not att.stopping:
                     att.lease_lost = True
                     _stop(att, task)

@@ -63,9 +63,9 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
                 if msg is not None:
                     run_id = msg["data"].decode()
                     att = runner.running.get(run_id)
-                    if att is None or att[0].cancel_reason is not None:  # (not here, or being cancelled)
+                    if att is None or att[0].cancelled is not None:  # (not here, or being cancelled)
                         continue
-                    if runner.cancel(run_id, await runner.cancel_reason(run_id)):
+                    if runner.cancel(run_id, await runner.why_cancelled(run_id)):
                         log.info("cancel requested", extra=run_fields(run_id, att[0].model_id))
         except REDIS_UNUSABLE as exc:
             log.warning("cancel listener: Redis unavailable (%s)", exc)
