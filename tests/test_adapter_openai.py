@@ -142,6 +142,8 @@ class Fake:
     def __init__(self) -> None:
         self.requests: list[tuple[str, dict[str, str], Any]] = []
         self.status: dict[str, int] = {}
+        #: the status of a request for a whole answer (not a stream) to a path, where it differs
+        self.whole_status: dict[str, int] = {}
         self.body: dict[str, Any] = {}
         self.stream_lines: list[bytes] = []
         self.runner: web.AppRunner | None = None
@@ -151,6 +153,8 @@ class Fake:
         payload = await request.json() if request.method == "POST" else None
         self.requests.append((request.path, dict(request.headers), payload))
         status = self.status.get(request.path, 200)
+        if isinstance(payload, dict) and not payload.get("stream"):
+            status = self.whole_status.get(request.path, status)
         if status != 200 or request.method == "GET" or not (payload or {}).get("stream"):
             return web.json_response(self.body.get(request.path, {}), status=status)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -458,9 +462,57 @@ def test_max_completion_tokens_goes_to_llamacpp_as_max_tokens_too() -> None:
     body: dict[str, Any] = {"model": "m", "max_completion_tokens": 3}
     assert for_llamacpp(body) == {"model": "m", "max_completion_tokens": 3, "max_tokens": 3}
     assert body == {"model": "m", "max_completion_tokens": 3}  # (the run's own body is not changed)
-    both = {"model": "m", "max_completion_tokens": 3, "max_tokens": 5}  # (the server's to judge, as sent)
-    assert for_llamacpp(both) is both
+    for other in (None, 5):  # (it wins, as vLLM reads the two; an unset max_tokens comes as null)
+        assert for_llamacpp({"max_completion_tokens": 3, "max_tokens": other}) == {
+            "max_completion_tokens": 3, "max_tokens": 3}
+    for unchanged in ({"max_tokens": 5}, {"max_completion_tokens": None, "max_tokens": 5},
+                      {"max_completion_tokens": 3, "max_tokens": 3}):
+        assert for_llamacpp(unchanged) is unchanged
     schema = {"type": "object"}
     assert for_llamacpp({"max_completion_tokens": 2, "response_format": {
         "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}) == {
         "max_completion_tokens": 2, "max_tokens": 2, "response_format": {"type": "json_object", "schema": schema}}
+
+
+def test_developer_messages_go_to_llamacpp_as_system_ones() -> None:
+    """llama-cpp-python refuses the `developer` role (OpenAI's newer name for `system`)."""
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "developer", "content": "Be brief."},
+                                                      {"role": "user", "content": "hi"}]}
+    assert for_llamacpp(body)["messages"] == [{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "hi"}]
+    assert body["messages"][0]["role"] == "developer"  # (the run's own body is not changed)
+    for other in ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, {"prompt": "x"},
+                  {"messages": "not a list"}, {"messages": ["not an object"]}):
+        assert for_llamacpp(other) is other
+
+
+async def test_a_llamacpp_stream_ended_before_any_event_gets_the_servers_refusal_if_it_has_one(
+        fake: Fake, session: aiohttp.ClientSession) -> None:
+    """llama-cpp-python answers 200 and no event to a stream whose prompt is beyond its context, and
+    a 400 to the same asked for whole: the adapter asks so, for one token, and the 400 is the
+    caller's. A whole answer to that (or another type of server) leaves the stream's own error."""
+    fake.stream_lines = []
+    fake.whole_status["/v1/chat/completions"] = 400
+    fake.body["/v1/chat/completions"] = {"error": {
+        "message": "This model's maximum context length is 2048 tokens", "type": "invalid_request_error",
+        "param": "messages", "code": "context_length_exceeded"}}
+    body = chat(stream=True, stream_options={"include_usage": True}, max_completion_tokens=50)
+    adapter = OpenAICompatAdapter(provider("llamacpp", fake.url), session)
+    with pytest.raises(ProviderError) as err:
+        await _drain(adapter.stream(RunKind.CHAT, body, "run_long"))
+    assert (err.value.status, err.value.retry) == (400, Retry.NO)
+    assert err.value.detail is not None and err.value.detail["code"] == "context_length_exceeded"
+    asked = fake.requests[-1][2]
+    assert asked["max_tokens"] == 1 and not {"stream", "stream_options", "max_completion_tokens"} & set(asked)
+    assert asked["messages"] == body["messages"]
+
+    fake.whole_status["/v1/chat/completions"] = 200  # (it answers whole: the stream's error stands)
+    with pytest.raises(ProviderError, match="the stream ended before any event"):
+        await _drain(adapter.stream(RunKind.CHAT, body, "run_long2"))
+    fake.whole_status["/v1/chat/completions"] = 500
+    with pytest.raises(ProviderError, match="the stream ended before any event"):
+        await _drain(adapter.stream(RunKind.CHAT, body, "run_long3"))
+    asked_before = len(fake.requests)
+    with pytest.raises(ProviderError, match="the stream ended before any event"):  # (not llama.cpp: not asked)
+        await _drain(OpenAICompatAdapter(provider("vllm", fake.url), session).stream(RunKind.CHAT, body, "run_v"))
+    assert len(fake.requests) == asked_before + 1

@@ -27,6 +27,8 @@ def run(limits: TextLimits, pieces: list[str]) -> tuple[str, str | None]:
     ({"max_tokens": 3}, ["one two three"], ("one two three", "length")),  # (its last word ends with the output)
     ({"max_tokens": 5}, ["one two three\n"], ("one two three\n", None)),
     ({"max_completion_tokens": 1, "max_tokens": 9}, ["a b"], ("a", "length")),
+    ({"max_completion_tokens": None, "max_tokens": 1}, ["a b"], ("a", "length")),  # (an unset one: null)
+    ({"max_completion_tokens": 1, "max_tokens": None}, ["a b"], ("a", "length")),
     ({"max_tokens": 0}, ["a b"], ("", "length")),
     ({"stop": "END"}, ["abc E", "ND def"], ("abc ", "stop")),
     ({"stop": ["x", "yz"]}, ["ab", "cy", "zq x"], ("abc", "stop")),

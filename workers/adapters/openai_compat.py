@@ -109,19 +109,33 @@ def health_url(provider: ProviderConfig) -> str | None:
 
 
 def for_llamacpp(body: dict[str, Any]) -> dict[str, Any]:
-    """A request as llama.cpp's servers all take it (`schema_as_json_object`, `max_tokens_named`);
-    the run's own body is not changed."""
-    return max_tokens_named(schema_as_json_object(body))
+    """A request as llama.cpp's servers all take it (`schema_as_json_object`, `max_tokens_named`,
+    `developer_as_system`); the run's own body is not changed."""
+    return developer_as_system(max_tokens_named(schema_as_json_object(body)))
+
+
+def developer_as_system(body: dict[str, Any]) -> dict[str, Any]:
+    """`developer` messages (OpenAI's name for system instructions since its reasoning models, which
+    its newer clients and agent libraries send) as `system` ones: llama-cpp-python refuses the role
+    (a 500 for the caller's request)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not any(isinstance(m, dict) and m.get("role") == "developer"
+                                                 for m in messages):
+        return body
+    return {**body, "messages": [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer"
+                                 else m for m in messages]}
 
 
 def max_tokens_named(body: dict[str, Any]) -> dict[str, Any]:
-    """`max_completion_tokens` (OpenAI's name since `max_tokens` was deprecated, which the official
-    clients send) as `max_tokens` too, unless the caller gave `max_tokens`: llama-cpp-python knows
-    only `max_tokens`, and a limit under the other name was ignored (3 asked, 538 generated; its
-    server generates to the end of its context). llama.cpp's own server takes both."""
-    if "max_completion_tokens" not in body or "max_tokens" in body:
+    """A `max_completion_tokens` (OpenAI's name since `max_tokens` was deprecated, which the
+    official clients send) as `max_tokens`: llama-cpp-python knows only `max_tokens`, and a limit
+    under the other name was ignored (3 asked, 538 generated; its server generates to the end of its
+    context). It wins over a `max_tokens` sent too (`null` included, as clients and wrappers send an
+    unset one), as vLLM reads the two. llama.cpp's own server takes both."""
+    limit = body.get("max_completion_tokens")
+    if limit is None or body.get("max_tokens") == limit:
         return body
-    return {**body, "max_tokens": body["max_completion_tokens"]}
+    return {**body, "max_tokens": limit}
 
 
 def schema_as_json_object(body: dict[str, Any]) -> dict[str, Any]:
@@ -490,8 +504,10 @@ class OpenAICompatAdapter:
         if not parser.done and not finished and opening:
             # llama-cpp-python ends so a stream whose prompt is beyond its context: an answer of its
             # own (it would give it again), not a server in trouble (it took three strikes a run)
-            raise ProviderError(f"provider {self.provider.id}: the stream ended before any event", strikes=None,
-                                retry=Retry.ELSEWHERE)
+            empty = ProviderError(f"provider {self.provider.id}: the stream ended before any event", strikes=None,
+                                  retry=Retry.ELSEWHERE)
+            raise (await self._refusal_of(kind, body, request_id) or empty) if self.provider.type == "llamacpp" \
+                else empty
         if not parser.done and not finished:
             # (a stream that ended after its finish_reason without [DONE] is whole: it is kept)
             raise ProviderError(f"provider {self.provider.id}: the stream ended before [DONE]", retry=Retry.ANY,
@@ -503,6 +519,22 @@ class OpenAICompatAdapter:
             which = "a finish_reason for every choice" if ended else "a finish_reason"
             raise ProviderError(f"provider {self.provider.id}: the stream was cut short ([DONE] without {which})",
                                 retry=Retry.ANY)
+
+    async def _refusal_of(self, kind: RunKind, body: dict[str, Any], request_id: str) -> ProviderError | None:
+        """Why a llama.cpp server ended a stream before any event, if it was the caller's request:
+        llama-cpp-python's answers 200 and then nothing to a stream it refuses once begun (a prompt
+        beyond its context above all), and a 400 saying why to the same asked for whole. So it is
+        asked again so, for one token: its 400 (`context_length_exceeded`) is the caller's answer,
+        not a 502 that the official clients send twice more. Anything else: None."""
+        whole = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+        try:
+            async with self._post(kind, {**whole, "max_tokens": 1}, request_id) as resp:
+                await self._raise_for(resp, body.get("model"))
+        except ProviderError as exc:
+            return self._clean(exc) if exc.retry is Retry.NO and exc.status is not None else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        return None
 
     async def _not_a_stream(self, resp: aiohttp.ClientResponse, first: bytes) -> ProviderError:
         """A stream asked for and one JSON answer given (it begins with `first`, where events begin

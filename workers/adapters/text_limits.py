@@ -36,7 +36,9 @@ class TextLimits:
         """The limits a request asks for (`max_completion_tokens`, else `max_tokens`; `stop`, a
         string or a list of them). A field of another type is left to be the provider's
         business, as every field iop does not read."""
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        limit = body.get("max_completion_tokens")
+        if limit is None:  # (absent, or null: an unset one, as clients send it)
+            limit = body.get("max_tokens")
         max_words = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0 else None
         stop = body.get("stop")
         if isinstance(stop, str):
