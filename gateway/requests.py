@@ -71,6 +71,8 @@ def _check_prompt(body: dict[str, Any]) -> None:
             or all(_is_token_list(p) for p in prompt)
         ))
     )
+    if prompt == []:
+        raise invalid("'prompt' must not be an empty list", "prompt")
     if not ok:
         raise invalid("'prompt' must be a string, a list of strings, or a list of token ids", "prompt")
 
@@ -95,6 +97,8 @@ def _check_input(body: dict[str, Any]) -> None:
     ok = isinstance(value, str) or (isinstance(value, list) and value and (
         all(isinstance(v, str) for v in value) or _is_token_list(value) or all(_is_token_list(v) for v in value)
     ))
+    if value == []:
+        raise invalid("'input' must not be an empty list", "input")
     if not ok:
         raise invalid("'input' must be a string, a list of strings, or a list of token ids", "input")
 

@@ -78,7 +78,8 @@ def keyring_for(config: Config, host: str, allow_anonymous: bool, environ: Mappi
         if not (is_loopback(host) or allow_anonymous):
             where = host or "every address"
             raise SystemExit(f"iop gateway: refusing to serve anyone who can reach {where} without API keys: add "
-                             "auth.keys to the config, or pass --allow-anonymous")
+                             "auth.keys to the config, serve on loopback only (--host 127.0.0.1), or pass "
+                             "--allow-anonymous")
         return None
     try:
         return KeyRing.from_config(config.auth, environ)

@@ -163,7 +163,7 @@ def test_without_keys_the_gateway_only_listens_on_loopback(fstack: FaultStack) -
     assert refused.returncode != 0
     assert refused.stderr.strip().splitlines()[-1] == (
         "iop gateway: refusing to serve anyone who can reach 0.0.0.0 without API keys: add auth.keys to the "
-        "config, or pass --allow-anonymous")
+        "config, serve on loopback only (--host 127.0.0.1), or pass --allow-anonymous")
     proc = fstack.start("gateway-open", "gateway", "--host", "0.0.0.0", "--port", "0", "--allow-anonymous")
     proc.wait_for_line(r"listening on http://0\.0\.0\.0:\d+")
     wait_until(lambda: fstack.gateway().startswith("http://127.0.0.1:"), what="a loopback gateway")

@@ -74,7 +74,7 @@ INVALID: list[tuple[str, RunKind, bytes, str | None, str]] = [
     # completion prompt
     ("prompt-missing", COMPLETION, body(COMPLETION, prompt=...), "prompt", "'prompt' is required"),
     ("prompt-dict", COMPLETION, body(COMPLETION, prompt={"text": "hi"}), "prompt", "must be a string"),
-    ("prompt-empty-list", COMPLETION, body(COMPLETION, prompt=[]), "prompt", "must be a string"),
+    ("prompt-empty-list", COMPLETION, body(COMPLETION, prompt=[]), "prompt", "must not be an empty list"),
     ("prompt-mixed-list", COMPLETION, body(COMPLETION, prompt=["a", 1]), "prompt", "must be a string"),
     ("prompt-mixed-nested", COMPLETION, body(COMPLETION, prompt=[[1, 2], "a"]), "prompt", "must be a string"),
     ("prompt-number", COMPLETION, body(COMPLETION, prompt=5), "prompt", "must be a string"),
@@ -88,7 +88,7 @@ INVALID: list[tuple[str, RunKind, bytes, str | None, str]] = [
     # embeddings input
     ("input-missing", EMBEDDING, body(EMBEDDING, input=...), "input", "'input' is required"),
     ("input-dict", EMBEDDING, body(EMBEDDING, input={"a": 1}), "input", "must be a string"),
-    ("input-empty-list", EMBEDDING, body(EMBEDDING, input=[]), "input", "must be a string"),
+    ("input-empty-list", EMBEDDING, body(EMBEDDING, input=[]), "input", "must not be an empty list"),
     ("input-mixed-list", EMBEDDING, body(EMBEDDING, input=["a", 1]), "input", "must be a string"),
     ("input-null", EMBEDDING, body(EMBEDDING, input=None), "input", "must be a string"),
     # stream
