@@ -85,8 +85,13 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     resource = request.match_info.route.resource
     assert resource is not None
     limits = {"max_depth": cfg.runtime.max_json_depth, "max_containers": cfg.runtime.max_json_containers}
-    req = (parse_responses(request[BODY], **limits) if resource.canonical == RESPONSES_PATH
-           else parse_request(RUN_ROUTES[resource.canonical], request[BODY], **limits))
+    try:
+        req = (parse_responses(request[BODY], **limits) if resource.canonical == RESPONSES_PATH
+               else parse_request(RUN_ROUTES[resource.canonical], request[BODY], **limits))
+    except ApiError as exc:  # (a bad request to a model served here is counted under the model)
+        if exc.model is not None and (named := cfg.model_named(exc.model)) is not None:
+            request[metrics.MODEL] = named.id
+        raise
     forget_body(request)
     model = _model_for(request, req.model)
     request[metrics.MODEL] = model.id

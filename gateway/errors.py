@@ -88,6 +88,9 @@ class ApiError(Exception):
         self.status = status or STATUS[code]
         self.headers = headers or {}
         self.detail = detail
+        #: the `model` of the request refused, when its body named one before the fault was found
+        #: (the gateway's metrics count a bad request to a model it serves under that model)
+        self.model: str | None = None
 
     @classmethod
     def from_info(cls, info: ErrorInfo) -> ApiError:

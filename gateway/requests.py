@@ -18,7 +18,7 @@ from common.codec import pack
 from common.config import RuntimeConfig
 from common.wire import RunKind
 from gateway.body_limits import depth_problem, too_many_containers, wire_problem
-from gateway.errors import invalid
+from gateway.errors import ApiError, invalid
 from gateway.responses_request import to_chat
 
 #: The run routes (POST) and the kind of run each asks for.
@@ -181,9 +181,14 @@ def parse_request(kind: RunKind, raw: bytes, *, max_depth: int = DEFAULT_MAX_DEP
                   max_containers: int = DEFAULT_MAX_CONTAINERS) -> ParsedRequest:
     body = json_object(raw, max_depth, max_containers)
     model = _model(body)
-    _CHECKS[kind](body)
-    stream = _check_stream(body, kind)
-    return ParsedRequest(kind=kind, model=model, stream=stream, body=body, packed=_pack(body))
+    try:
+        _CHECKS[kind](body)
+        stream = _check_stream(body, kind)
+        packed = _pack(body)
+    except ApiError as exc:
+        exc.model = model  # (the gateway's metrics count it under the model, if it is one)
+        raise
+    return ParsedRequest(kind=kind, model=model, stream=stream, body=body, packed=packed)
 
 
 def parse_responses(raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH,
@@ -191,10 +196,15 @@ def parse_responses(raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH,
     """A Responses API request as the chat completion run it becomes."""
     body = json_object(raw, max_depth, max_containers)
     model = _model(body)
-    stream = _check_stream(body, RunKind.CHAT)
-    problem = wire_problem(body)  # (before it is translated: `param` names the caller's own field)
-    if problem is not None:
-        raise invalid(problem.message, problem.param)
-    translated = to_chat(body, stream)
-    return ParsedRequest(kind=RunKind.CHAT, model=model, stream=stream, body=translated.chat,
-                         packed=_pack(translated.chat), echo=translated.echo)
+    try:
+        stream = _check_stream(body, RunKind.CHAT)
+        problem = wire_problem(body)  # (before it is translated: `param` names the caller's own field)
+        if problem is not None:
+            raise invalid(problem.message, problem.param)
+        translated = to_chat(body, stream)
+        packed = _pack(translated.chat)
+    except ApiError as exc:
+        exc.model = model
+        raise
+    return ParsedRequest(kind=RunKind.CHAT, model=model, stream=stream, body=translated.chat, packed=packed,
+                         echo=translated.echo)

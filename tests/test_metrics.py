@@ -61,11 +61,17 @@ def test_each_process_exposes_what_it_owns_and_counters_move(stack: Stack) -> No
                 await asyncio.to_thread(_chat, client, stream)
             with pytest.raises(openai.NotFoundError):
                 await asyncio.to_thread(_chat, client, False, "nope")
+            for bad in ({"model": MODEL, "messages": []}, {"model": "nope", "messages": []},
+                        {"model": 5, "messages": []}):  # (a bad body to a model served here: that model's)
+                async with session.post(gateway + "/v1/chat/completions", json=bad) as resp:
+                    assert resp.status == 400
 
             g = await scrape(session, gateway + "/metrics")
             ok = dict(model=MODEL, endpoint="chat", status="200")
             assert value(g, "iop_gateway_requests_total", **ok) - value(before, "iop_gateway_requests_total", **ok) == 3
             assert value(g, "iop_gateway_requests_total", model="-", endpoint="chat", status="404") >= 1
+            assert value(g, "iop_gateway_requests_total", model=MODEL, endpoint="chat", status="400") == 1
+            assert value(g, "iop_gateway_requests_total", model="-", endpoint="chat", status="400") == 2
             assert value(g, "iop_gateway_request_duration_seconds_count", model=MODEL, endpoint="chat") >= 3
             assert value(g, "iop_gateway_time_to_first_token_seconds_count", model=MODEL) >= 2
             assert value(g, "iop_gateway_time_to_first_token_seconds_bucket", model=MODEL, le="+Inf") >= 2
