@@ -406,9 +406,19 @@ async def test_a_multi_line_server_error_is_one_line_and_goes_elsewhere(
     adapter = OpenAICompatAdapter(provider("llamacpp", fake.url), session)
     with pytest.raises(ProviderError) as err:
         await adapter.complete(RunKind.CHAT, chat(), "run_e")
-    assert err.value.message == ("provider llamacpp-a answered 500: 1 validation error: {'type': 'float_parsing'} "
-                                 "File \"app.py\", line 376")
+    # (without its traceback: the server's files and code are none of its callers' business)
+    assert err.value.message == "provider llamacpp-a answered 500: 1 validation error: {'type': 'float_parsing'}"
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes is None and err.value.detail is None
+    fake.status["/v1/chat/completions"] = 400  # (passed through to the caller, without it too)
+    fake.body["/v1/chat/completions"] = {"error": {"message": "bad\nTraceback (most recent call last):\n  x",
+                                                   "type": "t"}}
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "run_f")
+    assert err.value.detail is not None and err.value.detail["message"] == "bad"
+    fake.body["/v1/chat/completions"] = "Traceback (most recent call last):\n  File \"a.py\", line 1\n"
+    with pytest.raises(ProviderError) as err:  # (a body that is nothing but a traceback is all it says)
+        await adapter.complete(RunKind.CHAT, chat(), "run_g")
+    assert "most recent call last" in err.value.message
 
 
 async def test_credentials_in_the_url_are_never_shown(fake: Fake, session: aiohttp.ClientSession) -> None:

@@ -46,6 +46,7 @@ from workers.adapters.reading import (
     redirect_error,
     redirect_probe,
     with_line_end,
+    without_traceback,
 )
 
 Json = dict[str, Any]
@@ -135,7 +136,7 @@ class OllamaAdapter:
             payload = None
         error = payload.get("error") if isinstance(payload, dict) else None
         message = error_text(error, self.limits.error_chars) if error else \
-            one_line(text or "no error text", self.limits.error_chars)
+            one_line(without_traceback(text) or "no error text", self.limits.error_chars)
         detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
         return answered_error(self.provider.id, status, message, detail if error or status != 404 else None, served)
 

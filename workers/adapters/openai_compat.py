@@ -62,6 +62,7 @@ from workers.adapters.reading import (
     read_whole,
     redirect_error,
     redirect_probe,
+    without_traceback,
 )
 
 PATHS = {RunKind.CHAT: "/chat/completions", RunKind.COMPLETION: "/completions", RunKind.EMBEDDING: "/embeddings"}
@@ -385,7 +386,7 @@ class OpenAICompatAdapter:
             message = one_line(f"{kind if isinstance(kind, str) and kind else 'an error'} without a message",
                                self.limits.error_chars)
         else:
-            message = one_line(text or resp.reason or "no error text", self.limits.error_chars)
+            message = one_line(without_traceback(text) or resp.reason or "no error text", self.limits.error_chars)
         raise answered_error(self.provider.id, resp.status, message, detail,
                              served if isinstance(served, str) else None)
 

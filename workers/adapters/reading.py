@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -133,7 +134,7 @@ def deeper_than(value: Any, limit: int) -> bool:
 
 def error_text(error: Any, limit: int) -> str:
     """What a provider's `error` field says, on one line: an object's `message`, a string as it
-    is, anything else as JSON (never a Python repr)."""
+    is, anything else as JSON (never a Python repr); without a traceback it carries."""
     if isinstance(error, dict):
         error = error.get("message") or "no message"
     if not isinstance(error, str):
@@ -141,7 +142,21 @@ def error_text(error: Any, limit: int) -> str:
             error = json.dumps(error, ensure_ascii=False)
         except (TypeError, ValueError, RecursionError):
             error = "an error it did not describe"
-    return one_line(error, limit) or "no message"
+    return one_line(without_traceback(error), limit) or "no message"
+
+
+#: Where a Python traceback begins in an error's text: its heading, or its first frame.
+_TRACEBACK = re.compile(r'^[ \t]*(?:Traceback \(most recent call last\):|File "[^"\n]*", line \d+)', re.M)
+
+
+def without_traceback(text: str) -> str:
+    """A provider's error text up to the traceback it may carry (llama-cpp-python's 500s end with
+    one): its frames name the server's files and code, which its callers have no business seeing
+    (the server's own log keeps them). All of it when it is nothing but a traceback."""
+    found = _TRACEBACK.search(text)
+    if found is None:
+        return text
+    return text[:found.start()].rstrip() or text
 
 
 def redirect_text(resp: aiohttp.ClientResponse) -> str:
