@@ -78,8 +78,9 @@ def render_catalog(catalog: Catalog) -> str:
          "HEARTBEAT", "REASON"],
         provider_rows(catalog))
     models = table(
-        ["MODEL", "QUEUED", "OLDEST", "PROVIDERS (selectable now, or why not)"],
-        [[m.id, f"{m.queued}/{m.max_queue}", _age(m.oldest_waiting_ms), _placements(m)] for m in catalog.models])
+        ["MODEL", "ALIASES", "QUEUED", "OLDEST", "PROVIDERS (selectable now, or why not)"],
+        [[m.id, ",".join(m.aliases) or "-", f"{m.queued}/{m.max_queue}", _age(m.oldest_waiting_ms), _placements(m)]
+         for m in catalog.models])
     return f"{providers}\n\n{models}"
 
 

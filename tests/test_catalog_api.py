@@ -34,7 +34,8 @@ from workers.heartbeat import heartbeat_fields
 
 CONFIG_DATA: dict[str, Any] = {
     "models": [
-        {"id": "qwen:35b", "display_name": "Qwen", "providers": {"vllm-a": "Qwen/A", "ollama-b": "qwen-b"}},
+        {"id": "qwen:35b", "display_name": "Qwen", "aliases": ["chat", "qwen"],
+         "providers": {"vllm-a": "Qwen/A", "ollama-b": "qwen-b"}},
         {"id": "llama:70b", "providers": {"vllm-a": "Llama/A"}, "queue": {"max_queue": 8}},
     ],
     "nodes": [
@@ -152,6 +153,9 @@ async def test_cli_prints_the_same_records(redis: Redis, redis_url: str, capsys:
     assert lines[1].split()[:7] == ["gpu-1", "vllm-a", "vllm", "local_inference", "available", "0/2", "(0.00)"]
     assert lines[2].split()[:6] == ["gpu-2", "ollama-b", "ollama", "local_inference", "unknown", "0/?"]
     assert "vllm-a:ok, ollama-b:unknown" in out
+    models = lines[lines.index("") + 1:]
+    assert models[0].split()[:2] == ["MODEL", "ALIASES"]
+    assert [line.split()[:2] for line in models[1:]] == [["qwen:35b", "chat,qwen"], ["llama:70b", "-"]]
     queues = catalog_cmd.render_queues(catalog).splitlines()
     assert queues[2].split()[:3] == ["llama:70b", "1", "8"] and queues[2].split()[-1] == "run_waiting"
     assert float(queues[2].split()[3].rstrip("s")) >= 5.0
