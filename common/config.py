@@ -35,6 +35,8 @@ from common.strict import Strict
 ID_PATTERN = r"^\S+$"
 #: the most `aliases` a model may have
 MAX_ALIASES = 64
+#: the largest `max_tokens` a model may set
+MAX_TOKENS = 10_000_000
 #: A site as a browser names it in `Origin` (scheme, host and port; no path), or `*` for any.
 CORS_ORIGIN_PATTERN = r"^(\*|https?://[^/\s?#]+)$"
 #: The most load samples the history may hold (`runtime.history_retention_s` / `history_interval_ms`).
@@ -132,6 +134,8 @@ class ModelConfig(Strict):
     display_name: str | None = None
     #: other names callers may ask for the model by (`chat-default`, an old id kept for a rename)
     aliases: list[Annotated[str, Field(pattern=ID_PATTERN)]] = Field(default_factory=list, max_length=MAX_ALIASES)
+    #: the most tokens a run may generate (`common.token_cap`); None: as the caller and the server say
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     providers: dict[str, str] = Field(min_length=1, description="provider id -> served name")
     queue: QueueOverride | None = None
 

@@ -12,19 +12,20 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from common import token_cap
 from common.auth import KeyRing
 from common.config import Config, ModelConfig
 from common.redisconn import REDIS_DOWN
 from common.shown import quoted
 from common.usage import key_names
-from common.wire import ErrorCode
+from common.wire import ErrorCode, RunKind
 from gateway import admin, catalog, cors, liveness, metrics, runs_api, usage_api
 from gateway.auth import KEYRING, principal
 from gateway.connections import BODY, expect_handler, forget_body
-from gateway.errors import ApiError
+from gateway.errors import ApiError, invalid
 from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
-from gateway.requests import RESPONSES_PATH, RUN_ROUTES, parse_request, parse_responses
+from gateway.requests import RESPONSES_PATH, RUN_ROUTES, ParsedRequest, parse_request, parse_responses
 from gateway.responses import SSEStream, run_headers, stream_response, whole_response
 from gateway.responses_output import ResponseShape
 from gateway.runs import RunClient, new_run_id
@@ -78,6 +79,14 @@ async def get_model(request: web.Request) -> web.Response:
     return web.json_response(_model_object(name, _model_for(request, name), int(request.app[STARTED])))
 
 
+def _within_cap(req: ParsedRequest, model: ModelConfig) -> None:
+    """The caller's 400 for a request asking for more tokens than the model's `max_tokens`."""
+    field = token_cap.over_cap(req.body, model.max_tokens or 0)
+    if field is not None:
+        param = "max_output_tokens" if req.echo is not None and field == "max_tokens" else field
+        raise invalid(f"'{param}' may be at most {model.max_tokens} for the model {quoted(model.id)}", param)
+
+
 async def run_request(request: web.Request) -> web.StreamResponse:
     """A chat completion, legacy completion, embeddings or Responses API request (the route says
     which; one handler for the four: a waiting caller holds no frame more)."""
@@ -95,6 +104,8 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     forget_body(request)
     model = _model_for(request, req.model)
     request[metrics.MODEL] = model.id
+    if model.max_tokens is not None and req.kind is not RunKind.EMBEDDING:
+        _within_cap(req, model)
     runs = request.app[RUNS]
     run_id = new_run_id()
     shape = None if req.echo is None else ResponseShape(run_id, model.id, req.echo)

@@ -184,6 +184,7 @@ class Real:
                      "llama-c": (self.cutting, 2)}
         self.stack.write_config({
             "models": [{"id": "smollm2", "providers": {"llama-a": served}},
+                       {"id": "smollm2-capped", "providers": {"llama-a": served}, "max_tokens": 4},
                        {"id": "smollm2-embed", "providers": {"llama-e": served}},
                        {"id": "smollm2-queueing", "providers": {"llama-q": served}},
                        {"id": "smollm2-cutting", "providers": {"llama-c": served}}],
@@ -262,6 +263,16 @@ def test_max_completion_tokens_limits_the_answer_as_max_tokens_does(real: Real) 
     direct = real.direct["chat-short"]
     assert through["choices"][0]["finish_reason"] == "length" and through["usage"]["completion_tokens"] == 4
     assert through["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    assert through["usage"] == direct["usage"]
+
+
+def test_a_models_max_tokens_caps_a_request_that_asks_for_no_limit(real: Real) -> None:
+    """This server generates to the end of its context when asked for no limit: a model's
+    `max_tokens` makes the answer the server's own to that limit."""
+    real.prime()
+    through = asyncio.run(ask(real.gateway, "smollm2-capped", "chat", messages=CHAT, temperature=0))
+    direct = real.direct["chat-short"]
+    assert through["choices"][0] == {**direct["choices"][0], "index": 0}
     assert through["usage"] == direct["usage"]
 
 

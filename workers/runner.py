@@ -22,7 +22,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from common import keys
+from common import keys, token_cap
 from common.chunks import fixed_usage, token_counts, usage_in, wants_usage, without_usage
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
@@ -178,6 +178,8 @@ class Runner:
         self.running: dict[str, tuple[Attempt, asyncio.Task[Any]]] = {}
         #: providers that refused the `stream_options` iop adds: their streams go without it
         self.no_stream_options: set[str] = set()
+        #: model id -> its `max_tokens`, for the models that set one
+        self._token_caps = {m.id: m.max_tokens for m in config.models if m.max_tokens is not None}
 
     # ------------------------------------------------------------------ entry
     def start_args(self) -> list[Any]:
@@ -267,6 +269,9 @@ class Runner:
         kind = RunKind(record["kind"].decode())
         body = unpack(record["body"])
         body["model"] = record["target"].decode()
+        cap = self._token_caps.get(att.model_id)
+        if cap is not None and kind is not RunKind.EMBEDDING:
+            token_cap.with_cap(body, cap)
         try:
             async with asyncio.timeout(timeout_s):
                 if record.get("stream") == b"1":

@@ -1,0 +1,84 @@
+"""A model's `max_tokens`: the gateway refuses a request asking for more (naming the caller's field),
+and a request asking for no limit gets the model's (pure, and through the real processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from common import token_cap
+from common.config import ConfigError, parse_config
+from tests.conftest import Stack
+from tests.test_e2e import FAST_RUNTIME, wait_available
+
+
+@pytest.mark.parametrize(("body", "over", "capped"), [
+    ({}, None, {"max_tokens": 8}),
+    ({"max_tokens": None, "max_completion_tokens": None}, None,
+     {"max_tokens": 8, "max_completion_tokens": None}),  # (unset ones, as clients send them)
+    ({"max_tokens": 8}, None, {"max_tokens": 8}),
+    ({"max_tokens": 9}, "max_tokens", {"max_tokens": 9}),
+    ({"max_completion_tokens": 9, "max_tokens": 2}, "max_completion_tokens", None),  # (the one that wins)
+    ({"max_completion_tokens": 2, "max_tokens": 99}, None, {"max_completion_tokens": 2, "max_tokens": 99}),
+    ({"max_tokens": None, "max_completion_tokens": 8.5}, "max_completion_tokens", None),
+    ({"max_tokens": "99"}, None, {"max_tokens": "99"}),  # (not a number: the provider's to judge)
+    ({"max_tokens": True}, None, {"max_tokens": True}),
+])
+def test_a_request_is_within_the_cap_or_names_the_field_past_it(body: dict[str, Any], over: str | None,
+                                                                  capped: dict[str, Any] | None) -> None:
+    assert token_cap.over_cap(body, 8) == over
+    if capped is not None:
+        token_cap.with_cap(body, 8)
+        assert body == capped
+
+
+def test_the_cap_is_a_positive_count() -> None:
+    data = {"models": [{"id": "m", "providers": {"p": "s"}, "max_tokens": 0}],
+            "nodes": [{"id": "n", "providers": [{"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                                 "capacity": 1, "models": ["s"]}]}]}
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert err.value.errors == ["models[0].max_tokens: Input should be greater than or equal to 1"]
+
+
+@pytest.mark.e2e
+def test_callers_get_the_models_cap_and_no_more(stack: Stack) -> None:
+    url = stack.simulator(["p-served"], "--tokens", "12")
+    stack.write_config({
+        "models": [{"id": "capped", "providers": {"p": "p-served"}, "max_tokens": 3},
+                   {"id": "free", "providers": {"p": "p-served"}}],
+        "nodes": [{"id": "n1", "providers": [{"id": "p", "type": "vllm", "base_url": url, "capacity": 2,
+                                              "models": ["p-served"]}]}],
+        "runtime": FAST_RUNTIME,
+    })
+    stack.scheduler()
+    stack.worker("n1")
+    client = stack.openai(stack.gateway())
+    wait_available(stack.redis_url, ["p"])
+    hi: Any = [{"role": "user", "content": "hi"}]
+
+    whole = client.chat.completions.create(model="capped", messages=hi)  # (no limit asked: the model's)
+    assert whole.choices[0].message.content == "tok0 tok1 tok2 " and whole.choices[0].finish_reason == "length"
+    streamed: list[Any] = list(client.chat.completions.create(model="capped", messages=hi, stream=True,
+                                                              max_tokens=None))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "tok0 tok1 tok2 "
+    assert client.completions.create(model="capped", prompt="say").choices[0].text == "tok0 tok1 tok2 "
+    assert client.responses.create(model="capped", input="hi").output_text == "tok0 tok1 tok2 "
+    assert client.chat.completions.create(model="capped", messages=hi, max_tokens=2).choices[0].message.content \
+        == "tok0 tok1 "
+    free = client.chat.completions.create(model="free", messages=hi).choices[0].message.content
+    assert (free or "").count("tok") == 12
+
+    for call, field in ((lambda: client.chat.completions.create(model="capped", messages=hi, max_tokens=4),
+                         "max_tokens"),
+                        (lambda: client.chat.completions.create(model="capped", messages=hi,
+                                                                max_completion_tokens=100, stream=True),
+                         "max_completion_tokens"),
+                        (lambda: client.completions.create(model="capped", prompt="x", max_tokens=10**9), "max_tokens"),
+                        (lambda: client.responses.create(model="capped", input="hi", max_output_tokens=20),
+                         "max_output_tokens")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            call()
+        assert bad.value.param == field and f"'{field}' may be at most 3 for the model \"capped\"" in bad.value.message
