@@ -1,9 +1,12 @@
-"""A model's `max_tokens` (config): the most tokens a run of it may generate. Pure.
+"""A model's `max_tokens` (config): the most tokens a run's choice may generate. Pure.
 
 The gateway refuses a request that asks for more (`over_cap`), as OpenAI refuses a `max_tokens`
-past a model's output limit; the worker gives a request that asks for no limit the model's own
-(`with_cap`), so no caller makes a server generate to the end of its context (llama-cpp-python
-does so without one). Embeddings have no such limit.
+past a model's output limit, and any limit that is not a whole number from 1 to the cap: servers
+read 0, a negative number, `false` or text their own ways, several as no limit at all
+(llama-cpp-python generates to the end of its context for `0`, `-1` or `false`; Ollama's
+`num_predict: -1`). The worker gives a request that asks for no limit the model's own
+(`with_cap`). Embeddings have no such limit. Like OpenAI's `max_tokens`, it is a choice's: `n`
+choices may make `n` times it.
 """
 
 from __future__ import annotations
@@ -25,13 +28,17 @@ def asked(body: dict[str, Any]) -> tuple[str, Any] | None:
 
 
 def over_cap(body: dict[str, Any], cap: int) -> str | None:
-    """The field asking for more than `cap` tokens, if one does. A limit that is not a number is the
-    provider's to judge, as every field iop does not read."""
-    found = asked(body)
-    if found is None:
-        return None
-    field, value = found
-    return field if isinstance(value, int | float) and not isinstance(value, bool) and value > cap else None
+    """The first field (`max_completion_tokens`, `max_tokens`, Ollama's `options.num_predict`, which
+    iop passes to Ollama and which wins there) that is neither null nor a whole number from 1 to
+    `cap`, if one is."""
+    options = body.get("options")
+    limits = [(field, body.get(field)) for field in LIMIT_FIELDS]
+    if isinstance(options, dict):
+        limits.append(("options.num_predict", options.get("num_predict")))
+    for field, value in limits:
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= cap):
+            return field
+    return None
 
 
 def with_cap(body: dict[str, Any], cap: int) -> None:

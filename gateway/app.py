@@ -80,11 +80,14 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 def _within_cap(req: ParsedRequest, model: ModelConfig) -> None:
-    """The caller's 400 for a request asking for more tokens than the model's `max_tokens`."""
+    """The caller's 400 for a request asking for more tokens than the model's `max_tokens`, or
+    for a limit that is not a whole number from 1 to it (`token_cap.over_cap`)."""
     field = token_cap.over_cap(req.body, model.max_tokens or 0)
-    if field is not None:
-        param = "max_output_tokens" if req.echo is not None and field == "max_tokens" else field
-        raise invalid(f"'{param}' may be at most {model.max_tokens} for the model {quoted(model.id)}", param)
+    if field is not None:  # (a Response's `max_output_tokens` is its chat run's `max_tokens`)
+        from_output = req.echo is not None and field == "max_tokens" and req.echo.get("max_output_tokens") is not None
+        param = "max_output_tokens" if from_output else field
+        raise invalid(f"'{param}' must be a whole number from 1 to {model.max_tokens} for the model "
+                      f"{quoted(model.id)}", param)
 
 
 async def run_request(request: web.Request) -> web.StreamResponse:

@@ -19,15 +19,27 @@ from tests.test_e2e import FAST_RUNTIME, wait_available
     ({"max_tokens": None, "max_completion_tokens": None}, None,
      {"max_tokens": 8, "max_completion_tokens": None}),  # (unset ones, as clients send them)
     ({"max_tokens": 8}, None, {"max_tokens": 8}),
-    ({"max_tokens": 9}, "max_tokens", {"max_tokens": 9}),
-    ({"max_completion_tokens": 9, "max_tokens": 2}, "max_completion_tokens", None),  # (the one that wins)
-    ({"max_completion_tokens": 2, "max_tokens": 99}, None, {"max_completion_tokens": 2, "max_tokens": 99}),
-    ({"max_tokens": None, "max_completion_tokens": 8.5}, "max_completion_tokens", None),
-    ({"max_tokens": "99"}, None, {"max_tokens": "99"}),  # (not a number: the provider's to judge)
-    ({"max_tokens": True}, None, {"max_tokens": True}),
+    ({"max_tokens": 1, "max_completion_tokens": 2}, None, {"max_tokens": 1, "max_completion_tokens": 2}),
+    ({"max_tokens": 9}, "max_tokens", None),
+    ({"max_completion_tokens": 9, "max_tokens": 2}, "max_completion_tokens", None),
+    ({"max_completion_tokens": 2, "max_tokens": 99}, "max_tokens", None),  # (both are judged: a server reads either)
+    # what servers read their own ways, several as no limit at all (found: llama-cpp-python generated
+    # to the end of its context for 0, -1 and false under a cap of 64)
+    ({"max_tokens": 0}, "max_tokens", None),
+    ({"max_tokens": -1}, "max_tokens", None),
+    ({"max_tokens": False}, "max_tokens", None),
+    ({"max_tokens": True}, "max_tokens", None),
+    ({"max_tokens": "4"}, "max_tokens", None),
+    ({"max_tokens": 4.0}, "max_tokens", None),
+    ({"max_completion_tokens": [], "max_tokens": 1000}, "max_completion_tokens", None),
+    ({"max_completion_tokens": 0, "max_tokens": 8}, "max_completion_tokens", None),
+    ({"max_tokens": 2**70}, "max_tokens", None),
+    ({"options": {"num_predict": -1}}, "options.num_predict", None),  # (Ollama's own, which wins there)
+    ({"options": {"num_predict": 8}}, None, {"options": {"num_predict": 8}, "max_tokens": 8}),
+    ({"options": "not an object"}, None, {"options": "not an object", "max_tokens": 8}),
 ])
-def test_a_request_is_within_the_cap_or_names_the_field_past_it(body: dict[str, Any], over: str | None,
-                                                                  capped: dict[str, Any] | None) -> None:
+def test_a_limit_is_a_whole_number_within_the_cap_or_names_its_field(body: dict[str, Any], over: str | None,
+                                                                      capped: dict[str, Any] | None) -> None:
     assert token_cap.over_cap(body, 8) == over
     if capped is not None:
         token_cap.with_cap(body, 8)
@@ -78,7 +90,15 @@ def test_callers_get_the_models_cap_and_no_more(stack: Stack) -> None:
                          "max_completion_tokens"),
                         (lambda: client.completions.create(model="capped", prompt="x", max_tokens=10**9), "max_tokens"),
                         (lambda: client.responses.create(model="capped", input="hi", max_output_tokens=20),
-                         "max_output_tokens")):
+                         "max_output_tokens"),
+                        (lambda: client.chat.completions.create(model="capped", messages=hi, max_tokens=0),
+                         "max_tokens"),
+                        (lambda: client.responses.create(model="capped", input="hi",
+                                                         extra_body={"max_completion_tokens": 0}),
+                         "max_completion_tokens"),  # (passed through by the Responses API: judged the same)
+                        (lambda: client.responses.create(model="capped", input="hi", extra_body={"max_tokens": 9}),
+                         "max_tokens")):  # (the caller's own field, not max_output_tokens)
         with pytest.raises(openai.BadRequestError) as bad:
             call()
-        assert bad.value.param == field and f"'{field}' may be at most 3 for the model \"capped\"" in bad.value.message
+        assert bad.value.param == field, bad.value.message
+        assert f"'{field}' must be a whole number from 1 to 3 for the model \"capped\"" in bad.value.message
