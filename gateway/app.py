@@ -101,7 +101,8 @@ async def run_request(request: web.Request) -> web.StreamResponse:
         req = (parse_responses(request[BODY], **limits) if resource.canonical == RESPONSES_PATH
                else parse_request(RUN_ROUTES[resource.canonical], request[BODY], **limits))
     except ApiError as exc:  # (a bad request to a model served here is counted under the model)
-        if exc.model is not None and (named := cfg.model_named(exc.model)) is not None:
+        if (exc.model is not None and (named := cfg.model_named(exc.model)) is not None
+                and principal(request).may_use(named.id)):  # (else nothing says it exists, metrics neither)
             request[metrics.MODEL] = named.id
         raise
     forget_body(request)

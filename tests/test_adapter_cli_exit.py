@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -150,3 +151,13 @@ async def test_a_consumer_slower_than_the_tool_still_gets_the_whole_answer(tmp_p
                 await asyncio.to_thread(wait_gone, [tool_pid])  # the tool is done before we go on
     assert "".join(text) == "a" * size
     wait_gone(read_pids(pids))
+
+
+async def test_a_python_tool_s_traceback_is_left_out_of_its_error_but_its_exception_is_not(tmp_path: Path) -> None:
+    """Its frames name the machine's files (found: `File "/root/.pyenv/.../json/decoder.py"` in a 502)."""
+    cli = tool(tmp_path, f"{sys.executable} -c 'import json; json.loads(\"{{bad\")'")
+    with pytest.raises(ProviderError) as err:
+        async with asyncio.timeout(WELL_BEFORE_S):
+            await cli.complete(RunKind.CHAT, chat(), "r")
+    assert err.value.message.startswith("provider cli-x: tool.sh exited with status 1: json.decoder.JSONDecodeError: ")
+    assert "File" not in err.value.message and "Traceback" not in err.value.message

@@ -26,6 +26,7 @@ from workers.adapters.openai_compat import (
     schema_as_json_object,
     server_root,
 )
+from workers.adapters.reading import without_traceback
 from workers.heartbeat import probe_evidence
 
 FAMILY = ("vllm", "sglang", "lemonade", "openai_api")
@@ -401,7 +402,7 @@ async def test_a_multi_line_server_error_is_one_line_and_goes_elsewhere(
         fake: Fake, session: aiohttp.ClientSession) -> None:
     fake.status["/v1/chat/completions"] = 500
     fake.body["/v1/chat/completions"] = {"error": {
-        "message": "1 validation error:\n  {'type': 'float_parsing'}\n\n  File \"app.py\", line 376\n",
+        "message": "1 validation error:\n  {'type': 'float_parsing'}\n\n  File \"app.py\", line 376, in create\n",
         "type": "internal_server_error", "param": None, "code": None}}
     adapter = OpenAICompatAdapter(provider("llamacpp", fake.url), session)
     with pytest.raises(ProviderError) as err:
@@ -415,10 +416,31 @@ async def test_a_multi_line_server_error_is_one_line_and_goes_elsewhere(
     with pytest.raises(ProviderError) as err:
         await adapter.complete(RunKind.CHAT, chat(), "run_f")
     assert err.value.detail is not None and err.value.detail["message"] == "bad"
-    fake.body["/v1/chat/completions"] = "Traceback (most recent call last):\n  File \"a.py\", line 1\n"
-    with pytest.raises(ProviderError) as err:  # (a body that is nothing but a traceback is all it says)
+    fake.body["/v1/chat/completions"] = {"detail": "boom\nTraceback (most recent call last):\n  File \"/srv/a.py\", "
+                                                   "line 1, in g\nKeyError: 3"}
+    with pytest.raises(ProviderError) as err:  # (FastAPI's error shape: its text)
         await adapter.complete(RunKind.CHAT, chat(), "run_g")
-    assert "most recent call last" in err.value.message
+    assert err.value.message == "provider llamacpp-a answered 400: boom KeyError: 3"
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("Traceback (most recent call last):\n  File \"/srv/secret/app.py\", line 42, in f\n    x()\nValueError: bad",
+     "ValueError: bad"),  # (nothing but a traceback: the exception it ends with)
+    ("Traceback (most recent call last):\n  File \"a.py\", line 1, in <module>\n",
+     "an error with a traceback (left out: the server's log has it)"),
+    ("bad\r  File \"/srv/secret/x.py\", line 3, in f", "bad"),  # (after a lone \r)
+    ("bad\n\u00a0 File \"/srv/secret/x.py\", line 3, in f", "bad"),  # (after a no-break space)
+    ('{"detail":"boom\\nTraceback (most recent call last):\\n  File \\"/srv/a.py\\", line 1, in g"}',
+     '{"detail":"boom\\n'),  # (inside JSON text that is not read as JSON: cut, never shown)
+    ("Invalid input.\nFile \"data.csv\", line 12: unexpected comma",
+     "Invalid input.\nFile \"data.csv\", line 12: unexpected comma"),  # (a file's line named: no frame)
+    ("plain", "plain"),
+    ("starting\nTraceback (most recent call last):\n  File \"/opt/tool.py\", line 9, in main\n    raise X(2)\n"
+     "json.decoder.JSONDecodeError: Expecting value: line 1",
+     "starting\njson.decoder.JSONDecodeError: Expecting value: line 1"),  # (what came before, and the exception)
+])
+def test_a_traceback_in_a_providers_error_text_is_left_out(text: str, said: str) -> None:
+    assert without_traceback(text) == said
 
 
 async def test_credentials_in_the_url_are_never_shown(fake: Fake, session: aiohttp.ClientSession) -> None:
@@ -500,7 +522,8 @@ async def test_a_llamacpp_stream_ended_before_any_event_gets_the_servers_refusal
         fake: Fake, session: aiohttp.ClientSession) -> None:
     """llama-cpp-python answers 200 and no event to a stream whose prompt is beyond its context, and
     a 400 to the same asked for whole: the adapter asks so, for one token, and the 400 is the
-    caller's. A whole answer to that (or another type of server) leaves the stream's own error."""
+    caller's (a 5xx says what failed). A whole answer to that (or another type of server) leaves the
+    stream's own error."""
     fake.stream_lines = []
     fake.whole_status["/v1/chat/completions"] = 400
     fake.body["/v1/chat/completions"] = {"error": {
@@ -519,9 +542,12 @@ async def test_a_llamacpp_stream_ended_before_any_event_gets_the_servers_refusal
     fake.whole_status["/v1/chat/completions"] = 200  # (it answers whole: the stream's error stands)
     with pytest.raises(ProviderError, match="the stream ended before any event"):
         await _drain(adapter.stream(RunKind.CHAT, body, "run_long2"))
-    fake.whole_status["/v1/chat/completions"] = 500
-    with pytest.raises(ProviderError, match="the stream ended before any event"):
+    fake.whole_status["/v1/chat/completions"] = 500  # (its 5xx says what failed, and goes elsewhere as before)
+    fake.body["/v1/chat/completions"] = {"error": {"message": "invalid literal for int() with base 10: 'abc'"}}
+    with pytest.raises(ProviderError) as err:
         await _drain(adapter.stream(RunKind.CHAT, body, "run_long3"))
+    assert err.value.message == "provider llamacpp-a answered 500: invalid literal for int() with base 10: 'abc'"
+    assert (err.value.retry, err.value.strikes) == (Retry.ELSEWHERE, None)
     asked_before = len(fake.requests)
     with pytest.raises(ProviderError, match="the stream ended before any event"):  # (not llama.cpp: not asked)
         await _drain(OpenAICompatAdapter(provider("vllm", fake.url), session).stream(RunKind.CHAT, body, "run_v"))

@@ -106,8 +106,21 @@ async def test_callers_use_an_alias_as_the_model_and_keys_allow_it_by_the_model(
     response = client.responses.create(model="chat-default", input="hi", max_output_tokens=2)
     assert response.model == MODEL and response.output_text == "tok0 tok1 "
 
+    # a bad body naming a model by its alias counts under the model; one naming a model its key may not
+    # use counts under '-', as for a model that does not exist (metrics tell no more than the 404 would)
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as caller:
+        for name in ("chat-default", OTHER):
+            async with caller.post(f"{gateway}/v1/chat/completions", json={"model": name, "messages": []}) as resp:
+                assert resp.status == 400
+
     # the run is the model's: its record, its queue, its key's usage
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {OTHER_KEY}"}) as http:
+        async with http.get(f"{gateway}/metrics") as resp:
+            exposition = await resp.text()
+        bad = {line.split("{")[1].split("}")[0]: line.rsplit(" ", 1)[1] for line in exposition.splitlines()
+               if line.startswith("iop_gateway_requests_total{") and 'status="400"' in line}
+        assert bad == {f'endpoint="chat",model="{MODEL}",status="400"': "1.0",
+                       'endpoint="chat",model="-",status="400"': "1.0"}, bad
         async with http.get(f"{gateway}/v1/runs/{raw.headers['x-iop-run-id']}") as resp:
             assert (await resp.json())["model"] == MODEL
         async with http.get(f"{gateway}/v1/catalog") as resp:

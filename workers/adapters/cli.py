@@ -36,6 +36,7 @@ from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderErr
 from workers.adapters.failures import one_line
 from workers.adapters.openai_shapes import Shaper, usage
 from workers.adapters.prompt_text import NotForCli, prompt_text
+from workers.adapters.reading import without_traceback
 from workers.adapters.text_limits import TextLimits
 
 Json = dict[str, Any]
@@ -226,7 +227,7 @@ class ToolRun:
         if code == 0:
             return
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        tail = one_line(self._stderr.decode(errors="replace"), error_chars, tail=True)
+        tail = one_line(without_traceback(self._stderr.decode(errors="replace")), error_chars, tail=True)
         raise ProviderError(f"provider {self.provider.id}: {self.name} {how}" + (f": {tail}" if tail else ""),
                             strikes=0)
 

@@ -376,9 +376,12 @@ class OpenAICompatAdapter:
             return
         text = await error_body(resp)
         try:  # (its object is passed on to the caller: no deeper than any answer)
-            detail = _error_detail(parse_json(text.encode(), self.provider.id))
+            payload = parse_json(text.encode(), self.provider.id)
         except (ValueError, ProviderError):
-            detail = None
+            payload = None
+        detail = _error_detail(payload)
+        if isinstance(payload, dict) and isinstance(payload.get("detail"), str):
+            text = payload["detail"]  # (FastAPI's error shape: its text, not the JSON around it)
         if detail is not None and detail.get("message"):  # (a message that is not text is shown as JSON)
             message = error_text(detail, self.limits.error_chars)
         elif detail is not None:  # (an error object without a message: its type, not the whole body)
@@ -526,13 +529,14 @@ class OpenAICompatAdapter:
         llama-cpp-python's answers 200 and then nothing to a stream it refuses once begun (a prompt
         beyond its context above all), and a 400 saying why to the same asked for whole. So it is
         asked again so, for one token: its 400 (`context_length_exceeded`) is the caller's answer,
-        not a 502 that the official clients send twice more. Anything else: None."""
+        not a 502 that the official clients send twice more; its 5xx says what failed (`invalid
+        literal for int()`), where the stream said nothing. A whole answer, or none: None."""
         whole = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
         try:
             async with self._post(kind, {**whole, "max_tokens": 1}, request_id) as resp:
                 await self._raise_for(resp, body.get("model"))
         except ProviderError as exc:
-            return self._clean(exc) if exc.retry is Retry.NO and exc.status is not None else None
+            return self._clean(exc) if exc.status is not None else None
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
         return None

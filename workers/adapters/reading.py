@@ -145,18 +145,26 @@ def error_text(error: Any, limit: int) -> str:
     return one_line(without_traceback(error), limit) or "no message"
 
 
-#: Where a Python traceback begins in an error's text: its heading, or its first frame.
-_TRACEBACK = re.compile(r'^[ \t]*(?:Traceback \(most recent call last\):|File "[^"\n]*", line \d+)', re.M)
+#: Where a Python traceback begins in an error's text, wherever it is (after a `\r`, a no-break space,
+#: or inside JSON text, its quotes escaped): its heading, or a frame (`File "…", line N, in f`; the
+#: `in` tells a frame from a message that names a file's line).
+_TRACEBACK = re.compile(r'Traceback \(most recent call last\)|File \\?"[^"\r\n]*?\\?", line \d+, in ')
+#: The line a traceback ends with: the exception and its message (`ValueError: bad`).
+_RAISED = re.compile(r'(?:^|[\r\n]|\\n)\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)\b[^\r\n\\]*)')
 
 
 def without_traceback(text: str) -> str:
     """A provider's error text up to the traceback it may carry (llama-cpp-python's 500s end with
     one): its frames name the server's files and code, which its callers have no business seeing
-    (the server's own log keeps them). All of it when it is nothing but a traceback."""
+    (the server's own log keeps them). What came before it is kept, and the exception it ends with
+    (`ValueError: bad`); a text that has neither says a traceback was left out."""
     found = _TRACEBACK.search(text)
     if found is None:
         return text
-    return text[:found.start()].rstrip() or text
+    before = text[:found.start()].rstrip()
+    raised = _RAISED.findall(text[found.start():])
+    said = "\n".join(part for part in (before, raised[-1].strip() if raised else "") if part)
+    return said or "an error with a traceback (left out: the server's log has it)"
 
 
 def redirect_text(resp: aiohttp.ClientResponse) -> str:
