@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -33,8 +34,9 @@ from common.strict import Strict
 
 #: An id is a non-empty string without whitespace (it becomes part of Redis keys).
 ID_PATTERN = r"^\S+$"
-#: the most `aliases` a model may have
+#: the most `aliases` a model may have, and the longest one
 MAX_ALIASES = 64
+MAX_ALIAS_CHARS = 256
 #: the largest `max_tokens` a model may set
 MAX_TOKENS = 10_000_000
 #: A site as a browser names it in `Origin` (scheme, host and port; no path), or `*` for any.
@@ -133,7 +135,8 @@ class ModelConfig(Strict):
     id: str = Field(pattern=ID_PATTERN)
     display_name: str | None = None
     #: other names callers may ask for the model by (`chat-default`, an old id kept for a rename)
-    aliases: list[Annotated[str, Field(pattern=ID_PATTERN)]] = Field(default_factory=list, max_length=MAX_ALIASES)
+    aliases: list[Annotated[str, Field(pattern=ID_PATTERN, max_length=MAX_ALIAS_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_ALIASES)
     #: the most tokens a run may generate (`common.token_cap`); None: as the caller and the server say
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     providers: dict[str, str] = Field(min_length=1, description="provider id -> served name")
@@ -413,19 +416,51 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
 
 
 def _alias_faults(models: Sequence[Mapping[str, Any]]) -> list[str]:
-    """An alias names one model: not a model's id, not another alias (nor the same twice)."""
-    names = {_key(m["id"]): f"models[{i}].id" for i, m in enumerate(models) if "id" in m}
+    """An alias names one model: not a model's id, not another alias (nor the same twice), nor
+    one that differs from another model's name only in case or Unicode form, nor another model's
+    served name (a caller who knows that server's name would get this model); it is printable."""
+    names = {_key(m["id"]): (f"models[{i}].id", i) for i, m in enumerate(models) if "id" in m}
+    folded = {_folded(name): where for name, where in names.items()}
+    served: dict[str, list[tuple[int, Any]]] = {}
+    for i, m in enumerate(models):
+        for provider, name in _map(m.get("providers")).items():
+            if isinstance(name, str):
+                served.setdefault(name, []).append((i, provider))
     errors = []
     for i, model in enumerate(models):
         for j, alias in enumerate(_list(model.get("aliases"))):
             if not isinstance(alias, str):
                 continue  # (the schema's to report)
             path = f"models[{i}].aliases[{j}]"
+            fold = _folded(alias)
             if alias in names:
-                errors.append(f"{path}: {alias!r} already names a model (at {names[alias]}); an alias names one model")
+                errors.append(f"{path}: {alias!r} already names a model (at {names[alias][0]}); an alias names one "
+                              "model")
+            elif fold in folded and folded[fold][1] != i:
+                errors.append(f"{path}: {alias!r} differs from another model's name only in case or Unicode form "
+                              f"(at {folded[fold][0]}): callers would take one for the other")
+            elif others := [(k, p) for k, p in served.get(alias, []) if k != i]:
+                errors.append(f"{path}: {alias!r} is model models[{others[0][0]}]'s served name on provider "
+                              f"{_key(others[0][1])}: a caller who knows that name would get this model")
+            elif (bad := _unprintable(alias)) is not None:
+                errors.append(f"{path}: {alias!r} holds {bad}; an alias is printable text")
             else:
-                names[alias] = path
+                names[alias] = (path, i)
+                folded.setdefault(fold, (path, i))
     return errors
+
+
+def _folded(name: str) -> str:
+    return unicodedata.normalize("NFKC", name).casefold()
+
+
+def _unprintable(name: str) -> str | None:
+    """What in `name` is not printable text (a control or format character: a NUL, a zero-width
+    space), if anything is."""
+    for ch in name:
+        if unicodedata.category(ch) in ("Cc", "Cf", "Co", "Cn", "Cs"):
+            return f"the character U+{ord(ch):04X}"
+    return None
 
 
 def base_url_fault(value: Any) -> str | None:

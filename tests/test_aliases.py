@@ -56,6 +56,14 @@ def test_a_model_is_found_by_its_id_or_any_alias() -> None:
     (["two words"], [], "models[0].aliases[0]: String should match pattern"),
     ([7], [], "models[0].aliases[0]: Input should be a valid string"),
     ("chat-default", [], "models[0].aliases: Input should be a valid list"),
+    (["x" * 257], [], "models[0].aliases[0]: String should have at most 256 characters"),
+    (["Chat"], ["chat"], "models[1].aliases[0]: 'chat' differs from another model's name only in case or Unicode "
+                         "form (at models[0].aliases[0])"),
+    (["\u00fc"], ["u\u0308"], "models[1].aliases[0]: 'u\u0308' differs from another model's name only in case"),
+    ([OTHER.upper()], [], f"models[0].aliases[0]: '{OTHER.upper()}' differs from another model's name only"),
+    (["p-other"], [], "models[0].aliases[0]: 'p-other' is model models[1]'s served name on provider p"),
+    (["a\u0000b"], [], "models[0].aliases[0]: 'a\\x00b' holds the character U+0000; an alias is printable text"),
+    (["m1\u200b"], [], "models[0].aliases[0]: 'm1\\u200b' holds the character U+200B"),
 ])
 def test_an_alias_names_one_model_and_the_fault_names_its_path(aliases: Any, other_aliases: list[str],
                                                               fault: str) -> None:
@@ -63,6 +71,11 @@ def test_an_alias_names_one_model_and_the_fault_names_its_path(aliases: Any, oth
     data["models"][1]["aliases"] = other_aliases
     found = faults(data)
     assert any(f.startswith(fault) for f in found), found
+
+
+def test_an_alias_may_be_the_models_own_name_in_another_case_or_its_own_served_name() -> None:
+    cfg = parse_config(config(aliases=["QWEN3.6:35B", "p-served"]))
+    assert cfg.model_named("p-served") is cfg.model_named("QWEN3.6:35B") is cfg.model(MODEL)
 
 
 def test_a_key_names_models_by_their_ids() -> None:
