@@ -65,11 +65,16 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
-def _model_for(request: web.Request, name: str) -> ModelConfig:
-    """The model named (its id or an alias), if it exists and the caller's key may use it; else the
-    same 404 either way."""
+def _usable(request: web.Request, name: str) -> ModelConfig | None:
+    """The model named (its id or an alias), if it exists and the caller's key may use it."""
     model = request.app[CONFIG].model_named(name)
-    if model is None or not principal(request).may_use(model.id):
+    return model if model is not None and principal(request).may_use(model.id) else None
+
+
+def _model_for(request: web.Request, name: str) -> ModelConfig:
+    """The model named, if the caller may use it (`_usable`); else the same 404 either way."""
+    model = _usable(request, name)
+    if model is None:
         raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {quoted(name)} does not exist", param="model")
     return model
 
@@ -79,15 +84,14 @@ async def get_model(request: web.Request) -> web.Response:
     return web.json_response(_model_object(name, _model_for(request, name), int(request.app[STARTED])))
 
 
-def _within_cap(req: ParsedRequest, model: ModelConfig) -> None:
-    """The caller's 400 for a request asking for more tokens than the model's `max_tokens`, or
-    for a limit that is not a whole number from 1 to it (`token_cap.over_cap`)."""
-    field = token_cap.over_cap(req.body, model.max_tokens or 0)
+def _within_cap(req: ParsedRequest, model_id: str, cap: int) -> None:
+    """The caller's 400 for a request asking for more tokens than the model's `max_tokens` (`cap`),
+    or for a limit that is not a whole number from 1 to it (`token_cap.over_cap`)."""
+    field = token_cap.over_cap(req.body, cap)
     if field is not None:  # (a Response's `max_output_tokens` is its chat run's `max_tokens`)
         from_output = req.echo is not None and field == "max_tokens" and req.echo.get("max_output_tokens") is not None
         param = "max_output_tokens" if from_output else field
-        raise invalid(f"'{param}' must be a whole number from 1 to {model.max_tokens} for the model "
-                      f"{quoted(model.id)}", param)
+        raise invalid(f"'{param}' must be a whole number from 1 to {cap} for the model {quoted(model_id)}", param)
 
 
 async def run_request(request: web.Request) -> web.StreamResponse:
@@ -101,15 +105,14 @@ async def run_request(request: web.Request) -> web.StreamResponse:
         req = (parse_responses(request[BODY], **limits) if resource.canonical == RESPONSES_PATH
                else parse_request(RUN_ROUTES[resource.canonical], request[BODY], **limits))
     except ApiError as exc:  # (a bad request to a model served here is counted under the model)
-        if (exc.model is not None and (named := cfg.model_named(exc.model)) is not None
-                and principal(request).may_use(named.id)):  # (else nothing says it exists, metrics neither)
-            request[metrics.MODEL] = named.id
+        if exc.model is not None and (named := _usable(request, exc.model)) is not None:
+            request[metrics.MODEL] = named.id  # (one the caller may not use: nothing says it exists)
         raise
     forget_body(request)
     model = _model_for(request, req.model)
     request[metrics.MODEL] = model.id
     if model.max_tokens is not None and req.kind is not RunKind.EMBEDDING:
-        _within_cap(req, model)
+        _within_cap(req, model.id, model.max_tokens)
     runs = request.app[RUNS]
     run_id = new_run_id()
     shape = None if req.echo is None else ResponseShape(run_id, model.id, req.echo)

@@ -178,8 +178,6 @@ class Runner:
         self.running: dict[str, tuple[Attempt, asyncio.Task[Any]]] = {}
         #: providers that refused the `stream_options` iop adds: their streams go without it
         self.no_stream_options: set[str] = set()
-        #: model id -> its `max_tokens`, for the models that set one
-        self._token_caps = {m.id: m.max_tokens for m in config.models if m.max_tokens is not None}
 
     # ------------------------------------------------------------------ entry
     def start_args(self) -> list[Any]:
@@ -220,7 +218,7 @@ class Runner:
         renewer = asyncio.create_task(self._renew(att, task))
         began = time.monotonic()
         try:
-            return await self._attempt(att, adapter, record, policy.execution_timeout_ms / 1000)
+            return await self._attempt(att, adapter, record, policy.execution_timeout_ms / 1000, model.max_tokens)
         except Exception as exc:  # ending the attempt failed itself: a last try, else the lease's reaper
             log.exception("the run's end failed", extra=att.log())
             info = ErrorInfo(ErrorCode.PROVIDER_ERROR,
@@ -265,11 +263,12 @@ class Runner:
         return True
 
     # ------------------------------------------------------------------ one attempt
-    async def _attempt(self, att: Attempt, adapter: Adapter, record: dict[str, bytes], timeout_s: float) -> str:
+    async def _attempt(self, att: Attempt, adapter: Adapter, record: dict[str, bytes], timeout_s: float,
+                       cap: int | None) -> str:
+        """`cap`: the model's `max_tokens`, for a request that asks for no limit."""
         kind = RunKind(record["kind"].decode())
         body = unpack(record["body"])
         body["model"] = record["target"].decode()
-        cap = self._token_caps.get(att.model_id)
         if cap is not None and kind is not RunKind.EMBEDDING:
             token_cap.with_cap(body, cap)
         try:

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from common import jsonio
+from common import jsonio, token_cap
 from common.chunks import choice_indices, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
@@ -133,10 +133,10 @@ def max_tokens_named(body: dict[str, Any]) -> dict[str, Any]:
     under the other name was ignored (3 asked, 538 generated; its server generates to the end of its
     context). It wins over a `max_tokens` sent too (`null` included, as clients and wrappers send an
     unset one), as vLLM reads the two. llama.cpp's own server takes both."""
-    limit = body.get("max_completion_tokens")
-    if limit is None or body.get("max_tokens") == limit:
+    found = token_cap.asked(body)
+    if found is None or found[0] != "max_completion_tokens" or body.get("max_tokens") == found[1]:
         return body
-    return {**body, "max_tokens": limit}
+    return {**body, "max_tokens": found[1]}
 
 
 def schema_as_json_object(body: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from common import token_cap
+
 #: OpenAI allows up to 4 stop strings; more are ignored here
 MAX_STOPS = 4
 _WORD = re.compile(r"\S+")
@@ -36,9 +38,8 @@ class TextLimits:
         """The limits a request asks for (`max_completion_tokens`, else `max_tokens`; `stop`, a
         string or a list of them). A field of another type is left to be the provider's
         business, as every field iop does not read."""
-        limit = body.get("max_completion_tokens")
-        if limit is None:  # (absent, or null: an unset one, as clients send it)
-            limit = body.get("max_tokens")
+        found = token_cap.asked(body)
+        limit = None if found is None else found[1]
         max_words = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0 else None
         stop = body.get("stop")
         if isinstance(stop, str):
