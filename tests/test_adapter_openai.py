@@ -145,6 +145,8 @@ class Fake:
         self.status: dict[str, int] = {}
         #: the status of a request for a whole answer (not a stream) to a path, where it differs
         self.whole_status: dict[str, int] = {}
+        #: set: a request for a whole answer waits for it before it is answered
+        self.whole_held: asyncio.Event | None = None
         self.body: dict[str, Any] = {}
         self.stream_lines: list[bytes] = []
         self.runner: web.AppRunner | None = None
@@ -156,6 +158,8 @@ class Fake:
         status = self.status.get(request.path, 200)
         if isinstance(payload, dict) and not payload.get("stream"):
             status = self.whole_status.get(request.path, status)
+            if self.whole_held is not None:
+                await self.whole_held.wait()
         if status != 200 or request.method == "GET" or not (payload or {}).get("stream"):
             return web.json_response(self.body.get(request.path, {}), status=status)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -548,6 +552,11 @@ async def test_a_llamacpp_stream_ended_before_any_event_gets_the_servers_refusal
         await _drain(adapter.stream(RunKind.CHAT, body, "run_long3"))
     assert err.value.message == "provider llamacpp-a answered 500: invalid literal for int() with base 10: 'abc'"
     assert (err.value.retry, err.value.strikes) == (Retry.ELSEWHERE, None)
+    fake.whole_held = asyncio.Event()  # (a server that does not answer it: waited on no longer than a read)
+    quick = OpenAICompatAdapter(provider("llamacpp", fake.url, read_timeout_ms=200), session)
+    with pytest.raises(ProviderError, match="the stream ended before any event"):
+        await _drain(quick.stream(RunKind.CHAT, body, "run_held"))
+    fake.whole_held.set()
     asked_before = len(fake.requests)
     with pytest.raises(ProviderError, match="the stream ended before any event"):  # (not llama.cpp: not asked)
         await _drain(OpenAICompatAdapter(provider("vllm", fake.url), session).stream(RunKind.CHAT, body, "run_v"))

@@ -57,6 +57,7 @@ def test_a_model_is_found_by_its_id_or_any_alias() -> None:
     ([7], [], "models[0].aliases[0]: Input should be a valid string"),
     ("chat-default", [], "models[0].aliases: Input should be a valid list"),
     (["x" * 257], [], "models[0].aliases[0]: String should have at most 256 characters"),
+    ([f"a{i}" for i in range(65)], [], "models[0].aliases: List should have at most 64 items"),
     (["Chat"], ["chat"], "models[1].aliases[0]: 'chat' differs from another model's name only in case or Unicode "
                          "form (at models[0].aliases[0])"),
     (["\u00fc"], ["u\u0308"], "models[1].aliases[0]: 'u\u0308' differs from another model's name only in case"),

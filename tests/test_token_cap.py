@@ -46,13 +46,18 @@ def test_a_limit_is_a_whole_number_within_the_cap_or_names_its_field(body: dict[
         assert body == capped
 
 
-def test_the_cap_is_a_positive_count() -> None:
-    data = {"models": [{"id": "m", "providers": {"p": "s"}, "max_tokens": 0}],
-            "nodes": [{"id": "n", "providers": [{"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9",
-                                                 "capacity": 1, "models": ["s"]}]}]}
+@pytest.mark.parametrize(("cap", "fault"), [(0, "Input should be greater than or equal to 1"),
+                                            (10_000_001, "Input should be less than or equal to 10000000")])
+def test_the_cap_is_a_count_from_1_to_ten_million(cap: int, fault: str) -> None:
+    data: dict[str, Any] = {
+        "models": [{"id": "m", "providers": {"p": "s"}, "max_tokens": cap}],
+        "nodes": [{"id": "n", "providers": [{"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                             "capacity": 1, "models": ["s"]}]}]}
     with pytest.raises(ConfigError) as err:
         parse_config(data)
-    assert err.value.errors == ["models[0].max_tokens: Input should be greater than or equal to 1"]
+    assert err.value.errors == [f"models[0].max_tokens: {fault}"]
+    data["models"][0]["max_tokens"] = 10_000_000
+    assert parse_config(data).models[0].max_tokens == 10_000_000
 
 
 @pytest.mark.e2e
