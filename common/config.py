@@ -165,6 +165,11 @@ class RuntimeConfig(Strict):
     # slow machine: a few MiB of `[]` (a few KiB gzipped) held it for seconds.
     max_json_containers: int = Field(20_000, ge=16, le=1_000_000,
                                      description="request bodies holding more JSON arrays and objects get 400")
+    # What one request may ask a provider to make (common.choices): OpenAI's own limits by default.
+    max_choices: int = Field(128, ge=1, le=10_000,
+                             description="a request's n (a legacy completion's best_of) above this gets 400")
+    max_inputs: int = Field(2_048, ge=1, le=1_000_000,
+                            description="a legacy completion's or an embeddings request's list of more gets 400")
     # The gateway's connections (gateway.connections); each is documented in the README.
     header_timeout_ms: int = Field(10_000, ge=10, le=MAX_DURATION_MS,
                                    description="a request head must arrive within this")

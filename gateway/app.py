@@ -103,7 +103,8 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     limits = {"max_depth": cfg.runtime.max_json_depth, "max_containers": cfg.runtime.max_json_containers}
     try:
         req = (parse_responses(request[BODY], **limits) if resource.canonical == RESPONSES_PATH
-               else parse_request(RUN_ROUTES[resource.canonical], request[BODY], **limits))
+               else parse_request(RUN_ROUTES[resource.canonical], request[BODY], **limits,
+                                  max_choices=cfg.runtime.max_choices, max_inputs=cfg.runtime.max_inputs))
     except ApiError as exc:  # (a bad request to a model served here is counted under the model)
         if exc.model is not None and (named := _usable(request, exc.model)) is not None:
             request[metrics.MODEL] = named.id  # (one the caller may not use: nothing says it exists)

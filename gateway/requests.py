@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from common import jsonio
+from common import choices, jsonio
 from common.codec import pack
 from common.config import RuntimeConfig
 from common.wire import RunKind
@@ -32,6 +32,8 @@ ENDPOINTS = {**{path: kind.value for path, kind in RUN_ROUTES.items()}, RESPONSE
 
 DEFAULT_MAX_DEPTH: int = RuntimeConfig().max_json_depth
 DEFAULT_MAX_CONTAINERS: int = RuntimeConfig().max_json_containers
+DEFAULT_MAX_CHOICES: int = RuntimeConfig().max_choices
+DEFAULT_MAX_INPUTS: int = RuntimeConfig().max_inputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,12 +180,15 @@ def _model(body: dict[str, Any]) -> str:
 
 
 def parse_request(kind: RunKind, raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH,
-                  max_containers: int = DEFAULT_MAX_CONTAINERS) -> ParsedRequest:
+                  max_containers: int = DEFAULT_MAX_CONTAINERS, max_choices: int = DEFAULT_MAX_CHOICES,
+                  max_inputs: int = DEFAULT_MAX_INPUTS) -> ParsedRequest:
     body = json_object(raw, max_depth, max_containers)
     model = _model(body)
     try:
         _CHECKS[kind](body)
         stream = _check_stream(body, kind)
+        if (too_much := choices.problem(kind, body, max_choices, max_inputs)) is not None:
+            raise invalid(*too_much)
         packed = _pack(body)
     except ApiError as exc:
         exc.model = model  # (the gateway's metrics count it under the model, if it is one)

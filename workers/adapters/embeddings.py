@@ -1,5 +1,4 @@
-"""What an embeddings answer must hold for the caller's client to take it, and how many inputs
-(or prompts) a request holds.
+"""What an embeddings answer must hold for the caller's client to take it.
 
 A provider's answer with fewer vectors than inputs, `data` that is not a list of objects, or an
 `embedding` that is neither a list of numbers (or of lists of numbers) nor base64 text would reach
@@ -16,14 +15,6 @@ import base64
 import binascii
 import struct
 from typing import Any
-
-
-def inputs(value: Any) -> int:
-    """How many inputs a request's `input` (or legacy `prompt`) holds: a list of texts or of token
-    lists is that many; a text, or one list of tokens, is one."""
-    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
-        return len(value)
-    return 1
 
 
 def embeddings_problem(answer: dict[str, Any], asked: int) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 
 from common import jsonio
+from common.choices import inputs
 from common.chunks import wants_usage
 from common.config import ProviderConfig
 from common.policy import Health
@@ -20,7 +21,7 @@ from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
 from workers.adapters import sending
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry, not_taken
-from workers.adapters.embeddings import embeddings_problem, inputs
+from workers.adapters.embeddings import embeddings_problem
 from workers.adapters.failures import (
     answered_error,
     one_line,

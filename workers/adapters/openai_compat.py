@@ -32,13 +32,14 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from common import jsonio, token_cap
+from common.choices import inputs
 from common.chunks import choice_indices, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import sending
 from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
-from workers.adapters.embeddings import embeddings_problem, in_base64, inputs
+from workers.adapters.embeddings import embeddings_problem, in_base64
 from workers.adapters.failures import (
     answered_error,
     one_line,
