@@ -522,10 +522,11 @@ class Scheduler:
     async def cancel_orphans(self) -> int:
         """Cancel the runs whose caller's gateway died (`orphans`), as its leaving would have: the
         runs this replica holds waiting, and those running on every provider. Not until this replica
-        has reached Redis for `gateway_liveness_ms` without a gap (after an outage the gateways
-        need that long to beat again), and at most every half of it."""
+        has reached Redis for `OUTAGE_GRACE` times `gateway_liveness_ms` without a gap (after an
+        outage the gateways need their liveness to beat again, once they reach Redis, and they may
+        reach it well after this replica did), and at most every half of it."""
         now, liveness_ms = now_ms(), self.config.runtime.gateway_liveness_ms
-        if now - self._steady_since_ms < liveness_ms or now - self._orphans_ms < liveness_ms // 2:
+        if now - self._steady_since_ms < OUTAGE_GRACE * liveness_ms or now - self._orphans_ms < liveness_ms // 2:
             return 0
         self._orphans_ms = now
         run_ids = [w.run_id for queue in self.waiting.values() for w in queue]
@@ -677,6 +678,11 @@ class Scheduler:
         return 0
 
 
+#: after its start or a gap in its contact with Redis, a replica judges no gateway dead until it has
+#: reached Redis this many `gateway_liveness_ms` without a gap. Processes cut off from Redis together
+#: come back at different times: after a Redis restart under podman one scheduler was back 15 s
+#: before the gateway (liveness 10 s), whose callers' runs were all cancelled as a dead one's.
+OUTAGE_GRACE = 3
 #: how many runs one `orphans` call looks at (a call holds Redis for ~3 µs a run)
 ORPHANS_BATCH = 256
 #: why a run whose caller's gateway died is cancelled. The caller hears it only if that gateway was

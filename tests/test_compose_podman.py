@@ -37,7 +37,7 @@ import yaml
 from common import keys
 from common.auth import new_key
 from common.config import load_config
-from scheduler.core import GATEWAY_GONE
+from scheduler.core import GATEWAY_GONE, OUTAGE_GRACE
 from tests.conftest import ROOT, wait_until
 from tests.podman_project import PODMAN, PODMAN_COMPOSE, PodmanProject, pip_build_args
 
@@ -336,9 +336,10 @@ def test_redis_restarted_on_its_aof_volume_still_serves_the_queued_runs(stack: S
     run must be served; back later, a run may also fail with 504 `queue_timeout`, as iop says it
     does for a run that waited its queue timeout (a scheduler says it, or the gateway when none
     reached Redis in time). A gateway back later still, when a scheduler
-    had been back for its `gateway_liveness_ms` (a CI run: one replica back at 30 s, the gateway at
-    45 s, every caller's run cancelled), is one iop cannot tell from a dead one: its callers may
-    then also get the 503 iop documents for that (`GATEWAY_GONE`), and nothing else."""
+    had been back for `OUTAGE_GRACE` times its `gateway_liveness_ms` (a CI run, when that grace was
+    one liveness: one replica back at 30 s, the gateway at 45 s, every caller's run cancelled), is
+    one iop cannot tell from a dead one: its callers may then also get the 503 iop documents for
+    that (`GATEWAY_GONE`), and nothing else."""
     redis = stack.names("redis")[0]
     total = 10
     loaded = "DB loaded from append only file"
@@ -373,8 +374,8 @@ def test_redis_restarted_on_its_aof_volume_still_serves_the_queued_runs(stack: S
         async def watch_the_gateway() -> None:
             """Sample whether the gateway's liveness key is there while a scheduler is back, as a
             scheduler judges it: its callers' runs are cancelled only when it is missing after the
-            scheduler has reached Redis for `gateway_liveness_ms` without a gap (a second less here,
-            for the sampling)."""
+            scheduler has reached Redis for `OUTAGE_GRACE` times `gateway_liveness_ms` without a
+            gap (a second less here, for the sampling)."""
             back_since: float | None = None
             while True:
                 try:
@@ -385,7 +386,7 @@ def test_redis_restarted_on_its_aof_volume_still_serves_the_queued_runs(stack: S
                     alive, gateways = 0, 1
                 now = time.monotonic() - sent
                 back_since = (back_since if back_since is not None else now) if alive else None
-                if not gateways and back_since is not None and now - back_since >= liveness_s - 1:
+                if not gateways and back_since is not None and now - back_since >= OUTAGE_GRACE * liveness_s - 1:
                     lapsed_s.append(round(now, 1))
                 await asyncio.sleep(0.2)
 

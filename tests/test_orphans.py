@@ -10,12 +10,15 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import pytest
 import redis as sync_redis
 from redis.asyncio import Redis
 
 from common import keys
+from common.config import parse_config
 from common.scripts import Scripts
 from gateway import liveness
+from scheduler.core import OUTAGE_GRACE, Scheduler
 from tests.conftest import Stack, wait_until
 from tests.test_e2e import FAST_RUNTIME, pool_config, wait_available
 
@@ -72,6 +75,42 @@ async def test_a_gateway_is_named_again_whenever_its_key_is_set_anew(redis: Redi
     assert await redis.exists(keys.gateway_alive("g1")) and await redis.hexists(keys.GATEWAYS, "g1")
     await liveness.forget(redis, "g1")
     assert not await redis.exists(keys.gateway_alive("g1"), keys.GATEWAYS)
+
+
+async def test_after_its_start_or_an_outage_a_scheduler_waits_its_grace_before_judging_gateways(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica that has reached Redis for less than `OUTAGE_GRACE` gateway liveness periods
+    without a gap cancels no gateway's runs: processes cut off from Redis together come back at
+    different times (under podman a gateway came back 15 s after a scheduler, its liveness 10 s,
+    and every one of its callers' runs was cancelled). Then a dead gateway's running run is
+    cancelled as before, with the 503 its callers hear."""
+    config = parse_config({**pool_config({"p": ("n1", "http://127.0.0.1:9", 1)}),
+                           "runtime": {**FAST_RUNTIME, "gateway_liveness_ms": LIVENESS_MS}})
+    clock = [10_000_000]
+    monkeypatch.setattr("scheduler.core.now_ms", lambda: clock[0])
+    sched = Scheduler(redis, config)
+    await redis.hset(keys.GATEWAYS, "dead", 1)  # (named, and its liveness key gone)
+    await redis.hset(keys.run_record("r"), mapping={"watchers": "dead~", "state": "running", "node": "n1",
+                                                    "model": "qwen3.6:35b"})
+    await redis.zadd(keys.leases("p"), {"r": clock[0] + 60_000})
+
+    async def steady_for(ms: int) -> None:  # (heartbeats a third of the liveness apart: no gap)
+        for _ in range(ms // (LIVENESS_MS // 3)):
+            clock[0] += LIVENESS_MS // 3
+            await sched.heartbeat()
+
+    async def after_an_outage() -> None:
+        clock[0] += 10 * LIVENESS_MS  # (no heartbeat went through meanwhile)
+        await sched.heartbeat()
+
+    for begin in (sched.heartbeat, after_an_outage):  # (its start, then an outage)
+        await begin()
+        await steady_for(OUTAGE_GRACE * LIVENESS_MS - LIVENESS_MS // 3)
+        assert await sched.cancel_orphans() == 0
+        assert await redis.hget(keys.run_record("r"), "cancel") is None
+    await steady_for(LIVENESS_MS)
+    assert await sched.cancel_orphans() == 1
+    assert await redis.hmget(keys.run_record("r"), ["cancel", "cancel_code"]) == [b"1", b"service_unavailable"]
 
 
 def stream_in_thread(url: str, body: dict[str, Any], out: dict[str, Any]) -> threading.Thread:
