@@ -335,11 +335,11 @@ def test_redis_restarted_on_its_aof_volume_still_serves_the_queued_runs(stack: S
     provider's heartbeat written after the restart). Back well within the queue timeout, every
     run must be served; back later, a run may also fail with 504 `queue_timeout`, as iop says it
     does for a run that waited its queue timeout (a scheduler says it, or the gateway when none
-    reached Redis in time). A gateway back later still, when a scheduler
-    had been back for `OUTAGE_GRACE` times its `gateway_liveness_ms` (a CI run, when that grace was
-    one liveness: one replica back at 30 s, the gateway at 45 s, every caller's run cancelled), is
-    one iop cannot tell from a dead one: its callers may then also get the 503 iop documents for
-    that (`GATEWAY_GONE`), and nothing else."""
+    reached Redis in time). A gateway back later still, when a scheduler had been back for
+    `OUTAGE_GRACE` times its `gateway_liveness_ms` (a CI run, when that grace was one liveness:
+    one replica back at 30 s, the gateway at 45 s, every caller's run cancelled), is one iop cannot
+    tell from a dead one: its callers may then also get the 503 iop documents for that
+    (`GATEWAY_GONE`), and nothing else."""
     redis = stack.names("redis")[0]
     total = 10
     loaded = "DB loaded from append only file"
@@ -420,7 +420,7 @@ def test_redis_restarted_on_its_aof_volume_still_serves_the_queued_runs(stack: S
     served = texts.count(TOKENS)
     if stack.figures["iop_back_s"] > queue_timeout_s - 10:  # back too late for some queued runs
         served += len(timed_out)
-    if stack.figures["gateway_lapsed_s"]:  # the gateway back later than its liveness after a scheduler
+    if stack.figures["gateway_lapsed_s"]:  # the gateway back later than the grace after a scheduler
         served += len(gateway_gone)
     assert served == total, (json.dumps(stack.figures), texts)  # (the figures as text: pytest cuts a dict short)
     assert queued >= 1
