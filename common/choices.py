@@ -4,7 +4,8 @@ Nothing else bounds them: a chat's `n` of 100,000 fits in a few bytes, and a leg
 or an embeddings request's list of 100,000 short prompts in a few hundred KiB, each a whole
 generation (or embedding) for the provider. The gateway refuses more than the runtime's limits
 (`runtime.max_choices`, OpenAI's own limit on `n` by default; `runtime.max_inputs`, OpenAI's on
-an embeddings list), with a 400 naming the field.
+an embeddings list), with a 400 naming the field. A legacy completion's choices are a prompt's,
+so one request may ask for `max_choices` times `max_inputs` of them.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from common.wire import RunKind
 
 #: the field a kind's list of inputs is in (a chat has one conversation)
 INPUT_FIELD = {RunKind.COMPLETION: "prompt", RunKind.EMBEDDING: "input"}
-#: the fields that ask for several choices a prompt, for each kind that has them (vLLM's legacy
-#: completions generate `best_of` sequences a prompt and return `n` of them)
-CHOICE_FIELDS = {RunKind.CHAT: ("n",), RunKind.COMPLETION: ("n", "best_of")}
+#: the fields that ask for several choices a prompt, for each kind that has them (vLLM generates
+#: `best_of` sequences a prompt and returns `n` of them: its chat completions take it too)
+CHOICE_FIELDS = {RunKind.CHAT: ("n", "best_of"), RunKind.COMPLETION: ("n", "best_of")}
 
 
 def inputs(value: Any) -> int:

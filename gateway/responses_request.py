@@ -269,9 +269,10 @@ def _refuse_unservable(body: dict[str, Any]) -> None:
     include = body.get("include")
     if include is not None and not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
         raise invalid("'include' must be an array of strings", "include")
-    if body.get("n") not in (None, 1):
-        raise invalid("'n' is not a field of the Responses API: a Response has one output (several choices "
-                      "are served on /v1/chat/completions)", "n")
+    for name in ("n", "best_of"):  # (`true` and `1.0` equal 1 in Python, not to every server)
+        if (value := body.get(name)) is not None and not (type(value) is int and value == 1):
+            raise invalid(f"'{name}' is not a field of the Responses API: a Response has one output (several "
+                          "choices are served on /v1/chat/completions)", name)
     top = body.get("top_logprobs")
     if top is not None and top != 0:
         raise invalid("'top_logprobs' is not supported on /v1/responses (it is on /v1/chat/completions)",

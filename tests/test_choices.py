@@ -37,7 +37,8 @@ CHAT, COMPLETION, EMBEDDING = RunKind.CHAT, RunKind.COMPLETION, RunKind.EMBEDDIN
     (CHAT, {"n": 2.0}, "n"),
     (CHAT, {"n": "2"}, "n"),
     (CHAT, {"n": 2**70}, "n"),
-    (CHAT, {"best_of": 50}, None),  # (not a chat field: passed through)
+    (CHAT, {"best_of": 50}, "best_of"),  # (vLLM's chat completions take it too)
+    (CHAT, {"best_of": 4}, None),
     (COMPLETION, {"prompt": "x", "n": 4, "best_of": 4}, None),
     (COMPLETION, {"prompt": "x", "best_of": 5}, "best_of"),
     (COMPLETION, {"prompt": ["a", "b", "c"], "n": 4}, None),

@@ -149,6 +149,9 @@ def test_tools_formats_and_fields_are_translated_and_the_rest_passed_through() -
     ({"input": "x", "store": "no"}, "store", "a boolean"),
     ({"input": "x", "include": "x"}, "include", "an array of strings"),
     ({"input": "x", "n": 3}, "n", "one output"),
+    ({"input": "x", "n": True}, "n", "one output"),  # (equal to 1 in Python, not to every server)
+    ({"input": "x", "n": 1.0}, "n", "one output"),
+    ({"input": "x", "best_of": 100000}, "best_of", "one output"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools[0].parameters",
      "an object"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice", "names no tool"),
