@@ -21,6 +21,12 @@ INPUT_FIELD = {RunKind.COMPLETION: "prompt", RunKind.EMBEDDING: "input"}
 CHOICE_FIELDS = {RunKind.CHAT: ("n", "best_of"), RunKind.COMPLETION: ("n", "best_of")}
 
 
+def whole_within(value: Any, most: int) -> bool:
+    """Whether `value` is a whole number from 1 to `most` as JSON gives it (an int, not a bool:
+    servers read `2.0`, `"2"`, `true` or `0` their own ways)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most
+
+
 def inputs(value: Any) -> int:
     """How many inputs a request's `input` (or legacy `prompt`) holds: a list of texts or of token
     lists is that many; a text, or one list of tokens, is one."""
@@ -38,7 +44,6 @@ def problem(kind: RunKind, body: dict[str, Any], max_choices: int, max_inputs: i
         return f"'{field}' holds {count} inputs; at most {max_inputs} are served a request (runtime.max_inputs)", field
     for name in CHOICE_FIELDS.get(kind, ()):
         value = body.get(name)
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
-                                      and 1 <= value <= max_choices):
+        if value is not None and not whole_within(value, max_choices):
             return f"'{name}' must be a whole number from 1 to {max_choices} (runtime.max_choices)", name
     return None

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.choices import whole_within
+
 #: the fields a request names its limit in, the one that wins first (as vLLM reads the two)
 LIMIT_FIELDS = ("max_completion_tokens", "max_tokens")
 
@@ -36,7 +38,7 @@ def over_cap(body: dict[str, Any], cap: int) -> str | None:
     if isinstance(options, dict):
         limits.append(("options.num_predict", options.get("num_predict")))
     for field, value in limits:
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= cap):
+        if value is not None and not whole_within(value, cap):
             return field
     return None
 

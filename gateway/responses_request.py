@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from common.choices import whole_within
 from common.shown import quoted
 from gateway.errors import invalid
 
@@ -270,7 +271,7 @@ def _refuse_unservable(body: dict[str, Any]) -> None:
     if include is not None and not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
         raise invalid("'include' must be an array of strings", "include")
     for name in ("n", "best_of"):  # (`true` and `1.0` equal 1 in Python, not to every server)
-        if (value := body.get(name)) is not None and not (type(value) is int and value == 1):
+        if (value := body.get(name)) is not None and not whole_within(value, 1):
             raise invalid(f"'{name}' is not a field of the Responses API: a Response has one output (several "
                           "choices are served on /v1/chat/completions)", name)
     top = body.get("top_logprobs")
