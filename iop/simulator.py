@@ -68,6 +68,9 @@ class SimOptions:
     seed: int | None = None
     #: how long /health and /models take to answer while a request is in flight (a busy server)
     busy_probe_ms: float = 0
+    #: models whose chat completions refuse `max_tokens`, as OpenAI's reasoning models do (they
+    #: take only `max_completion_tokens`)
+    completion_tokens_only: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _require(bool(self.models) and all(self.models), "models", "must be a non-empty list of names")
@@ -127,6 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="random seed for --fail-rate")
     parser.add_argument("--busy-probe-ms", type=_cli_type(float, "busy_probe_ms"), default=d.busy_probe_ms,
                         help="how long /health and /models take while a request is in flight (a busy server)")
+    parser.add_argument("--completion-tokens-only", type=_parse_models, default=d.completion_tokens_only,
+                        help="comma-separated models whose chat completions refuse max_tokens with OpenAI's 400, "
+                             "as its reasoning models do (they take max_completion_tokens)")
 
 
 def options_from_args(ns: argparse.Namespace) -> SimOptions:
@@ -134,6 +140,7 @@ def options_from_args(ns: argparse.Namespace) -> SimOptions:
         host=ns.host, port=ns.port, models=tuple(ns.models), ttft_ms=ns.ttft_ms, itl_ms=ns.itl_ms,
         tokens=ns.tokens, fail_rate=ns.fail_rate, fail_status=ns.fail_status,
         fail_after_tokens=ns.fail_after_tokens, seed=ns.seed, busy_probe_ms=ns.busy_probe_ms,
+        completion_tokens_only=tuple(ns.completion_tokens_only),
     )
 
 
@@ -587,6 +594,9 @@ def _completion_handler(fmt_type: type[_Format]) -> Handler:
         app[STATS_KEY].identify(record, model, stream)
         _check_served(app[OPTIONS_KEY], model)
         opts, forced_failure = _request_options(app[OPTIONS_KEY], body)
+        if fmt_type is _ChatFormat and model in opts.completion_tokens_only and body.get("max_tokens") is not None:
+            raise ApiError(400, "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+                                "'max_completion_tokens' instead.", param="max_tokens", code="unsupported_parameter")
         plan = _Plan.make(opts, _max_tokens(body), fmt_type.prompt_tokens(body))
         _maybe_fail(app, opts, forced_failure)
         fmt = fmt_type(model, include_usage)

@@ -29,6 +29,7 @@ from tests.test_scheduler import MODEL, beat, make_config, waiting_runs
 from workers import runner as runner_module
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
 from workers.adapters.cli import CliAdapter
+from workers.adapters.openai_compat import completion_tokens_named
 from workers.runner import Runner
 
 if TYPE_CHECKING:
@@ -611,6 +612,96 @@ async def test_a_400_that_names_stream_options_for_the_caller_s_sake_leaves_them
     runner = Runner(redis, sched.config, "n-a", {"a": provider})
     assert (await runner.execute(run_id)).startswith("failed")
     assert runner.no_stream_options == set() and provider.calls in (1, 2)  # (asked again at most once)
+
+
+#: OpenAI's answer to `max_tokens` on its reasoning models (o1, o3, gpt-5), as seen in its clients' issues
+NOT_MAX_TOKENS = {"message": "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+                             "'max_completion_tokens' instead.", "type": "invalid_request_error", "param": "max_tokens",
+                  "code": "unsupported_parameter"}
+
+
+USAGE = {"object": "chat.completion.chunk", "choices": [],
+         "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+
+
+class CompletionTokensOnly(Scripted):
+    """A provider whose model takes the limit only as `max_completion_tokens`; `error`: its refusal."""
+
+    def __init__(self, error: dict[str, Any] = NOT_MAX_TOKENS) -> None:
+        super().__init__([[ROLE, text("a")], [text("b"), USAGE]])
+        self.refusal = error
+        self.bodies: list[dict[str, Any]] = []
+
+    def _check(self, body: dict[str, Any]) -> None:
+        self.bodies.append(dict(body))
+        if "max_tokens" in body:
+            raise ProviderError(f"provider a answered 400: {self.refusal['message']}", status=400, detail=self.refusal,
+                                retry=Retry.NO, strikes=0)
+
+    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        self._check(body)
+        return await super().complete(kind, body, request_id)
+
+    async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        self._check(body)
+        async for read in super().stream(kind, body, request_id):
+            yield read
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_model_that_refuses_max_tokens_is_asked_with_max_completion_tokens_and_from_then_on(
+        redis: Redis, stream: bool) -> None:
+    """OpenAI's reasoning models refuse `max_tokens` (the name every other server takes, which iop
+    gives a model's cap and a Response's `max_output_tokens`): the run is asked again at once with
+    the limit as `max_completion_tokens`, and later runs of that model go so from the start."""
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    client, sched, run_ids = await waiting_runs(redis, config, 3)
+    asked = [{"max_tokens": 5}, {"max_tokens": 7, "max_completion_tokens": None}, {"max_tokens": None}]
+    for run_id, limit in zip(run_ids, asked, strict=True):
+        await redis.hset(keys.run_record(run_id), mapping={
+            "stream": "1" if stream else "0", "body": pack({"model": MODEL, "messages": [], **limit})})
+    provider = CompletionTokensOnly()
+    runner = Runner(redis, config, "n-a", {"a": provider})
+    for run_id in run_ids:
+        await sched.dispatch_all()
+        assert (await runner.execute(run_id)).startswith("completed")
+    assert [{k: v for k, v in b.items() if k.startswith("max_")} for b in provider.bodies] == [
+        {"max_tokens": 5}, {"max_completion_tokens": 5},  # asked again at once
+        {"max_completion_tokens": 7},  # then so from the start (a null `max_completion_tokens` gives way)
+        {}]  # (an unset `max_tokens` is left out)
+    assert runner.completion_tokens_only == {("a", "a-name")}
+    if stream:  # (its caller asked for no usage: asked again, it gets none either)
+        assert [c for chunks in await deltas(redis, run_ids[0]) for c in chunks] == [ROLE, text("a"), text("b")]
+    await client.close()
+
+
+@pytest.mark.parametrize("refusal", [
+    {"message": "max_tokens is too large: 100000. This model supports at most 16384 completion tokens, whereas you "
+                "provided 100000.", "type": "invalid_request_error", "param": "max_tokens", "code": None},
+    {"message": "'max_tokens' must be at least 1", "param": "max_tokens", "code": "invalid_value"}])
+async def test_a_400_about_the_value_of_max_tokens_is_the_callers_answer(redis: Redis,
+                                                                         refusal: dict[str, Any]) -> None:
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    await redis.hset(keys.run_record(run_id), "body", pack({"model": MODEL, "messages": [], "max_tokens": 100_000}))
+    provider = CompletionTokensOnly(refusal)
+    runner = Runner(redis, sched.config, "n-a", {"a": provider})
+    assert (await runner.execute(run_id)).startswith("failed")
+    assert len(provider.bodies) == 1 and runner.completion_tokens_only == set()
+    ((_, data),) = [e for e in await events(redis, run_id) if e[0] == "failed"]
+    assert data["status"] == 400 and data["detail"] == refusal
+
+
+@pytest.mark.parametrize(("body", "named"), [
+    ({"max_tokens": 3}, {"max_completion_tokens": 3}),
+    ({"max_tokens": 3, "max_completion_tokens": 2}, {"max_completion_tokens": 2}),  # (it wins, as vLLM reads them)
+    ({"max_tokens": 3, "max_completion_tokens": None}, {"max_completion_tokens": 3}),
+    ({"max_tokens": None}, {}),
+    ({"max_completion_tokens": 4}, {"max_completion_tokens": 4}),
+    ({}, {})])
+def test_max_tokens_as_max_completion_tokens(body: dict[str, Any], named: dict[str, Any]) -> None:
+    original = {"model": "m", **body}
+    assert completion_tokens_named(original) == {"model": "m", **named}
+    assert original == {"model": "m", **body}  # (the run's own body is not changed)
 
 
 class WrongUsage(Scripted):

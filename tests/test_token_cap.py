@@ -107,3 +107,38 @@ def test_callers_get_the_models_cap_and_no_more(stack: Stack) -> None:
             call()
         assert bad.value.param == field, bad.value.message
         assert f"'{field}' must be a whole number from 1 to 3 for the model \"capped\"" in bad.value.message
+
+
+@pytest.mark.e2e
+def test_a_model_that_takes_only_max_completion_tokens_gets_every_limit_so(stack: Stack) -> None:
+    """OpenAI's reasoning models refuse `max_tokens` with a 400 (the simulator's
+    `--completion-tokens-only` answers as OpenAI does). The limits iop sends under that name (a
+    model's cap, a Response's `max_output_tokens`) and a caller's own `max_tokens` reach such a model
+    as `max_completion_tokens`: each request is answered, within its limit."""
+    url = stack.simulator(["o-served"], "--tokens", "12", "--completion-tokens-only", "o-served")
+    stack.write_config({
+        "models": [{"id": "reasoner", "providers": {"hosted": "o-served"}, "max_tokens": 3},
+                   {"id": "open", "providers": {"hosted": "o-served"}}],
+        "nodes": [{"id": "n1", "providers": [{"id": "hosted", "type": "openai_api", "base_url": url, "capacity": 2,
+                                              "models": ["o-served"]}]}],
+        "runtime": FAST_RUNTIME,
+    })
+    stack.scheduler()
+    stack.worker("n1")
+    client = stack.openai(stack.gateway())
+    wait_available(stack.redis_url, ["hosted"])
+    hi: Any = [{"role": "user", "content": "hi"}]
+
+    def text(model: str, **kwargs: Any) -> str:
+        return client.chat.completions.create(model=model, messages=hi, **kwargs).choices[0].message.content or ""
+
+    assert text("reasoner") == "tok0 tok1 tok2 "  # the model's cap
+    streamed: list[Any] = list(client.chat.completions.create(model="reasoner", messages=hi, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "tok0 tok1 tok2 "
+    assert text("open", max_tokens=2) == "tok0 tok1 "  # the caller's own
+    assert text("open", max_completion_tokens=4) == "tok0 tok1 tok2 tok3 "
+    assert text("open").count("tok") == 12
+    assert client.responses.create(model="open", input="hi", max_output_tokens=2).output_text == "tok0 tok1 "
+    with pytest.raises(openai.BadRequestError) as bad:  # (a limit it refuses under either name: the caller's answer)
+        text("open", max_tokens=0)
+    assert bad.value.param == "max_completion_tokens" and "positive" in bad.value.message

@@ -34,6 +34,7 @@ from common.snapshots import read_snapshots
 from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
 from workers import metrics
 from workers.adapters.base import Adapter, ProviderError, Retry
+from workers.adapters.openai_compat import completion_tokens_named
 from workers.stream_pump import Pump, close_reads, shows_output
 
 log = logging.getLogger("iop.worker")
@@ -162,6 +163,23 @@ def refuses_stream_options(exc: ProviderError) -> bool:
     return exc.status in (400, 422) and (param == "stream_options" or bool(_REFUSED_FIELD.search(exc.message)))
 
 
+#: How OpenAI's reasoning models refuse `max_tokens` ("Unsupported parameter: 'max_tokens' is not
+#: supported with this model. Use 'max_completion_tokens' instead.", `param` and `code` saying so too).
+_REFUSED_MAX_TOKENS = re.compile(r"\bmax_tokens'? is not supported[^.]{0,40}\. use '?max_completion_tokens\b",
+                                 re.IGNORECASE)
+
+
+def refuses_max_tokens(exc: ProviderError) -> bool:
+    """The provider refused the request's `max_tokens` as a name it does not take for the model: a 400
+    whose `param` is it and `code` `unsupported_parameter`, or whose message says to use
+    `max_completion_tokens` instead. (A limit it found too large, a 400 naming `max_tokens` too, is not
+    this: that is the caller's answer.)"""
+    detail = exc.detail or {}
+    return exc.status == 400 and (
+        (detail.get("param") == "max_tokens" and detail.get("code") == "unsupported_parameter")
+        or bool(_REFUSED_MAX_TOKENS.search(exc.message)))
+
+
 class Runner:
     def __init__(self, redis: Redis, config: Config, node_id: str, adapters: dict[str, Adapter],
                  on_strike: Callable[[str], None] = _noop, on_life: Callable[[str], None] = _noop) -> None:
@@ -178,6 +196,9 @@ class Runner:
         self.running: dict[str, tuple[Attempt, asyncio.Task[Any]]] = {}
         #: providers that refused the `stream_options` iop adds: their streams go without it
         self.no_stream_options: set[str] = set()
+        #: (provider, served model) that refused `max_tokens`: their chat requests name the limit
+        #: `max_completion_tokens` (`completion_tokens_named`)
+        self.completion_tokens_only: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------ entry
     def start_args(self) -> list[Any]:
@@ -273,11 +294,7 @@ class Runner:
             token_cap.with_cap(body, cap)
         try:
             async with asyncio.timeout(timeout_s):
-                if record.get("stream") == b"1":
-                    return await self._stream(att, adapter, kind, body)
-                response = await adapter.complete(kind, body, att.run_id)
-                return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {"response": response},
-                                          evidence=ALIVE, usage=token_counts(fixed_usage(response)))
+                return await self._answer(att, adapter, kind, body, record.get("stream") == b"1")
         except ProviderError as exc:
             info = ErrorInfo(exc.code, exc.message, status=exc.status, detail=exc.detail,
                              before_output=not att.output)
@@ -315,6 +332,33 @@ class Runner:
                              f"provider {att.provider_id}: the worker could not handle its answer "
                              f"({type(exc).__name__})", before_output=not att.output)
             return await self._fail(att, info, Retry.NO)
+
+    async def _answer(self, att: Attempt, adapter: Adapter, kind: RunKind, body: dict[str, Any], stream: bool) -> str:
+        """Ask the provider and record its answer. A chat request whose `max_tokens` (the caller's, a
+        Response's `max_output_tokens`, or the model's cap) the provider refuses for the served model
+        (OpenAI's reasoning models take only `max_completion_tokens`) is asked again with the limit
+        under that name at once, and so from then on for that model (`refuses_max_tokens`)."""
+        served = (att.provider_id, str(body.get("model")))
+        if kind is RunKind.CHAT and served in self.completion_tokens_only:
+            body = completion_tokens_named(body)
+        try:
+            return await self._answer_once(att, adapter, kind, dict(body), stream)
+        except ProviderError as exc:
+            if kind is not RunKind.CHAT or "max_tokens" not in body or att.output or not refuses_max_tokens(exc):
+                raise
+        if served not in self.completion_tokens_only:
+            log.warning("provider %s refused max_tokens for %s; its chat requests for that model name the limit "
+                        "max_completion_tokens", att.provider_id, served[1], extra=att.log())
+            self.completion_tokens_only.add(served)
+        return await self._answer_once(att, adapter, kind, completion_tokens_named(body), stream)
+
+    async def _answer_once(self, att: Attempt, adapter: Adapter, kind: RunKind, body: dict[str, Any],
+                           stream: bool) -> str:
+        if stream:
+            return await self._stream(att, adapter, kind, body)
+        response = await adapter.complete(kind, body, att.run_id)
+        return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {"response": response},
+                                  evidence=ALIVE, usage=token_counts(fixed_usage(response)))
 
     @staticmethod
     def _uncancel() -> None:

@@ -140,6 +140,20 @@ def max_tokens_named(body: dict[str, Any]) -> dict[str, Any]:
     return {**body, "max_tokens": found[1]}
 
 
+def completion_tokens_named(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat request's `max_tokens` as `max_completion_tokens`, for a model that refuses the older
+    name: OpenAI's reasoning models answer it with a 400 ("Unsupported parameter: 'max_tokens' is not
+    supported with this model. Use 'max_completion_tokens' instead."). A `max_completion_tokens` sent
+    too wins, as vLLM reads the two; a `max_tokens` of `null` goes too. The run's own body is not
+    changed."""
+    if "max_tokens" not in body:
+        return body
+    renamed = {k: v for k, v in body.items() if k != "max_tokens"}
+    if renamed.get("max_completion_tokens") is None and body["max_tokens"] is not None:
+        renamed["max_completion_tokens"] = body["max_tokens"]
+    return renamed
+
+
 def schema_as_json_object(body: dict[str, Any]) -> dict[str, Any]:
     """A `response_format` of type `json_schema` as llama.cpp's servers all take it: `json_object`
     with the `schema` (llama-cpp-python knows only `text` and `json_object`, and answered a
