@@ -656,7 +656,8 @@ async def test_a_model_that_refuses_max_tokens_is_asked_with_max_completion_toke
     the limit as `max_completion_tokens`, and later runs of that model go so from the start."""
     config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
     client, sched, run_ids = await waiting_runs(redis, config, 3)
-    asked = [{"max_tokens": 5}, {"max_tokens": 7, "max_completion_tokens": None}, {"max_tokens": None}]
+    asked: list[dict[str, Any]] = [{"max_tokens": 5}, {"max_tokens": 7, "max_completion_tokens": None},
+                                   {"max_tokens": None}]
     for run_id, limit in zip(run_ids, asked, strict=True):
         await redis.hset(keys.run_record(run_id), mapping={
             "stream": "1" if stream else "0", "body": pack({"model": MODEL, "messages": [], **limit})})
