@@ -148,6 +148,18 @@ async def run_request(request: web.Request) -> web.StreamResponse:
             for name, value in run_headers(run_id).items():  # a failed run can be looked up too
                 exc.headers.setdefault(name, value)
         raise
+    except Exception as exc:
+        if not submitted or isinstance(exc, (RedisError, *REDIS_DOWN, OSError, web.HTTPException)):
+            raise  # (Redis away, the caller gone: `gateway.errors.error_response` answers them)
+        # A bug, or a provider's answer that nothing foresaw, met while shaping the answer: the
+        # caller hears so (a stream whose headers went out, in the stream), and the run goes no further.
+        log.exception("the answer of run %s could not be shaped", run_id)
+        error = ApiError(ErrorCode.PROVIDER_ERROR, f"the gateway could not shape the run's answer "
+                         f"({type(exc).__name__}); its log says why", headers=run_headers(run_id))
+        ended = None if out is None else await out.fail(error, END_WITHIN_S)
+        if ended is None:
+            raise error from None
+        return ended
     except asyncio.CancelledError:
         if stopping.cut_after_s is None:  # (the caller left)
             raise
@@ -173,6 +185,8 @@ async def stored_response(request: web.Request) -> web.Response:
     """A stored Response asked for (`client.responses.retrieve`, `delete`, `cancel`,
     `input_items.list`): iop keeps none; the run that made one is kept, under the same hex."""
     response_id = request.match_info["rest"].split("/", 1)[0]
+    if not response_id.startswith("resp_"):  # (not a Response's id: an endpoint iop has not, such as
+        raise web.HTTPNotFound()                # `/v1/responses/compact`: "Invalid URL", as for any other)
     hexpart = response_id.removeprefix("resp_")
     where = (f"; the run that made it is kept for runtime.run_ttl_s: GET /v1/runs/run_{hexpart}"
              if len(hexpart) == 32 and all(c in "0123456789abcdef" for c in hexpart) else "")

@@ -50,6 +50,11 @@ def _obj(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _list(value: Any) -> list[Any]:
+    """An array of a provider's answer, or an empty one for anything else (a `tool_calls` of `5`)."""
+    return value if isinstance(value, list) else []
+
+
 def _text_of(value: Any) -> str:
     """A chat message's text: a string, or the text of its parts."""
     if isinstance(value, str):
@@ -59,11 +64,22 @@ def _text_of(value: Any) -> str:
     return ""
 
 
+def _arguments(value: Any) -> str:
+    """A tool call's arguments as the JSON text a Response holds: as they came when text; as JSON
+    text when a server sent them as JSON (an object, say), not lost; none for null."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    return dumps(value).decode()
+
+
 def _error_code(error: ApiError) -> str:
     """A failed Response's `error.code` (OpenAI's schema has a fixed list; iop's own code is in the
     `error` event before it)."""
     return "rate_limit_exceeded" if error.code is ErrorCode.RATE_LIMIT_EXCEEDED else "server_error"
 
+
+#: what tells a streamed tool call from the others: its `index`, its place in a delta, or its id
+CallKey = int | tuple[str, str]
 
 #: the delta event of each kind of text
 _DELTA_EVENT = {"output_text": "response.output_text.delta", "refusal": "response.refusal.delta",
@@ -81,6 +97,8 @@ class _Writing:
     part: str | None = None
     #: that part's text (a function call's: its arguments) as it came, joined once when it ends
     pieces: list[str] = field(default_factory=list)
+    #: a function call's id as the provider gave it (None: it gave none yet)
+    given_id: str | None = None
 
 
 class ResponseShape:
@@ -99,8 +117,13 @@ class ResponseShape:
         self._items: list[dict[str, Any]] = []
         #: the reasoning or message item being written
         self._open: _Writing | None = None
-        #: the chat tool call index -> its function_call item (open until the end)
-        self._calls: dict[int, _Writing] = {}
+        #: each chat tool call (`_call_key`) -> its function_call item (open until the end)
+        self._calls: dict[CallKey, _Writing] = {}
+        #: the ids the provider gave its tool calls -> the call's key; each `index` -> the key of the
+        #: call that took it last; the key of the call last written
+        self._call_ids: dict[str, CallKey] = {}
+        self._by_index: dict[int, CallKey] = {}
+        self._last_call: CallKey | None = None
         self._finish: str | None = None
         self._usage: Any = None
 
@@ -133,7 +156,7 @@ class ResponseShape:
         if reasoning:
             output.append(self._reasoning_item(reasoning, status, len(output)))
         text, refusal = _text_of(message.get("content")), message.get("refusal")
-        calls = [c for c in message.get("tool_calls") or () if isinstance(c, dict)]
+        calls = [c for c in _list(message.get("tool_calls")) if isinstance(c, dict)]
         if not calls and isinstance(message.get("function_call"), dict):  # (the legacy form, alone: a
             calls.append({"function": message["function_call"]})         # server may send both)
         parts = []
@@ -146,7 +169,7 @@ class ResponseShape:
         for call in calls:
             function = _obj(call.get("function"))
             output.append(self._call_item(len(output), call.get("id"), _text_of(function.get("name")),
-                                          _text_of(function.get("arguments")), "completed"))
+                                          _arguments(function.get("arguments")), status))
         usage = completion.get("usage") if isinstance(completion, dict) else None
         return self._response("completed", output, usage, finish=finish)
 
@@ -201,26 +224,27 @@ class ResponseShape:
                 continue
             if isinstance(chunk.get("usage"), dict):
                 self._usage = chunk["usage"]
-            for choice in chunk.get("choices") or ():
+            for choice in _list(chunk.get("choices")):
                 if isinstance(choice, dict) and choice.get("index", 0) == 0:
                     self._choice(choice, out)
         return b"".join(out)
 
     def _choice(self, choice: dict[str, Any], out: list[bytes]) -> None:
         delta = _obj(choice.get("delta"))
-        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-        if isinstance(reasoning, str) and reasoning:
+        # (text as a string or as text parts, as in a whole answer)
+        reasoning = _text_of(delta.get("reasoning_content") or delta.get("reasoning"))
+        if reasoning:
             self._write("reasoning", "reasoning_text", reasoning, out)
-        content = delta.get("content")
-        if isinstance(content, str) and content:
+        content = _text_of(delta.get("content"))
+        if content:
             self._write("message", "output_text", content, out)
         refusal = delta.get("refusal")
         if isinstance(refusal, str) and refusal:
             self._write("message", "refusal", refusal, out)
-        calls = delta.get("tool_calls")
+        calls = _list(delta.get("tool_calls"))
         if not calls and isinstance(delta.get("function_call"), dict):  # (the legacy form, alone)
             calls = [{"index": 0, "function": delta["function_call"]}]
-        for position, call in enumerate(calls or ()):
+        for position, call in enumerate(calls):
             if isinstance(call, dict):
                 self._call(call, position, out)
         if isinstance(choice.get("finish_reason"), str):
@@ -242,6 +266,8 @@ class ResponseShape:
             if item_kind == "message":
                 out.append(self._event("response.content_part.added", item_id=item["id"], output_index=open_.index,
                                        content_index=len(item["content"]), part=self._part_body(part_kind, "")))
+        if not text:  # (an empty answer's message: opened, no delta)
+            return
         open_.pieces.append(text)
         extra: dict[str, Any] = {"logprobs": []} if part_kind == "output_text" else {}
         out.append(self._event(_DELTA_EVENT[part_kind], item_id=item["id"], output_index=open_.index,
@@ -283,19 +309,45 @@ class ResponseShape:
         open_.item["status"] = status
         out.append(self._event("response.output_item.done", output_index=open_.index, item=open_.item))
 
+    def _call_key(self, call: dict[str, Any], position: int, call_id: str | None) -> CallKey:
+        """Which tool call a streamed piece of one belongs to. OpenAI's chunks number each call
+        (`index`) and give its `id` with its first piece; some servers send no `index` (Ollama's,
+        Gemini's) or the same one for every call: a call's id, where given, tells calls apart, and
+        an `index` alone names the call that took it last. A piece with neither continues the call
+        written last (the first of a delta's pieces; the others are told apart by their place in it)."""
+        index = call.get("index")
+        if call_id is not None:
+            known = self._call_ids.get(call_id)
+            if known is not None:
+                return known
+            if type(index) is int and (index not in self._calls or self._calls[index].given_id is None):
+                return index
+            return ("id", call_id)  # a call of its own: an id not seen before
+        if type(index) is int:
+            return self._by_index.get(index, index)
+        return self._last_call if position == 0 and self._last_call is not None else position
+
     def _call(self, call: dict[str, Any], position: int, out: list[bytes]) -> None:
-        n = call["index"] if type(call.get("index")) is int else position
         function = _obj(call.get("function"))
-        writing = self._calls.get(n)
+        call_id = call["id"] if isinstance(call.get("id"), str) and call["id"] else None
+        key = self._call_key(call, position, call_id)
+        writing = self._calls.get(key)
         if writing is None:
             self._close(out, "completed")
-            item = self._call_item(len(self._items), call.get("id"), _text_of(function.get("name")), "",
-                                   "in_progress")
-            writing = self._calls[n] = self._add(item, out)
+            item = self._call_item(len(self._items), call_id, _text_of(function.get("name")), "", "in_progress")
+            writing = self._calls[key] = self._add(item, out)
+            if type(call.get("index")) is int:
+                self._by_index[call["index"]] = key
         elif isinstance(function.get("name"), str) and not writing.item["name"]:
             writing.item["name"] = function["name"]
+        if call_id is not None and writing.given_id is None:
+            writing.given_id = call_id
+            self._call_ids.setdefault(call_id, key)
+        self._last_call = key
         arguments = function.get("arguments")
-        if isinstance(arguments, str) and arguments:
+        if not isinstance(arguments, str):
+            arguments = _arguments(arguments)  # (JSON, an object say: as its text, not lost)
+        if arguments:
             writing.pieces.append(arguments)
             out.append(self._event("response.function_call_arguments.delta", item_id=writing.item["id"],
                                    output_index=writing.index, delta=arguments))
@@ -315,6 +367,8 @@ class ResponseShape:
         (`response.incomplete` when the output was cut at its limit)."""
         out: list[bytes] = []
         self._start(out)
+        if not (self._calls or any(item["type"] == "message" for item in self._items)):
+            self._write("message", "output_text", "", out)  # (no text and no call: an empty one, as `whole` has)
         incomplete = self._finish in _INCOMPLETE
         self._close_all(out, "incomplete" if incomplete else "completed")
         response = self._response("completed", self._items, self._usage, finish=self._finish)

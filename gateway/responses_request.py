@@ -176,11 +176,18 @@ def _tools(value: Any) -> list[dict[str, Any]]:
         if parameters is not None:
             _object(parameters, f"tools[{i}].parameters")
         function = {"type": "function", "name": _text(tool.get("name"), f"tools[{i}].name"),
-                    "parameters": parameters, "strict": tool.get("strict")}
+                    "parameters": parameters, "strict": _flag(tool.get("strict"), f"tools[{i}].strict")}
         if tool.get("description") is not None:
-            function["description"] = tool["description"]
+            function["description"] = _text(tool["description"], f"tools[{i}].description")
         tools.append(function)
     return tools
+
+
+def _flag(value: Any, path: str) -> bool | None:
+    """A field that is a boolean or null (a Response repeats it: OpenAI's schema says so)."""
+    if value is not None and not isinstance(value, bool):
+        raise invalid(f"'{path}' must be a boolean", path)
+    return value
 
 
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
@@ -208,16 +215,17 @@ def _text_options(text: Any, chat: dict[str, Any]) -> dict[str, Any]:
     """`text`: its `format` as the chat completion's `response_format` (none for plain text), and
     the `text` the Response repeats."""
     text = _object(text, "text")
-    fmt = text.get("format") or {"type": "text"}
+    fmt = {"type": "text"} if text.get("format") is None else text["format"]
     kind = _object(fmt, "text.format").get("type")
     if kind == "json_object":
         chat["response_format"] = {"type": "json_object"}
     elif kind == "json_schema":
-        schema = {"name": _text(fmt.get("name"), "text.format.name"),
+        schema: dict[str, Any] = {"name": _text(fmt.get("name"), "text.format.name"),
                   "schema": _object(fmt.get("schema"), "text.format.schema")}
-        for name in ("description", "strict"):
-            if fmt.get(name) is not None:
-                schema[name] = fmt[name]
+        if fmt.get("description") is not None:
+            schema["description"] = _text(fmt["description"], "text.format.description")
+        if fmt.get("strict") is not None:
+            schema["strict"] = _flag(fmt["strict"], "text.format.strict")
         chat["response_format"] = {"type": "json_schema", "json_schema": schema}
         fmt = {"type": "json_schema", **schema}
     elif kind != "text":
@@ -248,10 +256,15 @@ def _metadata(value: Any) -> dict[str, str]:
     return metadata
 
 
+#: the range of each sampling number a Response repeats (OpenAI's; its schema holds a Response to them)
+_RANGES = {"temperature": (0, 2), "top_p": (0, 1)}
+
+
 def _number(body: dict[str, Any], name: str) -> Any:
     value = body.get(name)
-    if value is not None and (type(value) not in (int, float)):
-        raise invalid(f"'{name}' must be a number", name)
+    low, high = _RANGES[name]
+    if value is not None and (type(value) not in (int, float) or not low <= value <= high):
+        raise invalid(f"'{name}' must be a number from {low} to {high}", name)
     return value
 
 
@@ -309,7 +322,7 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise invalid("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
-    truncation = body.get("truncation") or "disabled"
+    truncation = "disabled" if body.get("truncation") is None else body["truncation"]
     _one_of(truncation, ("auto", "disabled"), "truncation")
     if stream:
         chat["stream"] = True
@@ -323,7 +336,7 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
         "top_p": _number(body, "top_p"),
         "max_output_tokens": limit,
         "metadata": {} if body.get("metadata") is None else _metadata(body["metadata"]),
-        "text": _text_options(body.get("text") or {}, chat),
+        "text": _text_options({} if body.get("text") is None else body["text"], chat),
         "reasoning": None if body.get("reasoning") is None else _reasoning(body["reasoning"], chat),
         "truncation": truncation,
         "user": body.get("user") if isinstance(body.get("user"), str) else None,

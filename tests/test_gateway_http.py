@@ -133,6 +133,21 @@ async def test_unknown_routes_and_methods_are_openai_shaped(gateway: str, http: 
         assert resp.headers["Allow"] == "POST"
 
 
+@pytest.mark.parametrize(("method", "path", "words"), [
+    # a Response asked for (`client.responses.retrieve`, `cancel`...): iop keeps none, says so and where its run is
+    ("GET", "/v1/responses/resp_0123456789abcdef0123456789abcdef", "is not kept; the run that made it is kept"),
+    ("POST", "/v1/responses/resp_0123456789abcdef0123456789abcdef/cancel", "is not kept; the run"),
+    # endpoints of OpenAI's under that path that iop does not have (found by a hostile review: they
+    # were told "compact is not kept")
+    ("POST", "/v1/responses/compact", "Invalid URL (POST /v1/responses/compact): iop serves"),
+    ("POST", "/v1/responses/input_tokens", "Invalid URL (POST /v1/responses/input_tokens)")])
+async def test_a_stored_response_is_not_kept_and_other_paths_under_responses_are_unknown(
+        gateway: str, http: aiohttp.ClientSession, method: str, path: str, words: str) -> None:
+    async with http.request(method, gateway + path, json={"model": "qwen3.6:35b", "input": "hi"}) as resp:
+        error = await error_of(resp)
+    assert resp.status == 404 and error["code"] == "not_found" and words in error["message"], error
+
+
 def _garbage(rng: random.Random, depth: int = 0) -> Any:
     kinds = ["str", "int", "float", "bool", "none", "list", "dict"] if depth < 3 else ["str", "int", "none"]
     kind = rng.choice(kinds)
@@ -434,3 +449,78 @@ async def test_an_error_answer_leaves_no_reference_cycle_holding_the_request_s_b
         gc.garbage.clear()
         gc.enable()
     assert holding == []
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_answer_the_gateway_cannot_shape_ends_openai_shaped_and_ends_the_run(
+        redis_url: str, redis: Redis, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch,
+        stream: bool) -> None:
+    """A bug, or a provider's output nothing foresaw, met while the gateway shapes an answer (a hostile
+    review found one: a `tool_calls` of `5` in a Responses stream): the caller gets a 502 naming no
+    internals, in the stream once its headers went out (`error`, then `response.failed`), never a
+    500 or a connection cut mid-stream; and the run goes no further."""
+    from common import keys
+    from common.codec import event_fields
+    from gateway.responses_output import ResponseShape
+
+    shaped = {"events": 0}
+    real_events = ResponseShape.events
+
+    def events(self: ResponseShape, chunks: list[Any]) -> bytes:
+        shaped["events"] += 1
+        if shaped["events"] > 1:
+            raise TypeError("'int' object is not iterable")
+        return real_events(self, chunks)
+
+    def whole(self: ResponseShape, completion: Any) -> dict[str, Any]:
+        raise TypeError("'int' object is not iterable")
+
+    monkeypatch.setattr(ResponseShape, "events", events)
+    monkeypatch.setattr(ResponseShape, "whole", whole)
+    await beat(redis, config())
+    server = TestServer(build_app(config(), redis_url), port=0)
+    await server.start_server()
+    try:
+        async def run_of() -> str | None:
+            queued = await redis.xrange(f"iop:runs:{MODEL}")
+            return queued[0][1][b"run"].decode() if queued else None
+
+        async def provide() -> None:  # (as a worker would write the run's output)
+            run_id = await async_wait_until(run_of, what="the run to be queued")
+            watcher = (await redis.hget(keys.run_record(run_id), "watchers") or b"").decode()
+            inbox = keys.gateway_inbox(watcher.removesuffix(keys.OUTPUT_ONLY))
+            chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"}}]}
+            answers = ([("delta", {"chunks": [chunk]}), ("delta", {"chunks": [chunk]})] if stream else
+                       [("completed", {"response": {"choices": [{"index": 0, "message": {"content": "hi"}}]}})])
+            for etype, data in answers:
+                fields = event_fields(etype, data)
+                entry = await redis.xadd(keys.run_events(run_id), fields)
+                await redis.xadd(inbox, {"run": run_id, "id": entry, **fields})
+
+        provider = asyncio.create_task(provide())
+        async with http.post(server.make_url("/v1/responses"), json={"model": MODEL, "input": "x",
+                                                                    "stream": stream}) as resp:
+            body = await resp.read()
+            status, run_id = resp.status, resp.headers.get("X-IOP-Run-Id")
+        await provider
+        if stream:
+            assert status == 200
+            told = [json.loads(block.split(b"\ndata: ", 1)[1]) for block in body.split(b"\n\n") if block]
+            assert [e["type"] for e in told][-2:] == ["error", "response.failed"]
+            assert told[-2]["code"] == "provider_error"
+            assert "could not shape the run's answer (TypeError)" in told[-2]["message"]
+            assert "output_text.delta" in {e["type"].removeprefix("response.") for e in told}
+            for event in told:
+                validate("ResponseStreamEvent", event)
+        else:
+            assert status == 502
+            error = json.loads(body)["error"]
+            assert error["code"] == "provider_error" and "(TypeError)" in error["message"]
+        assert run_id is not None
+
+        async def cancelled() -> bool:  # (the run was still queued: it ends there, cancelled)
+            return await redis.hget(keys.run_record(run_id), "state") in (b"cancelled", b"completed")
+
+        await async_wait_until(cancelled, what="the run to end")
+    finally:
+        await server.close()

@@ -158,6 +158,24 @@ def test_tools_formats_and_fields_are_translated_and_the_rest_passed_through() -
     ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
      "tool_choice.name", '"g", which'),
     ({"input": [{"content": "hi"}]}, "input[0].type", "(missing) is not taken"),
+    # what a Response repeats must be what OpenAI's schema holds (found by a hostile review: a 200
+    # whose Response the schema and the `openai` client refused)
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools[0].strict", "a boolean"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "description": {"a": 1}}]}, "tools[0].description",
+     "a string"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {}, "strict": "x"}}},
+     "text.format.strict", "a boolean"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {}, "description": 5}}},
+     "text.format.description", "a string"),
+    ({"input": "x", "temperature": 5}, "temperature", "from 0 to 2"),
+    ({"input": "x", "top_p": -1}, "top_p", "from 0 to 1"),
+    ({"input": "x", "top_p": 1e308}, "top_p", "from 0 to 1"),
+    # a value that is false is not left out as if unset
+    ({"input": "x", "text": False}, "text", "an object"),
+    ({"input": "x", "text": ""}, "text", "an object"),
+    ({"input": "x", "text": {"format": 0}}, "text.format", "an object"),
+    ({"input": "x", "truncation": 0}, "truncation", "one of auto, disabled"),
+    ({"input": "x", "truncation": []}, "truncation", "one of auto, disabled"),
     ({"input": [{"type": "x" * 3000}]}, "input[0].type", "…"),
 ])
 def test_what_cannot_be_run_is_the_callers_400_naming_the_field(body: dict[str, Any], param: str,
@@ -230,9 +248,21 @@ def test_reasoning_text_and_tool_calls_are_items_in_order_and_a_cut_answer_is_in
     assert response["output"][1]["status"] == "incomplete"
 
 
+def test_a_cut_answer_s_tool_call_is_incomplete_and_arguments_sent_as_json_are_kept_as_text() -> None:
+    """(Found by a hostile review: a whole answer cut at its limit said its tool call `completed`,
+    and arguments a server sent as a JSON object were lost.)"""
+    response = shape().whole(completion({"tool_calls": [
+        {"id": "c1", "function": {"name": "f", "arguments": "{\"a"}},
+        {"id": "c2", "function": {"name": "g", "arguments": {"b": [1, 2]}}}]}, finish="length"))
+    validate("Response", response)
+    assert [(c["status"], c["arguments"]) for c in response["output"]] == [
+        ("incomplete", "{\"a"), ("incomplete", '{"b":[1,2]}')]
+
+
 def test_odd_chat_answers_still_make_a_valid_response() -> None:
     odds: list[Any] = [{}, {"choices": []}, {"choices": [None]}, completion({"content": None, "refusal": "no"}),
-                       completion({"content": [{"type": "text", "text": "parts"}]}), {"choices": "x", "usage": 5}]
+                       completion({"content": [{"type": "text", "text": "parts"}]}), {"choices": "x", "usage": 5},
+                       *(completion({"content": "x", "tool_calls": odd}) for odd in (5, True, 1.5, "c", {"id": 1}))]
     for odd in odds:
         response = shape().whole(odd)
         validate("Response", response)
@@ -325,6 +355,81 @@ def test_how_the_deltas_are_batched_changes_no_event(cuts: list[int]) -> None:
         return events
 
     assert steady(play(batches)) == steady(play([TOOL_STREAM]))
+
+
+def calls_of(events: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    final = accumulated(events)
+    assert final is not None
+    return [(i.call_id, i.name, i.arguments) for i in final.output if i.type == "function_call"]
+
+
+def tool(index: int | None = None, call_id: str | None = None, name: str | None = None,
+         arguments: Any = None) -> dict[str, Any]:
+    call: dict[str, Any] = {"function": {k: v for k, v in (("name", name), ("arguments", arguments)) if v is not None}}
+    if index is not None:
+        call["index"] = index
+    if call_id is not None:
+        call["id"] = call_id
+    return chunk({"tool_calls": [call]})
+
+
+def test_tool_calls_without_an_index_are_told_apart_by_their_ids() -> None:
+    """Some servers send no `index` (Ollama's, Gemini's), or the same one for every call: two calls
+    with ids of their own stay two (a hostile review found them merged, the second call lost)."""
+    end = [chunk({}, finish="tool_calls")]
+    assert calls_of(play([[tool(None, "c1", "get_weather", '{"city": "Paris"}'),
+                           tool(None, "c2", "get_time", '{"tz": "CET"}'), *end]])) == [
+        ("c1", "get_weather", '{"city": "Paris"}'), ("c2", "get_time", '{"tz": "CET"}')]
+    assert calls_of(play([[tool(0, "c1", "f", '{"a"'), tool(0, "c2", "g", "{}"), tool(0, None, None, ": 1}"),
+                           *end]])) == [("c1", "f", '{"a"'), ("c2", "g", "{}: 1}")]  # (the same index: by id)
+    # a call's later pieces: by its index, by its id, or with neither, the call written last
+    assert calls_of(play([[tool(0, "c1", "f", '{"a"'), tool(None, "c1", None, ": "), tool(0, None, None, "1"),
+                           tool(None, None, None, "}"), *end]])) == [("c1", "f", '{"a": 1}')]
+    two = chunk({"tool_calls": [{"function": {"name": "f", "arguments": "{}"}},
+                                {"function": {"name": "g", "arguments": "{}"}}]})
+    assert [c[1:] for c in calls_of(play([[two, *end]]))] == [("f", "{}"), ("g", "{}")]  # (told apart by place)
+
+
+def test_odd_streamed_chunks_still_make_valid_events_and_keep_what_they_hold() -> None:
+    """(Found by a hostile review: a `tool_calls` of `5` made the gateway fail mid-stream, arguments
+    sent as JSON were lost, content sent as text parts was lost, and an empty answer had no message
+    where a whole one has one.)"""
+    events = play([[chunk({"content": "first ", "tool_calls": 5}), chunk({"tool_calls": True}),
+                    chunk({"content": [{"type": "text", "text": "second"}], "reasoning_content": [{"text": "r"}]}),
+                    tool(0, "c1", "f", {"a": 1}), chunk({}, finish="tool_calls")]])
+    final = accumulated(events)
+    assert final is not None and final.output_text == "first second"
+    assert calls_of(events) == [("c1", "f", '{"a":1}')]
+    assert [i.type for i in final.output] == ["message", "reasoning", "message", "function_call"]
+    empty = play([[chunk({"role": "assistant", "content": ""}), chunk({}, finish="stop")]])
+    whole = shape().whole(completion({"content": ""}))
+    assert accumulated(empty) is not None
+    assert empty[-1]["response"]["output"] == whole["output"]
+
+
+CHUNK_VALUE: st.SearchStrategy[Any] = SAFE_JSON | st.sampled_from([5, True, "x", [], {}, None])
+TOOL_PIECE = st.fixed_dictionaries({}, optional={
+    "index": st.integers(-1, 3) | CHUNK_VALUE, "id": st.sampled_from(["c1", "c2", ""]) | CHUNK_VALUE,
+    "function": st.fixed_dictionaries({}, optional={"name": st.sampled_from(["f", "g"]) | CHUNK_VALUE,
+                                                    "arguments": SAFE_TEXT | CHUNK_VALUE}) | CHUNK_VALUE})
+DELTA = st.fixed_dictionaries({}, optional={
+    "content": SAFE_TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": SAFE_TEXT}), max_size=2)
+    | CHUNK_VALUE, "reasoning_content": SAFE_TEXT | CHUNK_VALUE, "refusal": SAFE_TEXT | CHUNK_VALUE,
+    "tool_calls": st.lists(TOOL_PIECE | CHUNK_VALUE, max_size=3) | CHUNK_VALUE,
+    "function_call": st.fixed_dictionaries({"name": SAFE_TEXT, "arguments": SAFE_TEXT}) | CHUNK_VALUE})
+CHUNK = st.builds(lambda delta, finish: chunk(delta, finish), DELTA,
+                  st.none() | st.sampled_from(["stop", "length", "tool_calls", "content_filter", "other"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(CHUNK, max_size=4), max_size=4), st.booleans())
+def test_any_stream_of_chunks_makes_events_the_schema_and_the_client_take(batches: list[list[Any]],
+                                                                          fails: bool) -> None:
+    end = ApiError(ErrorCode.PROVIDER_ERROR, "provider a answered 500: boom") if fails else None
+    events = play(batches, end)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    accumulated(events)  # (each event checked against the schema, and taken by the client's accumulator)
+    validate("Response", events[-1]["response"])
 
 
 def test_a_stream_cut_at_its_limit_ends_incomplete() -> None:
