@@ -97,6 +97,11 @@ def fixed_usage(obj: dict[str, Any]) -> dict[str, Any] | None:
     return usage
 
 
+#: The most tokens of either kind a run counts (for its key, and in a Response's usage): a
+#: provider's usage numbers are its own, and counters are 64-bit (Redis's, and many clients'
+#: integers: a count beyond them breaks the run's end, or the client reading it).
+MAX_COUNTED_TOKENS = 10**9
+
 #: the counts of a usage object that its `total_tokens` sums
 USAGE_PARTS = ("prompt_tokens", "completion_tokens")
 

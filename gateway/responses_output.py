@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.chunks import token_counts
+from common.chunks import MAX_COUNTED_TOKENS, token_counts
 from common.jsonio import dumps
 from common.wire import ErrorCode
 from gateway.errors import ApiError
@@ -30,7 +30,7 @@ def response_id(run_id: str) -> str:
 def _usage(usage: Any) -> dict[str, Any] | None:
     if not isinstance(usage, dict):
         return None
-    prompt, completion = token_counts(usage)
+    prompt, completion = (min(n, MAX_COUNTED_TOKENS) for n in token_counts(usage))
     return {"input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": _detail(usage, "prompt_tokens_details", "cached_tokens"),
                                      "cache_write_tokens": 0},

@@ -259,6 +259,14 @@ def test_a_cut_answer_s_tool_call_is_incomplete_and_arguments_sent_as_json_are_k
         ("incomplete", "{\"a"), ("incomplete", '{"b":[1,2]}')]
 
 
+def test_a_response_s_usage_counts_stay_within_64_bits() -> None:
+    """(A hostile review: counts of 2**62 from a provider made a `total_tokens` one past what a 64-bit
+    integer holds, which Go's and Java's clients cannot read.)"""
+    huge = {"prompt_tokens": 2**62, "completion_tokens": 2**62, "total_tokens": 2**63}
+    usage = shape().whole({**completion({"content": "x"}), "usage": huge})["usage"]
+    assert usage["input_tokens"] == usage["output_tokens"] == 10**9 and usage["total_tokens"] == 2 * 10**9
+
+
 def test_odd_chat_answers_still_make_a_valid_response() -> None:
     odds: list[Any] = [{}, {"choices": []}, {"choices": [None]}, completion({"content": None, "refusal": "no"}),
                        completion({"content": [{"type": "text", "text": "parts"}]}), {"choices": "x", "usage": 5},

@@ -16,12 +16,13 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
+from common.chunks import MAX_COUNTED_TOKENS
 from common.codec import Unpackable, pack
 from common.wire import RunKind
 from tests.test_runner import ROLE, TEXT, Scripted, events, fields, node_worker, start_one
 from tests.test_scheduler import MODEL
 from workers.adapters.base import ProviderError, Retry
-from workers.runner import MAX_COUNTED_TOKENS, Runner
+from workers.runner import Runner
 
 BIG = 2**70
 #: the same chunk as `TEXT`, with what the provider put in it

@@ -23,7 +23,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys, token_cap
-from common.chunks import fixed_usage, token_counts, usage_in, wants_usage, without_usage
+from common.chunks import MAX_COUNTED_TOKENS, fixed_usage, token_counts, usage_in, wants_usage, without_usage
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
 from common.policy import candidate_class
@@ -110,11 +110,6 @@ def evidence_of(exc: ProviderError) -> Evidence:
     if exc.strikes is None:
         return NO_EVIDENCE
     return ALIVE if exc.strikes == 0 else ("fail", exc.strikes, exc.message)
-
-
-#: The most tokens of either kind one run counts for its key: a provider's usage numbers are its
-#: own, and Redis's counters are 64-bit (a count beyond them would break the run's end).
-MAX_COUNTED_TOKENS = 10**9
 
 
 def cannot_carry(provider_id: str, exc: Unpackable) -> ProviderError:
