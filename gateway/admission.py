@@ -80,16 +80,26 @@ class ConnectionGuard:
         self._evicted = 0
         self._logged_at = -LOG_EVERY_S
         self._flush: asyncio.TimerHandle | None = None
-        self.busy_answer = ApiError(
+        #: what a connection refused at the limit, a head that came too late or one too large is told
+        #: (written raw, each with an `X-Request-Id` of its own: `busy_answer()` ...)
+        self._busy = ApiError(
             ErrorCode.UNAVAILABLE,
             f"the gateway has {limits.max_connections} connections open and busy, its limit "
-            "(runtime.max_connections); retry shortly", headers={"Retry-After": "1"}).raw_response()
-        self.late_head_answer = ApiError(
+            "(runtime.max_connections); retry shortly", headers={"Retry-After": "1"})
+        self._late_head = ApiError(
             ErrorCode.REQUEST_TIMEOUT,
-            f"the request head did not arrive within {limits.header_timeout_s:g} s (runtime.header_timeout_ms)",
-        ).raw_response()
-        self.large_head_answer = ApiError(
-            ErrorCode.INVALID_REQUEST, f"the request head is over {MAX_HEAD_BYTES // 1024} KiB").raw_response()
+            f"the request head did not arrive within {limits.header_timeout_s:g} s (runtime.header_timeout_ms)")
+        self._large_head = ApiError(
+            ErrorCode.INVALID_REQUEST, f"the request head is over {MAX_HEAD_BYTES // 1024} KiB")
+
+    def busy_answer(self) -> bytes:
+        return self._busy.raw_response()
+
+    def late_head_answer(self) -> bytes:
+        return self._late_head.raw_response()
+
+    def large_head_answer(self) -> bytes:
+        return self._large_head.raw_response()
 
     def admit(self) -> Slot:
         """The slot of a new connection. At a limit, the longest-idle holder of a slot is evicted

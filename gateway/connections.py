@@ -96,7 +96,7 @@ class GuardedHandler(web.RequestHandler):
         transport = cast(asyncio.Transport, base)  # uvloop's transports are not asyncio.Transport subclasses
         self._slot = self._guard.admit()
         if self._slot is Slot.NONE:
-            transport.write(self._guard.busy_answer)
+            transport.write(self._guard.busy_answer())
             transport.close()
             self._phase = Phase.ANSWERED
             return
@@ -145,7 +145,7 @@ class GuardedHandler(web.RequestHandler):
     def _answer_large_head(self) -> None:
         self._refusing = False
         if self.transport is not None:
-            self.transport.write(self._guard.large_head_answer)
+            self.transport.write(self._guard.large_head_answer())
         self._drop_then_close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -182,13 +182,13 @@ class GuardedHandler(web.RequestHandler):
         self._guard.head_timed_out()
         if self._phase is Phase.SERVING:
             if self.transport is not None and self._head_begun:
-                self.transport.write(self._guard.late_head_answer)
+                self.transport.write(self._guard.late_head_answer())
                 self._drop_then_close()
             else:
                 self.force_close()
         elif self._raw is not None:
             if self._phase is Phase.TRIAGE and self._line:
-                self._raw.write(self._guard.late_head_answer)
+                self._raw.write(self._guard.late_head_answer())
             self._raw.close()
 
     def _drop_then_close(self) -> None:
@@ -292,7 +292,7 @@ class GuardedHandler(web.RequestHandler):
         self._guard.refused()
         self._phase, self._line = Phase.ANSWERED, bytearray()
         assert self._raw is not None
-        self._raw.write(self._guard.busy_answer)
+        self._raw.write(self._guard.busy_answer())
         if self._raw.can_write_eof():
             # The client reads the 503 and closes; the head deadline or a newer connection closes it otherwise.
             self._raw.write_eof()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -124,18 +125,33 @@ class ApiError(Exception):
         }
 
     def response(self) -> web.Response:
-        response = json_response(self.body(), status=self.status, headers=self.headers)
+        """The answer, with an `X-Request-Id` of its own unless it has one (a run's)."""
+        response = json_response(self.body(), status=self.status, headers=with_request_id(self.headers))
         response.set_status(self.status, phrase(self.status))
         return response
 
     def raw_response(self) -> bytes:
         """The whole HTTP/1.1 response, for a connection answered outside any handler (a request
-        that came too slowly, a connection over the limit); the connection closes after it."""
+        that came too slowly, a connection over the limit); the connection closes after it. Each
+        call has an `X-Request-Id` of its own."""
         body = json.dumps(self.body()).encode()
         head = [f"HTTP/1.1 {self.status} {phrase(self.status)}", "Content-Type: application/json",
                 f"Content-Length: {len(body)}", "Connection: close",
-                *(f"{name}: {value}" for name, value in self.headers.items())]
+                *(f"{name}: {value}" for name, value in with_request_id(self.headers).items())]
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+#: OpenAI's header for a request's id (the `openai` client's `_request_id`): every answer has one
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def new_request_id() -> str:
+    """The id of an answer that is not a run's (`req_` and 32 hex digits, as OpenAI's)."""
+    return f"req_{uuid.uuid4().hex}"
+
+
+def with_request_id(headers: dict[str, str]) -> dict[str, str]:
+    return headers if REQUEST_ID_HEADER in headers else {**headers, REQUEST_ID_HEADER: new_request_id()}
 
 
 def _code_text(code: Any) -> str | None:

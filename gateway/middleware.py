@@ -16,8 +16,6 @@ as long as it waits (about 300 bytes each, with thousands waiting).
 
 from __future__ import annotations
 
-import uuid
-
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
@@ -25,8 +23,7 @@ from gateway import metrics
 from gateway.auth import admit
 from gateway.connections import body_reader, request_started
 from gateway.cors import preflight
-from gateway.errors import Handler, error_response
-from gateway.responses import REQUEST_ID_HEADER
+from gateway.errors import REQUEST_ID_HEADER, Handler, error_response, new_request_id
 
 
 def gateway_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware:
@@ -47,7 +44,7 @@ def gateway_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware
             except Exception as exc:
                 response = error_response(request, exc)
             if not response.prepared and REQUEST_ID_HEADER not in response.headers:
-                response.headers[REQUEST_ID_HEADER] = f"req_{uuid.uuid4().hex}"
+                response.headers[REQUEST_ID_HEADER] = new_request_id()
             return response
         finally:
             if endpoint is not None:

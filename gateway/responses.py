@@ -11,13 +11,11 @@ from aiohttp import web
 from common.jsonio import dumps, json_response
 from common.wire import ErrorInfo, EventType
 from gateway import metrics
-from gateway.errors import ApiError
+from gateway.errors import REQUEST_ID_HEADER, ApiError
 from gateway.events import Follower
 from gateway.responses_output import ResponseShape
 
 RUN_ID_HEADER = "X-IOP-Run-Id"
-#: OpenAI's header for a request's id (the `openai` client's `_request_id`): the run's id here too
-REQUEST_ID_HEADER = "X-Request-Id"
 SSE_DONE = b"data: [DONE]\n\n"
 KEEP_ALIVE = b": keep-alive\n\n"
 

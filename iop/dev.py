@@ -329,7 +329,10 @@ def try_key(config: Config) -> tuple[int, ApiKeyConfig, str] | None:
     return found[0] if found else None
 
 
-def banner(config: Config, base: str, redis_url: str) -> str:
+def banner(config: Config, base: str, redis_url: str, path: Path) -> str:
+    """What `iop dev` prints once the stack is ready: where it listens, a curl line to try it, and
+    the `iop` command line that operates it (its config and Redis: the commands' defaults,
+    `iop.yaml` and Redis on 6379, are not this stack's)."""
     model = config.models[0].id
     keyed = try_key(config)
     access = "(any API key)"
@@ -362,6 +365,8 @@ def banner(config: Config, base: str, redis_url: str) -> str:
         "  Try it:",
         *key_lines,
         f"    {curl}",
+        "  Operate it (iop queues, iop provider drain ... take the same options):",
+        f"    iop catalog --config {shlex.quote(str(path))} --redis {redis_url}",
         "  Ctrl-C stops everything.",
         rule,
     ])
@@ -400,11 +405,11 @@ def wait_ready(sup: Supervisor, config: Config, root: str, redis_url: str) -> No
         wait_heartbeat(sup, redis_url, provider_ids)
 
 
-def serve(sup: Supervisor, config: Config, demo: bool, host: str, port: int, redis_url: str) -> int:
+def serve(sup: Supervisor, config: Config, path: Path, demo: bool, host: str, port: int, redis_url: str) -> int:
     try:
         root = start_stack(sup, config, demo, host, port)
         wait_ready(sup, config, root, redis_url)
-        say(banner(config, f"{root}/v1", redis_url))
+        say(banner(config, f"{root}/v1", redis_url, path))
         sup.run_until_stopped()
     except Interrupted:
         say("iop dev: stopping...")
@@ -472,7 +477,7 @@ def run_dev(config_path: str | None, host: str, port: int) -> int:
                 return 1
             sup.env = child_env(path, redis.url)
             try:
-                return serve(sup, config, config_path is None, host, port, redis.url)
+                return serve(sup, config, path, config_path is None, host, port, redis.url)
             finally:
                 sup.stop_all()
                 redis.cleanup()

@@ -7,8 +7,11 @@ run at a time; these tests run their stacks one after another.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -93,6 +96,12 @@ def test_demo_serves_the_openai_client_and_stops_on_ctrl_c(dev_proc: list[Proc])
         client.close()
     assert chunks and all(chunk.model == MODEL for chunk in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # the command line that operates this stack, as printed (the commands' defaults are not its own)
+    operate = next(line.strip() for line in proc.lines if line.strip().startswith("iop catalog "))
+    done = subprocess.run([sys.executable, "-m", "iop", *shlex.split(operate)[1:]], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert "vllm-a" in done.stdout and "chat-default" in done.stdout, done.stdout  # (the demo's alias)
 
     assert proc.stop(STOP_S, sig=signal.SIGINT) == 0, proc.output()  # Ctrl-C; SIGKILL after STOP_S
     assert "iop dev: stopped" in proc.lines
@@ -148,7 +157,6 @@ def test_simulators_cover_the_local_providers_of_the_demo() -> None:
 
 
 def test_help_tells_the_host_dev_really_listens_on() -> None:
-    import subprocess
     import sys
 
     from tests.conftest import ROOT
@@ -172,7 +180,6 @@ def auth_config(sim_url: str, key_env: str) -> dict[str, object]:
 def test_with_api_keys_the_banner_says_which_key_and_its_curl_line_works(tmp_path: Path,
                                                                         dev_proc: list[Proc]) -> None:
     """The banner said "(any API key)" and printed a curl line without a key, which got 401."""
-    import subprocess
 
     sim = Proc("simulator", ["simulator", "--port", "0", "--models", "served-m1", "--tokens", "3"], dev_env())
     dev_proc.append(sim)

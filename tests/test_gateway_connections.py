@@ -6,6 +6,7 @@ time for something: every wait is for an answer or a close, with a deadline."""
 from __future__ import annotations
 
 import json
+import re
 import select
 import socket
 import time
@@ -167,6 +168,12 @@ def metric(gw: Gateway, name: str, **labels: str) -> float:
     raise AssertionError(f"no sample {name}{labels}")
 
 
+def has_its_own_request_id(resp: Response) -> bool:
+    """Every answer has an `X-Request-Id` (`req_` and 32 hex digits), as OpenAI's do: those written
+    before any handler ran too (a review found a 417, 408 and 400s without one)."""
+    return re.fullmatch(r"req_[0-9a-f]{32}", resp.headers.get("x-request-id", "")) is not None
+
+
 def parse(raw: bytes) -> Response:
     head, _, body = raw.partition(b"\r\n\r\n")
     status_line, *header_lines = head.decode("latin-1").split("\r\n")
@@ -196,7 +203,7 @@ def test_a_request_head_sent_slowly_gets_408_and_the_connection_closes(
     sock = gw.connect()
     drops = [b"POST /v1/chat/completions HTTP/1.1\r\n"] + [f"X-Drip-{i}: {i}\r\n".encode() for i in range(100_000)]
     resp = parse(drip_until_answered(sock, drops))
-    assert resp.status == 408
+    assert resp.status == 408 and has_its_own_request_id(resp)
     err = resp.error()
     assert err["code"] == "request_timeout" and "runtime.header_timeout_ms" in err["message"]
     assert metric(gw, "iop_gateway_connections_closed_total", reason="head_timeout") == 1
@@ -318,7 +325,7 @@ def test_when_every_connection_is_busy_a_request_gets_503_while_healthz_answers(
     over = gw.connect()
     over.sendall(request("POST", "/v1/chat/completions", b"{}", Content_Type="application/json"))
     resp = read_response(over)
-    assert resp.status == 503 and resp.headers.get("retry-after") == "1"
+    assert resp.status == 503 and resp.headers.get("retry-after") == "1" and has_its_own_request_id(resp)
     err = resp.error()
     assert err["code"] == "service_unavailable" and "runtime.max_connections" in err["message"]
     assert closed_by_peer(over)
@@ -409,9 +416,19 @@ def test_a_request_aiohttp_cannot_parse_gets_an_openai_shaped_400(
     sock = gw.connect()
     sock.sendall(raw)
     resp = read_response(sock)
-    assert resp.status == 400
+    assert resp.status == 400 and has_its_own_request_id(resp)
     err = resp.error()
     assert err["code"] == "invalid_request_error" and err["message"].startswith("the request could not be parsed")
+    assert closed_by_peer(sock)
+
+
+def test_an_expectation_other_than_100_continue_gets_417(stack: Stack, gateways: list[Gateway]) -> None:
+    gw = start(stack, gateways)
+    sock = gw.connect()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 2\r\nExpect: foo\r\n\r\n")
+    resp = read_response(sock)
+    assert resp.status == 417 and has_its_own_request_id(resp) and resp.error()["param"] == "Expect"
     assert closed_by_peer(sock)
 
 
@@ -444,6 +461,7 @@ KEYS = {"keys": [{"name": "a", "sha256": hash_key("sk-right")}]}
 def assert_large_head_answer(sock: socket.socket) -> None:
     resp = read_response(sock)
     assert resp.status == 400 and resp.error()["message"] == "the request head is over 64 KiB"
+    assert has_its_own_request_id(resp)
     assert closed_by_peer(sock)
 
 
