@@ -215,6 +215,7 @@ class Config(Strict):
     #: derived once (a config is never changed after it is made): they are asked for on every run
     _queues: dict[str, QueuePolicy] = PrivateAttr(default_factory=dict)
     _models_of: dict[str, list[str]] = PrivateAttr(default_factory=dict)
+    _types_of: dict[str, frozenset[str]] = PrivateAttr(default_factory=dict)
 
     def model_post_init(self, __context: Any) -> None:
         self._models = {m.id: m for m in self.models}
@@ -228,6 +229,7 @@ class Config(Strict):
                                   else self.queue.model_copy(update=m.queue.model_dump(exclude_none=True)))
             for provider_id in m.providers:
                 self._models_of.setdefault(provider_id, []).append(m.id)
+            self._types_of[m.id] = frozenset(self._providers[p].type for p in m.providers if p in self._providers)
 
     # The lookups below are made several times a run in every process: they read the derived
     # dicts straight from pydantic's private store (`self._models` goes through pydantic's
@@ -254,6 +256,10 @@ class Config(Strict):
     def models_of(self, provider_id: str) -> list[str]:
         """The ids of the models a provider serves (a slot freed there may serve any of them)."""
         return list(self._private("_models_of").get(provider_id, ()))
+
+    def provider_types(self, model_id: str) -> frozenset[str]:
+        """The `type`s of the model's providers."""
+        return self._private("_types_of").get(model_id, frozenset())  # type: ignore[no-any-return]
 
     def queue_for(self, model: ModelConfig) -> QueuePolicy:
         """The model's queue policy: the config's, with the model's own overrides."""

@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from common import token_cap
+from common import capabilities, token_cap
 from common.auth import KeyRing
 from common.config import Config, ModelConfig
 from common.redisconn import REDIS_DOWN
@@ -114,6 +114,9 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     request[metrics.MODEL] = model.id
     if model.max_tokens is not None and req.kind is not RunKind.EMBEDDING:
         _within_cap(req, model.id, model.max_tokens)
+    refused = capabilities.refused_everywhere(req.kind, req.body, model.id, cfg.provider_types(model.id))
+    if refused is not None:  # (every provider would refuse it: not queued only to be refused)
+        raise invalid(*refused)
     runs = request.app[RUNS]
     run_id = new_run_id()
     shape = None if req.echo is None else ResponseShape(run_id, model.id, req.echo)

@@ -16,9 +16,10 @@ import json
 from typing import Any
 
 from common import jsonio
+from common.capabilities import asks_several_choices
 from common.wire import RunKind
 from workers.adapters.embeddings import base64_vector
-from workers.adapters.openai_shapes import asks_several_choices, usage
+from workers.adapters.openai_shapes import usage
 from workers.adapters.reading import MAX_DEPTH, deeper_than
 
 Json = dict[str, Any]

@@ -16,13 +16,6 @@ from common.wire import RunKind
 Json = dict[str, Any]
 
 
-def asks_several_choices(body: Json) -> bool:
-    """Whether a request asks for more than one choice: `n` a number above 1 (`2`, `2.0`; a
-    server that takes `n` reads both alike)."""
-    n = body.get("n")
-    return isinstance(n, int | float) and not isinstance(n, bool) and n > 1
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> Json:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

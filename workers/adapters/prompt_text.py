@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.capabilities import asks_several_choices
 from common.wire import RunKind
-from workers.adapters.openai_shapes import asks_several_choices
 
 
 class NotForCli(ValueError):

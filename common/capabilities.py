@@ -1,0 +1,51 @@
+"""What a provider type cannot be asked, told from the request alone. Pure.
+
+Ollama's API and a CLI tool return one answer a request; a CLI tool calls no tools and makes no
+embeddings. Their adapters refuse such a run, and it goes to another provider of its model. When
+no provider of the model could take it, the gateway refuses it at once with the caller's 400
+naming the field (`refused_everywhere`), where it would otherwise have waited its turn in the
+queue only to get the same 400 from the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.shown import quoted
+from common.wire import RunKind
+
+#: provider types that return one choice a request (Ollama's API has no `n`; a tool prints one answer)
+ONE_CHOICE = frozenset({"ollama", "cli"})
+#: provider types that call no tools, and that make no embeddings
+NO_TOOLS = frozenset({"cli"})
+NO_EMBEDDINGS = frozenset({"cli"})
+#: the fields that offer tools to call
+TOOL_FIELDS = ("tools", "functions")
+
+
+def asks_several_choices(body: dict[str, Any]) -> bool:
+    """Whether a request asks for more than one choice: `n` a number above 1 (`2`, `2.0`; a
+    server that takes `n` reads both alike)."""
+    n = body.get("n")
+    return isinstance(n, int | float) and not isinstance(n, bool) and n > 1
+
+
+def refused_everywhere(kind: RunKind, body: dict[str, Any], model_id: str,
+                       types: frozenset[str]) -> tuple[str, str] | None:
+    """(the caller's message, the field at fault) when every provider of the model (its `types`)
+    would refuse the request; None when one may take it."""
+    if not types:
+        return None
+    listed = ", ".join(sorted(types))
+    if kind is RunKind.EMBEDDING:
+        if types <= NO_EMBEDDINGS:
+            return f"the model {quoted(model_id)} makes no embeddings: its providers are {listed}", "model"
+        return None
+    if asks_several_choices(body) and types <= ONE_CHOICE:
+        return (f"'n' must be 1 for the model {quoted(model_id)}: its providers ({listed}) return one choice a "
+                "request"), "n"
+    if kind is RunKind.CHAT and types <= NO_TOOLS:
+        for name in TOOL_FIELDS:
+            if body.get(name):
+                return f"the model {quoted(model_id)} calls no tools: its providers are {listed}", name
+    return None

@@ -1,0 +1,94 @@
+"""What every provider of a model would refuse is refused by the gateway at once (pure, and over
+real HTTP and Redis): a run asking for several choices of a model served only by Ollama and CLI
+tools, tools or embeddings of one served only by CLI tools. Before, such a run waited its turn in
+the queue, went to a worker, and got the same 400 there."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from redis.asyncio import Redis
+
+from common.capabilities import refused_everywhere
+from common.config import Config, parse_config
+from common.wire import RunKind
+from gateway.app import build_app
+from tests.conftest import async_wait_until
+from tests.openapi import validate
+from tests.test_scheduler import beat
+
+CHAT, COMPLETION, EMBEDDING = RunKind.CHAT, RunKind.COMPLETION, RunKind.EMBEDDING
+OLLAMA, CLI, BOTH, MIXED = (frozenset({"ollama"}), frozenset({"cli"}), frozenset({"ollama", "cli"}),
+                            frozenset({"ollama", "vllm"}))
+
+
+@pytest.mark.parametrize(("kind", "body", "types", "field"), [
+    (CHAT, {"n": 2}, OLLAMA, "n"),
+    (CHAT, {"n": 2.0}, BOTH, "n"),  # (a server that takes `n` reads 2.0 as 2)
+    (COMPLETION, {"n": 3}, CLI, "n"),
+    (CHAT, {"n": 2}, MIXED, None),  # (vLLM takes it: the run goes there)
+    (CHAT, {"n": 1}, OLLAMA, None),
+    (CHAT, {"n": True}, OLLAMA, None),
+    (CHAT, {"tools": [{"type": "function"}]}, CLI, "tools"),
+    (CHAT, {"functions": [{"name": "f"}]}, CLI, "functions"),
+    (CHAT, {"tools": []}, CLI, None),
+    (CHAT, {"tools": [{"type": "function"}]}, BOTH, None),  # (Ollama calls tools)
+    (EMBEDDING, {"input": "x"}, CLI, "model"),
+    (EMBEDDING, {"input": "x"}, BOTH, None),
+    (EMBEDDING, {"input": "x", "n": 2}, OLLAMA, None),
+    (CHAT, {"n": 2}, frozenset(), None),
+])
+def test_what_every_provider_would_refuse_names_its_field(kind: RunKind, body: dict[str, Any],
+                                                          types: frozenset[str], field: str | None) -> None:
+    refused = refused_everywhere(kind, body, "m", types)
+    assert (refused and refused[1]) == field, refused
+    if refused is not None:
+        assert '"m"' in refused[0] and all(t in refused[0] for t in types)
+
+
+def config() -> Config:
+    def provider(pid: str, kind: str) -> dict[str, Any]:
+        if kind == "cli":
+            return {"id": pid, "type": "cli", "command": ["true"], "capacity": 1, "models": ["s"]}
+        return {"id": pid, "type": kind, "base_url": "http://127.0.0.1:9", "capacity": 1, "models": ["s"]}
+
+    return parse_config({
+        "models": [{"id": "one-choice", "providers": {"o": "s", "c": "s"}},
+                   {"id": "mixed", "providers": {"o": "s", "v": "s"}}],
+        "nodes": [{"id": "n1", "providers": [provider("o", "ollama"), provider("c", "cli"), provider("v", "vllm")]}],
+    })
+
+
+@pytest.fixture
+async def gateway(redis_url: str, redis: Redis) -> AsyncIterator[str]:
+    await beat(redis, config())
+    server = TestServer(build_app(config(), redis_url), port=0)
+    await server.start_server()
+    yield str(server.make_url("")).rstrip("/")
+    await server.close()
+
+
+async def test_the_gateway_refuses_at_once_what_no_provider_of_the_model_takes(gateway: str, redis: Redis) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{gateway}/v1/chat/completions", json={"model": "one-choice", **chat}) as resp:
+            body = await resp.json()
+        assert resp.status == 400, body
+        validate("ErrorResponse", body)
+        assert body["error"]["param"] == "n" and "return one choice a request" in body["error"]["message"]
+        assert await redis.keys("iop:run:*") == []  # nothing queued
+        # a model with a provider that takes it: queued (no scheduler runs here: it waits)
+        waiting = asyncio.create_task(http.post(f"{gateway}/v1/chat/completions", json={"model": "mixed", **chat}))
+
+        async def queued() -> bool:
+            return bool(await redis.xlen("iop:runs:mixed") == 1)
+
+        try:
+            await async_wait_until(queued, what="the run of the mixed model to be queued")
+        finally:
+            waiting.cancel()
