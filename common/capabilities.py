@@ -36,16 +36,19 @@ def refused_everywhere(kind: RunKind, body: dict[str, Any], model_id: str,
     would refuse the request; None when one may take it."""
     if not types:
         return None
-    listed = ", ".join(sorted(types))
     if kind is RunKind.EMBEDDING:
         if types <= NO_EMBEDDINGS:
-            return f"the model {quoted(model_id)} makes no embeddings: its providers are {listed}", "model"
+            return f"the model {quoted(model_id)} makes no embeddings: its providers are {_listed(types)}", "model"
         return None
     if asks_several_choices(body) and types <= ONE_CHOICE:
-        return (f"'n' must be 1 for the model {quoted(model_id)}: its providers ({listed}) return one choice a "
-                "request"), "n"
+        return (f"'n' must be 1 for the model {quoted(model_id)}: its providers ({_listed(types)}) return one "
+                "choice a request"), "n"
     if kind is RunKind.CHAT and types <= NO_TOOLS:
         for name in TOOL_FIELDS:
             if body.get(name):
-                return f"the model {quoted(model_id)} calls no tools: its providers are {listed}", name
+                return f"the model {quoted(model_id)} calls no tools: its providers are {_listed(types)}", name
     return None
+
+
+def _listed(types: frozenset[str]) -> str:
+    return ", ".join(sorted(types))
