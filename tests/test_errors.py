@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -155,9 +156,12 @@ def test_a_raw_response_is_a_whole_http_response_with_the_same_body() -> None:
     head, _, body = err.raw_response().partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
     assert lines[0] == "HTTP/1.1 503 Service Unavailable"
+    ids = [line for line in lines[1:] if line.startswith("X-Request-Id: ")]
+    assert len(ids) == 1 and re.fullmatch(r"X-Request-Id: req_[0-9a-f]{32}", ids[0])  # (each answer its own)
     assert {"Content-Type: application/json", f"Content-Length: {len(body)}", "Connection: close",
-            "Retry-After: 1"} == set(lines[1:])
+            "Retry-After: 1"} == set(lines[1:]) - set(ids)
     assert json.loads(body) == err.body()
+    assert ids[0] not in err.raw_response().decode()
 
 
 @pytest.mark.parametrize(("status", "code"), [(400, "invalid_request_error"), (404, "not_found"),
