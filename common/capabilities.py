@@ -43,7 +43,7 @@ def refused_everywhere(kind: RunKind, body: dict[str, Any], model_id: str,
     if asks_several_choices(body) and types <= ONE_CHOICE:
         return (f"'n' must be 1 for the model {quoted(model_id)}: its providers ({_listed(types)}) return one "
                 "choice a request"), "n"
-    if kind is RunKind.CHAT and types <= NO_TOOLS:
+    if types <= NO_TOOLS:  # (a legacy completion's too: a CLI tool refuses them on any kind)
         for name in TOOL_FIELDS:
             if body.get(name):
                 return f"the model {quoted(model_id)} calls no tools: its providers are {_listed(types)}", name

@@ -32,17 +32,19 @@ def _usage(usage: Any) -> dict[str, Any] | None:
         return None
     prompt, completion = (min(n, MAX_COUNTED_TOKENS) for n in token_counts(usage))
     return {"input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": _detail(usage, "prompt_tokens_details", "cached_tokens"),
+            "input_tokens_details": {"cached_tokens": _detail(usage, "prompt_tokens_details", "cached_tokens",
+                                                              prompt),
                                      "cache_write_tokens": 0},
             "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": _detail(usage, "completion_tokens_details",
-                                                                  "reasoning_tokens")},
+                                                                  "reasoning_tokens", completion)},
             "total_tokens": prompt + completion}
 
 
-def _detail(usage: dict[str, Any], details: str, name: str) -> int:
+def _detail(usage: dict[str, Any], details: str, name: str, most: int) -> int:
+    """A count of the usage's details, at most the count it is a part of (`most`)."""
     value = _obj(usage.get(details)).get(name)
-    return value if type(value) is int and value >= 0 else 0
+    return min(value, most) if type(value) is int and value >= 0 else 0
 
 
 def _obj(value: Any) -> dict[str, Any]:
@@ -97,8 +99,9 @@ class _Writing:
     part: str | None = None
     #: that part's text (a function call's: its arguments) as it came, joined once when it ends
     pieces: list[str] = field(default_factory=list)
-    #: a function call's id as the provider gave it (None: it gave none yet)
+    #: a function call's id as the provider gave it (None: it gave none yet), and its `index`
     given_id: str | None = None
+    call_index: int | None = None
 
 
 class ResponseShape:
@@ -309,35 +312,45 @@ class ResponseShape:
         open_.item["status"] = status
         out.append(self._event("response.output_item.done", output_index=open_.index, item=open_.item))
 
-    def _call_key(self, call: dict[str, Any], position: int, call_id: str | None) -> CallKey:
+    def _call_key(self, call: dict[str, Any], position: int, call_id: str | None, names_function: bool) -> CallKey:
         """Which tool call a streamed piece of one belongs to. OpenAI's chunks number each call
         (`index`) and give its `id` with its first piece; some servers send no `index` (Ollama's,
-        Gemini's) or the same one for every call: a call's id, where given, tells calls apart, and
-        an `index` alone names the call that took it last. A piece with neither continues the call
-        written last (the first of a delta's pieces; the others are told apart by their place in it)."""
-        index = call.get("index")
+        Gemini's) or the same one for every call, each call whole with its function's name: an id
+        not seen before that names a function is a call of its own. (Other servers give each piece
+        of one call an id of its own, the function named once: such a piece goes on with its
+        index's call.) An `index` alone names the call that took it last. A piece with neither
+        continues the call written last (the first of a delta's pieces; the others are told apart
+        by their place in it)."""
+        index: int | None = call["index"] if type(call.get("index")) is int else None
         if call_id is not None:
             known = self._call_ids.get(call_id)
-            if known is not None:
+            if known is not None and (index is None or self._calls[known].call_index in (None, index)):
                 return known
-            if type(index) is int and (index not in self._calls or self._calls[index].given_id is None):
-                return index
-            return ("id", call_id)  # a call of its own: an id not seen before
-        if type(index) is int:
+            if index is not None:
+                current = self._by_index.get(index)
+                if current is None:
+                    return index if index not in self._calls else ("id", call_id)
+                if self._calls[current].given_id in (None, call_id) or not names_function:
+                    return current
+            return ("id", call_id)  # a call of its own
+        if index is not None:
             return self._by_index.get(index, index)
         return self._last_call if position == 0 and self._last_call is not None else position
 
     def _call(self, call: dict[str, Any], position: int, out: list[bytes]) -> None:
         function = _obj(call.get("function"))
         call_id = call["id"] if isinstance(call.get("id"), str) and call["id"] else None
-        key = self._call_key(call, position, call_id)
+        key = self._call_key(call, position, call_id, bool(_text_of(function.get("name"))))
         writing = self._calls.get(key)
         if writing is None:
             self._close(out, "completed")
-            item = self._call_item(len(self._items), call_id, _text_of(function.get("name")), "", "in_progress")
+            # (an id another call has already: this one gets an id of its own, as a Response's calls must)
+            given = None if call_id in self._call_ids else call_id
+            item = self._call_item(len(self._items), given, _text_of(function.get("name")), "", "in_progress")
             writing = self._calls[key] = self._add(item, out)
             if type(call.get("index")) is int:
                 self._by_index[call["index"]] = key
+                writing.call_index = call["index"]
         elif isinstance(function.get("name"), str) and not writing.item["name"]:
             writing.item["name"] = function["name"]
         if call_id is not None and writing.given_id is None:

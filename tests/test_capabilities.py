@@ -37,6 +37,7 @@ OLLAMA, CLI, BOTH, MIXED = (frozenset({"ollama"}), frozenset({"cli"}), frozenset
     (CHAT, {"tools": [{"type": "function"}]}, CLI, "tools"),
     (CHAT, {"functions": [{"name": "f"}]}, CLI, "functions"),
     (CHAT, {"tools": []}, CLI, None),
+    (COMPLETION, {"tools": [{"type": "function"}]}, CLI, "tools"),
     (CHAT, {"tools": [{"type": "function"}]}, BOTH, None),  # (Ollama calls tools)
     (EMBEDDING, {"input": "x"}, CLI, "model"),
     (EMBEDDING, {"input": "x"}, BOTH, None),

@@ -262,9 +262,17 @@ def test_a_cut_answer_s_tool_call_is_incomplete_and_arguments_sent_as_json_are_k
 def test_a_response_s_usage_counts_stay_within_64_bits() -> None:
     """(A hostile review: counts of 2**62 from a provider made a `total_tokens` one past what a 64-bit
     integer holds, which Go's and Java's clients cannot read.)"""
-    huge = {"prompt_tokens": 2**62, "completion_tokens": 2**62, "total_tokens": 2**63}
+    huge = {"prompt_tokens": 2**62, "completion_tokens": 2**62, "total_tokens": 2**63,
+            "prompt_tokens_details": {"cached_tokens": 2**64 - 1}, "completion_tokens_details": {"reasoning_tokens": 7}}
     usage = shape().whole({**completion({"content": "x"}), "usage": huge})["usage"]
     assert usage["input_tokens"] == usage["output_tokens"] == 10**9 and usage["total_tokens"] == 2 * 10**9
+    assert usage["input_tokens_details"]["cached_tokens"] == 10**9  # (a part, at most its whole)
+    assert usage["output_tokens_details"]["reasoning_tokens"] == 7
+    small = shape().whole({**completion({"content": "x"}), "usage": {
+        "prompt_tokens": 3, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 9},
+        "completion_tokens_details": {"reasoning_tokens": 5}}})["usage"]
+    assert small["input_tokens_details"]["cached_tokens"] == 3
+    assert small["output_tokens_details"]["reasoning_tokens"] == 2
 
 
 def test_odd_chat_answers_still_make_a_valid_response() -> None:
@@ -396,6 +404,13 @@ def test_tool_calls_without_an_index_are_told_apart_by_their_ids() -> None:
     two = chunk({"tool_calls": [{"function": {"name": "f", "arguments": "{}"}},
                                 {"function": {"name": "g", "arguments": "{}"}}]})
     assert [c[1:] for c in calls_of(play([[two, *end]]))] == [("f", "{}"), ("g", "{}")]  # (told apart by place)
+    # (a review of the change:) a server that gives each piece of one call an id of its own (Poolside's
+    # API, an older mlx-openai-server), the function named once: one call, as before
+    assert calls_of(play([[tool(0, "x1", "f", '{"a":'), tool(0, "x2", None, "1}"), *end]])) == [("x1", "f", '{"a":1}')]
+    # the same id at two indexes: two calls, the second with an id of its own (the client refuses a
+    # Response whose two calls share one)
+    assert calls_of(play([[tool(0, "c", "f", '{"a":1}'), tool(1, "c", "g", '{"b":2}'), *end]])) == [
+        ("c", "f", '{"a":1}'), (f"call_{RUN[4:]}_1", "g", '{"b":2}')]
 
 
 def test_odd_streamed_chunks_still_make_valid_events_and_keep_what_they_hold() -> None:
