@@ -340,13 +340,14 @@ class ResponseShape:
     def _call(self, call: dict[str, Any], position: int, out: list[bytes]) -> None:
         function = _obj(call.get("function"))
         call_id = call["id"] if isinstance(call.get("id"), str) and call["id"] else None
-        key = self._call_key(call, position, call_id, bool(_text_of(function.get("name"))))
+        name = _text_of(function.get("name"))
+        key = self._call_key(call, position, call_id, bool(name))
         writing = self._calls.get(key)
         if writing is None:
             self._close(out, "completed")
             # (an id another call has already: this one gets an id of its own, as a Response's calls must)
             given = None if call_id in self._call_ids else call_id
-            item = self._call_item(len(self._items), given, _text_of(function.get("name")), "", "in_progress")
+            item = self._call_item(len(self._items), given, name, "", "in_progress")
             writing = self._calls[key] = self._add(item, out)
             if type(call.get("index")) is int:
                 self._by_index[call["index"]] = key
@@ -357,9 +358,7 @@ class ResponseShape:
             writing.given_id = call_id
             self._call_ids.setdefault(call_id, key)
         self._last_call = key
-        arguments = function.get("arguments")
-        if not isinstance(arguments, str):
-            arguments = _arguments(arguments)  # (JSON, an object say: as its text, not lost)
+        arguments = _arguments(function.get("arguments"))  # (JSON, an object say: as its text, not lost)
         if arguments:
             writing.pieces.append(arguments)
             out.append(self._event("response.function_call_arguments.delta", item_id=writing.item["id"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.capabilities import asks_several_choices
+from common.capabilities import TOOL_FIELDS, asks_several_choices
 from common.wire import RunKind
 
 
@@ -53,7 +53,7 @@ def flatten_messages(messages: Any) -> str:
 
 def _one_answer(body: dict[str, Any]) -> None:
     """Refuse what asks for more than one plain-text answer: tools to call, or `n` > 1."""
-    for name in ("tools", "functions"):
+    for name in TOOL_FIELDS:
         if body.get(name):
             raise NotForCli("a cli provider does not call tools", name)
     if asks_several_choices(body):
