@@ -24,8 +24,9 @@ from common.redisline import Line, line_of
 # answered); and what ends, cancels or keeps a run runs whatever the memory (`FREES`: `finish`,
 # `reap`, `drop_queued`, `renew`), since refusing it would keep a run going for nobody, lose a
 # running run's lease, or never free its slot and request body. Those add little but an ended
-# run's last event (a non-stream run's answer, up to `runtime.max_response_bytes`, in its events
-# and each follower's inbox): Redis may pass `maxmemory` by that much a run ending meanwhile.
+# run's last events (a non-stream run's answer, up to `runtime.max_response_bytes`, or a stream's
+# last read of its provider, in its events and each follower's inbox): Redis may pass `maxmemory`
+# by that much a run ending meanwhile.
 FREES = "#!lua flags=allow-oom\n"
 
 _NOW = """
@@ -664,17 +665,22 @@ return 1
 #       data, ttl_s, replica channel prefix, model, error code, error message, attempt,
 #       evidence ('ok'|'fail'|''), strikes, failure reason, prompt tokens, completion tokens
 #       (the usage the caller got, added to its key's by `_ENDED` when the run ends here), how
-#       fresh an 'ok' must be to be written again (ms, `_EVIDENCE`)
+#       fresh an 'ok' must be to be written again (ms, `_EVIDENCE`), a completed stream's last
+#       output ('' none: a `delta` event's data, added before the end; refused with 'too_many', and
+#       nothing done, when the events hold `max_events_per_run`), max_events_per_run
 FINISH = FREES + _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + """
 local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited')
 local state = rec[1]
 if rec[2] ~= ARGV[10] then return 'stale' end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
+local last = ARGV[17] or ''
+if last ~= '' and redis.call('XLEN', KEYS[3]) >= tonumber(ARGV[18]) then return 'too_many' end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('DEL', KEYS[7])
 evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable', ARGV[16])
 local ttl = tonumber(ARGV[5])
+if last ~= '' then add_event(KEYS[1], KEYS[3], ARGV[1], 'delta', last, rec[3]) end
 add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4], rec[3])
 redis.call('EXPIRE', KEYS[3], ttl)
 if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' then

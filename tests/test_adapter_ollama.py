@@ -20,7 +20,7 @@ from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from tests.fakes.ollama_server import FakeOllama, FakeState
 from tests.openapi import validate
-from workers.adapters.base import ProviderError, Retry
+from workers.adapters.base import LastRead, ProviderError, Retry
 from workers.adapters.ollama import OllamaAdapter, observed_names, server_root
 
 SERVED = "llama3:latest"
@@ -74,6 +74,7 @@ async def test_chat_stream_maps_deltas_finish_reason_and_usage(adapter: OllamaAd
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+    assert [isinstance(r, LastRead) for r in reads] == [False] * (len(reads) - 1) + [True]  # (`done` came in it)
 
     sent = fake.state.records[-1]
     assert sent["path"] == "/api/chat" and sent["model"] == SERVED

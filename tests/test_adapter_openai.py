@@ -18,7 +18,7 @@ from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from iop.simulator import SimOptions, start_server
 from tests.conftest import async_wait_until as until
-from workers.adapters.base import ProviderError, Retry
+from workers.adapters.base import LastRead, ProviderError, Retry
 from workers.adapters.openai_compat import (
     OpenAICompatAdapter,
     api_root,
@@ -112,6 +112,10 @@ async def test_each_type_streams_completes_and_embeds_via_the_simulator(
     chunks = [c for r in reads for c in r]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "tok0 tok1 tok2 "
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    # from the read with the finish_reason on, nothing but the end may come: each is a LastRead
+    finishing = next(n for n, r in enumerate(reads) if any(c["choices"] and c["choices"][0]["finish_reason"]
+                                                            for c in r))
+    assert [isinstance(r, LastRead) for r in reads] == [n >= finishing for n in range(len(reads))]
 
     answer = await adapter.complete(RunKind.COMPLETION, {"model": SERVED, "prompt": "x", "max_tokens": 2}, "run_c")
     assert answer["choices"][0]["text"] == "tok0 tok1 "

@@ -27,7 +27,7 @@ from scheduler.core import Scheduler
 from tests.conftest import async_wait_until
 from tests.test_scheduler import MODEL, beat, make_config, waiting_runs
 from workers import runner as runner_module
-from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
+from workers.adapters.base import DOWN, LastRead, ProbeResult, ProviderError, Retry
 from workers.adapters.cli import CliAdapter
 from workers.adapters.openai_compat import completion_tokens_named
 from workers.runner import Runner
@@ -129,6 +129,71 @@ async def test_an_opening_chunk_goes_out_with_the_first_output(redis: Redis) -> 
     assert deltas == [[ROLE, TEXT]]
 
 
+def script_calls(runner: Runner, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the scripts the runner calls from now on, in order."""
+    real_call, names = runner.scripts.call, []
+
+    async def call(name: str, run_keys: Any, args: Any) -> Any:
+        names.append(name)
+        return await real_call(name, run_keys, args)
+
+    monkeypatch.setattr(runner.scripts, "call", call)
+    return names
+
+
+async def test_a_stream_s_last_reads_go_out_with_its_end_in_one_redis_call(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a",
+                    {"a": Scripted([[ROLE, TEXT], LastRead([text("b")]), LastRead([text("c")])])})
+    called = script_calls(runner, monkeypatch)
+    assert await runner.execute(run_id) == "completed:ok"
+    assert called == ["start", "emit", "finish"]
+    assert [k for k, _ in await events(redis, run_id)][-3:] == ["delta", "delta", "completed"]
+    assert await deltas(redis, run_id) == [[ROLE, TEXT], [text("b"), text("c")]]
+    assert await fields(redis, keys.run_record(run_id), "state", "output") == ["completed", "1"]
+
+
+async def test_a_provider_sending_on_after_its_last_read_gets_no_more_held_than_max_opening(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    sched, run_id = await start_one(redis, {"a": 1})
+    after = [LastRead([text(str(n))]) for n in range(runner_module.MAX_OPENING + 6)]
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT], *after])})
+    called = script_calls(runner, monkeypatch)
+    assert await runner.execute(run_id) == "completed:ok"
+    assert called == ["start", "emit", "emit", "finish"]
+    assert [len(d) for d in await deltas(redis, run_id)] == [1, runner_module.MAX_OPENING, 6]
+
+
+async def test_a_stream_found_cut_after_its_last_read_shows_that_read_before_the_error(redis: Redis) -> None:
+    sched, run_id = await start_one(redis, {"a": 1})
+    cut = ProviderError("provider a: the stream was cut short ([DONE] without a finish_reason)", retry=Retry.ANY)
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT], LastRead([text("b")])], cut)})
+    assert (await runner.execute(run_id)).startswith("failed")  # (output went out: not tried again)
+    assert await deltas(redis, run_id) == [[TEXT], [text("b")]]
+    assert (await events(redis, run_id))[-1][0] == "failed"
+
+
+@pytest.mark.parametrize("batch_ms", [0, 1])
+async def test_a_stream_s_last_read_past_max_events_per_run_fails_the_run_as_an_emit_would(
+        redis: Redis, batch_ms: int) -> None:
+    config = make_config({"a": 1}, runtime={"max_events_per_run": 10, "stream_batch_ms": batch_ms})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await redis.hset(keys.run_record(run_id), "stream", "1")
+    await sched.dispatch_all()
+    room = 10 - await redis.xlen(keys.run_events(run_id)) - 1  # (the `started` event comes first)
+    paced = Paced([*([text(str(n))] for n in range(room)), LastRead([text("z")])])
+    runner = Runner(redis, sched.config, "n-a", {"a": paced})
+    run = asyncio.create_task(runner.execute(run_id))
+    for n, gate in enumerate(paced.gates):  # each read goes out alone
+        gate.set()
+        if n < room:
+            await async_wait_until(partial(_delta_count, redis, run_id, n + 1), what=f"read {n} out")
+    assert (await run).startswith("failed")
+    assert await fields(redis, keys.run_record(run_id), "error_code") == ["output_too_large"]
+    assert len(await deltas(redis, run_id)) == room and (await events(redis, run_id))[-1][0] == "failed"
+
+
 class Paced:
     """A provider whose reads come when the test lets them: read k once `gates[k]` is set."""
 
@@ -177,6 +242,21 @@ async def start_batched(redis: Redis, batch_ms: int) -> tuple[Scheduler, str]:
 
 async def deltas(redis: Redis, run_id: str) -> list[list[dict[str, Any]]]:
     return [d["chunks"] for k, d in await events(redis, run_id) if k == "delta"]
+
+
+async def test_with_stream_batch_ms_a_stream_s_last_read_goes_out_with_its_end(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    sched, run_id = await start_batched(redis, 10_000)
+    paced = Paced([[ROLE, text("a")], LastRead([text("b")])])
+    runner = Runner(redis, sched.config, "n-a", {"a": paced})
+    called = script_calls(runner, monkeypatch)
+    run = asyncio.create_task(runner.execute(run_id))
+    paced.gates[0].set()
+    await async_wait_until(partial(_delta_count, redis, run_id, 1), what="the first output, at once")
+    paced.gates[1].set()
+    assert await run == "completed:ok"
+    assert called == ["start", "emit", "finish"]
+    assert await deltas(redis, run_id) == [[ROLE, text("a")], [text("b")]]
 
 
 async def test_with_stream_batch_ms_the_first_output_goes_at_once_and_later_output_together(redis: Redis) -> None:

@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tests.conftest import async_wait_until
+from workers.adapters.base import LastRead
 from workers.stream_pump import Pump
 
 ROLE = {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
@@ -109,3 +111,46 @@ async def test_closing_a_full_pump_closes_the_provider_stream() -> None:
     assert len(pump.held) == 4  # full: the pump waits for room
     await pump.close()
     assert closed.is_set()
+
+
+async def test_a_last_read_waits_for_the_end_but_not_past_max_held_chunks() -> None:
+    """A read the adapter marks as its last goes with the run's end, not at once; but a provider that
+    goes on sending after it (before the end) gets no more held than `max_held` chunks."""
+    go, more = asyncio.Event(), asyncio.Event()
+    read, waiting = 0, False
+
+    async def reads() -> AsyncIterator[list[dict[str, Any]]]:
+        nonlocal read, waiting
+        yield [text("a")]
+        await go.wait()
+        yield LastRead([text("b")])
+        waiting = True
+        await more.wait()
+        for n in range(20):
+            read += 1
+            yield LastRead([text(str(n))])
+
+    def said(chunks: list[dict[str, Any]]) -> list[str]:
+        return [c["choices"][0]["delta"]["content"] for c in chunks]
+
+    pump = Pump(reads(), wanted_usage=True, max_held=8)
+    try:
+        await pump.ready(None)
+        assert said(pump.take()) == ["a"]
+        ready = asyncio.ensure_future(pump.ready(None))
+        go.set()
+        async def past() -> bool:
+            return waiting
+
+        await async_wait_until(past, what="the pump past the last read")
+        assert not ready.done() and said(pump.held) == ["b"]  # held for the end
+        more.set()
+        await ready  # 8 chunks wait: they go out, though each came in a last read
+        got = said(pump.take())
+        assert got == ["b", *map(str, range(7))] and read == 7
+        while not pump.ended:
+            await pump.ready(None)
+            got += said(pump.take())
+        assert got + said(pump.take_all()) == ["b", *map(str, range(20))]
+    finally:
+        await pump.close()

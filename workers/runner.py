@@ -33,7 +33,7 @@ from common.scripts import Scripts
 from common.snapshots import read_snapshots
 from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
 from workers import metrics
-from workers.adapters.base import Adapter, ProviderError, Retry
+from workers.adapters.base import Adapter, LastRead, ProviderError, Retry
 from workers.adapters.openai_compat import completion_tokens_named
 from workers.stream_pump import Pump, close_reads, shows_output
 
@@ -371,29 +371,32 @@ class Runner:
         if not (added and att.provider_id in self.no_stream_options):
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         try:
-            usage = await self._stream_reads(att, adapter.stream(kind, body, att.run_id), wanted)
+            usage, last = await self._stream_reads(att, adapter.stream(kind, body, att.run_id), wanted)
         except ProviderError as exc:
             if not (added and "stream_options" in body and refuses_stream_options(exc)) or att.output:
                 raise
             del body["stream_options"]
-            usage = await self._stream_reads(att, adapter.stream(kind, body, att.run_id), wanted)
+            usage, last = await self._stream_reads(att, adapter.stream(kind, body, att.run_id), wanted)
             if att.provider_id not in self.no_stream_options:  # (it took the request without them)
                 log.warning("provider %s refused the stream_options iop adds to ask for usage; its streams go "
                             "without them (their runs count no tokens)", att.provider_id, extra=att.log())
                 self.no_stream_options.add(att.provider_id)
         return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {}, evidence=ALIVE,
-                                  usage=token_counts(usage))
+                                  usage=token_counts(usage), last=last)
 
     async def _stream_reads(self, att: Attempt, reads: AsyncIterator[list[dict[str, Any]]],
-                            wanted: bool) -> dict[str, Any] | None:
+                            wanted: bool) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """Returns the last usage object read, and the stream's last output, which goes out with the
+        run's end (one Redis call, and one event fewer to wake the caller's gateway for)."""
         if self.config.runtime.stream_batch_ms:
             return await self._stream_batched(att, Pump(reads, wanted, MAX_OPENING),
                                               self.config.runtime.stream_batch_ms / 1000)
         return await self._stream_each(att, reads, wanted)
 
     async def _stream_each(self, att: Attempt, reads: AsyncIterator[list[dict[str, Any]]],
-                           wanted: bool) -> dict[str, Any] | None:
-        """Each read goes out as it comes. Returns the last usage object read."""
+                           wanted: bool) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """Each read goes out as it comes, but those the adapter marks as its last (`LastRead`): they
+        go with the run's end (unless `MAX_OPENING` chunks wait)."""
         usage = None
         # Opening chunks (a bare `role` delta) wait for the first real output: a stream cut short
         # before it has shown the caller nothing and may be tried again.
@@ -403,20 +406,26 @@ class Runner:
             async for chunks in reads:
                 usage = usage_in(chunks) or usage
                 held += chunks if wanted else without_usage(chunks)
-                if held and (att.output or shows_output(held, MAX_OPENING)):
-                    await self._emit(att, EventType.DELTA, {"chunks": held})
-                    att.output, held = True, []
+                if held and (att.output or shows_output(held, MAX_OPENING)) and (
+                        not isinstance(chunks, LastRead) or len(held) >= MAX_OPENING):
+                    out, held = held, []
+                    await self._emit(att, EventType.DELTA, {"chunks": out})
+                    att.output = True
+        except ProviderError:  # (found after the last read: what it held reaches the caller first)
+            if held and (att.output or shows_output(held, MAX_OPENING)):
+                await self._emit(att, EventType.DELTA, {"chunks": held})
+                att.output = True
+            raise
         finally:
             await close_reads(reads)
-        if held:
-            await self._emit(att, EventType.DELTA, {"chunks": held})
-        return usage
+        return usage, held
 
-    async def _stream_batched(self, att: Attempt, pump: Pump, batch_s: float) -> dict[str, Any] | None:
+    async def _stream_batched(self, att: Attempt, pump: Pump,
+                              batch_s: float) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         """`runtime.stream_batch_ms`: the first output goes out at once; later output at most every
         `batch_s`, what came meanwhile in one event (an event costs every process on its way);
-        the end of the stream at once, and what was held when the provider failed before its
-        error. Returns the last usage object read."""
+        the end of the stream at once (with the run's end), and what was held when the provider
+        failed before its error."""
         loop = asyncio.get_running_loop()
         #: when held output goes out (loop time); None: the next output goes out as it comes
         due: float | None = None
@@ -445,9 +454,7 @@ class Runner:
                 raise error
             finally:
                 error = None
-        if held:
-            await self._emit(att, EventType.DELTA, {"chunks": held})
-        return pump.usage
+        return pump.usage, held
 
     async def _fail(self, att: Attempt, info: ErrorInfo, retry: Retry, evidence: Evidence = NO_EVIDENCE) -> str:
         """End a failed attempt: put the run back in its queue if another attempt may do better
@@ -492,29 +499,44 @@ class Runner:
         """Add an event to the run, within its limits. Rides out a Redis restart
         (`_call_while_leased`)."""
         rt = self.config.runtime
-        try:
-            packed = pack(data)
-        except Unpackable as exc:
-            raise cannot_carry(att.provider_id, exc) from None
-        if att.output_bytes + len(packed) > rt.max_output_bytes:
-            raise OutputTooLarge(f"the run's output passed runtime.max_output_bytes ({rt.max_output_bytes} bytes)")
+        packed = self._output(att, data)
         args = [att.attempt, etype.value, packed, rt.max_events_per_run, att.run_id, att.emitted + 1]
         ok = await self._call_while_leased(att, "emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
                                            args, "emitting")
         if ok == 2:
-            raise OutputTooLarge(f"the run's output passed runtime.max_events_per_run ({rt.max_events_per_run} events)")
+            raise self._too_many_events()
         if not ok:
             raise LeaseLost(att.run_id)
         att.emitted += 1
         att.output_bytes += len(packed)
 
+    def _output(self, att: Attempt, data: dict[str, Any]) -> bytes:
+        """An event's data, packed, if the run's output stays within `runtime.max_output_bytes`
+        with it."""
+        try:
+            packed = pack(data)
+        except Unpackable as exc:
+            raise cannot_carry(att.provider_id, exc) from None
+        limit = self.config.runtime.max_output_bytes
+        if att.output_bytes + len(packed) > limit:
+            raise OutputTooLarge(f"the run's output passed runtime.max_output_bytes ({limit} bytes)")
+        return packed
+
+    def _too_many_events(self) -> OutputTooLarge:
+        limit = self.config.runtime.max_events_per_run
+        return OutputTooLarge(f"the run's output passed runtime.max_events_per_run ({limit} events)")
+
     async def _finish(self, att: Attempt, state: RunState | None, etype: EventType, data: dict[str, Any],
                       info: ErrorInfo | None = None, *, evidence: Evidence = NO_EVIDENCE,
-                      requeue: str = "requeue", usage: tuple[int, int] = (0, 0)) -> str:
+                      requeue: str = "requeue", usage: tuple[int, int] = (0, 0),
+                      last: list[dict[str, Any]] | None = None) -> str:
         """state None = requeue (`requeue` says how). Records `evidence` of the provider's health,
         and `usage` (prompt, completion tokens the caller got) for its key. Rides out a Redis
         restart (`_call_while_leased`): a slot must come back. A provider's answer (`data`) that
-        msgpack cannot hold fails the run instead, with why."""
+        msgpack cannot hold fails the run instead, with why. `last`: a completed stream's last
+        chunks, added as a `delta` event before the end (within the run's limits: else
+        OutputTooLarge or the ProviderError of `cannot_carry` is raised, and nothing recorded)."""
+        delta = self._output(att, {"chunks": last}) if last else b""
         att.stopping = True  # (ending: a cancel now is not raised into it, see `cancel`)
         kind, strikes, reason = evidence
         try:
@@ -531,7 +553,8 @@ class Runner:
         args = [att.run_id, state.value if state else requeue, etype.value, packed,
                 self.config.runtime.run_ttl_s, keys.scheduler_channel(""), att.model_id,
                 info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes,
-                plain_text(reason), *(min(n, MAX_COUNTED_TOKENS) for n in usage), self._fresh_ms(att.provider_id)]
+                plain_text(reason), *(min(n, MAX_COUNTED_TOKENS) for n in usage), self._fresh_ms(att.provider_id),
+                delta, self.config.runtime.max_events_per_run]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
                     keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id), keys.node_queue(self.node_id),
                     keys.arq_in_progress(att.run_id),
@@ -540,6 +563,8 @@ class Runner:
             result = await self._call_while_leased(att, "finish", run_keys, args, "recording its end")
         except LeaseLost:
             return "unrecorded"  # the lease expires and the scheduler reaps the run
+        if result == b"too_many":  # (its last output would pass max_events_per_run: nothing was recorded)
+            raise self._too_many_events()
         metrics.runs(att.model_id, att.provider_id, state.value if state else "requeued").inc()
         if kind == "fail":
             self.on_strike(att.provider_id)

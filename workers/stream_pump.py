@@ -5,7 +5,8 @@ what is held when it is time to send (`ready`): at the first output, then at eac
 runner sets, and at the end. A read costs only its own parsing: the runner is not woken for each
 one, and no timer is set per read. Opening chunks alone (a bare `role` delta) are not output:
 they wait for the first real output, as the runner's unbatched path does, but no more than
-`max_held` of them: those go out as output. At most `max_held` chunks wait: then the pump stops
+`max_held` of them: those go out as output. A read the adapter marks as its last (`LastRead`) waits
+for the end: it goes out with the run's end. At most `max_held` chunks wait: then the pump stops
 reading (the provider's connection pushes back) until they are taken.
 """
 
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from common.chunks import is_preamble, usage_in, without_usage
+from workers.adapters.base import LastRead
 
 Chunk = dict[str, Any]
 
@@ -48,8 +50,8 @@ class Pump:
                 self.held += chunks if self._wanted else without_usage(chunks)
                 if not self.output and shows_output(self.held, self.max_held):
                     self.output = True
-                if self._sendable():
-                    self._wake.set()
+                if self._sendable() and (not isinstance(chunks, LastRead) or len(self.held) >= self.max_held):
+                    self._wake.set()  # (a last read waits for the end, unless so many chunks wait)
                 if len(self.held) >= self.max_held:
                     self._room.clear()
                     await self._room.wait()

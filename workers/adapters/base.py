@@ -87,13 +87,24 @@ class ProbeResult:
     busy: bool = False
 
 
+class LastRead(list[dict[str, Any]]):
+    """A stream's read after which nothing but its end may come: its `[DONE]` or Ollama's `done`
+    came in it, or every choice has its finish_reason (a usage chunk may follow, and [DONE], within
+    `FINISHED_GRACE_S`). The runner sends it with the run's end, one Redis call for both (and for
+    the reads after it, as many as `MAX_OPENING` at most). The adapter may still raise after it: a
+    stream it finds cut short."""
+
+    __slots__ = ()
+
+
 class Adapter(Protocol):
     async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """One whole response (non-stream)."""
         ...
 
     def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
-        """OpenAI chunk objects, one list per read from the provider."""
+        """OpenAI chunk objects, one list per read from the provider; the last one a `LastRead` where
+        the adapter knows it is."""
         ...
 
     async def probe(self) -> ProbeResult:

@@ -20,7 +20,7 @@ from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import ollama_wire as wire
 from workers.adapters import sending
-from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry, not_taken
+from workers.adapters.base import DEFAULT_LIMITS, LastRead, ProbeResult, ProviderError, ReadLimits, Retry, not_taken
 from workers.adapters.embeddings import embeddings_problem
 from workers.adapters.failures import (
     answered_error,
@@ -237,7 +237,8 @@ class OllamaAdapter:
                             if include_usage:
                                 chunks.append(shaper.usage_chunk(wire.usage_of(line)))
                     if chunks:
-                        yield parser.breaks.passing(chunks)
+                        passing = parser.breaks.passing(chunks)
+                        yield LastRead(passing) if parser.done else passing
                     if parser.breaks.broken:
                         raise parser.breaks.take()
                     if parser.done:

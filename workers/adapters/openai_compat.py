@@ -38,7 +38,7 @@ from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from workers.adapters import sending
-from workers.adapters.base import DEFAULT_LIMITS, ProbeResult, ProviderError, ReadLimits, Retry
+from workers.adapters.base import DEFAULT_LIMITS, LastRead, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.embeddings import embeddings_problem, in_base64
 from workers.adapters.failures import (
     answered_error,
@@ -497,7 +497,9 @@ class OpenAICompatAdapter:
                             seen.update(choice_indices(chunk))
                             ended.update(choice_indices(chunk, finished=True))
                         finished = bool(ended) and len(ended) >= max(choices, len(seen))
-                        yield parser.breaks.passing(chunks)
+                        passing = parser.breaks.passing(chunks)
+                        # (once every choice finished, what may follow is a usage chunk and [DONE])
+                        yield LastRead(passing) if parser.done or finished else passing
                     if parser.failed:
                         raise parser.failed
                     if parser.breaks.broken:
