@@ -118,6 +118,57 @@ async def test_text_completion_stream_and_whole(adapter: OllamaAdapter, fake: Fa
     assert answer["choices"][0]["text"] == "tok0 tok1 tok2 tok3 " and answer["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_log_probabilities_are_asked_for_and_come_back_openai_shaped(
+        adapter: OllamaAdapter, fake: FakeOllama) -> None:
+    """Ollama 0.12.11 and later: `logprobs`/`top_logprobs` in the native request, each line's
+    tokens in its answer (a whole answer's all together)."""
+    text = ["tok0 ", "tok1 ", "tok2 "]
+    reads = await collect(adapter, RunKind.CHAT, chat(stream=True, max_tokens=3, logprobs=True, top_logprobs=2))
+    assert fake.state.records[-1]["body"]["logprobs"] is True and fake.state.records[-1]["body"]["top_logprobs"] == 2
+    chunks = [c for read in reads for c in read]
+    for c in chunks:
+        validate("CreateChatCompletionStreamResponse", c)
+    said = [lp for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+            for lp in c["choices"][0]["logprobs"]["content"]]
+    assert [lp["token"] for lp in said] == text and said[0]["bytes"] == list(b"tok0 ")
+    assert [a["token"] for a in said[1]["top_logprobs"]] == ["tok1 ", "other"]
+
+    answer = await adapter.complete(RunKind.CHAT, chat(max_tokens=3, logprobs=True), "run_2")
+    validate("CreateChatCompletionResponse", answer)
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert [lp["token"] for lp in content] == text and all(lp["top_logprobs"] == [] for lp in content)
+    assert fake.state.records[-1]["body"]["logprobs"] is True and "top_logprobs" not in fake.state.records[-1]["body"]
+
+    # a legacy completion's `logprobs: k`: k alternatives at each token, in that API's own shape
+    body = {"model": SERVED, "prompt": "Once upon", "max_tokens": 3, "logprobs": 1}
+    answer = await adapter.complete(RunKind.COMPLETION, body, "run_3")
+    validate("CreateCompletionResponse", answer)
+    assert fake.state.records[-1]["body"]["logprobs"] is True and fake.state.records[-1]["body"]["top_logprobs"] == 1
+    assert answer["choices"][0]["logprobs"] == {
+        "tokens": text, "token_logprobs": [-0.25, -0.5, -0.75],
+        "top_logprobs": [{"tok0 ": -0.25}, {"tok1 ": -0.5}, {"tok2 ": -0.75}], "text_offset": [0, 5, 10]}
+    streamed = [c for read in await collect(adapter, RunKind.COMPLETION, {**body, "stream": True}) for c in read]
+    offsets = [o for c in streamed if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == [0, 5, 10]  # (counted over the stream's lines)
+
+    plain = await adapter.complete(RunKind.CHAT, chat(max_tokens=1, logprobs=False, top_logprobs=3), "run_4")
+    assert plain["choices"][0]["logprobs"] is None and "logprobs" not in fake.state.records[-1]["body"]
+
+
+def test_log_probabilities_of_the_wrong_type_are_left_out() -> None:
+    from workers.adapters import ollama_wire as wire
+
+    line = {"logprobs": [{"token": 5, "logprob": -1.0}, {"token": "a", "logprob": "low"}, "x",
+                         {"token": "b", "logprob": True},
+                         {"token": "ok", "logprob": -1, "bytes": ["no"], "top_logprobs": [{"token": "z"}, 3]}]}
+    assert wire.Logprobs(RunKind.CHAT).of(line) == {
+        "content": [{"token": "ok", "logprob": -1.0, "bytes": list(b"ok"), "top_logprobs": []}], "refusal": None}
+    assert wire.Logprobs(RunKind.CHAT).of({"logprobs": {"token": "a"}}) is None
+    assert wire.Logprobs(RunKind.CHAT).of({"logprobs": [None]}) is None
+    with pytest.raises(wire.UnsupportedRequest, match="'logprobs' of a completion"):
+        wire.request(RunKind.COMPLETION, {"model": SERVED, "prompt": "x", "logprobs": "2"}, False)
+
+
 async def test_tool_calls_come_back_openai_shaped(adapter: OllamaAdapter, fake: FakeOllama) -> None:
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     history = [{"role": "user", "content": "weather?"},
@@ -162,14 +213,14 @@ async def test_native_fields_and_formats(adapter: OllamaAdapter, fake: FakeOllam
     image = "data:image/png;base64,iVBORw0KGgo="
     body = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
                 keep_alive="10m", options={"num_ctx": 4096, "temperature": 0.9}, temperature=0.1,
-                logprobs=True, messages=[{"role": "user", "content": [
+                user="u-1", messages=[{"role": "user", "content": [
                     {"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": image}}]}])
     await adapter.complete(RunKind.CHAT, body, "run_5")
     sent = fake.state.records[-1]["body"]
     assert sent["format"] == schema and sent["keep_alive"] == "10m"
     assert sent["options"] == {"temperature": 0.9, "num_ctx": 4096}  # the caller's native options win
     assert sent["messages"] == [{"role": "user", "content": "what is", "images": ["iVBORw0KGgo="]}]
-    assert "logprobs" not in sent
+    assert "user" not in sent  # (an OpenAI field with no Ollama meaning)
     await adapter.complete(RunKind.CHAT, chat(response_format={"type": "json_object"}), "run_6")
     assert fake.state.records[-1]["body"]["format"] == "json"
 

@@ -218,6 +218,12 @@ def test_the_legacy_fixture_routes_every_model_as_before(
         reply = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=2)
         assert reply.model == model_id and reply.choices[0].message.content
+    # Ollama's log probabilities, streamed, read as the official client reads them
+    stream = client.chat.completions.create(model="llama3:8b", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=2, stream=True, logprobs=True, top_logprobs=1)
+    said = [t for chunk in stream for c in chunk.choices if c.logprobs and c.logprobs.content
+            for t in c.logprobs.content]
+    assert [(t.token, [a.token for a in t.top_logprobs]) for t in said] == [("tok0 ", ["tok0 "]), ("tok1 ", ["tok1 "])]
     embedded = client.embeddings.create(model="llama3:8b", input=["one two", "three"])
     assert embedded.model == "llama3:8b" and [d.index for d in embedded.data] == [0, 1]
     assert embedded.data[0].embedding == [7.0, 0.5, -0.25, 1.0]
@@ -226,7 +232,7 @@ def test_the_legacy_fixture_routes_every_model_as_before(
     assert seen["vllm-a"] == {routes["qwen3.6:35b"][1]: 1, routes["llama3.3:70b"][1]: 1}
     assert seen["hosted-c"] == {routes["gpt-4o-mini"][1]: 1}
     assert [(r["path"], r["model"]) for r in ollama.records()] == [
-        ("/api/chat", routes["llama3:8b"][1]), ("/api/embed", routes["llama3:8b"][1])]
+        (path, routes["llama3:8b"][1]) for path in ("/api/chat", "/api/chat", "/api/embed")]
     assert [line["model"] for line in log_lines(cli_log)] == [routes["local-cli"][1]]
 
 

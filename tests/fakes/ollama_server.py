@@ -81,12 +81,25 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         name = body["tools"][0]["function"]["name"]
         tool_calls = [{"function": {"name": name, "arguments": {"city": "Paris"}}}]
 
-    def piece(text: str, done: bool = False) -> Json:
+    top = body.get("top_logprobs") or 0
+
+    def logprob(text: str, i: int) -> Json:
+        """As Ollama 0.12.11+ writes a token's (`bytes` its UTF-8; `top_logprobs` left out when none
+        was asked for)."""
+        out: Json = {"token": text, "logprob": -0.25 * (i + 1), "bytes": list(text.encode())}
+        if top:
+            alternatives = [(text, out["logprob"]), ("other", -4.0), ("else", -5.0)][:top]
+            out["top_logprobs"] = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in alternatives]
+        return out
+
+    def piece(text: str, done: bool = False, i: int = 0) -> Json:
         out: Json = {"model": body["model"], "created_at": "2024-01-01T00:00:00Z", "done": done}
         if chat:
             out["message"] = {"role": "assistant", "content": text}
         else:
             out["response"] = text
+        if body.get("logprobs") and text:
+            out["logprobs"] = [logprob(text, i)]
         return out
 
     final = piece("", done=True)
@@ -99,9 +112,11 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             record["held"] = False
         if not body.get("stream", True):
             whole = piece("".join(f"{state.word}{i} " for i in range(n)))
+            if body.get("logprobs"):
+                whole["logprobs"] = [logprob(f"{state.word}{i} ", i) for i in range(n)]
             if tool_calls:
                 whole["message"]["tool_calls"] = tool_calls
-            final.update({k: v for k, v in whole.items() if k in ("message", "response")})
+            final.update({k: v for k, v in whole.items() if k in ("message", "response", "logprobs")})
             record["completed"] = True
             return web.json_response(final)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -113,7 +128,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 return resp
             if state.hang_after is not None and i == state.hang_after:
                 await asyncio.Event().wait()
-            await resp.write(_line(piece(f"{state.word}{i} ")))
+            await resp.write(_line(piece(f"{state.word}{i} ", i=i)))
             await asyncio.sleep(0)
         if tool_calls:
             call = piece("")

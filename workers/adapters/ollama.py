@@ -202,7 +202,8 @@ class OllamaAdapter:
         thinking = wire.thinking_of(answer)
         return shaper.response(wire.text_of(kind, answer), wire.finish_reason(answer, bool(calls)),
                                wire.usage_of(answer), tool_calls=calls,
-                               extra={"reasoning_content": thinking} if thinking else None)
+                               extra={"reasoning_content": thinking} if thinking else None,
+                               logprobs=wire.Logprobs(kind).of(answer))
 
     async def stream(self, kind: RunKind, body: Json, request_id: str) -> AsyncIterator[list[Json]]:
         if kind is RunKind.EMBEDDING:
@@ -211,6 +212,7 @@ class OllamaAdapter:
         shaper = Shaper(kind, request_id, body["model"])
         parser = NDJSONParser(self.provider.id, self.limits, request_id, body["model"])
         include_usage = wants_usage(body)
+        logprobs = wire.Logprobs(kind)
         tool_calls = 0
         done = False
         try:
@@ -228,8 +230,9 @@ class OllamaAdapter:
                         calls = wire.tool_calls_of(line, request_id, first_index=tool_calls, stream=True)
                         tool_calls += len(calls)
                         text, thinking = wire.text_of(kind, line), wire.thinking_of(line)
-                        if text or calls or thinking:
-                            chunks.append(shaper.delta(text, tool_calls=calls,
+                        said = logprobs.of(line)  # (a line may carry only those, while Ollama holds its text)
+                        if text or calls or thinking or said:
+                            chunks.append(shaper.delta(text, tool_calls=calls, logprobs=said,
                                                        extra={"reasoning_content": thinking} if thinking else None))
                         if line.get("done") is True:
                             done = True

@@ -5,7 +5,8 @@ Request fields that have an Ollama equivalent are mapped (`max_tokens` ->
 `options.num_predict`, `temperature`, `top_p`, `seed`, `stop`, penalties,
 `response_format` -> `format`, `tools` (left out with `tool_choice: "none"`, only the named
 ones with a named function or `allowed_tools`); a `developer`
-message goes as `system`); Ollama's own `options`, `keep_alive`, `think`,
+message goes as `system`; log probabilities: a chat's `logprobs` and `top_logprobs`, a legacy
+completion's `logprobs: k` as `logprobs: true, top_logprobs: k`); Ollama's own `options`, `keep_alive`, `think`,
 `raw`, `suffix` and `truncate` pass through; other OpenAI fields have no native meaning
 and are dropped.
 """
@@ -76,10 +77,28 @@ def _format(body: Json) -> Any:
     return None
 
 
-def _common(body: Json) -> Json:
+def _logprobs_asked(kind: RunKind, body: Json) -> Json:
+    """OpenAI's ask for log probabilities in Ollama's words (Ollama 0.12.11 and later): a chat's
+    `logprobs: true` and its `top_logprobs` as they are; a legacy completion's `logprobs: k` (the
+    alternatives wanted at each token) as `logprobs: true, top_logprobs: k`."""
+    asked = body.get("logprobs")
+    if kind is RunKind.CHAT:
+        if asked is not True:
+            return {}
+        top = body.get("top_logprobs")
+        return {"logprobs": True} if top is None else {"logprobs": True, "top_logprobs": top}
+    if asked is None or asked is False:
+        return {}
+    if type(asked) is not int:
+        raise UnsupportedRequest("'logprobs' of a completion must be a whole number of alternatives from 0 to 20",
+                                 "logprobs")
+    return {"logprobs": True, "top_logprobs": asked}
+
+
+def _common(body: Json, kind: RunKind) -> Json:
     if asks_several_choices(body):
         raise UnsupportedRequest("Ollama returns one choice per request; 'n' must be 1", "n")
-    native: Json = {"model": body["model"]}
+    native: Json = {"model": body["model"], **_logprobs_asked(kind, body)}
     options = _options(body)
     if options:
         native["options"] = options
@@ -190,7 +209,7 @@ def _messages(messages: Any) -> list[Json]:
 
 
 def chat_request(body: Json, stream: bool) -> Json:
-    native = _common(body)
+    native = _common(body, RunKind.CHAT)
     native["messages"] = _messages(body.get("messages"))
     if body.get("tools") and body.get("tool_choice") != "none":  # ("none": the model calls no tool)
         native["tools"] = offered_tools(body["tools"], body.get("tool_choice"))
@@ -229,7 +248,7 @@ def generate_request(body: Json, stream: bool) -> Json:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise UnsupportedRequest("Ollama takes a text prompt", "prompt")
-    native = _common(body)
+    native = _common(body, RunKind.COMPLETION)
     native["prompt"] = prompt
     native["stream"] = stream
     return native
@@ -291,6 +310,55 @@ def tool_calls_of(native: Json, request_id: str, first_index: int = 0, stream: b
             item["index"] = index
         out.append(item)
     return out
+
+
+def _token(entry: Any) -> Json | None:
+    """One token's log probability as OpenAI writes it (token, logprob, its UTF-8 bytes); None for
+    an entry that is not one (never a Python repr)."""
+    if not isinstance(entry, dict):
+        return None
+    token, logprob, raw = entry.get("token"), entry.get("logprob"), entry.get("bytes")
+    if not isinstance(token, str) or isinstance(logprob, bool) or not isinstance(logprob, int | float):
+        return None
+    if not (isinstance(raw, list) and all(type(b) is int and 0 <= b <= 255 for b in raw)):
+        raw = list(token.encode("utf-8", "backslashreplace"))
+    return {"token": token, "logprob": float(logprob), "bytes": raw}
+
+
+class Logprobs:
+    """An answer's log probabilities from Ollama's (`logprobs`: token, logprob, bytes, and
+    `top_logprobs`, of the tokens of each line), OpenAI-shaped: a chat's `{"content": [...],
+    "refusal": null}`; a legacy completion's `tokens`, `token_logprobs`, `top_logprobs` (a token ->
+    logprob object a position) and `text_offset` (where each token starts in the answer's text,
+    counted over a stream's lines)."""
+
+    def __init__(self, kind: RunKind) -> None:
+        self.kind = kind
+        self.offset = 0
+
+    def of(self, native: Json) -> Json | None:
+        """Those of one line (None: it has none)."""
+        entries = native.get("logprobs")
+        if not isinstance(entries, list):
+            return None
+        content = []
+        for entry in entries:
+            token = _token(entry)
+            if token is not None:
+                tops = entry.get("top_logprobs")
+                token["top_logprobs"] = [t for t in map(_token, tops) if t] if isinstance(tops, list) else []
+                content.append(token)
+        if not content:
+            return None
+        if self.kind is RunKind.CHAT:
+            return {"content": content, "refusal": None}
+        offsets = []
+        for token in content:
+            offsets.append(self.offset)
+            self.offset += len(token["token"])
+        return {"tokens": [t["token"] for t in content], "token_logprobs": [t["logprob"] for t in content],
+                "top_logprobs": [{a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in content],
+                "text_offset": offsets}
 
 
 def finish_reason(native: Json, saw_tool_calls: bool) -> str:

@@ -40,10 +40,10 @@ class Shaper:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def delta(self, text: str = "", *, finish_reason: str | None = None, tool_calls: list[Json] | None = None,
-              extra: Json | None = None) -> Json:
+              extra: Json | None = None, logprobs: Json | None = None) -> Json:
         """One streamed piece of output (chat: the first one also carries the role)."""
         if self.kind is not RunKind.CHAT:
-            return self._chunk([{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+            return self._chunk([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
         delta: Json = {}
         if not self._role_sent:
             delta["role"] = "assistant"
@@ -53,7 +53,7 @@ class Shaper:
         if tool_calls:
             delta["tool_calls"] = tool_calls
         delta.update(extra or {})
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+        return self._chunk([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
 
     def usage_chunk(self, counts: Json) -> Json:
         """The last chunk of a stream asked for with `include_usage`: no choices, only usage."""
@@ -62,17 +62,17 @@ class Shaper:
         return chunk
 
     def response(self, text: str, finish_reason: str, counts: Json, tool_calls: list[Json] | None = None,
-                 extra: Json | None = None) -> Json:
+                 extra: Json | None = None, logprobs: Json | None = None) -> Json:
         """The whole (non-stream) answer."""
         if self.kind is RunKind.CHAT:
             message: Json = {"role": "assistant", "content": text, "refusal": None}
             if tool_calls:
                 message["tool_calls"] = tool_calls
             message.update(extra or {})
-            choice: Json = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            choice: Json = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
                 "usage": counts}
