@@ -757,11 +757,13 @@ async def measure(args: argparse.Namespace, stack: Stack, out: dict[str, Any]) -
             n64, c64 = args.stream64_requests, args.stream64_concurrency
             long_g = [chat_target(stack.gateway, MODEL, 64, True, sim_tokens=64)]
             long_d = [chat_target(stack.sims[sv], sv, 64, True, sim_tokens=64) for sv in served]
+            reset_command_stats(redis_url)
             with Profiler(stack, args.profile and str(Path(args.profile) / "stream64"), None, args.profile_format):
                 long_g_phase = await phase(f"gateway stream 64 tokens c={c64}", long_g, c64, requests=n64, stream=True,
                                            keep_ids=True)
             results[f"stream64_c{c64}"] = {
                 "gateway": long_g_phase.summary(),
+                "redis_commands": command_stats(redis_url, len(long_g_phase.latencies_ns)),
                 "events_per_run": events_per_run(redis_url, long_g_phase.run_ids),
                 "direct": (await phase(f"direct stream 64 tokens c={c64}", long_d, c64, requests=n64,
                                        stream=True)).summary(),
@@ -1102,7 +1104,8 @@ NOTES = [
     "straight from a server may be a bare `role` chunk, held by iop until the first text); "
     "redis_commands_per_non_stream_run: SLOWLOG's top-level "
     "commands (a pipelined command counts one, so round trips are at most this)",
-    "stream64_c<N>: 64-token streams (the simulator's `sim.tokens`), direct and through the gateway",
+    "stream64_c<N>: 64-token streams (the simulator's `sim.tokens`), direct and through the gateway; "
+    "redis_commands: INFO commandstats over the gateway phase, a stream (evalsha: the scripts a stream calls)",
     "monitor_c1: an extra c=1 gateway phase traced with Redis MONITOR, whose timestamps have 1 us "
     "resolution (client sent/received use the same wall clock); MONITOR itself slows Redis, so those "
     "stages are upper bounds and that phase's client latency is not comparable with c1",
