@@ -34,6 +34,8 @@ from common.strict import Strict
 
 #: An id is a non-empty string without whitespace (it becomes part of Redis keys).
 ID_PATTERN = r"^\S+$"
+#: a provider's id: no comma either (a run's `tried` providers are a comma-separated list in Redis)
+PROVIDER_ID_PATTERN = r"^[^\s,]+$"
 #: the most `aliases` a model may have, and the longest one
 MAX_ALIASES = 64
 MAX_ALIAS_CHARS = 256
@@ -94,7 +96,7 @@ class QueueOverride(Strict):
 
 
 class ProviderConfig(Strict):
-    id: str = Field(pattern=ID_PATTERN)
+    id: str = Field(pattern=PROVIDER_ID_PATTERN)
     type: ProviderType
     category: Category | None = None
     base_url: str | None = None
@@ -338,6 +340,11 @@ def _looks_like_a_number(value: Any) -> bool:
     return "e" in value.lower()
 
 
+#: what an id's pattern asks, in words
+_PATTERN_SAID = {ID_PATTERN: "must be one word (no spaces)",
+                 PROVIDER_ID_PATTERN: "must be one word, without spaces or commas"}
+
+
 def _schema_errors(exc: ValidationError) -> list[str]:
     errors = []
     for err in exc.errors():
@@ -347,6 +354,8 @@ def _schema_errors(exc: ValidationError) -> list[str]:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
+        elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") in _PATTERN_SAID:
+            msg = f"{_PATTERN_SAID[err['ctx']['pattern']]}, got {shown(err['input'])}"
         elif err["type"] in _SAY_INPUT:
             msg = f"{msg}, got {shown(err['input'])}"
             if err["type"] in ("int_parsing", "int_type") and _looks_like_a_number(err["input"]):
@@ -600,9 +609,41 @@ def read_yaml(path: str | Path) -> Any:
     except UnicodeDecodeError as exc:
         raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start} is 0x{raw[exc.start]:02x})"]) from None
     try:
+        repeated = repeated_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        if repeated:
+            raise ConfigError(repeated)
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError([f"{path}: not valid YAML: {yaml_fault(exc)}"]) from None
+
+
+def repeated_keys(root: yaml.Node | None) -> list[str]:
+    """Each key given twice in one mapping, by its path (`models[0].providers.vllm-a`) and lines:
+    PyYAML keeps the last silently (a second `models:` would drop every model of the first)."""
+    faults: list[tuple[int, str]] = []
+    todo: list[tuple[yaml.Node, str]] = [(root, "")] if root is not None else []
+    seen: set[int] = set()
+    while todo:
+        node, where = todo.pop()
+        if id(node) in seen:  # (an alias: its node was walked once)
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[str, int] = {}
+            for key, value in node.value:
+                name = key.value if isinstance(key, yaml.ScalarNode) else None
+                at = f"{where}.{name}" if where else str(name)
+                if name is not None and key.tag != "tag:yaml.org,2002:merge":
+                    line = key.start_mark.line + 1
+                    if name in lines:
+                        where_said = f"twice on line {line}" if lines[name] == line else \
+                            f"twice (lines {lines[name]} and {line})"
+                        faults.append((line, f"{at}: given {where_said}; YAML would keep only the last"))
+                    lines.setdefault(name, line)
+                todo.append((value, at))
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend((item, f"{where}[{i}]") for i, item in enumerate(node.value))
+    return [fault for _, fault in sorted(faults)]
 
 
 def yaml_fault(exc: yaml.YAMLError) -> str:

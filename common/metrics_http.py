@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
+from common.listening import cannot_listen
 from common.redisconn import REDIS_DOWN
 
 log = logging.getLogger("iop.metrics")
@@ -91,6 +92,10 @@ async def start_metrics_server(registry: CollectorRegistry, host: str, port: int
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # a port in use, a name that does not resolve, no permission
+        await runner.cleanup()
+        raise cannot_listen("for metrics ", host, port, exc) from None
     bound = runner.addresses[0][1] if runner.addresses else port
     return MetricsServer(runner, f"http://{host}:{bound}/metrics")

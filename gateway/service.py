@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import resource
-import socket
 from collections.abc import Mapping
 
 from aiohttp import web
@@ -16,6 +14,7 @@ from redis.exceptions import RedisError
 from common.auth import KeyRing, UnresolvedKeys
 from common.config import Config
 from common.lifecycle import ready, stop_event
+from common.listening import cannot_listen, listen_address
 from common.redisconn import REDIS_DOWN
 from gateway import metrics
 from gateway.admission import TRIAGE_SLOTS, ConnectionGuard, ConnectionLimits
@@ -87,19 +86,6 @@ def keyring_for(config: Config, host: str, allow_anonymous: bool, environ: Mappi
         raise SystemExit("\n".join(f"error: {e}" for e in exc.errors)) from None
 
 
-def listen_address(host: str, port: int) -> str:
-    """`host:port` as a person writes it (`[::1]:8080` for IPv6)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def bind_reason(exc: OSError) -> str:
-    """Why a listening socket could not be made, short: `Address already in use`, `Name or service
-    not known` (asyncio and uvloop word the same errno differently, with the address in it)."""
-    if isinstance(exc, socket.gaierror) or not exc.errno or exc.errno < 0:
-        return str(exc.strerror or exc)
-    return os.strerror(exc.errno)
-
-
 async def _refused_database(redis: Redis) -> None:
     """A Redis that answers and refuses the URL's database stops the gateway before it listens
     (`DatabaseRefused`, its one line), as it stops the other services. A Redis that does not answer
@@ -132,7 +118,7 @@ async def serve(config: Config, redis_url: str, host: str, port: int, keyring: K
         await site.start()
     except OSError as exc:  # a name that does not resolve (socket.gaierror), a port in use, no permission
         await runner.cleanup()
-        raise SystemExit(f"error: cannot listen on {listen_address(host, port)}: {bind_reason(exc)}") from None
+        raise cannot_listen("", host, port, exc) from None
     bound = runner.addresses[0][1] if runner.addresses else port
     ready(f"iop gateway listening on http://{listen_address(host, bound)}")
     try:

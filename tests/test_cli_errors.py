@@ -79,6 +79,15 @@ def test_a_gateway_on_a_port_in_use_says_so_in_one_line(redis_url: str, taken_po
     assert "listening on" not in done.stdout
 
 
+@pytest.mark.parametrize("service", [["scheduler"], ["worker", "--node", "gpu-1"]], ids=lambda s: s[0])
+def test_a_metrics_port_in_use_says_so_in_one_line(service: list[str], redis_url: str, taken_port: int) -> None:
+    # (found by an operator's audit: a traceback ending in OSError, the worker's jobs task begun)
+    done = iop(*service, "--config", DEMO, "--redis", redis_url, "--metrics-host", "127.0.0.1",
+               "--metrics-port", str(taken_port))
+    assert one_line(done) == f"error: cannot listen for metrics on 127.0.0.1:{taken_port}: Address already in use"
+    assert "running" not in done.stdout, done.stdout
+
+
 # ---------------------------------------------------------------------------- the Redis database
 def _database(redis_url: str, db: str) -> str:
     base, _, _ = redis_url.rpartition("/")

@@ -252,8 +252,9 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
     ("served-name-not-a-string", set_at("models", 0, "providers", "vllm-a", value=5),
      [("models[0].providers.vllm-a", "valid string")]),
     ("model-id-not-a-string", set_at("models", 1, "id", value=5), [("models[1].id", "valid string")]),
-    ("model-id-with-space", set_at("models", 1, "id", value="llama 3"), [("models[1].id", "pattern")]),
-    ("model-id-empty", set_at("models", 1, "id", value=""), [("models[1].id", "pattern")]),
+    ("model-id-with-space", set_at("models", 1, "id", value="llama 3"),
+     [("models[1].id", "must be one word (no spaces), got 'llama 3'")]),
+    ("model-id-empty", set_at("models", 1, "id", value=""), [("models[1].id", "must be one word (no spaces), got ''")]),
     ("provider-models-a-string", set_at("nodes", 0, "providers", 0, "models", value="x"),
      [("nodes[0].providers[0].models", "valid list")]),
     ("provider-models-item-not-a-string", set_at("nodes", 0, "providers", 0, "models", 1, value=3),
@@ -271,7 +272,7 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
           set_at("nodes", 1, "providers", 0, "type", value="tgi"),
           set_at("colour", value="blue"),
           set_at("models", 1, "id", value="a b")),
-     [("models[1].id", "pattern"),
+     [("models[1].id", "must be one word"),
       ("nodes[0].providers[0].capacity", "greater than or equal to 1"),
       ("nodes[1].providers[0].type", "got 'tgi'"),
       ("colour", "unknown field")]),
@@ -515,6 +516,36 @@ def test_load_invalid_yaml_names_the_file(tmp_path: Path) -> None:
         load_config(path)
     assert len(info.value.errors) == 1
     assert info.value.errors[0].startswith(f"{path}: not valid YAML")
+
+
+def test_a_key_given_twice_is_an_error_naming_its_path_and_lines(tmp_path: Path) -> None:
+    """(found by an operator's audit: PyYAML kept the last, so a second `models:` dropped the first's
+    models without a word)"""
+    text = yaml.safe_dump(good(), sort_keys=False)
+    path = tmp_path / "iop.yaml"
+    path.write_text(text + "models:\n  - {id: m2, providers: {vllm-a: x, vllm-a: y}}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    first = 1 + text.splitlines().index("models:")
+    last = len(text.splitlines()) + 1
+    assert info.value.errors == [
+        f"models: given twice (lines {first} and {last}); YAML would keep only the last",
+        f"models[0].providers.vllm-a: given twice on line {last + 1}; YAML would keep only the last"]
+    # an alias and a merge key are not repeats
+    path.write_text(text + "defaults: &d {max_queue: 3}\nmerged: {<<: *d, max_queue: 4}\nother: *d\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert sorted(info.value.errors) == ["defaults: unknown field", "merged: unknown field", "other: unknown field"]
+
+
+def test_a_provider_id_with_a_comma_is_refused_in_words() -> None:
+    """(a run's `tried` providers are a comma-separated list: `x,y` was never seen as tried, and a
+    failing provider took all three attempts)"""
+    data = good()
+    data["nodes"][0]["providers"][0]["id"] = "vllm,a"
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert "nodes[0].providers[0].id: must be one word, without spaces or commas, got 'vllm,a'" in info.value.errors
 
 
 def test_load_empty_file_is_not_a_mapping(tmp_path: Path) -> None:

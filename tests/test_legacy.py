@@ -133,7 +133,7 @@ def test_migrate_of_a_new_shape_file_prints_it_as_it_is(capsys: pytest.CaptureFi
      "openai.model_routes[3].model: duplicate model id 'qwen3.6:35b' (first at openai.model_routes[0].model); "
      "a legacy route has one adapter, list several providers under `models[]` instead"),
     (lambda d: d["openai"]["model_routes"][0].update(model="has space"),
-     "openai.model_routes[0].model: String should match pattern '^\\S+$'"),
+     "openai.model_routes[0].model: must be one word (no spaces), got 'has space'"),
 ])
 def test_legacy_faults_name_legacy_paths(mutate: Any, expected: str) -> None:
     data = legacy()

@@ -169,9 +169,10 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
 
     stop = stop_event()
     worker = build_worker(config, redis_url, node_id)
-    main = asyncio.create_task(worker.async_run())
+    # (first: a metrics port it cannot listen on ends the process before it takes any job)
     ops = None if metrics_port is None else await worker_metrics.serve_metrics(
         config, redis_url, node_id, metrics_host, metrics_port)
+    main = asyncio.create_task(worker.async_run())
     if ops is not None:
         ready(f"metrics on {ops.url}")
     ready(f"iop worker for node {node_id} running ({worker.max_jobs} slots)")
