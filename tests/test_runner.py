@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
@@ -129,15 +129,22 @@ async def test_an_opening_chunk_goes_out_with_the_first_output(redis: Redis) -> 
     assert deltas == [[ROLE, TEXT]]
 
 
-def script_calls(runner: Runner, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the scripts the runner calls from now on, in order."""
-    real_call, names = runner.scripts.call, []
+def before_scripts(runner: Runner, monkeypatch: pytest.MonkeyPatch, before: Callable[[str], None]) -> None:
+    """`before(name)` is called before each script the runner calls from now on (what it raises, the
+    call raises: it never reaches Redis)."""
+    real_call = runner.scripts.call
 
     async def call(name: str, run_keys: Any, args: Any) -> Any:
-        names.append(name)
+        before(name)
         return await real_call(name, run_keys, args)
 
     monkeypatch.setattr(runner.scripts, "call", call)
+
+
+def script_calls(runner: Runner, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the scripts the runner calls from now on, in order."""
+    names: list[str] = []
+    before_scripts(runner, monkeypatch, names.append)
     return names
 
 
@@ -1001,15 +1008,14 @@ async def test_a_started_run_calls_its_provider_before_the_worker_pops_its_wake_
 def finish_fails(runner: Runner, monkeypatch: pytest.MonkeyPatch, times: int | None) -> list[int]:
     """The runner's `finish` script calls fail as if Redis were away, `times` times (None: every
     time); the others go through. Returns the count of failures so far (a one-item list)."""
-    real_call, failures = runner.scripts.call, [0]
+    failures = [0]
 
-    async def call(name: str, run_keys: Any, args: Any) -> Any:
+    def away(name: str) -> None:
         if name == "finish" and (times is None or failures[0] < times):
             failures[0] += 1
             raise RedisConnectionError("Redis is away")
-        return await real_call(name, run_keys, args)
 
-    monkeypatch.setattr(runner.scripts, "call", call)
+    before_scripts(runner, monkeypatch, away)
     return failures
 
 
