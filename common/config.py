@@ -608,13 +608,17 @@ def read_yaml(path: str | Path) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start} is 0x{raw[exc.start]:02x})"]) from None
+    loader = yaml.SafeLoader(text)  # (as yaml.safe_load does, the document checked between its two steps)
     try:
-        repeated = repeated_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        node = loader.get_single_node()
+        repeated = repeated_keys(node)
         if repeated:
             raise ConfigError(repeated)
-        return yaml.safe_load(text)
+        return loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         raise ConfigError([f"{path}: not valid YAML: {yaml_fault(exc)}"]) from None
+    finally:
+        loader.dispose()
 
 
 def repeated_keys(root: yaml.Node | None) -> list[str]:
