@@ -119,6 +119,8 @@ def _check_stream(body: dict[str, Any], kind: RunKind) -> bool:
             raise invalid("'stream_options' must be an object", "stream_options")
         if "include_usage" in options and not isinstance(options["include_usage"], bool):
             raise invalid("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+        if not stream:  # (as OpenAI and vLLM answer: a server would ignore it, or refuse it)
+            raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
     return stream
 
 

@@ -107,6 +107,13 @@ INVALID: list[tuple[str, RunKind, bytes, str | None, str]] = [
      "stream_options.include_usage", "must be a boolean"),
     ("include-usage-number", COMPLETION, body(COMPLETION, stream=True, stream_options={"include_usage": 1}),
      "stream_options.include_usage", "must be a boolean"),
+    # (OpenAI answers so: "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
+    ("stream-options-without-stream", CHAT, body(CHAT, stream_options={"include_usage": True}), "stream_options",
+     "only allowed when 'stream' is true"),
+    ("stream-options-stream-false", COMPLETION, body(COMPLETION, stream=False, stream_options={}), "stream_options",
+     "only allowed when 'stream' is true"),
+    ("stream-options-on-embeddings", EMBEDDING, body(EMBEDDING, stream_options={"include_usage": True}),
+     "stream_options", "only allowed when 'stream' is true"),
 ]
 
 
@@ -185,8 +192,8 @@ VALID: list[tuple[str, RunKind, dict[str, Any]]] = [
         "stream": True, "stream_options": {"include_usage": True},
     }),
     ("chat-stream-null", CHAT, {"model": "m", "messages": MESSAGES, "stream": None}),
-    ("chat-stream-options-without-stream", CHAT, {"model": "m", "messages": MESSAGES,
-                                                  "stream_options": {"include_usage": False}}),
+    ("chat-stream-options-null-without-stream", CHAT, {"model": "m", "messages": MESSAGES,
+                                                       "stream_options": None}),
     ("chat-stream-options-empty", CHAT, {"model": "m", "messages": MESSAGES, "stream": True,
                                          "stream_options": {}}),
     ("chat-stream-options-unknown-key", CHAT, {"model": "m", "messages": MESSAGES, "stream": True,
