@@ -395,6 +395,7 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
     models = [_map(m) for m in _list(data.get("models"))]
     nodes = [_map(n) for n in _list(data.get("nodes"))]
     errors = _duplicates([(f"models[{i}].id", m.get("id")) for i, m in enumerate(models) if "id" in m], "model")
+    errors += _case_twins(models)
     errors += _alias_faults(models)
     errors += _duplicates([(f"nodes[{i}].id", n.get("id")) for i, n in enumerate(nodes) if "id" in n], "node")
     providers: dict[str, Mapping[str, Any]] = {}
@@ -435,12 +436,28 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
     return errors + check_auth(data.get("auth"), model_ids, aliases)
 
 
+def _case_twins(models: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Model ids that differ only in case or Unicode form (`Qwen3` and `qwen3`): a caller would
+    take one for the other. (The same id twice is `_duplicates`' to report.)"""
+    first: dict[str, tuple[str, str]] = {}
+    errors = []
+    for i, model in enumerate(models):
+        ident = model.get("id")
+        if not isinstance(ident, str):
+            continue
+        seen = first.setdefault(folded_name(ident), (ident, f"models[{i}].id"))
+        if seen[0] != ident:
+            errors.append(f"models[{i}].id: {ident!r} differs from the model id {seen[0]!r} (at {seen[1]}) only in "
+                          "case or Unicode form: callers would take one for the other")
+    return errors
+
+
 def _alias_faults(models: Sequence[Mapping[str, Any]]) -> list[str]:
     """An alias names one model: not a model's id, not another alias (nor the same twice), nor
     one that differs from another model's name only in case or Unicode form, nor another model's
     served name (a caller who knows that server's name would get this model); it is printable."""
     names = {_key(m["id"]): (f"models[{i}].id", i) for i, m in enumerate(models) if "id" in m}
-    folded = {_folded(name): where for name, where in names.items()}
+    folded = {folded_name(name): where for name, where in names.items()}
     served: dict[str, list[tuple[int, Any]]] = {}
     for i, m in enumerate(models):
         for provider, name in _map(m.get("providers")).items():
@@ -452,7 +469,7 @@ def _alias_faults(models: Sequence[Mapping[str, Any]]) -> list[str]:
             if not isinstance(alias, str):
                 continue  # (the schema's to report)
             path = f"models[{i}].aliases[{j}]"
-            fold = _folded(alias)
+            fold = folded_name(alias)
             if alias in names:
                 errors.append(f"{path}: {alias!r} already names a model (at {names[alias][0]}); an alias names one "
                               "model")
@@ -470,7 +487,9 @@ def _alias_faults(models: Sequence[Mapping[str, Any]]) -> list[str]:
     return errors
 
 
-def _folded(name: str) -> str:
+def folded_name(name: str) -> str:
+    """`name` as two names that callers would take one for the other share: in one Unicode
+    form (NFKC), case folded."""
     return unicodedata.normalize("NFKC", name).casefold()
 
 

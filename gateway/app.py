@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from common import capabilities, token_cap
 from common.auth import KeyRing
-from common.config import Config, ModelConfig
+from common.config import Config, ModelConfig, folded_name
 from common.redisconn import REDIS_DOWN
 from common.shown import quoted
 from common.usage import key_names
@@ -75,8 +75,19 @@ def _model_for(request: web.Request, name: str) -> ModelConfig:
     """The model named, if the caller may use it (`_usable`); else the same 404 either way."""
     model = _usable(request, name)
     if model is None:
-        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {quoted(name)} does not exist", param="model")
+        near = _near(request, name)
+        hint = f" (did you mean {quoted(near)}?)" if near else ""
+        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"the model {quoted(name)} does not exist{hint}", param="model")
     return model
+
+
+def _near(request: web.Request, name: str) -> str | None:
+    """A name of a model the caller may use that `name` differs from only in case, Unicode form
+    or surrounding spaces (`Qwen3.6:35B`, `qwen3.6:35b `): model ids are exact, as OpenAI's are."""
+    want = folded_name(name.strip())
+    who = principal(request)
+    return next((n for m in request.app[CONFIG].models if who.may_use(m.id) for n in (m.id, *m.aliases)
+                 if folded_name(n) == want), None)
 
 
 async def get_model(request: web.Request) -> web.Response:

@@ -106,11 +106,10 @@ def _check_input(body: dict[str, Any]) -> None:
 
 
 def _check_stream(body: dict[str, Any], kind: RunKind) -> bool:
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
         raise invalid("'stream' must be a boolean", "stream")
+    stream = bool(stream)
     if stream and kind is RunKind.EMBEDDING:
         raise invalid("embeddings cannot be streamed", "stream")
     options = body.get("stream_options")

@@ -304,6 +304,14 @@ async def test_a_caller_sees_only_its_models(gateway: str, http: aiohttp.ClientS
     assert status == 404 and body["error"]["code"] == "model_not_found"
     assert body["error"]["message"] == missing[1]["error"]["message"].replace("nope", "llama3.3:70b")
     assert await redis.xlen(keys.runs_stream("llama3.3:70b")) == 0 and not await redis.keys("iop:run:*")
+    # a name that differs from one the caller may use only in case or spaces: a 404 that names it,
+    # and none for a model the caller may not use (its existence is not told)
+    _, near, _ = await call(http, "GET", gateway + "/v1/models/QWEN3.6:35B%20", CALLER)
+    assert near["error"]["message"] == 'the model "QWEN3.6:35B " does not exist (did you mean "qwen3.6:35b"?)'
+    status, body, _ = await submit(http, gateway, CALLER, "Llama3.3:70B")
+    assert status == 404 and body["error"]["message"] == 'the model "Llama3.3:70B" does not exist'
+    status, body, _ = await submit(http, gateway, OTHER, "Llama3.3:70B")
+    assert body["error"]["message"] == 'the model "Llama3.3:70B" does not exist (did you mean "llama3.3:70b"?)'
 
 
 @pytest.mark.parametrize("path", ["/v1/catalog", "/metrics", "/v1/admin/providers/p/drain"])

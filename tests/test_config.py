@@ -136,6 +136,11 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
     # --- duplicates ---------------------------------------------------------------------------
     ("duplicate-model-id", set_at("models", 1, "id", value="qwen3.6:35b"),
      [("models[1].id", "duplicate model id 'qwen3.6:35b' (first at models[0].id)")]),
+    ("model-id-differing-only-in-case", set_at("models", 1, "id", value="Qwen3.6:35B"),
+     [("models[1].id", "'Qwen3.6:35B' differs from the model id 'qwen3.6:35b' (at models[0].id) only in case or "
+                       "Unicode form: callers would take one for the other")]),
+    ("model-id-differing-only-in-unicode-form", set_at("models", 1, "id", value="qwen3.6\uff1a35b"),
+     [("models[1].id", "differs from the model id 'qwen3.6:35b' (at models[0].id) only in case or Unicode form")]),
     ("duplicate-node-id", set_at("nodes", 1, "id", value="gpu-1"),
      [("nodes[1].id", "duplicate node id 'gpu-1' (first at nodes[0].id)")]),
     ("duplicate-provider-id-same-node",
