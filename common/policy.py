@@ -33,6 +33,12 @@ class Health(StrEnum):
     UNKNOWN = "unknown"
 
 
+#: Strikes since its last sign of life that make a provider down (`workers.health`); a refused
+#: connection, a host that does not resolve, a health endpoint that says it is not ready strike
+#: this many at once.
+DOWN = 3
+
+
 @dataclass(frozen=True, slots=True)
 class ProviderSnapshot:
     """What the scheduler knows about one provider at one instant."""

@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from common import keys
+from common.policy import DOWN
 from common.redisline import Line, line_of
 
 # Scripts at Redis's `maxmemory` (noeviction, as iop runs it). A script without a shebang is
@@ -183,7 +184,11 @@ end
 # `fresh_ms` (runs' ends give it): an 'ok' is not written when the hash holds one younger than
 # that and no strikes, so a busy provider costs one read a run, not a write. (Its probe may then
 # come up to `fresh_ms` early: the worker keeps it well under the probe interval.)
-_EVIDENCE = """
+# Strikes that reach `DOWN` set its `health` (and `reason`) here, as `judge` will at the next
+# beat: a run this end puts back in the queue is not dispatched to a dead server again in the
+# milliseconds before that beat (a refused connection would use up its attempts there). A sign
+# of life sets it available, as `judge` would.
+_EVIDENCE = f"""
 local function evidence(hb, kind, strikes, reason, health, fresh_ms)
   if kind == '' then return end
   local known = false  -- whether the hash is known to exist
@@ -195,9 +200,11 @@ local function evidence(hb, kind, strikes, reason, health, fresh_ms)
   end
   if not known and redis.call('EXISTS', hb) == 0 then return end
   if kind == 'ok' then
-    redis.call('HSET', hb, 'ok_ms', now, 'fails', 0)
+    redis.call('HSET', hb, 'ok_ms', now, 'fails', 0, 'health', 'available', 'reason', '')
+  elseif redis.call('HINCRBY', hb, 'fails', strikes) >= {DOWN} then
+    redis.call('HSET', hb, 'fail_ms', now, 'fail_reason', reason, 'fail_health', health, 'health', health,
+      'reason', reason ~= '' and reason or 'it failed repeatedly')
   else
-    redis.call('HINCRBY', hb, 'fails', strikes)
     redis.call('HSET', hb, 'fail_ms', now, 'fail_reason', reason, 'fail_health', health)
   end
 end

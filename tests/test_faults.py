@@ -381,6 +381,28 @@ async def test_a_provider_that_stops_is_avoided_and_used_again_when_back(
     assert len((await fstack.stats("a"))["requests"]) == 1  # idle and first by id: chosen again
 
 
+async def test_a_server_that_dies_mid_run_is_down_when_its_connection_is_refused_and_the_run_waits_for_another(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    # a's server dies while a run waits for its answer, and b is full: the connection is refused.
+    # That takes a down at once, in the script that puts the run back, not at a's next beat (a few
+    # ms later, racing the dispatch): the run waits for b's slot, rather than using up its attempts
+    # on a in milliseconds (a 502 the caller need not have had).
+    gateway = start(fstack, {"a": ("n1", 1), "b": ("n1", 1)}, queue={"max_attempts": 2})
+    on_a = asyncio.create_task(http.post(gateway + "/v1/chat/completions", json=chat(ttft_ms=1500)))
+    await until_current(fstack, "a", 1)  # (both idle: the first by id)
+    on_b = asyncio.create_task(call(http, gateway, chat(ttft_ms=1500)))
+    await until_current(fstack, "b", 1)
+    fstack.sim_procs["a"].send(signal.SIGKILL)
+    resp = await on_a
+    assert resp.status == 200, await resp.text()
+    run_id = resp.headers["X-IOP-Run-Id"]
+    resp.release()
+    tried = (fstack.run_field(run_id, "tried") or "").split(",")
+    assert tried == ["a", "b"], tried
+    assert fstack.health("a") == "unavailable"
+    assert (await on_b)[0] == 200
+
+
 async def test_stale_heartbeats_are_unknown_and_no_provider_means_503_at_once(
         fstack: FaultStack, http: aiohttp.ClientSession) -> None:
     gateway = start(fstack, {"a": ("n1", 1), "b": ("n2", 1)})

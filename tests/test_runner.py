@@ -453,14 +453,27 @@ async def test_attempts_leave_their_evidence_in_the_heartbeat(redis: Redis) -> N
     assert await fields(redis, keys.heartbeat("a"), "fails", "fail_reason") == [
         str(DOWN), "provider a: connection refused"]
     assert struck == ["a"] and lived == []
+    # down now, not at the next beat: a run put back is not dispatched there meanwhile
+    assert await fields(redis, keys.heartbeat("a"), "health", "reason") == [
+        "unavailable", "provider a: connection refused"]
 
     await beat(redis, sched.config)
     sched, run_id = await start_one(redis, {"a": 1})
+    # (down since it was dispatched: a run from before a server's restart that ends well)
+    await redis.hset(keys.heartbeat("a"), mapping={"fails": DOWN, "health": "unavailable", "reason": "refused"})
     runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])}, on_strike=struck.append,
                     on_life=lived.append)
     assert (await runner.execute(run_id)).startswith("completed")
     fails, ok_ms = await fields(redis, keys.heartbeat("a"), "fails", "ok_ms")
     assert fails == "0" and ok_ms is not None and lived == ["a"]
+    assert await redis.hmget(keys.heartbeat("a"), "health", "reason") == [b"available", b""]
+
+    # a strike short of DOWN leaves the health to the beat's judgement (available, a sign of life seen)
+    sched, run_id = await start_one(redis, {"a": 1}, max_attempts=1)
+    reset = ProviderError("provider a: the connection was reset", retry=Retry.ANY, strikes=1)
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([], reset)})
+    assert (await runner.execute(run_id)).startswith("failed")
+    assert await fields(redis, keys.heartbeat("a"), "fails", "health") == ["1", "available"]
 
 
 async def test_a_run_s_end_writes_a_sign_of_life_only_when_the_last_is_older_than_a_quarter_probe_interval(

@@ -7,12 +7,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from common.policy import DOWN as DOWN  # (the adapters take it from here)
 from common.policy import Health
 from common.wire import ErrorCode, RunKind
-
-#: Strikes that take a provider down at once (see `workers.health`): a refused connection, a
-#: host that does not resolve, a health endpoint that says it is not ready.
-DOWN = 3
 
 
 class Retry(StrEnum):
