@@ -160,3 +160,31 @@ async def test_a_worker_s_heartbeat_keeps_it_among_its_node_s_workers_for_as_lon
     assert 0 < await redis.pttl(keys.node_workers("n")) <= cfg.runtime.heartbeat_ttl_ms
     await Heartbeats(redis, cfg, "n", {"p": Probed()}).beat_once(cfg.nodes[0].providers[0])  # (no instance: none)
     assert await redis.zcard(keys.node_workers("n")) == 1
+
+
+async def test_a_worker_of_the_node_announcing_the_provider_otherwise_is_warned_of_once(
+        redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """Two workers of a node with different configs (a rollout half done) overwrite each other's
+    capacity every beat: the one that sees the other's says so, once for each disagreement."""
+    cfg = config("vllm")
+    provider = cfg.nodes[0].providers[0]
+    beats = Heartbeats(redis, cfg, "n", {"p": Probed()})
+
+    async def other_beat(**fields: str) -> None:  # (as another worker's beat leaves the hash)
+        await redis.hset(keys.heartbeat("p"), mapping={"worker": "other-host:7", "capacity": "2", **fields})
+        await beats.beat_once(provider)
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+    await other_beat()  # the same capacity: nothing to say
+    await beats.beat_once(provider)  # (its own beat last)
+    assert warnings() == []
+    for _ in range(3):
+        await other_beat(capacity="3")
+        await beats.beat_once(provider)
+    assert warnings() == ["provider p: worker other-host:7 of node n announces capacity 3 (this one's: 2): the node's "
+                          "workers run different configs, and each beat's writer wins (restart them with one config)"]
+    await other_beat(capacity="3", models='["served", "more"]')
+    assert len(warnings()) == 2 and "capacity 3 (this one's: 2); models [\"served\", \"more\"]" in warnings()[1]
+    assert await redis.hget(keys.heartbeat("p"), "capacity") == b"2"  # (its own config, as before)

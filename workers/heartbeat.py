@@ -49,6 +49,11 @@ def heartbeat_fields(provider: ProviderConfig, node_id: str, health: Health, rea
     }
 
 
+#: Heartbeat fields taken from the config: every worker of a node announces them alike, when
+#: they run one config.
+_FROM_CONFIG = ("type", "category", "capacity", "models", "lifecycle")
+
+
 #: The most served names a probe's model list keeps in the heartbeat (`observed_models`): every
 #: scheduler reads it with every snapshot, and a server may list 100,000 (about 1 MB).
 MAX_OBSERVED = 1_000
@@ -89,6 +94,8 @@ class Heartbeats:
         self.last: dict[str, Health] = {}
         self.wake = {p.id: asyncio.Event() for p in self.providers}
         self.probes: dict[str, asyncio.Task[None]] = {}
+        #: per provider, what each other worker of the node announced otherwise (`_warn_if_another_config`)
+        self.disagreed: dict[str, dict[str, tuple[str, ...]]] = {}
 
     def nudge(self, provider_id: str) -> None:
         """New evidence about a provider: judge and publish its health now, not at the next beat."""
@@ -108,9 +115,12 @@ class Heartbeats:
         pipe.hgetall(key)
         pipe.zcount(keys.leases(provider.id), f"({now}", "+inf")
         raw, in_flight = await pipe.execute()
-        health, reason = judge(Evidence.from_hash(as_text_map(raw)), int(in_flight))
+        seen = as_text_map(raw)
+        health, reason = judge(Evidence.from_hash(seen), int(in_flight))
+        fields = heartbeat_fields(provider, self.node_id, health, reason, now)
+        self._warn_if_another_config(provider.id, seen, fields)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key, mapping=heartbeat_fields(provider, self.node_id, health, reason, now))
+        pipe.hset(key, mapping=fields)
         pipe.pexpire(key, self.config.runtime.heartbeat_ttl_ms)
         if self.instance:  # this worker lives as long as its heartbeat does
             workers = keys.node_workers(self.node_id)
@@ -123,6 +133,24 @@ class Heartbeats:
         self.last[provider.id] = health
         await self._maybe_probe(provider, int(in_flight))
         return health
+
+    def _warn_if_another_config(self, provider_id: str, seen: dict[str, str], mine: dict[str, str]) -> None:
+        """Another worker of the node announced this provider otherwise (a rollout half done: its
+        config differs): each beat's writer wins, so the capacity the scheduler dispatches against
+        flips between them. Said once for each worker and disagreement, not every beat."""
+        other = seen.get("worker", "")
+        if not other or other == mine["worker"]:
+            return
+        differs = tuple(f"{f} {seen[f]} (this one's: {mine[f]})" for f in _FROM_CONFIG
+                        if f in seen and seen[f] != mine[f])
+        said = self.disagreed.setdefault(provider_id, {})
+        if differs and said.get(other) != differs:
+            log.warning("provider %s: worker %s of node %s announces %s: the node's workers run different configs, "
+                        "and each beat's writer wins (restart them with one config)", provider_id, other,
+                        self.node_id, "; ".join(differs))
+        if len(said) >= 64:  # (workers come and go: those of long ago are forgotten)
+            said.clear()
+        said[other] = differs
 
     # ------------------------------------------------------------------ probes
     def _probe_limit_s(self, provider: ProviderConfig) -> float:
