@@ -185,12 +185,16 @@ def check_change(config: Config, change: Change) -> None:
     """Raise UnknownTarget for a provider or node the config does not define, ControlError for a bad value."""
     if change.target_kind == "node":
         if config.node(change.target) is None:
-            raise UnknownTarget(f"no node {shown(change.target)} in the config")
+            is_provider = any(p.id == change.target for n in config.nodes for p in n.providers)
+            but = f" ({shown(change.target)} is a provider, of node {config.node_of(change.target)})" \
+                if is_provider else ""
+            raise UnknownTarget(f"no node {shown(change.target)} in the config{but}")
     else:
         try:
             configured = config.provider(change.target).capacity
         except KeyError:
-            raise UnknownTarget(f"no provider {shown(change.target)} in the config") from None
+            but = f" ({shown(change.target)} is a node)" if config.node(change.target) is not None else ""
+            raise UnknownTarget(f"no provider {shown(change.target)} in the config{but}") from None
     if change.action is Action.CAPACITY:
         if change.capacity is None:
             raise ControlError("capacity: required", "capacity")

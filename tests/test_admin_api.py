@@ -354,7 +354,8 @@ def test_a_provider_drained_on_a_cordoned_node_says_both(
 
 @pytest.mark.parametrize(("args", "says"), [
     (["provider", "drain", "nope"], "no provider 'nope' in the config"),
-    (["node", "cordon", "vllm-a"], "no node 'vllm-a' in the config"),
+    (["node", "cordon", "vllm-a"], "no node 'vllm-a' in the config ('vllm-a' is a provider, of node gpu-1)"),
+    (["provider", "drain", "gpu-1"], "no provider 'gpu-1' in the config ('gpu-1' is a node)"),
     (["provider", "capacity", "vllm-a", "0"], "N: 0 is less than 1 (to take no runs, drain it)"),
     (["provider", "capacity", "vllm-a", "5"], "capacity: 5 is above vllm-a's configured capacity 4"),
     (["provider", "capacity", "vllm-a", "lots"], "N: 'lots' is not a whole number"),
@@ -376,6 +377,22 @@ def test_the_commands_refuse_bad_input_with_exit_2_in_one_line_and_change_nothin
     assert code == 2 and out == "" and err.startswith(f"error: {says}") and err.count("\n") == 1, err
     with sync_redis.Redis.from_url(redis_url) as redis:
         assert redis.keys("iop:*") == []
+
+
+def test_a_change_in_a_redis_without_the_providers_heartbeats_warns_that_it_may_be_the_wrong_one(
+        redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--redis` defaults to 127.0.0.1:6379: forgotten, a drain goes to whatever Redis is there."""
+    path = tmp_path / "iop.yaml"
+    path.write_text(yaml.safe_dump(POOL))
+    where = ["--config", str(path), "--redis", redis_url]
+    code, out, err = iop(capsys, "provider", "drain", "vllm-a", *where)
+    assert code == 0 and out.startswith("drain provider vllm-a: drained")
+    assert err == (f"warning: no provider it touched has a heartbeat in Redis at {redis_url}: no worker of its node "
+                   "runs against this Redis (is --redis right?); the change is recorded there\n")
+    with sync_redis.Redis.from_url(redis_url) as redis:
+        redis.hset(keys.heartbeat("vllm-a"), mapping={"health": "available", "capacity": 4, "ts_ms": now_ms()})
+    code, _, err = iop(capsys, "provider", "undrain", "vllm-a", *where)
+    assert code == 0 and err == ""
 
 
 def test_the_commands_exit_1_when_redis_is_down(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
