@@ -44,6 +44,8 @@ class RawState:
     control: dict[str, ProviderControl] = field(default_factory=dict)
     #: node id -> since when it is cordoned (ms), None when it is not
     cordons: dict[str, int | None] = field(default_factory=dict)
+    #: the providers whose heartbeat lives, configured or not (`keys.BEATING`)
+    beating: list[str] = field(default_factory=list)
 
 
 async def read_raw(redis: Redis, config: Config, now_ms: int) -> RawState:
@@ -57,7 +59,9 @@ async def read_raw(redis: Redis, config: Config, now_ms: int) -> RawState:
         pipe.xlen(keys.runs_stream(m.id))
         pipe.xrange(keys.runs_stream(m.id), "-", "+", count=1)
     control.queue_reads(pipe, config)
+    pipe.zrangebyscore(keys.BEATING, f"({now_ms}", "+inf")
     replies = await pipe.execute()
+    beating = [p.decode(errors="replace") for p in replies.pop()]
     n = len(providers)
     oldest: dict[str, tuple[int, str] | None] = {}
     for i, m in enumerate(config.models):
@@ -72,6 +76,7 @@ async def read_raw(redis: Redis, config: Config, now_ms: int) -> RawState:
         oldest=oldest,
         control=controls,
         cordons=cordons,
+        beating=beating,
     )
 
 
@@ -180,6 +185,9 @@ class Catalog:
     providers: list[ProviderRecord]
     models: list[ModelRecord]
     nodes: list[NodeRecord]
+    #: providers whose workers beat but this config does not define: the pool runs another config
+    #: (one being rolled out, or this one is old); the scheduler and workers see what this does not
+    unconfigured_providers: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -339,6 +347,7 @@ def build_catalog(config: Config, raw: RawState) -> Catalog:
         models=[_model_record(config, m, raw) for m in config.models],
         nodes=[NodeRecord(id=n.id, cordoned_since_ms=raw.cordons.get(n.id), providers=[p.id for p in n.providers])
                for n in config.nodes],
+        unconfigured_providers=sorted(set(raw.beating) - {p.id for n in config.nodes for p in n.providers}),
     )
 
 

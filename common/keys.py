@@ -45,6 +45,12 @@ def heartbeat(provider_id: str) -> str:
     return f"{PREFIX}:provider:{provider_id}"
 
 
+#: Sorted set of the providers whose node's workers beat: member the provider id, score until when
+#: (ms, the workers' clock) its last heartbeat lives. The catalog names those its own config lacks
+#: (a config older or newer than the pool's).
+BEATING: Final = f"{PREFIX}:beating"
+
+
 def probing(provider_id: str) -> str:
     """String with a TTL held while a health probe that would disturb a run is out; no run is
     dispatched to the provider meanwhile."""
@@ -200,6 +206,8 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (heartbeat("{provider}"), "hash + TTL",
      "health, reason, capacity, models, last heartbeat; health evidence (ok_ms, fails, fail_reason, probe_ms)",
      "HGETALL iop:provider:{provider}; PTTL iop:provider:{provider}"),
+    (BEATING, "sorted set + TTL", "providers whose node's workers beat: provider id -> until (ms) its last heartbeat "
+     "lives; the catalog names those its config lacks", "ZRANGE iop:beating 0 -1 WITHSCORES"),
     (probing("{provider}"), "string + TTL", "a probe that would disturb a run is out; dispatch waits",
      "EXISTS iop:probing:{provider}"),
     (drained("{provider}"), "string", "the provider is drained: takes no new runs; value = since (ms)",

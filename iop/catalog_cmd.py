@@ -81,7 +81,11 @@ def render_catalog(catalog: Catalog) -> str:
         ["MODEL", "ALIASES", "QUEUED", "OLDEST", "PROVIDERS (selectable now, or why not)"],
         [[m.id, ",".join(m.aliases) or "-", f"{m.queued}/{m.max_queue}", _age(m.oldest_waiting_ms), _placements(m)]
          for m in catalog.models])
-    return f"{providers}\n\n{models}"
+    unconfigured = ""
+    if catalog.unconfigured_providers:
+        unconfigured = (f"\n\nproviders with heartbeats that this config does not define: "
+                        f"{', '.join(catalog.unconfigured_providers)} (the pool runs another config)")
+    return f"{providers}\n\n{models}{unconfigured}"
 
 
 def queue_records(catalog: Catalog) -> list[dict[str, Any]]:

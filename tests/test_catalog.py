@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -11,6 +12,7 @@ from common.catalog import RawState, build_catalog, entry_ms, snapshot
 from common.config import Config, parse_config
 from common.control import ProviderControl
 from common.policy import is_available
+from iop.catalog_cmd import render_catalog
 
 NOW = 1_000_000
 TTL = 6_000
@@ -159,7 +161,8 @@ def test_no_secret_ever_appears(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_json_has_the_documented_fields() -> None:
     data = build_catalog(config(), raw({"a": beat()})).to_json()
-    assert set(data) == {"generated_at_ms", "heartbeat_ttl_ms", "providers", "models", "nodes"}
+    assert set(data) == {"generated_at_ms", "heartbeat_ttl_ms", "providers", "models", "nodes",
+                         "unconfigured_providers"}
     assert {"id", "node_id", "type", "category", "health", "health_reason", "capacity", "configured_capacity",
             "effective_capacity", "in_flight", "load_ratio", "models", "queued", "lifecycle_capabilities",
             "last_heartbeat", "control"} <= set(data["providers"][0])
@@ -231,3 +234,15 @@ def test_a_cordoned_node_shows_in_the_node_records() -> None:
                                              cordons={"n1": None, "n2": NOW - 1}))
     assert [(n.id, n.cordoned_since_ms) for n in cat.nodes] == [("n1", None), ("n2", NOW - 1)]
     assert [p.control.state for p in cat.providers] == ["active", "drained", "drained"]
+
+
+def test_providers_that_beat_but_the_config_lacks_are_named() -> None:
+    """The reader's config is not the pool's (a rollout half done): its records cannot show a
+    provider it does not define, but they say that one beats."""
+    state = raw({"a": beat()})
+    assert build_catalog(config(), state).unconfigured_providers == []
+    state = dataclasses.replace(state, beating=["zeta", "a", "d-new"])
+    assert build_catalog(config(), state).unconfigured_providers == ["d-new", "zeta"]
+    assert render_catalog(build_catalog(config(), state)).endswith(
+        "\n\nproviders with heartbeats that this config does not define: d-new, zeta (the pool runs another config)")
+    assert "does not define" not in render_catalog(build_catalog(config(), raw({})))

@@ -13,13 +13,16 @@ import asyncio
 import os
 import re
 import shutil
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import redis as redis_lib
 
+from common import keys
 from common.auth import hash_key, new_key
 from iop.embedded_redis import RedisServer
 from tests.conftest import ROOT, Stack
@@ -134,6 +137,15 @@ async def test_catalog_page_follows_the_pool(tmp_path: Path, own_redis: RedisSer
         await expect(page.locator("tr[data-model]")).to_have_count(2)
         await expect(row(page, "vllm-a").locator("[data-flag]")).to_have_text(["list_models"])
         assert "IOP_TEST_HOSTED_KEY" not in await page.content()
+
+        # A worker of another config beats for a provider this one lacks: the page says so, and stops once it lapses.
+        banner = page.locator("#config-banner")
+        await expect(banner).to_be_hidden()
+        with redis_lib.Redis.from_url(own_redis.url) as r:
+            r.zadd(keys.BEATING, {"vllm-z": int(time.time() * 1000) + 60_000})
+            await expect(banner).to_contain_text("config does not define: vllm-z.", timeout=WAIT_MS)
+            r.zrem(keys.BEATING, "vllm-z")
+        await expect(banner).to_be_hidden(timeout=WAIT_MS)
 
         # Eight long runs of qwen: 4 fill vllm-a, 2 fill sglang-b, 2 wait in the queue.
         session = aiohttp.ClientSession()

@@ -13,6 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
+from common.catalog import read_catalog
 from common.config import Config, parse_config
 from common.policy import Health
 from common.redisconn import now_ms
@@ -188,3 +189,24 @@ async def test_a_worker_of_the_node_announcing_the_provider_otherwise_is_warned_
     await other_beat(capacity="3", models='["served", "more"]')
     assert len(warnings()) == 2 and "capacity 3 (this one's: 2); models [\"served\", \"more\"]" in warnings()[1]
     assert await redis.hget(keys.heartbeat("p"), "capacity") == b"2"  # (its own config, as before)
+
+
+async def test_a_beat_puts_its_provider_among_those_beating_which_a_catalog_of_another_config_names(
+        redis: Redis) -> None:
+    cfg = config("vllm")
+    ttl = cfg.runtime.heartbeat_ttl_ms
+    beats = Heartbeats(redis, cfg, "n", {"p": Probed()})
+    await redis.zadd(keys.BEATING, {"gone": now_ms() - 10 * ttl})  # (a provider whose workers stopped long ago)
+    before = now_ms()
+    await beats.beat_once(cfg.nodes[0].providers[0])
+    until = await redis.zscore(keys.BEATING, "p")
+    assert until is not None and before + ttl <= until <= now_ms() + ttl
+    assert await redis.zscore(keys.BEATING, "gone") is None and 0 < await redis.pttl(keys.BEATING) <= ttl
+    other = parse_config({
+        "models": [{"id": "m", "providers": {"q": "served"}}],
+        "nodes": [{"id": "n2", "providers": [{"id": "q", "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                               "capacity": 1, "models": ["served"]}]}],
+    })
+    assert (await read_catalog(redis, other, now_ms())).unconfigured_providers == ["p"]
+    assert (await read_catalog(redis, cfg, now_ms())).unconfigured_providers == []
+    assert (await read_catalog(redis, other, int(until) + 1)).unconfigured_providers == []  # (its beat lapsed)

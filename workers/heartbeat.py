@@ -122,6 +122,10 @@ class Heartbeats:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, mapping=fields)
         pipe.pexpire(key, self.config.runtime.heartbeat_ttl_ms)
+        ttl = self.config.runtime.heartbeat_ttl_ms
+        pipe.zadd(keys.BEATING, {provider.id: now + ttl})
+        pipe.zremrangebyscore(keys.BEATING, "-inf", now - ttl)  # (their last beat long gone)
+        pipe.pexpire(keys.BEATING, ttl)
         if self.instance:  # this worker lives as long as its heartbeat does
             workers = keys.node_workers(self.node_id)
             pipe.zadd(workers, {self.instance: now + self.config.runtime.heartbeat_ttl_ms})
