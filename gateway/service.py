@@ -127,3 +127,4 @@ async def serve(config: Config, redis_url: str, host: str, port: int, keyring: K
         stop.clear()  # (a second SIGTERM or SIGINT sets it again: the grace is cut short)
         await stop_serving(runner, app[STOPPING], grace_s, cut=stop)
         await runner.cleanup()
+    log.info("iop gateway stopped")

@@ -34,3 +34,4 @@ async def serve(config: Config, redis_url: str, metrics_port: int | None = None,
         if ops is not None:
             await ops.close()
         await redis.aclose()
+    log.info("iop scheduler %s stopped", sched.consumer)

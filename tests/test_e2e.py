@@ -322,6 +322,7 @@ def test_runs_are_not_sent_to_a_node_whose_last_worker_is_stopping(stack: Stack)
                 assert r.llen("iop:wake:node-a") == 0 and r.zcard("iop:leases:vllm-a") == 1  # only the running one
                 assert (await running.read()).rstrip().endswith(b"data: [DONE]")  # the grace let it end
             assert await asyncio.to_thread(stopping.popen.wait, 30) == 0
+            assert stopping.wait_for_line(r"iop worker for node node-a stopped", timeout=5)  # its last line
             await asyncio.to_thread(stack.worker, "node-a")
             await asyncio.to_thread(wait_available, stack.redis_url, ["vllm-a"])
             async with session.post(gateway + "/v1/chat/completions", json=short) as served:

@@ -420,7 +420,9 @@ async def test_stale_heartbeats_are_unknown_and_no_provider_means_503_at_once(
 async def test_processes_stop_cleanly_while_redis_is_down(fstack: FaultStack) -> None:
     start(fstack, {"only": ("n1", 1)})
     fstack.server.stop(kill=True)
-    for name in ("worker-n1", "scheduler", "gateway"):
+    for name, last in (("worker-n1", "iop worker for node n1 stopped"), ("scheduler", r"iop scheduler \S+ stopped"),
+                       ("gateway", "iop gateway stopped")):
         proc = next(p for p in fstack.procs if p.name == name)
         assert proc.stop() == 0, proc.output()
+        assert proc.wait_for_line(last, timeout=1), proc.output()  # (said even with Redis away)
     fstack.server.start()  # for the invariant check

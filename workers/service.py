@@ -209,3 +209,4 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
         await ops.close()
     if crashed:
         raise SystemExit(1)
+    log.info("iop worker for node %s stopped", node_id)
