@@ -331,6 +331,6 @@ async def test_a_word_held_for_max_tokens_is_bounded_by_the_line_limit() -> None
             else:
                 await cli.complete(RunKind.CHAT, chat("x" * 5000, max_tokens=3), "r")
         assert err.value.code is ErrorCode.OUTPUT_TOO_LARGE
-        assert err.value.message == "provider cli-c sent a word over 1000 bytes"
+        assert err.value.message == "provider cli-c sent a word over 1000 bytes (runtime.max_line_bytes)"
     answer = await cli.complete(RunKind.CHAT, chat("x" * 5000), "r")  # (nothing held without max_tokens)
     assert answer["choices"][0]["message"]["content"] == "x" * 5000

@@ -20,7 +20,7 @@ import pytest
 
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import RunKind
+from common.wire import ErrorCode, RunKind
 from gateway.responses import sse_chunks, with_model
 from tests.conftest import async_wait_until as until
 from tests.fakes.raw_http import RawHttp
@@ -952,6 +952,38 @@ async def test_an_embeddings_answer_the_caller_s_client_would_fail_on_is_the_pro
     with pytest.raises(ProviderError) as err:
         await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": ["a", "b"]}, "run_1")
     assert err.value.message.startswith(f"provider vllm-h answered embeddings {problem}"), err.value.message
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
+
+
+async def test_float_embeddings_over_the_answer_limit_say_which_setting_and_that_base64_is_smaller(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Found by a caller audit: 1,000 inputs of 1,024 dimensions as floats pass 16 MiB (base64: a third)."""
+    vectors = [{"object": "embedding", "index": i, "embedding": [0.123456789] * 256} for i in range(8)]
+    raw.answers["/v1/embeddings"] = whole("200 OK", json.dumps({"object": "list", "data": vectors}).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session, ReadLimits(response_bytes=4096))
+    body = {"model": SERVED, "input": ["a"] * 8}
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.EMBEDDING, body, "run_1")
+    assert err.value.message == ("provider vllm-h sent an answer over 4096 bytes (runtime.max_response_bytes): "
+                                 "embeddings as encoding_format base64 take about a third of the bytes, or send "
+                                 "fewer inputs")
+    assert err.value.code is ErrorCode.OUTPUT_TOO_LARGE and err.value.retry is Retry.NO
+    with pytest.raises(ProviderError) as err:  # (asked in base64 already: nothing more to say)
+        await adapter.complete(RunKind.EMBEDDING, {**body, "encoding_format": "base64"}, "run_2")
+    assert err.value.message == "provider vllm-h sent an answer over 4096 bytes (runtime.max_response_bytes)"
+
+
+@pytest.mark.parametrize("answer", [{"object": "chat.completion"}, {"object": "chat.completion", "choices": []},
+                                    {"object": "chat.completion", "choices": None}], ids=["none", "empty", "null"])
+async def test_a_whole_answer_with_no_choices_is_a_provider_error(
+        answer: dict[str, Any], raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Found by a caller audit: it came as a 200, and the caller's `choices[0]` failed."""
+    raw.answers["/v1/chat/completions"] = whole("200 OK", json.dumps(answer).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "run_1")
+    assert err.value.message in ("provider vllm-h answered with no choices",
+                                 "provider vllm-h answered with choices that are not a list of objects")
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
 
 

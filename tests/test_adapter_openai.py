@@ -363,7 +363,8 @@ ROLE_LINE = (b'data: {"id":"c1","object":"chat.completion.chunk","model":"m","ch
 
 async def test_runs_carry_a_uuid_request_id_and_probes_none(fake: Fake, session: aiohttp.ClientSession) -> None:
     fake.body["/v1/models"] = {"object": "list", "data": [{"id": SERVED}]}
-    fake.body["/v1/chat/completions"] = {"object": "chat.completion", "choices": []}
+    fake.body["/v1/chat/completions"] = {"object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
     adapter = OpenAICompatAdapter(provider("llamacpp", fake.url), session)
     await adapter.probe()
     await adapter.complete(RunKind.CHAT, chat(), "run_0123456789abcdef0123456789abcdef")

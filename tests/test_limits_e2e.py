@@ -110,8 +110,8 @@ def test_an_endless_responses_stream_ends_at_the_output_limit(stack: Stack, gate
 
 
 @pytest.mark.parametrize(("model", "message"), [
-    ("huge", "provider p-huge sent an answer over 262144 bytes"),
-    ("no-newline", "provider p-no-newline sent a line over 16384 bytes"),
+    ("huge", "provider p-huge sent an answer over 262144 bytes (runtime.max_response_bytes)"),
+    ("no-newline", "provider p-no-newline sent a line over 16384 bytes (runtime.max_line_bytes)"),
 ])
 def test_a_provider_answer_or_line_past_its_limit_is_output_too_large(stack: Stack, gateway: str, model: str,
                                                                       message: str) -> None:

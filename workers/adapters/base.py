@@ -61,8 +61,10 @@ class ReadLimits:
         return min(self.probe_bytes, self.response_bytes)
 
     def too_large(self, provider_id: str, what: str, limit: int) -> ProviderError:
-        return ProviderError(f"provider {provider_id} sent {what} over {limit} bytes", retry=Retry.NO, strikes=0,
-                             code=ErrorCode.OUTPUT_TOO_LARGE)
+        """`what` ("an answer", "a line") went over `limit`, the setting named in the message."""
+        setting = "runtime.max_response_bytes" if what == "an answer" else "runtime.max_line_bytes"
+        return ProviderError(f"provider {provider_id} sent {what} over {limit} bytes ({setting})", retry=Retry.NO,
+                             strikes=0, code=ErrorCode.OUTPUT_TOO_LARGE)
 
 
 #: The defaults of `runtime.max_*`, for adapters made without a config (tests).

@@ -36,7 +36,7 @@ from common.choices import inputs
 from common.chunks import choice_indices, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import RunKind, upstream_request_id
+from common.wire import ErrorCode, RunKind, upstream_request_id
 from workers.adapters import sending
 from workers.adapters.base import DEFAULT_LIMITS, LastRead, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.embeddings import embeddings_problem, in_base64
@@ -425,6 +425,11 @@ class OpenAICompatAdapter:
                 await self._raise_for(resp, body.get("model"))
                 data = parse_json(await read_whole(resp, self.provider.id, self.limits), self.provider.id)
         except ProviderError as exc:
+            if exc.code is ErrorCode.OUTPUT_TOO_LARGE and kind is RunKind.EMBEDDING \
+                    and body.get("encoding_format") != "base64":
+                exc = ProviderError(f"{exc.message}: embeddings as encoding_format base64 take about a third of "
+                                    "the bytes, or send fewer inputs", retry=exc.retry, strikes=exc.strikes,
+                                    code=exc.code)
             raise self._clean(exc) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
@@ -437,6 +442,9 @@ class OpenAICompatAdapter:
         if not choices_usable(data):
             raise ProviderError(f"provider {self.provider.id} answered with choices that are not a list of objects",
                                 retry=Retry.ELSEWHERE, strikes=0)
+        if kind is not RunKind.EMBEDDING and not data.get("choices"):  # (a caller's client reads choices[0])
+            raise ProviderError(f"provider {self.provider.id} answered with no choices", retry=Retry.ELSEWHERE,
+                                strikes=0)
         problem = embeddings_problem(data, inputs(body.get("input"))) if kind is RunKind.EMBEDDING else None
         if problem:
             raise ProviderError(f"provider {self.provider.id} answered embeddings {problem}", retry=Retry.ELSEWHERE,
