@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from common import capabilities, token_cap
 from common.auth import KeyRing
 from common.config import Config, ModelConfig, folded_name
+from common.jsonio import json_response
 from common.redisconn import REDIS_DOWN
 from common.shown import quoted
 from common.usage import key_names
@@ -62,7 +63,7 @@ async def list_models(request: web.Request) -> web.Response:
     created = int(request.app[STARTED])
     who = principal(request)
     data = [_model_object(name, m, created) for m in cfg.models if who.may_use(m.id) for name in (m.id, *m.aliases)]
-    return web.json_response({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data})
 
 
 def _usable(request: web.Request, name: str) -> ModelConfig | None:
@@ -92,7 +93,7 @@ def _near(request: web.Request, name: str) -> str | None:
 
 async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["model_id"]
-    return web.json_response(_model_object(name, _model_for(request, name), int(request.app[STARTED])))
+    return json_response(_model_object(name, _model_for(request, name), int(request.app[STARTED])))
 
 
 def _within_cap(req: ParsedRequest, model_id: str, cap: int) -> None:

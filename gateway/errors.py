@@ -191,9 +191,12 @@ def unknown_path(request: web.Request) -> str:
     """The message of a 404 for a path the gateway does not serve, in OpenAI's words ("Invalid
     URL (POST /v1/x)"), with what it does serve: an `openai` client's call of an endpoint iop
     does not have (`client.audio.speech.create`) says so. The path is cut at `MAX_SHOWN_PATH`."""
+    return f"Invalid URL ({request.method} {_shown_path(request)}): iop serves {SERVED_PATHS}"
+
+
+def _shown_path(request: web.Request) -> str:
     path = request.path
-    shown = path if len(path) <= MAX_SHOWN_PATH else path[:MAX_SHOWN_PATH] + "…"
-    return f"Invalid URL ({request.method} {shown}): iop serves {SERVED_PATHS}"
+    return path if len(path) <= MAX_SHOWN_PATH else path[:MAX_SHOWN_PATH] + "…"
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -221,6 +224,9 @@ def error_response(request: web.Request, error: Exception) -> web.StreamResponse
             message = unknown_path(request)
         elif error.status == 413:
             message = f"request body is too large: {error.text}"
+        elif error.status == 405 and "Allow" in error.headers:
+            allowed = ", ".join(m.strip() for m in error.headers["Allow"].split(","))
+            message = f"{request.method} {_shown_path(request)} is not allowed: it takes {allowed}"
         else:
             message = error.reason
         answer = from_status(error.status, message)

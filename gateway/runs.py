@@ -113,7 +113,8 @@ class RunClient:
                      "max_in_flight" if status == "key_in_flight" else "requests_per_minute", extra={"key": who.name})
         if status == "key_in_flight":
             raise ApiError(ErrorCode.RATE_LIMIT_EXCEEDED,
-                           f"key {who.name!r} has {who.max_in_flight} runs queued or running, its max_in_flight; "
+                           f"key {who.name!r} has {who.max_in_flight} run{'s' if who.max_in_flight != 1 else ''} "
+                           "queued or running, its max_in_flight; "
                            "retry when one has ended", param=None,
                            headers={"Retry-After": "1", LIMIT_HEADER: str(who.max_in_flight),
                                     REMAINING_HEADER: "0", WHICH_LIMIT_HEADER: "max_in_flight"})

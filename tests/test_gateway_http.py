@@ -129,8 +129,15 @@ async def test_unknown_routes_and_methods_are_openai_shaped(gateway: str, http: 
         error = await error_of(resp)
         assert resp.status == 404 and len(error["message"]) < 500 and error["message"].count("x") < 250
     async with http.get(gateway + "/v1/chat/completions") as resp:
-        assert resp.status == 405 and (await error_of(resp))["code"] == "method_not_allowed"
+        error = await error_of(resp)
+        assert resp.status == 405 and error["code"] == "method_not_allowed"
         assert resp.headers["Allow"] == "POST"
+        assert error["message"] == "GET /v1/chat/completions is not allowed: it takes POST"
+    async with http.delete(gateway + "/v1/models/" + "m" * 5000) as resp:  # (a long path is not repeated whole)
+        error = await error_of(resp)
+        assert resp.status == 405 and len(error["message"]) < 500 and error["message"].endswith("it takes GET, HEAD")
+    async with http.get(gateway + "/v1/models") as resp:  # (compact JSON, as every other answer)
+        assert b", " not in await resp.read()
 
 
 @pytest.mark.parametrize(("method", "path", "words"), [
