@@ -314,6 +314,38 @@ def wait_heartbeat(sup: Supervisor, redis_url: str, provider_ids: list[str]) -> 
         client.close()
 
 
+def first_health(sup: Supervisor, redis_url: str, config: Config) -> dict[str, str]:
+    """Each provider's health once its first probe has said (each is probed at once when its
+    worker starts), waited for at most a probe's time: {provider: why it takes no runs} for
+    those that are not `available` then, in config order."""
+    import redis
+
+    client: Any = redis.Redis.from_url(redis_url, socket_timeout=1.0)
+    providers = [p for n in config.nodes for p in n.providers]
+    limit_s = min(10.0, max(p.probe_timeout_ms for p in providers) * 2 / 1000 + 1.0)
+    seen: dict[str, tuple[str, str]] = {}
+
+    def said() -> bool:
+        try:
+            for p in providers:
+                health, reason = (v.decode(errors="replace") if v else "" for v in
+                                  client.hmget(keys.heartbeat(p.id), "health", "reason"))
+                seen[p.id] = (health, reason)
+        except redis.RedisError:
+            return False
+        return not [h for h, why in seen.values() if not h or (h == "unknown" and why == "not probed yet")]
+
+    deadline = time.monotonic() + limit_s  # (a probe slower than that: said as it stands)
+    try:
+        while not said() and time.monotonic() < deadline:
+            sup.check()
+            sup.pause(0.05)
+    finally:
+        client.close()
+    return {pid: f"{health or 'unknown'}: {reason or 'no heartbeat yet'}"
+            for pid, (health, reason) in seen.items() if health != "available"}
+
+
 def try_key(config: Config) -> tuple[int, ApiKeyConfig, str] | None:
     """For the banner's example: the key to show (its index in auth.keys, the key, a model it may
     use), or None when the config has no keys (the gateway then takes any). A key held in an
@@ -329,10 +361,11 @@ def try_key(config: Config) -> tuple[int, ApiKeyConfig, str] | None:
     return found[0] if found else None
 
 
-def banner(config: Config, base: str, redis_url: str, path: Path) -> str:
+def banner(config: Config, base: str, redis_url: str, path: Path, down: dict[str, str] | None = None) -> str:
     """What `iop dev` prints once the stack is ready: where it listens, a curl line to try it, and
     the `iop` command line that operates it (its config and Redis: the commands' defaults,
-    `iop.yaml` and Redis on 6379, are not this stack's)."""
+    `iop.yaml` and Redis on 6379, are not this stack's); and the providers that take no runs
+    (`down`: provider -> why), so that a first request's 503 is no surprise."""
     model = config.models[0].id
     keyed = try_key(config)
     access = "(any API key)"
@@ -367,6 +400,9 @@ def banner(config: Config, base: str, redis_url: str, path: Path) -> str:
         f"    {curl}",
         "  Operate it (iop queues, iop provider drain ... take the same options):",
         f"    iop catalog --config {shlex.quote(str(path))} --redis {redis_url}",
+        *([f"  Not taking runs now ({len(down)} of {providers} providers; probed again every few seconds, "
+           "iop catalog shows when they are back):"] if down else []),
+        *(f"    {pid}: {why}" for pid, why in (down or {}).items()),
         "  Ctrl-C stops everything.",
         rule,
     ])
@@ -409,7 +445,8 @@ def serve(sup: Supervisor, config: Config, path: Path, demo: bool, host: str, po
     try:
         root = start_stack(sup, config, demo, host, port)
         wait_ready(sup, config, root, redis_url)
-        say(banner(config, f"{root}/v1", redis_url, path))
+        down = first_health(sup, redis_url, config) if any(n.providers for n in config.nodes) else {}
+        say(banner(config, f"{root}/v1", redis_url, path, down))
         sup.run_until_stopped()
     except Interrupted:
         say("iop dev: stopping...")

@@ -206,6 +206,31 @@ def test_with_api_keys_the_banner_says_which_key_and_its_curl_line_works(tmp_pat
     assert proc.stop(STOP_S, sig=signal.SIGINT) == 0, proc.output()
 
 
+def test_the_banner_names_the_providers_that_take_no_runs(tmp_path: Path, dev_proc: list[Proc]) -> None:
+    """Found by a caller audit: `iop dev --config` against servers it cannot reach said it was ready,
+    and the first request got a 503 that nothing had warned of."""
+    sim = Proc("simulator", ["simulator", "--port", "0", "--models", "served-m1", "--tokens", "3"], dev_env())
+    dev_proc.append(sim)
+    sim_url = sim.wait_for_line(r"listening on (http://\S+)").group(1)
+    closed = f"http://127.0.0.1:{free_port()}"  # (nothing listens there: refused)
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump({
+        "models": [{"id": "m1", "providers": {"p-up": "served-m1", "p-down": "served-m1"}}],
+        "nodes": [{"id": "n1", "providers": [
+            {"id": "p-up", "type": "vllm", "base_url": sim_url, "capacity": 1, "models": ["served-m1"]},
+            {"id": "p-down", "type": "vllm", "base_url": closed, "capacity": 1, "models": ["served-m1"]}]}],
+    }))
+    proc = Proc("dev", ["dev", "--config", str(path), "--port", "0"], dev_env())
+    dev_proc.append(proc)
+    proc.wait_for_line(r"Ctrl-C stops everything", timeout=START_S)
+    banner = [line.split("] ", 1)[-1] for line in proc.lines]
+    at = next(i for i, line in enumerate(banner) if "Not taking runs now" in line)
+    assert "(1 of 2 providers;" in banner[at], banner[at]
+    assert banner[at + 1].strip() == "p-down: unavailable: GET /health: connection refused", banner[at + 1]
+    assert not any(line.strip().startswith("p-up:") for line in banner)
+    assert proc.stop(STOP_S, sig=signal.SIGINT) == 0, proc.output()
+
+
 def test_a_key_variable_that_is_not_set_stops_dev_at_once_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "auth.yaml"
     path.write_text(yaml.safe_dump(auth_config("http://127.0.0.1:9", "IOP_DEV_UNSET_KEY")))
