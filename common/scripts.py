@@ -1005,6 +1005,41 @@ end
 return out
 """
 
+# A worker's heartbeat of one provider: its fields, its worker among the node's live ones, the
+# provider among those beating (`keys.BEATING`, whose life is the longest any beat gave it). The
+# `health` and `reason` the worker judged from the evidence it read are written only if the
+# evidence is still what it read: a `finish` or `probed` script that changed it meanwhile (a
+# refused connection that took the provider down) is not undone by a verdict from before it
+# (answer 0: the worker judges again). The schedulers are woken when the health changed.
+# KEYS: heartbeat, node's workers, beating
+# ARGV: ok_ms, fails, fail_ms as read ('' for none), heartbeat_ttl_ms, now (ms), provider id,
+#       worker instance ('' = none), signals channel ('' = the health did not change), then the
+#       fields and their values
+BEAT = """
+local seen = redis.call('HMGET', KEYS[1], 'ok_ms', 'fails', 'fail_ms')
+local same = (seen[1] or '') == ARGV[1] and (seen[2] or '') == ARGV[2] and (seen[3] or '') == ARGV[3]
+local fields = {}
+for i = 9, #ARGV, 2 do
+  if same or (ARGV[i] ~= 'health' and ARGV[i] ~= 'reason') then
+    fields[#fields + 1] = ARGV[i]
+    fields[#fields + 1] = ARGV[i + 1]
+  end
+end
+local ttl, now = tonumber(ARGV[4]), tonumber(ARGV[5])
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('PEXPIRE', KEYS[1], ttl)
+if ARGV[7] ~= '' then
+  redis.call('ZADD', KEYS[2], now + ttl, ARGV[7])
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+redis.call('ZADD', KEYS[3], now + ttl, ARGV[6])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - ttl)
+if redis.call('PEXPIRE', KEYS[3], ttl, 'GT') == 0 then redis.call('PEXPIRE', KEYS[3], ttl, 'NX') end
+if not same then return 0 end
+if ARGV[8] ~= '' then redis.call('PUBLISH', ARGV[8], '*') end
+return 1
+"""
+
 ALL: dict[str, str] = {
     "enqueue": ENQUEUE,
     "dispatch": DISPATCH,
@@ -1020,6 +1055,7 @@ ALL: dict[str, str] = {
     "worker_left": WORKER_LEFT,
     "probe": PROBE,
     "probed": PROBED,
+    "beat": BEAT,
     "watch": WATCH,
     "control": CONTROL,
     "history": HISTORY,

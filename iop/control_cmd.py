@@ -91,7 +91,8 @@ def act(config: Config, redis_url: str, args: Any, who: str, as_json: bool) -> i
     print(json.dumps(report, indent=2) if as_json else describe(report))
     if report["providers"] and all(p["last_heartbeat"] is None for p in report["providers"]):
         print(f"warning: no provider it touched has a heartbeat in Redis at {redact(redis_url)}: no worker of its "
-              "node runs against this Redis (is --redis right?); the change is recorded there", file=sys.stderr)
+              "node runs against it now (stopped, or --redis is not the pool's); the change is recorded there",
+              file=sys.stderr)
     return 0
 
 

@@ -973,17 +973,19 @@ async def test_float_embeddings_over_the_answer_limit_say_which_setting_and_that
     assert err.value.message == "provider vllm-h sent an answer over 4096 bytes (runtime.max_response_bytes)"
 
 
-@pytest.mark.parametrize("answer", [{"object": "chat.completion"}, {"object": "chat.completion", "choices": []},
-                                    {"object": "chat.completion", "choices": None}], ids=["none", "empty", "null"])
+@pytest.mark.parametrize(("answer", "said"), [
+    ({"object": "chat.completion"}, "answered with no choices"),
+    ({"object": "chat.completion", "choices": []}, "answered with no choices"),
+    ({"object": "chat.completion", "choices": None}, "answered with choices that are not a list of objects"),
+], ids=["none", "empty", "null"])
 async def test_a_whole_answer_with_no_choices_is_a_provider_error(
-        answer: dict[str, Any], raw: Raw, session: aiohttp.ClientSession) -> None:
+        answer: dict[str, Any], said: str, raw: Raw, session: aiohttp.ClientSession) -> None:
     """Found by a caller audit: it came as a 200, and the caller's `choices[0]` failed."""
     raw.answers["/v1/chat/completions"] = whole("200 OK", json.dumps(answer).encode())
     adapter = OpenAICompatAdapter(openai(raw.url), session)
     with pytest.raises(ProviderError) as err:
         await adapter.complete(RunKind.CHAT, chat(), "run_1")
-    assert err.value.message in ("provider vllm-h answered with no choices",
-                                 "provider vllm-h answered with choices that are not a list of objects")
+    assert err.value.message == f"provider vllm-h {said}"
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
 
 

@@ -388,7 +388,7 @@ def test_a_change_in_a_redis_without_the_providers_heartbeats_warns_that_it_may_
     code, out, err = iop(capsys, "provider", "drain", "vllm-a", *where)
     assert code == 0 and out.startswith("drain provider vllm-a: drained")
     assert err == (f"warning: no provider it touched has a heartbeat in Redis at {redis_url}: no worker of its node "
-                   "runs against this Redis (is --redis right?); the change is recorded there\n")
+                   "runs against it now (stopped, or --redis is not the pool's); the change is recorded there\n")
     with sync_redis.Redis.from_url(redis_url) as redis:
         redis.hset(keys.heartbeat("vllm-a"), mapping={"health": "available", "capacity": 4, "ts_ms": now_ms()})
     code, _, err = iop(capsys, "provider", "undrain", "vllm-a", *where)

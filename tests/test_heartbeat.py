@@ -17,6 +17,7 @@ from common.catalog import read_catalog
 from common.config import Config, parse_config
 from common.policy import Health
 from common.redisconn import now_ms
+from common.scripts import Scripts
 from common.wire import RunKind
 from tests.conftest import async_wait_until
 from workers.adapters.base import ProbeResult
@@ -184,11 +185,14 @@ async def test_a_worker_of_the_node_announcing_the_provider_otherwise_is_warned_
     for _ in range(3):
         await other_beat(capacity="3")
         await beats.beat_once(provider)
-    assert warnings() == ["provider p: worker other-host:7 of node n announces capacity 3 (this one's: 2): the node's "
-                          "workers run different configs, and each beat's writer wins (restart them with one config)"]
+    assert warnings() == ["provider p: worker other-host:7 of node n announces capacity 3 (this one's: 2): the "
+                          "provider's workers run different configs, and each beat's writer wins (restart them with "
+                          "one config)"]
     await other_beat(capacity="3", models='["served", "more"]')
     assert len(warnings()) == 2 and "capacity 3 (this one's: 2); models [\"served\", \"more\"]" in warnings()[1]
     assert await redis.hget(keys.heartbeat("p"), "capacity") == b"2"  # (its own config, as before)
+    await other_beat(node="n-new")  # (a rollout that moves the provider to another node)
+    assert "worker other-host:7 of node n-new announces node n-new (this one's: n)" in warnings()[2]
 
 
 async def test_a_beat_puts_its_provider_among_those_beating_which_a_catalog_of_another_config_names(
@@ -210,3 +214,40 @@ async def test_a_beat_puts_its_provider_among_those_beating_which_a_catalog_of_a
     assert (await read_catalog(redis, other, now_ms())).unconfigured_providers == ["p"]
     assert (await read_catalog(redis, cfg, now_ms())).unconfigured_providers == []
     assert (await read_catalog(redis, other, int(until) + 1)).unconfigured_providers == []  # (its beat lapsed)
+
+
+async def test_a_beat_judged_from_evidence_that_changed_since_does_not_undo_it(redis: Redis) -> None:
+    """Between a beat's read and its write, a run's end took the provider down (`finish` wrote the
+    strikes and `unavailable`): the beat's `available`, judged from what it read before, is not
+    written over it (the rest of the beat is), and the worker is told to judge again."""
+    hb = keys.heartbeat("p")
+    await redis.hset(hb, mapping={"health": "unavailable", "reason": "provider p: connection refused", "fails": "3",
+                                  "fail_ms": "5", "ok_ms": "1"})
+    scripts = Scripts(redis)
+
+    def beat(ok_ms: str, fails: str, fail_ms: str) -> Any:
+        return scripts.call("beat", [hb, keys.node_workers("n"), keys.BEATING],
+                            [ok_ms, fails, fail_ms, 1000, now_ms(), "p", "", "", "health", "available", "reason", "",
+                             "capacity", "2"])
+
+    assert await beat("1", "0", "") == 0  # (read before the strikes)
+    assert await redis.hmget(hb, "health", "reason", "capacity") == [
+        b"unavailable", b"provider p: connection refused", b"2"]
+    assert await redis.zscore(keys.BEATING, "p") is not None
+    assert await beat("1", "3", "5") == 1  # (read after them: its verdict stands)
+    assert await redis.hmget(hb, "health", "reason") == [b"available", b""]
+
+    # the worker's own beat: a verdict that could not be written makes it beat again at once
+    cfg = config("vllm")
+    beats = Heartbeats(redis, cfg, "n", {"p": Probed()})
+    real = beats.scripts.call
+
+    async def strikes_meanwhile(name: str, script_keys: Any, args: Any) -> Any:
+        if name == "beat":
+            await redis.hset(hb, mapping={"fails": "3", "fail_ms": str(now_ms()), "health": "unavailable"})
+        return await real(name, script_keys, args)
+
+    beats.scripts.call = strikes_meanwhile  # type: ignore[method-assign,assignment]
+    await redis.hset(hb, mapping={"fails": "0", "ok_ms": str(now_ms())})
+    await beats.beat_once(cfg.nodes[0].providers[0])
+    assert beats.wake["p"].is_set() and await health(redis) == "unavailable"

@@ -27,7 +27,7 @@ from common.provider_types import PROBE_DISTURBS
 from common.redisconn import REDIS_UNUSABLE, as_text_map, now_ms
 from common.scripts import Scripts
 from workers.adapters.base import DOWN, Adapter, ProbeResult
-from workers.health import Evidence, judge
+from workers.health import Evidence, Field, judge
 
 log = logging.getLogger("iop.worker")
 
@@ -51,7 +51,7 @@ def heartbeat_fields(provider: ProviderConfig, node_id: str, health: Health, rea
 
 #: Heartbeat fields taken from the config: every worker of a node announces them alike, when
 #: they run one config.
-_FROM_CONFIG = ("type", "category", "capacity", "models", "lifecycle")
+_FROM_CONFIG = ("node", "type", "category", "capacity", "models", "lifecycle")
 
 
 #: The most served names a probe's model list keeps in the heartbeat (`observed_models`): every
@@ -119,21 +119,17 @@ class Heartbeats:
         health, reason = judge(Evidence.from_hash(seen), int(in_flight))
         fields = heartbeat_fields(provider, self.node_id, health, reason, now)
         self._warn_if_another_config(provider.id, seen, fields)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key, mapping=fields)
-        pipe.pexpire(key, self.config.runtime.heartbeat_ttl_ms)
-        ttl = self.config.runtime.heartbeat_ttl_ms
-        pipe.zadd(keys.BEATING, {provider.id: now + ttl})
-        pipe.zremrangebyscore(keys.BEATING, "-inf", now - ttl)  # (their last beat long gone)
-        pipe.pexpire(keys.BEATING, ttl)
-        if self.instance:  # this worker lives as long as its heartbeat does
-            workers = keys.node_workers(self.node_id)
-            pipe.zadd(workers, {self.instance: now + self.config.runtime.heartbeat_ttl_ms})
-            pipe.pexpire(workers, self.config.runtime.heartbeat_ttl_ms)
-        if self.last.get(provider.id) is not health:
+        changed = self.last.get(provider.id) is not health
+        written = await self.scripts.call(
+            "beat", [key, keys.node_workers(self.node_id), keys.BEATING],
+            [seen.get(Field.OK_MS, ""), seen.get(Field.FAILS, ""), seen.get(Field.FAIL_MS, ""),
+             self.config.runtime.heartbeat_ttl_ms, now, provider.id, self.instance,
+             keys.SCHEDULER_SIGNALS if changed else "", *(x for pair in fields.items() for x in pair)])
+        if not written:  # (a run's end or a probe changed the evidence since it was read: judged again)
+            self.nudge(provider.id)
+            return health
+        if changed:
             log.info("provider %s is %s%s", provider.id, health.value, f": {reason}" if reason else "")
-            pipe.publish(keys.SCHEDULER_SIGNALS, "*")
-        await pipe.execute()
         self.last[provider.id] = health
         await self._maybe_probe(provider, int(in_flight))
         return health
@@ -149,9 +145,9 @@ class Heartbeats:
                         if f in seen and seen[f] != mine[f])
         said = self.disagreed.setdefault(provider_id, {})
         if differs and said.get(other) != differs:
-            log.warning("provider %s: worker %s of node %s announces %s: the node's workers run different configs, "
-                        "and each beat's writer wins (restart them with one config)", provider_id, other,
-                        self.node_id, "; ".join(differs))
+            log.warning("provider %s: worker %s of node %s announces %s: the provider's workers run different "
+                        "configs, and each beat's writer wins (restart them with one config)", provider_id, other,
+                        seen.get("node", "?"), "; ".join(differs))
         if len(said) >= 64:  # (workers come and go: those of long ago are forgotten)
             said.clear()
         said[other] = differs
