@@ -251,3 +251,19 @@ async def test_a_beat_judged_from_evidence_that_changed_since_does_not_undo_it(r
     await redis.hset(hb, mapping={"fails": "0", "ok_ms": str(now_ms())})
     await beats.beat_once(cfg.nodes[0].providers[0])
     assert beats.wake["p"].is_set() and await health(redis) == "unavailable"
+
+
+async def test_two_workers_of_one_pid_on_one_host_are_told_apart(
+        redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """Containers on the host's network, each worker its PID 1: the hash names each by its instance."""
+    cfg = config("vllm")
+    provider = cfg.nodes[0].providers[0]
+    other = parse_config({**cfg.model_dump(), "nodes": [{**cfg.nodes[0].model_dump(), "providers": [
+        {**provider.model_dump(exclude_none=True), "capacity": 3}]}]})
+    first = Heartbeats(redis, cfg, "n", {"p": Probed()}, "host:1:aaaa")
+    second = Heartbeats(redis, other, "n", {"p": Probed()}, "host:1:bbbb")
+    await first.beat_once(provider)
+    assert await redis.hget(keys.heartbeat("p"), "worker") == b"host:1:aaaa"
+    await second.beat_once(other.nodes[0].providers[0])
+    assert any("worker host:1:aaaa of node n announces capacity 2 (this one's: 3)" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")

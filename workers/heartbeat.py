@@ -118,6 +118,8 @@ class Heartbeats:
         seen = as_text_map(raw)
         health, reason = judge(Evidence.from_hash(seen), int(in_flight))
         fields = heartbeat_fields(provider, self.node_id, health, reason, now)
+        if self.instance:  # (host:pid and an id of its own: two containers' PID 1 on one host differ)
+            fields["worker"] = self.instance
         self._warn_if_another_config(provider.id, seen, fields)
         changed = self.last.get(provider.id) is not health
         written = await self.scripts.call(
