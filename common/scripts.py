@@ -832,6 +832,9 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZCARD', KEYS[1]) > 0 then return {{0, 0}} end
 if #KEYS >= 4 then redis.call('DEL', unpack(KEYS, 4)) end
+for i = 4, #KEYS do  -- (nor is the provider among those beating)
+  redis.call('ZREM', '{keys.BEATING}', string.sub(KEYS[i], {len(keys.heartbeat(""))} + 1))
+end
 local requeued = 0
 for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   local record = '{keys.run_record("")}' .. id

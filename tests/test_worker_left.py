@@ -21,8 +21,10 @@ async def test_the_last_worker_to_stop_queues_again_the_runs_no_worker_took(redi
     worker = node_worker(redis_url, runner)
     worker.ctx[RUNNER_CTX] = runner
     await redis.zadd(keys.node_workers("n-a"), {worker.instance: 2**50})  # as its heartbeat registers it
+    await redis.zadd(keys.BEATING, {"a": 2**50, "elsewhere": 2**50})
     try:
         await leave_node(worker, runner.config, "n-a")
+        assert await redis.zrange(keys.BEATING, 0, -1) == [b"elsewhere"]  # (another node's provider stays)
         for run_id in run_ids:
             assert await fields(redis, keys.run_record(run_id), "state", "attempts", "provider", "tried") == [
                 "queued", "0", None, "a"]
