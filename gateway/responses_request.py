@@ -129,6 +129,9 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     call joins the assistant message before it (or starts one), its output a tool message."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
+    if value is None:  # (OpenAI's may come from a stored prompt or conversation; iop keeps none)
+        raise invalid("'input' is required: iop keeps no prompts, conversations or responses, so the request "
+                      "carries what the model answers", "input")
     if not isinstance(value, list) or not value:
         raise invalid("'input' must be a string or a non-empty array of items", "input")
     messages: list[dict[str, Any]] = []
