@@ -64,6 +64,8 @@ NOT_WORTH_RETRYING = frozenset({ErrorCode.EXECUTION_TIMEOUT, ErrorCode.OUTPUT_TO
 def _error_type(status: int, code: ErrorCode | None = None) -> str:
     if code is ErrorCode.RATE_LIMIT_EXCEEDED:
         return "requests"  # (OpenAI's type for a limit on requests)
+    if code is ErrorCode.QUEUE_FULL:
+        return "server_error"  # (the pool is overloaded, as OpenAI's "model is currently overloaded"; not the request)
     if status < 500:
         return "invalid_request_error"
     return "server_error"

@@ -52,6 +52,8 @@ def test_body_shape_for_every_code(code: ErrorCode) -> None:
     expected_type = "invalid_request_error" if STATUS[code] < 500 else "server_error"
     if code is ErrorCode.RATE_LIMIT_EXCEEDED:
         expected_type = "requests"  # as OpenAI's own 429 for a limit on requests
+    if code is ErrorCode.QUEUE_FULL:
+        expected_type = "server_error"  # (the pool is overloaded: not the request's fault)
     assert body["error"]["type"] == expected_type
     json.dumps(body)  # serialisable
 
@@ -78,6 +80,7 @@ def test_explicit_status_and_headers() -> None:
 
 def test_response_carries_status_headers_and_body() -> None:
     err = ApiError(ErrorCode.QUEUE_FULL, "the queue of model m is full", headers={"Retry-After": "2"})
+    assert err.body()["error"]["type"] == "server_error"  # (not the request's fault: the pool is busy)
     resp = err.response()
     assert resp.status == 429
     assert resp.headers["Retry-After"] == "2"
