@@ -185,9 +185,10 @@ def check_change(config: Config, change: Change) -> None:
     """Raise UnknownTarget for a provider or node the config does not define, ControlError for a bad value."""
     if change.target_kind == "node":
         if config.node(change.target) is None:
-            is_provider = any(p.id == change.target for n in config.nodes for p in n.providers)
-            but = f" ({shown(change.target)} is a provider, of node {config.node_of(change.target)})" \
-                if is_provider else ""
+            try:
+                but = f" ({shown(change.target)} is a provider, of node {config.node_of(change.target)})"
+            except KeyError:
+                but = ""
             raise UnknownTarget(f"no node {shown(change.target)} in the config{but}")
     else:
         try:
