@@ -176,8 +176,9 @@ class Supervisor:
             if code is not None:
                 raise DevError(f"{child.name} exited unexpectedly ({exit_status(code)})")
 
-    def wait_for(self, probe: Callable[[], T | None], what: str, timeout: float, every: float = 1.0) -> T:
-        """Call `probe` until it returns a value, waking on any event or every `every` s."""
+    def poll(self, probe: Callable[[], T | None], timeout: float, every: float = 1.0) -> T | None:
+        """Call `probe` until it returns a value, waking on any event or every `every` s; None
+        once `timeout` s passed without one."""
         deadline = time.monotonic() + timeout
         while True:
             self.check()
@@ -186,8 +187,15 @@ class Supervisor:
                 return value
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DevError(f"timed out after {timeout:.0f}s waiting for {what}")
+                return None
             self.pause(min(left, every))
+
+    def wait_for(self, probe: Callable[[], T | None], what: str, timeout: float, every: float = 1.0) -> T:
+        """`poll`, which must get a value."""
+        value = self.poll(probe, timeout, every)
+        if value is None:
+            raise DevError(f"timed out after {timeout:.0f}s waiting for {what}")
+        return value
 
     def run_until_stopped(self) -> NoReturn:
         while True:
@@ -335,11 +343,8 @@ def first_health(sup: Supervisor, redis_url: str, config: Config) -> dict[str, s
             return False
         return not [h for h, why in seen.values() if not h or (h == "unknown" and why == "not probed yet")]
 
-    deadline = time.monotonic() + limit_s  # (a probe slower than that: said as it stands)
     try:
-        while not said() and time.monotonic() < deadline:
-            sup.check()
-            sup.pause(0.05)
+        sup.poll(said, limit_s, every=0.05)  # (a probe slower than that: said as it stands)
     finally:
         client.close()
     return {pid: f"{health or 'unknown'}: {reason or 'no heartbeat yet'}"
