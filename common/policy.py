@@ -37,6 +37,8 @@ class Health(StrEnum):
 #: connection, a host that does not resolve, a health endpoint that says it is not ready strike
 #: this many at once.
 DOWN = 3
+#: why a provider is down when its strikes said nothing
+DOWN_REASON = "it failed repeatedly"
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from common import keys
-from common.policy import DOWN
+from common.policy import DOWN, DOWN_REASON
 from common.redisline import Line, line_of
 
 # Scripts at Redis's `maxmemory` (noeviction, as iop runs it). A script without a shebang is
@@ -203,7 +203,7 @@ local function evidence(hb, kind, strikes, reason, health, fresh_ms)
     redis.call('HSET', hb, 'ok_ms', now, 'fails', 0, 'health', 'available', 'reason', '')
   elseif redis.call('HINCRBY', hb, 'fails', strikes) >= {DOWN} then
     redis.call('HSET', hb, 'fail_ms', now, 'fail_reason', reason, 'fail_health', health, 'health', health,
-      'reason', reason ~= '' and reason or 'it failed repeatedly')
+      'reason', reason ~= '' and reason or '{DOWN_REASON}')
   else
     redis.call('HSET', hb, 'fail_ms', now, 'fail_reason', reason, 'fail_health', health)
   end

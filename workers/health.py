@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from common.policy import Health
+from common.policy import DOWN_REASON, Health
 from workers.adapters.base import DOWN
 
 
@@ -73,7 +73,7 @@ class Evidence:
 def judge(evidence: Evidence, in_flight: int) -> tuple[Health, str]:
     """(health, why it is not available) from the evidence and the provider's live leases."""
     if evidence.fails >= DOWN:
-        return evidence.fail_health, evidence.fail_reason or "it failed repeatedly"
+        return evidence.fail_health, evidence.fail_reason or DOWN_REASON
     if evidence.ok_ms is not None or in_flight > 0:
         return Health.AVAILABLE, ""
     if evidence.fails:
