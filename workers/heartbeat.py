@@ -33,7 +33,9 @@ log = logging.getLogger("iop.worker")
 
 
 def heartbeat_fields(provider: ProviderConfig, node_id: str, health: Health, reason: str,
-                     ts_ms: int) -> dict[str, str]:
+                     ts_ms: int, worker: str = "") -> dict[str, str]:
+    """`worker`: the instance that beats (host:pid and an id of its own: two containers' PID 1 on
+    one host differ); '' for host:pid alone."""
     return {
         "id": provider.id,
         "node": node_id,
@@ -45,7 +47,7 @@ def heartbeat_fields(provider: ProviderConfig, node_id: str, health: Health, rea
         "models": json.dumps(provider.models),
         "lifecycle": json.dumps(provider.effective_lifecycle),  # coarse flags (D05), shown, never acted on
         "ts_ms": str(ts_ms),
-        "worker": f"{socket.gethostname()}:{os.getpid()}",
+        "worker": worker or f"{socket.gethostname()}:{os.getpid()}",
     }
 
 
@@ -117,9 +119,7 @@ class Heartbeats:
         raw, in_flight = await pipe.execute()
         seen = as_text_map(raw)
         health, reason = judge(Evidence.from_hash(seen), int(in_flight))
-        fields = heartbeat_fields(provider, self.node_id, health, reason, now)
-        if self.instance:  # (host:pid and an id of its own: two containers' PID 1 on one host differ)
-            fields["worker"] = self.instance
+        fields = heartbeat_fields(provider, self.node_id, health, reason, now, self.instance)
         self._warn_if_another_config(provider.id, seen, fields)
         changed = self.last.get(provider.id) is not health
         written = await self.scripts.call(
