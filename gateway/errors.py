@@ -60,6 +60,11 @@ STATUS: dict[ErrorCode, int] = {
 #: default, so a runaway generation took three times its GPU time).
 NOT_WORTH_RETRYING = frozenset({ErrorCode.EXECUTION_TIMEOUT, ErrorCode.OUTPUT_TOO_LARGE})
 
+#: Run failures worth trying again in a second, and said so in `Retry-After`, as the gateway says
+#: it when it refuses a run itself: every provider of the model went down while the run waited
+#: (a provider is probed again within its `health_interval_ms`, and back at its first answer).
+RETRY_SOON = frozenset({ErrorCode.NO_AVAILABLE_PROVIDER})
+
 
 def _error_type(status: int, code: ErrorCode | None = None) -> str:
     if code is ErrorCode.RATE_LIMIT_EXCEEDED:
@@ -100,11 +105,13 @@ class ApiError(Exception):
         """A run's failure; a provider's 4xx is passed through with its own status and body, but
         not its 429 nor its refusal of iop's credentials (`POOL_FAULT_4XX`): those are the pool's
         fault, not the caller's (the run was tried on another provider first), so they are a 502
-        like a 5xx. A failure that another try would only repeat says so (`NOT_WORTH_RETRYING`)."""
+        like a 5xx. A failure that another try would only repeat says so (`NOT_WORTH_RETRYING`);
+        one worth trying again soon says when (`RETRY_SOON`)."""
         if info.status is not None and callers_fault(info.status):
             return cls(info.code, info.message, status=info.status, detail=info.detail)
-        return cls(info.code, info.message,
-                   headers={"x-should-retry": "false"} if info.code in NOT_WORTH_RETRYING else None)
+        if info.code in NOT_WORTH_RETRYING:
+            return cls(info.code, info.message, headers={"x-should-retry": "false"})
+        return cls(info.code, info.message, headers={"Retry-After": "1"} if info.code in RETRY_SOON else None)
 
     def body(self) -> dict[str, Any]:
         if self.detail is not None and isinstance(self.detail.get("message"), str):

@@ -154,6 +154,17 @@ def test_from_info_run_failures_use_their_status(code: ErrorCode) -> None:
     assert err.body()["error"]["message"] == "nope"
 
 
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_a_run_failed_because_every_provider_went_down_says_when_to_retry(code: ErrorCode) -> None:
+    """A run whose model's providers all went down while it waited gets `Retry-After` as a request
+    the gateway refuses itself for the same reason does (found by a caller's audit: the first call
+    after the only provider died got none, the next ones did); no other run failure says a time."""
+    headers = ApiError.from_info(ErrorInfo(code, "nope")).headers
+    assert ("Retry-After" in headers) is (code is ErrorCode.NO_AVAILABLE_PROVIDER)
+    if code is ErrorCode.NO_AVAILABLE_PROVIDER:
+        assert headers["Retry-After"] == "1"
+
+
 def test_a_raw_response_is_a_whole_http_response_with_the_same_body() -> None:
     err = ApiError(ErrorCode.UNAVAILABLE, "full", headers={"Retry-After": "1"})
     head, _, body = err.raw_response().partition(b"\r\n\r\n")
