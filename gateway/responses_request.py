@@ -40,6 +40,8 @@ _TOOL_CHOICES = ("none", "auto", "required")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _SUMMARIES = ("auto", "concise", "detailed")
 _VERBOSITY = ("low", "medium", "high")
+#: the `include` item that asks for the output's log probabilities (refused, as `top_logprobs` is)
+_LOGPROBS = "message.output_text.logprobs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +137,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise invalid("'input' must be a string or a non-empty array of items", "input")
     messages: list[dict[str, Any]] = []
+    calls: set[str] = set()  # (the call ids of the function calls so far)
     for i, raw in enumerate(value):
         path = f"input[{i}]"
         item = _object(raw, path)
@@ -149,9 +152,15 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": ""}  # (text: llama-cpp-python refuses a null)
                 messages.append(last)
-            last.setdefault("tool_calls", []).append(_tool_call(item, path))
+            call = _tool_call(item, path)
+            calls.add(call["id"])
+            last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _text(item.get("call_id"), f"{path}.call_id"),
+            call_id = _text(item.get("call_id"), f"{path}.call_id")
+            if call_id not in calls:  # (OpenAI's 400 too; a server's own would name no item)
+                raise invalid(f"'{path}': no function call before it has the call_id {quoted(call_id)}: send the "
+                              "function_call item with its output", f"{path}.call_id")
+            messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _output_text(item.get("output"), f"{path}.output")})
         elif kind == "reasoning":
             continue  # (a chat completion has no place for it; the model reasons anew)
@@ -290,6 +299,9 @@ def _refuse_unservable(body: dict[str, Any]) -> None:
         if (value := body.get(name)) is not None and not whole_within(value, 1):
             raise invalid(f"'{name}' is not a field of the Responses API: a Response has one output (several "
                           "choices are served on /v1/chat/completions)", name)
+    if include is not None and _LOGPROBS in include:
+        raise invalid(f"'include' item {quoted(_LOGPROBS)} is not supported on /v1/responses (log probabilities "
+                      "are on /v1/chat/completions)", "include")
     top = body.get("top_logprobs")
     if top is not None and top != 0:
         raise invalid("'top_logprobs' is not supported on /v1/responses (it is on /v1/chat/completions)",
