@@ -58,6 +58,14 @@ NOT_THERE = 404
 CREDENTIALS_REFUSED = frozenset({401, 403, 407})
 
 
+#: A provider's answers that say it is too busy now: its rate limit (429) and its overload (503).
+#: A run whose last attempt got one is a 503 with `Retry-After` (the provider's own, or 1 s).
+BUSY = frozenset({429, 503})
+#: The longest `Retry-After` passed on from a provider, in seconds (the official `openai` clients
+#: wait what it says up to 60 s; beyond, their own backoff).
+MAX_RETRY_AFTER_S = 60
+
+
 def callers_fault(status: int) -> bool:
     """A provider's answer `status` is about the caller's request (passed through, not retried)."""
     return 400 <= status < 500 and status not in POOL_FAULT_4XX
@@ -99,15 +107,20 @@ class ErrorInfo:
     detail: dict[str, Any] | None = None
     #: whether this failure happened before any output reached the caller
     before_output: bool = True
+    #: the seconds a provider that answered `BUSY` asked to be left alone (its `Retry-After`)
+    retry_after_s: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "code": self.code.value,
             "message": self.message,
             "status": self.status,
             "detail": self.detail,
             "before_output": self.before_output,
         }
+        if self.retry_after_s is not None:
+            wire["retry_after_s"] = self.retry_after_s
+        return wire
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> ErrorInfo:
@@ -115,12 +128,15 @@ class ErrorInfo:
             code = ErrorCode(data.get("code", ErrorCode.INTERNAL))
         except ValueError:
             code = ErrorCode.INTERNAL
+        retry_after = data.get("retry_after_s")
         return cls(
             code=code,
             message=str(data.get("message", "")),
             status=data.get("status"),
             detail=data.get("detail"),
             before_output=bool(data.get("before_output", True)),
+            retry_after_s=retry_after if type(retry_after) is int and 0 <= retry_after <= MAX_RETRY_AFTER_S
+            else None,
         )
 
 

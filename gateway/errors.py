@@ -17,7 +17,7 @@ from redis.exceptions import OutOfMemoryError
 
 from common.jsonio import json_response
 from common.redisconn import REDIS_DOWN
-from common.wire import ErrorCode, ErrorInfo, callers_fault
+from common.wire import BUSY, ErrorCode, ErrorInfo, callers_fault
 
 log = logging.getLogger("iop.gateway")
 
@@ -105,10 +105,14 @@ class ApiError(Exception):
         """A run's failure; a provider's 4xx is passed through with its own status and body, but
         not its 429 nor its refusal of iop's credentials (`POOL_FAULT_4XX`): those are the pool's
         fault, not the caller's (the run was tried on another provider first), so they are a 502
-        like a 5xx. A failure that another try would only repeat says so (`NOT_WORTH_RETRYING`);
-        one worth trying again soon says when (`RETRY_SOON`)."""
+        like a 5xx; the last provider tried too busy to take it (`BUSY`: its 429 or 503) is a 503
+        that says when to try again, as the provider said it (or in 1 s). A failure that another try
+        would only repeat says so (`NOT_WORTH_RETRYING`); one worth trying again soon says when
+        (`RETRY_SOON`)."""
         if info.status is not None and callers_fault(info.status):
             return cls(info.code, info.message, status=info.status, detail=info.detail)
+        if info.code is ErrorCode.PROVIDER_ERROR and info.status in BUSY:
+            return cls(info.code, info.message, status=503, headers={"Retry-After": str(info.retry_after_s or 1)})
         if info.code in NOT_WORTH_RETRYING:
             return cls(info.code, info.message, headers={"x-should-retry": "false"})
         return cls(info.code, info.message, headers={"Retry-After": "1"} if info.code in RETRY_SOON else None)

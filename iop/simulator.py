@@ -5,8 +5,9 @@ deterministic output (``"tok0 tok1 ..."``), configurable latency (time to first 
 latency) and injected failures, plus ``/stats`` to observe what a gateway actually sent it.
 
 A request body may carry an object field ``"sim"`` overriding options for that request only:
-``ttft_ms``, ``itl_ms``, ``tokens``, ``fail_rate``, ``fail_status`` and ``fail_after_tokens``.
-Giving ``fail_status`` there makes that request fail with that status.
+``ttft_ms``, ``itl_ms``, ``tokens``, ``fail_rate``, ``fail_status``, ``fail_retry_after`` and
+``fail_after_tokens``. Giving ``fail_status`` there makes that request fail with that status (and
+the ``Retry-After`` header ``fail_retry_after``, when given, as a busy server's 429 or 503 has).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class SimOptions:
     tokens: int = 16
     fail_rate: float = 0.0
     fail_status: int = 500
+    #: the `Retry-After` header of an injected error (none when None)
+    fail_retry_after: str | None = None
     fail_after_tokens: int | None = None
     seed: int | None = None
     #: how long /health and /models take to answer while a request is in flight (a busy server)
@@ -158,18 +161,20 @@ def _error_kind(status: int) -> tuple[str, str | None]:
 class ApiError(Exception):
     """An error answered with an OpenAI-shaped body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def response(self) -> web.Response:
         kind, default_code = _error_kind(self.status)
         code = self.code or default_code
         error = {"message": self.message, "type": kind, "param": self.param, "code": code}
-        return web.json_response({"error": error}, status=self.status)
+        return web.json_response({"error": error}, status=self.status, headers=self.headers)
 
 
 def _bad_request(message: str, param: str | None = None) -> ApiError:
@@ -330,6 +335,7 @@ _OVERRIDE_CHECKS: dict[str, Callable[[object], bool]] = {
     "tokens": _is_int,
     "fail_rate": _is_number,
     "fail_status": _is_int,
+    "fail_retry_after": lambda v: v is None or (isinstance(v, str) and v.isprintable() and len(v) <= 100),
     "fail_after_tokens": lambda v: v is None or _is_int(v),
 }
 
@@ -394,7 +400,8 @@ def _maybe_fail(app: web.Application, opts: SimOptions, forced: bool) -> None:
     rng = app[RNG_KEY]
     if forced or (opts.fail_rate > 0 and rng.random() < opts.fail_rate):
         status = opts.fail_status
-        raise ApiError(status, f"Simulated failure (status {status}) from the iop simulator.")
+        raise ApiError(status, f"Simulated failure (status {status}) from the iop simulator.",
+                       headers=None if opts.fail_retry_after is None else {"Retry-After": opts.fail_retry_after})
 
 
 # --------------------------------------------------------------------------- generation

@@ -260,7 +260,12 @@ async def test_errors_say_whether_another_attempt_could_succeed(adapter: OllamaA
     with pytest.raises(ProviderError) as err:
         await collect(adapter, RunKind.CHAT, chat(stream=True))
     assert err.value.status == 503 and err.value.retryable and err.value.detail is None
-    fake.state.fail_status = None
+    assert err.value.retry_after_s is None
+    fake.state.fail_retry_after = "3"  # (a busy server's wait, in seconds: the caller's 503 says it)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "r")
+    assert err.value.status == 503 and err.value.retry_after_s == 3
+    fake.state.fail_status = fake.state.fail_retry_after = None
 
     fake.state.error_after = 2
     reads: list[list[dict[str, Any]]] = []

@@ -152,6 +152,8 @@ class Fake:
         #: set: a request for a whole answer waits for it before it is answered
         self.whole_held: asyncio.Event | None = None
         self.body: dict[str, Any] = {}
+        #: the headers of an answer to a path (an error's `Retry-After`, say)
+        self.headers: dict[str, dict[str, str]] = {}
         self.stream_lines: list[bytes] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -165,7 +167,8 @@ class Fake:
             if self.whole_held is not None:
                 await self.whole_held.wait()
         if status != 200 or request.method == "GET" or not (payload or {}).get("stream"):
-            return web.json_response(self.body.get(request.path, {}), status=status)
+            return web.json_response(self.body.get(request.path, {}), status=status,
+                                     headers=self.headers.get(request.path))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for line in self.stream_lines:
@@ -405,6 +408,27 @@ async def test_a_stream_cut_short_is_an_error_not_an_empty_answer(fake: Fake, se
         await _drain(adapter.stream(RunKind.CHAT, chat(stream=True), "run_c"))
     assert err.value.message == "provider llamacpp-a: the stream was cut short ([DONE] without a finish_reason)"
     assert err.value.retry is Retry.ANY
+
+
+@pytest.mark.parametrize(("status", "header", "expected"), [
+    (429, "7", 7), (503, "  12 ", 12), (429, "86400", 60), (429, None, None), (503, "soon", None),
+    (500, "7", None),  # (a server error is not a busy provider: it says nothing of when)
+])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_busy_provider_s_retry_after_is_kept_in_seconds(
+        fake: Fake, session: aiohttp.ClientSession, status: int, header: str | None, expected: int | None,
+        stream: bool) -> None:
+    fake.status["/v1/chat/completions"] = status
+    fake.body["/v1/chat/completions"] = {"error": {"message": "slow down", "type": "rate_limit"}}
+    if header is not None:
+        fake.headers["/v1/chat/completions"] = {"Retry-After": header}
+    adapter = OpenAICompatAdapter(provider("vllm", fake.url), session)
+    with pytest.raises(ProviderError) as err:
+        if stream:
+            await _drain(adapter.stream(RunKind.CHAT, chat(stream=True), "run_r"))
+        else:
+            await adapter.complete(RunKind.CHAT, chat(), "run_r")
+    assert (err.value.status, err.value.retry_after_s, err.value.retry) == (status, expected, Retry.ELSEWHERE)
 
 
 async def test_a_multi_line_server_error_is_one_line_and_goes_elsewhere(

@@ -229,6 +229,32 @@ def test_run_without_a_slot_in_time_gets_504(stack: Stack) -> None:
     asyncio.run(scenario())
 
 
+def test_a_run_every_provider_was_too_busy_for_is_a_503_that_says_when_to_try_again(stack: Stack) -> None:
+    """Both providers answer 429 (a hosted API's rate limit) or 503 (vLLM overloaded): the caller
+    gets a 503 with the last one's `Retry-After` (the official `openai` client waits it before its
+    own retry), or 1 s when it gave none; found by a hostile-provider audit: a 502 without it, so
+    the client tried again within a second, into a provider that had asked for seven."""
+    gateway, urls = start_pool(stack, {"a": 1, "b": 1})
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            for status, said, expected in ((429, "7", "7"), (503, None, "1"), (429, "86400", "60")):
+                sim = {"fail_status": status, **({"fail_retry_after": said} if said else {})}
+                for stream in (False, True):
+                    body = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "x"}], "sim": sim,
+                            "stream": stream}
+                    async with session.post(gateway + "/v1/chat/completions", json=body) as resp:
+                        error = await resp.json()
+                        assert (resp.status, resp.headers.get("Retry-After")) == (503, expected), error
+                        validate("ErrorResponse", error)
+                        assert error["error"]["code"] == "provider_error"
+                        assert error["error"]["message"].startswith(("provider a answered", "provider b answered"))
+            for url in urls.values():  # each request went to both providers, once
+                assert (await sim_stats(session, url))["total"] == 6
+
+    asyncio.run(scenario())
+
+
 def test_every_service_runs_over_a_unix_socket(tmp_path: Any) -> None:
     """`REDIS_URL=unix:///path.sock?db=N` (a Redis beside the services): the gateway, the
     scheduler and the workers connect over the socket (Redis's CLIENT LIST shows each on it),

@@ -97,7 +97,7 @@ PROVIDER_DETAIL: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("status", [401, 403, 407, 429])
+@pytest.mark.parametrize("status", [401, 403, 407])
 def test_a_provider_s_4xx_that_is_the_pool_s_fault_is_a_502(status: int) -> None:
     """Its rate limit, or its refusal of iop's own credentials: the caller's key and request were
     fine, so the caller does not get the provider's 401 (its client would take its own key for
@@ -135,7 +135,7 @@ def test_from_info_4xx_without_usable_detail_uses_own_message(detail: dict[str, 
                                     "param": None, "code": "provider_error"}}
 
 
-@pytest.mark.parametrize("status", [500, 502, 503, 504, None, 302, 429])
+@pytest.mark.parametrize("status", [500, 502, 504, None, 302])
 def test_from_info_provider_non_4xx_maps_to_502(status: int | None) -> None:
     info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider failed", status=status, detail=PROVIDER_DETAIL)
     err = ApiError.from_info(info)
@@ -152,6 +152,26 @@ def test_from_info_run_failures_use_their_status(code: ErrorCode) -> None:
     assert err.status == STATUS[code]
     assert err.body()["error"]["code"] == code.value
     assert err.body()["error"]["message"] == "nope"
+
+
+@pytest.mark.parametrize(("status", "retry_after_s", "expected"), [(429, 7, "7"), (503, None, "1"), (503, 0, "1")])
+def test_a_provider_too_busy_for_the_run_is_a_503_that_says_when(status: int, retry_after_s: int | None,
+                                                                  expected: str) -> None:
+    """Its rate limit or overload, on the last provider tried: the pool is busy, not the caller's
+    request at fault (no 429: the caller's client would take its own key for limited), and the
+    caller's client waits what the provider asked for (`Retry-After`) before it tries again."""
+    info = ErrorInfo(ErrorCode.PROVIDER_ERROR, f"provider a answered {status}: busy", status=status,
+                     detail=PROVIDER_DETAIL, retry_after_s=retry_after_s)
+    err = ApiError.from_info(ErrorInfo.from_wire(info.to_wire()))
+    assert (err.status, err.headers) == (503, {"Retry-After": expected})
+    assert err.body() == {"error": {"message": f"provider a answered {status}: busy", "type": "server_error",
+                                    "param": None, "code": "provider_error"}}
+
+
+@pytest.mark.parametrize("said", [-1, 61, "7", 7.0, True])
+def test_a_retry_after_on_the_wire_that_iop_would_not_write_is_dropped(said: Any) -> None:
+    wire = {**ErrorInfo(ErrorCode.PROVIDER_ERROR, "busy", status=429).to_wire(), "retry_after_s": said}
+    assert ErrorInfo.from_wire(wire).retry_after_s is None
 
 
 @pytest.mark.parametrize("code", list(ErrorCode))

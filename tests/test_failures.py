@@ -24,10 +24,26 @@ from workers.adapters.failures import (
     probe_failure,
     redact,
     redacted,
+    retry_after_s,
     transport_error,
     url_secrets,
 )
 from workers.adapters.openai_compat import OpenAICompatAdapter
+
+
+NOW_S = 1_780_000_000.0  # (a fixed clock: Fri, 28 May 2026 20:26:40 GMT)
+
+
+@pytest.mark.parametrize(("header", "seconds"), [
+    ("7", 7), (" 0 ", 0), ("60", 60), ("61", 60), ("99999999999999999999", 60),
+    ("Fri, 28 May 2026 20:26:50 GMT", 10), ("Fri, 28 May 2026 20:26:40 GMT", 0),
+    ("Fri, 28 May 2026 20:20:00 GMT", 0),  # (a date gone by: now)
+    ("Sat, 29 May 2026 20:26:40 GMT", 60),
+    (None, None), ("", None), ("-3", None), ("1.5", None), ("soon", None), ("٣", None),  # (an Arabic-Indic 3)
+    ("Fri, 28 May 2026 20:26:50", None),  # (no zone: not an HTTP date)
+])
+def test_a_retry_after_header_is_seconds_within_a_minute(header: str | None, seconds: int | None) -> None:
+    assert retry_after_s(header, NOW_S) == seconds
 
 
 def test_one_line_flattens_cleans_and_cuts() -> None:

@@ -17,7 +17,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from redis.asyncio import Redis
@@ -136,8 +136,7 @@ def carried(info: ErrorInfo) -> ErrorInfo:
         pack(detail)
     except Unpackable:
         detail = None
-    return ErrorInfo(info.code, plain_text(info.message), status=info.status, detail=detail,
-                     before_output=info.before_output)
+    return replace(info, message=plain_text(info.message), detail=detail)
 
 
 def _noop(provider_id: str) -> None:
@@ -292,7 +291,7 @@ class Runner:
                 return await self._answer(att, adapter, kind, body, record.get("stream") == b"1")
         except ProviderError as exc:
             info = ErrorInfo(exc.code, exc.message, status=exc.status, detail=exc.detail,
-                             before_output=not att.output)
+                             before_output=not att.output, retry_after_s=exc.retry_after_s)
             return await self._fail(att, info, exc.retry, evidence_of(exc))
         except OutputTooLarge as exc:
             info = ErrorInfo(ErrorCode.OUTPUT_TOO_LARGE, str(exc), before_output=not att.output)

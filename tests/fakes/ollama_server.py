@@ -33,6 +33,8 @@ class FakeState:
     tags_status: int = 200
     #: answer /api/chat and /api/generate with this status before any output
     fail_status: int | None = None
+    #: the `Retry-After` header of that answer
+    fail_retry_after: str | None = None
     #: send an {"error": ...} line after this many tokens
     error_after: int | None = None
     #: stop sending (but keep the connection) after this many tokens
@@ -71,7 +73,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     if body.get("model") not in state.models:
         return web.json_response({"error": f"model '{body.get('model')}' not found"}, status=404)
     if state.fail_status is not None:
-        return web.json_response({"error": "the fake is failing on purpose"}, status=state.fail_status)
+        return web.json_response({"error": "the fake is failing on purpose"}, status=state.fail_status,
+                                 headers={"Retry-After": state.fail_retry_after} if state.fail_retry_after else None)
     options = body.get("options") or {}
     limit = options.get("num_predict")
     n = min(state.tokens, limit) if isinstance(limit, int) else state.tokens

@@ -26,11 +26,12 @@ class ProviderError(Exception):
     `message` is one line naming the provider and what failed, with no addresses or reprs.
     `retry` says where another attempt could go; `strikes` what the failure says about the
     provider's health: None nothing (it was never reached), 0 it answered (alive, whatever it
-    said), n > 0 that many strikes against it (`DOWN` takes it down at once)."""
+    said), n > 0 that many strikes against it (`DOWN` takes it down at once); `retry_after_s`
+    the seconds a busy provider asked for (its `Retry-After`)."""
 
     def __init__(self, message: str, *, status: int | None = None, detail: dict[str, Any] | None = None,
                  retry: Retry = Retry.NO, strikes: int | None = None,
-                 code: ErrorCode = ErrorCode.PROVIDER_ERROR) -> None:
+                 code: ErrorCode = ErrorCode.PROVIDER_ERROR, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -38,6 +39,7 @@ class ProviderError(Exception):
         self.retry = retry
         self.strikes = strikes
         self.code = code
+        self.retry_after_s = retry_after_s
 
     @property
     def retryable(self) -> bool:

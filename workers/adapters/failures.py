@@ -11,17 +11,20 @@ from __future__ import annotations
 import base64
 import codecs
 import contextlib
+import email.utils
 import errno
+import math
 import os
 import re
 import ssl
+import time
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 import aiohttp
 
 from common.policy import Health
-from common.wire import CREDENTIALS_REFUSED, NOT_THERE, callers_fault
+from common.wire import BUSY, CREDENTIALS_REFUSED, MAX_RETRY_AFTER_S, NOT_THERE, callers_fault
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
 
 #: The longest provider-supplied text (an error message, a stderr tail) passed on, in characters.
@@ -132,7 +135,7 @@ def redacted(exc: ProviderError, secrets: list[str]) -> ProviderError:
     if message == exc.message and detail == exc.detail:
         return exc
     return ProviderError(message, status=exc.status, detail=detail, retry=exc.retry, strikes=exc.strikes,
-                         code=exc.code)
+                         code=exc.code, retry_after_s=exc.retry_after_s)
 
 
 def _os_text(code: int | None) -> str:
@@ -223,8 +226,24 @@ def probe_answered(what: str, status: int, said: str = "") -> ProbeResult:
     return ProbeResult(Health.UNAVAILABLE, f"{what} answered {status}" + (f" ({said})" if said else ""))
 
 
+def retry_after_s(header: str | None, now_s: float | None = None) -> int | None:
+    """A `Retry-After` header's seconds (a number of them, or an HTTP date), at most
+    `MAX_RETRY_AFTER_S`; None when there is none or it is neither."""
+    text = (header or "").strip()
+    if text.isascii() and text.isdigit():
+        return min(int(text[:4]), MAX_RETRY_AFTER_S)
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # (not an HTTP date: those are GMT)
+        return None
+    wait = when.timestamp() - (time.time() if now_s is None else now_s)
+    return min(max(math.ceil(wait), 0), MAX_RETRY_AFTER_S)
+
+
 def answered_error(provider_id: str, status: int, message: str, detail: dict[str, Any] | None,
-                   served: str | None = None) -> ProviderError:
+                   served: str | None = None, retry_after: str | None = None) -> ProviderError:
     """A provider's error answer (4xx or 5xx) with its one-line `message`. The caller's fault
     (`callers_fault`) is passed through (`detail`, its message the one-line one), never retried, and
     shows the provider alive; a 5xx, a 429, a refusal of iop's credentials, or a 404 that names the
@@ -232,7 +251,7 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
     error object (a path the server does not have: `base_url` or a proxy is wrong) goes to another
     provider (a refusal of credentials is a strike: every run there would get it; a 429 shows it
     alive; a 5xx or a 404 shows nothing: its model list is probed again once nothing else shows
-    it alive)."""
+    it alive). A busy provider's (`BUSY`) `retry_after` header is kept, in seconds."""
     if status == NOT_THERE and (detail is None or names(message, served)):
         return ProviderError(f"provider {provider_id} answered {status}: {message}", retry=Retry.ELSEWHERE,
                              strikes=None)
@@ -245,4 +264,5 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
     refused = status in CREDENTIALS_REFUSED
     hint = " (it refused iop's credentials: check the provider's api_key_env)" if refused else ""
     return ProviderError(f"provider {provider_id} answered {status}: {message}{hint}", status=status,
-                         retry=Retry.ELSEWHERE, strikes=1 if refused else 0 if status < 500 else None)
+                         retry=Retry.ELSEWHERE, strikes=1 if refused else 0 if status < 500 else None,
+                         retry_after_s=retry_after_s(retry_after) if status in BUSY else None)

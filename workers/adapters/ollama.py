@@ -130,7 +130,8 @@ class OllamaAdapter:
         )
 
     # ------------------------------------------------------------------ errors
-    def _error(self, status: int, text: str, served: str) -> ProviderError:
+    def _error(self, resp: aiohttp.ClientResponse, text: str, served: str) -> ProviderError:
+        status = resp.status
         try:
             payload = json.loads(text)
         except (ValueError, RecursionError):
@@ -139,7 +140,8 @@ class OllamaAdapter:
         message = error_text(error, self.limits.error_chars) if error else \
             one_line(without_traceback(text) or "no error text", self.limits.error_chars)
         detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
-        return answered_error(self.provider.id, status, message, detail if error or status != 404 else None, served)
+        return answered_error(self.provider.id, status, message, detail if error or status != 404 else None, served,
+                              resp.headers.get("Retry-After"))
 
     def _unsupported(self, exc: wire.UnsupportedRequest) -> ProviderError:
         return not_taken(self.provider.id, str(exc), exc.param)
@@ -176,7 +178,7 @@ class OllamaAdapter:
             async with self._post(path, native, request_id) as resp:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
-                    raise self._error(resp.status, await error_body(resp), body["model"])
+                    raise self._error(resp, await error_body(resp), body["model"])
                 text = (await read_whole(resp, self.provider.id, self.limits)).decode(errors="replace")
                 answer = parse_json(text.encode(), self.provider.id)
                 if not isinstance(answer, dict):
@@ -219,7 +221,7 @@ class OllamaAdapter:
             async with self._post(path, native, request_id) as resp:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
-                    raise self._error(resp.status, await error_body(resp), body["model"])
+                    raise self._error(resp, await error_body(resp), body["model"])
                 async for data in with_line_end(resp.content.iter_any()):
                     chunks: list[Json] = []
                     for line in parser.feed(data):

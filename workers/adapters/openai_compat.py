@@ -406,7 +406,7 @@ class OpenAICompatAdapter:
         else:
             message = one_line(without_traceback(text) or resp.reason or "no error text", self.limits.error_chars)
         raise answered_error(self.provider.id, resp.status, message, detail,
-                             served if isinstance(served, str) else None)
+                             served if isinstance(served, str) else None, resp.headers.get("Retry-After"))
 
     def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
         if self.provider.type == "llamacpp":
