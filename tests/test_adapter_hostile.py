@@ -921,6 +921,26 @@ async def test_a_stream_answered_with_one_json_answer_is_no_strike(
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0  # (it was struck, three times a run)
 
 
+@pytest.mark.parametrize(("parts", "content_type"), [
+    ([b"<!DOCTYPE html>\n<html><body><h1>502 Bad Gateway</h1></body></html>\n"], "text/html"),
+    ([b"\r\n  ", b"<html><body>Sign in</body></html>"], "text/html; charset=utf-8"),
+    ([b"<?xml version=\"1.0\"?><Error>AccessDenied</Error>"], "application/xml"),
+], ids=["html", "html-after-blanks", "xml"])
+async def test_a_stream_answered_with_a_page_is_no_strike_and_says_so(
+        parts: list[bytes], content_type: str, raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Found by a hostile-provider audit: a proxy's 200 HTML page to a stream request was "the stream
+    ended before [DONE]", a strike and another attempt anywhere, so a sole provider was asked three
+    times a run and taken down (the same page to a whole request: one attempt, no strike)."""
+    raw.answers["/v1/chat/completions"] = chunked(parts, content_type=content_type)
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    kind = content_type.split(";")[0]
+    assert err.value.message == f"provider vllm-h answered a stream request with a page ({kind}), not server-sent " \
+                                "events"
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
+
+
 async def test_ollama_s_done_is_true_only_when_it_is_and_a_last_line_without_its_newline_counts(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     """Found by an audit: `"done": "false"` ended the stream (the rest was lost), and a final line

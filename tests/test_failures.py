@@ -30,7 +30,6 @@ from workers.adapters.failures import (
 )
 from workers.adapters.openai_compat import OpenAICompatAdapter
 
-
 NOW_S = 1_780_000_000.0  # (a fixed clock: Fri, 28 May 2026 20:26:40 GMT)
 
 

@@ -499,6 +499,8 @@ class OpenAICompatAdapter:
                                 opening = False
                                 if start[:1] in (b"{", b"["):  # (whatever its Content-Type: Foundry Local's say JSON)
                                     raise await self._not_a_stream(resp, start)
+                                if start[:1] == b"<":  # (a page: a proxy's, a web UI's; never events)
+                                    raise self._a_page(resp)
                         chunks = parser.feed(data)
                     if chunks:
                         for chunk in chunks:
@@ -577,6 +579,15 @@ class OpenAICompatAdapter:
         if error:
             return sent_error(self.provider.id, error, self.limits.error_chars)
         return ProviderError(f"provider {self.provider.id} answered a stream request with one JSON answer, not "
+                             "server-sent events", retry=Retry.ELSEWHERE, strikes=0)
+
+    def _a_page(self, resp: aiohttp.ClientResponse) -> ProviderError:
+        """A stream asked for and a page (HTML, XML) given: what a proxy or a web UI at `base_url`
+        answers, as the whole answer's "not valid JSON" is: no strike, and another provider may
+        serve the run (events that never came were read as a stream cut short: a strike an
+        attempt, and every attempt on it)."""
+        return ProviderError(f"provider {self.provider.id} answered a stream request with a page "
+                             f"({one_line(resp.content_type, 100)}), not "
                              "server-sent events", retry=Retry.ELSEWHERE, strikes=0)
 
     async def _get(self, url: str) -> tuple[int, Any, ProbeResult | None]:
