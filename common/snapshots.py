@@ -8,7 +8,8 @@ from collections.abc import Callable, Mapping
 from redis.asyncio import Redis
 
 from common import keys
-from common.policy import Health, ProviderSnapshot
+from common.policy import Health, ProviderSnapshot, why_not
+from common.redisconn import REDIS_UNUSABLE
 
 
 def _health(value: bytes | None) -> Health:
@@ -63,3 +64,15 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
             capacity_override=_int(override),
         ))
     return snaps
+
+
+async def why_none(redis: Redis, targets: Mapping[str, str], now_ms: int, node_of: Callable[[str], str],
+                   ttl_ms: int) -> str:
+    """` (vllm-a: drained or cordoned, vllm-b: full (4 of 4))`: what each provider of a model says
+    now (`common.policy.why_not`), for a run that none took (so a caller and an operator see the
+    drain, the cordon or the health behind it); '' if Redis cannot say."""
+    try:
+        snaps = await read_snapshots(redis, targets, now_ms, node_of)
+    except REDIS_UNUSABLE:
+        return ""
+    return " (" + ", ".join(f"{s.provider_id}: {why_not(s, now_ms, ttl_ms)}" for s in snaps) + ")" if snaps else ""

@@ -20,6 +20,7 @@ from common.redisconn import REDIS_UNUSABLE, now_ms
 from common.runlog import run_fields
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
+from common.snapshots import why_none
 from common.wire import ErrorCode, ErrorInfo, EventType, RunState
 from gateway.deadlines import Deadlines
 from gateway.errors import ApiError
@@ -131,9 +132,11 @@ class RunClient:
                 f"the queue of model {model.id!r} is full ({policy.max_queue} runs waiting); retry later",
                 headers={"Retry-After": "1"},
             )
+        why = await why_none(self.redis, model.providers, now_ms(), self.config.node_of,
+                             self.config.runtime.heartbeat_ttl_ms)
         raise ApiError(
             ErrorCode.NO_AVAILABLE_PROVIDER,
-            f"no provider of model {model.id!r} is available right now",
+            f"no provider of model {model.id!r} is available right now{why}",
             headers={"Retry-After": "1"},
         )
 

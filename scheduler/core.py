@@ -28,12 +28,12 @@ from redis.exceptions import ResponseError
 from common import keys
 from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
-from common.policy import ProviderSnapshot, all_refused, candidate_class, select_provider, why_not
+from common.policy import ProviderSnapshot, all_refused, candidate_class, select_provider
 from common.redisconn import REDIS_UNUSABLE, Backoff, now_ms
 from common.redisline import new_line_of, stream_reply
 from common.runlog import run_fields
 from common.scripts import DISPATCH_BATCH, Scripts
-from common.snapshots import read_snapshots
+from common.snapshots import read_snapshots, why_none
 from common.wire import ErrorCode, ErrorInfo, RunState, cancelled_by_caller
 from scheduler import metrics
 
@@ -494,13 +494,8 @@ class Scheduler:
     async def _why(self, model_id: str) -> str:
         """` (vllm-a: drained or cordoned, vllm-b: full (4 of 4))`: what each provider of the model
         says now (so an operator sees a drain or a cordon behind a timeout); '' if Redis cannot say."""
-        now = now_ms()
-        try:
-            snaps = await read_snapshots(self.redis, self._targets[model_id], now, self.config.node_of)
-        except REDIS_UNUSABLE:
-            return ""
-        ttl = self.config.runtime.heartbeat_ttl_ms
-        return " (" + ", ".join(f"{s.provider_id}: {why_not(s, now, ttl)}" for s in snaps) + ")" if snaps else ""
+        return await why_none(self.redis, self._targets[model_id], now_ms(), self.config.node_of,
+                              self.config.runtime.heartbeat_ttl_ms)
 
     def _drop_call(self, model_id: str, run_id: str, state: RunState, info: ErrorInfo,
                    abort_running: bool = False) -> tuple[list[str], list[Any]]:

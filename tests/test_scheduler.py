@@ -184,15 +184,20 @@ async def test_a_burst_fills_the_free_slots_then_the_queue(redis: Redis, max_que
     assert await redis.xlen(keys.runs_stream(MODEL)) == free + max_queue
 
 
-async def test_no_available_provider_is_refused_at_once(redis: Redis) -> None:
+async def test_no_available_provider_is_refused_at_once_saying_why(redis: Redis) -> None:
+    """(Why: what each provider is now, as a run that timed out in its queue says; found by a
+    hostile-provider audit: the refusal said no more than "right now".)"""
     config = make_config({"a": 1})
     client = RunClient(redis, config)
     with pytest.raises(ApiError) as err:
         await submit(client, 1)
     assert err.value.status == 503 and err.value.code.value == "no_available_provider"
+    assert err.value.message == f"no provider of model {MODEL!r} is available right now (a: no heartbeat)"
+    assert err.value.headers == {"Retry-After": "1"}
     await beat(redis, config, health="unavailable")
-    with pytest.raises(ApiError):
+    with pytest.raises(ApiError) as err:
         await submit(client, 1)
+    assert err.value.message == f"no provider of model {MODEL!r} is available right now (a: unavailable)"
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0
     assert await redis.keys("iop:run:*") == []
 
