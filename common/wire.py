@@ -84,6 +84,7 @@ class ErrorCode(StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"
     EXECUTION_TIMEOUT = "execution_timeout"
     PROVIDER_ERROR = "provider_error"
+    PROVIDER_TIMEOUT = "provider_timeout"  # the provider took the request and sent nothing for its read_timeout_ms
     OUTPUT_TOO_LARGE = "output_too_large"  # the run's output or the provider's answer passed a limit
     WORKER_LOST = "worker_lost"
     CANCELLED = "cancelled"

@@ -240,6 +240,7 @@ async def test_silence_longer_than_read_timeout_fails_and_kills(tmp_path: Path) 
     with pytest.raises(ProviderError) as err:
         await collect(cli, chat(stream=True))
     assert "produced no output for 300 ms" in err.value.message
+    assert err.value.code is ErrorCode.PROVIDER_TIMEOUT  # (504, not worth a retry by the caller's client)
     wait_gone(read_pids(pid_file))
 
 

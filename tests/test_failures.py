@@ -126,6 +126,7 @@ async def test_real_transport_failures_read_as_one_plain_line(misbehaving: str) 
         # (a provider that took the request and went silent is likely still at it: not it again)
         assert error.message.startswith("provider vllm-a: ")
         assert error.retry is (Retry.ELSEWHERE if exc is hung else Retry.ANY)
+        assert error.code is (ErrorCode.PROVIDER_TIMEOUT if exc is hung else ErrorCode.PROVIDER_ERROR)
         assert "127.0.0.1" not in error.message and str(port) not in error.message
         assert not any(t in error.message for t in ("Error", "<", "Connection", "ConnectionKey"))  # no repr
 

@@ -31,7 +31,7 @@ from typing import Any
 from common.chunks import wants_usage
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import RunKind
+from common.wire import ErrorCode, RunKind
 from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderError, ReadLimits, Retry, not_taken
 from workers.adapters.failures import one_line
 from workers.adapters.openai_shapes import Shaper, usage
@@ -193,8 +193,9 @@ class ToolRun:
                 if exited:
                     data = b""  # drained: what is left is not the tool's
                 else:
-                    raise ProviderError(f"provider {self.provider.id} produced no output for "
-                                        f"{self.provider.read_timeout_ms} ms") from None
+                    raise ProviderError(
+                        f"provider {self.provider.id} produced no output for {self.provider.read_timeout_ms} ms",
+                        code=ErrorCode.PROVIDER_TIMEOUT) from None
             if exited:
                 drain_left -= loop.time() - started
             if data is None:

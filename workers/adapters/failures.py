@@ -24,7 +24,7 @@ from urllib.parse import quote, unquote, urlsplit
 import aiohttp
 
 from common.policy import Health
-from common.wire import BUSY, CREDENTIALS_REFUSED, MAX_RETRY_AFTER_S, NOT_THERE, callers_fault
+from common.wire import BUSY, CREDENTIALS_REFUSED, MAX_RETRY_AFTER_S, NOT_THERE, ErrorCode, callers_fault
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
 
 #: The longest provider-supplied text (an error message, a stderr tail) passed on, in characters.
@@ -201,7 +201,8 @@ def transport_error(provider_id: str, exc: BaseException, *, connect_ms: int, re
         exc, aiohttp.ConnectionTimeoutError)
     return ProviderError(f"provider {provider_id}: {what}",
                          retry=Retry.ELSEWHERE if strikes == 0 or busy else Retry.ANY,
-                         strikes=None if strikes == NO_STRIKE else strikes)
+                         strikes=None if strikes == NO_STRIKE else strikes,
+                         code=ErrorCode.PROVIDER_TIMEOUT if busy else ErrorCode.PROVIDER_ERROR)
 
 
 def probe_failure(what_failed: str, exc: BaseException, total_ms: int) -> ProbeResult:
