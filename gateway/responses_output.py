@@ -9,6 +9,7 @@ makes the Response `incomplete`. Usage is renamed (`input_tokens`, `output_token
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,11 @@ from common.chunks import MAX_COUNTED_TOKENS, token_counts
 from common.jsonio import dumps
 from common.wire import ErrorCode
 from gateway.errors import ApiError
+
+#: How many times a streamed call's arguments are parsed at most to see whether they are whole
+#: (`ResponseShape._close_whole_calls`): each look parses them all, so a server that sends a call in
+#: many pieces with a new call between each (a hostile one) costs a few parses of each, not one a piece.
+_LOOKS = 4
 
 #: a chat `finish_reason` that leaves the Response incomplete, and the reason it says
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -74,6 +80,16 @@ def _arguments(value: Any) -> str:
     return dumps(value).decode()
 
 
+def _whole_json(text: str) -> bool:
+    """Whether a streamed call's arguments so far are one whole JSON value (its last piece came:
+    more would make it JSON no more)."""
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def _error_code(error: ApiError) -> str:
     """A failed Response's `error.code` (OpenAI's schema has a fixed list; iop's own code is in the
     `error` event before it)."""
@@ -102,6 +118,11 @@ class _Writing:
     #: a function call's id as the provider gave it (None: it gave none yet), and its `index`
     given_id: str | None = None
     call_index: int | None = None
+    #: a function call done (its `output_item.done` sent) before the stream's end
+    closed: bool = False
+    #: its arguments grew since they were last looked at, and how many more looks they get
+    grown: bool = False
+    looks_left: int = _LOOKS
 
 
 class ResponseShape:
@@ -257,6 +278,7 @@ class ResponseShape:
         """Text of a reasoning or message item: opens the item and its part when they are not open."""
         if self._open is None or self._open.item["type"] != item_kind:
             self._close(out, "completed")
+            self._close_whole_calls(out)
             n = len(self._items)
             item = (self._reasoning_item("", "in_progress", n) if item_kind == "reasoning"
                     else self._message_item("in_progress", n))
@@ -345,6 +367,7 @@ class ResponseShape:
         writing = self._calls.get(key)
         if writing is None:
             self._close(out, "completed")
+            self._close_whole_calls(out)
             # (an id another call has already: this one gets an id of its own, as a Response's calls must)
             given = None if call_id in self._call_ids else call_id
             item = self._call_item(len(self._items), given, name, "", "in_progress")
@@ -359,19 +382,40 @@ class ResponseShape:
             self._call_ids.setdefault(call_id, key)
         self._last_call = key
         arguments = _arguments(function.get("arguments"))  # (JSON, an object say: as its text, not lost)
-        if arguments:
+        if arguments and writing.closed:  # (after its arguments were whole: kept in the Response, not lost)
+            writing.item["arguments"] += arguments
+        elif arguments:
             writing.pieces.append(arguments)
+            writing.grown = True
             out.append(self._event("response.function_call_arguments.delta", item_id=writing.item["id"],
                                    output_index=writing.index, delta=arguments))
+
+    def _close_call(self, writing: _Writing, out: list[bytes], status: str) -> None:
+        item = writing.item
+        item["arguments"], item["status"] = "".join(writing.pieces), status
+        writing.closed, writing.pieces = True, []
+        out.append(self._event("response.function_call_arguments.done", item_id=item["id"], name=item["name"],
+                               output_index=writing.index, arguments=item["arguments"]))
+        out.append(self._event("response.output_item.done", output_index=writing.index, item=item))
+
+    def _close_whole_calls(self, out: list[bytes]) -> None:
+        """Before a new item is added: the calls whose arguments are whole are done, as OpenAI's
+        stream ends each item before it adds the next (servers send a call's pieces in a row; one
+        whose arguments are not whole yet may get more after the next call begins, as from a
+        server that interleaves them: it stays open until the end). A call's arguments are looked at
+        when they grew since the last look, `_LOOKS` times at most."""
+        for writing in self._calls.values():
+            if writing.closed or not writing.grown or writing.looks_left == 0:
+                continue
+            writing.grown, writing.looks_left = False, writing.looks_left - 1
+            if _whole_json("".join(writing.pieces)):
+                self._close_call(writing, out, "completed")
 
     def _close_all(self, out: list[bytes], status: str) -> None:
         self._close(out, status)
         for writing in self._calls.values():
-            item = writing.item
-            item["arguments"], item["status"] = "".join(writing.pieces), status
-            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], name=item["name"],
-                                   output_index=writing.index, arguments=item["arguments"]))
-            out.append(self._event("response.output_item.done", output_index=writing.index, item=item))
+            if not writing.closed:
+                self._close_call(writing, out, status)
         self._calls.clear()
 
     def completed(self) -> bytes:

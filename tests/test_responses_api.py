@@ -18,6 +18,7 @@ from pydantic import TypeAdapter
 
 from common.codec import unpack
 from common.wire import ErrorCode, RunKind
+from gateway import responses_output
 from gateway.errors import ApiError
 from gateway.requests import parse_responses
 from gateway.responses_output import ResponseShape
@@ -420,6 +421,58 @@ def test_tool_calls_without_an_index_are_told_apart_by_their_ids() -> None:
     # Response whose two calls share one)
     assert calls_of(play([[tool(0, "c", "f", '{"a":1}'), tool(1, "c", "g", '{"b":2}'), *end]])) == [
         ("c", "f", '{"a":1}'), (f"call_{RUN[4:]}_1", "g", '{"b":2}')]
+
+
+def open_at_each_add(events: list[dict[str, Any]]) -> list[list[int]]:
+    """For each `output_item.added`, the output indexes of the items still open (added, not done)."""
+    opened: list[int] = []
+    seen = []
+    for e in events:
+        if e["type"] == "response.output_item.added":
+            seen.append(list(opened))
+            opened.append(e["output_index"])
+        elif e["type"] == "response.output_item.done":
+            opened.remove(e["output_index"])
+    return seen
+
+
+def test_each_streamed_call_is_done_before_the_next_item_is_added() -> None:
+    """As OpenAI's stream has it (found by a caller's audit: every call stayed open until the end,
+    so a reader of the events that takes an item added for the one before it done was wrong)."""
+    end = [chunk({}, finish="tool_calls")]
+    calls = [tool(0, "c1", "f", ""), tool(0, None, None, '{"a":'), tool(0, None, None, " 1}"),
+             tool(1, "c2", "g", '{"b"'), tool(1, None, None, ": 2}"), chunk({"content": "done"})]
+    events = play([calls + end])
+    assert open_at_each_add(events) == [[], [], []]
+    assert calls_of(events) == [("c1", "f", '{"a": 1}'), ("c2", "g", '{"b": 2}')]
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [(e["output_index"], e["item"]["status"]) for e in done] == [(0, "completed"), (1, "completed"),
+                                                                        (2, "completed")]
+    # a call whose arguments are not whole when the next begins (a server that interleaves them)
+    # stays open to the end, and gets the rest
+    assert open_at_each_add(play([TOOL_STREAM])) == [[], [], [], [2]]
+    # what comes for a call after its arguments were whole is kept in the Response, not lost
+    late = play([[tool(0, "c1", "f", "{}"), tool(1, "c2", "g", "{}"), tool(0, None, None, " "), *end]])
+    assert open_at_each_add(late) == [[], []]
+    assert calls_of(late) == [("c1", "f", "{} "), ("c2", "g", "{}")]
+
+
+def test_a_call_s_arguments_are_parsed_a_few_times_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that sends a call a byte at a time with a new call between each (a hostile one):
+    the first call's arguments are looked at `_LOOKS` times, not once a piece (each look parses
+    them all: that was quadratic)."""
+    looked: list[str] = []
+    whole = responses_output._whole_json
+
+    def counted(text: str) -> bool:
+        looked.append(text)
+        return whole(text)
+
+    monkeypatch.setattr(responses_output, "_whole_json", counted)
+    pieces = [p for i in range(200) for p in (tool(0, None, None, "{" if i == 0 else " "), tool(i + 1, f"c{i}", "g"))]
+    events = play([[tool(0, "c", "f"), *pieces, chunk({}, finish="tool_calls")]])
+    assert len(calls_of(events)) == 201
+    assert sum(text.startswith("{") for text in looked) == responses_output._LOOKS
 
 
 def test_odd_streamed_chunks_still_make_valid_events_and_keep_what_they_hold() -> None:
