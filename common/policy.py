@@ -39,6 +39,12 @@ class Health(StrEnum):
 DOWN = 3
 #: why a provider is down when its strikes said nothing
 DOWN_REASON = "it failed repeatedly"
+#: Runs in a row that failed on a provider (a 5xx, a timeout, a broken answer) and were then served
+#: by another that bench it (`common.scripts.BLAME`): out of rotation for `runtime.bench_ms`,
+#: whatever its probes say (a server whose health endpoint answers while its runs fail).
+BLAME_RUNS = 3
+#: why a provider is benched, when its hash does not say
+BENCH_REASON = f"{BLAME_RUNS} runs in a row failed there and were then served by another provider"
 
 
 @dataclass(frozen=True, slots=True)

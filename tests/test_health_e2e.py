@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 import redis as sync_redis
@@ -137,3 +138,45 @@ def test_one_callers_request_that_breaks_every_answer_does_not_take_the_model_do
             return reply.choices[0].message.content
 
     assert asyncio.run(served()) == "tok0 tok1 "
+
+
+def test_a_provider_whose_health_answers_while_its_runs_fail_is_benched(stack: Stack) -> None:
+    """Provider a's `/health` answers, but every run there fails (500): three runs in a row that b
+    then served bench a (found by a hostile-provider audit: it stayed `available` with no reason,
+    and each run paid a failed attempt there first). The next runs go straight to b; once its
+    bench is out a takes runs again, and the first that fails there benches it again at once."""
+    bad = stack.simulator(["a-served"], "--fail-rate", "1", "--fail-status", "500")
+    good = stack.simulator(["b-served"])
+    config = pool_config({"a": ("n1", bad, 2), "b": ("n2", good, 2)})
+    config["runtime"] = {**FAST_RUNTIME, "bench_ms": 1500}
+    stack.write_config(config)
+    stack.scheduler()
+    stack.worker("n1")
+    stack.worker("n2")
+    gateway = stack.gateway()
+    wait_available(stack.redis_url, ["a", "b"])
+    r = sync_redis.Redis.from_url(stack.redis_url, decode_responses=True)
+
+    async def served(n: int) -> list[str]:
+        async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0) as client:
+            return [(await client.chat.completions.create(model="qwen3.6:35b", messages=ASK, max_tokens=2)
+                     ).choices[0].message.content or "" for _ in range(n)]
+
+    async def tried(url: str) -> int:
+        async with aiohttp.ClientSession() as session, session.get(url + "/stats") as resp:
+            return int((await resp.json())["total"])
+
+    try:
+        assert asyncio.run(served(3)) == ["tok0 tok1 "] * 3  # (each failed on a, then b served it)
+        assert asyncio.run(tried(bad)) == 3
+        health, reason = r.hmget("iop:provider:a", "health", "reason")
+        assert health == "unavailable" and reason.startswith("3 runs in a row failed there and were then served")
+        assert asyncio.run(served(3)) == ["tok0 tok1 "] * 3
+        assert asyncio.run(tried(bad)) == 3  # (straight to b, its probes passing all the while)
+        wait_until(lambda: r.hget("iop:provider:a", "health") == "available", timeout=10,
+                   what="a back once its bench is out")
+        assert asyncio.run(served(1)) == ["tok0 tok1 "]
+        assert asyncio.run(tried(bad)) == 4
+        assert r.hget("iop:provider:a", "health") == "unavailable"  # (one more failure: benched again)
+    finally:
+        r.close()

@@ -19,7 +19,7 @@ from common import keys
 from common.codec import pack, unpack
 from common.config import ProviderConfig
 from common.policy import Health
-from common.redisconn import Backoff
+from common.redisconn import Backoff, as_text_map, now_ms
 from common.redisline import new_line_of
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, RunKind
@@ -27,9 +27,10 @@ from scheduler.core import Scheduler
 from tests.conftest import async_wait_until
 from tests.test_scheduler import MODEL, beat, make_config, waiting_runs
 from workers import runner as runner_module
-from workers.adapters.base import DOWN, LastRead, ProbeResult, ProviderError, Retry
+from workers.adapters.base import DOWN, LastRead, ProbeResult, ProviderError, Retry, not_taken
 from workers.adapters.cli import CliAdapter
 from workers.adapters.openai_compat import completion_tokens_named
+from workers.health import Evidence, judge
 from workers.runner import Runner
 
 if TYPE_CHECKING:
@@ -1145,3 +1146,80 @@ async def test_a_keys_in_flight_set_lives_as_long_as_its_longest_lived_run(redis
     assert await redis.pttl(keys.key_in_flight("team-a")) > lives - 60_000  # not cut to the quick one's ~32 s
     assert await redis.zcard(keys.key_in_flight("team-a")) == 2
     await client.close()
+
+
+# ------------------------------------------------------------------ blame: failed here, served elsewhere
+async def failed_on_a_then_on_b(redis: Redis, error: Callable[[str], ProviderError],
+                                b_serves: bool = True) -> tuple[str, list[str]]:
+    """A run that fails on a (chosen first: the tie-break), goes back to its queue and is then
+    dispatched to b, which serves it or fails it too: (its end, the scripts b's runner called)."""
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1})
+    assert await chosen_and_other(redis, run_id) == ("a", "b")
+    first = Runner(redis, sched.config, "n-a", {"a": Scripted([], error("a"))})
+    assert await first.execute(run_id) == "requeued:ok"
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert (await fields(redis, keys.run_record(run_id), "provider"))[0] == "b"
+    second = Runner(redis, sched.config, "n-b", {"b": Scripted([[TEXT]], None if b_serves else error("b"))})
+    called: list[str] = []
+    before_scripts(second, pytest.MonkeyPatch(), called.append)
+    return await second.execute(run_id), called
+
+
+def server_error(provider: str) -> ProviderError:
+    return ProviderError(f"provider {provider} answered 500: boom", status=500, retry=Retry.ELSEWHERE)
+
+
+async def test_a_provider_whose_runs_another_then_served_three_times_in_a_row_is_benched(redis: Redis) -> None:
+    """A server whose health endpoint answers while its runs fail (found by a hostile-provider audit:
+    it stayed in rotation, every run there cost a failed attempt first, or a whole read timeout)."""
+    hb = keys.heartbeat("a")
+    for n in (1, 2):
+        assert (await failed_on_a_then_on_b(redis, server_error))[0].startswith("completed")
+        assert await fields(redis, hb, "blame", "health", "bench_until") == [str(n), "available", None]
+    outcome, called = await failed_on_a_then_on_b(redis, server_error)
+    assert outcome.startswith("completed") and called.count("blame") == 1
+    health, reason, until = await fields(redis, hb, "health", "reason", "bench_until")
+    assert health == "unavailable" and reason == ("3 runs in a row failed there and were then served by another "
+                                                  "provider: out of rotation for 30 s")
+    assert until is not None and int(until) > now_ms() + 25_000
+    assert await fields(redis, keys.heartbeat("b"), "blame", "health") == ["0", "available"]  # (it served them)
+    # a probe that passes does not bring it back (its health endpoint was never the trouble) ...
+    await Scripts(redis).call("probed", [hb, keys.probing("a")], ["ok", 0, "", "unavailable", "-", "x"])
+    assert await fields(redis, hb, "health", "fails", "blame") == ["unavailable", "0", "2"]
+    assert judge(Evidence.from_hash(as_text_map(await redis.hgetall(hb))), 0, now_ms())[0] is Health.UNAVAILABLE
+    # ... its bench running out does (one blame short of the next); a run it serves ends it all
+    assert judge(Evidence.from_hash(as_text_map(await redis.hgetall(hb))), 0, int(until))[0] is Health.AVAILABLE
+    await redis.hset(hb, "health", "available")  # (as at the end of its bench)
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1})
+    assert await chosen_and_other(redis, run_id) == ("a", "b")
+    assert (await Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])}).execute(run_id)).startswith(
+        "completed")
+    assert await fields(redis, hb, "blame", "bench_until", "health") == ["0", None, "available"]
+
+
+@pytest.mark.parametrize("case", ["fails everywhere", "busy", "caller's request", "served first time"])
+async def test_what_blames_no_provider(redis: Redis, case: str) -> None:
+    """A request that fails on every provider (one caller's, not the servers'), a busy provider's
+    429 or 503, a request a provider's adapter cannot carry, a run served at its first try."""
+    for _ in range(3):
+        if case == "fails everywhere":
+            outcome, called = await failed_on_a_then_on_b(redis, server_error, b_serves=False)
+            assert outcome.startswith("failed")
+        elif case == "busy":
+            outcome, called = await failed_on_a_then_on_b(redis, lambda p: ProviderError(
+                f"provider {p} answered 429: slow down", status=429, retry=Retry.ELSEWHERE))
+            assert outcome.startswith("completed") and called.count("blame") == 1
+        elif case == "caller's request":
+            outcome, called = await failed_on_a_then_on_b(
+                redis, lambda p: not_taken(p, "'tools' is not taken", "tools"))
+            assert outcome.startswith("completed") and called.count("blame") == 1
+        else:
+            sched, run_id = await start_one(redis, {"a": 1, "b": 1})
+            runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
+            called = []
+            before_scripts(runner, pytest.MonkeyPatch(), called.append)
+            assert (await runner.execute(run_id)).startswith("completed")
+            assert "blame" not in called  # (no call for a run tried once)
+    blame, health = await fields(redis, keys.heartbeat("a"), "blame", "health")
+    assert blame in (None, "0") and health == "available"

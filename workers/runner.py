@@ -26,12 +26,12 @@ from common import keys, token_cap
 from common.chunks import MAX_COUNTED_TOKENS, fixed_usage, token_counts, usage_in, wants_usage, without_usage
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
-from common.policy import candidate_class
+from common.policy import BENCH_REASON, BLAME_RUNS, candidate_class
 from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.snapshots import read_snapshots
-from common.wire import ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
+from common.wire import BUSY, ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
 from workers import metrics
 from workers.adapters.base import Adapter, LastRead, ProviderError, Retry
 from workers.adapters.openai_compat import completion_tokens_named
@@ -110,6 +110,15 @@ def evidence_of(exc: ProviderError) -> Evidence:
     if exc.strikes is None:
         return NO_EVIDENCE
     return ALIVE if exc.strikes == 0 else ("fail", exc.strikes, exc.message)
+
+
+def suspect(info: ErrorInfo) -> bool:
+    """Whether a failed attempt says something of its provider, should another provider serve the
+    run (`common.scripts.BLAME`): a 5xx, a timeout, a broken or garbled answer, a redirect; not a
+    busy provider (429, 503), nor a 4xx (the caller's request, or one this provider's adapter cannot
+    carry)."""
+    return info.code in (ErrorCode.PROVIDER_ERROR, ErrorCode.PROVIDER_TIMEOUT) and (
+        info.status is None or (info.status not in BUSY and not 400 <= info.status < 500))
 
 
 def cannot_carry(provider_id: str, exc: Unpackable) -> ProviderError:
@@ -466,7 +475,8 @@ class Runner:
             # (the finish script takes the job off its node's queue first: the next dispatch
             # queues a job of the same id)
             outcome = await self._finish(att, None, EventType.REQUEUED, info.to_wire(), evidence=evidence,
-                                         requeue="requeue" if retry is Retry.ANY else "requeue_elsewhere")
+                                         requeue="requeue" if retry is Retry.ANY else "requeue_elsewhere",
+                                         suspect=suspect(info))
         else:
             outcome = await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info,
                                          evidence=evidence)
@@ -528,8 +538,9 @@ class Runner:
     async def _finish(self, att: Attempt, state: RunState | None, etype: EventType, data: dict[str, Any],
                       info: ErrorInfo | None = None, *, evidence: Evidence = NO_EVIDENCE,
                       requeue: str = "requeue", usage: tuple[int, int] = (0, 0),
-                      last: list[dict[str, Any]] | None = None) -> str:
-        """state None = requeue (`requeue` says how). Records `evidence` of the provider's health,
+                      last: list[dict[str, Any]] | None = None, suspect: bool = False) -> str:
+        """state None = requeue (`requeue` says how; `suspect`: the failure says something of the
+        provider, `common.scripts.BLAME`). Records `evidence` of the provider's health,
         and `usage` (prompt, completion tokens the caller got) for its key. Rides out a Redis
         restart (`_call_while_leased`): a slot must come back. A provider's answer (`data`) that
         msgpack cannot hold fails the run instead, with why. `last`: a completed stream's last
@@ -553,7 +564,7 @@ class Runner:
                 self.config.runtime.run_ttl_s, keys.scheduler_channel(""), att.model_id,
                 info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes,
                 plain_text(reason), *(min(n, MAX_COUNTED_TOKENS) for n in usage), self._fresh_ms(att.provider_id),
-                delta, self.config.runtime.max_events_per_run]
+                delta, self.config.runtime.max_events_per_run, "1" if suspect else ""]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
                     keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id), keys.node_queue(self.node_id),
                     keys.arq_in_progress(att.run_id),
@@ -569,7 +580,28 @@ class Runner:
             self.on_strike(att.provider_id)
         elif kind == "ok":
             self.on_life(att.provider_id)
+        if state is RunState.COMPLETED and result == b"ok" and att.tried - {att.provider_id}:
+            await self._blame(att)
         return f"{state.value if state else 'requeued'}:{result.decode()}"
+
+    async def _blame(self, att: Attempt) -> None:
+        """The run was served here after it failed elsewhere: the providers it failed on for
+        reasons of theirs (the record's `suspects`) are blamed, and benched after `BLAME_RUNS` runs
+        in a row (`common.scripts.BLAME`; one call, only for a run that was tried again)."""
+        bench_ms = self.config.runtime.bench_ms
+        if not bench_ms:
+            return
+        others = sorted(att.tried - {att.provider_id})
+        reason = f"{BENCH_REASON}: out of rotation for {bench_ms / 1000:g} s"
+        try:
+            benched = await self.scripts.call(
+                "blame", [keys.run_record(att.run_id), *(keys.heartbeat(p) for p in others)],
+                [BLAME_RUNS, bench_ms, reason, *others])
+        except REDIS_UNUSABLE as exc:  # (evidence lost, not the run: it is recorded already)
+            log.warning("Redis unavailable while blaming %s (%s)", ", ".join(others), exc, extra=att.log())
+            return
+        for provider in benched:  # (the script set its health: the schedulers pass it over from now on)
+            log.warning("provider %s is benched: %s", provider.decode(), reason, extra=att.log())
 
     def _fresh_ms(self, provider_id: str) -> int:
         """How old a provider's last sign of life may be before a run's end writes a new one: a
