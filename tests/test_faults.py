@@ -216,18 +216,24 @@ async def _disconnects(fstack: FaultStack, n: int) -> bool:
 
 
 # ---------------------------------------------------------------------------- 5. timeouts
-async def test_a_stalled_provider_hits_the_execution_timeout(fstack: FaultStack, http: aiohttp.ClientSession) -> None:
-    gateway = start(fstack, {"only": ("n1", 1)}, queue={"execution_timeout_ms": 500})
-    # The official client, with its default retries (it tries every 5xx twice more): the answer
-    # says another try would only repeat the run (`x-should-retry: false`), so the provider
-    # serves the runaway request once, not three times.
+async def stalled_call(gateway: str) -> openai.InternalServerError:
+    """What the official client (its default retries on) raises for a request its provider never answers."""
     async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused") as client:
         with pytest.raises(openai.InternalServerError) as err:
             body = chat(ttft_ms=600_000)
             await client.chat.completions.create(model=body["model"], messages=body["messages"],
                                                  extra_body={"sim": body["sim"]})
-    assert err.value.status_code == 504 and err.value.code == "execution_timeout"
-    assert err.value.response.headers["x-should-retry"] == "false"
+    return err.value
+
+
+async def test_a_stalled_provider_hits_the_execution_timeout(fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    gateway = start(fstack, {"only": ("n1", 1)}, queue={"execution_timeout_ms": 500})
+    # The official client, with its default retries (it tries every 5xx twice more): the answer
+    # says another try would only repeat the run (`x-should-retry: false`), so the provider
+    # serves the runaway request once, not three times.
+    err = await stalled_call(gateway)
+    assert err.status_code == 504 and err.code == "execution_timeout"
+    assert err.response.headers["x-should-retry"] == "false"
     await async_wait_until(lambda: _disconnects(fstack, 1), what="the provider request to be closed")
     assert (await fstack.stats("only"))["total"] == 1
 
@@ -237,14 +243,10 @@ async def test_a_silent_provider_hits_its_read_timeout(fstack: FaultStack, http:
                     provider_extra={"only": {"read_timeout_ms": 300}})
     # (a 504 that says not to try again, as a run past its execution timeout: found by a hostile-
     # provider audit, the official client's two retries tripled the caller's wait on it)
-    async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused") as client:
-        with pytest.raises(openai.InternalServerError) as err:
-            body = chat(ttft_ms=600_000)
-            await client.chat.completions.create(model=body["model"], messages=body["messages"],
-                                                 extra_body={"sim": body["sim"]})
-    assert err.value.status_code == 504 and err.value.code == "provider_timeout"
-    assert isinstance(err.value.body, dict) and err.value.body["message"] == "provider only: sent nothing for 300 ms"
-    assert err.value.response.headers["x-should-retry"] == "false"
+    err = await stalled_call(gateway)
+    assert err.status_code == 504 and err.code == "provider_timeout"
+    assert isinstance(err.body, dict) and err.body["message"] == "provider only: sent nothing for 300 ms"
+    assert err.response.headers["x-should-retry"] == "false"
     # It took the request and is most likely still at it (a server that answers only when done
     # goes on for nobody): not tried on it again, and one strike is not three (it stays available).
     assert (await fstack.stats("only"))["total"] == 1
