@@ -65,7 +65,7 @@ NOT_WORTH_RETRYING = frozenset({ErrorCode.EXECUTION_TIMEOUT, ErrorCode.PROVIDER_
 
 #: Run failures worth trying again in a second, and said so in `Retry-After`, as the gateway says
 #: it when it refuses a run itself: every provider of the model went down while the run waited
-#: (a provider is probed again within its `health_interval_ms`, and back at its first answer).
+#: (one that is down is probed again every `runtime.heartbeat_interval_ms`, and back at its first answer).
 RETRY_SOON = frozenset({ErrorCode.NO_AVAILABLE_PROVIDER})
 
 
