@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from common import control, keys
 from common.config import Config, ModelConfig, ProviderConfig
 from common.control import AuditEntry, ProviderControl
-from common.policy import Health, ProviderSnapshot, has_free_slot, is_available, is_fresh
+from common.policy import BLAME_RUNS, Health, ProviderSnapshot, has_free_slot, is_available, is_fresh
 from common.provider_types import LIFECYCLE_FLAGS
 from common.redisconn import as_text_map
 
@@ -151,7 +151,7 @@ class Placement:
     target: str
     selectable: bool
     #: why not, when not: drained | cordoned | unknown | stale | unavailable | model_not_listed |
-    #: no_capacity | full
+    #: benched | no_capacity | full
     reason: str | None
     detail: str | None
 
@@ -232,8 +232,8 @@ def _health(value: str | None) -> Health:
 
 
 def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str | None,
-             ctl: ProviderControl = control.NONE) -> ProviderSnapshot:
-    """The policy's view of a provider (for a model served there as `served`)."""
+             ctl: ProviderControl = control.NONE, now_ms: int = 0) -> ProviderSnapshot:
+    """The policy's view of a provider (for a model served there as `served`, at `now_ms`)."""
     observed = _names(beat.get("observed_models"))
     return ProviderSnapshot(
         provider_id=provider_id,
@@ -244,6 +244,7 @@ def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str
         has_model=served is None or observed is None or served in observed,
         drained=ctl.blocked,
         capacity_override=ctl.capacity_override,
+        benched=served is not None and (_int(beat.get(f"bench:{served}")) or 0) > now_ms,
     )
 
 
@@ -272,6 +273,10 @@ def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: 
         return snap.health.value, beat.get("reason") or f"its last probe says {snap.health.value}"
     if not snap.has_model:
         return "model_not_listed", f"the provider does not list {target!r}"
+    if snap.benched:
+        back_s = ((_int(beat.get(f"bench:{target}")) or 0) - now_ms) / 1000
+        return "benched", (f"{BLAME_RUNS} runs of {target!r} in a row failed there and another provider "
+                           f"served them; back in {back_s:.1f}s")
     capacity = snap.effective_capacity
     if not capacity:
         return "no_capacity", "capacity unknown or 0"
@@ -321,7 +326,7 @@ def _model_record(config: Config, m: ModelConfig, raw: RawState) -> ModelRecord:
     for pid, target in m.providers.items():
         beat = raw.heartbeats.get(pid, {})
         ctl = raw.control.get(pid, control.NONE)
-        snap = snapshot(pid, beat, raw.in_flight.get(pid, 0), target, ctl)
+        snap = snapshot(pid, beat, raw.in_flight.get(pid, 0), target, ctl, raw.now_ms)
         reason, detail = _why_not(snap, beat, target, raw.now_ms, ttl, ctl)
         placements.append(Placement(provider_id=pid, node_id=config.node_of(pid), target=target,
                                     selectable=reason is None, reason=reason, detail=detail))

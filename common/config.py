@@ -155,7 +155,8 @@ class RuntimeConfig(Strict):
     heartbeat_interval_ms: int = Field(2_000, ge=10, le=MAX_DURATION_MS)
     heartbeat_ttl_ms: int = Field(6_000, ge=20, le=MAX_DURATION_MS)
     probe_interval_ms: int = Field(5_000, ge=10, le=MAX_DURATION_MS)
-    # A provider benched for its runs' failures (common.policy.BLAME_RUNS) stays out this long; 0: never benched.
+    # A provider benched for a model's runs' failures (common.policy.BLAME_RUNS) takes none of them
+    # for this long; 0: never benched.
     bench_ms: int = Field(30_000, ge=0, le=MAX_DURATION_MS)
     lease_ttl_ms: int = Field(15_000, ge=50, le=MAX_DURATION_MS)
     scheduler_liveness_ms: int = Field(3_000, ge=50, le=MAX_DURATION_MS)

@@ -39,12 +39,11 @@ class Health(StrEnum):
 DOWN = 3
 #: why a provider is down when its strikes said nothing
 DOWN_REASON = "it failed repeatedly"
-#: Runs in a row that failed on a provider (a 5xx, a timeout, a broken answer) and were then served
-#: by another that bench it (`common.scripts.BLAME`): out of rotation for `runtime.bench_ms`,
-#: whatever its probes say (a server whose health endpoint answers while its runs fail).
+#: Runs of a model in a row that failed on a provider (a 5xx, a timeout, a broken answer) and were
+#: then served by another that bench it for that model (`common.scripts.BLAME`): none of the model's
+#: runs go there for `runtime.bench_ms`, whatever its probes say (a server whose health endpoint
+#: answers while its runs fail). Its health and its other models are not touched.
 BLAME_RUNS = 3
-#: why a provider is benched, when its hash does not say
-BENCH_REASON = f"{BLAME_RUNS} runs in a row failed there and were then served by another provider"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +63,8 @@ class ProviderSnapshot:
     drained: bool = False
     #: the capacity an operator set for it (until cleared or expired); None = the announced one
     capacity_override: int | None = None
+    #: benched for the model: its runs of it failed where another provider's succeeded (`BLAME_RUNS`)
+    benched: bool = False
 
     @property
     def effective_capacity(self) -> int | None:
@@ -92,6 +93,7 @@ def is_available(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> bool:
     return (
         snap.health is Health.AVAILABLE
         and snap.has_model
+        and not snap.benched
         and is_fresh(snap, now_ms, ttl_ms)
         and snap.effective_capacity is not None
         and snap.effective_capacity > 0
@@ -100,11 +102,12 @@ def is_available(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> bool:
 
 def all_refused(snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int) -> bool:
     """True when every provider answered its latest probe and none can take the model's runs
-    (unavailable, or not serving the model). Providers with no fresh heartbeat are not known
-    to be down, so they keep a run waiting."""
+    (unavailable, not serving the model, or benched for it). Providers with no fresh heartbeat are
+    not known to be down, so they keep a run waiting."""
     snaps = list(snapshots)
     return bool(snaps) and all(
-        is_fresh(s, now_ms, ttl_ms) and (s.health is Health.UNAVAILABLE or not s.has_model) for s in snaps
+        is_fresh(s, now_ms, ttl_ms) and (s.health is Health.UNAVAILABLE or not s.has_model or s.benched)
+        for s in snaps
     )
 
 
@@ -126,7 +129,7 @@ def candidate_class(snap: ProviderSnapshot, now_ms: int, ttl_ms: int, avoid: fro
 
 def why_not(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> str:
     """Why a provider takes no run now, in a few words (for a run that timed out in its queue):
-    `no heartbeat`, `unavailable`, `missing the model`, `drained or cordoned`, `capacity 0`, or
+    `no heartbeat`, `unavailable`, `missing the model`, `benched`, `drained or cordoned`, `capacity 0`, or
     `full (n of c)` (it may be free by the time this is read)."""
     if not is_fresh(snap, now_ms, ttl_ms):
         return "no heartbeat"
@@ -134,6 +137,8 @@ def why_not(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> str:
         return snap.health.value
     if not snap.has_model:
         return "missing the model"
+    if snap.benched:
+        return "benched"
     if snap.drained:
         return "drained or cordoned"
     capacity = snap.effective_capacity

@@ -187,26 +187,19 @@ end
 # Strikes that reach `DOWN` set its `health` (and `reason`) here, as `judge` will at the next
 # beat: a run this end puts back in the queue is not dispatched to a dead server again in the
 # milliseconds before that beat (a refused connection would use up its attempts there). A sign
-# of life sets it available, as `judge` would, unless the provider is benched (`BLAME`): then only
-# a run it `served` (completed) does, and that ends its bench and its blame.
+# of life sets it available, as `judge` would.
 _EVIDENCE = f"""
-local function evidence(hb, kind, strikes, reason, health, fresh_ms, served)
+local function evidence(hb, kind, strikes, reason, health, fresh_ms)
   if kind == '' then return end
   local known = false  -- whether the hash is known to exist
   if kind == 'ok' and fresh_ms then
-    local seen = redis.call('HMGET', hb, 'ok_ms', 'fails', 'blame')
+    local seen = redis.call('HMGET', hb, 'ok_ms', 'fails')
     local ok_ms = tonumber(seen[1])
-    if ok_ms and now - ok_ms < tonumber(fresh_ms) and (seen[2] == '0' or not seen[2])
-        and (not served or seen[3] == '0' or not seen[3]) then return end
+    if ok_ms and now - ok_ms < tonumber(fresh_ms) and (seen[2] == '0' or not seen[2]) then return end
     known = ok_ms ~= nil
   end
   if not known and redis.call('EXISTS', hb) == 0 then return end
-  if kind == 'ok' and served then
-    redis.call('HSET', hb, 'ok_ms', now, 'fails', 0, 'blame', 0, 'health', 'available', 'reason', '')
-    redis.call('HDEL', hb, 'bench_until')
-  elseif kind == 'ok' and tonumber(redis.call('HGET', hb, 'bench_until') or '0') > now then
-    redis.call('HSET', hb, 'ok_ms', now, 'fails', 0)
-  elseif kind == 'ok' then
+  if kind == 'ok' then
     redis.call('HSET', hb, 'ok_ms', now, 'fails', 0, 'health', 'available', 'reason', '')
   elseif redis.call('HINCRBY', hb, 'fails', strikes) >= {DOWN} then
     redis.call('HSET', hb, 'fail_ms', now, 'fail_reason', reason, 'fail_health', health, 'health', health,
@@ -366,9 +359,9 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
   local alive, beats, op_keys = {{}}, {{}}, {{}}
   for _, c in ipairs(cands) do
     local k = c.k
-    local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity', 'observed_models')
+    local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity', 'observed_models', 'bench:' .. c.target)
     if hb[1] == 'available' and tonumber(hb[2]) and tonumber(hb[2]) >= oldest_beat
-        and (not c.listed or lists(hb[4], c.target)) then
+        and (not c.listed or lists(hb[4], c.target)) and not (tonumber(hb[5]) and tonumber(hb[5]) > now) then
       alive[#alive + 1], beats[#beats + 1] = c, hb
       for x = 2, 5 do op_keys[#op_keys + 1] = KEYS[k + x] end
     end
@@ -683,7 +676,8 @@ return 1
 #       output ('' none: a `delta` event's data, added before the end; refused with 'too_many', and
 #       nothing done, when the events hold `max_events_per_run`), max_events_per_run, whether the
 #       provider is a suspect of a requeued run's failure ('1': it joins the record's `suspects`,
-#       which `BLAME` reads once another provider served the run)
+#       which `BLAME` reads once another provider served the run), the served name of the attempt (a
+#       completed run starts its count of `blame` there over)
 FINISH = FREES + _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + """
 local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited')
 local state = rec[1]
@@ -694,7 +688,7 @@ if last ~= '' and redis.call('XLEN', KEYS[3]) >= tonumber(ARGV[18]) then return 
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('DEL', KEYS[7])
-evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable', ARGV[16], ARGV[2] == 'completed')
+evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable', ARGV[16])
 local ttl = tonumber(ARGV[5])
 if last ~= '' then add_event(KEYS[1], KEYS[3], ARGV[1], 'delta', last, rec[3]) end
 add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4], rec[3])
@@ -708,6 +702,7 @@ if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' then
 else
   if ARGV[2] == 'completed' then  -- its answer went to the caller (a non-stream run's is this event)
     redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now, 'output', '1')
+    if ARGV[20] and ARGV[20] ~= '' then redis.call('HDEL', KEYS[5], 'blame:' .. ARGV[20]) end  -- (it served one)
   else
     redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
   end
@@ -723,12 +718,15 @@ return 'ok'
 
 # A run another provider served after it failed on its `suspects` (the record's: providers whose
 # failure said something of them, a 5xx, a timeout, a broken answer; not a busy one, nor one the
-# caller's request would get anywhere): each suspect's heartbeat counts one more `blame`, runs in a
-# row that failed there and were then served elsewhere (a run it serves starts the count over:
-# `_EVIDENCE`). At `runs` it is benched: `unavailable` until `bench_until`, whatever its probes say,
-# and one blame short of benched again once back. A request that fails everywhere blames nobody.
+# caller's request would get anywhere): each suspect's heartbeat counts one more `blame:{served}`,
+# runs of that served name in a row that failed there and were then served elsewhere (a run it
+# completes there starts the count over: `FINISH`). At `runs` it is benched for that served name:
+# `bench:{served}` holds until when, and no run of it goes there meanwhile (`dispatch`, and
+# `common.policy` through `ProviderSnapshot.benched`); once back, it is one blame short of benched
+# again. Its health and its other models are not touched. A request that fails everywhere blames
+# nobody.
 # KEYS: run record, the heartbeat of each other provider the run was tried on...
-# ARGV: runs, bench_ms, reason, then the provider of each heartbeat
+# ARGV: runs, bench_ms, then for each heartbeat: its provider, the run's served name there
 # Returns the providers benched.
 BLAME = _NOW + """
 local suspects = redis.call('HGET', KEYS[1], 'suspects')
@@ -738,11 +736,10 @@ local listed = {}
 for p in string.gmatch(suspects, '[^,]+') do listed[p] = true end
 local runs = tonumber(ARGV[1])
 for i = 2, #KEYS do
-  local provider = ARGV[i + 2]
+  local provider, served = ARGV[2 * i - 1], ARGV[2 * i]
   if listed[provider] and redis.call('EXISTS', KEYS[i]) == 1
-      and redis.call('HINCRBY', KEYS[i], 'blame', 1) >= runs then
-    redis.call('HSET', KEYS[i], 'blame', runs - 1, 'bench_until', now + tonumber(ARGV[2]), 'bench_reason', ARGV[3],
-      'health', 'unavailable', 'reason', ARGV[3])
+      and redis.call('HINCRBY', KEYS[i], 'blame:' .. served, 1) >= runs then
+    redis.call('HSET', KEYS[i], 'blame:' .. served, runs - 1, 'bench:' .. served, now + tonumber(ARGV[2]))
     benched[#benched + 1] = provider
   end
 end
@@ -1056,32 +1053,31 @@ return out
 # refused connection that took the provider down) is not undone by a verdict from before it
 # (answer 0: the worker judges again). The schedulers are woken when the health changed.
 # KEYS: heartbeat, node's workers, beating
-# ARGV: ok_ms, fails, fail_ms, bench_until as read ('' for none), heartbeat_ttl_ms, now (ms),
-#       provider id, worker instance ('' = none), signals channel ('' = the health did not change),
-#       then the fields and their values
+# ARGV: ok_ms, fails, fail_ms as read ('' for none), heartbeat_ttl_ms, now (ms), provider id,
+#       worker instance ('' = none), signals channel ('' = the health did not change), then the
+#       fields and their values
 BEAT = """
-local seen = redis.call('HMGET', KEYS[1], 'ok_ms', 'fails', 'fail_ms', 'bench_until')
+local seen = redis.call('HMGET', KEYS[1], 'ok_ms', 'fails', 'fail_ms')
 local same = (seen[1] or '') == ARGV[1] and (seen[2] or '') == ARGV[2] and (seen[3] or '') == ARGV[3]
-  and (seen[4] or '') == ARGV[4]
 local fields = {}
-for i = 10, #ARGV, 2 do
+for i = 9, #ARGV, 2 do
   if same or (ARGV[i] ~= 'health' and ARGV[i] ~= 'reason') then
     fields[#fields + 1] = ARGV[i]
     fields[#fields + 1] = ARGV[i + 1]
   end
 end
-local ttl, now = tonumber(ARGV[5]), tonumber(ARGV[6])
+local ttl, now = tonumber(ARGV[4]), tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], ttl)
-if ARGV[8] ~= '' then
-  redis.call('ZADD', KEYS[2], now + ttl, ARGV[8])
+if ARGV[7] ~= '' then
+  redis.call('ZADD', KEYS[2], now + ttl, ARGV[7])
   redis.call('PEXPIRE', KEYS[2], ttl)
 end
-redis.call('ZADD', KEYS[3], now + ttl, ARGV[7])
+redis.call('ZADD', KEYS[3], now + ttl, ARGV[6])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - ttl)
 if redis.call('PEXPIRE', KEYS[3], ttl, 'GT') == 0 then redis.call('PEXPIRE', KEYS[3], ttl, 'NX') end
 if not same then return 0 end
-if ARGV[9] ~= '' then redis.call('PUBLISH', ARGV[9], '*') end
+if ARGV[8] ~= '' then redis.call('PUBLISH', ARGV[8], '*') end
 return 1
 """
 

@@ -39,20 +39,21 @@ def _lists(observed: bytes | None, served: str) -> bool:
 
 async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
                          node_of: Callable[[str], str]) -> list[ProviderSnapshot]:
-    """One pipeline: each provider's heartbeat fields, its count of live leases, and what an operator
-    set for it (a drain, its node's cordon, a capacity override).
+    """One pipeline: each provider's heartbeat fields (its bench for the model's served name there
+    too), its count of live leases, and what an operator set for it (a drain, its node's cordon, a
+    capacity override).
 
     targets: provider id -> the served name the model has there; node_of: provider id -> its node."""
     pipe = redis.pipeline(transaction=False)
-    for pid in targets:
-        pipe.hmget(keys.heartbeat(pid), "health", "capacity", "ts_ms", "observed_models")
+    for pid, served in targets.items():
+        pipe.hmget(keys.heartbeat(pid), "health", "capacity", "ts_ms", "observed_models", f"bench:{served}")
         pipe.zcount(keys.leases(pid), f"({now_ms}", "+inf")
         pipe.exists(keys.drained(pid), keys.cordoned(node_of(pid)))
         pipe.get(keys.capacity_override(pid))
     replies = await pipe.execute()
     snaps = []
     for i, (pid, served) in enumerate(targets.items()):
-        (health, capacity, ts, observed), in_flight, blocked, override = replies[4 * i:4 * i + 4]
+        (health, capacity, ts, observed, bench), in_flight, blocked, override = replies[4 * i:4 * i + 4]
         snaps.append(ProviderSnapshot(
             provider_id=pid,
             health=_health(health),
@@ -62,6 +63,7 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
             has_model=_lists(observed, served),
             drained=int(blocked) > 0,
             capacity_override=_int(override),
+            benched=(_int(bench) or 0) > now_ms,
         ))
     return snaps
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.policy import BENCH_REASON, Health
+from common.policy import Health
 from workers.adapters.base import DOWN, ProbeResult
 from workers.health import Evidence, judge
 from workers.heartbeat import MAX_OBSERVED, probe_evidence, recorded
@@ -29,21 +29,15 @@ REFUSED = "provider p: connection refused"
      (Health.UNKNOWN, "GET /v1/models answered 200 but not with a model list")),
     (Evidence(fails=1, fail_ms=20, fail_reason="GET /health: no answer within 2000 ms"), 0,
      (Health.UNKNOWN, "GET /health: no answer within 2000 ms (1 of 3 strikes)")),
-    # benched (runs failed there that another provider then served): out until its bench ends (now: 100),
-    # a sign of life and runs in flight notwithstanding
-    (Evidence(ok_ms=90, bench_until=101, bench_reason="benched"), 2, (Health.UNAVAILABLE, "benched")),
-    (Evidence(ok_ms=90, bench_until=101), 0, (Health.UNAVAILABLE, BENCH_REASON)),
-    (Evidence(ok_ms=90, bench_until=100, bench_reason="benched"), 0, (Health.AVAILABLE, "")),
 ])
 def test_judge(evidence: Evidence, in_flight: int, expected: tuple[Health, str]) -> None:
-    assert judge(evidence, in_flight, 100) == expected
+    assert judge(evidence, in_flight) == expected
 
 
 def test_evidence_reads_the_heartbeat_hash_and_ignores_garbage() -> None:
     ev = Evidence.from_hash({"ok_ms": "5", "fails": "2", "fail_ms": "7", "fail_reason": "r",
-                             "fail_health": "unknown", "health": "available", "bench_until": "9", "bench_reason": "b"})
-    assert ev == Evidence(ok_ms=5, fails=2, fail_ms=7, fail_reason="r", fail_health=Health.UNKNOWN, bench_until=9,
-                          bench_reason="b")
+                             "fail_health": "unknown", "health": "available"})
+    assert ev == Evidence(ok_ms=5, fails=2, fail_ms=7, fail_reason="r", fail_health=Health.UNKNOWN)
     assert Evidence.from_hash({"ok_ms": "x", "fails": "", "fail_health": "bogus"}) == Evidence()
 
 

@@ -140,14 +140,18 @@ def test_one_callers_request_that_breaks_every_answer_does_not_take_the_model_do
     assert asyncio.run(served()) == "tok0 tok1 "
 
 
-def test_a_provider_whose_health_answers_while_its_runs_fail_is_benched(stack: Stack) -> None:
-    """Provider a's `/health` answers, but every run there fails (500): three runs in a row that b
-    then served bench a (found by a hostile-provider audit: it stayed `available` with no reason,
-    and each run paid a failed attempt there first). The next runs go straight to b; once its
-    bench is out a takes runs again, and the first that fails there benches it again at once."""
-    bad = stack.simulator(["a-served"], "--fail-rate", "1", "--fail-status", "500")
+def test_a_provider_whose_health_answers_while_its_runs_fail_is_benched_for_that_model(stack: Stack) -> None:
+    """Provider a's `/health` answers, but every run of qwen3.6:35b there fails (500): three runs in
+    a row that b then served bench a for that model (found by a hostile-provider audit: it stayed
+    `available` with no reason, and each run paid a failed attempt there first). The model's next
+    runs go straight to b, and the catalog says why; a's other model, which only a serves, is not
+    touched. Once the bench is out a takes the model's runs again, and the first that fails there
+    benches it again at once."""
+    bad = stack.simulator(["a-served", "solo-served"], "--fail-rate", "1", "--fail-status", "500")
     good = stack.simulator(["b-served"])
     config = pool_config({"a": ("n1", bad, 2), "b": ("n2", good, 2)})
+    config["nodes"][0]["providers"][0]["models"].append("solo-served")
+    config["models"].append({"id": "solo", "providers": {"a": "solo-served"}})
     config["runtime"] = {**FAST_RUNTIME, "bench_ms": 1500}
     stack.write_config(config)
     stack.scheduler()
@@ -166,17 +170,30 @@ def test_a_provider_whose_health_answers_while_its_runs_fail_is_benched(stack: S
         async with aiohttp.ClientSession() as session, session.get(url + "/stats") as resp:
             return int((await resp.json())["total"])
 
+    async def placement() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session, session.get(gateway + "/v1/catalog") as resp:
+            catalog = await resp.json()
+        model = next(m for m in catalog["models"] if m["id"] == "qwen3.6:35b")
+        return next(p for p in model["providers"] if p["provider_id"] == "a")
+
+    async def solo_status() -> int:
+        async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json={
+                "model": "solo", "messages": ASK, "sim": {"fail_rate": 0}}) as resp:
+            return resp.status
+
     try:
         assert asyncio.run(served(3)) == ["tok0 tok1 "] * 3  # (each failed on a, then b served it)
         assert asyncio.run(tried(bad)) == 3
-        health, reason = r.hmget("iop:provider:a", "health", "reason")
-        assert health == "unavailable" and reason.startswith("3 runs in a row failed there and were then served")
+        where = asyncio.run(placement())
+        assert where["reason"] == "benched" and where["detail"].startswith("3 runs of 'a-served' in a row failed")
+        assert r.hget("iop:provider:a", "health") == "available"  # (its health is not what failed)
         assert asyncio.run(served(3)) == ["tok0 tok1 "] * 3
         assert asyncio.run(tried(bad)) == 3  # (straight to b, its probes passing all the while)
-        wait_until(lambda: r.hget("iop:provider:a", "health") == "available", timeout=10,
-                   what="a back once its bench is out")
-        assert asyncio.run(served(1)) == ["tok0 tok1 "]
+        assert asyncio.run(solo_status()) == 200  # (its other model, on a alone, is served there)
         assert asyncio.run(tried(bad)) == 4
-        assert r.hget("iop:provider:a", "health") == "unavailable"  # (one more failure: benched again)
+        wait_until(lambda: asyncio.run(placement())["selectable"], timeout=10, what="a back once its bench is out")
+        assert asyncio.run(served(1)) == ["tok0 tok1 "]
+        assert asyncio.run(tried(bad)) == 5
+        assert asyncio.run(placement())["reason"] == "benched"  # (one more failure: benched again)
     finally:
         r.close()

@@ -225,10 +225,10 @@ async def test_a_beat_judged_from_evidence_that_changed_since_does_not_undo_it(r
                                   "fail_ms": "5", "ok_ms": "1"})
     scripts = Scripts(redis)
 
-    def beat(ok_ms: str, fails: str, fail_ms: str, bench_until: str = "") -> Any:
+    def beat(ok_ms: str, fails: str, fail_ms: str) -> Any:
         return scripts.call("beat", [hb, keys.node_workers("n"), keys.BEATING],
-                            [ok_ms, fails, fail_ms, bench_until, 1000, now_ms(), "p", "", "", "health", "available",
-                             "reason", "", "capacity", "2"])
+                            [ok_ms, fails, fail_ms, 1000, now_ms(), "p", "", "", "health", "available", "reason", "",
+                             "capacity", "2"])
 
     assert await beat("1", "0", "") == 0  # (read before the strikes)
     assert await redis.hmget(hb, "health", "reason", "capacity") == [
@@ -236,11 +236,6 @@ async def test_a_beat_judged_from_evidence_that_changed_since_does_not_undo_it(r
     assert await redis.zscore(keys.BEATING, "p") is not None
     assert await beat("1", "3", "5") == 1  # (read after them: its verdict stands)
     assert await redis.hmget(hb, "health", "reason") == [b"available", b""]
-    # (a bench the `blame` script set meanwhile is not undone either)
-    await redis.hset(hb, mapping={"bench_until": "99", "health": "unavailable", "reason": "benched"})
-    assert await beat("1", "3", "5") == 0
-    assert await redis.hmget(hb, "health", "reason") == [b"unavailable", b"benched"]
-    assert await beat("1", "3", "5", "99") == 1
 
     # the worker's own beat: a verdict that could not be written makes it beat again at once
     cfg = config("vllm")

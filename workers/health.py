@@ -14,8 +14,6 @@ The evidence lives in the provider's heartbeat hash, so every worker of the node
 attempt, through the `finish` script) adds to the same record and every worker judges it the
 same way. `judge` is the rule, a pure function:
 
-- benched (`BLAME_RUNS` runs in a row failed there and were then served by another provider,
-  the `blame` script): `unavailable` until its `bench_until`, whatever its probes say;
 - `DOWN` (3) strikes or more since the last sign of life: `unavailable` (`unknown` when a
   probe got an answer it did not understand), the last failure being the reason;
 - else any sign of life, or runs in flight: `available`;
@@ -31,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from common.policy import BENCH_REASON, DOWN_REASON, Health
+from common.policy import DOWN_REASON, Health
 from workers.adapters.base import DOWN
 
 
@@ -44,9 +42,6 @@ class Field:
     FAIL_REASON = "fail_reason"  # what the last strike was
     FAIL_HEALTH = "fail_health"  # the health the strikes mean: unavailable, or unknown
     PROBE_MS = "probe_ms"  # when a worker last claimed a probe
-    BLAME = "blame"  # runs in a row that failed there and were then served by another provider
-    BENCH_UNTIL = "bench_until"  # benched for its blame until then (ms)
-    BENCH_REASON = "bench_reason"  # why it was benched
 
 
 def _int(value: str | None) -> int | None:
@@ -63,8 +58,6 @@ class Evidence:
     fail_ms: int | None = None
     fail_reason: str = ""
     fail_health: Health = Health.UNAVAILABLE
-    bench_until: int | None = None
-    bench_reason: str = ""
 
     @classmethod
     def from_hash(cls, fields: Mapping[str, str]) -> Evidence:
@@ -74,14 +67,11 @@ class Evidence:
             fail_health = Health.UNAVAILABLE
         return cls(ok_ms=_int(fields.get(Field.OK_MS)), fails=_int(fields.get(Field.FAILS)) or 0,
                    fail_ms=_int(fields.get(Field.FAIL_MS)), fail_reason=fields.get(Field.FAIL_REASON, ""),
-                   fail_health=fail_health, bench_until=_int(fields.get(Field.BENCH_UNTIL)),
-                   bench_reason=fields.get(Field.BENCH_REASON, ""))
+                   fail_health=fail_health)
 
 
-def judge(evidence: Evidence, in_flight: int, now_ms: int) -> tuple[Health, str]:
-    """(health, why it is not available) from the evidence and the provider's live leases, now."""
-    if evidence.bench_until is not None and now_ms < evidence.bench_until:
-        return Health.UNAVAILABLE, evidence.bench_reason or BENCH_REASON
+def judge(evidence: Evidence, in_flight: int) -> tuple[Health, str]:
+    """(health, why it is not available) from the evidence and the provider's live leases."""
     if evidence.fails >= DOWN:
         return evidence.fail_health, evidence.fail_reason or DOWN_REASON
     if evidence.ok_ms is not None or in_flight > 0:

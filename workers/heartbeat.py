@@ -118,14 +118,14 @@ class Heartbeats:
         pipe.zcount(keys.leases(provider.id), f"({now}", "+inf")
         raw, in_flight = await pipe.execute()
         seen = as_text_map(raw)
-        health, reason = judge(Evidence.from_hash(seen), int(in_flight), now)
+        health, reason = judge(Evidence.from_hash(seen), int(in_flight))
         fields = heartbeat_fields(provider, self.node_id, health, reason, now, self.instance)
         self._warn_if_another_config(provider.id, seen, fields)
         changed = self.last.get(provider.id) is not health
         written = await self.scripts.call(
             "beat", [key, keys.node_workers(self.node_id), keys.BEATING],
             [seen.get(Field.OK_MS, ""), seen.get(Field.FAILS, ""), seen.get(Field.FAIL_MS, ""),
-             seen.get(Field.BENCH_UNTIL, ""), self.config.runtime.heartbeat_ttl_ms, now, provider.id, self.instance,
+             self.config.runtime.heartbeat_ttl_ms, now, provider.id, self.instance,
              keys.SCHEDULER_SIGNALS if changed else "", *(x for pair in fields.items() for x in pair)])
         if not written:  # (a run's end or a probe changed the evidence since it was read: judged again)
             self.nudge(provider.id)

@@ -26,7 +26,7 @@ from common import keys, token_cap
 from common.chunks import MAX_COUNTED_TOKENS, fixed_usage, token_counts, usage_in, wants_usage, without_usage
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
-from common.policy import BENCH_REASON, BLAME_RUNS, candidate_class
+from common.policy import BLAME_RUNS, candidate_class
 from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
@@ -564,7 +564,8 @@ class Runner:
                 self.config.runtime.run_ttl_s, keys.scheduler_channel(""), att.model_id,
                 info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes,
                 plain_text(reason), *(min(n, MAX_COUNTED_TOKENS) for n in usage), self._fresh_ms(att.provider_id),
-                delta, self.config.runtime.max_events_per_run, "1" if suspect else ""]
+                delta, self.config.runtime.max_events_per_run, "1" if suspect else "",
+                self._served(att.model_id, att.provider_id) if state is RunState.COMPLETED else ""]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
                     keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id), keys.node_queue(self.node_id),
                     keys.arq_in_progress(att.run_id),
@@ -584,24 +585,31 @@ class Runner:
             await self._blame(att)
         return f"{state.value if state else 'requeued'}:{result.decode()}"
 
+    def _served(self, model_id: str, provider_id: str) -> str:
+        """The model's served name at the provider ('' if the config has none)."""
+        model = self.config.model(model_id)
+        return model.providers.get(provider_id, "") if model else ""
+
     async def _blame(self, att: Attempt) -> None:
         """The run was served here after it failed elsewhere: the providers it failed on for
-        reasons of theirs (the record's `suspects`) are blamed, and benched after `BLAME_RUNS` runs
-        in a row (`common.scripts.BLAME`; one call, only for a run that was tried again)."""
+        reasons of theirs (the record's `suspects`) are blamed for its model, and benched for it
+        after `BLAME_RUNS` runs in a row (`common.scripts.BLAME`; one call, only for a run that was
+        tried again)."""
         bench_ms = self.config.runtime.bench_ms
-        if not bench_ms:
+        others = [p for p in sorted(att.tried - {att.provider_id}) if self._served(att.model_id, p)]
+        if not bench_ms or not others:
             return
-        others = sorted(att.tried - {att.provider_id})
-        reason = f"{BENCH_REASON}: out of rotation for {bench_ms / 1000:g} s"
         try:
             benched = await self.scripts.call(
                 "blame", [keys.run_record(att.run_id), *(keys.heartbeat(p) for p in others)],
-                [BLAME_RUNS, bench_ms, reason, *others])
+                [BLAME_RUNS, bench_ms, *(x for p in others for x in (p, self._served(att.model_id, p)))])
         except REDIS_UNUSABLE as exc:  # (evidence lost, not the run: it is recorded already)
             log.warning("Redis unavailable while blaming %s (%s)", ", ".join(others), exc, extra=att.log())
             return
-        for provider in benched:  # (the script set its health: the schedulers pass it over from now on)
-            log.warning("provider %s is benched: %s", provider.decode(), reason, extra=att.log())
+        for provider in benched:
+            log.warning("provider %s is benched for model %s for %g s: %d runs of it in a row failed there and "
+                        "another provider served them", provider.decode(), att.model_id, bench_ms / 1000,
+                        BLAME_RUNS, extra=att.log())
 
     def _fresh_ms(self, provider_id: str) -> int:
         """How old a provider's last sign of life may be before a run's end writes a new one: a
