@@ -107,7 +107,7 @@ class ApiError(Exception):
     def from_info(cls, info: ErrorInfo) -> ApiError:
         """A run's failure; a provider's 4xx is passed through with its own status and body, but
         not its 429 nor its refusal of iop's credentials (`POOL_FAULT_4XX`): those are the pool's
-        fault, not the caller's (the run was tried on another provider first), so they are a 502
+        fault, not the caller's (the run was tried on another provider first). A refusal is a 502,
         like a 5xx; the last provider tried too busy to take it (`BUSY`: its 429 or 503) is a 503
         that says when to try again, as the provider said it (or in 1 s). A failure that another try
         would only repeat says so (`NOT_WORTH_RETRYING`); one worth trying again soon says when

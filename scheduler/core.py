@@ -33,7 +33,7 @@ from common.redisconn import REDIS_UNUSABLE, Backoff, now_ms
 from common.redisline import new_line_of, stream_reply
 from common.runlog import run_fields
 from common.scripts import DISPATCH_BATCH, Scripts
-from common.snapshots import read_snapshots, why_none
+from common.snapshots import each_why, read_snapshots, why_none
 from common.wire import ErrorCode, ErrorInfo, RunState, cancelled_by_caller
 from scheduler import metrics
 
@@ -82,11 +82,11 @@ class Waiting:
 
 
 def _no_other_provider(model_id: str, w: Waiting) -> ErrorInfo:
-    """A run its providers could not serve (a server error, or a request their adapters do not
-    take), and no other provider can take it."""
+    """A run its providers could not serve (a server error, too busy, no answer in time, or a
+    request their adapters do not take), and no other provider can take it."""
     return ErrorInfo(ErrorCode.PROVIDER_ERROR,
-                     f"{', '.join(sorted(w.exclude))} could not serve the run (a server error, or a request it "
-                     f"does not take) and no other provider of model {model_id!r} is available")
+                     f"{', '.join(sorted(w.exclude))} could not serve the run (a server error, too busy, no answer in "
+                     f"time, or a request it does not take) and no other provider of model {model_id!r} is available")
 
 
 def new_consumer_name() -> str:
@@ -376,7 +376,7 @@ class Scheduler:
                         snaps = None  # kept counts may be too high (runs ended): look again before waiting
                         continue
                     if all_refused(snaps, now, ttl):
-                        await self._refuse_all(model, snaps)
+                        await self._refuse_all(model, snaps, now)
                         return
                     others = [s for s in snaps if s.provider_id not in head.exclude]
                     if not head.exclude or (others and not all_refused(others, now, ttl)):
@@ -453,12 +453,11 @@ class Scheduler:
             metrics.dispatches(model.id, outcomes[-1].result).inc()
         return outcomes
 
-    async def _refuse_all(self, model: ModelConfig, snaps: list[ProviderSnapshot]) -> None:
-        """Every provider of the model is down: its waiting runs fail now (503), not at their timeout."""
-        info = ErrorInfo(ErrorCode.NO_AVAILABLE_PROVIDER,
-                         f"no provider of model {model.id!r} is available: "
-                         + ", ".join(f"{s.provider_id} is {s.health.value if s.has_model else 'missing the model'}"
-                                     for s in snaps))
+    async def _refuse_all(self, model: ModelConfig, snaps: list[ProviderSnapshot], now: int) -> None:
+        """Every provider of the model is down: its waiting runs fail now (503), not at their timeout,
+        saying what each is as a run the gateway refuses at once does (`each_why`)."""
+        info = ErrorInfo(ErrorCode.NO_AVAILABLE_PROVIDER, f"no provider of model {model.id!r} is available"
+                         + each_why(snaps, now, self.config.runtime.heartbeat_ttl_ms))
         queue = self.waiting[model.id]
         while queue:
             await self._drop(model.id, queue.pop(0), RunState.FAILED, info)

@@ -212,6 +212,9 @@ async def test_a_provider_whose_server_does_not_list_the_model_is_not_a_candidat
     assert await sched.read_new(block_ms=10) == 1
     await sched.dispatch_all()
     assert await lined.hmget(keys.run_record(second), "state", "error_code") == [b"failed", b"no_available_provider"]
+    # (what each provider is, as the gateway's own refusal says it)
+    assert await lined.hget(keys.run_record(second), "error_message") == (
+        f"no provider of model {MODEL!r} is available (a: missing the model, b: missing the model)").encode()
     await client.close()
 
 

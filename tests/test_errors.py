@@ -99,9 +99,9 @@ PROVIDER_DETAIL: dict[str, Any] = {
 
 @pytest.mark.parametrize("status", [401, 403, 407])
 def test_a_provider_s_4xx_that_is_the_pool_s_fault_is_a_502(status: int) -> None:
-    """Its rate limit, or its refusal of iop's own credentials: the caller's key and request were
-    fine, so the caller does not get the provider's 401 (its client would take its own key for
-    refused; found by a hostile-provider audit)."""
+    """Its refusal of iop's own credentials: the caller's key and request were fine, so the caller
+    does not get the provider's 401 (its client would take its own key for refused; found by a
+    hostile-provider audit). (Its rate limit: a 503, below.)"""
     info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider a answered 401: bad key", status=status,
                      detail=PROVIDER_DETAIL)
     err = ApiError.from_info(info)
@@ -146,10 +146,13 @@ def test_from_info_provider_non_4xx_maps_to_502(status: int | None) -> None:
 
 
 @pytest.mark.parametrize("code", [ErrorCode.QUEUE_TIMEOUT, ErrorCode.EXECUTION_TIMEOUT, ErrorCode.WORKER_LOST,
-                                  ErrorCode.NO_AVAILABLE_PROVIDER, ErrorCode.CANCELLED])
+                                  ErrorCode.NO_AVAILABLE_PROVIDER, ErrorCode.CANCELLED, ErrorCode.PROVIDER_TIMEOUT])
 def test_from_info_run_failures_use_their_status(code: ErrorCode) -> None:
     err = ApiError.from_info(ErrorInfo(code, "nope"))
     assert err.status == STATUS[code]
+    # (another try would wait as long again, or run as long again: the official clients are told not to)
+    assert (err.headers.get("x-should-retry") == "false") is (code in (ErrorCode.EXECUTION_TIMEOUT,
+                                                                       ErrorCode.PROVIDER_TIMEOUT))
     assert err.body()["error"]["code"] == code.value
     assert err.body()["error"]["message"] == "nope"
 

@@ -405,8 +405,9 @@ async def test_a_requeued_run_whose_other_providers_went_down_fails_instead_of_w
     await sched.read_new(block_ms=10)
     await sched.dispatch_all()
     state, message = await fields(redis, keys.run_record(run_id), "state", "error_message")
-    assert state == "failed" and message == (f"{provider} could not serve the run (a server error, or a request it "
-                                             f"does not take) and no other provider of model '{MODEL}' is available")
+    assert state == "failed" and message == (f"{provider} could not serve the run (a server error, too busy, no answer "
+                                             f"in time, or a request it does not take) and no other provider of model "
+                                             f"'{MODEL}' is available")
 
 
 async def test_a_request_a_cli_provider_does_not_take_goes_to_another_provider_with_no_strike(
@@ -1224,3 +1225,12 @@ async def test_what_blames_no_provider(redis: Redis, case: str) -> None:
             assert (await runner.execute(run_id)).startswith("completed")
             assert "blame" not in called  # (no call for a run tried once)
     assert await fields(redis, keys.heartbeat("a"), "blame:a-name", "bench:a-name") == [None, None]
+
+
+async def test_a_busy_provider_s_retry_after_reaches_the_failed_event(redis: Redis) -> None:
+    """(What the caller's 503 says in `Retry-After`: `ErrorInfo.retry_after_s`, from the provider's own.)"""
+    sched, run_id = await start_one(redis, {"a": 1})
+    busy = ProviderError("provider a answered 429: slow down", status=429, retry=Retry.ELSEWHERE, retry_after_s=7)
+    assert (await Runner(redis, sched.config, "n-a", {"a": Scripted([], busy)}).execute(run_id)).startswith("failed")
+    failed = [data for kind, data in await events(redis, run_id) if kind == "failed"]
+    assert len(failed) == 1 and ErrorInfo.from_wire(failed[0]).retry_after_s == 7

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import codecs
 import contextlib
+import datetime
 import email.utils
 import errno
 import math
@@ -227,19 +228,21 @@ def probe_answered(what: str, status: int, said: str = "") -> ProbeResult:
     return ProbeResult(Health.UNAVAILABLE, f"{what} answered {status}" + (f" ({said})" if said else ""))
 
 
-def retry_after_s(header: str | None, now_s: float | None = None) -> int | None:
-    """A `Retry-After` header's seconds (a number of them, or an HTTP date), at most
-    `MAX_RETRY_AFTER_S`; None when there is none or it is neither."""
+def parse_retry_after(header: str | None, now_s: float | None = None) -> int | None:
+    """A `Retry-After` header's seconds (a number of them, or an HTTP date, GMT when it names no
+    zone, as asctime's form does), at most `MAX_RETRY_AFTER_S`; None when there is none or it is
+    neither. Never raises: a provider's header must not fail the run it came with."""
     text = (header or "").strip()
     if text.isascii() and text.isdigit():
-        return min(int(text[:4]), MAX_RETRY_AFTER_S)
+        digits = text.lstrip("0") or "0"
+        return MAX_RETRY_AFTER_S if len(digits) > 3 else min(int(digits), MAX_RETRY_AFTER_S)
     try:
         when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        wait = when.timestamp() - (time.time() if now_s is None else now_s)
+    except (TypeError, ValueError, IndexError, OverflowError, OSError):  # (a date beyond what Python holds)
         return None
-    if when.tzinfo is None:  # (not an HTTP date: those are GMT)
-        return None
-    wait = when.timestamp() - (time.time() if now_s is None else now_s)
     return min(max(math.ceil(wait), 0), MAX_RETRY_AFTER_S)
 
 
@@ -266,4 +269,4 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
     hint = " (it refused iop's credentials: check the provider's api_key_env)" if refused else ""
     return ProviderError(f"provider {provider_id} answered {status}: {message}{hint}", status=status,
                          retry=Retry.ELSEWHERE, strikes=1 if refused else 0 if status < 500 else None,
-                         retry_after_s=retry_after_s(retry_after) if status in BUSY else None)
+                         retry_after_s=parse_retry_after(retry_after) if status in BUSY else None)
