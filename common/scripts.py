@@ -48,13 +48,16 @@ end
 """
 
 # Put a dispatched run back at the tail of its model's queue; earlier providers go along as
-# `tried`, so the retry avoids them (or, `elsewhere`, never goes to them: `exclude` = 1).
+# `tried`, so the retry avoids them (or, `elsewhere`, never goes to them: `exclude` = 1; `busy` = 1
+# when the last was too busy to take it, so a run no other can take then fails as a busy one).
 # Shared by FINISH (a failed attempt) and REAP (a lost one).
 _REQUEUE = """
-local function requeue(record, stream, run_id, elsewhere)
+local function requeue(record, stream, run_id, elsewhere, busy)
   local tried = redis.call('HGET', record, 'tried') or ''
   local entry
-  if elsewhere then
+  if busy then
+    entry = redis.call('XADD', stream, '*', 'run', run_id, 'tried', tried, 'exclude', '1', 'busy', '1')
+  elseif elsewhere then
     entry = redis.call('XADD', stream, '*', 'run', run_id, 'tried', tried, 'exclude', '1')
   else
     entry = redis.call('XADD', stream, '*', 'run', run_id, 'tried', tried)
@@ -668,7 +671,8 @@ return 1
 # provider: the replica holding the oldest waiting run of each is woken (`_WAKE`).
 # KEYS: run record, lease, events, runs stream, heartbeat, node queue, the job's in-progress
 #       marker, runs streams of the provider's models...
-# ARGV: run id, state (completed|failed|cancelled|requeue|requeue_elsewhere), event type, event
+# ARGV: run id, state (completed|failed|cancelled|requeue|requeue_elsewhere|requeue_busy: elsewhere,
+#       the provider too busy), event type, event
 #       data, ttl_s, replica channel prefix, model, error code, error message, attempt,
 #       evidence ('ok'|'fail'|''), strikes, failure reason, prompt tokens, completion tokens
 #       (the usage the caller got, added to its key's by `_ENDED` when the run ends here), how
@@ -693,12 +697,12 @@ local ttl = tonumber(ARGV[5])
 if last ~= '' then add_event(KEYS[1], KEYS[3], ARGV[1], 'delta', last, rec[3]) end
 add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4], rec[3])
 redis.call('EXPIRE', KEYS[3], ttl)
-if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' then
+if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue_busy' then
   if ARGV[19] == '1' then
     local s = redis.call('HMGET', KEYS[1], 'provider', 'suspects')
     if s[1] then redis.call('HSET', KEYS[1], 'suspects', s[2] and (s[2] .. ',' .. s[1]) or s[1]) end
   end
-  requeue(KEYS[1], KEYS[4], ARGV[1], ARGV[2] == 'requeue_elsewhere')
+  requeue(KEYS[1], KEYS[4], ARGV[1], ARGV[2] ~= 'requeue', ARGV[2] == 'requeue_busy')
 else
   if ARGV[2] == 'completed' then  -- its answer went to the caller (a non-stream run's is this event)
     redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now, 'output', '1')

@@ -76,6 +76,8 @@ class Waiting:
     deadline_ms: int = field(compare=False)
     #: providers earlier attempts failed on; a retry goes elsewhere when it can
     avoid: frozenset[str] = field(compare=False, default=frozenset())
+    #: the last provider was too busy to take it (its 429 or 503)
+    busy: bool = field(compare=False, default=False)
     #: providers it must not go to (a server error, or a request its adapter does not take: a cli
     #: tool's, Ollama's)
     exclude: frozenset[str] = field(compare=False, default=frozenset())
@@ -83,10 +85,12 @@ class Waiting:
 
 def _no_other_provider(model_id: str, w: Waiting) -> ErrorInfo:
     """A run its providers could not serve (a server error, too busy, no answer in time, or a
-    request their adapters do not take), and no other provider can take it."""
+    request their adapters do not take), and no other provider can take it; when the last was too
+    busy, as a busy provider's own answer (`status` 503: the caller's 503 says `Retry-After`)."""
     return ErrorInfo(ErrorCode.PROVIDER_ERROR,
                      f"{', '.join(sorted(w.exclude))} could not serve the run (a server error, too busy, no answer in "
-                     f"time, or a request it does not take) and no other provider of model {model_id!r} is available")
+                     f"time, or a request it does not take) and no other provider of model {model_id!r} is available",
+                     status=503 if w.busy else None)
 
 
 def new_consumer_name() -> str:
@@ -165,7 +169,7 @@ class Scheduler:
         tried = frozenset(fields.get(b"tried", b"").decode().split(",")) - {""}
         hard = fields.get(b"exclude") == b"1"
         key = entry_key(entry_id)
-        item = Waiting(key, run_id, entry_id, key[0] + timeout,
+        item = Waiting(key, run_id, entry_id, key[0] + timeout, busy=fields.get(b"busy") == b"1",
                        avoid=frozenset() if hard else tried, exclude=tried if hard else frozenset())
         queue = self.waiting[model_id]
         if not any(w.entry_id == entry_id for w in queue):

@@ -24,6 +24,7 @@ from common.redisline import new_line_of
 from common.scripts import Scripts
 from common.snapshots import read_snapshots
 from common.wire import ErrorCode, ErrorInfo, RunKind
+from gateway.errors import ApiError
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until
 from tests.test_scheduler import MODEL, beat, make_config, waiting_runs
@@ -395,10 +396,14 @@ async def test_a_server_error_with_no_available_provider_left_fails_at_once(redi
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0
 
 
-async def test_a_requeued_run_whose_other_providers_went_down_fails_instead_of_waiting(redis: Redis) -> None:
+@pytest.mark.parametrize("status", [500, 429])
+async def test_a_requeued_run_whose_other_providers_went_down_fails_instead_of_waiting(redis: Redis,
+                                                                                      status: int) -> None:
+    """(After a busy provider's 429, the caller's answer is a busy one's too: a 503 that says when to
+    try again; found by a review, it was a bare 502.)"""
     sched, run_id = await start_one(redis, {"a": 1, "b": 1})
     provider, other = await chosen_and_other(redis, run_id)
-    err = ProviderError(f"provider {provider} answered 500: boom", status=500, retry=Retry.ELSEWHERE)
+    err = ProviderError(f"provider {provider} answered {status}: boom", status=status, retry=Retry.ELSEWHERE)
     runner = Runner(redis, sched.config, f"n-{provider}", {provider: Scripted([], err)})
     assert await runner.execute(run_id) == "requeued:ok"
     await redis.hset(keys.heartbeat(other), "health", "unavailable")  # between requeue and dispatch
@@ -408,6 +413,9 @@ async def test_a_requeued_run_whose_other_providers_went_down_fails_instead_of_w
     assert state == "failed" and message == (f"{provider} could not serve the run (a server error, too busy, no answer "
                                              f"in time, or a request it does not take) and no other provider of model "
                                              f"'{MODEL}' is available")
+    failed = ErrorInfo.from_wire([data for kind, data in await events(redis, run_id) if kind == "failed"][0])
+    answer = ApiError.from_info(failed)
+    assert (answer.status, answer.headers.get("Retry-After")) == ((503, "1") if status == 429 else (502, None))
 
 
 async def test_a_request_a_cli_provider_does_not_take_goes_to_another_provider_with_no_strike(

@@ -475,7 +475,8 @@ class Runner:
             # (the finish script takes the job off its node's queue first: the next dispatch
             # queues a job of the same id)
             outcome = await self._finish(att, None, EventType.REQUEUED, info.to_wire(), evidence=evidence,
-                                         requeue="requeue" if retry is Retry.ANY else "requeue_elsewhere",
+                                         requeue="requeue" if retry is Retry.ANY else
+                                         "requeue_busy" if info.status in BUSY else "requeue_elsewhere",
                                          suspect=suspect(info))
         else:
             outcome = await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info,
