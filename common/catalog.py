@@ -232,8 +232,9 @@ def _health(value: str | None) -> Health:
 
 
 def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str | None,
-             ctl: ProviderControl = control.NONE, now_ms: int = 0) -> ProviderSnapshot:
-    """The policy's view of a provider (for a model served there as `served`, at `now_ms`)."""
+             ctl: ProviderControl = control.NONE, now_ms: int | None = None) -> ProviderSnapshot:
+    """The policy's view of a provider (for a model served there as `served`; benched for it if its
+    bench lasts past `now_ms`)."""
     observed = _names(beat.get("observed_models"))
     return ProviderSnapshot(
         provider_id=provider_id,
@@ -244,7 +245,7 @@ def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str
         has_model=served is None or observed is None or served in observed,
         drained=ctl.blocked,
         capacity_override=ctl.capacity_override,
-        benched=served is not None and (_int(beat.get(f"bench:{served}")) or 0) > now_ms,
+        benched=served is not None and now_ms is not None and (_int(beat.get(f"bench:{served}")) or 0) > now_ms,
     )
 
 
