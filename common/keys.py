@@ -45,6 +45,13 @@ def heartbeat(provider_id: str) -> str:
     return f"{PREFIX}:provider:{provider_id}"
 
 
+#: Fields of a provider's heartbeat hash for one served name, each followed by it: runs of it in a
+#: row that failed there and another provider then served (`blame:Qwen/Qwen3.6-35B-A3B`), and until
+#: when (ms) none of its runs goes there for that blame (`bench:…`; `common.scripts.BLAME`).
+BLAME_FIELD: Final = "blame:"
+BENCH_FIELD: Final = "bench:"
+
+
 #: Sorted set of the providers whose node's workers beat: member the provider id, score until when
 #: (ms, the workers' clock) its last heartbeat lives. The catalog names those its own config lacks
 #: (a config older or newer than the pool's).

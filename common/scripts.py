@@ -53,15 +53,10 @@ end
 # Shared by FINISH (a failed attempt) and REAP (a lost one).
 _REQUEUE = """
 local function requeue(record, stream, run_id, elsewhere, busy)
-  local tried = redis.call('HGET', record, 'tried') or ''
-  local entry
-  if busy then
-    entry = redis.call('XADD', stream, '*', 'run', run_id, 'tried', tried, 'exclude', '1', 'busy', '1')
-  elseif elsewhere then
-    entry = redis.call('XADD', stream, '*', 'run', run_id, 'tried', tried, 'exclude', '1')
-  else
-    entry = redis.call('XADD', stream, '*', 'run', run_id, 'tried', tried)
-  end
+  local fields = {'run', run_id, 'tried', redis.call('HGET', record, 'tried') or ''}
+  if elsewhere then table.insert(fields, 'exclude') table.insert(fields, '1') end
+  if busy then table.insert(fields, 'busy') table.insert(fields, '1') end
+  local entry = redis.call('XADD', stream, '*', unpack(fields))
   redis.call('HSET', record, 'state', 'queued', 'entry', entry)
   redis.call('HDEL', record, 'provider', 'node', 'target', 'dispatched_ms', 'started_ms', 'worker')
 end
@@ -362,7 +357,8 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
   local alive, beats, op_keys = {{}}, {{}}, {{}}
   for _, c in ipairs(cands) do
     local k = c.k
-    local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity', 'observed_models', 'bench:' .. c.target)
+    local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity', 'observed_models',
+      '{keys.BENCH_FIELD}' .. c.target)
     if hb[1] == 'available' and tonumber(hb[2]) and tonumber(hb[2]) >= oldest_beat
         and (not c.listed or lists(hb[4], c.target)) and not (tonumber(hb[5]) and tonumber(hb[5]) > now) then
       alive[#alive + 1], beats[#beats + 1] = c, hb
@@ -682,7 +678,7 @@ return 1
 #       provider is a suspect of a requeued run's failure ('1': it joins the record's `suspects`,
 #       which `BLAME` reads once another provider served the run), the served name of the attempt (a
 #       completed run starts its count of `blame` there over)
-FINISH = FREES + _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + """
+FINISH = FREES + _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + f"""
 local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited')
 local state = rec[1]
 if rec[2] ~= ARGV[10] then return 'stale' end
@@ -706,7 +702,7 @@ if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue
 else
   if ARGV[2] == 'completed' then  -- its answer went to the caller (a non-stream run's is this event)
     redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now, 'output', '1')
-    if ARGV[20] and ARGV[20] ~= '' then redis.call('HDEL', KEYS[5], 'blame:' .. ARGV[20]) end  -- (it served one)
+    if ARGV[20] and ARGV[20] ~= '' then redis.call('HDEL', KEYS[5], '{keys.BLAME_FIELD}' .. ARGV[20]) end  -- (served)
   else
     redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
   end
@@ -732,18 +728,17 @@ return 'ok'
 # KEYS: run record, the heartbeat of each other provider the run was tried on...
 # ARGV: runs, bench_ms, then for each heartbeat: its provider, the run's served name there
 # Returns the providers benched.
-BLAME = _NOW + """
+BLAME = _NOW + f"""
 local suspects = redis.call('HGET', KEYS[1], 'suspects')
-local benched = {}
+local benched = {{}}
 if not suspects then return benched end
-local listed = {}
+local listed = {{}}
 for p in string.gmatch(suspects, '[^,]+') do listed[p] = true end
 local runs = tonumber(ARGV[1])
 for i = 2, #KEYS do
-  local provider, served = ARGV[2 * i - 1], ARGV[2 * i]
-  if listed[provider] and redis.call('EXISTS', KEYS[i]) == 1
-      and redis.call('HINCRBY', KEYS[i], 'blame:' .. served, 1) >= runs then
-    redis.call('HSET', KEYS[i], 'blame:' .. served, runs - 1, 'bench:' .. served, now + tonumber(ARGV[2]))
+  local provider, blame = ARGV[2 * i - 1], '{keys.BLAME_FIELD}' .. ARGV[2 * i]
+  if listed[provider] and redis.call('EXISTS', KEYS[i]) == 1 and redis.call('HINCRBY', KEYS[i], blame, 1) >= runs then
+    redis.call('HSET', KEYS[i], blame, runs - 1, '{keys.BENCH_FIELD}' .. ARGV[2 * i], now + tonumber(ARGV[2]))
     benched[#benched + 1] = provider
   end
 end

@@ -46,7 +46,7 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
     targets: provider id -> the served name the model has there; node_of: provider id -> its node."""
     pipe = redis.pipeline(transaction=False)
     for pid, served in targets.items():
-        pipe.hmget(keys.heartbeat(pid), "health", "capacity", "ts_ms", "observed_models", f"bench:{served}")
+        pipe.hmget(keys.heartbeat(pid), "health", "capacity", "ts_ms", "observed_models", keys.BENCH_FIELD + served)
         pipe.zcount(keys.leases(pid), f"({now_ms}", "+inf")
         pipe.exists(keys.drained(pid), keys.cordoned(node_of(pid)))
         pipe.get(keys.capacity_override(pid))

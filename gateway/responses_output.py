@@ -9,13 +9,12 @@ makes the Response `incomplete`. Usage is renamed (`input_tokens`, `output_token
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.chunks import MAX_COUNTED_TOKENS, token_counts
-from common.jsonio import dumps
+from common.jsonio import dumps, loads
 from common.wire import ErrorCode
 from gateway.errors import ApiError
 
@@ -84,8 +83,8 @@ def _whole_json(text: str) -> bool:
     """Whether a streamed call's arguments so far are one whole JSON value (its last piece came:
     more would make it JSON no more)."""
     try:
-        json.loads(text)
-    except (ValueError, RecursionError):
+        loads(text.encode())
+    except (ValueError, RecursionError):  # (UnicodeError too: a lone surrogate in what a server sent)
         return False
     return True
 

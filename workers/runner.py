@@ -597,13 +597,15 @@ class Runner:
         after `BLAME_RUNS` runs in a row (`common.scripts.BLAME`; one call, only for a run that was
         tried again)."""
         bench_ms = self.config.runtime.bench_ms
-        others = [p for p in sorted(att.tried - {att.provider_id}) if self._served(att.model_id, p)]
+        model = self.config.model(att.model_id)
+        others = {p: served for p, served in sorted(model.providers.items() if model else ())
+                  if p in att.tried and p != att.provider_id}
         if not bench_ms or not others:
             return
         try:
             benched = await self.scripts.call(
                 "blame", [keys.run_record(att.run_id), *(keys.heartbeat(p) for p in others)],
-                [BLAME_RUNS, bench_ms, *(x for p in others for x in (p, self._served(att.model_id, p)))])
+                [BLAME_RUNS, bench_ms, *(x for pair in others.items() for x in pair)])
         except REDIS_UNUSABLE as exc:  # (evidence lost, not the run: it is recorded already)
             log.warning("Redis unavailable while blaming %s (%s)", ", ".join(others), exc, extra=att.log())
             return
