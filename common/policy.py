@@ -22,7 +22,7 @@ about health: a drained provider is not down, so it never makes a model's runs f
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from fractions import Fraction
 
@@ -65,6 +65,8 @@ class ProviderSnapshot:
     capacity_override: int | None = None
     #: benched for the model: its runs of it failed where another provider's succeeded (`BLAME_RUNS`)
     benched: bool = False
+    #: when that bench ends (ms since the epoch), if the reader knows it
+    bench_until_ms: int | None = None
 
     @property
     def effective_capacity(self) -> int | None:
@@ -109,6 +111,19 @@ def all_refused(snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int)
         is_fresh(s, now_ms, ttl_ms) and (s.health is Health.UNAVAILABLE or not s.has_model or s.benched)
         for s in snaps
     )
+
+
+def retry_after_s(snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int, most_s: int) -> int:
+    """When a caller refused because no provider of the model takes runs should try again, in whole
+    seconds: when the first bench ends, if a bench is all that keeps each of them out (they take runs
+    then, probes or not); else in 1 s (a probe may find one back at any moment). At most `most_s`."""
+    ends = []
+    for s in snapshots:
+        back = replace(s, benched=False)
+        if not s.benched or s.bench_until_ms is None or s.drained or not is_available(back, now_ms, ttl_ms):
+            return 1
+        ends.append(s.bench_until_ms)
+    return min(max(1, -(-(min(ends) - now_ms) // 1000)), most_s) if ends else 1
 
 
 def has_free_slot(snap: ProviderSnapshot) -> bool:

@@ -64,6 +64,7 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
             drained=int(blocked) > 0,
             capacity_override=_int(override),
             benched=(_int(bench) or 0) > now_ms,
+            bench_until_ms=_int(bench),
         ))
     return snaps
 

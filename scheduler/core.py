@@ -28,13 +28,13 @@ from redis.exceptions import ResponseError
 from common import keys
 from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
-from common.policy import ProviderSnapshot, all_refused, candidate_class, select_provider
+from common.policy import ProviderSnapshot, all_refused, candidate_class, retry_after_s, select_provider
 from common.redisconn import REDIS_UNUSABLE, Backoff, now_ms
 from common.redisline import new_line_of, stream_reply
 from common.runlog import run_fields
 from common.scripts import DISPATCH_BATCH, Scripts
 from common.snapshots import each_why, read_snapshots, why_none
-from common.wire import ErrorCode, ErrorInfo, RunState, cancelled_by_caller
+from common.wire import MAX_RETRY_AFTER_S, ErrorCode, ErrorInfo, RunState, cancelled_by_caller
 from scheduler import metrics
 
 log = logging.getLogger("iop.scheduler")
@@ -459,9 +459,12 @@ class Scheduler:
 
     async def _refuse_all(self, model: ModelConfig, snaps: list[ProviderSnapshot], now: int) -> None:
         """Every provider of the model is down: its waiting runs fail now (503), not at their timeout,
-        saying what each is as a run the gateway refuses at once does (`each_why`)."""
-        info = ErrorInfo(ErrorCode.NO_AVAILABLE_PROVIDER, f"no provider of model {model.id!r} is available"
-                         + each_why(snaps, now, self.config.runtime.heartbeat_ttl_ms))
+        saying what each is as a run the gateway refuses at once does (`each_why`), and when to try
+        again (`retry_after_s`: when the first bench ends, if benches are all that keep them out)."""
+        ttl = self.config.runtime.heartbeat_ttl_ms
+        info = ErrorInfo(ErrorCode.NO_AVAILABLE_PROVIDER,
+                         f"no provider of model {model.id!r} is available" + each_why(snaps, now, ttl),
+                         retry_after_s=retry_after_s(snaps, now, ttl, MAX_RETRY_AFTER_S))
         queue = self.waiting[model.id]
         while queue:
             await self._drop(model.id, queue.pop(0), RunState.FAILED, info)

@@ -9,7 +9,16 @@ from fractions import Fraction
 
 import pytest
 
-from common.policy import Health, ProviderSnapshot, all_refused, is_available, is_fresh, select_provider, why_not
+from common.policy import (
+    Health,
+    ProviderSnapshot,
+    all_refused,
+    is_available,
+    is_fresh,
+    retry_after_s,
+    select_provider,
+    why_not,
+)
 
 NOW = 1_000_000_000
 TTL = 6_000
@@ -155,6 +164,24 @@ def test_a_drained_provider_never_makes_runs_fail() -> None:
     assert not all_refused([snap("a", 0, 4, drained=True)], NOW, TTL)
     assert not all_refused([snap("a", 0, 4, drained=True), snap("b", 0, 4, health=Health.UNAVAILABLE)], NOW, TTL)
     assert all_refused([snap("b", 0, 4, health=Health.UNAVAILABLE)], NOW, TTL)
+
+
+def benched(s: ProviderSnapshot, until_ms: int) -> ProviderSnapshot:
+    return replace(s, benched=True, bench_until_ms=until_ms)
+
+
+def test_a_refusal_by_benches_alone_says_to_retry_when_the_first_ends() -> None:
+    a, b = snap("a", 0, 4), snap("b", 0, 4)
+    assert retry_after_s([benched(a, NOW + 20_000), benched(b, NOW + 4_001)], NOW, TTL, 60) == 5
+    assert retry_after_s([benched(a, NOW + 300_000)], NOW, TTL, 60) == 60  # (at most most_s)
+    assert retry_after_s([benched(a, NOW + 10)], NOW, TTL, 60) == 1
+    # anything else keeping one out may end at any moment: 1 s
+    assert retry_after_s([benched(a, NOW + 20_000), snap("b", 0, 4, health=Health.UNAVAILABLE)], NOW, TTL, 60) == 1
+    assert retry_after_s([benched(snap("a", 0, 4, health=Health.UNAVAILABLE), NOW + 20_000)], NOW, TTL, 60) == 1
+    assert retry_after_s([benched(snap("a", 0, 4, drained=True), NOW + 20_000)], NOW, TTL, 60) == 1
+    assert retry_after_s([benched(snap("a", 0, 4, heartbeat_ms=NOW - TTL - 1), NOW + 20_000)], NOW, TTL, 60) == 1
+    assert retry_after_s([replace(a, benched=True)], NOW, TTL, 60) == 1  # (its end unknown)
+    assert retry_after_s([], NOW, TTL, 60) == 1
 
 
 def test_health_values_are_the_wire_strings() -> None:

@@ -17,7 +17,7 @@ from common.config import Config, parse_config
 from common.policy import candidate_class, select_provider
 from common.redisconn import now_ms
 from common.snapshots import read_snapshots
-from common.wire import RunKind
+from common.wire import ErrorInfo, RunKind
 from gateway.errors import ApiError
 from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
@@ -313,6 +313,25 @@ async def test_waiting_runs_fail_at_once_when_every_provider_reports_itself_down
     await client.close()
     assert events[-1].data["code"] == "no_available_provider"
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0
+
+
+async def test_runs_failed_because_every_provider_is_benched_say_when_the_first_bench_ends(redis: Redis) -> None:
+    """A bench ends at a known time, after which its provider takes runs whatever its probes say:
+    runs failed because each provider is benched for the model say to try again then (Retry-After),
+    not in 1 s, which only finds them benched still (it was 1 s)."""
+    config = make_config({"a": 1, "b": 1})
+    client, sched, run_ids = await waiting_runs(redis, config, 2)
+    now = now_ms()
+    await redis.hset(keys.heartbeat("a"), keys.BENCH_FIELD + "a-name", now + 20_000)
+    await redis.hset(keys.heartbeat("b"), keys.BENCH_FIELD + "b-name", now + 45_000)
+    await sched.dispatch_all()
+    assert [await redis.hget(keys.run_record(r), "state") for r in run_ids] == [b"failed", b"failed"]
+    events = [e async for e in client.events(run_ids[0])]
+    await client.close()
+    assert events[-1].data["code"] == "no_available_provider"
+    assert "a: benched, b: benched" in events[-1].data["message"]
+    error = ApiError.from_info(ErrorInfo.from_wire(events[-1].data))
+    assert error.status == 503 and 19 <= int(error.headers["Retry-After"]) <= 20
 
 
 async def test_the_dispatch_script_picks_the_provider_on_the_live_counts_not_the_snapshot(redis: Redis) -> None:
