@@ -83,10 +83,16 @@ class SimOptions:
         _require(self.tokens >= 0, "tokens", "must be >= 0")
         _require(0.0 <= self.fail_rate <= 1.0, "fail_rate", "must be in [0, 1]")
         _require(400 <= self.fail_status <= 599, "fail_status", "must be an HTTP error status (400..599)")
+        _require(self.fail_retry_after is None or _header_value(self.fail_retry_after), "fail_retry_after",
+                 "must be a printable header value of at most 100 characters")
         _require(
             self.fail_after_tokens is None or self.fail_after_tokens >= 0, "fail_after_tokens", "must be >= 0"
         )
         _require(math.isfinite(self.busy_probe_ms) and self.busy_probe_ms >= 0, "busy_probe_ms", "must be >= 0")
+
+
+def _header_value(text: str) -> bool:
+    return text.isprintable() and len(text) <= 100
 
 
 # --------------------------------------------------------------------------- command line
@@ -128,6 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fraction of requests answered with an error")
     parser.add_argument("--fail-status", type=_cli_type(int, "fail_status"), default=d.fail_status,
                         help=f"HTTP status of injected errors (default {d.fail_status})")
+    parser.add_argument("--fail-retry-after", type=_cli_type(str, "fail_retry_after"), default=d.fail_retry_after,
+                        help="Retry-After header of injected errors (seconds or an HTTP date; default none)")
     parser.add_argument("--fail-after-tokens", type=_cli_type(int, "fail_after_tokens"), default=None,
                         help="drop the connection after this many output tokens (simulated crash)")
     parser.add_argument("--seed", type=int, default=None, help="random seed for --fail-rate")
@@ -142,7 +150,8 @@ def options_from_args(ns: argparse.Namespace) -> SimOptions:
     return SimOptions(
         host=ns.host, port=ns.port, models=tuple(ns.models), ttft_ms=ns.ttft_ms, itl_ms=ns.itl_ms,
         tokens=ns.tokens, fail_rate=ns.fail_rate, fail_status=ns.fail_status,
-        fail_after_tokens=ns.fail_after_tokens, seed=ns.seed, busy_probe_ms=ns.busy_probe_ms,
+        fail_retry_after=ns.fail_retry_after, fail_after_tokens=ns.fail_after_tokens, seed=ns.seed,
+        busy_probe_ms=ns.busy_probe_ms,
         completion_tokens_only=tuple(ns.completion_tokens_only),
     )
 
@@ -335,7 +344,7 @@ _OVERRIDE_CHECKS: dict[str, Callable[[object], bool]] = {
     "tokens": _is_int,
     "fail_rate": _is_number,
     "fail_status": _is_int,
-    "fail_retry_after": lambda v: v is None or (isinstance(v, str) and v.isprintable() and len(v) <= 100),
+    "fail_retry_after": lambda v: v is None or (isinstance(v, str) and _header_value(v)),
     "fail_after_tokens": lambda v: v is None or _is_int(v),
 }
 

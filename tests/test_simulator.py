@@ -445,18 +445,19 @@ def test_options_from_args() -> None:
     assert options_from_args(parser.parse_args([])) == SimOptions()
     args = parser.parse_args([
         "--host", "0.0.0.0", "--port", "8001", "--models", "a, b", "--ttft-ms", "5", "--itl-ms", "1.5",
-        "--tokens", "32", "--fail-rate", "0.25", "--fail-status", "429", "--fail-after-tokens", "3",
-        "--seed", "7",
+        "--tokens", "32", "--fail-rate", "0.25", "--fail-status", "429", "--fail-retry-after", "7",
+        "--fail-after-tokens", "3", "--seed", "7",
     ])
     assert options_from_args(args) == SimOptions(
         host="0.0.0.0", port=8001, models=("a", "b"), ttft_ms=5, itl_ms=1.5, tokens=32, fail_rate=0.25,
-        fail_status=429, fail_after_tokens=3, seed=7,
+        fail_status=429, fail_retry_after="7", fail_after_tokens=3, seed=7,
     )
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--fail-rate", "2"], ["--tokens", "-1"], ["--models", ","], ["--port", "x"], ["--fail-status", "200"]],
+    [["--fail-rate", "2"], ["--tokens", "-1"], ["--models", ","], ["--port", "x"], ["--fail-status", "200"],
+     ["--fail-retry-after", "1\n2"]],
 )
 def test_invalid_arguments_are_rejected(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
