@@ -236,6 +236,7 @@ def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str
     """The policy's view of a provider (for a model served there as `served`; benched for it if its
     bench lasts past `now_ms`)."""
     observed = _names(beat.get("observed_models"))
+    bench = _int(beat.get(keys.BENCH_FIELD + served)) if served is not None else None
     return ProviderSnapshot(
         provider_id=provider_id,
         health=_health(beat.get("health")),
@@ -245,7 +246,8 @@ def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str
         has_model=served is None or observed is None or served in observed,
         drained=ctl.blocked,
         capacity_override=ctl.capacity_override,
-        benched=served is not None and now_ms is not None and (_int(beat.get(keys.BENCH_FIELD + served)) or 0) > now_ms,
+        benched=now_ms is not None and (bench or 0) > now_ms,
+        bench_until_ms=bench,
     )
 
 
@@ -275,7 +277,7 @@ def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: 
     if not snap.has_model:
         return "model_not_listed", f"the provider does not list {target!r}"
     if snap.benched:
-        back_s = ((_int(beat.get(keys.BENCH_FIELD + target)) or 0) - now_ms) / 1000
+        back_s = ((snap.bench_until_ms or 0) - now_ms) / 1000
         return "benched", (f"{BLAME_RUNS} runs of {target!r} in a row failed there and another provider "
                            f"served them; back in {back_s:.1f}s")
     capacity = snap.effective_capacity
