@@ -141,13 +141,13 @@ def test_a_model_missing_from_one_providers_list_stays_selectable_for_the_others
 def test_a_model_benched_on_a_provider_says_when_it_is_back_and_only_there() -> None:
     """The bench of a's a-m1 ends 12.3 s from now: m1's placement on a says so; a's other model and
     b are untouched; a bench already over is none."""
-    cat = build_catalog(config(), raw({"a": beat(**{"bench:a-m1": str(NOW + 12_300)}), "b": beat(capacity=2)}))
+    cat = build_catalog(config(), raw({"a": {**beat(), "bench:a-m1": str(NOW + 12_300)}, "b": beat(capacity=2)}))
     m1, m2 = cat.models
     (on_a, on_b), (m2_on_a,) = m1.providers, m2.providers
     assert (on_a.selectable, on_a.reason) == (False, "benched")
     assert on_a.detail is not None and on_a.detail.endswith("back in 12.3s")
     assert on_b.selectable and m2_on_a.selectable
-    over = build_catalog(config(), raw({"a": beat(**{"bench:a-m1": str(NOW - 1)})}))
+    over = build_catalog(config(), raw({"a": {**beat(), "bench:a-m1": str(NOW - 1)}}))
     assert over.models[0].providers[0].selectable
 
 
