@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.choices import whole_within
+from common.wire import RunKind
 
 #: the fields a request names its limit in, the one that wins first (as vLLM reads the two)
 LIMIT_FIELDS = ("max_completion_tokens", "max_tokens")
@@ -43,7 +44,14 @@ def over_cap(body: dict[str, Any], cap: int) -> str | None:
     return None
 
 
-def with_cap(body: dict[str, Any], cap: int) -> None:
-    """Give a request that asks for no limit the model's: as `max_tokens`, which every server takes."""
-    if asked(body) is None:
+def with_cap(body: dict[str, Any], cap: int, kind: RunKind) -> None:
+    """Give a request that asks for no limit the model's: as `max_tokens`, which every server takes.
+    On legacy completions only `max_tokens` is a limit: `max_completion_tokens` is no field of
+    OpenAI's CreateCompletionRequest, and servers of the OpenAI family ignore it there (vLLM reads
+    `max_tokens` alone), so a request naming only it gets the cap as `max_tokens` too. (Where it is
+    read, it still wins: llama.cpp's servers get it as `max_tokens`, Ollama as `num_predict`.)"""
+    if kind is RunKind.COMPLETION:
+        if body.get("max_tokens") is None:
+            body["max_tokens"] = cap
+    elif asked(body) is None:
         body["max_tokens"] = cap

@@ -366,9 +366,9 @@ def _request_options(opts: SimOptions, body: JsonObject) -> tuple[SimOptions, bo
         raise _bad_request(f"Invalid simulator override: {exc}.", "sim") from None
 
 
-def _max_tokens(body: JsonObject) -> int | None:
+def _max_tokens(body: JsonObject, keys: tuple[str, ...]) -> int | None:
     limits: list[int] = []
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in keys:
         value = body.get(key)
         if value is None:
             continue
@@ -459,6 +459,8 @@ class _Format:
     id_prefix: ClassVar[str]
     full_object: ClassVar[str]
     chunk_object: ClassVar[str]
+    #: the fields read as the output limit (the smaller wins)
+    limit_fields: ClassVar[tuple[str, ...]] = ("max_tokens", "max_completion_tokens")
 
     def __init__(self, model: str, include_usage: bool) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -527,6 +529,8 @@ class _TextFormat(_Format):
     id_prefix = "cmpl"
     full_object = "text_completion"
     chunk_object = "text_completion"
+    #: as vLLM: `max_completion_tokens` is no field of a legacy completion
+    limit_fields = ("max_tokens",)
 
     @staticmethod
     def prompt_tokens(body: JsonObject) -> int:
@@ -613,7 +617,7 @@ def _completion_handler(fmt_type: type[_Format]) -> Handler:
         if fmt_type is _ChatFormat and model in opts.completion_tokens_only and body.get("max_tokens") is not None:
             raise ApiError(400, "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
                                 "'max_completion_tokens' instead.", param="max_tokens", code="unsupported_parameter")
-        plan = _Plan.make(opts, _max_tokens(body), fmt_type.prompt_tokens(body))
+        plan = _Plan.make(opts, _max_tokens(body, fmt_type.limit_fields), fmt_type.prompt_tokens(body))
         _maybe_fail(app, opts, forced_failure)
         fmt = fmt_type(model, include_usage)
         if stream:

@@ -10,6 +10,7 @@ import pytest
 
 from common import token_cap
 from common.config import ConfigError, parse_config
+from common.wire import RunKind
 from tests.conftest import Stack
 from tests.test_e2e import FAST_RUNTIME, wait_available
 
@@ -42,8 +43,23 @@ def test_a_limit_is_a_whole_number_within_the_cap_or_names_its_field(body: dict[
                                                                       capped: dict[str, Any] | None) -> None:
     assert token_cap.over_cap(body, 8) == over
     if capped is not None:
-        token_cap.with_cap(body, 8)
+        token_cap.with_cap(body, 8, RunKind.CHAT)
         assert body == capped
+
+
+@pytest.mark.parametrize(("body", "capped"), [
+    ({}, {"max_tokens": 8}),
+    ({"max_tokens": 2}, {"max_tokens": 2}),
+    ({"max_tokens": None}, {"max_tokens": 8}),
+    # no field of a legacy completion (vLLM ignores it there): the cap goes with it, and where a
+    # server reads it (llama.cpp's as max_tokens, Ollama's as num_predict), the caller's still wins
+    ({"max_completion_tokens": 2}, {"max_completion_tokens": 2, "max_tokens": 8}),
+    ({"max_completion_tokens": 2, "max_tokens": 5}, {"max_completion_tokens": 2, "max_tokens": 5}),
+])
+def test_a_legacy_completion_gets_the_cap_unless_it_names_max_tokens(body: dict[str, Any],
+                                                                     capped: dict[str, Any]) -> None:
+    token_cap.with_cap(body, 8, RunKind.COMPLETION)
+    assert body == capped
 
 
 @pytest.mark.parametrize(("cap", "fault"), [(0, "Input should be greater than or equal to 1"),
@@ -82,6 +98,9 @@ def test_callers_get_the_models_cap_and_no_more(stack: Stack) -> None:
                                                               max_tokens=None))
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "tok0 tok1 tok2 "
     assert client.completions.create(model="capped", prompt="say").choices[0].text == "tok0 tok1 tok2 "
+    # (a vLLM reads no max_completion_tokens on a legacy completion, and would generate past the cap)
+    assert client.completions.create(model="capped", prompt="say", extra_body={"max_completion_tokens": 2}) \
+        .choices[0].text == "tok0 tok1 tok2 "
     assert client.responses.create(model="capped", input="hi").output_text == "tok0 tok1 tok2 "
     assert client.chat.completions.create(model="capped", messages=hi, max_tokens=2).choices[0].message.content \
         == "tok0 tok1 "

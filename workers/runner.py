@@ -294,7 +294,7 @@ class Runner:
         body = unpack(record["body"])
         body["model"] = record["target"].decode()
         if cap is not None and kind is not RunKind.EMBEDDING:
-            token_cap.with_cap(body, cap)
+            token_cap.with_cap(body, cap, kind)
         try:
             async with asyncio.timeout(timeout_s):
                 return await self._answer(att, adapter, kind, body, record.get("stream") == b"1")
