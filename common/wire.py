@@ -77,6 +77,7 @@ class ErrorCode(StrEnum):
     INVALID_REQUEST = "invalid_request_error"
     INVALID_API_KEY = "invalid_api_key"  # no key, or one the gateway does not know (gateway only)
     PERMISSION_DENIED = "permission_denied"  # a caller key on an operator route (gateway only)
+    CROSS_SITE = "cross_site_request"  # a page of a site not in runtime.cors_origins (gateway only)
     RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # the key is at one of its limits (gateway only)
     MODEL_NOT_FOUND = "model_not_found"
     QUEUE_FULL = "queue_full"

@@ -8,11 +8,27 @@ refused by their key as any other, and every answer to them, errors and streams 
 the site in `Access-Control-Allow-Origin` and shows the headers a client reads (the run id, the
 rate-limit headers). Keys travel in `Authorization`, never in cookies, so no credentials mode is
 allowed.
+
+A browser lets any page send a POST to any site without asking first (a "simple" request: a form,
+or a `fetch` with `Content-Type: text/plain`), and a gateway without keys would run it: the page
+cannot read the answer, but it spends a provider's time (a hosted API's credits). So a request
+that changes something (any method but GET, HEAD and OPTIONS) from a page of another site, as its
+`Origin` says (a browser sends one with every such request), is refused with a 403
+`cross_site_request` unless that site is listed. A page of the gateway's own site (the catalog
+page's operator buttons) is let in: its `Origin` names the host the request was sent to (`Host`,
+or `X-Forwarded-Host` behind a proxy that rewrites it; a page cannot set that header without a
+preflight). Clients that are not browsers send no `Origin`.
 """
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from aiohttp import web
+
+from common.shown import quoted
+from common.wire import ErrorCode
+from gateway.errors import ApiError
 
 #: The sites a browser may call the gateway from (`runtime.cors_origins`).
 ORIGINS = web.AppKey("cors_origins", frozenset[str])
@@ -32,6 +48,47 @@ def allowed_origin(request: web.Request) -> str | None:
     if not origins or not origin:
         return None
     return origin if "*" in origins or origin.lower() in origins else None
+
+
+#: methods a page of any site may send without a preflight, which change nothing here
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_DEFAULT_PORTS = {"http": ":80", "https": ":443"}
+
+
+def _host(netloc: str, scheme: str) -> str:
+    """A host as sent, without its scheme's default port (`Host: localhost:80` is `localhost`)."""
+    netloc = netloc.strip().lower()
+    default = _DEFAULT_PORTS.get(scheme, "")
+    return netloc[:-len(default)] if default and netloc.endswith(default) else netloc
+
+
+def _own_site(request: web.Request, origin: str) -> bool:
+    """Whether `origin` names the host the request was sent to."""
+    try:
+        parts = urlsplit(origin)
+    except ValueError:
+        return False
+    if parts.scheme not in _DEFAULT_PORTS or not parts.netloc:
+        return False
+    sent_to = [request.headers.get("Host", "")]
+    forwarded = request.headers.get("X-Forwarded-Host")
+    if forwarded:
+        sent_to.append(forwarded.split(",")[0])
+    host = _host(parts.netloc, parts.scheme)
+    return any(host == _host(h, parts.scheme) for h in sent_to if h)
+
+
+def refuse_cross_site(request: web.Request) -> None:
+    """Refuse a request that changes something, sent by a page of a site that is neither the
+    gateway's own nor listed in `runtime.cors_origins` (403 `cross_site_request`)."""
+    origin = request.headers.get("Origin")
+    if origin is None or request.method in _SAFE_METHODS:
+        return
+    if allowed_origin(request) is not None or _own_site(request, origin):
+        return
+    raise ApiError(ErrorCode.CROSS_SITE,
+                   f"a page of {quoted(origin)} may not call this gateway: list its site in runtime.cors_origins "
+                   "to let it")
 
 
 def preflight(request: web.Request) -> web.Response | None:

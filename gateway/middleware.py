@@ -3,7 +3,8 @@
 0. its connection's head deadline stopped (`gateway.connections`),
 1. measured (`gateway.metrics`: run requests, by the status they finally got),
 2. any error turned into its OpenAI shape (`gateway.errors`, the one place that does it),
-3. a listed site's CORS preflight answered (`gateway.cors`),
+3. a listed site's CORS preflight answered, a change from a page of an unlisted site refused
+   (`gateway.cors`),
 4. let in by its API key (`gateway.auth`),
 5. its body read within its limits (`gateway.connections`),
 6. handled,
@@ -22,7 +23,7 @@ from aiohttp.typedefs import Middleware
 from gateway import metrics
 from gateway.auth import admit
 from gateway.connections import body_reader, request_started
-from gateway.cors import preflight
+from gateway.cors import preflight, refuse_cross_site
 from gateway.errors import REQUEST_ID_HEADER, Handler, error_response, new_request_id
 
 
@@ -38,6 +39,7 @@ def gateway_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware
             try:
                 response = preflight(request)
                 if response is None:
+                    refuse_cross_site(request)
                     admit(request)
                     await read_body(request)
                     response = await handler(request)

@@ -4,6 +4,7 @@ and every answer to it, errors and streams included, names the site."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,9 +13,11 @@ import pytest
 from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
+from common import keys
 from common.auth import hash_key
 from common.config import ConfigError, parse_config
 from gateway.app import build_app
+from tests.openapi import validate
 from tests.test_access import CALLER, bearer, pool
 from tests.test_scheduler import beat
 
@@ -97,6 +100,53 @@ async def test_any_site_with_a_star(redis: Redis, redis_url: str) -> None:
         async with aiohttp.ClientSession() as http, http.options(url + "/v1/models", headers={
                 **PREFLIGHT, "Origin": "http://anything.test:8000", "Access-Control-Request-Method": "GET"}) as resp:
             assert resp.status == 204 and resp.headers["Access-Control-Allow-Origin"] == "http://anything.test:8000"
+    finally:
+        await server.close()
+
+
+async def test_a_page_of_another_site_cannot_start_a_run_on_a_gateway_without_keys(redis: Redis,
+                                                                                   redis_url: str) -> None:
+    """A browser sends a "simple" POST (`Content-Type: text/plain`, no preflight) from any page, with
+    its `Origin`: a gateway without keys ran it, a hosted API's credits spent blind. Refused unless
+    the page is the gateway's own site or a listed one; reads and clients that send no `Origin`
+    (not browsers) are as before."""
+    config = pool()
+    config["runtime"] = {"stream_keepalive_ms": 100, "cors_origins": [SITE]}
+    cfg = parse_config(config)
+    await beat(redis, cfg)
+    server = TestServer(build_app(cfg, redis_url), port=0)
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    own = f"http://{server.host}:{server.port}"
+    stream = json.dumps({**CHAT, "stream": True})
+    plain = {"Content-Type": "text/plain"}
+    try:
+        async with aiohttp.ClientSession() as http:
+            for origin in ("https://evil.example", "null", f"https://{server.host}:{server.port}.evil.example",
+                           f"ftp://{server.host}:{server.port}"):
+                async with http.post(url + "/v1/chat/completions", data=stream,
+                                     headers={**plain, "Origin": origin}) as resp:
+                    body = await resp.json()
+                    assert resp.status == 403 and body["error"]["code"] == "cross_site_request", origin
+                    assert "runtime.cors_origins" in body["error"]["message"]
+                    validate("ErrorResponse", body)
+            async with http.delete(url + "/v1/runs/run_x", headers={"Origin": "https://evil.example"}) as resp:
+                assert resp.status == 403
+            evil = {"Origin": "https://evil.example"}
+            async with http.post(url + "/v1/admin/providers/p/drain", headers=evil) as resp:
+                assert resp.status == 403
+            assert await redis.xlen(keys.runs_stream("qwen3.6:35b")) == 0 and not await redis.keys("iop:run:*")
+            assert not await redis.exists(keys.drained("p"))
+            async with http.get(url + "/v1/models", headers={"Origin": "https://evil.example"}) as resp:
+                assert resp.status == 200  # (a read: the page cannot see it)
+            runs = set()
+            for headers in ({}, {"Origin": own}, {"Origin": own.upper()}, {"Origin": SITE},
+                            {"Origin": "https://iop.example.com", "X-Forwarded-Host": "iop.example.com"}):
+                async with http.post(url + "/v1/chat/completions", data=stream, headers={**plain, **headers}) as resp:
+                    assert resp.status == 200, headers
+                    assert (await resp.content.readline()).startswith(b": keep-alive")
+                    runs.add(resp.headers["X-IOP-Run-Id"])
+            assert len(runs) == 5
     finally:
         await server.close()
 
