@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, cast
@@ -123,7 +124,7 @@ class GuardedHandler(web.RequestHandler):
                 return
             if self._heads.heads != heads and not self._heads.in_head:
                 self._cancel_head_timer()  # the head came whole (its request starts on the next turn)
-            super().data_received(data)
+            self._parse(data)
         elif self._phase is Phase.TRIAGE:
             self._guard.busy(self)
             self._triage(data)
@@ -135,12 +136,24 @@ class GuardedHandler(web.RequestHandler):
         (`before`: the bytes of this read that came before the head)."""
         self._cancel_head_timer()
         if before:
-            super().data_received(before)
+            self._parse(before)
         self._dropping = True
         if self._answered < self._heads.heads:
             self._refusing = True  # (answered by `finish_response` after the last of them)
         else:
             self._answer_large_head()
+
+    def _parse(self, data: bytes) -> None:
+        """Give aiohttp's parser the bytes one request at a time where several heads began in them
+        (pipelined): it drops every request of a read in which it finds a fault, so a head it
+        refuses (a line over 8 KiB, not HTTP) behind others would take them along, unanswered."""
+        starts = self._heads.starts
+        if len(starts) < 2:
+            super().data_received(data)
+            return
+        cuts = [0, *(i for i in starts if 0 < i < len(data)), len(data)]
+        for a, b in itertools.pairwise(cuts):
+            super().data_received(data[a:b])
 
     def _answer_large_head(self) -> None:
         self._refusing = False

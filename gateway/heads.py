@@ -56,12 +56,14 @@ def framing(head: bytes) -> int:
 class HeadScanner:
     """Follows one connection's bytes (`feed`, in the order they came) and counts each head's."""
 
-    __slots__ = ("_limit", "_mode", "_left", "_count", "_tail", "_head", "heads")
+    __slots__ = ("_limit", "_mode", "_left", "_count", "_tail", "_head", "heads", "starts")
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         #: heads read whole so far
         self.heads = 0
+        #: where heads began in the bytes of the last `feed`
+        self.starts: list[int] = []
         self._mode = Mode.HEAD
         self._left = 0
         #: bytes of the current head (or trailers) so far, past the CR/LF skipped before it
@@ -81,6 +83,7 @@ class HeadScanner:
         """Scan the next bytes; how many of them may be parsed: all, or those before a head (or a
         trailer section) that passed the limit, when one did (nothing more is to be scanned)."""
         i, n = 0, len(data)
+        self.starts = []
         while i < n:
             mode = self._mode
             if mode is Mode.BODY or mode is Mode.CHUNK_DATA:
@@ -108,6 +111,7 @@ class HeadScanner:
                 i += 1
             if i == n:
                 return n, False
+            self.starts.append(i)
         start, tail = i, self._tail
         end = -1
         if tail:

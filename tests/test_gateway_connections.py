@@ -482,6 +482,25 @@ def test_a_head_over_64_kib_is_counted_wherever_it_begins(
     assert_large_head_answer(sock)
 
 
+@pytest.mark.parametrize("bad", [
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
+    b"NOT HTTP AT ALL\r\n\r\n",
+], ids=["a-line-over-8-kib", "not-http"])
+def test_requests_before_a_head_the_parser_refuses_are_answered_first(stack: Stack, gateways: list[Gateway],
+                                                                     bad: bytes) -> None:
+    """(a review: sent in one write behind a request, a head aiohttp's parser refuses took the
+    requests before it along: only the 400 came)"""
+    gw = start(stack, gateways)
+    sock = gw.connect()
+    sock.sendall(request("GET", "/healthz") + request("POST", "/v1/chat/completions", b"{}") + bad)
+    assert read_response(sock).status == 200
+    resp = read_response(sock)
+    assert resp.status == 400 and "model" in resp.error()["message"]  # (its body was read and parsed)
+    resp = read_response(sock)
+    assert resp.status == 400 and resp.error()["code"] == "invalid_request_error"
+    assert closed_by_peer(sock)
+
+
 def test_a_body_is_never_taken_for_a_head(stack: Stack, gateways: list[Gateway]) -> None:
     """A body of 1 MB (blank lines among its JSON every 100 KB) sent behind another request in one
     write: what of it arrived after that request's answer was counted as a head and refused

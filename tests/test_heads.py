@@ -40,6 +40,19 @@ def test_every_head_is_found_wherever_the_reads_cut_the_bytes() -> None:
             assert scanner.heads == 5 and not scanner.in_head, cuts
 
 
+def test_a_read_says_where_its_heads_begin() -> None:
+    """(the gateway gives aiohttp's parser a pipelined read one request at a time)"""
+    scanner = HeadScanner(LIMIT)
+    scanner.feed(STREAM)
+    chunked_at = len(GET + WITH_LENGTH) + 4  # (after the blank lines skipped before it)
+    assert scanner.starts == [0, len(GET), chunked_at, chunked_at + len(CHUNKED_BODY),
+                              chunked_at + len(CHUNKED_BODY + NO_TRAILERS)]
+    scanner.feed(GET[:5])
+    assert scanner.starts == [0]
+    scanner.feed(GET[5:] + b"\r\n" + GET)  # (a head that began in an earlier read is not begun again)
+    assert scanner.starts == [len(GET) - 5 + 2]
+
+
 def test_a_head_is_in_progress_from_its_first_byte_to_its_blank_line() -> None:
     scanner = HeadScanner(LIMIT)
     scanner.feed(b"\r\n\r\n")
