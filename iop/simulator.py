@@ -366,6 +366,11 @@ def _request_options(opts: SimOptions, body: JsonObject) -> tuple[SimOptions, bo
         raise _bad_request(f"Invalid simulator override: {exc}.", "sim") from None
 
 
+#: the largest request body taken: the most a gateway's `runtime.max_body_bytes` may be (aiohttp's
+#: own 1 MiB answered a run the gateway let in with a 413; vLLM's server has no limit of its own)
+MAX_BODY_BYTES = 512 * 1024 * 1024
+
+
 def _max_tokens(body: JsonObject, keys: tuple[str, ...]) -> int | None:
     limits: list[int] = []
     for key in keys:
@@ -726,7 +731,7 @@ async def _stats_reset(request: web.Request) -> web.Response:
 
 
 def build_app(opts: SimOptions) -> web.Application:
-    app = web.Application(middlewares=[_api_errors])
+    app = web.Application(middlewares=[_api_errors], client_max_size=MAX_BODY_BYTES)
     app[OPTIONS_KEY] = opts
     app[STATS_KEY] = SimStats()
     app[RNG_KEY] = random.Random(opts.seed)

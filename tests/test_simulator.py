@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import io
 import json
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -151,6 +152,22 @@ async def test_max_tokens_truncates(sim: Sim, limit_field: str) -> None:
     assert data["choices"][0]["message"]["content"] == expected_text(2)
     assert data["choices"][0]["finish_reason"] == "length"
     assert data["usage"]["completion_tokens"] == 2
+
+
+async def test_a_legacy_completion_reads_only_max_tokens_as_vllm_does(sim: Sim) -> None:
+    _, data = await sim.post_json(TEXT, text_body(max_completion_tokens=2))
+    assert data["choices"][0]["text"] == expected_text(4)
+    _, data = await sim.post_json(TEXT, text_body(max_completion_tokens=3, max_tokens=2))
+    assert data["choices"][0]["text"] == expected_text(2)
+
+
+async def test_a_body_the_gateway_lets_in_is_taken(sim: Sim) -> None:
+    """(aiohttp's own 1 MiB answered with a 413 what a gateway's default 8 MiB let in)"""
+    big = json.dumps(chat_body(messages=[{"role": "user", "content": "a " * 2_000_000}])).encode()
+    json_type = {"Content-Type": "application/json"}
+    async with sim.http.post(sim.url + CHAT, data=io.BytesIO(big), headers=json_type) as resp:
+        status, data = resp.status, await resp.json()
+    assert status == 200 and data["choices"][0]["message"]["content"] == expected_text(4)
 
 
 async def test_max_tokens_above_output_length_stops_naturally(sim: Sim) -> None:
