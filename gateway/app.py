@@ -262,7 +262,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
         app.router.add_post(path, run_request)
     app.router.add_route("*", RESPONSES_PATH + "/{rest:.+}", stored_response)
     app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model_id:.+}", get_model)
+    app.router.add_get(r"/v1/models/{model_id:[\s\S]+}", get_model)  # (any name, a line break in it too)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     runs_api.setup(app, lambda: app[RUNS])

@@ -125,6 +125,11 @@ async def test_unknown_routes_and_methods_are_openai_shaped(gateway: str, http: 
         assert resp.status == 404 and error["code"] == "not_found"
         assert error["message"].startswith("Invalid URL (POST /v1/audio/speech): iop serves POST /v1/chat/completions")
         assert "POST /v1/responses" in error["message"]
+        assert "GET /v1/models/{model}" in error["message"] and "GET /v1/usage" in error["message"]
+    async with http.get(gateway + "/v1/models/a%0Ab") as resp:  # (a name with a line break: no such model)
+        error = await error_of(resp)
+        assert resp.status == 404 and error["code"] == "model_not_found", error
+        assert error["message"] == 'the model "a\\nb" does not exist'
     async with http.get(gateway + "/v1/" + "x" * 5000) as resp:  # (a long path is not repeated whole)
         error = await error_of(resp)
         assert resp.status == 404 and len(error["message"]) < 500 and error["message"].count("x") < 250
