@@ -5,7 +5,6 @@ Every error body is `{"error": {"message", "type", "param", "code"}}`.
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -15,7 +14,7 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import OutOfMemoryError
 
-from common.jsonio import json_response
+from common.jsonio import dumps, json_response
 from common.redisconn import REDIS_DOWN
 from common.wire import BUSY, ErrorCode, ErrorInfo, callers_fault
 
@@ -152,7 +151,7 @@ class ApiError(Exception):
         """The whole HTTP/1.1 response, for a connection answered outside any handler (a request
         that came too slowly, a connection over the limit); the connection closes after it. Each
         call has an `X-Request-Id` of its own."""
-        body = json.dumps(self.body()).encode()
+        body = dumps(self.body())
         head = [f"HTTP/1.1 {self.status} {phrase(self.status)}", "Content-Type: application/json",
                 f"Content-Length: {len(body)}", "Connection: close",
                 *(f"{name}: {value}" for name, value in with_request_id(self.headers).items())]

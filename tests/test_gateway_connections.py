@@ -461,6 +461,7 @@ KEYS = {"keys": [{"name": "a", "sha256": hash_key("sk-right")}]}
 def assert_large_head_answer(sock: socket.socket) -> None:
     resp = read_response(sock)
     assert resp.status == 400 and resp.error()["message"] == "the request head is over 64 KiB"
+    assert b'": ' not in resp.body  # (compact JSON, as every other answer)
     assert has_its_own_request_id(resp)
     assert closed_by_peer(sock)
 
