@@ -45,6 +45,21 @@ def choice_indices(chunk: Any, finished: bool = False) -> list[int]:
             if isinstance(c, dict) and (not finished or _is_reason(c.get("finish_reason")))]
 
 
+def choice_marks(chunk: Any) -> tuple[list[int], list[int]]:
+    """`choice_indices` of the chunk, and of those of its choices that finish, in one pass (a
+    stream's every chunk is read so)."""
+    every: list[int] = []
+    ended: list[int] = []
+    if isinstance(chunk, dict):
+        for i, c in enumerate(chunk.get("choices") or ()):
+            if isinstance(c, dict):
+                index = c["index"] if type(c.get("index")) is int else i
+                every.append(index)
+                if _is_reason(c.get("finish_reason")):
+                    ended.append(index)
+    return every, ended
+
+
 def _is_reason(value: Any) -> bool:
     """A finish_reason that ends a choice: text (`{"type": "stop"}` from a broken server does not)."""
     return isinstance(value, str) and bool(value)

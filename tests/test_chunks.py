@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 
-from common.chunks import choice_indices, choices_usable, fixed_usage, token_counts, usage_in, without_usage
+from common.chunks import (
+    choice_indices,
+    choice_marks,
+    choices_usable,
+    fixed_usage,
+    token_counts,
+    usage_in,
+    without_usage,
+)
 
 
 def counts(prompt: Any, completion: Any, total: Any) -> dict[str, Any]:
@@ -67,3 +75,8 @@ def test_choices_that_are_null_are_not_usable_and_a_finish_reason_is_text() -> N
     chunk = {"choices": [{"index": 0, "finish_reason": {"type": "stop"}}, {"index": 1, "finish_reason": "stop"},
                          {"index": 2, "finish_reason": ""}]}
     assert choice_indices(chunk) == [0, 1, 2] and choice_indices(chunk, finished=True) == [1]
+    odd = {"choices": [None, {"finish_reason": "length"}, {"index": True, "finish_reason": "stop"}, {"index": 7}]}
+    each: Any
+    for each in (chunk, odd, {"choices": None}, {}, None, []):
+        assert choice_marks(each) == (choice_indices(each), choice_indices(each, finished=True))
+    assert choice_marks(odd) == ([1, 2, 7], [1, 2])

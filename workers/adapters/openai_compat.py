@@ -33,7 +33,7 @@ import aiohttp
 
 from common import jsonio, token_cap
 from common.choices import inputs
-from common.chunks import choice_indices, choices_usable
+from common.chunks import choice_marks, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import ErrorCode, RunKind, upstream_request_id
@@ -504,8 +504,9 @@ class OpenAICompatAdapter:
                         chunks = parser.feed(data)
                     if chunks:
                         for chunk in chunks:
-                            seen.update(choice_indices(chunk))
-                            ended.update(choice_indices(chunk, finished=True))
+                            every, done = choice_marks(chunk)
+                            seen.update(every)
+                            ended.update(done)
                         finished = bool(ended) and len(ended) >= max(choices, len(seen))
                         passing = parser.breaks.passing(chunks)
                         # (once every choice finished, what may follow is a usage chunk and [DONE])
