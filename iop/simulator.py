@@ -383,6 +383,19 @@ def _max_tokens(body: JsonObject, keys: tuple[str, ...]) -> int | None:
     return min(limits, default=None)
 
 
+def _choices(body: JsonObject, legacy: bool) -> int:
+    """How many choices an answer has, as vLLM makes them: `n` a prompt, for each prompt of a
+    legacy completion's list (strings, or token lists; one list of tokens is one prompt)."""
+    n = body.get("n")
+    if n is None:
+        n = 1
+    elif not _is_int(n) or n < 1:
+        raise _bad_request("'n' must be a positive integer.", "n")
+    prompt = body.get("prompt")
+    prompts = len(prompt) if legacy and isinstance(prompt, list) and prompt and not _is_int(prompt[0]) else 1
+    return int(n) * prompts
+
+
 def _count_words(value: object) -> int:
     """Rough token count: words of strings, one per token id, text of content parts."""
     if isinstance(value, str):
@@ -451,10 +464,11 @@ class _Plan:
     def aborts_at(self, index: int) -> bool:
         return self.fail_after is not None and index >= self.fail_after
 
-    def usage(self) -> JsonObject:
+    def usage(self, choices: int = 1) -> JsonObject:
+        completion = self.tokens * choices
         return {
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-            "total_tokens": self.prompt_tokens + self.tokens,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
         }
 
 
@@ -467,19 +481,21 @@ class _Format:
     #: the fields read as the output limit (the smaller wins)
     limit_fields: ClassVar[tuple[str, ...]] = ("max_tokens", "max_completion_tokens")
 
-    def __init__(self, model: str, include_usage: bool) -> None:
+    def __init__(self, model: str, include_usage: bool, choices: int = 1) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
+        #: how many choices the answer has (`n`, times the prompts of a legacy completion)
+        self.choices = choices
 
     def _envelope(self, obj: str, choices: list[JsonObject]) -> JsonObject:
         return {
             "id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
         }
 
-    def chunk(self, choice: JsonObject) -> JsonObject:
-        out = self._envelope(self.chunk_object, [{"index": 0, **choice, "logprobs": None}])
+    def chunk(self, choice: JsonObject, index: int) -> JsonObject:
+        out = self._envelope(self.chunk_object, [{"index": index, **choice, "logprobs": None}])
         if self.include_usage:
             out["usage"] = None
         return out
@@ -488,8 +504,9 @@ class _Format:
         return {**self._envelope(self.chunk_object, []), "usage": usage}
 
     def full(self, text: str, finish_reason: str, usage: JsonObject) -> JsonObject:
-        choice = {"index": 0, **self.full_choice(text), "logprobs": None, "finish_reason": finish_reason}
-        return {**self._envelope(self.full_object, [choice]), "usage": usage}
+        choices = [{"index": i, **self.full_choice(text), "logprobs": None, "finish_reason": finish_reason}
+                   for i in range(self.choices)]
+        return {**self._envelope(self.full_object, choices), "usage": usage}
 
     @staticmethod
     def prompt_tokens(body: JsonObject) -> int:
@@ -498,10 +515,10 @@ class _Format:
     def opening_chunks(self) -> list[JsonObject]:
         return []
 
-    def token_chunk(self, text: str) -> JsonObject:
+    def token_chunk(self, text: str, index: int) -> JsonObject:
         raise NotImplementedError
 
-    def finish_chunk(self, finish_reason: str) -> JsonObject:
+    def finish_chunk(self, finish_reason: str, index: int) -> JsonObject:
         raise NotImplementedError
 
     def full_choice(self, text: str) -> JsonObject:
@@ -518,13 +535,14 @@ class _ChatFormat(_Format):
         return _chat_prompt_tokens(body)
 
     def opening_chunks(self) -> list[JsonObject]:
-        return [self.chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})]
+        return [self.chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}, i)
+                for i in range(self.choices)]
 
-    def token_chunk(self, text: str) -> JsonObject:
-        return self.chunk({"delta": {"content": text}, "finish_reason": None})
+    def token_chunk(self, text: str, index: int) -> JsonObject:
+        return self.chunk({"delta": {"content": text}, "finish_reason": None}, index)
 
-    def finish_chunk(self, finish_reason: str) -> JsonObject:
-        return self.chunk({"delta": {}, "finish_reason": finish_reason})
+    def finish_chunk(self, finish_reason: str, index: int) -> JsonObject:
+        return self.chunk({"delta": {}, "finish_reason": finish_reason}, index)
 
     def full_choice(self, text: str) -> JsonObject:
         return {"message": {"role": "assistant", "content": text, "refusal": None}}
@@ -541,11 +559,11 @@ class _TextFormat(_Format):
     def prompt_tokens(body: JsonObject) -> int:
         return _text_prompt_tokens(body)
 
-    def token_chunk(self, text: str) -> JsonObject:
-        return self.chunk({"text": text, "finish_reason": None})
+    def token_chunk(self, text: str, index: int) -> JsonObject:
+        return self.chunk({"text": text, "finish_reason": None}, index)
 
-    def finish_chunk(self, finish_reason: str) -> JsonObject:
-        return self.chunk({"text": "", "finish_reason": finish_reason})
+    def finish_chunk(self, finish_reason: str, index: int) -> JsonObject:
+        return self.chunk({"text": "", "finish_reason": finish_reason}, index)
 
     def full_choice(self, text: str) -> JsonObject:
         return {"text": text}
@@ -576,10 +594,12 @@ async def _emit_stream(resp: web.StreamResponse, plan: _Plan, fmt: _Format, requ
             _abort_connection(request)
             return False
         await _pause(plan.delay_before(index))
-        await resp.write(_sse(fmt.token_chunk(token_text(index))))
-    await resp.write(_sse(fmt.finish_chunk(plan.finish_reason)))
+        for choice in range(fmt.choices):  # (as vLLM: a chunk a choice)
+            await resp.write(_sse(fmt.token_chunk(token_text(index), choice)))
+    for choice in range(fmt.choices):
+        await resp.write(_sse(fmt.finish_chunk(plan.finish_reason, choice)))
     if fmt.include_usage:
-        await resp.write(_sse(fmt.usage_chunk(plan.usage())))
+        await resp.write(_sse(fmt.usage_chunk(plan.usage(fmt.choices))))
     await resp.write(_sse("[DONE]"))
     await resp.write_eof()
     return True
@@ -607,7 +627,7 @@ async def _respond(
         return web.Response(status=500)
     text = "".join(token_text(index) for index in range(plan.tokens))
     record.completed = True
-    return web.json_response(fmt.full(text, plan.finish_reason, plan.usage()))
+    return web.json_response(fmt.full(text, plan.finish_reason, plan.usage(fmt.choices)))
 
 
 def _completion_handler(fmt_type: type[_Format]) -> Handler:
@@ -624,7 +644,7 @@ def _completion_handler(fmt_type: type[_Format]) -> Handler:
                                 "'max_completion_tokens' instead.", param="max_tokens", code="unsupported_parameter")
         plan = _Plan.make(opts, _max_tokens(body, fmt_type.limit_fields), fmt_type.prompt_tokens(body))
         _maybe_fail(app, opts, forced_failure)
-        fmt = fmt_type(model, include_usage)
+        fmt = fmt_type(model, include_usage, _choices(body, fmt_type is _TextFormat))
         if stream:
             return await _stream(request, record, plan, fmt)
         return await _respond(request, record, plan, fmt)

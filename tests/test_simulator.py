@@ -181,6 +181,26 @@ async def test_sim_override_tokens(sim: Sim) -> None:
     assert data["choices"][0]["message"]["content"] == expected_text(7)
 
 
+async def test_n_choices_a_prompt_as_vllm_makes_them(sim: Sim) -> None:
+    _, data = await sim.post_json(CHAT, chat_body(n=3))
+    ChatCompletion.model_validate(data)
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    assert {c["message"]["content"] for c in data["choices"]} == {expected_text(4)}
+    assert data["usage"]["completion_tokens"] == 12
+    _, data = await sim.post_json(TEXT, text_body(prompt=["a", "b c"], n=2))
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2, 3] and data["usage"]["completion_tokens"] == 16
+    _, data = await sim.post_json(TEXT, text_body(prompt=[1, 2, 3]))  # (one prompt of token ids)
+    assert len(data["choices"]) == 1
+    _, data = await sim.post_json(TEXT, text_body(prompt=[[1, 2], [3]]))  # (two)
+    assert len(data["choices"]) == 2
+    events = await sim.stream(TEXT, text_body(prompt=["a", "b"], stream_options={"include_usage": True}))
+    chunks = [json.loads(event) for event in events[:-1]]
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == expected_text(4) and mine[-1]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
 # --------------------------------------------------------------------------- streaming
 
 
@@ -256,6 +276,8 @@ async def test_malformed_json_is_400(sim: Sim) -> None:
         (TEXT, {"model": "sim-model"}, "prompt"),
         (CHAT, chat_body(max_tokens=0), "max_tokens"),
         (CHAT, chat_body(stream="yes"), "stream"),
+        (CHAT, chat_body(n=0), "n"),
+        (TEXT, text_body(n="2"), "n"),
         (CHAT, chat_body(sim={"tokens": "many"}), "sim.tokens"),
         (CHAT, chat_body(sim={"bogus": 1}), "sim.bogus"),
         (CHAT, chat_body(sim={"ttft_ms": -1}), "sim"),
