@@ -175,12 +175,13 @@ def test_one_model_on_ollama_the_simulator_and_a_cli_tool_at_once(
         if stream:
             chunks = list(client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2, stream=True))
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks
+                                if c.choices and c.choices[0].index == i) for i in (0, 1)}
         else:
             reply = client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2)
-            text = reply.choices[0].message.content or ""
-        assert text and text.startswith("tok0")
+            texts = {c.index: c.message.content or "" for c in reply.choices}
+        assert texts == {0: "tok0 tok1 ", 1: "tok0 tok1 "}, texts  # (both choices, each within max_tokens)
     assert asyncio.run(sim_stats(sim_url))["by_model"] == {SERVED["c-sim"]: 4}
     assert len(ollama.records()) == 2 and len(log_lines(cli_log)) == 2  # neither was sent it
     with sync_redis.Redis.from_url(stack.redis_url) as r:
