@@ -43,6 +43,8 @@ MAX_ALIAS_CHARS = 256
 MAX_TOKENS = 10_000_000
 #: A site as a browser names it in `Origin` (scheme, host and port; no path), or `*` for any.
 CORS_ORIGIN_PATTERN = r"^(\*|https?://[^/\s?#]+)$"
+#: A host name as `Host` sends it, without a port, or `*` for any.
+HOST_NAME_PATTERN = r"^(\*|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?)$"
 #: The most load samples the history may hold (`runtime.history_retention_s` / `history_interval_ms`).
 MAX_HISTORY_SAMPLES = 20_000
 
@@ -204,6 +206,9 @@ class RuntimeConfig(Strict):
     # The gateway's answers to browsers of other sites (gateway.cors): none unless listed.
     cors_origins: list[Annotated[str, Field(pattern=CORS_ORIGIN_PATTERN)]] = Field(
         default_factory=list, max_length=100, description="sites whose pages may call the gateway; * for any")
+    allowed_hosts: list[Annotated[str, Field(pattern=HOST_NAME_PATTERN)]] = Field(
+        default_factory=list, max_length=100,
+        description="names a gateway without keys answers to over loopback besides localhost and addresses; * for any")
 
 
 class Config(Strict):

@@ -78,6 +78,7 @@ class ErrorCode(StrEnum):
     INVALID_API_KEY = "invalid_api_key"  # no key, or one the gateway does not know (gateway only)
     PERMISSION_DENIED = "permission_denied"  # a caller key on an operator route (gateway only)
     CROSS_SITE = "cross_site_request"  # a page of a site not in runtime.cors_origins (gateway only)
+    HOST_NOT_ALLOWED = "host_not_allowed"  # a keyless gateway on loopback asked by another name (gateway only)
     RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # the key is at one of its limits (gateway only)
     MODEL_NOT_FOUND = "model_not_found"
     QUEUE_FULL = "queue_full"

@@ -20,7 +20,7 @@ from common.redisconn import REDIS_DOWN
 from common.shown import quoted
 from common.usage import key_names
 from common.wire import ErrorCode, RunKind
-from gateway import admin, catalog, cors, liveness, metrics, runs_api, usage_api
+from gateway import admin, catalog, cors, hosts, liveness, metrics, runs_api, usage_api
 from gateway.auth import KEYRING, principal
 from gateway.connections import BODY, expect_handler, forget_body
 from gateway.errors import ApiError, invalid
@@ -255,6 +255,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     app[CONFIG] = config
     app[REDIS_URL] = redis_url
     cors.setup(app, rt.cors_origins)
+    hosts.setup(app, config.auth is not None, rt.allowed_hosts)
     app[STARTED] = time.time()
     app[STOPPING] = Stopping()
     app.cleanup_ctx.append(_redis_ctx)

@@ -35,6 +35,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_API_KEY: 401,
     ErrorCode.PERMISSION_DENIED: 403,
     ErrorCode.CROSS_SITE: 403,
+    ErrorCode.HOST_NOT_ALLOWED: 403,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,

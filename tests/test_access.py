@@ -241,7 +241,7 @@ async def test_a_key_that_is_not_utf8_is_401_not_an_internal_error(gateway: str,
     url = URL(gateway)
     reader, writer = await asyncio.open_connection(url.host, url.port)
     try:
-        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + raw_key + b"\r\n\r\n")
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer " + raw_key + b"\r\n\r\n")
         answer = await read_response(reader)
     finally:
         writer.close()
@@ -254,7 +254,7 @@ async def test_two_authorization_headers_are_a_400_whichever_comes_first(gateway
     for first, then in ((CALLER, second), (second, CALLER)):
         reader, writer = await asyncio.open_connection(url.host, url.port)
         try:
-            writer.write(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {first}\r\n"
+            writer.write(f"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {first}\r\n"
                          f"Authorization: Bearer {then}\r\n\r\n".encode())
             answer = await read_response(reader)
         finally:
@@ -275,7 +275,7 @@ async def test_expect_100_continue_is_refused_before_the_body_when_the_key_is(
     reader, writer = await asyncio.open_connection(url.host, url.port)
     try:
         auth = f"Authorization: Bearer {key}\r\n" if key else ""
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}"
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{auth}"
                      "Content-Length: 2\r\nExpect: 100-continue\r\n\r\n".encode())
         answer = await read_response(reader)
     finally:

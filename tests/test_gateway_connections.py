@@ -74,7 +74,8 @@ def start(stack: Stack, gateways: list[Gateway], auth: dict[str, Any] | None = N
 
 
 def request(method: str, path: str, body: bytes = b"", **headers: str) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: gateway", *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items())]
+    lines = [f"{method} {path} HTTP/1.1", "Host: localhost",
+             *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items())]
     if body:
         lines.append(f"Content-Length: {len(body)}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
@@ -255,7 +256,7 @@ def test_a_refused_expect_then_an_open_connection_is_no_late_head(stack: Stack, 
     review)."""
     gw = start(stack, gateways, header_timeout_ms=300)
     sock = gw.connect()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 999999999999\r\nExpect: 100-continue\r\n\r\n")
     assert read_response(sock).status == 413
     assert closed_by_peer(sock)  # its end at once; what the client sends is dropped until the lingering ends
@@ -408,7 +409,7 @@ def test_waiting_callers_hold_no_redis_connection_and_the_pool_is_bounded_and_sh
 
 @pytest.mark.parametrize("raw", [
     b"GARBAGE\r\n\r\n",
-    b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
 ], ids=["not-http", "header-too-long"])
 def test_a_request_aiohttp_cannot_parse_gets_an_openai_shaped_400(
         stack: Stack, gateways: list[Gateway], raw: bytes) -> None:
@@ -425,7 +426,7 @@ def test_a_request_aiohttp_cannot_parse_gets_an_openai_shaped_400(
 def test_an_expectation_other_than_100_continue_gets_417(stack: Stack, gateways: list[Gateway]) -> None:
     gw = start(stack, gateways)
     sock = gw.connect()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 2\r\nExpect: foo\r\n\r\n")
     resp = read_response(sock)
     assert resp.status == 417 and has_its_own_request_id(resp) and resp.error()["param"] == "Expect"
@@ -438,7 +439,7 @@ def test_a_request_head_over_64_kib_gets_a_400_before_it_ends(stack: Stack, gate
     answered once it passes 64 KiB, without waiting for its end; a head of 60 KiB is served."""
     gw = start(stack, gateways)
     sock = gw.connect()
-    sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+    sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n")
     for i in range(100):  # (100 KB in all; never a blank line)
         sock.sendall(b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000))
     resp = read_response(sock)
@@ -447,13 +448,13 @@ def test_a_request_head_over_64_kib_gets_a_400_before_it_ends(stack: Stack, gate
     assert err["code"] == "invalid_request_error" and err["message"] == "the request head is over 64 KiB"
     assert closed_by_peer(sock)
     sock = gw.connect()
-    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n" + b"".join(
         b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000) for i in range(60)) + b"\r\n")
     assert read_response(sock).status == 200
 
 
 #: A head of 100 KB that never ends, each line within aiohttp's bounds.
-ENDLESS_HEAD = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(
+ENDLESS_HEAD = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n" + b"".join(
     b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000) for i in range(100))
 KEYS = {"keys": [{"name": "a", "sha256": hash_key("sk-right")}]}
 
@@ -484,7 +485,7 @@ def test_a_head_over_64_kib_is_counted_wherever_it_begins(
 
 
 @pytest.mark.parametrize("bad", [
-    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
     b"NOT HTTP AT ALL\r\n\r\n",
 ], ids=["a-line-over-8-kib", "not-http"])
 def test_requests_before_a_head_the_parser_refuses_are_answered_first(stack: Stack, gateways: list[Gateway],
@@ -524,7 +525,7 @@ def test_a_head_sent_behind_a_request_has_its_deadline_from_that_answer(
     idle timeout ended such a head)"""
     gw = start(stack, gateways, header_timeout_ms=300)
     sock = gw.connect()
-    sock.sendall(request("GET", "/healthz") + b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    sock.sendall(request("GET", "/healthz") + b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n")
     assert read_response(sock).status == 200
     resp = read_response(sock)
     assert resp.status == 408 and resp.error()["code"] == "request_timeout"
@@ -557,7 +558,7 @@ def test_a_transfer_coding_but_chunked_is_a_400_naming_it(stack: Stack, gateways
     body = gzip.compress(b'{"model": "m"}')
     chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
     sock = gw.connect()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Transfer-Encoding: gzip, chunked\r\n\r\n" + chunked)
     resp = read_response(sock)
     err = resp.error()
@@ -565,7 +566,7 @@ def test_a_transfer_coding_but_chunked_is_a_400_naming_it(stack: Stack, gateways
     assert err["message"].startswith('Transfer-Encoding "gzip" is not supported')
     assert closed_by_peer(sock)
     sock = gw.connect()  # (chunked alone, and the obsolete identity, are read as ever)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Encoding: gzip\r\nTransfer-Encoding: identity, chunked\r\n\r\n" + chunked)
     resp = read_response(sock)
     assert resp.status == 400 and "'messages' is required" in resp.error()["message"]
@@ -583,7 +584,7 @@ def test_content_encoding_on_two_header_lines_is_one_list(
 
     gw = start(stack, gateways)
     body = gzip.compress(b"{}")
-    raw = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    raw = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
            b"Content-Encoding: identity\r\nContent-Encoding: %s\r\nContent-Length: %d\r\n\r\n"
            % (second.encode(), len(body)) + body)
     sock = gw.connect()

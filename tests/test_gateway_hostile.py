@@ -136,7 +136,7 @@ BROKEN_HEADERS = {
 async def test_a_header_the_parser_refuses_is_neither_echoed_nor_logged(
         gateway: Gateway, caplog: pytest.LogCaptureFixture, header: bytes) -> None:
     caplog.set_level(logging.DEBUG)
-    raw = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n\r\n"
+    raw = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n" + header + b"\r\n\r\n"
     resp, everything = await exchange(gateway, raw)
     assert resp.status == 400
     err = resp.error()
@@ -150,18 +150,18 @@ async def test_a_header_the_parser_refuses_is_neither_echoed_nor_logged(
 
 @pytest.mark.parametrize(("raw", "problem"), [
     (f"GARBAGE-{SECRET}\r\n\r\n".encode(), "the request line is malformed"),
-    (f"GET /v1/mo\x01{SECRET} HTTP/1.1\r\nHost: x\r\n\r\n".encode(), "the request line is malformed"),
-    (f"GET / HTTP/9.{SECRET}\r\nHost: x\r\n\r\n".encode(), "the request line is malformed"),
-    (f"GET /{SECRET}".encode() + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", "over 8190 bytes"),
-    (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1{SECRET}\r\n\r\n".encode(),
+    (f"GET /v1/mo\x01{SECRET} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode(), "the request line is malformed"),
+    (f"GET / HTTP/9.{SECRET}\r\nHost: localhost\r\n\r\n".encode(), "the request line is malformed"),
+    (f"GET /{SECRET}".encode() + b"a" * 9000 + b" HTTP/1.1\r\nHost: localhost\r\n\r\n", "over 8190 bytes"),
+    (f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1{SECRET}\r\n\r\n".encode(),
      "the Content-Length header is malformed"),
     (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz{SECRET}\r\n".encode(),
      "the chunked body is malformed"),
     (b"GET /v1/models HTTP/1.1\r\n\r\n", "the Host header is missing"),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
      "appears more than once"),
     (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + SECRET.encode(), "HTTPS"),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: gzip\r\n\r\n",
      "the Transfer-Encoding header is malformed"),  # (it was "the Content-Length header is malformed")
     (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n",
      "both a Content-Length and a Transfer-Encoding header"),
@@ -180,7 +180,7 @@ async def test_every_parser_fault_is_told_in_words_of_its_own_without_the_reques
 
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/chat/completions", "/no/such/path"])
 async def test_an_expectation_other_than_100_continue_gets_an_openai_shaped_417(gateway: Gateway, path: str) -> None:
-    resp, _ = await exchange(gateway, f"GET {path} HTTP/1.1\r\nHost: x\r\nExpect: foo\r\n\r\n".encode())
+    resp, _ = await exchange(gateway, f"GET {path} HTTP/1.1\r\nHost: localhost\r\nExpect: foo\r\n\r\n".encode())
     assert resp.status == 417
     err = resp.error()
     assert err["code"] == "invalid_request_error" and err["param"] == "Expect" and "100-continue" in err["message"]
@@ -190,7 +190,7 @@ async def test_expect_100_continue_is_answered_and_the_body_then_read(gateway: G
     body = json.dumps({"model": "no-such", "messages": [{"role": "user", "content": "hi"}]}).encode()
     reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
     try:
-        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode())
         assert (await read_response(reader)).status == 100  # sent before the body is
         writer.write(body)
@@ -205,7 +205,7 @@ async def test_a_body_announced_over_the_limit_gets_413_before_it_is_read(gatewa
     """The body timeout is far off: an answer that waited for the body would time the test out."""
     reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
     try:
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      + (b"Expect: 100-continue\r\n" if expect else b"")
                      + b"Content-Length: 9000000\r\n\r\n" + (b"" if expect else b"{}"))
         await writer.drain()
@@ -227,7 +227,7 @@ async def test_a_client_that_sends_its_whole_body_over_the_limit_reads_the_413_n
         reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
         try:
             body = b"x" * (DEFAULT_MAX_BODY + 1)
-            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
             await writer.drain()
             resp = await read_response(reader)
@@ -241,7 +241,7 @@ async def test_a_chunked_body_over_the_limit_gets_iop_s_413_and_the_connection_c
     """No length declared: the body is counted as it comes (it was aiohttp's own wording)."""
     reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
     try:
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
         chunk = b"x" * 65536
         for _ in range(DEFAULT_MAX_BODY // len(chunk)):  # the limit exactly
@@ -262,7 +262,7 @@ async def post_chat(gateway: Gateway, body: bytes) -> Response:
     """A chat completion request with exactly this body, on a socket of its own."""
     reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
     try:
-        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         return await read_response(reader)
     finally:
@@ -290,7 +290,7 @@ async def readyz(cfg: Config, redis_url: str) -> Response:
     runner, gw = await serve(cfg, redis_url)
     try:
         reader, writer = await asyncio.open_connection(gw.host, gw.port)
-        writer.write(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /readyz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         resp = await read_response(reader)
         writer.close()
     finally:

@@ -266,7 +266,7 @@ async def test_a_waiting_caller_holds_no_copy_of_its_request_body(redis_url: str
     await server.start_server()
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 1_000_000}],
                        "stream": True}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     runs = RunClient(redis, cfg)
     tracemalloc.start()
@@ -322,7 +322,7 @@ async def test_a_stream_the_gateway_gives_up_on_after_its_headers_ends_with_the_
     try:
         body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
         reader, writer = await asyncio.open_connection(server.host, server.port)
-        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
         await writer.drain()
         answer = await asyncio.wait_for(reader.read(), 30)  # to the end of the connection
@@ -389,7 +389,7 @@ async def test_a_stream_the_gateway_gives_up_on_whose_caller_does_not_read_is_cl
         await asyncio.get_running_loop().sock_connect(sock, (server.host, server.port))
         reader, writer = await asyncio.open_connection(sock=sock)
         body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
-        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
         await writer.drain()
 

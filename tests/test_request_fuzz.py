@@ -207,7 +207,7 @@ def test_a_valid_request_is_queued_so_the_fuzz_check_can_fail(gateway: tuple[str
     raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
     assert _queues_it(RunKind.CHAT, raw)
     with socket.create_connection(gateway) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
         wait_until(lambda: not _nothing_queued(redis_url), what="the valid run to be queued")
     # The caller left: its run leaves the queue (its record stays, cancelled, for run_ttl_s).

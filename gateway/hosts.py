@@ -1,0 +1,80 @@
+"""The names a gateway without keys answers to on loopback (DNS rebinding).
+
+A web page cannot read another site's answers, but a page can make its own name point at
+127.0.0.1 once loaded (DNS rebinding): its scripts then reach a gateway on the reader's machine as
+their own site, `Origin` and all, and read whatever a gateway without keys answers to anyone (the
+models, the runs, the catalog), and start runs. What gives such a request away is its `Host`: the
+page's name. So a gateway without `auth` answers a request that came over loopback only when its
+`Host` is an IP address, `localhost` (or a name under it), this machine's own name, or a name in
+`runtime.allowed_hosts` (`*` for any: a proxy on the same machine that passes its public name on);
+any other is a 403 `host_not_allowed`. With keys, a page has no key to send. A request from
+another machine is not checked: such a gateway was told to serve anyone (`--allow-anonymous`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+from aiohttp import web
+
+from common.shown import quoted
+from common.wire import ErrorCode
+from gateway.errors import ApiError
+
+#: the names (lower case) this gateway answers to over loopback besides addresses and localhost;
+#: absent when it has keys (or `*` is listed): nothing is checked
+ALLOWED = web.AppKey("allowed_hosts", frozenset[str])
+
+
+def _name(host: str) -> str:
+    """A `Host` header's name: lower case, without its port, an IPv6 address without brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    name, _, port = host.rpartition(":")
+    return name if name and port.isdigit() else host
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _came_over_loopback(request: web.Request) -> bool:
+    transport = request.transport
+    local = transport.get_extra_info("sockname") if transport is not None else None
+    if not isinstance(local, tuple) or not local:
+        return False  # (a Unix socket: no page's name reaches it)
+    try:
+        return ipaddress.ip_address(str(local[0]).partition("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def refuse_foreign_host(request: web.Request) -> None:
+    """Refuse a request to a gateway without keys over loopback whose `Host` names another site."""
+    allowed = request.app.get(ALLOWED)
+    if allowed is None:
+        return
+    host = request.headers.get("Host")
+    if not host:
+        return  # (HTTP/1.0 without one: no page's name)
+    name = _name(host)
+    if name == "localhost" or name.endswith(".localhost") or name in allowed or _is_address(name):
+        return
+    if not _came_over_loopback(request):
+        return
+    raise ApiError(ErrorCode.HOST_NOT_ALLOWED,
+                   f"this gateway has no keys and answers on loopback only to localhost and addresses, not "
+                   f"to the name {quoted(name)}: add it to runtime.allowed_hosts if it is yours")
+
+
+def setup(app: web.Application, keyed: bool, hosts: list[str]) -> None:
+    if keyed or "*" in hosts:
+        return
+    own = socket.gethostname().lower()
+    app[ALLOWED] = frozenset({own, own.partition(".")[0], *(h.lower() for h in hosts)})
