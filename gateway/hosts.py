@@ -28,12 +28,13 @@ ALLOWED = web.AppKey("allowed_hosts", frozenset[str])
 
 
 def _name(host: str) -> str:
-    """A `Host` header's name: lower case, without its port, an IPv6 address without brackets."""
+    """A `Host` header's name: lower case, without its port or a final dot (`localhost.`), an IPv6
+    address without brackets."""
     host = host.strip().lower()
     if host.startswith("["):
         return host[1:].partition("]")[0]
     name, _, port = host.rpartition(":")
-    return name if name and port.isdigit() else host
+    return (name if name and port.isdigit() else host).rstrip(".")
 
 
 def _is_address(name: str) -> bool:

@@ -61,7 +61,7 @@ async def test_a_keyless_gateway_answers_only_its_own_names(start: Any, redis: R
         async with http.post(url + "/v1/chat/completions", json=CHAT, headers={"Host": "evil.example"}) as resp:
             assert resp.status == 403  # (no run started for the page)
         assert await redis.xlen(keys.runs_stream("qwen3.6:35b")) == 0 and not await redis.keys("iop:run:*")
-        for host in (f"127.0.0.1:{port}", f"LOCALHOST:{port}", "app.localhost", f"[::1]:{port}", "10.1.2.3",
+        for host in (f"127.0.0.1:{port}", f"LOCALHOST:{port}", "app.localhost", f"localhost.:{port}", f"[::1]:{port}", "10.1.2.3",
                      socket.gethostname(), socket.gethostname().upper()):
             assert (await status_of(http, url, host))[0] == 200, host
 
