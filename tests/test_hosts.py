@@ -18,7 +18,7 @@ from common.auth import hash_key
 from common.config import ConfigError, parse_config
 from gateway.app import build_app
 from gateway.errors import ApiError
-from gateway.hosts import ALLOWED, refuse_foreign_host
+from gateway.hosts import ALLOWED, MAX_REMEMBERED, Names, refuse_foreign_host
 from tests.openapi import validate
 from tests.test_access import CALLER, bearer, pool
 from tests.test_scheduler import beat
@@ -61,8 +61,8 @@ async def test_a_keyless_gateway_answers_only_its_own_names(start: Any, redis: R
         async with http.post(url + "/v1/chat/completions", json=CHAT, headers={"Host": "evil.example"}) as resp:
             assert resp.status == 403  # (no run started for the page)
         assert await redis.xlen(keys.runs_stream("qwen3.6:35b")) == 0 and not await redis.keys("iop:run:*")
-        for host in (f"127.0.0.1:{port}", f"LOCALHOST:{port}", "app.localhost", f"localhost.:{port}", f"[::1]:{port}", "10.1.2.3",
-                     socket.gethostname(), socket.gethostname().upper()):
+        for host in (f"127.0.0.1:{port}", f"LOCALHOST:{port}", "app.localhost", f"localhost.:{port}", f"[::1]:{port}",
+                     "10.1.2.3", socket.gethostname(), socket.gethostname().upper()):
             assert (await status_of(http, url, host))[0] == 200, host
 
 
@@ -88,7 +88,7 @@ async def test_a_gateway_with_keys_answers_any_name(start: Any) -> None:
                                                 ("/run/iop.sock", False)])
 def test_only_a_request_that_came_over_loopback_is_checked(local: Any, refused: bool) -> None:
     """(one from another machine reached a gateway told to serve anyone: `--allow-anonymous`)"""
-    app: Any = {ALLOWED: frozenset()}
+    app: Any = {ALLOWED: Names(frozenset())}
     transport = mock.Mock()
     transport.get_extra_info.side_effect = lambda name: local if name == "sockname" else None
     request = make_mocked_request("GET", "/v1/models", headers={"Host": "evil.example"}, app=app,
@@ -98,6 +98,14 @@ def test_only_a_request_that_came_over_loopback_is_checked(local: Any, refused: 
             refuse_foreign_host(request)
     else:
         refuse_foreign_host(request)
+
+
+def test_the_good_names_remembered_are_few_and_only_good() -> None:
+    names = Names(frozenset({"iop.example.com"}))
+    assert all(names.answers(f"127.0.0.{i}:8080") for i in range(100))
+    assert len(names.good) == MAX_REMEMBERED
+    assert not names.answers("evil.example") and not names.answers("evil.example")
+    assert names.answers("IOP.example.com:8443") and not names.answers("iop.example.com.evil.example")
 
 
 @pytest.mark.parametrize("host", ["http://iop.example.com", "iop.example.com:443", "a b", "", "-x"])
