@@ -5,7 +5,8 @@ A web page cannot read another site's answers, but a page can make its own name 
 their own site, `Origin` and all, and read whatever a gateway without keys answers to anyone (the
 models, the runs, the catalog), and start runs. What gives such a request away is its `Host`: the
 page's name. So a gateway without `auth` answers a request that came over loopback only when its
-`Host` is an IP address, `localhost` (or a name under it), this machine's own name, or a name in
+`Host` is an IP address, `localhost`, a name no public DNS serves (under `.localhost`, `.local` or
+`.internal`), this machine's own name, or a name in
 `runtime.allowed_hosts` (`*` for any: a proxy on the same machine that passes its public name on);
 any other is a 403 `host_not_allowed`. With keys, a page has no key to send. A request from
 another machine is not checked: such a gateway was told to serve anyone (`--allow-anonymous`).
@@ -22,6 +23,8 @@ from common.shown import quoted
 from common.wire import ErrorCode
 from gateway.errors import ApiError
 
+#: names no public DNS serves, so no page's own (mDNS's `.local`, `.internal` for private networks)
+PRIVATE_SUFFIXES = (".localhost", ".local", ".internal")
 #: How many `Host` values found good a gateway remembers (a header's check costs ~2 µs, a lookup ~0.05)
 MAX_REMEMBERED = 64
 
@@ -40,7 +43,7 @@ class Names:
         if host in self.good:
             return True
         name = _name(host)
-        if name == "localhost" or name.endswith(".localhost") or name in self.allowed or _is_address(name):
+        if name == "localhost" or name.endswith(PRIVATE_SUFFIXES) or name in self.allowed or _is_address(name):
             if len(self.good) < MAX_REMEMBERED:
                 self.good.add(host)
             return True

@@ -53,7 +53,8 @@ async def test_a_keyless_gateway_answers_only_its_own_names(start: Any, redis: R
     url = await start(pool())
     port = url.rsplit(":", 1)[1]
     async with aiohttp.ClientSession() as http:
-        for host in (f"evil.example:{port}", "evil.example", "localhost.evil.example", "127.0.0.1.nip.io"):
+        for host in (f"evil.example:{port}", "evil.example", "localhost.evil.example", "127.0.0.1.nip.io", "local",
+                     "evil.example.local.evil.example"):
             status, body = await status_of(http, url, host)
             assert status == 403 and body["error"]["code"] == "host_not_allowed", host
             assert "runtime.allowed_hosts" in body["error"]["message"]
@@ -61,8 +62,9 @@ async def test_a_keyless_gateway_answers_only_its_own_names(start: Any, redis: R
         async with http.post(url + "/v1/chat/completions", json=CHAT, headers={"Host": "evil.example"}) as resp:
             assert resp.status == 403  # (no run started for the page)
         assert await redis.xlen(keys.runs_stream("qwen3.6:35b")) == 0 and not await redis.keys("iop:run:*")
-        for host in (f"127.0.0.1:{port}", f"LOCALHOST:{port}", "app.localhost", f"localhost.:{port}", f"[::1]:{port}",
-                     "10.1.2.3", socket.gethostname(), socket.gethostname().upper()):
+        for host in (f"127.0.0.1:{port}", f"LOCALHOST:{port}", "app.localhost", "box.local", "gpu-1.internal",
+                     f"localhost.:{port}", f"[::1]:{port}", "10.1.2.3", socket.gethostname(),
+                     socket.gethostname().upper()):
             assert (await status_of(http, url, host))[0] == 200, host
 
 
