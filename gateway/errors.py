@@ -6,7 +6,6 @@ Every error body is `{"error": {"message", "type", "param", "code"}}`.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -16,7 +15,7 @@ from redis.exceptions import OutOfMemoryError
 
 from common.jsonio import dumps, json_response
 from common.redisconn import REDIS_DOWN
-from common.wire import BUSY, ErrorCode, ErrorInfo, callers_fault
+from common.wire import BUSY, ErrorCode, ErrorInfo, callers_fault, uuid4_hex
 
 log = logging.getLogger("iop.gateway")
 
@@ -165,7 +164,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 def new_request_id() -> str:
     """The id of an answer that is not a run's (`req_` and 32 hex digits, as OpenAI's)."""
-    return f"req_{uuid.uuid4().hex}"
+    return f"req_{uuid4_hex()}"
 
 
 def with_request_id(headers: dict[str, str]) -> dict[str, str]:

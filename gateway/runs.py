@@ -6,7 +6,6 @@ import asyncio
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping
 from types import MappingProxyType
 
@@ -21,7 +20,7 @@ from common.runlog import run_fields
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
 from common.snapshots import why_none
-from common.wire import ErrorCode, ErrorInfo, EventType, RunState
+from common.wire import ErrorCode, ErrorInfo, EventType, RunState, uuid4_hex
 from gateway.deadlines import Deadlines
 from gateway.errors import ApiError
 from gateway.events import Event, EventHub, Following, Queued
@@ -49,7 +48,7 @@ STUCK_LOG_EVERY_S = 10.0
 
 
 def new_run_id() -> str:
-    return f"run_{uuid.uuid4().hex}"
+    return f"run_{uuid4_hex()}"
 
 
 class RunClient:

@@ -8,6 +8,7 @@ import gc
 import json
 import random
 import re
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,8 +19,10 @@ from redis.asyncio import Redis
 
 from common.auth import hash_key
 from common.config import Config, parse_config
+from common.wire import upstream_request_id
 from gateway.app import build_app
-from gateway.runs import RunClient
+from gateway.errors import new_request_id
+from gateway.runs import RunClient, new_run_id
 from iop.embedded_redis import RedisServer
 from tests.conftest import async_wait_until, redis_full
 from tests.openapi import validate
@@ -86,6 +89,18 @@ async def test_every_answer_has_a_request_id(gateway: str, http: aiohttp.ClientS
             assert re.fullmatch(r"req_[0-9a-f]{32}", request_id), (path, dict(resp.headers))
             seen.add(request_id)
     assert len(seen) == 4
+
+
+def test_run_and_request_ids_are_random_version_4_uuids() -> None:
+    """(made without a `UUID` object; a provider gets the run's as its `X-Request-Id`, and
+    llama-cpp-python's answers 400 to one that is not a UUID)"""
+    made = [new_run_id() for _ in range(1000)] + [new_request_id() for _ in range(1000)]
+    assert len(set(made)) == 2000
+    for made_id in made:
+        assert re.fullmatch(r"(run|req)_[0-9a-f]{32}", made_id)
+        parsed = uuid.UUID(made_id[4:])
+        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122
+    assert upstream_request_id(made[0]) == str(uuid.UUID(made[0][4:]))
 
 
 @pytest.mark.parametrize(("path", "raw", "status", "code", "param"), [
