@@ -145,6 +145,10 @@ def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
         raise SystemExit(2)
     root.handlers[:] = [handler]
     root.setLevel(name)
+    # No line says where in the code, which thread or which process it was logged: a record need
+    # not find out (the logging HOWTO's "Optimization"; a line a dispatched run cost 7.8 µs, 6.7 so)
+    logging._srcfile = None  # (that HOWTO's own name for it)
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     logging.getLogger("arq").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
