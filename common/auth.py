@@ -43,10 +43,15 @@ class KeyLimits(Strict):
                                             description="runs accepted in any 60 s window")
 
 
+#: A key's SHA-256 in hex, and the name of an environment variable.
+SHA256_PATTERN = r"^[0-9a-fA-F]{64}$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
 class ApiKeyConfig(Strict):
     name: str = Field(pattern=NAME_PATTERN)
-    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="hex SHA-256 of the key")
-    env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+    sha256: str | None = Field(None, pattern=SHA256_PATTERN, description="hex SHA-256 of the key")
+    env: str | None = Field(None, pattern=ENV_NAME_PATTERN,
                             description="an environment variable holding the key itself")
     role: Literal["caller", "operator"] = "caller"
     models: list[str] | None = Field(None, description="the model ids it may use; absent = every model")

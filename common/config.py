@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError
 
-from common.auth import AuthConfig, check_auth
+from common.auth import ENV_NAME_PATTERN, NAME_PATTERN, SHA256_PATTERN, AuthConfig, check_auth
 from common.legacy import is_legacy
 from common.legacy import migrate as migrate_legacy
 
@@ -350,7 +350,13 @@ def _looks_like_a_number(value: Any) -> bool:
 
 #: what an id's pattern asks, in words
 _PATTERN_SAID = {ID_PATTERN: "must be one word (no spaces)",
-                 PROVIDER_ID_PATTERN: "must be one word, without spaces or commas"}
+                 PROVIDER_ID_PATTERN: "must be one word, without spaces or commas",
+                 CORS_ORIGIN_PATTERN: "must be a site as a browser's Origin names it (https://app.example.com, "
+                                      "http://localhost:5173: no path) or *",
+                 HOST_NAME_PATTERN: "must be a host name (iop.example.com: no scheme, no port) or *",
+                 NAME_PATTERN: "must be 1 to 64 letters, digits, '_', '.' or '-', the first a letter or digit",
+                 SHA256_PATTERN: "must be the key's SHA-256 in 64 hex digits (iop keys new prints it)",
+                 ENV_NAME_PATTERN: "must be the name of an environment variable (letters, digits, _)"}
 
 
 def _schema_errors(exc: ValidationError) -> list[str]:
