@@ -43,6 +43,9 @@ MAX_ALIAS_CHARS = 256
 MAX_TOKENS = 10_000_000
 #: A site as a browser names it in `Origin` (scheme, host and port; no path), or `*` for any.
 CORS_ORIGIN_PATTERN = r"^(\*|https?://[^/\s?#]+)$"
+#: A path on a provider's host; the API's under `base_url` may be empty.
+PATH_PATTERN = r"^/\S*$"
+API_PATH_PATTERN = r"^(/\S*)?$"
 #: A host name as `Host` sends it, without a port, or `*` for any.
 HOST_NAME_PATTERN = r"^(\*|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?)$"
 #: The most load samples the history may hold (`runtime.history_retention_s` / `history_interval_ms`).
@@ -112,9 +115,9 @@ class ProviderConfig(Strict):
                                   description="a health probe without an answer by then failed")
     probe_interval_ms: int | None = Field(None, ge=10, le=MAX_DURATION_MS,
                                           description="least time between probes (runtime default)")
-    probe_path: str | None = Field(None, pattern=r"^/\S*$",
+    probe_path: str | None = Field(None, pattern=PATH_PATTERN,
                                    description="OpenAI family: the health endpoint on the provider's host")
-    api_path: str | None = Field(None, pattern=r"^(/\S*)?$",
+    api_path: str | None = Field(None, pattern=API_PATH_PATTERN,
                                  description="OpenAI family: path of the API under base_url (default by type)")
     command: list[Annotated[str, Field(min_length=1)]] | None = Field(
         None, min_length=1, description="cli: the argv to run (never through a shell)")
@@ -354,6 +357,8 @@ _PATTERN_SAID = {ID_PATTERN: "must be one word (no spaces)",
                  CORS_ORIGIN_PATTERN: "must be a site as a browser's Origin names it (https://app.example.com, "
                                       "http://localhost:5173: no path) or *",
                  HOST_NAME_PATTERN: "must be a host name (iop.example.com: no scheme, no port) or *",
+                 PATH_PATTERN: "must be a path that starts with / (no spaces)",
+                 API_PATH_PATTERN: "must be empty or a path that starts with / (no spaces)",
                  NAME_PATTERN: "must be 1 to 64 letters, digits, '_', '.' or '-', the first a letter or digit",
                  SHA256_PATTERN: "must be the key's SHA-256 in 64 hex digits (iop keys new prints it)",
                  ENV_NAME_PATTERN: "must be the name of an environment variable (letters, digits, _)"}
