@@ -501,6 +501,16 @@ def test_requests_before_a_head_the_parser_refuses_are_answered_first(stack: Sta
     resp = read_response(sock)
     assert resp.status == 400 and resp.error()["code"] == "invalid_request_error"
     assert closed_by_peer(sock)
+    # the same when the bad head comes with the end of a body sent before it
+    sock = gw.connect()
+    whole = request("POST", "/v1/chat/completions", b'{"model": "x", "pad": "' + b"a" * 1000 + b'"}')
+    sock.sendall(whole[:-100])
+    sock.sendall(whole[-100:] + bad)
+    resp = read_response(sock)
+    assert resp.status == 400 and resp.error()["param"] == "messages", resp.body  # (its body was read whole)
+    resp = read_response(sock)
+    assert resp.status == 400 and resp.error()["code"] == "invalid_request_error"
+    assert closed_by_peer(sock)
 
 
 def test_a_body_is_never_taken_for_a_head(stack: Stack, gateways: list[Gateway]) -> None:
