@@ -6,10 +6,10 @@ their own site, `Origin` and all, and read whatever a gateway without keys answe
 models, the runs, the catalog), and start runs. What gives such a request away is its `Host`: the
 page's name. So a gateway without `auth` answers a request that came over loopback only when its
 `Host` is an IP address, `localhost`, a name no public DNS serves (under `.localhost`, `.local` or
-`.internal`), this machine's own name, or a name in
-`runtime.allowed_hosts` (`*` for any: a proxy on the same machine that passes its public name on);
-any other is a 403 `host_not_allowed`. With keys, a page has no key to send. A request from
-another machine is not checked: such a gateway was told to serve anyone (`--allow-anonymous`).
+`.internal`), this machine's own name, or a name in `runtime.allowed_hosts` (`*` for any: a proxy
+on the same machine that passes its public name on); any other is a 403 `host_not_allowed`. With
+keys, a page has no key to send. A request from another machine is not checked: such a gateway was
+told to serve anyone (`--allow-anonymous`).
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def refuse_foreign_host(request: web.Request) -> None:
     if not _came_over_loopback(request):
         return
     raise ApiError(ErrorCode.HOST_NOT_ALLOWED,
-                   f"this gateway has no keys and answers on loopback only to localhost and addresses, not "
-                   f"to the name {quoted(_name(host))}: add it to runtime.allowed_hosts if it is yours")
+                   f"this gateway has no keys: on loopback it answers only to localhost, addresses and its own "
+                   f"names, not to {quoted(_name(host))}: add it to runtime.allowed_hosts if it is yours")
 
 
 def setup(app: web.Application, keyed: bool, hosts: list[str]) -> None:

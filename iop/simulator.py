@@ -369,6 +369,9 @@ def _request_options(opts: SimOptions, body: JsonObject) -> tuple[SimOptions, bo
 #: the largest request body taken: the most a gateway's `runtime.max_body_bytes` may be (aiohttp's
 #: own 1 MiB answered a run the gateway let in with a 413; vLLM's server has no limit of its own)
 MAX_BODY_BYTES = 512 * 1024 * 1024
+#: the most choices an answer may have (`n` times a legacy completion's prompts; through a gateway
+#: each may be up to its `runtime.max_choices` and `max_inputs`: 128 x 2048)
+MAX_CHOICES = 4096
 
 
 def _max_tokens(body: JsonObject, keys: tuple[str, ...]) -> int | None:
@@ -393,6 +396,8 @@ def _choices(body: JsonObject, legacy: bool) -> int:
         raise _bad_request("'n' must be a positive integer.", "n")
     prompt = body.get("prompt")
     prompts = len(prompt) if legacy and isinstance(prompt, list) and prompt and not _is_int(prompt[0]) else 1
+    if n * prompts > MAX_CHOICES:
+        raise _bad_request(f"The simulator makes at most {MAX_CHOICES} choices a request (n times the prompts).", "n")
     return int(n) * prompts
 
 

@@ -278,6 +278,7 @@ async def test_malformed_json_is_400(sim: Sim) -> None:
         (CHAT, chat_body(stream="yes"), "stream"),
         (CHAT, chat_body(n=0), "n"),
         (TEXT, text_body(n="2"), "n"),
+        (TEXT, text_body(n=128, prompt=["a"] * 33), "n"),  # (4,224 choices: over the simulator's 4,096)
         (CHAT, chat_body(sim={"tokens": "many"}), "sim.tokens"),
         (CHAT, chat_body(sim={"bogus": 1}), "sim.bogus"),
         (CHAT, chat_body(sim={"ttft_ms": -1}), "sim"),
