@@ -396,9 +396,10 @@ def _choices(body: JsonObject, legacy: bool) -> int:
         raise _bad_request("'n' must be a positive integer.", "n")
     prompt = body.get("prompt")
     prompts = len(prompt) if legacy and isinstance(prompt, list) and prompt and not _is_int(prompt[0]) else 1
-    if n * prompts > MAX_CHOICES:
+    choices: int = n * prompts
+    if choices > MAX_CHOICES:
         raise _bad_request(f"The simulator makes at most {MAX_CHOICES} choices a request (n times the prompts).", "n")
-    return int(n) * prompts
+    return choices
 
 
 def _count_words(value: object) -> int:
