@@ -27,7 +27,7 @@ from gateway.errors import ApiError, invalid
 from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import RESPONSES_PATH, RUN_ROUTES, ParsedRequest, parse_request, parse_responses
-from gateway.responses import SSEStream, run_headers, stream_response, whole_response
+from gateway.responses import END_WITHIN_S, SSEStream, run_headers, stream_response, whole_response
 from gateway.responses_output import ResponseShape
 from gateway.runs import RunClient, new_run_id
 from gateway.stopping import Stopping
@@ -40,8 +40,6 @@ REDIS_URL = web.AppKey("redis_url", str)
 STARTED = web.AppKey("started", float)
 STOPPING = web.AppKey("stopping", Stopping)
 
-#: How long a caller whose stream the gateway gave up on has to take its error and `[DONE]`.
-END_WITHIN_S = 1.0
 
 def _timed_out(run_id: str) -> ApiError:
     """The gateway gave up on the run (its longest possible life passed)."""

@@ -32,6 +32,10 @@ def sse(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
+#: How long a caller whose stream the gateway gave up on has to take its error (and `[DONE]`).
+END_WITHIN_S = 1.0
+
+
 def sse_chunks(chunks: list[Any], model_id: str) -> bytes:
     """A delta's chunks as SSE lines, each saying `model_id`: one text."""
     return b"".join([b"data: " + dumps(with_model(c, model_id)) + b"\n\n" for c in chunks])

@@ -3,7 +3,9 @@
 - `GET /v1/runs/{id}`: the run record (`common.runview`), 404 once unknown or expired.
 - `GET /v1/runs/{id}/events`: every event of the run as SSE (`id:` = the stream entry id,
   `event:` = its type, `data:` = its JSON), then the new ones as they come, until the
-  terminal event. A `Last-Event-ID` header resumes after that entry.
+  terminal event. A `Last-Event-ID` header resumes after that entry. If the gateway stops
+  following before that (the run's longest possible life, `RunClient.follow_deadline_s`, passed),
+  an `error` event says so last. `HEAD` answers the headers only.
 - `DELETE /v1/runs/{id}`: cancels the run (dropped if queued, aborted if running) and
   answers its state: 200 once it has ended, 202 if it had not ended within `CANCEL_WAIT_S`.
 """
@@ -15,7 +17,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from common import keys
 from common.codec import entry_key
@@ -25,9 +27,9 @@ from common.runview import is_terminal, run_view
 from common.shown import quoted
 from common.wire import ErrorCode, EventType, RunField
 from gateway.auth import principal
-from gateway.errors import ApiError, caller_left, invalid
+from gateway.errors import REQUEST_ID_HEADER, ApiError, caller_left, invalid, new_request_id
 from gateway.events import READ_COUNT, Event, stored_event
-from gateway.responses import KEEP_ALIVE, RUN_ID_HEADER, with_model
+from gateway.responses import END_WITHIN_S, KEEP_ALIVE, RUN_ID_HEADER, with_model
 from gateway.runs import RunClient
 
 #: How long DELETE waits for a running run to end before it answers 202.
@@ -71,6 +73,11 @@ def _sse(event: Event, model_id: str) -> bytes:
     return f"{head}event: {event.type}\ndata: ".encode() + dumps(data) + b"\n\n"
 
 
+def _error_event(error: ApiError) -> bytes:
+    """An error, OpenAI-shaped, as the SSE message that ends an events stream short of the run's end."""
+    return b"event: error\ndata: " + dumps(error.body()) + b"\n\n"
+
+
 def _owner(raw: dict[bytes, bytes]) -> str | None:
     owner = raw.get(RunField.KEY.value.encode())
     return owner.decode() if owner is not None else None
@@ -110,25 +117,38 @@ class RunsApi:
                           f"64-bit integers joined by '-' (at most {_ID_PART_MAX})", param="Last-Event-ID")
         view = await self._view(request, run_id)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no", RUN_ID_HEADER: run_id})
+                                           "X-Accel-Buffering": "no", RUN_ID_HEADER: run_id,
+                                           REQUEST_ID_HEADER: new_request_id()})
         await resp.prepare(request)
+        if request.method == hdrs.METH_HEAD:  # (aiohttp would send what is written, unframed)
+            await resp.write_eof()
+            return resp
         runs = self.runs()
+        deadline_s = runs.follow_deadline_s(view["model"])
+        told = b""
         try:
-            with runs.deadlines.within(runs.follow_deadline_s(view["model"])):
+            with runs.deadlines.within(deadline_s):
                 if _nothing_after(last_id) or await self._beyond(run_id, last_id):
                     pass  # whether the run has ended or not
                 elif is_terminal(view):
                     await self._replay(resp, run_id, last_id, view["model"])
                 else:
                     await self._follow(resp, run_id, last_id, view["model"])
-        except TimeoutError:
-            pass
+        except TimeoutError:  # (not the run's end: the client must not take the stream's end for it)
+            told = _error_event(ApiError(
+                ErrorCode.EXECUTION_TIMEOUT, f"the gateway ended this stream after {deadline_s:g} s (the longest "
+                f"a run of this model can last) before it reached the run's end; GET /v1/runs/{run_id} tells "
+                f"the run's state, and Last-Event-ID resumes its events"))
         except REDIS_DOWN as exc:  # the headers went out: the error comes in the stream, OpenAI-shaped
             if caller_left(request):  # (a write to the caller failed: it went away, Redis did not)
                 return resp
-            error = ApiError(ErrorCode.UNAVAILABLE, f"Redis is unavailable: {exc}")
-            await resp.write(b"event: error\ndata: " + dumps(error.body()) + b"\n\n")
-        await resp.write_eof()
+            told = _error_event(ApiError(ErrorCode.UNAVAILABLE, f"Redis is unavailable: {exc}"))
+        try:  # (a caller that stopped reading does not hold the gateway: it has END_WITHIN_S)
+            async with asyncio.timeout(END_WITHIN_S):
+                await resp.write_eof(told)
+        except (TimeoutError, ConnectionError):
+            if request.transport is not None:
+                request.transport.abort()
         return resp
 
     async def _beyond(self, run_id: str, last_id: str) -> bool:

@@ -385,8 +385,8 @@ async def test_a_stream_the_gateway_gives_up_on_whose_caller_does_not_read_is_cl
 
     from common import keys
     from common.codec import event_fields
-    from gateway import app as gateway_app
     from gateway import metrics as gateway_metrics
+    from gateway import responses as gateway_responses
 
     def ended() -> float:  # requests of the model that ended, however (it is counted as the caller's leaving: 499)
         return sum(sample.value for metric in gateway_metrics.REGISTRY.collect() for sample in metric.samples
@@ -433,7 +433,7 @@ async def test_a_stream_the_gateway_gives_up_on_whose_caller_does_not_read_is_cl
         async def given_up() -> bool:  # the gateway is done with the request, the caller read nothing
             return ended() > before
 
-        await async_wait_until(given_up, timeout=1.0 + gateway_app.END_WITHIN_S + 10,
+        await async_wait_until(given_up, timeout=1.0 + gateway_responses.END_WITHIN_S + 10,
                                what="the gateway to give up on the caller")
         answer = await asyncio.wait_for(read_all(), 30)
         writer.close()

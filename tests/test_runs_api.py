@@ -4,6 +4,7 @@ so the moments of connecting, disconnecting and resuming are exact."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -177,6 +178,52 @@ async def test_an_ended_run_replays_and_closes_and_a_resume_at_its_end_is_empty(
     for last, expected in ((ids[0], [ids[1]]), (ids[1], [])):
         async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": last}) as resp:
             assert [m.id for m in await read_all(resp)] == expected
+
+
+@pytest.mark.parametrize("ended", [True, False])
+async def test_head_of_events_answers_headers_only_and_the_connection_goes_on(api: Api, ended: bool) -> None:
+    """(a hostile caller's audit: HEAD sent the whole stream, unframed, and followed a running run
+    to its end: the next answer on the kept-alive connection was read from SSE text)"""
+    run_id = await api.submit()
+    await api.event(run_id, "dispatched", {"provider": "p"})
+    if ended:
+        await api.event(run_id, "failed", {"code": "provider_error", "message": "boom"})
+        await api.end(run_id, "failed")
+    reader, writer = await asyncio.open_connection(api.server.host, api.server.port)
+    try:
+        writer.write(f"HEAD /v1/runs/{run_id}/events HTTP/1.1\r\nHost: localhost\r\n\r\n"
+                     f"GET /v1/runs/{run_id} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
+        heads = []
+        for _ in range(2):
+            head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).decode()
+            heads.append(head)
+            fields = dict(line.lower().split(": ", 1) for line in head.split("\r\n")[1:] if line)
+        body = await reader.readexactly(int(fields["content-length"]))
+    finally:
+        writer.close()
+    assert heads[0].startswith("HTTP/1.1 200") and "text/event-stream" in heads[0]
+    assert "x-request-id" in heads[0].lower() and f"X-IOP-Run-Id: {run_id}" in heads[0]
+    assert heads[1].startswith("HTTP/1.1 200")
+    assert json.loads(body)["id"] == run_id
+
+
+async def test_an_events_stream_the_gateway_stops_following_ends_with_an_error_event(
+        api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that has not ended when its longest possible life has passed (here 0.5 s: queue and
+    execution timeouts, no grace): the stream ends with an `error` event, not as if the run had
+    ended (a hostile caller's audit: it ended bare)."""
+    monkeypatch.setattr("gateway.runs.FOLLOW_GRACE_S", 0.0)
+    run_id = await api.submit()
+    first = await api.event(run_id, "dispatched", {"provider": "p"})
+    await api.redis.hset(keys.run_record(run_id), "state", "running")  # (no stuck-run check ends it)
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events")) as resp:
+        messages = await asyncio.wait_for(read_all(resp), 30)
+    assert [m.id for m in messages[:-1]] == [first]
+    last = messages[-1]
+    assert last.event == "error" and last.id is None
+    validate("ErrorResponse", last.data)
+    assert last.data["error"]["code"] == "execution_timeout"
+    assert "Last-Event-ID" in last.data["error"]["message"] and run_id in last.data["error"]["message"]
 
 
 @pytest.mark.parametrize("last", [
