@@ -439,9 +439,11 @@ class EventHub:
                 if len(entries) == count and not all(f.behind for f in followers):
                     more.append(run_id)
                 elif not entries and not exists:
-                    # Redis lost the run (a restart without persistence, or a failover): say so.
-                    info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis lost its record "
-                                                            "(a restart without persistence, or a failover)")
+                    # Redis lost the run (a restart without persistence, or a failover), or it expired
+                    # before a slow reader took its end (the two look the same): say so.
+                    info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis lost its record (a restart "
+                                                            "without persistence, or a failover), or it expired "
+                                                            "(runtime.run_ttl_s) before its end was read")
                     for f in followers:
                         f.give(Event("lost", EventType.FAILED.value, info.to_wire()))
             run_ids, count = more, min(2 * count, READ_COUNT)

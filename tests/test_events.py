@@ -304,3 +304,16 @@ def test_what_a_caller_is_still_writing_counts_against_what_it_may_hold() -> Non
     follower.give(Event("2-0", "delta", {}, HELD_BYTES // 4))
     follower.give(Event("3-0", "delta", {}, HELD_BYTES // 2))  # past the bound with what is being written
     assert [e.id for e in follower.items] == ["2-0"] and follower.behind
+
+
+async def test_a_followed_run_whose_record_is_gone_ends_worker_lost_naming_loss_and_expiry(redis: Redis) -> None:
+    """A run's record and events gone under a follower: Redis lost them, or they expired before a
+    slow reader took the run's end (the two look the same; the message said "Redis lost" only,
+    which an audit found false for the second)."""
+    hub = EventHub(redis)
+    follower = Follower("run_gone", "0", hub=hub)
+    hub.followers = {"run_gone": [follower]}
+    await hub._read_runs(["run_gone"], check_lost=True)
+    [event] = follower.take_ready()
+    assert event.type == "failed" and event.data["code"] == "worker_lost"
+    assert "Redis lost its record" in event.data["message"] and "run_ttl_s" in event.data["message"]
