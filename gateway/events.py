@@ -27,6 +27,7 @@ what it holds it reads on from the run's own stream (`Follower.behind`), a page 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -65,6 +66,12 @@ TRIM_EVERY_S = 1.0
 #: slow reader that can take only a few large events does not have many read and unpacked.
 READ_COUNT = 64
 FIRST_COUNT = 8
+#: The share of the gateway's Redis connections (`runtime.redis_max_connections`) that reads of a
+#: run's own stream for one caller may hold at once: a runs-API follower's first read, a slow
+#: reader's read on, a replay's page. A crowd of followers of large runs takes turns in the rest,
+#: not every connection a new request needs (an audit: 1,500 followers of a 1 MB run held all 64
+#: and an unrelated completion waited 8 s).
+READS_SHARE = 0.5
 #: A caller's events held in the gateway for it, as stored (packed) bytes, with those it is still
 #: writing: past this the rest wait in the run's own stream until it has taken these. (The first
 #: held event is always taken, so a single larger one still gets through.) Unpacked, they take
@@ -225,6 +232,9 @@ class EventHub:
         self.new_inbox = gateway_id is None
         self.inbox = keys.gateway_inbox(self.gateway_id)
         self.scripts = Scripts(redis)
+        #: turns for the reads of one caller's run (`READS_SHARE` of the pool)
+        pool_size = getattr(redis.connection_pool, "max_connections", 2**31)
+        self.reads = asyncio.Semaphore(max(1, int(pool_size * READS_SHARE)))
         #: the listener's own connection (`common.redisline`), when the client has lines
         self.listen_line = new_line_of(redis, "inbox")
         #: run id -> its followers (a list: a set costs a waiting caller ~200 bytes more)
@@ -423,7 +433,9 @@ class EventHub:
                 pipe.xrange(keys.run_events(run_id), _after(starts[run_id]), "+", count=count)
                 if check_lost:
                     pipe.hmget(keys.run_record(run_id), "state", "model", "entry")
-            replies = iter(await pipe.execute())
+            # (a read for every follower of these runs takes no turn: one connection, whatever their number)
+            async with self.reads if only else contextlib.nullcontext():
+                replies = iter(await pipe.execute())
             more = []
             for run_id in run_ids:
                 entries = next(replies)

@@ -185,7 +185,9 @@ class RunsApi:
         sent before the next is read: a client that reads slowly (or not at all) holds one page."""
         start = "-" if last_id == "0" else f"({last_id}"
         while True:
-            entries = await self.runs().redis.xrange(keys.run_events(run_id), start, "+", count=READ_COUNT)
+            runs = self.runs()
+            async with runs.hub.reads:  # (a crowd of replays takes turns: `gateway.events.READS_SHARE`)
+                entries = await runs.redis.xrange(keys.run_events(run_id), start, "+", count=READ_COUNT)
             for entry_id, fields in entries:
                 await resp.write(_sse(stored_event(entry_id, fields), model_id))
             if len(entries) < READ_COUNT:

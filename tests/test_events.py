@@ -14,7 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from common import keys
 from common.codec import event_fields, pack
 from common.scripts import Scripts
-from gateway.events import HELD_BYTES, READ_COUNT, Event, EventHub, Follower
+from gateway.events import HELD_BYTES, READ_COUNT, READS_SHARE, Event, EventHub, Follower
 from tests.conftest import async_wait_until
 
 
@@ -317,3 +317,63 @@ async def test_a_followed_run_whose_record_is_gone_ends_worker_lost_naming_loss_
     [event] = follower.take_ready()
     assert event.type == "failed" and event.data["code"] == "worker_lost"
     assert "Redis lost its record" in event.data["message"] and "run_ttl_s" in event.data["message"]
+
+
+async def test_reads_for_single_followers_take_turns_in_their_share_of_the_pool(redis_url: str) -> None:
+    """Many callers' first reads of their runs (runs-API followers arriving together) hold at most
+    `READS_SHARE` of the gateway's pool at once; the rest wait their turn, and each still gets all
+    its run has (an audit: 1,500 followers of a large run held every connection, and an unrelated
+    completion waited 8 s for one)."""
+    redis = Redis.from_url(redis_url, max_connections=8)
+    hub = EventHub(redis)
+    share = int(8 * READS_SHARE)
+    runs = [f"run_turn{i}" for i in range(3 * share)]
+    for run_id in runs:
+        await redis.hset(keys.run_record(run_id), mapping={"state": "running"})
+        for n in range(3):
+            await add(redis, run_id, None, "delta", n)
+    active = most = 0
+    gate = asyncio.Event()
+    try:
+        async with hub.follow("run_started", fresh=True):  # (the listener is up before reads are counted)
+            pass
+        make_pipeline = redis.pipeline
+
+        def counted_pipeline(*args: Any, **kwargs: Any) -> Any:
+            pipe = make_pipeline(*args, **kwargs)
+            execute = pipe.execute
+
+            async def gated(*a: Any, **kw: Any) -> Any:
+                nonlocal active, most
+                active += 1
+                most = max(most, active)
+                try:
+                    await gate.wait()
+                    return await execute(*a, **kw)
+                finally:
+                    active -= 1
+
+            pipe.execute = gated
+            return pipe
+
+        redis.pipeline = counted_pipeline
+
+        async def first_read(run_id: str) -> list[int]:
+            async with hub.follow(run_id) as follower:
+                return [e.data["n"] for e in follower.take_ready()]
+
+        tasks = [asyncio.create_task(first_read(r)) for r in runs]
+
+        async def reads_waiting() -> bool:
+            return active >= share
+
+        await async_wait_until(reads_waiting, what="the first reads to start")
+        for _ in range(100):  # (every other follower gets the loop: none may start a read meanwhile)
+            await asyncio.sleep(0)
+        assert most == share
+        gate.set()
+        assert await asyncio.wait_for(asyncio.gather(*tasks), 10) == [[0, 1, 2]] * len(runs)
+    finally:
+        gate.set()
+        await hub.close()
+        await redis.aclose()
