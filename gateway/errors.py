@@ -199,7 +199,8 @@ def from_status(status: int, message: str) -> ApiError:
 
 #: What a caller who reached an unknown path is told the gateway serves (OpenAI's own API has more)
 SERVED_PATHS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/responses, "
-                "GET /v1/models, GET /v1/models/{model}, GET /v1/usage and the runs API (GET /v1/runs/{id})")
+                "GET /v1/models, GET /v1/models/{model}, GET /v1/usage and the runs API (GET and DELETE "
+                "/v1/runs/{id}, GET /v1/runs/{id}/events)")
 #: How much of an unknown path an error repeats
 MAX_SHOWN_PATH = 200
 

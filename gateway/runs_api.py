@@ -110,7 +110,10 @@ class RunsApi:
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         run_id = request.match_info["run_id"]
-        header = request.headers.get("Last-Event-ID", "").strip() or "0"
+        given = request.headers.getall("Last-Event-ID", [])
+        if len(given) > 1:  # (which one the client meant is not ours to guess)
+            raise invalid(f"Last-Event-ID was given {len(given)} times; give it once", param="Last-Event-ID")
+        header = (given[0] if given else "").strip() or "0"
         last_id = _stream_id(header)
         if last_id is None:
             raise invalid(f"Last-Event-ID {quoted(header)} is not an event id: an event id is one or two unsigned "

@@ -242,6 +242,18 @@ async def test_a_malformed_or_out_of_range_last_event_id_is_400(api: Api, last: 
     assert body["error"]["code"] == "invalid_request_error"
 
 
+async def test_last_event_id_given_twice_is_400(api: Api) -> None:
+    """(an audit: the first of two was used, silently)"""
+    run_id = await api.submit()
+    first = await api.event(run_id, "dispatched", {"provider": "p"})
+    headers = [("Last-Event-ID", first), ("Last-Event-ID", "0")]
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers=headers) as resp:
+        assert resp.status == 400
+        body = await resp.json()
+    validate("ErrorResponse", body)
+    assert body["error"]["param"] == "Last-Event-ID" and "2 times" in body["error"]["message"]
+
+
 @pytest.mark.parametrize("ended", [True, False])
 @pytest.mark.parametrize("last", [f"{2**64 - 1}-{2**64 - 1}", str(2**64 - 1)])
 async def test_the_largest_last_event_id_is_accepted(api: Api, last: str, ended: bool) -> None:
