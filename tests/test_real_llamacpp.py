@@ -276,6 +276,25 @@ def test_a_models_max_tokens_caps_a_request_that_asks_for_no_limit(real: Real) -
     assert through["usage"] == direct["usage"]
 
 
+@pytest.mark.parametrize("asked", [{}, {"max_completion_tokens": 2}, {"max_tokens": 2}])
+def test_a_models_max_tokens_caps_a_legacy_completion_and_the_callers_lower_limit_wins(
+        real: Real, asked: dict[str, int]) -> None:
+    """A legacy completion under a model's cap (4): asking for no limit gets the cap (the server
+    would generate to the end of its context); a lower limit wins, `max_completion_tokens` too,
+    which this server reads only as iop renames it (`max_tokens`). (That name alone once skipped
+    the cap on legacy completions, where OpenAI's API has no such field.)"""
+    real.prime()
+    through = asyncio.run(ask(real.gateway, "smollm2-capped", "completion", prompt="Once upon a time",
+                              temperature=0, extra_body=asked))  # (the client's completions take no such field)
+    tokens = next(iter(asked.values()), 4)
+    assert through["choices"][0]["finish_reason"] == "length"
+    assert through["usage"]["completion_tokens"] == tokens
+    real.prime()
+    direct = asyncio.run(ask(real.chat.url, gguf(), "completion", prompt="Once upon a time", temperature=0,
+                             max_tokens=tokens))
+    assert through["choices"][0]["text"] == direct["choices"][0]["text"]
+
+
 def test_a_developer_message_is_the_servers_system_message(real: Real) -> None:
     """OpenAI's newer name for system instructions, which llama-cpp-python refuses (a 500):
     through iop the answer is the server's own to the same as a `system` message."""
