@@ -212,11 +212,14 @@ class RequestRecord:
     epoch: int = 0
     started: float = field(default_factory=time.monotonic)
     duration_ms: float | None = None
+    #: when it began, as Unix time (to line it up with other processes' logs)
+    began_at: float = field(default_factory=time.time)
 
     def as_json(self) -> JsonObject:
         return {
             "model": self.model, "request_id": self.request_id, "path": self.path, "stream": self.stream,
             "disconnected": self.disconnected, "completed": self.completed, "duration_ms": self.duration_ms,
+            "began_at": round(self.began_at, 3),
         }
 
 

@@ -120,14 +120,18 @@ class FaultStack(Stack):
         except AssertionError:
             raise AssertionError("invariants broken: " + "; ".join(last)) from None
         completed: Counter[str] = Counter()
+        seen: list[tuple[str, dict[str, Any]]] = []
         for pid in self.sims:
             if self.sim_procs[pid].popen.poll() is not None:
                 continue
             for req in self.sim_stats(pid)["requests"]:
+                seen.append((pid, req))
                 if req["completed"] and req["request_id"]:
                     completed[req["request_id"]] += 1
         twice = {run: n for run, n in completed.items() if n > 1}
-        assert not (at_most_once and twice), f"runs executed more than once: {twice}"
+        # (each execution of those, to line up with the processes' logs: where the second came from)
+        told = [f"{pid}: {req}" for pid, req in seen if req["request_id"] in twice]
+        assert not (at_most_once and twice), f"runs executed more than once: {twice}; " + "; ".join(told)
         return twice
 
 

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import struct
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -344,6 +345,8 @@ async def test_stats_count_by_model_and_record_request_ids(sim: Sim) -> None:
     assert stats["total"] == 4 and stats["current"] == 0 and stats["max_concurrent"] == 1
     assert stats["by_model"] == {"sim-model": 1, "other-model": 2, "missing-model": 1}
     durations = [r.pop("duration_ms") for r in stats["requests"]]
+    began = [r.pop("began_at") for r in stats["requests"]]
+    assert began == sorted(began) and all(abs(time.time() - b) < 3600 for b in began)  # (Unix time, in order)
     assert all(isinstance(d, float) and d >= 0 for d in durations)
     assert stats["busy_ms"] >= sum(durations) - 0.01
     assert stats["requests"] == [
