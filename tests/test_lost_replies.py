@@ -19,7 +19,7 @@ from common import keys
 from common.codec import pack
 from common.redisconn import connect
 from common.scripts import Scripts
-from tests.conftest import redis_full
+from tests.conftest import async_wait_until, redis_full
 from tests.test_runner import node_worker
 
 
@@ -189,6 +189,59 @@ async def test_a_woken_job_whose_take_reply_came_is_not_handed_over_again(redis:
         worker.tasks[run_id].cancel()
         await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
     finally:
+        await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_run_handed_over_again_is_not_run_twice_when_its_task_ended_before_the_answer_came(
+        redis: Redis, redis_url: str) -> None:
+    """arq's poll took a run (its task sends it to the provider), and the wake-up's `take_woken`
+    ran in Redis while it ran: the run was running on this worker with no output yet, so the
+    script handed it over again. The task ended (the provider answered, the run completed) before
+    that answer was read: the answer's run is the one it ran, not one to run again. (A clean-clone
+    CI saw the provider run it twice: `_start` forgot ended tasks before it compared.)"""
+
+    from tests.test_runner import fields, start_one
+    from workers.runner import Runner
+
+    class Gated:
+        """A provider that answers once let."""
+
+        def __init__(self) -> None:
+            self.calls = 0
+            self.go = asyncio.Event()
+
+        async def complete(self, kind: Any, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+            self.calls += 1
+            await self.go.wait()
+            return {"object": "chat.completion", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+
+        async def probe(self) -> Any:
+            raise AssertionError("not probed here")
+
+        async def close(self) -> None:
+            return None
+
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)  # (its id is in the node's wake list too)
+    provider = Gated()
+    runner = Runner(redis, sched.config, "n-a", {"a": provider})  # type: ignore[dict-item]
+    worker = node_worker(redis_url, runner, poll_delay=0.2)
+    try:
+        await worker.claim_and_start([run_id])  # as arq's poll does
+        first = worker.tasks[run_id]
+        await async_wait_until(lambda: asyncio.sleep(0, provider.calls == 1), what="the run to reach its provider")
+        taken, woken, _ = await worker._take_woken(1)
+        assert woken and [t[:2] for t in taken] == [[run_id.encode(), b"ok"]]  # handed over again
+        provider.go.set()
+        assert await first == "completed:ok"
+        await worker._start(taken)
+        await asyncio.gather(*worker.tasks.values())  # (a second task, had one started, runs to its end)
+        assert provider.calls == 1
+        assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
+    finally:
+        for task in worker.tasks.values():
+            task.cancel()
+        await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
         await worker.pool.aclose(close_connection_pool=True)
 
 

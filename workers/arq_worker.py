@@ -211,8 +211,9 @@ class WakeWorker(Worker):
         A job id is its run's id, the same for every attempt: an attempt this worker runs already
         (handed over again: its answer was lost) is not run twice, and a new attempt of a run whose
         last attempt's task is still ending here (its `finish` landed, its reply not yet) runs
-        after that task."""
-        self._forget_finished()
+        after that task. Ended tasks are not forgotten here: one that ended after the script ran,
+        before its answer was read, ran the attempt the answer hands over again (forgotten first,
+        that attempt went to the provider a second time)."""
         for started in taken:
             job_id = started[0].decode()
             if started[1] != b"ok":
@@ -221,7 +222,7 @@ class WakeWorker(Worker):
             attempt = started_attempt(started)
             previous = self.tasks.get(job_id)
             if previous is not None and self._attempts.get(job_id) == attempt:
-                continue
+                continue  # (running here, or ended since the script ran)
             await self.sem.acquire()
             self.job_counter += 1
             run = partial(self.runner().run, job_id, started[1:])
