@@ -41,6 +41,10 @@ STARTED = web.AppKey("started", float)
 STOPPING = web.AppKey("stopping", Stopping)
 
 
+#: a chat completion's field as a Responses API request names it (its runs are chat completions)
+_RESPONSES_FIELD = {"response_format": "text.format"}
+
+
 def _timed_out(run_id: str) -> ApiError:
     """The gateway gave up on the run (its longest possible life passed)."""
     return ApiError(ErrorCode.EXECUTION_TIMEOUT, "the run did not finish in time", headers=run_headers(run_id))
@@ -126,7 +130,8 @@ async def run_request(request: web.Request) -> web.StreamResponse:
         _within_cap(req, model.id, model.max_tokens)
     refused = capabilities.refused_everywhere(req.kind, req.body, model.id, cfg.provider_types(model.id))
     if refused is not None:  # (every provider would refuse it: not queued only to be refused)
-        raise invalid(*refused)
+        message, field = refused
+        raise invalid(message, _RESPONSES_FIELD.get(field, field) if req.echo is not None else field)
     runs = request.app[RUNS]
     run_id = new_run_id()
     shape = None if req.echo is None else ResponseShape(run_id, model.id, req.echo)

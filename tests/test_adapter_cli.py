@@ -148,6 +148,9 @@ async def test_what_a_tool_cannot_be_given_is_refused_for_another_provider_and_a
         (RunKind.CHAT, chat(n=2), "n"),
         (RunKind.COMPLETION, {"model": SERVED, "prompt": "a", "n": 3}, "n"),
         (RunKind.CHAT, chat(n=2.0), "n"),  # (a server reads it as 2)
+        (RunKind.CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+        (RunKind.CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+         "response_format"),
         (RunKind.CHAT, {"model": SERVED, "messages": [
             {"role": "system", "content": "s"},
             {"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]}, "messages[1].content[1]"),
@@ -166,8 +169,8 @@ async def test_what_a_tool_cannot_be_given_is_refused_for_another_provider_and_a
             assert err.value.detail is not None and err.value.detail["param"] == param, body
             assert err.value.detail["code"] == "invalid_request_error"
     assert not started.exists()  # the tool never ran
-    # what it can carry still goes: no tools, one choice, text parts, an empty tools list
-    answer = await adapter().complete(RunKind.CHAT, chat(tools=[], n=1), "r")
+    # what it can carry still goes: no tools, one choice, text parts, an empty tools list, plain text
+    answer = await adapter().complete(RunKind.CHAT, chat(tools=[], n=1, response_format={"type": "text"}), "r")
     assert answer["choices"][0]["message"]["content"]
     gone = CliAdapter(ProviderConfig.model_validate(
         {"id": "c", "type": "cli", "command": ["iop-no-such-tool-4d1f"], "capacity": 1, "models": [SERVED]}))

@@ -43,6 +43,12 @@ OLLAMA, CLI, BOTH, MIXED = (frozenset({"ollama"}), frozenset({"cli"}), frozenset
     (EMBEDDING, {"input": "x"}, BOTH, None),
     (EMBEDDING, {"input": "x", "n": 2}, OLLAMA, None),
     (CHAT, {"n": 2}, frozenset(), None),
+    (CHAT, {"response_format": {"type": "json_object"}}, CLI, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, CLI,
+     "response_format"),
+    (COMPLETION, {"response_format": {"type": "json_object"}}, CLI, "response_format"),
+    (CHAT, {"response_format": {"type": "text"}}, CLI, None),
+    (CHAT, {"response_format": {"type": "json_object"}}, BOTH, None),  # (Ollama takes a format)
 ])
 def test_what_every_provider_would_refuse_names_its_field(kind: RunKind, body: dict[str, Any],
                                                           types: frozenset[str], field: str | None) -> None:
@@ -60,7 +66,8 @@ def config() -> Config:
 
     return parse_config({
         "models": [{"id": "one-choice", "providers": {"o": "s", "c": "s"}},
-                   {"id": "mixed", "providers": {"o": "s", "v": "s"}}],
+                   {"id": "mixed", "providers": {"o": "s", "v": "s"}},
+                   {"id": "cli-only", "providers": {"c": "s"}}],
         "nodes": [{"id": "n1", "providers": [provider("o", "ollama"), provider("c", "cli"), provider("v", "vllm")]}],
     })
 
@@ -93,3 +100,23 @@ async def test_the_gateway_refuses_at_once_what_no_provider_of_the_model_takes(g
             await async_wait_until(queued, what="the run of the mixed model to be queued")
         finally:
             waiting.cancel()
+
+
+async def test_a_json_format_of_a_model_served_only_by_cli_tools_is_refused_naming_the_callers_field(
+        gateway: str, redis: Redis) -> None:
+    """A tool's answer is what it prints: a JSON format asked of a model only CLI tools serve is a
+    400 at once (it was passed over, and the caller got free text), naming the field as the caller
+    sent it: `response_format` in a chat completion, `text.format` in a Responses API request."""
+    said = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    calls: list[tuple[str, dict[str, Any], str]] = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": said},
+         "response_format"),
+        ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format")]
+    async with aiohttp.ClientSession() as http:
+        for path, request, field in calls:
+            async with http.post(f"{gateway}{path}", json={"model": "cli-only", **request}) as resp:
+                body = await resp.json()
+            assert resp.status == 400, body
+            validate("ErrorResponse", body)
+            assert body["error"]["param"] == field and "JSON format" in body["error"]["message"]
+    assert await redis.keys("iop:run:*") == []  # nothing queued

@@ -3,15 +3,15 @@
 A chat with a single user message is that message's text. Any other chat is one block per
 message, `role: text`, separated by blank lines. A text completion is its prompt. What the text
 cannot carry (tools to call, an image or audio part, several choices, several prompts,
-embeddings) is refused, not dropped: the run goes to another provider of the model if one is
-available (`NotForCli`).
+embeddings, a JSON format to hold the answer to) is refused, not dropped: the run goes to another
+provider of the model if one is available (`NotForCli`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from common.capabilities import TOOL_FIELDS, asks_several_choices
+from common.capabilities import TOOL_FIELDS, asks_several_choices, asks_structured_output
 from common.wire import RunKind
 
 
@@ -52,12 +52,16 @@ def flatten_messages(messages: Any) -> str:
 
 
 def _one_answer(body: dict[str, Any]) -> None:
-    """Refuse what asks for more than one plain-text answer: tools to call, or `n` > 1."""
+    """Refuse what asks for more than one plain-text answer: tools to call, `n` > 1, or an answer
+    in a JSON format."""
     for name in TOOL_FIELDS:
         if body.get(name):
             raise NotForCli("a cli provider does not call tools", name)
     if asks_several_choices(body):
         raise NotForCli("a cli provider gives one answer a request", "n")
+    if asks_structured_output(body):
+        raise NotForCli("a cli provider's answer is the text its command prints: it cannot be held to a JSON format",
+                        "response_format")
 
 
 def prompt_text(kind: RunKind, body: dict[str, Any]) -> str:
