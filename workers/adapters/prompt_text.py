@@ -52,8 +52,8 @@ def flatten_messages(messages: Any) -> str:
 
 
 def _one_answer(body: dict[str, Any]) -> None:
-    """Refuse what asks for more than one plain-text answer: tools to call, `n` > 1, or an answer
-    in a JSON format."""
+    """Refuse what asks for anything but one plain-text answer: tools to call, `n` > 1, or an
+    answer in a JSON format."""
     for name in TOOL_FIELDS:
         if body.get(name):
             raise NotForCli("a cli provider does not call tools", name)
