@@ -36,6 +36,18 @@ def sse(obj: Any) -> bytes:
 END_WITHIN_S = 1.0
 
 
+def not_taken(exc: BaseException) -> bool:
+    """Whether `exc`, raised by the last write to a caller within a bound, says the caller did not
+    take it: the bound passed, the connection broke, or the write's wait for the caller to read was
+    given up before it began (a deadline that cut an earlier write cancelled aiohttp's wait, which
+    every later write then awaits: a CancelledError at once, though nothing cancels the task).
+    Else it is the task's own cancellation (the caller left, the gateway stops): raised again."""
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    task = asyncio.current_task()
+    return isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() == 0
+
+
 def sse_chunks(chunks: list[Any], model_id: str) -> bytes:
     """A delta's chunks as SSE lines, each saying `model_id`: one text."""
     return b"".join([b"data: " + dumps(with_model(c, model_id)) + b"\n\n" for c in chunks])
@@ -125,7 +137,9 @@ class SSEStream:
         try:
             async with asyncio.timeout(within_s):
                 return await self.end_with(error)
-        except (TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError, asyncio.CancelledError) as exc:
+            if not not_taken(exc):
+                raise
             if self.request.transport is not None:
                 self.request.transport.abort()
             return self.resp

@@ -29,7 +29,7 @@ from common.wire import ErrorCode, EventType, RunField
 from gateway.auth import principal
 from gateway.errors import REQUEST_ID_HEADER, ApiError, caller_left, invalid, new_request_id
 from gateway.events import READ_COUNT, Event, stored_event
-from gateway.responses import END_WITHIN_S, KEEP_ALIVE, RUN_ID_HEADER, with_model
+from gateway.responses import END_WITHIN_S, KEEP_ALIVE, RUN_ID_HEADER, not_taken, with_model
 from gateway.runs import RunClient
 
 #: How long DELETE waits for a running run to end before it answers 202.
@@ -149,7 +149,9 @@ class RunsApi:
         try:  # (a caller that stopped reading does not hold the gateway: it has END_WITHIN_S)
             async with asyncio.timeout(END_WITHIN_S):
                 await resp.write_eof(told)
-        except (TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError, asyncio.CancelledError) as exc:
+            if not not_taken(exc):
+                raise
             if request.transport is not None:
                 request.transport.abort()
         return resp

@@ -226,6 +226,40 @@ async def test_an_events_stream_the_gateway_stops_following_ends_with_an_error_e
     assert "Last-Event-ID" in last.data["error"]["message"] and run_id in last.data["error"]["message"]
 
 
+async def test_a_follower_that_stopped_reading_is_closed_once_the_stream_is_given_up(
+        api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runs-API caller that reads nothing while its run writes megabytes: once the follow's bound
+    passes (0.5 s here), the gateway gives it `END_WITHIN_S` for the stream's end, then closes its
+    connection (its handler waited for the caller's reads for good before)."""
+    import socket
+
+    monkeypatch.setattr("gateway.runs.FOLLOW_GRACE_S", 0.0)
+    run_id = await api.submit()
+    await api.redis.hset(keys.run_record(run_id), "state", "running")  # (no stuck-run check ends it)
+    for _ in range(40):  # 10 MB, more than the sockets hold
+        await api.event(run_id, "delta", {"chunks": [chunk("x" * 256 * 1024)]})
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (api.server.host, api.server.port))
+    try:
+        await asyncio.get_running_loop().sock_sendall(
+            sock, f"GET /v1/runs/{run_id}/events HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
+        assert api.server.runner is not None and api.server.runner.server is not None
+        server = api.server.runner.server
+
+        async def opened() -> bool:
+            return len(server.connections) == 1
+
+        async def closed() -> bool:
+            return not server.connections
+
+        await async_wait_until(opened, what="the follower's connection")
+        await async_wait_until(closed, timeout=15, what="the connection of a caller that reads nothing to close")
+    finally:
+        sock.close()
+
+
 @pytest.mark.parametrize("last", [
     "abc", "1-2-3", "-1", "1-", "\u0661\u0662",  # Arabic-Indic digits are digits to Python, not to Redis
     "99999999999999999999-0", "0-99999999999999999999", str(2**64), f"{2**64}-0",
