@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -36,16 +36,22 @@ def sse(obj: Any) -> bytes:
 END_WITHIN_S = 1.0
 
 
-def not_taken(exc: BaseException) -> bool:
-    """Whether `exc`, raised by the last write to a caller within a bound, says the caller did not
-    take it: the bound passed, the connection broke, or the write's wait for the caller to read was
-    given up before it began (a deadline that cut an earlier write cancelled aiohttp's wait, which
-    every later write then awaits: a CancelledError at once, though nothing cancels the task).
-    Else it is the task's own cancellation (the caller left, the gateway stops): raised again."""
-    if isinstance(exc, (TimeoutError, ConnectionError)):
-        return True
-    task = asyncio.current_task()
-    return isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() == 0
+async def ended_within(request: web.Request, ending: Awaitable[object], within_s: float = END_WITHIN_S) -> None:
+    """Await `ending`, the last write of an answer whose caller may have stopped reading, for at
+    most `within_s`. A caller that does not take it has its connection closed: the bound passed,
+    the connection broke, or the write's wait for the caller to read was given up before it began
+    (a deadline that cut an earlier write cancelled aiohttp's wait, which every later write then
+    awaits: a CancelledError at once, though nothing cancels the task). The task's own
+    cancellation (the caller left, the gateway stops) is raised again."""
+    try:
+        async with asyncio.timeout(within_s):
+            await ending
+    except (TimeoutError, ConnectionError, asyncio.CancelledError) as exc:
+        task = asyncio.current_task()
+        if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
+            raise
+        if request.transport is not None:
+            request.transport.abort()
 
 
 def sse_chunks(chunks: list[Any], model_id: str) -> bytes:
@@ -134,15 +140,8 @@ class SSEStream:
         None when the headers have not gone out: the error keeps its own HTTP status."""
         if self.resp is None:
             return None
-        try:
-            async with asyncio.timeout(within_s):
-                return await self.end_with(error)
-        except (TimeoutError, ConnectionError, asyncio.CancelledError) as exc:
-            if not not_taken(exc):
-                raise
-            if self.request.transport is not None:
-                self.request.transport.abort()
-            return self.resp
+        await ended_within(self.request, self.end_with(error), within_s)
+        return self.resp
 
     async def end_with(self, error: ApiError, before: bytes = b"") -> web.StreamResponse:
         """End the answer with `before`, then `error` OpenAI-shaped in the stream, then `[DONE]`

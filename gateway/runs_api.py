@@ -29,7 +29,7 @@ from common.wire import ErrorCode, EventType, RunField
 from gateway.auth import principal
 from gateway.errors import REQUEST_ID_HEADER, ApiError, caller_left, invalid, new_request_id
 from gateway.events import READ_COUNT, Event, stored_event
-from gateway.responses import END_WITHIN_S, KEEP_ALIVE, RUN_ID_HEADER, not_taken, with_model
+from gateway.responses import KEEP_ALIVE, RUN_ID_HEADER, ended_within, with_model
 from gateway.runs import RunClient
 
 #: How long DELETE waits for a running run to end before it answers 202.
@@ -146,14 +146,7 @@ class RunsApi:
             if caller_left(request):  # (a write to the caller failed: it went away, Redis did not)
                 return resp
             told = _error_event(ApiError(ErrorCode.UNAVAILABLE, f"Redis is unavailable: {exc}"))
-        try:  # (a caller that stopped reading does not hold the gateway: it has END_WITHIN_S)
-            async with asyncio.timeout(END_WITHIN_S):
-                await resp.write_eof(told)
-        except (TimeoutError, ConnectionError, asyncio.CancelledError) as exc:
-            if not not_taken(exc):
-                raise
-            if request.transport is not None:
-                request.transport.abort()
+        await ended_within(request, resp.write_eof(told))  # (a caller that stopped reading is not waited for)
         return resp
 
     async def _beyond(self, run_id: str, last_id: str) -> bool:
