@@ -646,17 +646,25 @@ def read_yaml(path: str | Path) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start} is 0x{raw[exc.start]:02x})"]) from None
-    loader = yaml.SafeLoader(text)  # (as yaml.safe_load does, the document checked between its two steps)
+    loader: yaml.SafeLoader | None = None
     try:
+        loader = yaml.SafeLoader(text)  # (as yaml.safe_load does, the document checked between its two steps)
         node = loader.get_single_node()
         repeated = repeated_keys(node)
         if repeated:
             raise ConfigError(repeated)
         return loader.construct_document(node) if node is not None else None
+    except yaml.reader.ReaderError as exc:  # (a character YAML does not allow: NUL, most control characters)
+        line = text.count("\n", 0, exc.position) + 1
+        said = f"character U+{exc.character:04X} is not allowed (line {line})"
+        raise ConfigError([f"{path}: not valid YAML: {said}"]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([f"{path}: not valid YAML: {yaml_fault(exc)}"]) from None
+    except RecursionError:  # (PyYAML reads nested collections by recursion: some hundred levels)
+        raise ConfigError([f"{path}: not valid YAML: nested too deeply"]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def repeated_keys(root: yaml.Node | None) -> list[str]:

@@ -755,3 +755,18 @@ def test_invalid_yaml_is_one_line_saying_where(tmp_path: Path) -> None:
         load_config(path)
     [error] = info.value.errors
     assert "\n" not in error and error.startswith(f"{path}: not valid YAML: ") and "(line 2, column 3)" in error
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    (b"models: []\nx: \"\x00\"\n", "character U+0000 is not allowed (line 2)"),
+    (b"models: []\n\x01\n", "character U+0001 is not allowed (line 2)"),
+    (b"models: " + b"[" * 2000 + b"]" * 2000 + b"\n", "nested too deeply"),
+    (b"models:\n" + b"".join(b"  " * i + b"a:\n" for i in range(1, 1000)), "nested too deeply"),
+])
+def test_a_control_character_or_a_document_nested_beyond_reading_is_one_error_not_a_traceback(
+        tmp_path: Path, raw: bytes, expected: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(raw)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.errors == [f"{path}: not valid YAML: {expected}"]
