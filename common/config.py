@@ -39,6 +39,8 @@ PROVIDER_ID_PATTERN = r"^[^\s,]+$"
 #: the most `aliases` a model may have, and the longest one
 MAX_ALIASES = 64
 MAX_ALIAS_CHARS = 256
+#: the longest model, node or provider id (each is part of Redis keys and of every run's record)
+MAX_ID_CHARS = 256
 #: the largest `max_tokens` a model may set
 MAX_TOKENS = 10_000_000
 #: A site as a browser names it in `Origin` (scheme, host and port; no path), or `*` for any.
@@ -101,11 +103,12 @@ class QueueOverride(Strict):
 
 
 class ProviderConfig(Strict):
-    id: str = Field(pattern=PROVIDER_ID_PATTERN)
+    id: str = Field(pattern=PROVIDER_ID_PATTERN, max_length=MAX_ID_CHARS)
     type: ProviderType
     category: Category | None = None
     base_url: str | None = None
-    api_key_env: str | None = Field(None, description="name of the env var holding the API key")
+    api_key_env: str | None = Field(None, pattern=ENV_NAME_PATTERN,
+                                    description="name of the env var holding the API key")
     capacity: int = Field(ge=1, le=MAX_CAPACITY)
     models: list[str] = Field(min_length=1)
     connect_timeout_ms: int = Field(5_000, ge=1, le=MAX_DURATION_MS)
@@ -134,12 +137,12 @@ class ProviderConfig(Strict):
 
 
 class NodeConfig(Strict):
-    id: str = Field(pattern=ID_PATTERN)
+    id: str = Field(pattern=ID_PATTERN, max_length=MAX_ID_CHARS)
     providers: list[ProviderConfig] = Field(default_factory=list)
 
 
 class ModelConfig(Strict):
-    id: str = Field(pattern=ID_PATTERN)
+    id: str = Field(pattern=ID_PATTERN, max_length=MAX_ID_CHARS)
     display_name: str | None = None
     #: other names callers may ask for the model by (`chat-default`, an old id kept for a rename)
     aliases: list[Annotated[str, Field(pattern=ID_PATTERN, max_length=MAX_ALIAS_CHARS)]] = Field(
@@ -416,6 +419,7 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
     errors = _duplicates([(f"models[{i}].id", m.get("id")) for i, m in enumerate(models) if "id" in m], "model")
     errors += _case_twins(models)
     errors += _alias_faults(models)
+    errors += _unprintable_ids(models, nodes)
     errors += _duplicates([(f"nodes[{i}].id", n.get("id")) for i, n in enumerate(nodes) if "id" in n], "node")
     providers: dict[str, Mapping[str, Any]] = {}
     provider_paths = []
@@ -504,6 +508,18 @@ def _alias_faults(models: Sequence[Mapping[str, Any]]) -> list[str]:
                 names[alias] = (path, i)
                 folded.setdefault(fold, (path, i))
     return errors
+
+
+def _unprintable_ids(models: Sequence[Mapping[str, Any]], nodes: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A model's, node's or provider's id is printable text: a control or format character (a
+    zero-width space) makes two ids that look alike, and goes raw into logs and the catalog."""
+    ids = [(f"models[{i}].id", m.get("id")) for i, m in enumerate(models)]
+    for i, node in enumerate(nodes):
+        ids.append((f"nodes[{i}].id", node.get("id")))
+        providers = enumerate(_list(node.get("providers")))
+        ids += [(f"nodes[{i}].providers[{j}].id", _map(p).get("id")) for j, p in providers]
+    return [f"{path}: {value!r} holds {bad}; an id is printable text"
+            for path, value in ids if isinstance(value, str) and (bad := _unprintable(value)) is not None]
 
 
 def folded_name(name: str) -> str:

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from iop.embedded_redis import RedisServer, free_port
-from tests.conftest import Stack
+from tests.conftest import Proc, Stack
 from tests.test_e2e import start_pool
 from tests.tls import TlsRedis
 
@@ -73,3 +73,20 @@ def test_a_worker_started_before_redis_waits_for_it_then_serves(tmp_path: Path) 
     finally:
         stack.stop_all()
         server.cleanup()
+
+
+def test_a_worker_whose_environment_lacks_a_providers_api_key_env_says_so_at_start(stack: Stack) -> None:
+    from tests.test_e2e import pool_config
+
+    config = pool_config({"vllm-a": ("node-a", "http://127.0.0.1:9", 1), "vllm-b": ("node-a", "http://127.0.0.1:9", 1)})
+    config["nodes"][0]["providers"][0]["api_key_env"] = "IOP_TEST_KEY_NOBODY_SET"
+    config["nodes"][0]["providers"][1]["api_key_env"] = "IOP_TEST_KEY_SET"
+    stack.write_config(config)
+    env = stack.env() | {"IOP_TEST_KEY_SET": "sk-test"}
+    env.pop("IOP_TEST_KEY_NOBODY_SET", None)
+    worker = Proc("worker-node-a", ["worker", "--node", "node-a"], env)
+    stack.procs.append(worker)
+    worker.wait_for_line(r"provider vllm-a: its api_key_env IOP_TEST_KEY_NOBODY_SET is not set")
+    worker.wait_for_line(r"worker for queue \S+ started")
+    said = worker.output()
+    assert "IOP_TEST_KEY_SET is not set" not in said and "sk-test" not in said, said

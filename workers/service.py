@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import aiohttp
@@ -44,6 +46,13 @@ def make_adapter(provider: ProviderConfig, session: aiohttp.ClientSession,
     if provider.type == "cli":
         return CliAdapter(provider, secret_env - {provider.api_key_env or ""}, limits)
     return OpenAICompatAdapter(provider, session, limits)  # vllm, sglang, llamacpp, lemonade, openai_api
+
+
+def unset_keys(providers: Iterable[ProviderConfig], environ: Mapping[str, str]) -> list[str]:
+    """A warning for each provider whose `api_key_env` names a variable `environ` lacks or holds
+    empty: the worker sends its requests without a key (a hosted API will refuse them)."""
+    return [f"provider {p.id}: its api_key_env {p.api_key_env} is not set in this worker's environment; its "
+            "requests go without an API key" for p in providers if p.api_key_env and not environ.get(p.api_key_env)]
 
 
 async def run_job(ctx: dict[str, Any], run_id: str) -> str:
@@ -90,6 +99,8 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
     background: list[asyncio.Task[Any]] = []
 
     async def startup(ctx: dict[str, Any]) -> None:
+        for warning in unset_keys(node.providers, os.environ):
+            log.warning("%s", warning)
         redis = connect(redis_url, client_name="iop-worker")
         session = provider_session()
         secrets = frozenset(p.api_key_env for n in config.nodes for p in n.providers if p.api_key_env)
