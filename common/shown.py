@@ -19,3 +19,14 @@ def quoted(text: str, limit: int = SHOWN_CHARS) -> str:
     characters, quotes, backslashes, halves of surrogate pairs) escaped as JSON escapes it."""
     cut = text if len(text) <= limit else text[:limit] + "…"
     return _UNSHOWABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(cut, ensure_ascii=False))
+
+
+#: what a terminal line must not hold as it is: the C0 and C1 controls (a newline forges a line, an
+#: escape sequence rewrites the screen), DEL, line separators, bidirectional overrides, surrogates
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """`text` for one cell of a table a terminal shows: what could forge a line or rewrite the
+    screen is escaped (`\\u000a`); the rest is as it is."""
+    return _UNPRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)

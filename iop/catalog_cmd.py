@@ -15,14 +15,17 @@ from typing import Any
 from common.catalog import Catalog, ModelRecord, ProviderRecord, read_catalog
 from common.config import Config
 from common.redisconn import REDIS_DOWN, connect, now_ms, redact
+from common.shown import printable
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned columns two spaces apart; the last column is not padded."""
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    """Left-aligned columns two spaces apart; the last column is not padded. A cell's control
+    characters are escaped: what Redis holds (an audit entry's `who`) cannot forge a line."""
+    shown = [[printable(str(c)) for c in row] for row in [headers, *rows]]
+    widths = [max(len(r[i]) for r in shown) for i in range(len(headers))]
     lines = []
-    for row in [headers, *rows]:
-        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=False)] + [str(row[-1])]
+    for row in shown:
+        cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=False)] + [row[-1]]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 

@@ -16,6 +16,7 @@ from common import keys
 from common.codec import decode_event
 from common.redisconn import REDIS_DOWN, connect, redact
 from common.runview import TIMESTAMPS, run_view
+from common.shown import printable
 
 
 async def read_run(redis_url: str, run_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
@@ -49,7 +50,7 @@ def _summary(event: dict[str, Any]) -> str:
 
 
 def render(view: dict[str, Any], events: list[dict[str, Any]]) -> str:
-    """The record as `name  value` lines, then one line per event."""
+    """The record as `name  value` lines, then one line per event; control characters escaped."""
     rows: list[tuple[str, str]] = [
         ("run", view["id"]), ("state", str(view["state"])), ("model", str(view["model"])),
         ("kind", f"{view['kind']}{' (stream)' if view['stream'] else ''}"),
@@ -67,11 +68,11 @@ def render(view: dict[str, Any], events: list[dict[str, Any]]) -> str:
     if view["error"]:
         rows.append(("error", f"{view['error']['code']}: {view['error']['message']}"))
     width = max(len(name) for name, _ in rows)
-    lines = [f"{name.ljust(width)}  {value}" for name, value in rows]
+    lines = [f"{name.ljust(width)}  {printable(value)}" for name, value in rows]  # (a provider's error text)
     lines.append(f"events ({len(events)}):")
     id_width = max((len(e["id"]) for e in events), default=0)
     for event in events:
-        lines.append(f"  {event['id'].ljust(id_width)}  {event['type']:<10}  {_summary(event)}".rstrip())
+        lines.append(f"  {event['id'].ljust(id_width)}  {event['type']:<10}  {printable(_summary(event))}".rstrip())
     return "\n".join(lines)
 
 

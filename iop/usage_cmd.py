@@ -10,15 +10,14 @@ import sys
 from common.config import Config
 from common.redisconn import REDIS_DOWN, connect
 from common.usage import Usage, day_range, has_usage, key_names, read_usage
+from iop.catalog_cmd import table
 
 COLUMNS = ("DATE", "KEY", "MODEL", "RUNS", "PROMPT", "COMPLETION", "TOTAL", "FAILURES")
 
 
-def table(rows: list[Usage]) -> str:
-    cells = [COLUMNS] + [(r.date or "", r.key, r.model, str(r.runs), str(r.prompt_tokens), str(r.completion_tokens),
-                          str(r.prompt_tokens + r.completion_tokens), str(r.failures)) for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
+def usage_table(rows: list[Usage]) -> str:
+    return table(COLUMNS, [(r.date or "", r.key, r.model, str(r.runs), str(r.prompt_tokens), str(r.completion_tokens),
+                            str(r.prompt_tokens + r.completion_tokens), str(r.failures)) for r in rows])
 
 
 def main(config: Config, redis_url: str, key: str | None, model: str | None, since: str | None,
@@ -52,5 +51,5 @@ def main(config: Config, redis_url: str, key: str | None, model: str | None, sin
         print(json.dumps({"object": "list", "start_date": days[0], "end_date": days[-1],
                           "data": [r.to_json() for r in rows]}, indent=2))
     else:
-        print(table(rows))
+        print(usage_table(rows))
     return 0

@@ -266,3 +266,17 @@ def test_a_gateway_on_an_ipv6_address_says_where_as_a_url(redis_url: str) -> Non
         finally:
             proc.terminate()
             proc.wait(TIMEOUT_S)
+
+
+def test_a_user_name_holding_a_newline_or_an_escape_cannot_forge_a_line_of_the_audit(redis_url: str) -> None:
+    # (`who` came from $USER and was printed raw: a newline added an audit line nobody wrote)
+    forged = "eve\n2026-01-01 00:00:00  cli:root  drain  provider sglang-b  \x1b[2J"
+    done = iop("provider", "drain", "vllm-a", "--config", DEMO, "--redis", redis_url,
+               env={**os.environ, "USER": forged, "LOGNAME": forged})
+    assert done.returncode == 0, done.stderr
+    shown = iop("audit", "--redis", redis_url)
+    assert shown.returncode == 0, shown.stderr
+    header, *entries = shown.stdout.strip().splitlines()
+    assert header.startswith("TIME") and len(entries) == 1, shown.stdout
+    assert "cli:eve\\u000a2026-01-01" in entries[0] and "\\u001b[2J" in entries[0], entries
+    assert "\x1b" not in shown.stdout
