@@ -11,7 +11,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
-from redis.exceptions import OutOfMemoryError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from common.jsonio import dumps, json_response
 from common.redisconn import REDIS_DOWN
@@ -264,5 +264,9 @@ def error_response(request: web.Request, error: Exception) -> web.StreamResponse
         log.warning("redis is full (maxmemory) on %s %s", request.method, request.path)
         return ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) is full; nothing was queued; retry later",
                         headers={"Retry-After": "5"}).response()
+    if isinstance(error, RedisError):  # Redis answered an error: an ACL user without a command iop sends, ...
+        log.error("redis refused a command on %s %s: %s", request.method, request.path, error)
+        return ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) refused iop's command; the operator can see why "
+                        "in the gateway's log", headers={"Retry-After": "5"}).response()
     log.error("unhandled error on %s %s", request.method, request.path, exc_info=error)
     return ApiError(ErrorCode.INTERNAL, "internal error").response()

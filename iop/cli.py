@@ -210,8 +210,33 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(1) from None
 
 
+def _refused(exc: Exception, url: str) -> int:
+    """An operator command's one line for an error Redis answered (an ACL user without the right
+    to a command iop sends, a read-only replica, a script Redis refused) or for a server that does
+    not speak Redis's protocol; not a traceback. (One Redis cannot be reached is each command's own
+    to say, as `cannot reach Redis`.)"""
+    from redis.exceptions import InvalidResponse
+
+    from common.redisconn import redact
+
+    said = "does not answer as Redis does" if isinstance(exc, InvalidResponse) else "refused the command"
+    print(f"error: Redis at {redact(url)} {said}: {exc}", file=sys.stderr)
+    return 1
+
+
 def _main(argv: Sequence[str] | None) -> None:
     args = build_parser().parse_args(argv)
+    try:
+        _command(args)
+    except Exception as exc:  # (a service handles its own Redis errors: only an operator command's get here)
+        from redis.exceptions import RedisError
+
+        if not isinstance(exc, RedisError):
+            raise
+        raise SystemExit(_refused(exc, getattr(args, "redis", None) or "")) from None
+
+
+def _command(args: argparse.Namespace) -> None:
     from common.lifecycle import setup_logging
 
     if getattr(args, "redis", None) is not None:

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -280,3 +281,63 @@ def test_a_user_name_holding_a_newline_or_an_escape_cannot_forge_a_line_of_the_a
     assert header.startswith("TIME") and len(entries) == 1, shown.stdout
     assert "cli:eve\\u000a2026-01-01" in entries[0] and "\\u001b[2J" in entries[0], entries
     assert "\x1b" not in shown.stdout
+
+
+@pytest.fixture
+def not_redis() -> Iterator[str]:
+    """A server on a port of its own that answers every command with an HTML page (an HTTP server
+    where Redis was meant to be)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(5)
+                try:
+                    if conn.recv(65536):
+                        conn.sendall(b"<html><body>Bad request</body></html>\r\n")
+                        conn.recv(65536)  # (until the client closes)
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+    stop.set()
+    thread.join(timeout=10)
+    listener.close()
+
+
+@pytest.fixture
+def refusing_user(redis_url: str) -> Iterator[str]:
+    """The test's Redis, as an ACL user that may connect but run none of the commands iop sends."""
+    import redis as sync_redis
+
+    user = "iop-may-not"
+    admin = sync_redis.Redis.from_url(redis_url)
+    admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "-@all", "+auth", "+select", "+client",
+                          "+ping", "+hello")
+    try:
+        yield redis_url.replace("redis://", f"redis://{user}:pw@")
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.close()
+
+
+@pytest.mark.parametrize("server", ["not_redis", "refusing_user"])
+@pytest.mark.parametrize("args", REDIS_COMMANDS[:7], ids=lambda args: " ".join(a for a in args if a != DEMO))
+def test_an_error_redis_answers_stops_an_operator_command_with_one_line(
+        args: list[str], server: str, request: pytest.FixtureRequest) -> None:
+    # (a server that is not Redis, or a user without the right to a command, ended in a traceback)
+    url: str = request.getfixturevalue(server)
+    done = iop(*args, "--redis", url)
+    line = one_line(done)
+    assert done.returncode == 1 and line.startswith("error: Redis at "), line
+    assert "pw@" not in line, line
+    assert ("Protocol error" in line) if server == "not_redis" else ("no permissions" in line), line

@@ -329,3 +329,27 @@ async def test_readyz_when_redis_answers_with_an_error_is_503_not_500(
     err = resp.error()
     assert err["code"] == "service_unavailable" and err["message"].startswith("not ready: Redis answered with an error")
     assert any(r.levelno == logging.WARNING and "not ready" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_command_redis_refuses_is_a_503_saying_so_not_a_500(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """An ACL user that may not run scripts: /readyz's PING passes, and every run's script was
+    refused with NOPERM, which came out as 500 `internal_error`. It is a 503 now, and the log says why."""
+    user = f"iop-no-scripts-{uuid.uuid4().hex[:8]}"
+    admin = Redis.from_url(redis_url)
+    await admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-@scripting")
+    parts = urlsplit(redis_url)
+    runner, gw = await serve(config(), urlunsplit((parts.scheme, f"{user}:pw@{parts.netloc}", parts.path, "", "")))
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        resp = await post_chat(gw, json.dumps(body).encode())
+    finally:
+        await runner.cleanup()
+        await admin.execute_command("ACL", "DELUSER", user)
+        await admin.aclose()
+    assert resp.status == 503, resp.body
+    err = resp.error()
+    assert err["code"] == "service_unavailable" and "Redis) refused" in err["message"], err
+    assert resp.headers.get("retry-after") == "5"
+    said = logged(caplog)
+    assert any(r.levelno == logging.ERROR and "no permissions" in r.getMessage() for r in caplog.records), said
