@@ -17,9 +17,9 @@ REDIS_HELP = ("Redis URL: redis://host:6379/0, rediss://… (TLS), or Sentinel: 
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=os.environ.get("IOP_CONFIG", DEFAULT_CONFIG),
+    p.add_argument("--config", default=os.environ.get("IOP_CONFIG") or DEFAULT_CONFIG,
                    help="config file (default: $IOP_CONFIG, else iop.yaml)")
-    p.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS), help=REDIS_HELP)
+    p.add_argument("--redis", default=os.environ.get("REDIS_URL") or DEFAULT_REDIS, help=REDIS_HELP)
 
 
 def whole_number(text: str, what: str = "a whole number") -> int:
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     p = sub.add_parser("audit", help="operator changes, newest first (read-only)")
-    p.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS), help=REDIS_HELP)
+    p.add_argument("--redis", default=os.environ.get("REDIS_URL") or DEFAULT_REDIS, help=REDIS_HELP)
     p.add_argument("--limit", type=whole_number, default=50, help="how many (default 50, at most 1000)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     rsub = p.add_subparsers(dest="runs_command", required=True)
     r = rsub.add_parser("show", help="a run's record and events, from Redis")
     r.add_argument("run_id")
-    r.add_argument("--redis", default=os.environ.get("REDIS_URL", DEFAULT_REDIS), help=REDIS_HELP)
+    r.add_argument("--redis", default=os.environ.get("REDIS_URL") or DEFAULT_REDIS, help=REDIS_HELP)
     r.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     p = sub.add_parser("keys", help="API keys")

@@ -341,3 +341,9 @@ def test_an_error_redis_answers_stops_an_operator_command_with_one_line(
     assert done.returncode == 1 and line.startswith("error: Redis at "), line
     assert "pw@" not in line, line
     assert ("Protocol error" in line) if server == "not_redis" else ("no permissions" in line), line
+
+
+def test_an_empty_iop_config_is_as_if_it_were_not_set(redis_url: str) -> None:
+    # (an empty $IOP_CONFIG, as compose's `${IOP_CONFIG:-}` gives, said "error: : cannot read: Is a directory")
+    done = iop("queues", "--redis", redis_url, env={**os.environ, "IOP_CONFIG": ""})
+    assert one_line(done) == "error: iop.yaml: cannot read: No such file or directory"
