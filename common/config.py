@@ -416,11 +416,12 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
     data = cfg.model_dump() if isinstance(cfg, Config) else cfg
     models = [_map(m) for m in _list(data.get("models"))]
     nodes = [_map(n) for n in _list(data.get("nodes"))]
-    errors = _duplicates([(f"models[{i}].id", m.get("id")) for i, m in enumerate(models) if "id" in m], "model")
+    model_paths = [(f"models[{i}].id", m.get("id")) for i, m in enumerate(models) if "id" in m]
+    node_paths = [(f"nodes[{i}].id", n.get("id")) for i, n in enumerate(nodes) if "id" in n]
+    errors = _duplicates(model_paths, "model")
     errors += _case_twins(models)
     errors += _alias_faults(models)
-    errors += _unprintable_ids(models, nodes)
-    errors += _duplicates([(f"nodes[{i}].id", n.get("id")) for i, n in enumerate(nodes) if "id" in n], "node")
+    errors += _duplicates(node_paths, "node")
     providers: dict[str, Mapping[str, Any]] = {}
     provider_paths = []
     for i, node in enumerate(nodes):
@@ -437,6 +438,7 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
             served = [(f"{path}.models[{k}]", x) for k, x in enumerate(_list(p.get("models")))]
             errors += _duplicates(served, "served model")
     errors += _duplicates(provider_paths, "provider")
+    errors += _unprintable_ids(model_paths + node_paths + provider_paths)
     # Where the nodes themselves are malformed, which providers exist is not known: say
     # nothing about references rather than something false.
     nodes_known = bool(nodes) and all(isinstance(n.get("providers", []), list) for n in nodes)
@@ -510,14 +512,9 @@ def _alias_faults(models: Sequence[Mapping[str, Any]]) -> list[str]:
     return errors
 
 
-def _unprintable_ids(models: Sequence[Mapping[str, Any]], nodes: Sequence[Mapping[str, Any]]) -> list[str]:
-    """A model's, node's or provider's id is printable text: a control or format character (a
-    zero-width space) makes two ids that look alike, and goes raw into logs and the catalog."""
-    ids = [(f"models[{i}].id", m.get("id")) for i, m in enumerate(models)]
-    for i, node in enumerate(nodes):
-        ids.append((f"nodes[{i}].id", node.get("id")))
-        providers = enumerate(_list(node.get("providers")))
-        ids += [(f"nodes[{i}].providers[{j}].id", _map(p).get("id")) for j, p in providers]
+def _unprintable_ids(ids: Sequence[tuple[str, Any]]) -> list[str]:
+    """A model's, node's or provider's id (path, value) is printable text: a control or format
+    character (a zero-width space) makes two ids that look alike, and goes raw into logs and the catalog."""
     return [f"{path}: {value!r} holds {bad}; an id is printable text"
             for path, value in ids if isinstance(value, str) and (bad := _unprintable(value)) is not None]
 
