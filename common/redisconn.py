@@ -49,7 +49,7 @@ from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.failover import FailoverWatch
-from common.redisline import Lined, LinedPool
+from common.redisline import REPLY_TIMEOUT_S, Lined, LinedPool
 
 #: What a lost or restarting Redis raises; services back off and go on. A server that stopped
 #: being the primary answers READONLY; connections made here turn that into a ConnectionError,
@@ -77,14 +77,21 @@ class RedisUrlError(ValueError):
 
 
 def client_options() -> dict[str, Any]:
-    """What every service's Redis connections add to their URL: retry a dropped command a few
-    times with exponential backoff, a connect timeout, TCP keepalive. Everything else, TLS
-    included (`rediss://…?ssl_ca_certs=…`), comes from the URL, the same for every service."""
+    """What every service's Redis connections add to their URL: retry a command whose connection
+    dropped a few times with exponential backoff, a connect timeout, a reply timeout, TCP
+    keepalive. Everything else, TLS included (`rediss://…?ssl_ca_certs=…`), comes from the URL,
+    the same for every service.
+
+    A command without a reply within `REPLY_TIMEOUT_S` (a Redis paused, or cut off with the
+    connection up) raises redis-py's TimeoutError, which every caller treats as Redis down; it is
+    not sent again (it may have run, or may still run: an INCR must not count twice)."""
     return {
         "decode_responses": False,
-        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=3),
-        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+        # (redis-py's Retry also retries timeouts unless told which errors it may retry)
+        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=3, supported_errors=(RedisConnectionError,)),
+        "retry_on_error": [RedisConnectionError],
         "socket_connect_timeout": 2.0,
+        "socket_timeout": REPLY_TIMEOUT_S,
         "socket_keepalive": True,
         "health_check_interval": 0,
         # no `CLIENT SETINFO` on each new connection: a round trip, and an error Redis 7.0 answers
@@ -319,6 +326,7 @@ class _FollowsFailover:
     SELECT is told apart from every other reply (`DatabaseRefused`)."""
 
     db: int
+    socket_timeout: float | None
 
     async def on_connect(self) -> None:
         db = self.db
@@ -338,9 +346,31 @@ class _FollowsFailover:
         if reply not in (b"OK", "OK"):
             raise RedisConnectionError(f"SELECT {db} answered {reply!r}")
 
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        """redis-py's send, bounded by `socket_timeout` with `asyncio.timeout` instead of its
+        `asyncio.wait_for`, which on Python 3.11 can swallow the cancellation of the task that
+        sends (cpython gh-86296): a gateway's heartbeat cancelled at shutdown went on, and the
+        shutdown waited for it for good."""
+        timeout = self.socket_timeout
+        if not timeout:
+            return await super().send_packed_command(command, check_health)  # type: ignore[misc,no-any-return]
+        self.socket_timeout = None  # (redis-py's wait_for is skipped for it; a connect made here is within the bound)
+        try:
+            async with asyncio.timeout(timeout):
+                await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except TimeoutError:
+            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+            raise RedisTimeoutError(f"Redis at {self._host_error()} did not take a command "  # type: ignore[attr-defined]
+                                    f"within {timeout:g} s") from None
+        finally:
+            self.socket_timeout = timeout
+
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except RedisTimeoutError:  # (`socket_timeout`'s: a timeout the caller gave returns None)
+            raise RedisTimeoutError(f"Redis at {self._host_error()} did not answer within "  # type: ignore[attr-defined]
+                                    f"{self.socket_timeout:g} s (socket_timeout)") from None
         except ResponseError as exc:
             if not _not_primary(exc):
                 raise

@@ -24,6 +24,15 @@ own connection class, so credentials, TLS, the database and Sentinel's primary a
 A caller that leaves (is cancelled) while its command is out does not take it back: the reply is
 read and dropped, and the connection stays in step; on a blocking read's line the connection is
 closed instead, so that the server drops the read (a BLMPOP left there would pop a job for nobody).
+
+A Redis that stops answering with its connection up (paused, its host cut off, swapping) fails
+each command that waited the pool's `socket_timeout` (`REPLY_TIMEOUT_S` unless the URL sets it),
+past its own blocking time, for its reply with a redis-py `TimeoutError`, and the commands behind
+it on the connection with it; the connection is closed, and the next command connects again. A
+timed-out command is not sent again (it may have run, or run later: an `INCR` must not count
+twice); its caller treats it as an outage. (redis-py's own `socket_timeout` would bound each read
+too, but costs every read a timer, and would cut a blocking read short: the lines keep one timer
+for all their commands instead, and their connections' own is off once connected.)
 """
 
 from __future__ import annotations
@@ -36,9 +45,14 @@ from typing import Any
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 #: an argument longer than this goes out as a part of its own (not copied into the command's bytes)
 BIG_ARGUMENT = 6000
+#: How long a command waits for Redis's reply past its own blocking time (`XREAD BLOCK`, `BLMOVE`)
+#: before it fails with a `TimeoutError`, unless the URL sets `?socket_timeout=` (every Redis
+#: connection iop makes: `common.redisconn`).
+REPLY_TIMEOUT_S = 5.0
 
 
 def _encoded_other(arg: Any) -> bytes | memoryview:
@@ -85,12 +99,18 @@ class _Link:
     """One connection and the commands in flight on it. Once broken it stays broken: the line
     makes a new one."""
 
-    __slots__ = ("conn", "waiting", "out", "wake", "reader", "broken")
+    __slots__ = ("conn", "reply_timeout_s", "waiting", "deadlines", "timer", "out", "wake", "reader", "broken")
 
-    def __init__(self, conn: AbstractConnection) -> None:
+    def __init__(self, conn: AbstractConnection, reply_timeout_s: float) -> None:
         self.conn = conn
+        #: how long a reply may take past its command's own wait (`Line.execute`'s `block_s`)
+        self.reply_timeout_s = reply_timeout_s
         #: the futures of the commands sent and not yet answered, oldest first
         self.waiting: deque[asyncio.Future[Any]] = deque()
+        #: when each of them (in the same order) must have its reply, by the loop's clock
+        self.deadlines: deque[float] = deque()
+        #: the one timer that checks the oldest deadline (`expire`), while commands wait
+        self.timer: asyncio.TimerHandle | None = None
         #: packed commands of this turn, written together at its end
         self.out: list[bytes | memoryview] = []
         #: set when the reader sleeps (nothing in flight) and a command is sent
@@ -98,11 +118,17 @@ class _Link:
         self.reader: asyncio.Task[None] | None = None
         self.broken: BaseException | None = None
 
-    def send(self, packed: list[bytes | memoryview]) -> asyncio.Future[Any]:
-        """Queue one packed command (`pack_command`) for this turn's write; its reply's future."""
+    def send(self, packed: list[bytes | memoryview], block_s: float) -> asyncio.Future[Any]:
+        """Queue one packed command (`pack_command`) for this turn's write; its reply's future,
+        failed with a TimeoutError if no reply comes within `block_s` (how long the command itself
+        may wait in Redis) and the reply timeout."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self.waiting.append(future)
+        deadline = loop.time() + self.reply_timeout_s + block_s
+        self.deadlines.append(deadline)
+        if self.timer is None:
+            self.timer = loop.call_at(deadline, self.expire)
         if not self.out:
             loop.call_soon(self.flush)
         self.out += packed
@@ -138,6 +164,7 @@ class _Link:
                 except ResponseError as exc:  # an error reply: its caller's alone (the stream is in step)
                     reply = exc.with_traceback(None)  # (this frame's: nothing to show its caller)
                 future = self.waiting.popleft()
+                self.deadlines.popleft()
                 if future.done():  # its caller left
                     continue
                 if isinstance(reply, ResponseError):
@@ -152,10 +179,36 @@ class _Link:
             if not isinstance(exc, Exception):
                 raise
 
+    def expire(self) -> None:
+        """The timer: if the oldest command has waited past its deadline, Redis stopped answering
+        (the replies come in order): the link breaks with a TimeoutError, its connection closed."""
+        self.timer = None
+        if not self.waiting or self.broken is not None:
+            return
+        loop = asyncio.get_running_loop()
+        if self.deadlines[0] > loop.time():
+            self.timer = loop.call_at(self.deadlines[0], self.expire)
+            return
+        self.fail(RedisTimeoutError(f"Redis at {self.conn._host_error()} did not answer within "
+                                    f"{self.reply_timeout_s:g} s (socket_timeout)"))
+        self.close()
+
+    def close(self) -> None:
+        """Stop reading and close the connection at once (no await)."""
+        if self.reader is not None:
+            self.reader.cancel()
+        writer = self.conn._writer  # (redis-py's stream writer)
+        if writer is not None:
+            writer.transport.abort()
+
     def fail(self, exc: BaseException) -> None:
         """The link is broken: every command in flight hears it."""
         if self.broken is None:
             self.broken = exc
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.deadlines.clear()
         while self.waiting:
             future = self.waiting.popleft()
             if not future.done():
@@ -170,32 +223,37 @@ class Line:
     def __init__(self, pool: ConnectionPool, role: str = "scripts", blocking: bool = False) -> None:
         """`role` is added to the pool's client name (`iop-gateway:scripts`), so that `CLIENT
         LIST` tells the line's connection apart. `blocking`: a line for one loop's blocking reads,
-        whose connection is closed when a read's caller leaves before its reply."""
+        whose connection is closed when a read's caller leaves before its reply (each read names
+        how long it blocks: `block_s`)."""
         self.pool = pool
         self.role = role
         self.blocking = blocking
         self.retry = pool.connection_kwargs.get("retry")
+        #: the pool's reply timeout (a URL's `?socket_timeout=`), which the line applies itself
+        self.reply_timeout_s: float = pool.connection_kwargs.get("socket_timeout") or REPLY_TIMEOUT_S
         self._link: _Link | None = None
         self._connecting: asyncio.Lock | None = None
 
-    async def execute(self, *args: Any) -> Any:
-        """One command's reply; its error reply raised as redis-py raises it."""
+    async def execute(self, *args: Any, block_s: float = 0.0) -> Any:
+        """One command's reply; its error reply raised as redis-py raises it. `block_s`: how long
+        the command itself may wait in Redis (a blocking read's timeout), before `REPLY_TIMEOUT_S`
+        counts."""
         if self.retry is None:
-            return await self._once(args)
-        return await self.retry.call_with_retry(lambda: self._once(args), self._failed)
+            return await self._once(args, block_s)
+        return await self.retry.call_with_retry(lambda: self._once(args, block_s), self._failed)
 
-    async def execute_many(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    async def execute_many(self, commands: Sequence[Sequence[Any]], block_s: float = 0.0) -> list[Any]:
         """Several commands sent together, in order: each one's reply, or its error reply as the
         exception (as a pipeline answers with `raise_on_error=False`). A lost connection fails
-        (and retries) them all."""
+        (and retries) them all. `block_s`: as for `execute`, for the longest of them."""
         if self.retry is None:
-            return await self._many(commands)
-        return list(await self.retry.call_with_retry(lambda: self._many(commands), self._failed))
+            return await self._many(commands, block_s)
+        return list(await self.retry.call_with_retry(lambda: self._many(commands, block_s), self._failed))
 
-    async def _once(self, args: Sequence[Any]) -> Any:
+    async def _once(self, args: Sequence[Any], block_s: float) -> Any:
         packed = pack_command(args)
         link = await self._ready()
-        future = link.send(packed)
+        future = link.send(packed, block_s)
         try:
             return await future
         except asyncio.CancelledError:
@@ -205,10 +263,10 @@ class Line:
                 self._abandon(link)
             raise
 
-    async def _many(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    async def _many(self, commands: Sequence[Sequence[Any]], block_s: float) -> list[Any]:
         packed = [pack_command(args) for args in commands]  # (all or none: a DataError sends nothing)
         link = await self._ready()
-        futures = [link.send(p) for p in packed]
+        futures = [link.send(p, block_s) for p in packed]
         replies: list[Any] = []
         try:
             for future in futures:
@@ -241,11 +299,12 @@ class Line:
             if getattr(conn, "client_name", None):
                 conn.client_name = f"{conn.client_name}:{self.role}"
             try:
-                await conn.connect()
+                await conn.connect()  # (its handshake bounded by the pool's `socket_timeout`)
             except BaseException:
                 await conn.disconnect()
                 raise
-            link = _Link(conn)
+            conn.socket_timeout = None  # (the link bounds its replies itself: `_Link.expire`)
+            link = _Link(conn, self.reply_timeout_s)
             link.reader = asyncio.get_running_loop().create_task(link.read(), name="iop-redis-line")
             self._link = link
             return link
@@ -265,11 +324,7 @@ class Line:
         if self._link is link:
             self._link = None
         link.fail(RedisConnectionError("the connection to Redis was closed"))
-        if link.reader is not None:
-            link.reader.cancel()
-        writer = link.conn._writer  # (redis-py's stream writer)
-        if writer is not None:
-            writer.transport.abort()
+        link.close()
 
     async def close(self) -> None:
         """Close the connection (a later command opens a new one, as redis-py's pool does)."""

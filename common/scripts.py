@@ -1148,14 +1148,15 @@ class Scripts:
         return list(await pipe.execute(raise_on_error=False))
 
     async def send_after(self, line: Line, command: Sequence[Any], name: str, keys: Sequence[str],
-                         args: Sequence[Any]) -> tuple[Any, Any]:
+                         args: Sequence[Any], block_s: float) -> tuple[Any, Any]:
         """`command` (a blocking read, on `line`, its loop's own) and the script sent in one write:
         Redis runs the script as soon as it has answered the command, with no round trip between
         them. Returns both replies; an error reply of either is returned as it came (the
         exception), not raised: a script's error does not lose the command's reply, nor the
         command's the script's (a full Redis refuses a blocking pop while the script sent with it
-        runs). A script Redis has forgotten (a restart) did nothing: it is loaded and called again."""
-        first, answer = await line.execute_many([command, ("EVALSHA", SHAS[name], len(keys), *keys, *args)])
+        runs). A script Redis has forgotten (a restart) did nothing: it is loaded and called again.
+        `block_s`: how long the command blocks at most (`Line.execute`)."""
+        first, answer = await line.execute_many([command, ("EVALSHA", SHAS[name], len(keys), *keys, *args)], block_s)
         if isinstance(answer, NoScriptError):
             await self.load()
             try:

@@ -222,7 +222,7 @@ async def readyz(request: web.Request) -> web.Response:
         async with asyncio.timeout(1.0):
             await request.app[RUNS].redis.ping()
     except (TimeoutError, *REDIS_DOWN) as exc:
-        log.warning("not ready: Redis is unreachable: %s", exc or "no answer within 1 s")
+        log.warning("not ready: Redis is unreachable: %s", str(exc) or "no answer within 1 s")
         raise ApiError(ErrorCode.UNAVAILABLE, "not ready: Redis is unreachable") from None
     except RedisError as exc:  # such as a user without the right to PING
         log.warning("not ready: Redis answered with an error: %s", exc)

@@ -370,7 +370,8 @@ class EventHub:
             reply = await self.redis.xread({self.inbox: last}, count=LISTEN_COUNT, block=LISTEN_BLOCK_MS)
         else:
             reply = stream_reply(await self.listen_line.execute(
-                "XREAD", "COUNT", LISTEN_COUNT, "BLOCK", LISTEN_BLOCK_MS, "STREAMS", self.inbox, last))
+                "XREAD", "COUNT", LISTEN_COUNT, "BLOCK", LISTEN_BLOCK_MS, "STREAMS", self.inbox, last,
+                block_s=LISTEN_BLOCK_MS / 1000))
         return reply[0][1] if reply else []
 
     def _deliver(self, fields: dict[bytes, bytes]) -> None:

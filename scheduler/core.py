@@ -194,10 +194,11 @@ class Scheduler:
                         "STREAMS", *streams, *streams.values())
                 call = self._pending_call()
                 if call is None:
-                    first = await self.intake_line.execute(*read)
+                    first = await self.intake_line.execute(*read, block_s=block_ms / 1000)
                 else:
                     metrics.PENDING_CALLS.inc()
-                    first, answer = await self.scripts.send_after(self.intake_line, read, "dispatch_pending", *call)
+                    first, answer = await self.scripts.send_after(self.intake_line, read, "dispatch_pending", *call,
+                                                                  block_s=block_ms / 1000)
                     if isinstance(first, ResponseError):
                         raise first
                 reply = stream_reply(first)

@@ -277,6 +277,35 @@ async def test_services_reconnect_after_a_redis_restart(fstack: FaultStack, http
     await async_wait_until(served, what="a run to be served again")
 
 
+async def test_a_redis_that_stops_answering_gets_callers_a_503_not_a_hang_and_serves_again_when_back(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    """A Redis paused with its connections up (SIGSTOP here: a frozen VM, a host cut off) answers
+    nothing and closes nothing: a caller, `/readyz` and an `iop` command waited for good. Now each
+    gets its answer after the URL's `socket_timeout`; the processes carry on once it is back."""
+    fstack.redis_url = fstack.server.url + "?socket_timeout=2"
+    gateway = start(fstack, {"only": ("n1", 2)})
+    assert (await call(http, gateway, chat()))[0] == 200
+    server = fstack.server.proc
+    assert server is not None
+    server.send_signal(signal.SIGSTOP)
+    try:
+        status, body = await asyncio.wait_for(call(http, gateway, chat()), 30)  # (the bound is the test's)
+        assert status == 503 and body["error"]["code"] == "service_unavailable", body
+        async with http.get(gateway + "/readyz") as resp:
+            assert resp.status == 503
+        done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "iop", "audit"], env=fstack.env(),
+                                       capture_output=True, text=True, timeout=30, check=False)
+        assert done.returncode == 1, done
+        assert len(done.stderr.splitlines()) == 1 and "did not answer within 2 s" in done.stderr, done.stderr
+    finally:
+        server.send_signal(signal.SIGCONT)
+
+    async def served() -> bool:
+        return (await call(http, gateway, chat()))[0] == 200
+
+    await async_wait_until(served, what="a run to be served again")
+
+
 @pytest.mark.parametrize("own_redis", [True], indirect=True)
 async def test_runs_queued_before_a_redis_restart_are_served_after_it_with_aof(
         fstack: FaultStack, http: aiohttp.ClientSession) -> None:

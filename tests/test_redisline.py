@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import pytest
@@ -13,8 +15,9 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from common.redisconn import connect
+from common.redisconn import client_options, connect
 from common.redisline import BIG_ARGUMENT, Line, line_of, new_line_of, pack_command
 from common.scripts import Scripts
 from iop.embedded_redis import RedisServer
@@ -147,6 +150,75 @@ async def test_commands_ride_out_a_redis_restart_and_fail_clearly_while_it_is_aw
     finally:
         await r.aclose()
         server.cleanup()
+
+
+@contextmanager
+def paused(server: RedisServer) -> Iterator[None]:
+    """The server stops answering, its connections up (SIGSTOP: a paused VM, a host cut off)."""
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+
+
+async def test_a_redis_that_stops_answering_fails_waiting_commands_after_the_reply_timeout_and_serves_them_when_back(
+        ) -> None:
+    """Commands on the line, on redis-py's path and on a connection made while it is paused each
+    fail with a TimeoutError after the URL's `socket_timeout` (they waited for good before); a
+    resumed server is used again. (The 10 s bound is the test's: with no timeout they hang.)"""
+    server = RedisServer().start()
+    r = connect(server.url + "?socket_timeout=0.3")
+    lined = line(r)
+    try:
+        assert await lined.execute("SET", "k", "1")
+        assert await r.get("k") == b"1"  # (a pooled connection, made before the pause)
+        with paused(server):
+            fresh = connect(server.url + "?socket_timeout=0.3")
+            calls = [*(lined.execute("INCR", "n") for _ in range(3)), r.get("k"), fresh.ping()]
+            failed = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+            await fresh.aclose()
+        assert [type(e) for e in failed] == [RedisTimeoutError] * 5, failed
+        assert "did not answer within 0.3 s" in str(failed[0])
+        assert await lined.execute("ECHO", "back") == b"back"  # (a new connection)
+        assert await r.get("k") == b"1"
+    finally:
+        await r.aclose()
+        server.cleanup()
+
+
+async def test_a_blocking_read_has_its_block_time_before_the_reply_timeout_counts(redis_url: str) -> None:
+    r = connect(redis_url + "?socket_timeout=0.2")
+    reads = new_line_of(r, "reads")
+    assert reads is not None
+    try:
+        assert await reads.execute("BLPOP", "never", "0.5", block_s=0.5) is None  # (waited 0.5 s for nothing)
+        with pytest.raises(RedisTimeoutError):  # the same read, not said to block: Redis seems stuck
+            await reads.execute("BLPOP", "never", "0.5")
+        assert await reads.execute("ECHO", "next") == b"next"
+    finally:
+        await r.aclose()
+
+
+async def test_a_command_that_timed_out_is_not_sent_again() -> None:
+    """It may have run (an INCR must not count twice); a lost connection is still retried."""
+    retry = client_options()["retry"]
+    calls: list[Exception] = []
+
+    async def failing(error: Exception) -> None:
+        calls.append(error)
+        raise error
+
+    async def nothing(error: Exception) -> None:
+        return None
+
+    with pytest.raises(RedisTimeoutError):
+        await retry.call_with_retry(partial(failing, RedisTimeoutError("slow")), nothing)
+    assert len(calls) == 1
+    with pytest.raises(RedisConnectionError):
+        await retry.call_with_retry(partial(failing, RedisConnectionError("lost")), nothing)
+    assert len(calls) == 1 + 4  # (the first try and 3 retries)
 
 
 async def test_a_connection_lost_with_commands_in_flight_fails_them_all_and_the_next_reconnect(

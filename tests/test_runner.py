@@ -897,9 +897,9 @@ async def test_a_woken_worker_takes_its_job_in_the_round_trip_of_its_wake_up(red
         assert line is not None
         original = line.execute_many
 
-        async def execute_many(commands: Any) -> list[Any]:
+        async def execute_many(commands: Any, block_s: float = 0.0) -> list[Any]:
             sent.append(tuple(c[0] for c in commands))
-            return await original(commands)
+            return await original(commands, block_s)
 
         line.execute_many = execute_many  # type: ignore[method-assign]
         waiting = asyncio.create_task(worker._wait_for_work())
@@ -983,8 +983,8 @@ async def test_a_run_a_late_take_answer_started_runs_only_if_it_still_holds_its_
     monkeypatch.setattr(arq_worker, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     send_after = worker._scripts.send_after
 
-    async def paused(*args: Any) -> tuple[Any, Any]:
-        answer = await send_after(*args)
+    async def paused(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        answer = await send_after(*args, **kwargs)
         await redis.zadd(keys.leases("a"), {run_id: 1})  # its lease went meanwhile (and the reaper requeues it)
         clock[0] += 60  # the worker was stopped for a minute
         return answer

@@ -154,7 +154,8 @@ class WakeWorker(Worker):
             woken = await self.pool.execute_command(*move)
             taken = await self._scripts.call("take_woken", script_keys, args)
         else:
-            woken, taken = await self._scripts.send_after(self._wake_line, move, "take_woken", script_keys, args)
+            woken, taken = await self._scripts.send_after(self._wake_line, move, "take_woken", script_keys, args,
+                                                          block_s=self.poll_delay_s)
             if isinstance(taken, ResponseError):
                 raise taken
             if isinstance(woken, ResponseError):
