@@ -159,9 +159,9 @@ async def test_the_dispatch_goes_in_the_same_write_as_the_read_and_runs_when_the
     replies: list[Any] = []
     execute_many = sched.intake_line.execute_many
 
-    async def recording(commands: Any) -> list[Any]:
+    async def recording(commands: Any, block_s: float = 0.0) -> list[Any]:
         replies.append([c[0] for c in commands])
-        return await execute_many(commands)
+        return await execute_many(commands, block_s)
 
     sched.intake_line.execute_many = recording  # type: ignore[method-assign]
     reading = asyncio.create_task(sched.read_new(block_ms=5000))
