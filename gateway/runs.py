@@ -6,16 +6,18 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from types import MappingProxyType
+from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
 from common.auth import ANYONE, Principal
 from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
-from common.redisconn import REDIS_UNUSABLE, now_ms
+from common.redisconn import REDIS_UNUSABLE, Backoff, now_ms
 from common.runlog import run_fields
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
@@ -45,6 +47,10 @@ FOLLOW_GRACE_S = 30.0
 STUCK_GRACE_MS = 5_000
 #: The gateway logs that it ended such runs at most this often per model.
 STUCK_LOG_EVERY_S = 10.0
+#: Why a run is cancelled whose caller left.
+LEFT = "the caller went away"
+#: Why a run is cancelled whose queueing timed out (its caller heard 503), if Redis queued it after all.
+UNANSWERED = "Redis did not answer in time while the run was queued, and its caller was answered 503"
 
 
 def new_run_id() -> str:
@@ -69,10 +75,13 @@ class RunClient:
         #: model id -> the keys `enqueue` reads of its providers (heartbeat, leases, capacity
         #: override, drain and cordon flags: is one available, and how many slots are free)
         self._provider_keys: dict[str, list[str]] = {}
-        #: cancellations of runs queued after their callers left (kept until done)
+        #: cancellations of runs whose callers left, or heard 503, going on in the background
         self._leaving: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
+        for task in self._leaving:
+            task.cancel()
+        await asyncio.gather(*self._leaving, return_exceptions=True)
         await self.deadlines.close()
         await self.hub.close()
 
@@ -90,19 +99,23 @@ class RunClient:
                 keys.cordoned(self.config.node_of(p)))]
         def if_left(answer: list[bytes]) -> None:  # the caller left while its run was being queued
             if answer[0] == b"ok":
-                task = asyncio.get_running_loop().create_task(self.leave(run_id, model.id))
-                self._leaving.add(task)
-                task.add_done_callback(self._leaving.discard)
+                self._in_background(self.leave(run_id, model.id))
 
-        result = await self.enqueue.call(
-            [keys.runs_stream(model.id), keys.run_record(run_id), keys.key_in_flight(who.name),
-             keys.key_requests(who.name), *provider_keys],
-            [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,
-             "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
-             who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000),
-             policy.max_attempts, self.hub.gateway_id + keys.OUTPUT_ONLY],  # its caller wants output and end
-            if_left,
-        )
+        try:
+            result = await self.enqueue.call(
+                [keys.runs_stream(model.id), keys.run_record(run_id), keys.key_in_flight(who.name),
+                 keys.key_requests(who.name), *provider_keys],
+                [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,
+                 "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
+                 who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000),
+                 policy.max_attempts, self.hub.gateway_id + keys.OUTPUT_ONLY],  # its caller wants output and end
+                if_left,
+            )
+        except RedisTimeoutError:
+            # Redis did not answer: its caller hears 503 and sends the request again, but a Redis that
+            # was paused runs what it had received when it resumes, this run's queueing too.
+            self._in_background(self._cancel_when_back(run_id, model.id, UNANSWERED))
+            raise
         status = result[0].decode()
         if status == "ok":
             left = int(result[2])
@@ -166,11 +179,35 @@ class RunClient:
                     return
 
     async def leave(self, run_id: str, model_id: str) -> None:
-        """The run's caller went away: the run must not go on without it."""
+        """The run's caller went away: the run must not go on without it (cancelled now, or, when
+        Redis cannot do it now, in the background once it can)."""
         try:
-            await self.cancel(run_id, model_id, "the caller went away")
+            await self.cancel(run_id, model_id, LEFT)
         except REDIS_UNUSABLE as exc:
-            log.warning("could not cancel: %s", exc, extra=run_fields(run_id, model_id))
+            log.warning("could not cancel yet (%s); trying again in the background", exc,
+                        extra=run_fields(run_id, model_id))
+            self._in_background(self._cancel_when_back(run_id, model_id, LEFT))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._leaving.add(task)
+        task.add_done_callback(self._leaving.discard)
+
+    async def _cancel_when_back(self, run_id: str, model_id: str, reason: str) -> None:
+        """Cancel the run as soon as Redis can, trying until the run would have ended anyway
+        (`follow_deadline_s`). A run that is not there (its queueing never reached Redis) is left
+        as it is: `drop_queued` makes nothing."""
+        backoff = Backoff()
+        give_up = time.monotonic() + self.follow_deadline_s(model_id)
+        while True:
+            try:
+                await self.cancel(run_id, model_id, reason)
+                return
+            except REDIS_UNUSABLE as exc:
+                if time.monotonic() > give_up:
+                    log.warning("could not cancel: %s", exc, extra=run_fields(run_id, model_id))
+                    return
+            await backoff.pause()
 
     async def cancel(self, run_id: str, model_id: str, reason: str) -> str:
         """Drop the run if it waits; tell its node to abort it if it runs."""

@@ -47,8 +47,9 @@ class FaultStack(Stack):
 
     def configure(self, providers: dict[str, tuple[str, int]], queue: dict[str, int] | None = None,
                   provider_extra: dict[str, dict[str, Any]] | None = None,
-                  auth: dict[str, Any] | None = None) -> None:
-        """providers: id -> (node, capacity); each must have a simulator already."""
+                  auth: dict[str, Any] | None = None, runtime: dict[str, int] | None = None) -> None:
+        """providers: id -> (node, capacity); each must have a simulator already. `runtime`: what
+        differs from FAST_RUNTIME."""
         self.providers = providers
         nodes: dict[str, list[dict[str, Any]]] = {}
         for pid, (node, capacity) in providers.items():
@@ -58,7 +59,7 @@ class FaultStack(Stack):
         config: dict[str, Any] = {
             "models": [{"id": MODEL, "providers": {pid: f"{pid}-served" for pid in providers}}],
             "nodes": [{"id": n, "providers": ps} for n, ps in nodes.items()],
-            "runtime": FAST_RUNTIME,
+            "runtime": {**FAST_RUNTIME, **(runtime or {})},
             "queue": {"max_queue": 64, "queue_timeout_ms": 30_000, **(queue or {})},
         }
         if auth is not None:
@@ -188,10 +189,11 @@ async def stream_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str,
 def start(fstack: FaultStack, providers: dict[str, tuple[str, int]], *, schedulers: int = 1,
           workers_per_node: int = 1, queue: dict[str, int] | None = None,
           sim_args: dict[str, tuple[str, ...]] | None = None,
-          provider_extra: dict[str, dict[str, Any]] | None = None, auth: dict[str, Any] | None = None) -> str:
+          provider_extra: dict[str, dict[str, Any]] | None = None, auth: dict[str, Any] | None = None,
+          runtime: dict[str, int] | None = None) -> str:
     for pid in providers:
         fstack.add_simulator(pid, *(sim_args or {}).get(pid, ()))
-    fstack.configure(providers, queue=queue, provider_extra=provider_extra, auth=auth)
+    fstack.configure(providers, queue=queue, provider_extra=provider_extra, auth=auth, runtime=runtime)
     for _ in range(schedulers):
         fstack.scheduler()
     for node in sorted({n for n, _ in providers.values()}):

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,7 @@ import aiohttp
 import openai
 import pytest
 
+from gateway.runs import LEFT, UNANSWERED
 from tests.conftest import async_wait_until
 from tests.faults import MODEL, FaultStack, chat, run_of, start, stream_events, until_current
 
@@ -281,15 +283,24 @@ async def test_a_redis_that_stops_answering_gets_callers_a_503_not_a_hang_and_se
         fstack: FaultStack, http: aiohttp.ClientSession) -> None:
     """A Redis paused with its connections up (SIGSTOP here: a frozen VM, a host cut off) answers
     nothing and closes nothing: a caller, `/readyz` and an `iop` command waited for good. Now each
-    gets its answer after the URL's `socket_timeout`; the processes carry on once it is back."""
+    gets its answer after the URL's `socket_timeout`; the processes carry on once it is back.
+
+    Nothing runs for nobody: a paused Redis runs what it had received when it resumes, the queueing
+    of the run whose caller heard 503 too; and a caller that left while Redis was paused could not
+    have its run cancelled then. The gateway cancels both once Redis answers."""
     fstack.redis_url = fstack.server.url + "?socket_timeout=2"
-    gateway = start(fstack, {"only": ("n1", 2)})
+    # (heartbeats that outlive the pause: else the queueing finds none once Redis resumes, and queues nothing)
+    gateway = start(fstack, {"only": ("n1", 2)}, runtime={"heartbeat_ttl_ms": 60_000})
     assert (await call(http, gateway, chat()))[0] == 200
+    leaving = asyncio.create_task(call(http, gateway, chat(ttft_ms=30_000)))
+    await until_current(fstack, "only", 1)
     server = fstack.server.proc
     assert server is not None
     server.send_signal(signal.SIGSTOP)
     try:
-        status, body = await asyncio.wait_for(call(http, gateway, chat()), 30)  # (the bound is the test's)
+        leaving.cancel()  # (its gateway cannot cancel the run now)
+        await asyncio.gather(leaving, return_exceptions=True)
+        status, body = await asyncio.wait_for(call(http, gateway, chat(ttft_ms=30_000)), 30)  # (the test's bound)
         assert status == 503 and body["error"]["code"] == "service_unavailable", body
         async with http.get(gateway + "/readyz") as resp:
             assert resp.status == 503
@@ -304,6 +315,15 @@ async def test_a_redis_that_stops_answering_gets_callers_a_503_not_a_hang_and_se
         return (await call(http, gateway, chat()))[0] == 200
 
     await async_wait_until(served, what="a run to be served again")
+    r = fstack.client()
+
+    def ended() -> Counter[tuple[bytes | None, bytes | None]]:
+        return Counter(tuple(r.hmget(k, "state", "error_message")) for k in r.scan_iter("iop:run:*"))
+
+    await async_wait_until(lambda: _is(ended()[(b"cancelled", UNANSWERED.encode())] == 1
+                                       and ended()[(b"cancelled", LEFT.encode())] == 1),
+                           what="both runs cancelled", timeout=20)
+    r.close()
 
 
 @pytest.mark.parametrize("own_redis", [True], indirect=True)
