@@ -29,7 +29,7 @@ from common import control
 from common.catalog import change_report, read_catalog
 from common.config import Config, RuntimeConfig
 from common.control import Action, Change, ControlError, UnknownTarget
-from common.redisconn import now_ms
+from common.redisconn import REDIS_FULL, now_ms
 from common.shown import SHOWN_CHARS
 from common.wire import ErrorCode
 from gateway.auth import principal
@@ -89,6 +89,9 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
             raise ApiError(ErrorCode.NOT_FOUND, str(exc)) from None
         except ControlError as exc:
             raise invalid(str(exc), exc.param) from None
+        except REDIS_FULL:  # (a change that only removes, an undrain, frees: Redis takes it)
+            raise ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) is full (maxmemory) and refuses writes: "
+                           "nothing changed; retry once it has room", headers={"Retry-After": "5"}) from None
         catalog = await read_catalog(redis(), config, now_ms())
         return web.json_response(change_report(catalog, entry), headers={"Cache-Control": "no-store"})
 

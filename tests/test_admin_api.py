@@ -151,6 +151,27 @@ async def test_a_bad_capacity_is_a_400_naming_it_and_changes_nothing(
     assert await redis.keys("iop:*") == []
 
 
+async def test_a_full_redis_refuses_a_change_that_adds_and_takes_one_that_removes(redis: Redis, redis_url: str) -> None:
+    """At `maxmemory` a drain (it adds a key) is refused whole, saying so: nothing changed, no audit
+    entry (it said "nothing was queued" before); an undrain (it frees) goes through, recorded."""
+    await beat(redis, OPEN)
+    async with serve(OPEN, redis_url) as base:
+        assert (await call("POST", base + "/v1/admin/providers/vllm-a/drain"))[0] == 200
+        await redis.config_set("maxmemory", 1)
+        try:
+            status, body, headers = await call("POST", base + "/v1/admin/providers/ollama-b/drain")
+            assert (status, headers["Retry-After"]) == (503, "5"), body
+            validate("ErrorResponse", body)
+            assert body["error"]["message"].startswith("the run store (Redis) is full (maxmemory) and refuses writes: "
+                                                       "nothing changed")
+            status, body, _ = await call("POST", base + "/v1/admin/providers/vllm-a/undrain")
+            assert status == 200 and body["change"]["action"] == "undrain", body
+        finally:
+            await redis.config_set("maxmemory", 0)
+        assert not await redis.exists(keys.drained("ollama-b"), keys.drained("vllm-a"))
+        assert [e[1][b"action"] for e in await redis.xrange(keys.AUDIT_STREAM)] == [b"drain", b"undrain"]
+
+
 async def test_a_body_that_is_not_json_is_a_400(redis: Redis, redis_url: str) -> None:
     async with serve(OPEN, redis_url) as base:
         for path in ("providers/vllm-a/capacity", "providers/vllm-a/drain"):
