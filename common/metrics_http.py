@@ -19,8 +19,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
+from common.api_error import ApiError, from_status
 from common.listening import cannot_listen
 from common.redisconn import REDIS_DOWN
+from common.wire import ErrorCode
 
 log = logging.getLogger("iop.metrics")
 
@@ -34,6 +36,8 @@ Ready = Callable[[], Awaitable[bool]]
 REFRESH_TIMEOUT_S = 2.0
 #: label sets `labelled` remembers, per metric
 LABELLED_MAX = 4096
+#: What the port serves, said by its 404s
+SERVED = "GET /metrics, GET /healthz and GET /readyz"
 
 
 def labelled(metric: MetricWrapperBase) -> Callable[..., Any]:
@@ -50,8 +54,36 @@ async def exposition(registry: CollectorRegistry, refresh: Refresh | None = None
             async with asyncio.timeout(REFRESH_TIMEOUT_S):
                 await refresh()
         except (TimeoutError, *REDIS_DOWN) as exc:
-            log.warning("metrics: could not read Redis (%s); answering with the last values", exc or "timeout")
+            log.warning("metrics: could not read Redis (%s); answering with the last values",
+                        str(exc) or f"no answer within {REFRESH_TIMEOUT_S:g} s")
     return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error this port answers is OpenAI-shaped, as the gateway's are."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        path = request.path if len(request.path) <= 200 else request.path[:200] + "…"
+        if exc.status == 404:
+            message = f"Invalid URL ({request.method} {path}): this port serves {SERVED}"
+        elif exc.status == 405:
+            message = f"{request.method} {path} is not allowed: it takes {exc.headers.get('Allow', 'GET')}"
+        else:
+            message = exc.reason
+        answer = from_status(exc.status, message)
+        if "Allow" in exc.headers:
+            answer.headers["Allow"] = exc.headers["Allow"]
+        return answer.response()
+    except Exception:
+        log.exception("metrics: unhandled error on %s %s", request.method, request.path)
+        return ApiError(ErrorCode.INTERNAL, "internal error").response()
 
 
 @dataclass
@@ -83,9 +115,11 @@ async def start_metrics_server(registry: CollectorRegistry, host: str, port: int
                 ok = ready is None or await ready()
         except (TimeoutError, *REDIS_DOWN):
             ok = False
-        return web.json_response({"status": "ready" if ok else "not ready"}, status=200 if ok else 503)
+        if not ok:
+            raise ApiError(ErrorCode.UNAVAILABLE, "not ready: Redis is unreachable")
+        return web.json_response({"status": "ready"})
 
-    app = web.Application()
+    app = web.Application(middlewares=[_openai_errors])
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -163,3 +163,34 @@ def test_the_metrics_port_also_answers_healthz_and_readyz(stack: Stack) -> None:
                         assert resp.status == 200, base + path
 
     asyncio.run(scenario())
+
+
+async def test_the_metrics_port_answers_errors_in_openai_s_shape() -> None:
+    """As the gateway's: an unknown path, a method it does not take, not ready (it was plain text,
+    and a bare {"status": "not ready"})."""
+    from prometheus_client import CollectorRegistry
+
+    from common.metrics_http import start_metrics_server
+    from tests.openapi import validate
+
+    async def not_ready() -> bool:
+        return False
+
+    server = await start_metrics_server(CollectorRegistry(), "127.0.0.1", 0, ready=not_ready)
+    base = server.url.removesuffix("/metrics")
+    try:
+        async with aiohttp.ClientSession() as session:
+            for method, path, status, code, says in (
+                    ("GET", "/nope", 404, "not_found", "Invalid URL (GET /nope): this port serves GET /metrics"),
+                    ("POST", "/metrics", 405, "method_not_allowed", "POST /metrics is not allowed: it takes GET"),
+                    ("GET", "/readyz", 503, "service_unavailable", "not ready: Redis is unreachable")):
+                async with session.request(method, base + path) as resp:
+                    body = await resp.json()
+                    assert resp.status == status, body
+                    validate("ErrorResponse", body)
+                    assert body["error"]["code"] == code and body["error"]["message"].startswith(says), body
+                    assert resp.headers["X-Request-Id"].startswith("req_")
+            async with session.get(base + "/healthz") as resp:
+                assert resp.status == 200
+    finally:
+        await server.close()
