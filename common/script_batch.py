@@ -11,11 +11,25 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
+
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.scripts import Scripts
 
 Call = tuple[Sequence[str], Sequence[Any], "asyncio.Future[Any]"]
+
+
+def _after_leaving(if_left: Callable[[Any], None], future: asyncio.Future[Any]) -> None:
+    """The answer of a call whose caller left, to `if_left`: None when Redis did not answer."""
+    if future.cancelled():
+        return
+    error = future.exception()
+    if error is None:
+        if_left(future.result())
+    elif isinstance(error, RedisTimeoutError):
+        if_left(None)
 
 
 class ScriptBatch:
@@ -30,7 +44,8 @@ class ScriptBatch:
                    if_left: Callable[[Any], None] | None = None) -> Any:
         """The call's answer. A caller that leaves (is cancelled) while it waits does not take
         the call back: it is made, or was, and its answer goes to `if_left` (when it is not an
-        error), which may undo what the call did."""
+        error), which may undo what the call did; None when Redis did not answer in time (the
+        call may have been made, or may be when Redis resumes)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((keys, args, future))
@@ -40,7 +55,7 @@ class ScriptBatch:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             if if_left is not None:
-                future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else if_left(f.result()))
+                future.add_done_callback(partial(_after_leaving, if_left))
             raise
         except BaseException:
             del future  # (it holds the error, whose traceback holds this frame: no cycle)

@@ -97,8 +97,8 @@ class RunClient:
             provider_keys = self._provider_keys[model.id] = [k for p in sorted(model.providers) for k in (
                 keys.heartbeat(p), keys.leases(p), keys.capacity_override(p), keys.drained(p),
                 keys.cordoned(self.config.node_of(p)))]
-        def if_left(answer: list[bytes]) -> None:  # the caller left while its run was being queued
-            if answer[0] == b"ok":
+        def if_left(answer: list[bytes] | None) -> None:  # the caller left while its run was being queued
+            if answer is None or answer[0] == b"ok":  # (None: Redis did not answer; it may queue it yet)
                 self._in_background(self.leave(run_id, model.id))
 
         try:

@@ -4,6 +4,7 @@ answer or error, never a wait without end."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from typing import Any
 
 import pytest
@@ -12,8 +13,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from common import keys
+from common.redisconn import connect
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
+from iop.embedded_redis import RedisServer
 from tests.conftest import async_wait_until
 
 
@@ -113,3 +116,33 @@ async def test_a_caller_that_leaves_still_gets_its_answer_to_undo_it(redis: Redi
 
     await async_wait_until(answered, what="the call to be made all the same")
     assert left == [1] and await redis.hget(keys.run_record("run_u"), "watchers") == b"gw"
+
+
+async def test_a_caller_that_leaves_hears_none_when_redis_did_not_answer_in_time() -> None:
+    """Redis may still make the call once it resumes (a paused Redis runs what it had received):
+    the caller's undo runs with None, an unknown outcome (it heard nothing before)."""
+    server = RedisServer().start()
+    redis = connect(server.url + "?socket_timeout=0.2")
+    batch = ScriptBatch(Scripts(redis), "watch")
+    left: list[Any] = []
+    try:
+        await redis.ping()
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            leaving = asyncio.create_task(batch.call([keys.run_record("run_p")], ["gw"], left.append))
+            await asyncio.sleep(0)  # it has joined the batch
+            leaving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaving
+
+            async def heard() -> bool:
+                return bool(left)
+
+            await async_wait_until(heard, what="the call to time out")
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert left == [None]
+    finally:
+        await redis.aclose()
+        server.cleanup()
