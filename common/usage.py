@@ -48,6 +48,13 @@ def key_names(config: Config) -> list[str]:
     return [k.name for k in config.auth.keys] if config.auth is not None else [ANONYMOUS]
 
 
+def model_asked(config: Config, name: str | None) -> str | None:
+    """The model a filter names: the model's id when `name` is one of its aliases (runs, and so
+    usage, are the model's); else `name` as given (a model no longer configured keeps its usage)."""
+    named = config.model_named(name) if name else None
+    return named.id if named is not None else name
+
+
 async def has_usage(redis: Redis, key_name: str) -> bool:
     """Whether usage is kept under this name (a key removed from the config keeps its usage)."""
     return bool(await redis.exists(keys.usage_total(key_name)))

@@ -1,7 +1,7 @@
 """`GET /v1/usage`: runs and tokens per API key, model and UTC day.
 
-A caller key sees its own usage; an operator key every key's. Filters: `key`, `model`,
-`start_date` and `end_date` (`YYYY-MM-DD`, inclusive; default the last 30 days, at most 366).
+A caller key sees its own usage; an operator key every key's. Filters: `key`, `model` (an alias
+names its model), `start_date` and `end_date` (`YYYY-MM-DD`, inclusive; default the last 30 days, at most 366).
 A key the request may not see, or that does not exist, is a 404 like any other. An operator may
 ask for a key no longer in the config by name (`key=`): its usage stays in Redis.
 """
@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from common.config import Config
 from common.shown import quoted
-from common.usage import DayError, day_range, has_usage, key_names, read_usage
+from common.usage import DayError, day_range, has_usage, key_names, model_asked, read_usage
 from common.wire import ErrorCode
 from gateway.auth import principal
 from gateway.errors import ApiError, invalid
@@ -35,7 +35,7 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
             days = day_range(query.get("start_date"), query.get("end_date"), dt.datetime.now(dt.UTC).date())
         except DayError as exc:
             raise invalid(str(exc), f"{exc.end}_date") from None
-        rows = await read_usage(redis(), [asked] if asked else visible, days, query.get("model"))
+        rows = await read_usage(redis(), [asked] if asked else visible, days, model_asked(config, query.get("model")))
         return web.json_response({"object": "list", "start_date": days[0], "end_date": days[-1],
                                   "data": [r.to_json() for r in rows]})
 

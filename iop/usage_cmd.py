@@ -9,7 +9,7 @@ import sys
 
 from common.config import Config
 from common.redisconn import REDIS_DOWN, connect
-from common.usage import Usage, day_range, has_usage, key_names, read_usage
+from common.usage import Usage, day_range, has_usage, key_names, model_asked, read_usage
 from iop.catalog_cmd import table
 
 COLUMNS = ("DATE", "KEY", "MODEL", "RUNS", "PROMPT", "COMPLETION", "TOTAL", "FAILURES")
@@ -34,7 +34,7 @@ def main(config: Config, redis_url: str, key: str | None, model: str | None, sin
         try:
             if key is not None and key not in names and not await has_usage(redis, key):
                 return None
-            return await read_usage(redis, [key] if key else names, days, model)
+            return await read_usage(redis, [key] if key else names, days, model_asked(config, model))
         finally:
             await redis.aclose()
 

@@ -142,7 +142,11 @@ async def test_callers_use_an_alias_as_the_model_and_keys_allow_it_by_the_model(
         assert {m["id"]: m["aliases"] for m in catalog["models"]} == {MODEL: ALIASES, OTHER: []}
         async with http.get(f"{gateway}/v1/usage", params={"key": "qwen-only"}) as resp:
             usage = await resp.json()
+        # (an alias names its model in the filter too: it answered nothing)
+        async with http.get(f"{gateway}/v1/usage", params={"key": "qwen-only", "model": "chat-default"}) as resp:
+            by_alias = await resp.json()
     assert MODEL in json.dumps(usage) and "chat-default" not in json.dumps(usage)
+    assert by_alias["data"] == usage["data"] and usage["data"], by_alias
 
     # a key that may not use the model may not use its alias either: the same 404 as for no model
     data["auth"]["keys"][0]["models"] = [OTHER]
