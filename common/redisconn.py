@@ -200,6 +200,12 @@ def _check_options(url: str, options: dict[str, Any], accepted: set[str], kind: 
         # scheduler failed on every read and callers waited for answers that never came)
         raise RedisUrlError(f"{kind} URL {redact(url)!r}: option protocol={options['protocol']} is not "
                             "supported; iop speaks RESP2 (protocol=2, the default)")
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        value = options.get(name)
+        if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+            # (0 made every read time out at once; redis-py takes it as it comes)
+            raise RedisUrlError(f"{kind} URL {redact(url)!r}: option {name}={value} is not a number of "
+                                "seconds above 0")
     for name in options:
         if name in SENTINEL_OPTIONS:
             raise RedisUrlError(f"{kind} URL {redact(url)!r}: option {name!r} is only for "

@@ -117,6 +117,10 @@ def test_plain_urls_keep_redis_py_s_meaning(url: str, connection_class: type, ex
     ("redis+sentinel://:secret@h1/mymaster/%C2%B2", "database '²' is not a number"),
     ("redis+sentinel://:secret@h1/mymaster/0/extra", "the path must be /<master name>[/<db>]"),
     ("redis+sentinel://:secret@h1/mymaster/0?socket_timeout=soon", "option socket_timeout='soon' is not valid"),
+    ("redis://:secret@h/0?socket_timeout=0", "option socket_timeout=0.0 is not a number of seconds above 0"),
+    ("redis://:secret@h/0?socket_connect_timeout=-1", "option socket_connect_timeout=-1.0 is not a number of seconds"),
+    ("redis://:secret@h/0?socket_timeout=nan", "option socket_timeout=nan is not a number of seconds above 0"),
+    ("redis+sentinel://:secret@h1/mymaster/0?socket_timeout=0", "option socket_timeout=0.0 is not a number"),
     ("redis+sentinel://:secret@h1/mymaster/0?ssl_ca_certs=/ca.crt", "unknown option 'ssl_ca_certs' (TLS options"),
     ("redis+sentinel://:secret@h1/mymaster/0?colour=blue", "unknown option 'colour'"),
     # (redis-py took ?db= over the path, silently; found by a Sentinel/TLS audit)
