@@ -189,3 +189,32 @@ def from_status(status: int, message: str) -> ApiError:
     """An error aiohttp gives only a status for: an unknown route or method, a request it could not parse."""
     code = _HTTP_CODES.get(status, ErrorCode.INVALID_REQUEST if status < 500 else ErrorCode.INTERNAL)
     return ApiError(code, message, status=status)
+
+
+#: How much of a request's path an error repeats
+MAX_SHOWN_PATH = 200
+
+
+def shown_path(request: web.Request) -> str:
+    """The request's path, cut at `MAX_SHOWN_PATH`, for an error's message."""
+    path = request.path
+    return path if len(path) <= MAX_SHOWN_PATH else path[:MAX_SHOWN_PATH] + "…"
+
+
+def from_http_error(request: web.Request, error: web.HTTPException, unknown: str) -> ApiError:
+    """What aiohttp raised for a request it routes no handler for (an unknown path: `unknown` is
+    the 404's message; a method the path does not take: a 405 that names those it takes), or whose
+    body is too large (413)."""
+    if error.status == 404:
+        message = unknown
+    elif error.status == 413:
+        message = f"request body is too large: {error.text}"
+    elif error.status == 405 and "Allow" in error.headers:
+        allowed = ", ".join(m.strip() for m in error.headers["Allow"].split(","))
+        message = f"{request.method} {shown_path(request)} is not allowed: it takes {allowed}"
+    else:
+        message = error.reason
+    answer = from_status(error.status, message)
+    if "Allow" in error.headers:  # (a 405 says which methods the path takes)
+        answer.headers["Allow"] = error.headers["Allow"]
+    return answer

@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-from common.api_error import ApiError, from_status
+from common.api_error import ApiError, from_http_error, shown_path
 from common.listening import cannot_listen
 from common.redisconn import REDIS_DOWN
 from common.wire import ErrorCode
@@ -70,17 +70,8 @@ async def _openai_errors(request: web.Request, handler: Any) -> web.StreamRespon
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        path = request.path if len(request.path) <= 200 else request.path[:200] + "…"
-        if exc.status == 404:
-            message = f"Invalid URL ({request.method} {path}): this port serves {SERVED}"
-        elif exc.status == 405:
-            message = f"{request.method} {path} is not allowed: it takes {exc.headers.get('Allow', 'GET')}"
-        else:
-            message = exc.reason
-        answer = from_status(exc.status, message)
-        if "Allow" in exc.headers:
-            answer.headers["Allow"] = exc.headers["Allow"]
-        return answer.response()
+        unknown = f"Invalid URL ({request.method} {shown_path(request)}): this port serves {SERVED}"
+        return from_http_error(request, exc, unknown).response()
     except Exception:
         log.exception("metrics: unhandled error on %s %s", request.method, request.path)
         return ApiError(ErrorCode.INTERNAL, "internal error").response()

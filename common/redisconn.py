@@ -375,6 +375,8 @@ class _FollowsFailover:
         try:
             return await super().read_response(*args, **kwargs)  # type: ignore[misc]
         except RedisTimeoutError:  # (`socket_timeout`'s: a timeout the caller gave returns None)
+            if self.socket_timeout is None:
+                raise
             raise RedisTimeoutError(f"Redis at {self._host_error()} did not answer within "  # type: ignore[attr-defined]
                                     f"{self.socket_timeout:g} s (socket_timeout)") from None
         except ResponseError as exc:

@@ -236,8 +236,8 @@ class Line:
 
     async def execute(self, *args: Any, block_s: float = 0.0) -> Any:
         """One command's reply; its error reply raised as redis-py raises it. `block_s`: how long
-        the command itself may wait in Redis (a blocking read's timeout), before `REPLY_TIMEOUT_S`
-        counts."""
+        the command itself may wait in Redis (a blocking read's timeout), before the reply timeout
+        (`reply_timeout_s`) counts."""
         if self.retry is None:
             return await self._once(args, block_s)
         return await self.retry.call_with_retry(lambda: self._once(args, block_s), self._failed)

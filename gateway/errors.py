@@ -14,15 +14,17 @@ from common.api_error import (
     REQUEST_ID_HEADER,
     STATUS,
     ApiError,
+    from_http_error,
     from_status,
     invalid,
     new_request_id,
+    shown_path,
 )
 from common.redisconn import REDIS_DOWN
 from common.wire import ErrorCode
 
 __all__ = ["REQUEST_ID_HEADER", "STATUS", "ApiError", "Handler", "caller_left", "error_response", "from_status",
-           "invalid", "new_request_id", "unknown_path"]
+           "invalid", "new_request_id", "unknown_path"]  # (the first ones are common.api_error's)
 
 log = logging.getLogger("iop.gateway")
 
@@ -30,20 +32,13 @@ log = logging.getLogger("iop.gateway")
 SERVED_PATHS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/responses, "
                 "GET /v1/models, GET /v1/models/{model}, GET /v1/usage and the runs API (GET and DELETE "
                 "/v1/runs/{id}, GET /v1/runs/{id}/events)")
-#: How much of an unknown path an error repeats
-MAX_SHOWN_PATH = 200
 
 
 def unknown_path(request: web.Request) -> str:
     """The message of a 404 for a path the gateway does not serve, in OpenAI's words ("Invalid
     URL (POST /v1/x)"), with what it does serve: an `openai` client's call of an endpoint iop
     does not have (`client.audio.speech.create`) says so. The path is cut at `MAX_SHOWN_PATH`."""
-    return f"Invalid URL ({request.method} {_shown_path(request)}): iop serves {SERVED_PATHS}"
-
-
-def _shown_path(request: web.Request) -> str:
-    path = request.path
-    return path if len(path) <= MAX_SHOWN_PATH else path[:MAX_SHOWN_PATH] + "…"
+    return f"Invalid URL ({request.method} {shown_path(request)}): iop serves {SERVED_PATHS}"
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -67,19 +62,7 @@ def error_response(request: web.Request, error: Exception) -> web.StreamResponse
     if isinstance(error, web.HTTPException):
         if error.status < 400:
             raise error
-        if error.status == 404:
-            message = unknown_path(request)
-        elif error.status == 413:
-            message = f"request body is too large: {error.text}"
-        elif error.status == 405 and "Allow" in error.headers:
-            allowed = ", ".join(m.strip() for m in error.headers["Allow"].split(","))
-            message = f"{request.method} {_shown_path(request)} is not allowed: it takes {allowed}"
-        else:
-            message = error.reason
-        answer = from_status(error.status, message)
-        if "Allow" in error.headers:  # (a 405 says which methods the path takes)
-            answer.headers["Allow"] = error.headers["Allow"]
-        return answer.response()
+        return from_http_error(request, error, unknown_path(request)).response()
     if isinstance(error, web.RequestPayloadError):  # a body that cannot be decoded (Content-Encoding) or was cut short
         return invalid(f"the request body could not be read: {error.__cause__ or error}").response()
     if isinstance(error, ConnectionError) and caller_left(request):  # (not Redis: the caller's own connection)
