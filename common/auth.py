@@ -83,6 +83,9 @@ def check_auth(auth: Any, model_ids: Collection[str], aliases: Mapping[str, str]
         if isinstance(name, str):
             if name in seen:
                 errors.append(f"{path}.name: duplicate key name {name!r} (first at {seen[name]})")
+            elif name == ANONYMOUS:  # (it would take over the usage and audit entries of callers before keys came)
+                errors.append(f"{path}.name: {ANONYMOUS!r} is what iop calls every caller when the config has no "
+                              "keys; give this key a name of its own")
             seen.setdefault(name, path)
         digest = key.get("sha256")
         if isinstance(digest, str):

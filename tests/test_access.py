@@ -61,6 +61,8 @@ AUTH = {"keys": [
      "auth.keys[0].limits.max_in_flight: Input should be greater than or equal to 1"),
     (lambda k: k.update(limits={"rpm": 5}), "auth.keys[0].limits.rpm: unknown field"),
     (lambda k: k.update(name="has space"), "auth.keys[0].name: must be 1 to 64 letters, digits"),
+    (lambda k: k.update(name="anonymous"), "auth.keys[0].name: 'anonymous' is what iop calls every caller when the "
+     "config has no keys"),
     (lambda k: k.update(limits={"max_in_flight": 10**20}), "auth.keys[0].limits.max_in_flight: Input should be less"),
     (lambda k: k.update(limits={"requests_per_minute": 10**10}),
      "auth.keys[0].limits.requests_per_minute: Input should be less"),
