@@ -35,7 +35,7 @@ from common.wire import ErrorCode
 from gateway.auth import principal
 from gateway.connections import BODY
 from gateway.errors import ApiError, invalid
-from gateway.requests import json_object
+from gateway.requests import json_object, query_value
 
 #: Fields `POST …/capacity` takes.
 CAPACITY_FIELDS = frozenset({"capacity", "for"})
@@ -110,12 +110,12 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
                                    principal(request).name))
 
     async def audit(request: web.Request) -> web.Response:
-        text = request.query.get("limit", "50")
+        text = query_value(request, "limit", "50") or ""
         if not _LIMIT.fullmatch(text) or not 1 <= int(text) <= control.MAX_AUDIT_READ:
             raise invalid(f"limit: {control.shown(text)} is not a whole number between 1 and "
                           f"{control.MAX_AUDIT_READ}", "limit")
         try:
-            entries = await control.read_audit(redis(), int(text), request.query.get("before"))
+            entries = await control.read_audit(redis(), int(text), query_value(request, "before"))
         except ControlError as exc:
             raise invalid(str(exc), exc.param) from None
         return web.json_response({"object": "list", "data": [e.to_json() for e in entries]},

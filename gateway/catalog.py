@@ -23,6 +23,7 @@ from common.history import read_history
 from common.redisconn import now_ms
 from common.wire import ErrorCode
 from gateway.errors import ApiError, invalid
+from gateway.requests import query_value
 
 #: Longest a catalog read may take before the gateway answers 503.
 READ_TIMEOUT_S = 2.0
@@ -46,7 +47,7 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
         return web.json_response(catalog.to_json(), headers={"Cache-Control": "no-store"})
 
     async def history_json(request: web.Request) -> web.Response:
-        since = request.query.get("since")
+        since = query_value(request, "since")
         if since is not None and (not _SINCE.fullmatch(since) or int(since) >= 2**63):
             raise invalid(f"since: {shown(since)} is not a time in ms since the epoch", "since")
         try:

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
 from common import choices, jsonio
 from common.codec import pack
 from common.config import RuntimeConfig
@@ -143,6 +145,15 @@ def _pack(body: dict[str, Any]) -> bytes:
         if problem is None:
             raise invalid(f"the request body cannot be stored: {exc}") from None
         raise invalid(problem.message, problem.param) from None
+
+
+def query_value(request: web.Request, name: str, default: str | None = None) -> str | None:
+    """The value of query parameter `name` (`default` when absent); one given twice is a 400, not
+    its first value taken silently (`?key=a&key=b` asked for two keys' usage, and got one's)."""
+    values = request.query.getall(name, [])
+    if len(values) > 1:
+        raise invalid(f"{name}: given {len(values)} times; give it once", name)
+    return values[0] if values else default
 
 
 def json_object(raw: bytes, max_depth: int, max_containers: int = DEFAULT_MAX_CONTAINERS) -> dict[str, Any]:

@@ -20,22 +20,24 @@ from common.usage import DayError, day_range, has_usage, key_names, model_asked,
 from common.wire import ErrorCode
 from gateway.auth import principal
 from gateway.errors import ApiError, invalid
+from gateway.requests import query_value
 
 
 def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> None:
     async def usage(request: web.Request) -> web.Response:
         who = principal(request)
-        query = request.query
         known = key_names(config)
-        asked = query.get("key")
+        asked = query_value(request, "key")
         visible = known if who.operator else [who.name]
         if asked is not None and asked not in visible and not (who.operator and await has_usage(redis(), asked)):
             raise ApiError(ErrorCode.NOT_FOUND, f"no usage of a key named {quoted(asked)}", param="key")
         try:
-            days = day_range(query.get("start_date"), query.get("end_date"), dt.datetime.now(dt.UTC).date())
+            days = day_range(query_value(request, "start_date"), query_value(request, "end_date"),
+                             dt.datetime.now(dt.UTC).date())
         except DayError as exc:
             raise invalid(str(exc), f"{exc.end}_date") from None
-        rows = await read_usage(redis(), [asked] if asked else visible, days, model_asked(config, query.get("model")))
+        model = model_asked(config, query_value(request, "model"))
+        rows = await read_usage(redis(), [asked] if asked else visible, days, model)
         return web.json_response({"object": "list", "start_date": days[0], "end_date": days[-1],
                                   "data": [r.to_json() for r in rows]})
 

@@ -415,6 +415,10 @@ async def test_usage_is_a_callers_own_and_every_keys_for_an_operator(gateway: st
     assert [(r["key"], r["model"]) for r in every["data"]] == [("team-a", "qwen3.6:35b"), ("team-b", "llama3.3:70b")]
     _, one, _ = await call(http, "GET", gateway + "/v1/usage?key=team-b&model=llama3.3:70b", OPERATOR)
     assert [r["failures"] for r in one["data"]] == [1]
+    # a parameter given twice is refused, not taken at its first value (it answered team-a's usage alone)
+    status, bad, _ = await call(http, "GET", gateway + "/v1/usage?key=team-a&key=team-b", OPERATOR)
+    assert status == 400 and bad["error"]["param"] == "key", bad
+    assert bad["error"]["message"] == "key: given 2 times; give it once"
     status, bad, _ = await call(http, "GET", gateway + "/v1/usage?start_date=2026-13-01", OPERATOR)
     assert status == 400 and "YYYY-MM-DD" in bad["error"]["message"]
     status, bad, _ = await call(http, "GET", gateway + "/v1/usage?start_date=2020-01-01&end_date=2026-01-01", OPERATOR)
