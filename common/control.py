@@ -45,6 +45,11 @@ NODE_ACTIONS = frozenset({Action.CORDON, Action.UNCORDON})
 #: The shortest and longest time a capacity override may be given (`--for`, `"for"`).
 MIN_FOR_MS = 1_000
 MAX_FOR_MS = 7 * 86_400_000
+#: What a change is told when Redis did not answer it in time (paused, cut off): it may have been
+#: made, or be made when Redis resumes (it runs what it had received), so it is not to be sent
+#: again blindly (a drain then an undrain, both timed out, would both apply, in order).
+UNANSWERED = ("the change may still be made when Redis answers (a paused Redis runs what it had received): "
+              "look at the audit trail before sending it again")
 #: Audit entries one read returns at most (`iop audit --limit`, `GET /v1/admin/audit?limit=`).
 MAX_AUDIT_READ = 1_000
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 from redis.asyncio import Redis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import control
 from common.catalog import change_report, read_catalog
@@ -89,6 +90,9 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
             raise ApiError(ErrorCode.NOT_FOUND, str(exc)) from None
         except ControlError as exc:
             raise invalid(str(exc), exc.param) from None
+        except RedisTimeoutError:
+            raise ApiError(ErrorCode.UNAVAILABLE, f"Redis did not answer in time; {control.UNANSWERED} "
+                           "(GET /v1/admin/audit)", headers={"Retry-After": "5"}) from None
         except REDIS_FULL:  # (a change that only removes, an undrain, frees: Redis takes it)
             raise ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) is full (maxmemory) and refuses writes: "
                            "nothing changed; retry once it has room", headers={"Retry-After": "5"}) from None

@@ -12,6 +12,8 @@ import json
 import sys
 from typing import Any
 
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from common import control
 from common.catalog import change_report, read_catalog
 from common.config import Config
@@ -81,6 +83,9 @@ def act(config: Config, redis_url: str, args: Any, who: str, as_json: bool) -> i
     except (ControlError, UnknownTarget) as exc:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2
+    except RedisTimeoutError as exc:
+        print(f"error: {exc}; {control.UNANSWERED} (iop audit)", file=sys.stderr)
+        return 1
     except REDIS_DOWN as exc:
         print(f"error: cannot reach Redis at {redact(redis_url)}: {exc}", file=sys.stderr)
         return 1

@@ -4,7 +4,9 @@ port 0 (no scheduler or worker processes)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from common.control import Action, Change, apply
 from common.history import offer_sample, read_history
 from common.redisconn import now_ms
 from iop import cli, control_cmd
+from iop.embedded_redis import RedisServer
 from scheduler import metrics as scheduler_metrics
 from tests.conftest import async_wait_until
 from tests.openapi import validate
@@ -423,3 +426,43 @@ def test_the_commands_exit_1_when_redis_is_down(tmp_path: Path, capsys: pytest.C
     code, _, err = iop(capsys, "provider", "drain", "vllm-a", "--config", str(path), "--redis", url)
     assert code == 1 and "cannot reach Redis" in err and "hunter2" not in err
     assert control_cmd.audit(url, 10, as_json=False) == 1
+
+
+async def test_a_change_redis_did_not_answer_in_time_says_it_may_still_be_made(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A paused Redis runs what it had received once it resumes: a change answered "unavailable,
+    retry shortly" (it said) was made all the same, and sent again, made twice; a drain then an
+    undrain, both timed out, both applied. The answer says to look at the audit trail first."""
+    server = RedisServer().start()
+    url = server.url + "?socket_timeout=0.3"
+    path = tmp_path / "iop.yaml"
+    path.write_text(yaml.safe_dump(POOL))
+    redis = Redis.from_url(server.url)
+    try:
+        await beat(redis, OPEN)
+        async with serve(OPEN, url) as base:
+            assert (await call("POST", base + "/v1/admin/providers/vllm-a/undrain"))[0] == 200  # (scripts loaded)
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGSTOP)
+            try:
+                status, body, headers = await call("POST", base + "/v1/admin/providers/vllm-a/drain")
+                code, _, err = await asyncio.to_thread(iop, capsys, "node", "cordon", "gpu-2", "--config", str(path),
+                                                       "--redis", url)
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+        assert (status, headers["Retry-After"]) == (503, "5"), body
+        validate("ErrorResponse", body)
+        assert body["error"]["message"] == ("Redis did not answer in time; the change may still be made when Redis "
+                                            "answers (a paused Redis runs what it had received): look at the audit "
+                                            "trail before sending it again (GET /v1/admin/audit)")
+        assert code == 1 and err.count("\n") == 1 and "look at the audit trail" in err and "(iop audit)" in err, err
+        # (what Redis had received ran once it resumed: here, both changes)
+        async def both() -> bool:
+            return bool(await redis.xlen(keys.AUDIT_STREAM) == 3)
+
+        await async_wait_until(both, what="the two changes to be made")
+        actions = [e[1][b"action"] for e in await redis.xrange(keys.AUDIT_STREAM)]
+        assert actions[0] == b"undrain" and sorted(actions[1:]) == [b"cordon", b"drain"], actions
+    finally:
+        await redis.aclose()
+        server.cleanup()
