@@ -158,8 +158,8 @@ class Stack:
         proc.wait_for_line(r"iop scheduler \S+ running")
         return proc
 
-    def worker(self, node: str) -> Proc:
-        proc = self.start(f"worker-{node}", "worker", "--node", node)
+    def worker(self, node: str, *extra: str) -> Proc:
+        proc = self.start(f"worker-{node}", "worker", "--node", node, *extra)
         proc.wait_for_line(r"worker for queue \S+ started")
         return proc
 

@@ -326,6 +326,34 @@ async def test_a_redis_that_stops_answering_gets_callers_a_503_not_a_hang_and_se
     r.close()
 
 
+async def test_a_worker_stopped_while_redis_stops_answering_stops_and_leaves_its_run_to_its_lease(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    """SIGTERM with a run going and Redis paused: past the grace the run is cancelled, and its end
+    cannot be recorded. The worker kept trying for as long as the run's lease could live (33 s seen,
+    past compose's 15 s stop period, then a SIGKILL); now it stops a few seconds after its grace,
+    while Redis is still paused, and the run is the lease's, as if the worker had been killed."""
+    fstack.redis_url = fstack.server.url + "?socket_timeout=1"
+    fstack.add_simulator("only")
+    fstack.configure({"only": ("n1", 1)}, runtime={"lease_ttl_ms": 10_000})
+    fstack.scheduler()
+    worker = fstack.worker("n1", "--grace", "0.5")
+    gateway = fstack.gateway()
+    fstack.wait_health("only", "available")
+    running = asyncio.create_task(call(http, gateway, chat(ttft_ms=60_000)))
+    await until_current(fstack, "only", 1)
+    server = fstack.server.proc
+    assert server is not None
+    server.send_signal(signal.SIGSTOP)
+    try:
+        assert await asyncio.to_thread(worker.stop, 60) == 0, worker.output()
+        assert "runs could not record their end" in worker.output(), worker.output()
+    finally:
+        server.send_signal(signal.SIGCONT)
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+    fstack.worker("n1")  # (the node's worker again, as an operator would start it)
+
+
 @pytest.mark.parametrize("own_redis", [True], indirect=True)
 async def test_runs_queued_before_a_redis_restart_are_served_after_it_with_aof(
         fstack: FaultStack, http: aiohttp.ClientSession) -> None:

@@ -33,6 +33,9 @@ log = logging.getLogger("iop.worker")
 RUNNER_CTX = "iop_runner"
 #: The worker's heartbeats task (in its ctx), stopped first when it stops
 HEARTBEATS_CTX = "iop_heartbeats"
+#: How long the runs a stopping worker cancelled (its grace ran out) may take to record their end
+#: (milliseconds, with Redis answering) before the worker stops without it (`serve`)
+END_RECORD_S = 5.0
 
 
 def read_limits(runtime: RuntimeConfig) -> ReadLimits:
@@ -211,6 +214,16 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
         _, pending = await asyncio.wait(jobs, timeout=grace_s)
         for t in pending:
             t.cancel()
+        if pending:
+            # A cancelled run records its end (in ms, Redis willing). One that cannot (Redis paused or
+            # cut off: it would retry for as long as its lease lasts) is let go, as if this worker
+            # had been killed: its lease lapses and the scheduler takes the run back.
+            _, unrecorded = await asyncio.wait(pending, timeout=END_RECORD_S)
+            if unrecorded:
+                log.warning("stopping: %d runs could not record their end in %.0fs (Redis does not answer); "
+                            "their leases will lapse and the scheduler take them back", len(unrecorded), END_RECORD_S)
+            for t in unrecorded:
+                t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     # Every job is done now. (arq's close gathers them again and would raise a cancelled one's
     # CancelledError, skipping the shutdown hook: the traceback, an unclosed HTTP session, status 1.)
