@@ -32,7 +32,7 @@ from workers import runner as runner_module
 from workers.adapters.base import DOWN, LastRead, ProbeResult, ProviderError, Retry, not_taken
 from workers.adapters.cli import CliAdapter
 from workers.adapters.openai_compat import completion_tokens_named
-from workers.runner import Runner
+from workers.runner import LeaseLost, Runner
 
 if TYPE_CHECKING:
     from workers.arq_worker import WakeWorker
@@ -847,6 +847,33 @@ async def test_an_attempt_that_fails_after_its_run_went_on_without_it_does_not_s
     said = [r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage()]
     assert said == ["attempt 1 failed, but its run had gone on without it (stale): provider a: sent nothing "
                     "for 3000 ms"]
+
+
+async def test_an_attempt_whose_end_redis_never_took_says_so(
+        redis: Redis, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis did not answer the finish for as long as the lease could live (paused): the log says
+    that, not that the run went on without the attempt (found by a stalled-Redis audit)."""
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+
+    class Failing(Scripted):
+        async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+            raise ProviderError("provider a: sent nothing for 3000 ms", retry=Retry.ANY, strikes=1)
+
+    runner = Runner(redis, sched.config, "n-a", {"a": Failing([])})
+    call_while_leased = runner._call_while_leased
+
+    async def unanswered(att: Any, script: str, *args: Any) -> Any:
+        if script == "finish":
+            raise LeaseLost(att.run_id)
+        return await call_while_leased(att, script, *args)
+
+    monkeypatch.setattr(runner, "_call_while_leased", unanswered)
+    with caplog.at_level(logging.INFO, "iop.worker"):
+        assert await runner.execute(run_id) == "unrecorded"
+    said = [r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage()]
+    assert said == ["attempt 1 failed (provider a: sent nothing for 3000 ms), and its end could not be recorded: "
+                    "Redis did not answer while its lease could live; the scheduler takes the run back when the "
+                    "lease lapses"]
 
 
 async def dispatched_runs(redis: Redis, n: int) -> tuple[Runner, list[str]]:

@@ -481,7 +481,11 @@ class Runner:
         else:
             outcome = await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info,
                                          evidence=evidence)
-        if not outcome.endswith(":ok"):  # (its lease went: the run went on without it; nothing was recorded)
+        if outcome == "unrecorded":  # (Redis did not answer for as long as the lease could live)
+            log.warning("attempt %s failed (%s), and its end could not be recorded: Redis did not answer while its "
+                        "lease could live; the scheduler takes the run back when the lease lapses", att.attempt,
+                        info.message, extra=att.log())
+        elif not outcome.endswith(":ok"):  # (its lease went: the run went on without it; nothing was recorded)
             log.info("attempt %s failed, but its run had gone on without it (%s): %s", att.attempt,
                      outcome.partition(":")[2] or outcome, info.message, extra=att.log())
         elif again:
