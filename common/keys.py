@@ -84,6 +84,9 @@ def capacity_override(provider_id: str) -> str:
 
 #: Stream of every operator change (drain, cordon, capacity override): who, what, previous value.
 AUDIT_STREAM: Final = f"{PREFIX}:audit"
+#: A key nothing writes: the gateway's `/readyz` reads it through a script (`ready`), so that a Redis
+#: user without the right to run scripts, or to read iop's keys, is not ready.
+READY_PROBE: Final = f"{PREFIX}:ready"
 #: Entries the audit stream keeps at least (XADD MAXLEN ~: Redis trims in whole blocks, so a little more).
 AUDIT_MAX_ENTRIES: Final = 10_000
 #: Stream of load samples (per provider in_flight and capacity, per model queued and oldest wait),

@@ -936,6 +936,12 @@ return 1
 # the gateway of the run's caller: `orphans` reads it).
 # KEYS: run record   ARGV: gateway id
 # Returns 0 if the run is gone, else 1.
+# /readyz: whether iop's Redis user may run a script and read iop's keys (its answer does not matter).
+# KEYS: READY_PROBE
+READY = """#!lua flags=no-writes
+return redis.call('EXISTS', KEYS[1])
+"""
+
 WATCH = f"""
 local watchers = redis.call('HGET', KEYS[1], 'watchers')
 if not watchers then
@@ -1101,6 +1107,7 @@ ALL: dict[str, str] = {
     "control": CONTROL,
     "history": HISTORY,
     "orphans": ORPHANS,
+    "ready": READY,
 }
 
 SHAS: dict[str, str] = {name: sha1(src.encode()).hexdigest() for name, src in ALL.items()}

@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from common import capabilities, token_cap
+from common import capabilities, keys, token_cap
 from common.auth import KeyRing
 from common.config import Config, ModelConfig, folded_name
 from common.jsonio import json_response
@@ -221,6 +221,8 @@ async def readyz(request: web.Request) -> web.Response:
     try:
         async with asyncio.timeout(1.0):
             await request.app[RUNS].redis.ping()
+            # (and may run a script on iop's keys: an ACL user without that passed, then refused every run)
+            await request.app[RUNS].scripts.call("ready", [keys.READY_PROBE], [])
     except (TimeoutError, *REDIS_DOWN) as exc:
         log.warning("not ready: Redis is unreachable: %s", str(exc) or "no answer within 1 s")
         raise ApiError(ErrorCode.UNAVAILABLE, "not ready: Redis is unreachable") from None

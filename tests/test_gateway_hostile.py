@@ -331,6 +331,19 @@ async def test_readyz_when_redis_answers_with_an_error_is_503_not_500(
     assert any(r.levelno == logging.WARNING and "not ready" in r.getMessage() for r in caplog.records)
 
 
+async def test_readyz_is_503_for_a_redis_user_that_may_not_read_iops_keys(redis_url: str) -> None:
+    user = f"iop-other-keys-{uuid.uuid4().hex[:8]}"
+    admin = Redis.from_url(redis_url)
+    await admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~other:*", "&*", "+@all")
+    parts = urlsplit(redis_url)
+    try:
+        resp = await readyz(config(), urlunsplit((parts.scheme, f"{user}:pw@{parts.netloc}", parts.path, "", "")))
+    finally:
+        await admin.execute_command("ACL", "DELUSER", user)
+        await admin.aclose()
+    assert resp.status == 503 and resp.error()["message"].startswith("not ready: Redis answered with an error")
+
+
 async def test_a_command_redis_refuses_is_a_503_saying_so_not_a_500(
         redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     """An ACL user that may not run scripts: /readyz's PING passes, and every run's script was
@@ -339,10 +352,12 @@ async def test_a_command_redis_refuses_is_a_503_saying_so_not_a_500(
     admin = Redis.from_url(redis_url)
     await admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-@scripting")
     parts = urlsplit(redis_url)
-    runner, gw = await serve(config(), urlunsplit((parts.scheme, f"{user}:pw@{parts.netloc}", parts.path, "", "")))
+    url = urlunsplit((parts.scheme, f"{user}:pw@{parts.netloc}", parts.path, "", ""))
+    runner, gw = await serve(config(), url)
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         resp = await post_chat(gw, json.dumps(body).encode())
+        ready = await readyz(config(), url)  # (it checked PING alone, and said ready)
     finally:
         await runner.cleanup()
         await admin.execute_command("ACL", "DELUSER", user)
@@ -351,5 +366,6 @@ async def test_a_command_redis_refuses_is_a_503_saying_so_not_a_500(
     err = resp.error()
     assert err["code"] == "service_unavailable" and "Redis) refused" in err["message"], err
     assert resp.headers.get("retry-after") == "5"
+    assert ready.status == 503 and ready.error()["message"].startswith("not ready: Redis answered with an error")
     said = logged(caplog)
     assert any(r.levelno == logging.ERROR and "no permissions" in r.getMessage() for r in caplog.records), said
