@@ -29,7 +29,7 @@ from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import RESPONSES_PATH, RUN_ROUTES, ParsedRequest, parse_request, parse_responses
 from gateway.responses import END_WITHIN_S, SSEStream, run_headers, stream_response, whole_response
 from gateway.responses_output import ResponseShape
-from gateway.runs import RunClient, new_run_id
+from gateway.runs import LEFT, RunClient, new_run_id
 from gateway.stopping import Stopping
 
 log = logging.getLogger("iop.gateway")
@@ -137,6 +137,7 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     shape = None if req.echo is None else ResponseShape(run_id, model.id, req.echo)
     submitted = finished = False
     out: SSEStream | None = None
+    why_left = LEFT  # (why its run is cancelled if it ends before the run: the caller left, or ...)
     stopping = request.app[STOPPING]
     task = stopping.add()
     try:
@@ -186,6 +187,7 @@ async def run_request(request: web.Request) -> web.StreamResponse:
         current = asyncio.current_task()
         if current is not None:
             current.uncancel()
+        why_left = "the gateway stopped before the run ended"
         headers = run_headers(run_id) if submitted else {}
         ended = None if out is None else await out.fail(stopping.error(headers), END_WITHIN_S)
         if ended is None:
@@ -196,7 +198,7 @@ async def run_request(request: web.Request) -> web.StreamResponse:
         if submitted and not finished:
             # The caller left (or the gateway gave up): the run must not go on without it. (One that
             # left while its run was being queued: `submit` takes the run back once it is queued.)
-            await asyncio.shield(runs.leave(run_id, model.id))
+            await asyncio.shield(runs.leave(run_id, model.id, why_left))
 
 
 async def stored_response(request: web.Request) -> web.Response:

@@ -178,15 +178,16 @@ class RunClient:
                 if event.type in (EventType.COMPLETED, EventType.FAILED):
                     return
 
-    async def leave(self, run_id: str, model_id: str) -> None:
-        """The run's caller went away: the run must not go on without it (cancelled now, or, when
-        Redis cannot do it now, in the background once it can)."""
+    async def leave(self, run_id: str, model_id: str, reason: str = LEFT) -> None:
+        """The run's caller went away (or the gateway, stopping, let it go: `reason`): the run must
+        not go on without it (cancelled now, or, when Redis cannot do it now, in the background
+        once it can)."""
         try:
-            await self.cancel(run_id, model_id, LEFT)
+            await self.cancel(run_id, model_id, reason)
         except REDIS_UNUSABLE as exc:
             log.warning("could not cancel yet (%s); trying again in the background", exc,
                         extra=run_fields(run_id, model_id))
-            self._in_background(self._cancel_when_back(run_id, model_id, LEFT))
+            self._in_background(self._cancel_when_back(run_id, model_id, reason))
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

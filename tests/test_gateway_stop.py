@@ -108,6 +108,9 @@ def test_runs_that_outlast_the_grace_get_a_503_and_are_cancelled(stack: Stack) -
     runs = (got["stream_run"], got["run"])
     wait_until(lambda: all(run_state(stack, run_id) == b"cancelled" for run_id in runs), what="both runs cancelled")
     wait_until(lambda: leases(stack) == 0, what="the slots to come back")
+    with sync_redis.Redis.from_url(stack.redis_url) as r:  # (why: it said "the caller went away")
+        assert [r.hget(f"iop:run:{run_id}", "cancel_reason") for run_id in runs] == [
+            b"the gateway stopped before the run ended"] * 2
 
 
 def test_a_second_signal_cuts_the_grace_short(stack: Stack) -> None:
