@@ -228,6 +228,8 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
      "or expired", "GET iop:capacity:{provider}; PTTL iop:capacity:{provider}"),
     (AUDIT_STREAM, "stream", "operator changes: who, action, target, value, previous (capped)",
      "XREVRANGE iop:audit + - COUNT 10"),
+    (READY_PROBE, "none: never written", "read by the gateway's /readyz through a script: may iop's Redis user run "
+     "scripts and read iop's keys", "EXISTS iop:ready"),
     (HISTORY_STREAM, "stream", "load samples for the catalog's charts (capped by time and count)",
      "XREVRANGE iop:history + - COUNT 1"),
     (node_queue("{node}"), "sorted set (arq)", "jobs queued for the node's workers",
