@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,18 @@ def _garbage_of_the_module() -> Iterator[None]:
     in (how an unclosed socket failed a simulator test in CI)."""
     yield
     gc.collect()
+
+
+@contextmanager
+def paused(server: RedisServer) -> Iterator[None]:
+    """The server stops answering, its connections up (SIGSTOP: a paused VM, a host cut off), and
+    answers again when the block ends."""
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from common.redisconn import now_ms
 from iop import cli, control_cmd
 from iop.embedded_redis import RedisServer
 from scheduler import metrics as scheduler_metrics
-from tests.conftest import async_wait_until
+from tests.conftest import async_wait_until, paused
 from tests.openapi import validate
 from tests.test_catalog_api import free_port, serve
 
@@ -442,14 +441,10 @@ async def test_a_change_redis_did_not_answer_in_time_says_it_may_still_be_made(
         await beat(redis, OPEN)
         async with serve(OPEN, url) as base:
             assert (await call("POST", base + "/v1/admin/providers/vllm-a/undrain"))[0] == 200  # (scripts loaded)
-            assert server.proc is not None
-            server.proc.send_signal(signal.SIGSTOP)
-            try:
+            with paused(server):
                 status, body, headers = await call("POST", base + "/v1/admin/providers/vllm-a/drain")
                 code, _, err = await asyncio.to_thread(iop, capsys, "node", "cordon", "gpu-2", "--config", str(path),
                                                        "--redis", url)
-            finally:
-                server.proc.send_signal(signal.SIGCONT)
         assert (status, headers["Retry-After"]) == (503, "5"), body
         validate("ErrorResponse", body)
         assert body["error"]["message"] == ("Redis did not answer in time; the change may still be made when Redis "

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from gateway.runs import LEFT, UNANSWERED
-from tests.conftest import async_wait_until
+from tests.conftest import async_wait_until, paused
 from tests.faults import MODEL, FaultStack, chat, run_of, start, stream_events, until_current
 
 pytestmark = pytest.mark.e2e
@@ -294,10 +294,7 @@ async def test_a_redis_that_stops_answering_gets_callers_a_503_not_a_hang_and_se
     assert (await call(http, gateway, chat()))[0] == 200
     leaving = asyncio.create_task(call(http, gateway, chat(ttft_ms=30_000)))
     await until_current(fstack, "only", 1)
-    server = fstack.server.proc
-    assert server is not None
-    server.send_signal(signal.SIGSTOP)
-    try:
+    with paused(fstack.server):
         leaving.cancel()  # (its gateway cannot cancel the run now)
         await asyncio.gather(leaving, return_exceptions=True)
         status, body = await asyncio.wait_for(call(http, gateway, chat(ttft_ms=30_000)), 30)  # (the test's bound)
@@ -308,8 +305,6 @@ async def test_a_redis_that_stops_answering_gets_callers_a_503_not_a_hang_and_se
                                        capture_output=True, text=True, timeout=30, check=False)
         assert done.returncode == 1, done
         assert len(done.stderr.splitlines()) == 1 and "did not answer within 2 s" in done.stderr, done.stderr
-    finally:
-        server.send_signal(signal.SIGCONT)
 
     async def served() -> bool:
         return (await call(http, gateway, chat()))[0] == 200
@@ -341,14 +336,9 @@ async def test_a_worker_stopped_while_redis_stops_answering_stops_and_leaves_its
     fstack.wait_health("only", "available")
     running = asyncio.create_task(call(http, gateway, chat(ttft_ms=60_000)))
     await until_current(fstack, "only", 1)
-    server = fstack.server.proc
-    assert server is not None
-    server.send_signal(signal.SIGSTOP)
-    try:
+    with paused(fstack.server):
         assert await asyncio.to_thread(worker.stop, 60) == 0, worker.output()
         assert "runs could not record their end" in worker.output(), worker.output()
-    finally:
-        server.send_signal(signal.SIGCONT)
     running.cancel()
     await asyncio.gather(running, return_exceptions=True)
     fstack.worker("n1")  # (the node's worker again, as an operator would start it)

@@ -11,6 +11,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -312,19 +313,26 @@ async def test_readyz_with_redis_down_says_so_without_its_address(caplog: pytest
                for r in caplog.records), "the detail is logged"
 
 
+@asynccontextmanager
+async def acl_user(redis_url: str, name: str, *rules: str) -> AsyncIterator[str]:
+    """A Redis user with `rules` (`ACL SETUSER`) for the block: the URL that logs in as it."""
+    user = f"{name}-{uuid.uuid4().hex[:8]}"
+    admin = Redis.from_url(redis_url)
+    await admin.execute_command("ACL", "SETUSER", user, "on", ">pw", *rules)
+    parts = urlsplit(redis_url)
+    try:
+        yield urlunsplit((parts.scheme, f"{user}:pw@{parts.netloc}", parts.path, "", ""))
+    finally:
+        await admin.execute_command("ACL", "DELUSER", user)
+        await admin.aclose()
+
+
 async def test_readyz_when_redis_answers_with_an_error_is_503_not_500(
         redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     """A user that may not PING: Redis answers NOPERM, which is no outage."""
     caplog.set_level(logging.DEBUG)
-    user = f"iop-no-ping-{uuid.uuid4().hex[:8]}"
-    admin = Redis.from_url(redis_url)
-    await admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "+@all", "-ping")
-    parts = urlsplit(redis_url)
-    try:
-        resp = await readyz(config(), urlunsplit((parts.scheme, f"{user}:pw@{parts.netloc}", parts.path, "", "")))
-    finally:
-        await admin.execute_command("ACL", "DELUSER", user)
-        await admin.aclose()
+    async with acl_user(redis_url, "iop-no-ping", "~*", "+@all", "-ping") as url:
+        resp = await readyz(config(), url)
     assert resp.status == 503
     err = resp.error()
     assert err["code"] == "service_unavailable" and err["message"].startswith("not ready: Redis answered with an error")
@@ -332,15 +340,8 @@ async def test_readyz_when_redis_answers_with_an_error_is_503_not_500(
 
 
 async def test_readyz_is_503_for_a_redis_user_that_may_not_read_iops_keys(redis_url: str) -> None:
-    user = f"iop-other-keys-{uuid.uuid4().hex[:8]}"
-    admin = Redis.from_url(redis_url)
-    await admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~other:*", "&*", "+@all")
-    parts = urlsplit(redis_url)
-    try:
-        resp = await readyz(config(), urlunsplit((parts.scheme, f"{user}:pw@{parts.netloc}", parts.path, "", "")))
-    finally:
-        await admin.execute_command("ACL", "DELUSER", user)
-        await admin.aclose()
+    async with acl_user(redis_url, "iop-other-keys", "~other:*", "&*", "+@all") as url:
+        resp = await readyz(config(), url)
     assert resp.status == 503 and resp.error()["message"].startswith("not ready: Redis answered with an error")
 
 
@@ -348,20 +349,14 @@ async def test_a_command_redis_refuses_is_a_503_saying_so_not_a_500(
         redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     """An ACL user that may not run scripts: /readyz's PING passes, and every run's script was
     refused with NOPERM, which came out as 500 `internal_error`. It is a 503 now, and the log says why."""
-    user = f"iop-no-scripts-{uuid.uuid4().hex[:8]}"
-    admin = Redis.from_url(redis_url)
-    await admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-@scripting")
-    parts = urlsplit(redis_url)
-    url = urlunsplit((parts.scheme, f"{user}:pw@{parts.netloc}", parts.path, "", ""))
-    runner, gw = await serve(config(), url)
-    try:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-        resp = await post_chat(gw, json.dumps(body).encode())
-        ready = await readyz(config(), url)  # (it checked PING alone, and said ready)
-    finally:
-        await runner.cleanup()
-        await admin.execute_command("ACL", "DELUSER", user)
-        await admin.aclose()
+    async with acl_user(redis_url, "iop-no-scripts", "~*", "&*", "+@all", "-@scripting") as url:
+        runner, gw = await serve(config(), url)
+        try:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            resp = await post_chat(gw, json.dumps(body).encode())
+            ready = await readyz(config(), url)  # (it checked PING alone, and said ready)
+        finally:
+            await runner.cleanup()
     assert resp.status == 503, resp.body
     err = resp.error()
     assert err["code"] == "service_unavailable" and "Redis) refused" in err["message"], err

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import signal
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from functools import partial
 
 import pytest
@@ -21,7 +19,7 @@ from common.redisconn import client_options, connect
 from common.redisline import BIG_ARGUMENT, Line, line_of, new_line_of, pack_command
 from common.scripts import Scripts
 from iop.embedded_redis import RedisServer
-from tests.conftest import async_wait_until
+from tests.conftest import async_wait_until, paused
 
 
 @pytest.fixture
@@ -150,17 +148,6 @@ async def test_commands_ride_out_a_redis_restart_and_fail_clearly_while_it_is_aw
     finally:
         await r.aclose()
         server.cleanup()
-
-
-@contextmanager
-def paused(server: RedisServer) -> Iterator[None]:
-    """The server stops answering, its connections up (SIGSTOP: a paused VM, a host cut off)."""
-    assert server.proc is not None
-    server.proc.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        server.proc.send_signal(signal.SIGCONT)
 
 
 async def test_a_redis_that_stops_answering_fails_waiting_commands_after_the_reply_timeout_and_serves_them_when_back(

@@ -4,7 +4,6 @@ answer or error, never a wait without end."""
 from __future__ import annotations
 
 import asyncio
-import signal
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ from common.redisconn import connect
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
 from iop.embedded_redis import RedisServer
-from tests.conftest import async_wait_until
+from tests.conftest import async_wait_until, paused
 
 
 def counting(scripts: Scripts) -> list[int]:
@@ -100,21 +99,26 @@ async def test_a_caller_that_leaves_does_not_hold_up_the_others(redis: Redis) ->
         await leaving
 
 
-async def test_a_caller_that_leaves_still_gets_its_answer_to_undo_it(redis: Redis) -> None:
-    batch = ScriptBatch(Scripts(redis), "watch")
-    await redis.hset(keys.run_record("run_u"), "state", "queued")
+async def left_at_once(batch: ScriptBatch, run_id: str, what: str) -> list[Any]:
+    """What a `watch` call whose caller left as soon as it joined the batch gave its `if_left`."""
     left: list[Any] = []
-    leaving = asyncio.create_task(batch.call([keys.run_record("run_u")], ["gw"], left.append))
+    leaving = asyncio.create_task(batch.call([keys.run_record(run_id)], ["gw"], left.append))
     await asyncio.sleep(0)  # it has joined the batch
     leaving.cancel()
     with pytest.raises(asyncio.CancelledError):
         await leaving
 
-
-    async def answered() -> bool:
+    async def heard() -> bool:
         return bool(left)
 
-    await async_wait_until(answered, what="the call to be made all the same")
+    await async_wait_until(heard, what=what)
+    return left
+
+
+async def test_a_caller_that_leaves_still_gets_its_answer_to_undo_it(redis: Redis) -> None:
+    batch = ScriptBatch(Scripts(redis), "watch")
+    await redis.hset(keys.run_record("run_u"), "state", "queued")
+    left = await left_at_once(batch, "run_u", "the call to be made all the same")
     assert left == [1] and await redis.hget(keys.run_record("run_u"), "watchers") == b"gw"
 
 
@@ -124,24 +128,10 @@ async def test_a_caller_that_leaves_hears_none_when_redis_did_not_answer_in_time
     server = RedisServer().start()
     redis = connect(server.url + "?socket_timeout=0.2")
     batch = ScriptBatch(Scripts(redis), "watch")
-    left: list[Any] = []
     try:
         await redis.ping()
-        assert server.proc is not None
-        server.proc.send_signal(signal.SIGSTOP)
-        try:
-            leaving = asyncio.create_task(batch.call([keys.run_record("run_p")], ["gw"], left.append))
-            await asyncio.sleep(0)  # it has joined the batch
-            leaving.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await leaving
-
-            async def heard() -> bool:
-                return bool(left)
-
-            await async_wait_until(heard, what="the call to time out")
-        finally:
-            server.proc.send_signal(signal.SIGCONT)
+        with paused(server):
+            left = await left_at_once(batch, "run_p", "the call to time out")
         assert left == [None]
     finally:
         await redis.aclose()
