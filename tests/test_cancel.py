@@ -263,3 +263,29 @@ async def test_output_that_waits_out_a_full_redis_still_ends_at_the_execution_ti
         assert (await execution).startswith("failed")
         assert await redis.hmget(keys.run_record(run_id), "state", "error_code") == [b"failed", b"execution_timeout"]
     assert await redis.zcard(keys.leases("a")) == 0
+
+
+async def test_a_cancel_redis_cannot_take_is_tried_again_until_the_run_would_have_ended_then_given_up(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The gateway's background cancel (a caller that left, a queueing that timed out) is bounded:
+    past the run's follow deadline it would have ended anyway, and the gateway stops trying."""
+    import logging
+
+    from common.redisconn import connect
+    from iop.embedded_redis import free_port
+
+    client = RunClient(connect(f"redis://127.0.0.1:{free_port()}/0"), make_config({"a": 1}))  # (nothing listens)
+    monkeypatch.setattr(client, "follow_deadline_s", lambda model_id: 0.3)
+    try:
+        with caplog.at_level(logging.WARNING, "iop.gateway"):
+            await client.leave("run_gone", MODEL)  # (its first try fails: the rest go on in the background)
+
+            async def given_up() -> bool:
+                return not client._leaving
+
+            await async_wait_until(given_up, what="the background cancel to give up")
+        said = [r.getMessage() for r in caplog.records]
+        assert said[0].startswith("could not cancel yet") and said[-1].startswith("could not cancel: "), said
+    finally:
+        await client.close()
+        await client.redis.aclose()
