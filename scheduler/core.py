@@ -34,6 +34,7 @@ from common.redisline import new_line_of, stream_reply
 from common.runlog import run_fields
 from common.scripts import DISPATCH_BATCH, Scripts
 from common.snapshots import each_why, read_snapshots, why_none
+from common.subscription import messages
 from common.wire import MAX_RETRY_AFTER_S, ErrorCode, ErrorInfo, RunState, cancelled_by_caller
 from scheduler import metrics
 
@@ -784,10 +785,8 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
         try:
             await pubsub.subscribe(keys.SCHEDULER_SIGNALS, keys.scheduler_channel(sched.consumer))
             sched.kick.set()  # anything may have changed while we were not listening
-            while True:
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
-                if msg is not None:
-                    sched.on_signal(msg["data"])
+            async for msg in messages(pubsub):  # (a dead subscription raises: subscribed again)
+                sched.on_signal(msg["data"])
         finally:
             await pubsub.aclose()
 

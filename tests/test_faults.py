@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -22,6 +22,8 @@ import openai
 import pytest
 
 from gateway.runs import LEFT, UNANSWERED
+from iop.embedded_redis import RedisServer
+from tests.blackhole import Blackhole
 from tests.conftest import async_wait_until, paused
 from tests.faults import MODEL, FaultStack, chat, run_of, start, stream_events, until_current
 
@@ -319,6 +321,46 @@ async def test_a_redis_that_stops_answering_gets_callers_a_503_not_a_hang_and_se
                                        and ended()[(b"cancelled", LEFT.encode())] == 1),
                            what="both runs cancelled", timeout=20)
     r.close()
+
+
+@pytest.fixture
+def hole(own_redis: RedisServer) -> Iterator[Blackhole]:
+    """A relay to the test's Redis (ask for it before `fstack`: it closes after the stack stopped)."""
+    relay = Blackhole("127.0.0.1", own_redis.port)
+    yield relay
+    relay.close()
+
+
+async def test_connections_a_network_path_drops_in_silence_are_noticed_subscriptions_too(
+        hole: Blackhole, fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    """The scheduler's and the worker's connections go through a path that starts dropping
+    everything without a word (a NAT or a load balancer that forgot them, both ends still up).
+    Their commands time out and are made again; their subscriptions, which only ever read, waited
+    for good (Redis, which still sees them, publishing to nobody): a freed slot woke no scheduler
+    (the next run waited for its 1 s tick) and a caller's cancel reached the worker only at its
+    lease's renewal, its GPU generating for nobody meanwhile. Now a subscription quiet for a while
+    PINGs, is found dead, and is made again."""
+    direct = fstack.redis_url
+    fstack.redis_url = hole.url() + "/0?socket_timeout=1"
+    fstack.add_simulator("only")
+    fstack.configure({"only": ("n1", 1)}, runtime={"lease_ttl_ms": 120_000})  # (renewals 40 s apart)
+    scheduler = fstack.scheduler()
+    worker = fstack.worker("n1")
+    fstack.redis_url = direct
+    gateway = fstack.gateway()
+    fstack.wait_health("only", "available")
+    assert (await call(http, gateway, chat()))[0] == 200
+    assert hole.cut() >= 4  # (each process's subscription, lines and pool)
+    await asyncio.to_thread(worker.wait_for_line, r"cancel listener: Redis unavailable \(Redis did not answer a "
+                            r"PING on a subscription within 1 s\); subscribing again")
+    await asyncio.to_thread(scheduler.wait_for_line, r"signals: Redis unavailable \(Redis did not answer a PING")
+    assert (await call(http, gateway, chat()))[0] == 200
+    leaving = asyncio.create_task(call(http, gateway, chat(ttft_ms=60_000)))
+    await until_current(fstack, "only", 1)
+    leaving.cancel()
+    await asyncio.gather(leaving, return_exceptions=True)
+    await asyncio.to_thread(worker.wait_for_line, r"cancel requested run=")
+    await until_current(fstack, "only", 0)
 
 
 async def test_a_worker_stopped_while_redis_stops_answering_stops_and_leaves_its_run_to_its_lease(

@@ -17,6 +17,7 @@ from common.codec import pack, unpack
 from common.config import Config, ProviderConfig, RuntimeConfig
 from common.redisconn import REDIS_UNUSABLE, Backoff, connect
 from common.runlog import run_fields
+from common.subscription import messages
 from common.wire import ErrorCode, ErrorInfo
 from workers import metrics as worker_metrics
 from workers.adapters.base import DEFAULT_LIMITS, Adapter, ReadLimits
@@ -70,20 +71,36 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
         try:
             await pubsub.subscribe(keys.node_cancel(node_id))
             backoff.reset()
-            while True:
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
-                if msg is not None:
-                    run_id = msg["data"].decode()
-                    att = runner.running.get(run_id)
-                    if att is None or att[0].cancelled is not None:  # (not here, or being cancelled)
-                        continue
-                    if runner.cancel(run_id, await runner.why_cancelled(run_id)):
-                        log.info("cancel requested", extra=run_fields(run_id, att[0].model_id))
+            for run_id in await _cancelled_unheard(runner):
+                await _cancel(runner, run_id)
+            async for msg in messages(pubsub):  # (a dead subscription raises: subscribed again)
+                await _cancel(runner, msg["data"].decode())
         except REDIS_UNUSABLE as exc:
-            log.warning("cancel listener: Redis unavailable (%s)", exc)
+            log.warning("cancel listener: Redis unavailable (%s); subscribing again", exc)
             await backoff.pause()
         finally:
             await pubsub.aclose()
+
+
+async def _cancel(runner: Runner, run_id: str) -> None:
+    att = runner.running.get(run_id)
+    if att is None or att[0].cancelled is not None:  # (not here, or being cancelled)
+        return
+    if runner.cancel(run_id, await runner.why_cancelled(run_id)):
+        log.info("cancel requested", extra=run_fields(run_id, att[0].model_id))
+
+
+async def _cancelled_unheard(runner: Runner) -> list[str]:
+    """The runs running here whose cancel was published while no subscription listened (the
+    listener's connection was dead or being made again): their records say so (`cancel`)."""
+    run_ids = [run_id for run_id, (att, _) in runner.running.items() if att.cancelled is None]
+    if not run_ids:
+        return []
+    async with runner.redis.pipeline(transaction=False) as pipe:
+        for run_id in run_ids:
+            pipe.hget(keys.run_record(run_id), "cancel")
+        flags = await pipe.execute()
+    return [run_id for run_id, flag in zip(run_ids, flags, strict=True) if flag == b"1"]
 
 
 def provider_session() -> aiohttp.ClientSession:

@@ -1,0 +1,81 @@
+"""A TCP relay to a server that can turn its open connections into black holes: both ends stay
+up, and whatever either side sends from then on is dropped without a word, as when a NAT or a load
+balancer forgets an idle connection's mapping or a network path is cut. Connections made after
+that go through as before. It runs on threads of its own, so a test may block meanwhile."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+
+class Blackhole:
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.lock = threading.Lock()
+        #: the connections relayed, each with whether it is cut
+        self.pairs: list[dict[str, Any]] = []
+        self.closed = False
+        threading.Thread(target=self._accept, name="blackhole-accept", daemon=True).start()
+
+    def url(self, scheme: str = "redis") -> str:
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def cut(self) -> int:
+        """Every connection open now drops all it gets from here on; returns how many there are."""
+        with self.lock:
+            live = [pair for pair in self.pairs if not pair["done"]]
+            for pair in live:
+                pair["cut"] = True
+            return len(live)
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
+        with self.lock:
+            for pair in self.pairs:
+                for sock in pair["socks"]:
+                    _close(sock)
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                _close(client)
+                continue
+            pair: dict[str, Any] = {"cut": False, "done": False, "socks": (client, upstream)}
+            with self.lock:
+                self.pairs.append(pair)
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(pair, src, dst), name="blackhole-pump", daemon=True).start()
+
+    def _pump(self, pair: dict[str, Any], src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if not pair["cut"]:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        if not pair["cut"]:  # (a cut connection never ends by itself: only `close` ends it)
+            pair["done"] = True
+            for sock in pair["socks"]:
+                _close(sock)
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

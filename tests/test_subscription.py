@@ -1,0 +1,171 @@
+"""A subscription whose connection died in silence is noticed (`common.subscription`), and the
+worker's cancel listener subscribes again and catches up on the cancels it did not hear. Real
+Redis, real TCP: a relay that turns open connections into black holes (`tests.blackhole`)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, cast
+
+import pytest
+import redis as sync_redis
+from redis.asyncio import Redis
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from common import keys, subscription
+from common.redisconn import KEEPALIVE, connect
+from common.redisline import line_of
+from common.subscription import messages
+from iop.embedded_redis import RedisServer
+from tests.blackhole import Blackhole
+from tests.conftest import async_wait_until, paused
+from workers import service
+from workers.runner import Runner
+
+
+@pytest.fixture
+def hole(redis_server: RedisServer) -> Iterator[Blackhole]:
+    relay = Blackhole("127.0.0.1", redis_server.port)
+    yield relay
+    relay.close()
+
+
+@pytest.fixture
+async def via_hole(hole: Blackhole) -> AsyncIterator[Redis]:
+    client = connect(hole.url() + "/0?socket_timeout=1")
+    yield client
+    await client.aclose()
+
+
+def _pings(url: str) -> int:
+    with sync_redis.Redis.from_url(url) as r:
+        return int(r.info("commandstats").get("cmdstat_ping", {}).get("calls", 0))
+
+
+async def test_a_quiet_subscription_pings_and_lives_on_and_a_message_still_arrives(
+        redis_url: str, via_hole: Redis) -> None:
+    pubsub = via_hole.pubsub()
+    await pubsub.subscribe("news")
+    got = asyncio.ensure_future(anext(messages(pubsub, quiet_s=0.05)))
+    try:
+        before = _pings(redis_url)
+        await async_wait_until(lambda: asyncio.to_thread(lambda: _pings(redis_url) >= before + 3),
+                               what="three quiet spells, each with a PING")
+        assert not got.done()  # (answered: no error, and no pong handed over as a message)
+        with sync_redis.Redis.from_url(redis_url) as r:
+            assert r.publish("news", b"hello") == 1
+        message = await asyncio.wait_for(got, 10)
+        assert (message["channel"], message["data"]) == (b"news", b"hello")
+    finally:
+        got.cancel()
+        await pubsub.aclose()
+
+
+async def test_a_subscription_whose_connection_turned_into_a_black_hole_fails(
+        redis_url: str, hole: Blackhole, via_hole: Redis) -> None:
+    pubsub = via_hole.pubsub()
+    await pubsub.subscribe("news")
+    stream = messages(pubsub, quiet_s=0.05)
+    try:
+        with sync_redis.Redis.from_url(redis_url) as r:
+            r.publish("news", b"one")
+            first = await asyncio.wait_for(anext(stream), 10)
+            assert first["data"] == b"one"
+            assert hole.cut() >= 1
+            # Redis still has the subscriber (the relay holds its end), and publishes to nobody
+            assert r.publish("news", b"two") == 1
+        with pytest.raises(RedisTimeoutError, match="did not answer a PING on a subscription within 1 s"):
+            await asyncio.wait_for(anext(stream), 10)
+    finally:
+        await pubsub.aclose()
+
+
+async def test_a_subscription_to_a_redis_that_stopped_answering_fails(own_redis: RedisServer) -> None:
+    client = connect(own_redis.url + "?socket_timeout=1")
+    pubsub = client.pubsub()
+    try:
+        await pubsub.subscribe("news")
+        with paused(own_redis), pytest.raises(RedisTimeoutError):
+            await asyncio.wait_for(anext(messages(pubsub, quiet_s=0.05)), 10)
+    finally:
+        await pubsub.aclose()
+        await client.aclose()
+
+
+class _Attempt:
+    def __init__(self) -> None:
+        self.cancelled: object | None = None
+        self.model_id = "m"
+
+
+class _Runner:
+    """What the cancel listener uses of a `Runner`: its runs, its Redis, and `cancel`."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.running: dict[str, tuple[_Attempt, Any]] = {}
+        self.cancels: list[str] = []
+
+    async def why_cancelled(self, run_id: str) -> object:
+        return "why"
+
+    def cancel(self, run_id: str, why: object) -> bool:
+        self.cancels.append(run_id)
+        self.running[run_id][0].cancelled = why
+        return True
+
+
+async def test_the_cancel_listener_subscribes_again_and_cancels_what_it_did_not_hear(
+        redis_url: str, hole: Blackhole, via_hole: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subscription, "QUIET_S", 0.05)
+    runner = _Runner(via_hole)
+    listening = asyncio.ensure_future(service._listen_cancels(cast(Runner, runner), "node-a"))
+    channel = keys.node_cancel("node-a")
+    try:
+        with sync_redis.Redis.from_url(redis_url) as r:
+            await async_wait_until(lambda: asyncio.to_thread(lambda: r.pubsub_numsub(channel)[0][1] == 1),
+                                   what="the listener subscribed")
+            runner.running["run_heard"] = (_Attempt(), None)
+            r.publish(channel, b"run_heard")
+            await async_wait_until(lambda: asyncio.sleep(0, runner.cancels == ["run_heard"]), what="heard")
+
+            hole.cut()
+            runner.running["run_unheard"] = (_Attempt(), None)
+            r.hset(keys.run_record("run_unheard"), "cancel", "1")
+            assert r.publish(channel, b"run_unheard") == 1  # (to the dead subscription: lost)
+            # the dead subscription is noticed, a new one made, and the run's record read
+            await async_wait_until(lambda: asyncio.to_thread(lambda: r.pubsub_numsub(channel)[0][1] == 2),
+                                   what="subscribed again (the dead one still counted by Redis)")
+            await async_wait_until(lambda: asyncio.sleep(0, runner.cancels == ["run_heard", "run_unheard"]),
+                                   what="the unheard cancel caught up")
+            runner.running["run_later"] = (_Attempt(), None)
+            r.publish(channel, b"run_later")
+            await async_wait_until(lambda: asyncio.sleep(0, runner.cancels[-1:] == ["run_later"]),
+                                   what="heard on the new subscription")
+    finally:
+        listening.cancel()
+        await asyncio.gather(listening, return_exceptions=True)
+
+
+async def test_every_connection_to_redis_has_short_tcp_keepalive(redis_url: str) -> None:
+    client = connect(redis_url)
+    pubsub = client.pubsub()
+    try:
+        await pubsub.subscribe("news")
+        line = line_of(client)
+        assert line is not None
+        await line.execute("PING")
+        conn = await client.connection_pool.get_connection()
+        try:
+            socks = [c._writer.get_extra_info("socket") for c in (conn, pubsub.connection, line._link.conn)]
+        finally:
+            await client.connection_pool.release(conn)
+        for sock in socks:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            for name, value in KEEPALIVE.items():
+                assert sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, name)) == value, name
+    finally:
+        await pubsub.aclose()
+        await client.aclose()
