@@ -157,6 +157,7 @@ async def test_every_connection_to_redis_has_short_tcp_keepalive(redis_url: str)
         line = line_of(client)
         assert line is not None
         await line.execute("PING")
+        assert line._link is not None
         conn = await client.connection_pool.get_connection()
         try:
             socks = [c._writer.get_extra_info("socket") for c in (conn, pubsub.connection, line._link.conn)]
