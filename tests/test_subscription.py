@@ -39,6 +39,13 @@ async def via_hole(hole: Blackhole) -> AsyncIterator[Redis]:
     await client.aclose()
 
 
+async def _subscribed(r: sync_redis.Redis, channel: str, n: int) -> None:
+    """Redis counts `n` subscribers of `channel` (SUBSCRIBE is not answered before it takes effect,
+    and through the relay it may still be on its way)."""
+    await async_wait_until(lambda: asyncio.to_thread(lambda: r.pubsub_numsub(channel)[0][1] == n),
+                           what=f"{n} subscribers of {channel}")
+
+
 def _pings(url: str) -> int:
     with sync_redis.Redis.from_url(url) as r:
         return int(r.info("commandstats").get("cmdstat_ping", {}).get("calls", 0))
@@ -70,6 +77,7 @@ async def test_a_subscription_whose_connection_turned_into_a_black_hole_fails(
     stream = messages(pubsub, quiet_s=0.05)
     try:
         with sync_redis.Redis.from_url(redis_url) as r:
+            await _subscribed(r, "news", 1)
             r.publish("news", b"one")
             first = await asyncio.wait_for(anext(stream), 10)
             assert first["data"] == b"one"
@@ -125,8 +133,7 @@ async def test_the_cancel_listener_subscribes_again_and_cancels_what_it_did_not_
     channel = keys.node_cancel("node-a")
     try:
         with sync_redis.Redis.from_url(redis_url) as r:
-            await async_wait_until(lambda: asyncio.to_thread(lambda: r.pubsub_numsub(channel)[0][1] == 1),
-                                   what="the listener subscribed")
+            await _subscribed(r, channel, 1)
             runner.running["run_heard"] = (_Attempt(), None)
             r.publish(channel, b"run_heard")
             await async_wait_until(lambda: asyncio.sleep(0, runner.cancels == ["run_heard"]), what="heard")
@@ -136,8 +143,7 @@ async def test_the_cancel_listener_subscribes_again_and_cancels_what_it_did_not_
             r.hset(keys.run_record("run_unheard"), "cancel", "1")
             assert r.publish(channel, b"run_unheard") == 1  # (to the dead subscription: lost)
             # the dead subscription is noticed, a new one made, and the run's record read
-            await async_wait_until(lambda: asyncio.to_thread(lambda: r.pubsub_numsub(channel)[0][1] == 2),
-                                   what="subscribed again (the dead one still counted by Redis)")
+            await _subscribed(r, channel, 2)  # (the dead one still counted by Redis)
             await async_wait_until(lambda: asyncio.sleep(0, runner.cancels == ["run_heard", "run_unheard"]),
                                    what="the unheard cancel caught up")
             runner.running["run_later"] = (_Attempt(), None)
