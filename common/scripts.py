@@ -746,10 +746,15 @@ return benched
 """
 
 # Take a run out of its queue (timeout or cancel) if it is still waiting there; if it is
-# already dispatched and `cancel_prefix` is set, tell its node to cancel it.
+# already dispatched and `cancel_prefix` is set, tell its node to cancel it. A run not there yet
+# (`missing`) whose queueing may still be on its way (its gateway's call timed out: a paused Redis
+# runs what it had received when it resumes, and not always in the order it was sent over two
+# connections) is recorded ended when the model id is given: the queueing then finds it there and
+# queues nothing (`enqueue`'s answer to the same call made again).
 # KEYS: runs stream, run record, events
 # ARGV: run id, group, new state, event data, ttl_s, error code, error message, cancel channel prefix,
-#       replica channel prefix (the replica holding the next waiting run is woken; '' = none)
+#       replica channel prefix (the replica holding the next waiting run is woken; '' = none), the
+#       run's model id if a missing run is to be recorded ended ('' or none: it is left missing)
 DROP_QUEUED = FREES + _NOW + _ENDED + _EVENTS + _WAKE + """
 local state = redis.call('HGET', KEYS[2], 'state')
 if state == 'dispatched' or state == 'running' then
@@ -766,7 +771,14 @@ if state == 'dispatched' or state == 'running' then
   end
   return state
 end
-if state ~= 'queued' then return state or 'missing' end
+if state ~= 'queued' then
+  if not state and ARGV[10] and ARGV[10] ~= '' then
+    redis.call('HSET', KEYS[2], 'model', ARGV[10], 'state', ARGV[3], 'created_ms', now, 'finished_ms', now,
+      'error_code', ARGV[6], 'error_message', ARGV[7])
+    redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
+  end
+  return state or 'missing'
+end
 local entry = redis.call('HGET', KEYS[2], 'entry')
 if entry then
   redis.call('XACK', KEYS[1], ARGV[2], entry)

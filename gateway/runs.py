@@ -183,7 +183,7 @@ class RunClient:
         not go on without it (cancelled now, or, when Redis cannot do it now, in the background
         once it can)."""
         try:
-            await self.cancel(run_id, model_id, reason)
+            await self.cancel(run_id, model_id, reason, ours=True)
         except REDIS_UNUSABLE as exc:
             log.warning("could not cancel yet (%s); trying again in the background", exc,
                         extra=run_fields(run_id, model_id))
@@ -196,13 +196,13 @@ class RunClient:
 
     async def _cancel_when_back(self, run_id: str, model_id: str, reason: str) -> None:
         """Cancel the run as soon as Redis can, trying until the run would have ended anyway
-        (`follow_deadline_s`). A run that is not there (its queueing never reached Redis) is left
-        as it is: `drop_queued` makes nothing."""
+        (`follow_deadline_s`). A run that is not there yet is recorded cancelled: its queueing,
+        if Redis still has it to run, then queues nothing."""
         backoff = Backoff()
         give_up = time.monotonic() + self.follow_deadline_s(model_id)
         while True:
             try:
-                await self.cancel(run_id, model_id, reason)
+                await self.cancel(run_id, model_id, reason, ours=True)
                 return
             except REDIS_UNUSABLE as exc:
                 if time.monotonic() > give_up:
@@ -210,19 +210,23 @@ class RunClient:
                     return
             await backoff.pause()
 
-    async def cancel(self, run_id: str, model_id: str, reason: str) -> str:
-        """Drop the run if it waits; tell its node to abort it if it runs."""
+    async def cancel(self, run_id: str, model_id: str, reason: str, *, ours: bool = False) -> str:
+        """Drop the run if it waits; tell its node to abort it if it runs. `ours`: this gateway
+        queued it (or tried to), so a run not there yet is recorded cancelled, and its queueing,
+        should it still be on its way, queues nothing (`drop_queued`)."""
         return await self._drop(run_id, model_id, RunState.CANCELLED, ErrorInfo(ErrorCode.CANCELLED, reason),
-                                abort_running=True)
+                                abort_running=True, ours=ours)
 
-    async def _drop(self, run_id: str, model_id: str, state: RunState, info: ErrorInfo, abort_running: bool) -> str:
+    async def _drop(self, run_id: str, model_id: str, state: RunState, info: ErrorInfo, abort_running: bool,
+                    ours: bool = False) -> str:
         """End the run with `state` and `info` if it waits in its queue (`drop_queued`, atomic);
-        `abort_running`: else tell its node to abort it if it runs."""
+        `abort_running`: else tell its node to abort it if it runs; `ours`: see `cancel`."""
         result = await self.scripts.call(
             "drop_queued",
             [keys.runs_stream(model_id), keys.run_record(run_id), keys.run_events(run_id)],
             [run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()), self.config.runtime.run_ttl_s,
-             info.code.value, info.message, keys.node_cancel("") if abort_running else "", keys.scheduler_channel("")],
+             info.code.value, info.message, keys.node_cancel("") if abort_running else "", keys.scheduler_channel(""),
+             model_id if ours else ""],
         )
         return result.decode() if isinstance(result, bytes) else str(result)
 

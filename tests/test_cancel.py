@@ -16,10 +16,10 @@ from common import keys
 from common.policy import Health
 from common.redisconn import now_ms
 from common.wire import ErrorCode, ErrorInfo, RunKind
-from gateway.runs import RunClient
+from gateway.runs import UNANSWERED, RunClient
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until, redis_full
-from tests.test_scheduler import MODEL, make_config, waiting_runs
+from tests.test_scheduler import MODEL, beat, make_config, request, waiting_runs
 from workers.adapters.base import ProbeResult, ProviderError, Retry
 from workers.runner import Runner
 
@@ -289,3 +289,26 @@ async def test_a_cancel_redis_cannot_take_is_tried_again_until_the_run_would_hav
     finally:
         await client.close()
         await client.redis.aclose()
+
+
+async def test_a_take_back_that_reaches_redis_before_its_queueing_leaves_nothing_queued(redis: Redis) -> None:
+    """The gateway's queueing timed out (its caller heard 503) and its cancel went out on another
+    connection: a Redis that resumes runs both, in no set order. A cancel that finds no run records
+    it cancelled, so the queueing, run after it, finds the run there and queues nothing (it was
+    queued, to run for nobody). A cancel of a run the gateway did not queue leaves nothing behind."""
+    config = make_config({"a": 1})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    model = config.model(MODEL)
+    assert model is not None
+    assert await client.cancel("run_other", MODEL, "cancelled through the runs API") == "missing"
+    assert not await redis.exists(keys.run_record("run_other"))
+
+    assert await client.cancel("run_late", MODEL, UNANSWERED, ours=True) == "missing"
+    run_id, _ = await client.submit(model, request(), run_id="run_late")  # (the queueing, run late)
+    assert run_id == "run_late"
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 0
+    assert await redis.hmget(keys.run_record(run_id), "state", "error_code", "error_message", "model") == [
+        b"cancelled", b"cancelled", UNANSWERED.encode(), MODEL.encode()]
+    assert 0 < await redis.ttl(keys.run_record(run_id)) <= config.runtime.run_ttl_s
+    await client.close()
