@@ -107,6 +107,17 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
+def _unpresentable(key: str) -> str | None:
+    """Why no request could ever present `key`, or None: the gateway strips the key a request
+    sends, and no HTTP header carries a control character."""
+    if key != key.strip():
+        return ("holds a key that starts or ends with whitespace (a line end of the file it came from?); "
+                "a request's key never does, so it would match none: remove it")
+    if any(ch < " " or ch == "\x7f" for ch in key):
+        return "holds a key with a control character, which no HTTP header can carry: it would match no request"
+    return None
+
+
 def hash_key(key: str) -> str:
     """The hex SHA-256 the config holds for `key`."""
     return _digest(key).hex()
@@ -171,6 +182,10 @@ class KeyRing:
                 secret = environ.get(key.env, "")
                 if not secret:
                     errors.append(f"{path}.env: the environment variable {key.env} is not set")
+                    continue
+                unusable = _unpresentable(secret)
+                if unusable:
+                    errors.append(f"{path}.env: the environment variable {key.env} {unusable}")
                     continue
                 digest = _digest(secret)
             else:

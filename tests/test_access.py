@@ -99,6 +99,27 @@ def test_keys_resolve_from_hashes_and_the_environment() -> None:
     assert ring.lookup(CALLER + "x") is None and ring.lookup("") is None
 
 
+@pytest.mark.parametrize(("value", "says"), [
+    (OTHER + "\r", "starts or ends with whitespace (a line end of the file it came from?)"),
+    (OTHER + "\n", "starts or ends with whitespace"),
+    (" " + OTHER, "starts or ends with whitespace"),
+    (OTHER[:8] + "\x00" + OTHER[8:], "a control character, which no HTTP header can carry"),
+    (OTHER[:8] + "\x1b" + OTHER[8:], "a control character"),
+])
+def test_a_key_from_the_environment_that_no_request_could_present_stops_the_gateway(value: str, says: str) -> None:
+    """The gateway strips the key a request sends, and a header carries no control character: such
+    a key (a Windows line end from an env file, say) would match no request, every caller 401."""
+    cfg = parse_config(pool(AUTH))
+    assert cfg.auth is not None
+    with pytest.raises(UnresolvedKeys) as err:
+        KeyRing.from_config(cfg.auth, {"IOP_TEST_OTHER_KEY": value})
+    assert len(err.value.errors) == 1, err.value.errors
+    assert err.value.errors[0].startswith("auth.keys[1].env: the environment variable IOP_TEST_OTHER_KEY holds a key")
+    assert says in err.value.errors[0] and value not in err.value.errors[0]  # (never the key itself)
+    assert KeyRing.from_config(cfg.auth, {"IOP_TEST_OTHER_KEY": OTHER[:8] + " " + OTHER[8:]}).lookup(
+        OTHER[:8] + " " + OTHER[8:]) is not None  # (inside, a space may be sent)
+
+
 def test_two_keys_that_resolve_to_the_same_key_stop_the_gateway() -> None:
     """The same key in two variables (or in a variable and as a hash) would be whichever key came
     last, maybe an operator: refused, naming both."""
