@@ -17,7 +17,7 @@ from common import keys
 from common.auth import ANYONE, Principal
 from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
-from common.redisconn import REDIS_UNUSABLE, Backoff, now_ms
+from common.redisconn import REDIS_UNUSABLE, now_ms
 from common.runlog import run_fields
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
@@ -27,6 +27,7 @@ from gateway.deadlines import Deadlines
 from gateway.errors import ApiError
 from gateway.events import Event, EventHub, Following, Queued
 from gateway.requests import ParsedRequest
+from gateway.take_back import Kept, TakeBack
 
 log = logging.getLogger("iop.gateway")
 
@@ -75,13 +76,16 @@ class RunClient:
         #: model id -> the keys `enqueue` reads of its providers (heartbeat, leases, capacity
         #: override, drain and cordon flags: is one available, and how many slots are free)
         self._provider_keys: dict[str, list[str]] = {}
-        #: cancellations of runs whose callers left, or heard 503, going on in the background
+        #: first tries to cancel the runs whose callers left while their queueing was out
         self._leaving: set[asyncio.Task[None]] = set()
+        #: cancels Redis could not take when they were made, made once it answers
+        self.take_back = TakeBack(redis, self._drop_kept)
 
     async def close(self) -> None:
         for task in self._leaving:
             task.cancel()
         await asyncio.gather(*self._leaving, return_exceptions=True)
+        await self.take_back.close()
         await self.deadlines.close()
         await self.hub.close()
 
@@ -114,7 +118,7 @@ class RunClient:
         except RedisTimeoutError:
             # Redis did not answer: its caller hears 503 and sends the request again, but a Redis that
             # was paused runs what it had received when it resumes, this run's queueing too.
-            self._in_background(self._cancel_when_back(run_id, model.id, UNANSWERED))
+            self._cancel_later(run_id, model.id, UNANSWERED)
             raise
         status = result[0].decode()
         if status == "ok":
@@ -185,30 +189,25 @@ class RunClient:
         try:
             await self.cancel(run_id, model_id, reason, ours=True)
         except REDIS_UNUSABLE as exc:
-            log.warning("could not cancel yet (%s); trying again in the background", exc,
+            log.warning("could not cancel yet (%s); trying again once Redis answers", exc,
                         extra=run_fields(run_id, model_id))
-            self._in_background(self._cancel_when_back(run_id, model_id, reason))
+            self._cancel_later(run_id, model_id, reason)
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._leaving.add(task)
         task.add_done_callback(self._leaving.discard)
 
-    async def _cancel_when_back(self, run_id: str, model_id: str, reason: str) -> None:
-        """Cancel the run as soon as Redis can, trying until the run would have ended anyway
-        (`follow_deadline_s`). A run that is not there yet is recorded cancelled: its queueing,
-        if Redis still has it to run, then queues nothing."""
-        backoff = Backoff()
-        give_up = time.monotonic() + self.follow_deadline_s(model_id)
-        while True:
-            try:
-                await self.cancel(run_id, model_id, reason, ours=True)
-                return
-            except REDIS_UNUSABLE as exc:
-                if time.monotonic() > give_up:
-                    log.warning("could not cancel: %s", exc, extra=run_fields(run_id, model_id))
-                    return
-            await backoff.pause()
+    def _cancel_later(self, run_id: str, model_id: str, reason: str) -> None:
+        """Cancel the run once Redis answers, until it would have ended anyway (`follow_deadline_s`).
+        A run not there yet is recorded cancelled: its queueing, if Redis still has it to run,
+        then queues nothing."""
+        self.take_back.add(run_id, model_id, reason, self.follow_deadline_s(model_id))
+
+    async def _drop_kept(self, batch: list[tuple[str, Kept]]) -> list[Any]:
+        return await self.scripts.call_many("drop_queued", [
+            self._drop_call(run_id, kept.model_id, RunState.CANCELLED, ErrorInfo(ErrorCode.CANCELLED, kept.reason),
+                            abort_running=True, ours=True) for run_id, kept in batch])
 
     async def cancel(self, run_id: str, model_id: str, reason: str, *, ours: bool = False) -> str:
         """Drop the run if it waits; tell its node to abort it if it runs. `ours`: this gateway
@@ -221,14 +220,16 @@ class RunClient:
                     ours: bool = False) -> str:
         """End the run with `state` and `info` if it waits in its queue (`drop_queued`, atomic);
         `abort_running`: else tell its node to abort it if it runs; `ours`: see `cancel`."""
-        result = await self.scripts.call(
-            "drop_queued",
-            [keys.runs_stream(model_id), keys.run_record(run_id), keys.run_events(run_id)],
-            [run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()), self.config.runtime.run_ttl_s,
-             info.code.value, info.message, keys.node_cancel("") if abort_running else "", keys.scheduler_channel(""),
-             model_id if ours else ""],
-        )
+        result = await self.scripts.call("drop_queued", *self._drop_call(run_id, model_id, state, info, abort_running,
+                                                                          ours))
         return result.decode() if isinstance(result, bytes) else str(result)
+
+    def _drop_call(self, run_id: str, model_id: str, state: RunState, info: ErrorInfo, abort_running: bool,
+                   ours: bool) -> tuple[list[str], list[Any]]:
+        return ([keys.runs_stream(model_id), keys.run_record(run_id), keys.run_events(run_id)],
+                [run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()), self.config.runtime.run_ttl_s,
+                 info.code.value, info.message, keys.node_cancel("") if abort_running else "",
+                 keys.scheduler_channel(""), model_id if ours else ""])
 
     async def stuck(self, queued: Queued) -> None:
         """Followed runs found still waiting in their queue (`EventHub`'s quiet check). A

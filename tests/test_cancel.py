@@ -281,7 +281,7 @@ async def test_a_cancel_redis_cannot_take_is_tried_again_until_the_run_would_hav
             await client.leave("run_gone", MODEL)  # (its first try fails: the rest go on in the background)
 
             async def given_up() -> bool:
-                return not client._leaving
+                return client.take_back.task is not None and client.take_back.task.done() and not client.take_back
 
             await async_wait_until(given_up, what="the background cancel to give up")
         said = [r.getMessage() for r in caplog.records]

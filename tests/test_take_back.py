@@ -1,0 +1,80 @@
+"""The gateway's cancels that Redis could not take (`gateway.take_back`): kept, one task for all of
+them, sent once Redis answers; bounded in number and in time. Real Redis, paused with SIGSTOP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+import redis as sync_redis
+
+from common import keys
+from common.redisconn import connect
+from gateway import take_back
+from gateway.runs import LEFT, RunClient
+from iop.embedded_redis import RedisServer, free_port
+from tests.conftest import async_wait_until, paused
+from tests.test_scheduler import MODEL, beat, make_config, submit
+
+
+def _evalsha_calls(url: str) -> int:
+    with sync_redis.Redis.from_url(url) as r:
+        return int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def test_callers_leaving_while_redis_is_paused_are_cancelled_together_once_it_answers(
+        own_redis: RedisServer) -> None:
+    """Each caller's cancel was a task of its own, trying again every second or two: a paused Redis
+    got one call a caller a try, and ran them all when it resumed. Now one task keeps them, PINGs
+    while Redis is away, and sends them together once it answers."""
+    config = make_config({"a": 1})
+    client = RunClient(connect(own_redis.url + "?socket_timeout=0.5"), config)
+    await beat(client.redis, config)
+    run_ids = await submit(client, 40)  # (queued: no scheduler runs)
+    pings = 0
+    ping = client.take_back.redis.ping
+
+    async def counted_ping() -> Any:
+        nonlocal pings
+        pings += 1
+        return await ping()
+
+    client.take_back.redis.ping = counted_ping
+    before = _evalsha_calls(own_redis.url)
+    try:
+        with paused(own_redis):
+            await asyncio.gather(*(client.leave(run_id, MODEL) for run_id in run_ids))
+            assert len(client.take_back) == 40 and not client._leaving  # (kept: no task of their own)
+            await async_wait_until(lambda: asyncio.sleep(0, pings >= 3), what="three tries while Redis is away")
+            assert len(client.take_back) == 40
+        await async_wait_until(lambda: asyncio.sleep(0, len(client.take_back) == 0), what="all cancels sent")
+        states = await asyncio.gather(*(client.redis.hget(keys.run_record(r), "state") for r in run_ids))
+        assert states == [b"cancelled"] * 40
+        assert await client.redis.xlen(keys.runs_stream(MODEL)) == 0
+        assert await client.redis.hget(keys.run_record(run_ids[0]), "error_message") == LEFT.encode()
+        # each cancel reached Redis twice at most: its first try (a paused Redis runs what it had
+        # received) and the batch; not once more for every try made while Redis was away
+        assert _evalsha_calls(own_redis.url) - before <= 2 * 40
+    finally:
+        await client.close()
+        await client.redis.aclose()
+
+
+async def test_the_cancels_kept_are_bounded_in_number(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(take_back, "MAX_KEPT", 3)
+    client = RunClient(connect(f"redis://127.0.0.1:{free_port()}/0"), make_config({"a": 1}))  # (nothing listens)
+    try:
+        with caplog.at_level(logging.WARNING, "iop.gateway"):
+            for i in range(5):
+                client._cancel_later(f"run_{i}", MODEL, LEFT)
+            client._cancel_later("run_0", MODEL, LEFT)  # (kept already: not counted twice)
+        assert list(client.take_back.kept) == ["run_0", "run_1", "run_2"]
+        full = [r.getMessage() for r in caplog.records if "the most the gateway keeps" in r.getMessage()]
+        assert full == ["3 cancels wait for Redis already, the most the gateway keeps: runs whose caller left while "
+                        "Redis could not take their cancel may go on"]  # (once, not once a run)
+    finally:
+        await client.close()
+        await client.redis.aclose()
