@@ -19,6 +19,7 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError
 
 from common.auth import ENV_NAME_PATTERN, NAME_PATTERN, SHA256_PATTERN, AuthConfig, check_auth
+from common.config_yaml import ConfigLoader
 from common.legacy import is_legacy
 from common.legacy import migrate as migrate_legacy
 
@@ -339,8 +340,8 @@ def _key(value: Any) -> str:
 
 
 #: pydantic errors whose message does not say what the value was: it is added (`, got true`).
-_SAY_INPUT = frozenset({"literal_error", "int_type", "int_parsing", "bool_type", "bool_parsing", "list_type",
-                        "dict_type", "float_type"})
+_SAY_INPUT = frozenset({"literal_error", "string_type", "int_type", "int_parsing", "bool_type", "bool_parsing",
+                        "list_type", "dict_type", "float_type"})
 
 
 def _looks_like_a_number(value: Any) -> bool:
@@ -659,9 +660,9 @@ def read_yaml(path: str | Path) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start} is 0x{raw[exc.start]:02x})"]) from None
-    loader: yaml.SafeLoader | None = None
+    loader: ConfigLoader | None = None
     try:
-        loader = yaml.SafeLoader(text)  # (as yaml.safe_load does, the document checked between its two steps)
+        loader = ConfigLoader(text)  # (as yaml.safe_load does, the document checked between its two steps)
         node = loader.get_single_node()
         repeated = repeated_keys(node)
         if repeated:

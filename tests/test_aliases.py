@@ -54,7 +54,7 @@ def test_a_model_is_found_by_its_id_or_any_alias() -> None:
     (["x", "x"], [], "models[0].aliases[1]: 'x' already names a model (at models[0].aliases[0])"),
     (["x"], ["x"], "models[1].aliases[0]: 'x' already names a model (at models[0].aliases[0])"),
     (["two words"], [], "models[0].aliases[0]: must be one word (no spaces)"),
-    ([7], [], "models[0].aliases[0]: Input should be a valid string"),
+    ([7], [], "models[0].aliases[0]: Input should be a valid string, got 7"),
     ("chat-default", [], "models[0].aliases: Input should be a valid list"),
     (["x" * 257], [], "models[0].aliases[0]: String should have at most 256 characters"),
     ([f"a{i}" for i in range(65)], [], "models[0].aliases: List should have at most 64 items"),

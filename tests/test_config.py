@@ -567,6 +567,37 @@ def test_a_key_given_twice_is_an_error_naming_its_path_and_lines(tmp_path: Path)
     assert sorted(info.value.errors) == ["defaults: unknown field", "merged: unknown field", "other: unknown field"]
 
 
+def test_plain_scalars_read_as_yaml_1_2_not_1_1(tmp_path: Path) -> None:
+    """PyYAML reads YAML 1.1: a model named `no` and a served name `on` became false and true (then
+    "should be a valid string", about a name the operator wrote as a name), `1:30` the number 90
+    and `capacity: 010` the number 8, without a word."""
+    path = tmp_path / "iop.yaml"
+    path.write_text("""
+models:
+  - id: no
+    providers: {vllm-a: on}
+  - id: m2
+    providers: {vllm-a: off}
+nodes:
+  - id: yes
+    providers:
+      - {id: vllm-a, type: vllm, base_url: "http://gpu-1:8000", capacity: 010, models: [on, off],
+         read_timeout_ms: 0x_7530}
+queue: {max_queue: 1_000, queue_timeout_ms: 0o1000}
+""")
+    cfg = load_config(path)
+    assert [(m.id, m.providers) for m in cfg.models] == [("no", {"vllm-a": "on"}), ("m2", {"vllm-a": "off"})]
+    provider = cfg.nodes[0].providers[0]
+    assert (cfg.nodes[0].id, provider.capacity, provider.models, provider.read_timeout_ms) == (
+        "yes", 10, ["on", "off"], 30_000)
+    assert (cfg.queue.max_queue, cfg.queue.queue_timeout_ms) == (1000, 512)
+    path.write_text(path.read_text().replace("capacity: 010", "capacity: 1:30").replace("id: m2", "id: true"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.errors == ["models[1].id: Input should be a valid string, got true",
+                                 "nodes[0].providers[0].capacity: Input should be a valid integer, got '1:30'"]
+
+
 def test_a_provider_id_with_a_comma_is_refused_in_words() -> None:
     """(a run's `tried` providers are a comma-separated list: `x,y` was never seen as tried, and a
     failing provider took all three attempts)"""
@@ -674,7 +705,7 @@ def test_a_non_string_mapping_key_is_named_as_a_key() -> None:
     data["models"][0]["providers"][1] = "x"
     with pytest.raises(ConfigError) as err:
         parse_config(data)
-    assert "models[0].providers.1 (key): Input should be a valid string" in err.value.errors
+    assert "models[0].providers.1 (key): Input should be a valid string, got 1" in err.value.errors
 
 
 @pytest.mark.parametrize(("runtime", "queue", "fragment"), [

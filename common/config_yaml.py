@@ -1,0 +1,45 @@
+"""The YAML loader of config files: PyYAML's safe loader, with YAML 1.2's plain scalars where YAML
+1.1's surprise. PyYAML reads `no`, `yes`, `on` and `off` as booleans (a model named `no`, a served
+name `on`, became `false` and `true`), `1:30` as the number 90 (base 60) and `010` as 8 (octal).
+Here `true` and `false` (in any of their YAML 1.2 cases) are the only booleans, `1:30` is text, and
+a number with a leading zero is decimal; `0x1F`, `0o17`, `0b101`, `1_000` and `1.5` read as before."""
+
+from __future__ import annotations
+
+import re
+
+import yaml
+
+BOOL_TAG = "tag:yaml.org,2002:bool"
+INT_TAG = "tag:yaml.org,2002:int"
+FLOAT_TAG = "tag:yaml.org,2002:float"
+
+_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_INT = re.compile(r"^(?:[-+]?0b_*[01][01_]*|[-+]?0o_*[0-7][0-7_]*|[-+]?0x_*[0-9a-fA-F][0-9a-fA-F_]*"
+                  r"|[-+]?[0-9][0-9_]*)$")
+_FLOAT = re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?"
+                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+_BASES = {"0b": 2, "0o": 8, "0x": 16}
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` with the plain scalars above."""
+
+
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (BOOL_TAG, INT_TAG, FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+ConfigLoader.add_implicit_resolver(BOOL_TAG, _BOOL, list("tTfF"))
+ConfigLoader.add_implicit_resolver(INT_TAG, _INT, list("-+0123456789"))
+ConfigLoader.add_implicit_resolver(FLOAT_TAG, _FLOAT, list("-+0123456789."))
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+    text = str(loader.construct_scalar(node)).replace("_", "")  # type: ignore[arg-type]
+    sign = -1 if text.startswith("-") else 1
+    digits = text.lstrip("+-")
+    base = _BASES.get(digits[:2], 10)
+    return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+ConfigLoader.add_constructor(INT_TAG, _construct_int)
