@@ -134,7 +134,7 @@ class RunsApi:
                 if _nothing_after(last_id) or await self._beyond(run_id, last_id):
                     pass  # whether the run has ended or not
                 elif is_terminal(view):
-                    await self._replay(resp, run_id, last_id, view["model"])
+                    told = await self._replay(resp, run_id, last_id, view["model"])
                 else:
                     await self._follow(resp, run_id, last_id, view["model"])
         except TimeoutError:  # (not the run's end: the client must not take the stream's end for it)
@@ -177,20 +177,32 @@ class RunsApi:
                 if event.type in (EventType.COMPLETED, EventType.FAILED):
                     return
 
-    async def _replay(self, resp: web.StreamResponse, run_id: str, last_id: str, model_id: str) -> None:
+    async def _replay(self, resp: web.StreamResponse, run_id: str, last_id: str, model_id: str) -> bytes:
         """An ended run's events after `last_id`: all there already (its terminal event may be the
         one the client has, so following would never end). Read `READ_COUNT` at a time, each page
-        sent before the next is read: a client that reads slowly (or not at all) holds one page."""
+        sent before the next is read: a client that reads slowly (or not at all) holds one page.
+        Returns b"", or the error event to end with when the events expired (`run_ttl_s`) before
+        the replay reached the run's end: a stream that just stopped would pass for the end."""
         start = "-" if last_id == "0" else f"({last_id}"
+        last_type: str | None = None
+        runs = self.runs()
         while True:
-            runs = self.runs()
             async with runs.hub.reads:  # (a crowd of replays takes turns: `gateway.events.READS_SHARE`)
                 entries = await runs.redis.xrange(keys.run_events(run_id), start, "+", count=READ_COUNT)
             for entry_id, fields in entries:
-                await resp.write(_sse(stored_event(entry_id, fields), model_id))
+                event = stored_event(entry_id, fields)
+                await resp.write(_sse(event, model_id))
+                last_type = event.type
             if len(entries) < READ_COUNT:
-                return
+                break
             start = f"({entries[-1][0].decode()}"
+        if last_type in (EventType.COMPLETED, EventType.FAILED):
+            return b""
+        if last_type is None and last_id != "0" and await runs.redis.exists(keys.run_events(run_id)):
+            return b""  # (resumed at the run's last event: nothing more to send)
+        return _error_event(ApiError(
+            ErrorCode.NOT_FOUND, f"the events of run {run_id} expired (runtime.run_ttl_s) before this stream "
+            f"reached the run's end; GET /v1/runs/{run_id} tells how it ended while its record lasts"))
 
     async def delete(self, request: web.Request) -> web.Response:
         run_id = request.match_info["run_id"]

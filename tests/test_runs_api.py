@@ -19,7 +19,7 @@ from common.codec import event_fields
 from common.config import Config, parse_config
 from common.redisconn import now_ms
 from common.wire import RunKind
-from gateway.app import build_app
+from gateway.app import RUNS, build_app
 from gateway.events import READ_COUNT
 from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
@@ -339,6 +339,36 @@ async def test_a_run_of_many_pages_of_events_is_replayed_whole_and_in_order(api:
         str(n) for n in range(count)]
     if ended:  # a page at a time: 64, 64, 64 and the last 6
         assert (await api.redis.info("commandstats"))["cmdstat_xrange"]["calls"] >= 4
+
+
+async def test_a_replay_whose_events_expire_before_its_end_ends_with_an_error_not_bare(
+        api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's events expire (`run_ttl_s`) with its record, and may go first by a few ms, or between
+    two pages of a replay: the stream just stopped, which a client takes for the run's end."""
+    run_id = await api.submit()
+    ids = [await api.event(run_id, "delta", {"chunks": [chunk(str(n))]}) for n in range(READ_COUNT + 5)]
+    ids.append(await api.event(run_id, "completed", {}))
+    await api.end(run_id)
+    runs = api.server.app[RUNS]
+    xrange = runs.redis.xrange
+
+    async def then_expire(*args: Any, **kwargs: Any) -> Any:
+        page = await xrange(*args, **kwargs)
+        await api.redis.delete(keys.run_events(run_id))  # (expired after the first page was read)
+        return page
+
+    monkeypatch.setattr(runs.redis, "xrange", then_expire)
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events")) as resp:
+        messages = await read_all(resp)
+    assert [m.id for m in messages[:-1]] == ids[:READ_COUNT]
+    assert messages[-1].event == "error" and messages[-1].data["error"]["code"] == "not_found"
+    assert messages[-1].data["error"]["message"] == (
+        f"the events of run {run_id} expired (runtime.run_ttl_s) before this stream reached the run's end; "
+        f"GET /v1/runs/{run_id} tells how it ended while its record lasts")
+    # the record outlived its events: a replay from the start, or from an event, has nothing to send
+    for last in ("0", ids[3]):
+        async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": last}) as resp:
+            assert [m.event for m in await read_all(resp)] == ["error"]
 
 
 async def test_delete_of_a_queued_run_takes_it_out_of_the_queue(api: Api) -> None:
