@@ -45,7 +45,7 @@ READY_TIMEOUT_S = 30.0  # gateway /readyz and the first provider heartbeat
 STOP_TIMEOUT_S = 15.0  # per shutdown stage, then SIGKILL (workers give runs 10 s)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-LISTENING = r"listening on (http://\S+)"
+LISTENING = r"listening on (http://[^\s\"]+)"  # (not the \" that ends a JSON log line: IOP_LOG_FORMAT=json)
 SCHEDULER_READY = r"iop scheduler \S+ running"
 
 _print_lock = threading.Lock()

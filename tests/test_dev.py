@@ -6,6 +6,7 @@ run at a time; these tests run their stacks one after another.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -228,6 +229,33 @@ def test_the_banner_names_the_providers_that_take_no_runs(tmp_path: Path, dev_pr
     assert "(1 of 2 providers;" in banner[at], banner[at]
     assert banner[at + 1].strip() == "p-down: unavailable: GET /health: connection refused", banner[at + 1]
     assert not any(line.strip().startswith("p-up:") for line in banner)
+    assert proc.stop(STOP_S, sig=signal.SIGINT) == 0, proc.output()
+
+
+def test_dev_runs_with_json_logs(tmp_path: Path, dev_proc: list[Proc]) -> None:
+    """Found by a new user's audit: with `IOP_LOG_FORMAT=json` (compose's environment) the gateway's
+    ready line ends in `"}`, which `iop dev` took into its port: it stopped the stack with a traceback."""
+    env = {**dev_env(), "IOP_LOG_FORMAT": "json"}
+    sim = Proc("simulator", ["simulator", "--port", "0", "--models", "served-m1", "--tokens", "3"], env)
+    dev_proc.append(sim)
+    sim_url = sim.wait_for_line(r"listening on (http://[^\s\"]+)").group(1)
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump({
+        "models": [{"id": "m1", "providers": {"p": "served-m1"}}],
+        "nodes": [{"id": "n1", "providers": [
+            {"id": "p", "type": "vllm", "base_url": sim_url, "capacity": 1, "models": ["served-m1"]}]}]}))
+    proc = Proc("dev", ["dev", "--config", str(path), "--port", "0"], env)
+    dev_proc.append(proc)
+    url = proc.wait_for_line(BANNER, timeout=START_S).group(1)
+    proc.wait_for_line(r"Ctrl-C stops everything")
+    client = openai.OpenAI(base_url=url, api_key="x", timeout=30.0, max_retries=0)
+    try:
+        reply = client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "Hi"}])
+    finally:
+        client.close()
+    assert reply.model == "m1" and reply.choices[0].message.content
+    gateway = [line.split("] ", 1)[1] for line in proc.lines if line.startswith("[gateway] ")]
+    assert gateway and all(json.loads(line)["msg"] for line in gateway), gateway
     assert proc.stop(STOP_S, sig=signal.SIGINT) == 0, proc.output()
 
 
