@@ -1,7 +1,9 @@
 """A TCP relay to a server that can turn its open connections into black holes: both ends stay
 up, and whatever either side sends from then on is dropped without a word, as when a NAT or a load
 balancer forgets an idle connection's mapping or a network path is cut. Connections made after
-that go through as before. It runs on threads of its own, so a test may block meanwhile."""
+that go through as before. It keeps what clients sent (`received`): in front of an HTTP server
+that takes absolute-form requests (aiohttp's does), it is a forward proxy that shows what came
+through it. It runs on threads of its own, so a test may block meanwhile."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ class Blackhole:
         self.lock = threading.Lock()
         #: the connections relayed, each with whether it is cut
         self.pairs: list[dict[str, Any]] = []
+        #: every byte clients sent through it, in the order it came (a test's traffic is small)
+        self.received = bytearray()
         self.closed = False
         threading.Thread(target=self._accept, name="blackhole-accept", daemon=True).start()
 
@@ -63,6 +67,9 @@ class Blackhole:
                 data = src.recv(65536)
                 if not data:
                     break
+                if src is pair["socks"][0]:
+                    with self.lock:
+                        self.received += data
                 if not pair["cut"]:
                     dst.sendall(data)
         except OSError:

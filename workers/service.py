@@ -24,6 +24,7 @@ from workers.adapters.base import DEFAULT_LIMITS, Adapter, ReadLimits
 from workers.adapters.cli import CliAdapter
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
+from workers.adapters.proxies import Proxy, ProxyError, proxy_for
 from workers.adapters.sending import PoolConnector
 from workers.arq_worker import WakeWorker, arq_redis
 from workers.heartbeat import Heartbeats
@@ -44,12 +45,29 @@ def read_limits(runtime: RuntimeConfig) -> ReadLimits:
 
 
 def make_adapter(provider: ProviderConfig, session: aiohttp.ClientSession,
-                 secret_env: frozenset[str] = frozenset(), limits: ReadLimits = DEFAULT_LIMITS) -> Adapter:
+                 secret_env: frozenset[str] = frozenset(), limits: ReadLimits = DEFAULT_LIMITS,
+                 proxy: Proxy | None = None) -> Adapter:
     if provider.type == "ollama":
-        return OllamaAdapter(provider, session, limits)
+        return OllamaAdapter(provider, session, limits, proxy)
     if provider.type == "cli":
         return CliAdapter(provider, secret_env - {provider.api_key_env or ""}, limits)
-    return OpenAICompatAdapter(provider, session, limits)  # vllm, sglang, llamacpp, lemonade, openai_api
+    return OpenAICompatAdapter(provider, session, limits, proxy)  # vllm, sglang, llamacpp, lemonade, openai_api
+
+
+def proxies(providers: Iterable[ProviderConfig], environ: Mapping[str, str]) -> dict[str, Proxy]:
+    """The HTTP proxy of each provider whose requests go through one (`proxy_for`); a proxy that
+    cannot be used stops the worker, naming the provider and the variable."""
+    out: dict[str, Proxy] = {}
+    for p in providers:
+        if p.type == "cli" or not p.base_url:
+            continue
+        try:
+            proxy = proxy_for(p.base_url, environ)
+        except ProxyError as exc:
+            raise SystemExit(f"error: provider {p.id}: {exc}") from None
+        if proxy is not None:
+            out[p.id] = proxy
+    return out
 
 
 def unset_keys(providers: Iterable[ProviderConfig], environ: Mapping[str, str]) -> list[str]:
@@ -117,14 +135,18 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
     if node is None:
         raise SystemExit(f"error: node {node_id!r} is not in the config (nodes: {[n.id for n in config.nodes]})")
     background: list[asyncio.Task[Any]] = []
+    via = proxies(node.providers, os.environ)
 
     async def startup(ctx: dict[str, Any]) -> None:
         for warning in unset_keys(node.providers, os.environ):
             log.warning("%s", warning)
+        for pid, proxy in via.items():
+            log.info("provider %s: requests go through the proxy %s (%s)", pid, proxy.url, proxy.variable)
         redis = connect(redis_url, client_name="iop-worker")
         session = provider_session()
         secrets = frozenset(p.api_key_env for n in config.nodes for p in n.providers if p.api_key_env)
-        adapters = {p.id: make_adapter(p, session, secrets, read_limits(config.runtime)) for p in node.providers}
+        adapters = {p.id: make_adapter(p, session, secrets, read_limits(config.runtime), via.get(p.id))
+                    for p in node.providers}
         heartbeats = Heartbeats(redis, config, node_id, adapters, worker.instance)
         runner = Runner(redis, config, node_id, adapters, on_strike=heartbeats.nudge, on_life=heartbeats.showed_life)
         ctx[RUNNER_CTX] = runner

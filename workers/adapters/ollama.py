@@ -33,6 +33,7 @@ from workers.adapters.failures import (
     url_secrets,
 )
 from workers.adapters.openai_shapes import Shaper
+from workers.adapters.proxies import Proxy, Via
 from workers.adapters.reading import (
     Breaks,
     LineSplitter,
@@ -117,11 +118,13 @@ class NDJSONParser:
 
 class OllamaAdapter:
     def __init__(self, provider: ProviderConfig, session: aiohttp.ClientSession,
-                 limits: ReadLimits = DEFAULT_LIMITS) -> None:
+                 limits: ReadLimits = DEFAULT_LIMITS, proxy: Proxy | None = None) -> None:
+        """`proxy`: the HTTP proxy its requests go through (`workers.adapters.proxies`), or none."""
         assert provider.base_url
         self.provider = provider
         self.session = session
         self.limits = limits
+        self.via = Via(proxy, provider.base_url.lower().startswith("https:"))
         self.root = server_root(provider.base_url)
         self.timeout = aiohttp.ClientTimeout(
             total=None,
@@ -162,9 +165,10 @@ class OllamaAdapter:
 
     def _post(self, path: str, native: Json, request_id: str) -> Any:
         return sending.post(self.session, self.root + path, data=jsonio.dumps(native),
-                            headers={"X-Request-Id": upstream_request_id(request_id),
-                                     "Content-Type": "application/json"}, timeout=self.timeout,
-                            allow_redirects=False)
+                            headers=self.via.headers({"X-Request-Id": upstream_request_id(request_id),
+                                                      "Content-Type": "application/json"}),
+                            timeout=self.timeout, allow_redirects=False, proxy=self.via.url,
+                            proxy_headers=self.via.tunnel_headers())
 
     def _sent_error(self, error: Any) -> ProviderError:
         """An `error` Ollama sent in a 200 answer or a stream line."""
@@ -265,7 +269,9 @@ class OllamaAdapter:
         timeout = aiohttp.ClientTimeout(total=self.provider.probe_timeout_ms / 1000)
         limit = self.limits.probe_limit
         try:
-            async with self.session.get(self.root + "/api/tags", timeout=timeout, allow_redirects=False) as resp:
+            async with self.session.get(self.root + "/api/tags", headers=self.via.headers({}), timeout=timeout,
+                                        allow_redirects=False, proxy=self.via.url,
+                                        proxy_headers=self.via.tunnel_headers()) as resp:
                 if is_redirect(resp.status):
                     return redirect_probe("/api/tags", resp, url_secrets(self.provider.base_url))
                 if resp.status != 200:

@@ -50,6 +50,7 @@ from workers.adapters.failures import (
     transport_error,
     url_secrets,
 )
+from workers.adapters.proxies import Proxy, Via
 from workers.adapters.reading import (
     Breaks,
     LineSplitter,
@@ -346,11 +347,13 @@ def _said(payload: bytes, provider_id: str) -> Any:
 
 class OpenAICompatAdapter:
     def __init__(self, provider: ProviderConfig, session: aiohttp.ClientSession,
-                 limits: ReadLimits = DEFAULT_LIMITS) -> None:
+                 limits: ReadLimits = DEFAULT_LIMITS, proxy: Proxy | None = None) -> None:
+        """`proxy`: the HTTP proxy its requests go through (`workers.adapters.proxies`), or none."""
         assert provider.base_url
         self.provider = provider
         self.session = session
         self.limits = limits
+        self.via = Via(proxy, provider.base_url.lower().startswith("https:"))
         self.root = api_root(provider.base_url, provider.type, provider.api_path)
         #: None once the server showed it has no health endpoint (the model list decides)
         self.health_url = health_url(provider)
@@ -412,8 +415,9 @@ class OpenAICompatAdapter:
         if self.provider.type == "llamacpp":
             body = for_llamacpp(body)
         return sending.post(self.session, self.root + PATHS[kind], data=jsonio.dumps(body),
-                            headers={**self._headers(run_id), "Content-Type": "application/json"},
-                            timeout=self.timeout, allow_redirects=False)
+                            headers=self.via.headers({**self._headers(run_id), "Content-Type": "application/json"}),
+                            timeout=self.timeout, allow_redirects=False, proxy=self.via.url,
+                            proxy_headers=self.via.tunnel_headers())
 
     def _failed(self, exc: BaseException) -> ProviderError:
         return self._clean(transport_error(self.provider.id, exc, connect_ms=self.provider.connect_timeout_ms,
@@ -599,8 +603,9 @@ class OpenAICompatAdapter:
         path = urlsplit(url).path
         limit = self.limits.probe_limit
         try:
-            async with self.session.get(url, headers=self._headers(None), timeout=timeout,
-                                        allow_redirects=False) as resp:
+            async with self.session.get(url, headers=self.via.headers(self._headers(None)), timeout=timeout,
+                                        allow_redirects=False, proxy=self.via.url,
+                                        proxy_headers=self.via.tunnel_headers()) as resp:
                 if is_redirect(resp.status):
                     return resp.status, None, redirect_probe(path, resp, self._secrets())
                 if resp.status != 200:

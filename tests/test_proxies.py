@@ -1,0 +1,138 @@
+"""A worker reaches its providers through the HTTP proxy its environment names
+(`workers.adapters.proxies`): `https_proxy` / `http_proxy`, not for a host `no_proxy` covers."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from iop.embedded_redis import RedisServer
+from tests.blackhole import Blackhole
+from tests.conftest import ROOT, Proc
+from tests.faults import FaultStack, chat, post_json
+from workers.adapters.proxies import Proxy, ProxyError, Via, bypassed, proxy_for
+
+ENV = {"https_proxy": "http://user%40corp:p%3Ass@proxy.corp:3128", "HTTP_PROXY": "proxy.corp:8080",
+       "NO_PROXY": "localhost, .internal,10.0.0.5,gpu-1:8000,::1"}
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("https://api.openai.com/v1",
+     Proxy("http://proxy.corp:3128", "Basic " + base64.b64encode(b"user@corp:p:ss").decode(), "https_proxy")),
+    ("http://gpu-2:8000", Proxy("http://proxy.corp:8080", None, "HTTP_PROXY")),  # (no scheme: http://)
+    ("http://gpu-1:9000", Proxy("http://proxy.corp:8080", None, "HTTP_PROXY")),  # (another port than no_proxy's)
+    ("http://gpu-1:8000/v1", None),
+    ("http://vllm.internal:8000", None),
+    ("http://internal:8000", None),
+    ("http://10.0.0.5:8000", None),
+    ("http://[::1]:8000", None),
+    ("http://localhost:8000", None),
+])
+def test_the_environment_names_each_provider_s_proxy(url: str, expected: Proxy | None) -> None:
+    assert proxy_for(url, ENV) == expected
+
+
+def test_lower_case_names_come_first_and_nothing_named_is_no_proxy() -> None:
+    both = {"http_proxy": "http://lower:1", "HTTP_PROXY": "http://upper:2"}
+    assert proxy_for("http://h:8000", both) == Proxy("http://lower:1", None, "http_proxy")
+    assert proxy_for("http://h:8000", {"https_proxy": "http://p:1", "http_proxy": " "}) is None
+    assert proxy_for("https://h", {"http_proxy": "http://p:1"}) is None  # (https has its own)
+    assert proxy_for("http://h:8000", {"http_proxy": "http://p:1", "no_proxy": "*"}) is None
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("socks5://p:1080", "HTTPS_PROXY names the proxy \"socks5://p\": only an http:// proxy with a host is supported"),
+    ("https://p:3128", "HTTPS_PROXY names the proxy \"https://p\": only an http:// proxy"),
+    ("http://p:99999", "HTTPS_PROXY is not a proxy URL (Port out of range 0-65535)"),
+    ("http://:3128", "HTTPS_PROXY names the proxy \"http://\": only an http:// proxy with a host"),
+])
+def test_a_proxy_that_cannot_be_used_is_refused_naming_its_variable(value: str, says: str) -> None:
+    with pytest.raises(ProxyError) as err:
+        proxy_for("https://api.example.com", {"HTTPS_PROXY": value})
+    assert str(err.value).startswith(says), str(err.value)
+
+
+@pytest.mark.parametrize(("host", "port", "no_proxy", "expected"), [
+    ("a.example.com", 443, "example.com", True),
+    ("a.example.com", 443, ".example.com", True),
+    ("a.example.com", 443, "*.example.com", True),
+    ("example.com", 443, ".example.com", True),
+    ("badexample.com", 443, "example.com", False),
+    ("a.example.com", 443, "example.com:443", True),
+    ("a.example.com", 8443, "example.com:443", False),
+    ("h", 80, "", False),
+    ("h", 80, " , ,", False),
+    ("H.Example.COM.", 80, "example.com", True),
+])
+def test_no_proxy_is_read_as_curl_reads_it(host: str, port: int, no_proxy: str, expected: bool) -> None:
+    assert bypassed(host, port, no_proxy) is expected
+
+
+def test_a_worker_whose_proxy_cannot_be_used_stops_naming_provider_and_variable(tmp_path: Path) -> None:
+    config = tmp_path / "iop.yaml"
+    config.write_text("""
+models: [{id: m, providers: {hosted: gpt}}]
+nodes:
+  - id: n1
+    providers: [{id: hosted, type: openai_api, base_url: "https://api.example.com/v1", capacity: 1,
+                 models: [gpt]}]
+""")
+    done = subprocess.run([sys.executable, "-m", "iop", "worker", "--node", "n1", "--config", str(config)],
+                          env={"HTTPS_PROXY": "socks5://p:1080", "PATH": "/usr/bin:/bin"}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: provider hosted: HTTPS_PROXY names the proxy \"socks5://p\": only an http:// proxy with a host is "
+        "supported (it may tunnel https:// requests)"), done.stderr
+
+
+def test_a_worker_sends_runs_and_probes_through_its_proxy(tmp_path: Path, own_redis: RedisServer) -> None:
+    """The provider's host does not resolve: its runs get through only by the proxy (a relay to the
+    simulator, which takes the proxy's absolute-form requests), with the proxy's credentials."""
+    stack = FaultStack(tmp_path, own_redis)
+    try:
+        sim_url = stack.add_simulator("far")
+        proxy = Blackhole("127.0.0.1", int(sim_url.rsplit(":", 1)[1]))
+        try:
+            stack.sims["far"] = f"http://gpu.invalid:{sim_url.rsplit(':', 1)[1]}"
+            stack.configure({"far": ("n1", 1)})
+            stack.scheduler()
+            env = {**stack.env(), "HTTP_PROXY": f"http://ops:s3cret@127.0.0.1:{proxy.port}", "NO_PROXY": "localhost"}
+            worker = Proc("worker-n1", ["worker", "--node", "n1"], env)
+            stack.procs.append(worker)
+            worker.wait_for_line(r"provider far: requests go through the proxy http://127\.0\.0\.1:\d+ \(HTTP_PROXY\)")
+            gateway = stack.gateway()
+            stack.wait_health("far", "available")  # (its probe went through the proxy)
+            status, body, _ = post_json(gateway + "/v1/chat/completions", chat())
+            assert status == 200, body
+            sent = bytes(proxy.received)
+            port = sim_url.rsplit(":", 1)[1]
+            assert f"POST http://gpu.invalid:{port}/v1/chat/completions HTTP/1.1".encode() in sent
+            assert f"GET http://gpu.invalid:{port}/health HTTP/1.1".encode() in sent
+            assert b"Proxy-Authorization: Basic " + base64.b64encode(b"ops:s3cret") in sent
+            assert "s3cret" not in worker.output()
+        finally:
+            stack.stop_all()
+            proxy.close()
+    finally:
+        stack.stop_all()
+
+
+
+def test_the_proxy_s_credentials_go_to_the_proxy_only() -> None:
+    """At http:// the request itself goes to the proxy; at https:// it goes through a tunnel to the
+    provider, so the credentials go in the tunnel's CONNECT, never in the request."""
+    proxy = Proxy("http://proxy.corp:3128", "Basic b3BzOnMzY3JldA==", "HTTPS_PROXY")
+    plain, tunnelled, direct = Via(proxy, https=False), Via(proxy, https=True), Via(None, https=True)
+    asked = {"Authorization": "Bearer k"}
+    assert plain.headers(asked) == {**asked, "Proxy-Authorization": "Basic b3BzOnMzY3JldA=="}
+    assert plain.tunnel_headers() is None and plain.url == "http://proxy.corp:3128"
+    assert tunnelled.headers(asked) == asked
+    first, second = tunnelled.tunnel_headers(), tunnelled.tunnel_headers()
+    assert first == {"Proxy-Authorization": "Basic b3BzOnMzY3JldA=="} and first is not second
+    assert direct.headers(asked) is asked and direct.tunnel_headers() is None and direct.url is None
+    assert asked == {"Authorization": "Bearer k"}
