@@ -31,6 +31,10 @@ ENV = {"https_proxy": "http://user%40corp:p%3Ass@proxy.corp:3128", "HTTP_PROXY":
     ("http://10.0.0.5:8000", None),
     ("http://[::1]:8000", None),
     ("http://localhost:8000", None),
+    ("http://127.0.0.1:8000", None),  # (loopback: never through a proxy, whatever no_proxy says)
+    ("http://127.1.2.3:8000", None),
+    ("http://sim.localhost:8000", None),
+    ("http://192.168.1.20:8000", Proxy("http://proxy.corp:8080", None, "HTTP_PROXY")),
 ])
 def test_the_environment_names_each_provider_s_proxy(url: str, expected: Proxy | None) -> None:
     assert proxy_for(url, ENV) == expected

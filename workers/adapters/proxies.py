@@ -8,6 +8,7 @@ through a company's egress proxy. Decided once per provider when the worker star
 from __future__ import annotations
 
 import base64
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
@@ -30,8 +31,11 @@ class Proxy:
 
 
 def proxy_for(base_url: str, environ: Mapping[str, str]) -> Proxy | None:
-    """The proxy for requests to `base_url`, or None: none named, or its host is in `no_proxy`."""
+    """The proxy for requests to `base_url`, or None: none named, its host is in `no_proxy`, or it
+    is this machine's loopback (which a proxy elsewhere cannot reach: `iop dev`'s simulators)."""
     target = urlsplit(base_url)
+    if target.hostname and loopback(target.hostname):
+        return None
     scheme = target.scheme.lower()
     names = (f"{scheme}_proxy", f"{scheme.upper()}_PROXY")
     variable = next((name for name in names if environ.get(name, "").strip()), None)
@@ -58,6 +62,17 @@ def proxy_for(base_url: str, environ: Mapping[str, str]) -> Proxy | None:
         auth = "Basic " + base64.b64encode(user_pass.encode()).decode()
     host = f"[{proxy.hostname}]" if ":" in proxy.hostname else proxy.hostname
     return Proxy(f"http://{host}" + (f":{port}" if port is not None else ""), auth, variable)
+
+
+def loopback(host: str) -> bool:
+    """`localhost`, a name under `.localhost`, or a loopback address (127.0.0.0/8, ::1)."""
+    host = host.lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bypassed(host: str, port: int, no_proxy: str) -> bool:
