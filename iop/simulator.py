@@ -22,6 +22,7 @@ import json
 import math
 import random
 import signal
+import ssl
 import struct
 import time
 import uuid
@@ -74,6 +75,9 @@ class SimOptions:
     #: models whose chat completions refuse `max_tokens`, as OpenAI's reasoning models do (they
     #: take only `max_completion_tokens`)
     completion_tokens_only: tuple[str, ...] = ()
+    #: serve https with this certificate (PEM, its chain after it) and private key: both or neither
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.models) and all(self.models), "models", "must be a non-empty list of names")
@@ -89,6 +93,7 @@ class SimOptions:
             self.fail_after_tokens is None or self.fail_after_tokens >= 0, "fail_after_tokens", "must be >= 0"
         )
         _require(math.isfinite(self.busy_probe_ms) and self.busy_probe_ms >= 0, "busy_probe_ms", "must be >= 0")
+        _require((self.tls_cert is None) == (self.tls_key is None), "tls_cert", "and tls_key go together")
 
 
 def _header_value(text: str) -> bool:
@@ -144,6 +149,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--completion-tokens-only", type=_parse_models, default=d.completion_tokens_only,
                         help="comma-separated models whose chat completions refuse max_tokens with OpenAI's 400, "
                              "as its reasoning models do (they take max_completion_tokens)")
+    parser.add_argument("--tls-cert", default=None, help="serve https with this certificate (PEM; with --tls-key)")
+    parser.add_argument("--tls-key", default=None, help="the private key of --tls-cert (PEM)")
 
 
 def options_from_args(ns: argparse.Namespace) -> SimOptions:
@@ -152,7 +159,7 @@ def options_from_args(ns: argparse.Namespace) -> SimOptions:
         tokens=ns.tokens, fail_rate=ns.fail_rate, fail_status=ns.fail_status,
         fail_retry_after=ns.fail_retry_after, fail_after_tokens=ns.fail_after_tokens, seed=ns.seed,
         busy_probe_ms=ns.busy_probe_ms,
-        completion_tokens_only=tuple(ns.completion_tokens_only),
+        completion_tokens_only=tuple(ns.completion_tokens_only), tls_cert=ns.tls_cert, tls_key=ns.tls_key,
     )
 
 
@@ -778,8 +785,8 @@ def build_app(opts: SimOptions) -> web.Application:
     return app
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(host: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 async def start_server(opts: SimOptions) -> tuple[web.AppRunner, str]:
@@ -788,13 +795,17 @@ async def start_server(opts: SimOptions) -> tuple[web.AppRunner, str]:
         build_app(opts), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
     )
     await runner.setup()
+    tls: ssl.SSLContext | None = None
     try:
-        await web.TCPSite(runner, opts.host, opts.port).start()
+        if opts.tls_cert is not None:
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(opts.tls_cert, opts.tls_key)
+        await web.TCPSite(runner, opts.host, opts.port, ssl_context=tls).start()
     except BaseException:
         await runner.cleanup()
         raise
     port = int(runner.addresses[0][1])
-    return runner, _url(opts.host, port)
+    return runner, _url(opts.host, port, "https" if tls else "http")
 
 
 async def _wait_for_stop_signal() -> None:

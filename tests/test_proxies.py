@@ -14,6 +14,7 @@ from iop.embedded_redis import RedisServer
 from tests.blackhole import Blackhole
 from tests.conftest import ROOT, Proc
 from tests.faults import FaultStack, chat, post_json
+from tests.tls import make_certificates
 from workers.adapters.proxies import Proxy, ProxyError, Via, bypassed, proxy_for
 
 ENV = {"https_proxy": "http://user%40corp:p%3Ass@proxy.corp:3128", "HTTP_PROXY": "proxy.corp:8080",
@@ -140,3 +141,34 @@ def test_the_proxy_s_credentials_go_to_the_proxy_only() -> None:
     assert first == {"Proxy-Authorization": "Basic b3BzOnMzY3JldA=="} and first is not second
     assert direct.headers(asked) is asked and direct.tunnel_headers() is None and direct.url is None
     assert asked == {"Authorization": "Bearer k"}
+
+
+def test_a_provider_at_https_with_a_private_ca_is_reached_with_ssl_cert_file(
+        tmp_path: Path, own_redis: RedisServer) -> None:
+    """A GPU box serving https with a certificate of the company's own CA: the worker trusts it
+    with SSL_CERT_FILE (as every OpenSSL client does); without it the provider is unavailable,
+    and the catalog says its certificate did not verify, and why."""
+    make_certificates(tmp_path)
+    stack = FaultStack(tmp_path, own_redis)
+    try:
+        proc = stack.start("sim-tls", "simulator", "--port", "0", "--models", "tls-served",
+                           "--tls-cert", str(tmp_path / "server.crt"), "--tls-key", str(tmp_path / "server.key"))
+        stack.sims["tls"] = proc.wait_for_line(r"listening on (https://\S+)").group(1)
+        stack.configure({"tls": ("n1", 1)})
+        stack.scheduler()
+        untrusted = stack.worker("n1")
+        stack.wait_health("tls", "unavailable")
+        with stack.client() as r:
+            reason = (r.hget("iop:provider:tls", "reason") or b"").decode()
+        assert reason == "GET /health: its TLS certificate did not verify (unable to get local issuer certificate)"
+        assert untrusted.stop(30) == 0
+        trusting = {**stack.env(), "SSL_CERT_FILE": str(tmp_path / "ca.crt")}
+        worker = Proc("worker-n1", ["worker", "--node", "n1"], trusting)
+        stack.procs.append(worker)
+        worker.wait_for_line(r"worker for queue \S+ started")
+        gateway = stack.gateway()
+        stack.wait_health("tls", "available")
+        status, body, _ = post_json(gateway + "/v1/chat/completions", chat())
+        assert status == 200 and body["choices"][0]["message"]["content"], body
+    finally:
+        stack.stop_all()

@@ -156,7 +156,11 @@ def describe(exc: BaseException, *, connect_ms: int | None = None, read_ms: int 
     (a probe's whole deadline) names every timeout when given."""
     if isinstance(exc, aiohttp.ClientConnectorDNSError):
         return "its host name did not resolve", DOWN
-    if isinstance(exc, (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError, ssl.SSLError)):
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        cert = exc.certificate_error
+        why = getattr(cert, "verify_message", None) or getattr(cert, "reason", None) or "no reason given"
+        return f"its TLS certificate did not verify ({why})", DOWN
+    if isinstance(exc, (aiohttp.ClientSSLError, ssl.SSLError)):
         return "the TLS handshake failed (certificate or protocol)", DOWN
     if isinstance(exc, aiohttp.ClientConnectorError):
         if exc.os_error.errno == errno.ECONNREFUSED:
