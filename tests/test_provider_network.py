@@ -1,5 +1,6 @@
-"""A worker reaches its providers through the HTTP proxy its environment names
-(`workers.adapters.proxies`): `https_proxy` / `http_proxy`, not for a host `no_proxy` covers."""
+"""How a worker reaches its providers over the network: through the HTTP proxy its environment
+names (`workers.adapters.proxies`: `https_proxy` / `http_proxy`, not for a host `no_proxy` covers),
+and over https to a server whose certificate a private CA signed (`SSL_CERT_FILE`)."""
 
 from __future__ import annotations
 
