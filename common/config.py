@@ -26,11 +26,11 @@ from common.legacy import migrate as migrate_legacy
 # Per-type defaults live in `common.provider_types`; re-exported here for callers of the config.
 from common.provider_types import CATEGORIES as CATEGORIES
 from common.provider_types import DEFAULT_CATEGORY as DEFAULT_CATEGORY
+from common.provider_types import OPENAI_FAMILY, default_lifecycle
 from common.provider_types import PROVIDER_TYPES as PROVIDER_TYPES
 from common.provider_types import Category as Category
 from common.provider_types import LifecycleFlag as LifecycleFlag
 from common.provider_types import ProviderType as ProviderType
-from common.provider_types import default_lifecycle
 from common.strict import Strict
 
 #: An id is a non-empty string without whitespace (it becomes part of Redis keys).
@@ -51,6 +51,19 @@ PATH_PATTERN = r"^/\S*$"
 API_PATH_PATTERN = r"^(/\S*)?$"
 #: A host name as `Host` sends it, without a port, or `*` for any.
 HOST_NAME_PATTERN = r"^(\*|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?)$"
+#: A header a provider's requests carry from the config (`headers`, `api_key_header`): its name an
+#: HTTP token, its value printable ASCII without line breaks; at most `MAX_HEADERS` of them.
+HEADER_NAME_PATTERN = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"
+HEADER_VALUE_PATTERN = r"^[\x20-\x7e]*$"
+MAX_HEADERS = 32
+MAX_HEADER_NAME_CHARS = 64
+MAX_HEADER_VALUE_CHARS = 1024
+#: Headers the worker sets on a provider's requests itself (lower case), and why.
+IOP_HEADERS = {"host": "from base_url", "content-length": "the body's", "content-type": "the body's",
+               "transfer-encoding": "the body's", "connection": "the connection's", "keep-alive": "the connection's",
+               "upgrade": "the connection's", "te": "the connection's", "trailer": "the body's",
+               "expect": "the request's", "proxy-authorization": "from the proxy's URL",
+               "x-request-id": "the run's UUID", "accept-encoding": "the reader's"}
 #: The most load samples the history may hold (`runtime.history_retention_s` / `history_interval_ms`).
 MAX_HISTORY_SAMPLES = 20_000
 
@@ -103,6 +116,10 @@ class QueueOverride(Strict):
     max_attempts: int | None = Field(None, ge=1, le=MAX_ATTEMPTS)
 
 
+HeaderName = Annotated[str, Field(pattern=HEADER_NAME_PATTERN, max_length=MAX_HEADER_NAME_CHARS)]
+HeaderValue = Annotated[str, Field(pattern=HEADER_VALUE_PATTERN, max_length=MAX_HEADER_VALUE_CHARS)]
+
+
 class ProviderConfig(Strict):
     id: str = Field(pattern=PROVIDER_ID_PATTERN, max_length=MAX_ID_CHARS)
     type: ProviderType
@@ -110,6 +127,11 @@ class ProviderConfig(Strict):
     base_url: str | None = None
     api_key_env: str | None = Field(None, pattern=ENV_NAME_PATTERN,
                                     description="name of the env var holding the API key")
+    api_key_header: str | None = Field(None, pattern=HEADER_NAME_PATTERN, max_length=MAX_HEADER_NAME_CHARS,
+                                       description="OpenAI family: the header that carries the key as it is "
+                                                   "(default: Authorization: Bearer <key>)")
+    headers: dict[HeaderName, HeaderValue] | None = Field(
+        None, max_length=MAX_HEADERS, description="OpenAI family: headers sent with every request (not secrets)")
     capacity: int = Field(ge=1, le=MAX_CAPACITY)
     models: list[str] = Field(min_length=1)
     connect_timeout_ms: int = Field(5_000, ge=1, le=MAX_DURATION_MS)
@@ -357,6 +379,8 @@ def _looks_like_a_number(value: Any) -> bool:
 
 #: what an id's pattern asks, in words
 _PATTERN_SAID = {ID_PATTERN: "must be one word (no spaces)",
+                 HEADER_NAME_PATTERN: "must be an HTTP header name (letters, digits, - and !#$%&'*+.^_`|~)",
+                 HEADER_VALUE_PATTERN: "must be printable ASCII on one line",
                  PROVIDER_ID_PATTERN: "must be one word, without spaces or commas",
                  CORS_ORIGIN_PATTERN: "must be a site as a browser's Origin names it (https://app.example.com, "
                                       "http://localhost:5173: no path) or *",
@@ -557,10 +581,34 @@ def base_url_fault(value: Any) -> str | None:
 
 
 def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
-    """Fields some provider types require (`command` and `api_path` are ignored by other types)."""
+    """Fields some provider types require (`command` and `api_path` are ignored by other types), and
+    the headers of the OpenAI family."""
+    errors: list[str] = []
     if p.get("type") == "cli" and not p.get("command"):
-        return [f"{path}.command: required for type cli (the argv to run)"]
-    return []
+        errors.append(f"{path}.command: required for type cli (the argv to run)")
+    for field in ("headers", "api_key_header"):
+        if p.get(field) is not None and p.get("type") in PROVIDER_TYPES and p.get("type") not in OPENAI_FAMILY:
+            errors.append(f"{path}.{field}: only for the OpenAI family ({', '.join(sorted(OPENAI_FAMILY))}), "
+                          f"not type {p.get('type')}")
+    if p.get("api_key_header") is not None and not p.get("api_key_env"):
+        errors.append(f"{path}.api_key_header: names the header of the key in api_key_env, which is not given")
+    headers = p.get("headers")
+    if isinstance(headers, Mapping):
+        key_header = str(p.get("api_key_header") or "Authorization").lower() if p.get("api_key_env") else None
+        seen: dict[str, str] = {}
+        for name in headers:
+            if not isinstance(name, str):
+                continue
+            lower = name.lower()
+            if lower in seen:
+                errors.append(f"{path}.headers.{name}: the same header as {seen[lower]} (names ignore case)")
+            elif lower in IOP_HEADERS:
+                errors.append(f"{path}.headers.{name}: set by iop itself ({IOP_HEADERS[lower]}), not by the config")
+            elif lower == key_header or lower == "authorization":
+                errors.append(f"{path}.headers.{name}: credentials never go in the config: give the key's variable "
+                              "in api_key_env (and its header in api_key_header), or user:password@ in base_url")
+            seen.setdefault(lower, name)
+    return errors
 
 
 def parse_config(data: Any) -> Config:

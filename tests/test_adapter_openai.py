@@ -286,6 +286,25 @@ async def test_the_api_key_is_sent_but_never_shown(fake: Fake, session: aiohttp.
     assert fake.requests[-1][1]["Authorization"] == f"Bearer {KEY}"
 
 
+async def test_the_config_s_headers_and_a_key_in_its_own_header_go_with_runs_and_probes(
+        fake: Fake, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Azure's OpenAI service takes its key in `api-key`, not `Authorization: Bearer`."""
+    monkeypatch.setenv("IOP_TEST_API_KEY", KEY)
+    adapter = OpenAICompatAdapter(provider("openai_api", fake.url, api_key_env="IOP_TEST_API_KEY",
+                                           api_key_header="api-key", headers={"X-Title": "iop"}), session)
+    fake.body["/v1/chat/completions"] = {"object": "chat.completion", "model": SERVED, "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+    await adapter.complete(RunKind.CHAT, chat(), "run_1")
+    await adapter.probe()
+    for path, headers, _ in fake.requests[-2:]:
+        assert headers["api-key"] == KEY and headers["X-Title"] == "iop" and "Authorization" not in headers, path
+    fake.status["/v1/chat/completions"] = 401
+    fake.body["/v1/chat/completions"] = {"error": {"message": f"bad key {KEY}"}}
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "run_2")
+    assert KEY not in err.value.message  # (redacted, whichever header carried it)
+
+
 async def test_a_passed_through_4xx_keeps_the_provider_s_fields_on_one_line(
         fake: Fake, session: aiohttp.ClientSession) -> None:
     """The caller gets the provider's error object (its type, param, code), its message one line

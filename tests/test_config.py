@@ -598,6 +598,48 @@ queue: {max_queue: 1_000, queue_timeout_ms: 0o1000}
                                  "nodes[0].providers[0].capacity: Input should be a valid integer, got '1:30'"]
 
 
+def test_a_provider_s_headers_and_key_header() -> None:
+    """Azure's OpenAI service takes its key in `api-key`; a gateway in front of a server may want a
+    header of its own (`X-Title`)."""
+    data = good()
+    vllm = data["nodes"][0]["providers"][0]
+    vllm.update(api_key_env="AZURE_KEY", api_key_header="api-key", headers={"X-Title": "iop", "OpenAI-Project": "p1"})
+    provider = parse_config(data).nodes[0].providers[0]
+    assert provider.api_key_header == "api-key" and provider.headers == {"X-Title": "iop", "OpenAI-Project": "p1"}
+
+    def errors(**fields: Any) -> list[str]:
+        bad = good()
+        bad["nodes"][0]["providers"][0].update(fields)
+        return config_errors(bad)
+
+    at = "nodes[0].providers[0]"
+    assert errors(headers={"Host": "x", "x-request-id": "y"}) == [
+        f"{at}.headers.Host: set by iop itself (from base_url), not by the config",
+        f"{at}.headers.x-request-id: set by iop itself (the run's UUID), not by the config"]
+    assert errors(headers={"X-A": "1", "x-a": "2"}) == [f"{at}.headers.x-a: the same header as X-A (names ignore case)"]
+    credentials = ("credentials never go in the config: give the key's variable in api_key_env (and its header in "
+                   "api_key_header), or user:password@ in base_url")
+    assert errors(headers={"authorization": "Bearer sk-in-the-config"}) == [
+        f"{at}.headers.authorization: {credentials}"]
+    assert errors(api_key_env="K", api_key_header="api-key", headers={"Api-Key": "x"}) == [
+        f"{at}.headers.Api-Key: {credentials}"]
+    assert errors(api_key_header="api-key") == [
+        f"{at}.api_key_header: names the header of the key in api_key_env, which is not given"]
+    assert errors(headers={"Bad Name": "x", "X-B": "two\nlines"}) == [
+        f"{at}.headers.Bad Name (key): must be an HTTP header name (letters, digits, - and !#$%&'*+.^_`|~), "
+        "got 'Bad Name'",
+        f"{at}.headers.X-B: must be printable ASCII on one line, got 'two\\nlines'"]
+    too_many = errors(headers={f"X-{i}": "v" for i in range(33)})
+    assert too_many[0].startswith(f"{at}.headers: Dictionary should have at most 32"), too_many
+    cli = good()
+    cli["nodes"][1]["providers"][1].update(headers={"X-Title": "iop"}, api_key_header="k", api_key_env="K")
+    assert config_errors(cli) == [
+        "nodes[1].providers[1].headers: only for the OpenAI family (lemonade, llamacpp, openai_api, sglang, vllm), "
+        "not type cli",
+        "nodes[1].providers[1].api_key_header: only for the OpenAI family (lemonade, llamacpp, openai_api, sglang, "
+        "vllm), not type cli"]
+
+
 def test_a_provider_id_with_a_comma_is_refused_in_words() -> None:
     """(a run's `tried` providers are a comma-separated list: `x,y` was never seen as tried, and a
     failing provider took all three attempts)"""

@@ -369,10 +369,17 @@ class OpenAICompatAdapter:
         return os.environ.get(self.provider.api_key_env) or None
 
     def _headers(self, run_id: str | None) -> dict[str, str]:
-        headers = {"X-Request-Id": upstream_request_id(run_id)} if run_id else {}
+        """The config's `headers`, the run's request id, and the key: `Authorization: Bearer <key>`,
+        or the key as it is in `api_key_header` (Azure's `api-key`)."""
+        headers = dict(self.provider.headers) if self.provider.headers else {}
+        if run_id:
+            headers["X-Request-Id"] = upstream_request_id(run_id)
         key = self._key()
         if key:
-            headers["Authorization"] = f"Bearer {key}"
+            if self.provider.api_key_header:
+                headers[self.provider.api_key_header] = key
+            else:
+                headers["Authorization"] = f"Bearer {key}"
         return headers
 
     def _secrets(self) -> list[str]:
