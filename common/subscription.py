@@ -5,7 +5,9 @@ balancer that dropped an idle mapping, or a network path cut with both ends up, 
 for messages that go nowhere while Redis, which still sees the connection (or a proxy's), goes on
 publishing to it. A PING after every quiet spell asks for an answer; none within the reply timeout
 and the subscription is dead: redis-py's TimeoutError is raised, which callers treat as Redis away
-(they subscribe again on a new connection, and catch up on what they may have missed)."""
+(they subscribe again on a new connection, and catch up on what they may have missed). A connection
+that broke and that redis-py's retry made again and subscribed again by itself raises a
+ConnectionError too: what was published in between went to nobody, and the caller must catch up."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.redisline import REPLY_TIMEOUT_S
@@ -22,26 +25,47 @@ from common.redisline import REPLY_TIMEOUT_S
 QUIET_S = 5.0
 
 
+class _Reconnects:
+    """Counts the connects of a subscription's connection after the first (redis-py's retry makes
+    the connection again and subscribes again by itself, without a word to the listener)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def connected(self, _connection: Any) -> None:
+        self.count += 1
+
+
 async def messages(pubsub: PubSub, *, quiet_s: float | None = None,
                    reply_s: float | None = None) -> AsyncIterator[dict[str, Any]]:
     """Each message published on `pubsub`'s channels, in order (subscribe first). After `quiet_s`
     (`QUIET_S` by default) with none, a PING; if nothing at all comes within `reply_s` after it
-    (the pool's reply timeout, a URL's `?socket_timeout=`, by default), RedisTimeoutError."""
-    if quiet_s is None:
-        quiet_s = QUIET_S
-    if reply_s is None:
-        reply_s = float(pubsub.connection_pool.connection_kwargs.get("socket_timeout") or REPLY_TIMEOUT_S)
+    (the pool's reply timeout, a URL's `?socket_timeout=`, by default), RedisTimeoutError. Once
+    its connection was made again, RedisConnectionError."""
+    quiet = QUIET_S if quiet_s is None else quiet_s
+    reply = float(reply_s or pubsub.connection_pool.connection_kwargs.get("socket_timeout") or REPLY_TIMEOUT_S)
+    reconnects = _Reconnects()
+    connection = pubsub.connection
+    if connection is not None:  # (a method, which redis-py holds weakly: `reconnects` lives as long as this)
+        connection.register_connect_callback(reconnects.connected)
     pinged_at: float | None = None
-    while True:
-        wait = quiet_s if pinged_at is None else max(0.0, pinged_at + reply_s - time.monotonic())
-        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
-        if message is None:
-            if pinged_at is None:
-                await pubsub.ping()
-                pinged_at = time.monotonic()
-            elif time.monotonic() >= pinged_at + reply_s:
-                raise RedisTimeoutError(f"Redis did not answer a PING on a subscription within {reply_s:g} s")
-            continue
-        pinged_at = None  # (anything from Redis shows the connection alive)
-        if message["type"] != "pong":
-            yield message
+    try:
+        while True:
+            wait = quiet if pinged_at is None else max(0.0, pinged_at + reply - time.monotonic())
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
+            if reconnects.count:  # (what was published while it was down went to nobody: say so)
+                raise RedisConnectionError("the subscription's connection broke (redis-py made it again: what was "
+                                           "published meanwhile is lost)")
+            if message is None:
+                if pinged_at is None:
+                    await pubsub.ping()
+                    pinged_at = time.monotonic()
+                elif time.monotonic() >= pinged_at + reply:
+                    raise RedisTimeoutError(f"Redis did not answer a PING on a subscription within {reply:g} s")
+                continue
+            pinged_at = None  # (anything from Redis shows the connection alive)
+            if message["type"] != "pong":
+                yield message
+    finally:
+        if connection is not None:
+            connection.deregister_connect_callback(reconnects.connected)

@@ -5,6 +5,7 @@ Redis, real TCP: a relay that turns open connections into black holes (`tests.bl
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, cast
@@ -175,4 +176,40 @@ async def test_every_connection_to_redis_has_short_tcp_keepalive(redis_url: str)
                 assert sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, name)) == value, name
     finally:
         await pubsub.aclose()
+        await client.aclose()
+
+
+async def test_a_subscription_redis_py_made_again_by_itself_still_catches_up(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by a review: a connection that broke (a failover, a proxy's reset, `CLIENT KILL`) was
+    made again and subscribed again by redis-py's retry without a word, so the listener never
+    caught up on the cancel published in between (left to the lease renewal, or to a PING that
+    happened to fail). The quiet spell before a PING is made long here: it is not what notices."""
+    monkeypatch.setattr(subscription, "QUIET_S", 60.0)
+    caplog.set_level(logging.WARNING, "iop.worker")
+    client = connect(redis_url)
+    runner = _Runner(client)
+    listening = asyncio.ensure_future(service._listen_cancels(cast(Runner, runner), "node-a"))
+    channel = keys.node_cancel("node-a")
+    try:
+        with sync_redis.Redis.from_url(redis_url) as r:
+            await _subscribed(r, channel, 1)
+            runner.running["run_unheard"] = (_Attempt(), None)
+            # (the test's loop waits on these calls: the cancel goes out while nobody listens)
+            assert r.client_kill_filter(_type="pubsub") == 1
+            r.hset(keys.run_record("run_unheard"), "cancel", "1")
+            assert r.publish(channel, b"run_unheard") == 0
+            await async_wait_until(lambda: asyncio.sleep(0, runner.cancels == ["run_unheard"]),
+                                   what="the cancel published while it was down caught up")
+            said = [r.getMessage() for r in caplog.records]
+            assert said == ["cancel listener: Redis unavailable (the subscription's connection broke (redis-py made "
+                            "it again: what was published meanwhile is lost)); subscribing again"], said
+            runner.running["run_later"] = (_Attempt(), None)
+            await _subscribed(r, channel, 1)
+            r.publish(channel, b"run_later")
+            await async_wait_until(lambda: asyncio.sleep(0, runner.cancels[-1:] == ["run_later"]),
+                                   what="heard after")
+    finally:
+        listening.cancel()
+        await asyncio.gather(listening, return_exceptions=True)
         await client.aclose()
