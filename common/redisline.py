@@ -99,7 +99,8 @@ class _Link:
     """One connection and the commands in flight on it. Once broken it stays broken: the line
     makes a new one."""
 
-    __slots__ = ("conn", "reply_timeout_s", "waiting", "deadlines", "timer", "out", "wake", "reader", "broken")
+    __slots__ = ("conn", "reply_timeout_s", "waiting", "deadlines", "timer", "timer_at", "out", "wake", "reader",
+                 "broken")
 
     def __init__(self, conn: AbstractConnection, reply_timeout_s: float) -> None:
         self.conn = conn
@@ -109,8 +110,10 @@ class _Link:
         self.waiting: deque[asyncio.Future[Any]] = deque()
         #: when each of them (in the same order) must have its reply, by the loop's clock
         self.deadlines: deque[float] = deque()
-        #: the one timer that checks the oldest deadline (`expire`), while commands wait
+        #: the one timer that checks the oldest deadline (`expire`), while commands wait, and when
+        #: it fires (it may have been armed for a command answered since, whose deadline was later)
         self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
         #: packed commands of this turn, written together at its end
         self.out: list[bytes | memoryview] = []
         #: set when the reader sleeps (nothing in flight) and a command is sent
@@ -127,8 +130,8 @@ class _Link:
         self.waiting.append(future)
         deadline = loop.time() + self.reply_timeout_s + block_s
         self.deadlines.append(deadline)
-        if self.timer is None:
-            self.timer = loop.call_at(deadline, self.expire)
+        if self.timer is None or (deadline < self.timer_at and len(self.deadlines) == 1):
+            self._arm(deadline)
         if not self.out:
             loop.call_soon(self.flush)
         self.out += packed
@@ -165,6 +168,8 @@ class _Link:
                     reply = exc.with_traceback(None)  # (this frame's: nothing to show its caller)
                 future = self.waiting.popleft()
                 self.deadlines.popleft()
+                if self.deadlines and self.deadlines[0] < self.timer_at:  # (a blocking read answered early)
+                    self._arm(self.deadlines[0])
                 if future.done():  # its caller left
                     continue
                 if isinstance(reply, ResponseError):
@@ -179,6 +184,11 @@ class _Link:
             if not isinstance(exc, Exception):
                 raise
 
+    def _arm(self, at: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer, self.timer_at = asyncio.get_running_loop().call_at(at, self.expire), at
+
     def expire(self) -> None:
         """The timer: if the oldest command has waited past its deadline, Redis stopped answering
         (the replies come in order): the link breaks with a TimeoutError, its connection closed."""
@@ -187,7 +197,7 @@ class _Link:
             return
         loop = asyncio.get_running_loop()
         if self.deadlines[0] > loop.time():
-            self.timer = loop.call_at(self.deadlines[0], self.expire)
+            self._arm(self.deadlines[0])
             return
         self.fail(RedisTimeoutError(f"Redis at {self.conn._host_error()} did not answer within "
                                     f"{self.reply_timeout_s:g} s (socket_timeout)"))

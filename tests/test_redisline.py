@@ -188,6 +188,28 @@ async def test_a_blocking_read_has_its_block_time_before_the_reply_timeout_count
         await r.aclose()
 
 
+async def test_a_command_after_a_blocking_read_answered_early_has_its_own_deadline(own_redis: RedisServer) -> None:
+    """Found by a review: the one timer was armed for the blocking read's deadline (its block time
+    and the reply timeout); answered at once, it left that timer armed, and the next command, on a
+    paused Redis, failed that late, not after the reply timeout."""
+    r = connect(own_redis.url + "?socket_timeout=0.5")
+    inbox = new_line_of(r, "inbox")
+    assert inbox is not None
+    try:
+        await r.xadd("s", {"f": "v"})
+        assert await inbox.execute("XREAD", "BLOCK", 60_000, "STREAMS", "s", "0", block_s=60.0)  # (at once)
+        link = inbox._link
+        assert link is not None
+        with paused(own_redis):
+            ping = asyncio.ensure_future(inbox.execute("PING"))
+            await async_wait_until(lambda: asyncio.sleep(0, bool(link.deadlines)), what="the PING sent")
+            assert link.timer is not None and link.timer.when() == link.deadlines[0]  # (the PING's, not the read's)
+            with pytest.raises(RedisTimeoutError):
+                await ping
+    finally:
+        await r.aclose()
+
+
 async def test_a_command_that_timed_out_is_not_sent_again() -> None:
     """It may have run (an INCR must not count twice); a lost connection is still retried."""
     retry = client_options()["retry"]
