@@ -724,6 +724,8 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError([f"{path}: not valid YAML: {yaml_fault(exc)}"]) from None
     except RecursionError:  # (PyYAML reads nested collections by recursion: some hundred levels)
         raise ConfigError([f"{path}: not valid YAML: nested too deeply"]) from None
+    except (ValueError, OverflowError) as exc:  # (a value its type cannot hold: an explicit `!!float x`)
+        raise ConfigError([f"{path}: not valid YAML: a value cannot be read ({exc})"]) from None
     finally:
         if loader is not None:
             loader.dispose()

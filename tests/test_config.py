@@ -572,7 +572,7 @@ def test_plain_scalars_read_as_yaml_1_2_not_1_1(tmp_path: Path) -> None:
     "should be a valid string", about a name the operator wrote as a name), `1:30` the number 90
     and `capacity: 010` the number 8, without a word."""
     path = tmp_path / "iop.yaml"
-    path.write_text("""
+    path.write_text(text := """
 models:
   - id: no
     providers: {vllm-a: on}
@@ -591,6 +591,17 @@ queue: {max_queue: 1_000, queue_timeout_ms: 0o1000}
     assert (cfg.nodes[0].id, provider.capacity, provider.models, provider.read_timeout_ms) == (
         "yes", 10, ["on", "off"], 30_000)
     assert (cfg.queue.max_queue, cfg.queue.queue_timeout_ms) == (1000, 512)
+    for value in ("._", "2026-13-45", "2026-12-05"):  # (read as text: neither a number nor a date, no traceback)
+        path.write_text(f"models: {value}\n")
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert f"models: Input should be a valid list, got '{value}'" in info.value.errors, info.value.errors
+    path.write_text("models: !!float abc\n")  # (what YAML's own tags make, they make or say why not)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.errors == [f"{path}: not valid YAML: a value cannot be read (could not convert string to "
+                                 "float: 'abc')"]
+    path.write_text(text)
     path.write_text(path.read_text().replace("capacity: 010", "capacity: 1:30").replace("id: m2", "id: true"))
     with pytest.raises(ConfigError) as info:
         load_config(path)
