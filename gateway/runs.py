@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
@@ -188,7 +189,7 @@ class RunClient:
         once it can)."""
         try:
             await self.cancel(run_id, model_id, reason, ours=True)
-        except REDIS_UNUSABLE as exc:
+        except (*REDIS_UNUSABLE, RedisError) as exc:  # (any refusal: a MISCONF Redis, say)
             log.warning("could not cancel yet (%s); trying again once Redis answers", exc,
                         extra=run_fields(run_id, model_id))
             self._cancel_later(run_id, model_id, reason)

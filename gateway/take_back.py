@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from common.redisconn import REDIS_UNUSABLE, Backoff
 from common.runlog import run_fields
@@ -49,12 +50,17 @@ class TakeBack:
         self.kept: dict[str, Kept] = {}
         self.task: asyncio.Task[None] | None = None
         self._full_logged = False
+        #: closed (the gateway stops): nothing is kept any more, and no task starts
+        self.closed = False
 
     def __len__(self) -> int:
         return len(self.kept)
 
     def add(self, run_id: str, model_id: str, reason: str, within_s: float) -> None:
         """Cancel the run as soon as Redis answers, for at most `within_s` seconds."""
+        if self.closed:
+            log.warning("could not cancel: the gateway stops", extra=run_fields(run_id, model_id))
+            return
         if run_id not in self.kept and len(self.kept) >= MAX_KEPT:
             if not self._full_logged:
                 self._full_logged = True
@@ -67,6 +73,7 @@ class TakeBack:
             self.task = asyncio.get_running_loop().create_task(self._resend(), name="iop-take-back")
 
     async def close(self) -> None:
+        self.closed = True
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
@@ -83,17 +90,20 @@ class TakeBack:
                 await self.redis.ping()  # (one small command a try while Redis is away, not the batch)
                 batch = list(itertools.islice(self.kept.items(), BATCH))
                 answers = await self.send(batch)
-            except REDIS_UNUSABLE as exc:
+            except (*REDIS_UNUSABLE, RedisError) as exc:  # (any refusal: a MISCONF Redis refuses even PING)
                 error = exc
                 continue
+            sent = 0
             for (run_id, _), answer in zip(batch, answers, strict=True):
                 if isinstance(answer, Exception):
                     error = answer
                 else:
                     self.kept.pop(run_id, None)
+                    sent += 1
             if len(self.kept) < MAX_KEPT:
                 self._full_logged = False
-            backoff.reset()
+            if sent:  # (else each was refused: not again at once)
+                backoff.reset()
 
     def _give_up(self, error: BaseException | None) -> None:
         """Forget the cancels of runs that would have ended by now anyway."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import redis as sync_redis
+from redis.exceptions import ResponseError
 
 from common import keys
 from common.redisconn import connect
@@ -78,3 +79,45 @@ async def test_the_cancels_kept_are_bounded_in_number(monkeypatch: pytest.Monkey
     finally:
         await client.close()
         await client.redis.aclose()
+
+
+async def test_a_redis_that_refuses_for_a_while_does_not_end_the_take_back(redis_url: str) -> None:
+    """Found by a review: a Redis whose snapshot failed (MISCONF) refuses even PING with an error
+    reply, which is no outage to redis-py: the one take-back task died of it, and the cancels it
+    kept were never sent (the run queued for a caller who had heard 503)."""
+    config = make_config({"a": 1})
+    client = RunClient(connect(redis_url), config)
+    await beat(client.redis, config)
+    [run_id] = await submit(client, 1)
+    ping = client.take_back.redis.ping
+    refusals = 0
+
+    async def refusing_ping() -> Any:
+        nonlocal refusals
+        if refusals < 3:
+            refusals += 1
+            raise ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to "
+                                "persist to disk")
+        return await ping()
+
+    client.take_back.redis.ping = refusing_ping
+    try:
+        client._cancel_later(run_id, MODEL, LEFT)
+        await async_wait_until(lambda: asyncio.sleep(0, len(client.take_back) == 0), what="the cancel sent")
+        assert refusals == 3
+        assert await client.redis.hget(keys.run_record(run_id), "state") == b"cancelled"
+    finally:
+        await client.close()
+        await client.redis.aclose()
+
+
+async def test_no_take_back_starts_once_the_gateway_s_client_is_closed(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by a review: a caller's leaving that failed after `close` started a task nothing would
+    stop (it tried until the run's follow deadline)."""
+    client = RunClient(connect(f"redis://127.0.0.1:{free_port()}/0"), make_config({"a": 1}))  # (nothing listens)
+    await client.close()
+    with caplog.at_level(logging.WARNING, "iop.gateway"):
+        await client.leave("run_late", MODEL)
+    assert client.take_back.task is None and not client.take_back
+    assert [r.getMessage() for r in caplog.records][-1] == "could not cancel: the gateway stops"
+    await client.redis.aclose()
