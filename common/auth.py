@@ -113,7 +113,7 @@ def _unpresentable(key: str) -> str | None:
     if key != key.strip():
         return ("holds a key that starts or ends with whitespace (a line end of the file it came from?); "
                 "a request's key never does, so it would match none: remove it")
-    if any(ch < " " or ch == "\x7f" for ch in key):
+    if any((ch < " " and ch != "\t") or ch == "\x7f" for ch in key):  # (a header may carry a tab inside)
         return "holds a key with a control character, which no HTTP header can carry: it would match no request"
     return None
 
