@@ -592,6 +592,10 @@ def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
                           f"not type {p.get('type')}")
     if p.get("api_key_header") is not None and not p.get("api_key_env"):
         errors.append(f"{path}.api_key_header: names the header of the key in api_key_env, which is not given")
+    key_header = p.get("api_key_header")
+    if isinstance(key_header, str) and key_header.lower() in IOP_HEADERS:
+        errors.append(f"{path}.api_key_header: {key_header} is set by iop itself ({IOP_HEADERS[key_header.lower()]}); "
+                      "the key cannot go in it")
     headers = p.get("headers")
     if isinstance(headers, Mapping):
         key_header = str(p.get("api_key_header") or "Authorization").lower() if p.get("api_key_env") else None

@@ -13,6 +13,7 @@ import yaml
 from common.config import (
     CATEGORIES,
     DEFAULT_CATEGORY,
+    IOP_HEADERS,
     PROVIDER_TYPES,
     Config,
     ConfigError,
@@ -634,6 +635,9 @@ def test_a_provider_s_headers_and_key_header() -> None:
         f"{at}.headers.authorization: {credentials}"]
     assert errors(api_key_env="K", api_key_header="api-key", headers={"Api-Key": "x"}) == [
         f"{at}.headers.Api-Key: {credentials}"]
+    for iops in ("Content-Type", "host", "X-Request-Id", "Proxy-Authorization", "Content-Length"):  # (a review)
+        assert errors(api_key_env="K", api_key_header=iops) == [
+            f"{at}.api_key_header: {iops} is set by iop itself ({IOP_HEADERS[iops.lower()]}); the key cannot go in it"]
     assert errors(api_key_header="api-key") == [
         f"{at}.api_key_header: names the header of the key in api_key_env, which is not given"]
     assert errors(headers={"Bad Name": "x", "X-B": "two\nlines"}) == [

@@ -37,6 +37,8 @@ ENV = {"https_proxy": "http://user%40corp:p%3Ass@proxy.corp:3128", "HTTP_PROXY":
     ("http://127.1.2.3:8000", None),
     ("http://sim.localhost:8000", None),
     ("http://192.168.1.20:8000", Proxy("http://proxy.corp:8080", None, "HTTP_PROXY")),
+    ("http://0.0.0.0:8000", None),  # (this machine)
+    ("http://[::ffff:127.0.0.1]:8000", None),
 ])
 def test_the_environment_names_each_provider_s_proxy(url: str, expected: Proxy | None) -> None:
     assert proxy_for(url, ENV) == expected
@@ -50,16 +52,32 @@ def test_lower_case_names_come_first_and_nothing_named_is_no_proxy() -> None:
     assert proxy_for("http://h:8000", {"http_proxy": "http://p:1", "no_proxy": "*"}) is None
 
 
+NOT_A_URL = "HTTPS_PROXY is not a proxy URL: write it http://[user:password@]host:port (its password %-encoded)"
+
+
 @pytest.mark.parametrize(("value", "says"), [
-    ("socks5://p:1080", "HTTPS_PROXY names the proxy \"socks5://p\": only an http:// proxy with a host is supported"),
-    ("https://p:3128", "HTTPS_PROXY names the proxy \"https://p\": only an http:// proxy"),
-    ("http://p:99999", "HTTPS_PROXY is not a proxy URL (Port out of range 0-65535)"),
-    ("http://:3128", "HTTPS_PROXY names the proxy \"http://\": only an http:// proxy with a host"),
+    ("socks5://p:1080", 'HTTPS_PROXY names a "socks5" proxy: only an http:// proxy is supported (it may tunnel '
+                        "https:// requests)"),
+    ("https://p:3128", 'HTTPS_PROXY names a "https" proxy: only an http:// proxy is supported'),
+    ("http://p:99999", NOT_A_URL),
+    ("http://:3128", NOT_A_URL),
+    ("http://p:3128/path", NOT_A_URL),
+    ("http://ops:Tr0ub4dor#3@p:3128x", NOT_A_URL),
 ])
 def test_a_proxy_that_cannot_be_used_is_refused_naming_its_variable(value: str, says: str) -> None:
     with pytest.raises(ProxyError) as err:
         proxy_for("https://api.example.com", {"HTTPS_PROXY": value})
     assert str(err.value).startswith(says), str(err.value)
+    assert "Tr0ub4dor" not in str(err.value)
+
+
+@pytest.mark.parametrize("password", ["Tr0ub4dor#3", "a/b?c", "12345", "p@ss"])
+def test_a_password_written_without_percent_encoding_is_the_password_never_the_host_or_port(password: str) -> None:
+    """Found by a review: `#`, `/` or `?` in a password split the URL there (the password then showed
+    in the error), and one of digits was taken for the port (and logged as part of the proxy)."""
+    proxy = proxy_for("https://api.example.com", {"HTTPS_PROXY": f"http://ops:{password}@proxy.corp:3128"})
+    assert proxy == Proxy("http://proxy.corp:3128", "Basic " + base64.b64encode(f"ops:{password}".encode()).decode(),
+                          "HTTPS_PROXY")
 
 
 @pytest.mark.parametrize(("host", "port", "no_proxy", "expected"), [
@@ -73,6 +91,14 @@ def test_a_proxy_that_cannot_be_used_is_refused_naming_its_variable(value: str, 
     ("h", 80, "", False),
     ("h", 80, " , ,", False),
     ("H.Example.COM.", 80, "example.com", True),
+    ("10.1.2.3", 80, "10.0.0.0/8", True),  # (a block: curl, requests and httpx read it so)
+    ("192.168.7.20", 11434, "10.0.0.0/8, 192.168.0.0/16", True),
+    ("172.16.0.1", 80, "10.0.0.0/8", False),
+    ("10.0.0.5", 80, "0.0.5", False),  # (an address is no domain: no suffix of it matches)
+    ("10.0.0.5", 80, "10.0.0.5", True),
+    ("fd00::1", 8000, "[fd00::1]:8000", True),
+    ("fd00::1", 9000, "[fd00::1]:8000", False),
+    ("fd00::1", 9000, "fd00::/8", True),
 ])
 def test_no_proxy_is_read_as_curl_reads_it(host: str, port: int, no_proxy: str, expected: bool) -> None:
     assert bypassed(host, port, no_proxy) is expected
@@ -92,8 +118,8 @@ nodes:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1] == (
-        "error: provider hosted: HTTPS_PROXY names the proxy \"socks5://p\": only an http:// proxy with a host is "
-        "supported (it may tunnel https:// requests)"), done.stderr
+        'error: provider hosted: HTTPS_PROXY names a "socks5" proxy: only an http:// proxy is supported (it may '
+        "tunnel https:// requests)"), done.stderr
 
 
 def test_a_worker_sends_runs_and_probes_through_its_proxy(tmp_path: Path, own_redis: RedisServer) -> None:

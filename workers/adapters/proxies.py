@@ -44,55 +44,95 @@ def proxy_for(base_url: str, environ: Mapping[str, str]) -> Proxy | None:
     if target.hostname and bypassed(target.hostname, target.port or (443 if scheme == "https" else 80),
                                     environ.get("no_proxy") or environ.get("NO_PROXY") or ""):
         return None
-    value = environ[variable].strip()
-    if "://" not in value:
-        value = "http://" + value  # (as curl reads `proxy:3128`)
+    return _parse(environ[variable].strip(), variable)
+
+
+def _parse(value: str, variable: str) -> Proxy:
+    """`[http://][user[:password]@]host[:port][/]`. The credentials are split off at the last `@`
+    first, so that one written without %-encoding (`#`, `/`, `?` or digits in a password) is neither
+    taken for the host or the port nor shown in a message or a log."""
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        scheme, rest = "http", value  # (as curl reads `proxy:3128`)
+    userinfo, at, hostport = rest.rpartition("@")
+    hostport = hostport[:-1] if hostport.endswith("/") else hostport
+    if scheme.lower() != "http":
+        raise ProxyError(f"{variable} names a {quoted(scheme)} proxy: only an http:// proxy is supported (it may "
+                         "tunnel https:// requests)")
     try:
-        proxy = urlsplit(value)
-        port = proxy.port
-    except ValueError as exc:
-        raise ProxyError(f"{variable} is not a proxy URL ({exc})") from None
-    if proxy.scheme.lower() != "http" or not proxy.hostname:
-        shown = f"{proxy.scheme}://{proxy.hostname or ''}"
-        raise ProxyError(f"{variable} names the proxy {quoted(shown)}: only an http:// proxy with a host is "
-                         "supported (it may tunnel https:// requests)")
+        if any(ch in hostport for ch in "/?#") or not hostport:
+            raise ValueError
+        proxy = urlsplit("http://" + hostport)
+        port, host = proxy.port, proxy.hostname
+        if not host:
+            raise ValueError
+    except ValueError:
+        raise ProxyError(f"{variable} is not a proxy URL: write it http://[user:password@]host:port (its password "
+                         "%-encoded)") from None
     auth = None
-    if proxy.username:
-        user_pass = f"{unquote(proxy.username)}:{unquote(proxy.password or '')}"
-        auth = "Basic " + base64.b64encode(user_pass.encode()).decode()
-    host = f"[{proxy.hostname}]" if ":" in proxy.hostname else proxy.hostname
-    return Proxy(f"http://{host}" + (f":{port}" if port is not None else ""), auth, variable)
+    if at:
+        user, _, password = userinfo.partition(":")
+        auth = "Basic " + base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode()
+    shown = f"[{host}]" if ":" in host else host
+    return Proxy(f"http://{shown}" + (f":{port}" if port is not None else ""), auth, variable)
 
 
 def loopback(host: str) -> bool:
-    """`localhost`, a name under `.localhost`, or a loopback address (127.0.0.0/8, ::1)."""
+    """`localhost`, a name under `.localhost`, a loopback address (127.0.0.0/8, ::1, as an IPv4
+    address in IPv6 too) or the unspecified one (0.0.0.0, ::: this machine)."""
     host = host.lower().rstrip(".")
     if host == "localhost" or host.endswith(".localhost"):
         return True
+    address = _address(host)
+    return address is not None and (address.is_loopback or address.is_unspecified)
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address `host` is (an IPv4 one for an IPv4-mapped IPv6 address), or None for a name."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
-        return False
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 def bypassed(host: str, port: int, no_proxy: str) -> bool:
-    """Whether `no_proxy` (comma-separated, as curl reads it) covers `host` at `port`: `*`, the host
-    itself, a domain it is under (`example.com` and `.example.com` both cover `a.example.com`), each
-    optionally with `:port`."""
+    """Whether `no_proxy` (comma-separated, as curl reads it) covers `host` at `port`: `*`; for a
+    name, the name itself or a domain it is under (`example.com` and `.example.com` both cover
+    `a.example.com`); for an IP address, the address or a block that holds it (`10.0.0.0/8`); each
+    optionally with `:port` (`[::1]:8000` for an IPv6 address)."""
     host = host.lower().rstrip(".")
-    for entry in no_proxy.split(","):
-        entry = entry.strip().lower()
+    address = _address(host)
+    for item in no_proxy.split(","):
+        entry, entry_port = _split_port(item.strip().lower())
         if entry == "*":
             return True
-        name, sep, tail = entry.rpartition(":")
-        if sep and tail.isdigit() and ":" not in name.strip("[]"):  # (`host:port`, not a bare IPv6 address)
-            if int(tail) != port:
-                continue
-            entry = name
-        name = entry.strip("[]").lstrip("*").lstrip(".").rstrip(".")
+        if not entry or (entry_port is not None and entry_port != port):
+            continue
+        if address is not None:  # (an address is matched by addresses and blocks, never as a suffix)
+            try:
+                if address in ipaddress.ip_network(entry, strict=False):
+                    return True
+            except ValueError:
+                pass
+            continue
+        name = entry.lstrip("*").lstrip(".").rstrip(".")
         if name and (host == name or host.endswith("." + name)):
             return True
     return False
+
+
+def _split_port(entry: str) -> tuple[str, int | None]:
+    """A `no_proxy` entry and its port, if it names one (`host:port`, `[v6]:port`)."""
+    if entry.startswith("["):
+        inside, _, after = entry[1:].partition("]")
+        return inside, int(after[1:]) if after.startswith(":") and after[1:].isdigit() else None
+    name, sep, tail = entry.rpartition(":")
+    if sep and tail.isdigit() and ":" not in name:  # (not a bare IPv6 address)
+        return name, int(tail)
+    return entry, None
 
 
 class Via:
