@@ -4,18 +4,26 @@ and over https to a server whose certificate a private CA signed (`SSL_CERT_FILE
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
-from iop.embedded_redis import RedisServer
+from common.config import ProviderConfig
+from common.policy import Health
+from common.wire import RunKind
+from iop.embedded_redis import RedisServer, free_port
 from tests.blackhole import Blackhole
 from tests.conftest import ROOT, Proc
 from tests.faults import FaultStack, chat, post_json
 from tests.tls import make_certificates
+from workers.adapters.base import ProviderError
+from workers.adapters.openai_compat import OpenAICompatAdapter
 from workers.adapters.proxies import Proxy, ProxyError, Via, bypassed, proxy_for
 
 ENV = {"https_proxy": "http://user%40corp:p%3Ass@proxy.corp:3128", "HTTP_PROXY": "proxy.corp:8080",
@@ -199,3 +207,53 @@ def test_a_provider_at_https_with_a_private_ca_is_reached_with_ssl_cert_file(
         assert status == 200 and body["choices"][0]["message"]["content"], body
     finally:
         stack.stop_all()
+
+
+@pytest.fixture
+async def proxy_407() -> AsyncIterator[str]:
+    """A proxy that wants credentials it is not given: 407 to every request, a CONNECT too."""
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b'HTTP/1.1 407 Proxy Authentication Required\r\nProxy-Authenticate: Basic realm="corp"\r\n'
+                     b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(refuse, "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    server.close()
+    await server.wait_closed()
+
+
+def _adapter(base_url: str, proxy: str, session: aiohttp.ClientSession) -> OpenAICompatAdapter:
+    provider = ProviderConfig.model_validate({"id": "far", "type": "openai_api", "base_url": base_url, "capacity": 1,
+                                              "models": ["m"], "connect_timeout_ms": 2000, "probe_timeout_ms": 2000})
+    return OpenAICompatAdapter(provider, session, proxy=Proxy(proxy, None, "HTTPS_PROXY"))
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+WANTS = " (a proxy on the way wants credentials: user:password@ in the worker's https_proxy or http_proxy)"
+
+
+async def test_a_fault_of_the_proxy_is_said_to_be_the_proxy_s(proxy_407: str, session: aiohttp.ClientSession) -> None:
+    """Found by a review: a proxy that wanted credentials, was down or did not resolve was taken for
+    the provider ('the answer was not valid HTTP', 'connection refused', 'its host name did not
+    resolve'), and a 407 said to check the provider's api_key_env."""
+    closed = f"http://127.0.0.1:{free_port()}"
+    for base_url, proxy, says in [
+        ("https://api.example.com/v1", proxy_407, f"the proxy {proxy_407} answered 407 to the tunnel's CONNECT{WANTS}"),
+        ("https://api.example.com/v1", closed, f"could not reach the proxy {closed} (connection refused)"),
+        ("http://gpu.example:8000/v1", "http://proxy.invalid:3128",
+         "could not reach the proxy http://proxy.invalid:3128 (its host name did not resolve)"),
+    ]:
+        adapter = _adapter(base_url, proxy, session)
+        with pytest.raises(ProviderError) as err:
+            await adapter.complete(RunKind.CHAT, CHAT, "run_1")
+        assert err.value.message == f"provider far: {says}", err.value.message
+        probe = await adapter.probe()
+        assert probe.health is Health.UNAVAILABLE and probe.reason == f"GET /v1/models: {says}", probe.reason
+    plain = _adapter("http://gpu.example:8000/v1", proxy_407, session)  # (at http:// the 407 is the answer itself)
+    with pytest.raises(ProviderError) as err:
+        await plain.complete(RunKind.CHAT, CHAT, "run_2")
+    assert err.value.message.startswith("provider far answered 407") and err.value.message.endswith(WANTS)
+    assert (await plain.probe()).reason == f"GET /v1/models answered 407{WANTS}"

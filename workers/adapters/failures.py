@@ -147,13 +147,24 @@ def _os_text(code: int | None) -> str:
 NO_STRIKE = -1
 
 
+#: A proxy's answer that it wants credentials (407), and what to do about it.
+PROXY_AUTH = 407
+PROXY_CREDENTIALS = (" (a proxy on the way wants credentials: user:password@ in the worker's https_proxy or "
+                     "http_proxy)")
+
+
 def describe(exc: BaseException, *, connect_ms: int | None = None, read_ms: int | None = None,
-             total_ms: int | None = None) -> tuple[str, int]:
+             total_ms: int | None = None, proxy: str | None = None) -> tuple[str, int]:
     """(what happened, strikes against the provider's health: 0 it answered, `NO_STRIKE` no
     evidence either way) for a failed HTTP exchange.
 
     The timeouts in effect are passed so that a timeout says how long was waited; `total_ms`
-    (a probe's whole deadline) names every timeout when given."""
+    (a probe's whole deadline) names every timeout when given. `proxy`: the proxy the exchange
+    went through (`workers.adapters.proxies`), named when the fault was its own."""
+    if proxy is not None:
+        at_proxy = _proxy_fault(exc, proxy)
+        if at_proxy is not None:
+            return at_proxy, DOWN
     if isinstance(exc, aiohttp.ClientConnectorDNSError):
         return "its host name did not resolve", DOWN
     if isinstance(exc, aiohttp.ClientConnectorCertificateError):
@@ -193,7 +204,21 @@ def describe(exc: BaseException, *, connect_ms: int | None = None, read_ms: int 
     return "the HTTP exchange failed", 1
 
 
-def transport_error(provider_id: str, exc: BaseException, *, connect_ms: int, read_ms: int) -> ProviderError:
+def _proxy_fault(exc: BaseException, proxy: str) -> str | None:
+    """What went wrong at the proxy (not reached, or it refused the tunnel), or None."""
+    if isinstance(exc, aiohttp.ClientHttpProxyError):
+        hint = PROXY_CREDENTIALS if exc.status == PROXY_AUTH else ""
+        return f"the proxy {proxy} answered {exc.status} to the tunnel's CONNECT{hint}"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        address = urlsplit(proxy)
+        if isinstance(exc, aiohttp.ClientProxyConnectionError) or (exc.host, exc.port) == (address.hostname,
+                                                                                             address.port):
+            return f"could not reach the proxy {proxy} ({describe(exc)[0]})"
+    return None
+
+
+def transport_error(provider_id: str, exc: BaseException, *, connect_ms: int, read_ms: int,
+                    proxy: str | None = None) -> ProviderError:
     """The ProviderError of a run whose HTTP exchange failed. A provider that could not be
     reached or broke off may serve another attempt once it is back (`Retry.ANY`); one that
     answered garbage would answer the same again, and one that took the request but sent
@@ -201,7 +226,7 @@ def transport_error(provider_id: str, exc: BaseException, *, connect_ms: int, re
     non-stream request only when it is done goes on generating for nobody): another attempt goes
     only to another provider (`Retry.ELSEWHERE`), so one long request costs one strike, not one
     an attempt until the provider is taken down."""
-    what, strikes = describe(exc, connect_ms=connect_ms, read_ms=read_ms)
+    what, strikes = describe(exc, connect_ms=connect_ms, read_ms=read_ms, proxy=proxy)
     busy = isinstance(exc, (aiohttp.ServerTimeoutError, TimeoutError)) and not isinstance(
         exc, aiohttp.ConnectionTimeoutError)
     return ProviderError(f"provider {provider_id}: {what}",
@@ -210,9 +235,9 @@ def transport_error(provider_id: str, exc: BaseException, *, connect_ms: int, re
                          code=ErrorCode.PROVIDER_TIMEOUT if busy else ErrorCode.PROVIDER_ERROR)
 
 
-def probe_failure(what_failed: str, exc: BaseException, total_ms: int) -> ProbeResult:
+def probe_failure(what_failed: str, exc: BaseException, total_ms: int, proxy: str | None = None) -> ProbeResult:
     """The result of a probe whose request failed (`what_failed`: `GET /health`, say)."""
-    what, strikes = describe(exc, total_ms=total_ms)
+    what, strikes = describe(exc, total_ms=total_ms, proxy=proxy)
     return ProbeResult(Health.UNAVAILABLE, f"{what_failed}: {what}", strikes=max(strikes, 1),
                        timed_out=isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)))
 
@@ -229,7 +254,8 @@ def probe_answered(what: str, status: int, said: str = "") -> ProbeResult:
     list too), which says nothing either way."""
     if status == 429:
         return ProbeResult(Health.UNKNOWN, f"{what} answered 429 (rate limited)", strikes=0, busy=True)
-    return ProbeResult(Health.UNAVAILABLE, f"{what} answered {status}" + (f" ({said})" if said else ""))
+    hint = PROXY_CREDENTIALS if status == PROXY_AUTH else ""
+    return ProbeResult(Health.UNAVAILABLE, f"{what} answered {status}" + (f" ({said})" if said else "") + hint)
 
 
 def parse_retry_after(header: str | None, now_s: float | None = None) -> int | None:
@@ -270,7 +296,8 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
         return ProviderError(f"provider {provider_id} answered {status}: {message}", status=status, detail=detail,
                              retry=Retry.NO, strikes=0)
     refused = status in CREDENTIALS_REFUSED
-    hint = " (it refused iop's credentials: check the provider's api_key_env)" if refused else ""
+    hint = (PROXY_CREDENTIALS if status == PROXY_AUTH
+            else " (it refused iop's credentials: check the provider's api_key_env)" if refused else "")
     return ProviderError(f"provider {provider_id} answered {status}: {message}{hint}", status=status,
                          retry=Retry.ELSEWHERE, strikes=1 if refused else 0 if status < 500 else None,
                          retry_after_s=parse_retry_after(retry_after) if status in BUSY else None)

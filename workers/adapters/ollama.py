@@ -150,7 +150,7 @@ class OllamaAdapter:
         return not_taken(self.provider.id, str(exc), exc.param)
 
     def _failed(self, exc: BaseException) -> ProviderError:
-        return transport_error(self.provider.id, exc, connect_ms=self.provider.connect_timeout_ms,
+        return transport_error(self.provider.id, exc, proxy=self.via.url, connect_ms=self.provider.connect_timeout_ms,
                                read_ms=self.provider.read_timeout_ms)
 
     def _raise_for_redirect(self, resp: aiohttp.ClientResponse) -> None:
@@ -283,7 +283,7 @@ class OllamaAdapter:
                     return ProbeResult(Health.UNKNOWN, f"GET /api/tags answered more than {limit} bytes")
             tags = parse_json(data, self.provider.id)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            return probe_failure("GET /api/tags", exc, self.provider.probe_timeout_ms)
+            return probe_failure("GET /api/tags", exc, self.provider.probe_timeout_ms, self.via.url)
         except ValueError:
             return ProbeResult(Health.UNKNOWN, "GET /api/tags answered 200 but not with JSON")
         except ProviderError:

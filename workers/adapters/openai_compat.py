@@ -427,7 +427,8 @@ class OpenAICompatAdapter:
                             proxy_headers=self.via.tunnel_headers())
 
     def _failed(self, exc: BaseException) -> ProviderError:
-        return self._clean(transport_error(self.provider.id, exc, connect_ms=self.provider.connect_timeout_ms,
+        return self._clean(transport_error(self.provider.id, exc, proxy=self.via.url,
+                                           connect_ms=self.provider.connect_timeout_ms,
                                            read_ms=self.provider.read_timeout_ms))
 
     async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
@@ -622,7 +623,7 @@ class OpenAICompatAdapter:
                     resp.close()
                     return 200, None, ProbeResult(Health.UNKNOWN, f"GET {path} answered more than {limit} bytes")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            failed = probe_failure(f"GET {path}", exc, self.provider.probe_timeout_ms)
+            failed = probe_failure(f"GET {path}", exc, self.provider.probe_timeout_ms, self.via.url)
             return 0, None, replace(failed, reason=self._redact(failed.reason))
         try:
             return 200, parse_json(data, self.provider.id), None
