@@ -258,6 +258,9 @@ def _command(args: argparse.Namespace) -> None:
         from iop import simulator
 
         setup_logging()
+        if (args.tls_cert is None) != (args.tls_key is None):  # (each option alone is argparse's to check)
+            print("iop simulator: error: --tls-cert and --tls-key go together: give both or neither", file=sys.stderr)
+            raise SystemExit(2)
         _serve(simulator.serve(simulator.options_from_args(args)))
     if args.command == "dev":
         from iop.dev import run_dev

@@ -34,6 +34,8 @@ from typing import Any, ClassVar
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from common.listening import cannot_listen
+
 JsonObject = dict[str, Any]
 
 OWNER = "iop-simulator"
@@ -799,8 +801,15 @@ async def start_server(opts: SimOptions) -> tuple[web.AppRunner, str]:
     try:
         if opts.tls_cert is not None:
             tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            tls.load_cert_chain(opts.tls_cert, opts.tls_key)
-        await web.TCPSite(runner, opts.host, opts.port, ssl_context=tls).start()
+            try:
+                tls.load_cert_chain(opts.tls_cert, opts.tls_key)
+            except OSError as exc:  # (ssl.SSLError is one: a key that is not the certificate's, say)
+                raise SystemExit(f"error: cannot serve https with --tls-cert {opts.tls_cert} and --tls-key "
+                                 f"{opts.tls_key}: {getattr(exc, 'reason', None) or exc.strerror or exc}") from None
+        try:
+            await web.TCPSite(runner, opts.host, opts.port, ssl_context=tls).start()
+        except OSError as exc:
+            raise cannot_listen("", opts.host, opts.port, exc) from None
     except BaseException:
         await runner.cleanup()
         raise

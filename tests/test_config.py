@@ -597,11 +597,13 @@ queue: {max_queue: 1_000, queue_timeout_ms: 0o1000}
         with pytest.raises(ConfigError) as info:
             load_config(path)
         assert f"models: Input should be a valid list, got '{value}'" in info.value.errors, info.value.errors
-    path.write_text("models: !!float abc\n")  # (what YAML's own tags make, they make or say why not)
-    with pytest.raises(ConfigError) as info:
-        load_config(path)
-    assert info.value.errors == [f"{path}: not valid YAML: a value cannot be read (could not convert string to "
-                                 "float: 'abc')"]
+    for tagged, said in (("!!float abc", "ValueError: could not convert string to float: 'abc'"),
+                         ("!!bool maybe", "KeyError: 'maybe'"),
+                         ('!!timestamp "soon"', "AttributeError: 'NoneType' object has no attribute 'groupdict'")):
+        path.write_text(f"models: {tagged}\n")  # (what YAML's own tags make, they make or say why not)
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert info.value.errors == [f"{path}: not valid YAML: a value its tag cannot make ({said})"]
     path.write_text(text)
     path.write_text(path.read_text().replace("capacity: 010", "capacity: 1:30").replace("id: m2", "id: true"))
     with pytest.raises(ConfigError) as info:

@@ -12,6 +12,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -515,3 +516,27 @@ async def test_the_api_is_also_served_under_api_v1_like_lemonade(sim: Sim) -> No
     for path in ("/api/v1/models", "/api/v1/health", "/v1/health"):
         async with sim.http.get(sim.url + path) as resp:
             assert resp.status == 200, path
+
+
+def test_options_that_cannot_serve_say_so_in_one_line(tmp_path: Path) -> None:
+    """Found by a review: a TLS option given alone, a certificate that cannot be read, and a port in use
+    each ended the simulator with a traceback."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def run(*args: str) -> tuple[int, list[str]]:
+        done = subprocess.run([sys.executable, "-m", "iop", "simulator", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+        return done.returncode, done.stderr.strip().splitlines()
+
+    assert run("--tls-cert", str(tmp_path / "x.crt")) == (
+        2, ["iop simulator: error: --tls-cert and --tls-key go together: give both or neither"])
+    missing = str(tmp_path / "x.crt")
+    assert run("--tls-cert", missing, "--tls-key", missing) == (
+        1, [f"error: cannot serve https with --tls-cert {missing} and --tls-key {missing}: No such file or directory"])
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert run("--port", str(port)) == (1, [f"error: cannot listen on 127.0.0.1:{port}: Address already in use"])
