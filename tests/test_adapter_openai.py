@@ -609,3 +609,23 @@ async def test_a_llamacpp_stream_ended_before_any_event_gets_the_servers_refusal
     with pytest.raises(ProviderError, match="the stream ended before any event"):  # (not llama.cpp: not asked)
         await _drain(OpenAICompatAdapter(provider("vllm", fake.url), session).stream(RunKind.CHAT, body, "run_v"))
     assert len(fake.requests) == asked_before + 1
+
+
+async def test_a_key_with_a_line_end_from_an_env_file_is_sent_without_it_and_said_at_start(
+        fake: Fake, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: `KEY\\r` (a Windows env file) made every request fail in aiohttp ('the probe
+    failed in the worker (ValueError)'), and nothing said why."""
+    from workers.service import key_warnings
+
+    monkeypatch.setenv("IOP_TEST_API_KEY", KEY + "\r")
+    config = provider("openai_api", fake.url, api_key_env="IOP_TEST_API_KEY")
+    fake.body["/v1/models"] = {"object": "list", "data": [{"id": SERVED, "object": "model"}]}
+    probe = await OpenAICompatAdapter(config, session).probe()
+    assert probe.health is Health.AVAILABLE, probe.reason
+    assert fake.requests[-1][1]["Authorization"] == f"Bearer {KEY}"
+    missing = provider("openai_api", fake.url, api_key_env="IOP_TEST_UNSET_KEY").model_copy(update={"id": "b"})
+    assert key_warnings([config, missing], {"IOP_TEST_API_KEY": KEY + "\r"}) == [
+        "provider openai_api-a: its api_key_env IOP_TEST_API_KEY holds a key with whitespace at its start or end (a "
+        "line end of the file it came from?); it is sent without it",
+        "provider b: its api_key_env IOP_TEST_UNSET_KEY is not set in this worker's environment; its requests go "
+        "without an API key"]

@@ -70,11 +70,21 @@ def proxies(providers: Iterable[ProviderConfig], environ: Mapping[str, str]) -> 
     return out
 
 
-def unset_keys(providers: Iterable[ProviderConfig], environ: Mapping[str, str]) -> list[str]:
+def key_warnings(providers: Iterable[ProviderConfig], environ: Mapping[str, str]) -> list[str]:
     """A warning for each provider whose `api_key_env` names a variable `environ` lacks or holds
-    empty: the worker sends its requests without a key (a hosted API will refuse them)."""
-    return [f"provider {p.id}: its api_key_env {p.api_key_env} is not set in this worker's environment; its "
-            "requests go without an API key" for p in providers if p.api_key_env and not environ.get(p.api_key_env)]
+    empty (the worker sends its requests without a key: a hosted API will refuse them), or holds a
+    key with whitespace at its start or end (a Windows line end of an env file: sent without it, as
+    a header could not carry it)."""
+    warnings = []
+    for p in providers:
+        value = environ.get(p.api_key_env) if p.api_key_env else None
+        if p.api_key_env and not (value or "").strip():
+            warnings.append(f"provider {p.id}: its api_key_env {p.api_key_env} is not set in this worker's "
+                            "environment; its requests go without an API key")
+        elif value is not None and value != value.strip():
+            warnings.append(f"provider {p.id}: its api_key_env {p.api_key_env} holds a key with whitespace at its "
+                            "start or end (a line end of the file it came from?); it is sent without it")
+    return warnings
 
 
 async def run_job(ctx: dict[str, Any], run_id: str) -> str:
@@ -138,7 +148,7 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
     via = proxies(node.providers, os.environ)
 
     async def startup(ctx: dict[str, Any]) -> None:
-        for warning in unset_keys(node.providers, os.environ):
+        for warning in key_warnings(node.providers, os.environ):
             log.warning("%s", warning)
         for pid, proxy in via.items():
             log.info("provider %s: requests go through the proxy %s (%s)", pid, proxy.url, proxy.variable)

@@ -366,7 +366,7 @@ class OpenAICompatAdapter:
     def _key(self) -> str | None:
         if not self.provider.api_key_env:
             return None
-        return os.environ.get(self.provider.api_key_env) or None
+        return os.environ.get(self.provider.api_key_env, "").strip() or None  # (a line end from an env file)
 
     def _headers(self, run_id: str | None) -> dict[str, str]:
         """The config's `headers`, the run's request id, and the key: `Authorization: Bearer <key>`,
