@@ -168,8 +168,12 @@ class _Link:
                     reply = exc.with_traceback(None)  # (this frame's: nothing to show its caller)
                 future = self.waiting.popleft()
                 self.deadlines.popleft()
-                if self.deadlines and self.deadlines[0] < self.timer_at:  # (a blocking read answered early)
-                    self._arm(self.deadlines[0])
+                if self.deadlines:
+                    # the next command could not be answered before this one: its reply timeout counts
+                    # from now at the earliest (a command behind a blocking read, or behind a slow script)
+                    self.deadlines[0] = max(self.deadlines[0], loop.time() + self.reply_timeout_s)
+                    if self.deadlines[0] < self.timer_at:  # (the timer was the one just answered's: later)
+                        self._arm(self.deadlines[0])
                 if future.done():  # its caller left
                     continue
                 if isinstance(reply, ResponseError):

@@ -93,6 +93,10 @@ class TakeBack:
             except (*REDIS_UNUSABLE, RedisError) as exc:  # (any refusal: a MISCONF Redis refuses even PING)
                 error = exc
                 continue
+            except Exception as exc:  # (not Redis's: said, and the cancels kept for the next try all the same)
+                log.exception("sending kept cancels failed; trying again")
+                error = exc
+                continue
             sent = 0
             for (run_id, _), answer in zip(batch, answers, strict=True):
                 if isinstance(answer, Exception):

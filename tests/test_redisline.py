@@ -210,6 +210,19 @@ async def test_a_command_after_a_blocking_read_answered_early_has_its_own_deadli
         await r.aclose()
 
 
+async def test_a_command_behind_a_read_that_blocks_past_the_reply_timeout_is_not_failed(redis_url: str) -> None:
+    """Its reply could not come before the read's: its reply timeout counts from the read's reply."""
+    r = connect(redis_url + "?socket_timeout=0.2")
+    reads = new_line_of(r, "reads")
+    assert reads is not None
+    try:
+        read = asyncio.ensure_future(reads.execute("BLPOP", "never", "0.6", block_s=0.6))  # (nil after 0.6 s)
+        ping = asyncio.ensure_future(reads.execute("PING"))  # (behind it on the same connection)
+        assert await read is None and await ping == b"PONG"
+    finally:
+        await r.aclose()
+
+
 async def test_a_command_that_timed_out_is_not_sent_again() -> None:
     """It may have run (an INCR must not count twice); a lost connection is still retried."""
     retry = client_options()["retry"]
