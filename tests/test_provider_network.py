@@ -175,6 +175,7 @@ def test_the_proxy_s_credentials_go_to_the_proxy_only() -> None:
     first, second = tunnelled.tunnel_headers(), tunnelled.tunnel_headers()
     assert first == {"Proxy-Authorization": "Basic b3BzOnMzY3JldA=="} and first is not second
     assert direct.headers(asked) is asked and direct.tunnel_headers() is None and direct.url is None
+    assert plain.secrets == ["b3BzOnMzY3JldA==", "s3cret"] and direct.secrets == []  # (redacted from errors)
     assert asked == {"Authorization": "Bearer k"}
 
 
@@ -257,3 +258,33 @@ async def test_a_fault_of_the_proxy_is_said_to_be_the_proxy_s(proxy_407: str, se
         await plain.complete(RunKind.CHAT, CHAT, "run_2")
     assert err.value.message.startswith("provider far answered 407") and err.value.message.endswith(WANTS)
     assert (await plain.probe()).reason == f"GET /v1/models answered 407{WANTS}"
+
+
+
+async def test_a_proxy_that_echoes_its_credentials_in_an_error_has_them_redacted(
+        session: aiohttp.ClientSession) -> None:
+    """A proxy's error page may show the request it refused, `Proxy-Authorization` and all."""
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        said = head.replace("\r\n", " ").replace('"', "'") + " user ops password s3cret"
+        body = ('{"error": {"message": "bad gateway: ' + said + '"}}').encode()
+        writer.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    try:
+        proxy = proxy_for("http://gpu.example:8000/v1", {
+            "HTTP_PROXY": f"http://ops:s3cret@127.0.0.1:{server.sockets[0].getsockname()[1]}"})
+        assert proxy is not None
+        provider = ProviderConfig.model_validate({"id": "far", "type": "vllm", "base_url": "http://gpu.example:8000",
+                                                  "capacity": 1, "models": ["m"]})
+        adapter = OpenAICompatAdapter(provider, session, proxy=proxy)
+        with pytest.raises(ProviderError) as err:
+            await adapter.complete(RunKind.CHAT, CHAT, "run_1")
+        assert "answered 502" in err.value.message and "Proxy-Authorization" in err.value.message, err.value.message
+        assert "s3cret" not in err.value.message and "b3BzOnMzY3JldA==" not in err.value.message, err.value.message
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -384,7 +384,7 @@ class OpenAICompatAdapter:
 
     def _secrets(self) -> list[str]:
         """What no error text may show: the API key, and credentials in `base_url`."""
-        return [k for k in (self._key(),) if k] + url_secrets(self.provider.base_url)
+        return [k for k in (self._key(),) if k] + url_secrets(self.provider.base_url) + self.via.secrets
 
     def _redact(self, text: str) -> str:
         return redact(text, self._secrets())

@@ -141,12 +141,19 @@ class Via:
     goes to the proxy as it is), in the tunnel's CONNECT when at https:// (in the request they
     would reach the provider, through the tunnel)."""
 
-    __slots__ = ("url", "_authorization", "_https")
+    __slots__ = ("url", "_authorization", "_https", "secrets")
 
     def __init__(self, proxy: Proxy | None, https: bool) -> None:
         self.url = proxy.url if proxy else None
         self._authorization = proxy.authorization if proxy else None
         self._https = https
+        #: what no error text may show: the credentials, encoded and the password itself (a proxy's
+        #: error page may echo them)
+        self.secrets: list[str] = []
+        if self._authorization:
+            token = self._authorization.removeprefix("Basic ")
+            password = base64.b64decode(token).decode(errors="replace").partition(":")[2]
+            self.secrets = [token] + ([password] if password else [])
 
     def headers(self, headers: dict[str, str]) -> dict[str, str]:
         """A request's headers, with the proxy's credentials when they go in them."""
