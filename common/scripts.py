@@ -776,6 +776,8 @@ if state ~= 'queued' then
     redis.call('HSET', KEYS[2], 'model', ARGV[10], 'state', ARGV[3], 'created_ms', now, 'finished_ms', now,
       'error_code', ARGV[6], 'error_message', ARGV[7])
     redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
+    add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', ARGV[4], false)  -- (as any run ended so: the runs API replays it)
+    redis.call('EXPIRE', KEYS[3], tonumber(ARGV[5]))
   end
   return state or 'missing'
 end

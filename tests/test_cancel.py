@@ -311,4 +311,6 @@ async def test_a_take_back_that_reaches_redis_before_its_queueing_leaves_nothing
     assert await redis.hmget(keys.run_record(run_id), "state", "error_code", "error_message", "model") == [
         b"cancelled", b"cancelled", UNANSWERED.encode(), MODEL.encode()]
     assert 0 < await redis.ttl(keys.run_record(run_id)) <= config.runtime.run_ttl_s
+    [(_, event)] = await redis.xrange(keys.run_events(run_id))  # (its end, as any run's: the runs API replays it)
+    assert event[b"type"] == b"failed" and 0 < await redis.ttl(keys.run_events(run_id))
     await client.close()
