@@ -251,23 +251,35 @@ class Line:
     async def execute(self, *args: Any, block_s: float = 0.0) -> Any:
         """One command's reply; its error reply raised as redis-py raises it. `block_s`: how long
         the command itself may wait in Redis (a blocking read's timeout), before the reply timeout
-        (`reply_timeout_s`) counts."""
-        if self.retry is None:
-            return await self._once(args, block_s)
-        return await self.retry.call_with_retry(lambda: self._once(args, block_s), self._failed)
+        (`reply_timeout_s`) counts. A lost connection's ConnectionError says whether the command
+        may have reached Redis (`may_have_run`)."""
+        sent = [False]
+        try:
+            if self.retry is None:
+                return await self._once(args, block_s, sent)
+            return await self.retry.call_with_retry(lambda: self._once(args, block_s, sent), self._failed)
+        except RedisConnectionError as exc:
+            exc.iop_sent = sent[0]
+            raise
 
     async def execute_many(self, commands: Sequence[Sequence[Any]], block_s: float = 0.0) -> list[Any]:
         """Several commands sent together, in order: each one's reply, or its error reply as the
         exception (as a pipeline answers with `raise_on_error=False`). A lost connection fails
         (and retries) them all. `block_s`: as for `execute`, for the longest of them."""
-        if self.retry is None:
-            return await self._many(commands, block_s)
-        return list(await self.retry.call_with_retry(lambda: self._many(commands, block_s), self._failed))
+        sent = [False]
+        try:
+            if self.retry is None:
+                return await self._many(commands, block_s, sent)
+            return list(await self.retry.call_with_retry(lambda: self._many(commands, block_s, sent), self._failed))
+        except RedisConnectionError as exc:
+            exc.iop_sent = sent[0]
+            raise
 
-    async def _once(self, args: Sequence[Any], block_s: float) -> Any:
+    async def _once(self, args: Sequence[Any], block_s: float, sent: list[bool]) -> Any:
         packed = pack_command(args)
         link = await self._ready()
         future = link.send(packed, block_s)
+        sent[0] = True
         try:
             return await future
         except asyncio.CancelledError:
@@ -277,10 +289,11 @@ class Line:
                 self._abandon(link)
             raise
 
-    async def _many(self, commands: Sequence[Sequence[Any]], block_s: float) -> list[Any]:
+    async def _many(self, commands: Sequence[Sequence[Any]], block_s: float, sent: list[bool]) -> list[Any]:
         packed = [pack_command(args) for args in commands]  # (all or none: a DataError sends nothing)
         link = await self._ready()
         futures = [link.send(p, block_s) for p in packed]
+        sent[0] = True
         replies: list[Any] = []
         try:
             for future in futures:
@@ -402,6 +415,16 @@ def new_line_of(redis: Any, role: str) -> Line | None:
 
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+def may_have_run(exc: BaseException) -> bool:
+    """Whether a command that failed with `exc` may have run in Redis, or may still run there: its
+    reply timed out (a paused Redis runs what it had received when it resumes), or its connection
+    broke once it had been sent (on any of its tries). A connection that could not be made sent
+    nothing. (A ConnectionError from elsewhere than a `Line` says nothing: it may have.)"""
+    if isinstance(exc, RedisTimeoutError):
+        return True
+    return isinstance(exc, RedisConnectionError) and bool(getattr(exc, "iop_sent", True))
 
 
 def stream_reply(reply: Any) -> list[tuple[bytes, StreamEntries]]:

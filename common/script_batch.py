@@ -14,21 +14,21 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
+from common.redisline import may_have_run
 from common.scripts import Scripts
 
 Call = tuple[Sequence[str], Sequence[Any], "asyncio.Future[Any]"]
 
 
 def _after_leaving(if_left: Callable[[Any], None], future: asyncio.Future[Any]) -> None:
-    """The answer of a call whose caller left, to `if_left`: None when Redis did not answer."""
+    """The answer of a call whose caller left, to `if_left`: None when it may have run but no answer
+    came (`may_have_run`)."""
     if future.cancelled():
         return
     error = future.exception()
     if error is None:
         if_left(future.result())
-    elif isinstance(error, RedisTimeoutError):
+    elif may_have_run(error):  # (Redis did not answer, or the connection broke once the call was sent)
         if_left(None)
 
 

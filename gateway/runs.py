@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -19,6 +20,7 @@ from common.auth import ANYONE, Principal
 from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
 from common.redisconn import REDIS_UNUSABLE, now_ms
+from common.redisline import may_have_run
 from common.runlog import run_fields
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
@@ -116,10 +118,12 @@ class RunClient:
                  policy.max_attempts, self.hub.gateway_id + keys.OUTPUT_ONLY],  # its caller wants output and end
                 if_left,
             )
-        except RedisTimeoutError:
-            # Redis did not answer: its caller hears 503 and sends the request again, but a Redis that
-            # was paused runs what it had received when it resumes, this run's queueing too.
-            self._cancel_later(run_id, model.id, UNANSWERED)
+        except (RedisTimeoutError, RedisConnectionError) as exc:
+            # Redis did not answer, or the connection broke once the queueing was sent: its caller
+            # hears 503 and sends the request again, but a Redis that was paused runs what it had
+            # received when it resumes, and one that went down may have run it first (kept, with AOF).
+            if may_have_run(exc):
+                self._cancel_later(run_id, model.id, UNANSWERED)
             raise
         status = result[0].decode()
         if status == "ok":

@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from typing import Any
 
 import pytest
 import redis as sync_redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from common import keys
 from common.redisconn import connect
+from common.redisline import may_have_run
 from gateway import take_back
 from gateway.runs import LEFT, RunClient
 from iop.embedded_redis import RedisServer, free_port
 from tests.conftest import async_wait_until, paused
-from tests.test_scheduler import MODEL, beat, make_config, submit
+from tests.test_scheduler import MODEL, beat, make_config, request, submit
 
 
 def _evalsha_calls(url: str) -> int:
@@ -121,3 +124,36 @@ async def test_no_take_back_starts_once_the_gateway_s_client_is_closed(caplog: p
     assert client.take_back.task is None and not client.take_back
     assert [r.getMessage() for r in caplog.records][-1] == "could not cancel: the gateway stops"
     await client.redis.aclose()
+
+
+async def test_a_queueing_whose_connection_broke_once_sent_is_taken_back_one_never_sent_is_not(
+        own_redis: RedisServer) -> None:
+    """A Redis that went down with the queueing in hand may have run it (kept with AOF): the run
+    would go on for a caller who heard 503. One that refused the connection got nothing."""
+    config = make_config({"a": 1})
+    model = config.model(MODEL)
+    assert model is not None
+    refused = RunClient(connect(f"redis://127.0.0.1:{free_port()}/0"), config)
+    with pytest.raises(RedisConnectionError) as err:
+        await refused.submit(model, request(), run_id="run_never_sent")
+    assert not may_have_run(err.value) and not refused.take_back
+    await refused.close()
+    await refused.redis.aclose()
+
+    client = RunClient(connect(own_redis.url + "?socket_timeout=30"), config)
+    try:
+        await beat(client.redis, config)
+        assert own_redis.proc is not None
+        own_redis.proc.send_signal(signal.SIGSTOP)  # (it takes the queueing in, and runs nothing yet)
+        submitting = asyncio.ensure_future(client.submit(model, request(), run_id="run_sent"))
+        line = client.scripts.line
+        assert line is not None
+        await async_wait_until(lambda: asyncio.sleep(0, line._link is not None and bool(line._link.waiting)
+                                                     and not line._link.out), what="the queueing written")
+        own_redis.stop(kill=True)  # (Redis goes down with it in hand: no new connection can be made)
+        with pytest.raises(RedisConnectionError) as err:
+            await submitting
+        assert may_have_run(err.value) and list(client.take_back.kept) == ["run_sent"]
+    finally:
+        await client.close()
+        await client.redis.aclose()
