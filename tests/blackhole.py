@@ -37,7 +37,12 @@ class Blackhole:
             return len(live)
 
     def close(self) -> None:
+        """Stop relaying: the listener and every connection closed, and none accepted after."""
         self.closed = True
+        try:  # (wakes the accepting thread: a close alone leaves its accept() taking connections)
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.listener.close()
         with self.lock:
             for pair in self.pairs:
@@ -50,6 +55,9 @@ class Blackhole:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            if self.closed:
+                _close(client)
+                return
             try:
                 upstream = socket.create_connection(self.target)
             except OSError:
@@ -57,6 +65,10 @@ class Blackhole:
                 continue
             pair: dict[str, Any] = {"cut": False, "done": False, "socks": (client, upstream)}
             with self.lock:
+                if self.closed:  # (closed while this one was being made: `close` went past it)
+                    _close(client)
+                    _close(upstream)
+                    return
                 self.pairs.append(pair)
             for src, dst in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(pair, src, dst), name="blackhole-pump", daemon=True).start()
