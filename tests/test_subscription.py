@@ -13,6 +13,7 @@ from typing import Any, cast
 import pytest
 import redis as sync_redis
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys, subscription
@@ -209,6 +210,38 @@ async def test_a_subscription_redis_py_made_again_by_itself_still_catches_up(
             r.publish(channel, b"run_later")
             await async_wait_until(lambda: asyncio.sleep(0, runner.cancels[-1:] == ["run_later"]),
                                    what="heard after")
+    finally:
+        listening.cancel()
+        await asyncio.gather(listening, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_the_cancel_listener_outlives_an_error_reply(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Redis whose snapshot failed (MISCONF) answers even a subscription's PING with an error: the
+    listener's task ended with it, and the worker heard no cancel again."""
+    calls = 0
+
+    async def refusing_once(pubsub: Any) -> AsyncIterator[dict[str, Any]]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to "
+                                "persist to disk")
+        async for message in subscription.messages(pubsub):
+            yield message
+
+    monkeypatch.setattr(service, "messages", refusing_once)
+    client = connect(redis_url)
+    runner = _Runner(client)
+    listening = asyncio.ensure_future(service._listen_cancels(cast(Runner, runner), "node-a"))
+    channel = keys.node_cancel("node-a")
+    try:
+        with sync_redis.Redis.from_url(redis_url) as r:
+            await async_wait_until(lambda: asyncio.sleep(0, calls == 2), what="subscribed again after the error")
+            runner.running["run_later"] = (_Attempt(), None)
+            r.publish(channel, b"run_later")
+            await async_wait_until(lambda: asyncio.sleep(0, runner.cancels == ["run_later"]), what="heard after it")
+        assert not listening.done()
     finally:
         listening.cancel()
         await asyncio.gather(listening, return_exceptions=True)

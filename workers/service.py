@@ -11,6 +11,7 @@ from typing import Any, cast
 import aiohttp
 from arq.constants import in_progress_key_prefix
 from arq.worker import func
+from redis.exceptions import RedisError
 
 from common import keys
 from common.codec import pack, unpack
@@ -103,7 +104,7 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
                 await _cancel(runner, run_id)
             async for msg in messages(pubsub):  # (a dead subscription raises: subscribed again)
                 await _cancel(runner, msg["data"].decode())
-        except REDIS_UNUSABLE as exc:
+        except (*REDIS_UNUSABLE, RedisError) as exc:  # (any refusal too: a MISCONF Redis refuses even PING)
             log.warning("cancel listener: Redis unavailable (%s); subscribing again", exc)
             await backoff.pause()
         finally:
