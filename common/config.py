@@ -26,11 +26,11 @@ from common.legacy import migrate as migrate_legacy
 # Per-type defaults live in `common.provider_types`; re-exported here for callers of the config.
 from common.provider_types import CATEGORIES as CATEGORIES
 from common.provider_types import DEFAULT_CATEGORY as DEFAULT_CATEGORY
-from common.provider_types import OPENAI_FAMILY, default_lifecycle
 from common.provider_types import PROVIDER_TYPES as PROVIDER_TYPES
 from common.provider_types import Category as Category
 from common.provider_types import LifecycleFlag as LifecycleFlag
 from common.provider_types import ProviderType as ProviderType
+from common.provider_types import default_lifecycle
 from common.strict import Strict
 
 #: An id is a non-empty string without whitespace (it becomes part of Redis keys).
@@ -587,9 +587,8 @@ def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
     if p.get("type") == "cli" and not p.get("command"):
         errors.append(f"{path}.command: required for type cli (the argv to run)")
     for field in ("headers", "api_key_header"):
-        if p.get(field) is not None and p.get("type") in PROVIDER_TYPES and p.get("type") not in OPENAI_FAMILY:
-            errors.append(f"{path}.{field}: only for the OpenAI family ({', '.join(sorted(OPENAI_FAMILY))}), "
-                          f"not type {p.get('type')}")
+        if p.get(field) is not None and p.get("type") == "cli":
+            errors.append(f"{path}.{field}: only for a provider served over HTTP, not type cli")
     if p.get("api_key_header") is not None and not p.get("api_key_env"):
         errors.append(f"{path}.api_key_header: names the header of the key in api_key_env, which is not given")
     key_header = p.get("api_key_header")

@@ -410,3 +410,16 @@ def test_a_developer_message_goes_as_system() -> None:
     body["messages"].append({"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't"}]})
     _, native = wire.request(RunKind.CHAT, body, stream=False)
     assert native["messages"][-1] == {"role": "assistant", "content": "I can't"}
+
+
+async def test_a_key_and_the_config_s_headers_go_with_runs_and_probes(
+        fake: FakeOllama, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ollama.com's API takes a bearer key, and so does an Ollama behind a proxy that wants one: the
+    key (`api_key_env`) was not sent, and every run got the 401."""
+    monkeypatch.setenv("IOP_TEST_OLLAMA_KEY", "ok-secret-key")
+    adapter = OllamaAdapter(provider(fake.url, api_key_env="IOP_TEST_OLLAMA_KEY"), session)
+    assert (await adapter.probe()).health is Health.AVAILABLE
+    await adapter.complete(RunKind.CHAT, {"model": SERVED, "messages": [{"role": "user", "content": "hi"}]}, "r1")
+    assert fake.state.tags_authorizations[-1] == "Bearer ok-secret-key"
+    assert fake.state.records[-1]["authorization"] == "Bearer ok-secret-key"
+    assert adapter.credentials.secrets() == ["ok-secret-key"]  # (what no error text shows, as for the OpenAI family)

@@ -651,10 +651,8 @@ def test_a_provider_s_headers_and_key_header() -> None:
     cli = good()
     cli["nodes"][1]["providers"][1].update(headers={"X-Title": "iop"}, api_key_header="k", api_key_env="K")
     assert config_errors(cli) == [
-        "nodes[1].providers[1].headers: only for the OpenAI family (lemonade, llamacpp, openai_api, sglang, vllm), "
-        "not type cli",
-        "nodes[1].providers[1].api_key_header: only for the OpenAI family (lemonade, llamacpp, openai_api, sglang, "
-        "vllm), not type cli"]
+        "nodes[1].providers[1].headers: only for a provider served over HTTP, not type cli",
+        "nodes[1].providers[1].api_key_header: only for a provider served over HTTP, not type cli"]
 
 
 def test_a_provider_id_with_a_comma_is_refused_in_words() -> None:

@@ -42,6 +42,8 @@ class FakeState:
     #: hold every run before its first token until `release()`
     hold: bool = False
     records: list[Json] = field(default_factory=list)
+    #: the `Authorization` of each /api/tags request (a server behind a proxy that wants a token)
+    tags_authorizations: list[str | None] = field(default_factory=list)
     released: asyncio.Event = field(default_factory=asyncio.Event)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -68,7 +70,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     chat = request.path == "/api/chat"
     record: Json = {"path": request.path, "model": body.get("model"), "stream": body.get("stream", True),
                     "body": body, "disconnected": False, "completed": False, "held": False,
-                    "request_id": request.headers.get("X-Request-Id")}
+                    "request_id": request.headers.get("X-Request-Id"),
+                    "authorization": request.headers.get("Authorization")}
     state.records.append(record)
     if body.get("model") not in state.models:
         return web.json_response({"error": f"model '{body.get('model')}' not found"}, status=404)
@@ -161,6 +164,7 @@ async def _embed(request: web.Request) -> web.Response:
 
 async def _tags(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    state.tags_authorizations.append(request.headers.get("Authorization"))
     if state.tags_status != 200:
         return web.json_response({"error": "not now"}, status=state.tags_status)
     return web.json_response({"models": [{"name": m, "model": m, "size": 1} for m in state.models]})

@@ -17,10 +17,11 @@ from common.choices import inputs
 from common.chunks import wants_usage
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import RunKind, upstream_request_id
+from common.wire import RunKind
 from workers.adapters import ollama_wire as wire
 from workers.adapters import sending
 from workers.adapters.base import DEFAULT_LIMITS, LastRead, ProbeResult, ProviderError, ReadLimits, Retry, not_taken
+from workers.adapters.credentials import Credentials
 from workers.adapters.embeddings import embeddings_problem
 from workers.adapters.failures import (
     answered_error,
@@ -30,7 +31,6 @@ from workers.adapters.failures import (
     redact,
     redacted,
     transport_error,
-    url_secrets,
 )
 from workers.adapters.openai_shapes import Shaper
 from workers.adapters.proxies import Proxy, Via
@@ -125,6 +125,7 @@ class OllamaAdapter:
         self.session = session
         self.limits = limits
         self.via = Via(proxy, provider.base_url.lower().startswith("https:"))
+        self.credentials = Credentials(provider, self.via)
         self.root = server_root(provider.base_url)
         self.timeout = aiohttp.ClientTimeout(
             total=None,
@@ -165,8 +166,7 @@ class OllamaAdapter:
 
     def _post(self, path: str, native: Json, request_id: str) -> Any:
         return sending.post(self.session, self.root + path, data=jsonio.dumps(native),
-                            headers=self.via.headers({"X-Request-Id": upstream_request_id(request_id),
-                                                      "Content-Type": "application/json"}),
+                            headers={**self.credentials.headers(request_id), "Content-Type": "application/json"},
                             timeout=self.timeout, allow_redirects=False, proxy=self.via.url,
                             proxy_headers=self.via.tunnel_headers())
 
@@ -200,7 +200,7 @@ class OllamaAdapter:
                     raise ProviderError(f"provider {self.provider.id} answered before it was done", strikes=0,
                                         retry=Retry.ELSEWHERE)
         except ProviderError as exc:
-            raise redacted(exc, url_secrets(self.provider.base_url)) from None
+            raise redacted(exc, self.credentials.secrets()) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
         shaper = Shaper(kind, request_id, body["model"])
@@ -257,7 +257,7 @@ class OllamaAdapter:
                             resp.close()
                         break
         except ProviderError as exc:
-            raise redacted(exc, url_secrets(self.provider.base_url)) from None
+            raise redacted(exc, self.credentials.secrets()) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
         if not done:
@@ -269,14 +269,14 @@ class OllamaAdapter:
         timeout = aiohttp.ClientTimeout(total=self.provider.probe_timeout_ms / 1000)
         limit = self.limits.probe_limit
         try:
-            async with self.session.get(self.root + "/api/tags", headers=self.via.headers({}), timeout=timeout,
-                                        allow_redirects=False, proxy=self.via.url,
+            async with self.session.get(self.root + "/api/tags", headers=self.credentials.headers(None),
+                                        timeout=timeout, allow_redirects=False, proxy=self.via.url,
                                         proxy_headers=self.via.tunnel_headers()) as resp:
                 if is_redirect(resp.status):
-                    return redirect_probe("/api/tags", resp, url_secrets(self.provider.base_url))
+                    return redirect_probe("/api/tags", resp, self.credentials.secrets())
                 if resp.status != 200:
                     return probe_answered("GET /api/tags", resp.status,
-                                          redact(await probe_said(resp), url_secrets(self.provider.base_url)))
+                                          redact(await probe_said(resp), self.credentials.secrets()))
                 data = await read_at_most(resp, limit)
                 if data is None:
                     resp.close()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
-import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from typing import Any
@@ -36,9 +35,10 @@ from common.choices import inputs
 from common.chunks import choice_marks, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import ErrorCode, RunKind, upstream_request_id
+from common.wire import ErrorCode, RunKind
 from workers.adapters import sending
 from workers.adapters.base import DEFAULT_LIMITS, LastRead, ProbeResult, ProviderError, ReadLimits, Retry
+from workers.adapters.credentials import Credentials
 from workers.adapters.embeddings import embeddings_problem, in_base64
 from workers.adapters.failures import (
     answered_error,
@@ -48,7 +48,6 @@ from workers.adapters.failures import (
     redact,
     redacted,
     transport_error,
-    url_secrets,
 )
 from workers.adapters.proxies import Proxy, Via
 from workers.adapters.reading import (
@@ -354,6 +353,7 @@ class OpenAICompatAdapter:
         self.session = session
         self.limits = limits
         self.via = Via(proxy, provider.base_url.lower().startswith("https:"))
+        self.credentials = Credentials(provider, self.via)
         self.root = api_root(provider.base_url, provider.type, provider.api_path)
         #: None once the server showed it has no health endpoint (the model list decides)
         self.health_url = health_url(provider)
@@ -363,28 +363,8 @@ class OpenAICompatAdapter:
             sock_read=provider.read_timeout_ms / 1000,
         )
 
-    def _key(self) -> str | None:
-        if not self.provider.api_key_env:
-            return None
-        return os.environ.get(self.provider.api_key_env, "").strip() or None  # (a line end from an env file)
-
-    def _headers(self, run_id: str | None) -> dict[str, str]:
-        """The config's `headers`, the run's request id, and the key: `Authorization: Bearer <key>`,
-        or the key as it is in `api_key_header` (Azure's `api-key`)."""
-        headers = dict(self.provider.headers) if self.provider.headers else {}
-        if run_id:
-            headers["X-Request-Id"] = upstream_request_id(run_id)
-        key = self._key()
-        if key:
-            if self.provider.api_key_header:
-                headers[self.provider.api_key_header] = key
-            else:
-                headers["Authorization"] = f"Bearer {key}"
-        return headers
-
     def _secrets(self) -> list[str]:
-        """What no error text may show: the API key, and credentials in `base_url`."""
-        return [k for k in (self._key(),) if k] + url_secrets(self.provider.base_url) + self.via.secrets
+        return self.credentials.secrets()
 
     def _redact(self, text: str) -> str:
         return redact(text, self._secrets())
@@ -422,7 +402,7 @@ class OpenAICompatAdapter:
         if self.provider.type == "llamacpp":
             body = for_llamacpp(body)
         return sending.post(self.session, self.root + PATHS[kind], data=jsonio.dumps(body),
-                            headers=self.via.headers({**self._headers(run_id), "Content-Type": "application/json"}),
+                            headers={**self.credentials.headers(run_id), "Content-Type": "application/json"},
                             timeout=self.timeout, allow_redirects=False, proxy=self.via.url,
                             proxy_headers=self.via.tunnel_headers())
 
@@ -611,7 +591,7 @@ class OpenAICompatAdapter:
         path = urlsplit(url).path
         limit = self.limits.probe_limit
         try:
-            async with self.session.get(url, headers=self.via.headers(self._headers(None)), timeout=timeout,
+            async with self.session.get(url, headers=self.credentials.headers(None), timeout=timeout,
                                         allow_redirects=False, proxy=self.via.url,
                                         proxy_headers=self.via.tunnel_headers()) as resp:
                 if is_redirect(resp.status):

@@ -1,0 +1,47 @@
+"""What a provider's HTTP requests carry besides their body, and what no error text may show: the
+config's `headers`, the run's request id, the key from `api_key_env` (`Authorization: Bearer <key>`,
+or the key as it is in `api_key_header`: Azure's `api-key`), and the proxy's credentials (`Via`).
+Shared by the OpenAI family's adapter and Ollama's (ollama.com's API, or a server behind a proxy
+that asks for a bearer token)."""
+
+from __future__ import annotations
+
+import os
+
+from common.config import ProviderConfig
+from common.wire import upstream_request_id
+from workers.adapters.failures import url_secrets
+from workers.adapters.proxies import Via
+
+
+class Credentials:
+    __slots__ = ("provider", "via")
+
+    def __init__(self, provider: ProviderConfig, via: Via) -> None:
+        self.provider = provider
+        self.via = via
+
+    def key(self) -> str | None:
+        """The key, read from the environment at each request (whitespace at its ends, a line end
+        of an env file, left out: no header could carry it)."""
+        if not self.provider.api_key_env:
+            return None
+        return os.environ.get(self.provider.api_key_env, "").strip() or None
+
+    def headers(self, run_id: str | None) -> dict[str, str]:
+        """The config's `headers`, the run's request id (none for a probe), and the key."""
+        headers = dict(self.provider.headers) if self.provider.headers else {}
+        if run_id:
+            headers["X-Request-Id"] = upstream_request_id(run_id)
+        key = self.key()
+        if key:
+            if self.provider.api_key_header:
+                headers[self.provider.api_key_header] = key
+            else:
+                headers["Authorization"] = f"Bearer {key}"
+        return self.via.headers(headers)
+
+    def secrets(self) -> list[str]:
+        """What no error text may show: the key, credentials in `base_url`, the proxy's."""
+        key = self.key()
+        return ([key] if key else []) + url_secrets(self.provider.base_url) + self.via.secrets
