@@ -8,6 +8,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any, cast
 
 import pytest
@@ -127,18 +128,32 @@ class _Runner:
         return True
 
 
+@asynccontextmanager
+async def listening(runner: _Runner) -> AsyncIterator[tuple[str, asyncio.Future[None]]]:
+    """The worker's cancel listener of node-a, on `runner`, for the block: (its channel, its task)."""
+    task = asyncio.ensure_future(service._listen_cancels(cast(Runner, runner), "node-a"))
+    try:
+        yield keys.node_cancel("node-a"), task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def heard(runner: _Runner, *run_ids: str) -> None:
+    await async_wait_until(lambda: asyncio.sleep(0, runner.cancels[-len(run_ids):] == list(run_ids)),
+                           what=f"cancels of {run_ids} heard")
+
+
 async def test_the_cancel_listener_subscribes_again_and_cancels_what_it_did_not_hear(
         redis_url: str, hole: Blackhole, via_hole: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(subscription, "QUIET_S", 0.05)
     runner = _Runner(via_hole)
-    listening = asyncio.ensure_future(service._listen_cancels(cast(Runner, runner), "node-a"))
-    channel = keys.node_cancel("node-a")
-    try:
-        with sync_redis.Redis.from_url(redis_url) as r:
+    with sync_redis.Redis.from_url(redis_url) as r:
+        async with listening(runner) as (channel, _):
             await _subscribed(r, channel, 1)
             runner.running["run_heard"] = (_Attempt(), None)
             r.publish(channel, b"run_heard")
-            await async_wait_until(lambda: asyncio.sleep(0, runner.cancels == ["run_heard"]), what="heard")
+            await heard(runner, "run_heard")
 
             hole.cut()
             runner.running["run_unheard"] = (_Attempt(), None)
@@ -146,15 +161,10 @@ async def test_the_cancel_listener_subscribes_again_and_cancels_what_it_did_not_
             assert r.publish(channel, b"run_unheard") == 1  # (to the dead subscription: lost)
             # the dead subscription is noticed, a new one made, and the run's record read
             await _subscribed(r, channel, 2)  # (the dead one still counted by Redis)
-            await async_wait_until(lambda: asyncio.sleep(0, runner.cancels == ["run_heard", "run_unheard"]),
-                                   what="the unheard cancel caught up")
+            await heard(runner, "run_heard", "run_unheard")
             runner.running["run_later"] = (_Attempt(), None)
             r.publish(channel, b"run_later")
-            await async_wait_until(lambda: asyncio.sleep(0, runner.cancels[-1:] == ["run_later"]),
-                                   what="heard on the new subscription")
-    finally:
-        listening.cancel()
-        await asyncio.gather(listening, return_exceptions=True)
+            await heard(runner, "run_later")
 
 
 async def test_every_connection_to_redis_has_short_tcp_keepalive(redis_url: str) -> None:
@@ -190,29 +200,24 @@ async def test_a_subscription_redis_py_made_again_by_itself_still_catches_up(
     caplog.set_level(logging.WARNING, "iop.worker")
     client = connect(redis_url)
     runner = _Runner(client)
-    listening = asyncio.ensure_future(service._listen_cancels(cast(Runner, runner), "node-a"))
-    channel = keys.node_cancel("node-a")
     try:
         with sync_redis.Redis.from_url(redis_url) as r:
-            await _subscribed(r, channel, 1)
-            runner.running["run_unheard"] = (_Attempt(), None)
-            # (the test's loop waits on these calls: the cancel goes out while nobody listens)
-            assert r.client_kill_filter(_type="pubsub") == 1
-            r.hset(keys.run_record("run_unheard"), "cancel", "1")
-            assert r.publish(channel, b"run_unheard") == 0
-            await async_wait_until(lambda: asyncio.sleep(0, runner.cancels == ["run_unheard"]),
-                                   what="the cancel published while it was down caught up")
-            said = [r.getMessage() for r in caplog.records]
-            assert said == ["cancel listener: Redis unavailable (the subscription's connection broke (redis-py made "
-                            "it again: what was published meanwhile is lost)); subscribing again"], said
-            runner.running["run_later"] = (_Attempt(), None)
-            await _subscribed(r, channel, 1)
-            r.publish(channel, b"run_later")
-            await async_wait_until(lambda: asyncio.sleep(0, runner.cancels[-1:] == ["run_later"]),
-                                   what="heard after")
+            async with listening(runner) as (channel, _):
+                await _subscribed(r, channel, 1)
+                runner.running["run_unheard"] = (_Attempt(), None)
+                # (the test's loop waits on these calls: the cancel goes out while nobody listens)
+                assert r.client_kill_filter(_type="pubsub") == 1
+                r.hset(keys.run_record("run_unheard"), "cancel", "1")
+                assert r.publish(channel, b"run_unheard") == 0
+                await heard(runner, "run_unheard")
+                said = [r.getMessage() for r in caplog.records]
+                assert said == ["cancel listener: Redis unavailable (the subscription's connection broke (redis-py "
+                                "made it again: what was published meanwhile is lost)); subscribing again"], said
+                runner.running["run_later"] = (_Attempt(), None)
+                await _subscribed(r, channel, 1)
+                r.publish(channel, b"run_later")
+                await heard(runner, "run_later")
     finally:
-        listening.cancel()
-        await asyncio.gather(listening, return_exceptions=True)
         await client.aclose()
 
 
@@ -233,16 +238,13 @@ async def test_the_cancel_listener_outlives_an_error_reply(redis_url: str, monke
     monkeypatch.setattr(service, "messages", refusing_once)
     client = connect(redis_url)
     runner = _Runner(client)
-    listening = asyncio.ensure_future(service._listen_cancels(cast(Runner, runner), "node-a"))
-    channel = keys.node_cancel("node-a")
     try:
         with sync_redis.Redis.from_url(redis_url) as r:
-            await async_wait_until(lambda: asyncio.sleep(0, calls == 2), what="subscribed again after the error")
-            runner.running["run_later"] = (_Attempt(), None)
-            r.publish(channel, b"run_later")
-            await async_wait_until(lambda: asyncio.sleep(0, runner.cancels == ["run_later"]), what="heard after it")
-        assert not listening.done()
+            async with listening(runner) as (channel, task):
+                await async_wait_until(lambda: asyncio.sleep(0, calls == 2), what="subscribed again after the error")
+                runner.running["run_later"] = (_Attempt(), None)
+                r.publish(channel, b"run_later")
+                await heard(runner, "run_later")
+                assert not task.done()
     finally:
-        listening.cancel()
-        await asyncio.gather(listening, return_exceptions=True)
         await client.aclose()
