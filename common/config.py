@@ -727,7 +727,7 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError([f"{path}: not valid YAML: {yaml_fault(exc)}"]) from None
     except RecursionError:  # (PyYAML reads nested collections by recursion: some hundred levels)
         raise ConfigError([f"{path}: not valid YAML: nested too deeply"]) from None
-    except (ValueError, OverflowError, KeyError, AttributeError, TypeError) as exc:
+    except (ValueError, OverflowError, LookupError, AttributeError, TypeError) as exc:
         # (a value its explicit tag cannot make: `!!float x`, `!!bool maybe`, `!!timestamp soon`)
         raise ConfigError([f"{path}: not valid YAML: a value its tag cannot make ({type(exc).__name__}: {exc})"]) \
             from None

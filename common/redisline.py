@@ -99,8 +99,8 @@ class _Link:
     """One connection and the commands in flight on it. Once broken it stays broken: the line
     makes a new one."""
 
-    __slots__ = ("conn", "reply_timeout_s", "waiting", "deadlines", "timer", "timer_at", "out", "wake", "reader",
-                 "broken")
+    __slots__ = ("conn", "reply_timeout_s", "waiting", "deadlines", "budgets", "timer", "timer_at", "out", "wake",
+                 "reader", "broken")
 
     def __init__(self, conn: AbstractConnection, reply_timeout_s: float) -> None:
         self.conn = conn
@@ -110,6 +110,8 @@ class _Link:
         self.waiting: deque[asyncio.Future[Any]] = deque()
         #: when each of them (in the same order) must have its reply, by the loop's clock
         self.deadlines: deque[float] = deque()
+        #: how long each of them may take once Redis gets to it: the reply timeout and its block time
+        self.budgets: deque[float] = deque()
         #: the one timer that checks the oldest deadline (`expire`), while commands wait, and when
         #: it fires (it may have been armed for a command answered since, whose deadline was later)
         self.timer: asyncio.TimerHandle | None = None
@@ -128,8 +130,10 @@ class _Link:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self.waiting.append(future)
-        deadline = loop.time() + self.reply_timeout_s + block_s
+        budget = self.reply_timeout_s + block_s
+        deadline = loop.time() + budget
         self.deadlines.append(deadline)
+        self.budgets.append(budget)
         if self.timer is None or (deadline < self.timer_at and len(self.deadlines) == 1):
             self._arm(deadline)
         if not self.out:
@@ -168,10 +172,11 @@ class _Link:
                     reply = exc.with_traceback(None)  # (this frame's: nothing to show its caller)
                 future = self.waiting.popleft()
                 self.deadlines.popleft()
+                self.budgets.popleft()
                 if self.deadlines:
-                    # the next command could not be answered before this one: its reply timeout counts
-                    # from now at the earliest (a command behind a blocking read, or behind a slow script)
-                    self.deadlines[0] = max(self.deadlines[0], loop.time() + self.reply_timeout_s)
+                    # the next command could not be answered before this one: its time counts from now
+                    # at the earliest (a command behind a blocking read, or behind a slow script)
+                    self.deadlines[0] = max(self.deadlines[0], loop.time() + self.budgets[0])
                     if self.deadlines[0] < self.timer_at:  # (the timer was the one just answered's: later)
                         self._arm(self.deadlines[0])
                 if future.done():  # its caller left
@@ -223,6 +228,7 @@ class _Link:
             self.timer.cancel()
             self.timer = None
         self.deadlines.clear()
+        self.budgets.clear()
         while self.waiting:
             future = self.waiting.popleft()
             if not future.done():
@@ -258,7 +264,7 @@ class Line:
             if self.retry is None:
                 return await self._once(args, block_s, sent)
             return await self.retry.call_with_retry(lambda: self._once(args, block_s, sent), self._failed)
-        except RedisConnectionError as exc:
+        except (RedisConnectionError, RedisTimeoutError) as exc:
             exc.iop_sent = sent[0]
             raise
 
@@ -271,7 +277,7 @@ class Line:
             if self.retry is None:
                 return await self._many(commands, block_s, sent)
             return list(await self.retry.call_with_retry(lambda: self._many(commands, block_s, sent), self._failed))
-        except RedisConnectionError as exc:
+        except (RedisConnectionError, RedisTimeoutError) as exc:
             exc.iop_sent = sent[0]
             raise
 
@@ -418,13 +424,11 @@ StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
 
 
 def may_have_run(exc: BaseException) -> bool:
-    """Whether a command that failed with `exc` may have run in Redis, or may still run there: its
-    reply timed out (a paused Redis runs what it had received when it resumes), or its connection
-    broke once it had been sent (on any of its tries). A connection that could not be made sent
-    nothing. (A ConnectionError from elsewhere than a `Line` says nothing: it may have.)"""
-    if isinstance(exc, RedisTimeoutError):
-        return True
-    return isinstance(exc, RedisConnectionError) and bool(getattr(exc, "iop_sent", True))
+    """Whether a command that failed with `exc` may have run in Redis, or may still run there: it
+    was sent (on any of its tries), and then its reply timed out (a paused Redis runs what it had
+    received when it resumes) or its connection broke. One whose connection could not be made, or
+    made in time, sent nothing. (An error from elsewhere than a `Line` says nothing: it may have.)"""
+    return isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and bool(getattr(exc, "iop_sent", True))
 
 
 def stream_reply(reply: Any) -> list[tuple[bytes, StreamEntries]]:

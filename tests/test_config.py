@@ -599,7 +599,8 @@ queue: {max_queue: 1_000, queue_timeout_ms: 0o1000}
         assert f"models: Input should be a valid list, got '{value}'" in info.value.errors, info.value.errors
     for tagged, said in (("!!float abc", "ValueError: could not convert string to float: 'abc'"),
                          ("!!bool maybe", "KeyError: 'maybe'"),
-                         ('!!timestamp "soon"', "AttributeError: 'NoneType' object has no attribute 'groupdict'")):
+                         ('!!timestamp "soon"', "AttributeError: 'NoneType' object has no attribute 'groupdict'"),
+                         ('!!float ""', "IndexError: string index out of range")):
         path.write_text(f"models: {tagged}\n")  # (what YAML's own tags make, they make or say why not)
         with pytest.raises(ConfigError) as info:
             load_config(path)

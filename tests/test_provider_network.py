@@ -79,13 +79,14 @@ def test_a_proxy_that_cannot_be_used_is_refused_naming_its_variable(value: str, 
     assert "Tr0ub4dor" not in str(err.value)
 
 
-@pytest.mark.parametrize("password", ["Tr0ub4dor#3", "a/b?c", "12345", "p@ss"])
+@pytest.mark.parametrize("password", ["Tr0ub4dor#3", "a/b?c", "12345", "p@ss", "x://y"])
 def test_a_password_written_without_percent_encoding_is_the_password_never_the_host_or_port(password: str) -> None:
     """Found by a review: `#`, `/` or `?` in a password split the URL there (the password then showed
     in the error), and one of digits was taken for the port (and logged as part of the proxy)."""
-    proxy = proxy_for("https://api.example.com", {"HTTPS_PROXY": f"http://ops:{password}@proxy.corp:3128"})
-    assert proxy == Proxy("http://proxy.corp:3128", "Basic " + base64.b64encode(f"ops:{password}".encode()).decode(),
-                          "HTTPS_PROXY")
+    for value in (f"http://ops:{password}@proxy.corp:3128", f"ops:{password}@proxy.corp:3128"):  # (no scheme: http)
+        proxy = proxy_for("https://api.example.com", {"HTTPS_PROXY": value})
+        assert proxy == Proxy("http://proxy.corp:3128",
+                              "Basic " + base64.b64encode(f"ops:{password}".encode()).decode(), "HTTPS_PROXY")
 
 
 @pytest.mark.parametrize(("host", "port", "no_proxy", "expected"), [

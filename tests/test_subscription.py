@@ -248,3 +248,21 @@ async def test_the_cancel_listener_outlives_an_error_reply(redis_url: str, monke
                 assert not task.done()
     finally:
         await client.aclose()
+
+
+async def test_a_stray_message_does_not_end_the_cancel_listener(redis_url: str) -> None:
+    """Found by a review: a message that is not UTF-8 on the node's cancel channel ended the
+    listener's task, and the worker never heard a cancel again."""
+    client = connect(redis_url)
+    runner = _Runner(client)
+    try:
+        with sync_redis.Redis.from_url(redis_url) as r:
+            async with listening(runner) as (channel, task):
+                await _subscribed(r, channel, 1)
+                r.publish(channel, b"\xff\xfe")  # (not a run id)
+                runner.running["run_later"] = (_Attempt(), None)
+                r.publish(channel, b"run_later")
+                await heard(runner, "run_later")
+                assert not task.done()
+    finally:
+        await client.aclose()

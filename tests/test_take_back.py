@@ -12,6 +12,7 @@ import pytest
 import redis as sync_redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
 from common.redisconn import connect
@@ -157,3 +158,36 @@ async def test_a_queueing_whose_connection_broke_once_sent_is_taken_back_one_nev
     finally:
         await client.close()
         await client.redis.aclose()
+
+
+
+async def test_a_queueing_whose_connection_was_not_made_in_time_is_not_taken_back() -> None:
+    """Found by a review: a connection whose handshake (`CLIENT SETNAME`) timed out sent nothing, yet
+    every timeout was taken for a queueing that may have run: each request of a Redis pause kept a
+    cancel (and left a cancelled record when Redis came back)."""
+    got = bytearray()
+    writers: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # (accepts, answers nothing)
+        writers.append(writer)
+        while data := await reader.read(65536):
+            got.extend(data)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    config = make_config({"a": 1})
+    model = config.model(MODEL)
+    assert model is not None
+    url = f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0?socket_timeout=0.3"
+    client = RunClient(connect(url, client_name="iop-gateway"), config)
+    try:
+        with pytest.raises(RedisTimeoutError) as err:
+            await client.submit(model, request(), run_id="run_never_sent")
+        assert b"SETNAME" in got and b"EVALSHA" not in got  # (the handshake went, the queueing did not)
+        assert not may_have_run(err.value) and not client.take_back.kept
+    finally:
+        await client.close()
+        await client.redis.aclose()
+        server.close()
+        for writer in writers:
+            writer.close()
+        await server.wait_closed()

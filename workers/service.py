@@ -103,9 +103,12 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
             for run_id in await _cancelled_unheard(runner):
                 await _cancel(runner, run_id)
             async for msg in messages(pubsub):  # (a dead subscription raises: subscribed again)
-                await _cancel(runner, msg["data"].decode())
+                await _cancel(runner, msg["data"].decode(errors="replace"))  # (no run has a name that is not text)
         except (*REDIS_UNUSABLE, RedisError) as exc:  # (any refusal too: a MISCONF Redis refuses even PING)
             log.warning("cancel listener: Redis unavailable (%s); subscribing again", exc)
+            await backoff.pause()
+        except Exception:  # (a bug must not leave the worker deaf to cancels for good)
+            log.exception("cancel listener failed; subscribing again")
             await backoff.pause()
         finally:
             await pubsub.aclose()

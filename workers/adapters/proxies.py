@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import base64
 import ipaddress
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 from common.shown import quoted
+
+#: A URL's scheme (RFC 3986): what comes before `://` only when it is one.
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 
 
 class ProxyError(ValueError):
@@ -52,7 +56,7 @@ def _parse(value: str, variable: str) -> Proxy:
     first, so that one written without %-encoding (`#`, `/`, `?` or digits in a password) is neither
     taken for the host or the port nor shown in a message or a log."""
     scheme, sep, rest = value.partition("://")
-    if not sep:
+    if not sep or not _SCHEME.fullmatch(scheme):  # (a `://` in a password is no scheme's)
         scheme, rest = "http", value  # (as curl reads `proxy:3128`)
     userinfo, at, hostport = rest.rpartition("@")
     hostport = hostport[:-1] if hostport.endswith("/") else hostport
