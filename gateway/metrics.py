@@ -12,6 +12,9 @@
   `runtime.max_connections`, see `gateway.admission`); read from the guard at scrape.
 - `iop_gateway_connections_closed_total{reason}`: connections a limit closed: `refused` (503),
   `evicted` (idle, to make room), `head_timeout` (no whole request head in time).
+- `iop_gateway_cancels_waiting`: cancels Redis could not take when they were made, kept until it
+  answers (`gateway.take_back`); `iop_gateway_cancels_abandoned_total{reason}`: those given up,
+  `deadline` (the run would have ended by then) or `full` (`MAX_KEPT` were kept already).
 - `iop_usage_{runs,prompt_tokens,completion_tokens,failures}_total{key,model}`: every API key's
   usage for good, read from Redis at scrape (`common.usage`).
 """
@@ -34,6 +37,7 @@ from common.metrics_http import exposition, labelled
 from common.usage import Usage, read_totals
 from gateway.admission import ConnectionGuard
 from gateway.requests import ENDPOINTS
+from gateway.take_back import TakeBack
 
 REGISTRY = CollectorRegistry()
 
@@ -133,13 +137,38 @@ def watch_connections(guard: ConnectionGuard) -> None:
     REGISTRY.register(_Connections(guard))
 
 
+class _TakeBack(Collector):
+    """The gateway's kept cancels (`gateway.take_back`), read at scrape from the app set up last."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], TakeBack | None] = lambda: None
+
+    def collect(self) -> Iterator[Metric]:
+        take_back = self.source()
+        waiting = GaugeMetricFamily("iop_gateway_cancels_waiting", "cancels kept until Redis answers")
+        abandoned = CounterMetricFamily("iop_gateway_cancels_abandoned", "kept cancels given up", labels=["reason"])
+        if take_back is not None:
+            waiting.add_metric([], len(take_back))
+            abandoned.add_metric(["deadline"], take_back.given_up)
+            abandoned.add_metric(["full"], take_back.refused)
+        yield waiting
+        yield abandoned
+
+
+TAKE_BACK = _TakeBack()
+REGISTRY.register(TAKE_BACK)
+
+
 #: Where the usage counters come from: the app's Redis client, and the key names usage is kept under.
 USAGE_SOURCE = web.AppKey("usage_source", tuple)
 
 
-def setup(app: web.Application, redis: Callable[[], Redis] | None = None, key_names: list[str] | None = None) -> None:
+def setup(app: web.Application, redis: Callable[[], Redis] | None = None, key_names: list[str] | None = None,
+          take_back: Callable[[], TakeBack | None] | None = None) -> None:
     """Serve /metrics (`gateway.middleware` measures the run requests); with `redis`, also the
-    usage of `key_names`."""
+    usage of `key_names`; with `take_back`, the kept cancels."""
     app.router.add_get("/metrics", metrics)
+    if take_back is not None:
+        TAKE_BACK.source = take_back
     if redis is not None:
         app[USAGE_SOURCE] = (redis, key_names or [])

@@ -52,6 +52,9 @@ class TakeBack:
         self._full_logged = False
         #: closed (the gateway stops): nothing is kept any more, and no task starts
         self.closed = False
+        #: cancels abandoned, for good: past their run's follow deadline, or refused (`MAX_KEPT` kept)
+        self.given_up = 0
+        self.refused = 0
 
     def __len__(self) -> int:
         return len(self.kept)
@@ -62,6 +65,7 @@ class TakeBack:
             log.warning("could not cancel: the gateway stops", extra=run_fields(run_id, model_id))
             return
         if run_id not in self.kept and len(self.kept) >= MAX_KEPT:
+            self.refused += 1
             if not self._full_logged:
                 self._full_logged = True
                 log.warning("%d cancels wait for Redis already, the most the gateway keeps: runs whose caller left "
@@ -114,5 +118,6 @@ class TakeBack:
         now = time.monotonic()
         for run_id in [run_id for run_id, kept in self.kept.items() if kept.give_up < now]:
             kept = self.kept.pop(run_id)
+            self.given_up += 1
             log.warning("could not cancel: %s", error or "Redis did not answer in time",
                         extra=run_fields(run_id, kept.model_id))

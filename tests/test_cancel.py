@@ -286,6 +286,7 @@ async def test_a_cancel_redis_cannot_take_is_tried_again_until_the_run_would_hav
             await async_wait_until(given_up, what="the background cancel to give up")
         said = [r.getMessage() for r in caplog.records]
         assert said[0].startswith("could not cancel yet") and said[-1].startswith("could not cancel: "), said
+        assert client.take_back.given_up == 1  # (iop_gateway_cancels_abandoned_total{reason="deadline"})
     finally:
         await client.close()
         await client.redis.aclose()

@@ -307,12 +307,14 @@ async def test_a_redis_that_stops_answering_gets_callers_a_503_not_a_hang_and_se
                                        capture_output=True, text=True, timeout=30, check=False)
         assert done.returncode == 1, done
         assert len(done.stderr.splitlines()) == 1 and "did not answer within 2 s" in done.stderr, done.stderr
+        assert await _gauge(http, gateway, "iop_gateway_cancels_waiting") == 2  # (the two take-backs, kept)
 
     async def served() -> bool:
         return (await call(http, gateway, chat()))[0] == 200
 
     await async_wait_until(served, what="a run to be served again")
     r = fstack.client()
+    await async_wait_until(lambda: _gauge(http, gateway, "iop_gateway_cancels_waiting", 0), what="kept cancels sent")
 
     def ended() -> Counter[tuple[bytes | None, bytes | None]]:
         return Counter(tuple(r.hmget(k, "state", "error_message")) for k in r.scan_iter("iop:run:*"))
@@ -321,6 +323,15 @@ async def test_a_redis_that_stops_answering_gets_callers_a_503_not_a_hang_and_se
                                        and ended()[(b"cancelled", LEFT.encode())] == 1),
                            what="both runs cancelled", timeout=20)
     r.close()
+
+
+async def _gauge(http: aiohttp.ClientSession, gateway: str, name: str, equals: float | None = None) -> float | bool:
+    """A sample of the gateway's /metrics without labels (with `equals`: whether it is that)."""
+    async with http.get(gateway + "/metrics") as resp:
+        found = re.search(rf"^{name} (\S+)$", await resp.text(), re.M)
+    assert found is not None, name
+    value = float(found.group(1))
+    return value if equals is None else value == equals
 
 
 @pytest.fixture

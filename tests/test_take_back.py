@@ -17,7 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from common import keys
 from common.redisconn import connect
 from common.redisline import may_have_run
-from gateway import take_back
+from gateway import metrics, take_back
 from gateway.runs import LEFT, RunClient
 from iop.embedded_redis import RedisServer, free_port
 from tests.conftest import async_wait_until, paused
@@ -77,6 +77,9 @@ async def test_the_cancels_kept_are_bounded_in_number(monkeypatch: pytest.Monkey
                 client._cancel_later(f"run_{i}", MODEL, LEFT)
             client._cancel_later("run_0", MODEL, LEFT)  # (kept already: not counted twice)
         assert list(client.take_back.kept) == ["run_0", "run_1", "run_2"]
+        metrics.TAKE_BACK.source = lambda: client.take_back  # (what /metrics says)
+        assert metrics.REGISTRY.get_sample_value("iop_gateway_cancels_waiting") == 3
+        assert metrics.REGISTRY.get_sample_value("iop_gateway_cancels_abandoned_total", {"reason": "full"}) == 2
         full = [r.getMessage() for r in caplog.records if "the most the gateway keeps" in r.getMessage()]
         assert full == ["3 cancels wait for Redis already, the most the gateway keeps: runs whose caller left while "
                         "Redis could not take their cancel may go on"]  # (once, not once a run)
