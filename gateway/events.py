@@ -227,6 +227,8 @@ class EventHub:
         heard nothing for `QUIET_CHECK_S` (`RunClient.stuck`)."""
         self.redis = redis
         self.queued = queued
+        #: told of the followed runs found lost (their record gone: `RunClient.lost`)
+        self.lost: Callable[[list[str]], Awaitable[None]] | None = None
         self.gateway_id = gateway_id or new_gateway_id()
         #: the inbox of a new gateway id is new too: the listener starts at its beginning
         self.new_inbox = gateway_id is None
@@ -426,6 +428,7 @@ class EventHub:
         `only`, or to every follower of each run), a page after another until the end of each
         run's stream or until every follower it is read for is `behind`."""
         queued: Queued = []
+        lost: list[str] = []
         count = FIRST_COUNT if only else READ_COUNT
         while run_ids := [r for r in run_ids if r in self.followers]:  # (those that still have followers)
             starts = {r: min(f.last for f in ([only] if only else self.followers[r])) for r in run_ids}
@@ -459,6 +462,9 @@ class EventHub:
                                                             "(runtime.run_ttl_s) before its end was read")
                     for f in followers:
                         f.give(Event("lost", EventType.FAILED.value, info.to_wire()))
+                    lost.append(run_id)
             run_ids, count = more, min(2 * count, READ_COUNT)
         if queued and self.queued is not None:
             await self.queued(queued)
+        if lost and self.lost is not None:
+            await self.lost(lost)

@@ -72,6 +72,7 @@ class RunClient:
         self.enqueue = ScriptBatch(self.scripts, "enqueue")
         self.hub = hub or EventHub(redis)
         self.hub.queued = self.stuck
+        self.hub.lost = self.lost
         #: model id -> when the gateway last logged that it ended runs no scheduler took
         self._stuck_logged: dict[str, float] = {}
         #: the bounds of the callers waiting for their runs (one sweeper, not a timer each)
@@ -235,6 +236,20 @@ class RunClient:
                 [run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()), self.config.runtime.run_ttl_s,
                  info.code.value, info.message, keys.node_cancel("") if abort_running else "",
                  keys.scheduler_channel(""), model_id if ours else ""])
+
+    async def lost(self, run_ids: list[str]) -> None:
+        """Followed runs whose record Redis lost (a restart without persistence): their callers
+        hear 502 `worker_lost`, but a run still generating at its provider would go on until its
+        worker's next lease renewal. Nothing says which node runs it any more: every node is told
+        to cancel it (a worker that does not run it ignores the message)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for run_id in run_ids:
+            for node in self.config.nodes:
+                pipe.publish(keys.node_cancel(node.id), run_id)
+        try:
+            await pipe.execute()
+        except (*REDIS_UNUSABLE, RedisError) as exc:  # (the renewal still ends it)
+            log.warning("could not tell the nodes to cancel %d lost runs (%s)", len(run_ids), exc)
 
     async def stuck(self, queued: Queued) -> None:
         """Followed runs found still waiting in their queue (`EventHub`'s quiet check). A

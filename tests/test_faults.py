@@ -397,6 +397,21 @@ async def test_a_worker_stopped_while_redis_stops_answering_stops_and_leaves_its
     fstack.worker("n1")  # (the node's worker again, as an operator would start it)
 
 
+async def test_a_run_redis_lost_is_stopped_at_its_provider_not_left_to_its_lease(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    """A restart without persistence loses a running run's record: its caller hears 502
+    `worker_lost`, and the run generated on for nobody until its worker's next lease renewal (a
+    third of `lease_ttl_ms`; found by a chaos test). The gateway now tells every node to cancel it."""
+    gateway = start(fstack, {"only": ("n1", 1)}, runtime={"lease_ttl_ms": 600_000})  # (renewals 200 s apart)
+    running = asyncio.create_task(call(http, gateway, chat(ttft_ms=120_000)))
+    await until_current(fstack, "only", 1)
+    fstack.server.stop(kill=True)  # (no persistence here: it comes back empty)
+    fstack.server.start()
+    status, body = await asyncio.wait_for(running, 60)  # (the test's bound)
+    assert status == 502 and body["error"]["code"] == "worker_lost", body
+    await until_current(fstack, "only", 0)  # (the provider's request closed, long before a renewal)
+
+
 @pytest.mark.parametrize("own_redis", [True], indirect=True)
 async def test_runs_queued_before_a_redis_restart_are_served_after_it_with_aof(
         fstack: FaultStack, http: aiohttp.ClientSession) -> None:
