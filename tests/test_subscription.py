@@ -139,6 +139,20 @@ async def listening(runner: _Runner) -> AsyncIterator[tuple[str, asyncio.Future[
         await asyncio.gather(task, return_exceptions=True)
 
 
+@asynccontextmanager
+async def listening_at(redis_url: str) -> AsyncIterator[tuple[_Runner, sync_redis.Redis, str, asyncio.Future[None]]]:
+    """`listening` on a runner of its own over a client of `redis_url`, with a plain client beside:
+    (the runner, the plain client, the channel, the listener's task)."""
+    client = connect(redis_url)
+    runner = _Runner(client)
+    try:
+        with sync_redis.Redis.from_url(redis_url) as r:
+            async with listening(runner) as (channel, task):
+                yield runner, r, channel, task
+    finally:
+        await client.aclose()
+
+
 async def heard(runner: _Runner, *run_ids: str) -> None:
     await async_wait_until(lambda: asyncio.sleep(0, runner.cancels[-len(run_ids):] == list(run_ids)),
                            what=f"cancels of {run_ids} heard")
@@ -198,27 +212,21 @@ async def test_a_subscription_redis_py_made_again_by_itself_still_catches_up(
     happened to fail). The quiet spell before a PING is made long here: it is not what notices."""
     monkeypatch.setattr(subscription, "QUIET_S", 60.0)
     caplog.set_level(logging.WARNING, "iop.worker")
-    client = connect(redis_url)
-    runner = _Runner(client)
-    try:
-        with sync_redis.Redis.from_url(redis_url) as r:
-            async with listening(runner) as (channel, _):
-                await _subscribed(r, channel, 1)
-                runner.running["run_unheard"] = (_Attempt(), None)
-                # (the test's loop waits on these calls: the cancel goes out while nobody listens)
-                assert r.client_kill_filter(_type="pubsub") == 1
-                r.hset(keys.run_record("run_unheard"), "cancel", "1")
-                assert r.publish(channel, b"run_unheard") == 0
-                await heard(runner, "run_unheard")
-                said = [r.getMessage() for r in caplog.records]
-                assert said == ["cancel listener: Redis unavailable (the subscription's connection broke (redis-py "
-                                "made it again: what was published meanwhile is lost)); subscribing again"], said
-                runner.running["run_later"] = (_Attempt(), None)
-                await _subscribed(r, channel, 1)
-                r.publish(channel, b"run_later")
-                await heard(runner, "run_later")
-    finally:
-        await client.aclose()
+    async with listening_at(redis_url) as (runner, r, channel, _):
+        await _subscribed(r, channel, 1)
+        runner.running["run_unheard"] = (_Attempt(), None)
+        # (the test's loop waits on these calls: the cancel goes out while nobody listens)
+        assert r.client_kill_filter(_type="pubsub") == 1
+        r.hset(keys.run_record("run_unheard"), "cancel", "1")
+        assert r.publish(channel, b"run_unheard") == 0
+        await heard(runner, "run_unheard")
+        said = [record.getMessage() for record in caplog.records]
+        assert said == ["cancel listener: Redis unavailable (the subscription's connection broke (redis-py "
+                        "made it again: what was published meanwhile is lost)); subscribing again"], said
+        runner.running["run_later"] = (_Attempt(), None)
+        await _subscribed(r, channel, 1)
+        r.publish(channel, b"run_later")
+        await heard(runner, "run_later")
 
 
 async def test_the_cancel_listener_outlives_an_error_reply(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,33 +244,21 @@ async def test_the_cancel_listener_outlives_an_error_reply(redis_url: str, monke
             yield message
 
     monkeypatch.setattr(service, "messages", refusing_once)
-    client = connect(redis_url)
-    runner = _Runner(client)
-    try:
-        with sync_redis.Redis.from_url(redis_url) as r:
-            async with listening(runner) as (channel, task):
-                await async_wait_until(lambda: asyncio.sleep(0, calls == 2), what="subscribed again after the error")
-                runner.running["run_later"] = (_Attempt(), None)
-                r.publish(channel, b"run_later")
-                await heard(runner, "run_later")
-                assert not task.done()
-    finally:
-        await client.aclose()
+    async with listening_at(redis_url) as (runner, r, channel, task):
+        await async_wait_until(lambda: asyncio.sleep(0, calls == 2), what="subscribed again after the error")
+        runner.running["run_later"] = (_Attempt(), None)
+        r.publish(channel, b"run_later")
+        await heard(runner, "run_later")
+        assert not task.done()
 
 
 async def test_a_stray_message_does_not_end_the_cancel_listener(redis_url: str) -> None:
     """Found by a review: a message that is not UTF-8 on the node's cancel channel ended the
     listener's task, and the worker never heard a cancel again."""
-    client = connect(redis_url)
-    runner = _Runner(client)
-    try:
-        with sync_redis.Redis.from_url(redis_url) as r:
-            async with listening(runner) as (channel, task):
-                await _subscribed(r, channel, 1)
-                r.publish(channel, b"\xff\xfe")  # (not a run id)
-                runner.running["run_later"] = (_Attempt(), None)
-                r.publish(channel, b"run_later")
-                await heard(runner, "run_later")
-                assert not task.done()
-    finally:
-        await client.aclose()
+    async with listening_at(redis_url) as (runner, r, channel, task):
+        await _subscribed(r, channel, 1)
+        r.publish(channel, b"\xff\xfe")  # (not a run id)
+        runner.running["run_later"] = (_Attempt(), None)
+        r.publish(channel, b"run_later")
+        await heard(runner, "run_later")
+        assert not task.done()
