@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
@@ -259,24 +259,22 @@ class Line:
         the command itself may wait in Redis (a blocking read's timeout), before the reply timeout
         (`reply_timeout_s`) counts. A lost connection's ConnectionError says whether the command
         may have reached Redis (`may_have_run`)."""
-        sent = [False]
-        try:
-            if self.retry is None:
-                return await self._once(args, block_s, sent)
-            return await self.retry.call_with_retry(lambda: self._once(args, block_s, sent), self._failed)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            exc.iop_sent = sent[0]
-            raise
+        return await self._tried(lambda sent: self._once(args, block_s, sent))
 
     async def execute_many(self, commands: Sequence[Sequence[Any]], block_s: float = 0.0) -> list[Any]:
         """Several commands sent together, in order: each one's reply, or its error reply as the
         exception (as a pipeline answers with `raise_on_error=False`). A lost connection fails
         (and retries) them all. `block_s`: as for `execute`, for the longest of them."""
+        return list(await self._tried(lambda sent: self._many(commands, block_s, sent)))
+
+    async def _tried(self, attempt: Callable[[list[bool]], Awaitable[Any]]) -> Any:
+        """`attempt`, tried again as the pool's retry says; its lost connection or timeout says
+        whether any try sent the command (`iop_sent`, which `may_have_run` reads)."""
         sent = [False]
         try:
             if self.retry is None:
-                return await self._many(commands, block_s, sent)
-            return list(await self.retry.call_with_retry(lambda: self._many(commands, block_s, sent), self._failed))
+                return await attempt(sent)
+            return await self.retry.call_with_retry(lambda: attempt(sent), self._failed)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             exc.iop_sent = sent[0]
             raise

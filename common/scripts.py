@@ -945,17 +945,17 @@ if redis.call('DEL', KEYS[2]) == 1 then redis.call('PUBLISH', ARGV[6], '*') end
 return 1
 """
 
-# A gateway follows a run's every event (the runs API, maybe for a run another gateway started): it
-# joins the run's watchers, or stops being an output-only one, in its place (the first watcher is
-# the gateway of the run's caller: `orphans` reads it).
-# KEYS: run record   ARGV: gateway id
-# Returns 0 if the run is gone, else 1.
 # /readyz: whether iop's Redis user may run a script and read iop's keys (its answer does not matter).
 # KEYS: READY_PROBE
 READY = """#!lua flags=no-writes
 return redis.call('EXISTS', KEYS[1])
 """
 
+# A gateway follows a run's every event (the runs API, maybe for a run another gateway started): it
+# joins the run's watchers, or stops being an output-only one, in its place (the first watcher is
+# the gateway of the run's caller: `orphans` reads it).
+# KEYS: run record   ARGV: gateway id
+# Returns 0 if the run is gone, else 1.
 WATCH = f"""
 local watchers = redis.call('HGET', KEYS[1], 'watchers')
 if not watchers then
