@@ -46,7 +46,7 @@ from redis.asyncio.sentinel import (
 )
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.failover import FailoverWatch
@@ -62,6 +62,10 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, Connection
 REDIS_FULL = (OutOfMemoryError,)
 #: Redis cannot do it now, down or full: a process's loops wait and try again, as for REDIS_DOWN.
 REDIS_UNUSABLE = (*REDIS_DOWN, *REDIS_FULL)
+#: Redis did not do it, for any reason of its own: REDIS_UNUSABLE, or any other error reply (a
+#: MISCONF Redis, whose snapshot failed, refuses even PING). For what is tried again until done
+#: (a kept cancel, a subscription), whatever refused it.
+REDIS_REFUSED = (*REDIS_UNUSABLE, RedisError)
 
 SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")

@@ -12,14 +12,13 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
 from common.auth import ANYONE, Principal
 from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
-from common.redisconn import REDIS_UNUSABLE, now_ms
+from common.redisconn import REDIS_REFUSED, now_ms
 from common.redisline import may_have_run
 from common.runlog import run_fields
 from common.script_batch import ScriptBatch
@@ -194,7 +193,7 @@ class RunClient:
         once it can)."""
         try:
             await self.cancel(run_id, model_id, reason, ours=True)
-        except (*REDIS_UNUSABLE, RedisError) as exc:  # (any refusal: a MISCONF Redis, say)
+        except REDIS_REFUSED as exc:
             log.warning("could not cancel yet (%s); trying again once Redis answers", exc,
                         extra=run_fields(run_id, model_id))
             self._cancel_later(run_id, model_id, reason)
@@ -248,7 +247,7 @@ class RunClient:
                 pipe.publish(keys.node_cancel(node.id), run_id)
         try:
             await pipe.execute()
-        except (*REDIS_UNUSABLE, RedisError) as exc:  # (the renewal still ends it)
+        except REDIS_REFUSED as exc:  # (the renewal still ends it)
             log.warning("could not tell the nodes to cancel %d lost runs (%s)", len(run_ids), exc)
 
     async def stuck(self, queued: Queued) -> None:

@@ -18,9 +18,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
-from common.redisconn import REDIS_UNUSABLE, Backoff
+from common.redisconn import REDIS_REFUSED, Backoff
 from common.runlog import run_fields
 
 log = logging.getLogger("iop.gateway")
@@ -94,7 +93,7 @@ class TakeBack:
                 await self.redis.ping()  # (one small command a try while Redis is away, not the batch)
                 batch = list(itertools.islice(self.kept.items(), BATCH))
                 answers = await self.send(batch)
-            except (*REDIS_UNUSABLE, RedisError) as exc:  # (any refusal: a MISCONF Redis refuses even PING)
+            except REDIS_REFUSED as exc:
                 error = exc
                 continue
             except Exception as exc:  # (not Redis's: said, and the cancels kept for the next try all the same)

@@ -11,12 +11,11 @@ from typing import Any, cast
 import aiohttp
 from arq.constants import in_progress_key_prefix
 from arq.worker import func
-from redis.exceptions import RedisError
 
 from common import keys
 from common.codec import pack, unpack
 from common.config import Config, ProviderConfig, RuntimeConfig
-from common.redisconn import REDIS_UNUSABLE, Backoff, connect
+from common.redisconn import REDIS_REFUSED, REDIS_UNUSABLE, Backoff, connect
 from common.runlog import run_fields
 from common.subscription import messages
 from common.wire import ErrorCode, ErrorInfo
@@ -104,7 +103,7 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
                 await _cancel(runner, run_id)
             async for msg in messages(pubsub):  # (a dead subscription raises: subscribed again)
                 await _cancel(runner, msg["data"].decode(errors="replace"))  # (no run has a name that is not text)
-        except (*REDIS_UNUSABLE, RedisError) as exc:  # (any refusal too: a MISCONF Redis refuses even PING)
+        except REDIS_REFUSED as exc:
             log.warning("cancel listener: Redis unavailable (%s); subscribing again", exc)
             await backoff.pause()
         except Exception:  # (a bug must not leave the worker deaf to cancels for good)
