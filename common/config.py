@@ -128,10 +128,10 @@ class ProviderConfig(Strict):
     api_key_env: str | None = Field(None, pattern=ENV_NAME_PATTERN,
                                     description="name of the env var holding the API key")
     api_key_header: str | None = Field(None, pattern=HEADER_NAME_PATTERN, max_length=MAX_HEADER_NAME_CHARS,
-                                       description="OpenAI family: the header that carries the key as it is "
+                                       description="over HTTP: the header that carries the key as it is "
                                                    "(default: Authorization: Bearer <key>)")
     headers: dict[HeaderName, HeaderValue] | None = Field(
-        None, max_length=MAX_HEADERS, description="OpenAI family: headers sent with every request (not secrets)")
+        None, max_length=MAX_HEADERS, description="over HTTP: headers sent with every request (not secrets)")
     capacity: int = Field(ge=1, le=MAX_CAPACITY)
     models: list[str] = Field(min_length=1)
     connect_timeout_ms: int = Field(5_000, ge=1, le=MAX_DURATION_MS)
@@ -582,7 +582,7 @@ def base_url_fault(value: Any) -> str | None:
 
 def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
     """Fields some provider types require (`command` and `api_path` are ignored by other types), and
-    the headers of the OpenAI family."""
+    the headers of a provider served over HTTP."""
     errors: list[str] = []
     if p.get("type") == "cli" and not p.get("command"):
         errors.append(f"{path}.command: required for type cli (the argv to run)")

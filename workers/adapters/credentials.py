@@ -7,19 +7,21 @@ that asks for a bearer token)."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from common.config import ProviderConfig
 from common.wire import upstream_request_id
 from workers.adapters.failures import url_secrets
-from workers.adapters.proxies import Via
+from workers.adapters.proxies import Proxy, Via
 
 
 class Credentials:
     __slots__ = ("provider", "via")
 
-    def __init__(self, provider: ProviderConfig, via: Via) -> None:
+    def __init__(self, provider: ProviderConfig, proxy: Proxy | None) -> None:
+        """`proxy`: the HTTP proxy its requests go through (`workers.adapters.proxies`), or none."""
         self.provider = provider
-        self.via = via
+        self.via = Via(proxy, (provider.base_url or "").lower().startswith("https:"))
 
     def key(self) -> str | None:
         """The key, read from the environment at each request (whitespace at its ends, a line end
@@ -40,6 +42,15 @@ class Credentials:
             else:
                 headers["Authorization"] = f"Bearer {key}"
         return self.via.headers(headers)
+
+    def options(self, run_id: str | None, json_body: bool = False) -> dict[str, Any]:
+        """What a request to the provider carries besides its URL and body, as aiohttp's keyword
+        arguments: `headers` (with `Content-Type: application/json` for a `json_body`), and the
+        proxy's `proxy` and `proxy_headers`."""
+        headers = self.headers(run_id)  # (a new dict each time: it may be added to)
+        if json_body:
+            headers["Content-Type"] = "application/json"
+        return {"headers": headers, "proxy": self.via.url, "proxy_headers": self.via.tunnel_headers()}
 
     def secrets(self) -> list[str]:
         """What no error text may show: the key, credentials in `base_url`, the proxy's."""

@@ -33,7 +33,7 @@ from workers.adapters.failures import (
     transport_error,
 )
 from workers.adapters.openai_shapes import Shaper
-from workers.adapters.proxies import Proxy, Via
+from workers.adapters.proxies import Proxy
 from workers.adapters.reading import (
     Breaks,
     LineSplitter,
@@ -124,8 +124,7 @@ class OllamaAdapter:
         self.provider = provider
         self.session = session
         self.limits = limits
-        self.via = Via(proxy, provider.base_url.lower().startswith("https:"))
-        self.credentials = Credentials(provider, self.via)
+        self.credentials = Credentials(provider, proxy)
         self.root = server_root(provider.base_url)
         self.timeout = aiohttp.ClientTimeout(
             total=None,
@@ -151,7 +150,8 @@ class OllamaAdapter:
         return not_taken(self.provider.id, str(exc), exc.param)
 
     def _failed(self, exc: BaseException) -> ProviderError:
-        return transport_error(self.provider.id, exc, proxy=self.via.url, connect_ms=self.provider.connect_timeout_ms,
+        return transport_error(self.provider.id, exc, proxy=self.credentials.via.url,
+                               connect_ms=self.provider.connect_timeout_ms,
                                read_ms=self.provider.read_timeout_ms)
 
     def _raise_for_redirect(self, resp: aiohttp.ClientResponse) -> None:
@@ -166,9 +166,8 @@ class OllamaAdapter:
 
     def _post(self, path: str, native: Json, request_id: str) -> Any:
         return sending.post(self.session, self.root + path, data=jsonio.dumps(native),
-                            headers={**self.credentials.headers(request_id), "Content-Type": "application/json"},
-                            timeout=self.timeout, allow_redirects=False, proxy=self.via.url,
-                            proxy_headers=self.via.tunnel_headers())
+                            timeout=self.timeout, allow_redirects=False,
+                            **self.credentials.options(request_id, json_body=True))
 
     def _sent_error(self, error: Any) -> ProviderError:
         """An `error` Ollama sent in a 200 answer or a stream line."""
@@ -269,9 +268,8 @@ class OllamaAdapter:
         timeout = aiohttp.ClientTimeout(total=self.provider.probe_timeout_ms / 1000)
         limit = self.limits.probe_limit
         try:
-            async with self.session.get(self.root + "/api/tags", headers=self.credentials.headers(None),
-                                        timeout=timeout, allow_redirects=False, proxy=self.via.url,
-                                        proxy_headers=self.via.tunnel_headers()) as resp:
+            async with self.session.get(self.root + "/api/tags", timeout=timeout, allow_redirects=False,
+                                        **self.credentials.options(None)) as resp:
                 if is_redirect(resp.status):
                     return redirect_probe("/api/tags", resp, self.credentials.secrets())
                 if resp.status != 200:
@@ -283,7 +281,7 @@ class OllamaAdapter:
                     return ProbeResult(Health.UNKNOWN, f"GET /api/tags answered more than {limit} bytes")
             tags = parse_json(data, self.provider.id)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            return probe_failure("GET /api/tags", exc, self.provider.probe_timeout_ms, self.via.url)
+            return probe_failure("GET /api/tags", exc, self.provider.probe_timeout_ms, self.credentials.via.url)
         except ValueError:
             return ProbeResult(Health.UNKNOWN, "GET /api/tags answered 200 but not with JSON")
         except ProviderError:

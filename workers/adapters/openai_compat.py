@@ -49,7 +49,7 @@ from workers.adapters.failures import (
     redacted,
     transport_error,
 )
-from workers.adapters.proxies import Proxy, Via
+from workers.adapters.proxies import Proxy
 from workers.adapters.reading import (
     Breaks,
     LineSplitter,
@@ -352,8 +352,7 @@ class OpenAICompatAdapter:
         self.provider = provider
         self.session = session
         self.limits = limits
-        self.via = Via(proxy, provider.base_url.lower().startswith("https:"))
-        self.credentials = Credentials(provider, self.via)
+        self.credentials = Credentials(provider, proxy)
         self.root = api_root(provider.base_url, provider.type, provider.api_path)
         #: None once the server showed it has no health endpoint (the model list decides)
         self.health_url = health_url(provider)
@@ -402,12 +401,11 @@ class OpenAICompatAdapter:
         if self.provider.type == "llamacpp":
             body = for_llamacpp(body)
         return sending.post(self.session, self.root + PATHS[kind], data=jsonio.dumps(body),
-                            headers={**self.credentials.headers(run_id), "Content-Type": "application/json"},
-                            timeout=self.timeout, allow_redirects=False, proxy=self.via.url,
-                            proxy_headers=self.via.tunnel_headers())
+                            timeout=self.timeout, allow_redirects=False,
+                            **self.credentials.options(run_id, json_body=True))
 
     def _failed(self, exc: BaseException) -> ProviderError:
-        return self._clean(transport_error(self.provider.id, exc, proxy=self.via.url,
+        return self._clean(transport_error(self.provider.id, exc, proxy=self.credentials.via.url,
                                            connect_ms=self.provider.connect_timeout_ms,
                                            read_ms=self.provider.read_timeout_ms))
 
@@ -591,9 +589,8 @@ class OpenAICompatAdapter:
         path = urlsplit(url).path
         limit = self.limits.probe_limit
         try:
-            async with self.session.get(url, headers=self.credentials.headers(None), timeout=timeout,
-                                        allow_redirects=False, proxy=self.via.url,
-                                        proxy_headers=self.via.tunnel_headers()) as resp:
+            async with self.session.get(url, timeout=timeout, allow_redirects=False,
+                                        **self.credentials.options(None)) as resp:
                 if is_redirect(resp.status):
                     return resp.status, None, redirect_probe(path, resp, self._secrets())
                 if resp.status != 200:
@@ -603,7 +600,7 @@ class OpenAICompatAdapter:
                     resp.close()
                     return 200, None, ProbeResult(Health.UNKNOWN, f"GET {path} answered more than {limit} bytes")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            failed = probe_failure(f"GET {path}", exc, self.provider.probe_timeout_ms, self.via.url)
+            failed = probe_failure(f"GET {path}", exc, self.provider.probe_timeout_ms, self.credentials.via.url)
             return 0, None, replace(failed, reason=self._redact(failed.reason))
         try:
             return 200, parse_json(data, self.provider.id), None
