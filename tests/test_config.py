@@ -649,6 +649,12 @@ def test_a_provider_s_headers_and_key_header() -> None:
         f"{at}.headers.X-B: must be printable ASCII on one line, got 'two\\nlines'"]
     too_many = errors(headers={f"X-{i}": "v" for i in range(33)})
     assert too_many[0].startswith(f"{at}.headers: Dictionary should have at most 32"), too_many
+    name, value = "X-" + "n" * 62, "v" * 1024  # (the longest name and value are taken, one more is not)
+    assert parse_config({**good(), "nodes": [{**good()["nodes"][0], "providers": [
+        {**good()["nodes"][0]["providers"][0], "headers": {name: value}}]}, good()["nodes"][1]]})
+    too_long = errors(headers={name + "n": value, "X-B": value + "v"})
+    assert [e.split(":")[0] for e in too_long] == [f"{at}.headers.{name}n (key)", f"{at}.headers.X-B"], too_long
+    assert all("at most" in e for e in too_long), too_long
     cli = good()
     cli["nodes"][1]["providers"][1].update(headers={"X-Title": "iop"}, api_key_header="k", api_key_env="K")
     assert config_errors(cli) == [
