@@ -211,3 +211,73 @@ async def test_the_connection_of_a_stream_that_ended_before_any_event_serves_no_
     finally:
         await server.stop()
     assert server.broken == 0 and server.connections == 2 and len(server.requests) == 2
+
+
+@dataclass
+class Twice(RawHttp):
+    """Answers each request with its own prompt (kept alive), and the first answer twice, as a
+    server or proxy that repeats an answer: the copy goes out when `send_copy` is set."""
+
+    requests: int = 0
+    connections: int = 0
+    send_copy: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                body = json.loads(await reader.readexactly(length))
+                self.requests += 1
+                prompt = body["messages"][0]["content"]
+                stream = body.get("stream") is True
+                chunk = {**CHUNK, "choices": [{"index": 0, "delta": {"content": prompt}, "finish_reason": "stop"}]}
+                answer = {**ANSWER, "choices": [{"index": 0, "message": {"role": "assistant", "content": prompt},
+                                                 "finish_reason": "stop"}]}
+                payload = (b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n" if stream
+                           else json.dumps(answer).encode())
+                kind = "text/event-stream" if stream else "application/json"
+                out = f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                writer.write(out + payload)
+                await writer.drain()
+                if self.requests == 1:
+                    await self.send_copy.wait()
+                    writer.write(out + payload)
+                    await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_pooled_connection_that_got_an_answer_nobody_asked_for_serves_no_other_run(
+        session: aiohttp.ClientSession, stream: bool) -> None:
+    """aiohttp reads bytes that come on a connection in the pool as the answer to the next request
+    sent on it: the second run would get the first run's answer (another caller's text). It goes
+    on a new connection instead."""
+    server = Twice()
+    adapter = OpenAICompatAdapter(provider(await server.start()), session)
+
+    async def ask(prompt: str) -> str:
+        if not stream:
+            answer = await adapter.complete(RunKind.CHAT, chat(messages=[{"role": "user", "content": prompt}]), "r")
+            return str(answer["choices"][0]["message"]["content"])
+        text = ""
+        async for chunks in adapter.stream(RunKind.CHAT, chat(messages=[{"role": "user", "content": prompt}],
+                                                              stream=True), "r"):
+            text += "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+        return text
+
+    try:
+        assert await ask("the first caller's") == "the first caller's"
+        pooled = sending.sent_on()
+        assert pooled is not None and not pooled.should_close  # (back in the pool, its answer read)
+        server.send_copy.set()
+        async with asyncio.timeout(5):  # (the copy read into the pooled connection)
+            while not pooled.should_close:
+                await asyncio.sleep(0.005)
+        assert await ask("the second caller's") == "the second caller's"
+    finally:
+        await server.stop()
+    assert server.requests == 2 and server.connections == 2

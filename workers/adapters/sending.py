@@ -14,7 +14,9 @@ only idempotent methods; its tracing, which would say where a request went, cost
 here: the connector says it for nothing.
 
 A connection whose stream ended short of its end is not used for another run (`drop`): the
-connector closes it when it would hand it out.
+connector closes it when it would hand it out. So is one on which bytes came while it sat in the
+pool (a server or proxy that sent an answer twice, or a late one): aiohttp reads them as the
+answer to the next request sent on it, which would hand one run's answer to another run's caller.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ _sent_on: ContextVar[tuple[ResponseHandler | None, bool]] = ContextVar("iop_sent
 
 class PoolConnector(aiohttp.TCPConnector):
     """aiohttp's connector, which says whether a request went out on a connection it had used
-    before (one from the pool) or on a new one, and never hands out one that was `drop`ped."""
+    before (one from the pool) or on a new one, and never hands out one that was `drop`ped, nor
+    one that holds bytes no request asked for (`should_close`: read while it sat in the pool)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -58,7 +61,7 @@ class PoolConnector(aiohttp.TCPConnector):
         while True:
             conn = await super().connect(req, traces, timeout)
             protocol = conn.protocol
-            if protocol is None or protocol not in self._dropped:
+            if protocol is None or not (protocol in self._dropped or protocol.should_close):
                 break
             conn.close()  # (closes it: the pool never hands it out again)
         _sent_on.set((protocol, protocol is not None and protocol in self._used))
