@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import json
 import logging
 import struct
@@ -1319,3 +1320,39 @@ async def test_embeddings_asked_in_base64_come_in_base64_from_a_server_that_igno
     assert [d["embedding"] for d in answer["data"][1:]] == vectors[1:]
     answer = await adapter.complete(RunKind.EMBEDDING, {**body, "encoding_format": "float"}, "run_2")
     assert [d["embedding"] for d in answer["data"]] == vectors
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_that_does_not_decode_as_its_content_encoding_says_is_garbage_not_a_cut(
+        stream: bool, raw: Raw, session: aiohttp.ClientSession) -> None:
+    """`Content-Encoding: gzip` on a plain body: the same request would get the same garbage, so
+    it is not tried on this provider again (it was taken for a connection cut, and sent to the same
+    provider up to `max_attempts` times, each a whole generation)."""
+    if stream:
+        raw.answers["/v1/chat/completions"] = whole("200 OK", sse(delta("hi", "stop")) + b"data: [DONE]\n\n",
+                                                    "text/event-stream", "Content-Encoding: gzip\r\n")
+    else:
+        raw.answers["/v1/chat/completions"] = whole("200 OK", json.dumps({"choices": []}).encode(),
+                                                    extra="Content-Encoding: gzip\r\n")
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as failed:
+        if stream:
+            await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+        else:
+            await adapter.complete(RunKind.CHAT, chat(), "run_1")
+    assert failed.value.message == "provider vllm-h: its answer did not decode as its Content-Encoding (gzip) says"
+    assert failed.value.retry is Retry.ELSEWHERE and failed.value.strikes == 0
+
+
+async def test_a_gzip_answer_cut_short_is_still_a_cut(raw: Raw, session: aiohttp.ClientSession) -> None:
+    body = gzip.compress(json.dumps({"choices": [], "pad": "x" * 5000}).encode())
+
+    async def cut(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:len(body) // 2])
+    raw.answers["/v1/chat/completions"] = cut
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with pytest.raises(ProviderError) as failed:
+        await adapter.complete(RunKind.CHAT, chat(), "run_1")
+    assert failed.value.message == "provider vllm-h: the response broke off before it was complete"
+    assert failed.value.retry is Retry.ANY

@@ -188,6 +188,9 @@ def describe(exc: BaseException, *, connect_ms: int | None = None, read_ms: int 
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return "the server closed the connection", 1
     if isinstance(exc, aiohttp.ClientPayloadError):
+        encoding = _undecodable(exc)
+        if encoding is not None:  # the same answer would not decode again: garbage, as invalid JSON
+            return f"its answer did not decode as its Content-Encoding ({encoding}) says", 0
         # it was answering: alive, whatever cut the response (llama-cpp-python cuts a stream
         # this way when another request arrives), so no strike and no sign of life either
         return "the response broke off before it was complete", NO_STRIKE
@@ -202,6 +205,18 @@ def describe(exc: BaseException, *, connect_ms: int | None = None, read_ms: int 
     if isinstance(exc, ValueError):
         return "the answer was not valid JSON", 0
     return "the HTTP exchange failed", 1
+
+
+def _undecodable(exc: aiohttp.ClientPayloadError) -> str | None:
+    """The Content-Encoding a body did not decode as (aiohttp's `ContentEncodingError`, this
+    payload error's cause: `gzip` on a plain body, say), at most 32 characters; None when the body
+    was cut short (a deflate body that ends early raises the same class, saying only `deflate`)."""
+    cause = exc.__cause__
+    message = getattr(cause, "message", None)
+    if not isinstance(cause, aiohttp.http_exceptions.ContentEncodingError) or not isinstance(message, str):
+        return None
+    said, sep, encoding = message.partition("content-encoding:")
+    return encoding.strip()[:32] or "?" if sep and said.lower().startswith("can not decode") else None
 
 
 def _proxy_fault(exc: BaseException, proxy: str) -> str | None:
