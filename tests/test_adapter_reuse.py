@@ -23,6 +23,7 @@ import pytest
 
 from common.config import ProviderConfig
 from common.wire import RunKind
+from tests.conftest import async_wait_until as until
 from tests.fakes.raw_http import RawHttp
 from workers.adapters import sending
 from workers.adapters.base import ProviderError, Retry
@@ -274,9 +275,9 @@ async def test_a_pooled_connection_that_got_an_answer_nobody_asked_for_serves_no
         pooled = sending.sent_on()
         assert pooled is not None and not pooled.should_close  # (back in the pool, its answer read)
         server.send_copy.set()
-        async with asyncio.timeout(5):  # (the copy read into the pooled connection)
-            while not pooled.should_close:
-                await asyncio.sleep(0.005)
+        async def copy_read() -> bool:
+            return pooled.should_close
+        await until(copy_read, what="the copy read into the pooled connection")
         assert await ask("the second caller's") == "the second caller's"
     finally:
         await server.stop()
