@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from common.codec import Unpackable, pack
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import ErrorCode, RunKind
@@ -1356,3 +1357,25 @@ async def test_a_gzip_answer_cut_short_is_still_a_cut(raw: Raw, session: aiohttp
         await adapter.complete(RunKind.CHAT, chat(), "run_1")
     assert failed.value.message == "provider vllm-h: the response broke off before it was complete"
     assert failed.value.retry is Retry.ANY
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_ollama_logprob_beyond_any_float_is_carried_as_it_came_for_the_runner_to_refuse(
+        stream: bool, raw: Raw, session: aiohttp.ClientSession) -> None:
+    """A logprob of 401 digits: float() of it raised OverflowError, which no one caught (the run
+    failed through the runner's catch-all, "could not handle its answer (OverflowError)", with a
+    traceback at ERROR). It stays an integer, which the runner refuses as it does the OpenAI
+    family's (`cannot_carry`: "an integer beyond 64 bits", not tried again)."""
+    big = 10 ** 400
+    line = {**said("hi", done=True), "logprobs": [{"token": "hi", "logprob": big}]}
+    raw.answers["/api/chat"] = whole("200 OK", nd(line), "application/x-ndjson")
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    if stream:
+        answer: Any = await collect(adapter.stream(RunKind.CHAT, chat(stream=True, logprobs=True), "run_1"))
+        logprobs = [c["choices"][0]["logprobs"] for c in answer if c.get("choices") and c["choices"][0].get("logprobs")]
+    else:
+        answer = await adapter.complete(RunKind.CHAT, chat(logprobs=True), "run_1")
+        logprobs = [answer["choices"][0]["logprobs"]]
+    assert logprobs[0]["content"][0]["logprob"] == big
+    with pytest.raises(Unpackable, match="an integer beyond 64 bits"):
+        pack(answer)

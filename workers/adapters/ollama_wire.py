@@ -322,7 +322,11 @@ def _token(entry: Any) -> Json | None:
         return None
     if not (isinstance(raw, list) and all(type(b) is int and 0 <= b <= 255 for b in raw)):
         raw = list(token.encode("utf-8", "backslashreplace"))
-    return {"token": token, "logprob": float(logprob), "bytes": raw}
+    try:
+        value: float | int = float(logprob)
+    except OverflowError:  # (an integer beyond any float: carried as it came, which fails the run as
+        value = logprob    # the OpenAI family's does, "an integer beyond 64 bits")
+    return {"token": token, "logprob": value, "bytes": raw}
 
 
 class Logprobs:
