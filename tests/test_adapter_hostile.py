@@ -1379,3 +1379,16 @@ async def test_an_ollama_logprob_beyond_any_float_is_carried_as_it_came_for_the_
     assert logprobs[0]["content"][0]["logprob"] == big
     with pytest.raises(Unpackable, match="an integer beyond 64 bits"):
         pack(answer)
+
+
+async def test_a_304_to_a_run_is_no_answer_not_a_redirect(raw: Raw, session: aiohttp.ClientSession) -> None:
+    """A 304 (a cache before the server, say) points nowhere: not "a redirect without a Location"."""
+    raw.answers["/v1/chat/completions"] = whole("304 Not Modified", b"")
+    raw.answers["/v1/models"] = whole("304 Not Modified", b"")
+    adapter = OpenAICompatAdapter(openai(raw.url, type="openai_api"), session)
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "run_1")
+    assert err.value.message == "provider vllm-h answered 304, which is no answer to a run or a probe (fix base_url)"
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == DOWN
+    probe = await adapter.probe()
+    assert probe.reason == "GET /v1/models answered 304, which is no answer to a run or a probe (fix base_url)"

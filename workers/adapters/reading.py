@@ -184,7 +184,13 @@ def redirect_text(resp: aiohttp.ClientResponse) -> str:
     return f"a redirect to {where} on another server" if elsewhere else f"a redirect to {where}"
 
 
+#: the 3xx statuses that redirect (a 300, 304 or 305 with no Location redirects nowhere)
+REDIRECTS = (301, 302, 303, 307, 308)
+
+
 def _not_followed(resp: aiohttp.ClientResponse) -> str:
+    if resp.status not in REDIRECTS and not resp.headers.get("Location", "").strip():
+        return f"answered {resp.status}, which is no answer to a run or a probe (fix base_url)"
     return f"answered {resp.status} ({redirect_text(resp)}; iop does not follow redirects: fix base_url)"
 
 
