@@ -49,11 +49,14 @@ end
 
 # Put a dispatched run back at the tail of its model's queue; earlier providers go along as
 # `tried`, so the retry avoids them (or, `elsewhere`, never goes to them: `exclude` = 1; `busy` = 1
-# when the last was too busy to take it, so a run no other can take then fails as a busy one).
+# when the last was too busy to take it, so a run no other can take then fails as a busy one), and
+# so do the providers that would refuse it (`refuse`, as `enqueue` wrote it).
 # Shared by FINISH (a failed attempt) and REAP (a lost one).
 _REQUEUE = """
 local function requeue(record, stream, run_id, elsewhere, busy)
-  local fields = {'run', run_id, 'tried', redis.call('HGET', record, 'tried') or ''}
+  local was = redis.call('HMGET', record, 'tried', 'refuse')
+  local fields = {'run', run_id, 'tried', was[1] or ''}
+  if was[2] then table.insert(fields, 'refuse') table.insert(fields, was[2]) end
   if elsewhere then table.insert(fields, 'exclude') table.insert(fields, '1') end
   if busy then table.insert(fields, 'busy') table.insert(fields, '1') end
   local entry = redis.call('XADD', stream, '*', unpack(fields))
@@ -221,7 +224,9 @@ end
 #       cordon flag...
 # ARGV: run id, max_queue, ttl_s, model, kind, stream flag, body, key name, max_in_flight (0: none),
 #       requests_per_minute (0: none), how long a run can last at most (ms), max_attempts, the id of
-#       the gateway that follows it (its first watcher)
+#       the gateway that follows it (its first watcher), the providers whose adapter would refuse
+#       the run (`gateway.refusals`; comma-separated, '' none: it never goes there), and the same as
+#       one '0'/'1' a provider of KEYS ('' none: their slots and health count for nothing here)
 # Returns {'ok', entry, requests left in the window (-1: no window)}, {'key_in_flight', n},
 # {'key_rate', n, ms until a request leaves the window}, {'unavailable', queued} or {'full', queued}.
 # A provider's capacity: the operator's override, never above the announced one (an override set
@@ -254,16 +259,21 @@ if rpm > 0 then
   end
   left = rpm - n - 1
 end
+local refuse = ARGV[15] or ''
+local function takes(i)  -- whether the provider of KEYS[i] (its heartbeat) would take the run
+  local j = (i - 5) / 5 + 1
+  return string.sub(refuse, j, j) ~= '1'
+end
 local available = false
 for i = 5, #KEYS, 5 do
-  if redis.call('HGET', KEYS[i], 'health') == 'available' then available = true break end
+  if takes(i) and redis.call('HGET', KEYS[i], 'health') == 'available' then available = true break end
 end
 if not available then return {'unavailable', redis.call('XLEN', KEYS[1])} end
 local queued = redis.call('XLEN', KEYS[1])
 if queued >= tonumber(ARGV[2]) then
   local free = 0
   for i = 5, #KEYS, 5 do
-    local hb = redis.call('HMGET', KEYS[i], 'health', 'capacity')
+    local hb = takes(i) and redis.call('HMGET', KEYS[i], 'health', 'capacity') or {}
     if hb[1] == 'available' then
       local ops = redis.call('MGET', KEYS[i + 2], KEYS[i + 3], KEYS[i + 4])
       local cap = capped(hb[2], ops[1])
@@ -274,7 +284,13 @@ if queued >= tonumber(ARGV[2]) then
   end
   if queued >= tonumber(ARGV[2]) + free then return {'full', queued} end
 end
-local entry = redis.call('XADD', KEYS[1], '*', 'run', ARGV[1])
+local entry
+if refuse ~= '' then
+  entry = redis.call('XADD', KEYS[1], '*', 'run', ARGV[1], 'refuse', ARGV[14])
+  redis.call('HSET', KEYS[2], 'refuse', ARGV[14])
+else
+  entry = redis.call('XADD', KEYS[1], '*', 'run', ARGV[1])
+end
 redis.call('HSET', KEYS[2], 'model', ARGV[4], 'kind', ARGV[5], 'stream', ARGV[6], 'body', ARGV[7],
   'state', 'queued', 'created_ms', now, 'entry', entry, 'attempts', 0, 'key', ARGV[8],
   'limited', max_in_flight > 0 and '1' or '0',
@@ -424,8 +440,8 @@ return dispatch_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4
 # and dispatches what is left itself). For each model block, it takes the replica's own pending
 # entries of the stream (those the read just handed it, and any it took over), oldest first, and
 # dispatches each as `dispatch` does, with the candidates the scheduler would give it: the model's
-# providers that list its served name (`listed`), classes from the entry's `tried` and `exclude`
-# (as `Waiting` makes them). It stops at a run that cannot go (not the head, no slot, a probe out),
+# providers that list its served name (`listed`), classes from the entry's `tried` and `exclude`,
+# none of its `refuse` (as `Waiting` makes them). It stops at a run that cannot go (not the head, no slot, a probe out),
 # and at one that has waited its model's `queue_timeout_ms` (the scheduler times it out): the
 # scheduler's way takes over from there. An error stops it too, and is returned after what was
 # done before it (the runs dispatched stay dispatched: a script's writes are not undone).
@@ -451,13 +467,14 @@ local function model_block(i, a)
     for x = 1, #f, 2 do fields[f[x]] = f[x + 1] end
     local run_id = fields['run']
     if not run_id then return end
-    local tried = {}
+    local tried, refuse = {}, {}
     for t in string.gmatch(fields['tried'] or '', '[^,]+') do tried[t] = true end
+    for t in string.gmatch(fields['refuse'] or '', '[^,]+') do refuse[t] = true end
     local cands = {}
     for j = 0, p - 1 do
       local pa = a + 2 + 3 * j
       local provider = ARGV[pa]
-      if not (tried[provider] and fields['exclude'] == '1') then
+      if not (tried[provider] and fields['exclude'] == '1' or refuse[provider]) then
         cands[#cands + 1] = {k = i + 1 + 8 * j, class = tried[provider] and 1 or 0, provider = provider,
           node = ARGV[pa + 1], target = ARGV[pa + 2], listed = true}
       end

@@ -20,7 +20,7 @@ from common.redisconn import REDIS_DOWN
 from common.shown import quoted
 from common.usage import key_names
 from common.wire import ErrorCode, RunKind
-from gateway import admin, catalog, cors, hosts, liveness, metrics, runs_api, usage_api
+from gateway import admin, catalog, cors, hosts, liveness, metrics, refusals, runs_api, usage_api
 from gateway.auth import KEYRING, principal
 from gateway.connections import BODY, expect_handler, forget_body
 from gateway.errors import ApiError, invalid
@@ -43,6 +43,19 @@ STOPPING = web.AppKey("stopping", Stopping)
 
 #: a chat completion's field as a Responses API request names it (its runs are chat completions)
 _RESPONSES_FIELD = {"response_format": "text.format"}
+
+
+def _refusing(req: ParsedRequest, model: ModelConfig, cfg: Config) -> tuple[str, ...]:
+    """The model's providers whose adapter would refuse the run (`gateway.refusals`); the
+    caller's 400 when all would."""
+    if not refusals.MAY_REFUSE & cfg.provider_types(model.id):
+        return ()
+    try:
+        return refusals.refusing(req.kind, req.body, req.stream,
+                                 {p: cfg.provider(p).type for p in sorted(model.providers)})
+    except refusals.Refusal as exc:
+        field = exc.param and _RESPONSES_FIELD.get(exc.param, exc.param) if req.echo is not None else exc.param
+        raise invalid(str(exc), field) from None
 
 
 def _timed_out(run_id: str) -> ApiError:
@@ -132,6 +145,7 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     if refused is not None:  # (every provider would refuse it: not queued only to be refused)
         message, field = refused
         raise invalid(message, _RESPONSES_FIELD.get(field, field) if req.echo is not None else field)
+    refuse = _refusing(req, model, cfg)
     runs = request.app[RUNS]
     run_id = new_run_id()
     shape = None if req.echo is None else ResponseShape(run_id, model.id, req.echo)
@@ -143,7 +157,7 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     try:
         # Following before the run is queued: its every event comes through the gateway's inbox.
         async with runs.follow(run_id, fresh=True) as follower:
-            _, limit_headers = await runs.submit(model, req, principal(request), run_id)
+            _, limit_headers = await runs.submit(model, req, principal(request), run_id, refuse)
             submitted, stream = True, req.stream
             del req  # the body is in the run record now: a waiting caller keeps no parsed copy of it
             with runs.deadlines.within(runs.follow_deadline_s(model.id)):

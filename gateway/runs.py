@@ -6,7 +6,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -93,10 +93,11 @@ class RunClient:
         await self.hub.close()
 
     async def submit(self, model: ModelConfig, req: ParsedRequest, who: Principal = ANYONE,
-                     run_id: str | None = None) -> tuple[str, Mapping[str, str]]:
+                     run_id: str | None = None, refuse: Sequence[str] = ()) -> tuple[str, Mapping[str, str]]:
         """Queue the run for `who` (under `run_id`, or a new id): (its id, the rate-limit headers
         of its key), or raise 429 rate_limit_exceeded / queue_full, or 503
-        no_available_provider. Atomic."""
+        no_available_provider. Atomic. `refuse`: providers of the model whose adapter would
+        refuse it (`gateway.refusals`): it never goes there, nor counts their slots."""
         run_id = run_id or new_run_id()
         policy = self.config.queue_for(model)
         provider_keys = self._provider_keys.get(model.id)
@@ -115,7 +116,9 @@ class RunClient:
                 [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,
                  "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
                  who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000),
-                 policy.max_attempts, self.hub.gateway_id + keys.OUTPUT_ONLY],  # its caller wants output and end
+                 policy.max_attempts, self.hub.gateway_id + keys.OUTPUT_ONLY,  # its caller wants output and end
+                 ",".join(refuse), "".join("1" if p in refuse else "0" for p in sorted(model.providers)) if refuse
+                 else ""],
                 if_left,
             )
         except (RedisTimeoutError, RedisConnectionError) as exc:

@@ -168,10 +168,11 @@ class Scheduler:
         assert model is not None
         timeout = self.config.queue_for(model).queue_timeout_ms
         tried = frozenset(fields.get(b"tried", b"").decode().split(",")) - {""}
+        refuse = frozenset(fields.get(b"refuse", b"").decode().split(",")) - {""}  # (`gateway.refusals`)
         hard = fields.get(b"exclude") == b"1"
         key = entry_key(entry_id)
         item = Waiting(key, run_id, entry_id, key[0] + timeout, busy=fields.get(b"busy") == b"1",
-                       avoid=frozenset() if hard else tried, exclude=tried if hard else frozenset())
+                       avoid=frozenset() if hard else tried - refuse, exclude=(tried if hard else frozenset()) | refuse)
         queue = self.waiting[model_id]
         if not any(w.entry_id == entry_id for w in queue):
             bisect.insort(queue, item)

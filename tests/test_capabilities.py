@@ -1,7 +1,9 @@
 """What every provider of a model would refuse is refused by the gateway at once (pure, and over
 real HTTP and Redis): a run asking for several choices of a model served only by Ollama and CLI
 tools, tools or embeddings of one served only by CLI tools. Before, such a run waited its turn in
-the queue, went to a worker, and got the same 400 there."""
+the queue, went to a worker, and got the same 400 there. And the providers of a model whose
+adapter would refuse a run are named in its queue entry and record (`refuse`), so it goes only to
+those that take it (`gateway.refusals`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from common.capabilities import refused_everywhere
 from common.config import Config, parse_config
 from common.wire import RunKind
 from gateway.app import build_app
+from gateway.refusals import Refusal, refusing
 from tests.conftest import async_wait_until
 from tests.openapi import validate
 from tests.test_scheduler import beat
@@ -120,3 +123,59 @@ async def test_a_json_format_of_a_model_served_only_by_cli_tools_is_refused_nami
             validate("ErrorResponse", body)
             assert body["error"]["param"] == field and "JSON format" in body["error"]["message"]
     assert await redis.keys("iop:run:*") == []  # nothing queued
+
+
+IMAGE_URL = [{"role": "user", "content": [{"type": "text", "text": "what is it"},
+                                          {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
+SAID = [{"role": "user", "content": "hi"}]
+TYPES = {"c": "cli", "o": "ollama", "v": "vllm"}
+
+
+@pytest.mark.parametrize(("kind", "body", "types", "refused"), [
+    (CHAT, {"model": "s", "messages": SAID}, TYPES, ()),
+    (CHAT, {"model": "s", "messages": SAID, "n": 2}, TYPES, ("c", "o")),
+    (CHAT, {"model": "s", "messages": IMAGE_URL}, TYPES, ("c", "o")),
+    (CHAT, {"model": "s", "messages": SAID, "tools": [{"type": "function", "function": {"name": "f"}}]}, TYPES,
+     ("c",)),
+    (COMPLETION, {"model": "s", "prompt": [1, 2, 3]}, TYPES, ("c", "o")),
+    (EMBEDDING, {"model": "s", "input": "x"}, TYPES, ("c",)),
+    (CHAT, {"model": "s", "messages": SAID, "n": 2}, {"v": "vllm", "w": "sglang"}, ()),
+])
+def test_the_providers_whose_adapter_would_refuse_a_run_are_told_from_its_request(
+        kind: RunKind, body: dict[str, Any], types: dict[str, str], refused: tuple[str, ...]) -> None:
+    assert refusing(kind, body, False, types) == refused
+
+
+def test_a_run_every_provider_would_refuse_is_the_first_refusal() -> None:
+    with pytest.raises(Refusal) as refusal:
+        refusing(CHAT, {"model": "s", "messages": IMAGE_URL}, False, {"o1": "ollama", "o2": "ollama"})
+    assert refusal.value.param == "messages[0].content[1].image_url"
+    assert str(refusal.value) == "Ollama takes images only as base64 data URLs"
+
+
+async def test_a_run_goes_in_its_queue_naming_the_providers_that_would_refuse_it(gateway: str, redis: Redis) -> None:
+    """A model served by Ollama and vLLM: a request for two choices is queued with `refuse: o` in
+    its entry and its record; one with an image by URL to a model only Ollama and a CLI tool serve
+    is the caller's 400 at once, naming the field (it was queued, and refused by each provider in
+    turn until its attempts ran out)."""
+    chat = {"messages": SAID, "n": 2}
+    async with aiohttp.ClientSession() as http:
+        waiting = asyncio.create_task(http.post(f"{gateway}/v1/chat/completions", json={"model": "mixed", **chat}))
+
+        async def queued() -> bool:
+            return bool(await redis.xlen("iop:runs:mixed") == 1)
+
+        try:
+            await async_wait_until(queued, what="the run of the mixed model to be queued")
+        finally:
+            waiting.cancel()
+        [(_, fields)] = await redis.xrange("iop:runs:mixed")
+        assert fields[b"refuse"] == b"o"
+        assert await redis.hget(b"iop:run:" + fields[b"run"], "refuse") == b"o"
+        async with http.post(f"{gateway}/v1/chat/completions",
+                             json={"model": "one-choice", "messages": IMAGE_URL}) as resp:
+            body = await resp.json()
+        assert resp.status == 400, body
+        validate("ErrorResponse", body)
+        assert body["error"]["param"] == "messages[0].content[1]"  # (c's, the first provider by id: a CLI tool's)
+        assert await redis.xlen("iop:runs:one-choice") == 0

@@ -20,7 +20,7 @@ from common.redisconn import connect, now_ms
 from gateway.runs import RunClient
 from scheduler.core import PENDING_CANDIDATES, PENDING_MODELS, Scheduler, Waiting, run_scheduler
 from tests.conftest import async_wait_until
-from tests.test_scheduler import MODEL, beat, leases, make_config, submit
+from tests.test_scheduler import MODEL, beat, leases, make_config, request, submit
 
 
 @pytest.fixture
@@ -331,3 +331,18 @@ async def test_the_intake_waits_for_a_dispatch_round_only_up_to_its_bound() -> N
     await sched.dispatch_round()
     await asyncio.wait_for(waiting, timeout=10)
     assert sched.rounds_done == 1
+
+
+async def test_a_run_read_never_goes_to_a_provider_that_would_refuse_it(lined: Redis) -> None:
+    """The entry's `refuse` (`gateway.refusals`): a and b are equal, and the tie-break would send
+    the run to a; Redis sends it to b."""
+    config = make_config({"a": 1, "b": 1})
+    await beat(lined, config)
+    sched = await reader(lined, config)
+    client = RunClient(lined, config)
+    model = config.model(MODEL)
+    assert model is not None
+    run_id, _ = await client.submit(model, request(), refuse=("a",))
+    assert await sched.read_new(block_ms=10) == 0
+    assert await lined.hget(keys.run_record(run_id), "provider") == b"b"
+    await client.close()

@@ -168,9 +168,15 @@ def test_one_model_on_ollama_the_simulator_and_a_cli_tool_at_once(
     stats = asyncio.run(sim_stats(sim_url))
     assert stats["by_model"] == {SERVED["c-sim"]: 2}
 
-    # What neither Ollama nor the CLI tool can carry (n > 1) goes on to the provider that can,
-    # whichever the run was dispatched to first, and counts nothing against the two that could not.
+    # What neither Ollama nor the CLI tool can carry (n > 1, an image by URL) goes to the provider
+    # that can at its first attempt (the gateway tells the queue which providers would refuse it:
+    # each refusal used up one of its attempts, and with the tie-break sending it to a-ollama
+    # first, a run with `max_attempts: 2` failed), and counts nothing against the two.
     client = stack.openai(gateway)
+    image: Any = [{"role": "user", "content": [{"type": "text", "text": "what is it"},
+                                               {"type": "image_url", "image_url": {"url": "https://example.com/c.png"}}]}]
+    seen = client.chat.completions.create(model=MODEL, messages=image, max_tokens=2)
+    assert seen.choices[0].message.content == "tok0 tok1 "
     for stream in (False, True):
         if stream:
             chunks = list(client.chat.completions.create(
@@ -182,9 +188,12 @@ def test_one_model_on_ollama_the_simulator_and_a_cli_tool_at_once(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2)
             texts = {c.index: c.message.content or "" for c in reply.choices}
         assert texts == {0: "tok0 tok1 ", 1: "tok0 tok1 "}, texts  # (both choices, each within max_tokens)
-    assert asyncio.run(sim_stats(sim_url))["by_model"] == {SERVED["c-sim"]: 4}
+    assert asyncio.run(sim_stats(sim_url))["by_model"] == {SERVED["c-sim"]: 5}
     assert len(ollama.records()) == 2 and len(log_lines(cli_log)) == 2  # neither was sent it
     with sync_redis.Redis.from_url(stack.redis_url) as r:
+        refused = [r.hmget(k, "refuse", "attempts", "tried") for k in r.scan_iter("iop:run:*")
+                   if r.hexists(k, "refuse")]
+        assert refused == [[b"a-ollama,b-cli", b"1", b"c-sim"]] * 3, refused
         for pid in ("a-ollama", "b-cli"):
             assert r.hget(f"iop:provider:{pid}", "fails") in (None, b"0")
             assert r.hget(f"iop:provider:{pid}", "health") == b"available"

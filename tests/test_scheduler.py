@@ -17,7 +17,7 @@ from common.config import Config, parse_config
 from common.policy import candidate_class, select_provider
 from common.redisconn import now_ms
 from common.snapshots import read_snapshots
-from common.wire import ErrorInfo, RunKind
+from common.wire import ErrorCode, ErrorInfo, RunKind
 from gateway.errors import ApiError
 from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
@@ -672,3 +672,46 @@ async def test_enqueue_writes_nothing_before_it_takes_a_run_so_a_full_redis_refu
         keys.run_record(taken).encode()]
     if limited:
         assert await redis.zcard(keys.key_in_flight("team-a")) == 1
+
+
+async def test_a_run_never_goes_to_a_provider_that_would_refuse_it_also_once_requeued(redis: Redis) -> None:
+    """`refuse` (`gateway.refusals`): a and b are equal, and the tie-break would send the run to a;
+    it goes to b, and once its lease is reaped and it is queued again, to b again (not to a, which it
+    never tried)."""
+    config = make_config({"a": 1, "b": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    model = config.model(MODEL)
+    assert model is not None
+    run_id, _ = await client.submit(model, request(), refuse=("a",))
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await redis.hmget(keys.run_record(run_id), "provider", "refuse") == [b"b", b"a"]
+    await redis.zadd(keys.leases("b"), {run_id: now_ms() - 1})  # move the clock past the lease
+    assert await sched.reap_expired_leases() == 1
+    [(_, fields)] = await redis.xrange(keys.runs_stream(MODEL))
+    assert fields == {b"run": run_id.encode(), b"tried": b"b", b"refuse": b"a"}
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await redis.hmget(keys.run_record(run_id), "state", "provider", "attempts") == [b"dispatched", b"b", b"2"]
+    await client.close()
+
+
+async def test_a_run_only_providers_that_would_refuse_it_could_take_is_refused_as_unavailable(redis: Redis) -> None:
+    """b, the one provider that would take it, is down: the run is not queued to wait for a, which
+    would refuse it (503 no_available_provider, as when none is available)."""
+    config = make_config({"a": 1, "b": 1})
+    await beat(redis, config)
+    await redis.hset(keys.heartbeat("b"), "health", "unavailable")
+    client = RunClient(redis, config)
+    model = config.model(MODEL)
+    assert model is not None
+    with pytest.raises(ApiError) as refused:
+        await client.submit(model, request(), refuse=("a",))
+    assert refused.value.code is ErrorCode.NO_AVAILABLE_PROVIDER
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 0
+    await client.submit(model, request())  # (without it: a takes it)
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 1
+    await client.close()

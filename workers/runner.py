@@ -81,6 +81,8 @@ class Attempt:
     tried: frozenset[str] = frozenset()
     #: the name of the API key that started the run
     key: str = "-"
+    #: the providers whose adapter would refuse the run (`gateway.refusals`): it never goes there
+    refuse: frozenset[str] = frozenset()
     output: bool = False
     #: bytes of output stored in the run's events so far
     output_bytes: int = 0
@@ -235,7 +237,8 @@ class Runner:
         policy = self.config.queue_for(model)
         tried = frozenset(record.get("tried", b"").decode().split(",")) - {""}
         att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts, tried,
-                      record.get("key", b"-").decode())
+                      record.get("key", b"-").decode(),
+                      refuse=frozenset(record.get("refuse", b"").decode().split(",")) - {""})
         task = asyncio.current_task()
         assert task is not None
         self.running[run_id] = (att, task)
@@ -501,7 +504,7 @@ class Runner:
         drained would wait there until its queue timeout."""
         model = self.config.model(att.model_id)
         others = {p: served for p, served in (model.providers.items() if model else ())
-                  if p not in att.tried and p != att.provider_id}
+                  if p not in att.tried and p not in att.refuse and p != att.provider_id}
         if not others:
             return False
         now = now_ms()
