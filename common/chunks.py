@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-#: Fields of a chunk's `delta` that carry generated output.
-OUTPUT_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call", "refusal")
+#: Fields of a chunk's `delta` that carry generated output (`audio`: a chunk of spoken output, with
+#: `modalities: ["text", "audio"]`, carries its transcript and sound there, and no `content`).
+OUTPUT_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call", "refusal", "audio")
 
 
 def carries_output(chunk: Any) -> bool:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from common.chunks import (
+    OUTPUT_FIELDS,
     choice_indices,
     choice_marks,
     choices_usable,
@@ -16,6 +17,7 @@ from common.chunks import (
     usage_in,
     without_usage,
 )
+from workers.stream_pump import shows_output
 
 
 def counts(prompt: Any, completion: Any, total: Any) -> dict[str, Any]:
@@ -80,3 +82,23 @@ def test_choices_that_are_null_are_not_usable_and_a_finish_reason_is_text() -> N
     for each in (chunk, odd, {"choices": None}, {}, None, []):
         assert choice_marks(each) == (choice_indices(each), choice_indices(each, finished=True))
     assert choice_marks(odd) == ([1, 2, 7], [1, 2])
+
+
+OPENING = {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+SPOKEN = {"choices": [{"index": 0, "delta": {"audio": {"id": "audio_1", "data": "UklGR", "transcript": "Hel"}},
+                       "finish_reason": None}]}
+
+
+@pytest.mark.parametrize("field", OUTPUT_FIELDS)
+def test_a_chunk_of_any_output_goes_out_at_once_and_an_opening_waits(field: str) -> None:
+    """A worker holds a stream's openings (a bare `role`) until output comes, so a stream cut
+    before any may be tried again."""
+    said = {"choices": [{"index": 0, "delta": {field: "x"}, "finish_reason": None}]}
+    assert not shows_output([OPENING], 64)
+    assert shows_output([OPENING, said], 64)
+
+
+def test_a_chunk_of_spoken_output_is_output() -> None:
+    """`delta.audio` (with `modalities` asking for audio) and no `content`: it was held as an
+    opening, up to 64 chunks (seconds of sound) before the caller heard any."""
+    assert shows_output([OPENING, SPOKEN], 64)
