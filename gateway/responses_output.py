@@ -189,9 +189,14 @@ class ResponseShape:
             parts.append(self._part_body("refusal", refusal))
         if parts:
             output.append({**self._message_item(status, len(output)), "content": parts})
+        given: set[Any] = set()
         for call in calls:
             function = _obj(call.get("function"))
-            output.append(self._call_item(len(output), call.get("id"), _text_of(function.get("name")),
+            # (an id another call has already: this one gets an id of its own, as a Response's calls must)
+            call_id = None if call.get("id") in given else call.get("id")
+            if isinstance(call_id, str):
+                given.add(call_id)
+            output.append(self._call_item(len(output), call_id, _text_of(function.get("name")),
                                           _arguments(function.get("arguments")), status))
         usage = completion.get("usage") if isinstance(completion, dict) else None
         return self._response("completed", output, usage, finish=finish)
