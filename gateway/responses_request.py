@@ -207,13 +207,37 @@ def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tool_choice(value: Any) -> str | dict[str, Any]:
-    """The tool choice as the Response repeats it."""
+    """The tool choice as the Response repeats it: a mode, one function, or the functions the model
+    may call (`allowed_tools`: their names, with a mode)."""
     if value in _TOOL_CHOICES:
         return str(value)
     if isinstance(value, dict) and value.get("type") == "function":
         return {"type": "function", "name": _text(value.get("name"), "tool_choice.name")}
-    raise invalid("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"name\": …}",
-                  "tool_choice")
+    if isinstance(value, dict) and value.get("type") == "allowed_tools":
+        mode = value.get("mode")
+        if mode not in ("auto", "required"):
+            raise invalid("'tool_choice.mode' must be auto or required", "tool_choice.mode")
+        listed = value.get("tools")
+        if not isinstance(listed, list):
+            raise invalid("'tool_choice.tools' must be a list of tools", "tool_choice.tools")
+        named = []
+        for i, tool in enumerate(listed):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                raise invalid("only function tools are supported", f"tool_choice.tools[{i}]")
+            named.append({"type": "function", "name": _text(tool.get("name"), f"tool_choice.tools[{i}].name")})
+        return {"type": "allowed_tools", "mode": mode, "tools": named}
+    raise invalid("'tool_choice' must be none, auto, required, {\"type\": \"function\", \"name\": …} or "
+                  "{\"type\": \"allowed_tools\", …}", "tool_choice")
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    """A Response's tool choice (`_tool_choice`) as a chat completion's."""
+    if isinstance(choice, str):
+        return choice
+    if choice["type"] == "function":
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return {"type": "allowed_tools", "allowed_tools": {"mode": choice["mode"], "tools": [
+        {"type": "function", "function": {"name": t["name"]}} for t in choice["tools"]]}}
 
 
 def _one_of(value: Any, choices: tuple[str, ...], path: str) -> Any:
@@ -323,12 +347,16 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
     tool_choice = "auto" if body.get("tool_choice") is None else _tool_choice(body["tool_choice"])
     if tool_choice == "required" and not tools:
         raise invalid("'tool_choice' is required, but 'tools' names no tool", "tool_choice")
-    if isinstance(tool_choice, dict) and tool_choice["name"] not in {t["name"] for t in tools}:
-        raise invalid(f"'tool_choice' names the function {quoted(tool_choice['name'])}, which 'tools' does not "
-                      "hold", "tool_choice.name")
+    held = {t["name"] for t in tools}
+    chosen = [] if isinstance(tool_choice, str) else [(tool_choice, "tool_choice.name")] if (
+        tool_choice["type"] == "function") else [(t, f"tool_choice.tools[{i}].name")
+                                                 for i, t in enumerate(tool_choice["tools"])]
+    for function, path in chosen:
+        if function["name"] not in held:
+            raise invalid(f"'tool_choice' names the function {quoted(function['name'])}, which 'tools' does not "
+                          "hold", path)
     if body.get("tool_choice") is not None:
-        chat["tool_choice"] = tool_choice if isinstance(tool_choice, str) else {
-            "type": "function", "function": {"name": tool_choice["name"]}}
+        chat["tool_choice"] = _chat_tool_choice(tool_choice)
     limit = body.get("max_output_tokens")
     if limit is not None:
         if type(limit) is not int or limit < 1:

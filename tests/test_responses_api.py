@@ -141,7 +141,16 @@ def test_tools_formats_and_fields_are_translated_and_the_rest_passed_through() -
                  "output": [{"type": "input_image", "image_url": "data:,"}]}]}, "input[1].output", "must be text"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "no built-in tools"),
     ({"input": "x", "tools": {"type": "function"}}, "tools", "an array"),
-    ({"input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice", "none, auto, required"),
+    ({"input": "x", "tool_choice": {"type": "web_search"}}, "tool_choice", "none, auto, required"),
+    ({"input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice.mode", "auto or required"),
+    ({"input": "x", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": {}}}, "tool_choice.tools",
+     "a list of tools"),
+    ({"input": "x", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "mcp"}]}},
+     "tool_choice.tools[0]", "only function tools"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {
+        "type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "f"},
+                                                               {"type": "function", "name": "g"}]}},
+     "tool_choice.tools[1].name", '"g", which'),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
     ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type", "json_schema"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "text.format.schema", "an object"),
@@ -213,6 +222,19 @@ def test_a_parsed_responses_request_is_a_chat_run_queued_as_translated() -> None
     with pytest.raises(ApiError) as err:
         parse_responses(b'{"model": "m", "input": "hi", "stream": "yes"}')
     assert err.value.param == "stream"
+
+
+def test_allowed_tools_are_the_chat_completion_s_allowed_tools_and_the_response_repeats_them() -> None:
+    """`tool_choice` of type `allowed_tools` (OpenAI's `ToolChoiceAllowed`): the functions the model
+    may call of those `tools` holds, with a mode; as a chat completion's `allowed_tools` choice."""
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "g"}]}
+    translated = to_chat({"model": "m", "input": "x", "tool_choice": choice, "tools": [
+        {"type": "function", "name": "f"}, {"type": "function", "name": "g"}]}, False)
+    assert translated.chat["tool_choice"] == {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "g"}}]}}
+    response = ResponseShape(RUN, "m", translated.echo).whole(completion({"content": "hi"}))
+    validate("Response", response)
+    assert response["tool_choice"] == choice
 
 
 # ---------------------------------------------------------------------------- the whole answer
