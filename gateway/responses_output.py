@@ -196,8 +196,12 @@ class ResponseShape:
             call_id = None if call.get("id") in given else call.get("id")
             if isinstance(call_id, str):
                 given.add(call_id)
-            output.append(self._call_item(len(output), call_id, _text_of(function.get("name")),
-                                          _arguments(function.get("arguments")), status))
+            arguments = _arguments(function.get("arguments"))
+            output.append(self._call_item(len(output), call_id, _text_of(function.get("name")), arguments, status))
+        if status == "incomplete":  # (as a stream's items end: the one being written when it was cut, and a
+            for item in output[:-1]:  # call whose arguments are not whole, are incomplete; those before, whole)
+                if item["type"] != "function_call" or _whole_json(item["arguments"]):
+                    item["status"] = "completed"
         usage = completion.get("usage") if isinstance(completion, dict) else None
         return self._response("completed", output, usage, finish=finish)
 

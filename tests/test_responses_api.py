@@ -277,7 +277,7 @@ def test_reasoning_text_and_tool_calls_are_items_in_order_and_a_cut_answer_is_in
     assert [(c["call_id"], c["name"], c["arguments"]) for c in response["output"][2:]] == [
         ("call_a", "f", "{}"), (f"call_{RUN[4:]}_3", "g", "{\"a\":1}")]
     assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
-    assert response["output"][1]["status"] == "incomplete"
+    assert [i["status"] for i in response["output"]] == ["completed", "completed", "completed", "incomplete"]
 
 
 def test_two_calls_of_a_whole_answer_with_the_same_id_get_an_id_each() -> None:
@@ -610,3 +610,24 @@ def test_any_responses_body_is_a_chat_run_or_a_400(drawn: dict[str, Any] | str) 
     assert parsed.body["messages"] and all(isinstance(m, dict) for m in parsed.body["messages"])
     assert parsed.echo is not None
     validate("Response", ResponseShape(RUN, "m", parsed.echo).whole({}))
+
+
+@pytest.mark.parametrize("arguments", ['{"a": 1}', '{"a": '])
+def test_a_response_cut_at_its_limit_has_the_same_item_statuses_whole_or_streamed(arguments: str) -> None:
+    """The item being written when the output was cut is incomplete, and so is a call whose
+    arguments are not whole; those before it are whole (a stream ended them `completed` as the next
+    began; a whole Response made every item incomplete, so a caller that runs only completed calls
+    acted on a streamed answer and not on the same answer whole)."""
+    calls = [{"id": "call_a", "type": "function", "function": {"name": "f", "arguments": arguments}},
+             {"id": "call_b", "type": "function", "function": {"name": "g", "arguments": '{"b": '}}]
+    whole = shape().whole(completion({"reasoning_content": "think", "content": "calling", "tool_calls": calls},
+                                     finish="length"))
+    validate("Response", whole)
+    streamed = play([[chunk({"reasoning_content": "think"}), chunk({"content": "calling"}),
+                      chunk({"tool_calls": [{"index": 0, **calls[0]}]}),
+                      chunk({"tool_calls": [{"index": 1, **calls[1]}]}, finish="length")]])[-1]["response"]
+    statuses = [(i["type"], i["status"]) for i in whole["output"]]
+    assert statuses == [(i["type"], i["status"]) for i in streamed["output"]]
+    assert statuses == [("reasoning", "completed"), ("message", "completed"),
+                        ("function_call", "completed" if arguments == '{"a": 1}' else "incomplete"),
+                        ("function_call", "incomplete")]
