@@ -146,10 +146,10 @@ async def test_log_probabilities_are_asked_for_and_come_back_openai_shaped(
     assert fake.state.records[-1]["body"]["logprobs"] is True and fake.state.records[-1]["body"]["top_logprobs"] == 1
     assert answer["choices"][0]["logprobs"] == {
         "tokens": text, "token_logprobs": [-0.25, -0.5, -0.75],
-        "top_logprobs": [{"tok0 ": -0.25}, {"tok1 ": -0.5}, {"tok2 ": -0.75}], "text_offset": [0, 5, 10]}
+        "top_logprobs": [{"tok0 ": -0.25}, {"tok1 ": -0.5}, {"tok2 ": -0.75}], "text_offset": [9, 14, 19]}
     streamed = [c for read in await collect(adapter, RunKind.COMPLETION, {**body, "stream": True}) for c in read]
     offsets = [o for c in streamed if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
-    assert offsets == [0, 5, 10]  # (counted over the stream's lines)
+    assert offsets == [9, 14, 19]  # (from the prompt's start, as OpenAI's and llama.cpp's; over the stream's lines)
 
     plain = await adapter.complete(RunKind.CHAT, chat(max_tokens=1, logprobs=False, top_logprobs=3), "run_4")
     assert plain["choices"][0]["logprobs"] is None and "logprobs" not in fake.state.records[-1]["body"]
@@ -161,10 +161,10 @@ def test_log_probabilities_of_the_wrong_type_are_left_out() -> None:
     line = {"logprobs": [{"token": 5, "logprob": -1.0}, {"token": "a", "logprob": "low"}, "x",
                          {"token": "b", "logprob": True},
                          {"token": "ok", "logprob": -1, "bytes": ["no"], "top_logprobs": [{"token": "z"}, 3]}]}
-    assert wire.Logprobs(RunKind.CHAT).of(line) == {
+    assert wire.Logprobs(RunKind.CHAT, {}).of(line) == {
         "content": [{"token": "ok", "logprob": -1.0, "bytes": list(b"ok"), "top_logprobs": []}], "refusal": None}
-    assert wire.Logprobs(RunKind.CHAT).of({"logprobs": {"token": "a"}}) is None
-    assert wire.Logprobs(RunKind.CHAT).of({"logprobs": [None]}) is None
+    assert wire.Logprobs(RunKind.CHAT, {}).of({"logprobs": {"token": "a"}}) is None
+    assert wire.Logprobs(RunKind.CHAT, {}).of({"logprobs": [None]}) is None
     with pytest.raises(wire.UnsupportedRequest, match="'logprobs' of a completion"):
         wire.request(RunKind.COMPLETION, {"model": SERVED, "prompt": "x", "logprobs": "2"}, False)
 

@@ -208,7 +208,7 @@ class OllamaAdapter:
         return shaper.response(wire.text_of(kind, answer), wire.finish_reason(answer, bool(calls)),
                                wire.usage_of(answer), tool_calls=calls,
                                extra={"reasoning_content": thinking} if thinking else None,
-                               logprobs=wire.Logprobs(kind).of(answer))
+                               logprobs=wire.Logprobs(kind, body).of(answer))
 
     async def stream(self, kind: RunKind, body: Json, request_id: str) -> AsyncIterator[list[Json]]:
         if kind is RunKind.EMBEDDING:
@@ -217,7 +217,7 @@ class OllamaAdapter:
         shaper = Shaper(kind, request_id, body["model"])
         parser = NDJSONParser(self.provider.id, self.limits, request_id, body["model"])
         include_usage = wants_usage(body)
-        logprobs = wire.Logprobs(kind)
+        logprobs = wire.Logprobs(kind, body)
         tool_calls = 0
         done = False
         try:

@@ -240,7 +240,8 @@ def _function_of(tool: Any) -> Json | None:
     return function if isinstance(function, dict) else None
 
 
-def generate_request(body: Json, stream: bool) -> Json:
+def _prompt(body: Json) -> str:
+    """A legacy completion's one text prompt (a list of one is that one)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -248,6 +249,11 @@ def generate_request(body: Json, stream: bool) -> Json:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise UnsupportedRequest("Ollama takes a text prompt", "prompt")
+    return prompt
+
+
+def generate_request(body: Json, stream: bool) -> Json:
+    prompt = _prompt(body)
     native = _common(body, RunKind.COMPLETION)
     native["prompt"] = prompt
     native["stream"] = stream
@@ -333,12 +339,14 @@ class Logprobs:
     """An answer's log probabilities from Ollama's (`logprobs`: token, logprob, bytes, and
     `top_logprobs`, of the tokens of each line), OpenAI-shaped: a chat's `{"content": [...],
     "refusal": null}`; a legacy completion's `tokens`, `token_logprobs`, `top_logprobs` (a token ->
-    logprob object a position) and `text_offset` (where each token starts in the answer's text,
-    counted over a stream's lines)."""
+    logprob object a position) and `text_offset` (where each token starts in the prompt and the
+    answer's text, counted over a stream's lines)."""
 
-    def __init__(self, kind: RunKind) -> None:
+    def __init__(self, kind: RunKind, body: Json) -> None:
+        """`body`: the run's request (a legacy completion's offsets count from its prompt's start, as
+        OpenAI's and llama.cpp's do: the first token's is the prompt's length)."""
         self.kind = kind
-        self.offset = 0
+        self.offset = len(_prompt(body)) if kind is RunKind.COMPLETION else 0
 
     def of(self, native: Json) -> Json | None:
         """Those of one line (None: it has none)."""
