@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from common.codec import unpack
 from common.wire import ErrorCode, RunKind
 from gateway.errors import ApiError
+from gateway.refusals import Refusal, refusing
 from gateway.requests import ParsedRequest, parse_request
 from tests.conftest import Stack, wait_until
 
@@ -218,3 +219,24 @@ def test_a_valid_request_is_queued_so_the_fuzz_check_can_fail(gateway: tuple[str
         assert client.hget(record, "state") == b"cancelled"
     finally:
         client.close()
+
+
+@given(KIND_AND_BODY)
+@settings(max_examples=400)
+def test_the_providers_that_would_refuse_any_accepted_body_are_told_without_an_error(
+        kind_and_raw: tuple[RunKind, bytes]) -> None:
+    """`gateway.refusals` writes each accepted request as Ollama's and a CLI tool's adapters would:
+    it names the providers that would refuse it, or all of them refuse it (a 400), never anything
+    else (a 500)."""
+    kind, raw = kind_and_raw
+    parsed = parsed_or_400(lambda: parse_request(kind, raw))
+    if parsed is None:
+        return
+    for types in ({"c": "cli", "o": "ollama", "v": "vllm"}, {"o": "ollama"}, {"c": "cli"}):
+        try:
+            refused = refusing(parsed.kind, parsed.body, parsed.stream, types)
+        except Refusal as refusal:
+            event("refused everywhere")
+            assert str(refusal)
+            continue
+        assert set(refused) <= set(types) - {"v"} and len(refused) < len(types)
