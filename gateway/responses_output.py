@@ -193,8 +193,8 @@ class ResponseShape:
         for call in calls:
             function = _obj(call.get("function"))
             # (an id another call has already: this one gets an id of its own, as a Response's calls must)
-            call_id = None if call.get("id") in given else call.get("id")
-            if isinstance(call_id, str):
+            call_id = call.get("id") if isinstance(call.get("id"), str) and call["id"] not in given else None
+            if call_id is not None:
                 given.add(call_id)
             arguments = _arguments(function.get("arguments"))
             output.append(self._call_item(len(output), call_id, _text_of(function.get("name")), arguments, status))

@@ -284,9 +284,11 @@ def test_two_calls_of_a_whole_answer_with_the_same_id_get_an_id_each() -> None:
     """A caller answers each call by its `call_id`: two calls that share one could not be told
     apart (a stream's second call got an id of its own; a whole answer's kept the provider's)."""
     call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    response = shape().whole(completion({"tool_calls": [call, call, {**call, "id": "call_1"}]}, "tool_calls"))
+    response = shape().whole(completion({"tool_calls": [call, call, {**call, "id": "call_1"}, {**call, "id": {}},
+                                                         {**call, "id": ["x"]}]}, "tool_calls"))
     validate("Response", response)
-    assert [c["call_id"] for c in response["output"]] == ["call_0", f"call_{RUN[4:]}_1", "call_1"]
+    assert [c["call_id"] for c in response["output"]] == ["call_0", f"call_{RUN[4:]}_1", "call_1",
+                                                          f"call_{RUN[4:]}_3", f"call_{RUN[4:]}_4"]
 
 
 def test_a_cut_answer_s_tool_call_is_incomplete_and_arguments_sent_as_json_are_kept_as_text() -> None:
