@@ -25,7 +25,9 @@ MAY_REFUSE = frozenset({"ollama", "cli"})
 #: provider type -> its adapter's writing of a run (raises `UnsupportedRequest` or `NotForCli`
 #: for what it refuses); types missing here take every request
 _WRITERS: dict[str, Callable[[RunKind, dict[str, Any], bool], object]] = {
-    "ollama": ollama_request,
+    # (not the arguments of earlier tool calls: JSON text, which the body's limits on depth and
+    # containers do not reach; one nested too deep is left to the worker to refuse)
+    "ollama": lambda kind, body, stream: ollama_request(kind, body, stream, parse_arguments=False),
     "cli": lambda kind, body, stream: prompt_text(kind, body),
 }
 

@@ -179,3 +179,21 @@ async def test_a_run_goes_in_its_queue_naming_the_providers_that_would_refuse_it
         validate("ErrorResponse", body)
         assert body["error"]["param"] == "messages[0].content[1]"  # (c's, the first provider by id: a CLI tool's)
         assert await redis.xlen("iop:runs:one-choice") == 0
+
+
+def test_the_gateway_does_not_parse_the_arguments_of_earlier_tool_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """They are JSON text, out of reach of the body's limits on depth and containers: a few MiB of
+    `[]` there took the gateway's one thread seconds to parse (the worker refuses one nested too
+    deep, as before)."""
+    from workers.adapters import ollama_wire
+
+    def no_parse(*_: Any, **__: Any) -> Any:
+        raise AssertionError("tool call arguments parsed in the gateway")
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}
+    body = {"model": "s", "messages": [{"role": "assistant", "content": None, "tool_calls": [call]},
+                                       {"role": "tool", "tool_call_id": "c1", "content": "x"}]}
+    with pytest.raises(ollama_wire.UnsupportedRequest, match="nest deeper"):
+        ollama_wire.request(CHAT, body, False)  # (the worker's writing)
+    monkeypatch.setattr(ollama_wire.json, "loads", no_parse)
+    assert refusing(CHAT, body, False, TYPES) == ()  # (left to the worker)

@@ -152,15 +152,17 @@ def _function(call: Any) -> Json:
     return fn if isinstance(fn, dict) else {}
 
 
-def _native_tool_calls(calls: Any, path: str) -> list[Json]:
+def _native_tool_calls(calls: Any, path: str, parse: bool = True) -> list[Json]:
     """OpenAI's tool calls of an earlier turn (arguments as JSON text) -> Ollama's (as an object).
     Arguments that are not JSON go as {}; JSON nested deeper than `MAX_DEPTH` is the caller's
-    error (it was a RecursionError in the worker, and a 502 blamed on the provider)."""
+    error (it was a RecursionError in the worker, and a 502 blamed on the provider). Not `parse`:
+    the arguments stay as they came (a check of what would be refused, which leaves them to the
+    worker: JSON text escapes the body's limits on depth and containers)."""
     out = []
     for j, call in enumerate(calls if isinstance(calls, list) else []):
         fn = _function(call)
         args = fn.get("arguments")
-        if isinstance(args, str):
+        if isinstance(args, str) and parse:
             too_deep = False
             try:
                 args = json.loads(args) if args else {}
@@ -179,7 +181,7 @@ def _native_tool_calls(calls: Any, path: str) -> list[Json]:
 ROLES = {"developer": "system"}
 
 
-def _messages(messages: Any) -> list[Json]:
+def _messages(messages: Any, parse_arguments: bool = True) -> list[Json]:
     """OpenAI's messages -> Ollama's. A `developer` message (OpenAI's newer name for `system`)
     goes as `system`; a tool result names its tool (`tool_name`): from its `name`, else from the
     earlier assistant call its `tool_call_id` answers."""
@@ -194,7 +196,7 @@ def _messages(messages: Any) -> list[Json]:
         if images:
             native["images"] = images
         if msg.get("tool_calls"):
-            native["tool_calls"] = _native_tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
+            native["tool_calls"] = _native_tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls", parse_arguments)
             for call in msg["tool_calls"] if isinstance(msg["tool_calls"], list) else []:
                 name = _function(call).get("name")
                 if isinstance(call, dict) and isinstance(call.get("id"), str) and isinstance(name, str):
@@ -208,9 +210,9 @@ def _messages(messages: Any) -> list[Json]:
     return out
 
 
-def chat_request(body: Json, stream: bool) -> Json:
+def chat_request(body: Json, stream: bool, parse_arguments: bool = True) -> Json:
     native = _common(body, RunKind.CHAT)
-    native["messages"] = _messages(body.get("messages"))
+    native["messages"] = _messages(body.get("messages"), parse_arguments)
     if body.get("tools") and body.get("tool_choice") != "none":  # ("none": the model calls no tool)
         native["tools"] = offered_tools(body["tools"], body.get("tool_choice"))
     native["stream"] = stream
@@ -271,10 +273,10 @@ def embed_request(body: Json) -> Json:
     return native
 
 
-def request(kind: RunKind, body: Json, stream: bool) -> tuple[str, Json]:
-    """The native path and body for an OpenAI-shaped run."""
+def request(kind: RunKind, body: Json, stream: bool, parse_arguments: bool = True) -> tuple[str, Json]:
+    """The native path and body for an OpenAI-shaped run (`parse_arguments`: see `_native_tool_calls`)."""
     if kind is RunKind.CHAT:
-        return "/api/chat", chat_request(body, stream)
+        return "/api/chat", chat_request(body, stream, parse_arguments)
     if kind is RunKind.COMPLETION:
         return "/api/generate", generate_request(body, stream)
     return "/api/embed", embed_request(body)
