@@ -8,6 +8,7 @@ those that take it (`gateway.refusals`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -195,5 +196,5 @@ def test_the_gateway_does_not_parse_the_arguments_of_earlier_tool_calls(monkeypa
                                        {"role": "tool", "tool_call_id": "c1", "content": "x"}]}
     with pytest.raises(ollama_wire.UnsupportedRequest, match="nest deeper"):
         ollama_wire.request(CHAT, body, False)  # (the worker's writing)
-    monkeypatch.setattr(ollama_wire.json, "loads", no_parse)
+    monkeypatch.setattr(json, "loads", no_parse)  # (the module ollama_wire parses them with)
     assert refusing(CHAT, body, False, TYPES) == ()  # (left to the worker)
