@@ -69,20 +69,26 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
     return snaps
 
 
-def each_why(snaps: list[ProviderSnapshot], now_ms: int, ttl_ms: int) -> str:
+#: what a provider whose adapter would refuse a run is, for that run (`gateway.refusals`)
+WOULD_REFUSE = "would refuse the request"
+
+
+def each_why(snaps: list[ProviderSnapshot], now_ms: int, ttl_ms: int, refuse: frozenset[str] = frozenset()) -> str:
     """` (vllm-a: drained or cordoned, vllm-b: full (4 of 4))`: what each provider says now
-    (`common.policy.why_not`), in the order of their ids; '' for none."""
+    (`common.policy.why_not`; those in `refuse`: that they would refuse the run), in the order of
+    their ids; '' for none."""
     ordered = sorted(snaps, key=lambda s: s.provider_id)
-    shown = ", ".join(f"{s.provider_id}: {why_not(s, now_ms, ttl_ms)}" for s in ordered)
+    shown = ", ".join(f"{s.provider_id}: {WOULD_REFUSE if s.provider_id in refuse else why_not(s, now_ms, ttl_ms)}"
+                      for s in ordered)
     return f" ({shown})" if shown else ""
 
 
 async def why_none(redis: Redis, targets: Mapping[str, str], now_ms: int, node_of: Callable[[str], str],
-                   ttl_ms: int) -> str:
+                   ttl_ms: int, refuse: frozenset[str] = frozenset()) -> str:
     """`each_why` of a model's providers read now, for a run that none took (so a caller and an
     operator see the drain, the cordon or the health behind it); '' if Redis cannot say."""
     try:
         snaps = await read_snapshots(redis, targets, now_ms, node_of)
     except REDIS_UNUSABLE:
         return ""
-    return each_why(snaps, now_ms, ttl_ms)
+    return each_why(snaps, now_ms, ttl_ms, refuse)

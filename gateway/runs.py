@@ -157,7 +157,7 @@ class RunClient:
                 headers={"Retry-After": "1"},
             )
         why = await why_none(self.redis, model.providers, now_ms(), self.config.node_of,
-                             self.config.runtime.heartbeat_ttl_ms)
+                             self.config.runtime.heartbeat_ttl_ms, frozenset(refuse))
         raise ApiError(
             ErrorCode.NO_AVAILABLE_PROVIDER,
             f"no provider of model {model.id!r} is available right now{why}",

@@ -80,18 +80,32 @@ class Waiting:
     #: the last provider was too busy to take it (its 429 or 503)
     busy: bool = field(compare=False, default=False)
     #: providers it must not go to (a server error, or a request its adapter does not take: a cli
-    #: tool's, Ollama's)
+    #: tool's, Ollama's), `refuse` included
     exclude: frozenset[str] = field(compare=False, default=frozenset())
+    #: providers whose adapter would refuse it (`gateway.refusals`): it never went there
+    refuse: frozenset[str] = field(compare=False, default=frozenset())
 
 
 def _no_other_provider(model_id: str, w: Waiting) -> ErrorInfo:
     """A run its providers could not serve (a server error, too busy, no answer in time, or a
     request their adapters do not take), and no other provider can take it; when the last was too
     busy, as a busy provider's own answer (`status` 503: the caller's 503 says `Retry-After`)."""
+    failed = ", ".join(sorted(w.exclude - w.refuse))
     return ErrorInfo(ErrorCode.PROVIDER_ERROR,
-                     f"{', '.join(sorted(w.exclude))} could not serve the run (a server error, too busy, no answer in "
-                     f"time, or a request it does not take) and no other provider of model {model_id!r} is available",
+                     f"{failed} could not serve the run (a server error, too busy, no answer in time, or a request "
+                     f"it does not take) and no other provider of model {model_id!r} is available",
                      status=503 if w.busy else None)
+
+
+def _unavailable(model_id: str, snaps: list[ProviderSnapshot], now: int, ttl: int,
+                 refuse: frozenset[str] = frozenset()) -> ErrorInfo:
+    """No provider of the model that would take the run (all but `refuse`) is available: a 503
+    saying what each is, as for a run the gateway refuses at once (`each_why`), and when to try
+    again (`retry_after_s`: when the first bench ends, if benches are all that keep them out)."""
+    takers = [s for s in snaps if s.provider_id not in refuse]
+    return ErrorInfo(ErrorCode.NO_AVAILABLE_PROVIDER,
+                     f"no provider of model {model_id!r} is available" + each_why(snaps, now, ttl, refuse),
+                     retry_after_s=retry_after_s(takers, now, ttl, MAX_RETRY_AFTER_S))
 
 
 def new_consumer_name() -> str:
@@ -172,7 +186,8 @@ class Scheduler:
         hard = fields.get(b"exclude") == b"1"
         key = entry_key(entry_id)
         item = Waiting(key, run_id, entry_id, key[0] + timeout, busy=fields.get(b"busy") == b"1",
-                       avoid=frozenset() if hard else tried - refuse, exclude=(tried if hard else frozenset()) | refuse)
+                       avoid=frozenset() if hard else tried - refuse, exclude=(tried if hard else frozenset()) | refuse,
+                       refuse=refuse)
         queue = self.waiting[model_id]
         if not any(w.entry_id == entry_id for w in queue):
             bisect.insort(queue, item)
@@ -385,8 +400,13 @@ class Scheduler:
                     if all_refused(snaps, now, ttl):
                         await self._refuse_all(model, snaps, now)
                         return
-                    others = [s for s in snaps if s.provider_id not in head.exclude]
-                    if not head.exclude or (others and not all_refused(others, now, ttl)):
+                    takers = [s for s in snaps if s.provider_id not in head.refuse] if head.refuse else snaps
+                    if all_refused(takers, now, ttl):  # (those that would take it are down: as if all were)
+                        await self._drop(model.id, queue.pop(0), RunState.FAILED,
+                                         _unavailable(model.id, snaps, now, ttl, head.refuse))
+                        continue
+                    others = [s for s in takers if s.provider_id not in head.exclude]
+                    if head.exclude == head.refuse or (others and not all_refused(others, now, ttl)):
                         return  # it waits for a slot, and the runs behind it with it (FIFO)
                     await self._drop(model.id, queue.pop(0), RunState.FAILED, _no_other_provider(model.id, head))
                     continue
@@ -461,13 +481,9 @@ class Scheduler:
         return outcomes
 
     async def _refuse_all(self, model: ModelConfig, snaps: list[ProviderSnapshot], now: int) -> None:
-        """Every provider of the model is down: its waiting runs fail now (503), not at their timeout,
-        saying what each is as a run the gateway refuses at once does (`each_why`), and when to try
-        again (`retry_after_s`: when the first bench ends, if benches are all that keep them out)."""
-        ttl = self.config.runtime.heartbeat_ttl_ms
-        info = ErrorInfo(ErrorCode.NO_AVAILABLE_PROVIDER,
-                         f"no provider of model {model.id!r} is available" + each_why(snaps, now, ttl),
-                         retry_after_s=retry_after_s(snaps, now, ttl, MAX_RETRY_AFTER_S))
+        """Every provider of the model is down: its waiting runs fail now (503, `_unavailable`), not
+        at their timeout."""
+        info = _unavailable(model.id, snaps, now, self.config.runtime.heartbeat_ttl_ms)
         queue = self.waiting[model.id]
         while queue:
             await self._drop(model.id, queue.pop(0), RunState.FAILED, info)
@@ -496,15 +512,16 @@ class Scheduler:
             message = (f"the run waited {timeout + late_ms} ms in the queue of model {model_id!r}, past its "
                        f"queue_timeout_ms ({timeout} ms): no scheduler was running to dispatch it")
         else:
-            why = await self._why(model_id)
+            why = await self._why(model_id, w.refuse)
             message = f"no provider of model {model_id!r} had a free slot within {timeout} ms{why}"
         await self._drop(model_id, w, RunState.TIMED_OUT, ErrorInfo(ErrorCode.QUEUE_TIMEOUT, message))
 
-    async def _why(self, model_id: str) -> str:
+    async def _why(self, model_id: str, refuse: frozenset[str] = frozenset()) -> str:
         """` (vllm-a: drained or cordoned, vllm-b: full (4 of 4))`: what each provider of the model
-        says now (so an operator sees a drain or a cordon behind a timeout); '' if Redis cannot say."""
+        says now (so an operator sees a drain or a cordon behind a timeout; `refuse`: those that would
+        refuse the run say so); '' if Redis cannot say."""
         return await why_none(self.redis, self._targets[model_id], now_ms(), self.config.node_of,
-                              self.config.runtime.heartbeat_ttl_ms)
+                              self.config.runtime.heartbeat_ttl_ms, refuse)
 
     def _drop_call(self, model_id: str, run_id: str, state: RunState, info: ErrorInfo,
                    abort_running: bool = False) -> tuple[list[str], list[Any]]:

@@ -376,6 +376,21 @@ async def test_a_server_error_goes_back_only_when_another_provider_is_available(
         "failed", f"provider {other} answered 500: boom"]
 
 
+async def test_a_server_error_fails_at_once_when_only_providers_that_would_refuse_the_run_are_left(
+        redis: Redis) -> None:
+    """The other provider is available but would refuse the run (its record's `refuse`, from
+    `gateway.refusals`): nothing is left to try, so the run fails with the error now, not sent back
+    to wait in its queue for a provider it never goes to."""
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1})
+    provider, other = await chosen_and_other(redis, run_id)
+    await redis.hset(keys.run_record(run_id), "refuse", other)
+    err = ProviderError(f"provider {provider} answered 500: boom", status=500, retry=Retry.ELSEWHERE)
+    runner = Runner(redis, sched.config, f"n-{provider}", {provider: Scripted([], err)})
+    assert (await runner.execute(run_id)).startswith("failed")
+    assert await fields(redis, keys.run_record(run_id), "state", "error_message") == [
+        "failed", f"provider {provider} answered 500: boom"]
+
+
 @pytest.mark.parametrize("gone", ["unavailable", "drained", "cordoned", "capacity 0"])
 async def test_a_server_error_with_no_available_provider_left_fails_at_once(redis: Redis, gone: str) -> None:
     """(A drained provider, a cordoned node, a capacity of 0: the run sent back for it would wait

@@ -711,7 +711,45 @@ async def test_a_run_only_providers_that_would_refuse_it_could_take_is_refused_a
     with pytest.raises(ApiError) as refused:
         await client.submit(model, request(), refuse=("a",))
     assert refused.value.code is ErrorCode.NO_AVAILABLE_PROVIDER
+    assert refused.value.message == ("no provider of model 'm:1' is available right now (a: would refuse the request, "
+                                     "b: unavailable)")
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0
     await client.submit(model, request())  # (without it: a takes it)
     assert await redis.xlen(keys.runs_stream(MODEL)) == 1
+    await client.close()
+
+
+
+async def test_a_waiting_run_whose_takers_go_down_fails_as_unavailable_blaming_none_it_never_tried(
+        redis: Redis) -> None:
+    """b, the one provider that would take it, goes down while it waits: a 503
+    no_available_provider saying what each is (a 502 said "a could not serve the run", a provider
+    it never went to); a run that times out says which would refuse it too."""
+    config = make_config({"a": 1, "b": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    model = config.model(MODEL)
+    assert model is not None
+    run_id, _ = await client.submit(model, request(), refuse=("a",))
+    await redis.hset(keys.heartbeat("b"), "health", "unavailable")
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await redis.hmget(keys.run_record(run_id), "state", "error_code", "error_message") == [
+        b"failed", b"no_available_provider", b"no provider of model 'm:1' is available (a: would refuse the request, "
+                                             b"b: unavailable)"]
+
+    await redis.zadd(keys.leases("b"), {"other": now_ms() + 60_000})  # b back, and full
+    await beat(redis, config)
+    run_id, _ = await client.submit(model, request(), refuse=("a",))
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_id), "state") == b"queued"  # it waits for b
+    for w in sched.waiting[MODEL]:
+        w.deadline_ms = now_ms() - 1  # (its queue_timeout_ms just past)
+    await sched.expire_overdue()
+    assert await redis.hmget(keys.run_record(run_id), "state", "error_message") == [
+        b"timed_out", b"no provider of model 'm:1' had a free slot within 60000 ms (a: would refuse the request, "
+                      b"b: full (1 of 1))"]
     await client.close()

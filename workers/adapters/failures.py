@@ -216,7 +216,9 @@ def _undecodable(exc: aiohttp.ClientPayloadError) -> str | None:
     if not isinstance(cause, aiohttp.http_exceptions.ContentEncodingError) or not isinstance(message, str):
         return None
     said, sep, encoding = message.partition("content-encoding:")
-    return encoding.strip()[:32] or "?" if sep and said.lower().startswith("can not decode") else None
+    if not sep or not said.lower().startswith("can not decode"):
+        return None
+    return (encoding.split() or ["?"])[0][:32]  # ("brotli (br). Please install `Brotli`": brotli)
 
 
 def _proxy_fault(exc: BaseException, proxy: str) -> str | None:
