@@ -441,10 +441,11 @@ return dispatch_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4
 # entries of the stream (those the read just handed it, and any it took over), oldest first, and
 # dispatches each as `dispatch` does, with the candidates the scheduler would give it: the model's
 # providers that list its served name (`listed`), classes from the entry's `tried` and `exclude`,
-# none of its `refuse` (as `Waiting` makes them). It stops at a run that cannot go (not the head, no slot, a probe out),
-# and at one that has waited its model's `queue_timeout_ms` (the scheduler times it out): the
-# scheduler's way takes over from there. An error stops it too, and is returned after what was
-# done before it (the runs dispatched stay dispatched: a script's writes are not undone).
+# none of its `refuse` (as `Waiting` makes them). It stops at a run that cannot go (not the head,
+# no slot, a probe out), and at one that has waited its model's `queue_timeout_ms` (the scheduler
+# times it out): the scheduler's way takes over from there. An error stops it too, and is returned
+# after what was done before it (the runs dispatched stay dispatched: a script's writes are not
+# undone).
 # KEYS: for each model: its runs stream, then `dispatch`'s 8 keys of each of its providers (in
 #       the order of their ids)
 # ARGV: group, lease ttl ms, run ttl s, replica channel prefix, heartbeat ttl ms, this replica,
