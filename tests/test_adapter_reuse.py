@@ -23,7 +23,6 @@ import pytest
 
 from common.config import ProviderConfig
 from common.wire import RunKind
-from tests.conftest import async_wait_until as until
 from tests.fakes.raw_http import RawHttp
 from workers.adapters import sending
 from workers.adapters.base import ProviderError, Retry
@@ -217,14 +216,17 @@ async def test_the_connection_of_a_stream_that_ended_before_any_event_serves_no_
 @dataclass
 class Twice(RawHttp):
     """Answers each request with its own prompt (kept alive), and the first answer twice, as a
-    server or proxy that repeats an answer: the copy goes out when `send_copy` is set."""
+    server or proxy that repeats an answer: the copy goes out when `send_copy` is set (`split`: its
+    first 20 bytes then, part of its head, the rest before the next answer on that connection)."""
 
     requests: int = 0
     connections: int = 0
     send_copy: asyncio.Event = field(default_factory=asyncio.Event)
+    split: bool = False
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        rest = b""
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -241,23 +243,28 @@ class Twice(RawHttp):
                            else json.dumps(answer).encode())
                 kind = "text/event-stream" if stream else "application/json"
                 out = f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
-                writer.write(out + payload)
+                writer.write(rest + out + payload)
+                rest = b""
                 await writer.drain()
                 if self.requests == 1:
                     await self.send_copy.wait()
-                    writer.write(out + payload)
+                    copy = out + payload
+                    cut = 20 if self.split else len(copy)
+                    writer.write(copy[:cut])
                     await writer.drain()
+                    rest = copy[cut:]
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole copy", "part of its head"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_pooled_connection_that_got_an_answer_nobody_asked_for_serves_no_other_run(
-        session: aiohttp.ClientSession, stream: bool) -> None:
+        session: aiohttp.ClientSession, stream: bool, split: bool) -> None:
     """aiohttp reads bytes that come on a connection in the pool as the answer to the next request
-    sent on it: the second run would get the first run's answer (another caller's text). It goes
-    on a new connection instead."""
-    server = Twice()
+    sent on it: the second run would get the first run's answer (another caller's text), or, when
+    only part of its head came, fail as "not valid HTTP". It goes on a new connection instead."""
+    server = Twice(split=split)
     adapter = OpenAICompatAdapter(provider(await server.start()), session)
 
     async def ask(prompt: str) -> str:
@@ -274,10 +281,16 @@ async def test_a_pooled_connection_that_got_an_answer_nobody_asked_for_serves_no
         assert await ask("the first caller's") == "the first caller's"
         pooled = sending.sent_on()
         assert pooled is not None and not pooled.should_close  # (back in the pool, its answer read)
+        came = asyncio.Event()
+        received = pooled.data_received
+
+        def noted(data: bytes) -> None:  # (the copy read into the pooled connection)
+            received(data)
+            came.set()
+
+        pooled.data_received = noted  # type: ignore[method-assign]
         server.send_copy.set()
-        async def copy_read() -> bool:
-            return pooled.should_close
-        await until(copy_read, what="the copy read into the pooled connection")
+        await asyncio.wait_for(came.wait(), 5)
         assert await ask("the second caller's") == "the second caller's"
     finally:
         await server.stop()

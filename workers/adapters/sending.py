@@ -16,11 +16,16 @@ here: the connector says it for nothing.
 A connection whose stream ended short of its end is not used for another run (`drop`): the
 connector closes it when it would hand it out. So is one on which bytes came while it sat in the
 pool (a server or proxy that sent an answer twice, or a late one): aiohttp reads them as the
-answer to the next request sent on it, which would hand one run's answer to another run's caller.
+answer to the next request sent on it, which would hand one run's answer to another run's caller
+(or, the start of an answer only, fail that run as "not valid HTTP"). The connector makes its
+connections' protocols `_Watched`, which note bytes that come while they are in the pool
+(aiohttp's `_factory` and `_release`, which it has no public hook for).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -30,7 +35,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp.client_proto import ResponseHandler
-from aiohttp.client_reqrep import ClientRequest
+from aiohttp.client_reqrep import ClientRequest, ConnectionKey
 from aiohttp.connector import Connection
 from aiohttp.tracing import Trace
 
@@ -47,13 +52,30 @@ RESEND_WITHIN_S = 0.25
 _sent_on: ContextVar[tuple[ResponseHandler | None, bool]] = ContextVar("iop_sent_on", default=(None, False))
 
 
+class _Watched(ResponseHandler):
+    """aiohttp's protocol of a connection, which notes bytes that came while it was in the pool."""
+
+    idle = False
+    stray = False
+
+    def data_received(self, data: bytes) -> None:
+        if data and self.idle:
+            self.stray = True
+        super().data_received(data)
+
+
+def _watched(loop: asyncio.AbstractEventLoop) -> ResponseHandler:
+    return _Watched(loop=loop)
+
+
 class PoolConnector(aiohttp.TCPConnector):
     """aiohttp's connector, which says whether a request went out on a connection it had used
     before (one from the pool) or on a new one, and never hands out one that was `drop`ped, nor
-    one that holds bytes no request asked for (`should_close`: read while it sat in the pool)."""
+    one on which bytes no request asked for came while it sat in the pool."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self._factory = functools.partial(_watched, self._loop)
         self._used: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
         self._dropped: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
 
@@ -61,13 +83,21 @@ class PoolConnector(aiohttp.TCPConnector):
         while True:
             conn = await super().connect(req, traces, timeout)
             protocol = conn.protocol
-            if protocol is None or not (protocol in self._dropped or protocol.should_close):
+            if protocol is None or not (protocol in self._dropped or protocol.should_close
+                                        or getattr(protocol, "stray", False)):
                 break
             conn.close()  # (closes it: the pool never hands it out again)
         _sent_on.set((protocol, protocol is not None and protocol in self._used))
         if protocol is not None:
             self._used.add(protocol)
+            if isinstance(protocol, _Watched):
+                protocol.idle = False
         return conn
+
+    def _release(self, key: ConnectionKey, protocol: ResponseHandler, *, should_close: bool = False) -> None:
+        if isinstance(protocol, _Watched):
+            protocol.idle = True  # (from now, in the pool: whatever comes on it is stray)
+        super()._release(key, protocol, should_close=should_close)
 
     def drop(self, protocol: ResponseHandler) -> None:
         """Never hand `protocol` out again; it is closed when next taken from the pool (a run that
