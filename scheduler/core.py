@@ -141,6 +141,10 @@ class Scheduler:
         self._active: dict[str, None] = dict.fromkeys(m.id for m in config.models)
         #: the `dispatch_pending` calls made so far, by the models they cover
         self._pending_calls: dict[tuple[str, ...], tuple[list[str], list[Any]]] = {}
+        #: providers the config lacks whose leases this replica reaps too (`_look_for_strays`): a
+        #: provider taken out of the config keeps the slots its runs hold until they end or lapse
+        self._strays: set[str] = set()
+        self._scanned = False
         #: when this replica's heartbeat last went through, and since when it has without a gap (a
         #: replica that could not reach Redis judges no gateway dead until they had time to beat)
         self._beat_ms = 0
@@ -665,7 +669,8 @@ class Scheduler:
 
     # ----------------------------------------------------------------- leases
     async def reap_expired_leases(self) -> int:
-        """Give back the slots of workers that died, and requeue or fail their runs."""
+        """Give back the slots of workers that died, and requeue or fail their runs; also those of
+        providers the config lacks (`_look_for_strays`)."""
         now = now_ms()
         reaped = 0
         max_attempts = {m.id: self.config.queue_for(m).max_attempts for m in self.config.models}
@@ -675,18 +680,44 @@ class Scheduler:
                 expired = await self.redis.zrangebyscore(lease_key, "-inf", now)
                 for raw in expired:
                     reaped += await self._reap(lease_key, node.id, provider.id, raw.decode(), max_attempts)
+        await self._look_for_strays()
+        for provider_id in sorted(self._strays):
+            lease_key = keys.leases(provider_id)
+            for raw in await self.redis.zrangebyscore(lease_key, "-inf", now):
+                reaped += await self._reap(lease_key, None, provider_id, raw.decode(), max_attempts)
+            if not await self.redis.exists(lease_key):
+                self._strays.discard(provider_id)
         return reaped
 
-    async def _reap(self, lease_key: str, node_id: str, provider_id: str, run_id: str,
+    async def _look_for_strays(self) -> None:
+        """Providers the config lacks that may hold slots: taken out of the config while runs of
+        theirs were going on (a worker of the old config may still run them, or die with them: no
+        replica of the new config would give those slots back, and their callers would wait out
+        their whole deadline). Those whose workers beat (`keys.BEATING`), and, at this replica's
+        first look, every provider with a lease key (a SCAN: a worker killed before this replica
+        started beats no more)."""
+        configured = {p.id for node in self.config.nodes for p in node.providers}
+        found = [p.decode(errors="replace") for p in await self.redis.zrange(keys.BEATING, 0, -1)]
+        if not self._scanned:
+            prefix = keys.leases("")
+            async for key in self.redis.scan_iter(match=prefix + "*", count=1000):
+                found.append(key.decode(errors="replace")[len(prefix):])
+            self._scanned = True
+        self._strays.update(p for p in found if p not in configured)
+
+    async def _reap(self, lease_key: str, node_id: str | None, provider_id: str, run_id: str,
                     max_attempts: dict[str, int]) -> int:
-        model_raw = await self.redis.hget(keys.run_record(run_id), "model")
+        """`node_id` None: a provider the config lacks (the run's record says which node ran it)."""
+        model_raw, node_raw = await self.redis.hmget(keys.run_record(run_id), "model", "node")
         model_id = model_raw.decode() if model_raw else ""
+        if node_id is None:
+            node_id = node_raw.decode() if node_raw else ""
+        woken = [keys.runs_stream(m) for m in self.config.models_of(provider_id)] or [keys.runs_stream(model_id)]
         lost = ErrorInfo(ErrorCode.WORKER_LOST, "the worker running this run was lost")
         result = await self.scripts.call(
             "reap",
             [lease_key, keys.run_record(run_id), keys.run_events(run_id), keys.runs_stream(model_id),
-             keys.node_queue(node_id), keys.arq_in_progress(run_id),
-             *(keys.runs_stream(m) for m in self.config.models_of(provider_id))],
+             keys.node_queue(node_id), keys.arq_in_progress(run_id), *woken],
             [run_id, max_attempts.get(model_id, 1), self.config.runtime.run_ttl_s, keys.scheduler_channel(""),
              model_id, pack(lost.to_wire()), pack({**lost.to_wire(), "before_output": False}),
              pack(cancelled_by_caller().to_wire())],

@@ -753,3 +753,27 @@ async def test_a_waiting_run_whose_takers_go_down_fails_as_unavailable_blaming_n
         b"timed_out", b"no provider of model 'm:1' had a free slot within 60000 ms (a: would refuse the request, "
                       b"b: full (1 of 1))"]
     await client.close()
+
+
+async def test_a_lost_run_of_a_provider_taken_out_of_the_config_is_reaped_too(redis: Redis) -> None:
+    """b left the config (a scheduler of the new one runs) while a run of its was going on, and its
+    worker died with it: the slot comes back and the run is queued again (no replica reaped a
+    provider its config lacks: the caller waited out its whole deadline). Found by its lease key
+    (a SCAN at the replica's first look: b's worker beats no more)."""
+    before = make_config({"a": 1, "b": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    await beat(redis, before)
+    await redis.zadd(keys.leases("a"), {"other": now_ms() + 60_000})  # a is full: the run goes to b
+    client, sched, (run_id,) = await waiting_runs(redis, before, 1)
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_id), "provider") == b"b"
+    await redis.delete(keys.heartbeat("b"), keys.BEATING)  # its worker died
+
+    after = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    replica = Scheduler(redis, after)
+    await replica.ensure_groups()
+    assert await replica.reap_expired_leases() == 0  # (its lease lives yet)
+    await redis.zadd(keys.leases("b"), {run_id: now_ms() - 1})  # move the clock past the lease
+    assert await replica.reap_expired_leases() == 1
+    assert await redis.exists(keys.leases("b")) == 0
+    assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
+    await client.close()
