@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common import keys
 from common.codec import pack, unpack
-from common.config import ProviderConfig
+from common.config import ProviderConfig, parse_config
 from common.policy import Health, why_not
 from common.redisconn import Backoff, now_ms
 from common.redisline import new_line_of
@@ -374,6 +374,34 @@ async def test_a_server_error_goes_back_only_when_another_provider_is_available(
     assert (await runner.execute(run_id)).startswith("failed")
     assert await fields(redis, keys.run_record(run_id), "state", "error_message") == [
         "failed", f"provider {other} answered 500: boom"]
+
+
+@pytest.mark.parametrize("lacks", ["provider", "model"])
+async def test_a_run_a_worker_of_another_config_cannot_serve_goes_back_to_its_queue(redis: Redis, lacks: str) -> None:
+    """The scheduler's config and the worker's differ (a rollout half done: the provider moved to
+    another node, or the model left): the run is queued again while it has attempts, as a lost
+    one, then fails saying which the worker lacks; not a provider's fault (no suspect, no strike).
+    It failed at once, blaming the provider ("not served by node")."""
+    sched, run_id = await start_one(redis, {"a": 1}, max_attempts=2)
+    config = sched.config
+    adapters: dict[str, Any] = {"a": Scripted([[TEXT]])}
+    if lacks == "provider":
+        adapters = {}
+    else:
+        config = parse_config({"models": [{"id": "another", "providers": {"a": "a-name"}}],
+                               "nodes": [{"id": "n-a", "providers": [{"id": "a", "type": "vllm", "capacity": 1,
+                                                                      "base_url": "http://127.0.0.1:9",
+                                                                      "models": ["a-name"]}]}]})
+    why = (f"model '{MODEL}' is not in the config of node n-a's worker" if lacks == "model"
+           else "provider a is not on node n-a in its worker's config")
+    assert await Runner(redis, config, "n-a", adapters).execute(run_id) == "requeued:ok"
+    assert await fields(redis, keys.run_record(run_id), "state", "suspects") == ["queued", None]
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert (await Runner(redis, config, "n-a", adapters).execute(run_id)).startswith("failed")
+    assert await fields(redis, keys.run_record(run_id), "state", "error_code", "error_message") == [
+        "failed", "service_unavailable", why]
+    assert await redis.hget(keys.heartbeat("a"), "fails") in (None, b"0")
 
 
 async def test_a_server_error_fails_at_once_when_only_providers_that_would_refuse_the_run_are_left(

@@ -230,10 +230,15 @@ class Runner:
         model = self.config.model(model_id)
         adapter = self.adapters.get(provider_id)
         if model is None or adapter is None:
-            log.error("provider %s is not on node %s", provider_id, self.node_id, extra=run_fields(run_id, model_id))
-            att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), 1)
-            info = ErrorInfo(ErrorCode.PROVIDER_ERROR, f"provider {provider_id} is not served by node {self.node_id}")
-            return await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info)
+            # The scheduler's config and this worker's differ (a rollout of a new one half done): the
+            # run goes back to its queue, as a lost one would, while it has attempts left.
+            why = (f"model {model_id!r} is not in the config of node {self.node_id}'s worker" if model is None else
+                   f"provider {provider_id} is not on node {self.node_id} in its worker's config")
+            log.error("%s (its config and the scheduler's differ)", why, extra=run_fields(run_id, model_id))
+            limit = record.get("max_attempts", b"1")
+            att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(),
+                          int(limit) if limit.isdigit() else 1)
+            return await self._fail(att, ErrorInfo(ErrorCode.UNAVAILABLE, why), Retry.ANY)  # (no suspect: `suspect`)
         policy = self.config.queue_for(model)
         tried = frozenset(record.get("tried", b"").decode().split(",")) - {""}
         att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts, tried,
