@@ -374,9 +374,12 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
   for _, c in ipairs(cands) do
     local k = c.k
     local hb = redis.call('HMGET', KEYS[k], 'health', 'ts_ms', 'capacity', 'observed_models',
-      '{keys.BENCH_FIELD}' .. c.target)
+      '{keys.BENCH_FIELD}' .. c.target, 'node')
+    -- (a heartbeat from another node than the candidate's: the provider moved there in a config
+    -- this replica does not run yet; its node's queue is not where it is served)
     if hb[1] == 'available' and tonumber(hb[2]) and tonumber(hb[2]) >= oldest_beat
-        and (not c.listed or lists(hb[4], c.target)) and not (tonumber(hb[5]) and tonumber(hb[5]) > now) then
+        and (not c.listed or lists(hb[4], c.target)) and not (tonumber(hb[5]) and tonumber(hb[5]) > now)
+        and (not hb[6] or hb[6] == c.node) then
       alive[#alive + 1], beats[#beats + 1] = c, hb
       for x = 2, 5 do op_keys[#op_keys + 1] = KEYS[k + x] end
     end

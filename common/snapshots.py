@@ -41,25 +41,29 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
                          node_of: Callable[[str], str]) -> list[ProviderSnapshot]:
     """One pipeline: each provider's heartbeat fields (its bench for the model's served name there
     too), its count of live leases, and what an operator set for it (a drain, its node's cordon, a
-    capacity override).
+    capacity override). A heartbeat its config places on another node counts as none.
 
     targets: provider id -> the served name the model has there; node_of: provider id -> its node."""
     pipe = redis.pipeline(transaction=False)
     for pid, served in targets.items():
-        pipe.hmget(keys.heartbeat(pid), "health", "capacity", "ts_ms", "observed_models", keys.BENCH_FIELD + served)
+        pipe.hmget(keys.heartbeat(pid), "health", "capacity", "ts_ms", "observed_models", keys.BENCH_FIELD + served,
+                   "node")
         pipe.zcount(keys.leases(pid), f"({now_ms}", "+inf")
         pipe.exists(keys.drained(pid), keys.cordoned(node_of(pid)))
         pipe.get(keys.capacity_override(pid))
     replies = await pipe.execute()
     snaps = []
     for i, (pid, served) in enumerate(targets.items()):
-        (health, capacity, ts, observed, bench), in_flight, blocked, override = replies[4 * i:4 * i + 4]
+        (health, capacity, ts, observed, bench, node), in_flight, blocked, override = replies[4 * i:4 * i + 4]
+        # (a heartbeat from another node than the config's: the provider moved there in a config this
+        # reader does not run yet; as no heartbeat, it keeps a run waiting, not sent where it is not)
+        here = node is None or node.decode(errors="replace") == node_of(pid)
         snaps.append(ProviderSnapshot(
             provider_id=pid,
             health=_health(health),
             capacity=_int(capacity),
             in_flight=int(in_flight),
-            heartbeat_ms=_int(ts),
+            heartbeat_ms=_int(ts) if here else None,
             has_model=_lists(observed, served),
             drained=int(blocked) > 0,
             capacity_override=_int(override),

@@ -346,3 +346,18 @@ async def test_a_run_read_never_goes_to_a_provider_that_would_refuse_it(lined: R
     assert await sched.read_new(block_ms=10) == 0
     assert await lined.hget(keys.run_record(run_id), "provider") == b"b"
     await client.close()
+
+
+async def test_a_run_read_never_goes_to_a_provider_whose_heartbeat_comes_from_another_node(lined: Redis) -> None:
+    """b's heartbeat says n-a, the config here n-b (a rollout half done): with a full, Redis
+    leaves the run waiting, not sent to n-b's queue."""
+    config = make_config({"a": 1, "b": 1})
+    await beat(lined, config)
+    await lined.hset(keys.heartbeat("b"), "node", "n-a")
+    await lined.zadd(keys.leases("a"), {"other": now_ms() + 60_000})  # a is full
+    sched = await reader(lined, config)
+    client = RunClient(lined, config)
+    (run_id,) = await submit(client, 1)
+    assert await sched.read_new(block_ms=10) == 1  # (left waiting)
+    assert await lined.hget(keys.run_record(run_id), "state") == b"queued"
+    await client.close()

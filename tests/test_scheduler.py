@@ -777,3 +777,21 @@ async def test_a_lost_run_of_a_provider_taken_out_of_the_config_is_reaped_too(re
     assert await redis.exists(keys.leases("b")) == 0
     assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
     await client.close()
+
+
+async def test_a_provider_whose_heartbeat_comes_from_another_node_takes_no_run_here(redis: Redis) -> None:
+    """b moved to node n-a in a config this replica does not run yet (its heartbeat, from n-a's
+    worker, says so): a run is not sent to n-b's queue, where no worker serves b (its callers got
+    502s while a rollout was half done); it waits, as for a provider with no heartbeat."""
+    config = make_config({"a": 1, "b": 1})
+    await beat(redis, config)
+    await redis.hset(keys.heartbeat("a"), "node", "n-a")
+    await redis.hset(keys.heartbeat("b"), "node", "n-a")  # (the config here says n-b)
+    client, sched, run_ids = await waiting_runs(redis, config, 2)
+    await sched.dispatch_all()
+    assert [await redis.hget(keys.run_record(r), "provider") for r in run_ids] == [b"a", None]
+    assert await redis.zcard(keys.node_queue("n-b")) == 0
+    await redis.hset(keys.heartbeat("b"), "node", "n-b")  # (the rollout done, as this replica's config says)
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_ids[1]), "provider") == b"b"
+    await client.close()
