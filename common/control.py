@@ -41,6 +41,10 @@ class Action(StrEnum):
 
 
 NODE_ACTIONS = frozenset({Action.CORDON, Action.UNCORDON})
+#: the actions that only take a setting away: allowed on an id the config lacks when its setting is
+#: there (a provider or node taken out of the config while drained keeps its key, and would come back
+#: drained if the id came back)
+CLEARING = frozenset({Action.UNDRAIN, Action.UNCORDON, Action.CAPACITY_CLEAR})
 
 #: The shortest and longest time a capacity override may be given (`--for`, `"for"`).
 MIN_FOR_MS = 1_000
@@ -260,7 +264,11 @@ def _opt_int(value: str | bytes | None) -> int | None:
 async def apply(redis: Redis, config: Config, change: Change) -> AuditEntry:
     """Make the change and record it, in one atomic step; the schedulers are woken. Raises
     UnknownTarget or ControlError (nothing is written then)."""
-    check_change(config, change)
+    try:
+        check_change(config, change)
+    except UnknownTarget:
+        if change.action not in CLEARING or not await redis.exists(change.key()):
+            raise
     entry_id, _previous, _until = await Scripts(redis).call(
         "control", [change.key(), keys.AUDIT_STREAM],
         [change.action.value, change.target_kind, change.target, change.who,

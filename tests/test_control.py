@@ -165,6 +165,26 @@ async def test_unknown_targets_and_bad_values_write_nothing(redis: Redis) -> Non
     assert await redis.keys("iop:*") == []
 
 
+async def test_a_setting_left_by_an_id_the_config_lacks_may_be_cleared(redis: Redis) -> None:
+    """b was drained, given an override and its node cordoned, then taken out of the config: the
+    keys stay (an id that came back would come back drained), and the clearing actions take them
+    away (they were refused: no provider 'b' in the config). With nothing to clear, an unknown id
+    is refused as before; a setting cannot be made on one."""
+    before, after = make_config({"a": 4, "b": 4}), make_config({"a": 4})
+    for change in (Change(Action.DRAIN, "b", "ops"), Change(Action.CAPACITY, "b", "ops", capacity=1),
+                   Change(Action.CORDON, "n-b", "ops")):
+        await apply(redis, before, change)
+    for change in (Change(Action.UNDRAIN, "b", "ops"), Change(Action.CAPACITY_CLEAR, "b", "ops"),
+                   Change(Action.UNCORDON, "n-b", "ops")):
+        entry = await apply(redis, after, change)
+        assert entry.target == change.target and entry.previous != entry.value
+    assert not await redis.exists(keys.drained("b"), keys.capacity_override("b"), keys.cordoned("n-b"))
+    for change in (Change(Action.UNDRAIN, "b", "ops"), Change(Action.DRAIN, "b", "ops"),
+                   Change(Action.UNCORDON, "nope", "ops")):
+        with pytest.raises(UnknownTarget):
+            await apply(redis, after, change)
+
+
 async def test_the_audit_stream_is_capped(redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(keys, "AUDIT_MAX_ENTRIES", 150)
     config = make_config({"a": 4})
