@@ -556,9 +556,8 @@ class Scheduler:
         self._orphans_ms = now
         run_ids = [w.run_id for queue in self.waiting.values() for w in queue]
         async with self.redis.pipeline(transaction=False) as pipe:
-            for node in self.config.nodes:
-                for provider in node.providers:
-                    pipe.zrange(keys.leases(provider.id), 0, -1)
+            for provider_id in [*(p.id for node in self.config.nodes for p in node.providers), *sorted(self._strays)]:
+                pipe.zrange(keys.leases(provider_id), 0, -1)  # (and those of providers the config lacks)
             leased = await pipe.execute()
         run_ids += [raw.decode() for ids in leased for raw in ids]
         found: list[tuple[str, str]] = []

@@ -93,6 +93,11 @@ async def test_after_its_start_or_an_outage_a_scheduler_waits_its_grace_before_j
     await redis.hset(keys.run_record("r"), mapping={"watchers": "dead~", "state": "running", "node": "n1",
                                                     "model": "qwen3.6:35b"})
     await redis.zadd(keys.leases("p"), {"r": clock[0] + 60_000})
+    # and one on a provider taken out of the config, whose worker of the old config runs it yet
+    await redis.hset(keys.run_record("r2"), mapping={"watchers": "dead~", "state": "running", "node": "n2",
+                                                     "model": "qwen3.6:35b"})
+    await redis.zadd(keys.leases("gone"), {"r2": clock[0] + 60_000})
+    assert await sched.reap_expired_leases() == 0  # (its lease lives: nothing to reap, but found)
 
     async def steady_for(ms: int) -> None:  # (heartbeats a third of the liveness apart: no gap)
         for _ in range(ms // (LIVENESS_MS // 3)):
@@ -109,8 +114,9 @@ async def test_after_its_start_or_an_outage_a_scheduler_waits_its_grace_before_j
         assert await sched.cancel_orphans() == 0
         assert await redis.hget(keys.run_record("r"), "cancel") is None
     await steady_for(LIVENESS_MS)
-    assert await sched.cancel_orphans() == 1
-    assert await redis.hmget(keys.run_record("r"), ["cancel", "cancel_code"]) == [b"1", b"service_unavailable"]
+    assert await sched.cancel_orphans() == 2
+    for run_id in ("r", "r2"):
+        assert await redis.hmget(keys.run_record(run_id), ["cancel", "cancel_code"]) == [b"1", b"service_unavailable"]
 
 
 def stream_in_thread(url: str, body: dict[str, Any], out: dict[str, Any]) -> threading.Thread:
