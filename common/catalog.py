@@ -368,9 +368,9 @@ def change_report(catalog: Catalog, entry: AuditEntry) -> dict[str, Any]:
     the catalog records of the providers it touched (a node's: all of its providers), as they are now."""
     report: dict[str, Any] = {"object": "control.change", "change": entry.to_json()}
     if entry.target_kind == "node":
-        node = next(n for n in catalog.nodes if n.id == entry.target)
-        report["node"] = asdict(node)
-        touched = set(node.providers)
+        node = next((n for n in catalog.nodes if n.id == entry.target), None)  # (None: one the config lacks)
+        report["node"] = asdict(node) if node is not None else None
+        touched = set(node.providers) if node is not None else set()
     else:
         touched = {entry.target}
     report["providers"] = [asdict(p) for p in catalog.providers if p.id in touched]

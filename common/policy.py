@@ -67,6 +67,9 @@ class ProviderSnapshot:
     benched: bool = False
     #: when that bench ends (ms since the epoch), if the reader knows it
     bench_until_ms: int | None = None
+    #: the node its heartbeat comes from when that is not the config's (it moved there in a config
+    #: the reader does not run yet): its heartbeat counts as none (`heartbeat_ms` None)
+    beats_from: str | None = None
 
     @property
     def effective_capacity(self) -> int | None:
@@ -146,6 +149,8 @@ def why_not(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> str:
     """Why a provider takes no run now, in a few words (for a run that timed out in its queue):
     `no heartbeat`, `unavailable`, `missing the model`, `benched`, `drained or cordoned`, `capacity 0`, or
     `full (n of c)` (it may be free by the time this is read)."""
+    if snap.beats_from is not None:
+        return f"its heartbeat comes from node {snap.beats_from}, not this config's"
     if not is_fresh(snap, now_ms, ttl_ms):
         return "no heartbeat"
     if snap.health is not Health.AVAILABLE:

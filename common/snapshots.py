@@ -57,7 +57,8 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
         (health, capacity, ts, observed, bench, node), in_flight, blocked, override = replies[4 * i:4 * i + 4]
         # (a heartbeat from another node than the config's: the provider moved there in a config this
         # reader does not run yet; as no heartbeat, it keeps a run waiting, not sent where it is not)
-        here = node is None or node.decode(errors="replace") == node_of(pid)
+        beats_from = node.decode(errors="replace") if node is not None else None
+        here = beats_from is None or beats_from == node_of(pid)
         snaps.append(ProviderSnapshot(
             provider_id=pid,
             health=_health(health),
@@ -69,6 +70,7 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
             capacity_override=_int(override),
             benched=(_int(bench) or 0) > now_ms,
             bench_until_ms=_int(bench),
+            beats_from=None if here else beats_from,
         ))
     return snaps
 

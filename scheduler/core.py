@@ -144,6 +144,9 @@ class Scheduler:
         #: providers the config lacks whose leases this replica reaps too (`_look_for_strays`): a
         #: provider taken out of the config keeps the slots its runs hold until they end or lapse
         self._strays: set[str] = set()
+        #: the SCAN of lease keys at this replica's first look (its own task: it reads the whole
+        #: keyspace, ~0.8 s a million keys, and must not hold up the liveness beats)
+        self._scan: asyncio.Task[None] | None = None
         self._scanned = False
         #: when this replica's heartbeat last went through, and since when it has without a gap (a
         #: replica that could not reach Redis judges no gateway dead until they had time to beat)
@@ -695,29 +698,48 @@ class Scheduler:
         their whole deadline). Those whose workers beat (`keys.BEATING`), and, at this replica's
         first look, every provider with a lease key (a SCAN: a worker killed before this replica
         started beats no more)."""
-        configured = {p.id for node in self.config.nodes for p in node.providers}
         found = [p.decode(errors="replace") for p in await self.redis.zrange(keys.BEATING, 0, -1)]
-        if not self._scanned:
-            prefix = keys.leases("")
-            async for key in self.redis.scan_iter(match=prefix + "*", count=1000):
-                found.append(key.decode(errors="replace")[len(prefix):])
-            self._scanned = True
-        self._strays.update(p for p in found if p not in configured)
+        self._strays.update(p for p in found if p not in self._configured())
+        if not self._scanned and (self._scan is None or self._scan.done()):  # (again after a failed one)
+            self._scan = asyncio.create_task(self._scan_leases(), name="scan-leases")
+
+    def _configured(self) -> set[str]:
+        return {p.id for node in self.config.nodes for p in node.providers}
+
+    async def _scan_leases(self) -> None:
+        prefix = keys.leases("")
+        try:
+            found = [key.decode(errors="replace")[len(prefix):]
+                     async for key in self.redis.scan_iter(match=prefix + "*", count=1000)]
+        except REDIS_UNUSABLE as exc:
+            log.warning("could not look for the leases of providers the config lacks (%s); trying again", exc)
+            return
+        self._strays.update(p for p in found if p not in self._configured())
+        self._scanned = True
+
+    async def close(self) -> None:
+        """Stop what this replica does on its own (the SCAN of `_look_for_strays`)."""
+        if self._scan is not None:
+            self._scan.cancel()
+            await asyncio.gather(self._scan, return_exceptions=True)
 
     async def _reap(self, lease_key: str, node_id: str | None, provider_id: str, run_id: str,
                     max_attempts: dict[str, int]) -> int:
         """`node_id` None: a provider the config lacks (the run's record says which node ran it)."""
-        model_raw, node_raw = await self.redis.hmget(keys.run_record(run_id), "model", "node")
+        model_raw, node_raw, limit = await self.redis.hmget(keys.run_record(run_id), "model", "node", "max_attempts")
         model_id = model_raw.decode() if model_raw else ""
         if node_id is None:
             node_id = node_raw.decode() if node_raw else ""
+        # (the run's own limit, as its queueing wrote it: a replica of an older config may not know
+        # its model, nor have the same limit)
+        attempts = int(limit) if limit and limit.isdigit() else max_attempts.get(model_id, 1)
         woken = [keys.runs_stream(m) for m in self.config.models_of(provider_id)] or [keys.runs_stream(model_id)]
         lost = ErrorInfo(ErrorCode.WORKER_LOST, "the worker running this run was lost")
         result = await self.scripts.call(
             "reap",
             [lease_key, keys.run_record(run_id), keys.run_events(run_id), keys.runs_stream(model_id),
              keys.node_queue(node_id), keys.arq_in_progress(run_id), *woken],
-            [run_id, max_attempts.get(model_id, 1), self.config.runtime.run_ttl_s, keys.scheduler_channel(""),
+            [run_id, attempts, self.config.runtime.run_ttl_s, keys.scheduler_channel(""),
              model_id, pack(lost.to_wire()), pack({**lost.to_wire(), "before_output": False}),
              pack(cancelled_by_caller().to_wire())],
         )
@@ -860,6 +882,7 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await sched.close()
         try:
             await sched.redis.delete(keys.scheduler_alive(sched.consumer))
         except REDIS_UNUSABLE:

@@ -11,6 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
+from common.catalog import change_report, read_catalog
 from common.config import parse_config
 from common.control import (
     Action,
@@ -178,6 +179,8 @@ async def test_a_setting_left_by_an_id_the_config_lacks_may_be_cleared(redis: Re
                    Change(Action.UNCORDON, "n-b", "ops")):
         entry = await apply(redis, after, change)
         assert entry.target == change.target and entry.previous != entry.value
+        report = change_report(await read_catalog(redis, after, now_ms()), entry)  # (what it answers)
+        assert report["providers"] == [] and report.get("node", None) is None
     assert not await redis.exists(keys.drained("b"), keys.capacity_override("b"), keys.cordoned("n-b"))
     for change in (Change(Action.UNDRAIN, "b", "ops"), Change(Action.DRAIN, "b", "ops"),
                    Change(Action.UNCORDON, "nope", "ops")):

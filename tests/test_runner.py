@@ -376,7 +376,7 @@ async def test_a_server_error_goes_back_only_when_another_provider_is_available(
         "failed", f"provider {other} answered 500: boom"]
 
 
-@pytest.mark.parametrize("lacks", ["provider", "model"])
+@pytest.mark.parametrize("lacks", ["provider", "model", "provider anywhere"])
 async def test_a_run_a_worker_of_another_config_cannot_serve_goes_back_to_its_queue(redis: Redis, lacks: str) -> None:
     """The scheduler's config and the worker's differ (a rollout half done: the provider moved to
     another node, or the model left): the run is queued again while it has attempts, as a lost
@@ -387,13 +387,19 @@ async def test_a_run_a_worker_of_another_config_cannot_serve_goes_back_to_its_qu
     adapters: dict[str, Any] = {"a": Scripted([[TEXT]])}
     if lacks == "provider":
         adapters = {}
+    elif lacks == "provider anywhere":  # (renamed in the worker's config: z)
+        adapters = {}
+        config = parse_config({"models": [{"id": MODEL, "providers": {"z": "z-name"}}],
+                               "nodes": [{"id": "n-a", "providers": [{"id": "z", "type": "vllm", "capacity": 1,
+                                                                      "base_url": "http://127.0.0.1:9",
+                                                                      "models": ["z-name"]}]}]})
     else:
         config = parse_config({"models": [{"id": "another", "providers": {"a": "a-name"}}],
                                "nodes": [{"id": "n-a", "providers": [{"id": "a", "type": "vllm", "capacity": 1,
                                                                       "base_url": "http://127.0.0.1:9",
                                                                       "models": ["a-name"]}]}]})
     why = (f"model '{MODEL}' is not in the config of node n-a's worker" if lacks == "model"
-           else "provider a is not on node n-a in its worker's config")
+           else "provider a is not on node n-a in its worker's config")  # (the model is there, z its provider)
     assert await Runner(redis, config, "n-a", adapters).execute(run_id) == "requeued:ok"
     assert await fields(redis, keys.run_record(run_id), "state", "suspects") == ["queued", None]
     await sched.read_new(block_ms=10)

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import unpack
 from common.config import Config, parse_config
-from common.policy import candidate_class, select_provider
+from common.policy import candidate_class, select_provider, why_not
 from common.redisconn import now_ms
 from common.snapshots import read_snapshots
 from common.wire import ErrorCode, ErrorInfo, RunKind
@@ -771,9 +771,14 @@ async def test_a_lost_run_of_a_provider_taken_out_of_the_config_is_reaped_too(re
     after = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
     replica = Scheduler(redis, after)
     await replica.ensure_groups()
-    assert await replica.reap_expired_leases() == 0  # (its lease lives yet)
+    assert await replica.reap_expired_leases() == 0  # (its lease lives yet; the SCAN starts)
     await redis.zadd(keys.leases("b"), {run_id: now_ms() - 1})  # move the clock past the lease
-    assert await replica.reap_expired_leases() == 1
+
+    async def reaped() -> bool:  # (once the SCAN, a task of its own, found b)
+        return await replica.reap_expired_leases() == 1
+
+    await async_wait_until(reaped, what="b's lease reaped")
+    await replica.close()
     assert await redis.exists(keys.leases("b")) == 0
     assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
     await client.close()
@@ -791,7 +796,37 @@ async def test_a_provider_whose_heartbeat_comes_from_another_node_takes_no_run_h
     await sched.dispatch_all()
     assert [await redis.hget(keys.run_record(r), "provider") for r in run_ids] == [b"a", None]
     assert await redis.zcard(keys.node_queue("n-b")) == 0
+    snaps = await read_snapshots(redis, {"a": "a-name", "b": "b-name"}, now_ms(), config.node_of)
+    assert [s.heartbeat_ms is None for s in snaps] == [False, True]  # (the scheduler's own view: b has none)
+    assert why_not(snaps[1], now_ms(), 6000) == "its heartbeat comes from node n-a, not this config's"
     await redis.hset(keys.heartbeat("b"), "node", "n-b")  # (the rollout done, as this replica's config says)
     await sched.dispatch_all()
     assert await redis.hget(keys.run_record(run_ids[1]), "provider") == b"b"
+    await client.close()
+
+
+
+async def test_a_replica_of_an_older_config_requeues_a_lost_run_by_the_run_s_own_max_attempts(redis: Redis) -> None:
+    """A replica whose config lacks the run's model reaps a lost run of a provider its config lacks
+    too: the run's own `max_attempts` (3) says whether it goes back, not a limit of 1 taken for the
+    model it does not know."""
+    newer = make_config({"a": 1, "b": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    await beat(redis, newer)
+    await redis.zadd(keys.leases("a"), {"other": now_ms() + 60_000})
+    client, sched, (run_id,) = await waiting_runs(redis, newer, 1)
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_id), "provider") == b"b"
+    older = parse_config({"models": [{"id": "another", "providers": {"a": "a-name"}}],
+                          "nodes": [{"id": "n-a", "providers": [{"id": "a", "type": "vllm", "capacity": 1,
+                                                                 "base_url": "http://127.0.0.1:9",
+                                                                 "models": ["a-name"]}]}]})
+    replica = Scheduler(redis, older)
+    await redis.zadd(keys.leases("b"), {run_id: now_ms() - 1})
+
+    async def reaped() -> bool:
+        return await replica.reap_expired_leases() == 1
+
+    await async_wait_until(reaped, what="b's lease reaped")
+    await replica.close()
+    assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
     await client.close()

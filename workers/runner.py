@@ -629,7 +629,10 @@ class Runner:
     def _fresh_ms(self, provider_id: str) -> int:
         """How old a provider's last sign of life may be before a run's end writes a new one: a
         quarter of its probe interval (so a provider serving runs is never probed), at most 1 s."""
-        interval = self.config.provider(provider_id).probe_interval_ms or self.config.runtime.probe_interval_ms
+        try:
+            interval = self.config.provider(provider_id).probe_interval_ms or self.config.runtime.probe_interval_ms
+        except KeyError:  # (a provider this worker's config lacks: a run it was handed by mistake)
+            interval = self.config.runtime.probe_interval_ms
         return min(1000, interval // 4)
 
     async def _call_while_leased(self, att: Attempt, script: str, run_keys: list[str], args: list[Any],
