@@ -725,11 +725,14 @@ class Scheduler:
 
     async def _reap(self, lease_key: str, node_id: str | None, provider_id: str, run_id: str,
                     max_attempts: dict[str, int]) -> int:
-        """`node_id` None: a provider the config lacks (the run's record says which node ran it)."""
+        """The node's queue is the one the run's record names (it was sent there), else `node_id`'s
+        (None: a provider the config lacks)."""
         model_raw, node_raw, limit = await self.redis.hmget(keys.run_record(run_id), "model", "node", "max_attempts")
         model_id = model_raw.decode() if model_raw else ""
-        if node_id is None:
-            node_id = node_raw.decode() if node_raw else ""
+        if node_raw:  # (the node it was sent to: the config's may be another since, in a rollout)
+            node_id = node_raw.decode()
+        elif node_id is None:
+            node_id = ""
         # (the run's own limit, as its queueing wrote it: a replica of an older config may not know
         # its model, nor have the same limit)
         attempts = int(limit) if limit and limit.isdigit() else max_attempts.get(model_id, 1)

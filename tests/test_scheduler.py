@@ -830,3 +830,23 @@ async def test_a_replica_of_an_older_config_requeues_a_lost_run_by_the_run_s_own
     await replica.close()
     assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
     await client.close()
+
+
+async def test_a_lost_run_leaves_the_queue_of_the_node_it_was_sent_to(redis: Redis) -> None:
+    """b moved from n-b to n-a in the config of the replica that reaps its lost run: the job leaves
+    n-b's queue, where it was sent (it was taken out of n-a's, and a worker of the old config on
+    n-b could still take the stale job)."""
+    before = make_config({"b": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    client, sched, (run_id,) = await waiting_runs(redis, before, 1)
+    await sched.dispatch_all()
+    assert await redis.zscore(keys.node_queue("n-b"), run_id) is not None
+    moved = parse_config({"models": [{"id": MODEL, "providers": {"b": "b-name"}}],
+                          "nodes": [{"id": "n-a", "providers": [{"id": "b", "type": "vllm", "capacity": 1,
+                                                                 "base_url": "http://127.0.0.1:9",
+                                                                 "models": ["b-name"]}]}]})
+    await redis.zadd(keys.leases("b"), {run_id: now_ms() - 1})
+    replica = Scheduler(redis, moved)
+    assert await replica.reap_expired_leases() == 1
+    await replica.close()
+    assert await redis.zscore(keys.node_queue("n-b"), run_id) is None
+    await client.close()
