@@ -150,7 +150,7 @@ class Placement:
     node_id: str
     target: str
     selectable: bool
-    #: why not, when not: drained | cordoned | unknown | stale | unavailable | model_not_listed |
+    #: why not, when not: drained | cordoned | elsewhere | unknown | stale | unavailable | model_not_listed |
     #: benched | no_capacity | full
     reason: str | None
     detail: str | None
@@ -260,14 +260,17 @@ def _provider_health(snap: ProviderSnapshot, beat: dict[str, str], now_ms: int, 
     return snap.health.value, beat.get("reason", "")
 
 
-def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: int,
-             ttl_ms: int, ctl: ProviderControl = control.NONE) -> tuple[str | None, str | None]:
+def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: int, ttl_ms: int,
+             ctl: ProviderControl = control.NONE, node: str | None = None) -> tuple[str | None, str | None]:
     """(reason, detail) a run of the model cannot go to this provider now; (None, None) if it can.
-    An operator's drain or cordon comes first: it is why, whatever else holds."""
+    An operator's drain or cordon comes first: it is why, whatever else holds. `node`: the
+    config's for it (a heartbeat from another node counts as none, as the schedulers read it)."""
     if ctl.drained_since_ms is not None:
         return "drained", "an operator drained it"
     if ctl.cordoned_since_ms is not None:
         return "cordoned", "an operator cordoned its node"
+    if node is not None and beat.get("node", node) != node:
+        return "elsewhere", f"its heartbeat comes from node {beat['node']}, not this config's {node}"
     if snap.heartbeat_ms is None:
         return "unknown", "no heartbeat"
     if not is_fresh(snap, now_ms, ttl_ms):
@@ -330,7 +333,7 @@ def _model_record(config: Config, m: ModelConfig, raw: RawState) -> ModelRecord:
         beat = raw.heartbeats.get(pid, {})
         ctl = raw.control.get(pid, control.NONE)
         snap = snapshot(pid, beat, raw.in_flight.get(pid, 0), target, ctl, raw.now_ms)
-        reason, detail = _why_not(snap, beat, target, raw.now_ms, ttl, ctl)
+        reason, detail = _why_not(snap, beat, target, raw.now_ms, ttl, ctl, config.node_of(pid))
         placements.append(Placement(provider_id=pid, node_id=config.node_of(pid), target=target,
                                     selectable=reason is None, reason=reason, detail=detail))
     oldest = raw.oldest.get(m.id)

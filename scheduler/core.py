@@ -42,6 +42,8 @@ log = logging.getLogger("iop.scheduler")
 
 #: Safety tick: even with no signal at all, each replica looks at its runs this often.
 TICK_S = 1.0
+#: How long after a failed SCAN for providers the config lacks (`Scheduler._look_for_strays`) it is tried again.
+SCAN_AGAIN_MS = 30_000
 #: Times a dispatch is retried at once when a concurrent replica changed the snapshot.
 STALE_RETRIES = 16
 #: The `dispatch_pending` calls kept ready, one for each set of models without waiting runs met.
@@ -148,6 +150,7 @@ class Scheduler:
         #: keyspace, ~0.8 s a million keys, and must not hold up the liveness beats)
         self._scan: asyncio.Task[None] | None = None
         self._scanned = False
+        self._scan_after_ms = 0
         #: when this replica's heartbeat last went through, and since when it has without a gap (a
         #: replica that could not reach Redis judges no gateway dead until they had time to beat)
         self._beat_ms = 0
@@ -700,8 +703,8 @@ class Scheduler:
         started beats no more)."""
         found = [p.decode(errors="replace") for p in await self.redis.zrange(keys.BEATING, 0, -1)]
         self._strays.update(p for p in found if p not in self._configured())
-        if not self._scanned and (self._scan is None or self._scan.done()):  # (again after a failed one)
-            self._scan = asyncio.create_task(self._scan_leases(), name="scan-leases")
+        if not self._scanned and (self._scan is None or self._scan.done()) and now_ms() >= self._scan_after_ms:
+            self._scan = asyncio.create_task(self._scan_leases(), name="scan-leases")  # (again after a failed one)
 
     def _configured(self) -> set[str]:
         return {p.id for node in self.config.nodes for p in node.providers}
@@ -711,8 +714,10 @@ class Scheduler:
         try:
             found = [key.decode(errors="replace")[len(prefix):]
                      async for key in self.redis.scan_iter(match=prefix + "*", count=1000)]
-        except REDIS_UNUSABLE as exc:
-            log.warning("could not look for the leases of providers the config lacks (%s); trying again", exc)
+        except Exception as exc:  # (a task of its own: whatever it met is said here, and it is tried again later)
+            self._scan_after_ms = now_ms() + SCAN_AGAIN_MS
+            log.warning("could not look for the leases of providers the config lacks (%s: %s); trying again in "
+                        "%d s", type(exc).__name__, exc, SCAN_AGAIN_MS // 1000)
             return
         self._strays.update(p for p in found if p not in self._configured())
         self._scanned = True

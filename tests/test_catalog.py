@@ -259,3 +259,15 @@ def test_providers_that_beat_but_the_config_lacks_are_named() -> None:
     assert render_catalog(build_catalog(config(), state)).endswith(
         "\n\nproviders with heartbeats that this config does not define: d-new, zeta (the pool runs another config)")
     assert "does not define" not in render_catalog(build_catalog(config(), raw({})))
+
+
+def test_a_provider_whose_heartbeat_comes_from_another_node_is_not_selectable_and_says_why() -> None:
+    """b is on n2 in this config, but its heartbeat comes from n1 (a rollout moved it there, half
+    done): the schedulers of this config send it no run, and the catalog says so (it said
+    selectable); a heartbeat from its own node, or one that names none (an older worker's), is fine."""
+    cat = build_catalog(config(), raw({"a": beat(node="n1"), "b": beat(capacity=2, node="n1")}))
+    (on_a, on_b), _ = (cat.models[0].providers, cat.models[1].providers)
+    assert on_a.selectable and (on_b.selectable, on_b.reason) == (False, "elsewhere")
+    assert on_b.detail == "its heartbeat comes from node n1, not this config's n2"
+    for heartbeat in (beat(capacity=2, node="n2"), beat(capacity=2)):
+        assert build_catalog(config(), raw({"b": heartbeat})).models[0].providers[1].selectable

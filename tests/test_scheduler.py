@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections import Counter
 from dataclasses import replace
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from common import keys
 from common.codec import unpack
@@ -21,7 +23,7 @@ from common.wire import ErrorCode, ErrorInfo, RunKind
 from gateway.errors import ApiError
 from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
-from scheduler.core import Outcome, Scheduler, Waiting, run_scheduler
+from scheduler.core import SCAN_AGAIN_MS, Outcome, Scheduler, Waiting, run_scheduler
 from tests.conftest import async_wait_until, redis_full
 from tests.test_script_batch import counting
 
@@ -850,3 +852,39 @@ async def test_a_lost_run_leaves_the_queue_of_the_node_it_was_sent_to(redis: Red
     await replica.close()
     assert await redis.zscore(keys.node_queue("n-b"), run_id) is None
     await client.close()
+
+
+async def test_a_scan_that_fails_is_said_and_tried_again_later_not_at_every_look(
+        redis: Redis, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SCAN for providers the config lacks runs in a task of its own: an error of any kind (an
+    ACL that refuses SCAN answers an error reply) is logged, and the SCAN waits `SCAN_AGAIN_MS`
+    before it is tried again (its exception was never retrieved, and it started anew every look)."""
+    config = make_config({"a": 1})
+    replica = Scheduler(redis, config)
+    calls = []
+
+    def refused(**_: Any) -> Any:
+        calls.append(1)
+        raise ResponseError("NOPERM this user has no permissions to run the 'scan' command")
+
+    monkeypatch.setattr(replica.redis, "scan_iter", refused)
+    caplog.set_level(logging.WARNING, logger="iop.scheduler")
+    await replica.reap_expired_leases()
+
+    async def said() -> bool:
+        return any("could not look for the leases" in r.getMessage() and "NOPERM" in r.getMessage()
+                   for r in caplog.records)
+
+    await async_wait_until(said, what="the failed SCAN logged")
+    for _ in range(3):
+        await replica.reap_expired_leases()
+    assert len(calls) == 1
+    later = now_ms() + SCAN_AGAIN_MS + 1
+    monkeypatch.setattr("scheduler.core.now_ms", lambda: later)  # (its wait over)
+    await replica.reap_expired_leases()
+
+    async def again() -> bool:
+        return len(calls) == 2
+
+    await async_wait_until(again, what="the SCAN tried again")
+    await replica.close()
