@@ -225,8 +225,8 @@ end
 # ARGV: run id, max_queue, ttl_s, model, kind, stream flag, body, key name, max_in_flight (0: none),
 #       requests_per_minute (0: none), how long a run can last at most (ms), max_attempts, the id of
 #       the gateway that follows it (its first watcher), the providers whose adapter would refuse
-#       the run (`gateway.refusals`; comma-separated, '' none: it never goes there), and the same as
-#       one '0'/'1' a provider of KEYS ('' none: their slots and health count for nothing here)
+#       the run (`gateway.refusals`; comma-separated, '' none: it never goes there, and their slots
+#       and health count for nothing here)
 # Returns {'ok', entry, requests left in the window (-1: no window)}, {'key_in_flight', n},
 # {'key_rate', n, ms until a request leaves the window}, {'unavailable', queued} or {'full', queued}.
 # A provider's capacity: the operator's override, never above the announced one (an override set
@@ -239,7 +239,9 @@ local function capped(announced, override)
 end
 """
 
-ENQUEUE = _NOW + _CAPPED + """
+ENQUEUE = _NOW + _CAPPED + f"""
+local heartbeat_prefix_len = #'{keys.heartbeat("")}'
+""" + """
 -- the same call made again (a dropped connection lost its reply, and the client sent it again):
 -- the run is queued already, and must not be queued twice (nor refused by its own limits)
 if redis.call('EXISTS', KEYS[2]) == 1 then return {'ok', redis.call('HGET', KEYS[2], 'entry') or '', -1} end
@@ -259,10 +261,11 @@ if rpm > 0 then
   end
   left = rpm - n - 1
 end
-local refuse = ARGV[15] or ''
+local refuse = ARGV[14] or ''
+local refused = {}
+for p in string.gmatch(refuse, '[^,]+') do refused[p] = true end
 local function takes(i)  -- whether the provider of KEYS[i] (its heartbeat) would take the run
-  local j = (i - 5) / 5 + 1
-  return string.sub(refuse, j, j) ~= '1'
+  return refuse == '' or not refused[string.sub(KEYS[i], heartbeat_prefix_len + 1)]
 end
 local available = false
 for i = 5, #KEYS, 5 do

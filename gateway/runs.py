@@ -117,8 +117,7 @@ class RunClient:
                  "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
                  who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000),
                  policy.max_attempts, self.hub.gateway_id + keys.OUTPUT_ONLY,  # its caller wants output and end
-                 ",".join(refuse), "".join("1" if p in refuse else "0" for p in sorted(model.providers)) if refuse
-                 else ""],
+                 ",".join(refuse)],
                 if_left,
             )
         except (RedisTimeoutError, RedisConnectionError) as exc:
