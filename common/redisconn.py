@@ -528,6 +528,11 @@ def text(value: bytes | str | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def id_set(value: bytes | None) -> frozenset[str]:
+    """A comma-separated list of ids in a record or stream field (`tried`, `refuse`), as a set."""
+    return frozenset(value.decode().split(",")) - {""} if value else frozenset()
+
+
 def as_text_map(raw: dict[bytes, bytes]) -> dict[str, str]:
     """HGETALL reply of a plain-string hash, decoded."""
     return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}

@@ -54,8 +54,12 @@ def _refusing(req: ParsedRequest, model: ModelConfig, cfg: Config) -> tuple[str,
         return refusals.refusing(req.kind, req.body, req.stream,
                                  {p: cfg.provider(p).type for p in sorted(model.providers)})
     except refusals.Refusal as exc:
-        field = exc.param and _RESPONSES_FIELD.get(exc.param, exc.param) if req.echo is not None else exc.param
-        raise invalid(str(exc), field) from None
+        raise invalid(str(exc), _field(req, exc.param)) from None
+
+
+def _field(req: ParsedRequest, field: str | None) -> str | None:
+    """A field of the request as its caller wrote it (a Responses request's own name for it)."""
+    return _RESPONSES_FIELD.get(field, field) if req.echo is not None and field is not None else field
 
 
 def _timed_out(run_id: str) -> ApiError:
@@ -144,7 +148,7 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     refused = capabilities.refused_everywhere(req.kind, req.body, model.id, cfg.provider_types(model.id))
     if refused is not None:  # (every provider would refuse it: not queued only to be refused)
         message, field = refused
-        raise invalid(message, _RESPONSES_FIELD.get(field, field) if req.echo is not None else field)
+        raise invalid(message, _field(req, field))
     refuse = _refusing(req, model, cfg)
     runs = request.app[RUNS]
     run_id = new_run_id()

@@ -29,7 +29,7 @@ from common import keys
 from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
 from common.policy import ProviderSnapshot, all_refused, candidate_class, retry_after_s, select_provider
-from common.redisconn import REDIS_UNUSABLE, Backoff, now_ms
+from common.redisconn import REDIS_UNUSABLE, Backoff, id_set, now_ms
 from common.redisline import new_line_of, stream_reply
 from common.runlog import run_fields
 from common.scripts import DISPATCH_BATCH, Scripts
@@ -191,8 +191,8 @@ class Scheduler:
         model = self.config.model(model_id)
         assert model is not None
         timeout = self.config.queue_for(model).queue_timeout_ms
-        tried = frozenset(fields.get(b"tried", b"").decode().split(",")) - {""}
-        refuse = frozenset(fields.get(b"refuse", b"").decode().split(",")) - {""}  # (`gateway.refusals`)
+        tried = id_set(fields.get(b"tried"))
+        refuse = id_set(fields.get(b"refuse"))  # (`gateway.refusals`)
         hard = fields.get(b"exclude") == b"1"
         key = entry_key(entry_id)
         item = Waiting(key, run_id, entry_id, key[0] + timeout, busy=fields.get(b"busy") == b"1",

@@ -27,7 +27,7 @@ from common.chunks import MAX_COUNTED_TOKENS, fixed_usage, token_counts, usage_i
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
 from common.policy import BLAME_RUNS, candidate_class
-from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, now_ms
+from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, id_set, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.snapshots import read_snapshots
@@ -240,10 +240,9 @@ class Runner:
                           int(limit) if limit.isdigit() else 1)
             return await self._fail(att, ErrorInfo(ErrorCode.UNAVAILABLE, why), Retry.ANY)  # (no suspect: `suspect`)
         policy = self.config.queue_for(model)
-        tried = frozenset(record.get("tried", b"").decode().split(",")) - {""}
-        att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts, tried,
-                      record.get("key", b"-").decode(),
-                      refuse=frozenset(record.get("refuse", b"").decode().split(",")) - {""})
+        att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts,
+                      id_set(record.get("tried")), record.get("key", b"-").decode(),
+                      refuse=id_set(record.get("refuse")))
         task = asyncio.current_task()
         assert task is not None
         self.running[run_id] = (att, task)
