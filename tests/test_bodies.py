@@ -28,6 +28,7 @@ def raw_deflate(data: bytes) -> bytes:
     ("deflate", zlib.compress(BODY)),
     ("deflate", raw_deflate(BODY)),  # without zlib's header, as some clients send it
     ("deflate, gzip", gzip.compress(zlib.compress(BODY))),  # applied in that order
+    ("identity, gzip, identity, x-gzip", gzip.compress(gzip.compress(BODY))),  # (identity is no coding)
     ("gzip, identity", gzip.compress(BODY)),
     ("gzip", gzip.compress(BODY[:5]) + gzip.compress(BODY[5:])),  # (two members, as `cat a.gz b.gz`: it was refused)
     ("gzip", gzip.compress(b"") * 63 + gzip.compress(BODY)),
@@ -52,6 +53,9 @@ def rejected(data: bytes, encoding: str, limit: int = 4096) -> ApiError:
     ("gzip", gzip.compress(BODY) + b"tail", "incorrect header check"),
     ("gzip", gzip.compress(BODY) + gzip.compress(BODY)[:-6], "does not end where the body ends"),
     ("gzip", gzip.compress(b"") * 64 + gzip.compress(BODY), "holds more than 64 gzip members"),
+    # (each layer undoes up to the limit: thousands of them held the gateway's thread for seconds)
+    ("gzip, gzip, gzip", gzip.compress(gzip.compress(gzip.compress(BODY))), "lists more than 2 codings"),
+    ("gzip, identity, deflate, gzip", gzip.compress(zlib.compress(gzip.compress(BODY))), "lists more than 2 codings"),
 ])
 def test_faults_are_a_400_naming_them(encoding: str, data: bytes, fragment: str) -> None:
     err = rejected(data, encoding)
