@@ -162,6 +162,7 @@ async def run_request(request: web.Request) -> web.StreamResponse:
         # Following before the run is queued: its every event comes through the gateway's inbox.
         async with runs.follow(run_id, fresh=True) as follower:
             _, limit_headers = await runs.submit(model, req, principal(request), run_id, refuse)
+            follower.queued()
             submitted, stream = True, req.stream
             del req  # the body is in the run record now: a waiting caller keeps no parsed copy of it
             with runs.deadlines.within(runs.follow_deadline_s(model.id)):

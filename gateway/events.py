@@ -101,8 +101,8 @@ def new_gateway_id() -> str:
 class Follower:
     """One caller waiting for the events of one run, after `last_id`."""
 
-    __slots__ = ("run_id", "last", "items", "waiter", "ended", "pending", "synced_at_start", "heard_at", "held",
-                 "writing", "behind", "hub")
+    __slots__ = ("run_id", "last", "items", "waiter", "ended", "pending", "synced_at_start", "queueing", "heard_at",
+                 "held", "writing", "behind", "hub")
 
     def __init__(self, run_id: str, last_id: str, *, fresh: bool = False, hub: EventHub | None = None) -> None:
         """`fresh`: the run does not exist yet, so there is nothing to read first. `hub`: where it
@@ -118,6 +118,9 @@ class Follower:
         self.pending: list[Event] | None = None if fresh else []
         #: fresh: there is nothing to read from the run's stream first
         self.synced_at_start = fresh
+        #: fresh, until its gateway has queued the run (`queued`): the run has no record yet, and
+        #: none is missing (its queueing waits for a Redis that is coming back)
+        self.queueing = fresh
         self.heard_at = time.monotonic()
         #: the size of `items` (`Event.size`), and of what the caller took and is still writing
         #: (`stream_response` sets it while its write waits for a slow reader)
@@ -184,6 +187,10 @@ class Follower:
             self.waiter.set_result(None)
         if event.type in TERMINAL:
             self.ended = True
+
+    def queued(self) -> None:
+        """Its gateway queued the run: from now on a missing record means Redis lost it."""
+        self.queueing = False
 
     def synced(self) -> None:
         """The first read is in: hand over what came meanwhile (each only if new)."""
@@ -454,9 +461,10 @@ class EventHub:
                         f.give(event)
                 if len(entries) == count and not all(f.behind for f in followers):
                     more.append(run_id)
-                elif not entries and not exists:
+                elif not entries and not exists and not any(f.queueing for f in followers):
                     # Redis lost the run (a restart without persistence, or a failover), or it expired
-                    # before a slow reader took its end (the two look the same): say so.
+                    # before a slow reader took its end (the two look the same): say so. (A run still
+                    # being queued has no record yet: its caller waits for the queueing's answer.)
                     info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis lost its record (a restart "
                                                             "without persistence, or a failover), or it expired "
                                                             "(runtime.run_ttl_s) before its end was read")

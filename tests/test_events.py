@@ -319,6 +319,23 @@ async def test_a_followed_run_whose_record_is_gone_ends_worker_lost_naming_loss_
     assert "Redis lost its record" in event.data["message"] and "run_ttl_s" in event.data["message"]
 
 
+async def test_a_run_still_being_queued_is_not_lost_for_having_no_record_yet(redis: Redis) -> None:
+    """A completion's caller follows before its gateway queues the run. When Redis comes back from a
+    restart the listener reads every followed run again, the record of one whose queueing is still
+    waiting for Redis among them: that record is not there yet, and the caller was told its run was
+    lost (502) while the queueing went on and the run ran (a helper's Redis restart with AOF: 15 of
+    40 callers). Once queued, a missing record is a loss again."""
+    hub = EventHub(redis)
+    follower = Follower("run_new", "0", fresh=True, hub=hub)
+    hub.followers = {"run_new": [follower]}
+    await hub._read_runs(["run_new"], check_lost=True)
+    assert follower.take_ready() == [] and not follower.ended
+    follower.queued()
+    await hub._read_runs(["run_new"], check_lost=True)
+    [event] = follower.take_ready()
+    assert event.type == "failed" and event.data["code"] == "worker_lost"
+
+
 async def test_reads_for_single_followers_take_turns_in_their_share_of_the_pool(redis_url: str) -> None:
     """Many callers' first reads of their runs (runs-API followers arriving together) hold at most
     `READS_SHARE` of the gateway's pool at once; the rest wait their turn, and each still gets all

@@ -429,6 +429,32 @@ async def test_runs_queued_before_a_redis_restart_are_served_after_it_with_aof(
 
 
 @pytest.mark.parametrize("own_redis", [True], indirect=True)
+async def test_callers_arriving_while_redis_restarts_with_aof_are_never_told_their_run_was_lost(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    """Requests that came while Redis was down wait for it to queue their runs; once it was back
+    the gateway's listener read every followed run again, and those whose queueing had not gone
+    through yet had no record: their callers heard 502 "the run was lost" while their runs went on
+    to complete (a helper: 15 of 40 callers). Each caller now gets its answer (or a 503 when its
+    queueing gave up), never a loss of a run that was not lost."""
+    gateway = start(fstack, {"only": ("n1", 8)})
+    assert (await call(http, gateway, chat()))[0] == 200  # (the stack is up)
+    gateway_proc = next(p for p in fstack.procs if p.name.startswith("gateway"))
+    seen = gateway_proc.output(last=10_000).count("Redis unavailable")
+    fstack.server.stop(kill=True)
+
+    async def gateway_found_redis_away() -> bool:
+        return gateway_proc.output(last=10_000).count("Redis unavailable") > seen
+
+    await async_wait_until(gateway_found_redis_away, what="the gateway to find Redis away")
+    # (callers come while Redis starts: each one's queueing is tried again until Redis answers)
+    callers = [asyncio.create_task(call(http, gateway, chat())) for _ in range(40)]
+    await asyncio.to_thread(fstack.server.start)
+    results = await asyncio.gather(*callers)
+    assert all(status in (200, 503) for status, _ in results), [(s, b) for s, b in results if s not in (200, 503)]
+    assert any(status == 200 for status, _ in results), results
+
+
+@pytest.mark.parametrize("own_redis", [True], indirect=True)
 async def test_streams_mid_output_through_a_redis_restart_with_aof_all_complete(
         fstack: FaultStack, http: aiohttp.ClientSession) -> None:
     gateway = start(fstack, {"only": ("n1", 2)})
