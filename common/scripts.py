@@ -684,7 +684,8 @@ return 1
 
 # The end of an attempt: release the slot, then either record a terminal state or put the
 # run back at the tail of its model's queue. Does nothing if the attempt no longer owns the
-# run (its lease was reaped and the run went on without it).
+# run (its lease was reaped and the run went on without it). A completed run whose cancel was
+# asked while none of its answer had gone out ends cancelled instead (returns 'cancelled').
 # Also adds what the attempt showed about the provider's health to its heartbeat (`_EVIDENCE`).
 # The attempt's job leaves its node's queue (with its in-progress marker), before any requeue:
 # the next dispatch queues a job of the same id. The freed slot may serve any model of the
@@ -702,8 +703,9 @@ return 1
 #       provider is a suspect of a requeued run's failure ('1': it joins the record's `suspects`,
 #       which `BLAME` reads once another provider served the run), the served name of the attempt (a
 #       completed run starts its count of `blame` there over)
-FINISH = FREES + _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + f"""
-local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited')
+FINISH = FREES + _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + f"""
+local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited', 'cancel',
+  'output', 'cancel_reason', 'cancel_code')
 local state = rec[1]
 if rec[2] ~= ARGV[10] then return 'stale' end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
@@ -714,6 +716,19 @@ redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('DEL', KEYS[7])
 evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable', ARGV[16])
 local ttl = tonumber(ARGV[5])
+if ARGV[2] == 'completed' and rec[7] == '1' and rec[8] ~= '1' then
+  -- its cancel was asked (a DELETE, its caller leaving) before its worker heard of it, and none of
+  -- its answer has gone out: it ends cancelled, as asked, and the answer is dropped
+  local reason, code, data = cancel_reason(rec[9], rec[10],
+    cmsgpack.pack({{code = 'cancelled', message = 'cancelled by the caller', before_output = true}}))
+  add_event(KEYS[1], KEYS[3], ARGV[1], 'failed', data, rec[3])
+  redis.call('EXPIRE', KEYS[3], ttl)
+  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_ms', now, 'error_code', code, 'error_message', reason)
+  ended(KEYS[1], ARGV[1], 'cancelled', 0, 0, rec[4], rec[5], rec[6])
+  redis.call('EXPIRE', KEYS[1], ttl)
+  for i = 8, #KEYS do wake_head(KEYS[i], ARGV[6]) end
+  return 'cancelled'
+end
 if last ~= '' then add_event(KEYS[1], KEYS[3], ARGV[1], 'delta', last, rec[3]) end
 add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4], rec[3])
 redis.call('EXPIRE', KEYS[3], ttl)

@@ -16,6 +16,7 @@ from common import keys
 from common.policy import Health
 from common.redisconn import now_ms
 from common.wire import ErrorCode, ErrorInfo, RunKind
+from gateway.requests import ParsedRequest
 from gateway.runs import UNANSWERED, RunClient
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until, redis_full
@@ -226,6 +227,69 @@ async def test_a_cancel_while_a_failed_run_records_its_end_does_not_cancel_that(
     assert not execution.cancelled()
     assert await redis.hget(keys.run_record(run_id), "state") == b"failed"
     assert await redis.zcard(keys.leases("a")) == 0
+
+
+class AnsweringAdapter(StallingAdapter):
+    """A provider that answers at once: a whole answer, or a stream of one chunk."""
+
+    CHUNK = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"},
+                                                             "finish_reason": None}]}
+
+    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        return {"object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop",
+                                                          "message": {"role": "assistant", "content": "hi"}}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+
+    async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        yield [self.CHUNK]  # (two reads: the first goes out as it comes, the last with the run's end)
+        yield [self.CHUNK]
+
+
+def cancelled_before_the_end_is_recorded(runner: Runner, client: RunClient, run_id: str) -> None:
+    """The run's cancel (a DELETE) comes once its provider answered, while its worker has not heard
+    of it (frozen, or the message is still on its way): only the record's flag says so."""
+    call = runner.scripts.call
+
+    async def cancel_first(name: str, script_keys: Any, args: Any) -> Any:
+        if name == "finish":
+            assert await client.cancel(run_id, MODEL, "cancelled through the runs API") == "signalled"
+        return await call(name, script_keys, args)
+
+    runner.scripts.call = cancel_first  # type: ignore[method-assign,assignment]
+
+
+async def test_a_run_cancelled_before_its_answer_went_out_ends_cancelled_not_completed(redis: Redis) -> None:
+    """A DELETE answered 202 (its worker, stopped, had not heard of it); the worker went on, found
+    the provider's answer and recorded the run `completed`, its answer delivered (found by a
+    helper). A cancel asked before any of the answer went out now ends the run cancelled."""
+    client, sched, run_id = await dispatched_run(redis)
+    runner = Runner(redis, client.config, "n-a", {"a": AnsweringAdapter()})
+    cancelled_before_the_end_is_recorded(runner, client, run_id)
+    assert await runner.execute(run_id) == "cancelled:cancelled"
+    assert await redis.hmget(keys.run_record(run_id), "state", "error_code", "error_message", "output") == [
+        b"cancelled", b"cancelled", b"cancelled through the runs API", None]
+    events = [e async for e in client.events(run_id)]
+    await client.close()
+    assert [e.type for e in events] == ["dispatched", "started", "failed"]
+    assert ErrorInfo.from_wire(events[-1].data).message == "cancelled through the runs API"
+    assert await redis.zcard(keys.leases("a")) == 0
+
+
+async def test_a_stream_whose_output_went_out_before_its_cancel_still_completes(redis: Redis) -> None:
+    """Once part of the answer went out, its end does too: the caller has the rest of what it saw."""
+    config = make_config({"a": 1})
+    client, sched, _ = await waiting_runs(redis, config, 0)
+    model = config.model(MODEL)
+    assert model is not None
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    run_id, _ = await client.submit(model, ParsedRequest(RunKind.CHAT, MODEL, True, body))
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    runner = Runner(redis, client.config, "n-a", {"a": AnsweringAdapter()})
+    cancelled_before_the_end_is_recorded(runner, client, run_id)
+    assert await runner.execute(run_id) == "completed:ok"
+    assert await redis.hmget(keys.run_record(run_id), "state", "output") == [b"completed", b"1"]
+    await client.close()
 
 
 class GatedAdapter(StallingAdapter):
