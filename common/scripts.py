@@ -38,12 +38,12 @@ local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
 # Why a run cancelled once dispatched ends, from its record's `cancel_reason` and `cancel_code`
 # (`drop_queued` keeps them there; no code: `cancelled`): the message, the error code, and the data
 # of its `failed` event (`default_data`, the packed ErrorInfo of "cancelled by the caller", when the
-# record has no reason: written by an earlier version).
+# record has no reason: written by an earlier version; `output`: some of its output went out).
 _CANCEL_REASON = """
-local function cancel_reason(reason, code, default_data)
+local function cancel_reason(reason, code, default_data, output)
   if not reason then return 'cancelled by the caller', 'cancelled', default_data end
   code = code or 'cancelled'
-  return reason, code, cmsgpack.pack({code = code, message = reason, before_output = true})
+  return reason, code, cmsgpack.pack({code = code, message = reason, before_output = not output})
 end
 """
 
@@ -880,7 +880,7 @@ local attempts = tonumber(redis.call('HGET', KEYS[2], 'attempts') or '0')
 local output = redis.call('HGET', KEYS[2], 'output') == '1'
 if redis.call('HGET', KEYS[2], 'cancel') == '1' then
   local why = redis.call('HMGET', KEYS[2], 'cancel_reason', 'cancel_code')
-  local reason, code, data = cancel_reason(why[1], why[2], ARGV[8])
+  local reason, code, data = cancel_reason(why[1], why[2], ARGV[8], output)
   add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', data)
   redis.call('HSET', KEYS[2], 'state', 'cancelled', 'finished_ms', now, 'error_code', code,
     'error_message', reason)

@@ -468,8 +468,9 @@ class EventHub:
                     info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis lost its record (a restart "
                                                             "without persistence, or a failover), or it expired "
                                                             "(runtime.run_ttl_s) before its end was read")
-                    for f in followers:
-                        f.give(Event("lost", EventType.FAILED.value, info.to_wire()))
+                    for f in followers:  # (no output, as far as it knows, only if it heard nothing of the run)
+                        data = {**info.to_wire(), "before_output": f.last == (0, 0)}
+                        f.give(Event("lost", EventType.FAILED.value, data))
                     lost.append(run_id)
             run_ids, count = more, min(2 * count, READ_COUNT)
         if queued and self.queued is not None:

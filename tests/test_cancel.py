@@ -107,6 +107,17 @@ async def test_a_cancelled_run_whose_worker_never_came_is_reaped_as_cancelled(re
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0  # not put back in the queue
 
 
+async def test_a_cancelled_run_reaped_after_output_says_its_output_went_out(redis: Redis) -> None:
+    client, sched, run_id = await dispatched_run(redis)
+    await redis.hset(keys.run_record(run_id), mapping={"state": "running", "output": "1"})  # (as a delta makes it)
+    await client.cancel(run_id, MODEL, "the caller went away")
+    await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})
+    assert await sched.reap_expired_leases() == 1
+    events = [e async for e in client.events(run_id)]
+    await client.close()
+    assert events[-1].data["code"] == "cancelled" and events[-1].data["before_output"] is False
+
+
 async def test_a_running_run_notices_a_cancel_whose_message_was_lost(redis: Redis) -> None:
     client, sched, run_id = await dispatched_run(redis, lease_ttl_ms=150)
     adapter = StallingAdapter()

@@ -312,11 +312,15 @@ async def test_a_followed_run_whose_record_is_gone_ends_worker_lost_naming_loss_
     which an audit found false for the second)."""
     hub = EventHub(redis)
     follower = Follower("run_gone", "0", hub=hub)
-    hub.followers = {"run_gone": [follower]}
+    heard = Follower("run_gone", "1-0", hub=hub)  # (it had the run's events up to 1-0, output among them)
+    hub.followers = {"run_gone": [follower, heard]}
     await hub._read_runs(["run_gone"], check_lost=True)
     [event] = follower.take_ready()
     assert event.type == "failed" and event.data["code"] == "worker_lost"
     assert "Redis lost its record" in event.data["message"] and "run_ttl_s" in event.data["message"]
+    # (it said "before output" to a caller that had had output: a helper)
+    assert event.data["before_output"] is True
+    assert heard.take_ready()[0].data["before_output"] is False
 
 
 async def test_a_run_still_being_queued_is_not_lost_for_having_no_record_yet(redis: Redis) -> None:
