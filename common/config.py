@@ -407,6 +407,8 @@ def _schema_errors(exc: ValidationError) -> list[str]:
             msg = f"{msg}, got {shown(err['input'])}"
             if err["type"] in ("int_parsing", "int_type") and _looks_like_a_number(err["input"]):
                 msg += " (YAML reads that as text, not a number: write the number out in digits)"
+            elif err["type"] == "int_type" and isinstance(err["input"], float) and err["input"].is_integer():
+                msg += " (a number with a dot or an exponent is a fraction to YAML: write it out in digits)"
         errors.append(f"{format_path(loc)}: {msg}")
     return errors
 

@@ -2,7 +2,8 @@
 1.1's surprise. PyYAML reads `no`, `yes`, `on` and `off` as booleans (a model named `no`, a served
 name `on`, became `false` and `true`), `1:30` as the number 90 (base 60) and `010` as 8 (octal).
 Here `true` and `false` (in any of their YAML 1.2 cases) are the only booleans, `1:30` is text, and
-a number with a leading zero is decimal; `0x1F`, `0o17`, `0b101`, `1_000` and `1.5` read as before.
+a number with a leading zero is decimal; `0x1F`, `0o17`, `0b101`, `1_000` and `1.5` read as before,
+and so do `1e3`, `1.5e4` and `-.5E+2` (YAML 1.1 wanted a dot and a signed exponent: they were text).
 A date (`2026-12-05`) is text too, as in YAML 1.2: no config value is a date, and one that is not a
 day of the calendar (`2026-13-45`) stopped PyYAML with a traceback."""
 
@@ -20,7 +21,8 @@ TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
 _BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
 _INT = re.compile(r"^(?:[-+]?0b_*[01][01_]*|[-+]?0o_*[0-7][0-7_]*|[-+]?0x_*[0-9a-fA-F][0-9a-fA-F_]*"
                   r"|[-+]?[0-9][0-9_]*)$")
-_FLOAT = re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+_FLOAT = re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?"
+                    r"|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
                     r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
 _BASES = {"0b": 2, "0o": 8, "0x": 16}
 

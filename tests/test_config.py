@@ -22,6 +22,7 @@ from common.config import (
     format_path,
     load_config,
     parse_config,
+    shown,
 )
 from iop.cli import main as cli_main
 
@@ -592,6 +593,12 @@ queue: {max_queue: 1_000, queue_timeout_ms: 0o1000}
     assert (cfg.nodes[0].id, provider.capacity, provider.models, provider.read_timeout_ms) == (
         "yes", 10, ["on", "off"], 30_000)
     assert (cfg.queue.max_queue, cfg.queue.queue_timeout_ms) == (1000, 512)
+    # (YAML 1.2 floats that YAML 1.1 read as text: a number that needs no dot, nor a sign in its exponent)
+    for value, number in (("1e3", 1000.0), ("1.5e4", 15000.0), ("-.5E+2", -50.0), ("1_0.5", 10.5), ("+2.", 2.0)):
+        path.write_text(f"models: {value}\n")
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert f"models: Input should be a valid list, got {shown(number)}" in info.value.errors, info.value.errors
     for value in ("._", "2026-13-45", "2026-12-05"):  # (read as text: neither a number nor a date, no traceback)
         path.write_text(f"models: {value}\n")
         with pytest.raises(ConfigError) as info:
@@ -814,6 +821,9 @@ def test_a_runtime_timing_fault_is_reported_with_the_faults_of_other_sections() 
     (set_at("nodes", 0, "providers", 0, "capacity", value="1e3"),  # (YAML 1.1 reads 1e3 as text)
      "nodes[0].providers[0].capacity: Input should be a valid integer, got '1e3' (YAML reads that as text, not a "
      "number: write the number out in digits)"),
+    (set_at("nodes", 0, "providers", 0, "capacity", value=1000.0),  # (YAML 1.2 reads 1e3 as a fraction)
+     "nodes[0].providers[0].capacity: Input should be a valid integer, got 1000.0 (a number with a dot or an "
+     "exponent is a fraction to YAML: write it out in digits)"),
 ])
 def test_messages_show_values_as_yaml_writes_them_not_as_python_does(mutation: Mutation, expected: str) -> None:
     data = good()
