@@ -403,6 +403,10 @@ def _schema_errors(exc: ValidationError) -> list[str]:
             msg = "unknown field"
         elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") in _PATTERN_SAID:
             msg = f"{_PATTERN_SAID[err['ctx']['pattern']]}, got {shown(err['input'])}"
+        elif err["type"] == "model_type":  # (pydantic names its class: "... or instance of QueuePolicy")
+            msg = f"Input should be a mapping (`field: value` lines), got {shown(err['input'])}"
+            if err["input"] is None:
+                msg += " (every line under it commented out? remove the line too)"
         elif err["type"] in _SAY_INPUT:
             msg = f"{msg}, got {shown(err['input'])}"
             if err["type"] in ("int_parsing", "int_type") and _looks_like_a_number(err["input"]):
@@ -485,6 +489,10 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
                 )
     model_ids = {str(m["id"]) for m in models if "id" in m}
     aliases = {a: str(m["id"]) for m in models if "id" in m for a in _list(m.get("aliases")) if isinstance(a, str)}
+    if "auth" in data and data["auth"] is None and not isinstance(cfg, Config):  # (a file's `auth:` with nothing
+        # under it: not "no auth section", which serves anyone; a Config without keys dumps `auth` as None)
+        errors.append("auth: empty (every key under it commented out?): list the keys under auth.keys, or remove "
+                      "the auth section to serve without keys")
     return errors + check_auth(data.get("auth"), model_ids, aliases)
 
 

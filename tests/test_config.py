@@ -272,7 +272,8 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
      [("nodes[0].providers[0].models[1]", "valid string")]),
     ("node-providers-a-mapping", set_at("nodes", 0, "providers", value={}),
      [("nodes[0].providers", "valid list")]),
-    ("queue-a-string", set_at("queue", value="fast"), [("queue", "valid dictionary")]),
+    ("queue-a-string", set_at("queue", value="fast"),
+     [("queue", "should be a mapping (`field: value` lines), got 'fast'")]),
     ("model-queue-negative", set_at("models", 1, "queue", "max_queue", value=-1),
      [("models[1].queue.max_queue", "greater than or equal to 0")]),
     ("queue-timeout-zero", set_at("queue", "queue_timeout_ms", value=0),
@@ -804,6 +805,25 @@ def test_a_runtime_timing_fault_is_reported_with_the_faults_of_other_sections() 
         parse_config(data)
     assert any(e.startswith("nodes[0].providers[0].capacity: ") for e in err.value.errors), err.value.errors
     assert any(e.startswith("runtime.heartbeat_ttl_ms: must exceed") for e in err.value.errors), err.value.errors
+
+
+def test_an_auth_section_with_every_key_commented_out_is_an_error_not_a_gateway_without_keys() -> None:
+    """`auth:` with its lines commented out is YAML's null: it read as no auth section, and the
+    gateway served anyone (found by a new operator), while `auth: {}` was an error."""
+    data = good()
+    data["auth"] = None
+    assert config_errors(data) == ["auth: empty (every key under it commented out?): list the keys under auth.keys, "
+                                   "or remove the auth section to serve without keys"]
+
+
+@pytest.mark.parametrize("section", ["queue", "runtime"])
+def test_a_section_that_is_not_a_mapping_says_so_without_naming_a_class(section: str) -> None:
+    data = good()
+    data[section] = None
+    assert config_errors(data) == [f"{section}: Input should be a mapping (`field: value` lines), got null (every "
+                                   "line under it commented out? remove the line too)"]
+    data[section] = [1]
+    assert config_errors(data) == [f"{section}: Input should be a mapping (`field: value` lines), got [1]"]
 
 
 @pytest.mark.parametrize(("mutation", "expected"), [
