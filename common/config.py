@@ -591,11 +591,21 @@ def base_url_fault(value: Any) -> str | None:
 
 
 def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
-    """Fields some provider types require (`command` and `api_path` are ignored by other types), and
-    the headers of a provider served over HTTP."""
+    """Fields some provider types require, and those only some types read (`command`, `base_url`,
+    `api_path`, `probe_path`), and the headers of a provider served over HTTP."""
     errors: list[str] = []
-    if p.get("type") == "cli" and not p.get("command"):
+    kind = p.get("type")
+    if kind == "cli" and p.get("command") is None:  # (an empty one is the schema's to say)
         errors.append(f"{path}.command: required for type cli (the argv to run)")
+    # (a field its type never reads is a mistake, often a type changed without it: said, not ignored)
+    if kind in PROVIDER_TYPES and kind != "cli" and p.get("command") is not None:
+        errors.append(f"{path}.command: only for type cli; type {kind} is served over HTTP at base_url")
+    if kind == "cli" and p.get("base_url") is not None:
+        errors.append(f"{path}.base_url: not for type cli, which runs its command")
+    for field in ("api_path", "probe_path"):
+        if kind in ("cli", "ollama") and p.get(field) is not None:
+            errors.append(f"{path}.{field}: not for type {kind}; only the OpenAI family's types "
+                          f"({', '.join(t for t in PROVIDER_TYPES if t not in ('cli', 'ollama'))}) read it")
     for field in ("headers", "api_key_header"):
         if p.get(field) is not None and p.get("type") == "cli":
             errors.append(f"{path}.{field}: only for a provider served over HTTP, not type cli")

@@ -211,10 +211,20 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
      [("nodes[0].providers[0].base_url", "'http:///v1' names no host")]),
     ("base-url-bad-port", set_at("nodes", 0, "providers", 0, "base_url", value="http://gpu-1:99999"),
      [("nodes[0].providers[0].base_url", "'http://gpu-1:99999' is not a usable URL (Port out of range")]),
-    ("base-url-of-a-cli-provider", set_at("nodes", 1, "providers", 1, "base_url", value="x"),
-     [("nodes[1].providers[1].base_url", "'x' has no http:// or https://")]),
+    # (fields a type never reads: a type changed without them, said rather than ignored; a new operator)
+    ("base-url-of-a-cli-provider", set_at("nodes", 1, "providers", 1, "base_url", value="http://gpu-2:9000"),
+     [("nodes[1].providers[1].base_url", "not for type cli, which runs its command")]),
+    ("command-of-a-vllm-provider", set_at("nodes", 0, "providers", 0, "command", value=["rm", "-rf", "/"]),
+     [("nodes[0].providers[0].command", "only for type cli; type vllm is served over HTTP at base_url")]),
+    ("api-path-of-a-cli-provider", set_at("nodes", 1, "providers", 1, "api_path", value="/v1"),
+     [("nodes[1].providers[1].api_path", "not for type cli; only the OpenAI family's types (vllm, sglang, "
+                                          "llamacpp, lemonade, openai_api) read it")]),
+    ("probe-path-of-an-ollama-provider",
+     lambda data: data["nodes"][0]["providers"][0].update({"type": "ollama", "probe_path": "/health"}),
+     [("nodes[0].providers[0].probe_path", "not for type ollama")]),
     ("base-url-missing-openai-api", set_at("nodes", 1, "providers", 1, "type", value="openai_api"),
-     [("nodes[1].providers[1].base_url", "required for type openai_api")]),
+     [("nodes[1].providers[1].base_url", "required for type openai_api"),
+      ("nodes[1].providers[1].command", "only for type cli; type openai_api is served over HTTP")]),
     # --- unknown fields (typos) at several depths ---------------------------------------------
     ("typo-top-level", set_at("queu", value={"max_queue": 1}), [("queu", "unknown field")]),
     ("typo-model", set_at("models", 0, "dispaly_name", value="x"),
@@ -477,6 +487,7 @@ def test_default_category_per_type(ptype: str, category: str) -> None:
     provider["type"] = ptype
     if ptype == "cli":
         provider["command"] = ["llm"]
+        del provider["base_url"]
     cfg = parse_config(data)
     assert cfg.provider("vllm-a").category is None
     assert cfg.provider("vllm-a").effective_category == category

@@ -53,7 +53,7 @@ def test_every_type_has_defaults_drawn_from_the_known_values() -> None:
 def test_defaults_per_type(ptype: str, category: str, flags: set[str]) -> None:
     assert default_category(ptype) == category
     assert set(default_lifecycle(ptype)) == flags
-    extra = {"command": ["tool"]} if ptype == "cli" else {}
+    extra = {"command": ["tool"], "base_url": None} if ptype == "cli" else {}
     cfg = parse_config(one_provider(type=ptype, **extra))
     assert cfg.provider("p").effective_category == category
     assert set(cfg.provider("p").effective_lifecycle) == flags
@@ -79,11 +79,11 @@ def test_an_unknown_lifecycle_flag_is_named_by_its_path() -> None:
 
 
 def test_a_cli_provider_needs_its_command() -> None:
-    assert errors_of(one_provider(type="cli")) == [
+    assert errors_of(one_provider(type="cli", base_url=None)) == [
         "nodes[0].providers[0].command: required for type cli (the argv to run)"]
-    errors = errors_of(one_provider(type="cli", command=[]))
-    assert any(e.startswith("nodes[0].providers[0].command: ") for e in errors)
-    assert errors_of(one_provider(type="cli", command=["tool", ""]))[0].startswith(
+    [error] = errors_of(one_provider(type="cli", base_url=None, command=[]))  # (not "required": it was given)
+    assert error.startswith("nodes[0].providers[0].command: ") and "required" not in error, error
+    assert errors_of(one_provider(type="cli", base_url=None, command=["tool", ""]))[0].startswith(
         "nodes[0].providers[0].command[1]: ")
     cfg = parse_config(one_provider(type="cli", base_url=None, command=["my-llm", "--model", "{model}"]))
     assert cfg.provider("p").command == ["my-llm", "--model", "{model}"]
