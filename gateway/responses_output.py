@@ -120,7 +120,6 @@ class _Writing:
     #: a function call done (its `output_item.done` sent) before the stream's end
     closed: bool = False
     #: its arguments grew since they were last looked at, and how many more looks they get
-    grown: bool = False
     looks_left: int = _LOOKS
 
 
@@ -142,6 +141,10 @@ class ResponseShape:
         self._open: _Writing | None = None
         #: each chat tool call (`_call_key`) -> its function_call item (open until the end)
         self._calls: dict[CallKey, _Writing] = {}
+        #: the open calls whose arguments grew since `_close_whole_calls` last looked (only those are
+        #: looked at: a look at every call each time a new one began cost quadratic time, 30 s of the
+        #: gateway's CPU for a provider's 60,000 calls)
+        self._grown: dict[CallKey, _Writing] = {}
         #: the ids the provider gave its tool calls -> the call's key; each `index` -> the key of the
         #: call that took it last; the key of the call last written
         self._call_ids: dict[str, CallKey] = {}
@@ -394,7 +397,8 @@ class ResponseShape:
             writing.item["arguments"] += arguments
         elif arguments:
             writing.pieces.append(arguments)
-            writing.grown = True
+            if writing.looks_left:
+                self._grown[key] = writing
             out.append(self._event("response.function_call_arguments.delta", item_id=writing.item["id"],
                                    output_index=writing.index, delta=arguments))
 
@@ -412,10 +416,11 @@ class ResponseShape:
         whose arguments are not whole yet may get more after the next call begins, as from a
         server that interleaves them: it stays open until the end). A call's arguments are looked at
         when they grew since the last look, `_LOOKS` times at most."""
-        for writing in self._calls.values():
-            if writing.closed or not writing.grown or writing.looks_left == 0:
+        grown, self._grown = self._grown, {}
+        for writing in sorted(grown.values(), key=lambda w: w.index):  # (in the order the calls began)
+            if writing.closed:
                 continue
-            writing.grown, writing.looks_left = False, writing.looks_left - 1
+            writing.looks_left -= 1
             if _whole_json("".join(writing.pieces)):
                 self._close_call(writing, out, "completed")
 
@@ -425,6 +430,7 @@ class ResponseShape:
             if not writing.closed:
                 self._close_call(writing, out, status)
         self._calls.clear()
+        self._grown.clear()
 
     def completed(self) -> bytes:
         """The end of a stream whose run completed: every item done, then `response.completed`
