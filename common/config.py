@@ -590,6 +590,14 @@ def base_url_fault(value: Any) -> str | None:
     return None
 
 
+def _has_credentials(url: Any) -> bool:
+    """Whether a URL holds `user:password@` (one that cannot be read holds none: `base_url_fault` says why)."""
+    try:
+        return isinstance(url, str) and "@" in urlsplit(url).netloc
+    except ValueError:
+        return False
+
+
 def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
     """Fields some provider types require, and those only some types read (`command`, `base_url`,
     `api_path`, `probe_path`), and the headers of a provider served over HTTP."""
@@ -609,6 +617,10 @@ def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
     for field in ("headers", "api_key_header"):
         if p.get(field) is not None and p.get("type") == "cli":
             errors.append(f"{path}.{field}: only for a provider served over HTTP, not type cli")
+    if p.get("api_key_env") and p.get("api_key_header") is None and _has_credentials(p.get("base_url")):
+        # (both go in the Authorization header: no request could be sent, and every probe raised)
+        errors.append(f"{path}.api_key_env: its key goes in Authorization, as base_url's user:password@ does; "
+                      "keep one of the two, or name the key's own header in api_key_header")
     if p.get("api_key_header") is not None and not p.get("api_key_env"):
         errors.append(f"{path}.api_key_header: names the header of the key in api_key_env, which is not given")
     key_header = p.get("api_key_header")

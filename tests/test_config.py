@@ -219,6 +219,9 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
     ("api-path-of-a-cli-provider", set_at("nodes", 1, "providers", 1, "api_path", value="/v1"),
      [("nodes[1].providers[1].api_path", "not for type cli; only the OpenAI family's types (vllm, sglang, "
                                           "llamacpp, lemonade, openai_api) read it")]),
+    ("url-credentials-and-a-bearer-key",  # (both are Authorization: every probe raised, a helper)
+     lambda data: data["nodes"][0]["providers"][0].update({"base_url": "http://u:p@gpu-1:8000", "api_key_env": "K"}),
+     [("nodes[0].providers[0].api_key_env", "its key goes in Authorization, as base_url's user:password@ does")]),
     ("probe-path-of-an-ollama-provider",
      lambda data: data["nodes"][0]["providers"][0].update({"type": "ollama", "probe_path": "/health"}),
      [("nodes[0].providers[0].probe_path", "not for type ollama")]),

@@ -6,6 +6,7 @@ three timeouts and back up after a probe that passes."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -100,14 +101,24 @@ async def test_an_idle_provider_is_down_after_three_timeouts_and_up_after_a_pass
 
 @pytest.mark.parametrize("beating", ["vllm"], indirect=True)
 async def test_a_probe_that_fails_in_the_worker_is_recorded_and_the_next_one_runs(
-        redis: Redis, beating: tuple[Heartbeats, Probed]) -> None:
+        redis: Redis, beating: tuple[Heartbeats, Probed], caplog: pytest.LogCaptureFixture) -> None:
     """A probe that raises (a bug, an answer nothing foresaw) ends as `unknown` with why, instead of
     a task whose error nobody reads and a health frozen at what it was."""
     beats, adapter = beating
     await until_health(redis, "available")
     adapter.broken = True
-    await until_health(redis, "unknown")
-    assert await redis.hget(keys.heartbeat("p"), "reason") == b"the probe failed in the worker (RecursionError)"
+    with caplog.at_level(logging.ERROR, logger="iop.worker"):
+        await until_health(redis, "unknown")
+        assert await redis.hget(keys.heartbeat("p"), "reason") == b"the probe failed in the worker (RecursionError)"
+        probes = adapter.calls
+
+        async def probed_twice_more() -> bool:
+            return adapter.calls >= probes + 2
+
+        await async_wait_until(probed_twice_more, what="two more probes")
+    # (its traceback once, not at every probe: a helper counted 32 a minute)
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == [
+        "probe of p failed (logged once; its heartbeat's reason says so while it lasts)"]
     adapter.broken = False
     await until_health(redis, "available")
 

@@ -96,6 +96,9 @@ class Heartbeats:
         self.last: dict[str, Health] = {}
         self.wake = {p.id: asyncio.Event() for p in self.providers}
         self.probes: dict[str, asyncio.Task[None]] = {}
+        #: (provider, exception type) of the probes that failed in the worker, each logged with its
+        #: traceback once (a probe every few seconds would repeat it: 32 tracebacks a minute)
+        self.probe_bugs: set[tuple[str, str]] = set()
         #: per provider, what each other worker of the node announced otherwise (`_warn_if_another_config`)
         self.disagreed: dict[str, dict[str, tuple[str, ...]]] = {}
 
@@ -181,7 +184,10 @@ class Heartbeats:
             probe = ProbeResult(Health.UNAVAILABLE, f"the probe got no answer within {int(limit_s * 1000)} ms",
                                 strikes=1, timed_out=True)
         except Exception as exc:  # a bug, or an answer nothing foresaw: the probe's result is still recorded
-            log.exception("probe of %s failed", provider.id)
+            if (provider.id, type(exc).__name__) not in self.probe_bugs:
+                self.probe_bugs.add((provider.id, type(exc).__name__))
+                log.exception("probe of %s failed (logged once; its heartbeat's reason says so while it lasts)",
+                              provider.id)
             probe = ProbeResult(Health.UNKNOWN, f"the probe failed in the worker ({type(exc).__name__})")
         try:
             if probe.timed_out and not busy:  # did runs start while it was out?
