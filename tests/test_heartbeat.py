@@ -269,7 +269,7 @@ async def test_two_workers_of_one_pid_on_one_host_are_told_apart(
     """Containers on the host's network, each worker its PID 1: the hash names each by its instance."""
     cfg = config("vllm")
     provider = cfg.nodes[0].providers[0]
-    other = parse_config({**cfg.model_dump(), "nodes": [{**cfg.nodes[0].model_dump(), "providers": [
+    other = parse_config({**cfg.model_dump(exclude_none=True), "nodes": [{**cfg.nodes[0].model_dump(), "providers": [
         {**provider.model_dump(exclude_none=True), "capacity": 3}]}]})
     first = Heartbeats(redis, cfg, "n", {"p": Probed()}, "host:1:aaaa")
     second = Heartbeats(redis, other, "n", {"p": Probed()}, "host:1:bbbb")
