@@ -34,15 +34,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+#: control characters as a message shows them (`\n`, `\x1b`): a caller's path or a provider's text
+#: neither breaks its line nor reaches an operator's terminal as escape sequences (a caller's path
+#: cleared the screen and printed a forged line in red)
+_SHOWN_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c != 0x09} | {
+    0x0A: "\\n", 0x0D: "\\r"}
+
+
 class TextFormatter(logging.Formatter):
     """`time level logger message run=… model=…`; the context only on lines about a run. A message
-    stays on its line (its line breaks are shown as `\\n`); only a traceback follows on more."""
+    stays on its line (its line breaks are shown as `\\n`, any other control character but a tab as
+    `\\x..`); only a traceback follows on more."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = record.message.replace("\r", "\\r").replace("\n", "\\n")
+        record.message = record.message.translate(_SHOWN_CONTROLS)
         return super().formatMessage(record) + context_text(record)
 
 

@@ -238,7 +238,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """200 when Redis answers, else 503; why not is logged (it names Redis's address), not told."""
+    """200 when Redis answers, else 503; why not is logged (the address it could not reach, or Redis's
+    error), not told."""
     try:
         async with asyncio.timeout(1.0):
             await request.app[RUNS].redis.ping()

@@ -904,5 +904,5 @@ async def _retry_once(step: Any) -> None:
             await step()
             return
         except REDIS_UNUSABLE as exc:
-            log.warning("setup: Redis unavailable (%s); retrying in %.2fs", exc, backoff.delay)
+            log.warning("setup: waiting for Redis (%s); retrying in %.2fs", exc, backoff.delay)
             await backoff.pause()

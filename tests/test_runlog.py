@@ -76,6 +76,14 @@ def test_a_multi_line_message_stays_on_one_text_line() -> None:
     assert "\n" not in line and line.endswith("failed: provider said:\\nTraceback\\r\\n  x run=run_1 model=m")
 
 
+def test_control_characters_of_a_message_reach_the_text_log_escaped() -> None:
+    """A caller's path with ANSI escapes was written as it came: it cleared an operator's terminal
+    and printed a forged line in red (a hostile caller). A tab stays a tab."""
+    line = emit(TextFormatter(), "redis unavailable on GET %s", "/v1/runs/x\x1b[2J\x1b[31mFORGED\x00\x7f\x9b\tend")
+    assert line.endswith("redis unavailable on GET /v1/runs/x\\x1b[2J\\x1b[31mFORGED\\x00\\x7f\\x9b\tend")
+    assert not any(ord(c) < 0x20 and c != "\t" or 0x7F <= ord(c) < 0xA0 for c in line)
+
+
 class Writes(io.StringIO):
     """A stream that keeps each write apart."""
 
