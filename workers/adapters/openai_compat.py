@@ -15,7 +15,8 @@ model list. `probe_path` replaces the health endpoint. A health endpoint that do
 Probes send no `X-Request-Id`; runs send the run's UUID (`common.wire.upstream_request_id`).
 
 An API key is read from the environment variable named by `api_key_env` at each request.
-It never appears in errors or probe reasons: any echo of it by the provider is redacted.
+It never appears in errors or probe reasons: the provider's echo of it there is redacted (its
+output, a completion's text, is the caller's as it came).
 """
 
 from __future__ import annotations
