@@ -1085,14 +1085,16 @@ return id
 # Of the given runs, those whose caller's gateway is gone: the run is queued or running, and the
 # first of its record's watchers (the gateway its caller is connected to: `enqueue` writes it,
 # `watch` keeps it first) is named in the gateways hash but its liveness key is gone. A gateway the
-# hash does not name (an older version's, or one whose naming failed) counts as alive.
+# hash does not name (an older version's, or one whose naming failed) counts as alive. A running
+# run whose cancel is already recorded is not one again (its worker's renewal, or the reaper, ends
+# it: a sweep every few seconds told its cancel again and again).
 # Returns {run id, model, ...}.
 # KEYS: gateways hash   ARGV: run record key prefix, gateway liveness key prefix, run ids...
 ORPHANS = f"""
 local out = {{}}
 for i = 3, #ARGV do
-  local rec = redis.call('HMGET', ARGV[1] .. ARGV[i], 'watchers', 'model', 'state')
-  if rec[1] and (rec[3] == 'queued' or rec[3] == 'dispatched' or rec[3] == 'running') then
+  local rec = redis.call('HMGET', ARGV[1] .. ARGV[i], 'watchers', 'model', 'state', 'cancel')
+  if rec[1] and (rec[3] == 'queued' or ((rec[3] == 'dispatched' or rec[3] == 'running') and rec[4] ~= '1')) then
     local gateway = string.gsub(string.match(rec[1], '^[^,]*'), '{keys.OUTPUT_ONLY}$', '')
     if gateway ~= '' and redis.call('HEXISTS', KEYS[1], gateway) == 1
         and redis.call('EXISTS', ARGV[2] .. gateway) == 0 then

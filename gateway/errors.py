@@ -31,7 +31,8 @@ log = logging.getLogger("iop.gateway")
 #: What a caller who reached an unknown path is told the gateway serves (OpenAI's own API has more)
 SERVED_PATHS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/responses, "
                 "GET /v1/models, GET /v1/models/{model}, GET /v1/usage and the runs API (GET and DELETE "
-                "/v1/runs/{id}, GET /v1/runs/{id}/events)")
+                "/v1/runs/{id}, GET /v1/runs/{id}/events); for an operator's key also GET /v1/catalog, "
+                "GET /v1/catalog/history, GET /catalog, GET /metrics and /v1/admin/... (README: Operating the pool)")
 
 
 def unknown_path(request: web.Request) -> str:

@@ -578,11 +578,14 @@ class Scheduler:
             answers = await self.scripts.call_many("drop_queued", [
                 self._drop_call(model_id, run_id, RunState.CANCELLED, info, abort_running=True)
                 for run_id, model_id in batch])
-            for (_, model_id), answer in zip(batch, answers, strict=True):
+            for (run_id, model_id), answer in zip(batch, answers, strict=True):
                 outcome = answer.decode() if isinstance(answer, bytes) else type(answer).__name__
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
                 if outcome == "ok":
                     metrics.DROPPED.labels(model_id, RunState.CANCELLED.value).inc()
+                if outcome in ("ok", "signalled"):  # (each run its own line: the sum below names none)
+                    log.info("cancelled (%s): %s", "waiting" if outcome == "ok" else "running", GATEWAY_GONE,
+                             extra=run_fields(run_id, model_id))
         ended = outcomes.get("ok", 0) + outcomes.get("signalled", 0)
         if ended:  # (one line a sweep; the runs another replica cancelled first are not counted)
             log.warning("cancelled %d runs: %s (%d waiting, %d running)", ended, GATEWAY_GONE,

@@ -42,9 +42,13 @@ async def test_a_run_is_orphaned_when_every_gateway_waiting_for_it_died(redis: R
         "r-unknown": ("old~", "running"),  # (a gateway the hash does not name: an older version's)
         "r-ended": ("dead~", "completed"),
         "r-none": ("", "running"),
+        # (its cancel is recorded already: its worker's renewal or the reaper ends it; each sweep
+        # told it again, a line a sweep: a new operator)
+        "r-told": ("dead~", "running"),
     }
     for run_id, (watchers, state) in runs.items():
         await redis.hset(keys.run_record(run_id), mapping={"watchers": watchers, "state": state, "model": "m"})
+    await redis.hset(keys.run_record("r-told"), "cancel", "1")
     found = await orphans(redis, *runs, "r-missing")
     assert found == [("r-dead", "m"), ("r-queued", "m"), ("r-following", "m")]
     await redis.set(keys.gateway_alive("dead"), 1)  # (it beat again)
@@ -153,6 +157,7 @@ def test_a_killed_gateways_running_and_queued_runs_are_cancelled(stack: Stack) -
     freed, the waiting run never sent to it), while gateway B's caller, whose run then takes
     the slot and outlives several liveness periods, gets its whole answer."""
     sim = one_provider(stack)
+    scheduler = next(p for p in stack.procs if p.name == "scheduler")
     doomed = stack.start("gateway-a", "gateway", "--host", "127.0.0.1", "--port", "0")
     url_a = doomed.wait_for_line(r"listening on (http://\S+)").group(1)
     url_b = stack.gateway()
@@ -185,6 +190,9 @@ def test_a_killed_gateways_running_and_queued_runs_are_cancelled(stack: Stack) -
 
     wait_until(lambda: len(cancelled()) == 2, timeout=20, what="A's two runs cancelled")
     assert all(b"gateway stopped" in rec.get(b"error_message", b"") for rec in cancelled()), cancelled()
+    # (the scheduler's line named no run: each run has its own, as every line about a run has)
+    named = [line for line in scheduler.output(last=2000).splitlines() if "cancelled (" in line]
+    assert len(named) == 2 and all(" run=run_" in line and "model=qwen3.6:35b" in line for line in named), named
     b_thread.join(60)
     assert "error" not in survivor, survivor
     assert survivor["rest"].rstrip().endswith(b"data: [DONE]") and b'"error"' not in survivor["rest"]
