@@ -165,7 +165,7 @@ def test_lifecycle_flags_come_from_the_heartbeat_else_from_the_config() -> None:
 
 def test_no_secret_ever_appears(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IOP_TEST_SECRET_KEY_VAR", "sk-very-secret-value")
-    cfg = config(api_key_env="IOP_TEST_SECRET_KEY_VAR")
+    cfg = config(api_key_env="IOP_TEST_SECRET_KEY_VAR", api_key_header="api-key")  # (not with base_url's user:pw)
     cat = build_catalog(cfg, raw({"a": beat(), "b": beat(capacity=2)}, in_flight={"a": 1}))
     text = json.dumps(cat.to_json())
     for leak in ("sk-very-secret-value", "IOP_TEST_SECRET_KEY_VAR", "api_key", "base_url", "user:pw", "http://"):
