@@ -29,6 +29,17 @@ from gateway.requests import query_value
 READ_TIMEOUT_S = 2.0
 
 _PAGE = resources.files("gateway").joinpath("catalog.html")
+#: The page's own script and style (inline) may run, and read this gateway only: no other site's
+#: script, frame, image or request, nor a page of another site framing it (its operator key's clicks)
+PAGE_HEADERS = {
+    "Cache-Control": "no-store",
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                               "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+                               "frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 #: `?since=`: ASCII digits only (`str.isdigit` takes a superscript 2, which `int` refuses), below 2**63.
 _SINCE = re.compile(r"[0-9]{1,19}")
@@ -59,8 +70,7 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
         return web.json_response(history, headers={"Cache-Control": "no-store"})
 
     async def catalog_page(request: web.Request) -> web.Response:
-        return web.Response(text=_PAGE.read_text(encoding="utf-8"), content_type="text/html",
-                            headers={"Cache-Control": "no-store"})
+        return web.Response(text=_PAGE.read_text(encoding="utf-8"), content_type="text/html", headers=PAGE_HEADERS)
 
     app.router.add_get("/v1/catalog", catalog_json)
     app.router.add_get("/v1/catalog/history", history_json)

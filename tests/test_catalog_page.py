@@ -121,9 +121,17 @@ async def hold(session: aiohttp.ClientSession, gateway: str, model: str) -> None
 async def test_catalog_page_follows_the_pool(tmp_path: Path, own_redis: RedisServer, page: Any) -> None:
     expect = async_api.expect
     stack = Stack(tmp_path, own_redis.url)
+    # (the page's Content-Security-Policy lets its own inline script and style run and its reads go to
+    # the gateway; anything it refused would say so on the console)
+    refused: list[str] = []
+    page.on("console", lambda msg: refused.append(msg.text) if "Content Security Policy" in msg.text else None)
     try:
         gateway, sims = start_stack(stack)
-        await page.goto(gateway + "/catalog")
+        answer = await page.goto(gateway + "/catalog")
+        assert answer is not None
+        headers = await answer.all_headers()
+        assert "frame-ancestors 'none'" in headers["content-security-policy"]
+        assert headers["x-content-type-options"] == "nosniff" and headers["x-frame-options"] == "DENY"
 
         rows = page.locator("tr[data-provider]")
         await expect(rows).to_have_count(3, timeout=WAIT_MS)
@@ -192,6 +200,7 @@ async def test_catalog_page_follows_the_pool(tmp_path: Path, own_redis: RedisSer
         await expect(page.locator("#status")).to_have_attribute("data-state", "live", timeout=WAIT_MS)
         await expect(page.locator("#stale-banner")).to_be_hidden()
         await expect(row(page, "vllm-a")).to_have_attribute("data-health", "available", timeout=WAIT_MS)
+        assert refused == [], refused
     finally:
         stack.stop_all()
 
