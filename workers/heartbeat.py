@@ -59,14 +59,20 @@ _FROM_CONFIG = ("node", "type", "category", "capacity", "models", "lifecycle")
 #: The most served names a probe's model list keeps in the heartbeat (`observed_models`): every
 #: scheduler reads it with every snapshot, and a server may list 100,000 (about 1 MB).
 MAX_OBSERVED = 1_000
+#: The longest name kept of those the config does not give (a name a server gives a model is far
+#: shorter): a server listing 1,000 names of 3.9 KB each made heartbeats of 3.9 MB, read by every
+#: scheduler's snapshot and every catalog
+MAX_OBSERVED_CHARS = 256
 
 
 def recorded(listed: list[str], configured: list[str]) -> list[str]:
     """The served names a probe saw, as the heartbeat keeps them: those the config gives the
-    provider first (what routing asks about), then others up to `MAX_OBSERVED`."""
+    provider first (what routing asks about), then others of at most `MAX_OBSERVED_CHARS`, up to
+    `MAX_OBSERVED`."""
     wanted = set(configured)
     mine = [name for name in listed if name in wanted]
-    return mine + [name for name in listed if name not in wanted][:max(0, MAX_OBSERVED - len(mine))]
+    others = [name for name in listed if name not in wanted and len(name) <= MAX_OBSERVED_CHARS]
+    return mine + others[:max(0, MAX_OBSERVED - len(mine))]
 
 
 def probe_evidence(probe: ProbeResult, busy: bool) -> tuple[str, int]:
