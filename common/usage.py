@@ -55,6 +55,12 @@ def model_asked(config: Config, name: str | None) -> str | None:
     return named.id if named is not None else name
 
 
+def no_such_model(config: Config, name: str | None, rows: list[Usage]) -> bool:
+    """Whether a filter names a model the config lacks and of which no usage was found: a typo, which
+    is said (an empty answer read as "no usage"), not a model since removed whose usage is kept."""
+    return name is not None and config.model_named(name) is None and not rows
+
+
 async def has_usage(redis: Redis, key_name: str) -> bool:
     """Whether usage is kept under this name (a key removed from the config keeps its usage)."""
     return bool(await redis.exists(keys.usage_total(key_name)))

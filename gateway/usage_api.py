@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from common.config import Config
 from common.shown import quoted
-from common.usage import DayError, day_range, has_usage, key_names, model_asked, read_usage
+from common.usage import DayError, day_range, has_usage, key_names, model_asked, no_such_model, read_usage
 from common.wire import ErrorCode
 from gateway.auth import principal
 from gateway.errors import ApiError, invalid
@@ -38,6 +38,10 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
             raise invalid(str(exc), f"{exc.end}_date") from None
         model = model_asked(config, query_value(request, "model"))
         rows = await read_usage(redis(), [asked] if asked else visible, days, model)
+        named = query_value(request, "model")
+        if named is not None and not rows and (no_such_model(config, named, rows) or not who.may_use(model or "")):
+            raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"no model named {quoted(named)}, and no usage of one so named "
+                           f"from {days[0]} to {days[-1]}", param="model")
         return web.json_response({"object": "list", "start_date": days[0], "end_date": days[-1],
                                   "data": [r.to_json() for r in rows]})
 

@@ -9,7 +9,7 @@ import sys
 
 from common.config import Config
 from common.redisconn import REDIS_DOWN, connect
-from common.usage import Usage, day_range, has_usage, key_names, model_asked, read_usage
+from common.usage import Usage, day_range, has_usage, key_names, model_asked, no_such_model, read_usage
 from iop.catalog_cmd import table
 
 COLUMNS = ("DATE", "KEY", "MODEL", "RUNS", "PROMPT", "COMPLETION", "TOTAL", "FAILURES")
@@ -46,6 +46,10 @@ def main(config: Config, redis_url: str, key: str | None, model: str | None, sin
     if rows is None:
         print(f"error: no key named {key!r} in the config (keys: {', '.join(names)}), and no usage kept under "
               "that name", file=sys.stderr)
+        return 2
+    if no_such_model(config, model, rows):
+        print(f"error: no model named {model!r} in the config (models: {', '.join(m.id for m in config.models)}), "
+              f"and no usage of one so named from {days[0]} to {days[-1]}", file=sys.stderr)
         return 2
     if as_json:
         print(json.dumps({"object": "list", "start_date": days[0], "end_date": days[-1],

@@ -468,6 +468,16 @@ async def test_an_operator_sees_the_usage_of_a_key_no_longer_in_the_config(gatew
     assert status == 200 and [(r["key"], r["runs"]) for r in body["data"]] == [("gone", 4)]
     assert (await call(http, "GET", gateway + "/v1/usage?key=gone", CALLER))[0] == 404
     assert (await call(http, "GET", gateway + "/v1/usage?key=never", OPERATOR))[0] == 404
+    # a model the config lacks with no usage is a 404 too, as a key is (an empty answer read as "no usage"
+    # of a typo: a new operator); one removed from the config whose usage is kept is shown
+    status, body, _ = await call(http, "GET", gateway + "/v1/usage?model=Qwen3.6:35b", OPERATOR)
+    assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model", body
+    await redis.hset(keys.usage_day("team-a", today), mapping={"runs:retired-model": 1})
+    status, body, _ = await call(http, "GET", gateway + "/v1/usage?model=retired-model", OPERATOR)
+    assert status == 200 and [(r["key"], r["model"]) for r in body["data"]] == [("team-a", "retired-model")], body
+    # a model a caller's key may not use, as everywhere: the same 404 as one there is not
+    assert (await call(http, "GET", gateway + "/v1/usage?model=llama3.3:70b", CALLER))[0] == 404
+    assert (await call(http, "GET", gateway + "/v1/usage?model=qwen3.6:35b", CALLER))[0] == 200
 
 
 def test_iop_usage_shows_a_key_no_longer_in_the_config_by_name(redis_url: str,
@@ -486,3 +496,5 @@ def test_iop_usage_shows_a_key_no_longer_in_the_config_by_name(redis_url: str,
     assert [(r["key"], r["runs"]) for r in json.loads(capsys.readouterr().out)["data"]] == [("anonymous", 35)]
     assert usage_cmd.main(config, redis_url, "never", None, None, None, as_json=True) == 2
     assert "no key named 'never' in the config" in capsys.readouterr().err
+    assert usage_cmd.main(config, redis_url, None, "Qwen3.6:35b", None, None, as_json=True) == 2
+    assert "no model named 'Qwen3.6:35b' in the config" in capsys.readouterr().err
