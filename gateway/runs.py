@@ -152,7 +152,9 @@ class RunClient:
         if status == "full":
             raise ApiError(
                 ErrorCode.QUEUE_FULL,
-                f"the queue of model {model.id!r} is full ({policy.max_queue} runs waiting); retry later",
+                f"the queue of model {model.id!r} is full ({policy.max_queue} runs waiting); retry later"
+                if policy.max_queue else  # (no queue: "full (0 runs waiting)" read as a fault)
+                f"model {model.id!r} has no free slot and no queue (max_queue 0); retry later",
                 headers={"Retry-After": "1"},
             )
         why = await why_none(self.redis, model.providers, now_ms(), self.config.node_of,

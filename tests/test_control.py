@@ -323,6 +323,12 @@ async def test_an_override_above_the_announced_capacity_counts_the_announced_one
     with pytest.raises(ApiError) as err:  # 1 waits already, no slot is free: `enqueue` takes no second
         await submit(client, 1)
     assert err.value.code.value == "queue_full"
+    assert err.value.message == f"the queue of model {MODEL!r} is full (1 runs waiting); retry later"
+    client = RunClient(redis, parse_config({**config.model_dump(mode="json", exclude_none=True),
+                                            "queue": {"max_queue": 0}}))
+    with pytest.raises(ApiError) as err:  # (no queue: it said "full (0 runs waiting)", a new operator)
+        await submit(client, 1)
+    assert err.value.message == f"model {MODEL!r} has no free slot and no queue (max_queue 0); retry later"
 
 
 async def test_three_replicas_never_exceed_an_override_nor_touch_a_drained_provider(redis: Redis) -> None:
