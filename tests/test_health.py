@@ -3,12 +3,14 @@ down; any sign of life brings it back."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from common.policy import Health
 from workers.adapters.base import DOWN, ProbeResult
 from workers.health import Evidence, judge
-from workers.heartbeat import MAX_OBSERVED, probe_evidence, recorded
+from workers.heartbeat import MAX_OBSERVED, MAX_OBSERVED_BYTES, probe_evidence, recorded
 
 REFUSED = "provider p: connection refused"
 
@@ -58,3 +60,9 @@ def test_a_model_list_of_100_000_keeps_the_configured_names_and_a_thousand_other
     # (other names longer than a config's served name may be are left out: 1,000 of 3.9 KB made
     # heartbeats of 3.9 MB; a hostile provider)
     assert recorded(["x" * 257, "x" * 256, "y" * 300], ["y" * 300]) == ["y" * 300, "x" * 256]
+    # (each name once: a configured name listed 200,000 times was kept 200,000 times; a review)
+    assert recorded(["m5", "a", "m5", "a"] * 50_000, ["m5"]) == ["m5", "a"]
+    # (in bytes as the heartbeat stores them: 1,000 names of 256 emoji made 3 MB of JSON; a review)
+    emoji = [f"{i:04d}" + "\U0001F600" * 252 for i in range(1_000)]
+    kept = recorded(emoji, [])
+    assert 0 < len(kept) < 1_000 and len(json.dumps(kept)) <= MAX_OBSERVED_BYTES + 2 * len(kept) + 2

@@ -60,18 +60,32 @@ _FROM_CONFIG = ("node", "type", "category", "capacity", "models", "lifecycle")
 #: scheduler reads it with every snapshot, and a server may list 100,000 (about 1 MB).
 MAX_OBSERVED = 1_000
 #: The longest name kept of those the config does not give (a name a server gives a model is far
-#: shorter): a server listing 1,000 names of 3.9 KB each made heartbeats of 3.9 MB, read by every
-#: scheduler's snapshot and every catalog
+#: shorter), and the most those names take together as the heartbeat stores them (JSON, where an
+#: emoji takes 12 bytes): a server listing 1,000 names of 3.9 KB each made heartbeats of 3.9 MB,
+#: read by every scheduler's snapshot and every catalog
 MAX_OBSERVED_CHARS = 256
+MAX_OBSERVED_BYTES = 64 * 1024
 
 
 def recorded(listed: list[str], configured: list[str]) -> list[str]:
-    """The served names a probe saw, as the heartbeat keeps them: those the config gives the
-    provider first (what routing asks about), then others of at most `MAX_OBSERVED_CHARS`, up to
-    `MAX_OBSERVED`."""
+    """The served names a probe saw, as the heartbeat keeps them, each once: those the config gives
+    the provider first (what routing asks about), then others of at most `MAX_OBSERVED_CHARS`, up to
+    `MAX_OBSERVED` names and `MAX_OBSERVED_BYTES` of them in all."""
     wanted = set(configured)
-    mine = [name for name in listed if name in wanted]
-    others = [name for name in listed if name not in wanted and len(name) <= MAX_OBSERVED_CHARS]
+    seen: set[str] = set()
+    mine: list[str] = []
+    others: list[str] = []
+    room = MAX_OBSERVED_BYTES
+    for name in listed:
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in wanted:
+            mine.append(name)
+        elif len(name) <= MAX_OBSERVED_CHARS and len(others) < MAX_OBSERVED and room > 0:
+            room -= len(json.dumps(name))
+            if room >= 0:
+                others.append(name)
     return mine + others[:max(0, MAX_OBSERVED - len(mine))]
 
 
