@@ -617,7 +617,9 @@ def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
     for field in ("headers", "api_key_header"):
         if p.get(field) is not None and p.get("type") == "cli":
             errors.append(f"{path}.{field}: only for a provider served over HTTP, not type cli")
-    if p.get("api_key_env") and p.get("api_key_header") is None and _has_credentials(p.get("base_url")):
+    key_in = p.get("api_key_header")
+    if (p.get("api_key_env") and (key_in is None or str(key_in).lower() == "authorization")
+            and _has_credentials(p.get("base_url"))):
         # (both go in the Authorization header: no request could be sent, and every probe raised)
         errors.append(f"{path}.api_key_env: its key goes in Authorization, as base_url's user:password@ does; "
                       "keep one of the two, or name the key's own header in api_key_header")

@@ -222,6 +222,10 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
     ("url-credentials-and-a-bearer-key",  # (both are Authorization: every probe raised, a helper)
      lambda data: data["nodes"][0]["providers"][0].update({"base_url": "http://u:p@gpu-1:8000", "api_key_env": "K"}),
      [("nodes[0].providers[0].api_key_env", "its key goes in Authorization, as base_url's user:password@ does")]),
+    ("url-credentials-and-a-key-in-authorization",  # (a header named Authorization is the same: a review)
+     lambda data: data["nodes"][0]["providers"][0].update({"base_url": "http://u:p@gpu-1:8000", "api_key_env": "K",
+                                                          "api_key_header": "authorization"}),
+     [("nodes[0].providers[0].api_key_env", "its key goes in Authorization, as base_url's user:password@ does")]),
     ("probe-path-of-an-ollama-provider",
      lambda data: data["nodes"][0]["providers"][0].update({"type": "ollama", "probe_path": "/health"}),
      [("nodes[0].providers[0].probe_path", "not for type ollama")]),
