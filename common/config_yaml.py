@@ -48,3 +48,14 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
 
 
 ConfigLoader.add_constructor(INT_TAG, _construct_int)
+
+
+class ConfigDumper(yaml.SafeDumper):
+    """`yaml.SafeDumper` that quotes text either reading would take for something else: YAML 1.1's
+    (PyYAML's own: `yes`, `010`) and this loader's (`1e5`, a number to YAML 1.2 that 1.1 leaves
+    plain), so a file it writes (`iop config migrate`) reads back as it was, here and elsewhere."""
+
+
+_YAML_1_1, _HERE = yaml.SafeDumper.yaml_implicit_resolvers, ConfigLoader.yaml_implicit_resolvers
+ConfigDumper.yaml_implicit_resolvers = {first: [*_YAML_1_1.get(first, []), *_HERE.get(first, [])]
+                                        for first in {*_YAML_1_1, *_HERE}}

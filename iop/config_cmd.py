@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from common.config import ConfigError, load_config, parse_config, read_yaml
+from common.config_yaml import ConfigDumper
 from common.legacy import is_legacy
 from common.legacy import migrate as migrate_legacy
 
@@ -46,5 +47,5 @@ def migrate(path: str) -> int:
         print(f"note: {note}", file=sys.stderr)
     new = migration.data
     print(f"# {Path(path).name} in the new config shape, written by `iop config migrate`")
-    print(yaml.safe_dump(new, sort_keys=False, allow_unicode=True, default_flow_style=False), end="")
+    print(yaml.dump(new, Dumper=ConfigDumper, sort_keys=False, allow_unicode=True, default_flow_style=False), end="")
     return 0

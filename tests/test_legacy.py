@@ -86,6 +86,31 @@ def test_migrate_prints_a_new_shape_config_that_routes_the_same(tmp_path: Path,
     assert exit_.value.code == 0
 
 
+def test_migrate_writes_text_that_reads_as_a_number_quoted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A served name `1e5` (text: quoted in the legacy file) was written plain, which iop's YAML 1.2
+    reading takes for a number: the migrated file did not load (a review). Text either YAML reading
+    would take for something else is quoted."""
+    legacy_file = tmp_path / "legacy.yaml"
+    legacy_file.write_text("""
+openai:
+  model_routes:
+    - {model: "m", adapter: vllm-a, target: "1e5"}
+    - {model: "yes", adapter: vllm-a, target: "010"}
+nodes:
+  - id: gpu-1
+    adapters:
+      - {id: vllm-a, type: vllm, endpoint: "http://gpu-1:8000", capacity: 4}
+""")
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["config", "migrate", str(legacy_file)])
+    assert exit_.value.code == 0
+    path = tmp_path / "new.yaml"
+    path.write_text(capsys.readouterr().out)
+    cfg = load_config(path)
+    assert [(m.id, m.providers) for m in cfg.models] == [("m", {"vllm-a": "1e5"}), ("yes", {"vllm-a": "010"})]
+    assert cfg.model_dump() == load_config(legacy_file).model_dump()
+
+
 def test_migrate_reports_faults_at_their_legacy_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = legacy()
     data["nodes"][0]["adapters"][0]["capacity"] = 0
