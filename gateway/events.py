@@ -102,7 +102,7 @@ class Follower:
     """One caller waiting for the events of one run, after `last_id`."""
 
     __slots__ = ("run_id", "last", "items", "waiter", "ended", "pending", "synced_at_start", "queueing", "heard_at",
-                 "held", "writing", "behind", "hub")
+                 "held", "writing", "behind", "hub", "had_output")
 
     def __init__(self, run_id: str, last_id: str, *, fresh: bool = False, hub: EventHub | None = None) -> None:
         """`fresh`: the run does not exist yet, so there is nothing to read first. `hub`: where it
@@ -130,6 +130,9 @@ class Follower:
         #: taken from the listener, once they are taken
         self.behind = False
         self.hub = hub
+        #: it was handed output (a `delta`), or may have been before it resumed after `last_id`: a lost
+        #: run is not "before output" to it
+        self.had_output = self.last != (0, 0)
 
     async def next(self, timeout: float | None = None) -> Event | None:
         """The next event, or None if none came within `timeout` seconds."""
@@ -183,6 +186,8 @@ class Follower:
         self.heard_at = time.monotonic()
         self.held += event.size
         self.items.append(event)
+        if event.type == EventType.DELTA:
+            self.had_output = True
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
         if event.type in TERMINAL:
@@ -468,8 +473,8 @@ class EventHub:
                     info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis lost its record (a restart "
                                                             "without persistence, or a failover), or it expired "
                                                             "(runtime.run_ttl_s) before its end was read")
-                    for f in followers:  # (no output, as far as it knows, only if it heard nothing of the run)
-                        data = {**info.to_wire(), "before_output": f.last == (0, 0)}
+                    for f in followers:  # (before output as far as it knows)
+                        data = {**info.to_wire(), "before_output": not f.had_output}
                         f.give(Event("lost", EventType.FAILED.value, data))
                     lost.append(run_id)
             run_ids, count = more, min(2 * count, READ_COUNT)

@@ -321,6 +321,15 @@ async def test_a_followed_run_whose_record_is_gone_ends_worker_lost_naming_loss_
     # (it said "before output" to a caller that had had output: a helper)
     assert event.data["before_output"] is True
     assert heard.take_ready()[0].data["before_output"] is False
+    # (one that heard the run start, and no output, hears it was lost before output: it was told
+    # false for having heard anything at all; a review)
+    started = Follower("run_started", "0", hub=hub)
+    hub.followers = {"run_started": [started]}
+    started.give(Event("1-0", "dispatched", {}))
+    started.give(Event("2-0", "started", {}))
+    started.take_ready()
+    await hub._read_runs(["run_started"], check_lost=True)
+    assert started.take_ready()[0].data["before_output"] is True
 
 
 async def test_a_run_still_being_queued_is_not_lost_for_having_no_record_yet(redis: Redis) -> None:
