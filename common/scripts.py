@@ -838,17 +838,23 @@ return 'ok'
 """
 
 # Publish output of one attempt, only while that attempt still owns the run, and while the run's
-# event stream holds fewer than its limit. Returns 1, 0 if the attempt lost the run, 2 if full.
+# event stream holds fewer than its limit. Returns 1, 0 if the attempt lost the run, 2 if full, or
+# {3, reason, code} when the run's first output comes after its cancel was recorded (a worker that
+# did not hear of it: the run ends cancelled, with the reason and code it was cancelled for).
 # The events' TTL stays as DISPATCH set it (see `_START`).
 # Each emit of an attempt carries its number (1, 2, ...), kept in the record as `emitted`
 # ("attempt:n"): the same emit made again (a dropped connection lost the reply, and the client
 # sent it again) adds nothing, so the caller never gets the same output twice.
 # KEYS: run record, events   ARGV: attempt, event type, event data, max events, run id, emit number
 EMIT = _EVENTS + """
-local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'output', 'emitted')
+local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'output', 'emitted', 'cancel')
 if rec[1] ~= 'running' or rec[2] ~= ARGV[1] then return 0 end
 local emitted = ARGV[1] .. ':' .. ARGV[6]
 if rec[5] == emitted then return 1 end
+if rec[6] == '1' and rec[4] ~= '1' then
+  local why = redis.call('HMGET', KEYS[1], 'cancel_reason', 'cancel_code')
+  return {3, why[1] or 'cancelled by the caller', why[2] or 'cancelled'}
+end
 if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[4]) then return 2 end
 add_event(KEYS[1], KEYS[2], ARGV[5], ARGV[2], ARGV[3], rec[3])
 if ARGV[2] == 'delta' and rec[4] ~= '1' then

@@ -256,13 +256,15 @@ class AnsweringAdapter(StallingAdapter):
         yield [self.CHUNK]
 
 
-def cancelled_before_the_end_is_recorded(runner: Runner, client: RunClient, run_id: str) -> None:
+def cancelled_before_the_end_is_recorded(runner: Runner, client: RunClient, run_id: str,
+                                         before: str = "finish") -> None:
     """The run's cancel (a DELETE) comes once its provider answered, while its worker has not heard
-    of it (frozen, or the message is still on its way): only the record's flag says so."""
+    of it (frozen, or the message is still on its way): only the record's flag says so. `before`:
+    the script the cancel comes just before (`emit`: a stream's first output)."""
     call = runner.scripts.call
 
     async def cancel_first(name: str, script_keys: Any, args: Any) -> Any:
-        if name == "finish":
+        if name == before:
             assert await client.cancel(run_id, MODEL, "cancelled through the runs API") == "signalled"
         return await call(name, script_keys, args)
 
@@ -286,8 +288,7 @@ async def test_a_run_cancelled_before_its_answer_went_out_ends_cancelled_not_com
     assert await redis.zcard(keys.leases("a")) == 0
 
 
-async def test_a_stream_whose_output_went_out_before_its_cancel_still_completes(redis: Redis) -> None:
-    """Once part of the answer went out, its end does too: the caller has the rest of what it saw."""
+async def stream_run(redis: Redis) -> tuple[RunClient, str]:
     config = make_config({"a": 1})
     client, sched, _ = await waiting_runs(redis, config, 0)
     model = config.model(MODEL)
@@ -296,6 +297,28 @@ async def test_a_stream_whose_output_went_out_before_its_cancel_still_completes(
     run_id, _ = await client.submit(model, ParsedRequest(RunKind.CHAT, MODEL, True, body))
     await sched.read_new(block_ms=10)
     await sched.dispatch_all()
+    return client, run_id
+
+
+async def test_a_stream_cancelled_before_its_first_output_went_out_ends_cancelled(redis: Redis) -> None:
+    """The same for a stream, whose first output goes out before its end (`emit`): it went out, and
+    the run completed (a review of the fix above, which covered whole answers only)."""
+    client, run_id = await stream_run(redis)
+    runner = Runner(redis, client.config, "n-a", {"a": AnsweringAdapter()})
+    cancelled_before_the_end_is_recorded(runner, client, run_id, before="emit")
+    assert await runner.execute(run_id) == "cancelled:ok"
+    assert await redis.hmget(keys.run_record(run_id), "state", "error_message", "output") == [
+        b"cancelled", b"cancelled through the runs API", None]
+    events = [e async for e in client.events(run_id)]
+    await client.close()
+    assert [e.type for e in events] == ["dispatched", "started", "failed"]
+    assert events[-1].data["code"] == "cancelled" and events[-1].data["before_output"] is True
+    assert await redis.zcard(keys.leases("a")) == 0
+
+
+async def test_a_stream_whose_output_went_out_before_its_cancel_still_completes(redis: Redis) -> None:
+    """Once part of the answer went out, its end does too: the caller has the rest of what it saw."""
+    client, run_id = await stream_run(redis)
     runner = Runner(redis, client.config, "n-a", {"a": AnsweringAdapter()})
     cancelled_before_the_end_is_recorded(runner, client, run_id)
     assert await runner.execute(run_id) == "completed:ok"

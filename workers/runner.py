@@ -70,6 +70,14 @@ class OutputTooLarge(Exception):
     """The run's output passed one of its limits (`runtime.max_output_bytes`, `max_events_per_run`)."""
 
 
+class CancelledBeforeOutput(Exception):
+    """The run's first output came after its cancel was recorded (this worker did not hear of it)."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(info.message)
+        self.info = info
+
+
 @dataclass(slots=True)
 class Attempt:
     run_id: str
@@ -312,6 +320,10 @@ class Runner:
         except OutputTooLarge as exc:
             info = ErrorInfo(ErrorCode.OUTPUT_TOO_LARGE, str(exc), before_output=not att.output)
             return await self._fail(att, info, Retry.NO)
+        except CancelledBeforeOutput as exc:
+            log.info("cancelled before its output went out: %s", exc.info.message, extra=att.log())
+            return await asyncio.shield(self._finish(att, RunState.CANCELLED, EventType.FAILED, exc.info.to_wire(),
+                                                     exc.info))
         except TimeoutError:
             info = ErrorInfo(ErrorCode.EXECUTION_TIMEOUT,
                              f"the run did not finish within {int(timeout_s * 1000)} ms", before_output=not att.output)
@@ -524,6 +536,10 @@ class Runner:
         args = [att.attempt, etype.value, packed, rt.max_events_per_run, att.run_id, att.emitted + 1]
         ok = await self._call_while_leased(att, "emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
                                            args, "emitting")
+        if isinstance(ok, list):  # (its cancel was recorded before this, its first output: `EMIT`)
+            code = ok[2].decode()
+            raise CancelledBeforeOutput(ErrorInfo(ErrorCode(code) if code in ErrorCode._value2member_map_
+                                                  else ErrorCode.CANCELLED, ok[1].decode()))
         if ok == 2:
             raise self._too_many_events()
         if not ok:
