@@ -39,6 +39,7 @@ class JsonFormatter(logging.Formatter):
 #: cleared the screen and printed a forged line in red)
 _SHOWN_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c != 0x09} | {
     0x0A: "\\n", 0x0D: "\\r"}
+_TRACEBACK_CONTROLS = {c: shown for c, shown in _SHOWN_CONTROLS.items() if c != 0x0A}
 
 
 class TextFormatter(logging.Formatter):
@@ -52,6 +53,11 @@ class TextFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = record.message.translate(_SHOWN_CONTROLS)
         return super().formatMessage(record) + context_text(record)
+
+    def formatException(self, ei: Any) -> str:
+        """A traceback keeps its lines; any other control character in it (an exception's text may
+        hold a caller's bytes) is escaped as in a message."""
+        return super().formatException(ei).translate(_TRACEBACK_CONTROLS)
 
 
 class TurnHandler(logging.StreamHandler[TextIO]):

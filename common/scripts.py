@@ -685,7 +685,7 @@ return 1
 # The end of an attempt: release the slot, then either record a terminal state or put the
 # run back at the tail of its model's queue. Does nothing if the attempt no longer owns the
 # run (its lease was reaped and the run went on without it). A completed run whose cancel was
-# asked while none of its answer had gone out ends cancelled instead (returns 'cancelled').
+# asked while none of its answer had gone out ends cancelled instead (returns 'cancel_asked').
 # Also adds what the attempt showed about the provider's health to its heartbeat (`_EVIDENCE`).
 # The attempt's job leaves its node's queue (with its in-progress marker), before any requeue:
 # the next dispatch queues a job of the same id. The freed slot may serve any model of the
@@ -727,7 +727,7 @@ if ARGV[2] == 'completed' and rec[7] == '1' and rec[8] ~= '1' then
   ended(KEYS[1], ARGV[1], 'cancelled', 0, 0, rec[4], rec[5], rec[6])
   redis.call('EXPIRE', KEYS[1], ttl)
   for i = 8, #KEYS do wake_head(KEYS[i], ARGV[6]) end
-  return 'cancelled'
+  return 'cancel_asked'
 end
 if last ~= '' then add_event(KEYS[1], KEYS[3], ARGV[1], 'delta', last, rec[3]) end
 add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4], rec[3])

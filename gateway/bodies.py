@@ -70,14 +70,14 @@ def decode(data: bytes, content_encoding: str, limit: int) -> bytes:
     result at most `limit` bytes (else 413), any fault 400; more than `MAX_CODINGS` codings are
     refused before any is undone."""
     encodings = [e.strip().lower() for e in content_encoding.split(",") if e.strip()]
+    for encoding in encodings:  # (one it cannot undo is said first: it is what the caller must change)
+        if encoding != "identity" and encoding not in _WBITS:
+            raise invalid(f"Content-Encoding {quoted(encoding)} is not supported (gzip, deflate or identity)",
+                          param="Content-Encoding")
     if sum(encoding != "identity" for encoding in encodings) > MAX_CODINGS:
         raise invalid(f"the request body's Content-Encoding lists more than {MAX_CODINGS} codings",
                       param="Content-Encoding")
     for encoding in reversed(encodings):
-        if encoding == "identity":
-            continue
-        if encoding not in _WBITS:
-            raise invalid(f"Content-Encoding {quoted(encoding)} is not supported (gzip, deflate or identity)",
-                          param="Content-Encoding")
-        data = _inflate(data, encoding, limit)
+        if encoding != "identity":
+            data = _inflate(data, encoding, limit)
     return data

@@ -584,11 +584,11 @@ class Scheduler:
                 if outcome == "ok":
                     metrics.DROPPED.labels(model_id, RunState.CANCELLED.value).inc()
                 if outcome in ("ok", "signalled"):  # (each run its own line: the sum below names none)
-                    log.info("cancelled (%s): %s", "waiting" if outcome == "ok" else "running", GATEWAY_GONE,
-                             extra=run_fields(run_id, model_id))
+                    log.info("cancelled (%s): %s", "waiting" if outcome == "ok" else "dispatched or running",
+                             GATEWAY_GONE, extra=run_fields(run_id, model_id))
         ended = outcomes.get("ok", 0) + outcomes.get("signalled", 0)
         if ended:  # (one line a sweep; the runs another replica cancelled first are not counted)
-            log.warning("cancelled %d runs: %s (%d waiting, %d running)", ended, GATEWAY_GONE,
+            log.warning("cancelled %d runs: %s (%d waiting, %d dispatched or running)", ended, GATEWAY_GONE,
                         outcomes.get("ok", 0), outcomes.get("signalled", 0))
         await self._forget_gateways()
         return ended

@@ -56,6 +56,7 @@ def rejected(data: bytes, encoding: str, limit: int = 4096) -> ApiError:
     # (each layer undoes up to the limit: thousands of them held the gateway's thread for seconds)
     ("gzip, gzip, gzip", gzip.compress(gzip.compress(gzip.compress(BODY))), "lists more than 2 codings"),
     ("gzip, identity, deflate, gzip", gzip.compress(zlib.compress(gzip.compress(BODY))), "lists more than 2 codings"),
+    ("br, br, br", BODY, 'Content-Encoding "br" is not supported'),  # (what the caller must change, first)
 ])
 def test_faults_are_a_400_naming_them(encoding: str, data: bytes, fragment: str) -> None:
     err = rejected(data, encoding)

@@ -278,7 +278,7 @@ async def test_a_run_cancelled_before_its_answer_went_out_ends_cancelled_not_com
     client, sched, run_id = await dispatched_run(redis)
     runner = Runner(redis, client.config, "n-a", {"a": AnsweringAdapter()})
     cancelled_before_the_end_is_recorded(runner, client, run_id)
-    assert await runner.execute(run_id) == "cancelled:cancelled"
+    assert await runner.execute(run_id) == "cancelled:cancel_asked"
     assert await redis.hmget(keys.run_record(run_id), "state", "error_code", "error_message", "output") == [
         b"cancelled", b"cancelled", b"cancelled through the runs API", None]
     events = [e async for e in client.events(run_id)]

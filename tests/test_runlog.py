@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import socket
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -82,6 +83,17 @@ def test_control_characters_of_a_message_reach_the_text_log_escaped() -> None:
     line = emit(TextFormatter(), "redis unavailable on GET %s", "/v1/runs/x\x1b[2J\x1b[31mFORGED\x00\x7f\x9b\tend")
     assert line.endswith("redis unavailable on GET /v1/runs/x\\x1b[2J\\x1b[31mFORGED\\x00\\x7f\\x9b\tend")
     assert not any(ord(c) < 0x20 and c != "\t" or 0x7F <= ord(c) < 0xA0 for c in line)
+
+
+def test_a_traceback_keeps_its_lines_and_escapes_any_other_control_character() -> None:
+    formatter = TextFormatter()
+    try:
+        raise ValueError("bad path /v1/x\x1b[2J\rFORGED")
+    except ValueError:
+        record = logging.LogRecord("iop.test", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+    text = formatter.format(record)
+    assert "Traceback (most recent call last):\n" in text
+    assert text.endswith("ValueError: bad path /v1/x\\x1b[2J\\rFORGED")
 
 
 class Writes(io.StringIO):

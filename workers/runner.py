@@ -604,7 +604,7 @@ class Runner:
             return "unrecorded"  # the lease expires and the scheduler reaps the run
         if result == b"too_many":  # (its last output would pass max_events_per_run: nothing was recorded)
             raise self._too_many_events()
-        if result == b"cancelled":  # (its cancel came before this worker heard of it: it ended so, answer dropped)
+        if result == b"cancel_asked":  # (its cancel came before this worker heard of it: it ended so, answer dropped)
             log.info("cancelled before its answer went out: the answer is dropped", extra=att.log())
             state = RunState.CANCELLED
         metrics.runs(att.model_id, att.provider_id, state.value if state else "requeued").inc()
