@@ -45,7 +45,7 @@ _TRACEBACK_CONTROLS = {c: shown for c, shown in _SHOWN_CONTROLS.items() if c != 
 class TextFormatter(logging.Formatter):
     """`time level logger message run=… model=…`; the context only on lines about a run. A message
     stays on its line (its line breaks are shown as `\\n`, any other control character but a tab as
-    `\\x..`); only a traceback follows on more."""
+    `\\x..`); only a traceback follows on more, each after `| `."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -55,9 +55,11 @@ class TextFormatter(logging.Formatter):
         return super().formatMessage(record) + context_text(record)
 
     def formatException(self, ei: Any) -> str:
-        """A traceback keeps its lines; any other control character in it (an exception's text may
-        hold a caller's bytes) is escaped as in a message."""
-        return super().formatException(ei).translate(_TRACEBACK_CONTROLS)
+        """A traceback keeps its lines, each after `| ` (an exception's text may hold a line break: a
+        line of it must not read as a line of the log); any other control character in it is
+        escaped as in a message."""
+        text = super().formatException(ei).translate(_TRACEBACK_CONTROLS)
+        return "\n".join(f"| {line}" for line in text.split("\n"))
 
 
 class TurnHandler(logging.StreamHandler[TextIO]):

@@ -684,8 +684,9 @@ return 1
 
 # The end of an attempt: release the slot, then either record a terminal state or put the
 # run back at the tail of its model's queue. Does nothing if the attempt no longer owns the
-# run (its lease was reaped and the run went on without it). A completed run whose cancel was
-# asked while none of its answer had gone out ends cancelled instead (returns 'cancel_asked').
+# run (its lease was reaped and the run went on without it). A run whose cancel was recorded
+# before its worker heard of it ends cancelled instead (returns 'cancel_asked'), however the attempt
+# ended, but for a completed one whose answer had begun to go out.
 # Also adds what the attempt showed about the provider's health to its heartbeat (`_EVIDENCE`).
 # The attempt's job leaves its node's queue (with its in-progress marker), before any requeue:
 # the next dispatch queues a job of the same id. The freed slot may serve any model of the
@@ -716,11 +717,13 @@ redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('DEL', KEYS[7])
 evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable', ARGV[16])
 local ttl = tonumber(ARGV[5])
-if ARGV[2] == 'completed' and rec[7] == '1' and rec[8] ~= '1' then
-  -- its cancel was asked (a DELETE, its caller leaving) before its worker heard of it, and none of
-  -- its answer has gone out: it ends cancelled, as asked, and the answer is dropped
+if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and rec[8] == '1') then
+  -- its cancel was asked (a DELETE, its caller leaving) before its worker heard of it: it ends
+  -- cancelled, as asked, however the attempt ended (a requeue would put a cancelled run back in its
+  -- queue), but for a completed one whose answer had begun to go out (its caller has the rest)
   local reason, code, data = cancel_reason(rec[9], rec[10],
-    cmsgpack.pack({{code = 'cancelled', message = 'cancelled by the caller', before_output = true}}))
+    cmsgpack.pack({{code = 'cancelled', message = 'cancelled by the caller', before_output = rec[8] ~= '1'}}),
+    rec[8] == '1')
   add_event(KEYS[1], KEYS[3], ARGV[1], 'failed', data, rec[3])
   redis.call('EXPIRE', KEYS[3], ttl)
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_ms', now, 'error_code', code, 'error_message', reason)

@@ -321,6 +321,7 @@ class Runner:
             info = ErrorInfo(ErrorCode.OUTPUT_TOO_LARGE, str(exc), before_output=not att.output)
             return await self._fail(att, info, Retry.NO)
         except CancelledBeforeOutput as exc:
+            att.cancelled = exc.info  # (now: a cancel message coming meanwhile must not cancel the job's task)
             log.info("cancelled before its output went out: %s", exc.info.message, extra=att.log())
             return await asyncio.shield(self._finish(att, RunState.CANCELLED, EventType.FAILED, exc.info.to_wire(),
                                                      exc.info))
@@ -604,8 +605,11 @@ class Runner:
             return "unrecorded"  # the lease expires and the scheduler reaps the run
         if result == b"too_many":  # (its last output would pass max_events_per_run: nothing was recorded)
             raise self._too_many_events()
-        if result == b"cancel_asked":  # (its cancel came before this worker heard of it: it ended so, answer dropped)
-            log.info("cancelled before its answer went out: the answer is dropped", extra=att.log())
+        if result in (b"cancel_asked", b"cancelled") and state is not RunState.CANCELLED:
+            # (its cancel was recorded before this worker heard of it: the run ended so, not as this attempt
+            # would have; `cancelled`: it had, when a lost reply made this call again, or the reaper)
+            log.info("the run ended cancelled: its cancel was recorded before this worker heard of it",
+                     extra=att.log())
             state = RunState.CANCELLED
         metrics.runs(att.model_id, att.provider_id, state.value if state else "requeued").inc()
         if kind == "fail":
