@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from workers.adapters import text_limits
 from workers.adapters.text_limits import TextLimits
 
 
@@ -53,3 +54,34 @@ def test_how_the_output_is_split_changes_nothing(text: str, cuts: list[int], max
     out, finish = whole
     assert len(out.split()) <= max_words and (not stop or "bS" not in out)
     assert text.startswith(out) and (finish is not None or out == text)
+
+
+class CountedWords:
+    """The word pattern, counting the characters each search over the held text reads."""
+
+    def __init__(self, pattern: Any) -> None:
+        self.pattern = pattern
+        self.read = 0
+
+    def finditer(self, text: str) -> Any:
+        self.read += len(text)
+        return self.pattern.finditer(text)
+
+    def findall(self, text: str) -> Any:
+        self.read += len(text)
+        return self.pattern.findall(text)
+
+
+def test_a_word_that_goes_on_is_not_read_again_at_each_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tool's endless word with `max_tokens`: every piece read the whole held word again, in
+    Python, so 4 MiB took 16 s of the worker's one thread (a hostile tool). The held word now only
+    grows; the text read stays a small multiple of the text fed."""
+    counted = CountedWords(text_limits._WORD)
+    monkeypatch.setattr(text_limits, "_WORD", counted)
+    limits = TextLimits(3, ("STOP",))
+    piece = "x" * 4096
+    for _ in range(256):  # (1 MiB of one word)
+        assert limits.feed(piece) == ""
+    assert limits.held_chars() == 256 * len(piece) and counted.read <= 4 * len(piece)
+    assert limits.feed(" two three four") == piece * 256 + " two three"
+    assert limits.finish == "length"

@@ -296,7 +296,7 @@ class CliAdapter:
                     yield text
                 if limits.finish is not None:
                     return  # (the tool, still running, is killed on leaving)
-                if len(limits.held) > self.limits.line_bytes:  # (a word that does not end, with max_tokens)
+                if limits.held_chars() > self.limits.line_bytes:  # (a word that does not end, with max_tokens)
                     raise self.limits.too_large(self.provider.id, "a word", self.limits.line_bytes)
             await tool.exit_status(self.limits.error_chars)
         rest = limits.feed("", final=True)

@@ -19,10 +19,11 @@ from common import token_cap
 #: OpenAI allows up to 4 stop strings; more are ignored here
 MAX_STOPS = 4
 _WORD = re.compile(r"\S+")
+_SPACE = re.compile(r"\s")
 
 
 class TextLimits:
-    __slots__ = ("max_words", "stops", "held", "words", "finish")
+    __slots__ = ("max_words", "stops", "held", "words", "finish", "_one_word", "_more", "_more_chars")
 
     def __init__(self, max_words: int | None = None, stops: tuple[str, ...] = ()) -> None:
         self.max_words = max_words
@@ -32,6 +33,11 @@ class TextLimits:
         self.words = 0
         #: "length" or "stop" once a limit cut the output: nothing more is to be read
         self.finish: str | None = None
+        #: `held` is one word that may go on (`max_words`): more of it is only added to it (`feed`),
+        #: in `_more` (joined once: adding to a string copied it whole, each piece)
+        self._one_word = False
+        self._more: list[str] = []
+        self._more_chars = 0
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> TextLimits:
@@ -52,6 +58,15 @@ class TextLimits:
         (`final`: the output ended). Once `finish` is set, nothing more."""
         if self.finish is not None:
             return ""
+        if self._one_word and not final and not _SPACE.search(text) and not self._stop_in(text):
+            # (the held word goes on: none of it may go yet, and it is not read again; it was, at
+            # every piece, and a tool's endless word cost time growing with its square)
+            self._more.append(text)
+            self._more_chars += len(text)
+            return ""
+        if self._more:
+            self.held += "".join(self._more)
+            self._more, self._more_chars = [], 0
         buf = self.held + text
         cut = len(buf)
         if self.max_words == 0:
@@ -68,9 +83,35 @@ class TextLimits:
         if self.finish is None and not final:
             cut = self._safe(buf)
         out, self.held = buf[:cut], buf[cut:]
+        self._one_word = self.max_words is not None and bool(self.held) and not _SPACE.search(self.held)
         if self.max_words is not None:
             self.words += len(_WORD.findall(out))
         return out
+
+    def held_chars(self) -> int:
+        """How much text is held back (`CliAdapter` bounds it: a word that never ends)."""
+        return len(self.held) + self._more_chars
+
+    def _stop_in(self, text: str) -> bool:
+        """Whether a stop string ends in `text` (begun in what is held, or in it)."""
+        longest = max((len(stop) for stop in self.stops), default=0)
+        seen = self._tail(longest - 1) + text
+        return any(stop in seen for stop in self.stops)
+
+    def _tail(self, n: int) -> str:
+        """The last `n` characters held (without joining all of them)."""
+        if n <= 0:
+            return ""
+        parts: list[str] = []
+        size = 0
+        for piece in reversed(self._more):
+            parts.append(piece)
+            size += len(piece)
+            if size >= n:
+                break
+        else:
+            parts.append(self.held[-n:])
+        return "".join(reversed(parts))[-n:]
 
     def _safe(self, buf: str) -> int:
         """How much of `buf` no later text can put past a limit: not the last characters that
