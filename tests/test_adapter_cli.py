@@ -155,7 +155,18 @@ async def test_what_a_tool_cannot_be_given_is_refused_for_another_provider_and_a
             {"role": "system", "content": "s"},
             {"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]}, "messages[1].content[1]"),
         (RunKind.CHAT, {"model": SERVED, "messages": [
-            {"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]}, "messages[0].content[0].text")]
+            {"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]}, "messages[0].content[0].text"),
+        # (what the text dropped without a word, each a 200 with less than the caller sent: a hostile caller)
+        (RunKind.CHAT, {"model": SERVED, "messages": [{"role": "user", "content": image}]}, "messages[0].content"),
+        (RunKind.CHAT, {"model": SERVED, "messages": [{"role": "user", "content": 123}]}, "messages[0].content"),
+        (RunKind.CHAT, {"model": SERVED, "messages": [
+            {"role": "user", "content": [{"image_url": {"url": "data:,"}}]}]}, "messages[0].content[0]"),
+        (RunKind.CHAT, {"model": SERVED, "messages": [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                     "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "user", "content": "go on"}]}, "messages[0].tool_calls"),
+        (RunKind.CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop"),  # (a fifth was ignored)
+        (RunKind.CHAT, chat(stop="s" * 1025), "stop")]  # (held back whole: blamed on the tool as a long word)
     started = tmp_path / "started"
     for kind, body, param in cases:
         for stream in (False, True):
@@ -170,7 +181,8 @@ async def test_what_a_tool_cannot_be_given_is_refused_for_another_provider_and_a
             assert err.value.detail["code"] == "invalid_request_error"
     assert not started.exists()  # the tool never ran
     # what it can carry still goes: no tools, one choice, text parts, an empty tools list, plain text
-    answer = await adapter().complete(RunKind.CHAT, chat(tools=[], n=1, response_format={"type": "text"}), "r")
+    answer = await adapter().complete(RunKind.CHAT, chat(tools=[], n=1, response_format={"type": "text"},
+                                                         stop=["zz1", "zz2", "zz3", "s" * 1024]), "r")
     assert answer["choices"][0]["message"]["content"]
     gone = CliAdapter(ProviderConfig.model_validate(
         {"id": "c", "type": "cli", "command": ["iop-no-such-tool-4d1f"], "capacity": 1, "models": [SERVED]}))

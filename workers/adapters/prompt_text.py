@@ -14,6 +14,11 @@ from typing import Any
 from common.capabilities import TOOL_FIELDS, asks_several_choices, asks_structured_output
 from common.wire import RunKind
 
+#: the stop strings a CLI tool's output is cut at (`text_limits`): as many as OpenAI's API takes,
+#: and of a length a caller means (the last characters that could begin one are held back)
+MAX_STOPS = 4
+MAX_STOP_CHARS = 1024
+
 
 class NotForCli(ValueError):
     """What a CLI tool cannot be given; `param`: the request's field at fault."""
@@ -28,23 +33,30 @@ def message_text(content: Any, place: str = "content") -> str:
     that is not text (an image, audio, a file) raises NotForCli naming it (`place[j]`)."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
+    if content is None:  # (an assistant message's, beside its tool calls: refused with them)
         return ""
+    if not isinstance(content, list):  # (a part not in a list, a number: it was dropped, the tool given "")
+        raise NotForCli("a cli provider takes a message's content as text or a list of text parts", place)
     texts = []
     for j, part in enumerate(content):
         if isinstance(part, dict) and part.get("type", "text") != "text":
             raise NotForCli(f"a cli provider takes text only, not a {str(part.get('type'))[:40]!r} part",
                             f"{place}[{j}]")
-        if isinstance(part, dict):
-            text = part.get("text", "")
-            if not isinstance(text, str):
-                raise NotForCli("a text part's text must be a string", f"{place}[{j}].text")
-            texts.append(text)
+        if not isinstance(part, dict) or "text" not in part:  # (`{"image_url": …}` without its type: dropped)
+            raise NotForCli("a cli provider takes text parts only: each an object with its text", f"{place}[{j}]")
+        text = part["text"]
+        if not isinstance(text, str):
+            raise NotForCli("a text part's text must be a string", f"{place}[{j}].text")
+        texts.append(text)
     return "\n".join(texts)
 
 
 def flatten_messages(messages: Any) -> str:
     msgs = [(i, m) for i, m in enumerate(messages) if isinstance(m, dict)] if isinstance(messages, list) else []
+    for i, m in msgs:
+        if m.get("tool_calls") or m.get("function_call"):  # (they were dropped from the text)
+            raise NotForCli("a cli provider does not call tools, nor read calls made before",
+                            f"messages[{i}].{'tool_calls' if m.get('tool_calls') else 'function_call'}")
     texts = [message_text(m.get("content"), f"messages[{i}].content") for i, m in msgs]
     if len(msgs) == 1 and msgs[0][1].get("role", "user") == "user":
         return texts[0]
@@ -62,6 +74,13 @@ def _one_answer(body: dict[str, Any]) -> None:
     if asks_structured_output(body):
         raise NotForCli("a cli provider's answer is the text its command prints: it cannot be held to a JSON format",
                         "response_format")
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if len(stops) > MAX_STOPS:  # (a fifth was ignored)
+        raise NotForCli(f"a cli provider applies at most {MAX_STOPS} stop strings, as OpenAI's API", "stop")
+    if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stops):  # (held back whole: a tool's
+        # answer was cut as "a word over max_line_bytes")
+        raise NotForCli(f"a cli provider applies stop strings of at most {MAX_STOP_CHARS} characters", "stop")
 
 
 def prompt_text(kind: RunKind, body: dict[str, Any]) -> str:

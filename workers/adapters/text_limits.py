@@ -15,9 +15,8 @@ import re
 from typing import Any
 
 from common import token_cap
+from workers.adapters.prompt_text import MAX_STOPS
 
-#: OpenAI allows up to 4 stop strings; more are ignored here
-MAX_STOPS = 4
 _WORD = re.compile(r"\S+")
 _SPACE = re.compile(r"\s")
 
