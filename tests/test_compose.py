@@ -57,6 +57,9 @@ def test_compose_has_redis_gateway_two_schedulers_a_worker_per_node_and_a_simula
         assert option(svc["command"], "--node") == node.id
         # Scalable with --scale: nothing that must be unique per container.
         assert "ports" not in svc and "container_name" not in svc
+    # an init process reaps what an iop service leaves (a cli tool's children piled up as zombies of
+    # a worker running as PID 1: a hostile tool)
+    assert all(SERVICES[name].get("init") is True for name in ("gateway", "scheduler", *nodes))
     for node in config.nodes:
         for provider in node.providers:
             host = urlsplit(provider.base_url or "").hostname
