@@ -110,6 +110,21 @@ async def test_a_child_well_out_of_the_group_does_not_keep_the_run_or_its_pipes(
     assert held and not held & our_pipes()
 
 
+async def test_a_child_left_writing_is_read_for_no_more_than_a_pipe_holds(tmp_path: Path) -> None:
+    """A tool printed its answer and exited, leaving `yes` writing to its stdout: what the child
+    wrote was read until `read_timeout_ms` (never waiting, so the 200 ms of waiting never ran out),
+    and the run failed as an answer over `max_response_bytes` (a hostile tool). After the exit, no
+    more than a pipe holds is read."""
+    from workers.adapters.cli import AFTER_EXIT_BYTES
+
+    cli = tool(tmp_path, "printf 'parent'\nyes &")
+    async with asyncio.timeout(WELL_BEFORE_S):
+        answer = await cli.complete(RunKind.CHAT, chat(), "r")
+    text = answer["choices"][0]["message"]["content"]
+    assert text.startswith("parent") and len(text) <= len("parent") + AFTER_EXIT_BYTES, len(text)
+    assert answer["choices"][0]["finish_reason"] == "stop"
+
+
 async def test_a_tool_that_closes_stdout_and_goes_on_running_fails_and_is_killed(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     cli = tool(tmp_path, f"echo $$ > {pids}\nprintf 'partial'\nexec >&-\nsleep 3600 &\necho $! >> {pids}\nwait",

@@ -54,6 +54,11 @@ STREAM_LIMIT = 2**16
 #: that and still too short for a caller to notice. It counts only time spent waiting for
 #: data, never the time the consumer takes, so a slow consumer loses nothing.
 DRAIN_S = 0.2
+#: The most output read once the tool has exited: what it wrote before is in the pipe, which holds
+#: no more than this (Linux's `pipe-max-size`, the most an unprivileged process may make a pipe
+#: hold); more comes from a child it left writing (it was read until `read_timeout_ms`, up to
+#: `max_output_bytes`, failing a run the tool had ended well).
+AFTER_EXIT_BYTES = 1 << 20
 
 
 def argv_for(command: list[str], model: str) -> list[str]:
@@ -174,13 +179,15 @@ class ToolRun:
         Once the tool process has exited, what it wrote is in the pipe; a child it left behind
         may still hold stdout open and EOF may never come. So after the exit, reading stops at
         EOF, at the first `DRAIN_S` seconds (in all) spent waiting for more, or `read_timeout_ms`
-        after the exit (a leftover child that never stops writing), whichever comes first."""
+        after the exit, or after `AFTER_EXIT_BYTES` read since (a leftover child that never stops
+        writing), whichever comes first."""
         assert self.proc is not None and self.proc.stdout is not None
         loop = asyncio.get_running_loop()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         silence = self.provider.read_timeout_ms / 1000
         drain_left = DRAIN_S
         drain_end: float | None = None  # the loop's time at which draining stops in any case
+        after_exit = 0  # bytes read since the exit
         while True:
             exited = self._exited.is_set()
             if exited and drain_end is None:
@@ -200,6 +207,9 @@ class ToolRun:
                 drain_left -= loop.time() - started
             if data is None:
                 continue  # the tool exited while we waited: drain what it left
+            if exited:
+                data = data[:max(0, AFTER_EXIT_BYTES - after_exit)]  # (past it: a child's, not the tool's)
+                after_exit += len(data)
             text = decoder.decode(data, final=not data)
             if text:
                 yield text
