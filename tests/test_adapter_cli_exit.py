@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 
 from common.config import ProviderConfig
 from common.wire import RunKind
-from tests.test_adapter_cli import SERVED, alive, chat, collect, read_pids, wait_gone
+from tests.test_adapter_cli import SERVED, alive, chat, collect, read_pids, wait_file, wait_gone
 from workers.adapters.base import ProviderError
 from workers.adapters.cli import CliAdapter
 
@@ -123,6 +124,38 @@ async def test_a_child_left_writing_is_read_for_no_more_than_a_pipe_holds(tmp_pa
     text = answer["choices"][0]["message"]["content"]
     assert text.startswith("parent") and len(text) <= len("parent") + AFTER_EXIT_BYTES, len(text)
     assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+#: A worker's stand-in: runs a tool through the adapter under uvloop, as the services run, until killed.
+RUNS_A_TOOL = """
+import asyncio, sys, uvloop
+from common.config import ProviderConfig
+from common.wire import RunKind
+from workers.adapters.cli import CliAdapter
+cli = CliAdapter(ProviderConfig.model_validate({"id": "cli-x", "type": "cli", "command": [sys.argv[1]],
+                                                "capacity": 1, "models": ["m"]}))
+uvloop.run(cli.complete(RunKind.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]}, "r"))
+"""
+
+
+def test_a_tool_dies_with_its_worker_however_the_worker_dies(tmp_path: Path) -> None:
+    """A worker killed outright (SIGKILL, the OOM killer) left its tools running past every
+    timeout, and the run its lease then put back in the queue ran twice at once (a hostile tool)."""
+    pids = tmp_path / "pids"
+    path = tmp_path / "tool.sh"
+    path.write_text(f"#!/bin/sh\necho $$ > {pids}\nexec sleep 3600\n")
+    path.chmod(0o755)
+    worker = subprocess.Popen([sys.executable, "-c", RUNS_A_TOOL, str(path)], cwd=Path(__file__).parent.parent)
+    try:
+        wait_file(pids)
+        [tool_pid] = read_pids(pids)
+        assert alive(tool_pid)
+        worker.kill()
+        worker.wait(10)
+        wait_gone([tool_pid])
+    finally:
+        worker.kill()
+        worker.wait(10)
 
 
 async def test_a_tool_that_closes_stdout_and_goes_on_running_fails_and_is_killed(tmp_path: Path) -> None:

@@ -21,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator
 from types import TracebackType
 from typing import Any
@@ -59,6 +61,23 @@ DRAIN_S = 0.2
 #: hold); more comes from a child it left writing (it was read until `read_timeout_ms`, up to
 #: `max_output_bytes`, failing a run the tool had ended well).
 AFTER_EXIT_BYTES = 1 << 20
+
+
+#: prctl(2)'s option that has the kernel signal a process when its parent dies (Linux)
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _dies_with(parent: int) -> Any:
+    """The tool's first act (`preexec_fn`): it is killed when its worker dies, however the worker
+    dies (a SIGKILL, the OOM killer: tools ran on, and a run its lease put back in the queue ran
+    twice at once). The parent that died before this could ask is seen in `getppid`."""
+    def first() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
+    return first
 
 
 def argv_for(command: list[str], model: str) -> list[str]:
@@ -128,7 +147,7 @@ class ToolRun:
             self._transport, self._protocol = await loop.subprocess_exec(
                 lambda: _ToolProtocol(loop, self._exited), *self.argv, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self.env,
-                start_new_session=True)
+                start_new_session=True, preexec_fn=_dies_with(os.getpid()))
         except OSError as exc:
             raise ProviderError(f"provider {self.provider.id} could not start {self.name}: "
                                 f"{(exc.strerror or 'unknown error').lower()}", retry=Retry.ANY, strikes=DOWN) from None
