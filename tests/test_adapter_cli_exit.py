@@ -209,3 +209,17 @@ async def test_a_python_tool_s_traceback_is_left_out_of_its_error_but_its_except
             await cli.complete(RunKind.CHAT, chat(), "r")
     assert err.value.message.startswith("provider cli-x: tool.sh exited with status 1: json.decoder.JSONDecodeError: ")
     assert "File" not in err.value.message and "Traceback" not in err.value.message
+
+
+@pytest.mark.parametrize("limits", [{"max_tokens": 100}, {"stop": "zz"}, {}])
+async def test_what_was_held_for_the_limits_goes_out_before_the_tool_s_failure(
+        tmp_path: Path, limits: dict[str, Any]) -> None:
+    """A tool printed `hello partial-word` and failed: a stream's caller got `hello ` (with a
+    `max_tokens` far from reached) or `hello partial-w` (with a stop string), what was held back in
+    case the limits cut it lost with the failure (a hostile tool)."""
+    cli = tool(tmp_path, "printf 'hello partial-word'\nexit 3")
+    seen: list[dict[str, Any]] = []
+    with pytest.raises(ProviderError, match="exited with status 3"):
+        async for read in cli.stream(RunKind.CHAT, chat(stream=True, **limits), "r"):
+            seen += read
+    assert text_of(seen) == "hello partial-word"

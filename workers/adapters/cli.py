@@ -319,15 +319,23 @@ class CliAdapter:
         `stop` (`limits.finish` says which; the tool is stopped there), else up to the tool's
         exit, which must be a success."""
         async with tool, contextlib.aclosing(tool.reads()) as reads:
-            async for piece in reads:
-                text = limits.feed(piece)
-                if text:
-                    yield text
-                if limits.finish is not None:
-                    return  # (the tool, still running, is killed on leaving)
-                if limits.held_chars() > self.limits.line_bytes:  # (a word that does not end, with max_tokens)
-                    raise self.limits.too_large(self.provider.id, "a word", self.limits.line_bytes)
-            await tool.exit_status(self.limits.error_chars)
+            try:
+                async for piece in reads:
+                    text = limits.feed(piece)
+                    if text:
+                        yield text
+                    if limits.finish is not None:
+                        return  # (the tool, still running, is killed on leaving)
+                    if limits.held_chars() > self.limits.line_bytes:  # (a word that does not end, with max_tokens)
+                        raise self.limits.too_large(self.provider.id, "a word", self.limits.line_bytes)
+                await tool.exit_status(self.limits.error_chars)
+            except ProviderError:
+                # (what was held back for the limits and is within them goes out before the error: a
+                # stream's caller lost the end of the last word the tool printed before it failed)
+                rest = "" if limits.held_chars() > self.limits.line_bytes else limits.feed("", final=True)
+                if rest:
+                    yield rest
+                raise
         rest = limits.feed("", final=True)
         if rest:
             yield rest
