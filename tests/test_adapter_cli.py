@@ -265,7 +265,7 @@ async def test_probe_follows_the_executable(tmp_path: Path) -> None:
     missing = CliAdapter(ProviderConfig.model_validate(
         {"id": "c", "type": "cli", "command": ["iop-no-such-tool-4d1f"], "capacity": 1, "models": [SERVED]}))
     probe = await missing.probe()
-    assert probe.health is Health.UNAVAILABLE and probe.reason == "executable 'iop-no-such-tool-4d1f' not found on PATH"
+    assert probe.health is Health.UNAVAILABLE and probe.reason == 'executable "iop-no-such-tool-4d1f" not found on PATH'
 
     tool = tmp_path / "my-llm"
     cli = CliAdapter(ProviderConfig.model_validate(

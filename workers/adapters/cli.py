@@ -33,6 +33,7 @@ from typing import Any
 from common.chunks import wants_usage
 from common.config import ProviderConfig
 from common.policy import Health
+from common.shown import quoted
 from common.wire import ErrorCode, RunKind
 from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderError, ReadLimits, Retry, not_taken
 from workers.adapters.failures import one_line
@@ -88,12 +89,12 @@ def find_executable(program: str) -> tuple[str | None, str]:
     """(the path that would run, "") or (None, why not)."""
     if os.sep in program:
         if not os.path.isfile(program):
-            return None, f"executable {program!r} does not exist"
+            return None, f"executable {quoted(program)} does not exist"
         if not os.access(program, os.X_OK):
-            return None, f"{program!r} is not executable"
+            return None, f"{quoted(program)} is not executable"
         return program, ""
     found = shutil.which(program)
-    return (found, "") if found else (None, f"executable {program!r} not found on PATH")
+    return (found, "") if found else (None, f"executable {quoted(program)} not found on PATH")
 
 
 class _ToolProtocol(asyncio.subprocess.SubprocessStreamProtocol):
