@@ -38,7 +38,7 @@ from common.wire import ErrorCode, RunKind
 from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProbeResult, ProviderError, ReadLimits, Retry, not_taken
 from workers.adapters.failures import one_line
 from workers.adapters.openai_shapes import Shaper, usage
-from workers.adapters.prompt_text import NotForCli, prompt_text
+from workers.adapters.prompt_text import MAX_STOP_CHARS, NotForCli, prompt_text
 from workers.adapters.reading import without_traceback
 from workers.adapters.text_limits import TextLimits
 
@@ -57,11 +57,20 @@ STREAM_LIMIT = 2**16
 #: that and still too short for a caller to notice. It counts only time spent waiting for
 #: data, never the time the consumer takes, so a slow consumer loses nothing.
 DRAIN_S = 0.2
-#: The most output read once the tool has exited: what it wrote before is in the pipe, which holds
-#: no more than this (Linux's `pipe-max-size`, the most an unprivileged process may make a pipe
-#: hold); more comes from a child it left writing (it was read until `read_timeout_ms`, up to
-#: `max_output_bytes`, failing a run the tool had ended well).
-AFTER_EXIT_BYTES = 1 << 20
+def _pipe_max_bytes() -> int:
+    """The most an unprivileged process may make a pipe hold (Linux's `pipe-max-size`; 1 MiB)."""
+    try:
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 1 << 20
+
+
+#: The most output read once the tool has exited: what it wrote before is in the pipe, which the
+#: tool may make hold up to `pipe-max-size`, and in what the worker read and did not yet take (its
+#: stream reader's buffer, a few hundred KiB); more comes from a child it left writing (it was read
+#: until `read_timeout_ms`, up to `max_output_bytes`, failing a run the tool had ended well).
+AFTER_EXIT_BYTES = _pipe_max_bytes() + (1 << 20)
 
 
 #: prctl(2)'s option that has the kernel signal a process when its parent dies (Linux)
@@ -315,10 +324,13 @@ class CliAdapter:
         env.update(IOP_MODEL=model, IOP_REQUEST_ID=request_id)
         return ToolRun(self.provider, argv_for(self.command, model), env, prompt.encode()), prompt
 
-    async def _output(self, tool: ToolRun, limits: TextLimits) -> AsyncGenerator[str, None]:
+    async def _output(self, tool: ToolRun, limits: TextLimits, streamed: bool) -> AsyncGenerator[str, None]:
         """The tool's output as it may go to the caller, cut at the request's `max_tokens` and
         `stop` (`limits.finish` says which; the tool is stopped there), else up to the tool's
-        exit, which must be a success."""
+        exit, which must be a success. `streamed`: what was held back for the limits goes out
+        before the tool's failure (a whole answer's caller gets the failure alone)."""
+        # (a word that does not end, with max_tokens; with the start of a stop string before it)
+        held_most = self.limits.line_bytes + MAX_STOP_CHARS
         async with tool, contextlib.aclosing(tool.reads()) as reads:
             try:
                 async for piece in reads:
@@ -327,13 +339,13 @@ class CliAdapter:
                         yield text
                     if limits.finish is not None:
                         return  # (the tool, still running, is killed on leaving)
-                    if limits.held_chars() > self.limits.line_bytes:  # (a word that does not end, with max_tokens)
+                    if limits.held_chars() > held_most:
                         raise self.limits.too_large(self.provider.id, "a word", self.limits.line_bytes)
                 await tool.exit_status(self.limits.error_chars)
             except ProviderError:
                 # (what was held back for the limits and is within them goes out before the error: a
                 # stream's caller lost the end of the last word the tool printed before it failed)
-                rest = "" if limits.held_chars() > self.limits.line_bytes else limits.feed("", final=True)
+                rest = limits.feed("", final=True) if streamed and limits.held_chars() <= held_most else ""
                 if rest:
                     yield rest
                 raise
@@ -346,7 +358,8 @@ class CliAdapter:
         limits = TextLimits.of(body)
         pieces: list[str] = []
         size = 0
-        async with contextlib.aclosing(self._output(tool, limits)) as output:  # (the tool stops with it)
+        # (the tool stops with it)
+        async with contextlib.aclosing(self._output(tool, limits, streamed=False)) as output:
             async for piece in output:
                 size += len(piece.encode())
                 if size > self.limits.response_bytes:
@@ -362,7 +375,7 @@ class CliAdapter:
         shaper = Shaper(kind, request_id, str(body["model"]))
         output: list[str] = []
         # (closed with this stream: a caller that stops reading it stops the tool at once)
-        async with contextlib.aclosing(self._output(tool, limits)) as pieces:
+        async with contextlib.aclosing(self._output(tool, limits, streamed=True)) as pieces:
             async for piece in pieces:
                 output.append(piece)
                 yield [shaper.delta(piece)]
