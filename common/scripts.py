@@ -45,6 +45,18 @@ local function cancel_reason(reason, code, default_data, output)
   code = code or 'cancelled'
   return reason, code, cmsgpack.pack({code = code, message = reason, before_output = not output})
 end
+
+-- End a dispatched run cancelled, for the reason its record keeps (`cancel_reason`): its `failed`
+-- event (its events then live `ttl`), its state and error, and its end for its key
+-- (`watchers`, `key`, `model`, `limited`: as the record has them, read already; nil: read here).
+local function end_cancelled(record, events, run_id, why_reason, why_code, default_data, output, ttl,
+                             watchers, key, model, limited)
+  local reason, code, data = cancel_reason(why_reason, why_code, default_data, output)
+  add_event(record, events, run_id, 'failed', data, watchers)
+  redis.call('EXPIRE', events, ttl)
+  redis.call('HSET', record, 'state', 'cancelled', 'finished_ms', now, 'error_code', code, 'error_message', reason)
+  ended(record, run_id, 'cancelled', 0, 0, key, model, limited)
+end
 """
 
 # Put a dispatched run back at the tail of its model's queue; earlier providers go along as
@@ -526,13 +538,9 @@ local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, canc
   if not score or tonumber(score) <= now then return {'lease_lost'} end
   if r['cancel'] == '1' then
     -- it was cancelled between dispatch and start: end it here and give the slot back
-    local reason, code, data = cancel_reason(r['cancel_reason'], r['cancel_code'], cancelled)
     redis.call('ZREM', lease, run_id)
-    redis.call('HSET', record, 'state', 'cancelled', 'finished_ms', now, 'error_code', code,
-      'error_message', reason)
-    ended(record, run_id, 'cancelled', 0, 0, r['key'] or false, r['model'] or false, r['limited'] or false)
-    add_event(record, events, run_id, 'failed', data, r['watchers'] or false)
-    redis.call('EXPIRE', events, ttl)
+    end_cancelled(record, events, run_id, r['cancel_reason'], r['cancel_code'], cancelled, false, ttl,
+                  r['watchers'] or false, r['key'] or false, r['model'] or false, r['limited'] or false)
     redis.call('PUBLISH', signals, r['model'] or '')
     return {'cancelled'}
   end
@@ -721,13 +729,9 @@ if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and 
   -- its cancel was asked (a DELETE, its caller leaving) before its worker heard of it: it ends
   -- cancelled, as asked, however the attempt ended (a requeue would put a cancelled run back in its
   -- queue), but for a completed one whose answer had begun to go out (its caller has the rest)
-  local reason, code, data = cancel_reason(rec[9], rec[10],
+  end_cancelled(KEYS[1], KEYS[3], ARGV[1], rec[9], rec[10],
     cmsgpack.pack({{code = 'cancelled', message = 'cancelled by the caller', before_output = rec[8] ~= '1'}}),
-    rec[8] == '1')
-  add_event(KEYS[1], KEYS[3], ARGV[1], 'failed', data, rec[3])
-  redis.call('EXPIRE', KEYS[3], ttl)
-  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_ms', now, 'error_code', code, 'error_message', reason)
-  ended(KEYS[1], ARGV[1], 'cancelled', 0, 0, rec[4], rec[5], rec[6])
+    rec[8] == '1', ttl, rec[3], rec[4], rec[5], rec[6])
   redis.call('EXPIRE', KEYS[1], ttl)
   for i = 8, #KEYS do wake_head(KEYS[i], ARGV[6]) end
   return 'cancel_asked'
@@ -889,12 +893,7 @@ local attempts = tonumber(redis.call('HGET', KEYS[2], 'attempts') or '0')
 local output = redis.call('HGET', KEYS[2], 'output') == '1'
 if redis.call('HGET', KEYS[2], 'cancel') == '1' then
   local why = redis.call('HMGET', KEYS[2], 'cancel_reason', 'cancel_code')
-  local reason, code, data = cancel_reason(why[1], why[2], ARGV[8], output)
-  add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', data)
-  redis.call('HSET', KEYS[2], 'state', 'cancelled', 'finished_ms', now, 'error_code', code,
-    'error_message', reason)
-  ended(KEYS[2], ARGV[1], 'cancelled', 0, 0)
-  redis.call('EXPIRE', KEYS[3], ttl)
+  end_cancelled(KEYS[2], KEYS[3], ARGV[1], why[1], why[2], ARGV[8], output, ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
   return 'cancelled'
 end
