@@ -93,7 +93,7 @@ async def test_exit_0_ends_the_run_though_a_child_holds_its_output(tmp_path: Pat
         answer = await cli.complete(RunKind.CHAT, chat(), "r")
     assert answer["choices"][0]["message"]["content"] == "the answer"
     assert answer["choices"][0]["finish_reason"] == "stop"
-    wait_gone(read_pids(pids))
+    wait_gone(read_pids(tmp_path / "pids"))
 
 
 async def test_a_child_well_out_of_the_group_does_not_keep_the_run_or_its_pipes(
@@ -172,7 +172,7 @@ async def test_a_tool_that_closes_stdout_and_goes_on_running_fails_and_is_killed
     assert text_of(got) == "partial"
     assert err.value.message == ("provider cli-x: tool.sh closed its output but did not exit "
                                  "within 500 ms")
-    wait_gone(read_pids(pids))
+    wait_gone(read_pids(tmp_path / "pids"))
 
 
 async def test_a_failure_with_a_child_holding_stderr_carries_the_stderr_tail(tmp_path: Path) -> None:
@@ -182,7 +182,7 @@ async def test_a_failure_with_a_child_holding_stderr_carries_the_stderr_tail(tmp
         async with asyncio.timeout(WELL_BEFORE_S):
             await cli.complete(RunKind.CHAT, chat(), "r")
     assert err.value.message == "provider cli-x: tool.sh exited with status 3: model file missing"
-    wait_gone(read_pids(pids))
+    wait_gone(read_pids(tmp_path / "pids"))
 
 
 async def test_a_consumer_slower_than_the_tool_still_gets_the_whole_answer(tmp_path: Path) -> None:
@@ -200,7 +200,7 @@ async def test_a_consumer_slower_than_the_tool_still_gets_the_whole_answer(tmp_p
                 tool_pid = read_pids(pids)[0]
                 await asyncio.to_thread(wait_gone, [tool_pid])  # the tool is done before we go on
     assert "".join(text) == "a" * size
-    wait_gone(read_pids(pids))
+    wait_gone(read_pids(tmp_path / "pids"))
 
 
 async def test_a_python_tool_s_traceback_is_left_out_of_its_error_but_its_exception_is_not(tmp_path: Path) -> None:
@@ -283,3 +283,52 @@ async def test_a_stop_string_held_back_with_a_word_is_not_a_word_over_the_line_l
                        ReadLimits(line_bytes=1024))
     answer = await cli.complete(RunKind.CHAT, chat(max_tokens=100_000, stop="Z" * 1024), "r")
     assert answer["choices"][0]["message"]["content"] == "hello world " * 300
+
+
+#: The adapter under uvloop, as the services run it: prints how a tool's run ended.
+RUNS_A_TOOL_TO_ITS_END = """
+import asyncio, sys, uvloop
+from common.config import ProviderConfig
+from common.wire import RunKind
+from workers.adapters.base import ProviderError
+from workers.adapters.cli import CliAdapter
+cli = CliAdapter(ProviderConfig.model_validate({"id": "cli-x", "type": "cli", "command": [sys.argv[1]],
+                                                "capacity": 1, "models": ["m"], "read_timeout_ms": 1000}))
+async def main() -> None:
+    try:
+        async with asyncio.timeout(20):
+            await cli.complete(RunKind.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]}, "r")
+    except ProviderError as exc:
+        print(exc.message)
+uvloop.run(main())
+"""
+
+
+#: A tool that writes which descriptors it has (fstat opens none) and its pid, closes stdout, runs on.
+OPEN_FDS_THEN_CLOSE_STDOUT = """import os, pathlib, time
+def is_open(fd):
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+here = pathlib.Path(__file__).parent
+(here / "fds").write_text(" ".join(str(fd) for fd in range(4096) if is_open(fd)))
+(here / "pids").write_text(str(os.getpid()))
+os.close(1)
+time.sleep(3600)
+"""
+
+
+def test_under_uvloop_a_tool_has_only_its_stdio_and_its_closed_stdout_is_seen(tmp_path: Path) -> None:
+    """uvloop gave the tool a second copy of each end of its stdio (and the worker's own inherited
+    descriptors): a tool that closed stdout and ran on still held it, and its run ended in
+    read_timeout_ms's silence instead of the "closed its output" failure."""
+    path = tmp_path / "tool.py"
+    path.write_text(f"#!{sys.executable}\n{OPEN_FDS_THEN_CLOSE_STDOUT}")
+    path.chmod(0o755)
+    done = subprocess.run([sys.executable, "-c", RUNS_A_TOOL_TO_ITS_END, str(path)], cwd=Path(__file__).parent.parent,
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert (tmp_path / "fds").read_text() == "0 1 2"
+    assert done.stdout.strip() == "provider cli-x: tool.py closed its output but did not exit within 1000 ms"
+    wait_gone(read_pids(tmp_path / "pids"))

@@ -81,13 +81,31 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 def _dies_with(parent: int) -> Any:
     """The tool's first act (`preexec_fn`): it is killed when its worker dies, however the worker
     dies (a SIGKILL, the OOM killer: tools ran on, and a run its lease put back in the queue ran
-    twice at once). The parent that died before this could ask is seen in `getppid`."""
+    twice at once). The parent that died before this could ask is seen in `getppid`. It then
+    keeps no descriptor but its stdio (`_only_stdio`)."""
     def first() -> None:
         if _LIBC is not None:
             _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:
             os._exit(1)
+        _only_stdio()
     return first
+
+
+def _only_stdio() -> None:
+    """Every descriptor above stdio is closed when the tool's program starts. uvloop hands a child
+    a second copy of each end of its stdio and does not close it (nor what the worker inherited):
+    a tool that closed its stdout still held it, and ended in a silence (`read_timeout_ms`)
+    instead of its EOF. They are marked close-on-exec, not closed: under uvloop the child's stdio
+    is put in place after this runs, from those copies."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return  # not Linux
+    for name in names:
+        if int(name) > 2:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed already
+                os.set_inheritable(int(name), False)
 
 
 def argv_for(command: list[str], model: str) -> list[str]:
