@@ -284,16 +284,18 @@ async def test_probe_follows_the_executable(tmp_path: Path) -> None:
     assert (await cli.probe()).health is Health.AVAILABLE
 
 
-async def test_the_tool_does_not_inherit_other_providers_api_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_tool_does_not_inherit_other_providers_api_keys_nor_the_redis_url(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTHER_PROVIDER_KEY", "sk-secret-value")
+    monkeypatch.setenv("REDIS_URL", "redis://:redis-password@127.0.0.1:6379/0")
     monkeypatch.setenv("HARMLESS", "kept")
-    script = ("import os, sys; sys.stdin.read(); "
-              "print(os.environ.get('OTHER_PROVIDER_KEY', 'absent'), os.environ['HARMLESS'], os.environ['IOP_MODEL'])")
+    script = ("import os, sys; sys.stdin.read(); print(os.environ.get('OTHER_PROVIDER_KEY', 'absent'), "
+              "os.environ.get('REDIS_URL', 'absent'), os.environ['HARMLESS'], os.environ['IOP_MODEL'])")
     cli = CliAdapter(ProviderConfig.model_validate(
         {"id": "c", "type": "cli", "command": [sys.executable, "-c", script], "capacity": 1, "models": [SERVED]}),
         secret_env=frozenset({"OTHER_PROVIDER_KEY"}))
     answer = await cli.complete(RunKind.CHAT, chat("x"), "r")
-    assert answer["choices"][0]["message"]["content"].split() == ["absent", "kept", SERVED]
+    assert answer["choices"][0]["message"]["content"].split() == ["absent", "absent", "kept", SERVED]
 
 
 async def test_max_tokens_and_stop_cut_the_output_and_stop_the_tool(tmp_path: Path) -> None:

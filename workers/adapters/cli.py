@@ -321,11 +321,16 @@ class ToolRun:
         await self.proc.wait()
 
 
+#: the worker's variables a tool does not inherit: the Redis URL may carry Redis's password, and
+#: with it a tool could rewrite every queue of the pool
+WORKERS_OWN_ENV = frozenset({"REDIS_URL"})
+
+
 class CliAdapter:
     def __init__(self, provider: ProviderConfig, secret_env: frozenset[str] = frozenset(),
                  limits: ReadLimits = DEFAULT_LIMITS) -> None:
         """`secret_env`: names of environment variables holding other providers' API keys;
-        the tool does not inherit them."""
+        the tool does not inherit them, nor `WORKERS_OWN_ENV`."""
         assert provider.command
         self.provider = provider
         self.limits = limits
@@ -338,7 +343,7 @@ class CliAdapter:
         except NotForCli as exc:
             raise not_taken(self.provider.id, str(exc), exc.param) from None
         model = str(body["model"])
-        env = {k: v for k, v in os.environ.items() if k not in self.secret_env}
+        env = {k: v for k, v in os.environ.items() if k not in self.secret_env and k not in WORKERS_OWN_ENV}
         env.update(IOP_MODEL=model, IOP_REQUEST_ID=request_id)
         return ToolRun(self.provider, argv_for(self.command, model), env, prompt.encode()), prompt
 
