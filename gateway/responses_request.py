@@ -128,7 +128,10 @@ def _tool_call(item: dict[str, Any], path: str) -> dict[str, Any]:
 
 def _messages(value: Any) -> list[dict[str, Any]]:
     """`input` as chat messages: a string is one user message; items become messages, a function
-    call joins the assistant message before it (or starts one), its output a tool message."""
+    call joins the assistant message before it (or starts one), its output a tool message. An
+    assistant's text after its function calls joins their message (a Response's output may hold a
+    call before the text of the same answer: sent back, a message then stood between the calls
+    and their results, a conversation that chat servers refuse)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if value is None:  # (OpenAI's may come from a stored prompt or conversation; iop keeps none)
@@ -146,7 +149,13 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             role = item.get("role")
             if not isinstance(role, str) or role not in _ROLES:
                 raise invalid(f"'{path}.role' must be one of user, assistant, system or developer", f"{path}.role")
-            messages.append({"role": _ROLES[role], "content": _content(item.get("content"), f"{path}.content")})
+            message = {"role": _ROLES[role], "content": _content(item.get("content"), f"{path}.content")}
+            last = messages[-1] if messages else None
+            if (message["role"] == "assistant" and last is not None and last.get("tool_calls")
+                    and isinstance(last["content"], str) and isinstance(message["content"], str)):
+                last["content"] += message["content"]  # (its calls' results come after it, not after this)
+            else:
+                messages.append(message)
         elif kind == "function_call":
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":

@@ -49,6 +49,24 @@ def test_a_string_input_with_instructions_is_a_system_and_a_user_message() -> No
                     "max_tokens": 5, "temperature": 0.2}
 
 
+def test_an_answer_s_text_after_its_calls_stays_before_their_results() -> None:
+    """A Response's output may hold a function call before the text of the same answer (its
+    stream's order); sent back with the call's output, the text became a message of its own
+    between the calls and their results."""
+    call = {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"}
+    text = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]}
+    chat = chat_of({"input": [{"role": "user", "content": "weather?"}, call, text,
+                              {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                              {"role": "assistant", "content": "It is sunny."}]})
+    assert chat["messages"] == [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+    ]
+
+
 def test_items_become_the_chat_conversation() -> None:
     chat = chat_of({"input": [
         {"role": "developer", "content": "rules"},
