@@ -122,6 +122,16 @@ def test_a_provider_answer_or_line_past_its_limit_is_output_too_large(stack: Sta
     assert run["state"] == b"failed" and not run["body"] and run["bytes"] < RUN_BOUND_BYTES, run
 
 
+def test_a_whole_answer_past_the_output_limit_is_output_too_large(stack: Stack, gateway: str) -> None:
+    """A whole answer is output too, held in Redis for run_ttl_s: one under the response limit but
+    over the output limit was kept whole (a 14 MB one with log probabilities was 70 MB as OpenAI's)."""
+    status, run_id, text = asyncio.run(ask(gateway, "big-whole", False))
+    assert status == 502, text
+    assert "output_too_large" in text and "max_output_bytes (65536 bytes)" in text
+    run = settled(stack, run_id, "p-big-whole")
+    assert run["state"] == b"failed" and not run["body"] and run["bytes"] < RUN_BOUND_BYTES, run
+
+
 def test_garbage_is_a_short_plain_error(stack: Stack, gateway: str) -> None:
     status, _, text = asyncio.run(ask(gateway, "garbage", False))
     assert status == 502 and "provider p-garbage: the answer was not valid JSON" in text

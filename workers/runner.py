@@ -576,7 +576,6 @@ class Runner:
         chunks, added as a `delta` event before the end (within the run's limits: else
         OutputTooLarge or the ProviderError of `cannot_carry` is raised, and nothing recorded)."""
         delta = self._output(att, {"chunks": last}) if last else b""
-        att.stopping = True  # (ending: a cancel now is not raised into it, see `cancel`)
         kind, strikes, reason = evidence
         try:
             packed = pack(data)
@@ -589,6 +588,12 @@ class Runner:
             else:  # an error holding the provider's own object or text
                 info = carried(info)
             packed = pack(info.to_wire())
+        if "response" in data and len(packed) > self.config.runtime.max_output_bytes:
+            # (a whole answer is output too: one of 14 MB with log probabilities was 70 MB as OpenAI's, kept
+            # in Redis for run_ttl_s)
+            raise OutputTooLarge(f"the run's output passed runtime.max_output_bytes "
+                                 f"({self.config.runtime.max_output_bytes} bytes)")
+        att.stopping = True  # (ending: a cancel now is not raised into it, see `cancel`)
         args = [att.run_id, state.value if state else requeue, etype.value, packed,
                 self.config.runtime.run_ttl_s, keys.scheduler_channel(""), att.model_id,
                 info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes,

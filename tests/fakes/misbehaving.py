@@ -3,6 +3,7 @@ by the served name a run asks for:
 
 - `endless`: a stream of chunks without end;
 - `huge`: a valid whole answer far larger than any limit, sent as it is produced;
+- `big-whole`: a valid whole answer of 200 KB (under the tests' response limit, over their output limit);
 - `garbage`: 200 with bytes that are not JSON (nor UTF-8);
 - `garbage-error`: 500 with a long body of bytes that are not UTF-8, over many lines;
 - `no-newline`: a stream whose one line never ends.
@@ -19,7 +20,7 @@ from aiohttp import web
 
 from tests.fakes.serving import stop_runner
 
-NAMES = ("endless", "huge", "garbage", "garbage-error", "no-newline")
+NAMES = ("endless", "huge", "big-whole", "garbage", "garbage-error", "no-newline")
 DISCONNECTS = web.AppKey("disconnects", list)
 
 
@@ -41,6 +42,9 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     name = (await request.json())["model"]
     if name == "garbage":
         return web.Response(body=bytes(range(128, 256)) * 64, content_type="application/json")
+    if name == "big-whole":
+        return web.json_response({"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "z" * 200_000}, "finish_reason": "stop"}]})
     if name == "garbage-error":
         return web.Response(status=500, body=(bytes(range(128, 256)) + b"\n") * 400)
     resp = web.StreamResponse()
