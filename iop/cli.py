@@ -16,9 +16,12 @@ REDIS_HELP = ("Redis URL: redis://host:6379/0, rediss://… (TLS), or Sentinel: 
               f"{DEFAULT_REDIS})")
 
 
-def _service_args(p: argparse.ArgumentParser) -> None:
+def _service_args(p: argparse.ArgumentParser, reads_config: bool = True) -> None:
+    """`--config` and `--redis`; a command that needs no config takes `--config` and reads nothing
+    from it (an operator pastes the same pair to every command, as `iop dev` prints it)."""
     p.add_argument("--config", default=os.environ.get("IOP_CONFIG") or DEFAULT_CONFIG,
-                   help="config file (default: $IOP_CONFIG, else iop.yaml)")
+                   help="config file (default: $IOP_CONFIG, else iop.yaml)" if reads_config else
+                   "taken as the other commands take it, and not read: this command needs no config")
     p.add_argument("--redis", default=os.environ.get("REDIS_URL") or DEFAULT_REDIS, help=REDIS_HELP)
 
 
@@ -125,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     p = sub.add_parser("audit", help="operator changes, newest first (read-only)")
-    p.add_argument("--redis", default=os.environ.get("REDIS_URL") or DEFAULT_REDIS, help=REDIS_HELP)
+    _service_args(p, reads_config=False)
     p.add_argument("--limit", type=whole_number, default=50, help="how many (default 50, at most 1000)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -133,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     rsub = p.add_subparsers(dest="runs_command", required=True)
     r = rsub.add_parser("show", help="a run's record and events, from Redis")
     r.add_argument("run_id")
-    r.add_argument("--redis", default=os.environ.get("REDIS_URL") or DEFAULT_REDIS, help=REDIS_HELP)
+    _service_args(r, reads_config=False)
     r.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     p = sub.add_parser("keys", help="API keys")

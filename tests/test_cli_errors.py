@@ -283,6 +283,17 @@ def test_a_user_name_holding_a_newline_or_an_escape_cannot_forge_a_line_of_the_a
     assert "\x1b" not in shown.stdout
 
 
+def test_the_commands_that_read_no_config_take_the_pair_the_others_take(redis_url: str) -> None:
+    """`iop dev` prints `--config F --redis R` to add to every command; `iop audit` and `iop runs
+    show` refused the `--config` (argparse's exit 2)."""
+    pair = ("--config", DEMO, "--redis", redis_url)
+    shown = iop("audit", *pair)
+    assert shown.returncode == 0 and shown.stdout.strip() == "no operator changes recorded", shown.stderr
+    shown = iop("runs", "show", "run_nosuchrun", *pair)
+    assert shown.returncode != 2 and "unrecognized arguments" not in shown.stderr, shown.stderr
+    assert "run_nosuchrun" in shown.stderr + shown.stdout
+
+
 @pytest.fixture
 def not_redis() -> Iterator[str]:
     """A server on a port of its own that answers every command with an HTML page (an HTTP server
