@@ -231,14 +231,20 @@ end
 # A model's queue is full when it holds `max_queue` runs more than the model has free slots: runs
 # not dispatched yet that a free slot will take at once are not waiting (a burst of callers fills
 # the free slots, then the queue; `max_queue: 0` runs what finds a free slot and queues nothing).
+# The runs waiting for other models that share a provider with it are counted against the free
+# slots of the providers it shares (they may take them: in a burst to two models, each counted a
+# shared provider's slots as its own, and 3 runs waited in a queue of `max_queue: 0`). Bounded the
+# other way: a burst to two such models may be refused up to the other models' own free slots
+# early (their waiting runs may be bound for those), never a slot of a provider no other model has.
 # KEYS: runs stream, run record, key in-flight set, key requests window, then for each of the model's
 #       providers 5 keys: its heartbeat, its leases, its capacity override, its drain flag, its node's
-#       cordon flag...
+#       cordon flag..., then the runs streams of the other models that share a provider with it...
 # ARGV: run id, max_queue, ttl_s, model, kind, stream flag, body, key name, max_in_flight (0: none),
 #       requests_per_minute (0: none), how long a run can last at most (ms), max_attempts, the id of
 #       the gateway that follows it (its first watcher), the providers whose adapter would refuse
 #       the run (`gateway.refusals`; comma-separated, '' none: it never goes there, and their slots
-#       and health count for nothing here)
+#       and health count for nothing here), how many keys of KEYS are its providers' (none
+#       given: all after the first 4), for each of its providers '1' if another model has it, else '0'
 # Returns {'ok', entry, requests left in the window (-1: no window)}, {'key_in_flight', n},
 # {'key_rate', n, ms until a request leaves the window}, {'unavailable', queued} or {'full', queued}.
 # A provider's capacity: the operator's override, never above the announced one (an override set
@@ -279,24 +285,36 @@ for p in string.gmatch(refuse, '[^,]+') do refused[p] = true end
 local function takes(i)  -- whether the provider of KEYS[i] (its heartbeat) would take the run
   return refuse == '' or not refused[string.sub(KEYS[i], heartbeat_prefix_len + 1)]
 end
+local last_provider_key = ARGV[15] and 4 + tonumber(ARGV[15]) or #KEYS
 local available = false
-for i = 5, #KEYS, 5 do
+for i = 5, last_provider_key, 5 do
   if takes(i) and redis.call('HGET', KEYS[i], 'health') == 'available' then available = true break end
 end
 if not available then return {'unavailable', redis.call('XLEN', KEYS[1])} end
 local queued = redis.call('XLEN', KEYS[1])
 if queued >= tonumber(ARGV[2]) then
-  local free = 0
-  for i = 5, #KEYS, 5 do
+  local free, shared_free = 0, 0
+  local shared = ARGV[16] or ''
+  for i = 5, last_provider_key, 5 do
     local hb = takes(i) and redis.call('HMGET', KEYS[i], 'health', 'capacity') or {}
     if hb[1] == 'available' then
       local ops = redis.call('MGET', KEYS[i + 2], KEYS[i + 3], KEYS[i + 4])
       local cap = capped(hb[2], ops[1])
       if cap and not ops[2] and not ops[3] then
-        free = free + math.max(0, cap - redis.call('ZCOUNT', KEYS[i + 1], '(' .. now, '+inf'))
+        local n = math.max(0, cap - redis.call('ZCOUNT', KEYS[i + 1], '(' .. now, '+inf'))
+        if string.sub(shared, (i - 5) / 5 + 1, (i - 5) / 5 + 1) == '1' then
+          shared_free = shared_free + n
+        else
+          free = free + n
+        end
       end
     end
   end
+  for i = last_provider_key + 1, #KEYS do
+    if shared_free == 0 then break end
+    shared_free = math.max(0, shared_free - redis.call('XLEN', KEYS[i]))
+  end
+  free = free + shared_free
   if queued >= tonumber(ARGV[2]) + free then return {'full', queued} end
 end
 local entry

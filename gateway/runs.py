@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -60,6 +61,18 @@ def new_run_id() -> str:
     return f"run_{uuid4_hex()}"
 
 
+@dataclass(frozen=True, slots=True)
+class ModelKeys:
+    """The keys `enqueue` reads for a model: of its providers (heartbeat, leases, capacity override,
+    drain and cordon flags: is one available, and how many slots are free), and the runs streams
+    of the other models that share one with it (their waiting runs take those slots first)."""
+
+    providers: list[str]
+    sharing: list[str]
+    #: '1' for each of its providers (in the order of `providers`) that another model has, else '0'
+    shared: str
+
+
 class RunClient:
     def __init__(self, redis: Redis, config: Config, hub: EventHub | None = None) -> None:
         """`hub`: the gateway's one event reader (a private one when not given)."""
@@ -76,9 +89,8 @@ class RunClient:
         self._stuck_logged: dict[str, float] = {}
         #: the bounds of the callers waiting for their runs (one sweeper, not a timer each)
         self.deadlines = Deadlines()
-        #: model id -> the keys `enqueue` reads of its providers (heartbeat, leases, capacity
-        #: override, drain and cordon flags: is one available, and how many slots are free)
-        self._provider_keys: dict[str, list[str]] = {}
+        #: model id -> the keys `enqueue` reads for it (`_keys_of`)
+        self._model_keys: dict[str, ModelKeys] = {}
         #: first tries to cancel the runs whose callers left while their queueing was out
         self._leaving: set[asyncio.Task[None]] = set()
         #: cancels Redis could not take when they were made, made once it answers
@@ -92,6 +104,16 @@ class RunClient:
         await self.deadlines.close()
         await self.hub.close()
 
+    def _keys_of(self, model: ModelConfig) -> ModelKeys:
+        providers = [k for p in sorted(model.providers) for k in (
+            keys.heartbeat(p), keys.leases(p), keys.capacity_override(p), keys.drained(p),
+            keys.cordoned(self.config.node_of(p)))]
+        others = [m for m in self.config.models if m.id != model.id]
+        sharing = [keys.runs_stream(m.id) for m in others if not model.providers.keys().isdisjoint(m.providers)]
+        shared = "".join("1" if any(p in m.providers for m in others) else "0" for p in sorted(model.providers))
+        self._model_keys[model.id] = ModelKeys(providers, sharing, shared)
+        return self._model_keys[model.id]
+
     async def submit(self, model: ModelConfig, req: ParsedRequest, who: Principal = ANYONE,
                      run_id: str | None = None, refuse: Sequence[str] = ()) -> tuple[str, Mapping[str, str]]:
         """Queue the run for `who` (under `run_id`, or a new id): (its id, the rate-limit headers
@@ -100,11 +122,7 @@ class RunClient:
         refuse it (`gateway.refusals`): it never goes there, nor counts their slots."""
         run_id = run_id or new_run_id()
         policy = self.config.queue_for(model)
-        provider_keys = self._provider_keys.get(model.id)
-        if provider_keys is None:
-            provider_keys = self._provider_keys[model.id] = [k for p in sorted(model.providers) for k in (
-                keys.heartbeat(p), keys.leases(p), keys.capacity_override(p), keys.drained(p),
-                keys.cordoned(self.config.node_of(p)))]
+        model_keys = self._model_keys.get(model.id) or self._keys_of(model)
         def if_left(answer: list[bytes] | None) -> None:  # the caller left while its run was being queued
             if answer is None or answer[0] == b"ok":  # (None: Redis did not answer; it may queue it yet)
                 self._in_background(self.leave(run_id, model.id))
@@ -112,12 +130,12 @@ class RunClient:
         try:
             result = await self.enqueue.call(
                 [keys.runs_stream(model.id), keys.run_record(run_id), keys.key_in_flight(who.name),
-                 keys.key_requests(who.name), *provider_keys],
+                 keys.key_requests(who.name), *model_keys.providers, *model_keys.sharing],
                 [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,
                  "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
                  who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000),
                  policy.max_attempts, self.hub.gateway_id + keys.OUTPUT_ONLY,  # its caller wants output and end
-                 ",".join(refuse)],
+                 ",".join(refuse), len(model_keys.providers), model_keys.shared],
                 if_left,
             )
         except (RedisTimeoutError, RedisConnectionError) as exc:

@@ -186,6 +186,46 @@ async def test_a_burst_fills_the_free_slots_then_the_queue(redis: Redis, max_que
     assert await redis.xlen(keys.runs_stream(MODEL)) == free + max_queue
 
 
+async def test_a_provider_s_free_slots_are_not_counted_for_two_models_at_once(redis: Redis) -> None:
+    """A burst to two models that share a provider: each counted the shared provider's free slots
+    as its own, so with `max_queue: 0` 3 runs waited in a queue (found by an operator's test with
+    the demo pool). The runs waiting for the other models sharing a provider take its slots first."""
+    config = parse_config({
+        "models": [{"id": "m1", "providers": {"shared": "s", "only1": "o1"}},
+                   {"id": "m2", "providers": {"shared": "s", "only2": "o2"}},
+                   {"id": "m3", "providers": {"apart": "a"}}],
+        "nodes": [{"id": "n", "providers": [
+            {"id": "shared", "type": "vllm", "base_url": "http://127.0.0.1:9", "capacity": 4, "models": ["s"]},
+            {"id": "only1", "type": "vllm", "base_url": "http://127.0.0.1:9", "capacity": 2, "models": ["o1"]},
+            {"id": "only2", "type": "vllm", "base_url": "http://127.0.0.1:9", "capacity": 1, "models": ["o2"]},
+            {"id": "apart", "type": "vllm", "base_url": "http://127.0.0.1:9", "capacity": 1, "models": ["a"]}]}],
+        "queue": {"max_queue": 0, "queue_timeout_ms": 60_000},
+    })
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    m1, m2, m3 = (config.model(m) for m in ("m1", "m2", "m3"))
+    assert m1 is not None and m2 is not None and m3 is not None
+
+    async def one(model: Any) -> bool:
+        try:
+            await client.submit(model, request())
+            return True
+        except ApiError as exc:
+            assert exc.code.value == "queue_full"
+            return False
+
+    took = await asyncio.gather(*(one(m) for _ in range(10) for m in (m1, m2, m3)))
+    # no slot twice (it was 10 for m1 and m2); early by at most the other model's own slots
+    assert 4 + 2 + 1 - 1 <= sum(took[i] for i in range(len(took)) if i % 3 != 2) <= 4 + 2 + 1
+    assert sum(took[2::3]) == 1 == await redis.xlen(keys.runs_stream("m3"))  # (a model sharing nothing)
+    for m in ("m1", "m2", "m3"):
+        await redis.delete(keys.runs_stream(m))
+    # The shared provider busy, m2's queue long: m1's own provider's free slots are still m1's.
+    await redis.zadd(keys.leases("shared"), {f"x{i}": now_ms() + 60_000 for i in range(4)})
+    await redis.xadd(keys.runs_stream("m2"), {"run": "w"})
+    assert sum(await asyncio.gather(*(one(m1) for _ in range(5)))) == 2
+
+
 async def test_no_available_provider_is_refused_at_once_saying_why(redis: Redis) -> None:
     """(Why: what each provider is now, as a run that timed out in its queue says; found by a
     hostile-provider audit: the refusal said no more than "right now".)"""
