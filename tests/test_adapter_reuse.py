@@ -260,7 +260,7 @@ class Twice(RawHttp):
 @pytest.mark.parametrize("split", [False, True], ids=["whole copy", "part of its head"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_pooled_connection_that_got_an_answer_nobody_asked_for_serves_no_other_run(
-        session: aiohttp.ClientSession, stream: bool, split: bool) -> None:
+        session: aiohttp.ClientSession, stream: bool, split: bool, caplog: pytest.LogCaptureFixture) -> None:
     """aiohttp reads bytes that come on a connection in the pool as the answer to the next request
     sent on it: the second run would get the first run's answer (another caller's text), or, when
     only part of its head came, fail as "not valid HTTP". It goes on a new connection instead."""
@@ -292,6 +292,12 @@ async def test_a_pooled_connection_that_got_an_answer_nobody_asked_for_serves_no
         server.send_copy.set()
         await asyncio.wait_for(came.wait(), 5)
         assert await ask("the second caller's") == "the second caller's"
+        # From then on its connections are not kept: a copy that comes a moment later than this one,
+        # after the next request went out, would be read as that request's answer.
+        assert await ask("the third caller's") == "the third caller's"
+        assert await ask("the fourth caller's") == "the fourth caller's"
     finally:
         await server.stop()
-    assert server.requests == 2 and server.connections == 2
+    assert server.requests == 4 and server.connections == 4
+    assert [r.getMessage().endswith("its connections are no longer kept between runs") for r in caplog.records
+            if r.name == "iop.worker"] == [True]

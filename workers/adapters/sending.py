@@ -19,13 +19,17 @@ pool (a server or proxy that sent an answer twice, or a late one): aiohttp reads
 answer to the next request sent on it, which would hand one run's answer to another run's caller
 (or, the start of an answer only, fail that run as "not valid HTTP"). The connector makes its
 connections' protocols `_Watched`, which note bytes that come while they are in the pool
-(aiohttp's `_factory` and `_release`, which it has no public hook for).
+(aiohttp's `_factory` and `_release`, which it has no public hook for). Bytes that come a moment
+later, once the next request went out on the connection, cannot be told from its answer: so once
+a server sent any, its connections are not kept between runs any more (a late copy of an answer
+went to the next run's caller in 10 to 19 runs of 20 sent right after each other).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -38,6 +42,8 @@ from aiohttp.client_proto import ResponseHandler
 from aiohttp.client_reqrep import ClientRequest, ConnectionKey
 from aiohttp.connector import Connection
 from aiohttp.tracing import Trace
+
+log = logging.getLogger("iop.worker")
 
 #: how many times one run is sent before its failure counts: each failed try closes the pooled
 #: connection it took, so a pool with that many broken ones still ends on a new connection
@@ -78,11 +84,18 @@ class PoolConnector(aiohttp.TCPConnector):
         self._factory = functools.partial(_watched, self._loop)
         self._used: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
         self._dropped: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
+        #: the servers that sent bytes no request asked for: their connections are not pooled
+        self._unpooled: set[ConnectionKey] = set()
 
     async def connect(self, req: ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout) -> Connection:
         while True:
             conn = await super().connect(req, traces, timeout)
             protocol = conn.protocol
+            if getattr(protocol, "stray", False) and req.connection_key not in self._unpooled:
+                self._unpooled.add(req.connection_key)
+                log.warning("the server at %s:%s sent bytes on a connection no request was waiting on (an answer "
+                            "twice, or a late one); its connections are no longer kept between runs",
+                            req.connection_key.host, req.connection_key.port)
             if protocol is None or not (protocol in self._dropped or protocol.should_close
                                         or getattr(protocol, "stray", False)):
                 break
@@ -97,7 +110,7 @@ class PoolConnector(aiohttp.TCPConnector):
     def _release(self, key: ConnectionKey, protocol: ResponseHandler, *, should_close: bool = False) -> None:
         if isinstance(protocol, _Watched):
             protocol.idle = True  # (from now, in the pool: whatever comes on it is stray)
-        super()._release(key, protocol, should_close=should_close)
+        super()._release(key, protocol, should_close=should_close or key in self._unpooled)
 
     def drop(self, protocol: ResponseHandler) -> None:
         """Never hand `protocol` out again; it is closed when next taken from the pool (a run that
