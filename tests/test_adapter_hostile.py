@@ -1392,3 +1392,66 @@ async def test_a_304_to_a_run_is_no_answer_not_a_redirect(raw: Raw, session: aio
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == DOWN
     probe = await adapter.probe()
     assert probe.reason == "GET /v1/models answered 304, which is no answer to a run or a probe (fix base_url)"
+
+
+@dataclass
+class SlowReader(RawHttp):
+    """Reads a request's head, then its body `piece` bytes every `every_s` (`piece` 0: never),
+    and answers once it has it all."""
+
+    piece: int = 0
+    every_s: float = 0.0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        if not self.piece:
+            await asyncio.Event().wait()  # (until the client goes, or the test ends)
+        while length:
+            await asyncio.sleep(self.every_s)
+            length -= len(await reader.readexactly(min(self.piece, length)))
+        answer = json.dumps({"id": "x", "object": "chat.completion", "created": 1, "model": SERVED, "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "read"}, "finish_reason": "stop"}]}).encode()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(answer)
+                     + answer)
+        await writer.drain()
+
+
+@pytest.mark.parametrize("kind", ["openai", "ollama"])
+async def test_a_server_that_reads_none_of_a_big_request_fails_it_within_the_read_timeout(kind: str) -> None:
+    """aiohttp starts its read timeout once the body is out: a server that read none of a 6 MB
+    prompt held the run until its execution timeout (600 s by default)."""
+    server = SlowReader()
+    url = await server.start()
+    config = {"id": "p", "type": "vllm" if kind == "openai" else "ollama", "base_url": url, "capacity": 1,
+              "models": [SERVED], "read_timeout_ms": 500}
+    session = provider_session()
+    adapter = (OpenAICompatAdapter if kind == "openai" else OllamaAdapter)(ProviderConfig.model_validate(config),
+                                                                           session)
+    body = {"model": SERVED, "messages": [{"role": "user", "content": "x" * 32_000_000}]}
+    try:
+        with pytest.raises(ProviderError) as err:
+            async with asyncio.timeout(10):  # (well past the read timeout)
+                await adapter.complete(RunKind.CHAT, body, "r")
+    finally:
+        await session.close()
+        await server.stop()
+    assert err.value.message == "provider p: did not read the request for 500 ms"
+    assert err.value.code is ErrorCode.PROVIDER_TIMEOUT and err.value.retry is Retry.ELSEWHERE
+
+
+async def test_a_server_that_reads_a_big_request_slowly_but_steadily_is_answered() -> None:
+    server = SlowReader(piece=1 << 20, every_s=0.05)
+    url = await server.start()
+    session = provider_session()
+    adapter = OpenAICompatAdapter(ProviderConfig.model_validate(
+        {"id": "p", "type": "vllm", "base_url": url, "capacity": 1, "models": [SERVED], "read_timeout_ms": 1000}),
+        session)
+    body = {"model": SERVED, "messages": [{"role": "user", "content": "x" * 32_000_000}]}
+    try:
+        answer = await adapter.complete(RunKind.CHAT, body, "r")
+    finally:
+        await session.close()
+        await server.stop()
+    assert answer["choices"][0]["message"]["content"] == "read"

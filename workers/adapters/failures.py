@@ -27,6 +27,7 @@ import aiohttp
 from common.policy import Health
 from common.wire import BUSY, CREDENTIALS_REFUSED, MAX_RETRY_AFTER_S, NOT_THERE, ErrorCode, callers_fault
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
+from workers.adapters.sending import NotRead
 
 #: The longest provider-supplied text (an error message, a stderr tail) passed on, in characters.
 MAX_ERROR_TEXT = 500
@@ -181,6 +182,8 @@ def describe(exc: BaseException, *, connect_ms: int | None = None, read_ms: int 
         return f"no answer within {total_ms} ms", 1
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return f"no connection within {connect_ms} ms" if connect_ms else "no connection in time", 1
+    if isinstance(exc, NotRead):
+        return str(exc), 1
     if isinstance(exc, aiohttp.SocketTimeoutError):
         return f"sent nothing for {read_ms} ms" if read_ms else "went silent", 1
     if isinstance(exc, (aiohttp.ServerTimeoutError, TimeoutError)):

@@ -127,16 +127,69 @@ def _resendable(exc: BaseException, pooled: bool, took_s: float) -> bool:
     return isinstance(exc, aiohttp.ClientOSError)
 
 
+class NotRead(aiohttp.SocketTimeoutError):
+    """The server read no more of a request's body for the read timeout (its text says so)."""
+
+
+class _Sending:
+    """A request body too big for the kernel to take at once, sent in pieces, each of which must
+    go out within `wait_s` of the one before: aiohttp starts its read timeout (`sock_read`) only
+    once the body is sent, so a server that reads none of it (hung, or hostile) held the run until
+    its execution timeout (a 6 MB prompt: 600 s by default, instead of `read_timeout_ms`)."""
+
+    def __init__(self, body: bytes, wait_s: float) -> None:
+        self.body = body
+        self.wait_s = wait_s
+        #: the deadline of the piece going out (None once the post has returned, or failed)
+        self.deadline: asyncio.Timeout | None = None
+
+    async def pieces(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        for start in range(0, len(self.body), WHOLE_BODY_BYTES):
+            if self.deadline is not None:
+                self.deadline.reschedule(loop.time() + self.wait_s)
+            yield self.body[start:start + WHOLE_BODY_BYTES]
+        if self.deadline is not None:  # (all out: the read timeout takes over)
+            self.deadline.reschedule(None)
+
+    async def post(self, session: aiohttp.ClientSession, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
+        headers = {**(kwargs.pop("headers", None) or {}), "Content-Length": str(len(self.body))}
+        try:
+            async with asyncio.timeout(None) as self.deadline:
+                return await session.post(url, data=self.pieces(), headers=headers, **kwargs)
+        except TimeoutError:
+            if self.deadline is not None and self.deadline.expired():
+                raise NotRead(f"did not read the request for {self.wait_s * 1000:.0f} ms") from None
+            raise
+        finally:
+            self.deadline = None
+
+
+#: a request body the kernel takes at once, in one write; a bigger one goes out in pieces of this
+#: size, watched (`_Sending`)
+WHOLE_BODY_BYTES = 64 * 1024
+
+
+async def _post_once(session: aiohttp.ClientSession, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
+    data, timeout = kwargs.get("data"), kwargs.get("timeout")
+    if not isinstance(data, bytes) or len(data) <= WHOLE_BODY_BYTES or timeout is None or not timeout.sock_read:
+        return await session.post(url, **kwargs)
+    del kwargs["data"]
+    return await _Sending(data, timeout.sock_read).post(session, url, **kwargs)
+
+
 @asynccontextmanager
 async def post(session: aiohttp.ClientSession, url: str, **kwargs: Any) -> AsyncIterator[aiohttp.ClientResponse]:
     """`session.post(url, **kwargs)`, sent again (at most `MAX_SENDS` times in all) while it breaks
     at once, before any answer, on a connection taken from the pool (the session's connector must
-    be a `PoolConnector`). The response is released at the end."""
+    be a `PoolConnector`). The response is released at the end. A body that is `bytes` over
+    `WHOLE_BODY_BYTES` must be read by the server at the pace of the timeout's `sock_read`, else
+    `NotRead` (a `SocketTimeoutError`)."""
     for tries_left in range(MAX_SENDS - 1, -1, -1):
         _sent_on.set((None, False))
         began = time.monotonic()
         try:
-            resp = await session.post(url, **kwargs)
+            resp = await _post_once(session, url, **kwargs)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if tries_left and _resendable(exc, _sent_on.get()[1], time.monotonic() - began):
                 continue
