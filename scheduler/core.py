@@ -132,6 +132,10 @@ class Scheduler:
         self._wakes_all = 0
         #: models whose pending runs outnumbered this replica's at the last `adopt_forgotten`
         self._short: set[str] = set()
+        #: model id -> the entry of this replica's oldest run of it, whose last dispatch found an
+        #: older run at the head (`not_head`); and the same as `adopt_forgotten` last saw it
+        self._blocked: dict[str, str] = {}
+        self._blocked_seen: dict[str, str] = {}
         self._targets = {m.id: {p: m.providers[p] for p in sorted(m.providers)} for m in config.models}
         #: model id -> (its providers' snapshots, when they were read (ms)), kept across dispatch rounds
         self._snaps: dict[str, tuple[list[ProviderSnapshot], int]] = {}
@@ -430,6 +434,10 @@ class Scheduler:
                 # slot): the model is not left `behind`, or the wake would wait for the safety tick.
                 woken = self._heard(model.id) != heard
                 for w, (result, chosen, next_holder, mine) in zip(batch, outcomes, strict=True):
+                    if result == "not_head":
+                        self._blocked[model.id] = w.entry_id
+                    elif result in ("ok", "gone"):
+                        self._blocked.pop(model.id, None)
                     if result in ("ok", "gone"):
                         if w in queue:  # compare by identity of entry: another task may have moved on
                             queue.remove(w)
@@ -621,6 +629,13 @@ class Scheduler:
             self.kick.set()
         return claimed
 
+    def _still_blocked(self, model_id: str) -> bool:
+        """Whether this replica's oldest run of the model found an older run at the head at its
+        last dispatch, and had when `adopt_forgotten` looked last."""
+        entry, queue = self._blocked.get(model_id), self.waiting[model_id]
+        return entry is not None and entry == self._blocked_seen.get(model_id) and bool(queue) and (
+            queue[0].entry_id == entry)
+
     async def adopt_forgotten(self) -> int:
         """Adopt the runs Redis says this replica holds (pending for it) but it does not. They
         disagree after a Redis failover lost the newest writes: a dispatch the old primary
@@ -628,7 +643,11 @@ class Scheduler:
         live replica that thinks it dispatched it, and would hold up every run of its model
         behind it (FIFO). One XPENDING summary per model; the entries are read only when Redis
         holds more for this replica than it holds twice in a row (runs just read by `read_new`
-        make it so for a moment). Returns how many runs were adopted."""
+        make it so for a moment), or when a run of its own has been kept from going by an older
+        one (`not_head`) at two looks in a row: the counts may agree while Redis holds a forgotten
+        run at the head and this replica a run whose queueing the failover lost (its model's
+        queue stood still until that one timed out, 20 s in a test). Returns how many runs were
+        adopted."""
         pipe = self.redis.pipeline(transaction=False)
         for model in self.config.models:
             pipe.xpending(keys.runs_stream(model.id), keys.SCHEDULER_GROUP)
@@ -640,6 +659,10 @@ class Scheduler:
             mine = sum(int(c["pending"]) for c in summary.get("consumers") or () if c["name"] == me)
             if mine > len(self.waiting[model.id]):
                 short.add(model.id)
+            elif mine and self._still_blocked(model.id):
+                self._short.add(model.id)  # (kept from going at two looks: read them now)
+                short.add(model.id)
+        self._blocked_seen = dict(self._blocked)
         again, self._short = short & self._short, short
         adopted = 0
         for model_id in sorted(again):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from redis.asyncio import Redis
 
 from common import keys
@@ -26,3 +28,25 @@ async def test_a_run_whose_dispatch_was_lost_is_adopted_again_instead_of_holding
     assert await redis.hget(keys.run_record(run_ids[0]), "state") == b"dispatched"
     assert [w.run_id for w in sched.waiting["m:1"]] == [run_ids[1]]
     assert await sched.adopt_forgotten() == 0  # what it holds is what Redis holds for it
+
+
+async def test_a_forgotten_run_is_adopted_though_a_run_the_failover_lost_makes_the_counts_agree(
+        redis: Redis) -> None:
+    """In the same second a failover lost a dispatch (the run is back at the head, pending for this
+    replica) and the queueing of a run this replica had read (it holds a run Redis has not): the
+    counts agreed, nothing was adopted, and the model's queue stood still until its runs timed out
+    (20 s in a failover test)."""
+    config = make_config({"a": 1})
+    _, sched, run_ids = await waiting_runs(redis, config, 3)
+    forgotten = sched.waiting["m:1"].pop(0)
+    assert forgotten.run_id == run_ids[0]
+    last = sched.waiting["m:1"][-1]
+    sched.waiting["m:1"].append(replace(last, sort_key=(last.sort_key[0] + 1, 0), run_id="run_lost",
+                                        entry_id=f"{last.sort_key[0] + 1}-0"))
+    for _ in range(3):
+        await sched.dispatch_all()
+        assert await leases(redis, config) == {"a": 0}  # the second run may not pass the first (FIFO)
+        if await sched.adopt_forgotten():
+            break
+    await sched.dispatch_all()
+    assert await redis.zrange(keys.leases("a"), 0, -1) == [run_ids[0].encode()]
