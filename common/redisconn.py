@@ -142,13 +142,28 @@ class RedisTarget:
         return issubclass(self.options["connection_class"], SSLConnection)
 
 
+def _authority_end(rest: str) -> int:
+    """Where the host part of a URL's `rest` (after `scheme://`) ends: its first `/`, `?` or `#`."""
+    return min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+
+
+def _unencoded_userinfo(rest: str) -> bool:
+    """Whether a URL's user part may hold a `/`, `?` or `#` that is not percent-encoded
+    (`:p/ss@host`): the host part then seems to end inside the password, at a `:`, and an `@`
+    comes later. (Or an `@` in a path or an option's value: what is shown of the URL then hides
+    more than its password.)"""
+    end = _authority_end(rest)
+    return "@" not in rest[:end] and rest.rfind("@") > end and ":" in rest[:end]
+
+
 def redact(url: str) -> str:
     """The URL without its passwords (the user part's, and a `password` or `sentinel_password`
     option), fit for logs and error messages."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    end = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    at = rest.rfind("@")
+    end = at + 1 + _authority_end(rest[at + 1:]) if _unencoded_userinfo(rest) else _authority_end(rest)
     netloc, tail = rest[:end], rest[end:]
     if "@" in netloc:
         userinfo, _, hosts = netloc.rpartition("@")
@@ -176,6 +191,16 @@ def _accepted_options(connection_class: type) -> set[str]:
 
 def parse_redis_url(url: str) -> RedisTarget:
     """Parse `--redis` / `REDIS_URL`, or raise `RedisUrlError` saying what is wrong."""
+    try:
+        return _parse_redis_url(url)
+    except RedisUrlError:
+        if _unencoded_userinfo(url.partition("://")[2]):  # (what it says would show part of the password)
+            raise RedisUrlError(f"Redis URL {redact(url)!r}: its password seems to hold '/', '?' or '#'; "
+                                "percent-encode them (%2F, %3F, %23), and '@' and '%' (%40, %25)") from None
+        raise
+
+
+def _parse_redis_url(url: str) -> RedisTarget:
     scheme = url.partition("://")[0].lower() if "://" in url else ""
     if scheme in SENTINEL_SCHEMES:
         return _parse_sentinel(url, scheme)

@@ -127,13 +127,19 @@ def test_plain_urls_keep_redis_py_s_meaning(url: str, connection_class: type, ex
     ("redis://:secret@h:6379/8?db=10", "names its database twice (the path's 8 and ?db=): keep one"),
     ("redis+sentinel://:secret@h1/mymaster/5?db=7", "Sentinel URL 'redis+sentinel://:***@h1/mymaster/5?db=7' names "
      "its database twice"),
+    # a password with a '/', '?' or '#' not percent-encoded: the host seemed to end inside it, and the
+    # error quoted it whole, and its pieces (found by a Sentinel audit: "sentinel 1 (':se') has no host")
+    ("redis+sentinel://:se/cret@h1,h2/mymaster/0", "'redis+sentinel://:***@h1,h2/mymaster/0': its password seems "
+     "to hold '/', '?' or '#'; percent-encode them (%2F, %3F, %23)"),
+    ("redis://:se/cret@h:6379/0", "'redis://:***@h:6379/0': its password seems to hold"),
+    ("redis://user:se?c#ret@h/0", "'redis://user:***@h/0': its password seems to hold"),
 ])
 def test_a_malformed_url_gets_one_line_naming_what_is_wrong_and_never_the_password(url: str, says: str) -> None:
     with pytest.raises(RedisUrlError) as err:
         parse_redis_url(url)
     message = str(err.value)
     assert says in message
-    assert "\n" not in message and "secret" not in message
+    assert "\n" not in message and "secret" not in message and "cret" not in message
 
 
 @pytest.mark.parametrize(("url", "shown"), [
@@ -141,6 +147,8 @@ def test_a_malformed_url_gets_one_line_naming_what_is_wrong_and_never_the_passwo
     ("redis://user:pw@h/0?password=x&db=1", "redis://user:***@h/0?password=***&db=1"),
     ("redis+sentinel://:pw@h1,h2/m/0?sentinel_password=spw", "redis+sentinel://:***@h1,h2/m/0?sentinel_password=***"),
     ("redis://h:6379/0", "redis://h:6379/0"),
+    ("redis+sentinel://:se/cr@t@h1,h2/m/0", "redis+sentinel://:***@h1,h2/m/0"),  # (one not percent-encoded)
+    ("redis://u:p?w#d@h:6379/1", "redis://u:***@h:6379/1"),
 ])
 def test_redact_hides_every_password(url: str, shown: str) -> None:
     assert redact(url) == shown
