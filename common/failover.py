@@ -64,6 +64,8 @@ class FailoverWatch:
         self._task: asyncio.Task[None] | None = None
         #: the sentinel `_follow` is on was subscribed to and answered
         self._followed = False
+        #: none could be followed at the last round (said once, at WARNING, until one can again)
+        self._lost = False
         #: the closing of subscriptions `_follow` left (shielded from the cancellations `close` repeats)
         self._closing: set[asyncio.Future[None]] = set()
 
@@ -97,14 +99,20 @@ class FailoverWatch:
         delay = RETRY_FIRST_S
         while True:
             followed = False
+            why = ""
             for sentinel in list(self.sentinels):
                 try:
                     await self._follow(sentinel)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # that sentinel went away or answered nonsense: the next one
-                    log.debug("cannot follow the sentinel %s for %s: %s", _where(sentinel), self.master, exc)
+                    why = f"{_where(sentinel)}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                    log.debug("cannot follow the sentinel %s for %s", why, self.master)
                 followed = followed or self._followed
+            if not followed and not self._lost:
+                self._lost = True
+                log.warning("Redis Sentinel: no sentinel of %s can be followed (the last, %s); a failover goes "
+                            "unseen, and new connections wait, until one answers", self.master, why or "none")
             delay = RETRY_FIRST_S if followed else min(delay * 2, RETRY_CAP_S)
             await asyncio.sleep(delay)
 
@@ -121,6 +129,9 @@ class FailoverWatch:
             await pubsub.subscribe(SWITCH_CHANNEL)
             await self._check(sentinel)  # (what was announced before the subscription)
             self._followed = True
+            if self._lost:
+                self._lost = False
+                log.warning("Redis Sentinel: following the sentinel %s for %s again", _where(sentinel), self.master)
             while True:
                 try:
                     # (redis-py's own wait, `get_message(timeout=…)`, can swallow a cancellation)

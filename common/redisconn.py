@@ -25,6 +25,7 @@ import asyncio
 import inspect
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -39,6 +40,7 @@ from redis.asyncio.connection import (
 )
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import (
+    MasterNotFoundError,
     Sentinel,
     SentinelConnectionPool,
     SentinelManagedConnection,
@@ -96,6 +98,28 @@ def keepalive_options() -> dict[int, int]:
     return {getattr(socket, name): value for name, value in KEEPALIVE.items() if hasattr(socket, name)}
 
 
+class _Retry(Retry):  # type: ignore[misc]  # redis-py is not type-checked here
+    """redis-py's retry of a command (or a connect) whose connection dropped, with backoff; but a
+    primary the sentinels could not name is not asked for again: every sentinel was asked at once,
+    each within `SENTINEL_TIMEOUT_S` (asked one after another, four times, sentinels that took
+    connections and answered nothing made each command wait about 24 s)."""
+
+    async def call_with_retry(self, do: Callable[[], Awaitable[Any]], fail: Callable[[Any], Any]) -> Any:
+        self._backoff.reset()
+        failures = 0
+        while True:
+            try:
+                return await do()
+            except self._supported_errors as error:
+                failures += 1
+                await fail(error)
+                if isinstance(error, MasterNotFoundError) or 0 <= self._retries < failures:
+                    raise
+                pause = self._backoff.compute(failures)
+                if pause > 0:
+                    await asyncio.sleep(pause)
+
+
 def client_options() -> dict[str, Any]:
     """What every service's Redis connections add to their URL: retry a command whose connection
     dropped a few times with exponential backoff, a connect timeout, a reply timeout, TCP
@@ -108,7 +132,7 @@ def client_options() -> dict[str, Any]:
     return {
         "decode_responses": False,
         # (redis-py's Retry also retries timeouts unless told which errors it may retry)
-        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=3, supported_errors=(RedisConnectionError,)),
+        "retry": _Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=3, supported_errors=(RedisConnectionError,)),
         "retry_on_error": [RedisConnectionError],
         "socket_connect_timeout": 2.0,
         "socket_timeout": REPLY_TIMEOUT_S,
@@ -477,10 +501,50 @@ class SentinelPool(Lined, SentinelConnectionPool):  # type: ignore[misc]
                                    lambda: self.master_address, self.switch_primary)
 
     async def get_master_address(self) -> Any:
-        found = await super().get_master_address()
+        """Where the primary is: where the watch went, once it has an answer (a sentinel asked
+        first may not have heard of the last failover yet; the watch only moves to a newer
+        configuration), else what the first sentinel to name an available one says (`_discover`)."""
         self.watch.start()
-        self.master_address = address = self.watch.primary(found)
+        address: Any = self.watch.address
+        if address is None:
+            found = await self._discover()
+            was = getattr(self, "master_address", None)
+            if was is not None and found != was:
+                await self.disconnect(inuse_connections=False)  # (idle ones reconnect there: redis-py's way)
+            address = self.watch.primary(found)
+        self.master_address = address
         return address
+
+    async def _discover(self) -> tuple[str, int]:
+        """Ask every sentinel at once where the primary is; the first to name one that is up (redis-py's
+        `check_master_state`) is taken. Asked one after another, as redis-py does, a sentinel that took
+        the connection and answered nothing held every new connection for its `SENTINEL_TIMEOUT_S`."""
+        manager = self.sentinel_manager
+
+        async def ask(sentinel: Any) -> tuple[str, int] | None:
+            state = (await sentinel.sentinel_masters()).get(self.service_name)
+            if state and manager.check_master_state(state, self.service_name):
+                return str(state["ip"]), int(state["port"])
+            return None
+
+        asked = [asyncio.ensure_future(ask(s)) for s in manager.sentinels]
+        failures: list[str] = []
+        try:
+            for answer in asyncio.as_completed(asked):
+                try:
+                    found = await answer
+                except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                    failures.append(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                    continue
+                if found is not None:
+                    return found
+        finally:
+            for task in asked:
+                task.cancel()
+            await asyncio.gather(*asked, return_exceptions=True)
+        why = f" ({len(failures)} of {len(asked)} could not be asked: {failures[0]})" if failures else ""
+        raise MasterNotFoundError(f"No master found for {self.service_name!r}: no sentinel named an available "
+                                  f"primary{why}")
 
     async def switch_primary(self, address: tuple[str, int]) -> None:
         """The primary is at `address` now, as the watch's sentinel says: close every connection,

@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 from arq.connections import ArqRedis
 from redis.asyncio.sentinel import SentinelConnectionPool
 
+from common import failover
 from common.config import parse_config
 from common.redisconn import (
     REDIS_DOWN,
@@ -36,6 +37,7 @@ from common.scripts import Scripts
 from gateway.app import build_app
 from gateway.redis_pool import SentinelTrimmedPool, TrimmedPool, gateway_redis
 from iop.embedded_redis import RedisServer
+from tests.conftest import async_wait_until
 from workers.arq_worker import arq_redis
 
 
@@ -306,3 +308,64 @@ async def test_a_database_the_server_has_is_selected(redis_url: str) -> None:
     finally:
         await client.aclose()
         await other.aclose()
+
+
+async def silent_sentinels(asked: list[int]) -> list[asyncio.Server]:
+    """Three sentinels that take connections and never answer (paused: SIGSTOP), but redis-py's first
+    words on a connection; `asked` gets the number of each asked where the primary is by a lookup."""
+    def silent(n: int) -> Any:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while data := (await reader.read(4096)).upper():  # (until the client closes)
+                writer.write(b"+OK\r\n" * data.count(b"SETINFO"))
+                if b"MASTERS" in data:  # (`SENTINEL MASTERS`: the failover watch asks otherwise)
+                    asked.append(n)
+            writer.close()
+        return serve
+
+    return [await asyncio.start_server(silent(n), "127.0.0.1", 0) for n in range(3)]
+
+
+async def test_sentinels_that_take_connections_and_never_answer_are_each_asked_once() -> None:
+    """Sentinels paused (SIGSTOP: the kernel takes their connections, nobody answers) were asked one
+    after another, each for its 2 s, and the lookup was made four times: each command waited about
+    24 s (a gateway's request 105 s), and failed with redis-py's reprs of every client. Each is asked
+    once (all at once), and the command fails saying so in one line."""
+    asked: list[int] = []
+    servers = await silent_sentinels(asked)
+    hosts = ",".join(f"127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers)
+    redis = connect(f"redis+sentinel://{hosts}/mymaster/0")
+    try:
+        with pytest.raises(REDIS_DOWN) as err:
+            await redis.ping()
+    finally:
+        await redis.aclose()
+        for server in servers:
+            server.close()
+    assert str(err.value).startswith("No master found for 'mymaster': no sentinel named an available primary "
+                                     "(3 of 3 could not be asked: Timeout reading from 127.0.0.1:")
+    assert "<" not in str(err.value) and "\n" not in str(err.value)
+    assert sorted(asked) == [0, 1, 2]  # once each (it was 4 times each)
+
+
+async def test_losing_every_sentinel_is_said_once(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """(It was logged at DEBUG only: sentinels paused under load for 10 s left no line in any log.)"""
+    monkeypatch.setattr(failover, "ANSWER_WITHIN_S", 0.05)
+    servers = await silent_sentinels([])
+    hosts = ",".join(f"127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers)
+    redis = connect(f"redis+sentinel://{hosts}/mymaster/0")
+    try:
+        with pytest.raises(REDIS_DOWN):
+            await redis.ping()  # (its lookup starts the watch)
+
+        async def said() -> bool:
+            return any("no sentinel of mymaster can be followed" in r.getMessage() for r in caplog.records)
+
+        await async_wait_until(said, what="the warning")
+    finally:
+        await redis.aclose()
+        for server in servers:
+            server.close()
+    lost = [r.getMessage() for r in caplog.records if "can be followed" in r.getMessage()]
+    assert len(lost) == 1 and lost[0].startswith("Redis Sentinel: no sentinel of mymaster can be followed (the last, "
+                                                 "127.0.0.1:"), lost
