@@ -231,11 +231,11 @@ end
 # A model's queue is full when it holds `max_queue` runs more than the model has free slots: runs
 # not dispatched yet that a free slot will take at once are not waiting (a burst of callers fills
 # the free slots, then the queue; `max_queue: 0` runs what finds a free slot and queues nothing).
-# The runs waiting for other models that share a provider with it are counted against the free
-# slots of the providers it shares (they may take them: in a burst to two models, each counted a
-# shared provider's slots as its own, and 3 runs waited in a queue of `max_queue: 0`). Bounded the
-# other way: a burst to two such models may be refused up to the other models' own free slots
-# early (their waiting runs may be bound for those), never a slot of a provider no other model has.
+# The runs waiting for other models that share a provider with it take the free slots of the
+# providers they share first (in a burst to two models, each counted a shared provider's slots as
+# its own, and 3 runs waited in a queue of `max_queue: 0`). Bounded the other way: a burst to two
+# such models may be refused early by up to the other models' free slots of providers this one
+# lacks (their waiting runs may be bound for those), or that refuse them.
 # KEYS: runs stream, run record, key in-flight set, key requests window, then for each of the model's
 #       providers 5 keys: its heartbeat, its leases, its capacity override, its drain flag, its node's
 #       cordon flag..., then the runs streams of the other models that share a provider with it...
@@ -244,7 +244,8 @@ end
 #       the gateway that follows it (its first watcher), the providers whose adapter would refuse
 #       the run (`gateway.refusals`; comma-separated, '' none: it never goes there, and their slots
 #       and health count for nothing here), how many keys of KEYS are its providers' (none
-#       given: all after the first 4), for each of its providers '1' if another model has it, else '0'
+#       given: all after the first 4), and for each other model's runs stream after them, which of
+#       this model's providers it has ('1' or '0' for each, in their order; comma-separated)
 # Returns {'ok', entry, requests left in the window (-1: no window)}, {'key_in_flight', n},
 # {'key_rate', n, ms until a request leaves the window}, {'unavailable', queued} or {'full', queued}.
 # A provider's capacity: the operator's override, never above the announced one (an override set
@@ -293,28 +294,38 @@ end
 if not available then return {'unavailable', redis.call('XLEN', KEYS[1])} end
 local queued = redis.call('XLEN', KEYS[1])
 if queued >= tonumber(ARGV[2]) then
-  local free, shared_free = 0, 0
-  local shared = ARGV[16] or ''
+  local free_at = {}  -- the free slots of each provider, by its place among the model's
   for i = 5, last_provider_key, 5 do
     local hb = takes(i) and redis.call('HMGET', KEYS[i], 'health', 'capacity') or {}
+    local n = 0
     if hb[1] == 'available' then
       local ops = redis.call('MGET', KEYS[i + 2], KEYS[i + 3], KEYS[i + 4])
       local cap = capped(hb[2], ops[1])
       if cap and not ops[2] and not ops[3] then
-        local n = math.max(0, cap - redis.call('ZCOUNT', KEYS[i + 1], '(' .. now, '+inf'))
-        if string.sub(shared, (i - 5) / 5 + 1, (i - 5) / 5 + 1) == '1' then
-          shared_free = shared_free + n
-        else
-          free = free + n
-        end
+        n = math.max(0, cap - redis.call('ZCOUNT', KEYS[i + 1], '(' .. now, '+inf'))
+      end
+    end
+    free_at[#free_at + 1] = n
+  end
+  -- each other model's waiting runs take the free slots of the providers it shares with this one
+  local j = last_provider_key
+  for mask in string.gmatch(ARGV[16] or '', '[^,]+') do
+    j = j + 1
+    local room = 0
+    for p = 1, #mask do
+      if string.byte(mask, p) == 49 then room = room + free_at[p] end  -- ('1')
+    end
+    local waiting = room > 0 and redis.call('XLEN', KEYS[j]) or 0
+    for p = 1, #mask do
+      if waiting == 0 then break end
+      if string.byte(mask, p) == 49 then
+        local took = math.min(waiting, free_at[p])
+        free_at[p], waiting = free_at[p] - took, waiting - took
       end
     end
   end
-  for i = last_provider_key + 1, #KEYS do
-    if shared_free == 0 then break end
-    shared_free = math.max(0, shared_free - redis.call('XLEN', KEYS[i]))
-  end
-  free = free + shared_free
+  local free = 0
+  for _, n in ipairs(free_at) do free = free + n end
   if queued >= tonumber(ARGV[2]) + free then return {'full', queued} end
 end
 local entry

@@ -65,12 +65,14 @@ def new_run_id() -> str:
 class ModelKeys:
     """The keys `enqueue` reads for a model: of its providers (heartbeat, leases, capacity override,
     drain and cordon flags: is one available, and how many slots are free), and the runs streams
-    of the other models that share one with it (their waiting runs take those slots first)."""
+    of the other models that share one with it (their waiting runs take those slots first), with
+    which of its providers each has."""
 
     providers: list[str]
     sharing: list[str]
-    #: '1' for each of its providers (in the order of `providers`) that another model has, else '0'
-    shared: str
+    #: for each of `sharing`, which of its providers that model has ('1' or '0' each, in the order of
+    #: `providers`), comma-separated
+    masks: str
 
 
 class RunClient:
@@ -108,10 +110,10 @@ class RunClient:
         providers = [k for p in sorted(model.providers) for k in (
             keys.heartbeat(p), keys.leases(p), keys.capacity_override(p), keys.drained(p),
             keys.cordoned(self.config.node_of(p)))]
-        others = [m for m in self.config.models if m.id != model.id]
-        sharing = [keys.runs_stream(m.id) for m in others if not model.providers.keys().isdisjoint(m.providers)]
-        shared = "".join("1" if any(p in m.providers for m in others) else "0" for p in sorted(model.providers))
-        self._model_keys[model.id] = ModelKeys(providers, sharing, shared)
+        sharing = [m for m in self.config.models if m.id != model.id and not model.providers.keys().isdisjoint(
+            m.providers)]
+        masks = ",".join("".join("1" if p in m.providers else "0" for p in sorted(model.providers)) for m in sharing)
+        self._model_keys[model.id] = ModelKeys(providers, [keys.runs_stream(m.id) for m in sharing], masks)
         return self._model_keys[model.id]
 
     async def submit(self, model: ModelConfig, req: ParsedRequest, who: Principal = ANYONE,
@@ -135,7 +137,7 @@ class RunClient:
                  "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
                  who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000),
                  policy.max_attempts, self.hub.gateway_id + keys.OUTPUT_ONLY,  # its caller wants output and end
-                 ",".join(refuse), len(model_keys.providers), model_keys.shared],
+                 ",".join(refuse), len(model_keys.providers), model_keys.masks],
                 if_left,
             )
         except (RedisTimeoutError, RedisConnectionError) as exc:

@@ -226,6 +226,33 @@ async def test_a_provider_s_free_slots_are_not_counted_for_two_models_at_once(re
     assert sum(await asyncio.gather(*(one(m1) for _ in range(5)))) == 2
 
 
+async def test_another_model_s_waiting_runs_take_only_the_slots_of_the_providers_it_has(redis: Redis) -> None:
+    """m2 waits for B, which is full: A's free slots are m1's though m2 shares a provider with m1 (a
+    review found m1 refused with A idle: every other model's waiting runs were taken from the free
+    slots of every provider m1 shared with anyone)."""
+    config = parse_config({
+        "models": [{"id": "m1", "providers": {"A": "a", "B": "b"}},
+                   {"id": "m2", "providers": {"B": "b"}, "queue": {"max_queue": 10}},
+                   {"id": "m3", "providers": {"A": "a"}}],
+        "nodes": [{"id": "n", "providers": [
+            {"id": "A", "type": "vllm", "base_url": "http://127.0.0.1:9", "capacity": 2, "models": ["a"]},
+            {"id": "B", "type": "vllm", "base_url": "http://127.0.0.1:9", "capacity": 1, "models": ["b"]}]}],
+        "queue": {"max_queue": 0, "queue_timeout_ms": 60_000},
+    })
+    await beat(redis, config)
+    await redis.zadd(keys.leases("B"), {"x": now_ms() + 60_000})
+    for i in range(5):
+        await redis.xadd(keys.runs_stream("m2"), {"run": f"w{i}"})
+    client = RunClient(redis, config)
+    m1 = config.model("m1")
+    assert m1 is not None
+    await client.submit(m1, request())
+    await client.submit(m1, request())
+    with pytest.raises(ApiError) as err:  # A's 2 slots are taken by m1's 2 runs now
+        await client.submit(m1, request())
+    assert err.value.code.value == "queue_full"
+
+
 async def test_no_available_provider_is_refused_at_once_saying_why(redis: Redis) -> None:
     """(Why: what each provider is now, as a run that timed out in its queue says; found by a
     hostile-provider audit: the refusal said no more than "right now".)"""
