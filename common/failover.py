@@ -112,7 +112,7 @@ class FailoverWatch:
             if not followed and not self._lost:
                 self._lost = True
                 log.warning("Redis Sentinel: no sentinel of %s can be followed (the last, %s); a failover goes "
-                            "unseen, and new connections wait, until one answers", self.master, why or "none")
+                            "unseen until one answers", self.master, why or "none")
             delay = RETRY_FIRST_S if followed else min(delay * 2, RETRY_CAP_S)
             await asyncio.sleep(delay)
 

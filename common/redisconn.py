@@ -172,12 +172,17 @@ def _authority_end(rest: str) -> int:
 
 
 def _unencoded_userinfo(rest: str) -> bool:
-    """Whether a URL's user part may hold a `/`, `?` or `#` that is not percent-encoded
-    (`:p/ss@host`): the host part then seems to end inside the password, at a `:`, and an `@`
-    comes later. (Or an `@` in a path or an option's value: what is shown of the URL then hides
-    more than its password.)"""
-    end = _authority_end(rest)
-    return "@" not in rest[:end] and rest.rfind("@") > end and ":" in rest[:end]
+    """Whether a URL's user part seems to hold a `/`, `?`, `#` or `@` that is not percent-encoded
+    (`:p/ss@host`, `:p@ss@host`): between its first `:` and its last `@` there is one of them,
+    and no `?name=` (an option's value may hold an `@`: `?password=p@ss`)."""
+    colon, at = rest.find(":"), rest.rfind("@")
+    if colon < 0 or at < colon:
+        return False
+    span = rest[colon:at]
+    query = span.find("?")
+    if query >= 0 and "=" in span[query:]:
+        return False
+    return any(c in span for c in "/?#@")
 
 
 def redact(url: str) -> str:
@@ -533,7 +538,8 @@ class SentinelPool(Lined, SentinelConnectionPool):  # type: ignore[misc]
             for answer in asyncio.as_completed(asked):
                 try:
                     found = await answer
-                except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                except (RedisConnectionError, RedisTimeoutError, ResponseError, OSError) as exc:
+                    # (a sentinel that refused the question: an ACL without +sentinel, a plain Redis)
                     failures.append(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                     continue
                 if found is not None:

@@ -110,8 +110,9 @@ class RunClient:
         providers = [k for p in sorted(model.providers) for k in (
             keys.heartbeat(p), keys.leases(p), keys.capacity_override(p), keys.drained(p),
             keys.cordoned(self.config.node_of(p)))]
-        sharing = [m for m in self.config.models if m.id != model.id and not model.providers.keys().isdisjoint(
-            m.providers)]
+        # (the models with the fewest of its providers first: their waiting runs have the least choice)
+        sharing = sorted((m for m in self.config.models if m.id != model.id and not model.providers.keys().isdisjoint(
+            m.providers)), key=lambda m: len(model.providers.keys() & m.providers.keys()))
         masks = ",".join("".join("1" if p in m.providers else "0" for p in sorted(model.providers)) for m in sharing)
         self._model_keys[model.id] = ModelKeys(providers, [keys.runs_stream(m.id) for m in sharing], masks)
         return self._model_keys[model.id]

@@ -392,6 +392,7 @@ class Scheduler:
         try, never to wait: when they say no provider has room, they are read again first. Only
         `stale` (no candidate could take it after all) reads them again after a try."""
         queue = self.waiting[model.id]
+        self._blocked.pop(model.id, None)  # (unless this try meets `not_head` again)
         ttl = self.config.runtime.heartbeat_ttl_ms
         stale = 0
         #: how many runs from the head on are this replica's, in a row (1 until a dispatch says)
@@ -436,8 +437,6 @@ class Scheduler:
                 for w, (result, chosen, next_holder, mine) in zip(batch, outcomes, strict=True):
                     if result == "not_head":
                         self._blocked[model.id] = w.entry_id
-                    elif result in ("ok", "gone"):
-                        self._blocked.pop(model.id, None)
                     if result in ("ok", "gone"):
                         if w in queue:  # compare by identity of entry: another task may have moved on
                             queue.remove(w)
@@ -671,11 +670,12 @@ class Scheduler:
                                                     {keys.runs_stream(model_id): "0"}, count=100_000)
             except ResponseError:  # the group went meanwhile: nothing is pending then
                 continue
+            held = {w.entry_id for w in self.waiting[model_id]}
             for stream, entries in reply or ():
                 for entry_id, fields in entries:
                     if not fields:  # deleted while pending: nothing to run
                         await self.redis.xack(stream, keys.SCHEDULER_GROUP, entry_id)
-                    elif not any(w.entry_id == entry_id.decode() for w in self.waiting[model_id]):
+                    elif entry_id.decode() not in held:
                         self._adopt(model_id, entry_id.decode(), fields)
                         adopted += 1
         if adopted:

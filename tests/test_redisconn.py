@@ -151,6 +151,12 @@ def test_a_malformed_url_gets_one_line_naming_what_is_wrong_and_never_the_passwo
     ("redis://h:6379/0", "redis://h:6379/0"),
     ("redis+sentinel://:se/cr@t@h1,h2/m/0", "redis+sentinel://:***@h1,h2/m/0"),  # (one not percent-encoded)
     ("redis://u:p?w#d@h:6379/1", "redis://u:***@h:6379/1"),
+    ("redis://:SE@C/RET@host/0", "redis://:***@host/0"),
+    # an option's value may hold an '@' (a review found the end of these shown: ':***@SECRETTAIL')
+    ("redis://127.0.0.1:1/0?password=hunter2@SECRETTAIL", "redis://127.0.0.1:1/0?password=***"),
+    ("rediss+sentinel://h1:26379/mymaster?sentinel_password=p@ssw0rd", "rediss+sentinel://h1:26379/mymaster?"
+     "sentinel_password=***"),
+    ("redis://[::1]:6379/0?password=a@b", "redis://[::1]:6379/0?password=***"),
 ])
 def test_redact_hides_every_password(url: str, shown: str) -> None:
     assert redact(url) == shown

@@ -955,3 +955,26 @@ async def test_a_scan_that_fails_is_said_and_tried_again_later_not_at_every_look
 
     await async_wait_until(again, what="the SCAN tried again")
     await replica.close()
+
+
+@pytest.mark.parametrize("order", [["X", "A", "B"], ["X", "B", "A"]])
+async def test_the_waiting_runs_with_the_least_choice_take_their_slots_first(redis: Redis, order: list[str]) -> None:
+    """A waits for P1 or P2, B only for P1: the two take both slots, whatever the config's order (a
+    review found X admitted to a queue of 0 when A came first: A's run was put on P1, and B's found
+    no room left but P2, which B cannot use)."""
+    providers = {"X": ["p1", "p2"], "A": ["p1", "p2"], "B": ["p1"]}
+    config = parse_config({
+        "models": [{"id": m, "providers": {p: p for p in providers[m]}} for m in order],
+        "nodes": [{"id": "n", "providers": [
+            {"id": p, "type": "vllm", "base_url": "http://127.0.0.1:9", "capacity": 1, "models": [p]}
+            for p in ("p1", "p2")]}],
+        "queue": {"max_queue": 0, "queue_timeout_ms": 60_000},
+    })
+    await beat(redis, config)
+    for m in ("A", "B"):
+        await redis.xadd(keys.runs_stream(m), {"run": f"w{m}"})
+    x = config.model("X")
+    assert x is not None
+    with pytest.raises(ApiError) as err:
+        await RunClient(redis, config).submit(x, request())
+    assert err.value.code.value == "queue_full"
