@@ -858,6 +858,40 @@ async def test_a_stream_that_ends_before_any_event_is_no_strike(raw: Raw, sessio
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
 
 
+@pytest.mark.parametrize("answer", [
+    whole("200 OK", b"", "application/x-ndjson"),
+    chunked([], content_type="application/x-ndjson"),
+    chunked([b"\n", b"  \r\n"], content_type="application/x-ndjson"),
+    whole("204 No Content", b""),
+], ids=["200-empty", "200-chunked-empty", "200-blanks", "204"])
+async def test_an_ollama_answer_with_nothing_in_it_is_no_strike(answer: Answer, raw: Raw,
+                                                               session: aiohttp.ClientSession) -> None:
+    """Found by a hostile-provider audit: an Ollama stream answered 200 with an empty body (or a 204)
+    was "ended before it was done", a strike and another attempt anywhere: three calls to the same
+    provider within milliseconds, and it was down. It is the provider's answer, as the OpenAI
+    family's stream that ends before any event: tried on another provider only, no strike. The
+    same answer to a whole request is not JSON: elsewhere too, and no strike."""
+    raw.answers["/api/chat"] = answer
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert err.value.message == "provider ollama-h: the stream ended before any line"
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "run_2")
+    assert err.value.message == "provider ollama-h: the answer was not valid JSON"
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
+
+
+async def test_an_ollama_stream_cut_after_a_line_is_still_a_cut(raw: Raw, session: aiohttp.ClientSession) -> None:
+    raw.answers["/api/chat"] = chunked([nd(said("a"))], content_type="application/x-ndjson")
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert err.value.message == "provider ollama-h: the stream ended before it was done"
+    assert err.value.retry is Retry.ANY and err.value.strikes == 1
+
+
 async def test_an_error_object_without_a_message_is_named_by_its_type(raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/v1/completions"] = whole("500 Internal Server Error", json.dumps(
         {"error": {"message": "", "type": "internal_server_error", "param": None, "code": None}}).encode())

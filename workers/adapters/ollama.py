@@ -87,7 +87,7 @@ class NDJSONParser:
     The object with `"done": true` ends the stream: nothing after it is read (`"done": "false"`, a
     string, is not true). A line that is not a JSON object is dropped; one that is not JSON, or
     past its limit, is an error (`breaks`: after output, the objects before it in its read are
-    returned first)."""
+    returned first). `began`: a line other than blanks came."""
 
     def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None) -> None:
         self.provider_id = provider_id
@@ -95,6 +95,7 @@ class NDJSONParser:
         self.non_objects = NonObjects(provider_id, request_id, model)
         self.breaks = Breaks()
         self.done = False
+        self.began = False
 
     def feed(self, data: bytes) -> list[Json]:
         """The objects of a read; an error after some of them is held in `breaks` (`Breaks`)."""
@@ -106,6 +107,7 @@ class NDJSONParser:
         for line in self.lines.feed(data):
             if not line.strip():
                 continue
+            self.began = True
             obj = parse_json(line, self.provider_id)
             if not isinstance(obj, dict):
                 self.non_objects.drop(obj)
@@ -259,6 +261,12 @@ class OllamaAdapter:
             raise redacted(exc, self.credentials.secrets()) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
+        if not done and not parser.began:
+            # a 200 (or a 204) with nothing in it: the provider's answer, which it would give again,
+            # as the OpenAI family's stream that ends before any event (it was three attempts there
+            # within milliseconds, a strike each, and the provider down)
+            raise ProviderError(f"provider {self.provider.id}: the stream ended before any line", strikes=None,
+                                retry=Retry.ELSEWHERE)
         if not done:
             raise ProviderError(f"provider {self.provider.id}: the stream ended before it was done", retry=Retry.ANY,
                                 strikes=1)
