@@ -892,6 +892,37 @@ async def test_an_ollama_stream_cut_after_a_line_is_still_a_cut(raw: Raw, sessio
     assert err.value.retry is Retry.ANY and err.value.strikes == 1
 
 
+def not_http(head: bytes) -> Answer:
+    async def answer(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(head)
+    return answer
+
+
+@pytest.mark.parametrize("family", ["openai", "ollama"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("head", [
+    b"\x1b[31mSSH-2.0-OpenSSH\r\n\x00\xff garbage\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 200_000 + b"\r\nContent-Length: 2\r\n\r\n{}",
+], ids=["banner", "header-line-200KB"])
+async def test_an_answer_that_is_not_http_is_a_strike_and_goes_elsewhere(
+        family: str, stream: bool, head: bytes, raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Found by a hostile-provider audit: another protocol's banner, or a header line past aiohttp's
+    limit, was a strike and another attempt anywhere: the same garbage three times from the same
+    provider for one run. It would answer the same again: another provider only; the strike stays
+    (a provider that answers every run so goes down)."""
+    path = "/v1/chat/completions" if family == "openai" else "/api/chat"
+    raw.answers[path] = not_http(head)
+    adapter = OpenAICompatAdapter(openai(raw.url), session) if family == "openai" else \
+        OllamaAdapter(ollama(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        if stream:
+            await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+        else:
+            await adapter.complete(RunKind.CHAT, chat(), "run_1")
+    assert err.value.message == f"provider {adapter.provider.id}: the answer was not valid HTTP"
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 1
+
+
 async def test_an_error_object_without_a_message_is_named_by_its_type(raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/v1/completions"] = whole("500 Internal Server Error", json.dumps(
         {"error": {"message": "", "type": "internal_server_error", "param": None, "code": None}}).encode())

@@ -241,16 +241,19 @@ def transport_error(provider_id: str, exc: BaseException, *, connect_ms: int, re
                     proxy: str | None = None) -> ProviderError:
     """The ProviderError of a run whose HTTP exchange failed. A provider that could not be
     reached or broke off may serve another attempt once it is back (`Retry.ANY`); one that
-    answered garbage would answer the same again, and one that took the request but sent
-    nothing for `read_ms` is most likely still working on it (a server that answers a
+    answered garbage (not JSON, or not HTTP at all: another protocol's banner, binary junk, a
+    header line past aiohttp's limit) would answer the same again, and one that took the request
+    but sent nothing for `read_ms` is most likely still working on it (a server that answers a
     non-stream request only when it is done goes on generating for nobody): another attempt goes
     only to another provider (`Retry.ELSEWHERE`), so one long request costs one strike, not one
-    an attempt until the provider is taken down."""
+    an attempt until the provider is taken down. (An answer that is not HTTP keeps its strike: a
+    provider that answers every run so goes down, and is probed again.)"""
     what, strikes = describe(exc, connect_ms=connect_ms, read_ms=read_ms, proxy=proxy)
     busy = isinstance(exc, (aiohttp.ServerTimeoutError, TimeoutError)) and not isinstance(
         exc, aiohttp.ConnectionTimeoutError)
+    not_http = isinstance(exc, aiohttp.ClientResponseError) and not isinstance(exc, aiohttp.ClientHttpProxyError)
     return ProviderError(f"provider {provider_id}: {what}",
-                         retry=Retry.ELSEWHERE if strikes == 0 or busy else Retry.ANY,
+                         retry=Retry.ELSEWHERE if strikes == 0 or busy or not_http else Retry.ANY,
                          strikes=None if strikes == NO_STRIKE else strikes,
                          code=ErrorCode.PROVIDER_TIMEOUT if busy else ErrorCode.PROVIDER_ERROR)
 
