@@ -1087,6 +1087,29 @@ async def test_ollama_embeddings_short_of_the_inputs_are_the_provider_s_error(
     assert [d["embedding"] for d in answer["data"]] == [[0.5, 1.0]]
 
 
+@pytest.mark.parametrize(("path", "body", "answer", "said"), [
+    ("/api/chat", chat(), b"[1, 2]", "provider ollama-h answered with JSON that is not an object"),
+    ("/api/embed", {"model": SERVED, "input": "a"}, b'{"embeddings": [["a", "b"]]}',
+     "provider ollama-h answered embeddings with an embedding that is not a list of numbers"),
+    ("/api/embed", {"model": SERVED, "input": "a", "encoding_format": "base64"}, b'{"embeddings": [[1e300, 1.0]]}',
+     "provider ollama-h answered embeddings with an embedding beyond 32-bit floats (base64's numbers)"),
+    ("/api/embed", {"model": SERVED, "input": "a"}, b'{"embeddings": null}',
+     "provider ollama-h answered embeddings without an 'embeddings' list"),
+    ("/api/chat", chat(), b'{"done": true, "message": {', "provider ollama-h: the answer was not valid JSON"),
+], ids=["not-an-object", "strings", "float32-overflow", "no-embeddings", "not-json"])
+async def test_an_ollama_answer_that_is_json_but_not_an_answer_says_what_is_wrong(
+        path: str, body: dict[str, Any], answer: bytes, said: str, raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Found by a hostile-provider audit: each of these said "the answer was not valid JSON" (every
+    ValueError did); only JSON that does not parse says so now. None is a strike (it answered)."""
+    raw.answers[path] = whole("200 OK", answer)
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    kind = RunKind.EMBEDDING if path == "/api/embed" else RunKind.CHAT
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(kind, body, "run_1")
+    assert err.value.message == said
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
+
+
 async def test_embeddings_of_each_token_are_taken(raw: Raw, session: aiohttp.ClientSession) -> None:
     """llama-cpp-python's server, for a model without pooling, gives a vector for each token."""
     data = [{"object": "embedding", "index": 0, "embedding": [[0.5, 1.0], [0.25, -1]]},

@@ -342,10 +342,10 @@ def test_fields_of_the_wrong_type_in_an_answer_never_reach_the_caller_as_python_
     assert wire.usage_of(odd) == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     for vectors in ([["a", "b"]], [5], [{"x": 1}]):
         for encoding in ("float", "base64"):
-            with pytest.raises(ValueError, match="not a list of numbers"):
+            with pytest.raises(wire.BadAnswer, match="not a list of numbers"):
                 wire.embeddings_response({"model": "m", "encoding_format": encoding}, {"embeddings": vectors})
     for vector in ([1e39], [10**40]):  # (OverflowError and struct.error escaped the adapter)
-        with pytest.raises(ValueError, match="beyond 32-bit floats"):
+        with pytest.raises(wire.BadAnswer, match="beyond 32-bit floats"):
             wire.embeddings_response({"model": "m", "encoding_format": "base64"}, {"embeddings": [vector]})
 
 

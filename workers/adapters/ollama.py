@@ -187,7 +187,7 @@ class OllamaAdapter:
                 text = (await read_whole(resp, self.provider.id, self.limits)).decode(errors="replace")
                 answer = parse_json(text.encode(), self.provider.id)
                 if not isinstance(answer, dict):
-                    raise ValueError("the answer is not a JSON object")
+                    raise wire.BadAnswer("with JSON that is not an object")
                 if answer.get("error"):  # (Ollama may answer 200 with only an error)
                     raise self._sent_error(answer["error"])
                 if kind is RunKind.EMBEDDING:
@@ -202,6 +202,9 @@ class OllamaAdapter:
                                         retry=Retry.ELSEWHERE)
         except ProviderError as exc:
             raise redacted(exc, self.credentials.secrets()) from None
+        except wire.BadAnswer as exc:  # (JSON, but not an answer: it says what is wrong, not "not valid JSON")
+            raise ProviderError(f"provider {self.provider.id} answered {exc}", retry=Retry.ELSEWHERE,
+                                strikes=0) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
         shaper = Shaper(kind, request_id, body["model"])

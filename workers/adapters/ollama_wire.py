@@ -42,6 +42,11 @@ OPTION_FIELDS = {
 NATIVE_FIELDS = ("keep_alive", "think", "raw", "suffix", "truncate", "dimensions")
 
 
+class BadAnswer(ValueError):
+    """An answer that is JSON but not what Ollama's API gives: what is wrong with it, as the words
+    after "answered" (`embeddings without an 'embeddings' list`); the adapter names the provider."""
+
+
 class UnsupportedRequest(ValueError):
     """The request asks for something Ollama's API cannot do (a 400 for the caller)."""
 
@@ -391,19 +396,20 @@ def usage_of(native: Json) -> Json:
 
 def _encode(vector: Any, encoding_format: Any) -> list[float] | str:
     if not isinstance(vector, list) or not all(type(x) is float or type(x) is int for x in vector):
-        raise ValueError("the answer of /api/embed has an embedding that is not a list of numbers")
+        raise BadAnswer("embeddings with an embedding that is not a list of numbers")
     if encoding_format == "base64":
         try:
             return base64_vector(vector)
         except ValueError:
-            raise ValueError("the answer of /api/embed has an embedding beyond 32-bit floats") from None
+            raise BadAnswer("embeddings with an embedding beyond 32-bit floats (base64's numbers)") from None
     return vector
 
 
 def embeddings_response(body: Json, native: Json) -> Json:
+    """The OpenAI-shaped answer of `/api/embed`'s (BadAnswer: it is not one)."""
     vectors = native.get("embeddings")
     if not isinstance(vectors, list):
-        raise ValueError("the answer of /api/embed has no 'embeddings' list")
+        raise BadAnswer("embeddings without an 'embeddings' list")
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.get("encoding_format"))}
             for i, v in enumerate(vectors)]
     prompt = native.get("prompt_eval_count")
