@@ -1042,6 +1042,30 @@ async def test_an_embeddings_answer_the_caller_s_client_would_fail_on_is_the_pro
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
 
 
+@pytest.mark.parametrize("family", ["openai", "ollama"])
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+@pytest.mark.parametrize("number", [b"NaN", b"-Infinity", b"1e400", b"[0.5, NaN]"],
+                         ids=["nan", "infinity", "overflow", "nan-of-a-token"])
+async def test_embeddings_that_are_not_finite_numbers_are_the_provider_s_error(
+        family: str, encoding: str, number: bytes, raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Found by a hostile-provider audit: `NaN`, `Infinity` and `1e400` (which JSON has not, and Python
+    reads) came back as a 200 with null in the vector (float) or NaN and infinity inside its base64."""
+    vector = b"[0.25, " + number + b", 1.0]"
+    if family == "openai":
+        raw.answers["/v1/embeddings"] = whole("200 OK", b'{"object": "list", "data": [{"object": "embedding", '
+                                              b'"index": 0, "embedding": ' + vector + b"}]}")
+        adapter: OpenAICompatAdapter | OllamaAdapter = OpenAICompatAdapter(openai(raw.url), session)
+        said = "provider vllm-h answered embeddings with an embedding that is neither numbers nor base64"
+    else:
+        raw.answers["/api/embed"] = whole("200 OK", b'{"embeddings": [' + vector + b"]}")
+        adapter = OllamaAdapter(ollama(raw.url), session)
+        said = "provider ollama-h answered embeddings with an embedding that is not a list of numbers"
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": "a", "encoding_format": encoding}, "r")
+    assert err.value.message == said
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
+
+
 async def test_float_embeddings_over_the_answer_limit_say_which_setting_and_that_base64_is_smaller(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     """Found by a caller audit: 1,000 inputs of 1,024 dimensions as floats pass 16 MiB (base64: a third)."""

@@ -1,7 +1,7 @@
 """What an embeddings answer must hold for the caller's client to take it.
 
 A provider's answer with fewer vectors than inputs, `data` that is not a list of objects, or an
-`embedding` that is neither a list of numbers (or of lists of numbers) nor base64 text would reach
+`embedding` that is neither a list of (finite) numbers (or of lists of them) nor base64 text would reach
 the caller as a 200 its client then fails on (`'str' object has no attribute 'embedding'`, "Incorrect padding"): it is
 the provider's error instead.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import struct
 from typing import Any
 
@@ -31,19 +32,22 @@ def embeddings_problem(answer: dict[str, Any], asked: int) -> str | None:
                 binascii.a2b_base64(vector, strict_mode=True)
             except ValueError:
                 return "with an embedding that is neither numbers nor base64"
-        elif not isinstance(vector, list) or not all(_is_number(x) or _are_numbers(x) for x in vector):
+        elif not isinstance(vector, list) or not (all(map(is_number, vector))
+                                                  or all(is_number(x) or _are_numbers(x) for x in vector)):
             return "with an embedding that is neither numbers nor base64"
     return None
 
 
-def _is_number(value: Any) -> bool:
-    return type(value) is float or type(value) is int
+def is_number(value: Any) -> bool:
+    """A number a caller's client takes: finite (a provider's `NaN`, `Infinity` or `1e400`, which
+    JSON has not and Python reads, reached the caller as null, or as NaN inside base64)."""
+    return type(value) is int or (type(value) is float and math.isfinite(value))
 
 
 def _are_numbers(value: Any) -> bool:
     """A vector of numbers: llama-cpp-python's server gives one for each token of an input when its
     model does no pooling, a list of them where OpenAI's has numbers."""
-    return isinstance(value, list) and all(_is_number(x) for x in value)
+    return isinstance(value, list) and all(is_number(x) for x in value)
 
 
 def base64_vector(vector: list[float]) -> str:
@@ -60,7 +64,7 @@ def in_base64(answer: dict[str, Any]) -> None:
     base64, in place. A vector per token (lists of lists) or beyond 32-bit floats stays as it came."""
     for item in answer["data"]:
         vector = item["embedding"]
-        if isinstance(vector, list) and all(_is_number(x) for x in vector):
+        if isinstance(vector, list) and all(map(is_number, vector)):
             try:
                 item["embedding"] = base64_vector(vector)
             except ValueError:
