@@ -1144,6 +1144,83 @@ async def test_embeddings_of_each_token_are_taken(raw: Raw, session: aiohttp.Cli
     assert answer["data"] == data
 
 
+ODD_CALLS: list[Any] = [
+    {"function": {"name": "f", "arguments": "not json {"}},
+    {"function": {"name": 7, "arguments": {"x": 1}}},
+    {"function": {"name": "", "arguments": {"x": 1}}},
+    {"function": {"arguments": {"x": 1}}},
+    {"function": None},
+    None,
+    "str",
+    {"function": {"name": "g", "arguments": [1, 2]}},
+    {"function": {"name": "h", "arguments": "[1, 2]"}},
+    {"function": {"name": "i", "arguments": 5}},
+]
+
+
+def calls_line(calls: list[Any], done: bool = False) -> dict[str, Any]:
+    line = said("", done)
+    line["message"]["tool_calls"] = calls
+    return line
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_ollama_tool_calls_that_are_none_are_dropped_with_one_warning(
+        stream: bool, raw: Raw, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by a hostile-provider audit: calls named "" (a name that was a number, or none), arguments
+    that were no JSON object's text ("not json {", "[1,2]"), and a call made up from a null entry
+    reached the caller, whose client could run none of them. The good ones keep their order and
+    their numbering; with none left, the finish_reason is not `tool_calls`."""
+    good = [{"function": {"name": "a", "arguments": {"x": 1}}}, {"function": {"name": "b", "arguments": '{"y": 2}'}},
+            {"function": {"name": "c"}}]
+    mixed = [ODD_CALLS[0], good[0], *ODD_CALLS[1:6], good[1], *ODD_CALLS[6:], good[2]]
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    for calls, kept in [(mixed, [("a", '{"x": 1}'), ("b", '{"y": 2}'), ("c", "{}")]), (ODD_CALLS, [])]:
+        caplog.clear()
+        if stream:  # (in two lines: the second line's numbering goes on from the first's good calls)
+            half = len(calls) // 2
+            raw.answers["/api/chat"] = chunked([nd(calls_line(calls[:half])), nd(calls_line(calls[half:])),
+                                                nd(said("", done=True))], content_type="application/x-ndjson")
+            chunks = await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+            got = [t for c in chunks for t in c["choices"][0]["delta"].get("tool_calls") or []]
+            assert [t["index"] for t in got] == list(range(len(kept)))
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            line = calls_line(calls, done=True)
+            raw.answers["/api/chat"] = whole("200 OK", json.dumps(line).encode())
+            answer = await adapter.complete(RunKind.CHAT, chat(), "run_1")
+            got = answer["choices"][0]["message"].get("tool_calls") or []
+            finish = answer["choices"][0]["finish_reason"]
+        assert [(t["function"]["name"], t["function"]["arguments"]) for t in got] == kept
+        assert [t["id"] for t in got] == [f"call_run_1_{i}" for i in range(len(kept))]
+        assert finish == ("tool_calls" if kept else "stop")
+        warnings = [r for r in caplog.records if "tool call" in r.getMessage()]
+        assert len(warnings) == 1 and warnings[0].levelname == "WARNING", [r.getMessage() for r in warnings]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_legacy_completion_from_ollama_has_no_tool_calls(stream: bool, raw: Raw,
+                                                                 session: aiohttp.ClientSession) -> None:
+    """Found by a hostile-provider audit: an `/api/generate` answer carrying a chat's tool calls gave
+    the legacy completion the finish_reason `tool_calls`, which a `text_completion` has not."""
+    calls = [{"function": {"name": "f", "arguments": {"x": 1}}}]
+    line = {"model": SERVED, "response": "text", "message": {"role": "assistant", "tool_calls": calls}, "done": True,
+            "done_reason": "stop"}
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    body = {"model": SERVED, "prompt": "hi", "stream": stream}
+    if stream:
+        raw.answers["/api/generate"] = chunked([nd({**line, "done": False}), nd(line)],
+                                               content_type="application/x-ndjson")
+        chunks = await collect(adapter.stream(RunKind.COMPLETION, body, "run_1"))
+        choices = [c["choices"][0] for c in chunks]
+    else:
+        raw.answers["/api/generate"] = whole("200 OK", json.dumps(line).encode())
+        choices = (await adapter.complete(RunKind.COMPLETION, body, "run_1"))["choices"]
+    assert choices[-1]["finish_reason"] == "stop"
+    assert "".join(c["text"] for c in choices) == ("texttext" if stream else "text")
+    assert all(set(c) == {"index", "text", "logprobs", "finish_reason"} for c in choices)
+
+
 async def test_an_ollama_error_line_says_its_message_and_a_null_error_is_none(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/api/chat"] = chunked([nd(said("a ")), nd({"error": {"message": "out of memory"}})],

@@ -336,8 +336,10 @@ def test_fields_of_the_wrong_type_in_an_answer_never_reach_the_caller_as_python_
            "prompt_eval_count": True, "eval_count": -3}
     assert wire.text_of(RunKind.CHAT, odd) == "" and wire.thinking_of(odd) == ""
     assert wire.text_of(RunKind.COMPLETION, {"response": 42}) == ""
-    calls = wire.tool_calls_of(odd, "run_1")
-    assert [c["function"] for c in calls] == [{"name": "", "arguments": '{"x":null}'}, {"name": "", "arguments": "{}"}]
+    assert wire.tool_calls_of(odd, "run_1") == ([], 2)  # (no name: no call a client could run)
+    odd["message"]["tool_calls"][0]["function"]["name"] = "f"
+    calls, dropped = wire.tool_calls_of(odd, "run_1")
+    assert [c["function"] for c in calls] == [{"name": "f", "arguments": '{"x":null}'}] and dropped == 1
     assert json.loads(calls[0]["function"]["arguments"]) == {"x": None}
     assert wire.usage_of(odd) == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     for vectors in ([["a", "b"]], [5], [{"x": 1}]):

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from common.choices import inputs
 from common.chunks import wants_usage
 from common.config import ProviderConfig
 from common.policy import Health
+from common.runlog import run_fields
 from common.wire import RunKind
 from workers.adapters import ollama_wire as wire
 from workers.adapters import sending
@@ -52,6 +54,8 @@ from workers.adapters.reading import (
 )
 
 Json = dict[str, Any]
+
+log = logging.getLogger("iop.worker")
 
 
 def server_root(base_url: str) -> str:
@@ -176,6 +180,22 @@ class OllamaAdapter:
         said = error_text(error, self.limits.error_chars)
         return ProviderError(f"provider {self.provider.id} sent an error: {said}", retry=Retry.ELSEWHERE, strikes=None)
 
+    def _tool_calls(self, kind: RunKind, native: Json, request_id: str, model: str, first_index: int | None = None,
+                    warned: bool = False) -> tuple[list[Json], bool]:
+        """The tool calls of a chat's answer or stream line (`first_index`: the stream's calls so
+        far), OpenAI-shaped, and whether entries that are none were dropped (with a WARNING, once a
+        run: unless `warned`). A legacy completion has none (`/api/generate` makes none, and a
+        `text_completion` has no `tool_calls` finish_reason)."""
+        if kind is not RunKind.CHAT:
+            return [], False
+        calls, dropped = wire.tool_calls_of(native, request_id, first_index=first_index or 0,
+                                            stream=first_index is not None)
+        if dropped and not warned:
+            log.warning("provider %s sent %d tool call(s) without a name or whose arguments are not a JSON object; "
+                        "dropped them, and any more in this run", self.provider.id, dropped,
+                        extra=run_fields(request_id, model, provider=self.provider.id))
+        return calls, dropped > 0
+
     # ------------------------------------------------------------------ runs
     async def complete(self, kind: RunKind, body: Json, request_id: str) -> Json:
         path, native = self._native(kind, body, stream=False)
@@ -208,7 +228,7 @@ class OllamaAdapter:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
         shaper = Shaper(kind, request_id, body["model"])
-        calls = wire.tool_calls_of(answer, request_id)
+        calls, _ = self._tool_calls(kind, answer, request_id, body["model"])
         thinking = wire.thinking_of(answer)
         return shaper.response(wire.text_of(kind, answer), wire.finish_reason(answer, bool(calls)),
                                wire.usage_of(answer), tool_calls=calls,
@@ -224,6 +244,7 @@ class OllamaAdapter:
         include_usage = wants_usage(body)
         logprobs = wire.Logprobs(kind, body)
         tool_calls = 0
+        dropped_calls = False  # (some were: warned of once a run)
         done = False
         try:
             async with self._post(path, native, request_id) as resp:
@@ -237,7 +258,9 @@ class OllamaAdapter:
                             if chunks:  # (what came before it, in the same read, reaches the caller first)
                                 yield chunks
                             raise self._sent_error(line["error"])
-                        calls = wire.tool_calls_of(line, request_id, first_index=tool_calls, stream=True)
+                        calls, dropped = self._tool_calls(kind, line, request_id, body["model"],
+                                                          first_index=tool_calls, warned=dropped_calls)
+                        dropped_calls = dropped_calls or dropped
                         tool_calls += len(calls)
                         text, thinking = wire.text_of(kind, line), wire.thinking_of(line)
                         said = logprobs.of(line)  # (a line may carry only those, while Ollama holds its text)

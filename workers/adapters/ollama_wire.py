@@ -307,22 +307,48 @@ def thinking_of(native: Json) -> str:
     return _text(message.get("thinking")) if isinstance(message, dict) else ""
 
 
-def tool_calls_of(native: Json, request_id: str, first_index: int = 0, stream: bool = False) -> list[Json]:
-    """Ollama's tool calls (arguments as an object) -> OpenAI's (arguments as a JSON string)."""
+def tool_calls_of(native: Json, request_id: str, first_index: int = 0,
+                  stream: bool = False) -> tuple[list[Json], int]:
+    """Ollama's tool calls of a chat (arguments as an object) -> OpenAI's (arguments as a JSON
+    object's text), numbered from `first_index`; and how many entries were none (`_call_of`):
+    those are dropped, as no caller's client could run them."""
     message = native.get("message")
     calls = message.get("tool_calls") if isinstance(message, dict) else None
-    out = []
-    for offset, call in enumerate(calls if isinstance(calls, list) else []):
-        fn = _function(call)
-        args, name = fn.get("arguments"), fn.get("name")
-        index = first_index + offset
+    out: list[Json] = []
+    dropped = 0
+    for call in calls if isinstance(calls, list) else []:
+        found = _call_of(call)
+        if found is None:
+            dropped += 1
+            continue
+        index = first_index + len(out)
         item: Json = {"id": f"call_{request_id}_{index}", "type": "function",
-                      "function": {"name": name if isinstance(name, str) else "",
-                                   "arguments": args if isinstance(args, str) else _arguments(args or {})}}
+                      "function": {"name": found[0], "arguments": found[1]}}
         if stream:
             item["index"] = index
         out.append(item)
-    return out
+    return out, dropped
+
+
+def _call_of(call: Any) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of one of Ollama's tool calls; None when it is none: not an
+    object, no `function` object, a name that is not a string or is empty, or arguments that are not
+    a JSON object (nor missing or null: `{}`). Arguments given as JSON text (Ollama's are an object)
+    are taken if they are an object's, written again."""
+    fn = _function(call)
+    name, args = fn.get("name"), fn.get("arguments")
+    if not isinstance(name, str) or not name:
+        return None
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except (ValueError, RecursionError):
+            return None
+        if deeper_than(args, MAX_DEPTH):
+            return None
+    if args is None:
+        args = {}
+    return (name, _arguments(args)) if isinstance(args, dict) else None
 
 
 def _token(entry: Any) -> Json | None:
