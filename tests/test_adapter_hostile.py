@@ -1221,6 +1221,24 @@ async def test_a_legacy_completion_from_ollama_has_no_tool_calls(stream: bool, r
     assert all(set(c) == {"index", "text", "logprobs", "finish_reason"} for c in choices)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_an_ollama_answer_that_is_not_utf_8_is_not_json_streamed_or_whole(
+        stream: bool, raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Found by a hostile-provider audit: the same bytes were a 502 in a stream line and taken, as
+    U+FFFD, in a whole answer. JSON is UTF-8 (and Ollama writes nothing else): both are the 502."""
+    line = b'{"model": "m-served", "message": {"role": "assistant", "content": "ab\xff\xfecd"}, "done": true}'
+    raw.answers["/api/chat"] = chunked([line + b"\n"], content_type="application/x-ndjson") if stream else \
+        whole("200 OK", line)
+    adapter = OllamaAdapter(ollama(raw.url), session)
+    with pytest.raises(ProviderError) as err:
+        if stream:
+            await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+        else:
+            await adapter.complete(RunKind.CHAT, chat(), "run_1")
+    assert err.value.message == "provider ollama-h: the answer was not valid JSON"
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
+
+
 async def test_an_ollama_error_line_says_its_message_and_a_null_error_is_none(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/api/chat"] = chunked([nd(said("a ")), nd({"error": {"message": "out of memory"}})],

@@ -204,8 +204,9 @@ class OllamaAdapter:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
                     raise self._error(resp, await error_body(resp), body["model"])
-                text = (await read_whole(resp, self.provider.id, self.limits)).decode(errors="replace")
-                answer = parse_json(text.encode(), self.provider.id)
+                # (bytes that are not UTF-8 are not JSON, as in a stream line and the OpenAI family's
+                # answers: they were taken as U+FFFD here, where the same bytes streamed were a 502)
+                answer = parse_json(await read_whole(resp, self.provider.id, self.limits), self.provider.id)
                 if not isinstance(answer, dict):
                     raise wire.BadAnswer("with JSON that is not an object")
                 if answer.get("error"):  # (Ollama may answer 200 with only an error)
