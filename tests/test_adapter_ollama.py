@@ -330,7 +330,7 @@ def test_fields_of_the_wrong_type_in_an_answer_never_reach_the_caller_as_python_
     """(found by a hostile-provider audit: `{"py": "repr"}` came out as the text "{'py': 'repr'}")"""
     from workers.adapters import ollama_wire as wire
 
-    odd = {"message": {"content": {"py": "repr"}, "thinking": ["a"],
+    odd: dict[str, Any] = {"message": {"content": {"py": "repr"}, "thinking": ["a"],
                        "tool_calls": [{"function": {"name": 5, "arguments": {"x": float("nan")}}},
                                       {"function": "not an object"}]},
            "prompt_eval_count": True, "eval_count": -3}
