@@ -30,7 +30,7 @@ from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import body_text
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter, SSEParser, choices_asked
-from workers.adapters.reading import MAX_DEPTH, LineSplitter, parse_json
+from workers.adapters.reading import MAX_DEPTH, LineSplitter, ReadWatch, parse_json
 from workers.service import provider_session
 
 SERVED = "m-served"
@@ -1662,3 +1662,51 @@ async def test_a_server_that_reads_a_big_request_slowly_but_steadily_is_answered
         await session.close()
         await server.stop()
     assert answer["choices"][0]["message"]["content"] == "read"
+
+
+@pytest.mark.parametrize("family", ["openai", "ollama"])
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_a_chunk_size_that_is_not_hex_inside_a_body_ends_within_the_read_timeout(
+        raw: Raw, family: str, stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiohttp drops its read timeout when its parser fails inside a body it is reading: the read
+    waited for nothing, and the run for its execution timeout (a review: no end after 10 s with a
+    2 s read_timeout_ms). The worker's own watch of its reads ends it ("sent nothing for N ms").
+    The bad chunk goes out once the reader waits for the body's second read."""
+    kind = "text/event-stream" if family == "openai" else "application/x-ndjson"
+    first = sse(delta("a")) if family == "openai" else nd(said("a"))
+    reads = 0
+    waiting = asyncio.Event()
+    read = ReadWatch.read
+
+    async def counted(watch: ReadWatch, reading: Any) -> bytes:
+        nonlocal reads
+        reads += 1
+        if reads == 2:
+            waiting.set()
+        return await read(watch, reading)
+
+    monkeypatch.setattr(ReadWatch, "read", counted)
+
+    async def answer(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\n{CHUNKED}".encode() + frame(first))
+        await writer.drain()
+        await waiting.wait()
+        writer.write(b"zz-not-hex\r\nxx\r\n")
+        await writer.drain()
+
+    raw.hold = True
+    raw.answers["/v1/chat/completions" if family == "openai" else "/api/chat"] = answer
+    config = (openai if family == "openai" else ollama)(raw.url, read_timeout_ms=300)
+    session = provider_session()
+    adapter = (OpenAICompatAdapter if family == "openai" else OllamaAdapter)(config, session)
+    try:
+        with pytest.raises(ProviderError) as err:
+            async with asyncio.timeout(20):  # (well past two read timeouts)
+                if stream:
+                    await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "r"))
+                else:
+                    await adapter.complete(RunKind.CHAT, chat(), "r")
+    finally:
+        await session.close()
+    assert err.value.message == f"provider {config.id}: sent nothing for 300 ms"
+    assert err.value.code is ErrorCode.PROVIDER_TIMEOUT

@@ -49,6 +49,7 @@ from workers.adapters.reading import (
     read_whole,
     redirect_error,
     redirect_probe,
+    watched_reads,
     with_line_end,
     without_traceback,
 )
@@ -137,6 +138,8 @@ class OllamaAdapter:
             sock_connect=provider.connect_timeout_ms / 1000,
             sock_read=provider.read_timeout_ms / 1000,
         )
+        #: the longest a read of an answer may take (`ReadWatch`: aiohttp's `sock_read` may be dropped)
+        self.read_s = provider.read_timeout_ms / 1000
 
     # ------------------------------------------------------------------ errors
     def _error(self, resp: aiohttp.ClientResponse, text: str, served: str) -> ProviderError:
@@ -206,7 +209,8 @@ class OllamaAdapter:
                     raise self._error(resp, await error_body(resp), body["model"])
                 # (bytes that are not UTF-8 are not JSON, as in a stream line and the OpenAI family's
                 # answers: they were taken as U+FFFD here, where the same bytes streamed were a 502)
-                answer = parse_json(await read_whole(resp, self.provider.id, self.limits), self.provider.id)
+                answer = parse_json(await read_whole(resp, self.provider.id, self.limits, self.read_s),
+                                    self.provider.id)
                 if not isinstance(answer, dict):
                     raise wire.BadAnswer("with JSON that is not an object")
                 if answer.get("error"):  # (Ollama may answer 200 with only an error)
@@ -252,7 +256,7 @@ class OllamaAdapter:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
                     raise self._error(resp, await error_body(resp), body["model"])
-                async for data in with_line_end(resp.content.iter_any()):
+                async for data in with_line_end(watched_reads(resp, self.read_s)):
                     chunks: list[Json] = []
                     for line in parser.feed(data):
                         if line.get("error"):

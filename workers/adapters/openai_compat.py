@@ -55,6 +55,7 @@ from workers.adapters.reading import (
     Breaks,
     LineSplitter,
     NonObjects,
+    ReadWatch,
     error_body,
     error_text,
     is_redirect,
@@ -362,6 +363,8 @@ class OpenAICompatAdapter:
             sock_connect=provider.connect_timeout_ms / 1000,
             sock_read=provider.read_timeout_ms / 1000,
         )
+        #: the longest a read of an answer may take (`ReadWatch`: aiohttp's `sock_read` may be dropped)
+        self.read_s = provider.read_timeout_ms / 1000
 
     def _secrets(self) -> list[str]:
         return self.credentials.secrets()
@@ -414,7 +417,7 @@ class OpenAICompatAdapter:
         try:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp, body.get("model"))
-                data = parse_json(await read_whole(resp, self.provider.id, self.limits), self.provider.id)
+                data = parse_json(await read_whole(resp, self.provider.id, self.limits, self.read_s), self.provider.id)
         except ProviderError as exc:
             if exc.code is ErrorCode.OUTPUT_TOO_LARGE and kind is RunKind.EMBEDDING \
                     and body.get("encoding_format") != "base64":
@@ -458,7 +461,7 @@ class OpenAICompatAdapter:
         opening = True
         head = b""
         try:
-            async with self._post(kind, body, request_id) as resp:
+            async with self._post(kind, body, request_id) as resp, ReadWatch(self.read_s) as watch:
                 connection = sending.sent_on()
                 await self._raise_for(resp, body.get("model"))
                 #: when the grace ends (loop time), from the moment every choice had finished: bytes the
@@ -470,11 +473,11 @@ class OpenAICompatAdapter:
                     elif grace_ends is None:
                         grace_ends = asyncio.get_running_loop().time() + FINISHED_GRACE_S
                     if grace_ends is None:
-                        data = await resp.content.readany()
+                        data = await watch.read(resp.content.readany())
                     else:
                         try:
                             async with asyncio.timeout_at(grace_ends):
-                                data = await resp.content.readany()
+                                data = await watch.read(resp.content.readany())
                         except TimeoutError:  # whole, though the provider neither said [DONE] nor closed
                             resp.close()
                             break

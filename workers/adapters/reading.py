@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -35,15 +35,69 @@ MAX_LOCATION_CHARS = 200
 MAX_DEPTH = 128
 
 
-async def read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
-    """The whole body of an answer, or None once it passes `limit` bytes (nothing more is read)."""
+class ReadWatch:
+    """A read timeout of iop's own over a body's reads, besides aiohttp's `sock_read`, which aiohttp
+    drops when its parser fails inside a body (a chunk size that is not hex): the read then waited
+    for nothing, and the run for its `execution_timeout_ms`. Counted, not timed, per read (a timer
+    each would cost a stream's CPU): every `read_s` it looks whether a read is waiting and none
+    ended since its last look; if so the task is cancelled, and the watch's block raises
+    `aiohttp.SocketTimeoutError` ("sent nothing for N ms"). So a silence ends within two `read_s`,
+    and only time spent in a read counts (not the caller's, between reads)."""
+
+    def __init__(self, read_s: float) -> None:
+        self.read_s = read_s
+        self.reading = False
+        self.reads = 0
+        self._seen = -1
+        self._expired = False
+        self._task: asyncio.Task[Any] | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    async def __aenter__(self) -> ReadWatch:
+        self._task = asyncio.current_task()
+        self._handle = asyncio.get_running_loop().call_later(self.read_s, self._look)
+        return self
+
+    def _look(self) -> None:
+        if self.reading and self.reads == self._seen and self._task is not None:
+            self._expired = True
+            self._task.cancel()
+            return
+        self._seen = self.reads
+        self._handle = asyncio.get_running_loop().call_later(self.read_s, self._look)
+
+    async def read(self, reading: Awaitable[bytes]) -> bytes:
+        self.reading = True
+        try:
+            return await reading
+        finally:
+            self.reading = False
+            self.reads += 1
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        if self._expired and kind is asyncio.CancelledError and self._task is not None and not self._task.uncancel():
+            raise aiohttp.SocketTimeoutError(f"no read ended within {self.read_s:g} s") from None
+
+
+async def read_at_most(resp: aiohttp.ClientResponse, limit: int, read_s: float | None = None) -> bytes | None:
+    """The whole body of an answer, or None once it passes `limit` bytes (nothing more is read);
+    `read_s`: each read within that (`ReadWatch`)."""
     if resp.content_length is not None and resp.content_length > limit:
         return None
     body = bytearray()  # (one buffer: a body dribbled in tiny reads takes what its bytes take, not a
-    async for data in resp.content.iter_any():  # list of as many bytes objects, 34 bytes each more)
-        if len(body) + len(data) > limit:
-            return None
-        body += data
+    if read_s is None:  # list of as many bytes objects, 34 bytes each more)
+        async for data in resp.content.iter_any():
+            if len(body) + len(data) > limit:
+                return None
+            body += data
+        return bytes(body)
+    async with ReadWatch(read_s) as watch:
+        while data := await watch.read(resp.content.readany()):
+            if len(body) + len(data) > limit:
+                return None
+            body += data
     return bytes(body)
 
 
@@ -90,9 +144,11 @@ async def probe_said(resp: aiohttp.ClientResponse) -> str:
     return "" if said == "no message" else one_line(said, MAX_PROBE_SAID)
 
 
-async def read_whole(resp: aiohttp.ClientResponse, provider_id: str, limits: ReadLimits) -> bytes:
-    """The whole body of an answer, or ProviderError once it passes `limits.response_bytes`."""
-    data = await read_at_most(resp, limits.response_bytes)
+async def read_whole(resp: aiohttp.ClientResponse, provider_id: str, limits: ReadLimits,
+                     read_s: float | None = None) -> bytes:
+    """The whole body of an answer, or ProviderError once it passes `limits.response_bytes`;
+    `read_s`: each read within that (`ReadWatch`)."""
+    data = await read_at_most(resp, limits.response_bytes, read_s)
     if data is None:
         raise limits.too_large(provider_id, "an answer", limits.response_bytes)
     return data
@@ -254,6 +310,13 @@ class LineSplitter:
             yield line
         if partial_too_long:
             raise self.limits.too_large(self.provider_id, "a line", self.limits.line_bytes)
+
+
+async def watched_reads(resp: aiohttp.ClientResponse, read_s: float) -> AsyncIterator[bytes]:
+    """A body's reads, each within `read_s` (`ReadWatch`)."""
+    async with ReadWatch(read_s) as watch:
+        while data := await watch.read(resp.content.readany()):
+            yield data
 
 
 async def with_line_end(reads: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
