@@ -92,7 +92,7 @@ class NDJSONParser:
     The object with `"done": true` ends the stream: nothing after it is read (`"done": "false"`, a
     string, is not true). A line that is not a JSON object is dropped; one that is not JSON, or
     past its limit, is an error (`breaks`: after output, the objects before it in its read are
-    returned first). `began`: a line other than blanks came."""
+    returned first). `began`: an object came."""
 
     def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None) -> None:
         self.provider_id = provider_id
@@ -112,11 +112,11 @@ class NDJSONParser:
         for line in self.lines.feed(data):
             if not line.strip():
                 continue
-            self.began = True
             obj = parse_json(line, self.provider_id)
             if not isinstance(obj, dict):
                 self.non_objects.drop(obj)
                 continue
+            self.began = True
             out.append(obj)
             if obj.get("done") is True and not obj.get("error"):
                 self.done = True

@@ -19,7 +19,7 @@ from typing import Any
 from common import jsonio
 from common.capabilities import asks_several_choices
 from common.wire import RunKind
-from workers.adapters.embeddings import base64_vector, is_number
+from workers.adapters.embeddings import are_numbers, base64_vector
 from workers.adapters.openai_shapes import usage
 from workers.adapters.reading import MAX_DEPTH, deeper_than
 
@@ -421,7 +421,7 @@ def usage_of(native: Json) -> Json:
 
 
 def _encode(vector: Any, encoding_format: Any) -> list[float] | str:
-    if not isinstance(vector, list) or not all(map(is_number, vector)):
+    if not isinstance(vector, list) or not are_numbers(vector):
         raise BadAnswer("embeddings with an embedding that is not a list of numbers")
     if encoding_format == "base64":
         try:
