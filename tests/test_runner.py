@@ -28,6 +28,7 @@ from gateway.errors import ApiError
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until
 from tests.test_scheduler import MODEL, beat, make_config, waiting_runs
+from workers import metrics as worker_metrics
 from workers import runner as runner_module
 from workers.adapters.base import DOWN, LastRead, ProbeResult, ProviderError, Retry, not_taken
 from workers.adapters.cli import CliAdapter
@@ -1318,3 +1319,40 @@ async def test_a_busy_provider_s_retry_after_reaches_the_failed_event(redis: Red
     assert (await Runner(redis, sched.config, "n-a", {"a": Scripted([], busy)}).execute(run_id)).startswith("failed")
     failed = [data for kind, data in await events(redis, run_id) if kind == "failed"]
     assert len(failed) == 1 and ErrorInfo.from_wire(failed[0]).retry_after_s == 7
+
+
+async def test_a_refused_connection_takes_its_provider_down_and_is_no_blame_besides(redis: Redis) -> None:
+    """A server killed and restarted: its refused runs went to another provider, each a blame, and it
+    was benched for 30 s once back (found by an operator's catalog check; the README's blame list
+    has no refused connection). Its strikes took it down at once already."""
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1})
+    provider = str((await fields(redis, keys.run_record(run_id), "provider"))[0])
+    refused = ProviderError(f"provider {provider}: connection refused", retry=Retry.ANY, strikes=DOWN)
+    runner = Runner(redis, sched.config, f"n-{provider}", {provider: Scripted([], refused)})
+    assert await runner.execute(run_id) == "requeued:ok"
+    assert await fields(redis, keys.run_record(run_id), "state", "suspects") == ["queued", None]
+    server_error = ProviderError(f"provider {provider}: the server closed the connection", retry=Retry.ANY,
+                                 strikes=1)
+    await sched.read_new(block_ms=10)
+    await beat(redis, sched.config)
+    await sched.dispatch_all()
+    again = str((await fields(redis, keys.run_record(run_id), "provider"))[0])
+    runner = Runner(redis, sched.config, f"n-{again}", {again: Scripted([], server_error)})
+    assert await runner.execute(run_id) == "requeued:ok"
+    assert await fields(redis, keys.run_record(run_id), "suspects") == [again]  # (a dropped one still is)
+
+
+async def test_an_attempt_whose_end_was_not_recorded_counts_as_lost(redis: Redis) -> None:
+    """`iop_worker_runs_total` counted an attempt `completed` whose end `finish` refused (its lease was
+    reaped meanwhile, the run requeued or failed): two runs made three completions."""
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+
+    class Overtaken(Scripted):
+        async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+            await redis.hset(keys.run_record(run_id), "attempts", "99")  # (as after a reap and a new dispatch)
+            return await super().complete(kind, body, request_id)
+
+    before = {o: worker_metrics.runs(MODEL, "a", o)._value.get() for o in ("completed", "lost")}
+    assert await Runner(redis, sched.config, "n-a", {"a": Overtaken([])}).execute(run_id) == "completed:stale"
+    after = {o: worker_metrics.runs(MODEL, "a", o)._value.get() for o in ("completed", "lost")}
+    assert after == {"completed": before["completed"], "lost": before["lost"] + 1}

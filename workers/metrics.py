@@ -5,7 +5,8 @@ gauges are read from Redis when scraped, for the providers of this worker's node
 worker of a node reports the same values: aggregate with `max by (provider)`).
 
 - `iop_worker_runs_total{model,provider,outcome}`: attempts this worker ended: `completed`,
-  `failed`, `cancelled`, or `requeued` (failed before any output and tried again).
+  `failed`, `cancelled`, `requeued` (failed before any output and tried again), or `lost` (its end
+  was not recorded: its lease went, and the reaper ended or requeued its run).
 - `iop_worker_run_duration_seconds{model,provider}`: how long an attempt ran on the provider.
 - `iop_provider_in_flight{provider,node}`, `iop_provider_capacity{provider,node}`: live leases
   and slots (capacity is absent while the provider has no heartbeat).

@@ -26,7 +26,7 @@ from common import keys, token_cap
 from common.chunks import MAX_COUNTED_TOKENS, fixed_usage, token_counts, usage_in, wants_usage, without_usage
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
-from common.policy import BLAME_RUNS, candidate_class
+from common.policy import BLAME_RUNS, DOWN, candidate_class
 from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, id_set, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
@@ -122,11 +122,17 @@ def evidence_of(exc: ProviderError) -> Evidence:
     return ALIVE if exc.strikes == 0 else ("fail", exc.strikes, exc.message)
 
 
+def _lost(att: Attempt) -> None:
+    """Count an attempt whose end was not recorded: its lease went, and its run went on without it."""
+    metrics.runs(att.model_id, att.provider_id, "lost").inc()
+
+
 def suspect(info: ErrorInfo) -> bool:
     """Whether a failed attempt says something of its provider, should another provider serve the
     run (`common.scripts.BLAME`): a 5xx, a timeout, a broken or garbled answer, a redirect; not a
     busy provider (429, 503), nor a 4xx (the caller's request, or one this provider's adapter cannot
-    carry)."""
+    carry). (Nor a failure that takes the provider down at once, a refused connection: `_fail`;
+    a server restarted after it was benched for 30 s more.)"""
     return info.code in (ErrorCode.PROVIDER_ERROR, ErrorCode.PROVIDER_TIMEOUT) and (
         info.status is None or (info.status not in BUSY and not 400 <= info.status < 500))
 
@@ -268,6 +274,7 @@ class Runner:
             except Exception as again:
                 log.error("the run's end could not be recorded (%s); its lease will expire", type(again).__name__,
                           extra=att.log())
+                _lost(att)
                 return "unrecorded"
         finally:
             renewer.cancel()
@@ -331,11 +338,13 @@ class Runner:
             return await self._fail(att, info, Retry.NO)
         except LeaseLost:
             log.warning("lease lost, abandoning", extra=att.log())
+            _lost(att)
             return "lease_lost"
         except asyncio.CancelledError:
             if att.lease_lost:  # the reaper requeues the run or fails it with worker_lost
                 self._uncancel()
                 log.warning("lease lost, abandoning", extra=att.log())
+                _lost(att)
                 return "lease_lost"
             if att.cancelled is None:  # the worker itself is shutting down
                 info = ErrorInfo(ErrorCode.WORKER_LOST, "the worker shut down during the run",
@@ -497,7 +506,7 @@ class Runner:
             outcome = await self._finish(att, None, EventType.REQUEUED, info.to_wire(), evidence=evidence,
                                          requeue="requeue" if retry is Retry.ANY else
                                          "requeue_busy" if info.status in BUSY else "requeue_elsewhere",
-                                         suspect=suspect(info))
+                                         suspect=suspect(info) and evidence[1] < DOWN)
         else:
             outcome = await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info,
                                          evidence=evidence)
@@ -607,6 +616,7 @@ class Runner:
         try:
             result = await self._call_while_leased(att, "finish", run_keys, args, "recording its end")
         except LeaseLost:
+            _lost(att)
             return "unrecorded"  # the lease expires and the scheduler reaps the run
         if result == b"too_many":  # (its last output would pass max_events_per_run: nothing was recorded)
             raise self._too_many_events()
@@ -616,7 +626,10 @@ class Runner:
             log.info("the run ended cancelled: its cancel was recorded before this worker heard of it",
                      extra=att.log())
             state = RunState.CANCELLED
-        metrics.runs(att.model_id, att.provider_id, state.value if state else "requeued").inc()
+        if result in (b"ok", b"cancel_asked", b"cancelled"):
+            metrics.runs(att.model_id, att.provider_id, state.value if state else "requeued").inc()
+        else:  # (`stale` and the like: the run went on without this attempt, its lease reaped)
+            _lost(att)
         if kind == "fail":
             self.on_strike(att.provider_id)
         elif kind == "ok":
