@@ -41,7 +41,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = ROOT / "test-artifacts"
 RUNTIME = {"heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000, "probe_interval_ms": 200, "lease_ttl_ms": 2000,
-           "scheduler_liveness_ms": 1000}
+           "scheduler_liveness_ms": 1000, "history_interval_ms": 500}
 WAIT_MS = 20_000  # deadline of every wait on the page's state
 
 QWEN, LLAMA = "qwen3.6:35b", "llama3.3:70b"
@@ -200,6 +200,13 @@ async def test_catalog_page_follows_the_pool(tmp_path: Path, own_redis: RedisSer
         await expect(page.locator("#status")).to_have_attribute("data-state", "live", timeout=WAIT_MS)
         await expect(page.locator("#stale-banner")).to_be_hidden()
         await expect(row(page, "vllm-a")).to_have_attribute("data-health", "available", timeout=WAIT_MS)
+        label = row(page, "vllm-a").locator(".spark-label").first
+        await expect(label).to_contain_text(" now, max ", timeout=WAIT_MS)
+
+        # No scheduler: no samples. The last one is shown with its age, not as "now" (an operator
+        # read "in flight 2 now" beside a live 0 / 2).
+        next(p for p in stack.procs if p.name == "scheduler").stop()
+        await expect(label).to_contain_text(re.compile(r" \d+ s ago, max "), timeout=WAIT_MS)
         assert refused == [], refused
     finally:
         stack.stop_all()
