@@ -1711,3 +1711,45 @@ async def test_a_chunk_size_that_is_not_hex_inside_a_body_ends_within_the_read_t
         await session.close()
     assert err.value.message == f"provider {config.id}: sent nothing for 300 ms"
     assert err.value.code is ErrorCode.PROVIDER_TIMEOUT
+
+
+async def test_a_read_begun_after_the_caller_held_the_body_a_while_is_not_cut_at_once() -> None:
+    """The watch's looks, made by hand: a read that was not yet waiting at the last look (the caller
+    held the body between reads, as the runner does while Redis is slow) is not a silence; the same
+    read waiting at two looks in a row is (a review of the watch: the first version cut it at once)."""
+    data: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    async def body() -> bytes:
+        async with ReadWatch(3600) as watch:  # (its own looks come in an hour: these are made by hand)
+            assert await watch.read(asyncio.sleep(0, b"first")) == b"first"
+            watched.append(watch)
+            return await watch.read(data)
+
+    watched: list[ReadWatch] = []
+
+    async def second_read() -> ReadWatch:
+        for _ in range(100):  # (a few turns of the loop: the task enters the watch and ends its first read)
+            if watched:
+                return watched[0]
+            await asyncio.sleep(0)
+        raise AssertionError("the body's first read did not end")
+
+    reading = asyncio.create_task(body())
+    watch = await second_read()
+    watch.reading = False
+    watch._look()  # the caller holds the body: no read waits
+    watch.reading = True
+    watch._look()  # a read just begun
+    await asyncio.sleep(0)
+    assert not reading.done()
+    data.set_result(b"second")
+    assert await reading == b"second"
+
+    data = asyncio.get_running_loop().create_future()
+    watched.clear()
+    reading = asyncio.create_task(body())
+    watch = await second_read()
+    watch._look()
+    watch._look()  # the same read waiting at two looks
+    with pytest.raises(aiohttp.SocketTimeoutError):
+        await reading

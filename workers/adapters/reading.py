@@ -39,8 +39,8 @@ class ReadWatch:
     """A read timeout of iop's own over a body's reads, besides aiohttp's `sock_read`, which aiohttp
     drops when its parser fails inside a body (a chunk size that is not hex): the read then waited
     for nothing, and the run for its `execution_timeout_ms`. Counted, not timed, per read (a timer
-    each would cost a stream's CPU): every `read_s` it looks whether a read is waiting and none
-    ended since its last look; if so the task is cancelled, and the watch's block raises
+    each would cost a stream's CPU): every `read_s` it looks whether a read was waiting at its
+    last look and still is, none having ended between; if so the task is cancelled, and the block raises
     `aiohttp.SocketTimeoutError` ("sent nothing for N ms"). So a silence ends within two `read_s`,
     and only time spent in a read counts (not the caller's, between reads)."""
 
@@ -49,6 +49,7 @@ class ReadWatch:
         self.reading = False
         self.reads = 0
         self._seen = -1
+        self._was_reading = False
         self._expired = False
         self._task: asyncio.Task[Any] | None = None
         self._handle: asyncio.TimerHandle | None = None
@@ -59,11 +60,13 @@ class ReadWatch:
         return self
 
     def _look(self) -> None:
-        if self.reading and self.reads == self._seen and self._task is not None:
+        # (the same read waiting at both looks: reading then and now, and none ended between; a
+        # read begun just before this look, after the caller held the body a while, has time)
+        if self.reading and self._was_reading and self.reads == self._seen and self._task is not None:
             self._expired = True
             self._task.cancel()
             return
-        self._seen = self.reads
+        self._seen, self._was_reading = self.reads, self.reading
         self._handle = asyncio.get_running_loop().call_later(self.read_s, self._look)
 
     async def read(self, reading: Awaitable[bytes]) -> bytes:
