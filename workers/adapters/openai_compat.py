@@ -473,7 +473,10 @@ class OpenAICompatAdapter:
                     elif grace_ends is None:
                         grace_ends = asyncio.get_running_loop().time() + FINISHED_GRACE_S
                     if grace_ends is None:
-                        data = await watch.read(resp.content.readany())
+                        watch.reading = True  # (`watch.read`, inline: a coroutine less a read)
+                        data = await resp.content.readany()
+                        watch.reading = False
+                        watch.reads += 1
                     else:
                         try:
                             async with asyncio.timeout_at(grace_ends):

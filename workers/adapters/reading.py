@@ -97,7 +97,13 @@ async def read_at_most(resp: aiohttp.ClientResponse, limit: int, read_s: float |
             body += data
         return bytes(body)
     async with ReadWatch(read_s) as watch:
-        while data := await watch.read(resp.content.readany()):
+        while True:
+            watch.reading = True  # (`watch.read`, inline: a coroutine less a read)
+            data = await resp.content.readany()
+            watch.reading = False
+            watch.reads += 1
+            if not data:
+                break
             if len(body) + len(data) > limit:
                 return None
             body += data

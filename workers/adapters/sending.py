@@ -170,12 +170,12 @@ class _Sending:
 WHOLE_BODY_BYTES = 64 * 1024
 
 
-async def _post_once(session: aiohttp.ClientSession, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
+def _paced(kwargs: dict[str, Any]) -> _Sending | None:
+    """How a body too big for the kernel to take at once goes out (`_Sending`), or None."""
     data, timeout = kwargs.get("data"), kwargs.get("timeout")
     if not isinstance(data, bytes) or len(data) <= WHOLE_BODY_BYTES or timeout is None or not timeout.sock_read:
-        return await session.post(url, **kwargs)
-    del kwargs["data"]
-    return await _Sending(data, timeout.sock_read).post(session, url, **kwargs)
+        return None
+    return _Sending(data, timeout.sock_read)
 
 
 @asynccontextmanager
@@ -188,8 +188,10 @@ async def post(session: aiohttp.ClientSession, url: str, **kwargs: Any) -> Async
     for tries_left in range(MAX_SENDS - 1, -1, -1):
         _sent_on.set((None, False))
         began = time.monotonic()
+        sending = _paced(kwargs)
         try:
-            resp = await _post_once(session, url, **kwargs)
+            resp = await (session.post(url, **kwargs) if sending is None else
+                          sending.post(session, url, **{k: v for k, v in kwargs.items() if k != "data"}))
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if tries_left and _resendable(exc, _sent_on.get()[1], time.monotonic() - began):
                 continue
