@@ -300,7 +300,9 @@ def _provider_record(config: Config, p: ProviderConfig, raw: RawState) -> Provid
     snap = snapshot(p.id, beat, in_flight, None, ctl)
     ttl = config.runtime.heartbeat_ttl_ms
     health, reason = _provider_health(snap, beat, raw.now_ms, ttl)
-    ratio = snap.load_ratio()
+    # (without a heartbeat its capacity is unknown, an operator's override or not: it showed 0/1, 0.00)
+    effective = snap.effective_capacity if snap.capacity is not None else None
+    ratio = snap.load_ratio() if snap.capacity is not None else None
     serves = {m.id: m.providers[p.id] for m in config.models if p.id in m.providers}
     return ProviderRecord(
         id=p.id,
@@ -311,7 +313,7 @@ def _provider_record(config: Config, p: ProviderConfig, raw: RawState) -> Provid
         health_reason=reason,
         capacity=snap.capacity,
         configured_capacity=p.capacity,
-        effective_capacity=snap.effective_capacity,
+        effective_capacity=effective,
         in_flight=in_flight,
         load_ratio=round(float(ratio), 4) if ratio is not None else None,
         models=ProviderModels(configured=list(p.models), observed=_names(beat.get("observed_models"))),

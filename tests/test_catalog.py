@@ -241,6 +241,16 @@ def test_a_capacity_override_is_the_effective_capacity_and_the_load_ratio_follow
     assert (placement.selectable, placement.detail) == (False, "4/4 slots in use")
 
 
+def test_an_override_of_a_provider_without_a_heartbeat_gives_it_no_capacity() -> None:
+    """(An operator's catalog check: `iop provider capacity pg 1` on a provider no worker beats for
+    showed it 0/1 with a load ratio of 0.00.)"""
+    raw = controlled({"a": ProviderControl(capacity_override=1)})
+    raw.heartbeats.pop("a")
+    a = build_catalog(config(), raw).providers[0]
+    assert (a.capacity, a.effective_capacity, a.load_ratio) == (None, None, None)
+    assert a.control.capacity_override == 1
+
+
 def test_a_cordoned_node_shows_in_the_node_records() -> None:
     cat = build_catalog(config(), controlled({"b": ProviderControl(cordoned_since_ms=NOW - 1),
                                               "c": ProviderControl(cordoned_since_ms=NOW - 1)},
