@@ -181,6 +181,14 @@ async def collect(stream: AsyncIterator[list[dict[str, Any]]]) -> list[dict[str,
     return [c for read in [r async for r in stream] for c in read]
 
 
+async def ask_chat(adapter: OpenAICompatAdapter | OllamaAdapter, stream: bool, run_id: str = "run_1") -> None:
+    """A chat run to the end, streamed or whole (what it answered is not kept: the tests look at how it fails)."""
+    if stream:
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True), run_id))
+    else:
+        await adapter.complete(RunKind.CHAT, chat(), run_id)
+
+
 def text_of(chunks: list[dict[str, Any]]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
 
@@ -916,10 +924,7 @@ async def test_an_answer_that_is_not_http_is_a_strike_and_goes_elsewhere(
     adapter = OpenAICompatAdapter(openai(raw.url), session) if family == "openai" else \
         OllamaAdapter(ollama(raw.url), session)
     with pytest.raises(ProviderError) as err:
-        if stream:
-            await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
-        else:
-            await adapter.complete(RunKind.CHAT, chat(), "run_1")
+        await ask_chat(adapter, stream)
     assert err.value.message == f"provider {adapter.provider.id}: the answer was not valid HTTP"
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 1
 
@@ -1232,10 +1237,7 @@ async def test_an_ollama_answer_that_is_not_utf_8_is_not_json_streamed_or_whole(
         whole("200 OK", line)
     adapter = OllamaAdapter(ollama(raw.url), session)
     with pytest.raises(ProviderError) as err:
-        if stream:
-            await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
-        else:
-            await adapter.complete(RunKind.CHAT, chat(), "run_1")
+        await ask_chat(adapter, stream)
     assert err.value.message == "provider ollama-h: the answer was not valid JSON"
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
 
@@ -1545,10 +1547,7 @@ async def test_an_answer_that_does_not_decode_as_its_content_encoding_says_is_ga
                                                     extra="Content-Encoding: gzip\r\n")
     adapter = OpenAICompatAdapter(openai(raw.url), session)
     with pytest.raises(ProviderError) as failed:
-        if stream:
-            await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
-        else:
-            await adapter.complete(RunKind.CHAT, chat(), "run_1")
+        await ask_chat(adapter, stream)
     assert failed.value.message == "provider vllm-h: its answer did not decode as its Content-Encoding (gzip) says"
     assert failed.value.retry is Retry.ELSEWHERE and failed.value.strikes == 0
 
@@ -1703,10 +1702,7 @@ async def test_a_chunk_size_that_is_not_hex_inside_a_body_ends_within_the_read_t
     try:
         with pytest.raises(ProviderError) as err:
             async with asyncio.timeout(20):  # (well past two read timeouts)
-                if stream:
-                    await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "r"))
-                else:
-                    await adapter.complete(RunKind.CHAT, chat(), "r")
+                await ask_chat(adapter, stream, "r")
     finally:
         await session.close()
     assert err.value.message == f"provider {config.id}: sent nothing for 300 ms"

@@ -15,7 +15,7 @@ from redis.exceptions import ResponseError
 
 from common import keys
 from common.codec import unpack
-from common.config import Config, parse_config
+from common.config import Config, ModelConfig, parse_config
 from common.policy import candidate_class, select_provider, why_not
 from common.redisconn import now_ms
 from common.snapshots import read_snapshots
@@ -152,20 +152,21 @@ async def test_overflow_is_exact_under_a_concurrent_burst(redis: Redis) -> None:
     assert await redis.xlen(keys.runs_stream(MODEL)) == 8
 
 
+async def queued(client: RunClient, model: ModelConfig) -> bool:
+    """Whether a run of `model` is queued (else it must be a 429 queue_full)."""
+    try:
+        await client.submit(model, request())
+        return True
+    except ApiError as exc:
+        assert exc.code.value == "queue_full"
+        return False
+
+
 async def accepted(client: RunClient, n: int) -> int:
     """How many of n runs submitted at once are queued (the others must be 429 queue_full)."""
     model = client.config.model(MODEL)
     assert model is not None
-
-    async def one() -> bool:
-        try:
-            await client.submit(model, request())
-            return True
-        except ApiError as exc:
-            assert exc.code.value == "queue_full"
-            return False
-
-    return sum(await asyncio.gather(*(one() for _ in range(n))))
+    return sum(await asyncio.gather(*(queued(client, model) for _ in range(n))))
 
 
 @pytest.mark.parametrize("max_queue", [0, 2])
@@ -205,16 +206,7 @@ async def test_a_provider_s_free_slots_are_not_counted_for_two_models_at_once(re
     client = RunClient(redis, config)
     m1, m2, m3 = (config.model(m) for m in ("m1", "m2", "m3"))
     assert m1 is not None and m2 is not None and m3 is not None
-
-    async def one(model: Any) -> bool:
-        try:
-            await client.submit(model, request())
-            return True
-        except ApiError as exc:
-            assert exc.code.value == "queue_full"
-            return False
-
-    took = await asyncio.gather(*(one(m) for _ in range(10) for m in (m1, m2, m3)))
+    took = await asyncio.gather(*(queued(client, m) for _ in range(10) for m in (m1, m2, m3)))
     # no slot twice (it was 10 for m1 and m2); early by at most the other model's own slots
     assert 4 + 2 + 1 - 1 <= sum(took[i] for i in range(len(took)) if i % 3 != 2) <= 4 + 2 + 1
     assert sum(took[2::3]) == 1 == await redis.xlen(keys.runs_stream("m3"))  # (a model sharing nothing)
@@ -223,7 +215,7 @@ async def test_a_provider_s_free_slots_are_not_counted_for_two_models_at_once(re
     # The shared provider busy, m2's queue long: m1's own provider's free slots are still m1's.
     await redis.zadd(keys.leases("shared"), {f"x{i}": now_ms() + 60_000 for i in range(4)})
     await redis.xadd(keys.runs_stream("m2"), {"run": "w"})
-    assert sum(await asyncio.gather(*(one(m1) for _ in range(5)))) == 2
+    assert sum(await asyncio.gather(*(queued(client, m1) for _ in range(5)))) == 2
 
 
 async def test_another_model_s_waiting_runs_take_only_the_slots_of_the_providers_it_has(redis: Redis) -> None:
