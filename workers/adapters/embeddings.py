@@ -18,13 +18,18 @@ import struct
 from typing import Any
 
 
+def count_problem(count: int, asked: int) -> str | None:
+    """What is wrong with `count` embeddings for `asked` inputs (None: nothing)."""
+    return f"with {count} embeddings for {asked} inputs" if count != asked else None
+
+
 def embeddings_problem(answer: dict[str, Any], asked: int) -> str | None:
     """What is wrong with an embeddings answer for `asked` inputs (None: nothing)."""
     data = answer.get("data")
     if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
         return "whose data is not a list of objects"
     if len(data) != asked:
-        return f"with {len(data)} embeddings for {asked} inputs"
+        return count_problem(len(data), asked)
     for item in data:
         vector = item.get("embedding")
         if isinstance(vector, str):

@@ -24,7 +24,7 @@ from workers.adapters import ollama_wire as wire
 from workers.adapters import sending
 from workers.adapters.base import DEFAULT_LIMITS, LastRead, ProbeResult, ProviderError, ReadLimits, Retry, not_taken
 from workers.adapters.credentials import Credentials
-from workers.adapters.embeddings import embeddings_problem
+from workers.adapters.embeddings import count_problem
 from workers.adapters.failures import (
     answered_error,
     one_line,
@@ -216,8 +216,8 @@ class OllamaAdapter:
                 if answer.get("error"):  # (Ollama may answer 200 with only an error)
                     raise self._sent_error(answer["error"])
                 if kind is RunKind.EMBEDDING:
-                    embedded = wire.embeddings_response(body, answer)
-                    problem = embeddings_problem(embedded, inputs(body.get("input")))
+                    embedded = wire.embeddings_response(body, answer)  # (each vector checked there)
+                    problem = count_problem(len(embedded["data"]), inputs(body.get("input")))
                     if problem:
                         raise ProviderError(f"provider {self.provider.id} answered embeddings {problem}",
                                             retry=Retry.ELSEWHERE, strikes=0)
