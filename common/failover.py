@@ -106,7 +106,7 @@ class FailoverWatch:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # that sentinel went away or answered nonsense: the next one
-                    why = f"{_where(sentinel)}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                    why = f"{_where(sentinel)}: {first_line(exc)}"
                     log.debug("cannot follow the sentinel %s for %s", why, self.master)
                 followed = followed or self._followed
             if not followed and not self._lost:
@@ -188,6 +188,11 @@ def _names(message: dict[str, Any], master: str) -> bool:
 
 def _same(a: Address, b: Address) -> bool:
     return str(a[0]) == str(b[0]) and int(a[1]) == int(b[1])
+
+
+def first_line(exc: BaseException) -> str:
+    """What went wrong with a sentinel, in one line: its error's first line, else its kind."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _where(sentinel: Any) -> str:

@@ -51,7 +51,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from common.failover import FailoverWatch
+from common.failover import FailoverWatch, first_line
 from common.redisline import REPLY_TIMEOUT_S, Lined, LinedPool
 
 #: What a lost or restarting Redis raises; services back off and go on. A server that stopped
@@ -540,7 +540,7 @@ class SentinelPool(Lined, SentinelConnectionPool):  # type: ignore[misc]
                     found = await answer
                 except (RedisConnectionError, RedisTimeoutError, ResponseError, OSError) as exc:
                     # (a sentinel that refused the question: an ACL without +sentinel, a plain Redis)
-                    failures.append(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                    failures.append(first_line(exc))
                     continue
                 if found is not None:
                     return found
