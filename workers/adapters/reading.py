@@ -44,7 +44,8 @@ class ReadWatch:
     `aiohttp.SocketTimeoutError` ("sent nothing for N ms"). So a silence ends within two `read_s`,
     and only time spent in a read counts (not the caller's, between reads)."""
 
-    def __init__(self, read_s: float) -> None:
+    def __init__(self, read_s: float | None) -> None:
+        """`read_s` None: reads are counted, not watched (a probe, bounded by its own total timeout)."""
         self.read_s = read_s
         self.reading = False
         self.reads = 0
@@ -56,7 +57,8 @@ class ReadWatch:
 
     async def __aenter__(self) -> ReadWatch:
         self._task = asyncio.current_task()
-        self._handle = asyncio.get_running_loop().call_later(self.read_s, self._look)
+        if self.read_s is not None:
+            self._handle = asyncio.get_running_loop().call_later(self.read_s, self._look)
         return self
 
     def _look(self) -> None:
@@ -67,6 +69,7 @@ class ReadWatch:
             self._task.cancel()
             return
         self._seen, self._was_reading = self.reads, self.reading
+        assert self.read_s is not None
         self._handle = asyncio.get_running_loop().call_later(self.read_s, self._look)
 
     async def read(self, reading: Awaitable[bytes]) -> bytes:
@@ -90,13 +93,7 @@ async def read_at_most(resp: aiohttp.ClientResponse, limit: int, read_s: float |
     if resp.content_length is not None and resp.content_length > limit:
         return None
     body = bytearray()  # (one buffer: a body dribbled in tiny reads takes what its bytes take, not a
-    if read_s is None:  # list of as many bytes objects, 34 bytes each more)
-        async for data in resp.content.iter_any():
-            if len(body) + len(data) > limit:
-                return None
-            body += data
-        return bytes(body)
-    async with ReadWatch(read_s) as watch:
+    async with ReadWatch(read_s) as watch:  # list of as many bytes objects, 34 bytes each more)
         while True:
             watch.reading = True  # (`watch.read`, inline: a coroutine less a read)
             data = await resp.content.readany()
