@@ -110,6 +110,19 @@ def node_workers(node_id: str) -> str:
     return f"{PREFIX}:workers:{node_id}"
 
 
+def node_passed(node_id: str) -> str:
+    """List of the ids of jobs a worker of the node took off its wake list and passed over: their
+    run's provider or model is not in its config (a rollout half done), while another live worker
+    of the node has them. That worker's `take_woken` takes them from here first."""
+    return f"{PREFIX}:passed:{node_id}"
+
+
+def worker_serves(instance: str) -> str:
+    """Set of one worker process: the `provider<TAB>model` pairs its config serves, rewritten with
+    each of its heartbeats (TTL: heartbeat_ttl_ms). A missing set is not checked."""
+    return f"{PREFIX}:serves:{instance}"
+
+
 def worker_woken(instance: str) -> str:
     """List of one worker process (its instance id): the job id its blocking `BLMOVE` took off its
     node's wake list, for the `take_woken` script sent with it."""
@@ -240,6 +253,10 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (node_wake("{node}"), "list", "ids of jobs just queued, popped by idle workers", "LRANGE iop:wake:{node} 0 -1"),
     (node_workers("{node}"), "sorted set + TTL", "the node's live worker processes: instance -> until (ms)",
      "ZRANGE iop:workers:{node} 0 -1 WITHSCORES"),
+    (node_passed("{node}"), "list + TTL", "ids of jobs a worker of the node passed over (their provider or "
+     "model is not in its config: a rollout half done) for its other workers", "LRANGE iop:passed:{node} 0 -1"),
+    (worker_serves("{instance}"), "set + TTL", "the provider<TAB>model pairs a worker process's config serves",
+     "SMEMBERS iop:serves:{instance}"),
     (worker_woken("{instance}"), "list", "the job id a worker's BLMOVE just moved off its node's wake list",
      "LRANGE iop:woken:{instance} 0 -1"),
     (worker_answered("{instance}"), "string + TTL", "the runs (id:attempt) a worker's last take_woken answer "

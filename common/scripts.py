@@ -555,8 +555,27 @@ return out
 # A worker starts a dispatched run: checks its lease (and a cancel request), marks it running
 # and returns its record. Returns {'ok', field, value, ...} or {status}. On the run's last
 # possible attempt the request body leaves Redis once read.
+# `serves` (false: not checked) is {the serves-set key prefix, the worker's instance, the node's
+# live workers key}: a run whose provider and model are not in the worker's set (`keys.worker_serves`:
+# its config lacks them, a rollout half done) is passed over, {'passed', provider, model}, with
+# nothing written, while another live worker of the node serves them (or has no set to say: an older
+# version); with none, it starts here, and the worker's own check fails it. A missing set (not
+# written yet, or lost with Redis) is not checked.
 _START = """
-local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, cancelled, signals, lease_prefix)
+local function serves_pair(prefix, instance, pair)
+  local set = prefix .. instance
+  return redis.call('SISMEMBER', set, pair) == 1 or redis.call('EXISTS', set) == 0
+end
+local function passes(serves, provider, model)
+  if not serves or not provider or not model then return false end
+  local pair = provider .. '\\t' .. model
+  if serves_pair(serves[1], serves[2], pair) then return false end
+  for _, other in ipairs(redis.call('ZRANGEBYSCORE', serves[3], '(' .. now, '+inf')) do
+    if other ~= serves[2] and serves_pair(serves[1], other, pair) then return true end
+  end
+  return false
+end
+local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, cancelled, signals, lease_prefix, serves)
   local flat = redis.call('HGETALL', record)
   local r = {}
   for i = 1, #flat, 2 do r[flat[i]] = flat[i + 1] end
@@ -565,6 +584,7 @@ local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, canc
   local lease = lease_prefix .. r['provider']
   local score = redis.call('ZSCORE', lease, run_id)
   if not score or tonumber(score) <= now then return {'lease_lost'} end
+  if passes(serves, r['provider'], r['model']) then return {'passed', r['provider'], r['model']} end
   if r['cancel'] == '1' then
     -- it was cancelled between dispatch and start: end it here and give the slot back
     redis.call('ZREM', lease, run_id)
@@ -598,7 +618,7 @@ end
 # ARGV: run id, lease_ttl_ms, ttl_s, worker (host:pid), cancelled event data, signals channel,
 #       lease key prefix (the lease key is that prefix + the run's provider)
 START = _NOW + _ENDED + _EVENTS + _CANCEL_REASON + _START + """
-return start_run(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+return start_run(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], false)
 """
 
 # A worker takes jobs off its node's queue and starts their runs, in one round trip: each job
@@ -622,6 +642,8 @@ local function started_again(record, run_id, worker, lease_prefix)
   table.insert(flat, 1, 'ok')
   return flat
 end
+-- the `serves` of `start_run` from ARGV[11..13] (false if ARGV[12], the set key prefix, is '')
+local serves = ARGV[12] ~= '' and {ARGV[12], ARGV[11], ARGV[13]}
 local function take_jobs(queue, ids)
   local out = {}
   for _, id in ipairs(ids) do
@@ -631,8 +653,11 @@ local function take_jobs(queue, ids)
       local marker = redis.call('SET', ARGV[1] .. id, ARGV[11], 'NX', 'GET', 'PX', ARGV[2])
       local started
       if not marker then
-        started = start_run(ARGV[3] .. id, ARGV[4] .. id, id, ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[5])
-        if started[1] ~= 'ok' then
+        started = start_run(ARGV[3] .. id, ARGV[4] .. id, id, ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[5],
+                            serves)
+        if started[1] == 'passed' then  -- (left in the queue for a worker that serves it)
+          redis.call('DEL', ARGV[1] .. id)
+        elseif started[1] ~= 'ok' then
           redis.call('DEL', ARGV[1] .. id)
           redis.call('ZREM', queue, id)
         end
@@ -653,10 +678,10 @@ end
 # KEYS: node queue
 # ARGV: in-progress key prefix, in-progress ttl (ms), run record prefix, events prefix, lease
 #       prefix, lease_ttl_ms, ttl_s, worker, cancelled event data, signals channel, instance id,
-#       job ids...
+#       serves-set key prefix ('': no check), the node's live workers key, job ids...
 TAKE = _NOW + _TAKE + """
 local ids = {}
-for i = 12, #ARGV do ids[#ids + 1] = ARGV[i] end
+for i = 14, #ARGV do ids[#ids + 1] = ARGV[i] end
 return take_jobs(KEYS[1], ids)
 """
 
@@ -669,13 +694,32 @@ return take_jobs(KEYS[1], ids)
 # dropped connection) goes through `take_jobs` again, which hands its run over again as started
 # (not on the run's last attempt: its start took the body). A job id is its run's id, the same for
 # every attempt: hence the attempt, and a new attempt comes through the own list, never acked away.
-# KEYS: node queue, the worker's own list, its last answer's ids, the node's wake list
-# ARGV: as TAKE's first 11, then the most jobs to take (`free`), then `id:attempt` of each run the
+# Runs `take_jobs` passed over (their provider or model is not in this worker's config) go to the
+# node's passed list (`keys.node_passed`), from which a worker that serves them takes them first
+# (they are the oldest), before its wake list; they stay in the node's queue meanwhile (arq's poll
+# of an idle worker that serves them takes them too).
+# KEYS: node queue, the worker's own list, its last answer's ids, the node's wake list, its passed list
+# ARGV: as TAKE's first 13, then the most jobs to take (`free`), then `id:attempt` of each run the
 #       worker's last answer started (acked)...
 TAKE_WOKEN = _NOW + _TAKE + """
-local free = tonumber(ARGV[12])
+local function passed_here(list, room)
+  local out = {}
+  if room <= 0 then return out end
+  local listed = redis.call('LRANGE', list, -100, -1)
+  for i = #listed, 1, -1 do
+    local id = listed[i]
+    local r = redis.call('HMGET', ARGV[3] .. id, 'provider', 'model')
+    if not r[1] or not r[2] or not serves or serves_pair(serves[1], serves[2], r[1] .. '\\t' .. r[2]) then
+      redis.call('LREM', list, -1, id)
+      if r[1] and r[2] then out[#out + 1] = id end
+      if #out >= room then break end
+    end
+  end
+  return out
+end
+local free = tonumber(ARGV[14])
 local acked = {}
-for i = 13, #ARGV do acked[ARGV[i]] = true end
+for i = 15, #ARGV do acked[ARGV[i]] = true end
 local ids = {}
 local answered = redis.call('GET', KEYS[3])
 if answered then
@@ -684,12 +728,15 @@ if answered then
   end
 end
 for _, id in ipairs(redis.call('LPOP', KEYS[2], 1000000) or {}) do ids[#ids + 1] = id end
+for _, id in ipairs(passed_here(KEYS[5], free - #ids)) do ids[#ids + 1] = id end
 if #ids < free then
   for _, id in ipairs(redis.call('RPOP', KEYS[4], free - #ids) or {}) do ids[#ids + 1] = id end
 end
 local out = take_jobs(KEYS[1], ids)
 local started = {}
+local passed = {}
 for _, entry in ipairs(out) do
+  if entry[2] == 'passed' then passed[#passed + 1] = entry[1] end
   if entry[2] == 'ok' then
     local attempt = ''
     for i = 3, #entry - 1, 2 do
@@ -697,6 +744,10 @@ for _, entry in ipairs(out) do
     end
     started[#started + 1] = entry[1] .. ':' .. attempt
   end
+end
+if #passed > 0 then
+  redis.call('LPUSH', KEYS[5], unpack(passed))
+  redis.call('PEXPIRE', KEYS[5], ARGV[6])
 end
 if #started > 0 then
   -- (kept as long as their leases live unrenewed: a run handed over later would be reaped anyway)

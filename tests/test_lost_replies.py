@@ -328,11 +328,102 @@ async def test_a_worker_restarted_in_place_is_not_handed_its_predecessor_s_job(r
     runner_args = [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
                    sched.config.runtime.lease_ttl_ms, sched.config.runtime.run_ttl_s, WORKER_ID, pack({}),
                    keys.SCHEDULER_SIGNALS]
-    first = await scripts.call("take", [keys.node_queue("n-a")], [*runner_args, f"{WORKER_ID}:before", run_id])
+    queue = [keys.node_queue("n-a")]
+    first = await scripts.call("take", queue, [*runner_args, f"{WORKER_ID}:before", "", "", run_id])
     assert [t[:2] for t in first] == [[run_id.encode(), b"ok"]]
-    assert await scripts.call("take", [keys.node_queue("n-a")], [*runner_args, f"{WORKER_ID}:after", run_id]) == []
-    again = await scripts.call("take", [keys.node_queue("n-a")], [*runner_args, f"{WORKER_ID}:before", run_id])
+    assert await scripts.call("take", queue, [*runner_args, f"{WORKER_ID}:after", "", "", run_id]) == []
+    again = await scripts.call("take", queue, [*runner_args, f"{WORKER_ID}:before", "", "", run_id])
     assert [t[:2] for t in again] == [[run_id.encode(), b"ok"]]  # the same instance, its answer lost
+
+
+#: a live worker's score in `iop:workers:{node}` (ms: long after now)
+LIVE_UNTIL = 10**13
+
+
+async def test_a_worker_passes_over_a_run_it_does_not_serve_only_while_another_of_the_node_does(
+        redis: Redis) -> None:
+    """The `take` script checks the run's `provider<TAB>model` against the worker's set
+    (`iop:serves:{instance}`): one it lacks is passed over, left in the node's queue with no
+    marker, while another live worker of the node serves it or has no set to say (an older
+    version); with no such worker, or with no set of its own (not written yet, lost with Redis),
+    the run starts here as before."""
+    from tests.test_runner import start_one
+    from workers.runner import WORKER_ID
+
+    sched, run_id = await start_one(redis, {"a": 1})
+    model = (await redis.hget(keys.run_record(run_id), "model") or b"").decode()
+    rt = sched.config.runtime
+    scripts = Scripts(redis)
+    workers = keys.node_workers("n-a")
+
+    async def take(instance: str) -> list[Any]:
+        args = [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
+                rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack({}), keys.SCHEDULER_SIGNALS, instance,
+                keys.worker_serves(""), workers, run_id]
+        return list(await scripts.call("take", [keys.node_queue("n-a")], args))
+
+    await redis.sadd(keys.worker_serves("old"), "a\tsome-other-model")
+    await redis.zadd(workers, {"old": LIVE_UNTIL, "new": LIVE_UNTIL})
+    await redis.sadd(keys.worker_serves("new"), f"a\t{model}")
+    passed = await take("old")
+    assert passed == [[run_id.encode(), b"passed", b"a", model.encode()]]
+    assert await redis.zscore(keys.node_queue("n-a"), run_id) is not None  # (still queued)
+    assert not await redis.exists(in_progress_prefix() + run_id)  # (no marker: free to take)
+    assert (await redis.hget(keys.run_record(run_id), "state")) == b"dispatched"
+
+    await redis.delete(keys.worker_serves("new"))  # an older version: it says nothing, so it may
+    assert [t[:2] for t in await take("old")] == [[run_id.encode(), b"passed"]]
+
+    await redis.zrem(workers, "new")  # no other worker: it starts here (its own check fails it)
+    assert [t[:2] for t in await take("old")] == [[run_id.encode(), b"ok"]]
+
+
+async def test_a_run_passed_over_off_the_wake_list_is_taken_first_by_a_worker_that_serves_it(redis: Redis) -> None:
+    """`take_woken`: a run the old worker took off the wake list and passed over goes to the
+    node's passed list, and the next `take_woken` of a worker that serves it takes it from there
+    (before its wake list), not at arq's next poll; a worker that does not serve it leaves it there."""
+    from tests.test_runner import start_one
+    from workers.runner import WORKER_ID
+
+    sched, run_id = await start_one(redis, {"a": 1})
+    model = (await redis.hget(keys.run_record(run_id), "model") or b"").decode()
+    rt = sched.config.runtime
+    await redis.zadd(keys.node_workers("n-a"), {"old": LIVE_UNTIL, "new": LIVE_UNTIL})
+    await redis.sadd(keys.worker_serves("old"), "a\tsome-other-model")
+    await redis.sadd(keys.worker_serves("new"), f"a\t{model}")
+    passed = keys.node_passed("n-a")
+
+    async def take_woken(instance: str) -> list[Any]:
+        script_keys = [keys.node_queue("n-a"), keys.worker_woken(instance), keys.worker_answered(instance),
+                       keys.node_wake("n-a"), passed]
+        args = [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
+                rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack({}), keys.SCHEDULER_SIGNALS, instance,
+                keys.worker_serves(""), keys.node_workers("n-a"), 4]
+        return list(await Scripts(redis).call("take_woken", script_keys, args))
+
+    assert await redis.lrange(keys.node_wake("n-a"), 0, -1) == [run_id.encode()]
+    assert [t[:2] for t in await take_woken("old")] == [[run_id.encode(), b"passed"]]
+    assert await redis.lrange(passed, 0, -1) == [run_id.encode()] and not await redis.llen(keys.node_wake("n-a"))
+    assert await take_woken("old") == [] and await redis.llen(passed) == 1  # (not its own: left there)
+    assert [t[:2] for t in await take_woken("new")] == [[run_id.encode(), b"ok"]]
+    assert not await redis.exists(passed)
+
+
+async def test_a_worker_without_its_set_takes_what_it_is_handed(redis: Redis) -> None:
+    """No `iop:serves:{instance}` of its own: nothing is checked (the set is written with the
+    worker's heartbeats, and goes with a Redis that lost its data)."""
+    from tests.test_runner import start_one
+    from workers.runner import WORKER_ID
+
+    sched, run_id = await start_one(redis, {"a": 1})
+    rt = sched.config.runtime
+    await redis.zadd(keys.node_workers("n-a"), {"other": LIVE_UNTIL})
+    await redis.sadd(keys.worker_serves("other"), "z\tz")
+    args = [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
+            rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack({}), keys.SCHEDULER_SIGNALS, "mine",
+            keys.worker_serves(""), keys.node_workers("n-a"), run_id]
+    taken = await Scripts(redis).call("take", [keys.node_queue("n-a")], args)
+    assert [t[:2] for t in taken] == [[run_id.encode(), b"ok"]]
 
 
 def in_progress_prefix() -> str:

@@ -66,6 +66,8 @@ class WakeWorker(Worker):
         self._received: list[bytes] = []
         #: the attempt each task of `tasks` runs (job id -> `attempts`)
         self._attempts: dict[str, bytes | None] = {}
+        #: (provider, model) of the runs this worker passed over, each said once (`_passed_over`)
+        self._passed: set[tuple[str, str]] = set()
 
     async def main(self) -> None:
         if self._pool is None:
@@ -144,7 +146,7 @@ class WakeWorker(Worker):
         read's refusal, if Redis refused it (full) while it ran the script: the caller starts what
         the script took, then raises it."""
         script_keys = [self.queue_name, keys.worker_woken(self.instance), keys.worker_answered(self.instance),
-                       self.wake_key]
+                       self.wake_key, keys.node_passed(self.runner().node_id)]
         args = [*self._take_args(), free, *self._received]
         # (oldest first: `dispatch` LPUSHes)
         move = ("BLMOVE", self.wake_key, script_keys[1], "RIGHT", "LEFT", self.poll_delay_s)
@@ -185,9 +187,11 @@ class WakeWorker(Worker):
         return bool(held != 0)
 
     def _take_args(self) -> list[Any]:
-        """The first arguments of the `take` scripts (their ARGV[1..11])."""
+        """The first arguments of the `take` scripts (their ARGV[1..13])."""
+        runner = self.runner()
         return [in_progress_key_prefix, int(self.in_progress_timeout_s * 1000), keys.run_record(""),
-                keys.run_events(""), keys.leases(""), *self.runner().start_args(), self.instance]
+                keys.run_events(""), keys.leases(""), *runner.start_args(), self.instance, keys.worker_serves(""),
+                keys.node_workers(runner.node_id)]
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
         """arq's poll iteration hands its due jobs here; claim them the same one-trip way."""
@@ -217,6 +221,9 @@ class WakeWorker(Worker):
         that attempt went to the provider a second time)."""
         for started in taken:
             job_id = started[0].decode()
+            if started[1] == b"passed":
+                self._passed_over(job_id, started[2].decode(), started[3].decode())
+                continue
             if started[1] != b"ok":
                 await self.runner().run(job_id, started[1:])  # says why, in the log
                 continue
@@ -231,6 +238,19 @@ class WakeWorker(Worker):
             task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
             self.tasks[job_id] = task
             self._attempts[job_id] = attempt
+
+    def _passed_over(self, job_id: str, provider: str, model: str) -> None:
+        """A run the `take` script left to the node's other workers: its provider or model is not in
+        this worker's config. Said once for each provider and model, not for every run."""
+        if (provider, model) in self._passed:
+            return
+        if len(self._passed) >= 64:
+            self._passed.clear()
+        self._passed.add((provider, model))
+        log.warning("runs of model %r on provider %s are left to the node's other workers: this worker's config "
+                    "lacks %s (a rollout half done: restart it with the config the schedulers run)", model, provider,
+                    f"provider {provider}" if self.runner().adapters.get(provider) is None else f"model {model!r}",
+                    extra=run_fields(job_id, model, provider=provider))
 
     async def close(self) -> None:
         """arq's close, but a Redis that is already gone does not skip our shutdown hook."""

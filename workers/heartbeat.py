@@ -99,6 +99,14 @@ def probe_evidence(probe: ProbeResult, busy: bool) -> tuple[str, int]:
     return "fail", probe.strikes
 
 
+def served_pairs(config: Config, node_id: str) -> list[str]:
+    """`provider<TAB>model` for each model a provider of the node serves in `config`: what a worker
+    of the node announces it serves (`keys.worker_serves`; ids are printable, never a tab)."""
+    node = config.node(node_id)
+    here = {p.id for p in node.providers} if node else set()
+    return [f"{p}\t{m.id}" for m in config.models for p in m.providers if p in here]
+
+
 class Heartbeats:
     def __init__(self, redis: Redis, config: Config, node_id: str, adapters: dict[str, Adapter],
                  instance: str = "") -> None:
@@ -113,6 +121,8 @@ class Heartbeats:
         node = config.node(node_id)
         assert node is not None
         self.providers = list(node.providers)
+        #: what this worker serves (`keys.worker_serves`), rewritten with each beat
+        self.serves = served_pairs(config, node_id)
         self.last: dict[str, Health] = {}
         self.wake = {p.id: asyncio.Event() for p in self.providers}
         self.probes: dict[str, asyncio.Task[None]] = {}
@@ -139,7 +149,10 @@ class Heartbeats:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(key)
         pipe.zcount(keys.leases(provider.id), f"({now}", "+inf")
-        raw, in_flight = await pipe.execute()
+        if self.instance and self.serves:
+            pipe.sadd(keys.worker_serves(self.instance), *self.serves)
+            pipe.pexpire(keys.worker_serves(self.instance), self.config.runtime.heartbeat_ttl_ms)
+        raw, in_flight, *_ = await pipe.execute()
         seen = as_text_map(raw)
         health, reason = judge(Evidence.from_hash(seen), int(in_flight))
         fields = heartbeat_fields(provider, self.node_id, health, reason, now, self.instance)
