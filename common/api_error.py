@@ -105,12 +105,13 @@ class ApiError(Exception):
         like a 5xx; the last provider tried too busy to take it (`BUSY`: its 429 or 503) is a 503
         that says when to try again, as the provider said it (or in 1 s). A failure that another try
         would only repeat says so (`NOT_WORTH_RETRYING`); one worth trying again soon says when
-        (`RETRY_SOON`: in 1 s, or when the scheduler said, as when the first bench ends)."""
+        (`RETRY_SOON`: in 1 s, or when the scheduler said, as when the first bench ends), as does
+        one the worker judged would repeat (`repeats`: an answer iop cannot carry)."""
         if info.status is not None and callers_fault(info.status):
             return cls(info.code, info.message, status=info.status, detail=info.detail)
         if info.code is ErrorCode.PROVIDER_ERROR and info.status in BUSY:
             return cls(info.code, info.message, status=503, headers={"Retry-After": str(info.retry_after_s or 1)})
-        if info.code in NOT_WORTH_RETRYING:
+        if info.code in NOT_WORTH_RETRYING or info.repeats:
             return cls(info.code, info.message, headers={"x-should-retry": "false"})
         return cls(info.code, info.message,
                    headers={"Retry-After": str(info.retry_after_s or 1)} if info.code in RETRY_SOON else None)

@@ -113,6 +113,9 @@ class ErrorInfo:
     before_output: bool = True
     #: the seconds a provider that answered `BUSY` asked to be left alone (its `Retry-After`)
     retry_after_s: int | None = None
+    #: another try of the same request would only get the same answer (iop tried it nowhere else:
+    #: an answer it cannot carry): the caller is told so (`x-should-retry: false`)
+    repeats: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         wire = {
@@ -124,6 +127,8 @@ class ErrorInfo:
         }
         if self.retry_after_s is not None:
             wire["retry_after_s"] = self.retry_after_s
+        if self.repeats:
+            wire["repeats"] = True
         return wire
 
     @classmethod
@@ -141,6 +146,7 @@ class ErrorInfo:
             before_output=bool(data.get("before_output", True)),
             retry_after_s=retry_after if type(retry_after) is int and 0 <= retry_after <= MAX_RETRY_AFTER_S
             else None,
+            repeats=data.get("repeats") is True,
         )
 
 

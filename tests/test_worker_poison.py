@@ -16,9 +16,10 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
+from common.api_error import ApiError
 from common.chunks import MAX_COUNTED_TOKENS
 from common.codec import Unpackable, pack
-from common.wire import RunKind
+from common.wire import ErrorInfo, RunKind
 from tests.test_runner import ROLE, TEXT, Scripted, events, fields, node_worker, start_one
 from tests.test_scheduler import MODEL
 from workers.adapters.base import ProviderError, Retry
@@ -125,6 +126,8 @@ async def assert_failed(redis: Redis, run_id: str, *phrases: str, before_output:
     failed = (await events(redis, run_id))[-1][1]
     assert failed["code"] == "provider_error" and failed["message"] == message
     assert failed["before_output"] is before_output
+    # (it would fail the same way anywhere: the caller's client is told not to try it again)
+    assert ApiError.from_info(ErrorInfo.from_wire(failed)).headers.get("x-should-retry") == "false"
     return failed
 
 

@@ -322,7 +322,8 @@ class Runner:
                 return await self._answer(att, adapter, kind, body, record.get("stream") == b"1")
         except ProviderError as exc:
             info = ErrorInfo(exc.code, exc.message, status=exc.status, detail=exc.detail,
-                             before_output=not att.output, retry_after_s=exc.retry_after_s)
+                             before_output=not att.output, retry_after_s=exc.retry_after_s,
+                             repeats=exc.retry is Retry.NO)
             return await self._fail(att, info, exc.retry, evidence_of(exc))
         except OutputTooLarge as exc:
             info = ErrorInfo(ErrorCode.OUTPUT_TOO_LARGE, str(exc), before_output=not att.output)
@@ -362,7 +363,7 @@ class Runner:
             log.exception("the run failed on an unexpected error", extra=att.log())
             info = ErrorInfo(ErrorCode.PROVIDER_ERROR,
                              f"provider {att.provider_id}: the worker could not handle its answer "
-                             f"({type(exc).__name__})", before_output=not att.output)
+                             f"({type(exc).__name__})", before_output=not att.output, repeats=True)
             return await self._fail(att, info, Retry.NO)
 
     async def _answer(self, att: Attempt, adapter: Adapter, kind: RunKind, body: dict[str, Any], stream: bool) -> str:
@@ -591,7 +592,7 @@ class Runner:
         except Unpackable as exc:
             if info is None:  # a completion's response: the caller gets why it has none
                 info = ErrorInfo(ErrorCode.PROVIDER_ERROR, cannot_carry(att.provider_id, exc).message,
-                                 before_output=not att.output)
+                                 before_output=not att.output, repeats=True)
                 state, etype, usage = RunState.FAILED, EventType.FAILED, (0, 0)
                 log.info("failed: %s", info.message, extra=att.log())
             else:  # an error holding the provider's own object or text
