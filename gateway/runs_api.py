@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,8 @@ from gateway.errors import REQUEST_ID_HEADER, ApiError, caller_left, invalid, ne
 from gateway.events import READ_COUNT, Event, stored_event
 from gateway.responses import KEEP_ALIVE, RUN_ID_HEADER, ended_within, with_model
 from gateway.runs import RunClient
+
+log = logging.getLogger("iop.gateway")
 
 #: How long DELETE waits for a running run to end before it answers 202.
 CANCEL_WAIT_S = 10.0
@@ -145,7 +148,9 @@ class RunsApi:
         except REDIS_DOWN as exc:  # the headers went out: the error comes in the stream, OpenAI-shaped
             if caller_left(request):  # (a write to the caller failed: it went away, Redis did not)
                 return resp
-            told = _error_event(ApiError(ErrorCode.UNAVAILABLE, f"Redis is unavailable: {exc}"))
+            log.warning("redis unavailable while following run %s: %s", run_id, exc)
+            told = _error_event(ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) became unavailable while "
+                                         "this stream followed the run; Last-Event-ID resumes its events"))
         await ended_within(request, resp.write_eof(told))  # (a caller that stopped reading is not waited for)
         return resp
 

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common import keys
 from common.codec import event_fields
@@ -339,6 +340,37 @@ async def test_a_run_of_many_pages_of_events_is_replayed_whole_and_in_order(api:
         str(n) for n in range(count)]
     if ended:  # a page at a time: 64, 64, 64 and the last 6
         assert (await api.redis.info("commandstats"))["cmdstat_xrange"]["calls"] >= 4
+
+
+async def test_a_replay_cut_by_redis_ends_with_an_error_event_saying_so_without_redis_s_text(
+        api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis goes away between two pages of a replay (the headers went out): the stream ends with
+    an OpenAI-shaped error event that says what happened and how to resume; redis-py's text (with
+    the server's address) goes to the gateway's log only."""
+    run_id = await api.submit()
+    ids = [await api.event(run_id, "delta", {"chunks": [chunk(str(n))]}) for n in range(READ_COUNT + 5)]
+    ids.append(await api.event(run_id, "completed", {}))
+    await api.end(run_id)
+    runs = api.server.app[RUNS]
+    xrange = runs.redis.xrange
+    pages = 0
+
+    async def then_gone(*args: Any, **kwargs: Any) -> Any:
+        nonlocal pages
+        pages += 1
+        if pages > 1:
+            raise RedisConnectionError("Error 111 connecting to 10.1.2.3:6379. Connection refused.")
+        return await xrange(*args, **kwargs)
+
+    monkeypatch.setattr(runs.redis, "xrange", then_gone)
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events")) as resp:
+        messages = await read_all(resp)
+    assert [m.id for m in messages[:-1]] == ids[:READ_COUNT]
+    error = messages[-1]
+    assert error.event == "error" and error.data["error"]["code"] == "service_unavailable"
+    assert error.data["error"]["message"] == ("the run store (Redis) became unavailable while this stream followed "
+                                              "the run; Last-Event-ID resumes its events")
+    validate("ErrorResponse", error.data)
 
 
 async def test_a_replay_whose_events_expire_before_its_end_ends_with_an_error_not_bare(
