@@ -35,6 +35,8 @@ _STATEFUL = {
 }
 #: fields a Response always has, null or not (OpenAI's schema); the others only when given
 _ALWAYS_SAID = frozenset({"instructions", "temperature", "top_p"})
+#: text fields that are only repeated in the Response, as given (never sent: not every server takes them)
+_REPEATED_TEXT = ("user", "safety_identifier", "prompt_cache_key")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TOOL_CHOICES = ("none", "auto", "required")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -391,7 +393,7 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
         "text": _text_options({} if body.get("text") is None else body["text"], chat),
         "reasoning": None if body.get("reasoning") is None else _reasoning(body["reasoning"], chat),
         "truncation": truncation,
-        "user": body.get("user") if isinstance(body.get("user"), str) else None,
+        **{name: body[name] for name in _REPEATED_TEXT if isinstance(body.get(name), str)},
     }
     return ResponsesRequest(chat=chat, echo={k: v for k, v in echo.items() if v is not None or k in _ALWAYS_SAID})
 

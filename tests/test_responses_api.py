@@ -102,6 +102,7 @@ def test_tools_formats_and_fields_are_translated_and_the_rest_passed_through() -
     translated = to_chat({
         "model": "m", "input": "x", "top_k": 20, "store": True, "include": ["reasoning.encrypted_content"],
         "metadata": {"a": "b"}, "parallel_tool_calls": False, "reasoning": {"effort": "low"},
+        "safety_identifier": "u-1f3a", "prompt_cache_key": "k-7", "user": "alice",
         "tools": [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}}],
         "tool_choice": {"type": "function", "name": "f"},
         "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}, "strict": True}},
@@ -118,6 +119,9 @@ def test_tools_formats_and_fields_are_translated_and_the_rest_passed_through() -
     assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
     echo = translated.echo
     assert echo["metadata"] == {"a": "b"} and echo["parallel_tool_calls"] is False
+    assert (echo["safety_identifier"], echo["prompt_cache_key"], echo["user"]) == ("u-1f3a", "k-7", "alice")
+    assert not {"safety_identifier", "prompt_cache_key"} & chat.keys()
+    validate("Response", ResponseShape(RUN, "m", echo).whole({}))
     assert echo["tools"] == [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"},
                               "strict": None}]
     assert chat_of({"input": "x", "text": {"format": {"type": "json_object"}}})["response_format"] == {
