@@ -133,7 +133,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     call joins the assistant message before it (or starts one), its output a tool message. An
     assistant's text after its function calls joins their message (a Response's output may hold a
     call before the text of the same answer: sent back, a message then stood between the calls
-    and their results, a conversation that chat servers refuse)."""
+    and their results, a conversation that chat servers refuse), after a blank line if that message
+    has text already (two messages' texts: "I'll look." and "One moment." were "I'll look.One moment.")."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if value is None:  # (OpenAI's may come from a stored prompt or conversation; iop keeps none)
@@ -155,7 +156,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             last = messages[-1] if messages else None
             if (message["role"] == "assistant" and last is not None and last.get("tool_calls")
                     and isinstance(last["content"], str) and isinstance(message["content"], str)):
-                last["content"] += message["content"]  # (its calls' results come after it, not after this)
+                # (its calls' results come after it, not after this; two texts of their own stay apart)
+                last["content"] += ("\n\n" if last["content"] and message["content"] else "") + message["content"]
             else:
                 messages.append(message)
         elif kind == "function_call":

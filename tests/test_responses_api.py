@@ -67,6 +67,19 @@ def test_an_answer_s_text_after_its_calls_stays_before_their_results() -> None:
     ]
 
 
+def test_two_assistant_texts_around_calls_stay_apart_in_their_message() -> None:
+    """Texts of two messages that join the calls' message are not glued into one sentence."""
+    call = {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"}
+    chat = chat_of({"input": [{"role": "user", "content": "weather?"},
+                              {"role": "assistant", "content": "I'll look."}, call,
+                              {"role": "assistant", "content": "One moment."},
+                              {"role": "assistant", "content": ""},
+                              {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]})
+    assert chat["messages"][1] == {"role": "assistant", "content": "I'll look.\n\nOne moment.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]}
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant", "tool"]
+
+
 def test_items_become_the_chat_conversation() -> None:
     chat = chat_of({"input": [
         {"role": "developer", "content": "rules"},
