@@ -52,6 +52,18 @@ def _nothing_after(stream_id: str) -> bool:
     return int(stream_id.partition("-")[0]) == _ID_PART_MAX
 
 
+def _past_its_events(run_id: str, last_id: str, latest: str | None) -> bytes:
+    """The error event that ends a stream resumed past the run's events (`latest`: its last event's
+    id, '' if it has none yet, None if no event can come after `last_id` at all): it says so, and
+    where to resume, rather than end empty, as a run's end would."""
+    where = (f"its last event is {latest}: resume with that Last-Event-ID" if latest else
+             "it has none yet: resume with Last-Event-ID 0" if latest == "" else
+             "no event can come after it: resume with the id of the last event received, or 0")
+    return _error_event(ApiError(
+        ErrorCode.NOT_FOUND, f"Last-Event-ID {last_id} is past the events of run {run_id} (it never wrote that event, "
+        f"or Redis lost it in a failover); {where}, or GET /v1/runs/{run_id} for its state"))
+
+
 def _stream_id(text: str) -> str | None:
     """`text` as a Redis stream id (leading zeros dropped), or None when it is not one."""
     if _STREAM_ID.fullmatch(text) is None:
@@ -134,8 +146,8 @@ class RunsApi:
         told = b""
         try:
             with runs.deadlines.within(deadline_s):
-                if _nothing_after(last_id) or await self._beyond(run_id, last_id):
-                    pass  # whether the run has ended or not
+                if _nothing_after(last_id) or (beyond := await self._beyond(run_id, last_id)) is not None:
+                    told = _past_its_events(run_id, last_id, None if _nothing_after(last_id) else beyond)
                 elif is_terminal(view):
                     told = await self._replay(resp, run_id, last_id, view["model"])
                 else:
@@ -154,18 +166,20 @@ class RunsApi:
         await ended_within(request, resp.write_eof(told))  # (a caller that stopped reading is not waited for)
         return resp
 
-    async def _beyond(self, run_id: str, last_id: str) -> bool:
-        """Whether `last_id` is past the run's last event: the client says it had one the run never
-        wrote (a run's events stay until they all expire), so nothing it has not had can come, and
-        the run's end, which it would take for one it had, would go unseen."""
+    async def _beyond(self, run_id: str, last_id: str) -> str | None:
+        """The run's last event id ('' for none yet) when `last_id` is past it: the client says it
+        had one the run never wrote (a run's events stay until they all expire; a Redis failover may
+        lose the last ones), so nothing it has not had can come, and the run's end, which it would
+        take for one it had, would go unseen. None when it is not."""
         if last_id == "0":
-            return False
+            return None
         redis = self.runs().redis
         latest = await redis.xrevrange(keys.run_events(run_id), "+", "-", count=1)
         if latest:
-            return entry_key(latest[0][0].decode()) < entry_key(last_id)
+            latest_id = latest[0][0].decode()
+            return latest_id if entry_key(latest_id) < entry_key(last_id) else None
         seconds, micros = await redis.time()
-        return not_yet_passed(last_id, int(seconds) * 1000 + int(micros) // 1000)
+        return "" if not_yet_passed(last_id, int(seconds) * 1000 + int(micros) // 1000) else None
 
     async def _follow(self, resp: web.StreamResponse, run_id: str, last_id: str, model_id: str) -> None:
         """Every event after `last_id` until the terminal one, with a keep-alive comment whenever

@@ -292,8 +292,9 @@ async def test_last_event_id_given_twice_is_400(api: Api) -> None:
 @pytest.mark.parametrize("ended", [True, False])
 @pytest.mark.parametrize("last", [f"{2**64 - 1}-{2**64 - 1}", str(2**64 - 1)])
 async def test_the_largest_last_event_id_is_accepted(api: Api, last: str, ended: bool) -> None:
-    """Nothing comes after the largest id: the stream ends at once, empty, whether the run has
-    ended or still runs (it was an HTTP 500 written inside the started stream for a running run)."""
+    """Nothing comes after the largest id: the stream ends at once, with an error event that says
+    so, whether the run has ended or still runs (it was an HTTP 500 written inside the started
+    stream for a running run)."""
     run_id = await api.submit()
     await api.event(run_id, "dispatched", {"provider": "p"})
     if ended:
@@ -301,7 +302,12 @@ async def test_the_largest_last_event_id_is_accepted(api: Api, last: str, ended:
         await api.end(run_id, "failed")
     async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": last}) as resp:
         assert resp.status == 200
-        assert await resp.read() == b""
+        messages = await read_all(resp)
+    assert [m.event for m in messages] == ["error"] and messages[0].data["error"]["code"] == "not_found"
+    assert messages[0].data["error"]["message"] == (
+        f"Last-Event-ID {last} is past the events of run {run_id} (it never wrote that event, or Redis lost it in "
+        f"a failover); no event can come after it: resume with the id of the last event received, or 0, or "
+        f"GET /v1/runs/{run_id} for its state")
 
 
 async def test_an_id_with_thousands_of_leading_zeros_is_the_id_it_names(api: Api) -> None:
@@ -438,17 +444,25 @@ async def test_run_records_and_events_expire_after_run_ttl_s(redis_url: str) -> 
 
 
 @pytest.mark.parametrize("events", [0, 1])
-async def test_a_last_event_id_past_a_running_runs_last_event_ends_the_stream_empty(api: Api, events: int) -> None:
-    """A client that says it had an event the run never wrote (an id in the future): nothing it
-    has not had can come, and the run's end would go unseen (it waited until the gateway gave up on
-    it, 30 s and more): the stream ends at once, empty, as for the largest id. An id the run has
-    is followed as ever."""
+async def test_a_last_event_id_past_a_running_runs_last_event_ends_the_stream_with_why(
+        api: Api, events: int) -> None:
+    """A client that says it had an event the run never wrote (an id in the future; or one a Redis
+    failover lost): nothing it has not had can come, and the run's end would go unseen (it waited
+    until the gateway gave up on it, 30 s and more): the stream ends at once, with an error event
+    that names the run's last event to resume from (it ended empty, which a client could take
+    for the run's end). An id the run has is followed as ever."""
     run_id = await api.submit()
     ids = [await api.event(run_id, "dispatched", {"provider": "p"}) for _ in range(events)]
     future = f"{now_ms() + 3_600_000}-0"
     async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": future}) as resp:
         assert resp.status == 200
-        assert await asyncio.wait_for(resp.read(), 10) == b""
+        messages = await asyncio.wait_for(read_all(resp), 10)
+    assert [m.event for m in messages] == ["error"] and messages[0].data["error"]["code"] == "not_found"
+    validate("ErrorResponse", messages[0].data)
+    where = f"its last event is {ids[0]}: resume with that Last-Event-ID" if ids else \
+        "it has none yet: resume with Last-Event-ID 0"
+    assert f"Last-Event-ID {future} is past the events of run {run_id}" in messages[0].data["error"]["message"]
+    assert f"; {where}, or GET /v1/runs/{run_id} for its state" in messages[0].data["error"]["message"]
     if ids:
         async with api.session.get(api.url(f"/v1/runs/{run_id}/events"), headers={"Last-Event-ID": ids[0]}) as resp:
             later = await api.event(run_id, "completed", {})
