@@ -67,9 +67,11 @@ def _is_reason(value: Any) -> bool:
 
 
 def is_preamble(chunk: Any) -> bool:
-    """Nothing but an opening: no output, no finish, no usage. A stream cut short after such
-    chunks has shown the caller nothing, so it may still be tried again."""
-    return not (carries_output(chunk) or finishes(chunk) or (isinstance(chunk, dict) and chunk.get("usage")))
+    """Nothing but an opening: no output, no finish. A stream cut short after such chunks has
+    shown the caller nothing, so it may still be tried again. Usage alone is no output: vLLM and
+    SGLang with `continuous_usage_stats` put it on their opening chunk (counted as output, a
+    stream cut after it was not tried again, and every Responses stream asks for usage)."""
+    return not (carries_output(chunk) or finishes(chunk))
 
 
 def wants_usage(body: dict[str, Any]) -> bool:

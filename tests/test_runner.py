@@ -124,6 +124,27 @@ async def test_opening_chunks_wait_for_output_so_a_stream_cut_before_it_is_tried
     assert await fields(redis, keys.run_record(run_id), "state", "output") == ["queued", None]
 
 
+@pytest.mark.parametrize("batch_ms", [0, 10])
+async def test_an_opening_with_usage_cut_before_output_is_tried_again(redis: Redis, batch_ms: int) -> None:
+    """An opening chunk that carries `usage` (vLLM's and SGLang's `continuous_usage_stats`), the
+    caller asking for usage (as every Responses stream does), then the provider broke off: the
+    caller saw no output, so the run goes back to its queue (it failed there, usage counted as
+    output)."""
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3},
+                         runtime={"stream_batch_ms": batch_ms})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await redis.hset(keys.run_record(run_id), mapping={"stream": "1", "body": pack(
+        {"model": MODEL, "messages": [], "stream": True, "stream_options": {"include_usage": True}})})
+    await sched.dispatch_all()
+    opening = {**ROLE, "usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}}
+    cut = ProviderError("provider a: the stream ended before [DONE]", retry=Retry.ANY)
+    runner = Runner(redis, config, "n-a", {"a": Scripted([[opening]], cut)})
+    assert await runner.execute(run_id) == "requeued:ok"
+    kinds = [k for k, _ in await events(redis, run_id)]
+    assert "delta" not in kinds and kinds[-1] == "requeued"
+    assert await fields(redis, keys.run_record(run_id), "state", "output") == ["queued", None]
+
+
 async def test_an_opening_chunk_goes_out_with_the_first_output(redis: Redis) -> None:
     sched, run_id = await start_one(redis, {"a": 1})
     runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[ROLE], [TEXT]])})
