@@ -46,7 +46,7 @@ from gateway.admission import MAX_HEAD_BYTES, ConnectionGuard, Slot
 from gateway.auth import admit
 from gateway.bodies import decode, too_large
 from gateway.errors import ApiError, from_status, invalid
-from gateway.heads import HeadScanner
+from gateway.heads import FREE_CHUNKS, MIN_CHUNK_BYTES, HeadScanner
 
 log = logging.getLogger("iop.gateway")
 
@@ -59,6 +59,18 @@ BODY = web.RequestKey("iop_body", bytes)
 LINGER_S = 2.0
 
 
+class ChunksTooSmall(Exception):
+    """Set on a request's body whose chunks average under `gateway.heads.MIN_CHUNK_BYTES`: its read
+    raises it (`body_reader` answers 400)."""
+
+
+def _refuse_chunks_of(content: Any) -> None:
+    """Make the body's read raise `ChunksTooSmall`, and mark it ended: aiohttp then does not linger
+    on it after the answer (its lingering read would raise it, an "Unhandled exception")."""
+    content.set_exception(ChunksTooSmall())
+    content.feed_eof()
+
+
 class Phase(enum.Enum):
     SERVING = "serving"  # aiohttp reads and answers its requests
     TRIAGE = "triage"  # over the limit: reading the request line
@@ -69,7 +81,8 @@ class GuardedHandler(web.RequestHandler):
     """aiohttp's request handler with a head deadline, a connection limit and OpenAI-shaped parse errors."""
 
     __slots__ = ("_guard", "_slot", "_phase", "_raw", "_line", "_head_timer", "_head_begun", "_in_request",
-                 "_close_after_response", "_dropping", "_heads", "_answered", "_refusing")
+                 "_close_after_response", "_dropping", "_heads", "_answered", "_refusing", "_started",
+                 "_chunks_refused_at")
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
         # Bodies are decoded by `body_reader` (gateway.bodies), not by aiohttp.
@@ -90,6 +103,10 @@ class GuardedHandler(web.RequestHandler):
         self._answered = 0
         #: a head passed the limit behind requests not yet answered: its 400 follows their answers
         self._refusing = False
+        #: requests whose handling began (`request_started`)
+        self._started = 0
+        #: which request (counted as `_started`) had its chunked body refused (chunks too small); 0 for none
+        self._chunks_refused_at = 0
 
     # -- the connection's life -------------------------------------------------------------
 
@@ -120,7 +137,10 @@ class GuardedHandler(web.RequestHandler):
             heads = self._heads.heads
             within = self._heads.feed(data)
             if within < len(data):
-                self._refuse_large_head(data[:within])
+                if self._heads.chunks_refused:
+                    self._refuse_chunks(data[:within])
+                else:
+                    self._refuse_large_head(data[:within])
                 return
             if self._heads.heads != heads and not self._heads.in_head:
                 self._cancel_head_timer()  # the head came whole (its request starts on the next turn)
@@ -142,6 +162,29 @@ class GuardedHandler(web.RequestHandler):
             self._refusing = True  # (answered by `finish_response` after the last of them)
         else:
             self._answer_large_head()
+
+    def _refuse_chunks(self, before: bytes) -> None:
+        """The last head's chunked body came in chunks too small (`gateway.heads.MIN_CHUNK_BYTES`):
+        nothing more of it is parsed, and what the client still sends is dropped. Its request is
+        answered 400 when its body is read (at once if it is being read), then the connection ends
+        (`finish_response`); one answered already (a refused key: aiohttp was dropping its body
+        through the parser, chunk by chunk) just closes."""
+        if before:
+            self._parse(before)
+        self._dropping = True
+        if self._answered >= self._heads.heads:
+            self.force_close()
+            return
+        self._chunks_refused_at = self._heads.heads
+        request = self._current_request
+        if request is not None and self._started == self._chunks_refused_at:
+            _refuse_chunks_of(request.content)
+
+    def body_refused(self, request: web.BaseRequest) -> None:
+        """Called as a request's body is about to be read: a body refused before its handling began
+        (`_refuse_chunks`) is refused now."""
+        if self._chunks_refused_at and self._chunks_refused_at == self._started:
+            _refuse_chunks_of(request.content)
 
     def _parse(self, data: bytes) -> None:
         """Give aiohttp's parser the bytes one request at a time where several heads began in them
@@ -236,6 +279,7 @@ class GuardedHandler(web.RequestHandler):
         self._cancel_head_timer()
         self._in_request = True
         self._head_begun = False
+        self._started += 1
 
     def close_after_response(self) -> None:
         self._close_after_response = True
@@ -252,7 +296,9 @@ class GuardedHandler(web.RequestHandler):
             return await super().finish_response(request, resp, start_time)
         finally:
             self._answered += 1
-            if self._close_after_response:
+            if self._chunks_refused_at and self._answered >= self._chunks_refused_at:
+                self._drop_then_close()  # (its body's end is marked: aiohttp does not linger on it)
+            elif self._close_after_response:
                 self._end_after_answer()
             elif self._refusing:
                 if self._answered >= self._heads.heads:
@@ -427,6 +473,8 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
                 if guarded is not None:
                     guarded.close_after_response()  # the body is not read
                 raise too_large(max_body_bytes, declared=request.content_length)
+            if guarded is not None:
+                guarded.body_refused(request)
             try:
                 if request.content.is_eof():  # all of it came with the head: no wait, no timer
                     body = await request.read()
@@ -437,6 +485,10 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
                 if guarded is not None:
                     guarded.close_after_response()  # the rest of it is not read
                 raise too_large(max_body_bytes, sent=True) from None
+            except ChunksTooSmall:
+                raise invalid(f"the request body came in chunks too small: after its first {FREE_CHUNKS}, they must "
+                              f"average at least {MIN_CHUNK_BYTES} bytes; send it in larger chunks, or with a "
+                              "Content-Length") from None
             except TimeoutError:
                 if guarded is not None:
                     guarded.close_after_response()

@@ -647,3 +647,62 @@ def test_a_body_that_does_not_decode_gets_a_400_at_once(
     assert resp.status == 400
     err = resp.error()
     assert err["code"] == "invalid_request_error" and fragment in err["message"]
+
+
+def tiny_chunks(count: int) -> bytes:
+    return b"1\r\nx\r\n" * count
+
+
+CHUNKED_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\n")
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer sk-wrong"], ids=["with-a-key", "refused-key"])
+def test_a_body_in_chunks_too_small_is_refused_and_its_connection_ends(
+        stack: Stack, gateways: list[Gateway], auth: str | None) -> None:
+    """A body in 1-byte chunks costs the gateway's thread ~2 µs a chunk whatever its size (8 MiB
+    of them: 16 s, every other caller waiting); a request refused before its body was read (a
+    wrong key) had aiohttp read and drop its body chunk by chunk for up to 10 s, then the client
+    reconnected. Past 1,024 chunks, they must average 256 bytes: the request is answered 400 (or
+    keeps its 401) and the connection ends; the rest of its bytes, and a request sent behind them,
+    are dropped, where the old code served that request once the body had ended."""
+    gw = start(stack, gateways, KEYS if auth else None)
+    sock = gw.connect()
+    head = CHUNKED_HEAD + (f"Authorization: {auth}\r\n".encode() if auth else b"") + b"\r\n"
+    sock.sendall(head + b"1\r\n{\r\n" + tiny_chunks(1100))
+    resp = read_response(sock)
+    if auth:
+        assert resp.status == 401 and resp.error()["code"] == "invalid_api_key"
+    else:
+        assert resp.status == 400 and resp.error()["message"] == (
+            "the request body came in chunks too small: after its first 1024, they must average at least 256 "
+            "bytes; send it in larger chunks, or with a Content-Length")
+    try:  # (the gateway may have closed already: a write then fails)
+        sock.sendall(tiny_chunks(100) + b"0\r\n\r\n" + request("GET", "/healthz"))
+    except OSError:
+        pass
+    assert _AHEAD.get(sock, b"") + rest_until_closed(sock) == b""  # (nothing after the answer: no 200)
+
+
+def rest_until_closed(sock: socket.socket) -> bytes:
+    """What the gateway sends until it closes the connection (a reset ends it too)."""
+    sock.settimeout(DEADLINE_S)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def test_a_chunked_body_of_fair_chunks_is_read_whole(stack: Stack, gateways: list[Gateway]) -> None:
+    """Many chunks of 256 bytes and more are a body like any other."""
+    gw = start(stack, gateways)
+    body = json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x" * 600_000}]}).encode()
+    pieces = [body[i:i + 256] for i in range(0, len(body), 256)]
+    assert len(pieces) > 2000
+    sock = gw.connect()
+    sock.sendall(CHUNKED_HEAD + b"\r\n" + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n")
+    resp = read_response(sock)
+    assert resp.status == 404 and resp.error()["code"] == "model_not_found"  # (read and parsed: the model is unknown)

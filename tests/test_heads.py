@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from gateway.heads import CHUNKED, UNKNOWN, HeadScanner, framing
+from gateway.heads import CHUNKED, FREE_CHUNKS, MIN_CHUNK_BYTES, UNKNOWN, HeadScanner, framing
 
 LIMIT = 1024
 
@@ -106,3 +106,37 @@ def test_what_cannot_be_followed_stops_the_scan_and_nothing_after_it_is_refused(
 ])
 def test_framing_follows_the_headers_as_llhttp_does(raw: bytes, expected: int) -> None:
     assert framing(raw) == expected
+
+
+def chunks(sizes: list[int]) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (n, b"x" * n) for n in sizes)
+
+
+def test_a_chunked_body_whose_chunks_are_too_small_stops_the_scan_before_the_chunk_that_shows_it() -> None:
+    """After its first FREE_CHUNKS, a body's chunks must average MIN_CHUNK_BYTES (a chunk costs
+    the gateway's thread the same whatever its size: 1-byte chunks made an 8 MiB body 16 s of it)."""
+    start = head("/b", "Transfer-Encoding: chunked")
+    first = chunks([1] * FREE_CHUNKS)
+    scanner = HeadScanner(LIMIT)
+    assert scanner.feed(start + first) == len(start + first) and not scanner.chunks_refused
+    assert scanner.feed(b"1\r\nx\r\n") == 0 and scanner.chunks_refused
+    assert scanner.feed(b"1\r\nx\r\n") == 6  # (nothing more is scanned)
+
+
+@pytest.mark.parametrize("sizes", [
+    [MIN_CHUNK_BYTES] * (FREE_CHUNKS + 10),  # at the average, past the free ones
+    [1] * FREE_CHUNKS + [MIN_CHUNK_BYTES * (FREE_CHUNKS + 20)] + [1] * 10,  # small ones paid for by a big one
+], ids=["average", "paid-for"])
+def test_a_chunked_body_of_chunks_at_the_average_is_followed_whole(sizes: list[int]) -> None:
+    data = head("/b", "Transfer-Encoding: chunked") + chunks(sizes) + b"0\r\n\r\n" + GET
+    for cut in (7, len(data) // 2):
+        scanner, taken = scan(data, [cut])
+        assert sum(taken) == len(data) and not scanner.chunks_refused
+        assert scanner.heads == 2
+
+
+def test_each_chunked_body_is_counted_on_its_own() -> None:
+    """A connection's second body starts its count afresh."""
+    body = head("/b", "Transfer-Encoding: chunked") + chunks([1] * FREE_CHUNKS) + b"0\r\n\r\n"
+    scanner, taken = scan(body * 3, [])
+    assert taken == [len(body) * 3] and scanner.heads == 3 and not scanner.chunks_refused
