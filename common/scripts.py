@@ -697,12 +697,16 @@ return take_jobs(KEYS[1], ids)
 # Runs `take_jobs` passed over (their provider or model is not in this worker's config) go to the
 # node's passed list (`keys.node_passed`), from which a worker that serves them takes them first
 # (they are the oldest), before its wake list; they stay in the node's queue meanwhile (arq's poll
-# of an idle worker that serves them takes them too).
+# of an idle worker that serves them takes them too). A run new to the passed list also goes back
+# on the wake list, once: a worker that serves it, blocked there, wakes now, not when its wait ends
+# (poll_delay, a second: most such runs waited that long). One already listed is not pushed again, so
+# workers that lack it do not hand it round.
 # KEYS: node queue, the worker's own list, its last answer's ids, the node's wake list, its passed list
 # ARGV: as TAKE's first 13, then the most jobs to take (`free`), then `id:attempt` of each run the
 #       worker's last answer started (acked)...
 TAKE_WOKEN = _NOW + _TAKE + """
-local function passed_here(list, room)
+-- (`have`: the ids taken already, from the worker's own list: one is not taken twice)
+local function passed_here(list, room, have)
   local out = {}
   if room <= 0 then return out end
   local listed = redis.call('LRANGE', list, -100, -1)
@@ -711,7 +715,10 @@ local function passed_here(list, room)
     local r = redis.call('HMGET', ARGV[3] .. id, 'provider', 'model')
     if not r[1] or not r[2] or not serves or serves_pair(serves[1], serves[2], r[1] .. '\\t' .. r[2]) then
       redis.call('LREM', list, -1, id)
-      if r[1] and r[2] then out[#out + 1] = id end
+      if r[1] and r[2] and not have[id] then
+        out[#out + 1] = id
+        have[id] = true
+      end
       if #out >= room then break end
     end
   end
@@ -728,7 +735,9 @@ if answered then
   end
 end
 for _, id in ipairs(redis.call('LPOP', KEYS[2], 1000000) or {}) do ids[#ids + 1] = id end
-for _, id in ipairs(passed_here(KEYS[5], free - #ids)) do ids[#ids + 1] = id end
+local have = {}
+for _, id in ipairs(ids) do have[id] = true end
+for _, id in ipairs(passed_here(KEYS[5], free - #ids, have)) do ids[#ids + 1] = id end
 if #ids < free then
   for _, id in ipairs(redis.call('RPOP', KEYS[4], free - #ids) or {}) do ids[#ids + 1] = id end
 end
@@ -736,7 +745,10 @@ local out = take_jobs(KEYS[1], ids)
 local started = {}
 local passed = {}
 for _, entry in ipairs(out) do
-  if entry[2] == 'passed' then passed[#passed + 1] = entry[1] end
+  if entry[2] == 'passed' and not redis.call('LPOS', KEYS[5], entry[1], 'MAXLEN', 1024) then
+    passed[#passed + 1] = entry[1]
+    redis.call('LPUSH', KEYS[5], entry[1])
+  end
   if entry[2] == 'ok' then
     local attempt = ''
     for i = 3, #entry - 1, 2 do
@@ -746,8 +758,8 @@ for _, entry in ipairs(out) do
   end
 end
 if #passed > 0 then
-  redis.call('LPUSH', KEYS[5], unpack(passed))
   redis.call('PEXPIRE', KEYS[5], ARGV[6])
+  if redis.call('LPUSH', KEYS[4], unpack(passed)) > 1024 then redis.call('LTRIM', KEYS[4], 0, 1023) end
 end
 if #started > 0 then
   -- (kept as long as their leases live unrenewed: a run handed over later would be reaped anyway)

@@ -401,12 +401,59 @@ async def test_a_run_passed_over_off_the_wake_list_is_taken_first_by_a_worker_th
                 keys.worker_serves(""), keys.node_workers("n-a"), 4]
         return list(await Scripts(redis).call("take_woken", script_keys, args))
 
-    assert await redis.lrange(keys.node_wake("n-a"), 0, -1) == [run_id.encode()]
+    wake = keys.node_wake("n-a")
+    assert await redis.lrange(wake, 0, -1) == [run_id.encode()]
     assert [t[:2] for t in await take_woken("old")] == [[run_id.encode(), b"passed"]]
-    assert await redis.lrange(passed, 0, -1) == [run_id.encode()] and not await redis.llen(keys.node_wake("n-a"))
+    # (back on the wake list once, for a serving worker blocked there: see the test below)
+    assert await redis.lrange(passed, 0, -1) == [run_id.encode()] and await redis.lrange(wake, 0, -1) == [
+        run_id.encode()]
+    assert [t[:2] for t in await take_woken("old")] == [[run_id.encode(), b"passed"]]
+    assert await redis.lrange(passed, 0, -1) == [run_id.encode()] and not await redis.llen(wake)
     assert await take_woken("old") == [] and await redis.llen(passed) == 1  # (not its own: left there)
     assert [t[:2] for t in await take_woken("new")] == [[run_id.encode(), b"ok"]]
     assert not await redis.exists(passed)
+
+
+async def test_a_run_passed_over_wakes_a_worker_that_serves_it_blocked_on_the_wake_list(
+        redis: Redis, redis_url: str) -> None:
+    """A run the old worker passed over goes back on the wake list, once: the worker that serves it,
+    blocked there (idle), takes it now. It waited for that worker's wait to end before (poll_delay,
+    a second): most runs of a rollout half done, at a low rate, took a second more. The one worker's
+    list holds it once, and its `take_woken` takes it once (from its own list and the passed list)."""
+    from tests.test_runner import start_one
+    from workers.runner import WORKER_ID
+
+    sched, run_id = await start_one(redis, {"a": 1})
+    model = (await redis.hget(keys.run_record(run_id), "model") or b"").decode()
+    rt = sched.config.runtime
+    await redis.zadd(keys.node_workers("n-a"), {"old": LIVE_UNTIL, "new": LIVE_UNTIL})
+    await redis.sadd(keys.worker_serves("old"), "a\tsome-other-model")
+    await redis.sadd(keys.worker_serves("new"), f"a\t{model}")
+    wake, passed = keys.node_wake("n-a"), keys.node_passed("n-a")
+
+    def take_woken(instance: str) -> tuple[list[str], list[Any]]:
+        return ([keys.node_queue("n-a"), keys.worker_woken(instance), keys.worker_answered(instance), wake, passed],
+                [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
+                 rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack({}), keys.SCHEDULER_SIGNALS, instance,
+                 keys.worker_serves(""), keys.node_workers("n-a"), 4])
+
+    await redis.rpoplpush(wake, keys.worker_woken("old"))  # (the old worker's BLMOVE got it)
+    blocked = Redis.from_url(redis_url)  # the serving worker, idle, blocked on the wake list
+    try:
+        move = asyncio.create_task(blocked.blmove(wake, keys.worker_woken("new"), 5.0, "RIGHT", "LEFT"))
+        await async_wait_until(lambda: _blocked_clients(redis), what="the serving worker blocked")
+        assert [t[:2] for t in await Scripts(redis).call("take_woken", *take_woken("old"))] == [
+            [run_id.encode(), b"passed"]]
+        assert await asyncio.wait_for(move, 1.0) == run_id.encode()  # woken now, not in 5 s
+    finally:
+        await blocked.aclose()
+    taken = await Scripts(redis).call("take_woken", *take_woken("new"))
+    assert [t[:2] for t in taken] == [[run_id.encode(), b"ok"]]  # (once: its own list and the passed list)
+    assert not await redis.exists(passed) and not await redis.llen(wake)
+
+
+async def _blocked_clients(redis: Redis) -> bool:
+    return int((await redis.info("clients"))["blocked_clients"]) > 0
 
 
 async def test_a_worker_without_its_set_takes_what_it_is_handed(redis: Redis) -> None:
