@@ -118,8 +118,9 @@ def node_passed(node_id: str) -> str:
 
 
 def worker_serves(instance: str) -> str:
-    """Set of one worker process: the `provider<TAB>model` pairs its config serves, rewritten with
-    each of its heartbeats (TTL: heartbeat_ttl_ms). A missing set is not checked."""
+    """Set of one worker process: the `provider<TAB>model` pairs its config serves, written as it
+    starts and again with each of its heartbeats (TTL: heartbeat_ttl_ms). A missing set is not
+    checked."""
     return f"{PREFIX}:serves:{instance}"
 
 
@@ -254,7 +255,8 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (node_workers("{node}"), "sorted set + TTL", "the node's live worker processes: instance -> until (ms)",
      "ZRANGE iop:workers:{node} 0 -1 WITHSCORES"),
     (node_passed("{node}"), "list + TTL", "ids of jobs a worker of the node passed over (their provider or "
-     "model is not in its config: a rollout half done) for its other workers", "LRANGE iop:passed:{node} 0 -1"),
+     "model is not in its config: a rollout half done) for its other workers (at most 1,024)",
+     "LRANGE iop:passed:{node} 0 -1"),
     (worker_serves("{instance}"), "set + TTL", "the provider<TAB>model pairs a worker process's config serves",
      "SMEMBERS iop:serves:{instance}"),
     (worker_woken("{instance}"), "list", "the job id a worker's BLMOVE just moved off its node's wake list",

@@ -695,8 +695,9 @@ return take_jobs(KEYS[1], ids)
 # (not on the run's last attempt: its start took the body). A job id is its run's id, the same for
 # every attempt: hence the attempt, and a new attempt comes through the own list, never acked away.
 # Runs `take_jobs` passed over (their provider or model is not in this worker's config) go to the
-# node's passed list (`keys.node_passed`), from which a worker that serves them takes them first
-# (they are the oldest), before its wake list; they stay in the node's queue meanwhile (arq's poll
+# node's passed list (`keys.node_passed`, at most 1,024), from which a worker that serves them (any
+# worker, once no other live worker of the node does: it starts such a run and fails it) takes them
+# first (they are the oldest), before its wake list; they stay in the node's queue meanwhile (arq's poll
 # of an idle worker that serves them takes them too). A run new to the passed list also goes back
 # on the wake list, once: a worker that serves it, blocked there, wakes now, not when its wait ends
 # (poll_delay, a second: most such runs waited that long). One already listed is not pushed again, so
@@ -713,7 +714,7 @@ local function passed_here(list, room, have)
   for i = #listed, 1, -1 do
     local id = listed[i]
     local r = redis.call('HMGET', ARGV[3] .. id, 'provider', 'model')
-    if not r[1] or not r[2] or not serves or serves_pair(serves[1], serves[2], r[1] .. '\\t' .. r[2]) then
+    if not r[1] or not r[2] or not passes(serves, r[1], r[2]) then
       redis.call('LREM', list, -1, id)
       if r[1] and r[2] and not have[id] then
         out[#out + 1] = id
@@ -758,6 +759,7 @@ for _, entry in ipairs(out) do
   end
 end
 if #passed > 0 then
+  redis.call('LTRIM', KEYS[5], 0, 1023)
   redis.call('PEXPIRE', KEYS[5], ARGV[6])
   if redis.call('LPUSH', KEYS[4], unpack(passed)) > 1024 then redis.call('LTRIM', KEYS[4], 0, 1023) end
 end

@@ -452,6 +452,34 @@ async def test_a_run_passed_over_wakes_a_worker_that_serves_it_blocked_on_the_wa
     assert not await redis.exists(passed) and not await redis.llen(wake)
 
 
+async def test_a_passed_run_no_live_worker_serves_any_more_is_taken_by_one_that_lacks_it(redis: Redis) -> None:
+    """The worker that served it stopped or died after the run was passed over: the next
+    `take_woken` of the node takes it from the passed list and starts it (its own check fails it,
+    and it goes back to its queue), instead of leaving it for its lease."""
+    from tests.test_runner import start_one
+    from workers.runner import WORKER_ID
+
+    sched, run_id = await start_one(redis, {"a": 1})
+    model = (await redis.hget(keys.run_record(run_id), "model") or b"").decode()
+    rt = sched.config.runtime
+    workers, passed = keys.node_workers("n-a"), keys.node_passed("n-a")
+    await redis.zadd(workers, {"old": LIVE_UNTIL, "new": LIVE_UNTIL})
+    await redis.sadd(keys.worker_serves("old"), "a\tsome-other-model")
+    await redis.sadd(keys.worker_serves("new"), f"a\t{model}")
+    script_keys = [keys.node_queue("n-a"), keys.worker_woken("old"), keys.worker_answered("old"),
+                   keys.node_wake("n-a"), passed]
+    args = [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
+            rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack({}), keys.SCHEDULER_SIGNALS, "old",
+            keys.worker_serves(""), workers, 4]
+    assert [t[:2] for t in await Scripts(redis).call("take_woken", script_keys, args)] == [
+        [run_id.encode(), b"passed"]]
+    await redis.delete(keys.node_wake("n-a"))  # (its one wake-up went to nobody)
+    assert await redis.lrange(passed, 0, -1) == [run_id.encode()]
+    await redis.zrem(workers, "new")  # the serving worker is gone
+    assert [t[:2] for t in await Scripts(redis).call("take_woken", script_keys, args)] == [[run_id.encode(), b"ok"]]
+    assert not await redis.exists(passed)
+
+
 async def _blocked_clients(redis: Redis) -> bool:
     return int((await redis.info("clients"))["blocked_clients"]) > 0
 

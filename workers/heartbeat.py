@@ -19,6 +19,7 @@ import os
 import socket
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from common import keys
 from common.config import Config, ProviderConfig
@@ -132,6 +133,19 @@ class Heartbeats:
         #: per provider, what each other worker of the node announced otherwise (`_warn_if_another_config`)
         self.disagreed: dict[str, dict[str, tuple[str, ...]]] = {}
 
+    def _announce(self, pipe: Pipeline) -> None:
+        """Add to `pipe` the writes of what this worker serves (`keys.worker_serves`), for its life."""
+        if self.instance and self.serves:
+            pipe.sadd(keys.worker_serves(self.instance), *self.serves)
+            pipe.pexpire(keys.worker_serves(self.instance), self.config.runtime.heartbeat_ttl_ms)
+
+    async def announce(self) -> None:
+        """Say what this worker serves before it takes its first job (its beats say it again): a
+        worker without its set takes every run it is handed."""
+        pipe = self.redis.pipeline(transaction=False)
+        self._announce(pipe)
+        await pipe.execute()
+
     def nudge(self, provider_id: str) -> None:
         """New evidence about a provider: judge and publish its health now, not at the next beat."""
         event = self.wake.get(provider_id)
@@ -149,9 +163,7 @@ class Heartbeats:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(key)
         pipe.zcount(keys.leases(provider.id), f"({now}", "+inf")
-        if self.instance and self.serves:
-            pipe.sadd(keys.worker_serves(self.instance), *self.serves)
-            pipe.pexpire(keys.worker_serves(self.instance), self.config.runtime.heartbeat_ttl_ms)
+        self._announce(pipe)
         raw, in_flight, *_ = await pipe.execute()
         seen = as_text_map(raw)
         health, reason = judge(Evidence.from_hash(seen), int(in_flight))

@@ -165,6 +165,7 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         ctx[RUNNER_CTX] = runner
         ctx["iop_session"] = session
         await runner.scripts.load()
+        await heartbeats.announce()  # (before its first take: a worker without its set is not checked)
         ctx[HEARTBEATS_CTX] = asyncio.create_task(heartbeats.run())
         background.append(ctx[HEARTBEATS_CTX])
         background.append(asyncio.create_task(_listen_cancels(runner, node_id)))
