@@ -352,6 +352,57 @@ async def test_a_run_cancelled_while_output_is_held_ends_and_closes_the_provider
     assert await deltas(redis, run_id) == [[text("a")]]  # (what was held never reached the caller)
 
 
+async def counted_tokens(redis: Redis) -> tuple[int, int]:
+    """(prompt, completion) tokens counted for every key, for good (`iop:usage-total:*`)."""
+    prompt = completion = 0
+    for total in await redis.keys(keys.usage_total("") + "*"):
+        for field, value in (await redis.hgetall(total)).items():
+            if field.startswith(b"prompt_tokens:"):
+                prompt += int(value)
+            elif field.startswith(b"completion_tokens:"):
+                completion += int(value)
+    return prompt, completion
+
+
+async def test_a_run_cancelled_after_output_counts_the_tokens_its_caller_got(redis: Redis) -> None:
+    """A caller that left just before its stream's end (no usage chunk yet) had its tokens counted
+    as none: one completion token is counted for each output chunk it got (not what was held)."""
+    sched, run_id = await start_batched(redis, 10_000)
+    paced = Paced([[ROLE, text("a")], [text("b")], [text("c")]])
+    runner = Runner(redis, sched.config, "n-a", {"a": paced})
+    run = asyncio.create_task(runner.execute(run_id))
+    paced.gates[0].set()
+    await async_wait_until(lambda: _delta_count(redis, run_id, 1), what="the first output")
+    paced.gates[1].set()
+    await async_wait_until(lambda: _asked(paced, 3), what="read 1 taken and held")
+    assert runner.cancel(run_id, ErrorInfo(ErrorCode.CANCELLED, "cancelled by the caller"))
+    assert (await run).startswith("cancelled")
+    assert await deltas(redis, run_id) == [[ROLE, text("a")]]
+    assert await counted_tokens(redis) == (0, 1)  # ("a"; not the opening, nor the held "b")
+
+
+@pytest.mark.parametrize("batch_ms", [0, 10])
+async def test_a_stream_broken_off_after_output_counts_its_last_usage_or_its_chunks(
+        redis: Redis, batch_ms: int) -> None:
+    """The provider broke off after output (the run fails): the usage its stream carried last
+    (vLLM's continuous_usage_stats) is counted, and at least a token for each output chunk."""
+    config = make_config({"a": 1}, runtime={"stream_batch_ms": batch_ms})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await redis.hset(keys.run_record(run_id), "stream", "1")
+    await sched.dispatch_all()
+    with_usage = {**TEXT, "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}}
+    cut = ProviderError("provider a: the stream ended before [DONE]", retry=Retry.ANY)
+    paced = Paced([[ROLE], [with_usage], [TEXT], [TEXT]], cut)
+    run = asyncio.create_task(Runner(redis, config, "n-a", {"a": paced}).execute(run_id))
+    paced.gates[0].set()
+    paced.gates[1].set()
+    await async_wait_until(lambda: _delta_count(redis, run_id, 1), what="the first output")
+    for gate in paced.gates[2:]:
+        gate.set()
+    assert (await run).startswith("failed")
+    assert await counted_tokens(redis) == (7, 3)
+
+
 async def test_output_held_when_the_provider_fails_reaches_the_caller_before_the_error(redis: Redis) -> None:
     sched, run_id = await start_batched(redis, 10_000)
     broke = ProviderError("provider a: the stream ended before [DONE]", retry=Retry.ANY, strikes=1)

@@ -23,7 +23,15 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys, token_cap
-from common.chunks import MAX_COUNTED_TOKENS, fixed_usage, token_counts, usage_in, wants_usage, without_usage
+from common.chunks import (
+    MAX_COUNTED_TOKENS,
+    fixed_usage,
+    is_preamble,
+    token_counts,
+    usage_in,
+    wants_usage,
+    without_usage,
+)
 from common.codec import Unpackable, pack, unpack
 from common.config import Config
 from common.policy import BLAME_RUNS, DOWN, candidate_class
@@ -92,6 +100,11 @@ class Attempt:
     #: the providers whose adapter would refuse the run (`gateway.refusals`): it never goes there
     refuse: frozenset[str] = frozenset()
     output: bool = False
+    #: chunks of output the caller got (in `delta` events; its opening ones not counted), and the
+    #: last `usage` the provider's stream carried: what a stream that ended before its own usage
+    #: came counts (`_partial_usage`)
+    out_chunks: int = 0
+    usage_seen: dict[str, Any] | None = None
     #: bytes of output stored in the run's events so far
     output_bytes: int = 0
     #: events this attempt emitted so far (each emit is numbered: the `emit` script adds it once)
@@ -135,6 +148,16 @@ def suspect(info: ErrorInfo) -> bool:
     a server restarted after it was benched for 30 s more.)"""
     return info.code in (ErrorCode.PROVIDER_ERROR, ErrorCode.PROVIDER_TIMEOUT) and (
         info.status is None or (info.status not in BUSY and not 400 <= info.status < 500))
+
+
+def _partial_usage(att: Attempt) -> tuple[int, int]:
+    """(prompt, completion) tokens of a stream that ended after output but before its usage came
+    (its caller left, it was cancelled, the provider broke off, it timed out): the provider's last
+    usage if its stream carried one (vLLM's `continuous_usage_stats`), and at least one completion
+    token for each output chunk the caller got (what most servers send a chunk). Without it such a
+    run counted none: a caller that left just before the end had its tokens for nothing."""
+    prompt, completion = token_counts(att.usage_seen) if att.usage_seen else (0, 0)
+    return prompt, max(completion, att.out_chunks)
 
 
 def cannot_carry(provider_id: str, exc: Unpackable) -> ProviderError:
@@ -455,6 +478,7 @@ class Runner:
                 att.output = True
             raise
         finally:
+            att.usage_seen = usage
             await close_reads(reads)
         return usage, held
 
@@ -480,6 +504,7 @@ class Runner:
                 else:  # the window passed with nothing new: the next output goes out as it comes
                     due = None
         finally:
+            att.usage_seen = pump.usage
             await pump.close()
         held = pump.take_all()
         # (taken from the pump, and from this frame as it is raised: its traceback holds the frames
@@ -557,6 +582,9 @@ class Runner:
             raise LeaseLost(att.run_id)
         att.emitted += 1
         att.output_bytes += len(packed)
+        if etype is EventType.DELTA:
+            chunks = data["chunks"]  # (its openings come before its first output: only those are looked at)
+            att.out_chunks += len(chunks) if att.output else sum(1 for c in chunks if not is_preamble(c))
 
     def _output(self, att: Attempt, data: dict[str, Any]) -> bytes:
         """An event's data, packed, if the run's output stays within `runtime.max_output_bytes`
@@ -586,6 +614,8 @@ class Runner:
         chunks, added as a `delta` event before the end (within the run's limits: else
         OutputTooLarge or the ProviderError of `cannot_carry` is raised, and nothing recorded)."""
         delta = self._output(att, {"chunks": last}) if last else b""
+        if att.output and state is not None and state is not RunState.COMPLETED and usage == (0, 0):
+            usage = _partial_usage(att)
         kind, strikes, reason = evidence
         try:
             packed = pack(data)
