@@ -805,7 +805,11 @@ return 1
 #       nothing done, when the events hold `max_events_per_run`), max_events_per_run, whether the
 #       provider is a suspect of a requeued run's failure ('1': it joins the record's `suspects`,
 #       which `BLAME` reads once another provider served the run), the served name of the attempt (a
-#       completed run starts its count of `blame` there over)
+#       completed run starts its count of `blame` there over), how long (ms; '' or 0: not) the
+#       provider asked to be left alone for that served name (it answered 429 or 503: too busy; its
+#       `Retry-After`): it is benched for it that long (`bench:{{served}}`, never shortened), so no run
+#       of it goes there meanwhile, where every new run went first (its in-flight count the lowest),
+#       keeping a hosted API's key at its rate limit
 FINISH = FREES + _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + f"""
 local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited', 'cancel',
   'output', 'cancel_reason', 'cancel_code')
@@ -818,6 +822,13 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('DEL', KEYS[7])
 evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable', ARGV[16])
+local cool = tonumber(ARGV[21] or '') or 0
+if cool > 0 and (ARGV[20] or '') ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then
+  local bench = '{keys.BENCH_FIELD}' .. ARGV[20]
+  if (tonumber(redis.call('HGET', KEYS[5], bench) or '') or 0) < now + cool then
+    redis.call('HSET', KEYS[5], bench, now + cool)
+  end
+end
 local ttl = tonumber(ARGV[5])
 if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and rec[8] == '1') then
   -- its cancel was asked (a DELETE, its caller leaving) before its worker heard of it: it ends

@@ -121,9 +121,11 @@ async def test_a_provider_error_before_output_is_retried_on_another_provider(
         chunks = [e async for e in stream_events(resp)]
     assert chunks[-1] == "[DONE]"
     bad, good = (await fstack.stats("a-bad"))["requests"], (await fstack.stats("b-good"))["requests"]
-    assert len(bad) == 2 and not any(r["completed"] for r in bad)
+    # (its 503 says it is too busy: it is left alone for the model for a second, so the second run,
+    # sent at once, went straight to b-good)
+    assert len(bad) == 1 and not any(r["completed"] for r in bad)
     assert len(good) == 2 and all(r["completed"] for r in good)
-    assert {r["request_id"] for r in bad} == {r["request_id"] for r in good}
+    assert {r["request_id"] for r in bad} < {r["request_id"] for r in good}
 
 
 async def test_retries_stop_at_max_attempts(fstack: FaultStack, http: aiohttp.ClientSession) -> None:

@@ -526,16 +526,18 @@ class Runner:
         att.stopping = True  # (ending: a cancel now is not raised into it, see `cancel`)
         again = not att.output and int(att.attempt) < att.max_attempts and (
             retry is Retry.ANY or (retry is Retry.ELSEWHERE and await self._untried_available(att)))
+        # (too busy: left alone for the model as long as it asked, else a second)
+        cool_s = (info.retry_after_s or 1) if info.code is ErrorCode.PROVIDER_ERROR and info.status in BUSY else 0
         if again:
             # (the finish script takes the job off its node's queue first: the next dispatch
             # queues a job of the same id)
             outcome = await self._finish(att, None, EventType.REQUEUED, info.to_wire(), evidence=evidence,
                                          requeue="requeue" if retry is Retry.ANY else
                                          "requeue_busy" if info.status in BUSY else "requeue_elsewhere",
-                                         suspect=suspect(info) and evidence[1] < DOWN)
+                                         suspect=suspect(info) and evidence[1] < DOWN, cool_s=cool_s)
         else:
             outcome = await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info,
-                                         evidence=evidence)
+                                         evidence=evidence, cool_s=cool_s)
         if outcome == "unrecorded":  # (Redis did not answer for as long as the lease could live)
             log.warning("attempt %s failed (%s), and its end could not be recorded: Redis did not answer while its "
                         "lease could live; the scheduler takes the run back when the lease lapses", att.attempt,
@@ -605,9 +607,10 @@ class Runner:
     async def _finish(self, att: Attempt, state: RunState | None, etype: EventType, data: dict[str, Any],
                       info: ErrorInfo | None = None, *, evidence: Evidence = NO_EVIDENCE,
                       requeue: str = "requeue", usage: tuple[int, int] = (0, 0),
-                      last: list[dict[str, Any]] | None = None, suspect: bool = False) -> str:
+                      last: list[dict[str, Any]] | None = None, suspect: bool = False, cool_s: int = 0) -> str:
         """state None = requeue (`requeue` says how; `suspect`: the failure says something of the
-        provider, `common.scripts.BLAME`). Records `evidence` of the provider's health,
+        provider, `common.scripts.BLAME`; `cool_s`: the provider asked to be left alone that long, it
+        is benched for the model so long). Records `evidence` of the provider's health,
         and `usage` (prompt, completion tokens the caller got) for its key. Rides out a Redis
         restart (`_call_while_leased`): a slot must come back. A provider's answer (`data`) that
         msgpack cannot hold fails the run instead, with why. `last`: a completed stream's last
@@ -639,7 +642,8 @@ class Runner:
                 info.code.value if info else "", info.message if info else "", att.attempt, kind, strikes,
                 plain_text(reason), *(min(n, MAX_COUNTED_TOKENS) for n in usage), self._fresh_ms(att.provider_id),
                 delta, self.config.runtime.max_events_per_run, "1" if suspect else "",
-                self._served(att.model_id, att.provider_id) if state is RunState.COMPLETED else ""]
+                self._served(att.model_id, att.provider_id) if state is RunState.COMPLETED or cool_s else "",
+                cool_s * 1000]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
                     keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id), keys.node_queue(self.node_id),
                     keys.arq_in_progress(att.run_id),
