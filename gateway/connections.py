@@ -168,12 +168,15 @@ class GuardedHandler(web.RequestHandler):
         nothing more of it is parsed, and what the client still sends is dropped. Its request is
         answered 400 when its body is read (at once if it is being read), then the connection ends
         (`finish_response`); one answered already (a refused key: aiohttp was dropping its body
-        through the parser, chunk by chunk) just closes."""
+        through the parser, chunk by chunk) ends the same way: closed at once, aiohttp's lingering
+        read of its body would find the connection gone (an "Unhandled exception" and its traceback,
+        at ERROR), and the client still sending would get a reset."""
         if before:
             self._parse(before)
         self._dropping = True
         if self._answered >= self._heads.heads:
-            self.force_close()
+            self._cancel_head_timer()  # (its body's bytes after the answer had begun a "head")
+            self._drop_then_close()
             return
         self._chunks_refused_at = self._heads.heads
         request = self._current_request

@@ -706,3 +706,29 @@ def test_a_chunked_body_of_fair_chunks_is_read_whole(stack: Stack, gateways: lis
     sock.sendall(CHUNKED_HEAD + b"\r\n" + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n")
     resp = read_response(sock)
     assert resp.status == 404 and resp.error()["code"] == "model_not_found"  # (read and parsed: the model is unknown)
+
+
+def test_a_body_in_chunks_too_small_after_its_answer_ends_the_connection_without_a_traceback(
+        stack: Stack, gateways: list[Gateway]) -> None:
+    """A refused key is answered at once; its chunks come after the 401, while aiohttp reads and
+    drops the body. When they show themselves too small, the connection ends as for any refused
+    body (what still comes is dropped, then it closes): closing it at once left aiohttp's lingering
+    read to find the connection gone, logged as an "Unhandled exception" with a RuntimeError
+    traceback (at ERROR, once for every such client; found by a review)."""
+    gw = start(stack, gateways, KEYS)
+    sock = gw.connect()
+    sock.sendall(CHUNKED_HEAD + b"Authorization: Bearer sk-wrong\r\n\r\n1\r\n{\r\n")
+    assert read_response(sock).status == 401  # (answered before its body came)
+    for _ in range(11):  # (in pieces: the gateway reads them as they come, some after the refusal)
+        try:
+            sock.sendall(tiny_chunks(100))
+        except OSError:
+            break
+        select.select([], [], [], 0.01)  # (a pace for the bytes, not a wait for something)
+    assert rest_until_closed(sock) == b""
+    # a later line of the gateway's: whatever the refused connection logged came before it
+    other = gw.connect()
+    other.sendall(b"NOT HTTP\r\n\r\n")
+    assert read_response(other).status == 400
+    gw.proc.wait_for_line(r"unparsable request")
+    assert "Traceback" not in gw.proc.output(200) and "Unhandled exception" not in gw.proc.output(200)
