@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common import keys
-from common.codec import pack, unpack
+from common.codec import Unpackable, pack, unpack
 from common.config import ProviderConfig, parse_config
 from common.policy import Health, why_not
 from common.redisconn import Backoff, now_ms
@@ -1455,3 +1455,22 @@ async def test_an_attempt_whose_end_was_not_recorded_counts_as_lost(redis: Redis
     assert await Runner(redis, sched.config, "n-a", {"a": Overtaken([])}).execute(run_id) == "completed:stale"
     after = {o: worker_metrics.runs(MODEL, "a", o)._value.get() for o in ("completed", "lost")}
     assert after == {"completed": before["completed"], "lost": before["lost"] + 1}
+
+
+@pytest.mark.parametrize("error, repeats", [
+    (ProviderError("provider a: llm exited with status 1: Error: 529 upstream overloaded", strikes=0), False),
+    (runner_module.cannot_carry("a", Unpackable("an integer beyond 64 bits")), True),
+], ids=["a-tool-that-failed", "an-answer-iop-cannot-carry"])
+async def test_only_a_failure_that_would_repeat_tells_the_caller_not_to_retry(
+        redis: Redis, error: ProviderError, repeats: bool) -> None:
+    """A failure iop does not try again (`Retry.NO`) is not one the caller's own try would repeat:
+    a CLI tool that exited with an error (its upstream overloaded, say) may well answer the next
+    time, and the official clients try a 502 twice more; only an answer iop cannot carry says
+    `x-should-retry: false` (every `Retry.NO` said it: the client gave up at the first failure)."""
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([], error)})
+    assert (await runner.execute(run_id)).startswith("failed")
+    failed = (await events(redis, run_id))[-1][1]
+    assert failed.get("repeats", False) is repeats
+    told = ApiError.from_info(ErrorInfo.from_wire(failed)).headers.get("x-should-retry")
+    assert told == ("false" if repeats else None)

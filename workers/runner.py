@@ -163,7 +163,8 @@ def _partial_usage(att: Attempt) -> tuple[int, int]:
 def cannot_carry(provider_id: str, exc: Unpackable) -> ProviderError:
     """A provider's answer holding what msgpack cannot (an integer beyond 64 bits, a lone
     surrogate): it would fail the same way anywhere, so it is not tried again."""
-    return ProviderError(f"provider {provider_id} sent an answer iop cannot carry: {exc}", retry=Retry.NO, strikes=0)
+    return ProviderError(f"provider {provider_id} sent an answer iop cannot carry: {exc}", retry=Retry.NO, strikes=0,
+                         repeats=True)
 
 
 def plain_text(text: str) -> str:
@@ -346,7 +347,7 @@ class Runner:
         except ProviderError as exc:
             info = ErrorInfo(exc.code, exc.message, status=exc.status, detail=exc.detail,
                              before_output=not att.output, retry_after_s=exc.retry_after_s,
-                             repeats=exc.retry is Retry.NO)
+                             repeats=exc.repeats)
             return await self._fail(att, info, exc.retry, evidence_of(exc))
         except OutputTooLarge as exc:
             info = ErrorInfo(ErrorCode.OUTPUT_TOO_LARGE, str(exc), before_output=not att.output)

@@ -27,11 +27,14 @@ class ProviderError(Exception):
     `retry` says where another attempt could go; `strikes` what the failure says about the
     provider's health: None nothing (it was never reached), 0 it answered (alive, whatever it
     said), n > 0 that many strikes against it (`DOWN` takes it down at once); `retry_after_s`
-    the seconds a busy provider asked for (its `Retry-After`)."""
+    the seconds a busy provider asked for (its `Retry-After`); `repeats` that the caller's own
+    try would get the same (an answer iop cannot carry), which its client is told (`ErrorInfo.repeats`):
+    not every failure iop does not try again would repeat (a CLI tool that exited with an error)."""
 
     def __init__(self, message: str, *, status: int | None = None, detail: dict[str, Any] | None = None,
                  retry: Retry = Retry.NO, strikes: int | None = None,
-                 code: ErrorCode = ErrorCode.PROVIDER_ERROR, retry_after_s: int | None = None) -> None:
+                 code: ErrorCode = ErrorCode.PROVIDER_ERROR, retry_after_s: int | None = None,
+                 repeats: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -40,6 +43,7 @@ class ProviderError(Exception):
         self.strikes = strikes
         self.code = code
         self.retry_after_s = retry_after_s
+        self.repeats = repeats
 
     @property
     def retryable(self) -> bool:

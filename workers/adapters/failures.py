@@ -137,7 +137,7 @@ def redacted(exc: ProviderError, secrets: list[str]) -> ProviderError:
     if message == exc.message and detail == exc.detail:
         return exc
     return ProviderError(message, status=exc.status, detail=detail, retry=exc.retry, strikes=exc.strikes,
-                         code=exc.code, retry_after_s=exc.retry_after_s)
+                         code=exc.code, retry_after_s=exc.retry_after_s, repeats=exc.repeats)
 
 
 def _os_text(code: int | None) -> str:

@@ -164,7 +164,8 @@ def too_deep(provider_id: str) -> ProviderError:
     """JSON nested deeper than the parser's recursion limit: the provider answered (no strike).
     Not retried (`Retry.NO`), as README's "a provider's answer cannot be carried or handled"
     says of every answer the worker cannot handle, JSON nested too deep among them."""
-    return ProviderError(f"provider {provider_id} sent JSON nested too deep", retry=Retry.NO, strikes=0)
+    return ProviderError(f"provider {provider_id} sent JSON nested too deep", retry=Retry.NO, strikes=0,
+                         repeats=True)
 
 
 def parse_json(data: bytes, provider_id: str) -> Any:
