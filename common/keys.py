@@ -47,9 +47,12 @@ def heartbeat(provider_id: str) -> str:
 
 #: Fields of a provider's heartbeat hash for one served name, each followed by it: runs of it in a
 #: row that failed there and another provider then served (`blame:Qwen/Qwen3.6-35B-A3B`), and until
-#: when (ms) none of its runs goes there for that blame (`bench:…`; `common.scripts.BLAME`).
+#: when (ms) none of its runs goes there for that blame (`bench:…`; `common.scripts.BLAME`), or
+#: because it answered too busy (429 or 503) and asked to be left alone so long (`busy:…` says the
+#: same time then; `common.scripts.FINISH`).
 BLAME_FIELD: Final = "blame:"
 BENCH_FIELD: Final = "bench:"
+BUSY_FIELD: Final = "busy:"
 
 
 #: Sorted set of the providers whose node's workers beat: member the provider id, score until when

@@ -826,7 +826,7 @@ local cool = tonumber(ARGV[21] or '') or 0
 if cool > 0 and (ARGV[20] or '') ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then
   local bench = '{keys.BENCH_FIELD}' .. ARGV[20]
   if (tonumber(redis.call('HGET', KEYS[5], bench) or '') or 0) < now + cool then
-    redis.call('HSET', KEYS[5], bench, now + cool)
+    redis.call('HSET', KEYS[5], bench, now + cool, '{keys.BUSY_FIELD}' .. ARGV[20], now + cool)
   end
 end
 local ttl = tonumber(ARGV[5])

@@ -151,6 +151,17 @@ def test_a_model_benched_on_a_provider_says_when_it_is_back_and_only_there() -> 
     assert over.models[0].providers[0].selectable
 
 
+def test_a_model_benched_because_its_provider_was_too_busy_says_so() -> None:
+    """A 429 or 503 benches the model there for its Retry-After (`busy:` says the same end): the
+    detail says it was too busy, not that runs failed there (a blame's bench, later, says that)."""
+    until = str(NOW + 30_000)
+    cat = build_catalog(config(), raw({"a": {**beat(), "bench:a-m1": until, "busy:a-m1": until}}))
+    on_a = cat.models[0].providers[0]
+    assert (on_a.reason, on_a.detail) == ("benched", "it answered a run of 'a-m1' too busy (429 or 503); back in 30.0s")
+    blamed = build_catalog(config(), raw({"a": {**beat(), "bench:a-m1": str(NOW + 31_000), "busy:a-m1": until}}))
+    assert (blamed.models[0].providers[0].detail or "").startswith("3 runs of 'a-m1' in a row failed there")
+
+
 def test_lifecycle_flags_come_from_the_heartbeat_else_from_the_config() -> None:
     announced = json.dumps(["list_models", "load_model"])
     cat = build_catalog(config(), raw({"a": beat(lifecycle=announced)}))
