@@ -113,7 +113,7 @@ def chunks(sizes: list[int]) -> bytes:
 
 
 def test_a_chunked_body_whose_chunks_are_too_small_stops_the_scan_before_the_chunk_that_shows_it() -> None:
-    """After its first FREE_CHUNKS, a body's chunks must average MIN_CHUNK_BYTES (a chunk costs
+    """Past FREE_CHUNKS, a body's chunks must average MIN_CHUNK_BYTES (a chunk costs
     the gateway's thread the same whatever its size: 1-byte chunks made an 8 MiB body 16 s of it)."""
     start = head("/b", "Transfer-Encoding: chunked")
     first = chunks([1] * FREE_CHUNKS)
