@@ -128,13 +128,22 @@ def _tool_call(item: dict[str, Any], path: str) -> dict[str, Any]:
                          "arguments": _text(item.get("arguments"), f"{path}.arguments")}}
 
 
+def _joined(before: str, after: str) -> str:
+    """An assistant's texts around its calls, as one: a blank line between them where neither has
+    a space at the join (two messages' texts, "I'll look." and "One moment.", were "I'll look.One
+    moment."); as they are where one has (iop's own Responses stream splits one answer's text at
+    its calls, "Let me check. " and "One moment.": its text is sent back as the model wrote it)."""
+    if before and after and not before[-1].isspace() and not after[0].isspace():
+        return before + "\n\n" + after
+    return before + after
+
+
 def _messages(value: Any) -> list[dict[str, Any]]:
     """`input` as chat messages: a string is one user message; items become messages, a function
     call joins the assistant message before it (or starts one), its output a tool message. An
     assistant's text after its function calls joins their message (a Response's output may hold a
     call before the text of the same answer: sent back, a message then stood between the calls
-    and their results, a conversation that chat servers refuse), after a blank line if that message
-    has text already (two messages' texts: "I'll look." and "One moment." were "I'll look.One moment.")."""
+    and their results, a conversation that chat servers refuse), as `_joined` joins them."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if value is None:  # (OpenAI's may come from a stored prompt or conversation; iop keeps none)
@@ -156,8 +165,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             last = messages[-1] if messages else None
             if (message["role"] == "assistant" and last is not None and last.get("tool_calls")
                     and isinstance(last["content"], str) and isinstance(message["content"], str)):
-                # (its calls' results come after it, not after this; two texts of their own stay apart)
-                last["content"] += ("\n\n" if last["content"] and message["content"] else "") + message["content"]
+                # (its calls' results come after it, not after this; two texts stay apart: `_joined`)
+                last["content"] = _joined(last["content"], message["content"])
             else:
                 messages.append(message)
         elif kind == "function_call":

@@ -78,6 +78,12 @@ def test_two_assistant_texts_around_calls_stay_apart_in_their_message() -> None:
     assert chat["messages"][1] == {"role": "assistant", "content": "I'll look.\n\nOne moment.", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]}
     assert [m["role"] for m in chat["messages"]] == ["user", "assistant", "tool"]
+    # iop's own stream split one answer's text at its call: sent back, it is the model's text again
+    split = chat_of({"input": [{"role": "user", "content": "weather?"},
+                               {"role": "assistant", "content": "Let me check. "}, call,
+                               {"role": "assistant", "content": "One moment."},
+                               {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]})
+    assert split["messages"][1]["content"] == "Let me check. One moment."
 
 
 def test_items_become_the_chat_conversation() -> None:
