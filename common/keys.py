@@ -102,6 +102,13 @@ def node_queue(node_id: str) -> str:
     return f"{PREFIX}:node:{node_id}"
 
 
+def node_health(node_id: str) -> str:
+    """String (with a TTL) arq writes for the node's workers: its health check (jobs done, failed,
+    ongoing, queued). Not arq's default, `{queue}:health-check`: a node whose id ends in
+    `:health-check` had its queue there (its worker died on WRONGTYPE)."""
+    return f"{PREFIX}:health-check:{node_id}"
+
+
 def node_wake(node_id: str) -> str:
     """List the dispatch script LPUSHes each queued job's id onto; idle workers BLPOP it."""
     return f"{PREFIX}:wake:{node_id}"
@@ -251,9 +258,8 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
      "XREVRANGE iop:history + - COUNT 1"),
     (node_queue("{node}"), "sorted set (arq)", "jobs queued for the node's workers",
      "ZRANGE iop:node:{node} 0 -1 WITHSCORES"),
-    # (arq's own, named after the node's queue: `{queue}:health-check`, rewritten every health_check_interval)
-    (node_queue("{node}") + ":health-check", "string + TTL (arq)",
-     "arq's health check of the node's workers (not read by iop)", "GET iop:node:{node}:health-check"),
+    (node_health("{node}"), "string + TTL (arq)",
+     "arq's health check of the node's workers (not read by iop)", "GET iop:health-check:{node}"),
     (node_wake("{node}"), "list", "ids of jobs just queued, popped by idle workers", "LRANGE iop:wake:{node} 0 -1"),
     (node_workers("{node}"), "sorted set + TTL", "the node's live worker processes: instance -> until (ms)",
      "ZRANGE iop:workers:{node} 0 -1 WITHSCORES"),

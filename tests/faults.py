@@ -100,7 +100,7 @@ class FaultStack(Stack):
                         problems.append(f"lease leaked on {pid}: {r.zrange(f'iop:leases:{pid}', 0, -1)}")
                 if r.xlen(f"iop:runs:{MODEL}"):
                     problems.append(f"{r.xlen(f'iop:runs:{MODEL}')} runs still queued")
-                for key in r.scan_iter("iop:node:*", _type="zset"):  # (arq adds a health-check string)
+                for key in r.scan_iter("iop:node:*", _type="zset"):
                     if r.zcard(key):
                         problems.append(f"jobs left in {key!r}")
                 for key in r.scan_iter("iop:run:*"):

@@ -419,3 +419,27 @@ def test_a_worker_whose_config_lacks_a_provider_leaves_its_runs_to_the_node_s_ot
         assert r.llen("iop:passed:node-a") == 0 and r.zcard("iop:node:node-a") == 0
     finally:
         r.close()
+
+
+def test_a_node_named_like_another_s_health_check_key_runs(stack: Stack) -> None:
+    """arq wrote node n1's health check at `{its queue}:health-check`, which is the queue of a node
+    named `n1:health-check` (ids may hold ':'): that node's worker died on WRONGTYPE at its first
+    poll, for an hour (found by an operator's audit). The health check has a key of its own now."""
+    url = stack.simulator(["a-served", "b-served"])
+    stack.write_config({
+        "models": [{"id": "m-a", "providers": {"a": "a-served"}}, {"id": "m-b", "providers": {"b": "b-served"}}],
+        "nodes": [{"id": "n1", "providers": [{"id": "a", "type": "vllm", "base_url": url, "capacity": 1,
+                                              "models": ["a-served"]}]},
+                  {"id": "n1:health-check", "providers": [{"id": "b", "type": "vllm", "base_url": url,
+                                                           "capacity": 1, "models": ["b-served"]}]}],
+        "runtime": FAST_RUNTIME})
+    stack.scheduler()
+    stack.worker("n1")  # (first: it writes its health check as it starts)
+    other = stack.worker("n1:health-check")
+    gateway = stack.gateway()
+    wait_available(stack.redis_url, ["a", "b"])
+    client = stack.openai(gateway)
+    for model in ("m-b", "m-a", "m-b"):
+        answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+        assert answer.choices[0].message.content
+    assert other.popen.poll() is None and "WRONGTYPE" not in other.output()

@@ -185,6 +185,7 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
     worker = WakeWorker(
         functions=[func(run_job, name=keys.JOB_FUNCTION, max_tries=1)],  # (arq's own loop never runs it)
         queue_name=keys.node_queue(node_id),
+        health_check_key=keys.node_health(node_id),
         wake_key=keys.node_wake(node_id),
         runner=lambda: cast(Runner, worker.ctx[RUNNER_CTX]),
         redis_pool=arq_redis(redis_url),  # the URL's parameters (TLS) too, unlike RedisSettings.from_dsn
