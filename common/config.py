@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -336,24 +336,58 @@ def format_path(loc: Sequence[Any]) -> str:
 def shown(value: Any) -> str:
     """A value of a config, for a message, as YAML writes it: `true`, `null`, `.inf`, `1.5`,
     `[1, 'a']`; text quoted (`'x'`). Never as Python writes it (`True`, `None`, `inf`). Cut short
-    when long."""
-    if isinstance(value, str):
-        text = repr(value)
-    elif isinstance(value, bool):
-        text = "true" if value else "false"
-    elif value is None:
-        text = "null"
-    elif isinstance(value, float) and not math.isfinite(value):
-        text = ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
-    elif isinstance(value, int | float):
-        text = repr(value)
-    elif isinstance(value, list | tuple):
-        text = "[" + ", ".join(shown(v) for v in value) + "]"
-    elif isinstance(value, Mapping):
-        text = "{" + ", ".join(f"{shown(k)}: {shown(v)}" for k, v in value.items()) + "}"
-    else:  # what else YAML makes: a date, bytes (!!binary)
-        text = str(value)
+    when long: written only as far as it is shown (a 10 KB alias bomb of 10⁹ leaves, or a list
+    nested 400 deep, was written whole first: a hang, a RecursionError)."""
+    parts: list[str] = []
+    _write(value, parts, [_SHOWN_CHARS + 1])
+    text = "".join(parts)
     return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS - 1] + "…"
+
+
+def _write(value: Any, out: list[str], left: list[int]) -> None:
+    """`shown`'s text of `value` added to `out` until `left[0]` characters are written (each
+    level of nesting writes one at least, so the depth is bounded too)."""
+    if left[0] <= 0:
+        return
+    items: Iterator[tuple[Any, Any]]
+    if isinstance(value, list | tuple):
+        opening, items, closing = "[", ((None, v) for v in value), "]"
+    elif isinstance(value, Mapping):
+        opening, items, closing = "{", iter(value.items()), "}"
+    else:
+        text = _scalar(value, left[0])
+        out.append(text)
+        left[0] -= len(text)
+        return
+    out.append(opening)
+    left[0] -= 1
+    for i, (key, item) in enumerate(items):
+        if left[0] <= 0:
+            return
+        if i:
+            out.append(", ")
+            left[0] -= 2
+        if key is not None or opening == "{":
+            _write(key, out, left)
+            out.append(": ")
+            left[0] -= 2
+        _write(item, out, left)
+    out.append(closing)
+    left[0] -= 1
+
+
+def _scalar(value: Any, most: int) -> str:
+    if isinstance(value, str):
+        return repr(value[:most])
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, float) and not math.isfinite(value):
+        return ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
+    if isinstance(value, int | float):
+        return repr(value)
+    return str(value)[:most]  # what else YAML makes: a date, bytes (!!binary)
 
 
 def _key(value: Any) -> str:

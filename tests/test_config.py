@@ -933,3 +933,31 @@ def test_a_control_character_or_a_document_nested_beyond_reading_is_one_error_no
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.errors == [f"{path}: not valid YAML: {expected}"]
+
+
+def _alias_bomb(levels: int) -> str:
+    """A YAML list of 10**levels leaves in a few hundred bytes (aliases of aliases)."""
+    lines = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("value", ["*a8", "[" * 400 + "1" + "]" * 400], ids=["alias-bomb", "nested-400"])
+def test_a_huge_or_deep_value_in_a_wrong_field_is_an_error_naming_its_path_at_once(
+        tmp_path: Path, value: str) -> None:
+    """An error message shows the value it refuses, cut short: it was written whole first, so a 10 KB
+    alias bomb (10⁹ leaves) in `display_name` hung `iop config validate` and every service at its
+    start, and a list nested 400 deep crashed them with a RecursionError (operator's audit)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(_alias_bomb(9) + f"""models:
+  - id: m
+    display_name: {value}
+    providers: {{p: p-served}}
+nodes:
+  - id: n
+    providers: [{{id: p, type: vllm, base_url: "http://127.0.0.1:9", capacity: 1, models: [p-served]}}]
+""")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    first = info.value.errors[0]  # (then the anchors' top-level keys: unknown fields)
+    assert first.startswith("models[0].display_name: Input should be a valid string, got [[[") and first.endswith("…")
