@@ -18,8 +18,10 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
+from redis.exceptions import RedisError
 
 from common.api_error import ApiError, from_http_error, shown_path
+from common.failover import first_line
 from common.listening import cannot_listen
 from common.redisconn import REDIS_DOWN
 from common.wire import ErrorCode
@@ -56,6 +58,8 @@ async def exposition(registry: CollectorRegistry, refresh: Refresh | None = None
         except (TimeoutError, *REDIS_DOWN) as exc:
             log.warning("metrics: could not read Redis (%s); answering with the last values",
                         str(exc) or f"no answer within {REFRESH_TIMEOUT_S:g} s")
+        except RedisError as exc:  # (a key of iop's of another type, WRONGTYPE: an operator's or another app's)
+            log.warning("metrics: Redis refused a read (%s); answering with the last values", first_line(exc))
     return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -7,8 +7,10 @@ import asyncio
 import logging
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from common.config import Config
+from common.failover import first_line
 from common.history import offer_sample
 from common.redisconn import REDIS_UNUSABLE, now_ms
 
@@ -23,6 +25,8 @@ async def sample_forever(redis: Redis, config: Config) -> None:
             await offer_sample(redis, config, now_ms())
         except REDIS_UNUSABLE as exc:
             log.debug("history: Redis unavailable (%s); no sample this time", exc)
+        except RedisError as exc:  # (a key of iop's of another type: WRONGTYPE, each time until it goes)
+            log.warning("history: Redis refused a read (%s); no sample this time", first_line(exc))
         except Exception:
             log.exception("history: could not take a sample")
         await asyncio.sleep(interval_s)

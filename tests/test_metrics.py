@@ -194,3 +194,29 @@ async def test_the_metrics_port_answers_errors_in_openai_s_shape() -> None:
                 assert resp.status == 200
     finally:
         await server.close()
+
+
+async def test_a_scrape_whose_redis_read_is_refused_answers_with_the_last_values(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A key of iop's of another type (an operator's `SET iop:drain:p1 x` as a hash, another app's):
+    Redis answers WRONGTYPE, and the scheduler's and worker's /metrics answered 500 with a traceback
+    at every scrape (operator's audit). Now a warning, and the values it has."""
+    from prometheus_client import CollectorRegistry, Gauge
+    from redis.exceptions import ResponseError
+
+    from common.metrics_http import start_metrics_server
+
+    registry = CollectorRegistry()
+    Gauge("iop_test_value", "a value", registry=registry).set(7)
+
+    async def refused() -> None:
+        raise ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+
+    server = await start_metrics_server(registry, "127.0.0.1", 0, refresh=refused)
+    try:
+        async with aiohttp.ClientSession() as session, session.get(server.url) as resp:
+            assert resp.status == 200 and "iop_test_value 7.0" in await resp.text()
+    finally:
+        await server.close()
+    assert any("Redis refused a read (WRONGTYPE Operation" in r.getMessage() for r in caplog.records)
+    assert not any(r.exc_info for r in caplog.records)
