@@ -379,6 +379,21 @@ async def test_a_replay_cut_by_redis_ends_with_an_error_event_saying_so_without_
     validate("ErrorResponse", error.data)
 
 
+async def test_an_event_that_is_not_iop_s_writing_is_shown_without_its_data(api: Api) -> None:
+    """An entry of a run's events whose data is not msgpack (written by hand, by another program):
+    the replay ended with an empty 200 body and an "unhandled error" (operator's audit); it is
+    shown with no data, and the rest follow."""
+    run_id = await api.submit()
+    first = await api.event(run_id, "dispatched", {"provider": "p"})
+    odd = (await api.redis.xadd(keys.run_events(run_id), {"type": "delta", "data": b"\x93\x01\x02\x03\xff"})).decode()
+    last = await api.event(run_id, "completed", {})
+    await api.end(run_id)
+    async with api.session.get(api.url(f"/v1/runs/{run_id}/events")) as resp:
+        messages = await read_all(resp)
+    assert [(m.id, m.event) for m in messages] == [(first, "dispatched"), (odd, "delta"), (last, "completed")]
+    assert messages[1].data == {"chunks": []}  # (a delta with nothing in it)
+
+
 async def test_a_replay_whose_events_expire_before_its_end_ends_with_an_error_not_bare(
         api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run's events expire (`run_ttl_s`) with its record, and may go first by a few ms, or between
