@@ -484,9 +484,10 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
     model_paths = [(f"models[{i}].id", m.get("id")) for i, m in enumerate(models) if "id" in m]
     node_paths = [(f"nodes[{i}].id", n.get("id")) for i, n in enumerate(nodes) if "id" in n]
     errors = _duplicates(model_paths, "model")
-    errors += _case_twins(models)
+    errors += _case_twins(model_paths, "model", "callers")
     errors += _alias_faults(models)
     errors += _duplicates(node_paths, "node")
+    errors += _case_twins(node_paths, "node", "operators")
     providers: dict[str, Mapping[str, Any]] = {}
     provider_paths = []
     for i, node in enumerate(nodes):
@@ -503,6 +504,7 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
             served = [(f"{path}.models[{k}]", x) for k, x in enumerate(_list(p.get("models")))]
             errors += _duplicates(served, "served model")
     errors += _duplicates(provider_paths, "provider")
+    errors += _case_twins(provider_paths, "provider", "operators")
     errors += _unprintable_ids(model_paths + node_paths + provider_paths)
     # Where the nodes themselves are malformed, which providers exist is not known: say
     # nothing about references rather than something false.
@@ -530,19 +532,19 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
     return errors + check_auth(data.get("auth"), model_ids, aliases)
 
 
-def _case_twins(models: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Model ids that differ only in case or Unicode form (`Qwen3` and `qwen3`): a caller would
-    take one for the other. (The same id twice is `_duplicates`' to report.)"""
+def _case_twins(ids: Sequence[tuple[str, Any]], kind: str, who: str) -> list[str]:
+    """Ids (path, value) of one kind that differ only in case or Unicode form (`Qwen3` and `qwen3`,
+    `gpu-1` and `GPU-1`): `who` would take one for the other (an operator's `iop provider drain P1`
+    drained another box than p1). (The same id twice is `_duplicates`' to report.)"""
     first: dict[str, tuple[str, str]] = {}
     errors = []
-    for i, model in enumerate(models):
-        ident = model.get("id")
+    for path, ident in ids:
         if not isinstance(ident, str):
             continue
-        seen = first.setdefault(folded_name(ident), (ident, f"models[{i}].id"))
+        seen = first.setdefault(folded_name(ident), (ident, path))
         if seen[0] != ident:
-            errors.append(f"models[{i}].id: {ident!r} differs from the model id {seen[0]!r} (at {seen[1]}) only in "
-                          "case or Unicode form: callers would take one for the other")
+            errors.append(f"{path}: {ident!r} differs from the {kind} id {seen[0]!r} (at {seen[1]}) only in "
+                          f"case or Unicode form: {who} would take one for the other")
     return errors
 
 

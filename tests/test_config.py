@@ -145,6 +145,15 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
      [("models[1].id", "differs from the model id 'qwen3.6:35b' (at models[0].id) only in case or Unicode form")]),
     ("duplicate-node-id", set_at("nodes", 1, "id", value="gpu-1"),
      [("nodes[1].id", "duplicate node id 'gpu-1' (first at nodes[0].id)")]),
+    # (an operator's `iop provider drain P1` drained another box than p1: operator's audit)
+    ("node-id-differing-only-in-case", set_at("nodes", 1, "id", value="GPU-1"),
+     [("nodes[1].id", "'GPU-1' differs from the node id 'gpu-1' (at nodes[0].id) only in case or Unicode form: "
+                      "operators would take one for the other")]),
+    ("provider-id-differing-only-in-unicode-form",
+     both(append_copy(("nodes", 0, "providers", 0), ("nodes", 1, "providers")),
+          set_at("nodes", 1, "providers", 2, "id", value="VLLM\uff0dA")),
+     [("nodes[1].providers[2].id", "differs from the provider id 'vllm-a' (at nodes[0].providers[0].id) only in "
+                                   "case or Unicode form: operators would take one for the other")]),
     ("duplicate-provider-id-same-node",
      append_copy(("nodes", 1, "providers", 0), ("nodes", 1, "providers")),
      [("nodes[1].providers[2].id", "duplicate provider id 'sglang-b' (first at nodes[1].providers[0].id)")]),
