@@ -42,6 +42,11 @@ MAX_ALIASES = 64
 MAX_ALIAS_CHARS = 256
 #: the longest model, node or provider id (each is part of Redis keys and of every run's record)
 MAX_ID_CHARS = 256
+#: the longest `display_name` (it goes out with every /v1/models and catalog answer), the longest
+#: served name (a llama.cpp model's file path, say), and the most served names of one provider
+MAX_DISPLAY_NAME_CHARS = 256
+MAX_SERVED_CHARS = 1024
+MAX_SERVED_NAMES = 1000
 #: the largest `max_tokens` a model may set
 MAX_TOKENS = 10_000_000
 #: A site as a browser names it in `Origin` (scheme, host and port; no path), or `*` for any.
@@ -133,7 +138,7 @@ class ProviderConfig(Strict):
     headers: dict[HeaderName, HeaderValue] | None = Field(
         None, max_length=MAX_HEADERS, description="over HTTP: headers sent with every request (not secrets)")
     capacity: int = Field(ge=1, le=MAX_CAPACITY)
-    models: list[str] = Field(min_length=1)
+    models: list[Annotated[str, Field(max_length=MAX_SERVED_CHARS)]] = Field(min_length=1, max_length=MAX_SERVED_NAMES)
     connect_timeout_ms: int = Field(5_000, ge=1, le=MAX_DURATION_MS)
     read_timeout_ms: int = Field(120_000, ge=1, le=MAX_DURATION_MS,
                                  description="longest silence while reading a response")
@@ -166,13 +171,14 @@ class NodeConfig(Strict):
 
 class ModelConfig(Strict):
     id: str = Field(pattern=ID_PATTERN, max_length=MAX_ID_CHARS)
-    display_name: str | None = None
+    display_name: str | None = Field(None, max_length=MAX_DISPLAY_NAME_CHARS)
     #: other names callers may ask for the model by (`chat-default`, an old id kept for a rename)
     aliases: list[Annotated[str, Field(pattern=ID_PATTERN, max_length=MAX_ALIAS_CHARS)]] = Field(
         default_factory=list, max_length=MAX_ALIASES)
     #: the most tokens a run may generate (`common.token_cap`); None: as the caller and the server say
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    providers: dict[str, str] = Field(min_length=1, description="provider id -> served name")
+    providers: dict[str, Annotated[str, Field(max_length=MAX_SERVED_CHARS)]] = Field(
+        min_length=1, description="provider id -> served name")
     queue: QueueOverride | None = None
 
     @property

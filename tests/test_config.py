@@ -143,6 +143,12 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
                        "Unicode form: callers would take one for the other")]),
     ("model-id-differing-only-in-unicode-form", set_at("models", 1, "id", value="qwen3.6\uff1a35b"),
      [("models[1].id", "differs from the model id 'qwen3.6:35b' (at models[0].id) only in case or Unicode form")]),
+    # (a 20 MB display_name went out with every /v1/models and catalog answer: operator's audit)
+    ("display-name-too-long", set_at("models", 0, "display_name", value="x" * 257),
+     [("models[0].display_name", "at most 256 characters")]),
+    ("served-name-too-long", set_at("models", 1, "providers", "vllm-a", value="x" * 1025),
+     [("models[1].providers.vllm-a", "at most 1024 characters"),
+      ("models[1].providers.vllm-a", "is not in provider vllm-a's models")]),
     ("duplicate-node-id", set_at("nodes", 1, "id", value="gpu-1"),
      [("nodes[1].id", "duplicate node id 'gpu-1' (first at nodes[0].id)")]),
     # (an operator's `iop provider drain P1` drained another box than p1: operator's audit)
