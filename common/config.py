@@ -828,7 +828,7 @@ def repeated_keys(root: yaml.Node | None) -> list[str]:
             for key, value in node.value:
                 name = key.value if isinstance(key, yaml.ScalarNode) else None
                 at = f"{where}.{name}" if where else str(name)
-                if name is not None and key.tag != "tag:yaml.org,2002:merge":
+                if name is not None:  # (a merge key `<<` too: of two, the last won, silently)
                     line = key.start_mark.line + 1
                     if name in lines:
                         where_said = f"twice on line {line}" if lines[name] == line else \

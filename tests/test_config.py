@@ -950,6 +950,22 @@ def test_a_control_character_or_a_document_nested_beyond_reading_is_one_error_no
     assert info.value.errors == [f"{path}: not valid YAML: {expected}"]
 
 
+def test_two_merge_keys_in_one_mapping_are_a_key_given_twice(tmp_path: Path) -> None:
+    """`<<:` twice in one mapping: the last won, silently (a model took the id of the second
+    merge: operator's audit)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("""models:
+  - <<: {id: m1, providers: {p: p-served}}
+    <<: {id: m2}
+nodes:
+  - id: n
+    providers: [{id: p, type: vllm, base_url: "http://127.0.0.1:9", capacity: 1, models: [p-served]}]
+""")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.errors == ["models[0].<<: given twice (lines 2 and 3); YAML would keep only the last"]
+
+
 def _alias_bomb(levels: int) -> str:
     """A YAML list of 10**levels leaves in a few hundred bytes (aliases of aliases)."""
     lines = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
