@@ -47,6 +47,8 @@ MAX_ID_CHARS = 256
 MAX_DISPLAY_NAME_CHARS = 256
 MAX_SERVED_CHARS = 1024
 MAX_SERVED_NAMES = 1000
+#: the largest config file read
+MAX_CONFIG_BYTES = 4 * 2**20
 #: the largest `max_tokens` a model may set
 MAX_TOKENS = 10_000_000
 #: A site as a browser names it in `Origin` (scheme, host and port; no path), or `*` for any.
@@ -780,9 +782,12 @@ def read_yaml(path: str | Path) -> Any:
     """The YAML document of a config file, not yet validated. Raises ConfigError, one line naming
     the file, for a file that cannot be read, is not UTF-8 text, or is not YAML."""
     try:
-        raw = Path(path).read_bytes()
+        with Path(path).open("rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    if len(raw) > MAX_CONFIG_BYTES:  # (`--config /dev/zero` took all memory; 20 MB took 6 s to read)
+        raise ConfigError([f"{path}: over {MAX_CONFIG_BYTES // 2**20} MiB: not a config"])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -950,6 +950,13 @@ def test_a_control_character_or_a_document_nested_beyond_reading_is_one_error_no
     assert info.value.errors == [f"{path}: not valid YAML: {expected}"]
 
 
+def test_a_file_that_is_no_config_by_its_size_is_refused_before_it_is_read_whole() -> None:
+    """`--config /dev/zero` ended in a MemoryError (or the OOM killer); a 20 MB file took 6 s."""
+    with pytest.raises(ConfigError) as info:
+        load_config("/dev/zero")
+    assert info.value.errors == ["/dev/zero: over 4 MiB: not a config"]
+
+
 def test_two_merge_keys_in_one_mapping_are_a_key_given_twice(tmp_path: Path) -> None:
     """`<<:` twice in one mapping: the last won, silently (a model took the id of the second
     merge: operator's audit)."""
