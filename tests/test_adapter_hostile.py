@@ -737,6 +737,25 @@ def test_which_404s_are_the_pool_s(body: bytes, content_type: str, pool_s: bool)
     assert names("The model `m-served` does not exist.", SERVED) and not names("m-served-2", SERVED)
 
 
+@pytest.mark.parametrize(("error", "one_model_s"), [
+    ({"message": "Project `proj_1` does not have access to model `m-served`", "type": "invalid_request_error",
+      "code": "model_not_found"}, True),
+    ({"message": "You are not allowed to sample from this model", "code": "model_not_found"}, True),
+    ({"message": "The model m-served is not available to your organization"}, True),
+    ({"message": "Incorrect API key provided", "code": "invalid_api_key"}, False),
+], ids=["openai-project", "code-only", "names-it", "credentials"])
+def test_a_403_about_one_model_is_no_strike_against_its_provider(error: dict[str, Any], one_model_s: bool) -> None:
+    """A hosted API's key that may not use one model (OpenAI: 403 `model_not_found`): tried elsewhere
+    with no strike, as a 404 naming the served model is; three such runs took the provider down for
+    all its models (1,300 callers of another model got 503 in 2 s: a hosted-API audit). A refusal of
+    iop's credentials is still a strike."""
+    from workers.adapters.failures import answered_error
+
+    err = answered_error("p", 403, error["message"], error, SERVED)
+    assert err.retry is Retry.ELSEWHERE
+    assert (err.strikes is None) is one_model_s and (err.strikes == 1) is not one_model_s
+
+
 async def test_an_error_body_written_in_pieces_is_read_whole(raw: Raw, session: aiohttp.ClientSession) -> None:
     """Found by an audit: one read took only what had arrived, and the caller got `{"error": {"message"`."""
     body = json.dumps({"error": {"message": "temperature must be a number", "type": "BadRequestError",

@@ -299,17 +299,27 @@ def parse_retry_after(header: str | None, now_s: float | None = None) -> int | N
     return min(max(math.ceil(wait), 0), MAX_RETRY_AFTER_S)
 
 
+#: the status of a refusal of iop's credentials, or of a model those credentials may not use
+FORBIDDEN = 403
+
+
 def answered_error(provider_id: str, status: int, message: str, detail: dict[str, Any] | None,
                    served: str | None = None, retry_after: str | None = None) -> ProviderError:
     """A provider's error answer (4xx or 5xx) with its one-line `message`. The caller's fault
     (`callers_fault`) is passed through (`detail`, its message the one-line one), never retried, and
     shows the provider alive; a 5xx, a 429, a refusal of iop's credentials, or a 404 that names the
-    `served` model (the provider lost it: the caller asked for a model iop routes there) or is no
+    `served` model (the provider lost it: the caller asked for a model iop routes there), a 403 that
+    names it or says `model_not_found` (iop's key may not use that model), or a 404 that is no
     error object (a path the server does not have: `base_url` or a proxy is wrong) goes to another
     provider (a refusal of credentials is a strike: every run there would get it; a 429 shows it
     alive; a 5xx or a 404 shows nothing: its model list is probed again once nothing else shows
     it alive). A busy provider's (`BUSY`) `retry_after` header is kept, in seconds."""
     if status == NOT_THERE and (detail is None or names(message, served)):
+        return ProviderError(f"provider {provider_id} answered {status}: {message}", retry=Retry.ELSEWHERE,
+                             strikes=None)
+    if status == FORBIDDEN and (names(message, served) or (detail or {}).get("code") == "model_not_found"):
+        # (a hosted API's key that may not use this model, as OpenAI answers a project without access to
+        # it: one model's matter; a strike took the provider down for all its models)
         return ProviderError(f"provider {provider_id} answered {status}: {message}", retry=Retry.ELSEWHERE,
                              strikes=None)
     if callers_fault(status):
