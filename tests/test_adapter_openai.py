@@ -250,14 +250,42 @@ async def test_a_failed_probe_says_what_the_server_said(fake: Fake, session: aio
     assert probe.health is Health.UNAVAILABLE and probe.reason == reason
 
 
-async def test_a_probe_answered_429_says_nothing_either_way(fake: Fake, session: aiohttp.ClientSession) -> None:
+async def test_a_probe_answered_429_is_a_sign_of_life(fake: Fake, session: aiohttp.ClientSession) -> None:
     """A hosted API's rate limit covers its model list too: busy is not down (found by an audit:
-    one 429 took every provider of the key down at once)."""
+    one 429 took every provider of the key down at once), and it answered with iop's key: alive
+    (a provider whose probes all answered 429 stayed `not probed yet`, no run ever sent: a
+    hosted-API audit)."""
     fake.status["/v1/models"] = 429
     probe = await OpenAICompatAdapter(provider("openai_api", fake.url), session).probe()
     assert probe.health is Health.UNKNOWN and probe.busy
     assert probe.reason == "GET /v1/models answered 429 (rate limited)"
-    assert probe_evidence(probe, busy=False) == ("", 0)
+    assert probe_evidence(probe, busy=False) == ("ok", 0)
+
+
+@pytest.mark.parametrize(("listing", "expected"), [
+    ([{"id": "m-a", "object": "model"}, {"id": "m-b", "object": "model"}], ["m-a", "m-b"]),  # Together AI's
+    ({"object": "list", "data": [{"id": "m-a"}], "has_more": True}, None),  # a page: not all it serves
+    ({"object": "list", "data": [{"id": "m-a"}], "has_more": False}, ["m-a"]),
+], ids=["bare-array", "first-page", "last-page"])
+async def test_a_model_list_as_hosted_apis_give_it(fake: Fake, session: aiohttp.ClientSession,
+                                                   listing: Any, expected: list[str] | None) -> None:
+    """A bare array was `not a model list` (the provider never took a run); a first page was taken
+    for all it serves (a model on the next page was `missing the model`): a hosted-API audit."""
+    fake.body["/v1/models"] = listing
+    probe = await OpenAICompatAdapter(provider("openai_api", fake.url), session).probe()
+    assert (probe.health, probe.models) == (Health.AVAILABLE, expected)
+
+
+async def test_a_provider_without_a_model_list_is_alive_by_its_probe_path(
+        fake: Fake, session: aiohttp.ClientSession) -> None:
+    """A hosted API without `GET /models` (404): with a `probe_path` that answers 200, it is alive
+    and lists nothing (its served names are the config's); it could never be used."""
+    fake.status["/v1/models"] = 404
+    bare = await OpenAICompatAdapter(provider("openai_api", fake.url), session).probe()
+    assert bare.health is Health.UNAVAILABLE  # (no probe_path: a wrong base_url looks the same)
+    fake.status["/status"], fake.body["/status"] = 200, {"ok": True}
+    probed = await OpenAICompatAdapter(provider("openai_api", fake.url, probe_path="/status"), session).probe()
+    assert (probed.health, probed.models) == (Health.AVAILABLE, None)
 
 
 async def test_the_api_key_is_sent_but_never_shown(fake: Fake, session: aiohttp.ClientSession,

@@ -91,11 +91,12 @@ def recorded(listed: list[str], configured: list[str]) -> list[str]:
 
 
 def probe_evidence(probe: ProbeResult, busy: bool) -> tuple[str, int]:
-    """(evidence kind, strikes) of a probe's result: a timeout on a busy provider says nothing, nor
-    does a provider's answer that it is busy (429)."""
-    if probe.health is Health.AVAILABLE:
+    """(evidence kind, strikes) of a probe's result: a timeout on a busy provider says nothing; a
+    provider's answer that it is busy (429) is a sign of life (it answered, and took iop's key: a
+    hosted API whose model list answered 429 from the start stayed `not probed yet` for good)."""
+    if probe.health is Health.AVAILABLE or probe.busy:
         return "ok", 0
-    if probe.busy or (probe.timed_out and busy):
+    if probe.timed_out and busy:
         return "", 0
     return "fail", probe.strikes
 

@@ -88,7 +88,7 @@ class ProbeResult:
     strikes: int = DOWN
     #: the probe got no answer in time (on a busy provider that says nothing about its health)
     timed_out: bool = False
-    #: the provider answered that it is busy (429, rate limited): that says nothing either way
+    #: the provider answered that it is busy (429, rate limited): a sign of life, not of health
     busy: bool = False
 
 

@@ -274,7 +274,7 @@ def names(message: str, served: str | None) -> bool:
 def probe_answered(what: str, status: int, said: str = "") -> ProbeResult:
     """A probe (`GET /path`) answered with an error status (`said`: what its body says, in a few
     words): down, unless it said it is busy (a 429: a hosted API's rate limit covers its model
-    list too), which says nothing either way."""
+    list too), which is a sign of life (`workers.heartbeat.probe_evidence`)."""
     if status == 429:
         return ProbeResult(Health.UNKNOWN, f"{what} answered 429 (rate limited)", strikes=0, busy=True)
     hint = PROXY_CREDENTIALS if status == PROXY_AUTH else ""

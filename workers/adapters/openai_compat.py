@@ -617,6 +617,12 @@ class OpenAICompatAdapter:
             return 200, None, ProbeResult(Health.UNKNOWN, f"GET {path} answered 200 with JSON nested too deep")
 
     async def probe(self) -> ProbeResult:
+        """Its health endpoint, if it has one, then its model list. A model list of OpenAI's shape,
+        or a bare array of model objects (Together AI's); one page of a longer list (`has_more`) is
+        not all it serves: as a list it cannot give (None), so no served name is missing from it. A
+        server whose `probe_path` (set in the config) answered 200 and that has no model list (404,
+        405, 501) lists none: a hosted API without `GET /models` could never be used."""
+        health_said = False
         if self.health_url is not None:
             status, said, failed = await self._get(self.health_url)
             if failed is not None:
@@ -625,15 +631,21 @@ class OpenAICompatAdapter:
                 self.health_url = None  # this server has none: the model list decides from now on
             elif status != 200:
                 return probe_answered(f"GET {urlsplit(self.health_url).path}", status, said)
+            else:
+                health_said = self.provider.probe_path is not None
         models_path = urlsplit(self.root).path + "/models"
         status, data, failed = await self._get(self.root + "/models")
         if failed is not None:
             return failed
+        if status in NO_SUCH_ENDPOINT and health_said:
+            return ProbeResult(Health.AVAILABLE, "", None, strikes=0)
         if status != 200:
             return probe_answered(f"GET {models_path}", status, data)
-        listed = data.get("data") if isinstance(data, dict) else None
+        listed = data.get("data") if isinstance(data, dict) else data
         if not isinstance(listed, list):
             return ProbeResult(Health.UNKNOWN, f"GET {models_path} answered 200 but not with a model list")
+        if isinstance(data, dict) and data.get("has_more") is True:
+            return ProbeResult(Health.AVAILABLE, "", None, strikes=0)
         return ProbeResult(Health.AVAILABLE, "", [m["id"] for m in listed if isinstance(m, dict)
                                                   and isinstance(m.get("id"), str)], strikes=0)
 
