@@ -805,9 +805,12 @@ async def test_a_provider_that_refuses_the_stream_options_iop_adds_streams_witho
         redis: Redis, batch_ms: int) -> None:
     config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3},
                          runtime={"stream_batch_ms": batch_ms})
-    client, sched, run_ids = await waiting_runs(redis, config, 3)
+    client, sched, run_ids = await waiting_runs(redis, config, 4)
+    # (what iop sends anyway, as every Responses stream does: a hosted API's 400 was its answer)
     await redis.hset(keys.run_record(run_ids[2]), "body", pack(
         {"model": MODEL, "messages": [], "stream_options": {"include_usage": True}}))
+    await redis.hset(keys.run_record(run_ids[3]), "body", pack(
+        {"model": MODEL, "messages": [], "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
     provider = NoStreamOptions()
     runner = Runner(redis, config, "n-a", {"a": provider})
     for run_id in run_ids:
@@ -815,13 +818,28 @@ async def test_a_provider_that_refuses_the_stream_options_iop_adds_streams_witho
     for n, run_id in enumerate(run_ids):
         await sched.dispatch_all()
         outcome = await runner.execute(run_id)
-        if n < 2:  # asked again without them, and from then on
+        if n < 3:  # asked again without them, and from then on
             assert outcome.startswith("completed"), outcome
             assert [c for chunks in await deltas(redis, run_id) for c in chunks] == [ROLE, text("a"), text("b")]
         else:  # the caller's own stream_options: its provider's 400 is its answer
             assert outcome.startswith("failed"), outcome
-    assert ["stream_options" in body for body in provider.bodies] == [True, False, False, True]
+    assert ["stream_options" in body for body in provider.bodies] == [True, False, False, False, True]
     assert runner.no_stream_options == {"a"}
+    await client.close()
+
+
+async def test_a_caller_asking_only_for_usage_is_answered_by_a_provider_that_refuses_stream_options(
+        redis: Redis) -> None:
+    """A Responses stream asks for usage (`{"include_usage": true}`, what iop sends anyway): a hosted
+    API that refuses `stream_options` answered it 400 (a hosted-API audit); it is asked again without."""
+    config = make_config({"a": 1})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await redis.hset(keys.run_record(run_id), mapping={"stream": "1", "body": pack(
+        {"model": MODEL, "messages": [], "stream_options": {"include_usage": True}})})
+    await sched.dispatch_all()
+    provider = NoStreamOptions()
+    assert (await Runner(redis, config, "n-a", {"a": provider}).execute(run_id)).startswith("completed")
+    assert ["stream_options" in body for body in provider.bodies] == [True, False]
     await client.close()
 
 

@@ -427,10 +427,14 @@ class Runner:
         """Stream the run's output as `delta` events. The provider is asked for usage whether the
         caller asked or not (it is counted for the caller's key); a caller that did not ask gets
         the chunks without it. A provider that refuses the `stream_options` the caller did not
-        send (an older Azure OpenAI) is asked again without them, and from then on."""
+        send, or sent only to ask for usage (every Responses stream does: a hosted API refusing them
+        answered those 400), is asked again without them, and from then on (an older Azure OpenAI)."""
         wanted = wants_usage(body)
-        added = "stream_options" not in body
-        if not (added and att.provider_id in self.no_stream_options):
+        # (a caller's own {"include_usage": true} is what iop sends anyway: a Responses stream's, say)
+        added = body.get("stream_options") in (None, {"include_usage": True})
+        if added and att.provider_id in self.no_stream_options:
+            body.pop("stream_options", None)
+        else:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         try:
             usage, last = await self._stream_reads(att, adapter.stream(kind, body, att.run_id), wanted)
