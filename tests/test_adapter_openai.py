@@ -657,3 +657,23 @@ async def test_a_key_with_a_line_end_from_an_env_file_is_sent_without_it_and_sai
         "line end of the file it came from?); it is sent without it",
         "provider b: its api_key_env IOP_TEST_UNSET_KEY is not set in this worker's environment; its requests go "
         "without an API key"]
+
+
+async def test_a_key_with_a_line_break_inside_goes_unsent_and_is_said_at_start(
+        fake: Fake, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key with a CR or LF inside (two lines pasted into one variable): aiohttp refused every
+    request, which failed as "the answer was not valid JSON" (no strike) and the probe as an ERROR
+    traceback (a hosted-API audit). Sent without it, the API's 401 says what is wrong; the worker
+    warns at its start."""
+    from workers.service import key_warnings
+
+    broken = KEY[:10] + "\n" + KEY[10:]
+    monkeypatch.setenv("IOP_TEST_API_KEY", broken)
+    config = provider("openai_api", fake.url, api_key_env="IOP_TEST_API_KEY")
+    fake.status["/v1/models"] = 401
+    probe = await OpenAICompatAdapter(config, session).probe()
+    assert probe.health is Health.UNAVAILABLE and probe.reason.startswith("GET /v1/models answered 401")
+    assert "Authorization" not in fake.requests[-1][1]
+    assert key_warnings([config], {"IOP_TEST_API_KEY": broken}) == [
+        "provider openai_api-a: its api_key_env IOP_TEST_API_KEY holds a key with a character no header can carry "
+        "(a line break inside it?); its requests go without an API key"]

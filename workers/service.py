@@ -22,6 +22,7 @@ from common.wire import ErrorCode, ErrorInfo
 from workers import metrics as worker_metrics
 from workers.adapters.base import DEFAULT_LIMITS, Adapter, ReadLimits
 from workers.adapters.cli import CliAdapter
+from workers.adapters.credentials import sendable
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
 from workers.adapters.proxies import Proxy, ProxyError, proxy_for
@@ -74,13 +75,17 @@ def key_warnings(providers: Iterable[ProviderConfig], environ: Mapping[str, str]
     """A warning for each provider whose `api_key_env` names a variable `environ` lacks or holds
     empty (the worker sends its requests without a key: a hosted API will refuse them), or holds a
     key with whitespace at its start or end (a Windows line end of an env file: sent without it, as
-    a header could not carry it)."""
+    a header could not carry it), or holds inside it what no header can carry (sent without a key).
+    """
     warnings = []
     for p in providers:
         value = environ.get(p.api_key_env) if p.api_key_env else None
         if p.api_key_env and not (value or "").strip():
             warnings.append(f"provider {p.id}: its api_key_env {p.api_key_env} is not set in this worker's "
                             "environment; its requests go without an API key")
+        elif value is not None and not sendable(value.strip()):
+            warnings.append(f"provider {p.id}: its api_key_env {p.api_key_env} holds a key with a character no "
+                            "header can carry (a line break inside it?); its requests go without an API key")
         elif value is not None and value != value.strip():
             warnings.append(f"provider {p.id}: its api_key_env {p.api_key_env} holds a key with whitespace at its "
                             "start or end (a line end of the file it came from?); it is sent without it")

@@ -15,6 +15,11 @@ from workers.adapters.failures import url_secrets
 from workers.adapters.proxies import Proxy, Via
 
 
+def sendable(value: str) -> bool:
+    """Whether a header can carry `value` as it is: printable ASCII."""
+    return value.isascii() and value.isprintable()
+
+
 class Credentials:
     __slots__ = ("provider", "via")
 
@@ -25,10 +30,13 @@ class Credentials:
 
     def key(self) -> str | None:
         """The key, read from the environment at each request (whitespace at its ends, a line end
-        of an env file, left out: no header could carry it)."""
+        of an env file, left out: no header could carry it); none if it holds what no header can
+        carry (a line break inside it: aiohttp refused each request, which then failed as "not
+        valid JSON", no strike; the worker warns at its start, `workers.service.key_warnings`)."""
         if not self.provider.api_key_env:
             return None
-        return os.environ.get(self.provider.api_key_env, "").strip() or None
+        key = os.environ.get(self.provider.api_key_env, "").strip()
+        return key if key and sendable(key) else None
 
     def headers(self, run_id: str | None) -> dict[str, str]:
         """The config's `headers`, the run's request id (none for a probe), and the key."""
