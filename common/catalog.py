@@ -248,6 +248,7 @@ def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str
         capacity_override=ctl.capacity_override,
         benched=now_ms is not None and (bench or 0) > now_ms,
         bench_until_ms=bench,
+        busy=bench is not None and served is not None and beat.get(keys.BUSY_FIELD + served) == str(bench),
     )
 
 
@@ -281,7 +282,7 @@ def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: 
         return "model_not_listed", f"the provider does not list {target!r}"
     if snap.benched:
         back_s = ((snap.bench_until_ms or 0) - now_ms) / 1000
-        if beat.get(keys.BUSY_FIELD + target) == str(snap.bench_until_ms):
+        if snap.busy:
             return "benched", f"it answered a run of {target!r} too busy (429 or 503); back in {back_s:.1f}s"
         return "benched", (f"{BLAME_RUNS} runs of {target!r} in a row failed there and another provider "
                            f"served them; back in {back_s:.1f}s")

@@ -67,6 +67,9 @@ class ProviderSnapshot:
     benched: bool = False
     #: when that bench ends (ms since the epoch), if the reader knows it
     bench_until_ms: int | None = None
+    #: the bench is a busy one: it answered a run 429 or 503 and asked to be left alone until then
+    #: (`keys.BUSY_FIELD`): busy is not down, so the model's runs wait for it (`all_refused`)
+    busy: bool = False
     #: the node its heartbeat comes from when that is not the config's (it moved there in a config
     #: the reader does not run yet): its heartbeat counts as none (`heartbeat_ms` None)
     beats_from: str | None = None
@@ -108,10 +111,12 @@ def is_available(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> bool:
 def all_refused(snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int) -> bool:
     """True when every provider answered its latest probe and none can take the model's runs
     (unavailable, not serving the model, or benched for it). Providers with no fresh heartbeat are
-    not known to be down, so they keep a run waiting."""
+    not known to be down, so they keep a run waiting; so do those benched because they were too busy
+    (back when their Retry-After ends: a busy hosted API's one 429 failed every run waiting)."""
     snaps = list(snapshots)
     return bool(snaps) and all(
-        is_fresh(s, now_ms, ttl_ms) and (s.health is Health.UNAVAILABLE or not s.has_model or s.benched)
+        is_fresh(s, now_ms, ttl_ms)
+        and (s.health is Health.UNAVAILABLE or not s.has_model or (s.benched and not s.busy))
         for s in snaps
     )
 

@@ -47,14 +47,14 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
     pipe = redis.pipeline(transaction=False)
     for pid, served in targets.items():
         pipe.hmget(keys.heartbeat(pid), "health", "capacity", "ts_ms", "observed_models", keys.BENCH_FIELD + served,
-                   "node")
+                   "node", keys.BUSY_FIELD + served)
         pipe.zcount(keys.leases(pid), f"({now_ms}", "+inf")
         pipe.exists(keys.drained(pid), keys.cordoned(node_of(pid)))
         pipe.get(keys.capacity_override(pid))
     replies = await pipe.execute()
     snaps = []
     for i, (pid, served) in enumerate(targets.items()):
-        (health, capacity, ts, observed, bench, node), in_flight, blocked, override = replies[4 * i:4 * i + 4]
+        (health, capacity, ts, observed, bench, node, busy), in_flight, blocked, override = replies[4 * i:4 * i + 4]
         # (a heartbeat from another node than the config's: the provider moved there in a config this
         # reader does not run yet; as no heartbeat, it keeps a run waiting, not sent where it is not)
         beats_from = node.decode(errors="replace") if node is not None else None
@@ -70,6 +70,7 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
             capacity_override=_int(override),
             benched=(_int(bench) or 0) > now_ms,
             bench_until_ms=_int(bench),
+            busy=bench is not None and busy == bench,
             beats_from=None if here else beats_from,
         ))
     return snaps

@@ -166,6 +166,16 @@ def test_a_drained_provider_never_makes_runs_fail() -> None:
     assert all_refused([snap("b", 0, 4, health=Health.UNAVAILABLE)], NOW, TTL)
 
 
+def test_a_provider_benched_because_it_was_too_busy_keeps_runs_waiting() -> None:
+    """Busy is not down: a provider benched for its Retry-After (it answered 429 or 503) is back
+    when it ends, so the model's waiting runs wait for it; a hosted API's one 429 failed them all.
+    A bench for failed runs (blame) refuses, as before."""
+    busy = replace(snap("a", 0, 4), benched=True, bench_until_ms=NOW + 30_000, busy=True)
+    assert not all_refused([busy], NOW, TTL)
+    assert all_refused([replace(busy, busy=False)], NOW, TTL)
+    assert not all_refused([busy, snap("b", 0, 4, health=Health.UNAVAILABLE)], NOW, TTL)
+
+
 def benched(s: ProviderSnapshot, until_ms: int) -> ProviderSnapshot:
     return replace(s, benched=True, bench_until_ms=until_ms)
 
