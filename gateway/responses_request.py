@@ -108,7 +108,11 @@ def _content(content: Any, path: str) -> str | list[dict[str, Any]]:
         raise invalid(f"'{path}' must be a string or an array of content parts", path)
     parts = [_part(p, f"{path}[{i}]") for i, p in enumerate(content)]
     if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)
+        text = ""
+        for p in parts:  # (a line break where neither part has a space at the join, as vLLM joins them:
+            # "Summarize this:" and "The quick brown fox" reached the model as "...this:The quick...")
+            text = _joined(text, p["text"], "\n")
+        return text
     return parts
 
 
@@ -128,13 +132,13 @@ def _tool_call(item: dict[str, Any], path: str) -> dict[str, Any]:
                          "arguments": _text(item.get("arguments"), f"{path}.arguments")}}
 
 
-def _joined(before: str, after: str) -> str:
-    """An assistant's texts around its calls, as one: a blank line between them where neither has
+def _joined(before: str, after: str, between: str = "\n\n") -> str:
+    """An assistant's texts around its calls, as one: a blank line (`between`) between them where neither has
     a space at the join (two messages' texts, "I'll look." and "One moment.", were "I'll look.One
     moment."); as they are where one has (iop's own Responses stream splits one answer's text at
     its calls, "Let me check. " and "One moment.": its text is sent back as the model wrote it)."""
     if before and after and not before[-1].isspace() and not after[0].isspace():
-        return before + "\n\n" + after
+        return before + between + after
     return before + after
 
 

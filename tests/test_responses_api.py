@@ -86,6 +86,20 @@ def test_two_assistant_texts_around_calls_stay_apart_in_their_message() -> None:
     assert split["messages"][1]["content"] == "Let me check. One moment."
 
 
+def test_text_parts_of_a_message_are_one_text_their_words_apart() -> None:
+    """Parts joined with nothing glued words ("Summarize this:The quick brown fox", and a tool's
+    output "line oneline two": a new user's walk through the README); a line break goes where
+    neither part has a space at the join, as vLLM joins text parts."""
+    chat = chat_of({"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Summarize this:"},
+                                     {"type": "input_text", "text": "The quick brown fox"}]},
+        {"type": "function_call", "call_id": "c1", "name": "read", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1",
+         "output": [{"type": "input_text", "text": "line one"}, {"type": "input_text", "text": "line two"}]}]})
+    assert chat["messages"][0]["content"] == "Summarize this:\nThe quick brown fox"
+    assert chat["messages"][2]["content"] == "line one\nline two"
+
+
 def test_items_become_the_chat_conversation() -> None:
     chat = chat_of({"input": [
         {"role": "developer", "content": "rules"},
