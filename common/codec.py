@@ -67,13 +67,15 @@ def entry_key(entry_id: str) -> tuple[int, int]:
 
 def decode_event(entry_id: bytes | str, fields: dict[bytes, bytes]) -> tuple[str, str, dict[str, Any]]:
     """(entry id, event type, data) of one event stream entry; data that is not msgpack (an entry
-    written by something else than iop's scripts) is none."""
+    written by something else than iop's scripts, or msgpack iop never writes: a map keyed by an
+    array, which Python cannot hold) is none."""
     eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     etype = fields.get(b"type", b"").decode(errors="replace")
     raw = fields.get(b"data")
     try:
         data = unpack(raw) if raw else {}
-    except (ValueError, msgpack.UnpackException):  # (not iop's writing: `iop runs show` and the runs API broke on it)
+    except (ValueError, TypeError, msgpack.UnpackException):  # (not iop's writing: `iop runs show` and the
+        # runs API broke on it; TypeError: a map keyed by an array or a map, unhashable)
         data = {}
     if not isinstance(data, dict):
         data = {}
