@@ -889,7 +889,10 @@ local runs = tonumber(ARGV[1])
 for i = 2, #KEYS do
   local provider, blame = ARGV[2 * i - 1], '{keys.BLAME_FIELD}' .. ARGV[2 * i]
   if listed[provider] and redis.call('EXISTS', KEYS[i]) == 1 and redis.call('HINCRBY', KEYS[i], blame, 1) >= runs then
-    redis.call('HSET', KEYS[i], blame, runs - 1, '{keys.BENCH_FIELD}' .. ARGV[2 * i], now + tonumber(ARGV[2]))
+    local bench = '{keys.BENCH_FIELD}' .. ARGV[2 * i]
+    -- (never shortened: a busy bench of its Retry-After may last longer)
+    local was = tonumber(redis.call('HGET', KEYS[i], bench) or '') or 0
+    redis.call('HSET', KEYS[i], blame, runs - 1, bench, math.max(was, now + tonumber(ARGV[2])))
     benched[#benched + 1] = provider
   end
 end

@@ -286,6 +286,9 @@ async def test_a_provider_without_a_model_list_is_alive_by_its_probe_path(
     fake.status["/status"], fake.body["/status"] = 200, {"ok": True}
     probed = await OpenAICompatAdapter(provider("openai_api", fake.url, probe_path="/status"), session).probe()
     assert (probed.health, probed.models) == (Health.AVAILABLE, None)
+    # a server's own (vLLM's) has a model list: its 404 there is a wrong base_url, probe_path or not
+    wrong = await OpenAICompatAdapter(provider("vllm", fake.url, probe_path="/status"), session).probe()
+    assert wrong.health is Health.UNAVAILABLE and wrong.reason == "GET /v1/models answered 404"
 
 
 async def test_the_api_key_is_sent_but_never_shown(fake: Fake, session: aiohttp.ClientSession,

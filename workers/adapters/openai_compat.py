@@ -620,8 +620,8 @@ class OpenAICompatAdapter:
         """Its health endpoint, if it has one, then its model list. A model list of OpenAI's shape,
         or a bare array of model objects (Together AI's); one page of a longer list (`has_more`) is
         not all it serves: as a list it cannot give (None), so no served name is missing from it. A
-        server whose `probe_path` (set in the config) answered 200 and that has no model list (404,
-        405, 501) lists none: a hosted API without `GET /models` could never be used."""
+        hosted API (`openai_api`) whose `probe_path` (set in the config) answered 200 and that has no
+        model list (404, 405, 501) lists none: one without `GET /models` could never be used."""
         health_said = False
         if self.health_url is not None:
             status, said, failed = await self._get(self.health_url)
@@ -631,8 +631,8 @@ class OpenAICompatAdapter:
                 self.health_url = None  # this server has none: the model list decides from now on
             elif status != 200:
                 return probe_answered(f"GET {urlsplit(self.health_url).path}", status, said)
-            else:
-                health_said = self.provider.probe_path is not None
+            else:  # (a hosted API only: vLLM's, SGLang's, llama.cpp's and Lemonade's 404 there is a wrong URL)
+                health_said = self.provider.probe_path is not None and self.provider.type == "openai_api"
         models_path = urlsplit(self.root).path + "/models"
         status, data, failed = await self._get(self.root + "/models")
         if failed is not None:
