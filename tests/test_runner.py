@@ -381,6 +381,15 @@ async def test_a_run_cancelled_after_output_counts_the_tokens_its_caller_got(red
     assert await counted_tokens(redis) == (0, 1)  # ("a"; not the opening, nor the held "b")
 
 
+async def test_a_completed_stream_without_usage_counts_its_output_chunks(redis: Redis) -> None:
+    """llama-cpp-python's streams carry no usage: such a run counted no tokens, less than a caller
+    who left before its end (a review)."""
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[ROLE], [TEXT], [TEXT, TEXT]])})
+    assert (await runner.execute(run_id)).startswith("completed")
+    assert await counted_tokens(redis) == (0, 3)
+
+
 @pytest.mark.parametrize("batch_ms", [0, 10])
 async def test_a_stream_broken_off_after_output_counts_its_last_usage_or_its_chunks(
         redis: Redis, batch_ms: int) -> None:

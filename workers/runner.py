@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 from common import keys, token_cap
 from common.chunks import (
     MAX_COUNTED_TOKENS,
+    carries_output,
     fixed_usage,
     is_preamble,
     token_counts,
@@ -445,10 +446,15 @@ class Runner:
             usage, last = await self._stream_reads(att, adapter.stream(kind, body, att.run_id), wanted)
             if att.provider_id not in self.no_stream_options:  # (it took the request without them)
                 log.warning("provider %s refused the stream_options iop adds to ask for usage; its streams go "
-                            "without them (their runs count no tokens)", att.provider_id, extra=att.log())
+                            "without them (their runs count a completion token an output chunk, and no prompt "
+                            "tokens)", att.provider_id, extra=att.log())
                 self.no_stream_options.add(att.provider_id)
+        # (a stream that carried no usage, as llama-cpp-python's: its output chunks, as `_partial_usage`
+        # counts them; it counted none, less than a caller who left before its end)
+        counted = token_counts(usage) if usage is not None else (
+            0, att.out_chunks + sum(1 for c in last if carries_output(c)))
         return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {}, evidence=ALIVE,
-                                  usage=token_counts(usage), last=last)
+                                  usage=counted, last=last)
 
     async def _stream_reads(self, att: Attempt, reads: AsyncIterator[list[dict[str, Any]]],
                             wanted: bool) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
