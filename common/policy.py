@@ -152,7 +152,8 @@ def candidate_class(snap: ProviderSnapshot, now_ms: int, ttl_ms: int, avoid: fro
 
 def why_not(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> str:
     """Why a provider takes no run now, in a few words (for a run that timed out in its queue):
-    `no heartbeat`, `unavailable`, `missing the model`, `benched`, `drained or cordoned`, `capacity 0`, or
+    `no heartbeat`, `unavailable`, `missing the model`, `benched` (with why, for a busy one), `drained or
+    cordoned`, `capacity 0`, or
     `full (n of c)` (it may be free by the time this is read)."""
     if snap.beats_from is not None:
         return f"its heartbeat comes from node {snap.beats_from}, not this config's"
@@ -163,7 +164,7 @@ def why_not(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> str:
     if not snap.has_model:
         return "missing the model"
     if snap.benched:
-        return "benched"
+        return "benched: it answered too busy (429 or 503)" if snap.busy else "benched"
     if snap.drained:
         return "drained or cordoned"
     capacity = snap.effective_capacity
