@@ -148,14 +148,7 @@ def drip_until_answered(sock: socket.socket, drops: list[bytes]) -> bytes:
             break
     else:
         raise AssertionError("ran out of bytes to drip before the gateway answered")
-    sock.settimeout(max(deadline - time.monotonic(), 0.1))
-    received = b""
-    try:
-        while chunk := sock.recv(65536):
-            received += chunk
-    except ConnectionResetError:
-        pass
-    return received
+    return rest_until_closed(sock, max(deadline - time.monotonic(), 0.1))
 
 
 def metric(gw: Gateway, name: str, **labels: str) -> float:
@@ -685,9 +678,9 @@ def test_a_body_in_chunks_too_small_is_refused_and_its_connection_ends(
     assert _AHEAD.get(sock, b"") + rest_until_closed(sock) == b""  # (nothing after the answer: no 200)
 
 
-def rest_until_closed(sock: socket.socket) -> bytes:
+def rest_until_closed(sock: socket.socket, within_s: float = DEADLINE_S) -> bytes:
     """What the gateway sends until it closes the connection (a reset ends it too)."""
-    sock.settimeout(DEADLINE_S)
+    sock.settimeout(within_s)
     got = b""
     try:
         while chunk := sock.recv(65536):

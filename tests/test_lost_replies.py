@@ -17,6 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common import keys
 from common.codec import pack
+from common.config import RuntimeConfig
 from common.redisconn import connect
 from common.scripts import Scripts
 from tests.conftest import async_wait_until, redis_full
@@ -340,6 +341,47 @@ async def test_a_worker_restarted_in_place_is_not_handed_its_predecessor_s_job(r
 LIVE_UNTIL = 10**13
 
 
+class NodeOfTwo:
+    """A run dispatched to provider a of node n-a, whose live workers are `old` (its config lacks
+    the run's model there) and `new` (it serves it), each with its `iop:serves` set; and the
+    arguments of the `take` scripts for one of them."""
+
+    def __init__(self, redis: Redis, run_id: str, rt: RuntimeConfig) -> None:
+        self.redis, self.run_id, self.rt = redis, run_id, rt
+        self.scripts = Scripts(redis)
+        self.workers, self.wake, self.passed = keys.node_workers("n-a"), keys.node_wake("n-a"), keys.node_passed("n-a")
+
+    @classmethod
+    async def start(cls, redis: Redis) -> NodeOfTwo:
+        from tests.test_runner import start_one
+
+        sched, run_id = await start_one(redis, {"a": 1})
+        node = cls(redis, run_id, sched.config.runtime)
+        model = (await redis.hget(keys.run_record(run_id), "model") or b"").decode()
+        await redis.zadd(node.workers, {"old": LIVE_UNTIL, "new": LIVE_UNTIL})
+        await redis.sadd(keys.worker_serves("old"), "a\tsome-other-model")
+        await redis.sadd(keys.worker_serves("new"), f"a\t{model}")
+        return node
+
+    def args(self, instance: str) -> list[Any]:
+        """The `take` scripts' first 13 arguments, for the worker `instance`."""
+        from workers.runner import WORKER_ID
+
+        return [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
+                self.rt.lease_ttl_ms, self.rt.run_ttl_s, WORKER_ID, pack({}), keys.SCHEDULER_SIGNALS, instance,
+                keys.worker_serves(""), self.workers]
+
+    async def take(self, instance: str) -> list[Any]:
+        return list(await self.scripts.call("take", [keys.node_queue("n-a")], [*self.args(instance), self.run_id]))
+
+    async def take_woken(self, instance: str) -> list[Any]:
+        """What `instance`'s `take_woken` started or passed over ([id, status] of each), 4 slots free."""
+        script_keys = [keys.node_queue("n-a"), keys.worker_woken(instance), keys.worker_answered(instance),
+                       self.wake, self.passed]
+        taken = await self.scripts.call("take_woken", script_keys, [*self.args(instance), 4])
+        return [t[:2] for t in taken]
+
+
 async def test_a_worker_passes_over_a_run_it_does_not_serve_only_while_another_of_the_node_does(
         redis: Redis) -> None:
     """The `take` script checks the run's `provider<TAB>model` against the worker's set
@@ -347,70 +389,35 @@ async def test_a_worker_passes_over_a_run_it_does_not_serve_only_while_another_o
     marker, while another live worker of the node serves it or has no set to say (an older
     version); with no such worker, or with no set of its own (not written yet, lost with Redis),
     the run starts here as before."""
-    from tests.test_runner import start_one
-    from workers.runner import WORKER_ID
-
-    sched, run_id = await start_one(redis, {"a": 1})
+    node = await NodeOfTwo.start(redis)
+    run_id = node.run_id
     model = (await redis.hget(keys.run_record(run_id), "model") or b"").decode()
-    rt = sched.config.runtime
-    scripts = Scripts(redis)
-    workers = keys.node_workers("n-a")
-
-    async def take(instance: str) -> list[Any]:
-        args = [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
-                rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack({}), keys.SCHEDULER_SIGNALS, instance,
-                keys.worker_serves(""), workers, run_id]
-        return list(await scripts.call("take", [keys.node_queue("n-a")], args))
-
-    await redis.sadd(keys.worker_serves("old"), "a\tsome-other-model")
-    await redis.zadd(workers, {"old": LIVE_UNTIL, "new": LIVE_UNTIL})
-    await redis.sadd(keys.worker_serves("new"), f"a\t{model}")
-    passed = await take("old")
-    assert passed == [[run_id.encode(), b"passed", b"a", model.encode()]]
+    assert await node.take("old") == [[run_id.encode(), b"passed", b"a", model.encode()]]
     assert await redis.zscore(keys.node_queue("n-a"), run_id) is not None  # (still queued)
     assert not await redis.exists(in_progress_prefix() + run_id)  # (no marker: free to take)
     assert (await redis.hget(keys.run_record(run_id), "state")) == b"dispatched"
 
     await redis.delete(keys.worker_serves("new"))  # an older version: it says nothing, so it may
-    assert [t[:2] for t in await take("old")] == [[run_id.encode(), b"passed"]]
+    assert [t[:2] for t in await node.take("old")] == [[run_id.encode(), b"passed"]]
 
-    await redis.zrem(workers, "new")  # no other worker: it starts here (its own check fails it)
-    assert [t[:2] for t in await take("old")] == [[run_id.encode(), b"ok"]]
+    await redis.zrem(node.workers, "new")  # no other worker: it starts here (its own check fails it)
+    assert [t[:2] for t in await node.take("old")] == [[run_id.encode(), b"ok"]]
 
 
 async def test_a_run_passed_over_off_the_wake_list_is_taken_first_by_a_worker_that_serves_it(redis: Redis) -> None:
     """`take_woken`: a run the old worker took off the wake list and passed over goes to the
     node's passed list, and the next `take_woken` of a worker that serves it takes it from there
     (before its wake list), not at arq's next poll; a worker that does not serve it leaves it there."""
-    from tests.test_runner import start_one
-    from workers.runner import WORKER_ID
-
-    sched, run_id = await start_one(redis, {"a": 1})
-    model = (await redis.hget(keys.run_record(run_id), "model") or b"").decode()
-    rt = sched.config.runtime
-    await redis.zadd(keys.node_workers("n-a"), {"old": LIVE_UNTIL, "new": LIVE_UNTIL})
-    await redis.sadd(keys.worker_serves("old"), "a\tsome-other-model")
-    await redis.sadd(keys.worker_serves("new"), f"a\t{model}")
-    passed = keys.node_passed("n-a")
-
-    async def take_woken(instance: str) -> list[Any]:
-        script_keys = [keys.node_queue("n-a"), keys.worker_woken(instance), keys.worker_answered(instance),
-                       keys.node_wake("n-a"), passed]
-        args = [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
-                rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack({}), keys.SCHEDULER_SIGNALS, instance,
-                keys.worker_serves(""), keys.node_workers("n-a"), 4]
-        return list(await Scripts(redis).call("take_woken", script_keys, args))
-
-    wake = keys.node_wake("n-a")
-    assert await redis.lrange(wake, 0, -1) == [run_id.encode()]
-    assert [t[:2] for t in await take_woken("old")] == [[run_id.encode(), b"passed"]]
+    node = await NodeOfTwo.start(redis)
+    run_id, wake, passed = node.run_id.encode(), node.wake, node.passed
+    assert await redis.lrange(wake, 0, -1) == [run_id]
+    assert await node.take_woken("old") == [[run_id, b"passed"]]
     # (back on the wake list once, for a serving worker blocked there: see the test below)
-    assert await redis.lrange(passed, 0, -1) == [run_id.encode()] and await redis.lrange(wake, 0, -1) == [
-        run_id.encode()]
-    assert [t[:2] for t in await take_woken("old")] == [[run_id.encode(), b"passed"]]
-    assert await redis.lrange(passed, 0, -1) == [run_id.encode()] and not await redis.llen(wake)
-    assert await take_woken("old") == [] and await redis.llen(passed) == 1  # (not its own: left there)
-    assert [t[:2] for t in await take_woken("new")] == [[run_id.encode(), b"ok"]]
+    assert await redis.lrange(passed, 0, -1) == [run_id] and await redis.lrange(wake, 0, -1) == [run_id]
+    assert await node.take_woken("old") == [[run_id, b"passed"]]
+    assert await redis.lrange(passed, 0, -1) == [run_id] and not await redis.llen(wake)
+    assert await node.take_woken("old") == [] and await redis.llen(passed) == 1  # (not its own: left there)
+    assert await node.take_woken("new") == [[run_id, b"ok"]]
     assert not await redis.exists(passed)
 
 
@@ -420,64 +427,33 @@ async def test_a_run_passed_over_wakes_a_worker_that_serves_it_blocked_on_the_wa
     blocked there (idle), takes it now. It waited for that worker's wait to end before (poll_delay,
     a second): most runs of a rollout half done, at a low rate, took a second more. The one worker's
     list holds it once, and its `take_woken` takes it once (from its own list and the passed list)."""
-    from tests.test_runner import start_one
-    from workers.runner import WORKER_ID
-
-    sched, run_id = await start_one(redis, {"a": 1})
-    model = (await redis.hget(keys.run_record(run_id), "model") or b"").decode()
-    rt = sched.config.runtime
-    await redis.zadd(keys.node_workers("n-a"), {"old": LIVE_UNTIL, "new": LIVE_UNTIL})
-    await redis.sadd(keys.worker_serves("old"), "a\tsome-other-model")
-    await redis.sadd(keys.worker_serves("new"), f"a\t{model}")
-    wake, passed = keys.node_wake("n-a"), keys.node_passed("n-a")
-
-    def take_woken(instance: str) -> tuple[list[str], list[Any]]:
-        return ([keys.node_queue("n-a"), keys.worker_woken(instance), keys.worker_answered(instance), wake, passed],
-                [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
-                 rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack({}), keys.SCHEDULER_SIGNALS, instance,
-                 keys.worker_serves(""), keys.node_workers("n-a"), 4])
-
-    await redis.rpoplpush(wake, keys.worker_woken("old"))  # (the old worker's BLMOVE got it)
+    node = await NodeOfTwo.start(redis)
+    run_id = node.run_id.encode()
+    await redis.rpoplpush(node.wake, keys.worker_woken("old"))  # (the old worker's BLMOVE got it)
     blocked = Redis.from_url(redis_url)  # the serving worker, idle, blocked on the wake list
     try:
-        move = asyncio.create_task(blocked.blmove(wake, keys.worker_woken("new"), 5.0, "RIGHT", "LEFT"))
+        move = asyncio.create_task(blocked.blmove(node.wake, keys.worker_woken("new"), 5.0, "RIGHT", "LEFT"))
         await async_wait_until(lambda: _blocked_clients(redis), what="the serving worker blocked")
-        assert [t[:2] for t in await Scripts(redis).call("take_woken", *take_woken("old"))] == [
-            [run_id.encode(), b"passed"]]
-        assert await asyncio.wait_for(move, 1.0) == run_id.encode()  # woken now, not in 5 s
+        assert await node.take_woken("old") == [[run_id, b"passed"]]
+        assert await asyncio.wait_for(move, 1.0) == run_id  # woken now, not in 5 s
     finally:
         await blocked.aclose()
-    taken = await Scripts(redis).call("take_woken", *take_woken("new"))
-    assert [t[:2] for t in taken] == [[run_id.encode(), b"ok"]]  # (once: its own list and the passed list)
-    assert not await redis.exists(passed) and not await redis.llen(wake)
+    assert await node.take_woken("new") == [[run_id, b"ok"]]  # (once: its own list and the passed list)
+    assert not await redis.exists(node.passed) and not await redis.llen(node.wake)
 
 
 async def test_a_passed_run_no_live_worker_serves_any_more_is_taken_by_one_that_lacks_it(redis: Redis) -> None:
     """The worker that served it stopped or died after the run was passed over: the next
     `take_woken` of the node takes it from the passed list and starts it (its own check fails it,
     and it goes back to its queue), instead of leaving it for its lease."""
-    from tests.test_runner import start_one
-    from workers.runner import WORKER_ID
-
-    sched, run_id = await start_one(redis, {"a": 1})
-    model = (await redis.hget(keys.run_record(run_id), "model") or b"").decode()
-    rt = sched.config.runtime
-    workers, passed = keys.node_workers("n-a"), keys.node_passed("n-a")
-    await redis.zadd(workers, {"old": LIVE_UNTIL, "new": LIVE_UNTIL})
-    await redis.sadd(keys.worker_serves("old"), "a\tsome-other-model")
-    await redis.sadd(keys.worker_serves("new"), f"a\t{model}")
-    script_keys = [keys.node_queue("n-a"), keys.worker_woken("old"), keys.worker_answered("old"),
-                   keys.node_wake("n-a"), passed]
-    args = [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
-            rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack({}), keys.SCHEDULER_SIGNALS, "old",
-            keys.worker_serves(""), workers, 4]
-    assert [t[:2] for t in await Scripts(redis).call("take_woken", script_keys, args)] == [
-        [run_id.encode(), b"passed"]]
-    await redis.delete(keys.node_wake("n-a"))  # (its one wake-up went to nobody)
-    assert await redis.lrange(passed, 0, -1) == [run_id.encode()]
-    await redis.zrem(workers, "new")  # the serving worker is gone
-    assert [t[:2] for t in await Scripts(redis).call("take_woken", script_keys, args)] == [[run_id.encode(), b"ok"]]
-    assert not await redis.exists(passed)
+    node = await NodeOfTwo.start(redis)
+    run_id = node.run_id.encode()
+    assert await node.take_woken("old") == [[run_id, b"passed"]]
+    await redis.delete(node.wake)  # (its one wake-up went to nobody)
+    assert await redis.lrange(node.passed, 0, -1) == [run_id]
+    await redis.zrem(node.workers, "new")  # the serving worker is gone
+    assert await node.take_woken("old") == [[run_id, b"ok"]]
+    assert not await redis.exists(node.passed)
 
 
 async def _blocked_clients(redis: Redis) -> bool:
@@ -487,18 +463,9 @@ async def _blocked_clients(redis: Redis) -> bool:
 async def test_a_worker_without_its_set_takes_what_it_is_handed(redis: Redis) -> None:
     """No `iop:serves:{instance}` of its own: nothing is checked (the set is written with the
     worker's heartbeats, and goes with a Redis that lost its data)."""
-    from tests.test_runner import start_one
-    from workers.runner import WORKER_ID
-
-    sched, run_id = await start_one(redis, {"a": 1})
-    rt = sched.config.runtime
-    await redis.zadd(keys.node_workers("n-a"), {"other": LIVE_UNTIL})
-    await redis.sadd(keys.worker_serves("other"), "z\tz")
-    args = [in_progress_prefix(), 60_000, keys.run_record(""), keys.run_events(""), keys.leases(""),
-            rt.lease_ttl_ms, rt.run_ttl_s, WORKER_ID, pack({}), keys.SCHEDULER_SIGNALS, "mine",
-            keys.worker_serves(""), keys.node_workers("n-a"), run_id]
-    taken = await Scripts(redis).call("take", [keys.node_queue("n-a")], args)
-    assert [t[:2] for t in taken] == [[run_id.encode(), b"ok"]]
+    node = await NodeOfTwo.start(redis)
+    await redis.delete(keys.worker_serves("old"))
+    assert [t[:2] for t in await node.take("old")] == [[node.run_id.encode(), b"ok"]]
 
 
 def in_progress_prefix() -> str:

@@ -337,9 +337,11 @@ async def test_held_output_goes_out_after_stream_batch_ms_even_if_the_provider_s
     assert [c for d in await deltas(redis, run_id) for c in d] == [text("a"), text("b"), text("c")]
 
 
-async def test_a_run_cancelled_while_output_is_held_ends_and_closes_the_provider_stream(redis: Redis) -> None:
+async def cancelled_while_held(redis: Redis, first: list[dict[str, Any]]) -> tuple[str, Paced]:
+    """A batched stream whose first read (`first`) went out and whose second is held, cancelled:
+    (its run id, its provider)."""
     sched, run_id = await start_batched(redis, 10_000)
-    paced = Paced([[text("a")], [text("b")], [text("c")]])
+    paced = Paced([first, [text("b")], [text("c")]])
     runner = Runner(redis, sched.config, "n-a", {"a": paced})
     run = asyncio.create_task(runner.execute(run_id))
     paced.gates[0].set()
@@ -348,6 +350,11 @@ async def test_a_run_cancelled_while_output_is_held_ends_and_closes_the_provider
     await async_wait_until(lambda: _asked(paced, 3), what="read 1 taken and held")
     assert runner.cancel(run_id, ErrorInfo(ErrorCode.CANCELLED, "cancelled by the caller"))
     assert (await run).startswith("cancelled")
+    return run_id, paced
+
+
+async def test_a_run_cancelled_while_output_is_held_ends_and_closes_the_provider_stream(redis: Redis) -> None:
+    run_id, paced = await cancelled_while_held(redis, [text("a")])
     assert paced.closed  # the request to the provider was closed
     assert await deltas(redis, run_id) == [[text("a")]]  # (what was held never reached the caller)
 
@@ -367,16 +374,7 @@ async def counted_tokens(redis: Redis) -> tuple[int, int]:
 async def test_a_run_cancelled_after_output_counts_the_tokens_its_caller_got(redis: Redis) -> None:
     """A caller that left just before its stream's end (no usage chunk yet) had its tokens counted
     as none: one completion token is counted for each output chunk it got (not what was held)."""
-    sched, run_id = await start_batched(redis, 10_000)
-    paced = Paced([[ROLE, text("a")], [text("b")], [text("c")]])
-    runner = Runner(redis, sched.config, "n-a", {"a": paced})
-    run = asyncio.create_task(runner.execute(run_id))
-    paced.gates[0].set()
-    await async_wait_until(lambda: _delta_count(redis, run_id, 1), what="the first output")
-    paced.gates[1].set()
-    await async_wait_until(lambda: _asked(paced, 3), what="read 1 taken and held")
-    assert runner.cancel(run_id, ErrorInfo(ErrorCode.CANCELLED, "cancelled by the caller"))
-    assert (await run).startswith("cancelled")
+    run_id, _ = await cancelled_while_held(redis, [ROLE, text("a")])
     assert await deltas(redis, run_id) == [[ROLE, text("a")]]
     assert await counted_tokens(redis) == (0, 1)  # ("a"; not the opening, nor the held "b")
 

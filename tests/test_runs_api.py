@@ -348,15 +348,21 @@ async def test_a_run_of_many_pages_of_events_is_replayed_whole_and_in_order(api:
         assert (await api.redis.info("commandstats"))["cmdstat_xrange"]["calls"] >= 4
 
 
+async def ended_run_of_two_pages(api: Api) -> tuple[str, list[str]]:
+    """A run that ended after READ_COUNT + 5 deltas (two pages of a replay): its id, its events' ids."""
+    run_id = await api.submit()
+    ids = [await api.event(run_id, "delta", {"chunks": [chunk(str(n))]}) for n in range(READ_COUNT + 5)]
+    ids.append(await api.event(run_id, "completed", {}))
+    await api.end(run_id)
+    return run_id, ids
+
+
 async def test_a_replay_cut_by_redis_ends_with_an_error_event_saying_so_without_redis_s_text(
         api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     """Redis goes away between two pages of a replay (the headers went out): the stream ends with
     an OpenAI-shaped error event that says what happened and how to resume; redis-py's text (with
     the server's address) goes to the gateway's log only."""
-    run_id = await api.submit()
-    ids = [await api.event(run_id, "delta", {"chunks": [chunk(str(n))]}) for n in range(READ_COUNT + 5)]
-    ids.append(await api.event(run_id, "completed", {}))
-    await api.end(run_id)
+    run_id, ids = await ended_run_of_two_pages(api)
     runs = api.server.app[RUNS]
     xrange = runs.redis.xrange
     pages = 0
@@ -400,10 +406,7 @@ async def test_a_replay_whose_events_expire_before_its_end_ends_with_an_error_no
         api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run's events expire (`run_ttl_s`) with its record, and may go first by a few ms, or between
     two pages of a replay: the stream just stopped, which a client takes for the run's end."""
-    run_id = await api.submit()
-    ids = [await api.event(run_id, "delta", {"chunks": [chunk(str(n))]}) for n in range(READ_COUNT + 5)]
-    ids.append(await api.event(run_id, "completed", {}))
-    await api.end(run_id)
+    run_id, ids = await ended_run_of_two_pages(api)
     runs = api.server.app[RUNS]
     xrange = runs.redis.xrange
 
