@@ -108,15 +108,18 @@ def is_available(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> bool:
     )
 
 
-def all_refused(snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int) -> bool:
+def all_refused(snapshots: Iterable[ProviderSnapshot], now_ms: int, ttl_ms: int, back_by_ms: int | None = None) -> bool:
     """True when every provider answered its latest probe and none can take the model's runs
     (unavailable, not serving the model, or benched for it). Providers with no fresh heartbeat are
     not known to be down, so they keep a run waiting; so do those benched because they were too busy
-    (back when their Retry-After ends: a busy hosted API's one 429 failed every run waiting)."""
+    (back when their Retry-After ends: a busy hosted API's one 429 failed every run waiting), if
+    that bench ends by `back_by_ms` (None: whenever it ends; a run's deadline: one that ends after it
+    cannot serve the run)."""
     snaps = list(snapshots)
     return bool(snaps) and all(
         is_fresh(s, now_ms, ttl_ms)
-        and (s.health is Health.UNAVAILABLE or not s.has_model or (s.benched and not s.busy))
+        and (s.health is Health.UNAVAILABLE or not s.has_model or (s.benched and not (
+            s.busy and (back_by_ms is None or (s.bench_until_ms is not None and s.bench_until_ms <= back_by_ms)))))
         for s in snaps
     )
 

@@ -237,7 +237,8 @@ def test_a_run_every_provider_was_too_busy_for_is_a_503_that_says_when_to_try_ag
     is then left alone for the model as long as it asked (benched: a hosted API answering 429
     `Retry-After: 30` got every new run first, 194 a second, keeping its key at its rate limit): the
     next caller's run waits in its queue, no provider asked (busy is not down: it is not refused),
-    and goes when the bench ends (here ended by hand, as if the time had passed)."""
+    and goes when the bench ends (here ended by hand, as if the time had passed); a bench that ends
+    after the run's queue_timeout_ms fails it at once, a 503 saying when the bench ends."""
     gateway, urls = start_pool(stack, {"a": 1, "b": 1})
     r = sync_redis.Redis.from_url(stack.redis_url)
 
@@ -267,6 +268,12 @@ def test_a_run_every_provider_was_too_busy_for_is_a_503_that_says_when_to_try_ag
                 assert answer[2]["error"]["code"] == "provider_error"
                 assert answer[2]["error"]["message"].startswith(("provider a answered", "provider b answered"))
                 assert await asked() == [2 * n + 1] * 2
+                if expected == "60":  # (back after the run's queue_timeout_ms, 30 s: it fails now, saying when)
+                    answer = await call(sim, True)
+                    assert answer[0] == 503 and answer[2]["error"]["code"] == "no_available_provider", answer
+                    assert answer[1] is not None and 59 <= int(answer[1]) <= 60
+                    assert await asked() == [2 * n + 1] * 2
+                    continue
                 waiting = asyncio.create_task(call(sim, True))  # both benched: it waits, no provider asked
                 await async_wait_until(one_waiting, what="the run to wait")
                 assert await asked() == [2 * n + 1] * 2 and not waiting.done()

@@ -25,9 +25,10 @@ from common.scripts import Scripts
 from common.snapshots import read_snapshots
 from common.wire import ErrorCode, ErrorInfo, RunKind
 from gateway.errors import ApiError
+from gateway.runs import RunClient
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until
-from tests.test_scheduler import MODEL, beat, make_config, waiting_runs
+from tests.test_scheduler import MODEL, beat, make_config, submit, waiting_runs
 from workers import metrics as worker_metrics
 from workers import runner as runner_module
 from workers.adapters.base import DOWN, LastRead, ProbeResult, ProviderError, Retry, not_taken
@@ -1429,6 +1430,29 @@ async def test_a_provider_too_busy_is_left_alone_for_the_model_as_long_as_it_ask
     await sched.read_new(block_ms=10)
     await sched.dispatch_all()
     assert await fields(redis, keys.run_record(run_id), "provider") == [other]
+
+
+async def test_a_run_requeued_off_a_busy_provider_does_not_hold_up_the_runs_behind_it(redis: Redis) -> None:
+    """A run that one provider was too busy for goes back to its queue for the other, which is then
+    benched for its own Retry-After (60 s): the run may go to that one alone, and waiting for it held
+    every run behind it up (FIFO) until its bench or its queue timeout ended, the first provider back
+    and idle meanwhile (a review, with two hosted APIs at their rate limits). It fails now, as before
+    busy was not down, and the runs behind it go to the first."""
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1})
+    provider, other = await chosen_and_other(redis, run_id)
+    busy = ProviderError(f"provider {provider} answered 429: slow down", status=429, retry=Retry.ELSEWHERE,
+                         retry_after_s=1)
+    assert await Runner(redis, sched.config, f"n-{provider}", {provider: Scripted([], busy)}).execute(
+        run_id) == "requeued:ok"
+    client, (behind,) = RunClient(redis, sched.config), await submit(RunClient(redis, sched.config), 1)
+    await redis.hdel(keys.heartbeat(provider), f"bench:{provider}-name")  # (its second passed)
+    until = now_ms() + 60_000  # (the other answered another run 429, Retry-After: 60)
+    await redis.hset(keys.heartbeat(other), mapping={f"bench:{other}-name": until, f"busy:{other}-name": until})
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await fields(redis, keys.run_record(run_id), "state") == ["failed"]
+    assert await fields(redis, keys.run_record(behind), "state", "provider") == ["dispatched", provider]
+    await client.close()
 
 
 async def test_a_busy_provider_s_retry_after_reaches_the_failed_event(redis: Redis) -> None:

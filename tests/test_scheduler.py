@@ -395,6 +395,29 @@ async def test_runs_failed_because_every_provider_is_benched_say_when_the_first_
     assert error.status == 503 and 19 <= int(error.headers["Retry-After"]) <= 20
 
 
+@pytest.mark.parametrize("back_in_ms", [2_000, 30_000])
+async def test_runs_wait_for_a_busy_bench_only_if_it_ends_before_their_queue_timeout(redis: Redis,
+                                                                                     back_in_ms: int) -> None:
+    """Busy is not down: a run waits for a provider benched for its Retry-After, but not for one
+    whose bench ends after the run's queue_timeout_ms: it waited all of it for nothing, then heard
+    504 queue_timeout with no Retry-After (a review); it fails now, a 503 saying when to try again."""
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 5_000})
+    client, sched, run_ids = await waiting_runs(redis, config, 2)
+    until = now_ms() + back_in_ms
+    await redis.hset(keys.heartbeat("a"), mapping={"bench:a-name": until, "busy:a-name": until})
+    await sched.dispatch_all()
+    states = [await redis.hget(keys.run_record(r), "state") for r in run_ids]
+    if back_in_ms < 5_000:
+        assert states == [b"queued", b"queued"]
+    else:
+        assert states == [b"failed", b"failed"]
+        events = [e async for e in client.events(run_ids[0])]
+        error = ApiError.from_info(ErrorInfo.from_wire(events[-1].data))
+        assert error.status == 503 and error.code is ErrorCode.NO_AVAILABLE_PROVIDER
+        assert 29 <= int(error.headers["Retry-After"]) <= 30
+    await client.close()
+
+
 async def test_the_dispatch_script_picks_the_provider_on_the_live_counts_not_the_snapshot(redis: Redis) -> None:
     config = make_config({"a": 1, "b": 1})
     client, sched, run_ids = await waiting_runs(redis, config, 2)
