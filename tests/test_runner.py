@@ -389,6 +389,31 @@ async def test_a_completed_stream_without_usage_counts_its_output_chunks(redis: 
     assert await counted_tokens(redis) == (0, 3)
 
 
+def choice_chunk(i: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"object": "chat.completion.chunk", "choices": [{"index": i, "delta": delta, "finish_reason": finish}]}
+
+
+def legacy_chunk(t: str, finish: str | None = None) -> dict[str, Any]:
+    return {"object": "text_completion", "choices": [{"index": 0, "text": t, "finish_reason": finish}]}
+
+
+@pytest.mark.parametrize("case", ["one choice", "two choices", "legacy"])
+async def test_a_stream_without_usage_counts_only_its_chunks_of_output(redis: Redis, case: str) -> None:
+    """A choice's opening and its finish chunk (vLLM's, empty content) carry no output: each counted
+    a completion token once the output had begun, 7 for two choices of two tokens each (a review)."""
+    reads = {
+        "one choice": [[ROLE], [text("a")], [text("b")], [choice_chunk(0, {"content": ""}, "stop")]],
+        "two choices": [[choice_chunk(0, {"role": "assistant"}), choice_chunk(0, {"content": "a"})],
+                        [choice_chunk(1, {"role": "assistant"})], [choice_chunk(1, {"content": "b"})],
+                        [choice_chunk(0, {"content": "c"})], [choice_chunk(1, {"content": "d"})],
+                        [choice_chunk(0, {}, "stop")], [choice_chunk(1, {}, "stop")]],
+        "legacy": [[legacy_chunk("a")], [legacy_chunk("b")], [legacy_chunk("", "stop")]],
+    }[case]
+    sched, run_id = await start_one(redis, {"a": 1})
+    assert (await Runner(redis, sched.config, "n-a", {"a": Scripted(reads)}).execute(run_id)).startswith("completed")
+    assert await counted_tokens(redis) == (0, 4 if case == "two choices" else 2)
+
+
 @pytest.mark.parametrize("batch_ms", [0, 10])
 async def test_a_stream_broken_off_after_output_counts_its_last_usage_or_its_chunks(
         redis: Redis, batch_ms: int) -> None:

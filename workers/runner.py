@@ -27,7 +27,6 @@ from common.chunks import (
     MAX_COUNTED_TOKENS,
     carries_output,
     fixed_usage,
-    is_preamble,
     token_counts,
     usage_in,
     wants_usage,
@@ -596,8 +595,9 @@ class Runner:
         att.emitted += 1
         att.output_bytes += len(packed)
         if etype is EventType.DELTA:
-            chunks = data["chunks"]  # (its openings come before its first output: only those are looked at)
-            att.out_chunks += len(chunks) if att.output else sum(1 for c in chunks if not is_preamble(c))
+            # (chunks of output only: an opening, a choice's finish or a usage alone is none; each choice's
+            # opening and finish counted a token, 7 for a stream of n=2 with 4 tokens)
+            att.out_chunks += sum(1 for c in data["chunks"] if carries_output(c))
 
     def _output(self, att: Attempt, data: dict[str, Any]) -> bytes:
         """An event's data, packed, if the run's output stays within `runtime.max_output_bytes`
