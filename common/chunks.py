@@ -17,9 +17,13 @@ def carries_output(chunk: Any) -> bool:
     for choice in chunk.get("choices") or ():
         if not isinstance(choice, dict):
             continue
-        delta = choice.get("delta")
-        if choice.get("text") or (isinstance(delta, dict) and any(delta.get(f) for f in OUTPUT_FIELDS)):
+        if choice.get("text"):
             return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            for field in OUTPUT_FIELDS:  # (a loop, not any() of a generator: every streamed chunk is counted)
+                if delta.get(field):
+                    return True
     return False
 
 

@@ -451,7 +451,7 @@ class Runner:
         # (a stream that carried no usage, as llama-cpp-python's: its output chunks, as `_partial_usage`
         # counts them; it counted none, less than a caller who left before its end)
         counted = token_counts(usage) if usage is not None else (
-            0, att.out_chunks + sum(1 for c in last if carries_output(c)))
+            0, att.out_chunks + sum(map(carries_output, last)))
         return await self._finish(att, RunState.COMPLETED, EventType.COMPLETED, {}, evidence=ALIVE,
                                   usage=counted, last=last)
 
@@ -597,7 +597,7 @@ class Runner:
         if etype is EventType.DELTA:
             # (chunks of output only: an opening, a choice's finish or a usage alone is none; each choice's
             # opening and finish counted a token, 7 for a stream of n=2 with 4 tokens)
-            att.out_chunks += sum(1 for c in data["chunks"] if carries_output(c))
+            att.out_chunks += sum(map(carries_output, data["chunks"]))
 
     def _output(self, att: Attempt, data: dict[str, Any]) -> bytes:
         """An event's data, packed, if the run's output stays within `runtime.max_output_bytes`
