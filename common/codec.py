@@ -77,6 +77,12 @@ def decode_event(entry_id: bytes | str, fields: dict[bytes, bytes]) -> tuple[str
     except (ValueError, TypeError, msgpack.UnpackException):  # (not iop's writing: `iop runs show` and the
         # runs API broke on it; TypeError: a map keyed by an array or a map, unhashable)
         data = {}
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) or not _json_shaped(data):
         data = {}
     return eid, etype, data
+
+
+def _json_shaped(data: dict[Any, Any]) -> bool:
+    """Whether an event's data is what iop writes: text keys, and `chunks` (a delta's) a list. (Not
+    every value is looked at, on every event; bytes deep inside are `jsonio.dumps`'s to refuse.)"""
+    return all(isinstance(k, str) for k in data) and isinstance(data.get("chunks", []), list)

@@ -87,5 +87,6 @@ def show(redis_url: str, run_id: str, as_json: bool = False) -> int:
               file=sys.stderr)
         return 1
     view, events = found
-    print(json.dumps({**view, "events": events}, indent=2) if as_json else render(view, events))
+    # (`repr` for what JSON cannot hold: bytes in an event that is not iop's writing)
+    print(json.dumps({**view, "events": events}, indent=2, default=repr) if as_json else render(view, events))
     return 0

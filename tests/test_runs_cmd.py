@@ -76,3 +76,23 @@ def test_an_unknown_run_exits_1(redis_url: str, capsys: pytest.CaptureFixture[st
 def test_an_unreachable_redis_exits_1_as_for_every_command_that_reads_redis(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli("runs", "show", RUN, "--redis", "redis://127.0.0.1:1/0") == 1
     assert "unreachable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["lines", "json"])
+def test_events_that_are_not_iop_s_writing_are_shown_not_a_traceback(
+        redis_url: str, capsys: pytest.CaptureFixture[str], as_json: bool) -> None:
+    """A delta whose chunks are no list, one holding bytes (written by another program): `iop runs
+    show` died with a traceback (a review)."""
+    import msgpack
+
+    write_run(redis_url)
+    r = sync_redis.Redis.from_url(redis_url)
+    r.xadd(keys.run_events(RUN), {"type": "delta", "data": msgpack.packb({"chunks": 5})})
+    r.xadd(keys.run_events(RUN), {"type": "started", "data": msgpack.packb({"attempt": b"x"}, use_bin_type=True)})
+    r.close()
+    assert run_cli("runs", "show", RUN, "--redis", redis_url, *(["--json"] if as_json else [])) == 0
+    out = capsys.readouterr().out
+    if as_json:
+        assert json.loads(out)["events"][-1]["data"] == {"attempt": "b'x'"}
+    else:
+        assert "0 chunk(s)" in out.splitlines()[-2]
