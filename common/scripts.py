@@ -50,12 +50,12 @@ end
 -- event (its events then live `ttl`), its state and error, and its end for its key
 -- (`watchers`, `key`, `model`, `limited`: as the record has them, read already; nil: read here).
 local function end_cancelled(record, events, run_id, why_reason, why_code, default_data, output, ttl,
-                             watchers, key, model, limited)
+                             watchers, key, model, limited, prompt, completion)
   local reason, code, data = cancel_reason(why_reason, why_code, default_data, output)
   add_event(record, events, run_id, 'failed', data, watchers)
   redis.call('EXPIRE', events, ttl)
   redis.call('HSET', record, 'state', 'cancelled', 'finished_ms', now, 'error_code', code, 'error_message', reason)
-  ended(record, run_id, 'cancelled', 0, 0, key, model, limited)
+  ended(record, run_id, 'cancelled', prompt or 0, completion or 0, key, model, limited)
 end
 """
 
@@ -773,14 +773,17 @@ return out
 """
 
 # Renew the lease of one attempt while it still owns the run. Returns 1, 0 if lost, or 2 if
-# its caller asked for it to be cancelled (a backstop for a lost cancel message).
-# KEYS: lease, run record   ARGV: run id, lease_ttl_ms, attempt
+# its caller asked for it to be cancelled (a backstop for a lost cancel message). The attempt's
+# count of output chunks its caller got so far (ARGV[4], when it has output) goes in the record
+# (`out_chunks`): a run whose worker is lost counts them (`REAP`), at most a renewal old.
+# KEYS: lease, run record   ARGV: run id, lease_ttl_ms, attempt, output chunks ('' or none: none yet)
 RENEW = FREES + _NOW + """
 if redis.call('HGET', KEYS[2], 'attempts') ~= ARGV[3] then return 0 end
 if redis.call('HGET', KEYS[2], 'cancel') == '1' then return 2 end
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) <= now then return 0 end
 redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
+if (ARGV[4] or '') ~= '' then redis.call('HSET', KEYS[2], 'out_chunks', ARGV[4]) end
 return 1
 """
 
@@ -836,7 +839,7 @@ if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and 
   -- queue), but for a completed one whose answer had begun to go out (its caller has the rest)
   end_cancelled(KEYS[1], KEYS[3], ARGV[1], rec[9], rec[10],
     cmsgpack.pack({{code = 'cancelled', message = 'cancelled by the caller', before_output = rec[8] ~= '1'}}),
-    rec[8] == '1', ttl, rec[3], rec[4], rec[5], rec[6])
+    rec[8] == '1', ttl, rec[3], rec[4], rec[5], rec[6], ARGV[14], ARGV[15])
   redis.call('EXPIRE', KEYS[1], ttl)
   for i = 8, #KEYS do wake_head(KEYS[i], ARGV[6]) end
   return 'cancel_asked'
@@ -999,9 +1002,11 @@ if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' e
 local ttl = tonumber(ARGV[3])
 local attempts = tonumber(redis.call('HGET', KEYS[2], 'attempts') or '0')
 local output = redis.call('HGET', KEYS[2], 'output') == '1'
+-- (a stream that had output counts its chunks as its worker last recorded them: RENEW)
+local counted = output and tonumber(redis.call('HGET', KEYS[2], 'out_chunks') or '') or 0
 if redis.call('HGET', KEYS[2], 'cancel') == '1' then
   local why = redis.call('HMGET', KEYS[2], 'cancel_reason', 'cancel_code')
-  end_cancelled(KEYS[2], KEYS[3], ARGV[1], why[1], why[2], ARGV[8], output, ttl)
+  end_cancelled(KEYS[2], KEYS[3], ARGV[1], why[1], why[2], ARGV[8], output, ttl, nil, nil, nil, nil, 0, counted)
   redis.call('EXPIRE', KEYS[2], ttl)
   return 'cancelled'
 end
@@ -1014,7 +1019,7 @@ end
 add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', ARGV[7])
 redis.call('HSET', KEYS[2], 'state', 'failed', 'finished_ms', now, 'error_code', 'worker_lost',
   'error_message', 'the worker running this run was lost')
-ended(KEYS[2], ARGV[1], 'failed', 0, 0)
+ended(KEYS[2], ARGV[1], 'failed', 0, counted)
 redis.call('EXPIRE', KEYS[3], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
 return 'failed'

@@ -18,6 +18,7 @@ from common.codec import unpack
 from common.config import Config, ModelConfig, parse_config
 from common.policy import candidate_class, select_provider, why_not
 from common.redisconn import now_ms
+from common.scripts import Scripts
 from common.snapshots import read_snapshots
 from common.wire import ErrorCode, ErrorInfo, RunKind
 from gateway.errors import ApiError
@@ -358,6 +359,31 @@ async def test_expired_lease_requeues_then_fails_with_worker_lost(redis: Redis) 
     await client.close()
     assert [e.type for e in events] == ["dispatched", "requeued", "dispatched", "failed"]
     assert events[-1].data["code"] == "worker_lost"
+
+
+@pytest.mark.parametrize("cancelled", [False, True], ids=["lost", "lost-and-cancelled"])
+async def test_a_stream_whose_worker_was_lost_after_output_counts_the_chunks_it_renewed_with(
+        redis: Redis, cancelled: bool) -> None:
+    """A worker SIGKILLed mid-stream: the reaper ended the run with no tokens counted, its caller
+    having had 93 chunks (an SRE's soak). Each lease renewal records the chunks of output so far
+    (`out_chunks`), which the reaper counts, cancelled or not."""
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 1})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()
+    record = keys.run_record(run_id)
+    await redis.hset(record, mapping={"state": "running", "output": "1", **({"cancel": "1"} if cancelled else {})})
+    attempts = (await redis.hget(record, "attempts") or b"").decode()
+    renewed = await Scripts(redis).call("renew", [keys.leases("a"), record],
+                                        [run_id, config.runtime.lease_ttl_ms, attempts, 7])
+    assert renewed == (2 if cancelled else 1)
+    if cancelled:  # (a renewal that finds a cancel asked records nothing: the last one before it did)
+        await redis.hset(record, "out_chunks", 7)
+    await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease
+    assert await sched.reap_expired_leases() == 1
+    assert (await redis.hget(record, "state")) == (b"cancelled" if cancelled else b"failed")
+    totals = [await redis.hgetall(k) for k in await redis.keys(keys.usage_total("") + "*")]
+    assert [int(t[f"completion_tokens:{MODEL}".encode()]) for t in totals] == [7]
+    await client.close()
 
 
 async def test_waiting_runs_fail_at_once_when_every_provider_reports_itself_down(redis: Redis) -> None:

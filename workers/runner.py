@@ -750,7 +750,7 @@ class Runner:
             try:
                 renewed = await self.scripts.call(
                     "renew", [keys.leases(att.provider_id), keys.run_record(att.run_id)],
-                    [att.run_id, rt.lease_ttl_ms, att.attempt])
+                    [att.run_id, rt.lease_ttl_ms, att.attempt, att.out_chunks if att.output else ""])
             except REDIS_UNUSABLE as exc:
                 log.warning("lease renewal failed (%s)", exc, extra=att.log())
                 continue
