@@ -99,14 +99,15 @@ def _no_other_provider(model_id: str, w: Waiting) -> ErrorInfo:
                      status=503 if w.busy else None)
 
 
-def _back_by(head: Waiting, snaps: list[ProviderSnapshot], allowed: list[ProviderSnapshot], now: int,
-             ttl: int) -> int:
-    """By when a busy bench of a provider the head may go to (`allowed`) must end for the head to
-    wait for it: its deadline; now (it does not wait) if a provider it may not go to takes runs now:
-    the runs behind it would go there, and it held them up until the bench or its deadline ended (a
-    run requeued off one busy provider, waiting for another benched for its Retry-After)."""
-    mine = {s.provider_id for s in allowed}
-    if any(s.provider_id not in mine and candidate_class(s, now, ttl) is not None for s in snaps):
+def _back_by(head: Waiting, snaps: list[ProviderSnapshot], now: int, ttl: int) -> int:
+    """By when a busy bench of a provider the head may go to must end for the head to wait for it:
+    its deadline; now (it does not wait) if a provider it was requeued off (its `exclude`, but not
+    `refuse`) takes runs now: the runs behind it would go there, and it held them up until the bench
+    or its deadline ended (a run requeued off one busy provider, waiting for another benched for its
+    Retry-After). A provider its adapter would refuse it never counts: a fresh run that only a
+    busy provider can take waits for its Retry-After, as README says (it failed at once, a 503)."""
+    left = head.exclude - head.refuse
+    if left and any(s.provider_id in left and candidate_class(s, now, ttl) is not None for s in snaps):
         return now
     return head.deadline_ms
 
@@ -432,14 +433,14 @@ class Scheduler:
                                          _unavailable(model.id, snaps, now, ttl))
                         continue
                     takers = [s for s in snaps if s.provider_id not in head.refuse] if head.refuse else snaps
-                    if all_refused(takers, now, ttl, _back_by(head, snaps, takers, now, ttl)):
+                    if all_refused(takers, now, ttl, _back_by(head, snaps, now, ttl)):
                         # (those that would take it are down: as if all were)
                         await self._drop(model.id, queue.pop(0), RunState.FAILED,
                                          _unavailable(model.id, snaps, now, ttl, head.refuse))
                         continue
                     others = [s for s in takers if s.provider_id not in head.exclude]
                     if head.exclude == head.refuse or (
-                            others and not all_refused(others, now, ttl, _back_by(head, snaps, others, now, ttl))):
+                            others and not all_refused(others, now, ttl, _back_by(head, snaps, now, ttl))):
                         return  # it waits for a slot, and the runs behind it with it (FIFO)
                     await self._drop(model.id, queue.pop(0), RunState.FAILED, _no_other_provider(model.id, head))
                     continue

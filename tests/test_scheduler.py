@@ -444,6 +444,30 @@ async def test_runs_wait_for_a_busy_bench_only_if_it_ends_before_their_queue_tim
     await client.close()
 
 
+async def test_a_run_only_a_busy_provider_would_take_waits_for_its_bench_whatever_the_others(redis: Redis) -> None:
+    """b, benched 2 s for its Retry-After, is the one provider that would take the run (its adapter
+    refuses it to a, an idle provider it never tried): it waits for b, as busy is not down. It
+    failed at once, 503 no_available_provider, a being idle (review of 2b01360: only a provider the
+    run was requeued off, taking runs again, makes it not wait)."""
+    config = make_config({"a": 1, "b": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    model = config.model(MODEL)
+    assert model is not None
+    run_id, _ = await client.submit(model, request(), refuse=("a",))
+    until = now_ms() + 2_000
+    await redis.hset(keys.heartbeat("b"), mapping={"bench:b-name": until, "busy:b-name": until})
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
+    await redis.hdel(keys.heartbeat("b"), "bench:b-name", "busy:b-name")  # (its 2 s passed)
+    await sched.dispatch_all()
+    assert await redis.hmget(keys.run_record(run_id), "state", "provider") == [b"dispatched", b"b"]
+    await client.close()
+
+
 async def test_the_dispatch_script_picks_the_provider_on_the_live_counts_not_the_snapshot(redis: Redis) -> None:
     config = make_config({"a": 1, "b": 1})
     client, sched, run_ids = await waiting_runs(redis, config, 2)
