@@ -76,6 +76,16 @@ def render(view: dict[str, Any], events: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _json_keys(obj: Any) -> Any:
+    """`obj` with every key JSON cannot hold (bytes: not iop's writing) as its `repr`, at any depth:
+    `json.dumps`'s `default` sees values only."""
+    if isinstance(obj, dict):
+        return {k if k is None or isinstance(k, str | int | float) else repr(k): _json_keys(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_json_keys(v) for v in obj]
+    return obj
+
+
 def show(redis_url: str, run_id: str, as_json: bool = False) -> int:
     try:
         found = asyncio.run(read_run(redis_url, run_id))
@@ -87,6 +97,7 @@ def show(redis_url: str, run_id: str, as_json: bool = False) -> int:
               file=sys.stderr)
         return 1
     view, events = found
-    # (`repr` for what JSON cannot hold: bytes in an event that is not iop's writing)
-    print(json.dumps({**view, "events": events}, indent=2, default=repr) if as_json else render(view, events))
+    # (`repr` for what JSON cannot hold: bytes in an event that is not iop's writing, a value or a key)
+    print(json.dumps(_json_keys({**view, "events": events}), indent=2, default=repr) if as_json
+          else render(view, events))
     return 0

@@ -96,3 +96,24 @@ def test_events_that_are_not_iop_s_writing_are_shown_not_a_traceback(
         assert json.loads(out)["events"][-1]["data"] == {"attempt": "b'x'"}
     else:
         assert "0 chunk(s)" in out.splitlines()[-2]
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["lines", "json"])
+def test_event_data_keyed_by_bytes_is_shown_not_a_traceback(
+        redis_url: str, capsys: pytest.CaptureFixture[str], as_json: bool) -> None:
+    """A map keyed by bytes (msgpack bin: another program's writing), at the top of an event's data
+    or in a chunk: `iop runs show --json` died with a TypeError (`default=repr` sees no key)."""
+    import msgpack
+
+    write_run(redis_url)
+    r = sync_redis.Redis.from_url(redis_url)
+    r.xadd(keys.run_events(RUN), {"type": "started", "data": msgpack.packb({b"note": 1}, use_bin_type=True)})
+    r.xadd(keys.run_events(RUN), {"type": "delta", "data": msgpack.packb({"chunks": [{b"x": b"y"}]},
+                                                                          use_bin_type=True)})
+    r.close()
+    assert run_cli("runs", "show", RUN, "--redis", redis_url, *(["--json"] if as_json else [])) == 0
+    out = capsys.readouterr().out
+    if as_json:
+        assert [e["data"] for e in json.loads(out)["events"][-2:]] == [{"b'note'": 1}, {"chunks": [{"b'x'": "b'y'"}]}]
+    else:
+        assert "1 chunk(s)" in out.splitlines()[-1]
