@@ -839,7 +839,10 @@ if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and 
   -- queue), but for a completed one whose answer had begun to go out (its caller has the rest)
   end_cancelled(KEYS[1], KEYS[3], ARGV[1], rec[9], rec[10],
     cmsgpack.pack({{code = 'cancelled', message = 'cancelled by the caller', before_output = rec[8] ~= '1'}}),
-    rec[8] == '1', ttl, rec[3], rec[4], rec[5], rec[6], ARGV[14], ARGV[15])
+    rec[8] == '1', ttl, rec[3], rec[4], rec[5], rec[6],
+    -- (the usage the caller got: the attempt's partial count when output went out, else none, not
+    -- the provider's whole answer the caller never got)
+    rec[8] == '1' and ARGV[14] or 0, rec[8] == '1' and ARGV[15] or 0)
   redis.call('EXPIRE', KEYS[1], ttl)
   for i = 8, #KEYS do wake_head(KEYS[i], ARGV[6]) end
   return 'cancel_asked'

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from common import keys
-from common.codec import unpack
+from common.codec import pack, unpack
 from common.config import Config, ModelConfig, parse_config
 from common.policy import candidate_class, select_provider, why_not
 from common.redisconn import now_ms
@@ -383,6 +383,34 @@ async def test_a_stream_whose_worker_was_lost_after_output_counts_the_chunks_it_
     assert (await redis.hget(record, "state")) == (b"cancelled" if cancelled else b"failed")
     totals = [await redis.hgetall(k) for k in await redis.keys(keys.usage_total("") + "*")]
     assert [int(t[f"completion_tokens:{MODEL}".encode()]) for t in totals] == [7]
+    await client.close()
+
+
+@pytest.mark.parametrize("output", [False, True], ids=["none-went-out", "output-went-out"])
+async def test_a_run_whose_cancel_came_before_its_end_counts_only_what_its_caller_got(
+        redis: Redis, output: bool) -> None:
+    """Its worker ends it (here: the provider's whole answer, 40 + 200 tokens) as a cancel recorded
+    before is found (`cancel_asked`): it ends cancelled, and counts what the worker counted only if
+    output had gone out (its partial count); the caller of a non-stream run got no answer: none (a
+    review: the whole usage was counted)."""
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 1})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()
+    record = keys.run_record(run_id)
+    await redis.hset(record, mapping={"state": "running", "cancel": "1", **({"output": "1"} if output else {})})
+    attempt = (await redis.hget(record, "attempts") or b"").decode()
+    rt = config.runtime
+    args = [run_id, "completed" if not output else "failed", "completed", pack({}), rt.run_ttl_s,
+            keys.scheduler_channel(""), MODEL, "", "", attempt, "ok", 0, "", 40, 200, 0, b"",
+            rt.max_events_per_run, "", "", 0]
+    run_keys = [record, keys.leases("a"), keys.run_events(run_id), keys.runs_stream(MODEL), keys.heartbeat("a"),
+                keys.node_queue("n-a"), keys.arq_in_progress(run_id), keys.runs_stream(MODEL)]
+    assert await Scripts(redis).call("finish", run_keys, args) == b"cancel_asked"
+    assert (await redis.hget(record, "state")) == b"cancelled"
+    totals = [await redis.hgetall(k) for k in await redis.keys(keys.usage_total("") + "*")]
+    counted = [(int(t.get(f"prompt_tokens:{MODEL}".encode(), 0)), int(t.get(f"completion_tokens:{MODEL}".encode(), 0)))
+               for t in totals]
+    assert counted == [(40, 200) if output else (0, 0)]
     await client.close()
 
 
