@@ -361,18 +361,33 @@ async def test_expired_lease_requeues_then_fails_with_worker_lost(redis: Redis) 
     assert events[-1].data["code"] == "worker_lost"
 
 
+async def running_run(redis: Redis, *, output: bool, cancel: bool) -> tuple[Config, RunClient, Scheduler, str, str]:
+    """A run dispatched to a (one attempt at most) and running, with output sent and a cancel asked
+    as said: (config, client, scheduler, run id, its attempt)."""
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 1})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()
+    record = keys.run_record(run_id)
+    await redis.hset(record, mapping={"state": "running", **({"output": "1"} if output else {}),
+                                      **({"cancel": "1"} if cancel else {})})
+    return config, client, sched, run_id, (await redis.hget(record, "attempts") or b"").decode()
+
+
+async def counted_tokens(redis: Redis) -> list[tuple[int, int]]:
+    """(prompt, completion) tokens of MODEL counted for each key, for good."""
+    totals = [await redis.hgetall(k) for k in await redis.keys(keys.usage_total("") + "*")]
+    return [(int(t.get(f"prompt_tokens:{MODEL}".encode(), 0)), int(t.get(f"completion_tokens:{MODEL}".encode(), 0)))
+            for t in totals]
+
+
 @pytest.mark.parametrize("cancelled", [False, True], ids=["lost", "lost-and-cancelled"])
 async def test_a_stream_whose_worker_was_lost_after_output_counts_the_chunks_it_renewed_with(
         redis: Redis, cancelled: bool) -> None:
     """A worker SIGKILLed mid-stream: the reaper ended the run with no tokens counted, its caller
     having had 93 chunks (an SRE's soak). Each lease renewal records the chunks of output so far
     (`out_chunks`), which the reaper counts, cancelled or not."""
-    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 1})
-    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
-    await sched.dispatch_all()
+    config, client, sched, run_id, attempts = await running_run(redis, output=True, cancel=cancelled)
     record = keys.run_record(run_id)
-    await redis.hset(record, mapping={"state": "running", "output": "1", **({"cancel": "1"} if cancelled else {})})
-    attempts = (await redis.hget(record, "attempts") or b"").decode()
     renewed = await Scripts(redis).call("renew", [keys.leases("a"), record],
                                         [run_id, config.runtime.lease_ttl_ms, attempts, 7])
     assert renewed == (2 if cancelled else 1)
@@ -381,8 +396,7 @@ async def test_a_stream_whose_worker_was_lost_after_output_counts_the_chunks_it_
     await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease
     assert await sched.reap_expired_leases() == 1
     assert (await redis.hget(record, "state")) == (b"cancelled" if cancelled else b"failed")
-    totals = [await redis.hgetall(k) for k in await redis.keys(keys.usage_total("") + "*")]
-    assert [int(t[f"completion_tokens:{MODEL}".encode()]) for t in totals] == [7]
+    assert await counted_tokens(redis) == [(0, 7)]
     await client.close()
 
 
@@ -393,12 +407,8 @@ async def test_a_run_whose_cancel_came_before_its_end_counts_only_what_its_calle
     before is found (`cancel_asked`): it ends cancelled, and counts what the worker counted only if
     output had gone out (its partial count); the caller of a non-stream run got no answer: none (a
     review: the whole usage was counted)."""
-    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 1})
-    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
-    await sched.dispatch_all()
+    config, client, sched, run_id, attempt = await running_run(redis, output=output, cancel=True)
     record = keys.run_record(run_id)
-    await redis.hset(record, mapping={"state": "running", "cancel": "1", **({"output": "1"} if output else {})})
-    attempt = (await redis.hget(record, "attempts") or b"").decode()
     rt = config.runtime
     args = [run_id, "completed" if not output else "failed", "completed", pack({}), rt.run_ttl_s,
             keys.scheduler_channel(""), MODEL, "", "", attempt, "ok", 0, "", 40, 200, 0, b"",
@@ -407,10 +417,7 @@ async def test_a_run_whose_cancel_came_before_its_end_counts_only_what_its_calle
                 keys.node_queue("n-a"), keys.arq_in_progress(run_id), keys.runs_stream(MODEL)]
     assert await Scripts(redis).call("finish", run_keys, args) == b"cancel_asked"
     assert (await redis.hget(record, "state")) == b"cancelled"
-    totals = [await redis.hgetall(k) for k in await redis.keys(keys.usage_total("") + "*")]
-    counted = [(int(t.get(f"prompt_tokens:{MODEL}".encode(), 0)), int(t.get(f"completion_tokens:{MODEL}".encode(), 0)))
-               for t in totals]
-    assert counted == [(40, 200) if output else (0, 0)]
+    assert await counted_tokens(redis) == [(40, 200) if output else (0, 0)]
     await client.close()
 
 
@@ -472,17 +479,23 @@ async def test_runs_wait_for_a_busy_bench_only_if_it_ends_before_their_queue_tim
     await client.close()
 
 
-async def test_a_run_only_a_busy_provider_would_take_waits_for_its_bench_whatever_the_others(redis: Redis) -> None:
-    """b, benched 2 s for its Retry-After, is the one provider that would take the run (its adapter
-    refuses it to a, an idle provider it never tried): it waits for b, as busy is not down. It
-    failed at once, 503 no_available_provider, a being idle (review of 2b01360: only a provider the
-    run was requeued off, taking runs again, makes it not wait)."""
+async def a_run_a_would_refuse(redis: Redis) -> tuple[Config, RunClient, str]:
+    """A run of MODEL queued, whose adapter a would refuse (b alone would take it); a and b beat."""
     config = make_config({"a": 1, "b": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000})
     await beat(redis, config)
     client = RunClient(redis, config)
     model = config.model(MODEL)
     assert model is not None
     run_id, _ = await client.submit(model, request(), refuse=("a",))
+    return config, client, run_id
+
+
+async def test_a_run_only_a_busy_provider_would_take_waits_for_its_bench_whatever_the_others(redis: Redis) -> None:
+    """b, benched 2 s for its Retry-After, is the one provider that would take the run (its adapter
+    refuses it to a, an idle provider it never tried): it waits for b, as busy is not down. It
+    failed at once, 503 no_available_provider, a being idle (review of 2b01360: only a provider the
+    run was requeued off, taking runs again, makes it not wait)."""
+    config, client, run_id = await a_run_a_would_refuse(redis)
     until = now_ms() + 2_000
     await redis.hset(keys.heartbeat("b"), mapping={"bench:b-name": until, "busy:b-name": until})
     sched = Scheduler(redis, config)
@@ -887,12 +900,7 @@ async def test_a_waiting_run_whose_takers_go_down_fails_as_unavailable_blaming_n
     """b, the one provider that would take it, goes down while it waits: a 503
     no_available_provider saying what each is (a 502 said "a could not serve the run", a provider
     it never went to); a run that times out says which would refuse it too."""
-    config = make_config({"a": 1, "b": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000})
-    await beat(redis, config)
-    client = RunClient(redis, config)
-    model = config.model(MODEL)
-    assert model is not None
-    run_id, _ = await client.submit(model, request(), refuse=("a",))
+    config, client, run_id = await a_run_a_would_refuse(redis)
     await redis.hset(keys.heartbeat("b"), "health", "unavailable")
     sched = Scheduler(redis, config)
     await sched.ensure_groups()
@@ -904,6 +912,8 @@ async def test_a_waiting_run_whose_takers_go_down_fails_as_unavailable_blaming_n
 
     await redis.zadd(keys.leases("b"), {"other": now_ms() + 60_000})  # b back, and full
     await beat(redis, config)
+    model = config.model(MODEL)
+    assert model is not None
     run_id, _ = await client.submit(model, request(), refuse=("a",))
     await sched.read_new(block_ms=10)
     await sched.dispatch_all()
