@@ -655,11 +655,10 @@ local function take_jobs(queue, ids)
       if not marker then
         started = start_run(ARGV[3] .. id, ARGV[4] .. id, id, ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[5],
                             serves)
-        if started[1] == 'passed' then  -- (left in the queue for a worker that serves it)
+        if started[1] ~= 'ok' then
           redis.call('DEL', ARGV[1] .. id)
-        elseif started[1] ~= 'ok' then
-          redis.call('DEL', ARGV[1] .. id)
-          redis.call('ZREM', queue, id)
+          -- (one passed over stays in the queue, for a worker that serves it)
+          if started[1] ~= 'passed' then redis.call('ZREM', queue, id) end
         end
       elseif marker == ARGV[11] then
         started = started_again(ARGV[3] .. id, id, ARGV[8], ARGV[5])

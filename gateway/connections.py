@@ -172,17 +172,11 @@ class GuardedHandler(web.RequestHandler):
         """The last head's chunked body came in chunks too small (`gateway.heads.MIN_CHUNK_BYTES`):
         nothing more of it is parsed, and what the client still sends is dropped. Its request is
         answered 400 when its body is read (at once if it is being read), then the connection ends
-        (`finish_response`); one answered already (a refused key: aiohttp was dropping its body
-        through the parser, chunk by chunk) ends the same way: closed at once, aiohttp's lingering
-        read of its body would find the connection gone (an "Unhandled exception" and its traceback,
-        at ERROR), and the client still sending would get a reset."""
+        (`finish_response`). (A request answered before its chunked body was read is not here: its
+        answer ended the connection, and what came after was dropped unparsed.)"""
         if before:
             self._parse(before)
         self._dropping = True
-        if self._answered >= self._heads.heads:
-            self._cancel_head_timer()  # (its body's bytes after the answer had begun a "head")
-            self._drop_then_close()
-            return
         self._chunks_refused_at = self._heads.heads
         request = self._current_request
         if request is not None and self._started == self._chunks_refused_at:
@@ -304,10 +298,9 @@ class GuardedHandler(web.RequestHandler):
             return await super().finish_response(request, resp, start_time)
         finally:
             self._answered += 1
-            if self._chunks_refused_at and self._answered >= self._chunks_refused_at:
-                self._drop_then_close()  # (its body's end is marked: aiohttp does not linger on it)
-            elif _unread_chunked(request):
-                # answered with a chunked body unread (a refused key): what still comes is dropped, not
+            if (self._chunks_refused_at and self._answered >= self._chunks_refused_at) or _unread_chunked(request):
+                # a body refused for its chunks (its end marked: aiohttp does not linger on it), or a
+                # chunked body its answer left unread (a refused key): what still comes is dropped, not
                 # parsed (aiohttp read it through its parser, chunk by chunk, for 10 s: a keyless client
                 # cost the gateway ~4.5 ms a connection), and the connection ends
                 self._dropping = True
