@@ -97,9 +97,10 @@ def usage_in(chunks: list[Any]) -> dict[str, Any] | None:
 def fixed_usage(obj: dict[str, Any]) -> dict[str, Any] | None:
     """The `usage` of an answer or chunk as OpenAI's schema has it, changed in place, for the
     caller's client: a count that is not a whole number of at least 0 becomes 0 (`total_tokens`:
-    the sum of the other two), and so does a `*_tokens` one of its `*_details` objects that is
-    not null (their other fields, a cost say, stay as they came); a `*_details` that is not an
-    object goes; a usage that is not an object goes (None)."""
+    the sum of the other two, also when the provider sent none: OpenAI's schema requires it, and
+    the `openai` client's `usage.total_tokens` would be None), and so does a `*_tokens` one of its
+    `*_details` objects that is not null (their other fields, a cost say, stay as they came); a
+    `*_details` that is not an object goes; a usage that is not an object goes (None)."""
     usage = obj.get("usage")
     if not isinstance(usage, dict):
         obj.pop("usage", None)
@@ -114,7 +115,7 @@ def fixed_usage(obj: dict[str, Any]) -> dict[str, Any] | None:
                 del usage[name]
         elif name in USAGE_PARTS and not _is_count(value):
             usage[name] = _count(value)
-    if "total_tokens" in usage and not _is_count(usage["total_tokens"]):  # (once the other two are numbers)
+    if not _is_count(usage.get("total_tokens")):  # (once the other two are numbers; a missing one too)
         usage["total_tokens"] = sum(token_counts(usage))
     return usage
 

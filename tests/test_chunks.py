@@ -29,6 +29,7 @@ def counts(prompt: Any, completion: Any, total: Any) -> dict[str, Any]:
     (counts("3", -1, None), counts(0, 0, 0)),
     (counts(3.0, True, "x"), counts(3, 0, 3)),
     ({"prompt_tokens": 4, "total_tokens": 4}, {"prompt_tokens": 4, "total_tokens": 4}),  # embeddings: no completion
+    ({"prompt_tokens": 3, "completion_tokens": 2}, counts(3, 2, 5)),  # (the `openai` client: total_tokens None)
     (counts(1e300, float("nan"), [1]), counts(0, 0, 0)),
     ({**counts(2, 1, 3), "prompt_tokens_details": {"cached_tokens": "many", "audio_tokens": 0},
       "completion_tokens_details": "lots", "other_details": None, "extra": "kept"},
@@ -37,7 +38,7 @@ def counts(prompt: Any, completion: Any, total: Any) -> dict[str, Any]:
     ({"total_tokens": None, "prompt_tokens": 3.0, "completion_tokens": 2}, counts(3, 2, 5)),  # (in any order)
     ({**counts(1, 1, 2), "cost_details": {"upstream_inference_cost": 0.00012, "cached_tokens": None}},
      {**counts(1, 1, 2), "cost_details": {"upstream_inference_cost": 0.00012, "cached_tokens": None}}),
-], ids=["well-formed", "wrong-types", "whole-float-and-bool", "no-completion", "huge-nan-list", "details",
+], ids=["well-formed", "wrong-types", "whole-float-and-bool", "no-completion", "no-total", "huge-nan-list", "details",
         "total-first", "a-cost"])
 def test_usage_counts_are_whole_numbers_of_at_least_zero(usage: dict[str, Any], fixed: dict[str, Any]) -> None:
     answer = {"object": "chat.completion", "usage": usage}
@@ -57,7 +58,7 @@ def test_usage_in_a_stream_is_fixed_in_every_chunk_and_the_last_one_counts() -> 
                          {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7.0}},
                          {"choices": [], "usage": "later"}]
     usage = usage_in(chunks)
-    assert usage == {"prompt_tokens": 5, "completion_tokens": 7} and token_counts(usage) == (5, 7)
+    assert usage == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12} and token_counts(usage) == (5, 7)
     assert chunks[0]["usage"] == {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 2}
     assert chunks[1] == {"choices": [], "usage": None} and chunks[4] == {"choices": []}
 

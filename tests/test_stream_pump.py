@@ -58,7 +58,7 @@ async def test_opening_chunks_wait_for_output_and_usage_is_kept_aside() -> None:
         assert pump.take() == [ROLE, {"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]}]
         await pump.ready(None)
         assert pump.ended and pump.error is None and pump.take_all() == []  # (the usage-only chunk is not the caller's)
-        assert pump.usage == {"prompt_tokens": 3, "completion_tokens": 1}
+        assert pump.usage == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
     finally:
         await pump.close()
 
