@@ -5,6 +5,7 @@ back (real Redis, in-process scheduler and runner, a fake adapter)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -60,12 +61,16 @@ async def dispatched_run(redis: Redis, lease_ttl_ms: int = 15_000) -> tuple[RunC
     return client, sched, run_id
 
 
-async def test_a_cancel_between_dispatch_and_start_ends_the_run_at_start(redis: Redis) -> None:
+async def test_a_cancel_between_dispatch_and_start_ends_the_run_at_start(redis: Redis,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
     client, sched, run_id = await dispatched_run(redis)
     assert await client.cancel(run_id, MODEL, "cancelled through the runs API") == "signalled"  # no worker yet
     adapter = StallingAdapter()
     runner = Runner(redis, client.config, "n-a", {"a": adapter})
-    assert await runner.execute(run_id) == "cancelled"
+    with caplog.at_level(logging.INFO, logger="iop.worker"):
+        assert await runner.execute(run_id) == "cancelled"
+    # (callers leave: no WARNING for it in the worker's log)
+    assert [r.levelname for r in caplog.records if r.getMessage() == "not started (cancelled)"] == ["INFO"]
     assert adapter.calls == 0
     assert await redis.hmget(keys.run_record(run_id), "state", "error_message") == [
         b"cancelled", b"cancelled through the runs API"]

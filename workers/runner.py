@@ -260,7 +260,9 @@ class Runner:
         record's fields and values)."""
         status: str = started[0].decode()
         if status != "ok":
-            log.warning("not started (%s)", status, extra=run_fields(run_id, None))
+            # (cancelled: its caller left between its dispatch and its start, as callers do)
+            (log.info if status == "cancelled" else log.warning)("not started (%s)", status,
+                                                                  extra=run_fields(run_id, None))
             return status
         record = {started[i].decode(): started[i + 1] for i in range(1, len(started) - 1, 2)}
         provider_id = record["provider"].decode()
