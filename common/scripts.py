@@ -559,8 +559,9 @@ return out
 # live workers key}: a run whose provider and model are not in the worker's set (`keys.worker_serves`:
 # its config lacks them, a rollout half done) is passed over, {'passed', provider, model}, with
 # nothing written, while another live worker of the node serves them (or has no set to say: an older
-# version); with none, it starts here, and the worker's own check fails it. A missing set (not
-# written yet, or lost with Redis) is not checked.
+# version); with none, it starts here, and the worker's own check fails it. A worker whose own set is
+# missing (it announces it before its first take, so Redis lost it, or it lapsed, until its next beat
+# writes it again) passes over only what another live worker's set names, and takes the rest.
 _START = """
 local function serves_pair(prefix, instance, pair)
   local set = prefix .. instance
@@ -569,9 +570,17 @@ end
 local function passes(serves, provider, model)
   if not serves or not provider or not model then return false end
   local pair = provider .. '\\t' .. model
-  if serves_pair(serves[1], serves[2], pair) then return false end
+  local own = serves[1] .. serves[2]
+  if redis.call('SISMEMBER', own, pair) == 1 then return false end
+  local said = redis.call('EXISTS', own) == 1
   for _, other in ipairs(redis.call('ZRANGEBYSCORE', serves[3], '(' .. now, '+inf')) do
-    if other ~= serves[2] and serves_pair(serves[1], other, pair) then return true end
+    if other ~= serves[2] then
+      if said then
+        if serves_pair(serves[1], other, pair) then return true end
+      elseif redis.call('SISMEMBER', serves[1] .. other, pair) == 1 then
+        return true
+      end
+    end
   end
   return false
 end

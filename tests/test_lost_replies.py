@@ -460,12 +460,46 @@ async def _blocked_clients(redis: Redis) -> bool:
     return int((await redis.info("clients"))["blocked_clients"]) > 0
 
 
-async def test_a_worker_without_its_set_takes_what_it_is_handed(redis: Redis) -> None:
-    """No `iop:serves:{instance}` of its own: nothing is checked (the set is written with the
-    worker's heartbeats, and goes with a Redis that lost its data)."""
+async def test_a_worker_whose_set_redis_lost_passes_over_only_what_another_s_set_names(redis: Redis) -> None:
+    """No `iop:serves:{instance}` of its own (a worker writes it before its first take, so Redis lost
+    it, restarted without persistence, or it lapsed; its next beat writes it again): a run that another
+    live worker's set names is passed over to that worker. It was taken and failed by the worker that
+    lacks it ("model 'm-b' is not in the config of node n1's worker": 503 with max_attempts 1, for
+    runs dispatched between the serving worker's first beat after a Redis restart and its own). A run
+    no other worker's set names is taken, as before (one without a set says nothing)."""
     node = await NodeOfTwo.start(redis)
+    run_id = node.run_id.encode()
     await redis.delete(keys.worker_serves("old"))
-    assert [t[:2] for t in await node.take("old")] == [[node.run_id.encode(), b"ok"]]
+    assert [t[:2] for t in await node.take("old")] == [[run_id, b"passed"]]
+    await redis.delete(keys.worker_serves("new"))  # (lost too: neither says)
+    assert [t[:2] for t in await node.take("old")] == [[run_id, b"ok"]]
+
+
+async def test_a_worker_that_serves_a_run_it_passed_over_does_not_say_its_config_lacks_it(
+        redis: Redis, redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker passes over a run it serves only while Redis has lost its set (above): it does not
+    tell the operator its config lacks the model (a WARNING that sent one to check a config that was
+    right), and still says so of a run its config does lack."""
+    import logging
+
+    from tests.test_runner import Scripted, start_one
+    from workers.runner import Runner
+
+    sched, run_id = await start_one(redis, {"a": 1})
+    model = (await redis.hget(keys.run_record(run_id), "model") or b"").decode()
+    worker = node_worker(redis_url, Runner(redis, sched.config, "n-a", {"a": Scripted([])}))
+    try:
+        with caplog.at_level(logging.INFO, logger="iop.worker"):
+            worker._passed_over(run_id, "a", model)
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert "until this worker's next heartbeat" in caplog.text
+            worker._passed_over(run_id, "a", "another-model")
+            assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+                "runs of model 'another-model' on provider a are left to the node's other workers: this worker's "
+                "config lacks model 'another-model' (a rollout half done: restart it with the config the schedulers "
+                "run)"]
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
 
 
 def in_progress_prefix() -> str:

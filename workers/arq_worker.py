@@ -247,6 +247,14 @@ class WakeWorker(Worker):
         if len(self._passed) >= 64:
             self._passed.clear()
         self._passed.add((provider, model))
+        runner = self.runner()
+        served = runner.config.model(model)
+        if runner.adapters.get(provider) is not None and served is not None and provider in served.providers:
+            # (it serves them: its own `iop:serves` set is missing, Redis lost it, until its next beat)
+            log.info("runs of model %r on provider %s are left to the node's other workers that say they serve them "
+                     "until this worker's next heartbeat says it does too (Redis lost what it serves)", model, provider,
+                     extra=run_fields(job_id, model, provider=provider))
+            return
         log.warning("runs of model %r on provider %s are left to the node's other workers: this worker's config "
                     "lacks %s (a rollout half done: restart it with the config the schedulers run)", model, provider,
                     f"provider {provider}" if self.runner().adapters.get(provider) is None else f"model {model!r}",
