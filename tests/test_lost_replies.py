@@ -456,6 +456,54 @@ async def test_a_passed_run_no_live_worker_serves_any_more_is_taken_by_one_that_
     assert not await redis.exists(node.passed)
 
 
+async def test_a_passed_list_at_its_cap_keeps_the_newest_and_the_oldest_is_still_taken_from_the_node_s_queue(
+        redis: Redis) -> None:
+    """`iop:passed:{node}` holds at most 1,024 runs: the 1,025th run passed over goes in (first in
+    line for a serving worker, as every one passed over), and the oldest leaves the list. That one
+    is not lost: its job stays in the node's queue with its lease and no marker, and a serving
+    worker's poll of the queue (arq's, `take`) starts it; unpolled, its lease lapses and it is
+    requeued as a lost run (`REAP`). The passing worker does not put runs listed already back on the
+    wake list (no hand-round), and a serving worker takes the listed ones from the list, oldest first."""
+    from tests.test_scheduler import MODEL, beat, make_config, submit, waiting_runs
+
+    config = make_config({"a": 1100})
+    client, sched, run_ids = await waiting_runs(redis, config, 1024)
+
+    async def dispatched() -> bool:  # (the replica reads 256 at a time; a slow machine's beats kept fresh)
+        await beat(redis, config)
+        await sched.read_new(block_ms=10)
+        await sched.dispatch_all()
+        return not await redis.xlen(keys.runs_stream(MODEL))
+    await async_wait_until(dispatched, what="the runs dispatched")
+    node = NodeOfTwo(redis, run_ids[0], config.runtime)
+    await redis.zadd(node.workers, {"old": LIVE_UNTIL, "new": LIVE_UNTIL})
+    await redis.sadd(keys.worker_serves("old"), "a\tsome-other-model")
+    await redis.sadd(keys.worker_serves("new"), f"a\t{MODEL}")
+    script_keys = [keys.node_queue("n-a"), keys.worker_woken("old"), keys.worker_answered("old"), node.wake,
+                   node.passed]
+
+    async def old_takes() -> list[bytes]:
+        return [t[1] for t in await node.scripts.call("take_woken", script_keys, [*node.args("old"), 2000])]
+
+    assert await old_takes() == [b"passed"] * 1024
+    assert await redis.llen(node.passed) == 1024 and await redis.llen(node.wake) == 1024  # (each back once)
+    assert await old_takes() == [b"passed"] * 1024  # listed already: not put back again
+    assert not await redis.llen(node.wake)
+
+    run_ids += await submit(client, 1)
+    await async_wait_until(dispatched, what="the 1,025th dispatched")
+    assert await old_takes() == [b"passed"]
+    assert [i.decode() for i in await redis.lrange(node.passed, 0, -1)] == run_ids[:0:-1]  # (newest first)
+    oldest = run_ids[0]
+    assert await redis.zscore(keys.node_queue("n-a"), oldest) is not None
+    assert not await redis.exists(in_progress_prefix() + oldest)
+    assert await redis.hget(keys.run_record(oldest), "state") == b"dispatched"
+
+    # a serving worker: the listed ones from the list, oldest first; the one left out by its poll
+    assert await node.take_woken("new") == [[i.encode(), b"ok"] for i in run_ids[1:5]]
+    assert [t[:2] for t in await node.take("new")] == [[oldest.encode(), b"ok"]]
+
+
 async def _blocked_clients(redis: Redis) -> bool:
     return int((await redis.info("clients"))["blocked_clients"]) > 0
 
