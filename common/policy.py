@@ -153,6 +153,10 @@ def candidate_class(snap: ProviderSnapshot, now_ms: int, ttl_ms: int, avoid: fro
     return 1 if snap.provider_id in avoid else 0
 
 
+#: `why_not` of a provider that would take a run now
+FREE_NOW = "has a free slot now"
+
+
 def why_not(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> str:
     """Why a provider takes no run now, in a few words (for a run that timed out in its queue):
     `no heartbeat`, `unavailable`, `missing the model`, `benched` (with why, for a busy one), `drained or
@@ -173,7 +177,7 @@ def why_not(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> str:
     capacity = snap.effective_capacity
     if not capacity:
         return "capacity 0"
-    return f"full ({snap.in_flight} of {capacity})" if snap.in_flight >= capacity else "has a free slot now"
+    return f"full ({snap.in_flight} of {capacity})" if snap.in_flight >= capacity else FREE_NOW
 
 
 def _rank(snap: ProviderSnapshot) -> tuple[Fraction, int, str]:

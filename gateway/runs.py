@@ -19,6 +19,7 @@ from common import keys
 from common.auth import ANYONE, Principal
 from common.codec import entry_key, pack
 from common.config import Config, ModelConfig
+from common.policy import FREE_NOW
 from common.redisconn import REDIS_REFUSED, now_ms
 from common.redisline import may_have_run
 from common.runlog import run_fields
@@ -180,9 +181,12 @@ class RunClient:
             )
         why = await why_none(self.redis, model.providers, now_ms(), self.config.node_of,
                              self.config.runtime.heartbeat_ttl_ms, frozenset(refuse))
+        # (read after the refusal: a provider that came back meanwhile, its first heartbeat after a
+        # restart of Redis say, says it is free; the refusal stands, the caller may retry at once)
         raise ApiError(
             ErrorCode.NO_AVAILABLE_PROVIDER,
-            f"no provider of model {model.id!r} is available right now{why}",
+            f"no provider of model {model.id!r} was available when this request came{why}: one came back since; "
+            "retry" if FREE_NOW in why else f"no provider of model {model.id!r} is available right now{why}",
             headers={"Retry-After": "1"},
         )
 

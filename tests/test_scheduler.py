@@ -246,6 +246,28 @@ async def test_another_model_s_waiting_runs_take_only_the_slots_of_the_providers
     assert err.value.code.value == "queue_full"
 
 
+async def test_a_refusal_read_after_a_provider_came_back_says_so(redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(A heartbeat that lands between the refusal and the read that explains it, as after a restart
+    of Redis: the refusal said "(a: has a free slot now)", as if refused for nothing; an SRE's soak.)"""
+    import gateway.runs
+
+    config = make_config({"a": 1})
+    client = RunClient(redis, config)
+    read_why = gateway.runs.why_none
+
+    async def beat_first(*args: Any, **kwargs: Any) -> str:
+        await beat(redis, config)
+        return await read_why(*args, **kwargs)
+
+    monkeypatch.setattr(gateway.runs, "why_none", beat_first)
+    with pytest.raises(ApiError) as err:
+        await submit(client, 1)
+    assert err.value.status == 503 and err.value.code.value == "no_available_provider"
+    assert err.value.message == (f"no provider of model {MODEL!r} was available when this request came "
+                                 "(a: has a free slot now): one came back since; retry")
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 0
+
+
 async def test_no_available_provider_is_refused_at_once_saying_why(redis: Redis) -> None:
     """(Why: what each provider is now, as a run that timed out in its queue says; found by a
     hostile-provider audit: the refusal said no more than "right now".)"""
