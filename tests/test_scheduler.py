@@ -250,14 +250,14 @@ async def test_a_refusal_read_after_a_provider_came_back_says_so(redis: Redis, m
     """(A heartbeat that lands between the refusal and the read that explains it, as after a restart
     of Redis: the refusal said "(a: has a free slot now)", as if refused for nothing; an SRE's soak.)"""
     import gateway.runs
+    from common.snapshots import why_none
 
     config = make_config({"a": 1})
     client = RunClient(redis, config)
-    read_why = gateway.runs.why_none
 
     async def beat_first(*args: Any, **kwargs: Any) -> str:
         await beat(redis, config)
-        return await read_why(*args, **kwargs)
+        return await why_none(*args, **kwargs)
 
     monkeypatch.setattr(gateway.runs, "why_none", beat_first)
     with pytest.raises(ApiError) as err:
