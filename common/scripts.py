@@ -1000,7 +1000,7 @@ return 1
 # KEYS: lease, run record, events, runs stream, node queue, arq in-progress marker, runs streams of
 #       the provider's models...
 # ARGV: run id, max_attempts, ttl_s, replica channel prefix, model, requeued data, failed data,
-#       cancelled data
+#       cancelled data, [failed data and message for a run no worker started: still `dispatched`]
 REAP = FREES + _NOW + _REQUEUE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) > now then return 'alive' end
@@ -1027,9 +1027,11 @@ if not output and attempts < tonumber(ARGV[2]) then
   redis.call('EXPIRE', KEYS[3], ttl)
   return 'requeued'
 end
-add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', ARGV[7])
+-- (a run no worker started: an older replica's call has no words for it)
+local unstarted = state == 'dispatched' and ARGV[10] ~= nil
+add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', unstarted and ARGV[9] or ARGV[7])
 redis.call('HSET', KEYS[2], 'state', 'failed', 'finished_ms', now, 'error_code', 'worker_lost',
-  'error_message', 'the worker running this run was lost')
+  'error_message', unstarted and ARGV[10] or 'the worker running this run was lost')
 ended(KEYS[2], ARGV[1], 'failed', 0, counted)
 redis.call('EXPIRE', KEYS[3], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)

@@ -788,13 +788,18 @@ class Scheduler:
         attempts = int(limit) if limit and limit.isdigit() else max_attempts.get(model_id, 1)
         woken = [keys.runs_stream(m) for m in self.config.models_of(provider_id)] or [keys.runs_stream(model_id)]
         lost = ErrorInfo(ErrorCode.WORKER_LOST, "the worker running this run was lost")
+        # (dispatched, never started: no worker of its node took it before its lease ran out, its
+        # workers gone, stopped or too busy; an operator looks for them, not for a crash)
+        unstarted = ErrorInfo(ErrorCode.WORKER_LOST, f"no worker of node {node_id} started this run before "
+                                                     "its lease ran out")
         result = await self.scripts.call(
             "reap",
             [lease_key, keys.run_record(run_id), keys.run_events(run_id), keys.runs_stream(model_id),
              keys.node_queue(node_id), keys.arq_in_progress(run_id), *woken],
             [run_id, attempts, self.config.runtime.run_ttl_s, keys.scheduler_channel(""),
              model_id, pack(lost.to_wire()), pack({**lost.to_wire(), "before_output": False}),
-             pack(cancelled_by_caller().to_wire())],
+             pack(cancelled_by_caller().to_wire()), pack(unstarted.to_wire()),
+             unstarted.message],
         )
         outcome = result.decode() if isinstance(result, bytes) else str(result)
         if outcome != "alive":

@@ -381,6 +381,20 @@ async def test_expired_lease_requeues_then_fails_with_worker_lost(redis: Redis) 
     await client.close()
     assert [e.type for e in events] == ["dispatched", "requeued", "dispatched", "failed"]
     assert events[-1].data["code"] == "worker_lost"
+    # (never started: no worker to look for a crash of; an SRE's soak read "the worker running this
+    # run was lost" for runs no worker took before their leases ran out)
+    why = "no worker of node n-a started this run before its lease ran out"
+    assert events[-1].data["message"] == why and events[-1].data["before_output"] is True
+    assert await redis.hget(keys.run_record(run_id), "error_message") == why.encode()
+
+
+async def test_a_running_run_reaped_says_its_worker_was_lost(redis: Redis) -> None:
+    config, client, sched, run_id, _ = await running_run(redis, output=True, cancel=False)
+    await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease
+    assert await sched.reap_expired_leases() == 1
+    events = [e async for e in client.events(run_id)]
+    await client.close()
+    assert events[-1].type == "failed" and events[-1].data["message"] == "the worker running this run was lost"
 
 
 async def running_run(redis: Redis, *, output: bool, cancel: bool) -> tuple[Config, RunClient, Scheduler, str, str]:
