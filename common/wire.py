@@ -48,10 +48,12 @@ TERMINAL_EVENTS = frozenset({EventType.COMPLETED, EventType.FAILED})
 
 
 #: A provider's 4xx answers that are the pool's fault, not the caller's request's: its rate limit
-#: (429) and its refusal of iop's own credentials (401, 403, 407: the provider's `api_key_env`). The
-#: run goes to another provider; the caller gets a 502 (a 503 for a 429: `BUSY`), not the provider's
-#: status. (So does a 404 that names the served model: `workers.adapters.failures.answered_error`.)
-POOL_FAULT_4XX = frozenset({401, 403, 407, 429})
+#: (429), its refusal of iop's own credentials (401, 403, 407: the provider's `api_key_env`), and a
+#: conflict with its own state (409: Lemonade that cannot load the model while every loaded one is
+#: pinned, or beside the one it has). The run goes to another provider; the caller gets a 502 (a 503
+#: for a 429: `BUSY`), not the provider's status. (So does a 404 that names the served model:
+#: `workers.adapters.failures.answered_error`.)
+POOL_FAULT_4XX = frozenset({401, 403, 407, 409, 429})
 #: The status of a provider that does not have what was asked for: the served model (the pool's
 #: fault, when its message names it), or an endpoint for that model (the caller's).
 NOT_THERE = 404

@@ -1768,3 +1768,32 @@ async def test_a_read_begun_after_the_caller_held_the_body_a_while_is_not_cut_at
     watch._look()  # the same read waiting at two looks
     with pytest.raises(aiohttp.SocketTimeoutError):
         await reading
+
+
+@pytest.mark.parametrize(("provider_type", "error", "status"), [
+    # older vLLM: 400 for every fault of its stream, its engine's too, and no param: not taken
+    ("vllm", {"object": "error", "message": "engine died", "type": "BadRequestError", "param": None, "code": 400},
+     None),
+    # vLLM's VLLMValidationError, raised as its engine takes the request (after the 200): names its param
+    ("vllm", {"message": "Requested sample logprobs of 25", "type": "BadRequestError", "param": "logprobs",
+              "code": 400}, 400),
+    ("vllm", {"message": "The server had an error", "type": "InternalServerError", "param": "x", "code": 500}, None),
+    # SGLang: a stream carries an error before any output only for an abort with a status
+    ("sglang", {"object": "error", "message": "Input length", "type": "BAD_REQUEST", "param": None, "code": 400}, 400),
+    ("sglang", {"object": "error", "message": "timed out", "type": "SERVICE_UNAVAILABLE", "code": 503}, 503),
+    # Lemonade: its streaming proxy writes the backend's status as `status_code`, whatever the type
+    ("lemonade", {"code": 400, "message": "exceeds the context", "status_code": 400,
+                  "type": "exceed_context_size_error"}, 400),
+    ("llamacpp", {"code": 400, "message": "bad", "type": "invalid_request_error"}, None),
+    ("openai_api", {"code": "context_length_exceeded", "message": "too long"}, None),
+    ("sglang", "a string", None),
+    ("sglang", {"code": True, "message": "a bool is no status"}, None),
+])
+def test_which_errors_in_a_stream_say_a_status(provider_type: str, error: Any, status: int | None) -> None:
+    from workers.adapters.openai_compat import said_status, sent_error
+
+    assert said_status(error, provider_type) == status
+    err = sent_error("p", error, 500, provider_type)
+    callers = status is not None and 400 <= status < 500
+    assert (err.retry, err.status) == ((Retry.NO, status) if callers else (Retry.ELSEWHERE, None))
+    assert err.strikes == 0

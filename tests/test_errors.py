@@ -97,18 +97,19 @@ PROVIDER_DETAIL: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("status", [401, 403, 407])
+@pytest.mark.parametrize("status", [401, 403, 407, 409])
 def test_a_provider_s_4xx_that_is_the_pool_s_fault_is_a_502(status: int) -> None:
     """Its refusal of iop's own credentials: the caller's key and request were fine, so the caller
     does not get the provider's 401 (its client would take its own key for refused; found by a
-    hostile-provider audit). (Its rate limit: a 503, below.)"""
+    hostile-provider audit). Nor its 409, a conflict with its own state (Lemonade: every slot
+    pinned). (Its rate limit: a 503, below.)"""
     info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider a answered 401: bad key", status=status,
                      detail=PROVIDER_DETAIL)
     err = ApiError.from_info(info)
     assert err.status == 502 and err.body()["error"]["message"] == "provider a answered 401: bad key"
 
 
-@pytest.mark.parametrize("status", [400, 404, 409, 413, 422, 499])
+@pytest.mark.parametrize("status", [400, 404, 413, 422, 499])
 def test_from_info_passes_provider_4xx_through(status: int) -> None:
     info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider said no", status=status,
                      detail={**PROVIDER_DETAIL, "extra": "dropped"})
@@ -128,10 +129,10 @@ def test_from_info_4xx_detail_missing_fields_fall_back() -> None:
 
 @pytest.mark.parametrize("detail", [None, {}, {"message": 5}, {"error": {"message": "nested"}}])
 def test_from_info_4xx_without_usable_detail_uses_own_message(detail: dict[str, Any] | None) -> None:
-    info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider answered 409", status=409, detail=detail)
+    info = ErrorInfo(ErrorCode.PROVIDER_ERROR, "provider answered 422", status=422, detail=detail)
     err = ApiError.from_info(info)
-    assert err.status == 409
-    assert err.body() == {"error": {"message": "provider answered 409", "type": "invalid_request_error",
+    assert err.status == 422
+    assert err.body() == {"error": {"message": "provider answered 422", "type": "invalid_request_error",
                                     "param": None, "code": "provider_error"}}
 
 

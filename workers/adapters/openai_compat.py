@@ -36,12 +36,13 @@ from common.choices import inputs
 from common.chunks import choice_marks, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import ErrorCode, RunKind
+from common.wire import ErrorCode, RunKind, callers_fault
 from workers.adapters import sending
 from workers.adapters.base import DEFAULT_LIMITS, LastRead, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.credentials import Credentials
 from workers.adapters.embeddings import embeddings_problem, in_base64
 from workers.adapters.failures import (
+    MAX_FIELD_CHARS,
     answered_error,
     one_line,
     probe_answered,
@@ -202,13 +203,63 @@ def error_in(payload: Any) -> Any:
     return payload if payload.get("object") == "error" else None
 
 
-def sent_error(provider_id: str, error: Any, error_chars: int) -> ProviderError:
+def _status(value: Any) -> int | None:
+    """`value` if it is an HTTP error status (an integer from 400 to 599), else None."""
+    return value if type(value) is int and 400 <= value < 600 else None
+
+
+def said_status(error: Any, provider_type: str) -> int | None:
+    """The HTTP status of an error a provider sent in its stream (or in a 200 answer), where its
+    server means one: Lemonade's `status_code` (its streaming proxy puts the backend's status
+    there, having sent its 200 already); SGLang's `code` (before any output its stream carries an
+    error only for an abort that has a status: 400 for a request its scheduler refuses); vLLM's
+    `code` of a 4xx that names a `param` (a `VLLMValidationError` raised as its engine takes the
+    request, after the 200). Else None: older vLLM versions gave 400 to every fault of their
+    streams, their engine's among them, with no `param`."""
+    if not isinstance(error, dict):
+        return None
+    status = _status(error.get("status_code"))
+    if status is not None:
+        return status
+    code = _status(error.get("code"))
+    if code is None or provider_type == "sglang":
+        return code
+    param = error.get("param")
+    return code if provider_type == "vllm" and isinstance(param, str) and param and code < 500 else None
+
+
+def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: str = "") -> ProviderError:
     """The error a provider sent in its stream or in a 200 answer: not a strike (it answered), and
-    the run may go to another provider if nothing reached its caller yet. (Its `code` is not taken
-    for a status: vLLM gives 400 to every fault of its stream, its engine's among them; a request
-    of the caller's that a server refuses is refused before its stream.)"""
-    return ProviderError(f"provider {provider_id} sent an error: {error_text(error, error_chars)}",
+    the run may go to another provider if nothing reached its caller yet; but one whose server says
+    it is the caller's (`said_status`: a 4xx of the caller's) is the caller's answer, as the same
+    request's whole answer is: passed through with its status and never tried again."""
+    text = error_text(error, error_chars)
+    status = said_status(error, provider_type)
+    if status is not None and callers_fault(status) and isinstance(error, dict):
+        detail = {**error, **{name: one_line(value, MAX_FIELD_CHARS) for name in ("type", "param", "code")
+                              if isinstance(value := error.get(name), str)}, "message": text}
+        return ProviderError(f"provider {provider_id} sent an error: {text}", status=status, detail=detail,
+                             retry=Retry.NO, strikes=0)
+    return ProviderError(f"provider {provider_id} sent an error: {text}",
                          detail=error if isinstance(error, dict) else None, retry=Retry.ELSEWHERE, strikes=0)
+
+
+#: The finish_reason of a run its server aborted itself (vLLM: shut down with its default
+#: `--shutdown-timeout 0`, put to sleep or paused; SGLang: `/abort_request`): no answer.
+ABORTED = "abort"
+
+
+def aborted(obj: dict[str, Any]) -> bool:
+    """Whether an answer or a chunk has a choice that the server aborted (`ABORTED`)."""
+    return any(isinstance(c, dict) and c.get("finish_reason") == ABORTED for c in obj.get("choices") or ())
+
+
+def aborted_error(provider_id: str) -> ProviderError:
+    """A run its server aborted: not an answer for the caller (a whole one would be empty or cut
+    short, its finish_reason one OpenAI has not), and nothing said of the server's health; another
+    provider may serve it (others first)."""
+    return ProviderError(f"provider {provider_id} aborted the request itself (finish_reason \"abort\": it was "
+                         "shut down, put to sleep or paused)", retry=Retry.ANY, strikes=None)
 
 
 class SSEParser:
@@ -228,8 +279,10 @@ class SSEParser:
     blank line that ends the event, within `limits.line_bytes` together (`end`: the stream ended
     first). The data of an `event: error` is taken as it comes: its first line ends the stream."""
 
-    def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None) -> None:
+    def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None,
+                 provider_type: str = "") -> None:
         self.provider_id = provider_id
+        self.provider_type = provider_type
         self.limits = limits
         self.lines = LineSplitter(provider_id, limits)
         self.non_objects = NonObjects(provider_id, request_id, model)
@@ -296,7 +349,8 @@ class SSEParser:
         event's next `data:` lines. The data of an `event: error` is the error at once, whatever
         it holds (the stream ends there: no line after it is waited for)."""
         if self._event == b"error":
-            self.failed = sent_error(self.provider_id, _said(payload, self.provider_id), self.limits.error_chars)
+            self.failed = sent_error(self.provider_id, _said(payload, self.provider_id), self.limits.error_chars,
+                                     self.provider_type)
             return True
         if payload == b"[DONE]":
             self.done = True
@@ -312,11 +366,14 @@ class SSEParser:
             return False
         error = error_in(obj)
         if error:
-            self.failed = sent_error(self.provider_id, error, self.limits.error_chars)
+            self.failed = sent_error(self.provider_id, error, self.limits.error_chars, self.provider_type)
             return True
         if not isinstance(obj, dict) or not choices_usable(obj):
             self.non_objects.drop(obj)
             return False
+        if aborted(obj):
+            self.failed = aborted_error(self.provider_id)
+            return True
         chunks.append(obj)
         return False
 
@@ -432,10 +489,12 @@ class OpenAICompatAdapter:
                                 retry=Retry.ELSEWHERE, strikes=0)
         error = error_in(data)
         if error:  # (a 200 that carries only an error: never a completion for the caller)
-            raise self._clean(sent_error(self.provider.id, error, self.limits.error_chars))
+            raise self._clean(sent_error(self.provider.id, error, self.limits.error_chars, self.provider.type))
         if not choices_usable(data):
             raise ProviderError(f"provider {self.provider.id} answered with choices that are not a list of objects",
                                 retry=Retry.ELSEWHERE, strikes=0)
+        if aborted(data):
+            raise aborted_error(self.provider.id)
         if kind is not RunKind.EMBEDDING and not data.get("choices"):  # (a caller's client reads choices[0])
             raise ProviderError(f"provider {self.provider.id} answered with no choices", retry=Retry.ELSEWHERE,
                                 strikes=0)
@@ -449,7 +508,8 @@ class OpenAICompatAdapter:
 
     async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
         model = body.get("model")
-        parser = SSEParser(self.provider.id, self.limits, request_id, model if isinstance(model, str) else None)
+        parser = SSEParser(self.provider.id, self.limits, request_id, model if isinstance(model, str) else None,
+                           self.provider.type)
         #: every choice finished: the answer is whole
         finished = False
         #: the choices seen, and those that came with a finish_reason: once every one seen has, and
@@ -575,7 +635,7 @@ class OpenAICompatAdapter:
             raise self.limits.too_large(self.provider.id, "an answer", self.limits.response_bytes)
         error = error_in(parse_json(first + rest, self.provider.id))
         if error:
-            return sent_error(self.provider.id, error, self.limits.error_chars)
+            return sent_error(self.provider.id, error, self.limits.error_chars, self.provider.type)
         return ProviderError(f"provider {self.provider.id} answered a stream request with one JSON answer, not "
                              "server-sent events", retry=Retry.ELSEWHERE, strikes=0)
 
@@ -646,8 +706,11 @@ class OpenAICompatAdapter:
             return ProbeResult(Health.UNKNOWN, f"GET {models_path} answered 200 but not with a model list")
         if isinstance(data, dict) and data.get("has_more") is True:
             return ProbeResult(Health.AVAILABLE, "", None, strikes=0)
-        return ProbeResult(Health.AVAILABLE, "", [m["id"] for m in listed if isinstance(m, dict)
-                                                  and isinstance(m.get("id"), str)], strikes=0)
+        models = [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        if self.provider.type == "sglang":  # (an adapter is taken only as `base:adapter`, and listed as `adapter`)
+            models += [f"{m['parent']}:{m['id']}" for m in listed if isinstance(m, dict)
+                       and isinstance(m.get("id"), str) and isinstance(m.get("parent"), str) and m["parent"]]
+        return ProbeResult(Health.AVAILABLE, "", models, strikes=0)
 
     async def close(self) -> None:
         return None

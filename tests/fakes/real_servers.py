@@ -1,0 +1,221 @@
+"""Answers of the real vLLM, SGLang and Lemonade servers, byte for byte where it matters, chosen by
+the served name a run asks for (its part before the first `@`, so that two providers of one model
+can ask for the same behaviour under names of their own: `vllm-logprobs@a`, `vllm-logprobs@b`).
+
+Where each answer comes from (the servers' own source, read for this; versions: vLLM 0.34.0 and
+SGLang 0.5.23 as published on PyPI, Lemonade at its commit e385039ed):
+
+- `vllm-logprobs`: a request vLLM's API server takes and its engine refuses when it adds it,
+  `top_logprobs` over `--max-logprobs` (20 by default). `SamplingParams._validate_logprobs`
+  (vllm/sampling_params.py:935-940) raises a `VLLMValidationError` with `parameter="logprobs"`
+  from `AsyncLLM.add_request` (vllm/v1/engine/async_llm.py:411, via input_processor.py:149), which
+  runs in the stream's first iteration, after the 200 went out: the stream generator
+  (vllm/entrypoints/openai/chat_completion/serving.py:962-964) yields `create_error_response(e)`
+  (vllm/entrypoints/serve/exception_handling/error_response.py:43-46: BadRequestError, 400, the
+  parameter; the message with its `(parameter=…, value=…)` tail, vllm/exceptions.py:49-56), framed
+  `data: …\\n\\n` and followed by `data: [DONE]` (serving.py:497-508). Whole, the same exception
+  reaches the app's handler (register.py:32, handlers/exception.py:23-24): a 400 with that object.
+- `vllm-abort`: a request vLLM aborted itself: its engine's shutdown at SIGTERM with the default
+  `--shutdown-timeout 0` (vllm/v1/engine/core.py:1886-1903), `POST /sleep` (mode `abort` by
+  default, serve/dev/sleep/api_router.py:30) or a pause. Its outputs end with finish_reason
+  `abort` (vllm/v1/engine/__init__.py:37), passed on as it is: streamed, a last chunk whose delta
+  is empty (chat_completion/serving.py:749-760, 805-822); whole, a 200 answer with that
+  finish_reason (serving.py:1074, tool_calls_utils.py:53).
+- `sglang-too-long`: a prompt the tokenizer manager lets through (only `>= context_len` is refused
+  there, tokenizer_manager.py:1338) and the scheduler refuses (`>= max_req_input_len`, which is
+  `min(context_len - 1, kv pool - 1) - 5`, tp_worker.py:568-572; managers/utils.py:272-287;
+  scheduler.py:3246-3254: `set_finish_with_abort`, status 400). Streamed: the 200 went out with the
+  first chunk, which is the abort's error (serving_chat.py:2568-2578: type the status's name,
+  `create_streaming_error_response`, serving_base.py:223-237: the flat object under `error`,
+  `json.dumps` spacing), then the usage chunk iop asked for and `data: [DONE]`
+  (serving_chat.py:2765-2805). Whole, `_handle_abort_finish_reason` raises a ValueError
+  (tokenizer_manager.py:1916-1918): a 400 in SGLang's flat error shape (serving_chat.py:2818-2819,
+  serving_base.py:205-221).
+- `lemonade-ctx`: a prompt over the loaded llama-server's context. llama-server answers 400
+  (`exceed_context_size_error`, with `n_prompt_tokens` and `n_ctx`); Lemonade has already
+  committed its stream's 200, so its streaming proxy sends that error object as an event with the
+  backend's `status_code` added, and no `[DONE]` (src/cpp/server/streaming_proxy.cpp:217-247:
+  "A backend's own error object carries no transport status, so adapters downstream would have
+  to guess one"; nlohmann's JSON, keys sorted). Whole, the backend's status and
+  `context_length_exceeded` (wrapped_server.cpp:114-149).
+- `lemonade-pinned`: a model Lemonade cannot load because every loaded model of its pool is
+  pinned (`max_loaded_models` reached): `SlotsPinnedException` (src/cpp/include/lemon/
+  error_types.h:60-66, router.cpp:295-297), answered by `create_model_error` as 409
+  `slots_pinned_error` (server.cpp:2385-2393, 222-226, 3726-3737). Another Lemonade may well
+  serve the model.
+- `base`, `my-lora`: SGLang's `/v1/models` with a LoRA adapter: the adapter listed by its own name,
+  its base as `parent` (http_server.py:1993-2022). SGLang takes the adapter only as
+  `base:adapter` in `model` (serving_base.py:40-59); the listed name alone runs the base model
+  (`_resolve_lora_path`, serving_base.py:61-77: no `:`, no adapter).
+- `ok`: a plain answer, streamed or whole.
+
+Calls are counted per served name (`calls`). It runs on its own event loop in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import Counter
+
+from aiohttp import web
+
+from tests.fakes.serving import stop_runner
+
+CALLS = web.AppKey("calls", Counter)
+
+#: vLLM: `str(VLLMValidationError(...))` of a `top_logprobs` of 25 with `--max-logprobs 20`
+VLLM_LOGPROBS = {"error": {"message": "Requested sample logprobs of 25, which is greater than max allowed: 20 "
+                                      "(parameter=logprobs, value=25)",
+                           "type": "BadRequestError", "param": "logprobs", "code": 400}}
+SGLANG_TOO_LONG = ("Input length (8183 tokens) exceeds the maximum allowed length (8181 tokens). "
+                   "Use a shorter input or enable --allow-auto-truncate.")
+LEMONADE_CTX = {"error": {"code": 400, "message": "request (9000 tokens) exceeds the available context size "
+                                                  "(8192 tokens), try increasing it",
+                          "n_ctx": 8192, "n_prompt_tokens": 9000, "status_code": 400,
+                          "type": "exceed_context_size_error"}}
+LEMONADE_PINNED = {"error": {"code": "slots_pinned_error",
+                             "message": "All loaded models of type standard/llm are pinned. Unload a model first.",
+                             "param": "model", "requested_model": "Qwen3-4B-GGUF", "type": "slots_pinned_error"}}
+
+
+def _compact(obj: object) -> bytes:
+    """JSON as pydantic's `model_dump_json`, starlette's JSONResponse, orjson and nlohmann write it."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _chunk(model: str, choice: dict[str, object]) -> bytes:
+    return b"data: " + _compact({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+                                 "model": model, "choices": [choice]}) + b"\n\n"
+
+
+def _usage_chunk(model: str) -> bytes:
+    return b"data: " + _compact({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": model,
+                                 "choices": [], "usage": {"prompt_tokens": 5, "total_tokens": 5,
+                                                          "completion_tokens": 0}}) + b"\n\n"
+
+
+def _whole(model: str, content: str, finish_reason: str) -> web.Response:
+    return web.Response(body=_compact({
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "refusal": None,
+                                             "annotations": None, "audio": None, "function_call": None,
+                                             "tool_calls": [], "reasoning": None},
+                     "logprobs": None, "finish_reason": finish_reason, "stop_reason": None, "token_ids": None}],
+        "service_tier": None, "system_fingerprint": None,
+        "usage": {"prompt_tokens": 5, "total_tokens": 5 + len(content.split()),
+                  "completion_tokens": len(content.split()), "prompt_tokens_details": None},
+        "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None}),
+        content_type="application/json")
+
+
+async def _events(request: web.Request, *parts: bytes) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    for part in parts:
+        await resp.write(part)
+    await resp.write_eof()
+    return resp
+
+
+async def _models(request: web.Request) -> web.Response:
+    names = ["ok", "vllm-logprobs@a", "vllm-logprobs@b", "vllm-abort@a", "sglang-too-long@a", "sglang-too-long@b",
+             "lemonade-ctx@a", "lemonade-pinned@a"]
+    cards = [{"id": n, "object": "model", "created": 1, "owned_by": "vllm", "root": n, "parent": None}
+             for n in names]
+    cards += [{"id": "base", "object": "model", "created": 1, "owned_by": "sglang", "root": "base", "parent": None,
+               "max_model_len": 8192},
+              {"id": "my-lora", "object": "model", "created": 1, "owned_by": "sglang", "root": "/loras/my-lora",
+               "parent": "base", "max_model_len": None}]
+    return web.Response(body=_compact({"object": "list", "data": cards}), content_type="application/json")
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response()
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    served = body["model"]
+    request.app[CALLS][served] += 1
+    kind = served.split("@")[0]
+    stream = bool(body.get("stream"))
+    if kind == "vllm-logprobs":
+        if stream:
+            return await _events(request, b"data: " + _compact(VLLM_LOGPROBS) + b"\n\n", b"data: [DONE]\n\n")
+        return web.Response(status=400, body=_compact(VLLM_LOGPROBS), content_type="application/json")
+    if kind == "sglang-too-long":
+        if stream:
+            error = {"object": "error", "message": SGLANG_TOO_LONG, "type": "BAD_REQUEST", "param": None, "code": 400}
+            return await _events(request, f"data: {json.dumps({'error': error})}\n\n".encode(), _usage_chunk(served),
+                                 b"data: [DONE]\n\n")
+        flat = {"object": "error", "message": SGLANG_TOO_LONG, "type": "BadRequestError", "param": None, "code": 400}
+        return web.Response(status=400, body=_compact(flat), content_type="application/json")
+    if kind == "lemonade-ctx":
+        if stream:
+            return await _events(request, b"data: " + _compact(LEMONADE_CTX) + b"\n\n")
+        whole = {"error": {"code": "context_length_exceeded", "message": LEMONADE_CTX["error"]["message"],
+                           "status_code": 400, "type": "invalid_request_error"}}
+        return web.Response(status=400, body=_compact(whole), content_type="application/json")
+    if kind == "lemonade-pinned":
+        return web.Response(status=409, body=_compact(LEMONADE_PINNED), content_type="application/json")
+    if kind == "vllm-abort":
+        if stream:
+            return await _events(
+                request,
+                _chunk(served, {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}),
+                _chunk(served, {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "abort",
+                                "stop_reason": None, "token_ids": None, "weight_versions": None}),
+                _usage_chunk(served), b"data: [DONE]\n\n")
+        return _whole(served, "", "abort")
+    # `ok`, and SGLang's base model or its adapter (`base:my-lora`); the adapter's name alone is the base
+    content = "from the adapter" if served == "base:my-lora" else "from the base model" if kind in (
+        "base", "my-lora") else "hello there"
+    if stream:
+        return await _events(
+            request,
+            _chunk(served, {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}),
+            _chunk(served, {"index": 0, "delta": {"content": content}, "finish_reason": None}),
+            _chunk(served, {"index": 0, "delta": {}, "finish_reason": "stop"}),
+            _usage_chunk(served), b"data: [DONE]\n\n")
+    return _whole(served, content, "stop")
+
+
+class RealServers:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+        self.calls: Counter[str] = Counter()
+
+    async def _start(self) -> str:
+        app = web.Application()
+        app[CALLS] = self.calls
+        app.router.add_get("/health", _health)
+        app.router.add_get("/api/v1/health", _health)
+        app.router.add_get("/v1/models", _models)
+        app.router.add_get("/api/v1/models", _models)
+        app.router.add_post("/v1/chat/completions", _chat)
+        app.router.add_post("/api/v1/chat/completions", _chat)
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    def __enter__(self) -> RealServers:
+        self.thread.start()
+        self.url = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self
+
+    async def _stop(self) -> None:
+        assert self.runner is not None
+        await stop_runner(self.runner)
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()

@@ -1,0 +1,114 @@
+"""What vLLM, SGLang and Lemonade really answer, through real iop processes and a real Redis
+(`tests/fakes/real_servers.py` says where in each server's source every answer comes from):
+
+- an error a server sends in its stream that says it is the caller's (vLLM's 400 naming the
+  parameter, SGLang's 400 from its scheduler, Lemonade's event with the backend's `status_code`)
+  is the caller's answer, as the same request's whole answer is: passed through with its status,
+  not tried on every provider of the model and then turned into a 502;
+- a run the server aborted itself (finish_reason `abort`: vLLM at SIGTERM, put to sleep, paused)
+  is no answer: it goes to another provider, and the caller never gets an empty "completion";
+- Lemonade's 409 (every slot pinned: it cannot load the model now) is the pool's matter, not the
+  caller's: another provider serves the run;
+- an SGLang LoRA adapter, which SGLang takes only as `base:adapter` and lists as `adapter` with
+  its base as `parent`, can be served under the name SGLang takes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import Stack
+from tests.fakes.real_servers import RealServers
+from tests.test_e2e import FAST_RUNTIME, wait_available
+
+pytestmark = pytest.mark.e2e
+
+#: model -> [(provider id, type, served name)]; equal capacities, so ties go by provider id
+MODELS: dict[str, list[tuple[str, str, str]]] = {
+    "m-logprobs": [("v-a", "vllm", "vllm-logprobs@a"), ("v-b", "vllm", "vllm-logprobs@b")],
+    "m-too-long": [("s-a", "sglang", "sglang-too-long@a"), ("s-b", "sglang", "sglang-too-long@b")],
+    "m-ctx": [("l-ctx", "lemonade", "lemonade-ctx@a")],
+    "m-pinned": [("a-pinned", "lemonade", "lemonade-pinned@a"), ("b-ok-p", "vllm", "ok")],
+    "m-abort": [("a-abort", "vllm", "vllm-abort@a"), ("b-ok-a", "vllm", "ok")],
+    "m-lora": [("s-lora", "sglang", "base:my-lora")],
+}
+
+
+@pytest.fixture
+def servers(stack: Stack) -> Iterator[RealServers]:
+    with RealServers() as fake:
+        yield fake
+        stack.stop_all()  # (the worker goes before the server it probes)
+
+
+@pytest.fixture
+def gateway(stack: Stack, servers: RealServers) -> str:
+    providers: dict[str, dict[str, Any]] = {}
+    for entries in MODELS.values():
+        for pid, ptype, served in entries:
+            entry = providers.setdefault(pid, {"id": pid, "type": ptype, "base_url": servers.url, "capacity": 2,
+                                               "models": []})
+            entry["models"].append(served)
+    stack.write_config({
+        "models": [{"id": model, "providers": {pid: served for pid, _, served in entries}}
+                   for model, entries in MODELS.items()],
+        "nodes": [{"id": "n1", "providers": list(providers.values())}],
+        "runtime": FAST_RUNTIME,
+        "queue": {"max_attempts": 3},
+    })
+    stack.scheduler()
+    stack.worker("n1")
+    url = stack.gateway()
+    wait_available(stack.redis_url, list(providers))
+    return url
+
+
+async def ask(gateway: str, model: str, stream: bool) -> tuple[int, str]:
+    """(status, the answer's text: a whole answer's body, or a stream's events)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json=body) as resp:
+        return resp.status, await resp.text()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("model", "served", "said"), [
+    ("m-logprobs", "vllm-logprobs", "Requested sample logprobs of 25"),
+    ("m-too-long", "sglang-too-long", "exceeds the maximum allowed length"),
+    ("m-ctx", "lemonade-ctx", "exceeds the available context size"),
+])
+async def test_the_callers_error_in_a_stream_is_the_callers_answer(stack: Stack, servers: RealServers, gateway: str,
+                                                                   model: str, served: str, said: str,
+                                                                   stream: bool) -> None:
+    status, text = await ask(gateway, model, stream)
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert said in error["message"]
+    # one provider asked: another of the model would answer the same request the same
+    assert sum(n for name, n in servers.calls.items() if name.startswith(served)) == 1, servers.calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_run_the_server_aborted_goes_to_another_provider(servers: RealServers, gateway: str,
+                                                                 stream: bool) -> None:
+    status, text = await ask(gateway, "m-abort", stream)
+    assert status == 200, text
+    assert "hello there" in text and '"abort"' not in text
+    assert servers.calls["vllm-abort@a"] == 1 and servers.calls["ok"] == 1, servers.calls
+
+
+async def test_lemonade_with_every_slot_pinned_leaves_the_run_to_another_provider(servers: RealServers,
+                                                                                  gateway: str) -> None:
+    status, text = await ask(gateway, "m-pinned", False)
+    assert status == 200, text
+    assert "hello there" in text
+    assert servers.calls["lemonade-pinned@a"] == 1 and servers.calls["ok"] == 1, servers.calls
+
+
+async def test_an_sglang_lora_adapter_is_served_as_sglang_takes_it(servers: RealServers, gateway: str) -> None:
+    status, text = await ask(gateway, "m-lora", False)
+    assert status == 200, text
+    assert json.loads(text)["choices"][0]["message"]["content"] == "from the adapter"
