@@ -220,10 +220,12 @@ async def test_unknown_fields_and_tool_call_deltas_pass_through(fake: Fake, sess
 async def test_each_type_probes_its_own_endpoints(ptype: str, health_path: str | None, models_path: str,
                                                   fake: Fake, session: aiohttp.ClientSession) -> None:
     fake.body[models_path] = {"object": "list", "data": [{"id": SERVED}, {"id": "other"}, {"id": [[1]]}, {"id": 5}]}
+    fake.status["/is_sleeping"] = 404  # (vLLM outside dev mode: asked once, then never)
     adapter = OpenAICompatAdapter(provider(ptype, fake.url), session)
     probe = await adapter.probe()
     assert probe.health is Health.AVAILABLE and probe.models == [SERVED, "other"]  # (ids that are not text: left out)
-    assert [path for path, _, _ in fake.requests] == ([health_path] if health_path else []) + [models_path]
+    sleep = ["/is_sleeping"] if ptype == "vllm" else []
+    assert [path for path, _, _ in fake.requests] == ([health_path] if health_path else []) + sleep + [models_path]
     if health_path:
         fake.status[health_path] = 503
         probe = await adapter.probe()
@@ -430,14 +432,32 @@ async def test_runs_carry_a_uuid_request_id_and_probes_none(fake: Fake, session:
 async def test_a_server_without_a_health_endpoint_is_judged_by_its_model_list(
         fake: Fake, session: aiohttp.ClientSession) -> None:
     fake.status["/health"] = 404  # llama-cpp-python's server has none
+    fake.status["/is_sleeping"] = 404  # (nor has vLLM outside dev mode its sleep state)
     fake.body["/v1/models"] = {"object": "list", "data": [{"id": SERVED}]}
     for ptype in ("vllm", "llamacpp"):
         fake.requests.clear()
         adapter = OpenAICompatAdapter(provider(ptype, fake.url), session)
         assert (await adapter.probe()).health is Health.AVAILABLE
         assert (await adapter.probe()).health is Health.AVAILABLE
-        # the missing endpoint is asked for once, then the model list alone decides
-        assert [path for path, _, _ in fake.requests] == ["/health", "/v1/models", "/v1/models"]
+        # the missing endpoints are asked for once, then the model list alone decides
+        sleep = ["/is_sleeping"] if ptype == "vllm" else []
+        assert [path for path, _, _ in fake.requests] == ["/health", *sleep, "/v1/models", "/v1/models"]
+
+
+async def test_a_vllm_asleep_or_paused_is_unavailable(fake: Fake, session: aiohttp.ClientSession) -> None:
+    """vLLM asleep (`POST /sleep`) or paused answers `/health` 200 and lists its model, and holds
+    every request until it is woken: its `/is_sleeping` (dev mode) decides."""
+    fake.body["/v1/models"] = {"object": "list", "data": [{"id": SERVED}]}
+    fake.body["/is_sleeping"] = {"is_sleeping": True}
+    adapter = OpenAICompatAdapter(provider("vllm", fake.url), session)
+    probe = await adapter.probe()
+    assert probe.health is Health.UNAVAILABLE and probe.reason.startswith("GET /is_sleeping: it is asleep or paused")
+    fake.body["/is_sleeping"] = {"is_sleeping": False}  # woken: asked at every probe still
+    assert (await adapter.probe()).health is Health.AVAILABLE
+    fake.body["/is_sleeping"] = {"is_sleeping": True}
+    assert (await adapter.probe()).health is Health.UNAVAILABLE
+    fake.status["/is_sleeping"] = 500  # (an answer it cannot give: as if it had none, this time)
+    assert (await adapter.probe()).health is Health.AVAILABLE
 
 
 async def test_probe_path_names_the_health_endpoint(fake: Fake, session: aiohttp.ClientSession) -> None:

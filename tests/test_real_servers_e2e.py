@@ -10,7 +10,9 @@
 - Lemonade's 409 (every slot pinned: it cannot load the model now) is the pool's matter, not the
   caller's: another provider serves the run;
 - an SGLang LoRA adapter, which SGLang takes only as `base:adapter` and lists as `adapter` with
-  its base as `parent`, can be served under the name SGLang takes."""
+  its base as `parent`, can be served under the name SGLang takes;
+- a vLLM put to sleep (or paused), whose `/health` still answers 200 and which holds every request
+  it takes until it is woken, is unavailable, not sent runs that wait there for `read_timeout_ms`."""
 
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis as sync_redis
 
-from tests.conftest import Stack
+from tests.conftest import Stack, wait_until
 from tests.fakes.real_servers import RealServers
 from tests.test_e2e import FAST_RUNTIME, wait_available
 
@@ -35,7 +38,10 @@ MODELS: dict[str, list[tuple[str, str, str]]] = {
     "m-pinned": [("a-pinned", "lemonade", "lemonade-pinned@a"), ("b-ok-p", "vllm", "ok")],
     "m-abort": [("a-abort", "vllm", "vllm-abort@a"), ("b-ok-a", "vllm", "ok")],
     "m-lora": [("s-lora", "sglang", "base:my-lora")],
+    "m-asleep": [("a-asleep", "vllm", "asleep"), ("b-ok-s", "vllm", "ok")],
 }
+#: the provider on the vLLM put to sleep
+SLEEPY = "a-asleep"
 
 
 @pytest.fixture
@@ -46,12 +52,19 @@ def servers(stack: Stack) -> Iterator[RealServers]:
 
 
 @pytest.fixture
-def gateway(stack: Stack, servers: RealServers) -> str:
+def asleep(stack: Stack, servers: RealServers) -> Iterator[RealServers]:
+    with RealServers(asleep=True) as fake:
+        yield fake
+        stack.stop_all()
+
+
+@pytest.fixture
+def gateway(stack: Stack, servers: RealServers, asleep: RealServers) -> str:
     providers: dict[str, dict[str, Any]] = {}
     for entries in MODELS.values():
         for pid, ptype, served in entries:
-            entry = providers.setdefault(pid, {"id": pid, "type": ptype, "base_url": servers.url, "capacity": 2,
-                                               "models": []})
+            entry = providers.setdefault(pid, {"id": pid, "type": ptype, "capacity": 2, "models": [],
+                                               "base_url": asleep.url if pid == SLEEPY else servers.url})
             entry["models"].append(served)
     stack.write_config({
         "models": [{"id": model, "providers": {pid: served for pid, _, served in entries}}
@@ -63,7 +76,7 @@ def gateway(stack: Stack, servers: RealServers) -> str:
     stack.scheduler()
     stack.worker("n1")
     url = stack.gateway()
-    wait_available(stack.redis_url, list(providers))
+    wait_available(stack.redis_url, [pid for pid in providers if pid != SLEEPY])
     return url
 
 
@@ -112,3 +125,18 @@ async def test_an_sglang_lora_adapter_is_served_as_sglang_takes_it(servers: Real
     status, text = await ask(gateway, "m-lora", False)
     assert status == 200, text
     assert json.loads(text)["choices"][0]["message"]["content"] == "from the adapter"
+
+
+async def test_a_vllm_put_to_sleep_is_unavailable_and_sent_no_run(stack: Stack, asleep: RealServers,
+                                                                  gateway: str) -> None:
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        probed = wait_until(lambda: (h := r.hgetall(f"iop:provider:{SLEEPY}")).get(b"reason", b"not probed yet")
+                            != b"not probed yet" and h, what="the sleeping provider probed")
+        assert probed[b"health"] == b"unavailable", probed
+        assert b"asleep" in probed[b"reason"], probed
+    finally:
+        r.close()
+    status, text = await ask(gateway, "m-asleep", False)
+    assert status == 200 and "hello there" in text, text
+    assert asleep.calls["asleep"] == 0, asleep.calls

@@ -49,6 +49,15 @@ SGLang 0.5.23 as published on PyPI, Lemonade at its commit e385039ed):
   (`_resolve_lora_path`, serving_base.py:61-77: no `:`, no adapter).
 - `ok`: a plain answer, streamed or whole.
 
+`RealServers(asleep=True)` is a vLLM put to sleep (`POST /sleep`, or paused): its `/health` still
+answers 200 (serve/instrumentator/health.py:22-33: only a dead engine is a 503) and its model list
+is the same, but it takes requests and leaves them waiting until it is woken (v1/engine/core.py:
+1096-1099: "Requests are still accepted but not processed"); `GET /is_sleeping` says so
+(serve/dev/sleep/api_router.py:62-65, `{"is_sleeping": true}`; the engine's `is_sleeping` is true
+when paused too, core.py:1202-1204). Awake, or without `VLLM_SERVER_DEV_MODE`, where that route is
+not mounted (launchers/api_server/routers.py:46-49), `/is_sleeping` is vLLM's JSON 404
+(exception_handling/handlers/http.py:24-31).
+
 Calls are counted per served name (`calls`). It runs on its own event loop in a thread."""
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ from aiohttp import web
 from tests.fakes.serving import stop_runner
 
 CALLS = web.AppKey("calls", Counter)
+ASLEEP = web.AppKey("asleep", bool)
 
 #: vLLM: `str(VLLMValidationError(...))` of a `top_logprobs` of 25 with `--max-logprobs 20`
 VLLM_LOGPROBS = {"error": {"message": "Requested sample logprobs of 25, which is greater than max allowed: 20 "
@@ -120,8 +130,8 @@ async def _events(request: web.Request, *parts: bytes) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.Response:
-    names = ["ok", "vllm-logprobs@a", "vllm-logprobs@b", "vllm-abort@a", "sglang-too-long@a", "sglang-too-long@b",
-             "lemonade-ctx@a", "lemonade-pinned@a"]
+    names = ["ok", "asleep", "vllm-logprobs@a", "vllm-logprobs@b", "vllm-abort@a", "sglang-too-long@a",
+             "sglang-too-long@b", "lemonade-ctx@a", "lemonade-pinned@a"]
     cards = [{"id": n, "object": "model", "created": 1, "owned_by": "vllm", "root": n, "parent": None}
              for n in names]
     cards += [{"id": "base", "object": "model", "created": 1, "owned_by": "sglang", "root": "base", "parent": None,
@@ -135,10 +145,20 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response()
 
 
+async def _is_sleeping(request: web.Request) -> web.Response:
+    if request.app[ASLEEP]:
+        return web.Response(body=_compact({"is_sleeping": True}), content_type="application/json")
+    return web.Response(status=404, body=_compact({"error": {"message": "Not Found", "type": "Not Found",
+                                                             "param": None, "code": 404}}),
+                        content_type="application/json")
+
+
 async def _chat(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     served = body["model"]
     request.app[CALLS][served] += 1
+    if request.app[ASLEEP]:  # (held until woken: never, here)
+        await asyncio.Event().wait()
     kind = served.split("@")[0]
     stream = bool(body.get("stream"))
     if kind == "vllm-logprobs":
@@ -184,7 +204,8 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 class RealServers:
-    def __init__(self) -> None:
+    def __init__(self, asleep: bool = False) -> None:
+        self.asleep = asleep
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.runner: web.AppRunner | None = None
@@ -194,7 +215,9 @@ class RealServers:
     async def _start(self) -> str:
         app = web.Application()
         app[CALLS] = self.calls
+        app[ASLEEP] = self.asleep
         app.router.add_get("/health", _health)
+        app.router.add_get("/is_sleeping", _is_sleeping)
         app.router.add_get("/api/v1/health", _health)
         app.router.add_get("/v1/models", _models)
         app.router.add_get("/api/v1/models", _models)

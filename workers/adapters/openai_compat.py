@@ -10,7 +10,8 @@ is the API root as it is; otherwise the type's path is appended (`/v1`; Lemonade
 
 Probes per type: vLLM, SGLang and llama.cpp `GET /health` (server root), Lemonade
 `GET <api>/health`, then `GET <api>/models` for the models it serves; `openai_api` only the
-model list. `probe_path` replaces the health endpoint. A health endpoint that does not exist
+model list. vLLM is also asked `GET /is_sleeping` (asleep or paused: unavailable; a 404, a server
+not in dev mode, is not asked again). `probe_path` replaces the health endpoint. A health endpoint that does not exist
 (404, 405, 501; llama-cpp-python has none) is remembered, and the model list alone decides.
 Probes send no `X-Request-Id`; runs send the run's UUID (`common.wire.upstream_request_id`).
 
@@ -80,6 +81,9 @@ ROOT_HEALTH = frozenset({"vllm", "sglang", "llamacpp"})
 HAS_HEALTH = ROOT_HEALTH | {"lemonade"}
 #: a health endpoint answering one of these does not exist: the model list decides alone
 NO_SUCH_ENDPOINT = frozenset({404, 405, 501})
+#: vLLM's sleep state, at the server root (`--enable-sleep-mode` with `VLLM_SERVER_DEV_MODE=1`): asleep
+#: or paused, it still answers `/health` and takes requests, and holds them until it is woken
+SLEEP_PATH = "/is_sleeping"
 #: How long a stream whose every choice has its finish_reason waits for what may still come (the
 #: usage chunk, [DONE]): a provider that sends neither and keeps its connection open has answered
 #: whole, and its caller is not kept waiting for `read_timeout_ms`, then failed.
@@ -257,9 +261,9 @@ def aborted(obj: dict[str, Any]) -> bool:
 def aborted_error(provider_id: str) -> ProviderError:
     """A run its server aborted: not an answer for the caller (a whole one would be empty or cut
     short, its finish_reason one OpenAI has not), and nothing said of the server's health; another
-    provider may serve it (others first)."""
+    provider may serve it, not this one (asleep or paused, it would hold the run until woken)."""
     return ProviderError(f"provider {provider_id} aborted the request itself (finish_reason \"abort\": it was "
-                         "shut down, put to sleep or paused)", retry=Retry.ANY, strikes=None)
+                         "shut down, put to sleep or paused)", retry=Retry.ELSEWHERE, strikes=None)
 
 
 class SSEParser:
@@ -415,6 +419,9 @@ class OpenAICompatAdapter:
         self.root = api_root(provider.base_url, provider.type, provider.api_path)
         #: None once the server showed it has no health endpoint (the model list decides)
         self.health_url = health_url(provider)
+        #: vLLM's `/is_sleeping`; None for other types, and once the server showed it has none
+        self.sleep_url = (server_root(provider.base_url, provider.api_path) + SLEEP_PATH
+                          if provider.type == "vllm" else None)
         self.timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=provider.connect_timeout_ms / 1000,
@@ -676,6 +683,19 @@ class OpenAICompatAdapter:
         except ProviderError:
             return 200, None, ProbeResult(Health.UNKNOWN, f"GET {path} answered 200 with JSON nested too deep")
 
+    async def _asleep(self) -> ProbeResult | None:
+        """The probe's result when vLLM says it is asleep or paused (`SLEEP_PATH`): unavailable, as
+        every run sent there would wait for `read_timeout_ms`. A server without the endpoint (not in
+        dev mode: 404) is not asked again; one that does not answer it is judged as if it had none."""
+        assert self.sleep_url is not None
+        status, said, failed = await self._get(self.sleep_url)
+        if failed is None and status in NO_SUCH_ENDPOINT:
+            self.sleep_url = None
+        elif failed is None and status == 200 and isinstance(said, dict) and said.get("is_sleeping") is True:
+            return ProbeResult(Health.UNAVAILABLE, f"GET {SLEEP_PATH}: it is asleep or paused, and would hold every "
+                               "run until woken (POST /wake_up, or /resume)")
+        return None
+
     async def probe(self) -> ProbeResult:
         """Its health endpoint, if it has one, then its model list. A model list of OpenAI's shape,
         or a bare array of model objects (Together AI's); one page of a longer list (`has_more`) is
@@ -693,6 +713,10 @@ class OpenAICompatAdapter:
                 return probe_answered(f"GET {urlsplit(self.health_url).path}", status, said)
             else:  # (a hosted API only: vLLM's, SGLang's, llama.cpp's and Lemonade's 404 there is a wrong URL)
                 health_said = self.provider.probe_path is not None and self.provider.type == "openai_api"
+        if self.sleep_url is not None:
+            asleep = await self._asleep()
+            if asleep is not None:
+                return asleep
         models_path = urlsplit(self.root).path + "/models"
         status, data, failed = await self._get(self.root + "/models")
         if failed is not None:
