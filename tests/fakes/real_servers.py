@@ -47,12 +47,17 @@ SGLang 0.5.23 as published on PyPI, Lemonade at its commit e385039ed):
   its base as `parent` (http_server.py:1993-2022). SGLang takes the adapter only as
   `base:adapter` in `model` (serving_base.py:40-59); the listed name alone runs the base model
   (`_resolve_lora_path`, serving_base.py:61-77: no `:`, no adapter).
+- `sglang-total`: SGLang in front of a prompt of 30000 tokens, its context 32768: with no
+  `max_tokens` it generates to the end of its context (the scheduler bounds `max_new_tokens` by
+  what is left, scheduler.py:2693-2715); with one, the tokenizer manager refuses a total over
+  the context (`validate_total_tokens`, always on: tokenizer_manager.py:606, 1353-1378), a 400
+  (serving_chat.py:2818-2819).
 - `ok`: a plain answer, streamed or whole.
 
 `RealServers(asleep=True)` is a vLLM put to sleep (`POST /sleep`, or paused): its `/health` still
 answers 200 (serve/instrumentator/health.py:22-33: only a dead engine is a 503) and its model list
 is the same, but it takes requests and leaves them waiting until it is woken (v1/engine/core.py:
-1096-1099: "Requests are still accepted but not processed"); `GET /is_sleeping` says so
+1100-1101: "Requests are still accepted but not processed"); `GET /is_sleeping` says so
 (serve/dev/sleep/api_router.py:62-65, `{"is_sleeping": true}`; the engine's `is_sleeping` is true
 when paused too, core.py:1202-1204). Awake, or without `VLLM_SERVER_DEV_MODE`, where that route is
 not mounted (launchers/api_server/routers.py:46-49), `/is_sleeping` is vLLM's JSON 404
@@ -131,7 +136,7 @@ async def _events(request: web.Request, *parts: bytes) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.Response:
     names = ["ok", "asleep", "vllm-logprobs@a", "vllm-logprobs@b", "vllm-abort@a", "sglang-too-long@a",
-             "sglang-too-long@b", "lemonade-ctx@a", "lemonade-pinned@a"]
+             "sglang-too-long@b", "lemonade-ctx@a", "lemonade-pinned@a", "sglang-total@a"]
     cards = [{"id": n, "object": "model", "created": 1, "owned_by": "vllm", "root": n, "parent": None}
              for n in names]
     cards += [{"id": "base", "object": "model", "created": 1, "owned_by": "sglang", "root": "base", "parent": None,
@@ -178,6 +183,16 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         whole = {"error": {"code": "context_length_exceeded", "message": LEMONADE_CTX["error"]["message"],
                            "status_code": 400, "type": "invalid_request_error"}}
         return web.Response(status=400, body=_compact(whole), content_type="application/json")
+    if kind == "sglang-total":
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        if asked is not None and 30000 + asked > 32768:
+            message = (f"Requested token count exceeds the model's maximum context length of 32768 tokens. You "
+                       f"requested a total of {30000 + asked} tokens: 30000 tokens from the input messages and "
+                       f"{asked} tokens for the completion. Please reduce the number of tokens in the input "
+                       f"messages or the completion to fit within the limit.")
+            flat = {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": 400}
+            return web.Response(status=400, body=_compact(flat), content_type="application/json")
+        return _whole(served, "a long answer", "length")
     if kind == "lemonade-pinned":
         return web.Response(status=409, body=_compact(LEMONADE_PINNED), content_type="application/json")
     if kind == "vllm-abort":
