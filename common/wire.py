@@ -54,6 +54,9 @@ TERMINAL_EVENTS = frozenset({EventType.COMPLETED, EventType.FAILED})
 #: for a 429: `BUSY`), not the provider's status. (So does a 404 that names the served model:
 #: `workers.adapters.failures.answered_error`.)
 POOL_FAULT_4XX = frozenset({401, 403, 407, 409, 429})
+#: That conflict: a state of the server's that lasts (until its operator unpins a model), so a run
+#: it refused so blames it for the model as a 5xx does (`workers.runner.suspect`).
+CONFLICT = 409
 #: The status of a provider that does not have what was asked for: the served model (the pool's
 #: fault, when its message names it), or an endpoint for that model (the caller's).
 NOT_THERE = 404

@@ -153,3 +153,15 @@ async def test_a_model_cap_does_not_make_sglang_refuse_a_request_that_asked_no_l
                                                                                      gateway: str) -> None:
     status, text = await ask(gateway, "m-capped", False)
     assert status == 200, text
+
+
+async def test_lemonade_with_every_slot_pinned_is_benched_for_the_model_not_asked_first_by_every_run(
+        servers: RealServers, gateway: str) -> None:
+    """Its 409 (every loaded model pinned) is the pool's, not the request's: the state of that server,
+    which lasts until its operator unpins a model. Were it not blamed as a 5xx is, it kept every
+    slot free (it answers at once), so every run of the model went there first and back to the end of
+    its queue (an attempt spent, each time)."""
+    for _ in range(6):
+        status, text = await ask(gateway, "m-pinned", False)
+        assert status == 200 and "hello there" in text, text
+    assert servers.calls["lemonade-pinned@a"] == 3, servers.calls  # (3 blames in a row: benched for the model)

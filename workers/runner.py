@@ -39,7 +39,7 @@ from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, id_set, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.snapshots import read_snapshots
-from common.wire import BUSY, ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
+from common.wire import BUSY, CONFLICT, ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
 from workers import metrics
 from workers.adapters.base import Adapter, LastRead, ProviderError, Retry
 from workers.adapters.openai_compat import completion_tokens_named
@@ -142,12 +142,15 @@ def _lost(att: Attempt) -> None:
 
 def suspect(info: ErrorInfo) -> bool:
     """Whether a failed attempt says something of its provider, should another provider serve the
-    run (`common.scripts.BLAME`): a 5xx, a timeout, a broken or garbled answer, a redirect; not a
-    busy provider (429, 503), nor a 4xx (the caller's request, or one this provider's adapter cannot
-    carry). (Nor a failure that takes the provider down at once, a refused connection: `_fail`;
-    a server restarted after it was benched for 30 s more.)"""
+    run (`common.scripts.BLAME`): a 5xx, a timeout, a broken or garbled answer, a redirect, a 409 (a
+    state of the server's: Lemonade with every slot pinned answers every run of the model so, and
+    keeps its slots free: unblamed, it was every run's first try); not a busy provider (429, 503),
+    nor another 4xx (the caller's request, or one this provider's adapter cannot carry). (Nor a
+    failure that takes the provider down at once, a refused connection: `_fail`; a server restarted
+    after it was benched for 30 s more.)"""
     return info.code in (ErrorCode.PROVIDER_ERROR, ErrorCode.PROVIDER_TIMEOUT) and (
-        info.status is None or (info.status not in BUSY and not 400 <= info.status < 500))
+        info.status is None or info.status == CONFLICT
+        or (info.status not in BUSY and not 400 <= info.status < 500))
 
 
 def _partial_usage(att: Attempt) -> tuple[int, int]:
