@@ -93,7 +93,7 @@ async def test_an_idle_provider_is_down_after_three_timeouts_and_up_after_a_pass
     adapter.hang = True
     await until_health(redis, "unavailable")
     reason = (await redis.hget(keys.heartbeat("p"), "reason") or b"").decode()
-    assert reason == "the probe got no answer within 1100 ms"
+    assert reason == "the probe got no answer within 1150 ms"  # (vLLM: three requests of 50 ms, and 1 s)
     assert int(await redis.hget(keys.heartbeat("p"), "fails") or 0) >= 3
     adapter.hang = False
     await until_health(redis, "available")
@@ -278,3 +278,51 @@ async def test_two_workers_of_one_pid_on_one_host_are_told_apart(
     await second.beat_once(other.nodes[0].providers[0])
     assert any("worker host:1:aaaa of node n announces capacity 2 (this one's: 3)" in r.getMessage()
                for r in caplog.records if r.levelname == "WARNING")
+
+
+async def test_a_vllm_probe_has_time_for_its_three_requests(redis: Redis) -> None:
+    """vLLM's probe asks `/health`, `/is_sleeping` and the model list: a server that answers each of
+    the two that count within `probe_timeout_ms` and lets its sleep state go unanswered (judged as if
+    it had none) passed. Its whole probe was given the time of two requests: it timed out, a strike
+    on an idle provider (three took it down), though no request did."""
+    import aiohttp
+    from aiohttp import web
+
+    from tests.fakes.serving import stop_runner
+    from workers.adapters.openai_compat import OpenAICompatAdapter
+
+    async def slow_health(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.3)
+        return web.Response()
+
+    async def asleep_unanswered(request: web.Request) -> web.Response:
+        await asyncio.Event().wait()
+        raise AssertionError("not answered")
+
+    async def slow_models(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.3)
+        return web.json_response({"object": "list", "data": [{"id": "served"}]})
+
+    app = web.Application()
+    app.router.add_get("/health", slow_health)
+    app.router.add_get("/is_sleeping", asleep_unanswered)
+    app.router.add_get("/v1/models", slow_models)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    cfg = parse_config({
+        "models": [{"id": "m", "providers": {"p": "served"}}],
+        "nodes": [{"id": "n", "providers": [{"id": "p", "type": "vllm", "base_url": url, "capacity": 2,
+                                              "models": ["served"], "probe_timeout_ms": 1500}]}],
+    })
+    provider = cfg.nodes[0].providers[0]
+    try:
+        async with aiohttp.ClientSession() as session:
+            beats = Heartbeats(redis, cfg, "n", {"p": OpenAICompatAdapter(provider, session)})
+            await beats.beat_once(provider)
+            await beats._probe(provider, False)
+            said = await redis.hgetall(keys.heartbeat("p"))
+            assert said[b"health"] == b"available", {k: v for k, v in said.items() if b"reason" in k or k == b"fails"}
+    finally:
+        await stop_runner(runner)

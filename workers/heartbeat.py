@@ -205,8 +205,10 @@ class Heartbeats:
 
     # ------------------------------------------------------------------ probes
     def _probe_limit_s(self, provider: ProviderConfig) -> float:
-        """The longest a whole probe may take (the OpenAI family makes up to two requests)."""
-        return 2 * provider.probe_timeout_ms / 1000 + 1.0
+        """The longest a whole probe may take (the OpenAI family makes up to two requests, vLLM three:
+        its `/is_sleeping` too, whose timeout alone does not fail the probe)."""
+        requests = 3 if provider.type == "vllm" else 2
+        return requests * provider.probe_timeout_ms / 1000 + 1.0
 
     async def _maybe_probe(self, provider: ProviderConfig, in_flight: int) -> None:
         running = self.probes.get(provider.id)
