@@ -38,6 +38,7 @@ MODELS: dict[str, list[tuple[str, str, str]]] = {
     "m-pinned": [("a-pinned", "lemonade", "lemonade-pinned@a"), ("b-ok-p", "vllm", "ok")],
     "m-abort": [("a-abort", "vllm", "vllm-abort@a"), ("b-ok-a", "vllm", "ok")],
     "m-lora": [("s-lora", "sglang", "base:my-lora")],
+    "m-lora-bare": [("s-lora", "sglang", "my-lora")],
     "m-asleep": [("a-asleep", "vllm", "asleep"), ("b-ok-s", "vllm", "ok")],
     "m-capped": [("s-cap", "sglang", "sglang-total@a")],
 }
@@ -129,6 +130,18 @@ async def test_an_sglang_lora_adapter_is_served_as_sglang_takes_it(servers: Real
     status, text = await ask(gateway, "m-lora", False)
     assert status == 200, text
     assert json.loads(text)["choices"][0]["message"]["content"] == "from the adapter"
+
+
+async def test_an_sglang_lora_adapter_served_under_its_listed_name_is_missing_not_the_base_model(
+        servers: RealServers, gateway: str) -> None:
+    """SGLang lists an adapter by its own name, but runs the base model for that name (no `:`, no
+    adapter): a config that serves the listed name got the base model's answers from a provider
+    shown as having the model. It is missing there: the operator reads why, the caller gets no
+    other model's answer."""
+    status, text = await ask(gateway, "m-lora-bare", False)
+    assert status == 503, text
+    assert "s-lora: missing the model" in json.loads(text)["error"]["message"], text
+    assert servers.calls["my-lora"] == 0, servers.calls
 
 
 async def test_a_vllm_put_to_sleep_is_unavailable_and_sent_no_run(stack: Stack, asleep: RealServers,

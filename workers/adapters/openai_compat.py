@@ -730,10 +730,13 @@ class OpenAICompatAdapter:
             return ProbeResult(Health.UNKNOWN, f"GET {models_path} answered 200 but not with a model list")
         if isinstance(data, dict) and data.get("has_more") is True:
             return ProbeResult(Health.AVAILABLE, "", None, strikes=0)
-        models = [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        if self.provider.type == "sglang":  # (an adapter is taken only as `base:adapter`, and listed as `adapter`)
-            models += [f"{m['parent']}:{m['id']}" for m in listed if isinstance(m, dict)
-                       and isinstance(m.get("id"), str) and isinstance(m.get("parent"), str) and m["parent"]]
+        cards = [m for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        if self.provider.type == "sglang":  # (an adapter is taken only as `base:adapter`, and listed as `adapter`:
+            # that name alone runs the base model, so the adapter is listed under the name SGLang takes only)
+            models = [f"{m['parent']}:{m['id']}" if isinstance(m.get("parent"), str) and m["parent"] else m["id"]
+                      for m in cards]
+        else:
+            models = [m["id"] for m in cards]
         return ProbeResult(Health.AVAILABLE, "", models, strikes=0)
 
     async def close(self) -> None:
