@@ -159,6 +159,26 @@ async def test_a_vllm_put_to_sleep_is_unavailable_and_sent_no_run(stack: Stack, 
     assert asleep.calls["asleep"] == 0, asleep.calls
 
 
+async def test_a_vllm_woken_takes_runs_again_and_one_put_to_sleep_takes_none(stack: Stack, asleep: RealServers,
+                                                                             gateway: str) -> None:
+    """In dev mode, awake: `{"is_sleeping": false}`, available; asleep again: unavailable."""
+    assert asleep.asleep == [True]
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        wait_until(lambda: r.hget(f"iop:provider:{SLEEPY}", "health") == b"unavailable", what="asleep at first")
+        asleep.asleep[0] = False
+        wait_until(lambda: r.hget(f"iop:provider:{SLEEPY}", "health") == b"available", what="awake")
+        status, text = await ask(gateway, "m-asleep", False)  # (a tie with b-ok-s: a-asleep goes first)
+        assert status == 200 and "hello there" in text, text
+        assert asleep.calls["asleep"] == 1, asleep.calls
+        asleep.asleep[0] = True
+        probed = wait_until(lambda: (h := r.hgetall(f"iop:provider:{SLEEPY}"))[b"health"] == b"unavailable" and h,
+                            what="asleep again")
+        assert b"asleep" in probed[b"reason"], probed
+    finally:
+        r.close()
+
+
 @pytest.mark.xfail(strict=True, reason="not fixed: the model's max_tokens cap, given to a request that asks for no "
                                        "limit, makes SGLang refuse a long prompt it would have served (found by an "
                                        "audit against SGLang's source)")

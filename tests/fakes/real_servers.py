@@ -59,9 +59,10 @@ answers 200 (serve/instrumentator/health.py:22-33: only a dead engine is a 503) 
 is the same, but it takes requests and leaves them waiting until it is woken (v1/engine/core.py:
 1100-1101: "Requests are still accepted but not processed"); `GET /is_sleeping` says so
 (serve/dev/sleep/api_router.py:62-65, `{"is_sleeping": true}`; the engine's `is_sleeping` is true
-when paused too, core.py:1202-1204). Awake, or without `VLLM_SERVER_DEV_MODE`, where that route is
-not mounted (launchers/api_server/routers.py:46-49), `/is_sleeping` is vLLM's JSON 404
-(exception_handling/handlers/http.py:24-31).
+when paused too, core.py:1202-1204), and `{"is_sleeping": false}` once woken (`asleep` is a
+list of one: a test puts it to sleep and wakes it). `RealServers()` is one without
+`VLLM_SERVER_DEV_MODE`, where that route is not mounted (launchers/api_server/routers.py:46-49):
+`/is_sleeping` is vLLM's JSON 404 (exception_handling/handlers/http.py:24-31).
 
 Calls are counted per served name (`calls`). It runs on its own event loop in a thread."""
 
@@ -77,7 +78,8 @@ from aiohttp import web
 from tests.fakes.serving import stop_runner
 
 CALLS = web.AppKey("calls", Counter)
-ASLEEP = web.AppKey("asleep", bool)
+#: [asleep] of a vLLM in dev mode (`/is_sleeping` mounted), [] without it
+ASLEEP = web.AppKey("asleep", list[bool])
 
 #: vLLM: `str(VLLMValidationError(...))` of a `top_logprobs` of 25 with `--max-logprobs 20`
 VLLM_LOGPROBS = {"error": {"message": "Requested sample logprobs of 25, which is greater than max allowed: 20 "
@@ -151,8 +153,8 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _is_sleeping(request: web.Request) -> web.Response:
-    if request.app[ASLEEP]:
-        return web.Response(body=_compact({"is_sleeping": True}), content_type="application/json")
+    if request.app[ASLEEP]:  # (dev mode)
+        return web.Response(body=_compact({"is_sleeping": request.app[ASLEEP][0]}), content_type="application/json")
     return web.Response(status=404, body=_compact({"error": {"message": "Not Found", "type": "Not Found",
                                                              "param": None, "code": 404}}),
                         content_type="application/json")
@@ -162,7 +164,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     served = body["model"]
     request.app[CALLS][served] += 1
-    if request.app[ASLEEP]:  # (held until woken: never, here)
+    if request.app[ASLEEP] == [True]:  # (held until woken: never, here)
         await asyncio.Event().wait()
     kind = served.split("@")[0]
     stream = bool(body.get("stream"))
@@ -219,8 +221,9 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 class RealServers:
-    def __init__(self, asleep: bool = False) -> None:
-        self.asleep = asleep
+    def __init__(self, asleep: bool | None = None) -> None:
+        #: []: not in dev mode (no `/is_sleeping`); else [whether it is asleep], changed by tests
+        self.asleep: list[bool] = [] if asleep is None else [asleep]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.runner: web.AppRunner | None = None
