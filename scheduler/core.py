@@ -192,7 +192,7 @@ class Scheduler:
         if not await self.redis.pexpire(alive, ttl_ms):
             await self.redis.set(alive, now_ms(), px=ttl_ms)
         now = now_ms()
-        # A gap of two maintenance rounds: Redis was out of reach or stalled (or this replica was).
+        # A gap of two beats: Redis was out of reach or stalled (or this replica was).
         # Gateways renew their keys every third of `gateway_liveness_ms` (at least this replica's
         # liveness, `check_runtime_timings`), so a stall long enough to let a live gateway's key
         # lapse is one this replica sees too.
@@ -899,8 +899,14 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
         sched.kick.clear()
         await sched.dispatch_round()
 
-    async def maintenance() -> None:
+    async def liveness() -> None:
+        # (a task of its own: a sweep below looks at every model and provider, and one that took
+        # longer than `scheduler_liveness_ms` let the key lapse, so another replica took over the
+        # runs of this live one)
         await sched.heartbeat()
+        await asyncio.sleep(maintenance_s)
+
+    async def maintenance() -> None:
         await sched.take_over_dead()
         await sched.adopt_forgotten()
         if await sched.reap_expired_leases():
@@ -933,7 +939,8 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
         return
     waiting.result()  # (an error of the setup's own is raised)
     tasks = [asyncio.create_task(_forever(n, f), name=n) for n, f in
-             (("intake", intake), ("dispatch", dispatcher), ("maintenance", maintenance), ("signals", signals))]
+             (("intake", intake), ("dispatch", dispatcher), ("liveness", liveness), ("maintenance", maintenance),
+              ("signals", signals))]
     try:
         await stop.wait()
     finally:

@@ -361,6 +361,53 @@ async def test_a_dead_replicas_runs_are_taken_over_and_a_live_ones_are_not(redis
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0
 
 
+async def test_a_replica_stays_alive_through_a_maintenance_round_longer_than_its_liveness(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica's liveness beats on its own, not between maintenance sweeps: a sweep that takes
+    longer than `scheduler_liveness_ms` (hundreds of models looked at one by one, under load) let the
+    key lapse, and another replica took over the runs of one that was alive and dispatching them."""
+    config = make_config({"a": 5}, runtime={"scheduler_liveness_ms": 1500})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    await submit(client, 3)
+    a, b = Scheduler(redis, config, consumer="a"), Scheduler(redis, config, consumer="b")
+    await a.ensure_groups()
+    assert await a.read_new(block_ms=10) == 3
+    a.waiting[MODEL].clear()  # (a holds them pending; its dispatcher must not send them meanwhile)
+    swept, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_sweep() -> int:
+        swept.set()
+        await release.wait()
+        return 0
+
+    beats = 0
+    heartbeat = a.heartbeat
+
+    async def counted() -> None:
+        nonlocal beats
+        await heartbeat()
+        beats += 1
+
+    monkeypatch.setattr(a, "take_over_dead", slow_sweep)
+    monkeypatch.setattr(a, "heartbeat", counted)
+    stop = asyncio.Event()
+    running = asyncio.create_task(run_scheduler(a, stop))
+    try:
+        await async_wait_until(lambda: asyncio.sleep(0, swept.is_set()), what="the maintenance sweep to start")
+        since = beats
+        # (each beat renews the key for 1.5 s; four of them span more than that)
+        await async_wait_until(lambda: asyncio.sleep(0, beats >= since + 4),
+                               what="the replica to beat while its sweep is still going")
+        assert await redis.exists(keys.scheduler_alive("a"))
+        assert await b.take_over_dead() == 0  # a is alive: nothing is stolen
+    finally:
+        release.set()
+        stop.set()
+        await running
+        await client.close()
+
+
 async def test_expired_lease_requeues_then_fails_with_worker_lost(redis: Redis) -> None:
     config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 2})
     client, sched, (run_id,) = await waiting_runs(redis, config, 1)
