@@ -14,7 +14,9 @@ Nothing secret is ever read into a record: no `api_key_env`, no environment valu
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field
+from types import EllipsisType
 from typing import Any
 
 from redis.asyncio import Redis
@@ -232,10 +234,12 @@ def _health(value: str | None) -> Health:
 
 
 def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str | None,
-             ctl: ProviderControl = control.NONE, now_ms: int | None = None) -> ProviderSnapshot:
+             ctl: ProviderControl = control.NONE, now_ms: int | None = None,
+             listed: Collection[str] | None | EllipsisType = ...) -> ProviderSnapshot:
     """The policy's view of a provider (for a model served there as `served`; benched for it if its
-    bench lasts past `now_ms`)."""
-    observed = _names(beat.get("observed_models"))
+    bench lasts past `now_ms`). `listed`: the names its heartbeat's `observed_models` holds, when
+    the caller read them already (`...`: read them here)."""
+    observed = _names(beat.get("observed_models")) if isinstance(listed, EllipsisType) else listed
     bench = _int(beat.get(keys.BENCH_FIELD + served)) if served is not None else None
     return ProviderSnapshot(
         provider_id=provider_id,
@@ -306,7 +310,11 @@ def _provider_record(config: Config, p: ProviderConfig, raw: RawState) -> Provid
     # (without a heartbeat its capacity is unknown, an operator's override or not: it showed 0/1, 0.00)
     effective = snap.effective_capacity if snap.capacity is not None else None
     ratio = snap.load_ratio() if snap.capacity is not None else None
-    serves = {m.id: m.providers[p.id] for m in config.models if p.id in m.providers}
+    serves = {}
+    for model_id in config.models_of(p.id):  # (not every model for every provider: 1,000 of each made 10^6 looks)
+        model = config.model(model_id)
+        assert model is not None
+        serves[model_id] = model.providers[p.id]
     return ProviderRecord(
         id=p.id,
         node_id=config.node_of(p.id),
@@ -331,13 +339,17 @@ def _provider_record(config: Config, p: ProviderConfig, raw: RawState) -> Provid
     )
 
 
-def _model_record(config: Config, m: ModelConfig, raw: RawState) -> ModelRecord:
+def _model_record(config: Config, m: ModelConfig, raw: RawState,
+                  listed: Mapping[str, frozenset[str] | None]) -> ModelRecord:
+    """`listed`: each provider's observed names, read once for every model (a provider may list
+    1,000, and serve as many models: reading its list again for each model made the catalog of 1,000
+    models on 10 such providers take a second)."""
     ttl = config.runtime.heartbeat_ttl_ms
     placements = []
     for pid, target in m.providers.items():
         beat = raw.heartbeats.get(pid, {})
         ctl = raw.control.get(pid, control.NONE)
-        snap = snapshot(pid, beat, raw.in_flight.get(pid, 0), target, ctl, raw.now_ms)
+        snap = snapshot(pid, beat, raw.in_flight.get(pid, 0), target, ctl, raw.now_ms, listed.get(pid))
         reason, detail = _why_not(snap, beat, target, raw.now_ms, ttl, ctl, config.node_of(pid))
         placements.append(Placement(provider_id=pid, node_id=config.node_of(pid), target=target,
                                     selectable=reason is None, reason=reason, detail=detail))
@@ -356,11 +368,15 @@ def _model_record(config: Config, m: ModelConfig, raw: RawState) -> ModelRecord:
 
 def build_catalog(config: Config, raw: RawState) -> Catalog:
     """Every configured provider (in config order, node by node) and every model. Pure."""
+    listed: dict[str, frozenset[str] | None] = {}
+    for pid, beat in raw.heartbeats.items():
+        names = _names(beat.get("observed_models"))
+        listed[pid] = frozenset(names) if names is not None else None
     return Catalog(
         generated_at_ms=raw.now_ms,
         heartbeat_ttl_ms=config.runtime.heartbeat_ttl_ms,
         providers=[_provider_record(config, p, raw) for n in config.nodes for p in n.providers],
-        models=[_model_record(config, m, raw) for m in config.models],
+        models=[_model_record(config, m, raw, listed) for m in config.models],
         nodes=[NodeRecord(id=n.id, cordoned_since_ms=raw.cordons.get(n.id), providers=[p.id for p in n.providers])
                for n in config.nodes],
         unconfigured_providers=sorted(set(raw.beating) - {p.id for n in config.nodes for p in n.providers}),

@@ -292,3 +292,33 @@ def test_a_provider_whose_heartbeat_comes_from_another_node_is_not_selectable_an
     assert on_b.detail == "its heartbeat comes from node n1, not this config's n2"
     for heartbeat in (beat(capacity=2, node="n2"), beat(capacity=2)):
         assert build_catalog(config(), raw({"b": heartbeat})).models[0].providers[1].selectable
+
+
+def test_each_provider_s_observed_list_is_read_once_however_many_models_it_serves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A provider may list 1,000 served names and serve as many models: its list was parsed again for
+    each of them (1,000 models on 10 such providers: a second a catalog, for every `/v1/catalog`, scrape
+    of a scheduler's metrics, operator's change and load sample)."""
+    import common.catalog as catalog
+
+    served = [f"s{i}" for i in range(40)]
+    cfg = parse_config({
+        "models": [{"id": f"m{i}", "providers": {"a": served[i], "b": served[i]}} for i in range(40)],
+        "nodes": [{"id": "n1", "providers": [{"id": p, "type": "vllm", "base_url": "http://x", "capacity": 4,
+                                              "models": served} for p in ("a", "b")]}],
+    })
+    reads: list[str | None] = []
+    names = catalog._names
+
+    def counted(value: str | None) -> list[str] | None:
+        reads.append(value)
+        return names(value)
+
+    monkeypatch.setattr(catalog, "_names", counted)
+    cat = build_catalog(cfg, raw({"a": beat(observed=served), "b": beat(observed=served[1:])}))
+    lists = [r for r in reads if r and r.startswith('["s')]  # (its lifecycle flags are read so too)
+    assert len(lists) <= 3 * 2  # (a few for each provider, none for each of its 40 models)
+    assert [pl.selectable for pl in cat.models[0].providers] == [True, False]  # b does not list s0
+    assert cat.models[0].providers[1].reason == "model_not_listed"
+    assert all(pl.selectable for m in cat.models[1:] for pl in m.providers)
+    assert cat.providers[0].serves == {f"m{i}": served[i] for i in range(40)}
