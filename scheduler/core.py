@@ -388,8 +388,15 @@ class Scheduler:
     async def dispatch_all(self) -> None:
         """Dispatch every model's waiting runs, but for a model whose oldest waiting run is held
         by another replica (`not_head`): that one goes first, and it is woken, not this one,
-        until this replica is signalled for the model (or the safety tick comes round)."""
-        for model in self.config.models:
+        until this replica is signalled for the model (or the safety tick comes round).
+
+        The models whose oldest waiting run has waited longest go first: a slot freed on a provider
+        that several models share goes to the run that came first, whatever the models' order in
+        the config (in that order, a model whose runs kept coming took every slot of a provider it
+        shared, and another model's run waited there until its `queue_timeout_ms`)."""
+        models = [m for m in self.config.models if self.waiting[m.id]]
+        models.sort(key=lambda m: self.waiting[m.id][0].sort_key)
+        for model in models:
             queue = self.waiting[model.id]
             if queue and self.behind.get(model.id) != queue[0].entry_id:
                 await self.dispatch_model(model)

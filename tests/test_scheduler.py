@@ -1204,3 +1204,36 @@ async def test_the_waiting_runs_with_the_least_choice_take_their_slots_first(red
     with pytest.raises(ApiError) as err:
         await RunClient(redis, config).submit(x, request())
     assert err.value.code.value == "queue_full"
+
+
+async def test_a_slot_of_a_provider_that_models_share_goes_to_the_run_that_came_first(redis: Redis) -> None:
+    """A is first in the config and its runs keep coming; B's one run came before A's second: B's
+    goes next. In the config's order, A took every slot its provider freed, and B's run waited out
+    its queue_timeout_ms (504) while 116 runs of A that came after it were served."""
+    config = parse_config({
+        "models": [{"id": m, "providers": {"p1": f"served-{m}"}} for m in ("A", "B")],
+        "nodes": [{"id": "n", "providers": [{"id": "p1", "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                             "capacity": 1, "models": ["served-A", "served-B"]}]}],
+        "queue": {"max_queue": 100, "queue_timeout_ms": 60_000},
+    })
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    models = {m: config.model(m) for m in ("A", "B")}
+
+    async def send(model_id: str) -> str:
+        model = models[model_id]
+        assert model is not None
+        return (await client.submit(model, replace(request(), model=model_id,
+                                                   body={**request().body, "model": model_id})))[0]
+
+    a1, b1, a2 = await send("A"), await send("B"), await send("A")
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    assert await sched.read_new(block_ms=10) == 3
+    await sched.dispatch_all()
+    assert await redis.zrange(keys.leases("p1"), 0, -1) == [a1.encode()]  # (the one slot)
+    await redis.zrem(keys.leases("p1"), a1)  # a1 ended: its slot is free
+    await sched.dispatch_all()
+    assert await redis.zrange(keys.leases("p1"), 0, -1) == [b1.encode()]
+    assert [w.run_id for w in sched.waiting["A"]] == [a2]
+    await client.close()
