@@ -366,25 +366,28 @@ def _model_record(config: Config, m: ModelConfig, raw: RawState,
     )
 
 
-def build_catalog(config: Config, raw: RawState) -> Catalog:
-    """Every configured provider (in config order, node by node) and every model. Pure."""
+def build_catalog(config: Config, raw: RawState, models: bool = True) -> Catalog:
+    """Every configured provider (in config order, node by node) and every model. Pure. `models`:
+    False for no model records (an operator's change answers with its providers' records, and a
+    scheduler's scrape reads those: every model's placements, built for each of 50 changes at once
+    with 300 models, held a gateway's one thread for seconds)."""
     listed: dict[str, frozenset[str] | None] = {}
-    for pid, beat in raw.heartbeats.items():
+    for pid, beat in raw.heartbeats.items() if models else ():
         names = _names(beat.get("observed_models"))
         listed[pid] = frozenset(names) if names is not None else None
     return Catalog(
         generated_at_ms=raw.now_ms,
         heartbeat_ttl_ms=config.runtime.heartbeat_ttl_ms,
         providers=[_provider_record(config, p, raw) for n in config.nodes for p in n.providers],
-        models=[_model_record(config, m, raw, listed) for m in config.models],
+        models=[_model_record(config, m, raw, listed) for m in config.models] if models else [],
         nodes=[NodeRecord(id=n.id, cordoned_since_ms=raw.cordons.get(n.id), providers=[p.id for p in n.providers])
                for n in config.nodes],
         unconfigured_providers=sorted(set(raw.beating) - {p.id for n in config.nodes for p in n.providers}),
     )
 
 
-async def read_catalog(redis: Redis, config: Config, now_ms: int) -> Catalog:
-    return build_catalog(config, await read_raw(redis, config, now_ms))
+async def read_catalog(redis: Redis, config: Config, now_ms: int, models: bool = True) -> Catalog:
+    return build_catalog(config, await read_raw(redis, config, now_ms), models)
 
 
 def change_report(catalog: Catalog, entry: AuditEntry) -> dict[str, Any]:

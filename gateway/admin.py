@@ -96,7 +96,7 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
         except REDIS_FULL:  # (a change that only removes, an undrain, frees: Redis takes it)
             raise ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) is full (maxmemory) and refuses writes: "
                            "nothing changed; retry once it has room", headers={"Retry-After": "5"}) from None
-        catalog = await read_catalog(redis(), config, now_ms())
+        catalog = await read_catalog(redis(), config, now_ms(), models=False)
         return web.json_response(change_report(catalog, entry), headers={"Cache-Control": "no-store"})
 
     def flag(action: Action, target: str) -> Callable[[web.Request], Any]:

@@ -71,7 +71,7 @@ async def _apply(config: Config, redis_url: str, change: Change) -> dict[str, An
     redis = connect(redis_url)
     try:
         entry = await control.apply(redis, config, change)
-        return change_report(await read_catalog(redis, config, now_ms()), entry)
+        return change_report(await read_catalog(redis, config, now_ms(), models=False), entry)
     finally:
         await redis.aclose()
 

@@ -90,7 +90,7 @@ async def refresh(redis: Redis, config: Config, waiting: Mapping[str, Sized]) ->
         QUEUE_DEPTH.labels(model.id).set(depth)
         QUEUE_OLDEST.labels(model.id).set(max(0, now - _entry_ms(head[0][0])) / 1000 if head else 0)
         WAITING.labels(model.id).set(len(waiting.get(model.id, ())))
-    catalog = await read_catalog(redis, config, now)
+    catalog = await read_catalog(redis, config, now, models=False)  # (its providers and nodes)
     for p in catalog.providers:
         if p.effective_capacity is not None:
             EFFECTIVE_CAPACITY.labels(p.id, p.node_id).set(p.effective_capacity)

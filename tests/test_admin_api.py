@@ -86,6 +86,32 @@ async def test_drain_and_undrain_over_http(redis: Redis, redis_url: str) -> None
     assert not await redis.exists(keys.drained("vllm-a"))
 
 
+async def test_a_change_answers_its_providers_without_building_every_model_s_record(
+        redis: Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each change answered with a whole catalog: 50 changes at once in a pool of 300 models and 100
+    providers held each gateway's one thread for up to 5.5 s (its /healthz waited as long)."""
+    import common.catalog as catalog
+
+    built: list[str] = []
+    model_record = catalog._model_record
+
+    def counted(config: Config, m: Any, *args: Any) -> Any:
+        built.append(m.id)
+        return model_record(config, m, *args)
+
+    monkeypatch.setattr(catalog, "_model_record", counted)
+    await beat(redis, OPEN)
+    async with serve(OPEN, redis_url) as base:
+        status, body, _ = await call("POST", base + "/v1/admin/providers/vllm-a/drain")
+        assert status == 200 and [p["id"] for p in body["providers"]] == ["vllm-a"]
+        assert body["providers"][0]["serves"] == {"qwen:35b": "Qwen/A"}
+        status, body, _ = await call("POST", base + "/v1/admin/nodes/gpu-2/cordon")
+        assert status == 200 and [p["id"] for p in body["providers"]] == ["ollama-b"]
+        assert built == []
+        _, cat, _ = await call("GET", base + "/v1/catalog")  # (the catalog itself has them all)
+        assert [pl["reason"] for pl in cat["models"][0]["providers"]] == ["drained", "cordoned"]
+
+
 async def test_cordon_and_uncordon_a_node_over_http(redis: Redis, redis_url: str) -> None:
     await beat(redis, OPEN)
     async with serve(OPEN, redis_url) as base:
