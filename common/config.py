@@ -19,7 +19,7 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError
 
 from common.auth import ENV_NAME_PATTERN, NAME_PATTERN, SHA256_PATTERN, AuthConfig, check_auth
-from common.config_yaml import ConfigLoader
+from common.config_yaml import FAST, ConfigLoader
 from common.legacy import is_legacy
 from common.legacy import migrate as migrate_legacy
 
@@ -801,10 +801,13 @@ def read_yaml(path: str | Path) -> Any:
             raise ConfigError(repeated)
         return loader.construct_document(node) if node is not None else None
     except yaml.reader.ReaderError as exc:  # (a character YAML does not allow: NUL, most control characters)
-        line = text.count("\n", 0, exc.position) + 1
+        # (libyaml's position counts the bytes of the text as UTF-8, PyYAML's own its characters)
+        line = (raw.count(b"\n", 0, exc.position) if FAST else text.count("\n", 0, exc.position)) + 1
         said = f"character U+{exc.character:04X} is not allowed (line {line})"
         raise ConfigError([f"{path}: not valid YAML: {said}"]) from None
     except yaml.YAMLError as exc:
+        if "maximum nesting depth" in str(getattr(exc, "problem", "")):  # (libyaml's own limit: 1,000 levels)
+            raise ConfigError([f"{path}: not valid YAML: nested too deeply"]) from None
         raise ConfigError([f"{path}: not valid YAML: {yaml_fault(exc)}"]) from None
     except RecursionError:  # (PyYAML reads nested collections by recursion: some hundred levels)
         raise ConfigError([f"{path}: not valid YAML: nested too deeply"]) from None
