@@ -911,13 +911,26 @@ async def test_an_ollama_answer_with_nothing_in_it_is_no_strike(answer: Answer, 
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
 
 
-async def test_an_ollama_stream_cut_after_a_line_is_still_a_cut(raw: Raw, session: aiohttp.ClientSession) -> None:
+async def test_an_ollama_stream_that_ends_after_a_line_without_done_is_its_answer_not_a_strike(
+        raw: Raw, session: aiohttp.ClientSession) -> None:
+    """Found by an audit against Ollama's source: a body that ends whole after lines, without
+    `"done": true`, is what Ollama itself sends when its guard against a repeating token stops the
+    generation (llm/llama_server.go:1692-1703, `return ctx.Err()`: nil) or when it drops its
+    runner's error event (`llamaServerCompletionResponse` has no `error`): a healthy server's answer
+    to that request. It was a strike and another attempt anywhere; whole, the same run was a 200
+    that is not done, no strike and tried elsewhere only: now the stream is the same. A body cut
+    short (no last chunk) is still a cut: the server's connection broke."""
     raw.answers["/api/chat"] = chunked([nd(said("a"))], content_type="application/x-ndjson")
     adapter = OllamaAdapter(ollama(raw.url), session)
     with pytest.raises(ProviderError) as err:
         await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
     assert err.value.message == "provider ollama-h: the stream ended before it was done"
-    assert err.value.retry is Retry.ANY and err.value.strikes == 1
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
+    raw.answers["/api/chat"] = chunked([nd(said("a"))], end=False, content_type="application/x-ndjson")
+    with pytest.raises(ProviderError) as err:
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_2"))
+    assert err.value.message == "provider ollama-h: the response broke off before it was complete"
+    assert err.value.retry is Retry.ANY and err.value.strikes is None
 
 
 def not_http(head: bytes) -> Answer:
@@ -1784,7 +1797,11 @@ async def test_a_read_begun_after_the_caller_held_the_body_a_while_is_not_cut_at
     # Lemonade: its streaming proxy writes the backend's status as `status_code`, whatever the type
     ("lemonade", {"code": 400, "message": "exceeds the context", "status_code": 400,
                   "type": "exceed_context_size_error"}, 400),
-    ("llamacpp", {"code": 400, "message": "bad", "type": "invalid_request_error"}, None),
+    # llama-server: its error event's `code` is the status it answers the same error with whole
+    # (`format_error_response`); llama-cpp-python's server sends none
+    ("llamacpp", {"code": 400, "message": "request (81 tokens) exceeds the available context size (64 tokens)",
+                  "type": "exceed_context_size_error", "n_prompt_tokens": 81, "n_ctx": 64}, 400),
+    ("llamacpp", {"code": 500, "message": "Context size has been exceeded.", "type": "server_error"}, 500),
     ("openai_api", {"code": "context_length_exceeded", "message": "too long"}, None),
     ("sglang", "a string", None),
     ("sglang", {"code": True, "message": "a bool is no status"}, None),

@@ -299,8 +299,12 @@ class OllamaAdapter:
             raise ProviderError(f"provider {self.provider.id}: the stream ended before any line", strikes=None,
                                 retry=Retry.ELSEWHERE)
         if not done:
-            raise ProviderError(f"provider {self.provider.id}: the stream ended before it was done", retry=Retry.ANY,
-                                strikes=1)
+            # lines, then the end of the body without `"done": true`: Ollama's own answer (its
+            # connection was not cut: that is a broken body), as when its guard against a repeating
+            # token stops a generation, or its runner's error event is dropped. Whole, the same run
+            # is a 200 that is not done: no strike, and tried on another provider only, as here
+            raise ProviderError(f"provider {self.provider.id}: the stream ended before it was done",
+                                retry=Retry.ELSEWHERE, strikes=0)
 
     # ------------------------------------------------------------------ health
     async def probe(self) -> ProbeResult:

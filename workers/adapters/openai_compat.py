@@ -216,7 +216,10 @@ def said_status(error: Any, provider_type: str) -> int | None:
     """The HTTP status of an error a provider sent in its stream (or in a 200 answer), where its
     server means one: Lemonade's `status_code` (its streaming proxy puts the backend's status
     there, having sent its 200 already); SGLang's `code` (before any output its stream carries an
-    error only for an abort that has a status: 400 for a request its scheduler refuses); vLLM's
+    error only for an abort that has a status: 400 for a request its scheduler refuses);
+    llama-server's `code`, the status it answers the same error with when it comes first (a prompt
+    of a legacy completion's list over its context, after another prompt's stream began: 400
+    `exceed_context_size_error`; llama-cpp-python's server sends no error event); vLLM's
     `code` of a 4xx that names a `param` (a `VLLMValidationError` raised as its engine takes the
     request, after the 200). Else None: older vLLM versions gave 400 to every fault of their
     streams, their engine's among them, with no `param`."""
@@ -226,7 +229,7 @@ def said_status(error: Any, provider_type: str) -> int | None:
     if status is not None:
         return status
     code = _status(error.get("code"))
-    if code is None or provider_type == "sglang":
+    if code is None or provider_type in ("sglang", "llamacpp"):
         return code
     param = error.get("param")
     return code if provider_type == "vllm" and isinstance(param, str) and param and code < 500 else None
@@ -246,6 +249,16 @@ def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: st
                              retry=Retry.NO, strikes=0)
     return ProviderError(f"provider {provider_id} sent an error: {text}",
                          detail=error if isinstance(error, dict) else None, retry=Retry.ELSEWHERE, strikes=0)
+
+
+def router_lacks(message: str, served: Any) -> bool:
+    """Whether a llama-server in router mode (`--models-dir`, `--models-preset`) said, with its 400,
+    that it has not the model: `model 'm' not found` (one deleted, or gone from its presets, since
+    it was listed), or `model name=m is not running` (unloaded between its load and the request:
+    the name is the model's own, maybe not the alias asked for). As a 404 naming the served model
+    is, that is the provider's matter: another provider may serve the run."""
+    return (isinstance(served, str) and message == f"model '{served}' not found") or \
+        (message.startswith("model name=") and message.endswith(" is not running"))
 
 
 #: The finish_reason of a run its server aborted itself (vLLM: shut down with its default
@@ -462,6 +475,9 @@ class OpenAICompatAdapter:
                                self.limits.error_chars)
         else:
             message = one_line(without_traceback(text) or resp.reason or "no error text", self.limits.error_chars)
+        if self.provider.type == "llamacpp" and resp.status == 400 and router_lacks(message, served):
+            raise ProviderError(f"provider {self.provider.id} answered 400: {message}", retry=Retry.ELSEWHERE,
+                                strikes=None)
         raise answered_error(self.provider.id, resp.status, message, detail,
                              served if isinstance(served, str) else None, resp.headers.get("Retry-After"))
 
@@ -737,6 +753,10 @@ class OpenAICompatAdapter:
                       for m in cards]
         else:
             models = [m["id"] for m in cards]
+        if self.provider.type == "llamacpp":  # (llama-server lists one of its `-a a,b` names as the id, the
+            # smallest, and every one under `aliases`: it takes each of them)
+            models = list(dict.fromkeys(models + [alias for m in cards if isinstance(m.get("aliases"), list)
+                                                  for alias in m["aliases"] if isinstance(alias, str) and alias]))
         return ProbeResult(Health.AVAILABLE, "", models, strikes=0)
 
     async def close(self) -> None:
