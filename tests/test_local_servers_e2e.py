@@ -36,6 +36,7 @@ PROVIDERS: dict[str, tuple[str, str, list[str]]] = {
     "l-b": ("single-b", "llamacpp", ["chat-default"]),
     "o-a": ("ollama", "ollama", ["repeat", "ok"]),
     "z-router": ("router", "llamacpp", ["router-ok"]),
+    "b-ollama": ("ollama", "ollama", ["notools"]),
 }
 #: model -> {provider id: served name}
 MODELS: dict[str, dict[str, str]] = {
@@ -45,6 +46,8 @@ MODELS: dict[str, dict[str, str]] = {
     "m-list": {"l-a": "chat-default", "l-b": "chat-default"},
     "m-gone": {"a-router": "router-gone", "l-b": "chat-default"},
     "m-n": {"l-a": "chat-default", "z-router": "router-ok"},
+    "m-tools": {"b-ollama": "notools", "l-b": "chat-default"},
+    "m-tools-one": {"b-ollama": "notools"},
 }
 #: providers probed only once at start (nothing else resets the evidence a test reads)
 QUIET = {"o-a", "a-router"}
@@ -150,10 +153,29 @@ async def test_a_llama_server_router_without_the_model_leaves_the_run_to_another
         servers.calls
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: llama-server answers an `n` over its --parallel with a 400, passed "
-                                       "to the caller though another provider of the model would serve it (found by "
-                                       "an audit against llama.cpp's source)")
 async def test_an_n_over_one_llama_server_s_slots_goes_to_a_provider_that_can_serve_it(servers: LocalServers,
                                                                                        gateway: str) -> None:
+    """(Its 400 `Field 'n': Value must be between 1 <= value <= 2, but got 3` was passed to the caller.)"""
     status, text = await ask(gateway, "/v1/chat/completions", {**chat("m-n", False), "n": 3})
     assert status == 200, text
+    assert servers.calls["single-a"]["chat-default"] == 1 and servers.calls["router"]["router-ok"] == 1, servers.calls
+
+
+async def test_an_n_over_every_llama_server_s_slots_is_the_callers_400(servers: LocalServers, gateway: str) -> None:
+    status, text = await ask(gateway, "/v1/chat/completions", {**chat("m-alias", False), "n": 3})
+    assert status == 400 and "Field 'n': Value must be between" in json.loads(text)["error"]["message"], text
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+async def test_an_ollama_model_without_tools_leaves_a_run_with_tools_to_another_provider(
+        stack: Stack, servers: LocalServers, gateway: str) -> None:
+    """Ollama's 400 `notools does not support tools` is what its build of the model lacks, not the
+    caller's request: another provider of the model serves it; with none, the caller gets the 400."""
+    status, text = await ask(gateway, "/v1/chat/completions", {**chat("m-tools", False), "tools": TOOLS})
+    assert status == 200, text
+    assert servers.calls["ollama"]["notools"] == 1 and servers.calls["single-b"]["chat-default"] == 1, servers.calls
+    status, text = await ask(gateway, "/v1/chat/completions", {**chat("m-tools-one", False), "tools": TOOLS})
+    assert status == 400 and json.loads(text)["error"]["message"].endswith("notools does not support tools"), text
+    assert evidence(stack, "b-ollama").get("fails", "0") == "0"  # (no strike: it answered)

@@ -114,7 +114,7 @@ async def _ollama_tags(request: web.Request) -> web.Response:
                "digest": "9077fe9d2ae1a4a41a868836b56b8163731a8fe16621397028c2c76f838c6907",
                "details": {"parent_model": "", "format": "gguf", "family": "llama", "families": ["llama"],
                            "parameter_size": "134.52M", "quantization_level": "Q4_1"}}
-              for n in ("repeat:latest", "ok:latest")]
+              for n in ("repeat:latest", "ok:latest", "notools:latest")]
     return web.Response(body=_go({"models": models}), content_type="application/json")
 
 
@@ -123,6 +123,11 @@ async def _ollama_chat(request: web.Request) -> web.StreamResponse:
     model = body["model"]
     request.app[CALLS][model] += 1
     stream = body.get("stream", True) is not False
+    if model == "notools" and body.get("tools"):
+        # a model whose template has no tools: server/routes.go:211-212 (`"%s %w"`, the model's name and
+        # images.go:43-45's "does not support" "tools"), answered 400 by handleScheduleError (:3109-3110)
+        return web.Response(status=400, body=_go({"error": f"{model} does not support tools"}),
+                            content_type="application/json", charset="utf-8")
     if model == "repeat":
         # the tokens before the guard stopped it: a word, then whitespace until the 31st repeat
         tokens = ["Sure"] + [" "] * 31

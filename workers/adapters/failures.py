@@ -303,6 +303,15 @@ def parse_retry_after(header: str | None, now_s: float | None = None) -> int | N
 FORBIDDEN = 403
 
 
+def another_may(error: ProviderError) -> ProviderError:
+    """A caller's 4xx that says what this server cannot do, not what the request did wrong (Ollama's
+    `"m" does not support tools`, llama-server's `n` over its slots): tried on another provider
+    of the model first, which may do it (no strike: it answered); the caller gets it when none
+    is left to try."""
+    error.retry = Retry.ELSEWHERE
+    return error
+
+
 def answered_error(provider_id: str, status: int, message: str, detail: dict[str, Any] | None,
                    served: str | None = None, retry_after: str | None = None) -> ProviderError:
     """A provider's error answer (4xx or 5xx) with its one-line `message`. The caller's fault

@@ -26,6 +26,7 @@ from workers.adapters.base import DEFAULT_LIMITS, LastRead, ProbeResult, Provide
 from workers.adapters.credentials import Credentials
 from workers.adapters.embeddings import count_problem
 from workers.adapters.failures import (
+    another_may,
     answered_error,
     one_line,
     probe_answered,
@@ -152,8 +153,11 @@ class OllamaAdapter:
         message = error_text(error, self.limits.error_chars) if error else \
             one_line(without_traceback(text) or "no error text", self.limits.error_chars)
         detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
-        return answered_error(self.provider.id, status, message, detail if error or status != 404 else None, served,
-                              resp.headers.get("Retry-After"))
+        answered = answered_error(self.provider.id, status, message, detail if error or status != 404 else None,
+                                  served, resp.headers.get("Retry-After"))
+        # (`"m" does not support tools`, or vision, thinking, …: this model's build, not the request;
+        # server/routes.go's handleScheduleError answers it 400)
+        return another_may(answered) if status == 400 and " does not support " in message else answered
 
     def _unsupported(self, exc: wire.UnsupportedRequest) -> ProviderError:
         return not_taken(self.provider.id, str(exc), exc.param)

@@ -44,6 +44,7 @@ from workers.adapters.credentials import Credentials
 from workers.adapters.embeddings import embeddings_problem, in_base64
 from workers.adapters.failures import (
     MAX_FIELD_CHARS,
+    another_may,
     answered_error,
     one_line,
     probe_answered,
@@ -249,6 +250,11 @@ def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: st
                              retry=Retry.NO, strikes=0)
     return ProviderError(f"provider {provider_id} sent an error: {text}",
                          detail=error if isinstance(error, dict) else None, retry=Retry.ELSEWHERE, strikes=0)
+
+
+#: how llama-server refuses an `n` over its `--parallel` slots (`Field 'n': Value must be between 1 <=
+#: value <= 4, but got 6`): another server of the model, with more slots, may serve it
+N_OVER_SLOTS = "Field 'n': Value must be between "
 
 
 def router_lacks(message: str, served: Any) -> bool:
@@ -478,8 +484,11 @@ class OpenAICompatAdapter:
         if self.provider.type == "llamacpp" and resp.status == 400 and router_lacks(message, served):
             raise ProviderError(f"provider {self.provider.id} answered 400: {message}", retry=Retry.ELSEWHERE,
                                 strikes=None)
-        raise answered_error(self.provider.id, resp.status, message, detail,
-                             served if isinstance(served, str) else None, resp.headers.get("Retry-After"))
+        answered = answered_error(self.provider.id, resp.status, message, detail,
+                                  served if isinstance(served, str) else None, resp.headers.get("Retry-After"))
+        if self.provider.type == "llamacpp" and resp.status == 400 and message.startswith(N_OVER_SLOTS):
+            raise another_may(answered)  # (a server with more slots takes it)
+        raise answered
 
     def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
         if self.provider.type == "llamacpp":
