@@ -1814,3 +1814,16 @@ def test_which_errors_in_a_stream_say_a_status(provider_type: str, error: Any, s
     callers = status is not None and 400 <= status < 500
     assert (err.retry, err.status) == ((Retry.NO, status) if callers else (Retry.ELSEWHERE, None))
     assert err.strikes == 0
+
+
+@pytest.mark.parametrize(("message", "lacks"), [
+    ("model 'router-gone' not found", True),
+    ("model name=router-gone is not running", True),
+    ("model is not loaded", True),  # (--no-models-autoload: listed, not loaded; it was the caller's 400)
+    ("model 'other' not found", False),
+    ("the request exceeds the available context size", False),
+])
+def test_what_a_llama_server_router_says_it_lacks(message: str, lacks: bool) -> None:
+    from workers.adapters.openai_compat import router_lacks
+
+    assert router_lacks(message, "router-gone") is lacks

@@ -257,14 +257,21 @@ def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: st
 N_OVER_SLOTS = "Field 'n': Value must be between "
 
 
+#: a llama-server router started with `--no-models-autoload` asked for a model it lists but has not
+#: loaded (tools/server/server-models.cpp `router_validate_model`): its operator's to load
+ROUTER_NOT_LOADED = "model is not loaded"
+
+
 def router_lacks(message: str, served: Any) -> bool:
     """Whether a llama-server in router mode (`--models-dir`, `--models-preset`) said, with its 400,
     that it has not the model: `model 'm' not found` (one deleted, or gone from its presets, since
     it was listed), or `model name=m is not running` (unloaded between its load and the request:
-    the name is the model's own, maybe not the alias asked for). As a 404 naming the served model
+    the name is the model's own, maybe not the alias asked for), or `model is not loaded` (listed,
+    but not loaded by a router that loads none on its own). As a 404 naming the served model
     is, that is the provider's matter: another provider may serve the run."""
     return (isinstance(served, str) and message == f"model '{served}' not found") or \
-        (message.startswith("model name=") and message.endswith(" is not running"))
+        (message.startswith("model name=") and message.endswith(" is not running")) or \
+        message == ROUTER_NOT_LOADED
 
 
 #: The finish_reason of a run its server aborted itself (vLLM: shut down with its default
