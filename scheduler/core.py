@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from common import keys
-from common.codec import entry_key, pack
+from common.codec import entry_key, pack, unpack
 from common.config import Config, ModelConfig
 from common.policy import ProviderSnapshot, all_refused, candidate_class, retry_after_s, select_provider
 from common.redisconn import REDIS_UNUSABLE, Backoff, id_set, now_ms
@@ -35,7 +35,15 @@ from common.runlog import run_fields
 from common.scripts import DISPATCH_BATCH, Scripts
 from common.snapshots import each_why, read_snapshots, why_none
 from common.subscription import messages
-from common.wire import MAX_RETRY_AFTER_S, ErrorCode, ErrorInfo, RunState, cancelled_by_caller
+from common.wire import (
+    MAX_RETRY_AFTER_S,
+    ErrorCode,
+    ErrorInfo,
+    EventType,
+    RunState,
+    callers_fault,
+    cancelled_by_caller,
+)
 from scheduler import metrics
 
 log = logging.getLogger("iop.scheduler")
@@ -449,7 +457,9 @@ class Scheduler:
                     if head.exclude == head.refuse or (
                             others and not all_refused(others, now, ttl, _back_by(head, snaps, now, ttl))):
                         return  # it waits for a slot, and the runs behind it with it (FIFO)
-                    await self._drop(model.id, queue.pop(0), RunState.FAILED, _no_other_provider(model.id, head))
+                    refused = await self._refused_with(head)
+                    await self._drop(model.id, queue.pop(0), RunState.FAILED,
+                                     refused or _no_other_provider(model.id, head))
                     continue
                 # The head and the runs behind it that the snapshots say will find a slot too go in
                 # one round trip; the script makes sure each goes only once the ones before it went.
@@ -546,7 +556,35 @@ class Scheduler:
                 queue.remove(w)
                 await self._time_out(model_id, w)
 
+    async def _refused_with(self, w: Waiting) -> ErrorInfo | None:
+        """The caller's 4xx a run was requeued with (its last event): a server that said it cannot
+        do what the request asks, tried on another provider first (`another_may`: Ollama's `"m"
+        does not support tools`, llama-server's `n` over its slots), or an adapter that cannot carry
+        it (`not_taken`). When no other provider serves the run (none left, or none free within its
+        queue timeout), that 400 is the caller's answer, as README says: it was a 502, or a 504 after
+        the whole queue timeout, which the official clients send twice more, each a 400 again."""
+        if not w.exclude - w.refuse:  # (never tried anywhere)
+            return None
+        try:
+            last = await self.redis.xrevrange(keys.run_events(w.run_id), count=1)
+        except REDIS_UNUSABLE:
+            return None
+        if not last or last[0][1].get(b"type") != EventType.REQUEUED.value.encode():
+            return None
+        try:
+            data = unpack(last[0][1].get(b"data", b""))
+        except (ValueError, TypeError):  # (not an event of this version's: the usual answer)
+            return None
+        info = ErrorInfo.from_wire(data) if isinstance(data, dict) else None
+        if info is None or type(info.status) is not int or not callers_fault(info.status):
+            return None
+        return info
+
     async def _time_out(self, model_id: str, w: Waiting) -> None:
+        refused = await self._refused_with(w)
+        if refused is not None:
+            await self._drop(model_id, w, RunState.FAILED, refused)
+            return
         model = self.config.model(model_id)
         assert model is not None
         timeout = self.config.queue_for(model).queue_timeout_ms
