@@ -1226,7 +1226,22 @@ async def test_a_slot_of_a_provider_that_models_share_goes_to_the_run_that_came_
         return (await client.submit(model, replace(request(), model=model_id,
                                                    body={**request().body, "model": model_id})))[0]
 
-    a1, b1, a2 = await send("A"), await send("B"), await send("A")
+    async def next_ms() -> None:
+        """Wait for Redis's clock to pass its last millisecond: runs of two models' streams queued in
+        the same one tie, and go in the config's order (their ids are all a replica sees)."""
+        seconds, micros = await redis.time()
+        then = seconds * 1000 + micros // 1000
+
+        async def later() -> bool:
+            seconds, micros = await redis.time()
+            return bool(seconds * 1000 + micros // 1000 > then)
+        await async_wait_until(later, what="the next millisecond")
+
+    a1 = await send("A")
+    await next_ms()
+    b1 = await send("B")
+    await next_ms()
+    a2 = await send("A")
     sched = Scheduler(redis, config)
     await sched.ensure_groups()
     assert await sched.read_new(block_ms=10) == 3
