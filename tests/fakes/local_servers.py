@@ -54,15 +54,13 @@ Calls are counted per (path, served name) (`calls`). It runs on its own event lo
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from collections import Counter
 from typing import Any
 
 from aiohttp import web
 
-from tests.fakes.serving import stop_runner
+from tests.fakes.serving import ThreadedServer
 
 Json = dict[str, Any]
 
@@ -255,12 +253,9 @@ async def _router_chat(request: web.Request) -> web.StreamResponse:
     return await _plain_chat(request, body, name)
 
 
-class LocalServers:
+class LocalServers(ThreadedServer):
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.runner: web.AppRunner | None = None
-        self.url = ""
+        super().__init__()
         #: (server path, served name) -> calls
         self.calls: dict[str, Counter[str]] = {}
         #: what the router has (a test deletes one, as `DELETE /models?model=…` does)
@@ -285,26 +280,8 @@ class LocalServers:
             app.router.add_post("/v1/completions", _single_completions)
         return app
 
-    async def _start(self) -> str:
+    def app(self) -> web.Application:
         root = web.Application()
         for name in ("ollama", "single-a", "single-b", "router"):
             root.add_subapp(f"/{name}", self._app(name))
-        self.runner = web.AppRunner(root, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    def __enter__(self) -> LocalServers:
-        self.thread.start()
-        self.url = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-        return self
-
-    async def _stop(self) -> None:
-        assert self.runner is not None
-        await stop_runner(self.runner)
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+        return root

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 from aiohttp import web
 
-from tests.fakes.serving import stop_runner
+from tests.fakes.serving import ThreadedServer
 
 NAMES = ("endless", "huge", "big-whole", "garbage", "garbage-error", "no-newline")
 DISCONNECTS = web.AppKey("disconnects", list)
@@ -70,37 +69,16 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         raise
 
 
-class Misbehaving:
+class Misbehaving(ThreadedServer):
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.runner: web.AppRunner | None = None
-        self.url = ""
+        super().__init__()
         self.disconnects: list[str] = []
 
-    async def _start(self) -> str:
+    def app(self) -> web.Application:
         app = web.Application()
         app[DISCONNECTS] = self.disconnects
         app.router.add_get("/health", _health)
         app.router.add_get("/v1/models", _models)
         app.router.add_post("/v1/chat/completions", _chat)
-        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    def __enter__(self) -> Misbehaving:
-        self.thread.start()
-        self.url = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-        return self
-
-    async def _stop(self) -> None:
-        assert self.runner is not None
-        await stop_runner(self.runner)
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+        return app
 

@@ -70,12 +70,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections import Counter
 
 from aiohttp import web
 
-from tests.fakes.serving import stop_runner
+from tests.fakes.serving import ThreadedServer
 
 CALLS = web.AppKey("calls", Counter)
 #: [asleep] of a vLLM in dev mode (`/is_sleeping` mounted), [] without it
@@ -220,17 +219,14 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     return _whole(served, content, "stop")
 
 
-class RealServers:
+class RealServers(ThreadedServer):
     def __init__(self, asleep: bool | None = None) -> None:
         #: []: not in dev mode (no `/is_sleeping`); else [whether it is asleep], changed by tests
         self.asleep: list[bool] = [] if asleep is None else [asleep]
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.runner: web.AppRunner | None = None
-        self.url = ""
+        super().__init__()
         self.calls: Counter[str] = Counter()
 
-    async def _start(self) -> str:
+    def app(self) -> web.Application:
         app = web.Application()
         app[CALLS] = self.calls
         app[ASLEEP] = self.asleep
@@ -241,22 +237,4 @@ class RealServers:
         app.router.add_get("/api/v1/models", _models)
         app.router.add_post("/v1/chat/completions", _chat)
         app.router.add_post("/api/v1/chat/completions", _chat)
-        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    def __enter__(self) -> RealServers:
-        self.thread.start()
-        self.url = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-        return self
-
-    async def _stop(self) -> None:
-        assert self.runner is not None
-        await stop_runner(self.runner)
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+        return app

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from typing import Self
 
 from aiohttp import web
 
@@ -38,3 +40,38 @@ async def stop_runner(runner: web.AppRunner) -> None:
     await _turns()
     _abort_connections(server)
     await _turns()
+
+
+class ThreadedServer:
+    """A fake server on its own event loop in a thread, on 127.0.0.1 and a free port (`url` once
+    entered): a subclass says what it serves (`app`)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    def app(self) -> web.Application:
+        raise NotImplementedError
+
+    async def _start(self) -> str:
+        self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        self.url = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self
+
+    async def _stop(self) -> None:
+        assert self.runner is not None
+        await stop_runner(self.runner)
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
