@@ -491,11 +491,14 @@ class OpenAICompatAdapter:
         if self.provider.type == "llamacpp" and resp.status == 400 and router_lacks(message, served):
             raise ProviderError(f"provider {self.provider.id} answered 400: {message}", retry=Retry.ELSEWHERE,
                                 strikes=None)
-        answered = answered_error(self.provider.id, resp.status, message, detail,
-                                  served if isinstance(served, str) else None, resp.headers.get("Retry-After"))
+        error = answered_error(self.provider.id, resp.status, message, detail,
+                               served if isinstance(served, str) else None, resp.headers.get("Retry-After"))
         if self.provider.type == "llamacpp" and resp.status == 400 and message.startswith(N_OVER_SLOTS):
-            raise another_may(answered)  # (a server with more slots takes it)
-        raise answered
+            error = another_may(error)  # (a server with more slots takes it)
+        try:
+            raise error
+        finally:  # (held by this frame, which its traceback holds: a cycle left to the collector)
+            del error
 
     def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
         if self.provider.type == "llamacpp":
