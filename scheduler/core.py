@@ -628,7 +628,11 @@ class Scheduler:
         outage the gateways need their liveness to beat again, once they reach Redis, and they may
         reach it well after this replica did), and at most every half of it."""
         now, liveness_ms = now_ms(), self.config.runtime.gateway_liveness_ms
-        if now - self._steady_since_ms < OUTAGE_GRACE * liveness_ms or now - self._orphans_ms < liveness_ms // 2:
+        # (the beats are a task of their own: after an outage this sweep may reach Redis before the
+        # liveness task's first beat has marked the gap, so a beat missing now is a gap too)
+        missed = now - self._beat_ms > 2 * self.config.runtime.scheduler_liveness_ms // 3
+        if (missed or now - self._steady_since_ms < OUTAGE_GRACE * liveness_ms
+                or now - self._orphans_ms < liveness_ms // 2):
             return 0
         self._orphans_ms = now
         run_ids = [w.run_id for queue in self.waiting.values() for w in queue]

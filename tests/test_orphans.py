@@ -270,3 +270,78 @@ def test_a_paused_gateways_callers_hear_a_503_once_it_resumes(stack: Stack) -> N
     wait_until(lambda: current() == 0, what="the provider's request closed")
     assert r.zcard("iop:leases:p") == 0
     r.close()
+
+
+async def test_after_a_redis_outage_the_grace_holds_whichever_of_its_tasks_reaches_redis_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica's liveness beats in a task of its own, and its sweeps (the look for orphans among
+    them) in another: after an outage each comes back when its own backoff runs out. A sweep back
+    first judged the gateways at once, with the gap its liveness task had not beaten through yet,
+    and cancelled the runs of a live gateway whose key lapsed in the outage (the grace is there for
+    that gateway: it reaches Redis after the replica, within the grace)."""
+    import asyncio
+
+    from common.redisconn import connect, now_ms
+    from iop.embedded_redis import RedisServer
+    from scheduler.core import run_scheduler
+    from tests.conftest import async_wait_until
+
+    server = RedisServer(appendonly=True).start()  # (the run and its lease outlive the restart)
+    config = parse_config({**pool_config({"p": ("n1", "http://127.0.0.1:9", 1)}),
+                           "runtime": {**FAST_RUNTIME, "gateway_liveness_ms": LIVENESS_MS, "lease_ttl_ms": 600_000}})
+    redis = connect(server.url)
+    sched = Scheduler(redis, config)
+    await redis.hset(keys.GATEWAYS, "gw", now_ms())
+    await redis.hset(keys.run_record("r"), mapping={"watchers": "gw~", "state": "running", "node": "n1",
+                                                    "model": "qwen3.6:35b"})
+    await redis.zadd(keys.leases("p"), {"r": now_ms() + 600_000})
+    gateway_up = asyncio.Event()
+    gateway_up.set()
+
+    async def gateway() -> None:  # (renews its key every third of its liveness while it is up)
+        while True:
+            await gateway_up.wait()
+            try:
+                await redis.set(keys.gateway_alive("gw"), 1, px=LIVENESS_MS)
+            except Exception:
+                pass
+            await asyncio.sleep(LIVENESS_MS / 3000)
+
+    back = asyncio.Event()
+    late = [True]
+    heartbeat = sched.heartbeat
+
+    async def beat_late() -> None:  # (the liveness task's backoff runs out after the sweeps' does)
+        if back.is_set() and late[0]:
+            late[0] = False
+            await asyncio.sleep(2.5)
+        await heartbeat()
+
+    monkeypatch.setattr(sched, "heartbeat", beat_late)
+    beater = asyncio.create_task(gateway())
+    stop = asyncio.Event()
+    running = asyncio.create_task(run_scheduler(sched, stop))
+    try:
+        # steady past its grace, the gateway alive: nothing is cancelled
+        await async_wait_until(lambda: asyncio.sleep(0, sched._steady_since_ms and
+                                                     now_ms() - sched._steady_since_ms > OUTAGE_GRACE * LIVENESS_MS),
+                               what="the replica steady for its grace")
+        gateway_up.clear()
+        server.stop(kill=True)  # the outage: the gateway's key lapses meanwhile
+        down_ms = now_ms()
+        await async_wait_until(lambda: asyncio.sleep(0, now_ms() - down_ms > 2 * LIVENESS_MS),
+                               what="the gateway's key to lapse", timeout=10)
+        back.set()
+        server.start()
+        # the gateway comes back within the grace (right after the replica's liveness beat again)
+        await async_wait_until(lambda: asyncio.sleep(0, sched._beat_ms > down_ms), what="the replica to beat again")
+        gateway_up.set()
+        await async_wait_until(lambda: redis.exists(keys.gateway_alive("gw")), what="the gateway back")
+        assert await redis.hget(keys.run_record("r"), "cancel") is None
+    finally:
+        stop.set()
+        await running
+        beater.cancel()
+        await asyncio.gather(beater, return_exceptions=True)
+        await redis.aclose()
+        server.cleanup()
