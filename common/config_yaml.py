@@ -30,8 +30,27 @@ _BASES = {"0b": 2, "0o": 8, "0x": 16}
 #: libyaml's parser where PyYAML has it (its wheels do): PyYAML's own, in Python, took 0.4 s of CPU
 #: for a config of 300 models and 100 providers (2.5 s for 1,000 of each) in every process at its start
 #: (20 workers, 2 schedulers and 2 gateways: 10 s of a 2-core machine's CPU); libyaml a sixth of that.
-#: Its error positions count bytes, not characters (`config.read_yaml`).
-FAST = hasattr(yaml, "CSafeLoader")
+#: Its error positions count bytes, not characters (`config.read_yaml`). Only a libyaml that stops at a
+#: nesting depth of its own is used: Debian's python3-yaml over libyaml 0.2.5 has none, and a config
+#: nested 50,000 deep (100 KB) took the process down with SIGSEGV; PyYAML's own parser stops with a
+#: RecursionError, which `config.read_yaml` reports.
+NESTING_PROBE = "[" * 1100 + "]" * 1100
+
+
+def bounds_nesting(loader: type[yaml.SafeLoader] | type[yaml.CSafeLoader]) -> bool:
+    """Whether `loader` refuses a document nested past its depth limit (libyaml's is 1,000 levels)
+    with an error of its own, rather than reading on as deep as the document goes."""
+    parser = loader(NESTING_PROBE)
+    try:
+        parser.get_single_node()
+    except yaml.YAMLError as exc:
+        return "maximum nesting depth" in str(getattr(exc, "problem", ""))
+    finally:
+        parser.dispose()
+    return False
+
+
+FAST = hasattr(yaml, "CSafeLoader") and bounds_nesting(yaml.CSafeLoader)
 _BASE: type[yaml.SafeLoader] = yaml.CSafeLoader if FAST else yaml.SafeLoader  # type: ignore[assignment]
 
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import glob
+import os
+import re
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,7 @@ from common.config import (
     parse_config,
     shown,
 )
-from common.config_yaml import FAST, ConfigLoader
+from common.config_yaml import FAST, ConfigLoader, bounds_nesting
 from iop.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -942,6 +946,7 @@ def test_invalid_yaml_is_one_line_saying_where(tmp_path: Path) -> None:
     # (libyaml counts bytes: the 2-byte letters before it must not push it onto a later line)
     (("models: []\nx: " + "é" * 40 + "\ny: \x01\nz: 1\nw: 2\n").encode(), "character U+0001 is not allowed (line 3)"),
     (b"models: " + b"[" * 2000 + b"]" * 2000 + b"\n", "nested too deeply"),
+    (b"models: " + b"[" * 50_000 + b"]" * 50_000 + b"\n", "nested too deeply"),
     (b"models:\n" + b"".join(b"  " * i + b"a:\n" for i in range(1, 1000)), "nested too deeply"),
 ])
 def test_a_control_character_or_a_document_nested_beyond_reading_is_one_error_not_a_traceback(
@@ -1008,6 +1013,42 @@ def test_a_config_is_read_with_libyaml_where_pyyaml_has_it() -> None:
     """Every process reads the whole config at its start: PyYAML's own parser, in Python, took 0.4 s
     of CPU for 300 models and 100 providers (2.5 s for 1,000 of each), in each of a pool's 24
     processes; libyaml's, a sixth of that. Both read a config alike (every test of this file)."""
-    assert FAST is yaml.__with_libyaml__
-    if yaml.__with_libyaml__:
+    assert FAST is (yaml.__with_libyaml__ and bounds_nesting(yaml.CSafeLoader))
+    if FAST:
         assert issubclass(ConfigLoader, yaml.CSafeLoader)
+
+
+_NESTED = "import sys, yaml\nfrom common.config_yaml import FAST, ConfigLoader, bounds_nesting\n" \
+          "print(yaml.__with_libyaml__, FAST)\n" \
+          "try:\n    ConfigLoader('models: ' + '[' * 50000 + ']' * 50000).get_single_node()\n" \
+          "except RecursionError:\n    print('RecursionError')\n"
+
+
+def _unbounded_libyaml_pythons() -> list[str]:
+    """The system's Pythons whose PyYAML has a libyaml without a nesting limit (Debian's
+    python3-yaml over libyaml 0.2.5), which the PyPI wheel iop installs does not have."""
+    found = []
+    for python in sorted({*glob.glob("/usr/bin/python3"), *glob.glob("/usr/bin/python3.[0-9]*")}):
+        if not re.fullmatch(r"/usr/bin/python3(\.\d+)?", python):
+            continue
+        probe = ("import yaml\nl = yaml.CSafeLoader('[' * 1100 + ']' * 1100)\n"
+                 "try:\n    l.get_single_node()\nexcept yaml.YAMLError:\n    print('bounded')\nelse:\n"
+                 "    print('unbounded')\n")
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60, check=False)
+        if done.stdout.strip() == "unbounded":
+            found.append(python)
+    return found
+
+
+def test_a_libyaml_without_a_nesting_limit_is_not_used_so_a_deep_config_is_an_error_not_a_crash() -> None:
+    """Debian's python3-yaml (6.0 over libyaml 0.2.5) has libyaml's loader but no nesting limit: a
+    config nested 50,000 deep (100 KB) killed the process with SIGSEGV when it was read with it.
+    Such a PyYAML reads with its own parser, which stops at Python's recursion limit."""
+    pythons = _unbounded_libyaml_pythons()
+    if not pythons:
+        pytest.skip("no Python here has a libyaml without a nesting limit")
+    root = Path(__file__).resolve().parent.parent
+    for python in pythons:
+        done = subprocess.run([python, "-c", _NESTED], capture_output=True, text=True, timeout=120, check=False,
+                              cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+        assert (done.returncode, done.stdout.split()) == (0, ["True", "False", "RecursionError"]), (python, done)
