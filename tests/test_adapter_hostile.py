@@ -26,7 +26,7 @@ from common.wire import ErrorCode, RunKind
 from gateway.responses import sse_chunks, with_model
 from tests.conftest import async_wait_until as until
 from tests.fakes.raw_http import RawHttp
-from workers.adapters.base import DOWN, ProviderError, ReadLimits, Retry
+from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProviderError, ReadLimits, Retry
 from workers.adapters.failures import body_text
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter, SSEParser, choices_asked
@@ -1814,6 +1814,30 @@ def test_which_errors_in_a_stream_say_a_status(provider_type: str, error: Any, s
     callers = status is not None and 400 <= status < 500
     assert (err.retry, err.status) == ((Retry.NO, status) if callers else (Retry.ELSEWHERE, None))
     assert err.strikes == 0
+
+
+@pytest.mark.parametrize(("provider_type", "error", "elsewhere"), [
+    # a 404 or 403 in a stream that says this provider has not the model iop routed there: not the
+    # caller's (the same error answered whole goes to another provider: `answered_error`)
+    ("lemonade", {"message": "model 'served-m' not found", "status_code": 404, "type": "not_found_error"}, True),
+    ("sglang", {"object": "error", "message": "The model `served-m` does not exist.", "type": "NotFoundError",
+                "code": 404}, True),
+    ("lemonade", {"message": "project may not use served-m", "status_code": 403}, True),
+    ("lemonade", {"message": "no access", "status_code": 403, "code": "model_not_found"}, True),
+    # one that names another model (or none) is the caller's, as before
+    ("lemonade", {"message": "adapter 'x' not found", "status_code": 404}, False),
+    ("lemonade", {"message": "model 'served-m-lora' not found", "status_code": 404}, False),
+])
+def test_an_error_in_a_stream_saying_the_provider_lacks_the_model_goes_to_another_provider(
+        provider_type: str, error: dict[str, Any], elsewhere: bool) -> None:
+    from workers.adapters.openai_compat import sent_error
+
+    err = sent_error("p", error, 500, provider_type, "served-m")
+    assert (err.retry, err.status) == ((Retry.ELSEWHERE, None) if elsewhere else (Retry.NO, error.get("status_code",
+                                                                                                     error.get("code"))))
+    parser = SSEParser("p", DEFAULT_LIMITS, "r", "served-m", provider_type)  # (as the stream reads it)
+    assert parser.feed(b"data: " + json.dumps({"error": error}).encode() + b"\n\n") == []
+    assert parser.failed is not None and parser.failed.retry is err.retry and parser.failed.status == err.status
 
 
 @pytest.mark.parametrize(("message", "lacks"), [

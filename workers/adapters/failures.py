@@ -312,6 +312,16 @@ def another_may(error: ProviderError) -> ProviderError:
     return error
 
 
+def model_gone(status: int, message: str, detail: dict[str, Any] | None, served: str | None) -> bool:
+    """Whether an error says this provider has not, or may not use, the `served` model: a 404 that
+    names it (the provider lost it), a 403 that names it or says `model_not_found` (a hosted API's
+    key that may not use it, as OpenAI answers a project without access to it). One model's matter
+    on one provider, not the caller's (iop routed the run there) nor the provider's health (a strike
+    took it down for all its models): another provider of the model may serve the run."""
+    return (status == NOT_THERE and names(message, served)) or \
+        (status == FORBIDDEN and (names(message, served) or (detail or {}).get("code") == "model_not_found"))
+
+
 def answered_error(provider_id: str, status: int, message: str, detail: dict[str, Any] | None,
                    served: str | None = None, retry_after: str | None = None) -> ProviderError:
     """A provider's error answer (4xx or 5xx) with its one-line `message`. The caller's fault
@@ -323,12 +333,7 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
     provider (a refusal of credentials is a strike: every run there would get it; a 429 shows it
     alive; a 5xx or a 404 shows nothing: its model list is probed again once nothing else shows
     it alive). A busy provider's (`BUSY`) `retry_after` header is kept, in seconds."""
-    if status == NOT_THERE and (detail is None or names(message, served)):
-        return ProviderError(f"provider {provider_id} answered {status}: {message}", retry=Retry.ELSEWHERE,
-                             strikes=None)
-    if status == FORBIDDEN and (names(message, served) or (detail or {}).get("code") == "model_not_found"):
-        # (a hosted API's key that may not use this model, as OpenAI answers a project without access to
-        # it: one model's matter; a strike took the provider down for all its models)
+    if (status == NOT_THERE and detail is None) or model_gone(status, message, detail, served):
         return ProviderError(f"provider {provider_id} answered {status}: {message}", retry=Retry.ELSEWHERE,
                              strikes=None)
     if callers_fault(status):

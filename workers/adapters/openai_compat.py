@@ -46,6 +46,7 @@ from workers.adapters.failures import (
     MAX_FIELD_CHARS,
     another_may,
     answered_error,
+    model_gone,
     one_line,
     probe_answered,
     probe_failure,
@@ -236,14 +237,18 @@ def said_status(error: Any, provider_type: str) -> int | None:
     return code if provider_type == "vllm" and isinstance(param, str) and param and code < 500 else None
 
 
-def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: str = "") -> ProviderError:
+def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: str = "",
+               served: str | None = None) -> ProviderError:
     """The error a provider sent in its stream or in a 200 answer: not a strike (it answered), and
     the run may go to another provider if nothing reached its caller yet; but one whose server says
     it is the caller's (`said_status`: a 4xx of the caller's) is the caller's answer, as the same
-    request's whole answer is: passed through with its status and never tried again."""
+    request's whole answer is: passed through with its status and never tried again. A 404 or 403
+    that says this provider has not the `served` model (`model_gone`) is not the caller's, in a
+    stream as in an answer (Lemonade's stream gives its backend's status)."""
     text = error_text(error, error_chars)
     status = said_status(error, provider_type)
-    if status is not None and callers_fault(status) and isinstance(error, dict):
+    if status is not None and callers_fault(status) and isinstance(error, dict) \
+            and not model_gone(status, text, error, served):
         detail = {**error, **{name: one_line(value, MAX_FIELD_CHARS) for name in ("type", "param", "code")
                               if isinstance(value := error.get(name), str)}, "message": text}
         return ProviderError(f"provider {provider_id} sent an error: {text}", status=status, detail=detail,
@@ -313,6 +318,8 @@ class SSEParser:
                  provider_type: str = "") -> None:
         self.provider_id = provider_id
         self.provider_type = provider_type
+        #: the model's name on this provider (`model_gone`)
+        self.served = model
         self.limits = limits
         self.lines = LineSplitter(provider_id, limits)
         self.non_objects = NonObjects(provider_id, request_id, model)
@@ -380,7 +387,7 @@ class SSEParser:
         it holds (the stream ends there: no line after it is waited for)."""
         if self._event == b"error":
             self.failed = sent_error(self.provider_id, _said(payload, self.provider_id), self.limits.error_chars,
-                                     self.provider_type)
+                                     self.provider_type, self.served)
             return True
         if payload == b"[DONE]":
             self.done = True
@@ -396,7 +403,8 @@ class SSEParser:
             return False
         error = error_in(obj)
         if error:
-            self.failed = sent_error(self.provider_id, error, self.limits.error_chars, self.provider_type)
+            self.failed = sent_error(self.provider_id, error, self.limits.error_chars, self.provider_type,
+                                     self.served)
             return True
         if not isinstance(obj, dict) or not choices_usable(obj):
             self.non_objects.drop(obj)
@@ -531,7 +539,9 @@ class OpenAICompatAdapter:
                                 retry=Retry.ELSEWHERE, strikes=0)
         error = error_in(data)
         if error:  # (a 200 that carries only an error: never a completion for the caller)
-            raise self._clean(sent_error(self.provider.id, error, self.limits.error_chars, self.provider.type))
+            model = body.get("model")
+            raise self._clean(sent_error(self.provider.id, error, self.limits.error_chars, self.provider.type,
+                                         model if isinstance(model, str) else None))
         if not choices_usable(data):
             raise ProviderError(f"provider {self.provider.id} answered with choices that are not a list of objects",
                                 retry=Retry.ELSEWHERE, strikes=0)
@@ -597,7 +607,7 @@ class OpenAICompatAdapter:
                             if start:
                                 opening = False
                                 if start[:1] in (b"{", b"["):  # (whatever its Content-Type: Foundry Local's say JSON)
-                                    raise await self._not_a_stream(resp, start)
+                                    raise await self._not_a_stream(resp, start, parser.served)
                                 if start[:1] == b"<":  # (a page: a proxy's, a web UI's; never events)
                                     raise self._a_page(resp)
                         chunks = parser.feed(data)
@@ -668,7 +678,7 @@ class OpenAICompatAdapter:
             return None
         return None
 
-    async def _not_a_stream(self, resp: aiohttp.ClientResponse, first: bytes) -> ProviderError:
+    async def _not_a_stream(self, resp: aiohttp.ClientResponse, first: bytes, served: str | None) -> ProviderError:
         """A stream asked for and one JSON answer given (it begins with `first`, where events begin
         with a field name): its error if it carries one (some servers answer an error so), else an
         answer iop cannot pass on as a stream. Neither is a strike."""
@@ -677,7 +687,7 @@ class OpenAICompatAdapter:
             raise self.limits.too_large(self.provider.id, "an answer", self.limits.response_bytes)
         error = error_in(parse_json(first + rest, self.provider.id))
         if error:
-            return sent_error(self.provider.id, error, self.limits.error_chars, self.provider.type)
+            return sent_error(self.provider.id, error, self.limits.error_chars, self.provider.type, served)
         return ProviderError(f"provider {self.provider.id} answered a stream request with one JSON answer, not "
                              "server-sent events", retry=Retry.ELSEWHERE, strikes=0)
 
