@@ -614,8 +614,9 @@ local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, canc
     if flat[i] == 'state' then flat[i + 1] = 'running' end
   end
   table.insert(flat, 1, 'ok')
-  -- the last attempt has the body now: no other attempt will need it
-  if attempt >= tonumber(r['max_attempts'] or '1') then
+  -- the last attempt has the body now: no other attempt will need it (`unable`: attempts that used up
+  -- none, their provider unable to do what the request asks, FINISH)
+  if attempt - (tonumber(r['unable'] or '0') or 0) >= tonumber(r['max_attempts'] or '1') then
     redis.call('HDEL', record, 'body')
   end
   return flat
@@ -807,7 +808,8 @@ return 1
 # KEYS: run record, lease, events, runs stream, heartbeat, node queue, the job's in-progress
 #       marker, runs streams of the provider's models...
 # ARGV: run id, state (completed|failed|cancelled|requeue|requeue_elsewhere|requeue_busy: elsewhere,
-#       the provider too busy), event type, event
+#       the provider too busy|requeue_unable: elsewhere, the provider could not do what the request asks:
+#       the attempt uses up none of max_attempts, counted in the record's `unable`), event type, event
 #       data, ttl_s, replica channel prefix, model, error code, error message, attempt,
 #       evidence ('ok'|'fail'|''), strikes, failure reason, prompt tokens, completion tokens
 #       (the usage the caller got, added to its key's by `_ENDED` when the run ends here), how
@@ -820,7 +822,8 @@ return 1
 #       provider asked to be left alone for that served name (it answered 429 or 503: too busy; its
 #       `Retry-After`): it is benched for it that long (`bench:{{served}}`, never shortened), so no run
 #       of it goes there meanwhile, where every new run went first (its in-flight count the lowest),
-#       keeping a hosted API's key at its rate limit
+#       keeping a hosted API's key at its rate limit; the run's body ('' none) for `requeue_unable` to
+#       put back in the record, whose attempt's start deleted it (the last attempt, as it was)
 FINISH = FREES + _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + f"""
 local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited', 'cancel',
   'output', 'cancel_reason', 'cancel_code')
@@ -858,12 +861,17 @@ end
 if last ~= '' then add_event(KEYS[1], KEYS[3], ARGV[1], 'delta', last, rec[3]) end
 add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4], rec[3])
 redis.call('EXPIRE', KEYS[3], ttl)
-if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue_busy' then
+if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue_busy'
+    or ARGV[2] == 'requeue_unable' then
   if ARGV[19] == '1' then
     local s = redis.call('HMGET', KEYS[1], 'provider', 'suspects')
     if s[1] then redis.call('HSET', KEYS[1], 'suspects', s[2] and (s[2] .. ',' .. s[1]) or s[1]) end
   end
   requeue(KEYS[1], KEYS[4], ARGV[1], ARGV[2] ~= 'requeue', ARGV[2] == 'requeue_busy')
+  if ARGV[2] == 'requeue_unable' then  -- (the provider could not do what was asked: no attempt used up)
+    redis.call('HINCRBY', KEYS[1], 'unable', 1)
+    if (ARGV[22] or '') ~= '' then redis.call('HSET', KEYS[1], 'body', ARGV[22]) end
+  end
 else
   if ARGV[2] == 'completed' then  -- its answer went to the caller (a non-stream run's is this event)
     redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now, 'output', '1')
@@ -1011,7 +1019,8 @@ local state = redis.call('HGET', KEYS[2], 'state')
 for i = 7, #KEYS do wake_head(KEYS[i], ARGV[4]) end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
 local ttl = tonumber(ARGV[3])
-local attempts = tonumber(redis.call('HGET', KEYS[2], 'attempts') or '0')
+local counts = redis.call('HMGET', KEYS[2], 'attempts', 'unable')
+local attempts = (tonumber(counts[1] or '0') or 0) - (tonumber(counts[2] or '0') or 0)  -- (those used up: FINISH)
 local output = redis.call('HGET', KEYS[2], 'output') == '1'
 -- (a stream that had output counts its chunks as its worker last recorded them: RENEW)
 local counted = output and tonumber(redis.call('HGET', KEYS[2], 'out_chunks') or '') or 0

@@ -176,7 +176,7 @@ async def test_what_a_tool_cannot_be_given_is_refused_for_another_provider_and_a
                 else:
                     await adapter("--pid-file", str(started)).complete(kind, body, "r")
             # (a request for another provider of the model: nothing against this one's health)
-            assert err.value.status == 400 and err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
+            assert err.value.status == 400 and err.value.retry is Retry.UNABLE and err.value.strikes is None
             assert err.value.detail is not None and err.value.detail["param"] == param, body
             assert err.value.detail["code"] == "invalid_request_error"
     assert not started.exists()  # the tool never ran

@@ -239,7 +239,7 @@ async def test_embeddings(adapter: OllamaAdapter, fake: FakeOllama) -> None:
     with pytest.raises(ProviderError) as err:
         await adapter.complete(RunKind.EMBEDDING, {**body, "input": [[1, 2, 3]]}, "r")
     # (what Ollama cannot take: another provider of the model may, and it says nothing of its health)
-    assert err.value.status == 400 and err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
+    assert err.value.status == 400 and err.value.retry is Retry.UNABLE and err.value.strikes is None
 
 
 async def test_errors_say_whether_another_attempt_could_succeed(adapter: OllamaAdapter, fake: FakeOllama) -> None:
@@ -252,7 +252,7 @@ async def test_errors_say_whether_another_attempt_could_succeed(adapter: OllamaA
     for n in (2, 2.0):  # (a server that takes `n` reads both as 2)
         with pytest.raises(ProviderError) as err:
             await adapter.complete(RunKind.CHAT, chat(n=n), "r")
-        assert err.value.status == 400 and err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
+        assert err.value.status == 400 and err.value.retry is Retry.UNABLE and err.value.strikes is None
         assert err.value.detail is not None and err.value.detail["param"] == "n"
         assert err.value.detail["code"] == "invalid_request_error"  # (as a cli provider's, and the gateway's own)
 

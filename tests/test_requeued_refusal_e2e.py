@@ -30,9 +30,11 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 
 
 class HoldingOllama:
-    """`notools`: a run with tools is answered 400 at once; any other is held until `let_go`."""
+    """`notools`: a run with tools is answered 400 at once (`tools`: answered at once, as a model
+    with tools would); any other is held until `let_go`."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: bool = False) -> None:
+        self.tools = tools
         self.calls: Counter[str] = Counter()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -48,9 +50,11 @@ class HoldingOllama:
         body = await request.json()
         if body.get("tools"):
             self.calls["tools"] += 1
-            return web.json_response({"error": "notools does not support tools"}, status=400)
-        self.calls["held"] += 1
-        await self.held.wait()
+            if not self.tools:
+                return web.json_response({"error": "notools does not support tools"}, status=400)
+        else:
+            self.calls["held"] += 1
+            await self.held.wait()
         return web.json_response({"model": "notools", "created_at": "2026-08-21T18:48:22Z", "done": True,
                                   "done_reason": "stop", "message": {"role": "assistant", "content": "hello"}})
 
@@ -126,5 +130,36 @@ async def test_a_refusal_another_provider_might_serve_is_the_callers_400_when_no
             assert (ollama.calls["tools"], other_ollama.calls["tools"]) == (0, 1)  # (a-ollama was busy all along)
             ollama.let_go()
             assert (await busy)[0] == 200
+        finally:
+            stack.stop_all()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_refusal_of_what_a_provider_cannot_do_uses_up_no_attempt(stack: Stack, stream: bool) -> None:
+    """With `max_attempts: 1`, a tools run that a-ollama (its model without tools, the first by id)
+    refused ended with that 400, though b-ollama serves tools: the refusal used up the run's one
+    attempt. It only asked, so it uses up none: b-ollama serves the run (and gets its body, which
+    the start of what was the last attempt had taken out of the run's record)."""
+    refusing, serving = HoldingOllama(), HoldingOllama(tools=True)
+    with refusing as url, serving as other_url:
+        try:
+            stack.write_config({
+                "models": [{"id": "m", "providers": {"a-ollama": "notools", "b-ollama": "notools"}}],
+                "nodes": [{"id": "n1", "providers": [
+                    {"id": p, "type": "ollama", "base_url": base, "capacity": 1, "models": ["notools"],
+                     "read_timeout_ms": 120_000} for p, base in (("a-ollama", url), ("b-ollama", other_url))]}],
+                "runtime": FAST_RUNTIME,
+                "queue": {"max_attempts": 1},
+            })
+            stack.scheduler()
+            stack.worker("n1")
+            gateway = stack.gateway()
+            wait_available(stack.redis_url, ["a-ollama", "b-ollama"])
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream, "tools": TOOLS}
+            for _ in range(2):  # (the second, too: a refusal is no strike, a-ollama is first again)
+                status, text = await asyncio.wait_for(ask(gateway, chat), 30)
+                assert status == 200, text
+                assert "hello" in text
+            assert (refusing.calls["tools"], serving.calls["tools"]) == (2, 2)
         finally:
             stack.stop_all()

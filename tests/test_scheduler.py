@@ -475,6 +475,27 @@ async def test_expired_lease_requeues_then_fails_with_worker_lost(redis: Redis) 
     assert await redis.hget(keys.run_record(run_id), "error_message") == why.encode()
 
 
+async def test_a_lost_run_whose_attempts_used_up_none_is_tried_again(redis: Redis) -> None:
+    """Attempts whose provider answered that it cannot do what the request asks (the record's
+    `unable`, FINISH's `requeue_unable`) use up none of `max_attempts`: a run on its second attempt
+    after one such, whose worker is lost, is tried again with `max_attempts: 2`."""
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 2})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()
+    record = keys.run_record(run_id)
+    await redis.hset(record, mapping={"attempts": 2, "unable": 1})  # (the second attempt, after one such)
+    await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease
+    assert await sched.reap_expired_leases() == 1
+    assert await redis.hget(record, "state") == b"queued"
+    await redis.hset(record, "unable", 0)  # (had both been counted: it fails)
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})
+    assert await sched.reap_expired_leases() == 1
+    assert await redis.hget(record, "state") == b"failed"
+    await client.close()
+
+
 async def test_a_running_run_reaped_says_its_worker_was_lost(redis: Redis) -> None:
     config, client, sched, run_id, _ = await running_run(redis, output=True, cancel=False)
     await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease

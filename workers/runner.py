@@ -99,6 +99,8 @@ class Attempt:
     key: str = "-"
     #: the providers whose adapter would refuse the run (`gateway.refusals`): it never goes there
     refuse: frozenset[str] = frozenset()
+    #: the run's attempts before this one that used up none of `max_attempts` (`Retry.UNABLE`)
+    unable: int = 0
     output: bool = False
     #: chunks of output the caller got (in `delta` events; its opening ones not counted), and the
     #: last `usage` the provider's stream carried: what a stream that ended before its own usage
@@ -117,9 +119,19 @@ class Attempt:
     #: it handles the first, and the job's task would end cancelled)
     stopping: bool = False
 
+    def last(self) -> bool:
+        """Whether this is the run's last attempt by `max_attempts` (those `unable` not counted)."""
+        return int(self.attempt) - self.unable >= self.max_attempts
+
     def log(self) -> dict[str, str]:
         """`extra` of a log line about this attempt."""
         return run_fields(self.run_id, self.model_id, key=self.key)
+
+
+def _count(record: dict[str, bytes], field: str, default: int) -> int:
+    """A count of the run's record (`max_attempts`, `unable`), or `default` where it has none."""
+    raw = record.get(field, b"")
+    return int(raw) if raw.isdigit() else default
 
 
 #: What an attempt showed about its provider's health, for the `finish` script:
@@ -278,14 +290,13 @@ class Runner:
             why = (f"model {model_id!r} is not in the config of node {self.node_id}'s worker" if model is None else
                    f"provider {provider_id} is not on node {self.node_id} in its worker's config")
             log.error("%s (its config and the scheduler's differ)", why, extra=run_fields(run_id, model_id))
-            limit = record.get("max_attempts", b"1")
             att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(),
-                          int(limit) if limit.isdigit() else 1)
+                          _count(record, "max_attempts", 1), unable=_count(record, "unable", 0))
             return await self._fail(att, ErrorInfo(ErrorCode.UNAVAILABLE, why), Retry.ANY)  # (no suspect: `suspect`)
         policy = self.config.queue_for(model)
         att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts,
                       id_set(record.get("tried")), record.get("key", b"-").decode(),
-                      refuse=id_set(record.get("refuse")))
+                      refuse=id_set(record.get("refuse")), unable=_count(record, "unable", 0))
         task = asyncio.current_task()
         assert task is not None
         self.running[run_id] = (att, task)
@@ -353,7 +364,10 @@ class Runner:
             info = ErrorInfo(exc.code, exc.message, status=exc.status, detail=exc.detail,
                              before_output=not att.output, retry_after_s=exc.retry_after_s,
                              repeats=exc.repeats)
-            return await self._fail(att, info, exc.retry, evidence_of(exc))
+            # (a run that goes on without using up an attempt: its body again for a next one, where the
+            # start of what was its last attempt deleted it from the record, `_START`)
+            again_body = record["body"] if exc.retry is Retry.UNABLE and att.last() else b""
+            return await self._fail(att, info, exc.retry, evidence_of(exc), body=again_body)
         except OutputTooLarge as exc:
             info = ErrorInfo(ErrorCode.OUTPUT_TOO_LARGE, str(exc), before_output=not att.output)
             return await self._fail(att, info, Retry.NO)
@@ -534,22 +548,27 @@ class Runner:
                 error = None
         return pump.usage, held
 
-    async def _fail(self, att: Attempt, info: ErrorInfo, retry: Retry, evidence: Evidence = NO_EVIDENCE) -> str:
+    async def _fail(self, att: Attempt, info: ErrorInfo, retry: Retry, evidence: Evidence = NO_EVIDENCE,
+                    body: bytes = b"") -> str:
         """End a failed attempt: put the run back in its queue if another attempt may do better
         and nothing was sent yet, else fail it. A provider that answered with a server error is
-        not tried again: the run goes back only if another provider of the model is available."""
+        not tried again: the run goes back only if another provider of the model is available. One
+        that cannot do what the request asks (`Retry.UNABLE`) used up no attempt: the run goes to
+        another provider whatever its attempts (each provider is tried once: they are finite), with
+        `body` (the record's, if its start deleted it) for the next attempt."""
         att.stopping = True  # (ending: a cancel now is not raised into it, see `cancel`)
-        again = not att.output and int(att.attempt) < att.max_attempts and (
-            retry is Retry.ANY or (retry is Retry.ELSEWHERE and await self._untried_available(att)))
+        unable = retry is Retry.UNABLE
+        again = not att.output and (unable or not att.last()) and (
+            retry is Retry.ANY or (retry in (Retry.ELSEWHERE, Retry.UNABLE) and await self._untried_available(att)))
         # (too busy: left alone for the model as long as it asked, else a second)
         cool_s = (info.retry_after_s or 1) if info.code is ErrorCode.PROVIDER_ERROR and info.status in BUSY else 0
         if again:
             # (the finish script takes the job off its node's queue first: the next dispatch
             # queues a job of the same id)
             outcome = await self._finish(att, None, EventType.REQUEUED, info.to_wire(), evidence=evidence,
-                                         requeue="requeue" if retry is Retry.ANY else
-                                         "requeue_busy" if info.status in BUSY else "requeue_elsewhere",
-                                         suspect=suspect(info) and evidence[1] < DOWN, cool_s=cool_s)
+                                         requeue="requeue" if retry is Retry.ANY else "requeue_unable" if unable
+                                         else "requeue_busy" if info.status in BUSY else "requeue_elsewhere",
+                                         suspect=suspect(info) and evidence[1] < DOWN, cool_s=cool_s, body=body)
         else:
             outcome = await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info,
                                          evidence=evidence, cool_s=cool_s)
@@ -623,7 +642,8 @@ class Runner:
     async def _finish(self, att: Attempt, state: RunState | None, etype: EventType, data: dict[str, Any],
                       info: ErrorInfo | None = None, *, evidence: Evidence = NO_EVIDENCE,
                       requeue: str = "requeue", usage: tuple[int, int] = (0, 0),
-                      last: list[dict[str, Any]] | None = None, suspect: bool = False, cool_s: int = 0) -> str:
+                      last: list[dict[str, Any]] | None = None, suspect: bool = False, cool_s: int = 0,
+                      body: bytes = b"") -> str:
         """state None = requeue (`requeue` says how; `suspect`: the failure says something of the
         provider, `common.scripts.BLAME`; `cool_s`: the provider asked to be left alone that long, it
         is benched for the model so long). Records `evidence` of the provider's health,
@@ -631,7 +651,8 @@ class Runner:
         restart (`_call_while_leased`): a slot must come back. A provider's answer (`data`) that
         msgpack cannot hold fails the run instead, with why. `last`: a completed stream's last
         chunks, added as a `delta` event before the end (within the run's limits: else
-        OutputTooLarge or the ProviderError of `cannot_carry` is raised, and nothing recorded)."""
+        OutputTooLarge or the ProviderError of `cannot_carry` is raised, and nothing recorded).
+        `body`: the run's, put back in its record by a requeue that uses up no attempt."""
         delta = self._output(att, {"chunks": last}) if last else b""
         if att.output and state is not None and state is not RunState.COMPLETED and usage == (0, 0):
             usage = _partial_usage(att)
@@ -659,7 +680,7 @@ class Runner:
                 plain_text(reason), *(min(n, MAX_COUNTED_TOKENS) for n in usage), self._fresh_ms(att.provider_id),
                 delta, self.config.runtime.max_events_per_run, "1" if suspect else "",
                 self._served(att.model_id, att.provider_id) if state is RunState.COMPLETED or cool_s else "",
-                cool_s * 1000]
+                cool_s * 1000, body]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
                     keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id), keys.node_queue(self.node_id),
                     keys.arq_in_progress(att.run_id),

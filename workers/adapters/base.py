@@ -18,6 +18,10 @@ class Retry(StrEnum):
     NO = "no"  # the caller's fault (a 4xx), or nothing would change
     ELSEWHERE = "elsewhere"  # the provider answered 5xx/429: only another provider, each at most once
     ANY = "any"  # the provider could not be reached or broke off: any provider (others first)
+    #: this provider cannot do what the request asks (a 400 saying so: a CLI tool's tools, an Ollama
+    #: model without tools, llama-server's `n` over its slots): another provider of the model, each at
+    #: most once, without using up one of the run's attempts (it only asked; nothing was generated)
+    UNABLE = "unable"
 
 
 class ProviderError(Exception):
@@ -122,6 +126,6 @@ class Adapter(Protocol):
 def not_taken(provider_id: str, message: str, param: str | None) -> ProviderError:
     """A request this provider's adapter cannot give it (a CLI tool's tools, Ollama's n > 1): the
     caller's 400 naming the field, as the gateway's own 400s are worded, unless another provider
-    of the model takes it (`Retry.ELSEWHERE`; no strike: it says nothing of the provider's health)."""
+    of the model takes it (`Retry.UNABLE`; no strike: it says nothing of the provider's health)."""
     detail = {"message": message, "type": "invalid_request_error", "param": param, "code": "invalid_request_error"}
-    return ProviderError(f"provider {provider_id}: {message}", status=400, detail=detail, retry=Retry.ELSEWHERE)
+    return ProviderError(f"provider {provider_id}: {message}", status=400, detail=detail, retry=Retry.UNABLE)

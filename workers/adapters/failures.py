@@ -306,9 +306,9 @@ FORBIDDEN = 403
 def another_may(error: ProviderError) -> ProviderError:
     """A caller's 4xx that says what this server cannot do, not what the request did wrong (Ollama's
     `"m" does not support tools`, llama-server's `n` over its slots): tried on another provider
-    of the model first, which may do it (no strike: it answered); the caller gets it when none
-    is left to try."""
-    error.retry = Retry.ELSEWHERE
+    of the model first, which may do it (no strike: it answered; `Retry.UNABLE`: no attempt used
+    up); the caller gets it when none is left to try."""
+    error.retry = Retry.UNABLE
     return error
 
 
