@@ -5,6 +5,7 @@ scheduler's and workers' metrics ports (`common.metrics_http`)."""
 
 from __future__ import annotations
 
+import random
 from http import HTTPStatus
 from typing import Any
 
@@ -138,7 +139,7 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         """The answer, with an `X-Request-Id` of its own unless it has one (a run's)."""
-        response = json_response(self.body(), status=self.status, headers=with_request_id(self.headers))
+        response = json_response(self.body(), status=self.status, headers=with_request_id(spread(self.headers)))
         response.set_status(self.status, phrase(self.status))
         return response
 
@@ -149,7 +150,7 @@ class ApiError(Exception):
         body = dumps(self.body())
         head = [f"HTTP/1.1 {self.status} {phrase(self.status)}", "Content-Type: application/json",
                 f"Content-Length: {len(body)}", "Connection: close",
-                *(f"{name}: {value}" for name, value in with_request_id(self.headers).items())]
+                *(f"{name}: {value}" for name, value in with_request_id(spread(self.headers)).items())]
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
@@ -160,6 +161,25 @@ REQUEST_ID_HEADER = "X-Request-Id"
 def new_request_id() -> str:
     """The id of an answer that is not a run's (`req_` and 32 hex digits, as OpenAI's)."""
     return f"req_{uuid4_hex()}"
+
+
+#: the header of a wait in milliseconds, which the official `openai` clients read before
+#: `Retry-After` (as Azure OpenAI sends it), and the most of a wait it spreads (`spread`)
+RETRY_AFTER_MS_HEADER = "retry-after-ms"
+MAX_SPREAD_S = 5
+
+
+def spread(headers: dict[str, str]) -> dict[str, str]:
+    """`headers` with a `retry-after-ms` of their `Retry-After` (n whole seconds, at most 60) and a
+    random part of up to n more seconds (at most `MAX_SPREAD_S`; 60 s in all): callers refused together (a full
+    queue, no provider) came back together at n s sharp and were mostly refused again; the official
+    clients wait what `retry-after-ms` says, others `Retry-After` as before."""
+    after = headers.get("Retry-After", "")
+    if not after.isdigit() or not 0 < int(after) <= 60 or RETRY_AFTER_MS_HEADER in headers:
+        return headers
+    n_ms = int(after) * 1000  # (at most 60 s in all: a client takes a longer wait for none, and backs off its own way)
+    return {**headers, RETRY_AFTER_MS_HEADER: str(min(n_ms + random.randrange(min(n_ms, MAX_SPREAD_S * 1000)),
+                                                      60_000))}
 
 
 def with_request_id(headers: dict[str, str]) -> dict[str, str]:

@@ -395,6 +395,8 @@ async def test_max_in_flight_is_exact_and_comes_back_when_runs_end(gateway: str,
                                         "has ended")
     assert headers["Retry-After"] == "1" and headers["x-ratelimit-limit-requests"] == "2"
     assert headers["x-ratelimit-remaining-requests"] == "0" and headers["x-iop-limit"] == "max_in_flight"
+    # (the three refused together come back spread over a second, not all at the second: `spread`)
+    assert all(1000 <= int(h["retry-after-ms"]) < 2000 for _, _, h in refused)
     validate("ErrorResponse", body)
     # the two queued runs end (cancelled): the key may run again
     for run_id in await callers.runs():

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from common.api_error import RETRY_AFTER_MS_HEADER, spread
 from common.shown import quoted
 from common.wire import ErrorCode, ErrorInfo
 from gateway.errors import STATUS, ApiError, from_status, invalid
@@ -196,10 +197,31 @@ def test_a_raw_response_is_a_whole_http_response_with_the_same_body() -> None:
     assert lines[0] == "HTTP/1.1 503 Service Unavailable"
     ids = [line for line in lines[1:] if line.startswith("X-Request-Id: ")]
     assert len(ids) == 1 and re.fullmatch(r"X-Request-Id: req_[0-9a-f]{32}", ids[0])  # (each answer its own)
+    spreads = [line for line in lines[1:] if line.startswith("retry-after-ms: ")]
+    assert len(spreads) == 1 and 1000 <= int(spreads[0].partition(": ")[2]) < 2000
     assert {"Content-Type: application/json", f"Content-Length: {len(body)}", "Connection: close",
-            "Retry-After: 1"} == set(lines[1:]) - set(ids)
+            "Retry-After: 1"} == set(lines[1:]) - set(ids) - set(spreads)
     assert json.loads(body) == err.body()
     assert ids[0] not in err.raw_response().decode()
+
+
+@pytest.mark.parametrize(("after", "low", "high"), [("1", 1000, 2000), ("3", 3000, 6000), ("30", 30_000, 35_000),
+                                                    ("58", 58_000, 60_001), ("60", 60_000, 60_001)])
+def test_a_wait_said_in_seconds_is_said_again_in_milliseconds_spread_over_up_to_as_many_more(
+        after: str, low: int, high: int) -> None:
+    """Callers refused together (a full queue, no provider available) all came back at the second
+    `Retry-After` said, to be mostly refused again: `retry-after-ms`, which the official clients
+    read first, adds a random part (never past 60 s in all: a client takes a longer one for none)."""
+    seen = {int(spread({"Retry-After": after})[RETRY_AFTER_MS_HEADER]) for _ in range(300)}
+    assert all(low <= ms < high for ms in seen), seen
+    assert len(seen) > 1 or low == 60_000  # (spread, not one wait for all)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Retry-After": "0"}, {"Retry-After": "61"}, {"Retry-After": "soon"},
+                                     {"Retry-After": "1", "retry-after-ms": "1500"}])
+def test_no_spread_where_there_is_no_wait_in_seconds_to_spread_or_one_in_milliseconds_already(
+        headers: dict[str, str]) -> None:
+    assert spread(headers) == headers
 
 
 @pytest.mark.parametrize(("status", "code"), [(400, "invalid_request_error"), (404, "not_found"),
