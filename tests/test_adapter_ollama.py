@@ -167,6 +167,12 @@ def test_log_probabilities_of_the_wrong_type_are_left_out() -> None:
     assert wire.Logprobs(RunKind.CHAT, {}).of({"logprobs": [None]}) is None
     with pytest.raises(wire.UnsupportedRequest, match="'logprobs' of a completion"):
         wire.request(RunKind.COMPLETION, {"model": SERVED, "prompt": "x", "logprobs": "2"}, False)
+    # (an empty prompt only loads the model: `done_reason` "load", no text, which read as an empty
+    # completion that stopped; another provider may generate from it, else it is the caller's 400)
+    for prompt in ("", [""]):
+        with pytest.raises(wire.UnsupportedRequest, match="generates nothing for an empty prompt") as err:
+            wire.request(RunKind.COMPLETION, {"model": SERVED, "prompt": prompt}, False)
+        assert err.value.param == "prompt"
 
 
 async def test_tool_calls_come_back_openai_shaped(adapter: OllamaAdapter, fake: FakeOllama) -> None:

@@ -143,6 +143,9 @@ TYPES = {"c": "cli", "o": "ollama", "v": "vllm"}
     (CHAT, {"model": "s", "messages": SAID, "tools": [{"type": "function", "function": {"name": "f"}}]}, TYPES,
      ("c",)),
     (COMPLETION, {"model": "s", "prompt": [1, 2, 3]}, TYPES, ("c", "o")),
+    # (Ollama's /api/generate only loads the model for an empty prompt: an empty `stop` completion)
+    (COMPLETION, {"model": "s", "prompt": ""}, TYPES, ("o",)),
+    (COMPLETION, {"model": "s", "prompt": [""]}, TYPES, ("o",)),
     (EMBEDDING, {"model": "s", "input": "x"}, TYPES, ("c",)),
     (CHAT, {"model": "s", "messages": SAID, "n": 2}, {"v": "vllm", "w": "sglang"}, ()),
 ])

@@ -256,6 +256,8 @@ def _prompt(body: Json) -> str:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise UnsupportedRequest("Ollama takes a text prompt", "prompt")
+    if not prompt:  # (its /api/generate only loads the model for one: `done_reason` "load", no text)
+        raise UnsupportedRequest("Ollama generates nothing for an empty prompt (it only loads the model)", "prompt")
     return prompt
 
 
