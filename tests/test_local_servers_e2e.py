@@ -145,7 +145,7 @@ async def test_a_llama_server_router_without_the_model_leaves_the_run_to_another
     """The router listed `router-gone` when it was probed, then lost it (`DELETE /models`): it answers
     400 `model 'router-gone' not found`. That is the provider's matter (another provider has the
     model), not the caller's request: it was passed through to the caller as a 400."""
-    servers.router_models.remove("router-gone")
+    servers.routers["router"].remove("router-gone")
     status, text = await ask(gateway, "/v1/chat/completions", chat("m-gone", False))
     assert status == 200, text
     assert json.loads(text)["choices"][0]["message"]["content"] == "hello there"

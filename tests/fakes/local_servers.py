@@ -1,6 +1,6 @@
 """Answers of the real Ollama and llama.cpp's own `llama-server`, byte for byte where it matters, each
 under a path of its own on one port (a provider's `base_url` names it: `…/ollama`, `…/single-a`,
-`…/router`), so that one test pool holds several servers.
+`…/router`, `…/router-manual`), so that one test pool holds several servers.
 
 Where each answer comes from (the servers' own source, read for this; versions: Ollama at
 v0.33.0-rc2, commit fb3076099; llama-server at llama.cpp commit 0c1e57098, the source vendored in
@@ -44,16 +44,35 @@ qwen3-8b,chat-default -c 64 --parallel 2`):
   made: server-context.cpp:4296, 4324-4327).
 - anything else: a plain answer.
 
-llama-server in router mode (`/router`, `--models-dir`): `GET /v1/models` lists what it has, each
-with its `status` (server-models.cpp:2021-2096); a run for a model it does not have (deleted with
-`DELETE /models?model=…`, server-models.cpp:2181-2193, or gone from its presets at a `?reload`) is
-a 400 `model '…' not found` (`router_validate_model`, server-models.cpp:1859-1868, `res_err`
-1854-1857). `remove(name)` (`LocalServers.router_models`) is that deletion.
+llama-server in router mode (`/router`, `--models-dir`; `/router-manual`, the same started with
+`--no-models-autoload`, common/arg.cpp:3663-3669), each a `Router` (`LocalServers.routers`):
+- `GET /v1/models` (and `/models`, server.cpp:256-257) lists what it has, each card with its `status`
+  (server-models.cpp:2021-2096): `{"args": [...], "preset": "[name]\nmodel = …\n\n", "value": …}`, the
+  value one of `server_model_status_to_string`'s (server-models.h:52-62: `unloaded`, `loading`,
+  `loaded`, `sleeping`, …); a card of a running model has the child's own keys merged in (`meta`,
+  server-models.cpp:2083-2090, the child's `get_res_model_info`, server-context.cpp:4524-4545).
+- `GET /props` without `?model=`: the router's own (server-models.cpp:1931-1956: `role` `router`,
+  `models_autoload`, …); with it, the model's server's, validated as a run is (1958-1970).
+- a run (`POST /v1/chat/completions`) is validated by `router_validate_model` (server-models.cpp:
+  1859-1876, answered by `res_err`, 1854-1857, a 400): a model it does not have (deleted with
+  `DELETE /models?model=…`, 2181-2193, or gone from its presets at a `?reload`) is `model '…' not
+  found`; one it has that is not running (`is_running`: loaded, loading or sleeping, server-models.h:
+  94-96) is `model is not loaded` when it loads none on its own (`is_autoload`, 1878-1885: the flag,
+  or the request's `?autoload=`), else it is loaded first (`ensure_model_ready`, 1430-1547). A model
+  still loading is proxied to its server, which answers 503 `Loading model` until it is ready
+  (server-http.cpp:307-324).
+- `POST /models/load` (server-models.cpp:2003-2019): 404 `model is not found` for a model it does not
+  have, 400 `model is already running`, else `{"success":true}` at once, the model `loading`
+  (`load`, 1144) until its server says it is ready (`loaded`, 1652-1660): here after `LOAD_S`.
+  `POST /models/unload` (2097-2113) is the way back.
+`Router.remove(name)` is that deletion.
 
-Calls are counted per (path, served name) (`calls`). It runs on its own event loop in a thread."""
+Calls are counted per (path, served name) (`calls`), and a server's `GET`s per path there too
+(`GET /props`). It runs on its own event loop in a thread."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from typing import Any
@@ -66,7 +85,6 @@ Json = dict[str, Any]
 
 CALLS = web.AppKey("calls", Counter)
 NAME = web.AppKey("name", str)
-ROUTER_MODELS = web.AppKey("router_models", list[str])
 
 #: the names llama-server is given with `-a qwen3-8b,chat-default`: it lists the smallest as the id
 ALIASES = ["chat-default", "qwen3-8b"]
@@ -76,6 +94,8 @@ N_CTX = 64
 PARALLEL = 2
 CREATED_AT = "2026-08-21T18:48:22.123456789Z"
 FINGERPRINT = "b1-0c1e570"
+#: how long a router's model takes to load (`POST /models/load` to its server saying it is ready)
+LOAD_S = 0.05
 
 
 def _nlohmann(obj: Any) -> bytes:
@@ -232,25 +252,137 @@ async def _single_completions(request: web.Request) -> web.StreamResponse:
     return web.Response(body=_nlohmann(answer), content_type="application/json", charset="utf-8")
 
 
+class Router:
+    """What a llama-server router has: each model's `status.value`, and whether it loads a model a
+    run names (`--models-autoload`, its default) or not (`--no-models-autoload`)."""
+
+    def __init__(self, models: dict[str, str], autoload: bool = True, source: str = "cache") -> None:
+        #: served name -> status value (`unloaded`, `loading`, `loaded`, `sleeping`)
+        self.models = models
+        self.autoload = autoload
+        #: where its models come from: `cache` (the only ones `DELETE /models` removes), `models_dir`
+        self.source = source
+
+    def remove(self, name: str) -> None:
+        """`DELETE /models?model=…`."""
+        del self.models[name]
+
+    def running(self, name: str) -> bool:
+        return self.models[name] in ("loaded", "loading", "sleeping")
+
+    def card(self, name: str) -> Json:
+        port = "39211" if self.running(name) else "0"  # (a port is given when its server is started)
+        status: Json = {"value": self.models[name], "args": ["llama-server", "--host", "127.0.0.1", "--model",
+                                                             f"/models/{name}.gguf", "--port", port, "--alias", name],
+                        "preset": f"[{name}]\nmodel = /models/{name}.gguf\n\n"}
+        card: Json = {"id": name, "aliases": [], "tags": [], "object": "model", "owned_by": "llamacpp",
+                      "created": 1790833449, "status": status,
+                      "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+                      "source": self.source, "can_remove": self.source == "cache"}
+        if self.running(name):  # (the child's own card's keys the router's lacks)
+            card["meta"] = {"vocab_type": 2, "n_vocab": 49152, "n_ctx": N_CTX, "n_ctx_train": 8192, "n_embd": 576,
+                            "n_params": 134515008, "size": 91739413, "ftype": "Q4_1"}
+        return card
+
+    def refusal(self, name: str, autoload: bool) -> web.Response | None:
+        """`router_validate_model`'s 400, or None (the model loaded first if it may be)."""
+        if not name:
+            return _router_error("model name is missing from the request", "invalid_request_error", 400)
+        if name not in self.models:
+            return _router_error(f"model '{name}' not found", "invalid_request_error", 400)
+        if not self.running(name):
+            if not autoload:
+                return _router_error("model is not loaded", "invalid_request_error", 400)
+            self.models[name] = "loaded"  # (`ensure_model_ready`: the request waits for the load)
+        return None
+
+    def autoloads(self, request: web.Request) -> bool:
+        asked = request.query.get("autoload", "")
+        return self.autoload if not asked else asked in ("true", "1")
+
+
+ROUTER = web.AppKey("router", Router)
+
+
+def _router_error(message: str, kind: str, code: int) -> web.Response:
+    return web.Response(status=code, body=_nlohmann({"error": _error(message, kind, code)}),
+                        content_type="application/json", charset="utf-8")
+
+
+def _json(obj: Any) -> web.Response:
+    return web.Response(body=_nlohmann(obj), content_type="application/json", charset="utf-8")
+
+
 async def _router_models(request: web.Request) -> web.Response:
-    cards = [{"id": name, "aliases": [], "tags": [], "object": "model", "owned_by": "llamacpp",
-              "created": 1790833449, "status": {"value": "loaded", "args": ["llama-server", "--port", "39211"]},
-              "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
-              "source": "cache", "can_remove": True}
-             for name in request.app[ROUTER_MODELS]]
-    return web.Response(body=_nlohmann({"data": cards, "object": "list"}), content_type="application/json",
-                        charset="utf-8")
+    router = request.app[ROUTER]
+    return _json({"data": [router.card(name) for name in list(router.models)], "object": "list"})
+
+
+async def _router_props(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    name = request.query.get("model", "")
+    if name:
+        refused = router.refusal(name, router.autoloads(request))
+        if refused is not None:
+            return refused
+        if router.models[name] == "loading":
+            return _router_error("Loading model", "unavailable_error", 503)
+        return _json({"model_alias": name, "model_path": f"/models/{name}.gguf", "build_info": FINGERPRINT})
+    return _json({"role": "router", "max_instances": 4, "models_autoload": router.autoload,
+                  "model_alias": "llama-server", "model_path": "none",
+                  "default_generation_settings": {"params": {}, "n_ctx": 0}, "ui_settings": {},
+                  "build_info": FINGERPRINT, "cors_proxy_enabled": False})
 
 
 async def _router_chat(request: web.Request) -> web.StreamResponse:
+    router = request.app[ROUTER]
     body = await request.json()
     name = body.get("model") or ""
     request.app[CALLS][name] += 1
-    if name not in request.app[ROUTER_MODELS]:
-        return web.Response(status=400, body=_nlohmann({"error": _error(
-            f"model '{name}' not found", "invalid_request_error", 400)}), content_type="application/json",
-            charset="utf-8")
+    refused = router.refusal(name, router.autoloads(request))
+    if refused is not None:
+        return refused
+    if router.models[name] == "loading":  # (its server answers nothing else until it is ready)
+        return _router_error("Loading model", "unavailable_error", 503)
+    if router.models[name] == "sleeping":  # (a request wakes it)
+        router.models[name] = "loaded"
     return await _plain_chat(request, body, name)
+
+
+async def _router_load(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    name = (await request.json()).get("model") or ""
+    if name not in router.models:
+        return _router_error("model is not found", "not_found_error", 404)
+    if router.running(name):
+        return _router_error("model is already running", "invalid_request_error", 400)
+    router.models[name] = "loading"
+
+    def ready() -> None:
+        if router.models.get(name) == "loading":
+            router.models[name] = "loaded"
+
+    asyncio.get_running_loop().call_later(LOAD_S, ready)
+    return _json({"success": True})
+
+
+async def _router_unload(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    name = (await request.json()).get("model") or ""
+    if name not in router.models:
+        return _router_error("model is not found", "invalid_request_error", 400)
+    if not router.running(name):
+        return _router_error("model is not running", "invalid_request_error", 400)
+    router.models[name] = "unloaded"
+    return _json({"success": True})
+
+
+@web.middleware
+async def _count_gets(request: web.Request, handler: Any) -> web.StreamResponse:
+    if request.method == "GET":
+        request.app[CALLS]["GET " + request.path.removeprefix("/" + request.app[NAME])] += 1
+    response: web.StreamResponse = await handler(request)
+    return response
 
 
 class LocalServers(ThreadedServer):
@@ -258,21 +390,30 @@ class LocalServers(ThreadedServer):
         super().__init__()
         #: (server path, served name) -> calls
         self.calls: dict[str, Counter[str]] = {}
-        #: what the router has (a test deletes one, as `DELETE /models?model=…` does)
-        self.router_models: list[str] = ["router-ok", "router-gone"]
+        #: the routers, by server path: what each has (a test deletes one, as `DELETE /models?model=…`
+        #: does), and whether it loads a model on its own
+        self.routers: dict[str, Router] = {
+            "router": Router({"router-ok": "loaded", "router-gone": "loaded"}),
+            "router-manual": Router({"router-warm": "loaded", "router-cold": "unloaded", "router-asleep": "sleeping"},
+                                    autoload=False, source="models_dir"),
+        }
 
     def _app(self, name: str) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[_count_gets])
         app[NAME] = name
         app[CALLS] = self.calls.setdefault(name, Counter())
         if name == "ollama":
             app.router.add_get("/api/tags", _ollama_tags)
             app.router.add_post("/api/chat", _ollama_chat)
-        elif name == "router":
-            app[ROUTER_MODELS] = self.router_models
+        elif name in self.routers:
+            app[ROUTER] = self.routers[name]
             app.router.add_get("/health", _health)
+            app.router.add_get("/props", _router_props)
+            app.router.add_get("/models", _router_models)
             app.router.add_get("/v1/models", _router_models)
             app.router.add_post("/v1/chat/completions", _router_chat)
+            app.router.add_post("/models/load", _router_load)
+            app.router.add_post("/models/unload", _router_unload)
         else:
             app.router.add_get("/health", _health)
             app.router.add_get("/v1/models", _single_models)
@@ -282,6 +423,6 @@ class LocalServers(ThreadedServer):
 
     def app(self) -> web.Application:
         root = web.Application()
-        for name in ("ollama", "single-a", "single-b", "router"):
+        for name in ("ollama", "single-a", "single-b", *self.routers):
             root.add_subapp(f"/{name}", self._app(name))
         return root
