@@ -18,6 +18,7 @@ from common.policy import Health
 from common.wire import RunKind, upstream_request_id
 from iop.simulator import SimOptions, start_server
 from tests.conftest import async_wait_until as until
+from tests.fakes.local_servers import LocalServers
 from workers.adapters.base import LastRead, ProviderError, Retry
 from workers.adapters.openai_compat import (
     OpenAICompatAdapter,
@@ -700,3 +701,74 @@ async def test_a_key_with_a_line_break_inside_goes_unsent_and_is_said_at_start(
     assert key_warnings([config], {"IOP_TEST_API_KEY": broken}) == [
         "provider openai_api-a: its api_key_env IOP_TEST_API_KEY holds a key with a character no header can carry "
         "(a line break inside it?); its requests go without an API key"]
+
+
+async def test_a_llama_server_router_without_autoload_lists_only_the_models_it_has_loaded(
+        session: aiohttp.ClientSession) -> None:
+    """`--no-models-autoload`: its `/v1/models` lists every model it has, each with its `status`, and
+    it refuses a run of one it has not loaded. Only those it serves as they are count as listed
+    (loaded, or asleep: a run wakes it); whether it loads is asked of its `/props` once, when a probe
+    first finds a router, not at every probe."""
+    with LocalServers() as servers:
+        router = servers.routers["router-manual"]
+        adapter = OpenAICompatAdapter(provider("llamacpp", f"{servers.url}/router-manual"), session)
+        assert (await adapter.probe()).models == ["router-warm", "router-asleep"]
+        router.models["router-cold"] = "loading"  # (its server answers 503 until it is ready)
+        assert (await adapter.probe()).models == ["router-warm", "router-asleep"]
+        router.models["router-cold"] = "loaded"
+        assert (await adapter.probe()).models == ["router-warm", "router-cold", "router-asleep"]
+        router.models["router-warm"] = "unloaded"  # (`POST /models/unload`)
+        assert (await adapter.probe()).models == ["router-cold", "router-asleep"]
+        assert servers.calls["router-manual"]["GET /props"] == 1, servers.calls
+
+
+async def test_a_llama_server_that_loads_what_it_is_asked_for_lists_every_model(
+        session: aiohttp.ClientSession) -> None:
+    """A router's default (`--models-autoload`) loads a model a run names: every model it lists
+    counts, loaded or not, as before. A single-model server (no `status`) is asked nothing more."""
+    with LocalServers() as servers:
+        servers.routers["router"].models["router-gone"] = "unloaded"
+        adapter = OpenAICompatAdapter(provider("llamacpp", f"{servers.url}/router"), session)
+        for _ in range(2):
+            assert (await adapter.probe()).models == ["router-ok", "router-gone"]
+        single = OpenAICompatAdapter(provider("llamacpp", f"{servers.url}/single-a"), session)
+        for _ in range(2):
+            assert (await single.probe()).models == ["chat-default", "qwen3-8b"]
+        assert servers.calls["router"]["GET /props"] == 1 and servers.calls["single-a"]["GET /props"] == 0, \
+            servers.calls
+
+
+async def test_a_router_started_anew_without_autoload_is_known_by_a_run_it_refuses(
+        session: aiohttp.ClientSession) -> None:
+    """A router asked once loaded models on its own, then was started anew with
+    `--no-models-autoload` between two probes: a run it refuses as not loaded says so (no request
+    more), and the next probe lists only what it has loaded. A probe that fails (the server
+    stopped) forgets what it said: the next router found there is asked again."""
+    with LocalServers() as servers:
+        router = servers.routers["router"]
+        adapter = OpenAICompatAdapter(provider("llamacpp", f"{servers.url}/router"), session)
+        assert (await adapter.probe()).models == ["router-ok", "router-gone"]
+        router.autoload = False
+        router.models["router-gone"] = "unloaded"
+        with pytest.raises(ProviderError) as err:
+            await adapter.complete(RunKind.CHAT, {**chat(), "model": "router-gone"}, upstream_request_id("r1"))
+        assert err.value.retry is Retry.ELSEWHERE and err.value.message.endswith("model is not loaded")
+        assert (await adapter.probe()).models == ["router-ok"]
+        assert servers.calls["router"]["GET /props"] == 1, servers.calls
+    assert (await adapter.probe()).health is not Health.AVAILABLE
+    assert adapter.router_autoload is None
+
+
+@pytest.mark.parametrize(("props", "none"), [
+    ({"role": "router", "models_autoload": False, "max_instances": 4}, True),
+    ({"role": "router", "models_autoload": True}, False),
+    ({"role": "router", "models_autoload": "false"}, False),  # (not the server's own answer: its default)
+    ({"models_autoload": False}, False),  # (not a router's)
+    ({"role": "router"}, False),
+    (None, False),
+    ([], False),
+])
+def test_what_a_router_s_props_say_of_loading_models(props: Any, none: bool) -> None:
+    from workers.adapters.openai_compat import loads_none
+
+    assert loads_none(props) is none

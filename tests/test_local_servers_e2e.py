@@ -11,7 +11,9 @@ from):
   its context) carries the status it answers the same error with whole: a 400 of the caller's is
   the caller's answer, not tried on every provider and turned into a 502;
 - llama-server in router mode answers a model it does not have (any more) with a 400 `model '…'
-  not found`: the provider's matter, not the caller's; another provider serves the run."""
+  not found`: the provider's matter, not the caller's; another provider serves the run;
+- a router started with `--no-models-autoload` lists models it has not loaded and refuses every
+  run of them (`model is not loaded`): such a model is not served there until it is loaded."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import aiohttp
 import pytest
 import redis as sync_redis
 
-from tests.conftest import Stack
+from tests.conftest import Stack, async_wait_until
 from tests.fakes.local_servers import LocalServers
 from tests.test_e2e import FAST_RUNTIME, wait_available
 
@@ -37,6 +39,7 @@ PROVIDERS: dict[str, tuple[str, str, list[str]]] = {
     "o-a": ("ollama", "ollama", ["repeat", "ok"]),
     "z-router": ("router", "llamacpp", ["router-ok"]),
     "b-ollama": ("ollama", "ollama", ["notools"]),
+    "c-manual": ("router-manual", "llamacpp", ["router-warm", "router-cold", "router-asleep"]),
 }
 #: model -> {provider id: served name}
 MODELS: dict[str, dict[str, str]] = {
@@ -48,6 +51,9 @@ MODELS: dict[str, dict[str, str]] = {
     "m-n": {"l-a": "chat-default", "z-router": "router-ok"},
     "m-tools": {"b-ollama": "notools", "l-b": "chat-default"},
     "m-tools-one": {"b-ollama": "notools"},
+    "m-warm": {"c-manual": "router-warm"},
+    "m-cold": {"c-manual": "router-cold"},
+    "m-asleep": {"c-manual": "router-asleep"},
 }
 #: providers probed only once at start (nothing else resets the evidence a test reads)
 QUIET = {"o-a", "a-router"}
@@ -179,3 +185,39 @@ async def test_an_ollama_model_without_tools_leaves_a_run_with_tools_to_another_
     status, text = await ask(gateway, "/v1/chat/completions", {**chat("m-tools-one", False), "tools": TOOLS})
     assert status == 400 and json.loads(text)["error"]["message"].endswith("notools does not support tools"), text
     assert evidence(stack, "b-ollama").get("fails", "0") == "0"  # (no strike: it answered)
+
+
+def observed(stack: Stack, provider: str) -> list[str]:
+    listed: list[str] = json.loads(evidence(stack, provider).get("observed_models") or "[]")
+    return listed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_model_a_router_without_autoload_has_not_loaded_is_not_served_there_until_loaded(
+        stack: Stack, servers: LocalServers, gateway: str, stream: bool) -> None:
+    """`llama-server --models-dir … --no-models-autoload` lists every model it has, loaded or not,
+    and answers a run of one it has not loaded with a 400 `model is not loaded`. Counted as listed,
+    such a model, served only there, got a 502 for every run (the router was asked each time) until
+    an operator loaded it. It is missing there (the caller's 503 says so at once, and the router is
+    not asked) until the router lists it loaded; one it put to sleep is served (a run wakes it)."""
+    for model in ("m-warm", "m-asleep"):
+        status, text = await ask(gateway, "/v1/chat/completions", chat(model, stream))
+        assert status == 200 and "hello" in text, (model, text)
+    status, text = await ask(gateway, "/v1/chat/completions", chat("m-cold", stream))
+    assert status == 503, text
+    error = json.loads(text)["error"]
+    assert error["code"] == "no_available_provider" and "c-manual: missing the model" in error["message"], error
+    assert servers.calls["router-manual"]["router-cold"] == 0, servers.calls
+    assert "router-cold" not in observed(stack, "c-manual")
+
+    async with aiohttp.ClientSession() as session, \
+            session.post(f"{servers.url}/router-manual/models/load", json={"model": "router-cold"}) as resp:
+        assert resp.status == 200 and await resp.json() == {"success": True}
+
+    async def listed() -> bool:
+        return "router-cold" in observed(stack, "c-manual")
+
+    await async_wait_until(listed, what="the router's loaded model listed")
+    status, text = await ask(gateway, "/v1/chat/completions", chat("m-cold", stream))
+    assert status == 200 and "hello" in text, text
+    assert servers.calls["router-manual"]["router-cold"] == 1, servers.calls

@@ -10,9 +10,12 @@ is the API root as it is; otherwise the type's path is appended (`/v1`; Lemonade
 
 Probes per type: vLLM, SGLang and llama.cpp `GET /health` (server root), Lemonade
 `GET <api>/health`, then `GET <api>/models` for the models it serves; `openai_api` only the
-model list. vLLM is also asked `GET /is_sleeping` (asleep or paused: unavailable; a 404, a server
-not in dev mode, is not asked again). `probe_path` replaces the health endpoint. A health endpoint that does not exist
-(404, 405, 501; llama-cpp-python has none) is remembered, and the model list alone decides.
+model list. A llama-server router (its model cards have a `status`) is asked `GET /props` once,
+whether it loads a model a run names: one that does not (`--no-models-autoload`) serves only the
+models it lists loaded (`_router_serves`). vLLM is also asked `GET /is_sleeping` (asleep or
+paused: unavailable; a 404, a server not in dev mode, is not asked again). `probe_path` replaces
+the health endpoint. A health endpoint that does not exist (404, 405, 501; llama-cpp-python has
+none) is remembered, and the model list alone decides.
 Probes send no `X-Request-Id`; runs send the run's UUID (`common.wire.upstream_request_id`).
 
 An API key is read from the environment variable named by `api_key_env` at each request.
@@ -265,6 +268,28 @@ N_OVER_SLOTS = "Field 'n': Value must be between "
 #: a llama-server router started with `--no-models-autoload` asked for a model it lists but has not
 #: loaded (tools/server/server-models.cpp `router_validate_model`): its operator's to load
 ROUTER_NOT_LOADED = "model is not loaded"
+#: where a llama-server router says whether it loads a model a request names (`models_autoload`),
+#: at the server root
+PROPS_PATH = "/props"
+#: the `status.value`s of a router's model that it serves as it is, without loading it: loaded, or
+#: put to sleep by `--sleep-idle-seconds` (a request wakes it). Not `loading`: its server answers
+#: 503 until it is ready; nor `unloaded` (failed or not), `downloading`, `downloaded`.
+ROUTER_SERVES = frozenset({"loaded", "sleeping"})
+
+
+def router_status(card: dict[str, Any]) -> str | None:
+    """A model card's `status.value`: a llama-server router lists each of its models with one
+    (`loaded`, `unloaded`, `loading`, …); a single-model server and llama-cpp-python's list none."""
+    status = card.get("status")
+    value = status.get("value") if isinstance(status, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def loads_none(props: Any) -> bool:
+    """Whether a llama-server router's `GET /props` says it loads no model on its own
+    (`--no-models-autoload`: `"models_autoload": false`). Anything else (its default, a server that
+    says nothing of it) keeps every model it lists."""
+    return isinstance(props, dict) and props.get("role") == "router" and props.get("models_autoload") is False
 
 
 def router_lacks(message: str, served: Any) -> bool:
@@ -463,6 +488,12 @@ class OpenAICompatAdapter:
         )
         #: the longest a read of an answer may take (`ReadWatch`: aiohttp's `sock_read` may be dropped)
         self.read_s = provider.read_timeout_ms / 1000
+        #: a llama-server router's `GET /props` (`llamacpp` only)
+        self.props_url = server_root(provider.base_url, provider.api_path) + PROPS_PATH
+        #: whether the llama-server router there loads a model a run names: None until a probe finds
+        #: a router (asked once then), and again after a probe that failed (it may have been started
+        #: anew, with other flags); False at once when a run there is refused as not loaded
+        self.router_autoload: bool | None = None
 
     def _secrets(self) -> list[str]:
         return self.credentials.secrets()
@@ -497,6 +528,8 @@ class OpenAICompatAdapter:
         else:
             message = one_line(without_traceback(text) or resp.reason or "no error text", self.limits.error_chars)
         if self.provider.type == "llamacpp" and resp.status == 400 and router_lacks(message, served):
+            if message == ROUTER_NOT_LOADED:  # (it loads none itself: probes count only what it loaded)
+                self.router_autoload = False
             raise ProviderError(f"provider {self.provider.id} answered 400: {message}", retry=Retry.ELSEWHERE,
                                 strikes=None)
         error = answered_error(self.provider.id, resp.status, message, detail,
@@ -742,6 +775,32 @@ class OpenAICompatAdapter:
         return None
 
     async def probe(self) -> ProbeResult:
+        """`_probe`; a probe that failed forgets what a llama-server router said of loading models (it
+        may have been started anew, with other flags)."""
+        result = await self._probe()
+        if result.health is not Health.AVAILABLE:
+            self.router_autoload = None
+        return result
+
+    async def _router_serves(self, cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The cards of the models a llama.cpp server serves as it is. A llama-server router
+        (`--models-dir`, `--models-preset`: its cards have a `status`) lists every model it has,
+        loaded or not; by default it loads one a run names, so all count, but started with
+        `--no-models-autoload` it refuses a run of one it has not loaded (`model is not loaded`), so
+        only those it has loaded (or put to sleep) count. Whether it loads is asked of its `GET
+        /props` once, when a probe first finds a router (`router_autoload`); a server that answers
+        nothing there keeps every model, and is asked again at the next probe."""
+        if not any(router_status(m) is not None for m in cards):
+            self.router_autoload = None  # (no router, or none any more: asked again if one comes)
+            return cards
+        if self.router_autoload is None:
+            status, said, failed = await self._get(self.props_url)
+            if failed is not None:
+                return cards
+            self.router_autoload = not (status == 200 and loads_none(said))
+        return cards if self.router_autoload else [m for m in cards if router_status(m) in ROUTER_SERVES]
+
+    async def _probe(self) -> ProbeResult:
         """Its health endpoint, if it has one, then its model list. A model list of OpenAI's shape,
         or a bare array of model objects (Together AI's); one page of a longer list (`has_more`) is
         not all it serves: as a list it cannot give (None), so no served name is missing from it. A
@@ -776,6 +835,8 @@ class OpenAICompatAdapter:
         if isinstance(data, dict) and data.get("has_more") is True:
             return ProbeResult(Health.AVAILABLE, "", None, strikes=0)
         cards = [m for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        if self.provider.type == "llamacpp":
+            cards = await self._router_serves(cards)
         if self.provider.type == "sglang":  # (an adapter is taken only as `base:adapter`, and listed as `adapter`:
             # that name alone runs the base model, so the adapter is listed under the name SGLang takes only)
             models = [f"{m['parent']}:{m['id']}" if isinstance(m.get("parent"), str) and m["parent"] else m["id"]
