@@ -89,6 +89,9 @@ NO_SUCH_ENDPOINT = frozenset({404, 405, 501})
 #: vLLM's sleep state, at the server root (`--enable-sleep-mode` with `VLLM_SERVER_DEV_MODE=1`): asleep
 #: or paused, it still answers `/health` and takes requests, and holds them until it is woken
 SLEEP_PATH = "/is_sleeping"
+#: The prefix of a model's resource name in Google's APIs, which Gemini's OpenAI-compatible model list
+#: gives its ids (`models/gemini-2.0-flash`), where its runs take the model's name alone
+GOOGLE_MODEL_PREFIX = "models/"
 #: How long a stream whose every choice has its finish_reason waits for what may still come (the
 #: usage chunk, [DONE]): a provider that sends neither and keeps its connection open has answered
 #: whole, and its caller is not kept waiting for `read_timeout_ms`, then failed.
@@ -805,7 +808,8 @@ class OpenAICompatAdapter:
         or a bare array of model objects (Together AI's); one page of a longer list (`has_more`) is
         not all it serves: as a list it cannot give (None), so no served name is missing from it. A
         hosted API (`openai_api`) whose `probe_path` (set in the config) answered 200 and that has no
-        model list (404, 405, 501) lists none: one without `GET /models` could never be used."""
+        model list (404, 405, 501) lists none: one without `GET /models` could never be used. A hosted
+        API's `models/<name>` (Gemini's) lists `<name>` too, the name its runs take."""
         health_said = False
         if self.health_url is not None:
             status, said, failed = await self._get(self.health_url)
@@ -847,6 +851,11 @@ class OpenAICompatAdapter:
             # smallest, and every one under `aliases`: it takes each of them)
             models = list(dict.fromkeys(models + [alias for m in cards if isinstance(m.get("aliases"), list)
                                                   for alias in m["aliases"] if isinstance(alias, str) and alias]))
+        if self.provider.type == "openai_api":  # (Gemini's endpoint lists `models/gemini-2.0-flash`, and its runs
+            # take `gemini-2.0-flash`, as its docs send it: the name without the resource prefix is listed too)
+            models = list(dict.fromkeys(models + [m.removeprefix(GOOGLE_MODEL_PREFIX) for m in models
+                                                  if m.startswith(GOOGLE_MODEL_PREFIX)
+                                                  and len(m) > len(GOOGLE_MODEL_PREFIX)]))
         return ProbeResult(Health.AVAILABLE, "", models, strikes=0)
 
     async def close(self) -> None:

@@ -1,0 +1,127 @@
+"""What hosted OpenAI-compatible APIs really answer (`type: openai_api`), through real iop processes and
+a real Redis (`tests/fakes/hosted_apis.py` says where each answer comes from):
+
+- Gemini's model list (`models/<name>`) lists the names its runs take;
+- OpenRouter's keep-alive comments are no event, and its error chunk after output ends the stream with
+  an error, not a whole answer."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+import redis as sync_redis
+
+from tests.conftest import Stack
+from tests.fakes.hosted_apis import HostedApis
+from tests.test_e2e import FAST_RUNTIME, wait_available
+
+pytestmark = pytest.mark.e2e
+
+#: provider id -> (service, served names)
+PROVIDERS: dict[str, tuple[str, list[str]]] = {
+    "oa-quota": ("openai", ["gpt-quota"]),
+    "b-ok": ("openai", ["gpt-4o-mini@b"]),
+    "az": ("azure", ["azure-throttled"]),
+    "gem": ("gemini", ["gemini-busy", "gemini-unknown-field", "gemini-2.0-flash"]),
+    "ds": ("deepseek", ["deepseek-broke"]),
+    "a-ds": ("deepseek", ["deepseek-broke@a"]),
+    "or": ("openrouter", ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini"]),
+}
+#: model -> provider id -> served name
+MODELS: dict[str, dict[str, str]] = {
+    "m-quota": {"oa-quota": "gpt-quota"},
+    "m-az-throttled": {"az": "azure-throttled"},
+    "m-gem-busy": {"gem": "gemini-busy"},
+    "m-gem-400": {"gem": "gemini-unknown-field"},
+    "m-gem": {"gem": "gemini-2.0-flash"},
+    "m-ds-broke": {"ds": "deepseek-broke"},
+    "m-ds-pool": {"a-ds": "deepseek-broke@a", "b-ok": "gpt-4o-mini@b"},
+    "m-or-broke": {"or": "openrouter/broke"},
+    "m-or-midstream": {"or": "openrouter/midstream"},
+    "m-or": {"or": "openai/gpt-4o-mini"},
+}
+#: what each service's model list names (Gemini's with its `models/` prefix)
+LISTED = {
+    "openai": ["gpt-quota", "gpt-4o-mini@b"],
+    "azure": ["azure-throttled"],
+    "gemini": ["models/gemini-busy", "models/gemini-unknown-field", "models/gemini-2.0-flash"],
+    "deepseek": ["deepseek-broke", "deepseek-broke@a"],
+    "openrouter": ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini"],
+}
+#: where each service's API is below its base_url, when not the type's `/v1`
+API_PATHS = {"azure": "/openai/v1", "gemini": "/v1beta/openai"}
+
+
+@pytest.fixture
+def apis(stack: Stack) -> Iterator[HostedApis]:
+    with HostedApis(LISTED) as fake:
+        yield fake
+        stack.stop_all()  # (the worker goes before the server it probes)
+
+
+@pytest.fixture
+def gateway(stack: Stack, apis: HostedApis, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("HOSTED_TEST_KEY", "sk-test-hosted")
+    providers = []
+    for pid, (service, served) in PROVIDERS.items():
+        entry: dict[str, Any] = {"id": pid, "type": "openai_api", "base_url": apis.base(service), "capacity": 2,
+                                 "models": served, "api_key_env": "HOSTED_TEST_KEY"}
+        if service in API_PATHS:
+            entry["api_path"] = API_PATHS[service]
+        if service == "azure":
+            entry["api_key_header"] = "api-key"
+        providers.append(entry)
+    stack.write_config({
+        "models": [{"id": model, "providers": served} for model, served in MODELS.items()],
+        "nodes": [{"id": "n1", "providers": providers}],
+        "runtime": FAST_RUNTIME,
+        "queue": {"max_attempts": 3},
+    })
+    stack.scheduler()
+    stack.worker("n1")
+    url = stack.gateway()
+    wait_available(stack.redis_url, list(PROVIDERS))
+    return url
+
+
+async def ask(gateway: str, model: str, stream: bool = False) -> tuple[int, dict[str, str], str]:
+    """(status, headers, the answer's text: a whole answer's body, or a stream's events)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json=body) as resp:
+        return resp.status, dict(resp.headers), await resp.text()
+
+
+def bench_left_s(stack: Stack, provider: str, served: str) -> float:
+    """How long the model's bench on `provider` has left, in seconds (0: none)."""
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        until = r.hget(f"iop:provider:{provider}", f"bench:{served}")
+    finally:
+        r.close()
+    return max(0.0, (int(until) - time.time() * 1000) / 1000) if until else 0.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_gemini_model_is_served_under_the_name_its_runs_take(gateway: str, stream: bool) -> None:
+    """Gemini lists `models/gemini-2.0-flash`; its runs take `gemini-2.0-flash`, the name served."""
+    status, _, text = await ask(gateway, "m-gem", stream)
+    assert status == 200 and "hello there" in text, text
+
+
+
+
+async def test_openrouters_comments_are_no_events_and_its_error_chunk_ends_the_stream_with_an_error(
+        gateway: str) -> None:
+    status, _, text = await ask(gateway, "m-or", stream=True)
+    assert status == 200 and "hello there" in text and "OPENROUTER" not in text, text
+    status, _, text = await ask(gateway, "m-or-midstream", stream=True)
+    assert status == 200, text
+    events = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+    assert "Half an" in events[0], events
+    assert "Provider disconnected unexpectedly" in json.loads(events[-2])["error"]["message"], events
+    assert events[-1] == "[DONE]" and not any('"finish_reason":"stop"' in e for e in events), events
