@@ -1,7 +1,8 @@
 """What hosted OpenAI-compatible APIs really answer (`type: openai_api`), through real iop processes and
 a real Redis (`tests/fakes/hosted_apis.py` says where each answer comes from):
 
-- Gemini's model list (`models/<name>`) lists the names its runs take;
+- Gemini's errors (a JSON array of one Google error) reach the caller as an OpenAI error object, and its
+  model list (`models/<name>`) lists the names its runs take;
 - OpenRouter's keep-alive comments are no event, and its error chunk after output ends the stream with
   an error, not a whole answer."""
 
@@ -104,6 +105,14 @@ def bench_left_s(stack: Stack, provider: str, served: str) -> float:
     finally:
         r.close()
     return max(0.0, (int(until) - time.time() * 1000) / 1000) if until else 0.0
+
+
+async def test_a_gemini_error_reaches_the_caller_as_an_error_object(gateway: str) -> None:
+    status, _, text = await ask(gateway, "m-gem-400")
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["message"] == "Invalid JSON payload received. Unknown name \"google\": Cannot find field.", error
+    assert error["code"] == "400" and error["type"] == "invalid_request_error", error
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -200,6 +200,10 @@ def per_prompt(n: Any) -> int:
 
 
 def _error_detail(payload: Any) -> dict[str, Any] | None:
+    """The error object of an error answer: its `error` (`error_in`), also in an array of one (Gemini's
+    OpenAI-compatible endpoint answers `[{"error": {"code": 400, "message": …, "status": …}}]`)."""
+    if isinstance(payload, list) and len(payload) == 1:
+        payload = payload[0]
     error = error_in(payload)
     return error if isinstance(error, dict) else None
 
