@@ -19,6 +19,7 @@ from common.wire import ErrorCode, RunKind
 from workers.adapters.base import DOWN, ProviderError, Retry
 from workers.adapters.failures import (
     NO_STRIKE,
+    asked_wait_s,
     describe,
     one_line,
     parse_retry_after,
@@ -45,6 +46,31 @@ NOW_S = 1_780_000_000.0  # (a fixed clock: Fri, 28 May 2026 20:26:40 GMT)
 ])
 def test_a_retry_after_header_is_seconds_within_a_minute(header: str | None, seconds: int | None) -> None:
     assert parse_retry_after(header, NOW_S) == seconds
+
+
+GEMINI_429 = {"code": 429, "message": "You exceeded your current quota", "status": "RESOURCE_EXHAUSTED", "details": [
+    {"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": []},
+    {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "45.837906927s"}]}
+
+
+@pytest.mark.parametrize(("headers", "detail", "seconds"), [
+    ({"retry-after-ms": "5000"}, None, 5),  # (Azure OpenAI's, alone)
+    ({"retry-after-ms": "1500", "Retry-After": "1"}, None, 2),  # (the official clients read it first)
+    ({"retry-after-ms": "6"}, None, 1), ({"retry-after-ms": "0"}, None, 0), ({"retry-after-ms": "86400000"}, None, 60),
+    ({"retry-after-ms": "soon", "Retry-After": "7"}, None, 7),  # (not a number: the next that says)
+    ({"retry-after-ms": "-5"}, None, None), ({"retry-after-ms": "1e9"}, None, None),
+    ({"retry-after-ms": "٣"}, None, None),  # (an Arabic-Indic 3)
+    ({"Retry-After": "7"}, GEMINI_429, 7),  # (a header first)
+    ({}, GEMINI_429, 46), (None, GEMINI_429, 46),  # (Gemini's, in its error only)
+    ({}, {"details": [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "90s"}]}, 60),
+    ({}, {"details": [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "34"}]}, None),
+    ({}, {"details": [{"@type": "other", "retryDelay": "3s"}, "junk", None]}, None),
+    ({}, {"details": "47s"}, None), ({}, None, None), (None, None, None),
+])
+def test_a_busy_providers_wait_is_read_as_hosted_apis_say_it(headers: dict[str, str] | None,
+                                                              detail: dict[str, Any] | None,
+                                                              seconds: int | None) -> None:
+    assert asked_wait_s(headers, detail, NOW_S) == seconds
 
 
 def test_one_line_flattens_cleans_and_cuts() -> None:

@@ -1,6 +1,9 @@
 """What hosted OpenAI-compatible APIs really answer (`type: openai_api`), through real iop processes and
 a real Redis (`tests/fakes/hosted_apis.py` says where each answer comes from):
 
+- a busy API's wait is honoured however it says it: Azure's `retry-after-ms`, Gemini's `retryDelay` in
+  its error body (it sends no header); a caller of a model no other provider serves gets a 503 whose
+  `Retry-After` says as much, and the model is benched there that long;
 - Gemini's errors (a JSON array of one Google error) reach the caller as an OpenAI error object, and its
   model list (`models/<name>`) lists the names its runs take;
 - OpenRouter's keep-alive comments are no event, and its error chunk after output ends the stream with
@@ -105,6 +108,19 @@ def bench_left_s(stack: Stack, provider: str, served: str) -> float:
     finally:
         r.close()
     return max(0.0, (int(until) - time.time() * 1000) / 1000) if until else 0.0
+
+
+@pytest.mark.parametrize(("model", "provider", "served", "wait"), [
+    ("m-az-throttled", "az", "azure-throttled", 5),  # (retry-after-ms: 5000, no Retry-After)
+    ("m-gem-busy", "gem", "gemini-busy", 47),  # (its RetryInfo's retryDelay: "47s", no header)
+])
+async def test_a_busy_apis_wait_is_honoured_however_it_says_it(stack: Stack, gateway: str, model: str, provider: str,
+                                                              served: str, wait: int) -> None:
+    status, headers, text = await ask(gateway, model)
+    assert status == 503, text
+    assert json.loads(text)["error"]["code"] == "provider_error"
+    assert headers["Retry-After"] == str(wait), (headers, text)
+    assert bench_left_s(stack, provider, served) > wait - 3
 
 
 async def test_a_gemini_error_reaches_the_caller_as_an_error_object(gateway: str) -> None:

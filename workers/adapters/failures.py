@@ -19,6 +19,7 @@ import os
 import re
 import ssl
 import time
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
@@ -299,6 +300,49 @@ def parse_retry_after(header: str | None, now_s: float | None = None) -> int | N
     return min(max(math.ceil(wait), 0), MAX_RETRY_AFTER_S)
 
 
+#: Azure OpenAI's wait, in milliseconds (the official `openai` clients read it before `Retry-After`)
+RETRY_AFTER_MS = "retry-after-ms"
+#: The type of a Google API error's detail that says how long to wait: Gemini's 429 says it only there
+#: (`{"@type": …, "retryDelay": "47s"}`, a protobuf Duration), with no `Retry-After`
+RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
+_DECIMAL = re.compile(r"[0-9]{1,15}(?:\.[0-9]{1,9})?")
+
+
+def _whole_seconds(number: str, per_second: int) -> int | None:
+    """A decimal number of `1 / per_second` seconds as whole seconds (rounded up), at most
+    `MAX_RETRY_AFTER_S`; None when it is not one."""
+    text = number.strip()
+    if not _DECIMAL.fullmatch(text):
+        return None
+    return min(math.ceil(float(text) / per_second), MAX_RETRY_AFTER_S)
+
+
+def retry_info_s(detail: dict[str, Any] | None) -> int | None:
+    """The seconds a Google API error asks to wait (`RETRY_INFO` among its `details`), or None."""
+    details = (detail or {}).get("details")
+    for item in details if isinstance(details, list) else ():
+        delay = item.get("retryDelay") if isinstance(item, dict) and item.get("@type") == RETRY_INFO else None
+        if isinstance(delay, str) and delay.endswith("s") and (wait := _whole_seconds(delay[:-1], 1)) is not None:
+            return wait
+    return None
+
+
+def asked_wait_s(headers: Mapping[str, str] | None, detail: dict[str, Any] | None,
+                 now_s: float | None = None) -> int | None:
+    """How long a busy provider asked to be left alone, in whole seconds (at most `MAX_RETRY_AFTER_S`),
+    as the hosted APIs say it: `retry-after-ms` first (Azure OpenAI's; the official `openai` clients read
+    it first too), then `Retry-After` (`parse_retry_after`), then a `RetryInfo` in its error (Gemini's);
+    None when it said nothing of it. Never raises."""
+    if headers is not None:
+        millis = headers.get(RETRY_AFTER_MS)
+        wait = _whole_seconds(millis, 1000) if millis is not None else None
+        if wait is None:
+            wait = parse_retry_after(headers.get("Retry-After"), now_s)
+        if wait is not None:
+            return wait
+    return retry_info_s(detail)
+
+
 #: the status of a refusal of iop's credentials, or of a model those credentials may not use
 FORBIDDEN = 403
 
@@ -323,7 +367,7 @@ def model_gone(status: int, message: str, detail: dict[str, Any] | None, served:
 
 
 def answered_error(provider_id: str, status: int, message: str, detail: dict[str, Any] | None,
-                   served: str | None = None, retry_after: str | None = None) -> ProviderError:
+                   served: str | None = None, headers: Mapping[str, str] | None = None) -> ProviderError:
     """A provider's error answer (4xx or 5xx) with its one-line `message`. The caller's fault
     (`callers_fault`) is passed through (`detail`, its message the one-line one), never retried, and
     shows the provider alive; a 5xx, a 429, a refusal of iop's credentials, or a 404 that names the
@@ -332,7 +376,8 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
     error object (a path the server does not have: `base_url` or a proxy is wrong) goes to another
     provider (a refusal of credentials is a strike: every run there would get it; a 429 shows it
     alive; a 5xx or a 404 shows nothing: its model list is probed again once nothing else shows
-    it alive). A busy provider's (`BUSY`) `retry_after` header is kept, in seconds."""
+    it alive). A busy provider's (`BUSY`) wait, as its `headers` or its error say it (`asked_wait_s`),
+    is kept, in seconds."""
     if (status == NOT_THERE and detail is None) or model_gone(status, message, detail, served):
         return ProviderError(f"provider {provider_id} answered {status}: {message}", retry=Retry.ELSEWHERE,
                              strikes=None)
@@ -347,4 +392,4 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
             else " (it refused iop's credentials: check the provider's api_key_env)" if refused else "")
     return ProviderError(f"provider {provider_id} answered {status}: {message}{hint}", status=status,
                          retry=Retry.ELSEWHERE, strikes=1 if refused else 0 if status < 500 else None,
-                         retry_after_s=parse_retry_after(retry_after) if status in BUSY else None)
+                         retry_after_s=asked_wait_s(headers, detail) if status in BUSY else None)

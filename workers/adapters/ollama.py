@@ -154,7 +154,7 @@ class OllamaAdapter:
             one_line(without_traceback(text) or "no error text", self.limits.error_chars)
         detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
         answered = answered_error(self.provider.id, status, message, detail if error or status != 404 else None,
-                                  served, resp.headers.get("Retry-After"))
+                                  served, resp.headers)
         # (`"m" does not support tools`, or vision, thinking, …: this model's build, not the request;
         # server/routes.go's handleScheduleError answers it 400)
         return another_may(answered) if status == 400 and " does not support " in message else answered

@@ -540,7 +540,7 @@ class OpenAICompatAdapter:
             raise ProviderError(f"provider {self.provider.id} answered 400: {message}", retry=Retry.ELSEWHERE,
                                 strikes=None)
         error = answered_error(self.provider.id, resp.status, message, detail,
-                               served if isinstance(served, str) else None, resp.headers.get("Retry-After"))
+                               served if isinstance(served, str) else None, resp.headers)
         if self.provider.type == "llamacpp" and resp.status == 400 and message.startswith(N_OVER_SLOTS):
             error = another_may(error)  # (a server with more slots takes it)
         try:
