@@ -101,7 +101,8 @@ class ApiError(Exception):
     @classmethod
     def from_info(cls, info: ErrorInfo) -> ApiError:
         """A run's failure; a provider's 4xx is passed through with its own status and body, but
-        not its 429 nor its refusal of iop's credentials (`POOL_FAULT_4XX`): those are the pool's
+        not its 429, its 402 (iop's account out of credits) nor its refusal of iop's credentials
+        (`POOL_FAULT_4XX`): those are the pool's
         fault, not the caller's (the run was tried on another provider first). A refusal is a 502,
         like a 5xx; the last provider tried too busy to take it (`BUSY`: its 429 or 503) is a 503
         that says when to try again, as the provider said it (or in 1 s). A failure that another try

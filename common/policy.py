@@ -67,7 +67,7 @@ class ProviderSnapshot:
     benched: bool = False
     #: when that bench ends (ms since the epoch), if the reader knows it
     bench_until_ms: int | None = None
-    #: the bench is a busy one: it answered a run 429 or 503 and asked to be left alone until then
+    #: the bench is a busy one: it answered a run 429, 503 or 402 and asked to be left alone until then
     #: (`keys.BUSY_FIELD`): busy is not down, so the model's runs wait for it (`all_refused`)
     busy: bool = False
     #: the node its heartbeat comes from when that is not the config's (it moved there in a config
@@ -171,7 +171,7 @@ def why_not(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> str:
     if not snap.has_model:
         return "missing the model"
     if snap.benched:
-        return "benched: it answered too busy (429 or 503)" if snap.busy else "benched"
+        return "benched: it answered too busy or out of quota (429, 503 or 402)" if snap.busy else "benched"
     if snap.drained:
         return "drained or cordoned"
     capacity = snap.effective_capacity

@@ -48,12 +48,15 @@ TERMINAL_EVENTS = frozenset({EventType.COMPLETED, EventType.FAILED})
 
 
 #: A provider's 4xx answers that are the pool's fault, not the caller's request's: its rate limit
-#: (429), its refusal of iop's own credentials (401, 403, 407: the provider's `api_key_env`), and a
-#: conflict with its own state (409: Lemonade that cannot load the model while every loaded one is
-#: pinned, or beside the one it has). The run goes to another provider; the caller gets a 502 (a 503
-#: for a 429: `BUSY`), not the provider's status. (So does a 404 that names the served model:
-#: `workers.adapters.failures.answered_error`.)
-POOL_FAULT_4XX = frozenset({401, 403, 407, 409, 429})
+#: (429), its account out of credits (402), its refusal of iop's own credentials (401, 403, 407: the
+#: provider's `api_key_env`), and a conflict with its own state (409: Lemonade that cannot load the
+#: model while every loaded one is pinned, or beside the one it has). The run goes to another provider;
+#: the caller gets a 502 (a 503 for a 429 or a 402: `BUSY`), not the provider's status. (So does a 404
+#: that names the served model: `workers.adapters.failures.answered_error`.)
+POOL_FAULT_4XX = frozenset({401, 402, 403, 407, 409, 429})
+#: A hosted API's account out of money (OpenRouter's "Insufficient credits", DeepSeek's "Insufficient
+#: Balance", Mistral's): iop's account, not the caller's
+PAYMENT_REQUIRED = 402
 #: That conflict: a state of the server's that lasts (until its operator unpins a model), so a run
 #: it refused so blames it for the model as a 5xx does (`workers.runner.suspect`).
 CONFLICT = 409
@@ -64,9 +67,11 @@ NOT_THERE = 404
 CREDENTIALS_REFUSED = frozenset({401, 403, 407})
 
 
-#: A provider's answers that say it is too busy now: its rate limit (429) and its overload (503).
-#: A run whose last attempt got one is a 503 with `Retry-After` (the provider's own, or 1 s).
-BUSY = frozenset({429, 503})
+#: A provider's answers that say it cannot take runs for a while: its rate limit (429), its overload
+#: (503), and its account out of credits (402: `PAYMENT_REQUIRED`). A run whose last attempt got one is
+#: a 503 with `Retry-After` (the provider's own, or 1 s; 60 for an account out of quota or credits,
+#: `workers.adapters.failures.out_of_quota`).
+BUSY = frozenset({PAYMENT_REQUIRED, 429, 503})
 #: The longest `Retry-After` passed on from a provider, in seconds (the official `openai` clients
 #: wait what it says up to 60 s; beyond, their own backoff).
 MAX_RETRY_AFTER_S = 60

@@ -157,7 +157,8 @@ def test_a_model_benched_because_its_provider_was_too_busy_says_so() -> None:
     until = str(NOW + 30_000)
     cat = build_catalog(config(), raw({"a": {**beat(), "bench:a-m1": until, "busy:a-m1": until}}))
     on_a = cat.models[0].providers[0]
-    assert (on_a.reason, on_a.detail) == ("benched", "it answered a run of 'a-m1' too busy (429 or 503); back in 30.0s")
+    assert (on_a.reason, on_a.detail) == (
+        "benched", "it answered a run of 'a-m1' too busy or out of quota (429, 503 or 402); back in 30.0s")
     blamed = build_catalog(config(), raw({"a": {**beat(), "bench:a-m1": str(NOW + 31_000), "busy:a-m1": until}}))
     assert (blamed.models[0].providers[0].detail or "").startswith("3 runs of 'a-m1' in a row failed there")
 

@@ -4,6 +4,9 @@ a real Redis (`tests/fakes/hosted_apis.py` says where each answer comes from):
 - a busy API's wait is honoured however it says it: Azure's `retry-after-ms`, Gemini's `retryDelay` in
   its error body (it sends no header); a caller of a model no other provider serves gets a 503 whose
   `Retry-After` says as much, and the model is benched there that long;
+- an account out of quota or credits (OpenAI's 429 `insufficient_quota`, DeepSeek's and OpenRouter's
+  402) is the pool's matter, not the caller's: another provider serves the run, and the API is left
+  alone for the model a minute (not asked again every second, which none of these clears);
 - Gemini's errors (a JSON array of one Google error) reach the caller as an OpenAI error object, and its
   model list (`models/<name>`) lists the names its runs take;
 - OpenRouter's keep-alive comments are no event, and its error chunk after output ends the stream with
@@ -121,6 +124,32 @@ async def test_a_busy_apis_wait_is_honoured_however_it_says_it(stack: Stack, gat
     assert json.loads(text)["error"]["code"] == "provider_error"
     assert headers["Retry-After"] == str(wait), (headers, text)
     assert bench_left_s(stack, provider, served) > wait - 3
+
+
+@pytest.mark.parametrize(("model", "provider", "served"), [
+    ("m-quota", "oa-quota", "gpt-quota"),  # (OpenAI's 429 insufficient_quota, no Retry-After)
+    ("m-ds-broke", "ds", "deepseek-broke"),  # (DeepSeek's 402 Insufficient Balance)
+    ("m-or-broke", "or", "openrouter/broke"),  # (OpenRouter's 402 Insufficient credits)
+])
+async def test_an_account_out_of_quota_is_left_alone_a_minute_and_is_not_the_callers_fault(
+        stack: Stack, apis: HostedApis, gateway: str, model: str, provider: str, served: str) -> None:
+    status, headers, text = await ask(gateway, model)
+    assert status == 503, text
+    error = json.loads(text)["error"]
+    assert error["code"] == "provider_error" and error["message"].startswith(f"provider {provider} answered"), error
+    assert headers["Retry-After"] == "60", (headers, text)
+    assert bench_left_s(stack, provider, served) > 50
+    # (benched past the run's queue timeout: the next caller is answered at once, the API not asked)
+    status, headers, text = await ask(gateway, model)
+    assert status == 503 and json.loads(text)["error"]["code"] == "no_available_provider", text
+    assert sum(n for (_, name), n in apis.calls.items() if name == served) == 1, apis.calls
+
+
+async def test_an_account_out_of_credits_leaves_the_run_to_another_provider(apis: HostedApis, gateway: str) -> None:
+    for _ in range(3):
+        status, _, text = await ask(gateway, "m-ds-pool")
+        assert status == 200 and "hello there" in text, text
+    assert apis.calls[("deepseek", "deepseek-broke@a")] == 1, apis.calls
 
 
 async def test_a_gemini_error_reaches_the_caller_as_an_error_object(gateway: str) -> None:

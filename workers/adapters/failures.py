@@ -26,7 +26,15 @@ from urllib.parse import quote, unquote, urlsplit
 import aiohttp
 
 from common.policy import Health
-from common.wire import BUSY, CREDENTIALS_REFUSED, MAX_RETRY_AFTER_S, NOT_THERE, ErrorCode, callers_fault
+from common.wire import (
+    BUSY,
+    CREDENTIALS_REFUSED,
+    MAX_RETRY_AFTER_S,
+    NOT_THERE,
+    PAYMENT_REQUIRED,
+    ErrorCode,
+    callers_fault,
+)
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
 from workers.adapters.sending import NotRead
 
@@ -366,6 +374,18 @@ def model_gone(status: int, message: str, detail: dict[str, Any] | None, served:
         (status == FORBIDDEN and (names(message, served) or (detail or {}).get("code") == "model_not_found"))
 
 
+#: OpenAI's 429 of an account out of quota (its billing), not of a rate: the error's `type` and `code`
+INSUFFICIENT_QUOTA = "insufficient_quota"
+
+
+def out_of_quota(status: int, detail: dict[str, Any] | None) -> bool:
+    """Whether an error says the provider's account is out of quota or credits, which no wait of a few
+    seconds clears (it takes someone's payment, or the end of a billing period): a 402 (OpenRouter's,
+    DeepSeek's, Mistral's), or OpenAI's 429 `insufficient_quota` (which carries no `Retry-After`)."""
+    return status == PAYMENT_REQUIRED or (
+        status == 429 and any((detail or {}).get(field) == INSUFFICIENT_QUOTA for field in ("code", "type")))
+
+
 def answered_error(provider_id: str, status: int, message: str, detail: dict[str, Any] | None,
                    served: str | None = None, headers: Mapping[str, str] | None = None) -> ProviderError:
     """A provider's error answer (4xx or 5xx) with its one-line `message`. The caller's fault
@@ -377,7 +397,8 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
     provider (a refusal of credentials is a strike: every run there would get it; a 429 shows it
     alive; a 5xx or a 404 shows nothing: its model list is probed again once nothing else shows
     it alive). A busy provider's (`BUSY`) wait, as its `headers` or its error say it (`asked_wait_s`),
-    is kept, in seconds."""
+    is kept, in seconds; one whose account is out of quota or credits (`out_of_quota`) and said none
+    is left alone `MAX_RETRY_AFTER_S`, not asked again every second."""
     if (status == NOT_THERE and detail is None) or model_gone(status, message, detail, served):
         return ProviderError(f"provider {provider_id} answered {status}: {message}", retry=Retry.ELSEWHERE,
                              strikes=None)
@@ -392,4 +413,12 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
             else " (it refused iop's credentials: check the provider's api_key_env)" if refused else "")
     return ProviderError(f"provider {provider_id} answered {status}: {message}{hint}", status=status,
                          retry=Retry.ELSEWHERE, strikes=1 if refused else 0 if status < 500 else None,
-                         retry_after_s=asked_wait_s(headers, detail) if status in BUSY else None)
+                         retry_after_s=_busy_for(status, headers, detail))
+
+
+def _busy_for(status: int, headers: Mapping[str, str] | None, detail: dict[str, Any] | None) -> int | None:
+    """The seconds a busy provider is left alone for (`answered_error`), or None (1 s, or not busy)."""
+    if status not in BUSY:
+        return None
+    wait = asked_wait_s(headers, detail)
+    return MAX_RETRY_AFTER_S if wait is None and out_of_quota(status, detail) else wait
