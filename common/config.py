@@ -152,6 +152,9 @@ class ProviderConfig(Strict):
                                    description="OpenAI family: the health endpoint on the provider's host")
     api_path: str | None = Field(None, pattern=API_PATH_PATTERN,
                                  description="OpenAI family: path of the API under base_url (default by type)")
+    models_listed: bool = Field(True, description="openai_api: false when its model list does not name every "
+                                                  "name it takes (Azure's deployments, OpenRouter's :nitro): the "
+                                                  "list is read for health only")
     command: list[Annotated[str, Field(min_length=1)]] | None = Field(
         None, min_length=1, description="cli: the argv to run (never through a shell)")
     lifecycle_capabilities: list[LifecycleFlag] | None = Field(None, description="overrides the type's flags")
@@ -658,6 +661,9 @@ def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
         if kind in ("cli", "ollama") and p.get(field) is not None:
             errors.append(f"{path}.{field}: not for type {kind}; only the OpenAI family's types "
                           f"({', '.join(t for t in PROVIDER_TYPES if t not in ('cli', 'ollama'))}) read it")
+    if kind in PROVIDER_TYPES and kind != "openai_api" and p.get("models_listed") is False:
+        errors.append(f"{path}.models_listed: only for type openai_api (a hosted API); a server of type {kind} "
+                      "lists every name it takes")
     for field in ("headers", "api_key_header"):
         if p.get(field) is not None and p.get("type") == "cli":
             errors.append(f"{path}.{field}: only for a provider served over HTTP, not type cli")

@@ -249,6 +249,8 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
     ("probe-path-of-an-ollama-provider",
      lambda data: data["nodes"][0]["providers"][0].update({"type": "ollama", "probe_path": "/health"}),
      [("nodes[0].providers[0].probe_path", "not for type ollama")]),
+    ("models-listed-of-a-vllm-provider", set_at("nodes", 0, "providers", 0, "models_listed", value=False),
+     [("nodes[0].providers[0].models_listed", "only for type openai_api (a hosted API)")]),
     ("base-url-missing-openai-api", set_at("nodes", 1, "providers", 1, "type", value="openai_api"),
      [("nodes[1].providers[1].base_url", "required for type openai_api"),
       ("nodes[1].providers[1].command", "only for type cli; type openai_api is served over HTTP")]),

@@ -7,6 +7,8 @@ a real Redis (`tests/fakes/hosted_apis.py` says where each answer comes from):
 - an account out of quota or credits (OpenAI's 429 `insufficient_quota`, DeepSeek's and OpenRouter's
   402) is the pool's matter, not the caller's: another provider serves the run, and the API is left
   alone for the model a minute (not asked again every second, which none of these clears);
+- an Azure deployment, named by its owner, and an OpenRouter routing variant (`:nitro`), which their
+  model lists leave out, are served where the config says the list is not all the API takes;
 - Gemini's errors (a JSON array of one Google error) reach the caller as an OpenAI error object, and its
   model list (`models/<name>`) lists the names its runs take;
 - OpenRouter's keep-alive comments are no event, and its error chunk after output ends the stream with
@@ -33,12 +35,17 @@ pytestmark = pytest.mark.e2e
 PROVIDERS: dict[str, tuple[str, list[str]]] = {
     "oa-quota": ("openai", ["gpt-quota"]),
     "b-ok": ("openai", ["gpt-4o-mini@b"]),
-    "az": ("azure", ["azure-throttled"]),
+    "az": ("azure", ["azure-throttled", "chat-prod@az"]),
     "gem": ("gemini", ["gemini-busy", "gemini-unknown-field", "gemini-2.0-flash"]),
     "ds": ("deepseek", ["deepseek-broke"]),
     "a-ds": ("deepseek", ["deepseek-broke@a"]),
     "or": ("openrouter", ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini"]),
+    # (`models_listed: false`: an Azure deployment named by its owner, an OpenRouter routing variant)
+    "az-dep": ("azure", ["chat-prod"]),
+    "or-var": ("openrouter", ["openai/gpt-4o-mini:nitro"]),
 }
+#: providers whose model list does not name every name they take
+UNLISTED = {"az-dep", "or-var"}
 #: model -> provider id -> served name
 MODELS: dict[str, dict[str, str]] = {
     "m-quota": {"oa-quota": "gpt-quota"},
@@ -51,11 +58,14 @@ MODELS: dict[str, dict[str, str]] = {
     "m-or-broke": {"or": "openrouter/broke"},
     "m-or-midstream": {"or": "openrouter/midstream"},
     "m-or": {"or": "openai/gpt-4o-mini"},
+    "m-az-deployment": {"az-dep": "chat-prod"},
+    "m-az-unlisted": {"az": "chat-prod@az"},
+    "m-or-nitro": {"or-var": "openai/gpt-4o-mini:nitro"},
 }
 #: what each service's model list names (Gemini's with its `models/` prefix)
 LISTED = {
     "openai": ["gpt-quota", "gpt-4o-mini@b"],
-    "azure": ["azure-throttled"],
+    "azure": ["azure-throttled", "gpt-4o-mini"],  # (models, not deployments)
     "gemini": ["models/gemini-busy", "models/gemini-unknown-field", "models/gemini-2.0-flash"],
     "deepseek": ["deepseek-broke", "deepseek-broke@a"],
     "openrouter": ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini"],
@@ -82,6 +92,8 @@ def gateway(stack: Stack, apis: HostedApis, monkeypatch: pytest.MonkeyPatch) -> 
             entry["api_path"] = API_PATHS[service]
         if service == "azure":
             entry["api_key_header"] = "api-key"
+        if pid in UNLISTED:
+            entry["models_listed"] = False
         providers.append(entry)
     stack.write_config({
         "models": [{"id": model, "providers": served} for model, served in MODELS.items()],
@@ -167,6 +179,18 @@ async def test_a_gemini_model_is_served_under_the_name_its_runs_take(gateway: st
     assert status == 200 and "hello there" in text, text
 
 
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_names_an_api_takes_but_does_not_list_are_served_where_the_config_says_so(gateway: str,
+                                                                                        stream: bool) -> None:
+    """Azure's model list names models, not deployments; OpenRouter's leaves out routing variants
+    (`:nitro`): with `models_listed: false` their served names are taken at the config's word."""
+    for model in ("m-az-deployment", "m-or-nitro"):
+        status, _, text = await ask(gateway, model, stream)
+        assert status == 200 and "hello there" in text, (model, text)
+    status, _, text = await ask(gateway, "m-az-unlisted")  # (without it, the list is read as all it takes)
+    assert status == 503 and "az: missing the model" in json.loads(text)["error"]["message"], text
 
 
 async def test_openrouters_comments_are_no_events_and_its_error_chunk_ends_the_stream_with_an_error(

@@ -810,7 +810,9 @@ class OpenAICompatAdapter:
     async def _probe(self) -> ProbeResult:
         """Its health endpoint, if it has one, then its model list. A model list of OpenAI's shape,
         or a bare array of model objects (Together AI's); one page of a longer list (`has_more`) is
-        not all it serves: as a list it cannot give (None), so no served name is missing from it. A
+        not all it serves: as a list it cannot give (None), so no served name is missing from it, and so
+        is the list of an API whose config says it does not list every name it takes (`models_listed:
+        false`: Azure's lists models, not deployments; OpenRouter's leaves out `:nitro`). A
         hosted API (`openai_api`) whose `probe_path` (set in the config) answered 200 and that has no
         model list (404, 405, 501) lists none: one without `GET /models` could never be used. A hosted
         API's `models/<name>` (Gemini's) lists `<name>` too, the name its runs take."""
@@ -840,7 +842,7 @@ class OpenAICompatAdapter:
         listed = data.get("data") if isinstance(data, dict) else data
         if not isinstance(listed, list):
             return ProbeResult(Health.UNKNOWN, f"GET {models_path} answered 200 but not with a model list")
-        if isinstance(data, dict) and data.get("has_more") is True:
+        if (isinstance(data, dict) and data.get("has_more") is True) or not self.provider.models_listed:
             return ProbeResult(Health.AVAILABLE, "", None, strikes=0)
         cards = [m for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
         if self.provider.type == "llamacpp":
