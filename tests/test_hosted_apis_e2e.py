@@ -9,6 +9,8 @@ a real Redis (`tests/fakes/hosted_apis.py` says where each answer comes from):
   alone for the model a minute (not asked again every second, which none of these clears);
 - an Azure deployment, named by its owner, and an OpenRouter routing variant (`:nitro`), which their
   model lists leave out, are served where the config says the list is not all the API takes;
+- a limit named `max_completion_tokens` (the official clients' name) reaches Mistral, which refuses the
+  name with a 422, as `max_tokens`;
 - Gemini's errors (a JSON array of one Google error) reach the caller as an OpenAI error object, and its
   model list (`models/<name>`) lists the names its runs take;
 - OpenRouter's keep-alive comments are no event, and its error chunk after output ends the stream with
@@ -43,6 +45,7 @@ PROVIDERS: dict[str, tuple[str, list[str]]] = {
     # (`models_listed: false`: an Azure deployment named by its owner, an OpenRouter routing variant)
     "az-dep": ("azure", ["chat-prod"]),
     "or-var": ("openrouter", ["openai/gpt-4o-mini:nitro"]),
+    "mis": ("mistral", ["mistral-small-latest"]),
 }
 #: providers whose model list does not name every name they take
 UNLISTED = {"az-dep", "or-var"}
@@ -61,6 +64,7 @@ MODELS: dict[str, dict[str, str]] = {
     "m-az-deployment": {"az-dep": "chat-prod"},
     "m-az-unlisted": {"az": "chat-prod@az"},
     "m-or-nitro": {"or-var": "openai/gpt-4o-mini:nitro"},
+    "m-mistral": {"mis": "mistral-small-latest"},
 }
 #: what each service's model list names (Gemini's with its `models/` prefix)
 LISTED = {
@@ -69,6 +73,7 @@ LISTED = {
     "gemini": ["models/gemini-busy", "models/gemini-unknown-field", "models/gemini-2.0-flash"],
     "deepseek": ["deepseek-broke", "deepseek-broke@a"],
     "openrouter": ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini"],
+    "mistral": ["mistral-small-latest"],
 }
 #: where each service's API is below its base_url, when not the type's `/v1`
 API_PATHS = {"azure": "/openai/v1", "gemini": "/v1beta/openai"}
@@ -191,6 +196,25 @@ async def test_names_an_api_takes_but_does_not_list_are_served_where_the_config_
         assert status == 200 and "hello there" in text, (model, text)
     status, _, text = await ask(gateway, "m-az-unlisted")  # (without it, the list is read as all it takes)
     assert status == 503 and "az: missing the model" in json.loads(text)["error"]["message"], text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_limit_named_as_the_official_clients_name_it_reaches_mistral_as_max_tokens(
+        apis: HostedApis, gateway: str, stream: bool) -> None:
+    """Mistral refuses `max_completion_tokens` (and the `stream_options` iop adds to a stream) with a
+    422: the limit goes again as `max_tokens`, at once, and as `max_tokens` from then on."""
+    body = {"model": "m-mistral", "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+            "max_completion_tokens": 5}
+    sent = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):
+            async with session.post(gateway + "/v1/chat/completions", json=body) as resp:
+                text = await resp.text()
+                assert resp.status == 200 and "hello there" in text, text
+            answered = apis.bodies[-1]
+            assert answered["max_tokens"] == 5 and not {"max_completion_tokens", "stream_options"} & set(answered)
+            sent.append(len(apis.bodies))
+    assert sent[1] == sent[0] + 1, apis.bodies  # (the second run: asked once, as Mistral takes it)
 
 
 async def test_openrouters_comments_are_no_events_and_its_error_chunk_ends_the_stream_with_an_error(

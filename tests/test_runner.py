@@ -33,8 +33,8 @@ from workers import metrics as worker_metrics
 from workers import runner as runner_module
 from workers.adapters.base import DOWN, LastRead, ProbeResult, ProviderError, Retry, not_taken
 from workers.adapters.cli import CliAdapter
-from workers.adapters.openai_compat import completion_tokens_named
-from workers.runner import LeaseLost, Runner
+from workers.adapters.openai_compat import completion_tokens_named, max_tokens_only
+from workers.runner import LeaseLost, Runner, refuses_max_completion_tokens
 
 if TYPE_CHECKING:
     from workers.arq_worker import WakeWorker
@@ -986,6 +986,37 @@ def test_max_tokens_as_max_completion_tokens(body: dict[str, Any], named: dict[s
     original = {"model": "m", **body}
     assert completion_tokens_named(original) == {"model": "m", **named}
     assert original == {"model": "m", **body}  # (the run's own body is not changed)
+
+
+@pytest.mark.parametrize(("body", "named"), [
+    ({"max_completion_tokens": 3}, {"max_tokens": 3}),
+    ({"max_completion_tokens": 3, "max_tokens": 5}, {"max_tokens": 3}),  # (it wins, as vLLM reads them)
+    ({"max_completion_tokens": None, "max_tokens": 5}, {"max_tokens": 5}),
+    ({"max_completion_tokens": None}, {}),
+    ({"max_tokens": 4}, {"max_tokens": 4}),
+    ({}, {})])
+def test_max_completion_tokens_as_max_tokens_alone(body: dict[str, Any], named: dict[str, Any]) -> None:
+    original = {"model": "m", **body}
+    assert max_tokens_only(original) == {"model": "m", **named}
+    assert original == {"model": "m", **body}  # (the run's own body is not changed)
+
+
+#: Mistral's 422 for the official clients' name of the limit (editor-code-assistant/eca#231), as iop reads it
+MISTRAL_422 = ('{"detail": [{"type": "extra_forbidden", "loc": ["body", "max_completion_tokens"], '
+               '"msg": "Extra inputs are not permitted", "input": 32000}]}')
+
+
+@pytest.mark.parametrize(("status", "message", "param", "refused"), [
+    (422, MISTRAL_422, None, True),
+    (400, "Unrecognized request argument supplied: max_completion_tokens", None, True),
+    (400, "max_completion_tokens is too large: 100000. This model supports at most 16384", "max_completion_tokens",
+     False),  # (the caller's value: its answer, not asked again under the other name)
+    (500, MISTRAL_422, None, False)])
+def test_a_refusal_of_the_name_max_completion_tokens(status: int, message: str, param: str | None,
+                                                      refused: bool) -> None:
+    exc = ProviderError(f"provider a answered {status}: {message}", status=status,
+                        detail={"message": message, "param": param}, retry=Retry.NO, strikes=0)
+    assert refuses_max_completion_tokens(exc) is refused
 
 
 class WrongUsage(Scripted):

@@ -42,7 +42,7 @@ from common.snapshots import read_snapshots
 from common.wire import BUSY, CONFLICT, ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
 from workers import metrics
 from workers.adapters.base import Adapter, LastRead, ProviderError, Retry
-from workers.adapters.openai_compat import completion_tokens_named
+from workers.adapters.openai_compat import completion_tokens_named, max_tokens_only
 from workers.stream_pump import Pump, close_reads, shows_output
 
 log = logging.getLogger("iop.worker")
@@ -207,10 +207,17 @@ def _noop(provider_id: str) -> None:
     return None
 
 
-#: How a server says it does not know a request's `stream_options` (Azure OpenAI before
-#: 2024-06: "Unrecognized request argument supplied: stream_options"; pydantic's "Extra inputs").
-_REFUSED_FIELD = re.compile(r"(unrecognized|unknown|unexpected|extra|not permitted|not allowed|unsupported)"
-                            r"[^.]{0,60}\bstream_options\b", re.IGNORECASE)
+def _refused(field: str) -> re.Pattern[str]:
+    """How a server says it does not know a request's `field` (Azure OpenAI before 2024-06:
+    "Unrecognized request argument supplied: stream_options"; pydantic's, as Mistral answers:
+    `"type": "extra_forbidden", "loc": ["body", "max_completion_tokens"]`, "Extra inputs are not
+    permitted")."""
+    return re.compile(r"(unrecognized|unknown|unexpected|extra|not permitted|not allowed|unsupported)"
+                      rf"[^.]{{0,60}}\b{field}\b", re.IGNORECASE)
+
+
+_REFUSED_STREAM_OPTIONS = _refused("stream_options")
+_REFUSED_MAX_COMPLETION_TOKENS = _refused("max_completion_tokens")
 
 
 def refuses_stream_options(exc: ProviderError) -> bool:
@@ -218,7 +225,16 @@ def refuses_stream_options(exc: ProviderError) -> bool:
     `param` is it, or whose message says it does not know it. (A caller may put that text in an
     error too: the fallback is kept for the provider only once a request without them succeeded.)"""
     param = exc.detail.get("param") if exc.detail else None
-    return exc.status in (400, 422) and (param == "stream_options" or bool(_REFUSED_FIELD.search(exc.message)))
+    return exc.status in (400, 422) and (param == "stream_options"
+                                         or bool(_REFUSED_STREAM_OPTIONS.search(exc.message)))
+
+
+def refuses_max_completion_tokens(exc: ProviderError) -> bool:
+    """The provider refused the request's `max_completion_tokens` as a field it does not know (Mistral:
+    a 422 `extra_forbidden`, the older name `max_tokens` being the one it takes): a 400 or 422 whose
+    message says so. (Not one that only names it as its `param`: a value too large is the caller's, and
+    a reasoning model of OpenAI's refuses the other name.)"""
+    return exc.status in (400, 422) and bool(_REFUSED_MAX_COMPLETION_TOKENS.search(exc.message))
 
 
 #: How OpenAI's reasoning models refuse `max_tokens` ("Unsupported parameter: 'max_tokens' is not
@@ -257,6 +273,9 @@ class Runner:
         #: (provider, served model) that refused `max_tokens`: their chat requests name the limit
         #: `max_completion_tokens` (`completion_tokens_named`)
         self.completion_tokens_only: set[tuple[str, str]] = set()
+        #: (provider, served model) that refused `max_completion_tokens`: their chat requests name the
+        #: limit `max_tokens` (`max_tokens_only`)
+        self.max_tokens_only: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------ entry
     def start_args(self) -> list[Any]:
@@ -413,20 +432,31 @@ class Runner:
         """Ask the provider and record its answer. A chat request whose `max_tokens` (the caller's, a
         Response's `max_output_tokens`, or the model's cap) the provider refuses for the served model
         (OpenAI's reasoning models take only `max_completion_tokens`) is asked again with the limit
-        under that name at once, and so from then on for that model (`refuses_max_tokens`)."""
+        under that name at once, and so from then on for that model (`refuses_max_tokens`); and one
+        whose `max_completion_tokens` (the official clients' name) it does not know (Mistral's 422) with
+        the limit as `max_tokens` (`refuses_max_completion_tokens`)."""
         served = (att.provider_id, str(body.get("model")))
         if kind is RunKind.CHAT and served in self.completion_tokens_only:
             body = completion_tokens_named(body)
+        elif kind is RunKind.CHAT and served in self.max_tokens_only:
+            body = max_tokens_only(body)
         try:
             return await self._answer_once(att, adapter, kind, dict(body), stream)
         except ProviderError as exc:
-            if kind is not RunKind.CHAT or "max_tokens" not in body or att.output or not refuses_max_tokens(exc):
+            if kind is not RunKind.CHAT or att.output:
                 raise
-        if served not in self.completion_tokens_only:
-            log.warning("provider %s refused max_tokens for %s; its chat requests for that model name the limit "
-                        "max_completion_tokens", att.provider_id, served[1], extra=att.log())
-            self.completion_tokens_only.add(served)
-        return await self._answer_once(att, adapter, kind, completion_tokens_named(body), stream)
+            if "max_tokens" in body and refuses_max_tokens(exc):
+                renamed, seen, name = completion_tokens_named(body), self.completion_tokens_only, \
+                    "max_completion_tokens"
+            elif "max_completion_tokens" in body and refuses_max_completion_tokens(exc):
+                renamed, seen, name = max_tokens_only(body), self.max_tokens_only, "max_tokens"
+            else:
+                raise
+        if served not in seen:
+            log.warning("provider %s refused the limit's name for %s; its chat requests for that model name the "
+                        "limit %s", att.provider_id, served[1], name, extra=att.log())
+            seen.add(served)
+        return await self._answer_once(att, adapter, kind, renamed, stream)
 
     async def _answer_once(self, att: Attempt, adapter: Adapter, kind: RunKind, body: dict[str, Any],
                            stream: bool) -> str:

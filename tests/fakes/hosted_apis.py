@@ -1,6 +1,7 @@
 """Answers of hosted OpenAI-compatible APIs, byte for byte where it matters, each service under a
 path of its own on one port (a provider's `base_url` names it: `…/openai/v1`, `…/gemini` with
-`api_path: /v1beta/openai`, `…/azure` with `api_path: /openai/v1`, `…/deepseek`, `…/openrouter/api/v1`),
+`api_path: /v1beta/openai`, `…/azure` with `api_path: /openai/v1`, `…/deepseek`, `…/openrouter/api/v1`,
+`…/mistral`),
 and each behaviour chosen by the served name a run asks for (its part before the first `@`, so that
 two providers of one model can ask for the same behaviour under names of their own).
 
@@ -36,6 +37,12 @@ and from what their users posted (the sources are named at each answer):
   SSE comments (`: OPENROUTER PROCESSING`, openrouter.ai/docs streaming) and fails after some output
   with a chunk that carries `error` and a choice whose `finish_reason` is `"error"` (the same page,
   "Handling Errors During Streaming").
+- Mistral, `mistral-small-latest`: its API refuses a field it does not know with pydantic's 422,
+  every such field an `extra_forbidden` entry of one error (`"object": "error"`, the detail under
+  `message`): `stream_options` (avante-corp/avante.nvim#2347, dnakov/anon-kode#53: its streams carry
+  their usage without being asked) and `max_completion_tokens` (editor-code-assistant/eca#231; it
+  takes `max_tokens`, which LiteLLM's Mistral config maps `max_completion_tokens` to). Its last chunk
+  carries `usage`. The bodies it was sent are kept (`bodies`).
 - anything else: a plain answer, whole or streamed.
 
 Calls are counted per (service, served name) (`calls`). It runs on its own event loop in a thread."""
@@ -94,6 +101,9 @@ OPENROUTER_BROKE = {"error": {"message": "Insufficient credits. This account nev
                                          "key is on the correct account or org, and if so, purchase more at "
                                          "https://openrouter.ai/settings/credits", "code": 402}}
 OPENROUTER_MIDSTREAM = {"code": "server_error", "message": "Provider disconnected unexpectedly"}
+#: what Mistral's chat API refuses of what OpenAI's takes (`mistral-small-latest`)
+MISTRAL_UNKNOWN = ("stream_options", "max_completion_tokens")
+BODIES = web.AppKey("bodies", list)
 
 #: service -> (where its API is under the fake, what it lists)
 SERVICES = {
@@ -102,6 +112,7 @@ SERVICES = {
     "gemini": "/gemini/v1beta/openai",
     "deepseek": "/deepseek/v1",
     "openrouter": "/openrouter/api/v1",
+    "mistral": "/mistral/v1",
 }
 
 
@@ -143,7 +154,8 @@ def _error(status: int, body: bytes, headers: dict[str, str] | None = None) -> w
 async def _models(request: web.Request) -> web.Response:
     service = request.match_info["service"]
     ids = request.app[LISTED][service]
-    owner = {"openai": "system", "gemini": "google", "deepseek": "deepseek"}.get(service, service)
+    owner = {"openai": "system", "gemini": "google", "deepseek": "deepseek", "mistral": "mistralai"}.get(service,
+                                                                                                     service)
     cards = [{"id": name, "object": "model", "created": 1, "owned_by": owner} for name in ids]
     return web.Response(body=_compact({"object": "list", "data": cards}), content_type="application/json")
 
@@ -167,6 +179,8 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         return _error(402, _compact(DEEPSEEK_BROKE))
     if kind == "openrouter/broke":
         return _error(402, _compact(OPENROUTER_BROKE))
+    if kind == "mistral-small-latest":
+        return await _mistral(request, body, served, stream)
     if kind == "openrouter/midstream" and stream:
         return await _events(
             request, b": OPENROUTER PROCESSING\n\n",
@@ -184,17 +198,44 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     return _whole(served, "hello there")
 
 
+async def _mistral(request: web.Request, body: dict[str, Any], served: str, stream: bool) -> web.StreamResponse:
+    request.app[BODIES].append(body)
+    extra = []
+    for field in MISTRAL_UNKNOWN:
+        if field in body:  # (pydantic names the innermost field it refuses: an object's unknown keys)
+            value = body[field]
+            inner = [(["body", field, key], item) for key, item in value.items()] if isinstance(value, dict) \
+                else [(["body", field], value)]
+            extra += [{"type": "extra_forbidden", "loc": loc, "msg": "Extra inputs are not permitted", "input": item}
+                      for loc, item in inner]
+    if extra:
+        return _error(422, _compact({"object": "error", "message": {"detail": extra}, "type": "invalid_request_error",
+                                     "param": None, "code": None}))
+    if stream:
+        usage = {"prompt_tokens": 5, "total_tokens": 7, "completion_tokens": 2}
+        return await _events(
+            request,
+            _chunk(served, {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}),
+            _chunk(served, {"index": 0, "delta": {"content": "hello there"}, "finish_reason": None}),
+            _chunk(served, {"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}, usage=usage),
+            b"data: [DONE]\n\n")
+    return _whole(served, "hello there")
+
+
 class HostedApis(ThreadedServer):
     def __init__(self, listed: dict[str, list[str]]) -> None:
         """`listed`: service -> the model ids its model list names (as the service names them)."""
         super().__init__()
         self.listed = listed
         self.calls: Counter[tuple[str, str]] = Counter()
+        #: the bodies Mistral's `mistral-small-latest` was sent, refused or not
+        self.bodies: list[dict[str, Any]] = []
 
     def app(self) -> web.Application:
         app = web.Application()
         app[CALLS] = self.calls
         app[LISTED] = self.listed
+        app[BODIES] = self.bodies
         for service, path in SERVICES.items():
             app.router.add_get(f"/{{service:{service}}}{path.removeprefix('/' + service)}/models", _models)
             app.router.add_post(f"/{{service:{service}}}{path.removeprefix('/' + service)}/chat/completions", _chat)

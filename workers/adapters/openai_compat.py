@@ -169,6 +169,19 @@ def completion_tokens_named(body: dict[str, Any]) -> dict[str, Any]:
     return renamed
 
 
+def max_tokens_only(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat request's `max_completion_tokens` as `max_tokens` alone, for a server that does not know
+    the newer name: Mistral answers it with a 422 (pydantic's `extra_forbidden`, "Extra inputs are not
+    permitted"). It wins over a `max_tokens` sent too, as vLLM reads the two; a `max_completion_tokens`
+    of `null` goes, and leaves `max_tokens` as it was. The run's own body is not changed."""
+    if "max_completion_tokens" not in body:
+        return body
+    renamed = {k: v for k, v in body.items() if k != "max_completion_tokens"}
+    if body["max_completion_tokens"] is not None:
+        renamed["max_tokens"] = body["max_completion_tokens"]
+    return renamed
+
+
 def schema_as_json_object(body: dict[str, Any]) -> dict[str, Any]:
     """A `response_format` of type `json_schema` as llama.cpp's servers all take it: `json_object`
     with the `schema` (llama-cpp-python knows only `text` and `json_object`, and answered a
