@@ -102,9 +102,9 @@ class ApiError(Exception):
     def from_info(cls, info: ErrorInfo) -> ApiError:
         """A run's failure; a provider's 4xx is passed through with its own status and body, but
         not its 429, its 402 (iop's account out of credits) nor its refusal of iop's credentials
-        (`POOL_FAULT_4XX`): those are the pool's
-        fault, not the caller's (the run was tried on another provider first). A refusal is a 502,
-        like a 5xx; the last provider tried too busy to take it (`BUSY`: its 429 or 503) is a 503
+        (`POOL_FAULT_4XX`): those are the pool's fault, not the caller's (the run was tried on another
+        provider first). A refusal is a 502, like a 5xx; the last provider tried too busy to take it
+        (`BUSY`: its 429 or 503, or its account out of credits, 402) is a 503
         that says when to try again, as the provider said it (or in 1 s). A failure that another try
         would only repeat says so (`NOT_WORTH_RETRYING`); one worth trying again soon says when
         (`RETRY_SOON`: in 1 s, or when the scheduler said, as when the first bench ends), as does
