@@ -189,12 +189,21 @@ async def test_a_model_cap_does_not_make_sglang_refuse_a_request_that_asked_no_l
 
 
 async def test_lemonade_with_every_slot_pinned_is_benched_for_the_model_not_asked_first_by_every_run(
-        servers: RealServers, gateway: str) -> None:
+        stack: Stack, servers: RealServers, gateway: str) -> None:
     """Its 409 (every loaded model pinned) is the pool's, not the request's: the state of that server,
     which lasts until its operator unpins a model. Were it not blamed as a 5xx is, it kept every
     slot free (it answers at once), so every run of the model went there first and back to the end of
     its queue (an attempt spent, each time)."""
-    for _ in range(6):
-        status, text = await ask(gateway, "m-pinned", False)
-        assert status == 200 and "hello there" in text, text
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    blamed = "blame:lemonade-pinned@a"
+    try:
+        for i in range(6):
+            status, text = await ask(gateway, "m-pinned", False)
+            assert status == 200 and "hello there" in text, text
+            if i < 3:  # (the worker blames it just after the answer went out: the next run waits for that)
+                wait_until(lambda n=i + 1: int(r.hget("iop:provider:a-pinned", blamed) or 0) >= n  # type: ignore[misc]
+                           or r.hexists("iop:provider:a-pinned", "bench:lemonade-pinned@a"),
+                           what=f"blame {i + 1} recorded")
+    finally:
+        r.close()
     assert servers.calls["lemonade-pinned@a"] == 3, servers.calls  # (3 blames in a row: benched for the model)
