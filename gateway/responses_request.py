@@ -381,7 +381,7 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
         if function["name"] not in held:
             raise invalid(f"'tool_choice' names the function {quoted(function['name'])}, which 'tools' does not "
                           "hold", path)
-    if body.get("tool_choice") is not None:
+    if body.get("tool_choice") is not None and tools:
         chat["tool_choice"] = _chat_tool_choice(tool_choice)
     limit = body.get("max_output_tokens")
     if limit is not None:
@@ -391,6 +391,8 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise invalid("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    if not tools:  # (a Response takes it and `tool_choice` without tools, a chat completion neither: OpenAI's
+        chat.pop("parallel_tool_calls", None)  # "only allowed when 'tools' are specified"; without, they mean nothing)
     truncation = "disabled" if body.get("truncation") is None else body["truncation"]
     _one_of(truncation, ("auto", "disabled"), "truncation")
     if stream:

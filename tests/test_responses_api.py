@@ -162,6 +162,24 @@ def test_tools_formats_and_fields_are_translated_and_the_rest_passed_through() -
     assert "response_format" not in chat_of({"input": "x", "text": {"format": {"type": "text"}}})
 
 
+def test_without_tools_no_tool_choice_nor_parallel_tool_calls_goes_to_the_provider() -> None:
+    """A Response takes `tool_choice` and `parallel_tool_calls` without tools (the Agents SDK sends
+    `parallel_tool_calls: false` to an agent that has none); a chat completion does not: OpenAI's
+    answers "'parallel_tool_calls' is only allowed when 'tools' are specified" (and the same of
+    `tool_choice`), a 400 the caller of an `openai_api` provider got. Without tools they mean
+    nothing, so neither is sent; the Response still repeats them."""
+    for body in ({"parallel_tool_calls": False, "tool_choice": "auto"}, {"parallel_tool_calls": True, "tools": [],
+                                                                        "tool_choice": "none"}):
+        translated = to_chat({"model": "m", "input": "x", **body}, False)
+        assert not {"tools", "tool_choice", "parallel_tool_calls"} & translated.chat.keys(), translated.chat
+        assert translated.echo["parallel_tool_calls"] is body["parallel_tool_calls"]
+        assert translated.echo["tool_choice"] == body["tool_choice"]
+        validate("Response", ResponseShape(RUN, "m", translated.echo).whole(completion({"content": "hi"})))
+    with_tools = chat_of({"input": "x", "parallel_tool_calls": False, "tool_choice": "none",
+                          "tools": [{"type": "function", "name": "f"}]})
+    assert with_tools["parallel_tool_calls"] is False and with_tools["tool_choice"] == "none"
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "send the whole conversation"),
     ({"input": "x", "conversation": "conv_1"}, "conversation", "iop keeps no conversations"),
