@@ -29,6 +29,7 @@ from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import RESPONSES_PATH, RUN_ROUTES, ParsedRequest, parse_request, parse_responses
 from gateway.responses import END_WITHIN_S, SSEStream, run_headers, stream_response, whole_response
 from gateway.responses_output import ResponseShape
+from gateway.responses_places import caller_param
 from gateway.runs import LEFT, RunClient, new_run_id
 from gateway.stopping import Stopping
 
@@ -39,10 +40,6 @@ RUNS = web.AppKey("runs", RunClient)
 REDIS_URL = web.AppKey("redis_url", str)
 STARTED = web.AppKey("started", float)
 STOPPING = web.AppKey("stopping", Stopping)
-
-
-#: a chat completion's field as a Responses API request names it (its runs are chat completions)
-_RESPONSES_FIELD = {"response_format": "text.format"}
 
 
 def _refusing(req: ParsedRequest, model: ModelConfig, cfg: Config) -> tuple[str, ...]:
@@ -59,7 +56,7 @@ def _refusing(req: ParsedRequest, model: ModelConfig, cfg: Config) -> tuple[str,
 
 def _field(req: ParsedRequest, field: str | None) -> str | None:
     """A field of the request as its caller wrote it (a Responses request's own name for it)."""
-    return _RESPONSES_FIELD.get(field, field) if req.echo is not None and field is not None else field
+    return caller_param(field, req.origins) if req.echo is not None and field is not None else field
 
 
 def _timed_out(run_id: str) -> ApiError:

@@ -21,6 +21,7 @@ from common.config import RuntimeConfig
 from common.wire import RunKind
 from gateway.body_limits import depth_problem, too_many_containers, wire_problem
 from gateway.errors import ApiError, invalid
+from gateway.responses_places import Origin
 from gateway.responses_request import to_chat
 
 #: The run routes (POST) and the kind of run each asks for.
@@ -48,6 +49,8 @@ class ParsedRequest:
     packed: bytes | None = None
     #: a Responses API request's fields that its answer repeats (None: not such a request)
     echo: dict[str, Any] | None = None
+    #: where each message of a Responses API request's chat completion came from
+    origins: tuple[Origin, ...] = ()
 
 
 def _is_token_list(value: Any) -> bool:
@@ -224,4 +227,4 @@ def parse_responses(raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH,
         exc.model = model
         raise
     return ParsedRequest(kind=RunKind.CHAT, model=model, stream=stream, body=translated.chat, packed=packed,
-                         echo=translated.echo)
+                         echo=translated.echo, origins=translated.origins)

@@ -18,6 +18,7 @@ from typing import Any
 from common.choices import whole_within
 from common.shown import quoted
 from gateway.errors import invalid
+from gateway.responses_places import Origin
 
 #: Fields of a Responses request turned into chat completion fields (or refused, or only repeated
 #: in the answer); every other field goes to the provider as it came.
@@ -54,6 +55,8 @@ class ResponsesRequest:
     chat: dict[str, Any]
     #: the request's fields that the Response repeats (`instructions`, `tools`, `metadata`…)
     echo: dict[str, Any]
+    #: where each of the chat's messages came from (an error about one names the caller's field)
+    origins: tuple[Origin, ...] = ()
 
 
 def _text(value: Any, path: str) -> str:
@@ -142,20 +145,22 @@ def _joined(before: str, after: str, between: str = "\n\n") -> str:
     return before + after
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+def _messages(value: Any) -> tuple[list[dict[str, Any]], list[Origin]]:
     """`input` as chat messages: a string is one user message; items become messages, a function
     call joins the assistant message before it (or starts one), its output a tool message. An
     assistant's text after its function calls joins their message (a Response's output may hold a
     call before the text of the same answer: sent back, a message then stood between the calls
-    and their results, a conversation that chat servers refuse), as `_joined` joins them."""
+    and their results, a conversation that chat servers refuse), as `_joined` joins them. With
+    the messages, where each came from."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return [{"role": "user", "content": value}], [Origin("input")]
     if value is None:  # (OpenAI's may come from a stored prompt or conversation; iop keeps none)
         raise invalid("'input' is required: iop keeps no prompts, conversations or responses, so the request "
                       "carries what the model answers", "input")
     if not isinstance(value, list) or not value:
         raise invalid("'input' must be a string or a non-empty array of items", "input")
     messages: list[dict[str, Any]] = []
+    origins: list[Origin] = []
     calls: set[str] = set()  # (the call ids of the function calls so far)
     for i, raw in enumerate(value):
         path = f"input[{i}]"
@@ -173,11 +178,14 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                 last["content"] = _joined(last["content"], message["content"])
             else:
                 messages.append(message)
+                origins.append(Origin(path))
         elif kind == "function_call":
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": ""}  # (text: llama-cpp-python refuses a null)
                 messages.append(last)
+                origins.append(Origin(path))
+            origins[-1].calls.append(path)
             call = _tool_call(item, path)
             calls.add(call["id"])
             last.setdefault("tool_calls", []).append(call)
@@ -188,6 +196,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                               "function_call item with its output", f"{path}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _output_text(item.get("output"), f"{path}.output")})
+            origins.append(Origin(path, output=True))
         elif kind == "reasoning":
             continue  # (a chat completion has no place for it; the model reasons anew)
         elif kind == "item_reference":
@@ -198,7 +207,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                           "function_call_output and reasoning items", f"{path}.type")
     if not any(m["role"] != "system" for m in messages):
         raise invalid("'input' holds no message for the model to answer", "input")
-    return messages
+    return messages, origins
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:
@@ -361,10 +370,11 @@ def _refuse_unservable(body: dict[str, Any]) -> None:
 def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
     """The chat completion run of a Responses request (its `model` already checked, `stream` read)."""
     _refuse_unservable(body)
-    messages = _messages(body.get("input"))
+    messages, origins = _messages(body.get("input"))
     instructions = body.get("instructions")
     if instructions is not None:
         messages.insert(0, {"role": "system", "content": _text(instructions, "instructions")})
+        origins.insert(0, Origin("instructions"))
     chat = {k: v for k, v in body.items() if k not in _TRANSLATED}
     chat["messages"] = messages
     tools = [] if body.get("tools") is None else _tools(body["tools"])
@@ -412,5 +422,6 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
         "truncation": truncation,
         **{name: body[name] for name in _REPEATED_TEXT if isinstance(body.get(name), str)},
     }
-    return ResponsesRequest(chat=chat, echo={k: v for k, v in echo.items() if v is not None or k in _ALWAYS_SAID})
+    return ResponsesRequest(chat=chat, echo={k: v for k, v in echo.items() if v is not None or k in _ALWAYS_SAID},
+                            origins=tuple(origins))
 

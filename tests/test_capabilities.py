@@ -71,7 +71,8 @@ def config() -> Config:
     return parse_config({
         "models": [{"id": "one-choice", "providers": {"o": "s", "c": "s"}},
                    {"id": "mixed", "providers": {"o": "s", "v": "s"}},
-                   {"id": "cli-only", "providers": {"c": "s"}}],
+                   {"id": "cli-only", "providers": {"c": "s"}},
+                   {"id": "ollama-only", "providers": {"o": "s"}}],
         "nodes": [{"id": "n1", "providers": [provider("o", "ollama"), provider("c", "cli"), provider("v", "vllm")]}],
     })
 
@@ -172,6 +173,31 @@ async def test_a_run_every_provider_of_its_model_would_refuse_is_a_400_at_once(g
         validate("ErrorResponse", body)
         assert body["error"]["param"] == "messages[0].content[1]"  # (c's, the first provider by id: a CLI tool's)
         assert await redis.xlen("iop:runs:one-choice") == 0
+
+
+async def test_a_responses_request_every_provider_would_refuse_names_the_field_as_the_caller_wrote_it(
+        gateway: str, redis: Redis) -> None:
+    """A Responses request runs as a chat completion, whose `messages` its caller never wrote: the
+    400 of a run every provider would refuse named `messages[1].content[1].image_url` where the
+    caller had sent `input[0].content[1]` (after its `instructions`, the chat's first message)."""
+    look = {"role": "user", "content": [{"type": "input_text", "text": "what is it"},
+                                        {"type": "input_image", "image_url": "https://example.com/a.png"}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    calls: list[tuple[str, dict[str, Any], str]] = [
+        ("ollama-only", {"instructions": "be brief", "input": [look]}, "input[0].content[1].image_url"),
+        ("cli-only", {"input": [{"role": "user", "content": "q"}, {"role": "user", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]}, "input[1].content[0]"),
+        ("cli-only", {"instructions": "x", "input": [{"role": "user", "content": "q"}, call, {
+            "type": "function_call_output", "call_id": "c1", "output": "r"}]}, "input[1]"),
+    ]
+    async with aiohttp.ClientSession() as http:
+        for model, request, field in calls:
+            async with http.post(f"{gateway}/v1/responses", json={"model": model, **request}) as resp:
+                body = await resp.json()
+            assert resp.status == 400, body
+            validate("ErrorResponse", body)
+            assert body["error"]["param"] == field, body
+    assert await redis.keys("iop:run:*") == []  # nothing queued
 
 
 def test_the_gateway_does_not_parse_the_arguments_of_earlier_tool_calls(monkeypatch: pytest.MonkeyPatch) -> None:
