@@ -1574,3 +1574,32 @@ async def test_only_a_failure_that_would_repeat_tells_the_caller_not_to_retry(
     assert failed.get("repeats", False) is repeats
     told = ApiError.from_info(ErrorInfo.from_wire(failed)).headers.get("x-should-retry")
     assert told == ("false" if repeats else None)
+
+
+@pytest.mark.parametrize(("queued", "worker", "refusal"), [(1, 3, False), (1, 3, True), (2, 1, False)])
+async def test_a_run_is_tried_by_its_own_max_attempts_not_its_worker_s(redis: Redis, queued: int, worker: int,
+                                                                       refusal: bool) -> None:
+    """A rollout of a new `max_attempts`: the run's record has the limit its queueing wrote, by which
+    the start of its last attempt takes its body out of the record (`_START`) and the reaper puts it
+    back or fails it (README: by its own `max_attempts`, whichever config). A worker of the new config
+    counted by its own: one of 3 put a run queued with 1 back after a 500 (or after a refusal of what
+    the provider cannot do, which uses up no attempt, without the body it had lost), and the next
+    attempt had no body: the caller got a 502, "the worker failed ending the run (KeyError)"; one of 1
+    failed a run queued with 2 at its first 500."""
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1}, max_attempts=queued)
+    provider, other = await chosen_and_other(redis, run_id)
+    config = make_config({"a": 1, "b": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000,
+                                                   "max_attempts": worker})
+    err = not_taken(provider, "a cli provider does not call tools", "tools") if refusal else \
+        ProviderError(f"provider {provider} answered 500: boom", status=500, retry=Retry.ELSEWHERE)
+    outcome = await Runner(redis, config, f"n-{provider}", {provider: Scripted([], err)}).execute(run_id)
+    if queued == 1 and not refusal:  # (its last attempt: the error is the caller's answer)
+        assert outcome == "failed:ok"
+        assert await fields(redis, keys.run_record(run_id), "error_message") == [f"provider {provider} answered "
+                                                                                 "500: boom"]
+        return
+    assert outcome == "requeued:ok"
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await fields(redis, keys.run_record(run_id), "provider") == [other]
+    assert await Runner(redis, config, f"n-{other}", {other: Scripted([[TEXT]])}).execute(run_id) == "completed:ok"

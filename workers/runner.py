@@ -92,6 +92,7 @@ class Attempt:
     model_id: str
     provider_id: str
     attempt: str
+    #: the run's own (its record's, as its queueing wrote it)
     max_attempts: int
     #: every provider an attempt of this run went to, this one included
     tried: frozenset[str] = frozenset()
@@ -313,7 +314,11 @@ class Runner:
                           _count(record, "max_attempts", 1), unable=_count(record, "unable", 0))
             return await self._fail(att, ErrorInfo(ErrorCode.UNAVAILABLE, why), Retry.ANY)  # (no suspect: `suspect`)
         policy = self.config.queue_for(model)
-        att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), policy.max_attempts,
+        # (the run's own `max_attempts`, as its queueing wrote it, not this worker's config: the start of
+        # its last attempt by that limit took its body out of the record (`_START`), and the reaper
+        # counts by it; in a rollout of a new limit a worker of 3 put back a run queued with 1, and its
+        # next attempt had no body, a KeyError; '1' where the record has none, as `_START` reads it)
+        att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), _count(record, "max_attempts", 1),
                       id_set(record.get("tried")), record.get("key", b"-").decode(),
                       refuse=id_set(record.get("refuse")), unable=_count(record, "unable", 0))
         task = asyncio.current_task()
