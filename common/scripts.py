@@ -26,8 +26,9 @@ from common.redisline import Line, line_of
 # `reap`, `drop_queued`, `renew`), since refusing it would keep a run going for nobody, lose a
 # running run's lease, or never free its slot and request body. Those add little but an ended
 # run's last events (a non-stream run's answer, up to `runtime.max_response_bytes`, or a stream's
-# last read of its provider, in its events and each follower's inbox): Redis may pass `maxmemory`
-# by that much a run ending meanwhile.
+# last read of its provider, in its events and each follower's inbox), and `finish`'s
+# `requeue_unable` the request body (up to `runtime.max_body_bytes`) that the start of what was the
+# run's last attempt took out: Redis may pass `maxmemory` by that much a run ending meanwhile.
 FREES = "#!lua flags=allow-oom\n"
 
 _NOW = """
