@@ -50,6 +50,20 @@ def wait_available(redis_url: str, provider_ids: list[str]) -> None:
     client.close()
 
 
+def one_node_gateway(stack: Stack, models: list[dict[str, Any]], providers: list[dict[str, Any]],
+                     available: list[str] | None = None) -> str:
+    """A config of `models` and one node, `n1`, of `providers` (FAST_RUNTIME, 3 attempts a run), its
+    scheduler, its worker and a gateway, once those providers (or the `available` of them) are
+    available: the gateway's URL."""
+    stack.write_config({"models": models, "nodes": [{"id": "n1", "providers": providers}],
+                        "runtime": FAST_RUNTIME, "queue": {"max_attempts": 3}})
+    stack.scheduler()
+    stack.worker("n1")
+    url = stack.gateway()
+    wait_available(stack.redis_url, [p["id"] for p in providers] if available is None else available)
+    return url
+
+
 def start_pool(stack: Stack, capacities: dict[str, int], queue: dict[str, int] | None = None,
                sim_args: tuple[str, ...] = ()) -> tuple[str, dict[str, str]]:
     """One simulator and one node per provider, a scheduler, a worker per node, the gateway."""

@@ -29,7 +29,7 @@ import redis as sync_redis
 
 from tests.conftest import Stack
 from tests.fakes.hosted_apis import HostedApis
-from tests.test_e2e import FAST_RUNTIME, wait_available
+from tests.test_e2e import one_node_gateway
 
 pytestmark = pytest.mark.e2e
 
@@ -100,17 +100,8 @@ def gateway(stack: Stack, apis: HostedApis, monkeypatch: pytest.MonkeyPatch) -> 
         if pid in UNLISTED:
             entry["models_listed"] = False
         providers.append(entry)
-    stack.write_config({
-        "models": [{"id": model, "providers": served} for model, served in MODELS.items()],
-        "nodes": [{"id": "n1", "providers": providers}],
-        "runtime": FAST_RUNTIME,
-        "queue": {"max_attempts": 3},
-    })
-    stack.scheduler()
-    stack.worker("n1")
-    url = stack.gateway()
-    wait_available(stack.redis_url, list(PROVIDERS))
-    return url
+    return one_node_gateway(stack, [{"id": model, "providers": served} for model, served in MODELS.items()],
+                            providers)
 
 
 async def ask(gateway: str, model: str, stream: bool = False) -> tuple[int, dict[str, str], str]:

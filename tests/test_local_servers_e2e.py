@@ -27,7 +27,7 @@ import redis as sync_redis
 
 from tests.conftest import Stack, async_wait_until
 from tests.fakes.local_servers import LocalServers
-from tests.test_e2e import FAST_RUNTIME, wait_available
+from tests.test_e2e import one_node_gateway
 
 pytestmark = pytest.mark.e2e
 
@@ -68,20 +68,11 @@ def servers(stack: Stack) -> Iterator[LocalServers]:
 
 @pytest.fixture
 def gateway(stack: Stack, servers: LocalServers) -> str:
-    stack.write_config({
-        "models": [{"id": model, "providers": providers} for model, providers in MODELS.items()],
-        "nodes": [{"id": "n1", "providers": [
-            {"id": pid, "type": ptype, "base_url": f"{servers.url}/{path}", "capacity": 2, "models": served,
-             **({"probe_interval_ms": 600_000} if pid in QUIET else {})}
-            for pid, (path, ptype, served) in PROVIDERS.items()]}],
-        "runtime": FAST_RUNTIME,
-        "queue": {"max_attempts": 3},
-    })
-    stack.scheduler()
-    stack.worker("n1")
-    url = stack.gateway()
-    wait_available(stack.redis_url, list(PROVIDERS))
-    return url
+    return one_node_gateway(
+        stack, [{"id": model, "providers": providers} for model, providers in MODELS.items()],
+        [{"id": pid, "type": ptype, "base_url": f"{servers.url}/{path}", "capacity": 2, "models": served,
+          **({"probe_interval_ms": 600_000} if pid in QUIET else {})}
+         for pid, (path, ptype, served) in PROVIDERS.items()])
 
 
 async def ask(gateway: str, path: str, body: dict[str, Any]) -> tuple[int, str]:

@@ -26,7 +26,7 @@ import redis as sync_redis
 
 from tests.conftest import Stack, wait_until
 from tests.fakes.real_servers import RealServers
-from tests.test_e2e import FAST_RUNTIME, wait_available
+from tests.test_e2e import one_node_gateway
 
 pytestmark = pytest.mark.e2e
 
@@ -70,19 +70,10 @@ def gateway(stack: Stack, servers: RealServers, asleep: RealServers) -> str:
             entry = providers.setdefault(pid, {"id": pid, "type": ptype, "capacity": 2, "models": [],
                                                "base_url": asleep.url if pid == SLEEPY else servers.url})
             entry["models"].append(served)
-    stack.write_config({
-        "models": [{"id": model, "providers": {pid: served for pid, _, served in entries},
-                    **({"max_tokens": CAPS[model]} if model in CAPS else {})}
-                   for model, entries in MODELS.items()],
-        "nodes": [{"id": "n1", "providers": list(providers.values())}],
-        "runtime": FAST_RUNTIME,
-        "queue": {"max_attempts": 3},
-    })
-    stack.scheduler()
-    stack.worker("n1")
-    url = stack.gateway()
-    wait_available(stack.redis_url, [pid for pid in providers if pid != SLEEPY])
-    return url
+    return one_node_gateway(
+        stack, [{"id": model, "providers": {pid: served for pid, _, served in entries},
+                 **({"max_tokens": CAPS[model]} if model in CAPS else {})} for model, entries in MODELS.items()],
+        list(providers.values()), [pid for pid in providers if pid != SLEEPY])
 
 
 async def ask(gateway: str, model: str, stream: bool) -> tuple[int, str]:
