@@ -1840,6 +1840,24 @@ def test_an_error_in_a_stream_saying_the_provider_lacks_the_model_goes_to_anothe
     assert parser.failed is not None and parser.failed.retry is err.retry and parser.failed.status == err.status
 
 
+@pytest.mark.parametrize(("message", "unknown"), [
+    ("Unrecognized request argument supplied: top_k", True),  # (OpenAI's, Azure's)
+    ('{"detail":[{"type":"extra_forbidden","loc":["body","top_k"],"msg":"Extra inputs are not permitted"}]}',
+     True),  # (Mistral's 422, pydantic's)
+    ('Invalid JSON payload received. Unknown name "google": Cannot find field.', True),  # (Gemini's)
+    ("Unsupported parameter: 'logit_bias' is not supported with this model.", True),  # (OpenAI's)
+    ("'temperature' must be at most 2", False),
+    ("This model's maximum context length is 8192 tokens", False),
+    ("unknown model 'x'", False),
+])
+def test_which_refusals_say_a_field_is_unknown_to_the_server(message: str, unknown: bool) -> None:
+    """A field one server does not know another of the model may take (vLLM takes `top_k`): such a
+    400 or 422 is tried elsewhere first (`another_may`); a value the caller got wrong is not."""
+    from workers.adapters.openai_compat import UNKNOWN_FIELD
+
+    assert bool(UNKNOWN_FIELD.search(message)) is unknown
+
+
 @pytest.mark.parametrize(("message", "lacks"), [
     ("model 'router-gone' not found", True),
     ("model name=router-gone is not running", True),

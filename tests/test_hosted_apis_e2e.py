@@ -39,6 +39,7 @@ PROVIDERS: dict[str, tuple[str, list[str]]] = {
     "b-ok": ("openai", ["gpt-4o-mini@b"]),
     "az": ("azure", ["azure-throttled", "chat-prod@az"]),
     "gem": ("gemini", ["gemini-busy", "gemini-unknown-field", "gemini-2.0-flash"]),
+    "a-gem": ("gemini", ["gemini-unknown-field@a"]),
     "ds": ("deepseek", ["deepseek-broke"]),
     "a-ds": ("deepseek", ["deepseek-broke@a"]),
     "or": ("openrouter", ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini"]),
@@ -55,6 +56,7 @@ MODELS: dict[str, dict[str, str]] = {
     "m-az-throttled": {"az": "azure-throttled"},
     "m-gem-busy": {"gem": "gemini-busy"},
     "m-gem-400": {"gem": "gemini-unknown-field"},
+    "m-field-pool": {"a-gem": "gemini-unknown-field@a", "b-ok": "gpt-4o-mini@b"},
     "m-gem": {"gem": "gemini-2.0-flash"},
     "m-ds-broke": {"ds": "deepseek-broke"},
     "m-ds-pool": {"a-ds": "deepseek-broke@a", "b-ok": "gpt-4o-mini@b"},
@@ -70,7 +72,8 @@ MODELS: dict[str, dict[str, str]] = {
 LISTED = {
     "openai": ["gpt-quota", "gpt-4o-mini@b"],
     "azure": ["azure-throttled", "gpt-4o-mini"],  # (models, not deployments)
-    "gemini": ["models/gemini-busy", "models/gemini-unknown-field", "models/gemini-2.0-flash"],
+    "gemini": ["models/gemini-busy", "models/gemini-unknown-field", "models/gemini-2.0-flash",
+               "models/gemini-unknown-field@a"],
     "deepseek": ["deepseek-broke", "deepseek-broke@a"],
     "openrouter": ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini"],
     "mistral": ["mistral-small-latest"],
@@ -158,6 +161,18 @@ async def test_an_account_out_of_credits_leaves_the_run_to_another_provider(apis
         status, _, text = await ask(gateway, "m-ds-pool")
         assert status == 200 and "hello there" in text, text
     assert apis.calls[("deepseek", "deepseek-broke@a")] == 1, apis.calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_field_one_api_does_not_know_leaves_the_run_to_another_provider_of_the_model(
+        apis: HostedApis, gateway: str, stream: bool) -> None:
+    """Gemini's 400 `Unknown name "google"` (a field of the request it does not know) says what that
+    API cannot take, not what the request did wrong: another provider of the model, which knows it,
+    serves the run (it was the caller's 400, a-gem the first by id); with none left, the caller gets
+    it (`test_a_gemini_error_reaches_the_caller_as_an_error_object`)."""
+    status, _, text = await ask(gateway, "m-field-pool", stream)
+    assert status == 200 and "hello there" in text, text
+    assert apis.calls[("gemini", "gemini-unknown-field@a")] == 1, apis.calls
 
 
 async def test_a_gemini_error_reaches_the_caller_as_an_error_object(gateway: str) -> None:
