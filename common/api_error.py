@@ -109,7 +109,7 @@ class ApiError(Exception):
         would only repeat says so (`NOT_WORTH_RETRYING`); one worth trying again soon says when
         (`RETRY_SOON`: in 1 s, or when the scheduler said, as when the first bench ends), as does
         one the worker judged would repeat (`repeats`: an answer iop cannot carry)."""
-        if info.status is not None and callers_fault(info.status):
+        if info.status is not None and callers_fault(info.status, info.message):
             return cls(info.code, info.message, status=info.status, detail=info.detail)
         if info.code is ErrorCode.PROVIDER_ERROR and info.status in BUSY:
             return cls(info.code, info.message, status=503, headers={"Retry-After": str(info.retry_after_s or 1)})

@@ -7,6 +7,7 @@ payloads and job payloads, which are msgpack (see `common.codec`).
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from enum import StrEnum
@@ -77,9 +78,25 @@ BUSY = frozenset({PAYMENT_REQUIRED, 429, 503})
 MAX_RETRY_AFTER_S = 60
 
 
-def callers_fault(status: int) -> bool:
-    """A provider's answer `status` is about the caller's request (passed through, not retried)."""
-    return 400 <= status < 500 and status not in POOL_FAULT_4XX
+#: How a hosted API's 402 says the request costs more than the account's credits left pay for, not that
+#: none are left (OpenRouter: "This request requires more credits, or fewer max_tokens. You requested up
+#: to 65536 tokens, but can only afford 3919"; the model's own limit when the request sent none): a
+#: request of fewer tokens is served there at the same time, so the API is not left alone for it
+FEWER_TOKENS = re.compile(r"\bfewer max_tokens\b|\bcan only afford\b", re.IGNORECASE)
+
+
+def callers_fault(status: int, message: str = "") -> bool:
+    """A provider's answer `status` is about the caller's request (passed through, not retried); so is
+    a 402 whose `message` says the request asks for more tokens than the credits left pay for
+    (`FEWER_TOKENS`: it says what to ask for instead), though another provider may serve it first."""
+    return 400 <= status < 500 and (status not in POOL_FAULT_4XX or (
+        status == PAYMENT_REQUIRED and bool(FEWER_TOKENS.search(message))))
+
+
+def busy(status: int | None, message: str = "") -> bool:
+    """A provider's answer `status` (with its `message`) says it cannot take runs for a while (`BUSY`),
+    not that the caller's request is too large for it (`callers_fault`)."""
+    return status in BUSY and not (status is not None and callers_fault(status, message))
 
 
 class ErrorCode(StrEnum):

@@ -576,7 +576,7 @@ class Scheduler:
         except (ValueError, TypeError):  # (not an event of this version's: the usual answer)
             return None
         info = ErrorInfo.from_wire(data) if isinstance(data, dict) else None
-        if info is None or type(info.status) is not int or not callers_fault(info.status):
+        if info is None or type(info.status) is not int or not callers_fault(info.status, info.message):
             return None
         return info
 

@@ -42,7 +42,7 @@ PROVIDERS: dict[str, tuple[str, list[str]]] = {
     "a-gem": ("gemini", ["gemini-unknown-field@a"]),
     "ds": ("deepseek", ["deepseek-broke"]),
     "a-ds": ("deepseek", ["deepseek-broke@a"]),
-    "or": ("openrouter", ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini"]),
+    "or": ("openrouter", ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini", "openrouter/afford"]),
     # (`models_listed: false`: an Azure deployment named by its owner, an OpenRouter routing variant)
     "az-dep": ("azure", ["chat-prod"]),
     "or-var": ("openrouter", ["openai/gpt-4o-mini:nitro"]),
@@ -61,6 +61,7 @@ MODELS: dict[str, dict[str, str]] = {
     "m-ds-broke": {"ds": "deepseek-broke"},
     "m-ds-pool": {"a-ds": "deepseek-broke@a", "b-ok": "gpt-4o-mini@b"},
     "m-or-broke": {"or": "openrouter/broke"},
+    "m-or-afford": {"or": "openrouter/afford"},
     "m-or-midstream": {"or": "openrouter/midstream"},
     "m-or": {"or": "openai/gpt-4o-mini"},
     "m-az-deployment": {"az-dep": "chat-prod"},
@@ -75,7 +76,7 @@ LISTED = {
     "gemini": ["models/gemini-busy", "models/gemini-unknown-field", "models/gemini-2.0-flash",
                "models/gemini-unknown-field@a"],
     "deepseek": ["deepseek-broke", "deepseek-broke@a"],
-    "openrouter": ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini"],
+    "openrouter": ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini", "openrouter/afford"],
     "mistral": ["mistral-small-latest"],
 }
 #: where each service's API is below its base_url, when not the type's `/v1`
@@ -161,6 +162,25 @@ async def test_an_account_out_of_credits_leaves_the_run_to_another_provider(apis
         status, _, text = await ask(gateway, "m-ds-pool")
         assert status == 200 and "hello there" in text, text
     assert apis.calls[("deepseek", "deepseek-broke@a")] == 1, apis.calls
+
+
+async def test_a_request_larger_than_the_credits_left_pay_for_is_the_callers_and_benches_nothing(
+        stack: Stack, apis: HostedApis, gateway: str) -> None:
+    """OpenRouter's 402 "requires more credits, or fewer max_tokens" is about the request's size: one of
+    fewer tokens is served at the same time on the same account. Its caller gets it as it came, which
+    says what to ask for instead, and the model is not benched for the callers whose runs it pays for
+    (a minute of 503s for all, as if the account had nothing left)."""
+    async with aiohttp.ClientSession() as session:
+        big = {"model": "m-or-afford", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000}
+        async with session.post(gateway + "/v1/chat/completions", json=big) as resp:
+            status, text = resp.status, await resp.text()
+        assert status == 402, text
+        assert "fewer max_tokens" in json.loads(text)["error"]["message"], text
+        assert bench_left_s(stack, "or", "openrouter/afford") == 0
+        async with session.post(gateway + "/v1/chat/completions", json={**big, "max_tokens": 100}) as resp:
+            status, text = resp.status, await resp.text()
+        assert status == 200 and "hello there" in text, text
+    assert apis.calls[("openrouter", "openrouter/afford")] == 2, apis.calls
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -39,7 +39,7 @@ from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, id_set, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.snapshots import read_snapshots
-from common.wire import BUSY, CONFLICT, ErrorCode, ErrorInfo, EventType, RunKind, RunState, cancelled_by_caller
+from common.wire import BUSY, CONFLICT, ErrorCode, ErrorInfo, EventType, RunKind, RunState, busy, cancelled_by_caller
 from workers import metrics
 from workers.adapters.base import Adapter, LastRead, ProviderError, Retry
 from workers.adapters.openai_compat import completion_tokens_named, max_tokens_only
@@ -596,13 +596,14 @@ class Runner:
         again = not att.output and (unable or not att.last()) and (
             retry is Retry.ANY or (retry in (Retry.ELSEWHERE, Retry.UNABLE) and await self._untried_available(att)))
         # (too busy: left alone for the model as long as it asked, else a second)
-        cool_s = (info.retry_after_s or 1) if info.code is ErrorCode.PROVIDER_ERROR and info.status in BUSY else 0
+        too_busy = busy(info.status, info.message)
+        cool_s = (info.retry_after_s or 1) if info.code is ErrorCode.PROVIDER_ERROR and too_busy else 0
         if again:
             # (the finish script takes the job off its node's queue first: the next dispatch
             # queues a job of the same id)
             outcome = await self._finish(att, None, EventType.REQUEUED, info.to_wire(), evidence=evidence,
                                          requeue="requeue" if retry is Retry.ANY else "requeue_unable" if unable
-                                         else "requeue_busy" if info.status in BUSY else "requeue_elsewhere",
+                                         else "requeue_busy" if too_busy else "requeue_elsewhere",
                                          suspect=suspect(info) and evidence[1] < DOWN, cool_s=cool_s, body=body)
         else:
             outcome = await self._finish(att, RunState.FAILED, EventType.FAILED, info.to_wire(), info,

@@ -33,7 +33,12 @@ and from what their users posted (the sources are named at each answer):
   "402 - Insufficient Balance"; the body as Aider-AI/aider#4851 shows it).
 - OpenRouter, `openrouter/broke`: a key out of credits, a 402 in OpenRouter's error shape
   (openrouter.ai/docs errors: "402: Your account or API key has insufficient credits"; the body as
-  Gitlawb/openclaude#43 shows it). `openrouter/midstream`: a stream that keeps its connection with
+  Gitlawb/openclaude#43 shows it). `openrouter/afford`: a key whose credits pay for a small request but not
+  for this one, a 402 for a request whose `max_tokens` (or, when it sends none, the model's own) costs
+  more than is left, and a 200 for one of 1,000 or fewer ("This request requires more credits, or fewer
+  max_tokens. You requested up to … tokens, but can only afford …": Gitlawb/openclaude#1125, and
+  can1357/oh-my-pi#9569, where one call of 1,024 succeeded beside one without a cap refused so, on the
+  same account and model at the same time). `openrouter/midstream`: a stream that keeps its connection with
   SSE comments (`: OPENROUTER PROCESSING`, openrouter.ai/docs streaming) and fails after some output
   with a chunk that carries `error` and a choice whose `finish_reason` is `"error"` (the same page,
   "Handling Errors During Streaming").
@@ -100,6 +105,8 @@ DEEPSEEK_BROKE = {"error": {"message": "Insufficient Balance", "type": "unknown_
 OPENROUTER_BROKE = {"error": {"message": "Insufficient credits. This account never purchased credits. Make sure your "
                                          "key is on the correct account or org, and if so, purchase more at "
                                          "https://openrouter.ai/settings/credits", "code": 402}}
+#: what `openrouter/afford` affords (its 402 says so)
+OPENROUTER_AFFORDS = 1000
 OPENROUTER_MIDSTREAM = {"code": "server_error", "message": "Provider disconnected unexpectedly"}
 #: what Mistral's chat API refuses of what OpenAI's takes (`mistral-small-latest`)
 MISTRAL_UNKNOWN = ("stream_options", "max_completion_tokens")
@@ -179,6 +186,13 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         return _error(402, _compact(DEEPSEEK_BROKE))
     if kind == "openrouter/broke":
         return _error(402, _compact(OPENROUTER_BROKE))
+    asked = body.get("max_completion_tokens") or body.get("max_tokens") or 65536
+    if kind == "openrouter/afford" and asked > OPENROUTER_AFFORDS:
+        return _error(402, _compact({"error": {
+            "message": f"This request requires more credits, or fewer max_tokens. You requested up to {asked} tokens, "
+                       f"but can only afford {OPENROUTER_AFFORDS}. To increase, visit "
+                       "https://openrouter.ai/settings/credits and upgrade to a paid account",
+            "code": 402, "metadata": {"provider_name": None}}, "user_id": "user_1"}))
     if kind == "mistral-small-latest":
         return await _mistral(request, body, served, stream)
     if kind == "openrouter/midstream" and stream:

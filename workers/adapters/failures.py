@@ -402,12 +402,13 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
     if (status == NOT_THERE and detail is None) or model_gone(status, message, detail, served):
         return ProviderError(f"provider {provider_id} answered {status}: {message}", retry=Retry.ELSEWHERE,
                              strikes=None)
-    if callers_fault(status):
+    if callers_fault(status, message):
         if detail is not None:  # (its other text fields on one line too, and short)
             detail = {**detail, **{name: one_line(value, MAX_FIELD_CHARS) for name in ("type", "param", "code")
                                    if isinstance(value := detail.get(name), str)}, "message": message}
+        # (a request larger than this account's credits pay for: another provider's may, `Retry.UNABLE`)
         return ProviderError(f"provider {provider_id} answered {status}: {message}", status=status, detail=detail,
-                             retry=Retry.NO, strikes=0)
+                             retry=Retry.UNABLE if status == PAYMENT_REQUIRED else Retry.NO, strikes=0)
     refused = status in CREDENTIALS_REFUSED
     hint = (PROXY_CREDENTIALS if status == PROXY_AUTH
             else " (it refused iop's credentials: check the provider's api_key_env)" if refused else "")

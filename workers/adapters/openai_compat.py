@@ -271,7 +271,7 @@ def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: st
     stream as in an answer (Lemonade's stream gives its backend's status)."""
     text = error_text(error, error_chars)
     status = said_status(error, provider_type)
-    if status is not None and callers_fault(status) and isinstance(error, dict) \
+    if status is not None and callers_fault(status, text) and isinstance(error, dict) \
             and not model_gone(status, text, error, served):
         detail = {**error, **{name: one_line(value, MAX_FIELD_CHARS) for name in ("type", "param", "code")
                               if isinstance(value := error.get(name), str)}, "message": text}
