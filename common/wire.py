@@ -81,8 +81,9 @@ MAX_RETRY_AFTER_S = 60
 #: How a hosted API's 402 says the request costs more than the account's credits left pay for, not that
 #: none are left (OpenRouter: "This request requires more credits, or fewer max_tokens. You requested up
 #: to 65536 tokens, but can only afford 3919"; the model's own limit when the request sent none): a
-#: request of fewer tokens is served there at the same time, so the API is not left alone for it
-FEWER_TOKENS = re.compile(r"\bfewer max_tokens\b|\bcan only afford\b", re.IGNORECASE)
+#: request of fewer tokens is served there at the same time, so the API is not left alone for it. (Not
+#: one that "can only afford 0": no request is, as for a key out of credits)
+FEWER_TOKENS = re.compile(r"\bfewer max_tokens\b(?![^\n]*\bcan only afford 0\b)", re.IGNORECASE)
 
 
 def callers_fault(status: int, message: str = "") -> bool:

@@ -10,7 +10,7 @@ import pytest
 
 from common.api_error import RETRY_AFTER_MS_HEADER, spread
 from common.shown import quoted
-from common.wire import ErrorCode, ErrorInfo
+from common.wire import ErrorCode, ErrorInfo, busy, callers_fault
 from gateway.errors import STATUS, ApiError, from_status, invalid
 from tests.openapi import validate
 
@@ -273,3 +273,22 @@ def test_a_cancelled_run_s_499_has_a_reason_phrase() -> None:
     assert (response.status, response.reason) == (499, "Client Closed Request")
     assert ApiError(ErrorCode.CANCELLED, "x").raw_response().startswith(b"HTTP/1.1 499 Client Closed Request\r\n")
     assert ApiError(ErrorCode.UNAVAILABLE, "x").response().reason == "Service Unavailable"
+
+
+AFFORD = ("This request requires more credits, or fewer max_tokens. You requested up to {} tokens, but can only "
+          "afford {}. To increase, visit https://openrouter.ai/settings/credits and upgrade to a paid account")
+
+
+@pytest.mark.parametrize(("message", "callers"), [
+    (AFFORD.format(16384, 3919), True),  # (a request of fewer tokens is served)
+    (AFFORD.format(32000, 0), False),  # (none is: the key is out of credits)
+    ("Insufficient credits. This account never purchased credits.", False),
+    ("Insufficient Balance", False),
+])
+def test_a_402_is_the_callers_only_for_a_request_larger_than_the_credits_left_pay_for(message: str,
+                                                                                     callers: bool) -> None:
+    assert callers_fault(402, f"provider or answered 402: {message}") is callers
+    assert busy(402, f"provider or answered 402: {message}") is not callers
+    answer = ApiError.from_info(ErrorInfo(ErrorCode.PROVIDER_ERROR, f"provider or answered 402: {message}",
+                                          status=402, detail={"message": message, "code": 402}))
+    assert answer.status == (402 if callers else 503)
