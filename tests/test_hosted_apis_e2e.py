@@ -43,6 +43,7 @@ PROVIDERS: dict[str, tuple[str, list[str]]] = {
     "ds": ("deepseek", ["deepseek-broke"]),
     "a-ds": ("deepseek", ["deepseek-broke@a"]),
     "or": ("openrouter", ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini", "openrouter/afford"]),
+    "a-or": ("openrouter", ["openrouter/afford@a"]),
     # (`models_listed: false`: an Azure deployment named by its owner, an OpenRouter routing variant)
     "az-dep": ("azure", ["chat-prod"]),
     "or-var": ("openrouter", ["openai/gpt-4o-mini:nitro"]),
@@ -62,6 +63,7 @@ MODELS: dict[str, dict[str, str]] = {
     "m-ds-pool": {"a-ds": "deepseek-broke@a", "b-ok": "gpt-4o-mini@b"},
     "m-or-broke": {"or": "openrouter/broke"},
     "m-or-afford": {"or": "openrouter/afford"},
+    "m-or-afford-pool": {"a-or": "openrouter/afford@a", "b-ok": "gpt-4o-mini@b"},
     "m-or-midstream": {"or": "openrouter/midstream"},
     "m-or": {"or": "openai/gpt-4o-mini"},
     "m-az-deployment": {"az-dep": "chat-prod"},
@@ -76,7 +78,8 @@ LISTED = {
     "gemini": ["models/gemini-busy", "models/gemini-unknown-field", "models/gemini-2.0-flash",
                "models/gemini-unknown-field@a"],
     "deepseek": ["deepseek-broke", "deepseek-broke@a"],
-    "openrouter": ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini", "openrouter/afford"],
+    "openrouter": ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini", "openrouter/afford",
+                   "openrouter/afford@a"],
     "mistral": ["mistral-small-latest"],
 }
 #: where each service's API is below its base_url, when not the type's `/v1`
@@ -181,6 +184,19 @@ async def test_a_request_larger_than_the_credits_left_pay_for_is_the_callers_and
             status, text = resp.status, await resp.text()
         assert status == 200 and "hello there" in text, text
     assert apis.calls[("openrouter", "openrouter/afford")] == 2, apis.calls
+
+
+async def test_a_request_larger_than_one_accounts_credits_pay_for_goes_to_another_provider(
+        stack: Stack, apis: HostedApis, gateway: str) -> None:
+    """... which another provider of the model, whose account pays for it, serves."""
+    body = {"model": "m-or-afford-pool", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):
+            async with session.post(gateway + "/v1/chat/completions", json=body) as resp:
+                status, text = resp.status, await resp.text()
+            assert status == 200 and "hello there" in text, text
+    assert bench_left_s(stack, "a-or", "openrouter/afford@a") == 0
+    assert apis.calls[("openai", "gpt-4o-mini@b")] == 2, apis.calls
 
 
 @pytest.mark.parametrize("stream", [False, True])
