@@ -707,8 +707,8 @@ async def test_a_llama_server_router_without_autoload_lists_only_the_models_it_h
         session: aiohttp.ClientSession) -> None:
     """`--no-models-autoload`: its `/v1/models` lists every model it has, each with its `status`, and
     it refuses a run of one it has not loaded. Only those it serves as they are count as listed
-    (loaded, or asleep: a run wakes it); whether it loads is asked of its `/props` once, when a probe
-    first finds a router, not at every probe."""
+    (loaded, or asleep: a run wakes it); whether it loads is asked of its `/props` at each probe
+    (it may have been started anew with its default)."""
     with LocalServers() as servers:
         router = servers.routers["router-manual"]
         adapter = OpenAICompatAdapter(provider("llamacpp", f"{servers.url}/router-manual"), session)
@@ -719,7 +719,7 @@ async def test_a_llama_server_router_without_autoload_lists_only_the_models_it_h
         assert (await adapter.probe()).models == ["router-warm", "router-cold", "router-asleep"]
         router.models["router-warm"] = "unloaded"  # (`POST /models/unload`)
         assert (await adapter.probe()).models == ["router-cold", "router-asleep"]
-        assert servers.calls["router-manual"]["GET /props"] == 1, servers.calls
+        assert servers.calls["router-manual"]["GET /props"] == 4, servers.calls  # (it might load them anew)
 
 
 async def test_a_llama_server_that_loads_what_it_is_asked_for_lists_every_model(
@@ -754,7 +754,7 @@ async def test_a_router_started_anew_without_autoload_is_known_by_a_run_it_refus
             await adapter.complete(RunKind.CHAT, {**chat(), "model": "router-gone"}, upstream_request_id("r1"))
         assert err.value.retry is Retry.ELSEWHERE and err.value.message.endswith("model is not loaded")
         assert (await adapter.probe()).models == ["router-ok"]
-        assert servers.calls["router"]["GET /props"] == 1, servers.calls
+        assert servers.calls["router"]["GET /props"] == 2, servers.calls
     assert (await adapter.probe()).health is not Health.AVAILABLE
     assert adapter.router_autoload is None
 
@@ -772,3 +772,22 @@ def test_what_a_router_s_props_say_of_loading_models(props: Any, none: bool) -> 
     from workers.adapters.openai_compat import loads_none
 
     assert loads_none(props) is none
+
+
+async def test_a_router_started_anew_with_autoload_lists_every_model_again(
+        session: aiohttp.ClientSession) -> None:
+    """A router started with `--no-models-autoload` was started anew with its default between two
+    probes (a restart that no probe saw fail): every model it lists is served again, loaded or not
+    (a run loads it). Held as it was, the models it had not loaded stayed unlisted until a probe
+    failed, and nothing would ever send a run that loads them."""
+    with LocalServers() as servers:
+        router = servers.routers["router-manual"]
+        adapter = OpenAICompatAdapter(provider("llamacpp", f"{servers.url}/router-manual"), session)
+        assert (await adapter.probe()).models == ["router-warm", "router-asleep"]
+        router.autoload = True
+        router.models.update({name: "unloaded" for name in router.models})  # (a restart loads none)
+        assert (await adapter.probe()).models == ["router-warm", "router-cold", "router-asleep"]
+        assert adapter.router_autoload is True
+        for _ in range(2):  # (a router that loads models is not asked again)
+            assert (await adapter.probe()).models == ["router-warm", "router-cold", "router-asleep"]
+        assert servers.calls["router-manual"]["GET /props"] == 2, servers.calls

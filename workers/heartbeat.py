@@ -206,8 +206,8 @@ class Heartbeats:
     # ------------------------------------------------------------------ probes
     def _probe_limit_s(self, provider: ProviderConfig) -> float:
         """The longest a whole probe may take (the OpenAI family makes up to two requests, vLLM three:
-        its `/is_sleeping` too, whose timeout alone does not fail the probe; llama.cpp three once, a
-        llama-server router's `/props` when a probe first finds it)."""
+        its `/is_sleeping` too, whose timeout alone does not fail the probe; llama.cpp three when it
+        asks a llama-server router's `/props`)."""
         requests = 3 if provider.type in ("vllm", "llamacpp") else 2
         return requests * provider.probe_timeout_ms / 1000 + 1.0
 

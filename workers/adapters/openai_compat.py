@@ -10,12 +10,13 @@ is the API root as it is; otherwise the type's path is appended (`/v1`; Lemonade
 
 Probes per type: vLLM, SGLang and llama.cpp `GET /health` (server root), Lemonade
 `GET <api>/health`, then `GET <api>/models` for the models it serves; `openai_api` only the
-model list. A llama-server router (its model cards have a `status`) is asked `GET /props` once,
-whether it loads a model a run names: one that does not (`--no-models-autoload`) serves only the
-models it lists loaded (`_router_serves`). vLLM is also asked `GET /is_sleeping` (asleep or
-paused: unavailable; a 404, a server not in dev mode, is not asked again). `probe_path` replaces
-the health endpoint. A health endpoint that does not exist (404, 405, 501; llama-cpp-python has
-none) is remembered, and the model list alone decides.
+model list. A llama-server router (its model cards have a `status`) is asked `GET /props`
+whether it loads a model a run names, once if it does, at each probe if it does not
+(`--no-models-autoload`): such a one serves only the models it lists loaded (`_router_serves`).
+vLLM is also asked `GET /is_sleeping` (asleep or paused: unavailable; a 404, a server not in
+dev mode, is not asked again). `probe_path` replaces the health endpoint. A health endpoint that
+does not exist (404, 405, 501; llama-cpp-python has none) is remembered, and the model list
+alone decides.
 Probes send no `X-Request-Id`; runs send the run's UUID (`common.wire.upstream_request_id`).
 
 An API key is read from the environment variable named by `api_key_env` at each request.
@@ -519,8 +520,9 @@ class OpenAICompatAdapter:
         #: a llama-server router's `GET /props` (`llamacpp` only)
         self.props_url = server_root(provider.base_url, provider.api_path) + PROPS_PATH
         #: whether the llama-server router there loads a model a run names: None until a probe finds
-        #: a router (asked once then), and again after a probe that failed (it may have been started
-        #: anew, with other flags); False at once when a run there is refused as not loaded
+        #: a router, and again after a probe that failed (it may have been started anew, with other
+        #: flags); False at once when a run there is refused as not loaded, and asked again at each
+        #: probe while False
         self.router_autoload: bool | None = None
 
     def _secrets(self) -> list[str]:
@@ -817,16 +819,21 @@ class OpenAICompatAdapter:
         loaded or not; by default it loads one a run names, so all count, but started with
         `--no-models-autoload` it refuses a run of one it has not loaded (`model is not loaded`), so
         only those it has loaded (or put to sleep) count. Whether it loads is asked of its `GET
-        /props` once, when a probe first finds a router (`router_autoload`); a server that answers
-        nothing there keeps every model, and is asked again at the next probe."""
+        /props` when a probe first finds a router (`router_autoload`), and again at each probe while
+        it said it loads none: started anew with its default between two probes (no probe failed),
+        it would otherwise keep the models it has not loaded unlisted, and no run would ever load
+        them (one that loads them says so no other way). One that loads them is not asked again: a
+        run it refuses as not loaded says it stopped. A server that answers nothing there keeps
+        what it was last known to serve, and is asked again at the next probe."""
         if not any(router_status(m) is not None for m in cards):
             self.router_autoload = None  # (no router, or none any more: asked again if one comes)
             return cards
-        if self.router_autoload is None:
+        if self.router_autoload is not True:
             status, said, failed = await self._get(self.props_url)
-            if failed is not None:
+            if failed is None:
+                self.router_autoload = not (status == 200 and loads_none(said))
+            elif self.router_autoload is None:
                 return cards
-            self.router_autoload = not (status == 200 and loads_none(said))
         return cards if self.router_autoload else [m for m in cards if router_status(m) in ROUTER_SERVES]
 
     async def _probe(self) -> ProbeResult:
