@@ -1835,9 +1835,13 @@ def test_an_error_in_a_stream_saying_the_provider_lacks_the_model_goes_to_anothe
     err = sent_error("p", error, 500, provider_type, "served-m")
     assert (err.retry, err.status) == ((Retry.ELSEWHERE, None) if elsewhere else (Retry.NO, error.get("status_code",
                                                                                                      error.get("code"))))
+    # (a provider without the model shows nothing of its health, as answered whole: a sign of life put
+    # off the probe that finds the model gone from its list)
+    assert err.strikes == (None if elsewhere else 0)
     parser = SSEParser("p", DEFAULT_LIMITS, "r", "served-m", provider_type)  # (as the stream reads it)
     assert parser.feed(b"data: " + json.dumps({"error": error}).encode() + b"\n\n") == []
     assert parser.failed is not None and parser.failed.retry is err.retry and parser.failed.status == err.status
+    assert parser.failed.strikes == err.strikes
 
 
 @pytest.mark.parametrize(("message", "unknown"), [

@@ -272,8 +272,12 @@ def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: st
     stream as in an answer (Lemonade's stream gives its backend's status)."""
     text = error_text(error, error_chars)
     status = said_status(error, provider_type)
-    if status is not None and callers_fault(status, text) and isinstance(error, dict) \
-            and not model_gone(status, text, error, served):
+    if status is not None and isinstance(error, dict) and model_gone(status, text, error, served):
+        # (nothing either way, as answered whole: a sign of life would put off the probe that finds
+        # the model gone from its list, and every run of it would be sent there first)
+        return ProviderError(f"provider {provider_id} sent an error: {text}", detail=error, retry=Retry.ELSEWHERE,
+                             strikes=None)
+    if status is not None and callers_fault(status, text) and isinstance(error, dict):
         detail = {**error, **{name: one_line(value, MAX_FIELD_CHARS) for name in ("type", "param", "code")
                               if isinstance(value := error.get(name), str)}, "message": text}
         return ProviderError(f"provider {provider_id} sent an error: {text}", status=status, detail=detail,
