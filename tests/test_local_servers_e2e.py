@@ -212,3 +212,24 @@ async def test_a_model_a_router_without_autoload_has_not_loaded_is_not_served_th
     status, text = await ask(gateway, "/v1/chat/completions", chat("m-cold", stream))
     assert status == 200 and "hello" in text, text
     assert servers.calls["router-manual"]["router-cold"] == 1, servers.calls
+
+
+async def test_a_router_started_anew_with_its_default_serves_its_unloaded_models_again(
+        stack: Stack, servers: LocalServers, gateway: str) -> None:
+    """A router started with `--no-models-autoload` is started anew with its default (it loads a
+    model a run names) between two probes, none of which failed: the models it has not loaded are
+    served there again (the first run loads one). They stayed missing there (a 503 for a model
+    served only there) until a probe happened to fail, and no run would ever load them."""
+    status, text = await ask(gateway, "/v1/chat/completions", chat("m-cold", False))
+    assert status == 503, text
+    router = servers.routers["router-manual"]
+    router.autoload = True
+    router.models.update({name: "unloaded" for name in router.models})  # (a router starts with none loaded)
+
+    async def listed() -> bool:
+        return "router-cold" in observed(stack, "c-manual")
+
+    await async_wait_until(listed, what="the router's unloaded model listed again")
+    status, text = await ask(gateway, "/v1/chat/completions", chat("m-cold", False))
+    assert status == 200 and "hello" in text, text
+    assert servers.calls["router-manual"]["router-cold"] == 1, servers.calls
