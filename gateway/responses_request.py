@@ -381,8 +381,12 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
     if tools:
         chat["tools"] = [_chat_tool(t) for t in tools]
     tool_choice = "auto" if body.get("tool_choice") is None else _tool_choice(body["tool_choice"])
-    if tool_choice == "required" and not tools:
+    allowed = tool_choice if isinstance(tool_choice, dict) and tool_choice["type"] == "allowed_tools" else None
+    if (tool_choice == "required" or (allowed is not None and allowed["mode"] == "required")) and not tools:
         raise invalid("'tool_choice' is required, but 'tools' names no tool", "tool_choice")
+    if allowed is not None and allowed["mode"] == "required" and not allowed["tools"]:
+        raise invalid("'tool_choice' requires a call of one of its allowed tools, but it allows no tool",
+                      "tool_choice.tools")
     held = {t["name"] for t in tools}
     chosen = [] if isinstance(tool_choice, str) else [(tool_choice, "tool_choice.name")] if (
         tool_choice["type"] == "function") else [(t, f"tool_choice.tools[{i}].name")

@@ -247,6 +247,12 @@ def test_without_tools_no_tool_choice_nor_parallel_tool_calls_goes_to_the_provid
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools[0].parameters",
      "an object"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice", "names no tool"),
+    # (a call of one of the allowed tools required, and none to call: as `required` without tools, not
+    # dropped with the tool choice and answered with text)
+    ({"input": "x", "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []}}, "tool_choice",
+     "names no tool"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {
+        "type": "allowed_tools", "mode": "required", "tools": []}}, "tool_choice.tools", "allows no tool"),
     ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
      "tool_choice.name", '"g", which'),
     ({"input": [{"content": "hi"}]}, "input[0].type", "(missing) is not taken"),
