@@ -791,3 +791,20 @@ async def test_a_router_started_anew_with_autoload_lists_every_model_again(
         for _ in range(2):  # (a router that loads models is not asked again)
             assert (await adapter.probe()).models == ["router-warm", "router-cold", "router-asleep"]
         assert servers.calls["router-manual"]["GET /props"] == 2, servers.calls
+
+
+async def test_a_router_that_loads_none_is_held_so_while_its_props_answer_an_error(
+        session: aiohttp.ClientSession) -> None:
+    """A router that said it loads no model, whose `/props` then answers an error (once, or a
+    proxy's 502): what it said holds, and only its loaded models are listed; taken as loading
+    models, those it has not loaded were listed, each run of them refused."""
+    with LocalServers() as servers:
+        router = servers.routers["router-manual"]
+        adapter = OpenAICompatAdapter(provider("llamacpp", f"{servers.url}/router-manual"), session)
+        assert (await adapter.probe()).models == ["router-warm", "router-asleep"]
+        router.props_status = 503
+        assert (await adapter.probe()).models == ["router-warm", "router-asleep"]
+        assert adapter.router_autoload is False
+        router.props_status = 200
+        router.autoload = True
+        assert (await adapter.probe()).models == ["router-warm", "router-cold", "router-asleep"]

@@ -262,6 +262,8 @@ class Router:
         self.autoload = autoload
         #: where its models come from: `cache` (the only ones `DELETE /models` removes), `models_dir`
         self.source = source
+        #: the status its own `GET /props` answers with (a test's: 200 is the router's)
+        self.props_status = 200
 
     def remove(self, name: str) -> None:
         """`DELETE /models?model=…`."""
@@ -328,6 +330,8 @@ async def _router_props(request: web.Request) -> web.Response:
         if router.models[name] == "loading":
             return _router_error("Loading model", "unavailable_error", 503)
         return _json({"model_alias": name, "model_path": f"/models/{name}.gguf", "build_info": FINGERPRINT})
+    if router.props_status != 200:
+        return _router_error("the test's error", "server_error", router.props_status)
     return _json({"role": "router", "max_instances": 4, "models_autoload": router.autoload,
                   "model_alias": "llama-server", "model_path": "none",
                   "default_generation_settings": {"params": {}, "n_ctx": 0}, "ui_settings": {},

@@ -828,13 +828,15 @@ class OpenAICompatAdapter:
         it would otherwise keep the models it has not loaded unlisted, and no run would ever load
         them (one that loads them says so no other way). One that loads them is not asked again: a
         run it refuses as not loaded says it stopped. A server that answers nothing there keeps
-        what it was last known to serve, and is asked again at the next probe."""
+        what it was last known to serve, and is asked again at the next probe; one that answers an
+        error keeps every model when nothing is known of it, but not once it said it loads none (an
+        error is no word that it loads them)."""
         if not any(router_status(m) is not None for m in cards):
             self.router_autoload = None  # (no router, or none any more: asked again if one comes)
             return cards
         if self.router_autoload is not True:
             status, said, failed = await self._get(self.props_url)
-            if failed is None:
+            if failed is None and (status == 200 or self.router_autoload is None):
                 self.router_autoload = not (status == 200 and loads_none(said))
             elif self.router_autoload is None:
                 return cards
