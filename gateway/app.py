@@ -149,7 +149,7 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     refuse = _refusing(req, model, cfg)
     runs = request.app[RUNS]
     run_id = new_run_id()
-    shape = None if req.echo is None else ResponseShape(run_id, model.id, req.echo)
+    shape = None if req.echo is None else ResponseShape(run_id, model.id, req.echo, origins=req.origins)
     submitted = finished = False
     out: SSEStream | None = None
     why_left = LEFT  # (why its run is cancelled if it ends before the run: the caller left, or ...)
@@ -179,6 +179,8 @@ async def run_request(request: web.Request) -> web.StreamResponse:
         return ended
     except ApiError as exc:
         finished = True
+        if shape is not None:  # (a worker's refusal names the chat completion run's field)
+            shape.own_names(exc)
         if submitted:
             for name, value in run_headers(run_id).items():  # a failed run can be looked up too
                 exc.headers.setdefault(name, value)

@@ -10,6 +10,7 @@ makes the Response `incomplete`. Usage is renamed (`input_tokens`, `output_token
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from common.chunks import MAX_COUNTED_TOKENS, token_counts
 from common.jsonio import dumps, loads
 from common.wire import ErrorCode
 from gateway.errors import ApiError
+from gateway.responses_places import Origin, caller_param
 
 #: How many times a streamed call's arguments are parsed at most to see whether they are whole
 #: (`ResponseShape._close_whole_calls`): each look parses them all, so a server that sends a call in
@@ -127,11 +129,14 @@ class ResponseShape:
     """One run's answer in the Responses API's shape. For a stream, it keeps the output items
     its events opened, and numbers the events."""
 
-    def __init__(self, run_id: str, model_id: str, echo: dict[str, Any], created_at: float | None = None) -> None:
+    def __init__(self, run_id: str, model_id: str, echo: dict[str, Any], created_at: float | None = None,
+                 origins: Sequence[Origin] = ()) -> None:
         self.id = response_id(run_id)
         self._hex = run_id.removeprefix("run_")
         self.model_id = model_id
         self.echo = echo
+        #: where each message of the chat completion run came from (`own_names`)
+        self.origins = tuple(origins)
         self.created_at = int(created_at if created_at is not None else time.time())
         # (a stream's state)
         self._seq = 0
@@ -445,13 +450,23 @@ class ResponseShape:
         out.append(self._event("response.incomplete" if incomplete else "response.completed", response=response))
         return b"".join(out)
 
+    def own_names(self, error: ApiError) -> ApiError:
+        """`error` naming the field at fault as the Responses request wrote it: a worker's refusal
+        names its chat completion run's (`messages[1].tool_calls[0].function.arguments`, where the
+        caller wrote `input[1].arguments`). Names of no chat field are left as they are."""
+        if error.detail is not None and isinstance(error.detail.get("param"), str):
+            error.detail = {**error.detail, "param": caller_param(error.detail["param"], self.origins)}
+        if error.param is not None:
+            error.param = caller_param(error.param, self.origins)
+        return error
+
     def failed(self, error: ApiError) -> bytes:
         """The end of a stream whose run failed: its items end incomplete, then an `error` event
         (iop's code and message) and `response.failed`."""
         out: list[bytes] = []
         self._start(out)
         self._close_all(out, "incomplete")
-        told = error.body()["error"]  # (a provider's own 4xx as it came)
+        told = self.own_names(error).body()["error"]  # (a provider's own 4xx as it came)
         out.append(self._event("error", code=told["code"], message=told["message"], param=told["param"]))
         failure = {"code": _error_code(error), "message": told["message"]}
         out.append(self._event("response.failed", response=self._response("failed", self._items, self._usage,

@@ -233,3 +233,27 @@ async def test_a_router_started_anew_with_its_default_serves_its_unloaded_models
     status, text = await ask(gateway, "/v1/chat/completions", chat("m-cold", False))
     assert status == 200 and "hello" in text, text
     assert servers.calls["router-manual"]["router-cold"] == 1, servers.calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_responses_run_a_worker_refuses_names_the_field_as_the_caller_wrote_it(
+        gateway: str, stream: bool) -> None:
+    """The arguments of an earlier function call nested deeper than Ollama's adapter takes: the
+    worker refuses the run (the gateway does not parse them), naming the field of its chat
+    completion run, `messages[1].tool_calls[0].function.arguments`, which a Responses caller never
+    wrote: it is `input[1].arguments` (the refusal comes before a stream's first event: a 400 both
+    ways; a stream's `error` event is named so too)."""
+    deep = "[" * 200 + "]" * 200
+    body = {"model": "m-ok", "stream": stream, "input": [
+        {"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep},
+        {"type": "function_call_output", "call_id": "c1", "output": "r"}]}
+    status, text = await ask(gateway, "/v1/responses", body)
+    if status == 200 and stream:  # (a stream whose headers went out before the refusal: in its events)
+        events = [json.loads(line.removeprefix("data: ")) for line in text.splitlines() if line.startswith("data: ")]
+        errors = [e for e in events if e.get("type") == "error"]
+        assert len(errors) == 1, text
+        said = errors[0]
+    else:
+        assert status == 400, text
+        said = json.loads(text)["error"]
+    assert "nest deeper than" in said["message"] and said["param"] == "input[1].arguments", said

@@ -50,3 +50,22 @@ def test_a_string_input_is_named_input() -> None:
     origins = to_chat({"model": "m", "input": [CALL, OUTPUT, {"role": "user", "content": "go"}]}, False).origins
     assert caller_param("messages[0].tool_calls", origins) == "input[0]"
     assert caller_param("messages[2].content", origins) == "input[2].content"
+
+
+def test_a_refusal_that_ends_a_stream_names_the_field_as_the_request_wrote_it() -> None:
+    """A worker's refusal names its chat completion run's field; a Response's stream ends with it
+    named as the caller wrote it (a whole answer's, by the same `own_names`)."""
+    import json
+
+    from common.api_error import ApiError
+    from common.wire import ErrorCode
+    from gateway.responses_output import ResponseShape
+
+    translated = to_chat(BODY, True)
+    shape = ResponseShape("run_" + "0" * 32, "m", translated.echo, origins=translated.origins)
+    error = ApiError(ErrorCode.INVALID_REQUEST, "too deep", status=400, detail={
+        "message": "too deep", "type": "invalid_request_error",
+        "param": "messages[2].tool_calls[1].function.arguments", "code": None})
+    events = [json.loads(line.removeprefix(b"data: ")) for line in shape.failed(error).splitlines()
+              if line.startswith(b"data: ")]
+    assert [e["param"] for e in events if e["type"] == "error"] == ["input[4].arguments"]
