@@ -589,8 +589,9 @@ class Runner:
         and nothing was sent yet, else fail it. A provider that answered with a server error is
         not tried again: the run goes back only if another provider of the model is available. One
         that cannot do what the request asks (`Retry.UNABLE`) used up no attempt: the run goes to
-        another provider whatever its attempts (each provider is tried once: they are finite), with
-        `body` (the record's, if its start deleted it) for the next attempt."""
+        another provider whatever its attempts, while one it was not tried on is available (so such
+        refusals are at most one fewer than the model's providers), with `body` (the record's, if its start
+        deleted it) for the next attempt."""
         att.stopping = True  # (ending: a cancel now is not raised into it, see `cancel`)
         unable = retry is Retry.UNABLE
         again = not att.output and (unable or not att.last()) and (
