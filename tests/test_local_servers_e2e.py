@@ -205,10 +205,16 @@ async def test_a_model_a_router_without_autoload_has_not_loaded_is_not_served_th
             session.post(f"{servers.url}/router-manual/models/load", json={"model": "router-cold"}) as resp:
         assert resp.status == 200 and await resp.json() == {"success": True}
 
+    await served_once_listed(stack, servers, gateway, stream, "the router's loaded model listed")
+
+
+async def served_once_listed(stack: Stack, servers: LocalServers, gateway: str, stream: bool, what: str) -> None:
+    """Once c-manual's probe lists `router-cold`, a run of `m-cold` is served there: the router's
+    first call for that model."""
     async def listed() -> bool:
         return "router-cold" in observed(stack, "c-manual")
 
-    await async_wait_until(listed, what="the router's loaded model listed")
+    await async_wait_until(listed, what=what)
     status, text = await ask(gateway, "/v1/chat/completions", chat("m-cold", stream))
     assert status == 200 and "hello" in text, text
     assert servers.calls["router-manual"]["router-cold"] == 1, servers.calls
@@ -226,13 +232,7 @@ async def test_a_router_started_anew_with_its_default_serves_its_unloaded_models
     router.autoload = True
     router.models.update({name: "unloaded" for name in router.models})  # (a router starts with none loaded)
 
-    async def listed() -> bool:
-        return "router-cold" in observed(stack, "c-manual")
-
-    await async_wait_until(listed, what="the router's unloaded model listed again")
-    status, text = await ask(gateway, "/v1/chat/completions", chat("m-cold", False))
-    assert status == 200 and "hello" in text, text
-    assert servers.calls["router-manual"]["router-cold"] == 1, servers.calls
+    await served_once_listed(stack, servers, gateway, False, "the router's unloaded model listed again")
 
 
 @pytest.mark.parametrize("stream", [False, True])
