@@ -19,8 +19,8 @@ class Retry(StrEnum):
     ELSEWHERE = "elsewhere"  # the provider answered 5xx/429: only another provider, each at most once
     ANY = "any"  # the provider could not be reached or broke off: any provider (others first)
     #: this provider cannot do what the request asks (a 400 saying so: a CLI tool's tools, an Ollama
-    #: model without tools, llama-server's `n` over its slots): another provider of the model, each at
-    #: most once, without using up one of the run's attempts (it only asked; nothing was generated)
+    #: model without tools, llama-server's `n` over its slots): another provider of the model that the
+    #: run was not tried on, without using up one of its attempts (it only asked; nothing was generated)
     UNABLE = "unable"
 
 
