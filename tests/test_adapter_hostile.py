@@ -1844,6 +1844,28 @@ def test_an_error_in_a_stream_saying_the_provider_lacks_the_model_goes_to_anothe
     assert parser.failed.strikes == err.strikes
 
 
+@pytest.mark.parametrize(("provider_type", "error", "status"), [
+    # Lemonade's stream gives its backend's status (an OpenRouter behind it: a request larger than
+    # the credits left pay for); vLLM's 4xx that names a `param` (a server that refuses extras)
+    ("lemonade", {"message": "This request requires more credits, or fewer max_tokens. You requested up to "
+                             "65536 tokens, but can only afford 3919", "status_code": 402}, 402),
+    ("vllm", {"message": "Extra inputs are not permitted", "param": "top_k", "code": 400,
+              "type": "BadRequestError"}, 400),
+    ("sglang", {"message": "Unrecognized request argument supplied: top_k", "code": 400}, 400),
+])
+def test_a_callers_error_another_provider_may_serve_is_tried_there_sent_in_a_stream_as_answered_whole(
+        provider_type: str, error: dict[str, Any], status: int) -> None:
+    """The same rule in a stream as for the error answered whole (`callers_retry`): another provider
+    first, no attempt used up, the caller's answer (with its status) when none is left."""
+    from workers.adapters.failures import answered_error
+    from workers.adapters.openai_compat import sent_error
+
+    err = sent_error("p", error, 500, provider_type, "served-m")
+    whole = answered_error("p", status, error["message"], error, "served-m")
+    assert (err.retry, err.status, err.strikes) == (Retry.UNABLE, status, 0)
+    assert (whole.retry, whole.status, whole.strikes) == (err.retry, err.status, err.strikes)
+
+
 @pytest.mark.parametrize(("message", "unknown"), [
     ("Unrecognized request argument supplied: top_k", True),  # (OpenAI's, Azure's)
     ('{"detail":[{"type":"extra_forbidden","loc":["body","top_k"],"msg":"Extra inputs are not permitted"}]}',
@@ -1857,7 +1879,7 @@ def test_an_error_in_a_stream_saying_the_provider_lacks_the_model_goes_to_anothe
 def test_which_refusals_say_a_field_is_unknown_to_the_server(message: str, unknown: bool) -> None:
     """A field one server does not know another of the model may take (vLLM takes `top_k`): such a
     400 or 422 is tried elsewhere first (`another_may`); a value the caller got wrong is not."""
-    from workers.adapters.openai_compat import UNKNOWN_FIELD
+    from workers.adapters.failures import UNKNOWN_FIELD
 
     assert bool(UNKNOWN_FIELD.search(message)) is unknown
 

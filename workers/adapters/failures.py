@@ -355,6 +355,25 @@ def asked_wait_s(headers: Mapping[str, str] | None, detail: dict[str, Any] | Non
 FORBIDDEN = 403
 
 
+#: how a server says a request carries a field it does not know (the runner may first ask again
+#: without `stream_options`, or with the limit's other name): OpenAI's and Azure's "Unrecognized request
+#: argument supplied", pydantic's "Extra inputs are not permitted" (Mistral's 422), Google's `Unknown
+#: name "x"` (Gemini's), OpenAI's "Unsupported parameter". Another provider of the model may know it
+#: (vLLM takes `top_k`, OpenAI does not): `Retry.UNABLE`
+UNKNOWN_FIELD = re.compile(r"unrecognized request argument|extra inputs are not permitted|unknown name \"|"
+                           r"unsupported parameter", re.IGNORECASE)
+
+
+def callers_retry(status: int, message: str) -> Retry:
+    """Whether a caller's error (`callers_fault`) is tried on another provider first, answered
+    whole or sent in a stream alike: a 402 for a request larger than this account's credits pay
+    for (another provider's may), or a 400 or 422 saying the request carries a field this server
+    does not know (`UNKNOWN_FIELD`: another may take it) is (`Retry.UNABLE`: no attempt used up);
+    any other is the caller's answer at once."""
+    unable = status == PAYMENT_REQUIRED or (status in (400, 422) and bool(UNKNOWN_FIELD.search(message)))
+    return Retry.UNABLE if unable else Retry.NO
+
+
 def another_may(error: ProviderError) -> ProviderError:
     """A caller's 4xx that says what this server cannot do, not what the request did wrong (Ollama's
     `"m" does not support tools`, llama-server's `n` over its slots): tried on another provider
@@ -406,9 +425,8 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
         if detail is not None:  # (its other text fields on one line too, and short)
             detail = {**detail, **{name: one_line(value, MAX_FIELD_CHARS) for name in ("type", "param", "code")
                                    if isinstance(value := detail.get(name), str)}, "message": message}
-        # (a request larger than this account's credits pay for: another provider's may, `Retry.UNABLE`)
         return ProviderError(f"provider {provider_id} answered {status}: {message}", status=status, detail=detail,
-                             retry=Retry.UNABLE if status == PAYMENT_REQUIRED else Retry.NO, strikes=0)
+                             retry=callers_retry(status, message), strikes=0)
     refused = status in CREDENTIALS_REFUSED
     hint = (PROXY_CREDENTIALS if status == PROXY_AUTH
             else " (it refused iop's credentials: check the provider's api_key_env)" if refused else "")

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
-import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from typing import Any
@@ -51,6 +50,7 @@ from workers.adapters.failures import (
     MAX_FIELD_CHARS,
     another_may,
     answered_error,
+    callers_retry,
     model_gone,
     one_line,
     probe_answered,
@@ -281,7 +281,7 @@ def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: st
         detail = {**error, **{name: one_line(value, MAX_FIELD_CHARS) for name in ("type", "param", "code")
                               if isinstance(value := error.get(name), str)}, "message": text}
         return ProviderError(f"provider {provider_id} sent an error: {text}", status=status, detail=detail,
-                             retry=Retry.NO, strikes=0)
+                             retry=callers_retry(status, text), strikes=0)
     return ProviderError(f"provider {provider_id} sent an error: {text}",
                          detail=error if isinstance(error, dict) else None, retry=Retry.ELSEWHERE, strikes=0)
 
@@ -291,13 +291,6 @@ def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: st
 N_OVER_SLOTS = "Field 'n': Value must be between "
 
 
-#: how a server says a request carries a field it does not know (the runner may first ask again
-#: without `stream_options`, or with the limit's other name): OpenAI's and Azure's "Unrecognized request
-#: argument supplied", pydantic's "Extra inputs are not permitted" (Mistral's 422), Google's `Unknown
-#: name "x"` (Gemini's), OpenAI's "Unsupported parameter". Another provider of the model may know it
-#: (vLLM takes `top_k`, OpenAI does not): `another_may`
-UNKNOWN_FIELD = re.compile(r"unrecognized request argument|extra inputs are not permitted|unknown name \"|"
-                           r"unsupported parameter", re.IGNORECASE)
 #: a llama-server router started with `--no-models-autoload` asked for a model it lists but has not
 #: loaded (tools/server/server-models.cpp `router_validate_model`): its operator's to load
 ROUTER_NOT_LOADED = "model is not loaded"
@@ -568,9 +561,8 @@ class OpenAICompatAdapter:
                                 strikes=None)
         error = answered_error(self.provider.id, resp.status, message, detail,
                                served if isinstance(served, str) else None, resp.headers)
-        if (self.provider.type == "llamacpp" and resp.status == 400 and message.startswith(N_OVER_SLOTS)) or (
-                resp.status in (400, 422) and error.retry is Retry.NO and UNKNOWN_FIELD.search(message)):
-            error = another_may(error)  # (a server with more slots takes it; one that knows the field)
+        if self.provider.type == "llamacpp" and resp.status == 400 and message.startswith(N_OVER_SLOTS):
+            error = another_may(error)  # (a server with more slots takes it)
         try:
             raise error
         finally:  # (held by this frame, which its traceback holds: a cycle left to the collector)
