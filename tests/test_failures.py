@@ -60,6 +60,12 @@ GEMINI_429 = {"code": 429, "message": "You exceeded your current quota", "status
     ({"retry-after-ms": "soon", "Retry-After": "7"}, None, 7),  # (not a number: the next that says)
     ({"retry-after-ms": "-5"}, None, None), ({"retry-after-ms": "1e9"}, None, None),
     ({"retry-after-ms": "٣"}, None, None),  # (an Arabic-Indic 3)
+    # (a wait of more digits than a double holds exactly is the longest kept, as a Retry-After of as many
+    # seconds is: it was none, and the provider that asked for 10^30 ms was asked again a second later)
+    ({"retry-after-ms": "1" + "0" * 30}, None, 60), ({"retry-after-ms": "9" * 16, "Retry-After": "3"}, None, 60),
+    ({"retry-after-ms": "0" * 20 + "5000"}, None, 5),
+    ({}, {"details": [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "9" * 16 + "s"}]}, 60),
+    ({}, {"details": [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "1e309s"}]}, None),
     ({"Retry-After": "7"}, GEMINI_429, 7),  # (a header first)
     ({}, GEMINI_429, 46), (None, GEMINI_429, 46),  # (Gemini's, in its error only)
     ({}, {"details": [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "90s"}]}, 60),

@@ -313,16 +313,21 @@ RETRY_AFTER_MS = "retry-after-ms"
 #: The type of a Google API error's detail that says how long to wait: Gemini's 429 says it only there
 #: (`{"@type": …, "retryDelay": "47s"}`, a protobuf Duration), with no `Retry-After`
 RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
-_DECIMAL = re.compile(r"[0-9]{1,15}(?:\.[0-9]{1,9})?")
+_DECIMAL = re.compile(r"([0-9]+)(?:\.[0-9]+)?")
+#: the most digits of a wait's whole part read as a number: more is longer than any wait kept
+_WAIT_DIGITS = 15
 
 
 def _whole_seconds(number: str, per_second: int) -> int | None:
     """A decimal number of `1 / per_second` seconds as whole seconds (rounded up), at most
-    `MAX_RETRY_AFTER_S`; None when it is not one."""
-    text = number.strip()
-    if not _DECIMAL.fullmatch(text):
+    `MAX_RETRY_AFTER_S`; None when it is not one. However many digits it has: a wait of 10^30 ms is
+    the longest kept, as a `Retry-After` of as many seconds is (`parse_retry_after`), not none (1 s)."""
+    match = _DECIMAL.fullmatch(number.strip())
+    if match is None:
         return None
-    return min(math.ceil(float(text) / per_second), MAX_RETRY_AFTER_S)
+    if len(match.group(1).lstrip("0")) > _WAIT_DIGITS:
+        return MAX_RETRY_AFTER_S
+    return min(math.ceil(float(match.group(0)) / per_second), MAX_RETRY_AFTER_S)
 
 
 def retry_info_s(detail: dict[str, Any] | None) -> int | None:

@@ -1,0 +1,193 @@
+"""Hostile or broken hosted providers (`openai_api`) against real iop processes and a real Redis:
+refusals of a field no provider of the model knows (`Retry.UNABLE`), an account out of credits, hostile
+waits, and errors inside a stream after output began. Each caller gets an OpenAI-shaped answer in
+bounded time, no run is executed twice after output, and nothing of the run is left in Redis but its
+record and events (with their TTL)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+import redis as sync_redis
+from aiohttp import web
+
+from tests.conftest import Stack
+from tests.fakes.serving import ThreadedServer
+from tests.test_e2e import FAST_RUNTIME, wait_available
+
+pytestmark = pytest.mark.e2e
+
+Handler = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
+
+
+class Hostile(ThreadedServer):
+    """An OpenAI-compatible API listing `served`, whose chat answers are `handler`'s (set by the test)."""
+
+    def __init__(self, served: list[str], handler: Handler) -> None:
+        super().__init__()
+        self.served = served
+        self.handler = handler
+        self.calls: Counter[str] = Counter()
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": s, "object": "model"} for s in self.served]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.calls[body["model"]] += 1
+        return await self.handler(request, body)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+
+def chunk(served: str, content: str | None = None, finish: str | None = None, **extra: Any) -> bytes:
+    delta = {"content": content} if content is not None else {}
+    obj = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": served,
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def events(request: web.Request, *parts: bytes, pause_s: float = 0.0) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for part in parts:
+        await resp.write(part)
+        if pause_s:
+            await asyncio.sleep(pause_s)
+    await resp.write_eof()
+    return resp
+
+
+async def ok(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    served = body["model"]
+    if body.get("stream"):
+        return await events(request, chunk(served, "hello"), chunk(served, None, "stop"), b"data: [DONE]\n\n")
+    return web.json_response({"id": "x", "object": "chat.completion", "created": 1, "model": served,
+                              "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                                           "finish_reason": "stop"}]})
+
+
+def error(status: int, obj: Any, headers: dict[str, str] | None = None) -> Handler:
+    async def handle(_: web.Request, __: dict[str, Any]) -> web.StreamResponse:
+        return web.json_response(obj, status=status, headers=headers)
+    return handle
+
+
+UNRECOGNIZED = error(400, {"error": {"message": "Unrecognized request argument supplied: top_k",
+                                     "type": "invalid_request_error", "param": None, "code": None}})
+EXTRA_FORBIDDEN = error(422, {"object": "error", "message": {"detail": [
+    {"type": "extra_forbidden", "loc": ["body", "nobody_sent_this"], "msg": "Extra inputs are not permitted",
+     "input": 1}]}, "type": "invalid_request_error", "param": None, "code": None})
+
+
+def start(stack: Stack, servers: dict[str, Hostile], queue: dict[str, int] | None = None,
+          runtime: dict[str, Any] | None = None) -> str:
+    """Model `m` served by each provider (its first served name), one node, scheduler, worker, gateway."""
+    providers = [{"id": pid, "type": "openai_api", "base_url": server.url + "/v1", "capacity": 2,
+                  "models": server.served, "read_timeout_ms": 60_000} for pid, server in servers.items()]
+    stack.write_config({"models": [{"id": "m", "providers": {pid: s.served[0] for pid, s in servers.items()}}],
+                        "nodes": [{"id": "n1", "providers": providers}],
+                        "runtime": {**FAST_RUNTIME, **(runtime or {})},
+                        "queue": {"max_attempts": 3, **(queue or {})}})
+    stack.scheduler()
+    stack.worker("n1")
+    url = stack.gateway()
+    wait_available(stack.redis_url, list(servers))
+    return url
+
+
+async def ask(gateway: str, stream: bool = False, **extra: Any) -> tuple[int, dict[str, str], str, float]:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **extra}
+    began = time.monotonic()
+    async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json=body) as resp:
+        return resp.status, dict(resp.headers), await resp.text(), time.monotonic() - began
+
+
+def leftovers(stack: Stack) -> dict[str, Any]:
+    """What Redis holds of runs that should have ended: leases, queued entries, pending runs, node jobs,
+    in-progress markers, bodies, records not ended or without a TTL."""
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        left: dict[str, Any] = {}
+        for key in r.scan_iter("iop:leases:*"):
+            if r.zcard(key):
+                left[key.decode()] = r.zrange(key, 0, -1)
+        for key in r.scan_iter("iop:runs:*"):
+            if r.xlen(key):
+                left[key.decode()] = r.xrange(key)
+        for key in r.scan_iter("iop:node:*"):
+            if r.zcard(key):
+                left[key.decode()] = r.zrange(key, 0, -1)
+        for key in r.scan_iter("arq:in-progress:*"):
+            left[key.decode()] = r.get(key)
+        for key in r.scan_iter("iop:run:*"):
+            record = r.hgetall(key)
+            if b"body" in record or record.get(b"state") not in (b"completed", b"failed", b"cancelled",
+                                                                 b"timed_out") or r.ttl(key) < 0:
+                left[key.decode()] = {k.decode(): v[:80] for k, v in record.items()}
+        return left
+    finally:
+        r.close()
+
+
+def records(stack: Stack) -> list[dict[str, str]]:
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        return [{k.decode(): v.decode(errors="replace")[:200] for k, v in r.hgetall(key).items() if k != b"body"}
+                for key in r.scan_iter("iop:run:*")]
+    finally:
+        r.close()
+
+
+def bench_left_s(stack: Stack, provider: str, served: str) -> float:
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        until = r.hget(f"iop:provider:{provider}", f"bench:{served}")
+    finally:
+        r.close()
+    return max(0.0, (int(until) - time.time() * 1000) / 1000) if until else 0.0
+
+
+RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
+
+
+@pytest.mark.parametrize(("status", "headers", "details", "wait"), [
+    # (a wait of more digits than a double holds exactly: the longest kept, as a Retry-After of as many
+    # seconds is; it was none, 1 s, and the API that asked for 10^30 ms was asked again a second later)
+    (429, {"retry-after-ms": "1" + "0" * 30}, None, 60),
+    (429, {}, [{"@type": RETRY_INFO, "retryDelay": "9" * 20 + "s"}], 60),
+    # (hostile or broken waits say nothing: 1 s, or a minute for an account out of credits)
+    (429, {"retry-after-ms": "1e309", "Retry-After": "-5"}, [{"@type": RETRY_INFO, "retryDelay": "-5s"}], 1),
+    (429, {"retry-after-ms": "NaN", "Retry-After": "Fri, 31 Dec 9999 23:59:59 GMT"}, None, 60),
+    (402, {"Retry-After": "1.5"}, [{"@type": RETRY_INFO, "retryDelay": "1e309s"}], 60),
+    (503, {"retry-after-ms": "999999999s"}, [{"@type": RETRY_INFO, "retryDelay": 5}], 1),
+])
+async def test_a_hostile_wait_is_a_caller_answer_and_a_bench_within_a_minute(
+        stack: Stack, status: int, headers: dict[str, str], details: list[Any] | None, wait: int) -> None:
+    """The caller of a model whose only provider answered so gets a 503 at once with `Retry-After` of
+    that wait, and the model is benched there as long."""
+    obj = {"error": {"code": status, "message": "slow down", "status": "RESOURCE_EXHAUSTED",
+                     **({"details": details} if details is not None else {})}}
+    with Hostile(["a-m"], error(status, obj, headers)) as a:
+        try:
+            gateway = start(stack, {"a": a})
+            status_got, got, text, took = await ask(gateway)
+            assert status_got == 503, text
+            assert json.loads(text)["error"]["code"] == "provider_error", text
+            assert got["Retry-After"] == str(wait), (got, text)
+            assert wait - 3 < bench_left_s(stack, "a", "a-m") <= wait, (wait, bench_left_s(stack, "a", "a-m"))
+            assert took < 5 and a.calls["a-m"] == 1
+            assert leftovers(stack) == {}
+        finally:
+            stack.stop_all()
