@@ -192,13 +192,14 @@ class RunClient:
 
     def follow_deadline_s(self, model_id: str | None) -> float:
         """How long following a run of this model may take, at most: every attempt may wait out
-        its queue and execution timeouts, and each provider but one may refuse it as unable to do
-        what it asks, after a wait in the queue, with none of the attempts used up; plus a grace."""
+        its queue and execution timeouts, and so may each of those that used none of the attempts up,
+        its provider unable to do what it asks (one for each provider but one: its refusal may come as
+        late as its execution timeout, as any answer may); plus a grace."""
         model = self.config.model(model_id or "")
         policy = self.config.queue_for(model) if model is not None else self.config.queue
         attempt_ms = policy.queue_timeout_ms + policy.execution_timeout_ms
-        unable_ms = policy.queue_timeout_ms * max(len(model.providers) - 1, 0) if model is not None else 0
-        return (attempt_ms * policy.max_attempts + unable_ms) / 1000 + FOLLOW_GRACE_S
+        unable = max(len(model.providers) - 1, 0) if model is not None else 0
+        return attempt_ms * (policy.max_attempts + unable) / 1000 + FOLLOW_GRACE_S
 
     def follow(self, run_id: str, last_id: str = "0", *, watch: bool = False,
                fresh: bool = False) -> Following:
