@@ -1824,6 +1824,13 @@ def test_which_errors_in_a_stream_say_a_status(provider_type: str, error: Any, s
                 "code": 404}, True),
     ("lemonade", {"message": "project may not use served-m", "status_code": 403}, True),
     ("lemonade", {"message": "no access", "status_code": 403, "code": "model_not_found"}, True),
+    # (a hosted API's, or a vLLM's without a `param`: its `code` is no status of the caller's, but still says
+    # which model the provider lacks; it was a sign of life, strikes 0, which put off the probe that finds
+    # the model gone from its list, so every run of the model went there first)
+    ("openai_api", {"code": 404, "message": "The model `served-m` does not exist or you do not have access to it."},
+     True),
+    ("vllm", {"object": "error", "message": "The model `served-m` does not exist.", "type": "NotFoundError",
+              "code": 404}, True),
     # one that names another model (or none) is the caller's, as before
     ("lemonade", {"message": "adapter 'x' not found", "status_code": 404}, False),
     ("lemonade", {"message": "model 'served-m-lora' not found", "status_code": 404}, False),

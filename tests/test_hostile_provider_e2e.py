@@ -35,9 +35,11 @@ class Hostile(ThreadedServer):
         self.served = served
         self.handler = handler
         self.calls: Counter[str] = Counter()
+        #: what its model list names (a test takes a model away, as a hosted API retires one)
+        self.listed = list(served)
 
     async def _models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": s, "object": "model"} for s in self.served]})
+        return web.json_response({"object": "list", "data": [{"id": s, "object": "model"} for s in self.listed]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -92,10 +94,10 @@ EXTRA_FORBIDDEN = error(422, {"object": "error", "message": {"detail": [
 
 
 def start(stack: Stack, servers: dict[str, Hostile], queue: dict[str, int] | None = None,
-          runtime: dict[str, Any] | None = None) -> str:
+          runtime: dict[str, Any] | None = None, **provider: Any) -> str:
     """Model `m` served by each provider (its first served name), one node, scheduler, worker, gateway."""
     providers = [{"id": pid, "type": "openai_api", "base_url": server.url + "/v1", "capacity": 2,
-                  "models": server.served, "read_timeout_ms": 60_000} for pid, server in servers.items()]
+                  "models": server.served, "read_timeout_ms": 60_000, **provider} for pid, server in servers.items()]
     stack.write_config({"models": [{"id": "m", "providers": {pid: s.served[0] for pid, s in servers.items()}}],
                         "nodes": [{"id": "n1", "providers": providers}],
                         "runtime": {**FAST_RUNTIME, **(runtime or {})},
@@ -188,6 +190,37 @@ async def test_a_hostile_wait_is_a_caller_answer_and_a_bench_within_a_minute(
             assert got["Retry-After"] == str(wait), (got, text)
             assert wait - 3 < bench_left_s(stack, "a", "a-m") <= wait, (wait, bench_left_s(stack, "a", "a-m"))
             assert took < 5 and a.calls["a-m"] == 1
+            assert leftovers(stack) == {}
+        finally:
+            stack.stop_all()
+
+
+async def test_a_hosted_api_that_says_in_its_stream_it_lacks_the_model_is_not_shown_alive_by_it(stack: Stack) -> None:
+    """A hosted API that retired the model (gone from its list) and says so in its stream before any output
+    (`{"error": {"code": 404, "message": "The model `a-m` does not exist …"}}`, OpenRouter's shape), in a
+    pool of `max_attempts: 1`: its caller gets a 502, and the error is no sign of life, as the same 404
+    answered whole is not, so the probe that finds the model gone from the list comes within a probe
+    interval, and the model's runs go to the other provider from then on. It was a sign of life (strikes 0:
+    `said_status` reads no status from an `openai_api`'s `code`): each failed run refreshed it, the probe
+    never came, and every run of the model went there first (the first by id) and failed, for as long as
+    runs came (no blame either: no other provider served them)."""
+    async def gone(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        message = f"The model `{body['model']}` does not exist or you do not have access to it."
+        return await events(request, b"data: " + json.dumps({"error": {"code": 404, "message": message}}).encode()
+                            + b"\n\n")
+
+    with Hostile(["a-m"], gone) as a, Hostile(["b-m"], ok) as b:
+        try:
+            gateway = start(stack, {"a": a, "b": b}, queue={"max_attempts": 1}, probe_interval_ms=1000)
+            a.loop.call_soon_threadsafe(a.listed.clear)  # (retired: its next probe finds it gone)
+            answers: Counter[int] = Counter()
+            began = time.monotonic()
+            while time.monotonic() - began < 5:
+                status, _, text, _ = await ask(gateway, stream=True)
+                answers[status] += 1
+                assert status == 200 and "hello" in text or status == 502 and "does not exist" in text, text
+            # (a's probe is due a probe interval after its last sign of life: a second or two of runs at most)
+            assert answers[502] < answers[200] / 2, (answers, a.calls, b.calls)
             assert leftovers(stack) == {}
         finally:
             stack.stop_all()

@@ -272,7 +272,10 @@ def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: st
     stream as in an answer (Lemonade's stream gives its backend's status)."""
     text = error_text(error, error_chars)
     status = said_status(error, provider_type)
-    if status is not None and isinstance(error, dict) and model_gone(status, text, error, served):
+    # (whose `code` says 404 or 403, whatever its server: a hosted API's, OpenRouter's, a vLLM's without a
+    # `param`, whose `code` is no status of the caller's, still says which model it lacks)
+    gone = status if status is not None else _status(error.get("code")) if isinstance(error, dict) else None
+    if gone is not None and isinstance(error, dict) and model_gone(gone, text, error, served):
         # (nothing either way, as answered whole: a sign of life would put off the probe that finds
         # the model gone from its list, and every run of it would be sent there first)
         return ProviderError(f"provider {provider_id} sent an error: {text}", detail=error, retry=Retry.ELSEWHERE,
