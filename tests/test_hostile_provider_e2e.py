@@ -224,3 +224,100 @@ async def test_a_hosted_api_that_says_in_its_stream_it_lacks_the_model_is_not_sh
             assert leftovers(stack) == {}
         finally:
             stack.stop_all()
+
+
+async def aborted(request: web.Request, _: dict[str, Any]) -> web.StreamResponse:
+    """The connection dropped before any answer (a provider that died)."""
+    assert request.transport is not None
+    request.transport.abort()
+    return web.Response(status=500)  # (never sent)
+
+
+def run_counts(stack: Stack) -> Counter[tuple[str, str, str]]:
+    """(state, attempts, unable) of every run."""
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        counts: Counter[tuple[str, str, str]] = Counter()
+        for key in r.scan_iter("iop:run:*"):
+            state, attempts, unable = (v.decode() if v is not None else "0"
+                                       for v in r.hmget(key, "state", "attempts", "unable"))
+            counts[state, attempts, unable] += 1
+        return counts
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize(("other", "max_attempts", "answer"), [
+    # (both refuse a field they do not know: each asked once, the last one's refusal is the caller's)
+    ("extra_forbidden", 1, {400, 422}),
+    # (the other dies: its fault is the caller's 502 when it was the run's last attempt by max_attempts, else
+    # the run goes back, to the one that refused it, which refuses it again; once its strikes take it down,
+    # a run refused as unable has no provider left: the refusal, at once)
+    ("dies", 1, {400, 502}),
+    ("dies", 3, {400, 502}),
+])
+async def test_a_field_a_provider_does_not_know_bounces_a_run_nowhere_for_good(
+        stack: Stack, other: str, max_attempts: int, answer: set[int]) -> None:
+    """A refusal of a field the provider does not know (`Retry.UNABLE`) bounces a run between no two
+    providers for good: 20 callers at once, half of them streaming, each answered OpenAI-shaped within
+    seconds; every run ended, with at most one unable refusal (one fewer than the providers) and at
+    most `max_attempts` more; nothing of them left in Redis but their records and events."""
+    with Hostile(["a-m"], UNRECOGNIZED) as a, Hostile(["b-m"], EXTRA_FORBIDDEN if other != "dies" else aborted) as b:
+        try:
+            gateway = start(stack, {"a": a, "b": b}, queue={"max_attempts": max_attempts})
+            answers = await asyncio.wait_for(asyncio.gather(*(ask(gateway, i % 2 == 0) for i in range(20))), 30)
+            for status, _, text, took in answers:
+                assert status in answer, text
+                assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}, text
+                assert took < 10
+            assert leftovers(stack) == {}
+            counts = run_counts(stack)
+            assert sum(counts.values()) == 20, counts
+            for state, attempts, unable in counts:
+                assert state == "failed" and int(unable) <= 1 and int(attempts) <= max_attempts + int(unable), counts
+            assert a.calls["a-m"] + b.calls["b-m"] <= 20 * (max_attempts + 1) * 3, (a.calls, b.calls)  # (3 sends a try)
+        finally:
+            stack.stop_all()
+
+
+async def test_a_refusal_while_the_other_provider_is_drained_is_the_callers_at_once(stack: Stack) -> None:
+    """No untried provider to take it (the other drained): the caller's 400 at once, not after its
+    queue timeout."""
+    with Hostile(["a-m"], UNRECOGNIZED) as a, Hostile(["b-m"], ok) as b:
+        try:
+            gateway = start(stack, {"a": a, "b": b}, queue={"queue_timeout_ms": 10_000})
+            r = sync_redis.Redis.from_url(stack.redis_url)
+            r.set("iop:drain:b", "1")
+            r.close()
+            status, _, text, took = await ask(gateway, top_k=5)
+            assert status == 400 and "top_k" in text and took < 5, (status, text, took)
+            assert b.calls["b-m"] == 0 and leftovers(stack) == {}
+        finally:
+            stack.stop_all()
+
+
+@pytest.mark.parametrize("said", [
+    {"code": 404, "message": "The model `a-m` does not exist or you do not have access to it."},
+    {"code": 402, "message": "Insufficient credits. Add more using https://openrouter.ai/credits"},
+])
+async def test_an_error_in_a_stream_after_output_ends_it_and_goes_nowhere_else(
+        stack: Stack, said: dict[str, Any]) -> None:
+    """Output went out: the caller gets it and the error (in the stream, then `[DONE]`), and the run is
+    tried nowhere else (the caller would see text twice)."""
+    async def half(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        return await events(request, chunk(body["model"], "Half an"),
+                            b"data: " + json.dumps({"error": said}).encode() + b"\n\n", pause_s=0.05)
+
+    with Hostile(["a-m"], half) as a, Hostile(["b-m"], ok) as b:
+        try:
+            gateway = start(stack, {"a": a, "b": b})
+            status, _, text, _ = await ask(gateway, stream=True)
+            assert status == 200, text
+            datas = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+            assert "Half an" in datas[0] and datas[-1] == "[DONE]", text
+            assert json.loads(datas[-2])["error"]["message"] == f"provider a sent an error: {said['message']}"
+            assert (a.calls["a-m"], b.calls["b-m"]) == (1, 0)
+            assert leftovers(stack) == {}
+            assert run_counts(stack) == Counter({("failed", "1", "0"): 1})
+        finally:
+            stack.stop_all()
