@@ -117,8 +117,8 @@ async def ask(gateway: str, stream: bool = False, **extra: Any) -> tuple[int, di
 
 
 def leftovers(stack: Stack) -> dict[str, Any]:
-    """What Redis holds of runs that should have ended: leases, queued entries, pending runs, node jobs,
-    in-progress markers, bodies, records not ended or without a TTL."""
+    """What Redis holds of runs that should have ended: leases, queued entries, node jobs, in-progress
+    markers, bodies, records not ended, records or events without a TTL."""
     r = sync_redis.Redis.from_url(stack.redis_url)
     try:
         left: dict[str, Any] = {}
@@ -133,6 +133,9 @@ def leftovers(stack: Stack) -> dict[str, Any]:
                 left[key.decode()] = r.zrange(key, 0, -1)
         for key in r.scan_iter("arq:in-progress:*"):
             left[key.decode()] = r.get(key)
+        for key in r.scan_iter("iop:events:*"):
+            if r.ttl(key) < 0:
+                left[key.decode()] = "no TTL"
         for key in r.scan_iter("iop:run:*"):
             record = r.hgetall(key)
             if b"body" in record or record.get(b"state") not in (b"completed", b"failed", b"cancelled",
