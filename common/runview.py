@@ -47,6 +47,8 @@ def run_view(run_id: str, raw: Mapping[bytes, bytes], *, operator: bool = True) 
         "target": _text(raw, RunField.TARGET),
         "worker": _text(raw, RunField.WORKER),
         "attempts": _int(raw, RunField.ATTEMPTS) or 0,
+        "unable": _int(raw, RunField.UNABLE) or 0,
+        "max_attempts": _int(raw, RunField.MAX_ATTEMPTS),
         "tried": [p for p in tried.split(",") if p] if tried else [],
         "output": _text(raw, RunField.OUTPUT) == "1",
     }

@@ -189,6 +189,8 @@ class RunField(StrEnum):
     CREATED_MS = "created_ms"
     ENTRY = "entry"  # id of its entry in the model's runs stream (read only while it is queued)
     ATTEMPTS = "attempts"
+    MAX_ATTEMPTS = "max_attempts"  # the queue's max_attempts when the run was queued
+    UNABLE = "unable"  # attempts whose provider could not do what was asked: none of max_attempts used up
     PROVIDER = "provider"
     NODE = "node"
     TARGET = "target"

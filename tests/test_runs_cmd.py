@@ -19,8 +19,9 @@ def write_run(url: str) -> list[str]:
     r.hset(keys.run_record(RUN), mapping={
         "model": "qwen3.6:35b", "kind": "chat", "stream": "1", "body": b"\x80", "state": "failed",
         "created_ms": 1_700_000_000_000, "dispatched_ms": 1_700_000_000_012, "started_ms": 1_700_000_000_015,
-        "finished_ms": 1_700_000_000_900, "attempts": 2, "tried": "vllm-a,sglang-b", "provider": "sglang-b",
-        "node": "gpu-2", "target": "qwen3.6-35b-a3b", "error_code": "provider_error", "error_message": "boom"})
+        "finished_ms": 1_700_000_000_900, "attempts": 3, "unable": 1, "max_attempts": 2,
+        "tried": "vllm-a,ollama-c,sglang-b", "provider": "sglang-b", "node": "gpu-2",
+        "target": "qwen3.6-35b-a3b", "error_code": "provider_error", "error_message": "boom"})
     ids = [r.xadd(keys.run_events(RUN), event_fields(t, d)).decode() for t, d in (
         ("dispatched", {"provider": "sglang-b", "node": "gpu-2", "target": "qwen3.6-35b-a3b"}),
         ("started", {"attempt": 2}),
@@ -47,7 +48,9 @@ def test_show_prints_the_record_and_one_line_per_event(redis_url: str, capsys: p
     fields = dict(line.split(None, 1) for line in head)
     assert fields["state"] == "failed" and fields["kind"] == "chat (stream)"
     assert fields["provider"] == "sglang-b" and fields["target"] == "qwen3.6-35b-a3b"
-    assert fields["attempts"] == "2 (tried vllm-a, sglang-b)"
+    # (one attempt a provider refused as unable to do what was asked: not counted against max_attempts)
+    assert fields["attempts"] == ("3 (tried vllm-a, ollama-c, sglang-b; max_attempts 2; "
+                                  "1 refused as unable, not counted)")
     assert fields["created"] == "2023-11-14T22:13:20.000Z"
     assert fields["finished"] == "2023-11-14T22:13:20.900Z  (+900 ms)"
     assert fields["error"] == "provider_error: boom"
@@ -62,7 +65,8 @@ def test_show_json_is_the_runs_api_view_with_its_events(redis_url: str, capsys: 
     ids = write_run(redis_url)
     assert run_cli("runs", "show", RUN, "--redis", redis_url, "--json") == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["state"] == "failed" and shown["tried"] == ["vllm-a", "sglang-b"]
+    assert shown["state"] == "failed" and shown["tried"] == ["vllm-a", "ollama-c", "sglang-b"]
+    assert (shown["attempts"], shown["unable"], shown["max_attempts"]) == (3, 1, 2)
     assert shown["error"] == {"code": "provider_error", "message": "boom"}
     assert [e["id"] for e in shown["events"]] == ids
     assert shown["events"][0]["data"]["provider"] == "sglang-b"
