@@ -1790,7 +1790,10 @@ async def test_a_read_begun_after_the_caller_held_the_body_a_while_is_not_cut_at
     # vLLM's VLLMValidationError, raised as its engine takes the request (after the 200): names its param
     ("vllm", {"message": "Requested sample logprobs of 25", "type": "BadRequestError", "param": "logprobs",
               "code": 400}, 400),
-    ("vllm", {"message": "The server had an error", "type": "InternalServerError", "param": "x", "code": 500}, None),
+    # vLLM 0.34's GenerationError: its own status (older versions sent no 5xx in a stream), 503 while paused
+    ("vllm", {"message": "The server had an error", "type": "InternalServerError", "param": "x", "code": 500}, 500),
+    ("vllm", {"message": "Generation is paused. Please retry after it resumes.", "type": "InternalServerError",
+              "param": None, "code": 503}, 503),
     # SGLang: a stream carries an error before any output only for an abort with a status
     ("sglang", {"object": "error", "message": "Input length", "type": "BAD_REQUEST", "param": None, "code": 400}, 400),
     ("sglang", {"object": "error", "message": "timed out", "type": "SERVICE_UNAVAILABLE", "code": 503}, 503),
@@ -1812,8 +1815,31 @@ def test_which_errors_in_a_stream_say_a_status(provider_type: str, error: Any, s
     assert said_status(error, provider_type) == status
     err = sent_error("p", error, 500, provider_type)
     callers = status is not None and 400 <= status < 500
-    assert (err.retry, err.status) == ((Retry.NO, status) if callers else (Retry.ELSEWHERE, None))
+    # (another's status kept, as answered whole: a 503 is a busy provider, benched and not blamed)
+    assert (err.retry, err.status) == ((Retry.NO, status) if callers else (Retry.ELSEWHERE, status))
     assert err.strikes == 0
+
+
+@pytest.mark.parametrize(("error", "retry", "status"), [
+    # vLLM 0.34: a VLLMValidationError its engine raises after the 200 with no parameter (a schema xgrammar
+    # does not take): tried on another provider first, the caller's 400 when none is left
+    ({"message": "The provided JSON schema contains features not supported by xgrammar.",
+      "type": "BadRequestError", "param": None, "code": 400}, Retry.UNABLE, 400),
+    ({"message": "no param at all", "type": "BadRequestError", "code": 400}, Retry.UNABLE, 400),
+    # older vLLM (before 0.10, its flat shape): 400 for every fault of its streams, its engine's too
+    ({"object": "error", "message": "engine died", "type": "BadRequestError", "param": None, "code": 400},
+     Retry.ELSEWHERE, None),
+    # a 429 is not the caller's, param or not
+    ({"message": "rate", "type": "x", "param": None, "code": 429}, Retry.ELSEWHERE, None),
+])
+def test_a_vllm_4xx_in_a_stream_without_a_param_goes_elsewhere_then_to_the_caller(
+        error: dict[str, Any], retry: Retry, status: int | None) -> None:
+    from workers.adapters.openai_compat import sent_error
+
+    err = sent_error("p", error, 500, "vllm", "served-m")
+    assert (err.retry, err.status, err.strikes) == (retry, status, 0)
+    if retry is Retry.UNABLE:
+        assert err.detail is not None and err.detail["message"] == error["message"]
 
 
 @pytest.mark.parametrize(("provider_type", "error", "elsewhere"), [

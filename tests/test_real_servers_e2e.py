@@ -12,7 +12,12 @@
 - an SGLang LoRA adapter, which SGLang takes only as `base:adapter` and lists as `adapter` with
   its base as `parent`, can be served under the name SGLang takes;
 - a vLLM put to sleep (or paused), whose `/health` still answers 200 and which holds every request
-  it takes until it is woken, is unavailable, not sent runs that wait there for `read_timeout_ms`."""
+  it takes until it is woken, is unavailable, not sent runs that wait there for `read_timeout_ms`;
+- a server that says in its stream, after its 200, that it is too busy (SGLang's 503 for a full
+  queue, vLLM's 503 while paused) is busy, as when it answers so whole: benched for the model, not
+  blamed, and the caller's 503 says when to try again;
+- vLLM's 400 in its stream that names no `param` (a JSON schema xgrammar does not take) is tried on
+  the model's other providers and then is the caller's 400, not a 502."""
 
 from __future__ import annotations
 
@@ -41,6 +46,11 @@ MODELS: dict[str, list[tuple[str, str, str]]] = {
     "m-lora-bare": [("s-lora", "sglang", "my-lora")],
     "m-asleep": [("a-asleep", "vllm", "asleep"), ("b-ok-s", "vllm", "ok")],
     "m-capped": [("s-cap", "sglang", "sglang-total@a")],
+    "m-queue-full": [("s-full", "sglang", "sglang-queue-full@a"), ("t-ok-f", "vllm", "ok")],
+    "m-queue-full-only": [("s-full-only", "sglang", "sglang-queue-full@b")],
+    "m-paused": [("p-paused", "vllm", "vllm-paused@a"), ("q-ok-p", "vllm", "ok")],
+    "m-paused-only": [("p-paused-only", "vllm", "vllm-paused@b")],
+    "m-schema": [("v-sa", "vllm", "vllm-schema@a"), ("v-sb", "vllm", "vllm-schema@b")],
 }
 #: models with a `max_tokens` cap in the config
 CAPS = {"m-capped": 8192}
@@ -198,3 +208,52 @@ async def test_lemonade_with_every_slot_pinned_is_benched_for_the_model_not_aske
     finally:
         r.close()
     assert servers.calls["lemonade-pinned@a"] == 3, servers.calls  # (3 blames in a row: benched for the model)
+
+
+@pytest.mark.parametrize(("model", "provider", "served"), [
+    ("m-queue-full", "s-full", "sglang-queue-full@a"),
+    ("m-paused", "p-paused", "vllm-paused@a"),
+])
+async def test_a_server_too_busy_in_its_stream_is_benched_busy_not_blamed(
+        stack: Stack, servers: RealServers, gateway: str, model: str, provider: str, served: str) -> None:
+    """SGLang's full queue and a paused vLLM say so in the stream they opened with a 200 (a 503 `code`;
+    tests/fakes/real_servers.py says where): as answered whole, the provider is busy, left alone for
+    the model a second, and not blamed for it (three blames bench it for 30 s, as for a broken server)."""
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        status, text = await ask(gateway, model, True)
+        assert status == 200 and "hello there" in text, text
+        assert servers.calls[served] == 1 and servers.calls["ok"] == 1, servers.calls
+        held = wait_until(lambda: (h := r.hgetall(f"iop:provider:{provider}")).get(f"busy:{served}".encode()) and h,
+                          what="the busy provider benched")
+        assert f"blame:{served}".encode() not in held, held
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("model", ["m-queue-full-only", "m-paused-only"])
+async def test_a_server_too_busy_in_its_stream_is_a_503_for_the_caller(servers: RealServers, gateway: str,
+                                                                       model: str) -> None:
+    """Its only provider too busy: the caller is told to try again (503 with `Retry-After`), as when
+    that server answers the whole request 503, not given a 502 (a broken provider)."""
+    async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}) as resp:
+        text = await resp.text()
+        assert resp.status == 503, text
+        assert resp.headers.get("Retry-After"), resp.headers
+    assert any(said in json.loads(text)["error"]["message"] for said in ("queue is full", "Generation is paused"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_vllm_400_in_its_stream_without_a_param_is_the_callers_once_no_provider_is_left(
+        servers: RealServers, gateway: str, stream: bool) -> None:
+    """vLLM refuses a JSON schema xgrammar does not take after its 200, with no `param`: the stream's
+    error is the 400 the whole request gets. Older vLLM gave 400 to every fault of its streams, so it
+    is tried on the model's other provider first (without using up an attempt), then passed through
+    as the caller's 400, not turned into a 502 (which the official clients send twice more)."""
+    status, text = await ask(gateway, "m-schema", stream)
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert "not supported by xgrammar" in error["message"], error
+    asked = sum(n for name, n in servers.calls.items() if name.startswith("vllm-schema"))
+    assert asked == (2 if stream else 1), servers.calls

@@ -53,6 +53,27 @@ SGLang 0.5.23 as published on PyPI, Lemonade at its commit e385039ed):
   the context (`validate_total_tokens`, always on: tokenizer_manager.py:606, 1353-1378), a 400
   (serving_chat.py:2818-2819).
 - `ok`: a plain answer, streamed or whole.
+- `sglang-queue-full`: SGLang with `--max-queued-requests` reached: its scheduler aborts the new
+  request with 503 "The request queue is full." (managers/scheduler.py:3552-3586,
+  `_abort_on_queued_limit`; the same status for `SGLANG_REQ_WAITING_TIMEOUT`, 3605-3621).
+  Streamed: the abort is the stream's first chunk, so the 200 went out with it (serving_chat.py:
+  2422-2439, the kick-start catches only a ValueError; 2568-2578: type the status's name), then
+  the usage chunk iop asked for and `data: [DONE]` (2765-2805). Whole: `_handle_abort_finish_reason`
+  raises an HTTPException for any status but 400 (tokenizer_manager.py:1916-1921), answered in
+  SGLang's flat shape with the status as its type (serving_base.py:119-122, 205-221).
+- `vllm-paused`: vLLM paused (`POST /pause`, mode `abort` or `wait`, its default `abort`): its engine
+  refuses each new request with a retryable `RequestError` (v1/engine/core.py:2002-2020,
+  `_reject_add_while_paused`, "Generation is paused. Please retry after it resumes."; 2455-2464),
+  a `RetryableRequestError` (outputs.py:30-35; exceptions.py:139-144, 503). Streamed, after the 200:
+  `except GenerationError` yields it with type `InternalServerError` and its 503
+  (chat_completion/serving.py:958-961, framed at 497-508, then `data: [DONE]`). Whole: the app's
+  handler answers 503 `ServiceUnavailableError` (exception_handling/error_response.py:60-67,
+  handlers/vllm_error.py:361-369).
+- `vllm-schema`: a `response_format` JSON schema vLLM's front end takes and xgrammar cannot
+  (`validate_xgrammar_grammar`, v1/structured_output/backend_xgrammar.py:531-536, called by
+  `SamplingParams.verify` from `AsyncLLM.add_request`, after the 200): a `VLLMValidationError`
+  with no parameter, so the stream's error has `"param": null` and the 400 (error_response.py:
+  43-46; chat_completion/serving.py:962-964), then `data: [DONE]`. Whole: the same 400.
 
 `RealServers(asleep=True)` is a vLLM put to sleep (`POST /sleep`, or paused): its `/health` still
 answers 200 (serve/instrumentator/health.py:22-33: only a dead engine is a 503) and its model list
@@ -86,6 +107,12 @@ VLLM_LOGPROBS = {"error": {"message": "Requested sample logprobs of 25, which is
                            "type": "BadRequestError", "param": "logprobs", "code": 400}}
 SGLANG_TOO_LONG = ("Input length (8183 tokens) exceeds the maximum allowed length (8181 tokens). "
                    "Use a shorter input or enable --allow-auto-truncate.")
+#: SGLang's scheduler's abort of a request its waiting queue has no room for
+SGLANG_QUEUE_FULL = "The request queue is full."
+#: vLLM: a request its engine refuses while paused (a `RetryableRequestError`, 503)
+VLLM_PAUSED = "Generation is paused. Please retry after it resumes."
+#: vLLM: `str(VLLMValidationError(...))` of a schema xgrammar does not take (no parameter: no tail)
+VLLM_SCHEMA = "The provided JSON schema contains features not supported by xgrammar."
 LEMONADE_CTX = {"error": {"code": 400, "message": "request (9000 tokens) exceeds the available context size "
                                                   "(8192 tokens), try increasing it",
                           "n_ctx": 8192, "n_prompt_tokens": 9000, "status_code": 400,
@@ -137,7 +164,8 @@ async def _events(request: web.Request, *parts: bytes) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.Response:
     names = ["ok", "asleep", "vllm-logprobs@a", "vllm-logprobs@b", "vllm-abort@a", "sglang-too-long@a",
-             "sglang-too-long@b", "lemonade-ctx@a", "lemonade-pinned@a", "sglang-total@a"]
+             "sglang-too-long@b", "lemonade-ctx@a", "lemonade-pinned@a", "sglang-total@a", "sglang-queue-full@a",
+             "sglang-queue-full@b", "vllm-paused@a", "vllm-paused@b", "vllm-schema@a", "vllm-schema@b"]
     cards = [{"id": n, "object": "model", "created": 1, "owned_by": "vllm", "root": n, "parent": None}
              for n in names]
     cards += [{"id": "base", "object": "model", "created": 1, "owned_by": "sglang", "root": "base", "parent": None,
@@ -178,6 +206,25 @@ async def _chat(request: web.Request) -> web.StreamResponse:
                                  b"data: [DONE]\n\n")
         flat = {"object": "error", "message": SGLANG_TOO_LONG, "type": "BadRequestError", "param": None, "code": 400}
         return web.Response(status=400, body=_compact(flat), content_type="application/json")
+    if kind == "sglang-queue-full":
+        if stream:
+            error = {"object": "error", "message": SGLANG_QUEUE_FULL, "type": "SERVICE_UNAVAILABLE", "param": None,
+                     "code": 503}
+            return await _events(request, f"data: {json.dumps({'error': error})}\n\n".encode(), _usage_chunk(served),
+                                 b"data: [DONE]\n\n")
+        flat = {"object": "error", "message": SGLANG_QUEUE_FULL, "type": "503", "param": None, "code": 503}
+        return web.Response(status=503, body=_compact(flat), content_type="application/json")
+    if kind == "vllm-paused":
+        if stream:
+            paused = {"error": {"message": VLLM_PAUSED, "type": "InternalServerError", "param": None, "code": 503}}
+            return await _events(request, b"data: " + _compact(paused) + b"\n\n", b"data: [DONE]\n\n")
+        refusal = {"error": {"message": VLLM_PAUSED, "type": "ServiceUnavailableError", "param": None, "code": 503}}
+        return web.Response(status=503, body=_compact(refusal), content_type="application/json")
+    if kind == "vllm-schema":
+        refused = {"error": {"message": VLLM_SCHEMA, "type": "BadRequestError", "param": None, "code": 400}}
+        if stream:
+            return await _events(request, b"data: " + _compact(refused) + b"\n\n", b"data: [DONE]\n\n")
+        return web.Response(status=400, body=_compact(refused), content_type="application/json")
     if kind == "lemonade-ctx":
         if stream:
             return await _events(request, b"data: " + _compact(LEMONADE_CTX) + b"\n\n")

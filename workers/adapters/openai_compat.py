@@ -243,13 +243,15 @@ def said_status(error: Any, provider_type: str) -> int | None:
     """The HTTP status of an error a provider sent in its stream (or in a 200 answer), where its
     server means one: Lemonade's `status_code` (its streaming proxy puts the backend's status
     there, having sent its 200 already); SGLang's `code` (before any output its stream carries an
-    error only for an abort that has a status: 400 for a request its scheduler refuses);
-    llama-server's `code`, the status it answers the same error with when it comes first (a prompt
-    of a legacy completion's list over its context, after another prompt's stream began: 400
-    `exceed_context_size_error`; llama-cpp-python's server sends no error event); vLLM's
-    `code` of a 4xx that names a `param` (a `VLLMValidationError` raised as its engine takes the
-    request, after the 200). Else None: older vLLM versions gave 400 to every fault of their
-    streams, their engine's among them, with no `param`."""
+    error only for an abort that has a status: 400 for a request its scheduler refuses, 503 for one
+    it has no room for, `--max-queued-requests`); llama-server's `code`, the status it answers the
+    same error with when it comes first (a prompt of a legacy completion's list over its context,
+    after another prompt's stream began: 400 `exceed_context_size_error`; llama-cpp-python's server
+    sends no error event); vLLM's `code` of a 4xx that names a `param` (a `VLLMValidationError`
+    raised as its engine takes the request, after the 200), and of a 5xx (a `GenerationError`'s: 503
+    for a request it refuses while paused, vllm/v1/engine/core.py `_reject_add_while_paused`; older
+    versions never sent one). Else None: older vLLM versions gave 400 to every fault of their streams,
+    their engine's among them, with no `param` (`vllm_unsure`)."""
     if not isinstance(error, dict):
         return None
     status = _status(error.get("status_code"))
@@ -259,7 +261,23 @@ def said_status(error: Any, provider_type: str) -> int | None:
     if code is None or provider_type in ("sglang", "llamacpp"):
         return code
     param = error.get("param")
-    return code if provider_type == "vllm" and isinstance(param, str) and param and code < 500 else None
+    return code if provider_type == "vllm" and (code >= 500 or (isinstance(param, str) and param)) else None
+
+
+def vllm_unsure(error: Any, provider_type: str) -> int | None:
+    """The 4xx of an error in a vLLM stream that names no `param`, in the shape of vLLM 0.10 and later
+    (no `"object": "error"`), or None. vLLM 0.34 gives its stream's errors the status it answers the same
+    request with whole (`create_error_response` of the exception, entrypoints/serve/exception_handling/
+    error_response.py:39-96): a 4xx is a request it refuses, though not always with a `param` (a
+    `VLLMValidationError` its engine raises after the 200: a JSON schema xgrammar cannot take,
+    sampling_params.py `_validate_structured_outputs`; an engine-side refusal, v1/engine/core.py
+    `_handle_request_validation_error`, whose `RequestError` keeps the message only). Older versions
+    gave 400 to every fault of their streams, their engine's too: so another provider of the model is
+    tried first, and the caller gets the 400 when none is left (`Retry.UNABLE`), not a 502."""
+    if provider_type != "vllm" or not isinstance(error, dict) or error.get("object") == "error":
+        return None
+    code = _status(error.get("code"))
+    return code if code is not None and code < 500 and said_status(error, provider_type) is None else None
 
 
 def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: str = "",
@@ -269,9 +287,13 @@ def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: st
     it is the caller's (`said_status`: a 4xx of the caller's) is the caller's answer, as the same
     request's whole answer is: passed through with its status and never tried again. A 404 or 403
     that says this provider has not the `served` model (`model_gone`) is not the caller's, in a
-    stream as in an answer (Lemonade's stream gives its backend's status)."""
+    stream as in an answer (Lemonade's stream gives its backend's status). A vLLM 4xx that names no
+    `param` (`vllm_unsure`) goes to another provider first and is the caller's when none is left; any
+    other keeps the status its server said, as answered whole (a 503: busy)."""
     text = error_text(error, error_chars)
     status = said_status(error, provider_type)
+    unsure = vllm_unsure(error, provider_type)
+    said = status if status is not None else unsure
     # (whose `code` says 404 or 403, whatever its server: a hosted API's, OpenRouter's, a vLLM's without a
     # `param`, whose `code` is no status of the caller's, still says which model it lacks)
     gone = status if status is not None else _status(error.get("code")) if isinstance(error, dict) else None
@@ -280,12 +302,14 @@ def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: st
         # the model gone from its list, and every run of it would be sent there first)
         return ProviderError(f"provider {provider_id} sent an error: {text}", detail=error, retry=Retry.ELSEWHERE,
                              strikes=None)
-    if status is not None and callers_fault(status, text) and isinstance(error, dict):
+    if said is not None and callers_fault(said, text) and isinstance(error, dict):
         detail = {**error, **{name: one_line(value, MAX_FIELD_CHARS) for name in ("type", "param", "code")
                               if isinstance(value := error.get(name), str)}, "message": text}
-        return ProviderError(f"provider {provider_id} sent an error: {text}", status=status, detail=detail,
-                             retry=callers_retry(status, text), strikes=0)
-    return ProviderError(f"provider {provider_id} sent an error: {text}",
+        return ProviderError(f"provider {provider_id} sent an error: {text}", status=said, detail=detail,
+                             retry=callers_retry(said, text) if status is not None else Retry.UNABLE, strikes=0)
+    # (its status kept: a 503 says the provider is busy, as answered whole: benched, not blamed, and the
+    # caller's 503 says when to try again)
+    return ProviderError(f"provider {provider_id} sent an error: {text}", status=status,
                          detail=error if isinstance(error, dict) else None, retry=Retry.ELSEWHERE, strikes=0)
 
 
