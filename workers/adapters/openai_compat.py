@@ -282,7 +282,8 @@ def vllm_unsure(error: Any, provider_type: str) -> int | None:
 
 def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: str = "",
                served: str | None = None) -> ProviderError:
-    """The error a provider sent in its stream or in a 200 answer: not a strike (it answered), and
+    """The error a provider sent in its stream or in a 200 answer: not a strike (it answered; one whose
+    server says it is a 5xx shows nothing either way, as answered whole), and
     the run may go to another provider if nothing reached its caller yet; but one whose server says
     it is the caller's (`said_status`: a 4xx of the caller's) is the caller's answer, as the same
     request's whole answer is: passed through with its status and never tried again. A 404 or 403
@@ -308,9 +309,12 @@ def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: st
         return ProviderError(f"provider {provider_id} sent an error: {text}", status=said, detail=detail,
                              retry=callers_retry(said, text) if status is not None else Retry.UNABLE, strikes=0)
     # (its status kept: a 503 says the provider is busy, as answered whole: benched, not blamed, and the
-    # caller's 503 says when to try again)
+    # caller's 503 says when to try again. A 5xx shows nothing of its health either way, as answered whole:
+    # taken for a sign of life, a paused vLLM answering each run so was never probed, and so never found
+    # paused by its `/is_sleeping`)
     return ProviderError(f"provider {provider_id} sent an error: {text}", status=status,
-                         detail=error if isinstance(error, dict) else None, retry=Retry.ELSEWHERE, strikes=0)
+                         detail=error if isinstance(error, dict) else None, retry=Retry.ELSEWHERE,
+                         strikes=None if status is not None and status >= 500 else 0)
 
 
 #: how llama-server refuses an `n` over its `--parallel` slots (`Field 'n': Value must be between 1 <=
