@@ -1932,3 +1932,21 @@ def test_what_a_llama_server_router_says_it_lacks(message: str, lacks: bool) -> 
     from workers.adapters.openai_compat import router_lacks
 
     assert router_lacks(message, "router-gone") is lacks
+
+
+@pytest.mark.parametrize(("message", "flag"), [
+    ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', True),  # vLLM
+    ('tool_choice="required" requires --tool-call-parser to be set', True),  # vLLM
+    ("max_thinking_tokens requires the server to be launched with --enable-strict-thinking", True),  # SGLang
+    ("Request-supplied chat_template is not allowed. Start the server with --trust-request-chat-template to "
+     "permit it.", True),  # SGLang
+    # SGLang's prompt over its context: the caller's (a flag named, but not one it requires)
+    ("Input length (8183 tokens) exceeds the maximum allowed length (8181 tokens). Use a shorter input or "
+     "enable --allow-auto-truncate.", False),
+    ("temperature must be non-negative, got -1.0.", False),
+    ("a value that requires --- no flag", False),
+])
+def test_a_refusal_naming_a_flag_the_server_lacks_says_another_may_serve_it(message: str, flag: bool) -> None:
+    from workers.adapters.failures import SERVER_FLAG
+
+    assert bool(SERVER_FLAG.search(message)) is flag

@@ -51,6 +51,7 @@ MODELS: dict[str, list[tuple[str, str, str]]] = {
     "m-paused": [("p-paused", "vllm", "vllm-paused@a"), ("q-ok-p", "vllm", "ok")],
     "m-paused-only": [("p-paused-only", "vllm", "vllm-paused@b")],
     "m-schema": [("v-sa", "vllm", "vllm-schema@a"), ("v-sb", "vllm", "vllm-schema@b")],
+    "m-tools": [("v-notools", "vllm", "vllm-notools@a"), ("w-ok-t", "vllm", "ok")],
 }
 #: models with a `max_tokens` cap in the config
 CAPS = {"m-capped": 8192}
@@ -257,3 +258,17 @@ async def test_a_vllm_400_in_its_stream_without_a_param_is_the_callers_once_no_p
     assert "not supported by xgrammar" in error["message"], error
     asked = sum(n for name, n in servers.calls.items() if name.startswith("vllm-schema"))
     assert asked == (2 if stream else 1), servers.calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_vllm_started_without_tool_parsing_leaves_a_request_with_tools_to_another_provider(
+        servers: RealServers, gateway: str, stream: bool) -> None:
+    """Its 400 names the flags it was not started with: not the caller's request at fault, but that
+    server's; another provider of the model serves it (the first asked, by the tie-break)."""
+    body = {"model": "m-tools", "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json=body) as resp:
+        text = await resp.text()
+        assert resp.status == 200, text
+    assert "hello there" in text
+    assert servers.calls["vllm-notools@a"] == 1 and servers.calls["ok"] == 1, servers.calls

@@ -53,6 +53,10 @@ SGLang 0.5.23 as published on PyPI, Lemonade at its commit e385039ed):
   the context (`validate_total_tokens`, always on: tokenizer_manager.py:606, 1353-1378), a 400
   (serving_chat.py:2818-2819).
 - `ok`: a plain answer, streamed or whole.
+- `vllm-notools`: a vLLM started without `--enable-auto-tool-choice`: a request with `tools` (its
+  `tool_choice` then `auto`, chat_completion/protocol.py:990-993) is refused before any stream with a
+  400 naming the flags (renderers/online_renderer.py:271-281, `create_error_response`: BadRequestError,
+  no param).
 - `sglang-queue-full`: SGLang with `--max-queued-requests` reached: its scheduler aborts the new
   request with 503 "The request queue is full." (managers/scheduler.py:3552-3586,
   `_abort_on_queued_limit`; the same status for `SGLANG_REQ_WAITING_TIMEOUT`, 3605-3621).
@@ -111,6 +115,8 @@ SGLANG_TOO_LONG = ("Input length (8183 tokens) exceeds the maximum allowed lengt
 SGLANG_QUEUE_FULL = "The request queue is full."
 #: vLLM: a request its engine refuses while paused (a `RetryableRequestError`, 503)
 VLLM_PAUSED = "Generation is paused. Please retry after it resumes."
+#: vLLM started without tool parsing, asked with `tools`
+VLLM_NO_TOOLS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 #: vLLM: `str(VLLMValidationError(...))` of a schema xgrammar does not take (no parameter: no tail)
 VLLM_SCHEMA = "The provided JSON schema contains features not supported by xgrammar."
 LEMONADE_CTX = {"error": {"code": 400, "message": "request (9000 tokens) exceeds the available context size "
@@ -165,7 +171,8 @@ async def _events(request: web.Request, *parts: bytes) -> web.StreamResponse:
 async def _models(request: web.Request) -> web.Response:
     names = ["ok", "asleep", "vllm-logprobs@a", "vllm-logprobs@b", "vllm-abort@a", "sglang-too-long@a",
              "sglang-too-long@b", "lemonade-ctx@a", "lemonade-pinned@a", "sglang-total@a", "sglang-queue-full@a",
-             "sglang-queue-full@b", "vllm-paused@a", "vllm-paused@b", "vllm-schema@a", "vllm-schema@b"]
+             "sglang-queue-full@b", "vllm-paused@a", "vllm-paused@b", "vllm-schema@a", "vllm-schema@b",
+             "vllm-notools@a"]
     cards = [{"id": n, "object": "model", "created": 1, "owned_by": "vllm", "root": n, "parent": None}
              for n in names]
     cards += [{"id": "base", "object": "model", "created": 1, "owned_by": "sglang", "root": "base", "parent": None,
@@ -225,6 +232,9 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         if stream:
             return await _events(request, b"data: " + _compact(refused) + b"\n\n", b"data: [DONE]\n\n")
         return web.Response(status=400, body=_compact(refused), content_type="application/json")
+    if kind == "vllm-notools" and body.get("tools"):
+        notools = {"error": {"message": VLLM_NO_TOOLS, "type": "BadRequestError", "param": None, "code": 400}}
+        return web.Response(status=400, body=_compact(notools), content_type="application/json")
     if kind == "lemonade-ctx":
         if stream:
             return await _events(request, b"data: " + _compact(LEMONADE_CTX) + b"\n\n")

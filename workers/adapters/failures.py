@@ -367,15 +367,25 @@ FORBIDDEN = 403
 #: (vLLM takes `top_k`, OpenAI does not): `Retry.UNABLE`
 UNKNOWN_FIELD = re.compile(r"unrecognized request argument|extra inputs are not permitted|unknown name \"|"
                            r"unsupported parameter", re.IGNORECASE)
+#: how a server says it was not started to do what a request asks, naming the flag it lacks: vLLM's
+#: `"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set` (any request
+#: with `tools`, renderers/online_renderer.py:271-291 in 0.34), SGLang's `max_thinking_tokens requires the
+#: server to be launched with --enable-strict-thinking` and `Start the server with
+#: --trust-request-chat-template to permit it`. Another provider of the model, started with it, may serve
+#: the request: `Retry.UNABLE`. (Not SGLang's "Use a shorter input or enable --allow-auto-truncate", a
+#: prompt over its context: the caller's.)
+SERVER_FLAG = re.compile(r"\brequires\b[^.]{0,80}?\s--[a-z][\w-]*|\bstart the server with --[a-z]", re.IGNORECASE)
 
 
 def callers_retry(status: int, message: str) -> Retry:
     """Whether a caller's error (`callers_fault`) is tried on another provider first, answered
     whole or sent in a stream alike: a 402 for a request larger than this account's credits pay
     for (another provider's may), or a 400 or 422 saying the request carries a field this server
-    does not know (`UNKNOWN_FIELD`: another may take it) is (`Retry.UNABLE`: no attempt used up);
+    does not know (`UNKNOWN_FIELD`: another may take it) or that the server was not started with a
+    flag the request needs (`SERVER_FLAG`: another may be) is (`Retry.UNABLE`: no attempt used up);
     any other is the caller's answer at once."""
-    unable = status == PAYMENT_REQUIRED or (status in (400, 422) and bool(UNKNOWN_FIELD.search(message)))
+    unable = status == PAYMENT_REQUIRED or (status in (400, 422) and bool(
+        UNKNOWN_FIELD.search(message) or SERVER_FLAG.search(message)))
     return Retry.UNABLE if unable else Retry.NO
 
 
