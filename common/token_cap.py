@@ -11,6 +11,7 @@ choices may make `n` times it.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from common.choices import whole_within
@@ -44,7 +45,7 @@ def over_cap(body: dict[str, Any], cap: int) -> str | None:
     return None
 
 
-def with_cap(body: dict[str, Any], cap: int, kind: RunKind) -> None:
+def with_cap(body: dict[str, Any], cap: int, kind: RunKind) -> bool:
     """Give a request that asks for no limit the model's: as `max_tokens`, which every server takes.
     On legacy completions only `max_tokens` is a limit: `max_completion_tokens` is no field of
     OpenAI's CreateCompletionRequest, and servers of the OpenAI family ignore it there (vLLM reads
@@ -53,5 +54,32 @@ def with_cap(body: dict[str, Any], cap: int, kind: RunKind) -> None:
     if kind is RunKind.COMPLETION:
         if body.get("max_tokens") is None:
             body["max_tokens"] = cap
+            return True
     elif asked(body) is None:
         body["max_tokens"] = cap
+        return True
+    return False
+
+
+#: SGLang's refusal of a request whose prompt and limit together pass its context (`validate_total_tokens`,
+#: always on: srt/managers/tokenizer_manager.py:1352-1378 in 0.5.23), and of a chat limit over the context
+#: itself (`_validate_request`, srt/entrypoints/openai/serving_chat.py:1180-1190, no space after its period)
+_TOTAL_OVER = re.compile(r"maximum context length of (\d+) tokens\. You requested a total of \d+ tokens: "
+                         r"(\d+) tokens from the input messages")
+_LIMIT_OVER = re.compile(r"max_completion_tokens is too large: \d+\. ?This model supports at most (\d+) "
+                         r"completion tokens")
+
+
+def fitted(body: dict[str, Any], refusal: str) -> dict[str, Any] | None:
+    """The request again with the model's cap (`with_cap` gave it, the caller asked for no limit) cut to
+    what the server said it has room for, when its `refusal` says the cap passes its context: SGLang
+    refuses a limit that, with the prompt, passes its context, where without one it generates to the
+    end of its context (vLLM cuts such a limit itself). None when it said nothing of the kind, or left
+    no room."""
+    total = _TOTAL_OVER.search(refusal)
+    limit = _LIMIT_OVER.search(refusal)
+    room = int(total[1]) - int(total[2]) if total else int(limit[1]) if limit else 0
+    field = next((name for name in LIMIT_FIELDS if isinstance(body.get(name), int)), None)
+    if field is None or room < 1 or room >= body[field]:
+        return None
+    return {**body, field: room}

@@ -161,3 +161,24 @@ def test_a_model_that_takes_only_max_completion_tokens_gets_every_limit_so(stack
     with pytest.raises(openai.BadRequestError) as bad:  # (a limit it refuses under either name: the caller's answer)
         text("open", max_tokens=0)
     assert bad.value.param == "max_completion_tokens" and "positive" in bad.value.message
+
+
+@pytest.mark.parametrize(("body", "refusal", "fitted"), [
+    # SGLang's `validate_total_tokens`: prompt and limit together over its context (the room: 32768 - 30000)
+    ({"max_tokens": 8192}, "Requested token count exceeds the model's maximum context length of 32768 tokens. You "
+     "requested a total of 38192 tokens: 30000 tokens from the input messages and 8192 tokens for the completion. "
+     "Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
+     {"max_tokens": 2768}),
+    # SGLang's `_validate_request`: the limit over the context itself (its message has no space there)
+    ({"max_tokens": 8192}, "max_completion_tokens is too large: 8192.This model supports at most 4096 completion "
+     "tokens.", {"max_tokens": 4096}),
+    # no room left, or more room than the cap, or another refusal: not asked again
+    ({"max_tokens": 8192}, "maximum context length of 100 tokens. You requested a total of 8292 tokens: 100 tokens "
+     "from the input messages", None),
+    ({"max_tokens": 10}, "max_completion_tokens is too large: 10.This model supports at most 4096 completion tokens.",
+     None),
+    ({"max_tokens": 8192}, "temperature must be non-negative", None),
+])
+def test_a_cap_a_server_has_no_room_for_is_cut_to_the_room_it_said(body: dict[str, Any], refusal: str,
+                                                                   fitted: dict[str, Any] | None) -> None:
+    assert token_cap.fitted(body, refusal) == fitted

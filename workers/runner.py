@@ -379,11 +379,10 @@ class Runner:
         kind = RunKind(record["kind"].decode())
         body = unpack(record["body"])
         body["model"] = record["target"].decode()
-        if cap is not None and kind is not RunKind.EMBEDDING:
-            token_cap.with_cap(body, cap, kind)
+        capped = cap is not None and kind is not RunKind.EMBEDDING and token_cap.with_cap(body, cap, kind)
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._answer(att, adapter, kind, body, record.get("stream") == b"1")
+                return await self._answer(att, adapter, kind, body, record.get("stream") == b"1", capped)
         except ProviderError as exc:
             info = ErrorInfo(exc.code, exc.message, status=exc.status, detail=exc.detail,
                              before_output=not att.output, retry_after_s=exc.retry_after_s,
@@ -433,7 +432,27 @@ class Runner:
                              f"({type(exc).__name__})", before_output=not att.output, repeats=True)
             return await self._fail(att, info, Retry.NO)
 
-    async def _answer(self, att: Attempt, adapter: Adapter, kind: RunKind, body: dict[str, Any], stream: bool) -> str:
+    async def _answer(self, att: Attempt, adapter: Adapter, kind: RunKind, body: dict[str, Any], stream: bool,
+                      capped: bool = False) -> str:
+        """Ask the provider and record its answer (`_answer_named`). A request given the model's cap
+        (`capped`: it asked for none) that the provider refuses as passing its context (SGLang: prompt
+        and limit together) is asked again with the cap cut to the room it said it has
+        (`token_cap.fitted`, at most twice): the caller asked no limit, and got a 400 for the cap."""
+        for _ in range(2 if capped else 0):
+            try:
+                return await self._answer_named(att, adapter, kind, body, stream)
+            except ProviderError as exc:
+                smaller = token_cap.fitted(body, exc.message) if exc.status == 400 and not att.output else None
+                if smaller is None:
+                    raise
+            log.info("provider %s has no room for the model's max_tokens cap with this prompt; asked again with "
+                     "the room it has, %s", att.provider_id, next(smaller[name] for name in token_cap.LIMIT_FIELDS
+                                                               if name in smaller), extra=att.log())
+            body = smaller
+        return await self._answer_named(att, adapter, kind, body, stream)
+
+    async def _answer_named(self, att: Attempt, adapter: Adapter, kind: RunKind, body: dict[str, Any],
+                            stream: bool) -> str:
         """Ask the provider and record its answer. A chat request whose `max_tokens` (the caller's, a
         Response's `max_output_tokens`, or the model's cap) the provider refuses for the served model
         (OpenAI's reasoning models take only `max_completion_tokens`) is asked again with the limit

@@ -250,6 +250,13 @@ async def _chat(request: web.Request) -> web.StreamResponse:
                        f"messages or the completion to fit within the limit.")
             flat = {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": 400}
             return web.Response(status=400, body=_compact(flat), content_type="application/json")
+        if stream:  # (the refusal above comes before any chunk: whole for a stream too, serving_chat.py:2422-2428)
+            return await _events(
+                request,
+                _chunk(served, {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}),
+                _chunk(served, {"index": 0, "delta": {"content": "a long answer"}, "finish_reason": None}),
+                _chunk(served, {"index": 0, "delta": {}, "finish_reason": "length"}),
+                _usage_chunk(served), b"data: [DONE]\n\n")
         return _whole(served, "a long answer", "length")
     if kind == "lemonade-pinned":
         return web.Response(status=409, body=_compact(LEMONADE_PINNED), content_type="application/json")
