@@ -52,6 +52,7 @@ MODELS: dict[str, list[tuple[str, str, str]]] = {
     "m-paused-only": [("p-paused-only", "vllm", "vllm-paused@b")],
     "m-schema": [("v-sa", "vllm", "vllm-schema@a"), ("v-sb", "vllm", "vllm-schema@b")],
     "m-tools": [("v-notools", "vllm", "vllm-notools@a"), ("w-ok-t", "vllm", "ok")],
+    "m-greedy": [("v-greedy", "vllm", "vllm-greedy@a"), ("w-ok-g", "sglang", "ok")],
 }
 #: models with a `max_tokens` cap in the config
 CAPS = {"m-capped": 8192}
@@ -276,3 +277,14 @@ async def test_a_vllm_started_without_tool_parsing_leaves_a_request_with_tools_t
         assert resp.status == 200, text
     assert "hello there" in text
     assert servers.calls["vllm-notools@a"] == 1 and servers.calls["ok"] == 1, servers.calls
+
+
+async def test_n_over_1_at_temperature_0_that_vllm_refuses_goes_to_another_provider(servers: RealServers,
+                                                                                    gateway: str) -> None:
+    """vLLM refuses two greedy choices (400, no param); OpenAI and SGLang serve them: the server's
+    limit, not the caller's fault, so the model's other provider is asked (the first, by the tie-break)."""
+    body = {"model": "m-greedy", "messages": [{"role": "user", "content": "hi"}], "n": 2, "temperature": 0}
+    async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json=body) as resp:
+        text = await resp.text()
+        assert resp.status == 200, text
+    assert servers.calls["vllm-greedy@a"] == 1 and servers.calls["ok"] == 1, servers.calls

@@ -53,6 +53,9 @@ SGLang 0.5.23 as published on PyPI, Lemonade at its commit e385039ed):
   the context (`validate_total_tokens`, always on: tokenizer_manager.py:606, 1353-1378), a 400
   (serving_chat.py:2818-2819).
 - `ok`: a plain answer, streamed or whole.
+- `vllm-greedy`: vLLM asked for `n` > 1 at temperature 0: `SamplingParams.__post_init__` refuses it
+  before any stream (sampling_params.py:619-624, `_verify_greedy_sampling` 773-777: a
+  VLLMValidationError without parameter), a 400 `BadRequestError`.
 - `vllm-notools`: a vLLM started without `--enable-auto-tool-choice`: a request with `tools` (its
   `tool_choice` then `auto`, chat_completion/protocol.py:990-993) is refused before any stream with a
   400 naming the flags (renderers/online_renderer.py:271-281, `create_error_response`: BadRequestError,
@@ -172,7 +175,7 @@ async def _models(request: web.Request) -> web.Response:
     names = ["ok", "asleep", "vllm-logprobs@a", "vllm-logprobs@b", "vllm-abort@a", "sglang-too-long@a",
              "sglang-too-long@b", "lemonade-ctx@a", "lemonade-pinned@a", "sglang-total@a", "sglang-queue-full@a",
              "sglang-queue-full@b", "vllm-paused@a", "vllm-paused@b", "vllm-schema@a", "vllm-schema@b",
-             "vllm-notools@a"]
+             "vllm-notools@a", "vllm-greedy@a"]
     cards = [{"id": n, "object": "model", "created": 1, "owned_by": "vllm", "root": n, "parent": None}
              for n in names]
     cards += [{"id": "base", "object": "model", "created": 1, "owned_by": "sglang", "root": "base", "parent": None,
@@ -235,6 +238,10 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     if kind == "vllm-notools" and body.get("tools"):
         notools = {"error": {"message": VLLM_NO_TOOLS, "type": "BadRequestError", "param": None, "code": 400}}
         return web.Response(status=400, body=_compact(notools), content_type="application/json")
+    if kind == "vllm-greedy" and body.get("temperature") == 0 and (body.get("n") or 1) > 1:
+        greedy = {"error": {"message": f"n must be 1 when using greedy sampling, got {body['n']}.",
+                            "type": "BadRequestError", "param": None, "code": 400}}
+        return web.Response(status=400, body=_compact(greedy), content_type="application/json")
     if kind == "lemonade-ctx":
         if stream:
             return await _events(request, b"data: " + _compact(LEMONADE_CTX) + b"\n\n")

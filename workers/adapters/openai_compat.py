@@ -320,6 +320,10 @@ def sent_error(provider_id: str, error: Any, error_chars: int, provider_type: st
 #: how llama-server refuses an `n` over its `--parallel` slots (`Field 'n': Value must be between 1 <=
 #: value <= 4, but got 6`): another server of the model, with more slots, may serve it
 N_OVER_SLOTS = "Field 'n': Value must be between "
+#: how vLLM refuses `n` > 1 at temperature 0 (`SamplingParams._verify_greedy_sampling`, sampling_params.py:
+#: 773-777 in 0.34: "n must be 1 when using greedy sampling, got 2."), which OpenAI and SGLang serve: another
+#: server of the model may
+N_GREEDY = "n must be 1 when using greedy sampling"
 
 
 #: a llama-server router started with `--no-models-autoload` asked for a model it lists but has not
@@ -592,8 +596,9 @@ class OpenAICompatAdapter:
                                 strikes=None)
         error = answered_error(self.provider.id, resp.status, message, detail,
                                served if isinstance(served, str) else None, resp.headers)
-        if self.provider.type == "llamacpp" and resp.status == 400 and message.startswith(N_OVER_SLOTS):
-            error = another_may(error)  # (a server with more slots takes it)
+        if (self.provider.type == "llamacpp" and resp.status == 400 and message.startswith(N_OVER_SLOTS)) or (
+                self.provider.type == "vllm" and resp.status == 400 and message.startswith(N_GREEDY)):
+            error = another_may(error)  # (a server with more slots takes it; one that serves n > 1 greedy)
         try:
             raise error
         finally:  # (held by this frame, which its traceback holds: a cycle left to the collector)
