@@ -56,7 +56,11 @@ def describe(report: dict[str, Any]) -> str:
         now = [ctl["state"] + (" (its node is cordoned)" if ctl["cordoned_since_ms"] is not None else "")]
         if ctl["capacity_override"] is not None:
             until = ctl["capacity_override_until_ms"]
-            now.append(f"capacity {ctl['capacity_override']} (configured {p['configured_capacity']})"
+            override, effective = ctl["capacity_override"], p["effective_capacity"]
+            # (an override above what the workers announce counts as that: say what is in effect)
+            now.append((f"capacity {effective} (override {override}, above the {effective} its workers announce; "
+                        if effective is not None and effective < override else f"capacity {override} (")
+                       + f"configured {p['configured_capacity']})"
                        + (f" until {_clock(until)}" if until is not None else " until cleared"))
         else:
             now.append(f"capacity {p['effective_capacity'] if p['effective_capacity'] is not None else '?'}")

@@ -405,6 +405,24 @@ def test_a_provider_drained_on_a_cordoned_node_says_both(
     redis.close()
 
 
+def test_an_override_above_the_announced_capacity_says_the_capacity_in_effect(
+        redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by an operator helper: a node's workers announcing 2 (their config lowered it) while
+    the command's config says 4, `iop provider capacity vllm-a 3` printed `capacity 3 (configured
+    4)`, but the schedulers dispatch against 2 (the catalog's LOAD said 0/2)."""
+    path = tmp_path / "iop.yaml"
+    path.write_text(yaml.safe_dump(POOL))
+    where = ["--config", str(path), "--redis", redis_url]
+    redis = sync_redis.Redis.from_url(redis_url)
+    redis.hset(keys.heartbeat("vllm-a"), mapping={"health": "available", "capacity": 2, "ts_ms": now_ms()})
+    code, out, _ = iop(capsys, "provider", "capacity", "vllm-a", "3", *where)
+    assert code == 0 and ("provider vllm-a (node gpu-1): active, capacity 2 (override 3, above the 2 its "
+                          "workers announce; configured 4) until cleared, 0 in flight") in out, out
+    code, out, _ = iop(capsys, "provider", "capacity", "vllm-a", "1", *where)  # below it: as before
+    assert code == 0 and "provider vllm-a (node gpu-1): active, capacity 1 (configured 4) until cleared" in out, out
+    redis.close()
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["provider", "drain", "nope"], "no provider 'nope' in the config"),
     (["node", "cordon", "vllm-a"], "no node 'vllm-a' in the config ('vllm-a' is a provider, of node gpu-1)"),
