@@ -190,10 +190,13 @@ def quiet_abandoned_lookups(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def stop_event() -> asyncio.Event:
-    """An event set by the first SIGTERM or SIGINT (must be called inside the loop)."""
+    """An event set by the first SIGTERM, SIGINT or SIGHUP (must be called inside the loop). A
+    SIGHUP (its terminal or ssh session closed, or a `kill -HUP` meant as a reload: a service reads
+    its config only when it starts) stops it as SIGTERM does, not at once as its default would (a
+    gateway's callers cut mid-answer, a worker's heartbeats and runs left to lapse)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     return stop
 

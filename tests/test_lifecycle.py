@@ -4,12 +4,14 @@ gone away can be for tens of seconds)."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.faults import FaultStack
 
 #: The main coroutine of a service whose loop still has a thread that never comes back.
 STUCK_THREAD = """
@@ -74,3 +76,21 @@ run(main())
 def test_a_service_runs_with_its_startup_objects_frozen_and_a_larger_young_generation() -> None:
     done = subprocess.run([sys.executable, "-c", GC_REPORT], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (0, "True True True\n", "")
+
+
+def test_sighup_stops_each_service_as_sigterm_does(fstack: FaultStack) -> None:
+    """SIGHUP (a closed terminal or ssh session, `kill -HUP` meant as a reload: iop reads its config
+    only at its start) killed each service on the spot, as SIGKILL would: a gateway cut its callers
+    mid-answer, a worker left its providers' heartbeats and its runs to lapse. Found by an operator
+    helper with real processes."""
+    fstack.add_simulator("p")
+    fstack.configure({"p": ("n1", 2)})
+    gateway = fstack.start("gateway", "gateway", "--host", "127.0.0.1", "--port", "0")
+    gateway.wait_for_line(r"listening on (http://\S+)")
+    scheduler = fstack.scheduler()
+    worker = fstack.worker("n1")
+    fstack.wait_health("p", "available")
+    assert worker.stop(sig=signal.SIGHUP) == 0, worker.output()
+    assert fstack.health("p") is None  # the last worker of its node took its heartbeat away as it left
+    assert scheduler.stop(sig=signal.SIGHUP) == 0, scheduler.output()
+    assert gateway.stop(sig=signal.SIGHUP) == 0, gateway.output()
