@@ -349,16 +349,26 @@ def from_replies(config: Config, replies: list[Any]) -> tuple[dict[str, Provider
     `queue_reads`, in order. Pure."""
     providers = [(node.id, p.id) for node in config.nodes for p in node.providers]
     n = len(providers) * PER_PROVIDER
-    cordons = {node.id: _opt_int(replies[n + i]) for i, node in enumerate(config.nodes)}
+    cordons = {node.id: _since(replies[n + i]) for i, node in enumerate(config.nodes)}
     out = {}
     for i, (node_id, pid) in enumerate(providers):
         drained, override, expires_at = replies[PER_PROVIDER * i:PER_PROVIDER * (i + 1)]
         value = _opt_int(override)
         # (Redis's own expiry time, the `until_ms` the audit recorded: no clock of this process in it)
         out[pid] = ProviderControl(
-            drained_since_ms=_opt_int(drained), cordoned_since_ms=cordons[node_id], capacity_override=value,
+            drained_since_ms=_since(drained), cordoned_since_ms=cordons[node_id], capacity_override=value,
             capacity_override_until_ms=int(expires_at) if value is not None and int(expires_at) > 0 else None)
     return out, cordons
+
+
+def _since(value: bytes | str | None) -> int | None:
+    """A drain's or a cordon's key: since when (ms), 0 when its value says no time (one written by
+    hand, `SET iop:drain:p yes`), None when there is none. The schedulers and the dispatch script
+    ask only whether the key exists."""
+    if value is None:
+        return None
+    since = _opt_int(value)
+    return since if since is not None and since >= 0 else 0
 
 
 async def read_control(redis: Redis, config: Config) -> tuple[dict[str, ProviderControl], dict[str, int | None]]:

@@ -223,6 +223,26 @@ async def test_an_override_given_a_time_expires_by_itself(redis: Redis) -> None:
     assert (await read_snapshots(redis, {"a": "a-name"}, now_ms(), config.node_of))[0].effective_capacity == 4
 
 
+@pytest.mark.parametrize("value", ["yes", "", "2026-12-06T17:00:00Z"])
+async def test_a_drain_or_cordon_written_by_hand_reads_as_one_whatever_its_value(redis: Redis, value: str) -> None:
+    """Found by an operator helper: `redis-cli SET iop:drain:a yes` (the gateway down, the README's
+    key table at hand) drained it for the schedulers and the dispatch script, which ask whether the
+    key exists, while the catalog, which read its value as a time, showed it `active`; `iop provider
+    undrain` then said `was drained`."""
+    config = make_config({"a": 4, "b": 4})
+    await beat(redis, config)
+    await redis.set(keys.drained("a"), value)
+    await redis.set(keys.cordoned("n-b"), value)
+    snaps = {s.provider_id: s for s in await read_snapshots(redis, {"a": "a-name", "b": "b-name"}, now_ms(),
+                                                             config.node_of)}
+    assert snaps["a"].drained and snaps["b"].drained  # as the schedulers see them
+    controls, cordons = await read_control(redis, config)
+    assert controls["a"].blocked and controls["a"].drained_since_ms == 0 and controls["a"].state(0) == "drained"
+    assert controls["b"].blocked and controls["b"].cordoned_since_ms == 0 and cordons["n-b"] == 0
+    catalog = await read_catalog(redis, config, now_ms())
+    assert {p.id: p.control.state for p in catalog.providers} == {"a": "drained", "b": "drained"}
+
+
 # --- the dispatch script honours it, whatever the scheduler read -----------------------------------
 
 
