@@ -86,12 +86,23 @@ MAX_RETRY_AFTER_S = 60
 FEWER_TOKENS = re.compile(r"\bfewer max_tokens\b(?![^\n]*\bcan only afford 0\b)", re.IGNORECASE)
 
 
+#: How a hosted API's 403 says its moderation refused the caller's input, not iop's credentials
+#: (OpenRouter: "openai/gpt-5 requires moderation on OpenAI. Your input was flagged for \"violence\". No
+#: credits were charged.", naming the model by its own slug, which may be a dated one, not the name asked for)
+FLAGGED = re.compile(r"\brequires moderation on\b|\byour input was flagged\b", re.IGNORECASE)
+#: The status of a refusal of iop's credentials, or of a model those credentials may not use, or of the
+#: caller's input by a hosted API's moderation (`FLAGGED`)
+FORBIDDEN = 403
+
+
 def callers_fault(status: int, message: str = "") -> bool:
     """A provider's answer `status` is about the caller's request (passed through, not retried); so is
     a 402 whose `message` says the request asks for more tokens than the credits left pay for
-    (`FEWER_TOKENS`: it says what to ask for instead), though another provider may serve it first."""
+    (`FEWER_TOKENS`: it says what to ask for instead), though another provider may serve it first, and a
+    403 whose `message` says the provider's moderation flagged the caller's input (`FLAGGED`)."""
     return 400 <= status < 500 and (status not in POOL_FAULT_4XX or (
-        status == PAYMENT_REQUIRED and bool(FEWER_TOKENS.search(message))))
+        status == PAYMENT_REQUIRED and bool(FEWER_TOKENS.search(message))) or (
+        status == FORBIDDEN and bool(FLAGGED.search(message))))
 
 
 def busy(status: int | None, message: str = "") -> bool:

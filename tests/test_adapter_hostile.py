@@ -758,6 +758,40 @@ def test_a_403_about_one_model_is_no_strike_against_its_provider(error: dict[str
     assert (err.strikes is None) is one_model_s and (err.strikes == 1) is not one_model_s
 
 
+#: OpenRouter's moderation refusing a caller's input: a 403 whose message names the model by OpenRouter's
+#: own slug (a dated one, not always the name asked for), `metadata` saying why
+MODERATION_403 = {"code": 403, "message": "{model} requires moderation on OpenInference. Your input was flagged "
+                  "for \"violence/graphic\". No credits were charged.",
+                  "metadata": {"reasons": ["violence/graphic"], "flagged_input": "...",
+                               "provider_name": "OpenInference", "model_slug": "{model}"}}
+
+
+@pytest.mark.parametrize("model", [SERVED, SERVED + "-20260211"], ids=["names-it", "its-own-slug"])
+def test_a_403_of_a_hosted_apis_moderation_is_the_callers_answer(model: str) -> None:
+    """OpenRouter's moderation refuses a caller's input with a 403 ("… requires moderation on X. Your input
+    was flagged for …"): the caller's own request, passed through with its status, never tried elsewhere,
+    and no word on the provider's health. It read as a refusal of iop's credentials (a strike each: three
+    flagged prompts took the provider down for all its models, the caller told 502 "check the provider's
+    api_key_env", which the official clients send twice more), or, when it named the served model, as the
+    provider lacking that model (tried elsewhere, the provider blamed, and benched, for what a caller sent)."""
+    from common.api_error import ApiError
+    from common.wire import ErrorInfo
+    from workers.adapters.failures import answered_error
+    from workers.adapters.openai_compat import sent_error
+
+    error = json.loads(json.dumps(MODERATION_403).replace("{model}", model))
+    err = answered_error("p", 403, error["message"], error, SERVED)
+    assert (err.retry, err.status, err.strikes) == (Retry.NO, 403, 0)
+    api = ApiError.from_info(ErrorInfo(err.code, err.message, status=err.status, detail=err.detail))
+    assert api.status == 403 and api.body()["error"]["message"] == error["message"]
+    # (the same sent in a stream with its status, as Lemonade's proxy gives it; a hosted API's stream gives
+    # none, so its refusal stays what any error in such a stream is, and is no missing model either)
+    said = sent_error("p", {**error, "status_code": 403}, 500, "lemonade", SERVED)
+    assert (said.retry, said.status, said.strikes) == (Retry.NO, 403, 0)
+    said = sent_error("p", error, 500, "openai_api", SERVED)
+    assert (said.retry, said.strikes) == (Retry.ELSEWHERE, 0)
+
+
 async def test_an_error_body_written_in_pieces_is_read_whole(raw: Raw, session: aiohttp.ClientSession) -> None:
     """Found by an audit: one read took only what had arrived, and the caller got `{"error": {"message"`."""
     body = json.dumps({"error": {"message": "temperature must be a number", "type": "BadRequestError",

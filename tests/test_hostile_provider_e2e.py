@@ -324,3 +324,42 @@ async def test_an_error_in_a_stream_after_output_ends_it_and_goes_nowhere_else(
             assert run_counts(stack) == Counter({("failed", "1", "0"): 1})
         finally:
             stack.stop_all()
+
+
+@pytest.mark.parametrize("slug", ["a-m", "a-m-20260211"], ids=["names-it", "its-own-slug"])
+async def test_a_hosted_apis_moderation_refusing_the_callers_input_is_the_callers_403(stack: Stack, slug: str) -> None:
+    """OpenRouter's moderation flags a caller's input: a 403 naming the model (by OpenRouter's own slug,
+    a dated one at times). The caller gets that 403 at once, the run tried nowhere else, and the provider
+    keeps its health. It read as a refusal of iop's credentials (three flagged prompts took the provider
+    down, each caller told 502 "check the provider's api_key_env"), or as the provider lacking the model
+    (the run went to the other provider, which served what the moderation refused)."""
+    async def moderated(_: web.Request, __: dict[str, Any]) -> web.StreamResponse:
+        return web.json_response({"error": {"code": 403, "message": (
+            f"{slug} requires moderation on OpenInference. Your input was flagged for \"violence/graphic\". No "
+            "credits were charged."), "metadata": {"reasons": ["violence/graphic"], "flagged_input": "...",
+                                                   "provider_name": "OpenInference", "model_slug": slug}}},
+            status=403)
+
+    with Hostile(["a-m"], moderated) as a, Hostile(["b-m"], ok) as b:
+        try:
+            gateway = start(stack, {"a": a, "b": b}, queue={"max_attempts": 3})
+            r = sync_redis.Redis.from_url(stack.redis_url)
+            r.set("iop:drain:b", "1")  # (every run goes to a first)
+            r.close()
+            for stream in (False, True, False, True):
+                status, _, text, took = await ask(gateway, stream=stream)
+                assert status == 403 and "Your input was flagged" in text, text
+                assert json.loads(text)["error"]["message"].startswith(slug), text
+            r = sync_redis.Redis.from_url(stack.redis_url)
+            try:
+                r.delete("iop:drain:b")
+                health = r.hmget("iop:provider:a", "health", "fails")
+            finally:
+                r.close()
+            assert health == [b"available", b"0"], health
+            status, _, text, _ = await ask(gateway)
+            assert status == 403, text
+            assert (a.calls["a-m"], b.calls["b-m"]) == (5, 0)
+            assert leftovers(stack) == {}
+        finally:
+            stack.stop_all()

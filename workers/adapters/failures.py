@@ -29,6 +29,7 @@ from common.policy import Health
 from common.wire import (
     BUSY,
     CREDENTIALS_REFUSED,
+    FORBIDDEN,
     MAX_RETRY_AFTER_S,
     NOT_THERE,
     PAYMENT_REQUIRED,
@@ -356,10 +357,6 @@ def asked_wait_s(headers: Mapping[str, str] | None, detail: dict[str, Any] | Non
     return retry_info_s(detail)
 
 
-#: the status of a refusal of iop's credentials, or of a model those credentials may not use
-FORBIDDEN = 403
-
-
 #: how a server says a request carries a field it does not know (the runner may first ask again
 #: without `stream_options`, or with the limit's other name): OpenAI's and Azure's "Unrecognized request
 #: argument supplied", pydantic's "Extra inputs are not permitted" (Mistral's 422), Google's `Unknown
@@ -403,9 +400,10 @@ def model_gone(status: int, message: str, detail: dict[str, Any] | None, served:
     names it (the provider lost it), a 403 that names it or says `model_not_found` (a hosted API's
     key that may not use it, as OpenAI answers a project without access to it). One model's matter
     on one provider, not the caller's (iop routed the run there) nor the provider's health (a strike
-    took it down for all its models): another provider of the model may serve the run."""
-    return (status == NOT_THERE and names(message, served)) or \
-        (status == FORBIDDEN and (names(message, served) or (detail or {}).get("code") == "model_not_found"))
+    took it down for all its models): another provider of the model may serve the run. (Not a 403 of
+    the provider's moderation, which names the model too: the caller's input, `callers_fault`.)"""
+    return (status == NOT_THERE and names(message, served)) or (status == FORBIDDEN and not callers_fault(
+        status, message) and (names(message, served) or (detail or {}).get("code") == "model_not_found"))
 
 
 #: OpenAI's 429 of an account out of quota (its billing), not of a rate: the error's `type` and `code`
