@@ -758,6 +758,27 @@ def test_a_403_about_one_model_is_no_strike_against_its_provider(error: dict[str
     assert (err.strikes is None) is one_model_s and (err.strikes == 1) is not one_model_s
 
 
+#: Azure OpenAI's answer to a run whose deployment (the served name) the resource does not have: a 404
+#: that does not name it, its `code` saying so
+AZURE_NO_DEPLOYMENT = {"code": "DeploymentNotFound", "message": "The API deployment for this resource does not "
+                       "exist. If you created the deployment within the last 5 minutes, please wait a moment and "
+                       "try again."}
+
+
+def test_an_azure_deployment_not_found_is_the_pools_not_the_callers() -> None:
+    """Azure's 404 `DeploymentNotFound` says the provider lacks the served model (its deployment), as a 404
+    that names it does: another provider of the model may serve the run, and it is no sign of life. It was
+    the caller's 404 (its message names no model): never tried elsewhere, and a sign of life, so every run
+    sent there failed so while another provider was idle (Azure's model list lists models, not
+    deployments: no probe finds it gone)."""
+    from workers.adapters.failures import answered_error
+
+    err = answered_error("p", 404, AZURE_NO_DEPLOYMENT["message"], dict(AZURE_NO_DEPLOYMENT), SERVED)
+    assert (err.retry, err.status, err.strikes) == (Retry.ELSEWHERE, None, None)
+    other = answered_error("p", 404, "no such file", {"message": "no such file", "code": "file_not_found"}, SERVED)
+    assert (other.retry, other.status, other.strikes) == (Retry.NO, 404, 0)  # (the caller's: a file it named)
+
+
 #: OpenRouter's moderation refusing a caller's input: a 403 whose message names the model by OpenRouter's
 #: own slug (a dated one, not always the name asked for), `metadata` saying why
 MODERATION_403 = {"code": 403, "message": "{model} requires moderation on OpenInference. Your input was flagged "

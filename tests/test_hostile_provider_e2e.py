@@ -363,3 +363,23 @@ async def test_a_hosted_apis_moderation_refusing_the_callers_input_is_the_caller
             assert leftovers(stack) == {}
         finally:
             stack.stop_all()
+
+
+async def test_an_azure_deployment_not_found_goes_to_the_other_provider(stack: Stack) -> None:
+    """Azure's 404 `DeploymentNotFound` (the deployment, iop's served name, is gone or misspelt; its message
+    names none): the run goes to the other provider of the model, as after a 404 that names the served model.
+    It was the caller's 404, never tried elsewhere, and a sign of life: Azure first by id, every caller got
+    that 404 while the other provider was idle."""
+    no_deployment = error(404, {"error": {
+        "code": "DeploymentNotFound", "message": "The API deployment for this resource does not exist. If you "
+        "created the deployment within the last 5 minutes, please wait a moment and try again."}})
+    with Hostile(["a-m"], no_deployment) as a, Hostile(["b-m"], ok) as b:
+        try:
+            gateway = start(stack, {"a": a, "b": b}, queue={"max_attempts": 2})
+            for stream in (False, True, False, True):
+                status, _, text, _ = await ask(gateway, stream=stream)
+                assert status == 200 and "hello" in text, text
+            assert b.calls["b-m"] == 4 and a.calls["a-m"] >= 1, (a.calls, b.calls)
+            assert leftovers(stack) == {}
+        finally:
+            stack.stop_all()

@@ -395,15 +395,23 @@ def another_may(error: ProviderError) -> ProviderError:
     return error
 
 
+#: Azure OpenAI's `code` of a 404 for a deployment (the served name) its resource does not have ("The API
+#: deployment for this resource does not exist. …": it names none)
+DEPLOYMENT_NOT_FOUND = "DeploymentNotFound"
+
+
 def model_gone(status: int, message: str, detail: dict[str, Any] | None, served: str | None) -> bool:
     """Whether an error says this provider has not, or may not use, the `served` model: a 404 that
-    names it (the provider lost it), a 403 that names it or says `model_not_found` (a hosted API's
-    key that may not use it, as OpenAI answers a project without access to it). One model's matter
-    on one provider, not the caller's (iop routed the run there) nor the provider's health (a strike
-    took it down for all its models): another provider of the model may serve the run. (Not a 403 of
-    the provider's moderation, which names the model too: the caller's input, `callers_fault`.)"""
-    return (status == NOT_THERE and names(message, served)) or (status == FORBIDDEN and not callers_fault(
-        status, message) and (names(message, served) or (detail or {}).get("code") == "model_not_found"))
+    names it or says `DeploymentNotFound` (the provider lost it; Azure's names none), a 403 that names
+    it or says `model_not_found` (a hosted API's key that may not use it, as OpenAI answers a project
+    without access to it). One model's matter on one provider, not the caller's (iop routed the run
+    there) nor the provider's health (a strike took it down for all its models): another provider of
+    the model may serve the run. (Not a 403 of the provider's moderation, which names the model too:
+    the caller's input, `callers_fault`.)"""
+    code = (detail or {}).get("code")
+    return (status == NOT_THERE and (names(message, served) or code == DEPLOYMENT_NOT_FOUND)) or (
+        status == FORBIDDEN and not callers_fault(status, message) and (names(message, served)
+                                                                         or code == "model_not_found"))
 
 
 #: OpenAI's 429 of an account out of quota (its billing), not of a rate: the error's `type` and `code`
