@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from common.jsonio import dumps, json_response
-from common.wire import BUSY, ErrorCode, ErrorInfo, callers_fault, uuid4_hex
+from common.wire import ErrorCode, ErrorInfo, busy, callers_fault, uuid4_hex
 
 #: the status of a run whose caller cancelled it or left (nginx's, as OpenAI-compatible servers use it)
 CLIENT_CLOSED = 499
@@ -104,14 +104,15 @@ class ApiError(Exception):
         not its 429, its 402 (iop's account out of credits) nor its refusal of iop's credentials
         (`POOL_FAULT_4XX`): those are the pool's fault, not the caller's (the run was tried on another
         provider first). A refusal is a 502, like a 5xx; the last provider tried too busy to take it
-        (`BUSY`: its 429 or 503, or its account out of credits, 402) is a 503
+        (`busy`: its 429 or 503, or its account out of credits, 402, or iop's key at its spending
+        limit, a 403 `KEY_LIMIT`) is a 503
         that says when to try again, as the provider said it (or in 1 s). A failure that another try
         would only repeat says so (`NOT_WORTH_RETRYING`); one worth trying again soon says when
         (`RETRY_SOON`: in 1 s, or when the scheduler said, as when the first bench ends), as does
         one the worker judged would repeat (`repeats`: an answer iop cannot carry)."""
         if info.status is not None and callers_fault(info.status, info.message):
             return cls(info.code, info.message, status=info.status, detail=info.detail)
-        if info.code is ErrorCode.PROVIDER_ERROR and info.status in BUSY:
+        if info.code is ErrorCode.PROVIDER_ERROR and busy(info.status, info.message):
             return cls(info.code, info.message, status=503, headers={"Retry-After": str(info.retry_after_s or 1)})
         if info.code in NOT_WORTH_RETRYING or info.repeats:
             return cls(info.code, info.message, headers={"x-should-retry": "false"})

@@ -105,10 +105,21 @@ def callers_fault(status: int, message: str = "") -> bool:
         status == FORBIDDEN and bool(FLAGGED.search(message))))
 
 
+#: How a hosted API's 403 says iop's key reached the spending limit its owner set on it, not that the
+#: key is refused (OpenRouter: "Key limit exceeded (monthly limit). Manage it using
+#: https://openrouter.ai/settings/keys", also "(total limit)", "(daily limit)"): an account out of
+#: credits, as a 402 is (`busy`: left alone, not struck down), until its owner raises the limit or
+#: the period ends
+KEY_LIMIT = re.compile(r"\bkey limit exceeded\b", re.IGNORECASE)
+
+
 def busy(status: int | None, message: str = "") -> bool:
-    """A provider's answer `status` (with its `message`) says it cannot take runs for a while (`BUSY`),
-    not that the caller's request is too large for it (`callers_fault`)."""
-    return status in BUSY and not (status is not None and callers_fault(status, message))
+    """A provider's answer `status` (with its `message`) says it cannot take runs for a while (`BUSY`,
+    or a 403 saying iop's key reached its spending limit: `KEY_LIMIT`), not that the caller's request
+    is too large for it (`callers_fault`)."""
+    if status is None or callers_fault(status, message):
+        return False
+    return status in BUSY or (status == FORBIDDEN and bool(KEY_LIMIT.search(message)))
 
 
 class ErrorCode(StrEnum):

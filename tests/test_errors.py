@@ -292,3 +292,25 @@ def test_a_402_is_the_callers_only_for_a_request_larger_than_the_credits_left_pa
     answer = ApiError.from_info(ErrorInfo(ErrorCode.PROVIDER_ERROR, f"provider or answered 402: {message}",
                                           status=402, detail={"message": message, "code": 402}))
     assert answer.status == (402 if callers else 503)
+
+
+@pytest.mark.parametrize(("message", "limit"), [
+    ("Key limit exceeded (monthly limit). Manage it using https://openrouter.ai/settings/keys", True),
+    ("Key limit exceeded (total limit). Manage it using https://openrouter.ai/settings/keys", True),
+    ("Invalid API key", False),  # (a refused key: a strike, and the hint to check api_key_env)
+])
+def test_a_403_saying_iops_key_reached_its_spending_limit_is_an_account_out_of_credits(message: str,
+                                                                                      limit: bool) -> None:
+    """OpenRouter's 403 for a key past the limit its owner set on it is no refusal of the key: the
+    provider is left alone a minute for the model (a 503 with `Retry-After: 60` when none other is
+    left), not struck down for every model it serves with a hint to check its `api_key_env`."""
+    from workers.adapters.failures import answered_error
+
+    err = answered_error("or", 403, message, {"message": message, "code": 403})
+    assert busy(403, f"provider or answered 403: {message}") is limit and not callers_fault(403, message)
+    assert (err.strikes, err.retry_after_s, "api_key_env" in err.message) == ((0, 60, False) if limit
+                                                                               else (1, None, True))
+    answer = ApiError.from_info(ErrorInfo(ErrorCode.PROVIDER_ERROR, err.message, status=403,
+                                          retry_after_s=err.retry_after_s))
+    assert (answer.status, answer.headers.get("Retry-After") if answer.headers else None) == (
+        (503, "60") if limit else (502, None))

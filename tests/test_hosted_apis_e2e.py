@@ -42,7 +42,8 @@ PROVIDERS: dict[str, tuple[str, list[str]]] = {
     "a-gem": ("gemini", ["gemini-unknown-field@a"]),
     "ds": ("deepseek", ["deepseek-broke"]),
     "a-ds": ("deepseek", ["deepseek-broke@a"]),
-    "or": ("openrouter", ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini", "openrouter/afford"]),
+    "or": ("openrouter", ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini", "openrouter/afford",
+                          "openrouter/key-limit"]),
     "a-or": ("openrouter", ["openrouter/afford@a"]),
     # (`models_listed: false`: an Azure deployment named by its owner, an OpenRouter routing variant)
     "az-dep": ("azure", ["chat-prod"]),
@@ -62,6 +63,7 @@ MODELS: dict[str, dict[str, str]] = {
     "m-ds-broke": {"ds": "deepseek-broke"},
     "m-ds-pool": {"a-ds": "deepseek-broke@a", "b-ok": "gpt-4o-mini@b"},
     "m-or-broke": {"or": "openrouter/broke"},
+    "m-or-key-limit": {"or": "openrouter/key-limit"},
     "m-or-afford": {"or": "openrouter/afford"},
     "m-or-afford-pool": {"a-or": "openrouter/afford@a", "b-ok": "gpt-4o-mini@b"},
     "m-or-midstream": {"or": "openrouter/midstream"},
@@ -79,7 +81,7 @@ LISTED = {
                "models/gemini-unknown-field@a"],
     "deepseek": ["deepseek-broke", "deepseek-broke@a"],
     "openrouter": ["openrouter/broke", "openrouter/midstream", "openai/gpt-4o-mini", "openrouter/afford",
-                   "openrouter/afford@a"],
+                   "openrouter/afford@a", "openrouter/key-limit"],
     "mistral": ["mistral-small-latest"],
 }
 #: where each service's API is below its base_url, when not the type's `/v1`
@@ -128,6 +130,16 @@ def bench_left_s(stack: Stack, provider: str, served: str) -> float:
     return max(0.0, (int(until) - time.time() * 1000) / 1000) if until else 0.0
 
 
+def strikes(stack: Stack, provider: str) -> int:
+    """The strikes against `provider` in its heartbeat (0: none)."""
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        fails = r.hget(f"iop:provider:{provider}", "fails")
+    finally:
+        r.close()
+    return int(fails or 0)
+
+
 @pytest.mark.parametrize(("model", "provider", "served", "wait"), [
     ("m-az-throttled", "az", "azure-throttled", 5),  # (retry-after-ms: 5000, no Retry-After)
     ("m-gem-busy", "gem", "gemini-busy", 47),  # (its RetryInfo's retryDelay: "47s", no header)
@@ -145,6 +157,7 @@ async def test_a_busy_apis_wait_is_honoured_however_it_says_it(stack: Stack, gat
     ("m-quota", "oa-quota", "gpt-quota"),  # (OpenAI's 429 insufficient_quota, no Retry-After)
     ("m-ds-broke", "ds", "deepseek-broke"),  # (DeepSeek's 402 Insufficient Balance)
     ("m-or-broke", "or", "openrouter/broke"),  # (OpenRouter's 402 Insufficient credits)
+    ("m-or-key-limit", "or", "openrouter/key-limit"),  # (OpenRouter's 403 Key limit exceeded: no refused key)
 ])
 async def test_an_account_out_of_quota_is_left_alone_a_minute_and_is_not_the_callers_fault(
         stack: Stack, apis: HostedApis, gateway: str, model: str, provider: str, served: str) -> None:
@@ -154,6 +167,8 @@ async def test_an_account_out_of_quota_is_left_alone_a_minute_and_is_not_the_cal
     assert error["code"] == "provider_error" and error["message"].startswith(f"provider {provider} answered"), error
     assert headers["Retry-After"] == "60", (headers, text)
     assert bench_left_s(stack, provider, served) > 50
+    assert "api_key_env" not in error["message"], error  # (its key is not refused: no strike, no such hint)
+    assert strikes(stack, provider) == 0
     # (benched past the run's queue timeout: the next caller is answered at once, the API not asked)
     status, headers, text = await ask(gateway, model)
     assert status == 503 and json.loads(text)["error"]["code"] == "no_available_provider", text

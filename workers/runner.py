@@ -39,7 +39,7 @@ from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, id_set, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
 from common.snapshots import read_snapshots
-from common.wire import BUSY, CONFLICT, ErrorCode, ErrorInfo, EventType, RunKind, RunState, busy, cancelled_by_caller
+from common.wire import CONFLICT, ErrorCode, ErrorInfo, EventType, RunKind, RunState, busy, cancelled_by_caller
 from workers import metrics
 from workers.adapters.base import Adapter, LastRead, ProviderError, Retry
 from workers.adapters.openai_compat import completion_tokens_named, max_tokens_only
@@ -163,7 +163,7 @@ def suspect(info: ErrorInfo) -> bool:
     after it was benched for 30 s more.)"""
     return info.code in (ErrorCode.PROVIDER_ERROR, ErrorCode.PROVIDER_TIMEOUT) and (
         info.status is None or info.status == CONFLICT
-        or (info.status not in BUSY and not 400 <= info.status < 500))
+        or (not busy(info.status, info.message) and not 400 <= info.status < 500))
 
 
 def _partial_usage(att: Attempt) -> tuple[int, int]:

@@ -41,7 +41,8 @@ and from what their users posted (the sources are named at each answer):
   same account and model at the same time). `openrouter/midstream`: a stream that keeps its connection with
   SSE comments (`: OPENROUTER PROCESSING`, openrouter.ai/docs streaming) and fails after some output
   with a chunk that carries `error` and a choice whose `finish_reason` is `"error"` (the same page,
-  "Handling Errors During Streaming").
+  "Handling Errors During Streaming"). `openrouter/key-limit`: a key past the spending limit its owner
+  set on it, a 403 "Key limit exceeded (monthly limit)" (gptme/gptme#1449).
 - Mistral, `mistral-small-latest`: its API refuses a field it does not know with pydantic's 422,
   every such field an `extra_forbidden` entry of one error (`"object": "error"`, the detail under
   `message`): `stream_options` (avante-corp/avante.nvim#2347, dnakov/anon-kode#53: its streams carry
@@ -105,6 +106,10 @@ DEEPSEEK_BROKE = {"error": {"message": "Insufficient Balance", "type": "unknown_
 OPENROUTER_BROKE = {"error": {"message": "Insufficient credits. This account never purchased credits. Make sure your "
                                          "key is on the correct account or org, and if so, purchase more at "
                                          "https://openrouter.ai/settings/credits", "code": 402}}
+#: OpenRouter's answer to a key past the spending limit its owner set on it (a 403, not a 402; the body as
+#: gptme/gptme#1449 shows it: "Key limit exceeded (monthly limit)"; "(total limit)" in MCPJam/inspector#1287)
+OPENROUTER_KEY_LIMIT = {"error": {"message": "Key limit exceeded (monthly limit). Manage it using "
+                                             "https://openrouter.ai/settings/keys", "code": 403}}
 #: what `openrouter/afford` affords (its 402 says so)
 OPENROUTER_AFFORDS = 1000
 OPENROUTER_MIDSTREAM = {"code": "server_error", "message": "Provider disconnected unexpectedly"}
@@ -186,6 +191,8 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         return _error(402, _compact(DEEPSEEK_BROKE))
     if kind == "openrouter/broke":
         return _error(402, _compact(OPENROUTER_BROKE))
+    if kind == "openrouter/key-limit":
+        return _error(403, _compact(OPENROUTER_KEY_LIMIT))
     asked = body.get("max_completion_tokens") or body.get("max_tokens") or 65536
     if kind == "openrouter/afford" and asked > OPENROUTER_AFFORDS:
         return _error(402, _compact({"error": {

@@ -27,13 +27,14 @@ import aiohttp
 
 from common.policy import Health
 from common.wire import (
-    BUSY,
     CREDENTIALS_REFUSED,
     FORBIDDEN,
+    KEY_LIMIT,
     MAX_RETRY_AFTER_S,
     NOT_THERE,
     PAYMENT_REQUIRED,
     ErrorCode,
+    busy,
     callers_fault,
 )
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
@@ -418,12 +419,14 @@ def model_gone(status: int, message: str, detail: dict[str, Any] | None, served:
 INSUFFICIENT_QUOTA = "insufficient_quota"
 
 
-def out_of_quota(status: int, detail: dict[str, Any] | None) -> bool:
+def out_of_quota(status: int, detail: dict[str, Any] | None, message: str = "") -> bool:
     """Whether an error says the provider's account is out of quota or credits, which no wait of a few
     seconds clears (it takes someone's payment, or the end of a billing period): a 402 (OpenRouter's,
-    DeepSeek's, Mistral's), or OpenAI's 429 `insufficient_quota` (which carries no `Retry-After`)."""
+    DeepSeek's, Mistral's), OpenAI's 429 `insufficient_quota` (which carries no `Retry-After`), or a
+    403 saying iop's key reached its spending limit (OpenRouter's, `KEY_LIMIT`)."""
     return status == PAYMENT_REQUIRED or (
-        status == 429 and any((detail or {}).get(field) == INSUFFICIENT_QUOTA for field in ("code", "type")))
+        status == 429 and any((detail or {}).get(field) == INSUFFICIENT_QUOTA for field in ("code", "type"))) or (
+        status == FORBIDDEN and bool(KEY_LIMIT.search(message)))
 
 
 def answered_error(provider_id: str, status: int, message: str, detail: dict[str, Any] | None,
@@ -448,17 +451,17 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
                                    if isinstance(value := detail.get(name), str)}, "message": message}
         return ProviderError(f"provider {provider_id} answered {status}: {message}", status=status, detail=detail,
                              retry=callers_retry(status, message), strikes=0)
-    refused = status in CREDENTIALS_REFUSED
+    too_busy = busy(status, message)  # (a key at its spending limit is no refusal of it: `KEY_LIMIT`)
+    refused = status in CREDENTIALS_REFUSED and not too_busy
     hint = (PROXY_CREDENTIALS if status == PROXY_AUTH
             else " (it refused iop's credentials: check the provider's api_key_env)" if refused else "")
     return ProviderError(f"provider {provider_id} answered {status}: {message}{hint}", status=status,
                          retry=Retry.ELSEWHERE, strikes=1 if refused else 0 if status < 500 else None,
-                         retry_after_s=_busy_for(status, headers, detail))
+                         retry_after_s=_busy_for(status, message, headers, detail) if too_busy else None)
 
 
-def _busy_for(status: int, headers: Mapping[str, str] | None, detail: dict[str, Any] | None) -> int | None:
-    """The seconds a busy provider is left alone for (`answered_error`), or None (1 s, or not busy)."""
-    if status not in BUSY:
-        return None
+def _busy_for(status: int, message: str, headers: Mapping[str, str] | None,
+              detail: dict[str, Any] | None) -> int | None:
+    """The seconds a busy provider is left alone for (`answered_error`), or None (1 s)."""
     wait = asked_wait_s(headers, detail)
-    return MAX_RETRY_AFTER_S if wait is None and out_of_quota(status, detail) else wait
+    return MAX_RETRY_AFTER_S if wait is None and out_of_quota(status, detail, message) else wait
