@@ -287,7 +287,7 @@ def _why_not(snap: ProviderSnapshot, beat: dict[str, str], target: str, now_ms: 
     if snap.benched:
         back_s = ((snap.bench_until_ms or 0) - now_ms) / 1000
         if snap.busy:
-            return "benched", (f"it answered a run of {target!r} too busy or out of quota (429, 503 or 402); "
+            return "benched", (f"it answered a run of {target!r} too busy or out of quota (429, 503, 402, key limit); "
                                f"back in {back_s:.1f}s")
         return "benched", (f"{BLAME_RUNS} runs of {target!r} in a row failed there and another provider "
                            f"served them; back in {back_s:.1f}s")

@@ -171,7 +171,7 @@ def why_not(snap: ProviderSnapshot, now_ms: int, ttl_ms: int) -> str:
     if not snap.has_model:
         return "missing the model"
     if snap.benched:
-        return "benched: it answered too busy or out of quota (429, 503 or 402)" if snap.busy else "benched"
+        return "benched: it answered too busy or out of quota (429, 503, 402, key limit)" if snap.busy else "benched"
     if snap.drained:
         return "drained or cordoned"
     capacity = snap.effective_capacity

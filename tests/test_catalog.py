@@ -158,7 +158,7 @@ def test_a_model_benched_because_its_provider_was_too_busy_says_so() -> None:
     cat = build_catalog(config(), raw({"a": {**beat(), "bench:a-m1": until, "busy:a-m1": until}}))
     on_a = cat.models[0].providers[0]
     assert (on_a.reason, on_a.detail) == (
-        "benched", "it answered a run of 'a-m1' too busy or out of quota (429, 503 or 402); back in 30.0s")
+        "benched", "it answered a run of 'a-m1' too busy or out of quota (429, 503, 402, key limit); back in 30.0s")
     blamed = build_catalog(config(), raw({"a": {**beat(), "bench:a-m1": str(NOW + 31_000), "busy:a-m1": until}}))
     assert (blamed.models[0].providers[0].detail or "").startswith("3 runs of 'a-m1' in a row failed there")
 

@@ -178,7 +178,7 @@ def test_a_provider_benched_because_it_was_too_busy_keeps_runs_waiting() -> None
     assert not all_refused([busy], NOW, TTL, back_by_ms=NOW + 30_000)
     assert all_refused([busy], NOW, TTL, back_by_ms=NOW + 29_999)
     # a run that waited out its queue_timeout_ms behind it says why it went nowhere
-    assert why_not(busy, NOW, TTL) == "benched: it answered too busy or out of quota (429, 503 or 402)"
+    assert why_not(busy, NOW, TTL) == "benched: it answered too busy or out of quota (429, 503, 402, key limit)"
     assert why_not(replace(busy, busy=False), NOW, TTL) == "benched"
 
 
