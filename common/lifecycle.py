@@ -193,10 +193,14 @@ def stop_event() -> asyncio.Event:
     """An event set by the first SIGTERM, SIGINT or SIGHUP (must be called inside the loop). A
     SIGHUP (its terminal or ssh session closed, or a `kill -HUP` meant as a reload: a service reads
     its config only when it starts) stops it as SIGTERM does, not at once as its default would (a
-    gateway's callers cut mid-answer, a worker's heartbeats and runs left to lapse)."""
+    gateway's callers cut mid-answer, a worker's heartbeats and runs left to lapse). A service
+    started with SIGHUP ignored (`nohup iop worker &`, so that it outlives its ssh session) keeps
+    ignoring it: handled, its session's end would stop it."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if sig is signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+            continue
         loop.add_signal_handler(sig, stop.set)
     return stop
 

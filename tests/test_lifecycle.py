@@ -94,3 +94,31 @@ def test_sighup_stops_each_service_as_sigterm_does(fstack: FaultStack) -> None:
     assert fstack.health("p") is None  # the last worker of its node took its heartbeat away as it left
     assert scheduler.stop(sig=signal.SIGHUP) == 0, scheduler.output()
     assert gateway.stop(sig=signal.SIGHUP) == 0, gateway.output()
+
+
+#: A service's stop event under a SIGHUP its process was started ignoring (`nohup`), then a SIGUSR1:
+#: both go to the loop's handlers in the order they came, so by SIGUSR1's the SIGHUP's has run if any.
+HUP_IGNORED = """
+import asyncio, os, signal
+from common.lifecycle import stop_event
+
+async def main():
+    stop = stop_event()
+    later = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, later.set)
+    os.kill(os.getpid(), signal.SIGHUP)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    await later.wait()
+    print("stopped" if stop.is_set() else "running", signal.getsignal(signal.SIGHUP) is signal.SIG_IGN)
+
+asyncio.run(main())
+"""
+
+
+def test_a_service_started_with_sighup_ignored_keeps_ignoring_it() -> None:
+    """`nohup iop worker &` (SIGHUP ignored, so that the service outlives the ssh session it was
+    started from): the handler that stops a service at SIGHUP replaced the ignore, and the session's
+    end stopped it. Found in review with a real `nohup iop scheduler` and `kill -HUP`."""
+    done = subprocess.run([sys.executable, "-c", HUP_IGNORED], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert (done.returncode, done.stdout, done.stderr) == (0, "running True\n", "")
