@@ -64,7 +64,7 @@ def with_cap(body: dict[str, Any], cap: int, kind: RunKind) -> bool:
 #: SGLang's refusal of a request whose prompt and limit together pass its context (`validate_total_tokens`,
 #: always on: srt/managers/tokenizer_manager.py:1352-1378 in 0.5.23), and of a chat limit over the context
 #: itself (`_validate_request`, srt/entrypoints/openai/serving_chat.py:1180-1190, no space after its period)
-_TOTAL_OVER = re.compile(r"maximum context length of (\d+) tokens\. You requested a total of \d+ tokens: "
+_TOTAL_OVER = re.compile(r"maximum context length of (\d+) tokens\. You requested a total of (\d+) tokens: "
                          r"(\d+) tokens from the input messages")
 _LIMIT_OVER = re.compile(r"max_completion_tokens is too large: \d+\. ?This model supports at most (\d+) "
                          r"completion tokens")
@@ -75,10 +75,12 @@ def fitted(body: dict[str, Any], refusal: str) -> dict[str, Any] | None:
     what the server said it has room for, when its `refusal` says the cap passes its context: SGLang
     refuses a limit that, with the prompt, passes its context, where without one it generates to the
     end of its context (vLLM cuts such a limit itself). None when it said nothing of the kind, or left
-    no room."""
+    no room. (SGLang 0.5.2, say, refuses a total that equals its context too, `>= context_len`, where
+    0.5.23 refuses only one over it: one that said so has a token less room.)"""
     total = _TOTAL_OVER.search(refusal)
     limit = _LIMIT_OVER.search(refusal)
-    room = int(total[1]) - int(total[2]) if total else int(limit[1]) if limit else 0
+    room = (int(total[1]) - int(total[3]) - (int(total[2]) == int(total[1])) if total
+            else int(limit[1]) if limit else 0)
     field = next((name for name in LIMIT_FIELDS if isinstance(body.get(name), int)), None)
     if field is None or room < 1 or room >= body[field]:
         return None

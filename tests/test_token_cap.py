@@ -172,6 +172,11 @@ def test_a_model_that_takes_only_max_completion_tokens_gets_every_limit_so(stack
     # SGLang's `_validate_request`: the limit over the context itself (its message has no space there)
     ({"max_tokens": 8192}, "max_completion_tokens is too large: 8192.This model supports at most 4096 completion "
      "tokens.", {"max_tokens": 4096}),
+    # SGLang 0.5.2 refuses a total equal to its context too (`>= context_len`): a token less than that room
+    ({"max_tokens": 2768}, "Requested token count exceeds the model's maximum context length of 32768 tokens. You "
+     "requested a total of 32768 tokens: 30000 tokens from the input messages and 2768 tokens for the completion. "
+     "Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
+     {"max_tokens": 2767}),
     # no room left, or more room than the cap, or another refusal: not asked again
     ({"max_tokens": 8192}, "maximum context length of 100 tokens. You requested a total of 8292 tokens: 100 tokens "
      "from the input messages", None),

@@ -61,6 +61,10 @@ def new_worker_instance() -> str:
 #: The most opening chunks (a bare `role` delta) a stream's first output waits for: more go out.
 MAX_OPENING = 64
 
+#: The most times a request given the model's cap is asked again with less (`Runner._answer`): a chat
+#: cap over SGLang's context, then the total over it, then (SGLang 0.5.2) a total equal to it
+REFITS = 3
+
 #: What a caller's cancellation looks like in the run's events.
 CANCELLED = cancelled_by_caller()
 
@@ -437,8 +441,8 @@ class Runner:
         """Ask the provider and record its answer (`_answer_named`). A request given the model's cap
         (`capped`: it asked for none) that the provider refuses as passing its context (SGLang: prompt
         and limit together) is asked again with the cap cut to the room it said it has
-        (`token_cap.fitted`, at most twice): the caller asked no limit, and got a 400 for the cap."""
-        for _ in range(2 if capped else 0):
+        (`token_cap.fitted`, at most `REFITS` times): the caller asked no limit, and got a 400 for the cap."""
+        for _ in range(REFITS if capped else 0):
             try:
                 return await self._answer_named(att, adapter, kind, body, stream)
             except ProviderError as exc:

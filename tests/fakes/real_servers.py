@@ -52,6 +52,8 @@ SGLang 0.5.23 as published on PyPI, Lemonade at its commit e385039ed):
   what is left, scheduler.py:2693-2715); with one, the tokenizer manager refuses a total over
   the context (`validate_total_tokens`, always on: tokenizer_manager.py:606, 1353-1378), a 400
   (serving_chat.py:2818-2819).
+- `sglang-total-052`: the same before SGLang 0.5.23: 0.5.2 refuses a total equal to its context too
+  (`>= _max_req_len`, tokenizer_manager.py:467).
 - `ok`: a plain answer, streamed or whole.
 - `vllm-greedy`: vLLM asked for `n` > 1 at temperature 0: `SamplingParams.__post_init__` refuses it
   before any stream (sampling_params.py:619-624, `_verify_greedy_sampling` 773-777: a
@@ -173,9 +175,9 @@ async def _events(request: web.Request, *parts: bytes) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.Response:
     names = ["ok", "asleep", "vllm-logprobs@a", "vllm-logprobs@b", "vllm-abort@a", "sglang-too-long@a",
-             "sglang-too-long@b", "lemonade-ctx@a", "lemonade-pinned@a", "sglang-total@a", "sglang-queue-full@a",
-             "sglang-queue-full@b", "vllm-paused@a", "vllm-paused@b", "vllm-schema@a", "vllm-schema@b",
-             "vllm-notools@a", "vllm-greedy@a"]
+             "sglang-too-long@b", "lemonade-ctx@a", "lemonade-pinned@a", "sglang-total@a", "sglang-total-052@a",
+             "sglang-queue-full@a", "sglang-queue-full@b", "vllm-paused@a", "vllm-paused@b", "vllm-schema@a",
+             "vllm-schema@b", "vllm-notools@a", "vllm-greedy@a"]
     cards = [{"id": n, "object": "model", "created": 1, "owned_by": "vllm", "root": n, "parent": None}
              for n in names]
     cards += [{"id": "base", "object": "model", "created": 1, "owned_by": "sglang", "root": "base", "parent": None,
@@ -248,9 +250,10 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         whole = {"error": {"code": "context_length_exceeded", "message": LEMONADE_CTX["error"]["message"],
                            "status_code": 400, "type": "invalid_request_error"}}
         return web.Response(status=400, body=_compact(whole), content_type="application/json")
-    if kind == "sglang-total":
+    if kind in ("sglang-total", "sglang-total-052"):
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
-        if asked is not None and 30000 + asked > 32768:
+        # (SGLang 0.5.2 refuses a total equal to its context too: `>= _max_req_len`, tokenizer_manager.py:467)
+        if asked is not None and 30000 + asked > 32768 - (kind == "sglang-total-052"):
             message = (f"Requested token count exceeds the model's maximum context length of 32768 tokens. You "
                        f"requested a total of {30000 + asked} tokens: 30000 tokens from the input messages and "
                        f"{asked} tokens for the completion. Please reduce the number of tokens in the input "
