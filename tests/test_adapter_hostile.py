@@ -27,7 +27,7 @@ from gateway.responses import sse_chunks, with_model
 from tests.conftest import async_wait_until as until
 from tests.fakes.raw_http import RawHttp
 from workers.adapters.base import DEFAULT_LIMITS, DOWN, ProviderError, ReadLimits, Retry
-from workers.adapters.failures import body_text
+from workers.adapters.failures import body_text, callers_retry
 from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter, SSEParser, choices_asked
 from workers.adapters.reading import MAX_DEPTH, LineSplitter, ReadWatch, parse_json
@@ -2000,8 +2000,17 @@ def test_what_a_llama_server_router_says_it_lacks(message: str, lacks: bool) -> 
      "enable --allow-auto-truncate.", False),
     ("temperature must be non-negative, got -1.0.", False),
     ("a value that requires --- no flag", False),
+    ("tools param requires --jinja flag", True),  # llama-server (server-common.cpp)
+    # a request that fails vLLM's validation, echoed: the caller's words, not the server's (found in review)
+    ("1 validation error for ChatCompletionRequest messages.0.content.list[...].0 Input tag 'input_text' found "
+     "using 'type' does not match any of the expected tags [type=union_tag_invalid, input_value={'type': "
+     "'input_text', 'text': 'npm publish requires --access public'}, input_type=dict]", False),
+    ("[{'type': 'missing', 'loc': ('body', 'messages', 0, 'role'), 'msg': 'Field required', 'input': {'content': "
+     "'this requires --force to overwrite'}}]", False),
+    ("stop sequence too long (parameter=stop, value=['the deploy requires --force'])", False),
 ])
 def test_a_refusal_naming_a_flag_the_server_lacks_says_another_may_serve_it(message: str, flag: bool) -> None:
-    from workers.adapters.failures import SERVER_FLAG
+    from workers.adapters.failures import server_flag
 
-    assert bool(SERVER_FLAG.search(message)) is flag
+    assert server_flag(message) is flag
+    assert callers_retry(400, message) is (Retry.UNABLE if flag else Retry.NO)

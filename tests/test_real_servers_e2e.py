@@ -292,6 +292,20 @@ async def test_a_vllm_started_without_tool_parsing_leaves_a_request_with_tools_t
     assert servers.calls["vllm-notools@a"] == 1 and servers.calls["ok"] == 1, servers.calls
 
 
+async def test_a_request_vllm_refuses_whose_echo_names_a_flag_is_the_callers_400_at_once(servers: RealServers,
+                                                                                        gateway: str) -> None:
+    """vLLM's 400 to a request that fails its validation echoes the part at fault, here text saying
+    "requires --access": the caller's words, not a flag the server lacks, so the caller's 400 at once,
+    not sent to the model's other providers first. Found in review."""
+    part = {"type": "input_text", "text": "npm publish requires --access public"}
+    body = {"model": "m-tools", "messages": [{"role": "user", "content": [part]}]}
+    async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json=body) as resp:
+        text = await resp.text()
+        assert resp.status == 400, text
+    assert "input_text" in text
+    assert servers.calls["vllm-notools@a"] == 1 and servers.calls["ok"] == 0, servers.calls
+
+
 async def test_n_over_1_at_temperature_0_that_vllm_refuses_goes_to_another_provider(servers: RealServers,
                                                                                     gateway: str) -> None:
     """vLLM refuses two greedy choices (400, no param); OpenAI and SGLang serve them: the server's

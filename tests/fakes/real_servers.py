@@ -61,7 +61,9 @@ SGLang 0.5.23 as published on PyPI, Lemonade at its commit e385039ed):
 - `vllm-notools`: a vLLM started without `--enable-auto-tool-choice`: a request with `tools` (its
   `tool_choice` then `auto`, chat_completion/protocol.py:990-993) is refused before any stream with a
   400 naming the flags (renderers/online_renderer.py:271-281, `create_error_response`: BadRequestError,
-  no param).
+  no param). A request that fails validation (a content part of a type chat does not take) gets a
+  400 that echoes the part, in the form of pydantic's validation error (`input_value=…`; the
+  wording around it not vLLM's byte for byte).
 - `sglang-queue-full`: SGLang with `--max-queued-requests` reached: its scheduler aborts the new
   request with 503 "The request queue is full." (managers/scheduler.py:3552-3586,
   `_abort_on_queued_limit`; the same status for `SGLANG_REQ_WAITING_TIMEOUT`, 3605-3621).
@@ -237,6 +239,15 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         if stream:
             return await _events(request, b"data: " + _compact(refused) + b"\n\n", b"data: [DONE]\n\n")
         return web.Response(status=400, body=_compact(refused), content_type="application/json")
+    parts = [part for message in body.get("messages") or [] if isinstance(message.get("content"), list)
+             for part in message["content"]]
+    if kind == "vllm-notools" and any(part.get("type") == "input_text" for part in parts):
+        invalid = next(part for part in parts if part.get("type") == "input_text")
+        echo = {"error": {"message": "1 validation error for ChatCompletionRequest\nmessages.0.content.list[...].0\n"
+                                     "  Input tag 'input_text' found using 'type' does not match any of the expected "
+                                     f"tags [type=union_tag_invalid, input_value={invalid!r}, input_type=dict]",
+                          "type": "BadRequestError", "param": None, "code": 400}}
+        return web.Response(status=400, body=_compact(echo), content_type="application/json")
     if kind == "vllm-notools" and body.get("tools"):
         notools = {"error": {"message": VLLM_NO_TOOLS, "type": "BadRequestError", "param": None, "code": 400}}
         return web.Response(status=400, body=_compact(notools), content_type="application/json")

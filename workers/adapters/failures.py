@@ -373,6 +373,18 @@ UNKNOWN_FIELD = re.compile(r"unrecognized request argument|extra inputs are not 
 #: the request: `Retry.UNABLE`. (Not SGLang's "Use a shorter input or enable --allow-auto-truncate", a
 #: prompt over its context: the caller's.)
 SERVER_FLAG = re.compile(r"\brequires\b[^.]{0,80}?\s--[a-z][\w-]*|\bstart the server with --[a-z]", re.IGNORECASE)
+#: where a server's message starts to echo what the caller sent: pydantic's `input_value=…` and FastAPI's
+#: `'input': …` (vLLM's 400 to a request that fails validation, a message's content among it), vLLM's
+#: `(parameter=…, value=…)` tail. The caller's text says nothing of how the server was started.
+_ECHO = re.compile(r"input_value=|['\"]input['\"]:\s|\(parameter=")
+
+
+def server_flag(message: str) -> bool:
+    """Whether `message` says the server was not started with a flag the request needs (`SERVER_FLAG`),
+    in the server's own words, not in what it echoes of the request (`_ECHO`): a caller's message that
+    fails validation and reads "npm publish requires --access public" is the caller's 400 at once."""
+    echo = _ECHO.search(message)
+    return bool(SERVER_FLAG.search(message if echo is None else message[:echo.start()]))
 
 
 def callers_retry(status: int, message: str) -> Retry:
@@ -383,7 +395,7 @@ def callers_retry(status: int, message: str) -> Retry:
     flag the request needs (`SERVER_FLAG`: another may be) is (`Retry.UNABLE`: no attempt used up);
     any other is the caller's answer at once."""
     unable = status == PAYMENT_REQUIRED or (status in (400, 422) and bool(
-        UNKNOWN_FIELD.search(message) or SERVER_FLAG.search(message)))
+        UNKNOWN_FIELD.search(message) or server_flag(message)))
     return Retry.UNABLE if unable else Retry.NO
 
 
