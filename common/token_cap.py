@@ -81,7 +81,9 @@ def fitted(body: dict[str, Any], refusal: str) -> dict[str, Any] | None:
     limit = _LIMIT_OVER.search(refusal)
     room = (int(total[1]) - int(total[3]) - (int(total[2]) == int(total[1])) if total
             else int(limit[1]) if limit else 0)
-    field = next((name for name in LIMIT_FIELDS if isinstance(body.get(name), int)), None)
-    if field is None or room < 1 or room >= body[field]:
+    # (the cap `with_cap` gave is `max_tokens`: a legacy completion's `max_completion_tokens` beside it is the
+    # caller's, and no limit to a server of the OpenAI family, SGLang's included)
+    cap = body.get("max_tokens")
+    if not isinstance(cap, int) or room < 1 or room >= cap:
         return None
-    return {**body, field: room}
+    return {**body, "max_tokens": room}

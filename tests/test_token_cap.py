@@ -177,6 +177,11 @@ def test_a_model_that_takes_only_max_completion_tokens_gets_every_limit_so(stack
      "requested a total of 32768 tokens: 30000 tokens from the input messages and 2768 tokens for the completion. "
      "Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
      {"max_tokens": 2767}),
+    # a legacy completion's `max_completion_tokens` is the caller's, and no limit there: the cap is what is cut
+    ({"prompt": "p", "max_completion_tokens": 5000, "max_tokens": 8192}, "Requested token count exceeds the model's "
+     "maximum context length of 32768 tokens. You requested a total of 38192 tokens: 30000 tokens from the input "
+     "messages and 8192 tokens for the completion.",
+     {"prompt": "p", "max_completion_tokens": 5000, "max_tokens": 2768}),
     # no room left, or more room than the cap, or another refusal: not asked again
     ({"max_tokens": 8192}, "maximum context length of 100 tokens. You requested a total of 8292 tokens: 100 tokens "
      "from the input messages", None),

@@ -450,8 +450,7 @@ class Runner:
                 if smaller is None:
                     raise
             log.info("provider %s has no room for the model's max_tokens cap with this prompt; asked again with "
-                     "the room it has, %s", att.provider_id, next(smaller[name] for name in token_cap.LIMIT_FIELDS
-                                                               if name in smaller), extra=att.log())
+                     "the room it has, %s", att.provider_id, smaller["max_tokens"], extra=att.log())
             body = smaller
         return await self._answer_named(att, adapter, kind, body, stream)
 
