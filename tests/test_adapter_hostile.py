@@ -1976,6 +1976,21 @@ def test_which_refusals_say_a_field_is_unknown_to_the_server(message: str, unkno
     assert bool(UNKNOWN_FIELD.search(message)) is unknown
 
 
+@pytest.mark.parametrize(("message", "retry"), [
+    ('{"detail":[{"type":"extra_forbidden","loc":["body","top_k"],"msg":"Extra inputs are not permitted", '
+     '"input": 32000}]}', Retry.UNABLE),  # (the server's words come before its echo)
+    ("1 validation error for ChatCompletionRequest messages.0.content Input should be a valid string "
+     "[type=string_type, input_value='Why do I get Unrecognized request argument supplied?', input_type=str]",
+     Retry.NO),  # (the caller's own words, echoed: nothing of the server)
+    ("1 validation error: {'type': 'string_type', 'input': 'it says: Extra inputs are not permitted'}", Retry.NO),
+])
+def test_an_unknown_field_only_an_echo_of_the_request_names_is_the_callers_at_once(message: str,
+                                                                                   retry: Retry) -> None:
+    from workers.adapters.failures import callers_retry
+
+    assert callers_retry(400, message) is retry
+
+
 @pytest.mark.parametrize(("message", "lacks"), [
     ("model 'router-gone' not found", True),
     ("model name=router-gone is not running", True),

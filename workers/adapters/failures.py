@@ -379,12 +379,18 @@ SERVER_FLAG = re.compile(r"\brequires\b[^.]{0,80}?\s--[a-z][\w-]*|\bstart the se
 _ECHO = re.compile(r"input_value=|['\"]input['\"]:\s|\(parameter=")
 
 
+def own_words(message: str) -> str:
+    """What of a server's `message` is its own, before it echoes what the request sent (`_ECHO`): a
+    caller's message that fails validation and reads "npm publish requires --access public" (or
+    "Unrecognized request argument") says nothing of the server."""
+    echo = _ECHO.search(message)
+    return message if echo is None else message[:echo.start()]
+
+
 def server_flag(message: str) -> bool:
     """Whether `message` says the server was not started with a flag the request needs (`SERVER_FLAG`),
-    in the server's own words, not in what it echoes of the request (`_ECHO`): a caller's message that
-    fails validation and reads "npm publish requires --access public" is the caller's 400 at once."""
-    echo = _ECHO.search(message)
-    return bool(SERVER_FLAG.search(message if echo is None else message[:echo.start()]))
+    in the server's own words (`own_words`)."""
+    return bool(SERVER_FLAG.search(own_words(message)))
 
 
 def callers_retry(status: int, message: str) -> Retry:
@@ -395,7 +401,7 @@ def callers_retry(status: int, message: str) -> Retry:
     flag the request needs (`SERVER_FLAG`: another may be) is (`Retry.UNABLE`: no attempt used up);
     any other is the caller's answer at once."""
     unable = status == PAYMENT_REQUIRED or (status in (400, 422) and bool(
-        UNKNOWN_FIELD.search(message) or server_flag(message)))
+        UNKNOWN_FIELD.search(own_words(message)) or server_flag(message)))
     return Retry.UNABLE if unable else Retry.NO
 
 
