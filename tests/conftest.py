@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+import redis as sync_redis
 import yaml
 from hypothesis import settings
 from redis.asyncio import Redis
@@ -175,6 +176,20 @@ class Stack:
         proc = self.start(f"worker-{node}", "worker", "--node", node, *extra)
         proc.wait_for_line(r"worker for queue \S+ started")
         return proc
+
+    def heartbeat_field(self, provider: str, name: str) -> bytes | None:
+        """One field of `provider`'s heartbeat hash (`iop:provider:{provider}`), read at once."""
+        r = sync_redis.Redis.from_url(self.redis_url)
+        try:
+            value = r.hget(f"iop:provider:{provider}", name)
+        finally:
+            r.close()
+        return value if isinstance(value, bytes) else None
+
+    def bench_left_s(self, provider: str, served: str) -> float:
+        """How long the bench of the `served` model on `provider` has left, in seconds (0: none)."""
+        until = self.heartbeat_field(provider, f"bench:{served}")
+        return max(0.0, (int(until) - time.time() * 1000) / 1000) if until else 0.0
 
     def openai(self, gateway: str) -> openai.OpenAI:
         """The official client for `gateway`, without retries; closed by `stop_all`."""

@@ -19,13 +19,11 @@ a real Redis (`tests/fakes/hosted_apis.py` says where each answer comes from):
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
-import redis as sync_redis
 
 from tests.conftest import Stack
 from tests.fakes.hosted_apis import HostedApis
@@ -120,26 +118,6 @@ async def ask(gateway: str, model: str, stream: bool = False) -> tuple[int, dict
         return resp.status, dict(resp.headers), await resp.text()
 
 
-def bench_left_s(stack: Stack, provider: str, served: str) -> float:
-    """How long the model's bench on `provider` has left, in seconds (0: none)."""
-    r = sync_redis.Redis.from_url(stack.redis_url)
-    try:
-        until = r.hget(f"iop:provider:{provider}", f"bench:{served}")
-    finally:
-        r.close()
-    return max(0.0, (int(until) - time.time() * 1000) / 1000) if until else 0.0
-
-
-def strikes(stack: Stack, provider: str) -> int:
-    """The strikes against `provider` in its heartbeat (0: none)."""
-    r = sync_redis.Redis.from_url(stack.redis_url)
-    try:
-        fails = r.hget(f"iop:provider:{provider}", "fails")
-    finally:
-        r.close()
-    return int(fails or 0)
-
-
 @pytest.mark.parametrize(("model", "provider", "served", "wait"), [
     ("m-az-throttled", "az", "azure-throttled", 5),  # (retry-after-ms: 5000, no Retry-After)
     ("m-gem-busy", "gem", "gemini-busy", 47),  # (its RetryInfo's retryDelay: "47s", no header)
@@ -150,7 +128,7 @@ async def test_a_busy_apis_wait_is_honoured_however_it_says_it(stack: Stack, gat
     assert status == 503, text
     assert json.loads(text)["error"]["code"] == "provider_error"
     assert headers["Retry-After"] == str(wait), (headers, text)
-    assert bench_left_s(stack, provider, served) > wait - 3
+    assert stack.bench_left_s(provider, served) > wait - 3
 
 
 @pytest.mark.parametrize(("model", "provider", "served"), [
@@ -166,9 +144,9 @@ async def test_an_account_out_of_quota_is_left_alone_a_minute_and_is_not_the_cal
     error = json.loads(text)["error"]
     assert error["code"] == "provider_error" and error["message"].startswith(f"provider {provider} answered"), error
     assert headers["Retry-After"] == "60", (headers, text)
-    assert bench_left_s(stack, provider, served) > 50
+    assert stack.bench_left_s(provider, served) > 50
     assert "api_key_env" not in error["message"], error  # (its key is not refused: no strike, no such hint)
-    assert strikes(stack, provider) == 0
+    assert int(stack.heartbeat_field(provider, "fails") or 0) == 0
     # (benched past the run's queue timeout: the next caller is answered at once, the API not asked)
     status, headers, text = await ask(gateway, model)
     assert status == 503 and json.loads(text)["error"]["code"] == "no_available_provider", text
@@ -194,7 +172,7 @@ async def test_a_request_larger_than_the_credits_left_pay_for_is_the_callers_and
             status, text = resp.status, await resp.text()
         assert status == 402, text
         assert "fewer max_tokens" in json.loads(text)["error"]["message"], text
-        assert bench_left_s(stack, "or", "openrouter/afford") == 0
+        assert stack.bench_left_s("or", "openrouter/afford") == 0
         async with session.post(gateway + "/v1/chat/completions", json={**big, "max_tokens": 100}) as resp:
             status, text = resp.status, await resp.text()
         assert status == 200 and "hello there" in text, text
@@ -210,7 +188,7 @@ async def test_a_request_larger_than_one_accounts_credits_pay_for_goes_to_anothe
             async with session.post(gateway + "/v1/chat/completions", json=body) as resp:
                 status, text = resp.status, await resp.text()
             assert status == 200 and "hello there" in text, text
-    assert bench_left_s(stack, "a-or", "openrouter/afford@a") == 0
+    assert stack.bench_left_s("a-or", "openrouter/afford@a") == 0
     assert apis.calls[("openai", "gpt-4o-mini@b")] == 2, apis.calls
 
 

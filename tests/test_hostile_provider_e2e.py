@@ -155,15 +155,6 @@ def records(stack: Stack) -> list[dict[str, str]]:
         r.close()
 
 
-def bench_left_s(stack: Stack, provider: str, served: str) -> float:
-    r = sync_redis.Redis.from_url(stack.redis_url)
-    try:
-        until = r.hget(f"iop:provider:{provider}", f"bench:{served}")
-    finally:
-        r.close()
-    return max(0.0, (int(until) - time.time() * 1000) / 1000) if until else 0.0
-
-
 RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
 
 
@@ -191,7 +182,7 @@ async def test_a_hostile_wait_is_a_caller_answer_and_a_bench_within_a_minute(
             assert status_got == 503, text
             assert json.loads(text)["error"]["code"] == "provider_error", text
             assert got["Retry-After"] == str(wait), (got, text)
-            assert wait - 3 < bench_left_s(stack, "a", "a-m") <= wait, (wait, bench_left_s(stack, "a", "a-m"))
+            assert wait - 3 < stack.bench_left_s("a", "a-m") <= wait, (wait, stack.bench_left_s("a", "a-m"))
             assert took < 5 and a.calls["a-m"] == 1
             assert leftovers(stack) == {}
         finally:
