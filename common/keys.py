@@ -2,7 +2,7 @@
 
 The README's key table is written from `KEY_TABLE` below, and a test checks that the
 two agree. Ids and states are plain strings so `redis-cli` shows them as they are;
-only request bodies and job payloads are msgpack.
+only request bodies and event payloads are msgpack (a job is its run id alone: no arq payload).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Wire models shared by gateway, scheduler and workers: run states, events, errors.
 
-Everything here is written to Redis as plain strings except request bodies, event
-payloads and job payloads, which are msgpack (see `common.codec`).
+Everything here is written to Redis as plain strings except request bodies and event
+payloads, which are msgpack (see `common.codec`); a job is its run id alone, with no arq payload.
 """
 
 from __future__ import annotations
