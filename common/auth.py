@@ -179,9 +179,10 @@ class KeyRing:
         for i, key in enumerate(auth.keys):
             path = f"auth.keys[{i}]"
             if key.env is not None:
-                secret = environ.get(key.env, "")
+                secret = environ.get(key.env)
                 if not secret:
-                    errors.append(f"{path}.env: the environment variable {key.env} is not set")
+                    state = "not set" if secret is None else f"empty (`{key.env}=` left unfilled in an env file?)"
+                    errors.append(f"{path}.env: the environment variable {key.env} is {state}")
                     continue
                 unusable = _unpresentable(secret)
                 if unusable:

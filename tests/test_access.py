@@ -90,6 +90,10 @@ def test_keys_resolve_from_hashes_and_the_environment() -> None:
     with pytest.raises(UnresolvedKeys) as err:
         KeyRing.from_config(cfg.auth, {})
     assert err.value.errors == ["auth.keys[1].env: the environment variable IOP_TEST_OTHER_KEY is not set"]
+    with pytest.raises(UnresolvedKeys) as err:  # set but empty, as a copied .env.example leaves it
+        KeyRing.from_config(cfg.auth, {"IOP_TEST_OTHER_KEY": ""})
+    assert err.value.errors == ["auth.keys[1].env: the environment variable IOP_TEST_OTHER_KEY is empty "
+                                "(`IOP_TEST_OTHER_KEY=` left unfilled in an env file?)"]
     ring = KeyRing.from_config(cfg.auth, {"IOP_TEST_OTHER_KEY": OTHER})
     caller, other, ops = ring.lookup(CALLER), ring.lookup(OTHER), ring.lookup(OPERATOR)
     assert caller is not None and caller.name == "team-a" and caller.models == frozenset({"qwen3.6:35b"})
