@@ -681,6 +681,10 @@ async def test_a_key_with_a_line_end_from_an_env_file_is_sent_without_it_and_sai
         "line end of the file it came from?); it is sent without it",
         "provider b: its api_key_env IOP_TEST_UNSET_KEY is not set in this worker's environment; its requests go "
         "without an API key"]
+    # set but empty (`KEY=` left unfilled in an env file): it said 'not set' while `env` showed it
+    assert key_warnings([missing], {"IOP_TEST_UNSET_KEY": ""}) == [
+        "provider b: its api_key_env IOP_TEST_UNSET_KEY is empty (or only whitespace) in this worker's environment; "
+        "its requests go without an API key"]
 
 
 async def test_a_key_with_a_line_break_inside_goes_unsent_and_is_said_at_start(

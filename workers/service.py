@@ -81,7 +81,8 @@ def key_warnings(providers: Iterable[ProviderConfig], environ: Mapping[str, str]
     for p in providers:
         value = environ.get(p.api_key_env) if p.api_key_env else None
         if p.api_key_env and not (value or "").strip():
-            warnings.append(f"provider {p.id}: its api_key_env {p.api_key_env} is not set in this worker's "
+            state = "not set" if value is None else "empty (or only whitespace)"
+            warnings.append(f"provider {p.id}: its api_key_env {p.api_key_env} is {state} in this worker's "
                             "environment; its requests go without an API key")
         elif value is not None and not sendable(value.strip()):
             warnings.append(f"provider {p.id}: its api_key_env {p.api_key_env} holds a key with a character no "
