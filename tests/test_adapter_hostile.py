@@ -1983,6 +1983,13 @@ def test_which_refusals_say_a_field_is_unknown_to_the_server(message: str, unkno
      "[type=string_type, input_value='Why do I get Unrecognized request argument supplied?', input_type=str]",
      Retry.NO),  # (the caller's own words, echoed: nothing of the server)
     ("1 validation error: {'type': 'string_type', 'input': 'it says: Extra inputs are not permitted'}", Retry.NO),
+    # FastAPI's own 422, as it writes it (compact JSON: no space after the colon); found in review with fastapi
+    ('{"detail":[{"type":"list_type","loc":["body","messages"],"msg":"Input should be a valid list","input":"Why '
+     'do I get Unrecognized request argument supplied?"}]}', Retry.NO),
+    ('{"detail":[{"type":"extra_forbidden","loc":["body","top_k"],"msg":"Extra inputs are not permitted",'
+     '"input":5}]}', Retry.UNABLE),
+    # Gemini's, of a field named `input`: its own words, no echo
+    ('Invalid JSON payload received. Unknown name "input": Cannot find field.', Retry.UNABLE),
 ])
 def test_an_unknown_field_only_an_echo_of_the_request_names_is_the_callers_at_once(message: str,
                                                                                    retry: Retry) -> None:
@@ -2023,6 +2030,9 @@ def test_what_a_llama_server_router_says_it_lacks(message: str, lacks: bool) -> 
     ("[{'type': 'missing', 'loc': ('body', 'messages', 0, 'role'), 'msg': 'Field required', 'input': {'content': "
      "'this requires --force to overwrite'}}]", False),
     ("stop sequence too long (parameter=stop, value=['the deploy requires --force'])", False),
+    # FastAPI's own 422 to a request its validator refuses, the whole body echoed as compact JSON (found in review)
+    ('{"detail":[{"type":"value_error","loc":["body"],"msg":"Value error, n must be 1","input":{"model":"m","n":2,'
+     '"messages":[{"role":"user","content":"npm publish requires --access public"}]},"ctx":{"error":{}}}]}', False),
 ])
 def test_a_refusal_naming_a_flag_the_server_lacks_says_another_may_serve_it(message: str, flag: bool) -> None:
     from workers.adapters.failures import server_flag

@@ -374,9 +374,11 @@ UNKNOWN_FIELD = re.compile(r"unrecognized request argument|extra inputs are not 
 #: prompt over its context: the caller's.)
 SERVER_FLAG = re.compile(r"\brequires\b[^.]{0,80}?\s--[a-z][\w-]*|\bstart the server with --[a-z]", re.IGNORECASE)
 #: where a server's message starts to echo what the caller sent: pydantic's `input_value=…` and FastAPI's
-#: `'input': …` (vLLM's 400 to a request that fails validation, a message's content among it), vLLM's
-#: `(parameter=…, value=…)` tail. The caller's text says nothing of how the server was started.
-_ECHO = re.compile(r"input_value=|['\"]input['\"]:\s|\(parameter=")
+#: `'input': …` (vLLM's 400 to a request that fails validation, a message's content among it; FastAPI's own
+#: 422 has it as compact JSON, `,"input":…`), vLLM's `(parameter=…, value=…)` tail. The caller's text says
+#: nothing of how the server was started. (Only as a key of an error's object: Gemini's `Unknown name
+#: "input": Cannot find field.` is its own words, of a field named `input`.)
+_ECHO = re.compile(r"input_value=|[{,]\s*['\"]input['\"]:|\(parameter=")
 
 
 def own_words(message: str) -> str:
