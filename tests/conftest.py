@@ -38,6 +38,19 @@ settings.register_profile("iop", deadline=None, database=None, print_blob=True)
 settings.load_profile("iop")
 
 
+def _sighup_not_passed_on_ignored() -> None:
+    """A suite started with SIGHUP ignored (`nohup pytest …`, to outlive its ssh session) would pass the
+    ignore on to every iop process it starts, and an iop service started so keeps ignoring SIGHUP
+    (`common.lifecycle.stop_event`): the tests that stop one with SIGHUP failed. The suite still
+    outlives its session (a handler that does nothing), and its children start with SIGHUP at its default
+    (exec resets a handled signal, never an ignored one)."""
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, lambda _signum, _frame: None)
+
+
+_sighup_not_passed_on_ignored()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _garbage_of_the_module() -> Iterator[None]:
     """What a module's tests left to the garbage collector is collected before the next module

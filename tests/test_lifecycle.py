@@ -122,3 +122,21 @@ def test_a_service_started_with_sighup_ignored_keeps_ignoring_it() -> None:
     done = subprocess.run([sys.executable, "-c", HUP_IGNORED], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     assert (done.returncode, done.stdout, done.stderr) == (0, "running True\n", "")
+
+
+#: What a process the suite starts finds SIGHUP set to, with the suite's module of fixtures loaded.
+CHILD_HUP = """
+import signal, subprocess, sys
+import tests.conftest
+print(subprocess.run([sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGHUP) is signal.SIG_DFL)"],
+                     capture_output=True, text=True, check=True).stdout.strip())
+"""
+
+
+def test_a_suite_run_under_nohup_starts_its_services_with_sighup_at_its_default() -> None:
+    """`nohup pytest …`: the services the suite starts inherited SIGHUP ignored and kept ignoring it,
+    so `test_sighup_stops_each_service_as_sigterm_does` failed (each ran on to its SIGKILL). Found in
+    review by running that test under `nohup`."""
+    done = subprocess.run([sys.executable, "-c", CHILD_HUP], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr
