@@ -1011,7 +1011,10 @@ MISTRAL_422 = ('{"detail": [{"type": "extra_forbidden", "loc": ["body", "max_com
     (400, "Unrecognized request argument supplied: max_completion_tokens", None, True),
     (400, "max_completion_tokens is too large: 100000. This model supports at most 16384", "max_completion_tokens",
      False),  # (the caller's value: its answer, not asked again under the other name)
-    (500, MISTRAL_422, None, False)])
+    (500, MISTRAL_422, None, False),
+    # (the caller's words that a server echoes: nothing of what it knows)
+    (422, '{"detail":[{"type":"string_type","loc":["body","messages",0,"content"],"msg":"Input should be a valid '
+          'string","input":"is an unexpected max_completion_tokens my fault?"}]}', None, False)])
 def test_a_refusal_of_the_name_max_completion_tokens(status: int, message: str, param: str | None,
                                                       refused: bool) -> None:
     exc = ProviderError(f"provider a answered {status}: {message}", status=status,

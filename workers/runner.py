@@ -42,6 +42,7 @@ from common.snapshots import read_snapshots
 from common.wire import CONFLICT, ErrorCode, ErrorInfo, EventType, RunKind, RunState, busy, cancelled_by_caller
 from workers import metrics
 from workers.adapters.base import Adapter, LastRead, ProviderError, Retry
+from workers.adapters.failures import own_words
 from workers.adapters.openai_compat import completion_tokens_named, max_tokens_only
 from workers.stream_pump import Pump, close_reads, shows_output
 
@@ -231,7 +232,7 @@ def refuses_stream_options(exc: ProviderError) -> bool:
     error too: the fallback is kept for the provider only once a request without them succeeded.)"""
     param = exc.detail.get("param") if exc.detail else None
     return exc.status in (400, 422) and (param == "stream_options"
-                                         or bool(_REFUSED_STREAM_OPTIONS.search(exc.message)))
+                                         or bool(_REFUSED_STREAM_OPTIONS.search(own_words(exc.message))))
 
 
 def refuses_max_completion_tokens(exc: ProviderError) -> bool:
@@ -239,7 +240,7 @@ def refuses_max_completion_tokens(exc: ProviderError) -> bool:
     a 422 `extra_forbidden`, the older name `max_tokens` being the one it takes): a 400 or 422 whose
     message says so. (Not one that only names it as its `param`: a value too large is the caller's, and
     a reasoning model of OpenAI's refuses the other name.)"""
-    return exc.status in (400, 422) and bool(_REFUSED_MAX_COMPLETION_TOKENS.search(exc.message))
+    return exc.status in (400, 422) and bool(_REFUSED_MAX_COMPLETION_TOKENS.search(own_words(exc.message)))
 
 
 #: How OpenAI's reasoning models refuse `max_tokens` ("Unsupported parameter: 'max_tokens' is not
