@@ -245,8 +245,9 @@ def run_counts(stack: Stack) -> Counter[tuple[str, str, str]]:
     # (both refuse a field they do not know: each asked once, the last one's refusal is the caller's)
     ("extra_forbidden", 1, {400, 422}),
     # (the other dies: its fault is the caller's 502 when it was the run's last attempt by max_attempts, else
-    # the run goes back, to the one that refused it, which refuses it again; once its strikes take it down,
-    # a run refused as unable has no provider left: the refusal, at once)
+    # the run goes back, never to the one that refused it as unable (the record's `unable_by`), but to the one
+    # that dies, while its attempts last; once its strikes take it down, a run refused as unable has no
+    # provider left: the refusal, at once)
     ("dies", 1, {400, 502}),
     ("dies", 3, {400, 502}),
 ])

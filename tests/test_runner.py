@@ -1606,3 +1606,46 @@ async def test_a_run_is_tried_by_its_own_max_attempts_not_its_worker_s(redis: Re
     await sched.dispatch_all()
     assert await fields(redis, keys.run_record(run_id), "provider") == [other]
     assert await Runner(redis, config, f"n-{other}", {other: Scripted([[TEXT]])}).execute(run_id) == "completed:ok"
+
+
+@pytest.mark.parametrize("max_attempts", [2, 3])
+async def test_a_refusal_as_unable_goes_back_to_a_provider_tried_before_never_to_the_one_that_refused(
+        redis: Redis, max_attempts: int) -> None:
+    """The run's first provider broke off (a retry, an attempt used), the other refused it as unable
+    (`not_taken`: none used), and no provider was left that it was not tried on: the caller got that
+    refusal, with attempts left. It goes back to the first (`requeue_unable_back`: the record's
+    `unable_by` names the one that refused it), which serves it; with `max_attempts: 2` too (the refusal
+    gave its attempt back). The one that refused it is never chosen again, and a refusal by it again (a
+    scheduler that does not read `unable_by`) ends the run with it, so it goes round between the two no
+    more."""
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1}, max_attempts=max_attempts)
+    first, other = await chosen_and_other(redis, run_id)
+    broke = ProviderError(f"provider {first}: the server closed the connection", retry=Retry.ANY, strikes=1)
+    assert await Runner(redis, sched.config, f"n-{first}", {first: Scripted([], broke)}).execute(
+        run_id) == "requeued:ok"
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await fields(redis, keys.run_record(run_id), "provider") == [other]
+    refusal = not_taken(other, "'top_k' is not taken", "top_k")
+    assert await Runner(redis, sched.config, f"n-{other}", {other: Scripted([], refusal)}).execute(
+        run_id) == "requeued:ok"
+    record = keys.run_record(run_id)
+    assert await fields(redis, record, "unable", "unable_by", "state") == ["1", other, "queued"]
+    [(_, entry)] = await redis.xrange(keys.runs_stream(MODEL))
+    assert entry.get(b"exclude") is None and entry[b"unable_by"] == other.encode()
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await fields(redis, record, "provider", "attempts") == [first, "3"]
+    assert await Runner(redis, sched.config, f"n-{first}", {first: Scripted([[TEXT]])}).execute(
+        run_id) == "completed:ok"
+
+    # a scheduler that does not read `unable_by` sends the next such run back to the one that refused it
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1}, max_attempts=max_attempts)
+    record = keys.run_record(run_id)
+    provider, other = await chosen_and_other(redis, run_id)
+    await redis.hset(record, mapping={"tried": f"{other},{provider}", "unable_by": provider, "unable": 1,
+                                      "attempts": 2})
+    refusal = not_taken(provider, "'top_k' is not taken", "top_k")
+    assert await Runner(redis, sched.config, f"n-{provider}", {provider: Scripted([], refusal)}).execute(
+        run_id) == "failed:ok"
+    assert await fields(redis, record, "error_message", "unable_by") == [refusal.message, provider]

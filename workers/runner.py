@@ -107,6 +107,9 @@ class Attempt:
     refuse: frozenset[str] = frozenset()
     #: the run's attempts before this one that used up none of `max_attempts` (`Retry.UNABLE`)
     unable: int = 0
+    #: the providers that refused the run as unable to do what it asks (the record's `unable_by`):
+    #: it never goes back to them
+    unable_by: frozenset[str] = frozenset()
     output: bool = False
     #: chunks of output the caller got (in `delta` events; its opening ones not counted), and the
     #: last `usage` the provider's stream carried: what a stream that ended before its own usage
@@ -325,7 +328,8 @@ class Runner:
         # next attempt had no body, a KeyError; '1' where the record has none, as `_START` reads it)
         att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), _count(record, "max_attempts", 1),
                       id_set(record.get("tried")), record.get("key", b"-").decode(),
-                      refuse=id_set(record.get("refuse")), unable=_count(record, "unable", 0))
+                      refuse=id_set(record.get("refuse")), unable=_count(record, "unable", 0),
+                      unable_by=id_set(record.get("unable_by")))
         task = asyncio.current_task()
         assert task is not None
         self.running[run_id] = (att, task)
@@ -614,11 +618,19 @@ class Runner:
         that cannot do what the request asks (`Retry.UNABLE`) used up no attempt: the run goes to
         another provider whatever its attempts, while one it was not tried on is available (so such
         refusals are at most one fewer than the model's providers), with `body` (the record's, if its start
-        deleted it) for the next attempt."""
+        deleted it) for the next attempt; else, the attempt given back, while one it was tried on
+        that did not refuse it so is available (it went there once and failed as a retry may: the
+        run avoids it, as after a connection reset, but may go back). A provider that refused it as
+        unable (the record's `unable_by`) is never asked again."""
         att.stopping = True  # (ending: a cancel now is not raised into it, see `cancel`)
         unable = retry is Retry.UNABLE
         again = not att.output and (unable or not att.last()) and (
             retry is Retry.ANY or (retry in (Retry.ELSEWHERE, Retry.UNABLE) and await self._untried_available(att)))
+        # (a provider that refused it so once more was chosen by a scheduler that does not read `unable_by`,
+        # a rollout half done: the run goes back no more, or it could go round between the two for good)
+        back = (unable and not again and not att.output and att.provider_id not in att.unable_by
+                and await self._untried_available(att, tried=True))
+        again = again or back
         # (too busy: left alone for the model as long as it asked, else a second)
         too_busy = busy(info.status, info.message)
         cool_s = (info.retry_after_s or 1) if info.code is ErrorCode.PROVIDER_ERROR and too_busy else 0
@@ -626,7 +638,8 @@ class Runner:
             # (the finish script takes the job off its node's queue first: the next dispatch
             # queues a job of the same id)
             outcome = await self._finish(att, None, EventType.REQUEUED, info.to_wire(), evidence=evidence,
-                                         requeue="requeue" if retry is Retry.ANY else "requeue_unable" if unable
+                                         requeue="requeue" if retry is Retry.ANY else "requeue_unable_back" if back
+                                         else "requeue_unable" if unable
                                          else "requeue_busy" if too_busy else "requeue_elsewhere",
                                          suspect=suspect(info) and evidence[1] < DOWN, cool_s=cool_s, body=body)
         else:
@@ -645,14 +658,16 @@ class Runner:
             log.info("failed: %s", info.message, extra=att.log())
         return outcome
 
-    async def _untried_available(self, att: Attempt) -> bool:
-        """Whether a provider of the run's model that no attempt went to could take it now, but for
+    async def _untried_available(self, att: Attempt, tried: bool = False) -> bool:
+        """Whether a provider of the run's model that no attempt went to (`tried`: one an earlier
+        attempt went to, that did not refuse it as unable) could take it now, but for
         its load: available with the model, not drained or cordoned, capacity above 0 (the
         scheduler's own test, `common.policy.candidate_class`). A run sent back for one that is
         drained would wait there until its queue timeout."""
         model = self.config.model(att.model_id)
         others = {p: served for p, served in (model.providers.items() if model else ())
-                  if p not in att.tried and p not in att.refuse and p != att.provider_id}
+                  if (p in att.tried) is tried and p not in att.refuse and p not in att.unable_by
+                  and p != att.provider_id}
         if not others:
             return False
         now = now_ms()

@@ -20,7 +20,8 @@ class Retry(StrEnum):
     ANY = "any"  # the provider could not be reached or broke off: any provider (others first)
     #: this provider cannot do what the request asks (a 400 saying so: a CLI tool's tools, an Ollama
     #: model without tools, llama-server's `n` over its slots): another provider of the model that the
-    #: run was not tried on, without using up one of its attempts (it only asked; nothing was generated)
+    #: run was not tried on, else one it was tried on that did not refuse it so, never this one again,
+    #: without using up one of its attempts (it only asked; nothing was generated)
     UNABLE = "unable"
 
 
