@@ -815,7 +815,9 @@ return 1
 #       the provider too busy|requeue_unable: elsewhere, the provider could not do what the request asks:
 #       the attempt uses up none of max_attempts, counted in the record's `unable`, and the provider
 #       joins its `unable_by`, never asked again|requeue_unable_back: as requeue_unable, but the retry
-#       only avoids the other providers tried, as `requeue` does), event type, event
+#       only avoids the other providers tried, as `requeue` does; the worker asks it only of a run whose
+#       record has no `elsewhere`, which requeue_elsewhere and requeue_busy set: a provider that
+#       answered a 5xx, a 429 or a redirect is tried at most once), event type, event
 #       data, ttl_s, replica channel prefix, model, error code, error message, attempt,
 #       evidence ('ok'|'fail'|''), strikes, failure reason, prompt tokens, completion tokens
 #       (the usage the caller got, added to its key's by `_ENDED` when the run ends here), how
@@ -878,6 +880,9 @@ if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue
     if u[1] and not (u[2] and string.find(',' .. u[2] .. ',', ',' .. u[1] .. ',', 1, true)) then
       redis.call('HSET', KEYS[1], 'unable_by', u[2] and (u[2] .. ',' .. u[1]) or u[1])
     end
+  end
+  if ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue_busy' then  -- (never back to it: `requeue_unable_back`)
+    redis.call('HSET', KEYS[1], 'elsewhere', '1')
   end
   requeue(KEYS[1], KEYS[4], ARGV[1], ARGV[2] ~= 'requeue' and ARGV[2] ~= 'requeue_unable_back',
     ARGV[2] == 'requeue_busy')

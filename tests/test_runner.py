@@ -1649,3 +1649,28 @@ async def test_a_refusal_as_unable_goes_back_to_a_provider_tried_before_never_to
     assert await Runner(redis, sched.config, f"n-{provider}", {provider: Scripted([], refusal)}).execute(
         run_id) == "failed:ok"
     assert await fields(redis, record, "error_message", "unable_by") == [refusal.message, provider]
+
+
+@pytest.mark.parametrize(("status", "message"), [(500, "boom"), (429, "rate limited")])
+async def test_a_refusal_as_unable_never_goes_back_to_a_provider_that_answered_a_server_error(
+        redis: Redis, status: int, message: str) -> None:
+    """A 5xx or a 429 is tried again only on another provider, each at most once (its retry excludes the
+    providers tried: `requeue_elsewhere`). The other then refused the run as unable, and none is left
+    that it was not tried on: it does not go back to the first (`requeue_unable_back` avoids, not
+    excludes), but ends with that refusal, as before there was a way back."""
+    sched, run_id = await start_one(redis, {"a": 1, "b": 1}, max_attempts=3)
+    first, other = await chosen_and_other(redis, run_id)
+    err = ProviderError(f"provider {first} answered {status}: {message}", status=status, retry=Retry.ELSEWHERE)
+    assert await Runner(redis, sched.config, f"n-{first}", {first: Scripted([], err)}).execute(
+        run_id) == "requeued:ok"
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await fields(redis, keys.run_record(run_id), "provider") == [other]
+    # (the 429's bench, its Retry-After, has passed by the time the other answers)
+    benched = [f for f in await redis.hkeys(keys.heartbeat(first)) if f.startswith((b"bench:", b"busy:"))]
+    if benched:
+        await redis.hdel(keys.heartbeat(first), *benched)
+    refusal = not_taken(other, "'top_k' is not taken", "top_k")
+    assert await Runner(redis, sched.config, f"n-{other}", {other: Scripted([], refusal)}).execute(
+        run_id) == "failed:ok"
+    assert await fields(redis, keys.run_record(run_id), "state", "error_message") == ["failed", refusal.message]
