@@ -15,7 +15,7 @@ import redis as sync_redis
 from aiohttp import web
 
 from tests.conftest import Stack
-from tests.test_hostile_provider_e2e import UNRECOGNIZED, Hostile, aborted, ask, leftovers, ok, start
+from tests.test_hostile_provider_e2e import UNRECOGNIZED, Hostile, aborted, ask, error, leftovers, ok, start
 
 pytestmark = pytest.mark.e2e
 
@@ -80,6 +80,32 @@ async def test_a_provider_that_refused_as_unable_is_never_asked_again(stack: Sta
             record = the_record(stack)
             assert record["state"] == "failed" and record["unable"] == "1" and record["unable_by"] == "b", record
             assert int(record["attempts"]) <= 3 + 1, record
+            assert took < 10
+            assert leftovers(stack) == {}
+        finally:
+            stack.stop_all()
+
+
+def fails_once(until: Hostile) -> Any:
+    """Answers 500 until `until` was asked, then answers."""
+    async def handle(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if not until.calls:
+            return await error(500, {"error": {"message": "boom", "type": "server_error"}})(request, body)
+        return await ok(request, body)
+    return handle
+
+
+async def test_an_unable_refusal_never_goes_back_to_a_provider_that_answered_a_server_error(stack: Stack) -> None:
+    """a answers 500 (tried again only on another provider, each at most once), b refuses top_k as
+    unable: the run does not go back to a (which would now answer), the caller gets b's 400."""
+    with Hostile(["b-m"], no_top_k) as b, Hostile(["a-m"], fails_once(b)) as a:
+        try:
+            gateway = start(stack, {"a": a, "b": b}, queue={"max_attempts": 3})
+            status, _, text, took = await ask(gateway, top_k=5)
+            assert status == 400 and "top_k" in text, (status, text)
+            assert a.calls["a-m"] == 1 and b.calls["b-m"] == 1, (a.calls, b.calls)
+            record = the_record(stack)
+            assert (record["state"], record["tried"], record["elsewhere"]) == ("failed", "a,b", "1"), record
             assert took < 10
             assert leftovers(stack) == {}
         finally:
