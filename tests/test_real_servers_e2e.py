@@ -89,11 +89,17 @@ def gateway(stack: Stack, servers: RealServers, asleep: RealServers) -> str:
         list(providers.values()), [pid for pid in providers if pid != SLEEPY])
 
 
-async def ask(gateway: str, model: str, stream: bool) -> tuple[int, str]:
-    """(status, the answer's text: a whole answer's body, or a stream's events)."""
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+async def ask(gateway: str, model: str, stream: bool, **fields: Any) -> tuple[int, str]:
+    """(status, the answer's text: a whole answer's body, or a stream's events); `fields` added to the
+    request (or in place of its `messages`)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream, **fields}
+    status, text, _ = await ask_with_headers(gateway, body)
+    return status, text
+
+
+async def ask_with_headers(gateway: str, body: dict[str, Any]) -> tuple[int, str, dict[str, str]]:
     async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json=body) as resp:
-        return resp.status, await resp.text()
+        return resp.status, await resp.text(), dict(resp.headers)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -255,11 +261,10 @@ async def test_a_server_too_busy_in_its_stream_is_a_503_for_the_caller(servers: 
                                                                        model: str) -> None:
     """Its only provider too busy: the caller is told to try again (503 with `Retry-After`), as when
     that server answers the whole request 503, not given a 502 (a broken provider)."""
-    async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json={
-            "model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}) as resp:
-        text = await resp.text()
-        assert resp.status == 503, text
-        assert resp.headers.get("Retry-After"), resp.headers
+    status, text, headers = await ask_with_headers(
+        gateway, {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    assert status == 503, text
+    assert headers.get("Retry-After"), headers
     assert any(said in json.loads(text)["error"]["message"] for said in ("queue is full", "Generation is paused"))
 
 
@@ -283,11 +288,9 @@ async def test_a_vllm_started_without_tool_parsing_leaves_a_request_with_tools_t
         servers: RealServers, gateway: str, stream: bool) -> None:
     """Its 400 names the flags it was not started with: not the caller's request at fault, but that
     server's; another provider of the model serves it (the first asked, by the tie-break)."""
-    body = {"model": "m-tools", "messages": [{"role": "user", "content": "hi"}], "stream": stream,
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
-    async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json=body) as resp:
-        text = await resp.text()
-        assert resp.status == 200, text
+    status, text = await ask(gateway, "m-tools", stream, tools=[
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    assert status == 200, text
     assert "hello there" in text
     assert servers.calls["vllm-notools@a"] == 1 and servers.calls["ok"] == 1, servers.calls
 
@@ -298,10 +301,8 @@ async def test_a_request_vllm_refuses_whose_echo_names_a_flag_is_the_callers_400
     "requires --access": the caller's words, not a flag the server lacks, so the caller's 400 at once,
     not sent to the model's other providers first. Found in review."""
     part = {"type": "input_text", "text": "npm publish requires --access public"}
-    body = {"model": "m-tools", "messages": [{"role": "user", "content": [part]}]}
-    async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json=body) as resp:
-        text = await resp.text()
-        assert resp.status == 400, text
+    status, text = await ask(gateway, "m-tools", False, messages=[{"role": "user", "content": [part]}])
+    assert status == 400, text
     assert "input_text" in text
     assert servers.calls["vllm-notools@a"] == 1 and servers.calls["ok"] == 0, servers.calls
 
@@ -310,8 +311,6 @@ async def test_n_over_1_at_temperature_0_that_vllm_refuses_goes_to_another_provi
                                                                                     gateway: str) -> None:
     """vLLM refuses two greedy choices (400, no param); OpenAI and SGLang serve them: the server's
     limit, not the caller's fault, so the model's other provider is asked (the first, by the tie-break)."""
-    body = {"model": "m-greedy", "messages": [{"role": "user", "content": "hi"}], "n": 2, "temperature": 0}
-    async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/chat/completions", json=body) as resp:
-        text = await resp.text()
-        assert resp.status == 200, text
+    status, text = await ask(gateway, "m-greedy", False, n=2, temperature=0)
+    assert status == 200, text
     assert servers.calls["vllm-greedy@a"] == 1 and servers.calls["ok"] == 1, servers.calls

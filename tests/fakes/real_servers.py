@@ -165,6 +165,18 @@ def _whole(model: str, content: str, finish_reason: str) -> web.Response:
         content_type="application/json")
 
 
+async def _sglang_refusal(request: web.Request, served: str, stream: bool, status: int, message: str,
+                          stream_type: str, whole_type: str) -> web.StreamResponse:
+    """SGLang's refusal in its flat error shape: in a stream (after its 200) an error chunk of the
+    status's name as `type`, then the usage chunk and `[DONE]`; whole, the answer with its status."""
+    if stream:
+        error = {"object": "error", "message": message, "type": stream_type, "param": None, "code": status}
+        return await _events(request, f"data: {json.dumps({'error': error})}\n\n".encode(), _usage_chunk(served),
+                             b"data: [DONE]\n\n")
+    flat = {"object": "error", "message": message, "type": whole_type, "param": None, "code": status}
+    return web.Response(status=status, body=_compact(flat), content_type="application/json")
+
+
 async def _events(request: web.Request, *parts: bytes) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     resp.enable_chunked_encoding()
@@ -214,20 +226,9 @@ async def _chat(request: web.Request) -> web.StreamResponse:
             return await _events(request, b"data: " + _compact(VLLM_LOGPROBS) + b"\n\n", b"data: [DONE]\n\n")
         return web.Response(status=400, body=_compact(VLLM_LOGPROBS), content_type="application/json")
     if kind == "sglang-too-long":
-        if stream:
-            error = {"object": "error", "message": SGLANG_TOO_LONG, "type": "BAD_REQUEST", "param": None, "code": 400}
-            return await _events(request, f"data: {json.dumps({'error': error})}\n\n".encode(), _usage_chunk(served),
-                                 b"data: [DONE]\n\n")
-        flat = {"object": "error", "message": SGLANG_TOO_LONG, "type": "BadRequestError", "param": None, "code": 400}
-        return web.Response(status=400, body=_compact(flat), content_type="application/json")
+        return await _sglang_refusal(request, served, stream, 400, SGLANG_TOO_LONG, "BAD_REQUEST", "BadRequestError")
     if kind == "sglang-queue-full":
-        if stream:
-            error = {"object": "error", "message": SGLANG_QUEUE_FULL, "type": "SERVICE_UNAVAILABLE", "param": None,
-                     "code": 503}
-            return await _events(request, f"data: {json.dumps({'error': error})}\n\n".encode(), _usage_chunk(served),
-                                 b"data: [DONE]\n\n")
-        flat = {"object": "error", "message": SGLANG_QUEUE_FULL, "type": "503", "param": None, "code": 503}
-        return web.Response(status=503, body=_compact(flat), content_type="application/json")
+        return await _sglang_refusal(request, served, stream, 503, SGLANG_QUEUE_FULL, "SERVICE_UNAVAILABLE", "503")
     if kind == "vllm-paused":
         if stream:
             paused = {"error": {"message": VLLM_PAUSED, "type": "InternalServerError", "param": None, "code": 503}}
