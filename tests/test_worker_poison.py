@@ -246,7 +246,7 @@ async def test_a_run_whose_failure_cannot_be_handled_still_ends_and_the_task_ret
     async def broken(att: Any) -> bool:
         raise KeyError("boom")
 
-    monkeypatch.setattr(runner, "_untried_available", broken)
+    monkeypatch.setattr(runner, "_other_available", broken)
     await fails_on_a_worker(redis_url, runner, run_id)
     state, code, message = await fields(redis, keys.run_record(run_id), "state", "error_code", "error_message")
     assert (state, code) == ("failed", "provider_error")

@@ -629,13 +629,13 @@ class Runner:
         att.stopping = True  # (ending: a cancel now is not raised into it, see `cancel`)
         unable = retry is Retry.UNABLE
         again = not att.output and (unable or not att.last()) and (
-            retry is Retry.ANY or (retry in (Retry.ELSEWHERE, Retry.UNABLE) and await self._untried_available(att)))
+            retry is Retry.ANY or (retry in (Retry.ELSEWHERE, Retry.UNABLE) and await self._other_available(att)))
         # (a provider that refused it so once more was chosen by a scheduler that does not read `unable_by`,
         # a rollout half done: the run goes back no more, or it could go round between the two for good)
         # (nor after a 5xx, a 429 or a redirect: those retry the run only on another provider, each at
         # most once, and the requeue that followed excluded every provider tried, `requeue_elsewhere`)
         back = (unable and not again and not att.output and att.provider_id not in att.unable_by
-                and not att.elsewhere and await self._untried_available(att, tried=True))
+                and not att.elsewhere and await self._other_available(att, tried=True))
         again = again or back
         # (too busy: left alone for the model as long as it asked, else a second)
         too_busy = busy(info.status, info.message)
@@ -664,10 +664,10 @@ class Runner:
             log.info("failed: %s", info.message, extra=att.log())
         return outcome
 
-    async def _untried_available(self, att: Attempt, tried: bool = False) -> bool:
-        """Whether a provider of the run's model that no attempt went to (`tried`: one an earlier
-        attempt went to, that did not refuse it as unable) could take it now, but for
-        its load: available with the model, not drained or cordoned, capacity above 0 (the
+    async def _other_available(self, att: Attempt, tried: bool = False) -> bool:
+        """Whether another provider of the run's model, one that no attempt went to (`tried`: one an
+        earlier attempt went to), never one that refused it (as unable, or its adapter), could take it
+        now, but for its load: available with the model, not drained or cordoned, capacity above 0 (the
         scheduler's own test, `common.policy.candidate_class`). A run sent back for one that is
         drained would wait there until its queue timeout."""
         model = self.config.model(att.model_id)
