@@ -402,8 +402,9 @@ def callers_retry(status: int, message: str) -> Retry:
     does not know (`UNKNOWN_FIELD`: another may take it) or that the server was not started with a
     flag the request needs (`SERVER_FLAG`: another may be) is (`Retry.UNABLE`: no attempt used up);
     any other is the caller's answer at once."""
+    own = own_words(message)  # (read once, for both: what the server says, not what it echoes)
     unable = status == PAYMENT_REQUIRED or (status in (400, 422) and bool(
-        UNKNOWN_FIELD.search(own_words(message)) or server_flag(message)))
+        UNKNOWN_FIELD.search(own) or SERVER_FLAG.search(own)))
     return Retry.UNABLE if unable else Retry.NO
 
 
