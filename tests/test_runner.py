@@ -1674,3 +1674,25 @@ async def test_a_refusal_as_unable_never_goes_back_to_a_provider_that_answered_a
     assert await Runner(redis, sched.config, f"n-{other}", {other: Scripted([], refusal)}).execute(
         run_id) == "failed:ok"
     assert await fields(redis, keys.run_record(run_id), "state", "error_message") == ["failed", refusal.message]
+
+
+async def test_a_model_cap_is_fitted_at_most_refits_times_however_often_the_server_refuses(redis: Redis) -> None:
+    """A server that refuses each smaller cap again, always saying it has a token less room, is asked
+    `REFITS` times more, then its refusal is the answer: the refit never goes on for good."""
+    caps: list[int] = []
+
+    async def refuse(att: Any, adapter: Any, kind: RunKind, body: dict[str, Any], stream: bool) -> str:
+        cap = body["max_tokens"]
+        caps.append(cap)
+        raise ProviderError(f"provider a answered 400: Requested token count exceeds the model's maximum context "
+                            f"length of {10 + cap - 1} tokens. You requested a total of {10 + cap} tokens: 10 "
+                            f"tokens from the input messages and {cap} tokens for the completion.",
+                            status=400, retry=Retry.NO, strikes=0)
+
+    runner = Runner(redis, make_config({"a": 1}), "n-a", {})
+    runner._answer_named = refuse  # type: ignore[method-assign]
+    att = SimpleNamespace(output=False, provider_id="a", log=dict)
+    with pytest.raises(ProviderError, match="maximum context length"):
+        await runner._answer(att, None, RunKind.CHAT, {"messages": [], "max_tokens": 100}, False,  # type: ignore[arg-type]
+                             capped=True)
+    assert caps == [100 - n for n in range(runner_module.REFITS + 1)]
