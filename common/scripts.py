@@ -63,15 +63,18 @@ end
 # Put a dispatched run back at the tail of its model's queue; earlier providers go along as
 # `tried`, so the retry avoids them (or, `elsewhere`, never goes to them: `exclude` = 1; `busy` = 1
 # when the last was too busy to take it, so a run no other can take then fails as a busy one), and
-# so do the providers that would refuse it (`refuse`, as `enqueue` wrote it) and those that refused
-# it as unable to do what it asks (`unable_by`, as FINISH wrote it): it never goes to either.
-# Shared by FINISH (a failed attempt) and REAP (a lost one).
+# so do the providers that would refuse it (`refuse`, as `enqueue` wrote it), those that refused
+# it as unable to do what it asks (`unable_by`, as FINISH wrote it) and those that answered it a
+# 5xx, a 429 or a redirect (the record's `elsewhere`, as FINISH wrote it): it never goes to any of
+# them, however a later attempt ends (a connection reset, a lost worker: each at most once).
+# Shared by FINISH (a failed attempt), REAP (a lost one) and WORKER_LEFT (one never started).
 _REQUEUE = """
 local function requeue(record, stream, run_id, elsewhere, busy)
-  local was = redis.call('HMGET', record, 'tried', 'refuse', 'unable_by')
+  local was = redis.call('HMGET', record, 'tried', 'refuse', 'unable_by', 'elsewhere')
   local fields = {'run', run_id, 'tried', was[1] or ''}
   if was[2] then table.insert(fields, 'refuse') table.insert(fields, was[2]) end
   if was[3] then table.insert(fields, 'unable_by') table.insert(fields, was[3]) end
+  if was[4] then table.insert(fields, 'elsewhere') table.insert(fields, was[4]) end
   if elsewhere then table.insert(fields, 'exclude') table.insert(fields, '1') end
   if busy then table.insert(fields, 'busy') table.insert(fields, '1') end
   local entry = redis.call('XADD', stream, '*', unpack(fields))
@@ -491,11 +494,11 @@ return dispatch_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4
 # entries of the stream (those the read just handed it, and any it took over), oldest first, and
 # dispatches each as `dispatch` does, with the candidates the scheduler would give it: the model's
 # providers that list its served name (`listed`), classes from the entry's `tried` and `exclude`,
-# none of its `refuse` or `unable_by` (as `Waiting` makes them). It stops at a run that cannot go (not the head,
-# no slot, a probe out), and at one that has waited its model's `queue_timeout_ms` (the scheduler
-# times it out): the scheduler's way takes over from there. An error stops it too, and is returned
-# after what was done before it (the runs dispatched stay dispatched: a script's writes are not
-# undone).
+# none of its `refuse`, `unable_by` or `elsewhere` (as `Waiting` makes them). It stops at a run
+# that cannot go (not the head, no slot, a probe out), and at one that has waited its model's
+# `queue_timeout_ms` (the scheduler times it out): the scheduler's way takes over from there. An
+# error stops it too, and is returned after what was done before it (the runs dispatched stay
+# dispatched: a script's writes are not undone).
 # KEYS: for each model: its runs stream, then `dispatch`'s 8 keys of each of its providers (in
 #       the order of their ids)
 # ARGV: group, lease ttl ms, run ttl s, replica channel prefix, heartbeat ttl ms, this replica,
@@ -522,6 +525,7 @@ local function model_block(i, a)
     for t in string.gmatch(fields['tried'] or '', '[^,]+') do tried[t] = true end
     for t in string.gmatch(fields['refuse'] or '', '[^,]+') do refuse[t] = true end
     for t in string.gmatch(fields['unable_by'] or '', '[^,]+') do refuse[t] = true end
+    for t in string.gmatch(fields['elsewhere'] or '', '[^,]+') do refuse[t] = true end
     local cands = {}
     for j = 0, p - 1 do
       local pa = a + 2 + 3 * j
@@ -815,9 +819,9 @@ return 1
 #       the provider too busy|requeue_unable: elsewhere, the provider could not do what the request asks:
 #       the attempt uses up none of max_attempts, counted in the record's `unable`, and the provider
 #       joins its `unable_by`, never asked again|requeue_unable_back: as requeue_unable, but the retry
-#       only avoids the other providers tried, as `requeue` does; the worker asks it only of a run whose
-#       record has no `elsewhere`, which requeue_elsewhere and requeue_busy set: a provider that
-#       answered a 5xx, a 429 or a redirect is tried at most once), event type, event
+#       only avoids the other providers tried, as `requeue` does; requeue_elsewhere and requeue_busy
+#       add the provider to the record's `elsewhere`: a provider that answered a 5xx, a 429 or a
+#       redirect is tried at most once, however later attempts end), event type, event
 #       data, ttl_s, replica channel prefix, model, error code, error message, attempt,
 #       evidence ('ok'|'fail'|''), strikes, failure reason, prompt tokens, completion tokens
 #       (the usage the caller got, added to its key's by `_ENDED` when the run ends here), how
@@ -875,14 +879,13 @@ if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue
     local s = redis.call('HMGET', KEYS[1], 'provider', 'suspects')
     if s[1] then redis.call('HSET', KEYS[1], 'suspects', s[2] and (s[2] .. ',' .. s[1]) or s[1]) end
   end
-  if unable then  -- (never asked again: the entry and the record's `unable_by` name it)
-    local u = redis.call('HMGET', KEYS[1], 'provider', 'unable_by')
+  -- (never asked again: the entry and the record's `unable_by`, or `elsewhere`, name it)
+  local never = unable and 'unable_by' or (ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue_busy') and 'elsewhere'
+  if never then
+    local u = redis.call('HMGET', KEYS[1], 'provider', never)
     if u[1] and not (u[2] and string.find(',' .. u[2] .. ',', ',' .. u[1] .. ',', 1, true)) then
-      redis.call('HSET', KEYS[1], 'unable_by', u[2] and (u[2] .. ',' .. u[1]) or u[1])
+      redis.call('HSET', KEYS[1], never, u[2] and (u[2] .. ',' .. u[1]) or u[1])
     end
-  end
-  if ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue_busy' then  -- (never back to it: `requeue_unable_back`)
-    redis.call('HSET', KEYS[1], 'elsewhere', '1')
   end
   requeue(KEYS[1], KEYS[4], ARGV[1], ARGV[2] ~= 'requeue' and ARGV[2] ~= 'requeue_unable_back',
     ARGV[2] == 'requeue_busy')

@@ -90,7 +90,8 @@ class Waiting:
     #: the last provider was too busy to take it (its 429 or 503)
     busy: bool = field(compare=False, default=False)
     #: providers it must not go to (a server error, or a request its adapter does not take: a cli
-    #: tool's, Ollama's; one that refused it as unable, its entry's `unable_by`), `refuse` included
+    #: tool's, Ollama's; one that refused it as unable, its entry's `unable_by`; one that answered it
+    #: a 5xx, a 429 or a redirect, its entry's `elsewhere`), `refuse` included
     exclude: frozenset[str] = field(compare=False, default=frozenset())
     #: providers whose adapter would refuse it (`gateway.refusals`): it never went there
     refuse: frozenset[str] = field(compare=False, default=frozenset())
@@ -218,12 +219,13 @@ class Scheduler:
         timeout = self.config.queue_for(model).queue_timeout_ms
         tried = id_set(fields.get(b"tried"))
         refuse = id_set(fields.get(b"refuse"))  # (`gateway.refusals`)
-        unable_by = id_set(fields.get(b"unable_by"))  # (they refused it as unable: never again, `FINISH`)
+        # (they refused it as unable, or answered it a 5xx, a 429 or a redirect: never again, `FINISH`)
+        never = id_set(fields.get(b"unable_by")) | id_set(fields.get(b"elsewhere"))
         hard = fields.get(b"exclude") == b"1"
         key = entry_key(entry_id)
         item = Waiting(key, run_id, entry_id, key[0] + timeout, busy=fields.get(b"busy") == b"1",
-                       avoid=frozenset() if hard else tried - refuse - unable_by,
-                       exclude=(tried if hard else frozenset()) | refuse | unable_by, refuse=refuse)
+                       avoid=frozenset() if hard else tried - refuse - never,
+                       exclude=(tried if hard else frozenset()) | refuse | never, refuse=refuse)
         queue = self.waiting[model_id]
         if not any(w.entry_id == entry_id for w in queue):
             bisect.insort(queue, item)

@@ -363,14 +363,16 @@ async def test_a_run_read_never_goes_to_a_provider_whose_heartbeat_comes_from_an
     await client.close()
 
 
-async def test_a_run_read_never_goes_back_to_a_provider_that_refused_it_as_unable(lined: Redis) -> None:
-    """The entry's `unable_by` (`finish`'s `requeue_unable_back`): tried on a and b, it may go back to
-    either (`tried`, no `exclude`), and the tie-break would send it to a; a refused it as unable to do
-    what it asks, so Redis sends it to b."""
+@pytest.mark.parametrize("never", ["unable_by", "elsewhere"])
+async def test_a_run_read_never_goes_back_to_a_provider_that_refused_it_as_unable(lined: Redis, never: str) -> None:
+    """The entry's `unable_by` (`finish`'s `requeue_unable_back`) or `elsewhere` (a 500 from a, then a
+    connection reset on b: a plain `requeue`): tried on a and b, it may go back to either (`tried`, no
+    `exclude`), and the tie-break would send it to a; a refused it as unable to do what it asks, or
+    answered it a 500, so Redis sends it to b."""
     config = make_config({"a": 1, "b": 1})
     await beat(lined, config)
     sched = await reader(lined, config)
-    await lined.hset(keys.run_record("run_x"), mapping={"state": "queued", "tried": "b,a", "unable_by": "a"})
-    await lined.xadd(keys.runs_stream(MODEL), {"run": "run_x", "tried": "b,a", "unable_by": "a"})
+    await lined.hset(keys.run_record("run_x"), mapping={"state": "queued", "tried": "b,a", never: "a"})
+    await lined.xadd(keys.runs_stream(MODEL), {"run": "run_x", "tried": "b,a", never: "a"})
     assert await sched.read_new(block_ms=10) == 0
     assert await lined.hget(keys.run_record("run_x"), "provider") == b"b"

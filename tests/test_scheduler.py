@@ -496,21 +496,22 @@ async def test_a_lost_run_whose_attempts_used_up_none_is_tried_again(redis: Redi
     await client.close()
 
 
-async def test_a_requeued_run_never_goes_back_to_a_provider_that_refused_it_as_unable(redis: Redis) -> None:
-    """The record's `unable_by` (FINISH's `requeue_unable`) goes along with every requeue (here a lost
-    lease's), and the scheduler's own dispatch leaves those providers out: tried on b and a, the run
-    may go back to either, and the tie-break would send it to a, which refused it as unable; it goes
-    to b."""
+@pytest.mark.parametrize("never", ["unable_by", "elsewhere"])
+async def test_a_requeued_run_never_goes_back_to_a_provider_that_refused_it_as_unable(redis: Redis, never: str) -> None:
+    """The record's `unable_by` (FINISH's `requeue_unable`) and `elsewhere` (`requeue_elsewhere`: a 5xx)
+    go along with every requeue (here a lost lease's), and the scheduler's own dispatch leaves those
+    providers out: tried on b and a, the run may go back to either, and the tie-break would send it to
+    a, which refused it as unable, or answered it a 500; it goes to b."""
     config = make_config({"a": 1, "b": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
     client, sched, (run_id,) = await waiting_runs(redis, config, 1)
     await sched.dispatch_all()
     record = keys.run_record(run_id)
     assert await redis.hget(record, "provider") == b"a"
-    await redis.hset(record, mapping={"tried": "b,a", "unable_by": "a"})  # (as if b, then a, which refused it so)
+    await redis.hset(record, mapping={"tried": "b,a", never: "a"})  # (as if b, then a, which refused it so)
     await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease
     assert await sched.reap_expired_leases() == 1
     [(_, fields)] = await redis.xrange(keys.runs_stream(MODEL))
-    assert fields == {b"run": run_id.encode(), b"tried": b"b,a", b"unable_by": b"a"}
+    assert fields == {b"run": run_id.encode(), b"tried": b"b,a", never.encode(): b"a"}
     await sched.read_new(block_ms=10)
     await sched.dispatch_all()
     assert await redis.hmget(record, "state", "provider") == [b"dispatched", b"b"]

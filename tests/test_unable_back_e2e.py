@@ -105,7 +105,48 @@ async def test_an_unable_refusal_never_goes_back_to_a_provider_that_answered_a_s
             assert status == 400 and "top_k" in text, (status, text)
             assert a.calls["a-m"] == 1 and b.calls["b-m"] == 1, (a.calls, b.calls)
             record = the_record(stack)
-            assert (record["state"], record["tried"], record["elsewhere"]) == ("failed", "a,b", "1"), record
+            assert (record["state"], record["tried"], record["elsewhere"]) == ("failed", "a,b", "a"), record
+            assert took < 10
+            assert leftovers(stack) == {}
+        finally:
+            stack.stop_all()
+
+
+async def test_a_provider_that_answered_a_server_error_is_not_asked_again_after_another_reset(stack: Stack) -> None:
+    """a answers 500, then b resets every connection: the run is tried again on b (a reset may go back),
+    never on a (issue 8: a 5xx is tried again only on another provider, each at most once). It went
+    back to a, which the plain requeue after b's reset no longer kept out (a 500, the same request
+    twice at a server that answers it so every time)."""
+    with Hostile(["b-m"], resets(None)) as b, Hostile(["a-m"], fails_once(b)) as a:
+        try:
+            gateway = start(stack, {"a": a, "b": b}, queue={"max_attempts": 3})
+            status, _, text, took = await ask(gateway)
+            assert status == 502, (status, text)
+            assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}, text
+            assert a.calls["a-m"] == 1 and b.calls["b-m"] >= 2, (a.calls, b.calls)
+            record = the_record(stack)
+            assert (record["state"], record["tried"], record["elsewhere"]) == ("failed", "a,b,b", "a"), record
+            assert took < 10
+            assert leftovers(stack) == {}
+        finally:
+            stack.stop_all()
+
+
+async def test_an_unable_refusal_goes_back_to_a_provider_that_reset_not_to_one_that_answered_a_server_error(
+        stack: Stack) -> None:
+    """a answers 500 every time, b resets until c was asked, c refuses top_k as unable: the run goes
+    back to b, which serves it, and never to a. It went to no provider tried once any attempt had
+    answered a 5xx, and the caller got c's 400 while b could serve it."""
+    with Hostile(["c-m"], no_top_k) as c, Hostile(["b-m"], resets(c)) as b, \
+            Hostile(["a-m"], error(500, {"error": {"message": "boom", "type": "server_error"}})) as a:
+        try:
+            gateway = start(stack, {"a": a, "b": b, "c": c}, queue={"max_attempts": 3})
+            status, _, text, took = await ask(gateway, top_k=5)
+            assert status == 200 and "hello" in text, (status, text)
+            assert (a.calls["a-m"], c.calls["c-m"]) == (1, 1) and b.calls["b-m"] >= 2, (a.calls, b.calls, c.calls)
+            record = the_record(stack)
+            assert (record["state"], record["tried"], record["elsewhere"], record["unable_by"]) == (
+                "completed", "a,b,c,b", "a", "c"), record
             assert took < 10
             assert leftovers(stack) == {}
         finally:

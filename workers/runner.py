@@ -110,9 +110,9 @@ class Attempt:
     #: the providers that refused the run as unable to do what it asks (the record's `unable_by`):
     #: it never goes back to them
     unable_by: frozenset[str] = frozenset()
-    #: an earlier attempt failed so that the run goes only elsewhere (a 5xx, a 429, a redirect: the
-    #: record's `elsewhere`): a refusal as unable never sends it back to a provider tried
-    elsewhere: bool = False
+    #: the providers an earlier attempt failed on so that the run goes only elsewhere (a 5xx, a 429, a
+    #: redirect: the record's `elsewhere`): it never goes back to them, each is tried at most once
+    elsewhere: frozenset[str] = frozenset()
     output: bool = False
     #: chunks of output the caller got (in `delta` events; its opening ones not counted), and the
     #: last `usage` the provider's stream carried: what a stream that ended before its own usage
@@ -332,7 +332,7 @@ class Runner:
         att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), _count(record, "max_attempts", 1),
                       id_set(record.get("tried")), record.get("key", b"-").decode(),
                       refuse=id_set(record.get("refuse")), unable=_count(record, "unable", 0),
-                      unable_by=id_set(record.get("unable_by")), elsewhere=record.get("elsewhere") == b"1")
+                      unable_by=id_set(record.get("unable_by")), elsewhere=id_set(record.get("elsewhere")))
         task = asyncio.current_task()
         assert task is not None
         self.running[run_id] = (att, task)
@@ -623,19 +623,19 @@ class Runner:
         refusals are at most one fewer than the model's providers), with `body` (the record's, if its start
         deleted it) for the next attempt; else, the attempt given back, while one it was tried on
         that did not refuse it so is available (it went there once and failed as a retry may: the
-        run avoids it, as after a connection reset, but may go back), unless an earlier attempt failed
-        so that the run goes only elsewhere (the record's `elsewhere`: a 5xx, a 429, a redirect). A
-        provider that refused it as unable (the record's `unable_by`) is never asked again."""
+        run avoids it, as after a connection reset, but may go back). A provider that refused it as
+        unable (the record's `unable_by`), or that answered it a 5xx, a 429 or a redirect (the
+        record's `elsewhere`), is never asked again."""
         att.stopping = True  # (ending: a cancel now is not raised into it, see `cancel`)
         unable = retry is Retry.UNABLE
         again = not att.output and (unable or not att.last()) and (
             retry is Retry.ANY or (retry in (Retry.ELSEWHERE, Retry.UNABLE) and await self._other_available(att)))
         # (a provider that refused it so once more was chosen by a scheduler that does not read `unable_by`,
         # a rollout half done: the run goes back no more, or it could go round between the two for good)
-        # (nor after a 5xx, a 429 or a redirect: those retry the run only on another provider, each at
-        # most once, and the requeue that followed excluded every provider tried, `requeue_elsewhere`)
+        # (nor to one that answered a 5xx, a 429 or a redirect: those retry the run only on another
+        # provider, each at most once, `requeue_elsewhere`)
         back = (unable and not again and not att.output and att.provider_id not in att.unable_by
-                and not att.elsewhere and await self._other_available(att, tried=True))
+                and await self._other_available(att, tried=True))
         again = again or back
         # (too busy: left alone for the model as long as it asked, else a second)
         too_busy = busy(info.status, info.message)
@@ -666,13 +666,14 @@ class Runner:
 
     async def _other_available(self, att: Attempt, tried: bool = False) -> bool:
         """Whether another provider of the run's model, one that no attempt went to (`tried`: one an
-        earlier attempt went to), never one that refused it (as unable, or its adapter), could take it
+        earlier attempt went to), never one that refused it (as unable, or its adapter) or answered it a
+        5xx, a 429 or a redirect (`elsewhere`), could take it
         now, but for its load: available with the model, not drained or cordoned, capacity above 0 (the
         scheduler's own test, `common.policy.candidate_class`). A run sent back for one that is
         drained would wait there until its queue timeout."""
         model = self.config.model(att.model_id)
         others = {p: served for p, served in (model.providers.items() if model else ())
-                  if (p in att.tried) is tried and p not in att.refuse and p not in att.unable_by
+                  if (p in att.tried) is tried and p not in att.refuse | att.unable_by | att.elsewhere
                   and p != att.provider_id}
         if not others:
             return False
