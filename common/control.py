@@ -329,19 +329,20 @@ class ProviderControl:
 NONE = ProviderControl()
 
 #: Replies `queue_reads` adds to a pipeline per provider and per node.
-PER_PROVIDER = 3
+PER_PROVIDER = 2
 PER_NODE = 1
 
 
 def queue_reads(pipe: Pipeline, config: Config) -> None:
-    """Add the reads of every provider's and node's control state to `pipe` (see `from_replies`)."""
+    """Add the reads of every provider's and node's control state to `pipe` (see `from_replies`).
+    MGET, as the dispatch scripts read them: a key of another type (a hash written by hand) is none,
+    where GET's WRONGTYPE failed the whole read."""
     for node in config.nodes:
         for p in node.providers:
-            pipe.get(keys.drained(p.id))
-            pipe.get(keys.capacity_override(p.id))
+            pipe.mget(keys.drained(p.id), keys.capacity_override(p.id))
             pipe.execute_command("PEXPIRETIME", keys.capacity_override(p.id))
     for node in config.nodes:
-        pipe.get(keys.cordoned(node.id))
+        pipe.mget(keys.cordoned(node.id))
 
 
 def from_replies(config: Config, replies: list[Any]) -> tuple[dict[str, ProviderControl], dict[str, int | None]]:
@@ -349,10 +350,10 @@ def from_replies(config: Config, replies: list[Any]) -> tuple[dict[str, Provider
     `queue_reads`, in order. Pure."""
     providers = [(node.id, p.id) for node in config.nodes for p in node.providers]
     n = len(providers) * PER_PROVIDER
-    cordons = {node.id: _since(replies[n + i]) for i, node in enumerate(config.nodes)}
+    cordons = {node.id: _since(replies[n + i][0]) for i, node in enumerate(config.nodes)}
     out = {}
     for i, (node_id, pid) in enumerate(providers):
-        drained, override, expires_at = replies[PER_PROVIDER * i:PER_PROVIDER * (i + 1)]
+        (drained, override), expires_at = replies[PER_PROVIDER * i:PER_PROVIDER * (i + 1)]
         value = _opt_int(override)
         # (Redis's own expiry time, the `until_ms` the audit recorded: no clock of this process in it)
         out[pid] = ProviderControl(

@@ -1187,7 +1187,7 @@ return 1
 CONTROL = _NOW + """
 local flags = {drain = {'drained', true}, undrain = {'drained', false},
                cordon = {'cordoned', true}, uncordon = {'cordoned', false}}
-local prev = redis.call('GET', KEYS[1])
+local prev = redis.call('MGET', KEYS[1])[1]  -- (as the dispatch scripts read it: a key of another type is none)
 local prev_until = ''
 if prev then
   local at = redis.call('PEXPIRETIME', KEYS[1])  -- exactly the `until_ms` it was set with

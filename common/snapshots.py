@@ -49,12 +49,13 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
         pipe.hmget(keys.heartbeat(pid), "health", "capacity", "ts_ms", "observed_models", keys.BENCH_FIELD + served,
                    "node", keys.BUSY_FIELD + served)
         pipe.zcount(keys.leases(pid), f"({now_ms}", "+inf")
-        pipe.exists(keys.drained(pid), keys.cordoned(node_of(pid)))
-        pipe.get(keys.capacity_override(pid))
+        # (one MGET, as the dispatch scripts read them: a key of another type, written by hand, is none)
+        pipe.mget(keys.drained(pid), keys.cordoned(node_of(pid)), keys.capacity_override(pid))
     replies = await pipe.execute()
     snaps = []
     for i, (pid, served) in enumerate(targets.items()):
-        (health, capacity, ts, observed, bench, node, busy), in_flight, blocked, override = replies[4 * i:4 * i + 4]
+        beat, in_flight, (drain, cordon, override) = replies[3 * i:3 * i + 3]
+        health, capacity, ts, observed, bench, node, busy = beat
         # (a heartbeat from another node than the config's: the provider moved there in a config this
         # reader does not run yet; as no heartbeat, it keeps a run waiting, not sent where it is not)
         beats_from = node.decode(errors="replace") if node is not None else None
@@ -66,7 +67,7 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
             in_flight=int(in_flight),
             heartbeat_ms=_int(ts) if here else None,
             has_model=_lists(observed, served),
-            drained=int(blocked) > 0,
+            drained=drain is not None or cordon is not None,
             capacity_override=_int(override),
             benched=(_int(bench) or 0) > now_ms,
             bench_until_ms=_int(bench),

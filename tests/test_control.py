@@ -17,6 +17,7 @@ from common.control import (
     Action,
     Change,
     ControlError,
+    ProviderControl,
     UnknownTarget,
     apply,
     check_capacity,
@@ -241,6 +242,33 @@ async def test_a_drain_or_cordon_written_by_hand_reads_as_one_whatever_its_value
     assert controls["b"].blocked and controls["b"].cordoned_since_ms == 0 and cordons["n-b"] == 0
     catalog = await read_catalog(redis, config, now_ms())
     assert {p.id: p.control.state for p in catalog.providers} == {"a": "drained", "b": "drained"}
+
+
+async def test_a_control_key_of_another_type_written_by_hand_is_none_and_the_next_change_replaces_it(
+        redis: Redis) -> None:
+    """`redis-cli HSET iop:drain:a by me` (a hash, not the string iop writes), the same for a's capacity
+    and b's node's cordon: every reader takes such a key as none, as the dispatch scripts' MGET does.
+    The scheduler's snapshot read (GET) failed with WRONGTYPE in every round, so no run of the model
+    was dispatched again nor timed out, and the catalog failed too; `iop provider drain a` (the control
+    script's GET) refused to replace the key."""
+    config = make_config({"a": 4, "b": 4})
+    _client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await redis.hset(keys.drained("a"), "by", "me")
+    await redis.rpush(keys.capacity_override("a"), "1")
+    await redis.sadd(keys.cordoned("n-b"), "x")
+    snaps = {s.provider_id: s for s in await read_snapshots(redis, {"a": "a-name", "b": "b-name"}, now_ms(),
+                                                             config.node_of)}
+    assert not snaps["a"].drained and snaps["a"].capacity_override is None and not snaps["b"].drained
+    controls, cordons = await read_control(redis, config)
+    assert controls["a"] == controls["b"] == ProviderControl() and cordons["n-b"] is None
+    catalog = await read_catalog(redis, config, now_ms())
+    assert {p.id: p.control.state for p in catalog.providers} == {"a": "active", "b": "active"}
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_id), "state") == b"dispatched"
+    entry = await apply(redis, config, Change(Action.DRAIN, "a", "ops"))
+    assert entry.previous == "active" and await redis.type(keys.drained("a")) == b"string"
+    await apply(redis, config, Change(Action.CAPACITY, "a", "ops", capacity=2))
+    assert (await read_control(redis, config))[0]["a"].capacity_override == 2
 
 
 # --- the dispatch script honours it, whatever the scheduler read -----------------------------------
