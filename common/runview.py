@@ -29,11 +29,15 @@ def _int(raw: Mapping[bytes, bytes], field: RunField) -> int | None:
         return None
 
 
+def _ids(raw: Mapping[bytes, bytes], field: RunField) -> list[str]:
+    """A comma-separated list of provider ids, in order ([] when unset)."""
+    return [p for p in (_text(raw, field) or "").split(",") if p]
+
+
 def run_view(run_id: str, raw: Mapping[bytes, bytes], *, operator: bool = True) -> dict[str, Any]:
     """The record's fields, typed: unset ones are None, `error` is None unless the run failed.
     Where the run ran inside iop (`worker`, host:pid) is for operators only."""
     code = _text(raw, RunField.ERROR_CODE)
-    tried = _text(raw, RunField.TRIED)
     view: dict[str, Any] = {
         "id": run_id,
         "object": "run",
@@ -49,7 +53,9 @@ def run_view(run_id: str, raw: Mapping[bytes, bytes], *, operator: bool = True) 
         "attempts": _int(raw, RunField.ATTEMPTS) or 0,
         "unable": _int(raw, RunField.UNABLE) or 0,
         "max_attempts": _int(raw, RunField.MAX_ATTEMPTS),
-        "tried": [p for p in tried.split(",") if p] if tried else [],
+        "tried": _ids(raw, RunField.TRIED),
+        "unable_by": _ids(raw, RunField.UNABLE_BY),
+        "elsewhere": _ids(raw, RunField.ELSEWHERE),
         "output": _text(raw, RunField.OUTPUT) == "1",
     }
     view.update({field.value: _int(raw, field) for field in TIMESTAMPS})

@@ -222,6 +222,8 @@ class RunField(StrEnum):
     OUTPUT = "output"  # "1" once any output was published to the caller
     EMITTED = "emitted"  # "{attempt}:{n}": the last event the attempt emitted (the same emit again adds nothing)
     TRIED = "tried"  # comma-separated providers of every attempt so far
+    UNABLE_BY = "unable_by"  # comma-separated providers that refused it as unable: never asked again
+    ELSEWHERE = "elsewhere"  # comma-separated providers that answered it a 5xx, a 429 or a redirect: never again
     WORKER = "worker"  # host:pid of the worker running the current attempt (shown to operators only)
     KEY = "key"  # the name of the API key that started it ("anonymous" without keys)
     LIMITED = "limited"  # "1" when it is in its key's in-flight set (the key has a max_in_flight), else "0"

@@ -58,10 +58,14 @@ def render(view: dict[str, Any], events: list[dict[str, Any]]) -> str:
     for name in ("node", "provider", "target", "worker"):
         if view[name]:
             rows.append((name, view[name]))
+    never = [*(f"{p} (unable)" for p in view["unable_by"]),
+             *(f"{p} (a 5xx, a 429 or a redirect)" for p in view["elsewhere"])]
     said = "; ".join(part for part in (
         f"tried {', '.join(view['tried'])}" if view["tried"] else "",
         f"max_attempts {view['max_attempts']}" if view["max_attempts"] is not None else "",
-        f"{view['unable']} refused as unable, not counted" if view["unable"] else "") if part)
+        f"{view['unable']} refused as unable, not counted" if view["unable"] else "",
+        f"never again: {', '.join(never)}" if never else "",
+    ) if part)
     rows.append(("attempts", f"{view['attempts']}{f' ({said})' if said else ''}"))
     created = view["created_ms"]
     for field in TIMESTAMPS:

@@ -115,17 +115,19 @@ async def test_get_answers_the_run_record(api: Api) -> None:
     assert view["id"] == run_id and view["object"] == "run"
     assert (view["state"], view["model"], view["kind"], view["stream"]) == ("queued", MODEL, "chat", True)
     assert view["attempts"] == 0 and view["provider"] is None and view["error"] is None
-    assert (view["unable"], view["max_attempts"]) == (0, 3)
+    assert (view["unable"], view["max_attempts"], view["unable_by"], view["elsewhere"]) == (0, 3, [], [])
     assert isinstance(view["created_ms"], int) and view["finished_ms"] is None
     assert "body" not in view
 
     await api.redis.hset(keys.run_record(run_id), mapping={
         "state": "failed", "provider": "p", "node": "n1", "target": "p-served", "attempts": 2, "unable": 1,
+        "tried": "q,r,p", "unable_by": "r", "elsewhere": "q",
         "error_code": "provider_error", "error_message": "boom", "finished_ms": now_ms()})
     async with api.session.get(api.url(f"/v1/runs/{run_id}")) as resp:
         view = await resp.json()
     assert (view["state"], view["provider"], view["node"], view["target"], view["attempts"], view["unable"]) == (
         "failed", "p", "n1", "p-served", 2, 1)
+    assert (view["tried"], view["unable_by"], view["elsewhere"]) == (["q", "r", "p"], ["r"], ["q"])
     assert view["error"] == {"code": "provider_error", "message": "boom"}
 
 

@@ -20,7 +20,8 @@ def write_run(url: str) -> list[str]:
         "model": "qwen3.6:35b", "kind": "chat", "stream": "1", "body": b"\x80", "state": "failed",
         "created_ms": 1_700_000_000_000, "dispatched_ms": 1_700_000_000_012, "started_ms": 1_700_000_000_015,
         "finished_ms": 1_700_000_000_900, "attempts": 3, "unable": 1, "max_attempts": 2,
-        "tried": "vllm-a,ollama-c,sglang-b", "provider": "sglang-b", "node": "gpu-2",
+        "tried": "vllm-a,ollama-c,sglang-b", "unable_by": "ollama-c", "elsewhere": "vllm-a",
+        "provider": "sglang-b", "node": "gpu-2",
         "target": "qwen3.6-35b-a3b", "error_code": "provider_error", "error_message": "boom"})
     ids = [r.xadd(keys.run_events(RUN), event_fields(t, d)).decode() for t, d in (
         ("dispatched", {"provider": "sglang-b", "node": "gpu-2", "target": "qwen3.6-35b-a3b"}),
@@ -50,7 +51,8 @@ def test_show_prints_the_record_and_one_line_per_event(redis_url: str, capsys: p
     assert fields["provider"] == "sglang-b" and fields["target"] == "qwen3.6-35b-a3b"
     # (one attempt a provider refused as unable to do what was asked: not counted against max_attempts)
     assert fields["attempts"] == ("3 (tried vllm-a, ollama-c, sglang-b; max_attempts 2; "
-                                  "1 refused as unable, not counted)")
+                                  "1 refused as unable, not counted; "
+                                  "never again: ollama-c (unable), vllm-a (a 5xx, a 429 or a redirect))")
     assert fields["created"] == "2023-11-14T22:13:20.000Z"
     assert fields["finished"] == "2023-11-14T22:13:20.900Z  (+900 ms)"
     assert fields["error"] == "provider_error: boom"
