@@ -79,24 +79,30 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
 
 #: what a provider whose adapter would refuse a run is, for that run (`gateway.refusals`)
 WOULD_REFUSE = "would refuse the request"
+#: what a provider the run never goes to again is, for that run (it answered it a 5xx, a 429 or a
+#: redirect, or refused it as unable, or a retry that goes only elsewhere left it)
+NOT_AGAIN = "not asked again after it failed this run"
 
 
-def each_why(snaps: list[ProviderSnapshot], now_ms: int, ttl_ms: int, refuse: frozenset[str] = frozenset()) -> str:
+def each_why(snaps: list[ProviderSnapshot], now_ms: int, ttl_ms: int, refuse: frozenset[str] = frozenset(),
+             excluded: frozenset[str] = frozenset()) -> str:
     """` (vllm-a: drained or cordoned, vllm-b: full (4 of 4))`: what each provider says now
-    (`common.policy.why_not`; those in `refuse`: that they would refuse the run), in the order of
+    (`common.policy.why_not`; those in `refuse`: that they would refuse the run; those in `excluded`,
+    that the run failed there and never goes back: not that it has a free slot), in the order of
     their ids; '' for none."""
     ordered = sorted(snaps, key=lambda s: s.provider_id)
-    shown = ", ".join(f"{s.provider_id}: {WOULD_REFUSE if s.provider_id in refuse else why_not(s, now_ms, ttl_ms)}"
+    shown = ", ".join(f"{s.provider_id}: " + (WOULD_REFUSE if s.provider_id in refuse else NOT_AGAIN
+                                               if s.provider_id in excluded else why_not(s, now_ms, ttl_ms))
                       for s in ordered)
     return f" ({shown})" if shown else ""
 
 
 async def why_none(redis: Redis, targets: Mapping[str, str], now_ms: int, node_of: Callable[[str], str],
-                   ttl_ms: int, refuse: frozenset[str] = frozenset()) -> str:
+                   ttl_ms: int, refuse: frozenset[str] = frozenset(), excluded: frozenset[str] = frozenset()) -> str:
     """`each_why` of a model's providers read now, for a run that none took (so a caller and an
     operator see the drain, the cordon or the health behind it); '' if Redis cannot say."""
     try:
         snaps = await read_snapshots(redis, targets, now_ms, node_of)
     except REDIS_UNUSABLE:
         return ""
-    return each_why(snaps, now_ms, ttl_ms, refuse)
+    return each_why(snaps, now_ms, ttl_ms, refuse, excluded)

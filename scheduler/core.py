@@ -596,16 +596,18 @@ class Scheduler:
             message = (f"the run waited {timeout + late_ms} ms in the queue of model {model_id!r}, past its "
                        f"queue_timeout_ms ({timeout} ms): no scheduler was running to dispatch it")
         else:
-            why = await self._why(model_id, w.refuse)
+            why = await self._why(model_id, w.refuse, w.exclude - w.refuse)
             message = f"no provider of model {model_id!r} had a free slot within {timeout} ms{why}"
         await self._drop(model_id, w, RunState.TIMED_OUT, ErrorInfo(ErrorCode.QUEUE_TIMEOUT, message))
 
-    async def _why(self, model_id: str, refuse: frozenset[str] = frozenset()) -> str:
+    async def _why(self, model_id: str, refuse: frozenset[str] = frozenset(),
+                   excluded: frozenset[str] = frozenset()) -> str:
         """` (vllm-a: drained or cordoned, vllm-b: full (4 of 4))`: what each provider of the model
         says now (so an operator sees a drain or a cordon behind a timeout; `refuse`: those that would
-        refuse the run say so); '' if Redis cannot say."""
+        refuse the run say so; `excluded`: those it never goes back to, that they failed it, not
+        that they have a free slot); '' if Redis cannot say."""
         return await why_none(self.redis, self._targets[model_id], now_ms(), self.config.node_of,
-                              self.config.runtime.heartbeat_ttl_ms, refuse)
+                              self.config.runtime.heartbeat_ttl_ms, refuse, excluded)
 
     def _drop_call(self, model_id: str, run_id: str, state: RunState, info: ErrorInfo,
                    abort_running: bool = False) -> tuple[list[str], list[Any]]:

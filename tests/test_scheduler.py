@@ -1295,3 +1295,30 @@ async def test_a_slot_of_a_provider_that_models_share_goes_to_the_run_that_came_
     assert await redis.zrange(keys.leases("p1"), 0, -1) == [b1.encode()]
     assert [w.run_id for w in sched.waiting["A"]] == [a2]
     await client.close()
+
+
+@pytest.mark.parametrize("never", ["elsewhere", "unable_by"])
+async def test_a_queue_timeout_says_a_provider_the_run_never_goes_back_to_is_not_asked_again(
+        redis: Redis, never: str) -> None:
+    """a answered the run a 500 (its `elsewhere`) or refused it as unable (`unable_by`), then b reset
+    the connection and was drained: the run waits for b, never for a, and its timeout says so. It said
+    `a: has a free slot now`, as if the run had waited for nothing while a stood free."""
+    config = make_config({"a": 1, "b": 1})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()
+    record = keys.run_record(run_id)
+    assert await redis.hget(record, "provider") == b"a"
+    await redis.hset(record, mapping={"tried": "a,b", never: "a"})  # (as if a, then b, which reset)
+    await redis.set(keys.drained("b"), "1")
+    await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # its lease lapses: a plain requeue
+    assert await sched.reap_expired_leases() == 1
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    assert await redis.hget(record, "state") == b"queued"  # (it waits for b)
+    for w in sched.waiting[MODEL]:
+        w.deadline_ms = now_ms() - 1
+    await sched.expire_overdue()
+    assert await redis.hmget(record, "state", "error_message") == [
+        b"timed_out", f"no provider of model {MODEL!r} had a free slot within 60000 ms (a: not asked again after it "
+                      "failed this run, b: drained or cordoned)".encode()]
+    await client.close()
