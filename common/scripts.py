@@ -1187,6 +1187,15 @@ return 1
 CONTROL = _NOW + """
 local flags = {drain = {'drained', true}, undrain = {'drained', false},
                cordon = {'cordoned', true}, uncordon = {'cordoned', false}}
+-- (an audit stream of another type, written by hand, refuses the entry: nothing is changed then, where
+-- the change was made before the refused entry, a script's writes before an error staying, and its
+-- caller got an error for a change made unrecorded, no scheduler woken; the change still comes first,
+-- so a full Redis takes one that frees: an undrain, its DEL, then its entry)
+local audit = redis.call('TYPE', KEYS[2])['ok']
+if audit ~= 'stream' and audit ~= 'none' then
+  return redis.error_reply('WRONGTYPE ' .. KEYS[2] .. ' is a ' .. audit ..
+    ', not the stream of the audit: nothing changed')
+end
 local prev = redis.call('MGET', KEYS[1])[1]  -- (as the dispatch scripts read it: a key of another type is none)
 local prev_until = ''
 if prev then

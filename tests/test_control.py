@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from common import keys
 from common.catalog import change_report, read_catalog
@@ -269,6 +270,21 @@ async def test_a_control_key_of_another_type_written_by_hand_is_none_and_the_nex
     assert entry.previous == "active" and await redis.type(keys.drained("a")) == b"string"
     await apply(redis, config, Change(Action.CAPACITY, "a", "ops", capacity=2))
     assert (await read_control(redis, config))[0]["a"].capacity_override == 2
+
+
+@pytest.mark.parametrize("change", [Change(Action.DRAIN, "a", "ops"), Change(Action.CAPACITY, "a", "ops", capacity=1),
+                                    Change(Action.CORDON, "n-a", "ops")])
+async def test_a_change_whose_audit_entry_redis_refuses_is_not_made(redis: Redis, change: Change) -> None:
+    """`redis-cli SET iop:audit x` (a string, where iop keeps a stream): the change's audit entry is
+    refused, and the change is not made either. The flag or the override was set before the entry
+    (a script's writes before an error stay): the operator got an error for a drain that took
+    effect, with no entry and no scheduler woken."""
+    config = make_config({"a": 4})
+    await redis.set(keys.AUDIT_STREAM, "x")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await apply(redis, config, change)
+    assert await redis.exists(change.key()) == 0
+    assert (await read_control(redis, config))[0]["a"] == ProviderControl()
 
 
 # --- the dispatch script honours it, whatever the scheduler read -----------------------------------
