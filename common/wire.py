@@ -223,7 +223,7 @@ class RunField(StrEnum):
     EMITTED = "emitted"  # "{attempt}:{n}": the last event the attempt emitted (the same emit again adds nothing)
     TRIED = "tried"  # comma-separated providers of every attempt so far
     UNABLE_BY = "unable_by"  # comma-separated providers that refused it as unable: never asked again
-    ELSEWHERE = "elsewhere"  # comma-separated providers that answered it a 5xx, a 429 or a redirect: never again
+    ELSEWHERE = "elsewhere"  # comma-separated providers whose failure retried it only elsewhere: never again
     WORKER = "worker"  # host:pid of the worker running the current attempt (shown to operators only)
     KEY = "key"  # the name of the API key that started it ("anonymous" without keys)
     LIMITED = "limited"  # "1" when it is in its key's in-flight set (the key has a max_in_flight), else "0"

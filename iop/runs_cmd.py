@@ -59,7 +59,7 @@ def render(view: dict[str, Any], events: list[dict[str, Any]]) -> str:
         if view[name]:
             rows.append((name, view[name]))
     never = [*(f"{p} (unable)" for p in view["unable_by"]),
-             *(f"{p} (a 5xx, a 429 or a redirect)" for p in view["elsewhere"])]
+             *(f"{p} (failed it)" for p in view["elsewhere"])]
     said = "; ".join(part for part in (
         f"tried {', '.join(view['tried'])}" if view["tried"] else "",
         f"max_attempts {view['max_attempts']}" if view["max_attempts"] is not None else "",
