@@ -26,11 +26,11 @@ from common.legacy import migrate as migrate_legacy
 # Per-type defaults live in `common.provider_types`; re-exported here for callers of the config.
 from common.provider_types import CATEGORIES as CATEGORIES
 from common.provider_types import DEFAULT_CATEGORY as DEFAULT_CATEGORY
+from common.provider_types import LOADS_FIRST, default_lifecycle
 from common.provider_types import PROVIDER_TYPES as PROVIDER_TYPES
 from common.provider_types import Category as Category
 from common.provider_types import LifecycleFlag as LifecycleFlag
 from common.provider_types import ProviderType as ProviderType
-from common.provider_types import default_lifecycle
 from common.strict import Strict
 
 #: An id is a non-empty string without whitespace (it becomes part of Redis keys).
@@ -144,6 +144,9 @@ class ProviderConfig(Strict):
     connect_timeout_ms: int = Field(5_000, ge=1, le=MAX_DURATION_MS)
     read_timeout_ms: int = Field(120_000, ge=1, le=MAX_DURATION_MS,
                                  description="longest silence while reading a response")
+    load_timeout_ms: int = Field(300_000, ge=0, le=MAX_DURATION_MS,
+                                 description="ollama, lemonade: how much longer than read_timeout_ms the answer's "
+                                             "head may take (they load the model before they answer anything)")
     probe_timeout_ms: int = Field(2_000, ge=1, le=MAX_DURATION_MS,
                                   description="a health probe without an answer by then failed")
     probe_interval_ms: int | None = Field(None, ge=10, le=MAX_DURATION_MS,
@@ -162,6 +165,14 @@ class ProviderConfig(Strict):
     @property
     def effective_category(self) -> Category:
         return self.category or DEFAULT_CATEGORY[self.type]
+
+    @property
+    def head_wait_s(self) -> float | None:
+        """How long a run's answer may take to begin, in seconds, when that is longer than
+        `read_timeout_ms` (a type that loads the model first, `LOADS_FIRST`); else None."""
+        if self.type not in LOADS_FIRST or not self.load_timeout_ms:
+            return None
+        return (self.read_timeout_ms + self.load_timeout_ms) / 1000
 
     @property
     def effective_lifecycle(self) -> list[LifecycleFlag]:

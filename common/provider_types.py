@@ -26,6 +26,13 @@ OPENAI_FAMILY: frozenset[str] = frozenset({"vllm", "sglang", "llamacpp", "lemona
 #: running stream short (`interrupt_requests`).
 PROBE_DISTURBS: frozenset[str] = frozenset({"llamacpp"})
 
+#: Types that load a model the run names before they answer anything, not even the head (Ollama's
+#: `streamResponse` writes its head with the first line, after the scheduler's load; Lemonade's handler
+#: loads it before it answers): their answer's head may take `load_timeout_ms` more than
+#: `read_timeout_ms`. Ollama aborts a load whose request's client went away (llm/llama_server.go's
+#: `WaitUntilRunning`), so one given up on after `read_timeout_ms` was never loaded at all.
+LOADS_FIRST: frozenset[str] = frozenset({"ollama", "lemonade"})
+
 #: The category a provider gets when its config does not say.
 DEFAULT_CATEGORY: dict[str, Category] = {
     "ollama": "local_inference",

@@ -14,12 +14,14 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from common.config import ProviderConfig
 from common.policy import Health
-from common.wire import RunKind, upstream_request_id
+from common.wire import ErrorCode, RunKind, upstream_request_id
 from tests.fakes.ollama_server import FakeOllama, FakeState
 from tests.openapi import validate
+from tests.test_failures import serving
 from workers.adapters.base import LastRead, ProviderError, Retry
 from workers.adapters.ollama import OllamaAdapter, observed_names, server_root
 
@@ -431,3 +433,38 @@ async def test_a_key_and_the_config_s_headers_go_with_runs_and_probes(
     assert fake.state.tags_authorizations[-1] == "Bearer ok-secret-key"
     assert fake.state.records[-1]["authorization"] == "Bearer ok-secret-key"
     assert adapter.credentials.secrets() == ["ok-secret-key"]  # (what no error text shows, as for the OpenAI family)
+
+
+async def test_the_answer_s_head_may_take_the_load_timeout_more_and_the_body_s_reads_not(
+        session: aiohttp.ClientSession) -> None:
+    """Ollama sends nothing, its head included, while it loads the model, and aborts the load when
+    the client leaves: the head may take `load_timeout_ms` more than `read_timeout_ms` (it was
+    `read_timeout_ms`: a load longer than that was never done, each run aborting it). Past both, the
+    run is a `provider_timeout` saying so; once the head came, the body's reads have
+    `read_timeout_ms` again."""
+    released = asyncio.Event()
+    went_silent = asyncio.Event()
+
+    async def chat_handler(request: web.Request) -> web.StreamResponse:
+        if (await request.json())["model"] == "loads-forever":
+            await released.wait()
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        await resp.write(b'{"model":"m","message":{"role":"assistant","content":"hi"},"done":false}\n')
+        went_silent.set()
+        await released.wait()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/api/chat", chat_handler)
+    async with serving(app) as address:
+        adapter = OllamaAdapter(provider(f"http://{address}", read_timeout_ms=100, load_timeout_ms=150), session)
+        with pytest.raises(ProviderError) as raised:
+            await collect(adapter, RunKind.CHAT, chat(model="loads-forever"))
+        assert raised.value.message.startswith("provider ollama-b: began no answer within 250 ms"), raised.value
+        assert raised.value.code is ErrorCode.PROVIDER_TIMEOUT and raised.value.retry is Retry.ELSEWHERE
+        with pytest.raises(ProviderError) as raised:
+            await collect(adapter, RunKind.CHAT, chat())
+        assert went_silent.is_set()
+        assert raised.value.message == "provider ollama-b: sent nothing for 100 ms", raised.value
+        released.set()

@@ -13,7 +13,10 @@ from):
 - llama-server in router mode answers a model it does not have (any more) with a 400 `model '…'
   not found`: the provider's matter, not the caller's; another provider serves the run;
 - a router started with `--no-models-autoload` lists models it has not loaded and refuses every
-  run of them (`model is not loaded`): such a model is not served there until it is loaded."""
+  run of them (`model is not loaded`): such a model is not served there until it is loaded;
+- Ollama answers nothing, not even its head, while it loads the model a run names, and aborts the
+  load when the client leaves: a load longer than `read_timeout_ms` is waited for
+  (`load_timeout_ms`), not given up on and started again by every run."""
 
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ PROVIDERS: dict[str, tuple[str, str, list[str]]] = {
     "z-router": ("router", "llamacpp", ["router-ok"]),
     "b-ollama": ("ollama", "ollama", ["notools"]),
     "c-manual": ("router-manual", "llamacpp", ["router-warm", "router-cold", "router-asleep"]),
+    "o-cold": ("ollama", "ollama", ["cold"]),
 }
 #: model -> {provider id: served name}
 MODELS: dict[str, dict[str, str]] = {
@@ -54,7 +58,10 @@ MODELS: dict[str, dict[str, str]] = {
     "m-warm": {"c-manual": "router-warm"},
     "m-cold": {"c-manual": "router-cold"},
     "m-asleep": {"c-manual": "router-asleep"},
+    "m-loading": {"o-cold": "cold"},
 }
+#: provider id -> fields of its config besides the common ones
+EXTRA: dict[str, dict[str, Any]] = {"o-cold": {"read_timeout_ms": 500}}
 #: providers probed only once at start (nothing else resets the evidence a test reads)
 QUIET = {"o-a", "a-router"}
 
@@ -71,7 +78,7 @@ def gateway(stack: Stack, servers: LocalServers) -> str:
     return one_node_gateway(
         stack, [{"id": model, "providers": providers} for model, providers in MODELS.items()],
         [{"id": pid, "type": ptype, "base_url": f"{servers.url}/{path}", "capacity": 2, "models": served,
-          **({"probe_interval_ms": 600_000} if pid in QUIET else {})}
+          **({"probe_interval_ms": 600_000} if pid in QUIET else {}), **EXTRA.get(pid, {})}
          for pid, (path, ptype, served) in PROVIDERS.items()])
 
 
@@ -257,3 +264,16 @@ async def test_a_responses_run_a_worker_refuses_names_the_field_as_the_caller_wr
         assert status == 400, text
         said = json.loads(text)["error"]
     assert "nest deeper than" in said["message"] and said["param"] == "input[1].arguments", said
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_ollama_loading_the_model_longer_than_the_read_timeout_is_waited_for(
+        stack: Stack, servers: LocalServers, gateway: str, stream: bool) -> None:
+    """`cold` takes longer to load than the provider's `read_timeout_ms` (1.5 s against 0.5 s here;
+    minutes against 120 s for a large model). Ollama sends nothing meanwhile, its head included, and
+    aborts the load when the client leaves: every run was a 504 `provider_timeout` after
+    `read_timeout_ms`, each load aborted, so the model never loaded at all."""
+    status, text = await ask(gateway, "/v1/chat/completions", chat("m-loading", stream))
+    assert status == 200 and "hello" in text, text
+    assert servers.loads == {"started": 1, "loaded": 1}, servers.loads
+    assert evidence(stack, "o-cold").get("fails", "0") == "0"

@@ -20,6 +20,12 @@ Ollama (`/ollama`):
   `json.Marshal` of `api.ChatResponse` (api/types.go:520-564: `done_reason` and the counts
   omitted when empty).
 - `ok`: a whole answer, streamed or not, `done_reason: "stop"`.
+- `cold`: a model not loaded yet, which takes `OLLAMA_LOAD_S` to load. Ollama sends nothing, not even
+  its head, until the model is loaded and the first line is out (`streamResponse` writes the head
+  with the first line, routes.go:2097-2140; whole, `c.JSON` at the end, 2387-2433), and a client
+  that leaves meanwhile aborts the load ("client connection closed before llama-server finished
+  loading, aborting load", llm/llama_server.go:1298-1302, the runner expired, server/sched.go:731-737):
+  the next request loads it from the start (`loads`: started, aborted, loaded).
 - `GET /api/tags`: what it has (server/routes.go `ListHandler`).
 
 llama-server, one model (`/single-a`, `/single-b`: two servers started alike, `-a
@@ -84,6 +90,8 @@ from tests.fakes.serving import ThreadedServer
 Json = dict[str, Any]
 
 CALLS = web.AppKey("calls", Counter)
+#: Ollama's loads of `cold`: "started", "aborted" (its client left), "loaded"
+LOADS = web.AppKey("loads", Counter)
 NAME = web.AppKey("name", str)
 
 #: the names llama-server is given with `-a qwen3-8b,chat-default`: it lists the smallest as the id
@@ -94,6 +102,8 @@ N_CTX = 64
 PARALLEL = 2
 CREATED_AT = "2026-08-21T18:48:22.123456789Z"
 FINGERPRINT = "b1-0c1e570"
+#: how long Ollama takes to load the model `cold`
+OLLAMA_LOAD_S = 1.5
 #: how long a router's model takes to load (`POST /models/load` to its server saying it is ready)
 LOAD_S = 0.05
 
@@ -132,7 +142,7 @@ async def _ollama_tags(request: web.Request) -> web.Response:
                "digest": "9077fe9d2ae1a4a41a868836b56b8163731a8fe16621397028c2c76f838c6907",
                "details": {"parent_model": "", "format": "gguf", "family": "llama", "families": ["llama"],
                            "parameter_size": "134.52M", "quantization_level": "Q4_1"}}
-              for n in ("repeat:latest", "ok:latest", "notools:latest")]
+              for n in ("repeat:latest", "ok:latest", "notools:latest", "cold:latest")]
     return web.Response(body=_go({"models": models}), content_type="application/json")
 
 
@@ -146,6 +156,15 @@ async def _ollama_chat(request: web.Request) -> web.StreamResponse:
         # images.go:43-45's "does not support" "tools"), answered 400 by handleScheduleError (:3109-3110)
         return web.Response(status=400, body=_go({"error": f"{model} does not support tools"}),
                             content_type="application/json", charset="utf-8")
+    loads = request.app[LOADS]
+    if model == "cold" and not loads["loaded"]:
+        loads["started"] += 1
+        try:
+            await asyncio.sleep(OLLAMA_LOAD_S)  # (the load: nothing goes out meanwhile)
+        except asyncio.CancelledError:  # (the client left: Ollama aborts the load)
+            loads["aborted"] += 1
+            raise
+        loads["loaded"] += 1
     if model == "repeat":
         # the tokens before the guard stopped it: a word, then whitespace until the 31st repeat
         tokens = ["Sure"] + [" "] * 31
@@ -394,6 +413,8 @@ class LocalServers(ThreadedServer):
         super().__init__()
         #: (server path, served name) -> calls
         self.calls: dict[str, Counter[str]] = {}
+        #: Ollama's loads of `cold` (`LOADS`)
+        self.loads: Counter[str] = Counter()
         #: the routers, by server path: what each has (a test deletes one, as `DELETE /models?model=…`
         #: does), and whether it loads a model on its own
         self.routers: dict[str, Router] = {
@@ -407,6 +428,7 @@ class LocalServers(ThreadedServer):
         app[NAME] = name
         app[CALLS] = self.calls.setdefault(name, Counter())
         if name == "ollama":
+            app[LOADS] = self.loads
             app.router.add_get("/api/tags", _ollama_tags)
             app.router.add_post("/api/chat", _ollama_chat)
         elif name in self.routers:

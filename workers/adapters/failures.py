@@ -38,7 +38,7 @@ from common.wire import (
     callers_fault,
 )
 from workers.adapters.base import DOWN, ProbeResult, ProviderError, Retry
-from workers.adapters.sending import NotRead
+from workers.adapters.sending import NoHead, NotRead
 
 #: The longest provider-supplied text (an error message, a stderr tail) passed on, in characters.
 MAX_ERROR_TEXT = 500
@@ -193,7 +193,7 @@ def describe(exc: BaseException, *, connect_ms: int | None = None, read_ms: int 
         return f"no answer within {total_ms} ms", 1
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return f"no connection within {connect_ms} ms" if connect_ms else "no connection in time", 1
-    if isinstance(exc, NotRead):
+    if isinstance(exc, (NotRead, NoHead)):
         return str(exc), 1
     if isinstance(exc, aiohttp.SocketTimeoutError):
         return f"sent nothing for {read_ms} ms" if read_ms else "went silent", 1

@@ -179,7 +179,7 @@ class OllamaAdapter:
 
     def _post(self, path: str, native: Json, request_id: str) -> Any:
         return sending.post(self.session, self.root + path, data=jsonio.dumps(native),
-                            timeout=self.timeout, allow_redirects=False,
+                            timeout=self.timeout, head_wait_s=self.provider.head_wait_s, allow_redirects=False,
                             **self.credentials.options(request_id, json_body=True))
 
     def _sent_error(self, error: Any) -> ProviderError:

@@ -608,7 +608,7 @@ class OpenAICompatAdapter:
         if self.provider.type == "llamacpp":
             body = for_llamacpp(body)
         return sending.post(self.session, self.root + PATHS[kind], data=jsonio.dumps(body),
-                            timeout=self.timeout, allow_redirects=False,
+                            timeout=self.timeout, head_wait_s=self.provider.head_wait_s, allow_redirects=False,
                             **self.credentials.options(run_id, json_body=True))
 
     def _failed(self, exc: BaseException) -> ProviderError:

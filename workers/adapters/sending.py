@@ -165,30 +165,61 @@ class _Sending:
             self.deadline = None
 
 
+class NoHead(aiohttp.SocketTimeoutError):
+    """The server began no answer within the wait for its head (`post`'s `head_wait_s`, longer than
+    the read timeout: a server that loads the model first; its text says so)."""
+
+
 #: a request body the kernel takes at once, in one write; a bigger one goes out in pieces of this
 #: size, watched (`_Sending`)
 WHOLE_BODY_BYTES = 64 * 1024
 
 
-def _paced(kwargs: dict[str, Any]) -> _Sending | None:
-    """How a body too big for the kernel to take at once goes out (`_Sending`), or None."""
-    data, timeout = kwargs.get("data"), kwargs.get("timeout")
-    if not isinstance(data, bytes) or len(data) <= WHOLE_BODY_BYTES or timeout is None or not timeout.sock_read:
+def _paced(kwargs: dict[str, Any], wait_s: float | None) -> _Sending | None:
+    """How a body too big for the kernel to take at once goes out (`_Sending`, each piece within
+    `wait_s`), or None."""
+    data = kwargs.get("data")
+    if not isinstance(data, bytes) or len(data) <= WHOLE_BODY_BYTES or not wait_s:
         return None
-    return _Sending(data, timeout.sock_read)
+    return _Sending(data, wait_s)
+
+
+def _head_waited(timeout: aiohttp.ClientTimeout | None, head_wait_s: float | None) -> aiohttp.ClientTimeout | None:
+    """`timeout` with `head_wait_s` as its `sock_read` (aiohttp's wait for the head is that read
+    timeout too), when that is longer; else None (the timeout as it is)."""
+    if timeout is None or not timeout.sock_read or head_wait_s is None or head_wait_s <= timeout.sock_read:
+        return None
+    return aiohttp.ClientTimeout(total=timeout.total, connect=timeout.connect, sock_read=head_wait_s,
+                                 sock_connect=timeout.sock_connect, ceil_threshold=timeout.ceil_threshold)
+
+
+def _read_timeout_again(resp: aiohttp.ClientResponse, read_s: float) -> None:
+    """The read timeout of the body of `resp`, whose head came within a longer wait, back to `read_s`."""
+    protocol = resp.connection.protocol if resp.connection is not None else None
+    if protocol is not None:
+        protocol.read_timeout = read_s
+        protocol.start_timeout()  # (the wait running now, set with the head's length, starts again with it)
 
 
 @asynccontextmanager
-async def post(session: aiohttp.ClientSession, url: str, **kwargs: Any) -> AsyncIterator[aiohttp.ClientResponse]:
+async def post(session: aiohttp.ClientSession, url: str, head_wait_s: float | None = None,
+               **kwargs: Any) -> AsyncIterator[aiohttp.ClientResponse]:
     """`session.post(url, **kwargs)`, sent again (at most `MAX_SENDS` times in all) while it breaks
     at once, before any answer, on a connection taken from the pool (the session's connector must
     be a `PoolConnector`). The response is released at the end. A body that is `bytes` over
     `WHOLE_BODY_BYTES` must be read by the server at the pace of the timeout's `sock_read`, else
-    `NotRead` (a `SocketTimeoutError`)."""
+    `NotRead` (a `SocketTimeoutError`). `head_wait_s`: how long the answer's head may take when
+    that is longer than the timeout's `sock_read` (Ollama and Lemonade load the model before they
+    answer anything), else `NoHead`; the body's reads then have `sock_read` again."""
+    timeout = kwargs.get("timeout")
+    read_s = timeout.sock_read if isinstance(timeout, aiohttp.ClientTimeout) else None
+    longer = _head_waited(timeout if isinstance(timeout, aiohttp.ClientTimeout) else None, head_wait_s)
+    if longer is not None:
+        kwargs = {**kwargs, "timeout": longer}
     for tries_left in range(MAX_SENDS - 1, -1, -1):
         _sent_on.set((None, False))
         began = time.monotonic()
-        sending = _paced(kwargs)
+        sending = _paced(kwargs, read_s)
         try:
             resp = await (session.post(url, **kwargs) if sending is None else
                           sending.post(session, url, **{k: v for k, v in kwargs.items() if k != "data"}))
@@ -196,7 +227,15 @@ async def post(session: aiohttp.ClientSession, url: str, **kwargs: Any) -> Async
             if tries_left and _resendable(exc, _sent_on.get()[1], time.monotonic() - began):
                 continue
             raise
+        except aiohttp.SocketTimeoutError as exc:
+            if longer is None or isinstance(exc, NotRead):
+                raise
+            assert head_wait_s is not None
+            raise NoHead(f"began no answer within {head_wait_s * 1000:.0f} ms (its read_timeout_ms and "
+                         "load_timeout_ms: a model it loads first may take longer)") from None
         break
+    if longer is not None and read_s:
+        _read_timeout_again(resp, read_s)
     async with resp:
         yield resp
 
