@@ -14,6 +14,8 @@ from):
   not found`: the provider's matter, not the caller's; another provider serves the run;
 - a router started with `--no-models-autoload` lists models it has not loaded and refuses every
   run of them (`model is not loaded`): such a model is not served there until it is loaded;
+- Ollama answers a request's option of the wrong type with a 500 (`option "num_ctx" must be of type
+  integer`): the caller's request, not the server's fault;
 - Ollama answers nothing, not even its head, while it loads the model a run names, and aborts the
   load when the client leaves: a load longer than `read_timeout_ms` is waited for
   (`load_timeout_ms`), not given up on and started again by every run."""
@@ -277,3 +279,23 @@ async def test_ollama_loading_the_model_longer_than_the_read_timeout_is_waited_f
     assert status == 200 and "hello" in text, text
     assert servers.loads == {"started": 1, "loaded": 1}, servers.loads
     assert evidence(stack, "o-cold").get("fails", "0") == "0"
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"options": {"num_ctx": "8k"}}, "options.num_ctx"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"max_tokens": 8, "options": {"num_predict": "8"}}, "options.num_predict"),  # (the caller's options win)
+])
+async def test_ollama_refusing_an_option_of_the_wrong_type_is_the_callers_400(
+        stack: Stack, servers: LocalServers, gateway: str, extra: dict[str, Any], param: str) -> None:
+    """Ollama answers an option of the wrong type 500 (`handleScheduleError`'s default), though it is
+    the request's: it was a 502 `provider_error`, tried again as the server's fault (which the
+    official clients send twice more). It is tried on the model's other providers first (a server
+    of the OpenAI family may take `"0.5"` as a number), then the caller's 400 naming the field as
+    the request wrote it, and no strike."""
+    status, text = await ask(gateway, "/v1/chat/completions", {**chat("m-ok", False), **extra})
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["param"] == param and "must be of type" in error["message"], error
+    assert servers.calls["ollama"]["ok"] == 1, servers.calls
+    assert evidence(stack, "o-a").get("fails", "0") == "0"

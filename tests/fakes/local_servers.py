@@ -26,6 +26,10 @@ Ollama (`/ollama`):
   that leaves meanwhile aborts the load ("client connection closed before llama-server finished
   loading, aborting load", llm/llama_server.go:1298-1302, the runner expired, server/sched.go:731-737):
   the next request loads it from the start (`loads`: started, aborted, loaded).
+- any model: an option of the wrong type (`options`, or a field iop maps into them, such as
+  `temperature`) is refused by `Options.FromMap` (api/types.go:991-1090: `option "x" must be of type
+  float32`), an error `scheduleRunner` returns (server/routes.go:217-220) and `handleScheduleError`
+  answers 500, its default (routes.go:3107-3119), before any line.
 - `GET /api/tags`: what it has (server/routes.go `ListHandler`).
 
 llama-server, one model (`/single-a`, `/single-b`: two servers started alike, `-a
@@ -146,10 +150,39 @@ async def _ollama_tags(request: web.Request) -> web.Response:
     return web.Response(body=_go({"models": models}), content_type="application/json")
 
 
+#: Ollama's options by the kind of their field in `api.Options` (api/types.go:568-596)
+OLLAMA_INTEGERS = frozenset({"num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "num_ctx", "num_batch",
+                             "num_gpu", "main_gpu", "num_thread", "draft_num_predict"})
+OLLAMA_FLOATS = frozenset({"top_p", "min_p", "typical_p", "temperature", "repeat_penalty", "presence_penalty",
+                           "frequency_penalty"})
+
+
+def _ollama_option_refused(options: Any) -> str | None:
+    """What `Options.FromMap` says of the first option of the wrong type (None: none is); unknown ones
+    it only logs. (JSON numbers are Go's float64, which its integer fields take too.)"""
+    for key, value in (options or {}).items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is None:
+            continue
+        if key in OLLAMA_INTEGERS and not number:
+            return f'option "{key}" must be of type integer'
+        if key in OLLAMA_FLOATS and not number:
+            return f'option "{key}" must be of type float32'
+        if key == "use_mmap" and not isinstance(value, bool):
+            return f'option "{key}" must be of type boolean'
+        if key == "stop" and not isinstance(value, list):
+            return f'option "{key}" must be of type array'
+    return None
+
+
 async def _ollama_chat(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     model = body["model"]
     request.app[CALLS][model] += 1
+    refused = _ollama_option_refused(body.get("options"))
+    if refused is not None:
+        return web.Response(status=500, body=_go({"error": refused}), content_type="application/json",
+                            charset="utf-8")
     stream = body.get("stream", True) is not False
     if model == "notools" and body.get("tools"):
         # a model whose template has no tools: server/routes.go:211-212 (`"%s %w"`, the model's name and

@@ -143,8 +143,9 @@ class OllamaAdapter:
         self.read_s = provider.read_timeout_ms / 1000
 
     # ------------------------------------------------------------------ errors
-    def _error(self, resp: aiohttp.ClientResponse, text: str, served: str) -> ProviderError:
+    def _error(self, resp: aiohttp.ClientResponse, text: str, body: Json) -> ProviderError:
         status = resp.status
+        served = body["model"]
         try:
             payload = json.loads(text)
         except (ValueError, RecursionError):
@@ -153,6 +154,14 @@ class OllamaAdapter:
         message = error_text(error, self.limits.error_chars) if error else \
             one_line(without_traceback(text) or "no error text", self.limits.error_chars)
         detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+        refused = wire.OPTION_REFUSED.fullmatch(message) if status == 500 and error else None
+        if refused is not None:
+            # (the request's option of the wrong type, which Ollama answers 500: the caller's 400, naming
+            # it as the request wrote it; another provider first, as a server of the OpenAI family may
+            # take `"0.5"` for a number)
+            detail["param"] = wire.option_field(body, refused[1])
+            return another_may(ProviderError(f"provider {self.provider.id} answered 500: {message}", status=400,
+                                             detail=detail, strikes=0))
         answered = answered_error(self.provider.id, status, message, detail if error or status != 404 else None,
                                   served, resp.headers)
         # (`"m" does not support tools`, or vision, thinking, …: this model's build, not the request;
@@ -210,7 +219,7 @@ class OllamaAdapter:
             async with self._post(path, native, request_id) as resp:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
-                    raise self._error(resp, await error_body(resp), body["model"])
+                    raise self._error(resp, await error_body(resp), body)
                 # (bytes that are not UTF-8 are not JSON, as in a stream line and the OpenAI family's
                 # answers: they were taken as U+FFFD here, where the same bytes streamed were a 502)
                 answer = parse_json(await read_whole(resp, self.provider.id, self.limits, self.read_s),
@@ -259,7 +268,7 @@ class OllamaAdapter:
             async with self._post(path, native, request_id) as resp:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
-                    raise self._error(resp, await error_body(resp), body["model"])
+                    raise self._error(resp, await error_body(resp), body)
                 async for data in with_line_end(watched_reads(resp, self.read_s)):
                     chunks: list[Json] = []
                     for line in parser.feed(data):

@@ -14,6 +14,7 @@ and are dropped.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from common import jsonio
@@ -38,6 +39,21 @@ OPTION_FIELDS = {
     "presence_penalty": "presence_penalty",
     "repetition_penalty": "repeat_penalty",
 }
+#: Ollama's refusal of an option of the wrong type (`Options.FromMap`, api/types.go:991-1090), which its
+#: handlers answer 500 (`handleScheduleError`'s default, server/routes.go:3117), though it is the request's
+OPTION_REFUSED = re.compile(r'option "([a-z_]{1,64})" must be (?:of type [a-z0-9]{1,16}|of an array of strings)')
+
+
+def option_field(body: Json, option: str) -> str:
+    """Where the request wrote the `option` Ollama refused: in its own `options` (which win), else
+    the OpenAI field iop maps to it (`temperature`, `max_tokens` for `num_predict`, `stop`)."""
+    options = body.get("options")
+    if isinstance(options, dict) and option in options:
+        return f"options.{option}"
+    fields = [name for name, native in OPTION_FIELDS.items() if native == option] + ["stop"] * (option == "stop")
+    return next((name for name in fields if body.get(name) is not None), f"options.{option}")
+
+
 #: fields of Ollama's own API that a caller may send and that pass through as they are
 NATIVE_FIELDS = ("keep_alive", "think", "raw", "suffix", "truncate", "dimensions")
 
