@@ -22,6 +22,7 @@ from common.wire import ErrorCode, RunKind, upstream_request_id
 from tests.fakes.ollama_server import FakeOllama, FakeState
 from tests.openapi import validate
 from tests.test_failures import serving
+from workers.adapters import ollama_wire as wire
 from workers.adapters.base import LastRead, ProviderError, Retry
 from workers.adapters.ollama import OllamaAdapter, observed_names, server_root
 
@@ -468,3 +469,14 @@ async def test_the_answer_s_head_may_take_the_load_timeout_more_and_the_body_s_r
         assert went_silent.is_set()
         assert raised.value.message == "provider ollama-b: sent nothing for 100 ms", raised.value
         released.set()
+
+
+def test_an_error_ollama_passed_on_from_llama_server_is_read_as_llama_server_said_it() -> None:
+    """Ollama gives llama-server's error answer as the text of its own, whole or in a stream's line:
+    its object is the error; any other text (Ollama's own, or llama-server's with Ollama's note of
+    running out of memory after it) stays as it is."""
+    inner = {"code": 500, "message": "failed to decode the batch", "type": "server_error"}
+    assert wire.runner_error(json.dumps({"error": inner})) == inner
+    for error in ('{"error":{"code":500,"message":""}}\nmodel requires more system memory', "{not json}",
+                  '{"error":"text"}', '{"detail":{"message":"m"}}', "runner crashed", {"message": "m"}, None):
+        assert wire.runner_error(error) == error

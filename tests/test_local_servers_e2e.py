@@ -16,6 +16,8 @@ from):
   run of them (`model is not loaded`): such a model is not served there until it is loaded;
 - Ollama answers a request's option of the wrong type with a 500 (`option "num_ctx" must be of type
   integer`): the caller's request, not the server's fault;
+- Ollama passes llama-server's error answer on as the text of its own error (a prompt over the context,
+  not truncated): the caller reads llama-server's message, not its JSON;
 - Ollama answers nothing, not even its head, while it loads the model a run names, and aborts the
   load when the client leaves: a load longer than `read_timeout_ms` is waited for
   (`load_timeout_ms`), not given up on and started again by every run."""
@@ -299,3 +301,16 @@ async def test_ollama_refusing_an_option_of_the_wrong_type_is_the_callers_400(
     assert error["param"] == param and "must be of type" in error["message"], error
     assert servers.calls["ollama"]["ok"] == 1, servers.calls
     assert evidence(stack, "o-a").get("fails", "0") == "0"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_ollama_passing_on_llama_server_s_error_says_its_message(
+        servers: LocalServers, gateway: str, stream: bool) -> None:
+    """A prompt over the context that Ollama does not truncate (`"truncate": false`) is refused by its
+    runner, llama-server, whose error answer Ollama passes on as the text of its own: the caller's 400
+    said `{"error":{"code":400,"message":…}}` as its message."""
+    body = {**chat("m-ok", stream), "truncate": False, "messages": [{"role": "user", "content": "word " * 80}]}
+    status, text = await ask(gateway, "/v1/chat/completions", body)
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["message"].startswith("request (81 tokens) exceeds the available context size"), error

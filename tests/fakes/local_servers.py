@@ -30,6 +30,11 @@ Ollama (`/ollama`):
   `temperature`) is refused by `Options.FromMap` (api/types.go:991-1090: `option "x" must be of type
   float32`), an error `scheduleRunner` returns (server/routes.go:217-220) and `handleScheduleError`
   answers 500, its default (routes.go:3107-3119), before any line.
+- any model, asked with `"truncate": false` for a prompt over the context (`N_CTX`, a token a word): Ollama
+  leaves the prompt whole (`completionPrompt`'s caller, llm/llama_server.go:280-282) and llama-server
+  refuses it (400 `exceed_context_size_error`, as `/single-a` does); Ollama passes that answer on as the
+  text of its own error (`statusErrorMessage`, llama_server.go:1648-1655, 1782-1794), with its status,
+  before any line (server/routes.go:2927-2932, 2097-2140).
 - `GET /api/tags`: what it has (server/routes.go `ListHandler`).
 
 llama-server, one model (`/single-a`, `/single-b`: two servers started alike, `-a
@@ -183,6 +188,12 @@ async def _ollama_chat(request: web.Request) -> web.StreamResponse:
     if refused is not None:
         return web.Response(status=500, body=_go({"error": refused}), content_type="application/json",
                             charset="utf-8")
+    size = sum(len(str(m.get("content", "")).split()) for m in body.get("messages", [])) + 1
+    if body.get("truncate") is False and size >= N_CTX:
+        error = _error(f"request ({size} tokens) exceeds the available context size ({N_CTX} tokens), try "
+                       "increasing it", "exceed_context_size_error", 400, n_prompt_tokens=size, n_ctx=N_CTX)
+        return web.Response(status=400, body=_go({"error": _nlohmann({"error": error}).decode()}),
+                            content_type="application/json", charset="utf-8")
     stream = body.get("stream", True) is not False
     if model == "notools" and body.get("tools"):
         # a model whose template has no tools: server/routes.go:211-212 (`"%s %w"`, the model's name and

@@ -150,7 +150,7 @@ class OllamaAdapter:
             payload = json.loads(text)
         except (ValueError, RecursionError):
             payload = None
-        error = payload.get("error") if isinstance(payload, dict) else None
+        error = wire.runner_error(payload.get("error")) if isinstance(payload, dict) else None
         message = error_text(error, self.limits.error_chars) if error else \
             one_line(without_traceback(text) or "no error text", self.limits.error_chars)
         detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
@@ -193,7 +193,7 @@ class OllamaAdapter:
 
     def _sent_error(self, error: Any) -> ProviderError:
         """An `error` Ollama sent in a 200 answer or a stream line."""
-        said = error_text(error, self.limits.error_chars)
+        said = error_text(wire.runner_error(error), self.limits.error_chars)
         return ProviderError(f"provider {self.provider.id} sent an error: {said}", retry=Retry.ELSEWHERE, strikes=None)
 
     def _tool_calls(self, kind: RunKind, native: Json, request_id: str, model: str, first_index: int | None = None,

@@ -44,6 +44,22 @@ OPTION_FIELDS = {
 OPTION_REFUSED = re.compile(r'option "([a-z_]{1,64})" must be (?:of type [a-z0-9]{1,16}|of an array of strings)')
 
 
+def runner_error(error: Any) -> Any:
+    """The `error` of Ollama's answer, or of a line of its stream, as its runner said it: Ollama passes
+    llama-server's error answer on as the text of its own (`llamaServerRunner.statusErrorMessage`,
+    llm/llama_server.go:1646-1655, 1782-1794: the body, trimmed), so a prompt over the context is
+    `{"error": "{\"error\":{\"code\":400,\"message\":\"request (9000 tokens) exceeds …\"}}"}`:
+    the inner error object when the text is one (`{"error": {…, "message": "…"}}`), else `error`."""
+    if not (isinstance(error, str) and error.startswith("{") and error.endswith("}")):
+        return error
+    try:
+        inner = json.loads(error)
+    except (ValueError, RecursionError):
+        return error
+    found = inner.get("error") if isinstance(inner, dict) else None
+    return found if isinstance(found, dict) and isinstance(found.get("message"), str) and found["message"] else error
+
+
 def option_field(body: Json, option: str) -> str:
     """Where the request wrote the `option` Ollama refused: in its own `options` (which win), else
     the OpenAI field iop maps to it (`temperature`, `max_tokens` for `num_predict`, `stop`)."""
