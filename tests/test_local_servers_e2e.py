@@ -18,6 +18,9 @@ from):
   integer`): the caller's request, not the server's fault;
 - Ollama passes llama-server's error answer on as the text of its own error (a prompt over the context,
   not truncated): the caller reads llama-server's message, not its JSON;
+- Ollama answers a run of a cloud model it cannot run (not signed in to ollama.com: 401; cloud
+  disabled: 403; its host not among `OLLAMA_REMOTES`: 400) as the matter of that model on that
+  server: another provider serves the run, and the Ollama is not struck down for its other models;
 - Ollama answers nothing, not even its head, while it loads the model a run names, and aborts the
   load when the client leaves: a load longer than `read_timeout_ms` is waited for
   (`load_timeout_ms`), not given up on and started again by every run."""
@@ -48,6 +51,7 @@ PROVIDERS: dict[str, tuple[str, str, list[str]]] = {
     "b-ollama": ("ollama", "ollama", ["notools"]),
     "c-manual": ("router-manual", "llamacpp", ["router-warm", "router-cold", "router-asleep"]),
     "o-cold": ("ollama", "ollama", ["cold"]),
+    "a-cloud": ("ollama", "ollama", ["cloud-signed-out", "cloud-disabled", "cloud-not-here"]),
 }
 #: model -> {provider id: served name}
 MODELS: dict[str, dict[str, str]] = {
@@ -63,6 +67,9 @@ MODELS: dict[str, dict[str, str]] = {
     "m-cold": {"c-manual": "router-cold"},
     "m-asleep": {"c-manual": "router-asleep"},
     "m-loading": {"o-cold": "cold"},
+    "m-cloud-signed-out": {"a-cloud": "cloud-signed-out", "l-b": "chat-default"},
+    "m-cloud-disabled": {"a-cloud": "cloud-disabled", "l-b": "chat-default"},
+    "m-cloud-not-here": {"a-cloud": "cloud-not-here", "l-b": "chat-default"},
 }
 #: provider id -> fields of its config besides the common ones
 EXTRA: dict[str, dict[str, Any]] = {"o-cold": {"read_timeout_ms": 500}}
@@ -314,3 +321,18 @@ async def test_ollama_passing_on_llama_server_s_error_says_its_message(
     assert status == 400, text
     error = json.loads(text)["error"]
     assert error["message"].startswith("request (81 tokens) exceeds the available context size"), error
+
+
+@pytest.mark.parametrize("served", ["cloud-signed-out", "cloud-disabled", "cloud-not-here"])
+async def test_an_ollama_cloud_model_it_cannot_run_goes_to_another_provider_without_a_strike(
+        stack: Stack, servers: LocalServers, gateway: str, served: str) -> None:
+    """A cloud model that Ollama lists but cannot run (`a-cloud` goes first: its id is the smaller):
+    its 401 (not signed in to ollama.com) and 403 (cloud disabled) were taken for a refusal of iop's
+    credentials, a strike each (three such runs took the Ollama down for all its models, its local
+    ones too), and its 400 (a remote host it may not use) for the caller's, who got it at once."""
+    for _ in range(3):
+        status, text = await ask(gateway, "/v1/chat/completions", chat(f"m-{served}", False))
+        assert status == 200 and "hello" in text, text
+    assert servers.calls["ollama"][served] == 3 and servers.calls["single-b"]["chat-default"] == 3, servers.calls
+    held = evidence(stack, "a-cloud")
+    assert held.get("fails", "0") == "0" and held["health"] == "available", held

@@ -35,6 +35,12 @@ Ollama (`/ollama`):
   refuses it (400 `exceed_context_size_error`, as `/single-a` does); Ollama passes that answer on as the
   text of its own error (`statusErrorMessage`, llama_server.go:1648-1655, 1782-1794), with its status,
   before any line (server/routes.go:2927-2932, 2097-2140).
+- `cloud-signed-out`, `cloud-disabled`, `cloud-not-here`: cloud models (pulled, a manifest naming a
+  remote host: `/api/tags` lists them as it lists the others), which this Ollama cannot run: it is not
+  signed in to ollama.com, whose 401 it passes on as `{"error":"unauthorized","signin_url":…}`
+  (server/routes.go:2583-2597, api/client.go:239-243); cloud is disabled (`OLLAMA_NO_CLOUD`), a 403
+  (routes.go:2518-2522, internal/cloud/policy.go:7-25, `cloudErrRemoteInferenceUnavailable` routes.go:59);
+  the remote host is not in `OLLAMA_REMOTES`, a 400 (routes.go:2531-2535). Each before any line.
 - `GET /api/tags`: what it has (server/routes.go `ListHandler`).
 
 llama-server, one model (`/single-a`, `/single-b`: two servers started alike, `-a
@@ -111,6 +117,13 @@ N_CTX = 64
 PARALLEL = 2
 CREATED_AT = "2026-08-21T18:48:22.123456789Z"
 FINGERPRINT = "b1-0c1e570"
+#: Ollama's answers to a run of a cloud model it cannot run (status, body), by the served name
+CLOUD: dict[str, tuple[int, Json]] = {
+    "cloud-signed-out": (401, {"error": "unauthorized",
+                               "signin_url": "https://ollama.com/connect?name=box-2&key=c3NoLWVkMjU1MTkgQUFBQQ"}),
+    "cloud-disabled": (403, {"error": "ollama cloud is disabled: remote model is unavailable"}),
+    "cloud-not-here": (400, {"error": "this server cannot run this remote model"}),
+}
 #: how long Ollama takes to load the model `cold`
 OLLAMA_LOAD_S = 1.5
 #: how long a router's model takes to load (`POST /models/load` to its server saying it is ready)
@@ -151,7 +164,7 @@ async def _ollama_tags(request: web.Request) -> web.Response:
                "digest": "9077fe9d2ae1a4a41a868836b56b8163731a8fe16621397028c2c76f838c6907",
                "details": {"parent_model": "", "format": "gguf", "family": "llama", "families": ["llama"],
                            "parameter_size": "134.52M", "quantization_level": "Q4_1"}}
-              for n in ("repeat:latest", "ok:latest", "notools:latest", "cold:latest")]
+              for n in ("repeat:latest", "ok:latest", "notools:latest", "cold:latest", *CLOUD)]
     return web.Response(body=_go({"models": models}), content_type="application/json")
 
 
@@ -184,6 +197,9 @@ async def _ollama_chat(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     model = body["model"]
     request.app[CALLS][model] += 1
+    if model in CLOUD:
+        status, answer = CLOUD[model]
+        return web.Response(status=status, body=_go(answer), content_type="application/json", charset="utf-8")
     refused = _ollama_option_refused(body.get("options"))
     if refused is not None:
         return web.Response(status=500, body=_go({"error": refused}), content_type="application/json",

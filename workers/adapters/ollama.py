@@ -154,6 +154,12 @@ class OllamaAdapter:
         message = error_text(error, self.limits.error_chars) if error else \
             one_line(without_traceback(text) or "no error text", self.limits.error_chars)
         detail = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+        cloud = wire.cloud_refusal(status, payload, message)
+        if cloud is not None:
+            # (one model's matter on this server, as a 404 naming it is: not iop's credentials, which a 401 or
+            # 403 is taken for, a strike each, nor the caller's 400; another provider of the model may serve it)
+            return ProviderError(f"provider {self.provider.id} answered {status}: {message} ({cloud})",
+                                 retry=Retry.ELSEWHERE, strikes=None)
         refused = wire.OPTION_REFUSED.fullmatch(message) if status == 500 and error else None
         if refused is not None:
             # (the request's option of the wrong type, which Ollama answers 500: the caller's 400, naming

@@ -44,6 +44,24 @@ OPTION_FIELDS = {
 OPTION_REFUSED = re.compile(r'option "([a-z_]{1,64})" must be (?:of type [a-z0-9]{1,16}|of an array of strings)')
 
 
+#: Ollama's refusal of a run of a cloud model (a pulled manifest naming a remote host) that it cannot run,
+#: whatever the request: cloud disabled there (`OLLAMA_NO_CLOUD`: 403, server/routes.go:2518-2522), its
+#: host not among `OLLAMA_REMOTES` (400, routes.go:2531-2535)
+CLOUD_REFUSED = re.compile(r"ollama cloud is disabled\b.*|this server cannot run this remote model")
+
+
+def cloud_refusal(status: int, payload: Any, message: str) -> str | None:
+    """Why Ollama cannot run the cloud model a run named, as a few words for its error (None: this is
+    no such refusal): `CLOUD_REFUSED`, or ollama.com's 401 to an Ollama not signed in, which it passes
+    on with the link to sign it in (`{"error": "unauthorized", "signin_url": …}`, routes.go:2583-2597;
+    not iop's credentials, which a server behind a proxy or ollama.com's API refuses without one)."""
+    if status == 401 and isinstance(payload, dict) and "signin_url" in payload:
+        return "it is not signed in to ollama.com, which runs this cloud model: `ollama signin` there"
+    if status in (400, 403) and CLOUD_REFUSED.fullmatch(message):
+        return "it does not run this cloud model"
+    return None
+
+
 def runner_error(error: Any) -> Any:
     """The `error` of Ollama's answer, or of a line of its stream, as its runner said it: Ollama passes
     llama-server's error answer on as the text of its own (`llamaServerRunner.statusErrorMessage`,
