@@ -812,3 +812,36 @@ async def test_a_router_that_loads_none_is_held_so_while_its_props_answer_an_err
         router.props_status = 200
         router.autoload = True
         assert (await adapter.probe()).models == ["router-warm", "router-cold", "router-asleep"]
+
+
+@pytest.mark.parametrize(("ptype", "answered"), [("lemonade", True), ("vllm", False)])
+async def test_lemonade_s_head_may_take_the_load_timeout_more(session: aiohttp.ClientSession, ptype: str,
+                                                              answered: bool) -> None:
+    """Lemonade loads the model a run names in its handler, before it answers anything (server.cpp
+    `handle_chat_completions`: `auto_load_model_if_needed`, then the answer): its head may take
+    `load_timeout_ms` more than `read_timeout_ms`, as Ollama's may. Not a vLLM's, which serves the
+    models it was started with: there the head is still due within `read_timeout_ms`."""
+    async def chat_handler(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.4)  # (the server's load of the model: nothing goes out meanwhile)
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": SERVED,
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                               "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    app = web.Application()
+    for path in ("/api/v1/chat/completions", "/v1/chat/completions"):
+        app.router.add_post(path, chat_handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        adapter = OpenAICompatAdapter(provider(ptype, url, read_timeout_ms=100), session)
+        if answered:
+            answer = await adapter.complete(RunKind.CHAT, chat(), "r")
+            assert answer["choices"][0]["message"]["content"] == "hi"
+        else:
+            with pytest.raises(ProviderError, match="sent nothing for 100 ms"):
+                await adapter.complete(RunKind.CHAT, chat(), "r")
+    finally:
+        await runner.cleanup()
