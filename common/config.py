@@ -127,6 +127,10 @@ HeaderName = Annotated[str, Field(pattern=HEADER_NAME_PATTERN, max_length=MAX_HE
 HeaderValue = Annotated[str, Field(pattern=HEADER_VALUE_PATTERN, max_length=MAX_HEADER_VALUE_CHARS)]
 
 
+#: `load_timeout_ms`'s default: Ollama's own load timeout (`OLLAMA_LOAD_TIMEOUT`, envconfig/config.go:146-164)
+LOAD_TIMEOUT_MS = 300_000
+
+
 class ProviderConfig(Strict):
     id: str = Field(pattern=PROVIDER_ID_PATTERN, max_length=MAX_ID_CHARS)
     type: ProviderType
@@ -144,7 +148,7 @@ class ProviderConfig(Strict):
     connect_timeout_ms: int = Field(5_000, ge=1, le=MAX_DURATION_MS)
     read_timeout_ms: int = Field(120_000, ge=1, le=MAX_DURATION_MS,
                                  description="longest silence while reading a response")
-    load_timeout_ms: int = Field(300_000, ge=0, le=MAX_DURATION_MS,
+    load_timeout_ms: int = Field(LOAD_TIMEOUT_MS, ge=0, le=MAX_DURATION_MS,
                                  description="ollama, lemonade: how much longer than read_timeout_ms the answer's "
                                              "head may take (they load the model before they answer anything)")
     probe_timeout_ms: int = Field(2_000, ge=1, le=MAX_DURATION_MS,
@@ -672,6 +676,10 @@ def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
         if kind in ("cli", "ollama") and p.get(field) is not None:
             errors.append(f"{path}.{field}: not for type {kind}; only the OpenAI family's types "
                           f"({', '.join(t for t in PROVIDER_TYPES if t not in ('cli', 'ollama'))}) read it")
+    # (only one other than the default: a config checked again from its parsed form has it on every provider)
+    if kind in PROVIDER_TYPES and kind not in LOADS_FIRST and p.get("load_timeout_ms") not in (None, LOAD_TIMEOUT_MS):
+        errors.append(f"{path}.load_timeout_ms: only for types that load a model a run names before they answer "
+                      f"({', '.join(sorted(LOADS_FIRST))}); type {kind} answers within read_timeout_ms")
     if kind in PROVIDER_TYPES and kind != "openai_api" and p.get("models_listed") is False:
         errors.append(f"{path}.models_listed: only for type openai_api (a hosted API); a server of type {kind} "
                       "lists every name it takes")
