@@ -38,6 +38,8 @@ _STATEFUL = {
 _ALWAYS_SAID = frozenset({"instructions", "temperature", "top_p"})
 #: text fields that are only repeated in the Response, as given (never sent: not every server takes them)
 _REPEATED_TEXT = ("user", "safety_identifier", "prompt_cache_key")
+#: the longest of them OpenAI takes (and its schema holds a Response to), in characters
+_TEXT_LIMITS = {"safety_identifier": 64}
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TOOL_CHOICES = ("none", "auto", "required")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -361,6 +363,9 @@ def _refuse_unservable(body: dict[str, Any]) -> None:
     if include is not None and _LOGPROBS in include:
         raise invalid(f"'include' item {quoted(_LOGPROBS)} is not supported on /v1/responses (log probabilities "
                       "are on /v1/chat/completions)", "include")
+    for name, most in _TEXT_LIMITS.items():
+        if isinstance(value := body.get(name), str) and len(value) > most:
+            raise invalid(f"'{name}' must be a string of at most {most} characters, got {len(value)}", name)
     top = body.get("top_logprobs")
     if top is not None and top != 0:
         raise invalid("'top_logprobs' is not supported on /v1/responses (it is on /v1/chat/completions)",

@@ -275,6 +275,9 @@ def test_without_tools_no_tool_choice_nor_parallel_tool_calls_goes_to_the_provid
     ({"input": "x", "truncation": 0}, "truncation", "one of auto, disabled"),
     ({"input": "x", "truncation": []}, "truncation", "one of auto, disabled"),
     ({"input": [{"type": "x" * 3000}]}, "input[0].type", "…"),
+    # repeated in the Response, whose schema holds `safety_identifier` to 64 characters (OpenAI refuses
+    # a longer one): a 200 whose Response the schema refused
+    ({"input": "x", "safety_identifier": "u" * 65}, "safety_identifier", "at most 64 characters"),
 ])
 def test_what_cannot_be_run_is_the_callers_400_naming_the_field(body: dict[str, Any], param: str,
                                                                  words: str) -> None:
@@ -701,7 +704,13 @@ RESPONSES_BODY = st.fixed_dictionaries(
               "max_output_tokens": SAFE_INTS | ANY_JSON, "text": SAFE_JSON, "reasoning": SAFE_JSON,
               "stream": st.booleans() | ANY_JSON, "metadata": SAFE_JSON, "truncation": ANY_JSON,
               "previous_response_id": ANY_JSON, "background": ANY_JSON, "top_logprobs": ANY_JSON,
-              "temperature": st.floats(0, 2)})
+              "temperature": st.floats(0, 2), "safety_identifier": SAFE_TEXT | ANY_JSON})
+
+
+def test_a_safety_identifier_of_64_characters_is_repeated_in_a_response_the_schema_holds() -> None:
+    echo = to_chat({"model": "m", "input": "x", "safety_identifier": "u" * 64}, False).echo
+    assert echo["safety_identifier"] == "u" * 64
+    validate("Response", ResponseShape(RUN, "m", echo).whole({}))
 
 
 @given(RESPONSES_BODY | st.builds(_splice, RESPONSES_BODY, ODD_VALUES).map(lambda raw: raw.decode("utf-8", "replace")))
