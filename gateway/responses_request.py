@@ -363,11 +363,14 @@ def _refuse_unservable(body: dict[str, Any]) -> None:
     if include is not None and _LOGPROBS in include:
         raise invalid(f"'include' item {quoted(_LOGPROBS)} is not supported on /v1/responses (log probabilities "
                       "are on /v1/chat/completions)", "include")
+    for name in ("safety_identifier", "prompt_cache_key"):  # (only repeated: one of another type went unsaid)
+        if (value := body.get(name)) is not None and not isinstance(value, str):
+            raise invalid(f"'{name}' must be a string", name)
     for name, most in _TEXT_LIMITS.items():
         if isinstance(value := body.get(name), str) and len(value) > most:
             raise invalid(f"'{name}' must be a string of at most {most} characters, got {len(value)}", name)
     top = body.get("top_logprobs")
-    if top is not None and top != 0:
+    if top is not None and not (type(top) is int and top == 0):  # (`false` and `0.0` equal 0 in Python)
         raise invalid("'top_logprobs' is not supported on /v1/responses (it is on /v1/chat/completions)",
                       "top_logprobs")
 

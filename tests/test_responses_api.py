@@ -278,6 +278,12 @@ def test_without_tools_no_tool_choice_nor_parallel_tool_calls_goes_to_the_provid
     # repeated in the Response, whose schema holds `safety_identifier` to 64 characters (OpenAI refuses
     # a longer one): a 200 whose Response the schema refused
     ({"input": "x", "safety_identifier": "u" * 65}, "safety_identifier", "at most 64 characters"),
+    # fields the Response repeats and never sends: one of the wrong type was dropped without a word (a 200
+    # whose Response lacked it), and `false` passed for a `top_logprobs` of 0
+    ({"input": "x", "safety_identifier": 5}, "safety_identifier", "a string"),
+    ({"input": "x", "prompt_cache_key": {"k": "v"}}, "prompt_cache_key", "a string"),
+    ({"input": "x", "top_logprobs": False}, "top_logprobs", "not supported"),
+    ({"input": "x", "top_logprobs": 0.0}, "top_logprobs", "not supported"),
 ])
 def test_what_cannot_be_run_is_the_callers_400_naming_the_field(body: dict[str, Any], param: str,
                                                                  words: str) -> None:
