@@ -292,7 +292,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     app.router.add_get(r"/v1/models/{model_id:[\s\S]+}", get_model)  # (any name, a line break in it too)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    runs_api.setup(app, lambda: app[RUNS])
+    runs_api.setup(app, lambda: app[RUNS], app[STOPPING])
     metrics.setup(app, lambda: app[RUNS].redis, key_names(config),
                   lambda: app[RUNS].take_back if RUNS in app else None)
     catalog.setup(app, config, lambda: app[RUNS].redis)

@@ -32,6 +32,7 @@ from gateway.errors import REQUEST_ID_HEADER, ApiError, caller_left, invalid, ne
 from gateway.events import READ_COUNT, Event, stored_event
 from gateway.responses import KEEP_ALIVE, RUN_ID_HEADER, ended_within, with_model
 from gateway.runs import RunClient
+from gateway.stopping import Stopping
 
 log = logging.getLogger("iop.gateway")
 
@@ -111,8 +112,9 @@ def not_yet_passed(last_id: str, now_ms: int) -> bool:
     return entry_key(last_id) >= (now_ms, 0)
 
 class RunsApi:
-    def __init__(self, runs: Callable[[], RunClient]) -> None:
+    def __init__(self, runs: Callable[[], RunClient], stopping: Stopping | None = None) -> None:
         self.runs = runs
+        self.stopping = Stopping() if stopping is None else stopping
 
     async def _view(self, request: web.Request, run_id: str) -> dict[str, Any]:
         """The run, if it exists and the request's key may see it (its own, or any for an
@@ -148,6 +150,7 @@ class RunsApi:
         runs = self.runs()
         deadline_s = runs.follow_deadline_s(view["model"])
         told = b""
+        following = self.stopping.follow()
         try:
             with runs.deadlines.within(deadline_s):
                 if _nothing_after(last_id) or (beyond := await self._beyond(run_id, last_id)) is not None:
@@ -167,6 +170,16 @@ class RunsApi:
             log.warning("redis unavailable while following run %s: %s", run_id, exc)
             told = _error_event(ApiError(ErrorCode.UNAVAILABLE, "the run store (Redis) became unavailable while "
                                          "this stream followed the run; Last-Event-ID resumes its events"))
+        except asyncio.CancelledError:
+            if not self.stopping.was_cut(following):  # (its caller left, or the task is being torn down)
+                raise
+            if (task := asyncio.current_task()) is not None:
+                task.uncancel()
+            told = _error_event(ApiError(ErrorCode.UNAVAILABLE, f"the gateway is stopping; run {run_id} goes on: "
+                                         "resume its events at another gateway with Last-Event-ID (the id of the "
+                                         "last event received)"))
+        finally:
+            self.stopping.unfollow(following)
         await ended_within(request, resp.write_eof(told))  # (a caller that stopped reading is not waited for)
         return resp
 
@@ -247,9 +260,10 @@ class RunsApi:
             return
 
 
-def setup(app: web.Application, runs: Callable[[], RunClient]) -> None:
-    """Add the runs routes; `runs` gives the app's RunClient once the app has started."""
-    api = RunsApi(runs)
+def setup(app: web.Application, runs: Callable[[], RunClient], stopping: Stopping | None = None) -> None:
+    """Add the runs routes; `runs` gives the app's RunClient once the app has started; `stopping`
+    ends the followers of runs' events when the gateway stops."""
+    api = RunsApi(runs, stopping)
     app.router.add_get("/v1/runs/{run_id}", api.get)
     app.router.add_get("/v1/runs/{run_id}/events", api.events)
     app.router.add_delete("/v1/runs/{run_id}", api.delete)

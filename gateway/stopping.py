@@ -29,12 +29,43 @@ END_S = 5.0
 class Stopping:
     """The run requests in flight, and whether the stop's grace ran out on them."""
 
-    __slots__ = ("tasks", "cut_after_s")
+    __slots__ = ("tasks", "cut_after_s", "followers", "followers_cut")
 
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task[object]] = set()
         #: the grace that ran out (seconds), once it did: the requests cancelled then end with `error`
         self.cut_after_s: float | None = None
+        #: the runs API's followers of a run's events (`GET /v1/runs/{id}/events`): not run requests,
+        #: they get no grace, and end once the run requests did, saying so (`cut_followers`)
+        self.followers: set[asyncio.Task[object]] = set()
+        #: the followers `cut_followers` cancelled: each ends its stream with an `error` event
+        self.followers_cut: set[asyncio.Task[object]] = set()
+
+    def follow(self) -> asyncio.Task[object] | None:
+        """Count the current task (a runs-API follower) until `unfollow`."""
+        task = asyncio.current_task()
+        if task is not None:
+            self.followers.add(task)
+        return task
+
+    def unfollow(self, task: asyncio.Task[object] | None) -> None:
+        if task is not None:
+            self.followers.discard(task)
+            self.followers_cut.discard(task)
+
+    def was_cut(self, task: asyncio.Task[object] | None) -> bool:
+        """Whether `cut_followers` cancelled `task` (not its caller leaving, nor its deadline)."""
+        return task is not None and task in self.followers_cut
+
+    def cut_followers(self) -> int:
+        """End the followers of runs' events: each is cancelled, and ends its stream with an `error`
+        event naming Last-Event-ID (they were cut mid-stream by the server's shutdown without a word,
+        or ended as if nothing were wrong). Returns how many."""
+        for task in self.followers:
+            if not task.done():
+                self.followers_cut.add(task)
+                task.cancel()
+        return len(self.followers_cut)
 
     def add(self) -> asyncio.Task[object] | None:
         """Count the current task (a run request) as in flight until `discard`."""
@@ -85,9 +116,11 @@ class Stopping:
 async def stop_serving(runner: web.AppRunner, stopping: Stopping, grace_s: float,
                        cut: asyncio.Event | None = None) -> None:
     """Stop listening, close idle connections, and drain the run requests (`Stopping.drain`;
-    `cut` ends the grace early); `runner.cleanup()` ends what is left."""
+    `cut` ends the grace early), then end the runs API's followers (`Stopping.cut_followers`);
+    `runner.cleanup()` ends what is left."""
     for site in list(runner.sites):
         await site.stop()
     if runner.server is not None:
         runner.server.pre_shutdown()  # (idle keep-alive connections close; busy ones after their answer)
     await stopping.drain(grace_s, cut)
+    stopping.cut_followers()  # (`runner.cleanup()` gives them a moment to say so)

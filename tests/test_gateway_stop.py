@@ -134,3 +134,31 @@ def test_a_second_signal_cuts_the_grace_short(stack: Stack) -> None:
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "service_unavailable"
     wait_until(lambda: run_state(stack, run_id) == b"cancelled", what="the run cancelled")
+
+
+def test_a_runs_api_follower_is_told_the_gateway_stopped_and_where_to_resume(stack: Stack) -> None:
+    """A follower of a run's events (`GET /v1/runs/{id}/events`) whose gateway stops ends with an
+    `error` event, `service_unavailable`, naming Last-Event-ID, in a stream that ends whole (its
+    connection was cut mid-chunk a second after the grace: a client saw a broken transfer, not why,
+    where every other stream that ends before the run's end says so last)."""
+    gateway, proc = pool(stack, "0.5")
+
+    async def scenario() -> str:
+        async with aiohttp.ClientSession() as session:
+            streamed = await session.post(gateway + "/v1/chat/completions", json=chat(True, 2000, 50))
+            assert (await streamed.content.readline()).startswith(b"data: ")  # output is flowing
+            run_id = streamed.headers["X-IOP-Run-Id"]
+            async with session.get(f"{gateway}/v1/runs/{run_id}/events") as follower:
+                assert (await follower.content.readline()).startswith(b"id: ")  # it follows
+                stopped = asyncio.create_task(asyncio.to_thread(proc.stop, 30))
+                text = (await follower.read()).decode()  # (a broken transfer raises ClientPayloadError)
+            await streamed.read()
+            assert await stopped == 0
+            return text
+
+    text = asyncio.run(scenario())
+    assert "Traceback" not in proc.output(), proc.output()
+    last = text.rstrip("\n").split("\n\n")[-1].split("\n")
+    assert last[0] == "event: error", text[-500:]
+    error = json.loads(last[1].removeprefix("data: "))["error"]
+    assert error["code"] == "service_unavailable" and "Last-Event-ID" in error["message"]
