@@ -379,6 +379,8 @@ class GuardedHandler(web.RequestHandler):
             text = "internal error"
         else:
             problem = parse_problem(exc, message)
+            if problem == TOO_MANY_HEADERS:  # (aiohttp's limit, this connection's: say it)
+                problem = f"it has more than {self.max_headers} header lines"
             text = f"the request could not be parsed as HTTP/1.1: {problem}"
             log.info("unparsable request from %s: %s", request.remote, problem)
         resp = from_status(status, text).response()
@@ -386,11 +388,12 @@ class GuardedHandler(web.RequestHandler):
         return resp
 
 
+TOO_MANY_HEADERS = "it has too many headers"
 #: What a parser fault is about, by a word of aiohttp's (or llhttp's) description of it.
 _FAULTS = (
     ("host", "the Host header is missing"),
     ("duplicate", "a header that may appear only once appears more than once"),
-    ("too many headers", "it has too many headers"),
+    ("too many headers", TOO_MANY_HEADERS),
     ("content-length", "the Content-Length header is malformed"),
     ("transfer-encoding", "the Transfer-Encoding header is malformed"),
     ("chunk", "the chunked body is malformed"),

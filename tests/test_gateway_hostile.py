@@ -166,8 +166,12 @@ async def test_a_header_the_parser_refuses_is_neither_echoed_nor_logged(
      "the Transfer-Encoding header is malformed"),  # (it was "the Content-Length header is malformed")
     (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n",
      "both a Content-Length and a Transfer-Encoding header"),
+    # (the count was said nowhere: "it has too many headers", and the README named no limit)
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(128)) + b"\r\n",
+     "more than 128 header lines"),
 ], ids=["not-http", "control-character-in-path", "bad-version", "request-line-over-8-KiB", "bad-content-length",
-        "bad-chunk-size", "no-host", "duplicate-content-length", "tls", "transfer-encoding-gzip", "cl-and-te"])
+        "bad-chunk-size", "no-host", "duplicate-content-length", "tls", "transfer-encoding-gzip", "cl-and-te",
+        "129-headers"])
 async def test_every_parser_fault_is_told_in_words_of_its_own_without_the_request(
         gateway: Gateway, caplog: pytest.LogCaptureFixture, raw: bytes, problem: str) -> None:
     caplog.set_level(logging.DEBUG)
