@@ -751,3 +751,67 @@ def test_a_response_cut_at_its_limit_has_the_same_item_statuses_whole_or_streame
     assert statuses == [("reasoning", "completed"), ("message", "completed"),
                         ("function_call", "completed" if arguments == '{"a": 1}' else "incomplete"),
                         ("function_call", "incomplete")]
+
+
+# ---------------------------------------------------------------------------- joins stay linear
+def _pairwise(before: str, after: str, between: str = "\n\n") -> str:
+    """Two texts joined as iop joins them (`between` where neither has a space at the join)."""
+    if before and after and not before[-1].isspace() and not after[0].isspace():
+        return before + between + after
+    return before + after
+
+
+def _copied(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The characters each pairwise join of texts copied, had they been joined pair by pair (the
+    gateway's `_joined`, before `joined_all`, made a new string of all the text so far each time)."""
+    from gateway import responses_request
+    copied: list[int] = []
+
+    def counting(before: str, after: str, between: str = "\n\n") -> str:
+        copied.append(len(before) + len(after))
+        return _pairwise(before, after, between)
+
+    monkeypatch.setattr(responses_request, "_joined", counting, raising=False)
+    return copied
+
+
+def test_a_message_of_many_text_parts_is_joined_once_not_part_by_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """19,000 text parts of 400 characters (a 7.9 MiB body, within every limit) held the gateway's one
+    thread for 10.7 s: each part was joined to all the text before it, copying it again (quadratic),
+    while every other caller, /healthz too, waited. The text is the same, copied a bounded number of times."""
+    copied = _copied(monkeypatch)
+    parts = [{"type": "input_text", "text": t} for t in ["a", " b", "c", "", "d ", "e", "x" * 400] * 300]
+    content = chat_of({"input": [{"role": "user", "content": parts}]})["messages"][0]["content"]
+    expected = ""
+    for p in parts:
+        expected = (expected + "\n" + p["text"] if expected and p["text"] and not expected[-1].isspace()
+                    and not p["text"][0].isspace() else expected + p["text"])
+    assert content == expected
+    assert sum(copied) <= 4 * len(expected), f"{sum(copied)} characters copied for {len(expected)}"
+
+
+def test_an_assistants_many_texts_after_its_calls_are_joined_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for an assistant's texts after its function calls, which join their message."""
+    copied = _copied(monkeypatch)
+    texts = ["I'll look.", " ok", "One moment.", "x" * 400] * 300
+    items: list[dict[str, Any]] = [{"role": "user", "content": "hi"},
+                                   {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]
+    items += [{"role": "assistant", "content": t} for t in texts]
+    items.append({"type": "function_call_output", "call_id": "c", "output": "done"})
+    messages = chat_of({"input": items})["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    expected = ""
+    for t in texts:
+        expected = (expected + "\n\n" + t if expected and t and not expected[-1].isspace() and not t[0].isspace()
+                    else expected + t)
+    assert messages[1]["content"] == expected
+    assert sum(copied) <= 4 * len(expected), f"{sum(copied)} characters copied for {len(expected)}"
+
+
+@given(st.lists(st.text(alphabet=" \nab", max_size=4), max_size=8), st.sampled_from(["\n", "\n\n"]))
+def test_joining_all_texts_at_once_is_joining_them_pair_by_pair(texts: list[str], between: str) -> None:
+    from gateway.responses_request import joined_all
+    pairwise = ""
+    for t in texts:
+        pairwise = _pairwise(pairwise, t, between)
+    assert joined_all(texts, between) == pairwise
