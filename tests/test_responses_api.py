@@ -815,3 +815,29 @@ def test_joining_all_texts_at_once_is_joining_them_pair_by_pair(texts: list[str]
     for t in texts:
         pairwise = _pairwise(pairwise, t, between)
     assert joined_all(texts, between) == pairwise
+
+
+def test_pieces_of_a_call_after_it_was_done_are_joined_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call done before the stream's end (its arguments whole when the next call began) that gets
+    more pieces keeps them in the Response; each piece was added to all the arguments before it
+    (a copy of them all each time): 60,000 pieces of 100 bytes from a provider held the gateway's
+    thread 15.5 s in all, 30,000 3.4 s. They are the same, and the arguments are written once."""
+    rewrites: list[int] = []
+
+    class Counting(dict[str, Any]):
+        def __setitem__(self, key: str, value: Any) -> None:
+            if key == "arguments":
+                rewrites.append(len(value))
+            super().__setitem__(key, value)
+
+    made = ResponseShape._call_item
+    monkeypatch.setattr(ResponseShape, "_call_item", lambda self, *a, **k: Counting(made(self, *a, **k)))
+    first = {"index": 0, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    second = {"index": 1, "id": "call_b", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+    late = [chunk({"tool_calls": [{"index": 0, "function": {"arguments": f"x{i}"}}]}) for i in range(500)]
+    events = play([[chunk({"tool_calls": [first]}), chunk({"tool_calls": [second]}), *late]])
+    final = events[-1]["response"]
+    validate("Response", final)
+    assert final["output"][0]["arguments"] == "{}" + "".join(f"x{i}" for i in range(500))
+    assert final["output"][1]["arguments"] == "{}"
+    assert len(rewrites) <= 6, f"the arguments were written {len(rewrites)} times"
