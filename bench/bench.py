@@ -615,6 +615,20 @@ class Monitor:
 # --------------------------------------------------------------------------- the run
 
 
+def code_info(root: Path = ROOT) -> dict[str, Any]:
+    """Which code the run measured: the checkout its processes import (they run in `root`, which
+    comes first on their path, before PYTHONPATH), its commit and whether it has changes not
+    committed. (Run another checkout's code with that checkout's own `bench/bench.py`.)"""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+    changes = git("status", "--porcelain", "--untracked-files=no")
+    return {"root": str(root), "commit": git("rev-parse", "HEAD"), "dirty": None if changes is None else bool(changes)}
+
+
 def machine_info(server: RedisServer) -> dict[str, Any]:
     client = redis.Redis.from_url(server.url)
     try:
@@ -1140,6 +1154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stack.start(args.tokens)
         assert stack.redis is not None
         out["machine"] = machine_info(stack.redis)
+        out["code"] = code_info()
         out["config"] = stack.config
         run_async(measure(args, stack, out))
         if args.compare:
