@@ -374,7 +374,7 @@ def _refuse_unservable(body: dict[str, Any]) -> None:
     if include is not None and _LOGPROBS in include:
         raise invalid(f"'include' item {quoted(_LOGPROBS)} is not supported on /v1/responses (log probabilities "
                       "are on /v1/chat/completions)", "include")
-    for name in ("safety_identifier", "prompt_cache_key"):  # (only repeated: one of another type went unsaid)
+    for name in _REPEATED_TEXT:  # (only repeated: one of another type went unsaid)
         if (value := body.get(name)) is not None and not isinstance(value, str):
             raise invalid(f"'{name}' must be a string", name)
     for name, most in _TEXT_LIMITS.items():

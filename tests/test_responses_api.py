@@ -282,6 +282,7 @@ def test_without_tools_no_tool_choice_nor_parallel_tool_calls_goes_to_the_provid
     # whose Response lacked it), and `false` passed for a `top_logprobs` of 0
     ({"input": "x", "safety_identifier": 5}, "safety_identifier", "a string"),
     ({"input": "x", "prompt_cache_key": {"k": "v"}}, "prompt_cache_key", "a string"),
+    ({"input": "x", "user": ["u-1"]}, "user", "a string"),  # (repeated as they are: it was dropped too)
     ({"input": "x", "top_logprobs": False}, "top_logprobs", "not supported"),
     ({"input": "x", "top_logprobs": 0.0}, "top_logprobs", "not supported"),
 ])
