@@ -336,3 +336,19 @@ async def test_an_ollama_cloud_model_it_cannot_run_goes_to_another_provider_with
     assert servers.calls["ollama"][served] == 3 and servers.calls["single-b"]["chat-default"] == 3, servers.calls
     held = evidence(stack, "a-cloud")
     assert held.get("fails", "0") == "0" and held["health"] == "available", held
+
+
+async def test_a_caller_leaving_during_ollama_s_load_closes_the_run_s_request(
+        stack: Stack, servers: LocalServers, gateway: str) -> None:
+    """The head may now take `load_timeout_ms` more: a caller that leaves meanwhile must not keep the
+    worker's request open for it (the run is cancelled, its request to Ollama closed: its load aborted)."""
+    timeout = aiohttp.ClientTimeout(total=0.6)
+    with pytest.raises(TimeoutError):
+        async with aiohttp.ClientSession(timeout=timeout) as session, \
+                session.post(gateway + "/v1/chat/completions", json=chat("m-loading", True)) as resp:
+            await resp.read()
+    async def aborted() -> bool:
+        return servers.loads["aborted"] == 1
+
+    await async_wait_until(aborted, timeout=10)
+    assert servers.loads == {"started": 1, "aborted": 1}, servers.loads
