@@ -381,7 +381,9 @@ def _refuse_unservable(body: dict[str, Any]) -> None:
         if isinstance(value := body.get(name), str) and len(value) > most:
             raise invalid(f"'{name}' must be a string of at most {most} characters, got {len(value)}", name)
     top = body.get("top_logprobs")
-    if top is not None and not (type(top) is int and top == 0):  # (`false` and `0.0` equal 0 in Python)
+    if top is not None and type(top) is not int:  # (`false` and `0.0` equal 0 in Python; OpenAI refuses them)
+        raise invalid("'top_logprobs' must be an integer", "top_logprobs")
+    if top is not None and top != 0:
         raise invalid("'top_logprobs' is not supported on /v1/responses (it is on /v1/chat/completions)",
                       "top_logprobs")
 

@@ -279,12 +279,13 @@ def test_without_tools_no_tool_choice_nor_parallel_tool_calls_goes_to_the_provid
     # a longer one): a 200 whose Response the schema refused
     ({"input": "x", "safety_identifier": "u" * 65}, "safety_identifier", "at most 64 characters"),
     # fields the Response repeats and never sends: one of the wrong type was dropped without a word (a 200
-    # whose Response lacked it), and `false` passed for a `top_logprobs` of 0
+    # whose Response lacked it), and `false` passed for a `top_logprobs` of 0 (told it is no integer, not that
+    # `top_logprobs` is not supported: 0 is)
     ({"input": "x", "safety_identifier": 5}, "safety_identifier", "a string"),
     ({"input": "x", "prompt_cache_key": {"k": "v"}}, "prompt_cache_key", "a string"),
     ({"input": "x", "user": ["u-1"]}, "user", "a string"),  # (repeated as they are: it was dropped too)
-    ({"input": "x", "top_logprobs": False}, "top_logprobs", "not supported"),
-    ({"input": "x", "top_logprobs": 0.0}, "top_logprobs", "not supported"),
+    ({"input": "x", "top_logprobs": False}, "top_logprobs", "must be an integer"),
+    ({"input": "x", "top_logprobs": 0.0}, "top_logprobs", "must be an integer"),
 ])
 def test_what_cannot_be_run_is_the_callers_400_naming_the_field(body: dict[str, Any], param: str,
                                                                  words: str) -> None:
