@@ -70,7 +70,11 @@ MODELS: dict[str, dict[str, str]] = {
     "m-cloud-signed-out": {"a-cloud": "cloud-signed-out", "l-b": "chat-default"},
     "m-cloud-disabled": {"a-cloud": "cloud-disabled", "l-b": "chat-default"},
     "m-cloud-not-here": {"a-cloud": "cloud-not-here", "l-b": "chat-default"},
+    "m-cloud-one-try": {"a-cloud": "cloud-signed-out", "l-b": "chat-default"},
+    "m-cloud-only": {"a-cloud": "cloud-disabled"},
 }
+#: model -> its queue's overrides
+QUEUES: dict[str, dict[str, Any]] = {"m-cloud-one-try": {"max_attempts": 1}}
 #: provider id -> fields of its config besides the common ones
 EXTRA: dict[str, dict[str, Any]] = {"o-cold": {"read_timeout_ms": 500}}
 #: providers probed only once at start (nothing else resets the evidence a test reads)
@@ -87,7 +91,8 @@ def servers(stack: Stack) -> Iterator[LocalServers]:
 @pytest.fixture
 def gateway(stack: Stack, servers: LocalServers) -> str:
     return one_node_gateway(
-        stack, [{"id": model, "providers": providers} for model, providers in MODELS.items()],
+        stack, [{"id": model, "providers": providers, **({"queue": QUEUES[model]} if model in QUEUES else {})}
+                for model, providers in MODELS.items()],
         [{"id": pid, "type": ptype, "base_url": f"{servers.url}/{path}", "capacity": 2, "models": served,
           **({"probe_interval_ms": 600_000} if pid in QUIET else {}), **EXTRA.get(pid, {})}
          for pid, (path, ptype, served) in PROVIDERS.items()])
@@ -352,3 +357,18 @@ async def test_a_caller_leaving_during_ollama_s_load_closes_the_run_s_request(
 
     await async_wait_until(aborted, timeout=10)
     assert servers.loads == {"started": 1, "aborted": 1}, servers.loads
+
+
+async def test_an_ollama_cloud_model_it_cannot_run_uses_up_none_of_a_run_s_attempts(
+        stack: Stack, servers: LocalServers, gateway: str) -> None:
+    """Ollama cannot run that model at all (not signed in to ollama.com), as it cannot do tools for a
+    model without them: the run goes to another provider of the model without using up one of its
+    attempts. With one attempt (`max_attempts: 1`) every run that went there first (it answers at
+    once, so it is the least loaded) was a 502, though another provider served the model."""
+    for _ in range(2):
+        status, text = await ask(gateway, "/v1/chat/completions", chat("m-cloud-one-try", False))
+        assert status == 200 and "hello" in text, text
+    held = evidence(stack, "a-cloud")
+    assert held.get("fails", "0") == "0" and held["health"] == "available", held
+    status, text = await ask(gateway, "/v1/chat/completions", chat("m-cloud-only", False))  # (none other)
+    assert status == 502 and "ollama cloud is disabled" in text, text

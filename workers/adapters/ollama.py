@@ -157,9 +157,13 @@ class OllamaAdapter:
         cloud = wire.cloud_refusal(status, payload, message)
         if cloud is not None:
             # (one model's matter on this server, as a 404 naming it is: not iop's credentials, which a 401 or
-            # 403 is taken for, a strike each, nor the caller's 400; another provider of the model may serve it)
+            # 403 is taken for, a strike each, nor the caller's 400; another provider of the model may serve it.
+            # It cannot run that model at all, and lists it still: it answers at once, so it is the least
+            # loaded and every run of the model goes there first; `Retry.UNABLE` uses up none of the run's
+            # attempts, and never asks it again for that run (`ELSEWHERE` used one: with `max_attempts: 1`
+            # every run sent there was a 502 though another provider served the model))
             return ProviderError(f"provider {self.provider.id} answered {status}: {message} ({cloud})",
-                                 retry=Retry.ELSEWHERE, strikes=None)
+                                 retry=Retry.UNABLE, strikes=None)
         refused = wire.OPTION_REFUSED.fullmatch(message) if status == 500 and error else None
         if refused is not None:
             # (the request's option of the wrong type, which Ollama answers 500: the caller's 400, naming
