@@ -326,3 +326,25 @@ async def test_a_vllm_probe_has_time_for_its_three_requests(redis: Redis) -> Non
             assert said[b"health"] == b"available", {k: v for k, v in said.items() if b"reason" in k or k == b"fails"}
     finally:
         await stop_runner(runner)
+
+
+@pytest.mark.parametrize(("key", "write"), [
+    (keys.heartbeat("p"), ("set", "x")),
+    (keys.leases("p"), ("set", "x")),
+    (keys.node_workers("n"), ("hset", "x", "y")),
+    (keys.BEATING, ("set", "x")),
+])
+async def test_a_key_of_the_beat_of_another_type_written_by_hand_is_replaced_and_said(
+        redis: Redis, caplog: pytest.LogCaptureFixture, key: str, write: tuple[str, ...]) -> None:
+    """`redis-cli SET iop:provider:p x` (or the provider's leases, its node's workers, the set of
+    those beating): every beat failed with WRONGTYPE, for good, and every run of its models with it
+    (a 503), until someone deleted the key. The beat deletes it, says so, and beats."""
+    cfg = config("vllm")
+    await redis.execute_command(write[0].upper(), key, *write[1:])
+    beats = Heartbeats(redis, cfg, "n", {"p": Probed()}, "host:1:abc")
+    await beats.beat_once(cfg.nodes[0].providers[0])
+    assert await redis.hget(keys.heartbeat("p"), "health") is not None
+    assert await redis.type(key) in (b"hash", b"zset", b"none")
+    assert await redis.zscore(keys.BEATING, "p") is not None
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and key in said[0] and "deleted" in said[0], said

@@ -20,6 +20,7 @@ import socket
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.exceptions import ResponseError
 
 from common import keys
 from common.config import Config, ProviderConfig
@@ -159,6 +160,38 @@ class Heartbeats:
             self.nudge(provider_id)
 
     async def beat_once(self, provider: ProviderConfig) -> Health:
+        """One heartbeat of `provider`. A key of it that holds another type than iop writes there (a
+        string at `iop:provider:p` written by hand) is deleted, and said, and the beat made again:
+        such a key failed every beat with WRONGTYPE, and every run of the provider's models with it,
+        until someone deleted it (the hash lives only as long as beats renew it)."""
+        try:
+            return await self._beat(provider)
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc) or not await self._heal(provider):
+                raise
+        return await self._beat(provider)
+
+    async def _heal(self, provider: ProviderConfig) -> list[str]:
+        """Delete the keys of `provider`'s beat that hold another type than iop writes there (none
+        holds anything of iop's then); returns them."""
+        wanted = {keys.heartbeat(provider.id): b"hash", keys.leases(provider.id): b"zset",
+                  keys.node_workers(self.node_id): b"zset", keys.BEATING: b"zset"}
+        if self.instance and self.serves:
+            wanted[keys.worker_serves(self.instance)] = b"set"
+        pipe = self.redis.pipeline(transaction=False)
+        for key in wanted:
+            pipe.type(key)
+        found = [t.encode() if isinstance(t, str) else t for t in await pipe.execute()]
+        wrong = [key for (key, want), got in zip(wanted.items(), found, strict=True) if got not in (want, b"none")]
+        for key, got in zip(wanted, found, strict=True):
+            if key in wrong:
+                log.warning("provider %s: %s held a %s, not the %s iop writes there (written by hand?): deleted",
+                            provider.id, key, got.decode(errors="replace"), wanted[key].decode())
+        if wrong:
+            await self.redis.delete(*wrong)
+        return wrong
+
+    async def _beat(self, provider: ProviderConfig) -> Health:
         key = keys.heartbeat(provider.id)
         now = now_ms()
         pipe = self.redis.pipeline(transaction=False)
