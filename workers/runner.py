@@ -146,6 +146,16 @@ def _count(record: dict[str, bytes], field: str, default: int) -> int:
     return int(raw) if raw.isdigit() else default
 
 
+def _elsewhere(record: dict[str, bytes]) -> frozenset[str]:
+    """The providers the run never goes back to after a 5xx, a 429 or a redirect (the record's
+    `elsewhere`). A record that an older worker wrote, a rolling upgrade half done, holds the flag '1'
+    instead, which said only that one of the providers tried answered so (a newer worker's `finish`
+    adds its provider after it: '1,b'): every provider tried, then, as that worker kept a refusal as
+    unable from sending the run back to any of them. (A provider named '1' is in `tried` too.)"""
+    ids = id_set(record.get("elsewhere"))
+    return ids | id_set(record.get("tried")) if "1" in ids else ids
+
+
 #: What an attempt showed about its provider's health, for the `finish` script:
 #: (kind: 'ok' | 'fail' | '', strikes, what failed).
 Evidence = tuple[str, int, str]
@@ -332,7 +342,7 @@ class Runner:
         att = Attempt(run_id, model_id, provider_id, record["attempts"].decode(), _count(record, "max_attempts", 1),
                       id_set(record.get("tried")), record.get("key", b"-").decode(),
                       refuse=id_set(record.get("refuse")), unable=_count(record, "unable", 0),
-                      unable_by=id_set(record.get("unable_by")), elsewhere=id_set(record.get("elsewhere")))
+                      unable_by=id_set(record.get("unable_by")), elsewhere=_elsewhere(record))
         task = asyncio.current_task()
         assert task is not None
         self.running[run_id] = (att, task)
