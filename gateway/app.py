@@ -284,6 +284,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     hosts.setup(app, config.auth is not None, rt.allowed_hosts)
     app[STARTED] = time.time()
     app[STOPPING] = Stopping()
+    app.on_response_prepare.append(app[STOPPING].close_after)
     app.cleanup_ctx.append(_redis_ctx)
     for path in (*RUN_ROUTES, RESPONSES_PATH):
         app.router.add_post(path, run_request)

@@ -29,7 +29,7 @@ END_S = 5.0
 class Stopping:
     """The run requests in flight, and whether the stop's grace ran out on them."""
 
-    __slots__ = ("tasks", "cut_after_s", "followers", "followers_cut")
+    __slots__ = ("tasks", "cut_after_s", "followers", "followers_cut", "began")
 
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task[object]] = set()
@@ -40,6 +40,15 @@ class Stopping:
         self.followers: set[asyncio.Task[object]] = set()
         #: the followers `cut_followers` cancelled: each ends its stream with an `error` event
         self.followers_cut: set[asyncio.Task[object]] = set()
+        #: the stop began: every answer says `Connection: close` (`close_after`)
+        self.began = False
+
+    async def close_after(self, _: web.Request, response: web.StreamResponse) -> None:
+        """`on_response_prepare`: once the stop began, an answer says `Connection: close`. Its
+        connection closes after it (`pre_shutdown`), and a client that took the answer for a
+        kept-alive connection's sent its next request on it at once and got no answer."""
+        if self.began:
+            response.headers["Connection"] = "close"
 
     def follow(self) -> asyncio.Task[object] | None:
         """Count the current task (a runs-API follower) until `unfollow`."""
@@ -118,6 +127,7 @@ async def stop_serving(runner: web.AppRunner, stopping: Stopping, grace_s: float
     """Stop listening, close idle connections, and drain the run requests (`Stopping.drain`;
     `cut` ends the grace early), then end the runs API's followers (`Stopping.cut_followers`);
     `runner.cleanup()` ends what is left."""
+    stopping.began = True
     for site in list(runner.sites):
         await site.stop()
     if runner.server is not None:

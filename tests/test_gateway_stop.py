@@ -162,3 +162,27 @@ def test_a_runs_api_follower_is_told_the_gateway_stopped_and_where_to_resume(sta
     assert last[0] == "event: error", text[-500:]
     error = json.loads(last[1].removeprefix("data: "))["error"]
     assert error["code"] == "service_unavailable" and "Last-Event-ID" in error["message"]
+
+
+def test_an_answer_sent_once_the_stop_began_says_its_connection_closes(stack: Stack) -> None:
+    """A run request answered after SIGTERM: its connection closes after the answer (`pre_shutdown`),
+    so the answer says `Connection: close`. Found in a rolling upgrade: without it, a client took the
+    connection for kept alive, sent its next request on it at once, and got no answer at all."""
+    gateway, proc = pool(stack, "30")
+
+    async def scenario() -> tuple[str | None, str | None, int]:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gateway + "/v1/chat/completions", json=chat(False, 5, 0)) as resp:
+                before = resp.headers.get("Connection")
+            pending = asyncio.create_task(session.post(gateway + "/v1/chat/completions", json=chat(False, 20, 100)))
+            await asyncio.to_thread(wait_until, lambda: leases(stack) == 1, 30, "the run to be dispatched")
+            stopped = asyncio.create_task(asyncio.to_thread(proc.stop, 60))
+            await asyncio.to_thread(proc.wait_for_line, r"stopping: waiting up to 30s for 1 run requests")
+            async with await pending as resp:
+                assert resp.status == 200, await resp.text()
+                after = resp.headers.get("Connection")
+            return before, after, await stopped
+
+    before, after, code = asyncio.run(scenario())
+    assert code == 0, proc.output()
+    assert before != "close" and after == "close", (before, after)
