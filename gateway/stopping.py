@@ -52,10 +52,7 @@ class Stopping:
 
     def follow(self) -> asyncio.Task[object] | None:
         """Count the current task (a runs-API follower) until `unfollow`."""
-        task = asyncio.current_task()
-        if task is not None:
-            self.followers.add(task)
-        return task
+        return _current_into(self.followers)
 
     def unfollow(self, task: asyncio.Task[object] | None) -> None:
         if task is not None:
@@ -78,10 +75,7 @@ class Stopping:
 
     def add(self) -> asyncio.Task[object] | None:
         """Count the current task (a run request) as in flight until `discard`."""
-        task = asyncio.current_task()
-        if task is not None:
-            self.tasks.add(task)
-        return task
+        return _current_into(self.tasks)
 
     def discard(self, task: asyncio.Task[object] | None) -> None:
         if task is not None:
@@ -120,6 +114,14 @@ class Stopping:
             task.cancel()
         await asyncio.wait(pending, timeout=END_S)
         return len(pending)
+
+
+def _current_into(tasks: set[asyncio.Task[object]]) -> asyncio.Task[object] | None:
+    """Add the current task to `tasks`; returns it (None outside a task)."""
+    task = asyncio.current_task()
+    if task is not None:
+        tasks.add(task)
+    return task
 
 
 async def stop_serving(runner: web.AppRunner, stopping: Stopping, grace_s: float,

@@ -174,19 +174,20 @@ class Heartbeats:
     async def _heal(self, provider: ProviderConfig) -> list[str]:
         """Delete the keys of `provider`'s beat that hold another type than iop writes there (none
         holds anything of iop's then); returns them."""
-        wanted = {keys.heartbeat(provider.id): b"hash", keys.leases(provider.id): b"zset",
-                  keys.node_workers(self.node_id): b"zset", keys.BEATING: b"zset"}
+        wanted = {keys.heartbeat(provider.id): "hash", keys.leases(provider.id): "zset",
+                  keys.node_workers(self.node_id): "zset", keys.BEATING: "zset"}
         if self.instance and self.serves:
-            wanted[keys.worker_serves(self.instance)] = b"set"
+            wanted[keys.worker_serves(self.instance)] = "set"
         pipe = self.redis.pipeline(transaction=False)
         for key in wanted:
             pipe.type(key)
-        found = [t.encode() if isinstance(t, str) else t for t in await pipe.execute()]
-        wrong = [key for (key, want), got in zip(wanted.items(), found, strict=True) if got not in (want, b"none")]
-        for key, got in zip(wanted, found, strict=True):
-            if key in wrong:
+        wrong = []
+        for (key, want), got in zip(wanted.items(), await pipe.execute(), strict=True):
+            got = got.decode(errors="replace") if isinstance(got, bytes) else got
+            if got not in (want, "none"):
+                wrong.append(key)
                 log.warning("provider %s: %s held a %s, not the %s iop writes there (written by hand?): deleted",
-                            provider.id, key, got.decode(errors="replace"), wanted[key].decode())
+                            provider.id, key, got, want)
         if wrong:
             await self.redis.delete(*wrong)
         return wrong

@@ -682,9 +682,9 @@ class Runner:
         scheduler's own test, `common.policy.candidate_class`). A run sent back for one that is
         drained would wait there until its queue timeout."""
         model = self.config.model(att.model_id)
+        never = att.refuse | att.unable_by | att.elsewhere
         others = {p: served for p, served in (model.providers.items() if model else ())
-                  if (p in att.tried) is tried and p not in att.refuse | att.unable_by | att.elsewhere
-                  and p != att.provider_id}
+                  if (p in att.tried) is tried and p not in never and p != att.provider_id}
         if not others:
             return False
         now = now_ms()

@@ -389,12 +389,6 @@ def own_words(message: str) -> str:
     return message if echo is None else message[:echo.start()]
 
 
-def server_flag(message: str) -> bool:
-    """Whether `message` says the server was not started with a flag the request needs (`SERVER_FLAG`),
-    in the server's own words (`own_words`)."""
-    return bool(SERVER_FLAG.search(own_words(message)))
-
-
 def callers_retry(status: int, message: str) -> Retry:
     """Whether a caller's error (`callers_fault`) is tried on another provider first, answered
     whole or sent in a stream alike: a 402 for a request larger than this account's credits pay
