@@ -27,6 +27,7 @@ from redis.asyncio.client import Pipeline
 
 from common import keys
 from common.config import Config
+from common.policy import capacity_override
 from common.redisconn import as_text_map, text
 from common.scripts import Scripts
 
@@ -354,7 +355,7 @@ def from_replies(config: Config, replies: list[Any]) -> tuple[dict[str, Provider
     out = {}
     for i, (node_id, pid) in enumerate(providers):
         (drained, override), expires_at = replies[PER_PROVIDER * i:PER_PROVIDER * (i + 1)]
-        value = _opt_int(override)
+        value = capacity_override(override)
         # (Redis's own expiry time, the `until_ms` the audit recorded: no clock of this process in it)
         out[pid] = ProviderControl(
             drained_since_ms=_since(drained), cordoned_since_ms=cordons[node_id], capacity_override=value,

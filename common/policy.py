@@ -27,6 +27,18 @@ from enum import StrEnum
 from fractions import Fraction
 
 
+def capacity_override(value: bytes | str | None) -> int | None:
+    """An operator's capacity override as its key holds it: an integer in ASCII digits (a minus
+    sign allowed: 0 or less leaves no slot), as `iop provider capacity` writes one (>= 1); anything
+    else written by hand ('1.5', ' 2', '0x3') is no override, for every reader alike (the dispatch
+    scripts' `capped` reads it so)."""
+    if value is None:
+        return None
+    text = value if isinstance(value, bytes) else value.encode()
+    digits = text[1:] if text.startswith(b"-") else text
+    return int(text) if digits.isdigit() else None  # (bytes: ASCII digits only)
+
+
 class Health(StrEnum):
     AVAILABLE = "available"
     UNAVAILABLE = "unavailable"

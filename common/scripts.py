@@ -258,7 +258,10 @@ end
 # before the config lowered the capacity), as `ProviderSnapshot.effective_capacity`.
 _CAPPED = """
 local function capped(announced, override)
-  local a, o = tonumber(announced), tonumber(override)
+  -- (an override is an integer in digits, as `policy.capacity_override` reads it: one written by
+  -- hand otherwise, '1.5' or ' 2', is none)
+  local a, o = tonumber(announced), override and string.match(override, '^%-?%d+$') and tonumber(override)
+  if not o then o = nil end
   if a and o and o < a then return o end
   return a or o
 end

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from redis.asyncio import Redis
 
 from common import keys
-from common.policy import Health, ProviderSnapshot, why_not
+from common.policy import Health, ProviderSnapshot, capacity_override, why_not
 from common.redisconn import REDIS_UNUSABLE
 
 
@@ -68,7 +68,7 @@ async def read_snapshots(redis: Redis, targets: Mapping[str, str], now_ms: int,
             heartbeat_ms=_int(ts) if here else None,
             has_model=_lists(observed, served),
             drained=drain is not None or cordon is not None,
-            capacity_override=_int(override),
+            capacity_override=capacity_override(override),
             benched=(_int(bench) or 0) > now_ms,
             bench_until_ms=_int(bench),
             busy=bench is not None and busy == bench,

@@ -785,7 +785,7 @@ async def test_the_dispatch_script_chooses_exactly_what_the_policy_chooses_on_th
     async def set_flag(key: str, on: bool) -> None:
         await (redis.set(key, "ops") if on else redis.delete(key))
 
-    async def set_override(p: str, value: int | None) -> None:
+    async def set_override(p: str, value: int | str | None) -> None:
         await (redis.delete(keys.capacity_override(p)) if value is None
                else redis.set(keys.capacity_override(p), value))
 
@@ -798,7 +798,8 @@ async def test_the_dispatch_script_chooses_exactly_what_the_policy_chooses_on_th
         await set_leases(p, rng.randint(0, capacity))
         await set_flag(keys.drained(p), rng.random() < 0.1)
         await set_flag(keys.cordoned(f"n-{p}"), rng.random() < 0.05)
-        await set_override(p, rng.choice([None, None, None, 1, 2, 5]))
+        # (and overrides written by hand that `iop provider capacity` refuses: none, for every reader)
+        await set_override(p, rng.choice([None, None, None, 1, 2, 5, "1.5", "0", "-1", " 2", "02", "0x3", "1e1", "+2"]))
 
     async def change(p: str) -> None:
         """One thing about a provider changes after the snapshot."""
@@ -816,7 +817,7 @@ async def test_the_dispatch_script_chooses_exactly_what_the_policy_chooses_on_th
         elif what == 7:
             await set_flag(keys.cordoned(f"n-{p}"), rng.random() < 0.5)
         else:
-            await set_override(p, rng.choice([None, 1, 2, 3]))
+            await set_override(p, rng.choice([None, 1, 2, 3, "2.5", "0"]))
 
     for _ in range(600):
         if not sched.waiting[MODEL]:
