@@ -2,9 +2,13 @@
 
 Every call made in the same turn of the event loop goes to Redis in one pipeline (up to
 `max_batch` a pipeline, `Scripts.call_many`), so a burst of callers takes a few Redis
-connections and round trips, not one each. Each caller gets its own answer, or the error of its
-own call, or, when the round trip itself failed (Redis away), that error: no caller is left
-waiting.
+connections and round trips, not one each. At most `max_sending` pipelines are on their way at
+once; the calls made meanwhile wait, unpacked, and go together once one has its answers. So a
+burst of thousands is packed for Redis only as fast as Redis takes it, and the calls waiting
+hold no packed copy. Each caller gets its own answer, or the error of its own call, or, when the
+round trip itself failed (Redis away), that error: no caller is left waiting. When a round trip
+found Redis away (no connection, or no answer in time), the calls waiting behind it hear so at
+once, as calls that were not sent, rather than each wait out a timeout of its own in turn.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import asyncio
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.redisline import may_have_run
 from common.scripts import Scripts
@@ -33,10 +40,11 @@ def _after_leaving(if_left: Callable[[Any], None], future: asyncio.Future[Any]) 
 
 
 class ScriptBatch:
-    def __init__(self, scripts: Scripts, name: str, max_batch: int = 256) -> None:
+    def __init__(self, scripts: Scripts, name: str, max_batch: int = 256, max_sending: int = 1) -> None:
         self.scripts = scripts
         self.name = name
         self.max_batch = max_batch
+        self.max_sending = max_sending
         self._pending: list[Call] = []
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -49,8 +57,8 @@ class ScriptBatch:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((keys, args, future))
-        if len(self._pending) == 1:
-            loop.call_soon(self._flush)  # after the other calls of this turn joined
+        if len(self._pending) == 1 and len(self._sending) < self.max_sending:
+            loop.call_soon(self._flush)  # after the other calls of this turn joined (else: `_sent`)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -62,24 +70,27 @@ class ScriptBatch:
             raise
 
     def _flush(self) -> None:
-        while self._pending:
+        while self._pending and len(self._sending) < self.max_sending:
             batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
             task = asyncio.get_running_loop().create_task(self._send(batch))
             self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+            task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._sending.discard(task)
+        self._flush()  # the calls made meanwhile
 
     async def _send(self, batch: list[Call]) -> None:
         try:
             answers = await self.scripts.call_many(self.name, [(keys, args) for keys, args, _ in batch])
         except BaseException as exc:  # the round trip failed: every caller of the batch hears it
-            for _, _, future in batch:
-                if not future.done():
-                    if isinstance(exc, asyncio.CancelledError):
-                        future.cancel()
-                    else:
-                        future.set_exception(exc)
-            del future  # (it and the batch hold the error, whose traceback holds this frame: no cycle)
-            batch = []
+            _fail(batch, exc)
+            if isinstance(exc, (RedisConnectionError, RedisTimeoutError, asyncio.CancelledError)):
+                # (and the calls waiting behind it, which would each meet it in turn)
+                waiting, self._pending = self._pending, []
+                _fail(waiting, exc if isinstance(exc, asyncio.CancelledError) else _unsent(exc))
+                waiting = []
+            batch = []  # (its futures hold the error, whose traceback holds this frame: no cycle)
             if not isinstance(exc, Exception):
                 raise
             return
@@ -88,3 +99,19 @@ class ScriptBatch:
                 future.set_exception(answer)
             else:
                 future.set_result(answer)
+
+
+def _fail(calls: list[Call], exc: BaseException) -> None:
+    for _, _, future in calls:
+        if not future.done():
+            if isinstance(exc, asyncio.CancelledError):
+                future.cancel()
+            else:
+                future.set_exception(exc)
+
+
+def _unsent(exc: BaseException) -> BaseException:
+    """`exc` (Redis away) as the error of a call that was never sent: it did not run (`may_have_run`)."""
+    error = type(exc)(*exc.args)
+    error.iop_sent = False  # type: ignore[attr-defined]
+    return error

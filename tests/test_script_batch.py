@@ -10,9 +10,11 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
 from common.redisconn import connect
+from common.redisline import may_have_run
 from common.script_batch import ScriptBatch
 from common.scripts import Scripts
 from iop.embedded_redis import RedisServer
@@ -133,6 +135,64 @@ async def test_a_caller_that_leaves_hears_none_when_redis_did_not_answer_in_time
         with paused(server):
             left = await left_at_once(batch, "run_p", "the call to time out")
         assert left == [None]
+    finally:
+        await redis.aclose()
+        server.cleanup()
+
+
+async def test_calls_made_while_a_round_trip_is_on_its_way_wait_and_go_together_in_the_next(redis: Redis) -> None:
+    """A burst is packed only as fast as Redis answers: one pipeline on its way at a time (the
+    default), the calls made meanwhile held unpacked, then sent in one."""
+    scripts = Scripts(redis)
+    await scripts.load()
+    trips: list[int] = []
+    call_many = scripts.call_many
+    answered = asyncio.Event()
+
+    async def held_first(name: str, calls: Any) -> list[Any]:
+        trips.append(len(calls))
+        if len(trips) == 1:
+            await answered.wait()  # the first round trip is on its way until the test says
+        return await call_many(name, calls)
+
+    scripts.call_many = held_first  # type: ignore[method-assign]
+    batch = ScriptBatch(scripts, "watch", max_batch=2)
+    await redis.hset(keys.run_record("run_0"), "state", "queued")
+    first = asyncio.create_task(watch(batch, "run_0"))
+    await async_wait_until(lambda: _true(trips), what="the first round trip to be on its way")
+    later = [asyncio.create_task(watch(batch, f"run_{i}")) for i in range(5)]
+    for _ in range(5):  # turns of the loop in which a second round trip could have gone
+        await asyncio.sleep(0)
+    assert trips == [1]
+    answered.set()
+    assert await first == 1
+    assert await asyncio.gather(*later) == [1, 0, 0, 0, 0]
+    assert trips == [1, 2, 2, 1]  # then one at a time again, `max_batch` each
+
+
+async def _true(value: Any) -> bool:
+    return bool(value)
+
+
+async def test_calls_waiting_behind_a_round_trip_redis_did_not_answer_hear_it_at_once_as_never_sent() -> None:
+    """Redis stopped answering: the calls behind the one on its way are not sent in turn, each to
+    wait out the timeout again; they fail with it, and say they did not run (no undo needed)."""
+    server = RedisServer().start()
+    redis = connect(server.url + "?socket_timeout=0.3")
+    scripts = Scripts(redis)
+    trips = counting(scripts)
+    batch = ScriptBatch(scripts, "watch")
+    try:
+        await scripts.load()
+        with paused(server):
+            first = asyncio.create_task(watch(batch, "run_t"))
+            await async_wait_until(lambda: _true(trips), what="the first round trip to be on its way")
+            behind = [asyncio.create_task(watch(batch, f"run_{i}")) for i in range(4)]
+            answers = await asyncio.wait_for(asyncio.gather(first, *behind, return_exceptions=True), 20)
+        assert all(isinstance(a, RedisTimeoutError) for a in answers), answers
+        assert [may_have_run(a) for a in answers] == [True, False, False, False, False]
+        assert trips == [1]  # the calls behind it were never sent
+        assert await watch(batch, "run_t") == 0  # and Redis back, calls go again
     finally:
         await redis.aclose()
         server.cleanup()
