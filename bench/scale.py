@@ -6,9 +6,11 @@
 1. **Waiting callers.** One gateway, one scheduler, one worker and simulators with a 3 s time to
    first token and room for 500 runs at once; `--callers` streamed completions at once. Reports:
    how many completed, the Redis connections the gateway held at most (`CLIENT LIST`, its
-   connections are named `iop-gateway` and `iop-gateway:…`), the gateway's RSS idle and at the peak and per waiting
-   caller, and the time from a `delta` event being written (its stream id is Redis's clock) to a
-   caller of the runs API receiving it (`GET /v1/runs/{id}/events` of a sample of the runs, on
+   connections are named `iop-gateway` and `iop-gateway:…`), the gateway's RSS idle and at the
+   peak and per waiting caller (the peak's growth over `--callers`; `callers_open_at_peak`: how
+   many had no answer yet when the RSS first came within 1% of its peak), and the time from a
+   `delta` event being written (its stream id is Redis's clock) to a caller of the runs API
+   receiving it (`GET /v1/runs/{id}/events` of a sample of the runs, on
    the same gateway and the same one reader).
 2. **Herd.** Concurrency 64 of zero-latency runs (8 tokens, 1 ms apart) on 2 providers: with 1
    and with 3 scheduler replicas when the providers have 128 slots (no run waits), and with 3
@@ -151,10 +153,11 @@ async def waiting_callers(stack: Stack, callers: int, observers: int, ramp_s: fl
 
         began = time.monotonic()
         calls = [asyncio.create_task(stream(i)) for i in range(callers)]
-        peak_rss, peak_conns = idle_rss, 0
+        peak_conns = 0
+        samples_rss: list[tuple[int, int]] = []  # (RSS, callers with no answer yet)
         watched: list[asyncio.Task[None]] = []
         while not all(c.done() for c in calls):
-            peak_rss = max(peak_rss, rss_kb(stack.gateway_pid))
+            samples_rss.append((rss_kb(stack.gateway_pid), sum(1 for c in calls if not c.done())))
             peak_conns = max(peak_conns, await asyncio.to_thread(gateway_connections, stack.redis.url))
             if len(watched) < observers:  # observers join runs still waiting in the queue
                 with redis.Redis.from_url(stack.redis.url) as r:
@@ -164,6 +167,9 @@ async def waiting_callers(stack: Stack, callers: int, observers: int, ramp_s: fl
         results = [c.result() for c in calls]
         await asyncio.gather(*watched, return_exceptions=True)
         elapsed = time.monotonic() - began
+    peak_rss = max([idle_rss, *(rss for rss, _ in samples_rss)])
+    # (the callers still waiting when the RSS first came within 1% of its peak: the figure divides by all)
+    open_at_peak = next((n for rss, n in samples_rss if rss >= idle_rss + 0.99 * (peak_rss - idle_rss)), 0)
     ok = sum(1 for r in results if r)
     lags = sorted(lags_ms)
     return {
@@ -172,6 +178,7 @@ async def waiting_callers(stack: Stack, callers: int, observers: int, ramp_s: fl
         "gateway_redis_connections_peak": peak_conns,
         "gateway_rss_idle_mb": round(idle_rss / 1024, 1), "gateway_rss_peak_mb": round(peak_rss / 1024, 1),
         "gateway_rss_per_waiting_caller_kb": round((peak_rss - idle_rss) / callers, 1),
+        "callers_open_at_peak": open_at_peak,
         "delta_to_caller_ms": {"samples": len(lags), "p50": round(statistics.median(lags), 2) if lags else None,
                                "p99": round(lags[int(0.99 * (len(lags) - 1))], 2) if lags else None},
     }
