@@ -6,9 +6,11 @@ connections and round trips, not one each. At most `max_sending` pipelines are o
 once; the calls made meanwhile wait, unpacked, and go together once one has its answers. So a
 burst of thousands is packed for Redis only as fast as Redis takes it, and the calls waiting
 hold no packed copy. Each caller gets its own answer, or the error of its own call, or, when the
-round trip itself failed (Redis away), that error: no caller is left waiting. When a round trip
-found Redis away (no connection, or no answer in time), the calls waiting behind it hear so at
-once, as calls that were not sent, rather than each wait out a timeout of its own in turn.
+round trip itself failed (Redis away), that error: no caller is left waiting. When Redis did not
+answer a round trip in time (or a connection in time), the calls waiting behind it hear so at
+once, as calls that were not sent, rather than each wait out a timeout of its own in turn. A lost
+or refused connection fails a round trip within its retries instead: the calls behind it go next,
+with retries of their own (Redis may be back by then: a restart, a Sentinel failover).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.redisline import may_have_run
@@ -85,8 +86,10 @@ class ScriptBatch:
             answers = await self.scripts.call_many(self.name, [(keys, args) for keys, args, _ in batch])
         except BaseException as exc:  # the round trip failed: every caller of the batch hears it
             _fail(batch, exc)
-            if isinstance(exc, (RedisConnectionError, RedisTimeoutError, asyncio.CancelledError)):
-                # (and the calls waiting behind it, which would each meet it in turn)
+            if isinstance(exc, (RedisTimeoutError, asyncio.CancelledError)):
+                # (and the calls waiting behind it, which would each wait out the timeout in turn; a
+                # lost or refused connection is not: it fails within the retries, and the calls
+                # behind it get retries of their own, which may see Redis back: a failover, a restart)
                 waiting, self._pending = self._pending, []
                 _fail(waiting, exc if isinstance(exc, asyncio.CancelledError) else _unsent(exc))
                 waiting = []

@@ -196,3 +196,41 @@ async def test_calls_waiting_behind_a_round_trip_redis_did_not_answer_hear_it_at
     finally:
         await redis.aclose()
         server.cleanup()
+
+
+async def test_calls_waiting_behind_a_round_trip_that_found_no_connection_get_tries_of_their_own() -> None:
+    """A lost or refused connection fails a round trip within its retries (not after a timeout):
+    the calls that waited behind it are sent next, with retries of their own, and Redis may be
+    back by then (a restart, a Sentinel failover: failed at once with the first, a burst's callers
+    of the second or so of the failover heard 503 where each would have been answered)."""
+    server = RedisServer().start()
+    redis = connect(server.url)
+    scripts = Scripts(redis)
+    trips: list[int] = []
+    call_many = scripts.call_many
+    answered, back = asyncio.Event(), asyncio.Event()
+
+    async def held(name: str, calls: Any) -> list[Any]:
+        trips.append(len(calls))
+        await (answered if len(trips) == 1 else back).wait()
+        return await call_many(name, calls)
+
+    scripts.call_many = held  # type: ignore[method-assign]
+    batch = ScriptBatch(scripts, "watch")
+    try:
+        await scripts.load()
+        first = asyncio.create_task(watch(batch, "run_0"))
+        await async_wait_until(lambda: _true(trips), what="the first round trip to be on its way")
+        behind = [asyncio.create_task(watch(batch, f"run_{i}")) for i in range(1, 4)]
+        server.stop(kill=True)
+        answered.set()
+        with pytest.raises(RedisConnectionError):
+            await asyncio.wait_for(first, 20)
+        assert not any(task.done() for task in behind)  # not failed with it: they go next
+        server = RedisServer(port=server.port, dir=server.dir).start()  # (Redis back: a restart)
+        back.set()
+        assert await asyncio.wait_for(asyncio.gather(*behind), 20) == [0, 0, 0]
+        assert trips == [1, 3]
+    finally:
+        await redis.aclose()
+        server.cleanup()
