@@ -44,6 +44,7 @@ from common.wire import (
     callers_fault,
     cancelled_by_caller,
 )
+from common.wrongtype import delete_wrong_types, is_wrongtype
 from scheduler import metrics
 
 log = logging.getLogger("iop.scheduler")
@@ -191,8 +192,20 @@ class Scheduler:
                 await self.redis.xgroup_create(keys.runs_stream(model.id), keys.SCHEDULER_GROUP, id="0",
                                                mkstream=True)
             except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
+                if "BUSYGROUP" in str(exc):
+                    continue
+                if not is_wrongtype(exc) or not await self.heal_streams():
                     raise
+                await self.ensure_groups()
+                return
+
+    async def heal_streams(self) -> list[str]:
+        """Delete the models' runs streams that hold another type than a stream (a `SET iop:runs:m x`
+        by hand: every blocking read of the streams failed with WRONGTYPE, so no run of ANY model was
+        dispatched, and the loop logged it twenty times a second, until someone deleted the key;
+        such a key holds no run); returns them."""
+        return await delete_wrong_types(self.redis, {keys.runs_stream(m.id): "stream" for m in self.config.models},
+                                        log, "scheduler")
 
     async def heartbeat(self) -> None:
         """Say this replica lives: its key's TTL renewed (a write Redis takes even when full, so
@@ -258,7 +271,7 @@ class Scheduler:
                         raise first
                 reply = stream_reply(first)
         except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if "NOGROUP" not in str(exc) and not (is_wrongtype(exc) and await self.heal_streams()):
                 raise
             await self.ensure_groups()
             return 0

@@ -1323,3 +1323,36 @@ async def test_a_queue_timeout_says_a_provider_the_run_never_goes_back_to_is_not
         b"timed_out", f"no provider of model {MODEL!r} had a free slot within 60000 ms (a: not asked again after it "
                       "failed this run, b: drained or cordoned)".encode()]
     await client.close()
+
+
+async def test_a_runs_stream_of_another_type_written_by_hand_is_deleted_and_said_and_the_others_go_on(
+        redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """`redis-cli SET iop:runs:m:2 x`: the replicas' one blocking read of every model's stream failed
+    with WRONGTYPE, twenty times a second, so no run of ANY model was dispatched (a replica started
+    then failed its setup), until someone deleted the key. The replica deletes it, says so, and reads on."""
+    config = parse_config({
+        "models": [{"id": MODEL, "providers": {"a": "a-name"}}, {"id": "m:2", "providers": {"a": "a-name"}}],
+        "nodes": [{"id": "n-a", "providers": [{"id": "a", "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                               "capacity": 4, "models": ["a-name"]}]}],
+        "queue": {"max_queue": 1000, "queue_timeout_ms": 60_000},
+    })
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await redis.delete(keys.runs_stream("m:2"))
+    await redis.set(keys.runs_stream("m:2"), "x")  # after the groups were made: the read meets it
+    first = await submit(client, 1)
+    assert await sched.read_new(block_ms=10) == 0  # (healed; the next read takes the run)
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_round()
+    assert await redis.hget(keys.run_record(first[0]), "state") == b"dispatched"
+    assert await redis.type(keys.runs_stream("m:2")) == b"stream"
+    # a replica that starts while such a key is there
+    await redis.delete(keys.runs_stream("m:2"))
+    await redis.set(keys.runs_stream("m:2"), "x")
+    other = Scheduler(redis, config)
+    await other.ensure_groups()
+    assert await redis.type(keys.runs_stream("m:2")) == b"stream"
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "deleted" in r.getMessage()]
+    assert len(said) == 2 and all(keys.runs_stream("m:2") in s for s in said), said
