@@ -35,6 +35,7 @@ from common.redisconn import REDIS_UNUSABLE, Backoff, connection_pool
 from common.redisline import Line, new_line_of
 from common.runlog import run_fields
 from common.scripts import Scripts
+from common.wrongtype import delete_wrong_types, is_wrongtype
 from workers.runner import Runner, new_worker_instance
 
 log = logging.getLogger("iop.worker")
@@ -98,6 +99,19 @@ class WakeWorker(Worker):
                 log.warning("worker: Redis unavailable (%s); retrying in %.2fs", exc, backoff.delay)
                 await backoff.pause()
                 poll = True
+            except ResponseError as exc:
+                if not is_wrongtype(exc) or not await self.heal():
+                    raise
+                poll = True
+
+    async def heal(self) -> list[str]:
+        """Delete the keys of the node's pick-up that hold another type than iop writes there (a
+        `SET iop:node:n1 x`, `iop:wake:n1` or `iop:passed:n1` by hand: the worker's poll or its wake-up
+        failed with WRONGTYPE and the worker exited, and every worker of the node after it, until
+        someone deleted the key; such a key holds no job); returns them."""
+        return await delete_wrong_types(self.pool, {
+            self.queue_name: "zset", self.wake_key: "list", keys.node_passed(self.runner().node_id): "list",
+            keys.worker_woken(self.instance): "list", keys.worker_answered(self.instance): "string"}, log, "worker")
 
     async def _first_connection(self) -> None:
         """Wait for Redis however long it takes to answer, as the scheduler does (arq's own
