@@ -188,9 +188,12 @@ local function add_event(record, events, run_id, etype, data, watchers)
       local gateway, n = string.gsub(watcher, '{keys.OUTPUT_ONLY}$', '')
       if output or n == 0 then
         local inbox = '{keys.gateway_inbox("")}' .. gateway
-        redis.call('XADD', inbox, 'MAXLEN', '~', {keys.INBOX_MAXLEN}, '*', 'run', run_id, 'id', id, 'type', etype,
-          'data', data)
-        redis.call('PEXPIRE', inbox, {keys.INBOX_TTL_MS})
+        -- (pcall: an inbox of another type, written by hand, fails only its copy, not the script
+        -- midway, which left a finished run `running` for good; its gateway deletes it and reads
+        -- its runs' own streams)
+        local copied = redis.pcall('XADD', inbox, 'MAXLEN', '~', {keys.INBOX_MAXLEN}, '*', 'run', run_id, 'id', id,
+          'type', etype, 'data', data)
+        if type(copied) ~= 'table' then redis.call('PEXPIRE', inbox, {keys.INBOX_TTL_MS}) end
       end
     end
   end

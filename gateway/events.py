@@ -46,6 +46,7 @@ from common.redisconn import REDIS_UNUSABLE, Backoff
 from common.redisline import StreamEntries, new_line_of, stream_reply
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType
+from common.wrongtype import delete_wrong_types, is_wrongtype
 
 log = logging.getLogger("iop.gateway")
 
@@ -373,10 +374,14 @@ class EventHub:
                 log.warning("gateway inbox: Redis unavailable (%s); retrying", exc)
                 resync = True  # whatever came meanwhile is read from each run's stream
                 await backoff.pause()
-            except Exception:  # a bug must not end the one reader every caller waits on
-                log.exception("gateway inbox: the listener failed; it reads every followed run again")
+            except Exception as exc:  # a bug must not end the one reader every caller waits on
+                # (an inbox of another type written by hand, `SET iop:inbox:{gateway} x`, holds no copy:
+                # it goes, and the runs' own streams are read again; it failed every read for good)
+                if not (is_wrongtype(exc) and await delete_wrong_types(self.redis, {self.inbox: "stream"}, log,
+                                                                       "gateway inbox")):
+                    log.exception("gateway inbox: the listener failed; it reads every followed run again")
+                    await backoff.pause()
                 resync = True
-                await backoff.pause()
 
     async def _read_inbox(self, last: str) -> StreamEntries:
         """The inbox's entries after `last`, waiting up to LISTEN_BLOCK_MS for one."""

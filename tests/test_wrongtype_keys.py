@@ -50,3 +50,50 @@ async def test_a_key_of_the_node_s_pick_up_of_another_type_is_deleted_and_said_a
         await asyncio.gather(main, return_exceptions=True)
         await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
         await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_run_whose_gateway_s_inbox_is_of_another_type_ends_all_the_same(
+        redis: Redis, redis_url: str) -> None:
+    """`SET iop:inbox:{gateway} x`: every script that adds an event of that gateway's runs failed
+    midway at its inbox copy (after the event itself): a run's start failed the worker's take, and a
+    run's end was written (its caller answered from the run's stream) but the run stayed `running`
+    for good, its key's in-flight slot held, its usage uncounted. Only the copy is skipped now."""
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    await redis.hset(keys.run_record(run_id), "watchers", "g1~")
+    await redis.set(keys.gateway_inbox("g1"), "x")
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
+    worker = node_worker(redis_url, runner)
+    try:
+        await worker.claim_and_start([run_id])
+        assert await worker.tasks[run_id] == "completed:ok"
+        assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
+        assert await redis.get(keys.gateway_inbox("g1")) == b"x"  # (its gateway's to delete)
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_gateway_s_inbox_of_another_type_is_deleted_and_said_and_its_runs_read_from_their_streams(
+        redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """The gateway's one listener failed every read of such an inbox (an error logged every second,
+    for good); it deletes it, says so, and reads its runs' own streams."""
+    from gateway.events import EventHub
+    from tests.test_events import add, collect
+
+    hub = EventHub(redis)
+    run_id = "run_w"
+    await redis.hset(keys.run_record(run_id), mapping={"state": "running", "watchers": hub.gateway_id})
+    try:
+        async with hub.follow(run_id) as follower:
+            await add(redis, run_id, hub.gateway_id, "delta", 1)
+            assert await collect(follower.next, 1) == [1]
+            await redis.delete(keys.gateway_inbox(hub.gateway_id))
+            await redis.set(keys.gateway_inbox(hub.gateway_id), "x")
+            await add(redis, run_id, None, "delta", 2)  # (the scripts skip the copy)
+            assert await collect(follower.next, 1) == [2]
+            await add(redis, run_id, hub.gateway_id, "delta", 3)
+            assert await collect(follower.next, 1) == [3]
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "deleted" in r.getMessage()]
+        assert len(said) == 1 and keys.gateway_inbox(hub.gateway_id) in said[0], said
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    finally:
+        await hub.close()
