@@ -116,7 +116,20 @@ local function ended(record, run_id, state, prompt, completion, key, model, limi
     key, model, limited = f[1], f[2], f[3]
   end
   if not key then return end
-  if limited ~= '0' then redis.call('ZREM', '{keys.key_in_flight("")}' .. key, run_id) end
+  -- (a key's in-flight set or usage hash of another type, written by hand, holds nothing of iop's:
+  -- it is deleted, and said in Redis's log, not left to fail every end of the key's runs midway,
+  -- their state written and the rest not: `pcall`, no cost to the reads that find the right type)
+  local function healed(k, reply)
+    if type(reply) ~= 'table' or not reply.err or not string.find(reply.err, 'WRONGTYPE', 1, true) then return false end
+    redis.log(redis.LOG_WARNING, 'iop: ' .. k .. ' held another type than iop writes there (written by hand?): deleted')
+    redis.call('DEL', k)
+    return true
+  end
+  if limited ~= '0' then
+    local flight = '{keys.key_in_flight("")}' .. key
+    local reply = redis.pcall('ZREM', flight, run_id)
+    if type(reply) == 'table' and reply.err and not healed(flight, reply) then error(reply) end
+  end
   model = model or '-'
   local day = '{keys.USAGE_PREFIX}' .. key .. ':' .. utc_day(now)
   local failed = (state == 'failed' or state == 'timed_out') and 1 or 0
@@ -126,7 +139,11 @@ local function ended(record, run_id, state, prompt, completion, key, model, limi
   for _, h in ipairs({{day, '{keys.usage_total("")}' .. key}}) do
     -- one read and one write a hash (the counts it changes), not an HINCRBY a count; '%d', as a
     -- Lua number past 10^14 prints in exponent form (exact up to 2^53: 10^9 tokens a run at most)
-    local was, set = redis.call('HMGET', h, unpack(fields)), {{}}
+    local was, set = redis.pcall('HMGET', h, unpack(fields)), {{}}
+    if was.err then
+      if not healed(h, was) then error(was) end
+      was = {{}}
+    end
     for i, field in ipairs(fields) do
       if adds[field] > 0 then
         set[#set + 1] = field

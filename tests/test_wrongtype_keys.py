@@ -97,3 +97,31 @@ async def test_a_gateway_s_inbox_of_another_type_is_deleted_and_said_and_its_run
         assert not [r for r in caplog.records if r.levelname == "ERROR"]
     finally:
         await hub.close()
+
+
+@pytest.mark.parametrize("which", ["day", "total", "in_flight"])
+async def test_a_run_whose_key_s_usage_or_in_flight_set_is_of_another_type_ends_whole(
+        redis: Redis, redis_url: str, which: str) -> None:
+    """`SET iop:usage:team-a:2026-12-07 x` (or its all-time usage, its in-flight set): every end of the
+    key's runs failed midway (`ended`), its state written and the rest not (the freed slot's waiting
+    runs not woken, a queued run's `failed` event never added). Such a key is deleted, and the run's
+    end counted afresh."""
+    import time
+
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    await redis.hset(keys.run_record(run_id), mapping={"key": "team-a", "limited": "1"})
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    key = {"day": keys.usage_day("team-a", day), "total": keys.usage_total("team-a"),
+           "in_flight": keys.key_in_flight("team-a")}[which]
+    await redis.set(key, "x")
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
+    worker = node_worker(redis_url, runner)
+    try:
+        await worker.claim_and_start([run_id])
+        assert await worker.tasks[run_id] == "completed:ok"
+        assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
+        assert await redis.type(key) in (b"hash", b"none")
+        for usage in (keys.usage_day("team-a", day), keys.usage_total("team-a")):
+            assert await redis.hget(usage, "runs:m:1") == b"1", usage
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
