@@ -13,6 +13,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
@@ -27,6 +28,7 @@ from common.script_batch import ScriptBatch
 from common.scripts import Scripts
 from common.snapshots import why_none
 from common.wire import ErrorCode, ErrorInfo, EventType, RunState, uuid4_hex
+from common.wrongtype import delete_wrong_types, is_wrongtype
 from gateway.deadlines import Deadlines
 from gateway.errors import ApiError
 from gateway.events import Event, EventHub, Following, Queued
@@ -131,24 +133,34 @@ class RunClient:
             if answer is None or answer[0] == b"ok":  # (None: Redis did not answer; it may queue it yet)
                 self._in_background(self.leave(run_id, model.id))
 
-        try:
-            result = await self.enqueue.call(
-                [keys.runs_stream(model.id), keys.run_record(run_id), keys.key_in_flight(who.name),
-                 keys.key_requests(who.name), *model_keys.providers, *model_keys.sharing],
-                [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,
-                 "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
-                 who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000),
-                 policy.max_attempts, self.hub.gateway_id + keys.OUTPUT_ONLY,  # its caller wants output and end
-                 ",".join(refuse), len(model_keys.providers), model_keys.masks],
-                if_left,
-            )
-        except (RedisTimeoutError, RedisConnectionError) as exc:
-            # Redis did not answer, or the connection broke once the queueing was sent: its caller
-            # hears 503 and sends the request again, but a Redis that was paused runs what it had
-            # received when it resumes, and one that went down may have run it first (kept, with AOF).
-            if may_have_run(exc):
-                self._cancel_later(run_id, model.id, UNANSWERED)
-            raise
+        for again in (False, True):
+            try:
+                result = await self.enqueue.call(
+                    [keys.runs_stream(model.id), keys.run_record(run_id), keys.key_in_flight(who.name),
+                     keys.key_requests(who.name), *model_keys.providers, *model_keys.sharing],
+                    [run_id, policy.max_queue, self.config.runtime.run_ttl_s, model.id, req.kind.value,
+                     "1" if req.stream else "0", req.packed if req.packed is not None else pack(req.body), who.name,
+                     who.max_in_flight or 0, who.requests_per_minute or 0, int(self.follow_deadline_s(model.id) * 1000),
+                     policy.max_attempts, self.hub.gateway_id + keys.OUTPUT_ONLY,  # its caller wants output and end
+                     ",".join(refuse), len(model_keys.providers), model_keys.masks],
+                    if_left,
+                )
+            except (RedisTimeoutError, RedisConnectionError) as exc:
+                # Redis did not answer, or the connection broke once the queueing was sent: its caller
+                # hears 503 and sends the request again, but a Redis that was paused runs what it had
+                # received when it resumes, and one that went down may have run it first (kept, with AOF).
+                if may_have_run(exc):
+                    self._cancel_later(run_id, model.id, UNANSWERED)
+                raise
+            except ResponseError as exc:
+                # (the key's in-flight set or request window of another type, written by hand: every run of
+                # the key was refused for good; the script wrote nothing before its read of them failed)
+                if again or not is_wrongtype(exc) or not await delete_wrong_types(
+                        self.redis, {keys.key_in_flight(who.name): "zset", keys.key_requests(who.name): "zset"},
+                        log, f"key {who.name}"):
+                    raise
+                continue
+            break
         status = result[0].decode()
         if status == "ok":
             left = int(result[2])

@@ -125,3 +125,31 @@ async def test_a_run_whose_key_s_usage_or_in_flight_set_is_of_another_type_ends_
             assert await redis.hget(usage, "runs:m:1") == b"1", usage
     finally:
         await worker.pool.aclose(close_connection_pool=True)
+
+
+@pytest.mark.parametrize("which", ["in_flight", "requests"])
+async def test_a_key_s_in_flight_set_or_request_window_of_another_type_is_deleted_and_said_and_its_run_queued(
+        redis: Redis, caplog: pytest.LogCaptureFixture, which: str) -> None:
+    """`SET iop:inflight:team-a x` (or its request window): every run of the key was refused with a 503
+    (the `enqueue` script's read of it failed), for good, until someone deleted the key. The gateway
+    deletes it, says so, and queues the run."""
+    from common.auth import Principal, Role
+    from gateway.runs import RunClient
+    from tests.test_scheduler import MODEL, beat, make_config, request
+
+    config = make_config({"a": 1})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    model = config.model(MODEL)
+    assert model is not None
+    who = Principal("team-a", Role.CALLER, max_in_flight=5, requests_per_minute=100)
+    key = keys.key_in_flight("team-a") if which == "in_flight" else keys.key_requests("team-a")
+    await redis.set(key, "x")
+    try:
+        run_id, _ = await client.submit(model, request(), who)
+        assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
+        assert await redis.zscore(key, run_id) is not None
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "deleted" in r.getMessage()]
+        assert len(said) == 1 and key in said[0], said
+    finally:
+        await client.close()
