@@ -197,7 +197,17 @@ end
 # when the caller read them already (false: none); nil, and they are read here.
 _EVENTS = f"""
 local function add_event(record, events, run_id, etype, data, watchers)
-  local id = redis.call('XADD', events, '*', 'type', etype, 'data', data)
+  local id = redis.pcall('XADD', events, '*', 'type', etype, 'data', data)
+  if type(id) == 'table' then
+    -- (the run's events of another type, written by hand: the script failed here midway, after its
+    -- state was written, and every script after it of the run, the worker's take of its node's jobs
+    -- with it; such a key holds no event: it is deleted, said in Redis's log, and the event added)
+    if not id.err or not string.find(id.err, 'WRONGTYPE', 1, true) then error(id) end
+    redis.log(redis.LOG_WARNING, 'iop: ' .. events .. ' held another type than iop writes there (written by hand?): '
+      .. 'deleted')
+    redis.call('DEL', events)
+    id = redis.call('XADD', events, '*', 'type', etype, 'data', data)
+  end
   if watchers == nil then watchers = redis.call('HGET', record, 'watchers') end
   if watchers then
     local output = etype == 'delta' or etype == 'completed' or etype == 'failed'

@@ -153,3 +153,22 @@ async def test_a_key_s_in_flight_set_or_request_window_of_another_type_is_delete
         assert len(said) == 1 and key in said[0], said
     finally:
         await client.close()
+
+
+async def test_a_run_whose_events_are_of_another_type_runs_and_its_node_s_worker_goes_on(
+        redis: Redis, redis_url: str) -> None:
+    """`HSET iop:events:{run} a b`: the dispatch of the run failed midway (dispatched, its job queued, no
+    event), then its start failed the worker's take of the node's jobs, and the worker exited. The
+    events key is deleted (said in Redis's log) and the event added."""
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    await redis.delete(keys.run_events(run_id))
+    await redis.hset(keys.run_events(run_id), "a", "b")
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
+    worker = node_worker(redis_url, runner)
+    try:
+        await worker.claim_and_start([run_id])
+        assert await worker.tasks[run_id] == "completed:ok"
+        assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
+        assert [f[b"type"] for _, f in await redis.xrange(keys.run_events(run_id))] == [b"started", b"completed"]
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
