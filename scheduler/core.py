@@ -661,8 +661,17 @@ class Scheduler:
         run_ids += [raw.decode() for ids in leased for raw in ids]
         found: list[tuple[str, str]] = []
         for i in range(0, len(run_ids), ORPHANS_BATCH):
-            answer = await self.scripts.call("orphans", [keys.GATEWAYS], [keys.run_record(""), keys.gateway_alive(""),
-                                                                           *run_ids[i:i + ORPHANS_BATCH]])
+            try:
+                answer = await self.scripts.call("orphans", [keys.GATEWAYS], [
+                    keys.run_record(""), keys.gateway_alive(""), *run_ids[i:i + ORPHANS_BATCH]])
+            except ResponseError as exc:
+                # (the gateways hash of another type, written by hand: every sweep failed, for good, and
+                # no dead gateway's runs were cancelled; it names no gateway: the live ones name
+                # themselves again at their next beat)
+                if not is_wrongtype(exc) or not await delete_wrong_types(self.redis, {keys.GATEWAYS: "hash"}, log,
+                                                                         "scheduler"):
+                    raise
+                return 0
             found += [(answer[j].decode(), answer[j + 1].decode()) for j in range(0, len(answer), 2)]
         info = ErrorInfo(ErrorCode.UNAVAILABLE, GATEWAY_GONE)
         outcomes: dict[str, int] = {}

@@ -172,3 +172,40 @@ async def test_a_run_whose_events_are_of_another_type_runs_and_its_node_s_worker
         assert [f[b"type"] for _, f in await redis.xrange(keys.run_events(run_id))] == [b"started", b"completed"]
     finally:
         await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_gateways_hash_of_another_type_is_deleted_and_said_and_dead_gateways_runs_cancelled_again(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """`SET iop:gateways x`: every sweep for the runs of dead gateways failed with WRONGTYPE (an error
+    logged every sweep, for good), and no dead gateway's runs were cancelled. The replica deletes it,
+    says so; a gateway names itself again at its beat, and once it died its runs are cancelled."""
+    from common.config import parse_config
+    from gateway import liveness
+    from scheduler.core import OUTAGE_GRACE, Scheduler
+    from tests.test_e2e import FAST_RUNTIME, pool_config
+
+    liveness_ms = 3000
+    config = parse_config({**pool_config({"p": ("n1", "http://127.0.0.1:9", 1)}),
+                           "runtime": {**FAST_RUNTIME, "gateway_liveness_ms": liveness_ms}})
+    clock = [10_000_000]
+    monkeypatch.setattr("scheduler.core.now_ms", lambda: clock[0])
+    sched = Scheduler(redis, config)
+    await redis.set(keys.GATEWAYS, "x")
+    await redis.hset(keys.run_record("r"), mapping={"watchers": "g1~", "state": "running", "node": "n1",
+                                                    "model": "qwen3.6:35b"})
+    await redis.zadd(keys.leases("p"), {"r": clock[0] + 600_000})
+
+    async def sweep_later() -> int:
+        for _ in range((OUTAGE_GRACE + 1) * liveness_ms // 300):  # (beats 300 ms apart: no gap)
+            clock[0] += 300
+            await sched.heartbeat()
+        return await sched.cancel_orphans()
+
+    assert await sweep_later() == 0
+    assert await redis.type(keys.GATEWAYS) == b"none"
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "deleted" in r.getMessage()]
+    assert len(said) == 1 and keys.GATEWAYS in said[0], said
+    await liveness.beat(redis, "g1", liveness_ms)  # (g1 names itself again) ...
+    await redis.delete(keys.gateway_alive("g1"))  # ... and dies
+    assert await sweep_later() == 1
+    assert await redis.hget(keys.run_record("r"), "cancel") == b"1"
