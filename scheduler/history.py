@@ -9,10 +9,12 @@ import logging
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from common import keys
 from common.config import Config
 from common.failover import first_line
 from common.history import offer_sample
 from common.redisconn import REDIS_UNUSABLE, now_ms
+from common.wrongtype import delete_wrong_types, is_wrongtype
 
 log = logging.getLogger("iop.scheduler")
 
@@ -25,8 +27,13 @@ async def sample_forever(redis: Redis, config: Config) -> None:
             await offer_sample(redis, config, now_ms())
         except REDIS_UNUSABLE as exc:
             log.debug("history: Redis unavailable (%s); no sample this time", exc)
-        except RedisError as exc:  # (a key of iop's of another type: WRONGTYPE, each time until it goes)
-            log.warning("history: Redis refused a read (%s); no sample this time", first_line(exc))
+        except RedisError as exc:
+            # (the history of another type, written by hand, `SET iop:history x`: it holds no sample, and
+            # every sample failed, and every read of the catalog's charts, for good: it goes; a key of a
+            # provider's of another type fails its read each time until its worker's beat heals it)
+            if not (is_wrongtype(exc) and await delete_wrong_types(redis, {keys.HISTORY_STREAM: "stream"}, log,
+                                                                   "history")):
+                log.warning("history: Redis refused a read (%s); no sample this time", first_line(exc))
         except Exception:
             log.exception("history: could not take a sample")
         await asyncio.sleep(interval_s)

@@ -209,3 +209,24 @@ async def test_a_gateways_hash_of_another_type_is_deleted_and_said_and_dead_gate
     await redis.delete(keys.gateway_alive("g1"))  # ... and dies
     assert await sweep_later() == 1
     assert await redis.hget(keys.run_record("r"), "cancel") == b"1"
+
+
+async def test_a_history_of_another_type_is_deleted_and_said_and_sampled_again(
+        redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """`SET iop:history x`: every load sample failed (a warning each interval) and every read of the
+    catalog's charts got a 503, for good. The sampler deletes it, says so, and samples again."""
+    from scheduler.history import sample_forever
+    from tests.test_admin_api import OPEN, beat
+
+    await beat(redis, OPEN)
+    await redis.set(keys.HISTORY_STREAM, "x")
+    task = asyncio.create_task(sample_forever(redis, OPEN))
+    try:
+        async def sampled() -> bool:
+            return bool(await redis.type(keys.HISTORY_STREAM) == b"stream")
+        await async_wait_until(sampled, what="a sample")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and keys.HISTORY_STREAM in said[0] and "deleted" in said[0], said
