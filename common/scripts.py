@@ -701,7 +701,16 @@ local function take_jobs(queue, ids)
     local score = redis.call('ZSCORE', queue, id)
     if score and tonumber(score) <= now then
       -- the marker, set here unless the job has one (then that one, unchanged)
-      local marker = redis.call('SET', ARGV[1] .. id, ARGV[11], 'NX', 'GET', 'PX', ARGV[2])
+      local marker = redis.pcall('SET', ARGV[1] .. id, ARGV[11], 'NX', 'GET', 'PX', ARGV[2])
+      if type(marker) == 'table' and marker.err then
+        -- (a marker of another type, written by hand: the take of the node's jobs failed, the worker
+        -- exited, and so did each worker after it; it marks nothing: it goes, said in Redis's log)
+        if not string.find(marker.err, 'WRONGTYPE', 1, true) then error(marker) end
+        redis.log(redis.LOG_WARNING, 'iop: ' .. ARGV[1] .. id .. ' held another type than iop writes there '
+          .. '(written by hand?): deleted')
+        redis.call('DEL', ARGV[1] .. id)
+        marker = redis.call('SET', ARGV[1] .. id, ARGV[11], 'NX', 'GET', 'PX', ARGV[2])
+      end
       local started
       if not marker then
         started = start_run(ARGV[3] .. id, ARGV[4] .. id, id, ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[5],

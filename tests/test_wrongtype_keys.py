@@ -230,3 +230,20 @@ async def test_a_history_of_another_type_is_deleted_and_said_and_sampled_again(
         await asyncio.gather(task, return_exceptions=True)
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(said) == 1 and keys.HISTORY_STREAM in said[0] and "deleted" in said[0], said
+
+
+async def test_a_job_s_in_progress_marker_of_another_type_is_deleted_and_its_run_run(
+        redis: Redis, redis_url: str) -> None:
+    """`HSET arq:in-progress:{run} a b`: the take of the node's jobs failed with WRONGTYPE (the other
+    jobs of that take with it) and the worker exited, and so did each worker of the node after it,
+    its poll meeting the job again. The marker goes (said in Redis's log) and the run is run."""
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    await redis.hset(keys.arq_in_progress(run_id), "a", "b")
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
+    worker = node_worker(redis_url, runner)
+    try:
+        await worker.claim_and_start([run_id])
+        assert await worker.tasks[run_id] == "completed:ok"
+        assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
