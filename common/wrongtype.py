@@ -1,8 +1,8 @@
 """Keys of iop's that hold another type than iop writes there (an operator's `redis-cli SET` by
 hand, another app's): Redis answers every command of iop's on them WRONGTYPE, for good. Those
 that hold nothing but what iop writes (a queue, a list of job ids, a stream of copies) are
-deleted, and said, so the loop that met the error goes on (`workers.heartbeat` does the same for
-the keys of a beat)."""
+deleted, and said, so the loop that met the error goes on (`workers.heartbeat` heals the keys
+of a beat so)."""
 
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from common.policy import Health
 from common.provider_types import PROBE_DISTURBS
 from common.redisconn import REDIS_UNUSABLE, as_text_map, now_ms
 from common.scripts import Scripts
+from common.wrongtype import delete_wrong_types
 from workers.adapters.base import DOWN, Adapter, ProbeResult
 from workers.health import Evidence, Field, judge
 
@@ -178,19 +179,7 @@ class Heartbeats:
                   keys.node_workers(self.node_id): "zset", keys.BEATING: "zset"}
         if self.instance and self.serves:
             wanted[keys.worker_serves(self.instance)] = "set"
-        pipe = self.redis.pipeline(transaction=False)
-        for key in wanted:
-            pipe.type(key)
-        wrong = []
-        for (key, want), got in zip(wanted.items(), await pipe.execute(), strict=True):
-            got = got.decode(errors="replace") if isinstance(got, bytes) else got
-            if got not in (want, "none"):
-                wrong.append(key)
-                log.warning("provider %s: %s held a %s, not the %s iop writes there (written by hand?): deleted",
-                            provider.id, key, got, want)
-        if wrong:
-            await self.redis.delete(*wrong)
-        return wrong
+        return await delete_wrong_types(self.redis, wanted, log, f"provider {provider.id}")
 
     async def _beat(self, provider: ProviderConfig) -> Health:
         key = keys.heartbeat(provider.id)
