@@ -12,25 +12,53 @@ from collections.abc import Mapping
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from common.redisconn import REDIS_UNUSABLE
+
 
 def is_wrongtype(exc: BaseException) -> bool:
     """Whether Redis refused a command (or a script's) on a key of another type."""
     return isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc)
 
 
+# Delete each of KEYS whose type is still neither ARGV's (the one iop writes there) nor none, at
+# once: between a process's TYPE and its DEL another (a worker of the same node, a gateway's other
+# caller) may have deleted it already and iop written there since (a job queued, a run in flight).
+_DELETE_IF_WRONG = """
+local gone = {}
+for i, key in ipairs(KEYS) do
+  local got = redis.call('TYPE', key)['ok']
+  if got ~= ARGV[i] and got ~= 'none' then
+    redis.call('DEL', key)
+    gone[#gone + 1] = key
+  end
+end
+return gone
+"""
+
+
 async def delete_wrong_types(redis: Redis, wanted: Mapping[str, str], log: logging.Logger, who: str) -> list[str]:
     """Delete the keys of `wanted` (key -> the type iop writes there, as TYPE names it: "stream",
-    "zset", "list", "string", "hash", "set") that hold another type; a WARNING names each. Returns them."""
-    pipe = redis.pipeline(transaction=False)
-    for key in wanted:
-        pipe.type(key)
-    wrong = []
-    for (key, want), got in zip(wanted.items(), await pipe.execute(), strict=True):
-        got = got.decode(errors="replace") if isinstance(got, bytes) else got
-        if got not in (want, "none"):
-            wrong.append(key)
-            log.warning("%s: %s held a %s, not the %s iop writes there (written by hand?): deleted",
-                        who, key, got, want)
-    if wrong:
-        await redis.delete(*wrong)
-    return wrong
+    "zset", "list", "string", "hash", "set") that hold another type; a WARNING names each. Returns
+    those found so, deleted here or, meanwhile, by another process that met them too (then only
+    deleted if they hold another type still: iop may have written there since).
+    Redis away (or full) meanwhile: nothing deleted, said, no error (the loops that heal here must go
+    on: the one that met the key's error meets it again)."""
+    try:
+        pipe = redis.pipeline(transaction=False)
+        for key in wanted:
+            pipe.type(key)
+        seen = {}
+        for (key, want), got in zip(wanted.items(), await pipe.execute(), strict=True):
+            got = got.decode(errors="replace") if isinstance(got, bytes) else got
+            if got not in (want, "none"):
+                seen[key] = (got, want)
+        if not seen:
+            return []
+        gone = await redis.eval(_DELETE_IF_WRONG, len(seen), *seen, *(want for _, want in seen.values()))
+    except REDIS_UNUSABLE as exc:
+        log.warning("%s: could not delete a key of iop's of another type (Redis unavailable: %s)", who, exc)
+        return []
+    for key in (raw.decode() if isinstance(raw, bytes) else raw for raw in gone):
+        log.warning("%s: %s held a %s, not the %s iop writes there (written by hand?): deleted",
+                    who, key, *seen[key])
+    return list(seen)

@@ -247,3 +247,49 @@ async def test_a_job_s_in_progress_marker_of_another_type_is_deleted_and_its_run
         assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
     finally:
         await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_key_healed_by_another_process_meanwhile_and_written_again_is_not_deleted(redis: Redis) -> None:
+    """Every worker of a node meets a `SET iop:node:n1 x` at once, and each heals: between one's
+    TYPE (a string) and its DEL, another deleted the key and the scheduler queued a job there. The
+    DEL is made only if the key still holds another type: the job stays."""
+    import logging
+
+    from common.wrongtype import delete_wrong_types
+
+    key = keys.node_queue("n-race")
+    await redis.set(key, "x")
+    pipeline = redis.pipeline
+
+    def meanwhile(*args: object, **kwargs: object) -> object:
+        pipe = pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        async def execute_then_another_heals() -> object:
+            answers = await execute()
+            await redis.delete(key)  # (another worker's heal)
+            await redis.zadd(key, {"run-1": 1})  # (a job queued since)
+            return answers
+        pipe.execute = execute_then_another_heals
+        return pipe
+    redis.pipeline = meanwhile
+    try:
+        await delete_wrong_types(redis, {key: "zset"}, logging.getLogger("test"), "worker")
+    finally:
+        del redis.pipeline
+    assert await redis.zrange(key, 0, -1) == [b"run-1"]
+
+
+async def test_a_heal_that_meets_redis_away_says_so_and_raises_nothing() -> None:
+    """The gateway's inbox listener and the scheduler's sampler heal in the handler of the loop
+    that must not end: Redis going away there (a restart) ended the loop for good (every caller of the
+    gateway left waiting; no sample again). A heal that met Redis away healed nothing."""
+    import logging
+
+    from common.wrongtype import delete_wrong_types
+
+    away = Redis(port=1, socket_connect_timeout=0.5)
+    try:
+        assert await delete_wrong_types(away, {"iop:inbox:g": "stream"}, logging.getLogger("test"), "x") == []
+    finally:
+        await away.aclose()
