@@ -625,8 +625,19 @@ local function passes(serves, provider, model)
   end
   return false
 end
+-- A run's record as HGETALL gives it; one of another type (written by hand) holds nothing of iop's:
+-- read as missing (that run alone is dropped, not the take of every job of the node failed, the
+-- worker exited, and each worker of the node after it, its poll meeting the job again)
+local function record_fields(record)
+  local flat = redis.pcall('HGETALL', record)
+  if flat.err then
+    if not string.find(flat.err, 'WRONGTYPE', 1, true) then error(flat) end
+    return {}
+  end
+  return flat
+end
 local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, cancelled, signals, lease_prefix, serves)
-  local flat = redis.call('HGETALL', record)
+  local flat = record_fields(record)
   local r = {}
   for i = 1, #flat, 2 do r[flat[i]] = flat[i + 1] end
   local state = r['state']
@@ -684,7 +695,7 @@ return start_run(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], 
 # `take_jobs(...)` returns {{job id, status, field, value, ...}, ...}.
 _TAKE = _ENDED + _EVENTS + _CANCEL_REASON + _START + """
 local function started_again(record, run_id, worker, lease_prefix)
-  local flat = redis.call('HGETALL', record)
+  local flat = record_fields(record)
   local r = {}
   for i = 1, #flat, 2 do r[flat[i]] = flat[i + 1] end
   if r['state'] ~= 'running' or r['worker'] ~= worker or r['output'] == '1' or not r['body'] then return nil end

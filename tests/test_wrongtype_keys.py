@@ -293,3 +293,26 @@ async def test_a_heal_that_meets_redis_away_says_so_and_raises_nothing() -> None
         assert await delete_wrong_types(away, {"iop:inbox:g": "stream"}, logging.getLogger("test"), "x") == []
     finally:
         await away.aclose()
+
+
+async def test_a_run_s_record_of_another_type_fails_that_run_alone(redis: Redis, redis_url: str) -> None:
+    """`SET iop:run:{run} x` of a dispatched run: the take of the node's jobs failed with WRONGTYPE (the
+    other jobs of that take with it) and the worker exited, and so did each worker of the node after
+    it, its poll meeting the job again. The record is read as missing: that run's job alone goes."""
+    from tests.test_scheduler import make_config, waiting_runs
+
+    config = make_config({"a": 2}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    _, sched, (bad, good) = await waiting_runs(redis, config, 2)
+    await sched.dispatch_all()
+    await redis.delete(keys.run_record(bad))
+    await redis.set(keys.run_record(bad), "x")
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT], [TEXT]])})
+    worker = node_worker(redis_url, runner)
+    try:
+        await worker.claim_and_start([bad, good])
+        assert await worker.tasks[good] == "completed:ok"
+        assert await fields(redis, keys.run_record(good), "state") == ["completed"]
+        assert bad not in worker.tasks
+        assert await redis.zscore(keys.node_queue("n-a"), bad) is None
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
