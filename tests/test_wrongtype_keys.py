@@ -316,3 +316,30 @@ async def test_a_run_s_record_of_another_type_fails_that_run_alone(redis: Redis,
         assert await redis.zscore(keys.node_queue("n-a"), bad) is None
     finally:
         await worker.pool.aclose(close_connection_pool=True)
+
+
+async def test_a_run_s_record_of_another_type_does_not_fail_the_sweep_for_dead_gateways_runs(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SET iop:run:{run} x` of a leased run: every sweep for dead gateways' runs failed with WRONGTYPE
+    while the run was listed (its batch of runs with it), and no dead gateway's runs were cancelled.
+    That record names no gateway: the others are swept."""
+    from common.config import parse_config
+    from scheduler.core import OUTAGE_GRACE, Scheduler
+    from tests.test_e2e import FAST_RUNTIME, pool_config
+
+    liveness_ms = 3000
+    config = parse_config({**pool_config({"p": ("n1", "http://127.0.0.1:9", 1)}),
+                           "runtime": {**FAST_RUNTIME, "gateway_liveness_ms": liveness_ms}})
+    clock = [10_000_000]
+    monkeypatch.setattr("scheduler.core.now_ms", lambda: clock[0])
+    sched = Scheduler(redis, config)
+    await redis.hset(keys.GATEWAYS, "g1", 1)  # (and no liveness key: it died)
+    await redis.hset(keys.run_record("r"), mapping={"watchers": "g1~", "state": "running", "node": "n1",
+                                                    "model": "qwen3.6:35b"})
+    await redis.set(keys.run_record("bad"), "x")
+    await redis.zadd(keys.leases("p"), {"r": clock[0] + 600_000, "bad": clock[0] + 600_000})
+    for _ in range((OUTAGE_GRACE + 1) * liveness_ms // 300):  # (beats 300 ms apart: no gap)
+        clock[0] += 300
+        await sched.heartbeat()
+    assert await sched.cancel_orphans() == 1
+    assert await redis.get(keys.run_record("bad")) == b"x"
