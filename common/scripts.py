@@ -446,7 +446,13 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
     if #redis.call('XRANGE', stream, entry, entry) == 0 then return 'gone' end
     return 'not_head'
   end
-  local rec = redis.call('HMGET', record, 'state', 'tried', 'attempts', 'watchers')
+  -- (a record of another type, written by hand, holds no run: it goes as a run whose record is gone,
+  -- not every dispatch of the model failed at its head for good)
+  local rec = redis.pcall('HMGET', record, 'state', 'tried', 'attempts', 'watchers')
+  if rec.err then
+    if not string.find(rec.err, 'WRONGTYPE', 1, true) then error(rec) end
+    rec = {{}}
+  end
   if rec[1] ~= 'queued' then
     redis.call('XACK', stream, group, entry)
     redis.call('XDEL', stream, entry)

@@ -343,3 +343,18 @@ async def test_a_run_s_record_of_another_type_does_not_fail_the_sweep_for_dead_g
         await sched.heartbeat()
     assert await sched.cancel_orphans() == 1
     assert await redis.get(keys.run_record("bad")) == b"x"
+
+
+async def test_a_queued_run_s_record_of_another_type_does_not_stop_its_model_s_dispatch(redis: Redis) -> None:
+    """`SET iop:run:{run} x` of a queued run: at the head of its model's queue, every dispatch of the
+    model failed with WRONGTYPE, for good (no run of the model was dispatched). It goes, as a run whose
+    record is gone; the runs behind it are dispatched."""
+    from tests.test_scheduler import make_config, waiting_runs
+
+    config = make_config({"a": 2}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    _, sched, (bad, good) = await waiting_runs(redis, config, 2)
+    await redis.delete(keys.run_record(bad))
+    await redis.set(keys.run_record(bad), "x")
+    await sched.dispatch_all()
+    assert await fields(redis, keys.run_record(good), "state") == ["dispatched"]
+    assert await redis.get(keys.run_record(bad)) == b"x"
