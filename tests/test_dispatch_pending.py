@@ -236,24 +236,27 @@ async def test_a_run_that_waited_its_queue_timeout_is_left_to_the_scheduler_to_t
 
 async def test_runs_dispatched_before_an_error_stay_dispatched_and_the_rest_wait(
         lined: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """The first run (whose adapter on b would refuse it: a its only candidate) is dispatched to a;
+    the second's dispatch then fails on b's leases, of another type (WRONGTYPE), before it writes
+    anything: it waits, and is dispatched once they are mended."""
     config = make_config({"a": 1, "b": 1})
     await beat(lined, config)
     sched = await reader(lined, config)
     client = RunClient(lined, config)
-    run_ids = await submit(client, 2)
-    record = keys.run_record(run_ids[1])
-    saved = await lined.hgetall(record)
-    await lined.delete(record)
-    await lined.set(record, "not a hash")  # the second run's dispatch fails on it (WRONGTYPE)
+    model = config.model(MODEL)
+    assert model is not None
+    run_ids = [(await client.submit(model, request(), refuse=("b",)))[0], *await submit(client, 1)]
+    await lined.set(keys.leases("b"), "not a sorted set")  # read by the second run's dispatch alone
     with caplog.at_level(logging.WARNING, "iop.scheduler"):
         assert await sched.read_new(block_ms=10) == 1
     assert "WRONGTYPE" in caplog.text
     assert await lined.hget(keys.run_record(run_ids[0]), "state") == b"dispatched"
     assert [w.run_id for w in sched.waiting[MODEL]] == [run_ids[1]]
-    await lined.delete(record)
-    await lined.hset(record, mapping=saved)
+    assert await lined.hget(keys.run_record(run_ids[1]), "state") == b"queued"
+    await lined.delete(keys.leases("b"))
     await sched.dispatch_all()
-    assert await lined.hget(record, "state") == b"dispatched"
+    assert await lined.hget(keys.run_record(run_ids[1]), "state") == b"dispatched"
+    assert await leases(lined, config) == {"a": 1, "b": 1}
     await client.close()
 
 
