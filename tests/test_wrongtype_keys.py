@@ -12,9 +12,21 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
+from common.config import Config
 from tests.conftest import async_wait_until
 from tests.test_runner import TEXT, Scripted, fields, node_worker, start_one
 from workers.runner import Runner
+
+
+async def taken_and_completed(redis: Redis, redis_url: str, config: Config, run_id: str) -> None:
+    """The node's worker takes the run, whose provider answers it whole: it completes."""
+    worker = node_worker(redis_url, Runner(redis, config, "n-a", {"a": Scripted([[TEXT]])}))
+    try:
+        await worker.claim_and_start([run_id])
+        assert await worker.tasks[run_id] == "completed:ok"
+        assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
 
 
 @pytest.mark.parametrize("key", [keys.node_queue("n-a"), keys.node_wake("n-a"), keys.node_passed("n-a")])
@@ -61,15 +73,8 @@ async def test_a_run_whose_gateway_s_inbox_is_of_another_type_ends_all_the_same(
     sched, run_id = await start_one(redis, {"a": 1}, stream=False)
     await redis.hset(keys.run_record(run_id), "watchers", "g1~")
     await redis.set(keys.gateway_inbox("g1"), "x")
-    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
-    worker = node_worker(redis_url, runner)
-    try:
-        await worker.claim_and_start([run_id])
-        assert await worker.tasks[run_id] == "completed:ok"
-        assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
-        assert await redis.get(keys.gateway_inbox("g1")) == b"x"  # (its gateway's to delete)
-    finally:
-        await worker.pool.aclose(close_connection_pool=True)
+    await taken_and_completed(redis, redis_url, sched.config, run_id)
+    assert await redis.get(keys.gateway_inbox("g1")) == b"x"  # (its gateway's to delete)
 
 
 async def test_a_gateway_s_inbox_of_another_type_is_deleted_and_said_and_its_runs_read_from_their_streams(
@@ -114,17 +119,10 @@ async def test_a_run_whose_key_s_usage_or_in_flight_set_is_of_another_type_ends_
     key = {"day": keys.usage_day("team-a", day), "total": keys.usage_total("team-a"),
            "in_flight": keys.key_in_flight("team-a")}[which]
     await redis.set(key, "x")
-    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
-    worker = node_worker(redis_url, runner)
-    try:
-        await worker.claim_and_start([run_id])
-        assert await worker.tasks[run_id] == "completed:ok"
-        assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
-        assert await redis.type(key) in (b"hash", b"none")
-        for usage in (keys.usage_day("team-a", day), keys.usage_total("team-a")):
-            assert await redis.hget(usage, "runs:m:1") == b"1", usage
-    finally:
-        await worker.pool.aclose(close_connection_pool=True)
+    await taken_and_completed(redis, redis_url, sched.config, run_id)
+    assert await redis.type(key) in (b"hash", b"none")
+    for usage in (keys.usage_day("team-a", day), keys.usage_total("team-a")):
+        assert await redis.hget(usage, "runs:m:1") == b"1", usage
 
 
 @pytest.mark.parametrize("which", ["in_flight", "requests"])
@@ -163,15 +161,8 @@ async def test_a_run_whose_events_are_of_another_type_runs_and_its_node_s_worker
     sched, run_id = await start_one(redis, {"a": 1}, stream=False)
     await redis.delete(keys.run_events(run_id))
     await redis.hset(keys.run_events(run_id), "a", "b")
-    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
-    worker = node_worker(redis_url, runner)
-    try:
-        await worker.claim_and_start([run_id])
-        assert await worker.tasks[run_id] == "completed:ok"
-        assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
-        assert [f[b"type"] for _, f in await redis.xrange(keys.run_events(run_id))] == [b"started", b"completed"]
-    finally:
-        await worker.pool.aclose(close_connection_pool=True)
+    await taken_and_completed(redis, redis_url, sched.config, run_id)
+    assert [f[b"type"] for _, f in await redis.xrange(keys.run_events(run_id))] == [b"started", b"completed"]
 
 
 async def test_a_gateways_hash_of_another_type_is_deleted_and_said_and_dead_gateways_runs_cancelled_again(
@@ -239,14 +230,7 @@ async def test_a_job_s_in_progress_marker_of_another_type_is_deleted_and_its_run
     its poll meeting the job again. The marker goes (said in Redis's log) and the run is run."""
     sched, run_id = await start_one(redis, {"a": 1}, stream=False)
     await redis.hset(keys.arq_in_progress(run_id), "a", "b")
-    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
-    worker = node_worker(redis_url, runner)
-    try:
-        await worker.claim_and_start([run_id])
-        assert await worker.tasks[run_id] == "completed:ok"
-        assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
-    finally:
-        await worker.pool.aclose(close_connection_pool=True)
+    await taken_and_completed(redis, redis_url, sched.config, run_id)
 
 
 async def test_a_key_healed_by_another_process_meanwhile_and_written_again_is_not_deleted(redis: Redis) -> None:
