@@ -28,7 +28,7 @@ from common.policy import Health
 from common.provider_types import PROBE_DISTURBS
 from common.redisconn import REDIS_UNUSABLE, as_text_map, now_ms
 from common.scripts import Scripts
-from common.wrongtype import delete_wrong_types
+from common.wrongtype import delete_wrong_types, is_wrongtype
 from workers.adapters.base import DOWN, Adapter, ProbeResult
 from workers.health import Evidence, Field, judge
 
@@ -168,7 +168,7 @@ class Heartbeats:
         try:
             return await self._beat(provider)
         except ResponseError as exc:
-            if "WRONGTYPE" not in str(exc) or not await self._heal(provider):
+            if not is_wrongtype(exc) or not await self._heal(provider):
                 raise
         return await self._beat(provider)
 
