@@ -36,6 +36,24 @@ local _t = redis.call('TIME')
 local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
 """
 
+# A key of another type than iop writes there (written by hand) holds nothing of iop's; the scripts
+# whose read or write of it would fail midway (their state written and the rest not) make it a
+# `redis.pcall` and ask `wrongtype(reply)`: false for any reply but an error, true for WRONGTYPE,
+# and any other error raised again as `redis.call` would have (its prefix kept: OOM stays OOM).
+# `drop_wrong(key)` deletes such a key, said in Redis's log. Every script that uses them has this
+# prelude once, before its fragments (`tests/test_scripts_static.py` checks).
+_WRONG = """
+local function wrongtype(reply)
+  if type(reply) ~= 'table' or not reply.err then return false end
+  if not string.find(reply.err, 'WRONGTYPE', 1, true) then error(reply) end
+  return true
+end
+local function drop_wrong(key)
+  redis.log(redis.LOG_WARNING, 'iop: ' .. key .. ' held another type than iop writes there (written by hand?): deleted')
+  redis.call('DEL', key)
+end
+"""
+
 # Why a run cancelled once dispatched ends, from its record's `cancel_reason` and `cancel_code`
 # (`drop_queued` keeps them there; no code: `cancelled`): the message, the error code, and the data
 # of its `failed` event (`default_data`, the packed ErrorInfo of "cancelled by the caller", when the
@@ -116,19 +134,11 @@ local function ended(record, run_id, state, prompt, completion, key, model, limi
     key, model, limited = f[1], f[2], f[3]
   end
   if not key then return end
-  -- (a key's in-flight set or usage hash of another type, written by hand, holds nothing of iop's:
-  -- it is deleted, and said in Redis's log, not left to fail every end of the key's runs midway,
-  -- their state written and the rest not: `pcall`, no cost to the reads that find the right type)
-  local function healed(k, reply)
-    if type(reply) ~= 'table' or not reply.err or not string.find(reply.err, 'WRONGTYPE', 1, true) then return false end
-    redis.log(redis.LOG_WARNING, 'iop: ' .. k .. ' held another type than iop writes there (written by hand?): deleted')
-    redis.call('DEL', k)
-    return true
-  end
+  -- (a key's in-flight set or usage hash of another type, written by hand: deleted, not left to
+  -- fail every end of the key's runs midway; `pcall`, no cost to the reads that find the right type)
   if limited ~= '0' then
     local flight = '{keys.key_in_flight("")}' .. key
-    local reply = redis.pcall('ZREM', flight, run_id)
-    if type(reply) == 'table' and reply.err and not healed(flight, reply) then error(reply) end
+    if wrongtype(redis.pcall('ZREM', flight, run_id)) then drop_wrong(flight) end
   end
   model = model or '-'
   local day = '{keys.USAGE_PREFIX}' .. key .. ':' .. utc_day(now)
@@ -140,8 +150,8 @@ local function ended(record, run_id, state, prompt, completion, key, model, limi
     -- one read and one write a hash (the counts it changes), not an HINCRBY a count; '%d', as a
     -- Lua number past 10^14 prints in exponent form (exact up to 2^53: 10^9 tokens a run at most)
     local was, set = redis.pcall('HMGET', h, unpack(fields)), {{}}
-    if was.err then
-      if not healed(h, was) then error(was) end
+    if wrongtype(was) then
+      drop_wrong(h)
       was = {{}}
     end
     for i, field in ipairs(fields) do
@@ -198,14 +208,11 @@ end
 _EVENTS = f"""
 local function add_event(record, events, run_id, etype, data, watchers)
   local id = redis.pcall('XADD', events, '*', 'type', etype, 'data', data)
-  if type(id) == 'table' then
+  if wrongtype(id) then
     -- (the run's events of another type, written by hand: the script failed here midway, after its
     -- state was written, and every script after it of the run, the worker's take of its node's jobs
-    -- with it; such a key holds no event: it is deleted, said in Redis's log, and the event added)
-    if not id.err or not string.find(id.err, 'WRONGTYPE', 1, true) then error(id) end
-    redis.log(redis.LOG_WARNING, 'iop: ' .. events .. ' held another type than iop writes there (written by hand?): '
-      .. 'deleted')
-    redis.call('DEL', events)
+    -- with it; such a key holds no event: it is deleted and the event added)
+    drop_wrong(events)
     id = redis.call('XADD', events, '*', 'type', etype, 'data', data)
   end
   if watchers == nil then watchers = redis.call('HGET', record, 'watchers') end
@@ -449,10 +456,7 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
   -- (a record of another type, written by hand, holds no run: it goes as a run whose record is gone,
   -- not every dispatch of the model failed at its head for good)
   local rec = redis.pcall('HMGET', record, 'state', 'tried', 'attempts', 'watchers')
-  if rec.err then
-    if not string.find(rec.err, 'WRONGTYPE', 1, true) then error(rec) end
-    rec = {{}}
-  end
+  if wrongtype(rec) then rec = {{}} end
   if rec[1] ~= 'queued' then
     redis.call('XACK', stream, group, entry)
     redis.call('XDEL', stream, entry)
@@ -515,7 +519,7 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
 end
 """
 
-DISPATCH = _NOW + _DISPATCH_ONE + """
+DISPATCH = _NOW + _WRONG + _DISPATCH_ONE + """
 local cands = {}
 for j = 0, (#KEYS - 3) / 8 - 1 do
   local a = 9 + 4 * j
@@ -545,7 +549,7 @@ return dispatch_one(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4
 #       its queue_timeout_ms, its providers' count, and for each provider: id, node, served name
 # Returns {stream, entry, run id, result, holder, provider, mine} for each run dispatched ('ok')
 # or found gone ('gone'), then {stream, entry, run id, 'error', message, '', 0} after an error.
-DISPATCH_PENDING = _NOW + _DISPATCH_ONE + """
+DISPATCH_PENDING = _NOW + _WRONG + _DISPATCH_ONE + """
 local out = {}
 local function model_block(i, a)
   local stream, timeout, p = KEYS[i], tonumber(ARGV[a]), tonumber(ARGV[a + 1])
@@ -636,10 +640,7 @@ end
 -- worker exited, and each worker of the node after it, its poll meeting the job again)
 local function record_fields(record)
   local flat = redis.pcall('HGETALL', record)
-  if flat.err then
-    if not string.find(flat.err, 'WRONGTYPE', 1, true) then error(flat) end
-    return {}
-  end
+  if wrongtype(flat) then return {} end
   return flat
 end
 local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, cancelled, signals, lease_prefix, serves)
@@ -685,7 +686,7 @@ end
 # KEYS: run record, events
 # ARGV: run id, lease_ttl_ms, ttl_s, worker (host:pid), cancelled event data, signals channel,
 #       lease key prefix (the lease key is that prefix + the run's provider)
-START = _NOW + _ENDED + _EVENTS + _CANCEL_REASON + _START + """
+START = _NOW + _WRONG + _ENDED + _EVENTS + _CANCEL_REASON + _START + """
 return start_run(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], false)
 """
 
@@ -719,13 +720,10 @@ local function take_jobs(queue, ids)
     if score and tonumber(score) <= now then
       -- the marker, set here unless the job has one (then that one, unchanged)
       local marker = redis.pcall('SET', ARGV[1] .. id, ARGV[11], 'NX', 'GET', 'PX', ARGV[2])
-      if type(marker) == 'table' and marker.err then
+      if wrongtype(marker) then
         -- (a marker of another type, written by hand: the take of the node's jobs failed, the worker
-        -- exited, and so did each worker after it; it marks nothing: it goes, said in Redis's log)
-        if not string.find(marker.err, 'WRONGTYPE', 1, true) then error(marker) end
-        redis.log(redis.LOG_WARNING, 'iop: ' .. ARGV[1] .. id .. ' held another type than iop writes there '
-          .. '(written by hand?): deleted')
-        redis.call('DEL', ARGV[1] .. id)
+        -- exited, and so did each worker after it; it marks nothing: it goes)
+        drop_wrong(ARGV[1] .. id)
         marker = redis.call('SET', ARGV[1] .. id, ARGV[11], 'NX', 'GET', 'PX', ARGV[2])
       end
       local started
@@ -755,7 +753,7 @@ end
 # ARGV: in-progress key prefix, in-progress ttl (ms), run record prefix, events prefix, lease
 #       prefix, lease_ttl_ms, ttl_s, worker, cancelled event data, signals channel, instance id,
 #       serves-set key prefix ('': no check), the node's live workers key, job ids...
-TAKE = _NOW + _TAKE + """
+TAKE = _NOW + _WRONG + _TAKE + """
 local ids = {}
 for i = 14, #ARGV do ids[#ids + 1] = ARGV[i] end
 return take_jobs(KEYS[1], ids)
@@ -781,7 +779,7 @@ return take_jobs(KEYS[1], ids)
 # KEYS: node queue, the worker's own list, its last answer's ids, the node's wake list, its passed list
 # ARGV: as TAKE's first 13, then the most jobs to take (`free`), then `id:attempt` of each run the
 #       worker's last answer started (acked)...
-TAKE_WOKEN = _NOW + _TAKE + """
+TAKE_WOKEN = _NOW + _WRONG + _TAKE + """
 -- (`have`: the ids taken already, from the worker's own list: one is not taken twice)
 local function passed_here(list, room, have)
   local out = {}
@@ -895,7 +893,7 @@ return 1
 #       of it goes there meanwhile, where every new run went first (its in-flight count the lowest),
 #       keeping a hosted API's key at its rate limit; the run's body ('' none) for `requeue_unable` to
 #       put back in the record, whose attempt's start deleted it (the last attempt, as it was)
-FINISH = FREES + _NOW + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + f"""
+FINISH = FREES + _NOW + _WRONG + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + f"""
 local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited', 'cancel',
   'output', 'cancel_reason', 'cancel_code')
 local state = rec[1]
@@ -1011,7 +1009,7 @@ return benched
 # ARGV: run id, group, new state, event data, ttl_s, error code, error message, cancel channel prefix,
 #       replica channel prefix (the replica holding the next waiting run is woken; '' = none), the
 #       run's model id if a missing run is to be recorded ended ('' or none: it is left missing)
-DROP_QUEUED = FREES + _NOW + _ENDED + _EVENTS + _WAKE + """
+DROP_QUEUED = FREES + _NOW + _WRONG + _ENDED + _EVENTS + _WAKE + """
 local state = redis.call('HGET', KEYS[2], 'state')
 if state == 'dispatched' or state == 'running' then
   if ARGV[8] ~= '' then
@@ -1063,7 +1061,7 @@ return 'ok'
 # ("attempt:n"): the same emit made again (a dropped connection lost the reply, and the client
 # sent it again) adds nothing, so the caller never gets the same output twice.
 # KEYS: run record, events   ARGV: attempt, event type, event data, max events, run id, emit number
-EMIT = _EVENTS + """
+EMIT = _WRONG + _EVENTS + """
 local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'output', 'emitted', 'cancel')
 if rec[1] ~= 'running' or rec[2] ~= ARGV[1] then return 0 end
 local emitted = ARGV[1] .. ':' .. ARGV[6]
@@ -1089,7 +1087,7 @@ return 1
 #       the provider's models...
 # ARGV: run id, max_attempts, ttl_s, replica channel prefix, model, requeued data, failed data,
 #       cancelled data, [failed data and message for a run no worker started: still `dispatched`]
-REAP = FREES + _NOW + _REQUEUE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + """
+REAP = FREES + _NOW + _WRONG + _REQUEUE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) > now then return 'alive' end
 redis.call('ZREM', KEYS[1], ARGV[1])
@@ -1140,7 +1138,7 @@ return 'failed'
 # KEYS: the node's workers set, the node's queue, the node's wake list, its providers' heartbeats...
 # ARGV: instance id, in-progress key prefix, requeued event data, signals channel
 # Returns {1 if it was the last, runs queued again}.
-WORKER_LEFT = _NOW + _REQUEUE + _EVENTS + f"""
+WORKER_LEFT = _NOW + _WRONG + _REQUEUE + _EVENTS + f"""
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZCARD', KEYS[1]) > 0 then return {{0, 0}} end
@@ -1322,16 +1320,13 @@ return id
 # it: a sweep every few seconds told its cancel again and again).
 # Returns {run id, model, ...}.
 # KEYS: gateways hash   ARGV: run record key prefix, gateway liveness key prefix, run ids...
-ORPHANS = f"""
+ORPHANS = _WRONG + f"""
 local out = {{}}
 for i = 3, #ARGV do
   -- (a record of another type, written by hand, names no gateway: that run alone is passed over,
   -- not every sweep failed while it is listed, the runs of its batch with it)
   local rec = redis.pcall('HMGET', ARGV[1] .. ARGV[i], 'watchers', 'model', 'state', 'cancel')
-  if rec.err then
-    if not string.find(rec.err, 'WRONGTYPE', 1, true) then error(rec) end
-    rec = {{}}
-  end
+  if wrongtype(rec) then rec = {{}} end
   if rec[1] and (rec[3] == 'queued' or ((rec[3] == 'dispatched' or rec[3] == 'running') and rec[4] ~= '1')) then
     local gateway = string.gsub(string.match(rec[1], '^[^,]*'), '{keys.OUTPUT_ONLY}$', '')
     if gateway ~= '' and redis.call('HEXISTS', KEYS[1], gateway) == 1
