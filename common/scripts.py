@@ -1093,7 +1093,9 @@ if not score or tonumber(score) > now then return 'alive' end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
 redis.call('DEL', KEYS[6])
-local state = redis.call('HGET', KEYS[2], 'state')
+-- (a record of another type, written by hand, holds no run: missing, its slot given back all the same)
+local state = redis.pcall('HGET', KEYS[2], 'state')
+if wrongtype(state) then state = false end
 for i = 7, #KEYS do wake_head(KEYS[i], ARGV[4]) end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
 local ttl = tonumber(ARGV[3])

@@ -870,7 +870,13 @@ class Scheduler:
                     max_attempts: dict[str, int]) -> int:
         """The node's queue is the one the run's record names (it was sent there), else `node_id`'s
         (None: a provider the config lacks)."""
-        model_raw, node_raw, limit = await self.redis.hmget(keys.run_record(run_id), "model", "node", "max_attempts")
+        try:
+            model_raw, node_raw, limit = await self.redis.hmget(keys.run_record(run_id), "model", "node",
+                                                                "max_attempts")
+        except ResponseError as exc:  # (a record of another type, written by hand, holds no run: the
+            if not is_wrongtype(exc):  # script reads it as missing, not every sweep failed at it for good)
+                raise
+            model_raw = node_raw = limit = None
         model_id = model_raw.decode() if model_raw else ""
         if node_raw:  # (the node it was sent to: the config's may be another since, in a rollout)
             node_id = node_raw.decode()

@@ -342,3 +342,25 @@ async def test_a_queued_run_s_record_of_another_type_does_not_stop_its_model_s_d
     await sched.dispatch_all()
     assert await fields(redis, keys.run_record(good), "state") == ["dispatched"]
     assert await redis.get(keys.run_record(bad)) == b"x"
+
+
+async def test_a_leased_run_s_record_of_another_type_does_not_stop_the_reaping_of_expired_leases(
+        redis: Redis) -> None:
+    """`SET iop:run:{run} x` of a run whose lease ran out: every sweep of expired leases failed with
+    WRONGTYPE at that run, for good, and the expired leases after it were never given back (their
+    slots held, the runs' callers waiting out their deadlines). That record holds no run: its lease
+    goes, the slot's waiters are woken, and the other runs are reaped."""
+    from tests.test_scheduler import make_config, waiting_runs
+
+    config = make_config({"a": 2}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 2})
+    client, sched, (bad, good) = await waiting_runs(redis, config, 2)
+    await sched.dispatch_all()
+    assert await redis.zcard(keys.leases("a")) == 2
+    await redis.delete(keys.run_record(bad))
+    await redis.set(keys.run_record(bad), "x")
+    await redis.zadd(keys.leases("a"), {bad: 1, good: 2})  # (both ran out; the bad one is read first)
+    assert await sched.reap_expired_leases() == 2
+    assert await redis.zcard(keys.leases("a")) == 0
+    assert await redis.hget(keys.run_record(good), "state") == b"queued"  # (tried again: 1 attempt of 2)
+    assert await redis.get(keys.run_record(bad)) == b"x"
+    await client.close()
