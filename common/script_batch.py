@@ -8,9 +8,11 @@ burst of thousands is packed for Redis only as fast as Redis takes it, and the c
 hold no packed copy. Each caller gets its own answer, or the error of its own call, or, when the
 round trip itself failed (Redis away), that error: no caller is left waiting. When Redis did not
 answer a round trip in time (or a connection in time), the calls waiting behind it hear so at
-once, as calls that were not sent, rather than each wait out a timeout of its own in turn. A lost
-or refused connection fails a round trip within its retries instead: the calls behind it go next,
-with retries of their own (Redis may be back by then: a restart, a Sentinel failover).
+once, as calls that were not sent, rather than each wait out a timeout of its own in turn; so do
+those behind a round trip that failed only after `slow_s` (the sentinels cut off, none naming a
+primary within `SENTINEL_TIMEOUT_S`: a gateway cut off from Redis's hosts). A lost or refused
+connection fails a round trip within its retries, at once: the calls behind it go next, with
+retries of their own (Redis may be back by then: a restart, a Sentinel failover).
 """
 
 from __future__ import annotations
@@ -22,10 +24,16 @@ from typing import Any
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from common.redisconn import SENTINEL_TIMEOUT_S
 from common.redisline import may_have_run
 from common.scripts import Scripts
 
 Call = tuple[Sequence[str], Sequence[Any], "asyncio.Future[Any]"]
+
+#: A round trip that failed after this long failed by waiting, not at once: a lost or refused
+#: connection fails within its retries' backoff (about 0.3 s), a lookup of the primary whose
+#: sentinels do not answer after `SENTINEL_TIMEOUT_S`.
+SLOW_FAILURE_S = 0.75 * SENTINEL_TIMEOUT_S
 
 
 def _after_leaving(if_left: Callable[[Any], None], future: asyncio.Future[Any]) -> None:
@@ -41,11 +49,13 @@ def _after_leaving(if_left: Callable[[Any], None], future: asyncio.Future[Any]) 
 
 
 class ScriptBatch:
-    def __init__(self, scripts: Scripts, name: str, max_batch: int = 256, max_sending: int = 1) -> None:
+    def __init__(self, scripts: Scripts, name: str, max_batch: int = 256, max_sending: int = 1,
+                 slow_s: float = SLOW_FAILURE_S) -> None:
         self.scripts = scripts
         self.name = name
         self.max_batch = max_batch
         self.max_sending = max_sending
+        self.slow_s = slow_s
         self._pending: list[Call] = []
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -82,14 +92,16 @@ class ScriptBatch:
         self._flush()  # the calls made meanwhile
 
     async def _send(self, batch: list[Call]) -> None:
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()
         try:
             answers = await self.scripts.call_many(self.name, [(keys, args) for keys, args, _ in batch])
         except BaseException as exc:  # the round trip failed: every caller of the batch hears it
             _fail(batch, exc)
-            if isinstance(exc, (RedisTimeoutError, asyncio.CancelledError)):
-                # (and the calls waiting behind it, which would each wait out the timeout in turn; a
-                # lost or refused connection is not: it fails within the retries, and the calls
-                # behind it get retries of their own, which may see Redis back: a failover, a restart)
+            if isinstance(exc, (RedisTimeoutError, asyncio.CancelledError)) or loop.time() - sent_at >= self.slow_s:
+                # (and the calls waiting behind it, which would each wait as long in turn; a lost or
+                # refused connection is not: it fails within the retries, and the calls behind it
+                # get retries of their own, which may see Redis back: a failover, a restart)
                 waiting, self._pending = self._pending, []
                 _fail(waiting, exc if isinstance(exc, asyncio.CancelledError) else _unsent(exc))
                 waiting = []

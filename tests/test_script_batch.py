@@ -234,3 +234,35 @@ async def test_calls_waiting_behind_a_round_trip_that_found_no_connection_get_tr
     finally:
         await redis.aclose()
         server.cleanup()
+
+
+async def test_calls_waiting_behind_a_round_trip_that_failed_slowly_hear_it_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round trip that failed only after a wait, not at once (the sentinels cut off: the kernel
+    takes their connections, nobody answers, and no primary is found within `SENTINEL_TIMEOUT_S`;
+    a gateway cut off from Redis's hosts): the calls behind it would each wait as long again, in
+    turn, 256 a round trip, a backlog that grows with every caller arriving meanwhile (the last of
+    a burst of 5,000 waited 20 such waits). They fail with it at once, as calls never sent."""
+    from common import redisconn
+    from tests.test_redisconn import silent_sentinels
+
+    monkeypatch.setattr(redisconn, "SENTINEL_TIMEOUT_S", 0.6)
+    servers = await silent_sentinels([])
+    hosts = ",".join(f"127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers)
+    redis = connect(f"redis+sentinel://{hosts}/mymaster/0")
+    scripts = Scripts(redis)
+    trips = counting(scripts)
+    batch = ScriptBatch(scripts, "watch", slow_s=0.3)
+    try:
+        first = asyncio.create_task(watch(batch, "run_t"))
+        await async_wait_until(lambda: _true(trips), what="the first round trip to be on its way")
+        behind = [asyncio.create_task(watch(batch, f"run_{i}")) for i in range(4)]
+        answers = await asyncio.wait_for(asyncio.gather(first, *behind, return_exceptions=True), 20)
+    finally:
+        await redis.aclose()
+        for server in servers:
+            server.close()
+    assert all(isinstance(a, RedisConnectionError) for a in answers), answers
+    assert str(answers[1]).startswith("No master found for 'mymaster'")
+    assert not any(may_have_run(a) for a in answers)
+    assert trips == [1]  # the calls behind it were never sent
