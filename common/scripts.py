@@ -1255,7 +1255,10 @@ if audit ~= 'stream' and audit ~= 'none' then
   return redis.error_reply('WRONGTYPE ' .. KEYS[2] .. ' is a ' .. audit ..
     ', not the stream of the audit: nothing changed')
 end
-local prev = redis.call('MGET', KEYS[1])[1]  -- (as the dispatch scripts read it: a key of another type is none)
+local prev = redis.call('MGET', KEYS[1])[1]  -- (as the dispatch scripts read it: a key of another type is none,
+if prev and string.sub(ARGV[1], 1, 8) == 'capacity' and not string.match(prev, '^%-?%d+$') then
+  prev = false  -- and so is an override that is no integer in digits, '1.5' written by hand: `capped`)
+end
 local prev_until = ''
 if prev then
   local at = redis.call('PEXPIRETIME', KEYS[1])  -- exactly the `until_ms` it was set with

@@ -272,6 +272,18 @@ async def test_a_control_key_of_another_type_written_by_hand_is_none_and_the_nex
     assert (await read_control(redis, config))[0]["a"].capacity_override == 2
 
 
+@pytest.mark.parametrize("action", [Action.CAPACITY, Action.CAPACITY_CLEAR])
+async def test_an_override_written_by_hand_that_is_no_integer_is_recorded_as_none_before(
+        redis: Redis, action: Action) -> None:
+    """`redis-cli SET iop:capacity:a 1.5 PX 60000`: every reader takes it as no override (the scheduler,
+    the dispatch scripts, the catalog), but the audit entry of the next change said it was '1.5', until
+    a time."""
+    config = make_config({"a": 4})
+    await redis.set(keys.capacity_override("a"), "1.5", px=60_000)
+    entry = await apply(redis, config, Change(action, "a", "ops", capacity=2 if action is Action.CAPACITY else None))
+    assert (entry.previous, entry.previous_until_ms) == ("none", None)
+
+
 @pytest.mark.parametrize("change", [Change(Action.DRAIN, "a", "ops"), Change(Action.CAPACITY, "a", "ops", capacity=1),
                                     Change(Action.CORDON, "n-a", "ops")])
 async def test_a_change_whose_audit_entry_redis_refuses_is_not_made(redis: Redis, change: Change) -> None:
