@@ -18,7 +18,7 @@ from yarl import URL
 from common import keys
 from common.auth import KeyRing, UnresolvedKeys, hash_key
 from common.config import ConfigError, parse_config
-from common.scripts import _ENDED, _NOW, _UTC_DAY
+from common.scripts import _ENDED, _NOW, _UTC_DAY, _WRONG
 from gateway.app import build_app
 from tests.conftest import async_wait_until
 from tests.openapi import validate
@@ -156,7 +156,7 @@ async def test_a_runs_end_adds_to_its_keys_day_and_total_exactly(redis: Redis) -
     failure only for a failed or timed-out run, the tokens when there are some (a count of zero is
     not written), exact integers also past what a Lua number prints plainly, and the day's TTL set
     when the day's first run of the model makes its count (not pushed back by the next)."""
-    script = _NOW + _ENDED + "ended(KEYS[1], 'run_x', ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'm', '0') return 1"
+    script = _NOW + _WRONG + _ENDED + "ended(KEYS[1], 'run_x', ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'm', '0') return 1"
     total = keys.usage_total("team-a")
     await redis.hset(total, mapping={"prompt_tokens:m": 10**15, "runs:other": 7})
     await redis.eval(script, 1, "iop:run:run_x", "completed", 3, 0, "team-a")
