@@ -456,11 +456,19 @@ class EventHub:
                     pipe.hmget(keys.run_record(run_id), "state", "model", "entry")
             # (a read for every follower of these runs takes no turn: one connection, whatever their number)
             async with self.reads if only else contextlib.nullcontext():
-                replies = iter(await pipe.execute())
+                replies = iter(await pipe.execute(raise_on_error=False))
             more = []
             for run_id in run_ids:
                 entries = next(replies)
-                state, model, entry = next(replies) if check_lost else (b"", None, None)
+                if isinstance(entries, Exception):
+                    raise entries
+                record = next(replies) if check_lost else (b"", None, None)
+                # (a record of another type, written by hand, holds no run: that run is lost, not every
+                # check failed, and with it the listener's every read, for good)
+                wrong = isinstance(record, Exception) and is_wrongtype(record)
+                if isinstance(record, Exception) and not wrong:
+                    raise record
+                state, model, entry = (None, None, None) if wrong else record
                 exists = state is not None
                 if state == b"queued" and model and entry:
                     queued.append((run_id, model.decode(), entry.decode()))
@@ -475,9 +483,11 @@ class EventHub:
                     # Redis lost the run (a restart without persistence, or a failover), or it expired
                     # before a slow reader took its end (the two look the same): say so. (A run still
                     # being queued has no record yet: its caller waits for the queueing's answer.)
-                    info = ErrorInfo(ErrorCode.WORKER_LOST, "the run was lost: Redis lost its record (a restart "
-                                                            "without persistence, or a failover), or it expired "
-                                                            "(runtime.run_ttl_s) before its end was read")
+                    info = ErrorInfo(ErrorCode.WORKER_LOST, (
+                        f"the run was lost: its record in Redis ({keys.run_record(run_id)}) holds another type "
+                        "than a run's (written by hand?)") if wrong else (
+                        "the run was lost: Redis lost its record (a restart without persistence, or a failover), "
+                        "or it expired (runtime.run_ttl_s) before its end was read"))
                     for f in followers:  # (before output as far as it knows)
                         data = {**info.to_wire(), "before_output": not f.had_output}
                         f.give(Event("lost", EventType.FAILED.value, data))

@@ -364,3 +364,49 @@ async def test_a_leased_run_s_record_of_another_type_does_not_stop_the_reaping_o
     assert await redis.hget(keys.run_record(good), "state") == b"queued"  # (tried again: 1 attempt of 2)
     assert await redis.get(keys.run_record(bad)) == b"x"
     await client.close()
+
+
+async def test_a_followed_run_s_record_of_another_type_ends_that_run_and_the_gateway_s_listener_goes_on(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SET iop:run:{run} x` of a run a caller follows: the gateway's check of its quiet runs reads
+    their records in one pipeline, whose WRONGTYPE failed the whole check; the listener then read
+    every followed run again before its inbox, failing so each time, for good: no caller of the
+    gateway heard anything more of its run. That record holds no run: its caller hears it lost
+    (`worker_lost`, saying so), and the other callers their runs' events."""
+    from gateway.events import EventHub
+    from tests.test_events import add, collect
+
+    monkeypatch.setattr("gateway.events.QUIET_CHECK_S", 0.05)
+    hub = EventHub(redis)
+    await redis.hset(keys.run_record("good"), mapping={"state": "running", "watchers": hub.gateway_id})
+    await redis.set(keys.run_record("bad"), "x")
+    try:
+        async with hub.follow("good") as good, hub.follow("bad") as bad:
+            event = await asyncio.wait_for(bad.next(), 10)
+            assert event is not None and event.type == "failed" and event.data["code"] == "worker_lost"
+            assert "another type" in event.data["message"], event.data
+            await add(redis, "good", hub.gateway_id, "delta", 1)
+            assert await collect(good.next, 1) == [1]
+    finally:
+        await hub.close()
+    assert await redis.get(keys.run_record("bad")) == b"x"
+
+
+async def test_a_run_s_record_of_another_type_is_404_on_the_runs_api(redis_url: str) -> None:
+    """`SET iop:run:{run} x`: `GET /v1/runs/{id}` (its events, its DELETE) answered 503 "the run store
+    refused iop's command" with `Retry-After`, for as long as the key lived: the client was told to
+    try again. That record holds no run: 404, OpenAI-shaped."""
+    from tests.openapi import validate
+    from tests.test_runs_api import api_for, make_config
+
+    async with api_for(make_config(), redis_url) as api:
+        await api.redis.set(keys.run_record("run_x"), "x")
+        for method, path in (("GET", "/v1/runs/run_x"), ("GET", "/v1/runs/run_x/events"),
+                             ("DELETE", "/v1/runs/run_x")):
+            async with api.session.request(method, api.url(path)) as resp:
+                assert resp.status == 404, (method, path, resp.status)
+                body = await resp.json()
+                validate("ErrorResponse", body)
+                assert body["error"]["code"] == "not_found" and "run_x" in body["error"]["message"]
+        await api.client.close()
+
