@@ -1008,9 +1008,13 @@ return benched
 # KEYS: runs stream, run record, events
 # ARGV: run id, group, new state, event data, ttl_s, error code, error message, cancel channel prefix,
 #       replica channel prefix (the replica holding the next waiting run is woken; '' = none), the
-#       run's model id if a missing run is to be recorded ended ('' or none: it is left missing)
+#       run's model id if a missing run is to be recorded ended ('' or none: it is left missing), the
+#       run's entry in its queue as the caller holds it ('' or none: not known)
 DROP_QUEUED = FREES + _NOW + _WRONG + _ENDED + _EVENTS + _WAKE + """
-local state = redis.call('HGET', KEYS[2], 'state')
+-- (a record of another type, written by hand, holds no run: read as missing, and nothing written to it)
+local state = redis.pcall('HGET', KEYS[2], 'state')
+local wrong = wrongtype(state)
+if wrong then state = false end
 if state == 'dispatched' or state == 'running' then
   if ARGV[8] ~= '' then
     -- the flag makes it durable: START ends a dispatched run, RENEW reports it to a running one;
@@ -1026,7 +1030,14 @@ if state == 'dispatched' or state == 'running' then
   return state
 end
 if state ~= 'queued' then
-  if not state and ARGV[10] and ARGV[10] ~= '' then
+  if not state and (ARGV[11] or '') ~= '' then
+    -- a run with no record (or one of another type) whose entry the caller holds (a scheduler's queue
+    -- timeout): its entry leaves the queue, as `dispatch` takes out a run gone; left there, at the
+    -- head, no dispatch of the model got past it, for good
+    redis.call('XACK', KEYS[1], ARGV[2], ARGV[11])
+    if redis.call('XDEL', KEYS[1], ARGV[11]) == 1 and ARGV[9] ~= '' then wake_head(KEYS[1], ARGV[9]) end
+  end
+  if not state and not wrong and ARGV[10] and ARGV[10] ~= '' then
     redis.call('HSET', KEYS[2], 'model', ARGV[10], 'state', ARGV[3], 'created_ms', now, 'finished_ms', now,
       'error_code', ARGV[6], 'error_message', ARGV[7])
     redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))

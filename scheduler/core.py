@@ -623,17 +623,20 @@ class Scheduler:
                               self.config.runtime.heartbeat_ttl_ms, refuse, excluded)
 
     def _drop_call(self, model_id: str, run_id: str, state: RunState, info: ErrorInfo,
-                   abort_running: bool = False) -> tuple[list[str], list[Any]]:
+                   abort_running: bool = False, entry_id: str = "") -> tuple[list[str], list[Any]]:
         """The `drop_queued` call that ends a run still waiting in its queue with `state` and `info`;
-        `abort_running`: else tells its node to abort it if it runs (as a caller's leaving does)."""
+        `abort_running`: else tells its node to abort it if it runs (as a caller's leaving does);
+        `entry_id`: its entry in the queue, which leaves it should its record be gone (or of another
+        type, written by hand)."""
         return ([keys.runs_stream(model_id), keys.run_record(run_id), keys.run_events(run_id)],
                 [run_id, keys.SCHEDULER_GROUP, state.value, pack(info.to_wire()), self.config.runtime.run_ttl_s,
                  info.code.value, info.message, keys.node_cancel("") if abort_running else "",
-                 keys.scheduler_channel("")])
+                 keys.scheduler_channel(""), "", entry_id])
 
     async def _drop(self, model_id: str, w: Waiting, state: RunState, info: ErrorInfo) -> None:
         """End a run that is still waiting in its queue."""
-        result = await self.scripts.call("drop_queued", *self._drop_call(model_id, w.run_id, state, info))
+        result = await self.scripts.call("drop_queued", *self._drop_call(model_id, w.run_id, state, info,
+                                                                          entry_id=w.entry_id))
         if result == b"ok":
             metrics.DROPPED.labels(model_id, state.value).inc()
             log.info("%s in the queue: %s", state.value, info.code.value, extra=run_fields(w.run_id, model_id))

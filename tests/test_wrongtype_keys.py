@@ -410,3 +410,36 @@ async def test_a_run_s_record_of_another_type_is_404_on_the_runs_api(redis_url: 
                 assert body["error"]["code"] == "not_found" and "run_x" in body["error"]["message"]
         await api.client.close()
 
+
+async def test_a_waiting_run_s_record_of_another_type_times_out_alone_and_its_model_s_runs_go_on(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SET iop:run:{run} x` of a run waiting for a slot: at its queue timeout its `drop_queued` failed
+    with WRONGTYPE (the round's dispatch with it), and its entry stayed at the head of the model's
+    queue, which no dispatch takes: every run of the model behind it was `not_head`, for good. The
+    entry goes as a run whose record is gone; the runs behind it are dispatched."""
+    from common.redisconn import now_ms
+    from tests.test_scheduler import MODEL, make_config, waiting_runs
+
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    await redis.zadd(keys.leases("a"), {"busy": now_ms() + 60_000})  # (no slot: both wait)
+    client, sched, (bad, good) = await waiting_runs(redis, config, 2)
+    await redis.delete(keys.run_record(bad))
+    await redis.set(keys.run_record(bad), "x")
+    adopt = sched._adopt
+
+    def adopt_overdue(model_id: str, entry_id: str, raw: dict[bytes, bytes]) -> None:
+        adopt(model_id, entry_id, raw)  # (its queue timeout passed, the other's not: as if the clock moved)
+        for w in sched.waiting[model_id]:
+            if w.run_id == bad:
+                w.deadline_ms = 0
+    monkeypatch.setattr(sched, "_adopt", adopt_overdue)
+    sched.waiting[MODEL][0].deadline_ms = 0
+    await sched.dispatch_round()
+    await redis.delete(keys.leases("a"))  # (a slot frees)
+    for _ in range(3):  # (a replica adopts what Redis says it holds and it lost track of at two looks)
+        await sched.adopt_forgotten()
+        await sched.dispatch_round()
+    assert await fields(redis, keys.run_record(good), "state") == ["dispatched"]
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 0
+    assert await redis.get(keys.run_record(bad)) == b"x"
+    await client.close()
