@@ -787,7 +787,10 @@ local function passed_here(list, room, have)
   local listed = redis.call('LRANGE', list, -100, -1)
   for i = #listed, 1, -1 do
     local id = listed[i]
-    local r = redis.call('HMGET', ARGV[3] .. id, 'provider', 'model')
+    -- (a record of another type, written by hand, holds no run: it leaves the list, not failed every
+    -- take of the node's workers, each exiting on it)
+    local r = redis.pcall('HMGET', ARGV[3] .. id, 'provider', 'model')
+    if wrongtype(r) then r = {} end
     if not r[1] or not r[2] or not passes(serves, r[1], r[2]) then
       redis.call('LREM', list, -1, id)
       if r[1] and r[2] and not have[id] then
@@ -851,8 +854,11 @@ return out
 # count of output chunks its caller got so far (ARGV[4], when it has output) goes in the record
 # (`out_chunks`): a run whose worker is lost counts them (`REAP`), at most a renewal old.
 # KEYS: lease, run record   ARGV: run id, lease_ttl_ms, attempt, output chunks ('' or none: none yet)
-RENEW = FREES + _NOW + """
-if redis.call('HGET', KEYS[2], 'attempts') ~= ARGV[3] then return 0 end
+RENEW = FREES + _NOW + _WRONG + """
+-- (a record of another type, written by hand, holds no run: the attempt owns none, and stops, not
+-- left generating at its provider past its lease, its slot given back to another run meanwhile)
+local attempts = redis.pcall('HGET', KEYS[2], 'attempts')
+if wrongtype(attempts) or attempts ~= ARGV[3] then return 0 end
 if redis.call('HGET', KEYS[2], 'cancel') == '1' then return 2 end
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) <= now then return 0 end
@@ -894,8 +900,11 @@ return 1
 #       keeping a hosted API's key at its rate limit; the run's body ('' none) for `requeue_unable` to
 #       put back in the record, whose attempt's start deleted it (the last attempt, as it was)
 FINISH = FREES + _NOW + _WRONG + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + f"""
-local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited', 'cancel',
+-- (a record of another type, written by hand, holds no run: as a record gone, the attempt owns none;
+-- its lease goes to the reaper)
+local rec = redis.pcall('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited', 'cancel',
   'output', 'cancel_reason', 'cancel_code')
+if wrongtype(rec) then rec = {{}} end
 local state = rec[1]
 if rec[2] ~= ARGV[10] then return 'stale' end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
@@ -979,10 +988,10 @@ return 'ok'
 # KEYS: run record, the heartbeat of each other provider the run was tried on...
 # ARGV: runs, bench_ms, then for each heartbeat: its provider, the run's served name there
 # Returns the providers benched.
-BLAME = _NOW + f"""
-local suspects = redis.call('HGET', KEYS[1], 'suspects')
+BLAME = _NOW + _WRONG + f"""
+local suspects = redis.pcall('HGET', KEYS[1], 'suspects')
 local benched = {{}}
-if not suspects then return benched end
+if wrongtype(suspects) or not suspects then return benched end  -- (a record of another type names none)
 local listed = {{}}
 for p in string.gmatch(suspects, '[^,]+') do listed[p] = true end
 local runs = tonumber(ARGV[1])
@@ -1073,7 +1082,9 @@ return 'ok'
 # sent it again) adds nothing, so the caller never gets the same output twice.
 # KEYS: run record, events   ARGV: attempt, event type, event data, max events, run id, emit number
 EMIT = _WRONG + _EVENTS + """
-local rec = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'output', 'emitted', 'cancel')
+-- (a record of another type, written by hand, holds no run: the attempt owns none)
+local rec = redis.pcall('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'output', 'emitted', 'cancel')
+if wrongtype(rec) then rec = {} end
 if rec[1] ~= 'running' or rec[2] ~= ARGV[1] then return 0 end
 local emitted = ARGV[1] .. ':' .. ARGV[6]
 if rec[5] == emitted then return 1 end
@@ -1162,7 +1173,10 @@ end
 local requeued = 0
 for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   local record = '{keys.run_record("")}' .. id
-  local r = redis.call('HMGET', record, 'state', 'provider', 'model', 'cancel', 'attempts')
+  -- (a record of another type, written by hand, holds no run: passed over, not the runs after it left
+  -- to their leases, the schedulers not woken)
+  local r = redis.pcall('HMGET', record, 'state', 'provider', 'model', 'cancel', 'attempts')
+  if wrongtype(r) then r = {{}} end
   if r[1] == 'dispatched' and r[4] ~= '1' and redis.call('EXISTS', ARGV[2] .. id) == 0 then
     redis.call('ZREM', '{keys.leases("")}' .. r[2], id)
     redis.call('ZREM', KEYS[2], id)
@@ -1229,8 +1243,9 @@ return redis.call('EXISTS', KEYS[1])
 # the gateway of the run's caller: `orphans` reads it).
 # KEYS: run record   ARGV: gateway id
 # Returns 0 if the run is gone, else 1.
-WATCH = f"""
-local watchers = redis.call('HGET', KEYS[1], 'watchers')
+WATCH = _WRONG + f"""
+local watchers = redis.pcall('HGET', KEYS[1], 'watchers')
+if wrongtype(watchers) then return 0 end  -- (a record of another type, written by hand, holds no run)
 if not watchers then
   if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
   redis.call('HSET', KEYS[1], 'watchers', ARGV[1])

@@ -443,3 +443,129 @@ async def test_a_waiting_run_s_record_of_another_type_times_out_alone_and_its_mo
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0
     assert await redis.get(keys.run_record(bad)) == b"x"
     await client.close()
+
+
+async def test_a_running_run_s_record_of_another_type_stops_its_attempt_at_its_next_renewal(redis: Redis) -> None:
+    """`SET iop:run:{run} x` of a running run: its lease's renewal failed with WRONGTYPE, which ended
+    the renewals (an exception nobody read) while the request went on at its provider, for as long as
+    its execution timeout, past its lease: the reaper gave its slot to another run meanwhile, one
+    more than the provider's capacity. The attempt owns no run: it stops, as one whose lease went."""
+    from tests.test_cancel import StallingAdapter, dispatched_run
+
+    client, sched, run_id = await dispatched_run(redis, lease_ttl_ms=150)
+    adapter = StallingAdapter()
+    runner = Runner(redis, client.config, "n-a", {"a": adapter})
+    execution = asyncio.create_task(runner.execute(run_id))
+    try:
+        async def running() -> bool:
+            return bool(await redis.hget(keys.run_record(run_id), "state") == b"running")
+        await async_wait_until(running, what="the run to start")
+        await redis.delete(keys.run_record(run_id))
+        await redis.set(keys.run_record(run_id), "x")
+        assert await asyncio.wait_for(execution, 10) == "lease_lost"
+        assert adapter.closed.is_set()
+        assert run_id not in runner.running
+    finally:
+        execution.cancel()
+        await asyncio.gather(execution, return_exceptions=True)
+        await client.close()
+    assert await redis.get(keys.run_record(run_id)) == b"x"
+
+
+async def test_a_running_run_s_record_of_another_type_leaves_its_worker_hearing_the_others_cancels(
+        redis: Redis) -> None:
+    """`SET iop:run:{run} x` of a run running here: a cancel message for it (the gateway tells every node
+    to cancel a run it found lost) failed the read of why it was cancelled, and the cancel listener
+    subscribed again, whose look for the cancels it missed (one pipeline for every run running here)
+    failed on the same record, again and again while the run ran: the cancels of the worker's other
+    runs went unheard meanwhile. That run is cancelled as by its caller; the others' cancels are heard."""
+    from tests.test_scheduler import make_config
+    from workers.runner import CANCELLED, Attempt
+    from workers.service import _cancel, _cancelled_unheard
+
+    runner = Runner(redis, make_config({"a": 2}), "n-a", {})
+    hold = asyncio.Event()
+    tasks = {r: asyncio.create_task(hold.wait()) for r in ("bad", "good")}
+    for run_id, task in tasks.items():
+        runner.running[run_id] = (Attempt(run_id, "m:1", "a", "1", 3), task)
+    await redis.set(keys.run_record("bad"), "x")
+    await redis.hset(keys.run_record("good"), mapping={"state": "running", "cancel": "1"})
+    try:
+        assert await _cancelled_unheard(runner) == ["good"]
+        await _cancel(runner, "bad")
+        assert runner.running["bad"][0].cancelled == CANCELLED
+    finally:
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+
+async def test_a_passed_run_s_record_of_another_type_does_not_stop_its_node_s_workers(
+        redis: Redis, redis_url: str) -> None:
+    """`SET iop:run:{run} x` of a run in its node's passed list (a worker that lacks its provider or model
+    left it to another): every `take_woken` of the node's workers failed with WRONGTYPE at it, and each
+    worker exited, for as long as it was listed. It leaves the list; the node's runs are taken."""
+    from tests.test_scheduler import make_config, waiting_runs
+
+    config = make_config({"a": 2}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    _, sched, (good,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()  # (its id goes on the node's wake list)
+    await redis.set(keys.run_record("bad"), "x")
+    await redis.lpush(keys.node_passed("n-a"), "bad")
+    worker = node_worker(redis_url, Runner(redis, config, "n-a", {"a": Scripted([[TEXT]])}), poll_delay=0.2)
+    try:
+        taken, _, _ = await worker._take_woken(2)
+        await worker._start(taken)
+        assert await worker.tasks[good] == "completed:ok"
+        assert not await redis.exists(keys.node_passed("n-a"))
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
+    assert await redis.get(keys.run_record("bad")) == b"x"
+
+
+async def test_a_dispatched_run_s_record_of_another_type_does_not_keep_the_last_worker_from_giving_back_the_rest(
+        redis: Redis, redis_url: str) -> None:
+    """`SET iop:run:{run} x` of a run dispatched to a node whose last worker stops: `worker_left` failed
+    with WRONGTYPE at it, midway, the node's runs after it left to their leases (an attempt counted
+    each) and no scheduler woken. It is passed over; the others are queued again."""
+    from tests.test_runner import dispatched_runs
+    from workers.service import RUNNER_CTX, leave_node
+
+    runner, _ = await dispatched_runs(redis, 2)
+    bad, good = [r.decode() for r in await redis.zrange(keys.node_queue("n-a"), 0, -1)]
+    await redis.delete(keys.run_record(bad))
+    await redis.set(keys.run_record(bad), "x")
+    worker = node_worker(redis_url, runner)
+    worker.ctx[RUNNER_CTX] = runner
+    await redis.zadd(keys.node_workers("n-a"), {worker.instance: 2**50})  # as its heartbeat registers it
+    try:
+        await leave_node(worker, runner.config, "n-a")
+        assert await fields(redis, keys.run_record(good), "state", "attempts") == ["queued", "0"]
+        assert not await redis.exists(keys.node_wake("n-a"))
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
+    assert await redis.get(keys.run_record(bad)) == b"x"
+
+
+async def test_every_script_that_reads_a_run_s_record_answers_one_of_another_type_as_a_run_gone(
+        redis: Redis) -> None:
+    """`SET iop:run:{run} x`: each of these scripts failed with WRONGTYPE (an attempt's output, its end,
+    its blame, a follower's watch, a cancel), its caller with it. Each answers as for a run gone (or an
+    attempt that owns none), writes nothing to the key, and leaves it to its owner."""
+    from common.scripts import Scripts
+
+    scripts = Scripts(redis)
+    record, events = keys.run_record("bad"), keys.run_events("bad")
+    await redis.set(record, "x")
+    assert await scripts.call("renew", [keys.leases("a"), record], ["bad", 1000, "1", ""]) == 0
+    assert await scripts.call("emit", [record, events], ["1", "delta", b"", 10, "bad", 1]) == 0
+    assert await scripts.call("finish", [record, keys.leases("a"), events, keys.runs_stream("m"),
+                                         keys.heartbeat("a"), keys.node_queue("n"), keys.arq_in_progress("bad")],
+                              ["bad", "completed", "completed", b"", 60, "", "m", "", "", "1"]) == b"stale"
+    assert await scripts.call("blame", [record, keys.heartbeat("b")], [3, 1000, "b", "b-name"]) == []
+    assert await scripts.call("watch", [record], ["g1"]) == 0
+    assert await scripts.call("drop_queued", [keys.runs_stream("m"), record, events], [
+        "bad", keys.SCHEDULER_GROUP, "cancelled", b"", 60, "cancelled", "gone", keys.node_cancel(""), "", "m"]) == \
+        b"missing"
+    assert await redis.get(record) == b"x"
+    assert not await redis.exists(events)
