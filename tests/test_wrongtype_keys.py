@@ -569,3 +569,34 @@ async def test_every_script_that_reads_a_run_s_record_answers_one_of_another_typ
         b"missing"
     assert await redis.get(record) == b"x"
     assert not await redis.exists(events)
+
+
+async def test_the_caller_of_a_run_whose_record_is_of_another_type_is_answered_not_left_waiting(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SET iop:run:{run} x` while its caller waits: the caller heard nothing until its follow deadline
+    (the gateway's listener failing every read meanwhile). It hears 502 `worker_lost`, OpenAI-shaped,
+    saying why, at the gateway's next check of its quiet runs."""
+    from tests.openapi import validate
+    from tests.test_runs_api import MODEL, api_for, make_config
+
+    monkeypatch.setattr("gateway.events.QUIET_CHECK_S", 0.05)
+    async with api_for(make_config(), redis_url) as api:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        answer = asyncio.create_task(api.session.post(api.url("/v1/chat/completions"), json=body))
+        try:
+            async def queued() -> list[bytes]:
+                return [k for k in await api.redis.keys(keys.run_record("*")) if await api.redis.type(k) == b"hash"]
+            (record,) = await async_wait_until(queued, what="the run queued")
+            await api.redis.delete(record)
+            await api.redis.set(record, "x")
+            async with asyncio.timeout(10):  # (its follow deadline is 31.5 s)
+                resp = await answer
+            assert resp.status == 502
+            error = await resp.json()
+            validate("ErrorResponse", error)
+            assert error["error"]["code"] == "worker_lost" and "another type" in error["error"]["message"]
+            resp.release()
+        finally:
+            answer.cancel()
+            await asyncio.gather(answer, return_exceptions=True)
+            await api.client.close()
