@@ -9,10 +9,11 @@ hold no packed copy. Each caller gets its own answer, or the error of its own ca
 round trip itself failed (Redis away), that error: no caller is left waiting. When Redis did not
 answer a round trip in time (or a connection in time), the calls waiting behind it hear so at
 once, as calls that were not sent, rather than each wait out a timeout of its own in turn; so do
-those behind a round trip that failed only after `slow_s` (the sentinels cut off, none naming a
-primary within `SENTINEL_TIMEOUT_S`: a gateway cut off from Redis's hosts). A lost or refused
-connection fails a round trip within its retries, at once: the calls behind it go next, with
-retries of their own (Redis may be back by then: a restart, a Sentinel failover).
+those behind a round trip whose sentinels named no primary after `slow_s` (the sentinels cut off,
+none answering within `SENTINEL_TIMEOUT_S`: a gateway cut off from Redis's hosts). A lost or
+refused connection fails a round trip within its retries, however long they took: the calls
+behind it go next, with retries of their own (Redis may be back by then: a restart, a Sentinel
+failover).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.redisconn import SENTINEL_TIMEOUT_S
@@ -30,9 +32,10 @@ from common.scripts import Scripts
 
 Call = tuple[Sequence[str], Sequence[Any], "asyncio.Future[Any]"]
 
-#: A round trip that failed after this long failed by waiting, not at once: a lost or refused
-#: connection fails within its retries' backoff (about 0.3 s), a lookup of the primary whose
-#: sentinels do not answer after `SENTINEL_TIMEOUT_S`.
+#: A round trip whose sentinels named no primary after this long waited on sentinels that do not
+#: answer (they fail after `SENTINEL_TIMEOUT_S`), not on ones that refused at once. (The time alone
+#: tells nothing: through a Sentinel pool the retries of a refused connection take 1.42-1.49 s,
+#: the retries of a connect within those of the command, on either side of 1.5 s with the load.)
 SLOW_FAILURE_S = 0.75 * SENTINEL_TIMEOUT_S
 
 
@@ -98,10 +101,11 @@ class ScriptBatch:
             answers = await self.scripts.call_many(self.name, [(keys, args) for keys, args, _ in batch])
         except BaseException as exc:  # the round trip failed: every caller of the batch hears it
             _fail(batch, exc)
-            if isinstance(exc, (RedisTimeoutError, asyncio.CancelledError)) or loop.time() - sent_at >= self.slow_s:
+            if isinstance(exc, (RedisTimeoutError, asyncio.CancelledError)) or (
+                    isinstance(exc, MasterNotFoundError) and loop.time() - sent_at >= self.slow_s):
                 # (and the calls waiting behind it, which would each wait as long in turn; a lost or
-                # refused connection is not: it fails within the retries, and the calls behind it
-                # get retries of their own, which may see Redis back: a failover, a restart)
+                # refused connection is not, however long its retries took: the calls behind it get
+                # retries of their own, which may see Redis back: a failover, a restart)
                 waiting, self._pending = self._pending, []
                 _fail(waiting, exc if isinstance(exc, asyncio.CancelledError) else _unsent(exc))
                 waiting = []
