@@ -275,3 +275,49 @@ async def test_calls_waiting_behind_a_round_trip_that_failed_slowly_hear_it_at_o
     assert str(answers[1]).startswith("No master found for 'mymaster'")
     assert not any(may_have_run(a) for a in answers)
     assert trips == [1]  # the calls behind it were never sent
+
+
+async def test_a_call_waits_behind_one_failed_round_trip_only() -> None:
+    """While Redis refuses connections, the calls behind a failed round trip went next, 256 at a time,
+    each round trip failing after its retries (~1.45 s through a Sentinel pool): a backlog that grew
+    with every caller arriving meanwhile (1,500 callers in a second waited up to 9.3 s). A call that
+    waited behind one such failure fails with the next, as never sent; those that came after the
+    first failure go next."""
+    server = RedisServer().start()
+    redis = connect(server.url)
+    scripts = Scripts(redis)
+    trips: list[int] = []
+    call_many = scripts.call_many
+    gates = [asyncio.Event() for _ in range(4)]
+
+    async def held(name: str, calls: Any) -> list[Any]:
+        trips.append(len(calls))
+        await gates[len(trips) - 1].wait()
+        return await call_many(name, calls)
+
+    scripts.call_many = held  # type: ignore[method-assign]
+    batch = ScriptBatch(scripts, "watch", max_batch=2)
+    try:
+        await scripts.load()
+        first = asyncio.create_task(watch(batch, "run_0"))
+        await async_wait_until(lambda: _true(trips), what="the first round trip to be on its way")
+        behind = [asyncio.create_task(watch(batch, f"run_{i}")) for i in range(1, 5)]  # (two round trips' worth)
+        server.stop(kill=True)
+        gates[0].set()
+        with pytest.raises(RedisConnectionError):
+            await asyncio.wait_for(first, 20)
+        await async_wait_until(lambda: _true(len(trips) == 2), what="the second round trip")
+        later = asyncio.create_task(watch(batch, "run_5"))  # (it came after the first failure)
+        await async_wait_until(lambda: _true(len(batch._pending) == 3), what="the later call to wait")
+        gates[1].set()  # (Redis still away: the second fails too)
+        answers = await asyncio.wait_for(asyncio.gather(*behind, return_exceptions=True), 20)
+        assert all(isinstance(a, RedisConnectionError) for a in answers), answers
+        assert [may_have_run(a) for a in answers[2:]] == [False, False]  # never sent
+        assert not later.done()  # it goes next, with retries of its own
+        server = RedisServer(port=server.port, dir=server.dir).start()  # (Redis back)
+        gates[2].set()
+        assert await asyncio.wait_for(later, 20) == 0
+        assert trips == [1, 2, 1]
+    finally:
+        await redis.aclose()
+        server.cleanup()
