@@ -446,6 +446,7 @@ class EventHub:
         run's stream or until every follower it is read for is `behind`."""
         queued: Queued = []
         lost: list[str] = []
+        wrong_events: dict[str, str] = {}
         count = FIRST_COUNT if only else READ_COUNT
         while run_ids := [r for r in run_ids if r in self.followers]:  # (those that still have followers)
             starts = {r: min(f.last for f in ([only] if only else self.followers[r])) for r in run_ids}
@@ -461,7 +462,13 @@ class EventHub:
             for run_id in run_ids:
                 entries = next(replies)
                 if isinstance(entries, Exception):
-                    raise entries
+                    if not is_wrongtype(entries):
+                        raise entries
+                    # (the run's events of another type, written by hand, hold no event: that run has
+                    # none to read, and the key goes, its next event making it again; before, every
+                    # read of the listener failed at it, no caller of the gateway hearing its run)
+                    wrong_events[keys.run_events(run_id)] = "stream"
+                    entries = []
                 record = next(replies) if check_lost else (b"", None, None)
                 # (a record of another type, written by hand, holds no run: that run is lost, not every
                 # check failed, and with it the listener's every read, for good)
@@ -493,6 +500,8 @@ class EventHub:
                         f.give(Event("lost", EventType.FAILED.value, data))
                     lost.append(run_id)
             run_ids, count = more, min(2 * count, READ_COUNT)
+        if wrong_events:
+            await delete_wrong_types(self.redis, wrong_events, log, "gateway events")
         if queued and self.queued is not None:
             await self.queued(queued)
         if lost and self.lost is not None:

@@ -392,6 +392,38 @@ async def test_a_followed_run_s_record_of_another_type_ends_that_run_and_the_gat
     assert await redis.get(keys.run_record("bad")) == b"x"
 
 
+async def test_a_followed_run_s_events_of_another_type_go_and_the_gateway_s_listener_goes_on(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SET iop:events:{run} x` of a run a caller follows: the gateway's reads of its followed runs'
+    streams (its check of the quiet ones, then every read again) failed at its WRONGTYPE, the
+    listener reading them all again before its inbox, failing so each time: no caller of the gateway
+    heard its run until that run's next event replaced the key, if any came (an ended run's never
+    does). That key holds no event: it goes, said, and the run's next event makes it again."""
+    from gateway.events import EventHub
+    from tests.test_events import add, collect
+
+    monkeypatch.setattr("gateway.events.QUIET_CHECK_S", 0.05)
+    hub = EventHub(redis)
+    for run_id in ("bad", "good"):
+        await redis.hset(keys.run_record(run_id), mapping={"state": "running", "watchers": hub.gateway_id})
+    try:
+        async with hub.follow("bad") as bad, hub.follow("good") as good:  # (the bad one read first)
+            await add(redis, "bad", hub.gateway_id, "delta", 1)
+            assert await collect(bad.next, 1) == [1]
+            await redis.delete(keys.run_events("bad"))
+            await redis.set(keys.run_events("bad"), "x")
+
+            async def gone() -> bool:
+                return bool(await redis.type(keys.run_events("bad")) == b"none")
+            await async_wait_until(gone, what="the events of another type deleted")
+            await add(redis, "good", hub.gateway_id, "delta", 1)
+            assert await collect(good.next, 1) == [1]
+            await add(redis, "bad", hub.gateway_id, "delta", 2)
+            assert await collect(bad.next, 1) == [2]
+    finally:
+        await hub.close()
+
+
 async def test_a_run_s_record_of_another_type_is_404_on_the_runs_api(redis_url: str) -> None:
     """`SET iop:run:{run} x`: `GET /v1/runs/{id}` (its events, its DELETE) answered 503 "the run store
     refused iop's command" with `Retry-After`, for as long as the key lived: the client was told to
