@@ -79,11 +79,13 @@ async def api_for(config: Config, redis_url: str) -> AsyncIterator[Api]:
     server = TestServer(build_app(config, redis_url), host="127.0.0.1", port=0, handler_cancellation=True)
     await server.start_server()
     redis = Redis.from_url(redis_url)
-    await redis.hset(keys.heartbeat("p"), mapping={"health": "available", "capacity": 1, "ts_ms": now_ms()})
-    async with aiohttp.ClientSession() as session:
-        yield Api(server, session, redis, config)
-    await redis.aclose()
-    await server.close()
+    try:  # (closed also when the test body leaves by an exception: a skip, a failed assert)
+        await redis.hset(keys.heartbeat("p"), mapping={"health": "available", "capacity": 1, "ts_ms": now_ms()})
+        async with aiohttp.ClientSession() as session:
+            yield Api(server, session, redis, config)
+    finally:
+        await redis.aclose()
+        await server.close()
 
 
 @pytest.fixture
