@@ -12,11 +12,14 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from common import keys
 from common.codec import decode_event
 from common.redisconn import REDIS_DOWN, connect, redact
 from common.runview import TIMESTAMPS, run_view
 from common.shown import printable
+from common.wrongtype import is_wrongtype
 
 
 async def read_run(redis_url: str, run_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
@@ -99,6 +102,12 @@ def show(redis_url: str, run_id: str, as_json: bool = False) -> int:
     except REDIS_DOWN as exc:
         print(f"error: Redis at {redact(redis_url)} is unreachable: {exc}", file=sys.stderr)
         return 1  # (as every command that reads Redis: 2 is for what was given)
+    except ResponseError as exc:  # (a key of the run's written by hand: the operator is told which, not a traceback)
+        if not is_wrongtype(exc):
+            raise
+        print(f"error: {keys.run_record(run_id)} or {keys.run_events(run_id)} holds another type than iop writes "
+              f"there (written by hand?), no run: {exc}", file=sys.stderr)
+        return 1
     if found is None:
         print(f"error: run {run_id!r} is not in Redis (unknown, or expired after runtime.run_ttl_s)",
               file=sys.stderr)

@@ -79,6 +79,20 @@ def test_an_unknown_run_exits_1(redis_url: str, capsys: pytest.CaptureFixture[st
     assert "run 'run_missing' is not in Redis" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("which", ["record", "events"])
+def test_a_run_s_key_of_another_type_exits_1_saying_so_not_a_traceback(
+        redis_url: str, capsys: pytest.CaptureFixture[str], which: str) -> None:
+    """`SET iop:run:{run} x` (or its events) by hand: `iop runs show` raised WRONGTYPE, a traceback."""
+    write_run(redis_url)
+    key = keys.run_record(RUN) if which == "record" else keys.run_events(RUN)
+    r = sync_redis.Redis.from_url(redis_url)
+    r.delete(key)
+    r.set(key, "x")
+    r.close()
+    assert run_cli("runs", "show", RUN, "--redis", redis_url) == 1
+    assert "holds another type" in capsys.readouterr().err
+
+
 def test_an_unreachable_redis_exits_1_as_for_every_command_that_reads_redis(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli("runs", "show", RUN, "--redis", "redis://127.0.0.1:1/0") == 1
     assert "unreachable" in capsys.readouterr().err
