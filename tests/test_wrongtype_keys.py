@@ -477,6 +477,28 @@ async def test_a_waiting_run_s_record_of_another_type_times_out_alone_and_its_mo
     await client.close()
 
 
+async def test_a_waiting_run_s_events_of_another_type_do_not_stop_its_model_s_dispatch(redis: Redis) -> None:
+    """`SET iop:events:{run} x` of a run waiting after an attempt (tried on a provider it does not go
+    back to): the scheduler reads its last event for the caller's 4xx it may end with, and that read
+    failed with WRONGTYPE, and the whole dispatch round with it (the models after it in the round's
+    order not dispatched), at every round, the run left at the head of its model's queue. That key
+    holds no event, so no such 4xx: the run ends as one that no other provider takes would, its
+    end's event replacing the key, and the run behind it is dispatched."""
+    from tests.test_scheduler import MODEL, make_config, waiting_runs
+
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    client, sched, (bad, good) = await waiting_runs(redis, config, 2)
+    assert sched.waiting[MODEL][0].run_id == bad
+    sched.waiting[MODEL][0].exclude = frozenset({"a"})  # (an attempt failed there: it goes nowhere else)
+    await redis.delete(keys.run_events(bad))
+    await redis.set(keys.run_events(bad), "x")
+    await sched.dispatch_round()
+    assert await fields(redis, keys.run_record(bad), "state", "error_code") == ["failed", "provider_error"]
+    assert [f[b"type"] for _, f in await redis.xrange(keys.run_events(bad))] == [b"failed"]
+    assert await fields(redis, keys.run_record(good), "state") == ["dispatched"]
+    await client.close()
+
+
 async def test_a_running_run_s_record_of_another_type_stops_its_attempt_at_its_next_renewal(redis: Redis) -> None:
     """`SET iop:run:{run} x` of a running run: its lease's renewal failed with WRONGTYPE, which ended
     the renewals (an exception nobody read) while the request went on at its provider, for as long as
