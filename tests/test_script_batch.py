@@ -321,3 +321,36 @@ async def test_a_call_waits_behind_one_failed_round_trip_only() -> None:
     finally:
         await redis.aclose()
         server.cleanup()
+
+
+async def test_calls_waiting_behind_a_round_trip_that_failed_slowly_with_no_outage_of_redis_go_next(
+        redis: Redis) -> None:
+    """A round trip that failed after `slow_s` with an error that is no Redis outage (a bug; an error
+    whose type takes other arguments than its `args`, as `DatabaseRefused` does): the calls behind it
+    were failed as never sent, their error made anew from its type and args, which raised TypeError
+    there instead, their callers left waiting for good. They go next, as behind any such error."""
+
+    class Odd(Exception):
+        def __init__(self, what: str, why: str) -> None:
+            super().__init__(f"{what}: {why}")
+
+    scripts = Scripts(redis)
+    call_many = scripts.call_many
+    trips: list[int] = []
+
+    async def odd_first(name: str, calls: Any) -> list[Any]:
+        trips.append(len(calls))
+        if len(trips) == 1:
+            await asyncio.sleep(0.2)
+            raise Odd("a bug", "found late")
+        return await call_many(name, calls)
+
+    scripts.call_many = odd_first  # type: ignore[method-assign]
+    batch = ScriptBatch(scripts, "watch", slow_s=0.05)
+    first = asyncio.create_task(watch(batch, "run_t"))
+    await async_wait_until(lambda: _true(trips), what="the first round trip to be on its way")
+    behind = [asyncio.create_task(watch(batch, f"run_{i}")) for i in range(4)]
+    answers = await asyncio.wait_for(asyncio.gather(first, *behind, return_exceptions=True), 10)
+    assert isinstance(answers[0], Odd)
+    assert answers[1:] == [0, 0, 0, 0]
+    assert trips == [1, 4]
