@@ -13,15 +13,17 @@ those behind a round trip whose sentinels named no primary after `slow_s` (the s
 none answering within `SENTINEL_TIMEOUT_S`: a gateway cut off from Redis's hosts). A lost or
 refused connection fails a round trip within its retries, however long they took: the calls
 behind it go next, with retries of their own (Redis may be back by then: a restart, a Sentinel
-failover); but a call waits behind one such failure only: those that waited behind one already
-fail with the next, as never sent. So while Redis refuses connections every caller hears so
-within two round trips' retries (a pipeline of 256 a ~1.45 s through a Sentinel pool had let a
-backlog grow with every caller arriving, 1,500 callers in a second waiting up to 9.3 s).
+failover); but those that have waited `max_wait_s` (`REPLY_TIMEOUT_S`, as long as a call waits for
+a reply) fail with it, as never sent. So while Redis refuses connections no caller waits much
+longer than that (a pipeline of 256 a ~1.45 s through a Sentinel pool had let the wait grow with
+every caller arriving: 1,500 callers in a second waited up to 9.3 s), and a failover of a few
+seconds still answers those that came during it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -31,10 +33,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.redisconn import SENTINEL_TIMEOUT_S
-from common.redisline import may_have_run
+from common.redisline import REPLY_TIMEOUT_S, may_have_run
 from common.scripts import Scripts
 
-Call = tuple[Sequence[str], Sequence[Any], "asyncio.Future[Any]"]
+#: a call's keys, its arguments, its answer to come, and when it came (`ScriptBatch.clock`)
+Call = tuple[Sequence[str], Sequence[Any], "asyncio.Future[Any]", float]
 
 #: A round trip whose sentinels named no primary after this long waited on sentinels that do not
 #: answer (they fail after `SENTINEL_TIMEOUT_S`), not on ones that refused at once. (The time alone
@@ -57,15 +60,16 @@ def _after_leaving(if_left: Callable[[Any], None], future: asyncio.Future[Any]) 
 
 class ScriptBatch:
     def __init__(self, scripts: Scripts, name: str, max_batch: int = 256, max_sending: int = 1,
-                 slow_s: float = SLOW_FAILURE_S) -> None:
+                 slow_s: float = SLOW_FAILURE_S, max_wait_s: float = REPLY_TIMEOUT_S,
+                 clock: Callable[[], float] | None = None) -> None:
         self.scripts = scripts
         self.name = name
         self.max_batch = max_batch
         self.max_sending = max_sending
         self.slow_s = slow_s
+        self.max_wait_s = max_wait_s
+        self.clock = clock or time.monotonic
         self._pending: list[Call] = []
-        #: the first this many of `_pending` waited behind a round trip whose connection failed already
-        self._behind_failed = 0
         self._sending: set[asyncio.Task[None]] = set()
 
     async def call(self, keys: Sequence[str], args: Sequence[Any],
@@ -76,7 +80,7 @@ class ScriptBatch:
         call may have been made, or may be when Redis resumes)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((keys, args, future))
+        self._pending.append((keys, args, future, self.clock()))
         if len(self._pending) == 1 and len(self._sending) < self.max_sending:
             loop.call_soon(self._flush)  # after the other calls of this turn joined (else: `_sent`)
         try:
@@ -92,7 +96,6 @@ class ScriptBatch:
     def _flush(self) -> None:
         while self._pending and len(self._sending) < self.max_sending:
             batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
-            self._behind_failed = max(0, self._behind_failed - len(batch))
             task = asyncio.get_running_loop().create_task(self._send(batch))
             self._sending.add(task)
             task.add_done_callback(self._sent)
@@ -105,7 +108,7 @@ class ScriptBatch:
         loop = asyncio.get_running_loop()
         sent_at = loop.time()
         try:
-            answers = await self.scripts.call_many(self.name, [(keys, args) for keys, args, _ in batch])
+            answers = await self.scripts.call_many(self.name, [(keys, args) for keys, args, _, _ in batch])
         except BaseException as exc:  # the round trip failed: every caller of the batch hears it
             _fail(batch, exc)
             if isinstance(exc, (RedisTimeoutError, asyncio.CancelledError)) or (
@@ -113,21 +116,22 @@ class ScriptBatch:
                 # (and the calls waiting behind it, which would each wait as long in turn; a lost or
                 # refused connection is not, however long its retries took: the calls behind it get
                 # retries of their own, which may see Redis back: a failover, a restart)
-                waiting, self._pending, self._behind_failed = self._pending, [], 0
+                waiting, self._pending = self._pending, []
                 _fail(waiting, exc if isinstance(exc, asyncio.CancelledError) else _unsent(exc))
                 waiting = []
             elif isinstance(exc, RedisConnectionError):
-                # (those that waited behind one such already fail with it; the others go next, once)
-                waiting, self._pending = self._pending[:self._behind_failed], self._pending[self._behind_failed:]
+                # (those that have waited `max_wait_s` already fail with it; the others go next. The
+                # first come first: those that waited so long are the first of `_pending`)
+                since = self.clock() - self.max_wait_s
+                old = next((i for i, call in enumerate(self._pending) if call[3] > since), len(self._pending))
+                waiting, self._pending = self._pending[:old], self._pending[old:]
                 _fail(waiting, _unsent(exc))
                 waiting = []
-                self._behind_failed = len(self._pending)
             batch = []  # (its futures hold the error, whose traceback holds this frame: no cycle)
             if not isinstance(exc, Exception):
                 raise
             return
-        self._behind_failed = 0  # (Redis answered: those waiting now wait behind no failure)
-        for (_, _, future), answer in zip(batch, answers, strict=True):
+        for (_, _, future, _), answer in zip(batch, answers, strict=True):
             if isinstance(answer, Exception):
                 future.set_exception(answer)
             else:
@@ -135,7 +139,7 @@ class ScriptBatch:
 
 
 def _fail(calls: list[Call], exc: BaseException) -> None:
-    for _, _, future in calls:
+    for _, _, future, _ in calls:
         if not future.done():
             if isinstance(exc, asyncio.CancelledError):
                 future.cancel()
