@@ -349,19 +349,22 @@ async def test_calls_waiting_behind_a_round_trip_that_failed_slowly_with_no_outa
     scripts = Scripts(redis)
     call_many = scripts.call_many
     trips: list[int] = []
+    found = asyncio.Event()
 
     async def odd_first(name: str, calls: Any) -> list[Any]:
         trips.append(len(calls))
         if len(trips) == 1:
-            await asyncio.sleep(0.2)
+            await found.wait()
             raise Odd("a bug", "found late")
         return await call_many(name, calls)
 
     scripts.call_many = odd_first  # type: ignore[method-assign]
-    batch = ScriptBatch(scripts, "watch", slow_s=0.05)
+    batch = ScriptBatch(scripts, "watch", slow_s=0.0)  # (every round trip slow: however short it took)
     first = asyncio.create_task(watch(batch, "run_t"))
     await async_wait_until(lambda: _true(trips), what="the first round trip to be on its way")
     behind = [asyncio.create_task(watch(batch, f"run_{i}")) for i in range(4)]
+    await async_wait_until(lambda: _true(len(batch._pending) == 4), what="the calls behind to wait")
+    found.set()
     answers = await asyncio.wait_for(asyncio.gather(first, *behind, return_exceptions=True), 10)
     assert isinstance(answers[0], Odd)
     assert answers[1:] == [0, 0, 0, 0]
