@@ -7,6 +7,7 @@ Against a real Redis."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 from redis.asyncio import Redis
@@ -27,6 +28,41 @@ async def taken_and_completed(redis: Redis, redis_url: str, config: Config, run_
         assert await fields(redis, keys.run_record(run_id), "state") == ["completed"]
     finally:
         await worker.pool.aclose(close_connection_pool=True)
+
+
+#: how long a gateway may go without renewing its liveness key in the orphan sweeps' tests
+LIVENESS_MS = 3000
+
+
+def orphan_sweep(redis: Redis, monkeypatch: pytest.MonkeyPatch,
+                 leased: tuple[str, ...] = ("r",)) -> Callable[[], Awaitable[int]]:
+    """A scheduler replica whose clock moves only when its sweep is made, gateways judged dead after
+    `LIVENESS_MS`, and the runs `leased` holding long leases of provider p. Returns its sweep for dead
+    gateways' runs, made once the replica has reached Redis long enough without a gap to judge."""
+    from common.config import parse_config
+    from scheduler.core import OUTAGE_GRACE, Scheduler
+    from tests.test_e2e import FAST_RUNTIME, pool_config
+
+    config = parse_config({**pool_config({"p": ("n1", "http://127.0.0.1:9", 1)}),
+                           "runtime": {**FAST_RUNTIME, "gateway_liveness_ms": LIVENESS_MS}})
+    clock = [10_000_000]
+    monkeypatch.setattr("scheduler.core.now_ms", lambda: clock[0])
+    sched = Scheduler(redis, config)
+
+    async def sweep() -> int:
+        await redis.zadd(keys.leases("p"), dict.fromkeys(leased, clock[0] + 600_000), nx=True)
+        for _ in range((OUTAGE_GRACE + 1) * LIVENESS_MS // 300):  # (beats 300 ms apart: no gap)
+            clock[0] += 300
+            await sched.heartbeat()
+        return await sched.cancel_orphans()
+
+    return sweep
+
+
+async def running_of_g1(redis: Redis) -> None:
+    """Run r's record: running on provider p's node, followed by gateway g1."""
+    await redis.hset(keys.run_record("r"), mapping={"watchers": "g1~", "state": "running", "node": "n1",
+                                                    "model": "qwen3.6:35b"})
 
 
 @pytest.mark.parametrize("key", [keys.node_queue("n-a"), keys.node_wake("n-a"), keys.node_passed("n-a")])
@@ -170,33 +206,17 @@ async def test_a_gateways_hash_of_another_type_is_deleted_and_said_and_dead_gate
     """`SET iop:gateways x`: every sweep for the runs of dead gateways failed with WRONGTYPE (an error
     logged every sweep, for good), and no dead gateway's runs were cancelled. The replica deletes it,
     says so; a gateway names itself again at its beat, and once it died its runs are cancelled."""
-    from common.config import parse_config
     from gateway import liveness
-    from scheduler.core import OUTAGE_GRACE, Scheduler
-    from tests.test_e2e import FAST_RUNTIME, pool_config
 
-    liveness_ms = 3000
-    config = parse_config({**pool_config({"p": ("n1", "http://127.0.0.1:9", 1)}),
-                           "runtime": {**FAST_RUNTIME, "gateway_liveness_ms": liveness_ms}})
-    clock = [10_000_000]
-    monkeypatch.setattr("scheduler.core.now_ms", lambda: clock[0])
-    sched = Scheduler(redis, config)
+    sweep_later = orphan_sweep(redis, monkeypatch)
     await redis.set(keys.GATEWAYS, "x")
-    await redis.hset(keys.run_record("r"), mapping={"watchers": "g1~", "state": "running", "node": "n1",
-                                                    "model": "qwen3.6:35b"})
-    await redis.zadd(keys.leases("p"), {"r": clock[0] + 600_000})
-
-    async def sweep_later() -> int:
-        for _ in range((OUTAGE_GRACE + 1) * liveness_ms // 300):  # (beats 300 ms apart: no gap)
-            clock[0] += 300
-            await sched.heartbeat()
-        return await sched.cancel_orphans()
+    await running_of_g1(redis)
 
     assert await sweep_later() == 0
     assert await redis.type(keys.GATEWAYS) == b"none"
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "deleted" in r.getMessage()]
     assert len(said) == 1 and keys.GATEWAYS in said[0], said
-    await liveness.beat(redis, "g1", liveness_ms)  # (g1 names itself again) ...
+    await liveness.beat(redis, "g1", LIVENESS_MS)  # (g1 names itself again) ...
     await redis.delete(keys.gateway_alive("g1"))  # ... and dies
     assert await sweep_later() == 1
     assert await redis.hget(keys.run_record("r"), "cancel") == b"1"
@@ -307,25 +327,11 @@ async def test_a_run_s_record_of_another_type_does_not_fail_the_sweep_for_dead_g
     """`SET iop:run:{run} x` of a leased run: every sweep for dead gateways' runs failed with WRONGTYPE
     while the run was listed (its batch of runs with it), and no dead gateway's runs were cancelled.
     That record names no gateway: the others are swept."""
-    from common.config import parse_config
-    from scheduler.core import OUTAGE_GRACE, Scheduler
-    from tests.test_e2e import FAST_RUNTIME, pool_config
-
-    liveness_ms = 3000
-    config = parse_config({**pool_config({"p": ("n1", "http://127.0.0.1:9", 1)}),
-                           "runtime": {**FAST_RUNTIME, "gateway_liveness_ms": liveness_ms}})
-    clock = [10_000_000]
-    monkeypatch.setattr("scheduler.core.now_ms", lambda: clock[0])
-    sched = Scheduler(redis, config)
+    sweep = orphan_sweep(redis, monkeypatch, leased=("r", "bad"))
     await redis.hset(keys.GATEWAYS, "g1", 1)  # (and no liveness key: it died)
-    await redis.hset(keys.run_record("r"), mapping={"watchers": "g1~", "state": "running", "node": "n1",
-                                                    "model": "qwen3.6:35b"})
+    await running_of_g1(redis)
     await redis.set(keys.run_record("bad"), "x")
-    await redis.zadd(keys.leases("p"), {"r": clock[0] + 600_000, "bad": clock[0] + 600_000})
-    for _ in range((OUTAGE_GRACE + 1) * liveness_ms // 300):  # (beats 300 ms apart: no gap)
-        clock[0] += 300
-        await sched.heartbeat()
-    assert await sched.cancel_orphans() == 1
+    assert await sweep() == 1
     assert await redis.get(keys.run_record("bad")) == b"x"
 
 
