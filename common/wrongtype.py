@@ -7,17 +7,41 @@ of a beat so)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from common.redisconn import REDIS_UNUSABLE
 
+T = TypeVar("T")
+
 
 def is_wrongtype(exc: BaseException) -> bool:
     """Whether Redis refused a command (or a script's) on a key of another type."""
     return isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc)
+
+
+async def read_or(read: Awaitable[T], missing: T) -> T:
+    """What `read` (a command of redis-py's) answers, or `missing` when its key holds another type
+    (nothing of iop's is there: read as no key). Any other error is raised."""
+    try:
+        return await read
+    except ResponseError as exc:
+        if not is_wrongtype(exc):
+            raise
+        return missing
+
+
+def reply_or(reply: Any, missing: Any) -> Any:
+    """A pipeline's reply (`execute(raise_on_error=False)`) as `read_or` takes a command's: `missing`
+    for a key of another type, any other error raised."""
+    if isinstance(reply, Exception):
+        if not is_wrongtype(reply):
+            raise reply
+        return missing
+    return reply
 
 
 # Delete each of KEYS whose type is still neither ARGV's (the one iop writes there) nor none, at

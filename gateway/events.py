@@ -46,7 +46,7 @@ from common.redisconn import REDIS_UNUSABLE, Backoff
 from common.redisline import StreamEntries, new_line_of, stream_reply
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType
-from common.wrongtype import delete_wrong_types, is_wrongtype
+from common.wrongtype import delete_wrong_types, is_wrongtype, reply_or
 
 log = logging.getLogger("iop.gateway")
 
@@ -460,22 +460,18 @@ class EventHub:
                 replies = iter(await pipe.execute(raise_on_error=False))
             more = []
             for run_id in run_ids:
-                entries = next(replies)
-                if isinstance(entries, Exception):
-                    if not is_wrongtype(entries):
-                        raise entries
+                entries = reply_or(next(replies), None)
+                if entries is None:
                     # (the run's events of another type, written by hand, hold no event: that run has
                     # none to read, and the key goes, its next event making it again; before, every
                     # read of the listener failed at it, no caller of the gateway hearing its run)
                     wrong_events[keys.run_events(run_id)] = "stream"
                     entries = []
-                record = next(replies) if check_lost else (b"", None, None)
+                record = reply_or(next(replies), None) if check_lost else (b"", None, None)
                 # (a record of another type, written by hand, holds no run: that run is lost, not every
                 # check failed, and with it the listener's every read, for good)
-                wrong = isinstance(record, Exception) and is_wrongtype(record)
-                if isinstance(record, Exception) and not wrong:
-                    raise record
-                state, model, entry = (None, None, None) if wrong else record
+                wrong = record is None
+                state, model, entry = record or (None, None, None)
                 exists = state is not None
                 if state == b"queued" and model and entry:
                     queued.append((run_id, model.decode(), entry.decode()))

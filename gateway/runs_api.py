@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import hdrs, web
-from redis.exceptions import ResponseError
 
 from common import keys
 from common.codec import entry_key
@@ -28,7 +27,7 @@ from common.redisconn import REDIS_DOWN
 from common.runview import is_terminal, run_view
 from common.shown import quoted
 from common.wire import ErrorCode, EventType, RunField
-from common.wrongtype import is_wrongtype
+from common.wrongtype import read_or
 from gateway.auth import principal
 from gateway.errors import REQUEST_ID_HEADER, ApiError, caller_left, invalid, new_request_id
 from gateway.events import READ_COUNT, Event, stored_event
@@ -121,12 +120,9 @@ class RunsApi:
     async def _view(self, request: web.Request, run_id: str) -> dict[str, Any]:
         """The run, if it exists and the request's key may see it (its own, or any for an
         operator); else the same 404 either way."""
-        try:
-            raw = await self.runs().redis.hgetall(keys.run_record(run_id))
-        except ResponseError as exc:  # (a record of another type, written by hand, holds no run: 404, not a
-            if not is_wrongtype(exc):  # 503 "Redis refused" and Retry-After for as long as the key lives)
-                raise
-            raw = {}
+        # (a record of another type, written by hand, holds no run: 404, not a 503 "Redis refused" and
+        # Retry-After for as long as the key lives)
+        raw = await read_or(self.runs().redis.hgetall(keys.run_record(run_id)), {})
         who = principal(request)
         if not raw or not who.may_see_run(_owner(raw)):
             raise ApiError(ErrorCode.NOT_FOUND, f"the run {quoted(run_id)} does not exist or has expired", param="id")

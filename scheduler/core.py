@@ -44,7 +44,7 @@ from common.wire import (
     callers_fault,
     cancelled_by_caller,
 )
-from common.wrongtype import delete_wrong_types, is_wrongtype
+from common.wrongtype import delete_wrong_types, is_wrongtype, read_or
 from scheduler import metrics
 
 log = logging.getLogger("iop.scheduler")
@@ -581,13 +581,10 @@ class Scheduler:
         the whole queue timeout, which the official clients send twice more, each a 400 again."""
         if not w.exclude - w.refuse:  # (never tried anywhere)
             return None
-        try:
-            last = await self.redis.xrevrange(keys.run_events(w.run_id), count=1)
+        try:  # (its events of another type, written by hand, hold no 4xx: the run ends as usual, its end's
+            # event replacing them, not every dispatch round failed at them)
+            last = await read_or(self.redis.xrevrange(keys.run_events(w.run_id), count=1), [])
         except REDIS_UNUSABLE:
-            return None
-        except ResponseError as exc:  # (its events of another type, written by hand, hold no 4xx: the run
-            if not is_wrongtype(exc):  # ends as usual, its end's event replacing them; not every round failed)
-                raise
             return None
         if not last or last[0][1].get(b"type") != EventType.REQUEUED.value.encode():
             return None
@@ -877,13 +874,10 @@ class Scheduler:
                     max_attempts: dict[str, int]) -> int:
         """The node's queue is the one the run's record names (it was sent there), else `node_id`'s
         (None: a provider the config lacks)."""
-        try:
-            model_raw, node_raw, limit = await self.redis.hmget(keys.run_record(run_id), "model", "node",
-                                                                "max_attempts")
-        except ResponseError as exc:  # (a record of another type, written by hand, holds no run: the
-            if not is_wrongtype(exc):  # script reads it as missing, not every sweep failed at it for good)
-                raise
-            model_raw = node_raw = limit = None
+        # (a record of another type, written by hand, holds no run: the script reads it as missing, not
+        # every sweep failed at it for good)
+        model_raw, node_raw, limit = await read_or(
+            self.redis.hmget(keys.run_record(run_id), "model", "node", "max_attempts"), [None, None, None])
         model_id = model_raw.decode() if model_raw else ""
         if node_raw:  # (the node it was sent to: the config's may be another since, in a rollout)
             node_id = node_raw.decode()

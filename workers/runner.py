@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 
 from common import keys, token_cap
 from common.chunks import (
@@ -41,7 +40,7 @@ from common.runlog import run_fields
 from common.scripts import Scripts
 from common.snapshots import read_snapshots
 from common.wire import CONFLICT, ErrorCode, ErrorInfo, EventType, RunKind, RunState, busy, cancelled_by_caller
-from common.wrongtype import is_wrongtype
+from common.wrongtype import read_or
 from workers import metrics
 from workers.adapters.base import Adapter, LastRead, ProviderError, Retry
 from workers.adapters.failures import own_words
@@ -373,13 +372,10 @@ class Runner:
         """Why the run was cancelled, as its record says (the caller went away, a DELETE of the
         runs API: `cancelled`; its caller's gateway gone: `service_unavailable`); a record without
         a reason (written by an earlier version): by the caller."""
-        try:
-            reason, code = await self.redis.hmget(keys.run_record(run_id), ["cancel_reason", "cancel_code"])
+        try:  # (a record of another type, written by hand, says no reason)
+            reason, code = await read_or(self.redis.hmget(keys.run_record(run_id), ["cancel_reason", "cancel_code"]),
+                                         [None, None])
         except REDIS_UNUSABLE:
-            reason = code = None
-        except ResponseError as exc:  # (a record of another type, written by hand, says no reason)
-            if not is_wrongtype(exc):
-                raise
             reason = code = None
         if not reason:
             return CANCELLED

@@ -19,7 +19,7 @@ from common.redisconn import REDIS_REFUSED, REDIS_UNUSABLE, Backoff, connect
 from common.runlog import run_fields
 from common.subscription import messages
 from common.wire import ErrorCode, ErrorInfo
-from common.wrongtype import is_wrongtype
+from common.wrongtype import reply_or
 from workers import metrics as worker_metrics
 from workers.adapters.base import DEFAULT_LIMITS, Adapter, ReadLimits
 from workers.adapters.cli import CliAdapter
@@ -137,10 +137,9 @@ async def _cancelled_unheard(runner: Runner) -> list[str]:
     async with runner.redis.pipeline(transaction=False) as pipe:
         for run_id in run_ids:
             pipe.hget(keys.run_record(run_id), "cancel")
-        flags = await pipe.execute(raise_on_error=False)
-    for flag in flags:  # (a record of another type, written by hand, says no cancel: not every look failed
-        if isinstance(flag, Exception) and not is_wrongtype(flag):  # at it, the listener deaf meanwhile)
-            raise flag
+        # (a record of another type, written by hand, says no cancel: not every look failed at it, the
+        # listener deaf meanwhile)
+        flags = [reply_or(flag, None) for flag in await pipe.execute(raise_on_error=False)]
     return [run_id for run_id, flag in zip(run_ids, flags, strict=True) if flag == b"1"]
 
 
