@@ -283,6 +283,27 @@ async def test_services_reconnect_after_a_redis_restart(fstack: FaultStack, http
     await async_wait_until(served, what="a run to be served again")
 
 
+async def test_providers_beat_as_soon_as_a_restarted_redis_answers_not_at_their_next_beat(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    """A Redis restarted without its data between two beats loses every heartbeat; each provider
+    stayed `unknown`, and every caller heard 503 no_available_provider, until its worker's next
+    beat: up to `heartbeat_interval_ms` (a minute here, 2 s by default; 1,320 callers of 1,625 in
+    the 2 s after a restart). The worker's cancel listener finds its subscription gone, and the
+    worker beats every provider as soon as Redis answers."""
+    gateway = start(fstack, {"only": ("n1", 2)},
+                    runtime={"heartbeat_interval_ms": 60_000, "heartbeat_ttl_ms": 75_000})
+    assert (await call(http, gateway, chat()))[0] == 200
+    fstack.server.stop(kill=True)
+    fstack.server.start()  # (no persistence: it comes back empty)
+
+    async def served() -> bool:
+        status, body = await call(http, gateway, chat())
+        assert status in (200, 503), body
+        return status == 200
+
+    await async_wait_until(served, what="a run to be served again, long before the next beat")
+
+
 async def test_a_redis_that_stops_answering_gets_callers_a_503_not_a_hang_and_serves_again_when_back(
         fstack: FaultStack, http: aiohttp.ClientSession) -> None:
     """A Redis paused with its connections up (SIGSTOP here: a frozen VM, a host cut off) answers
@@ -609,3 +630,4 @@ async def test_processes_stop_cleanly_while_redis_is_down(fstack: FaultStack) ->
         assert proc.stop() == 0, proc.output()
         assert proc.wait_for_line(last, timeout=1), proc.output()  # (said even with Redis away)
     fstack.server.start()  # for the invariant check
+

@@ -118,6 +118,11 @@ class _Runner:
         self.redis = redis
         self.running: dict[str, tuple[_Attempt, Any]] = {}
         self.cancels: list[str] = []
+        #: how often the listener said it lost its subscription
+        self.losses = 0
+
+    def lost(self) -> None:
+        self.losses += 1
 
     async def why_cancelled(self, run_id: str) -> object:
         return "why"
@@ -131,7 +136,7 @@ class _Runner:
 @asynccontextmanager
 async def listening(runner: _Runner) -> AsyncIterator[tuple[str, asyncio.Future[None]]]:
     """The worker's cancel listener of node-a, on `runner`, for the block: (its channel, its task)."""
-    task = asyncio.ensure_future(service._listen_cancels(cast(Runner, runner), "node-a"))
+    task = asyncio.ensure_future(service._listen_cancels(cast(Runner, runner), "node-a", runner.lost))
     try:
         yield keys.node_cancel("node-a"), task
     finally:
@@ -168,6 +173,7 @@ async def test_the_cancel_listener_subscribes_again_and_cancels_what_it_did_not_
             runner.running["run_heard"] = (_Attempt(), None)
             r.publish(channel, b"run_heard")
             await heard(runner, "run_heard")
+            assert runner.losses == 0
 
             hole.cut()
             runner.running["run_unheard"] = (_Attempt(), None)
@@ -176,6 +182,7 @@ async def test_the_cancel_listener_subscribes_again_and_cancels_what_it_did_not_
             # the dead subscription is noticed, a new one made, and the run's record read
             await _subscribed(r, channel, 2)  # (the dead one still counted by Redis)
             await heard(runner, "run_heard", "run_unheard")
+            assert runner.losses >= 1  # (the worker's heartbeats beat once Redis answers: it may have lost them)
             runner.running["run_later"] = (_Attempt(), None)
             r.publish(channel, b"run_later")
             await heard(runner, "run_later")

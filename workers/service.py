@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import aiohttp
@@ -99,7 +99,9 @@ async def run_job(ctx: dict[str, Any], run_id: str) -> str:
     return await runner.execute(run_id)
 
 
-async def _listen_cancels(runner: Runner, node_id: str) -> None:
+async def _listen_cancels(runner: Runner, node_id: str, on_lost: Callable[[], None]) -> None:
+    """`on_lost`: called when the subscription failed (Redis went away, or moved): the worker's
+    heartbeats wait for it to answer again (`Heartbeats.redis_lost`)."""
     backoff = Backoff()
     while True:
         pubsub = runner.redis.pubsub()
@@ -111,6 +113,7 @@ async def _listen_cancels(runner: Runner, node_id: str) -> None:
             async for msg in messages(pubsub):  # (a dead subscription raises: subscribed again)
                 await _cancel(runner, msg["data"].decode(errors="replace"))  # (no run has a name that is not text)
         except REDIS_REFUSED as exc:
+            on_lost()
             log.warning("cancel listener: Redis unavailable (%s); subscribing again", exc)
             await backoff.pause()
         except Exception:  # (a bug must not leave the worker deaf to cancels for good)
@@ -177,7 +180,7 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         await heartbeats.announce()  # (before its first take: a worker without its set is not checked)
         ctx[HEARTBEATS_CTX] = asyncio.create_task(heartbeats.run())
         background.append(ctx[HEARTBEATS_CTX])
-        background.append(asyncio.create_task(_listen_cancels(runner, node_id)))
+        background.append(asyncio.create_task(_listen_cancels(runner, node_id, heartbeats.redis_lost)))
 
     async def shutdown(ctx: dict[str, Any]) -> None:
         for t in background:
