@@ -47,6 +47,7 @@ from common.redisline import StreamEntries, new_line_of, stream_reply
 from common.scripts import Scripts
 from common.wire import ErrorCode, ErrorInfo, EventType
 from common.wrongtype import delete_wrong_types, is_wrongtype, reply_or
+from gateway.deadlines import Deadlines
 
 log = logging.getLogger("iop.gateway")
 
@@ -78,6 +79,10 @@ READS_SHARE = 0.5
 #: held event is always taken, so a single larger one still gets through.) Unpacked, they take
 #: about six times as much memory, and the SSE text written once more.
 HELD_BYTES = 1 << 16
+#: A caller's wait for an event before its keep-alive goes out, unless the hub is told otherwise
+#: (`runtime.stream_keepalive_ms`'s default), and the shortest period of the sweeper of those waits
+KEEP_ALIVE_S = 10.0
+MIN_KEEP_ALIVE_SWEEP_S = 0.01
 TERMINAL = (EventType.COMPLETED, EventType.FAILED)
 
 
@@ -144,10 +149,15 @@ class Follower:
             if timeout is not None:  # (what the read took counts: keep-alives stay `timeout` apart)
                 timeout = max(0.0, timeout - (time.monotonic() - began))
         if not self.items:
+            if timeout is not None and timeout <= 0:
+                return None
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 if timeout is None:  # (no timer to arm: the caller's deadline is the gateway's sweeper's)
                     await self.waiter
+                elif self.hub is not None:  # (its hub's sweeper, not a timer: ~750 bytes a waiting caller)
+                    with self.hub.keep_alives.within(timeout):
+                        await self.waiter
                 else:
                     async with asyncio.timeout(timeout):
                         await self.waiter
@@ -235,10 +245,15 @@ Queued = list[tuple[str, str, str]]
 
 class EventHub:
     def __init__(self, redis: Redis, gateway_id: str | None = None,
-                 queued: Callable[[Queued], Awaitable[None]] | None = None) -> None:
+                 queued: Callable[[Queued], Awaitable[None]] | None = None,
+                 keep_alive_s: float = KEEP_ALIVE_S) -> None:
         """`queued`: told of the followed runs found still waiting in their queue when they had
-        heard nothing for `QUIET_CHECK_S` (`RunClient.stuck`)."""
+        heard nothing for `QUIET_CHECK_S` (`RunClient.stuck`). `keep_alive_s`: how long a caller
+        waits for an event before its keep-alive goes out (`runtime.stream_keepalive_ms`): the
+        waits of `Follower.next` end up to a tenth of it late."""
         self.redis = redis
+        #: the bounds of `Follower.next`'s waits: one sweeper, not a timer each waiting caller
+        self.keep_alives = Deadlines(max(MIN_KEEP_ALIVE_SWEEP_S, keep_alive_s / 10))
         self.queued = queued
         #: told of the followed runs found lost (their record gone: `RunClient.lost`)
         self.lost: Callable[[list[str]], Awaitable[None]] | None = None
@@ -331,6 +346,7 @@ class EventHub:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.tasks = []
+        await self.keep_alives.close()
         self.listening.clear()
         if self.listen_line is not None:
             await self.listen_line.close()

@@ -87,7 +87,7 @@ class RunClient:
         #: the runs queued in one turn of the event loop go to Redis together (a burst of callers
         #: takes a few connections and round trips, not one each)
         self.enqueue = ScriptBatch(self.scripts, "enqueue")
-        self.hub = hub or EventHub(redis)
+        self.hub = hub or EventHub(redis, keep_alive_s=config.runtime.stream_keepalive_ms / 1000)
         self.hub.queued = self.stuck
         self.hub.lost = self.lost
         #: model id -> when the gateway last logged that it ended runs no scheduler took

@@ -407,3 +407,27 @@ async def test_reads_for_single_followers_take_turns_in_their_share_of_the_pool(
         gate.set()
         await hub.close()
         await redis.aclose()
+
+
+async def test_a_caller_s_keep_alive_wait_is_an_entry_of_its_hub_s_sweeper_not_a_timer_of_its_own(
+        redis: Redis) -> None:
+    """`asyncio.timeout` gave each streamed caller waiting for its run a timer of its own (~1 KB of
+    the ~18 KB a waiting caller holds, under uvloop, by tracemalloc). The wait is now an entry of its
+    hub's `keep_alives`: the wait still ends without an event (the caller's keep-alive goes out), and
+    an event still ends it at once."""
+    hub = EventHub(redis, keep_alive_s=0.2)
+    assert hub.keep_alives.period_s == pytest.approx(0.02)
+    run_id = "run_keep_alive"
+    try:
+        await redis.hset(keys.run_record(run_id), mapping={"state": "queued", "watchers": hub.gateway_id})
+        async with hub.follow(run_id, fresh=True) as follower:
+            waiting = asyncio.create_task(follower.next(0.2))
+            await async_wait_until(lambda: asyncio.sleep(0, waiting in hub.keep_alives._due), what="the wait")
+            assert await asyncio.wait_for(waiting, 10) is None and not hub.keep_alives._due
+            waiting = asyncio.create_task(follower.next(600))
+            await async_wait_until(lambda: asyncio.sleep(0, waiting in hub.keep_alives._due), what="the wait")
+            await add(redis, run_id, hub.gateway_id, "delta", 0)
+            event = await asyncio.wait_for(waiting, 10)
+            assert event is not None and event.type == "delta" and not hub.keep_alives._due
+    finally:
+        await hub.close()
