@@ -149,8 +149,9 @@ class ProviderConfig(Strict):
     read_timeout_ms: int = Field(120_000, ge=1, le=MAX_DURATION_MS,
                                  description="longest silence while reading a response")
     load_timeout_ms: int = Field(LOAD_TIMEOUT_MS, ge=0, le=MAX_DURATION_MS,
-                                 description="ollama, lemonade: how much longer than read_timeout_ms the answer's "
-                                             "head may take (they load the model before they answer anything)")
+                                 description="ollama, lemonade, llamacpp: how much longer than read_timeout_ms the "
+                                             "answer's head may take (they load the model before they answer "
+                                             "anything; llama-server as a router)")
     probe_timeout_ms: int = Field(2_000, ge=1, le=MAX_DURATION_MS,
                                   description="a health probe without an answer by then failed")
     probe_interval_ms: int | None = Field(None, ge=10, le=MAX_DURATION_MS,

@@ -28,10 +28,14 @@ PROBE_DISTURBS: frozenset[str] = frozenset({"llamacpp"})
 
 #: Types that load a model the run names before they answer anything, not even the head (Ollama's
 #: `streamResponse` writes its head with the first line, after the scheduler's load; Lemonade's handler
-#: loads it before it answers): their answer's head may take `load_timeout_ms` more than
-#: `read_timeout_ms`. Ollama aborts a load whose request's client went away (llm/llama_server.go's
-#: `WaitUntilRunning`), so one given up on after `read_timeout_ms` was never loaded at all.
-LOADS_FIRST: frozenset[str] = frozenset({"ollama", "lemonade"})
+#: loads it before it answers; a llama-server router, by default, has `router_validate_model` wait in
+#: `ensure_model_ready` for the load, without a timeout, before it proxies the request to the model's
+#: server, tools/server/server-models.cpp; and a llama-server put to sleep by `--sleep-idle-seconds`,
+#: whose request waits in `wait_until_no_sleep` for the model's reload, server-queue.cpp): their
+#: answer's head may take `load_timeout_ms` more than `read_timeout_ms`. Ollama aborts a load whose
+#: request's client went away (llm/llama_server.go's `WaitUntilRunning`), so one given up on after
+#: `read_timeout_ms` was never loaded at all (a llama-server router's goes on, whoever waits for it).
+LOADS_FIRST: frozenset[str] = frozenset({"ollama", "lemonade", "llamacpp"})
 
 #: The category a provider gets when its config does not say.
 DEFAULT_CATEGORY: dict[str, Category] = {

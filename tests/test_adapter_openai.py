@@ -845,3 +845,38 @@ async def test_lemonade_s_head_may_take_the_load_timeout_more(session: aiohttp.C
                 await adapter.complete(RunKind.CHAT, chat(), "r")
     finally:
         await runner.cleanup()
+
+
+async def test_a_llama_server_router_s_head_may_take_the_load_timeout_more(session: aiohttp.ClientSession) -> None:
+    """A llama-server router that loads models itself (its default) loads the model a run names before
+    it answers anything: `router_validate_model` calls `ensure_model_ready`, which starts the load and
+    waits on its condition variable, without a timeout and whatever the client does, until the model's
+    status is no longer `loading`; only then is the request proxied to the model's server
+    (tools/server/server-models.cpp at llama.cpp 00dd08161, `ensure_model_ready`, `proxy_post`). This
+    fake does the same: nothing, not even the head, until its load is done. So a `llamacpp` provider's
+    head may take `load_timeout_ms` more than `read_timeout_ms`, as Lemonade's and Ollama's may."""
+    async def chat_handler(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.4)  # (`ensure_model_ready`'s wait for the load: nothing goes out meanwhile)
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": SERVED,
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                               "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat_handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        adapter = OpenAICompatAdapter(provider("llamacpp", url, read_timeout_ms=100), session)
+        answer = await adapter.complete(RunKind.CHAT, chat(), "r")
+        assert answer["choices"][0]["message"]["content"] == "hi"
+    finally:
+        await runner.cleanup()
+
+
+def test_a_llamacpp_provider_takes_a_load_timeout() -> None:
+    """`load_timeout_ms` is a `llamacpp` provider's too (a router loads a model before it answers)."""
+    config = provider("llamacpp", "http://h:8080", read_timeout_ms=1_000, load_timeout_ms=9_000)
+    assert config.head_wait_s == 10.0

@@ -251,7 +251,8 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
      [("nodes[0].providers[0].probe_path", "not for type ollama")]),
     ("load-timeout-of-a-vllm-provider", set_at("nodes", 0, "providers", 0, "load_timeout_ms", value=600_000),
      [("nodes[0].providers[0].load_timeout_ms", "only for types that load a model a run names before they answer "
-                                                "(lemonade, ollama); type vllm answers within read_timeout_ms")]),
+                                                "(lemonade, llamacpp, ollama); type vllm answers within "
+                                                "read_timeout_ms")]),
     ("models-listed-of-a-vllm-provider", set_at("nodes", 0, "providers", 0, "models_listed", value=False),
      [("nodes[0].providers[0].models_listed", "only for type openai_api (a hosted API)")]),
     ("base-url-missing-openai-api", set_at("nodes", 1, "providers", 1, "type", value="openai_api"),

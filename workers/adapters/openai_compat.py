@@ -604,11 +604,14 @@ class OpenAICompatAdapter:
         finally:  # (held by this frame, which its traceback holds: a cycle left to the collector)
             del error
 
-    def _post(self, kind: RunKind, body: dict[str, Any], run_id: str) -> Any:
+    def _post(self, kind: RunKind, body: dict[str, Any], run_id: str, *, may_load: bool = True) -> Any:
+        """POST a run's request; `may_load`: its server may load the model before it answers (the
+        head's `load_timeout_ms`), false for one asked again once the server answered the same."""
         if self.provider.type == "llamacpp":
             body = for_llamacpp(body)
         return sending.post(self.session, self.root + PATHS[kind], data=jsonio.dumps(body),
-                            timeout=self.timeout, head_wait_s=self.provider.head_wait_s, allow_redirects=False,
+                            timeout=self.timeout, head_wait_s=self.provider.head_wait_s if may_load else None,
+                            allow_redirects=False,
                             **self.credentials.options(run_id, json_body=True))
 
     def _failed(self, exc: BaseException) -> ProviderError:
@@ -765,8 +768,8 @@ class OpenAICompatAdapter:
         not a 502 that the official clients send twice more; its 5xx says what failed (`invalid
         literal for int()`), where the stream said nothing. A whole answer, or none: None."""
         whole = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
-        try:
-            async with self._post(kind, {**whole, "max_tokens": 1}, request_id) as resp:
+        try:  # (its server just answered the stream: the model is loaded, and its head is due within a read)
+            async with self._post(kind, {**whole, "max_tokens": 1}, request_id, may_load=False) as resp:
                 await self._raise_for(resp, body.get("model"))
         except ProviderError as exc:
             return self._clean(exc) if exc.status is not None else None

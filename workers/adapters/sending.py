@@ -209,8 +209,8 @@ async def post(session: aiohttp.ClientSession, url: str, head_wait_s: float | No
     be a `PoolConnector`). The response is released at the end. A body that is `bytes` over
     `WHOLE_BODY_BYTES` must be read by the server at the pace of the timeout's `sock_read`, else
     `NotRead` (a `SocketTimeoutError`). `head_wait_s`: how long the answer's head may take when
-    that is longer than the timeout's `sock_read` (Ollama and Lemonade load the model before they
-    answer anything), else `NoHead`; the body's reads then have `sock_read` again."""
+    that is longer than the timeout's `sock_read` (Ollama, Lemonade and a llama-server router load
+    the model before they answer anything), else `NoHead`; the body's reads then have `sock_read` again."""
     timeout = kwargs.get("timeout")
     read_s = timeout.sock_read if isinstance(timeout, aiohttp.ClientTimeout) else None
     longer = _head_waited(timeout if isinstance(timeout, aiohttp.ClientTimeout) else None, head_wait_s)
