@@ -480,3 +480,24 @@ def test_an_error_ollama_passed_on_from_llama_server_is_read_as_llama_server_sai
     for error in ('{"error":{"code":500,"message":""}}\nmodel requires more system memory', "{not json}",
                   '{"error":"text"}', '{"detail":{"message":"m"}}', "runner crashed", {"message": "m"}, None):
         assert wire.runner_error(error) == error
+
+
+@pytest.mark.parametrize(("asked", "think"), [
+    ({"reasoning_effort": "none"}, False), ({"reasoning_effort": "minimal"}, "low"),
+    ({"reasoning_effort": "low"}, "low"), ({"reasoning_effort": "medium"}, "medium"),
+    ({"reasoning_effort": "high"}, "high"), ({"reasoning_effort": "max"}, "max"),
+    ({"reasoning_effort": "xhigh"}, "max"),
+    # (`reasoning.effort`, as a Responses request's chat sends it too, comes first)
+    ({"reasoning": {"effort": "low"}, "reasoning_effort": "high"}, "low"),
+    # (the caller's own `think` wins; an effort Ollama has no word for is dropped, as before)
+    ({"reasoning_effort": "high", "think": False}, False), ({"reasoning_effort": "unheard-of"}, None),
+    ({"reasoning_effort": None}, None),
+])
+def test_a_chat_s_reasoning_effort_goes_as_ollama_s_think(asked: dict[str, Any], think: Any) -> None:
+    """OpenAI's `reasoning_effort` is Ollama's `think`: its own OpenAI layer maps it so (openai/openai.go
+    `thinkFromReasoningEffort` and `FromChatRequest` at Ollama fb3076099: `reasoning.effort` first, else
+    `reasoning_effort`; none -> false, minimal -> "low", low/medium/high/max as they are, xhigh -> "max").
+    Dropped, a caller's `"none"` left a thinking model thinking, and `"high"` was the model's default."""
+    _, native = wire.request(RunKind.CHAT, chat(**asked), stream=False)
+    assert native.get("think") == think
+    assert "reasoning_effort" not in native and "reasoning" not in native

@@ -4,7 +4,7 @@
 Request fields that have an Ollama equivalent are mapped (`max_tokens` ->
 `options.num_predict`, `temperature`, `top_p`, `seed`, `stop`, penalties,
 `response_format` -> `format`, `tools` (left out with `tool_choice: "none"`, only the named
-ones with a named function or `allowed_tools`); a `developer`
+ones with a named function or `allowed_tools`), a chat's `reasoning_effort` -> `think`; a `developer`
 message goes as `system`; log probabilities: a chat's `logprobs` and `top_logprobs`, a legacy
 completion's `logprobs: k` as `logprobs: true, top_logprobs: k`); Ollama's own `options`, `keep_alive`, `think`,
 `raw`, `suffix` and `truncate` pass through; other OpenAI fields have no native meaning
@@ -265,8 +265,27 @@ def _messages(messages: Any, parse_arguments: bool = True) -> list[Json]:
     return out
 
 
+#: OpenAI's `reasoning_effort` -> Ollama's `think`, as Ollama's own OpenAI layer maps it
+#: (openai/openai.go `thinkFromReasoningEffort`): "none" turns thinking off, the efforts past either
+#: end of Ollama's scale are its nearest tier. An effort not here is dropped (thinking left at the
+#: model's default), as every OpenAI field with no Ollama meaning is.
+THINK_OF_EFFORT: dict[str, bool | str] = {"none": False, "minimal": "low", "low": "low", "medium": "medium",
+                                          "high": "high", "max": "max", "xhigh": "max", "ultra": "max"}
+
+
+def _think(body: Json) -> bool | str | None:
+    """The `think` a chat's reasoning effort asks for: its `reasoning.effort` first, else its
+    `reasoning_effort`, as Ollama's own OpenAI layer reads them (`FromChatRequest`); None: none."""
+    reasoning = body.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else body.get("reasoning_effort")
+    return THINK_OF_EFFORT.get(effort) if isinstance(effort, str) else None
+
+
 def chat_request(body: Json, stream: bool, parse_arguments: bool = True) -> Json:
     native = _common(body, RunKind.CHAT)
+    think = _think(body)
+    if think is not None and "think" not in native:  # (the caller's own `think` wins)
+        native["think"] = think
     native["messages"] = _messages(body.get("messages"), parse_arguments)
     if body.get("tools") and body.get("tool_choice") != "none":  # ("none": the model calls no tool)
         native["tools"] = offered_tools(body["tools"], body.get("tool_choice"))
