@@ -188,9 +188,10 @@ async def test_tool_calls_come_back_openai_shaped(adapter: OllamaAdapter, fake: 
     chunks = [c for read in await collect(adapter, RunKind.CHAT, body) for c in read]
     sent = fake.state.records[-1]["body"]
     assert sent["tools"] == tools
-    assert sent["messages"][1]["tool_calls"] == [{"function": {"name": "weather", "arguments": {"city": "Oslo"}}}]
+    assert sent["messages"][1]["tool_calls"] == [{"id": "c1", "function": {"name": "weather",
+                                                                           "arguments": {"city": "Oslo"}}}]
     # (a tool result names its tool, from the call it answers: OpenAI's has only the call's id)
-    assert sent["messages"][2] == {"role": "tool", "content": "sunny", "tool_name": "weather"}
+    assert sent["messages"][2] == {"role": "tool", "content": "sunny", "tool_name": "weather", "tool_call_id": "c1"}
     calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
     assert calls == [{"id": "call_run_1_0", "type": "function", "index": 0,
                       "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]
@@ -501,3 +502,27 @@ def test_a_chat_s_reasoning_effort_goes_as_ollama_s_think(asked: dict[str, Any],
     _, native = wire.request(RunKind.CHAT, chat(**asked), stream=False)
     assert native.get("think") == think
     assert "reasoning_effort" not in native and "reasoning" not in native
+
+
+def test_earlier_tool_calls_and_their_results_keep_their_ids() -> None:
+    """Ollama's messages carry tool call ids: a call's `id` and a result's `tool_call_id` (api/types.go
+    `ToolCall.ID`, `Message.ToolCallID` at Ollama fb3076099), which its own OpenAI layer passes on as
+    they came (openai/openai.go `FromCompletionToolCall`, `FromChatRequest`) and its chat templates and
+    renderers read (template/template.go `convertMessagesForTemplate`: `.ToolCalls[].ID`, `.ToolCallID`;
+    model/renderers/cohere.go numbers each result by the call its id answers). Dropped, the results of
+    two calls in one turn were told apart by nothing but their tool's name."""
+    history = [{"role": "user", "content": "weather in Oslo and Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}},
+                   {"id": "c2", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+                   {"type": "function", "function": {"name": "clock", "arguments": "{}"}}]},  # (one without)
+               {"role": "tool", "tool_call_id": "c2", "content": "rain"},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    _, native = wire.request(RunKind.CHAT, chat(messages=history), stream=False)
+    assert native["messages"][1]["tool_calls"] == [
+        {"id": "c1", "function": {"name": "weather", "arguments": {"city": "Oslo"}}},
+        {"id": "c2", "function": {"name": "weather", "arguments": {"city": "Paris"}}},
+        {"function": {"name": "clock", "arguments": {}}}]
+    assert native["messages"][2:] == [
+        {"role": "tool", "content": "rain", "tool_name": "weather", "tool_call_id": "c2"},
+        {"role": "tool", "content": "sunny", "tool_name": "weather", "tool_call_id": "c1"}]

@@ -228,7 +228,10 @@ def _native_tool_calls(calls: Any, path: str, parse: bool = True) -> list[Json]:
             if too_deep or deeper_than(args, MAX_DEPTH):
                 raise UnsupportedRequest(f"a tool call's arguments nest deeper than {MAX_DEPTH} levels",
                                          f"{path}[{j}].function.arguments")
-        out.append({"function": {"name": fn.get("name"), "arguments": args or {}}})
+        native: Json = {"function": {"name": fn.get("name"), "arguments": args or {}}}
+        if isinstance(call, dict) and isinstance(call.get("id"), str):  # (its result names it: `_messages`)
+            native["id"] = call["id"]
+        out.append(native)
     return out
 
 
@@ -239,7 +242,9 @@ ROLES = {"developer": "system"}
 def _messages(messages: Any, parse_arguments: bool = True) -> list[Json]:
     """OpenAI's messages -> Ollama's. A `developer` message (OpenAI's newer name for `system`)
     goes as `system`; a tool result names its tool (`tool_name`): from its `name`, else from the
-    earlier assistant call its `tool_call_id` answers."""
+    earlier assistant call its `tool_call_id` answers. Call ids go as they came (a call's `id`, a
+    result's `tool_call_id`), as Ollama's own OpenAI layer passes them: its chat templates and
+    renderers read them to tell the results of several calls of one turn apart."""
     out = []
     called: dict[str, str] = {}  # tool call id -> the function's name
     for i, msg in enumerate(messages if isinstance(messages, list) else []):
@@ -261,6 +266,8 @@ def _messages(messages: Any, parse_arguments: bool = True) -> list[Json]:
             name = msg.get("name") or (called.get(call_id) if isinstance(call_id, str) else None)
             if name:
                 native["tool_name"] = name
+            if isinstance(call_id, str):
+                native["tool_call_id"] = call_id
         out.append(native)
     return out
 
