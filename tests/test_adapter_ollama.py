@@ -526,3 +526,21 @@ def test_earlier_tool_calls_and_their_results_keep_their_ids() -> None:
     assert native["messages"][2:] == [
         {"role": "tool", "content": "rain", "tool_name": "weather", "tool_call_id": "c2"},
         {"role": "tool", "content": "sunny", "tool_name": "weather", "tool_call_id": "c1"}]
+
+
+def test_an_earlier_turn_s_reasoning_goes_as_its_thinking() -> None:
+    """An assistant turn replayed with its reasoning gives it to Ollama as the message's `thinking`, as
+    Ollama's own OpenAI layer does with a message's `reasoning` (openai/openai.go `FromChatRequest`:
+    `Thinking: msg.Reasoning`, at Ollama fb3076099), which a thinking model's template renders back
+    (gpt-oss's reasoning before its tool call, say). `reasoning_content` is the name iop itself gives
+    Ollama's thinking in its answers (and vLLM's), so a client that replays iop's answer sends that."""
+    call = {"id": "c1", "type": "function", "function": {"name": "clock", "arguments": "{}"}}
+    for said, thinking in (({"reasoning_content": "the user wants the time"}, "the user wants the time"),
+                           ({"reasoning": "first", "reasoning_content": "second"}, "first"),
+                           ({"reasoning_content": ""}, None), ({"reasoning_content": ["not text"]}, None)):
+        history = [{"role": "user", "content": "time?"},
+                   {"role": "assistant", "content": None, "tool_calls": [call], **said},
+                   {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+        _, native = wire.request(RunKind.CHAT, chat(messages=history), stream=False)
+        assert native["messages"][1].get("thinking") == thinking, said
+        assert not {"reasoning", "reasoning_content"} & set(native["messages"][1])

@@ -239,10 +239,21 @@ def _native_tool_calls(calls: Any, path: str, parse: bool = True) -> list[Json]:
 ROLES = {"developer": "system"}
 
 
+def _replayed_thinking(msg: Json) -> str | None:
+    """The reasoning an earlier turn is replayed with, for Ollama's `thinking` (a thinking model's
+    template renders it back): its `reasoning`, as Ollama's own OpenAI layer reads it, else its
+    `reasoning_content`, the name iop's answers give Ollama's thinking (and vLLM's)."""
+    for name in ("reasoning", "reasoning_content"):
+        if isinstance(msg.get(name), str):
+            return str(msg[name])
+    return None
+
+
 def _messages(messages: Any, parse_arguments: bool = True) -> list[Json]:
     """OpenAI's messages -> Ollama's. A `developer` message (OpenAI's newer name for `system`)
     goes as `system`; a tool result names its tool (`tool_name`): from its `name`, else from the
-    earlier assistant call its `tool_call_id` answers. Call ids go as they came (a call's `id`, a
+    earlier assistant call its `tool_call_id` answers. An earlier turn's reasoning goes as its
+    `thinking` (`_replayed_thinking`). Call ids go as they came (a call's `id`, a
     result's `tool_call_id`), as Ollama's own OpenAI layer passes them: its chat templates and
     renderers read them to tell the results of several calls of one turn apart."""
     out = []
@@ -255,6 +266,9 @@ def _messages(messages: Any, parse_arguments: bool = True) -> list[Json]:
         native: Json = {"role": ROLES.get(role, role) if isinstance(role, str) else role, "content": text}
         if images:
             native["images"] = images
+        thinking = _replayed_thinking(msg)
+        if thinking:
+            native["thinking"] = thinking
         if msg.get("tool_calls"):
             native["tool_calls"] = _native_tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls", parse_arguments)
             for call in msg["tool_calls"] if isinstance(msg["tool_calls"], list) else []:
