@@ -320,13 +320,16 @@ class Heartbeats:
         """PING Redis until it answers (one attempt at a time for the whole worker, at most
         `BACK_POLL_CAP_S` apart), then beat every provider."""
         pause = Backoff(first=BACK_POLL_FIRST_S, cap=BACK_POLL_CAP_S)
+        refused = 0
         while True:
             await pause.pause()
             try:
                 await self.redis.ping()
             except REDIS_REFUSED:  # (a MISCONF Redis refuses even a PING)
+                refused += 1
                 continue
-            log.info("Redis answers again: every provider of node %s beats now", self.node_id)
+            if refused:  # (else it was not away: a subscription's connection that broke alone, say)
+                log.info("Redis answers again: every provider of node %s beats now", self.node_id)
             for event in self.wake.values():
                 event.set()
             return
