@@ -607,9 +607,14 @@ class Backoff:
     def reset(self) -> None:
         self.delay = self.first
 
-    async def pause(self) -> None:
-        await asyncio.sleep(self.delay)
+    def take(self) -> float:
+        """The pause to make now; the next is twice as long, up to `cap`."""
+        delay = self.delay
         self.delay = min(self.delay * 2, self.cap)
+        return delay
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self.take())
 
 
 def now_ms() -> int:

@@ -42,6 +42,7 @@ from redis.exceptions import ResponseError
 
 from common import keys
 from common.codec import decode_event, entry_key, unpack
+from common.comeback import Comeback
 from common.redisconn import REDIS_UNUSABLE, Backoff
 from common.redisline import StreamEntries, new_line_of, stream_reply
 from common.scripts import Scripts
@@ -254,6 +255,8 @@ class EventHub:
         self.redis = redis
         #: the bounds of `Follower.next`'s waits: one sweeper, not a timer each waiting caller
         self.keep_alives = Deadlines(max(MIN_KEEP_ALIVE_SWEEP_S, keep_alive_s / 10))
+        #: the watch for Redis answering again, which cuts the readers' pauses short
+        self.comeback = Comeback(redis)
         self.queued = queued
         #: told of the followed runs found lost (their record gone: `RunClient.lost`)
         self.lost: Callable[[list[str]], Awaitable[None]] | None = None
@@ -324,7 +327,7 @@ class EventHub:
                         break
                     except REDIS_UNUSABLE as exc:
                         log.warning("gateway events: Redis unavailable (%s); retrying", exc)
-                        await backoff.pause()
+                        await self.comeback.pause(backoff)
         except TimeoutError:  # (what the listener brought meanwhile is read again with the rest)
             follower.pending = None
             follower.behind = True
@@ -347,6 +350,7 @@ class EventHub:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.tasks = []
         await self.keep_alives.close()
+        await self.comeback.close()
         self.listening.clear()
         if self.listen_line is not None:
             await self.listen_line.close()
@@ -360,7 +364,7 @@ class EventHub:
                 return newest[0][0].decode() if newest else "0-0"
             except REDIS_UNUSABLE as exc:
                 log.warning("gateway inbox: Redis unavailable (%s); retrying", exc)
-                await backoff.pause()
+                await self.comeback.pause(backoff)
 
     async def _listen(self, start: str | None) -> None:
         last = start or await self._tail()
@@ -389,7 +393,7 @@ class EventHub:
             except REDIS_UNUSABLE as exc:
                 log.warning("gateway inbox: Redis unavailable (%s); retrying", exc)
                 resync = True  # whatever came meanwhile is read from each run's stream
-                await backoff.pause()
+                await self.comeback.pause(backoff)  # (cut short when Redis answers again)
             except Exception as exc:  # a bug must not end the one reader every caller waits on
                 # (an inbox of another type written by hand, `SET iop:inbox:{gateway} x`, holds no copy:
                 # it goes, and the runs' own streams are read again; it failed every read for good)

@@ -27,6 +27,7 @@ from redis.exceptions import ResponseError
 
 from common import keys
 from common.codec import entry_key, pack, unpack
+from common.comeback import Comeback
 from common.config import Config, ModelConfig
 from common.policy import ProviderSnapshot, all_refused, candidate_class, retry_after_s, select_provider
 from common.redisconn import REDIS_UNUSABLE, Backoff, id_set, now_ms
@@ -956,10 +957,11 @@ def _one_more(snaps: list[ProviderSnapshot], provider_id: str | None) -> list[Pr
     return [replace(s, in_flight=s.in_flight + 1) if s.provider_id == provider_id else s for s in snaps]
 
 
-async def _forever(name: str, step: Any) -> None:
-    """Run `step()` in a loop; a Redis outage only pauses it, with backoff. Any other error is
-    logged and the loop goes on too: a replica whose liveness key stays fresh must never stop
-    dispatching, or its runs would wait without anyone taking them over."""
+async def _forever(name: str, step: Any, comeback: Comeback) -> None:
+    """Run `step()` in a loop; a Redis outage only pauses it, with backoff, cut short when Redis
+    answers again (`comeback`). Any other error is logged and the loop goes on too: a replica whose
+    liveness key stays fresh must never stop dispatching, or its runs would wait without anyone
+    taking them over."""
     backoff = Backoff()
     while True:
         try:
@@ -967,7 +969,7 @@ async def _forever(name: str, step: Any) -> None:
             backoff.reset()
         except REDIS_UNUSABLE as exc:
             log.warning("%s: Redis unavailable (%s); retrying in %.2fs", name, exc, backoff.delay)
-            await backoff.pause()
+            await comeback.pause(backoff)
         except Exception:
             log.exception("%s: unexpected error; retrying in %.2fs", name, backoff.delay)
             await backoff.pause()
@@ -1029,16 +1031,19 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
         await sched.heartbeat()
 
     # (Redis may be away for long at the start: a stop meanwhile ends the wait, not only a success)
-    waiting = asyncio.create_task(_retry_once(setup), name="setup")
+    comeback = Comeback(sched.redis)
+    waiting = asyncio.create_task(_retry_once(setup, comeback), name="setup")
     stopped = asyncio.create_task(stop.wait(), name="stop")
     await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
     for task in (waiting, stopped):
         task.cancel()  # (the one that is done stays as it ended)
     await asyncio.gather(waiting, stopped, return_exceptions=True)
+    if waiting.cancelled() or waiting.exception() is not None:
+        await comeback.close()
     if waiting.cancelled():
         return
     waiting.result()  # (an error of the setup's own is raised)
-    tasks = [asyncio.create_task(_forever(n, f), name=n) for n, f in
+    tasks = [asyncio.create_task(_forever(n, f, comeback), name=n) for n, f in
              (("intake", intake), ("dispatch", dispatcher), ("liveness", liveness), ("maintenance", maintenance),
               ("signals", signals))]
     try:
@@ -1047,6 +1052,7 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await comeback.close()
         await sched.close()
         try:
             await sched.redis.delete(keys.scheduler_alive(sched.consumer))
@@ -1054,7 +1060,7 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
             pass
 
 
-async def _retry_once(step: Any) -> None:
+async def _retry_once(step: Any, comeback: Comeback) -> None:
     backoff = Backoff()
     while True:
         try:
@@ -1062,4 +1068,4 @@ async def _retry_once(step: Any) -> None:
             return
         except REDIS_UNUSABLE as exc:
             log.warning("setup: waiting for Redis (%s); retrying in %.2fs", exc, backoff.delay)
-            await backoff.pause()
+            await comeback.pause(backoff)

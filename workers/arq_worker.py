@@ -31,6 +31,7 @@ from arq.worker import Worker
 from redis.exceptions import ResponseError
 
 from common import keys
+from common.comeback import Comeback
 from common.redisconn import REDIS_UNUSABLE, Backoff, connection_pool
 from common.redisline import Line, new_line_of
 from common.runlog import run_fields
@@ -69,6 +70,8 @@ class WakeWorker(Worker):
         self._attempts: dict[str, bytes | None] = {}
         #: (provider, model) of the runs this worker passed over, each said once (`_passed_over`)
         self._passed: set[tuple[str, str]] = set()
+        #: the watch for Redis answering again after the main loop found it away
+        self._comeback: Comeback | None = None
 
     async def main(self) -> None:
         if self._pool is None:
@@ -88,6 +91,7 @@ class WakeWorker(Worker):
         if self.on_startup:
             await self.on_startup(self.ctx)
         backoff = Backoff()
+        self._comeback = Comeback(self.pool)
         poll = True
         while True:
             try:
@@ -97,7 +101,7 @@ class WakeWorker(Worker):
                 backoff.reset()
             except REDIS_UNUSABLE as exc:
                 log.warning("worker: Redis unavailable (%s); retrying in %.2fs", exc, backoff.delay)
-                await backoff.pause()
+                await self._comeback.pause(backoff)  # (cut short when Redis answers again)
                 poll = True
             except ResponseError as exc:
                 if not is_wrongtype(exc) or not await self.heal():
@@ -276,6 +280,8 @@ class WakeWorker(Worker):
 
     async def close(self) -> None:
         """arq's close, but a Redis that is already gone does not skip our shutdown hook."""
+        if self._comeback is not None:
+            await self._comeback.close()
         try:
             await super().close()
         except REDIS_UNUSABLE as exc:

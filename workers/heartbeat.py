@@ -23,10 +23,11 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from common import keys
+from common.comeback import Comeback
 from common.config import Config, ProviderConfig
 from common.policy import Health
 from common.provider_types import PROBE_DISTURBS
-from common.redisconn import REDIS_DOWN, REDIS_REFUSED, REDIS_UNUSABLE, Backoff, as_text_map, now_ms
+from common.redisconn import REDIS_DOWN, REDIS_UNUSABLE, as_text_map, now_ms
 from common.scripts import Scripts
 from common.wrongtype import delete_wrong_types, is_wrongtype
 from workers.adapters.base import DOWN, Adapter, ProbeResult
@@ -68,10 +69,6 @@ MAX_OBSERVED = 1_000
 #: read by every scheduler's snapshot and every catalog
 MAX_OBSERVED_CHARS = 256
 MAX_OBSERVED_BYTES = 64 * 1024
-#: The pauses between PINGs while Redis is away (`Heartbeats.redis_lost`): doubling from the first
-#: up to the cap, for the whole worker. A refused connection costs it next to nothing.
-BACK_POLL_FIRST_S = 0.01
-BACK_POLL_CAP_S = 0.05
 
 
 def recorded(listed: list[str], configured: list[str]) -> list[str]:
@@ -139,9 +136,9 @@ class Heartbeats:
         self.probe_bugs: set[tuple[str, str]] = set()
         #: per provider, what each other worker of the node announced otherwise (`_warn_if_another_config`)
         self.disagreed: dict[str, dict[str, tuple[str, ...]]] = {}
-        #: the task that waits for Redis to answer again after it went away (`redis_lost`)
-        self._back: asyncio.Task[None] | None = None
-        self._stopped = False
+        #: the watch for Redis to answer again after it went away (`redis_lost`)
+        self.comeback = Comeback(redis)
+        self.comeback.when_answered(self._beat_all)
 
     def _announce(self, pipe: Pipeline) -> None:
         """Add to `pipe` the writes of what this worker serves (`keys.worker_serves`), for its life."""
@@ -309,37 +306,23 @@ class Heartbeats:
 
     def redis_lost(self) -> None:
         """Redis went away (a beat or the cancel listener's subscription failed): every provider
-        beats again as soon as it answers (`_until_back`), not at its next beat. After an outage
+        beats again as soon as it answers (`common.comeback`), not at its next beat. After an outage
         longer than `heartbeat_ttl_ms` (a restart, a Sentinel failover) every provider is `unknown`
         until then, and each caller meanwhile hears 503 no_available_provider: up to a whole
         interval of them (1,320 callers of 1,625 in the 2 s after a restart, with 2 s beats)."""
-        if not self._stopped and (self._back is None or self._back.done()):
-            self._back = asyncio.create_task(self._until_back())
+        self.comeback.watch()
 
-    async def _until_back(self) -> None:
-        """PING Redis until it answers (one attempt at a time for the whole worker, at most
-        `BACK_POLL_CAP_S` apart), then beat every provider."""
-        pause = Backoff(first=BACK_POLL_FIRST_S, cap=BACK_POLL_CAP_S)
-        refused = 0
-        while True:
-            await pause.pause()
-            try:
-                await self.redis.ping()
-            except REDIS_REFUSED:  # (a MISCONF Redis refuses even a PING)
-                refused += 1
-                continue
-            if refused:  # (else it was not away: a subscription's connection that broke alone, say)
-                log.info("Redis answers again: every provider of node %s beats now", self.node_id)
-            for event in self.wake.values():
-                event.set()
-            return
+    def _beat_all(self, was_away: bool) -> None:
+        if was_away:  # (else it was not away: a subscription's connection that broke alone, say)
+            log.info("Redis answers again: every provider of node %s beats now", self.node_id)
+        for event in self.wake.values():
+            event.set()
 
     async def run(self) -> None:
         try:
             await asyncio.gather(*(self._loop(p) for p in self.providers))
         finally:
-            self._stopped = True
-            tasks = [*self.probes.values(), *([self._back] if self._back else [])]
-            for task in tasks:
+            await self.comeback.close()
+            for task in self.probes.values():
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*self.probes.values(), return_exceptions=True)

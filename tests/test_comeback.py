@@ -1,0 +1,103 @@
+"""`common.comeback`: a loop's pause after Redis went away is cut short once Redis answers again,
+and only then (a loop that failed while Redis answered does not spin). Against a real Redis that is
+stopped and started again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.comeback import Comeback
+from common.redisconn import Backoff, connect
+from iop.embedded_redis import RedisServer
+from scheduler import core
+from tests.conftest import async_wait_until
+
+#: a pause no test waits out: the 15 s of `async_wait_until` / `wait_for` end first
+LONG = Backoff(first=600.0, cap=600.0)
+
+
+async def test_a_pause_ends_when_redis_answers_again_not_when_its_backoff_does() -> None:
+    server = RedisServer().start()
+    client = connect(server.url)
+    comeback = Comeback(client)
+    answered: list[bool] = []
+    comeback.when_answered(answered.append)
+    try:
+        server.stop(kill=True)
+        pausing = asyncio.create_task(comeback.pause(LONG))
+        await async_wait_until(lambda: asyncio.sleep(0, comeback.refused >= 2), what="PINGs refused")
+        assert not pausing.done()
+        await asyncio.to_thread(server.start)
+        await asyncio.wait_for(pausing, 15)
+        assert answered == [True]
+    finally:
+        await comeback.close()
+        await client.aclose()
+        server.cleanup()
+
+
+async def test_a_redis_that_answers_at_once_cuts_no_pause_short(redis_url: str) -> None:
+    """The loop failed for another reason than Redis being away (a READONLY replica, a slow
+    command's timeout): waking it at once would make it spin."""
+    client = connect(redis_url)
+    comeback = Comeback(client)
+    answered: list[bool] = []
+    comeback.when_answered(answered.append)
+    try:
+        back = comeback.watch()
+        await async_wait_until(lambda: asyncio.sleep(0, bool(answered)), what="the PING answered")
+        assert answered == [False] and not back.is_set() and comeback.refused == 0
+        pausing = asyncio.create_task(comeback.pause(Backoff(first=600.0)))
+        await async_wait_until(lambda: asyncio.sleep(0, len(answered) == 2), what="the next watch's PING")
+        await asyncio.sleep(0)
+        assert not pausing.done()  # (still in its backoff)
+        pausing.cancel()
+        await asyncio.gather(pausing, return_exceptions=True)
+    finally:
+        await comeback.close()
+        await client.aclose()
+
+
+async def test_a_closed_watch_starts_no_other() -> None:
+    client = connect("redis://127.0.0.1:1")  # (nothing listens: every PING refused)
+    comeback = Comeback(client)
+    comeback.watch()
+    await async_wait_until(lambda: asyncio.sleep(0, comeback.refused >= 1), what="a PING refused")
+    await comeback.close()
+    assert comeback._task is not None and comeback._task.done()
+    comeback.watch()
+    assert comeback._task.done()  # (none started: a process stopping leaves no task behind)
+    await client.aclose()
+
+
+async def test_a_scheduler_loop_resumes_when_redis_answers_again_not_when_its_backoff_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After 10 s without Redis, a run queued 0.06 s after it was back completed 1.6 s later: the
+    scheduler's loops (and the worker's, and the gateway's reader) were pausing up to their backoff's
+    cap. With their pauses cut short: 0.07-0.13 s (`tests/test_faults.py`'s stack, three runs). Here
+    the loop's backoff is ten minutes: only the comeback can end it."""
+    monkeypatch.setattr(core, "Backoff", lambda *args, **kwargs: Backoff(first=600.0, cap=600.0))
+    server = RedisServer().start()
+    client = connect(server.url)
+    comeback = Comeback(client)
+    through = asyncio.Event()
+
+    async def step() -> None:
+        await client.ping()
+        through.set()
+        await asyncio.Event().wait()
+
+    server.stop(kill=True)
+    loop = asyncio.create_task(core._forever("intake", step, comeback))
+    try:
+        await async_wait_until(lambda: asyncio.sleep(0, comeback.refused >= 1), what="Redis found away")
+        await asyncio.to_thread(server.start)
+        await asyncio.wait_for(through.wait(), 15)
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await comeback.close()
+        await client.aclose()
+        server.cleanup()
