@@ -650,6 +650,13 @@ def base_url_fault(value: Any) -> str | None:
         return f"{shown(value)} names no host; write a URL {example}"
     if any(c.isspace() for c in value):
         return f"{shown(value)} is not a URL (it has white space); write one {example}"
+    # (iop adds the API's paths to base_url: after a query or a fragment they were part of it, so every
+    # probe and run went to the path before it, `/v1?api-version=…/v1/models`, and the probe's reason
+    # named `/v1/models`, which the server does serve; past the host, the first `?` or `#` starts one)
+    if (start := min((i for i in (value.find("?"), value.find("#")) if i >= 0), default=-1)) >= 0:
+        kind = "query" if value[start] == "?" else "fragment"
+        return (f"{shown(value)} has a {kind} ({shown(value[start:])}): iop adds the API's paths to base_url, "
+                f"so it can hold none; write the URL without it, {example}")
     return None
 
 

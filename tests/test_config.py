@@ -231,6 +231,16 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
      [("nodes[0].providers[0].base_url", "'http:///v1' names no host")]),
     ("base-url-bad-port", set_at("nodes", 0, "providers", 0, "base_url", value="http://gpu-1:99999"),
      [("nodes[0].providers[0].base_url", "'http://gpu-1:99999' is not a usable URL (Port out of range")]),
+    # (iop adds the API's paths to base_url: a query or a fragment there took them in, and every probe
+    # and run went to the path before it, the reason naming a path never asked: a new operator's Azure URL)
+    ("base-url-with-a-query",
+     set_at("nodes", 0, "providers", 0, "base_url", value="http://gpu-1:8000/v1?api-version=2024-10-21"),
+     [("nodes[0].providers[0].base_url", "'http://gpu-1:8000/v1?api-version=2024-10-21' has a query "
+                                         "('?api-version=2024-10-21')")]),
+    ("base-url-with-a-fragment", set_at("nodes", 0, "providers", 0, "base_url", value="http://gpu-1:8000#main"),
+     [("nodes[0].providers[0].base_url", "'http://gpu-1:8000#main' has a fragment ('#main')")]),
+    ("base-url-with-an-empty-query", set_at("nodes", 0, "providers", 0, "base_url", value="http://gpu-1:8000/v1?"),
+     [("nodes[0].providers[0].base_url", "'http://gpu-1:8000/v1?' has a query ('?')")]),
     # (fields a type never reads: a type changed without them, said rather than ignored; a new operator)
     ("base-url-of-a-cli-provider", set_at("nodes", 1, "providers", 1, "base_url", value="http://gpu-2:9000"),
      [("nodes[1].providers[1].base_url", "not for type cli, which runs its command")]),
