@@ -53,9 +53,10 @@ MAX_CONFIG_BYTES = 4 * 2**20
 MAX_TOKENS = 10_000_000
 #: A site as a browser names it in `Origin` (scheme, host and port; no path), or `*` for any.
 CORS_ORIGIN_PATTERN = r"^(\*|https?://[^/\s?#]+)$"
-#: A path on a provider's host; the API's under `base_url` may be empty.
+#: A path on a provider's host; the API's under `base_url` may be empty, and holds no query or fragment
+#: (iop adds the API's paths to it: after a `?` they were in the query, and every request went to the path before it).
 PATH_PATTERN = r"^/\S*$"
-API_PATH_PATTERN = r"^(/\S*)?$"
+API_PATH_PATTERN = r"^(/[^\s?#]*)?$"
 #: A host name as `Host` sends it, without a port, or `*` for any.
 HOST_NAME_PATTERN = r"^(\*|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?)$"
 #: A header a provider's requests carry from the config (`headers`, `api_key_header`): its name an
@@ -447,7 +448,8 @@ _PATTERN_SAID = {ID_PATTERN: "must be one word (no spaces)",
                                       "http://localhost:5173: no path) or *",
                  HOST_NAME_PATTERN: "must be a host name (iop.example.com: no scheme, no port) or *",
                  PATH_PATTERN: "must be a path that starts with / (no spaces)",
-                 API_PATH_PATTERN: "must be empty or a path that starts with / (no spaces)",
+                 API_PATH_PATTERN: "must be empty or a path that starts with / (no spaces, no ? or #: iop adds the "
+                                   "API's paths to it)",
                  NAME_PATTERN: "must be 1 to 64 letters, digits, '_', '.' or '-', the first a letter or digit",
                  SHA256_PATTERN: "must be the key's SHA-256 in 64 hex digits (iop keys new prints it)",
                  ENV_NAME_PATTERN: "must be the name of an environment variable (letters, digits, _)"}

@@ -320,7 +320,14 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
     ("probe-path-without-slash", set_at("nodes", 0, "providers", 0, "probe_path", value="health"),
      [("nodes[0].providers[0].probe_path", "must be a path that starts with / (no spaces), got 'health'")]),
     ("api-path-without-slash", set_at("nodes", 0, "providers", 0, "api_path", value="v1"),
-     [("nodes[0].providers[0].api_path", "must be empty or a path that starts with / (no spaces), got 'v1'")]),
+     [("nodes[0].providers[0].api_path", "must be empty or a path that starts with / (no spaces, no ? or #: "
+                                         "iop adds the API's paths to it), got 'v1'")]),
+    # (iop adds the API's paths to api_path as to base_url: after a `?` or `#` they were in the query)
+    ("api-path-with-a-query", set_at("nodes", 0, "providers", 0, "api_path", value="/openai/v1?api-version=1"),
+     [("nodes[0].providers[0].api_path", "must be empty or a path that starts with / (no spaces, no ? or #: "
+                                         "iop adds the API's paths to it), got '/openai/v1?api-version=1'")]),
+    ("api-path-with-a-fragment", set_at("nodes", 0, "providers", 0, "api_path", value="/v1#x"),
+     [("nodes[0].providers[0].api_path", "no ? or #")]),
     ("provider-models-item-not-a-string", set_at("nodes", 0, "providers", 0, "models", 1, value=3),
      [("nodes[0].providers[0].models[1]", "valid string")]),
     ("node-providers-a-mapping", set_at("nodes", 0, "providers", value={}),
