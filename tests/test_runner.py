@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common import keys
 from common.codec import Unpackable, pack, unpack
-from common.config import ProviderConfig, parse_config
+from common.config import Config, ProviderConfig, parse_config
 from common.policy import Health, why_not
 from common.redisconn import Backoff, now_ms
 from common.redisline import new_line_of
@@ -1393,17 +1393,19 @@ async def test_a_keys_in_flight_set_lives_as_long_as_its_longest_lived_run(redis
 
 # ------------------------------------------------------------------ blame: failed here, served elsewhere
 async def failed_on_a_then_on_b(redis: Redis, error: Callable[[str], ProviderError],
-                                b_serves: bool = True) -> tuple[str, list[str]]:
+                                b_serves: bool = True, config: Config | None = None) -> tuple[str, list[str]]:
     """A run that fails on a (chosen first: the tie-break), goes back to its queue and is then
-    dispatched to b, which serves it or fails it too: (its end, the scripts b's runner called)."""
+    dispatched to b, which serves it or fails it too: (its end, the scripts b's runner called; its
+    runners read `config`, when given, rather than the scheduler's)."""
     sched, run_id = await start_one(redis, {"a": 1, "b": 1})
     assert await chosen_and_other(redis, run_id) == ("a", "b")
-    first = Runner(redis, sched.config, "n-a", {"a": Scripted([], error("a"))})
+    first = Runner(redis, config or sched.config, "n-a", {"a": Scripted([], error("a"))})
     assert await first.execute(run_id) == "requeued:ok"
     await sched.read_new(block_ms=10)
     await sched.dispatch_all()
     assert (await fields(redis, keys.run_record(run_id), "provider"))[0] == "b"
-    second = Runner(redis, sched.config, "n-b", {"b": Scripted([[TEXT]], None if b_serves else error("b"))})
+    second = Runner(redis, config or sched.config, "n-b",
+                    {"b": Scripted([[TEXT]], None if b_serves else error("b"))})
     called: list[str] = []
     before_scripts(second, pytest.MonkeyPatch(), called.append)
     return await second.execute(run_id), called
@@ -1441,6 +1443,25 @@ async def test_a_provider_whose_runs_another_then_served_three_times_in_a_row_is
     assert (await Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])}).execute(run_id)).startswith(
         "completed")
     assert await fields(redis, hb, "blame:a-name") == [None]
+
+
+async def test_a_provider_another_model_runs_there_alone_under_the_same_name_is_not_benched(redis: Redis) -> None:
+    """A bench is kept per served name: a second model that a alone serves under the same name
+    (`solo`, a-name on a) was cut off by the first's blame, 503 `no_available_provider` ("a: benched")
+    for `bench_ms` though a served its runs (a new operator's pool: a model with a fallback and one
+    without, on the same engine). Blame never benches a model's only provider for it, so runs failed
+    there and served elsewhere bench no name that such a model has there."""
+    data = {"models": [{"id": MODEL, "providers": {"a": "a-name", "b": "b-name"}},
+                       {"id": "solo", "providers": {"a": "a-name"}}],
+            "nodes": [{"id": f"n-{p}", "providers": [{"id": p, "type": "vllm", "base_url": "http://127.0.0.1:9",
+                                                      "capacity": 1, "models": [f"{p}-name"]}]} for p in "ab"],
+            "queue": {"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3}}
+    for _ in range(3):
+        outcome, called = await failed_on_a_then_on_b(redis, server_error, config=parse_config(data))
+        assert outcome.startswith("completed")
+    assert await fields(redis, keys.heartbeat("a"), "bench:a-name") == [None]
+    now = now_ms()
+    assert not (await read_snapshots(redis, {"a": "a-name"}, now, "n-{}".format))[0].benched
 
 
 @pytest.mark.parametrize("case", ["fails everywhere", "busy", "caller's request", "served first time"])

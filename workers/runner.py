@@ -816,8 +816,12 @@ class Runner:
         tried again)."""
         bench_ms = self.config.runtime.bench_ms
         model = self.config.model(att.model_id)
+        # (a bench is kept per served name, and every model served there under that name reads it: a
+        # model that the provider alone serves so would be cut off by another's blame, which never
+        # benches a model's only provider for it; that name there is blamed by none)
+        alone = {pair for m in self.config.models if len(m.providers) == 1 for pair in m.providers.items()}
         others = {p: served for p, served in sorted(model.providers.items() if model else ())
-                  if p in att.tried and p != att.provider_id}
+                  if p in att.tried and p != att.provider_id and (p, served) not in alone}
         if not bench_ms or not others:
             return
         try:
