@@ -625,6 +625,18 @@ def folded_name(name: str) -> str:
     return unicodedata.normalize("NFKC", name).casefold()
 
 
+#: The most characters NFKC composes into one: the longest canonical decomposition (U+1FAF's, a
+#: Greek capital and three marks). Case folding never shortens a name, so one that folds to a name
+#: of n characters holds at most this many times n (`may_fold_to`).
+MOST_COMPOSED = 4
+
+
+def may_fold_to(name: str, longest: int) -> bool:
+    """Whether `name` is short enough to fold to a name of at most `longest` characters folded;
+    one that is not need not be folded (NFKC can make a name 18 times longer: U+FDFA is 18 letters)."""
+    return len(name) <= MOST_COMPOSED * longest
+
+
 def _unprintable(name: str) -> str | None:
     """What in `name` is not printable text (a control or format character: a NUL, a zero-width
     space), if anything is."""

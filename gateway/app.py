@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from common import capabilities, keys, token_cap
 from common.auth import KeyRing
-from common.config import Config, ModelConfig, folded_name
+from common.config import Config, ModelConfig, folded_name, may_fold_to
 from common.jsonio import json_response
 from common.redisconn import REDIS_DOWN
 from common.shown import quoted
@@ -101,10 +101,15 @@ def _model_for(request: web.Request, name: str) -> ModelConfig:
 def _near(request: web.Request, name: str) -> str | None:
     """A name of a model the caller may use that `name` differs from only in case, Unicode form
     or surrounding spaces (`Qwen3.6:35B`, `qwen3.6:35b `): model ids are exact, as OpenAI's are."""
-    want = folded_name(name.strip())
     who = principal(request)
-    return next((n for m in request.app[CONFIG].models if who.may_use(m.id) for n in (m.id, *m.aliases)
-                 if folded_name(n) == want), None)
+    names = [(n, folded_name(n)) for m in request.app[CONFIG].models if who.may_use(m.id) for n in (m.id, *m.aliases)]
+    asked = name.strip()
+    # (a name far longer than all of them folds to none; folding it, 8 MB that NFKC makes 18 times
+    # longer, held the gateway's one thread for seconds)
+    if not may_fold_to(asked, max((len(f) for _, f in names), default=0)):
+        return None
+    want = folded_name(asked)
+    return next((n for n, f in names if f == want), None)
 
 
 async def get_model(request: web.Request) -> web.Response:

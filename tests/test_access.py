@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import unicodedata
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +18,7 @@ from yarl import URL
 
 from common import keys
 from common.auth import KeyRing, UnresolvedKeys, hash_key
-from common.config import ConfigError, parse_config
+from common.config import MOST_COMPOSED, ConfigError, folded_name, parse_config
 from common.scripts import _ENDED, _NOW, _UTC_DAY, _WRONG
 from gateway.app import build_app
 from tests.conftest import async_wait_until
@@ -504,3 +505,30 @@ def test_iop_usage_shows_a_key_no_longer_in_the_config_by_name(redis_url: str,
     assert "no key named 'never' in the config" in capsys.readouterr().err
     assert usage_cmd.main(config, redis_url, None, "Qwen3.6:35b", None, None, as_json=True) == 2
     assert "no model named 'Qwen3.6:35b' in the config" in capsys.readouterr().err
+
+
+async def test_a_long_model_name_is_not_folded_for_a_hint(gateway: str, http: aiohttp.ClientSession,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hint folds the name asked for (NFKC, case), which can make it 18 times longer (U+FDFA
+    is 18 letters): a model of 8 MB of them held the gateway's one thread for 3-5 s, every other
+    caller waiting, and took some 200 MB. A name far longer than every model's cannot fold to one."""
+    folded: list[int] = []
+
+    def spy(name: str) -> str:
+        folded.append(len(name))
+        return folded_name(name)
+
+    monkeypatch.setattr("gateway.app.folded_name", spy)
+    status, body, _ = await submit(http, gateway, OTHER, "\ufdfa" * 100_000 + " ")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert "did you mean" not in body["error"]["message"]
+    assert folded and max(folded) < 100, folded  # (the config's names alone)
+
+
+def test_no_character_decomposes_to_more_than_the_bound() -> None:
+    """The hint's bound: NFKC composes at most `MOST_COMPOSED` characters into one (the length of
+    the longest canonical decomposition), so a name folds to one of n characters only if it holds
+    at most that many times n."""
+    longest = max(len(unicodedata.normalize("NFD", chr(c))) for c in range(0x110000) if not 0xD800 <= c < 0xE000)
+    assert longest == MOST_COMPOSED
+    assert folded_name("QWEN3.6:35B") == folded_name("qwen3.6:35b")
