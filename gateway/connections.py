@@ -64,10 +64,15 @@ class ChunksTooSmall(Exception):
     raises it (`body_reader` answers 400)."""
 
 
-def _refuse_chunks_of(content: Any) -> None:
-    """Make the body's read raise `ChunksTooSmall`, and mark it ended: aiohttp then does not linger
-    on it after the answer (its lingering read would raise it, an "Unhandled exception")."""
-    content.set_exception(ChunksTooSmall())
+class TrailersTooLarge(Exception):
+    """Set on a request's chunked body whose trailers passed `MAX_HEAD_BYTES` (none of their bytes
+    beyond reached aiohttp, so the body would never end): its read raises it (`body_reader` answers 400)."""
+
+
+def _refuse_body_of(content: Any, refusal: type[Exception]) -> None:
+    """Make the body's read raise `refusal`, and mark it ended: aiohttp then does not linger on it
+    after the answer (its lingering read would raise it, an "Unhandled exception")."""
+    content.set_exception(refusal())
     content.feed_eof()
 
 
@@ -87,7 +92,7 @@ class GuardedHandler(web.RequestHandler):
 
     __slots__ = ("_guard", "_slot", "_phase", "_raw", "_line", "_head_timer", "_head_begun", "_in_request",
                  "_close_after_response", "_dropping", "_heads", "_answered", "_refusing", "_started",
-                 "_chunks_refused_at")
+                 "_body_refused_at", "_refusal")
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **options: Any) -> None:
         # Bodies are decoded by `body_reader` (gateway.bodies), not by aiohttp.
@@ -110,8 +115,10 @@ class GuardedHandler(web.RequestHandler):
         self._refusing = False
         #: requests whose handling began (`request_started`)
         self._started = 0
-        #: which request (counted as `_started`) had its chunked body refused (chunks too small); 0 for none
-        self._chunks_refused_at = 0
+        #: which request (counted as `_started`) had its chunked body refused while it came, and why
+        #: (`ChunksTooSmall`, `TrailersTooLarge`); 0 for none
+        self._body_refused_at = 0
+        self._refusal: type[Exception] = ChunksTooSmall
 
     # -- the connection's life -------------------------------------------------------------
 
@@ -143,7 +150,9 @@ class GuardedHandler(web.RequestHandler):
             within = self._heads.feed(data)
             if within < len(data):
                 if self._heads.chunks_refused:
-                    self._refuse_chunks(data[:within])
+                    self._refuse_body(data[:within], ChunksTooSmall)
+                elif self._heads.in_trailers:  # (its request is begun: a 400 behind it would wait for its end)
+                    self._refuse_body(data[:within], TrailersTooLarge)
                 else:
                     self._refuse_large_head(data[:within])
                 return
@@ -168,25 +177,26 @@ class GuardedHandler(web.RequestHandler):
         else:
             self._answer_large_head()
 
-    def _refuse_chunks(self, before: bytes) -> None:
-        """The last head's chunked body came in chunks too small (`gateway.heads.MIN_CHUNK_BYTES`):
-        nothing more of it is parsed, and what the client still sends is dropped. Its request is
-        answered 400 when its body is read (at once if it is being read), then the connection ends
-        (`finish_response`). (A request answered before its chunked body was read is not here: its
-        answer ended the connection, and what came after was dropped unparsed.)"""
+    def _refuse_body(self, before: bytes, refusal: type[Exception]) -> None:
+        """The last head's chunked body came in chunks too small (`gateway.heads.MIN_CHUNK_BYTES`), or
+        its trailers passed `MAX_HEAD_BYTES`: nothing more of it is parsed, and what the client still
+        sends is dropped. Its request is answered 400 when its body is read (at once if it is being
+        read), then the connection ends (`finish_response`). (A request answered before its chunked
+        body was read is not here: its answer ended the connection, and what came after was dropped
+        unparsed.)"""
         if before:
             self._parse(before)
         self._dropping = True
-        self._chunks_refused_at = self._heads.heads
+        self._body_refused_at, self._refusal = self._heads.heads, refusal
         request = self._current_request
-        if request is not None and self._started == self._chunks_refused_at:
-            _refuse_chunks_of(request.content)
+        if request is not None and self._started == self._body_refused_at:
+            _refuse_body_of(request.content, refusal)
 
     def body_refused(self, request: web.BaseRequest) -> None:
         """Called as a request's body is about to be read: a body refused before its handling began
-        (`_refuse_chunks`) is refused now."""
-        if self._chunks_refused_at and self._chunks_refused_at == self._started:
-            _refuse_chunks_of(request.content)
+        (`_refuse_body`) is refused now."""
+        if self._body_refused_at and self._body_refused_at == self._started:
+            _refuse_body_of(request.content, self._refusal)
 
     def _parse(self, data: bytes) -> None:
         """Give aiohttp's parser the bytes one request at a time where several heads began in them
@@ -298,8 +308,8 @@ class GuardedHandler(web.RequestHandler):
             return await super().finish_response(request, resp, start_time)
         finally:
             self._answered += 1
-            if (self._chunks_refused_at and self._answered >= self._chunks_refused_at) or _unread_chunked(request):
-                # a body refused for its chunks (its end marked: aiohttp does not linger on it), or a
+            if (self._body_refused_at and self._answered >= self._body_refused_at) or _unread_chunked(request):
+                # a body refused for its chunks or trailers (its end marked: aiohttp does not linger on it), or a
                 # chunked body its answer left unread (a refused key): what still comes is dropped, not
                 # parsed (aiohttp read it through its parser, chunk by chunk, for 10 s: a keyless client
                 # cost the gateway ~4.5 ms a connection), and the connection ends
@@ -499,6 +509,9 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
                 raise invalid(f"the request body came in chunks too small: more than {FREE_CHUNKS} of them must "
                               f"average at least {MIN_CHUNK_BYTES} bytes; send it in larger chunks, or with a "
                               "Content-Length") from None
+            except TrailersTooLarge:
+                raise invalid(f"the request's trailers (the header lines after its chunked body) are over "
+                              f"{MAX_HEAD_BYTES // 1024} KiB") from None
             except TimeoutError:
                 if guarded is not None:
                     guarded.close_after_response()

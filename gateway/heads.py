@@ -92,6 +92,11 @@ class HeadScanner:
         self.chunks_refused = False
 
     @property
+    def in_trailers(self) -> bool:
+        """A chunked body's last chunk came, and the blank line that ends its trailers has not."""
+        return self._mode is Mode.TRAILERS
+
+    @property
     def in_head(self) -> bool:
         """A head has begun and its blank line has not come."""
         return self._mode is Mode.HEAD and self._count > 0

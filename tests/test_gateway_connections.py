@@ -678,6 +678,35 @@ def test_a_body_in_chunks_too_small_is_refused_and_its_connection_ends(
     assert _AHEAD.get(sock, b"") + rest_until_closed(sock) == b""  # (nothing after the answer: no 200)
 
 
+#: A chunked body's last chunk, then trailers of 100 KB (each line within aiohttp's bounds).
+LARGE_TRAILERS = b"2\r\n{}\r\n0\r\n" + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000) for i in range(100)) + b"\r\n"
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer sk-wrong"], ids=["with-a-key", "refused-key"])
+def test_trailers_over_64_kib_are_refused_at_once_and_the_connection_ends(
+        stack: Stack, gateways: list[Gateway], auth: str | None) -> None:
+    """Trailers (the header lines after a chunked body's last chunk) are held to a head's 64 KiB:
+    past it, none of their bytes reached aiohttp, so the request waited for the end of its body
+    until `runtime.body_timeout_ms` (60 s), and then heard 408 "the request body did not arrive".
+    Its body is refused at once now (400; a refused key keeps its 401), the connection ends, and
+    a request sent behind is dropped."""
+    gw = start(stack, gateways, KEYS if auth else None)
+    sock = gw.connect()
+    head = CHUNKED_HEAD + (f"Authorization: {auth}\r\n".encode() if auth else b"") + b"\r\n"
+    sock.sendall(head + LARGE_TRAILERS)
+    resp = read_response(sock)
+    if auth:
+        assert resp.status == 401 and resp.error()["code"] == "invalid_api_key"
+    else:
+        assert resp.status == 400 and resp.error()["message"] == (
+            "the request's trailers (the header lines after its chunked body) are over 64 KiB")
+    try:  # (the gateway may have closed already: a write then fails)
+        sock.sendall(request("GET", "/healthz"))
+    except OSError:
+        pass
+    assert _AHEAD.get(sock, b"") + rest_until_closed(sock) == b""  # (nothing after the answer: no 200)
+
+
 def rest_until_closed(sock: socket.socket, within_s: float = DEADLINE_S) -> bytes:
     """What the gateway sends until it closes the connection (a reset ends it too)."""
     sock.settimeout(within_s)
