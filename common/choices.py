@@ -27,10 +27,17 @@ def whole_within(value: Any, most: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most
 
 
+def only(values: list[Any], *kinds: type) -> bool:
+    """Whether every item of `values` is of one of `kinds` exactly (as JSON gives them: a boolean is
+    no int), typed at once in C (`map(type)`): an `isinstance` an item, a prompt of 4 million token
+    ids held the gateway's thread 0.3 s on top of its parse."""
+    return set(map(type, values)) <= set(kinds)
+
+
 def inputs(value: Any) -> int:
     """How many inputs a request's `input` (or legacy `prompt`) holds: a list of texts or of token
     lists is that many; a text, or one list of tokens, is one."""
-    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+    if isinstance(value, list) and value and only(value, str, list):
         return len(value)
     return 1
 

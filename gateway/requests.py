@@ -54,8 +54,7 @@ class ParsedRequest:
 
 
 def _is_token_list(value: Any) -> bool:
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+    return isinstance(value, list) and bool(value) and choices.only(value, int)
 
 
 class _NotJson(ValueError):
@@ -73,7 +72,7 @@ def _check_prompt(body: dict[str, Any]) -> None:
     ok = (
         isinstance(prompt, str)
         or (isinstance(prompt, list) and prompt and (
-            all(isinstance(p, str) for p in prompt)
+            choices.only(prompt, str)
             or _is_token_list(prompt)
             or all(_is_token_list(p) for p in prompt)
         ))
@@ -102,7 +101,7 @@ def _check_input(body: dict[str, Any]) -> None:
         raise invalid("'input' is required", "input")
     value = body["input"]
     ok = isinstance(value, str) or (isinstance(value, list) and value and (
-        all(isinstance(v, str) for v in value) or _is_token_list(value) or all(_is_token_list(v) for v in value)
+        choices.only(value, str) or _is_token_list(value) or all(_is_token_list(v) for v in value)
     ))
     if value == []:
         raise invalid("'input' must not be an empty list", "input")
