@@ -18,7 +18,7 @@ from common import keys
 from common.catalog import read_catalog
 from common.config import Config, parse_config
 from common.policy import Health
-from common.redisconn import now_ms
+from common.redisconn import NotPrimaryError, now_ms
 from common.scripts import Scripts
 from common.wire import RunKind
 from tests.conftest import async_wait_until
@@ -397,3 +397,38 @@ async def test_a_worker_whose_redis_went_away_between_beats_beats_once_it_answer
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_redis_that_answers_pings_but_refuses_the_beats_does_not_wake_them_again_and_again(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that answers PING but refuses every beat (a read-only replica: a URL that names one,
+    a primary demoted by hand) made each refused beat start a new watch for Redis, whose PING
+    answered at once and woke every beat again: every provider beat, was refused and said so about
+    three times a second (each beat's refusal is redis-py's retries, ~0.3 s), not once an interval
+    (a reviewer, with a real worker on a Redis turned replica by REPLICAOF). The beats woken by an
+    answer that are refused again wait for their interval, as before."""
+    cfg = parse_config({**config("vllm").model_dump(mode="json", exclude_defaults=True),
+                        "runtime": {"heartbeat_interval_ms": 60_000, "heartbeat_ttl_ms": 120_000}})
+    beats = Heartbeats(redis, cfg, "n", {"p": Probed()})
+    refused, watches = 0, 0
+    watch = beats.comeback.watch
+
+    async def read_only(provider: Any) -> Health:
+        nonlocal refused
+        refused += 1
+        raise NotPrimaryError("the server is not the primary (READONLY You can't write against a read only replica.)")
+
+    def counted() -> asyncio.Event:
+        nonlocal watches
+        watches += 1
+        return watch()
+
+    monkeypatch.setattr(beats, "_beat", read_only)
+    monkeypatch.setattr(beats.comeback, "watch", counted)
+    task = asyncio.create_task(beats.run())
+    try:  # the first beat refused, Redis's answer, the beat it woke refused again
+        await async_wait_until(lambda: asyncio.sleep(0, refused >= 2), what="the woken beat")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert watches == 1, f"{watches} watches for Redis started; {refused} beats refused"

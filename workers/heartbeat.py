@@ -139,6 +139,9 @@ class Heartbeats:
         #: the watch for Redis to answer again after it went away (`redis_lost`)
         self.comeback = Comeback(redis)
         self.comeback.when_answered(self._beat_all)
+        #: when Redis last answered that watch (event loop time): a beat refused again within an
+        #: interval of it does not start another (`_loop`)
+        self._answered_at: float | None = None
 
     def _announce(self, pipe: Pipeline) -> None:
         """Add to `pipe` the writes of what this worker serves (`keys.worker_serves`), for its life."""
@@ -293,8 +296,8 @@ class Heartbeats:
             except REDIS_UNUSABLE as exc:
                 self.last.pop(provider.id, None)  # Redis may have lost it: announce it again
                 log.warning("heartbeat of %s: Redis unavailable (%s)", provider.id, exc)
-                if isinstance(exc, REDIS_DOWN):  # (a full Redis answers: it is not awaited)
-                    self.redis_lost()
+                if isinstance(exc, REDIS_DOWN) and not self._refused_since_answer(loop.time()):
+                    self.redis_lost()  # (a full Redis answers: it is not awaited)
             except Exception:  # a bug in a probe must not silence the heartbeat for good
                 self.last.pop(provider.id, None)
                 log.exception("heartbeat of %s failed", provider.id)
@@ -303,6 +306,15 @@ class Heartbeats:
                     await wake.wait()
             except TimeoutError:
                 pass
+
+    def _refused_since_answer(self, now: float) -> bool:
+        """Redis answered a PING less than an interval ago, and refused a beat since: it answers but
+        does not take the beats (a read-only replica: a URL that names one, a primary demoted by
+        hand), and watching for its answer again would wake every beat about three times a second
+        (each refusal is redis-py's retries), each refused and logged. The beats keep their interval.
+        (A reviewer: 10 'Redis answers again' and 30 refused beats in 5 s for 3 providers; now 2 and 12.)"""
+        interval = self.config.runtime.heartbeat_interval_ms / 1000
+        return self._answered_at is not None and now - self._answered_at < interval
 
     def redis_lost(self) -> None:
         """Redis went away (a beat or the cancel listener's subscription failed): every provider
@@ -313,6 +325,7 @@ class Heartbeats:
         self.comeback.watch()
 
     def _beat_all(self, was_away: bool) -> None:
+        self._answered_at = asyncio.get_running_loop().time()
         if was_away:  # (else it was not away: a subscription's connection that broke alone, say)
             log.info("Redis answers again: every provider of node %s beats now", self.node_id)
         for event in self.wake.values():
