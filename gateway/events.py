@@ -157,7 +157,10 @@ class Follower:
                 if timeout is None:  # (no timer to arm: the caller's deadline is the gateway's sweeper's)
                     await self.waiter
                 elif self.hub is not None:  # (its hub's sweeper, not a timer: ~750 bytes a waiting caller)
-                    with self.hub.keep_alives.within(timeout):
+                    # due a sweep early: the sweeper ends it by `timeout`, not up to a sweep after (a
+                    # stream silent `stream_keepalive_ms` gets its keep-alive, as the config says)
+                    sweeps = self.hub.keep_alives
+                    with sweeps.within(max(0.0, timeout - sweeps.period_s)):
                         await self.waiter
                 else:
                     async with asyncio.timeout(timeout):
@@ -251,7 +254,7 @@ class EventHub:
         """`queued`: told of the followed runs found still waiting in their queue when they had
         heard nothing for `QUIET_CHECK_S` (`RunClient.stuck`). `keep_alive_s`: how long a caller
         waits for an event before its keep-alive goes out (`runtime.stream_keepalive_ms`): the
-        waits of `Follower.next` end up to a tenth of it late."""
+        waits of `Follower.next` end up to a tenth of it early, never late."""
         self.redis = redis
         #: the bounds of `Follower.next`'s waits: one sweeper, not a timer each waiting caller
         self.keep_alives = Deadlines(max(MIN_KEEP_ALIVE_SWEEP_S, keep_alive_s / 10))

@@ -5,6 +5,7 @@ entries, from the run's own stream."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -429,5 +430,28 @@ async def test_a_caller_s_keep_alive_wait_is_an_entry_of_its_hub_s_sweeper_not_a
             await add(redis, run_id, hub.gateway_id, "delta", 0)
             event = await asyncio.wait_for(waiting, 10)
             assert event is not None and event.type == "delta" and not hub.keep_alives._due
+    finally:
+        await hub.close()
+
+
+async def test_a_caller_s_keep_alive_goes_out_by_stream_keepalive_ms_not_a_sweep_after(redis: Redis) -> None:
+    """The hub's sweeper looks at the waits every tenth of `stream_keepalive_ms`, so a wait bounded
+    by the keep-alive time itself ended up to a tenth late: keep-alives 10-11 s apart with the
+    default 10 s (p99 11.0 s, 2,000 waiting callers), where the config says a stream silent that
+    long gets one (a proxy whose idle timeout sits just above it would cut the stream). The wait is due a sweep
+    early: it ends between a tenth before the keep-alive time and that time."""
+    hub = EventHub(redis, keep_alive_s=600)
+    period = hub.keep_alives.period_s
+    run_id = "run_keep_alive_in_time"
+    try:
+        await redis.hset(keys.run_record(run_id), mapping={"state": "queued", "watchers": hub.gateway_id})
+        async with hub.follow(run_id, fresh=True) as follower:
+            began = time.monotonic()
+            waiting = asyncio.create_task(follower.next(600))
+            await async_wait_until(lambda: asyncio.sleep(0, waiting in hub.keep_alives._due), what="the wait")
+            due = hub.keep_alives._due[waiting]
+            assert began + 600 - period - 1 <= due <= time.monotonic() + 600 - period  # (swept by 600 s)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
     finally:
         await hub.close()
