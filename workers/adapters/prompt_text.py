@@ -76,9 +76,12 @@ def _one_answer(body: dict[str, Any]) -> None:
                         "response_format")
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if (stop is not None and not isinstance(stop, str | list)) or not all(isinstance(s, str) for s in stops):
+        # (ignored, the tool's answer was not cut where the caller asked: a server answers it 400, as OpenAI)
+        raise NotForCli("'stop' must be a string or an array of strings", "stop")
     if len(stops) > MAX_STOPS:  # (a fifth was ignored)
         raise NotForCli(f"a cli provider applies at most {MAX_STOPS} stop strings, as OpenAI's API", "stop")
-    if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stops):  # (held back whole: a tool's
+    if any(len(s) > MAX_STOP_CHARS for s in stops):  # (held back whole: a tool's
         # answer was cut as "a word over max_line_bytes")
         raise NotForCli(f"a cli provider applies stop strings of at most {MAX_STOP_CHARS} characters", "stop")
 
