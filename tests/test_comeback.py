@@ -67,9 +67,9 @@ async def test_a_closed_watch_starts_no_other() -> None:
     await async_wait_until(lambda: asyncio.sleep(0, comeback.refused >= 1), what="a PING refused")
     await comeback.close()
     assert comeback._task is not None and comeback._task.done()
-    comeback.watch()
-    assert comeback._task.done()  # (none started: a process stopping leaves no task behind)
-    await client.aclose()
+    back = comeback.watch()
+    assert comeback._task.done() and not back.is_set()  # (none started: a process stopping leaves no task
+    await client.aclose()  # behind; and no set event, which would end every pause at once)
 
 
 async def test_a_scheduler_loop_resumes_when_redis_answers_again_not_when_its_backoff_ends(
