@@ -18,7 +18,8 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys, subscription
-from common.redisconn import KEEPALIVE, connect
+from common.comeback import Comeback
+from common.redisconn import KEEPALIVE, Backoff, connect
 from common.redisline import line_of
 from common.subscription import messages
 from iop.embedded_redis import RedisServer
@@ -111,6 +112,18 @@ class _Attempt:
         self.model_id = "m"
 
 
+class _Comeback:
+    """What the cancel listener uses of the worker's `Comeback`: its pause, counted (each a lost
+    subscription), as long as the backoff's."""
+
+    def __init__(self) -> None:
+        self.losses = 0
+
+    async def pause(self, backoff: Backoff) -> None:
+        self.losses += 1
+        await backoff.pause()
+
+
 class _Runner:
     """What the cancel listener uses of a `Runner`: its runs, its Redis, and `cancel`."""
 
@@ -118,11 +131,8 @@ class _Runner:
         self.redis = redis
         self.running: dict[str, tuple[_Attempt, Any]] = {}
         self.cancels: list[str] = []
-        #: how often the listener said it lost its subscription
-        self.losses = 0
-
-    def lost(self) -> None:
-        self.losses += 1
+        #: the worker's watch for Redis answering again, as the listener uses it
+        self.comeback = _Comeback()
 
     async def why_cancelled(self, run_id: str) -> object:
         return "why"
@@ -136,7 +146,8 @@ class _Runner:
 @asynccontextmanager
 async def listening(runner: _Runner) -> AsyncIterator[tuple[str, asyncio.Future[None]]]:
     """The worker's cancel listener of node-a, on `runner`, for the block: (its channel, its task)."""
-    task = asyncio.ensure_future(service._listen_cancels(cast(Runner, runner), "node-a", runner.lost))
+    task = asyncio.ensure_future(service._listen_cancels(cast(Runner, runner), "node-a",
+                                                         cast(Comeback, runner.comeback)))
     try:
         yield keys.node_cancel("node-a"), task
     finally:
@@ -173,7 +184,7 @@ async def test_the_cancel_listener_subscribes_again_and_cancels_what_it_did_not_
             runner.running["run_heard"] = (_Attempt(), None)
             r.publish(channel, b"run_heard")
             await heard(runner, "run_heard")
-            assert runner.losses == 0
+            assert runner.comeback.losses == 0
 
             hole.cut()
             runner.running["run_unheard"] = (_Attempt(), None)
@@ -182,7 +193,7 @@ async def test_the_cancel_listener_subscribes_again_and_cancels_what_it_did_not_
             # the dead subscription is noticed, a new one made, and the run's record read
             await _subscribed(r, channel, 2)  # (the dead one still counted by Redis)
             await heard(runner, "run_heard", "run_unheard")
-            assert runner.losses >= 1  # (the worker's heartbeats beat once Redis answers: it may have lost them)
+            assert runner.comeback.losses >= 1  # (the heartbeats beat once Redis answers: it may have lost them)
             runner.running["run_later"] = (_Attempt(), None)
             r.publish(channel, b"run_later")
             await heard(runner, "run_later")

@@ -317,7 +317,8 @@ class Heartbeats:
         return self._answered_at is not None and now - self._answered_at < interval
 
     def redis_lost(self) -> None:
-        """Redis went away (a beat or the cancel listener's subscription failed): every provider
+        """Redis went away (a beat failed; the cancel listener's failed subscription starts the same
+        watch, `workers.service._listen_cancels`): every provider
         beats again as soon as it answers (`common.comeback`), not at its next beat. After an outage
         longer than `heartbeat_ttl_ms` (a restart, a Sentinel failover) every provider is `unknown`
         until then, and each caller meanwhile hears 503 no_available_provider: up to a whole

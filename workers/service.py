@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import aiohttp
@@ -14,6 +14,7 @@ from arq.worker import func
 
 from common import keys
 from common.codec import pack, unpack
+from common.comeback import Comeback
 from common.config import Config, ProviderConfig, RuntimeConfig
 from common.redisconn import REDIS_REFUSED, REDIS_UNUSABLE, Backoff, connect
 from common.runlog import run_fields
@@ -99,9 +100,10 @@ async def run_job(ctx: dict[str, Any], run_id: str) -> str:
     return await runner.execute(run_id)
 
 
-async def _listen_cancels(runner: Runner, node_id: str, on_lost: Callable[[], None]) -> None:
-    """`on_lost`: called when the subscription failed (Redis went away, or moved): the worker's
-    heartbeats wait for it to answer again (`Heartbeats.redis_lost`)."""
+async def _listen_cancels(runner: Runner, node_id: str, comeback: Comeback) -> None:
+    """`comeback`: the worker's watch for Redis answering again (its heartbeats'): a failed
+    subscription (Redis went away, or moved) starts it, and the pause before subscribing again ends
+    when Redis answers (`Comeback.pause`), as every other loop's does; the heartbeats beat then."""
     backoff = Backoff()
     while True:
         pubsub = runner.redis.pubsub()
@@ -113,9 +115,8 @@ async def _listen_cancels(runner: Runner, node_id: str, on_lost: Callable[[], No
             async for msg in messages(pubsub):  # (a dead subscription raises: subscribed again)
                 await _cancel(runner, msg["data"].decode(errors="replace"))  # (no run has a name that is not text)
         except REDIS_REFUSED as exc:
-            on_lost()
             log.warning("cancel listener: Redis unavailable (%s); subscribing again", exc)
-            await backoff.pause()
+            await comeback.pause(backoff)
         except Exception:  # (a bug must not leave the worker deaf to cancels for good)
             log.exception("cancel listener failed; subscribing again")
             await backoff.pause()
@@ -180,7 +181,7 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         await heartbeats.announce()  # (before its first take: a worker without its set is not checked)
         ctx[HEARTBEATS_CTX] = asyncio.create_task(heartbeats.run())
         background.append(ctx[HEARTBEATS_CTX])
-        background.append(asyncio.create_task(_listen_cancels(runner, node_id, heartbeats.redis_lost)))
+        background.append(asyncio.create_task(_listen_cancels(runner, node_id, heartbeats.comeback)))
 
     async def shutdown(ctx: dict[str, Any]) -> None:
         for t in background:
