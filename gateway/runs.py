@@ -99,7 +99,7 @@ class RunClient:
         #: first tries to cancel the runs whose callers left while their queueing was out
         self._leaving: set[asyncio.Task[None]] = set()
         #: cancels Redis could not take when they were made, made once it answers
-        self.take_back = TakeBack(redis, self._drop_kept)
+        self.take_back = TakeBack(redis, self._drop_kept, self.hub.comeback if self.hub.redis is redis else None)
 
     async def close(self) -> None:
         for task in self._leaving:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 
+from common.comeback import Comeback
 from common.redisconn import REDIS_REFUSED, Backoff
 from common.runlog import run_fields
 
@@ -43,9 +44,12 @@ Send = Callable[[list[tuple[str, Kept]]], Awaitable[list[Any]]]
 
 
 class TakeBack:
-    def __init__(self, redis: Redis, send: Send) -> None:
+    def __init__(self, redis: Redis, send: Send, comeback: Comeback | None = None) -> None:
+        """`comeback`: the gateway's watch for Redis answering again, which cuts the pauses between
+        tries short (the runs go on meanwhile, for nobody)."""
         self.redis = redis
         self.send = send
+        self.comeback = comeback
         self.kept: dict[str, Kept] = {}
         self.task: asyncio.Task[None] | None = None
         self._full_logged = False
@@ -85,7 +89,8 @@ class TakeBack:
         backoff = Backoff()
         error: BaseException | None = None
         while self.kept:
-            await backoff.pause()  # (Redis just failed to take them)
+            # (Redis just failed to take them)
+            await (backoff.pause() if self.comeback is None else self.comeback.pause(backoff))
             self._give_up(error)
             if not self.kept:
                 return

@@ -8,11 +8,17 @@ import asyncio
 
 import pytest
 
+from common import keys
 from common.comeback import Comeback
 from common.redisconn import Backoff, connect
+from gateway import take_back
+from gateway.runs import RunClient
 from iop.embedded_redis import RedisServer
 from scheduler import core
-from tests.conftest import async_wait_until
+from tests.conftest import async_wait_until, paused
+from tests.test_scheduler import MODEL, beat, make_config, submit
+from workers import runner as runner_module
+from workers.runner import Attempt, Runner
 
 #: a pause no test waits out: the 15 s of `async_wait_until` / `wait_for` end first
 LONG = Backoff(first=600.0, cap=600.0)
@@ -101,3 +107,49 @@ async def test_a_scheduler_loop_resumes_when_redis_answers_again_not_when_its_ba
         await comeback.close()
         await client.aclose()
         server.cleanup()
+
+
+async def test_a_run_s_write_through_an_outage_goes_on_when_redis_answers_not_when_its_backoff_ends(
+        monkeypatch: pytest.MonkeyPatch, own_redis: RedisServer) -> None:
+    """A run's writes (its output, its end) ride out an outage in `_call_while_leased`, whose pauses
+    grew to 1 s: its held-back output reached the caller up to a second after Redis was back. Here
+    the backoff is ten minutes: only the worker's comeback can end it."""
+    monkeypatch.setattr(runner_module, "Backoff", lambda *args, **kwargs: LONG)
+    client = connect(own_redis.url + "?socket_timeout=0.5")
+    comeback = Comeback(client)
+    runner = Runner(client, make_config({"a": 1}), "n-a", {}, comeback=comeback)
+    await runner.scripts.load()
+    att = Attempt("run_out", MODEL, "a", "1", max_attempts=1)
+    try:
+        with paused(own_redis):
+            writing = asyncio.create_task(runner._call_while_leased(
+                att, "emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
+                [att.attempt, "delta", b"", 100, att.run_id, 1], "emitting"))
+            await async_wait_until(lambda: asyncio.sleep(0, comeback.refused >= 1), what="Redis found away")
+            assert not writing.done()
+        await asyncio.wait_for(writing, 15)
+    finally:
+        await comeback.close()
+        await client.aclose()
+
+
+async def test_kept_cancels_go_out_when_redis_answers_not_when_their_backoff_ends(
+        monkeypatch: pytest.MonkeyPatch, own_redis: RedisServer) -> None:
+    """The gateway's kept cancels (`gateway.take_back`) were tried again up to 2 s apart: a run
+    whose caller left during an outage went on for nobody that long after Redis was back."""
+    monkeypatch.setattr(take_back, "Backoff", lambda *args, **kwargs: LONG)
+    config = make_config({"a": 1})
+    client = RunClient(connect(own_redis.url + "?socket_timeout=0.5"), config)
+    await beat(client.redis, config)
+    [run_id] = await submit(client, 1)  # (queued: no scheduler runs)
+    try:
+        with paused(own_redis):
+            await client.leave(run_id, MODEL)
+            assert len(client.take_back) == 1
+            await async_wait_until(lambda: asyncio.sleep(0, client.hub.comeback.refused >= 1),
+                                   what="Redis found away")
+        await async_wait_until(lambda: asyncio.sleep(0, len(client.take_back) == 0), what="the cancel sent")
+        assert await client.redis.hget(keys.run_record(run_id), "state") == b"cancelled"
+    finally:
+        await client.close()
+        await client.redis.aclose()

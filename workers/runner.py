@@ -33,6 +33,7 @@ from common.chunks import (
     without_usage,
 )
 from common.codec import Unpackable, pack, unpack
+from common.comeback import Comeback
 from common.config import Config
 from common.policy import BLAME_RUNS, DOWN, candidate_class
 from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, id_set, now_ms
@@ -279,10 +280,13 @@ def refuses_max_tokens(exc: ProviderError) -> bool:
 
 class Runner:
     def __init__(self, redis: Redis, config: Config, node_id: str, adapters: dict[str, Adapter],
-                 on_strike: Callable[[str], None] = _noop, on_life: Callable[[str], None] = _noop) -> None:
+                 on_strike: Callable[[str], None] = _noop, on_life: Callable[[str], None] = _noop,
+                 comeback: Comeback | None = None) -> None:
         """`on_strike` / `on_life` hear of a provider's failure / sign of life once it is recorded
-        (the heartbeats judge its health again)."""
+        (the heartbeats judge its health again). `comeback`: the worker's watch for Redis answering
+        again, which cuts short the pauses of a run's writes through an outage."""
         self.redis = redis
+        self.comeback = comeback
         self.config = config
         self.node_id = node_id
         self.adapters = adapters
@@ -864,7 +868,10 @@ class Runner:
                 if time.monotonic() > give_up:
                     raise LeaseLost(att.run_id) from exc
                 log.warning("Redis unavailable while %s (%s); retrying", doing, exc, extra=att.log())
-                await backoff.pause()
+                if self.comeback is None:
+                    await backoff.pause()
+                else:  # (cut short when Redis answers again: the run's output is not held back up to 1 s)
+                    await self.comeback.pause(backoff)
 
     async def _renew(self, att: Attempt, task: asyncio.Task[Any]) -> None:
         rt = self.config.runtime

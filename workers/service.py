@@ -174,7 +174,8 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         adapters = {p.id: make_adapter(p, session, secrets, read_limits(config.runtime), via.get(p.id))
                     for p in node.providers}
         heartbeats = Heartbeats(redis, config, node_id, adapters, worker.instance)
-        runner = Runner(redis, config, node_id, adapters, on_strike=heartbeats.nudge, on_life=heartbeats.showed_life)
+        runner = Runner(redis, config, node_id, adapters, on_strike=heartbeats.nudge, on_life=heartbeats.showed_life,
+                        comeback=heartbeats.comeback)
         ctx[RUNNER_CTX] = runner
         ctx["iop_session"] = session
         await runner.scripts.load()
