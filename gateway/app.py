@@ -212,6 +212,8 @@ async def run_request(request: web.Request) -> web.StreamResponse:
             current.uncancel()
         why_left = "the gateway stopped before the run ended"
         headers = run_headers(run_id) if submitted else {}
+        if submitted and not finished:
+            stopping.cancelled.add(run_id)
         ended = None if out is None else await out.fail(stopping.error(headers), END_WITHIN_S)
         if ended is None:
             raise stopping.error(headers) from None  # (unbound: see `stream_response`)

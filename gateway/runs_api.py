@@ -178,13 +178,19 @@ class RunsApi:
                 raise
             if (task := asyncio.current_task()) is not None:
                 task.uncancel()
-            told = _error_event(ApiError(ErrorCode.UNAVAILABLE, f"the gateway is stopping; run {run_id} goes on: "
-                                         "resume its events at another gateway with Last-Event-ID (the id of the "
-                                         "last event received)"))
+            told = _error_event(ApiError(ErrorCode.UNAVAILABLE, self._stopped(run_id)))
         finally:
             self.stopping.unfollow(following)
         await ended_within(request, resp.write_eof(told))  # (a caller that stopped reading is not waited for)
         return resp
+
+    def _stopped(self, run_id: str) -> str:
+        """What a follower cut by the gateway's stop is told of its run."""
+        if run_id in self.stopping.cancelled:  # (its caller's request here outlasted the grace)
+            return (f"the gateway is stopping, and run {run_id} was cancelled with its caller's request, which "
+                    f"outlasted the stop's grace; GET /v1/runs/{run_id} at another gateway tells how it ended")
+        return (f"the gateway is stopping; run {run_id} goes on: resume its events at another gateway with "
+                "Last-Event-ID (the id of the last event received)")
 
     async def _beyond(self, run_id: str, last_id: str) -> str | None:
         """The run's last event id ('' for none yet) when `last_id` is past it: the client says it

@@ -29,7 +29,7 @@ END_S = 5.0
 class Stopping:
     """The run requests in flight, and whether the stop's grace ran out on them."""
 
-    __slots__ = ("tasks", "cut_after_s", "followers", "followers_cut", "began")
+    __slots__ = ("tasks", "cut_after_s", "followers", "followers_cut", "began", "cancelled")
 
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task[object]] = set()
@@ -42,6 +42,9 @@ class Stopping:
         self.followers_cut: set[asyncio.Task[object]] = set()
         #: the stop began: every answer says `Connection: close` (`close_after`)
         self.began = False
+        #: the runs of the run requests that outlasted the grace: cancelled with them (a runs-API
+        #: follower of one is not told that it goes on)
+        self.cancelled: set[str] = set()
 
     async def close_after(self, _: web.Request, response: web.StreamResponse) -> None:
         """`on_response_prepare`: once the stop began, an answer says `Connection: close`. Its
