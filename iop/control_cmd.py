@@ -52,8 +52,7 @@ def describe(report: dict[str, Any]) -> str:
     lines = []
     for p in report["providers"]:
         ctl = p["control"]
-        # (an undrain of a provider whose node is cordoned leaves it drained: this says why)
-        now = [ctl["state"] + (" (its node is cordoned)" if ctl["cordoned_since_ms"] is not None else "")]
+        now = [ctl["state"] + _why_blocked(ctl)]
         if ctl["capacity_override"] is not None:
             until = ctl["capacity_override_until_ms"]
             override, effective = ctl["capacity_override"], p["effective_capacity"]
@@ -69,6 +68,14 @@ def describe(report: dict[str, Any]) -> str:
     until = f" until {_clock(change['until_ms'])}" if change["until_ms"] is not None else ""
     head = f"{change['action']} {change['target_kind']} {change['target']}: {change['value']}{until} (was {was})"
     return "\n".join([head, *lines])
+
+
+def _why_blocked(ctl: dict[str, Any]) -> str:
+    """What blocks a provider besides its own drain: its node's cordon (an undrain of a provider
+    whose node is cordoned leaves it drained: this says why)."""
+    if ctl["cordoned_since_ms"] is None:
+        return ""
+    return " (its node is cordoned too)" if ctl["drained_since_ms"] is not None else " (its node is cordoned)"
 
 
 async def _apply(config: Config, redis_url: str, change: Change) -> dict[str, Any]:

@@ -400,6 +400,8 @@ def test_a_provider_drained_on_a_cordoned_node_says_both(
     code, out, _ = iop(capsys, "catalog", *where)
     row = next(line for line in out.splitlines() if line.split()[1:2] == ["vllm-a"])
     assert code == 0 and "  drained (and node)  " in row, row
+    code, out, _ = iop(capsys, "provider", "drain", "vllm-a", *where)  # (drained already, and by its node)
+    assert code == 0 and "provider vllm-a (node gpu-1): drained (its node is cordoned too), capacity 4" in out, out
     code, out, _ = iop(capsys, "provider", "undrain", "vllm-a", *where)
     assert code == 0 and "provider vllm-a (node gpu-1): drained (its node is cordoned), capacity 4" in out, out
     redis.close()

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT
 
@@ -243,6 +244,19 @@ def test_a_gateway_whose_redis_does_not_answer_still_starts_after_its_database_c
 def test_a_worker_for_a_node_not_in_the_config_says_so_in_one_line(redis_url: str) -> None:
     done = iop("worker", "--config", DEMO, "--redis", redis_url, "--node", "nope")
     assert one_line(done).startswith("error: node 'nope' is not in the config (nodes: "), done.stderr
+
+
+def test_a_worker_for_a_node_without_providers_says_so_in_one_line(redis_url: str, tmp_path: Path) -> None:
+    """It validated, and its worker ran saying "1 slots", with nothing to run (a new user's finding)."""
+    config = yaml.safe_load((ROOT / DEMO).read_text())
+    config["nodes"].append({"id": "spare", "providers": []})
+    path = tmp_path / "iop.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = iop("worker", "--config", str(path), "--redis", redis_url, "--node", "spare")
+    assert done.returncode != 0
+    index = len(config["nodes"]) - 1
+    assert one_line(done) == (f"error: node 'spare' has no providers (nodes[{index}].providers is empty): its worker "
+                              "would have nothing to run"), done.stderr
 
 
 def test_a_gateway_without_keys_on_every_address_names_it(redis_url: str) -> None:

@@ -160,6 +160,10 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
     node = config.node(node_id)
     if node is None:
         raise SystemExit(f"error: node {node_id!r} is not in the config (nodes: {[n.id for n in config.nodes]})")
+    if not node.providers:
+        where = f"nodes[{config.nodes.index(node)}].providers"
+        raise SystemExit(f"error: node {node_id!r} has no providers ({where} is empty): its worker would have nothing "
+                         "to run")
     background: list[asyncio.Task[Any]] = []
     via = proxies(node.providers, os.environ)
 
@@ -195,7 +199,7 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         if session is not None:
             await session.close()
 
-    slots = max_jobs or sum(p.capacity for p in node.providers) or 1
+    slots = max_jobs or sum(p.capacity for p in node.providers)
     worker = WakeWorker(
         functions=[func(run_job, name=keys.JOB_FUNCTION, max_tries=1)],  # (arq's own loop never runs it)
         queue_name=keys.node_queue(node_id),
@@ -257,7 +261,7 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
     main = asyncio.create_task(worker.async_run())
     if ops is not None:
         ready(f"metrics on {ops.url}")
-    ready(f"iop worker for node {node_id} running ({worker.max_jobs} slots)")
+    ready(f"iop worker for node {node_id} running ({worker.max_jobs} slot{'' if worker.max_jobs == 1 else 's'})")
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([main, stopped], return_when=asyncio.FIRST_COMPLETED)
     # (the loop ends only when stopped: one that ended by itself, cancelled included, failed)
