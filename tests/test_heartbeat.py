@@ -432,3 +432,38 @@ async def test_a_redis_that_answers_pings_but_refuses_the_beats_does_not_wake_th
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert watches == 1, f"{watches} watches for Redis started; {refused} beats refused"
+
+
+async def test_answers_at_once_to_other_loops_watches_wake_the_beats_once_an_interval(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's writes through an outage pause on the worker's watch too, and each retried write of
+    each running run starts one: on a server that answers PING but refuses the writes (a read-only
+    replica), each answer woke every beat to be refused and logged again. An answer at once now
+    wakes them once an interval at most; one after Redis was away always does."""
+    cfg = parse_config({**config("vllm").model_dump(mode="json", exclude_defaults=True),
+                        "runtime": {"heartbeat_interval_ms": 60_000, "heartbeat_ttl_ms": 120_000}})
+    beats = Heartbeats(redis, cfg, "n", {"p": Probed()})
+    refused = 0
+
+    async def read_only(provider: Any) -> Health:
+        nonlocal refused
+        refused += 1
+        raise NotPrimaryError("the server is not the primary (READONLY You can't write against a read only replica.)")
+
+    monkeypatch.setattr(beats, "_beat", read_only)
+    task = asyncio.create_task(beats.run())
+    try:
+        await async_wait_until(lambda: asyncio.sleep(0, refused >= 2), what="the first beat and the one its watch woke")
+        for _ in range(5):  # (five retried writes of running runs, each watching; each PING answered at once)
+            answered = beats.comeback.watch()
+            await async_wait_until(lambda: asyncio.sleep(0, beats.comeback._task is not None
+                                                         and beats.comeback._task.done()), what="the PING answered")
+            assert not answered.is_set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert refused == 2
+        beats._beat_all(True)  # (Redis was away: every beat, however recent the last answer)
+        await async_wait_until(lambda: asyncio.sleep(0, refused == 3), what="the beat after an outage")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

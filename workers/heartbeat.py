@@ -326,9 +326,19 @@ class Heartbeats:
         self.comeback.watch()
 
     def _beat_all(self, was_away: bool) -> None:
-        self._answered_at = asyncio.get_running_loop().time()
-        if was_away:  # (else it was not away: a subscription's connection that broke alone, say)
+        """Every provider beats now: Redis answers a PING after a watch began (a beat refused, a
+        run's write, the cancel listener's subscription broken). An answer at once (it was not
+        away, or came back before the first PING: a restart without data between two beats) wakes
+        the beats once an interval at most: on a server that answers but refuses what the worker
+        writes (a read-only replica), every running run's retried write watches again, and each
+        answer woke every beat to be refused and logged."""
+        now = asyncio.get_running_loop().time()
+        recently = self._refused_since_answer(now)
+        self._answered_at = now
+        if was_away:
             log.info("Redis answers again: every provider of node %s beats now", self.node_id)
+        elif recently:
+            return
         for event in self.wake.values():
             event.set()
 
