@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -42,7 +43,7 @@ from common.chunks import choice_marks, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
 from common.wire import ErrorCode, RunKind, callers_fault
-from workers.adapters import sending
+from workers.adapters import answer_shapes, sending
 from workers.adapters.base import DEFAULT_LIMITS, LastRead, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.credentials import Credentials
 from workers.adapters.embeddings import embeddings_problem, in_base64
@@ -401,8 +402,11 @@ class SSEParser:
     first). The data of an `event: error` is taken as it comes: its first line ends the stream."""
 
     def __init__(self, provider_id: str, limits: ReadLimits, request_id: str = "", model: str | None = None,
-                 provider_type: str = "") -> None:
+                 provider_type: str = "", shape: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """`shape`: makes each chunk what OpenAI's streams have, in place (a ProviderError it raises
+        is the provider's error, as an error chunk is)."""
         self.provider_id = provider_id
+        self.shape = shape
         self.provider_type = provider_type
         #: the model's name on this provider (`model_gone`)
         self.served = model
@@ -498,6 +502,12 @@ class SSEParser:
         if aborted(obj):
             self.failed = aborted_error(self.provider_id)
             return True
+        if self.shape is not None:
+            try:
+                self.shape(obj)
+            except ProviderError as exc:
+                self.failed = exc
+                return True
         chunks.append(obj)
         return False
 
@@ -655,12 +665,19 @@ class OpenAICompatAdapter:
                                 strikes=0)
         if kind is RunKind.EMBEDDING and body.get("encoding_format") == "base64":
             in_base64(data)  # (a server that ignores the field answers numbers)
+        if kind is RunKind.EMBEDDING:
+            answer_shapes.embeddings(data)
+        elif kind is RunKind.COMPLETION:
+            answer_shapes.completion(data, request_id, int(time.time()), self.provider.id)
         return data
 
     async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
         model = body.get("model")
+        created = int(time.time())
+        shape = None if kind is not RunKind.COMPLETION else (
+            lambda chunk: answer_shapes.completion_chunk(chunk, request_id, created, self.provider.id))
         parser = SSEParser(self.provider.id, self.limits, request_id, model if isinstance(model, str) else None,
-                           self.provider.type)
+                           self.provider.type, shape)
         #: every choice finished: the answer is whole
         finished = False
         #: the choices seen, and those that came with a finish_reason: once every one seen has, and

@@ -1,0 +1,148 @@
+"""An OpenAI-compatible server whose legacy completions and embeddings come back the odd ways real
+servers answer them, each under a served name of its own (`ANSWERS`, `STREAMS`, `EMBEDDINGS`), so one
+pool of one provider serves every case.
+
+Where each shape comes from (the servers' source, read for this):
+- Ollama's `/v1` layer (openai/openai.go, `CompleteChunkChoice`): a choice has no `logprobs` (Go's
+  `omitempty` of a nil pointer), `system_fingerprint: "fp_ollama"`; its usage chunk has `choices: []`.
+- vLLM (entrypoints/openai/protocol.py, `CompletionResponseChoice`, `CompletionStreamResponse`,
+  `UsageInfo`): extra `stop_reason`, `prompt_logprobs`, `kv_transfer_params`; `prompt_tokens_details:
+  null` in usage; every streamed chunk dumped with `"usage": null` when usage is asked for; its
+  embeddings answer has `id`, `created` and `completion_tokens: 0`.
+- Hugging Face TGI (router/src/lib.rs, `CompletionComplete`): its own finish reasons (`eos_token`,
+  `stop_sequence`), `id: ""`.
+- What other servers and proxies send short of that: no `object`, `id`, `created`, `model`, `index`,
+  `text: null`, a `finish_reason` of null in a whole answer, usage missing or partial, embeddings
+  without `object` or `index`, or with their `index` out of order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from tests.fakes.serving import ThreadedServer
+
+Json = dict[str, Any]
+
+
+def _usage(prompt: int = 2, completion: int = 1) -> Json:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+#: served name -> the whole legacy completion it answers (given the served name)
+ANSWERS: dict[str, Callable[[str], Json]] = {
+    "c-ollama": lambda m: {"id": "cmpl-123", "object": "text_completion", "created": 1790000000, "model": m,
+                           "system_fingerprint": "fp_ollama",
+                           "choices": [{"text": "hi", "index": 0, "finish_reason": "stop"}], "usage": _usage()},
+    "c-bare": lambda m: {"choices": [{"text": "hi"}]},
+    "c-tgi": lambda m: {"object": "text_completion", "id": "", "created": 1790000000, "model": m,
+                        "system_fingerprint": "3.3.4-native",
+                        "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "eos_token"}],
+                        "usage": _usage()},
+    "c-vllm-n2": lambda m: {"id": "cmpl-v", "object": "text_completion", "created": 1790000000, "model": m,
+                            "choices": [{"index": 1, "text": "second", "logprobs": None, "finish_reason": "length",
+                                         "stop_reason": None, "prompt_logprobs": None},
+                                        {"index": 0, "text": "first", "logprobs": None, "finish_reason": "stop",
+                                         "stop_reason": None, "prompt_logprobs": None}],
+                            "usage": {**_usage(2, 4), "prompt_tokens_details": None}, "kv_transfer_params": None},
+    "c-text-null": lambda m: {"id": "cmpl-t", "object": "text_completion", "created": 1790000000, "model": m,
+                              "choices": [{"index": 0, "text": None, "logprobs": None, "finish_reason": "stop"}]},
+    "c-finish-null": lambda m: {"id": "cmpl-f", "object": "text_completion", "created": 1790000000, "model": m,
+                                "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}]},
+    "c-usage-partial": lambda m: {"id": "cmpl-u", "object": "text_completion", "created": 1790000000, "model": m,
+                                  "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 2, "total_tokens": 3, "cost": 0.001}},
+    "c-finish-error": lambda m: {"id": "cmpl-e", "object": "text_completion", "created": 1790000000, "model": m,
+                                 "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "error"}]},
+}
+
+
+def _chunk(m: str, text: str, finish: str | None) -> Json:
+    return {"id": "cmpl-s", "object": "text_completion", "created": 1790000000, "model": m,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+#: served name -> the chunks of its streamed legacy completion (then `[DONE]`)
+STREAMS: dict[str, Callable[[str], list[Json]]] = {
+    "s-bare": lambda m: [{"choices": [{"text": "hel"}]}, {"choices": [{"text": "lo", "finish_reason": "stop"}]}],
+    "s-ollama": lambda m: [
+        {"id": "cmpl-1", "object": "text_completion", "created": 1790000000, "model": m,
+         "system_fingerprint": "fp_ollama", "choices": [{"text": "hel", "index": 0, "finish_reason": None}]},
+        {"id": "cmpl-1", "object": "text_completion", "created": 1790000000, "model": m,
+         "system_fingerprint": "fp_ollama", "choices": [{"text": "lo", "index": 0, "finish_reason": "stop"}]},
+        {"id": "cmpl-1", "object": "text_completion", "created": 1790000000, "model": m,
+         "system_fingerprint": "fp_ollama", "choices": [], "usage": _usage()}],
+    "s-vllm": lambda m: [
+        {**_chunk(m, "hel", None), "usage": None}, {**_chunk(m, "lo", "length"), "usage": None},
+        {"id": "cmpl-s", "object": "text_completion", "created": 1790000000, "model": m, "choices": [],
+         "usage": {**_usage(), "prompt_tokens_details": None}}],
+    "s-tgi": lambda m: [{**_chunk(m, "hel", None), "id": ""}, {**_chunk(m, "lo", "eos_token"), "id": ""}],
+    "s-text-null": lambda m: [_chunk(m, "hello", None), {**_chunk(m, "", "stop"),
+                                                          "choices": [{"index": 0, "text": None,
+                                                                       "logprobs": None, "finish_reason": "stop"}]}],
+}
+
+
+def _vectors(n: int) -> list[list[float]]:
+    return [[0.5 + i, -0.25] for i in range(n)]
+
+
+#: served name -> its embeddings answer for `n` inputs
+EMBEDDINGS: dict[str, Callable[[str, int], Json]] = {
+    "e-bare": lambda m, n: {"data": [{"embedding": v} for v in _vectors(n)]},
+    "e-reversed": lambda m, n: {"object": "list", "model": m, "usage": {"prompt_tokens": n, "total_tokens": n},
+                                "data": [{"object": "embedding", "index": i, "embedding": v}
+                                         for i, v in reversed(list(enumerate(_vectors(n))))]},
+    "e-vllm": lambda m, n: {"id": "embd-x", "object": "list", "created": 1790000000, "model": m,
+                            "data": [{"index": i, "object": "embedding", "embedding": v}
+                                     for i, v in enumerate(_vectors(n))],
+                            "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,
+                                      "prompt_tokens_details": None}},
+    "e-total-only": lambda m, n: {"object": "list", "model": m, "usage": {"total_tokens": n},
+                                  "data": [{"object": "embedding", "index": i, "embedding": v}
+                                           for i, v in enumerate(_vectors(n))]},
+}
+
+SERVED = [*ANSWERS, *STREAMS, *EMBEDDINGS]
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+class OddServer(ThreadedServer):
+    """Serves every name of `SERVED`: `/v1/completions` from `ANSWERS` (whole) and `STREAMS`
+    (streamed; a name of `ANSWERS` asked to stream answers its whole answer's choices as one chunk),
+    `/v1/embeddings` from `EMBEDDINGS`."""
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": s, "object": "model"} for s in SERVED]})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        served = body["model"]
+        if not body.get("stream"):
+            return web.json_response(ANSWERS[served](served))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in STREAMS[served](served):
+            await resp.write(sse(chunk))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        return web.json_response(EMBEDDINGS[body["model"]](body["model"], len(inputs)))
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        return app

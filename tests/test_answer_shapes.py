@@ -1,0 +1,104 @@
+"""A provider's legacy completions and embeddings made what OpenAI's schema has
+(`workers.adapters.answer_shapes`): what can be filled honestly is, what cannot is the provider's error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.openapi import validate
+from workers.adapters import answer_shapes
+from workers.adapters.base import ProviderError, Retry
+
+
+def whole(answer: dict[str, Any]) -> dict[str, Any]:
+    answer_shapes.completion(answer, "run1", 1700000000, "p")
+    answer.setdefault("model", "m")  # (the gateway's to write)
+    validate("CreateCompletionResponse", answer)
+    return answer
+
+
+def test_a_bare_completion_gets_what_openai_s_has_and_keeps_what_it_said() -> None:
+    answer = whole({"choices": [{"text": "hi"}], "timings": {"predicted_ms": 3}})
+    assert answer == {"id": "cmpl-run1", "object": "text_completion", "created": 1700000000, "model": "m",
+                      "choices": [{"text": "hi", "index": 0, "logprobs": None, "finish_reason": "stop"}],
+                      "timings": {"predicted_ms": 3}}
+
+
+@pytest.mark.parametrize(("said", "made"), [
+    ("eos_token", "stop"), ("stop_sequence", "stop"), ("max_tokens", "length"), ("length", "length"),
+    ("content_filter", "content_filter"), ("something_new", "stop"), (None, "stop"), ({"type": "stop"}, "stop"),
+])
+def test_a_finish_reason_is_one_openai_has(said: Any, made: str) -> None:
+    answer = whole({"choices": [{"text": "hi", "index": 0, "logprobs": None, "finish_reason": said}]})
+    assert answer["choices"][0]["finish_reason"] == made
+
+
+def test_choices_come_in_the_order_of_their_indices_or_are_given_their_places() -> None:
+    answer = whole({"choices": [{"text": "b", "index": 1, "finish_reason": "stop"},
+                                {"text": "a", "index": 0, "finish_reason": "length"}]})
+    assert [(c["index"], c["text"]) for c in answer["choices"]] == [(0, "a"), (1, "b")]
+    answer = whole({"choices": [{"text": "b", "index": 1}, {"text": "a", "index": 1}, {"text": "c"}]})
+    assert [(c["index"], c["text"]) for c in answer["choices"]] == [(0, "b"), (1, "a"), (2, "c")]
+
+
+def test_a_null_text_is_empty_and_other_logprobs_than_an_object_are_none() -> None:
+    answer = whole({"choices": [{"text": None, "logprobs": [1, 2], "finish_reason": "stop"}]})
+    assert answer["choices"][0]["text"] == "" and answer["choices"][0]["logprobs"] is None
+    kept = {"content": [{"token": "a", "logprob": -0.1}]}  # (llama-server's shape: an object, the client's too)
+    assert whole({"choices": [{"text": "a", "logprobs": kept}]})["choices"][0]["logprobs"] == kept
+
+
+@pytest.mark.parametrize(("usage", "made"), [
+    ({"prompt_tokens": 2, "total_tokens": 5}, {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}),
+    ({"completion_tokens": 3}, {"prompt_tokens": 0, "completion_tokens": 3, "total_tokens": 3}),
+    ({"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3, "prompt_tokens_details": None, "cost": 0.5},
+     {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3, "cost": 0.5}),
+])
+def test_a_usage_has_every_count_openai_s_has(usage: dict[str, Any], made: dict[str, Any]) -> None:
+    assert whole({"choices": [{"text": "a"}], "usage": usage})["usage"] == made
+
+
+def test_a_null_usage_is_none() -> None:
+    assert "usage" not in whole({"choices": [{"text": "a"}], "usage": None})
+
+
+@pytest.mark.parametrize("choice", [{"text": 5}, {"text": {"a": 1}}, {"text": "", "finish_reason": "error"}])
+def test_what_cannot_be_repaired_is_the_provider_s_error(choice: dict[str, Any]) -> None:
+    with pytest.raises(ProviderError) as caught:
+        answer_shapes.completion({"choices": [choice]}, "run1", 1, "p")
+    assert caught.value.retry is Retry.ELSEWHERE and caught.value.message.startswith("provider p ")
+
+
+def test_a_chunk_gets_what_openai_s_streams_have() -> None:
+    chunk: dict[str, Any] = {"choices": [{"text": "hel"}, {"text": None, "index": 1, "finish_reason": "eos_token"}],
+                             "usage": None, "system_fingerprint": None}
+    answer_shapes.completion_chunk(chunk, "run1", 1700000000, "p")
+    assert chunk == {"id": "cmpl-run1", "object": "text_completion", "created": 1700000000,
+                     "choices": [{"text": "hel", "index": 0, "logprobs": None, "finish_reason": None},
+                                 {"text": "", "index": 1, "logprobs": None, "finish_reason": "stop"}]}
+    usage_only: dict[str, Any] = {"id": "x", "created": 5, "usage": {"prompt_tokens": 1, "total_tokens": 3,
+                                                                      "prompt_tokens_details": None}}
+    answer_shapes.completion_chunk(usage_only, "run1", 1700000000, "p")
+    assert usage_only == {"id": "x", "object": "text_completion", "created": 5, "choices": [],
+                          "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+    validate("CreateCompletionResponse", {**usage_only, "model": "m"})
+
+
+def test_a_chunk_that_says_the_run_failed_is_the_provider_s_error() -> None:
+    with pytest.raises(ProviderError):
+        answer_shapes.completion_chunk({"choices": [{"text": "", "finish_reason": "error"}]}, "run1", 1, "p")
+
+
+def test_embeddings_get_what_openai_s_have() -> None:
+    answer: dict[str, Any] = {"data": [{"embedding": [0.5], "index": 1}, {"embedding": [0.25], "index": 0}]}
+    answer_shapes.embeddings(answer)
+    answer["model"] = "m"
+    validate("CreateEmbeddingResponse", answer)
+    assert answer == {"object": "list", "model": "m", "usage": {"prompt_tokens": 0, "total_tokens": 0},
+                      "data": [{"embedding": [0.25], "index": 0, "object": "embedding"},
+                               {"embedding": [0.5], "index": 1, "object": "embedding"}]}
+    counted: dict[str, Any] = {"data": [{"embedding": "AAAAAA=="}], "usage": {"total_tokens": 4}}
+    answer_shapes.embeddings(counted)
+    assert counted["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
