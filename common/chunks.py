@@ -28,12 +28,20 @@ def carries_output(chunk: Any) -> bool:
 
 
 def choices_usable(obj: dict[str, Any]) -> bool:
-    """An answer or a chunk whose `choices`, if it has them, are a list of objects: what a caller's
-    client indexes (`choices[0].delta`). A provider's `"choices": {…}`, `[5, null]` or `null` is not."""
+    """An answer or a chunk whose `choices`, if it has them, are a list of objects, each one's
+    `delta` or `message`, if it has one, an object (or null): what a caller's client indexes
+    (`choices[0].delta.content`). A provider's `"choices": {…}`, `[5, null]` or `null` is not, nor
+    `"delta": "x"` (the `openai` client raised AttributeError on it)."""
     if "choices" not in obj:
         return True
     choices = obj["choices"]
-    return isinstance(choices, list) and all(isinstance(c, dict) for c in choices)
+    return isinstance(choices, list) and all(
+        isinstance(c, dict) and _object_or_none(c.get("delta")) and _object_or_none(c.get("message"))
+        for c in choices)
+
+
+def _object_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, dict)
 
 
 def finishes(chunk: Any) -> bool:

@@ -446,11 +446,15 @@ async def test_chunks_that_are_not_objects_are_dropped_with_one_warning(
                         "and any more in this run"]
 
 
-@pytest.mark.parametrize("choices", [{"index": 0}, "text", [5, None, "x"]], ids=["object", "string", "mixed"])
+@pytest.mark.parametrize("choices", [{"index": 0}, "text", [5, None, "x"], [{"index": 0, "delta": "x"}],
+                                     [{"index": 0, "delta": ["x"]}]],
+                         ids=["object", "string", "mixed", "string-delta", "list-delta"])
 async def test_chunks_whose_choices_are_not_a_list_of_objects_are_dropped_too(
         choices: Any, raw: Raw, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture) -> None:
     """A caller's client indexes `choices[0].delta`: such a chunk would break it (they were passed
-    on; found by a hostile-provider audit)."""
+    on; found by a hostile-provider audit), and so would a `delta` that is not an object (the
+    `openai` client's `chunk.choices[0].delta.content` raised AttributeError on `"delta": "x"`,
+    passed on; found by a second one)."""
     raw.answers["/v1/chat/completions"] = chunked([
         sse(delta("a ")), sse({"object": "chat.completion.chunk", "choices": choices}), sse(delta("b", "stop")),
         sse(b"[DONE]")])
@@ -459,11 +463,13 @@ async def test_chunks_whose_choices_are_not_a_list_of_objects_are_dropped_too(
         chunks = await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
     assert text_of(chunks) == "a b" and all(isinstance(c["choices"], list) for c in chunks)
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
-        "provider vllm-h sent a stream chunk whose choices are not a list of objects; dropped it, and any more "
-        "in this run"]
+        "provider vllm-h sent a stream chunk whose choices are not a list of objects, each delta or message an "
+        "object; dropped it, and any more in this run"]
 
 
-@pytest.mark.parametrize("choices", [{"index": 0}, "text", [5, None, "x"]], ids=["object", "string", "mixed"])
+@pytest.mark.parametrize("choices", [{"index": 0}, "text", [5, None, "x"], [{"index": 0, "message": "x"}],
+                                     [{"index": 0, "message": 5}]],
+                         ids=["object", "string", "mixed", "string-message", "number-message"])
 async def test_an_answer_whose_choices_are_not_a_list_of_objects_is_a_provider_error(
         choices: Any, raw: Raw, session: aiohttp.ClientSession) -> None:
     raw.answers["/v1/chat/completions"] = whole("200 OK", json.dumps(
@@ -471,7 +477,8 @@ async def test_an_answer_whose_choices_are_not_a_list_of_objects_is_a_provider_e
     adapter = OpenAICompatAdapter(openai(raw.url), session)
     with pytest.raises(ProviderError) as err:
         await adapter.complete(RunKind.CHAT, chat(), "run_1")
-    assert err.value.message == "provider vllm-h answered with choices that are not a list of objects"
+    assert err.value.message == ("provider vllm-h answered with choices that are not a list of objects, each delta "
+                                 "or message an object")
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
 
 
@@ -1182,7 +1189,8 @@ async def test_float_embeddings_over_the_answer_limit_say_which_setting_and_that
 @pytest.mark.parametrize(("answer", "said"), [
     ({"object": "chat.completion"}, "answered with no choices"),
     ({"object": "chat.completion", "choices": []}, "answered with no choices"),
-    ({"object": "chat.completion", "choices": None}, "answered with choices that are not a list of objects"),
+    ({"object": "chat.completion", "choices": None}, "answered with choices that are not a list of objects, each "
+     "delta or message an object"),
 ], ids=["none", "empty", "null"])
 async def test_a_whole_answer_with_no_choices_is_a_provider_error(
         answer: dict[str, Any], said: str, raw: Raw, session: aiohttp.ClientSession) -> None:

@@ -75,6 +75,11 @@ def test_a_caller_that_did_not_ask_for_usage_gets_no_usage_but_every_other_chunk
 def test_choices_that_are_null_are_not_usable_and_a_finish_reason_is_text() -> None:
     assert choices_usable({"choices": []}) and choices_usable({"usage": {}})  # (Azure's, a usage chunk)
     assert not choices_usable({"choices": None}) and not choices_usable({"choices": [None]})
+    # (a caller's client reads `choices[0].delta.content` and `choices[0].message.content`)
+    for bad in ("x", 5, ["x"], True):
+        assert not choices_usable({"choices": [{"index": 0, "delta": bad}]})
+        assert not choices_usable({"choices": [{"index": 0, "message": bad}]})
+    assert choices_usable({"choices": [{"index": 0, "delta": {}}, {"index": 1, "delta": None}, {"index": 2}]})
     chunk = {"choices": [{"index": 0, "finish_reason": {"type": "stop"}}, {"index": 1, "finish_reason": "stop"},
                          {"index": 2, "finish_reason": ""}]}
     assert choice_indices(chunk) == [0, 1, 2] and choice_indices(chunk, finished=True) == [1]

@@ -652,8 +652,8 @@ class OpenAICompatAdapter:
             raise self._clean(sent_error(self.provider.id, error, self.limits.error_chars, self.provider.type,
                                          model if isinstance(model, str) else None))
         if not choices_usable(data):
-            raise ProviderError(f"provider {self.provider.id} answered with choices that are not a list of objects",
-                                retry=Retry.ELSEWHERE, strikes=0)
+            raise ProviderError(f"provider {self.provider.id} answered with choices that are not a list of objects, "
+                                "each delta or message an object", retry=Retry.ELSEWHERE, strikes=0)
         if aborted(data):
             raise aborted_error(self.provider.id)
         if kind is not RunKind.EMBEDDING and not data.get("choices"):  # (a caller's client reads choices[0])

@@ -388,8 +388,8 @@ class NonObjects:
     def drop(self, obj: Any) -> None:
         self.dropped += 1
         if self.dropped == 1:
-            what = "whose choices are not a list of objects" if isinstance(obj, dict) else \
-                f"that is not a JSON object ({_json_type(obj)})"
+            what = ("whose choices are not a list of objects, each delta or message an object"
+                    if isinstance(obj, dict) else f"that is not a JSON object ({_json_type(obj)})")
             log.warning("provider %s sent a stream chunk %s; dropped it, and any more in this run",
                         self.provider_id, what, extra=self.extra)
 
