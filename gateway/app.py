@@ -28,7 +28,7 @@ from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import RESPONSES_PATH, RUN_ROUTES, ParsedRequest, parse_request, parse_responses
 from gateway.responses import END_WITHIN_S, SSEStream, run_headers, stream_response, whole_response
-from gateway.responses_output import ResponseShape
+from gateway.responses_output import ResponseShape, TooManyItems
 from gateway.responses_places import caller_param
 from gateway.runs import LEFT, RunClient, new_run_id
 from gateway.stopping import Stopping
@@ -190,6 +190,15 @@ async def run_request(request: web.Request) -> web.StreamResponse:
             for name, value in run_headers(run_id).items():  # a failed run can be looked up too
                 exc.headers.setdefault(name, value)
         raise
+    except TooManyItems as exc:  # (a Response's bound: the run goes no further, as for a caller that left)
+        error, why_left = exc.error, exc.error.message
+        if exc.ended and out is not None and out.resp is not None:  # (its stream ended with the error)
+            return out.resp
+        error.headers.update(run_headers(run_id))
+        ended = None if out is None else await out.fail(error, END_WITHIN_S)
+        if ended is None:
+            raise error from None
+        return ended
     except Exception as exc:
         if not submitted or isinstance(exc, (RedisError, *REDIS_DOWN, OSError, web.HTTPException)):
             raise  # (Redis away, the caller gone: `gateway.errors.error_response` answers them)

@@ -13,7 +13,7 @@ from common.wire import ErrorInfo, EventType
 from gateway import metrics
 from gateway.errors import REQUEST_ID_HEADER, ApiError
 from gateway.events import Follower
-from gateway.responses_output import ResponseShape
+from gateway.responses_output import ResponseShape, TooManyItems
 
 RUN_ID_HEADER = "X-IOP-Run-Id"
 SSE_DONE = b"data: [DONE]\n\n"
@@ -177,7 +177,12 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
         for event in events:
             if event.type == EventType.DELTA:
                 chunks = event.data.get("chunks", [])
-                parts.append(out.chunks(chunks, model_id))
+                try:
+                    parts.append(out.chunks(chunks, model_id))
+                except TooManyItems as exc:  # (the caller cancels the run: it goes no further)
+                    await ended_within(request, out.end_with(exc.error, b"".join(parts) + exc.before), END_WITHIN_S)
+                    exc.ended = True
+                    raise
                 metrics.streamed(request, chunks)
             elif event.type == EventType.COMPLETED:
                 return await out.end(b"".join(parts) + out.done())

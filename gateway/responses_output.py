@@ -25,6 +25,26 @@ from gateway.responses_places import Origin, caller_param
 #: many pieces with a new call between each (a hostile one) costs a few parses of each, not one a piece.
 _LOOKS = 4
 
+#: The most output items a Response holds. A provider whose every chunk had reasoning and text
+#: opened two new items a chunk, each with its events: 14 MB from the provider reached the caller
+#: as 287 MB of events, and the gateway held 170 MB more for the Response (four such runs at once:
+#: 680 MB). Past it the run ends with `output_too_large` (`TooManyItems`).
+MAX_OUTPUT_ITEMS = 1024
+
+
+class TooManyItems(Exception):
+    """The answer would make a Response of more than `MAX_OUTPUT_ITEMS` output items. `before`: a
+    stream's events made before it, of the items the Response holds; `ended`: the stream ended with
+    them and the error (`gateway.responses.stream_response`)."""
+
+    def __init__(self) -> None:
+        self.error = ApiError(ErrorCode.OUTPUT_TOO_LARGE, f"the provider's answer would make a Response of more "
+                              f"than {MAX_OUTPUT_ITEMS} output items (reasoning, message and function_call items)")
+        self.before = b""
+        self.ended = False
+        super().__init__(self.error.message)
+
+
 #: a chat `finish_reason` that leaves the Response incomplete, and the reason it says
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
@@ -198,6 +218,8 @@ class ResponseShape:
             parts.append(self._part_body("output_text", text))
         if isinstance(refusal, str) and refusal:
             parts.append(self._part_body("refusal", refusal))
+        if len(output) + bool(parts) + len(calls) > MAX_OUTPUT_ITEMS:
+            raise TooManyItems()
         if parts:
             output.append({**self._message_item(status, len(output)), "content": parts})
         given: set[Any] = set()
@@ -262,14 +284,18 @@ class ResponseShape:
         """The events of a delta's chat chunks (the opening events first, with the first output)."""
         out: list[bytes] = []
         self._start(out)
-        for chunk in chunks:
-            if not isinstance(chunk, dict):
-                continue
-            if isinstance(chunk.get("usage"), dict):
-                self._usage = chunk["usage"]
-            for choice in _list(chunk.get("choices")):
-                if isinstance(choice, dict) and choice.get("index", 0) == 0:
-                    self._choice(choice, out)
+        try:
+            for chunk in chunks:
+                if not isinstance(chunk, dict):
+                    continue
+                if isinstance(chunk.get("usage"), dict):
+                    self._usage = chunk["usage"]
+                for choice in _list(chunk.get("choices")):
+                    if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                        self._choice(choice, out)
+        except TooManyItems as exc:  # (the events of the items it holds go out before the error)
+            exc.before = b"".join(out)
+            raise
         return b"".join(out)
 
     def _choice(self, choice: dict[str, Any], out: list[bytes]) -> None:
@@ -319,6 +345,8 @@ class ResponseShape:
 
     def _add(self, item: dict[str, Any], out: list[bytes]) -> _Writing:
         """A new output item, announced."""
+        if len(self._items) >= MAX_OUTPUT_ITEMS:
+            raise TooManyItems()
         writing = _Writing(item, len(self._items))
         out.append(self._event("response.output_item.added", output_index=writing.index, item=dict(item)))
         self._items.append(item)

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 import redis as sync_redis
 
+from gateway.responses_output import MAX_OUTPUT_ITEMS
 from tests.conftest import Stack, wait_until
 from tests.fakes.misbehaving import NAMES, Misbehaving
 from tests.test_e2e import FAST_RUNTIME, wait_available
@@ -37,12 +38,17 @@ def misbehaving(stack: Stack) -> Iterator[str]:
 
 @pytest.fixture
 def gateway(stack: Stack, misbehaving: str) -> str:
+    return pool(stack, misbehaving, LIMITS)
+
+
+def pool(stack: Stack, misbehaving: str, limits: dict[str, int]) -> str:
+    """A provider for each misbehaviour, the runtime's limits `limits`; the gateway's URL."""
     stack.write_config({
         "models": [{"id": name, "providers": {f"p-{name}": name}} for name in NAMES],
         "nodes": [{"id": "n1", "providers": [
             {"id": f"p-{name}", "type": "vllm", "base_url": misbehaving, "capacity": 2, "models": [name]}
             for name in NAMES]}],
-        "runtime": {**FAST_RUNTIME, **LIMITS},
+        "runtime": {**FAST_RUNTIME, **limits},
         "queue": {"max_attempts": 1},
     })
     stack.scheduler()
@@ -107,6 +113,31 @@ def test_an_endless_responses_stream_ends_at_the_output_limit(stack: Stack, gate
     item = events[-1]["response"]["output"][0]
     assert sent.startswith("word0 ") and item["status"] == "incomplete" and item["content"][0]["text"] == sent
     assert len(sent.encode()) <= LIMITS["max_output_bytes"]
+
+
+def test_a_responses_stream_of_more_output_items_than_a_response_holds_ends_there(stack: Stack,
+                                                                                 misbehaving: str) -> None:
+    """A provider whose every chunk has reasoning and text opened two output items a chunk, each with
+    its events: 14 MB from it reached the caller as 287 MB, and the gateway held 170 MB more for
+    the Response (a hostile-provider review). Past `MAX_OUTPUT_ITEMS` the stream ends with
+    `output_too_large`, and the run is cancelled: its slot comes back. (The output limit is raised
+    for it: that many items' chunks pass the other tests' 64 KiB.)"""
+    gateway = pool(stack, misbehaving, {**LIMITS, "max_output_bytes": 4 * 1024 * 1024, "max_events_per_run": 100_000})
+    async def responses() -> tuple[int, str, str]:
+        body = {"model": "alternating", "input": "x", "stream": True}
+        async with aiohttp.ClientSession() as session, session.post(gateway + "/v1/responses", json=body) as resp:
+            return resp.status, resp.headers["X-IOP-Run-Id"], await resp.text()
+
+    status, run_id, text = asyncio.run(responses())
+    events = [json.loads(block.split("data: ", 1)[1]) for block in text.split("\n\n") if "data: " in block]
+    assert status == 200 and [e["type"] for e in events[-2:]] == ["error", "response.failed"], text[-500:]
+    assert events[-2]["code"] == "output_too_large" and f"more than {MAX_OUTPUT_ITEMS} output items" in (
+        events[-2]["message"])
+    output = events[-1]["response"]["output"]
+    assert len(output) == MAX_OUTPUT_ITEMS and {item["status"] for item in output[:-1]} == {"completed"}
+    assert sum(e["type"] == "response.output_item.added" for e in events) == MAX_OUTPUT_ITEMS
+    run = settled(stack, run_id, "p-alternating")
+    assert run["state"] == b"cancelled", run
 
 
 @pytest.mark.parametrize(("model", "message"), [

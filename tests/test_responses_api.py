@@ -615,7 +615,7 @@ def test_a_new_call_does_not_walk_every_call_before_it() -> None:
     provider). Only the calls that grew since the last new one are looked at now."""
     out = shape()
     out._calls = CountedCalls()
-    n = 2000
+    n = responses_output.MAX_OUTPUT_ITEMS  # (a Response's most)
     calls = [tool(i, f"c{i}", "f", "{") for i in range(n)]  # (never whole: each stays open to the end)
     data = out.events(calls) + out.completed()
     assert len(calls_of(parse_sse(data))) == n
@@ -843,3 +843,28 @@ def test_pieces_of_a_call_after_it_was_done_are_joined_once(monkeypatch: pytest.
     assert final["output"][0]["arguments"] == "{}" + "".join(f"x{i}" for i in range(500))
     assert final["output"][1]["arguments"] == "{}"
     assert len(rewrites) <= 6, f"the arguments were written {len(rewrites)} times"
+
+
+def test_a_response_holds_at_most_max_output_items(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A provider's answer of many items (every chunk reasoning and text, each a new item; 150,000 tool
+    calls) grew the Response and its events without a bound: it is the provider's output_too_large
+    past `MAX_OUTPUT_ITEMS`. A stream's events of the items it holds come before the error."""
+    monkeypatch.setattr(responses_output, "MAX_OUTPUT_ITEMS", 4)
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(4)]
+    assert len(shape().whole(completion({"content": None, "tool_calls": calls}))["output"]) == 4
+    with pytest.raises(responses_output.TooManyItems) as whole:
+        shape().whole(completion({"content": "x", "tool_calls": calls}))
+    error = whole.value.error
+    assert error.code is ErrorCode.OUTPUT_TOO_LARGE and "more than 4 output items" in error.message
+    streamed = shape(stream=True)
+    alternating = [chunk({"reasoning_content": "a", "content": "b"}) for _ in range(3)]
+    with pytest.raises(responses_output.TooManyItems) as cut:
+        streamed.events(alternating)
+    events = [json.loads(block.split(b"data: ", 1)[1]) for block in cut.value.before.split(b"\n\n") if block]
+    assert sum(e["type"] == "response.output_item.added" for e in events) == 4
+    ended = [json.loads(block.split(b"data: ", 1)[1])
+             for block in streamed.failed(cut.value.error).split(b"\n\n") if block]
+    assert [e["type"] for e in ended][-2:] == ["error", "response.failed"]
+    for event in events + ended:
+        EVENTS.validate_python(event)
+    assert len(ended[-1]["response"]["output"]) == 4

@@ -6,7 +6,9 @@ by the served name a run asks for:
 - `big-whole`: a valid whole answer of 200 KB (under the tests' response limit, over their output limit);
 - `garbage`: 200 with bytes that are not JSON (nor UTF-8);
 - `garbage-error`: 500 with a long body of bytes that are not UTF-8, over many lines;
-- `no-newline`: a stream whose one line never ends.
+- `no-newline`: a stream whose one line never ends;
+- `alternating`: a stream without end whose every chunk has reasoning and text (a Response of it
+  opens two output items a chunk).
 
 It runs on its own event loop in a thread, so the test's code may block."""
 
@@ -19,7 +21,8 @@ from aiohttp import web
 
 from tests.fakes.serving import ThreadedServer
 
-NAMES = ("endless", "huge", "big-whole", "garbage", "garbage-error", "no-newline")
+NAMES = ("endless", "huge", "big-whole", "garbage", "garbage-error", "no-newline", "alternating")
+ALTERNATING = b'data: {"choices":[{"index":0,"delta":{"reasoning_content":"a","content":"b"}}]}\n\n'
 DISCONNECTS = web.AppKey("disconnects", list)
 
 
@@ -60,6 +63,9 @@ async def _chat(request: web.Request) -> web.StreamResponse:
             await resp.write(b"data: ")
             while True:
                 await resp.write(b"y" * 65536)
+        elif name == "alternating":
+            while True:
+                await resp.write(ALTERNATING)
         else:
             while True:
                 await resp.write(_chunk(i))
