@@ -8,12 +8,17 @@ import sys
 
 import yaml
 
-from common.auth import NAME_PATTERN, hash_key, new_key
+from common.auth import ANONYMOUS, NAME_PATTERN, hash_key, new_key
 
 
 def new(name: str, role: str) -> int:
     if not re.match(NAME_PATTERN, name):
-        print(f"error: --name {name!r} must be letters, digits, '.', '_' or '-' (at most 64)", file=sys.stderr)
+        print(f"error: --name {name!r} must be 1 to 64 letters, digits, '.', '_' or '-', the first a letter or digit",
+              file=sys.stderr)
+        return 2
+    if name == ANONYMOUS:  # (the config refuses it: the entry printed would stop the gateway)
+        print(f"error: --name {name!r} is what iop calls every caller when the config has no keys; give this key "
+              "a name of its own", file=sys.stderr)
         return 2
     key = new_key()
     entry = yaml.safe_dump([{"name": name, "sha256": hash_key(key), "role": role}], sort_keys=False)
