@@ -351,6 +351,37 @@ def first_health(sup: Supervisor, redis_url: str, config: Config) -> dict[str, s
             for pid, (health, reason) in seen.items() if health != "available"}
 
 
+def unlisted(redis_url: str, config: Config) -> dict[str, str]:
+    """{provider: the served names it does not list, and of which models} for the providers that
+    answer their probes but whose own model list lacks a served name the config gives them (a
+    typo there, or a model the server does not have): none of that model's runs go there, and
+    a model served only there is refused with a 503. Read as the catalog reads it, in config order."""
+    import asyncio
+
+    from common.catalog import read_catalog
+    from common.redisconn import REDIS_DOWN, connect, now_ms
+
+    async def read() -> dict[str, list[str]]:
+        client = connect(redis_url)
+        try:
+            catalog = await read_catalog(client, config, now_ms())
+        finally:
+            await client.aclose()
+        missing: dict[str, list[str]] = {}
+        for m in catalog.models:
+            for pl in m.providers:
+                if pl.reason == "model_not_listed":
+                    missing.setdefault(pl.provider_id, []).append(f"{pl.target!r} (model {m.id})")
+        return missing
+
+    try:
+        missing = asyncio.run(read())
+    except REDIS_DOWN:
+        return {}
+    return {p.id: "its model list lacks " + ", ".join(missing[p.id])
+            for n in config.nodes for p in n.providers if p.id in missing}
+
+
 def try_key(config: Config) -> tuple[int, ApiKeyConfig, str] | None:
     """For the banner's example: the key to show (its index in auth.keys, the key, a model it may
     use), or None when the config has no keys (the gateway then takes any). A key held in an
@@ -366,11 +397,13 @@ def try_key(config: Config) -> tuple[int, ApiKeyConfig, str] | None:
     return found[0] if found else None
 
 
-def banner(config: Config, base: str, redis_url: str, path: Path, down: dict[str, str] | None = None) -> str:
+def banner(config: Config, base: str, redis_url: str, path: Path, down: dict[str, str] | None = None,
+           lacking: dict[str, str] | None = None) -> str:
     """What `iop dev` prints once the stack is ready: where it listens, a curl line to try it, and
     the `iop` command line that operates it (its config and Redis: the commands' defaults,
     `iop.yaml` and Redis on 6379, are not this stack's); and the providers that take no runs
-    (`down`: provider -> why), so that a first request's 503 is no surprise."""
+    (`down`: provider -> why) or no runs of a model whose served name its model list lacks
+    (`lacking`: provider -> which), so that a first request's 503 is no surprise."""
     model = config.models[0].id
     keyed = try_key(config)
     access = "(any API key)"
@@ -408,6 +441,9 @@ def banner(config: Config, base: str, redis_url: str, path: Path, down: dict[str
         *([f"  Not taking runs now ({len(down)} of {providers} providers; probed again every few seconds, "
            "iop catalog shows when they are back):"] if down else []),
         *(f"    {pid}: {why}" for pid, why in (down or {}).items()),
+        *(["  Taking no runs of a model its server does not list (check the served name, or the server's models):"]
+          if lacking else []),
+        *(f"    {pid}: {which}" for pid, which in (lacking or {}).items()),
         "  Ctrl-C stops everything.",
         rule,
     ])
@@ -451,7 +487,7 @@ def serve(sup: Supervisor, config: Config, path: Path, demo: bool, host: str, po
         root = start_stack(sup, config, demo, host, port)
         wait_ready(sup, config, root, redis_url)
         down = first_health(sup, redis_url, config) if any(n.providers for n in config.nodes) else {}
-        say(banner(config, f"{root}/v1", redis_url, path, down))
+        say(banner(config, f"{root}/v1", redis_url, path, down, unlisted(redis_url, config)))
         sup.run_until_stopped()
     except Interrupted:
         say("iop dev: stopping...")

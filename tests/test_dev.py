@@ -232,6 +232,33 @@ def test_the_banner_names_the_providers_that_take_no_runs(tmp_path: Path, dev_pr
     assert proc.stop(STOP_S, sig=signal.SIGINT) == 0, proc.output()
 
 
+def test_the_banner_names_a_provider_whose_server_does_not_list_its_served_name(tmp_path: Path,
+                                                                               dev_proc: list[Proc]) -> None:
+    """Found by a newcomer's audit: a served name the server does not list (a typo: `served-m2`
+    for the `served-m1` it serves) validates, the provider is available, and `iop dev` said nothing,
+    while every run of the model it alone serves was refused with a 503."""
+    sim = Proc("simulator", ["simulator", "--port", "0", "--models", "served-m1", "--tokens", "3"], dev_env())
+    dev_proc.append(sim)
+    sim_url = sim.wait_for_line(r"listening on (http://\S+)").group(1)
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump({
+        "models": [{"id": "m1", "providers": {"p-ok": "served-m1"}},
+                   {"id": "m2", "providers": {"p-typo": "served-m2"}}],
+        "nodes": [{"id": "n1", "providers": [
+            {"id": "p-ok", "type": "vllm", "base_url": sim_url, "capacity": 1, "models": ["served-m1"]},
+            {"id": "p-typo", "type": "vllm", "base_url": sim_url, "capacity": 1, "models": ["served-m2"]}]}],
+    }))
+    proc = Proc("dev", ["dev", "--config", str(path), "--port", "0"], dev_env())
+    dev_proc.append(proc)
+    proc.wait_for_line(r"Ctrl-C stops everything", timeout=START_S)
+    banner = [line.split("] ", 1)[-1] for line in proc.lines]
+    assert not any("Not taking runs now" in line for line in banner), banner  # (both answer their probes)
+    at = next(i for i, line in enumerate(banner) if "Taking no runs of a model its server does not list" in line)
+    assert banner[at + 1].strip() == "p-typo: its model list lacks 'served-m2' (model m2)", banner[at + 1]
+    assert not any(line.strip().startswith("p-ok:") for line in banner)
+    assert proc.stop(STOP_S, sig=signal.SIGINT) == 0, proc.output()
+
+
 def test_dev_runs_with_json_logs(tmp_path: Path, dev_proc: list[Proc]) -> None:
     """Found by a new user's audit: with `IOP_LOG_FORMAT=json` (compose's environment) the gateway's
     ready line ends in `"}`, which `iop dev` took into its port: it stopped the stack with a traceback."""
