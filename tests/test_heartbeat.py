@@ -467,3 +467,30 @@ async def test_answers_at_once_to_other_loops_watches_wake_the_beats_once_an_int
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.parametrize("beating", ["vllm"], indirect=True)
+async def test_a_served_name_the_provider_does_not_list_is_warned_of_once_and_its_return_said(
+        redis: Redis, beating: tuple[Heartbeats, Probed], caplog: pytest.LogCaptureFixture) -> None:
+    """Found by a newcomer's audit: a served name the server does not list (a typo in the config)
+    validates, and the worker logged only `provider p is available`, while every run of the model
+    it alone serves was refused with a 503."""
+    beats, adapter = beating
+    with caplog.at_level(logging.INFO, logger="iop.worker"):
+        adapter.result = ProbeResult(Health.AVAILABLE, "", ["other"], strikes=0)
+        probes = adapter.calls
+
+        async def probed_thrice_more() -> bool:
+            return adapter.calls >= probes + 3
+
+        await async_wait_until(probed_thrice_more, what="three probes")
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert warned == ["provider p does not list 'served', which its config gives it: no run of that model goes "
+                          "there (check the served name in the config, or the server's models)"], warned
+        adapter.result = ProbeResult(Health.AVAILABLE, "", ["served", "other"], strikes=0)
+
+        async def said_back() -> bool:
+            return any(r.getMessage() == "provider p lists every served name its config gives it"
+                       for r in caplog.records)
+
+        await async_wait_until(said_back, what="the served name listed again")

@@ -136,6 +136,8 @@ class Heartbeats:
         self.probe_bugs: set[tuple[str, str]] = set()
         #: per provider, what each other worker of the node announced otherwise (`_warn_if_another_config`)
         self.disagreed: dict[str, dict[str, tuple[str, ...]]] = {}
+        #: provider -> the served names its config gives it that its last model list lacked (said once a change)
+        self.unlisted: dict[str, tuple[str, ...]] = {}
         #: the watch for Redis to answer again after it went away (`redis_lost`)
         self.comeback = Comeback(redis)
         self.comeback.when_answered(self._beat_all)
@@ -233,6 +235,23 @@ class Heartbeats:
             said.clear()
         said[other] = differs
 
+    def _warn_if_unlisted(self, provider: ProviderConfig, listed: list[str]) -> None:
+        """A served name the config gives the provider that its own model list lacks (a typo in the
+        config, or a model the server does not have) takes none of that model's runs, though the
+        provider is `available`: said at WARNING when the names lacking change, not every probe."""
+        have = set(listed)
+        lacking = tuple(name for name in provider.models if name not in have)
+        if lacking == self.unlisted.get(provider.id, ()):
+            return
+        self.unlisted[provider.id] = lacking
+        if lacking:
+            which = "that model" if len(lacking) == 1 else "those models"
+            log.warning("provider %s does not list %s, which its config gives it: no run of %s goes there "
+                        "(check the served name in the config, or the server's models)", provider.id,
+                        ", ".join(repr(name) for name in lacking), which)
+        else:
+            log.info("provider %s lists every served name its config gives it", provider.id)
+
     # ------------------------------------------------------------------ probes
     def _probe_limit_s(self, provider: ProviderConfig) -> float:
         """The longest a whole probe may take (the OpenAI family makes up to two requests, vLLM three:
@@ -280,6 +299,8 @@ class Heartbeats:
         except REDIS_UNUSABLE as exc:
             log.warning("probe of %s: Redis unavailable (%s); its result is lost", provider.id, exc)
             return
+        if kind == "ok" and probe.models is not None:
+            self._warn_if_unlisted(provider, probe.models)
         if kind == "fail" or self.last.get(provider.id) is not Health.AVAILABLE:
             self.nudge(provider.id)
 
