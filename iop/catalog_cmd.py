@@ -35,7 +35,12 @@ def _age(ms: int | None) -> str:
         return "-"
     if ms < 1000:
         return f"{ms}ms"
-    return f"{ms / 1000:.1f}s" if ms < 120_000 else f"{ms / 60_000:.0f}m"
+    if ms < 120_000:
+        return f"{ms / 1000:.1f}s"
+    if ms < 120 * 60_000:
+        return f"{ms / 60_000:.0f}m"
+    # (an override --for 7d said "10079m left")
+    return f"{ms / 3_600_000:.0f}h" if ms < 48 * 3_600_000 else f"{ms / 86_400_000:.0f}d"
 
 
 def _load(p: ProviderRecord) -> str:
