@@ -188,3 +188,16 @@ def test_the_iop_command_parses_its_options(redis_url: str, tmp_path: Path,
         assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "PROVIDER" in out and "OLDEST WAITING" in out
+
+
+def test_iop_usage_names_the_redis_it_could_not_read_as_the_other_commands_do(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a newcomer's audit: `iop catalog`, `queues`, `audit` and `provider …` name the Redis
+    they could not reach (its password hidden); `iop usage` said only `cannot read Redis`."""
+    from iop import usage_cmd
+
+    port = free_port()
+    code = usage_cmd.main(CONFIG, f"redis://:hunter2@127.0.0.1:{port}/0", None, None, None, None, as_json=False)
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot read Redis at redis://:***@127.0.0.1:{port}/0: ") and "hunter2" not in err
