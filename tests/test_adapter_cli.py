@@ -302,6 +302,36 @@ async def test_the_tool_does_not_inherit_other_providers_api_keys_nor_the_redis_
     assert answer["choices"][0]["message"]["content"].split() == ["absent", "absent", "kept", SERVED]
 
 
+async def test_the_tool_does_not_inherit_the_pools_caller_or_operator_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a newcomer's audit: under `iop dev` (whose services share one environment, as
+    services started from one env file do) a caller's run of a tool that prints its environment
+    (`command: ["env"]`) got the operator's key of `auth.keys[].env`, and every other key's."""
+    import aiohttp
+
+    from common.config import parse_config
+    from workers.service import make_adapter, secret_env_names
+
+    monkeypatch.setenv("IOP_OPERATOR_KEY", "iop-operator-secret")
+    monkeypatch.setenv("TEAM_KEY", "iop-team-secret")
+    monkeypatch.setenv("HOSTED_KEY", "sk-hosted-secret")
+    monkeypatch.setenv("HARMLESS", "kept")
+    script = ("import os, sys; sys.stdin.read(); print(*(os.environ.get(k, 'absent') for k in "
+              "('IOP_OPERATOR_KEY', 'TEAM_KEY', 'HOSTED_KEY', 'HARMLESS')))")
+    config = parse_config({
+        "models": [{"id": "m", "providers": {"c": SERVED, "h": "gpt"}}],
+        "nodes": [{"id": "n", "providers": [
+            {"id": "c", "type": "cli", "command": [sys.executable, "-c", script], "capacity": 1, "models": [SERVED]},
+            {"id": "h", "type": "openai_api", "base_url": "http://127.0.0.1:9/v1", "api_key_env": "HOSTED_KEY",
+             "capacity": 1, "models": ["gpt"]}]}],
+        "auth": {"keys": [{"name": "ops", "env": "IOP_OPERATOR_KEY", "role": "operator"},
+                          {"name": "team", "env": "TEAM_KEY"}]},
+    })
+    async with aiohttp.ClientSession() as session:
+        cli = make_adapter(config.nodes[0].providers[0], session, secret_env_names(config))
+        answer = await cli.complete(RunKind.CHAT, chat("x"), "r")
+    assert answer["choices"][0]["message"]["content"].split() == ["absent", "absent", "absent", "kept"]
+
+
 async def test_max_tokens_and_stop_cut_the_output_and_stop_the_tool(tmp_path: Path) -> None:
     """The tool is not told of them: iop applies them to its output (tokens counted in words, as
     the usage is), with the finish_reason a server gives, and stops the tool there (they were

@@ -57,6 +57,17 @@ def make_adapter(provider: ProviderConfig, session: aiohttp.ClientSession,
     return OpenAICompatAdapter(provider, session, limits, proxy)  # vllm, sglang, llamacpp, lemonade, openai_api
 
 
+def secret_env_names(config: Config) -> frozenset[str]:
+    """The environment variables that hold the pool's secrets, which no CLI tool is given: every
+    provider's API key (`api_key_env`), and every caller's and operator's key (`auth.keys[].env`:
+    a worker started with the gateway's environment, as `iop dev` and a shared env file start it,
+    holds them, and a caller's tool could print the operator's key)."""
+    names = {p.api_key_env for n in config.nodes for p in n.providers if p.api_key_env}
+    if config.auth is not None:
+        names |= {k.env for k in config.auth.keys if k.env}
+    return frozenset(names)
+
+
 def proxies(providers: Iterable[ProviderConfig], environ: Mapping[str, str]) -> dict[str, Proxy]:
     """The HTTP proxy of each provider whose requests go through one (`proxy_for`); a proxy that
     cannot be used stops the worker, naming the provider and the variable."""
@@ -174,7 +185,7 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
             log.info("provider %s: requests go through the proxy %s (%s)", pid, proxy.url, proxy.variable)
         redis = connect(redis_url, client_name="iop-worker")
         session = provider_session()
-        secrets = frozenset(p.api_key_env for n in config.nodes for p in n.providers if p.api_key_env)
+        secrets = secret_env_names(config)
         adapters = {p.id: make_adapter(p, session, secrets, read_limits(config.runtime), via.get(p.id))
                     for p in node.providers}
         heartbeats = Heartbeats(redis, config, node_id, adapters, worker.instance)
