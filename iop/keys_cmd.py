@@ -9,6 +9,7 @@ import sys
 import yaml
 
 from common.auth import ANONYMOUS, NAME_PATTERN, hash_key, new_key
+from common.config_yaml import ConfigDumper
 
 
 def new(name: str, role: str) -> int:
@@ -21,7 +22,8 @@ def new(name: str, role: str) -> int:
               "a name of its own", file=sys.stderr)
         return 2
     key = new_key()
-    entry = yaml.safe_dump([{"name": name, "sha256": hash_key(key), "role": role}], sort_keys=False)
+    # (ConfigDumper quotes a name the config would read as a number: `1e3`, `0o17`)
+    entry = yaml.dump([{"name": name, "sha256": hash_key(key), "role": role}], Dumper=ConfigDumper, sort_keys=False)
     print(f"# the key of {name}: shown this once, never stored by iop; hand it over and keep no copy")
     print(key)
     print("# its entry for the config, under auth.keys (it holds only the key's hash):")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from iop import keys_cmd
@@ -29,3 +31,20 @@ def test_a_leading_dot_is_refused_saying_the_first_must_be_a_letter_or_digit(
 def test_a_good_name_gets_a_key(capsys: pytest.CaptureFixture[str]) -> None:
     assert keys_cmd.new("team-a", "caller") == 0
     assert "name: team-a" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["1e3", "0o17", "1.5e3", "1e-3", "123", "nan", "team-a"])
+def test_the_entry_printed_is_read_back_by_the_config_as_it_was_given(
+        name: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Found by a newcomer's audit: `--name 1e3` printed `- name: 1e3`, which the config (YAML 1.2)
+    reads as the number 1000.0 and refuses (`Input should be a valid string`)."""
+    from common.config import load_config
+
+    assert keys_cmd.new(name, "caller") == 0
+    entry = "\n".join(line for line in capsys.readouterr().out.splitlines()[2:])
+    pool = ("models: [{id: m, providers: {p: m}}]\n"
+            "nodes: [{id: n, providers: [{id: p, type: vllm, base_url: 'http://h', capacity: 1, models: [m]}]}]\n"
+            "auth:\n  keys:\n" + "\n".join("    " + line for line in entry.splitlines()) + "\n")
+    (tmp_path / "pool.yaml").write_text(pool)
+    config = load_config(tmp_path / "pool.yaml")
+    assert config.auth is not None and config.auth.keys[0].name == name
