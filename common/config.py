@@ -476,6 +476,10 @@ def _schema_errors(exc: ValidationError) -> list[str]:
                 msg += " (YAML reads that as text, not a number: write the number out in digits)"
             elif err["type"] == "int_type" and isinstance(err["input"], float) and err["input"].is_integer():
                 msg += " (a number with a dot or an exponent is a fraction to YAML: write it out in digits)"
+            elif err["type"] == "string_type" and isinstance(err["input"], bool | int | float):
+                # (a name such as `3.5`, `2024` or `1e3`: the operator wrote a name, YAML read a number)
+                kind = "a boolean" if isinstance(err["input"], bool) else "a number"
+                msg += f" (YAML reads what is written there as {kind}: put it in quotes to make it text)"
         errors.append(f"{format_path(loc)}: {msg}")
     return errors
 

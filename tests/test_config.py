@@ -678,7 +678,8 @@ queue: {max_queue: 1_000, queue_timeout_ms: 0o1000}
     path.write_text(path.read_text().replace("capacity: 010", "capacity: 1:30").replace("id: m2", "id: true"))
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert info.value.errors == ["models[1].id: Input should be a valid string, got true",
+    assert info.value.errors == ["models[1].id: Input should be a valid string, got true (YAML reads what is "
+                                 "written there as a boolean: put it in quotes to make it text)",
                                  "nodes[0].providers[0].capacity: Input should be a valid integer, got '1:30'"]
 
 
@@ -838,7 +839,8 @@ def test_a_non_string_mapping_key_is_named_as_a_key() -> None:
     data["models"][0]["providers"][1] = "x"
     with pytest.raises(ConfigError) as err:
         parse_config(data)
-    assert "models[0].providers.1 (key): Input should be a valid string, got 1" in err.value.errors
+    assert ("models[0].providers.1 (key): Input should be a valid string, got 1 (YAML reads what is written there "
+            "as a number: put it in quotes to make it text)") in err.value.errors
 
 
 @pytest.mark.parametrize(("runtime", "queue", "fragment"), [
@@ -905,6 +907,15 @@ def test_a_section_that_is_not_a_mapping_says_so_without_naming_a_class(section:
     (set_at("nodes", 0, "providers", 0, "capacity", value=1000.0),  # (YAML 1.2 reads 1e3 as a fraction)
      "nodes[0].providers[0].capacity: Input should be a valid integer, got 1000.0 (a number with a dot or an "
      "exponent is a fraction to YAML: write it out in digits)"),
+    (set_at("models", 0, "id", value=3.5),  # (a newcomer's model `id: 3.5`: a name to them, a number to YAML)
+     "models[0].id: Input should be a valid string, got 3.5 (YAML reads what is written there as a number: put it "
+     "in quotes to make it text)"),
+    (set_at("nodes", 0, "id", value=1),
+     "nodes[0].id: Input should be a valid string, got 1 (YAML reads what is written there as a number: put it in "
+     "quotes to make it text)"),
+    (set_at("nodes", 0, "providers", 0, "models", 0, value=True),
+     "nodes[0].providers[0].models[0]: Input should be a valid string, got true (YAML reads what is written there "
+     "as a boolean: put it in quotes to make it text)"),
 ])
 def test_messages_show_values_as_yaml_writes_them_not_as_python_does(mutation: Mutation, expected: str) -> None:
     data = good()
