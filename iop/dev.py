@@ -546,6 +546,13 @@ def run_dev(config_path: str | None, host: str, port: int) -> int:
     config = read_config(path)
     if config is None:
         return 2
+    if config.auth is None:
+        from gateway.auth import is_loopback
+
+        if not is_loopback(host):  # (the gateway would refuse to start, suggesting a flag iop dev does not have)
+            say(f"error: iop dev refuses to serve anyone who can reach {host} without API keys: add auth.keys to "
+                "the config, or serve on loopback only (--host 127.0.0.1, the default)", err=True)
+            return 2
     say(f"iop dev: config {path}")
     sup = Supervisor()
     try:

@@ -144,6 +144,24 @@ def test_invalid_config_is_reported_with_status_2(tmp_path: Path, capsys: pytest
     assert "error: models" in capsys.readouterr().err
 
 
+def test_a_config_without_keys_on_an_open_host_is_refused_at_once_without_a_flag_dev_lacks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a newcomer's audit: `iop dev --host 0.0.0.0` with a keyless config started Redis and
+    every child, then stopped on the gateway's refusal, whose advice (`pass --allow-anonymous`) is a
+    flag `iop dev` does not take."""
+    path = tmp_path / "open.yaml"  # (a config of its own: the demo's would start simulators on fixed ports)
+    path.write_text(yaml.safe_dump({
+        "models": [{"id": "m1", "providers": {"p": "served-m1"}}],
+        "nodes": [{"id": "n1", "providers": [
+            {"id": "p", "type": "vllm", "base_url": f"http://127.0.0.1:{free_port()}", "capacity": 1,
+             "models": ["served-m1"]}]}],
+    }))
+    assert run_dev(str(path), "0.0.0.0", 0) == 2
+    err = capsys.readouterr().err
+    assert "refuses to serve anyone who can reach 0.0.0.0 without API keys" in err, err
+    assert "--allow-anonymous" not in err and "iop dev: config" not in err
+
+
 def test_simulators_cover_the_local_providers_of_the_demo() -> None:
     from iop.dev import DEMO_CONFIG, read_config
 
