@@ -7,8 +7,10 @@ carrying every fault, each prefixed with the exact path at fault
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
+import typing
 import unicodedata
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
 from common.auth import ENV_NAME_PATTERN, NAME_PATTERN, SHA256_PATTERN, AuthConfig, check_auth
 from common.config_yaml import FAST, ConfigLoader
@@ -455,6 +457,52 @@ _PATTERN_SAID = {ID_PATTERN: "must be one word (no spaces)",
                  ENV_NAME_PATTERN: "must be the name of an environment variable (letters, digits, _)"}
 
 
+def _model_at(loc: Sequence[Any]) -> type[BaseModel] | None:
+    """The config model a location lies in (`("nodes", 0, "providers", 1)`: ProviderConfig), or
+    None where it is no model's (a map's entry)."""
+    cls: type[BaseModel] = Config
+    for part in loc:
+        if isinstance(part, int):  # (an item of a list: the list's model, as its field said)
+            continue
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        found = _model_in(field.annotation)
+        if found is None:
+            return None
+        cls = found
+    return cls
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The config model an annotation holds: itself, or inside `X | None`, `list[X]`, `Annotated[X, …]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+#: what an unknown field may have been meant as, where no spelling is close
+_MEANT = {"api_key": "an API key never goes in the config: name the environment variable that holds it in "
+                     "api_key_env"}
+
+
+def _unknown_field(loc: Sequence[Any]) -> str:
+    """`unknown field`, with the field of that place a typo was likely meant as (`timeout_ms` in
+    `queue`: `queue_timeout_ms`)."""
+    name = loc[-1] if loc else None
+    cls = _model_at(loc[:-1])
+    if not isinstance(name, str) or cls is None:
+        return "unknown field"
+    if name in _MEANT and "api_key_env" in cls.model_fields:
+        return f"unknown field ({_MEANT[name]})"
+    close = difflib.get_close_matches(name, list(cls.model_fields), n=2, cutoff=0.6)
+    return f"unknown field (did you mean {' or '.join(close)}?)" if close else "unknown field"
+
+
 def _schema_errors(exc: ValidationError) -> list[str]:
     errors = []
     for err in exc.errors():
@@ -463,7 +511,7 @@ def _schema_errors(exc: ValidationError) -> list[str]:
             loc[-2] = err["input"]  # the key itself: pydantic writes None as 'None' and true as 1
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown field"
+            msg = _unknown_field(loc)
         elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") in _PATTERN_SAID:
             msg = f"{_PATTERN_SAID[err['ctx']['pattern']]}, got {shown(err['input'])}"
         elif err["type"] == "model_type":  # (pydantic names its class: "... or instance of QueuePolicy")

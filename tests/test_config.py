@@ -280,6 +280,19 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
     ("typo-queue", set_at("queue", "queue_timeout", value=5), [("queue.queue_timeout", "unknown field")]),
     ("typo-runtime", set_at("runtime", value={"heartbeat_ms": 5}),
      [("runtime.heartbeat_ms", "unknown field")]),
+    # (a newcomer's: the field a typo was likely meant as, where one is close)
+    ("typo-queue-said", set_at("queue", "timeout_ms", value=5),
+     [("queue.timeout_ms", "unknown field (did you mean queue_timeout_ms or execution_timeout_ms?)")]),
+    ("typo-model-queue-said", set_at("models", 1, "queue", "max_queu", value=1),
+     [("models[1].queue.max_queu", "unknown field (did you mean max_queue?)")]),
+    ("typo-provider-said", set_at("nodes", 1, "providers", 1, "capacty", value=3),
+     [("nodes[1].providers[1].capacty", "unknown field (did you mean capacity?)")]),
+    ("typo-model-said", set_at("models", 0, "provider", value={}),
+     [("models[0].provider", "unknown field (did you mean providers?)")]),
+    ("api-key-in-the-config", set_at("nodes", 0, "providers", 0, "api_key", value="sk-secret"),
+     [("nodes[0].providers[0].api_key", "unknown field (an API key never goes in the config: name the "
+                                        "environment variable that holds it in api_key_env)")]),
+    ("typo-nothing-close", set_at("runtime", value={"zzz": 5}), [("runtime.zzz", "unknown field")]),
     # --- the gateway's limits -----------------------------------------------------------------
     ("json-depth-too-large", set_at("runtime", value={"max_json_depth": 300}),
      [("runtime.max_json_depth", "less than or equal to 256")]),
