@@ -499,7 +499,9 @@ def _unknown_field(loc: Sequence[Any]) -> str:
         return "unknown field"
     if name in _MEANT and "api_key_env" in cls.model_fields:
         return f"unknown field ({_MEANT[name]})"
-    close = difflib.get_close_matches(name, list(cls.model_fields), n=2, cutoff=0.6)
+    scored = sorted(((difflib.SequenceMatcher(None, name, f).ratio(), f) for f in cls.model_fields), reverse=True)
+    # (the closest, and the next only when it is nearly as close: `model` is models, not nodes)
+    close = [f for score, f in scored[:2] if score >= 0.6 and score >= scored[0][0] - 0.15]
     return f"unknown field (did you mean {' or '.join(close)}?)" if close else "unknown field"
 
 

@@ -293,6 +293,7 @@ REJECTED: list[tuple[str, Mutation, list[tuple[str, str]]]] = [
      [("nodes[0].providers[0].api_key", "unknown field (an API key never goes in the config: name the "
                                         "environment variable that holds it in api_key_env)")]),
     ("typo-nothing-close", set_at("runtime", value={"zzz": 5}), [("runtime.zzz", "unknown field")]),
+    ("typo-top-level-said", set_at("model", value=[]), [("model", "unknown field (did you mean models?)")]),
     # --- the gateway's limits -----------------------------------------------------------------
     ("json-depth-too-large", set_at("runtime", value={"max_json_depth": 300}),
      [("runtime.max_json_depth", "less than or equal to 256")]),
