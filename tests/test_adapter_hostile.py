@@ -281,6 +281,27 @@ async def test_nothing_after_done_reaches_the_caller(together: bool, raw: Raw,
 
 
 @pytest.mark.parametrize("together", [True, False], ids=["one-read", "later-reads"])
+async def test_a_garbled_line_after_the_whole_answer_keeps_it(together: bool, raw: Raw, session: aiohttp.ClientSession,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A line that is no event once every choice had its finish_reason (`data: [done]`, lower case)
+    failed the run after the whole answer had gone out: the caller got a 502 for it (a
+    hostile-provider review). The answer is kept, the rest of the stream not read, and it is logged."""
+    parts = [sse(delta("ok ")), sse(delta("done", "stop")), b"data: [done]\n\n", sse(delta("INJECTED"))]
+    raw.answers["/v1/chat/completions"] = chunked([b"".join(parts)] if together else parts)
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    with caplog.at_level(logging.WARNING, "iop.worker"):
+        chunks = await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_1"))
+    assert text_of(chunks) == "ok done" and "INJECTED" not in json.dumps(chunks)
+    assert [r.getMessage() for r in caplog.records if "after the whole answer" in r.getMessage()] == [
+        "provider vllm-h sent a line that is not an event of JSON after the whole answer; the answer is kept, the rest "
+        "of its stream not read"]
+    garbled = [sse(delta("ok ")), b"data: [done]\n\n", sse(delta("done", "stop"))]  # (before the end: an error)
+    raw.answers["/v1/chat/completions"] = chunked(garbled)
+    with pytest.raises(ProviderError, match="not valid JSON"):
+        await collect(adapter.stream(RunKind.CHAT, chat(stream=True), "run_2"))
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["one-read", "later-reads"])
 async def test_nothing_after_ollama_done_reaches_the_caller(together: bool, raw: Raw,
                                                             session: aiohttp.ClientSession) -> None:
     parts = [nd(said("ok")), nd(said("", done=True)), nd(said("INJECTED-AFTER-DONE")), nd(said("", done=True))]

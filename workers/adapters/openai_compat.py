@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
@@ -42,6 +43,7 @@ from common.choices import inputs
 from common.chunks import choice_marks, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
+from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind, callers_fault
 from workers.adapters import answer_shapes, sending
 from workers.adapters.base import DEFAULT_LIMITS, LastRead, ProbeResult, ProviderError, ReadLimits, Retry
@@ -77,6 +79,8 @@ from workers.adapters.reading import (
     redirect_probe,
     without_traceback,
 )
+
+log = logging.getLogger("iop.worker")
 
 PATHS = {RunKind.CHAT: "/chat/completions", RunKind.COMPLETION: "/completions", RunKind.EMBEDDING: "/embeddings"}
 
@@ -417,6 +421,9 @@ class SSEParser:
         #: the provider's error chunk, once one came: nothing after it is read
         self.failed: ProviderError | None = None
         self.breaks = Breaks()
+        #: whether a read's chunks end the answer (every choice finished): an error after them in
+        #: their read is held, not raised (`Breaks.read`)
+        self.whole: Callable[[list[dict[str, Any]]], bool] | None = None
         #: the `event:` of the event being read (until the blank line that ends it)
         self._event = b""
         self._opening = True
@@ -428,7 +435,7 @@ class SSEParser:
         """The chunks of a read; an error after some of them is held in `breaks` (`Breaks`)."""
         if self.done or self.failed or self.breaks.stopped:
             return []
-        return self.breaks.read(lambda chunks: self._read(self.lines.feed(data), chunks))
+        return self.breaks.read(lambda chunks: self._read(self.lines.feed(data), chunks), self.whole)
 
     def end(self) -> list[dict[str, Any]]:
         """The stream ended. An event whose blank line never came is read if its data is whole
@@ -685,6 +692,17 @@ class OpenAICompatAdapter:
         choices = choices_asked(kind, body)
         seen: set[int] = set()
         ended: set[int] = set()
+
+        def whole(chunks: list[dict[str, Any]]) -> bool:
+            """`chunks` finish every choice (with those before them)."""
+            every, done = set(seen), set(ended)
+            for chunk in chunks:
+                marks = choice_marks(chunk)
+                every.update(marks[0])
+                done.update(marks[1])
+            return bool(done) and len(done) >= max(choices, len(every))
+
+        parser.whole = whole
         #: nothing but blanks read yet (`head`): the first byte tells a JSON answer from events
         opening = True
         head = b""
@@ -739,7 +757,12 @@ class OpenAICompatAdapter:
                     if parser.failed:
                         raise parser.failed
                     if parser.breaks.broken:
-                        raise parser.breaks.take()
+                        broken = parser.breaks.take()
+                        if not (finished and isinstance(broken, ValueError)):
+                            raise broken
+                        self._garbled_after_whole(request_id, model)  # (the answer is whole: kept)
+                        resp.close()
+                        break
                     if not data:
                         break
                     if parser.done:
@@ -756,7 +779,11 @@ class OpenAICompatAdapter:
             tail = parser.end()  # (a last event the server did not end: its usage chunk, say)
             if tail:
                 yield tail
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except ValueError as exc:
+            if not finished:
+                raise self._failed(exc) from None
+            self._garbled_after_whole(request_id, model)  # (its own read: nothing of the answer in it)
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._failed(exc) from None
         if not parser.done and not finished and opening:
             # llama-cpp-python ends so a stream whose prompt is beyond its context: an answer of its
@@ -776,6 +803,13 @@ class OpenAICompatAdapter:
             which = "a finish_reason for every choice" if ended else "a finish_reason"
             raise ProviderError(f"provider {self.provider.id}: the stream was cut short ([DONE] without {which})",
                                 retry=Retry.ANY)
+
+    def _garbled_after_whole(self, request_id: str, model: Any) -> None:
+        """A line that is no event after every choice had its finish_reason (`data: [done]`, say):
+        the answer came whole, and is kept (it was a 502 after all of it); the rest is not read."""
+        log.warning("provider %s sent a line that is not an event of JSON after the whole answer; the answer is "
+                    "kept, the rest of its stream not read", self.provider.id,
+                    extra=run_fields(request_id, model if isinstance(model, str) else None, provider=self.provider.id))
 
     async def _refusal_of(self, kind: RunKind, body: dict[str, Any], request_id: str) -> ProviderError | None:
         """Why a llama.cpp server ended a stream before any event, if it was the caller's request:

@@ -350,13 +350,14 @@ class Breaks:
         #: the caller was shown output (not only an opening, `common.chunks.is_preamble`)
         self.shown = False
 
-    def read(self, read: Callable[[list[Any]], None]) -> list[Any]:
-        """The objects `read` puts in its list; its error as above."""
+    def read(self, read: Callable[[list[Any]], None], whole: Callable[[list[Any]], bool] | None = None) -> list[Any]:
+        """The objects `read` puts in its list; its error as above, or held too when they make the
+        answer whole (`whole`): the adapter keeps a whole answer a garbled line follows."""
         out: list[Any] = []
         try:
             read(out)
         except (ValueError, ProviderError) as exc:
-            if not (out and self.shown):
+            if not (out and (self.shown or (whole is not None and whole(out)))):
                 raise
             # (without the frames it came through: they hold the parser, which holds it)
             self.broken, self.stopped = exc.with_traceback(None), True
