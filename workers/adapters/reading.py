@@ -351,13 +351,14 @@ class Breaks:
         self.shown = False
 
     def read(self, read: Callable[[list[Any]], None], whole: Callable[[list[Any]], bool] | None = None) -> list[Any]:
-        """The objects `read` puts in its list; its error as above, or held too when they make the
-        answer whole (`whole`): the adapter keeps a whole answer a garbled line follows."""
+        """The objects `read` puts in its list; its error as above, or a garbled line's held too
+        when they make the answer whole (`whole`): the adapter keeps a whole answer it follows."""
         out: list[Any] = []
         try:
             read(out)
         except (ValueError, ProviderError) as exc:
-            if not (out and (self.shown or (whole is not None and whole(out)))):
+            kept = self.shown or (isinstance(exc, ValueError) and whole is not None and whole(out))
+            if not (out and kept):
                 raise
             # (without the frames it came through: they hold the parser, which holds it)
             self.broken, self.stopped = exc.with_traceback(None), True
