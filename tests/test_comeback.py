@@ -19,6 +19,7 @@ from tests.conftest import async_wait_until, paused
 from tests.test_scheduler import MODEL, beat, make_config, submit
 from workers import runner as runner_module
 from workers.runner import Attempt, Runner
+from workers.service import HEARTBEATS_CTX, RUNNER_CTX, build_worker
 
 #: a pause no test waits out: the 15 s of `async_wait_until` / `wait_for` end first
 LONG = Backoff(first=600.0, cap=600.0)
@@ -153,3 +154,33 @@ async def test_kept_cancels_go_out_when_redis_answers_not_when_their_backoff_end
     finally:
         await client.close()
         await client.redis.aclose()
+
+
+async def test_a_run_s_write_in_the_worker_s_stop_grace_goes_on_when_redis_answers(
+        monkeypatch: pytest.MonkeyPatch, own_redis: RedisServer) -> None:
+    """`serve` stops the heartbeats first on SIGTERM, then gives the runs their grace (and 5 s more to
+    record their end): the watch was the heartbeats' own and closed with them, so a run's writes
+    through an outage in that grace waited out their backoff again (its output 0.77-0.82 s late
+    after Redis was back, 0.03-0.09 s outside a stop). Here the backoff is ten minutes."""
+    monkeypatch.setattr(runner_module, "Backoff", lambda *args, **kwargs: LONG)
+    worker = build_worker(make_config({"a": 1}), own_redis.url + "?socket_timeout=0.5", "n-a")
+    await worker.on_startup(worker.ctx)  # type: ignore[misc]
+    runner: Runner = worker.ctx[RUNNER_CTX]
+    beating: asyncio.Task[None] = worker.ctx[HEARTBEATS_CTX]
+    await async_wait_until(lambda: runner.redis.exists(keys.heartbeat("a")), what="the heartbeats running")
+    beating.cancel()  # (as `serve` does at once, before the runs' grace)
+    await asyncio.gather(beating, return_exceptions=True)
+    assert runner.comeback is not None
+    att = Attempt("run_out", MODEL, "a", "1", max_attempts=1)
+    try:
+        with paused(own_redis):
+            writing = asyncio.create_task(runner._call_while_leased(
+                att, "emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
+                [att.attempt, "delta", b"", 100, att.run_id, 1], "emitting"))
+            await async_wait_until(lambda: asyncio.sleep(0, runner.comeback is not None
+                                                         and runner.comeback.refused >= 1), what="Redis found away")
+            assert not writing.done()
+        await asyncio.wait_for(writing, 15)
+    finally:
+        await worker.on_shutdown(worker.ctx)  # type: ignore[misc]
+        await worker.pool.aclose()

@@ -114,9 +114,12 @@ def served_pairs(config: Config, node_id: str) -> list[str]:
 
 class Heartbeats:
     def __init__(self, redis: Redis, config: Config, node_id: str, adapters: dict[str, Adapter],
-                 instance: str = "") -> None:
+                 instance: str = "", comeback: Comeback | None = None) -> None:
         """`instance`: the worker process's id (`new_worker_instance`), kept among the node's live
-        workers (`keys.node_workers`) while it beats; '' for none."""
+        workers (`keys.node_workers`) while it beats; '' for none. `comeback`: the worker's watch
+        for Redis answering again, which its runs' writes and cancel listener pause on too, and which
+        outlives the beats (they stop first, the runs' grace after; the worker closes it); without
+        one, the heartbeats make their own and close it when they stop."""
         self.redis = redis
         self.instance = instance
         self.config = config
@@ -139,8 +142,11 @@ class Heartbeats:
         #: provider -> the served names its config gives it that its last model list lacked (said once a change)
         self.unlisted: dict[str, tuple[str, ...]] = {}
         #: the watch for Redis to answer again after it went away (`redis_lost`)
-        self.comeback = Comeback(redis)
+        self._own_comeback = comeback is None
+        self.comeback = Comeback(redis) if comeback is None else comeback
         self.comeback.when_answered(self._beat_all)
+        #: the beats stopped (`run` ended): an answer to the watch wakes none
+        self._stopped = False
         #: when Redis last answered that watch (event loop time): a beat refused again within an
         #: interval of it does not start another (`_loop`)
         self._answered_at: float | None = None
@@ -353,6 +359,8 @@ class Heartbeats:
         the beats once an interval at most: on a server that answers but refuses what the worker
         writes (a read-only replica), every running run's retried write watches again, and each
         answer woke every beat to be refused and logged."""
+        if self._stopped:  # (the runs of a stopping worker watch on; no beat is left to wake)
+            return
         now = asyncio.get_running_loop().time()
         recently = self._refused_since_answer(now)
         self._answered_at = now
@@ -367,7 +375,9 @@ class Heartbeats:
         try:
             await asyncio.gather(*(self._loop(p) for p in self.providers))
         finally:
-            await self.comeback.close()
+            self._stopped = True
+            if self._own_comeback:
+                await self.comeback.close()
             for task in self.probes.values():
                 task.cancel()
             await asyncio.gather(*self.probes.values(), return_exceptions=True)

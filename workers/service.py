@@ -38,6 +38,9 @@ log = logging.getLogger("iop.worker")
 RUNNER_CTX = "iop_runner"
 #: The worker's heartbeats task (in its ctx), stopped first when it stops
 HEARTBEATS_CTX = "iop_heartbeats"
+#: The worker's watch for Redis answering again (its heartbeats', runs' and cancel listener's), in its
+#: ctx: closed last, once its runs ended (the heartbeats stop before their grace)
+COMEBACK_CTX = "iop_comeback"
 #: How long the runs a stopping worker cancelled (its grace ran out) may take to record their end
 #: (milliseconds, with Redis answering) before the worker stops without it (`serve`)
 END_RECORD_S = 5.0
@@ -188,21 +191,27 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
         secrets = secret_env_names(config)
         adapters = {p.id: make_adapter(p, session, secrets, read_limits(config.runtime), via.get(p.id))
                     for p in node.providers}
-        heartbeats = Heartbeats(redis, config, node_id, adapters, worker.instance)
+        # (the worker's, not the heartbeats': they stop first on SIGTERM, and the runs' writes in the
+        # grace after still pause on it; closed once every run ended, `shutdown`)
+        comeback = ctx[COMEBACK_CTX] = Comeback(redis)
+        heartbeats = Heartbeats(redis, config, node_id, adapters, worker.instance, comeback=comeback)
         runner = Runner(redis, config, node_id, adapters, on_strike=heartbeats.nudge, on_life=heartbeats.showed_life,
-                        comeback=heartbeats.comeback)
+                        comeback=comeback)
         ctx[RUNNER_CTX] = runner
         ctx["iop_session"] = session
         await runner.scripts.load()
         await heartbeats.announce()  # (before its first take: a worker without its set is not checked)
         ctx[HEARTBEATS_CTX] = asyncio.create_task(heartbeats.run())
         background.append(ctx[HEARTBEATS_CTX])
-        background.append(asyncio.create_task(_listen_cancels(runner, node_id, heartbeats.comeback)))
+        background.append(asyncio.create_task(_listen_cancels(runner, node_id, comeback)))
 
     async def shutdown(ctx: dict[str, Any]) -> None:
         for t in background:
             t.cancel()
         await asyncio.gather(*background, return_exceptions=True)
+        comeback: Comeback | None = ctx.get(COMEBACK_CTX)
+        if comeback is not None:
+            await comeback.close()
         runner: Runner | None = ctx.get(RUNNER_CTX)
         if runner is not None:
             await runner.redis.aclose()
