@@ -1,11 +1,13 @@
-"""A provider's legacy completions and embeddings made what OpenAI's schema has
+"""A provider's chat and legacy completions and embeddings made what OpenAI's schema has
 (`workers.adapters.answer_shapes`): what can be filled honestly is, what cannot is the provider's error."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from tests.openapi import validate
 from workers.adapters import answer_shapes
@@ -102,3 +104,113 @@ def test_embeddings_get_what_openai_s_have() -> None:
     counted: dict[str, Any] = {"data": [{"embedding": "AAAAAA=="}], "usage": {"total_tokens": 4}}
     answer_shapes.embeddings(counted)
     assert counted["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
+
+
+def chat(answer: dict[str, Any]) -> dict[str, Any]:
+    answer_shapes.chat(answer, "run1", 1700000000, "p")
+    answer.setdefault("model", "m")  # (the gateway's to write)
+    validate("CreateChatCompletionResponse", answer)
+    ChatCompletion.model_validate(answer)
+    return answer
+
+
+def chunk_of(chunk: dict[str, Any]) -> dict[str, Any]:
+    answer_shapes.chat_chunks("run1", 1700000000, "p")(chunk)
+    seen = {**chunk, "model": "m"}
+    validate("CreateChatCompletionStreamResponse", seen)
+    ChatCompletionChunk.model_validate(seen)
+    return chunk
+
+
+def test_a_bare_chat_completion_gets_what_openai_s_has_and_keeps_what_it_said() -> None:
+    answer = chat({"choices": [{"message": {"content": "hi", "reasoning_content": "hm"}}], "timings": {"n": 3}})
+    assert answer == {"id": "chatcmpl-run1", "object": "chat.completion", "created": 1700000000, "model": "m",
+                      "choices": [{"index": 0, "logprobs": None, "finish_reason": "stop",
+                                   "message": {"role": "assistant", "content": "hi", "refusal": None,
+                                               "reasoning_content": "hm"}}],
+                      "timings": {"n": 3}}
+
+
+@pytest.mark.parametrize(("said", "made"), [
+    ("eos_token", "stop"), ("stop_sequence", "stop"), ("max_tokens", "length"), ("length", "length"),
+    ("tool_calls", "tool_calls"), ("tool_call", "tool_calls"), ("function_call", "function_call"),
+    ("content_filter", "content_filter"), ("something_new", "stop"), (None, "stop"), ({"type": "stop"}, "stop"),
+])
+def test_a_chat_finish_reason_is_one_openai_has(said: Any, made: str) -> None:
+    answer = chat({"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": said}]})
+    assert answer["choices"][0]["finish_reason"] == made
+    chunk = chunk_of({"choices": [{"index": 0, "delta": {}, "finish_reason": said}]})
+    assert chunk["choices"][0]["finish_reason"] == (None if said is None or isinstance(said, dict) else made)
+
+
+def test_vllm_s_whole_chat_answer_loses_the_nulls_openai_s_schema_has_not() -> None:
+    message: dict[str, Any] = {"role": "assistant", "content": "hi", "refusal": None, "annotations": None,
+                               "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
+    answer = chat({"id": "chatcmpl-v", "object": "chat.completion", "created": 5, "model": "m",
+                   "choices": [{"index": 0, "message": message, "finish_reason": "stop", "stop_reason": None,
+                                "logprobs": {"content": [{"token": "hi", "logprob": -0.5, "bytes": [104, 105],
+                                                          "top_logprobs": []}]}}],
+                   "service_tier": None, "system_fingerprint": None, "prompt_logprobs": None,
+                   "usage": {"prompt_tokens": 2, "total_tokens": 3, "completion_tokens": 1,
+                             "prompt_tokens_details": None}})
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": "hi", "refusal": None, "audio": None,
+                                               "tool_calls": [], "reasoning_content": None}
+    assert answer["choices"][0]["logprobs"]["refusal"] is None and "system_fingerprint" not in answer
+    assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    assert (answer["id"], answer["created"]) == ("chatcmpl-v", 5)
+
+
+def test_a_message_that_calls_tools_keeps_its_calls_and_says_so() -> None:
+    """TGI's: no `content`, no `type`, arguments as an object; a finish_reason it lacks is `tool_calls`."""
+    answer = chat({"choices": [{"message": {"role": "assistant", "tool_calls": [
+        {"id": "0", "function": {"name": "f", "arguments": {"city": "Paris"}, "description": None}},
+        {"type": "function", "function": {"name": "g", "arguments": "{}"}}]}}]})
+    message = answer["choices"][0]["message"]
+    assert message["content"] is None and answer["choices"][0]["finish_reason"] == "tool_calls"
+    assert message["tool_calls"] == [
+        {"id": "0", "type": "function",
+         "function": {"name": "f", "arguments": '{"city":"Paris"}', "description": None}},
+        {"id": "call_run1_1", "type": "function", "function": {"name": "g", "arguments": "{}"}}]
+
+
+def test_chat_choices_come_in_the_order_of_their_indices() -> None:
+    answer = chat({"choices": [{"index": 1, "message": {"content": "b"}}, {"index": 0, "message": {"content": "a"}}]})
+    assert [(c["index"], c["message"]["content"]) for c in answer["choices"]] == [(0, "a"), (1, "b")]
+
+
+@pytest.mark.parametrize("choice", [{"message": {"content": ""}, "finish_reason": "error"},
+                                    {"delta": {}, "finish_reason": "error"}])
+def test_a_chat_run_its_server_says_failed_is_the_provider_s_error(choice: dict[str, Any]) -> None:
+    with pytest.raises(ProviderError) as caught:
+        if "delta" in choice:
+            answer_shapes.chat_chunks("run1", 1, "p")({"choices": [choice]})
+        else:
+            answer_shapes.chat({"choices": [choice]}, "run1", 1, "p")
+    assert caught.value.retry is Retry.ELSEWHERE and caught.value.message.startswith("provider p ")
+
+
+def test_a_chat_chunk_already_right_is_left_as_it_came() -> None:
+    chunk = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 5, "model": "m",
+             "system_fingerprint": "fp", "choices": [{"index": 0, "delta": {"content": "hi"}, "logprobs": None,
+                                                      "finish_reason": None}]}
+    same = json.loads(json.dumps(chunk))
+    assert chunk_of(chunk) == same
+
+
+def test_a_chat_chunk_gets_what_openai_s_streams_have() -> None:
+    chunk = chunk_of({"choices": [{"delta": {"content": "hel"}},
+                                  {"index": 1, "finish_reason": "eos_token", "logprobs": {"content": []}}],
+                      "usage": None, "system_fingerprint": None})
+    assert chunk == {"id": "chatcmpl-run1", "object": "chat.completion.chunk", "created": 1700000000,
+                     "choices": [{"delta": {"content": "hel"}, "finish_reason": None, "index": 0},
+                                 {"index": 1, "finish_reason": "stop", "logprobs": {"content": [], "refusal": None},
+                                  "delta": {}}]}
+    vllm = chunk_of({"id": "chatcmpl-v", "object": "chat.completion.chunk", "created": 5, "model": "m",
+                     "choices": [{"index": 0, "delta": {"content": "x"}, "logprobs": None, "finish_reason": None}],
+                     "usage": None})
+    assert "usage" not in vllm
+    usage_only = chunk_of({"id": "chatcmpl-v", "object": "chat.completion.chunk", "created": 5, "model": "m",
+                           "choices": [], "usage": {"prompt_tokens": 1, "total_tokens": 3,
+                                                    "prompt_tokens_details": None}})
+    assert usage_only["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+    assert chunk_of({"usage": {"prompt_tokens": 1, "completion_tokens": 2}})["choices"] == []

@@ -1,6 +1,6 @@
-"""An OpenAI-compatible server whose legacy completions and embeddings come back the odd ways real
-servers answer them, each under a served name of its own (`ANSWERS`, `STREAMS`, `EMBEDDINGS`), so one
-pool of one provider serves every case.
+"""An OpenAI-compatible server whose chat completions, legacy completions and embeddings come back the
+odd ways real servers answer them, each under a served name of its own (`CHAT_ANSWERS`, `CHAT_STREAMS`,
+`ANSWERS`, `STREAMS`, `EMBEDDINGS`), so one pool of one provider serves every case.
 
 Where each shape comes from (the servers' source, read for this):
 - Ollama's `/v1` layer (openai/openai.go, `CompleteChunkChoice`): a choice has no `logprobs` (Go's
@@ -11,6 +11,13 @@ Where each shape comes from (the servers' source, read for this):
   embeddings answer has `id`, `created` and `completion_tokens: 0`.
 - Hugging Face TGI (router/src/lib.rs, `CompletionComplete`): its own finish reasons (`eos_token`,
   `stop_sequence`), `id: ""`.
+- Chat, the same servers: Ollama's `/v1` (`ChunkChoice`, `Choice`) has no `logprobs` in its choices
+  and no `refusal` in its messages; vLLM's whole answer is `ChatCompletionResponse.model_dump()`
+  (chat_completion/protocol.py): `annotations`, `function_call`, `system_fingerprint` of null, its
+  `ChatCompletionLogProbs` has `content` only; TGI's message that calls a tool has no `content`, and
+  gives the arguments as an object (huggingface/text-generation-inference#2136, #2461; llama-server
+  did too for a while, ggml-org/llama.cpp#20198); TGI's logprobs have no `refusal`, their tokens no
+  `bytes` (router/src/lib.rs, `ChatCompletionLogprob`).
 - What other servers and proxies send short of that: no `object`, `id`, `created`, `model`, `index`,
   `text: null`, a `finish_reason` of null in a whole answer, usage missing or partial, embeddings
   without `object` or `index`, or with their `index` out of order.
@@ -107,7 +114,123 @@ EMBEDDINGS: dict[str, Callable[[str, int], Json]] = {
                                            for i, v in enumerate(_vectors(n))]},
 }
 
-SERVED = [*ANSWERS, *STREAMS, *EMBEDDINGS]
+
+def _message(content: str | None = "hi", **more: Any) -> Json:
+    return {"role": "assistant", "content": content, **more}
+
+
+def _vllm_message(content: str) -> Json:
+    """A message as vLLM's whole answer dumps it (`ChatMessage.model_dump()`: every field, null or not)."""
+    return _message(content, refusal=None, annotations=None, audio=None, function_call=None, tool_calls=[],
+                    reasoning_content=None)
+
+
+def _vllm_logprobs(token: str) -> Json:
+    """vLLM's `ChatCompletionLogProbs`: `content` only (OpenAI's has `refusal` too)."""
+    return {"content": [{"token": token, "logprob": -0.25, "bytes": list(token.encode()), "top_logprobs": []}]}
+
+
+#: served name -> the whole chat completion it answers (given the served name)
+CHAT_ANSWERS: dict[str, Callable[[str], Json]] = {
+    "ch-bare": lambda m: {"choices": [{"message": {"content": "hi"}}]},
+    "ch-ollama": lambda m: {"id": "chatcmpl-123", "object": "chat.completion", "created": 1790000000, "model": m,
+                            "system_fingerprint": "fp_ollama",
+                            "choices": [{"index": 0, "message": _message(), "finish_reason": "stop"}],
+                            "usage": _usage()},
+    "ch-tgi": lambda m: {"object": "chat.completion", "id": "", "created": 1790000000, "model": m,
+                         "system_fingerprint": "3.3.4-native",
+                         "choices": [{"index": 0, "message": _message(), "logprobs": None,
+                                      "finish_reason": "eos_token"}], "usage": _usage()},
+    "ch-tgi-old": lambda m: {"object": "text_completion", "id": "", "created": 1790000000, "model": m,
+                             "system_fingerprint": "1.4.0-native",
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                          "finish_reason": "eos_token", "logprobs": {"content": [
+                                              {"token": "hi", "logprob": -0.25,
+                                               "top_logprobs": [{"token": "hi", "logprob": -0.25}]}]}}],
+                             "usage": _usage()},
+    "ch-tgi-tools": lambda m: {"object": "chat.completion", "id": "", "created": 1790000000, "model": m,
+                               "choices": [{"index": 0, "logprobs": None, "finish_reason": "eos_token",
+                                            "message": {"role": "assistant", "tool_calls": [
+                                                {"id": "0", "function": {"description": None, "name": "weather",
+                                                                         "arguments": {"city": "Paris"}}}]}}],
+                               "usage": _usage()},
+    "ch-vllm-n2": lambda m: {"id": "chatcmpl-v", "object": "chat.completion", "created": 1790000000, "model": m,
+                             "choices": [{"index": 1, "message": _vllm_message("second"), "logprobs": None,
+                                          "finish_reason": "length", "stop_reason": None, "token_ids": None},
+                                         {"index": 0, "message": _vllm_message("first"),
+                                          "logprobs": _vllm_logprobs("first"), "finish_reason": "stop",
+                                          "stop_reason": None, "token_ids": None}],
+                             "service_tier": None, "system_fingerprint": None, "prompt_logprobs": None,
+                             "prompt_token_ids": None, "kv_transfer_params": None,
+                             "usage": {**_usage(2, 4), "prompt_tokens_details": None}},
+    "ch-refusal": lambda m: {"id": "chatcmpl-r", "object": "chat.completion", "created": 1790000000, "model": m,
+                             "choices": [{"index": 0, "message": _message(None, refusal="I cannot."),
+                                          "logprobs": None, "finish_reason": "stop"}]},
+    "ch-finish-error": lambda m: {"id": "chatcmpl-e", "object": "chat.completion", "created": 1790000000,
+                                  "model": m, "choices": [{"index": 0, "message": _vllm_message(""),
+                                                           "logprobs": None, "finish_reason": "error"}]},
+}
+
+
+def _chat_chunk(m: str, delta: Json, finish: str | None, index: int = 0, **more: Any) -> Json:
+    return {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 1790000000, "model": m,
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}], **more}
+
+
+def _vllm_chunk(m: str, delta: Json, finish: str | None, index: int = 0) -> Json:
+    """vLLM's chunk, usage asked for (iop always asks): `"usage": null`, its logprobs without `refusal`."""
+    chunk = _chat_chunk(m, delta, finish, index, usage=None)
+    chunk["choices"][0]["logprobs"] = _vllm_logprobs(delta.get("content") or "")
+    return chunk
+
+
+def _ollama_chunk(m: str, content: str, finish: str | None) -> Json:
+    """Ollama's `/v1` chunk: no `logprobs`; every delta has the role."""
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1790000000, "model": m,
+            "system_fingerprint": "fp_ollama",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": content}, "finish_reason": finish}]}
+
+
+#: the tool call a streamed one comes to, in vLLM's deltas
+CALL: Json = {"id": "chatcmpl-tool-1", "type": "function",
+              "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+
+#: served name -> the chunks of its streamed chat completion (then `[DONE]`)
+CHAT_STREAMS: dict[str, Callable[[str], list[Json]]] = {
+    "chs-bare": lambda m: [{"choices": [{"delta": {"content": "hel"}}]},
+                           {"choices": [{"delta": {"content": "lo"}, "finish_reason": "stop"}]}],
+    "chs-ollama": lambda m: [
+        _ollama_chunk(m, "hel", None), _ollama_chunk(m, "lo", None), _ollama_chunk(m, "", "stop"),
+        {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1790000000, "model": m,
+         "system_fingerprint": "fp_ollama", "choices": [], "usage": _usage()}],
+    "chs-vllm": lambda m: [
+        _vllm_chunk(m, {"role": "assistant", "content": ""}, None), _vllm_chunk(m, {"content": "hel"}, None),
+        _vllm_chunk(m, {"content": "lo"}, None), _vllm_chunk(m, {"content": ""}, "length"),
+        {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 1790000000, "model": m, "choices": [],
+         "usage": {**_usage(), "prompt_tokens_details": None}}],
+    "chs-vllm-n2": lambda m: [
+        _vllm_chunk(m, {"role": "assistant", "content": ""}, None, 0),
+        _vllm_chunk(m, {"role": "assistant", "content": ""}, None, 1),
+        _vllm_chunk(m, {"content": "hello"}, None, 1), _vllm_chunk(m, {"content": "hel"}, None, 0),
+        _vllm_chunk(m, {"content": "lo"}, "stop", 0), _vllm_chunk(m, {"content": ""}, "stop", 1),
+        {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 1790000000, "model": m, "choices": [],
+         "usage": {**_usage(2, 3), "prompt_tokens_details": None}}],
+    "chs-tgi": lambda m: [{**_chat_chunk(m, {"role": "assistant", "content": "hel"}, None), "id": "",
+                           "object": "text_completion", "system_fingerprint": "1.4.0-native"},
+                          {**_chat_chunk(m, {"role": "assistant", "content": "lo"}, "eos_token"), "id": "",
+                           "object": "text_completion", "system_fingerprint": "1.4.0-native"}],
+    "chs-tools": lambda m: [
+        _vllm_chunk(m, {"role": "assistant", "content": ""}, None),
+        _vllm_chunk(m, {"tool_calls": [{"index": 0, "id": CALL["id"], "type": "function",
+                                        "function": {"name": "weather", "arguments": ""}}]}, None),
+        _vllm_chunk(m, {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}, None),
+        _vllm_chunk(m, {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, None),
+        _vllm_chunk(m, {"content": ""}, "tool_calls")],
+    "chs-finish-error": lambda m: [_vllm_chunk(m, {"role": "assistant", "content": ""}, None),
+                                   _vllm_chunk(m, {"content": ""}, "error")],
+}
+
+SERVED = [*ANSWERS, *STREAMS, *EMBEDDINGS, *CHAT_ANSWERS, *CHAT_STREAMS]
 
 
 def sse(obj: Any) -> bytes:
@@ -116,8 +239,8 @@ def sse(obj: Any) -> bytes:
 
 class OddServer(ThreadedServer):
     """Serves every name of `SERVED`: `/v1/completions` from `ANSWERS` (whole) and `STREAMS`
-    (streamed; a name of `ANSWERS` asked to stream answers its whole answer's choices as one chunk),
-    `/v1/embeddings` from `EMBEDDINGS`."""
+    (streamed), `/v1/chat/completions` from `CHAT_ANSWERS` and `CHAT_STREAMS`, `/v1/embeddings` from
+    `EMBEDDINGS`."""
 
     async def _models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": s, "object": "model"} for s in SERVED]})
@@ -135,6 +258,19 @@ class OddServer(ThreadedServer):
         await resp.write_eof()
         return resp
 
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        served = body["model"]
+        if not body.get("stream"):
+            return web.json_response(CHAT_ANSWERS[served](served))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in CHAT_STREAMS[served](served):
+            await resp.write(sse(chunk))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
     async def _embeddings(self, request: web.Request) -> web.Response:
         body = await request.json()
         inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
@@ -144,5 +280,6 @@ class OddServer(ThreadedServer):
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/embeddings", self._embeddings)
         return app

@@ -1,6 +1,7 @@
-"""A provider's legacy completion (whole, or each streamed chunk) and embeddings answer as OpenAI's
-schema has them (`CreateCompletionResponse`, `CreateEmbeddingResponse`), changed in place, for the
-OpenAI-compatible adapter. Pure.
+"""A provider's chat completion and legacy completion (whole, or each streamed chunk) and embeddings
+answer as OpenAI's schema has them (`CreateChatCompletionResponse`, `CreateChatCompletionStreamResponse`,
+`CreateCompletionResponse`, `CreateEmbeddingResponse`), changed in place, for the OpenAI-compatible
+adapter. Pure.
 
 Servers answer them their own ways, and each reached the caller as a 200 that OpenAI's schema and
 its client's types refuse: Ollama's `/v1` choices have no `logprobs`; vLLM's usage has
@@ -12,13 +13,21 @@ the items put in the order their indices say), a `logprobs` of null, a `text` of
 finish_reason as OpenAI names it (`FINISH_REASONS`). What cannot is the provider's error, no answer:
 a finish_reason that says the run failed (vLLM's `error`), a `text` that is not text.
 
+Chat completions the same ways, and more: Ollama's choices have no `logprobs` and its messages no
+`refusal`; vLLM's whole answer has `system_fingerprint`, `annotations` and `function_call` of null,
+its logprobs no `refusal`; TGI's messages no `content` when they call a tool. A chat chunk is on the
+hot path: one that is already right is checked for the few keys servers get wrong (`chat_chunks`),
+and only one that is not is repaired; a message's or a delta's text is the caller's as it came.
+
 The caller's `model` is the gateway's to write (`gateway.responses.with_model`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from common import jsonio
 from common.chunks import USAGE_PARTS, fixed_usage
 from workers.adapters.base import ProviderError, Retry
 
@@ -148,3 +157,173 @@ def embeddings(answer: Json) -> None:
     if not isinstance(answer.get("usage"), dict):
         answer["usage"] = {}
     _usage(answer, ("prompt_tokens",))
+
+
+#: a finish_reason a server gives a chat completion -> OpenAI's (`CHAT_REASONS`): as a legacy
+#: completion's, but a tool call ends one as OpenAI says it (and as others name it: `tool_call`,
+#: Anthropic's `tool_use`)
+CHAT_FINISH_REASONS = {**FINISH_REASONS, "tool_calls": "tool_calls", "function_call": "function_call",
+                       "tool_call": "tool_calls", "tool_use": "tool_calls"}
+#: the finish_reasons OpenAI's schema has for a chat choice
+CHAT_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
+#: a message's fields that OpenAI's schema has as something, never null: a null one says nothing
+#: (vLLM's whole answer sends `annotations` and `function_call` so, and `tool_calls` some others)
+NOT_NULL_FIELDS = ("annotations", "function_call", "tool_calls")
+CHAT_OBJECT = "chat.completion"
+CHUNK_OBJECT = "chat.completion.chunk"
+_MISSING = object()
+
+
+def chat_id(run_id: str) -> str:
+    """A chat completion's `id` when its provider gave none (as `openai_shapes.Shaper` makes it)."""
+    return f"chatcmpl-{run_id}"
+
+
+def _chat_reason(value: Any, provider_id: str, whole: bool, calls: bool = False) -> str | None:
+    """OpenAI's finish_reason for a provider's chat choice, as `_reason`; a whole answer's that gave
+    none ends in its tool calls (`calls`) if it has some."""
+    if not isinstance(value, str) or not value:
+        return ("tool_calls" if calls else OTHER_REASON) if whole else None
+    if value in FAILED_REASONS:
+        raise ProviderError(f"provider {provider_id} ended the chat completion with finish_reason {value!r}: it "
+                            "failed the run", retry=Retry.ELSEWHERE, strikes=None)
+    return CHAT_FINISH_REASONS.get(value, OTHER_REASON)
+
+
+def _chat_logprobs(choice: Json) -> None:
+    """A choice's `logprobs` as OpenAI's schema has them: an object with `content` and `refusal`
+    (vLLM's and TGI's have no `refusal`), each a list or null, its tokens with their `bytes` (TGI's
+    have none: null, as OpenAI's schema says of a token it has none for) and `top_logprobs`; else null."""
+    logprobs = choice.get("logprobs")
+    if not isinstance(logprobs, dict):
+        choice["logprobs"] = None
+        return
+    for name in ("content", "refusal"):
+        tokens = logprobs.get(name)
+        if not isinstance(tokens, list):
+            logprobs[name] = None
+            continue
+        for token in tokens:
+            if isinstance(token, dict):
+                token.setdefault("bytes", None)
+                if not isinstance(token.setdefault("top_logprobs", []), list):
+                    token["top_logprobs"] = []
+                for top in token["top_logprobs"]:
+                    if isinstance(top, dict):
+                        top.setdefault("bytes", None)
+
+
+def _tool_calls(calls: list[Any], run_id: str) -> None:
+    """A whole message's tool calls as OpenAI's schema has them, where a server left out what can be
+    filled: `type` (a function's), an `id` (the run's and the call's place, as a Response's calls
+    are named), arguments as JSON text (TGI gave them as an object)."""
+    for place, call in enumerate(calls):
+        if not isinstance(call, dict) or not isinstance(function := call.get("function"), dict):
+            continue
+        if "type" not in call:
+            call["type"] = "function"
+        if not isinstance(call.get("id"), str) or not call["id"]:
+            call["id"] = f"call_{run_id}_{place}"
+        if isinstance(function.get("arguments"), (dict, list)):
+            function["arguments"] = jsonio.dumps(function["arguments"]).decode()
+
+
+def _message(choice: Json, run_id: str) -> bool:
+    """A whole choice's `message` as OpenAI's schema has it: its `role` the assistant's, `content`
+    and `refusal` null when it has none, a null it cannot have left out. Whether it calls tools."""
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        message = choice["message"] = {}
+    message["role"] = "assistant"
+    if "content" not in message:
+        message["content"] = None
+    if "refusal" not in message:
+        message["refusal"] = None
+    for name in NOT_NULL_FIELDS:
+        if name in message and message[name] is None:
+            del message[name]
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        _tool_calls(calls, run_id)
+        return True
+    return isinstance(message.get("function_call"), dict)
+
+
+def _chat_head(obj: Json, kind: str, run_id: str, created: int) -> None:
+    obj["object"] = kind
+    if not isinstance(obj.get("id"), str):
+        obj["id"] = chat_id(run_id)
+    if not _is_int(obj.get("created")) or obj["created"] < 0:
+        obj["created"] = created
+
+
+def chat(answer: Json, run_id: str, created: int, provider_id: str) -> None:
+    """A whole chat completion (its `choices` a non-empty list of objects), as OpenAI's schema has
+    it; ProviderError when it cannot be."""
+    _chat_head(answer, CHAT_OBJECT, run_id, created)
+    if "system_fingerprint" in answer and not isinstance(answer["system_fingerprint"], str):
+        del answer["system_fingerprint"]
+    for choice in answer["choices"]:
+        calls = _message(choice, run_id)
+        _chat_logprobs(choice)
+        choice["finish_reason"] = _chat_reason(choice.get("finish_reason"), provider_id, whole=True, calls=calls)
+    answer["choices"] = in_order(answer["choices"])
+    if "usage" in answer:
+        _usage(answer, USAGE_PARTS)
+
+
+def _chat_choice(choice: Json, place: int, provider_id: str) -> None:
+    """The slow path of a chunk's choice (`chat_chunks`): what is wrong with it repaired."""
+    reason = choice.get("finish_reason")
+    if reason is not None and not (type(reason) is str and reason in CHAT_REASONS):
+        choice["finish_reason"] = _chat_reason(reason, provider_id, whole=False)
+    elif "finish_reason" not in choice:
+        choice["finish_reason"] = None
+    if not _is_int(choice.get("index")):  # (its place in the chunk, as `choice_marks` counts it)
+        choice["index"] = place
+    if not isinstance(choice.get("delta"), dict):
+        choice["delta"] = {}
+    if choice.get("logprobs") is not None:
+        _chat_logprobs(choice)
+
+
+def chat_chunks(run_id: str, created: int, provider_id: str) -> Callable[[Json], None]:
+    """What makes a streamed chat completion's chunk (its `choices`, if any, a list of objects) what
+    OpenAI's streams have, in place: `object`, `id` and `created` (the run's: every chunk of a stream
+    has the same), each choice's `finish_reason` (null while it goes on), `index` and `delta`, its
+    logprobs as in `_chat_logprobs`; a usage as `_usage` has it, and a `"usage": null` (vLLM's on each
+    chunk when usage is asked for) left out. ProviderError when it cannot be (`_chat_reason`).
+
+    Every chunk of every stream passes here: one that is already right costs a few lookups (no copy,
+    nothing made), and only a wrong one goes the slow way."""
+
+    # (what the closure reads held in its cells, not looked up as globals and builtins each chunk; a
+    # value's `__class__` read, not `type()` called: every value here came from JSON)
+    kind, reasons, missing, text, number, obj = CHUNK_OBJECT, CHAT_REASONS, _MISSING, str, int, dict
+
+    def shape(chunk: Json) -> None:
+        if chunk.get("object") != kind or chunk.get("id").__class__ is not text \
+                or chunk.get("created").__class__ is not number:
+            _chat_head(chunk, kind, run_id, created)
+        if "usage" in chunk:
+            if chunk["usage"] is None:
+                del chunk["usage"]
+            else:
+                _usage(chunk, USAGE_PARTS)
+        if "system_fingerprint" in chunk and chunk["system_fingerprint"].__class__ is not text:
+            del chunk["system_fingerprint"]
+        choices = chunk.get("choices")
+        if choices is None:
+            chunk["choices"] = []
+            return
+        place = 0
+        for choice in choices:
+            reason = choice.get("finish_reason", missing)
+            if (reason is not None and (reason.__class__ is not text or reason not in reasons)) \
+                    or choice.get("index").__class__ is not number or choice.get("delta").__class__ is not obj \
+                    or ((logprobs := choice.get("logprobs")) is not None
+                        and (logprobs.__class__ is not obj or "refusal" not in logprobs or "content" not in logprobs)):
+                _chat_choice(choice, place, provider_id)
+            place += 1
+
+    return shape

@@ -676,13 +676,19 @@ class OpenAICompatAdapter:
             answer_shapes.embeddings(data)
         elif kind is RunKind.COMPLETION:
             answer_shapes.completion(data, request_id, int(time.time()), self.provider.id)
+        else:
+            answer_shapes.chat(data, request_id, int(time.time()), self.provider.id)
         return data
 
     async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
         model = body.get("model")
         created = int(time.time())
-        shape = None if kind is not RunKind.COMPLETION else (
-            lambda chunk: answer_shapes.completion_chunk(chunk, request_id, created, self.provider.id))
+        shape: Callable[[dict[str, Any]], None] | None = None
+        if kind is RunKind.CHAT:  # (every chunk of every chat stream: a fast path for one already right)
+            shape = answer_shapes.chat_chunks(request_id, created, self.provider.id)
+        elif kind is RunKind.COMPLETION:
+            shape = lambda chunk: answer_shapes.completion_chunk(chunk, request_id, created,  # noqa: E731
+                                                                 self.provider.id)
         parser = SSEParser(self.provider.id, self.limits, request_id, model if isinstance(model, str) else None,
                            self.provider.type, shape)
         #: every choice finished: the answer is whole
