@@ -108,6 +108,26 @@ async def test_an_output_event_whose_emit_reply_was_lost_is_added_once(client: R
     assert await client.xlen(events) == 4
 
 
+async def test_an_emit_after_emits_a_failover_lost_adds_nothing_and_says_so(client: Redis) -> None:
+    """A replica promoted before it received the last emits: the next one finds the record's number
+    behind its own and adds nothing (4): the caller would get a stream with a hole, no error."""
+    record, events = keys.run_record("run_h"), keys.run_events("run_h")
+    await client.hset(record, mapping={"state": "running", "attempts": "1", "watchers": "gw"})
+    scripts = Scripts(client)
+    await scripts.load()
+
+    async def emit(n: int) -> Any:
+        return await scripts.call("emit", [record, events], ["1", "delta", pack({"n": n}), 1000, "run_h", n])
+
+    assert [await emit(1), await emit(2)] == [1, 1]
+    [(last_id, _)] = await client.xrevrange(events, count=1)
+    await client.xdel(events, last_id)  # (emit 2, lost with the old primary)
+    await client.hset(record, "emitted", "1:1")
+    assert await emit(3) == 4
+    assert await client.xlen(events) == 1 and await client.hget(record, "emitted") == b"1:1"
+    assert await emit(2) == 1  # (the lost one made again, as a retry after a lost reply would: it follows)
+
+
 async def test_a_job_whose_take_reply_was_lost_is_handed_to_its_worker_again_not_left_to_its_lease(
         redis: Redis, redis_url: str) -> None:
     """The `take` made again finds the job in progress for this same worker (the first call
