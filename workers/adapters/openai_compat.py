@@ -763,9 +763,9 @@ class OpenAICompatAdapter:
                     if parser.failed:
                         raise parser.failed
                     if parser.breaks.broken:
-                        broken = parser.breaks.take()
-                        if not (finished and isinstance(broken, ValueError)):
-                            raise broken
+                        if not (finished and isinstance(parser.breaks.broken, ValueError)):
+                            raise parser.breaks.take()  # (not held in a local: it and this frame would hold each other)
+                        parser.breaks.take()
                         self._garbled_after_whole(request_id, model)  # (the answer is whole: kept)
                         resp.close()
                         break
