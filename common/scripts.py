@@ -898,19 +898,16 @@ return 1
 #       `Retry-After`): it is benched for it that long (`bench:{{served}}`, never shortened), so no run
 #       of it goes there meanwhile, where every new run went first (its in-flight count the lowest),
 #       keeping a hosted API's key at its rate limit; the run's body ('' none) for `requeue_unable` to
-#       put back in the record, whose attempt's start deleted it (the last attempt, as it was), the
-#       attempt's last emit ('attempt:n', '' none: a completed run's): when the record says another,
-#       emits were lost (see `EMIT`) and nothing is done ('gap': the runner fails the run instead)
+#       put back in the record, whose attempt's start deleted it (the last attempt, as it was)
 FINISH = FREES + _NOW + _WRONG + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + f"""
 -- (a record of another type, written by hand, holds no run: as a record gone, the attempt owns none;
 -- its lease goes to the reaper)
 local rec = redis.pcall('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'key', 'model', 'limited', 'cancel',
-  'output', 'cancel_reason', 'cancel_code', 'emitted')
+  'output', 'cancel_reason', 'cancel_code')
 if wrongtype(rec) then rec = {{}} end
 local state = rec[1]
 if rec[2] ~= ARGV[10] then return 'stale' end
 if state ~= 'dispatched' and state ~= 'running' then return state or 'missing' end
-if (ARGV[23] or '') ~= '' and rec[11] ~= ARGV[23] then return 'gap' end
 local last = ARGV[17] or ''
 if last ~= '' and redis.call('XLEN', KEYS[3]) >= tonumber(ARGV[18]) then return 'too_many' end
 redis.call('ZREM', KEYS[2], ARGV[1])
@@ -1082,10 +1079,7 @@ return 'ok'
 # The events' TTL stays as DISPATCH set it (see `_START`).
 # Each emit of an attempt carries its number (1, 2, ...), kept in the record as `emitted`
 # ("attempt:n"): the same emit made again (a dropped connection lost the reply, and the client
-# sent it again) adds nothing, so the caller never gets the same output twice. An emit whose
-# number does not follow the record's (4, nothing added) finds emits lost: a Sentinel failover
-# promoted a replica that had not received them (replication is asynchronous), and the run's
-# events have a hole the caller would not see (it got a stream missing a token, no error).
+# sent it again) adds nothing, so the caller never gets the same output twice.
 # KEYS: run record, events   ARGV: attempt, event type, event data, max events, run id, emit number
 EMIT = _WRONG + _EVENTS + """
 -- (a record of another type, written by hand, holds no run: the attempt owns none)
@@ -1098,8 +1092,6 @@ if rec[6] == '1' and rec[4] ~= '1' then
   local why = redis.call('HMGET', KEYS[1], 'cancel_reason', 'cancel_code')
   return {3, why[1] or 'cancelled by the caller', why[2] or 'cancelled'}
 end
-local n = tonumber(ARGV[6])
-if n > 1 and rec[5] ~= ARGV[1] .. ':' .. (n - 1) then return 4 end
 if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[4]) then return 2 end
 add_event(KEYS[1], KEYS[2], ARGV[5], ARGV[2], ARGV[3], rec[3])
 if ARGV[2] == 'delta' and rec[4] ~= '1' then

@@ -85,15 +85,6 @@ class OutputTooLarge(Exception):
     """The run's output passed one of its limits (`runtime.max_output_bytes`, `max_events_per_run`)."""
 
 
-class OutputLost(Exception):
-    """Emits of the run were lost (`common.scripts.EMIT`): its events have a hole its caller would
-    not see. The run fails, saying so."""
-
-    def __init__(self) -> None:
-        super().__init__("Redis lost part of this run's output (a failover promoted a replica that had not "
-                         "received it: replication is asynchronous); the answer is not whole: send the request again")
-
-
 class CancelledBeforeOutput(Exception):
     """The run's first output came after its cancel was recorded (this worker did not hear of it)."""
 
@@ -431,10 +422,6 @@ class Runner:
         except OutputTooLarge as exc:
             info = ErrorInfo(ErrorCode.OUTPUT_TOO_LARGE, str(exc), before_output=not att.output)
             return await self._fail(att, info, Retry.NO)
-        except OutputLost as exc:
-            log.warning("%s", exc, extra=att.log())
-            return await self._fail(att, ErrorInfo(ErrorCode.UNAVAILABLE, str(exc), before_output=not att.output),
-                                    Retry.NO)
         except CancelledBeforeOutput as exc:
             att.cancelled = exc.info  # (now: a cancel message coming meanwhile must not cancel the job's task)
             log.info("cancelled before its output went out: %s", exc.info.message, extra=att.log())
@@ -725,8 +712,6 @@ class Runner:
                                                   else ErrorCode.CANCELLED, ok[1].decode()))
         if ok == 2:
             raise self._too_many_events()
-        if ok == 4:
-            raise OutputLost()
         if not ok:
             raise LeaseLost(att.run_id)
         att.emitted += 1
@@ -793,8 +778,7 @@ class Runner:
                 plain_text(reason), *(min(n, MAX_COUNTED_TOKENS) for n in usage), self._fresh_ms(att.provider_id),
                 delta, self.config.runtime.max_events_per_run, "1" if suspect else "",
                 self._served(att.model_id, att.provider_id) if state is RunState.COMPLETED or cool_s else "",
-                cool_s * 1000, body,
-                f"{att.attempt}:{att.emitted}" if state is RunState.COMPLETED and att.emitted else ""]
+                cool_s * 1000, body]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
                     keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id), keys.node_queue(self.node_id),
                     keys.arq_in_progress(att.run_id),
@@ -806,8 +790,6 @@ class Runner:
             return "unrecorded"  # the lease expires and the scheduler reaps the run
         if result == b"too_many":  # (its last output would pass max_events_per_run: nothing was recorded)
             raise self._too_many_events()
-        if result == b"gap":  # (emits of it were lost: nothing was recorded)
-            raise OutputLost()
         if result in (b"cancel_asked", b"cancelled") and state is not RunState.CANCELLED:
             # (its cancel was recorded before this worker heard of it: the run ended so, not as this attempt
             # would have; `cancelled`: it had, when a lost reply made this call again, or the reaper)
