@@ -27,7 +27,7 @@ from gateway.errors import ApiError, invalid
 from gateway.middleware import gateway_middleware
 from gateway.redis_pool import gateway_redis, trim_forever
 from gateway.requests import RESPONSES_PATH, RUN_ROUTES, ParsedRequest, parse_request, parse_responses
-from gateway.responses import END_WITHIN_S, SSEStream, run_headers, stream_response, whole_response
+from gateway.responses import END_WITHIN_S, Cut, SSEStream, run_headers, stream_response, whole_response
 from gateway.responses_output import ResponseShape, TooManyItems
 from gateway.responses_places import caller_param
 from gateway.runs import LEFT, RunClient, new_run_id
@@ -190,10 +190,12 @@ async def run_request(request: web.Request) -> web.StreamResponse:
             for name, value in run_headers(run_id).items():  # a failed run can be looked up too
                 exc.headers.setdefault(name, value)
         raise
+    except Cut as exc:  # (its stream ended with the error: the run goes no further, as for a caller that left)
+        why_left = exc.error.message
+        assert out is not None and out.resp is not None
+        return out.resp
     except TooManyItems as exc:  # (a Response's bound: the run goes no further, as for a caller that left)
         error, why_left = exc.error, exc.error.message
-        if exc.ended and out is not None and out.resp is not None:  # (its stream ended with the error)
-            return out.resp
         error.headers.update(run_headers(run_id))
         ended = None if out is None else await out.fail(error, END_WITHIN_S)
         if ended is None:

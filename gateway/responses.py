@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from aiohttp import web
 
 from common.jsonio import dumps, json_response
-from common.wire import ErrorInfo, EventType
+from common.wire import ErrorCode, ErrorInfo, EventType
 from gateway import metrics
 from gateway.errors import REQUEST_ID_HEADER, ApiError
 from gateway.events import Follower
@@ -158,6 +158,27 @@ class SSEStream:
         return resp
 
 
+class Cut(Exception):
+    """The answer ended with `error` in it (written): the run goes no further (`run_request`
+    cancels it, as for a caller that left)."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def _lost_output() -> ApiError:
+    return ApiError(ErrorCode.UNAVAILABLE, "Redis lost part of this run's output (a failover promoted a replica "
+                    "that had not received it: replication is asynchronous); the answer is not whole: send the "
+                    "request again")
+
+
+async def _cut(request: web.Request, out: SSEStream, error: ApiError, before: bytes) -> NoReturn:
+    """End the answer with `before`, then `error`, and raise `Cut`."""
+    await ended_within(request, out.end_with(error, before), END_WITHIN_S)
+    raise Cut(error)
+
+
 async def stream_response(request: web.Request, follower: Follower, model_id: str, out: SSEStream,
                           keep_alive_s: float) -> web.StreamResponse:
     """The run as OpenAI chunks. While nothing comes for `keep_alive_s` (the run waits in its
@@ -165,7 +186,14 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
     went out keeps its HTTP status; after, it comes in the stream, OpenAI-shaped, then [DONE].
     The answer's headers: the run's id and its key's rate-limit headers. The events that arrived
     together go out in one write (the last output, `[DONE]` and the end of the answer, say).
-    `out`: the caller's answer (made by the caller of this, which ends it if this is cut short)."""
+    `out`: the caller's answer (made by the caller of this, which ends it if this is cut short).
+
+    Each delta says its number (`n`, from 1), and a completed stream how many it had (`deltas`): a
+    delta Redis holds twice is given once, and a stream Redis lost one of ends with the error
+    `Cut` carries, not with a hole nothing tells of. (A Sentinel failover: the worker wrote a delta
+    again on the promoted replica after the old primary had it read, or a delta only the old
+    primary ever had.) Deltas without numbers (an older worker's) are given as they come."""
+    had = 0  # (the number of the last delta given)
     while True:
         first = await follower.next(keep_alive_s)
         if first is None:
@@ -176,16 +204,26 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
         follower.writing = sum(e.size for e in events)  # (held until written: a slow reader's write waits)
         for event in events:
             if event.type == EventType.DELTA:
+                n = event.data.get("n")
+                if type(n) is int:
+                    if n <= had:  # (written again after a failover: given already)
+                        continue
+                    if n != had + 1:
+                        await _cut(request, out, _lost_output(), b"".join(parts))
+                    had = n
                 chunks = event.data.get("chunks", [])
                 try:
                     parts.append(out.chunks(chunks, model_id))
                 except TooManyItems as exc:  # (the caller cancels the run: it goes no further)
-                    await ended_within(request, out.end_with(exc.error, b"".join(parts) + exc.before), END_WITHIN_S)
-                    exc.ended = True
-                    raise
+                    await _cut(request, out, exc.error, b"".join(parts) + exc.before)
                 metrics.streamed(request, chunks)
             elif event.type == EventType.COMPLETED:
+                deltas = event.data.get("deltas")
+                if type(deltas) is int and deltas > had:  # (its last deltas lost)
+                    await _cut(request, out, _lost_output(), b"".join(parts))
                 return await out.end(b"".join(parts) + out.done())
+            elif event.type == EventType.REQUEUED:
+                had = 0  # (another attempt numbers its own)
             elif event.type == EventType.FAILED:
                 info = ErrorInfo.from_wire(event.data)
                 if out.resp is None and not parts:  # (raised unbound: a local of this frame, which its

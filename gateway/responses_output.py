@@ -34,14 +34,12 @@ MAX_OUTPUT_ITEMS = 1024
 
 class TooManyItems(Exception):
     """The answer would make a Response of more than `MAX_OUTPUT_ITEMS` output items. `before`: a
-    stream's events made before it, of the items the Response holds; `ended`: the stream ended with
-    them and the error (`gateway.responses.stream_response`)."""
+    stream's events made before it, of the items the Response holds."""
 
     def __init__(self) -> None:
         self.error = ApiError(ErrorCode.OUTPUT_TOO_LARGE, f"the provider's answer would make a Response of more "
                               f"than {MAX_OUTPUT_ITEMS} output items (reasoning, message and function_call items)")
         self.before = b""
-        self.ended = False
         super().__init__(self.error.message)
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.responses import KEEP_ALIVE, SSEStream
+from common.wire import EventType
+from gateway.events import Event
+from gateway.responses import KEEP_ALIVE, Cut, SSEStream, stream_response
 
 
 async def test_a_stream_s_headers_go_out_with_its_first_bytes_in_one_write() -> None:
@@ -51,3 +55,76 @@ async def test_a_stream_s_headers_go_out_with_its_first_bytes_in_one_write() -> 
     assert body == KEEP_ALIVE + b"data: {}\n\ndata: [DONE]\n\n"
     assert writes[0].startswith(b"HTTP/1.1 200 ") and KEEP_ALIVE in writes[0], writes[0]  # (chunk-framed)
     assert len(writes) == 3
+
+
+class Played:
+    """A follower that hands over the events it was given, each alone, then waits."""
+
+    def __init__(self, events: list[Event]) -> None:
+        self.events = list(events)
+        self.writing = 0
+
+    async def next(self, timeout: float) -> Event | None:
+        if not self.events:
+            await asyncio.Event().wait()
+        return self.events.pop(0)
+
+    def take_ready(self) -> list[Event]:
+        return []
+
+
+def delta(n: int | None, text: str) -> Event:
+    chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text},
+                                                            "finish_reason": None}]}
+    return Event("1-0", EventType.DELTA, {"chunks": [chunk], **({"n": n} if n is not None else {})})
+
+
+async def streamed(events: list[Event]) -> tuple[bytes, list[str]]:
+    """The body a caller gets for `events`, and how `stream_response` ended ('cut' or 'ended')."""
+    ended: list[str] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        out = SSEStream(request, "run_1", {})
+        try:
+            resp = await stream_response(request, Played(events), "m", out, 60)  # type: ignore[arg-type]
+        except Cut:
+            ended.append("cut")
+            assert out.resp is not None
+            return out.resp
+        ended.append("ended")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    server = TestServer(app, port=0)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as http, http.get(server.make_url("/")) as resp:
+            return await resp.read(), ended
+    finally:
+        await server.close()
+
+
+def texts(body: bytes) -> list[str]:
+    return [json.loads(line[6:])["choices"][0]["delta"]["content"] for line in body.split(b"\n\n")
+            if line.startswith(b"data: {") and b'"choices"' in line]
+
+
+async def test_a_delta_redis_holds_twice_is_given_once_and_a_lost_one_ends_the_stream_saying_so() -> None:
+    """A Sentinel failover: the worker wrote a delta again on the promoted replica after the old
+    primary had it read (a caller got a token twice), or a delta only the old primary had was never
+    read (a caller got a stream missing a token, and no error). Each delta says its number, and a
+    completed stream how many it had."""
+    completed = Event("2-0", EventType.COMPLETED, {"deltas": 2})
+    body, ended = await streamed([delta(1, "a"), delta(1, "a"), delta(2, "b"), completed])
+    assert texts(body) == ["a", "b"] and body.endswith(b"data: [DONE]\n\n") and ended == ["ended"]
+    for events in ([delta(1, "a"), delta(3, "c"), completed],  # (a delta lost in the middle)
+                   [delta(1, "a"), completed]):  # (the last delta lost)
+        body, ended = await streamed(events)
+        error = json.loads(body.split(b"\n\n")[-3][6:])["error"]
+        assert texts(body) == ["a"] and ended == ["cut"], body
+        assert error["code"] == "service_unavailable" and "Redis lost part of this run's output" in error["message"]
+        assert body.endswith(b"data: [DONE]\n\n")
+    # (an older worker's deltas, without numbers, are given as they come)
+    body, ended = await streamed([delta(None, "a"), delta(None, "a"), Event("2-0", EventType.COMPLETED, {})])
+    assert texts(body) == ["a", "a"] and ended == ["ended"]
