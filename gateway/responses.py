@@ -223,6 +223,11 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
                     await _cut(request, out, _lost_output(), b"".join(parts))
                 return await out.end(b"".join(parts) + out.done())
             elif event.type == EventType.REQUEUED:
+                # A run with output is never requeued (the record says it had some): a requeue after
+                # deltas the caller got means Redis lost them (a failover promoted a replica without
+                # them); the next attempt's answer from its start would follow them.
+                if had:
+                    await _cut(request, out, _lost_output(), b"".join(parts))
                 had = 0  # (another attempt numbers its own)
             elif event.type == EventType.FAILED:
                 info = ErrorInfo.from_wire(event.data)

@@ -128,3 +128,18 @@ async def test_a_delta_redis_holds_twice_is_given_once_and_a_lost_one_ends_the_s
     # (an older worker's deltas, without numbers, are given as they come)
     body, ended = await streamed([delta(None, "a"), delta(None, "a"), Event("2-0", EventType.COMPLETED, {})])
     assert texts(body) == ["a", "a"] and ended == ["ended"]
+
+
+async def test_a_requeue_after_deltas_the_caller_got_ends_the_stream_saying_redis_lost_them() -> None:
+    """A run with output is not requeued: a requeue after deltas the caller got is a failover's (the
+    promoted replica had neither them nor the record's `output`). The next attempt's answer does not
+    follow them (the caller got "a b" then "a b c": no error); a requeue before any output does."""
+    requeued = Event("3-0", EventType.REQUEUED, {"code": "worker_lost", "message": "lost"})
+    completed = Event("4-0", EventType.COMPLETED, {"deltas": 3})
+    body, ended = await streamed([delta(1, "a"), delta(2, "b"), requeued, delta(1, "a"), delta(2, "b"),
+                                  delta(3, "c"), completed])
+    error = json.loads(body.split(b"\n\n")[-3][6:])["error"]
+    assert texts(body) == ["a", "b"] and ended == ["cut"], body
+    assert error["code"] == "service_unavailable" and "Redis lost part of this run's output" in error["message"]
+    body, ended = await streamed([requeued, delta(1, "a"), delta(2, "b"), delta(3, "c"), completed])
+    assert texts(body) == ["a", "b", "c"] and ended == ["ended"], body
