@@ -194,6 +194,7 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
     again on the promoted replica after the old primary had it read, or a delta only the old
     primary ever had.) Deltas without numbers (an older worker's) are given as they come."""
     had = 0  # (the number of the last delta given)
+    attempt = None  # (the attempt its deltas were of, as they say: `a`)
     while True:
         first = await follower.next(keep_alive_s)
         if first is None:
@@ -205,6 +206,10 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
         for event in events:
             if event.type == EventType.DELTA:
                 n = event.data.get("n")
+                if "a" in event.data and event.data["a"] != attempt:  # (another attempt's: its requeue unheard)
+                    if had:  # (as a requeue after deltas the caller got: see below)
+                        await _cut(request, out, _lost_output(), b"".join(parts))
+                    attempt = event.data["a"]
                 if type(n) is int:
                     if n <= had:  # (written again after a failover: given already)
                         continue

@@ -143,3 +143,20 @@ async def test_a_requeue_after_deltas_the_caller_got_ends_the_stream_saying_redi
     assert error["code"] == "service_unavailable" and "Redis lost part of this run's output" in error["message"]
     body, ended = await streamed([requeued, delta(1, "a"), delta(2, "b"), delta(3, "c"), completed])
     assert texts(body) == ["a", "b", "c"] and ended == ["ended"], body
+
+
+async def test_a_delta_of_another_attempt_after_deltas_the_caller_got_ends_the_stream() -> None:
+    """A completion's gateway hears only output and ends from its inbox, not a requeue: the next
+    attempt's deltas, numbered from 1 again, were taken for deltas written again and dropped until
+    one passed the caller's last (an answer spliced from two attempts, no error). Each delta says its
+    attempt (`a`)."""
+    def of(attempt: str, n: int, text: str) -> Event:
+        event = delta(n, text)
+        event.data["a"] = attempt
+        return event
+    completed = Event("4-0", EventType.COMPLETED, {"deltas": 3})
+    body, ended = await streamed([of("1", 1, "a"), of("1", 2, "b"), of("2", 1, "x"), of("2", 2, "y"),
+                                  of("2", 3, "z"), completed])
+    assert texts(body) == ["a", "b"] and ended == ["cut"], body
+    body, ended = await streamed([of("1", 1, "a"), of("1", 1, "a"), of("1", 2, "b"), of("1", 3, "c"), completed])
+    assert texts(body) == ["a", "b", "c"] and ended == ["ended"], body
