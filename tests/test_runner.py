@@ -190,6 +190,31 @@ async def test_a_stream_s_last_reads_go_out_with_its_end_in_one_redis_call(
     assert await fields(redis, keys.run_record(run_id), "state", "output") == ["completed", "1"]
 
 
+async def test_a_run_s_write_tried_again_through_an_outage_warns_once_not_each_try(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Every running run logged a WARNING at each try while Redis was down or read-only: 14-17 lines
+    a second from a worker of 12 streams (a fault review). Its first failure warns; the tries after
+    it are DEBUG."""
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT]])})
+    monkeypatch.setattr(runner_module, "Backoff", lambda *args, **kwargs: Backoff(first=0.001, cap=0.001))
+    real_call = runner.scripts.call
+    refused = 0
+
+    async def call(name: str, run_keys: Any, args: Any) -> Any:
+        nonlocal refused
+        if name == "emit" and refused < 5:
+            refused += 1
+            raise RedisConnectionError("Connection refused")
+        return await real_call(name, run_keys, args)
+
+    monkeypatch.setattr(runner.scripts, "call", call)
+    with caplog.at_level(logging.DEBUG, "iop.worker"):
+        assert (await runner.execute(run_id)).startswith("completed")
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "Redis unavailable while" in r.getMessage()]
+    assert refused == 5 and [level for level, _ in said] == ["WARNING"] + ["DEBUG"] * 4, said
+
+
 async def test_a_provider_sending_on_after_its_last_read_gets_no_more_held_than_max_opening(
         redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     sched, run_id = await start_one(redis, {"a": 1})

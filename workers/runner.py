@@ -81,6 +81,14 @@ class LeaseLost(Exception):
     """This attempt no longer owns the run."""
 
 
+def _first(said: set[str], kind: str) -> int:
+    """WARNING the first time `kind` is said (added to `said`), DEBUG after."""
+    if kind in said:
+        return logging.DEBUG
+    said.add(kind)
+    return logging.WARNING
+
+
 class OutputTooLarge(Exception):
     """The run's output passed one of its limits (`runtime.max_output_bytes`, `max_events_per_run`)."""
 
@@ -862,17 +870,21 @@ class Runner:
         timeouts and a cancel still end it)."""
         backoff = Backoff(cap=1.0)
         give_up = time.monotonic() + self.config.runtime.lease_ttl_ms / 1000
+        # (its first failure of each kind is a WARNING, the tries after it DEBUG: every running run logged
+        # each try, 14-17 lines a second from a worker of 12 streams while Redis was down or read-only)
+        said: set[str] = set()
         while True:
             try:
                 return await self.scripts.call(script, run_keys, args)
             except REDIS_FULL as exc:
-                log.warning("Redis is full while %s (%s); retrying", doing, exc, extra=att.log())
+                log.log(_first(said, "full"), "Redis is full while %s (%s); retrying", doing, exc, extra=att.log())
                 await backoff.pause()
                 give_up = time.monotonic() + self.config.runtime.lease_ttl_ms / 1000  # (renewed meanwhile)
             except REDIS_UNUSABLE as exc:
                 if time.monotonic() > give_up:
                     raise LeaseLost(att.run_id) from exc
-                log.warning("Redis unavailable while %s (%s); retrying", doing, exc, extra=att.log())
+                log.log(_first(said, "away"), "Redis unavailable while %s (%s); retrying", doing, exc,
+                        extra=att.log())
                 if self.comeback is None:
                     await backoff.pause()
                 else:  # (cut short when Redis answers again: the run's output is not held back up to 1 s)
