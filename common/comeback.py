@@ -83,3 +83,8 @@ class Comeback:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def pause_on(comeback: Comeback | None, backoff: Backoff) -> None:
+    """`backoff`'s next pause, cut short by `comeback` when there is one (`Comeback.pause`)."""
+    await (backoff.pause() if comeback is None else comeback.pause(backoff))

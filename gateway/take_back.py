@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 
-from common.comeback import Comeback
+from common.comeback import Comeback, pause_on
 from common.redisconn import REDIS_REFUSED, Backoff
 from common.runlog import run_fields
 
@@ -89,8 +89,7 @@ class TakeBack:
         backoff = Backoff()
         error: BaseException | None = None
         while self.kept:
-            # (Redis just failed to take them)
-            await (backoff.pause() if self.comeback is None else self.comeback.pause(backoff))
+            await pause_on(self.comeback, backoff)  # (Redis just failed to take them)
             self._give_up(error)
             if not self.kept:
                 return

@@ -33,7 +33,7 @@ from common.chunks import (
     without_usage,
 )
 from common.codec import Unpackable, pack, unpack
-from common.comeback import Comeback
+from common.comeback import Comeback, pause_on
 from common.config import Config
 from common.policy import BLAME_RUNS, DOWN, candidate_class
 from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, id_set, now_ms
@@ -885,10 +885,8 @@ class Runner:
                     raise LeaseLost(att.run_id) from exc
                 log.log(_first(said, "away"), "Redis unavailable while %s (%s); retrying", doing, exc,
                         extra=att.log())
-                if self.comeback is None:
-                    await backoff.pause()
-                else:  # (cut short when Redis answers again: the run's output is not held back up to 1 s)
-                    await self.comeback.pause(backoff)
+                # (cut short when Redis answers again: the run's output is not held back up to 1 s)
+                await pause_on(self.comeback, backoff)
 
     async def _renew(self, att: Attempt, task: asyncio.Task[Any]) -> None:
         rt = self.config.runtime
