@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -103,6 +104,11 @@ GOOGLE_MODEL_PREFIX = "models/"
 #: usage chunk, [DONE]): a provider that sends neither and keeps its connection open has answered
 #: whole, and its caller is not kept waiting for `read_timeout_ms`, then failed.
 FINISHED_GRACE_S = 2.0
+
+
+def all_ended(seen: set[int], ended: set[int], choices: int) -> bool:
+    """Every choice seen, and at least `choices` of them, came with its finish_reason: the answer is whole."""
+    return bool(ended) and len(ended) >= max(choices, len(seen))
 
 
 def api_root(base_url: str, provider_type: str = "vllm", api_path: str | None = None) -> str:
@@ -687,8 +693,8 @@ class OpenAICompatAdapter:
         if kind is RunKind.CHAT:  # (every chunk of every chat stream: a fast path for one already right)
             shape = answer_shapes.chat_chunks(request_id, created, self.provider.id)
         elif kind is RunKind.COMPLETION:
-            shape = lambda chunk: answer_shapes.completion_chunk(chunk, request_id, created,  # noqa: E731
-                                                                 self.provider.id)
+            shape = partial(answer_shapes.completion_chunk, run_id=request_id, created=created,
+                            provider_id=self.provider.id)
         parser = SSEParser(self.provider.id, self.limits, request_id, model if isinstance(model, str) else None,
                            self.provider.type, shape)
         #: every choice finished: the answer is whole
@@ -706,7 +712,7 @@ class OpenAICompatAdapter:
                 marks = choice_marks(chunk)
                 every.update(marks[0])
                 done.update(marks[1])
-            return bool(done) and len(done) >= max(choices, len(every))
+            return all_ended(every, done, choices)
 
         parser.whole = whole
         #: nothing but blanks read yet (`head`): the first byte tells a JSON answer from events
@@ -756,7 +762,7 @@ class OpenAICompatAdapter:
                             every, done = choice_marks(chunk)
                             seen.update(every)
                             ended.update(done)
-                        finished = bool(ended) and len(ended) >= max(choices, len(seen))
+                        finished = all_ended(seen, ended, choices)
                         passing = parser.breaks.passing(chunks)
                         # (once every choice finished, what may follow is a usage chunk and [DONE])
                         yield LastRead(passing) if parser.done or finished else passing
