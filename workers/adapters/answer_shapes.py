@@ -64,10 +64,16 @@ def _reason(value: Any, provider_id: str, whole: bool) -> str | None:
     text; a whole answer's choice ends, so none there is `OTHER_REASON`."""
     if not isinstance(value, str) or not value:
         return OTHER_REASON if whole else None
+    return _named(value, FINISH_REASONS, provider_id, "completion")
+
+
+def _named(value: str, names: dict[str, str], provider_id: str, what: str) -> str:
+    """OpenAI's name (in `names`) of a finish_reason a provider gave; ProviderError for one that says
+    the run failed."""
     if value in FAILED_REASONS:
-        raise ProviderError(f"provider {provider_id} ended the completion with finish_reason {value!r}: it "
+        raise ProviderError(f"provider {provider_id} ended the {what} with finish_reason {value!r}: it "
                             "failed the run", retry=Retry.ELSEWHERE, strikes=None)
-    return FINISH_REASONS.get(value, OTHER_REASON)
+    return names.get(value, OTHER_REASON)
 
 
 def _choice(choice: Json, place: int, provider_id: str, whole: bool) -> None:
@@ -116,7 +122,7 @@ def _usage(obj: Json, parts: tuple[str, ...]) -> None:
 def completion(answer: Json, run_id: str, created: int, provider_id: str) -> None:
     """A whole legacy completion (its `choices` a non-empty list of objects), as OpenAI's schema has it;
     ProviderError when it cannot be."""
-    _head(answer, run_id, created)
+    _head(answer, "text_completion", completion_id(run_id), created)
     for place, choice in enumerate(answer["choices"]):
         _choice(choice, place, provider_id, whole=True)
     answer["choices"] = in_order(answer["choices"])
@@ -127,7 +133,7 @@ def completion(answer: Json, run_id: str, created: int, provider_id: str) -> Non
 def completion_chunk(chunk: Json, run_id: str, created: int, provider_id: str) -> None:
     """A streamed legacy completion's chunk (its `choices`, if any, a list of objects), as OpenAI's
     streams have it (its finish_reasons null while a choice goes on); ProviderError when it cannot be."""
-    _head(chunk, run_id, created)
+    _head(chunk, "text_completion", completion_id(run_id), created)
     for place, choice in enumerate(chunk.get("choices") or ()):
         _choice(choice, place, provider_id, whole=False)
     if "choices" not in chunk:
@@ -136,10 +142,12 @@ def completion_chunk(chunk: Json, run_id: str, created: int, provider_id: str) -
         _usage(chunk, USAGE_PARTS)
 
 
-def _head(obj: Json, run_id: str, created: int) -> None:
-    obj["object"] = "text_completion"
+def _head(obj: Json, kind: str, made_id: str, created: int) -> None:
+    """An answer's or chunk's `object` (`kind`), its `id` and `created` where it has none that will do
+    (`made_id`, the run's `created`), and a `system_fingerprint` that is not text left out."""
+    obj["object"] = kind
     if not isinstance(obj.get("id"), str):
-        obj["id"] = completion_id(run_id)
+        obj["id"] = made_id
     if not _is_int(obj.get("created")) or obj["created"] < 0:
         obj["created"] = created
     if "system_fingerprint" in obj and not isinstance(obj["system_fingerprint"], str):
@@ -184,10 +192,7 @@ def _chat_reason(value: Any, provider_id: str, whole: bool, calls: bool = False)
     none ends in its tool calls (`calls`) if it has some."""
     if not isinstance(value, str) or not value:
         return ("tool_calls" if calls else OTHER_REASON) if whole else None
-    if value in FAILED_REASONS:
-        raise ProviderError(f"provider {provider_id} ended the chat completion with finish_reason {value!r}: it "
-                            "failed the run", retry=Retry.ELSEWHERE, strikes=None)
-    return CHAT_FINISH_REASONS.get(value, OTHER_REASON)
+    return _named(value, CHAT_FINISH_REASONS, provider_id, "chat completion")
 
 
 def _chat_logprobs(choice: Json) -> None:
@@ -249,20 +254,10 @@ def _message(choice: Json, run_id: str) -> bool:
     return isinstance(message.get("function_call"), dict)
 
 
-def _chat_head(obj: Json, kind: str, run_id: str, created: int) -> None:
-    obj["object"] = kind
-    if not isinstance(obj.get("id"), str):
-        obj["id"] = chat_id(run_id)
-    if not _is_int(obj.get("created")) or obj["created"] < 0:
-        obj["created"] = created
-
-
 def chat(answer: Json, run_id: str, created: int, provider_id: str) -> None:
     """A whole chat completion (its `choices` a non-empty list of objects), as OpenAI's schema has
     it; ProviderError when it cannot be."""
-    _chat_head(answer, CHAT_OBJECT, run_id, created)
-    if "system_fingerprint" in answer and not isinstance(answer["system_fingerprint"], str):
-        del answer["system_fingerprint"]
+    _head(answer, CHAT_OBJECT, chat_id(run_id), created)
     for choice in answer["choices"]:
         calls = _message(choice, run_id)
         _chat_logprobs(choice)
@@ -304,7 +299,7 @@ def chat_chunks(run_id: str, created: int, provider_id: str) -> Callable[[Json],
     def shape(chunk: Json) -> None:
         if chunk.get("object") != kind or chunk.get("id").__class__ is not text \
                 or chunk.get("created").__class__ is not number:
-            _chat_head(chunk, kind, run_id, created)
+            _head(chunk, kind, chat_id(run_id), created)
         if "usage" in chunk:
             if chunk["usage"] is None:
                 del chunk["usage"]
