@@ -120,18 +120,24 @@ async def test_a_run_s_write_through_an_outage_goes_on_when_redis_answers_not_wh
     comeback = Comeback(client)
     runner = Runner(client, make_config({"a": 1}), "n-a", {}, comeback=comeback)
     await runner.scripts.load()
-    att = Attempt("run_out", MODEL, "a", "1", max_attempts=1)
     try:
-        with paused(own_redis):
-            writing = asyncio.create_task(runner._call_while_leased(
-                att, "emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
-                [att.attempt, "delta", b"", 100, att.run_id, 1], "emitting"))
-            await async_wait_until(lambda: asyncio.sleep(0, comeback.refused >= 1), what="Redis found away")
-            assert not writing.done()
-        await asyncio.wait_for(writing, 15)
+        await write_through_a_pause(own_redis, runner, comeback)
     finally:
         await comeback.close()
         await client.aclose()
+
+
+async def write_through_a_pause(server: RedisServer, runner: Runner, comeback: Comeback) -> None:
+    """A run's write made while `server` is paused: it goes on once Redis answers (within 15 s: only
+    `comeback` can end the tests' ten-minute backoff)."""
+    att = Attempt("run_out", MODEL, "a", "1", max_attempts=1)
+    with paused(server):
+        writing = asyncio.create_task(runner._call_while_leased(
+            att, "emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
+            [att.attempt, "delta", b"", 100, att.run_id, 1], "emitting"))
+        await async_wait_until(lambda: asyncio.sleep(0, comeback.refused >= 1), what="Redis found away")
+        assert not writing.done()
+    await asyncio.wait_for(writing, 15)
 
 
 async def test_kept_cancels_go_out_when_redis_answers_not_when_their_backoff_ends(
@@ -171,16 +177,8 @@ async def test_a_run_s_write_in_the_worker_s_stop_grace_goes_on_when_redis_answe
     beating.cancel()  # (as `serve` does at once, before the runs' grace)
     await asyncio.gather(beating, return_exceptions=True)
     assert runner.comeback is not None
-    att = Attempt("run_out", MODEL, "a", "1", max_attempts=1)
     try:
-        with paused(own_redis):
-            writing = asyncio.create_task(runner._call_while_leased(
-                att, "emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
-                [att.attempt, "delta", b"", 100, att.run_id, 1], "emitting"))
-            await async_wait_until(lambda: asyncio.sleep(0, runner.comeback is not None
-                                                         and runner.comeback.refused >= 1), what="Redis found away")
-            assert not writing.done()
-        await asyncio.wait_for(writing, 15)
+        await write_through_a_pause(own_redis, runner, runner.comeback)
     finally:
         await worker.on_shutdown(worker.ctx)  # type: ignore[misc]
         await worker.pool.aclose()

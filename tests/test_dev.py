@@ -196,13 +196,27 @@ def auth_config(sim_url: str, key_env: str) -> dict[str, object]:
     }
 
 
+def simulator(dev_proc: list[Proc]) -> str:
+    """A simulator serving `served-m1` (three tokens), stopped with the test's processes: its URL."""
+    sim = Proc("simulator", ["simulator", "--port", "0", "--models", "served-m1", "--tokens", "3"], dev_env())
+    dev_proc.append(sim)
+    return sim.wait_for_line(r"listening on (http://\S+)").group(1)
+
+
+def dev_banner(path: Path, dev_proc: list[Proc]) -> tuple[Proc, list[str]]:
+    """`iop dev --config path` once its banner is out: the process, and its lines without their
+    log prefixes."""
+    proc = Proc("dev", ["dev", "--config", str(path), "--port", "0"], dev_env())
+    dev_proc.append(proc)
+    proc.wait_for_line(r"Ctrl-C stops everything", timeout=START_S)
+    return proc, [line.split("] ", 1)[-1] for line in proc.lines]
+
+
 def test_with_api_keys_the_banner_says_which_key_and_its_curl_line_works(tmp_path: Path,
                                                                         dev_proc: list[Proc]) -> None:
     """The banner said "(any API key)" and printed a curl line without a key, which got 401."""
 
-    sim = Proc("simulator", ["simulator", "--port", "0", "--models", "served-m1", "--tokens", "3"], dev_env())
-    dev_proc.append(sim)
-    sim_url = sim.wait_for_line(r"listening on (http://\S+)").group(1)
+    sim_url = simulator(dev_proc)
     path = tmp_path / "auth.yaml"
     path.write_text(yaml.safe_dump(auth_config(sim_url, "IOP_DEV_TEST_KEY")))
     env = {**dev_env(), "IOP_DEV_TEST_KEY": "iop-dev-test-secret"}
@@ -228,9 +242,7 @@ def test_with_api_keys_the_banner_says_which_key_and_its_curl_line_works(tmp_pat
 def test_the_banner_names_the_providers_that_take_no_runs(tmp_path: Path, dev_proc: list[Proc]) -> None:
     """Found by a caller audit: `iop dev --config` against servers it cannot reach said it was ready,
     and the first request got a 503 that nothing had warned of."""
-    sim = Proc("simulator", ["simulator", "--port", "0", "--models", "served-m1", "--tokens", "3"], dev_env())
-    dev_proc.append(sim)
-    sim_url = sim.wait_for_line(r"listening on (http://\S+)").group(1)
+    sim_url = simulator(dev_proc)
     closed = f"http://127.0.0.1:{free_port()}"  # (nothing listens there: refused)
     path = tmp_path / "two.yaml"
     path.write_text(yaml.safe_dump({
@@ -239,10 +251,7 @@ def test_the_banner_names_the_providers_that_take_no_runs(tmp_path: Path, dev_pr
             {"id": "p-up", "type": "vllm", "base_url": sim_url, "capacity": 1, "models": ["served-m1"]},
             {"id": "p-down", "type": "vllm", "base_url": closed, "capacity": 1, "models": ["served-m1"]}]}],
     }))
-    proc = Proc("dev", ["dev", "--config", str(path), "--port", "0"], dev_env())
-    dev_proc.append(proc)
-    proc.wait_for_line(r"Ctrl-C stops everything", timeout=START_S)
-    banner = [line.split("] ", 1)[-1] for line in proc.lines]
+    proc, banner = dev_banner(path, dev_proc)
     at = next(i for i, line in enumerate(banner) if "Not taking runs now" in line)
     assert "(1 of 2 providers;" in banner[at], banner[at]
     assert banner[at + 1].strip() == "p-down: unavailable: GET /health: connection refused", banner[at + 1]
@@ -255,9 +264,7 @@ def test_the_banner_names_a_provider_whose_server_does_not_list_its_served_name(
     """Found by a newcomer's audit: a served name the server does not list (a typo: `served-m2`
     for the `served-m1` it serves) validates, the provider is available, and `iop dev` said nothing,
     while every run of the model it alone serves was refused with a 503."""
-    sim = Proc("simulator", ["simulator", "--port", "0", "--models", "served-m1", "--tokens", "3"], dev_env())
-    dev_proc.append(sim)
-    sim_url = sim.wait_for_line(r"listening on (http://\S+)").group(1)
+    sim_url = simulator(dev_proc)
     path = tmp_path / "typo.yaml"
     path.write_text(yaml.safe_dump({
         "models": [{"id": "m1", "providers": {"p-ok": "served-m1"}},
@@ -266,10 +273,7 @@ def test_the_banner_names_a_provider_whose_server_does_not_list_its_served_name(
             {"id": "p-ok", "type": "vllm", "base_url": sim_url, "capacity": 1, "models": ["served-m1"]},
             {"id": "p-typo", "type": "vllm", "base_url": sim_url, "capacity": 1, "models": ["served-m2"]}]}],
     }))
-    proc = Proc("dev", ["dev", "--config", str(path), "--port", "0"], dev_env())
-    dev_proc.append(proc)
-    proc.wait_for_line(r"Ctrl-C stops everything", timeout=START_S)
-    banner = [line.split("] ", 1)[-1] for line in proc.lines]
+    proc, banner = dev_banner(path, dev_proc)
     assert not any("Not taking runs now" in line for line in banner), banner  # (both answer their probes)
     at = next(i for i, line in enumerate(banner) if "Taking no runs of a model its server does not list" in line)
     assert banner[at + 1].strip() == "p-typo: its model list lacks 'served-m2' (model m2)", banner[at + 1]

@@ -142,21 +142,7 @@ def test_a_runs_api_follower_is_told_the_gateway_stopped_and_where_to_resume(sta
     connection was cut mid-chunk a second after the grace: a client saw a broken transfer, not why,
     where every other stream that ends before the run's end says so last)."""
     gateway, proc = pool(stack, "0.5")
-
-    async def scenario() -> str:
-        async with aiohttp.ClientSession() as session:
-            streamed = await session.post(gateway + "/v1/chat/completions", json=chat(True, 2000, 50))
-            assert (await streamed.content.readline()).startswith(b"data: ")  # output is flowing
-            run_id = streamed.headers["X-IOP-Run-Id"]
-            async with session.get(f"{gateway}/v1/runs/{run_id}/events") as follower:
-                assert (await follower.content.readline()).startswith(b"id: ")  # it follows
-                stopped = asyncio.create_task(asyncio.to_thread(proc.stop, 30))
-                text = (await follower.read()).decode()  # (a broken transfer raises ClientPayloadError)
-            await streamed.read()
-            assert await stopped == 0
-            return text
-
-    text = asyncio.run(scenario())
+    text, _ = asyncio.run(follow_while_stopping(gateway, gateway, proc, 2000))
     assert "Traceback" not in proc.output(), proc.output()
     # The run's caller was at this gateway too, and outlasted the grace: its run was cancelled. The
     # follower hears of that from the run itself when its end comes before the followers are cut
@@ -178,24 +164,27 @@ def test_a_runs_api_follower_of_a_run_another_gateway_serves_is_told_it_goes_on(
     other = stack.start("gateway-b", "gateway", "--host", "127.0.0.1", "--port", "0")
     other_address = other.wait_for_line(r"listening on (http://\S+)").group(1)
 
-    async def scenario() -> tuple[str, bytes]:
-        async with aiohttp.ClientSession() as session:
-            streamed = await session.post(other_address + "/v1/chat/completions", json=chat(True, 60, 50))
-            assert (await streamed.content.readline()).startswith(b"data: ")  # output is flowing
-            run_id = streamed.headers["X-IOP-Run-Id"]
-            async with session.get(f"{gateway}/v1/runs/{run_id}/events") as follower:
-                assert (await follower.content.readline()).startswith(b"id: ")  # it follows
-                stopped = asyncio.create_task(asyncio.to_thread(proc.stop, 30))
-                text = (await follower.read()).decode()
-            whole = await streamed.read()
-            assert await stopped == 0
-            return text, whole
-
-    text, whole = asyncio.run(scenario())
+    text, whole = asyncio.run(follow_while_stopping(other_address, gateway, proc, 60))
     error = last_error(text)
     assert error["code"] == "service_unavailable" and "goes on" in error["message"], error
     assert "Last-Event-ID" in error["message"]
     assert whole.rstrip().endswith(b"data: [DONE]") and b'"error"' not in whole  # (it did go on, to its end)
+
+
+async def follow_while_stopping(asked_at: str, followed_at: str, proc: Proc, tokens: int) -> tuple[str, bytes]:
+    """A stream of `tokens` asked at `asked_at`, its run's events followed at `followed_at`, and
+    that gateway (`proc`) stopped once both flow: what the follower got, and the stream's answer."""
+    async with aiohttp.ClientSession() as session:
+        streamed = await session.post(asked_at + "/v1/chat/completions", json=chat(True, tokens, 50))
+        assert (await streamed.content.readline()).startswith(b"data: ")  # output is flowing
+        run_id = streamed.headers["X-IOP-Run-Id"]
+        async with session.get(f"{followed_at}/v1/runs/{run_id}/events") as follower:
+            assert (await follower.content.readline()).startswith(b"id: ")  # it follows
+            stopped = asyncio.create_task(asyncio.to_thread(proc.stop, 30))
+            text = (await follower.read()).decode()  # (a broken transfer raises ClientPayloadError)
+        whole = await streamed.read()
+        assert await stopped == 0
+        return text, whole
 
 
 def last_error(text: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -42,19 +43,24 @@ async def test_a_stream_s_headers_go_out_with_its_first_bytes_in_one_write() -> 
         await out.write(b"data: {}\n\n")
         return await out.end(b"data: [DONE]\n\n")
 
+    resp, body = await get(handler)
+    assert resp.status == 200 and resp.headers["X-Request-Id"] == "run_1"
+    assert body == KEEP_ALIVE + b"data: {}\n\ndata: [DONE]\n\n"
+    assert writes[0].startswith(b"HTTP/1.1 200 ") and KEEP_ALIVE in writes[0], writes[0]  # (chunk-framed)
+    assert len(writes) == 3
+
+
+async def get(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> tuple[aiohttp.ClientResponse, bytes]:
+    """A GET answered by `handler` on a real aiohttp server (port 0): the response and its body."""
     app = web.Application()
     app.router.add_get("/", handler)
     server = TestServer(app, port=0)
     await server.start_server()
     try:
         async with aiohttp.ClientSession() as http, http.get(server.make_url("/")) as resp:
-            body = await resp.read()
+            return resp, await resp.read()
     finally:
         await server.close()
-    assert resp.status == 200 and resp.headers["X-Request-Id"] == "run_1"
-    assert body == KEEP_ALIVE + b"data: {}\n\ndata: [DONE]\n\n"
-    assert writes[0].startswith(b"HTTP/1.1 200 ") and KEEP_ALIVE in writes[0], writes[0]  # (chunk-framed)
-    assert len(writes) == 3
 
 
 class Played:
@@ -94,15 +100,7 @@ async def streamed(events: list[Event]) -> tuple[bytes, list[str]]:
         ended.append("ended")
         return resp
 
-    app = web.Application()
-    app.router.add_get("/", handler)
-    server = TestServer(app, port=0)
-    await server.start_server()
-    try:
-        async with aiohttp.ClientSession() as http, http.get(server.make_url("/")) as resp:
-            return await resp.read(), ended
-    finally:
-        await server.close()
+    return (await get(handler))[1], ended
 
 
 def texts(body: bytes) -> list[str]:

@@ -237,6 +237,21 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+async def _answer(request: web.Request, answers: dict[str, Any], streams: dict[str, Any]) -> web.StreamResponse:
+    """The answer `answers` (whole) or `streams` (streamed) has for the served name asked for."""
+    body = await request.json()
+    served = body["model"]
+    if not body.get("stream"):
+        return web.json_response(answers[served](served))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for chunk in streams[served](served):
+        await resp.write(sse(chunk))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
 class OddServer(ThreadedServer):
     """Serves every name of `SERVED`: `/v1/completions` from `ANSWERS` (whole) and `STREAMS`
     (streamed), `/v1/chat/completions` from `CHAT_ANSWERS` and `CHAT_STREAMS`, `/v1/embeddings` from
@@ -246,30 +261,10 @@ class OddServer(ThreadedServer):
         return web.json_response({"object": "list", "data": [{"id": s, "object": "model"} for s in SERVED]})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        served = body["model"]
-        if not body.get("stream"):
-            return web.json_response(ANSWERS[served](served))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for chunk in STREAMS[served](served):
-            await resp.write(sse(chunk))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        return await _answer(request, ANSWERS, STREAMS)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        served = body["model"]
-        if not body.get("stream"):
-            return web.json_response(CHAT_ANSWERS[served](served))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for chunk in CHAT_STREAMS[served](served):
-            await resp.write(sse(chunk))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        return await _answer(request, CHAT_ANSWERS, CHAT_STREAMS)
 
     async def _embeddings(self, request: web.Request) -> web.Response:
         body = await request.json()
