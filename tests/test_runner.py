@@ -215,6 +215,40 @@ async def test_a_run_s_write_tried_again_through_an_outage_warns_once_not_each_t
     assert refused == 5 and [level for level, _ in said] == ["WARNING"] + ["DEBUG"] * 4, said
 
 
+async def test_a_lease_renewal_refused_through_an_outage_warns_once_not_each_try(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Each running run's renewal logged a WARNING every third of the lease while Redis was away."""
+    from tests.test_cancel import StallingAdapter, dispatched_run
+
+    client, sched, run_id = await dispatched_run(redis, lease_ttl_ms=600)  # (renewed every 200 ms)
+    runner = Runner(redis, client.config, "n-a", {"a": StallingAdapter()})
+    renewals = 0
+
+    def before(name: str) -> None:
+        nonlocal renewals
+        if name == "renew":
+            renewals += 1
+            if renewals <= 4:
+                raise RedisConnectionError("Connection refused")
+
+    async def running() -> bool:
+        return bool(await redis.hget(keys.run_record(run_id), "state") == b"running")
+
+    async def renewed_again() -> bool:
+        return renewals > 5
+
+    before_scripts(runner, monkeypatch, before)
+    with caplog.at_level(logging.DEBUG, "iop.worker"):
+        execution = asyncio.create_task(runner.execute(run_id))
+        await async_wait_until(running, what="the run to start")
+        await redis.zadd(keys.leases("a"), {run_id: now_ms() + 60_000}, xx=True)  # (it outlives the refusals)
+        await async_wait_until(renewed_again, what="renewals after the refused ones")
+        assert await client.cancel(run_id, MODEL, "enough") == "signalled"
+        assert await execution == "cancelled:ok"
+    said = [r.levelname for r in caplog.records if "lease renewal failed" in r.getMessage()]
+    assert said == ["WARNING"] + ["DEBUG"] * 3, said
+
+
 async def test_a_provider_sending_on_after_its_last_read_gets_no_more_held_than_max_opening(
         redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     sched, run_id = await start_one(redis, {"a": 1})

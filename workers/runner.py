@@ -891,6 +891,7 @@ class Runner:
     async def _renew(self, att: Attempt, task: asyncio.Task[Any]) -> None:
         rt = self.config.runtime
         period = rt.lease_ttl_ms / 3000
+        said: set[str] = set()  # (a WARNING at its first failure, DEBUG after: as _call_while_leased)
         while True:
             await asyncio.sleep(period)
             try:
@@ -898,7 +899,7 @@ class Runner:
                     "renew", [keys.leases(att.provider_id), keys.run_record(att.run_id)],
                     [att.run_id, rt.lease_ttl_ms, att.attempt, att.out_chunks if att.output else ""])
             except REDIS_UNUSABLE as exc:
-                log.warning("lease renewal failed (%s)", exc, extra=att.log())
+                log.log(_first(said, "renew"), "lease renewal failed (%s)", exc, extra=att.log())
                 continue
             if renewed != 1:
                 if renewed:  # it was cancelled (a cancel message was lost, or is being handled now)
