@@ -127,4 +127,8 @@ def main(command: str, config: Config, redis_url: str, as_json: bool) -> int:
         print(json.dumps({"queues": queue_records(catalog)}, indent=2) if as_json else render_queues(catalog))
     else:
         print(json.dumps(catalog.to_json(), indent=2) if as_json else render_catalog(catalog))
+    if catalog.providers and all(p.last_heartbeat is None for p in catalog.providers):
+        # (`iop catalog` without the `--redis` that `iop dev` printed reads 127.0.0.1:6379: an empty pool)
+        print(f"warning: no provider of the config has a heartbeat in Redis at {redact(redis_url)}: no worker "
+              "runs against it now (stopped, or --redis is not the pool's)", file=sys.stderr)
     return 0

@@ -372,3 +372,13 @@ def test_an_empty_iop_config_is_as_if_it_were_not_set(redis_url: str) -> None:
     # (an empty $IOP_CONFIG, as compose's `${IOP_CONFIG:-}` gives, said "error: : cannot read: Is a directory")
     done = iop("queues", "--redis", redis_url, env={**os.environ, "IOP_CONFIG": ""})
     assert one_line(done) == "error: iop.yaml: cannot read: No such file or directory"
+
+
+@pytest.mark.parametrize("command", ["catalog", "queues"])
+def test_a_catalog_read_from_a_redis_no_worker_beats_in_says_that_redis_may_not_be_the_pool_s(
+        command: str, redis_url: str) -> None:
+    # `iop catalog --config pool.yaml` without the `--redis` that `iop dev` printed reads another
+    # Redis: every provider `unknown`, every queue empty, and nothing said the address was wrong
+    done = iop(command, "--config", DEMO, "--redis", redis_url)
+    assert done.returncode == 0, done.stderr
+    assert "--redis is not the pool's" in done.stderr and redis_url.split("//")[1] in done.stderr, done.stderr
