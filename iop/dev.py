@@ -137,7 +137,9 @@ class Supervisor:
 
     def spawn(self, name: str, stage: int, args: Sequence[str], ready: str) -> Child:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "iop", *args], env=self.env, stdin=subprocess.DEVNULL,
+            # -P: not the working directory first on sys.path, where a project's own `common.py`
+            # (or `gateway/`, `workers/`, `scheduler/`) would take the place of iop's package
+            [sys.executable, "-P", "-m", "iop", *args], env=self.env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1,
             process_group=0,  # Ctrl-C reaches only us; we stop the children in order
         )
@@ -507,9 +509,15 @@ def signals_to(sup: Supervisor) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+#: the directory that holds the `iop` package this process runs (a checkout run without an install
+#: too): the children, started without the working directory on their path, import the same code
+CODE_ROOT = str(Path(__file__).resolve().parents[1])
+
+
 def child_env(config_path: Path, redis_url: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"IOP_CONFIG": str(config_path), "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"})
+    env.update({"IOP_CONFIG": str(config_path), "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (CODE_ROOT, env.get("PYTHONPATH")) if p)})
     return env
 
 

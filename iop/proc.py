@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -20,15 +21,15 @@ class NotReady(AssertionError):
 
 class IopProcess:
     def __init__(self, name: str, args: list[str], env: dict[str, str], *, cwd: Path | None = None,
-                 keep_lines: int | None = None) -> None:
-        """`keep_lines` bounds the output kept (None: all of it)."""
+                 keep_lines: int | None = None, python_flags: Sequence[str] = ()) -> None:
+        """`keep_lines` bounds the output kept (None: all of it); `python_flags` go before `-m iop`."""
         self.name = name
         self.args = args
         self.lines: deque[str] = deque(maxlen=keep_lines)
         self._count = 0  # lines read in all, kept or not
         self._cond = threading.Condition()
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "iop", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            [sys.executable, *python_flags, "-m", "iop", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=env, cwd=str(cwd) if cwd else None, text=True, start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)

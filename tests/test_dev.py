@@ -23,6 +23,7 @@ import yaml
 
 from iop.dev import run_dev, simulators
 from iop.embedded_redis import free_port
+from iop.proc import IopProcess
 from tests.conftest import Proc, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -321,3 +322,21 @@ def test_a_key_variable_that_is_not_set_stops_dev_at_once_naming_it(tmp_path: Pa
     assert "error: auth.keys[1].env: the environment variable IOP_DEV_UNSET_KEY is not set" in proc.lines, \
         proc.output()
     assert not any("Traceback" in line or line.startswith("[gateway]") for line in proc.lines), proc.output()
+
+
+def test_dev_starts_from_a_directory_holding_a_module_named_as_a_package_of_iop(tmp_path: Path,
+                                                                               dev_proc: list[Proc]) -> None:
+    """Found by a newcomer: `iop dev` run from a project directory holding a `common.py` (or a
+    `gateway/`, `workers/`, `scheduler/`) had every child die at import (`No module named
+    'common.listening'; 'common' is not a package`): `python -m iop` put the directory first."""
+    sim_url = simulator(dev_proc)
+    (tmp_path / "common.py").write_text("raise SystemExit('the directory\\'s own common.py was imported')\n")
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(auth_config(sim_url, "IOP_DEV_TEST_KEY")))
+    env = {**dev_env(), "IOP_DEV_TEST_KEY": "iop-dev-test-secret"}
+    # (`-P`: the command itself, as the `iop` script starts, does not read the directory either)
+    proc = IopProcess("dev", ["dev", "--config", str(path), "--port", "0"], env, cwd=tmp_path, python_flags=["-P"])
+    dev_proc.append(proc)  # type: ignore[arg-type]
+    proc.wait_for_line(r"Ctrl-C stops everything", timeout=START_S)
+    assert "Traceback" not in proc.output(), proc.output()
+    assert proc.stop(STOP_S, sig=signal.SIGINT) == 0, proc.output()
