@@ -54,6 +54,18 @@ def _presented(request: web.Request) -> str | None:
     return key if scheme.lower() == "bearer" and key else None
 
 
+def _how_to_send(request: web.Request) -> str:
+    """What a request that presented no Bearer key is told: how to send the one it may have sent
+    another way (never echoing it)."""
+    if "Authorization" in request.headers:
+        return "the Authorization header must be 'Bearer <key>' (the word Bearer, a space, then the API key)"
+    for header in ("api-key", "x-api-key"):
+        if header in request.headers:
+            return (f"an API key is required: send it as Authorization: Bearer <key>, not in the {header} "
+                    "header")
+    return "an API key is required: send Authorization: Bearer <key>"
+
+
 def admit(request: web.Request) -> None:
     """Let the request in, as the key it presents (`request[PRINCIPAL]`), or raise 401/403. With no
     `auth` in the config, everyone is let in."""
@@ -64,8 +76,7 @@ def admit(request: web.Request) -> None:
         return  # the page holds no data; it asks for the key itself
     key = _presented(request)
     if key is None:
-        raise ApiError(ErrorCode.INVALID_API_KEY, "an API key is required: send Authorization: Bearer <key>",
-                       headers=dict(CHALLENGE))
+        raise ApiError(ErrorCode.INVALID_API_KEY, _how_to_send(request), headers=dict(CHALLENGE))
     who = ring.lookup(key)
     if who is None:
         raise ApiError(ErrorCode.INVALID_API_KEY, "the API key is not valid", headers=dict(CHALLENGE))

@@ -532,3 +532,20 @@ def test_no_character_decomposes_to_more_than_the_bound() -> None:
     longest = max(len(unicodedata.normalize("NFD", chr(c))) for c in range(0x110000) if not 0xD800 <= c < 0xE000)
     assert longest == MOST_COMPOSED
     assert folded_name("QWEN3.6:35B") == folded_name("qwen3.6:35b")
+
+
+@pytest.mark.parametrize(("headers", "says"), [
+    ({"Authorization": CALLER}, "'Bearer <key>'"),  # the key without its scheme
+    ({"Authorization": f"Basic {CALLER}"}, "'Bearer <key>'"),
+    ({"api-key": CALLER}, "not in the api-key header"),  # Azure's clients
+    ({"x-api-key": CALLER}, "not in the x-api-key header"),  # Anthropic's
+    ({}, "send Authorization: Bearer <key>"),
+])
+async def test_a_key_sent_another_way_than_bearer_is_told_how_to_send_it(
+        gateway: str, http: aiohttp.ClientSession, headers: dict[str, str], says: str) -> None:
+    """Found by a newcomer: a key sent as `Authorization: <key>` or in Azure's `api-key` header was
+    answered "an API key is required", as if none had been sent."""
+    async with http.get(gateway + "/v1/models", headers=headers) as resp:
+        body = await resp.json()
+    assert resp.status == 401 and body["error"]["code"] == "invalid_api_key", body
+    assert says in body["error"]["message"] and CALLER not in body["error"]["message"], body
