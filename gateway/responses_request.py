@@ -404,7 +404,7 @@ def to_chat(body: dict[str, Any], stream: bool) -> ResponsesRequest:
     tool_choice = "auto" if body.get("tool_choice") is None else _tool_choice(body["tool_choice"])
     allowed = tool_choice if isinstance(tool_choice, dict) and tool_choice["type"] == "allowed_tools" else None
     if (tool_choice == "required" or (allowed is not None and allowed["mode"] == "required")) and not tools:
-        raise invalid("'tool_choice' is required, but 'tools' names no tool", "tool_choice")
+        raise invalid("'tool_choice' asks for a call of a tool ('required'), but 'tools' names no tool", "tool_choice")
     if allowed is not None and allowed["mode"] == "required" and not allowed["tools"]:
         raise invalid("'tool_choice' requires a call of one of its allowed tools, but it allows no tool",
                       "tool_choice.tools")

@@ -246,7 +246,8 @@ def test_without_tools_no_tool_choice_nor_parallel_tool_calls_goes_to_the_provid
     ({"input": "x", "best_of": 100000}, "best_of", "one output"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools[0].parameters",
      "an object"),
-    ({"input": "x", "tool_choice": "required"}, "tool_choice", "names no tool"),
+    # (it said "'tool_choice' is required", read as "the field is missing")
+    ({"input": "x", "tool_choice": "required"}, "tool_choice", "asks for a call of a tool ('required'), but 'tools'"),
     # (a call of one of the allowed tools required, and none to call: as `required` without tools, not
     # dropped with the tool choice and answered with text)
     ({"input": "x", "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []}}, "tool_choice",
