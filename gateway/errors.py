@@ -35,11 +35,19 @@ SERVED_PATHS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embed
                 "GET /v1/catalog/history, GET /catalog, GET /metrics and /v1/admin/... (README: Operating the pool)")
 
 
+#: The paths of `SERVED_PATHS` without their `/v1`: a client's base_url left it out
+UNDER_V1 = ("/chat/completions", "/completions", "/embeddings", "/responses", "/models", "/usage", "/runs/")
+
+
 def unknown_path(request: web.Request) -> str:
     """The message of a 404 for a path the gateway does not serve, in OpenAI's words ("Invalid
     URL (POST /v1/x)"), with what it does serve: an `openai` client's call of an endpoint iop
     does not have (`client.audio.speech.create`) says so. The path is cut at `MAX_SHOWN_PATH`."""
-    return f"Invalid URL ({request.method} {shown_path(request)}): iop serves {SERVED_PATHS}"
+    shown = shown_path(request)
+    if request.path.startswith(UNDER_V1):  # (`OpenAI(base_url="http://host:8080")`, its /v1 left out)
+        return (f"Invalid URL ({request.method} {shown}): the API is under /v1 ({request.method} /v1{shown}): "
+                f"a client's base_url ends in /v1 (http://host:port/v1); iop serves {SERVED_PATHS}")
+    return f"Invalid URL ({request.method} {shown}): iop serves {SERVED_PATHS}"
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

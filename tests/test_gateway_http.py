@@ -553,3 +553,16 @@ async def test_an_answer_the_gateway_cannot_shape_ends_openai_shaped_and_ends_th
         await async_wait_until(cancelled, what="the run to end")
     finally:
         await server.close()
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/chat/completions"), ("GET", "/models"),
+                                              ("POST", "/responses"), ("GET", "/models/qwen3.6:35b")])
+async def test_a_client_whose_base_url_lacks_v1_is_told_so(gateway: str, http: aiohttp.ClientSession,
+                                                           method: str, path: str) -> None:
+    """Found by a newcomer: `OpenAI(base_url="http://host:8080")`, without its `/v1`, was answered
+    with the list of routes, which did not say what was wrong."""
+    async with http.request(method, gateway + path, json={"model": "qwen3.6:35b"}) as resp:
+        error = await error_of(resp)
+    assert resp.status == 404 and error["code"] == "not_found", error
+    assert error["message"].startswith(f"Invalid URL ({method} {path}): the API is under /v1 ({method} /v1{path}): "
+                                       "a client's base_url ends in /v1"), error
