@@ -422,7 +422,8 @@ def banner(config: Config, base: str, redis_url: str, path: Path, down: dict[str
             if key.env is not None:
                 key_lines = [f'    KEY="${key.env}"   # {where}, from the environment variable {key.env}']
             else:
-                key_lines = [f"    KEY=...   # the key of {where}: the config holds only its hash"]
+                key_lines = [f"    KEY=...   # the key {key.name!r} (auth.keys[{i}]) itself: "
+                             "the config holds only its hash"]
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
     curl = (f"curl {base}/chat/completions -H 'Content-Type: application/json'{auth_header} "
             f"-d {shlex.quote(body)}")
@@ -435,6 +436,8 @@ def banner(config: Config, base: str, redis_url: str, path: Path, down: dict[str
         f"{providers} providers on {len(config.nodes)} nodes",
         f"  OpenAI-compatible API: {base}   {access}",
         f"  Redis:                 {redis_url}",
+        f"  Catalog page:          {base.removesuffix('/v1')}/catalog"
+        + (" (an operator key)" if config.auth is not None else ""),
         "  Try it:",
         *key_lines,
         f"    {curl}",

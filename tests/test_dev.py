@@ -340,3 +340,17 @@ def test_dev_starts_from_a_directory_holding_a_module_named_as_a_package_of_iop(
     proc.wait_for_line(r"Ctrl-C stops everything", timeout=START_S)
     assert "Traceback" not in proc.output(), proc.output()
     assert proc.stop(STOP_S, sig=signal.SIGINT) == 0, proc.output()
+
+
+def test_the_banner_names_the_key_once_and_the_catalog_page() -> None:
+    """Found by a newcomer: the banner said "the key of key 'team-a'", and did not say where the
+    catalog page of the stack it started is (README: Operating it)."""
+    from common.config import parse_config
+    from iop.dev import banner
+
+    config = parse_config({**auth_config("http://127.0.0.1:9", "UNUSED"), "auth": {"keys": [
+        {"name": "team-a", "sha256": "0" * 64}]}})
+    text = banner(config, "http://127.0.0.1:5000/v1", "redis://127.0.0.1:6000/0", Path("/p.yaml"))
+    assert "key of key" not in text, text
+    assert "KEY=...   # the key 'team-a' (auth.keys[0]) itself: the config holds only its hash" in text, text
+    assert "  Catalog page:          http://127.0.0.1:5000/catalog (an operator key)" in text, text
