@@ -3,8 +3,10 @@ could not be shown as it is (one place, for the gateway's errors and the CLI's).
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
+from collections.abc import Sequence
 
 #: the most of a caller's text an error message shows
 SHOWN_CHARS = 256
@@ -30,3 +32,14 @@ def printable(text: str) -> str:
     """`text` for one cell of a table a terminal shows: what could forge a line or rewrite the
     screen is escaped (`\\u000a`); the rest is as it is."""
     return _UNPRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def near_name(name: str, names: Sequence[str]) -> str | None:
+    """The one of `names` that `name` was likely meant as (a served name in the config against a
+    server's model list): the same but for case, else a close spelling; None when none is."""
+    folded = name.casefold()
+    same = next((n for n in names if n.casefold() == folded), None)
+    if same is not None:
+        return same
+    close = difflib.get_close_matches(name, list(names[:1000]), n=1, cutoff=0.85)
+    return close[0] if close else None

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 from common import keys
 from common.auth import ApiKeyConfig, KeyRing, UnresolvedKeys
 from common.config import Config, ConfigError, load_config
+from common.shown import near_name
 from iop.embedded_redis import RedisServer
 
 T = TypeVar("T")
@@ -369,11 +370,14 @@ def unlisted(redis_url: str, config: Config) -> dict[str, str]:
             catalog = await read_catalog(client, config, now_ms())
         finally:
             await client.aclose()
+        listed = {p.id: p.models.observed or [] for p in catalog.providers}
         missing: dict[str, list[str]] = {}
         for m in catalog.models:
             for pl in m.providers:
                 if pl.reason == "model_not_listed":
-                    missing.setdefault(pl.provider_id, []).append(f"{pl.target!r} (model {m.id})")
+                    near = near_name(pl.target, listed.get(pl.provider_id, []))
+                    hint = "" if near is None else f"; it lists {near!r}"
+                    missing.setdefault(pl.provider_id, []).append(f"{pl.target!r} (model {m.id}{hint})")
         return missing
 
     try:

@@ -269,15 +269,21 @@ def test_the_banner_names_a_provider_whose_server_does_not_list_its_served_name(
     path = tmp_path / "typo.yaml"
     path.write_text(yaml.safe_dump({
         "models": [{"id": "m1", "providers": {"p-ok": "served-m1"}},
-                   {"id": "m2", "providers": {"p-typo": "served-m2"}}],
+                   {"id": "m2", "providers": {"p-typo": "served-m2"}},
+                   {"id": "m3", "providers": {"p-case": "Served-M1"}}],
         "nodes": [{"id": "n1", "providers": [
             {"id": "p-ok", "type": "vllm", "base_url": sim_url, "capacity": 1, "models": ["served-m1"]},
-            {"id": "p-typo", "type": "vllm", "base_url": sim_url, "capacity": 1, "models": ["served-m2"]}]}],
+            {"id": "p-typo", "type": "vllm", "base_url": sim_url, "capacity": 1, "models": ["served-m2"]},
+            {"id": "p-case", "type": "vllm", "base_url": sim_url, "capacity": 1, "models": ["Served-M1"]}]}],
     }))
     proc, banner = dev_banner(path, dev_proc)
     assert not any("Not taking runs now" in line for line in banner), banner  # (both answer their probes)
     at = next(i for i, line in enumerate(banner) if "Taking no runs of a model its server does not list" in line)
-    assert banner[at + 1].strip() == "p-typo: its model list lacks 'served-m2' (model m2)", banner[at + 1]
+    assert banner[at + 1].strip() == ("p-typo: its model list lacks 'served-m2' (model m2; it lists 'served-m1')"
+                                      ), banner[at + 1]
+    # (a name the server lists but for its case: `Served-M1` for `served-m1`, named beside it)
+    assert banner[at + 2].strip() == ("p-case: its model list lacks 'Served-M1' (model m3; it lists 'served-m1')"
+                                      ), banner[at + 2]
     assert not any(line.strip().startswith("p-ok:") for line in banner)
     assert proc.stop(STOP_S, sig=signal.SIGINT) == 0, proc.output()
 

@@ -494,3 +494,23 @@ async def test_a_served_name_the_provider_does_not_list_is_warned_of_once_and_it
                        for r in caplog.records)
 
         await async_wait_until(said_back, what="the served name listed again")
+
+
+@pytest.mark.parametrize("beating", ["vllm"], indirect=True)
+async def test_a_served_name_the_provider_lists_in_another_case_is_named_in_the_warning(
+        redis: Redis, beating: tuple[Heartbeats, Probed], caplog: pytest.LogCaptureFixture) -> None:
+    """Found by a newcomer: `Org/Alpha-7b` in the config, `Org/Alpha-7B` in the server's list; the
+    warning said the name was not listed, and the operator had to find the difference by eye."""
+    beats, adapter = beating
+    with caplog.at_level(logging.INFO, logger="iop.worker"):
+        adapter.result = ProbeResult(Health.AVAILABLE, "", ["other", "SERVED"], strikes=0)
+        probes = adapter.calls
+
+        async def probed_once_more() -> bool:
+            return adapter.calls >= probes + 1
+
+        await async_wait_until(probed_once_more, what="a probe")
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert warned == ["provider p does not list 'served' (it lists 'SERVED'), which its config gives it: no run "
+                          "of that model goes there (check the served name in the config, or the server's models)"
+                          ], warned

@@ -29,6 +29,7 @@ from common.policy import Health
 from common.provider_types import PROBE_DISTURBS
 from common.redisconn import REDIS_DOWN, REDIS_UNUSABLE, as_text_map, now_ms
 from common.scripts import Scripts
+from common.shown import near_name
 from common.wrongtype import delete_wrong_types, is_wrongtype
 from workers.adapters.base import DOWN, Adapter, ProbeResult
 from workers.health import Evidence, Field, judge
@@ -102,6 +103,13 @@ def probe_evidence(probe: ProbeResult, busy: bool) -> tuple[str, int]:
     if probe.timed_out and busy:
         return "", 0
     return "fail", probe.strikes
+
+
+def _lacking(name: str, listed: list[str]) -> str:
+    """A served name the provider's list lacks, as the warning names it: with the listed name it
+    was likely meant as (`'Org/Alpha-7b' (it lists 'Org/Alpha-7B')`)."""
+    near = near_name(name, listed)
+    return repr(name) if near is None else f"{name!r} (it lists {near!r})"
 
 
 def served_pairs(config: Config, node_id: str) -> list[str]:
@@ -254,7 +262,7 @@ class Heartbeats:
             which = "that model" if len(lacking) == 1 else "those models"
             log.warning("provider %s does not list %s, which its config gives it: no run of %s goes there "
                         "(check the served name in the config, or the server's models)", provider.id,
-                        ", ".join(repr(name) for name in lacking), which)
+                        ", ".join(_lacking(name, listed) for name in lacking), which)
         else:
             log.info("provider %s lists every served name its config gives it", provider.id)
 
