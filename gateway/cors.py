@@ -79,10 +79,13 @@ def _own_site(request: web.Request, origin: str) -> bool:
 
 
 def refuse_cross_site(request: web.Request) -> None:
-    """Refuse a request that changes something, sent by a page of a site that is neither the
-    gateway's own nor listed in `runtime.cors_origins` (403 `cross_site_request`)."""
+    """Refuse a request that changes something, or a preflight, sent by a page of a site that is
+    neither the gateway's own nor listed in `runtime.cors_origins` (403 `cross_site_request`)."""
     origin = request.headers.get("Origin")
-    if origin is None or request.method in _SAFE_METHODS:
+    # (a preflight asks leave for a change: an unlisted site's is refused as the change would be, not
+    # answered 401 "an API key is required", which a preflight never carries)
+    asks = request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers
+    if origin is None or (request.method in _SAFE_METHODS and not asks):
         return
     if allowed_origin(request) is not None or _own_site(request, origin):
         return

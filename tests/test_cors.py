@@ -52,9 +52,14 @@ async def test_a_listed_site_s_preflight_is_answered_without_a_key(gateway: str)
             assert "POST" in resp.headers["Access-Control-Allow-Methods"]
             assert resp.headers["Access-Control-Allow-Headers"] == PREFLIGHT["Access-Control-Request-Headers"]
             assert int(resp.headers["Access-Control-Max-Age"]) > 0
+        # an unlisted site's preflight: refused as its POST would be, saying what to do (it was a 401 "an
+        # API key is required", which a developer saw in the browser's network tab, though the page sent
+        # its key: a preflight never carries it)
         other = {**PREFLIGHT, "Origin": "https://evil.example"}
         async with http.options(gateway + "/v1/chat/completions", headers=other) as resp:
-            assert resp.status == 401 and "Access-Control-Allow-Origin" not in resp.headers
+            assert resp.status == 403 and "Access-Control-Allow-Origin" not in resp.headers
+            error = (await resp.json())["error"]
+            assert error["code"] == "cross_site_request" and "runtime.cors_origins" in error["message"], error
 
 
 async def test_every_answer_to_a_listed_site_names_it_errors_and_streams_too(gateway: str, redis: Redis) -> None:
@@ -86,7 +91,7 @@ async def test_without_cors_origins_no_answer_names_a_site(redis: Redis, redis_u
     try:
         async with aiohttp.ClientSession() as http:
             async with http.options(url + "/v1/chat/completions", headers=PREFLIGHT) as resp:
-                assert resp.status == 401 and "Access-Control-Allow-Origin" not in resp.headers
+                assert resp.status == 403 and "Access-Control-Allow-Origin" not in resp.headers
             async with http.get(url + "/v1/models", headers={"Origin": SITE, **bearer(CALLER)}) as resp:
                 assert resp.status == 200 and "Access-Control-Allow-Origin" not in resp.headers
     finally:
