@@ -521,10 +521,20 @@ def signals_to(sup: Supervisor) -> Iterator[None]:
 CODE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
+def _installed_root() -> bool:
+    """Whether CODE_ROOT is a site-packages directory, on every child's path already (put on
+    PYTHONPATH it would come before the standard library)."""
+    import site
+
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    return any(Path(d).resolve() == Path(CODE_ROOT) for d in dirs)
+
+
 def child_env(config_path: Path, redis_url: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"IOP_CONFIG": str(config_path), "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in (CODE_ROOT, env.get("PYTHONPATH")) if p)})
+    env.update({"IOP_CONFIG": str(config_path), "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"})
+    if not _installed_root():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (CODE_ROOT, env.get("PYTHONPATH")) if p)
     return env
 
 
