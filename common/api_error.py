@@ -50,13 +50,16 @@ STATUS: dict[ErrorCode, int] = {
 }
 
 
-#: Run failures that another try of the same request would only repeat, at the provider's cost: a run
-#: that outlasted its `execution_timeout_ms`, a provider that took it and went silent for its
-#: `read_timeout_ms` (most likely still at it: a server that answers only when done goes on for
-#: nobody), an answer over the output limits. Their answers say `x-should-retry: false`, which the
+#: Run failures that another try of the same request would only repeat, at the provider's cost or the
+#: caller's: a run that outlasted its `execution_timeout_ms`, a provider that took it and went silent
+#: for its `read_timeout_ms` (most likely still at it: a server that answers only when done goes on
+#: for nobody), an answer over the output limits, a run that waited its `queue_timeout_ms` for a slot
+#: (the operator's bound on a caller's wait). Their answers say `x-should-retry: false`, which the
 #: official `openai` clients obey (they retry every 5xx twice by default, so a runaway generation
-#: took three times its GPU time, and a silent provider three times the caller's wait).
-NOT_WORTH_RETRYING = frozenset({ErrorCode.EXECUTION_TIMEOUT, ErrorCode.PROVIDER_TIMEOUT, ErrorCode.OUTPUT_TOO_LARGE})
+#: took three times its GPU time, a silent provider three times the caller's wait, and a queue
+#: timeout of 30 s ~90 s).
+NOT_WORTH_RETRYING = frozenset({ErrorCode.EXECUTION_TIMEOUT, ErrorCode.PROVIDER_TIMEOUT, ErrorCode.OUTPUT_TOO_LARGE,
+                                ErrorCode.QUEUE_TIMEOUT})
 
 #: Run failures worth trying again in a second, and said so in `Retry-After`, as the gateway says
 #: it when it refuses a run itself: every provider of the model went down while the run waited

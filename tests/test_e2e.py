@@ -237,6 +237,9 @@ def test_run_without_a_slot_in_time_gets_504(stack: Stack) -> None:
                 error = await resp.json()
                 validate("ErrorResponse", error)
                 assert error["error"]["code"] == "queue_timeout"
+                # (another try would wait as long again: the official clients' two retries made a
+                # 30 s queue_timeout_ms a wait of ~90 s before the caller heard of it)
+                assert resp.headers.get("x-should-retry") == "false"
             holder[0].cancel()
         await _close_sessions()
 

@@ -153,8 +153,8 @@ def test_from_info_run_failures_use_their_status(code: ErrorCode) -> None:
     err = ApiError.from_info(ErrorInfo(code, "nope"))
     assert err.status == STATUS[code]
     # (another try would wait as long again, or run as long again: the official clients are told not to)
-    assert (err.headers.get("x-should-retry") == "false") is (code in (ErrorCode.EXECUTION_TIMEOUT,
-                                                                       ErrorCode.PROVIDER_TIMEOUT))
+    assert (err.headers.get("x-should-retry") == "false") is (code in (
+        ErrorCode.QUEUE_TIMEOUT, ErrorCode.EXECUTION_TIMEOUT, ErrorCode.PROVIDER_TIMEOUT))
     assert err.body()["error"]["code"] == code.value
     assert err.body()["error"]["message"] == "nope"
 
