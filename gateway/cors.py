@@ -35,7 +35,7 @@ ORIGINS = web.AppKey("cors_origins", frozenset[str])
 METHODS = "GET, POST, DELETE, OPTIONS"
 #: The answer headers a page's script may read.
 EXPOSED = ("X-Request-Id, X-IOP-Run-Id, Retry-After, retry-after-ms, x-ratelimit-limit-requests, "
-           "x-ratelimit-remaining-requests, x-iop-limit, x-should-retry")
+           "x-ratelimit-remaining-requests, x-ratelimit-reset-requests, x-iop-limit, x-should-retry")
 #: How long a browser may keep a preflight's answer, in seconds.
 MAX_AGE_S = 600
 

@@ -37,13 +37,24 @@ from gateway.take_back import Kept, TakeBack
 
 log = logging.getLogger("iop.gateway")
 
-#: OpenAI's rate-limit headers, sent with every run of a key that has a limit.
+#: OpenAI's rate-limit headers of a limit on requests a minute, sent with every run of a key that has
+#: `requests_per_minute`, and its refusal (not a `max_in_flight` one: it is not a limit a minute)
 LIMIT_HEADER = "x-ratelimit-limit-requests"
 REMAINING_HEADER = "x-ratelimit-remaining-requests"
+RESET_HEADER = "x-ratelimit-reset-requests"
 #: Which of its limits a key hit (`max_in_flight` or `requests_per_minute`), on a 429.
 WHICH_LIMIT_HEADER = "x-iop-limit"
 #: The rate-limit headers of a run whose key has no requests_per_minute (one, shared).
 NO_LIMIT_HEADERS: Mapping[str, str] = MappingProxyType({})
+
+def reset_text(ms: int) -> str:
+    """A wait as OpenAI's `x-ratelimit-reset-*` headers write it: `20ms`, `1.5s`, `6m0s`."""
+    if ms < 1000:
+        return f"{max(ms, 0)}ms"
+    minutes, rest = divmod(ms, 60_000)
+    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
+
 
 #: Extra time a follower waits past a run's own queue and execution timeouts before it gives
 #: up on the run itself (a scheduler or worker that died without a trace).
@@ -174,15 +185,16 @@ class RunClient:
                            f"key {who.name!r} has {who.max_in_flight} run{'s' if who.max_in_flight != 1 else ''} "
                            "queued or running, its max_in_flight; "
                            "retry when one has ended", param=None,
-                           headers={"Retry-After": "1", LIMIT_HEADER: str(who.max_in_flight),
-                                    REMAINING_HEADER: "0", WHICH_LIMIT_HEADER: "max_in_flight"})
+                           headers={"Retry-After": "1", WHICH_LIMIT_HEADER: "max_in_flight"})
         if status == "key_rate":
-            wait_s = max(1, math.ceil(int(result[2]) / 1000))
+            wait_ms = int(result[2])
+            wait_s = max(1, math.ceil(wait_ms / 1000))
             raise ApiError(ErrorCode.RATE_LIMIT_EXCEEDED,
                            f"key {who.name!r} made {who.requests_per_minute} requests in the last minute, its "
                            f"requests_per_minute; retry in {wait_s} s",
                            headers={"Retry-After": str(wait_s), LIMIT_HEADER: str(who.requests_per_minute),
-                                    REMAINING_HEADER: "0", WHICH_LIMIT_HEADER: "requests_per_minute"})
+                                    REMAINING_HEADER: "0", RESET_HEADER: reset_text(wait_ms),
+                                    WHICH_LIMIT_HEADER: "requests_per_minute"})
         if status == "full":
             raise ApiError(
                 ErrorCode.QUEUE_FULL,
