@@ -28,7 +28,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from aiohttp import web
@@ -522,7 +522,7 @@ class _Format:
         return {**self._envelope(self.chunk_object, []), "usage": usage}
 
     def full(self, text: str, finish_reason: str, usage: JsonObject) -> JsonObject:
-        choices = [{"index": i, **self.full_choice(text), "logprobs": None, "finish_reason": finish_reason}
+        choices = [{"index": i, **self.full_choice(text, i), "logprobs": None, "finish_reason": finish_reason}
                    for i in range(self.choices)]
         return {**self._envelope(self.full_object, choices), "usage": usage}
 
@@ -533,13 +533,17 @@ class _Format:
     def opening_chunks(self) -> list[JsonObject]:
         return []
 
+    def piece(self, index: int) -> str:
+        """What the stream's `index`th token chunk carries."""
+        return token_text(index)
+
     def token_chunk(self, text: str, index: int) -> JsonObject:
         raise NotImplementedError
 
     def finish_chunk(self, finish_reason: str, index: int) -> JsonObject:
         raise NotImplementedError
 
-    def full_choice(self, text: str) -> JsonObject:
+    def full_choice(self, text: str, index: int) -> JsonObject:
         raise NotImplementedError
 
 
@@ -547,6 +551,8 @@ class _ChatFormat(_Format):
     id_prefix = "chatcmpl"
     full_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+    #: the function each choice calls instead of answering text (`called_tool`), else None
+    tool: str | None = None
 
     @staticmethod
     def prompt_tokens(body: JsonObject) -> int:
@@ -556,14 +562,53 @@ class _ChatFormat(_Format):
         return [self.chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}, i)
                 for i in range(self.choices)]
 
+    def _call(self, index: int) -> JsonObject:
+        return {"id": f"call_{self.id.removeprefix('chatcmpl-')[:24]}_{index}", "type": "function",
+                "function": {"name": self.tool, "arguments": TOOL_ARGUMENTS}}
+
+    def piece(self, index: int) -> str:
+        if self.tool is not None:  # (a call's name and id first, its arguments after, as vLLM streams one)
+            return TOOL_ARGUMENTS if index else ""
+        return token_text(index)
+
     def token_chunk(self, text: str, index: int) -> JsonObject:
-        return self.chunk({"delta": {"content": text}, "finish_reason": None}, index)
+        if self.tool is None:
+            return self.chunk({"delta": {"content": text}, "finish_reason": None}, index)
+        if text:
+            return self.chunk({"delta": {"tool_calls": [{"index": 0, "function": {"arguments": text}}]},
+                               "finish_reason": None}, index)
+        return self.chunk({"delta": {"tool_calls": [{"index": 0, **self._call(index), "function": {
+            "name": self.tool, "arguments": ""}}]}, "finish_reason": None}, index)
 
     def finish_chunk(self, finish_reason: str, index: int) -> JsonObject:
         return self.chunk({"delta": {}, "finish_reason": finish_reason}, index)
 
-    def full_choice(self, text: str) -> JsonObject:
+    def full_choice(self, text: str, index: int) -> JsonObject:
+        if self.tool is not None:
+            return {"message": {"role": "assistant", "content": None, "refusal": None,
+                                "tool_calls": [self._call(index)]}}
         return {"message": {"role": "assistant", "content": text, "refusal": None}}
+
+
+#: the arguments of the simulator's every tool call
+TOOL_ARGUMENTS = "{}"
+
+
+def called_tool(body: JsonObject) -> str | None:
+    """The function a chat request makes the simulator call: the one its `tool_choice` names, or
+    its first tool's with `tool_choice` "required"; None (text) otherwise, "auto" included (a
+    model decides that, and the simulator is no model)."""
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools:
+        return None
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and isinstance(function := choice.get("function"), dict) \
+            and isinstance(function.get("name"), str):
+        return str(function["name"])
+    first = tools[0].get("function") if isinstance(tools[0], dict) else None
+    if choice == "required" and isinstance(first, dict) and isinstance(first.get("name"), str):
+        return str(first["name"])
+    return None
 
 
 class _TextFormat(_Format):
@@ -583,7 +628,7 @@ class _TextFormat(_Format):
     def finish_chunk(self, finish_reason: str, index: int) -> JsonObject:
         return self.chunk({"text": "", "finish_reason": finish_reason}, index)
 
-    def full_choice(self, text: str) -> JsonObject:
+    def full_choice(self, text: str, index: int) -> JsonObject:
         return {"text": text}
 
 
@@ -613,7 +658,7 @@ async def _emit_stream(resp: web.StreamResponse, plan: _Plan, fmt: _Format, requ
             return False
         await _pause(plan.delay_before(index))
         for choice in range(fmt.choices):  # (as vLLM: a chunk a choice)
-            await resp.write(_sse(fmt.token_chunk(token_text(index), choice)))
+            await resp.write(_sse(fmt.token_chunk(fmt.piece(index), choice)))
     for choice in range(fmt.choices):
         await resp.write(_sse(fmt.finish_chunk(plan.finish_reason, choice)))
     if fmt.include_usage:
@@ -663,6 +708,9 @@ def _completion_handler(fmt_type: type[_Format]) -> Handler:
         plan = _Plan.make(opts, _max_tokens(body, fmt_type.limit_fields), fmt_type.prompt_tokens(body))
         _maybe_fail(app, opts, forced_failure)
         fmt = fmt_type(model, include_usage, _choices(body, fmt_type is _TextFormat))
+        if isinstance(fmt, _ChatFormat) and (tool := called_tool(body)) is not None:
+            fmt.tool = tool  # (its name, then its arguments: two tokens, whatever the request's limit)
+            plan = replace(plan, tokens=2, finish_reason="tool_calls")
         if stream:
             return await _stream(request, record, plan, fmt)
         return await _respond(request, record, plan, fmt)

@@ -163,6 +163,33 @@ async def _close_sessions() -> None:
         await _SESSIONS.pop().close()
 
 
+def test_a_tool_call_reaches_the_openai_client_whole_streamed_and_as_a_response_s_item(stack: Stack) -> None:
+    """What a caller of tools sees through iop, from the simulator asked for a call (`tool_choice`)."""
+    gateway, urls = start_pool(stack, {"vllm-a": 1})
+    client = stack.openai(gateway)
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages: Any = [{"role": "user", "content": "weather?"}]
+    raw = client.chat.completions.with_raw_response.create(model="qwen3.6:35b", messages=messages, tools=tools,
+                                                           tool_choice="required")
+    validate("CreateChatCompletionResponse", json.loads(raw.text))
+    choice = raw.parse().choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls is not None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and (call.function.name, call.function.arguments) == ("get_weather", "{}")
+    chunks = list(client.chat.completions.create(model="qwen3.6:35b", messages=messages, tools=tools,
+                                                 tool_choice="required", stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function is not None and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas if d.function) == "{}"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    response = client.responses.create(model="qwen3.6:35b", input="weather?", tool_choice="required",
+                                       tools=[{"type": "function", "name": "get_weather", "strict": False,
+                                               "parameters": {"type": "object"}}])
+    validate("Response", response.model_dump(exclude_unset=True))
+    (item,) = response.output
+    assert item.type == "function_call" and (item.name, item.arguments) == ("get_weather", "{}")
+
+
 def test_capacity_1_and_3_split_four_long_runs(stack: Stack) -> None:
     gateway, urls = start_pool(stack, {"small": 1, "large": 3})
 

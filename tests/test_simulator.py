@@ -222,6 +222,47 @@ async def test_chat_stream(sim: Sim) -> None:
     assert chunks[-1]["choices"][0]["delta"] == {}
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+         {"type": "function", "function": {"name": "get_time"}}]
+
+
+@pytest.mark.parametrize(("choice", "called"), [("required", "get_weather"), ("auto", None), (None, None),
+                                                ({"type": "function", "function": {"name": "get_time"}}, "get_time")])
+async def test_a_tool_choice_that_asks_for_a_call_gets_one(sim: Sim, choice: Any, called: str | None) -> None:
+    """A demo through `iop dev` showed no tool call however it asked (a new user's review): a
+    `tool_choice` of "required" calls the first tool, one that names a function calls it; "auto" is
+    a model's decision, and the simulator answers text."""
+    body = chat_body(n=2, tools=TOOLS, **({} if choice is None else {"tool_choice": choice}))
+    status, data = await sim.post_json(CHAT, body)
+    assert status == 200
+    ChatCompletion.model_validate(data)
+    for place, choice_out in enumerate(data["choices"]):
+        message = choice_out["message"]
+        if called is None:
+            assert message["content"] == expected_text(4) and "tool_calls" not in message
+            assert choice_out["finish_reason"] == "stop"
+            continue
+        assert message["content"] is None and choice_out["finish_reason"] == "tool_calls"
+        (call,) = message["tool_calls"]
+        assert call["type"] == "function" and call["function"] == {"name": called, "arguments": "{}"}
+        assert call["id"].startswith("call_") and call["id"].endswith(f"_{place}")
+    assert data["usage"]["completion_tokens"] == (4 if called is None else 2) * 2
+
+
+async def test_a_streamed_tool_call_comes_as_vllm_streams_one(sim: Sim) -> None:
+    body = chat_body(tools=TOOLS, tool_choice="required", stream_options={"include_usage": True})
+    events = await sim.stream(CHAT, body)
+    assert events[-1] == "[DONE]"
+    *chunks, usage_chunk = [json.loads(event) for event in events[:-1]]
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk)
+    calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and calls[0]["id"].startswith("call_")
+    assert "".join(c["function"]["arguments"] for c in calls) == "{}" and {c["index"] for c in calls} == {0}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert usage_chunk["usage"]["completion_tokens"] == 2
+
+
 async def test_chat_stream_include_usage(sim: Sim) -> None:
     body = chat_body(max_tokens=3, stream_options={"include_usage": True})
     events = await sim.stream(CHAT, body)
