@@ -234,7 +234,10 @@ async def run_request(request: web.Request) -> web.StreamResponse:
         if submitted and not finished:
             # The caller left (or the gateway gave up): the run must not go on without it. (One that
             # left while its run was being queued: `submit` takes the run back once it is queued.)
-            await asyncio.shield(runs.leave(run_id, model.id, why_left))
+            if stopping.cut_after_s is not None:  # (the grace ran out: its caller is answered first)
+                stopping.leave_after(runs.leave(run_id, model.id, why_left))
+            else:
+                await asyncio.shield(runs.leave(run_id, model.id, why_left))
 
 
 async def stored_response(request: web.Request) -> web.Response:
@@ -283,7 +286,15 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     trimmer.cancel()
     beating.cancel()
     await asyncio.gather(trimmer, beating, return_exceptions=True)
-    await liveness.forget(redis, gateway_id)
+    if app[STOPPING].unsent or len(app[RUNS].take_back):
+        # (cancels Redis did not take: named, with a key that lapses, the gateway's runs are cancelled
+        # by a scheduler as a dead gateway's; forgotten, they would go on for nobody. And a Redis that
+        # does not answer held the stop here for its socket_timeout, past the container's stop timeout.)
+        log.warning("stopping: %d runs' cancels were not taken by Redis; the gateway stays named, so a scheduler "
+                    "cancels them once its liveness key lapses (runtime.gateway_liveness_ms)",
+                    app[STOPPING].unsent + len(app[RUNS].take_back))
+    else:
+        await liveness.forget(redis, gateway_id)
     await app[RUNS].close()
     await redis.aclose()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -22,14 +23,17 @@ from gateway.errors import ApiError
 
 log = logging.getLogger("iop.gateway")
 
-#: How long run requests that outlasted the grace get to send their error and give their runs back.
-END_S = 5.0
+#: How long run requests that outlasted the grace get to send their error and give their runs back:
+#: with `--grace` (10 s) within the container's stop timeout (`compose.yaml`: 15 s) when Redis does
+#: not answer (each error is sent within `gateway.responses.END_WITHIN_S`; a cancel that Redis
+#: did not answer by then is left to the schedulers, `Stopping.drain`)
+END_S = 3.0
 
 
 class Stopping:
     """The run requests in flight, and whether the stop's grace ran out on them."""
 
-    __slots__ = ("tasks", "cut_after_s", "followers", "followers_cut", "began", "cancelled")
+    __slots__ = ("tasks", "cut_after_s", "followers", "followers_cut", "began", "cancelled", "leaving", "unsent")
 
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task[object]] = set()
@@ -45,6 +49,10 @@ class Stopping:
         #: the runs of the run requests that outlasted the grace: cancelled with them (a runs-API
         #: follower of one is not told that it goes on)
         self.cancelled: set[str] = set()
+        #: the cancels of those runs, sent once their callers were answered (`leave_after`)
+        self.leaving: set[asyncio.Task[None]] = set()
+        #: how many of those cancels Redis had not taken when the stop's end came (`drain`)
+        self.unsent = 0
 
     async def close_after(self, _: web.Request, response: web.StreamResponse) -> None:
         """`on_response_prepare`: once the stop began, an answer says `Connection: close`. Its
@@ -84,6 +92,15 @@ class Stopping:
         if task is not None:
             self.tasks.discard(task)
 
+    def leave_after(self, leaving: Coroutine[Any, Any, None]) -> None:
+        """Cancel the run of a request that outlasted the grace once its caller is answered, not
+        before: a Redis that does not answer held each whole answer's 503 for its `socket_timeout`
+        (5 s), past the grace the container's stop timeout allows (`compose.yaml`: 15 s), so
+        Docker's SIGKILL cut those callers' connections instead. `drain` waits for these."""
+        task = asyncio.get_running_loop().create_task(leaving)
+        self.leaving.add(task)
+        task.add_done_callback(self.leaving.discard)
+
     def error(self, headers: dict[str, str]) -> ApiError:
         """What a run request that outlasted the grace answers (with `headers`: its run's)."""
         return ApiError(ErrorCode.UNAVAILABLE,
@@ -115,7 +132,16 @@ class Stopping:
         self.cut_after_s = min(waited, grace_s)
         for task in pending:
             task.cancel()
+        end = asyncio.get_running_loop().time() + END_S
         await asyncio.wait(pending, timeout=END_S)
+        await asyncio.sleep(0)  # (the cancels their ends handed over start: `leave_after`)
+        if self.leaving:
+            await asyncio.wait(set(self.leaving), timeout=max(end - asyncio.get_running_loop().time(), 0))
+        if self.leaving:  # (Redis did not answer them: the gateway's stop says so, `gateway.app`)
+            self.unsent = len(self.leaving)
+            for task in list(self.leaving):
+                task.cancel()
+            await asyncio.gather(*self.leaving, return_exceptions=True)
         return len(pending)
 
 

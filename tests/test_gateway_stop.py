@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 import redis as sync_redis
 
-from tests.conftest import Proc, Stack, wait_until
+from iop.embedded_redis import RedisServer
+from tests.conftest import Proc, Stack, paused, wait_until
 from tests.test_e2e import pool_config, wait_available
 
 pytestmark = pytest.mark.e2e
@@ -111,6 +112,35 @@ def test_runs_that_outlast_the_grace_get_a_503_and_are_cancelled(stack: Stack) -
     with sync_redis.Redis.from_url(stack.redis_url) as r:  # (why: it said "the caller went away")
         assert [r.hget(f"iop:run:{run_id}", "cancel_reason") for run_id in runs] == [
             b"the gateway stopped before the run ended"] * 2
+
+
+def test_a_whole_answer_that_outlasts_the_grace_is_not_held_back_by_a_redis_that_does_not_answer(
+        stack: Stack, redis_server: RedisServer) -> None:
+    """Redis paused as the gateway stops: the caller whose run outlasted the grace hears its 503 at
+    once, not after the run's cancel waited out `socket_timeout` (5 s: with the grace, past the 15 s
+    that compose gives the container before its SIGKILL, which cut those callers' connections). The
+    cancel reaches Redis once it answers, and the run's slot comes back."""
+    gateway, proc = pool(stack, "0.5")
+
+    async def scenario() -> tuple[int, dict[str, Any], str | None, str]:
+        async with aiohttp.ClientSession() as session:
+            whole = asyncio.create_task(session.post(gateway + "/v1/chat/completions", json=chat(False, 2000, 50)))
+            await asyncio.to_thread(wait_until, lambda: leases(stack) == 1, what="the run on the provider")
+            with paused(redis_server):
+                proc.send(signal.SIGTERM)
+                answer = await whole
+                said = proc.output(400)  # (what the gateway had logged when its caller was answered)
+                body = await answer.json()
+                await asyncio.to_thread(proc.wait_for_line, "iop gateway stopped", 30)
+            return answer.status, body["error"], answer.headers.get("X-IOP-Run-Id"), said
+
+    status, error, run_id, said = asyncio.run(scenario())
+    assert status == 503 and error["code"] == "service_unavailable", error
+    assert "could not cancel yet" not in said, said  # (answered before the cancel waited for Redis)
+    assert run_id is not None
+    assert proc.stop(30) == 0 and "Traceback" not in proc.output(), proc.output()
+    wait_until(lambda: run_state(stack, run_id) == b"cancelled", what="the run cancelled")
+    wait_until(lambda: leases(stack) == 0, what="the slot to come back")
 
 
 def test_a_second_signal_cuts_the_grace_short(stack: Stack) -> None:

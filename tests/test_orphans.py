@@ -3,6 +3,7 @@ real processes (a gateway killed with SIGKILL while its callers' runs stream and
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import threading
@@ -12,14 +13,17 @@ from typing import Any
 
 import pytest
 import redis as sync_redis
+from aiohttp import web
 from redis.asyncio import Redis
 
 from common import keys
 from common.config import parse_config
 from common.scripts import Scripts
 from gateway import liveness
+from gateway.app import RUNS, build_app
+from gateway.take_back import Kept
 from scheduler.core import OUTAGE_GRACE, Scheduler
-from tests.conftest import Stack, wait_until
+from tests.conftest import Stack, async_wait_until, wait_until
 from tests.test_e2e import FAST_RUNTIME, pool_config, wait_available
 
 LIVENESS_MS = 1000  # (FAST_RUNTIME's scheduler_liveness_ms: the least it may be)
@@ -79,6 +83,26 @@ async def test_a_gateway_is_named_again_whenever_its_key_is_set_anew(redis: Redi
     assert await redis.exists(keys.gateway_alive("g1")) and await redis.hexists(keys.GATEWAYS, "g1")
     await liveness.forget(redis, "g1")
     assert not await redis.exists(keys.gateway_alive("g1"), keys.GATEWAYS)
+
+
+async def test_a_gateway_that_stops_with_cancels_redis_did_not_take_stays_named(redis_url: str) -> None:
+    """A stopping gateway forgets itself (its runs are its own to end), but not while it holds
+    cancels Redis did not take (Redis was away as its callers left, or as its stop cut their
+    requests): named, with a key that lapses, it has those runs cancelled by a scheduler as a dead
+    gateway's; forgotten, it was presumed alive, and they went on for nobody."""
+    config = parse_config(pool_config({"p": ("n1", "http://127.0.0.1:9", 1)}))
+    for kept in (False, True):
+        app = build_app(config, redis_url)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        gateway_id = app[RUNS].hub.gateway_id
+        async with Redis.from_url(redis_url) as redis:
+            named = functools.partial(redis.hexists, keys.GATEWAYS, gateway_id)
+            await async_wait_until(named, what="the gateway named")
+            if kept:  # (as `TakeBack.add` keeps it when Redis refuses the cancel; no task sends it here)
+                app[RUNS].take_back.kept["run_x"] = Kept("m", "the caller went away", float("inf"))
+            await runner.cleanup()
+            assert bool(await redis.hexists(keys.GATEWAYS, gateway_id)) is kept
 
 
 async def test_after_its_start_or_an_outage_a_scheduler_waits_its_grace_before_judging_gateways(
