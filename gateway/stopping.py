@@ -134,8 +134,7 @@ class Stopping:
             task.cancel()
         end = asyncio.get_running_loop().time() + END_S
         await asyncio.wait(pending, timeout=END_S)
-        await asyncio.sleep(0)  # (the cancels their ends handed over start: `leave_after`)
-        if self.leaving:
+        if self.leaving:  # (handed over by the requests that ended: `leave_after`)
             await asyncio.wait(set(self.leaving), timeout=max(end - asyncio.get_running_loop().time(), 0))
         if self.leaving:  # (Redis did not answer them: the gateway's stop says so, `gateway.app`)
             self.unsent = len(self.leaving)
