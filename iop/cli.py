@@ -68,10 +68,22 @@ def _metrics_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics port listens on (default 0.0.0.0)")
 
 
+def installed_version() -> str:
+    """The version of the installed `iop` distribution (`pyproject.toml`'s), or "unknown" when this
+    code runs from a checkout that was never installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("iop")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from iop import simulator
 
     parser = argparse.ArgumentParser(prog="iop", description="An open pool router for LLM serving.")
+    parser.add_argument("--version", action="version", version=f"iop {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")

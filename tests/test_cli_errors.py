@@ -382,3 +382,12 @@ def test_a_catalog_read_from_a_redis_no_worker_beats_in_says_that_redis_may_not_
     done = iop(command, "--config", DEMO, "--redis", redis_url)
     assert done.returncode == 0, done.stderr
     assert "--redis is not the pool's" in done.stderr and redis_url.split("//")[1] in done.stderr, done.stderr
+
+
+def test_iop_version_prints_the_installed_version() -> None:
+    """`iop --version`, which a new user's review looked for (and an operator's bug report wants)."""
+    import tomllib
+
+    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    done = subprocess.run([sys.executable, "-m", "iop", "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == f"iop {declared}\n", (done.stdout, done.stderr)
