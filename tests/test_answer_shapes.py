@@ -214,3 +214,38 @@ def test_a_chat_chunk_gets_what_openai_s_streams_have() -> None:
                                                     "prompt_tokens_details": None}})
     assert usage_only["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
     assert chunk_of({"usage": {"prompt_tokens": 1, "completion_tokens": 2}})["choices"] == []
+
+
+@pytest.mark.parametrize("said", [{"content": 5}, {"content": {"a": 1}}, {"content": True},
+                                  {"content": None, "refusal": 7}, {"content": "hi", "refusal": ["no"]}])
+def test_a_chat_text_that_is_not_text_is_the_provider_s_error(said: dict[str, Any]) -> None:
+    """As a legacy completion's `text`: a whole message's or a delta's `content` of 5 reached the
+    caller as a 200 OpenAI's schema refuses (the `openai` client's `message.content` was 5); the
+    fast path of a chunk already right in its other keys looks at its text too."""
+    with pytest.raises(ProviderError) as caught:
+        answer_shapes.chat({"choices": [{"index": 0, "message": {"role": "assistant", **said},
+                                         "finish_reason": "stop"}]}, "run1", 1, "p")
+    assert caught.value.retry is Retry.ELSEWHERE and caught.value.message.startswith("provider p ")
+    with pytest.raises(ProviderError) as caught:
+        answer_shapes.chat_chunks("run1", 1, "p")({"id": "chatcmpl-x", "object": "chat.completion.chunk",
+                                                   "created": 5, "choices": [{"index": 0, "delta": said,
+                                                                              "finish_reason": None}]})
+    assert caught.value.retry is Retry.ELSEWHERE and caught.value.message.startswith("provider p ")
+
+
+def test_a_chat_text_of_parts_or_null_is_left_as_it_came() -> None:
+    # (text parts, as Mistral's magistral answers: not this change's to refuse)
+    parts: list[dict[str, Any]] = [{"type": "text", "text": "hi"}]
+    answer: dict[str, Any] = {"choices": [{"index": 0, "message": {"role": "assistant", "content": parts},
+                                           "finish_reason": "stop"}]}
+    answer_shapes.chat(answer, "run1", 1, "p")
+    assert answer["choices"][0]["message"]["content"] == parts
+    assert chunk_of({"choices": [{"index": 0, "delta": {"content": None, "refusal": None}}]})["choices"][0][
+        "delta"] == {"content": None, "refusal": None}
+
+
+def test_a_tool_call_s_arguments_that_are_a_number_or_a_boolean_are_json_text() -> None:
+    answer = chat({"choices": [{"message": {"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": 12}},
+        {"id": "b", "type": "function", "function": {"name": "g", "arguments": True}}]}}]})
+    assert [c["function"]["arguments"] for c in answer["choices"][0]["message"]["tool_calls"]] == ["12", "true"]

@@ -221,7 +221,7 @@ def _chat_logprobs(choice: Json) -> None:
 def _tool_calls(calls: list[Any], run_id: str) -> None:
     """A whole message's tool calls as OpenAI's schema has them, where a server left out what can be
     filled: `type` (a function's), an `id` (the run's and the call's place, as a Response's calls
-    are named), arguments as JSON text (TGI gave them as an object)."""
+    are named), arguments as JSON text (TGI gave them as an object; a number or a boolean too)."""
     for place, call in enumerate(calls):
         if not isinstance(call, dict) or not isinstance(function := call.get("function"), dict):
             continue
@@ -229,16 +229,29 @@ def _tool_calls(calls: list[Any], run_id: str) -> None:
             call["type"] = "function"
         if not isinstance(call.get("id"), str) or not call["id"]:
             call["id"] = f"call_{run_id}_{place}"
-        if isinstance(function.get("arguments"), (dict, list)):
-            function["arguments"] = jsonio.dumps(function["arguments"]).decode()
+        if function.get("arguments") is not None and not isinstance(function["arguments"], str):
+            function["arguments"] = jsonio.dumps(function["arguments"]).decode()  # (an object, a number: as JSON text)
 
 
-def _message(choice: Json, run_id: str) -> bool:
+def _texts(said: Json, provider_id: str) -> None:
+    """ProviderError for a message or delta whose `content` is not text, null or a list of parts, or
+    whose `refusal` is not text or null (`5`, `{"a": 1}`): OpenAI's schema and its client's types
+    have text there (the `openai` client handed the caller a `content` of 5), and nothing in it can be
+    read as the answer, as a legacy completion's `text` that is not text."""
+    content, refusal = said.get("content"), said.get("refusal")
+    if not (content is None or isinstance(content, (str, list))) or not (refusal is None or isinstance(refusal, str)):
+        raise ProviderError(f"provider {provider_id} answered a chat completion whose content or refusal is not "
+                            "text", retry=Retry.ELSEWHERE, strikes=0)
+
+
+def _message(choice: Json, run_id: str, provider_id: str) -> bool:
     """A whole choice's `message` as OpenAI's schema has it: its `role` the assistant's, `content`
-    and `refusal` null when it has none, a null it cannot have left out. Whether it calls tools."""
+    and `refusal` null when it has none, a null it cannot have left out (ProviderError for text that
+    is not text, `_texts`). Whether it calls tools."""
     message = choice.get("message")
     if not isinstance(message, dict):
         message = choice["message"] = {}
+    _texts(message, provider_id)
     message["role"] = "assistant"
     if "content" not in message:
         message["content"] = None
@@ -259,7 +272,7 @@ def chat(answer: Json, run_id: str, created: int, provider_id: str) -> None:
     it; ProviderError when it cannot be."""
     _head(answer, CHAT_OBJECT, chat_id(run_id), created)
     for choice in answer["choices"]:
-        calls = _message(choice, run_id)
+        calls = _message(choice, run_id, provider_id)
         _chat_logprobs(choice)
         choice["finish_reason"] = _chat_reason(choice.get("finish_reason"), provider_id, whole=True, calls=calls)
     answer["choices"] = in_order(answer["choices"])
@@ -278,6 +291,7 @@ def _chat_choice(choice: Json, place: int, provider_id: str) -> None:
         choice["index"] = place
     if not isinstance(choice.get("delta"), dict):
         choice["delta"] = {}
+    _texts(choice["delta"], provider_id)
     if choice.get("logprobs") is not None:
         _chat_logprobs(choice)
 
@@ -315,7 +329,10 @@ def chat_chunks(run_id: str, created: int, provider_id: str) -> Callable[[Json],
         for choice in choices:
             reason = choice.get("finish_reason", missing)
             if (reason is not None and (reason.__class__ is not text or reason not in reasons)) \
-                    or choice.get("index").__class__ is not number or choice.get("delta").__class__ is not obj \
+                    or choice.get("index").__class__ is not number \
+                    or (delta := choice.get("delta")).__class__ is not obj \
+                    or ((content := delta.get("content")) is not None and content.__class__ is not text) \
+                    or ((refusal := delta.get("refusal")) is not None and refusal.__class__ is not text) \
                     or ((logprobs := choice.get("logprobs")) is not None
                         and (logprobs.__class__ is not obj or "refusal" not in logprobs or "content" not in logprobs)):
                 _chat_choice(choice, place, provider_id)
