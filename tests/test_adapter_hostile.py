@@ -1153,7 +1153,11 @@ async def test_ollama_s_done_is_true_only_when_it_is_and_a_last_line_without_its
      "with an embedding that is neither numbers"),
     ([{"index": 0, "embedding": [1.0, "x"]}, {"index": 1, "embedding": [1.0]}],
      "with an embedding that is neither numbers"),
-], ids=["too-few", "not-a-list", "null", "not-base64", "not-numbers"])
+    # (a hostile-provider review: 2 bytes are no 32-bit float, and the openai client's default call, which
+    # asks for base64 and decodes it, raised ValueError "bytes length not a multiple of item size" on the 200)
+    ([{"index": 0, "embedding": "AAAAAA=="}, {"index": 1, "embedding": "AAA="}],
+     "with a base64 embedding of 2 bytes, not 32-bit floats"),
+], ids=["too-few", "not-a-list", "null", "not-base64", "not-numbers", "not-floats"])
 async def test_an_embeddings_answer_the_caller_s_client_would_fail_on_is_the_provider_s_error(
         data: Any, problem: str, raw: Raw, session: aiohttp.ClientSession) -> None:
     """Found by an audit: one vector for two inputs came back as a 200."""

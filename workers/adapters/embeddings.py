@@ -1,9 +1,10 @@
 """What an embeddings answer must hold for the caller's client to take it.
 
 A provider's answer with fewer vectors than inputs, `data` that is not a list of objects, or an
-`embedding` that is neither a list of (finite) numbers (or of lists of them) nor base64 text would reach
-the caller as a 200 its client then fails on (`'str' object has no attribute 'embedding'`, "Incorrect padding"): it is
-the provider's error instead.
+`embedding` that is neither a list of (finite) numbers (or of lists of them) nor base64 text of
+32-bit floats (its bytes a multiple of 4) would reach the caller as a 200 its client then fails on
+(`'str' object has no attribute 'embedding'`, "Incorrect padding", "bytes length not a multiple of
+item size"): it is the provider's error instead.
 
 A caller that asked for `encoding_format: base64` gets base64 whatever the provider sent:
 llama-cpp-python's server ignores the field and answers numbers (`in_base64`).
@@ -16,6 +17,9 @@ import binascii
 import math
 import struct
 from typing import Any
+
+#: the bytes of each number of a base64 embedding (OpenAI's: little-endian 32-bit floats)
+FLOAT_BYTES = 4
 
 
 def count_problem(count: int, asked: int) -> str | None:
@@ -34,9 +38,11 @@ def embeddings_problem(answer: dict[str, Any], asked: int) -> str | None:
         vector = item.get("embedding")
         if isinstance(vector, str):
             try:
-                binascii.a2b_base64(vector, strict_mode=True)
+                packed = binascii.a2b_base64(vector, strict_mode=True)
             except ValueError:
                 return "with an embedding that is neither numbers nor base64"
+            if len(packed) % FLOAT_BYTES:  # ("AAA=": 2 bytes; the openai client's default call raised ValueError)
+                return f"with a base64 embedding of {len(packed)} bytes, not 32-bit floats"
         elif not isinstance(vector, list) or not (are_numbers(vector)
                                                   or all(is_number(x) or _are_numbers(x) for x in vector)):
             return "with an embedding that is neither numbers nor base64"
