@@ -249,3 +249,79 @@ def test_a_tool_call_s_arguments_that_are_a_number_or_a_boolean_are_json_text() 
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": 12}},
         {"id": "b", "type": "function", "function": {"name": "g", "arguments": True}}]}}]})
     assert [c["function"]["arguments"] for c in answer["choices"][0]["message"]["tool_calls"]] == ["12", "true"]
+
+
+def streamed(chunks: list[dict[str, Any]]) -> Any:
+    """The chunks of one stream shaped, then read by the `openai` client's stream helper: its whole answer."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    shape = answer_shapes.chat_chunks("run1", 1700000000, "p")
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        shape(chunk)
+        validate("CreateChatCompletionStreamResponse", {**chunk, "model": "m"})
+        state.handle_chunk(ChatCompletionChunk.model_validate({**chunk, "model": "m"}))
+    return state.get_final_completion()
+
+
+def call_chunk(*calls: Any, finish: str | None = None) -> dict[str, Any]:
+    return {"id": "c", "object": "chat.completion.chunk", "created": 1,
+            "choices": [{"index": 0, "delta": {"tool_calls": list(calls)}, "finish_reason": finish}]}
+
+
+def test_streamed_tool_calls_without_an_index_are_numbered_as_openai_s_are() -> None:
+    """Gemini's OpenAI-compatible endpoint streams each call whole in a chunk, without `index`: through
+    iop, the `openai` client's stream helper raised TypeError ("list delta entry `index` value is not
+    an integer"), and its chunks' `tool_calls[0].index` was None (a hostile-provider review)."""
+    final = streamed([
+        call_chunk({"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x":1}'}}),
+        call_chunk({"id": "b", "type": "function", "function": {"name": "g", "arguments": {"y": 2}}}),
+        call_chunk({"function": {"arguments": ""}}, finish="tool_calls")])  # (no id, no index: the last call's)
+    calls = final.choices[0].message.tool_calls
+    assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [
+        ("a", "f", '{"x":1}'), ("b", "g", '{"y":2}')]
+
+
+def test_streamed_tool_call_pieces_keep_their_index_and_go_on_with_their_call() -> None:
+    final = streamed([
+        call_chunk({"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": ""}}),
+        call_chunk({"index": 0, "function": {"arguments": '{"x"'}}),
+        call_chunk({"id": "b", "type": "function", "function": {"name": "g", "arguments": "{"}}),  # (no index)
+        call_chunk({"function": {"arguments": "}"}}, "nope", None),  # (not calls: left out)
+        call_chunk({"id": "a", "function": {"arguments": ":1}"}}, finish="tool_calls")])  # (its id's call)
+    calls = final.choices[0].message.tool_calls
+    assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [
+        ("a", "f", '{"x":1}'), ("b", "g", "{}")]
+
+
+def test_streamed_calls_already_right_are_left_as_they_came() -> None:
+    shape = answer_shapes.chat_chunks("run1", 1700000000, "p")
+    for chunk in [call_chunk({"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": ""}}),
+                  call_chunk({"index": 0, "function": {"arguments": "{}"}},
+                             {"index": 1, "id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}}),
+                  call_chunk({"index": 1, "function": {"arguments": ""}}, finish="tool_calls")]:
+        same = json.loads(json.dumps(chunk))
+        shape(chunk)
+        assert chunk == same
+
+
+def test_streamed_tool_calls_numbered_otherwise_than_openai_s_are_numbered_so() -> None:
+    """A call `index` of -1, or one past a gap (1000000), made the `openai` client's stream helper raise
+    IndexError; each call keeps its own pieces."""
+    final = streamed([
+        call_chunk({"index": -1, "id": "a", "type": "function", "function": {"name": "f", "arguments": "{"}}),
+        call_chunk({"index": 1000000, "id": "b", "type": "function", "function": {"name": "g", "arguments": "["}}),
+        call_chunk({"index": -1, "function": {"arguments": "}"}}, {"index": 1000000, "function": {"arguments": "]"}},
+                   finish="tool_calls")])
+    calls = final.choices[0].message.tool_calls
+    assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [("a", "f", "{}"), ("b", "g", "[]")]
+
+
+def test_streamed_calls_a_server_gives_the_same_index_are_calls_of_their_own() -> None:
+    """As the Responses API's stream tells them apart (`_call_key`): an id not seen that names its
+    function is a call of its own; the client had joined them into one call named "fg"."""
+    final = streamed([
+        call_chunk({"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}),
+        call_chunk({"index": 0, "id": "b", "type": "function", "function": {"name": "g", "arguments": "{"}}),
+        call_chunk({"index": 0, "id": "b2", "function": {"arguments": "}"}}, finish="tool_calls")])  # (its own id)
+    calls = final.choices[0].message.tool_calls
+    assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [("a", "f", "{}"), ("b", "g", "{}")]

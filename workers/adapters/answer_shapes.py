@@ -280,8 +280,86 @@ def chat(answer: Json, run_id: str, created: int, provider_id: str) -> None:
         _usage(answer, USAGE_PARTS)
 
 
-def _chat_choice(choice: Json, place: int, provider_id: str) -> None:
-    """The slow path of a chunk's choice (`chat_chunks`): what is wrong with it repaired."""
+#: the most tool call ids, and server's indices, a stream's choice remembers to number its calls
+#: (`StreamCalls`), and the most choices it does so for: a hostile server's million calls are not a
+#: million entries (past it, a call's piece is taken for the call written last, or a new one)
+MAX_CALL_IDS = 1024
+
+
+class StreamCalls:
+    """The tool calls of one choice of a stream so far, to number each streamed call as OpenAI's
+    chunks do (`index` 0, 1, 2, … in the order the calls begin), where its server gives none (Gemini's
+    OpenAI-compatible endpoint sends each call whole in a chunk, without one) or another (`-1`, a
+    gap: `1000000`): the `openai` client's stream helper raised TypeError ("list delta entry `index`
+    value is not an integer") or IndexError on them, and a caller reading deltas could not tell one
+    call's pieces from another's."""
+
+    __slots__ = ("ids", "indices", "named", "next", "last")
+
+    def __init__(self) -> None:
+        #: each id a call came with, and each `index` the server gave one -> the call's index here;
+        #: the index of the next call; that of the call written last
+        self.ids: dict[str, int] = {}
+        self.indices: dict[int, int] = {}
+        #: the calls here that came with an id
+        self.named: set[int] = set()
+        self.next = 0
+        self.last: int | None = None
+
+    def number(self, delta: Json) -> None:
+        """The delta's tool calls (a list of objects: anything else in it is left out), each with the
+        `index` of its call here: that of the call its server's `index` named before (but a piece
+        with an id not seen that names its function, where that call had an id, is a call of its
+        own: some servers give every call the same index, each whole); without one, its id's call,
+        if that came before; else a new call's when it has an index or an id not seen, else the
+        call written last's (a piece that goes on with it). An id a piece gives after its call's
+        first is left out (the client joins a call's pieces: its id read "aa"), and one that is not
+        text (`5`: OpenAI's schema has text); arguments given as
+        JSON (an object, a number) are JSON text, as a whole answer's (`_tool_calls`)."""
+        calls = delta["tool_calls"]
+        if not isinstance(calls, list):
+            del delta["tool_calls"]
+            return
+        if not all(isinstance(call, dict) for call in calls):
+            calls = delta["tool_calls"] = [call for call in calls if isinstance(call, dict)]
+        for call in calls:
+            said, given = call.get("index"), call.get("id")
+            said = said if _is_int(said) else None
+            named = isinstance(given, str) and given != ""
+            if said is not None and said in self.indices and not (
+                    named and given not in self.ids and self.indices[said] in self.named and _names(call)):
+                index = self.indices[said]
+            elif said is None and named and given in self.ids:
+                index = self.ids[given]
+            elif said is not None or named or self.last is None:
+                index, self.next = self.next, self.next + 1  # (a call of its own)
+                if said is not None and len(self.indices) < MAX_CALL_IDS:
+                    self.indices[said] = index  # (the index a server gives every call names the last)
+            else:
+                index = self.last
+            if said != index:
+                call["index"] = index
+            if (named and index in self.named) or not (named or given is None or given == ""):
+                del call["id"]  # (its call's id given: the client joins its pieces' ids, "aa"; or not text)
+            elif named and len(self.ids) < MAX_CALL_IDS:
+                self.ids[given] = index
+                self.named.add(index)
+            self.last = index
+            function = call.get("function")
+            if isinstance(function, dict) and function.get("arguments") is not None \
+                    and not isinstance(function["arguments"], str):
+                function["arguments"] = jsonio.dumps(function["arguments"]).decode()
+
+
+def _names(call: Json) -> bool:
+    """A streamed call's piece names its function."""
+    function = call.get("function")
+    return isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"] != ""
+
+
+def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, StreamCalls] | None = None) -> None:
+    """The slow path of a chunk's choice (`chat_chunks`): what is wrong with it repaired. `calls`: the
+    stream's tool calls so far of each choice (`StreamCalls`)."""
     reason = choice.get("finish_reason")
     if reason is not None and not (type(reason) is str and reason in CHAT_REASONS):
         choice["finish_reason"] = _chat_reason(reason, provider_id, whole=False)
@@ -292,16 +370,22 @@ def _chat_choice(choice: Json, place: int, provider_id: str) -> None:
     if not isinstance(choice.get("delta"), dict):
         choice["delta"] = {}
     _texts(choice["delta"], provider_id)
+    if calls is not None and choice["delta"].get("tool_calls") is not None:
+        # (a hostile server's million choice indices are not a million entries: past `MAX_CALL_IDS`, one more)
+        state = calls.get(choice["index"]) or (calls.setdefault(choice["index"], StreamCalls())
+                                               if len(calls) < MAX_CALL_IDS else StreamCalls())
+        state.number(choice["delta"])
     if choice.get("logprobs") is not None:
         _chat_logprobs(choice)
 
 
 def chat_chunks(run_id: str, created: int, provider_id: str) -> Callable[[Json], None]:
     """What makes a streamed chat completion's chunk (its `choices`, if any, a list of objects) what
-    OpenAI's streams have, in place: `object`, `id` and `created` (the run's: every chunk of a stream
-    has the same), each choice's `finish_reason` (null while it goes on), `index` and `delta`, its
-    logprobs as in `_chat_logprobs`; a usage as `_usage` has it, and a `"usage": null` (vLLM's on each
-    chunk when usage is asked for) left out. ProviderError when it cannot be (`_chat_reason`).
+    OpenAI's streams have, in place: `object`, `id` and `created` where it has none that will do (the
+    run's; one it has is kept, chunk by chunk), each choice's `finish_reason` (null while it goes on),
+    `index` and `delta`, its tool calls' `index` (`StreamCalls`), its logprobs as in `_chat_logprobs`;
+    a usage as `_usage` has it, and a `"usage": null` (vLLM's on each chunk when usage is asked for)
+    left out. ProviderError when it cannot be (`_chat_reason`, `_texts`).
 
     Every chunk of every stream passes here: one that is already right costs a few lookups (no copy,
     nothing made), and only a wrong one goes the slow way."""
@@ -309,6 +393,8 @@ def chat_chunks(run_id: str, created: int, provider_id: str) -> Callable[[Json],
     # (what the closure reads held in its cells, not looked up as globals and builtins each chunk; a
     # value's `__class__` read, not `type()` called: every value here came from JSON)
     kind, reasons, missing, text, number, obj = CHUNK_OBJECT, CHAT_REASONS, _MISSING, str, int, dict
+    #: the stream's tool calls so far, of each choice (a chunk that has some goes the slow way)
+    calls: dict[int, StreamCalls] = {}
 
     def shape(chunk: Json) -> None:
         if chunk.get("object") != kind or chunk.get("id").__class__ is not text \
@@ -333,9 +419,10 @@ def chat_chunks(run_id: str, created: int, provider_id: str) -> Callable[[Json],
                     or (delta := choice.get("delta")).__class__ is not obj \
                     or ((content := delta.get("content")) is not None and content.__class__ is not text) \
                     or ((refusal := delta.get("refusal")) is not None and refusal.__class__ is not text) \
+                    or delta.get("tool_calls") is not None \
                     or ((logprobs := choice.get("logprobs")) is not None
                         and (logprobs.__class__ is not obj or "refusal" not in logprobs or "content" not in logprobs)):
-                _chat_choice(choice, place, provider_id)
+                _chat_choice(choice, place, provider_id, calls)
             place += 1
 
     return shape
