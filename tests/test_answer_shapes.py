@@ -325,3 +325,22 @@ def test_streamed_calls_a_server_gives_the_same_index_are_calls_of_their_own() -
         call_chunk({"index": 0, "id": "b2", "function": {"arguments": "}"}}, finish="tool_calls")])  # (its own id)
     calls = final.choices[0].message.tool_calls
     assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [("a", "f", "{}"), ("b", "g", "{}")]
+
+
+def test_a_whole_message_s_entries_that_call_no_function_are_left_out() -> None:
+    """A provider's `tool_calls` holding "x" or a call without its function reached the caller as a 200
+    OpenAI's schema refuses (a hostile-provider review); one that is not a list too."""
+    answer = chat({"choices": [{"message": {"role": "assistant", "tool_calls": [
+        "x", None, {"type": "function"},
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}]})
+    assert [c["id"] for c in answer["choices"][0]["message"]["tool_calls"]] == ["a"]
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    answer = chat({"choices": [{"message": {"role": "assistant", "content": "hi", "tool_calls": 5}}]})
+    assert "tool_calls" not in answer["choices"][0]["message"] and answer["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_whole_tool_call_whose_name_is_not_text_is_the_provider_s_error() -> None:
+    with pytest.raises(ProviderError) as caught:
+        answer_shapes.chat({"choices": [{"message": {"role": "assistant", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": 7, "arguments": "{}"}}]}}]}, "run1", 1, "p")
+    assert caught.value.retry is Retry.ELSEWHERE and caught.value.message.startswith("provider p ")

@@ -218,19 +218,27 @@ def _chat_logprobs(choice: Json) -> None:
                         top.setdefault("bytes", None)
 
 
-def _tool_calls(calls: list[Any], run_id: str) -> None:
-    """A whole message's tool calls as OpenAI's schema has them, where a server left out what can be
-    filled: `type` (a function's), an `id` (the run's and the call's place, as a Response's calls
-    are named), arguments as JSON text (TGI gave them as an object; a number or a boolean too)."""
+def _tool_calls(calls: list[Json], run_id: str, provider_id: str) -> None:
+    """A whole message's tool calls (objects, each with its function's), as OpenAI's schema has them,
+    where a server left out what can be filled: `type` (a function's), an `id` (the run's and the
+    call's place, as a Response's calls are named), arguments as JSON text (TGI gave them as an
+    object; a number or a boolean too). ProviderError for a function's name that is not text."""
     for place, call in enumerate(calls):
-        if not isinstance(call, dict) or not isinstance(function := call.get("function"), dict):
-            continue
+        function = call["function"]
+        if function.get("name") is not None and not isinstance(function["name"], str):
+            raise ProviderError(f"provider {provider_id} answered a tool call whose function's name is not text",
+                                retry=Retry.ELSEWHERE, strikes=0)
         if "type" not in call:
             call["type"] = "function"
         if not isinstance(call.get("id"), str) or not call["id"]:
             call["id"] = f"call_{run_id}_{place}"
         if function.get("arguments") is not None and not isinstance(function["arguments"], str):
             function["arguments"] = jsonio.dumps(function["arguments"]).decode()  # (an object, a number: as JSON text)
+
+
+def _a_call(call: Any) -> bool:
+    """A whole message's tool call: an object with its function's (an object)."""
+    return isinstance(call, dict) and isinstance(call.get("function"), dict)
 
 
 def _texts(said: Json, provider_id: str) -> None:
@@ -247,7 +255,8 @@ def _texts(said: Json, provider_id: str) -> None:
 def _message(choice: Json, run_id: str, provider_id: str) -> bool:
     """A whole choice's `message` as OpenAI's schema has it: its `role` the assistant's, `content`
     and `refusal` null when it has none, a null it cannot have left out (ProviderError for text that
-    is not text, `_texts`). Whether it calls tools."""
+    is not text, `_texts`), tool calls that are not objects with a function's left out (a
+    `tool_calls` that is not a list too). Whether it calls tools."""
     message = choice.get("message")
     if not isinstance(message, dict):
         message = choice["message"] = {}
@@ -261,8 +270,13 @@ def _message(choice: Json, run_id: str, provider_id: str) -> bool:
         if name in message and message[name] is None:
             del message[name]
     calls = message.get("tool_calls")
+    if isinstance(calls, list) and not all(map(_a_call, calls)):
+        # (what is no call, or calls no function, says nothing a caller could run: left out)
+        calls = message["tool_calls"] = [c for c in calls if _a_call(c)]
+    elif calls is not None and not isinstance(calls, list):
+        del message["tool_calls"]
     if isinstance(calls, list) and calls:
-        _tool_calls(calls, run_id)
+        _tool_calls(calls, run_id, provider_id)
         return True
     return isinstance(message.get("function_call"), dict)
 
