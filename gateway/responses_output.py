@@ -178,6 +178,10 @@ class ResponseShape:
         self._last_call: CallKey | None = None
         self._finish: str | None = None
         self._usage: Any = None
+        #: the `index` of the chat choice the Response is made of: the first a chunk gave (0 from a server
+        #: as OpenAI numbers them; a server that numbers its one choice 5 had its text dropped, the
+        #: Response completed empty)
+        self._index: Any = None
 
     # -- the Response object
 
@@ -289,7 +293,11 @@ class ResponseShape:
                 if isinstance(chunk.get("usage"), dict):
                     self._usage = chunk["usage"]
                 for choice in _list(chunk.get("choices")):
-                    if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                    if not isinstance(choice, dict):
+                        continue
+                    if self._index is None:
+                        self._index = choice.get("index", 0)
+                    if choice.get("index", 0) == self._index:
                         self._choice(choice, out)
         except TooManyItems as exc:  # (the events of the items it holds go out before the error)
             exc.before = b"".join(out)

@@ -869,3 +869,19 @@ def test_a_response_holds_at_most_max_output_items(monkeypatch: pytest.MonkeyPat
     for event in events + ended:
         EVENTS.validate_python(event)
     assert len(ended[-1]["response"]["output"]) == 4
+
+
+@pytest.mark.parametrize("index", [5, -1, 2**63 + 1])
+def test_a_stream_whose_one_choice_is_not_numbered_0_keeps_its_text(index: int) -> None:
+    """A provider that streamed its one choice as index 5 had its text dropped: the Response completed
+    with an empty message (a hostile-provider review, real processes). The first choice a chunk gives is
+    the Response's; another after it is not."""
+    def at(delta: dict[str, Any], said: int, finish: str | None = None) -> dict[str, Any]:
+        made = chunk(delta, finish)
+        made["choices"][0]["index"] = said
+        return made
+
+    events = play([[at({"role": "assistant", "content": "he"}, index), at({"content": "llo"}, index),
+                    at({"content": "other"}, index + 1), at({}, index, finish="stop")]])
+    final = accumulated(events)
+    assert final is not None and final.output_text == "hello"
