@@ -11,6 +11,7 @@ import base64
 import gzip
 import json
 import logging
+import math
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -1654,6 +1655,20 @@ async def test_embeddings_asked_in_base64_come_in_base64_from_a_server_that_igno
     assert [d["embedding"] for d in answer["data"][1:]] == vectors[1:]
     answer = await adapter.complete(RunKind.EMBEDDING, {**body, "encoding_format": "float"}, "run_2")
     assert [d["embedding"] for d in answer["data"]] == vectors
+
+
+@pytest.mark.parametrize("asked", [{}, {"encoding_format": "float"}])
+async def test_embeddings_asked_as_numbers_come_as_numbers_from_a_server_that_answers_base64(
+        asked: dict[str, Any], raw: Raw, session: aiohttp.ClientSession) -> None:
+    """The other way round (a hostile-provider review): a caller that asked for numbers, or did not say
+    (OpenAI's default), got base64 text where its client's type has a list of floats. One holding a
+    NaN, which JSON cannot carry, stays as it came."""
+    packed = [base64.b64encode(struct.pack("<3f", *v)).decode() for v in ([0.5, -1.25, 3.0], [1.0, math.nan, 0.0])]
+    raw.answers["/v1/embeddings"] = whole("200 OK", json.dumps({"object": "list", "model": SERVED, "data": [
+        {"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(packed)]}).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    answer = await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": ["a", "b"], **asked}, "run_1")
+    assert [d["embedding"] for d in answer["data"]] == [[0.5, -1.25, 3.0], packed[1]]
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -7,7 +7,8 @@ A provider's answer with fewer vectors than inputs, `data` that is not a list of
 item size"): it is the provider's error instead.
 
 A caller that asked for `encoding_format: base64` gets base64 whatever the provider sent:
-llama-cpp-python's server ignores the field and answers numbers (`in_base64`).
+llama-cpp-python's server ignores the field and answers numbers (`in_base64`); one that asked for
+numbers gets numbers (`in_numbers`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,20 @@ def base64_vector(vector: list[float]) -> str:
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
     except (OverflowError, struct.error):
         raise ValueError("an embedding beyond 32-bit floats") from None
+
+
+def in_numbers(answer: dict[str, Any]) -> None:
+    """Write the embeddings of a checked answer (`embeddings_problem`) that came as base64 as numbers,
+    in place, for a caller that asked for numbers (OpenAI's default): a server that answers base64
+    whatever it is asked handed such a caller a string where its client's type has a list of floats.
+    One holding a NaN or an infinity (which JSON cannot carry) stays as it came."""
+    for item in answer["data"]:
+        vector = item["embedding"]
+        if isinstance(vector, str):
+            packed = base64.b64decode(vector)
+            numbers = list(struct.unpack(f"<{len(packed) // FLOAT_BYTES}f", packed))
+            if all(map(math.isfinite, numbers)):
+                item["embedding"] = numbers
 
 
 def in_base64(answer: dict[str, Any]) -> None:

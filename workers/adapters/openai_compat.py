@@ -49,7 +49,7 @@ from common.wire import ErrorCode, RunKind, callers_fault
 from workers.adapters import answer_shapes, sending
 from workers.adapters.base import DEFAULT_LIMITS, LastRead, ProbeResult, ProviderError, ReadLimits, Retry
 from workers.adapters.credentials import Credentials
-from workers.adapters.embeddings import embeddings_problem, in_base64
+from workers.adapters.embeddings import embeddings_problem, in_base64, in_numbers
 from workers.adapters.failures import (
     MAX_FIELD_CHARS,
     another_may,
@@ -676,8 +676,8 @@ class OpenAICompatAdapter:
         if problem:
             raise ProviderError(f"provider {self.provider.id} answered embeddings {problem}", retry=Retry.ELSEWHERE,
                                 strikes=0)
-        if kind is RunKind.EMBEDDING and body.get("encoding_format") == "base64":
-            in_base64(data)  # (a server that ignores the field answers numbers)
+        if kind is RunKind.EMBEDDING:  # (a server that ignores the field answers numbers, or base64)
+            (in_base64 if body.get("encoding_format") == "base64" else in_numbers)(data)
         if kind is RunKind.EMBEDDING:
             answer_shapes.embeddings(data)
         elif kind is RunKind.COMPLETION:
