@@ -76,6 +76,16 @@ async def health(redis: Redis) -> str:
     return ((await redis.hget(keys.heartbeat("p"), "health")) or b"").decode()
 
 
+async def more_probes(adapter: Probed, count: int, timeout: float = 15.0) -> None:
+    """Wait until `adapter` has been probed `count` more times than now."""
+    probes = adapter.calls
+
+    async def probed() -> bool:
+        return adapter.calls >= probes + count
+
+    await async_wait_until(probed, timeout, what=f"{count} more probes")
+
+
 async def until_health(redis: Redis, expected: str) -> None:
     async def check() -> bool:
         return await health(redis) == expected
@@ -111,12 +121,7 @@ async def test_a_probe_that_fails_in_the_worker_is_recorded_and_the_next_one_run
     with caplog.at_level(logging.ERROR, logger="iop.worker"):
         await until_health(redis, "unknown")
         assert await redis.hget(keys.heartbeat("p"), "reason") == b"the probe failed in the worker (RecursionError)"
-        probes = adapter.calls
-
-        async def probed_twice_more() -> bool:
-            return adapter.calls >= probes + 2
-
-        await async_wait_until(probed_twice_more, what="two more probes")
+        await more_probes(adapter, 2)
     # (its traceback once, not at every probe: a helper counted 32 a minute)
     assert [r.getMessage() for r in caplog.records if r.exc_info] == [
         "probe of p failed (logged once; its heartbeat's reason says so while it lasts)"]
@@ -131,9 +136,7 @@ async def test_a_busy_provider_whose_probe_times_out_stays_available(
     await until_health(redis, "available")
     await hold_slot(redis)
     adapter.hang = True
-    calls = adapter.calls
-    await async_wait_until(lambda: asyncio.sleep(0, adapter.calls >= calls + 3), timeout=20,
-                           what="three probes timing out")
+    await more_probes(adapter, 3, timeout=20)  # (each timing out)
     assert await health(redis) == "available"
     assert int(await redis.hget(keys.heartbeat("p"), "fails") or 0) == 0
 
@@ -478,12 +481,7 @@ async def test_a_served_name_the_provider_does_not_list_is_warned_of_once_and_it
     beats, adapter = beating
     with caplog.at_level(logging.INFO, logger="iop.worker"):
         adapter.result = ProbeResult(Health.AVAILABLE, "", ["other"], strikes=0)
-        probes = adapter.calls
-
-        async def probed_thrice_more() -> bool:
-            return adapter.calls >= probes + 3
-
-        await async_wait_until(probed_thrice_more, what="three probes")
+        await more_probes(adapter, 3)
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert warned == ["provider p does not list 'served', which its config gives it: no run of that model goes "
                           "there (check the served name in the config, or the server's models)"], warned
@@ -504,12 +502,7 @@ async def test_a_served_name_the_provider_lists_in_another_case_is_named_in_the_
     beats, adapter = beating
     with caplog.at_level(logging.INFO, logger="iop.worker"):
         adapter.result = ProbeResult(Health.AVAILABLE, "", ["other", "SERVED"], strikes=0)
-        probes = adapter.calls
-
-        async def probed_once_more() -> bool:
-            return adapter.calls >= probes + 1
-
-        await async_wait_until(probed_once_more, what="a probe")
+        await more_probes(adapter, 1)
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert warned == ["provider p does not list 'served' (it lists 'SERVED'), which its config gives it: no run "
                           "of that model goes there (check the served name in the config, or the server's models)"
