@@ -204,6 +204,11 @@ class KeyRing:
             raise UnresolvedKeys(errors)
         return cls(entries)
 
+    def replace(self, other: KeyRing) -> None:
+        """Take `other`'s keys in place of these, at once (the requests that come after are let in, or
+        not, by them; one already in keeps the principal it was let in as)."""
+        self.entries, self.principals = other.entries, other.principals
+
     def lookup(self, presented: str) -> Principal | None:
         """The principal of a presented key, or None. Compares against every key, in constant time."""
         digest = _digest(presented)

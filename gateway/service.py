@@ -6,6 +6,7 @@ import asyncio
 import logging
 import resource
 from collections.abc import Mapping
+from pathlib import Path
 
 from aiohttp import web
 from redis.asyncio import Redis
@@ -21,6 +22,7 @@ from gateway.admission import TRIAGE_SLOTS, ConnectionGuard, ConnectionLimits
 from gateway.app import RUNS, STOPPING, build_app
 from gateway.auth import is_loopback
 from gateway.connections import GuardedSite
+from gateway.keys_reload import follow_keys
 from gateway.stopping import stop_serving
 
 log = logging.getLogger("iop.gateway")
@@ -98,10 +100,11 @@ async def _refused_database(redis: Redis) -> None:
 
 
 async def serve(config: Config, redis_url: str, host: str, port: int, keyring: KeyRing | None = None,
-                grace_s: float = DEFAULT_GRACE_S) -> None:
+                grace_s: float = DEFAULT_GRACE_S, config_path: Path | None = None) -> None:
     """Serve until SIGTERM/SIGINT; then stop listening and give the run requests in flight
-    `grace_s` seconds to end, or until a second SIGTERM/SIGINT (`gateway.stopping`)."""
-    config = _fitted(config, raise_file_limit())
+    `grace_s` seconds to end, or until a second SIGTERM/SIGINT (`gateway.stopping`). The keys follow
+    the file at `config_path` (`gateway.keys_reload`)."""
+    started, config = config, _fitted(config, raise_file_limit())
     stop = stop_event()
     app = build_app(config, redis_url, keyring)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=CLEANUP_TIMEOUT_S)
@@ -121,9 +124,14 @@ async def serve(config: Config, redis_url: str, host: str, port: int, keyring: K
         raise cannot_listen("", host, port, exc) from None
     bound = runner.addresses[0][1] if runner.addresses else port
     ready(f"iop gateway listening on http://{listen_address(host, bound)}")
+    following = None if keyring is None or config_path is None else asyncio.create_task(
+        follow_keys(config_path, started, keyring), name="keys")
     try:
         await stop.wait()
     finally:
+        if following is not None:
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
         stop.clear()  # (a second SIGTERM or SIGINT sets it again: the grace is cut short)
         await stop_serving(runner, app[STOPPING], grace_s, cut=stop)
         await runner.cleanup()

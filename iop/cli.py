@@ -7,6 +7,7 @@ import math
 import os
 import sys
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 DEFAULT_CONFIG = "iop.yaml"
@@ -309,7 +310,7 @@ def _command(args: argparse.Namespace) -> None:
 
         keyring = keyring_for(config, args.host, args.allow_anonymous, os.environ)  # type: ignore[arg-type]
         _serve(serve_gateway(config, args.redis, args.host, args.port, keyring,  # type: ignore[arg-type]
-                             args.grace))
+                             args.grace, Path(args.config)))
     elif args.command == "scheduler":
         from scheduler.service import serve as serve_scheduler
 

@@ -1,0 +1,89 @@
+"""The gateway's API keys follow its config file: an edit of `auth.keys` (a key added or revoked, its
+role, models or limits changed) takes effect within `RELOAD_EVERY_S`, on every gateway that reads
+that file, without the restart that cut the streams in flight after their grace.
+
+The file is looked at (its `stat`: a save in place, an editor's rename, a Kubernetes ConfigMap's
+swapped link) every `RELOAD_EVERY_S`; when it changed, it is read and checked whole, as at the start.
+A file that is not a valid config, has no `auth` section any more, or whose keys do not resolve (an
+`env` key whose variable this process lacks: its environment is the one it started with) leaves the
+keys as they were, with an ERROR saying why. Only `auth.keys` is taken: a change elsewhere in the
+file takes effect at the next start, and a WARNING says so."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from common.auth import KeyRing, UnresolvedKeys
+from common.config import Config, ConfigError, load_config
+
+log = logging.getLogger("iop.gateway")
+
+#: How often the config file is looked at for a change (a `stat`, no read)
+RELOAD_EVERY_S = 2.0
+#: The most errors of a changed file the ERROR line names
+SHOWN_ERRORS = 5
+
+Seen = tuple[int, int, int] | None
+
+
+def seen(path: Path) -> Seen:
+    """What tells one version of the file from another (None: it cannot be read now)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def reload_keys(path: Path, started: Config, ring: KeyRing, environ: Mapping[str, str]) -> bool:
+    """Take the keys of the config at `path` into `ring` if it is a valid one with resolvable keys
+    (`started`: the config the gateway started with, to say what else changed). Whether it did."""
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        more = f" (and {len(exc.errors) - SHOWN_ERRORS} more)" if len(exc.errors) > SHOWN_ERRORS else ""
+        log.error("%s changed, but is not a valid config: the API keys stay as they were: %s%s", path,
+                  "; ".join(exc.errors[:SHOWN_ERRORS]), more)
+        return False
+    if config.auth is None:
+        log.error("%s changed and has no auth section now: the API keys stay as they were (serving without keys "
+                  "takes a restart)", path)
+        return False
+    try:
+        keys = KeyRing.from_config(config.auth, environ)
+    except UnresolvedKeys as exc:
+        log.error("%s changed, but its keys do not resolve in this gateway: the API keys stay as they were: %s",
+                  path, "; ".join(exc.errors[:SHOWN_ERRORS]))
+        return False
+    # (each name's secret and what it may do: a key given another secret is changed too, its holder's
+    # old key no longer letting it in)
+    before = {p.name: (digest, p) for digest, p in ring.entries}
+    after = {p.name: (digest, p) for digest, p in keys.entries}
+    added = sorted(after.keys() - before.keys())
+    removed = sorted(before.keys() - after.keys())
+    changed = sorted(n for n in before.keys() & after.keys() if before[n] != after[n])
+    ring.replace(keys)
+    if added or removed or changed:
+        log.warning("API keys reloaded from %s: %d keys (added: %s; removed: %s; changed: %s)", path,
+                    len(keys.entries), ", ".join(added) or "none", ", ".join(removed) or "none",
+                    ", ".join(changed) or "none")
+    if config.model_copy(update={"auth": None}) != started.model_copy(update={"auth": None}):
+        log.warning("%s changed outside auth.keys too: those changes take effect when the gateway restarts", path)
+    return True
+
+
+async def follow_keys(path: Path, started: Config, ring: KeyRing, environ: Mapping[str, str] = os.environ,
+                      every_s: float = RELOAD_EVERY_S) -> None:
+    """Reload the keys whenever the file changes, until cancelled."""
+    last = seen(path)
+    while True:
+        await asyncio.sleep(every_s)  # (a poll: nothing tells a process that a file changed)
+        now = seen(path)
+        if now is None or now == last:  # (gone for a moment, as a save by rename makes it: looked at again)
+            continue
+        last = now
+        reload_keys(path, started, ring, environ)

@@ -1,0 +1,122 @@
+"""The gateway's API keys follow its config file (`gateway.keys_reload`): a key added or revoked
+without the restart that cut every stream in flight after its grace (a new user's review)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from common.auth import KeyRing, hash_key
+from common.config import load_config
+from gateway.keys_reload import reload_keys
+from tests.conftest import Stack, wait_until
+from tests.test_e2e import pool_config
+
+OLD, NEW = "sk-old-key-1b2c3d", "sk-new-key-4e5f6a"
+
+
+def with_keys(*keys: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    config = pool_config({"p": ("n1", "http://127.0.0.1:9", 1)})
+    config["auth"] = {"keys": list(keys)}
+    config.update(changes)
+    return config
+
+
+def key(name: str, secret: str, **more: Any) -> dict[str, Any]:
+    return {"name": name, "sha256": hash_key(secret), **more}
+
+
+def write(path: Path, config: dict[str, Any] | str) -> None:
+    """As an editor saves: a new file renamed over the old one."""
+    fresh = path.with_suffix(".new")
+    fresh.write_text(config if isinstance(config, str) else yaml.safe_dump(config, sort_keys=False))
+    os.replace(fresh, path)
+
+
+@pytest.fixture
+def started(tmp_path: Path) -> tuple[Path, Any, KeyRing]:
+    path = tmp_path / "iop.yaml"
+    write(path, with_keys(key("team-a", OLD), key("ops", "sk-ops-9z8y7x", role="operator")))
+    config = load_config(path)
+    assert config.auth is not None
+    return path, config, KeyRing.from_config(config.auth, {})
+
+
+def test_a_key_added_and_one_revoked_take_effect_and_are_named(
+        started: tuple[Path, Any, KeyRing], caplog: pytest.LogCaptureFixture) -> None:
+    path, config, ring = started
+    write(path, with_keys(key("team-b", NEW, models=["qwen3.6:35b"]), key("ops", "sk-ops-9z8y7x", role="caller")))
+    with caplog.at_level(logging.INFO, "iop.gateway"):
+        assert reload_keys(path, config, ring, {})
+    assert ring.lookup(OLD) is None
+    who = ring.lookup(NEW)
+    assert who is not None and who.name == "team-b" and who.models == frozenset({"qwen3.6:35b"})
+    assert [r.getMessage() for r in caplog.records] == [
+        f"API keys reloaded from {path}: 2 keys (added: team-b; removed: team-a; changed: ops)"]
+
+
+def test_a_key_given_another_secret_lets_in_only_the_new_one(started: tuple[Path, Any, KeyRing]) -> None:
+    path, config, ring = started
+    write(path, with_keys(key("team-a", NEW), key("ops", "sk-ops-9z8y7x", role="operator")))
+    assert reload_keys(path, config, ring, {})
+    assert ring.lookup(OLD) is None and ring.lookup(NEW) is not None
+
+
+@pytest.mark.parametrize(("edit", "said"), [
+    ("models: [oops", "is not a valid config: the API keys stay as they were:"),
+    (with_keys(key("team-a", NEW, models=["nope"])), "auth.keys[0].models[0]: model 'nope' is not defined"),
+    (pool_config({"p": ("n1", "http://127.0.0.1:9", 1)}), "has no auth section now: the API keys stay as they were"),
+    (with_keys({"name": "team-a", "env": "IOP_TEST_UNSET_KEY"}),
+     "its keys do not resolve in this gateway: the API keys stay as they were: auth.keys[0].env: the environment "
+     "variable IOP_TEST_UNSET_KEY is not set"),
+], ids=["not-yaml", "invalid", "no-auth", "unresolved"])
+def test_a_change_that_cannot_be_taken_leaves_the_keys_and_says_why(
+        started: tuple[Path, Any, KeyRing], edit: Any, said: str, caplog: pytest.LogCaptureFixture) -> None:
+    path, config, ring = started
+    write(path, edit)
+    with caplog.at_level(logging.INFO, "iop.gateway"):
+        assert not reload_keys(path, config, ring, {})
+    assert ring.lookup(OLD) is not None and ring.lookup(NEW) is None
+    (record,) = caplog.records
+    assert record.levelname == "ERROR" and said in record.getMessage(), record.getMessage()
+
+
+def test_a_change_outside_the_keys_is_said_to_wait_for_a_restart(
+        started: tuple[Path, Any, KeyRing], caplog: pytest.LogCaptureFixture) -> None:
+    path, config, ring = started
+    write(path, with_keys(key("team-a", OLD), key("ops", "sk-ops-9z8y7x", role="operator"),
+                          queue={"max_queue": 7}))
+    with caplog.at_level(logging.INFO, "iop.gateway"):
+        assert reload_keys(path, config, ring, {})
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", f"{path} changed outside auth.keys too: those changes take effect when the gateway restarts")]
+
+
+def test_a_running_gateway_takes_a_new_key_and_drops_a_revoked_one(stack: Stack) -> None:
+    """A real gateway process, its config file saved anew as an editor does."""
+    stack.write_config(with_keys(key("team-a", OLD)))
+    gateway = stack.gateway()
+    proc = stack.procs[-1]
+
+    def status(secret: str) -> int:
+        asked = urllib.request.Request(gateway + "/v1/models", headers={"Authorization": f"Bearer {secret}"})
+        try:
+            with urllib.request.urlopen(asked, timeout=10) as answer:
+                return int(answer.status)
+        except urllib.error.HTTPError as refused:
+            return refused.code
+
+    assert (status(OLD), status(NEW)) == (200, 401)
+    write(stack.config_path, with_keys(key("team-b", NEW)))
+    wait_until(lambda: (status(OLD), status(NEW)) == (401, 200), what="the new key in, the old one out")
+    assert proc.wait_for_line(r"API keys reloaded from \S+: 1 keys \(added: team-b; removed: team-a; changed: none\)")
+    write(stack.config_path, "auth: [")
+    proc.wait_for_line(r"is not a valid config: the API keys stay as they were")
+    assert (status(OLD), status(NEW)) == (401, 200)
