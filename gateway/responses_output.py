@@ -37,8 +37,11 @@ class TooManyItems(Exception):
     stream's events made before it, of the items the Response holds."""
 
     def __init__(self) -> None:
+        # (another try would only make as many again: the official clients are told so, as for the worker's
+        # own output_too_large, `common.api_error.NOT_WORTH_RETRYING`)
         self.error = ApiError(ErrorCode.OUTPUT_TOO_LARGE, f"the provider's answer would make a Response of more "
-                              f"than {MAX_OUTPUT_ITEMS} output items (reasoning, message and function_call items)")
+                              f"than {MAX_OUTPUT_ITEMS} output items (reasoning, message and function_call items)",
+                              headers={"x-should-retry": "false"})
         self.before = b""
         super().__init__(self.error.message)
 

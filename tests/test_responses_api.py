@@ -857,6 +857,7 @@ def test_a_response_holds_at_most_max_output_items(monkeypatch: pytest.MonkeyPat
         shape().whole(completion({"content": "x", "tool_calls": calls}))
     error = whole.value.error
     assert error.code is ErrorCode.OUTPUT_TOO_LARGE and "more than 4 output items" in error.message
+    assert error.headers == {"x-should-retry": "false"}  # (as the worker's own output_too_large says it)
     streamed = shape(stream=True)
     alternating = [chunk({"reasoning_content": "a", "content": "b"}) for _ in range(3)]
     with pytest.raises(responses_output.TooManyItems) as cut:
