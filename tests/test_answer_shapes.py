@@ -344,3 +344,39 @@ def test_a_whole_tool_call_whose_name_is_not_text_is_the_provider_s_error() -> N
         answer_shapes.chat({"choices": [{"message": {"role": "assistant", "tool_calls": [
             {"id": "a", "type": "function", "function": {"name": 7, "arguments": "{}"}}]}}]}, "run1", 1, "p")
     assert caught.value.retry is Retry.ELSEWHERE and caught.value.message.startswith("provider p ")
+
+
+
+def piece(name: str | None, arguments: str, **given: Any) -> dict[str, Any]:
+    return {**given, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_a_name_a_call_s_pieces_repeat_is_its_name_once() -> None:
+    """llama-cpp-python's server (its chatml-function-calling and a named tool_choice) and Fireworks
+    give each piece of a call its id, type and function's name again: through iop the ids were made
+    right, but the `openai` client's stream helper joined the names ("get_weatherget_weather…"), and a
+    caller answering the call named a function it does not have."""
+    final = streamed([
+        call_chunk(piece("get_weather", "", index=0, id="call_a")),
+        *[call_chunk(piece("get_weather", p, index=0, id="call_a")) for p in ('{"city"', ': "Paris"}')],
+        call_chunk(piece("get_time", "{}", index=1, id="call_b")),
+        call_chunk(piece("get_time", "", index=1, id="call_b"), finish="tool_calls")])
+    calls = final.choices[0].message.tool_calls
+    assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [
+        ("call_a", "get_weather", '{"city": "Paris"}'), ("call_b", "get_time", "{}")]
+
+
+@pytest.mark.parametrize("chunks", [
+    [call_chunk(piece("get_weather", '{"city": "Paris"}', id=""), piece("get_time", '{"tz": "UTC"}', id="")),
+     call_chunk(finish="tool_calls")],
+    [call_chunk(piece("get_weather", '{"city": "Paris"}')), call_chunk(piece("get_time", '{"tz": "UTC"}')),
+     call_chunk({"function": {"arguments": ""}}, finish="tool_calls")],
+])
+def test_whole_calls_without_an_index_or_an_id_are_calls_of_their_own(chunks: list[dict[str, Any]]) -> None:
+    """Gemini's OpenAI-compatible endpoint sends each call whole, without an index, and its ids may be
+    empty: two such calls (in one chunk or two) were numbered as one, and the caller got one call
+    named "get_weatherget_time" whose arguments were '{"city": "Paris"}{"tz": "UTC"}' (the Responses
+    API's stream one function_call item with both arguments)."""
+    calls = streamed(chunks).choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "UTC"}')]

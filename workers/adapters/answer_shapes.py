@@ -308,15 +308,16 @@ class StreamCalls:
     value is not an integer") or IndexError on them, and a caller reading deltas could not tell one
     call's pieces from another's."""
 
-    __slots__ = ("ids", "indices", "named", "next", "last")
+    __slots__ = ("ids", "indices", "named", "names", "next", "last")
 
     def __init__(self) -> None:
         #: each id a call came with, and each `index` the server gave one -> the call's index here;
         #: the index of the next call; that of the call written last
         self.ids: dict[str, int] = {}
         self.indices: dict[int, int] = {}
-        #: the calls here that came with an id
+        #: the calls here that came with an id; the name each call's function was first given
         self.named: set[int] = set()
+        self.names: dict[int, str] = {}
         self.next = 0
         self.last: int | None = None
 
@@ -326,10 +327,13 @@ class StreamCalls:
         with an id not seen that names its function, where that call had an id, is a call of its
         own: some servers give every call the same index, each whole); without one, its id's call,
         if that came before; else a new call's when it has an index or an id not seen, else the
-        call written last's (a piece that goes on with it). An id a piece gives after its call's
-        first is left out (the client joins a call's pieces: its id read "aa"), and one that is not
-        text (`5`: OpenAI's schema has text); arguments given as
-        JSON (an object, a number) are JSON text, as a whole answer's (`_tool_calls`)."""
+        call written last's (a piece that goes on with it), but one that names its function after
+        that call was named is a call of its own (Gemini's whole calls, their ids empty). An id a
+        piece gives after its call's first is left out (the client joins a call's pieces: its id
+        read "aa"), and one that is not text (`5`: OpenAI's schema has text); so is the name its
+        call's function was given first, given again (llama-cpp-python's server and Fireworks give
+        each piece its call's id and name: the client read "ff"); arguments given as JSON (an
+        object, a number) are JSON text, as a whole answer's (`_tool_calls`)."""
         calls = delta["tool_calls"]
         if not isinstance(calls, list):
             del delta["tool_calls"]
@@ -345,7 +349,7 @@ class StreamCalls:
                 index = self.indices[said]
             elif said is None and named and given in self.ids:
                 index = self.ids[given]
-            elif said is not None or named or self.last is None:
+            elif said is not None or named or self.last is None or (self.last in self.names and _names(call)):
                 index, self.next = self.next, self.next + 1  # (a call of its own)
                 if said is not None and len(self.indices) < MAX_CALL_IDS:
                     self.indices[said] = index  # (the index a server gives every call names the last)
@@ -360,8 +364,15 @@ class StreamCalls:
                 self.named.add(index)
             self.last = index
             function = call.get("function")
-            if isinstance(function, dict) and function.get("arguments") is not None \
-                    and not isinstance(function["arguments"], str):
+            if not isinstance(function, dict):
+                continue
+            if _names(call):
+                first = self.names.get(index)
+                if first == function["name"]:
+                    del function["name"]  # (its call's name again: the client joins its pieces' names, "ff")
+                elif first is None and len(self.names) < MAX_CALL_IDS:
+                    self.names[index] = function["name"]
+            if function.get("arguments") is not None and not isinstance(function["arguments"], str):
                 function["arguments"] = jsonio.dumps(function["arguments"]).decode()
 
 
