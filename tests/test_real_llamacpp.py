@@ -369,6 +369,29 @@ def test_responses_api_answers_equal_the_servers_own_chat_answers(real: Real) ->
         done[0]["arguments"] and "Oslo" in done[0]["arguments"]
 
 
+
+def test_a_streamed_tool_call_reads_as_the_servers_call(real: Real) -> None:
+    """This server (a named tool_choice) gives each streamed piece of the call its id and its
+    function's name again: the `openai` client's stream helper joined them, from the server and
+    through iop before ("get_weatherget_weather…"). Through iop it reads one call, its id and name
+    as the server gave them, its arguments the server's whole answer's."""
+    _, body = CASES["chat-tool"]
+
+    async def calls() -> Any:
+        async with openai.AsyncOpenAI(base_url=real.gateway + "/v1", api_key="unused", max_retries=0) as client:
+            async with client.chat.completions.stream(model="smollm2", **body) as stream:
+                async for _ in stream:
+                    pass
+                return (await stream.get_final_completion()).choices[0].message.tool_calls
+
+    real.prime()
+    through = asyncio.run(calls())
+    whole = real.direct["chat-tool"]["choices"][0]["message"]["tool_calls"][0]
+    assert [(c.function.name, c.function.arguments) for c in through] == [
+        ("get_weather", whole["function"]["arguments"])], through
+    assert through[0].id.startswith("call_") and through[0].id.count("call_") == 1, through[0].id
+
+
 COLOUR_SCHEMA = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
                  "required": ["colour"], "additionalProperties": False}
 
