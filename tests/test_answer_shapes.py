@@ -197,6 +197,19 @@ def test_a_chat_chunk_already_right_is_left_as_it_came() -> None:
     assert chunk_of(chunk) == same
 
 
+def test_a_chat_chunk_with_no_tool_calls_in_a_list_goes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some servers give each text chunk `"tool_calls": []` (Foundry Local): OpenAI's schema has it, and
+    it calls nothing; since tool calls were numbered (`StreamCalls`) every such chunk went the slow path."""
+    slow: list[Any] = []
+    monkeypatch.setattr(answer_shapes, "_chat_choice", lambda *given: slow.append(given))
+    chunk = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 5, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "hi", "tool_calls": []}, "logprobs": None,
+                          "finish_reason": None}]}
+    same = json.loads(json.dumps(chunk))
+    answer_shapes.chat_chunks("run1", 1700000000, "p")(chunk)
+    assert chunk == same and slow == []
+
+
 def test_a_chat_chunk_gets_what_openai_s_streams_have() -> None:
     chunk = chunk_of({"choices": [{"delta": {"content": "hel"}},
                                   {"index": 1, "finish_reason": "eos_token", "logprobs": {"content": []}}],

@@ -417,8 +417,9 @@ def chat_chunks(run_id: str, created: int, provider_id: str) -> Callable[[Json],
 
     # (what the closure reads held in its cells, not looked up as globals and builtins each chunk; a
     # value's `__class__` read, not `type()` called: every value here came from JSON)
-    kind, reasons, missing, text, number, obj = CHUNK_OBJECT, CHAT_REASONS, _MISSING, str, int, dict
-    #: the stream's tool calls so far, of each choice (a chunk that has some goes the slow way)
+    kind, reasons, missing, text, number, obj, array = CHUNK_OBJECT, CHAT_REASONS, _MISSING, str, int, dict, list
+    #: the stream's tool calls so far, of each choice (a chunk that has some goes the slow way; an empty
+    #: list of them, as some servers give every text chunk, says none)
     calls: dict[int, StreamCalls] = {}
 
     def shape(chunk: Json) -> None:
@@ -444,7 +445,7 @@ def chat_chunks(run_id: str, created: int, provider_id: str) -> Callable[[Json],
                     or (delta := choice.get("delta")).__class__ is not obj \
                     or ((content := delta.get("content")) is not None and content.__class__ is not text) \
                     or ((refusal := delta.get("refusal")) is not None and refusal.__class__ is not text) \
-                    or delta.get("tool_calls") is not None \
+                    or ((tools := delta.get("tool_calls")) is not None and (tools.__class__ is not array or tools)) \
                     or ((logprobs := choice.get("logprobs")) is not None
                         and (logprobs.__class__ is not obj or "refusal" not in logprobs or "content" not in logprobs)):
                 _chat_choice(choice, place, provider_id, calls)
