@@ -393,3 +393,14 @@ def test_whole_calls_without_an_index_or_an_id_are_calls_of_their_own(chunks: li
     calls = streamed(chunks).choices[0].message.tool_calls
     assert [(c.function.name, c.function.arguments) for c in calls] == [
         ("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "UTC"}')]
+    # (and an id each, as a whole answer's calls without one get: the caller answering one had none to give)
+    assert [c.id for c in calls] == ["call_run1_0", "call_run1_1"]
+
+
+def test_a_call_that_came_without_an_id_keeps_the_one_it_was_given() -> None:
+    """A server that gives its call's id on a later piece: the client would join the two."""
+    final = streamed([
+        call_chunk({"index": 0, "type": "function", "function": {"name": "f", "arguments": ""}}),
+        call_chunk({"index": 0, "id": "late", "function": {"arguments": "{}"}}, finish="tool_calls")])
+    (call,) = final.choices[0].message.tool_calls
+    assert (call.id, call.function.name, call.function.arguments) == ("call_run1_0", "f", "{}")

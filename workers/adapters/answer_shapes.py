@@ -308,9 +308,11 @@ class StreamCalls:
     value is not an integer") or IndexError on them, and a caller reading deltas could not tell one
     call's pieces from another's."""
 
-    __slots__ = ("ids", "indices", "named", "names", "next", "last")
+    __slots__ = ("ids", "indices", "named", "names", "next", "last", "run_id")
 
-    def __init__(self) -> None:
+    def __init__(self, run_id: str = "") -> None:
+        #: the run's id, which a call that came without an id is named by (as a whole answer's: `_tool_calls`)
+        self.run_id = run_id
         #: each id a call came with, and each `index` the server gave one -> the call's index here;
         #: the index of the next call; that of the call written last
         self.ids: dict[str, int] = {}
@@ -353,6 +355,11 @@ class StreamCalls:
                 index, self.next = self.next, self.next + 1  # (a call of its own)
                 if said is not None and len(self.indices) < MAX_CALL_IDS:
                     self.indices[said] = index  # (the index a server gives every call names the last)
+                if not named and given in (None, "") and _names(call) and self.run_id:
+                    # (Gemini's calls come with an empty id: a caller answering one had no tool_call_id to
+                    # give; named as a whole answer's call is, and its pieces' ids after left out)
+                    given = call["id"] = f"call_{self.run_id}_{index}"
+                    named = True
             else:
                 index = self.last
             if said != index:
@@ -382,9 +389,10 @@ def _names(call: Json) -> bool:
     return isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"] != ""
 
 
-def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, StreamCalls] | None = None) -> None:
+def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, StreamCalls] | None = None,
+                 run_id: str = "") -> None:
     """The slow path of a chunk's choice (`chat_chunks`): what is wrong with it repaired. `calls`: the
-    stream's tool calls so far of each choice (`StreamCalls`)."""
+    stream's tool calls so far of each choice (`StreamCalls`), of the run `run_id`."""
     reason = choice.get("finish_reason")
     if reason is not None and not (type(reason) is str and reason in CHAT_REASONS):
         choice["finish_reason"] = _chat_reason(reason, provider_id, whole=False)
@@ -397,8 +405,8 @@ def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, St
     _texts(choice["delta"], provider_id)
     if calls is not None and choice["delta"].get("tool_calls") is not None:
         # (a hostile server's million choice indices are not a million entries: past `MAX_CALL_IDS`, one more)
-        state = calls.get(choice["index"]) or (calls.setdefault(choice["index"], StreamCalls())
-                                               if len(calls) < MAX_CALL_IDS else StreamCalls())
+        state = calls.get(choice["index"]) or (calls.setdefault(choice["index"], StreamCalls(run_id))
+                                               if len(calls) < MAX_CALL_IDS else StreamCalls(run_id))
         state.number(choice["delta"])
     if choice.get("logprobs") is not None:
         _chat_logprobs(choice)
@@ -448,7 +456,7 @@ def chat_chunks(run_id: str, created: int, provider_id: str) -> Callable[[Json],
                     or ((tools := delta.get("tool_calls")) is not None and (tools.__class__ is not array or tools)) \
                     or ((logprobs := choice.get("logprobs")) is not None
                         and (logprobs.__class__ is not obj or "refusal" not in logprobs or "content" not in logprobs)):
-                _chat_choice(choice, place, provider_id, calls)
+                _chat_choice(choice, place, provider_id, calls, run_id)
             place += 1
 
     return shape
