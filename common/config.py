@@ -455,6 +455,9 @@ _PATTERN_SAID = {ID_PATTERN: "must be one word (no spaces)",
                  NAME_PATTERN: "must be 1 to 64 letters, digits, '_', '.' or '-', the first a letter or digit",
                  SHA256_PATTERN: "must be the key's SHA-256 in 64 hex digits (iop keys new prints it)",
                  ENV_NAME_PATTERN: "must be the name of an environment variable (letters, digits, _)"}
+#: the patterns of fields whose wrong value may be a secret (a key pasted as its hash, or as the
+#: variable's name), not echoed
+_SECRET_PLACES = frozenset({SHA256_PATTERN, ENV_NAME_PATTERN})
 
 
 def _model_at(loc: Sequence[Any]) -> type[BaseModel] | None:
@@ -514,6 +517,12 @@ def _schema_errors(exc: ValidationError) -> list[str]:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = _unknown_field(loc)
+        elif (err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") in _SECRET_PLACES
+              and not str(err["input"]).startswith("$")):  # (`$KEY`, a shell's way to name it, is shown)
+            # (what is there may be the secret itself, pasted where its hash or its variable's name
+            # belongs: never echoed, for the message goes to logs, a reloading gateway's too)
+            msg = f"{_PATTERN_SAID[err['ctx']['pattern']]}, got {len(err['input'])} characters " \
+                  "(not shown: they may be the secret itself)"
         elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") in _PATTERN_SAID:
             msg = f"{_PATTERN_SAID[err['ctx']['pattern']]}, got {shown(err['input'])}"
         elif err["type"] == "model_type":  # (pydantic names its class: "... or instance of QueuePolicy")

@@ -120,3 +120,18 @@ def test_a_running_gateway_takes_a_new_key_and_drops_a_revoked_one(stack: Stack)
     write(stack.config_path, "auth: [")
     proc.wait_for_line(r"is not a valid config: the API keys stay as they were")
     assert (status(OLD), status(NEW)) == (401, 200)
+
+
+@pytest.mark.parametrize("field", ["sha256", "env"])
+def test_a_key_pasted_where_its_hash_or_variable_belongs_is_not_logged(
+        started: tuple[Path, Any, KeyRing], caplog: pytest.LogCaptureFixture, field: str) -> None:
+    """An edit that puts the key itself where its hash (or its variable's name) belongs is refused,
+    and the ERROR, which goes to the gateway's log, does not hold the key."""
+    path, config, ring = started
+    secret = "sk-pasted-" + "x" * 10
+    write(path, with_keys({"name": "team-a", field: secret}))
+    with caplog.at_level(logging.INFO, "iop.gateway"):
+        assert not reload_keys(path, config, ring, {})
+    assert "auth.keys[0]." + field in caplog.text and "not shown" in caplog.text
+    assert secret not in caplog.text
+    assert ring.lookup(OLD) is not None
