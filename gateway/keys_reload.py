@@ -26,6 +26,8 @@ log = logging.getLogger("iop.gateway")
 RELOAD_EVERY_S = 2.0
 #: The most errors of a changed file the ERROR line names
 SHOWN_ERRORS = 5
+#: The most key names the WARNING of a reload names in each of its lists
+SHOWN_NAMES = 20
 
 Seen = tuple[int, int, int] | None
 
@@ -69,11 +71,19 @@ def reload_keys(path: Path, started: Config, ring: KeyRing, environ: Mapping[str
     ring.replace(keys)
     if added or removed or changed:
         log.warning("API keys reloaded from %s: %d keys (added: %s; removed: %s; changed: %s)", path,
-                    len(keys.entries), ", ".join(added) or "none", ", ".join(removed) or "none",
-                    ", ".join(changed) or "none")
+                    len(keys.entries), _names(added), _names(removed), _names(changed))
     if config.model_copy(update={"auth": None}) != started.model_copy(update={"auth": None}):
         log.warning("%s changed outside auth.keys too: those changes take effect when the gateway restarts", path)
     return True
+
+
+def _names(names: list[str]) -> str:
+    """Some of `names`, for the one line that says what a reload changed (a file of 40,000 new keys
+    made it 300 kB long)."""
+    if not names:
+        return "none"
+    more = f" (and {len(names) - SHOWN_NAMES} more)" if len(names) > SHOWN_NAMES else ""
+    return ", ".join(names[:SHOWN_NAMES]) + more
 
 
 async def follow_keys(path: Path, started: Config, ring: KeyRing, environ: Mapping[str, str] = os.environ,

@@ -135,3 +135,16 @@ def test_a_key_pasted_where_its_hash_or_variable_belongs_is_not_logged(
     assert "auth.keys[0]." + field in caplog.text and "not shown" in caplog.text
     assert secret not in caplog.text
     assert ring.lookup(OLD) is not None
+
+
+def test_a_reload_of_many_keys_names_some_on_one_short_line(
+        started: tuple[Path, Any, KeyRing], caplog: pytest.LogCaptureFixture) -> None:
+    path, config, ring = started
+    many = [key(f"k{i:04}", f"sk-many-{i:04}-abcdef") for i in range(500)]
+    write(path, with_keys(*many))
+    with caplog.at_level(logging.INFO, "iop.gateway"):
+        assert reload_keys(path, config, ring, {})
+    [line] = [r.getMessage() for r in caplog.records if "reloaded" in r.getMessage()]
+    assert "k0000, k0001" in line and "(and 480 more)" in line and "k0499" not in line
+    assert "removed: ops, team-a;" in line and len(line) < 1000
+    assert ring.lookup("sk-many-0499-abcdef") is not None
