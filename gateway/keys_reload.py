@@ -96,4 +96,8 @@ async def follow_keys(path: Path, started: Config, ring: KeyRing, environ: Mappi
         if now is None or now == last:  # (gone for a moment, as a save by rename makes it: looked at again)
             continue
         last = now
-        reload_keys(path, started, ring, environ)
+        try:  # (read and checked off the event loop: a file of many keys took seconds, every stream stalled)
+            await asyncio.to_thread(reload_keys, path, started, ring, environ)
+        except Exception as exc:  # (a fault of its own must not end the following: the keys would stop changing)
+            log.error("%s changed, but reading it failed: the API keys stay as they were: %s: %s", path,
+                      type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

@@ -148,3 +148,49 @@ def test_a_reload_of_many_keys_names_some_on_one_short_line(
     assert "k0000, k0001" in line and "(and 480 more)" in line and "k0499" not in line
     assert "removed: ops, team-a;" in line and len(line) < 1000
     assert ring.lookup("sk-many-0499-abcdef") is not None
+
+
+async def test_the_file_is_read_off_the_event_loop_and_a_fault_in_reading_does_not_end_the_following(
+        started: tuple[Path, Any, KeyRing], caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file of 40,000 keys took 2.8 s to check: on the event loop every stream stalled that long.
+    And an exception reload_keys does not expect (here a made-up one) ended the task that follows the
+    file, silently: no edit was taken after it."""
+    import asyncio
+    import threading
+
+    from gateway import keys_reload
+    path, config, ring = started
+    threads: list[threading.Thread] = []
+    real = load_config
+
+    def load(p: Any) -> Any:
+        threads.append(threading.current_thread())
+        if len(threads) == 1:
+            raise RuntimeError("made up\nsecond line")
+        return real(p)
+
+    monkeypatch.setattr(keys_reload, "load_config", load)
+    following = asyncio.create_task(keys_reload.follow_keys(path, config, ring, {}, every_s=0.01))
+    try:
+        await asyncio.sleep(0)  # (the task takes its first look at the file)
+        with caplog.at_level(logging.INFO, "iop.gateway"):
+            write(path, with_keys(key("team-b", NEW)))
+            await wait_until_async(lambda: bool(threads))
+            write(path, with_keys(key("team-c", NEW)))
+            await wait_until_async(lambda: ring.lookup(NEW) is not None)
+    finally:
+        following.cancel()
+        await asyncio.gather(following, return_exceptions=True)
+    assert threading.main_thread() not in threads
+    assert "reading it failed: the API keys stay as they were: RuntimeError: made up" in caplog.text
+    assert "second line" not in caplog.text
+
+
+async def wait_until_async(check: Any, timeout_s: float = 10.0) -> None:
+    import asyncio
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not check():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
