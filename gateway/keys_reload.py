@@ -29,7 +29,7 @@ SHOWN_ERRORS = 5
 #: The most key names the WARNING of a reload names in each of its lists
 SHOWN_NAMES = 20
 
-Seen = tuple[int, int, int] | None
+Seen = tuple[int, int, int, int] | None
 
 
 def seen(path: Path) -> Seen:
@@ -38,7 +38,9 @@ def seen(path: Path) -> Seen:
         st = path.stat()
     except OSError:
         return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    # (the ctime too: a copy that keeps its source's time, `cp -p` or `tar x` over the file in place,
+    # of the same size, changes nothing else; no one can set it back)
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def reload_keys(path: Path, started: Config, ring: KeyRing, environ: Mapping[str, str]) -> bool:

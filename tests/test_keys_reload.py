@@ -194,3 +194,18 @@ async def wait_until_async(check: Any, timeout_s: float = 10.0) -> None:
     while not check():
         assert loop.time() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+def test_a_copy_in_place_that_keeps_the_size_and_the_time_is_seen(started: tuple[Path, Any, KeyRing]) -> None:
+    """`cp -p backup iop.yaml`: the same file (inode), the same size, the source's mtime."""
+    from gateway.keys_reload import seen
+    path, _, _ = started
+    before = path.stat()
+    looked = seen(path)
+    text = path.read_text()
+    swapped = text.replace("team-a", "team-z")
+    assert len(swapped) == len(text)
+    path.write_text(swapped)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_ino == before.st_ino and path.stat().st_mtime_ns == before.st_mtime_ns
+    assert seen(path) != looked
