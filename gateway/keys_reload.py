@@ -1,9 +1,10 @@
 """The gateway's API keys follow its config file: an edit of `auth.keys` (a key added or revoked, its
-role, models or limits changed) takes effect within `RELOAD_EVERY_S`, on every gateway that reads
+role, models or limits changed) takes effect within two `RELOAD_EVERY_S`, on every gateway that reads
 that file, without the restart that cut the streams in flight after their grace.
 
 The file is looked at (its `stat`: a save in place, an editor's rename, a Kubernetes ConfigMap's
-swapped link) every `RELOAD_EVERY_S`; when it changed, it is read and checked whole, as at the start.
+swapped link) every `RELOAD_EVERY_S`; once a change looks the same at two looks in a row
+(`settled`), the file is read and checked whole, as at the start.
 A file that is not a valid config, has no `auth` section any more, or whose keys do not resolve (an
 `env` key whose variable this process lacks: its environment is the one it started with) leaves the
 keys as they were, with an ERROR saying why. Only `auth.keys` is taken: a change elsewhere in the
@@ -88,16 +89,28 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:SHOWN_NAMES]) + more
 
 
+def settled(now: Seen, last: Seen, pending: Seen) -> tuple[bool, Seen, Seen]:
+    """Whether to read the file now (`now`: what `seen` says of it; `last`: of the version read last;
+    `pending`: of a change seen at the look before), and the `last` and `pending` after. A change is
+    read once two looks in a row see it the same: a file written in two halves was read between them,
+    and its first half, a valid config with fewer keys, revoked the keys left out until the next
+    look. A file gone (a save by rename) is looked at again."""
+    if now is None or now == last:
+        return False, last, None
+    if now != pending:
+        return False, last, now
+    return True, now, None
+
+
 async def follow_keys(path: Path, started: Config, ring: KeyRing, environ: Mapping[str, str] = os.environ,
                       every_s: float = RELOAD_EVERY_S) -> None:
     """Reload the keys whenever the file changes, until cancelled."""
-    last = seen(path)
+    last, pending = seen(path), None
     while True:
         await asyncio.sleep(every_s)  # (a poll: nothing tells a process that a file changed)
-        now = seen(path)
-        if now is None or now == last:  # (gone for a moment, as a save by rename makes it: looked at again)
+        read, last, pending = settled(seen(path), last, pending)
+        if not read:
             continue
-        last = now
         try:  # (read and checked off the event loop: a file of many keys took seconds, every stream stalled)
             await asyncio.to_thread(reload_keys, path, started, ring, environ)
         except Exception as exc:  # (a fault of its own must not end the following: the keys would stop changing)

@@ -181,9 +181,11 @@ class RunClient:
             log.info("key %s is at its %s: refused", who.name,
                      "max_in_flight" if status == "key_in_flight" else "requests_per_minute", extra={"key": who.name})
         if status == "key_in_flight":
+            # (the limit, not the count: a limit lowered by a reload of the keys, `gateway.keys_reload`,
+            # finds more runs in flight than it allows, and the message said the key "has 1 run" with 4)
             raise ApiError(ErrorCode.RATE_LIMIT_EXCEEDED,
-                           f"key {who.name!r} has {who.max_in_flight} run{'s' if who.max_in_flight != 1 else ''} "
-                           "queued or running, its max_in_flight; "
+                           f"key {who.name!r} is at its max_in_flight: {who.max_in_flight} "
+                           f"run{'s' if who.max_in_flight != 1 else ''} queued or running at once; "
                            "retry when one has ended", param=None,
                            headers={"Retry-After": "1", WHICH_LIMIT_HEADER: "max_in_flight"})
         if status == "key_rate":

@@ -398,8 +398,8 @@ async def test_max_in_flight_is_exact_and_comes_back_when_runs_end(gateway: str,
     assert await redis.zcard(keys.key_in_flight("team-a")) == 2
     status, body, headers = refused[0]
     assert status == 429 and body["error"]["code"] == "rate_limit_exceeded" and body["error"]["type"] == "requests"
-    assert body["error"]["message"] == ("key 'team-a' has 2 runs queued or running, its max_in_flight; retry when one "
-                                        "has ended")
+    assert body["error"]["message"] == ("key 'team-a' is at its max_in_flight: 2 runs queued or running at once; "
+                                        "retry when one has ended")
     assert headers["Retry-After"] == "1" and headers["x-iop-limit"] == "max_in_flight"
     # (OpenAI's x-ratelimit-*-requests are a limit a minute: they said 2 here, and 3 on the same key's
     # accepted runs, its requests_per_minute; a new user's review)

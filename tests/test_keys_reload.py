@@ -15,7 +15,7 @@ import yaml
 
 from common.auth import KeyRing, hash_key
 from common.config import load_config
-from gateway.keys_reload import reload_keys
+from gateway.keys_reload import reload_keys, settled
 from tests.conftest import Stack, wait_until
 from tests.test_e2e import pool_config
 
@@ -209,3 +209,16 @@ def test_a_copy_in_place_that_keeps_the_size_and_the_time_is_seen(started: tuple
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert path.stat().st_ino == before.st_ino and path.stat().st_mtime_ns == before.st_mtime_ns
     assert seen(path) != looked
+
+
+def test_a_change_is_read_once_two_looks_in_a_row_see_it_the_same() -> None:
+    """A file written in two halves a few seconds apart (a keys reviewer): the first half, a valid
+    config with fewer keys, was read, and the keys left out were revoked until the next look."""
+    first, half, whole = (1, 10, 1, 1), (1, 20, 2, 2), (1, 40, 3, 3)
+    assert settled(first, first, None) == (False, first, None)  # (nothing changed)
+    assert settled(half, first, None) == (False, first, half)  # (a change: looked at again first)
+    assert settled(whole, first, half) == (False, first, whole)  # (it went on changing: again)
+    assert settled(whole, first, whole) == (True, whole, None)  # (the same twice: read)
+    assert settled(None, whole, None) == (False, whole, None)  # (gone for a moment)
+    assert settled(first, whole, first) == (True, first, None)
+    assert settled(whole, whole, first) == (False, whole, None)  # (changed back before it was read)
