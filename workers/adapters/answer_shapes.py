@@ -232,8 +232,14 @@ def _tool_calls(calls: list[Json], run_id: str, provider_id: str) -> None:
             call["type"] = "function"
         if not isinstance(call.get("id"), str) or not call["id"]:
             call["id"] = f"call_{run_id}_{place}"
-        if function.get("arguments") is not None and not isinstance(function["arguments"], str):
-            function["arguments"] = jsonio.dumps(function["arguments"]).decode()  # (an object, a number: as JSON text)
+        _arguments_as_text(function)
+
+
+def _arguments_as_text(function: Json) -> None:
+    """A tool call's function's `arguments` given as JSON (an object, a number, a boolean) as JSON text,
+    as OpenAI's schema has them (TGI gave them as an object), whole or streamed."""
+    if function.get("arguments") is not None and not isinstance(function["arguments"], str):
+        function["arguments"] = jsonio.dumps(function["arguments"]).decode()
 
 
 def _a_call(call: Any) -> bool:
@@ -310,7 +316,7 @@ class StreamCalls:
 
     __slots__ = ("ids", "indices", "named", "names", "next", "last", "run_id")
 
-    def __init__(self, run_id: str = "") -> None:
+    def __init__(self, run_id: str) -> None:
         #: the run's id, which a call that came without an id is named by (as a whole answer's: `_tool_calls`)
         self.run_id = run_id
         #: each id a call came with, and each `index` the server gave one -> the call's index here;
@@ -355,7 +361,7 @@ class StreamCalls:
                 index, self.next = self.next, self.next + 1  # (a call of its own)
                 if said is not None and len(self.indices) < MAX_CALL_IDS:
                     self.indices[said] = index  # (the index a server gives every call names the last)
-                if not named and given in (None, "") and _names(call) and self.run_id:
+                if not named and given in (None, "") and _names(call):
                     # (Gemini's calls come with an empty id: a caller answering one had no tool_call_id to
                     # give; named as a whole answer's call is, and its pieces' ids after left out)
                     given = call["id"] = f"call_{self.run_id}_{index}"
@@ -379,8 +385,7 @@ class StreamCalls:
                     del function["name"]  # (its call's name again: the client joins its pieces' names, "ff")
                 elif first is None and len(self.names) < MAX_CALL_IDS:
                     self.names[index] = function["name"]
-            if function.get("arguments") is not None and not isinstance(function["arguments"], str):
-                function["arguments"] = jsonio.dumps(function["arguments"]).decode()
+            _arguments_as_text(function)
 
 
 def _names(call: Json) -> bool:
@@ -389,8 +394,7 @@ def _names(call: Json) -> bool:
     return isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"] != ""
 
 
-def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, StreamCalls] | None = None,
-                 run_id: str = "") -> None:
+def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, StreamCalls], run_id: str) -> None:
     """The slow path of a chunk's choice (`chat_chunks`): what is wrong with it repaired. `calls`: the
     stream's tool calls so far of each choice (`StreamCalls`), of the run `run_id`."""
     reason = choice.get("finish_reason")
@@ -403,7 +407,7 @@ def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, St
     if not isinstance(choice.get("delta"), dict):
         choice["delta"] = {}
     _texts(choice["delta"], provider_id)
-    if calls is not None and choice["delta"].get("tool_calls") is not None:
+    if choice["delta"].get("tool_calls") is not None:
         # (a hostile server's million choice indices are not a million entries: past `MAX_CALL_IDS`, one more)
         state = calls.get(choice["index"]) or (calls.setdefault(choice["index"], StreamCalls(run_id))
                                                if len(calls) < MAX_CALL_IDS else StreamCalls(run_id))

@@ -678,7 +678,6 @@ class OpenAICompatAdapter:
                                 strikes=0)
         if kind is RunKind.EMBEDDING:  # (a server that ignores the field answers numbers, or base64)
             (in_base64 if body.get("encoding_format") == "base64" else in_numbers)(data)
-        if kind is RunKind.EMBEDDING:
             answer_shapes.embeddings(data)
         elif kind is RunKind.COMPLETION:
             answer_shapes.completion(data, request_id, int(time.time()), self.provider.id)
