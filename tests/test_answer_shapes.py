@@ -404,3 +404,26 @@ def test_a_call_that_came_without_an_id_keeps_the_one_it_was_given() -> None:
         call_chunk({"index": 0, "id": "late", "function": {"arguments": "{}"}}, finish="tool_calls")])
     (call,) = final.choices[0].message.tool_calls
     assert (call.id, call.function.name, call.function.arguments) == ("call_run1_0", "f", "{}")
+
+
+def test_what_a_stream_s_calls_are_numbered_by_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hostile server's million calls (each a new id and index) or million choices are not a million
+    entries: past `MAX_CALL_IDS` each choice remembers no more ids, indices or names, the stream no more
+    choices, and every call is still numbered."""
+    import inspect
+
+    monkeypatch.setattr(answer_shapes, "MAX_CALL_IDS", 4)
+    state = answer_shapes.StreamCalls("run1")
+    for i in range(10):
+        delta = {"tool_calls": [{"index": 100 + i, "id": f"c{i}", "type": "function",
+                                 "function": {"name": f"f{i}", "arguments": "{}"}}]}
+        state.number(delta)
+        assert delta["tool_calls"][0]["index"] == i
+    assert (len(state.ids), len(state.indices), len(state.names)) == (4, 4, 4)
+    shape = answer_shapes.chat_chunks("run1", 1700000000, "p")
+    for choice in range(10):
+        chunk = call_chunk({"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": ""}})
+        chunk["choices"][0]["index"] = choice
+        shape(chunk)
+        assert chunk["choices"][0]["delta"]["tool_calls"][0]["index"] == 0
+    assert len(inspect.getclosurevars(shape).nonlocals["calls"]) == 4
