@@ -13,8 +13,9 @@ PREFIX: Final = "iop"
 
 #: Consumer group that every scheduler replica joins on every model stream.
 SCHEDULER_GROUP: Final = "schedulers"
-#: Pub/sub channel that wakes every scheduler replica: a provider's health changed ("*"), or a
-#: run was cancelled at its start (the model id).
+#: Pub/sub channel that wakes every scheduler replica: "*" when a provider's health changed, an
+#: operator changed something, a probe ended or a node's last worker stopped; the model id when a
+#: run of it was cancelled at its start.
 SCHEDULER_SIGNALS: Final = f"{PREFIX}:signals"
 #: arq job function name the workers register.
 JOB_FUNCTION: Final = "run"
@@ -31,7 +32,8 @@ def run_record(run_id: str) -> str:
 
 
 def run_events(run_id: str) -> str:
-    """Stream of one run's events: dispatched, started, delta, completed, failed, cancelled."""
+    """Stream of one run's events: dispatched, started, delta, requeued, completed, failed (a
+    cancelled run ends with a `failed` event)."""
     return f"{PREFIX}:events:{run_id}"
 
 
@@ -238,7 +240,8 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (leases("{provider}"), "sorted set", "reserved slots: run id -> lease expiry (ms); in_flight = live members",
      "ZRANGE iop:leases:{provider} 0 -1 WITHSCORES"),
     (heartbeat("{provider}"), "hash + TTL",
-     "health, reason, capacity, models, last heartbeat; health evidence (ok_ms, fails, fail_reason, probe_ms)",
+     "health, reason, capacity, models, last heartbeat; health evidence (ok_ms, fails, fail_reason, probe_ms, "
+     "blame:/bench:/busy:{served})",
      "HGETALL iop:provider:{provider}; PTTL iop:provider:{provider}"),
     (BEATING, "sorted set + TTL", "providers whose node's workers beat: provider id -> until (ms) its last heartbeat "
      "lives; the catalog names those its config lacks", "ZRANGE iop:beating 0 -1 WITHSCORES"),
@@ -274,7 +277,9 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (worker_answered("{instance}"), "string + TTL", "the runs (id:attempt) a worker's last take_woken answer "
      "started, until its next call says it received them", "GET iop:answered:{instance}"),
     (node_cancel("{node}"), "pub/sub channel", "run ids to cancel on the node", "SUBSCRIBE iop:cancel:{node}"),
-    (SCHEDULER_SIGNALS, "pub/sub channel", "wakes every scheduler replica (a provider's health changed)",
+    (SCHEDULER_SIGNALS, "pub/sub channel",
+     "wakes every scheduler replica ('*': a provider's health changed, an operator's change, a probe ended, a "
+     "node's last worker stopped; a model id: a run of it was cancelled at its start)",
      "SUBSCRIBE iop:signals"),
     (scheduler_channel("{consumer}"), "pub/sub channel", "wakes the one replica holding a model's oldest waiting run",
      "PSUBSCRIBE iop:signals:*"),
