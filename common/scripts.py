@@ -486,7 +486,10 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
     local o = 4 * (i - 1)
     local cap = capped(beats[i][3], ops[o + 1])
     local class = c.class
-    if not ops[o + 2] and not ops[o + 3] and cap and cap > 0 then
+    -- (its slots are not counted when it cannot win whatever they are: a higher class than the best
+    -- so far, or the same class as a best with none in flight and no larger capacity)
+    if not ops[o + 2] and not ops[o + 3] and cap and cap > 0 and (best == nil or class < best_class
+        or (class == best_class and (best_n > 0 or cap > best_cap))) then
       local n = redis.call('ZCOUNT', KEYS[c.k + 1], live, '+inf')
       if n < cap and (best == nil or class < best_class or (class == best_class and (
           n * best_cap < best_n * cap or (n * best_cap == best_n * cap and cap > best_cap))))

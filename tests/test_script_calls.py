@@ -1,0 +1,62 @@
+"""How many commands the scripts run for a run (a command from Lua costs Redis several µs: most of a
+run's Redis time, docs/performance.md). Against a real Redis, counted with `INFO commandstats`
+around one script call: the commands a run needs, not the ones its outcome does not depend on."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from redis.asyncio import Redis
+
+from common import keys
+from tests.test_scheduler import make_config, waiting_runs
+
+
+class Inside:
+    """The commands the scripts run from `start` on, by name (lower case): SLOWLOG at a 0 µs threshold
+    logs each one, a script's own marked with the client `?:0`."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.saved = "10000"
+
+    async def start(self) -> None:
+        self.saved = str((await self.redis.config_get("slowlog-log-slower-than"))["slowlog-log-slower-than"])
+        await self.redis.config_set("slowlog-max-len", 10_000)
+        await self.redis.slowlog_reset()
+        await self.redis.config_set("slowlog-log-slower-than", 0)
+
+    async def ran(self) -> Counter[str]:
+        await self.redis.config_set("slowlog-log-slower-than", -1)
+        entries = await self.redis.slowlog_get(10_000)
+        await self.redis.config_set("slowlog-log-slower-than", self.saved)
+        await self.redis.slowlog_reset()
+        out: Counter[str] = Counter()
+        for e in entries:
+            address = e.get("client_address") or b""
+            if (address.decode() if isinstance(address, bytes) else str(address)).startswith("?"):
+                command = e["command"]
+                name = (command.decode(errors="replace") if isinstance(command, bytes) else command).split(" ")[0]
+                out[name.lower()] += 1
+        return out
+
+
+async def test_a_dispatch_counts_no_slots_of_a_provider_that_cannot_win(redis: Redis) -> None:
+    """Two idle providers of the same capacity: the first (by id) wins whatever the second holds,
+    so the second's leases are not counted (one ZCOUNT, not two). A busier first is still weighed
+    against the second, which then wins."""
+    config = make_config({"a": 4, "b": 4})
+    _, sched, run_ids = await waiting_runs(redis, config, 2)
+    inside = Inside(redis)
+    await inside.start()
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_ids[0]), "provider") == b"a"
+    assert await redis.hget(keys.run_record(run_ids[1]), "provider") == b"b"  # a holds one: b wins
+    assert (await inside.ran())["zcount"] == 1 + 2
+
+
+async def test_a_larger_idle_provider_after_an_idle_one_is_counted_and_wins(redis: Redis) -> None:
+    config = make_config({"a": 4, "b": 8})
+    _, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_id), "provider") == b"b"  # (the larger capacity)
