@@ -432,8 +432,9 @@ return {'ok', entry, left}
 # drained, cordoned, probing, node queue, node wake list), class = 0 | 1, provider, node, target,
 # listed = true when the candidate must also list `target` among the models its server answered
 # with (its heartbeat's `observed_models`; `common.snapshots._lists` for the scheduler's own
-# candidates, which come checked)}; `head`: the stream's first entry (`XRANGE - + COUNT 1`) when
-# the caller read it already, nil to read it here.
+# candidates, which come checked)}; `head`: the stream's first two entries (`XRANGE - + COUNT
+# 2`) when the caller read them already, nil to read them here: a head with none behind it wakes
+# nobody once dispatched (the stream is empty then), without another read of the stream.
 _DISPATCH_ONE = _EVENTS + _WAKE + _CAPPED + f"""
 local function lists(observed, served)
   if not observed or observed == '' then return true end
@@ -447,7 +448,7 @@ end
 
 local function dispatch_one(stream, record, events, run_id, entry, group, lease_ms, ttl_s, prefix, hb_ttl, me, cands,
                             head)
-  head = head or redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
+  head = head or redis.call('XRANGE', stream, '-', '+', 'COUNT', 2)
   if #head == 0 then return 'gone' end
   if head[1][1] ~= entry then
     if #redis.call('XRANGE', stream, entry, entry) == 0 then return 'gone' end
@@ -517,7 +518,9 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
   add_event(record, events, run_id, 'dispatched', cmsgpack.pack({{provider = provider, node = node, target = target}}),
     rec[4])
   redis.call('EXPIRE', events, ttl)
-  local holder, mine = wake_head(stream, prefix, me, {DISPATCH_BATCH})
+  -- (a head read alone in the stream leaves it empty: nobody holds a run there to be woken)
+  local holder, mine = '', 0
+  if #head > 1 then holder, mine = wake_head(stream, prefix, me, {DISPATCH_BATCH}) end
   return {{'ok', holder, provider, mine}}
 end
 """
@@ -561,7 +564,7 @@ local function model_block(i, a)
     local entry = pe[1]
     if tonumber(string.match(entry, '^(%d+)')) + timeout <= now then return end
     -- (an entry that is not the head, or not in the stream any more, stops the block either way)
-    local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
+    local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', 2)  -- (and whether one follows it)
     if #head == 0 or head[1][1] ~= entry then return end
     local f, fields = head[1][2], {}
     for x = 1, #f, 2 do fields[f[x]] = f[x + 1] end

@@ -60,3 +60,16 @@ async def test_a_larger_idle_provider_after_an_idle_one_is_counted_and_wins(redi
     _, sched, (run_id,) = await waiting_runs(redis, config, 1)
     await sched.dispatch_all()
     assert await redis.hget(keys.run_record(run_id), "provider") == b"b"  # (the larger capacity)
+
+
+async def test_dispatching_the_only_run_of_a_queue_reads_the_queue_once(redis: Redis) -> None:
+    """The dispatch reads the head with the entry behind it: none, and the queue is empty once the
+    head goes, so there is nobody to wake and no second read of it."""
+    config = make_config({"a": 4})
+    _, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    inside = Inside(redis)
+    await inside.start()
+    await sched.dispatch_all()
+    assert await redis.hget(keys.run_record(run_id), "state") == b"dispatched"
+    ran = await inside.ran()
+    assert ran["xrange"] == 1 and ran["xpending"] == 0
