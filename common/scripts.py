@@ -86,8 +86,10 @@ end
 # 5xx, a 429 or a redirect (the record's `elsewhere`, as FINISH wrote it): it never goes to any of
 # them, however a later attempt ends (a connection reset, a lost worker: each at most once).
 # Shared by FINISH (a failed attempt), REAP (a lost one) and WORKER_LEFT (one never started).
+# `ttl` (s; nil: the caller sets it): the record lives that long from its queueing again, as from
+# its first (no dispatch sets it: the queueing's outlasts the attempt).
 _REQUEUE = """
-local function requeue(record, stream, run_id, elsewhere, busy)
+local function requeue(record, stream, run_id, elsewhere, busy, ttl)
   local was = redis.call('HMGET', record, 'tried', 'refuse', 'unable_by', 'elsewhere')
   local fields = {'run', run_id, 'tried', was[1] or ''}
   if was[2] then table.insert(fields, 'refuse') table.insert(fields, was[2]) end
@@ -98,6 +100,7 @@ local function requeue(record, stream, run_id, elsewhere, busy)
   local entry = redis.call('XADD', stream, '*', unpack(fields))
   redis.call('HSET', record, 'state', 'queued', 'entry', entry)
   redis.call('HDEL', record, 'provider', 'node', 'target', 'dispatched_ms', 'started_ms', 'worker')
+  if ttl then redis.call('EXPIRE', record, ttl) end
 end
 """
 
@@ -511,8 +514,9 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
   redis.call('HSET', record, 'state', 'dispatched', 'provider', provider, 'node', node, 'target', target,
     'dispatched_ms', now, 'tried', tried and (tried .. ',' .. provider) or provider,
     'attempts', (tonumber(rec[3]) or 0) + 1)
-  -- (its `entry` stays: it is read only while the run is queued, and a requeue writes the new one)
-  redis.call('EXPIRE', record, ttl)
+  -- (its `entry` stays: it is read only while the run is queued, and a requeue writes the new one;
+  -- no EXPIRE of the record: its queueing set it to ttl_s, which outlasts the wait and the attempt,
+  -- config: run_ttl_s > queue_timeout_ms + execution_timeout_ms; a requeue sets it anew)
   redis.call('ZADD', KEYS[k + 6], now, run_id)
   if redis.call('LPUSH', KEYS[k + 7], run_id) > 1024 then redis.call('LTRIM', KEYS[k + 7], 0, 1023) end
   add_event(record, events, run_id, 'dispatched', cmsgpack.pack({{provider = provider, node = node, target = target}}),
@@ -664,14 +668,15 @@ local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, canc
     redis.call('ZREM', lease, run_id)
     end_cancelled(record, events, run_id, r['cancel_reason'], r['cancel_code'], cancelled, false, ttl,
                   r['watchers'] or false, r['key'] or false, r['model'] or false, r['limited'] or false)
+    redis.call('EXPIRE', record, ttl)
     redis.call('PUBLISH', signals, r['model'] or '')
     return {'cancelled'}
   end
   redis.call('ZADD', lease, 'XX', now + tonumber(lease_ttl_ms), run_id)
   redis.call('HSET', record, 'state', 'running', 'started_ms', now, 'worker', worker)
-  -- no EXPIRE of the record or the events here, nor in EMIT: DISPATCH set both to ttl_s, which
-  -- outlasts the attempt (config: run_ttl_s > queue_timeout_ms + execution_timeout_ms), and the
-  -- script that ends the attempt sets them again
+  -- no EXPIRE of the record or the events here, nor in EMIT: the queueing set the record's to ttl_s
+  -- and DISPATCH the events', which outlast the attempt (config: run_ttl_s > queue_timeout_ms +
+  -- execution_timeout_ms), and the script that ends the attempt sets them again
   local attempt = tonumber(r['attempts'] or '1')
   add_event(record, events, run_id, 'started', cmsgpack.pack({attempt = attempt}), r['watchers'] or false)
   -- the record as it was read, now running (`started_ms` and `worker` are not in it)
@@ -1140,7 +1145,7 @@ if redis.call('HGET', KEYS[2], 'cancel') == '1' then
 end
 if not output and attempts < tonumber(ARGV[2]) then
   add_event(KEYS[2], KEYS[3], ARGV[1], 'requeued', ARGV[6])
-  requeue(KEYS[2], KEYS[4], ARGV[1], false)
+  requeue(KEYS[2], KEYS[4], ARGV[1], false, false, ttl)
   redis.call('EXPIRE', KEYS[3], ttl)
   return 'requeued'
 end
@@ -1166,7 +1171,8 @@ return 'failed'
 # or one whose heartbeats lag past heartbeat_ttl_ms, is not counted: its next heartbeat puts the
 # hashes back.)
 # KEYS: the node's workers set, the node's queue, the node's wake list, its providers' heartbeats...
-# ARGV: instance id, in-progress key prefix, requeued event data, signals channel
+# ARGV: instance id, in-progress key prefix, requeued event data, signals channel, ttl_s (each run
+#       queued again lives that long from then; none: as it was)
 # Returns {1 if it was the last, runs queued again}.
 WORKER_LEFT = _NOW + _WRONG + _REQUEUE + _EVENTS + f"""
 redis.call('ZREM', KEYS[1], ARGV[1])
@@ -1188,7 +1194,7 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
     redis.call('ZREM', KEYS[2], id)
     redis.call('HSET', record, 'attempts', math.max(0, (tonumber(r[5]) or 1) - 1))
     add_event(record, '{keys.run_events("")}' .. id, id, 'requeued', ARGV[3])
-    requeue(record, '{keys.runs_stream("")}' .. r[3], id, false)
+    requeue(record, '{keys.runs_stream("")}' .. r[3], id, false, false, tonumber(ARGV[5] or ''))
     requeued = requeued + 1
   end
 end

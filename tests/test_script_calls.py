@@ -9,6 +9,9 @@ from collections import Counter
 from redis.asyncio import Redis
 
 from common import keys
+from common.codec import pack
+from common.redisconn import now_ms
+from common.scripts import Scripts
 from tests.test_scheduler import make_config, waiting_runs
 
 
@@ -73,3 +76,47 @@ async def test_dispatching_the_only_run_of_a_queue_reads_the_queue_once(redis: R
     assert await redis.hget(keys.run_record(run_id), "state") == b"dispatched"
     ran = await inside.ran()
     assert ran["xrange"] == 1 and ran["xpending"] == 0
+
+
+async def test_a_run_requeued_by_the_reaper_lives_run_ttl_s_from_its_requeue(redis: Redis) -> None:
+    """A record lives `run_ttl_s` from when it is queued and again from its end (README's Redis
+    keys): a lost attempt's run queued again too, not only from its first queueing (the dispatch
+    sets no TTL of the record: the queueing's outlasts the attempt)."""
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 2})
+    _, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    record = keys.run_record(run_id)
+    await sched.dispatch_all()
+    await redis.expire(record, 100)  # (long after its queueing)
+    await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease
+    assert await sched.reap_expired_leases() == 1
+    assert await redis.hget(record, "state") == b"queued"
+    assert await redis.ttl(record) > config.runtime.run_ttl_s - 60
+
+
+async def test_a_dispatch_leaves_the_record_s_ttl_as_its_queueing_set_it(redis: Redis) -> None:
+    config = make_config({"a": 1})
+    _, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    record = keys.run_record(run_id)
+    await redis.expire(record, 1000)
+    inside = Inside(redis)
+    await inside.start()
+    await sched.dispatch_all()
+    assert await redis.hget(record, "state") == b"dispatched"
+    assert 0 < await redis.ttl(record) <= 1000
+    assert (await inside.ran())["expire"] == 1  # (the events', made by the dispatch)
+    assert await redis.ttl(keys.run_events(run_id)) > config.runtime.run_ttl_s - 60
+
+
+async def test_a_run_cancelled_before_its_start_lives_run_ttl_s_from_its_end(redis: Redis) -> None:
+    config = make_config({"a": 1})
+    _, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    record = keys.run_record(run_id)
+    await sched.dispatch_all()
+    await redis.hset(record, "cancel", "1")
+    await redis.expire(record, 100)  # (long after its queueing)
+    rt = config.runtime
+    assert await Scripts(redis).call("start", [record, keys.run_events(run_id)], [
+        run_id, rt.lease_ttl_ms, rt.run_ttl_s, "host:1", pack({}), keys.SCHEDULER_SIGNALS,
+        keys.leases("")]) == [b"cancelled"]
+    assert await redis.hget(record, "state") == b"cancelled"
+    assert await redis.ttl(record) > rt.run_ttl_s - 60

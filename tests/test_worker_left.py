@@ -38,6 +38,21 @@ async def test_the_last_worker_to_stop_queues_again_the_runs_no_worker_took(redi
         await worker.pool.aclose(close_connection_pool=True)
 
 
+async def test_a_run_the_last_worker_queues_again_lives_run_ttl_s_from_then(redis: Redis, redis_url: str) -> None:
+    """As from its first queueing (README's Redis keys): the dispatch sets no TTL of the record."""
+    runner, (run_id,) = await dispatched_runs(redis, 1)
+    worker = node_worker(redis_url, runner)
+    worker.ctx[RUNNER_CTX] = runner
+    await redis.zadd(keys.node_workers("n-a"), {worker.instance: 2**50})
+    await redis.expire(keys.run_record(run_id), 100)  # (long after its queueing)
+    try:
+        await leave_node(worker, runner.config, "n-a")
+        assert await fields(redis, keys.run_record(run_id), "state") == ["queued"]
+        assert await redis.ttl(keys.run_record(run_id)) > runner.config.runtime.run_ttl_s - 60
+    finally:
+        await worker.pool.aclose(close_connection_pool=True)
+
+
 async def test_runs_of_a_model_whose_only_node_lost_its_last_worker_wait_for_a_worker_they_do_not_fail(
         redis: Redis, redis_url: str) -> None:
     """A restart of a one-worker node (SIGTERM, then the new worker): the runs it gave back and those

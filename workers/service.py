@@ -257,7 +257,8 @@ async def leave_node(worker: WakeWorker, config: Config, node_id: str) -> None:
             "worker_left",
             [keys.node_workers(node_id), keys.node_queue(node_id), keys.node_wake(node_id),
              *(keys.heartbeat(p.id) for p in node.providers)],
-            [worker.instance, in_progress_key_prefix, pack(lost.to_wire()), keys.SCHEDULER_SIGNALS])
+            [worker.instance, in_progress_key_prefix, pack(lost.to_wire()), keys.SCHEDULER_SIGNALS,
+             config.runtime.run_ttl_s])
     except REDIS_UNUSABLE as exc:
         log.warning("worker: Redis unavailable while stopping (%s): the node's providers lapse with their "
                     "heartbeats", exc)
