@@ -247,17 +247,20 @@ end
 # beat: a run this end puts back in the queue is not dispatched to a dead server again in the
 # milliseconds before that beat (a refused connection would use up its attempts there). A sign
 # of life sets it available, as `judge` would.
+# `also` (a field name, or nil): read with the freshness of an 'ok', when that is read. Returns
+# whether it was read, and its value then (nothing writes it here).
 _EVIDENCE = f"""
-local function evidence(hb, kind, strikes, reason, health, fresh_ms)
-  if kind == '' then return end
-  local known = false  -- whether the hash is known to exist
+local function evidence(hb, kind, strikes, reason, health, fresh_ms, also)
+  if kind == '' then return false end
+  local known, read, value = false, false, nil  -- (known: whether the hash is known to exist)
   if kind == 'ok' and fresh_ms then
-    local seen = redis.call('HMGET', hb, 'ok_ms', 'fails')
+    local seen = also and redis.call('HMGET', hb, 'ok_ms', 'fails', also) or redis.call('HMGET', hb, 'ok_ms', 'fails')
+    read, value = also ~= nil, also and seen[3]
     local ok_ms = tonumber(seen[1])
-    if ok_ms and now - ok_ms < tonumber(fresh_ms) and (seen[2] == '0' or not seen[2]) then return end
+    if ok_ms and now - ok_ms < tonumber(fresh_ms) and (seen[2] == '0' or not seen[2]) then return read, value end
     known = ok_ms ~= nil
   end
-  if not known and redis.call('EXISTS', hb) == 0 then return end
+  if not known and redis.call('EXISTS', hb) == 0 then return read, value end
   if kind == 'ok' then
     redis.call('HSET', hb, 'ok_ms', now, 'fails', 0, 'health', 'available', 'reason', '')
   elseif redis.call('HINCRBY', hb, 'fails', strikes) >= {DOWN} then
@@ -266,6 +269,7 @@ local function evidence(hb, kind, strikes, reason, health, fresh_ms)
   else
     redis.call('HSET', hb, 'fail_ms', now, 'fail_reason', reason, 'fail_health', health)
   end
+  return read, value
 end
 """
 
@@ -924,7 +928,11 @@ if last ~= '' and redis.call('XLEN', KEYS[3]) >= tonumber(ARGV[18]) then return 
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('DEL', KEYS[7])
-evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable', ARGV[16])
+-- (a completed run's served name's blame count, read with the evidence: one that is not there is
+-- not deleted below)
+local served = ARGV[20] or ''
+local blame = served ~= '' and ARGV[2] == 'completed' and '{keys.BLAME_FIELD}' .. served or nil
+local blame_read, blamed = evidence(KEYS[5], ARGV[11], ARGV[12], ARGV[13], 'unavailable', ARGV[16], blame)
 local cool = tonumber(ARGV[21] or '') or 0
 if cool > 0 and (ARGV[20] or '') ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then
   local bench = '{keys.BENCH_FIELD}' .. ARGV[20]
@@ -973,7 +981,7 @@ if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue
 else
   if ARGV[2] == 'completed' then  -- its answer went to the caller (a non-stream run's is this event)
     redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now, 'output', '1')
-    if ARGV[20] and ARGV[20] ~= '' then redis.call('HDEL', KEYS[5], '{keys.BLAME_FIELD}' .. ARGV[20]) end  -- (served)
+    if blame and (blamed or not blame_read) then redis.call('HDEL', KEYS[5], blame) end
   else
     redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
   end

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from redis.asyncio import Redis
 
 from common import keys
 from common.codec import pack
 from common.redisconn import now_ms
 from common.scripts import Scripts
-from tests.test_scheduler import make_config, waiting_runs
+from tests.test_scheduler import MODEL, make_config, running_run, waiting_runs
 
 
 class Inside:
@@ -120,3 +121,31 @@ async def test_a_run_cancelled_before_its_start_lives_run_ttl_s_from_its_end(red
         keys.leases("")]) == [b"cancelled"]
     assert await redis.hget(record, "state") == b"cancelled"
     assert await redis.ttl(record) > rt.run_ttl_s - 60
+
+
+@pytest.mark.parametrize("blamed", [False, True], ids=["no-blame", "blamed"])
+async def test_a_completed_run_deletes_its_served_name_s_blame_only_when_there_is_one(
+        redis: Redis, blamed: bool) -> None:
+    """A run completed there starts the provider's count of blame for its served name over (`FINISH`):
+    the count is read with the freshness of the provider's last sign of life, and deleted only when
+    there is one (no HDEL of the heartbeat every run)."""
+    config, client, _, run_id, attempt = await running_run(redis, output=False, cancel=False)
+    hb = keys.heartbeat("a")
+    if blamed:
+        await redis.hset(hb, "blame:a-name", 2)
+    rt = config.runtime
+    args = [run_id, "completed", "completed", pack({}), rt.run_ttl_s, keys.scheduler_channel(""), MODEL, "", "",
+            attempt, "ok", 0, "", 1, 2, 1000, b"", rt.max_events_per_run, "", "a-name", 0]
+    run_keys = [keys.run_record(run_id), keys.leases("a"), keys.run_events(run_id), keys.runs_stream(MODEL), hb,
+                keys.node_queue("n-a"), keys.arq_in_progress(run_id), keys.runs_stream(MODEL)]
+    for fresh in (False, True):  # (the first end writes the sign of life, the second finds it fresh)
+        if fresh:
+            await redis.hset(keys.run_record(run_id), "state", "running")
+            if blamed:
+                await redis.hset(hb, "blame:a-name", 2)
+        inside = Inside(redis)
+        await inside.start()
+        assert await Scripts(redis).call("finish", run_keys, args) == b"ok"
+        assert await redis.hget(hb, "blame:a-name") is None
+        assert (await inside.ran())["hdel"] == (2 if blamed else 1)  # (and the record's body)
+    await client.close()
