@@ -676,7 +676,9 @@ local function start_run(record, events, run_id, lease_ttl_ms, ttl, worker, canc
     redis.call('PUBLISH', signals, r['model'] or '')
     return {'cancelled'}
   end
-  redis.call('ZADD', lease, 'XX', now + tonumber(lease_ttl_ms), run_id)
+  -- (a lease the dispatch gave in this same millisecond ends when this one would: not written again)
+  local until_ms = now + tonumber(lease_ttl_ms)
+  if tonumber(score) ~= until_ms then redis.call('ZADD', lease, 'XX', until_ms, run_id) end
   redis.call('HSET', record, 'state', 'running', 'started_ms', now, 'worker', worker)
   -- no EXPIRE of the record or the events here, nor in EMIT: the queueing set the record's to ttl_s
   -- and DISPATCH the events', which outlast the attempt (config: run_ttl_s > queue_timeout_ms +

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.codec import pack
 from common.redisconn import now_ms
-from common.scripts import Scripts
+from common.scripts import SHAS, Scripts
 from tests.test_scheduler import MODEL, make_config, running_run, waiting_runs
 
 
@@ -149,3 +149,42 @@ async def test_a_completed_run_deletes_its_served_name_s_blame_only_when_there_i
         assert await redis.hget(hb, "blame:a-name") is None
         assert (await inside.ran())["hdel"] == (2 if blamed else 1)  # (and the record's body)
     await client.close()
+
+
+#: a lease of the run (ARGV[2]) until `lease_ttl_ms` (ARGV[1]) after the server's millisecond, as the
+#: dispatch writes it; returns that millisecond
+LEASE_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[2])
+return now
+"""
+
+
+async def test_a_start_in_the_millisecond_of_its_dispatch_leaves_the_lease_as_it_is(redis: Redis) -> None:
+    """A run's start sets its lease to `lease_ttl_ms` from then; one the dispatch gave in the same
+    millisecond ends then already, and is not written again (no ZADD). Either way it ends
+    `lease_ttl_ms` after the start."""
+    config = make_config({"a": 100})
+    rt = config.runtime
+    _, sched, run_ids = await waiting_runs(redis, config, 20)
+    await sched.dispatch_all()
+    scripts = Scripts(redis)
+    await scripts.load()
+    same = 0
+    for run_id in run_ids:
+        record = keys.run_record(run_id)
+        inside = Inside(redis)
+        await inside.start()
+        pipe = redis.pipeline(transaction=True)  # (one after the other: most often in the same millisecond)
+        pipe.eval(LEASE_NOW, 1, keys.leases("a"), rt.lease_ttl_ms, run_id)
+        pipe.evalsha(SHAS["start"], 2, record, keys.run_events(run_id), run_id, rt.lease_ttl_ms, rt.run_ttl_s,
+                     "host:1", pack({}), keys.SCHEDULER_SIGNALS, keys.leases(""))
+        leased_ms, started = await pipe.execute()
+        assert started[0] == b"ok"
+        started_ms = int(await redis.hget(record, "started_ms") or 0)
+        assert await redis.zscore(keys.leases("a"), run_id) == started_ms + rt.lease_ttl_ms
+        zadds = (await inside.ran())["zadd"] - 1  # (the lease written above)
+        assert zadds == (0 if leased_ms == started_ms else 1)
+        same += leased_ms == started_ms
+    assert same > 0
