@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """Every Redis command the scripts run for a non-stream run, script by script (MONITOR).
 
-    python bench/script_calls.py [--requests 50] [--warmup 20] [--list]
+    python bench/script_calls.py [--requests 50] [--warmup 20] [--list] [--timed 0]
 
 Starts `bench.py`'s stack (a private Redis, two simulators, a gateway, a scheduler, a worker a
 node), sends `--warmup` non-stream requests one at a time, then `--requests` more under Redis
 MONITOR, one at a time (concurrency 1), and prints one JSON document: for each script a run calls,
 its calls a run and the commands run inside it a run (`redis.call` and `redis.pcall`), by command.
 Scripts no run calls (heartbeats, probes, the history) are counted apart, not per run. `--list`
-also prints each script's inner commands of the last traced run, in order, to stderr.
+also prints each script's inner commands of the last traced run, in order, to stderr. `--timed N`:
+then N more, one at a time, without MONITOR, and Redis's time in the scripts a run (`INFO
+commandstats`: EVALSHA's usec over that phase, a heartbeat's scripts included) and a script call.
 """
 
 from __future__ import annotations
@@ -63,10 +65,12 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=50)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--list", action="store_true")
+    p.add_argument("--timed", type=int, default=0)
     args = p.parse_args()
     names = {sha: name for name, sha in SHAS.items()}
     stack = Stack(log_level="WARNING")
     events: list[tuple[bool, str]] = []
+    timed: dict[str, Any] = {}
     try:
         stack.start(tokens=16)
         assert stack.redis is not None
@@ -78,6 +82,15 @@ def main() -> int:
         asyncio.run(send(stack.gateway, args.requests))
         redis.Redis.from_url(stack.redis.url).echo("iop-script-calls-end")
         t.join(10)
+        if args.timed:
+            client = redis.Redis.from_url(stack.redis.url)
+            client.config_resetstat()
+            asyncio.run(send(stack.gateway, args.timed))
+            ev = client.info("commandstats").get("cmdstat_evalsha", {})
+            client.close()
+            timed = {"runs": args.timed, "script_us_per_run": round(ev.get("usec", 0) / args.timed, 1),
+                     "script_calls_per_run": round(ev.get("calls", 0) / args.timed, 2),
+                     "us_per_script_call": ev.get("usec_per_call")}
     finally:
         stack.stop()
     calls: Counter[str] = Counter()
@@ -106,7 +119,8 @@ def main() -> int:
     background = {name: {"calls": calls[name], "inner": sum(inner[name].values())}
                   for name in calls if name not in RUN_SCRIPTS}
     out: dict[str, Any] = {"requests": n, "inner_per_run": round(sum(v["inner"] for v in per_run.values()), 2),
-                           "per_run": per_run, "background_total": background}
+                           "per_run": per_run, "background_total": background,
+                           **({"timed": timed} if timed else {})}
     print(json.dumps(out, indent=1))
     if args.list:
         shown = None
