@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -72,6 +73,8 @@ class WakeWorker(Worker):
         self._passed: set[tuple[str, str]] = set()
         #: the watch for Redis answering again after the main loop found it away
         self._comeback: Comeback | None = None
+        #: whether `forget_health` was called (a stopping worker's, beside its runs' grace)
+        self._health_forgotten = False
 
     async def main(self) -> None:
         if self._pool is None:
@@ -278,19 +281,36 @@ class WakeWorker(Worker):
                     f"provider {provider}" if self.runner().adapters.get(provider) is None else f"model {model!r}",
                     extra=run_fields(job_id, model, provider=provider))
 
+    async def forget_health(self, until: float | None = None) -> None:
+        """arq's health-check key deleted, as arq's close does; Redis has until `until` (the event
+        loop's time; None: the pool's reply timeout) to answer, else the key lapses by itself (iop
+        reads it nowhere)."""
+        if self._pool is None:
+            return
+        self._health_forgotten = True
+        try:
+            async with asyncio.timeout_at(until):
+                await self.pool.delete(self.health_check_key)
+        except (TimeoutError, *REDIS_UNUSABLE) as exc:
+            log.debug("worker: could not delete %s while stopping (%s)", self.health_check_key,
+                      str(exc) or "no answer in time")
+
     async def close(self) -> None:
-        """arq's close, but a Redis that is already gone does not skip our shutdown hook."""
+        """arq's close (its stats said, the health-check key deleted unless `forget_health` did, the
+        shutdown hook, the pool closed), but a Redis that does not answer skips nothing."""
         if self._comeback is not None:
             await self._comeback.close()
-        try:
-            await super().close()
-        except REDIS_UNUSABLE as exc:
-            log.warning("worker: Redis unavailable while stopping (%s)", exc)
-            if self.on_shutdown:
-                await self.on_shutdown(self.ctx)
-            if self._pool is not None:
-                await self._pool.close(close_connection_pool=True)
-                self._pool = None
+        if not self._handle_signals:
+            self.handle_sig(signal.SIGUSR1)  # (arq's: its stats said, any task left cancelled)
+        if self._pool is None:
+            return
+        await asyncio.gather(*self.tasks.values())
+        if not self._health_forgotten:
+            await self.forget_health()
+        if self.on_shutdown:
+            await self.on_shutdown(self.ctx)
+        await self.pool.close(close_connection_pool=True)
+        self._pool = None
 
     def _forget_finished(self) -> None:
         for job_id, task in list(self.tasks.items()):

@@ -42,8 +42,11 @@ HEARTBEATS_CTX = "iop_heartbeats"
 #: ctx: closed last, once its runs ended (the heartbeats stop before their grace)
 COMEBACK_CTX = "iop_comeback"
 #: How long the runs a stopping worker cancelled (its grace ran out) may take to record their end
-#: (milliseconds, with Redis answering) before the worker stops without it (`serve`)
-END_RECORD_S = 5.0
+#: (milliseconds, with Redis answering) before the worker stops without it (`serve`). Its other
+#: writes to Redis as it stops go on beside the grace and within it: so a worker whose Redis does
+#: not answer exits this long past its grace (and the few ms its close takes), well within the 5 s
+#: past it that compose.yaml's stop timeout gives (15 s, grace 10 s).
+END_RECORD_S = 2.0
 
 
 def read_limits(runtime: RuntimeConfig) -> ReadLimits:
@@ -242,26 +245,28 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
     return worker
 
 
-async def leave_node(worker: WakeWorker, config: Config, node_id: str) -> None:
+async def leave_node(worker: WakeWorker, config: Config, node_id: str, until: float | None = None) -> None:
     """This worker stops (its pick-up loop and heartbeats have): if it was the node's last live one,
     the `worker_left` script takes its providers' heartbeats away and queues again the runs
     dispatched to the node that no worker took, now rather than after heartbeat_ttl_ms and their
-    leases."""
+    leases. `until`: the event loop's time by which Redis must have answered (`serve`: the end of
+    the runs' grace), else the worker goes without it, as one killed would."""
     runner: Runner | None = worker.ctx.get(RUNNER_CTX)
     node = config.node(node_id)
     if runner is None or node is None:
         return
     lost = ErrorInfo(ErrorCode.WORKER_LOST, f"the last worker of node {node_id} stopped before taking the run")
     try:
-        last, requeued = await runner.scripts.call(
-            "worker_left",
-            [keys.node_workers(node_id), keys.node_queue(node_id), keys.node_wake(node_id),
-             *(keys.heartbeat(p.id) for p in node.providers)],
-            [worker.instance, in_progress_key_prefix, pack(lost.to_wire()), keys.SCHEDULER_SIGNALS,
-             config.runtime.run_ttl_s])
-    except REDIS_UNUSABLE as exc:
+        async with asyncio.timeout_at(until):  # (asyncio.timeout, not wait_for, which may drop a cancel on 3.11)
+            last, requeued = await runner.scripts.call(
+                "worker_left",
+                [keys.node_workers(node_id), keys.node_queue(node_id), keys.node_wake(node_id),
+                 *(keys.heartbeat(p.id) for p in node.providers)],
+                [worker.instance, in_progress_key_prefix, pack(lost.to_wire()), keys.SCHEDULER_SIGNALS,
+                 config.runtime.run_ttl_s])
+    except (TimeoutError, *REDIS_UNUSABLE) as exc:
         log.warning("worker: Redis unavailable while stopping (%s): the node's providers lapse with their "
-                    "heartbeats", exc)
+                    "heartbeats", str(exc) or "no answer within the stop's grace")
         return
     if last:
         log.info("the node's last worker stops: its providers take no runs until a worker starts (no "
@@ -271,7 +276,8 @@ async def leave_node(worker: WakeWorker, config: Config, node_id: str) -> None:
 async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 10.0,
                 metrics_port: int | None = None, metrics_host: str = "0.0.0.0") -> None:
     """Run until SIGTERM/SIGINT; then take no new jobs, let running ones finish for up to
-    `grace_s`, and cancel the rest (each is requeued or failed, its slot released)."""
+    `grace_s`, and cancel the rest (each is requeued or failed, its slot released). Redis answering
+    or not, it exits at most `END_RECORD_S` past the grace."""
     from common.lifecycle import ready, stop_event
 
     stop = stop_event()
@@ -285,6 +291,8 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
     ready(f"iop worker for node {node_id} running ({worker.max_jobs} slot{'' if worker.max_jobs == 1 else 's'})")
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([main, stopped], return_when=asyncio.FIRST_COMPLETED)
+    loop = asyncio.get_running_loop()
+    graced = loop.time() + grace_s  # (the end of the runs' grace, counted from the stop)
     # (the loop ends only when stopped: one that ended by itself, cancelled included, failed)
     crashed = main.done()
     if crashed:
@@ -293,18 +301,20 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
     # the node's providers can take runs: while another worker of the node lives, its heartbeats
     # still do; when this was the last, its providers' heartbeats go at once (as if they had
     # lapsed: new runs go elsewhere or get 503, waiting runs wait) and the runs sent here that no
-    # worker took go back to their queues (`leave_node`).
+    # worker took go back to their queues (`leave_node`). That goes on beside the runs' grace, and
+    # within it, with arq's health-check key deleted: a Redis that did not answer them held the
+    # grace back by its reply timeout (5 s), and the close after it by as much again.
     main.cancel()
     beating = worker.ctx.get(HEARTBEATS_CTX)
     if beating is not None:
         beating.cancel()
     stopped.cancel()
     await asyncio.gather(main, stopped, *([beating] if beating is not None else []), return_exceptions=True)
-    await leave_node(worker, config, node_id)
+    leaving = asyncio.gather(leave_node(worker, config, node_id, until=graced), worker.forget_health(until=graced))
     jobs = [t for t in worker.tasks.values() if not t.done()]
     if jobs:
         log.info("stopping: waiting up to %.1fs for %d runs", grace_s, len(jobs))
-        _, pending = await asyncio.wait(jobs, timeout=grace_s)
+        _, pending = await asyncio.wait(jobs, timeout=max(0.0, graced - loop.time()))
         for t in pending:
             t.cancel()
         if pending:
@@ -318,6 +328,7 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
             for t in unrecorded:
                 t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+    await leaving  # (over by the grace's end at the latest)
     # Every job is done now. (arq's close gathers them again and would raise a cancelled one's
     # CancelledError, skipping the shutdown hook: the traceback, an unclosed HTTP session, status 1.)
     worker.tasks.clear()
