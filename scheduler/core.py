@@ -865,6 +865,19 @@ class Scheduler:
         self._strays.update(p for p in found if p not in self._configured())
         self._scanned = True
 
+    async def forget_liveness(self) -> None:
+        """This replica stops: its liveness key goes, so that another replica takes its waiting runs
+        over now, not once the key lapses. Redis gets until then to answer, and at most
+        `STOP_DELETE_S` (a stop waited out the reply timeout, 5 s, past the key's own lapse)."""
+        left_s = (self._beat_ms + self.config.runtime.scheduler_liveness_ms - now_ms()) / 1000
+        if left_s <= 0:  # (it lapsed by itself: Redis was away, or this replica never beat)
+            return
+        try:
+            async with asyncio.timeout(min(STOP_DELETE_S, left_s)):
+                await self.redis.delete(keys.scheduler_alive(self.consumer))
+        except (TimeoutError, *REDIS_UNUSABLE):
+            pass
+
     async def close(self) -> None:
         """Stop what this replica does on its own (the SCAN of `_look_for_strays`)."""
         if self._scan is not None:
@@ -910,6 +923,8 @@ class Scheduler:
         return 0
 
 
+#: How long a stopping replica waits for Redis to delete its liveness key (`forget_liveness`)
+STOP_DELETE_S = 1.0
 #: after its start or a gap in its contact with Redis, a replica judges no gateway dead until it has
 #: reached Redis this many `gateway_liveness_ms` without a gap. Processes cut off from Redis together
 #: come back at different times: after a Redis restart under podman one scheduler was back 15 s
@@ -1054,10 +1069,7 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         await comeback.close()
         await sched.close()
-        try:
-            await sched.redis.delete(keys.scheduler_alive(sched.consumer))
-        except REDIS_UNUSABLE:
-            pass
+        await sched.forget_liveness()
 
 
 async def _retry_once(step: Any, comeback: Comeback) -> None:
