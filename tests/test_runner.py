@@ -186,7 +186,8 @@ async def test_a_stream_s_last_reads_go_out_with_its_end_in_one_redis_call(
     # (each delta says its number, the end how many there were: the gateway finds one Redis lost or holds twice)
     assert [(d.get("n"), d.get("deltas")) for _, d in (await events(redis, run_id))[-3:]] == [
         (1, None), (2, None), (None, 2)]
-    assert [d.get("a") for _, d in (await events(redis, run_id))[-3:-1]] == ["1", "1"]  # (and its attempt)
+    # (and its attempt, a number as `started` says it)
+    assert [d.get("a") for _, d in (await events(redis, run_id))[-3:-1]] == [1, 1]
     assert await fields(redis, keys.run_record(run_id), "state", "output") == ["completed", "1"]
 
 

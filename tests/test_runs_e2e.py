@@ -44,6 +44,11 @@ def test_a_finished_run_shows_where_it_ran_and_replays_its_events(stack: Stack) 
         streamed = "".join(c["choices"][0]["delta"].get("content") or ""
                            for m in messages if m.event == "delta" for c in m.data["chunks"] if c["choices"])
         assert streamed == text
+        # each delta says its number and its attempt as numbers, the attempt as `started` says it
+        started = next(m.data for m in messages if m.event == "started")
+        numbered = [(m.data["n"], m.data["a"]) for m in messages if m.event == "delta"]
+        assert numbered == [(i, started["attempt"]) for i in range(1, len(numbered) + 1)]
+        assert all(type(n) is int and type(a) is int for n, a in numbered)
 
     asyncio.run(scenario())
     r = sync_redis.Redis.from_url(stack.redis_url)

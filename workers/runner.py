@@ -712,7 +712,7 @@ class Runner:
         rt = self.config.runtime
         # (a delta says its number: a gateway drops one it had, and ends a stream in which one is missing)
         # (and its attempt: a gateway tells the next attempt's first deltas from those written again)
-        packed = self._output(att, {**data, "n": att.emitted + 1, "a": att.attempt} if etype is EventType.DELTA
+        packed = self._output(att, {**data, "n": att.emitted + 1, "a": int(att.attempt)} if etype is EventType.DELTA
                               else data)
         args = [att.attempt, etype.value, packed, rt.max_events_per_run, att.run_id, att.emitted + 1]
         ok = await self._call_while_leased(att, "emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
@@ -762,7 +762,7 @@ class Runner:
         chunks, added as a `delta` event before the end (within the run's limits: else
         OutputTooLarge or the ProviderError of `cannot_carry` is raised, and nothing recorded).
         `body`: the run's, put back in its record by a requeue that uses up no attempt."""
-        delta = self._output(att, {"chunks": last, "n": att.emitted + 1, "a": att.attempt}) if last else b""
+        delta = self._output(att, {"chunks": last, "n": att.emitted + 1, "a": int(att.attempt)}) if last else b""
         if state is RunState.COMPLETED and etype is EventType.COMPLETED and (att.emitted or last):
             data = {**data, "deltas": att.emitted + (1 if last else 0)}  # (the stream's last number: `_emit`)
         if att.output and state is not None and state is not RunState.COMPLETED and usage == (0, 0):
