@@ -114,10 +114,10 @@ def format_duration(ms: int) -> str:
 
 def check_capacity(value: Any, param: str = "capacity") -> int:
     """A capacity override: a whole number >= 1 (a drain is how to take none), or its ASCII digits
-    as text (the command line's N). Its upper bound, the provider's configured capacity, is
-    `check_change`'s."""
-    if isinstance(value, str) and _WHOLE.fullmatch(value):
-        if len(value.lstrip("0")) > _MAX_DIGITS:
+    as text (the command line's N; with a `-` before them, a number below 1, refused as such). Its
+    upper bound, the provider's configured capacity, is `check_change`'s."""
+    if isinstance(value, str) and _WHOLE.fullmatch(value.removeprefix("-")):  # (`-1`: said below 1, not unread)
+        if len(value.removeprefix("-").lstrip("0")) > _MAX_DIGITS:
             raise ControlError(f"{param}: {shown(value)} is too large for a capacity", param)
         value = int(value)
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:  # (`2.0`, `1e2`: JSON's decimals)

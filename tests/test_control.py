@@ -80,6 +80,8 @@ def test_capacity_bounds(value: object, ok: bool) -> None:
     ("\u00b2", "N: '\u00b2' is not a whole number"),  # str.isdigit() says yes, int() refuses it
     ("\u0661", "N: '\u0661' is not a whole number"),  # int() reads this Arabic-Indic digit as 1
     (" 3", "N: ' 3' is not a whole number"),
+    ("-1", "N: -1 is less than 1 (to take no runs, drain it)"),  # (as the HTTP route says it of -1)
+    ("-0", "N: 0 is less than 1"), ("- 1", "N: '- 1' is not a whole number"),
     ("9" * 5000, "is too large for a capacity"),  # more digits than int() converts
     (True, "N: true is not a whole number"), (None, "N: null is not a whole number"),
     ({"n": False}, 'N: {"n": false} is not a whole number'),
