@@ -183,6 +183,8 @@ def _load(path: str) -> object:
     except ConfigError as exc:
         for err in exc.errors:
             print(f"error: {err}", file=sys.stderr)
+        if not all(err.startswith(f"{path}: ") for err in exc.errors):  # (which file: as `iop config validate`)
+            print(f"{path}: {len(exc.errors)} error(s)", file=sys.stderr)
         raise SystemExit(2) from None
 
 

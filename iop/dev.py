@@ -250,6 +250,8 @@ def read_config(path: Path) -> Config | None:
     except (ConfigError, UnresolvedKeys) as exc:
         for err in exc.errors:
             say(f"error: {err}", err=True)
+        if not all(err.startswith(f"{path}: ") for err in exc.errors):  # (which file: as `iop config validate`)
+            say(f"{path}: {len(exc.errors)} error(s)", err=True)
         return None
 
 

@@ -148,6 +148,33 @@ def test_a_config_that_is_not_utf8_is_one_error_naming_the_file(command: list[st
     assert errors == [f"error: {path}: not UTF-8 text (byte 0 is 0xff)"], done.stderr
 
 
+@pytest.mark.parametrize("command", [
+    ["gateway", "--host", "127.0.0.1", "--port", "0"], ["scheduler"], ["worker", "--node", "gpu-1"],
+    ["catalog"], ["provider", "drain", "vllm-a"], ["dev", "--port", "0"], ["config", "validate"],
+])
+@pytest.mark.parametrize("given", ["--config", "IOP_CONFIG"])
+def test_a_config_with_faults_names_its_file_as_validate_does(command: list[str], given: str, tmp_path: Path,
+                                                              redis_url: str) -> None:
+    """A service started on a typo'd config said each fault's path in the config, but not which file
+    held them: with $IOP_CONFIG set elsewhere, the operator had to guess."""
+    config = yaml.safe_load((ROOT / DEMO).read_text())
+    config["nodes"][0]["providers"][0]["capacty"] = config["nodes"][0]["providers"][0].pop("capacity")
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "REDIS_URL": redis_url}
+    if command == ["config", "validate"]:
+        done = iop(*command, str(path), env=env)
+    elif given == "--config" or command[0] == "dev":  # (`iop dev` without --config runs the demo pool)
+        done = iop(*command, "--config", str(path), env=env)
+    else:
+        done = iop(*command, env={**env, "IOP_CONFIG": str(path)})
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[:2] == ["error: nodes[0].providers[0].capacity: Field required",
+                         "error: nodes[0].providers[0].capacty: unknown field (did you mean capacity?)"], done.stderr
+    assert lines[2:] == [f"{path}: 2 error(s)"], done.stderr
+
+
 def test_a_limit_takes_ascii_digits_only(redis_url: str) -> None:
     done = iop("audit", "--redis", redis_url, "--limit", "\u0661")  # int() reads it as 1
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
