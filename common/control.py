@@ -28,7 +28,7 @@ from redis.asyncio.client import Pipeline
 from common import keys
 from common.config import Config
 from common.policy import capacity_override
-from common.redisconn import as_text_map, text
+from common.redisconn import REDIS_DOWN, as_text_map, text
 from common.scripts import Scripts
 
 
@@ -78,6 +78,10 @@ class ControlError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class AboveConfigured(ControlError):
+    """A capacity override above the provider's capacity in the config that checked it."""
 
 
 class UnknownTarget(LookupError):
@@ -213,8 +217,8 @@ def check_change(config: Config, change: Change) -> None:
         # Lower only: a node's workers run as many runs at once as its configured capacities add up
         # to, so slots above them would be leases that wait for a worker.
         if change.capacity > configured:
-            raise ControlError(f"capacity: {change.capacity} is above {change.target}'s configured capacity "
-                               f"{configured} (an override can only lower it; raise it in the config)", "capacity")
+            raise AboveConfigured(f"capacity: {change.capacity} is above {change.target}'s configured capacity "
+                                  f"{configured} (an override can only lower it; raise it in the config)", "capacity")
         if change.for_ms is not None and not MIN_FOR_MS <= change.for_ms <= MAX_FOR_MS:
             raise ControlError(f"for: {change.for_ms} ms is not between 1s and 7d", "for")
 
@@ -270,6 +274,8 @@ async def apply(redis: Redis, config: Config, change: Change) -> AuditEntry:
     except UnknownTarget:
         if change.action not in CLEARING or not await redis.exists(change.key()):
             raise
+    except AboveConfigured as exc:
+        raise await _above_an_old_config(redis, change, exc) from None
     entry_id, _previous, _until = await Scripts(redis).call(
         "control", [change.key(), keys.AUDIT_STREAM],
         [change.action.value, change.target_kind, change.target, change.who,
@@ -277,6 +283,21 @@ async def apply(redis: Redis, config: Config, change: Change) -> AuditEntry:
          keys.SCHEDULER_SIGNALS])
     (entry,) = await redis.xrange(keys.AUDIT_STREAM, entry_id, entry_id)
     return AuditEntry.from_entry(*entry)
+
+
+async def _above_an_old_config(redis: Redis, change: Change, exc: AboveConfigured) -> ControlError:
+    """`exc`, or, for a capacity above the reader's config that the provider's workers announce
+    (a rollout raised it; this config is older), `exc` saying so: "raise it in the config" alone sends
+    the operator to a config that may say it already."""
+    try:
+        announced = _opt_int(await redis.hget(keys.heartbeat(change.target), "capacity"))
+    except REDIS_DOWN:  # (a bad value is said as one, Redis or not)
+        return exc
+    if change.capacity is None or announced is None or change.capacity > announced:
+        return exc
+    message = exc.args[0]
+    return AboveConfigured(f"{message[:-1]}; its workers announce {announced}: is this config older than the "
+                        "pool's?)", exc.param)
 
 
 async def read_audit(redis: Redis, limit: int = 50, before: str | None = None) -> list[AuditEntry]:

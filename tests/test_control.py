@@ -428,3 +428,24 @@ async def test_three_replicas_never_exceed_an_override_nor_touch_a_drained_provi
             (run,) = await redis.zrange(keys.leases(pid), 0, 0)
             await redis.zrem(keys.leases(pid), run)
     assert await redis.xlen(keys.runs_stream(MODEL)) == 90 - 3 - 2 - 2  # 3 at first, then 2 per round
+
+
+async def test_an_override_above_an_old_config_s_capacity_says_the_workers_announce_more(redis: Redis) -> None:
+    """A rollout raised a's capacity to 4 (its workers announce 4); the operator's `iop` command
+    still read the old config (2). Refused as before, but "raise it in the config" sent them to a
+    config that already said 4: the message now says what the workers announce."""
+    await beat(redis, make_config({"a": 4}))
+    old = make_config({"a": 2})
+    with pytest.raises(ControlError) as err:
+        await apply(redis, old, Change(Action.CAPACITY, "a", "ops", capacity=3))
+    assert err.value.param == "capacity"
+    assert str(err.value) == ("capacity: 3 is above a's configured capacity 2 (an override can only lower it; "
+                              "raise it in the config; its workers announce 4: is this config older than the "
+                              "pool's?)")
+    with pytest.raises(ControlError) as err:  # (above what they announce too: no such hint)
+        await apply(redis, old, Change(Action.CAPACITY, "a", "ops", capacity=5))
+    assert str(err.value).endswith("(an override can only lower it; raise it in the config)")
+    with pytest.raises(ControlError) as err:  # (another fault of the capacity: as it was)
+        await apply(redis, old, Change(Action.CAPACITY, "a", "ops", capacity=0))
+    assert str(err.value) == "capacity: 0 is less than 1 (to take no runs, drain it)"
+    assert await redis.xlen(keys.AUDIT_STREAM) == 0 and not await redis.exists(keys.capacity_override("a"))
