@@ -30,6 +30,7 @@ from common.config import Config
 from common.policy import capacity_override
 from common.redisconn import REDIS_DOWN, as_text_map, text
 from common.scripts import Scripts
+from common.shown import near_name
 
 
 class Action(StrEnum):
@@ -202,13 +203,14 @@ def check_change(config: Config, change: Change) -> None:
             try:
                 but = f" ({shown(change.target)} is a provider, of node {config.node_of(change.target)})"
             except KeyError:
-                but = ""
+                but = _meant(change.target, [n.id for n in config.nodes])
             raise UnknownTarget(f"no node {shown(change.target)} in the config{but}")
     else:
         try:
             configured = config.provider(change.target).capacity
         except KeyError:
-            but = f" ({shown(change.target)} is a node)" if config.node(change.target) is not None else ""
+            but = (f" ({shown(change.target)} is a node)" if config.node(change.target) is not None
+                   else _meant(change.target, [p.id for n in config.nodes for p in n.providers]))
             raise UnknownTarget(f"no provider {shown(change.target)} in the config{but}") from None
     if change.action is Action.CAPACITY:
         if change.capacity is None:
@@ -221,6 +223,12 @@ def check_change(config: Config, change: Change) -> None:
                                   f"{configured} (an override can only lower it; raise it in the config)", "capacity")
         if change.for_ms is not None and not MIN_FOR_MS <= change.for_ms <= MAX_FOR_MS:
             raise ControlError(f"for: {change.for_ms} ms is not between 1s and 7d", "for")
+
+
+def _meant(target: str, ids: list[str]) -> str:
+    """` (did you mean 'x'?)` for the id of `ids` that `target` was likely typed for; empty if none."""
+    near = near_name(target, ids)
+    return f" (did you mean {shown(near)}?)" if near is not None else ""
 
 
 @dataclass(frozen=True, slots=True)

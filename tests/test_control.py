@@ -449,3 +449,20 @@ async def test_an_override_above_an_old_config_s_capacity_says_the_workers_annou
         await apply(redis, old, Change(Action.CAPACITY, "a", "ops", capacity=0))
     assert str(err.value) == "capacity: 0 is less than 1 (to take no runs, drain it)"
     assert await redis.xlen(keys.AUDIT_STREAM) == 0 and not await redis.exists(keys.capacity_override("a"))
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (Change(Action.DRAIN, "vllm-aa", "ops"), "no provider 'vllm-aa' in the config (did you mean 'vllm-a'?)"),
+    (Change(Action.DRAIN, "VLLM-A", "ops"), "no provider 'VLLM-A' in the config (did you mean 'vllm-a'?)"),
+    (Change(Action.CORDON, "n-vllm-b", "ops"), "no node 'n-vllm-b' in the config (did you mean 'n-vllm-a'?)"),
+    (Change(Action.DRAIN, "zzz", "ops"), "no provider 'zzz' in the config"),  # (nothing near: as before)
+    (Change(Action.DRAIN, "n-vllm-a", "ops"), "no provider 'n-vllm-a' in the config ('n-vllm-a' is a node)"),
+])
+async def test_a_typo_d_provider_or_node_is_refused_naming_the_one_meant(redis: Redis, change: Change,
+                                                                        says: str) -> None:
+    """An operator typed `iop provider drain vllm-aa`: "no provider 'vllm-aa' in the config" left
+    them to read the config for the right id (a worker's unknown --node lists the nodes)."""
+    with pytest.raises(UnknownTarget) as err:
+        await apply(redis, make_config({"vllm-a": 2, "sglang-b": 2}), change)
+    assert str(err.value) == says
+    assert await redis.xlen(keys.AUDIT_STREAM) == 0
