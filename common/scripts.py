@@ -1417,6 +1417,9 @@ redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], ttl)
 if ARGV[7] ~= '' then
   redis.call('ZADD', KEYS[2], now + ttl, ARGV[7])
+  -- (a worker killed without `worker_left` leaves its lapsed entry: gone here, a heartbeat's life
+  -- after it lapsed, as of the providers beating below: a clock of another host a little ahead drops none live)
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - ttl)
   redis.call('PEXPIRE', KEYS[2], ttl)
 end
 redis.call('ZADD', KEYS[3], now + ttl, ARGV[6])

@@ -179,6 +179,17 @@ async def test_a_worker_s_heartbeat_keeps_it_among_its_node_s_workers_for_as_lon
     assert await redis.zcard(keys.node_workers("n")) == 1
 
 
+async def test_a_killed_worker_s_entry_leaves_its_node_s_workers_at_the_next_beat_of_another(redis: Redis) -> None:
+    """A worker killed with SIGKILL never runs `worker_left`: its instance stayed in `iop:workers:{node}`
+    with its lapsed time for as long as another worker of the node kept beating (found after a
+    SIGKILL of one of a node's two workers: still there 24 min later). Each beat now drops the lapsed."""
+    cfg = config("vllm")
+    lapsed = now_ms() - cfg.runtime.heartbeat_ttl_ms - 1_000  # (lapsed a heartbeat's life ago)
+    await redis.zadd(keys.node_workers("n"), {"host:2:killed": lapsed, "host:3:alive": now_ms() + 60_000})
+    await Heartbeats(redis, cfg, "n", {"p": Probed()}, "host:1:abc").beat_once(cfg.nodes[0].providers[0])
+    assert sorted(await redis.zrange(keys.node_workers("n"), 0, -1)) == [b"host:1:abc", b"host:3:alive"]
+
+
 async def test_a_worker_of_the_node_announcing_the_provider_otherwise_is_warned_of_once(
         redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
     """Two workers of a node with different configs (a rollout half done) overwrite each other's
