@@ -24,7 +24,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from arq.connections import ArqRedis, create_pool
 from arq.constants import in_progress_key_prefix
@@ -46,6 +46,23 @@ log = logging.getLogger("iop.worker")
 #: worker checks the leases of the runs it started (see `_take_woken`).
 LATE_ANSWER_S = 0.25
 
+T = TypeVar("T")
+
+
+async def until_redis_answers(step: Callable[[], Awaitable[T]]) -> T:
+    """`step()` (a step of the worker's start that needs Redis: its first PING, loading the scripts,
+    saying what it serves), tried again with backoff for as long as Redis is down or does not
+    answer (paused, cut off: each try waits out the reply timeout), a WARNING for each failed try
+    and no traceback; its result once Redis answers. A stop meanwhile cancels it."""
+    backoff = Backoff()
+    began = time.monotonic()
+    while True:
+        try:
+            return await step()
+        except REDIS_UNUSABLE as exc:
+            log.warning("worker: waiting for Redis for %.1f s (%s); retrying in %.2fs",
+                        time.monotonic() - began, str(exc) or type(exc).__name__, backoff.delay)
+            await backoff.pause()
 
 
 def arq_redis(url: str) -> ArqRedis:
@@ -75,6 +92,9 @@ class WakeWorker(Worker):
         self._comeback: Comeback | None = None
         #: whether `forget_health` was called (a stopping worker's, beside its runs' grace)
         self._health_forgotten = False
+        #: whether its start (the startup hook included) is over: before that it took no job, wrote no
+        #: health-check key, and has nothing to undo when it stops
+        self.started = False
 
     async def main(self) -> None:
         if self._pool is None:
@@ -92,7 +112,8 @@ class WakeWorker(Worker):
         log.info("worker for queue %s started, %d slots", self.queue_name, self.max_jobs)
         self.ctx["redis"] = self.pool
         if self.on_startup:
-            await self.on_startup(self.ctx)
+            await self.on_startup(self.ctx)  # (its steps that need Redis wait for it: `until_redis_answers`)
+        self.started = True
         backoff = Backoff()
         self._comeback = Comeback(self.pool)
         poll = True
@@ -123,16 +144,7 @@ class WakeWorker(Worker):
     async def _first_connection(self) -> None:
         """Wait for Redis however long it takes to answer, as the scheduler does (arq's own
         start gives up after about six seconds)."""
-        backoff = Backoff()
-        began = time.monotonic()
-        while True:
-            try:
-                await self.pool.ping()
-                return
-            except REDIS_UNUSABLE as exc:
-                log.warning("worker: waiting for Redis for %.1f s (%s); retrying in %.2fs",
-                            time.monotonic() - began, exc, backoff.delay)
-                await backoff.pause()
+        await until_redis_answers(self.pool.ping)
 
     async def _wait_for_work(self) -> bool:
         """Start what the wake list hands us. Returns whether a full poll is due."""
@@ -284,8 +296,9 @@ class WakeWorker(Worker):
     async def forget_health(self, until: float | None = None) -> None:
         """arq's health-check key deleted, as arq's close does; Redis has until `until` (the event
         loop's time; None: the pool's reply timeout) to answer, else the key lapses by itself (iop
-        reads it nowhere)."""
-        if self._pool is None:
+        reads it nowhere). A worker whose start is not over wrote no such key (the key is the node's:
+        another worker's), and has nothing to delete."""
+        if self._pool is None or not self.started:
             return
         self._health_forgotten = True
         try:

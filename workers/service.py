@@ -29,7 +29,7 @@ from workers.adapters.ollama import OllamaAdapter
 from workers.adapters.openai_compat import OpenAICompatAdapter
 from workers.adapters.proxies import Proxy, ProxyError, proxy_for
 from workers.adapters.sending import PoolConnector
-from workers.arq_worker import WakeWorker, arq_redis
+from workers.arq_worker import WakeWorker, arq_redis, until_redis_answers
 from workers.heartbeat import Heartbeats
 from workers.runner import Runner
 
@@ -202,8 +202,10 @@ def build_worker(config: Config, redis_url: str, node_id: str, max_jobs: int | N
                         comeback=comeback)
         ctx[RUNNER_CTX] = runner
         ctx["iop_session"] = session
-        await runner.scripts.load()
-        await heartbeats.announce()  # (before its first take: a worker without its set is not checked)
+        # (a Redis that stops answering here, after the first PING, is waited for as one down at the start)
+        await until_redis_answers(runner.scripts.load)
+        # (before its first take: a worker without its set is not checked)
+        await until_redis_answers(heartbeats.announce)
         ctx[HEARTBEATS_CTX] = asyncio.create_task(heartbeats.run())
         background.append(ctx[HEARTBEATS_CTX])
         background.append(asyncio.create_task(_listen_cancels(runner, node_id, comeback)))
@@ -310,7 +312,10 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
         beating.cancel()
     stopped.cancel()
     await asyncio.gather(main, stopped, *([beating] if beating is not None else []), return_exceptions=True)
-    leaving = asyncio.gather(leave_node(worker, config, node_id, until=graced), worker.forget_health(until=graced))
+    # (a worker stopped before its start was over, waiting for Redis, took nothing and is in no set:
+    # it has nothing to write, and Redis, paused, would hold it to its grace)
+    leaving = asyncio.gather(leave_node(worker, config, node_id, until=graced) if worker.started else asyncio.sleep(0),
+                             worker.forget_health(until=graced))
     jobs = [t for t in worker.tasks.values() if not t.done()]
     if jobs:
         log.info("stopping: waiting up to %.1fs for %d runs", grace_s, len(jobs))
