@@ -1554,12 +1554,13 @@ async def test_a_stream_whose_choices_all_finished_is_whole_though_no_done_comes
     await until(left, 5, "the adapter to close the connection")
 
 
-@pytest.mark.parametrize(("n", "seen_first"), [(2, False), (2.0, False), ("2", False), (None, True)])
+@pytest.mark.parametrize(("n", "seen_first"), [(2, False), (2.0, False), ("2", False), (2, True)])
 async def test_a_stream_of_two_choices_waits_for_both_to_finish(raw: Raw, session: aiohttp.ClientSession,
                                                                 monkeypatch: pytest.MonkeyPatch, n: Any,
                                                                 seen_first: bool) -> None:
     """The grace after the finish_reason starts once every choice asked for (`n`, as a server reads
-    it: 2, 2.0 or "2") and every choice seen has finished; not when the first one has."""
+    it: 2, 2.0 or "2") and every choice seen has finished; not when the first one has. (A second
+    choice where one was asked for is the provider's error: `answer_shapes.ChoiceIndices`.)"""
     monkeypatch.setattr("workers.adapters.openai_compat.FINISHED_GRACE_S", 0.05)
 
     def choice(index: int, text: str, finish: str | None = None) -> bytes:

@@ -115,7 +115,7 @@ def chat(answer: dict[str, Any]) -> dict[str, Any]:
 
 
 def chunk_of(chunk: dict[str, Any]) -> dict[str, Any]:
-    answer_shapes.chat_chunks("run1", 1700000000, "p")(chunk)
+    answer_shapes.chat_chunks("run1", 1700000000, "p", asked=8)(chunk)
     seen = {**chunk, "model": "m"}
     validate("CreateChatCompletionStreamResponse", seen)
     ChatCompletionChunk.model_validate(seen)
@@ -420,10 +420,59 @@ def test_what_a_stream_s_calls_are_numbered_by_is_bounded(monkeypatch: pytest.Mo
         state.number(delta)
         assert delta["tool_calls"][0]["index"] == i
     assert (len(state.ids), len(state.indices), len(state.names)) == (4, 4, 4)
-    shape = answer_shapes.chat_chunks("run1", 1700000000, "p")
+    shape = answer_shapes.chat_chunks("run1", 1700000000, "p", asked=10)
     for choice in range(10):
         chunk = call_chunk({"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": ""}})
         chunk["choices"][0]["index"] = choice
         shape(chunk)
         assert chunk["choices"][0]["delta"]["tool_calls"][0]["index"] == 0
     assert len(inspect.getclosurevars(shape).nonlocals["calls"]) == 4
+
+
+def test_a_stream_s_choices_are_numbered_as_asked_for_and_its_head_is_its_first_chunk_s() -> None:
+    """A server's index that is one asked for (0 to n-1) and not yet another's is kept, in whatever order
+    choices come (vLLM's `n` > 1); another is the lowest not given, in the order they first come; more
+    distinct ones than asked for are the provider's error. A chunk's id and created are the first's."""
+    shape = answer_shapes.chat_chunks("run1", 1700000000, "p", asked=3)
+    said = [(1, "chatcmpl-a", 5), (0, "chatcmpl-b", 6), (7, "chatcmpl-a", 5), (0, "x", 9), (1, 5, None), (7, "", 5)]
+    got = []
+    for index, given_id, created in said:
+        chunk: dict[str, Any] = {"id": given_id, "object": "chat.completion.chunk", "created": created, "model": "m",
+                 "choices": [{"index": index, "delta": {"content": "x"}, "logprobs": None, "finish_reason": None}]}
+        shape(chunk)
+        validate("CreateChatCompletionStreamResponse", chunk)
+        got.append((chunk["choices"][0]["index"], chunk["id"], chunk["created"]))
+    assert got == [(1, "chatcmpl-a", 5), (0, "chatcmpl-a", 5), (2, "chatcmpl-a", 5), (0, "chatcmpl-a", 5),
+                   (1, "chatcmpl-a", 5), (2, "chatcmpl-a", 5)]
+    with pytest.raises(ProviderError, match="provider p answered more choices than the 3 asked for"):
+        shape({"choices": [{"index": 2, "delta": {}}]})  # (2 is 7's: a fourth choice)
+    text = answer_shapes.completion_chunks("run1", 1700000000, "p")
+    first: dict[str, Any] = {"id": "cmpl-a", "choices": [{"index": 5, "text": "a"}]}
+    second: dict[str, Any] = {"id": "cmpl-b", "created": 9,
+                              "choices": [{"index": 5, "text": "b", "finish_reason": "stop"}]}
+    text(first)
+    text(second)
+    assert [(c["id"], c["created"], c["choices"][0]["index"]) for c in (first, second)] == [
+        ("cmpl-a", 1700000000, 0), ("cmpl-a", 1700000000, 0)]
+    with pytest.raises(ProviderError, match="more choices than the 1 asked for"):
+        text({"choices": [{"index": 0, "text": "c"}]})
+
+
+def test_a_right_chunk_of_a_choice_its_server_numbers_so_goes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Index 0 (or any of those asked for, kept as it came) costs a set lookup; a renumbered one goes the slow path."""
+    slow: list[Any] = []
+    real = answer_shapes._chat_choice
+
+    def counted(*given: Any) -> None:
+        slow.append(given)
+        real(*given)
+
+    monkeypatch.setattr(answer_shapes, "_chat_choice", counted)
+    shape = answer_shapes.chat_chunks("run1", 1700000000, "p", asked=3)
+    for index in (0, 1, 0, 1):
+        shape({"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 5, "model": "m",
+               "choices": [{"index": index, "delta": {"content": "hi"}, "logprobs": None, "finish_reason": None}]})
+    assert slow == []
+    renumbered = {"choices": [{"index": 9, "delta": {"content": "hi"}, "logprobs": None, "finish_reason": None}]}
+    shape(renumbered)
+    assert len(slow) == 1 and renumbered["choices"][0]["index"] == 2

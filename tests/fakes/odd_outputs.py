@@ -65,6 +65,8 @@ ANSWERS: dict[str, Callable[[str], Json]] = {
                                   "usage": {"prompt_tokens": 2, "total_tokens": 3, "cost": 0.001}},
     "c-finish-error": lambda m: {"id": "cmpl-e", "object": "text_completion", "created": 1790000000, "model": m,
                                  "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "error"}]},
+    "c-index5": lambda m: {"id": "cmpl-5", "object": "text_completion", "created": 1790000000, "model": m,
+                           "choices": [{"index": 5, "text": "hi", "logprobs": None, "finish_reason": "stop"}]},
 }
 
 
@@ -91,6 +93,11 @@ STREAMS: dict[str, Callable[[str], list[Json]]] = {
     "s-text-null": lambda m: [_chunk(m, "hello", None), {**_chunk(m, "", "stop"),
                                                           "choices": [{"index": 0, "text": None,
                                                                        "logprobs": None, "finish_reason": "stop"}]}],
+    # (one choice asked for, numbered 5; and an id and created that change midway)
+    "s-index5": lambda m: [{**_chunk(m, "hel", None), "choices": [{"index": 5, "text": "hel", "finish_reason": None}]},
+                           {**_chunk(m, "lo", None), "choices": [{"index": 5, "text": "lo", "finish_reason": "stop"}]}],
+    "s-ids": lambda m: [{**_chunk(m, "hel", None), "id": "cmpl-a", "created": 1790000000},
+                        {**_chunk(m, "lo", "stop"), "id": "cmpl-b", "created": 1790000007}],
 }
 
 
@@ -169,6 +176,9 @@ CHAT_ANSWERS: dict[str, Callable[[str], Json]] = {
     "ch-finish-error": lambda m: {"id": "chatcmpl-e", "object": "chat.completion", "created": 1790000000,
                                   "model": m, "choices": [{"index": 0, "message": _vllm_message(""),
                                                            "logprobs": None, "finish_reason": "error"}]},
+    "ch-index5": lambda m: {"id": "chatcmpl-5", "object": "chat.completion", "created": 1790000000, "model": m,
+                            "choices": [{"index": 5, "message": _message(), "logprobs": None,
+                                         "finish_reason": "stop"}]},
 }
 
 
@@ -228,9 +238,36 @@ CHAT_STREAMS: dict[str, Callable[[str], list[Json]]] = {
         _vllm_chunk(m, {"content": ""}, "tool_calls")],
     "chs-finish-error": lambda m: [_vllm_chunk(m, {"role": "assistant", "content": ""}, None),
                                    _vllm_chunk(m, {"content": ""}, "error")],
+    # (one choice asked for, numbered 5 by its server; and an id and created that change midway)
+    "chs-index5": lambda m: [_chat_chunk(m, {"role": "assistant", "content": ""}, None, 5),
+                             _chat_chunk(m, {"content": "hel"}, None, 5), _chat_chunk(m, {"content": "lo"}, "stop", 5)],
+    "chs-ids": lambda m: [{**_chat_chunk(m, {"role": "assistant", "content": "hel"}, None), "id": "chatcmpl-a"},
+                          {**_chat_chunk(m, {"content": "lo"}, None), "id": "chatcmpl-b", "created": 1790000007},
+                          {**_chat_chunk(m, {}, "stop"), "id": "chatcmpl-c", "created": 1790000009}],
 }
 
-SERVED = [*ANSWERS, *STREAMS, *EMBEDDINGS, *CHAT_ANSWERS, *CHAT_STREAMS]
+#: served name -> the chunks of a streamed chat completion with more choices than the one asked for (then `[DONE]`)
+EXTRA_CHOICE_STREAMS: dict[str, Callable[[str], list[Json]]] = {
+    "chs-extra-choice": lambda m: [_chat_chunk(m, {"role": "assistant", "content": "hel"}, None, 0),
+                                   _chat_chunk(m, {"role": "assistant", "content": "lo"}, None, 1),
+                                   _chat_chunk(m, {}, "stop", 0), _chat_chunk(m, {}, "stop", 1)],
+}
+#: and of a streamed legacy completion so
+EXTRA_CHOICE_TEXT_STREAMS: dict[str, Callable[[str], list[Json]]] = {
+    "s-extra-choice": lambda m: [{**_chunk(m, "hel", None), "choices": [{"index": 3, "text": "hel"}]},
+                                 {**_chunk(m, "lo", None), "choices": [{"index": 4, "text": "lo"}]},
+                                 _chunk(m, "", "stop")],
+}
+#: and whole answers so: a chat completion's and a legacy completion's
+EXTRA_CHOICE_ANSWERS: dict[str, Callable[[str], Json]] = {
+    "ch-extra-choice": lambda m: {**CHAT_ANSWERS["ch-ollama"](m), "choices": [
+        {"index": i, "message": _message(), "finish_reason": "stop"} for i in range(2)]},
+    "c-extra-choice": lambda m: {**ANSWERS["c-ollama"](m), "choices": [
+        {"index": i, "text": "hi", "finish_reason": "stop"} for i in range(2)]},
+}
+
+SERVED = [*ANSWERS, *STREAMS, *EMBEDDINGS, *CHAT_ANSWERS, *CHAT_STREAMS, *EXTRA_CHOICE_STREAMS,
+          *EXTRA_CHOICE_TEXT_STREAMS, *EXTRA_CHOICE_ANSWERS]
 
 
 def sse(obj: Any) -> bytes:
@@ -261,10 +298,11 @@ class OddServer(ThreadedServer):
         return web.json_response({"object": "list", "data": [{"id": s, "object": "model"} for s in SERVED]})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await _answer(request, ANSWERS, STREAMS)
+        return await _answer(request, {**ANSWERS, **EXTRA_CHOICE_ANSWERS}, {**STREAMS, **EXTRA_CHOICE_TEXT_STREAMS})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await _answer(request, CHAT_ANSWERS, CHAT_STREAMS)
+        return await _answer(request, {**CHAT_ANSWERS, **EXTRA_CHOICE_ANSWERS},
+                             {**CHAT_STREAMS, **EXTRA_CHOICE_STREAMS})
 
     async def _embeddings(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -76,7 +76,7 @@ def _named(value: str, names: dict[str, str], provider_id: str, what: str) -> st
     return names.get(value, OTHER_REASON)
 
 
-def _choice(choice: Json, place: int, provider_id: str, whole: bool) -> None:
+def _choice(choice: Json, place: int, provider_id: str, whole: bool, indices: ChoiceIndices | None = None) -> None:
     text = choice.get("text")
     if text is None:
         choice["text"] = ""
@@ -88,6 +88,8 @@ def _choice(choice: Json, place: int, provider_id: str, whole: bool) -> None:
     choice["finish_reason"] = _reason(choice.get("finish_reason"), provider_id, whole)
     if not whole and not _is_int(choice.get("index")):  # (its place in the chunk, as `choice_marks` counts it)
         choice["index"] = place
+    if indices is not None:
+        choice["index"] = indices.index(choice["index"])
 
 
 def in_order(items: list[Json]) -> list[Json]:
@@ -130,16 +132,81 @@ def completion(answer: Json, run_id: str, created: int, provider_id: str) -> Non
         _usage(answer, USAGE_PARTS)
 
 
-def completion_chunk(chunk: Json, run_id: str, created: int, provider_id: str) -> None:
+def completion_chunk(chunk: Json, run_id: str, created: int, provider_id: str,
+                     indices: ChoiceIndices | None = None) -> None:
     """A streamed legacy completion's chunk (its `choices`, if any, a list of objects), as OpenAI's
-    streams have it (its finish_reasons null while a choice goes on); ProviderError when it cannot be."""
+    streams have it (its finish_reasons null while a choice goes on; its choices numbered as `indices`
+    has them); ProviderError when it cannot be."""
     _head(chunk, "text_completion", completion_id(run_id), created)
     for place, choice in enumerate(chunk.get("choices") or ()):
-        _choice(choice, place, provider_id, whole=False)
+        _choice(choice, place, provider_id, whole=False, indices=indices)
     if "choices" not in chunk:
         chunk["choices"] = []
     if "usage" in chunk:
         _usage(chunk, USAGE_PARTS)
+
+
+class ChoiceIndices:
+    """A stream's choice indices as the caller's (0 to `asked`-1, as OpenAI numbers the choices asked
+    for), from its server's: an index the server gives that is one of those and not yet another's is
+    kept (vLLM's choices of `n` > 1, a legacy completion's of a list of prompts, whatever order they
+    come in); another (a server that numbers the one choice asked for 5; `-1`) is the lowest not yet
+    given, in the order they first come. The `openai` client's stream helper raised IndexError on a
+    choice numbered 5 (it reads `choices[choice.index]`). More distinct indices than `asked` is the
+    provider's error: a choice no one asked for."""
+
+    __slots__ = ("asked", "given", "same", "free", "provider_id")
+
+    def __init__(self, asked: int, provider_id: str) -> None:
+        self.asked = asked
+        self.provider_id = provider_id
+        #: the server's index -> the caller's; those kept as they came (what a chunk already right has)
+        self.given: dict[int, int] = {}
+        self.same: set[int] = set()
+        #: the lowest index that may be free (every one below it is given)
+        self.free = 0
+
+    def index(self, said: int) -> int:
+        """The caller's index of the choice its server numbered `said`."""
+        ours = self.given.get(said)
+        if ours is not None:
+            return ours
+        taken = set(self.given.values())
+        if 0 <= said < self.asked and said not in taken:
+            ours = said
+            self.same.add(said)
+        else:
+            while self.free in taken:
+                self.free += 1
+            if self.free >= self.asked:
+                raise too_many_choices(self.provider_id, self.asked)
+            ours = self.free
+        self.given[said] = ours
+        return ours
+
+
+def too_many_choices(provider_id: str, asked: int) -> ProviderError:
+    """A whole answer with more choices than `asked`: the provider's error, as a stream's (`ChoiceIndices`)."""
+    return ProviderError(f"provider {provider_id} answered more choices than the {asked} asked for",
+                         retry=Retry.ELSEWHERE, strikes=0)
+
+
+def completion_chunks(run_id: str, created: int, provider_id: str, asked: int = 1) -> Callable[[Json], None]:
+    """What makes each streamed legacy completion's chunk what OpenAI's streams have (`completion_chunk`),
+    and the stream one: the `id` and `created` of its first chunk in each (some servers change them
+    midway, and clients take a stream for one answer), its choices numbered 0 to `asked`-1
+    (`ChoiceIndices`)."""
+    indices = ChoiceIndices(asked, provider_id)
+    head: list[Any] = []
+
+    def shape(chunk: Json) -> None:
+        completion_chunk(chunk, run_id, created, provider_id, indices)
+        if not head:
+            head.extend((chunk["id"], chunk["created"]))
+        else:
+            chunk["id"], chunk["created"] = head
+
+    return shape
 
 
 def _head(obj: Json, kind: str, made_id: str, created: int) -> None:
@@ -394,16 +461,18 @@ def _names(call: Json) -> bool:
     return isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"] != ""
 
 
-def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, StreamCalls], run_id: str) -> None:
+def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, StreamCalls], run_id: str,
+                 indices: ChoiceIndices) -> None:
     """The slow path of a chunk's choice (`chat_chunks`): what is wrong with it repaired. `calls`: the
-    stream's tool calls so far of each choice (`StreamCalls`), of the run `run_id`."""
+    stream's tool calls so far of each choice (`StreamCalls`), of the run `run_id`; `indices`: its
+    choices' numbers."""
     reason = choice.get("finish_reason")
     if reason is not None and not (type(reason) is str and reason in CHAT_REASONS):
         choice["finish_reason"] = _chat_reason(reason, provider_id, whole=False)
     elif "finish_reason" not in choice:
         choice["finish_reason"] = None
-    if not _is_int(choice.get("index")):  # (its place in the chunk, as `choice_marks` counts it)
-        choice["index"] = place
+    said = choice.get("index")
+    choice["index"] = indices.index(said if type(said) is int else place)  # (no integer: its place in the chunk)
     if not isinstance(choice.get("delta"), dict):
         choice["delta"] = {}
     _texts(choice["delta"], provider_id)
@@ -416,11 +485,13 @@ def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, St
         _chat_logprobs(choice)
 
 
-def chat_chunks(run_id: str, created: int, provider_id: str) -> Callable[[Json], None]:
+def chat_chunks(run_id: str, created: int, provider_id: str, asked: int = 1) -> Callable[[Json], None]:
     """What makes a streamed chat completion's chunk (its `choices`, if any, a list of objects) what
     OpenAI's streams have, in place: `object`, `id` and `created` where it has none that will do (the
-    run's; one it has is kept, chunk by chunk), each choice's `finish_reason` (null while it goes on),
-    `index` and `delta`, its tool calls' `index` (`StreamCalls`), its logprobs as in `_chat_logprobs`;
+    run's), and after the first chunk those of the first (some servers change them midway; clients
+    take a stream for one answer), each choice's `finish_reason` (null while it goes on), `index` (0
+    to `asked`-1, `ChoiceIndices`) and `delta`, its tool calls' `index` (`StreamCalls`), its logprobs
+    as in `_chat_logprobs`;
     a usage as `_usage` has it, and a `"usage": null` (vLLM's on each chunk when usage is asked for)
     left out. ProviderError when it cannot be (`_chat_reason`, `_texts`).
 
@@ -433,11 +504,22 @@ def chat_chunks(run_id: str, created: int, provider_id: str) -> Callable[[Json],
     #: the stream's tool calls so far, of each choice (a chunk that has some goes the slow way; an empty
     #: list of them, as some servers give every text chunk, says none)
     calls: dict[int, StreamCalls] = {}
+    indices = ChoiceIndices(asked, provider_id)
+    #: the server's indices kept as they came (a chunk's choice with one of them is already right)
+    same = indices.same
+    #: the stream's `id` and `created`: its first chunk's (None until it came)
+    head_id: str | None = None
+    head_created = 0
 
     def shape(chunk: Json) -> None:
-        if chunk.get("object") != kind or chunk.get("id").__class__ is not text \
-                or chunk.get("created").__class__ is not number:
-            _head(chunk, kind, chat_id(run_id), created)
+        nonlocal head_id, head_created
+        if chunk.get("object") != kind or chunk.get("id") != head_id \
+                or (stamp := chunk.get("created")).__class__ is not number or stamp != head_created:
+            if head_id is None:
+                _head(chunk, kind, chat_id(run_id), created)
+                head_id, head_created = chunk["id"], chunk["created"]
+            else:
+                chunk["object"], chunk["id"], chunk["created"] = kind, head_id, head_created
         if "usage" in chunk:
             if chunk["usage"] is None:
                 del chunk["usage"]
@@ -453,14 +535,15 @@ def chat_chunks(run_id: str, created: int, provider_id: str) -> Callable[[Json],
         for choice in choices:
             reason = choice.get("finish_reason", missing)
             if (reason is not None and (reason.__class__ is not text or reason not in reasons)) \
-                    or choice.get("index").__class__ is not number \
+                    or (index := choice.get("index")).__class__ is not number \
+                    or (index not in same and indices.index(index) != index) \
                     or (delta := choice.get("delta")).__class__ is not obj \
                     or ((content := delta.get("content")) is not None and content.__class__ is not text) \
                     or ((refusal := delta.get("refusal")) is not None and refusal.__class__ is not text) \
                     or ((tools := delta.get("tool_calls")) is not None and (tools.__class__ is not array or tools)) \
                     or ((logprobs := choice.get("logprobs")) is not None
                         and (logprobs.__class__ is not obj or "refusal" not in logprobs or "content" not in logprobs)):
-                _chat_choice(choice, place, provider_id, calls, run_id)
+                _chat_choice(choice, place, provider_id, calls, run_id, indices)
             place += 1
 
     return shape

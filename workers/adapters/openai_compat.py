@@ -33,7 +33,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
-from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -672,6 +671,8 @@ class OpenAICompatAdapter:
         if kind is not RunKind.EMBEDDING and not data.get("choices"):  # (a caller's client reads choices[0])
             raise ProviderError(f"provider {self.provider.id} answered with no choices", retry=Retry.ELSEWHERE,
                                 strikes=0)
+        if kind is not RunKind.EMBEDDING and len(data["choices"]) > (asked := choices_asked(kind, body)):
+            raise answer_shapes.too_many_choices(self.provider.id, asked)
         problem = embeddings_problem(data, inputs(body.get("input"))) if kind is RunKind.EMBEDDING else None
         if problem:
             raise ProviderError(f"provider {self.provider.id} answered embeddings {problem}", retry=Retry.ELSEWHERE,
@@ -689,18 +690,18 @@ class OpenAICompatAdapter:
         model = body.get("model")
         created = int(time.time())
         shape: Callable[[dict[str, Any]], None] | None = None
+        #: the choices asked for: a stream's are numbered 0 to `choices`-1 (`answer_shapes.ChoiceIndices`)
+        choices = choices_asked(kind, body)
         if kind is RunKind.CHAT:  # (every chunk of every chat stream: a fast path for one already right)
-            shape = answer_shapes.chat_chunks(request_id, created, self.provider.id)
+            shape = answer_shapes.chat_chunks(request_id, created, self.provider.id, choices)
         elif kind is RunKind.COMPLETION:
-            shape = partial(answer_shapes.completion_chunk, run_id=request_id, created=created,
-                            provider_id=self.provider.id)
+            shape = answer_shapes.completion_chunks(request_id, created, self.provider.id, choices)
         parser = SSEParser(self.provider.id, self.limits, request_id, model if isinstance(model, str) else None,
                            self.provider.type, shape)
         #: every choice finished: the answer is whole
         finished = False
         #: the choices seen, and those that came with a finish_reason: once every one seen has, and
         #: at least `n`, what may still come is a usage chunk and [DONE], each within `FINISHED_GRACE_S`
-        choices = choices_asked(kind, body)
         seen: set[int] = set()
         ended: set[int] = set()
 
