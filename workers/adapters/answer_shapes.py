@@ -88,7 +88,7 @@ def _choice(choice: Json, place: int, provider_id: str, whole: bool, indices: Ch
     choice["finish_reason"] = _reason(choice.get("finish_reason"), provider_id, whole)
     if not whole and not _is_int(choice.get("index")):  # (its place in the chunk, as `choice_marks` counts it)
         choice["index"] = place
-    if indices is not None:
+    if indices is not None and choice["index"] not in indices.same:  # (one kept as it came: a set lookup)
         choice["index"] = indices.index(choice["index"])
 
 
