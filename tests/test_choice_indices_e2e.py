@@ -52,7 +52,8 @@ async def test_streamed_choices_and_heads_as_the_caller_gets_them_fit_openai_s_s
     with OddServer() as server:
         gateway = start(stack, server)
         async with aiohttp.ClientSession() as session:
-            for served, chat in (("chs-index5", True), ("chs-ids", True), ("s-index5", False), ("s-ids", False)):
+            for served, chat in (("chs-index5", True), ("chs-ids", True), ("chs-azure", True), ("s-index5", False),
+                                 ("s-ids", False)):
                 url = gateway + ("/v1/chat/completions" if chat else "/v1/completions")
                 ask = {"model": served, "stream": True, **({"messages": MESSAGES} if chat else {"prompt": "hi"})}
                 status, chunks = await _chunks(session, url, ask)
@@ -62,6 +63,7 @@ async def test_streamed_choices_and_heads_as_the_caller_gets_them_fit_openai_s_s
                 assert found == [], (served, found)
                 assert {c["index"] for ch in chunks for c in ch["choices"]} == {0}, (served, chunks)
                 assert len({(c["id"], c["created"]) for c in chunks}) == 1, (served, chunks)
+                assert chunks[0]["id"] and chunks[0]["created"] > 0, (served, chunks)  # (not Azure's "" and 0)
                 if served.endswith("ids"):
                     assert chunks[0]["id"] in ("chatcmpl-a", "cmpl-a") and chunks[0]["created"] == 1790000000
 

@@ -241,6 +241,11 @@ CHAT_STREAMS: dict[str, Callable[[str], list[Json]]] = {
     # (one choice asked for, numbered 5 by its server; and an id and created that change midway)
     "chs-index5": lambda m: [_chat_chunk(m, {"role": "assistant", "content": ""}, None, 5),
                              _chat_chunk(m, {"content": "hel"}, None, 5), _chat_chunk(m, {"content": "lo"}, "stop", 5)],
+    # (Azure's first chunk: its prompt's filter results, an empty id and a created of 0)
+    "chs-azure": lambda m: [{"choices": [], "created": 0, "id": "", "model": "", "object": "",
+                             "prompt_filter_results": [{"prompt_index": 0, "content_filter_results": {}}]},
+                            _chat_chunk(m, {"role": "assistant", "content": "hel"}, None),
+                            _chat_chunk(m, {"content": "lo"}, "stop")],
     "chs-ids": lambda m: [{**_chat_chunk(m, {"role": "assistant", "content": "hel"}, None), "id": "chatcmpl-a"},
                           {**_chat_chunk(m, {"content": "lo"}, None), "id": "chatcmpl-b", "created": 1790000007},
                           {**_chat_chunk(m, {}, "stop"), "id": "chatcmpl-c", "created": 1790000009}],

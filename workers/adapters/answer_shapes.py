@@ -211,11 +211,13 @@ def completion_chunks(run_id: str, created: int, provider_id: str, asked: int = 
 
 def _head(obj: Json, kind: str, made_id: str, created: int) -> None:
     """An answer's or chunk's `object` (`kind`), its `id` and `created` where it has none that will do
-    (`made_id`, the run's `created`), and a `system_fingerprint` that is not text left out."""
+    (`made_id`, the run's `created`; an empty id and a created of 0 will not: a stream's chunks all
+    take its first chunk's, and Azure's first, of filter results, has those), and a
+    `system_fingerprint` that is not text left out."""
     obj["object"] = kind
-    if not isinstance(obj.get("id"), str):
+    if not isinstance(obj.get("id"), str) or not obj["id"]:  # ("": TGI's; Azure's first chunk, of filter results)
         obj["id"] = made_id
-    if not _is_int(obj.get("created")) or obj["created"] < 0:
+    if not _is_int(obj.get("created")) or obj["created"] <= 0:  # (0: Azure's first chunk's, no time)
         obj["created"] = created
     if "system_fingerprint" in obj and not isinstance(obj["system_fingerprint"], str):
         del obj["system_fingerprint"]
