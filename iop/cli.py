@@ -242,8 +242,32 @@ def _refused(exc: Exception, url: str) -> int:
     return 1
 
 
+#: options whose value an operator may type with a leading `-` (`--for -5m`): argparse takes such a
+#: value for an option, and said only "expected one argument"; given as `--for=-5m`, the value's own
+#: check says what is wrong with it
+DASHED_VALUES = ("--for",)
+
+
+def _dashed_values(argv: Sequence[str]) -> list[str]:
+    """`argv` with each of `DASHED_VALUES` followed by a value starting with `-` joined to it."""
+    out: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg in DASHED_VALUES:
+            value = next(args, None)
+            if value is not None and value.startswith("-") and value != "--" and not value.startswith("--"):
+                out.append(f"{arg}={value}")
+                continue
+            out.append(arg)
+            if value is not None:
+                out.append(value)
+            continue
+        out.append(arg)
+    return out
+
+
 def _main(argv: Sequence[str] | None) -> None:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_dashed_values(sys.argv[1:] if argv is None else argv))
     try:
         _command(args)
     except Exception as exc:  # (a service handles its own Redis errors: only an operator command's get here)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis as sync_redis
 import yaml
 
 from tests.conftest import ROOT
@@ -418,3 +419,24 @@ def test_iop_version_prints_the_installed_version() -> None:
     declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
     done = subprocess.run([sys.executable, "-m", "iop", "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == f"iop {declared}\n", (done.stdout, done.stderr)
+
+
+@pytest.mark.parametrize("given", [["--for", "-5m"], ["--for=-5m"]])
+def test_a_duration_typed_with_a_leading_dash_is_told_what_is_wrong_with_it(given: list[str], redis_url: str) -> None:
+    """`--for -5m` got argparse's "argument --for: expected one argument" (a value starting with `-`
+    reads as an option to it), which says nothing of the duration; `--for=-5m` got the duration's own
+    message. Both get that one now, and nothing is written."""
+    done = iop("provider", "capacity", "vllm-a", "1", *given, "--config", DEMO, "--redis", redis_url)
+    assert done.returncode == 2
+    assert one_line(done) == "error: --for: '-5m' is not a duration such as 90s, 30m, 2h, 7d or 1h30m"
+    r = sync_redis.Redis.from_url(redis_url)
+    try:
+        assert r.exists("iop:capacity:vllm-a") == 0
+    finally:
+        r.close()
+
+
+def test_an_option_after_for_is_still_an_option() -> None:
+    """Only a value that is not an option is joined to `--for`: `--for --json` stays argparse's error."""
+    done = iop("provider", "capacity", "vllm-a", "1", "--for", "--json", "--config", DEMO)
+    assert done.returncode == 2 and "argument --for: expected one argument" in done.stderr, done.stderr
