@@ -255,7 +255,7 @@ def _dashed_values(argv: Sequence[str]) -> list[str]:
     for arg in args:
         if arg in DASHED_VALUES:
             value = next(args, None)
-            if value is not None and value.startswith("-") and value != "--" and not value.startswith("--"):
+            if value is not None and value.startswith("-") and not value.startswith("--"):
                 out.append(f"{arg}={value}")
                 continue
             out.append(arg)
