@@ -1476,6 +1476,16 @@ def test_json_just_as_deep_as_allowed_is_taken() -> None:
     assert parse_json(b'{"choices": ' + deep(MAX_DEPTH) + b"}", "p") == {"choices": json.loads(deep(MAX_DEPTH))}
 
 
+def test_the_shortest_json_nested_too_deep_is_refused() -> None:
+    # (`parse_json` counts brackets only in text longer than twice `MAX_DEPTH`: the shortest too deep has
+    # one byte more, and the shortest as deep as allowed is taken)
+    shortest = b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)
+    assert len(shortest) == 2 * MAX_DEPTH + 2
+    with pytest.raises(ProviderError):
+        parse_json(shortest, "p")
+    assert parse_json(shortest[1:-1], "p") == json.loads(shortest[1:-1])
+
+
 @pytest.mark.parametrize("levels", DEPTHS)
 async def test_json_nested_too_deep_is_a_provider_error(raw: Raw, session: aiohttp.ClientSession,
                                                         levels: int) -> None:
