@@ -382,7 +382,10 @@ ABORTED = "abort"
 
 def aborted(obj: dict[str, Any]) -> bool:
     """Whether an answer or a chunk has a choice that the server aborted (`ABORTED`)."""
-    return any(isinstance(c, dict) and c.get("finish_reason") == ABORTED for c in obj.get("choices") or ())
+    for c in obj.get("choices") or ():  # (a loop, not any() of a generator: every streamed chunk, ~0.1 us less)
+        if isinstance(c, dict) and c.get("finish_reason") == ABORTED:
+            return True
+    return False
 
 
 def aborted_error(provider_id: str) -> ProviderError:
