@@ -11,9 +11,10 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from common.jsonio import dumps
 from common.wire import EventType
 from gateway.events import Event
-from gateway.responses import KEEP_ALIVE, Cut, SSEStream, stream_response
+from gateway.responses import KEEP_ALIVE, Cut, SSEStream, sse_chunks, stream_response
 
 
 async def test_a_stream_s_headers_go_out_with_its_first_bytes_in_one_write() -> None:
@@ -158,3 +159,19 @@ async def test_a_delta_of_another_attempt_after_deltas_the_caller_got_ends_the_s
     assert texts(body) == ["a", "b"] and ended == ["cut"], body
     body, ended = await streamed([of("1", 1, "a"), of("1", 1, "a"), of("1", 2, "b"), of("1", 3, "c"), completed])
     assert texts(body) == ["a", "b", "c"] and ended == ["ended"], body
+
+
+def test_a_deltas_chunks_are_each_its_own_sse_line_saying_the_model() -> None:
+    """One text for the delta, each chunk's line as `dumps` writes it: also a chunk orjson cannot write
+    (a key that is no string, an integer beyond 64 bits), one that is no object, and a NaN (null)."""
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "served",
+             "choices": [{"index": 0, "delta": {"content": "tok é \u2028"}, "finish_reason": None}]}
+    cases: list[list[Any]] = [[], [dict(chunk)], [dict(chunk) for _ in range(3)],
+                              [dict(chunk), {1: "int key"}, dict(chunk)], [{"n": 2**70}], [[1, 2], "x", None],
+                              [{"f": float("nan"), "g": 1.5}]]
+    for chunks in cases:
+        expected = b"".join(b"data: " + dumps({**c, "model": "public"} if isinstance(c, dict) else c) + b"\n\n"
+                            for c in chunks)
+        assert sse_chunks(chunks, "public") == expected
+        assert all(c["model"] == "public" for c in chunks if isinstance(c, dict))
+
