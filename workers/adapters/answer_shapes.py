@@ -155,13 +155,15 @@ class ChoiceIndices:
     choice numbered 5 (it reads `choices[choice.index]`). More distinct indices than `asked` is the
     provider's error: a choice no one asked for."""
 
-    __slots__ = ("asked", "given", "same", "free", "provider_id")
+    __slots__ = ("asked", "given", "taken", "same", "free", "provider_id")
 
     def __init__(self, asked: int, provider_id: str) -> None:
         self.asked = asked
         self.provider_id = provider_id
-        #: the server's index -> the caller's; those kept as they came (what a chunk already right has)
+        #: the server's index -> the caller's; the caller's given so far; those kept as they came (what a
+        #: chunk already right has)
         self.given: dict[int, int] = {}
+        self.taken: set[int] = set()
         self.same: set[int] = set()
         #: the lowest index that may be free (every one below it is given)
         self.free = 0
@@ -171,17 +173,17 @@ class ChoiceIndices:
         ours = self.given.get(said)
         if ours is not None:
             return ours
-        taken = set(self.given.values())
-        if 0 <= said < self.asked and said not in taken:
+        if 0 <= said < self.asked and said not in self.taken:
             ours = said
             self.same.add(said)
         else:
-            while self.free in taken:
+            while self.free in self.taken:
                 self.free += 1
             if self.free >= self.asked:
                 raise too_many_choices(self.provider_id, self.asked)
             ours = self.free
         self.given[said] = ours
+        self.taken.add(ours)
         return ours
 
 
