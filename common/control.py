@@ -82,7 +82,15 @@ class ControlError(ValueError):
 
 
 class AboveConfigured(ControlError):
-    """A capacity override above the provider's capacity in the config that checked it."""
+    """A capacity override above the provider's capacity in the config that checked it (`configured`);
+    `announced`: what the provider's workers announce, when that is at least the override (the config
+    that checked it is older than the pool's)."""
+
+    def __init__(self, change: Change, configured: int, announced: int | None = None) -> None:
+        old = "" if announced is None else f"; its workers announce {announced}: is this config older than the pool's?"
+        super().__init__(f"capacity: {change.capacity} is above {change.target}'s configured capacity "
+                         f"{configured} (an override can only lower it; raise it in the config{old})", "capacity")
+        self.configured = configured
 
 
 class UnknownTarget(LookupError):
@@ -219,8 +227,7 @@ def check_change(config: Config, change: Change) -> None:
         # Lower only: a node's workers run as many runs at once as its configured capacities add up
         # to, so slots above them would be leases that wait for a worker.
         if change.capacity > configured:
-            raise AboveConfigured(f"capacity: {change.capacity} is above {change.target}'s configured capacity "
-                                  f"{configured} (an override can only lower it; raise it in the config)", "capacity")
+            raise AboveConfigured(change, configured)
         if change.for_ms is not None and not MIN_FOR_MS <= change.for_ms <= MAX_FOR_MS:
             raise ControlError(f"for: {change.for_ms} ms is not between 1s and 7d", "for")
 
@@ -303,9 +310,7 @@ async def _above_an_old_config(redis: Redis, change: Change, exc: AboveConfigure
         return exc
     if change.capacity is None or announced is None or change.capacity > announced:
         return exc
-    message = exc.args[0]
-    return AboveConfigured(f"{message[:-1]}; its workers announce {announced}: is this config older than the "
-                        "pool's?)", exc.param)
+    return AboveConfigured(change, exc.configured, announced)
 
 
 async def read_audit(redis: Redis, limit: int = 50, before: str | None = None) -> list[AuditEntry]:
