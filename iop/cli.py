@@ -177,14 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(path: str) -> object:
     from common.config import ConfigError, load_config
+    from iop.config_cmd import fault_lines
 
     try:
         return load_config(path)
     except ConfigError as exc:
-        for err in exc.errors:
-            print(f"error: {err}", file=sys.stderr)
-        if not all(err.startswith(f"{path}: ") for err in exc.errors):  # (which file: as `iop config validate`)
-            print(f"{path}: {len(exc.errors)} error(s)", file=sys.stderr)
+        for line in fault_lines(path, exc.errors, always_count=False):
+            print(line, file=sys.stderr)
         raise SystemExit(2) from None
 
 

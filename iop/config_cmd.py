@@ -13,10 +13,18 @@ from common.legacy import is_legacy
 from common.legacy import migrate as migrate_legacy
 
 
+def fault_lines(path: str | Path, errors: list[str], *, always_count: bool = True) -> list[str]:
+    """What says a config's faults: each one, then which file held how many. `always_count` False (a
+    service's or command's start): not that last line when every fault names the file already."""
+    lines = [f"error: {err}" for err in errors]
+    if always_count or not all(err.startswith(f"{path}: ") for err in errors):
+        lines.append(f"{path}: {len(errors)} error(s)")
+    return lines
+
+
 def _errors(path: str, errors: list[str]) -> int:
-    for err in errors:
-        print(f"error: {err}", file=sys.stderr)
-    print(f"{path}: {len(errors)} error(s)", file=sys.stderr)
+    for line in fault_lines(path, errors):
+        print(line, file=sys.stderr)
     return 1
 
 

@@ -34,6 +34,7 @@ from common import keys
 from common.auth import ApiKeyConfig, KeyRing, UnresolvedKeys
 from common.config import Config, ConfigError, load_config
 from common.shown import near_name
+from iop.config_cmd import fault_lines
 from iop.embedded_redis import RedisServer
 
 T = TypeVar("T")
@@ -248,10 +249,8 @@ def read_config(path: Path) -> Config | None:
             KeyRing.from_config(config.auth, os.environ)
         return config
     except (ConfigError, UnresolvedKeys) as exc:
-        for err in exc.errors:
-            say(f"error: {err}", err=True)
-        if not all(err.startswith(f"{path}: ") for err in exc.errors):  # (which file: as `iop config validate`)
-            say(f"{path}: {len(exc.errors)} error(s)", err=True)
+        for line in fault_lines(path, exc.errors, always_count=False):
+            say(line, err=True)
         return None
 
 
