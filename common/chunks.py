@@ -112,17 +112,23 @@ def fixed_usage(obj: dict[str, Any]) -> dict[str, Any] | None:
     caller's client: a count that is not a whole number of at least 0 becomes 0 (`total_tokens`:
     the sum of the other two, also when the provider sent none: OpenAI's schema requires it, and
     the `openai` client's `usage.total_tokens` would be None), and so does a `*_tokens` one of its
-    `*_details` objects that is not null (their other fields, a cost say, stay as they came); a
-    `*_details` that is not an object goes; a usage that is not an object goes (None)."""
+    `*_details` objects that is not null; a null one goes from those OpenAI's schema has
+    (`SCHEMA_DETAILS`: it has a count there), and stays in another's (their other fields, a cost
+    say, stay as they came); a `*_details` that is not an object goes; a usage that is not an
+    object goes (None)."""
     usage = obj.get("usage")
     if not isinstance(usage, dict):
         obj.pop("usage", None)
         return None
     for name, value in list(usage.items()):
         if name.endswith("_details"):
-            if isinstance(value, dict):  # (its `*_tokens` counts; a cost, or a null, as it came)
-                for inner, n in value.items():
-                    if inner.endswith("_tokens") and n is not None and not _is_count(n):
+            if isinstance(value, dict):  # (its `*_tokens` counts; a cost, or another's null, as it came)
+                for inner, n in list(value.items()):
+                    if not inner.endswith("_tokens"):
+                        continue
+                    if n is None and name in SCHEMA_DETAILS:
+                        del value[inner]  # (OpenAI's schema has a count there, never null)
+                    elif n is not None and not _is_count(n):
                         value[inner] = _count(n)
             elif value is not None:
                 del usage[name]
@@ -137,6 +143,10 @@ def fixed_usage(obj: dict[str, Any]) -> dict[str, Any] | None:
 #: provider's usage numbers are its own, and counters are 64-bit (Redis's, and many clients'
 #: integers: a count beyond them breaks the run's end, or the client reading it).
 MAX_COUNTED_TOKENS = 10**9
+
+#: the `*_details` of a usage that OpenAI's schema has: their `*_tokens` are counts, never null (SGLang's
+#: and others' null ones failed the schema); another's (OpenRouter's `cost_details`) is the provider's own
+SCHEMA_DETAILS = frozenset({"prompt_tokens_details", "completion_tokens_details"})
 
 #: the counts of a usage object that its `total_tokens` sums
 USAGE_PARTS = ("prompt_tokens", "completion_tokens")

@@ -476,3 +476,60 @@ def test_a_right_chunk_of_a_choice_its_server_numbers_so_goes_the_fast_path(monk
     renumbered = {"choices": [{"index": 9, "delta": {"content": "hi"}, "logprobs": None, "finish_reason": None}]}
     shape(renumbered)
     assert len(slow) == 1 and renumbered["choices"][0]["index"] == 2
+
+
+def sglang_chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    """A chunk as SGLang's server writes it (its pydantic models dumped with their nulls)."""
+    return {"id": "s", "object": "chat.completion.chunk", "created": 5, "model": "m", "usage": None,
+            "choices": [{"index": 0, "logprobs": None, "finish_reason": finish_reason, "matched_stop": None,
+                         "delta": {"role": None, "content": None, "reasoning_content": None, "tool_calls": None,
+                                   **delta}}]}
+
+
+def test_sglang_s_stream_loses_the_nulls_openai_s_schema_has_not() -> None:
+    """SGLang's every chunk has `role` and `tool_calls` null, and a call's pieces after its first an
+    `id` and a function `name` of null: each chunk failed OpenAI's schema (and the `openai` client's
+    stream helper joined the nulls). What the caller reads is the same text and the same one call."""
+    shape = answer_shapes.chat_chunks("run1", 1700000000, "p")
+    chunks = [sglang_chunk({"role": "assistant", "content": ""}), sglang_chunk({"content": "hi"}),
+              sglang_chunk({"tool_calls": [{"id": "c1", "index": 0, "type": "function",
+                                            "function": {"name": "f", "arguments": None}}]}),
+              sglang_chunk({"tool_calls": [{"id": None, "index": 0, "type": None,
+                                            "function": {"name": None, "arguments": '{"a": 1}'}}]}),
+              sglang_chunk({}, "tool_calls")]
+    for chunk in chunks:
+        shape(chunk)
+        validate("CreateChatCompletionStreamResponse", chunk)
+        ChatCompletionChunk.model_validate(chunk)
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    assert deltas[0] == {"role": "assistant", "content": "", "reasoning_content": None}
+    assert deltas[1] == {"content": "hi", "reasoning_content": None}
+    assert deltas[2]["tool_calls"] == [{"id": "c1", "index": 0, "type": "function", "function": {"name": "f"}}]
+    assert deltas[3]["tool_calls"] == [{"index": 0, "function": {"arguments": '{"a": 1}'}}]
+
+
+def test_llama_cpp_python_s_null_function_call_is_left_out() -> None:
+    """llama-cpp-python's server sends `"function_call": null` (and `role` null) beside a delta's calls or text."""
+    for delta in ({"role": None, "content": "x", "function_call": None},
+                  {"role": None, "content": None, "function_call": None,
+                   "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                   "function": {"name": "f", "arguments": ""}}]}):
+        chunk = chunk_of({"id": "l", "object": "chat.completion.chunk", "created": 5, "model": "m",
+                          "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]})
+        assert not {"role", "function_call"} & chunk["choices"][0]["delta"].keys()
+
+
+def test_a_whole_call_s_null_type_and_arguments_are_what_openai_s_are() -> None:
+    """SGLang's whole tool call of a function given no arguments: `arguments` null, as OpenAI's has `{}`."""
+    answer = chat({"choices": [{"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "index": None, "type": None, "function": {"name": "f", "arguments": None}}]},
+        "finish_reason": "tool_calls"}]})
+    assert answer["choices"][0]["message"]["tool_calls"] == [
+        {"id": "c1", "index": None, "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+
+
+def test_a_usage_s_null_detail_count_is_left_out() -> None:
+    answer = chat({"choices": [{"index": 0, "message": {"content": "hi"}, "finish_reason": "stop"}],
+                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
+                             "completion_tokens_details": {"reasoning_tokens": None, "audio_tokens": 0}}})
+    assert answer["usage"]["completion_tokens_details"] == {"audio_tokens": 0}

@@ -248,6 +248,10 @@ CHAT_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "fun
 #: a message's fields that OpenAI's schema has as something, never null: a null one says nothing
 #: (vLLM's whole answer sends `annotations` and `function_call` so, and `tool_calls` some others)
 NOT_NULL_FIELDS = ("annotations", "function_call", "tool_calls")
+#: a streamed delta's fields that OpenAI's schema has as something, never null: SGLang sends `role`
+#: and `tool_calls` null in every chunk, llama-cpp-python's server `function_call` (the chunk failed
+#: the schema, and the `openai` client's types)
+NOT_NULL_DELTA = ("role", "tool_calls", "function_call")
 CHAT_OBJECT = "chat.completion"
 CHUNK_OBJECT = "chat.completion.chunk"
 _MISSING = object()
@@ -299,10 +303,12 @@ def _tool_calls(calls: list[Json], run_id: str, provider_id: str) -> None:
         if function.get("name") is not None and not isinstance(function["name"], str):
             raise ProviderError(f"provider {provider_id} answered a tool call whose function's name is not text",
                                 retry=Retry.ELSEWHERE, strikes=0)
-        if "type" not in call:
+        if call.get("type") is None:
             call["type"] = "function"
         if not isinstance(call.get("id"), str) or not call["id"]:
             call["id"] = f"call_{run_id}_{place}"
+        if function.get("arguments") is None:  # (SGLang's, of a function called without any)
+            function["arguments"] = "{}"
         _arguments_as_text(function)
 
 
@@ -420,6 +426,7 @@ class StreamCalls:
         if not all(isinstance(call, dict) for call in calls):
             calls = delta["tool_calls"] = [call for call in calls if isinstance(call, dict)]
         for call in calls:
+            _without_nulls(call)
             said, given = call.get("index"), call.get("id")
             said = said if _is_int(said) else None
             named = isinstance(given, str) and given != ""
@@ -459,6 +466,20 @@ class StreamCalls:
             _arguments_as_text(function)
 
 
+def _without_nulls(call: Json) -> None:
+    """A streamed call's piece without the nulls OpenAI's schema has not (SGLang gives each piece after
+    its call's first an `id`, and its function a `name`, of null; the `openai` client's stream helper
+    joins them): its `id`, `type`, `function` and the function's `name` and `arguments`."""
+    for name in ("id", "type", "function"):
+        if name in call and call[name] is None:
+            del call[name]
+    function = call.get("function")
+    if isinstance(function, dict):
+        for name in ("name", "arguments"):
+            if name in function and function[name] is None:
+                del function[name]
+
+
 def _names(call: Json) -> bool:
     """A streamed call's piece names its function."""
     function = call.get("function")
@@ -480,6 +501,9 @@ def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, St
     if not isinstance(choice.get("delta"), dict):
         choice["delta"] = {}
     _texts(choice["delta"], provider_id)
+    for name in NOT_NULL_DELTA:
+        if name in choice["delta"] and choice["delta"][name] is None:
+            del choice["delta"][name]
     if choice["delta"].get("tool_calls") is not None:
         # (a hostile server's million choice indices are not a million entries: past `MAX_CALL_IDS`, one more)
         state = calls.get(choice["index"]) or (calls.setdefault(choice["index"], StreamCalls(run_id))
@@ -542,6 +566,7 @@ def chat_chunks(run_id: str, created: int, provider_id: str, asked: int = 1) -> 
                     or (index := choice.get("index")).__class__ is not number \
                     or (index not in same and indices.index(index) != index) \
                     or (delta := choice.get("delta")).__class__ is not obj \
+                    or None in delta.values() \
                     or ((content := delta.get("content")) is not None and content.__class__ is not text) \
                     or ((refusal := delta.get("refusal")) is not None and refusal.__class__ is not text) \
                     or ((tools := delta.get("tool_calls")) is not None and (tools.__class__ is not array or tools)) \
