@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import gzip
 import json
 import logging
@@ -1680,6 +1681,27 @@ async def test_embeddings_asked_as_numbers_come_as_numbers_from_a_server_that_an
     adapter = OpenAICompatAdapter(openai(raw.url), session)
     answer = await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": ["a", "b"], **asked}, "run_1")
     assert [d["embedding"] for d in answer["data"]] == [[0.5, -1.25, 3.0], packed[1]]
+
+
+async def test_a_base64_embedding_given_back_as_numbers_is_decoded_once(
+        raw: Raw, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its check (`embeddings_problem`) decoded it, and `in_numbers` decoded it again (a vector of
+    4,096 is 22 KB of base64)."""
+    packed = [base64.b64encode(struct.pack("<3f", *v)).decode() for v in ([0.5, -1.25, 3.0], [1.0, 2.0, 4.0])]
+    raw.answers["/v1/embeddings"] = whole("200 OK", json.dumps({"object": "list", "model": SERVED, "data": [
+        {"object": "embedding", "index": 1 - i, "embedding": v} for i, v in enumerate(packed)]}).encode())
+    adapter = OpenAICompatAdapter(openai(raw.url), session)
+    decodes: list[object] = []
+    real = binascii.a2b_base64
+
+    def counted(data: Any, **kwargs: Any) -> bytes:
+        decodes.append(data)
+        return real(data, **kwargs)
+
+    monkeypatch.setattr(binascii, "a2b_base64", counted)
+    answer = await adapter.complete(RunKind.EMBEDDING, {"model": SERVED, "input": ["a", "b"]}, "run_1")
+    assert [d["embedding"] for d in answer["data"]] == [[1.0, 2.0, 4.0], [0.5, -1.25, 3.0]]  # (in index order)
+    assert len(decodes) == 2
 
 
 @pytest.mark.parametrize("stream", [False, True])

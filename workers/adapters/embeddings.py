@@ -28,14 +28,16 @@ def count_problem(count: int, asked: int) -> str | None:
     return f"with {count} embeddings for {asked} inputs" if count != asked else None
 
 
-def embeddings_problem(answer: dict[str, Any], asked: int) -> str | None:
-    """What is wrong with an embeddings answer for `asked` inputs (None: nothing)."""
+def embeddings_problem(answer: dict[str, Any], asked: int, decoded: dict[int, bytes] | None = None) -> str | None:
+    """What is wrong with an embeddings answer for `asked` inputs (None: nothing). `decoded`: given,
+    it gets the bytes of each base64 embedding, by its place in `data` (for `in_numbers`, which would
+    decode it again)."""
     data = answer.get("data")
     if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
         return "whose data is not a list of objects"
     if len(data) != asked:
         return count_problem(len(data), asked)
-    for item in data:
+    for place, item in enumerate(data):
         vector = item.get("embedding")
         if isinstance(vector, str):
             try:
@@ -44,6 +46,8 @@ def embeddings_problem(answer: dict[str, Any], asked: int) -> str | None:
                 return "with an embedding that is neither numbers nor base64"
             if len(packed) % FLOAT_BYTES:  # ("AAA=": 2 bytes; the openai client's default call raised ValueError)
                 return f"with a base64 embedding of {len(packed)} bytes, not 32-bit floats"
+            if decoded is not None:
+                decoded[place] = packed
         elif not isinstance(vector, list) or not (are_numbers(vector)
                                                   or all(is_number(x) or _are_numbers(x) for x in vector)):
             return "with an embedding that is neither numbers nor base64"
@@ -88,15 +92,16 @@ def base64_vector(vector: list[float]) -> str:
         raise ValueError("an embedding beyond 32-bit floats") from None
 
 
-def in_numbers(answer: dict[str, Any]) -> None:
+def in_numbers(answer: dict[str, Any], decoded: dict[int, bytes] | None = None) -> None:
     """Write the embeddings of a checked answer (`embeddings_problem`) that came as base64 as numbers,
     in place, for a caller that asked for numbers (OpenAI's default): a server that answers base64
     whatever it is asked handed such a caller a string where its client's type has a list of floats.
-    One holding a NaN or an infinity (which JSON cannot carry) stays as it came."""
-    for item in answer["data"]:
+    One holding a NaN or an infinity (which JSON cannot carry) stays as it came. `decoded`: the bytes
+    `embeddings_problem` decoded, by place (those it lacks are decoded here)."""
+    for place, item in enumerate(answer["data"]):
         vector = item["embedding"]
         if isinstance(vector, str):
-            packed = base64.b64decode(vector)
+            packed = decoded[place] if decoded is not None and place in decoded else base64.b64decode(vector)
             numbers = list(struct.unpack(f"<{len(packed) // FLOAT_BYTES}f", packed))
             if all(map(math.isfinite, numbers)):
                 item["embedding"] = numbers

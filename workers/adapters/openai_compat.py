@@ -676,12 +676,16 @@ class OpenAICompatAdapter:
                                 strikes=0)
         if kind is not RunKind.EMBEDDING and len(data["choices"]) > (asked := choices_asked(kind, body)):
             raise answer_shapes.too_many_choices(self.provider.id, asked)
-        problem = embeddings_problem(data, inputs(body.get("input"))) if kind is RunKind.EMBEDDING else None
+        decoded: dict[int, bytes] = {}  # (each base64 embedding's bytes, decoded once)
+        problem = embeddings_problem(data, inputs(body.get("input")), decoded) if kind is RunKind.EMBEDDING else None
         if problem:
             raise ProviderError(f"provider {self.provider.id} answered embeddings {problem}", retry=Retry.ELSEWHERE,
                                 strikes=0)
         if kind is RunKind.EMBEDDING:  # (a server that ignores the field answers numbers, or base64)
-            (in_base64 if body.get("encoding_format") == "base64" else in_numbers)(data)
+            if body.get("encoding_format") == "base64":
+                in_base64(data)
+            else:
+                in_numbers(data, decoded)
             answer_shapes.embeddings(data)
         elif kind is RunKind.COMPLETION:
             answer_shapes.completion(data, request_id, int(time.time()), self.provider.id)
