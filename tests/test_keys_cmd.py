@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from common.auth import KeyRing, hash_key
+from common.config import load_config
 from iop import keys_cmd
+
+POOL = ("models: [{id: m, providers: {p: m}}]\n"
+        "nodes: [{id: n, providers: [{id: p, type: vllm, base_url: 'http://h', capacity: 1, models: [m]}]}]\n"
+        "auth:\n  keys:\n    - name: ops\n      sha256: '" + "0" * 64 + "'\n      role: operator\n")
 
 
 @pytest.mark.parametrize("name", ["anonymous", ".team", "-team", "a" * 65, "team a"])
@@ -38,13 +44,23 @@ def test_the_entry_printed_is_read_back_by_the_config_as_it_was_given(
         name: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """Found by a newcomer's audit: `--name 1e3` printed `- name: 1e3`, which the config (YAML 1.2)
     reads as the number 1000.0 and refuses (`Input should be a valid string`)."""
-    from common.config import load_config
-
     assert keys_cmd.new(name, "caller") == 0
-    entry = "\n".join(line for line in capsys.readouterr().out.splitlines()[2:])
-    pool = ("models: [{id: m, providers: {p: m}}]\n"
-            "nodes: [{id: n, providers: [{id: p, type: vllm, base_url: 'http://h', capacity: 1, models: [m]}]}]\n"
-            "auth:\n  keys:\n" + "\n".join("    " + line for line in entry.splitlines()) + "\n")
-    (tmp_path / "pool.yaml").write_text(pool)
+    (tmp_path / "pool.yaml").write_text(POOL + capsys.readouterr().out)
     config = load_config(tmp_path / "pool.yaml")
-    assert config.auth is not None and config.auth.keys[0].name == name
+    assert config.auth is not None and config.auth.keys[-1].name == name
+
+
+def test_its_output_appended_to_the_config_adds_the_entry_and_stores_no_key(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`iop keys new --name team-a >> iop.yaml` wrote the key itself into the config (as a line that
+    broke it: "could not find expected ':'"), and showed it nowhere. The key goes to stderr, the
+    entry alone to stdout, indented as under `auth:` and `keys:`."""
+    assert keys_cmd.new("team-a", "caller") == 0
+    out, err = capsys.readouterr()
+    key = err.splitlines()[1]
+    assert key.startswith("iop-") and key not in out and hash_key(key) in out
+    (tmp_path / "iop.yaml").write_text(POOL + out)
+    config = load_config(tmp_path / "iop.yaml")
+    assert config.auth is not None and [k.name for k in config.auth.keys] == ["ops", "team-a"]
+    found = KeyRing.from_config(config.auth, {}).lookup(key)
+    assert found is not None and found.name == "team-a"
