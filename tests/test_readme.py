@@ -53,3 +53,19 @@ def test_the_configuration_example_is_a_valid_config() -> None:
     config = parse_config(yaml.safe_load(example.group(1)))
     model = config.model("qwen3.6:35b")
     assert model is not None and set(model.providers) == {"vllm-a", "sglang-b"}
+
+
+def test_the_errors_table_lists_every_error_code_with_its_status() -> None:
+    """Every `code` an answer may carry has its row, with the status the gateway gives it (the table
+    lacked `500 internal_error`, what a fault of iop's own answers)."""
+    from common.api_error import STATUS
+    from common.wire import ErrorCode
+
+    table = README.split("### Errors", 1)[1].split("\n### ", 1)[0]
+    rows = re.findall(r"^\|[^|]+\| (\d{3})[^|]*\| `(\w+)` \|$", table, flags=re.M)
+    listed: dict[str, set[int]] = {}
+    for status, code in rows:
+        listed.setdefault(code, set()).add(int(status))
+    assert set(listed) == {code.value for code in ErrorCode}
+    for code in ErrorCode:
+        assert STATUS[code] in listed[code.value], code
