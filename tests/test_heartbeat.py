@@ -111,6 +111,33 @@ async def test_an_idle_provider_is_down_after_three_timeouts_and_up_after_a_pass
 
 
 @pytest.mark.parametrize("beating", ["vllm"], indirect=True)
+async def test_a_provider_going_down_is_a_warning_and_its_return_info(
+        redis: Redis, beating: tuple[Heartbeats, Probed], caplog: pytest.LogCaptureFixture) -> None:
+    """A provider that went down was said at INFO: an operator's log filter at WARNING never saw it."""
+    beats, adapter = beating
+    caplog.set_level(logging.INFO, logger="iop.worker")
+
+    def said(health: str) -> list[str]:
+        return [r.levelname for r in caplog.records if r.getMessage().startswith(f"provider p is {health}")]
+
+    async def said_up() -> bool:
+        return bool(said("available"))
+
+    await async_wait_until(said_up, timeout=10, what="the provider said available")
+    adapter.hang = True
+
+    async def said_down() -> bool:
+        return bool(said("unavailable"))
+
+    await async_wait_until(said_down, timeout=10, what="the provider said unavailable")
+    assert said("unavailable") == ["WARNING"]
+    adapter.hang = False
+    caplog.clear()
+    await async_wait_until(said_up, timeout=10, what="the provider said available again")
+    assert said("available") == ["INFO"]
+
+
+@pytest.mark.parametrize("beating", ["vllm"], indirect=True)
 async def test_a_probe_that_fails_in_the_worker_is_recorded_and_the_next_one_runs(
         redis: Redis, beating: tuple[Heartbeats, Probed], caplog: pytest.LogCaptureFixture) -> None:
     """A probe that raises (a bug, an answer nothing foresaw) ends as `unknown` with why, instead of

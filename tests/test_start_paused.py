@@ -92,10 +92,15 @@ async def test_a_worker_whose_redis_stops_answering_during_its_start_waits_then_
         await asyncio.to_thread(worker.wait_for_line, r"WARNING .*worker: waiting for Redis for \S+ s .*did not "
                                 "answer", 30)
         assert worker.popen.poll() is None, worker.output()
+        assert "worker for queue" not in worker.output(400), worker.output(400)
     fstack.wait_health("only", "available")
     await served(gateway)
     no_traceback(worker)
     assert worker.popen.poll() is None, worker.output()
+    said = worker.output(400)  # (it said it started, and runs, once Redis answered its start)
+    waited = said.rindex("waiting for Redis for")
+    assert waited < said.index("worker for queue iop:node:n1 started"), said
+    assert waited < said.index("iop worker for node n1 running"), said
 
 
 @pytest.mark.parametrize("where", ["first-ping", "startup-hook"])
@@ -114,6 +119,8 @@ def test_a_worker_stopped_while_it_waits_for_a_paused_redis_exits_cleanly(fstack
         if where != "first-ping":
             assert stopped.wait(30), worker.output()
         worker.wait_for_line(r"WARNING .*worker: waiting for Redis for", 30)
+        said = worker.output(400)  # (its start is not over: it says neither that it runs nor that it started)
+        assert "iop worker for node n1 running" not in said and "worker for queue" not in said, said
         code = worker.stop(timeout=past_the_grace_s())
         said = worker.output(400)
         assert code == 0, said

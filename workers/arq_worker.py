@@ -95,6 +95,8 @@ class WakeWorker(Worker):
         #: whether its start (the startup hook included) is over: before that it took no job, wrote no
         #: health-check key, and has nothing to undo when it stops
         self.started = False
+        #: called once its start is over (`serve`'s ready line)
+        self.on_started: Callable[[], None] | None = None
 
     async def main(self) -> None:
         if self._pool is None:
@@ -109,11 +111,15 @@ class WakeWorker(Worker):
         self._scripts = Scripts(self.pool)
         #: the wake list's own connection for its blocking pop (`common.redisline`), when the pool has lines
         self._wake_line = new_line_of(self.pool, "wake")
-        log.info("worker for queue %s started, %d slots", self.queue_name, self.max_jobs)
         self.ctx["redis"] = self.pool
         if self.on_startup:
             await self.on_startup(self.ctx)  # (its steps that need Redis wait for it: `until_redis_answers`)
         self.started = True
+        # (said once it takes runs: before its startup hook, the line came before the hook's own waits
+        # for Redis, and `serve`'s ready line before the first PING)
+        log.info("worker for queue %s started, %d slots", self.queue_name, self.max_jobs)
+        if self.on_started is not None:
+            self.on_started()
         backoff = Backoff()
         self._comeback = Comeback(self.pool)
         poll = True

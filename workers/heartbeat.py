@@ -225,8 +225,9 @@ class Heartbeats:
         if not written:  # (a run's end or a probe changed the evidence since it was read: judged again)
             self.nudge(provider.id)
             return health
-        if changed:
-            log.info("provider %s is %s%s", provider.id, health.value, f": {reason}" if reason else "")
+        if changed:  # (down is a WARNING: an operator's log filter at WARNING saw no provider go down)
+            log.log(logging.WARNING if health is Health.UNAVAILABLE else logging.INFO, "provider %s is %s%s",
+                    provider.id, health.value, f": {reason}" if reason else "")
         self.last[provider.id] = health
         await self._maybe_probe(provider, int(in_flight))
         return health

@@ -287,10 +287,12 @@ async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 1
     # (first: a metrics port it cannot listen on ends the process before it takes any job)
     ops = None if metrics_port is None else await worker_metrics.serve_metrics(
         config, redis_url, node_id, metrics_host, metrics_port)
+    # (the ready line once its start is over, Redis answering: it came before the first PING)
+    worker.on_started = lambda: ready(
+        f"iop worker for node {node_id} running ({worker.max_jobs} slot{'' if worker.max_jobs == 1 else 's'})")
     main = asyncio.create_task(worker.async_run())
     if ops is not None:
         ready(f"metrics on {ops.url}")
-    ready(f"iop worker for node {node_id} running ({worker.max_jobs} slot{'' if worker.max_jobs == 1 else 's'})")
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([main, stopped], return_when=asyncio.FIRST_COMPLETED)
     loop = asyncio.get_running_loop()
