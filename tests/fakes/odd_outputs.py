@@ -18,6 +18,8 @@ Where each shape comes from (the servers' source, read for this):
   gives the arguments as an object (huggingface/text-generation-inference#2136, #2461; llama-server
   did too for a while, ggml-org/llama.cpp#20198); TGI's logprobs have no `refusal`, their tokens no
   `bytes` (router/src/lib.rs, `ChatCompletionLogprob`).
+- SGLang (entrypoints/openai/protocol.py): its pydantic models dumped whole, every null field with
+  them: a chunk's delta has `role` and `tool_calls` null, `matched_stop` beside `finish_reason`.
 - What other servers and proxies send short of that: no `object`, `id`, `created`, `model`, `index`,
   `text: null`, a `finish_reason` of null in a whole answer, usage missing or partial, embeddings
   without `object` or `index`, or with their `index` out of order.
@@ -139,6 +141,12 @@ def _vllm_logprobs(token: str) -> Json:
 
 #: served name -> the whole chat completion it answers (given the served name)
 CHAT_ANSWERS: dict[str, Callable[[str], Json]] = {
+    # (SGLang's `ChatCompletionResponse.model_dump()`: `tool_calls` null, usage details null)
+    "ch-sglang": lambda m: {"id": "x", "object": "chat.completion", "created": 1790000000, "model": m,
+                            "choices": [{"index": 0, "message": _message(reasoning_content=None, tool_calls=None),
+                                         "logprobs": None, "finish_reason": "stop", "matched_stop": 1}],
+                            "usage": {**_usage(), "prompt_tokens_details": None, "reasoning_tokens": 0},
+                            "metadata": {"weight_version": "default"}},
     "ch-bare": lambda m: {"choices": [{"message": {"content": "hi"}}]},
     "ch-ollama": lambda m: {"id": "chatcmpl-123", "object": "chat.completion", "created": 1790000000, "model": m,
                             "system_fingerprint": "fp_ollama",
@@ -194,6 +202,15 @@ def _vllm_chunk(m: str, delta: Json, finish: str | None, index: int = 0) -> Json
     return chunk
 
 
+def _sglang_chunk(m: str, delta: Json, finish: str | None) -> Json:
+    """SGLang's chunk (`ChatCompletionStreamResponse.model_dump_json()`, every field null or not): a
+    delta's `role` and `tool_calls` null, `matched_stop`, `"usage": null`."""
+    chunk = _chat_chunk(m, {"role": None, "content": None, "reasoning_content": None, "tool_calls": None, **delta},
+                        finish, usage=None)
+    chunk["choices"][0]["matched_stop"] = None
+    return chunk
+
+
 def _ollama_chunk(m: str, content: str, finish: str | None) -> Json:
     """Ollama's `/v1` chunk: no `logprobs`; every delta has the role."""
     return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1790000000, "model": m,
@@ -236,6 +253,9 @@ CHAT_STREAMS: dict[str, Callable[[str], list[Json]]] = {
         _vllm_chunk(m, {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}, None),
         _vllm_chunk(m, {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, None),
         _vllm_chunk(m, {"content": ""}, "tool_calls")],
+    "chs-sglang": lambda m: [_sglang_chunk(m, {"role": "assistant", "content": ""}, None),
+                             _sglang_chunk(m, {"content": "hel"}, None), _sglang_chunk(m, {"content": "lo"}, None),
+                             _sglang_chunk(m, {}, "stop")],
     "chs-finish-error": lambda m: [_vllm_chunk(m, {"role": "assistant", "content": ""}, None),
                                    _vllm_chunk(m, {"content": ""}, "error")],
     # (one choice asked for, numbered 5 by its server; and an id and created that change midway)
