@@ -17,6 +17,7 @@ from common.auth import KeyRing
 from common.config import Config, ModelConfig, folded_name, may_fold_to
 from common.jsonio import json_response
 from common.redisconn import REDIS_DOWN
+from common.runlog import run_fields
 from common.shown import quoted
 from common.usage import key_names
 from common.wire import ErrorCode, RunKind
@@ -127,6 +128,20 @@ def _within_cap(req: ParsedRequest, model_id: str, cap: int) -> None:
         raise invalid(f"'{param}' must be a whole number from 1 to {cap} for the model {quoted(model_id)}", param)
 
 
+def said_too_many(run_id: str, model_id: str, left: str | None, why: str) -> None:
+    """A WARNING for a run whose answer would have made a Response of too many items (`why`,
+    `TooManyItems`): its caller got `output_too_large`, and the run was cancelled (`left`: `ok`,
+    `signalled`), or had ended before (a whole answer; a stream read after its end: the runs API says
+    `completed`, the provider's answer being whole), or is cancelled once Redis answers (None)."""
+    if left in ("ok", "signalled"):
+        what = "the run was cancelled"
+    elif left is None:
+        what = "the run is cancelled once Redis answers"
+    else:
+        what = f"the run had ended before ({left}: the runs API says so; the provider's answer came whole)"
+    log.warning("%s: its caller got output_too_large; %s", why, what, extra=run_fields(run_id, model_id))
+
+
 async def run_request(request: web.Request) -> web.StreamResponse:
     """A chat completion, legacy completion, embeddings or Responses API request (the route says
     which; one handler for the four: a waiting caller holds no frame more)."""
@@ -158,6 +173,7 @@ async def run_request(request: web.Request) -> web.StreamResponse:
     submitted = finished = False
     out: SSEStream | None = None
     why_left = LEFT  # (why its run is cancelled if it ends before the run: the caller left, or ...)
+    too_many = False  # (its answer would have made a Response of too many items: `said_too_many`)
     stopping = request.app[STOPPING]
     task = stopping.add()
     try:
@@ -192,10 +208,11 @@ async def run_request(request: web.Request) -> web.StreamResponse:
         raise
     except Cut as exc:  # (its stream ended with the error: the run goes no further, as for a caller that left)
         why_left = exc.error.message
+        too_many = exc.error.code is ErrorCode.OUTPUT_TOO_LARGE  # (a Response's bound: `TooManyItems`)
         assert out is not None and out.resp is not None
         return out.resp
     except TooManyItems as exc:  # (a Response's bound: the run goes no further, as for a caller that left)
-        error, why_left = exc.error, exc.error.message
+        error, why_left, too_many = exc.error, exc.error.message, True
         error.headers.update(run_headers(run_id))
         ended = None if out is None else await out.fail(error, END_WITHIN_S)
         if ended is None:
@@ -237,7 +254,9 @@ async def run_request(request: web.Request) -> web.StreamResponse:
             if stopping.cut_after_s is not None:  # (the grace ran out: its caller is answered first)
                 stopping.leave_after(runs.leave(run_id, model.id, why_left))
             else:
-                await asyncio.shield(runs.leave(run_id, model.id, why_left))
+                left = await asyncio.shield(runs.leave(run_id, model.id, why_left))
+                if too_many:
+                    said_too_many(run_id, model.id, left, why_left)
 
 
 async def stored_response(request: web.Request) -> web.Response:

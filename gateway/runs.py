@@ -108,7 +108,7 @@ class RunClient:
         #: model id -> the keys `enqueue` reads for it (`_keys_of`)
         self._model_keys: dict[str, ModelKeys] = {}
         #: first tries to cancel the runs whose callers left while their queueing was out
-        self._leaving: set[asyncio.Task[None]] = set()
+        self._leaving: set[asyncio.Task[object]] = set()
         #: cancels Redis could not take when they were made, made once it answers
         self.take_back = TakeBack(redis, self._drop_kept, self.hub.comeback if self.hub.redis is redis else None)
 
@@ -245,18 +245,20 @@ class RunClient:
                 if event.type in (EventType.COMPLETED, EventType.FAILED):
                     return
 
-    async def leave(self, run_id: str, model_id: str, reason: str = LEFT) -> None:
+    async def leave(self, run_id: str, model_id: str, reason: str = LEFT) -> str | None:
         """The run's caller went away (or the gateway, stopping, let it go: `reason`): the run must
         not go on without it (cancelled now, or, when Redis cannot do it now, in the background
-        once it can)."""
+        once it can). What `cancel` says (`ok`: dropped from its queue, `signalled`: told to stop
+        where it runs, else the state it had ended in), None when it is left for later."""
         try:
-            await self.cancel(run_id, model_id, reason, ours=True)
+            return await self.cancel(run_id, model_id, reason, ours=True)
         except REDIS_REFUSED as exc:
             log.warning("could not cancel yet (%s); trying again once Redis answers", exc,
                         extra=run_fields(run_id, model_id))
             self._cancel_later(run_id, model_id, reason)
+            return None
 
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+    def _in_background(self, work: Coroutine[Any, Any, object]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._leaving.add(task)
         task.add_done_callback(self._leaving.discard)

@@ -50,7 +50,7 @@ class Stopping:
         #: follower of one is not told that it goes on)
         self.cancelled: set[str] = set()
         #: the cancels of those runs, sent once their callers were answered (`leave_after`)
-        self.leaving: set[asyncio.Task[None]] = set()
+        self.leaving: set[asyncio.Task[object]] = set()
         #: how many of those cancels Redis had not taken when the stop's end came (`drain`)
         self.unsent = 0
 
@@ -92,7 +92,7 @@ class Stopping:
         if task is not None:
             self.tasks.discard(task)
 
-    def leave_after(self, leaving: Coroutine[Any, Any, None]) -> None:
+    def leave_after(self, leaving: Coroutine[Any, Any, object]) -> None:
         """Cancel the run of a request that outlasted the grace once its caller is answered, not
         before: a Redis that does not answer held each whole answer's 503 for its `socket_timeout`
         (5 s), past the grace the container's stop timeout allows (`compose.yaml`: 15 s), so

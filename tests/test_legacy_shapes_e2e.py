@@ -7,6 +7,7 @@ official client's own types, streamed or whole; what cannot be repaired is the p
 from __future__ import annotations
 
 import json
+import urllib.request
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,7 @@ from tests.fakes.odd_outputs import (
     CHAT_ANSWERS,
     CHAT_STREAMS,
     EMBEDDINGS,
+    MANY_CALLS,
     SERVED,
     STREAMS,
     OddServer,
@@ -300,3 +302,20 @@ def test_openai_client_reads_the_error_of_a_chat_run_its_server_failed(stack: St
                 if isinstance(answer, openai.Stream):
                     list(answer)
             assert caught.value.status_code == 502
+
+
+def test_a_whole_answer_of_too_many_items_for_a_response_is_said_where_its_run_completed(stack: Stack) -> None:
+    """A whole chat answer of 1,100 tool calls makes a Response of more than 1,024 items: the caller
+    gets 502 `output_too_large`, while its run had completed (the runs API says so: the provider's
+    answer came whole). The gateway said nothing of it; a WARNING names the run and says so."""
+    with OddServer() as server:
+        url = start(stack, server)
+        with pytest.raises(openai.APIStatusError) as caught:
+            stack.openai(url).responses.create(model=MANY_CALLS, input="hi")
+        assert caught.value.status_code == 502 and caught.value.code == "output_too_large"
+        run_id = caught.value.response.headers["x-iop-run-id"]
+        with urllib.request.urlopen(f"{url}/v1/runs/{run_id}") as resp:
+            assert json.load(resp)["state"] == "completed"
+        gateway = next(p for p in stack.procs if p.name == "gateway")
+        gateway.wait_for_line(r"WARNING .*more than 1024 output items.*its caller got output_too_large; the run had "
+                              rf"ended before \(completed: the runs API says so.*run={run_id}")

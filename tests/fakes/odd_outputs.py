@@ -291,8 +291,15 @@ EXTRA_CHOICE_ANSWERS: dict[str, Callable[[str], Json]] = {
         {"index": i, "text": "hi", "finish_reason": "stop"} for i in range(2)]},
 }
 
+#: a whole chat completion of more tool calls than a Response holds items (`MAX_OUTPUT_ITEMS`, 1024)
+MANY_CALLS = "ch-many-calls"
+MANY_ITEMS_ANSWERS: dict[str, Callable[[str], Json]] = {
+    MANY_CALLS: lambda m: {**CHAT_ANSWERS["ch-ollama"](m), "choices": [{"index": 0, "finish_reason": "tool_calls",
+        "message": _message(None, tool_calls=[{**CALL, "id": f"call_{i}"} for i in range(1100)])}]},
+}
+
 SERVED = [*ANSWERS, *STREAMS, *EMBEDDINGS, *CHAT_ANSWERS, *CHAT_STREAMS, *EXTRA_CHOICE_STREAMS,
-          *EXTRA_CHOICE_TEXT_STREAMS, *EXTRA_CHOICE_ANSWERS]
+          *EXTRA_CHOICE_TEXT_STREAMS, *EXTRA_CHOICE_ANSWERS, *MANY_ITEMS_ANSWERS]
 
 
 def sse(obj: Any) -> bytes:
@@ -326,7 +333,7 @@ class OddServer(ThreadedServer):
         return await _answer(request, {**ANSWERS, **EXTRA_CHOICE_ANSWERS}, {**STREAMS, **EXTRA_CHOICE_TEXT_STREAMS})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await _answer(request, {**CHAT_ANSWERS, **EXTRA_CHOICE_ANSWERS},
+        return await _answer(request, {**CHAT_ANSWERS, **EXTRA_CHOICE_ANSWERS, **MANY_ITEMS_ANSWERS},
                              {**CHAT_STREAMS, **EXTRA_CHOICE_STREAMS})
 
     async def _embeddings(self, request: web.Request) -> web.Response:
