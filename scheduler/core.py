@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -990,8 +991,9 @@ async def _forever(name: str, step: Any, comeback: Comeback) -> None:
             await backoff.pause()
 
 
-async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
-    """All the loops of one replica, until `stop` is set."""
+async def run_scheduler(sched: Scheduler, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
+    """All the loops of one replica, until `stop` is set; `on_ready` once its setup is over (Redis
+    answered: its stream groups made, its liveness said)."""
     rt = sched.config.runtime
     maintenance_s = rt.scheduler_liveness_ms / 3000
 
@@ -1058,6 +1060,8 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event) -> None:
     if waiting.cancelled():
         return
     waiting.result()  # (an error of the setup's own is raised)
+    if on_ready is not None:
+        on_ready()
     tasks = [asyncio.create_task(_forever(n, f, comeback), name=n) for n, f in
              (("intake", intake), ("dispatch", dispatcher), ("liveness", liveness), ("maintenance", maintenance),
               ("signals", signals))]

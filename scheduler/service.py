@@ -24,10 +24,10 @@ async def serve(config: Config, redis_url: str, metrics_port: int | None = None,
         redis, config, sched.waiting, metrics_host, metrics_port)
     if ops is not None:
         ready(f"metrics on {ops.url}")
-    ready(f"iop scheduler {sched.consumer} running")
     sampler = asyncio.create_task(sample_forever(redis, config), name="history")
     try:
-        await run_scheduler(sched, stop)
+        # (its ready line once its setup is over: it came before the setup's waits for Redis)
+        await run_scheduler(sched, stop, on_ready=lambda: ready(f"iop scheduler {sched.consumer} running"))
     finally:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)

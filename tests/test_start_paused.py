@@ -139,6 +139,8 @@ async def test_a_scheduler_whose_redis_stops_answering_during_its_setup_waits_th
         assert stopped.is_set(), scheduler.output()
         await asyncio.to_thread(scheduler.wait_for_line, r"WARNING .*setup: waiting for Redis", 30)
         assert scheduler.popen.poll() is None, scheduler.output()
+        assert not re.search(r"iop scheduler \S+ running", scheduler.output(400)), scheduler.output(400)
+    await asyncio.to_thread(scheduler.wait_for_line, r"iop scheduler \S+ running", 30)  # (once Redis answers)
     fstack.worker("n1")
     gateway = fstack.gateway()
     fstack.wait_health("only", "available")
