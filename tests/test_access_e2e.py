@@ -170,13 +170,13 @@ def test_without_keys_the_gateway_only_listens_on_loopback(fstack: FaultStack) -
 
 
 def test_keys_new_prints_a_key_once_and_an_entry_holding_only_its_hash() -> None:
-    out = subprocess.run([sys.executable, "-m", "iop", "keys", "new", "--name", "team-z", "--role", "operator"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
-    lines = [ln for ln in out.splitlines() if not ln.startswith("#")]
-    key = lines[0]
+    """The key on stderr, the entry alone on stdout (`>> iop.yaml` stores no key)."""
+    done = subprocess.run([sys.executable, "-m", "iop", "keys", "new", "--name", "team-z", "--role", "operator"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    (key,) = [ln for ln in done.stderr.splitlines() if not ln.startswith("#")]
     assert key.startswith("iop-") and len(key) > 40
     import yaml
 
-    (entry,) = yaml.safe_load("\n".join(lines[1:]))
+    (entry,) = yaml.safe_load(done.stdout)
     assert entry == {"name": "team-z", "sha256": hash_key(key), "role": "operator"}
-    assert out.count(key) == 1
+    assert key not in done.stdout and done.stderr.count(key) == 1
