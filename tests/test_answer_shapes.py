@@ -510,13 +510,13 @@ def test_sglang_s_stream_loses_the_nulls_openai_s_schema_has_not() -> None:
 
 def test_llama_cpp_python_s_null_function_call_is_left_out() -> None:
     """llama-cpp-python's server sends `"function_call": null` (and `role` null) beside a delta's calls or text."""
-    for delta in ({"role": None, "content": "x", "function_call": None},
+    for delta in ({"role": None, "content": "x", "function_call": None}, {"tool_calls": None},
                   {"role": None, "content": None, "function_call": None,
                    "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
                                    "function": {"name": "f", "arguments": ""}}]}):
         chunk = chunk_of({"id": "l", "object": "chat.completion.chunk", "created": 5, "model": "m",
                           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]})
-        assert not {"role", "function_call"} & chunk["choices"][0]["delta"].keys()
+        assert None not in [chunk["choices"][0]["delta"].get(k, 0) for k in ("role", "function_call", "tool_calls")]
 
 
 def test_a_whole_call_s_null_type_and_arguments_are_what_openai_s_are() -> None:
