@@ -14,8 +14,6 @@ are pure; `apply`, `read_control` and `read_audit` talk to Redis.
 from __future__ import annotations
 
 import getpass
-import json
-import math
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -30,7 +28,7 @@ from common.config import Config
 from common.policy import capacity_override
 from common.redisconn import REDIS_DOWN, as_text_map, text
 from common.scripts import Scripts
-from common.shown import near_name
+from common.shown import near_name, shown
 
 
 class Action(StrEnum):
@@ -69,8 +67,6 @@ _ENTRY_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")
 #: Digits a number may have, leading zeros aside, before it is certainly out of range (`int` refuses
 #: text of more than 4,300 digits with a ValueError).
 _MAX_DIGITS = 20
-#: Longest a value is shown in a message.
-_SHOWN_CHARS = 80
 
 
 class ControlError(ValueError):
@@ -141,21 +137,6 @@ def check_capacity(value: Any, param: str = "capacity") -> int:
     if value < 1:
         raise ControlError(f"{param}: {value} is less than 1 (to take no runs, drain it)", param)
     return value
-
-
-def shown(value: Any) -> str:
-    """A value an operator gave, for a message: text quoted (`'2h'`), anything else as JSON (`true`,
-    `null`, `1.5`, `[2]`), never as Python writes it (`True`, `None`); cut short when long."""
-    if isinstance(value, str):
-        text = repr(value)
-    elif isinstance(value, float) and not math.isfinite(value):
-        text = "a number too large for a 64-bit float" if not math.isnan(value) else "NaN"
-    else:
-        try:
-            text = json.dumps(value, ensure_ascii=False)
-        except (TypeError, ValueError):  # not a JSON value (it came from Python, not from a caller)
-            text = type(value).__name__
-    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS - 1] + "…"
 
 
 def entry_id(text: str) -> tuple[int, int | None] | None:

@@ -31,7 +31,7 @@ from common.catalog import change_report, read_catalog
 from common.config import Config, RuntimeConfig
 from common.control import Action, Change, ControlError, UnknownTarget
 from common.redisconn import REDIS_FULL, now_ms
-from common.shown import SHOWN_CHARS
+from common.shown import SHOWN_CHARS, shown
 from common.wire import ErrorCode
 from gateway.auth import principal
 from gateway.connections import BODY
@@ -56,7 +56,7 @@ def _body(request: web.Request, runtime: RuntimeConfig, fields: frozenset[str] =
     data = json_object(raw, runtime.max_json_depth, runtime.max_json_containers)
     unknown = sorted(set(data) - fields)
     if unknown:
-        raise invalid(f"unknown field {control.shown(unknown[0])}: this route takes {takes}", unknown[0][:SHOWN_CHARS])
+        raise invalid(f"unknown field {shown(unknown[0])}: this route takes {takes}", unknown[0][:SHOWN_CHARS])
     return data
 
 
@@ -66,12 +66,12 @@ def _capacity_change(request: web.Request, provider_id: str, runtime: RuntimeCon
         raise invalid("capacity: required (a whole number; DELETE this route to clear an override)", "capacity")
     try:
         if isinstance(body["capacity"], str):  # (the command line's N is text; JSON has numbers)
-            raise ControlError(f"capacity: {control.shown(body['capacity'])} is text, not a whole number "
+            raise ControlError(f"capacity: {shown(body['capacity'])} is text, not a whole number "
                                "(send a JSON number, such as 2)", "capacity")
         capacity = control.check_capacity(body["capacity"])
         duration = body.get("for")
         if duration is not None and not isinstance(duration, str):
-            raise ControlError(f"for: {control.shown(duration)} is not a duration such as 90s, 30m, 2h, 7d or 1h30m "
+            raise ControlError(f"for: {shown(duration)} is not a duration such as 90s, 30m, 2h, 7d or 1h30m "
                                "(text)", "for")
         for_ms = control.parse_duration(duration) if duration is not None else None
     except ControlError as exc:
@@ -116,7 +116,7 @@ def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> N
     async def audit(request: web.Request) -> web.Response:
         text = query_value(request, "limit", "50") or ""
         if not _LIMIT.fullmatch(text) or not 1 <= int(text) <= control.MAX_AUDIT_READ:
-            raise invalid(f"limit: {control.shown(text)} is not a whole number between 1 and "
+            raise invalid(f"limit: {shown(text)} is not a whole number between 1 and "
                           f"{control.MAX_AUDIT_READ}", "limit")
         try:
             entries = await control.read_audit(redis(), int(text), query_value(request, "before"))

@@ -18,9 +18,9 @@ from redis.asyncio import Redis
 
 from common.catalog import read_catalog
 from common.config import Config
-from common.control import shown
 from common.history import read_history
 from common.redisconn import now_ms
+from common.shown import shown
 from common.wire import ErrorCode
 from gateway.errors import ApiError, invalid
 from gateway.requests import query_value

@@ -79,6 +79,22 @@ def test_prompt_flattening_and_argv() -> None:
     assert argv_for(["llm", "-m", "{model}", "--x={model}"], "m1") == ["llm", "-m", "m1", "--x=m1"]
 
 
+@pytest.mark.parametrize(("part", "shown"), [
+    ({"type": None, "text": "a"}, "not a null part"),
+    ({"type": False, "text": "a"}, "not a false part"),
+    ({"type": {"x": [True]}, "text": "a"}, 'not a {"x": [true]} part'),
+    ({"type": "image_url"}, "not a 'image_url' part"),
+])
+def test_a_part_a_tool_cannot_read_is_named_as_json_not_as_python_writes_it(part: dict[str, Any], shown: str) -> None:
+    """(a hostile caller's audit: `"type": null` was refused as a `'None'` part, `false` as `'False'`)"""
+    from workers.adapters.prompt_text import NotForCli, message_text
+
+    with pytest.raises(NotForCli) as err:
+        message_text([{"type": "text", "text": "a"}, part])
+    assert shown in str(err.value), str(err.value)
+    assert err.value.param == "content[1]"
+
+
 async def test_stream_deltas_finish_and_usage_with_the_served_name(tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
     cli = adapter("--words", "4", "--log", str(log))

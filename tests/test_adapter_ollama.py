@@ -409,6 +409,25 @@ def test_content_ollama_cannot_be_given_is_the_callers_400_naming_it(content: An
     assert native["messages"][0]["content"] == "a\nb" and native["messages"][0]["images"] == ["QUJD"]
 
 
+@pytest.mark.parametrize(("part", "shown"), [
+    ({"type": True, "text": "a"}, "not a true part"),
+    ({"type": 1.5}, "not a 1.5 part"),
+    ({"type": {"a": None}}, 'not a {"a": null} part'),
+    ({"type": None, "text": "a"}, "not a part without a type"),
+    ("a", "content parts as objects, not 'a'"),
+])
+def test_a_part_of_a_type_ollama_does_not_take_is_named_as_json_not_as_python_writes_it(part: Any, shown: str) -> None:
+    """(a hostile caller's audit: the part's type, or the part itself, was shown as Python writes it,
+    `'True'`, `'1.5'` as if text, `{'a': None}`, and a part that is not an object as an `'untyped'` one)"""
+    from workers.adapters import ollama_wire as wire
+
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": [part]}]}
+    with pytest.raises(wire.UnsupportedRequest) as err:
+        wire.request(RunKind.CHAT, body, stream=False)
+    assert shown in str(err.value) and "True" not in str(err.value) and "None" not in str(err.value)
+    assert err.value.param == "messages[0].content[0]"
+
+
 def test_a_developer_message_goes_as_system() -> None:
     """(OpenAI's newer name for the system role, which the `openai` SDKs and agents send: Ollama's
     chat templates know system, user, assistant and tool)"""

@@ -19,6 +19,7 @@ from typing import Any
 
 from common import jsonio
 from common.capabilities import asks_several_choices
+from common.shown import shown
 from common.wire import RunKind
 from workers.adapters.embeddings import are_numbers, base64_vector
 from workers.adapters.openai_shapes import usage
@@ -186,9 +187,11 @@ def _content(content: Any, path: str) -> tuple[str, list[str]]:
             images.append(url.split(";base64,", 1)[1])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):  # (an assistant's, replayed)
             texts.append(part["refusal"])
+        elif not isinstance(part, dict):
+            raise UnsupportedRequest(f"Ollama takes content parts as objects, not {shown(part)}", f"{path}[{i}]")
         else:  # (audio, a file, a part of a kind to come: the model would not see it)
-            shown = str(kind)[:40] if kind is not None else "untyped"
-            raise UnsupportedRequest(f"Ollama takes text and images, not a {shown!r} part", f"{path}[{i}]")
+            what = f"a {shown(kind)} part" if kind is not None else "a part without a type"
+            raise UnsupportedRequest(f"Ollama takes text and images, not {what}", f"{path}[{i}]")
     return "\n".join(texts), images
 
 

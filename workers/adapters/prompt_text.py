@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.capabilities import TOOL_FIELDS, asks_several_choices, asks_structured_output
+from common.shown import shown
 from common.wire import RunKind
 
 #: the stop strings a CLI tool's output is cut at (`text_limits`): as many as OpenAI's API takes,
@@ -40,7 +41,7 @@ def message_text(content: Any, place: str = "content") -> str:
     texts = []
     for j, part in enumerate(content):
         if isinstance(part, dict) and part.get("type", "text") != "text":
-            raise NotForCli(f"a cli provider takes text only, not a {str(part.get('type'))[:40]!r} part",
+            raise NotForCli(f"a cli provider takes text only, not a {shown(part.get('type'))} part",
                             f"{place}[{j}]")
         if not isinstance(part, dict) or "text" not in part:  # (`{"image_url": …}` without its type: dropped)
             raise NotForCli("a cli provider takes text parts only: each an object with its text", f"{place}[{j}]")
