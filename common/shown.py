@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
-import re
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,17 +14,37 @@ from typing import Any
 SHOWN_CHARS = 256
 #: the longest a value (`shown`) is in a message
 VALUE_CHARS = 80
-#: what `json.dumps` leaves as it is but a message must not show as it is: DEL and the C1 controls,
-#: line and paragraph separators, bidirectional overrides, halves of surrogate pairs
-_UNSHOWABLE = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+#: Unicode categories a message or a terminal line never shows as they are: controls (a newline forges
+#: a line, an escape sequence rewrites the screen), format characters (bidirectional overrides, and
+#: the invisible ones: a zero-width space, a BOM, a soft hyphen, tag characters), halves of surrogate
+#: pairs, line and paragraph separators
+_HIDDEN = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def _escaped(ch: str) -> str:
+    """`ch` as JSON escapes it: `\\u200b`, and a character beyond U+FFFF as its UTF-16 pair."""
+    code = ord(ch)
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
+def _unhidden(text: str) -> str:
+    """`text` with each character of a `_HIDDEN` category escaped (`str.isprintable` first: C-speed,
+    and true of almost every text)."""
+    if text.isprintable():
+        return text
+    return "".join(_escaped(ch) if unicodedata.category(ch) in _HIDDEN else ch for ch in text)
 
 
 def quoted(text: str, limit: int = SHOWN_CHARS) -> str:
     """What a caller sent (a model name, a header), as an error message shows it: in double
     quotes, cut after `limit` characters (…), and what cannot be shown as it is (control
-    characters, quotes, backslashes, halves of surrogate pairs) escaped as JSON escapes it."""
+    characters, quotes, backslashes, halves of surrogate pairs, invisible format characters such as
+    a zero-width space) escaped as JSON escapes it."""
     cut = text if len(text) <= limit else text[:limit] + "…"
-    return _UNSHOWABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(cut, ensure_ascii=False))
+    return _unhidden(json.dumps(cut, ensure_ascii=False))
 
 
 def shown(value: Any) -> str:
@@ -43,15 +63,10 @@ def shown(value: Any) -> str:
     return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS - 1] + "…"
 
 
-#: what a terminal line must not hold as it is: the C0 and C1 controls (a newline forges a line, an
-#: escape sequence rewrites the screen), DEL, line separators, bidirectional overrides, surrogates
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-
-
 def printable(text: str) -> str:
-    """`text` for one cell of a table a terminal shows: what could forge a line or rewrite the
-    screen is escaped (`\\u000a`); the rest is as it is."""
-    return _UNPRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    """`text` for one cell of a table a terminal shows: what could forge a line, rewrite the screen
+    or not be seen is escaped (`\\u000a`, `\\u200b`); the rest is as it is."""
+    return _unhidden(text)
 
 
 def near_name(name: str, names: Sequence[str]) -> str | None:

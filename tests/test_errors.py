@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from common.api_error import RETRY_AFTER_MS_HEADER, spread
-from common.shown import quoted
+from common.shown import printable, quoted
 from common.wire import ErrorCode, ErrorInfo, busy, callers_fault
 from gateway.errors import STATUS, ApiError, from_status, invalid
 from tests.openapi import validate
@@ -260,11 +260,26 @@ def test_a_provider_4xx_s_code_and_param_are_passed_as_openai_s_schema_has_them(
     ("模型", '"模型"'),
     ("\x9b31m\x7f", '"\\u009b31m\\u007f"'),  # C1 controls and DEL, which json.dumps leaves as they are
     ("a\u2028b\u202ec", '"a\\u2028b\\u202ec"'),  # a line separator, a bidirectional override
+    # (invisible format characters were shown as they are: "the model "qwen3.6:35b" does not exist"
+    # for a name with a zero-width space, one the key may use to all eyes)
+    ("qwen3.6:35b\u200b", '"qwen3.6:35b\\u200b"'),
+    ("\ufeffa\u00adb\u2060c\u200d", '"\\ufeffa\\u00adb\\u2060c\\u200d"'),
+    ("a\U000e0041", '"a\\udb40\\udc41"'),  # a tag character (invisible text), as JSON escapes it
+    ("a\u00a0b é", '"a\u00a0b é"'),  # a no-break space and a letter are seen: as they are
     ("M" * 300, '"' + "M" * 256 + '…"'),
 ])
 def test_a_caller_s_text_in_a_message_is_quoted_escaped_and_cut(sent: str, shown: str) -> None:
     assert quoted(sent) == shown
     assert "\n" not in quoted(sent) and quoted(sent).encode()  # one line, and valid UTF-8
+
+
+@pytest.mark.parametrize(("sent", "shown"), [
+    ("a\nb\x1b[31m\x9b", "a\\u000ab\\u001b[31m\\u009b"),
+    ("p\u200bq\ufeff\u2066", "p\\u200bq\\ufeff\\u2066"),  # (a zero-width space and a BOM were left as they are)
+    ("模型 x", "模型 x"),
+])
+def test_text_for_a_terminal_cell_escapes_what_forges_a_line_or_cannot_be_seen(sent: str, shown: str) -> None:
+    assert printable(sent) == shown
 
 
 def test_a_cancelled_run_s_499_has_a_reason_phrase() -> None:
