@@ -15,6 +15,8 @@ Every connection is served by a `GuardedHandler`, aiohttp's own request handler 
   for at most aiohttp's lingering time, then it closes).
   The body is decoded (`Content-Encoding`) by `gateway.bodies`, not by aiohttp, and handed to
   the handlers as `request[BODY]`.
+- `BODIES_BUDGET`: the bodies being read hold at most so many bytes, all connections together;
+  past it, 503 `service_unavailable` and the connection ends (`body_reader`).
 - `idle_timeout_ms`: a kept-alive connection without a request is closed after this (aiohttp's
   keep-alive timeout).
 - `max_connections`: which connections are kept at the limit is `gateway.admission`'s decision;
@@ -57,6 +59,28 @@ BODY = web.RequestKey("iop_body", bytes)
 #: How long a connection answered 408 for a late head drops what its client still sends before it
 #: closes (a client that reads its answer closes at once).
 LINGER_S = 2.0
+#: The most bytes of request bodies the gateway reads at once, all connections together (or
+#: `runtime.max_body_bytes`, if that is more: one body of the limit always fits). A body that would
+#: pass it gets 503 and its connection closes: connections each sending 8 MiB but its last byte held
+#: ~13 MB of memory each, ~50 GB at `runtime.max_connections` (4096).
+BODIES_BUDGET = 256 * 1024 * 1024
+
+
+class BodiesBudget:
+    """The bytes of request bodies being read, against their budget (one per gateway)."""
+
+    __slots__ = ("most", "held")
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.held = 0
+
+    def take(self, size: int) -> None:
+        """Count `size` more bytes, or raise the 503 that refuses them."""
+        if self.held + size > self.most:
+            raise ApiError(ErrorCode.UNAVAILABLE, f"the gateway is reading request bodies of {self.most} bytes in "
+                           "all, its limit; retry shortly", headers={"Retry-After": "1"})
+        self.held += size
 
 
 class ChunksTooSmall(Exception):
@@ -477,7 +501,27 @@ def expect_handler(max_body_bytes: int) -> Callable[[web.Request], Coroutine[Any
 
 def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Request], Awaitable[None]]:
     """Reads each body within `body_timeout_s` into `request[BODY]`, decoded (aiohttp decodes it itself
-    on connections that are not a `GuardedHandler`'s, as in tests that serve the app alone)."""
+    on connections that are not a `GuardedHandler`'s, as in tests that serve the app alone); the
+    bodies being read at once within `BODIES_BUDGET`."""
+    budget = BodiesBudget(max(BODIES_BUDGET, max_body_bytes))
+
+    async def read(request: web.Request) -> bytes:
+        """The body, counted against `budget` as it is held: its declared length before any of it
+        is read, else each chunk as it comes (aiohttp's `read()` would hold it all uncounted)."""
+        taken = request.content_length or 0
+        budget.take(taken)
+        body = bytearray()
+        try:
+            while chunk := await request.content.readany():
+                body += chunk
+                if len(body) > max_body_bytes:
+                    raise web.HTTPRequestEntityTooLarge(max_size=max_body_bytes, actual_size=len(body))
+                if len(body) > taken:
+                    budget.take(len(body) - taken)
+                    taken = len(body)
+            return bytes(body)
+        finally:
+            budget.held -= taken
 
     async def read_body(request: web.Request) -> None:
         guarded = request.protocol if isinstance(request.protocol, GuardedHandler) else None
@@ -497,11 +541,15 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
                 guarded.body_refused(request)
             try:
                 if request.content.is_eof():  # all of it came with the head: no wait, no timer
-                    body = await request.read()
+                    body = await read(request)
                 else:
                     async with asyncio.timeout(body_timeout_s):
-                        body = await request.read()  # at most max_body_bytes (aiohttp's client_max_size)
-            except web.HTTPRequestEntityTooLarge:  # (a body of no declared length: aiohttp counts it)
+                        body = await read(request)  # at most max_body_bytes
+            except ApiError:  # (over the budget: the rest of it is not read)
+                if guarded is not None:
+                    guarded.close_after_response()
+                raise
+            except web.HTTPRequestEntityTooLarge:  # (a body of no declared length, counted as it came)
                 if guarded is not None:
                     guarded.close_after_response()  # the rest of it is not read
                 raise too_large(max_body_bytes, sent=True) from None

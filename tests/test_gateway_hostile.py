@@ -260,6 +260,55 @@ async def test_a_client_that_sends_its_whole_body_over_the_limit_reads_the_413_n
             writer.close()
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_bodies_being_read_hold_at_most_their_budget_and_past_it_a_body_gets_503(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch, chunked: bool) -> None:
+    """(a hostile caller's audit: 40 connections each sending 8 MiB but its last byte held the
+    gateway's memory at 576 MB; max_connections of them, 4096, would have held ~50 GB)"""
+    from gateway import connections
+
+    monkeypatch.setattr(connections, "BODIES_BUDGET", 64 * 1024)
+    runner, gw = await serve(config(max_body_bytes=40 * 1024), redis_url)
+    part = b"x" * (30 * 1024)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            + (b"Transfer-Encoding: chunked\r\n\r\n" if chunked else b"Content-Length: %d\r\n\r\n" % (len(part) + 2)))
+
+    def piece(data: bytes) -> bytes:
+        return b"%x\r\n" % len(data) + data + b"\r\n" if chunked else data
+
+    held = []
+    try:
+        for _ in range(2):  # two bodies of 30 KiB, each but its end sent: 60 KiB of the 64 held
+            reader, writer = await asyncio.open_connection(gw.host, gw.port)
+            writer.write(head + piece(b'"' + part))
+            await writer.drain()
+            held.append((reader, writer))
+        await asyncio.sleep(0)
+        reader, writer = await asyncio.open_connection(gw.host, gw.port)
+        try:  # a third does not fit: refused at once, not read, not waited for until the body timeout
+            writer.write(head + piece(b'"' + part))
+            await writer.drain()
+            resp = await read_response(reader)
+            assert resp.status == 503 and resp.headers.get("retry-after") == "1"
+            err = resp.error()
+            assert err["code"] == "service_unavailable" and "request bodies" in err["message"], err
+            assert await closed(reader)
+        finally:
+            writer.close()
+        for reader, writer in held:  # the bodies held end: each is answered, and gives its room back
+            writer.write(piece(b'"') + (b"0\r\n\r\n" if chunked else b""))
+            await writer.drain()
+            assert (await read_response(reader)).status == 400  # (a JSON string, not an object)
+            writer.close()
+        resp, _ = await exchange(gw, head.replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n")
+                                 + piece(b'"' + part) + piece(b'"') + (b"0\r\n\r\n" if chunked else b""))
+        assert resp.status == 400
+    finally:
+        for _, writer in held:
+            writer.close()
+        await runner.cleanup()
+
+
 async def test_a_chunked_body_over_the_limit_gets_iop_s_413_and_the_connection_closes(gateway: Gateway) -> None:
     """No length declared: the body is counted as it comes (it was aiohttp's own wording)."""
     reader, writer = await asyncio.open_connection(gateway.host, gateway.port)
