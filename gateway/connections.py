@@ -15,8 +15,9 @@ Every connection is served by a `GuardedHandler`, aiohttp's own request handler 
   for at most aiohttp's lingering time, then it closes).
   The body is decoded (`Content-Encoding`) by `gateway.bodies`, not by aiohttp, and handed to
   the handlers as `request[BODY]`.
-- `BODIES_BUDGET`: the bodies being read hold at most so many bytes, all connections together;
-  past it, 503 `service_unavailable` and the connection ends (`body_reader`).
+- `BODIES_BUDGET`: the bodies being read hold at most so many bytes beyond each one's first
+  `FREE_BODY_BYTES`, all connections together; past it, 503 `service_unavailable` and the
+  connection ends (`body_reader`).
 - `idle_timeout_ms`: a kept-alive connection without a request is closed after this (aiohttp's
   keep-alive timeout).
 - `max_connections`: which connections are kept at the limit is `gateway.admission`'s decision;
@@ -59,11 +60,17 @@ BODY = web.RequestKey("iop_body", bytes)
 #: How long a connection answered 408 for a late head drops what its client still sends before it
 #: closes (a client that reads its answer closes at once).
 LINGER_S = 2.0
-#: The most bytes of request bodies the gateway reads at once, all connections together (or
-#: `runtime.max_body_bytes`, if that is more: one body of the limit always fits). A body that would
-#: pass it gets 503 and its connection closes: connections each sending 8 MiB but its last byte held
-#: ~13 MB of memory each, ~50 GB at `runtime.max_connections` (4096).
+#: The most bytes of request bodies the gateway holds while it reads them, all connections together
+#: (or `runtime.max_body_bytes`, if that is more: one body of the limit always fits), beyond each
+#: body's first `FREE_BODY_BYTES`. A body that passes it gets 503 and its connection closes:
+#: connections each sending 8 MiB but its last byte held ~13 MB of memory each, ~50 GB at
+#: `runtime.max_connections` (4096).
 BODIES_BUDGET = 256 * 1024 * 1024
+#: What of each body is not counted: so the small ones (almost every request) get through whatever
+#: large ones hold, and a budget is taken only by bytes sent, never by a length announced (a few
+#: connections announcing 8 MiB and sending nothing would have refused every body for 60 s).
+#: `runtime.max_connections` (4096) of them hold 256 MiB at most.
+FREE_BODY_BYTES = 64 * 1024
 
 
 class BodiesBudget:
@@ -506,19 +513,18 @@ def body_reader(body_timeout_s: float, max_body_bytes: int) -> Callable[[web.Req
     budget = BodiesBudget(max(BODIES_BUDGET, max_body_bytes))
 
     async def read(request: web.Request) -> bytes:
-        """The body, counted against `budget` as it is held: its declared length before any of it
-        is read, else each chunk as it comes (aiohttp's `read()` would hold it all uncounted)."""
-        taken = request.content_length or 0
-        budget.take(taken)
+        """The body, what of it passes `FREE_BODY_BYTES` counted against `budget` as it comes
+        (aiohttp's `read()` would hold it all uncounted)."""
+        taken = 0
         body = bytearray()
         try:
             while chunk := await request.content.readany():
                 body += chunk
                 if len(body) > max_body_bytes:
                     raise web.HTTPRequestEntityTooLarge(max_size=max_body_bytes, actual_size=len(body))
-                if len(body) > taken:
-                    budget.take(len(body) - taken)
-                    taken = len(body)
+                if len(body) - FREE_BODY_BYTES > taken:
+                    budget.take(len(body) - FREE_BODY_BYTES - taken)
+                    taken = len(body) - FREE_BODY_BYTES
             return bytes(body)
         finally:
             budget.held -= taken
