@@ -1781,3 +1781,29 @@ async def test_a_model_cap_is_fitted_at_most_refits_times_however_often_the_serv
         await runner._answer(att, None, RunKind.CHAT, {"messages": [], "max_tokens": 100}, False,  # type: ignore[arg-type]
                              capped=True)
     assert caps == [100 - n for n in range(runner_module.REFITS + 1)]
+
+
+async def test_an_attempt_s_log_lines_name_its_provider(redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """An operator reading "attempt 1 failed, requeued: the worker shut down during the run" must see
+    where it ran: every line about an attempt carries its provider (`provider=` in text, a field in
+    JSON), not only those whose message happens to name it (found by an operator's day in front of
+    two llama.cpp servers: a worker's SIGTERM past its grace said no provider)."""
+    sched, run_id = await start_one(redis, {"a": 1}, stream=False)
+    began = asyncio.Event()
+
+    class Endless(Scripted):
+        async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+            began.set()
+            await asyncio.Event().wait()
+            raise AssertionError("never answers")
+
+    runner = Runner(redis, sched.config, "n-a", {"a": Endless([])})
+    with caplog.at_level(logging.INFO, "iop.worker"):
+        task = asyncio.create_task(runner.execute(run_id))
+        await asyncio.wait_for(began.wait(), 10)
+        task.cancel()  # (the worker's stop past its grace cancels its runs' tasks so)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    said = [r for r in caplog.records if "worker shut down" in r.getMessage()]
+    assert [getattr(r, "provider", None) for r in said] == ["a"]
+    assert all(getattr(r, "provider", None) == "a" for r in caplog.records if getattr(r, "run", None) == run_id)

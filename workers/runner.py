@@ -146,8 +146,8 @@ class Attempt:
         return int(self.attempt) - self.unable >= self.max_attempts
 
     def log(self) -> dict[str, str]:
-        """`extra` of a log line about this attempt."""
-        return run_fields(self.run_id, self.model_id, key=self.key)
+        """`extra` of a log line about this attempt: where it ran too, whatever its message says."""
+        return run_fields(self.run_id, self.model_id, key=self.key, provider=self.provider_id)
 
 
 def _count(record: dict[str, bytes], field: str, default: int) -> int:
