@@ -919,7 +919,8 @@ class Scheduler:
         outcome = result.decode() if isinstance(result, bytes) else str(result)
         if outcome != "alive":
             metrics.REAPS.labels(model_id, outcome).inc()
-            log.warning("lease expired: %s", outcome, extra=run_fields(run_id, model_id))
+            log.warning("lease expired: %s", outcome,
+                        extra=run_fields(run_id, model_id, provider=provider_id, node=node_id or "-"))
             return 1
         return 0
 

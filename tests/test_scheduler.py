@@ -527,6 +527,22 @@ async def test_a_running_run_reaped_says_its_worker_was_lost(redis: Redis) -> No
     assert events[-1].type == "failed" and events[-1].data["message"] == "the worker running this run was lost"
 
 
+async def test_a_reaped_lease_s_warning_names_the_provider_and_node_it_was_lost_on(
+        redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """"lease expired: requeued" tells an operator a worker was lost; the line says whose (found by
+    an operator's day: a worker SIGKILLed on one of two nodes left two such lines naming neither)."""
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 3})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()
+    await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease
+    with caplog.at_level(logging.WARNING, "iop.scheduler"):
+        assert await sched.reap_expired_leases() == 1
+    [said] = [r for r in caplog.records if r.getMessage().startswith("lease expired")]
+    assert (getattr(said, "run", None), getattr(said, "provider", None), getattr(said, "node", None)) == (
+        run_id, "a", "n-a")
+    await client.close()
+
+
 async def running_run(redis: Redis, *, output: bool, cancel: bool) -> tuple[Config, RunClient, Scheduler, str, str]:
     """A run dispatched to a (one attempt at most) and running, with output sent and a cancel asked
     as said: (config, client, scheduler, run id, its attempt)."""
