@@ -642,7 +642,8 @@ class Scheduler:
                                                                           entry_id=w.entry_id))
         if result == b"ok":
             metrics.DROPPED.labels(model_id, state.value).inc()
-            log.info("%s in the queue: %s", state.value, info.code.value, extra=run_fields(w.run_id, model_id))
+            log.info("%s in the queue: %s: %s", state.value, info.code.value, info.message,
+                     extra=run_fields(w.run_id, model_id))
 
     # ----------------------------------------------------------------- orphans
     async def cancel_orphans(self) -> int:

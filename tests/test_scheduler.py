@@ -315,17 +315,22 @@ async def test_queue_timeout_fails_the_run_and_leaves_the_queue(redis: Redis) ->
         f"no provider of model {MODEL!r} had a free slot within 60000 ms (a: full (1 of 1))"
 
 
-async def test_a_queue_timeout_names_a_drain_behind_it(redis: Redis) -> None:
-    """An operator who drained a model's only provider sees why its runs time out."""
+async def test_a_queue_timeout_names_a_drain_behind_it(redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """An operator who drained a model's only provider sees why its runs time out: the caller's
+    error says so, and so does the scheduler's log line (which said only `timed_out in the queue:
+    queue_timeout`, found by an operator's day with one provider drained and the other down)."""
     _, client, sched, run_id = await waiting_without_a_slot(redis)
     await redis.delete(keys.leases("a"))
     await redis.set(keys.drained("a"), "1")
     sched.waiting[MODEL][0].deadline_ms = now_ms() - 1
-    await sched.expire_overdue()
+    with caplog.at_level(logging.INFO, "iop.scheduler"):
+        await sched.expire_overdue()
     events = [e async for e in client.events(run_id)]
     await client.close()
-    assert events[-1].data["message"] == \
-        f"no provider of model {MODEL!r} had a free slot within 60000 ms (a: drained or cordoned)"
+    why = f"no provider of model {MODEL!r} had a free slot within 60000 ms (a: drained or cordoned)"
+    assert events[-1].data["message"] == why
+    said = [r.getMessage() for r in caplog.records if getattr(r, "run", None) == run_id]
+    assert said == [f"timed_out in the queue: queue_timeout: {why}"]
 
 
 async def test_a_run_read_long_after_its_queue_timeout_says_no_scheduler_was_there(redis: Redis) -> None:
