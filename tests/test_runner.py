@@ -1807,3 +1807,25 @@ async def test_an_attempt_s_log_lines_name_its_provider(redis: Redis, caplog: py
     said = [r for r in caplog.records if "worker shut down" in r.getMessage()]
     assert [getattr(r, "provider", None) for r in said] == ["a"]
     assert all(getattr(r, "provider", None) == "a" for r in caplog.records if getattr(r, "run", None) == run_id)
+
+
+async def test_a_cancel_s_log_line_names_the_provider_the_run_was_on(
+        redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """"cancel requested" (a caller left mid-stream) says where the run was, as every other line about
+    an attempt does."""
+    from workers.runner import Attempt
+    from workers.service import _cancel
+
+    runner = Runner(redis, make_config({"a": 2}), "n-a", {})
+    task = asyncio.create_task(asyncio.Event().wait())
+    runner.running["r1"] = (Attempt("r1", "m:1", "a", "1", 3, key="team-a"), task)
+    await redis.hset(keys.run_record("r1"), mapping={"state": "running", "cancel": "1"})
+    try:
+        with caplog.at_level(logging.INFO, "iop.worker"):
+            await _cancel(runner, "r1")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    [said] = [r for r in caplog.records if r.getMessage() == "cancel requested"]
+    assert (getattr(said, "run", None), getattr(said, "provider", None), getattr(said, "key", None)) == (
+        "r1", "a", "team-a")

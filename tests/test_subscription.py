@@ -111,6 +111,9 @@ class _Attempt:
         self.cancelled: object | None = None
         self.model_id = "m"
 
+    def log(self) -> dict[str, str]:
+        return {"model": self.model_id, "provider": "a"}
+
 
 class _Comeback:
     """What the cancel listener uses of the worker's `Comeback`: its pause, counted (each a lost

@@ -17,7 +17,6 @@ from common.codec import pack, unpack
 from common.comeback import Comeback
 from common.config import Config, ProviderConfig, RuntimeConfig
 from common.redisconn import REDIS_REFUSED, REDIS_UNUSABLE, Backoff, connect
-from common.runlog import run_fields
 from common.subscription import messages
 from common.wire import ErrorCode, ErrorInfo
 from common.wrongtype import reply_or
@@ -146,7 +145,7 @@ async def _cancel(runner: Runner, run_id: str) -> None:
     if att is None or att[0].cancelled is not None:  # (not here, or being cancelled)
         return
     if runner.cancel(run_id, await runner.why_cancelled(run_id)):
-        log.info("cancel requested", extra=run_fields(run_id, att[0].model_id))
+        log.info("cancel requested", extra=att[0].log())
 
 
 async def _cancelled_unheard(runner: Runner) -> list[str]:
