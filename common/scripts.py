@@ -1220,11 +1220,13 @@ return {{1, requeued}}
 # were the requests' own (one caller's request that breaks the server's answer, sent again by
 # its client, took a model's providers down for a probe interval). An `exclusive` probe (one that
 # would disturb a run) is only claimed while the provider runs nothing, and takes the probing
-# lock that DISPATCH honours.
+# lock that DISPATCH honours. Nor while the server may still generate a run iop gave up
+# (`busy_until_ms`: a non-stream llama-cpp-python answer goes on for nobody, and the probe would wait
+# for it, time out, and strike a busy server down).
 # KEYS: heartbeat, lease, probing lock
 # ARGV: interval_ms, exclusive (1|0), lock ttl_ms, heartbeat ttl_ms, down strikes, down_interval_ms
 PROBE = _NOW + """
-local h = redis.call('HMGET', KEYS[1], 'ok_ms', 'probe_ms', 'fails', 'fail_ms')
+local h = redis.call('HMGET', KEYS[1], 'ok_ms', 'probe_ms', 'fails', 'fail_ms', 'busy_until_ms')
 local ok_ms, probe_ms = tonumber(h[1] or '0'), tonumber(h[2] or '0')
 if tonumber(h[3] or '0') >= tonumber(ARGV[5]) and tonumber(h[4] or '0') >= ok_ms then
   if now - probe_ms < tonumber(ARGV[6]) then return 0 end
@@ -1233,6 +1235,7 @@ elseif now - math.max(ok_ms, probe_ms) < tonumber(ARGV[1]) then
 end
 if ARGV[2] == '1' then
   if redis.call('ZCOUNT', KEYS[2], '(' .. now, '+inf') > 0 then return 0 end
+  if (tonumber(h[5] or '') or 0) > now then return 0 end
   if not redis.call('SET', KEYS[3], '1', 'NX', 'PX', ARGV[3]) then return 0 end
 end
 redis.call('HSET', KEYS[1], 'probe_ms', now)

@@ -189,6 +189,33 @@ async def test_a_disturbing_probe_waits_until_the_provider_runs_nothing(
     assert not await redis.exists(keys.probing("p"))  # its lock is gone again
 
 
+@pytest.mark.parametrize("beating", ["llamacpp"], indirect=True)
+async def test_a_disturbing_probe_waits_while_the_server_still_generates_a_run_iop_gave_up(
+        redis: Redis, beating: tuple[Heartbeats, Probed]) -> None:
+    """llama-cpp-python goes on generating a non-stream answer whose caller left, for nobody, and its
+    `GET /v1/models` waits for that: probes sent then timed out, three strikes, and the catalog said a
+    busy server `unavailable` until it was done (40 s of a 2,000-token answer, found by an operator's
+    day). Until the heartbeat's `busy_until_ms` (the runner's, as it gives such a run up) no probe is
+    sent, as while it runs iop's runs; the health stays what it was."""
+    beats, adapter = beating
+    await until_health(redis, "available")
+    adapter.hang = True  # (what a probe would meet: no answer until the generation ends)
+    calls = adapter.calls
+    await redis.hset(keys.heartbeat("p"), mapping={"ok_ms": 0, "probe_ms": 0, "busy_until_ms": now_ms() + 600_000})
+    beats_seen: set[bytes] = set()
+
+    async def ten_beats() -> bool:
+        beats_seen.add(await redis.hget(keys.heartbeat("p"), "ts_ms") or b"")
+        return len(beats_seen) > 10
+
+    await async_wait_until(ten_beats, what="ten heartbeats")
+    assert adapter.calls == calls and await health(redis) == "available"
+    assert int(await redis.hget(keys.heartbeat("p"), "fails") or 0) == 0
+    adapter.hang = False
+    await redis.hset(keys.heartbeat("p"), "busy_until_ms", now_ms() - 1)  # (done: probed again)
+    await async_wait_until(lambda: asyncio.sleep(0, adapter.calls > calls), what="a probe once it is done")
+
+
 async def test_a_worker_s_heartbeat_keeps_it_among_its_node_s_workers_for_as_long_as_a_heartbeat_lives(
         redis: Redis) -> None:
     """`iop:workers:{node}`, which the last worker to stop reads (`worker_left`): each beat puts

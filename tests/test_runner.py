@@ -23,7 +23,7 @@ from common.redisconn import Backoff, now_ms
 from common.redisline import new_line_of
 from common.scripts import Scripts
 from common.snapshots import read_snapshots
-from common.wire import ErrorCode, ErrorInfo, RunKind
+from common.wire import ErrorCode, ErrorInfo, RunKind, cancelled_by_caller
 from gateway.errors import ApiError
 from gateway.runs import RunClient
 from scheduler.core import Scheduler
@@ -1829,3 +1829,48 @@ async def test_a_cancel_s_log_line_names_the_provider_the_run_was_on(
     [said] = [r for r in caplog.records if r.getMessage() == "cancel requested"]
     assert (getattr(said, "run", None), getattr(said, "provider", None), getattr(said, "key", None)) == (
         "r1", "a", "team-a")
+
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_llamacpp_non_stream_run_given_up_marks_its_server_busy_for_read_timeout_ms(
+        redis: Redis, stream: bool) -> None:
+    """A non-stream request to llama-cpp-python goes on for nobody once iop gives it up (its caller
+    left, here): the provider's heartbeat says until when it may (`read_timeout_ms` from then), so
+    that no health probe waits on it and takes a busy server down. A stream stops at once: nothing."""
+    config = parse_config({
+        "models": [{"id": MODEL, "providers": {"a": "a-name"}}],
+        "nodes": [{"id": "n-a", "providers": [{"id": "a", "type": "llamacpp", "base_url": "http://127.0.0.1:9",
+                                                "capacity": 1, "models": ["a-name"], "read_timeout_ms": 90_000}]}],
+        "queue": {"max_queue": 10, "queue_timeout_ms": 60_000},
+    })
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    if stream:
+        await redis.hset(keys.run_record(run_id), "stream", "1")
+    await sched.dispatch_all()
+    began = asyncio.Event()
+
+    class Endless(Scripted):
+        async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+            began.set()
+            await asyncio.Event().wait()
+            raise AssertionError("never answers")
+
+        async def stream(self, kind: RunKind, body: dict[str, Any],
+                         request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+            began.set()
+            await asyncio.Event().wait()
+            yield []
+
+    runner = Runner(redis, config, "n-a", {"a": Endless([])})
+    task = asyncio.create_task(runner.execute(run_id))
+    await asyncio.wait_for(began.wait(), 10)
+    before = now_ms()
+    assert runner.cancel(run_id, cancelled_by_caller())
+    assert (await task).startswith("cancelled")
+    until = await redis.hget(keys.heartbeat("a"), "busy_until_ms")
+    await client.close()
+    if stream:
+        assert until is None
+    else:
+        assert until is not None and before + 90_000 <= int(until) <= now_ms() + 90_000

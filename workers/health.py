@@ -42,6 +42,8 @@ class Field:
     FAIL_REASON = "fail_reason"  # what the last strike was
     FAIL_HEALTH = "fail_health"  # the health the strikes mean: unavailable, or unknown
     PROBE_MS = "probe_ms"  # when a worker last claimed a probe
+    #: until when the server may still generate a run iop gave up (`PROBE_DISTURBS` types: no probe till then)
+    BUSY_UNTIL_MS = "busy_until_ms"
 
 
 def _int(value: str | None) -> int | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from common import keys, token_cap
 from common.chunks import (
@@ -36,6 +37,7 @@ from common.codec import Unpackable, pack, unpack
 from common.comeback import Comeback, pause_on
 from common.config import Config
 from common.policy import BLAME_RUNS, DOWN, candidate_class
+from common.provider_types import PROBE_DISTURBS
 from common.redisconn import REDIS_FULL, REDIS_UNUSABLE, Backoff, id_set, now_ms
 from common.runlog import run_fields
 from common.scripts import Scripts
@@ -46,6 +48,7 @@ from workers import metrics
 from workers.adapters.base import Adapter, LastRead, ProviderError, Retry
 from workers.adapters.failures import own_words
 from workers.adapters.openai_compat import completion_tokens_named, max_tokens_only
+from workers.health import Field
 from workers.stream_pump import Pump, close_reads, shows_output
 
 log = logging.getLogger("iop.worker")
@@ -436,6 +439,7 @@ class Runner:
             return await asyncio.shield(self._finish(att, RunState.CANCELLED, EventType.FAILED, exc.info.to_wire(),
                                                      exc.info))
         except TimeoutError:
+            await self._gave_up(att, record)
             info = ErrorInfo(ErrorCode.EXECUTION_TIMEOUT,
                              f"the run did not finish within {int(timeout_s * 1000)} ms", before_output=not att.output)
             return await self._fail(att, info, Retry.NO)
@@ -455,6 +459,7 @@ class Runner:
                 await asyncio.shield(self._fail(att, info, Retry.ANY))
                 raise
             self._uncancel()  # a cancelled run is an outcome, not the job's cancellation
+            await asyncio.shield(self._gave_up(att, record))
             info = ErrorInfo(att.cancelled.code, att.cancelled.message, before_output=not att.output)
             return await asyncio.shield(self._finish(att, RunState.CANCELLED, EventType.FAILED, info.to_wire(), info))
         except Exception as exc:
@@ -704,6 +709,23 @@ class Runner:
         now = now_ms()
         snaps = await read_snapshots(self.redis, others, now, self.config.node_of)
         return any(candidate_class(s, now, self.config.runtime.heartbeat_ttl_ms) is not None for s in snaps)
+
+    async def _gave_up(self, att: Attempt, record: dict[str, bytes]) -> None:
+        """A non-stream request given up (its caller left, a cancel, `execution_timeout_ms`) while a
+        server whose probe disturbs a run (`PROBE_DISTURBS`: llama-cpp-python) generated it: that
+        server goes on for nobody until it is done, and its `GET /v1/models` waits for it. Its
+        heartbeat says until when it may (`read_timeout_ms` from now, the longest silence iop allows
+        it), and no probe is sent till then (the `probe` script), as while it runs iop's runs: one
+        would time out there and strike a busy server down. A stream stops at once there."""
+        provider = next((p for n in self.config.nodes for p in n.providers if p.id == att.provider_id), None)
+        if provider is None or record.get("stream") == b"1" or provider.type not in PROBE_DISTURBS:
+            return
+        heartbeat = keys.heartbeat(att.provider_id)
+        try:
+            if await self.redis.exists(heartbeat):  # (no hash made of this field alone)
+                await self.redis.hset(heartbeat, Field.BUSY_UNTIL_MS, now_ms() + provider.read_timeout_ms)
+        except (RedisError, *REDIS_UNUSABLE) as exc:  # (another type written by hand; Redis away: probes as before)
+            log.info("could not mark provider %s busy with a run given up (%s)", att.provider_id, exc, extra=att.log())
 
     # ------------------------------------------------------------------ redis
     async def _emit(self, att: Attempt, etype: EventType, data: dict[str, Any]) -> None:
