@@ -583,6 +583,31 @@ def test_a_stream_the_server_ends_before_any_event_leaves_no_broken_connection_f
     assert asyncio.run(runs()) == ["answered"] * 6
 
 
+def test_a_busy_server_whose_non_stream_caller_left_stays_available_while_it_generates(real: Real) -> None:
+    """Its caller gone, a non-stream answer goes on at the server for nobody, and the server's
+    `GET /v1/models` waits for it: probes sent then timed out, one strike each, and the server was
+    taken for unavailable until it was done. None is sent until `read_timeout_ms` after (the heartbeat's
+    `busy_until_ms`). (The end of text is forbidden, so that the answer lasts its `max_tokens`.)"""
+    total = r"^llama_perf_context_print:\s+total time"
+    done = real.queueing.log_lines(total)
+    client = openai.OpenAI(base_url=real.gateway + "/v1", api_key="unused", max_retries=0, timeout=1)
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(model="smollm2-queueing", messages=CHAT,  # type: ignore[arg-type]
+                                       max_tokens=600, temperature=0, logit_bias={"0": -100, "1": -100, "2": -100})
+    wait_until(lambda: real.in_flight("llama-q") == 0, what="the slot to come back")
+    health: set[str] = set()
+
+    def finished() -> bool:
+        health.add(real.health("llama-q"))
+        return real.queueing.log_lines(total) > done
+
+    wait_until(finished, timeout=180, what="the server to finish the answer nobody waits for")
+    with real.redis() as r:
+        fails = int(r.hget("iop:provider:llama-q", "fails") or 0)
+        r.hdel("iop:provider:llama-q", "busy_until_ms")  # (probed as before by the tests after)
+    assert health == {"available"} and fails == 0, (health, fails)
+
+
 def test_a_killed_server_fails_its_callers_cleanly_and_serves_again_once_back(real: Real) -> None:
     real.chat.stop(signal.SIGKILL)
     began = time.monotonic()
