@@ -23,7 +23,7 @@ from common.scripts import Scripts
 from common.wire import RunKind
 from tests.conftest import async_wait_until
 from workers.adapters.base import ProbeResult
-from workers.heartbeat import Heartbeats
+from workers.heartbeat import Heartbeats, health_said
 
 
 class Probed:
@@ -131,6 +131,9 @@ async def test_a_provider_going_down_is_a_warning_and_its_return_info(
 
     await async_wait_until(said_down, timeout=10, what="the provider said unavailable")
     assert said("unavailable") == ["WARNING"]
+    # (its provider and node as fields, for a JSON log's filter)
+    down = next(r for r in caplog.records if r.getMessage().startswith("provider p is unavailable"))
+    assert (getattr(down, "provider", None), getattr(down, "node", None)) == ("p", beats.node_id)
     adapter.hang = False
     caplog.clear()
     await async_wait_until(said_up, timeout=10, what="the provider said available again")
@@ -572,3 +575,13 @@ async def test_a_served_name_the_provider_lists_in_another_case_is_named_in_the_
         assert warned == ["provider p does not list 'served' (it lists 'SERVED'), which its config gives it: no run "
                           "of that model goes there (check the served name in the config, or the server's models)"
                           ], warned
+
+
+def test_a_provider_s_health_line_says_its_id_once() -> None:
+    """A run's failure as the reason said the id twice: 'provider p is unavailable: provider p:
+    connection refused'."""
+    assert health_said("p", Health.UNAVAILABLE, "provider p: connection refused") == \
+        "provider p is unavailable: connection refused"
+    assert health_said("p", Health.UNAVAILABLE, "provider p answered 500") == \
+        "provider p is unavailable: provider p answered 500"  # (a sentence of its own, kept whole)
+    assert health_said("p", Health.AVAILABLE, "") == "provider p is available"

@@ -112,6 +112,13 @@ def _lacking(name: str, listed: list[str]) -> str:
     return repr(name) if near is None else f"{name!r} (it lists {near!r})"
 
 
+def health_said(provider_id: str, health: Health, reason: str) -> str:
+    """The log line of a provider's new health: `provider P is unavailable: why`, its id said once
+    (a run's failure says `provider P: connection refused`, which came after it)."""
+    why = reason.removeprefix(f"provider {provider_id}: ")
+    return f"provider {provider_id} is {health.value}" + (f": {why}" if why else "")
+
+
 def served_pairs(config: Config, node_id: str) -> list[str]:
     """`provider<TAB>model` for each model a provider of the node serves in `config`: what a worker
     of the node announces it serves (`keys.worker_serves`; ids are printable, never a tab)."""
@@ -226,8 +233,8 @@ class Heartbeats:
             self.nudge(provider.id)
             return health
         if changed:  # (down is a WARNING: an operator's log filter at WARNING saw no provider go down)
-            log.log(logging.WARNING if health is Health.UNAVAILABLE else logging.INFO, "provider %s is %s%s",
-                    provider.id, health.value, f": {reason}" if reason else "")
+            log.log(logging.WARNING if health is Health.UNAVAILABLE else logging.INFO, "%s",
+                    health_said(provider.id, health, reason), extra={"provider": provider.id, "node": self.node_id})
         self.last[provider.id] = health
         await self._maybe_probe(provider, int(in_flight))
         return health
