@@ -34,8 +34,14 @@ def validate(path: str) -> int:
     except ConfigError as exc:
         return _errors(path, exc.errors)
     providers = sum(len(n.providers) for n in cfg.nodes)
-    print(f"OK: {len(cfg.models)} models, {len(cfg.nodes)} nodes, {providers} providers")
+    print(f"OK: {counted(len(cfg.models), 'model')}, {counted(len(cfg.nodes), 'node')}, "
+          f"{counted(providers, 'provider')}")
     return 0
+
+
+def counted(n: int, noun: str) -> str:
+    """`1 model`, `2 models` (it said `1 models`)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def migrate(path: str) -> int:

@@ -796,6 +796,17 @@ def test_cli_validate_demo_ok(capsys: pytest.CaptureFixture[str]) -> None:
     assert err == ""
 
 
+def test_cli_validate_counts_one_of_a_kind_in_the_singular(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A pool of one model on one node's one provider read 'OK: 1 models, 1 nodes, 1 providers'."""
+    data = good()
+    data["models"] = [{"id": "m", "providers": {"sglang-b": "qwen3.6-35b-a3b"}}]
+    data["nodes"] = [{**data["nodes"][1], "providers": data["nodes"][1]["providers"][:1]}]
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert run_cli(["config", "validate", str(path)]) == 0, capsys.readouterr()
+    assert capsys.readouterr().out == "OK: 1 model, 1 node, 1 provider\n"
+
+
 def test_cli_validate_bad_file_prints_every_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = good()
     data["models"][0]["providers"]["ghost"] = "x"
