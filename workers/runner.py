@@ -916,13 +916,18 @@ class Runner:
         said: set[str] = set()  # (a WARNING at its first failure, DEBUG after: as _call_while_leased)
         while True:
             await asyncio.sleep(period)
-            try:
-                renewed = await self.scripts.call(
-                    "renew", [keys.leases(att.provider_id), keys.run_record(att.run_id)],
-                    [att.run_id, rt.lease_ttl_ms, att.attempt, att.out_chunks if att.output else ""])
-            except REDIS_UNUSABLE as exc:
-                log.log(_first(said, "renew"), "lease renewal failed (%s)", exc, extra=att.log())
-                continue
+            backoff = Backoff(cap=1.0)
+            while True:
+                try:
+                    renewed = await self.scripts.call(
+                        "renew", [keys.leases(att.provider_id), keys.run_record(att.run_id)],
+                        [att.run_id, rt.lease_ttl_ms, att.attempt, att.out_chunks if att.output else ""])
+                    break
+                except REDIS_UNUSABLE as exc:
+                    log.log(_first(said, "renew"), "lease renewal failed (%s)", exc, extra=att.log())
+                    # Made again once Redis answers, not a period later: a lease with less than a
+                    # period left when Redis came back expired meanwhile, and was reaped from a live run.
+                    await pause_on(self.comeback, backoff)
             if renewed != 1:
                 if renewed:  # it was cancelled (a cancel message was lost, or is being handled now)
                     self.cancel(att.run_id, await self.why_cancelled(att.run_id))
