@@ -253,6 +253,9 @@ class Line:
         self.reply_timeout_s: float = pool.connection_kwargs.get("socket_timeout") or REPLY_TIMEOUT_S
         self._link: _Link | None = None
         self._connecting: asyncio.Lock | None = None
+        #: the connections made so far: a reader that must know of a reconnect its command's retry hid
+        #: (a failover, a restart) compares it before and after (`gateway.events`)
+        self.connects = 0
 
     async def execute(self, *args: Any, block_s: float = 0.0) -> Any:
         """One command's reply; its error reply raised as redis-py raises it. `block_s`: how long
@@ -338,6 +341,7 @@ class Line:
             link = _Link(conn, self.reply_timeout_s)
             link.reader = asyncio.get_running_loop().create_task(link.read(), name="iop-redis-line")
             self._link = link
+            self.connects += 1
             return link
 
     async def _drop(self) -> None:

@@ -374,12 +374,18 @@ class EventHub:
         self.listening.set()
         backoff = Backoff(cap=1.0)
         resync = False
+        connects = self.listen_line.connects if self.listen_line is not None else 0
         while True:
             try:
                 if resync:
                     await self._read_runs(list(self.followers), check_lost=True)
                     resync = False
                 entries = await self._read_inbox(last)
+                if self.listen_line is not None and self.listen_line.connects != connects:
+                    # Read on a connection made again (its retry hid the lost one: a failover, a
+                    # restart): the new server may lack what was followed. Every run is read again.
+                    connects = self.listen_line.connects
+                    resync = resync or connects > 1
                 if len(entries) == LISTEN_COUNT and await self._trimmed_past(last):
                     resync = True  # so far behind that entries went: read every run again
                 for entry_id, fields in entries:

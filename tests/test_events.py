@@ -14,7 +14,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common import keys
 from common.codec import event_fields, pack
+from common.redisconn import connect
 from common.scripts import Scripts
+from gateway import events as events_module
 from gateway.events import HELD_BYTES, READ_COUNT, READS_SHARE, Event, EventHub, Follower
 from tests.conftest import async_wait_until
 
@@ -455,3 +457,33 @@ async def test_a_caller_s_keep_alive_goes_out_by_stream_keepalive_ms_not_a_sweep
             await asyncio.gather(waiting, return_exceptions=True)
     finally:
         await hub.close()
+
+
+async def test_a_listener_whose_connection_was_made_again_reads_every_followed_run_again(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault review, real processes: after `SENTINEL FAILOVER`, the runs queued on the old primary
+    in the second before Sentinel's announcement were not on the promoted one. Their callers heard
+    502 `worker_lost` only 10-11 s later, from the quiet check: the listener's blocking read was
+    made again on a new connection by the line's own retry, so the listener never heard of the
+    reconnect and did not read its runs again (the README: "a Redis restart or reconnect"). Here
+    the record goes and the listener's connection is killed under it; the quiet check is off."""
+    monkeypatch.setattr(events_module, "QUIET_CHECK_S", 3600.0)
+    redis = connect(redis_url, client_name="iop-gateway")
+    hub = EventHub(redis)
+    try:
+        await redis.hset(keys.run_record("run_moved"), mapping={"state": "running", "model": "m"})
+        async with hub.follow("run_moved", fresh=True) as follower:
+            follower.queued()
+
+            async def listening() -> bool:
+                return any(c.get("name") == "iop-gateway:inbox" for c in await redis.client_list())
+
+            await async_wait_until(listening, what="the listener's connection")
+            await redis.delete(keys.run_record("run_moved"))  # (not on the promoted replica)
+            [inbox] = [c for c in await redis.client_list() if c.get("name") == "iop-gateway:inbox"]
+            await redis.client_kill_filter(_id=inbox["id"])
+            event = await asyncio.wait_for(follower.next(), 15)
+            assert event is not None and event.type == "failed" and event.data["code"] == "worker_lost"
+    finally:
+        await hub.close()
+        await redis.aclose()
