@@ -74,6 +74,25 @@ class Scripted:
         return None
 
 
+class Endless(Scripted):
+    """A provider whose answer never comes (whole or streamed): `began` once a request is under way."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.began = asyncio.Event()
+
+    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        self.began.set()
+        await asyncio.Event().wait()
+        raise AssertionError("never answers")
+
+    async def stream(self, kind: RunKind, body: dict[str, Any],
+                     request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        self.began.set()
+        await asyncio.Event().wait()
+        yield []
+
+
 async def start_one(redis: Redis, capacities: dict[str, int], stream: bool = True,
                     max_attempts: int = 3) -> tuple[Scheduler, str]:
     config = make_config(capacities, queue={"max_queue": 10, "queue_timeout_ms": 60_000,
@@ -1848,18 +1867,11 @@ async def test_an_attempt_s_log_lines_name_its_provider(redis: Redis, caplog: py
     JSON), not only those whose message happens to name it (found by an operator's day in front of
     two llama.cpp servers: a worker's SIGTERM past its grace said no provider)."""
     sched, run_id = await start_one(redis, {"a": 1}, stream=False)
-    began = asyncio.Event()
-
-    class Endless(Scripted):
-        async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-            began.set()
-            await asyncio.Event().wait()
-            raise AssertionError("never answers")
-
-    runner = Runner(redis, sched.config, "n-a", {"a": Endless([])})
+    adapter = Endless()
+    runner = Runner(redis, sched.config, "n-a", {"a": adapter})
     with caplog.at_level(logging.INFO, "iop.worker"):
         task = asyncio.create_task(runner.execute(run_id))
-        await asyncio.wait_for(began.wait(), 10)
+        await asyncio.wait_for(adapter.began.wait(), 10)
         task.cancel()  # (the worker's stop past its grace cancels its runs' tasks so)
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -1890,7 +1902,6 @@ async def test_a_cancel_s_log_line_names_the_provider_the_run_was_on(
         "r1", "a", "team-a")
 
 
-
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_llamacpp_non_stream_run_given_up_marks_its_server_busy_for_read_timeout_ms(
         redis: Redis, stream: bool) -> None:
@@ -1907,23 +1918,10 @@ async def test_a_llamacpp_non_stream_run_given_up_marks_its_server_busy_for_read
     if stream:
         await redis.hset(keys.run_record(run_id), "stream", "1")
     await sched.dispatch_all()
-    began = asyncio.Event()
-
-    class Endless(Scripted):
-        async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-            began.set()
-            await asyncio.Event().wait()
-            raise AssertionError("never answers")
-
-        async def stream(self, kind: RunKind, body: dict[str, Any],
-                         request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
-            began.set()
-            await asyncio.Event().wait()
-            yield []
-
-    runner = Runner(redis, config, "n-a", {"a": Endless([])})
+    adapter = Endless()
+    runner = Runner(redis, config, "n-a", {"a": adapter})
     task = asyncio.create_task(runner.execute(run_id))
-    await asyncio.wait_for(began.wait(), 10)
+    await asyncio.wait_for(adapter.began.wait(), 10)
     before = now_ms()
     assert runner.cancel(run_id, cancelled_by_caller())
     assert (await task).startswith("cancelled")
