@@ -32,6 +32,8 @@ def new(name: str, role: str) -> int:
     # the config, a line that broke it, and showed the key nowhere)
     print(f"# the key of {name}: shown this once, never stored by iop; hand it over and keep no copy", file=sys.stderr)
     print(key, file=sys.stderr, flush=True)
-    print(f"# the entry of {name} for the config, under auth.keys (it holds only the key's hash):")
+    # (a line end first: appended to a file whose last line had none, the `#` line joined that line and
+    # broke the config)
+    print(f"\n# the entry of {name} for the config, under auth.keys (it holds only the key's hash):")
     print("".join(ENTRY_INDENT + line for line in entry.splitlines(keepends=True)), end="")
     return 0

@@ -64,3 +64,15 @@ def test_its_output_appended_to_the_config_adds_the_entry_and_stores_no_key(
     assert config.auth is not None and [k.name for k in config.auth.keys] == ["ops", "team-a"]
     found = KeyRing.from_config(config.auth, {}).lookup(key)
     assert found is not None and found.name == "team-a"
+
+
+def test_its_output_appended_to_a_config_without_a_final_line_end_adds_the_entry(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Found by a newcomer's audit: appended (`>> iop.yaml`) to a file whose last line has no line
+    end (`printf`, some editors), the entry's `#` line was glued to that last line, and the config
+    no longer read: "mapping values are not allowed in this context"."""
+    assert keys_cmd.new("team-a", "caller") == 0
+    (tmp_path / "iop.yaml").write_text(POOL.removesuffix("\n") + capsys.readouterr().out)
+    config = load_config(tmp_path / "iop.yaml")
+    assert config.auth is not None and [(k.name, k.role) for k in config.auth.keys] == [
+        ("ops", "operator"), ("team-a", "caller")]
