@@ -1128,8 +1128,9 @@ return 1
 # The freed slot may serve any model of the provider: their head runs' replicas are woken.
 # KEYS: lease, run record, events, runs stream, node queue, arq in-progress marker, runs streams of
 #       the provider's models...
-# ARGV: run id, max_attempts, ttl_s, replica channel prefix, model, requeued data, failed data,
-#       cancelled data, [failed data and message for a run no worker started: still `dispatched`]
+# ARGV: run id, max_attempts, ttl_s, replica channel prefix, model, requeued data (also the failed
+#       data of a run that sent no output), failed data of a run that had output (before_output
+#       false), cancelled data, [failed data and message for a run no worker started: still `dispatched`]
 REAP = FREES + _NOW + _WRONG + _REQUEUE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) > now then return 'alive' end
@@ -1159,9 +1160,10 @@ if not output and attempts < tonumber(ARGV[2]) then
   redis.call('EXPIRE', KEYS[3], ttl)
   return 'requeued'
 end
--- (a run no worker started: an older replica's call has no words for it)
+-- (a run no worker started: an older replica's call has no words for it; one that sent no output
+-- fails before output, its last attempt used up: the requeued data is that, before_output true)
 local unstarted = state == 'dispatched' and ARGV[10] ~= nil
-add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', unstarted and ARGV[9] or ARGV[7])
+add_event(KEYS[2], KEYS[3], ARGV[1], 'failed', unstarted and ARGV[9] or output and ARGV[7] or ARGV[6])
 redis.call('HSET', KEYS[2], 'state', 'failed', 'finished_ms', now, 'error_code', 'worker_lost',
   'error_message', unstarted and ARGV[10] or 'the worker running this run was lost')
 ended(KEYS[2], ARGV[1], 'failed', 0, counted)

@@ -523,13 +523,18 @@ async def test_a_requeued_run_never_goes_back_to_a_provider_that_refused_it_as_u
     await client.close()
 
 
-async def test_a_running_run_reaped_says_its_worker_was_lost(redis: Redis) -> None:
-    config, client, sched, run_id, _ = await running_run(redis, output=True, cancel=False)
+@pytest.mark.parametrize("output", [True, False], ids=["after-output", "before-output"])
+async def test_a_running_run_reaped_says_its_worker_was_lost(redis: Redis, output: bool) -> None:
+    """Its `failed` event says `before_output` as the record says output went out: a run on its last
+    attempt whose worker was lost before any output said false (a runs-API follower read that its
+    caller had had output)."""
+    config, client, sched, run_id, _ = await running_run(redis, output=output, cancel=False)
     await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease
     assert await sched.reap_expired_leases() == 1
     events = [e async for e in client.events(run_id)]
     await client.close()
     assert events[-1].type == "failed" and events[-1].data["message"] == "the worker running this run was lost"
+    assert events[-1].data["code"] == "worker_lost" and events[-1].data["before_output"] is not output
 
 
 async def test_a_reaped_lease_s_warning_names_the_provider_and_node_it_was_lost_on(
