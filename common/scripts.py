@@ -56,11 +56,15 @@ end
 
 # Why a run cancelled once dispatched ends, from its record's `cancel_reason` and `cancel_code`
 # (`drop_queued` keeps them there; no code: `cancelled`): the message, the error code, and the data
-# of its `failed` event (`default_data`, the packed ErrorInfo of "cancelled by the caller", when the
-# record has no reason: written by an earlier version; `output`: some of its output went out).
+# of its `failed` event (`default_data`, the packed ErrorInfo of "cancelled by the caller", before
+# output, when the record has no reason: written by an earlier version; `output`: some of its output
+# went out, and the data says so whatever the reason).
 _CANCEL_REASON = """
 local function cancel_reason(reason, code, default_data, output)
-  if not reason then return 'cancelled by the caller', 'cancelled', default_data end
+  if not reason then
+    if not output then return 'cancelled by the caller', 'cancelled', default_data end
+    reason = 'cancelled by the caller'
+  end
   code = code or 'cancelled'
   return reason, code, cmsgpack.pack({code = code, message = reason, before_output = not output})
 end

@@ -125,6 +125,20 @@ async def test_a_cancelled_run_reaped_after_output_says_its_output_went_out(redi
     assert events[-1].data["code"] == "cancelled" and events[-1].data["before_output"] is False
 
 
+async def test_a_cancel_recorded_by_an_earlier_version_reaped_after_output_says_its_output_went_out(
+        redis: Redis) -> None:
+    """A record with no `cancel_reason` (an earlier version's cancel) ends as cancelled by the caller:
+    reaped after output, its `failed` event said `before_output: true` (the default data)."""
+    client, sched, run_id = await dispatched_run(redis)
+    await redis.hset(keys.run_record(run_id), mapping={"state": "running", "output": "1", "cancel": "1"})
+    await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})
+    assert await sched.reap_expired_leases() == 1
+    events = [e async for e in client.events(run_id)]
+    await client.close()
+    assert events[-1].data["code"] == "cancelled" and events[-1].data["message"] == "cancelled by the caller"
+    assert events[-1].data["before_output"] is False
+
+
 async def test_a_running_run_notices_a_cancel_whose_message_was_lost(redis: Redis) -> None:
     client, sched, run_id = await dispatched_run(redis, lease_ttl_ms=150)
     adapter = StallingAdapter()
