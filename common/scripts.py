@@ -59,14 +59,21 @@ end
 # of its `failed` event (`default_data`, the packed ErrorInfo of "cancelled by the caller", before
 # output, when the record has no reason: written by an earlier version; `output`: some of its output
 # went out, and the data says so whatever the reason).
+# `cancel_data` packs that data with the keys of the worker's own (`ErrorInfo.to_wire`), `status`
+# and `detail` null (a Lua table holds no nil: packed as one, a runs-API follower read a cancel
+# written here without the keys a worker's has).
 _CANCEL_REASON = """
+local function cancel_data(code, message, output)
+  return string.char(0x85) .. cmsgpack.pack('code', code, 'message', message, 'status') .. string.char(0xc0)
+    .. cmsgpack.pack('detail') .. string.char(0xc0) .. cmsgpack.pack('before_output', not output)
+end
 local function cancel_reason(reason, code, default_data, output)
   if not reason then
     if not output then return 'cancelled by the caller', 'cancelled', default_data end
     reason = 'cancelled by the caller'
   end
   code = code or 'cancelled'
-  return reason, code, cmsgpack.pack({code = code, message = reason, before_output = not output})
+  return reason, code, cancel_data(code, reason, output)
 end
 
 -- End a dispatched run cancelled, for the reason its record keeps (`cancel_reason`): its `failed`
@@ -952,7 +959,7 @@ if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and 
   -- cancelled, as asked, however the attempt ended (a requeue would put a cancelled run back in its
   -- queue), but for a completed one whose answer had begun to go out (its caller has the rest)
   end_cancelled(KEYS[1], KEYS[3], ARGV[1], rec[9], rec[10],
-    cmsgpack.pack({{code = 'cancelled', message = 'cancelled by the caller', before_output = rec[8] ~= '1'}}),
+    cancel_data('cancelled', 'cancelled by the caller', rec[8] == '1'),
     rec[8] == '1', ttl, rec[3], rec[4], rec[5], rec[6],
     -- (the usage the caller got: the attempt's partial count when output went out, else none, not
     -- the provider's whole answer the caller never got)

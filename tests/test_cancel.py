@@ -17,10 +17,10 @@ from redis.exceptions import OutOfMemoryError
 from common import keys
 from common.policy import Health
 from common.redisconn import now_ms
-from common.wire import ErrorCode, ErrorInfo, RunKind
+from common.wire import ErrorCode, ErrorInfo, RunKind, RunState
 from gateway.requests import ParsedRequest
 from gateway.runs import UNANSWERED, RunClient
-from scheduler.core import Scheduler
+from scheduler.core import GATEWAY_GONE, Scheduler
 from tests.conftest import async_wait_until, redis_full
 from tests.test_scheduler import MODEL, beat, make_config, request, waiting_runs
 from workers import metrics
@@ -505,3 +505,68 @@ async def test_a_take_back_that_reaches_redis_before_its_queueing_leaves_nothing
     [(_, event)] = await redis.xrange(keys.run_events(run_id))  # (its end, as any run's: the runs API replays it)
     assert event[b"type"] == b"failed" and 0 < await redis.ttl(keys.run_events(run_id))
     await client.close()
+
+
+class CutAfterCancel(StallingAdapter):
+    """A stream that sends a chunk of output (or none), then breaks off once the test says."""
+
+    def __init__(self, output: bool) -> None:
+        super().__init__()
+        self.output = output
+        self.waiting = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        if self.output:
+            yield [{"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"}}]}]
+        self.waiting.set()  # (what came before is out: the runner asked for the next read)
+        await self.go.wait()
+        raise ProviderError("the provider broke off")
+
+
+@pytest.mark.parametrize(("path", "output"), [("start", False), ("reap", False), ("reap", True),
+                                              ("finish", False), ("finish", True)])
+async def test_a_cancelled_runs_failed_event_holds_what_a_workers_own_does(redis: Redis, path: str,
+                                                                            output: bool) -> None:
+    """A dead gateway's run (the scheduler's `orphans` sweep) ended cancelled by a script (at its
+    start, by the reaper, or at its worker's end of an attempt that had not heard of the cancel): its
+    `failed` event carries the worker's `ErrorInfo.to_wire()` keys (`status` and `detail` were
+    missing) and `before_output` exactly when no output went out."""
+    config = make_config({"a": 1})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    model = config.model(MODEL)
+    assert model is not None
+    stream = ParsedRequest(RunKind.CHAT, MODEL, True, {"model": MODEL, "stream": True,
+                                                       "messages": [{"role": "user", "content": "x"}]})
+    run_id = (await client.submit(model, stream))[0]
+    sched = Scheduler(redis, config)
+    await sched.ensure_groups()
+    await sched.read_new(block_ms=10)
+    await sched.dispatch_all()
+    why = ErrorInfo(ErrorCode.UNAVAILABLE, GATEWAY_GONE)
+
+    async def cancel() -> None:  # (as `cancel_orphans` does)
+        assert await sched.scripts.call("drop_queued", *sched._drop_call(
+            MODEL, run_id, RunState.CANCELLED, why, abort_running=True)) == b"signalled"
+
+    if path == "start":
+        await cancel()
+        assert await Runner(redis, config, "n-a", {"a": StallingAdapter()}).execute(run_id) == "cancelled"
+    elif path == "reap":
+        await redis.hset(keys.run_record(run_id), mapping={"state": "running", **({"output": "1"} if output else {})})
+        await cancel()
+        await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})
+        assert await sched.reap_expired_leases() == 1
+    else:  # (its worker did not hear of the cancel: the message was lost)
+        adapter = CutAfterCancel(output)
+        task = asyncio.create_task(Runner(redis, config, "n-a", {"a": adapter}).execute(run_id))
+        await asyncio.wait_for(adapter.waiting.wait(), 10)
+        await cancel()
+        adapter.go.set()
+        assert (await asyncio.wait_for(task, 10)).endswith(":cancel_asked")
+    assert await redis.hget(keys.run_record(run_id), "state") == b"cancelled"
+    events = [e async for e in client.events(run_id)]
+    await client.close()
+    assert events[-1].type == "failed"
+    assert events[-1].data == ErrorInfo(ErrorCode.UNAVAILABLE, GATEWAY_GONE, before_output=not output).to_wire()
