@@ -174,6 +174,15 @@ async def test_an_opening_chunk_goes_out_with_the_first_output(redis: Redis) -> 
     assert deltas == [[ROLE, TEXT]]
 
 
+async def test_a_stream_with_no_output_says_it_had_no_deltas(redis: Redis) -> None:
+    """A streamed run's `completed` says how many deltas there were (README, "Following a run's
+    events"), also none: a provider's empty stream ended with no `deltas` at all."""
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([])})
+    assert await runner.execute(run_id) == "completed:ok"
+    assert (await events(redis, run_id))[-1] == ("completed", {"deltas": 0})
+
+
 def before_scripts(runner: Runner, monkeypatch: pytest.MonkeyPatch, before: Callable[[str], None]) -> None:
     """`before(name)` is called before each script the runner calls from now on (what it raises, the
     call raises: it never reaches Redis)."""

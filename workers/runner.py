@@ -785,8 +785,10 @@ class Runner:
         OutputTooLarge or the ProviderError of `cannot_carry` is raised, and nothing recorded).
         `body`: the run's, put back in its record by a requeue that uses up no attempt."""
         delta = self._output(att, {"chunks": last, "n": att.emitted + 1, "a": int(att.attempt)}) if last else b""
-        if state is RunState.COMPLETED and etype is EventType.COMPLETED and (att.emitted or last):
-            data = {**data, "deltas": att.emitted + (1 if last else 0)}  # (the stream's last number: `_emit`)
+        if state is RunState.COMPLETED and etype is EventType.COMPLETED and "response" not in data:
+            # (the stream's last number, `_emit`; 0 for one that had none: it was left out, and the README
+            # says a streamed run's `completed` says how many there were)
+            data = {**data, "deltas": att.emitted + (1 if last else 0)}
         if att.output and state is not None and state is not RunState.COMPLETED and usage == (0, 0):
             usage = _partial_usage(att)
         kind, strikes, reason = evidence
