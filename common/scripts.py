@@ -926,7 +926,10 @@ return 1
 #       `Retry-After`): it is benched for it that long (`bench:{{served}}`, never shortened), so no run
 #       of it goes there meanwhile, where every new run went first (its in-flight count the lowest),
 #       keeping a hosted API's key at its rate limit; the run's body ('' none) for `requeue_unable` to
-#       put back in the record, whose attempt's start deleted it (the last attempt, as it was)
+#       put back in the record, whose attempt's start deleted it (the last attempt, as it was); the
+#       event data of a run that ends failed or cancelled as it reads once output went out ('' none:
+#       the same), written instead when the record says output went out where the attempt did not
+#       know it (a cancel or a timeout interrupted an `emit` Redis ran, its reply not read)
 FINISH = FREES + _NOW + _WRONG + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + f"""
 -- (a record of another type, written by hand, holds no run: as a record gone, the attempt owns none;
 -- its lease goes to the reaper)
@@ -969,7 +972,9 @@ if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and 
   return 'cancel_asked'
 end
 if last ~= '' then add_event(KEYS[1], KEYS[3], ARGV[1], 'delta', last, rec[3]) end
-add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4], rec[3])
+local data = ARGV[4]
+if rec[8] == '1' and (ARGV[23] or '') ~= '' then data = ARGV[23] end  -- (before_output false: it was not)
+add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], data, rec[3])
 redis.call('EXPIRE', KEYS[3], ttl)
 local unable = ARGV[2] == 'requeue_unable' or ARGV[2] == 'requeue_unable_back'
 if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue_busy' or unable then

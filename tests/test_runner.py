@@ -27,7 +27,7 @@ from common.snapshots import read_snapshots
 from common.wire import ErrorCode, ErrorInfo, RunKind, cancelled_by_caller
 from gateway.errors import ApiError
 from gateway.runs import RunClient
-from scheduler.core import Scheduler
+from scheduler.core import GATEWAY_GONE, Scheduler
 from tests.conftest import async_wait_until
 from tests.test_scheduler import MODEL, beat, make_config, submit, waiting_runs
 from workers import metrics as worker_metrics
@@ -181,6 +181,32 @@ async def test_a_stream_with_no_output_says_it_had_no_deltas(redis: Redis) -> No
     runner = Runner(redis, sched.config, "n-a", {"a": Scripted([])})
     assert await runner.execute(run_id) == "completed:ok"
     assert (await events(redis, run_id))[-1] == ("completed", {"deltas": 0})
+
+
+async def test_a_cancel_that_interrupts_an_emit_redis_ran_says_the_output_went_out(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel (here a dead gateway's, as the scheduler's `orphans` sweep records it) that reaches the
+    run's task while it waits for the reply of an `emit` Redis ran: its delta went out, but the
+    attempt never heard so, and its `failed` event said `before_output: true` after that delta
+    (the reaper's and `end_cancelled`'s read the record's `output`)."""
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT], [text("b")]])})
+    why = ErrorInfo(ErrorCode.UNAVAILABLE, GATEWAY_GONE)
+    real_call = runner.scripts.call
+
+    async def call(name: str, run_keys: Any, args: Any) -> Any:
+        result = await real_call(name, run_keys, args)
+        if name == "emit":  # (the reply on its way as the cancel comes: the task is cancelled at its next await)
+            runner.cancel(run_id, why)
+            await asyncio.sleep(0)
+        return result
+
+    monkeypatch.setattr(runner.scripts, "call", call)
+    assert await runner.execute(run_id) == "cancelled:ok"
+    kinds = [k for k, _ in await events(redis, run_id)]
+    assert kinds[-2:] == ["delta", "failed"]
+    assert (await events(redis, run_id))[-1][1] == {**why.to_wire(), "before_output": False}
+    assert await fields(redis, keys.run_record(run_id), "state", "output") == ["cancelled", "1"]
 
 
 def before_scripts(runner: Runner, monkeypatch: pytest.MonkeyPatch, before: Callable[[str], None]) -> None:

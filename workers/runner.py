@@ -803,6 +803,10 @@ class Runner:
             else:  # an error holding the provider's own object or text
                 info = carried(info)
             packed = pack(info.to_wire())
+        # (its end as it reads once output went out: FINISH writes that when the record says some did where
+        # this attempt did not hear so, the cancel or timeout that ends it having interrupted an emit Redis ran)
+        after = pack({**unpack(packed), "before_output": False}) if (
+            info is not None and info.before_output and state in (RunState.FAILED, RunState.CANCELLED)) else b""
         if "response" in data and len(packed) > self.config.runtime.max_output_bytes:
             # (a whole answer is output too: one of 14 MB with log probabilities was 70 MB as OpenAI's, kept
             # in Redis for run_ttl_s)
@@ -815,7 +819,7 @@ class Runner:
                 plain_text(reason), *(min(n, MAX_COUNTED_TOKENS) for n in usage), self._fresh_ms(att.provider_id),
                 delta, self.config.runtime.max_events_per_run, "1" if suspect else "",
                 self._served(att.model_id, att.provider_id) if state is RunState.COMPLETED or cool_s else "",
-                cool_s * 1000, body]
+                cool_s * 1000, body, after]
         run_keys = [keys.run_record(att.run_id), keys.leases(att.provider_id), keys.run_events(att.run_id),
                     keys.runs_stream(att.model_id), keys.heartbeat(att.provider_id), keys.node_queue(self.node_id),
                     keys.arq_in_progress(att.run_id),
