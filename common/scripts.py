@@ -929,7 +929,8 @@ return 1
 #       put back in the record, whose attempt's start deleted it (the last attempt, as it was); the
 #       event data of a run that ends failed or cancelled as it reads once output went out ('' none:
 #       the same), written instead when the record says output went out where the attempt did not
-#       know it (a cancel or a timeout interrupted an `emit` Redis ran, its reply not read)
+#       know it (a cancel or a timeout interrupted an `emit` Redis ran, its reply not read); a requeue
+#       then ends the run failed with it instead (returns 'failed_after_output')
 FINISH = FREES + _NOW + _WRONG + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + f"""
 -- (a record of another type, written by hand, holds no run: as a record gone, the attempt owns none;
 -- its lease goes to the reaper)
@@ -972,45 +973,50 @@ if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and 
   return 'cancel_asked'
 end
 if last ~= '' then add_event(KEYS[1], KEYS[3], ARGV[1], 'delta', last, rec[3]) end
-local data = ARGV[4]
-if rec[8] == '1' and (ARGV[23] or '') ~= '' then data = ARGV[23] end  -- (before_output false: it was not)
-add_event(KEYS[1], KEYS[3], ARGV[1], ARGV[3], data, rec[3])
+-- (the record says output went out where the attempt did not know it: before_output false, and a run
+-- with output is never put back in its queue, as REAP has it: it ends failed)
+local ending, etype, data = ARGV[2], ARGV[3], ARGV[4]
+if rec[8] == '1' and (ARGV[23] or '') ~= '' then
+  data = ARGV[23]
+  if string.sub(ending, 1, 7) == 'requeue' then ending, etype = 'failed', 'failed' end
+end
+add_event(KEYS[1], KEYS[3], ARGV[1], etype, data, rec[3])
 redis.call('EXPIRE', KEYS[3], ttl)
-local unable = ARGV[2] == 'requeue_unable' or ARGV[2] == 'requeue_unable_back'
-if ARGV[2] == 'requeue' or ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue_busy' or unable then
+local unable = ending == 'requeue_unable' or ending == 'requeue_unable_back'
+if ending == 'requeue' or ending == 'requeue_elsewhere' or ending == 'requeue_busy' or unable then
   if ARGV[19] == '1' then
     local s = redis.call('HMGET', KEYS[1], 'provider', 'suspects')
     if s[1] then redis.call('HSET', KEYS[1], 'suspects', s[2] and (s[2] .. ',' .. s[1]) or s[1]) end
   end
   -- (never asked again: the entry and the record's `unable_by`, or `elsewhere`, name it)
-  local never = unable and 'unable_by' or (ARGV[2] == 'requeue_elsewhere' or ARGV[2] == 'requeue_busy') and 'elsewhere'
+  local never = unable and 'unable_by' or (ending == 'requeue_elsewhere' or ending == 'requeue_busy') and 'elsewhere'
   if never then
     local u = redis.call('HMGET', KEYS[1], 'provider', never)
     if u[1] and not (u[2] and string.find(',' .. u[2] .. ',', ',' .. u[1] .. ',', 1, true)) then
       redis.call('HSET', KEYS[1], never, u[2] and (u[2] .. ',' .. u[1]) or u[1])
     end
   end
-  requeue(KEYS[1], KEYS[4], ARGV[1], ARGV[2] ~= 'requeue' and ARGV[2] ~= 'requeue_unable_back',
-    ARGV[2] == 'requeue_busy')
+  requeue(KEYS[1], KEYS[4], ARGV[1], ending ~= 'requeue' and ending ~= 'requeue_unable_back',
+    ending == 'requeue_busy')
   if unable then  -- (the provider could not do what was asked: no attempt used up)
     redis.call('HINCRBY', KEYS[1], 'unable', 1)
     if (ARGV[22] or '') ~= '' then redis.call('HSET', KEYS[1], 'body', ARGV[22]) end
   end
 else
-  if ARGV[2] == 'completed' then  -- its answer went to the caller (a non-stream run's is this event)
-    redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now, 'output', '1')
+  if ending == 'completed' then  -- its answer went to the caller (a non-stream run's is this event)
+    redis.call('HSET', KEYS[1], 'state', ending, 'finished_ms', now, 'output', '1')
     if blame and (blamed or not blame_read) then redis.call('HDEL', KEYS[5], blame) end
   else
-    redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_ms', now)
+    redis.call('HSET', KEYS[1], 'state', ending, 'finished_ms', now)
   end
   if ARGV[8] ~= '' then
     redis.call('HSET', KEYS[1], 'error_code', ARGV[8], 'error_message', ARGV[9])
   end
-  ended(KEYS[1], ARGV[1], ARGV[2], ARGV[14], ARGV[15], rec[4], rec[5], rec[6])
+  ended(KEYS[1], ARGV[1], ending, ARGV[14], ARGV[15], rec[4], rec[5], rec[6])
 end
 redis.call('EXPIRE', KEYS[1], ttl)
 for i = 8, #KEYS do wake_head(KEYS[i], ARGV[6]) end
-return 'ok'
+return ending ~= ARGV[2] and 'failed_after_output' or 'ok'
 """
 
 # A run another provider served after it failed on its `suspects` (the record's: providers whose

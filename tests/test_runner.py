@@ -209,6 +209,37 @@ async def test_a_cancel_that_interrupts_an_emit_redis_ran_says_the_output_went_o
     assert await fields(redis, keys.run_record(run_id), "state", "output") == ["cancelled", "1"]
 
 
+async def test_a_stop_that_interrupts_an_emit_redis_ran_fails_the_run_not_requeues_it(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker stops (its grace over) while a run's task waits for the reply of an `emit` Redis
+    ran: the attempt, not knowing of its output, asked for a requeue, and the run was put back with
+    a delta out and a `requeued` after it (the reaper never requeues a run with output). It fails,
+    `worker_lost`, `before_output: false`."""
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT], [text("b")]])})
+    real_call = runner.scripts.call
+    stopped: list[bool] = []
+
+    async def call(name: str, run_keys: Any, args: Any) -> Any:
+        result = await real_call(name, run_keys, args)
+        if name == "emit" and not stopped:  # (the reply on its way as the worker's stop cancels the task)
+            task = asyncio.current_task()
+            assert task is not None
+            stopped.append(task.cancel())
+            await asyncio.sleep(0)
+        return result
+
+    monkeypatch.setattr(runner.scripts, "call", call)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.create_task(runner.execute(run_id))
+    kinds = [k for k, _ in await events(redis, run_id)]
+    assert kinds[-2:] == ["delta", "failed"], kinds
+    failed = (await events(redis, run_id))[-1][1]
+    assert failed["code"] == "worker_lost" and failed["before_output"] is False
+    assert await fields(redis, keys.run_record(run_id), "state", "output") == ["failed", "1"]
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 0 and await redis.zcard(keys.leases("a")) == 0
+
+
 def before_scripts(runner: Runner, monkeypatch: pytest.MonkeyPatch, before: Callable[[str], None]) -> None:
     """`before(name)` is called before each script the runner calls from now on (what it raises, the
     call raises: it never reaches Redis)."""

@@ -672,7 +672,7 @@ class Runner:
         if again:
             # (the finish script takes the job off its node's queue first: the next dispatch
             # queues a job of the same id)
-            outcome = await self._finish(att, None, EventType.REQUEUED, info.to_wire(), evidence=evidence,
+            outcome = await self._finish(att, None, EventType.REQUEUED, info.to_wire(), info, evidence=evidence,
                                          requeue="requeue" if retry is Retry.ANY else "requeue_unable_back" if back
                                          else "requeue_unable" if unable
                                          else "requeue_busy" if too_busy else "requeue_elsewhere",
@@ -687,7 +687,7 @@ class Runner:
         elif not outcome.endswith(":ok"):  # (its lease went: the run went on without it; nothing was recorded)
             log.info("attempt %s failed, but its run had gone on without it (%s): %s", att.attempt,
                      outcome.partition(":")[2] or outcome, info.message, extra=att.log())
-        elif again:
+        elif again and outcome.startswith("requeued"):  # (else it had output it did not know of: `_finish`)
             log.info("attempt %s failed, requeued: %s", att.attempt, info.message, extra=att.log())
         else:
             log.info("failed: %s", info.message, extra=att.log())
@@ -806,7 +806,7 @@ class Runner:
         # (its end as it reads once output went out: FINISH writes that when the record says some did where
         # this attempt did not hear so, the cancel or timeout that ends it having interrupted an emit Redis ran)
         after = pack({**unpack(packed), "before_output": False}) if (
-            info is not None and info.before_output and state in (RunState.FAILED, RunState.CANCELLED)) else b""
+            info is not None and info.before_output and state in (RunState.FAILED, RunState.CANCELLED, None)) else b""
         if "response" in data and len(packed) > self.config.runtime.max_output_bytes:
             # (a whole answer is output too: one of 14 MB with log probabilities was 70 MB as OpenAI's, kept
             # in Redis for run_ttl_s)
@@ -831,6 +831,11 @@ class Runner:
             return "unrecorded"  # the lease expires and the scheduler reaps the run
         if result == b"too_many":  # (its last output would pass max_events_per_run: nothing was recorded)
             raise self._too_many_events()
+        if result == b"failed_after_output":
+            # (its output had gone out, an emit Redis ran whose reply this attempt never read: the run is
+            # not put back in its queue but failed, before_output false, as the reaper ends one)
+            log.info("the run failed, not requeued: its output had begun to go out", extra=att.log())
+            state, result = RunState.FAILED, b"ok"
         if result in (b"cancel_asked", b"cancelled") and state is not RunState.CANCELLED:
             # (its cancel was recorded before this worker heard of it: the run ended so, not as this attempt
             # would have; `cancelled`: it had, when a lost reply made this call again, or the reaper)
