@@ -270,18 +270,23 @@ def test_a_worker_container_killed_mid_run_still_answers_the_caller(stack: Stack
 
     async def scenario() -> str:
         client = stack.client()
-        call = asyncio.create_task(ask(client, MODELS[0], stream=False, sim={"ttft_ms": 4000}))
+        # (the run is found running within its time to first token: each look at its slot is a `podman
+        # exec`, which took seconds on a loaded machine, and a 4 s one had ended before it was found)
+        call = asyncio.create_task(ask(client, MODELS[0], stream=False, sim={"ttft_ms": 10_000}))
+        try:
+            async def running() -> list[str]:
+                return [r for p in POOL.nodes for prov in p.providers
+                        for r in stack.redis_cli("ZRANGE", keys.leases(prov.id), "0", "-1").split()]
 
-        async def running() -> list[str]:
-            return [r for p in POOL.nodes for prov in p.providers
-                    for r in stack.redis_cli("ZRANGE", keys.leases(prov.id), "0", "-1").split()]
-
-        run_id = (await until(running, 30, "the run to hold a slot"))[0]
-        started = await until(lambda: _started(stack, run_id), 30, "the run to start on a worker")
-        victim = hosts[started["worker"].split(":")[0]]
-        os.kill(int(stack.project.inspect(victim, "{{.State.Pid}}")), signal.SIGKILL)
-        answered_id, text = await call
-        await client.close()
+            run_id = (await until(running, 30, "the run to hold a slot"))[0]
+            started = await until(lambda: _started(stack, run_id), 30, "the run to start on a worker")
+            victim = hosts[started["worker"].split(":")[0]]
+            os.kill(int(stack.project.inspect(victim, "{{.State.Pid}}")), signal.SIGKILL)
+            answered_id, text = await call
+        finally:  # (a failure above leaves no socket to the next test's garbage collection)
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            await client.close()
         assert (answered_id, text) == (run_id, TOKENS)
         run = await get_json(f"{stack.url}/v1/runs/{run_id}")
         assert run["state"] == "completed" and run["attempts"] == 2, run

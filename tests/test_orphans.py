@@ -214,9 +214,13 @@ def test_a_killed_gateways_running_and_queued_runs_are_cancelled(stack: Stack) -
 
     wait_until(lambda: len(cancelled()) == 2, timeout=20, what="A's two runs cancelled")
     assert all(b"gateway stopped" in rec.get(b"error_message", b"") for rec in cancelled()), cancelled()
-    # (the scheduler's line named no run: each run has its own, as every line about a run has)
-    named = [line for line in scheduler.output(last=2000).splitlines() if "cancelled (" in line]
-    assert len(named) == 2 and all(" run=run_" in line and "model=qwen3.6:35b" in line for line in named), named
+    # (the scheduler's line named no run: each run has its own, as every line about a run has. It is
+    # logged after the cancel's script, and read from the scheduler's output by a thread: waited for)
+    def named() -> list[str]:
+        return [line for line in scheduler.output(last=2000).splitlines() if "cancelled (" in line]
+
+    wait_until(lambda: len(named()) >= 2, what="the scheduler's two lines of the cancels")
+    assert len(named()) == 2 and all(" run=run_" in line and "model=qwen3.6:35b" in line for line in named()), named()
     b_thread.join(60)
     assert "error" not in survivor, survivor
     assert survivor["rest"].rstrip().endswith(b"data: [DONE]") and b'"error"' not in survivor["rest"]
