@@ -45,10 +45,6 @@ def choices_usable(obj: dict[str, Any]) -> bool:
     return True
 
 
-def _object_or_none(value: Any) -> bool:
-    return value is None or isinstance(value, dict)
-
-
 def finishes(chunk: Any) -> bool:
     """A choice of the chunk ends with a `finish_reason`."""
     return bool(choice_indices(chunk, finished=True))
