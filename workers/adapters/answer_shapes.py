@@ -262,6 +262,13 @@ def chat_id(run_id: str) -> str:
     return f"chatcmpl-{run_id}"
 
 
+def _drop_nulls(obj: Json, names: tuple[str, ...]) -> None:
+    """`obj` without those of its fields `names` that are null (OpenAI's schema has something there)."""
+    for name in names:
+        if name in obj and obj[name] is None:
+            del obj[name]
+
+
 def _chat_reason(value: Any, provider_id: str, whole: bool, calls: bool = False) -> str | None:
     """OpenAI's finish_reason for a provider's chat choice, as `_reason`; a whole answer's that gave
     none ends in its tool calls (`calls`) if it has some."""
@@ -349,9 +356,7 @@ def _message(choice: Json, run_id: str, provider_id: str) -> bool:
         message["content"] = None
     if "refusal" not in message:
         message["refusal"] = None
-    for name in NOT_NULL_FIELDS:
-        if name in message and message[name] is None:
-            del message[name]
+    _drop_nulls(message, NOT_NULL_FIELDS)
     calls = message.get("tool_calls")
     if isinstance(calls, list) and not all(map(_a_call, calls)):
         # (what is no call, or calls no function, says nothing a caller could run: left out)
@@ -470,14 +475,10 @@ def _without_nulls(call: Json) -> None:
     """A streamed call's piece without the nulls OpenAI's schema has not (SGLang gives each piece after
     its call's first an `id`, and its function a `name`, of null; the `openai` client's stream helper
     joins them): its `id`, `type`, `function` and the function's `name` and `arguments`."""
-    for name in ("id", "type", "function"):
-        if name in call and call[name] is None:
-            del call[name]
+    _drop_nulls(call, ("id", "type", "function"))
     function = call.get("function")
     if isinstance(function, dict):
-        for name in ("name", "arguments"):
-            if name in function and function[name] is None:
-                del function[name]
+        _drop_nulls(function, ("name", "arguments"))
 
 
 def _names(call: Json) -> bool:
@@ -501,9 +502,7 @@ def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, St
     if not isinstance(choice.get("delta"), dict):
         choice["delta"] = {}
     _texts(choice["delta"], provider_id)
-    for name in NOT_NULL_DELTA:
-        if name in choice["delta"] and choice["delta"][name] is None:
-            del choice["delta"][name]
+    _drop_nulls(choice["delta"], NOT_NULL_DELTA)
     if choice["delta"].get("tool_calls") is not None:
         # (a hostile server's million choice indices are not a million entries: past `MAX_CALL_IDS`, one more)
         state = calls.get(choice["index"]) or (calls.setdefault(choice["index"], StreamCalls(run_id))
