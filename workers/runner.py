@@ -717,8 +717,8 @@ class Runner:
         heartbeat says until when it may (`read_timeout_ms` from now, the longest silence iop allows
         it), and no probe is sent till then (the `probe` script), as while it runs iop's runs: one
         would time out there and strike a busy server down. A stream stops at once there."""
-        provider = next((p for n in self.config.nodes for p in n.providers if p.id == att.provider_id), None)
-        if provider is None or record.get("stream") == b"1" or provider.type not in PROBE_DISTURBS:
+        provider = self.config.provider(att.provider_id)  # (its adapter was made from it: `Runner.run`)
+        if record.get("stream") == b"1" or provider.type not in PROBE_DISTURBS:
             return
         heartbeat = keys.heartbeat(att.provider_id)
         try:
