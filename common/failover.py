@@ -26,6 +26,8 @@ from typing import Any
 
 from redis.asyncio import ConnectionPool, Redis
 
+from common.subscription import subscribe
+
 log = logging.getLogger("iop.redis")
 
 #: The sentinels' announcement of a new primary: "<master> <old ip> <old port> <new ip> <new port>".
@@ -126,7 +128,7 @@ class FailoverWatch:
             **{**pool.connection_kwargs, "socket_timeout": None}))
         pubsub = listener.pubsub()
         try:
-            await pubsub.subscribe(SWITCH_CHANNEL)
+            await subscribe(pubsub, SWITCH_CHANNEL, reply_s=ANSWER_WITHIN_S)
             await self._check(sentinel)  # (what was announced before the subscription)
             self._followed = True
             if self._lost:

@@ -11,6 +11,7 @@ ConnectionError too: what was published in between went to nobody, and the calle
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,14 +37,38 @@ class _Reconnects:
         self.count += 1
 
 
+async def subscribe(pubsub: PubSub, *channels: str, reply_s: float | None = None) -> None:
+    """Subscribe `pubsub` to `channels`, and return once Redis has applied it. redis-py's own
+    `subscribe` returns as soon as the command is sent, so a look at Redis on another connection
+    right after it may be answered first, and what is published between the two then reaches
+    nobody (a worker's cancel went unheard till its lease's renewal). Redis sends one confirmation
+    a channel, in order, before anything published after it. None within `reply_s` (the pool's
+    reply timeout by default): RedisTimeoutError."""
+    await pubsub.subscribe(*channels)
+    left = len(set(channels))
+    reply = _reply_s(pubsub, reply_s)
+    try:
+        async with asyncio.timeout(reply):  # (redis-py's own wait can swallow a cancellation)
+            while left:
+                message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=None)
+                if message is not None and message["type"] == "subscribe":
+                    left -= 1
+    except TimeoutError:
+        raise RedisTimeoutError(f"Redis did not confirm a subscription within {reply:g} s") from None
+
+
+def _reply_s(pubsub: PubSub, reply_s: float | None) -> float:
+    return float(reply_s or pubsub.connection_pool.connection_kwargs.get("socket_timeout") or REPLY_TIMEOUT_S)
+
+
 async def messages(pubsub: PubSub, *, quiet_s: float | None = None,
                    reply_s: float | None = None) -> AsyncIterator[dict[str, Any]]:
-    """Each message published on `pubsub`'s channels, in order (subscribe first). After `quiet_s`
+    """Each message published on `pubsub`'s channels, in order (subscribe first, with `subscribe`). After `quiet_s`
     (`QUIET_S` by default) with none, a PING; if nothing at all comes within `reply_s` after it
     (the pool's reply timeout, a URL's `?socket_timeout=`, by default), RedisTimeoutError. Once
     its connection was made again, RedisConnectionError."""
     quiet = QUIET_S if quiet_s is None else quiet_s
-    reply = float(reply_s or pubsub.connection_pool.connection_kwargs.get("socket_timeout") or REPLY_TIMEOUT_S)
+    reply = _reply_s(pubsub, reply_s)
     reconnects = _Reconnects()
     connection = pubsub.connection
     if connection is not None:  # (a method, which redis-py holds weakly: `reconnects` lives as long as this)

@@ -36,7 +36,7 @@ from common.redisline import new_line_of, stream_reply
 from common.runlog import run_fields
 from common.scripts import DISPATCH_BATCH, Scripts
 from common.snapshots import each_why, read_snapshots, why_none
-from common.subscription import messages
+from common.subscription import messages, subscribe
 from common.wire import (
     MAX_RETRY_AFTER_S,
     ErrorCode,
@@ -1038,7 +1038,7 @@ async def run_scheduler(sched: Scheduler, stop: asyncio.Event, on_ready: Callabl
     async def signals() -> None:
         pubsub = sched.redis.pubsub()
         try:
-            await pubsub.subscribe(keys.SCHEDULER_SIGNALS, keys.scheduler_channel(sched.consumer))
+            await subscribe(pubsub, keys.SCHEDULER_SIGNALS, keys.scheduler_channel(sched.consumer))
             sched.kick.set()  # anything may have changed while we were not listening
             async for msg in messages(pubsub):  # (a dead subscription raises: subscribed again)
                 sched.on_signal(msg["data"])

@@ -1,7 +1,8 @@
 """A TCP relay to a server that can turn its open connections into black holes: both ends stay
 up, and whatever either side sends from then on is dropped without a word, as when a NAT or a load
 balancer forgets an idle connection's mapping or a network path is cut. Connections made after
-that go through as before. It keeps what clients sent (`received`): in front of an HTTP server
+that go through as before. It can also hold back what a connection sends from a given command on
+(`hold`), as a slow path would, till `release`. It keeps what clients sent (`received`): in front of an HTTP server
 that takes absolute-form requests (aiohttp's does), it is a forward proxy that shows what came
 through it. It runs on threads of its own, so a test may block meanwhile."""
 
@@ -23,6 +24,10 @@ class Blackhole:
         #: every byte clients sent through it, in the order it came (a test's traffic is small)
         self.received = bytearray()
         self.closed = False
+        #: what a connection's client sends that makes the relay hold it (`hold`), and the gate
+        #: the held ones wait on
+        self.holding: bytes | None = None
+        self.gate = threading.Event()
         threading.Thread(target=self._accept, name="blackhole-accept", daemon=True).start()
 
     def url(self, scheme: str = "redis") -> str:
@@ -35,6 +40,19 @@ class Blackhole:
             for pair in live:
                 pair["cut"] = True
             return len(live)
+
+    def hold(self, containing: bytes) -> None:
+        """From now on, a connection whose client sends `containing` relays nothing more it sends
+        (that included; it is kept, in order) till `release`."""
+        with self.lock:
+            self.gate = threading.Event()
+            self.holding = containing
+
+    def release(self) -> None:
+        """What the held connections kept goes on to the server, and so does all they send after."""
+        with self.lock:
+            self.holding = None
+            self.gate.set()
 
     def close(self) -> None:
         """Stop relaying: the listener and every connection closed, and none accepted after."""
@@ -82,6 +100,9 @@ class Blackhole:
                 if src is pair["socks"][0]:
                     with self.lock:
                         self.received += data
+                        gate = self.gate if self.holding is not None and self.holding in data else None
+                    while gate is not None and not gate.wait(0.1) and not self.closed:
+                        pass
                 if not pair["cut"]:
                     dst.sendall(data)
         except OSError:

@@ -225,6 +225,19 @@ async def test_every_connection_to_redis_has_short_tcp_keepalive(redis_url: str)
         await client.aclose()
 
 
+def _following(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Set when the cancel listener starts to read its subscription's messages."""
+    following = asyncio.Event()
+    real = subscription.messages
+
+    def noted(pubsub: Any, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        following.set()
+        return real(pubsub, **kwargs)
+
+    monkeypatch.setattr(service, "messages", noted)
+    return following
+
+
 async def test_a_subscription_redis_py_made_again_by_itself_still_catches_up(
         redis_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Found by a review: a connection that broke (a failover, a proxy's reset, `CLIENT KILL`) was
@@ -233,8 +246,9 @@ async def test_a_subscription_redis_py_made_again_by_itself_still_catches_up(
     happened to fail). The quiet spell before a PING is made long here: it is not what notices."""
     monkeypatch.setattr(subscription, "QUIET_S", 60.0)
     caplog.set_level(logging.WARNING, "iop.worker")
+    following = _following(monkeypatch)
     async with listening_at(redis_url) as (runner, r, channel, _):
-        await _subscribed(r, channel, 1)
+        await asyncio.wait_for(following.wait(), 10)  # (its subscription made, and its look taken)
         runner.running["run_unheard"] = (_Attempt(), None)
         # (the test's loop waits on these calls: the cancel goes out while nobody listens)
         assert r.client_kill_filter(_type="pubsub") == 1
@@ -283,3 +297,71 @@ async def test_a_stray_message_does_not_end_the_cancel_listener(redis_url: str) 
         r.publish(channel, b"run_later")
         await heard(runner, "run_later")
         assert not task.done()
+
+
+async def _sent(hole: Blackhole, since: int, what: bytes) -> None:
+    """`what` went into the relay after its first `since` bytes (a command sent, maybe held there)."""
+    await async_wait_until(lambda: asyncio.sleep(0, what in bytes(hole.received[since:])), what=f"{what!r} sent")
+
+
+async def test_subscribe_returns_once_redis_applied_the_subscription(
+        redis_url: str, hole: Blackhole, via_hole: Redis) -> None:
+    """redis-py's own `subscribe` returns once the command is sent; `subscription.subscribe` only
+    once Redis confirmed each channel, so that what is published after it reaches the subscriber."""
+    pubsub = via_hole.pubsub()
+    try:
+        await subscription.subscribe(pubsub, "warm")
+        since = len(hole.received)
+        hole.hold(b"news")
+        pubsub2 = via_hole.pubsub()
+        done = asyncio.ensure_future(subscription.subscribe(pubsub2, "news", "more", "news"))
+        try:
+            await _sent(hole, since, b"SUBSCRIBE")
+            with sync_redis.Redis.from_url(redis_url) as r:
+                assert r.publish("news", b"lost") == 0  # (not applied yet: held on its way)
+                assert not done.done()
+                hole.release()
+                await asyncio.wait_for(done, 10)
+                assert r.publish("news", b"heard") == 1
+            message = await asyncio.wait_for(anext(messages(pubsub2)), 10)
+            assert (message["channel"], message["data"]) == (b"news", b"heard")
+        finally:
+            done.cancel()
+            await pubsub2.aclose()
+    finally:
+        hole.release()
+        await pubsub.aclose()
+
+
+async def test_subscribe_unconfirmed_within_the_reply_timeout_fails(hole: Blackhole, via_hole: Redis) -> None:
+    hole.hold(b"SUBSCRIBE")
+    pubsub = via_hole.pubsub()
+    try:
+        with pytest.raises(RedisTimeoutError, match="Redis did not confirm a subscription within 0.2 s"):
+            await asyncio.wait_for(subscription.subscribe(pubsub, "news", reply_s=0.2), 10)
+    finally:
+        hole.release()
+        await pubsub.aclose()
+
+
+async def test_a_cancel_published_while_the_subscription_is_on_its_way_is_heard(
+        redis_url: str, hole: Blackhole, via_hole: Redis) -> None:
+    """Found in CI (a fault test's flake): the cancel listener subscribed and at once read the
+    runs' records on another connection, which Redis may answer before it applies SUBSCRIBE: a
+    cancel set and published in between reached nobody and was read nowhere, till the lease's
+    renewal. Here the subscription is held on its way while the cancel goes out."""
+    runner = _Runner(via_hole)
+    runner.running["run_early"] = (_Attempt(), None)
+    since = len(hole.received)
+    hole.hold(b"SUBSCRIBE")
+    try:
+        with sync_redis.Redis.from_url(redis_url) as r:
+            async with listening(runner) as (channel, _):
+                await _sent(hole, since, b"SUBSCRIBE")
+                r.hset(keys.run_record("run_early"), "cancel", "1")
+                assert r.publish(channel, b"run_early") == 0  # (nobody subscribed yet)
+                hole.release()
+                await heard(runner, "run_early")
+                assert runner.comeback.losses == 0
+    finally:
+        hole.release()

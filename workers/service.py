@@ -17,7 +17,7 @@ from common.codec import pack, unpack
 from common.comeback import Comeback
 from common.config import Config, ProviderConfig, RuntimeConfig
 from common.redisconn import REDIS_REFUSED, REDIS_UNUSABLE, Backoff, connect
-from common.subscription import messages
+from common.subscription import messages, subscribe
 from common.wire import ErrorCode, ErrorInfo
 from common.wrongtype import reply_or
 from workers import metrics as worker_metrics
@@ -124,7 +124,7 @@ async def _listen_cancels(runner: Runner, node_id: str, comeback: Comeback) -> N
     while True:
         pubsub = runner.redis.pubsub()
         try:
-            await pubsub.subscribe(keys.node_cancel(node_id))
+            await subscribe(pubsub, keys.node_cancel(node_id))  # (applied: then the look below misses nothing)
             backoff.reset()
             for run_id in await _cancelled_unheard(runner):
                 await _cancel(runner, run_id)
