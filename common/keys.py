@@ -227,15 +227,17 @@ def arq_in_progress(run_id: str) -> str:
 
 
 #: (pattern, type, what it holds, the redis-cli command that reads it). The README's
-#: Redis key table must list every pattern here.
+#: Redis key table must list every pattern here, with the same type. A type says whether the key
+#: has a TTL: `… + TTL` always (while it exists), `… (+ TTL)` only when it was given one, else never
+#: (`tests/test_redis_keys_e2e.py` holds real keys to it).
 KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
     (runs_stream("{model}"), "stream", "runs waiting for the model, oldest first; length = queued",
      "XLEN / XRANGE iop:runs:{model} - +"),
     (SCHEDULER_GROUP, "consumer group", "the schedulers' group on every runs stream",
      "XINFO GROUPS iop:runs:{model}; XPENDING iop:runs:{model} schedulers"),
-    (run_record("{run}"), "hash", "state, model, node, provider, target, timestamps, error",
+    (run_record("{run}"), "hash + TTL", "state, model, node, provider, target, timestamps, error",
      "HGETALL iop:run:{run}"),
-    (run_events("{run}"), "stream", "the run's events in order",
+    (run_events("{run}"), "stream + TTL", "the run's events in order",
      "XRANGE iop:events:{run} - +"),
     (leases("{provider}"), "sorted set", "reserved slots: run id -> lease expiry (ms); in_flight = live members",
      "ZRANGE iop:leases:{provider} 0 -1 WITHSCORES"),
@@ -290,13 +292,13 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
      "HGETALL iop:gateways"),
     (gateway_alive("{gateway}"), "string + TTL", "a live gateway (one named in iop:gateways without it died: its "
      "callers' runs are cancelled)", "KEYS iop:gateway:*"),
-    (key_in_flight("{key}"), "sorted set", "an API key's runs queued or running: run id -> end bound (ms)",
+    (key_in_flight("{key}"), "sorted set + TTL", "an API key's runs queued or running: run id -> end bound (ms)",
      "ZCARD iop:inflight:{key}"),
-    (key_requests("{key}"), "sorted set", "runs an API key started in the last 60 s: run id -> when (ms)",
+    (key_requests("{key}"), "sorted set + TTL", "runs an API key started in the last 60 s: run id -> when (ms)",
      "ZCARD iop:requests:{key}"),
-    (usage_day("{key}", "{day}"), "hash", "an API key's usage on a UTC day (YYYY-MM-DD): runs/prompt_tokens/"
+    (usage_day("{key}", "{day}"), "hash + TTL", "an API key's usage on a UTC day (YYYY-MM-DD): runs/prompt_tokens/"
      "completion_tokens/failures:{model}", "HGETALL iop:usage:{key}:2026-11-30"),
     (usage_total("{key}"), "hash", "an API key's usage for good (same fields)", "HGETALL iop:usage-total:{key}"),
-    (arq_in_progress("{run}"), "string (arq)",
+    (arq_in_progress("{run}"), "string + TTL (arq)",
      "arq's marker of a job being run; value: the worker process that took it", "GET arq:in-progress:{run}"),
 )

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from common import keys
+from tests.key_kinds import kind_of
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -17,6 +18,15 @@ def test_key_table_lists_every_key_the_key_module_defines() -> None:
     listed = set(re.findall(r"^\| `([^`]+)` \|", table, flags=re.M))
     defined = {pattern for pattern, *_ in keys.KEY_TABLE}
     assert defined == listed
+
+
+def test_key_table_gives_each_key_the_type_and_ttl_the_key_module_gives_it() -> None:
+    """The README's type of each key (`hash + TTL …`) is the key module's: what Redis's TYPE
+    answers, and whether the key always, sometimes or never has a TTL."""
+    table = README.split("## Redis keys", 1)[1].split("\n## ", 1)[0]
+    listed = {pattern: kind_of(cell) for pattern, cell in re.findall(r"^\| `([^`]+)` \| ([^|]+) \|", table, flags=re.M)}
+    defined = {pattern: kind_of(kind) for pattern, kind, *_ in keys.KEY_TABLE}
+    assert {p: k for p, k in listed.items() if k != defined.get(p)} == {}
 
 
 def test_ci_runs_the_readme_test_command() -> None:
