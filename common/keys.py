@@ -112,7 +112,9 @@ def node_health(node_id: str) -> str:
 
 
 def node_wake(node_id: str) -> str:
-    """List the dispatch script LPUSHes each queued job's id onto; idle workers BLPOP it."""
+    """List the dispatch script LPUSHes each queued job's id onto; idle workers BLMOVE it. At most
+    1,024 ids, and gone `runtime.lease_ttl_ms` after the last (by then an older id's run was started,
+    or its lease ran out)."""
     return f"{PREFIX}:wake:{node_id}"
 
 
@@ -266,7 +268,8 @@ KEY_TABLE: Final[tuple[tuple[str, str, str, str], ...]] = (
      "ZRANGE iop:node:{node} 0 -1 WITHSCORES"),
     (node_health("{node}"), "string + TTL (arq)",
      "arq's health check of the node's workers (not read by iop)", "GET iop:health-check:{node}"),
-    (node_wake("{node}"), "list", "ids of jobs just queued, popped by idle workers", "LRANGE iop:wake:{node} 0 -1"),
+    (node_wake("{node}"), "list + TTL", "ids of jobs just queued, popped by idle workers (at most 1,024; "
+     "gone a lease after the last)", "LRANGE iop:wake:{node} 0 -1"),
     (node_workers("{node}"), "sorted set + TTL", "the node's live worker processes: instance -> until (ms)",
      "ZRANGE iop:workers:{node} 0 -1 WITHSCORES"),
     (node_passed("{node}"), "list + TTL", "ids of jobs a worker of the node passed over (their provider or "

@@ -534,6 +534,10 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
   -- config: run_ttl_s > queue_timeout_ms + execution_timeout_ms; a requeue sets it anew)
   redis.call('ZADD', KEYS[k + 6], now, run_id)
   if redis.call('LPUSH', KEYS[k + 7], run_id) > 1024 then redis.call('LTRIM', KEYS[k + 7], 0, 1023) end
+  -- (the list lives a lease after its last id: an older id's run was started or reaped by then, so a
+  -- node that no worker pops any more, its workers killed or the node taken out of the config,
+  -- keeps none for good)
+  redis.call('PEXPIRE', KEYS[k + 7], lease_ms)
   add_event(record, events, run_id, 'dispatched', cmsgpack.pack({{provider = provider, node = node, target = target}}),
     rec[4])
   redis.call('EXPIRE', events, ttl)
@@ -867,6 +871,7 @@ if #passed > 0 then
   redis.call('LTRIM', KEYS[5], 0, 1023)
   redis.call('PEXPIRE', KEYS[5], ARGV[6])
   if redis.call('LPUSH', KEYS[4], unpack(passed)) > 1024 then redis.call('LTRIM', KEYS[4], 0, 1023) end
+  redis.call('PEXPIRE', KEYS[4], ARGV[6])  -- (a lease after its last id, as `dispatch` gives it)
 end
 if #started > 0 then
   -- (kept as long as their leases live unrenewed: a run handed over later would be reaped anyway)

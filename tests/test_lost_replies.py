@@ -437,6 +437,7 @@ async def test_a_run_passed_over_off_the_wake_list_is_taken_first_by_a_worker_th
     assert await node.take_woken("old") == [[run_id, b"passed"]]
     # (back on the wake list once, for a serving worker blocked there: see the test below)
     assert await redis.lrange(passed, 0, -1) == [run_id] and await redis.lrange(wake, 0, -1) == [run_id]
+    assert 0 < await redis.pttl(wake) <= node.rt.lease_ttl_ms  # (as `dispatch` leaves it: test_scheduler)
     assert await node.take_woken("old") == [[run_id, b"passed"]]
     assert await redis.lrange(passed, 0, -1) == [run_id] and not await redis.llen(wake)
     assert await node.take_woken("old") == [] and await redis.llen(passed) == 1  # (not its own: left there)

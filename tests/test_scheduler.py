@@ -480,6 +480,18 @@ async def test_expired_lease_requeues_then_fails_with_worker_lost(redis: Redis) 
     assert await redis.hget(keys.run_record(run_id), "error_message") == why.encode()
 
 
+async def test_a_node_s_wake_list_lives_a_lease_after_its_last_id(redis: Redis) -> None:
+    """An id `dispatch` pushes for the node's workers is of no use once the run's lease could have
+    ended (it was started, or reaped): a node whose workers were killed, or that left the config,
+    kept its ids for good (a list without a TTL)."""
+    config = make_config({"a": 1})
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()
+    assert await redis.lrange(keys.node_wake("n-a"), 0, -1) == [run_id.encode()]
+    assert 0 < await redis.pttl(keys.node_wake("n-a")) <= config.runtime.lease_ttl_ms
+    await client.close()
+
+
 async def test_a_lost_run_whose_attempts_used_up_none_is_tried_again(redis: Redis) -> None:
     """Attempts whose provider answered that it cannot do what the request asks (the record's
     `unable`, FINISH's `requeue_unable`) use up none of `max_attempts`: a run on its second attempt
