@@ -1654,19 +1654,36 @@ async def test_the_grace_after_the_finish_is_not_kept_open_by_what_the_provider_
 async def test_embeddings_asked_in_base64_come_in_base64_from_a_server_that_ignores_the_field(
         raw: Raw, session: aiohttp.ClientSession) -> None:
     """(llama-cpp-python's server answers numbers whatever `encoding_format` says: a caller that
-    asked for base64 got a list, found by an openai-client audit.) Vectors per token and numbers
-    beyond 32-bit floats stay as they came; a caller that did not ask gets numbers."""
-    vectors = [[0.5, -1.25, 3.0], [[0.5, 1.0], [2.0, 4.0]], [1e300, 0.0]]
-    raw.answers["/v1/embeddings"] = whole("200 OK", json.dumps({"object": "list", "model": SERVED, "data": [
-        {"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]}).encode())
+    asked for base64 got a list, found by an openai-client audit.) A caller that did not ask gets
+    numbers. What base64 cannot carry is no answer to one that asked for it (the Node.js client
+    reads numbers there as base64, silently: `[]`): vectors per token are the caller's 400 naming
+    the field, unless another provider takes it; numbers beyond 32-bit floats the provider's error."""
+    answers: dict[str, list[Any]] = {
+        "a": [[0.5, -1.25, 3.0], [1.0, 2.0, 4.0]], "per-token": [[0.5, -1.25, 3.0], [[0.5, 1.0], [2.0, 4.0]]],
+        "beyond": [[0.5, -1.25, 3.0], [1e300, 0.0]]}
+
+    async def embeddings(request: Request, writer: asyncio.StreamWriter) -> None:
+        vectors = answers[json.loads(request.body)["model"]]
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        await whole("200 OK", json.dumps({"object": "list", "data": data}).encode())(request, writer)
+
+    raw.answers["/v1/embeddings"] = embeddings
     adapter = OpenAICompatAdapter(openai(raw.url), session)
-    body = {"model": SERVED, "input": ["a", "b", "c"], "encoding_format": "base64"}
+    body = {"model": "a", "input": ["a", "b"], "encoding_format": "base64"}
     answer = await adapter.complete(RunKind.EMBEDDING, body, "run_1")
-    first = answer["data"][0]["embedding"]
-    assert isinstance(first, str) and struct.unpack("<3f", base64.b64decode(first)) == (0.5, -1.25, 3.0)
-    assert [d["embedding"] for d in answer["data"][1:]] == vectors[1:]
-    answer = await adapter.complete(RunKind.EMBEDDING, {**body, "encoding_format": "float"}, "run_2")
-    assert [d["embedding"] for d in answer["data"]] == vectors
+    assert [struct.unpack("<3f", base64.b64decode(d["embedding"])) for d in answer["data"]] == [
+        (0.5, -1.25, 3.0), (1.0, 2.0, 4.0)]
+    for served, vectors in answers.items():
+        answer = await adapter.complete(RunKind.EMBEDDING, {**body, "model": served, "encoding_format": "float"}, "r")
+        assert [d["embedding"] for d in answer["data"]] == vectors
+    with pytest.raises(ProviderError) as failed:
+        await adapter.complete(RunKind.EMBEDDING, {**body, "model": "per-token"}, "run_2")
+    assert (failed.value.status, failed.value.retry, failed.value.strikes) == (400, Retry.UNABLE, 0)
+    assert failed.value.detail is not None and failed.value.detail["param"] == "encoding_format"
+    with pytest.raises(ProviderError) as failed:
+        await adapter.complete(RunKind.EMBEDDING, {**body, "model": "beyond"}, "run_3")
+    assert (failed.value.status, failed.value.retry, failed.value.strikes) == (None, Retry.ELSEWHERE, 0)
+    assert "beyond 32-bit floats" in failed.value.message
 
 
 @pytest.mark.parametrize("asked", [{}, {"encoding_format": "float"}])

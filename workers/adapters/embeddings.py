@@ -8,7 +8,9 @@ item size"): it is the provider's error instead.
 
 A caller that asked for `encoding_format: base64` gets base64 whatever the provider sent:
 llama-cpp-python's server ignores the field and answers numbers (`in_base64`); one that asked for
-numbers gets numbers (`in_numbers`).
+numbers gets numbers (`in_numbers`). An answer base64 cannot carry is no answer to such a caller
+(`in_base64` says why): the official Node.js client asks for base64 unless told, and reads each
+embedding as base64 without looking, so numbers became an empty or wrong vector, silently.
 """
 
 from __future__ import annotations
@@ -107,13 +109,27 @@ def in_numbers(answer: dict[str, Any], decoded: dict[int, bytes] | None = None) 
                 item["embedding"] = numbers
 
 
-def in_base64(answer: dict[str, Any]) -> None:
+#: `in_base64`'s reasons, as the words after "answered": one vector per token (a model without
+#: pooling), and numbers no 32-bit float holds
+PER_TOKEN = "one vector per token of each input"
+BEYOND_FLOATS = "embeddings beyond 32-bit floats (base64's numbers)"
+
+
+def in_base64(answer: dict[str, Any]) -> str | None:
     """Write the embeddings of a checked answer (`embeddings_problem`) that came as numbers in
-    base64, in place. A vector per token (lists of lists) or beyond 32-bit floats stays as it came."""
+    base64, in place. None when each now is, else why one cannot be (`PER_TOKEN`, `BEYOND_FLOATS`):
+    the answer is then left as it came."""
+    encoded: list[tuple[dict[str, Any], str]] = []
     for item in answer["data"]:
         vector = item["embedding"]
-        if isinstance(vector, list) and are_numbers(vector):
-            try:
-                item["embedding"] = base64_vector(vector)
-            except ValueError:
-                pass
+        if isinstance(vector, str):
+            continue
+        if not are_numbers(vector):  # (checked: lists of numbers, one a token)
+            return PER_TOKEN
+        try:
+            encoded.append((item, base64_vector(vector)))
+        except ValueError:
+            return BEYOND_FLOATS
+    for item, text in encoded:
+        item["embedding"] = text
+    return None

@@ -46,9 +46,17 @@ from common.policy import Health
 from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind, callers_fault
 from workers.adapters import answer_shapes, sending
-from workers.adapters.base import DEFAULT_LIMITS, LastRead, ProbeResult, ProviderError, ReadLimits, Retry
+from workers.adapters.base import (
+    DEFAULT_LIMITS,
+    LastRead,
+    ProbeResult,
+    ProviderError,
+    ReadLimits,
+    Retry,
+    not_taken,
+)
 from workers.adapters.credentials import Credentials
-from workers.adapters.embeddings import embeddings_problem, in_base64, in_numbers
+from workers.adapters.embeddings import PER_TOKEN, embeddings_problem, in_base64, in_numbers
 from workers.adapters.failures import (
     MAX_FIELD_CHARS,
     another_may,
@@ -683,7 +691,7 @@ class OpenAICompatAdapter:
                                 strikes=0)
         if kind is RunKind.EMBEDDING:  # (a server that ignores the field answers numbers, or base64)
             if body.get("encoding_format") == "base64":
-                in_base64(data)
+                self._in_base64(data)
             else:
                 in_numbers(data, decoded)
             answer_shapes.embeddings(data)
@@ -692,6 +700,20 @@ class OpenAICompatAdapter:
         else:
             answer_shapes.chat(data, request_id, int(time.time()), self.provider.id)
         return data
+
+    def _in_base64(self, data: dict[str, Any]) -> None:
+        """An embeddings answer in base64, as its caller asked; else the error of one base64 cannot
+        carry. One vector per token (a model without pooling) is the caller's 400 naming the field,
+        unless another provider of the model pools: floats still come."""
+        why = in_base64(data)
+        if why == PER_TOKEN:
+            error = not_taken(self.provider.id, f"the model answers {why} (its server pools none), which "
+                              "encoding_format 'base64' cannot carry: ask for encoding_format 'float' (the "
+                              "openai clients ask for base64 unless told)", "encoding_format")
+            error.strikes = 0  # (it answered)
+            raise self._clean(error)
+        if why is not None:
+            raise ProviderError(f"provider {self.provider.id} answered {why}", retry=Retry.ELSEWHERE, strikes=0)
 
     async def stream(self, kind: RunKind, body: dict[str, Any], request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
         model = body.get("model")
