@@ -131,3 +131,41 @@ async def test_embeddings_base64_cannot_carry_are_a_400_naming_encoding_format_n
                 status, body = resp.status, await resp.json()
             assert status == 200, body
             assert [d["embedding"] for d in body["data"]] == [[[0.5, -0.25]], [[0.5, -0.25], [1.5, 2.0]]]
+
+
+def _deltas(raw: bytes) -> list[dict[str, Any]]:
+    lines = [line for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]", lines
+    return [c["delta"] for line in lines[:-1] for c in json.loads(line[6:])["choices"]]
+
+
+async def test_a_tool_call_given_as_tool_calls_and_function_call_comes_as_tool_calls_alone(stack: Stack) -> None:
+    """OpenAI's answers to `tools` never hold `function_call`; the Node client's stream helper kept it
+    and dropped the `tool_calls` beside it. A request that used `functions` keeps its `function_call`."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    with LlamaLike() as server:
+        gateway = start(stack, server)
+        async with aiohttp.ClientSession() as session:
+            asked = {"model": "chat", "messages": messages, "tools": [tool],
+                     "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+            async with session.post(gateway + "/v1/chat/completions", json=asked) as resp:
+                assert resp.status == 200, await resp.text()
+                message = (await resp.json())["choices"][0]["message"]
+            assert "function_call" not in message, message
+            assert [c["function"] for c in message["tool_calls"]] == [{"name": "get_weather", "arguments": ARGS}]
+            async with session.post(gateway + "/v1/chat/completions", json={**asked, "stream": True}) as resp:
+                assert resp.status == 200, await resp.text()
+                deltas = _deltas(await resp.read())
+            assert not [d for d in deltas if "function_call" in d], deltas
+            assert "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])) == ARGS
+            legacy = {"model": "chat", "messages": messages, "functions": [tool["function"]],
+                      "function_call": {"name": "get_weather"}}
+            async with session.post(gateway + "/v1/chat/completions", json=legacy) as resp:
+                assert resp.status == 200, await resp.text()
+                message = (await resp.json())["choices"][0]["message"]
+            assert message["function_call"] == {"name": "get_weather", "arguments": ARGS}, message
+            async with session.post(gateway + "/v1/chat/completions", json={**legacy, "stream": True}) as resp:
+                assert resp.status == 200, await resp.text()
+                deltas = _deltas(await resp.read())
+            assert "".join(d["function_call"]["arguments"] for d in deltas if "function_call" in d) == ARGS

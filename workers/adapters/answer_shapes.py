@@ -342,11 +342,21 @@ def _texts(said: Json, provider_id: str) -> None:
                             "text", retry=Retry.ELSEWHERE, strikes=0)
 
 
-def _message(choice: Json, run_id: str, provider_id: str) -> bool:
+def twice(said: Json, functions: bool) -> None:
+    """A message's or delta's `function_call` left out where `tool_calls` beside it has the call, to a
+    request that used `tools`, not the legacy `functions` (`functions`): llama-cpp-python's server
+    gives a call both ways, whole and in every streamed piece, which OpenAI's answers never do. The
+    Node.js `openai` client's stream helper kept `function_call` and dropped `tool_calls` then."""
+    if not functions and "function_call" in said and said.get("tool_calls"):
+        del said["function_call"]
+
+
+def _message(choice: Json, run_id: str, provider_id: str, functions: bool = False) -> bool:
     """A whole choice's `message` as OpenAI's schema has it: its `role` the assistant's, `content`
     and `refusal` null when it has none, a null it cannot have left out (ProviderError for text that
     is not text, `_texts`), tool calls that are not objects with a function's left out (a
-    `tool_calls` that is not a list too). Whether it calls tools."""
+    `tool_calls` that is not a list too), a `function_call` beside them left out (`twice`). Whether
+    it calls tools."""
     message = choice.get("message")
     if not isinstance(message, dict):
         message = choice["message"] = {}
@@ -365,16 +375,17 @@ def _message(choice: Json, run_id: str, provider_id: str) -> bool:
         del message["tool_calls"]
     if isinstance(calls, list) and calls:
         _tool_calls(calls, run_id, provider_id)
+        twice(message, functions)
         return True
     return isinstance(message.get("function_call"), dict)
 
 
-def chat(answer: Json, run_id: str, created: int, provider_id: str) -> None:
+def chat(answer: Json, run_id: str, created: int, provider_id: str, functions: bool = False) -> None:
     """A whole chat completion (its `choices` a non-empty list of objects), as OpenAI's schema has
-    it; ProviderError when it cannot be."""
+    it; ProviderError when it cannot be. `functions`: the request used the legacy `functions`."""
     _head(answer, CHAT_OBJECT, chat_id(run_id), created)
     for choice in answer["choices"]:
-        calls = _message(choice, run_id, provider_id)
+        calls = _message(choice, run_id, provider_id, functions)
         _chat_logprobs(choice)
         choice["finish_reason"] = _chat_reason(choice.get("finish_reason"), provider_id, whole=True, calls=calls)
     answer["choices"] = in_order(answer["choices"])
@@ -488,10 +499,10 @@ def _names(call: Json) -> bool:
 
 
 def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, StreamCalls], run_id: str,
-                 indices: ChoiceIndices) -> None:
+                 indices: ChoiceIndices, functions: bool) -> None:
     """The slow path of a chunk's choice (`chat_chunks`): what is wrong with it repaired. `calls`: the
     stream's tool calls so far of each choice (`StreamCalls`), of the run `run_id`; `indices`: its
-    choices' numbers."""
+    choices' numbers; `functions`: the request used the legacy `functions` (`twice`)."""
     reason = choice.get("finish_reason")
     if reason is not None and not (type(reason) is str and reason in CHAT_REASONS):
         choice["finish_reason"] = _chat_reason(reason, provider_id, whole=False)
@@ -508,16 +519,19 @@ def _chat_choice(choice: Json, place: int, provider_id: str, calls: dict[int, St
         state = calls.get(choice["index"]) or (calls.setdefault(choice["index"], StreamCalls(run_id))
                                                if len(calls) < MAX_CALL_IDS else StreamCalls(run_id))
         state.number(choice["delta"])
+        twice(choice["delta"], functions)
     if choice.get("logprobs") is not None:
         _chat_logprobs(choice)
 
 
-def chat_chunks(run_id: str, created: int, provider_id: str, asked: int = 1) -> Callable[[Json], None]:
+def chat_chunks(run_id: str, created: int, provider_id: str, asked: int = 1,
+                functions: bool = False) -> Callable[[Json], None]:
     """What makes a streamed chat completion's chunk (its `choices`, if any, a list of objects) what
     OpenAI's streams have, in place: `object`, `id` and `created` where it has none that will do (the
     run's), and after the first chunk those of the first (some servers change them midway; clients
     take a stream for one answer), each choice's `finish_reason` (null while it goes on), `index` (0
-    to `asked`-1, `ChoiceIndices`) and `delta`, its tool calls' `index` (`StreamCalls`), its logprobs
+    to `asked`-1, `ChoiceIndices`) and `delta`, its tool calls' `index` (`StreamCalls`) and a
+    `function_call` beside them left out unless the request used `functions` (`twice`), its logprobs
     as in `_chat_logprobs`;
     a usage as `_usage` has it, and a `"usage": null` (vLLM's on each chunk when usage is asked for)
     left out. ProviderError when it cannot be (`_chat_reason`, `_texts`).
@@ -576,7 +590,7 @@ def chat_chunks(run_id: str, created: int, provider_id: str, asked: int = 1) -> 
                         and (tools.__class__ is not array or tools)) \
                     or ((logprobs := choice.get("logprobs")) is not None
                         and (logprobs.__class__ is not obj or "refusal" not in logprobs or "content" not in logprobs)):
-                _chat_choice(choice, place, provider_id, calls, run_id, indices)
+                _chat_choice(choice, place, provider_id, calls, run_id, indices, functions)
             place += 1
 
     return shape

@@ -698,7 +698,7 @@ class OpenAICompatAdapter:
         elif kind is RunKind.COMPLETION:
             answer_shapes.completion(data, request_id, int(time.time()), self.provider.id)
         else:
-            answer_shapes.chat(data, request_id, int(time.time()), self.provider.id)
+            answer_shapes.chat(data, request_id, int(time.time()), self.provider.id, body.get("functions") is not None)
         return data
 
     def _in_base64(self, data: dict[str, Any]) -> None:
@@ -722,7 +722,8 @@ class OpenAICompatAdapter:
         #: the choices asked for: a stream's are numbered 0 to `choices`-1 (`answer_shapes.ChoiceIndices`)
         choices = choices_asked(kind, body)
         if kind is RunKind.CHAT:  # (every chunk of every chat stream: a fast path for one already right)
-            shape = answer_shapes.chat_chunks(request_id, created, self.provider.id, choices)
+            shape = answer_shapes.chat_chunks(request_id, created, self.provider.id, choices,
+                                              body.get("functions") is not None)
         elif kind is RunKind.COMPLETION:
             shape = answer_shapes.completion_chunks(request_id, created, self.provider.id, choices)
         parser = SSEParser(self.provider.id, self.limits, request_id, model if isinstance(model, str) else None,
