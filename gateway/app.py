@@ -322,7 +322,8 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     """The gateway. With `auth` in the config, `keyring` holds its resolved keys (read from the
     environment when not given)."""
     rt = config.runtime
-    app = web.Application(middlewares=[gateway_middleware(rt.body_timeout_ms / 1000, rt.max_body_bytes)],
+    stopping = Stopping()
+    app = web.Application(middlewares=[gateway_middleware(rt.body_timeout_ms / 1000, rt.max_body_bytes, stopping)],
                           client_max_size=rt.max_body_bytes)
     if config.auth is not None:
         app[KEYRING] = keyring or KeyRing.from_config(config.auth, os.environ)
@@ -331,7 +332,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     cors.setup(app, rt.cors_origins)
     hosts.setup(app, config.auth is not None, rt.allowed_hosts)
     app[STARTED] = time.time()
-    app[STOPPING] = Stopping()
+    app[STOPPING] = stopping
     app.on_response_prepare.append(app[STOPPING].close_after)
     app.cleanup_ctx.append(_redis_ctx)
     for path in (*RUN_ROUTES, RESPONSES_PATH):

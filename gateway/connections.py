@@ -255,6 +255,12 @@ class GuardedHandler(web.RequestHandler):
             super().connection_lost(exc)
         self._raw = None
 
+    def close_if_idle(self) -> None:
+        """The gateway's stop began (`gateway.stopping.close_idle`): closed now when idle (kept alive, or
+        connected, without a byte of a request); otherwise left to its answer and the next request."""
+        if not self._in_request and not self._head_begun:
+            self.close()
+
     def evict(self) -> None:
         """Give the slot up to a newer connection (`ConnectionGuard.admit`) and close at once."""
         self._slot = Slot.NONE

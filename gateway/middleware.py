@@ -3,6 +3,7 @@
 0. its connection's head deadline stopped (`gateway.connections`),
 1. measured (`gateway.metrics`: run requests, by the status they finally got),
 2. any error turned into its OpenAI shape (`gateway.errors`, the one place that does it),
+   refused once the gateway's stop began (`gateway.stopping`: it came on a connection kept open),
    a keyless gateway's request by a name it does not answer to refused (`gateway.hosts`),
 3. a listed site's CORS preflight answered, a change from a page of an unlisted site refused
    (`gateway.cors`),
@@ -27,9 +28,10 @@ from gateway.connections import body_reader, request_started
 from gateway.cors import preflight, refuse_cross_site
 from gateway.errors import REQUEST_ID_HEADER, Handler, error_response, new_request_id
 from gateway.hosts import refuse_foreign_host
+from gateway.stopping import Stopping
 
 
-def gateway_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware:
+def gateway_middleware(body_timeout_s: float, max_body_bytes: int, stopping: Stopping) -> Middleware:
     read_body = body_reader(body_timeout_s, max_body_bytes)
 
     @web.middleware
@@ -39,6 +41,7 @@ def gateway_middleware(body_timeout_s: float, max_body_bytes: int) -> Middleware
         response: web.StreamResponse | None = None
         try:
             try:
+                stopping.refuse_new()
                 refuse_foreign_host(request)
                 response = preflight(request)
                 if response is None:

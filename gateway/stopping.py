@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from common.wire import ErrorCode
+from gateway.connections import GuardedHandler
 from gateway.errors import ApiError
 
 log = logging.getLogger("iop.gateway")
@@ -60,6 +61,15 @@ class Stopping:
         kept-alive connection's sent its next request on it at once and got no answer."""
         if self.began:
             response.headers["Connection"] = "close"
+
+    def refuse_new(self) -> None:
+        """A request that began once the stop did: it came on a connection kept open (`close_idle`),
+        its client's next request after an answer that began before the stop (a stream, which cannot
+        say `Connection: close`). It is answered 503 with `Retry-After` (and `Connection: close`), not
+        dropped with its connection: its client got a connection error, not an OpenAI-shaped one."""
+        if self.began:
+            raise ApiError(ErrorCode.UNAVAILABLE, "the gateway is stopping and takes no new requests: "
+                           "send the request again", headers={"Retry-After": "1"})
 
     def follow(self) -> asyncio.Task[object] | None:
         """Count the current task (a runs-API follower) until `unfollow`."""
@@ -144,6 +154,18 @@ class Stopping:
         return len(pending)
 
 
+def close_idle(server: web.Server) -> None:
+    """The stop began: idle keep-alive connections close now. A busy one stays open after its answer
+    when that answer could not say `Connection: close` (a stream that began before): its client may
+    send its next request on it at once, and that request is answered (`Stopping.refuse_new`). aiohttp's
+    `pre_shutdown` closed each after its answer, so such a request met a closed connection."""
+    for conn in server.connections:
+        if isinstance(conn, GuardedHandler):
+            conn.close_if_idle()
+        else:
+            conn.close()
+
+
 def _current_into(tasks: set[asyncio.Task[object]]) -> asyncio.Task[object] | None:
     """Add the current task to `tasks`; returns it (None outside a task)."""
     task = asyncio.current_task()
@@ -161,6 +183,6 @@ async def stop_serving(runner: web.AppRunner, stopping: Stopping, grace_s: float
     for site in list(runner.sites):
         await site.stop()
     if runner.server is not None:
-        runner.server.pre_shutdown()  # (idle keep-alive connections close; busy ones after their answer)
+        close_idle(runner.server)
     await stopping.drain(grace_s, cut)
     stopping.cut_followers()  # (`runner.cleanup()` gives them a moment to say so)

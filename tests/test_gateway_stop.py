@@ -247,3 +247,47 @@ def test_an_answer_sent_once_the_stop_began_says_its_connection_closes(stack: St
     before, after, code = asyncio.run(scenario())
     assert code == 0, proc.output()
     assert before != "close" and after == "close", (before, after)
+
+
+def test_a_request_sent_after_a_stream_that_began_before_the_stop_is_answered_503(stack: Stack) -> None:
+    """A stream whose headers went out before SIGTERM cannot say `Connection: close`. Once it ended, its
+    client took the connection for kept alive and sent its next request on it at once. Found by an
+    operator's rolling restart of two gateways under load: the gateway closed that connection
+    unanswered while it waited for its other runs, so the caller got a connection error (`Server
+    disconnected`), not an OpenAI-shaped error. Now that request is answered 503
+    `service_unavailable` with `Retry-After: 1`, and the connection closes after it."""
+    gateway, proc = pool(stack, "30")
+
+    async def scenario() -> tuple[tuple[int, dict[str, str], dict[str, Any], str, int, int], int]:
+        opened = 0
+
+        async def on_create(*_: object) -> None:
+            nonlocal opened
+            opened += 1
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_end.append(on_create)
+        async with aiohttp.ClientSession() as other, \
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), trace_configs=[trace]) as session:
+            # a longer run keeps the gateway stopping after the stream's end (4 s against 1 s)
+            longer = asyncio.create_task(other.post(gateway + "/v1/chat/completions", json=chat(False, 40, 100)))
+            async with session.post(gateway + "/v1/chat/completions", json=chat(True, 10, 100)) as resp:
+                assert resp.status == 200
+                assert (await resp.content.readline()).startswith(b"data: ")  # the headers went out
+                await asyncio.to_thread(wait_until, lambda: leases(stack) == 2, 30, "both runs on the provider")
+                stopped = asyncio.create_task(asyncio.to_thread(proc.stop, 60))
+                await asyncio.to_thread(proc.wait_for_line, r"stopping: waiting up to 30s for 2 run requests")
+                rest = (await resp.read()).decode()
+            async with session.post(gateway + "/v1/chat/completions", json=chat(False, 5, 0)) as nxt:
+                got = (nxt.status, dict(nxt.headers), await nxt.json())
+            async with await longer as whole:
+                longer_status = whole.status
+            return (*got, rest, opened, longer_status), await stopped
+
+    (status, headers, body, rest, opened, longer_status), code = asyncio.run(scenario())
+    assert code == 0 and "Traceback" not in proc.output(), proc.output()
+    assert rest.rstrip().endswith("data: [DONE]") and "error" not in rest  # the stream came whole
+    assert opened == 1  # (the next request went on the same connection: the gateway listens no more)
+    assert status == 503 and body["error"]["code"] == "service_unavailable", body
+    assert body["error"]["message"].startswith("the gateway is stopping")
+    assert headers.get("Retry-After") == "1" and headers.get("Connection") == "close"
+    assert longer_status == 200  # (the run the gateway waited for was answered in full)
