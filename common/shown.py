@@ -78,3 +78,8 @@ def near_name(name: str, names: Sequence[str]) -> str | None:
         return same
     close = difflib.get_close_matches(name, list(names[:1000]), n=1, cutoff=0.85)
     return close[0] if close else None
+
+
+def counted(n: int, noun: str) -> str:
+    """`1 model`, `2 models` (it said `1 models`)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

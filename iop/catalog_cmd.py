@@ -51,7 +51,8 @@ def _load(p: ProviderRecord) -> str:
 
 def _control(p: ProviderRecord, now_ms: int) -> str:
     """`active`, `draining` or `drained` (`(node)` when only its node is cordoned, `(and node)` when it is
-    drained and its node cordoned), and an operator's capacity."""
+    drained and its node cordoned), and an operator's capacity (with what counts when it is above the
+    configured one: an override set before a config lowered the capacity)."""
     ctl = p.control
     text = ctl.state
     if ctl.state != "active" and ctl.cordoned_since_ms is not None:
@@ -59,7 +60,8 @@ def _control(p: ProviderRecord, now_ms: int) -> str:
     if ctl.capacity_override is not None:
         until = ctl.capacity_override_until_ms
         left = "" if until is None else f", {_age(max(0, until - now_ms))} left"
-        text += f" cap {ctl.capacity_override} (of {p.configured_capacity}{left})"
+        above = f": {p.configured_capacity} counts" if ctl.capacity_override > p.configured_capacity else ""
+        text += f" cap {ctl.capacity_override} (of {p.configured_capacity}{above}{left})"
     return text
 
 

@@ -11,6 +11,7 @@ from common.config import ConfigError, load_config, parse_config, read_yaml
 from common.config_yaml import ConfigDumper
 from common.legacy import is_legacy
 from common.legacy import migrate as migrate_legacy
+from common.shown import counted
 
 
 def fault_lines(path: str | Path, errors: list[str], *, always_count: bool = True) -> list[str]:
@@ -37,11 +38,6 @@ def validate(path: str) -> int:
     print(f"OK: {counted(len(cfg.models), 'model')}, {counted(len(cfg.nodes), 'node')}, "
           f"{counted(providers, 'provider')}")
     return 0
-
-
-def counted(n: int, noun: str) -> str:
-    """`1 model`, `2 models` (it said `1 models`)."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def migrate(path: str) -> int:

@@ -368,6 +368,10 @@ def test_the_commands_act_on_redis_and_record_the_os_user(
             for line in out.splitlines()[1:3]}
     assert rows["vllm-a"][5:8] == ["0/2 (0.00)", "drained cap 2 (of 4, 90m left)", "0"]
     assert rows["ollama-b"][5:8] == ["0/2 (0.00)", "drained (node)", "0"]
+    redis.set(keys.capacity_override("vllm-a"), 6)  # (set before a config lowered the capacity to 4)
+    code, out, _ = iop(capsys, "catalog", *where)
+    assert "drained cap 6 (of 4: 4 counts)" in out, out
+    redis.set(keys.capacity_override("vllm-a"), 2, px=5_400_000)
     code, out, _ = iop(capsys, "provider", "capacity", "vllm-a", "clear", *where)
     assert code == 0 and out.startswith("capacity_clear provider vllm-a: none (was 2 until ")
     code, out, _ = iop(capsys, "provider", "undrain", "vllm-a", *where)

@@ -5,6 +5,9 @@ an attempt counted."""
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 from redis.asyncio import Redis
 
 from common import keys
@@ -16,7 +19,9 @@ from workers.runner import new_worker_instance
 from workers.service import RUNNER_CTX, leave_node
 
 
-async def test_the_last_worker_to_stop_queues_again_the_runs_no_worker_took(redis: Redis, redis_url: str) -> None:
+async def test_the_last_worker_to_stop_queues_again_the_runs_no_worker_took(
+        redis: Redis, redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "iop.worker")
     runner, run_ids = await dispatched_runs(redis, 2)
     worker = node_worker(redis_url, runner)
     worker.ctx[RUNNER_CTX] = runner
@@ -34,6 +39,7 @@ async def test_the_last_worker_to_stop_queues_again_the_runs_no_worker_took(redi
         assert not await redis.zcard(keys.leases("a")) and not await redis.zcard(keys.node_queue("n-a"))
         assert not await redis.exists(keys.node_wake("n-a"), keys.node_workers("n-a"))
         assert not await redis.exists(keys.heartbeat("a"))  # as if it had lapsed: waiting runs wait
+        assert any(r.getMessage().endswith("; 2 runs no worker took queued again") for r in caplog.records)
     finally:
         await worker.pool.aclose(close_connection_pool=True)
 

@@ -17,6 +17,7 @@ from common.codec import pack, unpack
 from common.comeback import Comeback
 from common.config import Config, ProviderConfig, RuntimeConfig
 from common.redisconn import REDIS_REFUSED, REDIS_UNUSABLE, Backoff, connect
+from common.shown import counted
 from common.subscription import messages, subscribe
 from common.wire import ErrorCode, ErrorInfo
 from common.wrongtype import reply_or
@@ -271,7 +272,7 @@ async def leave_node(worker: WakeWorker, config: Config, node_id: str, until: fl
         return
     if last:
         log.info("the node's last worker stops: its providers take no runs until a worker starts (no "
-                 "heartbeat); %d runs no worker took were queued again", requeued)
+                 "heartbeat); %s no worker took queued again", counted(requeued, "run"))
 
 
 async def serve(config: Config, redis_url: str, node_id: str, grace_s: float = 10.0,
