@@ -462,22 +462,23 @@ class Scheduler:
                         await self._refuse_all(model, snaps, now)
                         return
                     if all_refused(snaps, now, ttl, head.deadline_ms):  # (busy, back only after its deadline)
-                        await self._drop(model.id, queue.pop(0), RunState.FAILED,
-                                         _unavailable(model.id, snaps, now, ttl))
+                        if _taken(queue, head):
+                            await self._drop(model.id, head, RunState.FAILED, _unavailable(model.id, snaps, now, ttl))
                         continue
                     takers = [s for s in snaps if s.provider_id not in head.refuse] if head.refuse else snaps
                     if all_refused(takers, now, ttl, _back_by(head, snaps, now, ttl)):
                         # (those that would take it are down: as if all were)
-                        await self._drop(model.id, queue.pop(0), RunState.FAILED,
-                                         _unavailable(model.id, snaps, now, ttl, head.refuse))
+                        if _taken(queue, head):
+                            await self._drop(model.id, head, RunState.FAILED,
+                                             _unavailable(model.id, snaps, now, ttl, head.refuse))
                         continue
                     others = [s for s in takers if s.provider_id not in head.exclude]
                     if head.exclude == head.refuse or (
                             others and not all_refused(others, now, ttl, _back_by(head, snaps, now, ttl))):
                         return  # it waits for a slot, and the runs behind it with it (FIFO)
                     refused = await self._refused_with(head)
-                    await self._drop(model.id, queue.pop(0), RunState.FAILED,
-                                     refused or _no_other_provider(model.id, head))
+                    if _taken(queue, head):
+                        await self._drop(model.id, head, RunState.FAILED, refused or _no_other_provider(model.id, head))
                     continue
                 # The head and the runs behind it that the snapshots say will find a slot too go in
                 # one round trip; the script makes sure each goes only once the ones before it went.
@@ -954,6 +955,17 @@ def _plan(queue: list[Waiting], snaps: list[ProviderSnapshot], now: int, ttl: in
         batch.append(w)
         snaps = _one_more(snaps, chosen.provider_id)
     return batch
+
+
+def _taken(queue: list[Waiting], head: Waiting) -> bool:
+    """Take `head`, the run a decision was made for, out of `queue`, wherever it is now: while the
+    decision awaited Redis, another task may have put an older run in front of it (a dead replica's
+    runs taken over, runs adopted) or taken it out (`dispatch_pending` dispatched it: False then).
+    (`queue.pop(0)` after the await failed the run taken over, with the other run's error.)"""
+    if head not in queue:
+        return False
+    queue.remove(head)
+    return True
 
 
 def _dispatched(model_id: str, run_id: str, provider_id: str | None, queued_ms: int) -> None:
