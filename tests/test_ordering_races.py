@@ -11,10 +11,16 @@ from redis.asyncio import Redis
 
 import scheduler.core
 from common import keys
+from common.comeback import Comeback
 from common.snapshots import read_snapshots
 from gateway.runs import RunClient
 from scheduler.core import Scheduler
-from tests.test_scheduler import MODEL, beat, make_config, request, submit
+from tests.conftest import async_wait_until
+from tests.test_cancel import StallingAdapter
+from tests.test_scheduler import MODEL, beat, make_config, request, submit, waiting_runs
+from workers import runner as runner_module
+from workers import service
+from workers.runner import Runner
 
 
 async def test_a_run_taken_over_while_the_head_is_dropped_is_not_dropped_in_its_place(
@@ -58,3 +64,62 @@ async def test_a_run_taken_over_while_the_head_is_dropped_is_not_dropped_in_its_
     await client.close()
     assert await redis.hget(keys.run_record(head), "error_code") == b"no_available_provider"
     assert await redis.hmget(keys.run_record(older), "state", "provider") == [b"dispatched", b"a"]
+
+
+async def test_a_cancel_heard_between_a_run_s_start_and_its_task_is_not_lost(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's `take` started the run in Redis, and its caller left before the run's task had
+    registered it in `Runner.running` (the take's answer on its way back, or the run's task waiting
+    for its previous attempt's task to end): the node's cancel message, heard then, found no run
+    here and was dropped; the provider generated the whole answer for nobody, its slot held, until
+    the lease's first renewal (`lease_ttl_ms / 3`, 5 s by default) read the cancel flag."""
+    config = make_config({"a": 1}, runtime={"lease_ttl_ms": 600_000})  # (no renewal within the test)
+    _, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    client = RunClient(redis, config)
+    await sched.dispatch_all()
+    adapter = StallingAdapter()
+    runner = Runner(redis, config, "n-a", {"a": adapter})
+    heard = asyncio.Event()
+    cancel = service._cancel
+
+    async def cancel_heard(runner: Runner, cancelled: str) -> None:
+        await cancel(runner, cancelled)
+        if cancelled == run_id:
+            heard.set()
+
+    monkeypatch.setattr(service, "_cancel", cancel_heard)
+    listener = asyncio.create_task(service._listen_cancels(runner, "n-a", Comeback(redis)))
+    try:
+        await async_wait_until(lambda: _subscribers(redis, keys.node_cancel("n-a")), what="the listener subscribed")
+        started = await runner.scripts.call("start", [keys.run_record(run_id), keys.run_events(run_id)],
+                                            [run_id, *runner.start_args(), keys.leases("")])
+        assert started[0] == b"ok"  # the run is running in Redis; its task has not begun
+        assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"
+        await asyncio.wait_for(heard.wait(), 10)  # the listener heard it, before the run's task began
+        execution = asyncio.create_task(runner.run(run_id, started))
+        assert (await asyncio.wait_for(execution, 10)).startswith("cancelled")
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await client.close()
+    assert await redis.hmget(keys.run_record(run_id), "state", "error_message") == [
+        b"cancelled", b"the caller went away"]
+    assert await redis.zcard(keys.leases("a")) == 0
+
+
+async def _subscribers(redis: Redis, channel: str) -> bool:
+    return bool((await redis.pubsub_numsub(channel))[0][1] == 1)
+
+
+def test_the_cancels_heard_of_runs_not_running_here_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every worker of a node hears every cancel of the node: it keeps the newest, at most
+    `MAX_CANCELS_HEARD`, for a lease's life."""
+    monkeypatch.setattr(runner_module, "MAX_CANCELS_HEARD", 3)
+    runner = Runner(Redis(), make_config({"a": 1}, runtime={"lease_ttl_ms": 600_000}), "n-a", {})
+    for i in range(5):
+        runner.heard_cancel(f"r{i}")
+    runner.heard_cancel("r2")  # (heard again: the newest)
+    assert list(runner.cancels_heard) == ["r3", "r4", "r2"]
+    assert runner._heard_before("r4") and not runner._heard_before("r4") and not runner._heard_before("r0")
+    runner.cancels_heard["r3"] -= 601  # (heard a lease's life ago: it would have been reaped)
+    assert not runner._heard_before("r3")

@@ -140,6 +140,9 @@ class _Runner:
     async def why_cancelled(self, run_id: str) -> object:
         return "why"
 
+    def heard_cancel(self, run_id: str) -> None:  # (a cancel of a run not running here: kept, `Runner.heard_cancel`)
+        return None
+
     def cancel(self, run_id: str, why: object) -> bool:
         self.cancels.append(run_id)
         self.running[run_id][0].cancelled = why

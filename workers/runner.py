@@ -64,6 +64,9 @@ def new_worker_instance() -> str:
     return f"{WORKER_ID}:{uuid.uuid4().hex[:12]}"
 
 
+#: The most cancels of runs not running here a worker keeps (`Runner.heard_cancel`).
+MAX_CANCELS_HEARD = 4096
+
 #: The most opening chunks (a bare `role` delta) a stream's first output waits for: more go out.
 MAX_OPENING = 64
 
@@ -306,6 +309,9 @@ class Runner:
         self.scripts = Scripts(redis)
         #: run id -> (attempt, the task executing it), for cancellation
         self.running: dict[str, tuple[Attempt, asyncio.Task[Any]]] = {}
+        #: run id -> when (`time.monotonic()`) a cancel of it was heard while it did not run here (yet),
+        #: oldest first (`heard_cancel`)
+        self.cancels_heard: dict[str, float] = {}
         #: providers that refused the `stream_options` iop adds: their streams go without it
         self.no_stream_options: set[str] = set()
         #: (provider, served model) that refused `max_tokens`: their chat requests name the limit
@@ -362,7 +368,9 @@ class Runner:
         task = asyncio.current_task()
         assert task is not None
         self.running[run_id] = (att, task)
-        renewer = asyncio.create_task(self._renew(att, task))
+        # (a cancel heard before now, while its start's answer was on its way here: its lease is renewed
+        # at once, which reads the run's cancel flag, not a renewal period later)
+        renewer = asyncio.create_task(self._renew(att, task, at_once=self._heard_before(run_id)))
         began = time.monotonic()
         try:
             return await self._attempt(att, adapter, record, policy.execution_timeout_ms / 1000, model.max_tokens)
@@ -396,6 +404,27 @@ class Runner:
             return CANCELLED
         return ErrorInfo.from_wire({"code": (code or b"cancelled").decode(errors="replace"),
                                     "message": reason.decode(errors="replace")})
+
+    def heard_cancel(self, run_id: str) -> None:
+        """The node's cancel of a run this worker does not run, heard: every worker of the node hears
+        each, and the `take` of this one may have started the run already, its answer on its way back
+        (or the run's task waiting for its previous attempt's task here to end). Kept for a lease's life
+        (a run not begun by then is reaped), at most `MAX_CANCELS_HEARD`: a run that begins here meanwhile
+        renews its lease at once (`run`), which reads its cancel flag. (Dropped, such a cancel left the
+        provider generating for nobody, its slot held, until the first renewal, `lease_ttl_ms` / 3.)"""
+        heard, now = self.cancels_heard, time.monotonic()
+        heard.pop(run_id, None)
+        heard[run_id] = now
+        oldest = now - self.config.runtime.lease_ttl_ms / 1000
+        for early in list(heard):
+            if heard[early] >= oldest and len(heard) <= MAX_CANCELS_HEARD:
+                break
+            del heard[early]
+
+    def _heard_before(self, run_id: str) -> bool:
+        """Whether a cancel of the run was heard before it began here, within a lease's life."""
+        at = self.cancels_heard.pop(run_id, None)
+        return at is not None and time.monotonic() - at <= self.config.runtime.lease_ttl_ms / 1000
 
     def cancel(self, run_id: str, why: ErrorInfo) -> bool:
         """Cancel a run this worker runs, once (a cancel message and the lease's renewal may both
@@ -921,12 +950,15 @@ class Runner:
                 # (cut short when Redis answers again: the run's output is not held back up to 1 s)
                 await pause_on(self.comeback, backoff)
 
-    async def _renew(self, att: Attempt, task: asyncio.Task[Any]) -> None:
+    async def _renew(self, att: Attempt, task: asyncio.Task[Any], at_once: bool = False) -> None:
+        """Renew the attempt's lease every third of it (`at_once`: the first time now)."""
         rt = self.config.runtime
         period = rt.lease_ttl_ms / 3000
         said: set[str] = set()  # (a WARNING at its first failure, DEBUG after: as _call_while_leased)
         while True:
-            await asyncio.sleep(period)
+            if not at_once:
+                await asyncio.sleep(period)
+            at_once = False
             backoff = Backoff(cap=1.0)
             while True:
                 try:

@@ -143,7 +143,10 @@ async def _listen_cancels(runner: Runner, node_id: str, comeback: Comeback) -> N
 
 async def _cancel(runner: Runner, run_id: str) -> None:
     att = runner.running.get(run_id)
-    if att is None or att[0].cancelled is not None:  # (not here, or being cancelled)
+    if att is None:  # (not here, or not yet: its start's answer may be on its way, `Runner.heard_cancel`)
+        runner.heard_cancel(run_id)
+        return
+    if att[0].cancelled is not None:  # (being cancelled)
         return
     if runner.cancel(run_id, await runner.why_cancelled(run_id)):
         log.info("cancel requested", extra=att[0].log())
