@@ -1066,7 +1066,8 @@ return benched
 # ARGV: run id, group, new state, event data, ttl_s, error code, error message, cancel channel prefix,
 #       replica channel prefix (the replica holding the next waiting run is woken; '' = none), the
 #       run's model id if a missing run is to be recorded ended ('' or none: it is left missing), the
-#       run's entry in its queue as the caller holds it ('' or none: not known)
+#       run's entry in its queue as the caller holds it ('' or none: not known; a run queued at another
+#       entry since is left queued: 'moved')
 DROP_QUEUED = FREES + _NOW + _WRONG + _ENDED + _EVENTS + _WAKE + """
 -- (a record of another type, written by hand, holds no run: read as missing, and nothing written to it)
 local state = redis.pcall('HGET', KEYS[2], 'state')
@@ -1104,6 +1105,15 @@ if state ~= 'queued' then
   return state or 'missing'
 end
 local entry = redis.call('HGET', KEYS[2], 'entry')
+local held = ARGV[11] or ''
+if entry and held ~= '' and entry ~= held then
+  -- queued again since (its attempt failed or was lost: a new entry), while the caller still held
+  -- its old entry (two replicas took it over at once, or one adopted it as its dispatch went out):
+  -- that entry's timeout is not the run's, which stays queued; the old entry goes, if it is there
+  redis.call('XACK', KEYS[1], ARGV[2], held)
+  redis.call('XDEL', KEYS[1], held)
+  return 'moved'
+end
 if entry then
   redis.call('XACK', KEYS[1], ARGV[2], entry)
   redis.call('XDEL', KEYS[1], entry)

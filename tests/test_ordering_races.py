@@ -123,3 +123,53 @@ def test_the_cancels_heard_of_runs_not_running_here_are_bounded(monkeypatch: pyt
     assert runner._heard_before("r4") and not runner._heard_before("r4") and not runner._heard_before("r0")
     runner.cancels_heard["r3"] -= 601  # (heard a lease's life ago: it would have been reaped)
     assert not runner._heard_before("r3")
+
+
+async def test_a_run_two_replicas_took_over_at_once_is_not_timed_out_by_the_one_that_lost_it(
+        redis_url: str, redis: Redis) -> None:
+    """Two live replicas took over a dead one's waiting run at the same moment (each read the dead
+    one's pending entries, then each claimed them: the second `XCLAIM` takes them from the first),
+    so both hold it. One dispatched it; its attempt was lost and the run queued again (a new entry).
+    The other still held the old entry, and at that entry's queue timeout it timed the run out,
+    queued again moments before: `drop_queued` dropped whatever entry the run was queued at."""
+    config = make_config({"a": 1})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    (run_id,) = await submit(client, 1)
+    dead = Scheduler(redis, config, consumer="dead")
+    await dead.ensure_groups()
+    assert await dead.read_new(block_ms=10) == 1  # (its liveness key never existed: it is dead)
+    b_redis, c_redis = Redis.from_url(redis_url), Redis.from_url(redis_url)
+    b, c = Scheduler(b_redis, config, consumer="b"), Scheduler(c_redis, config, consumer="c")
+    await b.heartbeat()
+    await c.heartbeat()
+    read_pending, go = asyncio.Event(), asyncio.Event()
+    claim = b_redis.xclaim
+
+    async def late_claim(*args: Any, **kwargs: Any) -> Any:
+        read_pending.set()  # b read the dead replica's pending entries ...
+        await go.wait()  # ... and claims them only after c took them over
+        return await claim(*args, **kwargs)
+
+    b_redis.xclaim = late_claim
+    try:
+        taking = asyncio.create_task(b.take_over_dead())
+        await read_pending.wait()
+        assert await c.take_over_dead() == 1
+        go.set()
+        assert await taking == 1
+        assert [w.run_id for w in b.waiting[MODEL]] == [w.run_id for w in c.waiting[MODEL]] == [run_id]
+        await c.dispatch_all()
+        assert await redis.hget(keys.run_record(run_id), "state") == b"dispatched"
+        await redis.zadd(keys.leases("a"), {run_id: 1})  # its worker died: the lease lapsed
+        assert await c.reap_expired_leases() == 1
+        assert await redis.hget(keys.run_record(run_id), "state") == b"queued"  # queued again, a new entry
+        [ghost] = b.waiting[MODEL]
+        ghost.deadline_ms = 0  # (the old entry's queue timeout passed; the new one's has not)
+        await b.expire_overdue()
+    finally:
+        await b_redis.aclose()
+        await c_redis.aclose()
+        await client.close()
+    assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 1
