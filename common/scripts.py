@@ -1296,6 +1296,18 @@ if redis.call('DEL', KEYS[2]) == 1 then redis.call('PUBLISH', ARGV[6], '*') end
 return 1
 """
 
+# A run given up while its server goes on generating it (`workers.runner.Runner._gave_up`): the
+# provider's heartbeat says until when it may be busy, if it has one. (An `EXISTS` and then an `HSET`
+# made a hash of that field alone, with no TTL, for good, when the node's last worker deleted its
+# heartbeats between them, `WORKER_LEFT`.)
+# KEYS: heartbeat   ARGV: field, until (ms)
+# Returns 1 if written, 0 if the provider has no heartbeat.
+MARK_BUSY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
 # /readyz: whether iop's Redis user may run a script and read iop's keys (its answer does not matter).
 # KEYS: READY_PROBE
 READY = """#!lua flags=no-writes
@@ -1488,6 +1500,7 @@ ALL: dict[str, str] = {
     "worker_left": WORKER_LEFT,
     "probe": PROBE,
     "probed": PROBED,
+    "mark_busy": MARK_BUSY,
     "beat": BEAT,
     "watch": WATCH,
     "control": CONTROL,

@@ -7,12 +7,17 @@ import asyncio
 from typing import Any
 
 import pytest
+from arq.constants import in_progress_key_prefix
 from redis.asyncio import Redis
 
 import scheduler.core
 from common import keys
+from common.codec import pack
 from common.comeback import Comeback
+from common.config import parse_config
+from common.scripts import Scripts
 from common.snapshots import read_snapshots
+from common.wire import ErrorCode, ErrorInfo, cancelled_by_caller
 from gateway.runs import RunClient
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until
@@ -173,3 +178,53 @@ async def test_a_run_two_replicas_took_over_at_once_is_not_timed_out_by_the_one_
         await client.close()
     assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
     assert await redis.xlen(keys.runs_stream(MODEL)) == 1
+
+
+async def test_a_run_given_up_as_its_node_s_last_worker_leaves_makes_no_heartbeat_that_never_expires(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-stream llama-cpp-python run given up (its caller left) marks its provider busy in its
+    heartbeat: `EXISTS`, then `HSET`, two steps. The node's last worker left between them (its
+    `worker_left` deletes the node's heartbeats): the `HSET` made a heartbeat hash of that field
+    alone with no TTL, which stays for good (a `finish` of a run still ending there then writes
+    `health: available` into it, as a run's evidence does into a live heartbeat)."""
+    config = parse_config({
+        "models": [{"id": MODEL, "providers": {"a": "a-name"}}],
+        "nodes": [{"id": "n-a", "providers": [{"id": "a", "type": "llamacpp", "base_url": "http://127.0.0.1:9",
+                                                "capacity": 1, "models": ["a-name"]}]}],
+        "queue": {"max_queue": 10, "queue_timeout_ms": 60_000},
+    })
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()
+    adapter = StallingAdapter()
+    runner = Runner(redis, config, "n-a", {"a": adapter})
+    task = asyncio.create_task(runner.execute(run_id))
+    await async_wait_until(lambda: asyncio.sleep(0, adapter.calls == 1), what="the provider asked")
+    lost = ErrorInfo(ErrorCode.WORKER_LOST, "the last worker of node n-a stopped before taking the run")
+    left: list[Any] = []
+
+    async def last_worker_leaves() -> None:  # (as `workers.service.leave_node` does, once)
+        if not left:
+            left.append(await Scripts(redis).call("worker_left", [
+                keys.node_workers("n-a"), keys.node_queue("n-a"), keys.node_wake("n-a"), keys.heartbeat("a")],
+                ["w1", in_progress_key_prefix, pack(lost.to_wire()), keys.SCHEDULER_SIGNALS, 3600]))
+
+    exists, call = redis.exists, runner.scripts.call
+
+    async def exists_then_left(*names: Any) -> Any:  # (the look before the mark: the worker leaves after it)
+        found = await exists(*names)
+        if names == (keys.heartbeat("a"),):
+            await last_worker_leaves()
+        return found
+
+    async def left_then_call(name: str, script_keys: Any, args: Any) -> Any:  # (a mark in one step: before it)
+        if name == "mark_busy":
+            await last_worker_leaves()
+        return await call(name, script_keys, args)
+
+    monkeypatch.setattr(redis, "exists", exists_then_left)
+    monkeypatch.setattr(runner.scripts, "call", left_then_call)
+    assert runner.cancel(run_id, cancelled_by_caller())
+    assert (await task).startswith("cancelled")
+    await client.close()
+    assert left == [[1, 0]]  # (it was the node's last worker, and it left as the mark was made)
+    assert not await redis.exists(keys.heartbeat("a")), await redis.hgetall(keys.heartbeat("a"))

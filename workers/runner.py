@@ -749,10 +749,9 @@ class Runner:
         provider = self.config.provider(att.provider_id)  # (its adapter was made from it: `Runner.run`)
         if record.get("stream") == b"1" or provider.type not in PROBE_DISTURBS:
             return
-        heartbeat = keys.heartbeat(att.provider_id)
-        try:
-            if await self.redis.exists(heartbeat):  # (no hash made of this field alone)
-                await self.redis.hset(heartbeat, Field.BUSY_UNTIL_MS, now_ms() + provider.read_timeout_ms)
+        try:  # (one step: no hash made of this field alone, `common.scripts.MARK_BUSY`)
+            await self.scripts.call("mark_busy", [keys.heartbeat(att.provider_id)],
+                                    [Field.BUSY_UNTIL_MS, now_ms() + provider.read_timeout_ms])
         except (RedisError, *REDIS_UNUSABLE) as exc:  # (another type written by hand; Redis away: probes as before)
             log.info("could not mark provider %s busy with a run given up (%s)", att.provider_id, exc, extra=att.log())
 
