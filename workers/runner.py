@@ -416,7 +416,8 @@ class Runner:
         heard.pop(run_id, None)
         heard[run_id] = now
         oldest = now - self.config.runtime.lease_ttl_ms / 1000
-        for early in list(heard):
+        while heard:  # (the oldest first: those a lease's life old, and those past the most kept)
+            early = next(iter(heard))
             if heard[early] >= oldest and len(heard) <= MAX_CANCELS_HEARD:
                 break
             del heard[early]
