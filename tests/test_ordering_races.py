@@ -17,7 +17,7 @@ from common.comeback import Comeback
 from common.config import parse_config
 from common.scripts import Scripts
 from common.snapshots import read_snapshots
-from common.wire import ErrorCode, ErrorInfo, cancelled_by_caller
+from common.wire import ErrorCode, ErrorInfo, RunKind, cancelled_by_caller
 from gateway.runs import RunClient
 from scheduler.core import Scheduler
 from tests.conftest import async_wait_until
@@ -25,6 +25,7 @@ from tests.test_cancel import StallingAdapter
 from tests.test_scheduler import MODEL, beat, make_config, request, submit, waiting_runs
 from workers import runner as runner_module
 from workers import service
+from workers.adapters.base import ProviderError, Retry
 from workers.runner import Runner
 
 
@@ -228,3 +229,70 @@ async def test_a_run_given_up_as_its_node_s_last_worker_leaves_makes_no_heartbea
     await client.close()
     assert left == [[1, 0]]  # (it was the node's last worker, and it left as the mark was made)
     assert not await redis.exists(keys.heartbeat("a")), await redis.hgetall(keys.heartbeat("a"))
+
+
+class FailsThenStalls(StallingAdapter):
+    """A provider whose first answer breaks off (another attempt may go anywhere) and whose next
+    never comes."""
+
+    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        if self.calls == 0:
+            self.calls += 1
+            raise ProviderError("provider a: the connection was reset", retry=Retry.ANY)
+        return await super().complete(kind, body, request_id)
+
+
+async def test_a_cancel_heard_while_the_run_s_last_attempt_here_ends_reaches_its_next_attempt_here(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's first attempt here failed and put it back in its queue; its task, still ending
+    (the `finish` ran, its reply not read), held the run's place in `Runner.running` while the run's
+    next attempt was dispatched here and started. The caller left then: the cancel message found the
+    ending attempt (which takes no cancel) and was dropped, and the next attempt generated for
+    nobody until its first renewal."""
+    config = make_config({"a": 1}, queue={"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 2},
+                         runtime={"lease_ttl_ms": 600_000})
+    _, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    client = RunClient(redis, config)
+    await sched.dispatch_all()
+    adapter = FailsThenStalls()
+    runner = Runner(redis, config, "n-a", {"a": adapter})
+    heard, ended, go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    cancel, call = service._cancel, runner.scripts.call
+
+    async def cancel_heard(runner: Runner, cancelled: str) -> None:
+        await cancel(runner, cancelled)
+        if cancelled == run_id:
+            heard.set()
+
+    async def slow_reply(name: str, script_keys: Any, args: Any) -> Any:
+        answer = await call(name, script_keys, args)
+        if name == "finish" and not ended.is_set():  # (the first attempt's end ran in Redis ...)
+            ended.set()
+            await go.wait()  # (... and its reply is read late)
+        return answer
+
+    monkeypatch.setattr(service, "_cancel", cancel_heard)
+    monkeypatch.setattr(runner.scripts, "call", slow_reply)
+    listener = asyncio.create_task(service._listen_cancels(runner, "n-a", Comeback(redis)))
+    try:
+        await async_wait_until(lambda: _subscribers(redis, keys.node_cancel("n-a")), what="the listener subscribed")
+        first = asyncio.create_task(runner.execute(run_id))
+        await asyncio.wait_for(ended.wait(), 10)
+        assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
+        await sched.read_new(block_ms=10)
+        await sched.dispatch_all()  # its next attempt, here again
+        started = await call("start", [keys.run_record(run_id), keys.run_events(run_id)],
+                             [run_id, *runner.start_args(), keys.leases("")])
+        assert started[0] == b"ok"
+        assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"
+        await asyncio.wait_for(heard.wait(), 10)  # heard while the first attempt's task still ends
+        go.set()
+        assert (await first).startswith("requeued")
+        second = asyncio.create_task(runner.run(run_id, started))  # (as `_after` runs it, the first one done)
+        assert (await asyncio.wait_for(second, 10)).startswith("cancelled")
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await client.close()
+    assert await redis.hmget(keys.run_record(run_id), "state", "error_message") == [
+        b"cancelled", b"the caller went away"]
