@@ -1308,6 +1308,25 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
+# A replica takes over the waiting runs of one taken for dead (its liveness key lapsed): it claims
+# up to `count` of the runs pending for it, and when those were all it had, deletes it from the group,
+# in one step. (Claimed, then deleted in a command of its own, a stalled replica that was still alive
+# read new runs in between, and the delete left them pending for nobody: at the head of their stream,
+# no replica could take them over, and no later run of the model could go.)
+# KEYS: runs stream   ARGV: group, the dead consumer, this replica, count (at most 4,096: `unpack`)
+# Returns the entries claimed, as XCLAIM gives them (one deleted while pending has no fields).
+TAKE_OVER = """
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[4]), ARGV[2])
+local claimed = {}
+if #pending > 0 then
+  local ids = {}
+  for i, p in ipairs(pending) do ids[i] = p[1] end
+  claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids))
+end
+if #pending < tonumber(ARGV[4]) then redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2]) end
+return claimed
+"""
+
 # /readyz: whether iop's Redis user may run a script and read iop's keys (its answer does not matter).
 # KEYS: READY_PROBE
 READY = """#!lua flags=no-writes
@@ -1501,6 +1520,7 @@ ALL: dict[str, str] = {
     "probe": PROBE,
     "probed": PROBED,
     "mark_busy": MARK_BUSY,
+    "take_over": TAKE_OVER,
     "beat": BEAT,
     "watch": WATCH,
     "control": CONTROL,

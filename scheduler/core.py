@@ -742,7 +742,6 @@ class Scheduler:
                 if name in alive:
                     continue
                 claimed += await self._claim_from(model_id, stream, name)
-                await self.redis.xgroup_delconsumer(stream, keys.SCHEDULER_GROUP, name)
         if claimed:
             self.kick.set()
         return claimed
@@ -804,18 +803,22 @@ class Scheduler:
         return adopted
 
     async def _claim_from(self, model_id: str, stream: str, dead: str) -> int:
-        pending = await self.redis.xpending_range(stream, keys.SCHEDULER_GROUP, min="-", max="+",
-                                                  count=10_000, consumername=dead)
-        ids = [p["message_id"] for p in pending]
-        if not ids:
-            return 0
-        entries = await self.redis.xclaim(stream, keys.SCHEDULER_GROUP, self.consumer, 0, ids)
-        metrics.TAKEOVERS.labels(model_id).inc(len(entries))
-        for entry_id, fields in entries:
-            if fields:
-                self._adopt(model_id, entry_id.decode(), fields)
-        log.info("took over %d waiting runs of model %s from dead scheduler %s", len(entries), model_id, dead)
-        return len(entries)
+        """Claim the runs pending for `dead` and delete it from the group (`take_over`: both in one
+        step, a batch at a time, the delete with the last), adopting them. Returns how many."""
+        taken = 0
+        while True:
+            batch = await self.scripts.call("take_over", [stream], [keys.SCHEDULER_GROUP, dead, self.consumer,
+                                                                   TAKE_OVER_BATCH])
+            for entry_id, flat in batch:
+                if flat:  # (deleted while pending: nothing to run)
+                    self._adopt(model_id, entry_id.decode(), dict(zip(flat[::2], flat[1::2], strict=True)))
+            taken += len(batch)
+            if len(batch) < TAKE_OVER_BATCH:
+                break
+        if taken:
+            metrics.TAKEOVERS.labels(model_id).inc(taken)
+            log.info("took over %d waiting runs of model %s from dead scheduler %s", taken, model_id, dead)
+        return taken
 
     # ----------------------------------------------------------------- leases
     async def reap_expired_leases(self) -> int:
@@ -927,6 +930,8 @@ class Scheduler:
         return 0
 
 
+#: The most runs of a dead replica one `take_over` call claims (its ids go through Lua's `unpack`)
+TAKE_OVER_BATCH = 1_000
 #: How long a stopping replica waits for Redis to delete its liveness key (`forget_liveness`)
 STOP_DELETE_S = 1.0
 #: after its start or a gap in its contact with Redis, a replica judges no gateway dead until it has

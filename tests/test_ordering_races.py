@@ -131,54 +131,48 @@ def test_the_cancels_heard_of_runs_not_running_here_are_bounded(monkeypatch: pyt
     assert not runner._heard_before("r3")
 
 
-async def test_a_run_two_replicas_took_over_at_once_is_not_timed_out_by_the_one_that_lost_it(
+async def test_a_run_adopted_again_as_its_dispatch_went_out_is_not_timed_out_at_its_old_entry(
         redis_url: str, redis: Redis) -> None:
-    """Two live replicas took over a dead one's waiting run at the same moment (each read the dead
-    one's pending entries, then each claimed them: the second `XCLAIM` takes them from the first),
-    so both hold it. One dispatched it; its attempt was lost and the run queued again (a new entry).
-    The other still held the old entry, and at that entry's queue timeout it timed the run out,
-    queued again moments before: `drop_queued` dropped whatever entry the run was queued at."""
+    """A replica that lost track of a run it held (a failover lost its dispatch) reads every run
+    Redis holds for it (`adopt_forgotten`), and adopts those it does not hold. Its dispatcher sent
+    a run's dispatch as that read went out: the read still listed the run, the dispatch's answer
+    took it out of the waiting runs first, and the read's answer put it back, at the entry it had
+    left. The run's attempt was then lost and the run queued again (a new entry); at the old
+    entry's queue timeout the replica timed the run out: `drop_queued` dropped whatever entry the
+    run was queued at. (Two replicas that claimed a dead one's runs at once both held them so too.)"""
     config = make_config({"a": 1})
     await beat(redis, config)
     client = RunClient(redis, config)
-    (run_id,) = await submit(client, 1)
-    dead = Scheduler(redis, config, consumer="dead")
-    await dead.ensure_groups()
-    assert await dead.read_new(block_ms=10) == 1  # (its liveness key never existed: it is dead)
-    b_redis, c_redis = Redis.from_url(redis_url), Redis.from_url(redis_url)
-    b, c = Scheduler(b_redis, config, consumer="b"), Scheduler(c_redis, config, consumer="c")
-    await b.heartbeat()
-    await c.heartbeat()
-    read_pending, go = asyncio.Event(), asyncio.Event()
-    claim = b_redis.xclaim
+    run_id, forgotten = await submit(client, 2)
+    c_redis = Redis.from_url(redis_url)
+    c = Scheduler(c_redis, config, consumer="c")
+    await c.ensure_groups()
+    assert await c.read_new(block_ms=10) == 2
+    c.waiting[MODEL][:] = [w for w in c.waiting[MODEL] if w.run_id != forgotten]  # (the failover lost it)
+    assert await c.adopt_forgotten() == 0  # (one look short: the read comes at the second)
+    read = c_redis.xreadgroup
 
-    async def late_claim(*args: Any, **kwargs: Any) -> Any:
-        read_pending.set()  # b read the dead replica's pending entries ...
-        await go.wait()  # ... and claims them only after c took them over
-        return await claim(*args, **kwargs)
+    async def dispatched_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        answer = await read(*args, **kwargs)
+        await c.dispatch_all()  # (its answer is handled before the read's)
+        return answer
 
-    b_redis.xclaim = late_claim
+    c_redis.xreadgroup = dispatched_meanwhile
     try:
-        taking = asyncio.create_task(b.take_over_dead())
-        await read_pending.wait()
-        assert await c.take_over_dead() == 1
-        go.set()
-        assert await taking == 1
-        assert [w.run_id for w in b.waiting[MODEL]] == [w.run_id for w in c.waiting[MODEL]] == [run_id]
-        await c.dispatch_all()
+        assert await c.adopt_forgotten() == 2  # the forgotten run, and the one just dispatched
+        c_redis.xreadgroup = read
         assert await redis.hget(keys.run_record(run_id), "state") == b"dispatched"
         await redis.zadd(keys.leases("a"), {run_id: 1})  # its worker died: the lease lapsed
         assert await c.reap_expired_leases() == 1
         assert await redis.hget(keys.run_record(run_id), "state") == b"queued"  # queued again, a new entry
-        [ghost] = b.waiting[MODEL]
+        [ghost] = [w for w in c.waiting[MODEL] if w.run_id == run_id]
         ghost.deadline_ms = 0  # (the old entry's queue timeout passed; the new one's has not)
-        await b.expire_overdue()
+        await c.expire_overdue()
     finally:
-        await b_redis.aclose()
         await c_redis.aclose()
         await client.close()
     assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
-    assert await redis.xlen(keys.runs_stream(MODEL)) == 1
+    assert await redis.xlen(keys.runs_stream(MODEL)) == 2  # (it, queued again, and the forgotten one)
 
 
 async def test_a_run_given_up_as_its_node_s_last_worker_leaves_makes_no_heartbeat_that_never_expires(
@@ -296,3 +290,59 @@ async def test_a_cancel_heard_while_the_run_s_last_attempt_here_ends_reaches_its
         await client.close()
     assert await redis.hmget(keys.run_record(run_id), "state", "error_message") == [
         b"cancelled", b"the caller went away"]
+
+
+async def test_runs_a_replica_read_as_it_was_taken_over_are_not_left_pending_for_nobody(
+        redis_url: str, redis: Redis) -> None:
+    """A replica whose liveness key lapsed (stalled past `scheduler_liveness_ms`) was still alive,
+    and its blocking read handed it a new run between another replica's claim of its pending runs
+    and that replica's `XGROUP DELCONSUMER`: the delete took the new run's pending entry with it.
+    The stalled replica then died for real: the run, pending for nobody, was at the head of its
+    stream, no replica could take it over (none holds it), and every later run of the model found
+    it ahead (`not_head`) until the run's caller's gateway ended it past its queue timeout."""
+    config = make_config({"a": 4})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    stalled_redis, b_redis = Redis.from_url(redis_url), Redis.from_url(redis_url)
+    stalled, b = Scheduler(stalled_redis, config, consumer="stalled"), Scheduler(b_redis, config, consumer="b")
+    await b.ensure_groups()
+    await b.heartbeat()
+    await submit(client, 1)
+    assert await stalled.read_new(block_ms=10) == 1  # (its liveness key lapsed: taken for dead)
+    new: list[str] = []
+
+    async def stalled_reads() -> None:  # (once)
+        if not new:
+            new.extend(await submit(client, 1))
+            assert await stalled.read_new(block_ms=10) == 1
+
+    delete, call = b_redis.xgroup_delconsumer, b.scripts.call
+
+    async def read_then_delete(*args: Any, **kwargs: Any) -> Any:  # (b claimed; it deletes the consumer next)
+        await stalled_reads()
+        return await delete(*args, **kwargs)
+
+    async def take_over_then_read(name: str, script_keys: Any, args: Any) -> Any:  # (claim and delete: one step)
+        answer = await call(name, script_keys, args)
+        if name == "take_over":
+            await stalled_reads()
+        return answer
+
+    b_redis.xgroup_delconsumer = read_then_delete
+    b.scripts.call = take_over_then_read  # type: ignore[method-assign,assignment]
+    try:
+        assert await b.take_over_dead() == 1
+        assert len(new) == 1
+        # the stalled replica dies now, its run not dispatched; later runs come, b reads them
+        (later,) = await submit(client, 1)
+        for _ in range(2):  # (b's maintenance rounds)
+            await b.take_over_dead()
+            await b.adopt_forgotten()
+        assert await b.read_new(block_ms=10) == 1
+        await b.dispatch_all()
+        states = {r: await redis.hget(keys.run_record(r), "state") for r in (*new, later)}
+    finally:
+        await stalled_redis.aclose()
+        await b_redis.aclose()
+        await client.close()
+    assert states == {new[0]: b"dispatched", later: b"dispatched"}
