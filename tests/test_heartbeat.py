@@ -570,7 +570,9 @@ async def test_a_served_name_the_provider_lists_in_another_case_is_named_in_the_
     beats, adapter = beating
     with caplog.at_level(logging.INFO, logger="iop.worker"):
         adapter.result = ProbeResult(Health.AVAILABLE, "", ["other", "SERVED"], strikes=0)
-        await more_probes(adapter, 1)
+        # (two: the warning comes once the first probe's result is recorded, after the probe's call; a
+        # worker's next probe of a provider begins only after its last one ended, warning included)
+        await more_probes(adapter, 2)
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert warned == ["provider p does not list 'served' (it lists 'SERVED'), which its config gives it: no run "
                           "of that model goes there (check the served name in the config, or the server's models)"
