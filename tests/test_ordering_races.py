@@ -346,3 +346,50 @@ async def test_runs_a_replica_read_as_it_was_taken_over_are_not_left_pending_for
         await b_redis.aclose()
         await client.close()
     assert states == {new[0]: b"dispatched", later: b"dispatched"}
+
+
+async def test_a_cancel_that_reaches_a_lost_attempt_here_reaches_the_run_s_next_attempt_here_too(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's first attempt here lost its lease (this worker was paused past it) and the reaper
+    put the run back in its queue; the run's next attempt was dispatched here and started while the
+    first attempt's task, its renewal not yet due, still ran. The caller left then: the cancel
+    message cancelled the first attempt (whose end `finish` then refused: `stale`), and the next
+    attempt, waiting for that task to end, generated for nobody until its first renewal."""
+    config = make_config({"a": 1}, runtime={"lease_ttl_ms": 600_000})
+    _, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    client = RunClient(redis, config)
+    await sched.dispatch_all()
+    adapter = StallingAdapter()
+    runner = Runner(redis, config, "n-a", {"a": adapter})
+    heard = asyncio.Event()
+    cancel = service._cancel
+
+    async def cancel_heard(runner: Runner, cancelled: str) -> None:
+        await cancel(runner, cancelled)
+        if cancelled == run_id:
+            heard.set()
+
+    monkeypatch.setattr(service, "_cancel", cancel_heard)
+    listener = asyncio.create_task(service._listen_cancels(runner, "n-a", Comeback(redis)))
+    try:
+        await async_wait_until(lambda: _subscribers(redis, keys.node_cancel("n-a")), what="the listener subscribed")
+        first = asyncio.create_task(runner.execute(run_id))
+        await async_wait_until(lambda: asyncio.sleep(0, adapter.calls == 1), what="the provider asked")
+        await redis.zadd(keys.leases("a"), {run_id: 1})  # (this worker was paused past its lease)
+        assert await sched.reap_expired_leases() == 1
+        await sched.read_new(block_ms=10)
+        await sched.dispatch_all()  # its next attempt, here again
+        started = await runner.scripts.call("start", [keys.run_record(run_id), keys.run_events(run_id)],
+                                            [run_id, *runner.start_args(), keys.leases("")])
+        assert started[0] == b"ok"
+        assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"
+        await asyncio.wait_for(heard.wait(), 10)
+        assert (await asyncio.wait_for(first, 10)).startswith("cancelled:stale")  # (the first attempt took it)
+        second = asyncio.create_task(runner.run(run_id, started))  # (as `_after` runs it, the first one done)
+        assert (await asyncio.wait_for(second, 10)).startswith("cancelled")
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await client.close()
+    assert await redis.hmget(keys.run_record(run_id), "state", "error_message") == [
+        b"cancelled", b"the caller went away"]

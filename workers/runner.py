@@ -431,17 +431,18 @@ class Runner:
         """Cancel a run this worker runs, once (a cancel message and the lease's renewal may both
         say so), and not while it records its end (a cancel raised into that would end the job's
         task cancelled, the run left to its lease; a run requeued then ends at its next start, its
-        record's cancel flag says so, and its next attempt, should it begin here, hears it too:
-        `heard_cancel`). Returns whether it runs here."""
+        record's cancel flag says so); the run's next attempt, should it begin here, hears it too
+        (`heard_cancel`). Returns whether it runs here."""
         entry = self.running.get(run_id)
         if entry is None:
             return False
         att, task = entry
+        # (kept too: the attempt may be ending, or have lost its lease, and the run's next attempt be on
+        # its way here; a run whose cancel was asked never goes on elsewhere, `drop_queued`)
+        self.heard_cancel(run_id)
         if att.cancelled is None and not att.stopping:
             att.cancelled = why
             _stop(att, task)
-        elif att.cancelled is None:  # (ending: its run may be queued again, and started here next)
-            self.heard_cancel(run_id)
         return True
 
     # ------------------------------------------------------------------ one attempt
