@@ -239,6 +239,15 @@ class WakeWorker(Worker):
         ids = [i for i in (j.decode() for j in job_ids) if i not in self.tasks]  # (its own: see below)
         await self.claim_and_start(ids[:max(free, 0)])
 
+    async def _poll_iteration(self) -> None:
+        """arq's poll, which forgets the tasks of `tasks` that ended while it asked Redis: their
+        attempts (`_attempts`) go with them (else each such run's stayed for the worker's life)."""
+        try:
+            await super()._poll_iteration()
+        finally:
+            for job_id in self._attempts.keys() - self.tasks.keys():
+                del self._attempts[job_id]
+
     async def claim_and_start(self, job_ids: list[str]) -> None:
         """Take the jobs and start their runs in one round trip (the `take` script), then run each
         in a task of its own. arq's own per-job steps (reading the job, counting tries, writing a
