@@ -1542,8 +1542,16 @@ class Scripts:
         self.line = line_of(redis)
 
     async def load(self) -> None:
-        for src in ALL.values():
-            await self.redis.script_load(src)
+        """Load every script (Redis forgot them: a restart, a failover). Over the client's line when
+        it has one, in one round trip: the calls that found their script missing load at once, and
+        take no connection of the pool each (which the pool then kept, idle)."""
+        if self.line is None:
+            for src in ALL.values():
+                await self.redis.script_load(src)
+            return
+        for answer in await self.line.execute_many([("SCRIPT", "LOAD", src) for src in ALL.values()]):
+            if isinstance(answer, ResponseError):
+                raise answer
 
     async def call_many(self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
         """Several calls of one script in one round trip (a pipeline), made in order: each one's

@@ -17,7 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.redisconn import client_options, connect
 from common.redisline import BIG_ARGUMENT, Line, line_of, new_line_of, pack_command
-from common.scripts import Scripts
+from common.scripts import SHAS, Scripts
 from iop.embedded_redis import RedisServer
 from tests.conftest import async_wait_until, paused
 
@@ -322,3 +322,18 @@ async def test_a_blocking_read_sent_with_a_command_after_it_whose_caller_left_ru
     await async_wait_until(partial(blocked, 0), what="the server to drop the abandoned BLMOVE")
     await client.rpush("wake", "job-1")
     assert await client.lrange("wake", 0, -1) == [b"job-1"] and not await client.exists("mine", "after")
+
+
+async def test_scripts_redis_forgot_are_loaded_again_over_the_line_not_one_pool_connection_each(
+        client: Redis, redis: Redis) -> None:
+    """After a Redis restart (here its SCRIPT FLUSH), every call in flight finds its script missing
+    and loads the scripts again: over the client's line, as the calls go, not on a connection of
+    the pool each. Before, each concurrent load took one (11 for these 20 calls), and the pool kept them: a soak
+    saw a worker hold 12 more connections after a Redis restart, idle from then on."""
+    scripts = Scripts(client)
+    assert await scripts.call("watch", ["iop:run:none"], ["gw"]) == 0
+    await redis.script_flush()
+    answers = await asyncio.gather(*(scripts.call("watch", ["iop:run:none"], ["gw"]) for _ in range(20)))
+    assert answers == [0] * 20
+    assert await named_connections(redis) == 0  # (the line's is `iop-line-test:scripts`)
+    assert await redis.script_exists(*SHAS.values()) == [True] * len(SHAS)
