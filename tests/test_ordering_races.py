@@ -4,6 +4,8 @@ asyncio.Event while another task does what it does in production meanwhile, agai
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -72,19 +74,11 @@ async def test_a_run_taken_over_while_the_head_is_dropped_is_not_dropped_in_its_
     assert await redis.hmget(keys.run_record(older), "state", "provider") == [b"dispatched", b"a"]
 
 
-async def test_a_cancel_heard_between_a_run_s_start_and_its_task_is_not_lost(
-        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker's `take` started the run in Redis, and its caller left before the run's task had
-    registered it in `Runner.running` (the take's answer on its way back, or the run's task waiting
-    for its previous attempt's task to end): the node's cancel message, heard then, found no run
-    here and was dropped; the provider generated the whole answer for nobody, its slot held, until
-    the lease's first renewal (`lease_ttl_ms / 3`, 5 s by default) read the cancel flag."""
-    config = make_config({"a": 1}, runtime={"lease_ttl_ms": 600_000})  # (no renewal within the test)
-    _, sched, (run_id,) = await waiting_runs(redis, config, 1)
-    client = RunClient(redis, config)
-    await sched.dispatch_all()
-    adapter = StallingAdapter()
-    runner = Runner(redis, config, "n-a", {"a": adapter})
+@asynccontextmanager
+async def cancels_heard(redis: Redis, runner: Runner, run_id: str,
+                        monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[asyncio.Event]:
+    """The node's cancel listener on `runner` for the block, subscribed: an event set once it has
+    heard (and handled) a cancel of `run_id`."""
     heard = asyncio.Event()
     cancel = service._cancel
 
@@ -97,19 +91,47 @@ async def test_a_cancel_heard_between_a_run_s_start_and_its_task_is_not_lost(
     listener = asyncio.create_task(service._listen_cancels(runner, "n-a", Comeback(redis)))
     try:
         await async_wait_until(lambda: _subscribers(redis, keys.node_cancel("n-a")), what="the listener subscribed")
-        started = await runner.scripts.call("start", [keys.run_record(run_id), keys.run_events(run_id)],
-                                            [run_id, *runner.start_args(), keys.leases("")])
-        assert started[0] == b"ok"  # the run is running in Redis; its task has not begun
-        assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"
-        await asyncio.wait_for(heard.wait(), 10)  # the listener heard it, before the run's task began
-        execution = asyncio.create_task(runner.run(run_id, started))
-        assert (await asyncio.wait_for(execution, 10)).startswith("cancelled")
+        yield heard
     finally:
         listener.cancel()
         await asyncio.gather(listener, return_exceptions=True)
-        await client.close()
+
+
+async def start_here(runner: Runner, run_id: str) -> list[Any]:
+    """The run started in Redis by this worker, as its `take` does (its task not begun)."""
+    started: list[Any] = await runner.scripts.call("start", [keys.run_record(run_id), keys.run_events(run_id)],
+                                                   [run_id, *runner.start_args(), keys.leases("")])
+    assert started[0] == b"ok"
+    return started
+
+
+async def assert_left_by_its_caller(redis: Redis, run_id: str) -> None:
     assert await redis.hmget(keys.run_record(run_id), "state", "error_message") == [
         b"cancelled", b"the caller went away"]
+
+
+async def test_a_cancel_heard_between_a_run_s_start_and_its_task_is_not_lost(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's `take` started the run in Redis, and its caller left before the run's task had
+    registered it in `Runner.running` (the take's answer on its way back, or the run's task waiting
+    for its previous attempt's task to end): the node's cancel message, heard then, found no run
+    here and was dropped; the provider generated the whole answer for nobody, its slot held, until
+    the lease's first renewal (`lease_ttl_ms / 3`, 5 s by default) read the cancel flag."""
+    config = make_config({"a": 1}, runtime={"lease_ttl_ms": 600_000})  # (no renewal within the test)
+    _, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    client = RunClient(redis, config)
+    await sched.dispatch_all()
+    runner = Runner(redis, config, "n-a", {"a": StallingAdapter()})
+    try:
+        async with cancels_heard(redis, runner, run_id, monkeypatch) as heard:
+            started = await start_here(runner, run_id)  # the run is running in Redis; its task has not begun
+            assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"
+            await asyncio.wait_for(heard.wait(), 10)  # the listener heard it, before the run's task began
+            execution = asyncio.create_task(runner.run(run_id, started))
+            assert (await asyncio.wait_for(execution, 10)).startswith("cancelled")
+    finally:
+        await client.close()
+    await assert_left_by_its_caller(redis, run_id)
     assert await redis.zcard(keys.leases("a")) == 0
 
 
@@ -250,13 +272,8 @@ async def test_a_cancel_heard_while_the_run_s_last_attempt_here_ends_reaches_its
     await sched.dispatch_all()
     adapter = FailsThenStalls()
     runner = Runner(redis, config, "n-a", {"a": adapter})
-    heard, ended, go = asyncio.Event(), asyncio.Event(), asyncio.Event()
-    cancel, call = service._cancel, runner.scripts.call
-
-    async def cancel_heard(runner: Runner, cancelled: str) -> None:
-        await cancel(runner, cancelled)
-        if cancelled == run_id:
-            heard.set()
+    ended, go = asyncio.Event(), asyncio.Event()
+    call = runner.scripts.call
 
     async def slow_reply(name: str, script_keys: Any, args: Any) -> Any:
         answer = await call(name, script_keys, args)
@@ -265,31 +282,24 @@ async def test_a_cancel_heard_while_the_run_s_last_attempt_here_ends_reaches_its
             await go.wait()  # (... and its reply is read late)
         return answer
 
-    monkeypatch.setattr(service, "_cancel", cancel_heard)
     monkeypatch.setattr(runner.scripts, "call", slow_reply)
-    listener = asyncio.create_task(service._listen_cancels(runner, "n-a", Comeback(redis)))
     try:
-        await async_wait_until(lambda: _subscribers(redis, keys.node_cancel("n-a")), what="the listener subscribed")
-        first = asyncio.create_task(runner.execute(run_id))
-        await asyncio.wait_for(ended.wait(), 10)
-        assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
-        await sched.read_new(block_ms=10)
-        await sched.dispatch_all()  # its next attempt, here again
-        started = await call("start", [keys.run_record(run_id), keys.run_events(run_id)],
-                             [run_id, *runner.start_args(), keys.leases("")])
-        assert started[0] == b"ok"
-        assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"
-        await asyncio.wait_for(heard.wait(), 10)  # heard while the first attempt's task still ends
-        go.set()
-        assert (await first).startswith("requeued")
-        second = asyncio.create_task(runner.run(run_id, started))  # (as `_after` runs it, the first one done)
-        assert (await asyncio.wait_for(second, 10)).startswith("cancelled")
+        async with cancels_heard(redis, runner, run_id, monkeypatch) as heard:
+            first = asyncio.create_task(runner.execute(run_id))
+            await asyncio.wait_for(ended.wait(), 10)
+            assert await redis.hget(keys.run_record(run_id), "state") == b"queued"
+            await sched.read_new(block_ms=10)
+            await sched.dispatch_all()  # its next attempt, here again
+            started = await start_here(runner, run_id)
+            assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"
+            await asyncio.wait_for(heard.wait(), 10)  # heard while the first attempt's task still ends
+            go.set()
+            assert (await first).startswith("requeued")
+            second = asyncio.create_task(runner.run(run_id, started))  # (as `_after` runs it, the first one done)
+            assert (await asyncio.wait_for(second, 10)).startswith("cancelled")
     finally:
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
         await client.close()
-    assert await redis.hmget(keys.run_record(run_id), "state", "error_message") == [
-        b"cancelled", b"the caller went away"]
+    await assert_left_by_its_caller(redis, run_id)
 
 
 async def test_runs_a_replica_read_as_it_was_taken_over_are_not_left_pending_for_nobody(
@@ -361,35 +371,20 @@ async def test_a_cancel_that_reaches_a_lost_attempt_here_reaches_the_run_s_next_
     await sched.dispatch_all()
     adapter = StallingAdapter()
     runner = Runner(redis, config, "n-a", {"a": adapter})
-    heard = asyncio.Event()
-    cancel = service._cancel
-
-    async def cancel_heard(runner: Runner, cancelled: str) -> None:
-        await cancel(runner, cancelled)
-        if cancelled == run_id:
-            heard.set()
-
-    monkeypatch.setattr(service, "_cancel", cancel_heard)
-    listener = asyncio.create_task(service._listen_cancels(runner, "n-a", Comeback(redis)))
     try:
-        await async_wait_until(lambda: _subscribers(redis, keys.node_cancel("n-a")), what="the listener subscribed")
-        first = asyncio.create_task(runner.execute(run_id))
-        await async_wait_until(lambda: asyncio.sleep(0, adapter.calls == 1), what="the provider asked")
-        await redis.zadd(keys.leases("a"), {run_id: 1})  # (this worker was paused past its lease)
-        assert await sched.reap_expired_leases() == 1
-        await sched.read_new(block_ms=10)
-        await sched.dispatch_all()  # its next attempt, here again
-        started = await runner.scripts.call("start", [keys.run_record(run_id), keys.run_events(run_id)],
-                                            [run_id, *runner.start_args(), keys.leases("")])
-        assert started[0] == b"ok"
-        assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"
-        await asyncio.wait_for(heard.wait(), 10)
-        assert (await asyncio.wait_for(first, 10)).startswith("cancelled:stale")  # (the first attempt took it)
-        second = asyncio.create_task(runner.run(run_id, started))  # (as `_after` runs it, the first one done)
-        assert (await asyncio.wait_for(second, 10)).startswith("cancelled")
+        async with cancels_heard(redis, runner, run_id, monkeypatch) as heard:
+            first = asyncio.create_task(runner.execute(run_id))
+            await async_wait_until(lambda: asyncio.sleep(0, adapter.calls == 1), what="the provider asked")
+            await redis.zadd(keys.leases("a"), {run_id: 1})  # (this worker was paused past its lease)
+            assert await sched.reap_expired_leases() == 1
+            await sched.read_new(block_ms=10)
+            await sched.dispatch_all()  # its next attempt, here again
+            started = await start_here(runner, run_id)
+            assert await client.cancel(run_id, MODEL, "the caller went away") == "signalled"
+            await asyncio.wait_for(heard.wait(), 10)
+            assert (await asyncio.wait_for(first, 10)).startswith("cancelled:stale")  # (the first attempt took it)
+            second = asyncio.create_task(runner.run(run_id, started))  # (as `_after` runs it, the first one done)
+            assert (await asyncio.wait_for(second, 10)).startswith("cancelled")
     finally:
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
         await client.close()
-    assert await redis.hmget(keys.run_record(run_id), "state", "error_message") == [
-        b"cancelled", b"the caller went away"]
+    await assert_left_by_its_caller(redis, run_id)
