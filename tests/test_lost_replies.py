@@ -227,25 +227,6 @@ async def test_a_run_handed_over_again_is_not_run_twice_when_its_task_ended_befo
     from tests.test_runner import fields, start_one
     from workers.runner import Runner
 
-    class Gated:
-        """A provider that answers once let."""
-
-        def __init__(self) -> None:
-            self.calls = 0
-            self.go = asyncio.Event()
-
-        async def complete(self, kind: Any, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-            self.calls += 1
-            await self.go.wait()
-            return {"object": "chat.completion", "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
-
-        async def probe(self) -> Any:
-            raise AssertionError("not probed here")
-
-        async def close(self) -> None:
-            return None
-
     sched, run_id = await start_one(redis, {"a": 1}, stream=False)  # (its id is in the node's wake list too)
     provider = Gated()
     runner = Runner(redis, sched.config, "n-a", {"a": provider})  # type: ignore[dict-item]
@@ -627,7 +608,6 @@ async def test_a_job_task_that_ends_cancelled_does_not_stop_the_worker_loop(
         assert worker.tasks == {} and "a run's task ended cancelled" in caplog.text
     finally:
         await worker.pool.aclose(close_connection_pool=True)
-
 
 
 class Gated:
