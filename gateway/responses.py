@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Mapping
 from typing import Any, NoReturn
 
@@ -36,6 +37,8 @@ def sse(obj: Any) -> bytes:
 #: How long a caller whose stream the gateway gave up on has to take its error (and `[DONE]`).
 END_WITHIN_S = 1.0
 
+log = logging.getLogger("iop.gateway")
+
 
 async def ended_within(request: web.Request, ending: Awaitable[object], within_s: float = END_WITHIN_S) -> None:
     """Await `ending`, the last write of an answer whose caller may have stopped reading, for at
@@ -53,6 +56,11 @@ async def ended_within(request: web.Request, ending: Awaitable[object], within_s
             raise
         if request.transport is not None:
             request.transport.abort()
+            why = "its connection broke" if isinstance(exc, ConnectionError) else (
+                f"it did not take it within {within_s:g} s" if isinstance(exc, TimeoutError) else
+                "an earlier write to it was given up")
+            log.info("closed the connection of a caller of %s %s without the end of its answer: %s",
+                     request.method, request.path, why)
 
 
 def sse_chunks(chunks: list[Any], model_id: str) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import random
 import re
 import uuid
@@ -378,7 +379,7 @@ async def test_a_queued_responses_stream_opens_with_its_first_keep_alive_and_end
 
 
 async def test_a_stream_the_gateway_gives_up_on_whose_caller_does_not_read_is_closed(
-        redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+        redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The same, for a caller that stopped reading (its socket full of output): the error cannot
     go out, so within `END_WITHIN_S` of the deadline the connection is closed; the caller is not
     held, and no second answer ever follows the stream."""
@@ -395,6 +396,7 @@ async def test_a_stream_the_gateway_gives_up_on_whose_caller_does_not_read_is_cl
                    if sample.name == "iop_gateway_requests_total" and sample.labels.get("model") == MODEL)
 
     before = ended()
+    caplog.set_level(logging.INFO, "iop.gateway")
     await beat(redis, config())
     monkeypatch.setattr(RunClient, "follow_deadline_s", lambda self, model_id: 1.0)
     server = TestServer(build_app(config(), redis_url), port=0)
@@ -444,6 +446,9 @@ async def test_a_stream_the_gateway_gives_up_on_whose_caller_does_not_read_is_cl
     assert time.monotonic() - began < 30
     assert answer.startswith(b"HTTP/1.1 200 ") and answer.count(b"HTTP/1.1 ") == 1
     assert len(answer) < 13_000_000  # cut short: the connection was closed under the caller
+    # (the gateway says why a caller may see its answer cut: here the deadline gave up a write first)
+    assert "closed the connection of a caller of POST /v1/chat/completions without the end of its answer: an " \
+           "earlier write to it was given up" in caplog.text
 
 
 async def test_an_error_answer_leaves_no_reference_cycle_holding_the_request_s_body(
