@@ -967,9 +967,10 @@ def _taken(queue: list[Waiting], head: Waiting) -> bool:
     decision awaited Redis, another task may have put an older run in front of it (a dead replica's
     runs taken over, runs adopted) or taken it out (`dispatch_pending` dispatched it: False then).
     (`queue.pop(0)` after the await failed the run taken over, with the other run's error.)"""
-    if head not in queue:
+    try:
+        queue.remove(head)
+    except ValueError:
         return False
-    queue.remove(head)
     return True
 
 
