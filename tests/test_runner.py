@@ -1968,6 +1968,53 @@ async def test_a_cancel_s_log_line_names_the_provider_the_run_was_on(
         "r1", "a", "team-a")
 
 
+class Fails(Scripted):
+    """A provider whose every request fails with `error` (a whole answer or a stream)."""
+
+    def __init__(self, error: ProviderError) -> None:
+        super().__init__([])
+        self.failure = error
+
+    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        raise self.failure
+
+    async def stream(self, kind: RunKind, body: dict[str, Any],
+                     request_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        raise self.failure
+        yield []
+
+
+@pytest.mark.parametrize("silent", [True, False])
+async def test_a_llamacpp_non_stream_run_whose_server_went_silent_marks_it_busy_for_read_timeout_ms(
+        redis: Redis, silent: bool) -> None:
+    """A non-stream request to llama-cpp-python that iop gave up because the server sent nothing
+    for `read_timeout_ms` goes on there for nobody, as one whose caller left: its heartbeat says
+    so (`busy_until_ms`), or the next probe would wait behind it, time out and take a busy server
+    down. A server that answered (a 500 here) generates nothing more: not marked."""
+    import aiohttp
+
+    from workers.adapters.failures import transport_error
+    config = parse_config({
+        "models": [{"id": MODEL, "providers": {"a": "a-name"}}],
+        "nodes": [{"id": "n-a", "providers": [{"id": "a", "type": "llamacpp", "base_url": "http://127.0.0.1:9",
+                                                "capacity": 1, "models": ["a-name"], "read_timeout_ms": 90_000}]}],
+        "queue": {"max_queue": 10, "queue_timeout_ms": 60_000, "max_attempts": 1},
+    })
+    client, sched, (run_id,) = await waiting_runs(redis, config, 1)
+    await sched.dispatch_all()
+    error = (transport_error("a", aiohttp.SocketTimeoutError(), connect_ms=1000, read_ms=90_000) if silent
+             else ProviderError("provider a: answered 500", status=500, retry=Retry.ELSEWHERE, strikes=0))
+    runner = Runner(redis, config, "n-a", {"a": Fails(error)})
+    before = now_ms()
+    assert (await runner.execute(run_id)).startswith("failed")
+    until = await redis.hget(keys.heartbeat("a"), "busy_until_ms")
+    await client.close()
+    if silent:
+        assert until is not None and before + 90_000 <= int(until) <= now_ms() + 90_000
+    else:
+        assert until is None
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_llamacpp_non_stream_run_given_up_marks_its_server_busy_for_read_timeout_ms(
         redis: Redis, stream: bool) -> None:

@@ -457,6 +457,8 @@ class Runner:
             async with asyncio.timeout(timeout_s):
                 return await self._answer(att, adapter, kind, body, record.get("stream") == b"1", capped)
         except ProviderError as exc:
+            if exc.code is ErrorCode.PROVIDER_TIMEOUT:  # (silent: it may still generate, for nobody now)
+                await self._gave_up(att, record)
             info = ErrorInfo(exc.code, exc.message, status=exc.status, detail=exc.detail,
                              before_output=not att.output, retry_after_s=exc.retry_after_s,
                              repeats=exc.repeats)
@@ -745,12 +747,13 @@ class Runner:
         return any(candidate_class(s, now, self.config.runtime.heartbeat_ttl_ms) is not None for s in snaps)
 
     async def _gave_up(self, att: Attempt, record: dict[str, bytes]) -> None:
-        """A non-stream request given up (its caller left, a cancel, `execution_timeout_ms`) while a
-        server whose probe disturbs a run (`PROBE_DISTURBS`: llama-cpp-python) generated it: that
-        server goes on for nobody until it is done, and its `GET /v1/models` waits for it. Its
-        heartbeat says until when it may (`read_timeout_ms` from now, the longest silence iop allows
-        it), and no probe is sent till then (the `probe` script), as while it runs iop's runs: one
-        would time out there and strike a busy server down. A stream stops at once there."""
+        """A non-stream request given up (its caller left, a cancel, `execution_timeout_ms`, a silence
+        of `read_timeout_ms`) while a server whose probe disturbs a run (`PROBE_DISTURBS`:
+        llama-cpp-python) generated it: that server goes on for nobody until it is done, and its
+        `GET /v1/models` waits for it. Its heartbeat says until when it may (`read_timeout_ms` from
+        now, the longest silence iop allows it), and no probe is sent till then (the `probe`
+        script), as while it runs iop's runs: one would time out there and strike a busy server
+        down. A stream stops at once there."""
         provider = self.config.provider(att.provider_id)  # (its adapter was made from it: `Runner.run`)
         if record.get("stream") == b"1" or provider.type not in PROBE_DISTURBS:
             return
