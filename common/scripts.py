@@ -440,9 +440,10 @@ return {'ok', entry, left}
 # scheduler back.
 # The job on the node's queue is the run id alone (the run record carries the rest): the worker's
 # `take` script reads the record, not an arq job payload.
-# Once dispatched, the replica holding the next waiting run of the model is woken (`_WAKE`; not the
-# dispatching one), and the answer says which it is: {'ok', consumer ('' if none holds it yet),
-# provider id, how many runs from the head on are the dispatching replica's own}. A replica may send
+# Once dispatched (or dropped, its record no longer queued), the replica holding the next waiting
+# run of the model is woken (`_WAKE`; not the dispatching one), and the answer to a dispatch says
+# which it is: {'ok', consumer ('' if none holds it yet), provider id, how many runs from the head
+# on are the dispatching replica's own}. A replica may send
 # that many in one pipeline, oldest first: each still checks that its run is the head, so one that
 # cannot go holds back the ones behind it ('not_head').
 # `dispatch_one`: the whole of a dispatch, for one run; `cands` are its candidates, in the order
@@ -479,6 +480,8 @@ local function dispatch_one(stream, record, events, run_id, entry, group, lease_
   if rec[1] ~= 'queued' then
     redis.call('XACK', stream, group, entry)
     redis.call('XDEL', stream, entry)
+    -- (the run behind it is the head now: its replica is woken, as after a dispatch)
+    if #head > 1 then wake_head(stream, prefix, me, 1) end
     return 'gone'
   end
   local live, oldest_beat = '(' .. now, now - tonumber(hb_ttl)

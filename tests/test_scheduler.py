@@ -1394,3 +1394,32 @@ async def test_a_runs_stream_of_another_type_written_by_hand_is_deleted_and_said
     assert await redis.type(keys.runs_stream("m:2")) == b"stream"
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "deleted" in r.getMessage()]
     assert len(said) == 2 and all(keys.runs_stream("m:2") in s for s in said), said
+
+
+async def test_a_head_whose_record_is_gone_wakes_the_replica_holding_the_next_run(redis: Redis) -> None:
+    """A replica that finds its head's record gone (a run cancelled while queued, its record
+    expired) drops the entry and wakes the replica that holds the run now at the head, as a
+    dispatch does: that one waited for its next tick (up to a second)."""
+    from common.subscription import subscribe
+
+    config = make_config({"a": 2})
+    await beat(redis, config)
+    client = RunClient(redis, config)
+    gone, nxt = await submit(client, 2)
+    await beat(redis, config, health="unavailable")  # (the reads below dispatch nothing themselves)
+    one, two = Scheduler(redis, config, consumer="one"), Scheduler(redis, config, consumer="two")
+    await one.ensure_groups()
+    assert await one.read_new(block_ms=10, count=1) == 1
+    assert await two.read_new(block_ms=10, count=1) == 1
+    await redis.hset(keys.run_record(gone), "state", "cancelled")
+    await beat(redis, config)
+    pubsub = redis.pubsub()
+    await subscribe(pubsub, keys.scheduler_channel("two"))
+    model = config.model(MODEL)
+    assert model is not None
+    await one.dispatch_model(model)
+    assert [entry[b"run"] for _, entry in await redis.xrange(keys.runs_stream(MODEL))] == [nxt.encode()]
+    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
+    await pubsub.aclose()
+    await client.close()
+    assert message is not None and message["data"] == MODEL.encode(), message
