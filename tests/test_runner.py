@@ -2044,3 +2044,23 @@ async def test_a_llamacpp_non_stream_run_given_up_marks_its_server_busy_for_read
         assert until is None
     else:
         assert until is not None and before + 90_000 <= int(until) <= now_ms() + 90_000
+
+
+async def test_more_output_read_at_once_than_an_event_holds_goes_as_several_in_order(redis: Redis) -> None:
+    """A provider that sends faster than it is read gives the worker thousands of chunks in one
+    read: they go as several deltas of at most `EVENT_BYTES` each (packed), numbered in turn, every
+    chunk once and in order. (One of 374 KB had each caller that read slowly hold ~2.5 MB in its
+    gateway, which holds at least one event a caller.)"""
+    from workers.runner import EVENT_BYTES
+    sched, run_id = await start_one(redis, {"a": 1})
+    read = [text(f"token {i:05d} " + "x" * 60) for i in range(4000)]
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([read, [text("end")]])})
+    assert await runner.execute(run_id) == "completed:ok"
+    stored = [(f[b"type"], f[b"data"]) for _, f in await redis.xrange(keys.run_events(run_id))]
+    deltas = [unpack(data) for etype, data in stored if etype == b"delta"]
+    sizes = [len(data) for etype, data in stored if etype == b"delta"]
+    assert len(deltas) > 4 and max(sizes) <= EVENT_BYTES, sizes
+    assert [d["n"] for d in deltas] == list(range(1, len(deltas) + 1))
+    got = [c for d in deltas for c in d["chunks"]]
+    assert got == [*read, text("end")]
+    assert unpack(stored[-1][1])["deltas"] == len(deltas)

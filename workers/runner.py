@@ -70,6 +70,12 @@ MAX_CANCELS_HEARD = 4096
 #: The most opening chunks (a bare `role` delta) a stream's first output waits for: more go out.
 MAX_OPENING = 64
 
+#: A delta event's largest size, packed, but for one of a single chunk: more output read at once (a
+#: provider that sends faster than it is read) goes as several events. A caller's gateway holds a
+#: reader's events up to about as much (`gateway.events.HELD_BYTES`), always at least one: an event
+#: of 374 KB (an unpaced 100,000-token stream) had each slow reader hold ~2.5 MB there.
+EVENT_BYTES = 1 << 16
+
 #: The most times a request given the model's cap is asked again with less (`Runner._answer`): a chat
 #: cap over SGLang's context, then the total over it, then (SGLang 0.5.2) a total equal to it
 REFITS = 3
@@ -766,12 +772,21 @@ class Runner:
     # ------------------------------------------------------------------ redis
     async def _emit(self, att: Attempt, etype: EventType, data: dict[str, Any]) -> None:
         """Add an event to the run, within its limits. Rides out a Redis restart
-        (`_call_while_leased`)."""
+        (`_call_while_leased`). A delta larger than `EVENT_BYTES` packed goes as several, each of
+        about that size (but a single chunk)."""
         rt = self.config.runtime
         # (a delta says its number: a gateway drops one it had, and ends a stream in which one is missing)
         # (and its attempt: a gateway tells the next attempt's first deltas from those written again)
         packed = self._output(att, {**data, "n": att.emitted + 1, "a": int(att.attempt)} if etype is EventType.DELTA
                               else data)
+        chunks = data["chunks"] if etype is EventType.DELTA else ()
+        if len(packed) > EVENT_BYTES and len(chunks) > 1:  # (in parts of about EVENT_BYTES, in order)
+            parts = min(len(chunks), -(-len(packed) // EVENT_BYTES))
+            del packed
+            for i in range(parts):
+                await self._emit(att, etype, {**data, "chunks": chunks[i * len(chunks) // parts:
+                                                                     (i + 1) * len(chunks) // parts]})
+            return
         args = [att.attempt, etype.value, packed, rt.max_events_per_run, att.run_id, att.emitted + 1]
         ok = await self._call_while_leased(att, "emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
                                            args, "emitting")
