@@ -110,6 +110,13 @@ class _Stream(web.StreamResponse):
     _send_headers_immediately = False
 
 
+#: What a stream writes at once at most, but for a single event's SSE lines: the events a caller
+#: had waiting go out in writes of about this size, each awaited, so that a caller that reads
+#: slowly has no more in the gateway's buffers (its held events' text was written at once: 2.8 MB
+#: a caller that read nothing, with a provider that sent faster than it was read).
+WRITE_BYTES = 1 << 16
+
+
 class SSEStream:
     """An SSE answer whose headers go out only when needed: with the first output, or with the
     first keep-alive comment. Until then a failure keeps its own HTTP status. Chat chunks, or
@@ -217,6 +224,7 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
             await out.keep_alive()
             continue
         parts: list[bytes] = []
+        size = 0
         events = (first, *follower.take_ready())
         follower.writing = sum(e.size for e in events)  # (held until written: a slow reader's write waits)
         for event in events:
@@ -238,6 +246,10 @@ async def stream_response(request: web.Request, follower: Follower, model_id: st
                 except TooManyItems as exc:  # (the caller cancels the run: it goes no further)
                     await _cut(request, out, exc.error, b"".join(parts) + exc.before)
                 metrics.streamed(request, chunks)
+                size += len(parts[-1])
+                if size >= WRITE_BYTES:  # (what waited goes on in parts, each awaited: `WRITE_BYTES`)
+                    await out.write(b"".join(parts))
+                    parts, size = [], 0
             elif event.type == EventType.COMPLETED:
                 deltas = event.data.get("deltas")
                 if type(deltas) is int and deltas > had:  # (its last deltas lost)

@@ -175,3 +175,49 @@ def test_a_deltas_chunks_are_each_its_own_sse_line_saying_the_model() -> None:
         assert sse_chunks(chunks, "public") == expected
         assert all(c["model"] == "public" for c in chunks if isinstance(c, dict))
 
+
+
+async def test_events_that_waited_together_go_out_in_writes_of_about_write_bytes_each() -> None:
+    """A caller that reads slowly has many events waiting when it takes them: their SSE lines go
+    out in writes of at most `WRITE_BYTES` (and one event's lines), each awaited, not all at once
+    into the gateway's buffers; every one arrives, in order."""
+    from gateway.responses import WRITE_BYTES
+    writes: list[int] = []
+    events = [delta(n, f"{n:04d} " + "y" * 3000) for n in range(1, 81)]
+    events.append(Event("2-0", EventType.COMPLETED, {"deltas": 80}))
+
+    class Waited(Played):
+        async def next(self, timeout: float) -> Event | None:
+            if not self.events:
+                await asyncio.Event().wait()
+            return self.events.pop(0)
+
+        def take_ready(self) -> list[Event]:
+            taken, self.events = self.events, []
+            return taken
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        transport: Any = request.transport
+        write, writelines = transport.write, transport.writelines
+
+        class Recording:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(transport, name)
+
+            def write(self, data: bytes) -> None:
+                writes.append(len(data))
+                write(data)
+
+            def writelines(self, lines: list[bytes]) -> None:
+                writes.append(sum(map(len, lines)))
+                writelines(lines)
+
+        request.protocol.transport = Recording()  # type: ignore[assignment]
+        out = SSEStream(request, "run_1", {})
+        return await stream_response(request, Waited(events), "m", out, 60)  # type: ignore[arg-type]
+
+    body = (await get(handler))[1]
+    assert texts(body) == [f"{n:04d} " + "y" * 3000 for n in range(1, 81)]
+    assert body.endswith(b"data: [DONE]\n\n")
+    one_event = len(sse_chunks(events[0].data["chunks"], "m"))
+    assert sum(writes) > 3 * WRITE_BYTES and max(writes) <= WRITE_BYTES + one_event + 1024, writes
