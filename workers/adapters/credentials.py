@@ -11,7 +11,7 @@ from typing import Any
 
 from common.config import ProviderConfig
 from common.wire import upstream_request_id
-from workers.adapters.failures import url_secrets
+from workers.adapters.failures import key_secrets, url_secrets
 from workers.adapters.proxies import Proxy, Via
 
 
@@ -61,6 +61,6 @@ class Credentials:
         return {"headers": headers, "proxy": self.via.url, "proxy_headers": self.via.tunnel_headers()}
 
     def secrets(self) -> list[str]:
-        """What no error text may show: the key, credentials in `base_url`, the proxy's."""
-        key = self.key()
-        return ([key] if key else []) + url_secrets(self.provider.base_url) + self.via.secrets
+        """What no error text may show: the key (as it is, or percent-encoded), credentials in
+        `base_url`, the proxy's."""
+        return key_secrets(self.key()) + url_secrets(self.provider.base_url) + self.via.secrets

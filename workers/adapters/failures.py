@@ -21,7 +21,7 @@ import ssl
 import time
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, quote_plus, unquote, urlsplit
 
 import aiohttp
 
@@ -97,6 +97,17 @@ def url_secrets(url: str | None) -> list[str]:
             token = base64.b64encode(credentials.encode(encoding)).decode("ascii")
             found.update((token, token.rstrip("=")))  # also as echoed without its padding
     return sorted((form for form in found if form), key=len, reverse=True)
+
+
+def key_secrets(key: str | None) -> list[str]:
+    """Every form in which an API key may come back in a provider's answer: as it is, and
+    percent-encoded as a URL or a form writes it (`/` kept or not, a space as `+`), with its
+    escapes in upper or lower case."""
+    if not key:
+        return []
+    encoded = {quote(key, safe=""), quote(key), quote_plus(key)}
+    found = {key} | encoded | {re.sub(r"%[0-9A-F]{2}", lambda m: m.group().lower(), form) for form in encoded}
+    return sorted(found, key=len, reverse=True)
 
 
 #: The shortest start (or end) of a secret taken for it where a text was cut (`one_line`).
