@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 import redis as redis_lib
+from aiohttp import web
 
 from common import keys
 from common.auth import hash_key, new_key
@@ -268,3 +269,64 @@ async def test_with_keys_the_page_asks_for_an_operator_key_and_keeps_it_for_the_
         assert operator not in await other_tab.content()
     finally:
         stack.stop_all()
+
+
+#: what a hostile provider puts in every text it controls: a name it lists, a served name, an error
+XSS = "<script>window.pwned=1</script><img src=x onerror=\"window.pwned=2\">'\"><svg onload=window.pwned=3>"
+
+
+async def test_a_provider_s_text_stays_text_and_no_script_but_the_page_s_own_runs(
+        tmp_path: Path, own_redis: RedisServer, page: Any) -> None:
+    """A provider controls its model list and its errors (a probe failure's text is the reason the
+    page shows): they are text on the page. And the page's Content-Security-Policy lets only its own
+    inline script run: under `'unsafe-inline'`, markup injected into the page ran its `onerror`."""
+    expect = async_api.expect
+
+    async def models(request: web.Request) -> web.Response:
+        if request.match_info["pfx"] == "down":
+            return web.Response(status=500, text=f"down {XSS}")
+        return web.json_response({"object": "list", "data": [{"id": n, "object": "model"} for n in ("ok", XSS)]})
+
+    app = web.Application()
+    app.router.add_get("/{pfx}/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    refused: list[str] = []
+    page.on("console", lambda msg: refused.append(msg.text) if "Content Security Policy" in msg.text else None)
+    stack = Stack(tmp_path, own_redis.url)
+    try:
+        stack.write_config({
+            "models": [{"id": "m", "display_name": XSS, "providers": {"up": XSS, "down": "ok"}}],
+            "nodes": [{"id": "n", "providers": [
+                {"id": "up", "type": "openai_api", "base_url": url + "/up/v1", "capacity": 1, "models": ["ok", XSS]},
+                {"id": "down", "type": "openai_api", "base_url": url + "/down/v1", "capacity": 1,
+                 "models": ["ok"]}]}],
+            "runtime": RUNTIME})
+        stack.scheduler()
+        stack.worker("n")
+        gateway = stack.gateway()
+        await page.goto(gateway + "/catalog")
+        await expect(row(page, "up")).to_have_attribute("data-health", "available", timeout=WAIT_MS)
+        await expect(row(page, "down")).to_have_attribute("data-health", "unavailable", timeout=WAIT_MS)
+        await expect(row(page, "down").locator(".reason")).to_contain_text("<script>window.pwned=1</script>")
+        await expect(page.locator("tr[data-model='m']")).to_contain_text(XSS)
+        await expect(page.locator("#status")).to_have_attribute("data-state", "live")
+        assert await page.evaluate("window.pwned") is None
+        assert await page.evaluate("document.querySelectorAll('img, svg[onload], [onerror]').length") == 0
+        assert await page.evaluate("document.scripts.length") == 1
+        assert refused == [], refused  # (the page's own script and style ran: its rows are there)
+
+        # Markup that reached the page anyway (as it would through a bug) runs no handler of its own.
+        violated = await asyncio.wait_for(page.evaluate("""() => new Promise(resolve => {
+            document.addEventListener("securitypolicyviolation", e => resolve(e.violatedDirective));
+            document.addEventListener("pwned", () => resolve("its handler ran"));
+            document.body.insertAdjacentHTML("beforeend",
+              '<img src="data:," onerror="window.pwned=5; document.dispatchEvent(new Event(\\'pwned\\'))">');
+        })"""), WAIT_MS / 1000)
+        assert violated.startswith("script-src"), violated
+        assert await page.evaluate("window.pwned") is None
+    finally:
+        stack.stop_all()
+        await runner.cleanup()
