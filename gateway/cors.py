@@ -119,7 +119,15 @@ async def on_prepare(request: web.Request, response: web.StreamResponse) -> None
         response.headers["Access-Control-Expose-Headers"] = EXPOSED
 
 
+async def nosniff(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer is taken as the type it says (`on_response_prepare`): JSON carrying a provider's
+    or a caller's text is never sniffed into a page, nor run as a script a page of another site
+    includes."""
+    response.headers.setdefault("X-Content-Type-Options", "nosniff")
+
+
 def setup(app: web.Application, origins: list[str]) -> None:
+    app.on_response_prepare.append(nosniff)
     if origins:
         app[ORIGINS] = frozenset(origin.lower() for origin in origins)
         app.on_response_prepare.append(on_prepare)

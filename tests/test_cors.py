@@ -171,3 +171,14 @@ def test_more_than_a_hundred_sites_is_a_config_fault() -> None:
         parse_config(config)
     assert any(e.startswith("runtime.cors_origins: List should have at most 100 items") for e in err.value.errors), \
         err.value.errors
+
+
+async def test_every_answer_says_nosniff(gateway: str) -> None:
+    """A browser must take an answer as the type it says: JSON, an error's JSON carrying a
+    provider's or a caller's text, the metrics' text, never sniffed into a page or a script."""
+    async with aiohttp.ClientSession() as http:
+        for method, path, headers in [("GET", "/v1/models", bearer(CALLER)), ("GET", "/v1/models", {}),
+                                      ("GET", "/v1/runs/run_x%3Cscript%3E", bearer(CALLER)), ("GET", "/healthz", {}),
+                                      ("POST", "/v1/chat/completions", bearer(CALLER)), ("GET", "/nowhere", {})]:
+            async with http.request(method, gateway + path, headers=headers, data=b"<script>") as resp:
+                assert resp.headers.get("X-Content-Type-Options") == "nosniff", (method, path, resp.status)
