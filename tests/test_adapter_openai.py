@@ -322,10 +322,10 @@ async def test_the_api_key_is_sent_but_never_shown(fake: Fake, session: aiohttp.
 
 async def test_a_key_echoed_percent_encoded_is_redacted_too(fake: Fake, session: aiohttp.ClientSession,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A server (or a proxy before it) that echoes the key as a URL writes it (`/`, `+`, `=`, as an
-    Azure key has them, percent-encoded) showed it to the caller, the catalog and the log."""
+    """A server (or a proxy before it) that echoes the key as a URL writes it (`/`, `+`, `=`
+    percent-encoded), or as JSON in a text (`\\/`), showed it to the caller, the catalog and the log."""
     key = "sk-Az/9+q=="
-    forms = ["sk-Az%2F9%2Bq%3D%3D", "sk-Az/9%2Bq%3D%3D", "sk-Az%2f9%2bq%3d%3d"]
+    forms = ["sk-Az%2F9%2Bq%3D%3D", "sk-Az/9%2Bq%3D%3D", "sk-Az%2f9%2bq%3d%3d", "sk-Az\\/9+q=="]
     monkeypatch.setenv("IOP_TEST_API_KEY", key)
     adapter = OpenAICompatAdapter(provider("openai_api", fake.url, api_key_env="IOP_TEST_API_KEY"), session)
     fake.status["/v1/chat/completions"] = 400
@@ -333,7 +333,7 @@ async def test_a_key_echoed_percent_encoded_is_redacted_too(fake: Fake, session:
     with pytest.raises(ProviderError) as err:
         await adapter.complete(RunKind.CHAT, chat(), "r")
     shown = f"{err.value.message} {err.value.detail}"
-    assert not any(form in shown for form in forms) and "[redacted] [redacted] [redacted]" in shown, shown
+    assert not any(form in shown for form in forms) and "[redacted] [redacted] [redacted] [redacted]" in shown, shown
     fake.status["/v1/models"] = 500
     fake.body["/v1/models"] = {"error": {"message": "bad key " + " ".join(forms)}}
     probe = await adapter.probe()

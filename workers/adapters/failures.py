@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import email.utils
 import errno
+import json
 import math
 import os
 import re
@@ -102,11 +103,14 @@ def url_secrets(url: str | None) -> list[str]:
 def key_secrets(key: str | None) -> list[str]:
     """Every form in which an API key may come back in a provider's answer: as it is, and
     percent-encoded as a URL or a form writes it (`/` kept or not, a space as `+`), with its
-    escapes in upper or lower case."""
+    escapes in upper or lower case, and as JSON writes it in a text that is not read as JSON (a `/`
+    as `\\/`, as PHP's `json_encode` writes it)."""
     if not key:
         return []
     encoded = {quote(key, safe=""), quote(key), quote_plus(key)}
-    found = {key} | encoded | {re.sub(r"%[0-9A-F]{2}", lambda m: m.group().lower(), form) for form in encoded}
+    in_json = json.dumps(key)[1:-1]
+    found = ({key, in_json, in_json.replace("/", "\\/")} | encoded
+             | {re.sub(r"%[0-9A-F]{2}", lambda m: m.group().lower(), form) for form in encoded})
     return sorted(found, key=len, reverse=True)
 
 
