@@ -94,7 +94,7 @@ def render_catalog(catalog: Catalog) -> str:
     unconfigured = ""
     if catalog.unconfigured_providers:
         unconfigured = (f"\n\nproviders with heartbeats that this config does not define: "
-                        f"{', '.join(catalog.unconfigured_providers)} (the pool runs another config)")
+                        f"{', '.join(map(printable, catalog.unconfigured_providers))} (the pool runs another config)")
     return f"{providers}\n\n{models}{unconfigured}"
 
 

@@ -281,6 +281,10 @@ def test_providers_that_beat_but_the_config_lacks_are_named() -> None:
     assert render_catalog(build_catalog(config(), state)).endswith(
         "\n\nproviders with heartbeats that this config does not define: d-new, zeta (the pool runs another config)")
     assert "does not define" not in render_catalog(build_catalog(config(), raw({})))
+    # (a name written into Redis by hand: it neither rewrites the terminal nor forges a line)
+    state = dataclasses.replace(state, beating=["zz\x1b[2J\nforged"])
+    assert render_catalog(build_catalog(config(), state)).endswith(
+        "does not define: zz\\u001b[2J\\u000aforged (the pool runs another config)")
 
 
 def test_a_provider_whose_heartbeat_comes_from_another_node_is_not_selectable_and_says_why() -> None:
