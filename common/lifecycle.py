@@ -38,7 +38,10 @@ class JsonFormatter(logging.Formatter):
 #: neither breaks its line nor reaches an operator's terminal as escape sequences (a caller's path
 #: cleared the screen and printed a forged line in red)
 _SHOWN_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c != 0x09} | {
-    0x0A: "\\n", 0x0D: "\\r"}
+    0x0A: "\\n", 0x0D: "\\r"} | {
+    # (line and paragraph separators: a line break to Python's `splitlines` and to JavaScript; the
+    # bidirectional overrides and isolates: the rest of the line shown right to left)
+    c: f"\\u{c:04x}" for c in (0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A))}
 _TRACEBACK_CONTROLS = {c: shown for c, shown in _SHOWN_CONTROLS.items() if c != 0x0A}
 
 

@@ -85,6 +85,15 @@ def test_control_characters_of_a_message_reach_the_text_log_escaped() -> None:
     assert not any(ord(c) < 0x20 and c != "\t" or 0x7F <= ord(c) < 0xA0 for c in line)
 
 
+def test_line_separators_and_bidirectional_overrides_reach_the_text_log_escaped() -> None:
+    """A provider's 4xx text is logged as it came, a U+202E in it too: the rest of the line showed
+    right to left (a line that reads other than it is). U+2028 is a line break to a reader that
+    splits as Python's `splitlines` or JavaScript does: in a caller's path, a forged line."""
+    line = emit(TextFormatter(), "failed: %s", "a\u2028 2026-12-07 ERROR forged\u2029b\u202ec\u2066d\u2069")
+    assert line.endswith("failed: a\\u2028 2026-12-07 ERROR forged\\u2029b\\u202ec\\u2066d\\u2069")
+    assert len(line.splitlines()) == 1
+
+
 def test_a_traceback_keeps_its_lines_and_escapes_any_other_control_character() -> None:
     formatter = TextFormatter()
     try:
