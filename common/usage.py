@@ -14,7 +14,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys
-from common.auth import ANONYMOUS
+from common.auth import ANONYMOUS, KeyRing
 from common.config import Config
 from common.shown import quoted
 
@@ -43,8 +43,11 @@ class Usage:
         return out
 
 
-def key_names(config: Config) -> list[str]:
-    """The names usage is kept under: every configured key, or `anonymous` without keys."""
+def key_names(config: Config, ring: KeyRing | None = None) -> list[str]:
+    """The names usage is kept under: every configured key, or `anonymous` without keys. With `ring`
+    (a gateway's keys, which follow its config file: `gateway.keys_reload`), the keys it holds now."""
+    if ring is not None:
+        return [principal.name for _, principal in ring.entries]
     return [k.name for k in config.auth.keys] if config.auth is not None else [ANONYMOUS]
 
 

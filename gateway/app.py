@@ -343,7 +343,7 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     runs_api.setup(app, lambda: app[RUNS], app[STOPPING])
-    metrics.setup(app, lambda: app[RUNS].redis, key_names(config),
+    metrics.setup(app, lambda: app[RUNS].redis, lambda: key_names(config, app.get(KEYRING)),
                   lambda: app[RUNS].take_back if RUNS in app else None)
     catalog.setup(app, config, lambda: app[RUNS].redis)
     admin.setup(app, config, lambda: app[RUNS].redis)

@@ -111,7 +111,7 @@ REGISTRY.register(USAGE)
 
 async def metrics(request: web.Request) -> web.Response:
     async def refresh() -> None:
-        USAGE.rows = await read_totals(request.app[USAGE_SOURCE][0](), request.app[USAGE_SOURCE][1])
+        USAGE.rows = await read_totals(request.app[USAGE_SOURCE][0](), request.app[USAGE_SOURCE][1]())
 
     return await exposition(REGISTRY, refresh if USAGE_SOURCE in request.app else None)
 
@@ -159,16 +159,18 @@ TAKE_BACK = _TakeBack()
 REGISTRY.register(TAKE_BACK)
 
 
-#: Where the usage counters come from: the app's Redis client, and the key names usage is kept under.
+#: Where the usage counters come from: the app's Redis client, and the key names usage is kept under
+#: (read at each scrape: the keys follow the config file, `gateway.keys_reload`).
 USAGE_SOURCE = web.AppKey("usage_source", tuple)
 
 
-def setup(app: web.Application, redis: Callable[[], Redis] | None = None, key_names: list[str] | None = None,
+def setup(app: web.Application, redis: Callable[[], Redis] | None = None,
+          key_names: Callable[[], list[str]] | None = None,
           take_back: Callable[[], TakeBack | None] | None = None) -> None:
     """Serve /metrics (`gateway.middleware` measures the run requests); with `redis`, also the
-    usage of `key_names`; with `take_back`, the kept cancels."""
+    usage of the keys `key_names` gives; with `take_back`, the kept cancels."""
     app.router.add_get("/metrics", metrics)
     if take_back is not None:
         TAKE_BACK.source = take_back
     if redis is not None:
-        app[USAGE_SOURCE] = (redis, key_names or [])
+        app[USAGE_SOURCE] = (redis, key_names or list)

@@ -18,7 +18,7 @@ from common.config import Config
 from common.shown import quoted
 from common.usage import DayError, day_range, has_usage, key_names, model_asked, no_such_model, read_usage
 from common.wire import ErrorCode
-from gateway.auth import principal
+from gateway.auth import KEYRING, principal
 from gateway.errors import ApiError, invalid
 from gateway.requests import query_value
 
@@ -26,7 +26,7 @@ from gateway.requests import query_value
 def setup(app: web.Application, config: Config, redis: Callable[[], Redis]) -> None:
     async def usage(request: web.Request) -> web.Response:
         who = principal(request)
-        known = key_names(config)
+        known = key_names(config, request.app.get(KEYRING))  # (the keys as a reload left them)
         asked = query_value(request, "key")
         visible = known if who.operator else [who.name]
         if asked is not None and asked not in visible and not (who.operator and await has_usage(redis(), asked)):

@@ -499,6 +499,39 @@ async def test_an_operator_sees_the_usage_of_a_key_no_longer_in_the_config(gatew
     assert (await call(http, "GET", gateway + "/v1/usage?model=qwen3.6:35b", CALLER))[0] == 200
 
 
+async def test_the_usage_lists_and_counters_follow_a_reload_of_the_keys(redis: Redis, redis_url: str,
+                                                                        http: aiohttp.ClientSession) -> None:
+    """The keys a gateway lists in `/v1/usage` and `/metrics` are those it holds now, as a reload of
+    its config file left them (`gateway.keys_reload`): they were those it started with, so a key
+    added since had no counters until a restart, and one revoked was still listed."""
+    first = parse_config(pool({"keys": [{"name": "team-a", "sha256": hash_key(CALLER)},
+                                        {"name": "ops", "sha256": hash_key(OPERATOR), "role": "operator"}]}))
+    assert first.auth is not None
+    ring = KeyRing.from_config(first.auth, {})
+    server = TestServer(build_app(first, redis_url, ring), port=0)
+    await server.start_server()
+    try:
+        gateway = str(server.make_url("")).rstrip("/")
+        today = dt.datetime.now(dt.UTC).date().isoformat()
+        for name in ("team-a", "team-c"):
+            await redis.hset(keys.usage_day(name, today), mapping={"runs:qwen3.6:35b": 1})
+            await redis.hset(keys.usage_total(name), mapping={"runs:qwen3.6:35b": 1})
+        reloaded = parse_config(pool({"keys": [{"name": "team-c", "sha256": hash_key(OTHER)},
+                                               {"name": "ops", "sha256": hash_key(OPERATOR), "role": "operator"}]}))
+        assert reloaded.auth is not None
+        ring.replace(KeyRing.from_config(reloaded.auth, {}))
+        _, every, _ = await call(http, "GET", gateway + "/v1/usage", OPERATOR)
+        assert [r["key"] for r in every["data"]] == ["team-c"], every
+        _, text, _ = await call(http, "GET", gateway + "/metrics", OPERATOR)
+        runs = re.findall(r'^iop_usage_runs_total\{key="([^"]+)"', text, re.M)
+        assert runs == ["team-c"], runs
+        # (a revoked key's usage is still there, asked for by name)
+        _, gone, _ = await call(http, "GET", gateway + "/v1/usage?key=team-a", OPERATOR)
+        assert [r["key"] for r in gone["data"]] == ["team-a"], gone
+    finally:
+        await server.close()
+
+
 def test_iop_usage_shows_a_key_no_longer_in_the_config_by_name(redis_url: str,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     import redis as sync_redis
