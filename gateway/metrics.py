@@ -117,10 +117,23 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 class _Connections(Collector):
-    def __init__(self, guard: ConnectionGuard) -> None:
+    """The open connections of the guard watched now, and the connections closed by every guard
+    watched in this process: a gateway served again in the same process goes on from the last one's
+    counts (a counter never goes back), and its metrics stay one family each."""
+
+    def __init__(self) -> None:
+        self.guard: ConnectionGuard | None = None
+        self.carried: dict[str, int] = {}
+
+    def watch(self, guard: ConnectionGuard) -> None:
+        if self.guard is not None and self.guard is not guard:
+            for reason, count in self.guard.closed.items():
+                self.carried[reason] = self.carried.get(reason, 0) + count
         self.guard = guard
 
     def collect(self) -> Iterator[Metric]:
+        if self.guard is None:
+            return
         open_ = GaugeMetricFamily("iop_gateway_connections", "open client connections", labels=["slot"])
         open_.add_metric(["served"], self.guard.served)
         open_.add_metric(["triage"], self.guard.triaged)
@@ -128,29 +141,45 @@ class _Connections(Collector):
         closed = CounterMetricFamily("iop_gateway_connections_closed", "connections a limit closed",
                                      labels=["reason"])
         for reason, count in self.guard.closed.items():
-            closed.add_metric([reason], count)
+            closed.add_metric([reason], self.carried.get(reason, 0) + count)
         yield closed
 
 
+CONNECTIONS = _Connections()
+
+
 def watch_connections(guard: ConnectionGuard) -> None:
-    """Expose the counts of the site's connection guard (once per process)."""
-    REGISTRY.register(_Connections(guard))
+    """Expose the counts of the site's connection guard (the collector is registered once a process)."""
+    first = CONNECTIONS.guard is None
+    CONNECTIONS.watch(guard)
+    if first:
+        REGISTRY.register(CONNECTIONS)
 
 
 class _TakeBack(Collector):
-    """The gateway's kept cancels (`gateway.take_back`), read at scrape from the app set up last."""
+    """The gateway's kept cancels (`gateway.take_back`), read at scrape from the app set up last. The
+    cancels given up count on from those of the one a scrape saw before (a gateway served again in
+    the same process: a counter never goes back)."""
 
     def __init__(self) -> None:
         self.source: Callable[[], TakeBack | None] = lambda: None
+        self.last: TakeBack | None = None
+        self.carried = {"deadline": 0, "full": 0}
 
     def collect(self) -> Iterator[Metric]:
         take_back = self.source()
+        if take_back is not None and take_back is not self.last:
+            if self.last is not None:
+                self.carried["deadline"] += self.last.given_up
+                self.carried["full"] += self.last.refused
+            self.last = take_back
         waiting = GaugeMetricFamily("iop_gateway_cancels_waiting", "cancels kept until Redis answers")
         abandoned = CounterMetricFamily("iop_gateway_cancels_abandoned", "kept cancels given up", labels=["reason"])
         if take_back is not None:
             waiting.add_metric([], len(take_back))
-            abandoned.add_metric(["deadline"], take_back.given_up)
-            abandoned.add_metric(["full"], take_back.refused)
+        if self.last is not None:
+            abandoned.add_metric(["deadline"], self.carried["deadline"] + self.last.given_up)
+            abandoned.add_metric(["full"], self.carried["full"] + self.last.refused)
         yield waiting
         yield abandoned
 
