@@ -155,6 +155,86 @@ async def test_usage_equals_what_callers_received(fstack: FaultStack, http: aioh
         assert resp.status == 403
 
 
+def content_chunks(events: list[dict[str, Any] | str]) -> int:
+    return sum(1 for e in events
+               if isinstance(e, dict) and e.get("choices") and e["choices"][0]["delta"].get("content"))
+
+
+async def test_every_run_counts_once_however_it_ends_through_two_gateways(fstack: FaultStack,
+                                                                          http: aiohttp.ClientSession) -> None:
+    """One key through two gateways: a stream cancelled with the runs API (on the other gateway)
+    counts the chunks its caller got; runs refused before they were queued (the key's
+    max_in_flight, a full queue) count nothing; a run whose worker was killed before any output,
+    run again by another worker, counts once, with the usage its caller got. `/v1/usage` and the
+    usage counters of both gateways say the same."""
+    gw_a = start(fstack, {"only": ("n1", 1)}, auth=auth(max_in_flight=3), queue={"max_queue": 2, "max_attempts": 2})
+    gw_b = fstack.gateway()
+    ops = {"Authorization": f"Bearer {OPS}"}
+
+    # a stream cancelled through the other gateway after some output
+    resp = await http.post(gw_a + "/v1/chat/completions", json=chat(max_tokens=500, stream=True, itl_ms=50,
+                                                                      tokens=500))
+    run_id = resp.headers["X-IOP-Run-Id"]
+    events = stream_events(resp)
+    got: list[dict[str, Any] | str] = []
+    async for event in events:
+        got.append(event)
+        if content_chunks(got) == 3:
+            break
+    async with http.delete(f"{gw_b}/v1/runs/{run_id}") as cancelled:
+        assert cancelled.status == 200
+    got += [e async for e in events]
+    resp.close()
+    assert isinstance(got[-2], dict) and got[-2]["error"]["code"] == "cancelled", got[-2:]
+    streamed = content_chunks(got)
+
+    # a slot taken, a full queue: the key's fourth run and another key's run are refused, not counted
+    holder = asyncio.create_task(post(http, gw_a, chat(ttft_ms=2000)))
+    await until_current(fstack, "only", 1)
+    waiting = [asyncio.create_task(post(http, gw, chat())) for gw in (gw_a, gw_b)]
+    await async_wait_until(lambda: asyncio.sleep(0, in_flight(fstack) == 3), what="3 runs of the key in flight")
+    status, body = await post(http, gw_b, chat())
+    assert status == 429 and "max_in_flight" in body["error"]["message"], body
+    async with http.post(gw_a + "/v1/chat/completions", json=chat(), headers=ops) as full:
+        assert full.status == 429 and (await full.json())["error"]["code"] == "queue_full"
+    answers = await asyncio.gather(holder, *waiting)
+    assert [s for s, _ in answers] == [200, 200, 200], answers
+
+    # a worker killed before its run had output: another worker runs it again, and it counts once
+    asked = asyncio.create_task(post(http, gw_b, chat(max_tokens=4, ttft_ms=1500)))
+
+    def running() -> str | None:
+        with fstack.client() as r:
+            return next((k.decode().removeprefix("iop:run:") for k in r.scan_iter("iop:run:*")
+                         if r.hget(k, "state") == b"running"), None)
+
+    run_id = await async_wait_until(lambda: asyncio.sleep(0, running()), what="a run running")
+    worker_pid = int((fstack.run_field(run_id, "worker") or ":0").rsplit(":", 1)[1])
+    next(p for p in fstack.procs if p.popen.pid == worker_pid).send(signal.SIGKILL)
+    fstack.worker("n1")
+    status, body = await asked
+    assert status == 200 and fstack.run_field(run_id, "attempts") == "2", body
+    answers.append((status, body))
+
+    await async_wait_until(lambda: asyncio.sleep(0, in_flight(fstack) == 0), what="every run of the key to end")
+    expected = {"runs": 5, "prompt_tokens": sum(b["usage"]["prompt_tokens"] for _, b in answers),
+                "completion_tokens": streamed + sum(b["usage"]["completion_tokens"] for _, b in answers),
+                "failures": 0}
+    with fstack.client() as r:
+        usage = {k.decode(): int(v) for k, v in r.hgetall(keys.usage_total("team-a")).items()}
+    assert {field: usage.get(f"{field}:{MODEL}", 0) for field in expected} == expected
+    for gw in (gw_a, gw_b):
+        async with http.get(gw + "/v1/usage") as listed:
+            (row,) = (await listed.json())["data"]
+        assert {field: row[field] for field in expected} == expected
+        async with http.get(gw + "/metrics", headers=ops) as scraped:
+            text = await scraped.text()
+        for field, value in expected.items():
+            counter = re.search(rf'^iop_usage_{field}_total\{{key="team-a",model="{re.escape(MODEL)}"\}} (\S+)$',
+                                text, re.M)
+            assert counter is not None and float(counter.group(1)) == value, field
+
+
 def test_without_keys_the_gateway_only_listens_on_loopback(fstack: FaultStack) -> None:
     fstack.add_simulator("only")
     fstack.configure({"only": ("n1", 1)})
