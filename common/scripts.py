@@ -888,7 +888,9 @@ return out
 # Renew the lease of one attempt while it still owns the run. Returns 1, 0 if lost, or 2 if
 # its caller asked for it to be cancelled (a backstop for a lost cancel message). The attempt's
 # count of output chunks its caller got so far (ARGV[4], when it has output) goes in the record
-# (`out_chunks`): a run whose worker is lost counts them (`REAP`), at most a renewal old.
+# (`out_chunks`) when it is more than the record has: a run whose worker is lost counts them
+# (`REAP`). (Each emit records them too, `EMIT`: a count made as an emit went out, older, is not
+# taken; a worker of an earlier version records them only here.)
 # KEYS: lease, run record   ARGV: run id, lease_ttl_ms, attempt, output chunks ('' or none: none yet)
 RENEW = FREES + _NOW + _WRONG + """
 -- (a record of another type, written by hand, holds no run: the attempt owns none, and stops, not
@@ -899,7 +901,10 @@ if redis.call('HGET', KEYS[2], 'cancel') == '1' then return 2 end
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) <= now then return 0 end
 redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
-if (ARGV[4] or '') ~= '' then redis.call('HSET', KEYS[2], 'out_chunks', ARGV[4]) end
+local chunks = tonumber(ARGV[4] or '')
+if chunks and chunks > (tonumber(redis.call('HGET', KEYS[2], 'out_chunks') or '') or 0) then
+  redis.call('HSET', KEYS[2], 'out_chunks', ARGV[4])
+end
 return 1
 """
 
@@ -1141,7 +1146,11 @@ return 'ok'
 # Each emit of an attempt carries its number (1, 2, ...), kept in the record as `emitted`
 # ("attempt:n"): the same emit made again (a dropped connection lost the reply, and the client
 # sent it again) adds nothing, so the caller never gets the same output twice.
-# KEYS: run record, events   ARGV: attempt, event type, event data, max events, run id, emit number
+# A delta's emit also records the attempt's chunks of output with it (`out_chunks`): a run whose
+# worker is lost counts them (`REAP`), each chunk its caller got (a lease renewal's count was up to
+# a third of the lease old: a worker killed a moment after its first output counted none).
+# KEYS: run record, events   ARGV: attempt, event type, event data, max events, run id, emit number,
+#       [the attempt's chunks of output once this emit is in ('' or none: not said)]
 EMIT = _WRONG + _EVENTS + """
 -- (a record of another type, written by hand, holds no run: the attempt owns none)
 local rec = redis.pcall('HMGET', KEYS[1], 'state', 'attempts', 'watchers', 'output', 'emitted', 'cancel')
@@ -1155,11 +1164,13 @@ if rec[6] == '1' and rec[4] ~= '1' then
 end
 if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[4]) then return 2 end
 add_event(KEYS[1], KEYS[2], ARGV[5], ARGV[2], ARGV[3], rec[3])
-if ARGV[2] == 'delta' and rec[4] ~= '1' then
-  redis.call('HSET', KEYS[1], 'emitted', emitted, 'output', '1')
-else
-  redis.call('HSET', KEYS[1], 'emitted', emitted)
+local fields = {'emitted', emitted}
+if ARGV[2] == 'delta' and rec[4] ~= '1' then table.insert(fields, 'output') table.insert(fields, '1') end
+if ARGV[2] == 'delta' and (ARGV[7] or '') ~= '' then
+  table.insert(fields, 'out_chunks')
+  table.insert(fields, ARGV[7])
 end
+redis.call('HSET', KEYS[1], unpack(fields))
 return 1
 """
 

@@ -165,8 +165,9 @@ async def test_every_run_counts_once_however_it_ends_through_two_gateways(fstack
     """One key through two gateways: a stream cancelled with the runs API (on the other gateway)
     counts the chunks its caller got; runs refused before they were queued (the key's
     max_in_flight, a full queue) count nothing; a run whose worker was killed before any output,
-    run again by another worker, counts once, with the usage its caller got. `/v1/usage` and the
-    usage counters of both gateways say the same."""
+    run again by another worker, counts once, with the usage its caller got; one whose worker was
+    killed after output counts the chunks its caller got. `/v1/usage` and the usage counters of
+    both gateways say the same."""
     gw_a = start(fstack, {"only": ("n1", 1)}, auth=auth(max_in_flight=3), queue={"max_queue": 2, "max_attempts": 2})
     gw_b = fstack.gateway()
     ops = {"Authorization": f"Bearer {OPS}"}
@@ -216,10 +217,26 @@ async def test_every_run_counts_once_however_it_ends_through_two_gateways(fstack
     assert status == 200 and fstack.run_field(run_id, "attempts") == "2", body
     answers.append((status, body))
 
+    # a worker killed a moment after its stream's first output: the run fails, counting each chunk its
+    # caller got (not those of the last lease renewal: none had come since)
+    resp = await http.post(gw_a + "/v1/chat/completions", json=chat(max_tokens=500, stream=True, itl_ms=50,
+                                                                      tokens=500))
+    run_id = resp.headers["X-IOP-Run-Id"]
+    events = stream_events(resp)
+    got = [await anext(events)]
+    worker_pid = int((fstack.run_field(run_id, "worker") or ":0").rsplit(":", 1)[1])
+    next(p for p in fstack.procs if p.popen.pid == worker_pid).send(signal.SIGKILL)
+    got += [e async for e in events]
+    resp.close()
+    assert isinstance(got[-2], dict) and got[-2]["error"]["code"] == "worker_lost", got[-2:]
+    lost = content_chunks(got)
+    assert lost > 0
+
     await async_wait_until(lambda: asyncio.sleep(0, in_flight(fstack) == 0), what="every run of the key to end")
-    expected = {"runs": 5, "prompt_tokens": sum(b["usage"]["prompt_tokens"] for _, b in answers),
-                "completion_tokens": streamed + sum(b["usage"]["completion_tokens"] for _, b in answers),
-                "failures": 0}
+    fstack.worker("n1")  # (the pool serves again: the fixture checks every invariant at the end)
+    expected = {"runs": 6, "prompt_tokens": sum(b["usage"]["prompt_tokens"] for _, b in answers),
+                "completion_tokens": streamed + lost + sum(b["usage"]["completion_tokens"] for _, b in answers),
+                "failures": 1}
     with fstack.client() as r:
         usage = {k.decode(): int(v) for k, v in r.hgetall(keys.usage_total("team-a")).items()}
     assert {field: usage.get(f"{field}:{MODEL}", 0) for field in expected} == expected

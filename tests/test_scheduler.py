@@ -604,6 +604,26 @@ async def test_a_stream_whose_worker_was_lost_after_output_counts_the_chunks_it_
     await client.close()
 
 
+async def test_a_stream_whose_worker_was_lost_counts_every_chunk_it_emitted_not_a_renewal_old(redis: Redis) -> None:
+    """A worker SIGKILLed a moment after its stream's first output: the reaper counted no token,
+    its caller having had its chunks (no lease renewal had come since). Each emit records the
+    chunks of output so far, and a renewal that carries an older count (made as an emit went
+    out) does not lower it."""
+    config, client, sched, run_id, attempt = await running_run(redis, output=False, cancel=False)
+    record, events = keys.run_record(run_id), keys.run_events(run_id)
+    scripts = Scripts(redis)
+    for n, chunks in ((1, 3), (2, 5)):
+        assert await scripts.call("emit", [record, events], [attempt, "delta", pack({"n": n}), 1000, run_id, n,
+                                                             chunks]) == 1
+    assert await scripts.call("renew", [keys.leases("a"), record],
+                              [run_id, config.runtime.lease_ttl_ms, attempt, 4]) == 1
+    await redis.zadd(keys.leases("a"), {run_id: now_ms() - 1})  # move the clock past the lease
+    assert await sched.reap_expired_leases() == 1
+    assert await redis.hget(record, "state") == b"failed"
+    assert await counted_tokens(redis) == [(0, 5)]
+    await client.close()
+
+
 @pytest.mark.parametrize("output", [False, True], ids=["none-went-out", "output-went-out"])
 async def test_a_run_whose_cancel_came_before_its_end_counts_only_what_its_caller_got(
         redis: Redis, output: bool) -> None:

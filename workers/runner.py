@@ -787,7 +787,12 @@ class Runner:
                 await self._emit(att, etype, {**data, "chunks": chunks[i * len(chunks) // parts:
                                                                      (i + 1) * len(chunks) // parts]})
             return
-        args = [att.attempt, etype.value, packed, rt.max_events_per_run, att.run_id, att.emitted + 1]
+        # (chunks of output only: an opening, a choice's finish or a usage alone is none; each choice's
+        # opening and finish counted a token, 7 for a stream of n=2 with 4 tokens; recorded with the
+        # emit, for a worker lost after it: `EMIT`)
+        out_chunks = att.out_chunks + sum(map(carries_output, chunks))
+        args = [att.attempt, etype.value, packed, rt.max_events_per_run, att.run_id, att.emitted + 1,
+                out_chunks if etype is EventType.DELTA else ""]
         ok = await self._call_while_leased(att, "emit", [keys.run_record(att.run_id), keys.run_events(att.run_id)],
                                            args, "emitting")
         if isinstance(ok, list):  # (its cancel was recorded before this, its first output: `EMIT`)
@@ -800,10 +805,7 @@ class Runner:
             raise LeaseLost(att.run_id)
         att.emitted += 1
         att.output_bytes += len(packed)
-        if etype is EventType.DELTA:
-            # (chunks of output only: an opening, a choice's finish or a usage alone is none; each choice's
-            # opening and finish counted a token, 7 for a stream of n=2 with 4 tokens)
-            att.out_chunks += sum(map(carries_output, data["chunks"]))
+        att.out_chunks = out_chunks
 
     def _output(self, att: Attempt, data: dict[str, Any]) -> bytes:
         """An event's data, packed, if the run's output stays within `runtime.max_output_bytes`
