@@ -563,3 +563,31 @@ def test_an_earlier_turn_s_reasoning_goes_as_its_thinking() -> None:
         _, native = wire.request(RunKind.CHAT, chat(messages=history), stream=False)
         assert native["messages"][1].get("thinking") == thinking, said
         assert not {"reasoning", "reasoning_content"} & set(native["messages"][1])
+
+
+@pytest.mark.parametrize("message, runners", [
+    ('do embedding request: Post "http://127.0.0.1:40123/v1/embeddings": EOF', True),
+    ("llama-server process no longer running: exit status 2 ", True),
+    ('Post "http://127.0.0.1:40123/tokenize": dial tcp 127.0.0.1:40123: connect: connection refused', True),
+    ("unexpected server status: llm server loading model", True),
+    ("embedding contains NaN or Inf values", True),
+    ("no slots available after 10 retries", True),
+    ("the input length exceeds the context length", False),
+    ("input exceeds maximum context length and cannot be truncated further", False),
+    ("invalid input type", False),
+    ("json: cannot unmarshal string into Go struct field EmbedRequest.truncate of type bool", False),
+])
+def test_which_of_ollama_s_embedding_400s_are_its_runner_s_failures(message: str, runners: bool) -> None:
+    """`/api/embed` answers 400 to every error of an embedding (server/routes.go:1000-1014): those its
+    runner's failures say (llm/llama_server.go's `Embedding`, `getServerStatus`, `tokenize`) are the
+    server's fault; its checks of the request (an input over the context, a field's type) the caller's."""
+    assert bool(wire.EMBED_RUNNER_FAILED.match(message)) is runners
+
+
+def test_an_empty_embedding_input_is_not_for_ollama() -> None:
+    """`/api/embed` takes `""` for no input, and answers a 200 with no embeddings (routes.go:823-826,
+    862-865): the caller's 400 naming `input`, not a request to send."""
+    with pytest.raises(wire.UnsupportedRequest) as caught:
+        wire.request(RunKind.EMBEDDING, {"model": "m", "input": ""}, stream=False)
+    assert caught.value.param == "input"
+    assert wire.request(RunKind.EMBEDDING, {"model": "m", "input": [""]}, stream=False)[1]["input"] == [""]

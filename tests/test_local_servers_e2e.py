@@ -23,7 +23,12 @@ from):
   server: another provider serves the run, and the Ollama is not struck down for its other models;
 - Ollama answers nothing, not even its head, while it loads the model a run names, and aborts the
   load when the client leaves: a load longer than `read_timeout_ms` is waited for
-  (`load_timeout_ms`), not given up on and started again by every run."""
+  (`load_timeout_ms`), not given up on and started again by every run;
+- Ollama's `/api/embed` answers 400 to every failure of its runner (one that died while it embedded):
+  the server's fault, tried on another provider, not the caller's 400; its 400 for an input over the
+  context stays the caller's;
+- Ollama embeds nothing for an empty `input` (a 200 without embeddings): the caller's 400 naming
+  `input`, not a 502."""
 
 from __future__ import annotations
 
@@ -52,6 +57,8 @@ PROVIDERS: dict[str, tuple[str, str, list[str]]] = {
     "c-manual": ("router-manual", "llamacpp", ["router-warm", "router-cold", "router-asleep"]),
     "o-cold": ("ollama", "ollama", ["cold"]),
     "a-cloud": ("ollama", "ollama", ["cloud-signed-out", "cloud-disabled", "cloud-not-here"]),
+    "a-embed": ("ollama", "ollama", ["embed-dead"]),
+    "o-embed": ("ollama", "ollama", ["embed-ok"]),
 }
 #: model -> {provider id: served name}
 MODELS: dict[str, dict[str, str]] = {
@@ -72,6 +79,9 @@ MODELS: dict[str, dict[str, str]] = {
     "m-cloud-not-here": {"a-cloud": "cloud-not-here", "l-b": "chat-default"},
     "m-cloud-one-try": {"a-cloud": "cloud-signed-out", "l-b": "chat-default"},
     "m-cloud-only": {"a-cloud": "cloud-disabled"},
+    "m-embed": {"a-embed": "embed-dead", "o-embed": "embed-ok"},
+    "m-embed-dead": {"a-embed": "embed-dead"},
+    "m-embed-ok": {"o-embed": "embed-ok"},
 }
 #: model -> its queue's overrides
 QUEUES: dict[str, dict[str, Any]] = {"m-cloud-one-try": {"max_attempts": 1}}
@@ -372,3 +382,43 @@ async def test_an_ollama_cloud_model_it_cannot_run_uses_up_none_of_a_run_s_attem
     assert held.get("fails", "0") == "0" and held["health"] == "available", held
     status, text = await ask(gateway, "/v1/chat/completions", chat("m-cloud-only", False))  # (none other)
     assert status == 502 and "ollama cloud is disabled" in text, text
+
+
+async def test_ollama_s_400_for_a_runner_that_died_while_it_embedded_is_the_server_s_fault(
+        stack: Stack, servers: LocalServers, gateway: str) -> None:
+    """Ollama's `/api/embed` answers 400 to every error of an input's embedding that is not its runner's
+    status, its runner dying under it among them (`do embedding request: Post "…": EOF`): that was the
+    caller's 400, never tried on the model's other provider, and a sign of life. It is the server's
+    fault, as its 5xx: the other provider serves the run (`a-embed` goes first: its id is the smaller),
+    no strike; with none other, a 502 `provider_error` saying what Ollama said."""
+    status, text = await ask(gateway, "/v1/embeddings", {"model": "m-embed", "input": ["one", "two"]})
+    assert status == 200, text
+    assert [d["embedding"] for d in json.loads(text)["data"]] == [[0.6, 0.8], [0.6, 0.8]], text
+    assert servers.calls["ollama"]["embed-dead"] == 1 and servers.calls["ollama"]["embed-ok"] == 1, servers.calls
+    assert evidence(stack, "a-embed").get("fails", "0") == "0"
+    status, text = await ask(gateway, "/v1/embeddings", {"model": "m-embed-dead", "input": "one"})
+    assert status == 502, text
+    error = json.loads(text)["error"]
+    assert error["code"] == "provider_error" and "do embedding request" in error["message"], error
+
+
+async def test_ollama_s_400_for_an_embedding_input_over_the_context_stays_the_caller_s(
+        servers: LocalServers, gateway: str) -> None:
+    """The 400 Ollama's `/api/embed` gives an input over the context it may not truncate is the
+    caller's, as before: passed through at once, not tried on another provider."""
+    body = {"model": "m-embed-ok", "input": "word " * 80, "truncate": False}
+    status, text = await ask(gateway, "/v1/embeddings", body)
+    assert status == 400, text
+    assert json.loads(text)["error"]["message"] == "the input length exceeds the context length", text
+    assert servers.calls["ollama"]["embed-ok"] == 1, servers.calls
+
+
+async def test_an_empty_embedding_input_is_the_caller_s_400_for_ollama(servers: LocalServers,
+                                                                        gateway: str) -> None:
+    """Ollama takes an empty `input` for none, and answers a 200 without embeddings: that was a 502
+    `provider_error` ("with 0 embeddings for 1 inputs"). OpenAI answers it 400; so does iop, naming
+    `input`, without asking Ollama."""
+    status, text = await ask(gateway, "/v1/embeddings", {"model": "m-embed-ok", "input": ""})
+    assert status == 400, text
+    assert json.loads(text)["error"]["param"] == "input", text
+    assert servers.calls["ollama"]["embed-ok"] == 0, servers.calls

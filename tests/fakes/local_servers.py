@@ -41,6 +41,15 @@ Ollama (`/ollama`):
   (server/routes.go:2583-2597, api/client.go:239-243); cloud is disabled (`OLLAMA_NO_CLOUD`), a 403
   (routes.go:2518-2522, internal/cloud/policy.go:7-25, `cloudErrRemoteInferenceUnavailable` routes.go:59);
   the remote host is not in `OLLAMA_REMOTES`, a 400 (routes.go:2531-2535). Each before any line.
+- `POST /api/embed` (`EmbedHandler`, server/routes.go:795-1024): an empty `input` (`""`) is no input
+  (823-826), answered once the model is loaded with a 200 and no embeddings (862-865). Every error of
+  an input's embedding that is no `api.StatusError` is answered 400 (1000-1014), whatever it is: the
+  runner's own failures among them (`llamaServerRunner.Embedding`, llm/llama_server.go:2338-2433), a
+  runner that died while it embedded (`embed-dead`: `do embedding request: Post "…": EOF`, 2371, the
+  error of Go's HTTP client), one gone before it (`getServerStatus`, 1192-1198: its process exited), or
+  one that cannot tokenize (Go's `Post "…"` error, or `tokenize error: …`, 2515). An input over the
+  context with `"truncate": false` is its 400 too (`the input length exceeds the context length`,
+  933-941), the caller's. Else `embed-ok` embeds each input, `prompt_eval_count` its words.
 - `GET /api/tags`: what it has (server/routes.go `ListHandler`).
 
 llama-server, one model (`/single-a`, `/single-b`: two servers started alike, `-a
@@ -164,7 +173,7 @@ async def _ollama_tags(request: web.Request) -> web.Response:
                "digest": "9077fe9d2ae1a4a41a868836b56b8163731a8fe16621397028c2c76f838c6907",
                "details": {"parent_model": "", "format": "gguf", "family": "llama", "families": ["llama"],
                            "parameter_size": "134.52M", "quantization_level": "Q4_1"}}
-              for n in ("repeat:latest", "ok:latest", "notools:latest", "cold:latest", *CLOUD)]
+              for n in ("repeat:latest", "ok:latest", "notools:latest", "cold:latest", *EMBED, *CLOUD)]
     return web.Response(body=_go({"models": models}), content_type="application/json")
 
 
@@ -240,6 +249,32 @@ async def _ollama_chat(request: web.Request) -> web.StreamResponse:
                               _go(_ollama_line(model, " there")) + b"\n", _go(done) + b"\n")
     done["message"]["content"] = "hello there"
     return web.Response(body=_go(done), content_type="application/json", charset="utf-8")
+
+
+#: Ollama's embedding models: `embed-dead`'s runner dies while it embeds, `embed-ok`'s embeds
+EMBED = ("embed-dead", "embed-ok")
+#: the runner's port, in the error of Go's HTTP client that Ollama passes on
+RUNNER_PORT = 40123
+
+
+async def _ollama_embed(request: web.Request) -> web.Response:
+    body = await request.json()
+    model, given = body["model"], body.get("input")
+    request.app[CALLS][model] += 1
+    inputs = [given] if isinstance(given, str) and given else given if isinstance(given, list) else []
+    if not inputs:
+        return web.Response(body=_go({"model": model, "embeddings": []}), content_type="application/json",
+                            charset="utf-8")
+    if body.get("truncate") is False and any(len(text.split()) + 1 > N_CTX for text in inputs):
+        return web.Response(status=400, body=_go({"error": "the input length exceeds the context length"}),
+                            content_type="application/json", charset="utf-8")
+    if model == "embed-dead":
+        error = f'do embedding request: Post "http://127.0.0.1:{RUNNER_PORT}/v1/embeddings": EOF'
+        return web.Response(status=400, body=_go({"error": error}), content_type="application/json",
+                            charset="utf-8")
+    answer = {"model": model, "embeddings": [[0.6, 0.8] for _ in inputs], "total_duration": 1234567,
+              "load_duration": 12345, "prompt_eval_count": sum(len(text.split()) for text in inputs)}
+    return web.Response(body=_go(answer), content_type="application/json", charset="utf-8")
 
 
 # ------------------------------------------------------------------ llama-server
@@ -491,6 +526,7 @@ class LocalServers(ThreadedServer):
             app[LOADS] = self.loads
             app.router.add_get("/api/tags", _ollama_tags)
             app.router.add_post("/api/chat", _ollama_chat)
+            app.router.add_post("/api/embed", _ollama_embed)
         elif name in self.routers:
             app[ROUTER] = self.routers[name]
             app.router.add_get("/health", _health)

@@ -143,7 +143,7 @@ class OllamaAdapter:
         self.read_s = provider.read_timeout_ms / 1000
 
     # ------------------------------------------------------------------ errors
-    def _error(self, resp: aiohttp.ClientResponse, text: str, body: Json) -> ProviderError:
+    def _error(self, resp: aiohttp.ClientResponse, text: str, body: Json, kind: RunKind) -> ProviderError:
         status = resp.status
         served = body["model"]
         try:
@@ -172,6 +172,11 @@ class OllamaAdapter:
             detail["param"] = wire.option_field(body, refused[1])
             return another_may(ProviderError(f"provider {self.provider.id} answered 500: {message}", status=400,
                                              detail=detail, strikes=0))
+        if kind is RunKind.EMBEDDING and status == 400 and error and wire.EMBED_RUNNER_FAILED.match(message):
+            # (its runner failed, which `/api/embed` answers 400 as it answers every error: the server's
+            # fault, as its 5xx is, not the caller's 400 passed on at once and shown alive)
+            return ProviderError(f"provider {self.provider.id} answered 400: {message} (its runner failed)",
+                                 retry=Retry.ELSEWHERE, strikes=None)
         answered = answered_error(self.provider.id, status, message, detail if error or status != 404 else None,
                                   served, resp.headers)
         # (`"m" does not support tools`, or vision, thinking, …: this model's build, not the request;
@@ -229,7 +234,7 @@ class OllamaAdapter:
             async with self._post(path, native, request_id) as resp:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
-                    raise self._error(resp, await error_body(resp), body)
+                    raise self._error(resp, await error_body(resp), body, kind)
                 # (bytes that are not UTF-8 are not JSON, as in a stream line and the OpenAI family's
                 # answers: they were taken as U+FFFD here, where the same bytes streamed were a 502)
                 answer = parse_json(await read_whole(resp, self.provider.id, self.limits, self.read_s),
@@ -278,7 +283,7 @@ class OllamaAdapter:
             async with self._post(path, native, request_id) as resp:
                 self._raise_for_redirect(resp)
                 if resp.status >= 400:
-                    raise self._error(resp, await error_body(resp), body)
+                    raise self._error(resp, await error_body(resp), body, kind)
                 async for data in with_line_end(watched_reads(resp, self.read_s)):
                     chunks: list[Json] = []
                     for line in parser.feed(data):

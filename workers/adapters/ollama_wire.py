@@ -51,6 +51,21 @@ OPTION_REFUSED = re.compile(r'option "([a-z_]{1,64})" must be (?:of type [a-z0-9
 CLOUD_REFUSED = re.compile(r"ollama cloud is disabled\b.*|this server cannot run this remote model")
 
 
+#: What Ollama's `/api/embed` answers 400 though the request is not at fault: `EmbedHandler` answers 400
+#: to every error of an input's embedding that is no status of its runner's (server/routes.go:1000-1014),
+#: its runner's own failures among them (`llamaServerRunner.Embedding`, llm/llama_server.go:2338-2433;
+#: `getServerStatus`, 1192-1252; `getServerStatusRetry`, 1254-1270; `tokenize`, 2481-2526): a runner that
+#: died while it embedded (`do embedding request: Post "…": EOF`), one whose process is gone, that does
+#: not answer, that sent what it could not read, or a vector that is not numbers. (Its 400s of the
+#: caller's: an input over the context, a field of the wrong type.)
+EMBED_RUNNER_FAILED = re.compile(
+    r"(?:do embedding request|llama-server process no longer running|server not responding|connection refused"
+    r"|health resp|read health response|health unmarshal|llama-server error|unexpected server status"
+    r"|no slots available after|error (?:marshaling|creating|reading) embed|unmarshal embedding"
+    r"|empty embedding response|embedding contains NaN or Inf values|(?:de)?tokenize error"
+    r"|model runner has unexpectedly stopped|Post \"https?://(?:127\.0\.0\.1|localhost|\[::1\]):[0-9]{1,5}/)")
+
+
 def cloud_refusal(status: int, payload: Any, message: str) -> str | None:
     """Why Ollama cannot run the cloud model a run named, as a few words for its error (None: this is
     no such refusal): `CLOUD_REFUSED`, or ollama.com's 401 to an Ollama not signed in, which it passes
@@ -366,6 +381,8 @@ def embed_request(body: Json) -> Json:
     inputs = body.get("input")
     if not (isinstance(inputs, str) or (isinstance(inputs, list) and all(isinstance(x, str) for x in inputs))):
         raise UnsupportedRequest("Ollama embeds text: 'input' must be a string or a list of strings", "input")
+    if inputs == "":  # (its /api/embed takes it for no input: a 200 with no embeddings, routes.go:823-826, 862-865)
+        raise UnsupportedRequest("Ollama embeds nothing for an empty input: 'input' must not be empty", "input")
     native: Json = {"model": body["model"], "input": inputs}
     if isinstance(body.get("options"), dict):
         native["options"] = body["options"]
