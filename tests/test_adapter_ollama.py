@@ -591,3 +591,24 @@ def test_an_empty_embedding_input_is_not_for_ollama() -> None:
         wire.request(RunKind.EMBEDDING, {"model": "m", "input": ""}, stream=False)
     assert caught.value.param == "input"
     assert wire.request(RunKind.EMBEDDING, {"model": "m", "input": [""]}, stream=False)[1]["input"] == [""]
+
+
+async def test_a_legacy_completion_s_echo_puts_the_prompt_before_the_answer(adapter: OllamaAdapter,
+                                                                              fake: FakeOllama) -> None:
+    """`echo: true` asks for the prompt before the answer's text, as OpenAI's and vLLM's give it (vLLM's
+    stream: with the first token's text, serving_completion.py's `completion_stream_generator`). Ollama's
+    `/api/generate` has no `echo` (api/types.go `GenerateRequest`): it was dropped, and the caller got the
+    answer alone."""
+    body = {"model": SERVED, "prompt": "Once upon", "max_tokens": 2, "echo": True}
+    answer = await adapter.complete(RunKind.COMPLETION, body, "run_e")
+    validate("CreateCompletionResponse", answer)
+    assert answer["choices"][0]["text"] == "Once upontok0 tok1 "
+    assert "echo" not in fake.state.records[-1]["body"]
+    chunks = [c for read in await collect(adapter, RunKind.COMPLETION, {**body, "stream": True}) for c in read]
+    assert chunks[0]["choices"][0]["text"] == "Once upontok0 "
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Once upontok0 tok1 "
+    # (the prompt's own log probabilities, which echo adds to the answer's, Ollama cannot give)
+    with pytest.raises(wire.UnsupportedRequest) as caught:
+        wire.request(RunKind.COMPLETION, {**body, "logprobs": 1}, stream=False)
+    assert caught.value.param == "echo"
+    assert wire.request(RunKind.COMPLETION, {**body, "echo": False, "logprobs": 1}, stream=False)[1]["logprobs"]

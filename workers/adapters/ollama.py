@@ -263,7 +263,8 @@ class OllamaAdapter:
         shaper = Shaper(kind, request_id, body["model"])
         calls, _ = self._tool_calls(kind, answer, request_id, body["model"])
         thinking = wire.thinking_of(answer)
-        return shaper.response(wire.text_of(kind, answer), wire.finish_reason(answer, bool(calls)),
+        return shaper.response(wire.echoed(kind, body) + wire.text_of(kind, answer),
+                               wire.finish_reason(answer, bool(calls)),
                                wire.usage_of(answer), tool_calls=calls,
                                extra={"reasoning_content": thinking} if thinking else None,
                                logprobs=wire.Logprobs(kind, body).of(answer))
@@ -276,6 +277,7 @@ class OllamaAdapter:
         parser = NDJSONParser(self.provider.id, self.limits, request_id, body["model"])
         include_usage = wants_usage(body)
         logprobs = wire.Logprobs(kind, body)
+        echo = wire.echoed(kind, body)  # (the prompt, to go out with the first line that is no error)
         tool_calls = 0
         dropped_calls = False  # (some were: warned of once a run)
         done = False
@@ -296,6 +298,8 @@ class OllamaAdapter:
                         dropped_calls = dropped_calls or dropped
                         tool_calls += len(calls)
                         text, thinking = wire.text_of(kind, line), wire.thinking_of(line)
+                        if echo:  # (with the first line's text, as vLLM's stream gives it)
+                            text, echo = echo + text, ""
                         said = logprobs.of(line)  # (a line may carry only those, while Ollama holds its text)
                         if text or calls or thinking or said:
                             chunks.append(shaper.delta(text, tool_calls=calls, logprobs=said,

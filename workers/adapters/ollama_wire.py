@@ -6,7 +6,8 @@ Request fields that have an Ollama equivalent are mapped (`max_tokens` ->
 `response_format` -> `format`, `tools` (left out with `tool_choice: "none"`, only the named
 ones with a named function or `allowed_tools`), a chat's `reasoning_effort` -> `think`; a `developer`
 message goes as `system`; log probabilities: a chat's `logprobs` and `top_logprobs`, a legacy
-completion's `logprobs: k` as `logprobs: true, top_logprobs: k`); Ollama's own `options`, `keep_alive`, `think`,
+completion's `logprobs: k` as `logprobs: true, top_logprobs: k`; its `echo` by the adapter, which puts
+the prompt before the answer); Ollama's own `options`, `keep_alive`, `think`,
 `raw`, `suffix` and `truncate` pass through; other OpenAI fields have no native meaning
 and are dropped.
 """
@@ -369,8 +370,18 @@ def _prompt(body: Json) -> str:
     return prompt
 
 
+def echoed(kind: RunKind, body: Json) -> str:
+    """The prompt a legacy completion's `echo: true` asks to have before its answer's text, as OpenAI's
+    and vLLM's give it ("" for none): Ollama has no `echo`, and the adapter adds it."""
+    return _prompt(body) if kind is RunKind.COMPLETION and body.get("echo") is True else ""
+
+
 def generate_request(body: Json, stream: bool) -> Json:
     prompt = _prompt(body)
+    if body.get("echo") is True and body.get("logprobs") not in (None, False):
+        # (echoed, the prompt's tokens come with their log probabilities too, which Ollama cannot give)
+        raise UnsupportedRequest("Ollama cannot give the prompt's log probabilities, which 'echo' with 'logprobs' "
+                                 "asks for", "echo")
     native = _common(body, RunKind.COMPLETION)
     native["prompt"] = prompt
     native["stream"] = stream
