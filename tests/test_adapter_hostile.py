@@ -985,8 +985,8 @@ async def test_an_ollama_answer_with_nothing_in_it_is_no_strike(answer: Answer, 
     """Found by a hostile-provider audit: an Ollama stream answered 200 with an empty body (or a 204)
     was "ended before it was done", a strike and another attempt anywhere: three calls to the same
     provider within milliseconds, and it was down. It is the provider's answer, as the OpenAI
-    family's stream that ends before any event: tried on another provider only, no strike. The
-    same answer to a whole request is not JSON: elsewhere too, and no strike."""
+    family's stream that ends before any event: tried on another provider only, no strike. So is the
+    same answer to a whole request (asked for as a stream too)."""
     raw.answers["/api/chat"] = answer
     adapter = OllamaAdapter(ollama(raw.url), session)
     with pytest.raises(ProviderError) as err:
@@ -995,7 +995,7 @@ async def test_an_ollama_answer_with_nothing_in_it_is_no_strike(answer: Answer, 
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes is None
     with pytest.raises(ProviderError) as err:
         await adapter.complete(RunKind.CHAT, chat(), "run_2")
-    assert err.value.message == "provider ollama-h: the answer was not valid JSON"
+    assert err.value.message == "provider ollama-h answered with no JSON object"
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 0
 
 
@@ -1243,7 +1243,7 @@ async def test_ollama_embeddings_short_of_the_inputs_are_the_provider_s_error(
 
 
 @pytest.mark.parametrize(("path", "body", "answer", "said"), [
-    ("/api/chat", chat(), b"[1, 2]", "provider ollama-h answered with JSON that is not an object"),
+    ("/api/chat", chat(), b"[1, 2]", "provider ollama-h answered with no JSON object"),
     ("/api/embed", {"model": SERVED, "input": "a"}, b'{"embeddings": [["a", "b"]]}',
      "provider ollama-h answered embeddings with an embedding that is not a list of numbers"),
     ("/api/embed", {"model": SERVED, "input": "a", "encoding_format": "base64"}, b'{"embeddings": [[1e300, 1.0]]}',

@@ -100,8 +100,8 @@ async def test_chat_whole_answer_with_length_limit(adapter: OllamaAdapter, fake:
     assert answer["choices"][0]["message"] == {"role": "assistant", "content": "tok0 tok1 ", "refusal": None}
     assert answer["choices"][0]["finish_reason"] == "length"
     assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
-    sent = fake.state.records[-1]["body"]
-    assert sent["stream"] is False and sent["options"] == {"num_predict": 2}
+    sent = fake.state.records[-1]["body"]  # (asked for as a stream: each line shows Ollama at work)
+    assert sent["stream"] is True and sent["options"] == {"num_predict": 2}
 
 
 async def test_text_completion_stream_and_whole(adapter: OllamaAdapter, fake: FakeOllama) -> None:

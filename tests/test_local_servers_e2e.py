@@ -28,7 +28,9 @@ from):
   the server's fault, tried on another provider, not the caller's 400; its 400 for an input over the
   context stays the caller's;
 - Ollama embeds nothing for an empty `input` (a 200 without embeddings): the caller's 400 naming
-  `input`, not a 502."""
+  `input`, not a 502;
+- Ollama asked for a whole answer sends nothing until it is done: a whole answer is asked for as a
+  stream, so a generation longer than `read_timeout_ms` is no silent provider."""
 
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ PROVIDERS: dict[str, tuple[str, str, list[str]]] = {
     "a-cloud": ("ollama", "ollama", ["cloud-signed-out", "cloud-disabled", "cloud-not-here"]),
     "a-embed": ("ollama", "ollama", ["embed-dead"]),
     "o-embed": ("ollama", "ollama", ["embed-ok"]),
+    "o-slow": ("ollama", "ollama", ["slow"]),
 }
 #: model -> {provider id: served name}
 MODELS: dict[str, dict[str, str]] = {
@@ -82,11 +85,13 @@ MODELS: dict[str, dict[str, str]] = {
     "m-embed": {"a-embed": "embed-dead", "o-embed": "embed-ok"},
     "m-embed-dead": {"a-embed": "embed-dead"},
     "m-embed-ok": {"o-embed": "embed-ok"},
+    "m-slow": {"o-slow": "slow"},
 }
 #: model -> its queue's overrides
 QUEUES: dict[str, dict[str, Any]] = {"m-cloud-one-try": {"max_attempts": 1}}
 #: provider id -> fields of its config besides the common ones
-EXTRA: dict[str, dict[str, Any]] = {"o-cold": {"read_timeout_ms": 500}}
+EXTRA: dict[str, dict[str, Any]] = {"o-cold": {"read_timeout_ms": 500},
+                                     "o-slow": {"read_timeout_ms": 1000, "load_timeout_ms": 0}}
 #: providers probed only once at start (nothing else resets the evidence a test reads)
 QUIET = {"o-a", "a-router"}
 
@@ -422,3 +427,18 @@ async def test_an_empty_embedding_input_is_the_caller_s_400_for_ollama(servers: 
     assert status == 400, text
     assert json.loads(text)["error"]["param"] == "input", text
     assert servers.calls["ollama"]["embed-ok"] == 0, servers.calls
+
+
+async def test_an_ollama_whole_answer_longer_than_the_read_timeout_is_waited_for(
+        stack: Stack, servers: LocalServers, gateway: str) -> None:
+    """Ollama asked for a whole answer sends nothing, its head included, until its generation is done
+    (`writeChatResponse` gathers it first): one that took longer than `read_timeout_ms` (here 1 s, its
+    tokens 0.25 s apart) was a silent provider, a 504 and a strike, however steadily it generated. The
+    worker asks for it as a stream and merges the lines, each within the timeout."""
+    status, text = await ask(gateway, "/v1/chat/completions", chat("m-slow", False))
+    assert status == 200, text
+    answer = json.loads(text)
+    assert answer["choices"][0]["message"]["content"] == "".join(f"t{i} " for i in range(8)), answer
+    assert answer["choices"][0]["finish_reason"] == "stop" and answer["usage"]["completion_tokens"] == 8, answer
+    held = evidence(stack, "o-slow")
+    assert held.get("fails", "0") == "0" and held["health"] == "available", held

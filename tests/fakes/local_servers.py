@@ -20,6 +20,10 @@ Ollama (`/ollama`):
   `json.Marshal` of `api.ChatResponse` (api/types.go:520-564: `done_reason` and the counts
   omitted when empty).
 - `ok`: a whole answer, streamed or not, `done_reason: "stop"`.
+- `slow`: a generation that takes longer than a provider's `read_timeout_ms` in all, a token at a time.
+  Streamed, each line goes out as its token comes (`streamResponse`, routes.go:2097-2140); whole,
+  nothing, its head included, until the last, then the answer (`writeChatResponse`, routes.go:2387-2433,
+  gathers every response of the channel first).
 - `cold`: a model not loaded yet, which takes `OLLAMA_LOAD_S` to load. Ollama sends nothing, not even
   its head, until the model is loaded and the first line is out (`streamResponse` writes the head
   with the first line, routes.go:2097-2140; whole, `c.JSON` at the end, 2387-2433), and a client
@@ -135,6 +139,9 @@ CLOUD: dict[str, tuple[int, Json]] = {
 }
 #: how long Ollama takes to load the model `cold`
 OLLAMA_LOAD_S = 1.5
+#: the model `slow`: its tokens, and the time each takes
+SLOW_LINES = 8
+SLOW_GAP_S = 0.25
 #: how long a router's model takes to load (`POST /models/load` to its server saying it is ready)
 LOAD_S = 0.05
 
@@ -173,7 +180,8 @@ async def _ollama_tags(request: web.Request) -> web.Response:
                "digest": "9077fe9d2ae1a4a41a868836b56b8163731a8fe16621397028c2c76f838c6907",
                "details": {"parent_model": "", "format": "gguf", "family": "llama", "families": ["llama"],
                            "parameter_size": "134.52M", "quantization_level": "Q4_1"}}
-              for n in ("repeat:latest", "ok:latest", "notools:latest", "cold:latest", *EMBED, *CLOUD)]
+              for n in ("repeat:latest", "ok:latest", "notools:latest", "cold:latest", "slow:latest", *EMBED,
+                        *CLOUD)]
     return web.Response(body=_go({"models": models}), content_type="application/json")
 
 
@@ -234,6 +242,25 @@ async def _ollama_chat(request: web.Request) -> web.StreamResponse:
             loads["aborted"] += 1
             raise
         loads["loaded"] += 1
+    if model == "slow":
+        # a generation of `SLOW_LINES` tokens, one every `SLOW_GAP_S`: streamed, each line as it comes;
+        # whole, nothing (its head included) until the last, then the answer with every token's text
+        tokens = [f"t{i} " for i in range(SLOW_LINES)]
+        done = _ollama_line(model, "", True, done_reason="stop", prompt_eval_count=12, eval_count=SLOW_LINES)
+        if not stream:
+            await asyncio.sleep(SLOW_GAP_S * SLOW_LINES)
+            done["message"]["content"] = "".join(tokens)
+            return web.Response(body=_go(done), content_type="application/json", charset="utf-8")
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        resp.enable_chunked_encoding()
+        for i, token in enumerate(tokens):
+            await asyncio.sleep(SLOW_GAP_S)
+            if i == 0:
+                await resp.prepare(request)
+            await resp.write(_go(_ollama_line(model, token)) + b"\n")
+        await resp.write(_go(done) + b"\n")
+        await resp.write_eof()
+        return resp
     if model == "repeat":
         # the tokens before the guard stopped it: a word, then whitespace until the 31st repeat
         tokens = ["Sure"] + [" "] * 31

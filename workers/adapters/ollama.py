@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -228,7 +229,49 @@ class OllamaAdapter:
         return calls, dropped > 0
 
     # ------------------------------------------------------------------ runs
+    async def _streamed_whole(self, kind: RunKind, body: Json, request_id: str) -> Json:
+        """A chat's or a legacy completion's whole answer, asked for as a stream and its lines merged
+        (`wire.Merged`). Asked for whole, Ollama sends nothing, its head included, until it is done:
+        a generation longer than `read_timeout_ms` (and `load_timeout_ms`) was cut off as a silent
+        provider, a strike each, and tried elsewhere for as long again. Streamed, each line shows it at
+        work. The answer is held to `runtime.max_response_bytes`, its lines too (a completion's last
+        line carries the tokens of its whole text, `context`)."""
+        path, native = self._native(kind, body, stream=True)
+        limits = replace(self.limits, line_bytes=max(self.limits.line_bytes, self.limits.response_bytes))
+        parser = NDJSONParser(self.provider.id, limits, request_id, body["model"])
+        merged = wire.Merged()
+        read = 0
+        async with self._post(path, native, request_id) as resp:
+            self._raise_for_redirect(resp)
+            if resp.status >= 400:
+                raise self._error(resp, await error_body(resp), body, kind)
+            async for data in with_line_end(watched_reads(resp, self.read_s)):
+                read += len(data)
+                if read > self.limits.response_bytes:
+                    resp.close()
+                    raise self.limits.too_large(self.provider.id, "an answer", self.limits.response_bytes)
+                for line in parser.feed(data):
+                    if line.get("error"):  # (its runner's error after the stream began)
+                        raise self._sent_error(line["error"])
+                    merged.add(line)
+                if parser.done:  # (nothing after `done` is read, nor a connection it keeps open waited on)
+                    if not resp.content.at_eof():
+                        resp.close()
+                    break
+        return merged.whole() if merged.answer else {}
+
     async def complete(self, kind: RunKind, body: Json, request_id: str) -> Json:
+        if kind is not RunKind.EMBEDDING:
+            try:
+                answer = await self._streamed_whole(kind, body, request_id)
+            except ProviderError as exc:
+                raise redacted(exc, self.credentials.secrets()) from None
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                raise self._failed(exc) from None
+            if answer.get("done") is not True:  # (no line at all: its answer too, as the same run's stream)
+                said = "before it was done" if answer else "with no JSON object"
+                raise ProviderError(f"provider {self.provider.id} answered {said}", strikes=0, retry=Retry.ELSEWHERE)
+            return self._shaped(kind, body, request_id, answer)
         path, native = self._native(kind, body, stream=False)
         try:
             async with self._post(path, native, request_id) as resp:
@@ -243,16 +286,12 @@ class OllamaAdapter:
                     raise wire.BadAnswer("with JSON that is not an object")
                 if answer.get("error"):  # (Ollama may answer 200 with only an error)
                     raise self._sent_error(answer["error"])
-                if kind is RunKind.EMBEDDING:
-                    embedded = wire.embeddings_response(body, answer)  # (each vector checked there)
-                    problem = count_problem(len(embedded["data"]), inputs(body.get("input")))
-                    if problem:
-                        raise ProviderError(f"provider {self.provider.id} answered embeddings {problem}",
-                                            retry=Retry.ELSEWHERE, strikes=0)
-                    return embedded
-                if answer.get("done") is not True:
-                    raise ProviderError(f"provider {self.provider.id} answered before it was done", strikes=0,
-                                        retry=Retry.ELSEWHERE)
+                embedded = wire.embeddings_response(body, answer)  # (each vector checked there)
+                problem = count_problem(len(embedded["data"]), inputs(body.get("input")))
+                if problem:
+                    raise ProviderError(f"provider {self.provider.id} answered embeddings {problem}",
+                                        retry=Retry.ELSEWHERE, strikes=0)
+                return embedded
         except ProviderError as exc:
             raise redacted(exc, self.credentials.secrets()) from None
         except wire.BadAnswer as exc:  # (JSON, but not an answer: it says what is wrong, not "not valid JSON")
@@ -260,6 +299,9 @@ class OllamaAdapter:
                                 strikes=0) from None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise self._failed(exc) from None
+
+    def _shaped(self, kind: RunKind, body: Json, request_id: str, answer: Json) -> Json:
+        """The OpenAI-shaped whole answer of Ollama's (done) one."""
         shaper = Shaper(kind, request_id, body["model"])
         calls, _ = self._tool_calls(kind, answer, request_id, body["model"])
         thinking = wire.thinking_of(answer)

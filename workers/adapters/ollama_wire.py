@@ -529,6 +529,50 @@ class Logprobs:
                 "text_offset": offsets}
 
 
+class Merged:
+    """A whole answer of Ollama's made of the lines of its stream, as Ollama makes its own (`writeChatResponse`,
+    server/routes.go:2387-2433; the generate handler's alike): the texts (a chat's `message.content` and
+    `thinking`, a completion's `response` and `thinking`) joined, the tool calls and log probabilities of
+    every line in order, the rest as the last line has it (`done`, `done_reason`, the counts)."""
+
+    TEXTS = ("content", "thinking")
+
+    def __init__(self) -> None:
+        self.answer: Json = {}
+        self.texts: dict[str, list[str]] = {}
+        self.calls: list[Any] = []
+        self.logprobs: list[Any] = []
+        self.messages = False  # (a chat's lines: each with its `message`)
+
+    def add(self, line: Json) -> None:
+        message = line.get("message")
+        if isinstance(message, dict):
+            self.messages = True
+            for name in self.TEXTS:
+                self.texts.setdefault(name, []).append(_text(message.get(name)))
+            if isinstance(message.get("tool_calls"), list):
+                self.calls.extend(message["tool_calls"])
+        for name in ("response", "thinking"):
+            self.texts.setdefault(f"_{name}", []).append(_text(line.get(name)))
+        if isinstance(line.get("logprobs"), list):
+            self.logprobs.extend(line["logprobs"])
+        self.answer = line
+
+    def whole(self) -> Json:
+        """The answer (that of no line at all: `{}`, not done)."""
+        answer = dict(self.answer)
+        if self.messages:
+            message = dict(answer["message"]) if isinstance(answer.get("message"), dict) else {"role": "assistant"}
+            for name in self.TEXTS:
+                message[name] = "".join(self.texts.get(name, []))
+            message["tool_calls"] = self.calls
+            answer["message"] = message
+        for name in ("response", "thinking"):
+            answer[name] = "".join(self.texts.get(f"_{name}", []))
+        answer["logprobs"] = self.logprobs or None
+        return answer
+
+
 def finish_reason(native: Json, saw_tool_calls: bool) -> str:
     if saw_tool_calls:
         return "tool_calls"
