@@ -2138,3 +2138,25 @@ def test_a_refusal_naming_a_flag_the_server_lacks_says_another_may_serve_it(mess
 
     assert bool(SERVER_FLAG.search(own_words(message))) is flag  # (in the server's own words, not its echo)
     assert callers_retry(400, message) is (Retry.UNABLE if flag else Retry.NO)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_an_ollama_completion_s_last_line_with_its_context_over_the_line_limit_is_taken(
+        stream: bool, raw: Raw, session: aiohttp.ClientSession) -> None:
+    """`/api/generate`'s last line carries `context`, the tokens of the prompt and the whole answer
+    (server/routes.go:706-719, unless `raw`): about 6 bytes a token, past `runtime.max_line_bytes`
+    (1 MiB) at some 170,000 tokens. The stream failed on its very last line, after the whole answer
+    reached the caller. A completion's lines are held to `max_response_bytes` instead."""
+    done = {"model": SERVED, "response": "", "done": True, "done_reason": "stop", "prompt_eval_count": 3,
+            "eval_count": 2, "context": list(range(100_000, 100_400))}  # (~2.8 KB)
+    raw.answers["/api/generate"] = chunked([nd({"model": SERVED, "response": "a b", "done": False}), nd(done)],
+                                           content_type="application/x-ndjson")
+    adapter = OllamaAdapter(ollama(raw.url), session, ReadLimits(line_bytes=1024))
+    body = {"model": SERVED, "prompt": "x", "stream": stream}
+    if stream:
+        chunks = await collect(adapter.stream(RunKind.COMPLETION, body, "run_1"))
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "a b"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    else:
+        answer = await adapter.complete(RunKind.COMPLETION, body, "run_1")
+        assert answer["choices"][0]["text"] == "a b" and answer["choices"][0]["finish_reason"] == "stop"

@@ -229,6 +229,12 @@ class OllamaAdapter:
         return calls, dropped > 0
 
     # ------------------------------------------------------------------ runs
+    def _long_lines(self) -> ReadLimits:
+        """The limits with a line held to `runtime.max_response_bytes`, not `max_line_bytes`: the last line
+        of `/api/generate` carries `context`, the tokens of the prompt and the whole answer (server/routes.go:
+        706-719, unless `raw`), some 6 bytes a token: past 1 MiB at about 170,000 tokens."""
+        return replace(self.limits, line_bytes=max(self.limits.line_bytes, self.limits.response_bytes))
+
     async def _streamed_whole(self, kind: RunKind, body: Json, request_id: str) -> Json:
         """A chat's or a legacy completion's whole answer, asked for as a stream and its lines merged
         (`wire.Merged`). Asked for whole, Ollama sends nothing, its head included, until it is done:
@@ -237,8 +243,7 @@ class OllamaAdapter:
         work. The answer is held to `runtime.max_response_bytes`, its lines too (a completion's last
         line carries the tokens of its whole text, `context`)."""
         path, native = self._native(kind, body, stream=True)
-        limits = replace(self.limits, line_bytes=max(self.limits.line_bytes, self.limits.response_bytes))
-        parser = NDJSONParser(self.provider.id, limits, request_id, body["model"])
+        parser = NDJSONParser(self.provider.id, self._long_lines(), request_id, body["model"])
         merged = wire.Merged()
         read = 0
         async with self._post(path, native, request_id) as resp:
@@ -316,7 +321,8 @@ class OllamaAdapter:
             raise ProviderError("embeddings cannot be streamed", status=400)
         path, native = self._native(kind, body, stream=True)
         shaper = Shaper(kind, request_id, body["model"])
-        parser = NDJSONParser(self.provider.id, self.limits, request_id, body["model"])
+        parser = NDJSONParser(self.provider.id, self._long_lines() if kind is RunKind.COMPLETION else self.limits,
+                              request_id, body["model"])
         include_usage = wants_usage(body)
         logprobs = wire.Logprobs(kind, body)
         echo = wire.echoed(kind, body)  # (the prompt, to go out with the first line that is no error)
