@@ -17,6 +17,7 @@ from common import keys
 from common.auth import ANONYMOUS, KeyRing
 from common.config import Config
 from common.shown import quoted
+from common.wrongtype import reply_or
 
 #: The most days one question may cover.
 MAX_DAYS = 366
@@ -116,6 +117,8 @@ def _rows(key: str, date: str | None, raw: dict[bytes, bytes], model: str | None
         metric, _, model_id = name.decode(errors="replace").partition(":")
         if metric not in keys.USAGE_FIELDS or not model_id or (model is not None and model_id != model):
             continue
+        if not value.isdigit():  # (written by hand: no count, left out, not the whole answer failed)
+            continue
         row = rows.setdefault(model_id, Usage(key, model_id, date))
         setattr(row, metric, int(value))
     return [rows[m] for m in sorted(rows)]
@@ -129,7 +132,7 @@ async def read_usage(redis: Redis, key_names: Iterable[str], days: Sequence[str]
     for name in names:
         for day in days:
             pipe.hgetall(keys.usage_day(name, day))
-    replies = iter(await pipe.execute())
+    replies = iter([reply_or(r, {}) for r in await pipe.execute(raise_on_error=False)])  # (another type: none)
     return [row for name in names for day in days for row in _rows(name, day, next(replies), model)]
 
 
@@ -139,4 +142,5 @@ async def read_totals(redis: Redis, key_names: Iterable[str]) -> list[Usage]:
     pipe = redis.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(keys.usage_total(name))
-    return [row for name, raw in zip(names, await pipe.execute(), strict=True) for row in _rows(name, None, raw, None)]
+    replies = [reply_or(r, {}) for r in await pipe.execute(raise_on_error=False)]  # (another type: none)
+    return [row for name, raw in zip(names, replies, strict=True) for row in _rows(name, None, raw, None)]

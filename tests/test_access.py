@@ -617,3 +617,17 @@ def test_a_key_is_found_among_ten_thousand_without_comparing_it_with_each(monkey
     other = KeyRing.from_config(AuthConfig(keys=[ApiKeyConfig(name="n", sha256=hash_key("new"))]), {})
     ring.replace(other)  # (a reload: the old keys let no one in, the new one does)
     assert ring.lookup(secrets_[7_777]) is None and ring.lookup("new") is not None
+
+
+async def test_usage_written_by_hand_that_is_no_count_is_left_out_not_a_failure(redis: Redis) -> None:
+    """A count that is not a whole number, or a usage key of another type (both written by hand) is
+    left out of `/v1/usage`, `iop usage` and the usage counters: it made them fail (a 500)."""
+    from common.usage import read_totals, read_usage
+    await redis.hset(keys.usage_day("team-a", "2026-12-01"), mapping={"runs:m": "3", "prompt_tokens:m": "lots"})
+    await redis.set(keys.usage_day("team-b", "2026-12-01"), "not a hash")
+    await redis.hset(keys.usage_total("team-a"), mapping={"runs:m": "3", "completion_tokens:m": "1.5"})
+    await redis.set(keys.usage_total("team-b"), "not a hash")
+    rows = await read_usage(redis, ["team-a", "team-b"], ["2026-12-01"])
+    assert [(r.key, r.model, r.runs, r.prompt_tokens) for r in rows] == [("team-a", "m", 3, 0)]
+    totals = await read_totals(redis, ["team-a", "team-b"])
+    assert [(r.key, r.model, r.runs, r.completion_tokens) for r in totals] == [("team-a", "m", 3, 0)]
