@@ -943,7 +943,8 @@ return 1
 #       event data of a run that ends failed or cancelled as it reads once output went out ('' none:
 #       the same), written instead when the record says output went out where the attempt did not
 #       know it (a cancel or a timeout interrupted an `emit` Redis ran, its reply not read); a requeue
-#       then ends the run failed with it instead (returns 'failed_after_output')
+#       then ends the run failed with it instead (returns 'failed_after_output'), and its key counts
+#       the chunks of output the record says (`out_chunks`, as EMIT wrote them) if they are more
 FINISH = FREES + _NOW + _WRONG + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + f"""
 -- (a record of another type, written by hand, holds no run: as a record gone, the attempt owns none;
 -- its lease goes to the reaper)
@@ -988,10 +989,12 @@ end
 if last ~= '' then add_event(KEYS[1], KEYS[3], ARGV[1], 'delta', last, rec[3]) end
 -- (the record says output went out where the attempt did not know it: before_output false, and a run
 -- with output is never put back in its queue, as REAP has it: it ends failed)
-local ending, etype, data = ARGV[2], ARGV[3], ARGV[4]
+local ending, etype, data, completion = ARGV[2], ARGV[3], ARGV[4], ARGV[15]
 if rec[8] == '1' and (ARGV[23] or '') ~= '' then
   data = ARGV[23]
   if string.sub(ending, 1, 7) == 'requeue' then ending, etype = 'failed', 'failed' end
+  -- (and the caller got the chunks of output its emits recorded, not the none the attempt knew of)
+  completion = math.max(tonumber(completion) or 0, tonumber(redis.call('HGET', KEYS[1], 'out_chunks') or '') or 0)
 end
 add_event(KEYS[1], KEYS[3], ARGV[1], etype, data, rec[3])
 redis.call('EXPIRE', KEYS[3], ttl)
@@ -1025,7 +1028,7 @@ else
   if ARGV[8] ~= '' then
     redis.call('HSET', KEYS[1], 'error_code', ARGV[8], 'error_message', ARGV[9])
   end
-  ended(KEYS[1], ARGV[1], ending, ARGV[14], ARGV[15], rec[4], rec[5], rec[6])
+  ended(KEYS[1], ARGV[1], ending, ARGV[14], completion, rec[4], rec[5], rec[6])
 end
 redis.call('EXPIRE', KEYS[1], ttl)
 for i = 8, #KEYS do wake_head(KEYS[i], ARGV[6]) end

@@ -207,6 +207,8 @@ async def test_a_cancel_that_interrupts_an_emit_redis_ran_says_the_output_went_o
     assert kinds[-2:] == ["delta", "failed"]
     assert (await events(redis, run_id))[-1][1] == {**why.to_wire(), "before_output": False}
     assert await fields(redis, keys.run_record(run_id), "state", "output") == ["cancelled", "1"]
+    usage = await redis.hgetall(keys.usage_total("anonymous"))  # (the chunk that went out counts)
+    assert usage.get(f"completion_tokens:{MODEL}".encode()) == b"1", usage
 
 
 async def test_a_stop_that_interrupts_an_emit_redis_ran_fails_the_run_not_requeues_it(
@@ -214,7 +216,8 @@ async def test_a_stop_that_interrupts_an_emit_redis_ran_fails_the_run_not_requeu
     """The worker stops (its grace over) while a run's task waits for the reply of an `emit` Redis
     ran: the attempt, not knowing of its output, asked for a requeue, and the run was put back with
     a delta out and a `requeued` after it (the reaper never requeues a run with output). It fails,
-    `worker_lost`, `before_output: false`."""
+    `worker_lost`, `before_output: false`, and its key counts the output that went out (it counted
+    none)."""
     sched, run_id = await start_one(redis, {"a": 1})
     runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT], [text("b")]])})
     real_call = runner.scripts.call
@@ -238,6 +241,9 @@ async def test_a_stop_that_interrupts_an_emit_redis_ran_fails_the_run_not_requeu
     assert failed["code"] == "worker_lost" and failed["before_output"] is False
     assert await fields(redis, keys.run_record(run_id), "state", "output") == ["failed", "1"]
     assert await redis.xlen(keys.runs_stream(MODEL)) == 0 and await redis.zcard(keys.leases("a")) == 0
+    # (its key counts the chunk of output its caller got, as the emit recorded it: the attempt knew of none)
+    usage = await redis.hgetall(keys.usage_total("anonymous"))
+    assert usage.get(f"completion_tokens:{MODEL}".encode()) == b"1", usage
 
 
 def before_scripts(runner: Runner, monkeypatch: pytest.MonkeyPatch, before: Callable[[str], None]) -> None:
