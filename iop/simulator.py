@@ -35,6 +35,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from common.listening import cannot_listen
+from iop.sim_schema import response_format_text, tokens_of, tool_arguments
 
 JsonObject = dict[str, Any]
 
@@ -547,12 +548,20 @@ class _Format:
         raise NotImplementedError
 
 
+#: the arguments of a tool call whose function has no `parameters`
+TOOL_ARGUMENTS = "{}"
+
+
 class _ChatFormat(_Format):
     id_prefix = "chatcmpl"
     full_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     #: the function each choice calls instead of answering text (`called_tool`), else None
     tool: str | None = None
+    #: that call's arguments (`sim_schema.tool_arguments`: what its `parameters` take)
+    arguments: str = TOOL_ARGUMENTS
+    #: the tokens of the JSON a `response_format` asked for (`sim_schema`), else None (text)
+    json_tokens: list[str] | None = None
 
     @staticmethod
     def prompt_tokens(body: JsonObject) -> int:
@@ -564,11 +573,13 @@ class _ChatFormat(_Format):
 
     def _call(self, index: int) -> JsonObject:
         return {"id": f"call_{self.id.removeprefix('chatcmpl-')[:24]}_{index}", "type": "function",
-                "function": {"name": self.tool, "arguments": TOOL_ARGUMENTS}}
+                "function": {"name": self.tool, "arguments": self.arguments}}
 
     def piece(self, index: int) -> str:
         if self.tool is not None:  # (a call's name and id first, its arguments after, as vLLM streams one)
-            return TOOL_ARGUMENTS if index else ""
+            return self.arguments if index else ""
+        if self.json_tokens is not None:
+            return self.json_tokens[index]
         return token_text(index)
 
     def token_chunk(self, text: str, index: int) -> JsonObject:
@@ -588,10 +599,6 @@ class _ChatFormat(_Format):
             return {"message": {"role": "assistant", "content": None, "refusal": None,
                                 "tool_calls": [self._call(index)]}}
         return {"message": {"role": "assistant", "content": text, "refusal": None}}
-
-
-#: the arguments of the simulator's every tool call
-TOOL_ARGUMENTS = "{}"
 
 
 def called_tool(body: JsonObject) -> str | None:
@@ -688,7 +695,7 @@ async def _respond(
     if produced < plan.tokens:
         _abort_connection(request)
         return web.Response(status=500)
-    text = "".join(token_text(index) for index in range(plan.tokens))
+    text = "".join(fmt.piece(index) for index in range(plan.tokens))
     record.completed = True
     return web.json_response(fmt.full(text, plan.finish_reason, plan.usage(fmt.choices)))
 
@@ -705,12 +712,17 @@ def _completion_handler(fmt_type: type[_Format]) -> Handler:
         if fmt_type is _ChatFormat and model in opts.completion_tokens_only and body.get("max_tokens") is not None:
             raise ApiError(400, "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
                                 "'max_completion_tokens' instead.", param="max_tokens", code="unsupported_parameter")
-        plan = _Plan.make(opts, _max_tokens(body, fmt_type.limit_fields), fmt_type.prompt_tokens(body))
+        limit = _max_tokens(body, fmt_type.limit_fields)
+        plan = _Plan.make(opts, limit, fmt_type.prompt_tokens(body))
         _maybe_fail(app, opts, forced_failure)
         fmt = fmt_type(model, include_usage, _choices(body, fmt_type is _TextFormat))
         if isinstance(fmt, _ChatFormat) and (tool := called_tool(body)) is not None:
             fmt.tool = tool  # (its name, then its arguments: two tokens, whatever the request's limit)
+            fmt.arguments = tool_arguments(body, tool)
             plan = replace(plan, tokens=2, finish_reason="tool_calls")
+        elif isinstance(fmt, _ChatFormat) and (json_text := response_format_text(body, opts.tokens)) is not None:
+            fmt.json_tokens = tokens_of(json_text)  # (as long as the JSON is, cut at the limit as text is)
+            plan = _Plan.make(replace(opts, tokens=len(fmt.json_tokens)), limit, plan.prompt_tokens)
         if stream:
             return await _stream(request, record, plan, fmt)
         return await _respond(request, record, plan, fmt)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import openai
 import pytest
 import redis as sync_redis
+from pydantic import BaseModel
 
 from tests.conftest import Stack, async_wait_until, wait_until
 from tests.openapi import validate
@@ -188,6 +189,47 @@ def test_a_tool_call_reaches_the_openai_client_whole_streamed_and_as_a_response_
     validate("Response", response.model_dump(exclude_unset=True))
     (item,) = response.output
     assert item.type == "function_call" and (item.name, item.arguments) == ("get_weather", "{}")
+
+
+class Forecast(BaseModel):
+    """What an application asks for with the `openai` client's parse helpers (a pydantic model)."""
+
+    city: str
+    days: list[int]
+    unit: Literal["celsius", "fahrenheit"]
+    note: str | None
+
+
+_JSON_SCHEMA: Any = {"type": "json_schema", "json_schema": {"name": "f", "schema": Forecast.model_json_schema()}}
+
+
+def test_the_openai_client_s_parse_helpers_read_what_the_simulator_answers(stack: Stack) -> None:
+    """`iop dev`'s simulator answered text to a `response_format` and `{}` to any tool: every parse helper
+    of the `openai` client (`chat.completions.parse`, its `stream`, `pydantic_function_tool`,
+    `responses.parse`) raised pydantic's ValidationError on it, so an application could not be tried
+    against the demo stack. It answers JSON its schema takes now, whole and streamed."""
+    gateway, _ = start_pool(stack, {"vllm-a": 2})
+    client = stack.openai(gateway)
+    messages: Any = [{"role": "user", "content": "forecast?"}]
+    parsed = client.chat.completions.parse(model="qwen3.6:35b", messages=messages, response_format=Forecast)
+    assert isinstance(parsed.choices[0].message.parsed, Forecast) and parsed.choices[0].finish_reason == "stop"
+    with client.chat.completions.stream(model="qwen3.6:35b", messages=messages, response_format=Forecast) as stream:
+        kinds = {event.type for event in stream}
+        final = stream.get_final_completion()
+    assert {"content.delta", "content.done"} <= kinds
+    assert final.choices[0].message.parsed == parsed.choices[0].message.parsed
+    called = client.chat.completions.parse(model="qwen3.6:35b", messages=messages,
+                                           tools=[openai.pydantic_function_tool(Forecast)], tool_choice="required")
+    (call,) = called.choices[0].message.tool_calls or []
+    assert isinstance(call.function.parsed_arguments, Forecast)
+    response = client.responses.parse(model="qwen3.6:35b", input="forecast?", text_format=Forecast)
+    assert isinstance(response.output_parsed, Forecast)
+    whole = client.chat.completions.create(model="qwen3.6:35b", messages=messages,
+                                           response_format={"type": "json_object"}, extra_body={"sim": {"tokens": 3}})
+    assert json.loads(whole.choices[0].message.content or "") == {"text": "tok0 tok1 tok2"}
+    cut = client.chat.completions.create(model="qwen3.6:35b", messages=messages, response_format=_JSON_SCHEMA,
+                                         max_tokens=3)  # (cut at its limit, as a model's JSON is)
+    assert (cut.choices[0].finish_reason, cut.choices[0].message.content) == ("length", '{"city')
 
 
 def test_capacity_1_and_3_split_four_long_runs(stack: Stack) -> None:

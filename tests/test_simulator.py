@@ -20,7 +20,9 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types import Completion, CreateEmbeddingResponse, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from pydantic import BaseModel
 
+from iop import sim_schema
 from iop.simulator import (
     EMBEDDING_DIMS,
     SimOptions,
@@ -581,3 +583,52 @@ def test_options_that_cannot_serve_say_so_in_one_line(tmp_path: Path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         assert run("--port", str(port)) == (1, [f"error: cannot listen on 127.0.0.1:{port}: Address already in use"])
+
+
+class _Node(BaseModel):
+    """A schema that refers to itself (pydantic's `$defs` and `$ref`)."""
+
+    name: str
+    children: list[_Node]
+    parent: _Node | None = None
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object"},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 3}, "b": {"type": ["null", "number"],
+                                                                                   "exclusiveMaximum": -1}},
+     "required": ["a", "b"], "additionalProperties": False},
+    {"type": "array", "items": {"enum": ["x", "y"]}, "minItems": 2},
+    {"type": "string", "minLength": 9, "maxLength": 12},
+    {"type": "integer", "maximum": -2.5}, {"type": "integer", "exclusiveMinimum": 3.5, "exclusiveMaximum": 5},
+    {"type": "string", "format": "date-time"},
+    {"anyOf": [{"type": "null"}, {"const": 7}]},
+    {"allOf": [{"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]},
+               {"properties": {"b": {"type": "integer", "maximum": -5}}, "required": ["b"]}]},
+    _Node.model_json_schema(),
+])
+def test_the_structured_output_is_json_its_schema_takes(schema: JsonObject) -> None:
+    from jsonschema import Draft202012Validator
+
+    value = sim_schema.example(schema)
+    Draft202012Validator(schema).validate(value)
+    assert "".join(sim_schema.tokens_of(json.dumps(value))) == json.dumps(value)
+
+
+async def test_a_response_format_or_a_tool_s_parameters_get_json_they_take(sim: Sim) -> None:
+    """The `openai` client's parse helpers read the answer with the caller's pydantic model: text, or `{}`
+    for every tool, made them raise (tests/test_e2e.py has them through iop)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+              "required": ["city", "days"], "additionalProperties": False}
+    formatted = chat_body(response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": schema}})
+    status, data = await sim.post_json(CHAT, formatted)
+    assert status == 200 and json.loads(data["choices"][0]["message"]["content"]) == {"city": "tok0", "days": 1}
+    assert data["choices"][0]["finish_reason"] == "stop"
+    assert data["usage"]["completion_tokens"] == len(sim_schema.tokens_of(data["choices"][0]["message"]["content"]))
+    events = await sim.stream(CHAT, formatted)
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert json.loads(text) == {"city": "tok0", "days": 1}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    status, data = await sim.post_json(CHAT, chat_body(tools=tools, tool_choice="required"))
+    assert json.loads(data["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "tok0",
+                                                                                                    "days": 1}
