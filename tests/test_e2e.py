@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import urllib.request
 from typing import Any, Literal
 
 import aiohttp
@@ -230,6 +231,38 @@ def test_the_openai_client_s_parse_helpers_read_what_the_simulator_answers(stack
     cut = client.chat.completions.create(model="qwen3.6:35b", messages=messages, response_format=_JSON_SCHEMA,
                                          max_tokens=3)  # (cut at its limit, as a model's JSON is)
     assert (cut.choices[0].finish_reason, cut.choices[0].message.content) == ("length", '{"city')
+
+
+def test_the_openai_client_s_own_retries_run_again_only_what_may_end_otherwise(stack: Stack) -> None:
+    """The official client retries every 429 and 5xx twice unless told not to (`x-should-retry`); what
+    reached the provider is counted: one run for a run cut at its `execution_timeout_ms` or a provider's
+    400, three for a provider's 500 or a provider too busy (after the `retry-after-ms` it was told)."""
+    gateway, urls = start_pool(stack, {"only": 4},
+                               queue={"execution_timeout_ms": 700, "max_attempts": 1, "queue_timeout_ms": 60000})
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=2)
+    stack.clients.append(client)
+    messages: Any = [{"role": "user", "content": "x"}]
+
+    def runs_of(sim: dict[str, Any], error: type[openai.APIStatusError], status: int) -> int:
+        before: int = _stats(urls["only"])["total"]
+        with pytest.raises(error) as caught:
+            client.chat.completions.create(model="qwen3.6:35b", messages=messages, max_tokens=1,
+                                           extra_body={"sim": sim})
+        assert caught.value.status_code == status
+        total: int = _stats(urls["only"])["total"]
+        return total - before
+
+    assert runs_of({"ttft_ms": 60_000}, openai.InternalServerError, 504) == 1
+    assert runs_of({"fail_status": 400}, openai.BadRequestError, 400) == 1
+    assert runs_of({"fail_status": 500}, openai.InternalServerError, 502) == 3
+    assert runs_of({"fail_status": 429, "fail_retry_after": "1"}, openai.InternalServerError, 503) == 3
+    wait_until(lambda: _stats(urls["only"])["current"] == 0, what="the timed-out run to end at the provider")
+
+
+def _stats(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/stats") as resp:
+        data: dict[str, Any] = json.load(resp)
+        return data
 
 
 def test_capacity_1_and_3_split_four_long_runs(stack: Stack) -> None:
