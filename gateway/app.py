@@ -272,6 +272,22 @@ async def stored_response(request: web.Request) -> web.Response:
                    f"{quoted(response_id)} is not kept{where}")
 
 
+#: OpenAI's path of chat completions, under which it serves the stored ones (`store: true`)
+CHAT_PATH = "/v1/chat/completions"
+
+
+async def stored_chat_completion(request: web.Request) -> web.Response:
+    """Stored chat completions asked for (`client.chat.completions.list`, `retrieve`, `update`,
+    `delete`, `messages.list`): iop keeps none, whatever a request's `store` said (it goes to the
+    provider as it came); the run that made one is kept, under the id of its answer's X-Request-Id.
+    (The list was a 405 "it takes POST", which OpenAI's path does not say; the others "Invalid URL".)"""
+    rest = request.match_info.get("rest")
+    what = "GET /v1/chat/completions lists none" if rest is None else f"{quoted(rest.split('/', 1)[0])} is not kept"
+    raise ApiError(ErrorCode.NOT_FOUND, "iop keeps no chat completions (it stores none, whatever a request's store "
+                   f"says): {what}; the run that made one is kept for runtime.run_ttl_s: GET /v1/runs/{{id}}, "
+                   "the id its answer's X-Request-Id gives")
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -338,6 +354,8 @@ def build_app(config: Config, redis_url: str, keyring: KeyRing | None = None) ->
     for path in (*RUN_ROUTES, RESPONSES_PATH):
         app.router.add_post(path, run_request)
     app.router.add_route("*", RESPONSES_PATH + "/{rest:.+}", stored_response)
+    app.router.add_get(CHAT_PATH, stored_chat_completion)
+    app.router.add_route("*", CHAT_PATH + "/{rest:.+}", stored_chat_completion)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get(r"/v1/models/{model_id:[\s\S]+}", get_model)  # (any name, a line break in it too)
     app.router.add_get("/healthz", healthz)

@@ -130,6 +130,15 @@ def test_openai_client_stream_and_non_stream(stack: Stack) -> None:
         client.audio.speech.create(model="qwen3.6:35b", input="x", voice="alloy")
     assert "Invalid URL (POST /v1/audio/speech)" in err.value.message and "/v1/responses" in err.value.message
     validate("ErrorResponse", err.value.response.json())
+    # (stored chat completions: iop keeps none, and says so as for a stored Response, whatever `store` said)
+    stored = client.chat.completions.create(model="qwen3.6:35b", messages=[{"role": "user", "content": "x"}],
+                                            max_tokens=1, store=True)
+    for call in (lambda: client.chat.completions.retrieve(stored.id), lambda: client.chat.completions.list(),
+                 lambda: client.chat.completions.messages.list(stored.id)):
+        with pytest.raises(openai.NotFoundError) as err:
+            call()
+        assert "iop keeps no chat completions" in err.value.message and "GET /v1/runs/" in err.value.message
+        validate("ErrorResponse", err.value.response.json())
 
     async def served_names() -> dict[str, dict[str, int]]:
         async with aiohttp.ClientSession() as session:
@@ -139,7 +148,7 @@ def test_openai_client_stream_and_non_stream(stack: Stack) -> None:
     # Each simulator only ever heard its own provider's served name, never the model id.
     for pid, by_model in seen.items():
         assert set(by_model) <= {f"{pid}-served"}
-    assert sum(sum(by_model.values()) for by_model in seen.values()) == 4
+    assert sum(sum(by_model.values()) for by_model in seen.values()) == 5  # (four above, one stored)
 
 
 async def _hold_streams(gateway: str, n: int, ttft_ms: int) -> list[asyncio.Task[int]]:

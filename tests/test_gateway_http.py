@@ -151,11 +151,11 @@ async def test_unknown_routes_and_methods_are_openai_shaped(gateway: str, http: 
     async with http.get(gateway + "/v1/" + "x" * 5000) as resp:  # (a long path is not repeated whole)
         error = await error_of(resp)
         assert resp.status == 404 and len(error["message"]) < 800 and error["message"].count("x") < 250
-    async with http.get(gateway + "/v1/chat/completions") as resp:
+    async with http.get(gateway + "/v1/embeddings") as resp:
         error = await error_of(resp)
         assert resp.status == 405 and error["code"] == "method_not_allowed"
         assert resp.headers["Allow"] == "POST"
-        assert error["message"] == "GET /v1/chat/completions is not allowed: it takes POST"
+        assert error["message"] == "GET /v1/embeddings is not allowed: it takes POST"
     async with http.delete(gateway + "/v1/models/" + "m" * 5000) as resp:  # (a long path is not repeated whole)
         error = await error_of(resp)
         assert resp.status == 405 and len(error["message"]) < 500 and error["message"].endswith("it takes GET, HEAD")
@@ -170,7 +170,15 @@ async def test_unknown_routes_and_methods_are_openai_shaped(gateway: str, http: 
     # endpoints of OpenAI's under that path that iop does not have (found by a hostile review: they
     # were told "compact is not kept")
     ("POST", "/v1/responses/compact", "Invalid URL (POST /v1/responses/compact): iop serves"),
-    ("POST", "/v1/responses/input_tokens", "Invalid URL (POST /v1/responses/input_tokens)")])
+    ("POST", "/v1/responses/input_tokens", "Invalid URL (POST /v1/responses/input_tokens)"),
+    # stored chat completions (`client.chat.completions.list`, `retrieve`, `update`, `delete`, `messages.list`):
+    # the list was a 405 ("it takes POST", which OpenAI's does not say), the others "Invalid URL"
+    ("GET", "/v1/chat/completions", "iop keeps no chat completions"),
+    ("GET", "/v1/chat/completions/chatcmpl-abc", 'iop keeps no chat completions (it stores none, whatever a '
+                                                 'request\'s store says): "chatcmpl-abc" is not kept'),
+    ("POST", "/v1/chat/completions/chatcmpl-abc", '"chatcmpl-abc" is not kept'),
+    ("DELETE", "/v1/chat/completions/chatcmpl-abc", '"chatcmpl-abc" is not kept'),
+    ("GET", "/v1/chat/completions/chatcmpl-abc/messages", '"chatcmpl-abc" is not kept')])
 async def test_a_stored_response_is_not_kept_and_other_paths_under_responses_are_unknown(
         gateway: str, http: aiohttp.ClientSession, method: str, path: str, words: str) -> None:
     async with http.request(method, gateway + path, json={"model": "qwen3.6:35b", "input": "hi"}) as resp:
