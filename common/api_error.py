@@ -112,11 +112,15 @@ class ApiError(Exception):
         that says when to try again, as the provider said it (or in 1 s). A failure that another try
         would only repeat says so (`NOT_WORTH_RETRYING`); one worth trying again soon says when
         (`RETRY_SOON`: in 1 s, or when the scheduler said, as when the first bench ends), as does
-        one the worker judged would repeat (`repeats`: an answer iop cannot carry)."""
+        one the worker judged would repeat (`repeats`: an answer iop cannot carry, an account out of
+        quota or credits: that one's 503 says when to come back and not to retry at once)."""
         if info.status is not None and callers_fault(info.status, info.message):
             return cls(info.code, info.message, status=info.status, detail=info.detail)
         if info.code is ErrorCode.PROVIDER_ERROR and busy(info.status, info.message):
-            return cls(info.code, info.message, status=503, headers={"Retry-After": str(info.retry_after_s or 1)})
+            # (an account out of quota: no retry either; the official clients waited its 60 s twice)
+            wait = {"Retry-After": str(info.retry_after_s or 1)}
+            return cls(info.code, info.message, status=503,
+                       headers={**wait, "x-should-retry": "false"} if info.repeats else wait)
         if info.code in NOT_WORTH_RETRYING or info.repeats:
             return cls(info.code, info.message, headers={"x-should-retry": "false"})
         return cls(info.code, info.message,

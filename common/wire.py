@@ -164,7 +164,8 @@ class ErrorInfo:
     #: the seconds a provider that answered `BUSY` asked to be left alone (its `Retry-After`)
     retry_after_s: int | None = None
     #: another try of the same request would only get the same answer (iop tried it nowhere else:
-    #: an answer it cannot carry): the caller is told so (`x-should-retry: false`)
+    #: an answer it cannot carry; or the last provider's account is out of quota or credits, which no
+    #: client's wait clears): the caller is told so (`x-should-retry: false`)
     repeats: bool = False
 
     def to_wire(self) -> dict[str, Any]:

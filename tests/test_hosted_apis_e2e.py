@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from tests.conftest import Stack
@@ -128,6 +129,7 @@ async def test_a_busy_apis_wait_is_honoured_however_it_says_it(stack: Stack, gat
     assert status == 503, text
     assert json.loads(text)["error"]["code"] == "provider_error"
     assert headers["Retry-After"] == str(wait), (headers, text)
+    assert "x-should-retry" not in headers, headers  # (a wait clears a rate limit: the client may retry)
     assert stack.bench_left_s(provider, served) > wait - 3
 
 
@@ -144,6 +146,7 @@ async def test_an_account_out_of_quota_is_left_alone_a_minute_and_is_not_the_cal
     error = json.loads(text)["error"]
     assert error["code"] == "provider_error" and error["message"].startswith(f"provider {provider} answered"), error
     assert headers["Retry-After"] == "60", (headers, text)
+    assert headers.get("x-should-retry") == "false", headers  # (no wait the official clients would make clears it)
     assert stack.bench_left_s(provider, served) > 50
     assert "api_key_env" not in error["message"], error  # (its key is not refused: no strike, no such hint)
     assert int(stack.heartbeat_field(provider, "fails") or 0) == 0
@@ -151,6 +154,21 @@ async def test_an_account_out_of_quota_is_left_alone_a_minute_and_is_not_the_cal
     status, headers, text = await ask(gateway, model)
     assert status == 503 and json.loads(text)["error"]["code"] == "no_available_provider", text
     assert sum(n for (_, name), n in apis.calls.items() if name == served) == 1, apis.calls
+
+
+def test_the_openai_client_is_told_at_once_that_no_retry_of_its_own_pays_an_account_out_of_quota(
+        stack: Stack, apis: HostedApis, gateway: str) -> None:
+    """The 503 of the model's only provider out of quota said `Retry-After: 60` (`retry-after-ms: 60000`)
+    alone: the official client, which retries a 503 twice and waits what it is told up to 60 s, raised
+    only after two minutes, and asked the account again for nothing (OpenAI's own 429
+    `insufficient_quota` it gives up on within seconds). `x-should-retry: false` tells it not to."""
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=2)
+    stack.clients.append(client)
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(model="m-quota", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.status_code == 503 and caught.value.code == "provider_error"
+    assert caught.value.response.headers["Retry-After"] == "60"
+    assert sum(n for (_, name), n in apis.calls.items() if name == "gpt-quota") == 1, apis.calls
 
 
 async def test_an_account_out_of_credits_leaves_the_run_to_another_provider(apis: HostedApis, gateway: str) -> None:

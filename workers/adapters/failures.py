@@ -471,7 +471,8 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
     alive; a 5xx or a 404 shows nothing: its model list is probed again once nothing else shows
     it alive). A busy provider's (`BUSY`) wait, as its `headers` or its error say it (`asked_wait_s`),
     is kept, in seconds; one whose account is out of quota or credits (`out_of_quota`) and said none
-    is left alone `MAX_RETRY_AFTER_S`, not asked again every second."""
+    is left alone `MAX_RETRY_AFTER_S`, not asked again every second, and its caller is told that its
+    own retry would get the same (`repeats`: the official clients waited those 60 s twice)."""
     if (status == NOT_THERE and detail is None) or model_gone(status, message, detail, served):
         return ProviderError(f"provider {provider_id} answered {status}: {message}", retry=Retry.ELSEWHERE,
                              strikes=None)
@@ -487,7 +488,8 @@ def answered_error(provider_id: str, status: int, message: str, detail: dict[str
             else " (it refused iop's credentials: check the provider's api_key_env)" if refused else "")
     return ProviderError(f"provider {provider_id} answered {status}: {message}{hint}", status=status,
                          retry=Retry.ELSEWHERE, strikes=1 if refused else 0 if status < 500 else None,
-                         retry_after_s=_busy_for(status, message, headers, detail) if too_busy else None)
+                         retry_after_s=_busy_for(status, message, headers, detail) if too_busy else None,
+                         repeats=too_busy and out_of_quota(status, detail, message))
 
 
 def _busy_for(status: int, message: str, headers: Mapping[str, str] | None,
