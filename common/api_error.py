@@ -186,7 +186,9 @@ def spread(headers: dict[str, str]) -> dict[str, str]:
     after = headers.get("Retry-After", "")
     if not after.isdigit() or not 0 < int(after) <= 60 or RETRY_AFTER_MS_HEADER in headers:
         return headers
-    n_ms = int(after) * 1000  # (at most 60 s in all: a client takes a longer wait for none, and backs off its own way)
+    # (at most 60 s in all: some versions of the official Python client take a longer wait for none and
+    # back off their own way; 3.63 waits up to 120 s and does not try again past that)
+    n_ms = int(after) * 1000
     return {**headers, RETRY_AFTER_MS_HEADER: str(min(n_ms + random.randrange(min(n_ms, MAX_SPREAD_S * 1000)),
                                                       60_000))}
 
