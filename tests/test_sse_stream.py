@@ -23,22 +23,7 @@ async def test_a_stream_s_headers_go_out_with_its_first_bytes_in_one_write() -> 
     writes: list[bytes] = []
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        transport: Any = request.transport
-        write, writelines = transport.write, transport.writelines
-
-        class Recording:  # (the transport's methods are read-only: a stand-in that records them)
-            def __getattr__(self, name: str) -> Any:
-                return getattr(transport, name)
-
-            def write(self, data: bytes) -> None:
-                writes.append(bytes(data))
-                write(data)
-
-            def writelines(self, lines: list[bytes]) -> None:
-                writes.append(b"".join(lines))
-                writelines(lines)
-
-        request.protocol.transport = Recording()  # type: ignore[assignment]  # (what the writer writes to)
+        record_writes(request, writes)
         out = SSEStream(request, "run_1", {})
         await out.keep_alive()
         await out.write(b"data: {}\n\n")
@@ -49,6 +34,27 @@ async def test_a_stream_s_headers_go_out_with_its_first_bytes_in_one_write() -> 
     assert body == KEEP_ALIVE + b"data: {}\n\ndata: [DONE]\n\n"
     assert writes[0].startswith(b"HTTP/1.1 200 ") and KEEP_ALIVE in writes[0], writes[0]  # (chunk-framed)
     assert len(writes) == 3
+
+
+def record_writes(request: web.Request, writes: list[bytes]) -> None:
+    """What the answer to `request` writes to its connection from now on goes to `writes` too, a
+    write (or a `writelines`) each."""
+    transport: Any = request.transport
+    write, writelines = transport.write, transport.writelines
+
+    class Recording:  # (the transport's methods are read-only: a stand-in that records them)
+        def __getattr__(self, name: str) -> Any:
+            return getattr(transport, name)
+
+        def write(self, data: bytes) -> None:
+            writes.append(bytes(data))
+            write(data)
+
+        def writelines(self, lines: list[bytes]) -> None:
+            writes.append(b"".join(lines))
+            writelines(lines)
+
+    request.protocol.transport = Recording()  # type: ignore[assignment]  # (what the writer writes to)
 
 
 async def get(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> tuple[aiohttp.ClientResponse, bytes]:
@@ -182,7 +188,6 @@ async def test_events_that_waited_together_go_out_in_writes_of_about_write_bytes
     out in writes of at most `WRITE_BYTES` (and one event's lines), each awaited, not all at once
     into the gateway's buffers; every one arrives, in order."""
     from gateway.responses import WRITE_BYTES
-    writes: list[int] = []
     events = [delta(n, f"{n:04d} " + "y" * 3000) for n in range(1, 81)]
     events.append(Event("2-0", EventType.COMPLETED, {"deltas": 80}))
 
@@ -197,26 +202,13 @@ async def test_events_that_waited_together_go_out_in_writes_of_about_write_bytes
             return taken
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        transport: Any = request.transport
-        write, writelines = transport.write, transport.writelines
-
-        class Recording:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(transport, name)
-
-            def write(self, data: bytes) -> None:
-                writes.append(len(data))
-                write(data)
-
-            def writelines(self, lines: list[bytes]) -> None:
-                writes.append(sum(map(len, lines)))
-                writelines(lines)
-
-        request.protocol.transport = Recording()  # type: ignore[assignment]
+        record_writes(request, written)
         out = SSEStream(request, "run_1", {})
         return await stream_response(request, Waited(events), "m", out, 60)  # type: ignore[arg-type]
 
+    written: list[bytes] = []
     body = (await get(handler))[1]
+    writes = [len(w) for w in written]
     assert texts(body) == [f"{n:04d} " + "y" * 3000 for n in range(1, 81)]
     assert body.endswith(b"data: [DONE]\n\n")
     one_event = len(sse_chunks(events[0].data["chunks"], "m"))
