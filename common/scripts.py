@@ -972,6 +972,12 @@ if cool > 0 and (ARGV[20] or '') ~= '' and redis.call('EXISTS', KEYS[5]) == 1 th
   end
 end
 local ttl = tonumber(ARGV[5])
+-- The completion tokens a run's caller got: the attempt's count, or more when output went out that
+-- the attempt did not know of (ARGV[23]: its emit's reply was not read), the chunks its emits recorded.
+local function unheard_chunks()
+  if (ARGV[23] or '') == '' then return ARGV[15] end
+  return math.max(tonumber(ARGV[15]) or 0, tonumber(redis.call('HGET', KEYS[1], 'out_chunks') or '') or 0)
+end
 if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and rec[8] == '1') then
   -- its cancel was asked (a DELETE, its caller leaving) before its worker heard of it: it ends
   -- cancelled, as asked, however the attempt ended (a requeue would put a cancelled run back in its
@@ -980,8 +986,9 @@ if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and 
     cancel_data('cancelled', 'cancelled by the caller', rec[8] == '1'),
     rec[8] == '1', ttl, rec[3], rec[4], rec[5], rec[6],
     -- (the usage the caller got: the attempt's partial count when output went out, else none, not
-    -- the provider's whole answer the caller never got)
-    rec[8] == '1' and ARGV[14] or 0, rec[8] == '1' and ARGV[15] or 0)
+    -- the provider's whole answer the caller never got; the chunks its emits recorded when the
+    -- attempt knew of no output, EMIT)
+    rec[8] == '1' and ARGV[14] or 0, rec[8] == '1' and unheard_chunks() or 0)
   redis.call('EXPIRE', KEYS[1], ttl)
   for i = 8, #KEYS do wake_head(KEYS[i], ARGV[6]) end
   return 'cancel_asked'
@@ -993,8 +1000,7 @@ local ending, etype, data, completion = ARGV[2], ARGV[3], ARGV[4], ARGV[15]
 if rec[8] == '1' and (ARGV[23] or '') ~= '' then
   data = ARGV[23]
   if string.sub(ending, 1, 7) == 'requeue' then ending, etype = 'failed', 'failed' end
-  -- (and the caller got the chunks of output its emits recorded, not the none the attempt knew of)
-  completion = math.max(tonumber(completion) or 0, tonumber(redis.call('HGET', KEYS[1], 'out_chunks') or '') or 0)
+  completion = unheard_chunks()
 end
 add_event(KEYS[1], KEYS[3], ARGV[1], etype, data, rec[3])
 redis.call('EXPIRE', KEYS[3], ttl)

@@ -2070,3 +2070,32 @@ async def test_more_output_read_at_once_than_an_event_holds_goes_as_several_in_o
     got = [c for d in deltas for c in d["chunks"]]
     assert got == [*read, text("end")]
     assert unpack(stored[-1][1])["deltas"] == len(deltas)
+
+
+async def test_a_run_whose_cancel_was_asked_while_its_output_went_out_unheard_counts_that_output(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its caller asked for the cancel (the record's `cancel`, as a DELETE writes it) while the reply
+    of an `emit` Redis ran was on its way, and the worker stopped before it heard of either: the run
+    ends cancelled, as asked, and its key counts the chunk of output that went out (it counted
+    none: the attempt knew of none)."""
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT], [text("b")]])})
+    real_call = runner.scripts.call
+    stopped: list[bool] = []
+
+    async def call(name: str, run_keys: Any, args: Any) -> Any:
+        result = await real_call(name, run_keys, args)
+        if name == "emit" and not stopped:
+            await redis.hset(keys.run_record(run_id), "cancel", "1")
+            task = asyncio.current_task()
+            assert task is not None
+            stopped.append(task.cancel())
+            await asyncio.sleep(0)
+        return result
+
+    monkeypatch.setattr(runner.scripts, "call", call)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.create_task(runner.execute(run_id))
+    assert await fields(redis, keys.run_record(run_id), "state", "output") == ["cancelled", "1"]
+    usage = await redis.hgetall(keys.usage_total("anonymous"))
+    assert usage.get(f"completion_tokens:{MODEL}".encode()) == b"1", usage
