@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from common.shown import shown
 from common.strict import Strict
 
 #: A key's name is shown in logs, metrics and usage, and is part of Redis key names.
@@ -81,7 +82,7 @@ def check_auth(auth: Any, model_ids: Collection[str], aliases: Mapping[str, str]
         name = key.get("name")
         if isinstance(name, str):
             if name in seen:
-                errors.append(f"{path}.name: duplicate key name {name!r} (first at {seen[name]})")
+                errors.append(f"{path}.name: duplicate key name {shown(name)} (first at {seen[name]})")
             elif name == ANONYMOUS:  # (it would take over the usage and audit entries of callers before keys came)
                 errors.append(f"{path}.name: {ANONYMOUS!r} is what iop calls every caller when the config has no "
                               "keys; give this key a name of its own")
@@ -93,10 +94,10 @@ def check_auth(auth: Any, model_ids: Collection[str], aliases: Mapping[str, str]
             hashes.setdefault(digest.lower(), path)
         for j, model in enumerate(_list(key.get("models"))):
             if isinstance(model, str) and (of := (aliases or {}).get(model)) is not None:
-                errors.append(f"{path}.models[{j}]: {model!r} is an alias of model {of!r}; a key's models "
-                              f"name model ids: write {of!r}")
+                errors.append(f"{path}.models[{j}]: {shown(model)} is an alias of model {shown(of)}; a key's models "
+                              f"name model ids: write {shown(of)}")
             elif isinstance(model, str) and model_ids and model not in model_ids:
-                errors.append(f"{path}.models[{j}]: model {model!r} is not defined in models[]")
+                errors.append(f"{path}.models[{j}]: model {shown(model)} is not defined in models[]")
     return errors
 
 

@@ -51,6 +51,8 @@ MAX_SERVED_CHARS = 1024
 MAX_SERVED_NAMES = 1000
 #: the largest config file read
 MAX_CONFIG_BYTES = 4 * 2**20
+#: the most values a config's aliases may add to those it writes out (`values_aliases_add`)
+MAX_ALIAS_VALUES = 100_000
 #: the largest `max_tokens` a model may set
 MAX_TOKENS = 10_000_000
 #: A site as a browser names it in `Origin` (scheme, host and port; no path), or `*` for any.
@@ -347,19 +349,29 @@ class ConfigError(Exception):
         self.errors = list(errors)
 
 
-def format_path(loc: Sequence[Any]) -> str:
+def format_path(loc: Sequence[Any], data: Any = None) -> str:
     """('models', 1, 'providers', 'vllm-a') -> 'models[1].providers.vllm-a'.
 
     pydantic marks a bad mapping key with a trailing '[key]': ('providers', 1, '[key]') is
-    the key 1 of `providers`, shown as 'providers.1 (key)'."""
+    the key 1 of `providers`, shown as 'providers.1 (key)'. A number is a list's index, unless
+    `data` (the input) has a mapping there: `{1: 2}` under `providers` is 'providers.1', not
+    'providers[1]' (and a key `true`, which pydantic writes as 1, is 'providers.true')."""
     out = ""
     if len(loc) >= 2 and loc[-1] == "[key]":
-        return f"{format_path(loc[:-2])}.{_key(loc[-2])} (key)"
+        return f"{format_path(loc[:-2], data)}.{_key(loc[-2])} (key)" if len(loc) > 2 else f"{_key(loc[0])} (key)"
+    node = data
     for part in loc:
-        if isinstance(part, int):
+        if isinstance(node, Mapping) and not isinstance(part, str):
+            part = next((k for k in node if k == part and type(k) is not str), part)  # (its own key: `true`, not 1)
+            out += f".{_key(part)}" if out else _key(part)
+        elif isinstance(part, int):
             out += f"[{part}]"
         else:
             out += f".{part}" if out else part
+        try:
+            node = node[part] if isinstance(node, Mapping | list) else None
+        except (LookupError, TypeError):
+            node = None
     return out or "(top level)"
 
 
@@ -508,13 +520,16 @@ def _unknown_field(loc: Sequence[Any]) -> str:
     return f"unknown field (did you mean {' or '.join(close)}?)" if close else "unknown field"
 
 
-def _schema_errors(exc: ValidationError) -> list[str]:
+def _schema_errors(exc: ValidationError, data: Any = None) -> list[str]:
     errors = []
     for err in exc.errors():
         loc: list[Any] = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
         if len(loc) >= 2 and loc[-1] == "[key]":
             loc[-2] = err["input"]  # the key itself: pydantic writes None as 'None' and true as 1
         msg = err["msg"]
+        if err["type"] == "invalid_key":  # (a field's name that is not text: pydantic puts 1 for `true` in the path)
+            loc = [*loc[:-1], err["input"], "[key]"]
+            msg = f"a field's name is text, got {shown(err['input'])}"
         if err["type"] == "extra_forbidden":
             msg = _unknown_field(loc)
         elif (err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") in _SECRET_PLACES
@@ -539,7 +554,7 @@ def _schema_errors(exc: ValidationError) -> list[str]:
                 # (a name such as `3.5`, `2024` or `1e3`: the operator wrote a name, YAML read a number)
                 kind = "a boolean" if isinstance(err["input"], bool) else "a number"
                 msg += f" (YAML reads what is written there as {kind}: put it in quotes to make it text)"
-        errors.append(f"{format_path(loc)}: {msg}")
+        errors.append(f"{format_path(loc, data)}: {msg}")
     return errors
 
 
@@ -612,7 +627,7 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
             elif (isinstance(served_name, str) and served_known and all(isinstance(x, str) for x in served_known)
                   and served_name not in served_known):
                 errors.append(
-                    f"{path}: served model {served_name!r} is not in provider {_key(provider_id)}'s models "
+                    f"{path}: served model {shown(served_name)} is not in provider {_key(provider_id)}'s models "
                     f"{shown(_list(provider.get('models')))}"
                 )
     model_ids = {str(m["id"]) for m in models if "id" in m}
@@ -635,7 +650,7 @@ def _case_twins(ids: Sequence[tuple[str, Any]], kind: str, who: str) -> list[str
             continue
         seen = first.setdefault(folded_name(ident), (ident, path))
         if seen[0] != ident:
-            errors.append(f"{path}: {ident!r} differs from the {kind} id {seen[0]!r} (at {seen[1]}) only in "
+            errors.append(f"{path}: {shown(ident)} differs from the {kind} id {shown(seen[0])} (at {seen[1]}) only in "
                           f"case or Unicode form: {who} would take one for the other")
     return errors
 
@@ -659,16 +674,16 @@ def _alias_faults(models: Sequence[Mapping[str, Any]]) -> list[str]:
             path = f"models[{i}].aliases[{j}]"
             fold = folded_name(alias)
             if alias in names:
-                errors.append(f"{path}: {alias!r} already names a model (at {names[alias][0]}); an alias names one "
-                              "model")
+                errors.append(f"{path}: {shown(alias)} already names a model (at {names[alias][0]}); an alias names "
+                              "one model")
             elif fold in folded and folded[fold][1] != i:
-                errors.append(f"{path}: {alias!r} differs from another model's name only in case or Unicode form "
+                errors.append(f"{path}: {shown(alias)} differs from another model's name only in case or Unicode form "
                               f"(at {folded[fold][0]}): callers would take one for the other")
             elif others := [(k, p) for k, p in served.get(alias, []) if k != i]:
-                errors.append(f"{path}: {alias!r} is model models[{others[0][0]}]'s served name on provider "
+                errors.append(f"{path}: {shown(alias)} is model models[{others[0][0]}]'s served name on provider "
                               f"{_key(others[0][1])}: a caller who knows that name would get this model")
             elif (bad := _unprintable(alias)) is not None:
-                errors.append(f"{path}: {alias!r} holds {bad}; an alias is printable text")
+                errors.append(f"{path}: {shown(alias)} holds {bad}; an alias is printable text")
             else:
                 names[alias] = (path, i)
                 folded.setdefault(fold, (path, i))
@@ -678,7 +693,7 @@ def _alias_faults(models: Sequence[Mapping[str, Any]]) -> list[str]:
 def _unprintable_ids(ids: Sequence[tuple[str, Any]]) -> list[str]:
     """A model's, node's or provider's id (path, value) is printable text: a control or format
     character (a zero-width space) makes two ids that look alike, and goes raw into logs and the catalog."""
-    return [f"{path}: {value!r} holds {bad}; an id is printable text"
+    return [f"{path}: {shown(value)} holds {bad}; an id is printable text"
             for path, value in ids if isinstance(value, str) and (bad := _unprintable(value)) is not None]
 
 
@@ -840,7 +855,7 @@ def _parse_new_shape(data: Mapping[str, Any]) -> Config:
     try:
         cfg = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_schema_errors(exc) + errors + _runtime_timings_of(data)) from None
+        raise ConfigError(_schema_errors(exc, data) + errors + _runtime_timings_of(data)) from None
     errors += check_timings(cfg)
     if errors:
         raise ConfigError(errors)
@@ -906,6 +921,9 @@ def read_yaml(path: str | Path) -> Any:
     try:
         loader = ConfigLoader(text)  # (as yaml.safe_load does, the document checked between its two steps)
         node = loader.get_single_node()
+        if values_aliases_add(node) > MAX_ALIAS_VALUES:
+            raise ConfigError([f"{path}: its aliases (*name) repeat more than {MAX_ALIAS_VALUES:,} values in all: "
+                               "not a config (a YAML bomb?)"])
         repeated = repeated_keys(node)
         if repeated:
             raise ConfigError(repeated)
@@ -928,6 +946,30 @@ def read_yaml(path: str | Path) -> Any:
     finally:
         if loader is not None:
             loader.dispose()
+
+
+def values_aliases_add(root: yaml.Node | None) -> int:
+    """How many values the document's aliases add to what it writes out, once each alias is read as
+    what it names (the count stops a little past `MAX_ALIAS_VALUES`). The nodes are walked once
+    each: a 10 KB document of aliases of aliases (`[*a, *a, …]`, "billion laughs") names 10⁹ values,
+    and a model's map of 1,000 providers named by 1,000 aliases in `models` made 1,000,000 faults."""
+    if root is None:
+        return 0
+    sizes: dict[int, int] = {}  # a node -> the values it holds once expanded, itself included
+    todo: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while todo:
+        node, children_done = todo.pop()
+        if id(node) in sizes and not children_done:
+            continue
+        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        if children_done:  # (a child still on the way down is an alias of an ancestor: a cycle, counted once)
+            sizes[id(node)] = min(1 + sum(sizes.get(id(c), 1) for c in children), 2 * MAX_ALIAS_VALUES + len(sizes))
+            continue
+        sizes[id(node)] = 1
+        todo.append((node, True))
+        todo.extend((c, False) for c in children if id(c) not in sizes)
+    return max(0, sizes[id(root)] - len(sizes))
 
 
 def repeated_keys(root: yaml.Node | None) -> list[str]:

@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.shown import shown
+
 ROUTE_FIELDS = ("model", "adapter", "target")
 #: Fields of the new provider shape that a legacy adapter instance may not carry.
 ADAPTER_FORBIDDEN = {
@@ -102,17 +104,18 @@ def _convert_models(data: Mapping[str, Any], routes: list[tuple[int, Mapping[str
     if not isinstance(raw, list):
         return raw  # the new-shape validation reports it
     models = list(raw)
-    defined = {m.get("id"): i for i, m in enumerate(models) if isinstance(m, Mapping)}
+    # (an id that is not text is the schema's to report: a list there is no key of a dict)
+    defined = {m["id"]: i for i, m in enumerate(models) if isinstance(m, Mapping) and isinstance(m.get("id"), str)}
     first_route: dict[str, int] = {}
     for r, route in routes:
         path = f"openai.model_routes[{r}]"
         model_id = route["model"]
         if model_id in defined:
-            mig.errors.append(f"{path}.model: model {model_id!r} is also defined at models[{defined[model_id]}]; "
+            mig.errors.append(f"{path}.model: model {shown(model_id)} is also defined at models[{defined[model_id]}]; "
                               "define a model in one shape only")
             continue
         if model_id in first_route:
-            mig.errors.append(f"{path}.model: duplicate model id {model_id!r} (first at "
+            mig.errors.append(f"{path}.model: duplicate model id {shown(model_id)} (first at "
                               f"openai.model_routes[{first_route[model_id]}].model); a legacy route has one "
                               "adapter, list several providers under `models[]` instead")
             continue
@@ -154,7 +157,7 @@ def _convert_adapter(adapter: Mapping[str, Any], path: str, new_path: str, serve
     runs before either, and a provider must serve at least one model)."""
     names = served.get(str(adapter.get("id")), [])
     if not names:
-        mig.notes.append(f"{path}: adapter {adapter.get('id')!r} serves no route; left out")
+        mig.notes.append(f"{path}: adapter {shown(adapter.get('id'))} serves no route; left out")
         return None
     provider: dict[str, Any] = {}
     for key, value in adapter.items():
@@ -198,7 +201,7 @@ def _convert_nodes(data: Mapping[str, Any], served: dict[str, list[str]], mig: M
                 continue
             other = places.get(str(adapter.get("id")))
             if other is not None:
-                mig.errors.append(f"{path}.id: provider id {adapter.get('id')!r} is also defined at {other}; "
+                mig.errors.append(f"{path}.id: provider id {shown(adapter.get('id'))} is also defined at {other}; "
                                   "define a provider in one shape only")
                 continue
             converted = _convert_adapter(adapter, path, f"nodes[{i}].providers[{len(providers)}]", served, mig)
