@@ -52,6 +52,31 @@ def test_config_table_lists_every_runtime_limit_with_its_default() -> None:
             assert field.default == int(shown), name
 
 
+def test_config_tables_list_every_field_of_the_config_and_no_other() -> None:
+    """Each field of each part of the config has its row, with its default where that is a number; and
+    each row names a field (`nodes[].providers` had none)."""
+    from pydantic import BaseModel
+
+    from common.auth import ApiKeyConfig, KeyLimits
+    from common.config import ModelConfig, NodeConfig, ProviderConfig, QueuePolicy, RuntimeConfig
+
+    parts: dict[str, type[BaseModel]] = {
+        "models[]": ModelConfig, "nodes[]": NodeConfig, "nodes[].providers[]": ProviderConfig, "queue": QueuePolicy,
+        "runtime": RuntimeConfig, "auth.keys[]": ApiKeyConfig, "auth.keys[].limits": KeyLimits}
+    section = README.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, str] = {}
+    for names, default in re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|", section, flags=re.M):
+        for name in re.findall(r"`([\w.\[\]*]+)`", names):
+            rows[name] = default.strip()
+    fields = {f"{prefix}.{name}": field for prefix, cls in parts.items() for name, field in cls.model_fields.items()}
+    containers = {"models[].queue", "auth.keys[].limits"}  # (their fields have the rows: `models[].queue.*`)
+    assert set(fields) - containers == set(rows) - {"models[].queue.*"}
+    for name, field in fields.items():
+        if name in rows and isinstance(field.default, int) and not isinstance(field.default, bool) \
+                and rows[name].replace(",", "").isdigit():
+            assert field.default == int(rows[name].replace(",", "")), name
+
+
 def test_the_configuration_example_is_a_valid_config() -> None:
     import yaml
 
