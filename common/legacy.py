@@ -25,7 +25,6 @@ found later by the new-shape validation are reported at their legacy paths
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,14 +57,31 @@ class Migration:
     notes: list[str] = field(default_factory=list)
     #: new path -> legacy path, for reporting later faults where the operator wrote them
     origins: dict[str, str] = field(default_factory=dict)
+    _heads: tuple[int, frozenset[str]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def legacy_path(self, error: str) -> str:
-        """Rewrite every new-shape path in an error message into its legacy path."""
+        """Rewrite every new-shape path in an error message into its legacy path: from left to right,
+        the longest that starts where no word, `.` or `]` goes before it and ends the text or before
+        one of `.[:)` or white space. (Looked up, not matched as a pattern of every path: that was
+        compiled for each error, 12 s of CPU for 1,000 adapters of capacity 0, 213 s for 4,000.)"""
         if not self.origins:
             return error
-        alternatives = "|".join(re.escape(p) for p in sorted(self.origins, key=len, reverse=True))
-        pattern = re.compile(rf"(?<![\w.\]])({alternatives})(?=$|[.\[:\s)])")
-        return pattern.sub(lambda m: self.origins[m.group(1)], error)
+        if self._heads is None:  # (the paths' first characters; asked once all are known)
+            head = min(6, *(len(p) for p in self.origins))
+            self._heads = head, frozenset(p[:head] for p in self.origins)
+        head, heads = self._heads
+        ends = [i for i, ch in enumerate(error) if ch in ".[:)" or ch.isspace()] + [len(error)]
+        out, i = [], 0
+        while i < len(error):
+            if error[i:i + head] in heads and (i == 0 or not (error[i - 1].isalnum() or error[i - 1] in "_.]")):
+                end = next((e for e in reversed(ends) if e > i and error[i:e] in self.origins), None)
+                if end is not None:
+                    out.append(self.origins[error[i:end]])
+                    i = end
+                    continue
+            out.append(error[i])
+            i += 1
+        return "".join(out)
 
 
 def _str(value: Any) -> bool:
