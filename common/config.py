@@ -358,16 +358,17 @@ def format_path(loc: Sequence[Any], data: Any = None) -> str:
     'providers[1]' (and a key `true`, which pydantic writes as 1, is 'providers.true')."""
     out = ""
     if len(loc) >= 2 and loc[-1] == "[key]":
-        return f"{format_path(loc[:-2], data)}.{_key(loc[-2])} (key)" if len(loc) > 2 else f"{_key(loc[0])} (key)"
+        return (f"{format_path(loc[:-2], data)}.{path_part(loc[-2])} (key)" if len(loc) > 2
+                else f"{path_part(loc[0])} (key)")
     node = data
     for part in loc:
         if isinstance(node, Mapping) and not isinstance(part, str):
             part = next((k for k in node if k == part and type(k) is not str), part)  # (its own key: `true`, not 1)
-            out += f".{_key(part)}" if out else _key(part)
+            out += f".{path_part(part)}" if out else path_part(part)
         elif isinstance(part, int):
             out += f"[{part}]"
         else:
-            out += f".{part}" if out else part
+            out += f".{path_part(part)}" if out else path_part(part)
         try:
             node = node[part] if isinstance(node, Mapping | list) else None
         except (LookupError, TypeError):
@@ -430,6 +431,15 @@ def _scalar(value: Any, most: int) -> str:
     if isinstance(value, int | float):
         return repr(value)
     return str(value)[:most]  # what else YAML makes: a date, bytes (!!binary)
+
+
+def path_part(key: Any) -> str:
+    """A mapping's key as a part of a path in a message: text as it is when it is short and printable;
+    else as `shown` writes it, quoted, escaped and cut (a key of 200,000 characters made a line as long,
+    and one holding a line break or a terminal's escape split the fault's line or rewrote the screen)."""
+    if isinstance(key, str) and key and len(key) <= _SHOWN_CHARS and key.isprintable():
+        return key
+    return shown(key)
 
 
 def _key(value: Any) -> str:
@@ -618,7 +628,7 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
     nodes_known = bool(nodes) and all(isinstance(n.get("providers", []), list) for n in nodes)
     for i, model in enumerate(models):
         for provider_id, served_name in _map(model.get("providers")).items():
-            path = f"models[{i}].providers.{_key(provider_id)}"
+            path = f"models[{i}].providers.{path_part(provider_id)}"
             provider = providers.get(_key(provider_id))
             served_known = _list(provider.get("models")) if provider else []
             if provider is None:
@@ -627,7 +637,7 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
             elif (isinstance(served_name, str) and served_known and all(isinstance(x, str) for x in served_known)
                   and served_name not in served_known):
                 errors.append(
-                    f"{path}: served model {shown(served_name)} is not in provider {_key(provider_id)}'s models "
+                    f"{path}: served model {shown(served_name)} is not in provider {path_part(provider_id)}'s models "
                     f"{shown(_list(provider.get('models')))}"
                 )
     model_ids = {str(m["id"]) for m in models if "id" in m}
@@ -683,7 +693,7 @@ def _alias_faults(models: Sequence[Mapping[str, Any]]) -> list[str]:
             # alias, 4e8 steps; a model's own entries of a name are together, so this stops soon)
             elif other := next(((k, p) for k, p in served.get(alias, ()) if k != i), None):
                 errors.append(f"{path}: {shown(alias)} is model models[{other[0]}]'s served name on provider "
-                              f"{_key(other[1])}: a caller who knows that name would get this model")
+                              f"{path_part(other[1])}: a caller who knows that name would get this model")
             elif (bad := _unprintable(alias)) is not None:
                 errors.append(f"{path}: {shown(alias)} holds {bad}; an alias is printable text")
             else:
@@ -807,13 +817,13 @@ def _type_specific(p: Mapping[str, Any], path: str) -> list[str]:
         for name in headers:
             if not isinstance(name, str):
                 continue
-            lower = name.lower()
+            lower, at = name.lower(), f"{path}.headers.{path_part(name)}"
             if lower in seen:
-                errors.append(f"{path}.headers.{name}: the same header as {seen[lower]} (names ignore case)")
+                errors.append(f"{at}: the same header as {path_part(seen[lower])} (names ignore case)")
             elif lower in IOP_HEADERS:
-                errors.append(f"{path}.headers.{name}: set by iop itself ({IOP_HEADERS[lower]}), not by the config")
+                errors.append(f"{at}: set by iop itself ({IOP_HEADERS[lower]}), not by the config")
             elif lower == key_header or lower == "authorization":
-                errors.append(f"{path}.headers.{name}: credentials never go in the config: give the key's variable "
+                errors.append(f"{at}: credentials never go in the config: give the key's variable "
                               "in api_key_env (and its header in api_key_header), or user:password@ in base_url")
             seen.setdefault(lower, name)
     return errors
@@ -989,7 +999,7 @@ def repeated_keys(root: yaml.Node | None) -> list[str]:
             lines: dict[str, int] = {}
             for key, value in node.value:
                 name = key.value if isinstance(key, yaml.ScalarNode) else None
-                at = f"{where}.{name}" if where else str(name)
+                at = f"{where}.{path_part(name)}" if where else path_part(name)
                 if name is not None:  # (a merge key `<<` too: of two, the last won, silently)
                     line = key.start_mark.line + 1
                     if name in lines:

@@ -84,6 +84,14 @@ class Migration:
         return "".join(out)
 
 
+def _part(key: Any) -> str:
+    """A mapping's key as a part of a path, as `common.config.path_part` writes it: text as it is when
+    short and printable, else quoted, escaped and cut."""
+    if isinstance(key, str) and key and len(key) <= 80 and key.isprintable():
+        return key
+    return shown(key)
+
+
 def _str(value: Any) -> bool:
     return isinstance(value, str) and bool(value)
 
@@ -95,7 +103,7 @@ def _routes(data: Mapping[str, Any], mig: Migration) -> list[tuple[int, Mapping[
     if not isinstance(openai, Mapping):
         mig.errors.append("openai: expected a mapping with `model_routes`")
         return []
-    mig.errors += [f"openai.{k}: unknown field" for k in openai if k != "model_routes"]
+    mig.errors += [f"openai.{_part(k)}: unknown field" for k in openai if k != "model_routes"]
     routes = openai.get("model_routes")
     if not isinstance(routes, list) or not routes:
         mig.errors.append("openai.model_routes: expected a non-empty list of routes")
@@ -106,7 +114,7 @@ def _routes(data: Mapping[str, Any], mig: Migration) -> list[tuple[int, Mapping[
         if not isinstance(route, Mapping):
             mig.errors.append(f"{path}: expected a mapping with {', '.join(ROUTE_FIELDS)}")
             continue
-        faults = [f"{path}.{k}: unknown field" for k in route if k not in ROUTE_FIELDS]
+        faults = [f"{path}.{_part(k)}: unknown field" for k in route if k not in ROUTE_FIELDS]
         faults += [f"{path}.{k}: required, a non-empty string" for k in ROUTE_FIELDS if not _str(route.get(k))]
         mig.errors += faults
         if not faults:
@@ -139,7 +147,7 @@ def _convert_models(data: Mapping[str, Any], routes: list[tuple[int, Mapping[str
         n = len(models)
         models.append({"id": model_id, "providers": {route["adapter"]: route["target"]}})
         mig.origins[f"models[{n}].id"] = f"{path}.model"
-        mig.origins[f"models[{n}].providers.{route['adapter']}"] = f"{path}.adapter"
+        mig.origins[f"models[{n}].providers.{_part(route['adapter'])}"] = f"{path}.adapter"
         mig.origins[f"models[{n}]"] = path
     return models
 

@@ -72,7 +72,8 @@ def rename_key(data: dict[str, Any], rng: random.Random) -> Any:
     maps = [p for p in paths(data) if isinstance(get(data, p), dict) and get(data, p)]
     target = get(data, rng.choice(maps))
     old = rng.choice(list(target))
-    new = rng.choice([*TYPOS, "nope", "VLLM-A", "vllm-a\u200b", "vllm a", 1, None, True, ""])
+    new = rng.choice([*TYPOS, "nope", "VLLM-A", "vllm-a\u200b", "vllm a", 1, None, True, "", "a\nb", "\x1b[2J",
+                      "k" * 5000, "a: b", "a.b", "a[0]"])
     target[new] = target.pop(old)
     return data
 

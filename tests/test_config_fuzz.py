@@ -51,8 +51,8 @@ def counted_calls() -> Iterator[list[int]]:
 
 
 def _key_text(key: Any) -> str:
-    from common.config import _key
-    return _key(key)
+    from common.config import path_part
+    return path_part(key)
 
 
 def resolves(node: Any, rest: str, top: bool = True) -> bool:
@@ -338,3 +338,18 @@ def test_validation_work_grows_with_the_config_not_with_its_square(make: Any) ->
     legacy config compiled a pattern of every path (1,000 adapters of capacity 0: 12 s of CPU, 4,000: 213 s)."""
     small, large = _traced_steps(make(100)), _traced_steps(make(400))
     assert large < 5 * small, (small, large)
+
+
+def test_a_key_that_is_long_or_holds_a_line_break_is_shown_escaped_and_cut_in_a_faults_path(tmp_path: Path) -> None:
+    """A key's text went into the path as it was: one holding a line break split a fault in two lines
+    (an escape sequence rewrote the operator's screen), one of 200,000 characters made a line as long."""
+    with pytest.raises(ConfigError) as info:
+        parse_config({"models": [{"id": "m", "providers": {"p": "s"}, "y" * 200_000: 1}], "nodes": []})
+    assert all(len(e) < 300 for e in info.value.errors)
+    odd, long = '"a\\nb\\e[2J"', "y" * 1000  # (YAML's longest key without `? `)
+    errors = _faults(tmp_path / "c.yaml", f"models: [{{id: m, providers: {{p: s, {odd}: s, {long}: s}}, {odd}: 1}}]\n"
+                                          f"nodes: [{{id: n, providers: [{_PROVIDER}]}}]\n{odd}: 1\n")
+    assert "models[0].'a\\nb\\x1b[2J': unknown field" in errors
+    assert "'a\\nb\\x1b[2J': unknown field" in errors
+    assert "models[0].providers.'a\\nb\\x1b[2J': provider 'a\\nb\\x1b[2J' is not defined by any node" in errors
+    assert all("\n" not in e and "\x1b" not in e and len(e) < 300 for e in errors), errors
