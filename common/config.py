@@ -102,6 +102,9 @@ MAX_EVENTS_PER_RUN = 10_000_000
 MAX_CONNECTIONS = 1_000_000
 #: The largest Redis connection pool of a gateway (`runtime.redis_max_connections`).
 MAX_REDIS_CONNECTIONS = 100_000
+#: The paths of the APIs' endpoints, which a `base_url` never ends in: iop adds them to it.
+API_ENDPOINTS = ("/chat/completions", "/completions", "/embeddings", "/responses", "/v1/models", "/api/chat",
+                 "/api/generate", "/api/embed", "/api/embeddings", "/api/tags")
 #: The schemes a provider's `base_url` may have.
 URL_SCHEMES = ("http", "https")
 #: Longest a value is shown in a message.
@@ -556,6 +559,8 @@ def _schema_errors(exc: ValidationError, data: Any = None) -> list[str]:
                 msg += " (every line under it commented out? remove the line too)"
         elif err["type"] in _SAY_INPUT:
             msg = f"{msg}, got {shown(err['input'])}"
+            if err["type"] in ("list_type", "dict_type") and err["input"] is None:  # (`nodes:` with nothing under it)
+                msg += " (every line under it commented out? remove the line too)"
             if err["type"] in ("int_parsing", "int_type") and _looks_like_a_number(err["input"]):
                 msg += " (YAML reads that as text, not a number: write the number out in digits)"
             elif err["type"] == "int_type" and isinstance(err["input"], float) and err["input"].is_integer():
@@ -761,6 +766,12 @@ def base_url_fault(value: Any) -> str | None:
         kind = "query" if value[start] == "?" else "fragment"
         return (f"{shown(value)} has a {kind} ({shown(value[start:])}): iop adds the API's paths to base_url, "
                 f"so it can hold none; write the URL without it, {example}")
+    # (an endpoint's whole URL pasted: iop adds the API's paths to it, so every run would go to
+    # /v1/chat/completions/v1/chat/completions, a 404, while the probe of the host's /health passes)
+    endpoint = next((e for e in API_ENDPOINTS if parts.path.rstrip("/").lower().endswith(e)), None)
+    if endpoint is not None:
+        return (f"{shown(value)} ends in the endpoint {endpoint}: iop adds the API's paths to base_url; write "
+                f"the server's URL or its API root, {example}")
     return None
 
 

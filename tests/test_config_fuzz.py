@@ -11,6 +11,7 @@ import os
 import random
 import re
 import sys
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,6 +85,7 @@ def check_faults(errors: list[str], data: Any, file: str | None) -> None:
     assert errors, "a ConfigError with no fault"
     for error in errors:
         assert "\n" not in error and "\r" not in error, repr(error)
+        assert not any(unicodedata.category(ch) in ("Cc", "Zl", "Zp") for ch in error), repr(error)
         assert "Traceback" not in error and " object at 0x" not in error, error
         assert len(error) < 2_000, error[:300]
         if file is not None and error.startswith(f"{file}: "):
@@ -353,3 +355,20 @@ def test_a_key_that_is_long_or_holds_a_line_break_is_shown_escaped_and_cut_in_a_
     assert "'a\\nb\\x1b[2J': unknown field" in errors
     assert "models[0].providers.'a\\nb\\x1b[2J': provider 'a\\nb\\x1b[2J' is not defined by any node" in errors
     assert all("\n" not in e and "\x1b" not in e and len(e) < 300 for e in errors), errors
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/v1/chat/completions", "http://127.0.0.1:9/v1/completions/",
+                                 "http://127.0.0.1:9/api/chat", "https://api.example.com/v1/embeddings"])
+def test_a_base_url_that_is_an_endpoints_whole_url_is_a_config_error(url: str, tmp_path: Path) -> None:
+    """An endpoint's URL pasted as base_url loaded: iop adds the API's paths to it, so every run would go to
+    /v1/chat/completions/v1/chat/completions (a 404), while the probe of the host's /health passed."""
+    provider = _PROVIDER.replace("http://127.0.0.1:9", url)
+    errors = _faults(tmp_path / "c.yaml", f"models: [{{id: m, providers: {{p: s}}}}]\n"
+                                          f"nodes: [{{id: n, providers: [{provider}]}}]\n")
+    assert len(errors) == 1 and errors[0].startswith(f"nodes[0].providers[0].base_url: '{url}' ends in the endpoint /")
+
+
+def test_a_list_with_every_line_under_it_commented_out_says_so(tmp_path: Path) -> None:
+    errors = _faults(tmp_path / "c.yaml", "models: [{id: m, providers: {p: s}}]\nnodes:\n#  - id: n\n")
+    assert errors == ["nodes: Input should be a valid list, got null (every line under it commented out? remove the "
+                      "line too)"]
