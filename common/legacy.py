@@ -84,6 +84,10 @@ class Migration:
         return "".join(out)
 
 
+#: the longest target, a served name (`common.config.MAX_SERVED_CHARS`, which this module cannot import)
+MAX_TARGET_CHARS = 1024
+
+
 def _part(key: Any) -> str:
     """A mapping's key as a part of a path, as `common.config.path_part` writes it: text as it is when
     short and printable, else quoted, escaped and cut."""
@@ -116,6 +120,9 @@ def _routes(data: Mapping[str, Any], mig: Migration) -> list[tuple[int, Mapping[
             continue
         faults = [f"{path}.{_part(k)}: unknown field" for k in route if k not in ROUTE_FIELDS]
         faults += [f"{path}.{k}: required, a non-empty string" for k in ROUTE_FIELDS if not _str(route.get(k))]
+        target = route.get("target")
+        if isinstance(target, str) and len(target) > MAX_TARGET_CHARS:  # (said here: else at two paths, neither it)
+            faults.append(f"{path}.target: String should have at most {MAX_TARGET_CHARS} characters")
         mig.errors += faults
         if not faults:
             valid.append((r, route))
