@@ -628,6 +628,7 @@ def check_references(cfg: Config | Mapping[str, Any]) -> list[str]:
     errors += _duplicates(provider_paths, "provider")
     errors += _case_twins(provider_paths, "provider", "operators")
     errors += _unprintable_ids(model_paths + node_paths + provider_paths)
+    errors += _dot_segment_ids(model_paths + node_paths + provider_paths)
     # Where the nodes themselves are malformed, which providers exist is not known: say
     # nothing about references rather than something false.
     nodes_known = bool(nodes) and all(isinstance(n.get("providers", []), list) for n in nodes)
@@ -712,6 +713,14 @@ def _unprintable_ids(ids: Sequence[tuple[str, Any]]) -> list[str]:
     character (a zero-width space) makes two ids that look alike, and goes raw into logs and the catalog."""
     return [f"{path}: {shown(value)} holds {bad}; an id is printable text"
             for path, value in ids if isinstance(value, str) and (bad := _unprintable(value)) is not None]
+
+
+def _dot_segment_ids(ids: Sequence[tuple[str, Any]]) -> list[str]:
+    """No id is `.` or `..`: in a URL's path (`/v1/models/{id}`, `/v1/admin/providers/{id}/drain`)
+    a client takes it for the path's own step, not a name (the catalog page's drain of provider `..`
+    went to another path)."""
+    return [f"{path}: {value!r} is a step of a URL's path, not a name a URL can carry; an id is another word"
+            for path, value in ids if value in (".", "..")]
 
 
 def folded_name(name: str) -> str:
