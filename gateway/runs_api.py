@@ -30,7 +30,7 @@ from common.wire import ErrorCode, EventType, RunField
 from common.wrongtype import read_or
 from gateway.auth import principal
 from gateway.errors import REQUEST_ID_HEADER, ApiError, caller_left, invalid, new_request_id
-from gateway.events import READ_COUNT, Event, stored_event
+from gateway.events import HELD_BYTES, READ_COUNT, Event, stored_event
 from gateway.responses import KEEP_ALIVE, RUN_ID_HEADER, ended_within, with_model
 from gateway.runs import RunClient
 from gateway.stopping import Stopping
@@ -39,6 +39,8 @@ log = logging.getLogger("iop.gateway")
 
 #: How long DELETE waits for a running run to end before it answers 202.
 CANCEL_WAIT_S = 10.0
+#: The events of a replay's first page (`RunsApi._replay`): pages grow from it while they are small.
+FIRST_PAGE = 8
 
 _STREAM_ID = re.compile(r"[0-9]+(-[0-9]+)?")
 #: Both parts of a Redis stream id are unsigned 64-bit integers.
@@ -224,23 +226,30 @@ class RunsApi:
 
     async def _replay(self, resp: web.StreamResponse, run_id: str, last_id: str, model_id: str) -> bytes:
         """An ended run's events after `last_id`: all there already (its terminal event may be the
-        one the client has, so following would never end). Read `READ_COUNT` at a time, each page
-        sent before the next is read: a client that reads slowly (or not at all) holds one page.
-        Returns b"", or the error event to end with when the events expired (`run_ttl_s`) before
-        the replay reached the run's end: a stream that just stopped would pass for the end."""
+        one the client has, so following would never end). Read a page at a time, each sent before
+        the next is read: a client that reads slowly (or not at all) holds one page. A page is 8
+        events, then twice as many while a page holds at most `HELD_BYTES` (as stored), up to
+        `READ_COUNT`, and half as many past it (a run of large events: 64 of 64 KiB each, 4 MB a
+        reader that reads nothing). Returns b"", or the error event to end with when the events
+        expired (`run_ttl_s`) before the replay reached the run's end: a stream that just stopped
+        would pass for the end."""
         start = "-" if last_id == "0" else f"({last_id}"
         last_type: str | None = None
         runs = self.runs()
+        count = FIRST_PAGE
         while True:
             async with runs.hub.reads:  # (a crowd of replays takes turns: `gateway.events.READS_SHARE`)
-                entries = await runs.redis.xrange(keys.run_events(run_id), start, "+", count=READ_COUNT)
+                entries = await runs.redis.xrange(keys.run_events(run_id), start, "+", count=count)
+            size = 0
             for entry_id, fields in entries:
                 event = stored_event(entry_id, fields)
                 await resp.write(_sse(event, model_id))
-                last_type = event.type
-            if len(entries) < READ_COUNT:
+                last_type, size = event.type, size + event.size
+            if len(entries) < count:
                 break
             start = f"({entries[-1][0].decode()}"
+            count = max(1, count // 2) if size > HELD_BYTES else min(READ_COUNT, count * 2)
+            del entries
         if last_type in (EventType.COMPLETED, EventType.FAILED):
             return b""
         if last_type is None and last_id != "0" and await runs.redis.exists(keys.run_events(run_id)):

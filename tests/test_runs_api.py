@@ -22,9 +22,10 @@ from common.config import Config, parse_config
 from common.redisconn import now_ms
 from common.wire import RunKind
 from gateway.app import RUNS, build_app
-from gateway.events import READ_COUNT
+from gateway.events import HELD_BYTES, READ_COUNT
 from gateway.requests import ParsedRequest
 from gateway.runs import RunClient
+from gateway.runs_api import FIRST_PAGE
 from tests.conftest import async_wait_until
 from tests.openapi import validate
 from tests.sse import Message, next_message, read_all
@@ -350,8 +351,36 @@ async def test_a_run_of_many_pages_of_events_is_replayed_whole_and_in_order(api:
     assert [m.id for m in messages] == ids
     assert [m.data["chunks"][0]["choices"][0]["delta"]["content"] for m in messages[:count]] == [
         str(n) for n in range(count)]
-    if ended:  # a page at a time: 64, 64, 64 and the last 6
-        assert (await api.redis.info("commandstats"))["cmdstat_xrange"]["calls"] >= 4
+    if ended:  # a page at a time: 8, 16, 32, 64, 64 and the last 14
+        assert (await api.redis.info("commandstats"))["cmdstat_xrange"]["calls"] >= 6
+
+
+async def test_a_replay_of_large_events_reads_smaller_pages(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page holds about `HELD_BYTES` of events (as stored) at most, but for one event: pages of 64
+    events of 64 KiB each (a hostile provider's) had a reader that read nothing hold 4 MB of the
+    gateway's memory. Small ones go 8, then twice as many a page, up to `READ_COUNT`."""
+    runs = api.server.app[RUNS]
+    xrange = runs.redis.xrange
+    counts: list[int] = []
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        counts.append(kwargs["count"])
+        return await xrange(*args, **kwargs)
+
+    monkeypatch.setattr(runs.redis, "xrange", counted)
+    for size, many, pages in ((HELD_BYTES // 4, 24, None), (10, 200, [8, 16, 32, 64, 64, 64])):
+        run_id = await api.submit()
+        ids = [await api.event(run_id, "delta", {"chunks": [chunk(f"{n} " + "z" * size)]}) for n in range(many)]
+        ids.append(await api.event(run_id, "completed", {}))
+        await api.end(run_id)
+        counts.clear()
+        async with api.session.get(api.url(f"/v1/runs/{run_id}/events")) as resp:
+            messages = await read_all(resp)
+        assert [m.id for m in messages] == ids
+        if pages is None:  # (a quarter of HELD_BYTES each: after the first page, 2 to 4 a page)
+            assert counts[0] == FIRST_PAGE and 2 <= min(counts[1:]) and max(counts[1:]) <= 4, counts
+        else:
+            assert counts == pages, counts
 
 
 async def ended_run_of_two_pages(api: Api) -> tuple[str, list[str]]:
@@ -383,7 +412,7 @@ async def test_a_replay_cut_by_redis_ends_with_an_error_event_saying_so_without_
     monkeypatch.setattr(runs.redis, "xrange", then_gone)
     async with api.session.get(api.url(f"/v1/runs/{run_id}/events")) as resp:
         messages = await read_all(resp)
-    assert [m.id for m in messages[:-1]] == ids[:READ_COUNT]
+    assert [m.id for m in messages[:-1]] == ids[:FIRST_PAGE]
     error = messages[-1]
     assert error.event == "error" and error.data["error"]["code"] == "service_unavailable"
     assert error.data["error"]["message"] == ("the run store (Redis) became unavailable while this stream followed "
@@ -430,7 +459,7 @@ async def test_a_replay_whose_events_expire_before_its_end_ends_with_an_error_no
     monkeypatch.setattr(runs.redis, "xrange", then_expire)
     async with api.session.get(api.url(f"/v1/runs/{run_id}/events")) as resp:
         messages = await read_all(resp)
-    assert [m.id for m in messages[:-1]] == ids[:READ_COUNT]
+    assert [m.id for m in messages[:-1]] == ids[:FIRST_PAGE]
     assert messages[-1].event == "error" and messages[-1].data["error"]["code"] == "not_found"
     assert messages[-1].data["error"]["message"] == (
         f"the events of run {run_id} expired (runtime.run_ttl_s) before this stream reached the run's end; "
