@@ -24,6 +24,12 @@ _SHALLOW = 6
 _DEEPEST = 24
 #: the most items an array gets, whatever its `minItems`
 _MOST_ITEMS = 64
+#: the most values one answer gets in all (64 characters of text count as one), and the longest
+#: text one holds: past them, what is left is null and text is cut (a schema of arrays of 64 items
+#: 5 deep asked for 10⁹ values, a `minLength` of 10⁹ for a GB: the simulator hung on them), so a
+#: caller's schema costs it bounded work
+MOST_VALUES = 10_000
+MOST_TEXT = 4096
 #: the text of a string, before its length bounds
 _TEXT = "tok0"
 _FORMATS = {"date-time": "2026-01-01T00:00:00Z", "date": "2026-01-01", "time": "00:00:00Z",
@@ -34,14 +40,19 @@ _FORMATS = {"date-time": "2026-01-01T00:00:00Z", "date": "2026-01-01", "time": "
 _TOKEN = re.compile(r"\s*(?:\w+|[^\w\s])")
 
 
-def example(schema: object, root: object = None, depth: int = 0) -> Any:
-    """A value that `schema` takes (see the module's docstring)."""
+def example(schema: object, root: object = None, depth: int = 0, left: list[int] | None = None) -> Any:
+    """A value that `schema` takes (see the module's docstring), within `MOST_VALUES` (`left`: the
+    values still to give, shared by the whole answer)."""
     root = schema if root is None else root
+    left = [MOST_VALUES] if left is None else left
+    left[0] -= 1
+    if left[0] < 0:
+        return None
     if not isinstance(schema, dict) or depth > _DEEPEST:
         return None if depth > _DEEPEST else _TEXT
     ref = schema.get("$ref")
     if isinstance(ref, str):
-        return example(_resolve(root, ref), root, depth + 1)
+        return example(_resolve(root, ref), root, depth + 1, left)
     if "const" in schema:
         return schema["const"]
     enum = schema.get("enum")
@@ -50,25 +61,28 @@ def example(schema: object, root: object = None, depth: int = 0) -> Any:
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list) and options:
-            return example(_pick(options, depth), root, depth + 1)
+            return example(_pick(options, depth), root, depth + 1, left)
     parts = schema.get("allOf")
     if isinstance(parts, list) and parts:
-        return example(_merged(schema, parts, root), root, depth + 1)
+        return example(_merged(schema, parts, root), root, depth + 1, left)
     kind = _kind(schema, depth)
     if kind == "object":
         properties = schema.get("properties")
         if not isinstance(properties, dict):
             return {}
-        return {str(name): example(sub, root, depth + 1) for name, sub in properties.items()}
+        return {str(name): example(sub, root, depth + 1, left) for name, sub in list(properties.items())[:MOST_VALUES]}
     if kind == "array":
-        return [example(schema.get("items", {}), root, depth + 1) for _ in range(_items(schema, depth))]
+        return [example(schema.get("items", {}), root, depth + 1, left)
+                for _ in range(min(_items(schema, depth), max(left[0], 0)))]
     if kind in ("integer", "number"):
         return _number(schema, kind == "integer")
     if kind == "boolean":
         return True
     if kind == "null":
         return None
-    return _string(schema)
+    text = _string(schema)
+    left[0] -= len(text) // 64  # (a long text counts as many values: the answer's size stays bounded)
+    return text
 
 
 def response_format_text(body: JsonObject, tokens: int) -> str | None:
@@ -191,7 +205,7 @@ def _string(schema: JsonObject) -> str:
     text = _FORMATS.get(fmt, _TEXT) if isinstance(fmt, str) else _TEXT
     least, most = schema.get("minLength"), schema.get("maxLength")
     if isinstance(least, int) and not isinstance(least, bool) and len(text) < least:
-        text += "x" * (least - len(text))
+        text += "x" * (min(least, MOST_TEXT) - len(text))
     if isinstance(most, int) and not isinstance(most, bool) and 0 <= most < len(text):
         text = text[:most]
     return text

@@ -615,6 +615,26 @@ def test_the_structured_output_is_json_its_schema_takes(schema: JsonObject) -> N
     assert "".join(sim_schema.tokens_of(json.dumps(value))) == json.dumps(value)
 
 
+def _nested_arrays(depth: int) -> JsonObject:
+    schema: JsonObject = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "minItems": 64, "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("schema", [
+    _nested_arrays(5),  # (10⁹ values asked for)
+    {"type": "string", "minLength": 10**9},
+    {"type": "object", "properties": {f"p{i}": {"type": "object", "properties": {
+        f"q{j}": {"type": "string", "minLength": 100_000} for j in range(300)}} for i in range(300)}},
+], ids=["arrays-of-arrays", "a-gigabyte-string", "wide-and-long"])
+def test_a_schema_that_asks_for_too_much_gets_a_bounded_answer(schema: JsonObject) -> None:
+    """A caller's schema costs the simulator bounded work: the first hung it (10⁹ values), the
+    second took a GB. Past `MOST_VALUES` (64 characters of text counting as one) the rest is null."""
+    text = json.dumps(sim_schema.example(schema))
+    assert len(text) <= 64 * sim_schema.MOST_VALUES + 16 * sim_schema.MOST_VALUES + sim_schema.MOST_TEXT, len(text)
+
+
 async def test_a_response_format_or_a_tool_s_parameters_get_json_they_take(sim: Sim) -> None:
     """The `openai` client's parse helpers read the answer with the caller's pydantic model: text, or `{}`
     for every tool, made them raise (tests/test_e2e.py has them through iop)."""
