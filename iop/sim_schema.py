@@ -143,7 +143,9 @@ def _pick(options: list[Any], depth: int) -> object:
 def _merged(schema: JsonObject, parts: list[Any], root: object) -> JsonObject:
     merged: JsonObject = {k: v for k, v in schema.items() if k != "allOf"}
     for part in parts:
-        while isinstance(part, dict) and isinstance(part.get("$ref"), str):
+        for _ in range(_DEEPEST):  # (a `$ref` to itself, or a ring of them, ends)
+            if not (isinstance(part, dict) and isinstance(part.get("$ref"), str)):
+                break
             part = _resolve(root, part["$ref"])
         if isinstance(part, dict):
             properties = {**(merged.get("properties") or {}), **(part.get("properties") or {})}

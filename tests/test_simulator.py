@@ -627,10 +627,13 @@ def _nested_arrays(depth: int) -> JsonObject:
     {"type": "string", "minLength": 10**9},
     {"type": "object", "properties": {f"p{i}": {"type": "object", "properties": {
         f"q{j}": {"type": "string", "minLength": 100_000} for j in range(300)}} for i in range(300)}},
-], ids=["arrays-of-arrays", "a-gigabyte-string", "wide-and-long"])
+    {"$defs": {"a": {"$ref": "#/$defs/a"}}, "allOf": [{"$ref": "#/$defs/a"}]},  # (hung: a loop of `$ref`s)
+    {"$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"},
+], ids=["arrays-of-arrays", "a-gigabyte-string", "wide-and-long", "all-of-a-ref-to-itself", "a-ref-to-all-of-itself"])
 def test_a_schema_that_asks_for_too_much_gets_a_bounded_answer(schema: JsonObject) -> None:
     """A caller's schema costs the simulator bounded work: the first hung it (10⁹ values), the
-    second took a GB. Past `MOST_VALUES` (64 characters of text counting as one) the rest is null."""
+    second took a GB, the fourth looped for good. Past `MOST_VALUES` (64 characters of text counting
+    as one) the rest is null."""
     text = json.dumps(sim_schema.example(schema))
     assert len(text) <= 64 * sim_schema.MOST_VALUES + 16 * sim_schema.MOST_VALUES + sim_schema.MOST_TEXT, len(text)
 
