@@ -944,7 +944,8 @@ return 1
 #       the same), written instead when the record says output went out where the attempt did not
 #       know it (a cancel or a timeout interrupted an `emit` Redis ran, its reply not read); a requeue
 #       then ends the run failed with it instead (returns 'failed_after_output'), and its key counts
-#       the chunks of output the record says (`out_chunks`, as EMIT wrote them) if they are more
+#       the chunks of output the record says (`out_chunks`, as EMIT wrote them) if they are more (as
+#       does any run ending failed or cancelled after output: a later emit's reply may be the one lost)
 FINISH = FREES + _NOW + _WRONG + _REQUEUE + _EVIDENCE + _ENDED + _EVENTS + _WAKE + _CANCEL_REASON + f"""
 -- (a record of another type, written by hand, holds no run: as a record gone, the attempt owns none;
 -- its lease goes to the reaper)
@@ -972,10 +973,11 @@ if cool > 0 and (ARGV[20] or '') ~= '' and redis.call('EXISTS', KEYS[5]) == 1 th
   end
 end
 local ttl = tonumber(ARGV[5])
--- The completion tokens a run's caller got: the attempt's count, or more when output went out that
--- the attempt did not know of (ARGV[23]: its emit's reply was not read), the chunks its emits recorded.
+-- The completion tokens the caller of a run whose output went out got: the attempt's count, or the
+-- chunks its emits recorded when more: output went out that the attempt did not know of (an emit Redis
+-- ran whose reply was not read, a cancel or a timeout having interrupted it: the first, ARGV[23], or a
+-- later one).
 local function unheard_chunks()
-  if (ARGV[23] or '') == '' then return ARGV[15] end
   return math.max(tonumber(ARGV[15]) or 0, tonumber(redis.call('HGET', KEYS[1], 'out_chunks') or '') or 0)
 end
 if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and rec[8] == '1') then
@@ -1000,8 +1002,8 @@ local ending, etype, data, completion = ARGV[2], ARGV[3], ARGV[4], ARGV[15]
 if rec[8] == '1' and (ARGV[23] or '') ~= '' then
   data = ARGV[23]
   if string.sub(ending, 1, 7) == 'requeue' then ending, etype = 'failed', 'failed' end
-  completion = unheard_chunks()
 end
+if rec[8] == '1' and ending ~= 'completed' then completion = unheard_chunks() end
 add_event(KEYS[1], KEYS[3], ARGV[1], etype, data, rec[3])
 redis.call('EXPIRE', KEYS[3], ttl)
 local unable = ending == 'requeue_unable' or ending == 'requeue_unable_back'

@@ -2099,3 +2099,30 @@ async def test_a_run_whose_cancel_was_asked_while_its_output_went_out_unheard_co
     assert await fields(redis, keys.run_record(run_id), "state", "output") == ["cancelled", "1"]
     usage = await redis.hgetall(keys.usage_total("anonymous"))
     assert usage.get(f"completion_tokens:{MODEL}".encode()) == b"1", usage
+
+
+async def test_a_run_cancelled_while_a_later_emit_went_out_unheard_counts_every_chunk_its_caller_got(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first output was heard; the cancel (a DELETE, its caller leaving) came while the reply of
+    a later `emit` Redis ran was on its way: its key counts every chunk that went out, as the record's
+    `out_chunks` says (it counted the attempt's, one emit short: a cancel through the runs API in the
+    middle of 40,000 unpaced tokens counted 12,355 of the 14,269 chunks its callers got)."""
+    sched, run_id = await start_one(redis, {"a": 1})
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[text("a")], [text("b")], [text("c")]])})
+    real_call = runner.scripts.call
+    emits: list[str] = []
+
+    async def call(name: str, run_keys: Any, args: Any) -> Any:
+        result = await real_call(name, run_keys, args)
+        if name == "emit":
+            emits.append(name)
+            if len(emits) == 2:
+                await redis.hset(keys.run_record(run_id), "cancel", "1")
+                assert runner.cancel(run_id, cancelled_by_caller())
+                await asyncio.sleep(0)
+        return result
+
+    monkeypatch.setattr(runner.scripts, "call", call)
+    assert (await runner.execute(run_id)).startswith("cancelled")
+    assert await deltas(redis, run_id) == [[text("a")], [text("b")]]
+    assert await counted_tokens(redis) == (0, 2)
