@@ -2126,3 +2126,31 @@ async def test_a_run_cancelled_while_a_later_emit_went_out_unheard_counts_every_
     assert (await runner.execute(run_id)).startswith("cancelled")
     assert await deltas(redis, run_id) == [[text("a")], [text("b")]]
     assert await counted_tokens(redis) == (0, 2)
+
+
+async def test_a_run_cancelled_before_its_last_read_went_out_counts_no_completion_tokens_of_it(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unpaced provider's last read holds hundreds of chunks and its usage: a cancel (a DELETE)
+    that came after it was read and before it went out counted the whole answer's completion tokens
+    (2,000 for a caller that got 1,227 chunks), not the chunks the caller got. The prompt tokens it
+    says still count."""
+    sched, run_id = await start_one(redis, {"a": 1})
+    last = [text("b"), text("c"), text("d"),
+            {**USAGE, "usage": {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}}]
+    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[text("a")], last])})
+    real_call = runner.scripts.call
+    emits: list[str] = []
+
+    async def call(name: str, run_keys: Any, args: Any) -> Any:
+        if name == "emit":
+            emits.append(name)
+            if len(emits) == 2:  # (the cancel comes before this emit is sent)
+                await redis.hset(keys.run_record(run_id), "cancel", "1")
+                assert runner.cancel(run_id, cancelled_by_caller())
+                await asyncio.sleep(0)
+        return await real_call(name, run_keys, args)
+
+    monkeypatch.setattr(runner.scripts, "call", call)
+    assert (await runner.execute(run_id)).startswith("cancelled")
+    assert await deltas(redis, run_id) == [[text("a")]]
+    assert await counted_tokens(redis) == (1, 1)

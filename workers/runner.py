@@ -137,10 +137,11 @@ class Attempt:
     elsewhere: frozenset[str] = frozenset()
     output: bool = False
     #: chunks of output the caller got (in `delta` events; its opening ones not counted), and the
-    #: last `usage` the provider's stream carried: what a stream that ended before its own usage
-    #: came counts (`_partial_usage`)
+    #: last `usage` the provider's stream carried, and the last read with output that went out:
+    #: what a stream that ended before its own usage came counts (`_partial_usage`)
     out_chunks: int = 0
     usage_seen: dict[str, Any] | None = None
+    usage_sent: dict[str, Any] | None = None
     #: bytes of output stored in the run's events so far
     output_bytes: int = 0
     #: events this attempt emitted so far (each emit is numbered: the `emit` script adds it once)
@@ -214,8 +215,12 @@ def _partial_usage(att: Attempt) -> tuple[int, int]:
     (its caller left, it was cancelled, the provider broke off, it timed out): the provider's last
     usage if its stream carried one (vLLM's `continuous_usage_stats`), and at least one completion
     token for each output chunk the caller got (what most servers send a chunk). Without it such a
-    run counted none: a caller that left just before the end had its tokens for nothing."""
-    prompt, completion = token_counts(att.usage_seen) if att.usage_seen else (0, 0)
+    run counted none: a caller that left just before the end had its tokens for nothing. Its
+    completion tokens are those of the usage read with output that went out: a read that did not
+    (an unpaced provider's last, hundreds of chunks and the whole answer's usage, read as a cancel
+    came) counted every token of the answer, not the chunks its caller got."""
+    prompt = token_counts(att.usage_seen)[0] if att.usage_seen else 0
+    completion = token_counts(att.usage_sent)[1] if att.usage_sent else 0
     return prompt, max(completion, att.out_chunks)
 
 
@@ -636,11 +641,11 @@ class Runner:
                         not isinstance(chunks, LastRead) or len(held) >= MAX_OPENING):
                     out, held = held, []
                     await self._emit(att, EventType.DELTA, {"chunks": out})
-                    att.output = True
+                    att.output, att.usage_sent = True, usage
         except ProviderError:  # (found after the last read: what it held reaches the caller first)
             if held and (att.output or shows_output(held, MAX_OPENING)):
                 await self._emit(att, EventType.DELTA, {"chunks": held})
-                att.output = True
+                att.output, att.usage_sent = True, usage
             raise
         finally:
             att.usage_seen = usage
@@ -661,10 +666,10 @@ class Runner:
                 await pump.ready(due)
                 if pump.ended:
                     break
-                held = pump.take()
+                read_usage, held = pump.usage, pump.take()
                 if held:
                     await self._emit(att, EventType.DELTA, {"chunks": held})
-                    att.output = True
+                    att.output, att.usage_sent = True, read_usage
                     due = loop.time() + batch_s
                 else:  # the window passed with nothing new: the next output goes out as it comes
                     due = None
@@ -679,6 +684,7 @@ class Runner:
             try:
                 if held and att.output:  # what the provider sent before it failed reaches the caller first
                     await self._emit(att, EventType.DELTA, {"chunks": held})
+                    att.usage_sent = pump.usage
                 raise error
             finally:
                 error = None
