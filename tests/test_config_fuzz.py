@@ -12,7 +12,7 @@ import random
 import re
 import sys
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -98,28 +98,27 @@ def check_faults(errors: list[str], data: Any, file: str | None) -> None:
         assert any(resolves(data, error[:cut]) for cut in cuts), (error, data if len(repr(data)) < 3000 else "…")
 
 
-def validate_data(data: Any) -> None:
+def faults_of(check: Callable[[], Any]) -> list[str]:
+    """The faults `check` (a validation) raises, none when it passes; its work within `MOST_CALLS`."""
     with counted_calls() as calls:
         try:
-            parse_config(data)
+            check()
         except ConfigError as exc:
             errors = exc.errors
         else:
             errors = []
     assert calls[0] < MOST_CALLS, calls[0]
+    return errors
+
+
+def validate_data(data: Any) -> None:
+    errors = faults_of(lambda: parse_config(data))
     if errors:
         check_faults(errors, data, None)
 
 
 def validate_file(path: Path) -> None:
-    with counted_calls() as calls:
-        try:
-            load_config(path)
-        except ConfigError as exc:
-            errors = exc.errors
-        else:
-            errors = []
-    assert calls[0] < MOST_CALLS, calls[0]
+    errors = faults_of(lambda: load_config(path))
     if errors:
         try:
             data = yaml.load(path.read_bytes(), Loader=ConfigLoader)  # noqa: S506 (the config's own safe loader)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
@@ -219,22 +219,8 @@ async def test_a_stop_that_interrupts_an_emit_redis_ran_fails_the_run_not_requeu
     `worker_lost`, `before_output: false`, and its key counts the output that went out (it counted
     none)."""
     sched, run_id = await start_one(redis, {"a": 1})
-    runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT], [text("b")]])})
-    real_call = runner.scripts.call
-    stopped: list[bool] = []
-
-    async def call(name: str, run_keys: Any, args: Any) -> Any:
-        result = await real_call(name, run_keys, args)
-        if name == "emit" and not stopped:  # (the reply on its way as the worker's stop cancels the task)
-            task = asyncio.current_task()
-            assert task is not None
-            stopped.append(task.cancel())
-            await asyncio.sleep(0)
-        return result
-
-    monkeypatch.setattr(runner.scripts, "call", call)
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.create_task(runner.execute(run_id))
+    await stopped_after_its_first_emit(Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT], [text("b")]])}),
+                                       run_id, monkeypatch)
     kinds = [k for k, _ in await events(redis, run_id)]
     assert kinds[-2:] == ["delta", "failed"], kinds
     failed = (await events(redis, run_id))[-1][1]
@@ -244,6 +230,29 @@ async def test_a_stop_that_interrupts_an_emit_redis_ran_fails_the_run_not_requeu
     # (its key counts the chunk of output its caller got, as the emit recorded it: the attempt knew of none)
     usage = await redis.hgetall(keys.usage_total("anonymous"))
     assert usage.get(f"completion_tokens:{MODEL}".encode()) == b"1", usage
+
+
+async def stopped_after_its_first_emit(runner: Runner, run_id: str, monkeypatch: pytest.MonkeyPatch,
+                                      first: Callable[[], Awaitable[Any]] | None = None) -> None:
+    """`runner` runs `run_id`, and the worker stops (its grace over: the run's task cancelled) while
+    the reply of the run's first `emit`, which Redis ran, is on its way (after `first`, if given)."""
+    real_call = runner.scripts.call
+    stopped: list[bool] = []
+
+    async def call(name: str, run_keys: Any, args: Any) -> Any:
+        result = await real_call(name, run_keys, args)
+        if name == "emit" and not stopped:
+            if first is not None:
+                await first()
+            task = asyncio.current_task()
+            assert task is not None
+            stopped.append(task.cancel())
+            await asyncio.sleep(0)
+        return result
+
+    monkeypatch.setattr(runner.scripts, "call", call)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.create_task(runner.execute(run_id))
 
 
 def before_scripts(runner: Runner, monkeypatch: pytest.MonkeyPatch, before: Callable[[str], None]) -> None:
@@ -2080,22 +2089,8 @@ async def test_a_run_whose_cancel_was_asked_while_its_output_went_out_unheard_co
     none: the attempt knew of none)."""
     sched, run_id = await start_one(redis, {"a": 1})
     runner = Runner(redis, sched.config, "n-a", {"a": Scripted([[TEXT], [text("b")]])})
-    real_call = runner.scripts.call
-    stopped: list[bool] = []
-
-    async def call(name: str, run_keys: Any, args: Any) -> Any:
-        result = await real_call(name, run_keys, args)
-        if name == "emit" and not stopped:
-            await redis.hset(keys.run_record(run_id), "cancel", "1")
-            task = asyncio.current_task()
-            assert task is not None
-            stopped.append(task.cancel())
-            await asyncio.sleep(0)
-        return result
-
-    monkeypatch.setattr(runner.scripts, "call", call)
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.create_task(runner.execute(run_id))
+    await stopped_after_its_first_emit(runner, run_id, monkeypatch,
+                                       first=lambda: redis.hset(keys.run_record(run_id), "cancel", "1"))
     assert await fields(redis, keys.run_record(run_id), "state", "output") == ["cancelled", "1"]
     usage = await redis.hgetall(keys.usage_total("anonymous"))
     assert usage.get(f"completion_tokens:{MODEL}".encode()) == b"1", usage
