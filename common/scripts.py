@@ -443,9 +443,9 @@ return {'ok', entry, left}
 # Once dispatched (or dropped, its record no longer queued), the replica holding the next waiting
 # run of the model is woken (`_WAKE`; not the dispatching one), and the answer to a dispatch says
 # which it is: {'ok', consumer ('' if none holds it yet), provider id, how many runs from the head
-# on are the dispatching replica's own}. A replica may send
-# that many in one pipeline, oldest first: each still checks that its run is the head, so one that
-# cannot go holds back the ones behind it ('not_head').
+# on are the dispatching replica's own}. A replica may send that many in one pipeline, oldest first:
+# each still checks that its run is the head, so one that cannot go holds back the ones behind it
+# ('not_head').
 # `dispatch_one`: the whole of a dispatch, for one run; `cands` are its candidates, in the order
 # of their ids: {k = the index in KEYS of its first key (heartbeat, leases, capacity override,
 # drained, cordoned, probing, node queue, node wake list), class = 0 | 1, provider, node, target,
@@ -977,7 +977,7 @@ local ttl = tonumber(ARGV[5])
 -- chunks its emits recorded when more: output went out that the attempt did not know of (an emit Redis
 -- ran whose reply was not read, a cancel or a timeout having interrupted it: the first, ARGV[23], or a
 -- later one).
-local function unheard_chunks()
+local function chunks_got()
   return math.max(tonumber(ARGV[15]) or 0, tonumber(redis.call('HGET', KEYS[1], 'out_chunks') or '') or 0)
 end
 if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and rec[8] == '1') then
@@ -988,9 +988,9 @@ if rec[7] == '1' and ARGV[2] ~= 'cancelled' and not (ARGV[2] == 'completed' and 
     cancel_data('cancelled', 'cancelled by the caller', rec[8] == '1'),
     rec[8] == '1', ttl, rec[3], rec[4], rec[5], rec[6],
     -- (the usage the caller got: the attempt's partial count when output went out, else none, not
-    -- the provider's whole answer the caller never got; the chunks its emits recorded when the
-    -- attempt knew of no output, EMIT)
-    rec[8] == '1' and ARGV[14] or 0, rec[8] == '1' and unheard_chunks() or 0)
+    -- the provider's whole answer the caller never got; the chunks its emits recorded when more,
+    -- EMIT)
+    rec[8] == '1' and ARGV[14] or 0, rec[8] == '1' and chunks_got() or 0)
   redis.call('EXPIRE', KEYS[1], ttl)
   for i = 8, #KEYS do wake_head(KEYS[i], ARGV[6]) end
   return 'cancel_asked'
@@ -1003,7 +1003,7 @@ if rec[8] == '1' and (ARGV[23] or '') ~= '' then
   data = ARGV[23]
   if string.sub(ending, 1, 7) == 'requeue' then ending, etype = 'failed', 'failed' end
 end
-if rec[8] == '1' and ending ~= 'completed' then completion = unheard_chunks() end
+if rec[8] == '1' and ending ~= 'completed' then completion = chunks_got() end
 add_event(KEYS[1], KEYS[3], ARGV[1], etype, data, rec[3])
 redis.call('EXPIRE', KEYS[3], ttl)
 local unable = ending == 'requeue_unable' or ending == 'requeue_unable_back'
