@@ -840,7 +840,8 @@ async def test_lemonade_s_head_may_take_the_load_timeout_more(session: aiohttp.C
     """Lemonade loads the model a run names in its handler, before it answers anything (server.cpp
     `handle_chat_completions`: `auto_load_model_if_needed`, then the answer): its head may take
     `load_timeout_ms` more than `read_timeout_ms`, as Ollama's may. Not a vLLM's, which serves the
-    models it was started with: there the head is still due within `read_timeout_ms`."""
+    models it was started with: there a head that did not come within `read_timeout_ms` is waited for
+    only while its health check passes (this server has none)."""
     async def chat_handler(request: web.Request) -> web.Response:
         await asyncio.sleep(0.4)  # (the server's load of the model: nothing goes out meanwhile)
         return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": SERVED,
@@ -861,7 +862,8 @@ async def test_lemonade_s_head_may_take_the_load_timeout_more(session: aiohttp.C
             answer = await adapter.complete(RunKind.CHAT, chat(), "r")
             assert answer["choices"][0]["message"]["content"] == "hi"
         else:
-            with pytest.raises(ProviderError, match="sent nothing for 100 ms"):
+            with pytest.raises(ProviderError, match="sent nothing of its answer for 100 ms or more, and its health "
+                               r"check then failed \(GET /v1/models answered 404"):
                 await adapter.complete(RunKind.CHAT, chat(), "r")
     finally:
         await runner.cleanup()

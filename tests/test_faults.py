@@ -244,14 +244,33 @@ async def test_a_stalled_provider_hits_the_execution_timeout(fstack: FaultStack,
     assert (await fstack.stats("only"))["total"] == 1
 
 
+async def test_a_long_whole_answer_on_a_provider_that_stays_well_is_waited_for(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    """A whole answer that takes longer than `read_timeout_ms` (vLLM sends nothing of it, its head
+    included, until it is done) is waited for while the provider's health check passes: it was a 504
+    and a strike, and was tried on another provider for as long again."""
+    gateway = start(fstack, {"only": ("n1", 1)}, provider_extra={"only": {"read_timeout_ms": 300}})
+    async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0) as client:
+        body = chat(ttft_ms=1500)  # (five times the read timeout)
+        answer = await client.chat.completions.create(model=body["model"], messages=body["messages"],
+                                                      extra_body={"sim": body["sim"]})
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
+    assert (await fstack.stats("only"))["total"] == 1
+    assert fstack.health("only") == "available"
+
+
 async def test_a_silent_provider_hits_its_read_timeout(fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    """Silent, and its health check unanswered meanwhile (the simulator's `--busy-probe-ms`)."""
     gateway = start(fstack, {"only": ("n1", 1)}, queue={"max_attempts": 3},
-                    provider_extra={"only": {"read_timeout_ms": 300}})
+                    sim_args={"only": ("--busy-probe-ms", "600000")},
+                    provider_extra={"only": {"read_timeout_ms": 300, "probe_timeout_ms": 300}})
     # (a 504 that says not to try again, as a run past its execution timeout: found by a hostile-
     # provider audit, the official client's two retries tripled the caller's wait on it)
     err = await stalled_call(gateway)
     assert err.status_code == 504 and err.code == "provider_timeout"
-    assert isinstance(err.body, dict) and err.body["message"] == "provider only: sent nothing for 300 ms"
+    assert isinstance(err.body, dict) and err.body["message"] == (
+        "provider only: sent nothing of its answer for 300 ms or more, and its health check then failed "
+        "(GET /health: no answer within 300 ms)")
     assert err.response.headers["x-should-retry"] == "false"
     # It took the request and is most likely still at it (a server that answers only when done
     # goes on for nobody): not tried on it again, and one strike is not three (it stays available).

@@ -43,6 +43,7 @@ from common.choices import inputs
 from common.chunks import choice_marks, choices_usable
 from common.config import ProviderConfig
 from common.policy import Health
+from common.provider_types import PROBE_DISTURBS
 from common.runlog import run_fields
 from common.wire import ErrorCode, RunKind, callers_fault
 from workers.adapters import answer_shapes, sending
@@ -87,6 +88,7 @@ from workers.adapters.reading import (
     redirect_probe,
     without_traceback,
 )
+from workers.adapters.silence import SilenceWatch
 
 log = logging.getLogger("iop.worker")
 
@@ -589,6 +591,8 @@ class OpenAICompatAdapter:
         #: flags); False at once when a run there is refused as not loaded, and asked again at each
         #: probe while False
         self.router_autoload: bool | None = None
+        #: a whole answer's head is waited for while the server's health check passes (`silence`)
+        self.watch_silence = provider.type not in PROBE_DISTURBS
 
     def _secrets(self) -> list[str]:
         return self.credentials.secrets()
@@ -637,14 +641,18 @@ class OpenAICompatAdapter:
         finally:  # (held by this frame, which its traceback holds: a cycle left to the collector)
             del error
 
-    def _post(self, kind: RunKind, body: dict[str, Any], run_id: str, *, may_load: bool = True) -> Any:
+    def _post(self, kind: RunKind, body: dict[str, Any], run_id: str, *, may_load: bool = True,
+              watch: SilenceWatch | None = None) -> Any:
         """POST a run's request; `may_load`: its server may load the model before it answers (the
-        head's `load_timeout_ms`), false for one asked again once the server answered the same."""
+        head's `load_timeout_ms`), false for one asked again once the server answered the same;
+        `watch`: the head is waited for until it ends the wait."""
         if self.provider.type == "llamacpp":
             body = for_llamacpp(body)
         return sending.post(self.session, self.root + PATHS[kind], data=jsonio.dumps(body),
-                            timeout=self.timeout, head_wait_s=self.provider.head_wait_s if may_load else None,
-                            allow_redirects=False,
+                            timeout=self.timeout,
+                            head_wait_s=sending.NO_END if watch is not None else
+                            self.provider.head_wait_s if may_load else None,
+                            sent=watch.sent if watch is not None else None, allow_redirects=False,
                             **self.credentials.options(run_id, json_body=True))
 
     def _failed(self, exc: BaseException) -> ProviderError:
@@ -652,11 +660,33 @@ class OpenAICompatAdapter:
                                            connect_ms=self.provider.connect_timeout_ms,
                                            read_ms=self.provider.read_timeout_ms))
 
-    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        try:
+    async def _whole(self, kind: RunKind, body: dict[str, Any], request_id: str) -> Any:
+        """A whole answer's JSON. Its head is waited for while the server's health check passes
+        (`silence`), on a server whose check disturbs no run."""
+        if not self.watch_silence:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp, body.get("model"))
-                data = parse_json(await read_whole(resp, self.provider.id, self.limits, self.read_s), self.provider.id)
+                return parse_json(await read_whole(resp, self.provider.id, self.limits, self.read_s), self.provider.id)
+        watch = SilenceWatch(self.probe, self.provider.head_wait_s or self.read_s, self.read_s)
+        try:
+            async with self._post(kind, body, request_id, watch=watch) as resp:
+                watch.close()
+                await self._raise_for(resp, body.get("model"))
+                return parse_json(await read_whole(resp, self.provider.id, self.limits, self.read_s), self.provider.id)
+        except asyncio.CancelledError:
+            if not watch.ended_it():
+                raise
+            assert watch.failed is not None
+            silent_ms = round((self.provider.head_wait_s or self.read_s) * 1000)
+            raise ProviderError(f"provider {self.provider.id}: sent nothing of its answer for {silent_ms} ms or "
+                                f"more, and its health check then failed ({watch.failed.reason})",
+                                retry=Retry.ELSEWHERE, strikes=1, code=ErrorCode.PROVIDER_TIMEOUT) from None
+        finally:
+            watch.close()
+
+    async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        try:
+            data = await self._whole(kind, body, request_id)
         except ProviderError as exc:
             if exc.code is ErrorCode.OUTPUT_TOO_LARGE and kind is RunKind.EMBEDDING \
                     and body.get("encoding_format") != "base64":

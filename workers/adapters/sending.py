@@ -30,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -137,9 +138,11 @@ class _Sending:
     once the body is sent, so a server that reads none of it (hung, or hostile) held the run until
     its execution timeout (a 6 MB prompt: 600 s by default, instead of `read_timeout_ms`)."""
 
-    def __init__(self, body: bytes, wait_s: float) -> None:
+    def __init__(self, body: bytes, wait_s: float, sent: Callable[[], None] | None = None) -> None:
         self.body = body
         self.wait_s = wait_s
+        #: called once the last piece went out
+        self.sent = sent
         #: the deadline of the piece going out (None once the post has returned, or failed)
         self.deadline: asyncio.Timeout | None = None
 
@@ -151,6 +154,8 @@ class _Sending:
             yield self.body[start:start + WHOLE_BODY_BYTES]
         if self.deadline is not None:  # (all out: the read timeout takes over)
             self.deadline.reschedule(None)
+        if self.sent is not None:
+            self.sent()
 
     async def post(self, session: aiohttp.ClientSession, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
         headers = {**(kwargs.pop("headers", None) or {}), "Content-Length": str(len(self.body))}
@@ -175,21 +180,29 @@ class NoHead(aiohttp.SocketTimeoutError):
 WHOLE_BODY_BYTES = 64 * 1024
 
 
-def _paced(kwargs: dict[str, Any], wait_s: float | None) -> _Sending | None:
+def _paced(kwargs: dict[str, Any], wait_s: float | None, sent: Callable[[], None] | None) -> _Sending | None:
     """How a body too big for the kernel to take at once goes out (`_Sending`, each piece within
     `wait_s`), or None."""
     data = kwargs.get("data")
     if not isinstance(data, bytes) or len(data) <= WHOLE_BODY_BYTES or not wait_s:
         return None
-    return _Sending(data, wait_s)
+    return _Sending(data, wait_s, sent)
 
 
+#: a `head_wait_s` without end: the answer's head is waited for until the caller of `post` stops
+#: waiting (`workers.adapters.silence`)
+NO_END = math.inf
+
+
+@functools.lru_cache(maxsize=256)
 def _head_waited(timeout: aiohttp.ClientTimeout | None, head_wait_s: float | None) -> aiohttp.ClientTimeout | None:
     """`timeout` with `head_wait_s` as its `sock_read` (aiohttp's wait for the head is that read
-    timeout too), when that is longer; else None (the timeout as it is)."""
+    timeout too; `NO_END`: none), when that is longer; else None (the timeout as it is). (Made once
+    for each pair: a provider's timeout is one object.)"""
     if timeout is None or not timeout.sock_read or head_wait_s is None or head_wait_s <= timeout.sock_read:
         return None
-    return aiohttp.ClientTimeout(total=timeout.total, connect=timeout.connect, sock_read=head_wait_s,
+    return aiohttp.ClientTimeout(total=timeout.total, connect=timeout.connect,
+                                 sock_read=None if head_wait_s == NO_END else head_wait_s,
                                  sock_connect=timeout.sock_connect, ceil_threshold=timeout.ceil_threshold)
 
 
@@ -203,14 +216,15 @@ def _read_timeout_again(resp: aiohttp.ClientResponse, read_s: float) -> None:
 
 @asynccontextmanager
 async def post(session: aiohttp.ClientSession, url: str, head_wait_s: float | None = None,
-               **kwargs: Any) -> AsyncIterator[aiohttp.ClientResponse]:
+               sent: Callable[[], None] | None = None, **kwargs: Any) -> AsyncIterator[aiohttp.ClientResponse]:
     """`session.post(url, **kwargs)`, sent again (at most `MAX_SENDS` times in all) while it breaks
     at once, before any answer, on a connection taken from the pool (the session's connector must
     be a `PoolConnector`). The response is released at the end. A body that is `bytes` over
     `WHOLE_BODY_BYTES` must be read by the server at the pace of the timeout's `sock_read`, else
     `NotRead` (a `SocketTimeoutError`). `head_wait_s`: how long the answer's head may take when
     that is longer than the timeout's `sock_read` (Ollama, Lemonade and a llama-server router load
-    the model before they answer anything), else `NoHead`; the body's reads then have `sock_read` again."""
+    the model before they answer anything), else `NoHead`; the body's reads then have `sock_read` again.
+    `sent`: called when the request is out (a body sent in pieces: once its last piece went)."""
     timeout = kwargs.get("timeout")
     read_s = timeout.sock_read if isinstance(timeout, aiohttp.ClientTimeout) else None
     longer = _head_waited(timeout if isinstance(timeout, aiohttp.ClientTimeout) else None, head_wait_s)
@@ -219,7 +233,9 @@ async def post(session: aiohttp.ClientSession, url: str, head_wait_s: float | No
     for tries_left in range(MAX_SENDS - 1, -1, -1):
         _sent_on.set((None, False))
         began = time.monotonic()
-        sending = _paced(kwargs, read_s)
+        sending = _paced(kwargs, read_s, sent)
+        if sending is None and sent is not None:
+            sent()
         try:
             resp = await (session.post(url, **kwargs) if sending is None else
                           sending.post(session, url, **{k: v for k, v in kwargs.items() if k != "data"}))

@@ -1,0 +1,159 @@
+"""A whole answer of the OpenAI family is waited for while its server's health check passes
+(`workers.adapters.silence`): vLLM and its kin send nothing of a non-stream answer, its head
+included, until it is done, so a generation longer than `read_timeout_ms` was a 504 and a strike on a
+healthy server, and was tried on another for as long again."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from common.config import ProviderConfig
+from common.wire import ErrorCode, RunKind
+from workers.adapters.base import ProviderError, Retry
+from workers.adapters.openai_compat import OpenAICompatAdapter
+from workers.adapters.sending import PoolConnector
+
+SERVED = "m"
+
+
+class Busy:
+    """A server that generates a whole answer for as long as the test says: its chat answer waits for
+    `done`; its `/health` answers (`checks` counts them) until `hang` is set, then never."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+        self.hang = asyncio.Event()
+        self.stopping = asyncio.Event()
+        #: checks asked, and answered
+        self.asked = 0
+        self.checks = 0
+        self.checked = asyncio.Condition()
+        self.runner: web.AppRunner | None = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        async with self.checked:
+            self.asked += 1
+            self.checked.notify_all()
+        if self.hang.is_set():
+            await self.stopping.wait()  # (never while the test runs)
+        async with self.checked:
+            self.checks += 1
+            self.checked.notify_all()
+        return web.Response()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        await self.done.wait()
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": SERVED,
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "long"},
+                                               "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    async def checks_reach(self, n: int, answered: bool = True) -> None:
+        async with self.checked:
+            await self.checked.wait_for(lambda: (self.checks if answered else self.asked) >= n)
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+
+@pytest.fixture
+async def busy() -> AsyncIterator[tuple[Busy, str]]:
+    server = Busy()
+    url = await server.start()
+    yield server, url
+    server.done.set()
+    server.stopping.set()
+    assert server.runner is not None
+    await server.runner.cleanup()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    s = aiohttp.ClientSession(connector=PoolConnector())
+    yield s
+    await s.close()
+
+
+def adapter(ptype: str, url: str, session: aiohttp.ClientSession) -> OpenAICompatAdapter:
+    config = {"id": "p", "type": ptype, "base_url": url, "capacity": 2, "models": [SERVED], "read_timeout_ms": 100,
+              "probe_timeout_ms": 300}
+    if ptype == "openai_api":
+        config["probe_path"] = "/health"
+    if ptype == "llamacpp":
+        config["load_timeout_ms"] = 0
+    return OpenAICompatAdapter(ProviderConfig.model_validate(config), session)
+
+
+def chat() -> dict[str, Any]:
+    return {"model": SERVED, "messages": [{"role": "user", "content": "write a long one"}]}
+
+
+@pytest.mark.parametrize("ptype", ["vllm", "sglang", "openai_api"])
+async def test_a_whole_answer_longer_than_the_read_timeout_comes_while_its_server_is_well(
+        busy: tuple[Busy, str], session: aiohttp.ClientSession, ptype: str) -> None:
+    server, url = busy
+    answering = asyncio.ensure_future(adapter(ptype, url, session).complete(RunKind.CHAT, chat(), "r"))
+    await server.checks_reach(3)  # (three silences of read_timeout_ms, each followed by a check that passed)
+    assert not answering.done()
+    server.done.set()
+    answer = await answering
+    assert answer["choices"][0]["message"]["content"] == "long"
+
+
+async def test_a_silent_whole_answer_ends_when_its_server_s_health_check_fails(
+        busy: tuple[Busy, str], session: aiohttp.ClientSession) -> None:
+    server, url = busy
+    answering = asyncio.ensure_future(adapter("vllm", url, session).complete(RunKind.CHAT, chat(), "r"))
+    await server.checks_reach(2)
+    server.hang.set()  # (the server hangs: its answer never comes, its health check times out)
+    with pytest.raises(ProviderError) as err:
+        await answering
+    assert err.value.message == ("provider p: sent nothing of its answer for 100 ms or more, and its health check "
+                                 "then failed (GET /health: no answer within 300 ms)")
+    assert err.value.code is ErrorCode.PROVIDER_TIMEOUT
+    assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 1
+
+
+async def test_a_caller_who_leaves_a_watched_whole_answer_ends_its_wait_and_its_check(
+        busy: tuple[Busy, str], session: aiohttp.ClientSession) -> None:
+    server, url = busy
+    server.hang.set()
+    answering = asyncio.ensure_future(adapter("vllm", url, session).complete(RunKind.CHAT, chat(), "r"))
+    await server.checks_reach(1, answered=False)  # (a check under way, which the server holds)
+
+    def checks() -> list[asyncio.Task[Any]]:
+        return [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__qualname__", "") == "SilenceWatch._run"]
+
+    assert len(checks()) == 1
+    answering.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await answering
+    left = checks()
+    assert all(t.cancelling() for t in left)  # (cancelled: each ends at its next turn)
+    await asyncio.gather(*left, return_exceptions=True)
+
+
+async def test_a_llama_cpp_python_whole_answer_still_ends_at_its_read_timeout(
+        busy: tuple[Busy, str], session: aiohttp.ClientSession) -> None:
+    """Its `GET /v1/models` waits for the generation and may cut it: no check is sent there."""
+    server, url = busy
+    with pytest.raises(ProviderError) as err:
+        await adapter("llamacpp", url, session).complete(RunKind.CHAT, chat(), "r")
+    assert err.value.message == "provider p: sent nothing for 100 ms"
+    assert server.checks == 0
