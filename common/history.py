@@ -98,11 +98,13 @@ def columns(config: Config, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> 
 
 
 async def read_history(redis: Redis, config: Config, now_ms: int, since_ms: int | None = None) -> dict[str, Any]:
-    """The samples of the last retention period (only those after `since_ms` when given), as columns."""
+    """The samples of the last retention period (only those after `since_ms` when given), as columns:
+    the newest `max_entries`, oldest first, where it holds more (a shorter interval just configured)."""
     rt = config.runtime
     start = now_ms - rt.history_retention_s * 1000
     if since_ms is not None:
         start = max(start, since_ms + 1)
-    entries = await redis.xrange(keys.HISTORY_STREAM, str(max(0, start)), "+", count=max_entries(config))
+    entries = await redis.xrevrange(keys.HISTORY_STREAM, "+", str(max(0, start)), count=max_entries(config))
+    entries.reverse()
     return {"object": "catalog.history", "interval_ms": rt.history_interval_ms,
             "retention_s": rt.history_retention_s, "generated_at_ms": now_ms, **columns(config, entries)}

@@ -21,7 +21,7 @@ from common import keys
 from common.auth import hash_key, new_key
 from common.config import Config, parse_config
 from common.control import Action, Change, apply
-from common.history import offer_sample, read_history
+from common.history import max_entries, offer_sample, read_history
 from common.redisconn import now_ms
 from iop import cli, control_cmd
 from iop.embedded_redis import RedisServer
@@ -312,6 +312,19 @@ async def test_the_history_is_trimmed_by_time(redis: Redis) -> None:
     left = await redis.xlen(keys.HISTORY_STREAM)
     assert 1 <= left <= 101
     assert len((await read_history(redis, OPEN, now_ms()))["t"]) == 1  # the reader skips what is left
+
+
+async def test_a_history_fuller_than_a_read_gives_its_newest_samples(redis: Redis) -> None:
+    """More samples in the retention than a read takes (`max_entries`: a shorter interval just
+    configured, samples written by hand): the newest are read, not the oldest."""
+    newest = now_ms()
+    most = max_entries(OPEN)
+    pipe = redis.pipeline(transaction=False)
+    for i in range(most + 50, -1, -1):
+        pipe.xadd(keys.HISTORY_STREAM, {"sample": "{}"}, id=f"{newest - i}-0")
+    await pipe.execute()
+    t = (await read_history(redis, OPEN, newest))["t"]
+    assert len(t) == most and t[-1] == newest and t == sorted(t)
 
 
 async def test_the_scheduler_gauges_show_the_control_state(redis: Redis) -> None:
