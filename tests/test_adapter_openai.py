@@ -6,6 +6,7 @@ key that never shows in errors."""
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -338,6 +339,32 @@ async def test_a_key_echoed_percent_encoded_is_redacted_too(fake: Fake, session:
     fake.body["/v1/models"] = {"error": {"message": "bad key " + " ".join(forms)}}
     probe = await adapter.probe()
     assert probe.health is Health.UNAVAILABLE and not any(form in probe.reason for form in forms), probe.reason
+
+
+@pytest.mark.parametrize("echo", ["{key}", "Bearer {key}", "Authorization: Bearer {key}\r\n", "{{\"k\": \"{key}\"}}"])
+async def test_a_key_echoed_in_base64_is_redacted_too(fake: Fake, session: aiohttp.ClientSession,
+                                                       monkeypatch: pytest.MonkeyPatch, echo: str) -> None:
+    """A server (or a debugging proxy) that echoes the request's headers in base64 showed the key to
+    the caller, the catalog and the log: at any of the three offsets it may start at in the base64
+    text, in either alphabet."""
+    key = "sk-proj-Qx7/vB+9zT3kLm0nP4rS8uW2yA6cE1gH"
+    said = base64.b64encode(echo.format(key=key).encode())
+    forms = [said.decode(), base64.urlsafe_b64encode(echo.format(key=key).encode()).decode()]
+    monkeypatch.setenv("IOP_TEST_API_KEY", key)
+    adapter = OpenAICompatAdapter(provider("openai_api", fake.url, api_key_env="IOP_TEST_API_KEY"), session)
+    fake.status["/v1/chat/completions"] = 400
+    fake.body["/v1/chat/completions"] = {"error": {"message": "you sent " + " ".join(forms)}}
+    with pytest.raises(ProviderError) as err:
+        await adapter.complete(RunKind.CHAT, chat(), "r")
+    shown = err.value.message
+    assert shown.count("[redacted]") == 2, shown
+
+    def runs(text: str, size: int = 8) -> set[str]:
+        return {text[i:i + size] for i in range(len(text) - size + 1)}
+
+    # (no 8 characters in a row made of the key's bytes alone, at any offset, in either alphabet)
+    of_key = [base64.b64encode(b"\0" * offset + key.encode()).decode()[3:-3] for offset in range(3)]
+    assert not runs(shown) & set().union(*(runs(t) | runs(t.replace("+", "-").replace("/", "_")) for t in of_key))
 
 
 async def test_the_config_s_headers_and_a_key_in_its_own_header_go_with_runs_and_probes(

@@ -100,16 +100,36 @@ def url_secrets(url: str | None) -> list[str]:
     return sorted((form for form in found if form), key=len, reverse=True)
 
 
+#: The fewest base64 characters taken for a key's (`in_base64`): a shorter run would be found in
+#: texts that never held the key.
+MIN_BASE64_CHARS = 16
+
+
+def in_base64(secret: str) -> set[str]:
+    """The base64 characters (standard and URL-safe alphabets) that `secret` makes wherever it
+    stands in a longer base64 text (a header echoed in base64, `Bearer <key>` among others): at
+    each of the three offsets it may start at, the characters made of its bytes alone. None
+    shorter than `MIN_BASE64_CHARS`."""
+    data = secret.encode("utf-8")
+    found: set[str] = set()
+    for offset in range(3):
+        text = base64.b64encode(b"\0" * offset + data).decode("ascii")
+        core = text[-(-8 * offset // 6):8 * (offset + len(data)) // 6]
+        if len(core) >= MIN_BASE64_CHARS:
+            found.update((core, core.replace("+", "-").replace("/", "_")))
+    return found
+
+
 def key_secrets(key: str | None) -> list[str]:
     """Every form in which an API key may come back in a provider's answer: as it is, and
     percent-encoded as a URL or a form writes it (`/` kept or not, a space as `+`), with its
-    escapes in upper or lower case, and as JSON writes it in a text that is not read as JSON (a `/`
-    as `\\/`, as PHP's `json_encode` writes it)."""
+    escapes in upper or lower case, as JSON writes it in a text that is not read as JSON (a `/`
+    as `\\/`, as PHP's `json_encode` writes it), and within base64 (`in_base64`)."""
     if not key:
         return []
     encoded = {quote(key, safe=""), quote(key), quote_plus(key)}
     in_json = json.dumps(key)[1:-1]
-    found = ({key, in_json, in_json.replace("/", "\\/")} | encoded
+    found = ({key, in_json, in_json.replace("/", "\\/")} | encoded | in_base64(key)
              | {re.sub(r"%[0-9A-F]{2}", lambda m: m.group().lower(), form) for form in encoded})
     return sorted(found, key=len, reverse=True)
 
