@@ -231,7 +231,9 @@ def _tools(value: Any) -> list[dict[str, Any]]:
     for i, raw in enumerate(value):
         tool = _object(raw, f"tools[{i}]")
         if tool.get("type") != "function":
-            raise invalid(f"'tools[{i}].type' must be 'function': iop runs no built-in tools", f"tools[{i}].type")
+            raise invalid(f"'tools[{i}].type' must be 'function': iop takes function tools only, not custom "
+                          "(free-form) tools, nor the tools OpenAI runs itself (web search and the like)",
+                          f"tools[{i}].type")
         parameters = tool.get("parameters")
         if parameters is not None:
             _object(parameters, f"tools[{i}].parameters")
