@@ -478,7 +478,11 @@ class EventHub:
         wrong_events: dict[str, str] = {}
         count = FIRST_COUNT if only else READ_COUNT
         while run_ids := [r for r in run_ids if r in self.followers]:  # (those that still have followers)
-            starts = {r: min(f.last for f in ([only] if only else self.followers[r])) for r in run_ids}
+            # (what is read is handed to the followers it was read for, from the first's position: one
+            # that joins while the read is out reads for itself, from its own; handed this read, its
+            # position jumped past what lay between, which its own read then skipped)
+            read_for = {r: [only] if only else list(self.followers[r]) for r in run_ids}
+            starts = {r: min(f.last for f in read_for[r]) for r in run_ids}
             pipe = self.redis.pipeline(transaction=False)
             for run_id in run_ids:
                 pipe.xrange(keys.run_events(run_id), _after(starts[run_id]), "+", count=count)
@@ -504,7 +508,8 @@ class EventHub:
                 exists = state is not None
                 if state == b"queued" and model and entry:
                     queued.append((run_id, model.decode(), entry.decode()))
-                followers = [only] if only else list(self.followers.get(run_id, ()))
+                still = self.followers.get(run_id, ())  # (of those, the ones that did not leave meanwhile)
+                followers = [f for f in read_for[run_id] if f in still]
                 for entry_id, fields in entries:
                     event = stored_event(entry_id, fields)
                     for f in followers:

@@ -487,3 +487,49 @@ async def test_a_listener_whose_connection_was_made_again_reads_every_followed_r
     finally:
         await hub.close()
         await redis.aclose()
+
+
+async def test_a_follower_that_joins_while_the_listener_reads_its_run_again_misses_no_event(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault review, real processes: a runs-API reader resumed (Last-Event-ID at delta 138) right
+    after a Sentinel failover, while the listener read every followed run again; its next event was
+    delta 1,141. The listener's read started after the run's other follower (its own caller, far
+    ahead), but handed what it read to every follower the run had when the reply came, the one that
+    had joined meanwhile too: that one's position jumped past the 1,000 events between, which its
+    own first read then never read. Here the listener's read is held until the new follower joined."""
+    run_id = "run_joined"
+    await redis.hset(keys.run_record(run_id), mapping={"state": "running", "model": "m"})
+    entries = [await add(redis, run_id, None, "delta", n) for n in range(200)]
+    hub = EventHub(redis)
+    ahead = Follower(run_id, entries[150], hub=hub)  # the run's own caller, far ahead
+    joining = Follower(run_id, entries[10], hub=hub)  # a reader resuming after event 10
+    hub.followers = {run_id: [ahead]}
+
+    sent, go = asyncio.Event(), asyncio.Event()
+    pipeline = redis.pipeline
+
+    def held_once(*args: Any, **kwargs: Any) -> Any:
+        pipe = pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        async def held(*a: Any, **k: Any) -> Any:
+            if not go.is_set():
+                sent.set()
+                await go.wait()
+            return await execute(*a, **k)
+
+        pipe.execute = held
+        return pipe
+
+    monkeypatch.setattr(redis, "pipeline", held_once)
+    try:
+        again = asyncio.create_task(hub._read_runs([run_id], check_lost=True))  # the listener's, after a reconnect
+        await asyncio.wait_for(sent.wait(), 10)
+        hub.followers[run_id].append(joining)  # (`EventHub._enter`: it joins, then reads for itself)
+        go.set()
+        await asyncio.wait_for(again, 10)
+        assert await hub._catch_up(joining, 10)
+        assert [e.data["n"] for e in joining.take_ready()] == list(range(11, 200))
+        assert [e.data["n"] for e in ahead.take_ready()] == list(range(151, 200))
+    finally:
+        await hub.close()
