@@ -26,7 +26,11 @@ class Busy:
     """A server that generates a whole answer for as long as the test says: its chat answer waits for
     `done`; its `/health` answers (`checks` counts them) until `hang` is set, then never."""
 
-    def __init__(self) -> None:
+    def __init__(self, health: bool = True) -> None:
+        #: whether it has `/health` (llama-cpp-python's server has none)
+        self.health = health
+        #: model lists asked for
+        self.listed = 0
         self.done = asyncio.Event()
         self.hang = asyncio.Event()
         self.stopping = asyncio.Event()
@@ -48,6 +52,7 @@ class Busy:
         return web.Response()
 
     async def _models(self, request: web.Request) -> web.Response:
+        self.listed += 1
         return web.json_response({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
 
     async def _chat(self, request: web.Request) -> web.Response:
@@ -63,7 +68,8 @@ class Busy:
 
     async def start(self) -> str:
         app = web.Application()
-        app.router.add_get("/health", self._health)
+        if self.health:
+            app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         self.runner = web.AppRunner(app)
@@ -72,9 +78,9 @@ class Busy:
         return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
 
 
-@pytest.fixture
-async def busy() -> AsyncIterator[tuple[Busy, str]]:
-    server = Busy()
+@pytest.fixture(params=[True], ids=["health"])
+async def busy(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Busy, str]]:
+    server = Busy(health=request.param)
     url = await server.start()
     yield server, url
     server.done.set()
@@ -104,7 +110,7 @@ def chat() -> dict[str, Any]:
     return {"model": SERVED, "messages": [{"role": "user", "content": "write a long one"}]}
 
 
-@pytest.mark.parametrize("ptype", ["vllm", "sglang", "openai_api"])
+@pytest.mark.parametrize("ptype", ["vllm", "sglang", "openai_api", "llamacpp"])
 async def test_a_whole_answer_longer_than_the_read_timeout_comes_while_its_server_is_well(
         busy: tuple[Busy, str], session: aiohttp.ClientSession, ptype: str) -> None:
     server, url = busy
@@ -149,11 +155,14 @@ async def test_a_caller_who_leaves_a_watched_whole_answer_ends_its_wait_and_its_
     await asyncio.gather(*left, return_exceptions=True)
 
 
+@pytest.mark.parametrize("busy", [False], ids=["no health"], indirect=True)
 async def test_a_llama_cpp_python_whole_answer_still_ends_at_its_read_timeout(
         busy: tuple[Busy, str], session: aiohttp.ClientSession) -> None:
-    """Its `GET /v1/models` waits for the generation and may cut it: no check is sent there."""
+    """llama-cpp-python's server has no `/health`, and its `GET /v1/models` waits for the generation
+    and may cut it: no model list is asked for there while it is silent."""
     server, url = busy
     with pytest.raises(ProviderError) as err:
         await adapter("llamacpp", url, session).complete(RunKind.CHAT, chat(), "r")
     assert err.value.message == "provider p: sent nothing for 100 ms"
-    assert server.checks == 0
+    assert err.value.code is ErrorCode.PROVIDER_TIMEOUT and err.value.strikes == 1
+    assert server.listed == 0

@@ -101,6 +101,8 @@ DEFAULT_API_PATH = {"lemonade": "/api/v1"}
 ROOT_HEALTH = frozenset({"vllm", "sglang", "llamacpp"})
 #: types with a health endpoint at all (a hosted API has only its model list)
 HAS_HEALTH = ROOT_HEALTH | {"lemonade"}
+#: what a llama.cpp server without a health endpoint says to the check of a silent whole answer
+NO_HEALTH = ProbeResult(Health.UNKNOWN, "no health endpoint")
 #: a health endpoint answering one of these does not exist: the model list decides alone
 NO_SUCH_ENDPOINT = frozenset({404, 405, 501})
 #: vLLM's sleep state, at the server root (`--enable-sleep-mode` with `VLLM_SERVER_DEV_MODE=1`): asleep
@@ -591,8 +593,9 @@ class OpenAICompatAdapter:
         #: flags); False at once when a run there is refused as not loaded, and asked again at each
         #: probe while False
         self.router_autoload: bool | None = None
-        #: a whole answer's head is waited for while the server's health check passes (`silence`)
-        self.watch_silence = provider.type not in PROBE_DISTURBS
+        #: a whole answer's head is waited for while the server's health check passes (`silence`):
+        #: its probe, or where that disturbs a run (llama-cpp-python's model list) its health endpoint alone
+        self.health_alone = provider.type in PROBE_DISTURBS
 
     def _secrets(self) -> list[str]:
         return self.credentials.secrets()
@@ -662,12 +665,13 @@ class OpenAICompatAdapter:
 
     async def _whole(self, kind: RunKind, body: dict[str, Any], request_id: str) -> Any:
         """A whole answer's JSON. Its head is waited for while the server's health check passes
-        (`silence`), on a server whose check disturbs no run."""
-        if not self.watch_silence:
+        (`silence`): its probe, or on llama.cpp its health endpoint alone (`_health_alone`)."""
+        if self.health_alone and self.health_url is None:  # (llama-cpp-python's: the silence ends the wait)
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp, body.get("model"))
                 return parse_json(await read_whole(resp, self.provider.id, self.limits, self.read_s), self.provider.id)
-        watch = SilenceWatch(self.probe, self.provider.head_wait_s or self.read_s, self.read_s)
+        watch = SilenceWatch(self._health_alone if self.health_alone else self.probe,
+                             self.provider.head_wait_s or self.read_s, self.read_s)
         try:
             async with self._post(kind, body, request_id, watch=watch) as resp:
                 watch.close()
@@ -678,11 +682,30 @@ class OpenAICompatAdapter:
                 raise
             assert watch.failed is not None
             silent_ms = round((self.provider.head_wait_s or self.read_s) * 1000)
-            raise ProviderError(f"provider {self.provider.id}: sent nothing of its answer for {silent_ms} ms or "
-                                f"more, and its health check then failed ({watch.failed.reason})",
-                                retry=Retry.ELSEWHERE, strikes=1, code=ErrorCode.PROVIDER_TIMEOUT) from None
+            then = "" if watch.failed is NO_HEALTH else \
+                f" or more, and its health check then failed ({watch.failed.reason})"
+            raise ProviderError(f"provider {self.provider.id}: sent nothing{' of its answer' if then else ''} for "
+                                f"{silent_ms} ms{then}", retry=Retry.ELSEWHERE, strikes=1,
+                                code=ErrorCode.PROVIDER_TIMEOUT) from None
         finally:
             watch.close()
+
+    async def _health_alone(self) -> ProbeResult:
+        """A llama.cpp server's check while a whole answer is silent: its health endpoint alone.
+        `llama-server` answers it beside its generations; llama-cpp-python's server has none
+        (`NO_HEALTH`: the silence ends the wait, as it did), and its model list waits for the
+        generation and may cut it short (`PROBE_DISTURBS`)."""
+        if self.health_url is None:
+            return NO_HEALTH
+        status, said, failed = await self._get(self.health_url)
+        if failed is not None:
+            return failed
+        if status in NO_SUCH_ENDPOINT and self.provider.probe_path is None:
+            self.health_url = None  # (as the probe learns it: the model list decides from now on)
+            return NO_HEALTH
+        if status != 200:
+            return probe_answered(f"GET {urlsplit(self.health_url).path}", status, said)
+        return ProbeResult(Health.AVAILABLE, "", None, strikes=0)
 
     async def complete(self, kind: RunKind, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         try:
