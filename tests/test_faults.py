@@ -249,7 +249,9 @@ async def test_a_long_whole_answer_on_a_provider_that_stays_well_is_waited_for(
     """A whole answer that takes longer than `read_timeout_ms` (vLLM sends nothing of it, its head
     included, until it is done) is waited for while the provider's health check passes: it was a 504
     and a strike, and was tried on another provider for as long again."""
-    gateway = start(fstack, {"only": ("n1", 1)}, provider_extra={"only": {"read_timeout_ms": 300}})
+    # (a check that takes its time on a loaded machine still passes)
+    gateway = start(fstack, {"only": ("n1", 1)}, provider_extra={"only": {"read_timeout_ms": 300,
+                                                                          "probe_timeout_ms": 15_000}})
     async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0) as client:
         body = chat(ttft_ms=1500)  # (five times the read timeout)
         answer = await client.chat.completions.create(model=body["model"], messages=body["messages"],

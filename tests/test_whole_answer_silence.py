@@ -96,9 +96,11 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
     await s.close()
 
 
-def adapter(ptype: str, url: str, session: aiohttp.ClientSession) -> OpenAICompatAdapter:
+def adapter(ptype: str, url: str, session: aiohttp.ClientSession,
+            probe_timeout_ms: int = 15_000) -> OpenAICompatAdapter:
+    """(A check's own timeout long, unless the test needs one to fail: a loaded machine's slow check passes.)"""
     config = {"id": "p", "type": ptype, "base_url": url, "capacity": 2, "models": [SERVED], "read_timeout_ms": 100,
-              "probe_timeout_ms": 300}
+              "probe_timeout_ms": probe_timeout_ms}
     if ptype == "openai_api":
         config["probe_path"] = "/health"
     if ptype == "llamacpp":
@@ -125,7 +127,7 @@ async def test_a_whole_answer_longer_than_the_read_timeout_comes_while_its_serve
 async def test_a_silent_whole_answer_ends_when_its_server_s_health_check_fails(
         busy: tuple[Busy, str], session: aiohttp.ClientSession) -> None:
     server, url = busy
-    answering = asyncio.ensure_future(adapter("vllm", url, session).complete(RunKind.CHAT, chat(), "r"))
+    answering = asyncio.ensure_future(adapter("vllm", url, session, 300).complete(RunKind.CHAT, chat(), "r"))
     await server.checks_reach(2)
     server.hang.set()  # (the server hangs: its answer never comes, its health check times out)
     with pytest.raises(ProviderError) as err:
