@@ -330,3 +330,55 @@ async def test_a_provider_s_text_stays_text_and_no_script_but_the_page_s_own_run
     finally:
         stack.stop_all()
         await runner.cleanup()
+
+
+#: every chip and served name of the page that lies outside its cell, every table wider than its box (which
+#: clips it), and how far the page scrolls sideways
+OVERFLOW = """() => {
+  const out = [];
+  for (const el of document.querySelectorAll("td .chip, td code")) {
+    const cell = el.closest("td").getBoundingClientRect(), box = el.getBoundingClientRect();
+    if (box.right > cell.right + 1 || box.left < cell.left - 1) out.push(el.textContent.slice(0, 40));
+  }
+  for (const table of document.querySelectorAll("table")) {
+    if (table.scrollWidth > table.parentElement.clientWidth + 1) out.push("table " + (table.id || "of a node"));
+  }
+  return {outside: out, sideways: document.documentElement.scrollWidth - window.innerWidth};
+}"""
+
+
+async def test_long_names_stay_in_their_cells_and_short_ones_whole(
+        tmp_path: Path, own_redis: RedisServer, page: Any) -> None:
+    """Ids and served names may be 256 and 1,024 characters long. A model id and a served name of
+    that kind ran out of their cells over the next columns (over a provider's control state), and
+    widened the models table past the window: its first column shrank to a few letters, and every
+    model id in it broke mid-word ("mode" / "l-1")."""
+    expect = async_api.expect
+    long_model, long_served, long_provider = "org/" + "long-model-name-" * 12, "served/" + "S" * 300, "p-" + "x" * 120
+    stack = Stack(tmp_path, own_redis.url)
+    try:
+        url = stack.simulator([long_served, "short"])
+        stack.write_config({
+            "models": [{"id": long_model, "providers": {long_provider: long_served, "p-short": "short"}},
+                       {"id": "m-1", "providers": {long_provider: "short", "p-short": long_served}}],
+            "nodes": [{"id": "n", "providers": [
+                {"id": pid, "type": "vllm", "base_url": url, "capacity": 2, "models": [long_served, "short"]}
+                for pid in (long_provider, "p-short")]}],
+            "runtime": RUNTIME})
+        stack.worker("n")
+        gateway = stack.gateway()
+        await page.goto(gateway + "/catalog")
+        for pid in (long_provider, "p-short"):
+            await expect(row(page, pid)).to_have_attribute("data-health", "available", timeout=WAIT_MS)
+        await expect(page.locator("tr[data-model]")).to_have_count(2)
+        assert await page.evaluate(OVERFLOW) == {"outside": [], "sideways": 0}
+        lines = await page.evaluate("""() => {
+          const range = document.createRange();
+          range.selectNodeContents(document.querySelector("tr[data-model='m-1'] .pid"));
+          return range.getClientRects().length;
+        }""")
+        assert lines == 1, "the model id m-1 broke over lines"
+        ARTIFACTS.mkdir(exist_ok=True)
+        await page.screenshot(path=str(ARTIFACTS / "catalog-long-names.png"), full_page=True)
+    finally:
+        stack.stop_all()
