@@ -12,6 +12,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from redis.asyncio import Redis
+
+from common import keys
 from common.catalog import Catalog, ModelRecord, ProviderRecord, read_catalog
 from common.config import Config
 from common.redisconn import REDIS_DOWN, connect, now_ms, redact
@@ -110,10 +113,24 @@ def render_queues(catalog: Catalog) -> str:
                    q["oldest_run_id"] or "-"] for q in queue_records(catalog)])
 
 
+async def _any_scheduler(redis: Redis) -> bool:
+    """Whether a scheduler replica's liveness key is in Redis (a SCAN, stopped at the first)."""
+    async for _ in redis.scan_iter(match=keys.scheduler_alive("*"), count=10_000):
+        return True
+    return False
+
+
 async def _read(config: Config, redis_url: str) -> Catalog:
+    return (await _read_checked(config, redis_url))[0]
+
+
+async def _read_checked(config: Config, redis_url: str) -> tuple[Catalog, bool]:
+    """The catalog, and whether runs wait while no scheduler replica is alive to dispatch them."""
     redis = connect(redis_url)
     try:
-        return await read_catalog(redis, config, now_ms())
+        catalog = await read_catalog(redis, config, now_ms())
+        waiting = any(m.queued for m in catalog.models)
+        return catalog, waiting and not await _any_scheduler(redis)
     finally:
         await redis.aclose()
 
@@ -121,7 +138,7 @@ async def _read(config: Config, redis_url: str) -> Catalog:
 def main(command: str, config: Config, redis_url: str, as_json: bool) -> int:
     """Print the catalog (`catalog`) or the queues (`queues`); exit status 1 if Redis is unreachable."""
     try:
-        catalog = asyncio.run(_read(config, redis_url))
+        catalog, unscheduled = asyncio.run(_read_checked(config, redis_url))
     except REDIS_DOWN as exc:
         print(f"error: cannot read Redis at {redact(redis_url)}: {exc}", file=sys.stderr)
         return 1
@@ -133,4 +150,9 @@ def main(command: str, config: Config, redis_url: str, as_json: bool) -> int:
         # (`iop catalog` without the `--redis` that `iop dev` printed reads 127.0.0.1:6379: an empty pool)
         print(f"warning: no provider of the config has a heartbeat in Redis at {redact(redis_url)}: no worker "
               "runs against it now (stopped, or --redis is not the pool's)", file=sys.stderr)
+    if unscheduled:
+        # (every provider `ok` beside a queue that only grew: the catalog cannot tell that nobody dispatches)
+        print(f"warning: runs wait and no scheduler is running against Redis at {redact(redis_url)}: nothing "
+              "dispatches them until one starts (`iop scheduler`); each ends with queue_timeout after its "
+              "queue_timeout_ms", file=sys.stderr)
     return 0

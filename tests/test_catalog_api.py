@@ -201,3 +201,24 @@ def test_iop_usage_names_the_redis_it_could_not_read_as_the_other_commands_do(
     assert code == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot read Redis at redis://:***@127.0.0.1:{port}/0: ") and "hunter2" not in err
+
+
+@pytest.mark.parametrize("command", ["catalog", "queues"])
+def test_runs_waiting_with_no_scheduler_running_are_said_to_wait_for_one(
+        command: str, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by an operator's day: with every scheduler stopped, `iop catalog` showed a queue that only
+    grew beside providers all `ok` (free slots, healthy), and `iop queues` its waits: nothing said that
+    nobody dispatches. Now both say so on stderr, and only while it is so."""
+    import redis as sync_redis
+
+    with sync_redis.Redis.from_url(redis_url) as r:
+        assert catalog_cmd.main(command, CONFIG, redis_url, as_json=False) == 0
+        assert "no scheduler" not in capsys.readouterr().err  # (nothing waits: nothing to say)
+        r.xadd(keys.runs_stream("llama:70b"), {"run": "run_waiting"})
+        assert catalog_cmd.main(command, CONFIG, redis_url, as_json=True) == 0
+        err = capsys.readouterr().err
+        assert (f"warning: runs wait and no scheduler is running against Redis at {redis_url.split('://')[0]}://"
+                in err and "(`iop scheduler`)" in err), err
+        r.set(keys.scheduler_alive("replica-1"), "1", px=60_000)
+        assert catalog_cmd.main(command, CONFIG, redis_url, as_json=False) == 0
+        assert "no scheduler" not in capsys.readouterr().err
