@@ -382,3 +382,29 @@ async def test_long_names_stay_in_their_cells_and_short_ones_whole(
         await page.screenshot(path=str(ARTIFACTS / "catalog-long-names.png"), full_page=True)
     finally:
         stack.stop_all()
+
+
+async def test_a_provider_whose_heartbeat_lapsed_is_not_said_never_to_have_had_one(
+        tmp_path: Path, own_redis: RedisServer, page: Any) -> None:
+    """An operator paused a node's worker (SIGSTOP): 6 s later its provider's row said "heartbeat
+    never", under a chart of the runs it had run a minute before. The heartbeat had lapsed; the
+    catalog knows only that there is none now, as `iop catalog` says with `-`."""
+    expect = async_api.expect
+    stack = Stack(tmp_path, own_redis.url)
+    try:
+        url = stack.simulator(["m-a"])
+        stack.write_config({
+            "models": [{"id": "m", "providers": {"p": "m-a"}}],
+            "nodes": [{"id": "n", "providers": [{"id": "p", "type": "vllm", "base_url": url, "capacity": 1,
+                                                  "models": ["m-a"]}]}],
+            "runtime": RUNTIME})
+        worker = stack.worker("n")
+        gateway = stack.gateway()
+        await page.goto(gateway + "/catalog")
+        await expect(row(page, "p")).to_have_attribute("data-health", "available", timeout=WAIT_MS)
+        worker.stop()
+        await expect(row(page, "p")).to_have_attribute("data-health", "unknown", timeout=WAIT_MS)
+        await expect(row(page, "p")).to_contain_text("no heartbeat now")
+        await expect(row(page, "p")).not_to_contain_text("never")
+    finally:
+        stack.stop_all()
