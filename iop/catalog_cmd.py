@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.catalog import Catalog, ModelRecord, ProviderRecord, read_catalog
 from common.config import Config
-from common.redisconn import REDIS_DOWN, connect, now_ms, redact
+from common.redisconn import REDIS_DOWN, WHICH_REDIS, connect, now_ms, redact
 from common.shown import printable
 
 
@@ -140,7 +140,7 @@ def main(command: str, config: Config, redis_url: str, as_json: bool) -> int:
     try:
         catalog, unscheduled = asyncio.run(_read_checked(config, redis_url))
     except REDIS_DOWN as exc:
-        print(f"error: cannot read Redis at {redact(redis_url)}: {exc}", file=sys.stderr)
+        print(f"error: cannot read Redis at {redact(redis_url)}: {exc} {WHICH_REDIS}", file=sys.stderr)
         return 1
     if command == "queues":
         print(json.dumps({"queues": queue_records(catalog)}, indent=2) if as_json else render_queues(catalog))

@@ -18,7 +18,7 @@ from common import control
 from common.catalog import change_report, read_catalog
 from common.config import Config
 from common.control import Action, AuditEntry, Change, ControlError, UnknownTarget
-from common.redisconn import REDIS_DOWN, REDIS_FULL, connect, now_ms, redact
+from common.redisconn import REDIS_DOWN, REDIS_FULL, WHICH_REDIS, connect, now_ms, redact
 from iop.catalog_cmd import table
 
 
@@ -98,7 +98,7 @@ def act(config: Config, redis_url: str, args: Any, who: str, as_json: bool) -> i
         print(f"error: {exc}; {control.UNANSWERED} (iop audit)", file=sys.stderr)
         return 1
     except REDIS_DOWN as exc:
-        print(f"error: cannot reach Redis at {redact(redis_url)}: {exc}", file=sys.stderr)
+        print(f"error: cannot reach Redis at {redact(redis_url)}: {exc} {WHICH_REDIS}", file=sys.stderr)
         return 1
     except REDIS_FULL:
         print(f"error: Redis at {redact(redis_url)} is full (maxmemory) and refuses writes: nothing changed",
@@ -136,7 +136,7 @@ def audit(redis_url: str, limit: int, as_json: bool) -> int:
     try:
         entries = asyncio.run(_audit(redis_url, limit))
     except REDIS_DOWN as exc:
-        print(f"error: cannot reach Redis at {redact(redis_url)}: {exc}", file=sys.stderr)
+        print(f"error: cannot reach Redis at {redact(redis_url)}: {exc} {WHICH_REDIS}", file=sys.stderr)
         return 1
     if as_json:
         print(json.dumps({"object": "list", "data": [e.to_json() for e in entries]}, indent=2))

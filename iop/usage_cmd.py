@@ -8,7 +8,7 @@ import json
 import sys
 
 from common.config import Config
-from common.redisconn import REDIS_DOWN, connect, redact
+from common.redisconn import REDIS_DOWN, WHICH_REDIS, connect, redact
 from common.usage import Usage, day_range, has_usage, key_names, model_asked, no_such_model, read_usage
 from iop.catalog_cmd import table
 
@@ -41,7 +41,7 @@ def main(config: Config, redis_url: str, key: str | None, model: str | None, sin
     try:
         rows = asyncio.run(read())
     except REDIS_DOWN as exc:
-        print(f"error: cannot read Redis at {redact(redis_url)}: {exc}", file=sys.stderr)
+        print(f"error: cannot read Redis at {redact(redis_url)}: {exc} {WHICH_REDIS}", file=sys.stderr)
         return 1
     if rows is None:
         print(f"error: no key named {key!r} in the config (keys: {', '.join(names)}), and no usage kept under "

@@ -201,6 +201,9 @@ def test_iop_usage_names_the_redis_it_could_not_read_as_the_other_commands_do(
     assert code == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot read Redis at redis://:***@127.0.0.1:{port}/0: ") and "hunter2" not in err
+    # (and where the Redis it tried came from: an operator's shell without the pool's $REDIS_URL)
+    assert err.rstrip("\n").endswith("(the pool's Redis is --redis URL, else $REDIS_URL, else "
+                                      "redis://127.0.0.1:6379/0)") and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("command", ["catalog", "queues"])
