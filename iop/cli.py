@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="check or convert a config file")
     csub = p.add_subparsers(dest="config_command", required=True)
     v = csub.add_parser("validate", help="print OK or every error")
-    v.add_argument("file")
+    v.add_argument("file", nargs="?", default=os.environ.get("IOP_CONFIG") or DEFAULT_CONFIG,
+                   help="config file (default: $IOP_CONFIG, else iop.yaml)")
     m = csub.add_parser("migrate", help="print a legacy config (openai.model_routes) in the new shape")
     m.add_argument("file")
     return parser

@@ -803,6 +803,14 @@ def test_cli_validate_demo_ok(capsys: pytest.CaptureFixture[str]) -> None:
     assert err == ""
 
 
+def test_cli_validate_reads_the_config_every_command_reads(capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a FILE: `$IOP_CONFIG`, as every other command (it was a usage error: an operator's review)."""
+    monkeypatch.setenv("IOP_CONFIG", str(DEMO))
+    assert run_cli(["config", "validate"]) == 0
+    assert capsys.readouterr().out.startswith("OK")
+
+
 def test_cli_validate_counts_one_of_a_kind_in_the_singular(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A pool of one model on one node's one provider read 'OK: 1 models, 1 nodes, 1 providers'."""
     data = good()
