@@ -73,10 +73,29 @@ def _flags(p: ProviderRecord) -> str:
     return ",".join(on) or "-"
 
 
+def _benched(catalog: Catalog) -> dict[str, list[str]]:
+    """The models each provider is benched for now (a bench is a model's: the provider serves others)."""
+    benched: dict[str, list[str]] = {}
+    for m in catalog.models:
+        for pl in m.providers:
+            if pl.reason == "benched":
+                benched.setdefault(pl.provider_id, []).append(m.id)
+    return benched
+
+
+def _reason(p: ProviderRecord, benched: list[str]) -> str:
+    """Its health's reason, and the models it is benched for (it was `available` with no reason)."""
+    said = [p.health_reason] if p.health_reason else []
+    if benched:
+        said.append(f"benched for {', '.join(benched)}")
+    return "; ".join(said)
+
+
 def provider_rows(catalog: Catalog) -> list[list[str]]:
+    benched = _benched(catalog)
     return [
         [p.node_id, p.id, p.type, p.category, p.health, _load(p), _control(p, catalog.generated_at_ms),
-         str(p.queued), ",".join(p.serves), _flags(p), _age(p.heartbeat_age_ms), p.health_reason]
+         str(p.queued), ",".join(p.serves), _flags(p), _age(p.heartbeat_age_ms), _reason(p, benched.get(p.id, []))]
         for p in catalog.providers
     ]
 

@@ -151,6 +151,15 @@ def test_a_model_benched_on_a_provider_says_when_it_is_back_and_only_there() -> 
     assert over.models[0].providers[0].selectable
 
 
+def test_the_terminal_s_provider_row_says_what_it_is_benched_for() -> None:
+    """A benched provider showed `available` with no reason in `iop catalog`'s provider table; only
+    its model's line said why (an operator reviewer's finding)."""
+    cat = build_catalog(config(), raw({"a": {**beat(), "bench:a-m1": str(NOW + 12_300)}, "b": beat(capacity=2)}))
+    rows = {line.split()[1]: line for line in render_catalog(cat).splitlines()[1:] if line.strip()
+            and line.split()[1] in ("a", "b")}
+    assert rows["a"].rstrip().endswith("benched for m1") and "benched" not in rows["b"]
+
+
 def test_a_model_benched_because_its_provider_was_too_busy_says_so() -> None:
     """A 429 or 503 benches the model there for its Retry-After (`busy:` says the same end): the
     detail says it was too busy, not that runs failed there (a blame's bench, later, says that)."""
