@@ -56,4 +56,6 @@ def main(config: Config, redis_url: str, key: str | None, model: str | None, sin
                           "data": [r.to_json() for r in rows]}, indent=2))
     else:
         print(usage_table(rows))
+        if not rows:  # (a header alone read like a command that failed to print)
+            print(f"(no runs from {days[0]} to {days[-1]} UTC)")
     return 0

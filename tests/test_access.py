@@ -550,6 +550,9 @@ def test_iop_usage_shows_a_key_no_longer_in_the_config_by_name(redis_url: str,
     assert "no key named 'never' in the config" in capsys.readouterr().err
     assert usage_cmd.main(config, redis_url, None, "Qwen3.6:35b", None, None, as_json=True) == 2
     assert "no model named 'Qwen3.6:35b' in the config" in capsys.readouterr().err
+    # (no runs in the range: a header alone read like a command that failed to print)
+    assert usage_cmd.main(config, redis_url, "anonymous", None, "2020-01-01", "2020-01-02", as_json=False) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "(no runs from 2020-01-01 to 2020-01-02 UTC)"
 
 
 async def test_a_long_model_name_is_not_folded_for_a_hint(gateway: str, http: aiohttp.ClientSession,
