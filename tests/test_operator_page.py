@@ -163,6 +163,8 @@ async def test_an_operator_drains_overrides_and_cordons_from_the_page_and_sees_t
             await expect(cells.nth(1)).to_have_text("ops")
             await expect(cells.nth(2)).to_have_text(action)
             await expect(cells.nth(3)).to_have_text(target)
+        # (its time says its zone: the terminal's `iop audit` says UTC, the page the browser's own)
+        await expect(audit.nth(0).locator("td").nth(0)).to_have_text(re.compile(r"\d{2}:\d{2}:\d{2}.*[A-Z+]"))
         await page.screenshot(path=str(ARTIFACTS / "catalog-operate-after.png"), full_page=True)
     finally:
         stack.stop_all()
