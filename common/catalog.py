@@ -258,7 +258,8 @@ def snapshot(provider_id: str, beat: dict[str, str], in_flight: int, served: str
 
 def _provider_health(snap: ProviderSnapshot, beat: dict[str, str], now_ms: int, ttl_ms: int) -> tuple[str, str]:
     if snap.heartbeat_ms is None:
-        return Health.UNKNOWN.value, "no heartbeat: no worker of its node is running, or Redis lost it"
+        return Health.UNKNOWN.value, ("no heartbeat: no worker of its node is running (stopped, or stuck: a paused "
+                                      "process, a host cut off), or Redis lost it")
     if not is_fresh(snap, now_ms, ttl_ms):
         age_s = (now_ms - snap.heartbeat_ms) / 1000
         return Health.UNKNOWN.value, f"last heartbeat {age_s:.1f}s ago (older than {ttl_ms / 1000:g}s)"

@@ -61,7 +61,7 @@ def test_every_configured_provider_and_model_has_a_record_in_config_order() -> N
 
 
 @pytest.mark.parametrize(("heartbeat", "health", "reason_has"), [
-    (None, "unknown", "no heartbeat"),
+    (None, "unknown", "no heartbeat: no worker of its node is running (stopped, or stuck"),  # (a paused worker too)
     (beat(age_ms=TTL + 1), "unknown", "last heartbeat 6.0s ago"),
     (beat(age_ms=TTL), "available", ""),
     (beat(health="unavailable", reason="connection refused"), "unavailable", "connection refused"),
