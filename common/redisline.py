@@ -53,6 +53,9 @@ BIG_ARGUMENT = 6000
 #: before it fails with a `TimeoutError`, unless the URL sets `?socket_timeout=` (every Redis
 #: connection iop makes: `common.redisconn`).
 REPLY_TIMEOUT_S = 5.0
+#: A deadline's timer that runs this much later than it was due says the process was held (stopped,
+#: its loop blocked), not that Redis was silent: its commands get the reply timeout again.
+STALLED_S = 1.0
 
 
 def _encoded_other(arg: Any) -> bytes | memoryview:
@@ -205,7 +208,15 @@ class _Link:
         if not self.waiting or self.broken is not None:
             return
         loop = asyncio.get_running_loop()
-        if self.deadlines[0] > loop.time():
+        now = loop.time()
+        if self.deadlines[0] > now:
+            self._arm(self.deadlines[0])
+            return
+        if now - self.timer_at > STALLED_S:
+            # The timer itself came late: this process was held (SIGSTOP, a frozen VM, a blocked
+            # loop), not Redis. A reply that came meanwhile is read in this same turn, after this
+            # timer: the oldest command gets the reply timeout again, from now.
+            self.deadlines[0] = now + self.reply_timeout_s
             self._arm(self.deadlines[0])
             return
         self.fail(RedisTimeoutError(f"Redis at {self.conn._host_error()} did not answer within "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import select
+import time
 from collections.abc import AsyncIterator
 from functools import partial
 
@@ -337,3 +339,30 @@ async def test_scripts_redis_forgot_are_loaded_again_over_the_line_not_one_pool_
     assert answers == [0] * 20
     assert await named_connections(redis) == 0  # (the line's is `iop-line-test:scripts`)
     assert await redis.script_exists(*SHAS.values()) == [True] * len(SHAS)
+
+
+async def test_a_reply_that_came_while_this_process_was_paused_is_its_answer_not_a_timeout(redis_url: str) -> None:
+    """Found in a chaos soak (real processes, one SIGSTOPped 6-14 s at a time): a worker, a gateway
+    or a scheduler resumed after a pause longer than `socket_timeout` logged `Redis ... did not
+    answer within 5 s (socket_timeout)`, closed its connection and failed the commands in flight,
+    though Redis had answered them at once. The timer of their deadline, overdue, ran in the
+    resumed loop's first turn, before the reader that had their replies. Here the loop is held
+    (as SIGSTOP holds it) until the reply is in the socket and past its deadline."""
+    r = connect(redis_url + "?socket_timeout=0.2")
+    lined = line(r)
+    try:
+        assert await lined.execute("PING") == b"PONG"  # (connected)
+        link = lined._link
+        assert link is not None
+        echo = link.send(pack_command(["ECHO", "late"]), 0.0)
+        link.flush()  # (written now, before the loop's next turn: then the loop is held)
+        sock = link.conn._writer.transport.get_extra_info("socket")
+        loop = asyncio.get_running_loop()
+        held_until = time.monotonic() + 10
+        held_past = link.deadlines[0] + 2.5  # (as a pause of seconds holds it)
+        while not select.select([sock], [], [], 0.05)[0] or loop.time() <= held_past:  # (the loop held)
+            assert time.monotonic() < held_until, "no reply within 10 s"
+        assert await echo == b"late"
+        assert lined._link is link  # (the connection kept)
+    finally:
+        await r.aclose()
