@@ -63,8 +63,10 @@ NOT_WORTH_RETRYING = frozenset({ErrorCode.EXECUTION_TIMEOUT, ErrorCode.PROVIDER_
 
 #: Run failures worth trying again in a second, and said so in `Retry-After`, as the gateway says
 #: it when it refuses a run itself: every provider of the model went down while the run waited
-#: (one that is down is probed again every `runtime.heartbeat_interval_ms`, and back at its first answer).
-RETRY_SOON = frozenset({ErrorCode.NO_AVAILABLE_PROVIDER})
+#: (one that is down is probed again every `runtime.heartbeat_interval_ms`, and back at its first
+#: answer); the pool let the run go (its gateway paused past its liveness, Redis lost part of its
+#: output), as a stopping gateway's 503 says it.
+RETRY_SOON = frozenset({ErrorCode.NO_AVAILABLE_PROVIDER, ErrorCode.UNAVAILABLE})
 
 
 def _error_type(status: int, code: ErrorCode | None = None) -> str:

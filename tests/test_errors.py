@@ -159,6 +159,13 @@ def test_from_info_run_failures_use_their_status(code: ErrorCode) -> None:
     assert err.body()["error"]["message"] == "nope"
 
 
+def test_a_run_the_pool_let_go_says_when_to_send_it_again() -> None:
+    """Its gateway paused past its liveness (the scheduler cancelled its runs), or Redis lost part
+    of its output: a 503 with `Retry-After`, as a stopping gateway's (a chaos soak: it had none)."""
+    err = ApiError.from_info(ErrorInfo.from_wire(ErrorInfo(ErrorCode.UNAVAILABLE, "send the request again").to_wire()))
+    assert (err.status, err.headers) == (503, {"Retry-After": "1"})
+
+
 @pytest.mark.parametrize(("status", "retry_after_s", "expected"), [(429, 7, "7"), (503, None, "1"), (503, 0, "1")])
 def test_a_provider_too_busy_for_the_run_is_a_503_that_says_when(status: int, retry_after_s: int | None,
                                                                   expected: str) -> None:
@@ -183,10 +190,11 @@ def test_a_retry_after_on_the_wire_that_iop_would_not_write_is_dropped(said: Any
 def test_a_run_failed_because_every_provider_went_down_says_when_to_retry(code: ErrorCode) -> None:
     """A run whose model's providers all went down while it waited gets `Retry-After` as a request
     the gateway refuses itself for the same reason does (found by a caller's audit: the first call
-    after the only provider died got none, the next ones did); no other run failure says a time."""
+    after the only provider died got none, the next ones did); no other run failure says a time, but
+    one the pool let go (`test_a_run_the_pool_let_go_says_when_to_send_it_again`)."""
     headers = ApiError.from_info(ErrorInfo(code, "nope")).headers
-    assert ("Retry-After" in headers) is (code is ErrorCode.NO_AVAILABLE_PROVIDER)
-    if code is ErrorCode.NO_AVAILABLE_PROVIDER:
+    assert ("Retry-After" in headers) is (code in (ErrorCode.NO_AVAILABLE_PROVIDER, ErrorCode.UNAVAILABLE))
+    if "Retry-After" in headers:
         assert headers["Retry-After"] == "1"
 
 
