@@ -13,9 +13,9 @@ import secrets
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, StringConstraints, Tag
 
 from common.shown import shown
 from common.strict import Strict
@@ -46,16 +46,35 @@ class KeyLimits(Strict):
 #: A key's SHA-256 in hex, and the name of an environment variable.
 SHA256_PATTERN = r"^[0-9a-fA-F]{64}$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+#: The most secrets one key may have at once (`sha256` as a list: the new one and the old during a
+#: rotation, each letting its holder in as the same key)
+MAX_KEY_SECRETS = 4
+
+Sha256 = Annotated[str, StringConstraints(pattern=SHA256_PATTERN)]
+#: the names of `sha256`'s two forms, which pydantic puts in an error's path (a config error's path
+#: leaves them out: `auth.keys[0].sha256`, `auth.keys[0].sha256[1]`)
+SECRET_FORMS = ("one-sha256", "sha256-list")
+
+
+def _secret_form(value: Any) -> str:
+    return SECRET_FORMS[1] if isinstance(value, list) else SECRET_FORMS[0]
 
 
 class ApiKeyConfig(Strict):
     name: str = Field(pattern=NAME_PATTERN)
-    sha256: str | None = Field(None, pattern=SHA256_PATTERN, description="hex SHA-256 of the key")
+    sha256: Annotated[Annotated[Sha256, Tag(SECRET_FORMS[0])] | Annotated[list[Sha256], Tag(SECRET_FORMS[1])],
+                      Discriminator(_secret_form)] | None = Field(
+        None, description="hex SHA-256 of the key; or a list of them (at most 4), each a secret of the same key, "
+                          "as while it is rotated")
     env: str | None = Field(None, pattern=ENV_NAME_PATTERN,
                             description="an environment variable holding the key itself")
     role: Literal["caller", "operator"] = "caller"
     models: list[str] | None = Field(None, description="the model ids it may use; absent = every model")
     limits: KeyLimits = KeyLimits()
+
+    def digests(self) -> list[str]:
+        """Its secrets' SHA-256s, in hex (none for an `env` key)."""
+        return [] if self.sha256 is None else [self.sha256] if isinstance(self.sha256, str) else self.sha256
 
 
 class AuthConfig(Strict):
@@ -87,11 +106,18 @@ def check_auth(auth: Any, model_ids: Collection[str], aliases: Mapping[str, str]
                 errors.append(f"{path}.name: {ANONYMOUS!r} is what iop calls every caller when the config has no "
                               "keys; give this key a name of its own")
             seen.setdefault(name, path)
-        digest = key.get("sha256")
-        if isinstance(digest, str):
-            if digest.lower() in hashes:
-                errors.append(f"{path}.sha256: the same key as {hashes[digest.lower()]}")
-            hashes.setdefault(digest.lower(), path)
+        given = key.get("sha256")
+        if isinstance(given, list) and not 1 <= len(given) <= MAX_KEY_SECRETS:
+            errors.append(f"{path}.sha256: a list of 1 to {MAX_KEY_SECRETS} SHA-256s (the secrets of one key, as "
+                          f"while it is rotated), not {len(given)}")
+        listed = given[:MAX_KEY_SECRETS] if isinstance(given, list) else [given]
+        for j, digest in enumerate(listed):
+            if isinstance(digest, str):
+                at = f"{path}.sha256[{j}]" if isinstance(given, list) else path
+                if digest.lower() in hashes:
+                    errors.append(f"{at if isinstance(given, list) else path + '.sha256'}: the same key as "
+                                  f"{hashes[digest.lower()]}")
+                hashes.setdefault(digest.lower(), at)
         for j, model in enumerate(_list(key.get("models"))):
             if isinstance(model, str) and (of := (aliases or {}).get(model)) is not None:
                 errors.append(f"{path}.models[{j}]: {shown(model)} is an alias of model {shown(of)}; a key's models "
@@ -190,18 +216,19 @@ class KeyRing:
                 if unusable:
                     errors.append(f"{path}.env: the environment variable {key.env} {unusable}")
                     continue
-                digest = _digest(secret)
-            else:
-                assert key.sha256 is not None
-                digest = bytes.fromhex(key.sha256)
-            if digest in first:  # one key, two names (and maybe two roles): which would it be?
-                field = "env" if key.env is not None else "sha256"
-                errors.append(f"{path}.{field}: the same key as {first[digest]} (each key must be different)")
-                continue
-            first[digest] = path
-            entries.append((digest, Principal(
-                key.name, Role(key.role), None if key.models is None else frozenset(key.models),
-                key.limits.max_in_flight, key.limits.requests_per_minute)))
+                digests = [(_digest(secret), path)]
+            else:  # (one of a list is named by its place in it; a key of one secret by its entry, as before)
+                digests = [(bytes.fromhex(d), f"{path}.sha256[{j}]" if isinstance(key.sha256, list) else path)
+                           for j, d in enumerate(key.digests())]
+            principal = Principal(key.name, Role(key.role), None if key.models is None else frozenset(key.models),
+                                  key.limits.max_in_flight, key.limits.requests_per_minute)
+            for digest, at in digests:
+                if digest in first:  # one key, two names (and maybe two roles): which would it be?
+                    field = at if at != path else f"{path}.{'env' if key.env is not None else 'sha256'}"
+                    errors.append(f"{field}: the same key as {first[digest]} (each key must be different)")
+                    continue
+                first[digest] = at
+                entries.append((digest, principal))
         if errors:
             raise UnresolvedKeys(errors)
         return cls(entries)

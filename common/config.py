@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
-from common.auth import ENV_NAME_PATTERN, NAME_PATTERN, SHA256_PATTERN, AuthConfig, check_auth
+from common.auth import ENV_NAME_PATTERN, NAME_PATTERN, SECRET_FORMS, SHA256_PATTERN, AuthConfig, check_auth
 from common.config_yaml import FAST, ConfigLoader
 from common.legacy import is_legacy
 from common.legacy import migrate as migrate_legacy
@@ -536,7 +536,8 @@ def _unknown_field(loc: Sequence[Any]) -> str:
 def _schema_errors(exc: ValidationError, data: Any = None) -> list[str]:
     errors = []
     for err in exc.errors():
-        loc: list[Any] = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        loc: list[Any] = [p for p in err["loc"] if not (isinstance(p, str) and (p.startswith("function-")
+                                                                                 or p in SECRET_FORMS))]
         if len(loc) >= 2 and loc[-1] == "[key]":
             loc[-2] = err["input"]  # the key itself: pydantic writes None as 'None' and true as 1
         msg = err["msg"]

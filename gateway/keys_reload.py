@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from common.auth import KeyRing, UnresolvedKeys
+from common.auth import KeyRing, Principal, UnresolvedKeys
 from common.config import Config, ConfigError, load_config
 
 log = logging.getLogger("iop.gateway")
@@ -66,18 +66,25 @@ def reload_keys(path: Path, started: Config, ring: KeyRing, environ: Mapping[str
         return False
     # (each name's secret and what it may do: a key given another secret is changed too, its holder's
     # old key no longer letting it in)
-    before = {p.name: (digest, p) for digest, p in ring.entries}
-    after = {p.name: (digest, p) for digest, p in keys.entries}
+    before, after = _secrets_of(ring), _secrets_of(keys)
     added = sorted(after.keys() - before.keys())
     removed = sorted(before.keys() - after.keys())
     changed = sorted(n for n in before.keys() & after.keys() if before[n] != after[n])
     ring.replace(keys)
     if added or removed or changed:
         log.warning("API keys reloaded from %s: %d keys (added: %s; removed: %s; changed: %s)", path,
-                    len(keys.entries), _names(added), _names(removed), _names(changed))
+                    len(keys.principals), _names(added), _names(removed), _names(changed))
     if config.model_copy(update={"auth": None}) != started.model_copy(update={"auth": None}):
         log.warning("%s changed outside auth.keys too: those changes take effect when the gateway restarts", path)
     return True
+
+
+def _secrets_of(ring: KeyRing) -> dict[str, tuple[frozenset[bytes], Principal]]:
+    """Each key's secrets (their digests: one, or those of a rotation) and what it may do, by its name."""
+    digests: dict[str, set[bytes]] = {}
+    for digest, principal in ring.entries:
+        digests.setdefault(principal.name, set()).add(digest)
+    return {name: (frozenset(digests[name]), principal) for name, principal in ring.principals.items()}
 
 
 def _names(names: list[str]) -> str:

@@ -69,6 +69,43 @@ def test_a_key_given_another_secret_lets_in_only_the_new_one(started: tuple[Path
     assert ring.lookup(OLD) is None and ring.lookup(NEW) is not None
 
 
+def test_a_key_rotated_without_a_gap_lets_in_both_secrets_then_only_the_new_one(
+        started: tuple[Path, Any, KeyRing], caplog: pytest.LogCaptureFixture) -> None:
+    """`sha256` as a list: the new secret and the old, each letting its holder in as the same key
+    (its limits and usage one), until the old one is taken out (an operator's review: a key could
+    only be given another secret at once, its holders cut off until they had the new one)."""
+    path, config, ring = started
+    ops = key("ops", "sk-ops-9z8y7x", role="operator")
+    write(path, with_keys({"name": "team-a", "sha256": [hash_key(NEW), hash_key(OLD)]}, ops))
+    with caplog.at_level(logging.INFO, "iop.gateway"):
+        assert reload_keys(path, config, ring, {})
+    old, new = ring.lookup(OLD), ring.lookup(NEW)
+    assert old is not None and new is not None and old is new and new.name == "team-a"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"API keys reloaded from {path}: 2 keys (added: none; removed: none; changed: team-a)"]
+    write(path, with_keys({"name": "team-a", "sha256": [hash_key(NEW)]}, ops))
+    assert reload_keys(path, config, ring, {})
+    assert ring.lookup(OLD) is None and ring.lookup(NEW) is not None
+
+
+@pytest.mark.parametrize(("secrets", "said"), [
+    ([], "auth.keys[0].sha256: a list of 1 to 4 SHA-256s (the secrets of one key, as while it is rotated), not 0"),
+    ([hash_key(f"sk-{i}") for i in range(5)], "auth.keys[0].sha256: a list of 1 to 4 SHA-256s"),
+    ([hash_key(NEW), hash_key(NEW)], "auth.keys[0].sha256[1]: the same key as auth.keys[0].sha256[0]"),
+    ([hash_key(NEW), hash_key("sk-ops-9z8y7x")], "auth.keys[1].sha256: the same key as auth.keys[0].sha256[1]"),
+    ([hash_key(NEW), "sk-pasted-" + "x" * 10], "auth.keys[0].sha256[1]: must be the key's SHA-256 in 64 hex digits"),
+], ids=["empty", "five", "twice", "another-key-s", "pasted"])
+def test_a_rotation_s_list_of_secrets_is_checked(started: tuple[Path, Any, KeyRing],
+                                                  caplog: pytest.LogCaptureFixture, secrets: list[str],
+                                                  said: str) -> None:
+    path, config, ring = started
+    write(path, with_keys({"name": "team-a", "sha256": secrets}, key("ops", "sk-ops-9z8y7x", role="operator")))
+    with caplog.at_level(logging.INFO, "iop.gateway"):
+        assert not reload_keys(path, config, ring, {})
+    assert said in caplog.text and "sk-pasted-" not in caplog.text
+    assert ring.lookup(OLD) is not None
+
+
 @pytest.mark.parametrize(("edit", "said"), [
     ("models: [oops", "is not a valid config: the API keys stay as they were:"),
     (with_keys(key("team-a", NEW, models=["nope"])), "auth.keys[0].models[0]: model 'nope' is not defined"),
