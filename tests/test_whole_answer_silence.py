@@ -33,6 +33,7 @@ class Busy:
         self.listed = 0
         self.done = asyncio.Event()
         self.hang = asyncio.Event()
+        self.down = asyncio.Event()
         self.stopping = asyncio.Event()
         #: checks asked, and answered
         self.asked = 0
@@ -49,6 +50,8 @@ class Busy:
         async with self.checked:
             self.checks += 1
             self.checked.notify_all()
+        if self.down.is_set():  # (vLLM's engine dead: its /health answers 500)
+            return web.json_response({"error": "engine dead"}, status=500)
         return web.Response()
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -124,18 +127,32 @@ async def test_a_whole_answer_longer_than_the_read_timeout_comes_while_its_serve
     assert answer["choices"][0]["message"]["content"] == "long"
 
 
-async def test_a_silent_whole_answer_ends_when_its_server_s_health_check_fails(
+async def test_a_silent_whole_answer_ends_when_its_server_says_it_is_down(
         busy: tuple[Busy, str], session: aiohttp.ClientSession) -> None:
     server, url = busy
-    answering = asyncio.ensure_future(adapter("vllm", url, session, 300).complete(RunKind.CHAT, chat(), "r"))
+    answering = asyncio.ensure_future(adapter("vllm", url, session).complete(RunKind.CHAT, chat(), "r"))
     await server.checks_reach(2)
-    server.hang.set()  # (the server hangs: its answer never comes, its health check times out)
+    server.down.set()  # (its engine died: its answer never comes, its health check says so)
     with pytest.raises(ProviderError) as err:
         await answering
     assert err.value.message == ("provider p: sent nothing of its answer for 100 ms or more, and its health check "
-                                 "then failed (GET /health: no answer within 300 ms)")
+                                 "then failed (GET /health answered 500 (engine dead))")
     assert err.value.code is ErrorCode.PROVIDER_TIMEOUT
     assert err.value.retry is Retry.ELSEWHERE and err.value.strikes == 1
+
+
+async def test_a_health_check_unanswered_in_time_never_fails_the_caller(
+        busy: tuple[Busy, str], session: aiohttp.ClientSession) -> None:
+    """A busy server's check may wait (SGLang's `/health` waits for its next output, up to 20 s):
+    no answer in time is no evidence (issue 8: a probe timeout on a provider with runs in flight
+    must never fail callers). The answer is waited for, as long as `execution_timeout_ms` lets it."""
+    server, url = busy
+    server.hang.set()
+    answering = asyncio.ensure_future(adapter("vllm", url, session, 300).complete(RunKind.CHAT, chat(), "r"))
+    await server.checks_reach(3, answered=False)  # (three checks, each unanswered within its 300 ms)
+    assert not answering.done()
+    server.done.set()
+    assert (await answering)["choices"][0]["message"]["content"] == "long"
 
 
 async def test_a_caller_who_leaves_a_watched_whole_answer_ends_its_wait_and_its_check(

@@ -1,13 +1,15 @@
 """A whole answer's wait for its head, while its server says it is well.
 
-vLLM, SGLang, Lemonade and hosted APIs send nothing of a whole (non-stream) answer until it is
-done, its head included. A silence of `read_timeout_ms` there says nothing of the server: a long
+vLLM, SGLang, llama.cpp, Lemonade and hosted APIs send nothing of a whole (non-stream) answer until
+it is done, its head included. A silence of `read_timeout_ms` there says nothing of the server: a long
 generation, or one queued behind others, is as silent as a hung server. So the head of a whole
 answer is waited for as long as the server's health check passes, asked after the first silence of
 `read_timeout_ms` (`load_timeout_ms` more on a type that loads the model first) and again after each
-further one; a check that fails ends the wait as the silence ended it before (a 504 and a strike).
-`execution_timeout_ms` bounds the wait in any case. Not for a server whose check disturbs a run in
-progress (`PROBE_DISTURBS`: llama-cpp-python's), nor for streams, whose tokens show the server at work.
+further one; a check the server answers with a failure, or refuses, ends the wait as the silence ended
+it before (a 504 and a strike). One it does not answer in time says nothing (`well`).
+`execution_timeout_ms` bounds the wait in any case. On llama.cpp the check is its `/health` alone
+(llama-cpp-python's model list disturbs a run in progress, `PROBE_DISTURBS`); not for streams, whose
+tokens show the server at work.
 
 The watch is a timer, not a task: a whole answer that comes within the first silence costs one timer
 set and cancelled.
@@ -26,8 +28,11 @@ log = logging.getLogger("iop.worker")
 
 
 def well(result: ProbeResult) -> bool:
-    """A check that says the server is up: it passed, or the server answered that it is busy (429)."""
-    return result.health is Health.AVAILABLE or result.busy
+    """A check that does not say the server is down: it passed, the server answered that it is busy
+    (429), or it did not answer in time. A busy server's check may wait (SGLang's `/health` waits for
+    its next output, up to 20 s; llama-cpp-python's model list for the generation): no answer is no
+    evidence, as for the heartbeat's own probe while runs are in flight, and never fails a caller."""
+    return result.health is Health.AVAILABLE or result.busy or result.timed_out
 
 
 class SilenceWatch:
