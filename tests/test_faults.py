@@ -630,7 +630,9 @@ async def test_a_server_that_dies_mid_run_is_down_when_its_connection_is_refused
     assert resp.status == 200, await resp.text()
     assert resp.headers["X-IOP-Run-Id"] == run_a
     resp.release()
-    assert (fstack.run_field(run_a, "tried") or "").split(",") == ["a", "a", "b"]
+    # (a's beat may find it refused first, a few ms after the break, before the dispatch: then the
+    # run's second try is b's already; it never goes to a a third time)
+    assert (fstack.run_field(run_a, "tried") or "").split(",") in (["a", "a", "b"], ["a", "b"])
     assert fstack.health("a") == "unavailable"
     assert (await on_b)[0] == 200
 
