@@ -112,12 +112,11 @@ def check_auth(auth: Any, model_ids: Collection[str], aliases: Mapping[str, str]
                           f"while it is rotated), not {len(given)}")
         listed = given[:MAX_KEY_SECRETS] if isinstance(given, list) else [given]
         for j, digest in enumerate(listed):
-            if isinstance(digest, str):
-                at = f"{path}.sha256[{j}]" if isinstance(given, list) else path
+            if isinstance(digest, str):  # (one of a list is named by its place; a key of one secret by its entry)
+                here = f"{path}.sha256[{j}]" if isinstance(given, list) else f"{path}.sha256"
                 if digest.lower() in hashes:
-                    errors.append(f"{at if isinstance(given, list) else path + '.sha256'}: the same key as "
-                                  f"{hashes[digest.lower()]}")
-                hashes.setdefault(digest.lower(), at)
+                    errors.append(f"{here}: the same key as {hashes[digest.lower()]}")
+                hashes.setdefault(digest.lower(), here if isinstance(given, list) else path)
         for j, model in enumerate(_list(key.get("models"))):
             if isinstance(model, str) and (of := (aliases or {}).get(model)) is not None:
                 errors.append(f"{path}.models[{j}]: {shown(model)} is an alias of model {shown(of)}; a key's models "
