@@ -15,6 +15,7 @@ from aiohttp import web
 
 from common.config import ProviderConfig
 from common.wire import ErrorCode, RunKind
+from tests.conftest import async_wait_until as until
 from workers.adapters.base import ProviderError, Retry
 from workers.adapters.openai_compat import OpenAICompatAdapter
 from workers.adapters.sending import PoolConnector
@@ -153,6 +154,29 @@ async def test_a_health_check_unanswered_in_time_never_fails_the_caller(
     assert not answering.done()
     server.done.set()
     assert (await answering)["choices"][0]["message"]["content"] == "long"
+
+
+async def test_many_silent_whole_answers_on_a_provider_share_their_checks(
+        busy: tuple[Busy, str], session: aiohttp.ClientSession) -> None:
+    """Ten answers silent together ask the server once, not ten times (a hosted API's `GET /models`
+    each `read_timeout_ms` for each waiting run)."""
+    server, url = busy
+    server.hang.set()  # (the check is held, so that every watch comes to it)
+    provider = adapter("vllm", url, session)
+    answering = [asyncio.ensure_future(provider.complete(RunKind.CHAT, chat(), f"r{i}")) for i in range(10)]
+
+    async def waiting_checks() -> int:
+        return sum(getattr(t.get_coro(), "__qualname__", "") == "SilenceWatch._run" for t in asyncio.all_tasks())
+
+    async def all_waiting() -> bool:  # (and the check they wait for held at the server)
+        return await waiting_checks() == 10 and server.asked >= 1
+
+    await until(all_waiting, what="every answer's watch at its check")
+    assert server.asked == 1  # (while it is held, no other check goes out)
+    server.hang.clear()
+    server.stopping.set()  # (the held check answers)
+    server.done.set()
+    assert [a["choices"][0]["message"]["content"] for a in await asyncio.gather(*answering)] == ["long"] * 10
 
 
 async def test_a_caller_who_leaves_a_watched_whole_answer_ends_its_wait_and_its_check(

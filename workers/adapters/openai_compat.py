@@ -88,7 +88,7 @@ from workers.adapters.reading import (
     redirect_probe,
     without_traceback,
 )
-from workers.adapters.silence import SilenceWatch
+from workers.adapters.silence import SharedCheck, SilenceWatch
 
 log = logging.getLogger("iop.worker")
 
@@ -596,6 +596,8 @@ class OpenAICompatAdapter:
         #: a whole answer's head is waited for while the server's health check passes (`silence`):
         #: its probe, or where that disturbs a run (llama-cpp-python's model list) its health endpoint alone
         self.health_alone = provider.type in PROBE_DISTURBS
+        #: that check, one for every silent whole answer here (`SharedCheck`)
+        self.silence_check = SharedCheck(self._health_alone if self.health_alone else self.probe, self.read_s / 2)
 
     def _secrets(self) -> list[str]:
         return self.credentials.secrets()
@@ -670,8 +672,7 @@ class OpenAICompatAdapter:
             async with self._post(kind, body, request_id) as resp:
                 await self._raise_for(resp, body.get("model"))
                 return parse_json(await read_whole(resp, self.provider.id, self.limits, self.read_s), self.provider.id)
-        watch = SilenceWatch(self._health_alone if self.health_alone else self.probe,
-                             self.provider.head_wait_s or self.read_s, self.read_s)
+        watch = SilenceWatch(self.silence_check, self.provider.head_wait_s or self.read_s, self.read_s)
         try:
             async with self._post(kind, body, request_id, watch=watch) as resp:
                 watch.close()

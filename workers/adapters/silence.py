@@ -35,6 +35,38 @@ def well(result: ProbeResult) -> bool:
     return result.health is Health.AVAILABLE or result.busy or result.timed_out
 
 
+class SharedCheck:
+    """One check for every silent whole answer on a provider (in this worker process): one under way
+    is joined, and one that ended less than `fresh_s` ago is taken as it was. So N silent answers ask
+    the server about once each `fresh_s`, not N times (a hosted API's `GET /models` each time)."""
+
+    __slots__ = ("check", "fresh_s", "_running", "_last", "_at")
+
+    def __init__(self, check: Callable[[], Awaitable[ProbeResult]], fresh_s: float) -> None:
+        self.check = check
+        self.fresh_s = fresh_s
+        self._running: asyncio.Task[ProbeResult] | None = None
+        self._last: ProbeResult | None = None
+        self._at = 0.0
+
+    async def __call__(self) -> ProbeResult:
+        now = asyncio.get_running_loop().time()
+        if self._last is not None and now - self._at < self.fresh_s:
+            return self._last
+        if self._running is None:
+            self._running = asyncio.get_running_loop().create_task(self._run())
+        # (a watch that closes leaves the check to the others that joined it)
+        return await asyncio.shield(self._running)
+
+    async def _run(self) -> ProbeResult:
+        try:
+            result = await self.check()
+            self._last, self._at = result, asyncio.get_running_loop().time()
+            return result
+        finally:
+            self._running = None
+
+
 class SilenceWatch:
     """Watches the task that creates it while it waits for a whole answer's head: after `first_s`
     of silence, and every `every_s` after a check that passed, `check` is awaited; one that does
