@@ -35,6 +35,13 @@ def well(result: ProbeResult) -> bool:
     return result.health is Health.AVAILABLE or result.busy or result.timed_out
 
 
+def _taken(task: asyncio.Task[ProbeResult]) -> None:
+    """A shared check's end, taken: an error that no watch awaited is logged, not left to asyncio's
+    "never retrieved" at collection."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the shared check of silent whole answers failed unexpectedly", exc_info=task.exception())
+
+
 class SharedCheck:
     """One check for every silent whole answer on a provider (in this worker process): one under way
     is joined, and one that ended less than `fresh_s` ago is taken as it was. So N silent answers ask
@@ -55,6 +62,8 @@ class SharedCheck:
             return self._last
         if self._running is None:
             self._running = asyncio.get_running_loop().create_task(self._run())
+            # (its end is taken even when every watch that joined it closed meanwhile)
+            self._running.add_done_callback(_taken)
         # (a watch that closes leaves the check to the others that joined it)
         return await asyncio.shield(self._running)
 
