@@ -14,11 +14,13 @@ import pytest
 from aiohttp import web
 
 from common.config import ProviderConfig
+from common.policy import Health
 from common.wire import ErrorCode, RunKind
 from tests.conftest import async_wait_until as until
-from workers.adapters.base import ProviderError, Retry
+from workers.adapters.base import ProbeResult, ProviderError, Retry
 from workers.adapters.openai_compat import OpenAICompatAdapter
 from workers.adapters.sending import PoolConnector
+from workers.adapters.silence import SilenceWatch
 
 SERVED = "m"
 
@@ -209,3 +211,22 @@ async def test_a_llama_cpp_python_whole_answer_still_ends_at_its_read_timeout(
     assert err.value.message == "provider p: sent nothing for 100 ms"
     assert err.value.code is ErrorCode.PROVIDER_TIMEOUT and err.value.strikes == 1
     assert server.listed == 0
+
+
+async def test_a_check_that_fails_as_the_head_comes_leaves_the_answer_standing() -> None:
+    """The head came in the same turn as a check's failing answer (a reviewer's reading): the task,
+    already woken with its head, was cancelled before it could close the watch, and an answer that
+    came was a 504. The cancel waits a turn; the watch closed by then, it is not asked."""
+    head: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def check() -> ProbeResult:
+        head.set_result("head")  # (the head, in the turn the check's answer comes)
+        return ProbeResult(Health.UNAVAILABLE, "GET /health answered 503")
+
+    watch = SilenceWatch(check, 0.01, 0.01)
+    watch.sent()
+    assert await head == "head"
+    watch.close()
+    for _ in range(3):  # (a few turns of the loop: a cancel still due would come in one of them)
+        await asyncio.sleep(0)
+    assert watch.failed is None and not asyncio.current_task().cancelling()  # type: ignore[union-attr]

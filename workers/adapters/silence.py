@@ -119,6 +119,14 @@ class SilenceWatch:
             self._timer = asyncio.get_running_loop().call_later(self.every_s, self._start)
         elif self._task is not None:
             self.failed = result
+            # (at the next turn: a head that came in this one has the task closing the watch first, and
+            # a cancel asked once its head came could not be taken back, its answer lost)
+            asyncio.get_running_loop().call_soon(self._cancel)
+
+    def _cancel(self) -> None:
+        if self._closed:
+            self.failed = None  # (the head came first: the answer stands)
+        elif self._task is not None:
             self._task.cancel()
 
     def close(self) -> None:
