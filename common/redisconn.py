@@ -54,12 +54,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from common.failover import FailoverWatch, first_line
 from common.redisline import REPLY_TIMEOUT_S, Lined, LinedPool
 
-#: What a lost or restarting Redis raises; services back off and go on. A server that stopped
-#: being the primary answers READONLY; connections made here turn that into a ConnectionError,
-#: and ReadOnlyError is listed too for any reply that reaches a caller another way.
 #: what an operator command that could not reach Redis adds: where the Redis it tried came from
 WHICH_REDIS = "(the pool's Redis is --redis URL, else $REDIS_URL, else redis://127.0.0.1:6379/0)"
 
+#: What a lost or restarting Redis raises; services back off and go on. A server that stopped
+#: being the primary answers READONLY; connections made here turn that into a ConnectionError,
+#: and ReadOnlyError is listed too for any reply that reaches a caller another way.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, ConnectionError, OSError)
 #: What a full Redis raises: at `maxmemory` (noeviction, as iop runs it) it refuses each script and
 #: command that could grow it, for as long as it is full (a script that frees first, as a run's end

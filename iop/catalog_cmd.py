@@ -139,10 +139,6 @@ async def _any_scheduler(redis: Redis) -> bool:
     return False
 
 
-async def _read(config: Config, redis_url: str) -> Catalog:
-    return (await _read_checked(config, redis_url))[0]
-
-
 async def _read_checked(config: Config, redis_url: str) -> tuple[Catalog, bool]:
     """The catalog, and whether runs wait while no scheduler replica is alive to dispatch them."""
     redis = connect(redis_url)

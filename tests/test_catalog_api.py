@@ -146,7 +146,7 @@ async def test_catalog_answers_503_openai_shaped_when_redis_is_down() -> None:
 async def test_cli_prints_the_same_records(redis: Redis, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     await publish(redis, CONFIG, "vllm-a", ProbeResult(Health.AVAILABLE, ""))
     await redis.xadd(keys.runs_stream("llama:70b"), {"run": "run_waiting"}, id=f"{now_ms() - 5000}-0")
-    catalog = await catalog_cmd._read(CONFIG, redis_url)
+    catalog, _ = await catalog_cmd._read_checked(CONFIG, redis_url)
     out = catalog_cmd.render_catalog(catalog)
     lines = out.splitlines()
     assert lines[0].split()[:5] == ["NODE", "PROVIDER", "TYPE", "CATEGORY", "HEALTH"]

@@ -668,18 +668,17 @@ class OpenAICompatAdapter:
     async def _whole(self, kind: RunKind, body: dict[str, Any], request_id: str) -> Any:
         """A whole answer's JSON. Its head is waited for while the server's health check passes
         (`silence`): its probe, or on llama.cpp its health endpoint alone (`_health_alone`)."""
-        if self.health_alone and self.health_url is None:  # (llama-cpp-python's: the silence ends the wait)
-            async with self._post(kind, body, request_id) as resp:
-                await self._raise_for(resp, body.get("model"))
-                return parse_json(await read_whole(resp, self.provider.id, self.limits, self.read_s), self.provider.id)
-        watch = SilenceWatch(self.silence_check, self.provider.head_wait_s or self.read_s, self.read_s)
+        # (none on llama-cpp-python's server, which has no health endpoint: the silence ends the wait)
+        watch = None if self.health_alone and self.health_url is None else \
+            SilenceWatch(self.silence_check, self.provider.head_wait_s or self.read_s, self.read_s)
         try:
             async with self._post(kind, body, request_id, watch=watch) as resp:
-                watch.close()
+                if watch is not None:
+                    watch.close()
                 await self._raise_for(resp, body.get("model"))
                 return parse_json(await read_whole(resp, self.provider.id, self.limits, self.read_s), self.provider.id)
         except asyncio.CancelledError:
-            if not watch.ended_it():
+            if watch is None or not watch.ended_it():
                 raise
             assert watch.failed is not None
             silent_ms = round((self.provider.head_wait_s or self.read_s) * 1000)
@@ -689,7 +688,8 @@ class OpenAICompatAdapter:
                                 f"{silent_ms} ms{then}", retry=Retry.ELSEWHERE, strikes=1,
                                 code=ErrorCode.PROVIDER_TIMEOUT) from None
         finally:
-            watch.close()
+            if watch is not None:
+                watch.close()
 
     async def _health_alone(self) -> ProbeResult:
         """A llama.cpp server's check while a whole answer is silent: its health endpoint alone.
