@@ -265,6 +265,19 @@ async def test_a_long_whole_answer_on_a_provider_that_stays_well_is_waited_for(
     assert fstack.health("only") == "available"
 
 
+async def test_a_whole_answer_waited_on_past_its_read_timeout_ends_at_the_execution_timeout(
+        fstack: FaultStack, http: aiohttp.ClientSession) -> None:
+    """The wait on a silent whole answer whose provider's probe says nothing (unanswered in time,
+    the simulator's `--busy-probe-ms`) is bounded by `execution_timeout_ms`."""
+    gateway = start(fstack, {"only": ("n1", 1)}, queue={"execution_timeout_ms": 1500},
+                    sim_args={"only": ("--busy-probe-ms", "600000")},
+                    provider_extra={"only": {"read_timeout_ms": 300, "probe_timeout_ms": 300}})
+    err = await stalled_call(gateway)
+    assert err.status_code == 504 and err.code == "execution_timeout"
+    assert (await fstack.stats("only"))["total"] == 1
+    assert fstack.health("only") == "available"
+
+
 async def test_a_silent_provider_hits_its_read_timeout(fstack: FaultStack, http: aiohttp.ClientSession) -> None:
     """A stream that sends nothing for `read_timeout_ms` (a whole answer waits while its provider
     does not say it is down: above)."""
